@@ -1,0 +1,709 @@
+//! Memory that a device may read or write behind the compiler's back.
+//!
+//! RDMA hands memory to hardware (and, through remote keys, to a remote peer). From Rust's point of view that
+//! memory is written "by nobody": the compiler cannot see the device. Two things must therefore hold for every
+//! byte we hand out:
+//!
+//! 1. **Lifetime**: the memory outlives every work request and every remote key that names it.
+//! 2. **Exclusion**: no Rust reference to a range exists while a device may write it, and no device is told to
+//!    write a range that Rust code is reading or writing.
+//!
+//! This crate encodes both. A [`DmaBuf`] is a fixed, page-aligned allocation that never moves. Every use of a
+//! range (by a device or by the CPU) holds a [`Lease`] on it. A lease holds an `Arc` of its buffer, so the memory
+//! lives as long as any lease does (rule 1), and the buffer's lease table refuses a lease that conflicts with one
+//! already held (rule 2). A work request *owns* the leases of the memory it names, and a transport drops them only
+//! when the hardware is done with it (completion or flush). Remote exposure (a remote key) is a lease too.
+//!
+//! Two lease kinds are racy by design, because the EXS paper asks for it (seed 002, sections 4.2 and 4.3):
+//! a persistent send lets the remote side read memory the application keeps updating, and a persistent receive
+//! lets the remote side overwrite memory the application keeps reading. For those, the CPU may only *copy*
+//! ([`DmaBuf::read_at`], [`DmaBuf::write_at`]), never borrow, and copies of such ranges use relaxed atomic loads
+//! and stores so that a racing writer (a simulated device is a Rust thread) is never a data race in Rust's sense;
+//! a reader may see a torn mixture of old and new bytes, which is what the paper describes.
+//!
+//! This is the only crate of the protocol side that contains `unsafe`; each block states its invariant.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ops::Range;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Alignment of buffers allocated by [`DmaBuf::new`]: a page, which registration and DMA engines prefer.
+pub const PAGE: usize = 4096;
+
+/// What a lease lets its holder do with a range, and so what it excludes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum LeaseKind {
+    /// A device reads the range: the source of a send or an RDMA write, or memory exposed for remote read.
+    /// The CPU may read alongside; nobody may write.
+    DeviceRead,
+    /// A device writes the range: a receive target, the sink of an RDMA read, memory exposed for remote write.
+    /// Exclusive.
+    DeviceWrite,
+    /// Persistent send (seed 002, 4.2): the remote side reads at any time while the application keeps updating
+    /// the memory through [`DmaBuf::write_at`] copies.
+    DeviceReadShared,
+    /// Persistent receive (seed 002, 4.3) or a stream buffer: the remote side writes at any time; the CPU reads
+    /// only through copies.
+    DeviceWriteShared,
+    /// The CPU reads the range (a borrow, or a copy).
+    CpuRead,
+    /// The CPU writes the range (a mutable borrow, or a copy).
+    CpuWrite,
+}
+
+impl LeaseKind {
+    fn writes(self) -> bool {
+        matches!(self, Self::DeviceWrite | Self::DeviceWriteShared | Self::CpuWrite)
+    }
+
+    fn shared(self) -> bool {
+        matches!(self, Self::DeviceReadShared | Self::DeviceWriteShared)
+    }
+}
+
+/// How the CPU wants to touch a range: a borrow must be exclusive of any writer, a copy tolerates the racy kinds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CpuMode {
+    Borrow,
+    Copy,
+}
+
+/// Whether a new lease of `new` kind (CPU leases with `mode`) may coexist with an overlapping `held` lease.
+fn compatible(held: LeaseKind, new: LeaseKind, mode: Option<CpuMode>) -> bool {
+    use LeaseKind::*;
+    if !held.writes() && !new.writes() {
+        return true;
+    }
+    match (held, new, mode) {
+        // Persistent receive: the remote writes, the application copies out.
+        (DeviceWriteShared, CpuRead, Some(CpuMode::Copy)) => true,
+        // Persistent send: the remote reads, the application copies in.
+        (DeviceReadShared, CpuWrite, Some(CpuMode::Copy)) => true,
+        _ => false,
+    }
+}
+
+/// Why a lease or an access was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DmaError {
+    /// The range does not lie inside the buffer.
+    #[error("range {start}..{end} is outside the buffer of {len} bytes")]
+    OutOfBounds { start: usize, end: usize, len: usize },
+    /// Another holder uses an overlapping range in a way that excludes this one.
+    #[error("range {start}..{end} is in use ({held:?}); refused {wanted:?}")]
+    Busy { start: usize, end: usize, held: LeaseKind, wanted: LeaseKind },
+    /// The lease does not allow this access (for example writing through a read lease).
+    #[error("a {kind:?} lease does not allow {access}")]
+    WrongKind { kind: LeaseKind, access: &'static str },
+    /// The buffer still has leases (or other handles), so it cannot be taken apart.
+    #[error("the buffer is still in use by {leases} lease(s)")]
+    InUse { leases: usize },
+}
+
+#[derive(Debug)]
+struct Entry {
+    id: u64,
+    start: usize,
+    end: usize,
+    kind: LeaseKind,
+}
+
+enum Storage {
+    /// Allocated by us with this layout.
+    Alloc(Layout),
+    /// Taken from a caller's `Vec<u8>` (pointer, length and capacity are kept to rebuild it).
+    Vec { capacity: usize },
+    /// Zero length: nothing was allocated.
+    Empty,
+}
+
+/// A fixed allocation whose address never changes and whose every use is leased.
+///
+/// Create one with [`DmaBuf::new`] (page-aligned, zeroed) or take over a `Vec<u8>` with [`DmaBuf::from_vec`].
+/// It is always used through an `Arc`, because leases keep it alive.
+pub struct DmaBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    storage: Storage,
+    leases: Mutex<Vec<Entry>>,
+}
+
+// SAFETY: DmaBuf owns its allocation (no thread affinity). All access to the bytes goes through lease-checked
+// paths: exclusive ranges are touched by one holder at a time, shared ranges only through atomic copies.
+unsafe impl Send for DmaBuf {}
+// SAFETY: see `Send`; `&DmaBuf` only exposes lease-checked access, the lease table is behind a Mutex.
+unsafe impl Sync for DmaBuf {}
+
+static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
+
+impl DmaBuf {
+    /// Allocates `len` zeroed bytes aligned to [`PAGE`].
+    pub fn new(len: usize) -> Arc<Self> {
+        if len == 0 {
+            return Arc::new(Self::empty());
+        }
+        let layout = Layout::from_size_align(len, PAGE).expect("buffer length overflows a Layout");
+        // SAFETY: the layout has a non-zero size (checked above).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
+        Arc::new(Self { ptr, len, storage: Storage::Alloc(layout), leases: Mutex::new(Vec::new()) })
+    }
+
+    /// Takes ownership of a vector's bytes without copying. Its length becomes the buffer's length.
+    pub fn from_vec(v: Vec<u8>) -> Arc<Self> {
+        if v.capacity() == 0 {
+            return Arc::new(Self::empty());
+        }
+        let mut v = std::mem::ManuallyDrop::new(v);
+        let len = v.len();
+        let capacity = v.capacity();
+        let ptr = NonNull::new(v.as_mut_ptr()).expect("a vector with capacity has a non-null pointer");
+        Arc::new(Self { ptr, len, storage: Storage::Vec { capacity }, leases: Mutex::new(Vec::new()) })
+    }
+
+    fn empty() -> Self {
+        Self { ptr: NonNull::dangling(), len: 0, storage: Storage::Empty, leases: Mutex::new(Vec::new()) }
+    }
+
+    /// Gives the bytes back as a vector, if nobody else holds the buffer (no lease, no other `Arc`).
+    pub fn into_vec(this: Arc<Self>) -> Result<Vec<u8>, (Arc<Self>, DmaError)> {
+        match Arc::try_unwrap(this) {
+            Ok(buf) => Ok(buf.take_vec()),
+            Err(this) => {
+                let leases = this.table().len();
+                Err((this, DmaError::InUse { leases }))
+            }
+        }
+    }
+
+    fn take_vec(self) -> Vec<u8> {
+        let me = std::mem::ManuallyDrop::new(self);
+        let mut out = Vec::with_capacity(me.len);
+        match me.storage {
+            Storage::Vec { capacity } => {
+                // SAFETY: ptr/len/capacity came from a Vec<u8> we took over in `from_vec` and never freed; `me`
+                // is ManuallyDrop so its Drop will not free it again. No lease exists (we own the only handle).
+                out = unsafe { Vec::from_raw_parts(me.ptr.as_ptr(), me.len, capacity) };
+            }
+            Storage::Alloc(layout) => {
+                // SAFETY: we own the only handle, so no lease or device uses the bytes; the allocation is valid for
+                // `len` bytes. Afterwards it is freed exactly once, here, with the layout it was allocated with.
+                unsafe {
+                    out.extend_from_slice(std::slice::from_raw_parts(me.ptr.as_ptr(), me.len));
+                    alloc::dealloc(me.ptr.as_ptr(), layout);
+                }
+            }
+            Storage::Empty => {}
+        }
+        // The lease table is empty (we were the only handle); drop it explicitly since `me` is ManuallyDrop.
+        // SAFETY: `me.leases` is read exactly once and never used again.
+        drop(unsafe { std::ptr::read(&me.leases) });
+        out
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address of the first byte, as a device sees it. Registering memory needs it; it is only a number
+    /// here: using it to touch memory requires a lease.
+    pub fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+
+    /// Number of leases currently held on this buffer.
+    pub fn lease_count(&self) -> usize {
+        self.table().len()
+    }
+
+    /// Whether any lease overlapping `range` is held.
+    pub fn is_range_leased(&self, range: Range<usize>) -> bool {
+        self.table().iter().any(|e| e.start < range.end && range.start < e.end)
+    }
+
+    fn table(&self) -> MutexGuard<'_, Vec<Entry>> {
+        // A panic while holding this lock cannot leave the table inconsistent (each change is one push/retain),
+        // so a poisoned lock is still usable.
+        self.leases.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn check_range(&self, range: &Range<usize>) -> Result<(), DmaError> {
+        if range.start > range.end || range.end > self.len {
+            return Err(DmaError::OutOfBounds { start: range.start, end: range.end, len: self.len });
+        }
+        Ok(())
+    }
+
+    fn acquire(&self, range: Range<usize>, kind: LeaseKind, mode: Option<CpuMode>) -> Result<u64, DmaError> {
+        self.check_range(&range)?;
+        let mut table = self.table();
+        // Empty ranges overlap nothing; they are still recorded so that the buffer stays alive and counted.
+        if range.start < range.end {
+            for e in table.iter() {
+                let overlaps = e.start < range.end && range.start < e.end;
+                if overlaps && !compatible(e.kind, kind, mode) {
+                    return Err(DmaError::Busy { start: range.start, end: range.end, held: e.kind, wanted: kind });
+                }
+            }
+        }
+        let id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
+        table.push(Entry { id, start: range.start, end: range.end, kind });
+        Ok(id)
+    }
+
+    fn release(&self, id: u64) {
+        self.table().retain(|e| e.id != id);
+    }
+
+    /// Whether any shared (racy-by-design) lease overlaps the range: copies must then be atomic.
+    fn racy(&self, range: &Range<usize>) -> bool {
+        self.table().iter().any(|e| e.kind.shared() && e.start < range.end && range.start < e.end)
+    }
+
+    /// Leases `range` for `kind`. Device leases are what work requests and remote keys hold.
+    pub fn lease(self: &Arc<Self>, range: Range<usize>, kind: LeaseKind) -> Result<Lease, DmaError> {
+        let mode = match kind {
+            LeaseKind::CpuRead | LeaseKind::CpuWrite => Some(CpuMode::Borrow),
+            _ => None,
+        };
+        let id = self.acquire(range.clone(), kind, mode)?;
+        Ok(Lease { buf: Arc::clone(self), start: range.start, end: range.end, kind, id })
+    }
+
+    /// Copies bytes out of the buffer. Allowed alongside device reads and alongside a persistent receive
+    /// (in which case the copy may see a mixture of old and new bytes).
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), DmaError> {
+        let range = offset..offset.checked_add(dst.len()).unwrap_or(usize::MAX);
+        let id = self.acquire(range.clone(), LeaseKind::CpuRead, Some(CpuMode::Copy))?;
+        let racy = self.racy(&range);
+        // SAFETY: the range is inside the buffer (checked by acquire) and leased CpuRead: no Rust code writes it;
+        // if a shared lease overlaps, `load` uses atomic loads so a racing device writer is not a data race.
+        unsafe { load(self.ptr.as_ptr().add(offset), dst, racy) };
+        self.release(id);
+        Ok(())
+    }
+
+    /// Copies bytes into the buffer. Allowed alongside a persistent send (the remote may read a mixture).
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), DmaError> {
+        let range = offset..offset.checked_add(src.len()).unwrap_or(usize::MAX);
+        let id = self.acquire(range.clone(), LeaseKind::CpuWrite, Some(CpuMode::Copy))?;
+        let racy = self.racy(&range);
+        // SAFETY: in bounds and leased CpuWrite: nobody else writes or borrows it; a shared reader (persistent
+        // send) is tolerated through atomic stores.
+        unsafe { store(self.ptr.as_ptr().add(offset), src, racy) };
+        self.release(id);
+        Ok(())
+    }
+
+    /// Borrows a range for reading. Refused while a device may write it.
+    pub fn with_slice<R>(self: &Arc<Self>, range: Range<usize>, f: impl FnOnce(&[u8]) -> R) -> Result<R, DmaError> {
+        let lease = self.lease(range, LeaseKind::CpuRead)?;
+        Ok(f(lease.as_slice()))
+    }
+
+    /// Borrows a range for writing. Refused while any device uses it.
+    pub fn with_slice_mut<R>(
+        self: &Arc<Self>,
+        range: Range<usize>,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, DmaError> {
+        let mut lease = self.lease(range, LeaseKind::CpuWrite)?;
+        Ok(f(lease.as_mut_slice()))
+    }
+}
+
+impl Drop for DmaBuf {
+    fn drop(&mut self) {
+        // No lease can exist here: every lease holds an Arc of this buffer.
+        match self.storage {
+            Storage::Alloc(layout) => {
+                // SAFETY: allocated in `new` with this layout and freed only here.
+                unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+            }
+            Storage::Vec { capacity } => {
+                // SAFETY: rebuilt from the parts `from_vec` took over; freed only here.
+                drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, capacity) })
+            }
+            Storage::Empty => {}
+        }
+    }
+}
+
+impl fmt::Debug for DmaBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DmaBuf").field("addr", &format_args!("{:#x}", self.addr())).field("len", &self.len).finish()
+    }
+}
+
+/// The right to use one range of a [`DmaBuf`] in one way, for as long as the lease lives.
+///
+/// A lease keeps its buffer alive. Dropping it gives the range back. Device leases travel inside work requests:
+/// a transport must keep the lease until the hardware can no longer touch the range.
+pub struct Lease {
+    buf: Arc<DmaBuf>,
+    start: usize,
+    end: usize,
+    kind: LeaseKind,
+    id: u64,
+}
+
+impl Lease {
+    /// The buffer this lease is on.
+    pub fn buf(&self) -> &Arc<DmaBuf> {
+        &self.buf
+    }
+
+    /// Offset of the first byte inside the buffer.
+    pub fn offset(&self) -> usize {
+        self.start
+    }
+
+    /// Length of the leased range.
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.start == self.end
+    }
+
+    /// What the lease allows.
+    pub fn kind(&self) -> LeaseKind {
+        self.kind
+    }
+
+    /// Device address of the first leased byte (for a scatter/gather entry).
+    pub fn addr(&self) -> u64 {
+        self.buf.addr() + self.start as u64
+    }
+
+    /// Splits the lease in two at `at` bytes (relative to the lease). Both halves keep the kind.
+    pub fn split_at(self, at: usize) -> (Lease, Lease) {
+        assert!(at <= self.len(), "split point {at} beyond lease of {} bytes", self.len());
+        let me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is ManuallyDrop and its Arc is read exactly once here, so its reference is moved, not
+        // duplicated; the table entry of `me.id` is replaced by the two new entries below.
+        let buf = unsafe { std::ptr::read(&me.buf) };
+        let mid = me.start + at;
+        let first_id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
+        let second_id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
+        {
+            let mut t = buf.table();
+            t.retain(|e| e.id != me.id);
+            t.push(Entry { id: first_id, start: me.start, end: mid, kind: me.kind });
+            t.push(Entry { id: second_id, start: mid, end: me.end, kind: me.kind });
+        }
+        let first = Lease { buf: Arc::clone(&buf), start: me.start, end: mid, kind: me.kind, id: first_id };
+        let second = Lease { buf, start: mid, end: me.end, kind: me.kind, id: second_id };
+        (first, second)
+    }
+
+    /// Narrows the lease to `range` (relative to the lease), giving back the rest.
+    pub fn narrow(self, range: Range<usize>) -> Lease {
+        assert!(range.start <= range.end && range.end <= self.len(), "narrow {range:?} beyond {}", self.len());
+        let (_, rest) = self.split_at(range.start);
+        let (mid, _) = rest.split_at(range.end - range.start);
+        mid
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<*mut u8, DmaError> {
+        let end = offset.checked_add(len).filter(|&e| e <= self.len());
+        match end {
+            // SAFETY: start+offset+len <= end <= buf.len, so the pointer stays inside the allocation.
+            Some(_) => Ok(unsafe { self.buf.ptr.as_ptr().add(self.start + offset) }),
+            None => Err(DmaError::OutOfBounds {
+                start: self.start + offset,
+                end: self.start.saturating_add(offset).saturating_add(len),
+                len: self.buf.len,
+            }),
+        }
+    }
+
+    /// Reads bytes through the lease (as the device that holds it).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), DmaError> {
+        let p = self.check(offset, dst.len())?;
+        // SAFETY: in bounds (check); this lease excludes Rust writers of the range except racy-shared ones,
+        // which are handled with atomic loads.
+        unsafe { load(p, dst, self.kind.shared() || self.buf.racy(&(self.start..self.end))) };
+        Ok(())
+    }
+
+    /// Writes bytes through the lease (as the device that holds it). Only write leases allow it.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), DmaError> {
+        if !self.kind.writes() {
+            return Err(DmaError::WrongKind { kind: self.kind, access: "writing" });
+        }
+        let p = self.check(offset, src.len())?;
+        // SAFETY: in bounds; a write lease excludes all other users except racy CPU copies of a shared lease,
+        // which are atomic on both sides.
+        unsafe { store(p, src, self.kind.shared()) };
+        Ok(())
+    }
+
+    /// Copies `len` bytes from this lease at `offset` into `dst` at `dst_offset` (device-to-device).
+    pub fn copy_to(&self, offset: usize, dst: &mut Lease, dst_offset: usize, len: usize) -> Result<(), DmaError> {
+        if !dst.kind.writes() {
+            return Err(DmaError::WrongKind { kind: dst.kind, access: "writing" });
+        }
+        let s = self.check(offset, len)?;
+        let d = dst.check(dst_offset, len)?;
+        let src_racy = self.kind.shared() || self.buf.racy(&(self.start..self.end));
+        let dst_racy = dst.kind.shared();
+        // SAFETY: both ranges are in bounds and leased (source for reading, destination for writing). The two
+        // leases cannot overlap in a conflicting way (the table refused that), so the ranges do not alias unless
+        // both are shared, in which case everything goes through atomic loads/stores of a bounce buffer.
+        unsafe { copy(s, d, len, src_racy, dst_racy) };
+        Ok(())
+    }
+
+    /// A shared slice of the leased bytes. Only CPU leases hand out references.
+    fn as_slice(&self) -> &[u8] {
+        debug_assert!(matches!(self.kind, LeaseKind::CpuRead | LeaseKind::CpuWrite));
+        // SAFETY: a CPU borrow lease excludes every writer (including racy shared ones: `compatible` refuses a
+        // borrow next to them), so the bytes do not change while the reference lives; in bounds by construction.
+        unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr().add(self.start), self.len()) }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        debug_assert_eq!(self.kind, LeaseKind::CpuWrite);
+        // SAFETY: a CpuWrite borrow lease excludes every other lease on the range, and `&mut self` makes this
+        // the only reference derived from it.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.ptr.as_ptr().add(self.start), self.len()) }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.buf.release(self.id);
+    }
+}
+
+impl fmt::Debug for Lease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Lease")
+            .field("buf", &format_args!("{:#x}", self.buf.addr()))
+            .field("range", &(self.start..self.end))
+            .field("kind", &self.kind)
+            .finish()
+    }
+}
+
+/// Copies `dst.len()` bytes from `src`.
+///
+/// # Safety
+/// `src` is valid for reads of `dst.len()` bytes and no Rust code writes them concurrently unless `racy`, in which
+/// case every concurrent Rust writer uses atomic stores.
+unsafe fn load(src: *const u8, dst: &mut [u8], racy: bool) {
+    if !racy {
+        // SAFETY: caller guarantees validity and absence of concurrent writers; `dst` is a distinct &mut.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
+        return;
+    }
+    for (i, d) in dst.iter_mut().enumerate() {
+        // SAFETY: in bounds per caller; AtomicU8 has the layout of u8 and any address is aligned for it.
+        *d = unsafe { &*(src.add(i) as *const AtomicU8) }.load(Ordering::Relaxed);
+    }
+}
+
+/// Copies `src` to `dst`.
+///
+/// # Safety
+/// `dst` is valid for writes of `src.len()` bytes; no Rust code accesses them concurrently unless `racy`, in which
+/// case every concurrent access is atomic.
+unsafe fn store(dst: *mut u8, src: &[u8], racy: bool) {
+    if !racy {
+        // SAFETY: per caller, `dst` is exclusively ours for these bytes and does not overlap `src`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
+        return;
+    }
+    for (i, s) in src.iter().enumerate() {
+        // SAFETY: in bounds per caller; AtomicU8 has the layout of u8.
+        unsafe { &*(dst.add(i) as *const AtomicU8) }.store(*s, Ordering::Relaxed);
+    }
+}
+
+/// Copies `len` bytes between two leased ranges.
+///
+/// # Safety
+/// Both pointers are valid for `len` bytes; they do not overlap unless both are racy; racy sides are only accessed
+/// atomically by everyone.
+unsafe fn copy(src: *const u8, dst: *mut u8, len: usize, src_racy: bool, dst_racy: bool) {
+    if !src_racy && !dst_racy {
+        // SAFETY: per caller, valid, non-overlapping, and not concurrently accessed.
+        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+        return;
+    }
+    let mut bounce = [0u8; 4096];
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(bounce.len());
+        // SAFETY: sub-ranges of the caller's valid ranges; the bounce buffer is a local.
+        unsafe {
+            load(src.add(done), &mut bounce[..n], src_racy);
+            store(dst.add(done), &bounce[..n], dst_racy);
+        }
+        done += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn new_buffer_is_zeroed_and_page_aligned() {
+        let b = DmaBuf::new(10_000);
+        assert_eq!(b.addr() % PAGE as u64, 0);
+        let mut out = vec![1u8; 10_000];
+        b.read_at(0, &mut out).unwrap();
+        assert!(out.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn vec_round_trip_keeps_bytes_and_needs_sole_ownership() {
+        let b = DmaBuf::from_vec(b"hello".to_vec());
+        let lease = b.lease(0..5, LeaseKind::DeviceRead).unwrap();
+        let (b, err) = DmaBuf::into_vec(b).unwrap_err();
+        assert_eq!(err, DmaError::InUse { leases: 1 });
+        drop(lease);
+        assert_eq!(DmaBuf::into_vec(b).unwrap(), b"hello");
+    }
+
+    #[test]
+    fn device_write_excludes_everything_overlapping() {
+        let b = DmaBuf::new(100);
+        let _w = b.lease(10..20, LeaseKind::DeviceWrite).unwrap();
+        for kind in [LeaseKind::DeviceRead, LeaseKind::DeviceWrite, LeaseKind::CpuRead, LeaseKind::CpuWrite] {
+            assert!(matches!(b.lease(15..25, kind), Err(DmaError::Busy { .. })), "{kind:?}");
+        }
+        assert!(b.read_at(19, &mut [0u8; 1]).is_err());
+        // Disjoint ranges are fine; touching ranges do not overlap.
+        b.lease(20..30, LeaseKind::DeviceWrite).unwrap();
+        b.read_at(0, &mut [0u8; 10]).unwrap();
+    }
+
+    #[test]
+    fn device_read_allows_cpu_read_but_not_write() {
+        let b = DmaBuf::new(100);
+        let _r = b.lease(0..50, LeaseKind::DeviceRead).unwrap();
+        b.lease(0..50, LeaseKind::DeviceRead).unwrap();
+        b.with_slice(0..50, |s| assert_eq!(s.len(), 50)).unwrap();
+        assert!(b.write_at(0, &[1]).is_err());
+        assert!(b.with_slice_mut(40..60, |_| ()).is_err());
+    }
+
+    #[test]
+    fn persistent_kinds_allow_copies_but_not_borrows() {
+        let b = DmaBuf::new(64);
+        let mut remote = b.lease(0..64, LeaseKind::DeviceWriteShared).unwrap();
+        remote.write(0, b"new").unwrap();
+        let mut out = [0u8; 3];
+        b.read_at(0, &mut out).unwrap();
+        assert_eq!(&out, b"new");
+        assert!(b.with_slice(0..3, |_| ()).is_err(), "a borrow next to a remote writer must be refused");
+        assert!(b.write_at(0, b"x").is_err(), "the CPU may not write where the remote writes");
+
+        let c = DmaBuf::new(64);
+        let _reader = c.lease(0..64, LeaseKind::DeviceReadShared).unwrap();
+        c.write_at(0, b"update").unwrap();
+        assert!(c.with_slice_mut(0..6, |_| ()).is_err());
+    }
+
+    #[test]
+    fn split_and_narrow_keep_exclusion_and_release_the_rest() {
+        let b = DmaBuf::new(100);
+        let l = b.lease(0..100, LeaseKind::DeviceWrite).unwrap();
+        let (a, c) = l.split_at(40);
+        assert_eq!((a.offset(), a.len(), c.offset(), c.len()), (0, 40, 40, 60));
+        drop(a);
+        b.read_at(0, &mut [0u8; 40]).unwrap();
+        assert!(b.read_at(40, &mut [0u8; 1]).is_err());
+        let mid = c.narrow(10..20);
+        assert_eq!((mid.offset(), mid.len()), (50, 10));
+        assert_eq!(b.lease_count(), 1);
+        b.read_at(40, &mut [0u8; 10]).unwrap();
+        b.read_at(60, &mut [0u8; 40]).unwrap();
+    }
+
+    #[test]
+    fn lease_copy_moves_bytes_between_buffers() {
+        let src = DmaBuf::from_vec((0..=255u8).collect());
+        let dst = DmaBuf::new(256);
+        let s = src.lease(0..256, LeaseKind::DeviceRead).unwrap();
+        let mut d = dst.lease(0..256, LeaseKind::DeviceWrite).unwrap();
+        s.copy_to(16, &mut d, 0, 100).unwrap();
+        assert!(s.copy_to(200, &mut d, 0, 100).is_err(), "source overrun");
+        assert!(s.copy_to(0, &mut d, 200, 100).is_err(), "destination overrun");
+        drop(d);
+        let mut out = vec![0u8; 100];
+        dst.read_at(0, &mut out).unwrap();
+        assert_eq!(out, (16..116u8).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn read_lease_cannot_write_and_bounds_are_checked() {
+        let b = DmaBuf::new(8);
+        let mut r = b.lease(0..8, LeaseKind::DeviceRead).unwrap();
+        assert!(matches!(r.write(0, b"x"), Err(DmaError::WrongKind { .. })));
+        assert!(matches!(b.lease(4..9, LeaseKind::DeviceRead), Err(DmaError::OutOfBounds { .. })));
+        assert!(b.read_at(usize::MAX, &mut [0u8; 2]).is_err());
+    }
+
+    #[test]
+    fn buffer_outlives_its_handle_while_leased() {
+        let b = DmaBuf::from_vec(vec![7u8; 32]);
+        let lease = b.lease(0..32, LeaseKind::DeviceRead).unwrap();
+        drop(b);
+        let mut out = [0u8; 32];
+        lease.read(0, &mut out).unwrap();
+        assert_eq!(out, [7u8; 32]);
+    }
+
+    #[test]
+    fn shared_copies_race_without_data_race() {
+        // A "device" thread keeps writing a shared range while the CPU copies it out.
+        let b = DmaBuf::new(4096);
+        let mut dev = b.lease(0..4096, LeaseKind::DeviceWriteShared).unwrap();
+        let t = std::thread::spawn(move || {
+            for i in 0..200u8 {
+                dev.write(0, &[i; 4096]).unwrap();
+            }
+        });
+        let mut out = vec![0u8; 4096];
+        for _ in 0..200 {
+            b.read_at(0, &mut out).unwrap();
+        }
+        t.join().unwrap();
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn table_never_grants_conflicting_writes(ops in proptest::collection::vec((0usize..64, 1usize..32, 0u8..4), 1..40)) {
+            let b = DmaBuf::new(96);
+            let mut held: Vec<Lease> = Vec::new();
+            for (start, len, k) in ops {
+                let kind = [LeaseKind::DeviceRead, LeaseKind::DeviceWrite, LeaseKind::CpuRead, LeaseKind::CpuWrite][k as usize];
+                if let Ok(l) = b.lease(start..start + len, kind) {
+                    held.push(l);
+                }
+            }
+            for (i, x) in held.iter().enumerate() {
+                for y in &held[i + 1..] {
+                    let overlap = x.offset() < y.offset() + y.len() && y.offset() < x.offset() + x.len();
+                    let writes = x.kind().writes() || y.kind().writes();
+                    proptest::prop_assert!(!(overlap && writes), "{x:?} and {y:?} both granted");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! A context: one transport (device), its engine, and how it makes progress.
+//!
+//! ## Progress without a thread per socket
+//! The protocol must move (answer adverts, issue reads, send acknowledgments and credits) while the application is
+//! blocked in a dequeue or busy elsewhere. A context has **one** progress thread, whatever the number of sockets.
+//! It sleeps in `poll(2)` on the transport's wait descriptor (armed first, then polled once more so no
+//! notification is lost) and on an eventfd used to stop it; it never spins. An idle connection, and a
+//! persistent sender whose peer pulls with RDMA reads, cost it nothing: hardware serves the reads without any
+//! completion on the sender.
+//!
+//! API calls post their work requests directly (posting does not block), so the thread only handles completions.
+//!
+//! The simulated fabric can instead run in manual mode: no thread, and `dequeue` drives the simulated world until
+//! the events it waits for exist, deterministically.
+
+use std::fmt;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use exs_dma::DmaBuf;
+use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::sys::eventfd::{EfdFlags, EventFd};
+
+use crate::engine::Engine;
+use crate::error::MemoryError;
+use crate::event::{Driver, EventQueue};
+use crate::transport::{Capabilities, Registration, Transport, TransportError};
+
+static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(1);
+
+/// A source of time. Real time normally; virtual time in the simulator.
+pub trait Clock: Send + Sync + fmt::Debug {
+    /// Now.
+    fn now(&self) -> Instant;
+}
+
+/// The real clock.
+#[derive(Debug, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Instant {
+        Instant::now()
+    }
+}
+
+/// How a context makes progress.
+#[derive(Clone)]
+pub enum Progress {
+    /// One background thread sleeping on the transport's wait descriptor (the default).
+    Thread,
+    /// No thread: `dequeue` calls the driver (the simulated fabric's manual mode).
+    Manual(Arc<dyn ManualDriver>),
+}
+
+impl fmt::Debug for Progress {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Progress::Thread => f.write_str("Thread"),
+            Progress::Manual(_) => f.write_str("Manual"),
+        }
+    }
+}
+
+/// Drives a manually progressed world (implemented by the simulator).
+pub trait ManualDriver: Send + Sync {
+    /// Makes progress; returns false when nothing more can happen.
+    fn drive(&self) -> bool;
+}
+
+struct ManualAdapter(Arc<dyn ManualDriver>);
+
+impl Driver for ManualAdapter {
+    fn drive(&self) -> bool {
+        self.0.drive()
+    }
+}
+
+/// Settings of a context.
+#[derive(Clone, Debug)]
+pub struct ContextOptions {
+    /// How progress is made.
+    pub progress: Progress,
+    /// Time source.
+    pub clock: Arc<dyn Clock>,
+    /// How long a closing connection waits for its CLOSE to leave before disconnecting anyway.
+    pub linger: Duration,
+    /// How long a connect may take before it fails with a timeout.
+    pub connect_timeout: Duration,
+}
+
+impl Default for ContextOptions {
+    fn default() -> Self {
+        ContextOptions {
+            progress: Progress::Thread,
+            clock: Arc::new(SystemClock),
+            linger: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    pub(crate) engine: Mutex<Engine>,
+    wake: EventFd,
+    stop: AtomicBool,
+    wait_fd: Option<OwnedFd>,
+    driver: Option<Arc<dyn Driver>>,
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Engine> {
+        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Wakes the progress thread (a timer may have moved earlier).
+    pub(crate) fn kick(&self) {
+        let _ = self.wake.write(1);
+    }
+}
+
+pub(crate) struct CtxInner {
+    id: u64,
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for CtxInner {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        self.shared.kick();
+        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = t.join();
+        }
+        // Close every connection so peers learn we are gone, and let the transport release its endpoints.
+        self.shared.lock().shutdown();
+    }
+}
+
+/// One RDMA device (transport) with its sockets and progress (the scope of ES-API `exs_init`).
+/// Cheap to clone (a handle). Sockets and memory regions keep it alive.
+#[derive(Clone)]
+pub struct Context {
+    inner: Arc<CtxInner>,
+}
+
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context").field("id", &self.inner.id).finish()
+    }
+}
+
+impl Context {
+    /// Creates a context over a transport with default options (a progress thread).
+    pub fn new(transport: Box<dyn Transport>) -> Result<Context, TransportError> {
+        Self::with_options(transport, ContextOptions::default())
+    }
+
+    /// Creates a context with options.
+    pub fn with_options(transport: Box<dyn Transport>, opts: ContextOptions) -> Result<Context, TransportError> {
+        let id = NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed);
+        let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+            .map_err(|e| TransportError::os("eventfd", e.into()))?;
+        let wait_fd = transport.wait_fd();
+        let driver: Option<Arc<dyn Driver>> = match &opts.progress {
+            Progress::Thread => None,
+            Progress::Manual(d) => Some(Arc::new(ManualAdapter(Arc::clone(d)))),
+        };
+        if matches!(opts.progress, Progress::Thread) && wait_fd.is_none() {
+            return Err(TransportError::Unsupported(
+                "this transport has no wait descriptor; use manual progress".into(),
+            ));
+        }
+        let inner = Arc::new_cyclic(|weak: &Weak<CtxInner>| {
+            let engine = Engine::new(transport, id, weak.clone(), &opts);
+            CtxInner {
+                id,
+                shared: Arc::new(Shared { engine: Mutex::new(engine), wake, stop: AtomicBool::new(false), wait_fd, driver }),
+                thread: Mutex::new(None),
+            }
+        });
+        if matches!(opts.progress, Progress::Thread) {
+            let shared = Arc::clone(&inner.shared);
+            let handle = std::thread::Builder::new()
+                .name(format!("exs-progress-{id}"))
+                .spawn(move || progress_thread(shared))
+                .map_err(|e| TransportError::os("spawn progress thread", e))?;
+            *inner.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
+        }
+        Ok(Context { inner })
+    }
+
+    pub(crate) fn from_inner(inner: Arc<CtxInner>) -> Context {
+        Context { inner }
+    }
+
+    /// A process-unique identifier.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// What the transport can do.
+    pub fn capabilities(&self) -> Capabilities {
+        self.shared().lock().capabilities().clone()
+    }
+
+    /// Statistics of the engine.
+    pub fn stats(&self) -> crate::engine::EngineStats {
+        self.shared().lock().stats()
+    }
+
+    /// Makes whatever progress is possible now, without blocking (for manual progress and tests).
+    pub fn progress(&self) -> bool {
+        let mut e = self.shared().lock();
+        let mut any = false;
+        while e.progress() {
+            any = true;
+        }
+        any
+    }
+
+    /// The earliest pending timer (manual progress uses it to advance virtual time).
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.shared().lock().next_deadline()
+    }
+
+    pub(crate) fn shared(&self) -> &Arc<Shared> {
+        &self.inner.shared
+    }
+
+    pub(crate) fn register(&self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, MemoryError> {
+        Ok(self.shared().lock().register(buf)?)
+    }
+
+    /// Lets `eq` drive this context when it waits (manual progress only).
+    pub(crate) fn attach(&self, eq: &EventQueue) {
+        if let Some(d) = &self.inner.shared.driver {
+            eq.add_driver(d);
+        }
+    }
+}
+
+fn progress_thread(shared: Arc<Shared>) {
+    let wait_fd = shared.wait_fd.as_ref().expect("thread mode has a wait descriptor");
+    loop {
+        if shared.stop.load(Ordering::SeqCst) {
+            return;
+        }
+        let timeout = {
+            let mut e = shared.lock();
+            while e.progress() {}
+            match e.arm() {
+                Ok(true) => {}
+                // Events slipped in between the last poll and arming: poll again before sleeping.
+                Ok(false) => continue,
+                Err(err) => {
+                    tracing::error!(%err, "arming the completion queue failed; retrying");
+                    drop(e);
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
+            }
+            e.next_deadline().map(|d| d.saturating_duration_since(e.now()))
+        };
+        let ms = timeout.map(|t| t.as_millis().min(60_000) as u16 + u16::from(t.subsec_nanos() % 1_000_000 != 0));
+        let timeout = ms.map(PollTimeout::from).unwrap_or(PollTimeout::NONE);
+        let mut fds = [
+            PollFd::new(wait_fd.as_fd(), PollFlags::POLLIN),
+            PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN),
+        ];
+        match nix::poll::poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(err) => {
+                tracing::error!(%err, "poll on the transport failed");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        if fds[1].revents().is_some_and(|r| r.contains(PollFlags::POLLIN)) {
+            let _ = shared.wake.read();
+        }
+    }
+}

@@ -1,0 +1,995 @@
+//! The engine of one context: sockets, connection management, and execution of protocol output.
+//!
+//! The engine is the only place that calls the [`Transport`]: it registers and exposes memory, posts the work
+//! requests connections produce, feeds completions and connection-management events back to them, and runs
+//! timers. All of it runs under the context's lock, from API calls and from the progress thread.
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use exs_dma::{DmaBuf, LeaseKind};
+
+use crate::context::{Clock, Context, ContextOptions, CtxInner};
+use crate::error::{
+    AcceptError, BufferError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError, SocketError,
+    StateError, Violation,
+};
+use crate::event::{EventFlags, Ticket};
+use crate::memory::Slice;
+use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
+use crate::proto::conn::{Conn, Fault, Incoming, Limits};
+use crate::proto::link::{Link, Slots};
+use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
+use crate::proto::stream::StreamSetup;
+use crate::socket::SocketId;
+use crate::transport::{
+    Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration, RemoteAccess,
+    RequestId, Transport, TransportError, WorkRequest,
+};
+use crate::wire::{CloseReason, Handshake, WireSockType, HEADER_LEN};
+
+/// Bytes of a control send slot: a header and the largest body (immediate data goes as a second entry).
+const TX_SLOT: usize = 64;
+
+/// Counters of one context.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Completions handled.
+    pub completions: u64,
+    /// Connection-management events handled.
+    pub cm_events: u64,
+    /// Work requests posted.
+    pub posted: u64,
+    /// Connections brought down because the peer broke the protocol.
+    pub violations: u64,
+    /// Connections established.
+    pub connections: u64,
+    /// Bytes of control receive buffers currently registered for connections.
+    pub ctrl_recv_bytes: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Fresh,
+    Listening,
+    /// Active side, waiting for the connection.
+    Connecting,
+    /// Passive side: accepted, waiting for the connection.
+    Accepting,
+    Open,
+    /// Local close or violation: CLOSE queued, disconnect once it left (or the linger timer fires).
+    Closing,
+    /// `disconnect` called, waiting for the transport's `Disconnected`.
+    Disconnecting,
+    /// Gone.
+    Down,
+}
+
+#[derive(Debug)]
+struct Listening {
+    listener: ListenerId,
+    accepts: VecDeque<Ticket>,
+    backlog: VecDeque<(RequestId, SocketAddr, Handshake)>,
+}
+
+#[derive(Debug)]
+struct Sock {
+    ty: SockType,
+    opts: SocketOptions,
+    bound: Option<SocketAddr>,
+    phase: Phase,
+    conn: Option<Conn>,
+    /// The connect or accept operation, until the connection is up.
+    ticket: Option<Ticket>,
+    listening: Option<Listening>,
+    /// Passive side: the peer's handshake from its request.
+    peer_hs: Option<Handshake>,
+    peer_addr: Option<SocketAddr>,
+    /// Completions that arrived before the connection-management event that establishes the connection.
+    early: Vec<Completion>,
+    /// Why the connection is down, reported to later operations.
+    down: Option<OpError>,
+    /// The peer sent CLOSE: receives see end-of-stream.
+    peer_closed: bool,
+    /// The application closed the socket; the entry goes away once the connection is gone.
+    user_closed: bool,
+}
+
+impl Sock {
+    fn new(ty: SockType, opts: SocketOptions) -> Self {
+        Sock {
+            ty,
+            opts,
+            bound: None,
+            phase: Phase::Fresh,
+            conn: None,
+            ticket: None,
+            listening: None,
+            peer_hs: None,
+            peer_addr: None,
+            early: Vec::new(),
+            down: None,
+            peer_closed: false,
+            user_closed: false,
+        }
+    }
+
+    fn ep(&self) -> Option<EndpointId> {
+        self.conn.as_ref().map(|c| c.ep)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TimerKind {
+    Linger,
+    ConnectTimeout,
+}
+
+pub(crate) struct Engine {
+    transport: Box<dyn Transport>,
+    caps: Capabilities,
+    ctx_id: u64,
+    ctx: Weak<CtxInner>,
+    clock: Arc<dyn Clock>,
+    linger: Duration,
+    connect_timeout: Duration,
+    sockets: HashMap<SocketId, Sock>,
+    eps: HashMap<EndpointId, SocketId>,
+    listeners: HashMap<ListenerId, SocketId>,
+    next_socket: u32,
+    next_ep: u32,
+    completions: Vec<Completion>,
+    posts: Vec<WorkRequest>,
+    dirty: Vec<SocketId>,
+    timers: Vec<(Instant, SocketId, TimerKind)>,
+    stats: EngineStats,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine").field("transport", &self.caps.name).field("sockets", &self.sockets.len()).finish()
+    }
+}
+
+type R<T, E> = Result<T, E>;
+
+impl Engine {
+    pub(crate) fn new(transport: Box<dyn Transport>, ctx_id: u64, ctx: Weak<CtxInner>, opts: &ContextOptions) -> Self {
+        let caps = transport.capabilities().clone();
+        Engine {
+            transport,
+            caps,
+            ctx_id,
+            ctx,
+            clock: Arc::clone(&opts.clock),
+            linger: opts.linger,
+            connect_timeout: opts.connect_timeout,
+            sockets: HashMap::new(),
+            eps: HashMap::new(),
+            listeners: HashMap::new(),
+            next_socket: 1,
+            next_ep: 1,
+            completions: Vec::with_capacity(64),
+            posts: Vec::with_capacity(64),
+            dirty: Vec::new(),
+            timers: Vec::new(),
+            stats: EngineStats::default(),
+        }
+    }
+
+    pub(crate) fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    pub(crate) fn stats(&self) -> EngineStats {
+        self.stats
+    }
+
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    pub(crate) fn arm(&mut self) -> Result<bool, TransportError> {
+        self.transport.arm()
+    }
+
+    pub(crate) fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
+        self.transport.register(buf)
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.timers.iter().map(|t| t.0).min()
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_message: self.caps.max_message,
+            max_send_wr: self.caps.max_send_wr,
+            max_read_depth: self.caps.max_read_depth,
+            imm_consumes_recv: self.caps.imm_consumes_recv,
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------------------
+    // Progress
+
+    /// Handles every pending event once. Returns whether anything happened.
+    ///
+    /// Completions go first. Connection-management events arrive on another channel, so a completion can be
+    /// seen before the `Established` that brings its connection up (it waits in `early`), and a `Disconnected`
+    /// can be seen while messages that arrived before it (a CLOSE) still sit in the completion queue: the queue
+    /// is drained once more before a disconnect is acted on.
+    pub(crate) fn progress(&mut self) -> bool {
+        let mut did = self.poll_completions();
+        let mut disconnected = Vec::new();
+        while let Some(ev) = self.transport.poll_cm() {
+            self.stats.cm_events += 1;
+            did = true;
+            match ev {
+                CmEvent::Disconnected { ep } => disconnected.push(ep),
+                other => self.on_cm(other),
+            }
+        }
+        if !disconnected.is_empty() {
+            self.poll_completions();
+            for ep in disconnected {
+                self.on_disconnected(ep);
+            }
+        }
+        did |= self.run_timers();
+        self.flush_dirty();
+        did
+    }
+
+    fn poll_completions(&mut self) -> bool {
+        let mut did = false;
+        loop {
+            let mut batch = std::mem::take(&mut self.completions);
+            let n = self.transport.poll(&mut batch, 64);
+            for c in batch.drain(..) {
+                self.stats.completions += 1;
+                self.on_completion(c);
+            }
+            self.completions = batch;
+            if n == 0 {
+                return did;
+            }
+            did = true;
+        }
+    }
+
+    fn run_timers(&mut self) -> bool {
+        let now = self.clock.now();
+        let (due, keep): (Vec<_>, Vec<_>) = self.timers.drain(..).partition(|t| t.0 <= now);
+        self.timers = keep;
+        for (_, sid, kind) in &due {
+            match kind {
+                TimerKind::Linger => {
+                    if self.sockets.get(sid).is_some_and(|s| s.phase == Phase::Closing) {
+                        tracing::debug!(?sid, "linger expired, disconnecting");
+                        self.disconnect(*sid);
+                    }
+                }
+                TimerKind::ConnectTimeout => {
+                    let connecting = self.sockets.get(sid).is_some_and(|s| s.phase == Phase::Connecting);
+                    if connecting {
+                        self.fail_connect(*sid, OpError::TimedOut);
+                    }
+                }
+            }
+        }
+        !due.is_empty()
+    }
+
+    fn flush_dirty(&mut self) {
+        while let Some(sid) = self.dirty.pop() {
+            self.flush(sid);
+        }
+    }
+
+    fn mark(&mut self, sid: SocketId) {
+        if !self.dirty.contains(&sid) {
+            self.dirty.push(sid);
+        }
+    }
+
+    /// Posts what a connection has ready, and moves a closing connection on once its CLOSE has left.
+    fn flush(&mut self, sid: SocketId) {
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(conn) = sock.conn.as_mut() else { return };
+        let mut posts = std::mem::take(&mut self.posts);
+        conn.flush(&mut posts);
+        let ep = conn.ep;
+        let closing_done = sock.phase == Phase::Closing && conn.sends_drained();
+        self.post_all(sid, ep, &mut posts);
+        self.posts = posts;
+        if closing_done {
+            self.disconnect(sid);
+        }
+    }
+
+    fn post_all(&mut self, sid: SocketId, ep: EndpointId, posts: &mut Vec<WorkRequest>) {
+        let mut failed = None;
+        for wr in posts.drain(..) {
+            if failed.is_some() {
+                continue; // dropped: never reached the hardware, so its leases go back now
+            }
+            self.stats.posted += 1;
+            if let Err(e) = self.transport.post(ep, wr) {
+                failed = Some(e.error);
+            }
+        }
+        if let Some(e) = failed {
+            tracing::warn!(?sid, %e, "post failed; connection goes down");
+            self.fault(sid, Fault::Transport(crate::transport::WcError::Other(e.to_string())));
+        }
+    }
+
+    fn on_completion(&mut self, c: Completion) {
+        let Some(&sid) = self.eps.get(&c.ep) else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let established = sock.conn.as_ref().is_some_and(Conn::is_established);
+        if !established {
+            if matches!(sock.phase, Phase::Connecting | Phase::Accepting) {
+                // The connection-management event that brings this connection up has not been handled yet.
+                sock.early.push(c);
+            }
+            return;
+        }
+        self.handle_completion(sid, c);
+    }
+
+    fn handle_completion(&mut self, sid: SocketId, c: Completion) {
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(conn) = sock.conn.as_mut() else { return };
+        let mut posts = std::mem::take(&mut self.posts);
+        let result = conn.on_completion(&c, &mut posts);
+        let ep = conn.ep;
+        self.post_all(sid, ep, &mut posts);
+        self.posts = posts;
+        match result {
+            Ok(Incoming::Nothing) => {}
+            Ok(Incoming::PeerClose(reason)) => self.on_peer_close(sid, reason),
+            Err(fault) => self.fault(sid, fault),
+        }
+        self.mark(sid);
+    }
+
+    fn on_peer_close(&mut self, sid: SocketId, reason: CloseReason) {
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        if let Some(conn) = sock.conn.as_mut() {
+            conn.on_peer_close(reason);
+        }
+        match reason {
+            CloseReason::ShutdownWrite => {
+                // Half close: the peer still receives.
+                sock.peer_closed = true;
+            }
+            CloseReason::Close | CloseReason::Violation => {
+                sock.peer_closed = true;
+                let err = if reason == CloseReason::Violation {
+                    OpError::PeerMisbehaved(Violation::Unexpected {
+                        kind: "CLOSE",
+                        context: "sent by a peer that says we broke the protocol",
+                    })
+                } else {
+                    OpError::PeerClosed
+                };
+                sock.down.get_or_insert(err.clone());
+                if let Some(conn) = sock.conn.as_mut() {
+                    conn.fail(err);
+                }
+                if matches!(sock.phase, Phase::Open | Phase::Closing) {
+                    self.disconnect(sid);
+                }
+            }
+        }
+    }
+
+    /// Brings a connection down after a fault: operations fail with the reason; a violation is reported to the
+    /// peer with CLOSE before disconnecting.
+    fn fault(&mut self, sid: SocketId, fault: Fault) {
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        if matches!(sock.phase, Phase::Disconnecting | Phase::Down) {
+            return;
+        }
+        let is_violation = matches!(fault, Fault::Peer(_));
+        let err = fault.into_op_error();
+        if is_violation {
+            self.stats.violations += 1;
+            tracing::warn!(?sid, %err, "peer violated the protocol; closing the connection");
+        } else {
+            tracing::warn!(?sid, %err, "connection failed");
+        }
+        sock.down.get_or_insert(err.clone());
+        if let Some(t) = sock.ticket.take() {
+            t.complete(Err(err.clone()), 0, EventFlags::default());
+        }
+        if let Some(conn) = sock.conn.as_mut() {
+            conn.fail(err);
+            if is_violation && conn.is_established() && sock.phase == Phase::Open {
+                conn.queue_close(CloseReason::Violation);
+                sock.phase = Phase::Closing;
+                let at = self.clock.now() + self.linger;
+                self.timers.push((at, sid, TimerKind::Linger));
+                self.mark(sid);
+                return;
+            }
+        }
+        self.disconnect(sid);
+    }
+
+    fn disconnect(&mut self, sid: SocketId) {
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        if matches!(sock.phase, Phase::Disconnecting | Phase::Down) {
+            return;
+        }
+        match sock.ep() {
+            Some(ep) => {
+                sock.phase = Phase::Disconnecting;
+                self.transport.disconnect(ep);
+            }
+            None => sock.phase = Phase::Down,
+        }
+    }
+
+    fn on_cm(&mut self, ev: CmEvent) {
+        match ev {
+            CmEvent::ConnectRequest { listener, request, peer, private } => {
+                self.on_connect_request(listener, request, peer, private)
+            }
+            CmEvent::Established { ep, private } => self.on_established(ep, private),
+            CmEvent::ConnectFailed { ep, reason } => {
+                if let Some(&sid) = self.eps.get(&ep) {
+                    let err = match reason {
+                        ConnectFailure::Refused(_) => OpError::Refused,
+                        ConnectFailure::Unreachable => OpError::Unreachable,
+                        ConnectFailure::TimedOut => OpError::TimedOut,
+                        ConnectFailure::Other(s) => OpError::Transport(TransportError::Invalid(s)),
+                    };
+                    self.fail_connect(sid, err);
+                }
+            }
+            CmEvent::Disconnected { ep } => {
+                self.poll_completions();
+                self.on_disconnected(ep);
+            }
+        }
+    }
+
+    fn fail_connect(&mut self, sid: SocketId, err: OpError) {
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        if let Some(t) = sock.ticket.take() {
+            t.complete(Err(err.clone()), 0, EventFlags::default());
+        }
+        sock.down = Some(err);
+        // Release the endpoint now: it never carried a connection.
+        if let Some(ep) = sock.ep() {
+            self.eps.remove(&ep);
+            self.transport.release(ep);
+        }
+        sock.conn = None;
+        sock.early.clear();
+        sock.phase = Phase::Down;
+        if sock.user_closed {
+            self.sockets.remove(&sid);
+        }
+    }
+
+    fn on_connect_request(&mut self, listener: ListenerId, request: RequestId, peer: SocketAddr, private: Vec<u8>) {
+        let Some(&lsid) = self.listeners.get(&listener) else {
+            self.transport.reject(request);
+            return;
+        };
+        let Some(lsock) = self.sockets.get_mut(&lsid) else {
+            self.transport.reject(request);
+            return;
+        };
+        let hs = match Handshake::decode(&private) {
+            Ok(hs) => hs,
+            Err(e) => {
+                tracing::warn!(%peer, %e, "rejecting a connection request with a bad handshake");
+                self.stats.violations += 1;
+                self.transport.reject(request);
+                return;
+            }
+        };
+        let want = match lsock.ty {
+            SockType::SeqPacket => WireSockType::SeqPacket,
+            SockType::Stream => WireSockType::Stream,
+        };
+        if hs.sock_type != want {
+            tracing::warn!(%peer, "rejecting a connection request for another socket type");
+            self.transport.reject(request);
+            return;
+        }
+        let Some(l) = lsock.listening.as_mut() else {
+            self.transport.reject(request);
+            return;
+        };
+        if let Some(ticket) = l.accepts.pop_front() {
+            self.accept_request(lsid, request, peer, hs, ticket);
+        } else if l.backlog.len() < lsock.opts.backlog as usize {
+            l.backlog.push_back((request, peer, hs));
+        } else {
+            tracing::debug!(%peer, "backlog full, rejecting");
+            self.transport.reject(request);
+        }
+    }
+
+    fn accept_request(&mut self, lsid: SocketId, request: RequestId, peer: SocketAddr, hs: Handshake, ticket: Ticket) {
+        let Some(l) = self.sockets.get(&lsid) else { return };
+        let (ty, opts, bound) = (l.ty, l.opts, l.bound);
+        let sid = self.new_socket_id();
+        let ep = self.new_ep();
+        let mut conn = match self.build_conn(ep, ty, &opts) {
+            Ok(c) => c,
+            Err(e) => {
+                self.transport.reject(request);
+                ticket.complete(Err(OpError::Transport(e)), 0, EventFlags::default());
+                return;
+            }
+        };
+        let recvs = match conn.link.initial_recvs() {
+            Ok(r) => r,
+            Err(v) => {
+                self.transport.reject(request);
+                ticket.complete(Err(OpError::PeerMisbehaved(v)), 0, EventFlags::default());
+                return;
+            }
+        };
+        let private = conn.local.encode();
+        if let Err(e) = self.transport.accept(request, ep, &private, recvs) {
+            ticket.complete(Err(OpError::Transport(e)), 0, EventFlags::default());
+            return;
+        }
+        let mut sock = Sock::new(ty, opts);
+        sock.bound = bound;
+        sock.phase = Phase::Accepting;
+        sock.conn = Some(conn);
+        sock.ticket = Some(ticket);
+        sock.peer_hs = Some(hs);
+        sock.peer_addr = Some(peer);
+        self.sockets.insert(sid, sock);
+        self.eps.insert(ep, sid);
+    }
+
+    fn on_established(&mut self, ep: EndpointId, private: Vec<u8>) {
+        let Some(&sid) = self.eps.get(&ep) else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let peer = match sock.phase {
+            Phase::Connecting => match Handshake::decode(&private) {
+                Ok(hs) => hs,
+                Err(e) => {
+                    self.fault(sid, Fault::Peer(Violation::Handshake(e.to_string())));
+                    return;
+                }
+            },
+            Phase::Accepting => match sock.peer_hs.take() {
+                Some(hs) => hs,
+                None => return,
+            },
+            _ => return, // already torn down (a close raced with the connection)
+        };
+        let opts = sock.opts;
+        let conn = sock.conn.as_mut().expect("connecting sockets have a connection");
+        if let Err(v) = conn.establish(&peer, &opts) {
+            self.fault(sid, Fault::Peer(v));
+            return;
+        }
+        self.stats.connections += 1;
+        let passive = sock.phase == Phase::Accepting;
+        sock.phase = Phase::Open;
+        self.timers.retain(|t| !(t.1 == sid && t.2 == TimerKind::ConnectTimeout));
+        if sock.peer_addr.is_none() {
+            sock.peer_addr = self.transport.peer_addr(ep);
+        }
+        let ticket = sock.ticket.take();
+        let early = std::mem::take(&mut sock.early);
+        if let Some(t) = ticket {
+            if passive {
+                match self.ctx.upgrade() {
+                    Some(inner) => t.complete_accept(crate::socket::Socket::from_engine(Context::from_inner(inner), sid)),
+                    None => t.complete(Err(OpError::Cancelled), 0, EventFlags::default()),
+                }
+            } else {
+                t.complete(Ok(()), 0, EventFlags::default());
+            }
+        }
+        for c in early {
+            self.handle_completion(sid, c);
+        }
+        self.mark(sid);
+    }
+
+    fn on_disconnected(&mut self, ep: EndpointId) {
+        let Some(sid) = self.eps.remove(&ep) else {
+            self.transport.release(ep);
+            return;
+        };
+        self.transport.release(ep);
+        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let err = sock.down.clone().unwrap_or(OpError::ConnectionReset);
+        if let Some(t) = sock.ticket.take() {
+            t.complete(Err(err.clone()), 0, EventFlags::default());
+        }
+        if let Some(mut conn) = sock.conn.take() {
+            self.stats.ctrl_recv_bytes = self.stats.ctrl_recv_bytes.saturating_sub(conn_rx_bytes(&conn));
+            if sock.peer_closed && sock.down.is_none() {
+                conn.drop_all(OpError::PeerClosed);
+            } else {
+                conn.drop_all(err.clone());
+            }
+        }
+        sock.down.get_or_insert(err);
+        sock.phase = Phase::Down;
+        sock.early.clear();
+        if sock.user_closed {
+            self.sockets.remove(&sid);
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------------------
+    // Connections
+
+    fn new_socket_id(&mut self) -> SocketId {
+        let id = SocketId(self.next_socket);
+        self.next_socket = self.next_socket.wrapping_add(1).max(1);
+        id
+    }
+
+    fn new_ep(&mut self) -> EndpointId {
+        let id = EndpointId(self.next_ep);
+        self.next_ep = self.next_ep.wrapping_add(1).max(1);
+        id
+    }
+
+    /// Allocates and registers a connection's control buffers (and a stream buffer for stream sockets).
+    fn build_conn(&mut self, ep: EndpointId, ty: SockType, opts: &SocketOptions) -> Result<Conn, TransportError> {
+        let window = u32::from(opts.effective_window(ty));
+        let small = opts.small_packet_max_size as usize;
+        // A receive slot holds a header, the largest body, and immediate data.
+        let slot = (HEADER_LEN + 48 + small).max(HEADER_LEN + 48).next_multiple_of(64).min(u16::MAX as usize & !63);
+        let rx_buf = DmaBuf::new(slot * window as usize);
+        let rx_reg = self.transport.register(&rx_buf)?;
+        let tx_count = window.max(16);
+        let tx_buf = DmaBuf::new(TX_SLOT * tx_count as usize);
+        let tx_reg = self.transport.register(&tx_buf)?;
+        let link = Link::new(
+            Slots { buf: rx_buf, reg: rx_reg, size: slot, count: window },
+            Slots { buf: tx_buf, reg: tx_reg, size: TX_SLOT, count: tx_count },
+            self.caps.max_send_wr,
+            self.caps.max_read_depth,
+            self.caps.imm_consumes_recv,
+        );
+        let stream_setup = match ty {
+            SockType::SeqPacket => None,
+            SockType::Stream => Some(StreamSetup::new(&mut *self.transport, opts.stream_buffer_size as usize)?),
+        };
+        let (stream_len, stream_addr, stream_rkey) = match &stream_setup {
+            Some(s) => {
+                let r = s.exposure.remote();
+                (s.len as u32, r.addr, r.key)
+            }
+            None => (0, 0, 0),
+        };
+        let local = Handshake {
+            sock_type: match ty {
+                SockType::SeqPacket => WireSockType::SeqPacket,
+                SockType::Stream => WireSockType::Stream,
+            },
+            ctrl_window: window as u16,
+            slot_size: slot as u16,
+            send_credits: opts.send_credits,
+            recv_credits: opts.recv_credits,
+            small_max: opts.small_packet_max_size,
+            stream_len,
+            stream_addr,
+            stream_rkey,
+            native_imm: self.caps.native_write_imm,
+        };
+        self.stats.ctrl_recv_bytes += (slot * window as usize) as u64;
+        Ok(Conn::new(ep, ty, link, local, self.limits(), stream_setup))
+    }
+
+    // ---------------------------------------------------------------------------------------------------------
+    // API
+
+    pub(crate) fn socket(&mut self, ty: SockType) -> SocketId {
+        let sid = self.new_socket_id();
+        self.sockets.insert(sid, Sock::new(ty, SocketOptions::default()));
+        sid
+    }
+
+    fn sock(&mut self, sid: SocketId) -> Result<&mut Sock, StateError> {
+        match self.sockets.get_mut(&sid) {
+            Some(s) if !s.user_closed => Ok(s),
+            _ => Err(StateError::InvalidSocket),
+        }
+    }
+
+    pub(crate) fn socket_type(&mut self, sid: SocketId) -> Result<SockType, StateError> {
+        Ok(self.sock(sid)?.ty)
+    }
+
+    pub(crate) fn bind(&mut self, sid: SocketId, addr: SocketAddr) -> R<(), SocketError> {
+        let s = self.sock(sid)?;
+        if s.phase != Phase::Fresh {
+            return Err(StateError::AlreadyConnected.into());
+        }
+        if s.bound.is_some() {
+            return Err(StateError::AlreadyBound.into());
+        }
+        s.bound = Some(addr);
+        Ok(())
+    }
+
+    pub(crate) fn listen(&mut self, sid: SocketId, backlog: u32) -> R<SocketAddr, SocketError> {
+        let s = self.sock(sid)?;
+        if s.phase != Phase::Fresh {
+            return Err(StateError::AlreadyConnected.into());
+        }
+        let addr = s.bound.ok_or(StateError::NotBound)?;
+        if backlog > 0 {
+            s.opts.backlog = backlog.min(65535);
+        }
+        let backlog = s.opts.backlog;
+        let (listener, bound) = self.transport.listen(addr, backlog)?;
+        let s = self.sock(sid)?;
+        s.bound = Some(bound);
+        s.phase = Phase::Listening;
+        s.listening = Some(Listening { listener, accepts: VecDeque::new(), backlog: VecDeque::new() });
+        self.listeners.insert(listener, sid);
+        Ok(bound)
+    }
+
+    pub(crate) fn accept(&mut self, sid: SocketId, ticket: &mut Option<Ticket>) -> R<(), AcceptError> {
+        let s = self.sock(sid)?;
+        let Some(l) = s.listening.as_mut() else { return Err(StateError::NotListening.into()) };
+        let ticket = ticket.take().expect("ticket given");
+        if let Some((request, peer, hs)) = l.backlog.pop_front() {
+            self.accept_request(sid, request, peer, hs, ticket);
+        } else {
+            l.accepts.push_back(ticket);
+        }
+        self.flush_dirty();
+        Ok(())
+    }
+
+    pub(crate) fn connect(&mut self, sid: SocketId, addr: SocketAddr, ticket: &mut Option<Ticket>) -> R<(), ConnectError> {
+        let s = self.sock(sid)?;
+        match s.phase {
+            Phase::Fresh => {}
+            Phase::Listening => return Err(StateError::Listening.into()),
+            _ => return Err(StateError::AlreadyConnected.into()),
+        }
+        let (ty, opts) = (s.ty, s.opts);
+        let ep = self.new_ep();
+        let mut conn = self.build_conn(ep, ty, &opts)?;
+        let recvs = conn
+            .link
+            .initial_recvs()
+            .map_err(|v| TransportError::Invalid(format!("control buffers: {v}")))?;
+        let private = conn.local.encode();
+        self.transport.connect(ep, addr, &private, recvs)?;
+        let at = self.clock.now() + self.connect_timeout;
+        let s = self.sock(sid)?;
+        s.phase = Phase::Connecting;
+        s.conn = Some(conn);
+        s.ticket = ticket.take();
+        s.peer_addr = Some(addr);
+        self.eps.insert(ep, sid);
+        self.timers.push((at, sid, TimerKind::ConnectTimeout));
+        Ok(())
+    }
+
+    /// The open connection of a socket, or why there is none.
+    fn open_conn(&mut self, sid: SocketId) -> Result<&mut Conn, StateError> {
+        let s = self.sock(sid)?;
+        match s.phase {
+            Phase::Open => Ok(s.conn.as_mut().expect("open sockets have a connection")),
+            Phase::Fresh | Phase::Connecting | Phase::Accepting => Err(StateError::NotConnected),
+            Phase::Listening => Err(StateError::Listening),
+            Phase::Closing | Phase::Disconnecting | Phase::Down => {
+                Err(StateError::ConnectionDown(s.down.clone().unwrap_or(OpError::ConnectionReset)))
+            }
+        }
+    }
+
+    pub(crate) fn send(
+        &mut self,
+        sid: SocketId,
+        slice: &Slice,
+        flags: MsgFlags,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), SendError> {
+        slice.check(self.ctx_id)?;
+        let ty = self.sock(sid)?.ty;
+        if flags.contains(MsgFlags::PERSISTENT) {
+            return Err(SendError::Option(OptionError::OutOfRange {
+                name: "flags",
+                value: flags.0.into(),
+                allowed: "persistent sends are not supported on this socket",
+            }));
+        }
+        let conn = self.open_conn(sid)?;
+        match ty {
+            SockType::SeqPacket => {
+                let len = slice.len();
+                let data = if conn.send_needs_exposure(len) {
+                    let sge = slice.lease(LeaseKind::DeviceRead)?;
+                    let (lease, reg) = sge.into_parts();
+                    SendData::Exposed(self.transport.expose(&reg, lease, RemoteAccess::Read)?)
+                } else {
+                    SendData::Inline(slice.lease(LeaseKind::DeviceRead)?)
+                };
+                let conn = self.open_conn(sid)?;
+                conn.send_message(SendReq { ticket: ticket.take().expect("ticket given"), len, data });
+            }
+            SockType::Stream => {
+                if slice.is_empty() {
+                    return Err(BufferError::Empty.into());
+                }
+                let sge = slice.lease(LeaseKind::DeviceRead)?;
+                let conn = self.open_conn(sid)?;
+                let stream = conn.stream().expect("stream socket");
+                stream.send(ticket.take().expect("ticket given"), sge, flags);
+            }
+        }
+        self.flush(sid);
+        Ok(())
+    }
+
+    pub(crate) fn recv(
+        &mut self,
+        sid: SocketId,
+        slice: &Slice,
+        flags: MsgFlags,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), RecvError> {
+        slice.check(self.ctx_id)?;
+        let s = self.sock(sid)?;
+        let ty = s.ty;
+        // After the peer closed, a receive reports end-of-stream (as read(2) returns 0), unless data remains.
+        if s.peer_closed && matches!(s.phase, Phase::Disconnecting | Phase::Down) {
+            let t = ticket.take().expect("ticket given");
+            t.complete(Ok(()), 0, EventFlags { eof: true, ..Default::default() });
+            return Ok(());
+        }
+        if flags.contains(MsgFlags::PERSISTENT) {
+            return Err(RecvError::Option(OptionError::OutOfRange {
+                name: "flags",
+                value: flags.0.into(),
+                allowed: "persistent receives are not supported on this socket",
+            }));
+        }
+        match ty {
+            SockType::SeqPacket => {
+                self.open_conn(sid)?;
+                let sge = slice.lease(RECV_LEASE)?;
+                self.open_conn(sid)?.recv_message(RecvReq { ticket: ticket.take().expect("ticket given"), sge });
+            }
+            SockType::Stream => {
+                if slice.is_empty() {
+                    return Err(BufferError::Empty.into());
+                }
+                self.open_conn(sid)?;
+                let sge = slice.lease(LeaseKind::DeviceWrite)?;
+                let (lease, reg) = sge.into_parts();
+                let exposure = self.transport.expose(&reg, lease, RemoteAccess::Write)?;
+                let conn = self.open_conn(sid)?;
+                conn.stream().expect("stream socket").recv(ticket.take().expect("ticket given"), exposure, reg, flags);
+            }
+        }
+        self.flush(sid);
+        Ok(())
+    }
+
+    pub(crate) fn close(&mut self, sid: SocketId) -> R<(), CloseError> {
+        let s = self.sock(sid)?;
+        s.user_closed = true;
+        match s.phase {
+            Phase::Fresh | Phase::Down => {
+                self.sockets.remove(&sid);
+            }
+            Phase::Listening => {
+                let l = s.listening.take().expect("listening sockets have a listener");
+                for t in l.accepts {
+                    t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
+                }
+                for (request, _, _) in l.backlog {
+                    self.transport.reject(request);
+                }
+                self.listeners.remove(&l.listener);
+                self.transport.close_listener(l.listener);
+                self.sockets.remove(&sid);
+            }
+            Phase::Connecting | Phase::Accepting => {
+                if let Some(t) = s.ticket.take() {
+                    t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
+                }
+                s.down = Some(OpError::Cancelled);
+                self.disconnect(sid);
+            }
+            Phase::Open => {
+                s.down = Some(OpError::Cancelled);
+                let conn = s.conn.as_mut().expect("open sockets have a connection");
+                // "Closing a socket completes every pending operation with a cancelled status."
+                conn.fail(OpError::Cancelled);
+                if s.peer_closed {
+                    self.disconnect(sid);
+                } else {
+                    conn.queue_close(CloseReason::Close);
+                    s.phase = Phase::Closing;
+                    let at = self.clock.now() + self.linger;
+                    self.timers.push((at, sid, TimerKind::Linger));
+                    self.flush(sid);
+                }
+            }
+            Phase::Closing | Phase::Disconnecting => {}
+        }
+        Ok(())
+    }
+
+    pub(crate) fn set_option(&mut self, sid: SocketId, opt: SocketOption) -> R<(), OptionError> {
+        let s = self.sock(sid)?;
+        if opt.negotiated() && s.phase != Phase::Fresh {
+            return Err(OptionError::Locked(opt.name()));
+        }
+        opt.apply(&mut s.opts)
+    }
+
+    pub(crate) fn options(&mut self, sid: SocketId) -> R<SocketOptions, StateError> {
+        Ok(self.sock(sid)?.opts)
+    }
+
+    pub(crate) fn local_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {
+        let s = self.sock(sid)?;
+        let (bound, ep) = (s.bound, s.ep());
+        Ok(ep.and_then(|ep| self.transport.local_addr(ep)).or(bound))
+    }
+
+    pub(crate) fn peer_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {
+        let s = self.sock(sid)?;
+        if s.phase != Phase::Open {
+            return Err(StateError::NotConnected);
+        }
+        let (peer, ep) = (s.peer_addr, s.ep());
+        Ok(peer.or_else(|| ep.and_then(|ep| self.transport.peer_addr(ep))))
+    }
+
+    /// Counters of the connection of a socket (tests and tools).
+    pub(crate) fn conn_stats(&mut self, sid: SocketId) -> Option<crate::socket::ConnStats> {
+        let s = self.sockets.get_mut(&sid)?;
+        let conn = s.conn.as_mut()?;
+        Some(crate::socket::ConnStats {
+            link: conn.link.stats,
+            message: conn.message().map(|m| m.stats).unwrap_or_default(),
+            stream: conn.stream().map(|st| st.stats()).unwrap_or_default(),
+            window_in: conn.link.window_in(),
+            slot_size: conn.link.slot_size(),
+        })
+    }
+
+    /// Closes every socket (context teardown).
+    pub(crate) fn shutdown(&mut self) {
+        let ids: Vec<SocketId> = self.sockets.keys().copied().collect();
+        for sid in ids {
+            if self.sockets.get(&sid).is_some_and(|s| !s.user_closed) {
+                let _ = self.close(sid);
+            }
+        }
+        self.flush_dirty();
+        let eps: Vec<EndpointId> = self.eps.keys().copied().collect();
+        for ep in eps {
+            self.transport.disconnect(ep);
+            self.on_disconnected(ep);
+        }
+    }
+}
+
+fn conn_rx_bytes(conn: &Conn) -> u64 {
+    (conn.link.slot_size() * conn.link.window_in() as usize) as u64
+}

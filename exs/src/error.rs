@@ -1,0 +1,436 @@
+//! Errors, one type per operation, each saying whose fault it is.
+//!
+//! Synchronous calls return `Result<_, XxxError>` for what can be decided at once (misuse, bad buffers, a full
+//! queue). Asynchronous outcomes arrive in the operation's [`Event`](crate::Event) as an [`OpError`].
+//! Every error converts into `std::io::Error` with a fitting [`std::io::ErrorKind`].
+
+use std::io;
+
+use exs_dma::DmaError;
+
+pub use crate::transport::TransportError;
+pub use crate::wire::WireError;
+
+/// Whose fault an error is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Blame {
+    /// The application misused the API (bad handle, bad buffer, wrong state). Fix the caller.
+    Local,
+    /// The remote peer broke the protocol, closed, or vanished.
+    Peer,
+    /// The fabric, device or provider failed, or refused a resource.
+    Transport,
+}
+
+/// A rule of the protocol the peer broke. The connection is closed; other connections are untouched.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Violation {
+    /// A control message could not be decoded.
+    #[error("malformed control message: {0}")]
+    Malformed(#[from] WireError),
+    /// The handshake was not ours or had an unsupported version.
+    #[error("incompatible handshake: {0}")]
+    Handshake(String),
+    /// The peer's socket type differs from ours (stream vs seqpacket).
+    #[error("socket type mismatch: we are {ours}, the peer is {theirs}")]
+    SocketTypeMismatch { ours: &'static str, theirs: &'static str },
+    /// More control messages arrived than the receive buffers we granted.
+    #[error("the peer sent beyond its {window} control-buffer credits")]
+    CreditOverrun { window: u32 },
+    /// More advertisements arrived than the advert credits we granted (seed 002, 3.2).
+    #[error("the peer sent advertisement {seq} beyond its {credits} advert credits")]
+    AdvertOverrun { seq: u32, credits: u32 },
+    /// An advertisement's sequence number is not the next one.
+    #[error("advertisement out of order: expected {expected}, got {got}")]
+    AdvertOutOfOrder { expected: u32, got: u32 },
+    /// An acknowledgment for an operation we never sent.
+    #[error("acknowledgment for unknown advertisement {seq} (next unacked {oldest}, {outstanding} outstanding)")]
+    UnknownAck { seq: u32, oldest: u32, outstanding: usize },
+    /// More credits were returned than we ever spent.
+    #[error("{returned} credits returned with only {spent} outstanding")]
+    CreditsBeyondWindow { returned: u32, spent: u32 },
+    /// An advertised length or address range does not fit.
+    #[error("advertised range is invalid: {0}")]
+    BadRange(String),
+    /// A stream-protocol rule (phase, sequence, stream buffer) was broken (seed 001).
+    #[error("stream protocol violation: {0}")]
+    Stream(String),
+    /// A message of a kind that this socket type or state does not accept.
+    #[error("unexpected {kind} message {context}")]
+    Unexpected { kind: &'static str, context: &'static str },
+    /// A persistent operation was refused by the rules of seed 002, 4.3.
+    #[error("persistent operation refused: {0}")]
+    Persistent(String),
+    /// RDMA access by the peer was rejected by the hardware (bad key, bad bounds).
+    #[error("remote access error reported by the transport: {0}")]
+    RemoteAccess(String),
+}
+
+/// How an asynchronous operation ended, when it did not succeed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OpError {
+    /// The operation was cancelled by a local close.
+    #[error("cancelled by close")]
+    Cancelled,
+    /// The peer closed the connection before this operation completed.
+    #[error("the peer closed the connection")]
+    PeerClosed,
+    /// The connection was lost (peer gone, transport disconnected) before this operation completed.
+    #[error("connection reset")]
+    ConnectionReset,
+    /// The peer broke the protocol; the connection was closed.
+    #[error("peer misbehaved: {0}")]
+    PeerMisbehaved(Violation),
+    /// The connection attempt was refused (nobody listens, or the listener rejected it).
+    #[error("connection refused")]
+    Refused,
+    /// The connection attempt or operation timed out.
+    #[error("timed out")]
+    TimedOut,
+    /// The address could not be reached.
+    #[error("address unreachable")]
+    Unreachable,
+    /// The transport failed.
+    #[error("transport failure: {0}")]
+    Transport(TransportError),
+}
+
+impl OpError {
+    /// Whose fault it is.
+    pub fn blame(&self) -> Blame {
+        match self {
+            OpError::Cancelled => Blame::Local,
+            OpError::PeerClosed | OpError::ConnectionReset | OpError::PeerMisbehaved(_) | OpError::Refused => {
+                Blame::Peer
+            }
+            OpError::TimedOut | OpError::Unreachable | OpError::Transport(_) => Blame::Transport,
+        }
+    }
+
+    /// The closest `std::io::ErrorKind`.
+    pub fn io_kind(&self) -> io::ErrorKind {
+        match self {
+            OpError::Cancelled => io::ErrorKind::Interrupted,
+            OpError::PeerClosed => io::ErrorKind::BrokenPipe,
+            OpError::ConnectionReset => io::ErrorKind::ConnectionReset,
+            OpError::PeerMisbehaved(_) => io::ErrorKind::InvalidData,
+            OpError::Refused => io::ErrorKind::ConnectionRefused,
+            OpError::TimedOut => io::ErrorKind::TimedOut,
+            OpError::Unreachable => io::ErrorKind::HostUnreachable,
+            OpError::Transport(e) => e.io_kind(),
+        }
+    }
+}
+
+/// Misuse of a buffer handed to an operation.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum BufferError {
+    /// The range is not inside the memory region.
+    #[error("range {start}..{end} is outside the region of {len} bytes")]
+    OutOfRegion { start: usize, end: usize, len: usize },
+    /// The region belongs to another context (device) than the socket.
+    #[error("the memory region was registered with another context")]
+    WrongContext,
+    /// The range is already in use by a pending operation that excludes this one.
+    #[error("the buffer is in use by a pending operation: {0}")]
+    Busy(DmaError),
+    /// The region was deregistered.
+    #[error("the memory region has been deregistered")]
+    Deregistered,
+    /// A zero-length buffer where the operation needs bytes.
+    #[error("zero-length buffer not allowed here")]
+    Empty,
+}
+
+impl From<DmaError> for BufferError {
+    fn from(e: DmaError) -> Self {
+        match e {
+            DmaError::OutOfBounds { start, end, len } => BufferError::OutOfRegion { start, end, len },
+            other => BufferError::Busy(other),
+        }
+    }
+}
+
+/// Misuse of a socket handle or state.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum StateError {
+    /// The socket was closed (or never existed in this context).
+    #[error("invalid or closed socket")]
+    InvalidSocket,
+    /// The socket is not connected yet.
+    #[error("socket is not connected")]
+    NotConnected,
+    /// The socket is already connected or connecting.
+    #[error("socket is already connected or connecting")]
+    AlreadyConnected,
+    /// The socket is listening; data operations are not allowed.
+    #[error("socket is listening")]
+    Listening,
+    /// The socket is not listening.
+    #[error("socket is not listening")]
+    NotListening,
+    /// The socket is not bound to an address.
+    #[error("socket is not bound")]
+    NotBound,
+    /// The socket is already bound.
+    #[error("socket is already bound")]
+    AlreadyBound,
+    /// The sending (or receiving) direction was shut down.
+    #[error("this direction of the socket was shut down")]
+    Shutdown,
+    /// The connection failed or was closed by the peer; new operations cannot start.
+    #[error("the connection is down: {0}")]
+    ConnectionDown(OpError),
+    /// The operation does not apply to this socket type.
+    #[error("operation not supported on a {0} socket")]
+    WrongType(&'static str),
+}
+
+/// The event queue cannot take another outstanding operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("event queue is full: {depth} operations already outstanding")]
+pub struct QueueFull {
+    /// The queue's depth.
+    pub depth: usize,
+}
+
+macro_rules! op_error {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $var:ident($ty:ty) => $blame:expr, $kind:expr;)* }) => {
+        $(#[$m])*
+        #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+        #[non_exhaustive]
+        pub enum $name {
+            $($(#[$vm])* #[error(transparent)] $var(#[from] $ty),)*
+        }
+
+        impl $name {
+            /// Whose fault it is.
+            pub fn blame(&self) -> Blame {
+                #[allow(unused_variables)]
+                match self { $($name::$var(e) => ($blame)(e),)* }
+            }
+
+            /// The closest `std::io::ErrorKind`.
+            pub fn io_kind(&self) -> io::ErrorKind {
+                #[allow(unused_variables)]
+                match self { $($name::$var(e) => ($kind)(e),)* }
+            }
+        }
+
+        impl From<$name> for io::Error {
+            fn from(e: $name) -> io::Error {
+                io::Error::new(e.io_kind(), e)
+            }
+        }
+    };
+}
+
+fn state_kind(e: &StateError) -> io::ErrorKind {
+    match e {
+        StateError::InvalidSocket => io::ErrorKind::InvalidInput,
+        StateError::NotConnected | StateError::NotBound | StateError::NotListening => io::ErrorKind::NotConnected,
+        StateError::AlreadyConnected | StateError::AlreadyBound => io::ErrorKind::AlreadyExists,
+        StateError::Listening | StateError::WrongType(_) => io::ErrorKind::Unsupported,
+        StateError::Shutdown => io::ErrorKind::BrokenPipe,
+        StateError::ConnectionDown(e) => e.io_kind(),
+    }
+}
+
+fn state_blame(e: &StateError) -> Blame {
+    match e {
+        StateError::ConnectionDown(op) => op.blame(),
+        _ => Blame::Local,
+    }
+}
+
+fn buffer_kind(e: &BufferError) -> io::ErrorKind {
+    match e {
+        BufferError::Busy(_) => io::ErrorKind::ResourceBusy,
+        _ => io::ErrorKind::InvalidInput,
+    }
+}
+
+op_error! {
+    /// Why `send` (exs_send) was refused.
+    SendError {
+        State(StateError) => state_blame, state_kind;
+        Buffer(BufferError) => |_| Blame::Local, buffer_kind;
+        Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
+        Option(OptionError) => |_| Blame::Local, |_| io::ErrorKind::InvalidInput;
+        Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
+    }
+}
+
+op_error! {
+    /// Why `recv` (exs_recv) was refused.
+    RecvError {
+        State(StateError) => state_blame, state_kind;
+        Buffer(BufferError) => |_| Blame::Local, buffer_kind;
+        Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
+        Option(OptionError) => |_| Blame::Local, |_| io::ErrorKind::InvalidInput;
+        Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
+    }
+}
+
+op_error! {
+    /// Why `connect` (exs_connect) was refused at once. Later failures arrive in the event.
+    ConnectError {
+        State(StateError) => state_blame, state_kind;
+        Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
+        Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
+    }
+}
+
+op_error! {
+    /// Why `accept` (exs_accept) was refused at once.
+    AcceptError {
+        State(StateError) => state_blame, state_kind;
+        Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
+        Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
+    }
+}
+
+op_error! {
+    /// Why `bind`/`listen`/`socket` (exs_bind, exs_listen, exs_socket) failed.
+    SocketError {
+        State(StateError) => state_blame, state_kind;
+        Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
+    }
+}
+
+op_error! {
+    /// Why `close`/`shutdown` (exs_close) failed.
+    CloseError {
+        State(StateError) => state_blame, state_kind;
+    }
+}
+
+/// Why an option could not be read or set (exs_fcntl).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum OptionError {
+    /// The option can only change before the connection is established.
+    #[error("option {0} cannot change after connect")]
+    Locked(&'static str),
+    /// The value is out of the allowed range.
+    #[error("option {name}: {value} is out of range ({allowed})")]
+    OutOfRange { name: &'static str, value: u64, allowed: &'static str },
+    /// The socket is invalid or closed.
+    #[error(transparent)]
+    State(#[from] StateError),
+}
+
+impl OptionError {
+    /// Whose fault it is (always the caller's).
+    pub fn blame(&self) -> Blame {
+        Blame::Local
+    }
+}
+
+impl From<OptionError> for io::Error {
+    fn from(e: OptionError) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidInput, e)
+    }
+}
+
+/// Why memory registration (exs_mregister) or deregistration (exs_mderegister) failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum MemoryError {
+    /// Pending operations or exposed remote keys still use the region.
+    #[error("the region is still used by {leases} pending operation(s) or remote key(s)")]
+    InUse { leases: usize },
+    /// The transport refused the registration.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// A zero-length region.
+    #[error("cannot register zero bytes")]
+    Empty,
+}
+
+impl MemoryError {
+    /// Whose fault it is.
+    pub fn blame(&self) -> Blame {
+        match self {
+            MemoryError::Transport(_) => Blame::Transport,
+            _ => Blame::Local,
+        }
+    }
+}
+
+impl From<MemoryError> for io::Error {
+    fn from(e: MemoryError) -> io::Error {
+        let kind = match &e {
+            MemoryError::InUse { .. } => io::ErrorKind::ResourceBusy,
+            MemoryError::Transport(t) => t.io_kind(),
+            MemoryError::Empty => io::ErrorKind::InvalidInput,
+        };
+        io::Error::new(kind, e)
+    }
+}
+
+/// Why `dequeue` (exs_qdequeue) returned without the events asked for.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum DequeueError {
+    /// The timeout expired before enough events arrived (the events that did arrive were returned first).
+    #[error("timed out waiting for events")]
+    TimedOut,
+    /// Bad arguments (min greater than max, or max zero).
+    #[error("invalid dequeue arguments: {0}")]
+    Invalid(&'static str),
+    /// In the simulated fabric only: nothing can ever arrive (every endpoint is idle), so waiting would hang.
+    #[error("deadlock: {waiting} event(s) awaited, {outstanding} operation(s) outstanding, and the fabric is idle")]
+    Stalled { waiting: usize, outstanding: usize },
+}
+
+impl DequeueError {
+    /// Whose fault it is.
+    pub fn blame(&self) -> Blame {
+        match self {
+            DequeueError::TimedOut => Blame::Transport,
+            DequeueError::Invalid(_) | DequeueError::Stalled { .. } => Blame::Local,
+        }
+    }
+}
+
+impl From<DequeueError> for io::Error {
+    fn from(e: DequeueError) -> io::Error {
+        let kind = match &e {
+            DequeueError::TimedOut => io::ErrorKind::TimedOut,
+            DequeueError::Invalid(_) => io::ErrorKind::InvalidInput,
+            DequeueError::Stalled { .. } => io::ErrorKind::WouldBlock,
+        };
+        io::Error::new(kind, e)
+    }
+}
+
+impl From<OpError> for io::Error {
+    fn from(e: OpError) -> io::Error {
+        io::Error::new(e.io_kind(), e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_convert_to_io_with_fitting_kind_and_blame() {
+        let e = SendError::from(StateError::NotConnected);
+        assert_eq!(e.blame(), Blame::Local);
+        assert_eq!(io::Error::from(e).kind(), io::ErrorKind::NotConnected);
+
+        let e = RecvError::from(BufferError::Busy(DmaError::InUse { leases: 1 }));
+        assert_eq!(io::Error::from(e).kind(), io::ErrorKind::ResourceBusy);
+
+        let e = SendError::from(QueueFull { depth: 4 });
+        assert_eq!(io::Error::from(e).kind(), io::ErrorKind::WouldBlock);
+
+        let down = StateError::ConnectionDown(OpError::PeerMisbehaved(Violation::CreditOverrun { window: 4 }));
+        let e = SendError::from(down);
+        assert_eq!(e.blame(), Blame::Peer);
+        assert_eq!(io::Error::from(e).kind(), io::ErrorKind::InvalidData);
+
+        assert_eq!(OpError::Refused.io_kind(), io::ErrorKind::ConnectionRefused);
+        assert_eq!(OpError::TimedOut.io_kind(), io::ErrorKind::TimedOut);
+        assert_ne!(OpError::Refused.io_kind(), OpError::TimedOut.io_kind());
+    }
+}

@@ -1,0 +1,66 @@
+//! # exs: Extended Sockets over RDMA
+//!
+//! The transport-independent core of `exs`, a Rust implementation of the Extended Sockets API (ES-API) and the
+//! UNH-EXS protocols: sockets with asynchronous operations and registered memory, over any RDMA [`Transport`].
+//!
+//! ```text
+//!  application ── Socket / EventQueue / MemoryRegion        (socket.rs, event.rs, memory.rs)
+//!                      │
+//!                 Context + Engine: one progress thread      (context.rs, engine.rs)
+//!                      │
+//!                 proto: link credits, message mode, stream  (proto/)
+//!                      │ work requests, completions
+//!                 Transport trait ── backends: verbs, libfabric, simulated fabric (transport.rs, sim/)
+//! ```
+//!
+//! The wire format lives in [`wire`]. Memory handed to the hardware is leased (crate `exs-dma`), so a buffer
+//! outlives every work request and remote key that names it. This crate contains no `unsafe` code.
+//!
+//! Sources: seed 001 (dynamic stream protocol), seed 002 (UNH-EXS paper: ES-API, message mode, credits,
+//! immediate data, persistent operations), seed 003 (shared receive queue), seed 004 (adaptive completion wait).
+
+pub mod context;
+pub mod engine;
+pub mod error;
+pub mod event;
+pub mod memory;
+pub mod options;
+pub mod proto;
+pub mod socket;
+pub mod transport;
+pub mod wire;
+
+#[cfg(feature = "sim")]
+pub mod sim;
+
+pub use context::{Clock, Context, ContextOptions, ManualDriver, Progress, SystemClock};
+pub use error::{
+    AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, MemoryError, OpError, OptionError,
+    QueueFull, RecvError, SendError, SocketError, StateError, Violation,
+};
+pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
+pub use memory::{MemoryRegion, Slice};
+pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
+pub use socket::{ConnStats, Readiness, Socket, SocketId};
+pub use transport::{Capabilities, Transport, TransportError};
+
+/// The ES-API version this library implements (`EXS_VERSION`).
+pub const EXS_VERSION: u32 = 1;
+
+/// Why [`init`] refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("ES-API version {requested} requested; this library implements version {EXS_VERSION}")]
+pub struct InitError {
+    /// The version the caller asked for.
+    pub requested: u32,
+}
+
+/// Checks that the caller speaks our ES-API version (ES-API `exs_init(EXS_VERSION)`).
+///
+/// Devices are opened by the backends; [`Context::new`] then wraps one.
+pub fn init(version: u32) -> Result<(), InitError> {
+    if version != EXS_VERSION {
+        return Err(InitError { requested: version });
+    }
+    Ok(())
+}

@@ -1,0 +1,245 @@
+//! Registered memory: `exs_mregister` / `exs_mderegister`.
+//!
+//! A [`MemoryRegion`] is a buffer registered with one [`Context`]'s transport. Operations name a range of it
+//! with a [`Slice`]. While an operation is pending, its range is leased (see `exs-dma`): the application cannot
+//! write a range a send is exposing or read a range a receive may be filling (it gets
+//! [`BufferError::Busy`](crate::BufferError::Busy)), the region cannot be deregistered
+//! ([`MemoryError::InUse`]), and dropping every handle keeps the memory alive until the last pending operation and
+//! remote key are gone. No sequence of safe calls can make the hardware touch freed memory.
+
+use std::fmt;
+use std::ops::{Bound, Range, RangeBounds};
+use std::sync::{Arc, Mutex};
+
+use exs_dma::{DmaBuf, Lease, LeaseKind};
+
+use crate::context::Context;
+use crate::error::{BufferError, MemoryError};
+use crate::transport::{Registration, Sge};
+
+/// Memory registered for RDMA with one context (ES-API `exs_mregister`). Cheap to clone (a handle).
+#[derive(Clone)]
+pub struct MemoryRegion {
+    inner: Arc<RegionInner>,
+}
+
+struct RegionInner {
+    buf: Arc<DmaBuf>,
+    /// `None` once deregistered. The lock also orders "take a lease" against "check for leases, deregister".
+    reg: Mutex<Option<Arc<dyn Registration>>>,
+    context_id: u64,
+}
+
+impl MemoryRegion {
+    /// Allocates `len` zeroed, page-aligned bytes and registers them (ES-API `exs_mregister`).
+    pub fn alloc(ctx: &Context, len: usize) -> Result<Self, MemoryError> {
+        if len == 0 {
+            return Err(MemoryError::Empty);
+        }
+        Self::register(ctx, DmaBuf::new(len))
+    }
+
+    /// Registers the bytes of a vector without copying them (ES-API `exs_mregister` of caller memory).
+    /// Get them back with [`MemoryRegion::into_vec`].
+    pub fn from_vec(ctx: &Context, bytes: Vec<u8>) -> Result<Self, MemoryError> {
+        if bytes.is_empty() {
+            return Err(MemoryError::Empty);
+        }
+        Self::register(ctx, DmaBuf::from_vec(bytes))
+    }
+
+    fn register(ctx: &Context, buf: Arc<DmaBuf>) -> Result<Self, MemoryError> {
+        let reg = ctx.register(&buf)?;
+        Ok(Self { inner: Arc::new(RegionInner { buf, reg: Mutex::new(Some(reg)), context_id: ctx.id() }) })
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.inner.buf.len()
+    }
+
+    /// Whether the region is empty (never true for a registered region).
+    pub fn is_empty(&self) -> bool {
+        self.inner.buf.is_empty()
+    }
+
+    /// Names a range for an operation. Nothing is checked until the operation starts.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> Slice {
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s.saturating_add(1),
+            Bound::Unbounded => 0,
+        };
+        let end = match range.end_bound() {
+            Bound::Included(&e) => e.saturating_add(1),
+            Bound::Excluded(&e) => e,
+            Bound::Unbounded => self.len(),
+        };
+        Slice { region: self.clone(), start, end }
+    }
+
+    /// The whole region.
+    pub fn all(&self) -> Slice {
+        self.slice(..)
+    }
+
+    /// Copies bytes out. Refused while a pending receive may be writing the range; allowed alongside a persistent
+    /// receive, in which case the bytes may be a mixture of old and new (seed 002, 4.3).
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), BufferError> {
+        Ok(self.inner.buf.read_at(offset, dst)?)
+    }
+
+    /// Copies bytes in. Refused while a pending send exposes the range; allowed alongside a persistent send
+    /// (seed 002, 4.2: the sender keeps updating what the peer samples).
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), BufferError> {
+        Ok(self.inner.buf.write_at(offset, src)?)
+    }
+
+    /// Borrows a range for reading, without copying.
+    pub fn with_slice<R>(&self, range: Range<usize>, f: impl FnOnce(&[u8]) -> R) -> Result<R, BufferError> {
+        Ok(self.inner.buf.with_slice(range, f)?)
+    }
+
+    /// Borrows a range for writing, without copying.
+    pub fn with_slice_mut<R>(&self, range: Range<usize>, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, BufferError> {
+        Ok(self.inner.buf.with_slice_mut(range, f)?)
+    }
+
+    /// Copies the whole region into a new vector.
+    pub fn to_vec(&self) -> Result<Vec<u8>, BufferError> {
+        let mut v = vec![0u8; self.len()];
+        self.read(0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Number of pending operations and remote keys using the region.
+    pub fn leases(&self) -> usize {
+        self.inner.buf.lease_count()
+    }
+
+    /// Deregisters the region (ES-API `exs_mderegister`). Refused while any operation or remote key uses it.
+    /// Other handles (clones, slices) become unusable for new operations.
+    pub fn deregister(&self) -> Result<(), MemoryError> {
+        let mut reg = self.inner.reg.lock().unwrap_or_else(|p| p.into_inner());
+        let leases = self.inner.buf.lease_count();
+        if leases > 0 {
+            return Err(MemoryError::InUse { leases });
+        }
+        reg.take();
+        Ok(())
+    }
+
+    /// Deregisters and gives the bytes back, if this is the only handle and nothing uses the region.
+    pub fn into_vec(self) -> Result<Vec<u8>, (Self, MemoryError)> {
+        if let Err(e) = self.deregister() {
+            return Err((self, e));
+        }
+        match Arc::try_unwrap(self.inner) {
+            Ok(inner) => DmaBuf::into_vec(inner.buf).map_err(|(buf, e)| {
+                let leases = match e {
+                    exs_dma::DmaError::InUse { leases } => leases,
+                    _ => 0,
+                };
+                let region = MemoryRegion {
+                    inner: Arc::new(RegionInner { buf, reg: Mutex::new(None), context_id: inner.context_id }),
+                };
+                (region, MemoryError::InUse { leases })
+            }),
+            Err(inner) => {
+                let leases = inner.buf.lease_count();
+                Err((MemoryRegion { inner }, MemoryError::InUse { leases }))
+            }
+        }
+    }
+
+    pub(crate) fn context_id(&self) -> u64 {
+        self.inner.context_id
+    }
+
+    pub(crate) fn buf(&self) -> &Arc<DmaBuf> {
+        &self.inner.buf
+    }
+
+    /// Leases a range and pairs it with the registration, as one step with respect to deregistration.
+    pub(crate) fn lease(&self, range: Range<usize>, kind: LeaseKind) -> Result<Sge, BufferError> {
+        let reg = self.inner.reg.lock().unwrap_or_else(|p| p.into_inner());
+        let reg = reg.as_ref().ok_or(BufferError::Deregistered)?;
+        let lease = self.inner.buf.lease(range, kind)?;
+        Sge::new(lease, Arc::clone(reg)).map_err(|_| BufferError::Deregistered)
+    }
+
+    pub(crate) fn registration(&self) -> Result<Arc<dyn Registration>, BufferError> {
+        let reg = self.inner.reg.lock().unwrap_or_else(|p| p.into_inner());
+        reg.as_ref().map(Arc::clone).ok_or(BufferError::Deregistered)
+    }
+}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("len", &self.len())
+            .field("leases", &self.leases())
+            .field("context", &self.inner.context_id)
+            .finish()
+    }
+}
+
+/// A range of a [`MemoryRegion`] named for one operation.
+#[derive(Clone, Debug)]
+pub struct Slice {
+    region: MemoryRegion,
+    start: usize,
+    end: usize,
+}
+
+impl Slice {
+    /// The region.
+    pub fn region(&self) -> &MemoryRegion {
+        &self.region
+    }
+
+    /// Offset of the first byte in the region.
+    pub fn offset(&self) -> usize {
+        self.start
+    }
+
+    /// Length in bytes (zero if the range is inverted; the operation will refuse it).
+    pub fn len(&self) -> usize {
+        self.end.saturating_sub(self.start)
+    }
+
+    /// Whether the slice is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub(crate) fn range(&self) -> Range<usize> {
+        self.start..self.end
+    }
+
+    /// Checks that the slice lies in its region and that the region belongs to context `ctx`.
+    pub(crate) fn check(&self, ctx: u64) -> Result<(), BufferError> {
+        if self.region.context_id() != ctx {
+            return Err(BufferError::WrongContext);
+        }
+        if self.start > self.end || self.end > self.region.len() {
+            return Err(BufferError::OutOfRegion { start: self.start, end: self.end, len: self.region.len() });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn lease(&self, kind: LeaseKind) -> Result<Sge, BufferError> {
+        self.region.lease(self.range(), kind)
+    }
+}
+
+/// Leases one range of a buffer and pairs it with a registration (for the engine's own buffers).
+pub(crate) fn lease_sge(
+    buf: &Arc<DmaBuf>,
+    reg: &Arc<dyn Registration>,
+    range: Range<usize>,
+    kind: LeaseKind,
+) -> Result<Sge, BufferError> {
+    let lease: Lease = buf.lease(range, kind)?;
+    Sge::new(lease, Arc::clone(reg)).map_err(|_| BufferError::WrongContext)
+}

@@ -1,0 +1,176 @@
+//! Socket types, flags and options (ES-API `exs_socket` types, `exs_fcntl`).
+
+use crate::error::OptionError;
+
+/// Socket type (ES-API `exs_socket(domain, type, protocol)`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SockType {
+    /// SOCK_SEQPACKET: reliable messages with boundaries (message mode, seed 002 section 3).
+    SeqPacket,
+    /// SOCK_STREAM: a byte stream with TCP's semantics (the dynamic stream protocol, seed 001).
+    Stream,
+}
+
+impl SockType {
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            SockType::SeqPacket => "seqpacket",
+            SockType::Stream => "stream",
+        }
+    }
+}
+
+/// Flags of `send`/`recv` (ES-API MSG_* and EXS_* flags).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct MsgFlags(pub u32);
+
+impl MsgFlags {
+    /// No flags.
+    pub const NONE: MsgFlags = MsgFlags(0);
+    /// Stream receive: complete only when the whole buffer is full (MSG_WAITALL).
+    pub const WAITALL: MsgFlags = MsgFlags(1);
+    /// Persistent send or receive (EXS_PERSISTENT, seed 002 sections 4.2 and 4.3).
+    pub const PERSISTENT: MsgFlags = MsgFlags(2);
+    /// Persistent send: an event each time the peer has read the buffer (seed 002, 4.2).
+    pub const NOTIFY: MsgFlags = MsgFlags(4);
+
+    /// Whether all flags of `other` are set.
+    pub fn contains(self, other: MsgFlags) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl std::ops::BitOr for MsgFlags {
+    type Output = MsgFlags;
+    fn bitor(self, rhs: MsgFlags) -> MsgFlags {
+        MsgFlags(self.0 | rhs.0)
+    }
+}
+
+/// Per-socket settings. Those marked "before connect" are negotiated in the handshake and cannot change later.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SocketOptions {
+    /// Advertisements we want to have outstanding (seed 002, 3.2 "send_credits"). Before connect. 1..=4096.
+    pub send_credits: u16,
+    /// Advertisements we accept outstanding from the peer ("recv_credits"). Before connect. 1..=4096.
+    pub recv_credits: u16,
+    /// Sends up to this size travel as immediate data in the advertisement (seed 002, 4.1). Before connect.
+    /// 0..=[`SocketOptions::MAX_SMALL`].
+    pub small_packet_max_size: u32,
+    /// Stream sockets: bytes of the intermediate stream buffer (seed 001). Before connect. 64..=1 GiB.
+    pub stream_buffer_size: u32,
+    /// Control receive buffers posted per connection (the link window). 0 picks a size from the credits.
+    /// Before connect. 0 or 4..=4096.
+    pub control_window: u16,
+    /// Listening sockets: connection requests held while no accept is pending. 1..=65535.
+    pub backlog: u32,
+}
+
+impl SocketOptions {
+    /// Largest `small_packet_max_size` (a control buffer must stay under 64 KiB).
+    pub const MAX_SMALL: u32 = 32 * 1024;
+
+    /// The control window in effect.
+    pub(crate) fn effective_window(&self, sock_type: SockType) -> u16 {
+        if self.control_window != 0 {
+            return self.control_window;
+        }
+        let base = match sock_type {
+            // Adverts from the peer, acknowledgments of ours, and room for CLOSE and credits.
+            SockType::SeqPacket => u32::from(self.recv_credits) + u32::from(self.send_credits) / 2 + 4,
+            // Stream writes consume buffers too (verbs), so the window is larger.
+            SockType::Stream => u32::from(self.recv_credits) + 64,
+        };
+        base.clamp(8, 4096) as u16
+    }
+}
+
+impl Default for SocketOptions {
+    fn default() -> Self {
+        SocketOptions {
+            send_credits: 16,
+            recv_credits: 16,
+            small_packet_max_size: 512,
+            stream_buffer_size: 1 << 20,
+            control_window: 0,
+            backlog: 128,
+        }
+    }
+}
+
+/// One option, for `Socket::set_option` (ES-API `exs_fcntl`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SocketOption {
+    /// See [`SocketOptions::send_credits`].
+    SendCredits(u16),
+    /// See [`SocketOptions::recv_credits`].
+    RecvCredits(u16),
+    /// See [`SocketOptions::small_packet_max_size`].
+    SmallPacketMaxSize(u32),
+    /// See [`SocketOptions::stream_buffer_size`].
+    StreamBufferSize(u32),
+    /// See [`SocketOptions::control_window`].
+    ControlWindow(u16),
+    /// See [`SocketOptions::backlog`].
+    Backlog(u32),
+}
+
+impl SocketOption {
+    /// The option's name.
+    pub fn name(&self) -> &'static str {
+        match self {
+            SocketOption::SendCredits(_) => "send_credits",
+            SocketOption::RecvCredits(_) => "recv_credits",
+            SocketOption::SmallPacketMaxSize(_) => "small_packet_max_size",
+            SocketOption::StreamBufferSize(_) => "stream_buffer_size",
+            SocketOption::ControlWindow(_) => "control_window",
+            SocketOption::Backlog(_) => "backlog",
+        }
+    }
+
+    /// Whether the option is negotiated at connect (and so frozen afterwards).
+    pub fn negotiated(&self) -> bool {
+        !matches!(self, SocketOption::Backlog(_))
+    }
+
+    /// Checks the value and applies it.
+    pub(crate) fn apply(self, o: &mut SocketOptions) -> Result<(), OptionError> {
+        fn range(name: &'static str, v: u64, lo: u64, hi: u64, allowed: &'static str) -> Result<(), OptionError> {
+            if v < lo || v > hi {
+                return Err(OptionError::OutOfRange { name, value: v, allowed });
+            }
+            Ok(())
+        }
+        let name = self.name();
+        match self {
+            SocketOption::SendCredits(v) => {
+                range(name, v.into(), 1, 4096, "1..=4096")?;
+                o.send_credits = v;
+            }
+            SocketOption::RecvCredits(v) => {
+                range(name, v.into(), 1, 4096, "1..=4096")?;
+                o.recv_credits = v;
+            }
+            SocketOption::SmallPacketMaxSize(v) => {
+                range(name, v.into(), 0, SocketOptions::MAX_SMALL.into(), "0..=32768")?;
+                o.small_packet_max_size = v;
+            }
+            SocketOption::StreamBufferSize(v) => {
+                range(name, v.into(), 64, 1 << 30, "64..=1073741824")?;
+                o.stream_buffer_size = v;
+            }
+            SocketOption::ControlWindow(v) => {
+                if v != 0 {
+                    range(name, v.into(), 4, 4096, "0 or 4..=4096")?;
+                }
+                o.control_window = v;
+            }
+            SocketOption::Backlog(v) => {
+                range(name, v.into(), 1, 65535, "1..=65535")?;
+                o.backlog = v;
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,355 @@
+//! One connection: the control link plus the protocol of its socket type.
+//!
+//! Input: completions from the transport and API calls (through the engine). Output: work requests appended to a
+//! vector (the engine posts them) and completed tickets (events). No transport calls happen here.
+
+use exs_dma::LeaseKind;
+
+use crate::error::{OpError, Violation};
+use crate::options::{SockType, SocketOptions};
+use crate::proto::link::{self, Link, WrKind, MIN_WINDOW};
+use crate::proto::message::{MessageProto, RecvReq, SendReq};
+use crate::proto::stream::{StreamProto, StreamSetup};
+use crate::transport::{Completed, Completion, EndpointId, Exposure, WcError, WorkRequest};
+use crate::wire::{Body, CloseReason, Handshake, Message, WireSockType};
+
+/// Limits of the transport that the protocol needs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    pub max_message: u64,
+    pub max_send_wr: u32,
+    pub max_read_depth: u32,
+    pub imm_consumes_recv: bool,
+}
+
+/// The socket-type protocol, chosen when the handshake completes.
+#[derive(Debug)]
+pub(crate) enum Mode {
+    Message(MessageProto),
+    Stream(Box<StreamProto>),
+}
+
+/// What a completion meant beyond the protocol's own bookkeeping.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Incoming {
+    Nothing,
+    /// The peer sent CLOSE.
+    PeerClose(CloseReason),
+}
+
+/// Why a connection must go down.
+#[derive(Debug)]
+pub(crate) enum Fault {
+    /// The peer broke the protocol.
+    Peer(Violation),
+    /// The transport reported a failure on one of our work requests.
+    Transport(WcError),
+}
+
+impl From<Violation> for Fault {
+    fn from(v: Violation) -> Self {
+        Fault::Peer(v)
+    }
+}
+
+impl Fault {
+    pub(crate) fn into_op_error(self) -> OpError {
+        match self {
+            Fault::Peer(v) => OpError::PeerMisbehaved(v),
+            Fault::Transport(WcError::RetryExceeded) | Fault::Transport(WcError::Flushed) => OpError::ConnectionReset,
+            Fault::Transport(e) => {
+                OpError::Transport(crate::transport::TransportError::Invalid(format!("work request failed: {e}")))
+            }
+        }
+    }
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    pub ep: EndpointId,
+    pub sock_type: SockType,
+    pub link: Link,
+    pub local: Handshake,
+    pub mode: Option<Mode>,
+    pub limits: Limits,
+    /// Stream mode: our intermediate stream buffer, exposed for the peer to write (held for the connection's life).
+    pub stream_setup: Option<StreamSetup>,
+    pub close_queued: bool,
+}
+
+impl Conn {
+    pub(crate) fn new(
+        ep: EndpointId,
+        sock_type: SockType,
+        link: Link,
+        local: Handshake,
+        limits: Limits,
+        stream_setup: Option<StreamSetup>,
+    ) -> Self {
+        Conn { ep, sock_type, link, local, mode: None, limits, stream_setup, close_queued: false }
+    }
+
+    /// Applies the peer's handshake: checks it and negotiates credits and sizes (seed 002, 3.2:
+    /// "the EXS interfaces on both sides negotiate the initial values").
+    pub(crate) fn establish(&mut self, peer: &Handshake, opts: &SocketOptions) -> Result<(), Violation> {
+        let ours = match self.sock_type {
+            SockType::SeqPacket => WireSockType::SeqPacket,
+            SockType::Stream => WireSockType::Stream,
+        };
+        if peer.sock_type != ours {
+            return Err(Violation::SocketTypeMismatch {
+                ours: self.sock_type.name(),
+                theirs: match peer.sock_type {
+                    WireSockType::SeqPacket => "seqpacket",
+                    WireSockType::Stream => "stream",
+                },
+            });
+        }
+        if u32::from(peer.ctrl_window) < MIN_WINDOW {
+            return Err(Violation::Handshake(format!(
+                "control window {} is below the minimum {MIN_WINDOW}",
+                peer.ctrl_window
+            )));
+        }
+        self.link.start(u32::from(peer.ctrl_window));
+        let room = Link::inline_room(peer.slot_size);
+        self.mode = Some(match self.sock_type {
+            SockType::SeqPacket => {
+                let send = u32::from(opts.send_credits.min(peer.recv_credits));
+                let recv = u32::from(opts.recv_credits.min(peer.send_credits));
+                if send == 0 || recv == 0 {
+                    return Err(Violation::Handshake("zero advert credits".into()));
+                }
+                let small = (opts.small_packet_max_size as usize).min(room);
+                Mode::Message(MessageProto::new(send, recv, small, self.limits.max_message))
+            }
+            SockType::Stream => {
+                let setup = self.stream_setup.as_ref().ok_or_else(|| {
+                    Violation::Handshake("stream socket without a stream buffer".into())
+                })?;
+                Mode::Stream(Box::new(StreamProto::new(setup, peer, opts, self.limits)?))
+            }
+        });
+        Ok(())
+    }
+
+    pub(crate) fn is_established(&self) -> bool {
+        self.mode.is_some()
+    }
+
+    pub(crate) fn message(&mut self) -> Option<&mut MessageProto> {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => Some(m),
+            _ => None,
+        }
+    }
+
+    pub(crate) fn stream(&mut self) -> Option<&mut StreamProto> {
+        match &mut self.mode {
+            Some(Mode::Stream(s)) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Whether a send of `len` bytes needs its buffer exposed for remote read (not immediate data).
+    pub(crate) fn send_needs_exposure(&self, len: usize) -> bool {
+        match &self.mode {
+            Some(Mode::Message(m)) => !m.is_immediate(len),
+            _ => false,
+        }
+    }
+
+    pub(crate) fn send_message(&mut self, req: SendReq) {
+        if let Some(Mode::Message(m)) = &mut self.mode {
+            m.send(req, &mut self.link);
+        }
+    }
+
+    pub(crate) fn recv_message(&mut self, req: RecvReq) {
+        if let Some(Mode::Message(m)) = &mut self.mode {
+            m.recv(req, &mut self.link);
+        }
+    }
+
+    /// Queues CLOSE (once).
+    pub(crate) fn queue_close(&mut self, reason: CloseReason) {
+        if !self.close_queued {
+            self.close_queued = true;
+            self.link.push_urgent(Body::Close(reason));
+        }
+    }
+
+    /// Posts what can go now; queues explicit acknowledgments first if due.
+    pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => {
+                m.queue_ack(&mut self.link);
+                self.link.flush(out, m);
+            }
+            Some(Mode::Stream(s)) => {
+                s.pump(&mut self.link);
+                self.link.flush(out, &mut ());
+            }
+            None => self.link.flush(out, &mut ()),
+        }
+    }
+
+    /// Handles one completion of this connection's endpoint.
+    pub(crate) fn on_completion(&mut self, c: &Completion, out: &mut Vec<WorkRequest>) -> Result<Incoming, Fault> {
+        match (c.op, link::wr_kind(c.wr_id)) {
+            (Completed::Recv { len, imm }, Some(WrKind::Recv(slot))) => {
+                match &c.status {
+                    Ok(()) => {}
+                    Err(WcError::Flushed) => return Ok(Incoming::Nothing),
+                    Err(e) => return Err(Fault::Transport(e.clone())),
+                }
+                let incoming = match imm {
+                    Some(imm) => {
+                        self.on_write_imm(imm)?;
+                        Incoming::Nothing
+                    }
+                    None => self.on_ctrl(slot, len as usize, out)?,
+                };
+                self.link.repost(slot, out)?;
+                Ok(incoming)
+            }
+            (Completed::RemoteWrite { imm }, _) => {
+                self.on_write_imm(imm)?;
+                Ok(Incoming::Nothing)
+            }
+            (Completed::Send, Some(WrKind::Ctrl(slot))) => {
+                let notify = self.link.on_ctrl_done(slot);
+                if let (Some(seq), Some(Mode::Message(m))) = (notify, &mut self.mode) {
+                    m.on_inline_sent(seq, c.status.clone());
+                }
+                self.check_local(&c.status)?;
+                Ok(Incoming::Nothing)
+            }
+            (Completed::Read, Some(WrKind::Data(tag))) => {
+                self.link.on_data_done(true);
+                match &mut self.mode {
+                    Some(Mode::Message(m)) => m.on_read_done(tag, c.status.clone())?,
+                    Some(Mode::Stream(_)) | None => {}
+                }
+                self.check_local(&c.status)?;
+                Ok(Incoming::Nothing)
+            }
+            (Completed::Write, Some(WrKind::Data(tag))) => {
+                self.link.on_data_done(false);
+                if let Some(Mode::Stream(s)) = &mut self.mode {
+                    s.on_write_done(tag, c.status.clone());
+                }
+                self.check_local(&c.status)?;
+                Ok(Incoming::Nothing)
+            }
+            (op, kind) => Err(Fault::Transport(WcError::Other(format!(
+                "completion {op:?} does not match work request {kind:?} ({:#x})",
+                c.wr_id
+            )))),
+        }
+    }
+
+    /// A local work request failed: a flush is part of going down, anything else brings the connection down.
+    fn check_local(&self, status: &Result<(), WcError>) -> Result<(), Fault> {
+        match status {
+            Ok(()) | Err(WcError::Flushed) => Ok(()),
+            Err(WcError::RemoteAccess) => {
+                Err(Fault::Peer(Violation::RemoteAccess("the peer's device refused our RDMA access".into())))
+            }
+            Err(e) => Err(Fault::Transport(e.clone())),
+        }
+    }
+
+    fn on_write_imm(&mut self, imm: u32) -> Result<(), Violation> {
+        match &mut self.mode {
+            Some(Mode::Stream(s)) => s.on_write_imm(imm, &mut self.link),
+            _ => Err(Violation::Unexpected { kind: "write-with-immediate", context: "on a message-mode socket" }),
+        }
+    }
+
+    fn on_ctrl(&mut self, slot: u32, len: usize, _out: &mut [WorkRequest]) -> Result<Incoming, Violation> {
+        let (msg, inline) = self.link.read_slot(slot, len)?;
+        self.on_message(msg, inline)
+    }
+
+    fn on_message(&mut self, msg: Message, inline: std::ops::Range<usize>) -> Result<Incoming, Violation> {
+        self.link.credits_returned(msg.credits)?;
+        let Some(mode) = &mut self.mode else {
+            return Err(Violation::Unexpected { kind: msg.body.kind().name(), context: "before the handshake" });
+        };
+        if let Some(ack) = msg.ack {
+            match mode {
+                Mode::Message(m) => m.on_ack(ack, &mut self.link)?,
+                Mode::Stream(_) => {
+                    return Err(Violation::Unexpected { kind: "acknowledgment", context: "on a stream socket" })
+                }
+            }
+        }
+        match (msg.body, mode) {
+            (Body::Credit, _) | (Body::Ack, Mode::Message(_)) => {}
+            (Body::Close(reason), _) => return Ok(Incoming::PeerClose(reason)),
+            (Body::Advert(a), Mode::Message(m)) => {
+                let rx = std::sync::Arc::clone(self.link.rx_buf());
+                let range = inline.clone();
+                let mut into_recv = |sge: &mut crate::transport::Sge| -> Result<(), Violation> {
+                    let n = sge.len().min(range.len());
+                    let src = rx
+                        .lease(range.start..range.start + n, LeaseKind::DeviceRead)
+                        .map_err(|e| Violation::BadRange(e.to_string()))?;
+                    src.copy_to(0, sge.lease_mut(), 0, n).map_err(|e| Violation::BadRange(e.to_string()))
+                };
+                let rx2 = std::sync::Arc::clone(self.link.rx_buf());
+                let mut copy_out = || -> Result<Vec<u8>, Violation> {
+                    let mut v = vec![0u8; inline.len()];
+                    rx2.read_at(inline.start, &mut v).map_err(|e| Violation::BadRange(e.to_string()))?;
+                    Ok(v)
+                };
+                m.on_advert(a, &mut into_recv, &mut copy_out, &mut self.link)?;
+            }
+            (Body::StreamAdvert(a), Mode::Stream(s)) => s.on_advert(a, &mut self.link)?,
+            (Body::StreamWindow { consumed }, Mode::Stream(s)) => s.on_window(consumed)?,
+            (body, _) => {
+                return Err(Violation::Unexpected { kind: body.kind().name(), context: "for this socket type" });
+            }
+        }
+        Ok(Incoming::Nothing)
+    }
+
+    /// Fails every operation (some complete once the transport returns their memory).
+    pub(crate) fn fail(&mut self, err: OpError) {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => m.fail(err),
+            Some(Mode::Stream(s)) => s.fail(err),
+            None => {}
+        }
+    }
+
+    /// The endpoint was released: every work request is back; complete whatever is left.
+    pub(crate) fn drop_all(&mut self, err: OpError) {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => m.drop_all(err),
+            Some(Mode::Stream(s)) => s.drop_all(err),
+            None => {}
+        }
+    }
+
+    /// The peer closed (CLOSE received).
+    pub(crate) fn on_peer_close(&mut self, reason: CloseReason) {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => m.on_peer_close(),
+            Some(Mode::Stream(s)) => s.on_peer_close(reason),
+            None => {}
+        }
+    }
+
+    /// Whether the send side has nothing queued or in flight (used to disconnect after CLOSE went out).
+    pub(crate) fn sends_drained(&self) -> bool {
+        self.link.is_idle() && self.link.sends_drained(self.limits.max_send_wr)
+    }
+
+    /// Exposure of our stream buffer, kept for the connection's life.
+    pub(crate) fn stream_exposure(&self) -> Option<&dyn Exposure> {
+        self.stream_setup.as_ref().map(|s| s.exposure.as_ref())
+    }
+}

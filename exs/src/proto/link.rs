@@ -1,0 +1,462 @@
+//! The control link of one connection: control-message buffers, their credits, and send-queue accounting.
+//!
+//! Both socket types exchange small control messages (adverts, acknowledgments, window updates, close) by
+//! two-sided send/receive, and stream data by write-with-immediate, which also consumes a posted receive on verbs.
+//! "The implementation must have previously provided buffers to receive these unsolicited messages or the RDMA
+//! hardware will cause a fatal error" (seed 002, 3.2). Seed 002 bounds advertisements with send/recv credits
+//! (implemented in [`super::message`]); this layer bounds *every* message that consumes a receive buffer, so that
+//! acknowledgments, window updates and stream writes can never overrun the peer either.
+//!
+//! ## Link credits
+//! Each side posts `W` control receive buffers for its peer (announced in the handshake) and reposts a buffer as
+//! soon as the message in it has been processed (immediate data that no receive is waiting for is copied out
+//! first), so buffers never wait on the application. The sender holds `tx` credits (initially `W`); every
+//! message that consumes a peer buffer costs one. The receiver counts buffers it reposted since it last told the
+//! peer (`owed`) and reports them in the `credits` field of **every** control message it sends.
+//!
+//! Deadlock freedom, with `W >= 4`, threshold `T = W / 2 >= 2` and a reserve of one credit:
+//! * data-bearing messages (adverts, acks, stream writes) need `tx >= 2`; an explicit CREDIT message may use the
+//!   last credit;
+//! * a side sends an explicit CREDIT when `owed >= T`, whatever consumed the buffers.
+//!
+//! Suppose both sides are stuck with nothing in flight. A side that cannot send data has `tx <= 1`, so the peer
+//! owes it `W - 1 >= T` credits and would send a CREDIT unless its own `tx == 0`; so both have `tx == 0` and owe
+//! `W`. Each side's last message was then a CREDIT (nothing else may use the last credit), which reset its `owed`
+//! to 0; so each side received all `W` of the peer's messages *after* sending its own last CREDIT, including the
+//! peer's last CREDIT, which carried `owed >= T >= 1` credits that arrived after the receiver's last send: its `tx`
+//! cannot be 0. Contradiction. An explicit CREDIT adds one to the peer's `owed`; with `T >= 2` that echo stops after
+//! one round.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use exs_dma::{DmaBuf, LeaseKind};
+
+use crate::error::Violation;
+use crate::memory::lease_sge;
+use crate::transport::{Op, Registration, RemoteRef, Sge, WorkRequest};
+use crate::wire::{Body, Message, WireError, HEADER_LEN};
+
+/// Smallest control window a connection accepts (see the deadlock argument above).
+pub(crate) const MIN_WINDOW: u32 = 4;
+
+const CLASS_SHIFT: u32 = 62;
+const CLASS_RECV: u64 = 0;
+const CLASS_CTRL: u64 = 1;
+const CLASS_DATA: u64 = 2;
+
+/// What a work request id names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WrKind {
+    /// A control receive slot.
+    Recv(u32),
+    /// A control send slot.
+    Ctrl(u32),
+    /// A data operation (write or read) with a protocol tag.
+    Data(u32),
+}
+
+pub(crate) fn wr_id(kind: WrKind) -> u64 {
+    match kind {
+        WrKind::Recv(s) => (CLASS_RECV << CLASS_SHIFT) | u64::from(s),
+        WrKind::Ctrl(s) => (CLASS_CTRL << CLASS_SHIFT) | u64::from(s),
+        WrKind::Data(t) => (CLASS_DATA << CLASS_SHIFT) | u64::from(t),
+    }
+}
+
+pub(crate) fn wr_kind(id: u64) -> Option<WrKind> {
+    let low = (id & 0xffff_ffff) as u32;
+    match id >> CLASS_SHIFT {
+        CLASS_RECV => Some(WrKind::Recv(low)),
+        CLASS_CTRL => Some(WrKind::Ctrl(low)),
+        CLASS_DATA => Some(WrKind::Data(low)),
+        _ => None,
+    }
+}
+
+/// A registered buffer cut into equal slots.
+#[derive(Debug)]
+pub(crate) struct Slots {
+    pub buf: Arc<DmaBuf>,
+    pub reg: Arc<dyn Registration>,
+    pub size: usize,
+    pub count: u32,
+}
+
+impl Slots {
+    fn range(&self, slot: u32) -> std::ops::Range<usize> {
+        let start = slot as usize * self.size;
+        start..start + self.size
+    }
+}
+
+/// A data operation: RDMA write (with immediate: a stream transfer) or RDMA read.
+#[derive(Debug)]
+pub(crate) enum DataOp {
+    Write { local: Sge, remote: RemoteRef, imm: Option<u32> },
+    Read { local: Sge, remote: RemoteRef },
+}
+
+#[derive(Debug)]
+enum Outgoing {
+    Ctrl { body: Body, inline: Option<Sge>, notify: Option<u32> },
+    Data { op: DataOp, tag: u32 },
+}
+
+/// Counters for tests and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LinkStats {
+    /// Control messages posted.
+    pub ctrl_sent: u64,
+    /// Explicit CREDIT messages posted.
+    pub credit_msgs: u64,
+    /// Control messages received.
+    pub ctrl_received: u64,
+    /// Write-with-immediate posted.
+    pub writes_imm: u64,
+    /// RDMA reads posted.
+    pub reads: u64,
+    /// Times a data message waited for link credits.
+    pub credit_stalls: u64,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub(crate) struct Link {
+    rx: Slots,
+    tx: Slots,
+    free_tx: Vec<u32>,
+    /// What to report when a control send slot completes (message-mode immediate sends).
+    tx_notify: Vec<Option<u32>>,
+    window_out: u32,
+    spent: u32,
+    owed: u32,
+    threshold: u32,
+    sq_free: u32,
+    reads_free: u32,
+    imm_consumes_recv: bool,
+    urgent: VecDeque<Outgoing>,
+    normal: VecDeque<Outgoing>,
+    reads: VecDeque<(DataOp, u32)>,
+    credit_queued: bool,
+    started: bool,
+    pub stats: LinkStats,
+}
+
+/// Where the cumulative message-mode acknowledgment comes from when a control message is built.
+pub(crate) trait AckSource {
+    /// A new cumulative acknowledgment to piggyback, if there is one (marks it sent).
+    fn take_ack(&mut self) -> Option<u32>;
+}
+
+impl AckSource for () {
+    fn take_ack(&mut self) -> Option<u32> {
+        None
+    }
+}
+
+impl Link {
+    pub(crate) fn new(rx: Slots, tx: Slots, max_send_wr: u32, max_read_depth: u32, imm_consumes_recv: bool) -> Self {
+        let free_tx = (0..tx.count).rev().collect();
+        let tx_notify = vec![None; tx.count as usize];
+        let threshold = (rx.count / 2).max(2);
+        Link {
+            rx,
+            tx,
+            free_tx,
+            tx_notify,
+            window_out: 0,
+            spent: 0,
+            owed: 0,
+            threshold,
+            sq_free: max_send_wr.max(2),
+            reads_free: max_read_depth.max(1),
+            imm_consumes_recv,
+            urgent: VecDeque::new(),
+            normal: VecDeque::new(),
+            reads: VecDeque::new(),
+            credit_queued: false,
+            started: false,
+            stats: LinkStats::default(),
+        }
+    }
+
+    /// Our receive window (buffers posted for the peer).
+    pub(crate) fn window_in(&self) -> u32 {
+        self.rx.count
+    }
+
+    /// Bytes one control receive buffer holds.
+    pub(crate) fn slot_size(&self) -> usize {
+        self.rx.size
+    }
+
+    /// Receives to post before the connection comes up: every receive slot.
+    pub(crate) fn initial_recvs(&mut self) -> Result<Vec<WorkRequest>, Violation> {
+        (0..self.rx.count).map(|s| self.recv_wr(s)).collect()
+    }
+
+    fn recv_wr(&self, slot: u32) -> Result<WorkRequest, Violation> {
+        let sge = lease_sge(&self.rx.buf, &self.rx.reg, self.rx.range(slot), LeaseKind::DeviceWrite)
+            .map_err(|e| Violation::BadRange(format!("control receive slot {slot} is busy: {e}")))?;
+        Ok(WorkRequest { wr_id: wr_id(WrKind::Recv(slot)), op: Op::Recv { sge } })
+    }
+
+    /// The handshake told us the peer's window: the link may send from now on.
+    pub(crate) fn start(&mut self, window_out: u32) {
+        self.window_out = window_out;
+        self.started = true;
+    }
+
+    /// Link credits available.
+    pub(crate) fn tx_credits(&self) -> u32 {
+        self.window_out - self.spent
+    }
+
+    /// Whether nothing waits to be posted.
+    pub(crate) fn is_idle(&self) -> bool {
+        self.urgent.is_empty() && self.normal.is_empty() && self.reads.is_empty()
+    }
+
+    /// Whether every posted send-side work request has completed.
+    pub(crate) fn sends_drained(&self, max_send_wr: u32) -> bool {
+        self.sq_free >= max_send_wr.max(2) && self.free_tx.len() == self.tx.count as usize
+    }
+
+    /// Queues a control message. `notify` is handed back by [`Link::on_ctrl_done`] when its send completes.
+    pub(crate) fn push_ctrl(&mut self, body: Body, inline: Option<Sge>, notify: Option<u32>) {
+        self.normal.push_back(Outgoing::Ctrl { body, inline, notify });
+    }
+
+    /// Queues a control message that may use the reserve credit (CLOSE).
+    pub(crate) fn push_urgent(&mut self, body: Body) {
+        self.urgent.push_back(Outgoing::Ctrl { body, inline: None, notify: None });
+    }
+
+    /// Queues an RDMA write (with immediate: a stream transfer), in order with control messages.
+    pub(crate) fn push_write(&mut self, op: DataOp, tag: u32) {
+        self.normal.push_back(Outgoing::Data { op, tag });
+    }
+
+    /// Queues an RDMA read (bounded by the read depth, not by link credits).
+    pub(crate) fn push_read(&mut self, op: DataOp, tag: u32) {
+        self.reads.push_back((op, tag));
+    }
+
+    /// Whether an explicit acknowledgment or credit message is already waiting.
+    pub(crate) fn has_queued(&self, kind: crate::wire::Kind) -> bool {
+        self.normal.iter().chain(self.urgent.iter()).any(|o| matches!(o, Outgoing::Ctrl { body, .. } if body.kind() == kind))
+    }
+
+    fn consumes(&self, o: &Outgoing) -> bool {
+        match o {
+            Outgoing::Ctrl { .. } => true,
+            Outgoing::Data { op: DataOp::Write { imm: Some(_), .. }, .. } => self.imm_consumes_recv,
+            Outgoing::Data { .. } => false,
+        }
+    }
+
+    /// Posts what resources allow, in order: urgent messages (may use the reserve credit), then the normal
+    /// queue (keeps one credit in reserve), and reads up to the read depth.
+    pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>, acks: &mut dyn AckSource) {
+        if !self.started {
+            return;
+        }
+        for urgent in [true, false] {
+            loop {
+                let queue = if urgent { &self.urgent } else { &self.normal };
+                let Some(front) = queue.front() else { break };
+                // Drop messages that became pointless: a CREDIT whose credits already rode on an earlier message,
+                // an ACK whose acknowledgment did.
+                let pointless = match front {
+                    Outgoing::Ctrl { body: Body::Credit, .. } => self.owed == 0,
+                    _ => false,
+                };
+                if pointless {
+                    self.pop(urgent);
+                    self.credit_queued = false;
+                    continue;
+                }
+                let need = if self.consumes(front) { if urgent { 1 } else { 2 } } else { 0 };
+                if need > 0 && self.tx_credits() < need {
+                    if !urgent {
+                        self.stats.credit_stalls += 1;
+                    }
+                    break;
+                }
+                if self.sq_free == 0 {
+                    return;
+                }
+                let is_ctrl = matches!(front, Outgoing::Ctrl { .. });
+                if is_ctrl && self.free_tx.is_empty() {
+                    return;
+                }
+                let item = self.pop(urgent).expect("front exists");
+                match item {
+                    Outgoing::Ctrl { body, inline, notify } => {
+                        let ack = if body.kind() == crate::wire::Kind::Ack {
+                            match acks.take_ack() {
+                                Some(a) => Some(a),
+                                None => continue, // already acknowledged by a piggyback
+                            }
+                        } else {
+                            acks.take_ack()
+                        };
+                        self.post_ctrl(body, inline, notify, ack, out);
+                    }
+                    Outgoing::Data { op, tag } => {
+                        let consumes = matches!(op, DataOp::Write { imm: Some(_), .. }) && self.imm_consumes_recv;
+                        if consumes {
+                            self.spent += 1;
+                        }
+                        self.stats.writes_imm += 1;
+                        self.sq_free -= 1;
+                        out.push(data_wr(op, tag));
+                    }
+                }
+            }
+        }
+        while self.reads_free > 0 && self.sq_free > 0 {
+            let Some((op, tag)) = self.reads.pop_front() else { break };
+            self.reads_free -= 1;
+            self.sq_free -= 1;
+            self.stats.reads += 1;
+            out.push(data_wr(op, tag));
+        }
+    }
+
+    fn pop(&mut self, urgent: bool) -> Option<Outgoing> {
+        if urgent {
+            self.urgent.pop_front()
+        } else {
+            self.normal.pop_front()
+        }
+    }
+
+    fn post_ctrl(
+        &mut self,
+        body: Body,
+        inline: Option<Sge>,
+        notify: Option<u32>,
+        ack: Option<u32>,
+        out: &mut Vec<WorkRequest>,
+    ) {
+        let slot = self.free_tx.pop().expect("checked by flush");
+        let credits = self.owed.min(u32::from(u16::MAX));
+        self.owed -= credits;
+        if matches!(body, Body::Credit) {
+            self.credit_queued = false;
+            self.stats.credit_msgs += 1;
+        }
+        let msg = Message { credits: credits as u16, ack, body };
+        let range = self.tx.range(slot);
+        let len = msg.encoded_len();
+        // The slot is free (not leased), so the CPU may write it.
+        self.tx
+            .buf
+            .with_slice_mut(range.start..range.start + len, |b| msg.encode(b))
+            .expect("a free control send slot is not leased");
+        let header = lease_sge(&self.tx.buf, &self.tx.reg, range.start..range.start + len, LeaseKind::DeviceRead)
+            .expect("a free control send slot is not leased");
+        let mut sges = vec![header];
+        sges.extend(inline);
+        self.tx_notify[slot as usize] = notify;
+        self.spent += 1;
+        self.sq_free -= 1;
+        self.stats.ctrl_sent += 1;
+        out.push(WorkRequest { wr_id: wr_id(WrKind::Ctrl(slot)), op: Op::Send { sges, imm: None } });
+    }
+
+    /// A control send completed (or was flushed): its slot and send-queue entry come back.
+    pub(crate) fn on_ctrl_done(&mut self, slot: u32) -> Option<u32> {
+        if slot >= self.tx.count || self.free_tx.contains(&slot) {
+            return None;
+        }
+        self.free_tx.push(slot);
+        self.sq_free += 1;
+        self.tx_notify[slot as usize].take()
+    }
+
+    /// A data operation completed (or was flushed).
+    pub(crate) fn on_data_done(&mut self, was_read: bool) {
+        self.sq_free += 1;
+        if was_read {
+            self.reads_free += 1;
+        }
+    }
+
+    /// Decodes the message in a receive slot (the receive completed with `len` bytes).
+    /// Returns the message and the byte range of its immediate data inside the slot buffer.
+    pub(crate) fn read_slot(&self, slot: u32, len: usize) -> Result<(Message, std::ops::Range<usize>), Violation> {
+        if slot >= self.rx.count {
+            return Err(Violation::BadRange(format!("receive completion for unknown slot {slot}")));
+        }
+        if len > self.rx.size {
+            return Err(Violation::Malformed(WireError::LengthMismatch { expected: self.rx.size, got: len }));
+        }
+        let range = self.rx.range(slot);
+        let (msg, at) = self
+            .rx
+            .buf
+            .with_slice(range.start..range.start + len, Message::decode)
+            .map_err(|e| Violation::BadRange(format!("receive slot still leased: {e}")))??;
+        self.stats_received();
+        let inline = range.start + at..range.start + len;
+        Ok((msg, inline))
+    }
+
+    fn stats_received(&self) {}
+
+    /// The buffer holding control receive slots (immediate data is copied out of it).
+    pub(crate) fn rx_buf(&self) -> &Arc<DmaBuf> {
+        &self.rx.buf
+    }
+
+    /// Reposts a receive slot once its message has been processed; the buffer becomes a credit owed to the peer.
+    pub(crate) fn repost(&mut self, slot: u32, out: &mut Vec<WorkRequest>) -> Result<(), Violation> {
+        out.push(self.recv_wr(slot)?);
+        self.stats.ctrl_received += 1;
+        self.owed += 1;
+        if self.owed >= self.threshold && !self.credit_queued {
+            self.credit_queued = true;
+            self.urgent.push_back(Outgoing::Ctrl { body: Body::Credit, inline: None, notify: None });
+        }
+        Ok(())
+    }
+
+    /// The peer returned `n` credits.
+    pub(crate) fn credits_returned(&mut self, n: u16) -> Result<(), Violation> {
+        let n = u32::from(n);
+        if n > self.spent {
+            return Err(Violation::CreditsBeyondWindow { returned: n, spent: self.spent });
+        }
+        self.spent -= n;
+        Ok(())
+    }
+
+    /// Largest immediate payload one of the peer's receive buffers takes, given the peer's slot size.
+    pub(crate) fn inline_room(peer_slot: u16) -> usize {
+        (peer_slot as usize).saturating_sub(HEADER_LEN + 32)
+    }
+}
+
+fn data_wr(op: DataOp, tag: u32) -> WorkRequest {
+    let op = match op {
+        DataOp::Write { local, remote, imm } => Op::Write { local, remote, imm },
+        DataOp::Read { local, remote } => Op::Read { local, remote },
+    };
+    WorkRequest { wr_id: wr_id(WrKind::Data(tag)), op }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wr_ids_round_trip() {
+        for k in [WrKind::Recv(0), WrKind::Ctrl(7), WrKind::Data(u32::MAX)] {
+            assert_eq!(wr_kind(wr_id(k)), Some(k));
+        }
+        assert_eq!(wr_kind(3 << 62), None);
+    }
+}

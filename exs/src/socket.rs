@@ -1,0 +1,211 @@
+//! Sockets: the ES-API calls of seed 002, Figure 2.
+//!
+//! | ES-API              | here                         |
+//! |---------------------|------------------------------|
+//! | `exs_socket`        | [`Socket::new`]              |
+//! | `exs_bind`          | [`Socket::bind`]             |
+//! | `exs_listen`        | [`Socket::listen`]           |
+//! | `exs_accept`        | [`Socket::accept`] (async)   |
+//! | `exs_connect`       | [`Socket::connect`] (async)  |
+//! | `exs_send`          | [`Socket::send`] (async)     |
+//! | `exs_recv`          | [`Socket::recv`] (async)     |
+//! | `exs_close`         | [`Socket::close`]            |
+//! | `exs_getsockname`   | [`Socket::local_addr`]       |
+//! | `exs_getpeername`   | [`Socket::peer_addr`]        |
+//! | `exs_fcntl`         | [`Socket::set_option`], [`Socket::options`] |
+//!
+//! Every asynchronous call takes an [`EventQueue`] and a user context value, and completes with exactly one
+//! [`Event`](crate::Event). A call that returns an error started nothing and produces no event.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use crate::context::Context;
+use crate::error::{AcceptError, CloseError, ConnectError, OptionError, RecvError, SendError, SocketError, StateError};
+use crate::event::{EventKind, EventQueue, Ticket};
+use crate::memory::Slice;
+use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
+
+/// A socket's number within its context (what an ES-API file descriptor is).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SocketId(pub u32);
+
+/// Readiness found by `poll` (ES-API `exs_poll`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Readiness {
+    /// A receive would find data (or end-of-stream) at once.
+    pub readable: bool,
+    /// A send would start at once (credits available).
+    pub writable: bool,
+    /// The connection failed.
+    pub error: bool,
+    /// The peer closed.
+    pub hangup: bool,
+}
+
+/// Counters of one connection (for tests and tools).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ConnStats {
+    /// Control link.
+    pub link: crate::proto::link::LinkStats,
+    /// Message mode.
+    pub message: crate::proto::message::MessageStats,
+    /// Stream mode.
+    pub stream: crate::proto::stream::StreamStats,
+    /// Control receive buffers posted for the peer.
+    pub window_in: u32,
+    /// Bytes of each.
+    pub slot_size: usize,
+}
+
+struct Handle {
+    ctx: Context,
+    id: SocketId,
+    closed: AtomicBool,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        if !self.closed.swap(true, Ordering::SeqCst) {
+            let _ = self.ctx.shared().lock().close(self.id);
+        }
+    }
+}
+
+/// An RDMA socket. Cheap to clone (a handle); the socket closes when [`Socket::close`] is called or the last
+/// handle is dropped.
+#[derive(Clone)]
+pub struct Socket {
+    h: Arc<Handle>,
+}
+
+impl fmt::Debug for Socket {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Socket").field("id", &self.h.id.0).field("context", &self.h.ctx.id()).finish()
+    }
+}
+
+impl Socket {
+    /// Creates a socket (ES-API `exs_socket`).
+    pub fn new(ctx: &Context, ty: SockType) -> Result<Socket, SocketError> {
+        let id = ctx.shared().lock().socket(ty);
+        Ok(Self::from_engine(ctx.clone(), id))
+    }
+
+    pub(crate) fn from_engine(ctx: Context, id: SocketId) -> Socket {
+        Socket { h: Arc::new(Handle { ctx, id, closed: AtomicBool::new(false) }) }
+    }
+
+    /// The socket's number.
+    pub fn id(&self) -> SocketId {
+        self.h.id
+    }
+
+    /// The context.
+    pub fn context(&self) -> &Context {
+        &self.h.ctx
+    }
+
+    /// The socket type.
+    pub fn sock_type(&self) -> Result<SockType, StateError> {
+        self.engine(|e, id| e.socket_type(id))
+    }
+
+    fn engine<T>(&self, f: impl FnOnce(&mut crate::engine::Engine, SocketId) -> T) -> T {
+        let mut e = self.h.ctx.shared().lock();
+        f(&mut e, self.h.id)
+    }
+
+    /// Starts an asynchronous operation: reserves its event, runs it, and gives the slot back if it was refused.
+    fn start<E: From<crate::error::QueueFull>>(
+        &self,
+        eq: &EventQueue,
+        kind: EventKind,
+        context: u64,
+        f: impl FnOnce(&mut crate::engine::Engine, SocketId, &mut Option<Ticket>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        self.h.ctx.attach(eq);
+        let mut ticket = Some(eq.reserve(kind, context, self.h.id)?);
+        let r = self.engine(|e, id| f(e, id, &mut ticket));
+        if let Some(t) = ticket {
+            debug_assert!(r.is_err(), "a started operation must take its ticket");
+            t.discard();
+        }
+        if r.is_ok() {
+            self.h.ctx.shared().kick();
+        }
+        r
+    }
+
+    /// Binds to a local address (ES-API `exs_bind`). Port 0 lets `listen` pick one.
+    pub fn bind(&self, addr: SocketAddr) -> Result<(), SocketError> {
+        self.engine(|e, id| e.bind(id, addr))
+    }
+
+    /// Listens for connections (ES-API `exs_listen`); returns the bound address. `backlog` 0 keeps the
+    /// option's value.
+    pub fn listen(&self, backlog: u32) -> Result<SocketAddr, SocketError> {
+        self.engine(|e, id| e.listen(id, backlog))
+    }
+
+    /// Accepts one connection, asynchronously (ES-API `exs_accept`). The [`EventKind::Accept`] event carries the
+    /// new socket in [`Event::accepted`](crate::Event::accepted).
+    pub fn accept(&self, eq: &EventQueue, context: u64) -> Result<(), AcceptError> {
+        self.start(eq, EventKind::Accept, context, |e, id, t| e.accept(id, t))
+    }
+
+    /// Connects, asynchronously (ES-API `exs_connect`). Options negotiated at connect are frozen from here on.
+    pub fn connect(&self, addr: SocketAddr, eq: &EventQueue, context: u64) -> Result<(), ConnectError> {
+        self.start(eq, EventKind::Connect, context, |e, id, t| e.connect(id, addr, t))
+    }
+
+    /// Sends the bytes of `buf`, asynchronously (ES-API `exs_send`). The range stays leased (the application
+    /// cannot write it) until the event.
+    pub fn send(&self, eq: &EventQueue, buf: &Slice, flags: MsgFlags, context: u64) -> Result<(), SendError> {
+        self.start(eq, EventKind::Send, context, |e, id, t| e.send(id, buf, flags, t))
+    }
+
+    /// Receives into `buf`, asynchronously (ES-API `exs_recv`). The range stays leased (the application cannot
+    /// read it) until the event.
+    pub fn recv(&self, eq: &EventQueue, buf: &Slice, flags: MsgFlags, context: u64) -> Result<(), RecvError> {
+        self.start(eq, EventKind::Recv, context, |e, id, t| e.recv(id, buf, flags, t))
+    }
+
+    /// Closes the socket (ES-API `exs_close`): every pending operation completes as cancelled, the peer is told,
+    /// and the connection is torn down in the background. Closing twice is an error.
+    pub fn close(&self) -> Result<(), CloseError> {
+        if self.h.closed.swap(true, Ordering::SeqCst) {
+            return Err(StateError::InvalidSocket.into());
+        }
+        let r = self.engine(|e, id| e.close(id));
+        self.h.ctx.shared().kick();
+        r
+    }
+
+    /// The local address (ES-API `exs_getsockname`).
+    pub fn local_addr(&self) -> Result<Option<SocketAddr>, StateError> {
+        self.engine(|e, id| e.local_addr(id))
+    }
+
+    /// The peer's address (ES-API `exs_getpeername`).
+    pub fn peer_addr(&self) -> Result<Option<SocketAddr>, StateError> {
+        self.engine(|e, id| e.peer_addr(id))
+    }
+
+    /// Sets an option (ES-API `exs_fcntl`). Negotiated options are refused after connect.
+    pub fn set_option(&self, opt: SocketOption) -> Result<(), OptionError> {
+        self.engine(|e, id| e.set_option(id, opt))
+    }
+
+    /// The options in effect.
+    pub fn options(&self) -> Result<SocketOptions, StateError> {
+        self.engine(|e, id| e.options(id))
+    }
+
+    /// Counters of the connection, while there is one.
+    pub fn stats(&self) -> Option<ConnStats> {
+        self.engine(|e, id| e.conn_stats(id))
+    }
+}

@@ -1,0 +1,481 @@
+//! The one seam between the protocol and hardware.
+//!
+//! A [`Transport`] is one device (an rdma-core verbs context, a libfabric domain, or the simulated fabric) with
+//! one completion queue shared by all its endpoints and one connection-management event source. The protocol never
+//! sees `ibv_*` or `fi_*`; a backend never sees adverts, credits or phases. The mapping is direct:
+//!
+//! | trait                | rdma-core verbs + rdma_cm                          | libfabric MSG endpoint                  |
+//! |----------------------|----------------------------------------------------|-----------------------------------------|
+//! | `register`           | `ibv_reg_mr` (local write)                          | `fi_mr_reg`                              |
+//! | `expose`             | `ibv_reg_mr` with remote access on the range (or MW) | `fi_mr_reg` with FI_REMOTE_READ/WRITE   |
+//! | `listen`             | `rdma_bind_addr` + `rdma_listen`                   | `fi_passive_ep` + `fi_listen`            |
+//! | `connect`            | resolve addr/route, `rdma_create_qp`, post initial receives, `rdma_connect` | `fi_endpoint`, `fi_recv`..., `fi_connect` |
+//! | `accept`             | `rdma_create_qp`, post receives, `rdma_accept`     | `fi_endpoint`, `fi_recv`..., `fi_accept` |
+//! | `post` Send          | `ibv_post_send` IBV_WR_SEND[_WITH_IMM], inline when small | `fi_sendv` / `fi_senddata`         |
+//! | `post` Write + imm   | IBV_WR_RDMA_WRITE_WITH_IMM (or write + send fallback) | `fi_writedata` (remote CQ data)        |
+//! | `post` Read          | IBV_WR_RDMA_READ                                   | `fi_read`                               |
+//! | `post` Recv          | `ibv_post_recv` (or the shared receive queue)      | `fi_recv`                               |
+//! | `poll`               | `ibv_poll_cq`                                      | `fi_cq_read` / `fi_cq_readerr`           |
+//! | `poll_cm`            | `rdma_get_cm_event`                                | `fi_eq_read`                             |
+//! | `arm` + `wait_fd`    | `ibv_req_notify_cq` + completion channel fd (epoll with the cm fd) | `fi_trywait` + FI_GETWAIT fd |
+//!
+//! ## Memory rules (enforced by types)
+//! Every work request owns the [`Lease`]s of the memory it names (inside its [`Sge`]s), and each `Sge` holds the
+//! [`Registration`] that makes the key valid. A transport keeps a work request's leases until the hardware can no
+//! longer touch the memory: until its completion is returned, or until the endpoint is destroyed after a flush.
+//! An [`Exposure`] (a remote key for one leased range) keeps its lease until it is dropped, and dropping it revokes
+//! remote access where the transport can (least exposure).
+
+use std::any::Any;
+use std::fmt;
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::OwnedFd;
+use std::sync::Arc;
+
+use exs_dma::{DmaBuf, Lease};
+
+/// An endpoint (queue pair) of a transport, named by the engine when it creates it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct EndpointId(pub u32);
+
+/// A listening endpoint of a transport.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ListenerId(pub u32);
+
+/// An incoming connection request, to accept or reject.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// What a transport (device, provider) can do. The protocol adapts to it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Backend and device/provider name, for logs and `exs info`.
+    pub name: String,
+    /// Largest payload sent inline with the work request (no DMA from the source).
+    pub max_inline: usize,
+    /// Largest single send, write or read in bytes.
+    pub max_message: u64,
+    /// Whether RDMA write-with-immediate is native. When false the backend emulates it (write, then a send
+    /// carrying the immediate); the protocol does not notice except in speed.
+    pub native_write_imm: bool,
+    /// Whether an incoming write-with-immediate consumes a posted receive (verbs: yes; libfabric without
+    /// FI_RX_CQ_DATA: no).
+    pub imm_consumes_recv: bool,
+    /// Send queue depth per endpoint: work requests outstanding at once.
+    pub max_send_wr: u32,
+    /// Receive queue depth per endpoint.
+    pub max_recv_wr: u32,
+    /// Scatter/gather entries per send.
+    pub max_sge: u32,
+    /// RDMA reads outstanding at once per endpoint (initiator depth).
+    pub max_read_depth: u32,
+    /// Bytes of private data a connect request can carry.
+    pub max_private_data: usize,
+}
+
+/// Registered memory: a whole [`DmaBuf`] made usable for local access by one transport.
+///
+/// Dropping the last `Arc` deregisters it. Backends keep the buffer's `Arc` inside, so the memory outlives the
+/// registration.
+pub trait Registration: Send + Sync + fmt::Debug + Any {
+    /// Local key (verbs lkey, libfabric descriptor) for scatter/gather entries.
+    fn local_key(&self) -> u64;
+    /// The registered buffer.
+    fn buf(&self) -> &Arc<DmaBuf>;
+    /// For downcasting by the backend that made it.
+    fn as_any(&self) -> &dyn Any;
+}
+
+/// How a peer addresses memory we exposed: the remote address of the first byte and the key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteRef {
+    /// Address as the peer's transport uses it (virtual address, or offset for offset-addressed providers).
+    pub addr: u64,
+    /// Remote key.
+    pub key: u64,
+}
+
+/// Which remote access an exposure grants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RemoteAccess {
+    /// The peer may RDMA-read the range (a send waiting to be pulled, a persistent send).
+    Read,
+    /// The peer may RDMA-write the range (an advertised receive, a stream buffer, a persistent receive).
+    Write,
+}
+
+/// Remote access to one leased range. Dropping it revokes the key where the transport can, then releases the lease.
+pub trait Exposure: Send + fmt::Debug {
+    /// What the peer needs to address the first byte of the range.
+    fn remote(&self) -> RemoteRef;
+    /// Length of the exposed range.
+    fn len(&self) -> usize;
+    /// Whether the exposed range is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One scatter/gather entry: leased memory plus the registration that names it.
+#[derive(Debug)]
+pub struct Sge {
+    lease: Lease,
+    reg: Arc<dyn Registration>,
+}
+
+impl Sge {
+    /// Pairs a lease with the registration of its buffer. Fails if the lease is on another buffer.
+    pub fn new(lease: Lease, reg: Arc<dyn Registration>) -> Result<Self, TransportError> {
+        if !Arc::ptr_eq(lease.buf(), reg.buf()) {
+            return Err(TransportError::Invalid("scatter/gather lease is not on the registered buffer".into()));
+        }
+        Ok(Self { lease, reg })
+    }
+
+    /// Device address of the first byte.
+    pub fn addr(&self) -> u64 {
+        self.lease.addr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.lease.len()
+    }
+
+    /// Whether the entry is empty.
+    pub fn is_empty(&self) -> bool {
+        self.lease.is_empty()
+    }
+
+    /// Local key of the registration.
+    pub fn local_key(&self) -> u64 {
+        self.reg.local_key()
+    }
+
+    /// The lease (for backends that move bytes themselves, such as the simulator or an emulation path).
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// The lease, mutably.
+    pub fn lease_mut(&mut self) -> &mut Lease {
+        &mut self.lease
+    }
+
+    /// The registration.
+    pub fn registration(&self) -> &Arc<dyn Registration> {
+        &self.reg
+    }
+
+    /// Splits into the lease and the registration.
+    pub fn into_parts(self) -> (Lease, Arc<dyn Registration>) {
+        (self.lease, self.reg)
+    }
+}
+
+/// An operation to post on an endpoint.
+#[derive(Debug)]
+pub enum Op {
+    /// Two-sided send of the gathered entries, optionally with a 32-bit immediate.
+    Send {
+        /// Gather list (at most [`Capabilities::max_sge`]).
+        sges: Vec<Sge>,
+        /// Immediate value.
+        imm: Option<u32>,
+    },
+    /// Post a receive buffer.
+    Recv {
+        /// Where the incoming message lands.
+        sge: Sge,
+    },
+    /// RDMA write from `local` to `remote`; with `imm`, a write-with-immediate that completes a receive at the peer.
+    Write {
+        /// Local source.
+        local: Sge,
+        /// Remote destination.
+        remote: RemoteRef,
+        /// Immediate value (write-with-immediate).
+        imm: Option<u32>,
+    },
+    /// RDMA read from `remote` into `local`.
+    Read {
+        /// Local sink.
+        local: Sge,
+        /// Remote source.
+        remote: RemoteRef,
+    },
+}
+
+/// An operation plus the identifier its completion will carry.
+#[derive(Debug)]
+pub struct WorkRequest {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: Op,
+}
+
+/// What completed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Completed {
+    /// A send.
+    Send,
+    /// An RDMA write (with or without immediate).
+    Write,
+    /// An RDMA read.
+    Read,
+    /// A posted receive was consumed: by a send (`len` bytes, `imm` if it carried one) or by a
+    /// write-with-immediate (`imm` set; `len` unreliable across providers, so the protocol does not use it).
+    Recv {
+        /// Bytes received (sends only).
+        len: u32,
+        /// Immediate value.
+        imm: Option<u32>,
+    },
+    /// A write-with-immediate arrived without consuming a posted receive (`imm_consumes_recv == false`).
+    /// `wr_id` is meaningless.
+    RemoteWrite {
+        /// Immediate value.
+        imm: u32,
+    },
+}
+
+/// Why a work request failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WcError {
+    /// Flushed because the endpoint went to error or was disconnected.
+    #[error("flushed (endpoint disconnected)")]
+    Flushed,
+    /// The peer rejected our RDMA access (bad key, out of bounds, no permission).
+    #[error("remote access error")]
+    RemoteAccess,
+    /// Our own memory/key was refused locally.
+    #[error("local protection error")]
+    LocalProtection,
+    /// The peer did not answer (transport retries exhausted).
+    #[error("transport retry count exceeded (peer unreachable)")]
+    RetryExceeded,
+    /// The peer had no receive posted for too long.
+    #[error("receiver-not-ready retries exceeded")]
+    RnrRetryExceeded,
+    /// The incoming message did not fit the receive buffer.
+    #[error("local length error")]
+    LocalLength,
+    /// Anything else, with the backend's words.
+    #[error("{0}")]
+    Other(String),
+}
+
+/// A completion from the shared completion queue.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Completion {
+    /// The endpoint the work request was posted on (or that consumed the receive).
+    pub ep: EndpointId,
+    /// The work request's identifier.
+    pub wr_id: u64,
+    /// What completed (valid even on error, so the protocol knows which resource came back).
+    pub op: Completed,
+    /// Outcome.
+    pub status: Result<(), WcError>,
+}
+
+/// Why an outgoing connection failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ConnectFailure {
+    /// Nobody listens there, or the listener rejected us. Private data of a reject, if any.
+    Refused(Vec<u8>),
+    /// No route or address resolution failed.
+    Unreachable,
+    /// The peer did not answer in time.
+    TimedOut,
+    /// Anything else.
+    Other(String),
+}
+
+/// A connection-management event.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CmEvent {
+    /// A peer wants to connect to one of our listeners.
+    ConnectRequest {
+        /// The listener.
+        listener: ListenerId,
+        /// Handle for accept/reject.
+        request: RequestId,
+        /// The peer's address.
+        peer: SocketAddr,
+        /// The peer's private data (our handshake).
+        private: Vec<u8>,
+    },
+    /// A connection is up. For the active side, `private` is the acceptor's private data.
+    Established {
+        /// The endpoint.
+        ep: EndpointId,
+        /// Private data of the accept (active side) or empty (passive side).
+        private: Vec<u8>,
+    },
+    /// An outgoing connection failed.
+    ConnectFailed {
+        /// The endpoint.
+        ep: EndpointId,
+        /// Why.
+        reason: ConnectFailure,
+    },
+    /// The connection is down (peer disconnected, or our disconnect finished, or the peer vanished).
+    Disconnected {
+        /// The endpoint.
+        ep: EndpointId,
+    },
+}
+
+/// A synchronous transport failure.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// No such device or provider; the list says what this machine has.
+    #[error("no such device or provider {wanted:?}; available: {}", if available.is_empty() { "none".to_string() } else { available.join(", ") })]
+    NotFound {
+        /// What was asked for.
+        wanted: String,
+        /// What exists.
+        available: Vec<String>,
+    },
+    /// The address is in use.
+    #[error("address in use: {0}")]
+    AddrInUse(SocketAddr),
+    /// The address cannot be used here.
+    #[error("address not available: {0}")]
+    AddrNotAvailable(String),
+    /// Out of a resource (queue entries, memory registrations, endpoints).
+    #[error("out of resources: {0}")]
+    Resource(String),
+    /// The transport cannot do that.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// Invalid argument reached the transport (a bug in the caller, reported instead of crashing).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+    /// The endpoint is unknown or gone.
+    #[error("no such endpoint")]
+    NoEndpoint,
+    /// A system call failed.
+    #[error("{call}: {message}")]
+    Os {
+        /// Which call.
+        call: String,
+        /// `std::io::ErrorKind` of the errno.
+        kind: io::ErrorKind,
+        /// Text.
+        message: String,
+    },
+}
+
+impl TransportError {
+    /// Builds an OS error from a call name and an `io::Error`.
+    pub fn os(call: impl Into<String>, e: io::Error) -> Self {
+        TransportError::Os { call: call.into(), kind: e.kind(), message: e.to_string() }
+    }
+
+    /// The closest `std::io::ErrorKind`.
+    pub fn io_kind(&self) -> io::ErrorKind {
+        match self {
+            TransportError::NotFound { .. } => io::ErrorKind::NotFound,
+            TransportError::AddrInUse(_) => io::ErrorKind::AddrInUse,
+            TransportError::AddrNotAvailable(_) => io::ErrorKind::AddrNotAvailable,
+            TransportError::Resource(_) => io::ErrorKind::OutOfMemory,
+            TransportError::Unsupported(_) => io::ErrorKind::Unsupported,
+            TransportError::Invalid(_) => io::ErrorKind::InvalidInput,
+            TransportError::NoEndpoint => io::ErrorKind::NotConnected,
+            TransportError::Os { kind, .. } => *kind,
+        }
+    }
+}
+
+/// A post that the transport refused; the work request (and its leases) comes back.
+#[derive(Debug)]
+pub struct PostError {
+    /// Why.
+    pub error: TransportError,
+    /// The refused work request.
+    pub wr: WorkRequest,
+}
+
+/// One RDMA device or provider domain. See the module documentation for the mapping.
+///
+/// All methods are called with the engine's lock held, from one thread at a time, and must not block.
+pub trait Transport: Send + fmt::Debug {
+    /// What the transport can do.
+    fn capabilities(&self) -> &Capabilities;
+
+    /// Registers a buffer for local access.
+    fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError>;
+
+    /// Grants the peers of this transport `access` to the leased range of a registered buffer.
+    fn expose(
+        &mut self,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn Exposure>, TransportError>;
+
+    /// Starts listening. Port 0 picks a free port; the bound address is returned.
+    fn listen(&mut self, addr: SocketAddr, backlog: u32) -> Result<(ListenerId, SocketAddr), TransportError>;
+
+    /// Stops listening.
+    fn close_listener(&mut self, listener: ListenerId);
+
+    /// Starts connecting endpoint `ep` to `addr`. `recvs` are posted on the endpoint before the request leaves,
+    /// so the peer can send as soon as the connection is up. Ends with `Established` or `ConnectFailed`.
+    fn connect(
+        &mut self,
+        ep: EndpointId,
+        addr: SocketAddr,
+        private: &[u8],
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError>;
+
+    /// Accepts a request on a new endpoint `ep`, posting `recvs` first. Ends with `Established` (or
+    /// `Disconnected` if the peer went away).
+    fn accept(
+        &mut self,
+        request: RequestId,
+        ep: EndpointId,
+        private: &[u8],
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError>;
+
+    /// Rejects a request (the peer sees a refusal).
+    fn reject(&mut self, request: RequestId);
+
+    /// Posts a work request on an endpoint.
+    fn post(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError>;
+
+    /// Starts tearing the connection down. Outstanding work requests complete (flushed if need be) and a
+    /// `Disconnected` event follows.
+    fn disconnect(&mut self, ep: EndpointId);
+
+    /// Frees the endpoint after `Disconnected`. Every work request still held is dropped only once the hardware
+    /// can no longer touch its memory.
+    fn release(&mut self, ep: EndpointId);
+
+    /// Moves up to `max` completions into `out`; returns how many.
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize;
+
+    /// Takes the next connection-management event, if any.
+    fn poll_cm(&mut self) -> Option<CmEvent>;
+
+    /// Arms notification before sleeping on [`Transport::wait_fd`]. Returns `false` when events are already
+    /// pending (poll again instead of sleeping): arming then polling once more is what keeps a notification
+    /// from being lost between the last poll and the sleep.
+    fn arm(&mut self) -> Result<bool, TransportError>;
+
+    /// A file descriptor that becomes readable after `arm` when there is something to poll, as an owned
+    /// duplicate (the context keeps it for its progress thread). `None` for transports that are driven by stepping
+    /// (the simulated fabric in manual mode).
+    fn wait_fd(&self) -> Option<OwnedFd>;
+
+    /// Local address of a connected endpoint.
+    fn local_addr(&self, ep: EndpointId) -> Option<SocketAddr>;
+
+    /// Peer address of a connected endpoint.
+    fn peer_addr(&self, ep: EndpointId) -> Option<SocketAddr>;
+}

@@ -1,0 +1,95 @@
+//! Helpers shared by the protocol tests: a connected pair of sockets on a simulated world.
+#![allow(dead_code)]
+
+use std::time::Duration;
+
+use exs::sim::{SimConfig, World};
+use exs::{Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
+
+/// Deterministic test bytes: every byte depends on its position and the seed.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+pub struct Pair {
+    pub world: World,
+    pub a: Context,
+    pub b: Context,
+    pub client: Socket,
+    pub server: Socket,
+    pub listener: Socket,
+    pub eq_a: EventQueue,
+    pub eq_b: EventQueue,
+}
+
+pub fn pair(ty: SockType) -> Pair {
+    pair_with(ty, SimConfig::default(), &[])
+}
+
+pub fn pair_with(ty: SockType, cfg: SimConfig, opts: &[SocketOption]) -> Pair {
+    pair_opts(ty, cfg, opts, opts)
+}
+
+/// A connected pair: `client` on host 0 (context `a`), `server` accepted on host 1 (context `b`).
+pub fn pair_opts(ty: SockType, cfg: SimConfig, client_opts: &[SocketOption], server_opts: &[SocketOption]) -> Pair {
+    let world = World::new(cfg);
+    let a = world.host();
+    let b = world.host();
+    let eq_a = EventQueue::new(1024);
+    let eq_b = EventQueue::new(1024);
+    let listener = Socket::new(&b, ty).unwrap();
+    for o in server_opts {
+        listener.set_option(*o).unwrap();
+    }
+    listener.bind(world.addr(1, 7000)).unwrap();
+    let addr = listener.listen(16).unwrap();
+    listener.accept(&eq_b, 100).unwrap();
+    let client = Socket::new(&a, ty).unwrap();
+    for o in client_opts {
+        client.set_option(*o).unwrap();
+    }
+    client.connect(addr, &eq_a, 200).unwrap();
+    let ev = eq_a.next(None).unwrap();
+    assert_eq!((ev.kind, ev.context), (EventKind::Connect, 200), "{ev:?}");
+    ev.status.clone().unwrap();
+    let mut ev = eq_b.next(None).unwrap();
+    assert_eq!((ev.kind, ev.context), (EventKind::Accept, 100), "{ev:?}");
+    ev.status.clone().unwrap();
+    let server = ev.accepted.take().expect("accept carries the socket");
+    Pair { world, a, b, client, server, listener, eq_a, eq_b }
+}
+
+impl Pair {
+    /// Registers `bytes` on the client's context.
+    pub fn client_region(&self, bytes: Vec<u8>) -> MemoryRegion {
+        MemoryRegion::from_vec(&self.a, bytes).unwrap()
+    }
+
+    pub fn server_region(&self, len: usize) -> MemoryRegion {
+        MemoryRegion::alloc(&self.b, len).unwrap()
+    }
+
+    /// Sends `data` from client to server into a buffer of `cap` bytes; returns (send event, recv event, bytes).
+    pub fn transfer(&self, data: &[u8], cap: usize) -> (Event, Event, Vec<u8>) {
+        let src = self.client_region(if data.is_empty() { vec![0] } else { data.to_vec() });
+        let dst = self.server_region(cap.max(1));
+        self.server.recv(&self.eq_b, &dst.slice(..cap), MsgFlags::NONE, 1).unwrap();
+        self.client.send(&self.eq_a, &src.slice(..data.len()), MsgFlags::NONE, 2).unwrap();
+        let r = self.eq_b.next(None).unwrap();
+        let s = self.eq_a.next(None).unwrap();
+        let got = dst.to_vec().unwrap()[..r.bytes].to_vec();
+        (s, r, got)
+    }
+}
+
+pub fn wait(eq: &EventQueue) -> Event {
+    eq.next(Some(Duration::from_secs(60))).unwrap()
+}

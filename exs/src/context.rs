@@ -21,7 +21,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use exs_dma::DmaBuf;
-use nix::poll::{PollFd, PollFlags, PollTimeout};
+use nix::poll::{PollFd, PollFlags};
+use nix::sys::time::TimeSpec;
 use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use crate::engine::Engine;
@@ -90,6 +91,9 @@ pub struct ContextOptions {
     pub linger: Duration,
     /// How long a connect may take before it fails with a timeout.
     pub connect_timeout: Duration,
+    /// Request/response traffic: how long an acknowledgment may wait for a reply to carry it (zero: never wait).
+    /// One-way traffic is always acknowledged at once.
+    pub ack_delay: Duration,
 }
 
 impl Default for ContextOptions {
@@ -99,6 +103,7 @@ impl Default for ContextOptions {
             clock: Arc::new(SystemClock),
             linger: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(10),
+            ack_delay: Duration::from_micros(200),
         }
     }
 }
@@ -265,13 +270,12 @@ fn progress_thread(shared: Arc<Shared>) {
             }
             e.next_deadline().map(|d| d.saturating_duration_since(e.now()))
         };
-        let ms = timeout.map(|t| t.as_millis().min(60_000) as u16 + u16::from(t.subsec_nanos() % 1_000_000 != 0));
-        let timeout = ms.map(PollTimeout::from).unwrap_or(PollTimeout::NONE);
+        let timeout = timeout.map(|t| TimeSpec::from_duration(t.min(Duration::from_secs(60))));
         let mut fds = [
             PollFd::new(wait_fd.as_fd(), PollFlags::POLLIN),
             PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN),
         ];
-        match nix::poll::poll(&mut fds, timeout) {
+        match nix::poll::ppoll(&mut fds, timeout, None) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(err) => {
                 tracing::error!(%err, "poll on the transport failed");

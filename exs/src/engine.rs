@@ -125,6 +125,7 @@ impl Sock {
 enum TimerKind {
     Linger,
     ConnectTimeout,
+    Ack,
 }
 
 pub(crate) struct Engine {
@@ -135,6 +136,7 @@ pub(crate) struct Engine {
     clock: Arc<dyn Clock>,
     linger: Duration,
     connect_timeout: Duration,
+    ack_delay: Duration,
     sockets: HashMap<SocketId, Sock>,
     eps: HashMap<EndpointId, SocketId>,
     listeners: HashMap<ListenerId, SocketId>,
@@ -166,6 +168,7 @@ impl Engine {
             clock: Arc::clone(&opts.clock),
             linger: opts.linger,
             connect_timeout: opts.connect_timeout,
+            ack_delay: opts.ack_delay,
             sockets: HashMap::new(),
             eps: HashMap::new(),
             listeners: HashMap::new(),
@@ -278,6 +281,12 @@ impl Engine {
                         self.fail_connect(*sid, OpError::TimedOut);
                     }
                 }
+                TimerKind::Ack => {
+                    if let Some(conn) = self.sockets.get_mut(sid).and_then(|s| s.conn.as_mut()) {
+                        conn.force_ack();
+                        self.mark(*sid);
+                    }
+                }
             }
         }
         !due.is_empty()
@@ -300,11 +309,15 @@ impl Engine {
         let Some(sock) = self.sockets.get_mut(&sid) else { return };
         let Some(conn) = sock.conn.as_mut() else { return };
         let mut posts = std::mem::take(&mut self.posts);
-        conn.flush(&mut posts);
+        let delayed_ack = conn.flush(&mut posts);
         let ep = conn.ep;
         let closing_done = sock.phase == Phase::Closing && conn.sends_drained();
         self.post_all(sid, ep, &mut posts);
         self.posts = posts;
+        if delayed_ack && !self.timers.iter().any(|t| t.1 == sid && t.2 == TimerKind::Ack) {
+            let at = self.clock.now() + self.ack_delay;
+            self.timers.push((at, sid, TimerKind::Ack));
+        }
         if closing_done {
             self.disconnect(sid);
         }
@@ -575,7 +588,7 @@ impl Engine {
         };
         let opts = sock.opts;
         let conn = sock.conn.as_mut().expect("connecting sockets have a connection");
-        if let Err(v) = conn.establish(&peer, &opts) {
+        if let Err(v) = conn.establish(&peer, &opts, !self.ack_delay.is_zero()) {
             self.fault(sid, Fault::Peer(v));
             return;
         }

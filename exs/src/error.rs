@@ -95,6 +95,21 @@ pub enum OpError {
     Transport(TransportError),
 }
 
+impl From<crate::transport::WcError> for OpError {
+    /// How a failed work request ends the operations that depended on it.
+    fn from(e: crate::transport::WcError) -> Self {
+        use crate::transport::WcError;
+        match e {
+            // The connection went down under the operation, or the peer stopped answering.
+            WcError::Flushed | WcError::RetryExceeded => OpError::ConnectionReset,
+            WcError::RemoteAccess => OpError::PeerMisbehaved(Violation::RemoteAccess(
+                "the peer's device refused our RDMA access".into(),
+            )),
+            other => OpError::Transport(TransportError::Invalid(format!("work request failed: {other}"))),
+        }
+    }
+}
+
 impl OpError {
     /// Whose fault it is.
     pub fn blame(&self) -> Blame {

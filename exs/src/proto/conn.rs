@@ -56,10 +56,7 @@ impl Fault {
     pub(crate) fn into_op_error(self) -> OpError {
         match self {
             Fault::Peer(v) => OpError::PeerMisbehaved(v),
-            Fault::Transport(WcError::RetryExceeded) | Fault::Transport(WcError::Flushed) => OpError::ConnectionReset,
-            Fault::Transport(e) => {
-                OpError::Transport(crate::transport::TransportError::Invalid(format!("work request failed: {e}")))
-            }
+            Fault::Transport(e) => e.into(),
         }
     }
 }
@@ -92,7 +89,12 @@ impl Conn {
 
     /// Applies the peer's handshake: checks it and negotiates credits and sizes (seed 002, 3.2:
     /// "the EXS interfaces on both sides negotiate the initial values").
-    pub(crate) fn establish(&mut self, peer: &Handshake, opts: &SocketOptions) -> Result<(), Violation> {
+    pub(crate) fn establish(
+        &mut self,
+        peer: &Handshake,
+        opts: &SocketOptions,
+        delay_acks: bool,
+    ) -> Result<(), Violation> {
         let ours = match self.sock_type {
             SockType::SeqPacket => WireSockType::SeqPacket,
             SockType::Stream => WireSockType::Stream,
@@ -122,7 +124,7 @@ impl Conn {
                     return Err(Violation::Handshake("zero advert credits".into()));
                 }
                 let small = (opts.small_packet_max_size as usize).min(room);
-                Mode::Message(MessageProto::new(send, recv, small, self.limits.max_message))
+                Mode::Message(MessageProto::new(send, recv, small, self.limits.max_message, delay_acks))
             }
             SockType::Stream => {
                 let setup = self.stream_setup.as_ref().ok_or_else(|| {
@@ -180,18 +182,33 @@ impl Conn {
         }
     }
 
-    /// Posts what can go now; queues explicit acknowledgments first if due.
-    pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) {
+    /// Posts what can go now. Returns true when an acknowledgment is being delayed (the engine arms the
+    /// acknowledgment timer, which calls [`Conn::force_ack`]).
+    pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) -> bool {
         match &mut self.mode {
             Some(Mode::Message(m)) => {
-                m.queue_ack(&mut self.link);
+                if m.ack_due() && m.ack_now() {
+                    m.queue_ack(&mut self.link);
+                }
                 self.link.flush(out, m);
+                m.ack_due()
             }
             Some(Mode::Stream(s)) => {
                 s.pump(&mut self.link);
                 self.link.flush(out, &mut ());
+                false
             }
-            None => self.link.flush(out, &mut ()),
+            None => {
+                self.link.flush(out, &mut ());
+                false
+            }
+        }
+    }
+
+    /// The acknowledgment delay expired: acknowledge now.
+    pub(crate) fn force_ack(&mut self) {
+        if let Some(Mode::Message(m)) = &mut self.mode {
+            m.queue_ack(&mut self.link);
         }
     }
 

@@ -35,7 +35,7 @@ use exs_dma::{DmaBuf, LeaseKind};
 use crate::error::Violation;
 use crate::memory::lease_sge;
 use crate::transport::{Op, Registration, RemoteRef, Sge, WorkRequest};
-use crate::wire::{Body, Message, WireError, HEADER_LEN};
+use crate::wire::{Body, Kind, Message, WireError, HEADER_LEN};
 
 /// Smallest control window a connection accepts (see the deadlock argument above).
 pub(crate) const MIN_WINDOW: u32 = 4;
@@ -145,12 +145,13 @@ pub(crate) struct Link {
 
 /// Where the cumulative message-mode acknowledgment comes from when a control message is built.
 pub(crate) trait AckSource {
-    /// A new cumulative acknowledgment to piggyback, if there is one (marks it sent).
-    fn take_ack(&mut self) -> Option<u32>;
+    /// A new cumulative acknowledgment to piggyback on a message of kind `carrier`, if there is one (marks it
+    /// sent).
+    fn take_ack(&mut self, carrier: Kind) -> Option<u32>;
 }
 
 impl AckSource for () {
-    fn take_ack(&mut self) -> Option<u32> {
+    fn take_ack(&mut self, _carrier: Kind) -> Option<u32> {
         None
     }
 }
@@ -244,7 +245,7 @@ impl Link {
     }
 
     /// Whether an explicit acknowledgment or credit message is already waiting.
-    pub(crate) fn has_queued(&self, kind: crate::wire::Kind) -> bool {
+    pub(crate) fn has_queued(&self, kind: Kind) -> bool {
         self.normal.iter().chain(self.urgent.iter()).any(|o| matches!(o, Outgoing::Ctrl { body, .. } if body.kind() == kind))
     }
 
@@ -294,13 +295,13 @@ impl Link {
                 let item = self.pop(urgent).expect("front exists");
                 match item {
                     Outgoing::Ctrl { body, inline, notify } => {
-                        let ack = if body.kind() == crate::wire::Kind::Ack {
-                            match acks.take_ack() {
+                        let ack = if body.kind() == Kind::Ack {
+                            match acks.take_ack(Kind::Ack) {
                                 Some(a) => Some(a),
                                 None => continue, // already acknowledged by a piggyback
                             }
                         } else {
-                            acks.take_ack()
+                            acks.take_ack(body.kind())
                         };
                         self.post_ctrl(body, inline, notify, ack, out);
                     }
@@ -400,12 +401,9 @@ impl Link {
             .buf
             .with_slice(range.start..range.start + len, Message::decode)
             .map_err(|e| Violation::BadRange(format!("receive slot still leased: {e}")))??;
-        self.stats_received();
         let inline = range.start + at..range.start + len;
         Ok((msg, inline))
     }
-
-    fn stats_received(&self) {}
 
     /// The buffer holding control receive slots (immediate data is copied out of it).
     pub(crate) fn rx_buf(&self) -> &Arc<DmaBuf> {

@@ -119,13 +119,23 @@ pub(crate) struct MessageProto {
     /// Acknowledgment value last sent.
     acked_seq: u32,
     peer_closed: bool,
+    /// Whether acknowledgments may wait for a message going the other way (delayed acks enabled).
+    delay_acks: bool,
+    /// Our adverts sent before the last acknowledgment left: more than that means request/response traffic.
+    ack_marker: u64,
     pub stats: MessageStats,
 }
 
 impl MessageProto {
     /// `send_credits`: our adverts outstanding at once; `recv_credits`: the peer's. `small_max` is already
     /// clamped to what the peer's control buffers hold.
-    pub(crate) fn new(send_credits: u32, recv_credits: u32, small_max: usize, max_message: u64) -> Self {
+    pub(crate) fn new(
+        send_credits: u32,
+        recv_credits: u32,
+        small_max: usize,
+        max_message: u64,
+        delay_acks: bool,
+    ) -> Self {
         MessageProto {
             small_max,
             max_message: max_message.max(1),
@@ -141,6 +151,8 @@ impl MessageProto {
             done_seq: 0,
             acked_seq: 0,
             peer_closed: false,
+            delay_acks,
+            ack_marker: 0,
             stats: MessageStats::default(),
         }
     }
@@ -331,14 +343,11 @@ impl MessageProto {
         t.reads_in_flight -= 1;
         match status {
             Ok(()) => {}
-            Err(WcError::Flushed) => {
-                t.failed.get_or_insert(OpError::ConnectionReset);
-            }
             Err(WcError::RemoteAccess) => {
                 return Err(Violation::RemoteAccess(format!("read of advert {seq} refused by the peer's device")));
             }
             Err(e) => {
-                t.failed.get_or_insert(OpError::Transport(crate::transport::TransportError::Invalid(e.to_string())));
+                t.failed.get_or_insert(e.into());
             }
         }
         self.complete_transfers();
@@ -366,6 +375,18 @@ impl MessageProto {
     /// Whether an acknowledgment is due.
     pub(crate) fn ack_due(&self) -> bool {
         self.done_seq != self.acked_seq
+    }
+
+    /// Whether a due acknowledgment should go now rather than wait for a reply to carry it.
+    ///
+    /// Like TCP's delayed acknowledgment, but only for request/response traffic: when we have sent adverts since
+    /// our last acknowledgment, the application is answering, and its next advert will carry the acknowledgment.
+    /// A one-way stream of messages is acknowledged at once, and so is any backlog of half the peer's credits
+    /// (the sender must never stall on a delayed acknowledgment).
+    pub(crate) fn ack_now(&self) -> bool {
+        let waiting = self.expected_seq.wrapping_sub(self.acked_seq);
+        let answering = self.stats.adverts_sent > self.ack_marker;
+        !self.delay_acks || !answering || self.peer_closed || waiting >= self.recv_window.div_ceil(2)
     }
 
     /// Queues an explicit ACK if one is due and none is queued (it is dropped at send time if a piggyback took it).
@@ -401,9 +422,7 @@ impl MessageProto {
         if let Some(o) = self.unacked.iter_mut().find(|o| o.seq == seq) {
             o.inline_in_flight = false;
             if let Err(e) = status {
-                if e != WcError::Flushed {
-                    o.failed.get_or_insert(OpError::Transport(crate::transport::TransportError::Invalid(e.to_string())));
-                }
+                o.failed.get_or_insert(e.into());
             }
         }
         self.complete_sends();
@@ -476,11 +495,12 @@ impl MessageProto {
 }
 
 impl AckSource for MessageProto {
-    fn take_ack(&mut self) -> Option<u32> {
+    fn take_ack(&mut self, carrier: Kind) -> Option<u32> {
         if self.done_seq == self.acked_seq {
             return None;
         }
         self.acked_seq = self.done_seq;
+        self.ack_marker = self.stats.adverts_sent - u64::from(carrier == Kind::Advert);
         Some(self.done_seq)
     }
 }

@@ -157,7 +157,8 @@ struct Host {
     armed: bool,
     eps: HashMap<EndpointId, Ep>,
     listeners: HashMap<ListenerId, SocketAddr>,
-    requests: HashMap<RequestId, (Addr, SocketAddr)>,
+    /// Pending requests: requester, its address, and the listener address it asked for.
+    requests: HashMap<RequestId, (Addr, SocketAddr, SocketAddr)>,
     next_listener: u32,
     next_request: u64,
     next_port: u16,
@@ -249,7 +250,7 @@ impl Net {
                     Some(listener) if host.alive && host.answering => {
                         let request = RequestId(host.next_request);
                         host.next_request += 1;
-                        host.requests.insert(request, (d.from, from_addr));
+                        host.requests.insert(request, (d.from, from_addr, listen));
                         host.push_cm(CmEvent::ConnectRequest { listener, request, peer: from_addr, private });
                     }
                     Some(_) => {} // a silent host does not answer: the connect times out
@@ -666,11 +667,14 @@ impl Transport for SimTransport {
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
         let mut net = self.net();
-        let Some((from, from_addr)) = net.hosts[self.host].requests.remove(&request) else {
+        let Some((from, from_addr, listen)) = net.hosts[self.host].requests.remove(&request) else {
             return Err(TransportError::Invalid("unknown connection request".into()));
         };
-        let local = Self::new_ep(&mut net, self.host, ep, recvs);
+        Self::new_ep(&mut net, self.host, ep, recvs);
+        // An accepted connection has the listener's address as its local address, as with TCP.
+        let local = listen;
         let e = net.hosts[self.host].eps.get_mut(&ep).expect("just inserted");
+        e.local = local;
         e.peer = Some(from);
         e.remote = Some(from_addr);
         net.schedule(
@@ -683,7 +687,7 @@ impl Transport for SimTransport {
 
     fn reject(&mut self, request: RequestId) {
         let mut net = self.net();
-        if let Some((from, _)) = net.hosts[self.host].requests.remove(&request) {
+        if let Some((from, _, _)) = net.hosts[self.host].requests.remove(&request) {
             net.schedule((self.host, EndpointId(0)), from, Payload::Reject);
         }
     }
@@ -812,8 +816,12 @@ impl ManualDriver for WorldDriver {
 }
 
 /// One step of a manual world: progress every context; if none had anything to do, deliver the next message;
-/// if nothing is in flight, advance virtual time to the next timer.
+/// if nothing is in flight, advance virtual time to the next timer. Nothing due after `limit` happens.
 fn step(net: &Arc<Mutex<Net>>, contexts: &Mutex<Vec<Context>>) -> bool {
+    step_until(net, contexts, Duration::MAX)
+}
+
+fn step_until(net: &Arc<Mutex<Net>>, contexts: &Mutex<Vec<Context>>, limit: Duration) -> bool {
     let ctxs: Vec<Context> = contexts.lock().unwrap_or_else(|p| p.into_inner()).clone();
     lock(net).stats.steps += 1;
     let mut any = false;
@@ -824,7 +832,7 @@ fn step(net: &Arc<Mutex<Net>>, contexts: &Mutex<Vec<Context>>) -> bool {
         return true;
     }
     let mut n = lock(net);
-    if let Some(i) = n.next_due() {
+    if let Some(i) = n.next_due().filter(|&i| n.queue[i].at <= limit) {
         let d = n.queue.swap_remove(i);
         n.now = n.now.max(d.at);
         n.deliver(d);
@@ -834,7 +842,7 @@ fn step(net: &Arc<Mutex<Net>>, contexts: &Mutex<Vec<Context>>) -> bool {
     let now = n.now;
     drop(n);
     let next_timer = ctxs.iter().filter_map(Context::next_deadline).min();
-    if let Some(t) = next_timer {
+    if let Some(t) = next_timer.filter(|t| t.saturating_duration_since(base) <= limit) {
         let mut n = lock(net);
         let at = t.saturating_duration_since(base);
         n.now = n.now.max(at).max(now + Duration::from_nanos(1));
@@ -949,6 +957,16 @@ impl World {
     pub fn run_until_idle(&self, max_steps: u64) -> u64 {
         let mut n = 0;
         while n < max_steps && self.drive() {
+            n += 1;
+        }
+        n
+    }
+
+    /// Steps for `d` of virtual time (or until nothing can happen before then).
+    pub fn run_for(&self, d: Duration) -> u64 {
+        let limit = self.elapsed() + d;
+        let mut n = 0;
+        while step_until(&self.net, &self.driver.contexts, limit) {
             n += 1;
         }
         n

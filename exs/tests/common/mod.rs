@@ -93,3 +93,15 @@ impl Pair {
 pub fn wait(eq: &EventQueue) -> Event {
     eq.next(Some(Duration::from_secs(60))).unwrap()
 }
+
+/// Compares two byte strings, reporting the first difference instead of printing them.
+#[track_caller]
+pub fn assert_bytes_eq(got: &[u8], want: &[u8], what: &str) {
+    if got.len() != want.len() {
+        panic!("{what}: length {} != expected {}", got.len(), want.len());
+    }
+    if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
+        let end = (i + 8).min(got.len());
+        panic!("{what}: first difference at byte {i}: got {:?}, want {:?}", &got[i..end], &want[i..end]);
+    }
+}

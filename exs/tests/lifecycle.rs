@@ -1,0 +1,335 @@
+//! Connection lifecycle on the simulated fabric: connect outcomes, close, peer close, failures.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use exs::sim::{SimConfig, World};
+use exs::{Blame, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, StateError};
+
+#[test]
+fn connect_to_a_port_nobody_listens_on_is_refused() {
+    let world = World::new(SimConfig::default());
+    let a = world.host();
+    let _b = world.host();
+    let eq = EventQueue::new(8);
+    let s = Socket::new(&a, SockType::SeqPacket).unwrap();
+    s.connect(world.addr(1, 4242), &eq, 7).unwrap();
+    let ev = wait(&eq);
+    assert_eq!((ev.kind, ev.context), (EventKind::Connect, 7));
+    assert_eq!(ev.status, Err(OpError::Refused));
+    assert_eq!(ev.status.unwrap_err().blame(), Blame::Peer);
+}
+
+#[test]
+fn connect_to_an_unknown_host_is_unreachable() {
+    let world = World::new(SimConfig::default());
+    let a = world.host();
+    let eq = EventQueue::new(8);
+    let s = Socket::new(&a, SockType::SeqPacket).unwrap();
+    s.connect("192.0.2.99:1".parse().unwrap(), &eq, 1).unwrap();
+    assert_eq!(wait(&eq).status, Err(OpError::Unreachable));
+}
+
+/// A host that does not answer makes the connect time out, distinguishable from a refusal.
+#[test]
+fn connect_to_a_silent_host_times_out() {
+    let world = World::new(SimConfig::default());
+    let a = world.host_with(exs::ContextOptions { connect_timeout: Duration::from_millis(50), ..Default::default() });
+    let b = world.host();
+    let eq_b = EventQueue::new(8);
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 80)).unwrap();
+    l.listen(1).unwrap();
+    world.silence(1);
+    let eq = EventQueue::new(8);
+    let s = Socket::new(&a, SockType::SeqPacket).unwrap();
+    s.connect(world.addr(1, 80), &eq, 1).unwrap();
+    let ev = wait(&eq);
+    assert_eq!(ev.status, Err(OpError::TimedOut));
+    assert!(world.elapsed() >= Duration::from_millis(50));
+    let _ = eq_b;
+}
+
+#[test]
+fn a_stream_client_is_refused_by_a_seqpacket_listener() {
+    let world = World::new(SimConfig::default());
+    let a = world.host();
+    let b = world.host();
+    let eq_b = EventQueue::new(8);
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 80)).unwrap();
+    let addr = l.listen(1).unwrap();
+    l.accept(&eq_b, 0).unwrap();
+    let eq = EventQueue::new(8);
+    let s = Socket::new(&a, SockType::Stream).unwrap();
+    match s.connect(addr, &eq, 1) {
+        Ok(()) => assert_eq!(wait(&eq).status, Err(OpError::Refused)),
+        Err(e) => panic!("connect refused synchronously: {e}"),
+    }
+    assert_eq!(eq_b.len(), 0, "the listener accepted nothing");
+}
+
+#[test]
+fn listener_binds_port_zero_to_a_real_port_and_reports_addresses() {
+    let world = World::new(SimConfig::default());
+    let _a = world.host();
+    let b = world.host();
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 0)).unwrap();
+    let addr = l.listen(1).unwrap();
+    assert_ne!(addr.port(), 0);
+    assert_eq!(l.local_addr().unwrap(), Some(addr));
+    let p = pair(SockType::SeqPacket);
+    let c_local = p.client.local_addr().unwrap().unwrap();
+    assert_eq!(p.server.peer_addr().unwrap(), Some(c_local));
+    assert_eq!(p.client.peer_addr().unwrap(), p.server.local_addr().unwrap());
+    assert_eq!(p.client.peer_addr().unwrap().unwrap().port(), 7000);
+}
+
+#[test]
+fn connection_requests_wait_in_the_backlog_until_accepted() {
+    let world = World::new(SimConfig::default());
+    let a = world.host();
+    let b = world.host();
+    let (eq_a, eq_b) = (EventQueue::new(64), EventQueue::new(64));
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 5)).unwrap();
+    let addr = l.listen(4).unwrap();
+    let clients: Vec<Socket> = (0..3)
+        .map(|i| {
+            let s = Socket::new(&a, SockType::SeqPacket).unwrap();
+            s.connect(addr, &eq_a, i).unwrap();
+            s
+        })
+        .collect();
+    world.run_for(Duration::from_millis(100));
+    assert_eq!(eq_a.len(), 0, "nobody accepted yet");
+    for i in 0..3 {
+        l.accept(&eq_b, i).unwrap();
+    }
+    let accepted = eq_b.wait_all(None).unwrap();
+    assert_eq!(accepted.len(), 3);
+    assert!(accepted.iter().all(|e| e.is_ok() && e.accepted.is_some()));
+    assert!(eq_a.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
+    drop(clients);
+}
+
+#[test]
+fn a_full_backlog_refuses_further_requests() {
+    let world = World::new(SimConfig::default());
+    let a = world.host();
+    let b = world.host();
+    let eq_a = EventQueue::new(64);
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 5)).unwrap();
+    let addr = l.listen(2).unwrap();
+    let socks: Vec<Socket> = (0..4)
+        .map(|i| {
+            let s = Socket::new(&a, SockType::SeqPacket).unwrap();
+            s.connect(addr, &eq_a, i).unwrap();
+            s
+        })
+        .collect();
+    world.run_for(Duration::from_millis(100));
+    let evs = eq_a.wait_all(Some(Duration::from_millis(1))).unwrap_or_default();
+    assert_eq!(evs.iter().filter(|e| e.status == Err(OpError::Refused)).count(), 2, "{evs:?}");
+    drop(socks);
+}
+
+/// "Closing a socket completes every pending operation with a cancelled status."
+#[test]
+fn close_completes_every_pending_operation_as_cancelled() {
+    let p = pair(SockType::SeqPacket);
+    let buf = MemoryRegion::alloc(&p.a, 4 * 1000).unwrap();
+    for i in 0..4 {
+        p.client.recv(&p.eq_a, &buf.slice(i * 1000..(i + 1) * 1000), MsgFlags::NONE, i as u64).unwrap();
+    }
+    let out = p.client_region(pattern(3000, 1));
+    for i in 0..3 {
+        p.client.send(&p.eq_a, &out.slice(i * 1000..(i + 1) * 1000), MsgFlags::NONE, 10 + i as u64).unwrap();
+    }
+    p.client.close().unwrap();
+    let evs = p.eq_a.wait_all(None).unwrap();
+    assert_eq!(evs.len(), 7);
+    assert!(evs.iter().all(|e| e.status == Err(OpError::Cancelled)), "{evs:?}");
+    assert!(evs.iter().all(|e| e.status.as_ref().unwrap_err().blame() == Blame::Local));
+    // Every lease came back: the buffers are usable again.
+    assert_eq!(buf.leases(), 0);
+    p.world.run_until_idle(100_000);
+    assert_eq!(out.leases(), 0);
+    out.write(0, b"reusable").unwrap();
+}
+
+/// The peer's close: our pending receives end with end-of-stream, our unread sends fail with PeerClosed, and
+/// later receives report end-of-stream at once.
+#[test]
+fn peer_close_gives_end_of_stream_and_fails_unread_sends() {
+    let p = pair(SockType::SeqPacket);
+    let buf = p.server_region(100);
+    p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1).unwrap();
+    let out = MemoryRegion::from_vec(&p.b, pattern(5000, 1)).unwrap();
+    p.server.send(&p.eq_b, &out.all(), MsgFlags::NONE, 2).unwrap();
+    p.world.run_until_idle(100_000);
+    p.client.close().unwrap();
+    let evs = p.eq_b.wait_all(None).unwrap();
+    let recv = evs.iter().find(|e| e.kind == EventKind::Recv).unwrap();
+    assert_eq!((&recv.status, recv.bytes, recv.flags.eof), (&Ok(()), 0, true));
+    let send = evs.iter().find(|e| e.kind == EventKind::Send).unwrap();
+    assert_eq!(send.status, Err(OpError::PeerClosed));
+    p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 3).unwrap();
+    let later = wait(&p.eq_b);
+    assert!(later.flags.eof && later.is_ok());
+    match p.server.send(&p.eq_b, &out.all(), MsgFlags::NONE, 4) {
+        Err(exs::SendError::State(StateError::ConnectionDown(OpError::PeerClosed))) => {}
+        other => panic!("send after the peer closed: {other:?}"),
+    }
+}
+
+#[test]
+fn messages_sent_before_close_are_still_delivered_when_already_read() {
+    let p = pair(SockType::SeqPacket);
+    let data = pattern(300, 3);
+    let (s, r, got) = p.transfer(&data, 300);
+    assert!(s.is_ok() && r.is_ok());
+    p.client.close().unwrap();
+    p.world.run_until_idle(100_000);
+    assert_bytes_eq(&got, &data, "delivered before close");
+}
+
+/// A connection that breaks under the transport (both ends go to error) fails pending operations with
+/// ConnectionReset on both sides, and frees every buffer.
+#[test]
+fn broken_connection_fails_pending_operations_on_both_sides() {
+    let p = pair(SockType::SeqPacket);
+    let dst = p.server_region(1 << 20);
+    let src = p.client_region(pattern(1 << 20, 1));
+    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1).unwrap();
+    let extra = p.server_region(10);
+    p.server.recv(&p.eq_b, &extra.all(), MsgFlags::NONE, 2).unwrap();
+    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 3).unwrap();
+    // Let the advert arrive and the read start, then break the link before the read is answered.
+    while p.server.stats().unwrap().link.reads == 0 {
+        assert!(p.world.drive());
+    }
+    p.world.break_connections(0);
+    let a = p.eq_a.wait_all(None).unwrap();
+    let b = p.eq_b.wait_all(None).unwrap();
+    assert!(a.iter().all(|e| e.status == Err(OpError::ConnectionReset)), "{a:?}");
+    assert!(b.iter().all(|e| e.status == Err(OpError::ConnectionReset)), "{b:?}");
+    assert_eq!(b.len(), 2);
+    assert_eq!((src.leases(), dst.leases(), extra.leases()), (0, 0, 0));
+    assert_eq!(p.world.live_keys(), 0, "no remote key survives a dead connection");
+}
+
+/// A peer process killed mid-transfer: every pending operation completes with an error within the detection
+/// delay, and the listener keeps accepting.
+#[test]
+fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
+    let world = World::new(SimConfig { detect_delay: Duration::from_millis(5), ..SimConfig::default() });
+    let server_ctx = world.host();
+    let client_ctx = world.host();
+    let other_ctx = world.host();
+    let (eq_s, eq_c, eq_o) = (EventQueue::new(64), EventQueue::new(64), EventQueue::new(64));
+    let l = Socket::new(&server_ctx, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 80)).unwrap();
+    let addr = l.listen(8).unwrap();
+    l.accept(&eq_s, 0).unwrap();
+    let c = Socket::new(&client_ctx, SockType::SeqPacket).unwrap();
+    c.connect(addr, &eq_c, 0).unwrap();
+    assert!(wait(&eq_c).is_ok());
+    let s = wait(&eq_s).accepted.unwrap();
+    let buf = MemoryRegion::alloc(&server_ctx, 1 << 16).unwrap();
+    for i in 0..4u64 {
+        s.recv(&eq_s, &buf.slice(i as usize * 100..(i as usize + 1) * 100), MsgFlags::NONE, i).unwrap();
+    }
+    let out = MemoryRegion::alloc(&server_ctx, 1 << 16).unwrap();
+    s.send(&eq_s, &out.all(), MsgFlags::NONE, 9).unwrap();
+    world.run_until_idle(1000);
+    let before = world.elapsed();
+    world.kill(1);
+    let evs = eq_s.wait_all(None).unwrap();
+    assert_eq!(evs.len(), 5);
+    assert!(evs.iter().all(|e| e.status == Err(OpError::ConnectionReset)), "{evs:?}");
+    assert!(world.elapsed() - before <= Duration::from_millis(6), "detected in {:?}", world.elapsed() - before);
+    assert_eq!((buf.leases(), out.leases()), (0, 0));
+    // The listener still accepts.
+    l.accept(&eq_s, 1).unwrap();
+    let o = Socket::new(&other_ctx, SockType::SeqPacket).unwrap();
+    o.connect(addr, &eq_o, 1).unwrap();
+    assert!(wait(&eq_o).is_ok());
+    assert!(wait(&eq_s).accepted.is_some());
+}
+
+/// A sender whose peer stops answering learns it from its own work requests (retries exhausted).
+#[test]
+fn silent_peer_is_detected_by_the_next_work_request() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(100, 1));
+    p.world.silence(1);
+    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
+    let ev = wait(&p.eq_a);
+    assert_eq!(ev.status, Err(OpError::ConnectionReset));
+}
+
+#[test]
+fn dropping_every_handle_closes_the_socket() {
+    let p = pair(SockType::SeqPacket);
+    let buf = p.server_region(10);
+    p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1).unwrap();
+    drop(p.client);
+    let ev = wait(&p.eq_b);
+    assert!(ev.flags.eof, "{ev:?}");
+}
+
+#[test]
+fn closing_a_listener_cancels_its_pending_accepts() {
+    let world = World::new(SimConfig::default());
+    let b = world.host();
+    let eq = EventQueue::new(8);
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 1)).unwrap();
+    l.listen(1).unwrap();
+    l.accept(&eq, 1).unwrap();
+    l.accept(&eq, 2).unwrap();
+    l.close().unwrap();
+    let evs = eq.wait_all(None).unwrap();
+    assert_eq!(evs.len(), 2);
+    assert!(evs.iter().all(|e| e.status == Err(OpError::Cancelled)));
+}
+
+#[test]
+fn closing_a_connecting_socket_cancels_the_connect() {
+    let world = World::new(SimConfig::default());
+    let a = world.host();
+    let b = world.host();
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 1)).unwrap();
+    let addr = l.listen(1).unwrap();
+    let eq = EventQueue::new(8);
+    let s = Socket::new(&a, SockType::SeqPacket).unwrap();
+    s.connect(addr, &eq, 1).unwrap();
+    s.close().unwrap();
+    assert_eq!(wait(&eq).status, Err(OpError::Cancelled));
+    world.run_until_idle(10_000);
+}
+
+/// One-way traffic is acknowledged at once: a sender with one message in flight is not slowed down by the
+/// delayed acknowledgment meant for request/response traffic.
+#[test]
+fn one_way_messages_are_acknowledged_without_delay() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(10_000, 1));
+    let dst = p.server_region(10_000);
+    for i in 0..100 {
+        p.server.recv(&p.eq_b, &dst.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64).unwrap();
+    }
+    let start = p.world.elapsed();
+    for i in 0..100 {
+        p.client.send(&p.eq_a, &src.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64).unwrap();
+        assert!(wait(&p.eq_a).is_ok());
+    }
+    let per_message = (p.world.elapsed() - start) / 100;
+    assert!(per_message < Duration::from_micros(100), "{per_message:?} per message (the delay is 200 us)");
+}

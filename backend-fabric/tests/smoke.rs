@@ -1,0 +1,58 @@
+//! The libfabric backend on the tcp provider over loopback: connect, move messages, tear down.
+
+use std::time::Duration;
+
+use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
+use exs_backend_fabric::{context, providers, FabricConfig};
+
+#[test]
+fn tcp_provider_moves_messages_over_loopback() {
+    let cfg = FabricConfig::default();
+    let a = context(&cfg).expect("open tcp");
+    let b = context(&cfg).expect("open tcp");
+    let (eq_a, eq_b) = (EventQueue::new(64), EventQueue::new(64));
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let addr = l.listen(4).unwrap();
+    assert_ne!(addr.port(), 0);
+    l.accept(&eq_b, 1).unwrap();
+    let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+    c.connect(addr, &eq_a, 2).unwrap();
+    let t = Some(Duration::from_secs(20));
+    let ev = eq_a.next(t).unwrap();
+    assert!(ev.is_ok(), "{ev:?}");
+    let mut ev = eq_b.next(t).unwrap();
+    assert!(ev.is_ok(), "{ev:?}");
+    let s = ev.accepted.take().unwrap();
+    for len in [0usize, 1, 512, 513, 100_000, 4 << 20] {
+        let src = MemoryRegion::from_vec(&a, (0..len.max(1)).map(|i| (i * 7 + len) as u8).collect()).unwrap();
+        let dst = MemoryRegion::alloc(&b, len.max(1)).unwrap();
+        s.recv(&eq_b, &dst.slice(..len), MsgFlags::NONE, 3).unwrap();
+        c.send(&eq_a, &src.slice(..len), MsgFlags::NONE, 4).unwrap();
+        let r = eq_b.next(t).unwrap();
+        let w = eq_a.next(t).unwrap();
+        assert!(r.is_ok() && w.is_ok(), "{r:?} {w:?}");
+        assert_eq!(r.bytes, len);
+        assert!(dst.to_vec().unwrap()[..len] == src.to_vec().unwrap()[..len], "content of {len} bytes");
+    }
+    c.close().unwrap();
+    let eof = {
+        let buf = MemoryRegion::alloc(&b, 8).unwrap();
+        s.recv(&eq_b, &buf.all(), MsgFlags::NONE, 5).unwrap();
+        eq_b.next(t).unwrap()
+    };
+    assert!(eof.flags.eof, "{eof:?}");
+}
+
+#[test]
+fn unknown_provider_error_lists_the_available_ones() {
+    let e = exs_backend_fabric::FabricTransport::open(&FabricConfig::provider("nosuchprov")).unwrap_err();
+    match e {
+        exs::TransportError::NotFound { wanted, available } => {
+            assert_eq!(wanted, "nosuchprov");
+            assert!(available.iter().any(|p| p == "tcp"), "{available:?}");
+            assert_eq!(available, providers());
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -371,6 +371,7 @@ impl Engine {
     }
 
     fn on_peer_close(&mut self, sid: SocketId, reason: CloseReason) {
+        tracing::debug!(?sid, ?reason, "peer sent CLOSE");
         let Some(sock) = self.sockets.get_mut(&sid) else { return };
         if let Some(conn) = sock.conn.as_mut() {
             conn.on_peer_close(reason);
@@ -449,6 +450,7 @@ impl Engine {
     }
 
     fn on_cm(&mut self, ev: CmEvent) {
+        tracing::debug!(?ev, "connection management");
         match ev {
             CmEvent::ConnectRequest { listener, request, peer, private } => {
                 self.on_connect_request(listener, request, peer, private)
@@ -618,6 +620,7 @@ impl Engine {
     }
 
     fn on_disconnected(&mut self, ep: EndpointId) {
+        tracing::debug!(?ep, "disconnected");
         let Some(sid) = self.eps.remove(&ep) else {
             self.transport.release(ep);
             return;

@@ -348,6 +348,9 @@ impl Message {
         if r.u32()? != 0 {
             return Err(WireError::Reserved("header reserved word"));
         }
+        if flags & FLAG_ACK == 0 && ack != 0 {
+            return Err(WireError::Reserved("ack field without the ack flag"));
+        }
         let ack = (flags & FLAG_ACK != 0).then_some(ack);
         if ack.is_none() && kind == Kind::Ack {
             return Err(WireError::Invalid { field: "ack flag of ACK", value: 0 });

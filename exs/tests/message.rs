@@ -425,3 +425,35 @@ fn threaded_world_moves_messages() {
     eq_a.wait_all(Some(std::time::Duration::from_secs(30))).unwrap();
     assert_bytes_eq(&dst.to_vec().unwrap(), &src.to_vec().unwrap(), "dst");
 }
+
+/// Regression (found by the two-process conformance test): an immediate message that arrives before any receive
+/// is posted is stored; the receive posted later must complete at once.
+#[test]
+fn immediate_message_arriving_before_the_receive_completes_when_it_is_posted() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(10, 1));
+    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
+    p.world.run_until_idle(1000);
+    assert_eq!(p.server.stats().unwrap().message.adverts_received, 1, "the advert is waiting at the receiver");
+    let dst = p.server_region(10);
+    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2).unwrap();
+    let r = wait(&p.eq_b);
+    assert_eq!((r.bytes, &r.status), (10, &Ok(())));
+    assert!(wait(&p.eq_a).is_ok());
+    assert_bytes_eq(&dst.to_vec().unwrap(), &pattern(10, 1), "immediate data");
+}
+
+/// Regression (found by the property test once adverts could arrive first): a message into a zero-length buffer
+/// needs no read; when its advert came before the receive, the receive must still complete.
+#[test]
+fn advert_arriving_before_a_zero_length_receive_completes_it_truncated() {
+    let p = pair_with(SockType::SeqPacket, SimConfig::default(), &[SocketOption::SmallPacketMaxSize(0)]);
+    let src = p.client_region(pattern(2048, 1));
+    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
+    p.world.run_until_idle(1000);
+    let dst = p.server_region(10);
+    p.server.recv(&p.eq_b, &dst.slice(0..0), MsgFlags::NONE, 2).unwrap();
+    let r = wait(&p.eq_b);
+    assert_eq!((r.bytes, r.flags.truncated, &r.status), (0, true, &Ok(())));
+    assert!(wait(&p.eq_a).is_ok());
+}

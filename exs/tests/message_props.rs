@@ -23,6 +23,8 @@ struct Case {
     max_send_wr: u32,
     read_depth: u32,
     recvs_first: bool,
+    /// Let the adverts arrive before the receives are posted.
+    settle: bool,
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -37,9 +39,9 @@ fn case() -> impl Strategy<Value = Case> {
         prop_oneof![Just(1u64 << 31), 512u64..8192],
         2u32..64,
         1u32..8,
-        any::<bool>(),
+        (any::<bool>(), any::<bool>()),
     )
-        .prop_map(|(seed, msgs, send_credits, recv_credits, window, small, max_message, max_send_wr, read_depth, recvs_first)| Case {
+        .prop_map(|(seed, msgs, send_credits, recv_credits, window, small, max_message, max_send_wr, read_depth, (recvs_first, settle))| Case {
             seed,
             msgs,
             send_credits,
@@ -50,6 +52,7 @@ fn case() -> impl Strategy<Value = Case> {
             max_send_wr,
             read_depth,
             recvs_first,
+            settle,
         })
 }
 
@@ -85,6 +88,9 @@ fn run(c: &Case) {
         off += len;
     }
     if !c.recvs_first {
+        if c.settle {
+            p.world.run_for(Duration::from_millis(1));
+        }
         post_recvs();
     }
     let recvs = p.eq_b.wait_all(None).expect("no deadlock on the receiver");

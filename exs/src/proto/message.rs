@@ -119,6 +119,11 @@ pub(crate) struct MessageProto {
     /// Acknowledgment value last sent.
     acked_seq: u32,
     peer_closed: bool,
+    /// Sends that failed before the peer acknowledged them, with their exposure. The peer may still be
+    /// reading, so revoking the key now would turn our close into a remote-access error at the peer; and the
+    /// send's event must not come while its buffer is still exposed. Both happen when the endpoint is released
+    /// ([`MessageProto::drop_all`]): key first, then the event.
+    retired: Vec<(Box<dyn Exposure>, Ticket, OpError)>,
     /// Whether acknowledgments may wait for a message going the other way (delayed acks enabled).
     delay_acks: bool,
     /// Our adverts sent before the last acknowledgment left: more than that means request/response traffic.
@@ -151,6 +156,7 @@ impl MessageProto {
             done_seq: 0,
             acked_seq: 0,
             peer_closed: false,
+            retired: Vec::new(),
             delay_acks,
             ack_marker: 0,
             stats: MessageStats::default(),
@@ -333,6 +339,8 @@ impl MessageProto {
                 failed: None,
             });
         }
+        // Transfers that need no read (immediate data, empty receive buffers) are complete now.
+        self.complete_transfers();
     }
 
     /// An RDMA read finished.
@@ -365,6 +373,8 @@ impl MessageProto {
             if let Some(ticket) = t.ticket.take() {
                 match t.failed.take() {
                     None => ticket.complete(Ok(()), t.bytes, flags),
+                    // The sender cancelled this message by closing: for the receiver, the stream ended.
+                    Some(OpError::PeerClosed) => ticket.complete(Ok(()), 0, EventFlags { eof: true, truncated: false }),
                     Some(e) => ticket.complete(Err(e), 0, flags),
                 }
             }
@@ -436,6 +446,13 @@ impl MessageProto {
                 return;
             }
             let mut o = self.unacked.pop_front().expect("checked");
+            if !o.acked && o.exposure.is_some() && o.ticket.is_some() {
+                let exposure = o.exposure.take().expect("checked");
+                let ticket = o.ticket.take().expect("checked");
+                let err = o.failed.take().unwrap_or(OpError::ConnectionReset);
+                self.retired.push((exposure, ticket, err));
+                continue;
+            }
             if let Some(t) = o.ticket.take() {
                 match o.failed.take() {
                     None => t.complete(Ok(()), o.len, EventFlags::default()),
@@ -445,12 +462,16 @@ impl MessageProto {
         }
     }
 
-    /// The peer closed: its unread adverts are gone, our receives end with end-of-stream, our sends fail.
+    /// The peer closed: its unread adverts are gone, our receives end with end-of-stream (including those
+    /// whose read is still in flight: the sender cancelled that message), our sends fail.
     pub(crate) fn on_peer_close(&mut self) {
         self.peer_closed = true;
         self.adverts.clear();
         for r in self.recvs.drain(..) {
             r.ticket.complete(Ok(()), 0, EventFlags { eof: true, ..Default::default() });
+        }
+        for t in self.transfers.iter_mut().filter(|t| t.reads_in_flight > 0) {
+            t.failed.get_or_insert(OpError::PeerClosed);
         }
         self.fail_sends(OpError::PeerClosed);
     }
@@ -485,12 +506,15 @@ impl MessageProto {
     pub(crate) fn drop_all(&mut self, err: OpError) {
         for o in self.unacked.iter_mut() {
             o.inline_in_flight = false;
-            o.exposure = None;
         }
         for t in self.transfers.iter_mut() {
             t.reads_in_flight = 0;
         }
         self.fail(err);
+        for (exposure, ticket, e) in self.retired.drain(..) {
+            drop(exposure);
+            ticket.complete(Err(e), 0, EventFlags::default());
+        }
     }
 }
 

@@ -1,0 +1,40 @@
+//! The conformance suite runner: every case on every backend compiled in (`cargo test -p exs-conformance
+//! --features fabric`). Trial names are `<backend>::<case>`. A backend that cannot run here, or a case that needs
+//! what the backend lacks, is reported as ignored with the reason on stderr.
+
+use libtest_mimic::{Arguments, Failed, Trial};
+
+fn main() {
+    if std::env::var_os("EXS_LOG").is_some() {
+        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_env("EXS_LOG")).with_writer(std::io::stderr).init();
+    }
+    if let Some(code) = exs_conformance::child::run_if_child() {
+        std::process::exit(code);
+    }
+    let args = Arguments::from_args();
+    let mut trials = Vec::new();
+    for backend in exs_conformance::backends::enabled() {
+        let backend: &'static dyn exs_conformance::Backend = Box::leak(backend);
+        let unavailable = backend.unavailable();
+        if let Some(why) = &unavailable {
+            eprintln!("SKIPPED backend {}: {why}", backend.name());
+        }
+        for case in exs_conformance::all_cases() {
+            let name = format!("{}::{}", backend.name(), case.name);
+            let skip = unavailable.clone().or_else(|| {
+                (case.needs_processes && !backend.processes())
+                    .then(|| format!("{} hosts cannot live in separate processes", backend.name()))
+            });
+            if let Some(why) = &skip {
+                if unavailable.is_none() {
+                    eprintln!("SKIPPED {name}: {why}");
+                }
+            }
+            let run = case.run;
+            trials.push(
+                Trial::test(name, move || run(backend).map_err(Failed::from)).with_ignored_flag(skip.is_some()),
+            );
+        }
+    }
+    libtest_mimic::run(&args, trials).exit();
+}

@@ -1,0 +1,4 @@
+//! The tests, by topic.
+
+pub mod message;
+pub mod process;

@@ -1,0 +1,53 @@
+//! The cross-backend conformance suite (see `conformance.rs` for the runner).
+//!
+//! Every test is written once against [`Net`] (a way to get contexts and addresses) and runs on every backend
+//! compiled in: `sim` (the simulated fabric, with progress threads as a real device has), `fabric` (libfabric,
+//! tcp provider unless `EXS_FABRIC_PROVIDER` says otherwise), and later `verbs`/`softroce`. A backend that cannot
+//! run here says why and its tests count as skipped, loudly.
+
+pub mod backends;
+pub mod cases;
+pub mod child;
+pub mod util;
+
+use std::net::SocketAddr;
+
+use exs::Context;
+
+/// What a test needs from a backend: hosts and addresses.
+pub trait Net {
+    /// A new host (a context with its own transport and progress thread).
+    fn host(&self) -> Context;
+    /// An address to listen on for the `i`th host created (port 0: any).
+    fn listen_addr(&self, i: usize) -> SocketAddr;
+}
+
+/// A backend of the suite.
+pub trait Backend: Send + Sync {
+    /// Short name (`sim`, `fabric`, ...): trial names start with it.
+    fn name(&self) -> &'static str;
+    /// Why the backend cannot run on this machine, if it cannot.
+    fn unavailable(&self) -> Option<String>;
+    /// A fresh network for one test.
+    fn net(&self) -> Box<dyn Net>;
+    /// Whether hosts can live in separate processes (not the in-process simulator).
+    fn processes(&self) -> bool;
+}
+
+/// A test: `Ok` or a message saying what broke.
+pub type TestFn = fn(&dyn Backend) -> Result<(), String>;
+
+/// A named test, and whether it needs separate processes.
+pub struct Case {
+    pub name: &'static str,
+    pub run: TestFn,
+    pub needs_processes: bool,
+}
+
+/// Every test of the suite.
+pub fn all_cases() -> Vec<Case> {
+    let mut v = Vec::new();
+    v.extend(cases::message::cases());
+    v.extend(cases::process::cases());
+    v
+}

@@ -32,7 +32,7 @@ use std::sync::Arc;
 
 use exs::transport::{
     Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId, Op, PostError,
-    Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport, TransportError, WcError, WorkRequest,
+    Registration, RemoteAccess, RemoteRef, RequestId, Transport, TransportError, WcError, WorkRequest,
 };
 use exs_dma::{DmaBuf, Lease};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};

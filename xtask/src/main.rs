@@ -1,5 +1,6 @@
 //! `cargo xtask`: install what the project needs, run its tests, benchmarks and demo.
 
+mod demo;
 mod sys;
 mod test;
 
@@ -16,12 +17,19 @@ struct Cli {
 enum Cmd {
     /// Build everything and run every test: the workspace, then the conformance suite per backend.
     Test(test::TestArgs),
+    /// The main job: move 1 GiB through exs with a progress bar, verify it, and compare with plain TCP.
+    /// Flags go to `exs demo` (--backend, --size, --provider, --chunk, --depth).
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Test(a) => test::run(a),
+        Cmd::Demo { args } => demo::run(args),
     };
     if let Err(e) = r {
         eprintln!("xtask: error: {e}");

@@ -1,0 +1,57 @@
+//! `exs`: the command-line tool of the exs project.
+
+mod backend;
+mod demo;
+mod progress;
+mod util;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "exs", about = "Extended Sockets over RDMA: demo, info")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Move data client to server through exs and through plain TCP; verify checksums; compare throughput.
+    Demo(demo::DemoArgs),
+    /// The server side of `exs demo` (started by it).
+    #[command(hide = true)]
+    DemoServer(demo::ServerArgs),
+    /// Backends compiled in, libfabric providers, and what a backend can do.
+    Info(backend::BackendArgs),
+}
+
+fn info(a: backend::BackendArgs) -> Result<(), String> {
+    println!("backends compiled in: {}", backend::compiled().join(", "));
+    #[cfg(feature = "fabric")]
+    println!("libfabric providers with MSG endpoints: {}", exs_backend_fabric::providers().join(", "));
+    let opened = backend::Opened::open(&a)?;
+    let ctx = opened.host()?;
+    let c = ctx.capabilities();
+    println!("{}:", c.name);
+    println!("  max message {} bytes, inline {} bytes, scatter/gather {}", c.max_message, c.max_inline, c.max_sge);
+    println!("  send queue {}, receive queue {}, read depth {}", c.max_send_wr, c.max_recv_wr, c.max_read_depth);
+    println!(
+        "  write-with-immediate: {}, consumes a receive: {}",
+        if c.native_write_imm { "native" } else { "emulated (write + send)" },
+        c.imm_consumes_recv
+    );
+    Ok(())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Demo(a) => demo::run(a),
+        Cmd::DemoServer(a) => demo::server(a),
+        Cmd::Info(a) => info(a),
+    };
+    if let Err(e) = r {
+        eprintln!("exs: error: {e}");
+        std::process::exit(1);
+    }
+}

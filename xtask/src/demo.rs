@@ -1,0 +1,12 @@
+//! `cargo xtask demo`: sets up what it needs, then runs `exs demo` (1 GiB through exs beside plain TCP).
+
+use crate::sys::{self, Result};
+
+pub fn run(args: Vec<String>) -> Result<()> {
+    sys::ensure_packages(sys::BUILD_PACKAGES)?;
+    sys::run(sys::cargo().args(["build", "--release", "-p", "exs-tools"]))?;
+    let exe = sys::root().join("target/release/exs");
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("demo").args(&args);
+    sys::run(&mut cmd)
+}

@@ -44,6 +44,8 @@ ssize_t exs_fi_write(struct fid_ep *ep, const void *buf, size_t len, void *desc,
 ssize_t exs_fi_writedata(struct fid_ep *ep, const void *buf, size_t len, void *desc, uint64_t data, uint64_t addr,
                          uint64_t key, void *context)
 { return fi_writedata(ep, buf, len, desc, data, 0, addr, key, context); }
+ssize_t exs_fi_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64_t flags)
+{ return fi_writemsg(ep, msg, flags); }
 ssize_t exs_fi_read(struct fid_ep *ep, void *buf, size_t len, void *desc, uint64_t addr, uint64_t key,
                     void *context)
 { return fi_read(ep, buf, len, desc, 0, addr, key, context); }

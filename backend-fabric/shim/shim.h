@@ -41,6 +41,7 @@ ssize_t exs_fi_write(struct fid_ep *ep, const void *buf, size_t len, void *desc,
                      void *context);
 ssize_t exs_fi_writedata(struct fid_ep *ep, const void *buf, size_t len, void *desc, uint64_t data, uint64_t addr,
                          uint64_t key, void *context);
+ssize_t exs_fi_writemsg(struct fid_ep *ep, const struct fi_msg_rma *msg, uint64_t flags);
 ssize_t exs_fi_read(struct fid_ep *ep, void *buf, size_t len, void *desc, uint64_t addr, uint64_t key,
                     void *context);
 ssize_t exs_fi_cq_read(struct fid_cq *cq, void *buf, size_t count);

@@ -319,6 +319,12 @@ impl Exposure for FiExposure {
     fn remote(&self) -> RemoteRef {
         self.remote
     }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        self._lease.read(offset, dst).map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        self._lease.write(offset, src).map_err(|e| TransportError::Invalid(e.to_string()))
+    }
     fn len(&self) -> usize {
         self.len
     }
@@ -596,25 +602,50 @@ impl FabricTransport {
                     let (addr, len, key) = sges.first().map_or((0, 0, 0), |s| (s.addr(), s.len(), s.local_key()));
                     exs_fi_senddata(ep, addr as *const c_void, len, key as *mut c_void, u64::from(*imm), ctx)
                 }
-                Op::Write { local, remote, imm: None } => exs_fi_write(
-                    ep,
-                    local.addr() as *const c_void,
-                    local.len(),
-                    local.local_key() as *mut c_void,
-                    remote.addr,
-                    remote.key,
-                    ctx,
-                ),
-                Op::Write { local, remote, imm: Some(imm) } => exs_fi_writedata(
-                    ep,
-                    local.addr() as *const c_void,
-                    local.len(),
-                    local.local_key() as *mut c_void,
-                    u64::from(*imm),
-                    remote.addr,
-                    remote.key,
-                    ctx,
-                ),
+                Op::Write { local, remote, imm } if local.len() == 1 => {
+                    let l = &local[0];
+                    match imm {
+                        None => exs_fi_write(
+                            ep,
+                            l.addr() as *const c_void,
+                            l.len(),
+                            l.local_key() as *mut c_void,
+                            remote.addr,
+                            remote.key,
+                            ctx,
+                        ),
+                        Some(imm) => exs_fi_writedata(
+                            ep,
+                            l.addr() as *const c_void,
+                            l.len(),
+                            l.local_key() as *mut c_void,
+                            u64::from(*imm),
+                            remote.addr,
+                            remote.key,
+                            ctx,
+                        ),
+                    }
+                }
+                Op::Write { local, remote, imm } => {
+                    // Gathered write: one fi_writemsg with an iovec per entry and one remote range.
+                    let iov: Vec<iovec> =
+                        local.iter().map(|s| iovec { iov_base: s.addr() as *mut c_void, iov_len: s.len() }).collect();
+                    let mut desc: Vec<*mut c_void> = local.iter().map(|s| s.local_key() as *mut c_void).collect();
+                    let len: usize = local.iter().map(|s| s.len()).sum();
+                    let rma = fi_rma_iov { addr: remote.addr, len, key: remote.key };
+                    let msg = fi_msg_rma {
+                        msg_iov: iov.as_ptr(),
+                        desc: desc.as_mut_ptr(),
+                        iov_count: iov.len(),
+                        addr: 0,
+                        rma_iov: &rma,
+                        rma_iov_count: 1,
+                        context: ctx,
+                        data: imm.map_or(0, u64::from),
+                    };
+                    let flags = if imm.is_some() { FI_REMOTE_CQ_DATA as u64 } else { 0 };
+                    exs_fi_writemsg(ep, &msg, flags)
+                }
                 Op::Read { local, remote } => exs_fi_read(
                     ep,
                     local.addr() as *mut c_void,

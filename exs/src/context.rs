@@ -202,6 +202,11 @@ impl Context {
         Context { inner }
     }
 
+    /// A handle that does not keep the context alive.
+    pub(crate) fn downgrade(&self) -> Weak<CtxInner> {
+        Arc::downgrade(&self.inner)
+    }
+
     /// A process-unique identifier.
     pub fn id(&self) -> u64 {
         self.inner.id

@@ -212,6 +212,7 @@ impl Engine {
             max_send_wr: self.caps.max_send_wr,
             max_read_depth: self.caps.max_read_depth,
             imm_consumes_recv: self.caps.imm_consumes_recv,
+            max_sge: self.caps.max_sge,
         }
     }
 
@@ -309,11 +310,18 @@ impl Engine {
         let Some(sock) = self.sockets.get_mut(&sid) else { return };
         let Some(conn) = sock.conn.as_mut() else { return };
         let mut posts = std::mem::take(&mut self.posts);
-        let delayed_ack = conn.flush(&mut posts);
+        let flushed = conn.flush(&mut posts);
         let ep = conn.ep;
         let closing_done = sock.phase == Phase::Closing && conn.sends_drained();
         self.post_all(sid, ep, &mut posts);
         self.posts = posts;
+        let delayed_ack = match flushed {
+            Ok(d) => d,
+            Err(v) => {
+                self.fault(sid, Fault::Peer(v));
+                return;
+            }
+        };
         if delayed_ack && !self.timers.iter().any(|t| t.1 == sid && t.2 == TimerKind::Ack) {
             let at = self.clock.now() + self.ack_delay;
             self.timers.push((at, sid, TimerKind::Ack));
@@ -638,6 +646,11 @@ impl Engine {
             } else {
                 conn.drop_all(err.clone());
             }
+            // A stream whose peer closed keeps its state: bytes that arrived before the close are still read
+            // (as after a TCP FIN), then receives see end-of-stream.
+            if sock.ty == SockType::Stream && sock.peer_closed && !sock.user_closed {
+                sock.conn = Some(conn);
+            }
         }
         sock.down.get_or_insert(err);
         sock.phase = Phase::Down;
@@ -868,8 +881,10 @@ impl Engine {
         slice.check(self.ctx_id)?;
         let s = self.sock(sid)?;
         let ty = s.ty;
-        // After the peer closed, a receive reports end-of-stream (as read(2) returns 0), unless data remains.
-        if s.peer_closed && matches!(s.phase, Phase::Disconnecting | Phase::Down) {
+        let closed_stream = ty == SockType::Stream && s.peer_closed && s.conn.is_some();
+        // After the peer closed, a message receive reports end-of-stream (as read(2) returns 0); a stream receive
+        // first takes what the stream buffer still holds.
+        if s.peer_closed && !closed_stream && matches!(s.phase, Phase::Disconnecting | Phase::Down) {
             let t = ticket.take().expect("ticket given");
             t.complete(Ok(()), 0, EventFlags { eof: true, ..Default::default() });
             return Ok(());
@@ -891,12 +906,19 @@ impl Engine {
                 if slice.is_empty() {
                     return Err(BufferError::Empty.into());
                 }
-                self.open_conn(sid)?;
+                if !closed_stream {
+                    self.open_conn(sid)?;
+                }
                 let sge = slice.lease(LeaseKind::DeviceWrite)?;
                 let (lease, reg) = sge.into_parts();
                 let exposure = self.transport.expose(&reg, lease, RemoteAccess::Write)?;
-                let conn = self.open_conn(sid)?;
-                conn.stream().expect("stream socket").recv(ticket.take().expect("ticket given"), exposure, reg, flags);
+                let conn = match self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
+                    Some(c) => c,
+                    None => return Err(StateError::NotConnected.into()),
+                };
+                if let Err(v) = conn.recv_stream(ticket.take().expect("ticket given"), exposure, reg, flags) {
+                    self.fault(sid, Fault::Peer(v));
+                }
             }
         }
         self.flush(sid);
@@ -974,6 +996,12 @@ impl Engine {
         }
         let (peer, ep) = (s.peer_addr, s.ep());
         Ok(peer.or_else(|| ep.and_then(|ep| self.transport.peer_addr(ep))))
+    }
+
+    /// The recorded stream-protocol decisions of a socket (with the trace option on).
+    pub(crate) fn stream_trace(&mut self, sid: SocketId) -> Vec<crate::proto::stream::StreamTrace> {
+        let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else { return Vec::new() };
+        conn.stream().map(|s| s.take_trace()).unwrap_or_default()
     }
 
     /// Counters of the connection of a socket (tests and tools).

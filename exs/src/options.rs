@@ -65,6 +65,9 @@ pub struct SocketOptions {
     pub control_window: u16,
     /// Listening sockets: connection requests held while no accept is pending. 1..=65535.
     pub backlog: u32,
+    /// Stream sockets: record protocol decisions (adverts, phases, direct/indirect transfers) for
+    /// [`Socket::stream_trace`](crate::Socket::stream_trace). Off by default.
+    pub trace: bool,
 }
 
 impl SocketOptions {
@@ -95,6 +98,7 @@ impl Default for SocketOptions {
             stream_buffer_size: 1 << 20,
             control_window: 0,
             backlog: 128,
+            trace: false,
         }
     }
 }
@@ -114,6 +118,8 @@ pub enum SocketOption {
     ControlWindow(u16),
     /// See [`SocketOptions::backlog`].
     Backlog(u32),
+    /// See [`SocketOptions::trace`].
+    Trace(bool),
 }
 
 impl SocketOption {
@@ -126,12 +132,13 @@ impl SocketOption {
             SocketOption::StreamBufferSize(_) => "stream_buffer_size",
             SocketOption::ControlWindow(_) => "control_window",
             SocketOption::Backlog(_) => "backlog",
+            SocketOption::Trace(_) => "trace",
         }
     }
 
     /// Whether the option is negotiated at connect (and so frozen afterwards).
     pub fn negotiated(&self) -> bool {
-        !matches!(self, SocketOption::Backlog(_))
+        !matches!(self, SocketOption::Backlog(_) | SocketOption::Trace(_))
     }
 
     /// Checks the value and applies it.
@@ -170,6 +177,7 @@ impl SocketOption {
                 range(name, v.into(), 1, 65535, "1..=65535")?;
                 o.backlog = v;
             }
+            SocketOption::Trace(v) => o.trace = v,
         }
         Ok(())
     }

@@ -204,6 +204,11 @@ impl Socket {
         self.engine(|e, id| e.options(id))
     }
 
+    /// The stream-protocol decisions recorded since the last call (the `Trace` option must be on), oldest first.
+    pub fn stream_trace(&self) -> Vec<crate::proto::stream::StreamTrace> {
+        self.engine(|e, id| e.stream_trace(id))
+    }
+
     /// Counters of the connection, while there is one.
     pub fn stats(&self) -> Option<ConnStats> {
         self.engine(|e, id| e.conn_stats(id))

@@ -12,7 +12,7 @@
 //! | `connect`            | resolve addr/route, `rdma_create_qp`, post initial receives, `rdma_connect` | `fi_endpoint`, `fi_recv`..., `fi_connect` |
 //! | `accept`             | `rdma_create_qp`, post receives, `rdma_accept`     | `fi_endpoint`, `fi_recv`..., `fi_accept` |
 //! | `post` Send          | `ibv_post_send` IBV_WR_SEND[_WITH_IMM], inline when small | `fi_sendv` / `fi_senddata`         |
-//! | `post` Write + imm   | IBV_WR_RDMA_WRITE_WITH_IMM (or write + send fallback) | `fi_writedata` (remote CQ data)        |
+//! | `post` Write + imm   | IBV_WR_RDMA_WRITE_WITH_IMM (or write + send fallback) | `fi_writedata` / `fi_writemsg` + data |
 //! | `post` Read          | IBV_WR_RDMA_READ                                   | `fi_read`                               |
 //! | `post` Recv          | `ibv_post_recv` (or the shared receive queue)      | `fi_recv`                               |
 //! | `poll`               | `ibv_poll_cq`                                      | `fi_cq_read` / `fi_cq_readerr`           |
@@ -106,9 +106,16 @@ pub enum RemoteAccess {
 }
 
 /// Remote access to one leased range. Dropping it revokes the key where the transport can, then releases the lease.
+///
+/// The exposure owns the lease, so the owner of the exposure reads and writes the exposed bytes through it (the
+/// stream protocol copies its intermediate buffer into exposed receive buffers this way).
 pub trait Exposure: Send + fmt::Debug {
     /// What the peer needs to address the first byte of the range.
     fn remote(&self) -> RemoteRef;
+    /// Copies exposed bytes out, from `offset` within the range.
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError>;
+    /// Copies bytes into the exposed range at `offset` (the range must be exposed for remote write).
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError>;
     /// Length of the exposed range.
     fn len(&self) -> usize;
     /// Whether the exposed range is empty.
@@ -189,10 +196,11 @@ pub enum Op {
         /// Where the incoming message lands.
         sge: Sge,
     },
-    /// RDMA write from `local` to `remote`; with `imm`, a write-with-immediate that completes a receive at the peer.
+    /// RDMA write gathered from `local` to `remote`; with `imm`, a write-with-immediate that completes a receive
+    /// at the peer.
     Write {
-        /// Local source.
-        local: Sge,
+        /// Local sources, gathered in order (at most [`Capabilities::max_sge`]).
+        local: Vec<Sge>,
         /// Remote destination.
         remote: RemoteRef,
         /// Immediate value (write-with-immediate).

@@ -48,6 +48,7 @@ pub struct Case {
 pub fn all_cases() -> Vec<Case> {
     let mut v = Vec::new();
     v.extend(cases::message::cases());
+    v.extend(cases::stream::cases());
     v.extend(cases::process::cases());
     v
 }

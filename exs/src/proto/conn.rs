@@ -20,6 +20,7 @@ pub(crate) struct Limits {
     pub max_send_wr: u32,
     pub max_read_depth: u32,
     pub imm_consumes_recv: bool,
+    pub max_sge: u32,
 }
 
 /// The socket-type protocol, chosen when the handshake completes.
@@ -127,10 +128,13 @@ impl Conn {
                 Mode::Message(MessageProto::new(send, recv, small, self.limits.max_message, delay_acks))
             }
             SockType::Stream => {
-                let setup = self.stream_setup.as_ref().ok_or_else(|| {
-                    Violation::Handshake("stream socket without a stream buffer".into())
-                })?;
-                Mode::Stream(Box::new(StreamProto::new(setup, peer, opts, self.limits)?))
+                let setup = self
+                    .stream_setup
+                    .take()
+                    .ok_or_else(|| Violation::Handshake("stream socket without a stream buffer".into()))?;
+                let mut s = StreamProto::new(setup, peer, opts, self.limits)?;
+                s.set_max_sge(self.limits.max_sge);
+                Mode::Stream(Box::new(s))
             }
         });
         Ok(())
@@ -184,24 +188,38 @@ impl Conn {
 
     /// Posts what can go now. Returns true when an acknowledgment is being delayed (the engine arms the
     /// acknowledgment timer, which calls [`Conn::force_ack`]).
-    pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) -> bool {
+    pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) -> Result<bool, Violation> {
         match &mut self.mode {
             Some(Mode::Message(m)) => {
                 if m.ack_due() && m.ack_now() {
                     m.queue_ack(&mut self.link);
                 }
                 self.link.flush(out, m);
-                m.ack_due()
+                Ok(m.ack_due())
             }
             Some(Mode::Stream(s)) => {
-                s.pump(&mut self.link);
+                let pumped = s.pump(&mut self.link);
                 self.link.flush(out, &mut ());
-                false
+                pumped.map(|()| false)
             }
             None => {
                 self.link.flush(out, &mut ());
-                false
+                Ok(false)
             }
+        }
+    }
+
+    /// Posts a stream receive (its buffer already exposed for remote write).
+    pub(crate) fn recv_stream(
+        &mut self,
+        ticket: crate::event::Ticket,
+        exposure: Box<dyn Exposure>,
+        reg: std::sync::Arc<dyn crate::transport::Registration>,
+        flags: crate::options::MsgFlags,
+    ) -> Result<(), Violation> {
+        match &mut self.mode {
+            Some(Mode::Stream(s)) => s.recv(ticket, exposure, reg, flags, &mut self.link),
+            _ => Err(Violation::Unexpected { kind: "stream receive", context: "on a message socket" }),
         }
     }
 
@@ -365,8 +383,4 @@ impl Conn {
         self.link.is_idle() && self.link.sends_drained(self.limits.max_send_wr)
     }
 
-    /// Exposure of our stream buffer, kept for the connection's life.
-    pub(crate) fn stream_exposure(&self) -> Option<&dyn Exposure> {
-        self.stream_setup.as_ref().map(|s| s.exposure.as_ref())
-    }
 }

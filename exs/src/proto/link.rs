@@ -93,7 +93,7 @@ impl Slots {
 /// A data operation: RDMA write (with immediate: a stream transfer) or RDMA read.
 #[derive(Debug)]
 pub(crate) enum DataOp {
-    Write { local: Sge, remote: RemoteRef, imm: Option<u32> },
+    Write { local: Vec<Sge>, remote: RemoteRef, imm: Option<u32> },
     Read { local: Sge, remote: RemoteRef },
 }
 

@@ -1,60 +1,720 @@
-//! SOCK_STREAM: the dynamic stream protocol of seed 001. (Being written: stream sockets are refused until then.)
+//! SOCK_STREAM: the dynamic stream protocol of seed 001.
+//!
+//! Data moves by RDMA write-with-immediate ("WWI"), either **directly** into a receive buffer the peer advertised
+//! (zero copy, seed 001 Figure 1) or **indirectly** into the peer's intermediate stream buffer, from which the
+//! receiver copies into its receives (Figure 2). The 32-bit immediate says which, and how many bytes ([`Imm`]).
+//!
+//! ## Sequence numbers and phases (seed 001)
+//! Sequence numbers count bytes. The sender's `seq` is the number of bytes it has sent. The receiver cannot know
+//! how many bytes a receive will get (1 <= m <= n), so each advertisement carries an *estimated* next-expected
+//! sequence number: "the estimate is incremented by 1 after each advertisement is sent. When any exs recv()
+//! operation completes, if an advertisement was sent for the operation ... we add the difference". With
+//! MSG_WAITALL, m = n is known, so the estimate uses it. A receive is never advertised while the stream buffer
+//! holds bytes it will take, so the first advertisement after the two sides resynchronise carries the exact
+//! number.
+//!
+//! The phase rules, each cited where it is implemented:
+//! * "During an even numbered phase, direct transfers are always allowed."
+//! * "When the sender sends an indirect transfer, it increments its phase to an odd number. Similarly, when the
+//!   receiver receives an indirect transfer, it also increments its phase if it was previously even."
+//! * "During an odd phase, the receiver will remain passive until it has flushed all previous advertisements (by
+//!   receiving indirect transfers), at which point it will increment its phase and send a new advertisement."
+//! * "During an odd phase, an advertisement can only be accepted by the sender if the advertisement has a higher
+//!   phase number than the current phase number at the sender, and the sequence number of the advertisement
+//!   matches the sender's current sequence number."
+//! * "Once the sender accepts an advertisement, the sender increments its phase back to even. However, if an
+//!   advertisement with a higher phase number is rejected, the sender increments its phase to the first odd number
+//!   beyond the advertisement's phase."
+//!
+//! Together they ensure that "when a direct transfer responding to advertisement A arrives at the receiver, the
+//! exs recv() operation corresponding to advertisement A is at the head of the exs recv() queue"; the receiver
+//! checks it and treats anything else as a protocol violation.
+//!
+//! ## Stream-buffer space
+//! The sender tracks the bytes it wrote into the peer's stream buffer (`tail`) and the bytes the receiver
+//! reported consumed; it never writes more than the difference allows. The receiver reports consumption in every
+//! advertisement and in STREAM_WINDOW messages, sent when the sender's view of the buffer is at least half full.
+//! A sender blocked on space therefore always gets an update as soon as anything is consumed.
+//!
+//! ## Packing small writes
+//! Queued sends are gathered into one write (up to the transport's scatter/gather limit), so a burst of small
+//! writes costs one network operation per batch, not per write.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
-use exs_dma::DmaBuf;
+use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::error::{OpError, Violation};
-use crate::event::Ticket;
+use crate::event::{EventFlags, Ticket};
 use crate::options::{MsgFlags, SocketOptions};
 use crate::proto::conn::Limits;
-use crate::proto::link::Link;
-use crate::transport::{Exposure, Registration, Sge, Transport, TransportError, WcError};
-use crate::wire::{CloseReason, Handshake, StreamAdvert};
+use crate::proto::link::{DataOp, Link};
+use crate::transport::{Exposure, Registration, RemoteAccess, RemoteRef, Sge, Transport, TransportError, WcError};
+use crate::wire::{Body, CloseReason, Handshake, Imm, StreamAdvert};
 
 /// Counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StreamStats {}
+pub struct StreamStats {
+    /// Direct transfers sent (zero copy into an advertised receive).
+    pub direct_sent: u64,
+    /// Bytes sent directly.
+    pub direct_bytes: u64,
+    /// Indirect transfers sent (into the peer's stream buffer).
+    pub indirect_sent: u64,
+    /// Bytes sent indirectly.
+    pub indirect_bytes: u64,
+    /// Sends packed together with others into one transfer.
+    pub packed_sends: u64,
+    /// Advertisements sent.
+    pub adverts_sent: u64,
+    /// Peer advertisements accepted in an odd phase (resynchronisation).
+    pub adverts_accepted: u64,
+    /// Peer advertisements rejected.
+    pub adverts_rejected: u64,
+    /// Window updates sent.
+    pub window_updates: u64,
+    /// Times the sender waited for stream-buffer space.
+    pub space_stalls: u64,
+}
 
-/// Our intermediate stream buffer, exposed for the peer to write.
+/// One protocol decision, recorded when tracing is on (tests rebuild the seed's figures from these).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamTrace {
+    /// Receiver: advertisement number `id` sent.
+    AdvertSent { id: u32, seq: u64, len: u64, phase: u32 },
+    /// Receiver: its phase changed.
+    ReceiverPhase { phase: u32 },
+    /// Receiver: a receive completed (`advertised`: an advertisement had been sent for it).
+    RecvCompleted { bytes: u64, advertised: bool },
+    /// Sender: a peer advertisement was accepted in an odd phase.
+    Accepted { seq: u64, phase: u32 },
+    /// Sender: a peer advertisement was rejected; `sender_phase` is the phase afterwards.
+    Rejected { seq: u64, phase: u32, sender_phase: u32 },
+    /// Sender: a direct transfer (into the advertisement of `advert_seq`, `advert_phase`).
+    Direct { seq: u64, len: u64, phase: u32, advert_seq: u64 },
+    /// Sender: an indirect transfer.
+    Indirect { seq: u64, len: u64, phase: u32 },
+}
+
+/// Our intermediate stream buffer, exposed for the peer to write, for the connection's life.
 #[derive(Debug)]
 pub(crate) struct StreamSetup {
-    pub buf: Arc<DmaBuf>,
-    pub reg: Arc<dyn Registration>,
     pub exposure: Box<dyn Exposure>,
     pub len: usize,
+    buf: Arc<DmaBuf>,
+    reg: Arc<dyn Registration>,
 }
 
 impl StreamSetup {
-    pub(crate) fn new(_t: &mut dyn Transport, _len: usize) -> Result<Self, TransportError> {
-        Err(TransportError::Unsupported("stream sockets".into()))
+    pub(crate) fn new(t: &mut dyn Transport, len: usize) -> Result<Self, TransportError> {
+        let buf = DmaBuf::new(len);
+        let reg = t.register(&buf)?;
+        let lease = buf.lease(0..len, LeaseKind::DeviceWrite).map_err(|e| TransportError::Invalid(e.to_string()))?;
+        let exposure = t.expose(&reg, lease, RemoteAccess::Write)?;
+        Ok(StreamSetup { exposure, len, buf, reg })
     }
 }
 
 #[derive(Debug)]
-pub(crate) struct StreamProto {}
+struct RecvOp {
+    ticket: Ticket,
+    exposure: Box<dyn Exposure>,
+    len: usize,
+    filled: usize,
+    waitall: bool,
+    /// Set when advertised: bytes this receive was counted for in `src_seqno` (filled then + estimate).
+    counted: Option<u64>,
+}
+
+#[derive(Debug)]
+struct SendOp {
+    id: u32,
+    ticket: Option<Ticket>,
+    rest: Option<Sge>,
+    len: usize,
+    in_flight: u32,
+    failed: Option<OpError>,
+}
+
+#[derive(Debug)]
+struct PeerAdvert {
+    remote: RemoteRef,
+    len: u64,
+    used: u64,
+    seq: u64,
+    phase: u32,
+    waitall: bool,
+}
+
+#[derive(Debug)]
+struct Rx {
+    /// Our stream buffer's exposure (the peer writes indirect transfers there; we read through it).
+    ring: Box<dyn Exposure>,
+    /// Kept alive with the exposure.
+    _buf: Arc<DmaBuf>,
+    _reg: Arc<dyn Registration>,
+    ring_len: u64,
+    /// Bytes copied out of the stream buffer (cumulative).
+    head: u64,
+    /// Bytes written into it by the peer (cumulative).
+    tail: u64,
+    /// `head` as last reported to the peer.
+    reported: u64,
+    recvs: VecDeque<RecvOp>,
+    phase: u32,
+    /// Estimated sequence number of the first byte of the next receive to advertise.
+    src_seqno: u64,
+    /// Advertised receives not yet completed.
+    outstanding: usize,
+    next_advert: u32,
+    eof: bool,
+    /// Receives that failed while still exposed; their event waits for the release of the endpoint.
+    retired: Vec<(Box<dyn Exposure>, Ticket, OpError)>,
+}
+
+#[derive(Debug)]
+struct Tx {
+    sends: VecDeque<SendOp>,
+    adverts: VecDeque<PeerAdvert>,
+    /// Transfers in flight, in posting order, with the sends they carry.
+    writes: VecDeque<(u32, Vec<u32>)>,
+    phase: u32,
+    seq: u64,
+    ring: RemoteRef,
+    ring_len: u64,
+    tail: u64,
+    consumed: u64,
+    next_id: u32,
+    next_tag: u32,
+    shut: bool,
+}
+
+/// Stream-mode state of one connection. See the module documentation.
+#[derive(Debug)]
+pub(crate) struct StreamProto {
+    rx: Rx,
+    tx: Tx,
+    max_chunk: usize,
+    max_sge: usize,
+    trace: Option<Vec<StreamTrace>>,
+    stats: StreamStats,
+}
+
+/// Bytes copied from the stream buffer per step (a bounce buffer on the stack).
+const COPY_CHUNK: usize = 64 * 1024;
 
 impl StreamProto {
-    pub(crate) fn new(_s: &StreamSetup, _p: &Handshake, _o: &SocketOptions, _l: Limits) -> Result<Self, Violation> {
-        Err(Violation::Handshake("stream sockets are not available".into()))
+    pub(crate) fn new(
+        setup: StreamSetup,
+        peer: &Handshake,
+        opts: &SocketOptions,
+        limits: Limits,
+    ) -> Result<Self, Violation> {
+        if peer.stream_len < 64 {
+            return Err(Violation::Handshake(format!("stream buffer of {} bytes is too small", peer.stream_len)));
+        }
+        let StreamSetup { exposure: ring, len, buf, reg } = setup;
+        Ok(StreamProto {
+            rx: Rx {
+                ring,
+                _buf: buf,
+                _reg: reg,
+                ring_len: len as u64,
+                head: 0,
+                tail: 0,
+                reported: 0,
+                recvs: VecDeque::new(),
+                phase: 0,
+                src_seqno: 0,
+                outstanding: 0,
+                next_advert: 1,
+                eof: false,
+                retired: Vec::new(),
+            },
+            tx: Tx {
+                sends: VecDeque::new(),
+                adverts: VecDeque::new(),
+                writes: VecDeque::new(),
+                phase: 0,
+                seq: 0,
+                ring: RemoteRef { addr: peer.stream_addr, key: peer.stream_rkey },
+                ring_len: u64::from(peer.stream_len),
+                tail: 0,
+                consumed: 0,
+                next_id: 0,
+                next_tag: 0,
+                shut: false,
+            },
+            max_chunk: (limits.max_message.min(u64::from(Imm::MAX_LEN))) as usize,
+            max_sge: 4,
+            trace: opts.trace.then(Vec::new),
+            stats: StreamStats::default(),
+        })
     }
+
+    pub(crate) fn set_max_sge(&mut self, n: u32) {
+        self.max_sge = (n as usize).clamp(1, 16);
+    }
+
     pub(crate) fn stats(&self) -> StreamStats {
-        StreamStats {}
+        self.stats
     }
-    pub(crate) fn pump(&mut self, _link: &mut Link) {}
-    pub(crate) fn send(&mut self, _t: Ticket, _s: Sge, _f: MsgFlags) {}
-    pub(crate) fn recv(&mut self, _t: Ticket, _e: Box<dyn Exposure>, _r: Arc<dyn Registration>, _f: MsgFlags) {}
-    pub(crate) fn on_write_imm(&mut self, _imm: u32, _l: &mut Link) -> Result<(), Violation> {
+
+    /// The recorded protocol decisions (tracing on), oldest first.
+    pub(crate) fn take_trace(&mut self) -> Vec<StreamTrace> {
+        self.trace.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    fn record(&mut self, t: StreamTrace) {
+        if let Some(v) = &mut self.trace {
+            v.push(t);
+        }
+    }
+
+    /// Whether a receive would find data (or end-of-stream) at once.
+    pub(crate) fn readable(&self) -> bool {
+        self.rx.tail > self.rx.head || self.rx.eof
+    }
+
+    // -----------------------------------------------------------------------------------------------------------
+    // Sender
+
+    pub(crate) fn send(&mut self, ticket: Ticket, sge: Sge, _flags: MsgFlags) {
+        let id = self.tx.next_id;
+        self.tx.next_id = self.tx.next_id.wrapping_add(1);
+        let len = sge.len();
+        self.tx.sends.push_back(SendOp { id, ticket: Some(ticket), rest: Some(sge), len, in_flight: 0, failed: None });
+    }
+
+    /// Applies the phase rules to the advertisement at the head of the queue: `Some` when one may be used now.
+    fn choose_advert(&mut self) -> Result<bool, Violation> {
+        loop {
+            let Some(a) = self.tx.adverts.front() else { return Ok(false) };
+            let (aseq, aphase) = (a.seq, a.phase);
+            if self.tx.phase % 2 == 0 {
+                // Seed 001: "During an even numbered phase, direct transfers are always allowed, since the sender
+                // and receiver are guaranteed to be in sync": advertisements are taken in order.
+                if aphase != self.tx.phase {
+                    return Err(Violation::Stream(format!(
+                        "advertisement of phase {aphase} while both sides are in phase {}",
+                        self.tx.phase
+                    )));
+                }
+                return Ok(true);
+            }
+            // Seed 001: "During an odd phase, an advertisement can only be accepted by the sender if the
+            // advertisement has a higher phase number than the current phase number at the sender, and the
+            // sequence number of the advertisement matches the sender's current sequence number."
+            if aphase > self.tx.phase && aseq == self.tx.seq {
+                // "Once the sender accepts an advertisement, the sender increments its phase back to even."
+                self.tx.phase = aphase;
+                self.stats.adverts_accepted += 1;
+                self.record(StreamTrace::Accepted { seq: aseq, phase: aphase });
+                return Ok(true);
+            }
+            self.tx.adverts.pop_front();
+            if aphase > self.tx.phase {
+                // "If an advertisement with a higher phase number is rejected, the sender increments its phase to
+                // the first odd number beyond the advertisement's phase" (Figure 7: 3 -> 5 on rejecting phase 4).
+                self.tx.phase = aphase + 1;
+            }
+            self.stats.adverts_rejected += 1;
+            let sender_phase = self.tx.phase;
+            self.record(StreamTrace::Rejected { seq: aseq, phase: aphase, sender_phase });
+        }
+    }
+
+    /// Sends what advertisements and stream-buffer space allow.
+    pub(crate) fn pump(&mut self, link: &mut Link) -> Result<(), Violation> {
+        if self.tx.shut {
+            return Ok(());
+        }
+        loop {
+            let Some(first) = self.tx.sends.iter().position(|s| s.rest.is_some()) else { return Ok(()) };
+            let direct = self.choose_advert()?;
+            let (room, remote) = if direct {
+                let a = self.tx.adverts.front().expect("chosen");
+                (a.len - a.used, RemoteRef { addr: a.remote.addr + a.used, key: a.remote.key })
+            } else {
+                let used = self.tx.tail - self.tx.consumed;
+                let free = self.tx.ring_len - used;
+                let at = self.tx.tail % self.tx.ring_len;
+                let contiguous = self.tx.ring_len - at;
+                if free == 0 {
+                    self.stats.space_stalls += 1;
+                    return Ok(());
+                }
+                (free.min(contiguous), RemoteRef { addr: self.tx.ring.addr + at, key: self.tx.ring.key })
+            };
+            let limit = (room as usize).min(self.max_chunk);
+            // Gather from consecutive sends (packing small writes into one transfer).
+            let mut pieces = Vec::new();
+            let mut carried = Vec::new();
+            let mut n = 0usize;
+            let mut i = first;
+            while n < limit && pieces.len() < self.max_sge && i < self.tx.sends.len() {
+                let s = &mut self.tx.sends[i];
+                let Some(rest) = s.rest.take() else { break };
+                let take = rest.len().min(limit - n);
+                let (lease, reg) = rest.into_parts();
+                let (now, later) = lease.split_at(take);
+                pieces.push(Sge::new(now, Arc::clone(&reg)).expect("lease stays on its buffer"));
+                if !later.is_empty() {
+                    s.rest = Some(Sge::new(later, reg).expect("lease stays on its buffer"));
+                }
+                s.in_flight += 1;
+                carried.push(s.id);
+                n += take;
+                if s.rest.is_some() {
+                    break; // this send continues in the next transfer
+                }
+                i += 1;
+            }
+            if carried.len() > 1 {
+                self.stats.packed_sends += carried.len() as u64 - 1;
+            }
+            let tag = self.tx.next_tag;
+            self.tx.next_tag = self.tx.next_tag.wrapping_add(1);
+            let seq = self.tx.seq;
+            let imm = if direct {
+                let phase = self.tx.phase;
+                let a = self.tx.adverts.front_mut().expect("chosen");
+                a.used += n as u64;
+                let advert_seq = a.seq;
+                // "The advertisement is consumed by this transfer unless the MSG_WAITALL flag was supplied".
+                if !a.waitall || a.used == a.len {
+                    self.tx.adverts.pop_front();
+                }
+                self.stats.direct_sent += 1;
+                self.stats.direct_bytes += n as u64;
+                self.record(StreamTrace::Direct { seq, len: n as u64, phase, advert_seq });
+                Imm::Direct(n as u32)
+            } else {
+                // "When the sender sends an indirect transfer, it increments its phase to an odd number."
+                if self.tx.phase % 2 == 0 {
+                    self.tx.phase += 1;
+                }
+                self.tx.tail += n as u64;
+                self.stats.indirect_sent += 1;
+                self.stats.indirect_bytes += n as u64;
+                let phase = self.tx.phase;
+                self.record(StreamTrace::Indirect { seq, len: n as u64, phase });
+                Imm::Indirect(n as u32)
+            };
+            self.tx.seq += n as u64;
+            self.tx.writes.push_back((tag, carried));
+            link.push_write(DataOp::Write { local: pieces, remote, imm: Some(imm.encode()) }, tag);
+        }
+    }
+
+    /// A transfer of ours completed: the sends it carried may complete.
+    pub(crate) fn on_write_done(&mut self, tag: u32, status: Result<(), WcError>) {
+        let Some(pos) = self.tx.writes.iter().position(|(t, _)| *t == tag) else { return };
+        let (_, carried) = self.tx.writes.remove(pos).expect("found");
+        for id in carried {
+            if let Some(s) = self.tx.sends.iter_mut().find(|s| s.id == id) {
+                s.in_flight -= 1;
+                if let Err(e) = &status {
+                    s.failed.get_or_insert(e.clone().into());
+                }
+            }
+        }
+        self.complete_sends();
+    }
+
+    fn complete_sends(&mut self) {
+        while let Some(s) = self.tx.sends.front() {
+            let done = s.in_flight == 0 && (s.rest.is_none() || s.failed.is_some());
+            if !done {
+                return;
+            }
+            let mut s = self.tx.sends.pop_front().expect("checked");
+            if let Some(t) = s.ticket.take() {
+                match s.failed.take() {
+                    None => t.complete(Ok(()), s.len, EventFlags::default()),
+                    Some(e) => t.complete(Err(e), 0, EventFlags::default()),
+                }
+            }
+        }
+    }
+
+    /// A peer advertisement arrived (it also carries the peer's stream-buffer consumption).
+    pub(crate) fn on_advert(&mut self, a: StreamAdvert, _link: &mut Link) -> Result<(), Violation> {
+        if a.phase % 2 != 0 {
+            return Err(Violation::Stream(format!("advertisement in odd phase {}", a.phase)));
+        }
+        if a.len == 0 || a.addr.checked_add(a.len).is_none() || a.len > u64::from(u32::MAX) * 16 {
+            return Err(Violation::BadRange(format!("stream advertisement of {} bytes at {:#x}", a.len, a.addr)));
+        }
+        self.on_window(a.consumed)?;
+        self.tx.adverts.push_back(PeerAdvert {
+            remote: RemoteRef { addr: a.addr, key: a.rkey },
+            len: a.len,
+            used: 0,
+            seq: a.seq,
+            phase: a.phase,
+            waitall: a.waitall,
+        });
+        // Judge it now (the phase rules act on arrival), not only when there is data to send.
+        self.choose_advert()?;
         Ok(())
     }
-    pub(crate) fn on_write_done(&mut self, _tag: u32, _s: Result<(), WcError>) {}
-    pub(crate) fn on_advert(&mut self, _a: StreamAdvert, _l: &mut Link) -> Result<(), Violation> {
+
+    /// The peer reports `consumed` bytes of its stream buffer consumed in total.
+    pub(crate) fn on_window(&mut self, consumed: u64) -> Result<(), Violation> {
+        if consumed < self.tx.consumed || consumed > self.tx.tail {
+            return Err(Violation::Stream(format!(
+                "stream buffer consumption {consumed} outside {}..={}",
+                self.tx.consumed, self.tx.tail
+            )));
+        }
+        self.tx.consumed = consumed;
         Ok(())
     }
-    pub(crate) fn on_window(&mut self, _c: u64) -> Result<(), Violation> {
+
+    // -----------------------------------------------------------------------------------------------------------
+    // Receiver
+
+    pub(crate) fn recv(
+        &mut self,
+        ticket: Ticket,
+        exposure: Box<dyn Exposure>,
+        _reg: Arc<dyn Registration>,
+        flags: MsgFlags,
+        link: &mut Link,
+    ) -> Result<(), Violation> {
+        let len = exposure.len();
+        self.rx.recvs.push_back(RecvOp {
+            ticket,
+            exposure,
+            len,
+            filled: 0,
+            waitall: flags.contains(MsgFlags::WAITALL),
+            counted: None,
+        });
+        self.drain_ring(link)?;
+        if self.rx.eof && self.rx.tail == self.rx.head {
+            self.finish_eof();
+        }
+        self.advertise(link);
         Ok(())
     }
-    pub(crate) fn on_peer_close(&mut self, _r: CloseReason) {}
-    pub(crate) fn fail(&mut self, _e: OpError) {}
-    pub(crate) fn drop_all(&mut self, _e: OpError) {}
+
+    /// Copies what the stream buffer holds into the receives at the head of the queue, then reports consumption
+    /// if the sender needs to know.
+    fn drain_ring(&mut self, link: &mut Link) -> Result<(), Violation> {
+        self.drain()?;
+        self.maybe_window(link);
+        Ok(())
+    }
+
+    fn drain(&mut self) -> Result<(), Violation> {
+        let mut bounce = vec![0u8; COPY_CHUNK.min(self.rx.ring_len as usize)];
+        while self.rx.tail > self.rx.head {
+            let Some(r) = self.rx.recvs.front_mut() else { break };
+            let want = ((self.rx.tail - self.rx.head) as usize).min(r.len - r.filled);
+            let mut done = 0;
+            while done < want {
+                let at = ((self.rx.head + done as u64) % self.rx.ring_len) as usize;
+                let n = (want - done).min(self.rx.ring_len as usize - at).min(bounce.len());
+                self.rx.ring.read(at, &mut bounce[..n]).map_err(|e| Violation::BadRange(e.to_string()))?;
+                r.exposure.write(r.filled + done, &bounce[..n]).map_err(|e| Violation::BadRange(e.to_string()))?;
+                done += n;
+            }
+            r.filled += want;
+            self.rx.head += want as u64;
+            if !r.waitall || r.filled == r.len {
+                self.complete_front();
+            }
+        }
+        Ok(())
+    }
+
+    fn complete_front(&mut self) {
+        let Some(r) = self.rx.recvs.pop_front() else { return };
+        let filled = r.filled as u64;
+        let advertised = r.counted.is_some();
+        match r.counted {
+            Some(c) => {
+                // Seed 001: "if an advertisement was sent for the operation ... we add the difference to source
+                // seqno in order to correct future estimates".
+                self.rx.src_seqno = self.rx.src_seqno.wrapping_add(filled).wrapping_sub(c);
+                self.rx.outstanding -= 1;
+            }
+            None => self.rx.src_seqno = self.rx.src_seqno.wrapping_add(filled),
+        }
+        self.record(StreamTrace::RecvCompleted { bytes: filled, advertised });
+        // The receive's key goes with its exposure (least exposure), then the event.
+        drop(r.exposure);
+        r.ticket.complete(Ok(()), r.filled, EventFlags::default());
+    }
+
+    /// Advertises the receives not yet advertised, in an even phase.
+    fn advertise(&mut self, link: &mut Link) {
+        // "During an odd phase, the receiver will remain passive".
+        if self.rx.phase % 2 != 0 || self.rx.eof {
+            return;
+        }
+        let ring_has_data = self.rx.tail > self.rx.head;
+        for i in 0..self.rx.recvs.len() {
+            let r = &self.rx.recvs[i];
+            if r.counted.is_some() || r.filled == r.len {
+                continue;
+            }
+            if ring_has_data {
+                // It will take bytes from the stream buffer first; advertising it now would mislead the sender.
+                break;
+            }
+            let remaining = (r.len - r.filled) as u64;
+            let est = if r.waitall { remaining } else { 1 };
+            let base = r.exposure.remote();
+            let seq = self.rx.src_seqno + r.filled as u64;
+            let advert = StreamAdvert {
+                addr: base.addr + r.filled as u64,
+                rkey: base.key,
+                len: remaining,
+                seq,
+                phase: self.rx.phase,
+                waitall: r.waitall,
+                consumed: self.rx.head,
+            };
+            let filled = r.filled as u64;
+            self.rx.recvs[i].counted = Some(filled + est);
+            self.rx.src_seqno += filled + est;
+            self.rx.outstanding += 1;
+            self.rx.reported = self.rx.head;
+            let id = self.rx.next_advert;
+            self.rx.next_advert += 1;
+            self.stats.adverts_sent += 1;
+            let phase = self.rx.phase;
+            self.record(StreamTrace::AdvertSent { id, seq, len: remaining, phase });
+            link.push_ctrl(Body::StreamAdvert(advert), None, None);
+        }
+    }
+
+    /// Reports consumption when the sender's view of the buffer is at least half full (see module docs).
+    fn maybe_window(&mut self, link: &mut Link) {
+        let unreported = self.rx.head - self.rx.reported;
+        let seen_used = self.rx.tail - self.rx.reported;
+        if unreported > 0 && seen_used * 2 >= self.rx.ring_len {
+            self.rx.reported = self.rx.head;
+            self.stats.window_updates += 1;
+            link.push_ctrl(Body::StreamWindow { consumed: self.rx.head }, None, None);
+        }
+    }
+
+    /// A write-with-immediate from the peer arrived (the data is already in place).
+    pub(crate) fn on_write_imm(&mut self, imm: u32, link: &mut Link) -> Result<(), Violation> {
+        match Imm::decode(imm) {
+            Imm::Direct(n) => {
+                let n = n as usize;
+                // The direct transfer must be for the receive at the head of the queue (seed 001's guarantee),
+                // advertised, in an even phase, and fit.
+                let phase = self.rx.phase;
+                let Some(r) = self.rx.recvs.front_mut() else {
+                    return Err(Violation::Stream("direct transfer with no receive posted".into()));
+                };
+                if r.counted.is_none() || phase % 2 != 0 || n > r.len - r.filled || n == 0 {
+                    return Err(Violation::Stream(format!(
+                        "direct transfer of {n} bytes does not fit the head receive ({} of {} filled, advertised: {}, phase {phase})",
+                        r.filled,
+                        r.len,
+                        r.counted.is_some()
+                    )));
+                }
+                r.filled += n;
+                if !r.waitall || r.filled == r.len {
+                    self.complete_front();
+                }
+            }
+            Imm::Indirect(n) => {
+                let n = u64::from(n);
+                let free = self.rx.ring_len - (self.rx.tail - self.rx.head);
+                if n == 0 || n > free {
+                    return Err(Violation::Stream(format!("indirect transfer of {n} bytes with {free} bytes free")));
+                }
+                self.rx.tail += n;
+                // "When the receiver receives an indirect transfer, it also increments its phase if it was
+                // previously even."
+                if self.rx.phase % 2 == 0 {
+                    self.rx.phase += 1;
+                    let phase = self.rx.phase;
+                    self.record(StreamTrace::ReceiverPhase { phase });
+                }
+                self.drain_ring(link)?;
+            }
+        }
+        // "... until it has flushed all previous advertisements (by receiving indirect transfers), at which point
+        // it will increment its phase and send a new advertisement."
+        if self.rx.phase % 2 != 0 && self.rx.outstanding == 0 {
+            self.rx.phase += 1;
+            let phase = self.rx.phase;
+            self.record(StreamTrace::ReceiverPhase { phase });
+        }
+        self.advertise(link);
+        Ok(())
+    }
+
+    /// No more data will come: receives end with what they have, or with end-of-stream.
+    fn finish_eof(&mut self) {
+        while let Some(r) = self.rx.recvs.pop_front() {
+            drop(r.exposure);
+            let flags = EventFlags { eof: r.filled == 0, truncated: false };
+            r.ticket.complete(Ok(()), r.filled, flags);
+        }
+    }
+
+    /// The peer closed, or shut down its sending side.
+    pub(crate) fn on_peer_close(&mut self, reason: CloseReason) {
+        self.rx.eof = true;
+        // Everything the peer sent arrived before its CLOSE (one ordered connection); what is in the stream
+        // buffer is still delivered to receives that are already posted or come later.
+        let _ = self.drain();
+        if self.rx.tail == self.rx.head {
+            self.finish_eof();
+        }
+        if reason != CloseReason::ShutdownWrite {
+            self.fail_sends(OpError::PeerClosed);
+        }
+    }
+
+    /// Our side will send no more (shutdown of the write direction).
+    pub(crate) fn shutdown_write(&mut self) {
+        self.tx.shut = true;
+    }
+
+    fn fail_sends(&mut self, err: OpError) {
+        for s in self.tx.sends.iter_mut() {
+            s.rest = None;
+            s.failed.get_or_insert(err.clone());
+        }
+        self.complete_sends();
+    }
+
+    /// Fails every operation; exposed receives report when the endpoint is released.
+    pub(crate) fn fail(&mut self, err: OpError) {
+        self.fail_sends(err.clone());
+        for r in self.rx.recvs.drain(..) {
+            self.rx.retired.push((r.exposure, r.ticket, err.clone()));
+        }
+    }
+
+    /// The endpoint was released: every work request is back; complete everything left.
+    pub(crate) fn drop_all(&mut self, err: OpError) {
+        for s in self.tx.sends.iter_mut() {
+            s.in_flight = 0;
+        }
+        self.tx.writes.clear();
+        self.fail(err);
+        for (exposure, ticket, e) in self.rx.retired.drain(..) {
+            drop(exposure);
+            let eof = e == OpError::PeerClosed;
+            if eof {
+                ticket.complete(Ok(()), 0, EventFlags { eof: true, truncated: false });
+            } else {
+                ticket.complete(Err(e), 0, EventFlags::default());
+            }
+        }
+    }
 }

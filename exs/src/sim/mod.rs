@@ -372,7 +372,7 @@ impl Net {
             }
             Op::Write { local, remote, imm } => {
                 let imm = *imm;
-                let n = local.len();
+                let n: usize = local.iter().map(Sge::len).sum();
                 if let Err(e) = self.remote_access(*remote, n, RemoteAccess::Write) {
                     self.stats.access_errors += 1;
                     tracing::debug!("sim: remote write refused: {e}");
@@ -388,8 +388,11 @@ impl Net {
                     _ => None,
                 };
                 let entry = self.keys.get_mut(&remote.key).expect("checked");
-                let off = (remote.addr - entry.base) as usize;
-                local.lease().copy_to(0, &mut entry.lease, off, n).expect("bounds checked");
+                let mut off = (remote.addr - entry.base) as usize;
+                for s in local.iter() {
+                    s.lease().copy_to(0, &mut entry.lease, off, s.len()).expect("bounds checked");
+                    off += s.len();
+                }
                 self.stats.bytes += n as u64;
                 self.stats.delivered += 1;
                 match (imm, recv) {
@@ -506,6 +509,18 @@ impl fmt::Debug for SimExposure {
 impl Exposure for SimExposure {
     fn remote(&self) -> RemoteRef {
         self.remote
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        let net = self.net.upgrade().ok_or(TransportError::NoEndpoint)?;
+        let n = lock(&net);
+        let e = n.keys.get(&self.key).ok_or(TransportError::NoEndpoint)?;
+        e.lease.read(offset, dst).map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        let net = self.net.upgrade().ok_or(TransportError::NoEndpoint)?;
+        let mut n = lock(&net);
+        let e = n.keys.get_mut(&self.key).ok_or(TransportError::NoEndpoint)?;
+        e.lease.write(offset, src).map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn len(&self) -> usize {
         self.len
@@ -803,26 +818,36 @@ impl Clock for SimClock {
     }
 }
 
+/// Drives a manual world. It holds its contexts weakly: a context holds the driver, and the application decides
+/// how long a context lives.
 struct WorldDriver {
     net: Weak<Mutex<Net>>,
-    contexts: Mutex<Vec<Context>>,
+    contexts: Mutex<Vec<Weak<crate::context::CtxInner>>>,
+}
+
+impl WorldDriver {
+    fn live(&self) -> Vec<Context> {
+        let mut v = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
+        v.retain(|w| w.strong_count() > 0);
+        v.iter().filter_map(Weak::upgrade).map(Context::from_inner).collect()
+    }
 }
 
 impl ManualDriver for WorldDriver {
     fn drive(&self) -> bool {
         let Some(net) = self.net.upgrade() else { return false };
-        step(&net, &self.contexts)
+        step(&net, self)
     }
 }
 
 /// One step of a manual world: progress every context; if none had anything to do, deliver the next message;
 /// if nothing is in flight, advance virtual time to the next timer. Nothing due after `limit` happens.
-fn step(net: &Arc<Mutex<Net>>, contexts: &Mutex<Vec<Context>>) -> bool {
-    step_until(net, contexts, Duration::MAX)
+fn step(net: &Arc<Mutex<Net>>, driver: &WorldDriver) -> bool {
+    step_until(net, driver, Duration::MAX)
 }
 
-fn step_until(net: &Arc<Mutex<Net>>, contexts: &Mutex<Vec<Context>>, limit: Duration) -> bool {
-    let ctxs: Vec<Context> = contexts.lock().unwrap_or_else(|p| p.into_inner()).clone();
+fn step_until(net: &Arc<Mutex<Net>>, driver: &WorldDriver, limit: Duration) -> bool {
+    let ctxs = driver.live();
     lock(net).stats.steps += 1;
     let mut any = false;
     for c in &ctxs {
@@ -938,7 +963,7 @@ impl World {
         }
         let ctx = Context::with_options(Box::new(transport), opts).expect("simulated context");
         if !self.threaded {
-            self.driver.contexts.lock().unwrap_or_else(|p| p.into_inner()).push(ctx.clone());
+            self.driver.contexts.lock().unwrap_or_else(|p| p.into_inner()).push(ctx.downgrade());
         }
         ctx
     }
@@ -950,7 +975,7 @@ impl World {
 
     /// One step (manual worlds). Returns false when nothing can happen any more.
     pub fn drive(&self) -> bool {
-        step(&self.net, &self.driver.contexts)
+        step(&self.net, &self.driver)
     }
 
     /// Steps until nothing can happen any more, or `max_steps`. Returns the steps taken.
@@ -966,7 +991,7 @@ impl World {
     pub fn run_for(&self, d: Duration) -> u64 {
         let limit = self.elapsed() + d;
         let mut n = 0;
-        while step_until(&self.net, &self.driver.contexts, limit) {
+        while step_until(&self.net, &self.driver, limit) {
             n += 1;
         }
         n

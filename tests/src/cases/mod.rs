@@ -2,3 +2,4 @@
 
 pub mod message;
 pub mod process;
+pub mod stream;

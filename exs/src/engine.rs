@@ -332,17 +332,12 @@ impl Engine {
     }
 
     fn post_all(&mut self, sid: SocketId, ep: EndpointId, posts: &mut Vec<WorkRequest>) {
-        let mut failed = None;
-        for wr in posts.drain(..) {
-            if failed.is_some() {
-                continue; // dropped: never reached the hardware, so its leases go back now
-            }
-            self.stats.posted += 1;
-            if let Err(e) = self.transport.post(ep, wr) {
-                failed = Some(e.error);
-            }
+        if posts.is_empty() {
+            return;
         }
-        if let Some(e) = failed {
+        self.stats.posted += posts.len() as u64;
+        // Requests not posted after an error are dropped: they never reached the hardware, so their leases go back.
+        if let Err(e) = self.transport.post_many(ep, posts) {
             tracing::warn!(?sid, %e, "post failed; connection goes down");
             self.fault(sid, Fault::Transport(crate::transport::WcError::Other(e.to_string())));
         }

@@ -457,6 +457,21 @@ pub trait Transport: Send + fmt::Debug {
     /// Posts a work request on an endpoint.
     fn post(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError>;
 
+    /// Posts a batch of work requests on an endpoint, in order, draining `wrs`. A transport that can ring the
+    /// doorbell once per batch, or signal only the last request of a batch, overrides this. On error, the
+    /// requests not posted are dropped (they never reached the hardware) and the error is returned.
+    fn post_many(&mut self, ep: EndpointId, wrs: &mut Vec<WorkRequest>) -> Result<(), TransportError> {
+        let mut result = Ok(());
+        for wr in wrs.drain(..) {
+            if result.is_ok() {
+                if let Err(e) = self.post(ep, wr) {
+                    result = Err(e.error);
+                }
+            }
+        }
+        result
+    }
+
     /// Starts tearing the connection down. Outstanding work requests complete (flushed if need be) and a
     /// `Disconnected` event follows.
     fn disconnect(&mut self, ep: EndpointId);

@@ -14,6 +14,10 @@ pub fn enabled() -> Vec<Box<dyn Backend>> {
     v.push(Box::new(Sim));
     #[cfg(feature = "fabric")]
     v.push(Box::new(Fabric::from_env()));
+    #[cfg(feature = "verbs")]
+    v.push(Box::new(Verbs::from_env()));
+    #[cfg(feature = "softroce")]
+    v.push(Box::new(SoftRoce::discover()));
     v
 }
 
@@ -101,6 +105,100 @@ impl Backend for Fabric {
     }
     fn net(&self) -> Box<dyn Net> {
         Box::new(FabricNet { cfg: self.cfg.clone(), addr: self.addr })
+    }
+    fn processes(&self) -> bool {
+        true
+    }
+}
+
+#[cfg(feature = "verbs")]
+struct VerbsNet(Result<exs_backend_verbs::VerbsConfig, String>);
+
+#[cfg(feature = "verbs")]
+impl Net for VerbsNet {
+    fn host(&self) -> Context {
+        let cfg = self.0.as_ref().expect("checked by unavailable()");
+        exs_backend_verbs::context(cfg).expect("open the RDMA device")
+    }
+    fn listen_addr(&self, _i: usize) -> SocketAddr {
+        SocketAddr::new(self.0.as_ref().expect("checked").addr, 0)
+    }
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_unavailable(cfg: &Result<exs_backend_verbs::VerbsConfig, String>) -> Option<String> {
+    match cfg {
+        Err(why) => Some(why.clone()),
+        Ok(c) => exs_backend_verbs::VerbsTransport::open(c).err().map(|e| format!("cannot open an RDMA device: {e}")),
+    }
+}
+
+/// rdma-core verbs on the device carrying `EXS_VERBS_ADDR` (`EXS_VERBS_DEVICE` to check its name;
+/// `EXS_VERBS_EMULATE_IMM=1` forces the write + send fallback for write-with-immediate).
+#[cfg(feature = "verbs")]
+pub struct Verbs(Result<exs_backend_verbs::VerbsConfig, String>);
+
+#[cfg(feature = "verbs")]
+impl Verbs {
+    pub fn from_env() -> Self {
+        let addr = std::env::var("EXS_VERBS_ADDR");
+        Verbs(match addr.ok().and_then(|a| a.parse().ok()) {
+            None => Err("EXS_VERBS_ADDR is not set to the IP address of an RDMA device".into()),
+            Some(addr) => Ok(exs_backend_verbs::VerbsConfig {
+                addr,
+                device: std::env::var("EXS_VERBS_DEVICE").ok(),
+                emulate_write_imm: std::env::var("EXS_VERBS_EMULATE_IMM").is_ok_and(|v| v == "1"),
+            }),
+        })
+    }
+}
+
+#[cfg(feature = "verbs")]
+impl Backend for Verbs {
+    fn name(&self) -> &'static str {
+        "verbs"
+    }
+    fn unavailable(&self) -> Option<String> {
+        verbs_unavailable(&self.0)
+    }
+    fn net(&self) -> Box<dyn Net> {
+        Box::new(VerbsNet(self.0.clone()))
+    }
+    fn processes(&self) -> bool {
+        true
+    }
+}
+
+/// The verbs backend on a Soft-RoCE (rxe) or soft-iWARP (siw) device found on this machine, with its IPv4 address.
+#[cfg(feature = "softroce")]
+pub struct SoftRoce(Result<exs_backend_verbs::VerbsConfig, String>);
+
+#[cfg(feature = "softroce")]
+impl SoftRoce {
+    pub fn discover() -> Self {
+        use exs_backend_softroce::{devices, Kind};
+        let found = devices().into_iter().filter(|d| d.kind != Kind::Hardware && d.active()).find_map(|d| {
+            let ip = d.gids.iter().map(|g| g.ip()).find(|ip| ip.is_ipv4())?;
+            Some(exs_backend_verbs::VerbsConfig { addr: ip, device: Some(d.name.clone()), emulate_write_imm: false })
+        });
+        SoftRoce(found.ok_or_else(|| {
+            "no active Soft-RoCE device (rxe/siw) with an IPv4 address on this machine; run `cargo xtask rxe up` \
+             on a kernel with rdma_rxe, or `cargo xtask test`, which runs this suite in a VM"
+                .to_string()
+        }))
+    }
+}
+
+#[cfg(feature = "softroce")]
+impl Backend for SoftRoce {
+    fn name(&self) -> &'static str {
+        "softroce"
+    }
+    fn unavailable(&self) -> Option<String> {
+        verbs_unavailable(&self.0)
+    }
+    fn net(&self) -> Box<dyn Net> {
+        Box::new(VerbsNet(self.0.clone()))
     }
     fn processes(&self) -> bool {
         true

@@ -3,6 +3,7 @@
 mod demo;
 mod sys;
 mod test;
+mod vm;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +24,11 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Runs a command inside the throw-away QEMU guest with Soft-RoCE (rxe0 on 192.168.77.1).
+    Vm {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() {
@@ -30,6 +36,7 @@ fn main() {
     let r = match cli.cmd {
         Cmd::Test(a) => test::run(a),
         Cmd::Demo { args } => demo::run(args),
+        Cmd::Vm { args } => vm::run_command(args),
     };
     if let Err(e) = r {
         eprintln!("xtask: error: {e}");

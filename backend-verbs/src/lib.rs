@@ -1,0 +1,1168 @@
+//! exs over rdma-core: verbs for the data path, rdma_cm for connections (through `rdma-sys`).
+//!
+//! Works on any RDMA device rdma-core drives: InfiniBand and RoCE adapters (Mellanox), iWARP adapters (Chelsio),
+//! Soft-RoCE (rxe) and soft-iWARP (siw). The device is the one rdma_cm resolves for the configured local address.
+//!
+//! ## Mapping
+//! * One protection domain, one completion channel and one completion queue per transport; a reliable-connected
+//!   queue pair per connection, created and connected through rdma_cm (address and route resolution, then
+//!   `rdma_connect` with our handshake as private data; `rdma_accept` on the passive side).
+//! * Waiting: an epoll set over the completion channel and the rdma_cm event channel. Arming is
+//!   `ibv_req_notify_cq` followed by one more poll, so a completion that slipped in between is not slept through.
+//! * Posting: a batch of requests is chained into one `ibv_post_send` (one doorbell). Only every
+//!   [`SIGNAL_EVERY`]-th request and the last of each batch is signalled; a signalled completion also completes the
+//!   unsignalled requests before it (a reliable connection completes in order), so the send queue never holds
+//!   more than its depth and every request gets its completion.
+//! * Memory: the base registration grants local access only (plus remote write on iWARP, where the sink of an
+//!   RDMA read must allow it); a remote key is a registration of exactly the exposed range, deregistered when the
+//!   exposure is dropped (least exposure).
+//! * Write-with-immediate: native where the device has it; otherwise (siw, some iWARP adapters, or forced by
+//!   configuration) an RDMA write followed by an inline send of 8 bytes, a magic and the immediate, which the
+//!   receiving side turns back into an immediate. Both sides' protocol code sees the same thing.
+//!
+//! All `unsafe` of the verbs side is here, each block with its invariant.
+
+use std::collections::{HashMap, VecDeque};
+use std::ffi::{c_void, CStr};
+use std::net::{IpAddr, SocketAddr};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
+use std::ptr;
+use std::sync::Arc;
+
+use exs::transport::{
+    Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId, Op, PostError,
+    Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport, TransportError, WcError, WorkRequest,
+};
+use exs_dma::{DmaBuf, Lease};
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+use nix::sys::socket::{SockaddrLike, SockaddrStorage};
+use rdma_sys::*;
+
+/// Every this many unsignalled send-queue requests, one is signalled (plus the last of every batch).
+pub const SIGNAL_EVERY: u32 = 16;
+/// Magic of an emulated write-with-immediate ("EXSI", little-endian), followed by the immediate.
+const IMM_MAGIC: u32 = u32::from_le_bytes(*b"EXSI");
+const RECV_TAG: u64 = 1 << 63;
+const TAG_EP: usize = 1 << 40;
+const TAG_LISTENER: usize = 2 << 40;
+const RESOLVE_TIMEOUT_MS: i32 = 2000;
+const SQ_DEPTH: u32 = 512;
+const RQ_DEPTH: u32 = 1024;
+const CQ_DEPTH: i32 = 8192;
+
+/// Where and how to open a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VerbsConfig {
+    /// Local IP address; rdma_cm resolves the device that carries it.
+    pub addr: IpAddr,
+    /// Expected device name (checked), if any.
+    pub device: Option<String>,
+    /// Emulate write-with-immediate even if the device has it (tests the fallback used on siw and iWARP).
+    pub emulate_write_imm: bool,
+}
+
+impl VerbsConfig {
+    /// A configuration for the device carrying `addr`.
+    pub fn new(addr: IpAddr) -> Self {
+        VerbsConfig { addr, device: None, emulate_write_imm: false }
+    }
+}
+
+fn os_err(call: &str) -> TransportError {
+    TransportError::os(call, std::io::Error::last_os_error())
+}
+
+fn sockaddr(a: SocketAddr) -> SockaddrStorage {
+    SockaddrStorage::from(a)
+}
+
+fn to_socketaddr(p: *const libc::sockaddr) -> Option<SocketAddr> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: rdma_cm returns a pointer to a sockaddr inside the cm id, valid while the id lives; from_raw reads
+    // it according to its family.
+    let s = unsafe { SockaddrStorage::from_raw(p, None) }?;
+    if let Some(v4) = s.as_sockaddr_in() {
+        return Some(SocketAddr::from((v4.ip(), v4.port())));
+    }
+    s.as_sockaddr_in6().map(|v6| SocketAddr::from((v6.ip(), v6.port())))
+}
+
+/// The protection domain, shared with registrations so it is deallocated last.
+struct Pd(*mut ibv_pd);
+
+// SAFETY: verbs objects may be used from any thread; rdma-core serialises internally where needed.
+unsafe impl Send for Pd {}
+// SAFETY: see Send.
+unsafe impl Sync for Pd {}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        // SAFETY: every MR and QP of this PD is gone: registrations hold this Arc, QPs are destroyed by the
+        // transport's Drop before its Arc is released.
+        unsafe { ibv_dealloc_pd(self.0) };
+    }
+}
+
+fn reg_mr(pd: &Pd, addr: u64, len: usize, access: u32) -> Result<*mut ibv_mr, TransportError> {
+    // SAFETY: the caller guarantees `addr..addr+len` is live memory (a DmaBuf or a lease of one) outliving the MR.
+    let mr = unsafe { ibv_reg_mr(pd.0, addr as *mut c_void, len, access as i32) };
+    if mr.is_null() {
+        return Err(os_err("ibv_reg_mr"));
+    }
+    Ok(mr)
+}
+
+fn dereg(mr: *mut ibv_mr) {
+    // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once, by its owner's Drop.
+    unsafe { ibv_dereg_mr(mr) };
+}
+
+struct VerbsRegistration {
+    _pd: Arc<Pd>,
+    mr: *mut ibv_mr,
+    lkey: u32,
+    buf: Arc<DmaBuf>,
+}
+
+// SAFETY: the MR handle is only used to deregister it.
+unsafe impl Send for VerbsRegistration {}
+// SAFETY: see Send.
+unsafe impl Sync for VerbsRegistration {}
+
+impl std::fmt::Debug for VerbsRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsRegistration").field("lkey", &self.lkey).field("buf", &self.buf).finish()
+    }
+}
+
+impl Drop for VerbsRegistration {
+    fn drop(&mut self) {
+        dereg(self.mr); // before `buf` is released (field order)
+    }
+}
+
+impl Registration for VerbsRegistration {
+    fn local_key(&self) -> u64 {
+        u64::from(self.lkey)
+    }
+    fn buf(&self) -> &Arc<DmaBuf> {
+        &self.buf
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+struct VerbsExposure {
+    _pd: Arc<Pd>,
+    mr: *mut ibv_mr,
+    remote: RemoteRef,
+    len: usize,
+    lease: Lease,
+}
+
+// SAFETY: as VerbsRegistration.
+unsafe impl Send for VerbsExposure {}
+
+impl std::fmt::Debug for VerbsExposure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsExposure").field("rkey", &self.remote.key).field("len", &self.len).finish()
+    }
+}
+
+impl Drop for VerbsExposure {
+    fn drop(&mut self) {
+        dereg(self.mr); // the key dies before the lease goes
+    }
+}
+
+impl Exposure for VerbsExposure {
+    fn remote(&self) -> RemoteRef {
+        self.remote
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.lease.read(offset, dst).map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        self.lease.write(offset, src).map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum EpState {
+    Resolving,
+    Connecting,
+    Connected,
+    Down,
+}
+
+/// A send-queue request: kept until its completion (or a later signalled one) arrives.
+struct SendRec {
+    seq: u64,
+    wr_id: u64,
+    kind: Completed,
+    _op: Op,
+}
+
+struct RecvRec {
+    wr_id: u64,
+    sge: Sge,
+}
+
+struct Ep {
+    id: *mut rdma_cm_id,
+    qp: *mut ibv_qp,
+    state: EpState,
+    reported_down: bool,
+    /// Active side: what to do once the route is resolved.
+    pending: Option<(Vec<u8>, Vec<WorkRequest>)>,
+    sends: VecDeque<SendRec>,
+    next_seq: u64,
+    unsignaled: u32,
+    max_inline: u32,
+    local: Option<SocketAddr>,
+    peer: Option<SocketAddr>,
+}
+
+/// One rdma-core device as an exs [`Transport`].
+pub struct VerbsTransport {
+    cfg: VerbsConfig,
+    ch: *mut rdma_event_channel,
+    ctx: *mut ibv_context,
+    pd: Arc<Pd>,
+    comp: *mut ibv_comp_channel,
+    cq: *mut ibv_cq,
+    epoll: Epoll,
+    caps: Capabilities,
+    iwarp: bool,
+    emulate: bool,
+    rd_atom: u8,
+    eps: HashMap<EndpointId, Ep>,
+    qpn: HashMap<u32, EndpointId>,
+    recvs: HashMap<u64, (EndpointId, RecvRec)>,
+    next_recv: u64,
+    listeners: HashMap<ListenerId, *mut rdma_cm_id>,
+    requests: HashMap<RequestId, *mut rdma_cm_id>,
+    next_listener: u32,
+    next_request: u64,
+    cm_backlog: VecDeque<CmEvent>,
+    cq_backlog: VecDeque<Completion>,
+    unacked_cq_events: u32,
+}
+
+// SAFETY: the verbs and rdma_cm objects are owned by this value and used from one thread at a time (the engine
+// holds its lock for every call).
+unsafe impl Send for VerbsTransport {}
+
+impl std::fmt::Debug for VerbsTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VerbsTransport").field("device", &self.caps.name).finish()
+    }
+}
+
+fn set_nonblocking(fd: RawFd) -> Result<(), TransportError> {
+    // `fd` is a descriptor owned by an open verbs/rdma_cm channel for the duration of the call.
+    let flags = fcntl(fd, FcntlArg::F_GETFL).map_err(|e| TransportError::os("fcntl", e.into()))?;
+    fcntl(fd, FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK))
+        .map_err(|e| TransportError::os("fcntl", e.into()))?;
+    Ok(())
+}
+
+fn epoll_add(epoll: &Epoll, fd: RawFd, data: u64) -> Result<(), TransportError> {
+    // SAFETY: the descriptor belongs to a channel that stays open while it is in the set.
+    let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
+    epoll.add(bfd, EpollEvent::new(EpollFlags::EPOLLIN, data)).map_err(|e| TransportError::os("epoll_ctl", e.into()))
+}
+
+/// RDMA devices this machine has, for error messages.
+pub fn device_names() -> Vec<String> {
+    let mut n = 0;
+    // SAFETY: ibv_get_device_list returns a null-terminated array (or null) that we free once.
+    unsafe {
+        let list = ibv_get_device_list(&mut n);
+        if list.is_null() {
+            return Vec::new();
+        }
+        let mut names = Vec::new();
+        for i in 0..n.max(0) as usize {
+            let d = *list.add(i);
+            if !d.is_null() {
+                names.push(CStr::from_ptr(ibv_get_device_name(d)).to_string_lossy().into_owned());
+            }
+        }
+        ibv_free_device_list(list);
+        names
+    }
+}
+
+fn wc_error(status: u32) -> WcError {
+    match status {
+        ibv_wc_status::IBV_WC_WR_FLUSH_ERR => WcError::Flushed,
+        ibv_wc_status::IBV_WC_REM_ACCESS_ERR => WcError::RemoteAccess,
+        ibv_wc_status::IBV_WC_RETRY_EXC_ERR => WcError::RetryExceeded,
+        ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR => WcError::RnrRetryExceeded,
+        ibv_wc_status::IBV_WC_LOC_PROT_ERR => WcError::LocalProtection,
+        ibv_wc_status::IBV_WC_LOC_LEN_ERR => WcError::LocalLength,
+        other => {
+            // SAFETY: ibv_wc_status_str returns a static string for any status.
+            let s = unsafe { CStr::from_ptr(ibv_wc_status_str(other)) };
+            WcError::Other(s.to_string_lossy().into_owned())
+        }
+    }
+}
+
+impl VerbsTransport {
+    /// Opens the device carrying `cfg.addr`. With no RDMA at all, the error lists the devices that exist (none).
+    pub fn open(cfg: &VerbsConfig) -> Result<VerbsTransport, TransportError> {
+        let not_found = |why: String| TransportError::NotFound {
+            wanted: format!("an RDMA device for {} ({why})", cfg.addr),
+            available: device_names(),
+        };
+        // SAFETY: creating an event channel has no preconditions; null means failure (errno set).
+        let ch = unsafe { rdma_create_event_channel() };
+        if ch.is_null() {
+            return Err(not_found(format!("rdma_create_event_channel: {}", std::io::Error::last_os_error())));
+        }
+        let mut probe = ptr::null_mut();
+        // SAFETY: valid channel; `probe` receives a new id.
+        if unsafe { rdma_create_id(ch, &mut probe, ptr::null_mut(), rdma_port_space::RDMA_PS_TCP) } != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: the channel is ours and unused.
+            unsafe { rdma_destroy_event_channel(ch) };
+            return Err(not_found(format!("rdma_create_id: {e}")));
+        }
+        let sa = sockaddr(SocketAddr::new(cfg.addr, 0));
+        // SAFETY: valid id; the sockaddr lives across the call.
+        let bound = unsafe { rdma_bind_addr(probe, sa.as_ptr() as *mut _) };
+        // SAFETY: `probe` is valid; rdma_bind_addr sets its verbs context on success.
+        let ctx = unsafe { (*probe).verbs };
+        // SAFETY: the probe id is ours; destroying it leaves the device context (owned by librdmacm) open.
+        unsafe { rdma_destroy_id(probe) };
+        if bound != 0 || ctx.is_null() {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: the channel is ours and no id uses it any more.
+            unsafe { rdma_destroy_event_channel(ch) };
+            return Err(not_found(format!("no RDMA device carries this address: {e}")));
+        }
+        // SAFETY: `ctx` is an open device context; its device pointer and name are valid while it is open.
+        let (name, transport_type) = unsafe {
+            let dev = (*ctx).device;
+            (CStr::from_ptr(ibv_get_device_name(dev)).to_string_lossy().into_owned(), (*dev).transport_type)
+        };
+        if let Some(want) = &cfg.device {
+            if *want != name {
+                // SAFETY: as above.
+                unsafe { rdma_destroy_event_channel(ch) };
+                return Err(not_found(format!("{} is on device {name}, not {want}", cfg.addr)));
+            }
+        }
+        let iwarp = transport_type == ibv_transport_type::IBV_TRANSPORT_IWARP;
+        let mut attr: ibv_device_attr = unsafe {
+            // SAFETY: ibv_device_attr is plain data; zero is a valid bit pattern before the query fills it.
+            std::mem::zeroed()
+        };
+        // SAFETY: open context; `attr` is a valid out-buffer.
+        if unsafe { ibv_query_device(ctx, &mut attr) } != 0 {
+            // SAFETY: as above.
+            unsafe { rdma_destroy_event_channel(ch) };
+            return Err(os_err("ibv_query_device"));
+        }
+        // SAFETY: open context.
+        let pd = unsafe { ibv_alloc_pd(ctx) };
+        if pd.is_null() {
+            // SAFETY: as above.
+            unsafe { rdma_destroy_event_channel(ch) };
+            return Err(os_err("ibv_alloc_pd"));
+        }
+        let pd = Arc::new(Pd(pd));
+        // SAFETY: open context.
+        let comp = unsafe { ibv_create_comp_channel(ctx) };
+        if comp.is_null() {
+            // SAFETY: as above.
+            unsafe { rdma_destroy_event_channel(ch) };
+            return Err(os_err("ibv_create_comp_channel"));
+        }
+        let cqe = CQ_DEPTH.min(attr.max_cqe);
+        // SAFETY: open context and completion channel.
+        let cq = unsafe { ibv_create_cq(ctx, cqe, ptr::null_mut(), comp, 0) };
+        if cq.is_null() {
+            // SAFETY: the channels are ours and unused.
+            unsafe {
+                ibv_destroy_comp_channel(comp);
+                rdma_destroy_event_channel(ch);
+            }
+            return Err(os_err("ibv_create_cq"));
+        }
+        // SAFETY: valid channel pointers; their fds stay open until we destroy the channels.
+        let (comp_fd, ch_fd) = unsafe { ((*comp).fd, (*ch).fd) };
+        set_nonblocking(comp_fd)?;
+        set_nonblocking(ch_fd)?;
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(|e| TransportError::os("epoll_create", e.into()))?;
+        epoll_add(&epoll, comp_fd, 1)?;
+        epoll_add(&epoll, ch_fd, 2)?;
+        let emulate = cfg.emulate_write_imm || iwarp;
+        let rd_atom = attr.max_qp_rd_atom.min(attr.max_qp_init_rd_atom).clamp(1, 16) as u8;
+        let sq = SQ_DEPTH.min(attr.max_qp_wr as u32);
+        let caps = Capabilities {
+            name: format!("verbs/{name}"),
+            max_inline: 64,
+            max_message: 1 << 30,
+            native_write_imm: !emulate,
+            imm_consumes_recv: true,
+            // An emulated write-with-immediate takes two send-queue entries.
+            max_send_wr: if emulate { sq / 2 } else { sq },
+            max_recv_wr: RQ_DEPTH.min(attr.max_qp_wr as u32),
+            max_sge: (attr.max_sge as u32).clamp(1, 16),
+            max_read_depth: u32::from(rd_atom),
+            max_private_data: 56,
+        };
+        let t = VerbsTransport {
+            cfg: cfg.clone(),
+            ch,
+            ctx,
+            pd,
+            comp,
+            cq,
+            epoll,
+            caps,
+            iwarp,
+            emulate,
+            rd_atom,
+            eps: HashMap::new(),
+            qpn: HashMap::new(),
+            recvs: HashMap::new(),
+            next_recv: 1,
+            listeners: HashMap::new(),
+            requests: HashMap::new(),
+            next_listener: 1,
+            next_request: 1,
+            cm_backlog: VecDeque::new(),
+            cq_backlog: VecDeque::new(),
+            unacked_cq_events: 0,
+        };
+        // SAFETY: `cq` was just created.
+        unsafe { ibv_req_notify_cq(t.cq, 0) };
+        tracing::debug!(device = %name, iwarp, emulate, "verbs device open");
+        Ok(t)
+    }
+
+    fn new_ep(id: *mut rdma_cm_id) -> Ep {
+        Ep {
+            id,
+            qp: ptr::null_mut(),
+            state: EpState::Resolving,
+            reported_down: false,
+            pending: None,
+            sends: VecDeque::new(),
+            next_seq: 1,
+            unsignaled: 0,
+            max_inline: 0,
+            local: None,
+            peer: None,
+        }
+    }
+
+    /// Creates the queue pair of an endpoint (same device as ours) and posts its initial receives.
+    fn create_qp(&mut self, ep: EndpointId, recvs: Vec<WorkRequest>) -> Result<(), TransportError> {
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        // SAFETY: live cm id; after address resolution its verbs context is set.
+        if unsafe { (*e.id).verbs } != self.ctx {
+            return Err(TransportError::Unsupported("the peer is reached through another RDMA device".into()));
+        }
+        let mut attr: ibv_qp_init_attr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        attr.send_cq = self.cq;
+        attr.recv_cq = self.cq;
+        attr.qp_type = ibv_qp_type::IBV_QPT_RC;
+        attr.sq_sig_all = 0;
+        attr.cap.max_send_wr = if self.emulate { self.caps.max_send_wr * 2 } else { self.caps.max_send_wr };
+        attr.cap.max_recv_wr = self.caps.max_recv_wr;
+        attr.cap.max_send_sge = self.caps.max_sge;
+        attr.cap.max_recv_sge = 1;
+        attr.cap.max_inline_data = 64;
+        // SAFETY: live id with a resolved route (or a connection request), our PD, attr filled.
+        if unsafe { rdma_create_qp(e.id, self.pd.0, &mut attr) } != 0 {
+            return Err(os_err("rdma_create_qp"));
+        }
+        // SAFETY: rdma_create_qp set id->qp.
+        let qp = unsafe { (*e.id).qp };
+        e.qp = qp;
+        e.max_inline = attr.cap.max_inline_data;
+        // SAFETY: live QP.
+        let num = unsafe { (*qp).qp_num };
+        self.qpn.insert(num, ep);
+        let mut batch = recvs;
+        self.post_many(ep, &mut batch)
+    }
+
+    fn conn_param(private: &[u8], rd: u8) -> rdma_conn_param {
+        rdma_conn_param {
+            private_data: private.as_ptr() as *const c_void,
+            private_data_len: private.len().min(255) as u8,
+            responder_resources: rd,
+            initiator_depth: rd,
+            flow_control: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            srq: 0,
+            qp_num: 0,
+        }
+    }
+
+    fn addresses(&mut self, ep: EndpointId) {
+        if let Some(e) = self.eps.get_mut(&ep) {
+            // SAFETY: live id; the returned pointers point into it.
+            unsafe {
+                e.local = to_socketaddr(rdma_get_local_addr(&*e.id) as *const _);
+                e.peer = to_socketaddr(rdma_get_peer_addr(&*e.id) as *const _);
+            }
+        }
+    }
+
+    fn report_down(&mut self, ep: EndpointId) -> Option<CmEvent> {
+        let e = self.eps.get_mut(&ep)?;
+        e.state = EpState::Down;
+        if e.reported_down {
+            return None;
+        }
+        e.reported_down = true;
+        Some(CmEvent::Disconnected { ep })
+    }
+
+    fn connect_failed(&mut self, ep: EndpointId, reason: ConnectFailure) -> Option<CmEvent> {
+        let e = self.eps.get_mut(&ep)?;
+        e.state = EpState::Down;
+        e.reported_down = true;
+        Some(CmEvent::ConnectFailed { ep, reason })
+    }
+
+    /// Handles one rdma_cm event; returns what the engine should see.
+    fn on_cm_event(&mut self, ev: *mut rdma_cm_event) -> Option<CmEvent> {
+        // SAFETY: `ev` came from rdma_get_cm_event and is acknowledged by our caller after this returns.
+        let (kind, id, listen_id, status, data) = unsafe {
+            let e = &*ev;
+            let conn = &e.param.conn;
+            let data = if conn.private_data.is_null() || conn.private_data_len == 0 {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(conn.private_data as *const u8, conn.private_data_len as usize).to_vec()
+            };
+            (e.event, e.id, e.listen_id, e.status, data)
+        };
+        // SAFETY: ids in events are live (acknowledgment comes later); the context is what we set.
+        let tag = unsafe { (*id).context as usize };
+        let ep = EndpointId((tag & 0xffff_ffff) as u32);
+        use rdma_cm_event_type::*;
+        match kind {
+            RDMA_CM_EVENT_CONNECT_REQUEST => {
+                // SAFETY: the listener's id is live; its context is the listener tag.
+                let ltag = unsafe { (*listen_id).context as usize };
+                let listener = ListenerId((ltag & 0xffff_ffff) as u32);
+                if ltag & TAG_LISTENER == 0 || !self.listeners.contains_key(&listener) {
+                    // SAFETY: a fresh request id we will not use: reject and destroy it.
+                    unsafe {
+                        rdma_reject(id, ptr::null(), 0);
+                    }
+                    return None;
+                }
+                let request = RequestId(self.next_request);
+                self.next_request += 1;
+                self.requests.insert(request, id);
+                // SAFETY: live id.
+                let peer = to_socketaddr(unsafe { rdma_get_peer_addr(&*id) } as *const _)
+                    .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+                Some(CmEvent::ConnectRequest { listener, request, peer, private: data })
+            }
+            _ if tag & TAG_EP == 0 => None,
+            RDMA_CM_EVENT_ADDR_RESOLVED => {
+                let e = self.eps.get(&ep)?;
+                // SAFETY: live id with a resolved address.
+                if unsafe { rdma_resolve_route(e.id, RESOLVE_TIMEOUT_MS) } != 0 {
+                    return self.connect_failed(ep, ConnectFailure::Other(format!("rdma_resolve_route: {}", std::io::Error::last_os_error())));
+                }
+                None
+            }
+            RDMA_CM_EVENT_ROUTE_RESOLVED => {
+                let (private, recvs) = self.eps.get_mut(&ep)?.pending.take()?;
+                if let Err(err) = self.create_qp(ep, recvs) {
+                    return self.connect_failed(ep, ConnectFailure::Other(err.to_string()));
+                }
+                let e = self.eps.get_mut(&ep)?;
+                e.state = EpState::Connecting;
+                let mut param = Self::conn_param(&private, self.rd_atom);
+                // SAFETY: live id with a QP; private data lives across the call (copied by rdma_connect).
+                if unsafe { rdma_connect(e.id, &mut param) } != 0 {
+                    return self.connect_failed(ep, ConnectFailure::Other(format!("rdma_connect: {}", std::io::Error::last_os_error())));
+                }
+                None
+            }
+            RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR => self.connect_failed(ep, ConnectFailure::Unreachable),
+            RDMA_CM_EVENT_UNREACHABLE => self.connect_failed(ep, ConnectFailure::TimedOut),
+            RDMA_CM_EVENT_REJECTED => {
+                if self.eps.get(&ep)?.state == EpState::Connected {
+                    return self.report_down(ep);
+                }
+                self.connect_failed(ep, ConnectFailure::Refused(data))
+            }
+            RDMA_CM_EVENT_CONNECT_ERROR => {
+                self.connect_failed(ep, ConnectFailure::Other(format!("connect error (status {status})")))
+            }
+            RDMA_CM_EVENT_ESTABLISHED => {
+                let e = self.eps.get_mut(&ep)?;
+                if e.state == EpState::Down {
+                    return None;
+                }
+                e.state = EpState::Connected;
+                self.addresses(ep);
+                Some(CmEvent::Established { ep, private: data })
+            }
+            RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL => self.report_down(ep),
+            _ => None,
+        }
+    }
+
+    /// Posts a chain of send-queue requests (one doorbell). Signals the last one and every SIGNAL_EVERY-th.
+    fn post_sends(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), TransportError> {
+        let emulate = self.emulate;
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.qp.is_null() {
+            return Err(TransportError::Invalid("post before the queue pair exists".into()));
+        }
+        let n = wrs.len();
+        // Native verbs structures for the whole chain; kept alive until ibv_post_send returns.
+        let mut sges: Vec<Vec<ibv_sge>> = Vec::with_capacity(n * 2);
+        let mut natives: Vec<ibv_send_wr> = Vec::with_capacity(n * 2);
+        let mut recs = Vec::with_capacity(n);
+        // At most one payload per request: with this capacity the vector never reallocates, so the addresses the
+        // scatter entries take from it stay valid until ibv_post_send has copied the (inline) payloads.
+        let mut imm_payloads: Vec<[u8; 8]> = Vec::with_capacity(n);
+        for (i, wr) in wrs.into_iter().enumerate() {
+            let last = i + 1 == n;
+            let seq = e.next_seq;
+            e.next_seq += 1;
+            let sge_of = |s: &Sge| ibv_sge { addr: s.addr(), length: s.len() as u32, lkey: s.local_key() as u32 };
+            let (kind, parts): (Completed, Vec<(u32, Vec<ibv_sge>, Option<RemoteRef>, Option<u32>)>) = match &wr.op {
+                Op::Send { sges: s, imm } => {
+                    let opc = if imm.is_some() { ibv_wr_opcode::IBV_WR_SEND_WITH_IMM } else { ibv_wr_opcode::IBV_WR_SEND };
+                    (Completed::Send, vec![(opc, s.iter().map(sge_of).collect(), None, *imm)])
+                }
+                Op::Write { local, remote, imm: Some(imm) } if emulate => {
+                    // Emulated write-with-immediate: the write, then a send carrying the immediate.
+                    let mut payload = [0u8; 8];
+                    payload[..4].copy_from_slice(&IMM_MAGIC.to_le_bytes());
+                    payload[4..].copy_from_slice(&imm.to_le_bytes());
+                    debug_assert!(imm_payloads.len() < imm_payloads.capacity(), "payloads must not reallocate");
+                    imm_payloads.push(payload);
+                    (
+                        Completed::Write,
+                        vec![
+                            (ibv_wr_opcode::IBV_WR_RDMA_WRITE, local.iter().map(sge_of).collect(), Some(*remote), None),
+                            (ibv_wr_opcode::IBV_WR_SEND, Vec::new(), None, Some(u32::MAX)),
+                        ],
+                    )
+                }
+                Op::Write { local, remote, imm } => {
+                    let opc = if imm.is_some() {
+                        ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
+                    } else {
+                        ibv_wr_opcode::IBV_WR_RDMA_WRITE
+                    };
+                    (Completed::Write, vec![(opc, local.iter().map(sge_of).collect(), Some(*remote), *imm)])
+                }
+                Op::Read { local, remote } => {
+                    (Completed::Read, vec![(ibv_wr_opcode::IBV_WR_RDMA_READ, vec![sge_of(local)], Some(*remote), None)])
+                }
+                Op::Recv { .. } => return Err(TransportError::Invalid("a receive in the send chain".into())),
+            };
+            let nparts = parts.len();
+            for (j, (opc, list, remote, imm)) in parts.into_iter().enumerate() {
+                let final_part = j + 1 == nparts;
+                let mut w: ibv_send_wr = unsafe {
+                    // SAFETY: plain data, zero is valid before we fill it.
+                    std::mem::zeroed()
+                };
+                w.wr_id = seq;
+                w.opcode = opc;
+                let mut flags = 0u32;
+                let emulated_imm = imm == Some(u32::MAX) && opc == ibv_wr_opcode::IBV_WR_SEND && list.is_empty();
+                if emulated_imm {
+                    flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+                } else if let Some(v) = imm {
+                    w.imm_data_invalidated_rkey_union.imm_data = v.to_be();
+                }
+                let total: u32 = list.iter().map(|s| s.length).sum();
+                if !emulated_imm && opc != ibv_wr_opcode::IBV_WR_RDMA_READ && total <= e.max_inline && total > 0 {
+                    flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+                }
+                if final_part {
+                    e.unsignaled += 1;
+                    if last || e.unsignaled >= SIGNAL_EVERY {
+                        flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+                        e.unsignaled = 0;
+                    }
+                }
+                w.send_flags = flags;
+                if let Some(r) = remote {
+                    w.wr.rdma = rdma_t { remote_addr: r.addr, rkey: r.key as u32 };
+                }
+                sges.push(if emulated_imm {
+                    let p = imm_payloads.last().expect("pushed above");
+                    vec![ibv_sge { addr: p.as_ptr() as u64, length: 8, lkey: 0 }]
+                } else {
+                    list
+                });
+                natives.push(w);
+            }
+            recs.push(SendRec { seq, wr_id: wr.wr_id, kind, _op: wr.op });
+        }
+        for (w, list) in natives.iter_mut().zip(sges.iter_mut()) {
+            w.sg_list = list.as_mut_ptr();
+            w.num_sge = list.len() as i32;
+        }
+        for i in 0..natives.len().saturating_sub(1) {
+            let next: *mut ibv_send_wr = &mut natives[i + 1];
+            natives[i].next = next;
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: live QP; the chain and its scatter/gather lists live until the call returns; the memory they
+        // name is leased by the records we keep until completion (inline payloads are copied by the call).
+        let rc = unsafe { ibv_post_send(e.qp, natives.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(TransportError::os("ibv_post_send", std::io::Error::from_raw_os_error(rc)));
+        }
+        e.sends.extend(recs);
+        Ok(())
+    }
+
+    fn post_recvs(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), TransportError> {
+        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.qp.is_null() {
+            return Err(TransportError::Invalid("post before the queue pair exists".into()));
+        }
+        let qp = e.qp;
+        let mut sges = Vec::with_capacity(wrs.len());
+        let mut natives: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
+        let mut recs = Vec::with_capacity(wrs.len());
+        for wr in wrs {
+            let Op::Recv { sge } = wr.op else { return Err(TransportError::Invalid("not a receive".into())) };
+            let id = RECV_TAG | self.next_recv;
+            self.next_recv += 1;
+            sges.push(ibv_sge { addr: sge.addr(), length: sge.len() as u32, lkey: sge.local_key() as u32 });
+            natives.push(ibv_recv_wr { wr_id: id, next: ptr::null_mut(), sg_list: ptr::null_mut(), num_sge: 1 });
+            recs.push((id, RecvRec { wr_id: wr.wr_id, sge }));
+        }
+        for (w, s) in natives.iter_mut().zip(sges.iter_mut()) {
+            w.sg_list = s;
+        }
+        for i in 0..natives.len().saturating_sub(1) {
+            let next: *mut ibv_recv_wr = &mut natives[i + 1];
+            natives[i].next = next;
+        }
+        let mut bad = ptr::null_mut();
+        // SAFETY: live QP; the chain lives across the call; the buffers are leased by the records we keep.
+        let rc = unsafe { ibv_post_recv(qp, natives.as_mut_ptr(), &mut bad) };
+        if rc != 0 {
+            return Err(TransportError::os("ibv_post_recv", std::io::Error::from_raw_os_error(rc)));
+        }
+        for (id, rec) in recs {
+            self.recvs.insert(id, (ep, rec));
+        }
+        Ok(())
+    }
+
+    fn drain_cq(&mut self) -> usize {
+        let mut wcs: [ibv_wc; 32] = unsafe {
+            // SAFETY: plain data.
+            std::mem::zeroed()
+        };
+        let mut total = 0;
+        loop {
+            // SAFETY: live CQ; `wcs` holds 32 entries.
+            let n = unsafe { ibv_poll_cq(self.cq, wcs.len() as i32, wcs.as_mut_ptr()) };
+            if n <= 0 {
+                return total;
+            }
+            for wc in &wcs[..n as usize] {
+                self.on_wc(wc);
+            }
+            total += n as usize;
+        }
+    }
+
+    fn on_wc(&mut self, wc: &ibv_wc) {
+        let status = if wc.status == ibv_wc_status::IBV_WC_SUCCESS { Ok(()) } else { Err(wc_error(wc.status)) };
+        if wc.wr_id & RECV_TAG != 0 {
+            let Some((ep, rec)) = self.recvs.remove(&wc.wr_id) else { return };
+            let mut imm = None;
+            let mut len = wc.byte_len;
+            if status.is_ok() {
+                if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
+                    // SAFETY: for this opcode the union holds the immediate, in network byte order.
+                    imm = Some(u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }));
+                } else if wc.byte_len == 8 {
+                    // Possibly an emulated write-with-immediate: 8 bytes starting with the magic (the protocol's
+                    // own control messages are never shorter than 16 bytes).
+                    let mut b = [0u8; 8];
+                    if rec.sge.lease().read(0, &mut b).is_ok() && b[..4] == IMM_MAGIC.to_le_bytes() {
+                        imm = Some(u32::from_le_bytes(b[4..].try_into().expect("4 bytes")));
+                        len = 0;
+                    }
+                }
+            }
+            self.cq_backlog.push_back(Completion { ep, wr_id: rec.wr_id, op: Completed::Recv { len, imm }, status });
+            return;
+        }
+        let Some(&ep) = self.qpn.get(&wc.qp_num) else { return };
+        let Some(e) = self.eps.get_mut(&ep) else { return };
+        // A signalled (or failed) request completes every earlier unsignalled one: in order, successfully.
+        while let Some(front) = e.sends.front() {
+            if front.seq > wc.wr_id {
+                break;
+            }
+            let rec = e.sends.pop_front().expect("front exists");
+            let st = if rec.seq == wc.wr_id { status.clone() } else { Ok(()) };
+            self.cq_backlog.push_back(Completion { ep, wr_id: rec.wr_id, op: rec.kind, status: st });
+        }
+    }
+}
+
+impl Transport for VerbsTransport {
+    fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
+        let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        if self.iwarp {
+            // iWARP: the local sink of an RDMA read must allow remote write.
+            access |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        if buf.is_empty() {
+            return Err(TransportError::Invalid("cannot register zero bytes".into()));
+        }
+        let mr = reg_mr(&self.pd, buf.addr(), buf.len(), access)?;
+        // SAFETY: live MR.
+        let lkey = unsafe { (*mr).lkey };
+        Ok(Arc::new(VerbsRegistration { _pd: Arc::clone(&self.pd), mr, lkey, buf: Arc::clone(buf) }))
+    }
+
+    fn expose(
+        &mut self,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn Exposure>, TransportError> {
+        if !Arc::ptr_eq(reg.buf(), lease.buf()) {
+            return Err(TransportError::Invalid("exposure lease is not on the registered buffer".into()));
+        }
+        if lease.is_empty() {
+            return Err(TransportError::Invalid("cannot expose zero bytes".into()));
+        }
+        let remote = match access {
+            RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        };
+        let mr = reg_mr(&self.pd, lease.addr(), lease.len(), ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | remote)?;
+        // SAFETY: live MR.
+        let rkey = unsafe { (*mr).rkey };
+        let len = lease.len();
+        let remote = RemoteRef { addr: lease.addr(), key: u64::from(rkey) };
+        Ok(Box::new(VerbsExposure { _pd: Arc::clone(&self.pd), mr, remote, len, lease }))
+    }
+
+    fn listen(&mut self, addr: SocketAddr, backlog: u32) -> Result<(ListenerId, SocketAddr), TransportError> {
+        // An unspecified address would listen on every device; ours is the one carrying the configured address.
+        let addr = if addr.ip().is_unspecified() { SocketAddr::new(self.cfg.addr, addr.port()) } else { addr };
+        let id_num = ListenerId(self.next_listener);
+        self.next_listener += 1;
+        let mut id = ptr::null_mut();
+        let ctx = (TAG_LISTENER | id_num.0 as usize) as *mut c_void;
+        // SAFETY: our channel; `id` receives a new id.
+        if unsafe { rdma_create_id(self.ch, &mut id, ctx, rdma_port_space::RDMA_PS_TCP) } != 0 {
+            return Err(os_err("rdma_create_id"));
+        }
+        let sa = sockaddr(addr);
+        // SAFETY: live id; sockaddr lives across the calls.
+        let rc = unsafe {
+            if rdma_bind_addr(id, sa.as_ptr() as *mut _) != 0 {
+                -1
+            } else {
+                rdma_listen(id, backlog.clamp(1, 1024) as i32)
+            }
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: the id is ours and unused.
+            unsafe { rdma_destroy_id(id) };
+            return Err(match e.kind() {
+                std::io::ErrorKind::AddrInUse => TransportError::AddrInUse(addr),
+                _ => TransportError::AddrNotAvailable(format!("{addr}: {e}")),
+            });
+        }
+        // SAFETY: bound id.
+        let port = u16::from_be(unsafe { rdma_get_src_port(id) });
+        self.listeners.insert(id_num, id);
+        Ok((id_num, SocketAddr::new(addr.ip(), port)))
+    }
+
+    fn close_listener(&mut self, listener: ListenerId) {
+        if let Some(id) = self.listeners.remove(&listener) {
+            // SAFETY: our listening id, destroyed once; its pending requests are rejected below.
+            unsafe { rdma_destroy_id(id) };
+        }
+    }
+
+    fn connect(
+        &mut self,
+        ep: EndpointId,
+        addr: SocketAddr,
+        private: &[u8],
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
+        let mut id = ptr::null_mut();
+        let ctx = (TAG_EP | ep.0 as usize) as *mut c_void;
+        // SAFETY: our channel.
+        if unsafe { rdma_create_id(self.ch, &mut id, ctx, rdma_port_space::RDMA_PS_TCP) } != 0 {
+            return Err(os_err("rdma_create_id"));
+        }
+        let src = sockaddr(SocketAddr::new(self.cfg.addr, 0));
+        let dst = sockaddr(addr);
+        // SAFETY: live id; both sockaddrs live across the call (rdma_cm copies them).
+        if unsafe { rdma_resolve_addr(id, src.as_ptr() as *mut _, dst.as_ptr() as *mut _, RESOLVE_TIMEOUT_MS) } != 0 {
+            let e = os_err("rdma_resolve_addr");
+            // SAFETY: the id is ours and unused.
+            unsafe { rdma_destroy_id(id) };
+            return Err(e);
+        }
+        let mut e = Self::new_ep(id);
+        e.pending = Some((private.to_vec(), recvs));
+        self.eps.insert(ep, e);
+        Ok(())
+    }
+
+    fn accept(
+        &mut self,
+        request: RequestId,
+        ep: EndpointId,
+        private: &[u8],
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
+        let id = self.requests.remove(&request).ok_or(TransportError::Invalid("unknown request".into()))?;
+        // SAFETY: the request's id is live and ours; from now on it names this endpoint.
+        unsafe { (*id).context = (TAG_EP | ep.0 as usize) as *mut c_void };
+        let mut e = Self::new_ep(id);
+        e.state = EpState::Connecting;
+        self.eps.insert(ep, e);
+        if let Err(err) = self.create_qp(ep, recvs) {
+            // SAFETY: the id is live; rejecting tells the peer.
+            unsafe { rdma_reject(id, ptr::null(), 0) };
+            self.release(ep);
+            return Err(err);
+        }
+        let mut param = Self::conn_param(private, self.rd_atom);
+        // SAFETY: live id with a QP; private data copied by the call.
+        if unsafe { rdma_accept(id, &mut param) } != 0 {
+            let err = os_err("rdma_accept");
+            self.release(ep);
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    fn reject(&mut self, request: RequestId) {
+        if let Some(id) = self.requests.remove(&request) {
+            // SAFETY: a live request id; after rejecting, nothing uses it and we destroy it.
+            unsafe {
+                rdma_reject(id, ptr::null(), 0);
+                rdma_destroy_id(id);
+            }
+        }
+    }
+
+    fn post(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError> {
+        let mut v = vec![wr];
+        self.post_many(ep, &mut v).map_err(|error| PostError {
+            error,
+            wr: WorkRequest { wr_id: 0, op: Op::Send { sges: Vec::new(), imm: None } },
+        })
+    }
+
+    fn post_many(&mut self, ep: EndpointId, wrs: &mut Vec<WorkRequest>) -> Result<(), TransportError> {
+        let down = match self.eps.get(&ep) {
+            None => return Err(TransportError::NoEndpoint),
+            Some(e) => e.state == EpState::Down && !e.qp.is_null(),
+        };
+        if down {
+            // Posting on a dead connection completes with a flush, as hardware does.
+            for wr in wrs.drain(..) {
+                let op = match wr.op {
+                    Op::Send { .. } => Completed::Send,
+                    Op::Write { .. } => Completed::Write,
+                    Op::Read { .. } => Completed::Read,
+                    Op::Recv { .. } => Completed::Recv { len: 0, imm: None },
+                };
+                self.cq_backlog.push_back(Completion { ep, wr_id: wr.wr_id, op, status: Err(WcError::Flushed) });
+            }
+            return Ok(());
+        }
+        // Receives and sends go to different queues; keep each kind's order.
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        for wr in wrs.drain(..) {
+            if matches!(wr.op, Op::Recv { .. }) {
+                recvs.push(wr);
+            } else {
+                sends.push(wr);
+            }
+        }
+        if !recvs.is_empty() {
+            self.post_recvs(ep, recvs)?;
+        }
+        if !sends.is_empty() {
+            self.post_sends(ep, sends)?;
+        }
+        Ok(())
+    }
+
+    fn disconnect(&mut self, ep: EndpointId) {
+        let Some(e) = self.eps.get_mut(&ep) else { return };
+        match e.state {
+            EpState::Connected | EpState::Connecting => {
+                // SAFETY: live id; DISCONNECTED follows on both sides.
+                unsafe { rdma_disconnect(e.id) };
+                if e.state == EpState::Connecting {
+                    if let Some(ev) = self.report_down(ep) {
+                        self.cm_backlog.push_back(ev);
+                    }
+                }
+            }
+            EpState::Resolving | EpState::Down => {
+                if let Some(ev) = self.report_down(ep) {
+                    self.cm_backlog.push_back(ev);
+                }
+            }
+        }
+    }
+
+    fn release(&mut self, ep: EndpointId) {
+        let Some(e) = self.eps.remove(&ep) else { return };
+        // SAFETY: the QP and id are ours; destroying the QP first stops the hardware from touching any posted
+        // buffer, so the records (and their leases) can be dropped after.
+        unsafe {
+            if !e.qp.is_null() {
+                self.qpn.remove(&(*e.qp).qp_num);
+                rdma_destroy_qp(e.id);
+            }
+            rdma_destroy_id(e.id);
+        }
+        drop(e.sends);
+        self.recvs.retain(|_, (owner, _)| *owner != ep);
+        self.cq_backlog.retain(|c| c.ep != ep);
+    }
+
+    fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        if self.cq_backlog.len() < max {
+            self.drain_cq();
+        }
+        let n = self.cq_backlog.len().min(max);
+        out.extend(self.cq_backlog.drain(..n));
+        n
+    }
+
+    fn poll_cm(&mut self) -> Option<CmEvent> {
+        loop {
+            if let Some(ev) = self.cm_backlog.pop_front() {
+                return Some(ev);
+            }
+            let mut ev = ptr::null_mut();
+            // SAFETY: non-blocking channel; on success `ev` is a live event we acknowledge below.
+            if unsafe { rdma_get_cm_event(self.ch, &mut ev) } != 0 {
+                return None;
+            }
+            let out = self.on_cm_event(ev);
+            // SAFETY: every event is acknowledged exactly once.
+            unsafe { rdma_ack_cm_event(ev) };
+            if let Some(o) = out {
+                return Some(o);
+            }
+        }
+    }
+
+    fn arm(&mut self) -> Result<bool, TransportError> {
+        // Consume completion-channel events (acknowledging them), re-arm, then poll once more: a completion that
+        // arrived before the re-arm would otherwise never wake us.
+        loop {
+            let mut cq = ptr::null_mut();
+            let mut ctx = ptr::null_mut();
+            // SAFETY: non-blocking channel; returns -1 when no event is pending.
+            if unsafe { ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } != 0 {
+                break;
+            }
+            self.unacked_cq_events += 1;
+        }
+        if self.unacked_cq_events > 0 {
+            // SAFETY: acknowledging the events we got, for our CQ.
+            unsafe { ibv_ack_cq_events(self.cq, self.unacked_cq_events) };
+            self.unacked_cq_events = 0;
+        }
+        // SAFETY: live CQ.
+        if unsafe { ibv_req_notify_cq(self.cq, 0) } != 0 {
+            return Err(os_err("ibv_req_notify_cq"));
+        }
+        self.drain_cq();
+        Ok(self.cq_backlog.is_empty() && self.cm_backlog.is_empty())
+    }
+
+    fn wait_fd(&self) -> Option<OwnedFd> {
+        self.epoll.0.as_fd().try_clone_to_owned().ok()
+    }
+
+    fn local_addr(&self, ep: EndpointId) -> Option<SocketAddr> {
+        self.eps.get(&ep).and_then(|e| e.local)
+    }
+
+    fn peer_addr(&self, ep: EndpointId) -> Option<SocketAddr> {
+        self.eps.get(&ep).and_then(|e| e.peer)
+    }
+}
+
+impl Drop for VerbsTransport {
+    fn drop(&mut self) {
+        let eps: Vec<EndpointId> = self.eps.keys().copied().collect();
+        for ep in eps {
+            self.release(ep);
+        }
+        let reqs: Vec<RequestId> = self.requests.keys().copied().collect();
+        for r in reqs {
+            self.reject(r);
+        }
+        let ls: Vec<ListenerId> = self.listeners.keys().copied().collect();
+        for l in ls {
+            self.close_listener(l);
+        }
+        self.recvs.clear();
+        // SAFETY: no QP uses the CQ any more; pending channel events are acknowledged by destroying the CQ after
+        // acking; the channels are ours.
+        unsafe {
+            if self.unacked_cq_events > 0 {
+                ibv_ack_cq_events(self.cq, self.unacked_cq_events);
+            }
+            ibv_destroy_cq(self.cq);
+            ibv_destroy_comp_channel(self.comp);
+            rdma_destroy_event_channel(self.ch);
+        }
+    }
+}
+
+/// Opens the device carrying the configured address and wraps it in an exs context with a progress thread.
+pub fn context(cfg: &VerbsConfig) -> Result<exs::Context, TransportError> {
+    exs::Context::new(Box::new(VerbsTransport::open(cfg)?))
+}

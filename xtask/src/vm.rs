@@ -1,0 +1,348 @@
+//! A throw-away QEMU guest with Soft-RoCE, for hosts whose kernel has no RDMA (see field-facts.md).
+//!
+//! The guest runs Debian's own kernel (downloaded and extracted, never installed) with a busybox initramfs that
+//! loads the RDMA module closure, mounts the host root read-only over 9p under a tmpfs overlay, chroots into it
+//! (so host-built binaries and rdma-core tools run unchanged), runs a script, writes its stdout, stderr and exit
+//! code to a writable 9p share, and powers off. Everything is cached under `target/vm/`.
+
+use std::fs;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::sys::{self, Result};
+
+/// Host packages the VM needs (qemu, busybox for /init, kmod for depmod/modprobe, rdma-core tools in the chroot).
+pub const VM_PACKAGES: &[&str] = &[
+    "qemu-system-x86",
+    "busybox-static",
+    "kmod",
+    "iproute2",
+    "rdma-core",
+    "ibverbs-providers",
+    "ibverbs-utils",
+    "rdmacm-utils",
+];
+
+/// Modules to load in the guest (their dependencies are resolved with modprobe --show-depends).
+const MODULES: &[&str] = &[
+    "crc32_generic",
+    "rdma_rxe",
+    "rdma_ucm",
+    "ib_uverbs",
+    "ib_umad",
+    "9p",
+    "9pnet_virtio",
+    "overlay",
+    "dummy",
+    "veth",
+    "virtio_pci",
+];
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accel {
+    Kvm,
+    Tcg,
+}
+
+pub struct Vm {
+    dir: PathBuf,
+    kernel: PathBuf,
+    initrd: PathBuf,
+    pub kver: String,
+    pub accel: Accel,
+}
+
+pub struct Outcome {
+    pub rc: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub console: String,
+    pub wall: Duration,
+}
+
+fn kernel_package() -> Result<String> {
+    let deps = sys::output(Command::new("apt-cache").args(["depends", "linux-image-amd64"]))?;
+    deps.lines()
+        .filter_map(|l| l.trim().strip_prefix("Depends: "))
+        .find(|p| p.starts_with("linux-image-") && p.chars().nth(12).is_some_and(|c| c.is_ascii_digit()))
+        .map(str::to_string)
+        .ok_or_else(|| "apt-cache does not name a versioned linux-image package (run apt-get update)".to_string())
+}
+
+/// Writes a `newc` cpio archive (the initramfs format) of (path, mode, contents) entries.
+fn cpio(entries: &[(String, u32, Vec<u8>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut push = |name: &str, mode: u32, data: &[u8], ino: u32| {
+        let namesize = name.len() + 1;
+        let header = format!(
+            "070701{ino:08x}{mode:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{:08x}{namesize:08x}{:08x}",
+            0,
+            0,
+            1,
+            0,
+            data.len(),
+            0,
+            0,
+            0,
+            0,
+            0
+        );
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(name.as_bytes());
+        out.push(0);
+        while out.len() % 4 != 0 {
+            out.push(0);
+        }
+        out.extend_from_slice(data);
+        while out.len() % 4 != 0 {
+            out.push(0);
+        }
+    };
+    for (i, (name, mode, data)) in entries.iter().enumerate() {
+        push(name, *mode, data, i as u32 + 1);
+    }
+    push("TRAILER!!!", 0, &[], 0);
+    out
+}
+
+const INIT: &str = r#"#!/bin/busybox sh
+/bin/busybox --install -s /bin
+mkdir -p /proc /sys /dev /host /newroot /overlay
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in $(cat /modules.list); do insmod /lib/modules/$m 2>/dev/null || echo "exs-vm: insmod $m failed"; done
+RESULTS=$(sed -n 's/.*exs.results=\([^ ]*\).*/\1/p' /proc/cmdline)
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000,ro hostroot /host || echo "exs-vm: cannot mount the host root"
+mount -t tmpfs -o size=2g tmpfs /overlay
+mkdir -p /overlay/upper /overlay/work
+mount -t overlay overlay -o lowerdir=/host,upperdir=/overlay/upper,workdir=/overlay/work /newroot || echo "exs-vm: overlay failed"
+mount -t proc proc /newroot/proc
+mount -t sysfs sys /newroot/sys
+mount -t devtmpfs dev /newroot/dev
+mount -t tmpfs tmpfs /newroot/tmp
+mount -t tmpfs tmpfs /newroot/run
+mkdir -p /newroot$RESULTS
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 results /newroot$RESULTS || echo "exs-vm: cannot mount results"
+echo "exs-vm: running $RESULTS/run.sh"
+chroot /newroot /bin/sh $RESULTS/run.sh > /newroot$RESULTS/stdout 2> /newroot$RESULTS/stderr
+echo $? > /newroot$RESULTS/rc
+sync
+echo "exs-vm: done rc=$(cat /newroot$RESULTS/rc)"
+poweroff -f
+"#;
+
+impl Vm {
+    /// Prepares (or reuses) the kernel and initramfs under `target/vm/`.
+    pub fn prepare() -> Result<Vm> {
+        sys::ensure_packages(VM_PACKAGES)?;
+        let dir = sys::root().join("target/vm");
+        fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let pkg = match kernel_package() {
+            Ok(p) => p,
+            Err(_) => {
+                // A fresh machine has no package lists yet.
+                sys::run(Command::new("apt-get").args(["update", "-q"]))?;
+                kernel_package()?
+            }
+        };
+        let kver = pkg.trim_start_matches("linux-image-").to_string();
+        let root = dir.join(format!("kernel-{kver}"));
+        let kernel = root.join(format!("boot/vmlinuz-{kver}"));
+        if !kernel.exists() {
+            eprintln!("xtask: fetching {pkg} (its vmlinuz and modules; nothing is installed)");
+            let debs = dir.join("debs");
+            fs::create_dir_all(&debs).map_err(|e| e.to_string())?;
+            sys::run(Command::new("apt-get").args(["download", "-q", &pkg]).current_dir(&debs))?;
+            let deb = fs::read_dir(&debs)
+                .map_err(|e| e.to_string())?
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("{pkg}_"))))
+                .ok_or("apt-get download left no package")?;
+            sys::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root))?;
+            sys::run(Command::new("depmod").arg("-b").arg(&root).arg(&kver))?;
+        }
+        let initrd = dir.join(format!("initrd-{kver}.cpio"));
+        if !initrd.exists() {
+            Self::build_initrd(&root, &kver, &initrd)?;
+        }
+        let mut vm = Vm { dir, kernel, initrd, kver, accel: Accel::Tcg };
+        vm.accel = vm.probe_accel();
+        Ok(vm)
+    }
+
+    fn build_initrd(root: &Path, kver: &str, out: &Path) -> Result<()> {
+        let mut mods: Vec<String> = Vec::new();
+        for m in MODULES {
+            let deps = sys::output(
+                Command::new("modprobe").arg("-d").arg(root).args(["-S", kver, "--show-depends", m]),
+            )?;
+            for l in deps.lines() {
+                if let Some(path) = l.strip_prefix("insmod ") {
+                    let path = path.split_whitespace().next().unwrap_or_default().to_string();
+                    if !mods.contains(&path) {
+                        mods.push(path);
+                    }
+                }
+            }
+        }
+        let mut entries: Vec<(String, u32, Vec<u8>)> = vec![
+            ("bin".into(), 0o040755, Vec::new()),
+            ("lib".into(), 0o040755, Vec::new()),
+            ("lib/modules".into(), 0o040755, Vec::new()),
+        ];
+        let busybox = fs::read("/bin/busybox").map_err(|e| format!("/bin/busybox (busybox-static): {e}"))?;
+        entries.push(("bin/busybox".into(), 0o100755, busybox));
+        entries.push(("init".into(), 0o100755, INIT.as_bytes().to_vec()));
+        let mut list = String::new();
+        for m in &mods {
+            let name = Path::new(m).file_name().ok_or("bad module path")?.to_string_lossy().into_owned();
+            let data = fs::read(m).map_err(|e| format!("{m}: {e}"))?;
+            entries.push((format!("lib/modules/{name}"), 0o100644, data));
+            list.push_str(&name);
+            list.push('\n');
+        }
+        entries.push(("modules.list".into(), 0o100644, list.into_bytes()));
+        fs::write(out, cpio(&entries)).map_err(|e| e.to_string())?;
+        eprintln!("xtask: initramfs with {} modules: {}", mods.len(), out.display());
+        Ok(())
+    }
+
+    /// KVM when it actually boots this kernel (probed once, with a short timeout), software emulation otherwise.
+    fn probe_accel(&self) -> Accel {
+        if let Ok(v) = std::env::var("EXS_VM_ACCEL") {
+            return if v == "kvm" { Accel::Kvm } else { Accel::Tcg };
+        }
+        let cache = self.dir.join("accel");
+        if let Ok(v) = fs::read_to_string(&cache) {
+            return if v.trim() == "kvm" { Accel::Kvm } else { Accel::Tcg };
+        }
+        let mut accel = Accel::Tcg;
+        if Path::new("/dev/kvm").exists() {
+            let probe = Vm { dir: self.dir.clone(), kernel: self.kernel.clone(), initrd: self.initrd.clone(), kver: self.kver.clone(), accel: Accel::Kvm };
+            match probe.run("true", Duration::from_secs(25)) {
+                Ok(o) if o.rc == Some(0) => accel = Accel::Kvm,
+                _ => eprintln!("xtask: KVM does not boot the guest here; using software emulation (TCG)"),
+            }
+        } else {
+            eprintln!("xtask: no /dev/kvm; using software emulation (TCG)");
+        }
+        let _ = fs::write(&cache, if accel == Accel::Kvm { "kvm" } else { "tcg" });
+        accel
+    }
+
+    /// Runs `script` (sh) in a fresh guest, with a hard timeout.
+    pub fn run(&self, script: &str, timeout: Duration) -> Result<Outcome> {
+        let results = self.dir.join(format!("run-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos()));
+        let _ = fs::remove_dir_all(&results);
+        fs::create_dir_all(&results).map_err(|e| e.to_string())?;
+        fs::write(results.join("run.sh"), script).map_err(|e| e.to_string())?;
+        let console = results.join("console.log");
+        let mut cmd = Command::new("qemu-system-x86_64");
+        match self.accel {
+            Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "max"]),
+            Accel::Tcg => cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max"]),
+        };
+        cmd.args(["-m", "2048", "-smp", "2", "-nodefaults", "-display", "none", "-no-reboot"]);
+        cmd.arg("-serial").arg(format!("file:{}", console.display()));
+        cmd.arg("-kernel").arg(&self.kernel).arg("-initrd").arg(&self.initrd);
+        cmd.arg("-append").arg(format!("console=ttyS0 panic=-1 quiet exs.results={}", results.display()));
+        cmd.args(["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]);
+        cmd.arg("-virtfs").arg(format!("local,path={},mount_tag=results,security_model=none", results.display()));
+        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        let start = Instant::now();
+        let mut child = cmd.spawn().map_err(|e| format!("cannot start qemu-system-x86_64: {e}"))?;
+        let status = loop {
+            if let Some(st) = child.try_wait().map_err(|e| e.to_string())? {
+                break Some(st);
+            }
+            if start.elapsed() > timeout {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        let read = |n: &str| fs::read_to_string(results.join(n)).unwrap_or_default();
+        let out = Outcome {
+            rc: read("rc").trim().parse().ok(),
+            stdout: read("stdout"),
+            stderr: read("stderr"),
+            console: read("console.log"),
+            wall: start.elapsed(),
+        };
+        if status.is_none() {
+            eprintln!("xtask: the VM did not finish within {timeout:?}; console tail:\n{}", tail(&out.console, 20));
+        }
+        let _ = fs::remove_dir_all(&results);
+        Ok(out)
+    }
+}
+
+pub fn tail(s: &str, n: usize) -> String {
+    let lines: Vec<&str> = s.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Shell lines that bring up rxe0 on a dummy interface (192.168.77.1/24): rxe on `lo` breaks rdma_cm.
+pub const RXE_SETUP: &str = "\
+ip link set lo up
+ip link add dummy0 type dummy 2>/dev/null || true
+ip addr add 192.168.77.1/24 dev dummy0
+ip link set dummy0 up
+rdma link add rxe0 type rxe netdev dummy0
+";
+
+/// `cargo xtask vm -- CMD...`: runs a command in the guest with rxe0 up, printing its output.
+pub fn run_command(args: Vec<String>) -> Result<()> {
+    let vm = Vm::prepare()?;
+    let mut script = String::from(RXE_SETUP);
+    let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
+    script.push_str(&format!("cd {}\n", cwd.display()));
+    script.push_str(&args.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" "));
+    script.push('\n');
+    let o = vm.run(&script, Duration::from_secs(1800))?;
+    print!("{}", o.stdout);
+    eprint!("{}", o.stderr);
+    let _ = std::io::stdout().flush();
+    match o.rc {
+        Some(0) => Ok(()),
+        Some(rc) => Err(format!("the command exited with {rc} in the VM")),
+        None => Err("the VM did not report an exit code".into()),
+    }
+}
+
+pub fn shell_quote(s: &str) -> String {
+    if s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,@".contains(c)) {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpio_newc_layout() {
+        let a = cpio(&[("init".into(), 0o100755, b"#!x".to_vec())]);
+        assert!(a.starts_with(b"070701"));
+        assert_eq!(a.len() % 4, 0);
+        let s = String::from_utf8_lossy(&a);
+        assert!(s.contains("init\0"));
+        assert!(s.contains("TRAILER!!!"));
+        // filesize field of the first entry: 3 bytes.
+        assert_eq!(&a[54..62], b"00000003");
+    }
+
+    #[test]
+    fn quoting() {
+        assert_eq!(shell_quote("abc"), "abc");
+        assert_eq!(shell_quote("a b"), "'a b'");
+        assert_eq!(shell_quote("it's"), "'it'\\''s'");
+    }
+}

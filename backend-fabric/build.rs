@@ -15,7 +15,10 @@ fn main() {
     println!("cargo:rerun-if-changed=shim/shim.c");
     println!("cargo:rerun-if-changed=shim/shim.h");
     let mut build = cc::Build::new();
-    build.file("shim/shim.c").warnings(true).flag_if_supported("-Wno-unused-parameter");
+    build
+        .file("shim/shim.c")
+        .warnings(true)
+        .flag_if_supported("-Wno-unused-parameter");
     for p in &lib.include_paths {
         build.include(p);
     }
@@ -38,5 +41,7 @@ fn main() {
         "bindgen could not parse the libfabric headers; it needs libclang (apt-get install clang libclang-dev)",
     );
     let out = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR"));
-    bindings.write_to_file(out.join("fi.rs")).expect("write bindings");
+    bindings
+        .write_to_file(out.join("fi.rs"))
+        .expect("write bindings");
 }

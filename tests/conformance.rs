@@ -6,7 +6,10 @@ use libtest_mimic::{Arguments, Failed, Trial};
 
 fn main() {
     if std::env::var_os("EXS_LOG").is_some() {
-        tracing_subscriber::fmt().with_env_filter(tracing_subscriber::EnvFilter::from_env("EXS_LOG")).with_writer(std::io::stderr).init();
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_env("EXS_LOG"))
+            .with_writer(std::io::stderr)
+            .init();
     }
     if let Some(code) = exs_conformance::child::run_if_child() {
         std::process::exit(code);
@@ -16,15 +19,13 @@ fn main() {
     for backend in exs_conformance::backends::enabled() {
         let backend: &'static dyn exs_conformance::Backend = Box::leak(backend);
         let unavailable = backend.unavailable();
-        if let Some(why) = &unavailable {
-            eprintln!("SKIPPED backend {}: {why}", backend.name());
+        match &unavailable {
+            Some(why) => eprintln!("SKIPPED backend {}: {why}", backend.name()),
+            None => eprintln!("BACKEND {}: {}", backend.name(), backend.describe()),
         }
         for case in exs_conformance::all_cases() {
             let name = format!("{}::{}", backend.name(), case.name);
-            let skip = unavailable.clone().or_else(|| {
-                (case.needs_processes && !backend.processes())
-                    .then(|| format!("{} hosts cannot live in separate processes", backend.name()))
-            });
+            let skip = unavailable.clone().or_else(|| case.skip_reason(backend));
             if let Some(why) = &skip {
                 if unavailable.is_none() {
                     eprintln!("SKIPPED {name}: {why}");
@@ -32,7 +33,8 @@ fn main() {
             }
             let run = case.run;
             trials.push(
-                Trial::test(name, move || run(backend).map_err(Failed::from)).with_ignored_flag(skip.is_some()),
+                Trial::test(name, move || run(backend).map_err(Failed::from))
+                    .with_ignored_flag(skip.is_some()),
             );
         }
     }

@@ -25,5 +25,7 @@ pub fn strerror(code: i64) -> String {
         return format!("error {code}");
     }
     // SAFETY: non-null static C string (see above).
-    unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+    unsafe { std::ffi::CStr::from_ptr(p) }
+        .to_string_lossy()
+        .into_owned()
 }

@@ -31,8 +31,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use exs::transport::{
-    Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId, Op, PostError,
-    Registration, RemoteAccess, RemoteRef, RequestId, Transport, TransportError, WcError, WorkRequest,
+    Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId,
+    Op, PostError, Registration, RemoteAccess, RemoteRef, RequestId, Transport, TransportError,
+    WcError, WorkRequest,
 };
 use exs_dma::{DmaBuf, Lease};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
@@ -50,14 +51,20 @@ pub struct FabricConfig {
 
 impl Default for FabricConfig {
     fn default() -> Self {
-        FabricConfig { provider: "tcp".into(), domain: None }
+        FabricConfig {
+            provider: "tcp".into(),
+            domain: None,
+        }
     }
 }
 
 impl FabricConfig {
     /// A configuration for a provider by name.
     pub fn provider(name: &str) -> Self {
-        FabricConfig { provider: name.into(), domain: None }
+        FabricConfig {
+            provider: name.into(),
+            domain: None,
+        }
     }
 }
 
@@ -81,7 +88,11 @@ fn err(call: &str, ret: i64) -> TransportError {
         61 => std::io::ErrorKind::NotFound, // FI_ENODATA
         _ => std::io::ErrorKind::Other,
     };
-    TransportError::Os { call: call.into(), kind, message: format!("{} ({ret})", strerror(ret)) }
+    TransportError::Os {
+        call: call.into(),
+        kind,
+        message: format!("{} ({ret})", strerror(ret)),
+    }
 }
 
 fn check(call: &str, ret: i32) -> Result<(), TransportError> {
@@ -129,27 +140,40 @@ fn hints(provider: &str, domain: Option<&str>) -> Result<Hints, TransportError> 
         return Err(TransportError::Resource("fi_allocinfo".into()));
     }
     let mut strings = Vec::new();
-    let prov = CString::new(provider).map_err(|_| TransportError::Invalid("provider name has a NUL".into()))?;
+    let prov = CString::new(provider)
+        .map_err(|_| TransportError::Invalid("provider name has a NUL".into()))?;
     // SAFETY: `info` and its attribute structs were just allocated by libfabric; we only set plain fields and
     // pointers into `strings`, which outlive the hints (see `Hints::drop`).
     unsafe {
         let i = &mut *info;
-        i.caps = (FI_MSG | FI_RMA | FI_READ | FI_WRITE | FI_RECV | FI_SEND | FI_REMOTE_READ | FI_REMOTE_WRITE) as u64;
+        i.caps = (FI_MSG
+            | FI_RMA
+            | FI_READ
+            | FI_WRITE
+            | FI_RECV
+            | FI_SEND
+            | FI_REMOTE_READ
+            | FI_REMOTE_WRITE) as u64;
         // Our operation contexts point at records with fi_context2 storage, and we post receives for remote CQ
         // data when a provider asks for it.
         i.mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
         (*i.ep_attr).type_ = fi_ep_type_FI_EP_MSG;
-        (*i.domain_attr).mr_mode = (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY) as i32;
+        (*i.domain_attr).mr_mode =
+            (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY) as i32;
         (*i.domain_attr).threading = fi_threading_FI_THREAD_SAFE;
         (*i.fabric_attr).prov_name = prov.as_ptr() as *mut _;
         strings.push(prov);
         if let Some(d) = domain {
-            let d = CString::new(d).map_err(|_| TransportError::Invalid("domain name has a NUL".into()))?;
+            let d = CString::new(d)
+                .map_err(|_| TransportError::Invalid("domain name has a NUL".into()))?;
             (*i.domain_attr).name = d.as_ptr() as *mut _;
             strings.push(d);
         }
     }
-    Ok(Hints { info, _strings: strings })
+    Ok(Hints {
+        info,
+        _strings: strings,
+    })
 }
 
 fn getinfo(
@@ -195,7 +219,9 @@ pub fn providers() -> Vec<String> {
         if fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, h, &mut out) == 0 {
             let mut cur = out;
             while !cur.is_null() {
-                let name = CStr::from_ptr((*(*cur).fabric_attr).prov_name).to_string_lossy().into_owned();
+                let name = CStr::from_ptr((*(*cur).fabric_attr).prov_name)
+                    .to_string_lossy()
+                    .into_owned();
                 if !names.contains(&name) {
                     names.push(name);
                 }
@@ -234,12 +260,26 @@ impl Drop for Domain {
 
 impl Domain {
     fn register(&self, addr: u64, len: usize, access: u64) -> Result<*mut fid_mr, TransportError> {
-        let key = if self.mr_mode & FI_MR_PROV_KEY as u64 != 0 { 0 } else { self.next_key.fetch_add(1, Ordering::Relaxed) };
+        let key = if self.mr_mode & FI_MR_PROV_KEY as u64 != 0 {
+            0
+        } else {
+            self.next_key.fetch_add(1, Ordering::Relaxed)
+        };
         let mut mr = ptr::null_mut();
         // SAFETY: the caller guarantees `addr..addr+len` is live memory (a leased or registered DmaBuf) that
         // outlives the registration; the domain is open.
         let ret = unsafe {
-            exs_fi_mr_reg(self.domain, addr as *const c_void, len, access, 0, key, 0, &mut mr, ptr::null_mut())
+            exs_fi_mr_reg(
+                self.domain,
+                addr as *const c_void,
+                len,
+                access,
+                0,
+                key,
+                0,
+                &mut mr,
+                ptr::null_mut(),
+            )
         };
         check("fi_mr_reg", ret)?;
         Ok(mr)
@@ -268,7 +308,9 @@ unsafe impl Sync for FiRegistration {}
 
 impl std::fmt::Debug for FiRegistration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FiRegistration").field("buf", &self.buf).finish()
+        f.debug_struct("FiRegistration")
+            .field("buf", &self.buf)
+            .finish()
     }
 }
 
@@ -305,7 +347,10 @@ unsafe impl Send for FiExposure {}
 
 impl std::fmt::Debug for FiExposure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FiExposure").field("key", &self.remote.key).field("len", &self.len).finish()
+        f.debug_struct("FiExposure")
+            .field("key", &self.remote.key)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -320,10 +365,14 @@ impl Exposure for FiExposure {
         self.remote
     }
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self._lease.read(offset, dst).map_err(|e| TransportError::Invalid(e.to_string()))
+        self._lease
+            .read(offset, dst)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self._lease.write(offset, src).map_err(|e| TransportError::Invalid(e.to_string()))
+        self._lease
+            .write(offset, src)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn len(&self) -> usize {
         self.len
@@ -380,7 +429,10 @@ unsafe impl Send for FabricTransport {}
 
 impl std::fmt::Debug for FabricTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FabricTransport").field("provider", &self.provider).field("domain", &self.domain_name).finish()
+        f.debug_struct("FabricTransport")
+            .field("provider", &self.provider)
+            .field("domain", &self.domain_name)
+            .finish()
     }
 }
 
@@ -425,19 +477,31 @@ impl FabricTransport {
             if available.iter().any(|p| p == &cfg.provider) {
                 e
             } else {
-                TransportError::NotFound { wanted: cfg.provider.clone(), available }
+                TransportError::NotFound {
+                    wanted: cfg.provider.clone(),
+                    available,
+                }
             }
         })?;
         // SAFETY: `info.0` is a valid list from fi_getinfo; we use its first entry, which stays alive in `dom`.
         let i = unsafe { &*info.0 };
         // SAFETY: attribute pointers of a returned fi_info are valid.
-        let (tx, rx, ep_attr, dattr, fattr) =
-            unsafe { (&*i.tx_attr, &*i.rx_attr, &*i.ep_attr, &*i.domain_attr, &*i.fabric_attr) };
+        let (tx, rx, ep_attr, dattr, fattr) = unsafe {
+            (
+                &*i.tx_attr,
+                &*i.rx_attr,
+                &*i.ep_attr,
+                &*i.domain_attr,
+                &*i.fabric_attr,
+            )
+        };
         let provider = cstr(fattr.prov_name);
         let domain_name = cstr(dattr.name);
         let mr_mode = dattr.mr_mode as u64;
         if mr_mode & FI_MR_ENDPOINT as u64 != 0 {
-            return Err(TransportError::Unsupported(format!("provider {provider} needs FI_MR_ENDPOINT")));
+            return Err(TransportError::Unsupported(format!(
+                "provider {provider} needs FI_MR_ENDPOINT"
+            )));
         }
         if dattr.cq_data_size < 4 {
             return Err(TransportError::Unsupported(format!(
@@ -447,7 +511,9 @@ impl FabricTransport {
         }
         let mut fabric = ptr::null_mut();
         // SAFETY: fabric_attr of a returned info; out-pointer for the fabric.
-        check("fi_fabric", unsafe { fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut()) })?;
+        check("fi_fabric", unsafe {
+            fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut())
+        })?;
         let mut domain = ptr::null_mut();
         // SAFETY: open fabric, matching info.
         let ret = unsafe { exs_fi_domain(fabric, info.0, &mut domain, ptr::null_mut()) };
@@ -465,16 +531,32 @@ impl FabricTransport {
             max_send_wr: tx.size.min(4096) as u32,
             max_recv_wr: rx.size.min(4096) as u32,
             max_sge: tx.iov_limit.clamp(1, 4) as u32,
-            max_read_depth: if provider == "verbs" { 16 } else { (tx.size / 2).clamp(1, 64) as u32 },
+            max_read_depth: if provider == "verbs" {
+                16
+            } else {
+                (tx.size / 2).clamp(1, 64) as u32
+            },
             max_private_data: 56,
         };
-        let dom = Arc::new(Domain { fabric, domain, info, mr_mode, next_key: AtomicU64::new(1) });
-        let mut attr = fi_eq_attr { size: 1024, wait_obj: fi_wait_obj_FI_WAIT_FD, ..Default::default() };
+        let dom = Arc::new(Domain {
+            fabric,
+            domain,
+            info,
+            mr_mode,
+            next_key: AtomicU64::new(1),
+        });
+        let mut attr = fi_eq_attr {
+            size: 1024,
+            wait_obj: fi_wait_obj_FI_WAIT_FD,
+            ..Default::default()
+        };
         let mut eq = ptr::null_mut();
         // SAFETY: open fabric; attr lives across the call.
-        check("fi_eq_open", unsafe { exs_fi_eq_open(fabric, &mut attr, &mut eq, ptr::null_mut()) })?;
-        let epoll =
-            Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(|e| TransportError::os("epoll_create", e.into()))?;
+        check("fi_eq_open", unsafe {
+            exs_fi_eq_open(fabric, &mut attr, &mut eq, ptr::null_mut())
+        })?;
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
+            .map_err(|e| TransportError::os("epoll_create", e.into()))?;
         let t = FabricTransport {
             dom,
             provider,
@@ -506,7 +588,9 @@ impl FabricTransport {
         let mut ep = ptr::null_mut();
         let ctx = (TAG_EP | id.0 as usize) as *mut c_void;
         // SAFETY: open domain; `info` is a valid entry (from fi_getinfo or a connection request).
-        check("fi_endpoint", unsafe { exs_fi_endpoint(self.dom.domain, info, &mut ep, ctx) })?;
+        check("fi_endpoint", unsafe {
+            exs_fi_endpoint(self.dom.domain, info, &mut ep, ctx)
+        })?;
         let size = (self.caps.max_send_wr + self.caps.max_recv_wr) as usize;
         let mut attr = fi_cq_attr {
             size,
@@ -573,7 +657,11 @@ impl FabricTransport {
         })
     }
 
-    fn post_initial(&mut self, id: EndpointId, recvs: Vec<WorkRequest>) -> Result<(), TransportError> {
+    fn post_initial(
+        &mut self,
+        id: EndpointId,
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
         for wr in recvs {
             self.post(id, wr).map_err(|e| e.error)?;
         }
@@ -588,19 +676,41 @@ impl FabricTransport {
         unsafe {
             let ctx = rec as *mut c_void;
             match &(*rec).op {
-                Op::Recv { sge } => {
-                    exs_fi_recv(ep, sge.addr() as *mut c_void, sge.len(), sge.local_key() as *mut c_void, ctx)
-                }
+                Op::Recv { sge } => exs_fi_recv(
+                    ep,
+                    sge.addr() as *mut c_void,
+                    sge.len(),
+                    sge.local_key() as *mut c_void,
+                    ctx,
+                ),
                 Op::Send { sges, imm: None } => {
-                    let iov: Vec<iovec> =
-                        sges.iter().map(|s| iovec { iov_base: s.addr() as *mut c_void, iov_len: s.len() }).collect();
-                    let mut desc: Vec<*mut c_void> = sges.iter().map(|s| s.local_key() as *mut c_void).collect();
+                    let iov: Vec<iovec> = sges
+                        .iter()
+                        .map(|s| iovec {
+                            iov_base: s.addr() as *mut c_void,
+                            iov_len: s.len(),
+                        })
+                        .collect();
+                    let mut desc: Vec<*mut c_void> =
+                        sges.iter().map(|s| s.local_key() as *mut c_void).collect();
                     exs_fi_sendv(ep, iov.as_ptr(), desc.as_mut_ptr(), iov.len(), ctx)
                 }
-                Op::Send { sges, imm: Some(imm) } => {
+                Op::Send {
+                    sges,
+                    imm: Some(imm),
+                } => {
                     // Sends with immediate carry one buffer (the protocol never gathers them).
-                    let (addr, len, key) = sges.first().map_or((0, 0, 0), |s| (s.addr(), s.len(), s.local_key()));
-                    exs_fi_senddata(ep, addr as *const c_void, len, key as *mut c_void, u64::from(*imm), ctx)
+                    let (addr, len, key) = sges
+                        .first()
+                        .map_or((0, 0, 0), |s| (s.addr(), s.len(), s.local_key()));
+                    exs_fi_senddata(
+                        ep,
+                        addr as *const c_void,
+                        len,
+                        key as *mut c_void,
+                        u64::from(*imm),
+                        ctx,
+                    )
                 }
                 Op::Write { local, remote, imm } if local.len() == 1 => {
                     let l = &local[0];
@@ -628,11 +738,21 @@ impl FabricTransport {
                 }
                 Op::Write { local, remote, imm } => {
                     // Gathered write: one fi_writemsg with an iovec per entry and one remote range.
-                    let iov: Vec<iovec> =
-                        local.iter().map(|s| iovec { iov_base: s.addr() as *mut c_void, iov_len: s.len() }).collect();
-                    let mut desc: Vec<*mut c_void> = local.iter().map(|s| s.local_key() as *mut c_void).collect();
+                    let iov: Vec<iovec> = local
+                        .iter()
+                        .map(|s| iovec {
+                            iov_base: s.addr() as *mut c_void,
+                            iov_len: s.len(),
+                        })
+                        .collect();
+                    let mut desc: Vec<*mut c_void> =
+                        local.iter().map(|s| s.local_key() as *mut c_void).collect();
                     let len: usize = local.iter().map(|s| s.len()).sum();
-                    let rma = fi_rma_iov { addr: remote.addr, len, key: remote.key };
+                    let rma = fi_rma_iov {
+                        addr: remote.addr,
+                        len,
+                        key: remote.key,
+                    };
                     let msg = fi_msg_rma {
                         msg_iov: iov.as_ptr(),
                         desc: desc.as_mut_ptr(),
@@ -643,7 +763,11 @@ impl FabricTransport {
                         context: ctx,
                         data: imm.map_or(0, u64::from),
                     };
-                    let flags = if imm.is_some() { FI_REMOTE_CQ_DATA as u64 } else { 0 };
+                    let flags = if imm.is_some() {
+                        FI_REMOTE_CQ_DATA as u64
+                    } else {
+                        0
+                    };
                     exs_fi_writemsg(ep, &msg, flags)
                 }
                 Op::Read { local, remote } => exs_fi_read(
@@ -661,7 +785,9 @@ impl FabricTransport {
 
     /// Reads up to `max` completions of one endpoint into `out`. Returns how many.
     fn read_cq(&mut self, id: EndpointId, out: &mut VecDeque<Completion>, max: usize) -> usize {
-        let Some(e) = self.eps.get_mut(&id) else { return 0 };
+        let Some(e) = self.eps.get_mut(&id) else {
+            return 0;
+        };
         let mut entries = [fi_cq_data_entry::default(); 16];
         let mut n = 0;
         while n < max {
@@ -670,7 +796,15 @@ impl FabricTransport {
             let ret = unsafe { exs_fi_cq_read(e.cq, entries.as_mut_ptr() as *mut c_void, want) };
             if ret > 0 {
                 for ent in &entries[..ret as usize] {
-                    out.push_back(complete(e, id, ent.op_context, ent.flags, ent.len, ent.data, Ok(())));
+                    out.push_back(complete(
+                        e,
+                        id,
+                        ent.op_context,
+                        ent.flags,
+                        ent.len,
+                        ent.data,
+                        Ok(()),
+                    ));
                     n += 1;
                 }
                 continue;
@@ -681,7 +815,15 @@ impl FabricTransport {
                 let r = unsafe { exs_fi_cq_readerr(e.cq, &mut ee, 0) };
                 if r > 0 {
                     let status = Err(wc_error(ee.err));
-                    out.push_back(complete(e, id, ee.op_context, ee.flags, ee.len, ee.data, status));
+                    out.push_back(complete(
+                        e,
+                        id,
+                        ee.op_context,
+                        ee.flags,
+                        ee.len,
+                        ee.data,
+                        status,
+                    ));
                     n += 1;
                     continue;
                 }
@@ -692,11 +834,15 @@ impl FabricTransport {
     }
 
     fn addresses(&mut self, id: EndpointId) {
-        let Some(e) = self.eps.get_mut(&id) else { return };
+        let Some(e) = self.eps.get_mut(&id) else {
+            return;
+        };
         let mut buf = [0u8; 128];
         let mut len = buf.len();
         // SAFETY: connected endpoint; `buf` holds `len` bytes.
-        if unsafe { exs_fi_getname(&mut (*e.ep).fid, buf.as_mut_ptr() as *mut c_void, &mut len) } == 0 {
+        if unsafe { exs_fi_getname(&mut (*e.ep).fid, buf.as_mut_ptr() as *mut c_void, &mut len) }
+            == 0
+        {
             e.local = sockaddr::decode(&buf[..len.min(buf.len())]);
         }
         let mut len = buf.len();
@@ -723,7 +869,15 @@ impl FabricTransport {
         loop {
             let mut event: u32 = 0;
             // SAFETY: open event queue; `buf` is aligned for fi_eq_cm_entry and long enough for private data.
-            let ret = unsafe { exs_fi_eq_read(self.eq, &mut event, buf.0.as_mut_ptr() as *mut c_void, buf.0.len(), 0) };
+            let ret = unsafe {
+                exs_fi_eq_read(
+                    self.eq,
+                    &mut event,
+                    buf.0.as_mut_ptr() as *mut c_void,
+                    buf.0.len(),
+                    0,
+                )
+            };
             if ret == -(FI_EAGAIN as isize) {
                 return None;
             }
@@ -735,7 +889,11 @@ impl FabricTransport {
                 }
                 let tag = context_of(ee.fid);
                 if tag & TAG_EP == 0 {
-                    tracing::warn!(err = ee.err, "event queue error on a listener: {}", strerror(ee.err.into()));
+                    tracing::warn!(
+                        err = ee.err,
+                        "event queue error on a listener: {}",
+                        strerror(ee.err.into())
+                    );
                     continue;
                 }
                 let id = EndpointId((tag & 0xffff_ffff) as u32);
@@ -777,23 +935,36 @@ impl FabricTransport {
                     // SAFETY: a connection request's info carries the peer's address.
                     let peer = unsafe {
                         let i = &*info.0;
-                        sockaddr::decode(std::slice::from_raw_parts(i.dest_addr as *const u8, i.dest_addrlen))
+                        sockaddr::decode(std::slice::from_raw_parts(
+                            i.dest_addr as *const u8,
+                            i.dest_addrlen,
+                        ))
                     };
                     let request = RequestId(self.next_request);
                     self.next_request += 1;
                     self.requests.insert(request, (listener, info));
                     let peer = peer.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
-                    return Some(CmEvent::ConnectRequest { listener, request, peer, private: data });
+                    return Some(CmEvent::ConnectRequest {
+                        listener,
+                        request,
+                        peer,
+                        private: data,
+                    });
                 }
                 FI_CONNECTED => {
                     let id = EndpointId((tag & 0xffff_ffff) as u32);
-                    let Some(e) = self.eps.get_mut(&id) else { continue };
+                    let Some(e) = self.eps.get_mut(&id) else {
+                        continue;
+                    };
                     if e.state != EpState::Connecting {
                         continue;
                     }
                     e.state = EpState::Connected;
                     self.addresses(id);
-                    return Some(CmEvent::Established { ep: id, private: data });
+                    return Some(CmEvent::Established {
+                        ep: id,
+                        private: data,
+                    });
                 }
                 FI_SHUTDOWN => {
                     let id = EndpointId((tag & 0xffff_ffff) as u32);
@@ -830,7 +1001,12 @@ fn complete(
 ) -> Completion {
     if op_context.is_null() {
         // A write-with-immediate that consumed no receive (remote CQ data).
-        return Completion { ep: id, wr_id: 0, op: Completed::RemoteWrite { imm: data as u32 }, status };
+        return Completion {
+            ep: id,
+            wr_id: 0,
+            op: Completed::RemoteWrite { imm: data as u32 },
+            status,
+        };
     }
     let key = op_context as usize;
     e.pending.remove(&key);
@@ -842,9 +1018,17 @@ fn complete(
         Op::Send { .. } => Completed::Send,
         Op::Write { .. } => Completed::Write,
         Op::Read { .. } => Completed::Read,
-        Op::Recv { .. } => Completed::Recv { len: len as u32, imm },
+        Op::Recv { .. } => Completed::Recv {
+            len: len as u32,
+            imm,
+        },
     };
-    Completion { ep: id, wr_id: rec.wr_id, op, status }
+    Completion {
+        ep: id,
+        wr_id: rec.wr_id,
+        op,
+        status,
+    }
 }
 
 impl Transport for FabricTransport {
@@ -857,7 +1041,12 @@ impl Transport for FabricTransport {
         let mr = self.dom.register(buf.addr(), buf.len(), access)?;
         // SAFETY: `mr` is a live registration.
         let desc = unsafe { exs_fi_mr_desc(mr) } as u64;
-        Ok(Arc::new(FiRegistration { _domain: Arc::clone(&self.dom), mr, desc, buf: Arc::clone(buf) }))
+        Ok(Arc::new(FiRegistration {
+            _domain: Arc::clone(&self.dom),
+            mr,
+            desc,
+            buf: Arc::clone(buf),
+        }))
     }
 
     fn expose(
@@ -867,7 +1056,9 @@ impl Transport for FabricTransport {
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
         if !Arc::ptr_eq(reg.buf(), lease.buf()) {
-            return Err(TransportError::Invalid("exposure lease is not on the registered buffer".into()));
+            return Err(TransportError::Invalid(
+                "exposure lease is not on the registered buffer".into(),
+            ));
         }
         if lease.is_empty() {
             return Err(TransportError::Invalid("cannot expose zero bytes".into()));
@@ -879,12 +1070,26 @@ impl Transport for FabricTransport {
         let mr = self.dom.register(lease.addr(), lease.len(), flags)?;
         // SAFETY: live registration.
         let key = unsafe { exs_fi_mr_key(mr) };
-        let addr = if self.dom.mr_mode & FI_MR_VIRT_ADDR as u64 != 0 { lease.addr() } else { 0 };
+        let addr = if self.dom.mr_mode & FI_MR_VIRT_ADDR as u64 != 0 {
+            lease.addr()
+        } else {
+            0
+        };
         let len = lease.len();
-        Ok(Box::new(FiExposure { _domain: Arc::clone(&self.dom), mr, remote: RemoteRef { addr, key }, len, _lease: lease }))
+        Ok(Box::new(FiExposure {
+            _domain: Arc::clone(&self.dom),
+            mr,
+            remote: RemoteRef { addr, key },
+            len,
+            _lease: lease,
+        }))
     }
 
-    fn listen(&mut self, addr: SocketAddr, _backlog: u32) -> Result<(ListenerId, SocketAddr), TransportError> {
+    fn listen(
+        &mut self,
+        addr: SocketAddr,
+        _backlog: u32,
+    ) -> Result<(ListenerId, SocketAddr), TransportError> {
         let info = getinfo(
             &self.provider,
             None,
@@ -901,7 +1106,9 @@ impl Transport for FabricTransport {
         let mut pep = ptr::null_mut();
         let ctx = (TAG_LISTENER | id.0 as usize) as *mut c_void;
         // SAFETY: open fabric and a valid info.
-        check("fi_passive_ep", unsafe { exs_fi_passive_ep(self.dom.fabric, info.0, &mut pep, ctx) })?;
+        check("fi_passive_ep", unsafe {
+            exs_fi_passive_ep(self.dom.fabric, info.0, &mut pep, ctx)
+        })?;
         // SAFETY: `pep` was just opened; binding it to our event queue, then listening.
         let ret = unsafe {
             let r = exs_fi_pep_bind(pep, &mut (*self.eq).fid, 0);
@@ -922,7 +1129,10 @@ impl Transport for FabricTransport {
         let mut buf = [0u8; 128];
         let mut len = buf.len();
         // SAFETY: listening passive endpoint; `buf` holds `len` bytes.
-        let bound = if unsafe { exs_fi_getname(&mut (*pep).fid, buf.as_mut_ptr() as *mut c_void, &mut len) } == 0 {
+        let bound = if unsafe {
+            exs_fi_getname(&mut (*pep).fid, buf.as_mut_ptr() as *mut c_void, &mut len)
+        } == 0
+        {
             sockaddr::decode(&buf[..len.min(buf.len())]).unwrap_or(addr)
         } else {
             addr
@@ -933,8 +1143,12 @@ impl Transport for FabricTransport {
 
     fn close_listener(&mut self, listener: ListenerId) {
         if let Some(pep) = self.listeners.remove(&listener) {
-            let stale: Vec<RequestId> =
-                self.requests.iter().filter(|(_, (l, _))| *l == listener).map(|(r, _)| *r).collect();
+            let stale: Vec<RequestId> = self
+                .requests
+                .iter()
+                .filter(|(_, (l, _))| *l == listener)
+                .map(|(r, _)| *r)
+                .collect();
             for r in stale {
                 self.reject(r);
             }
@@ -952,8 +1166,14 @@ impl Transport for FabricTransport {
     ) -> Result<(), TransportError> {
         let node = addr.ip().to_string();
         let service = addr.port().to_string();
-        let info = getinfo(&self.provider, Some(&self.domain_name), Some(&node), Some(&service), 0)
-            .or_else(|_| getinfo(&self.provider, None, Some(&node), Some(&service), 0))?;
+        let info = getinfo(
+            &self.provider,
+            Some(&self.domain_name),
+            Some(&node),
+            Some(&service),
+            0,
+        )
+        .or_else(|_| getinfo(&self.provider, None, Some(&node), Some(&service), 0))?;
         let e = self.create_ep(info.0, ep)?;
         self.eps.insert(ep, e);
         if let Err(err) = self.post_initial(ep, recvs) {
@@ -963,12 +1183,20 @@ impl Transport for FabricTransport {
         let e = self.eps.get(&ep).expect("inserted");
         // SAFETY: enabled endpoint; `info` carries the destination address; private data is copied by the call.
         let ret = unsafe {
-            exs_fi_connect(e.ep, (*info.0).dest_addr, private.as_ptr() as *const c_void, private.len())
+            exs_fi_connect(
+                e.ep,
+                (*info.0).dest_addr,
+                private.as_ptr() as *const c_void,
+                private.len(),
+            )
         };
         if ret < 0 {
             self.release(ep);
             if ret.unsigned_abs() == FI_ECONNREFUSED {
-                self.cm_backlog.push_back(CmEvent::ConnectFailed { ep, reason: ConnectFailure::Refused(Vec::new()) });
+                self.cm_backlog.push_back(CmEvent::ConnectFailed {
+                    ep,
+                    reason: ConnectFailure::Refused(Vec::new()),
+                });
                 return Ok(());
             }
             return Err(err("fi_connect", ret.into()));
@@ -983,7 +1211,10 @@ impl Transport for FabricTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
-        let (_, info) = self.requests.remove(&request).ok_or(TransportError::Invalid("unknown request".into()))?;
+        let (_, info) = self
+            .requests
+            .remove(&request)
+            .ok_or(TransportError::Invalid("unknown request".into()))?;
         let e = self.create_ep(info.0, ep)?;
         self.eps.insert(ep, e);
         if let Err(err) = self.post_initial(ep, recvs) {
@@ -1011,7 +1242,10 @@ impl Transport for FabricTransport {
 
     fn post(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError> {
         let Some(e) = self.eps.get(&ep) else {
-            return Err(PostError { error: TransportError::NoEndpoint, wr });
+            return Err(PostError {
+                error: TransportError::NoEndpoint,
+                wr,
+            });
         };
         if e.state == EpState::Down {
             // Posting on a dead connection completes with a flush, as hardware does.
@@ -1021,16 +1255,30 @@ impl Transport for FabricTransport {
                 Op::Read { .. } => Completed::Read,
                 Op::Recv { .. } => Completed::Recv { len: 0, imm: None },
             };
-            self.cq_backlog.push_back(Completion { ep, wr_id: wr.wr_id, op, status: Err(WcError::Flushed) });
+            self.cq_backlog.push_back(Completion {
+                ep,
+                wr_id: wr.wr_id,
+                op,
+                status: Err(WcError::Flushed),
+            });
             return Ok(());
         }
         let raw_ep = e.ep;
-        let rec = Box::into_raw(Box::new(WrRecord { ctx: fi_context2::default(), ep, wr_id: wr.wr_id, op: wr.op }));
+        let rec = Box::into_raw(Box::new(WrRecord {
+            ctx: fi_context2::default(),
+            ep,
+            wr_id: wr.wr_id,
+            op: wr.op,
+        }));
         let mut tries = 0;
         loop {
             let ret = self.post_record(raw_ep, rec);
             if ret == 0 {
-                self.eps.get_mut(&ep).expect("checked").pending.insert(rec as usize);
+                self.eps
+                    .get_mut(&ep)
+                    .expect("checked")
+                    .pending
+                    .insert(rec as usize);
                 return Ok(());
             }
             if ret == -(FI_EAGAIN as isize) && tries < 1000 {
@@ -1044,12 +1292,20 @@ impl Transport for FabricTransport {
             }
             // SAFETY: the provider refused the record, so it never saw the pointer; we reclaim it once.
             let rec = unsafe { Box::from_raw(rec) };
-            return Err(PostError { error: err("post", ret as i64), wr: WorkRequest { wr_id: rec.wr_id, op: rec.op } });
+            return Err(PostError {
+                error: err("post", ret as i64),
+                wr: WorkRequest {
+                    wr_id: rec.wr_id,
+                    op: rec.op,
+                },
+            });
         }
     }
 
     fn disconnect(&mut self, ep: EndpointId) {
-        let Some(e) = self.eps.get_mut(&ep) else { return };
+        let Some(e) = self.eps.get_mut(&ep) else {
+            return;
+        };
         if e.state != EpState::Down {
             // SAFETY: open endpoint.
             unsafe { exs_fi_shutdown(e.ep, 0) };
@@ -1060,9 +1316,13 @@ impl Transport for FabricTransport {
     }
 
     fn release(&mut self, ep: EndpointId) {
-        let Some(e) = self.eps.remove(&ep) else { return };
+        let Some(e) = self.eps.remove(&ep) else {
+            return;
+        };
         // SAFETY: the wait descriptor belongs to the queue we are about to close.
-        let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(e.cq_fd) });
+        let _ = self
+            .epoll
+            .delete(unsafe { BorrowedFd::borrow_raw(e.cq_fd) });
         // SAFETY: closing the endpoint stops the provider from touching any posted buffer; then the queue.
         unsafe {
             exs_fi_close(&mut (*e.ep).fid);
@@ -1079,7 +1339,9 @@ impl Transport for FabricTransport {
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
         let mut n = 0;
         while n < max {
-            let Some(c) = self.cq_backlog.pop_front() else { break };
+            let Some(c) = self.cq_backlog.pop_front() else {
+                break;
+            };
             out.push(c);
             n += 1;
         }

@@ -18,7 +18,12 @@ pub fn decode(b: &[u8]) -> Option<SocketAddr> {
             let flow = u32::from_be_bytes(b.get(4..8)?.try_into().ok()?);
             let ip: [u8; 16] = b.get(8..24)?.try_into().ok()?;
             let scope = u32::from_ne_bytes(b.get(24..28)?.try_into().ok()?);
-            Some(SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(ip), port, flow, scope)))
+            Some(SocketAddr::V6(SocketAddrV6::new(
+                Ipv6Addr::from(ip),
+                port,
+                flow,
+                scope,
+            )))
         }
         _ => None,
     }

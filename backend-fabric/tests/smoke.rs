@@ -25,7 +25,9 @@ fn tcp_provider_moves_messages_over_loopback() {
     assert!(ev.is_ok(), "{ev:?}");
     let s = ev.accepted.take().unwrap();
     for len in [0usize, 1, 512, 513, 100_000, 4 << 20] {
-        let src = MemoryRegion::from_vec(&a, (0..len.max(1)).map(|i| (i * 7 + len) as u8).collect()).unwrap();
+        let src =
+            MemoryRegion::from_vec(&a, (0..len.max(1)).map(|i| (i * 7 + len) as u8).collect())
+                .unwrap();
         let dst = MemoryRegion::alloc(&b, len.max(1)).unwrap();
         s.recv(&eq_b, &dst.slice(..len), MsgFlags::NONE, 3).unwrap();
         c.send(&eq_a, &src.slice(..len), MsgFlags::NONE, 4).unwrap();
@@ -33,7 +35,10 @@ fn tcp_provider_moves_messages_over_loopback() {
         let w = eq_a.next(t).unwrap();
         assert!(r.is_ok() && w.is_ok(), "{r:?} {w:?}");
         assert_eq!(r.bytes, len);
-        assert!(dst.to_vec().unwrap()[..len] == src.to_vec().unwrap()[..len], "content of {len} bytes");
+        assert!(
+            dst.to_vec().unwrap()[..len] == src.to_vec().unwrap()[..len],
+            "content of {len} bytes"
+        );
     }
     c.close().unwrap();
     let eof = {
@@ -46,7 +51,8 @@ fn tcp_provider_moves_messages_over_loopback() {
 
 #[test]
 fn unknown_provider_error_lists_the_available_ones() {
-    let e = exs_backend_fabric::FabricTransport::open(&FabricConfig::provider("nosuchprov")).unwrap_err();
+    let e = exs_backend_fabric::FabricTransport::open(&FabricConfig::provider("nosuchprov"))
+        .unwrap_err();
     match e {
         exs::TransportError::NotFound { wanted, available } => {
             assert_eq!(wanted, "nosuchprov");

@@ -96,7 +96,10 @@ impl Device {
 pub enum SoftRoceError {
     /// The kernel has no such module (no RDMA in this kernel, or the module is not built).
     #[error("the kernel cannot load {module}: {detail}")]
-    NoKernelSupport { module: &'static str, detail: String },
+    NoKernelSupport {
+        module: &'static str,
+        detail: String,
+    },
     /// A tool failed.
     #[error("{command} failed: {detail}")]
     Command { command: String, detail: String },
@@ -111,7 +114,9 @@ fn read(p: &Path) -> Option<String> {
 
 /// The sysfs root (overridable for tests).
 fn sysfs_root() -> PathBuf {
-    std::env::var_os("EXS_SYSFS_INFINIBAND").map(PathBuf::from).unwrap_or_else(|| "/sys/class/infiniband".into())
+    std::env::var_os("EXS_SYSFS_INFINIBAND")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| "/sys/class/infiniband".into())
 }
 
 /// Every RDMA device in sysfs.
@@ -121,8 +126,13 @@ pub fn devices() -> Vec<Device> {
 
 /// Every RDMA device under a sysfs-like directory.
 pub fn devices_in(root: &Path) -> Vec<Device> {
-    let Ok(entries) = fs::read_dir(root) else { return Vec::new() };
-    let mut v: Vec<Device> = entries.filter_map(|e| e.ok()).filter_map(|e| device(&e.path())).collect();
+    let Ok(entries) = fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut v: Vec<Device> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| device(&e.path()))
+        .collect();
     v.sort_by(|a, b| a.name.cmp(&b.name));
     v
 }
@@ -131,7 +141,9 @@ fn device(dir: &Path) -> Option<Device> {
     let name = dir.file_name()?.to_string_lossy().into_owned();
     let node_type = read(&dir.join("node_type")).unwrap_or_default();
     let parent = read(&dir.join("parent"));
-    let virtual_dev = fs::canonicalize(dir).map(|p| p.to_string_lossy().contains("/virtual/")).unwrap_or(false)
+    let virtual_dev = fs::canonicalize(dir)
+        .map(|p| p.to_string_lossy().contains("/virtual/"))
+        .unwrap_or(false)
         || parent.is_some();
     let kind = match (virtual_dev, node_type.contains("RNIC")) {
         (true, false) => Kind::Rxe,
@@ -143,9 +155,15 @@ fn device(dir: &Path) -> Option<Device> {
     let mut gids = Vec::new();
     if let Ok(es) = fs::read_dir(port.join("gids")) {
         for e in es.flatten() {
-            let Ok(index) = e.file_name().to_string_lossy().parse::<u32>() else { continue };
-            let Some(text) = read(&e.path()) else { continue };
-            let Ok(gid) = text.parse::<Ipv6Addr>() else { continue };
+            let Ok(index) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let Some(text) = read(&e.path()) else {
+                continue;
+            };
+            let Ok(gid) = text.parse::<Ipv6Addr>() else {
+                continue;
+            };
             if gid.is_unspecified() {
                 continue;
             }
@@ -155,25 +173,41 @@ fn device(dir: &Path) -> Option<Device> {
     }
     gids.sort_by_key(|g| g.index);
     let netdev = parent.or_else(|| read(&port.join("gid_attrs/ndevs/0")));
-    Some(Device { name, kind, netdev, state, gids })
+    Some(Device {
+        name,
+        kind,
+        netdev,
+        state,
+        gids,
+    })
 }
 
 /// The device whose GID table carries `ip`.
 pub fn device_for_ip(ip: IpAddr) -> Option<Device> {
-    devices().into_iter().find(|d| d.gid_index_for(ip).is_some())
+    devices()
+        .into_iter()
+        .find(|d| d.gid_index_for(ip).is_some())
 }
 
 /// Whether the running kernel can provide `kind` (module loaded or loadable).
 pub fn kernel_supports(kind: Kind) -> Result<(), SoftRoceError> {
-    let Some((_, module)) = kind.link_type() else { return Err(SoftRoceError::NotSoftware(kind)) };
+    let Some((_, module)) = kind.link_type() else {
+        return Err(SoftRoceError::NotSoftware(kind));
+    };
     if Path::new("/sys/module").join(module).exists() {
         return Ok(());
     }
     let out = Command::new("modprobe").arg(module).output();
     match out {
         Ok(o) if o.status.success() => Ok(()),
-        Ok(o) => Err(SoftRoceError::NoKernelSupport { module, detail: String::from_utf8_lossy(&o.stderr).trim().into() }),
-        Err(e) => Err(SoftRoceError::NoKernelSupport { module, detail: format!("cannot run modprobe: {e}") }),
+        Ok(o) => Err(SoftRoceError::NoKernelSupport {
+            module,
+            detail: String::from_utf8_lossy(&o.stderr).trim().into(),
+        }),
+        Err(e) => Err(SoftRoceError::NoKernelSupport {
+            module,
+            detail: format!("cannot run modprobe: {e}"),
+        }),
     }
 }
 
@@ -207,7 +241,10 @@ fn run(args: &[&str]) -> Result<String, SoftRoceError> {
     let out = Command::new(args[0])
         .args(&args[1..])
         .output()
-        .map_err(|e| SoftRoceError::Command { command: args.join(" "), detail: e.to_string() })?;
+        .map_err(|e| SoftRoceError::Command {
+            command: args.join(" "),
+            detail: e.to_string(),
+        })?;
     if !out.status.success() {
         return Err(SoftRoceError::Command {
             command: args.join(" "),
@@ -222,7 +259,11 @@ pub fn provision(kind: Kind, name: &str, netdev: &str) -> Result<Provisioned, So
     let (ty, _) = kind.link_type().ok_or(SoftRoceError::NotSoftware(kind))?;
     kernel_supports(kind)?;
     run(&["rdma", "link", "add", name, "type", ty, "netdev", netdev])?;
-    Ok(Provisioned { name: name.into(), netdev: netdev.into(), keep: false })
+    Ok(Provisioned {
+        name: name.into(),
+        netdev: netdev.into(),
+        keep: false,
+    })
 }
 
 /// Removes a software device by name.
@@ -242,9 +283,21 @@ mod tests {
         fs::write(d.join("node_type"), "1: CA\n").unwrap();
         fs::write(d.join("parent"), "dummy0\n").unwrap();
         fs::write(d.join("ports/1/state"), "4: ACTIVE\n").unwrap();
-        fs::write(d.join("ports/1/gids/0"), "fe80:0000:0000:0000:1066:02ff:fed3:439d\n").unwrap();
-        fs::write(d.join("ports/1/gids/1"), "0000:0000:0000:0000:0000:ffff:c0a8:4d01\n").unwrap();
-        fs::write(d.join("ports/1/gids/2"), "0000:0000:0000:0000:0000:0000:0000:0000\n").unwrap();
+        fs::write(
+            d.join("ports/1/gids/0"),
+            "fe80:0000:0000:0000:1066:02ff:fed3:439d\n",
+        )
+        .unwrap();
+        fs::write(
+            d.join("ports/1/gids/1"),
+            "0000:0000:0000:0000:0000:ffff:c0a8:4d01\n",
+        )
+        .unwrap();
+        fs::write(
+            d.join("ports/1/gids/2"),
+            "0000:0000:0000:0000:0000:0000:0000:0000\n",
+        )
+        .unwrap();
         fs::write(d.join("ports/1/gid_attrs/types/0"), "RoCE v2\n").unwrap();
         fs::write(d.join("ports/1/gid_attrs/types/1"), "RoCE v2\n").unwrap();
         let s = root.join("siw0");
@@ -261,7 +314,10 @@ mod tests {
         let devs = devices_in(&dir);
         assert_eq!(devs.len(), 2);
         let rxe = &devs[0];
-        assert_eq!((rxe.name.as_str(), rxe.kind, rxe.netdev.as_deref()), ("rxe0", Kind::Rxe, Some("dummy0")));
+        assert_eq!(
+            (rxe.name.as_str(), rxe.kind, rxe.netdev.as_deref()),
+            ("rxe0", Kind::Rxe, Some("dummy0"))
+        );
         assert!(rxe.active());
         assert_eq!(rxe.gids.len(), 2, "the unused entry is skipped");
         assert_eq!(rxe.gid_index_for("192.168.77.1".parse().unwrap()), Some(1));
@@ -272,6 +328,9 @@ mod tests {
 
     #[test]
     fn hardware_is_not_provisioned() {
-        assert!(matches!(provision(Kind::Hardware, "x", "eth0"), Err(SoftRoceError::NotSoftware(Kind::Hardware))));
+        assert!(matches!(
+            provision(Kind::Hardware, "x", "eth0"),
+            Err(SoftRoceError::NotSoftware(Kind::Hardware))
+        ));
     }
 }

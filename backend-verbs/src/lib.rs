@@ -30,8 +30,9 @@ use std::ptr;
 use std::sync::Arc;
 
 use exs::transport::{
-    Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId, Op, PostError,
-    Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport, TransportError, WcError, WorkRequest,
+    Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId,
+    Op, PostError, Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport,
+    TransportError, WcError, WorkRequest,
 };
 use exs_dma::{DmaBuf, Lease};
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
@@ -65,7 +66,11 @@ pub struct VerbsConfig {
 impl VerbsConfig {
     /// A configuration for the device carrying `addr`.
     pub fn new(addr: IpAddr) -> Self {
-        VerbsConfig { addr, device: None, emulate_write_imm: false }
+        VerbsConfig {
+            addr,
+            device: None,
+            emulate_write_imm: false,
+        }
     }
 }
 
@@ -87,7 +92,8 @@ fn to_socketaddr(p: *const libc::sockaddr) -> Option<SocketAddr> {
     if let Some(v4) = s.as_sockaddr_in() {
         return Some(SocketAddr::from((v4.ip(), v4.port())));
     }
-    s.as_sockaddr_in6().map(|v6| SocketAddr::from((v6.ip(), v6.port())))
+    s.as_sockaddr_in6()
+        .map(|v6| SocketAddr::from((v6.ip(), v6.port())))
 }
 
 /// The protection domain, shared with registrations so it is deallocated last.
@@ -134,7 +140,10 @@ unsafe impl Sync for VerbsRegistration {}
 
 impl std::fmt::Debug for VerbsRegistration {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsRegistration").field("lkey", &self.lkey).field("buf", &self.buf).finish()
+        f.debug_struct("VerbsRegistration")
+            .field("lkey", &self.lkey)
+            .field("buf", &self.buf)
+            .finish()
     }
 }
 
@@ -169,7 +178,10 @@ unsafe impl Send for VerbsExposure {}
 
 impl std::fmt::Debug for VerbsExposure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsExposure").field("rkey", &self.remote.key).field("len", &self.len).finish()
+        f.debug_struct("VerbsExposure")
+            .field("rkey", &self.remote.key)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -187,10 +199,14 @@ impl Exposure for VerbsExposure {
         self.len
     }
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.lease.read(offset, dst).map_err(|e| TransportError::Invalid(e.to_string()))
+        self.lease
+            .read(offset, dst)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self.lease.write(offset, src).map_err(|e| TransportError::Invalid(e.to_string()))
+        self.lease
+            .write(offset, src)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
     }
 }
 
@@ -262,22 +278,29 @@ unsafe impl Send for VerbsTransport {}
 
 impl std::fmt::Debug for VerbsTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsTransport").field("device", &self.caps.name).finish()
+        f.debug_struct("VerbsTransport")
+            .field("device", &self.caps.name)
+            .finish()
     }
 }
 
 fn set_nonblocking(fd: RawFd) -> Result<(), TransportError> {
     // `fd` is a descriptor owned by an open verbs/rdma_cm channel for the duration of the call.
     let flags = fcntl(fd, FcntlArg::F_GETFL).map_err(|e| TransportError::os("fcntl", e.into()))?;
-    fcntl(fd, FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK))
-        .map_err(|e| TransportError::os("fcntl", e.into()))?;
+    fcntl(
+        fd,
+        FcntlArg::F_SETFL(OFlag::from_bits_truncate(flags) | OFlag::O_NONBLOCK),
+    )
+    .map_err(|e| TransportError::os("fcntl", e.into()))?;
     Ok(())
 }
 
 fn epoll_add(epoll: &Epoll, fd: RawFd, data: u64) -> Result<(), TransportError> {
     // SAFETY: the descriptor belongs to a channel that stays open while it is in the set.
     let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
-    epoll.add(bfd, EpollEvent::new(EpollFlags::EPOLLIN, data)).map_err(|e| TransportError::os("epoll_ctl", e.into()))
+    epoll
+        .add(bfd, EpollEvent::new(EpollFlags::EPOLLIN, data))
+        .map_err(|e| TransportError::os("epoll_ctl", e.into()))
 }
 
 /// RDMA devices this machine has, for error messages.
@@ -293,7 +316,11 @@ pub fn device_names() -> Vec<String> {
         for i in 0..n.max(0) as usize {
             let d = *list.add(i);
             if !d.is_null() {
-                names.push(CStr::from_ptr(ibv_get_device_name(d)).to_string_lossy().into_owned());
+                names.push(
+                    CStr::from_ptr(ibv_get_device_name(d))
+                        .to_string_lossy()
+                        .into_owned(),
+                );
             }
         }
         ibv_free_device_list(list);
@@ -327,11 +354,22 @@ impl VerbsTransport {
         // SAFETY: creating an event channel has no preconditions; null means failure (errno set).
         let ch = unsafe { rdma_create_event_channel() };
         if ch.is_null() {
-            return Err(not_found(format!("rdma_create_event_channel: {}", std::io::Error::last_os_error())));
+            return Err(not_found(format!(
+                "rdma_create_event_channel: {}",
+                std::io::Error::last_os_error()
+            )));
         }
         let mut probe = ptr::null_mut();
         // SAFETY: valid channel; `probe` receives a new id.
-        if unsafe { rdma_create_id(ch, &mut probe, ptr::null_mut(), rdma_port_space::RDMA_PS_TCP) } != 0 {
+        if unsafe {
+            rdma_create_id(
+                ch,
+                &mut probe,
+                ptr::null_mut(),
+                rdma_port_space::RDMA_PS_TCP,
+            )
+        } != 0
+        {
             let e = std::io::Error::last_os_error();
             // SAFETY: the channel is ours and unused.
             unsafe { rdma_destroy_event_channel(ch) };
@@ -348,18 +386,28 @@ impl VerbsTransport {
             let e = std::io::Error::last_os_error();
             // SAFETY: the channel is ours and no id uses it any more.
             unsafe { rdma_destroy_event_channel(ch) };
-            return Err(not_found(format!("no RDMA device carries this address: {e}")));
+            return Err(not_found(format!(
+                "no RDMA device carries this address: {e}"
+            )));
         }
         // SAFETY: `ctx` is an open device context; its device pointer and name are valid while it is open.
         let (name, transport_type) = unsafe {
             let dev = (*ctx).device;
-            (CStr::from_ptr(ibv_get_device_name(dev)).to_string_lossy().into_owned(), (*dev).transport_type)
+            (
+                CStr::from_ptr(ibv_get_device_name(dev))
+                    .to_string_lossy()
+                    .into_owned(),
+                (*dev).transport_type,
+            )
         };
         if let Some(want) = &cfg.device {
             if *want != name {
                 // SAFETY: as above.
                 unsafe { rdma_destroy_event_channel(ch) };
-                return Err(not_found(format!("{} is on device {name}, not {want}", cfg.addr)));
+                return Err(not_found(format!(
+                    "{} is on device {name}, not {want}",
+                    cfg.addr
+                )));
             }
         }
         let iwarp = transport_type == ibv_transport_type::IBV_TRANSPORT_IWARP;
@@ -403,11 +451,15 @@ impl VerbsTransport {
         let (comp_fd, ch_fd) = unsafe { ((*comp).fd, (*ch).fd) };
         set_nonblocking(comp_fd)?;
         set_nonblocking(ch_fd)?;
-        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(|e| TransportError::os("epoll_create", e.into()))?;
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
+            .map_err(|e| TransportError::os("epoll_create", e.into()))?;
         epoll_add(&epoll, comp_fd, 1)?;
         epoll_add(&epoll, ch_fd, 2)?;
         let emulate = cfg.emulate_write_imm || iwarp;
-        let rd_atom = attr.max_qp_rd_atom.min(attr.max_qp_init_rd_atom).clamp(1, 16) as u8;
+        let rd_atom = attr
+            .max_qp_rd_atom
+            .min(attr.max_qp_init_rd_atom)
+            .clamp(1, 16) as u8;
         let sq = SQ_DEPTH.min(attr.max_qp_wr as u32);
         let caps = Capabilities {
             name: format!("verbs/{name}"),
@@ -473,7 +525,9 @@ impl VerbsTransport {
         let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
         // SAFETY: live cm id; after address resolution its verbs context is set.
         if unsafe { (*e.id).verbs } != self.ctx {
-            return Err(TransportError::Unsupported("the peer is reached through another RDMA device".into()));
+            return Err(TransportError::Unsupported(
+                "the peer is reached through another RDMA device".into(),
+            ));
         }
         let mut attr: ibv_qp_init_attr = unsafe {
             // SAFETY: plain data, zero is valid before we fill it.
@@ -483,7 +537,11 @@ impl VerbsTransport {
         attr.recv_cq = self.cq;
         attr.qp_type = ibv_qp_type::IBV_QPT_RC;
         attr.sq_sig_all = 0;
-        attr.cap.max_send_wr = if self.emulate { self.caps.max_send_wr * 2 } else { self.caps.max_send_wr };
+        attr.cap.max_send_wr = if self.emulate {
+            self.caps.max_send_wr * 2
+        } else {
+            self.caps.max_send_wr
+        };
         attr.cap.max_recv_wr = self.caps.max_recv_wr;
         attr.cap.max_send_sge = self.caps.max_sge;
         attr.cap.max_recv_sge = 1;
@@ -553,7 +611,11 @@ impl VerbsTransport {
             let data = if conn.private_data.is_null() || conn.private_data_len == 0 {
                 Vec::new()
             } else {
-                std::slice::from_raw_parts(conn.private_data as *const u8, conn.private_data_len as usize).to_vec()
+                std::slice::from_raw_parts(
+                    conn.private_data as *const u8,
+                    conn.private_data_len as usize,
+                )
+                .to_vec()
             };
             (e.event, e.id, e.listen_id, e.status, data)
         };
@@ -579,14 +641,25 @@ impl VerbsTransport {
                 // SAFETY: live id.
                 let peer = to_socketaddr(unsafe { rdma_get_peer_addr(&*id) } as *const _)
                     .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
-                Some(CmEvent::ConnectRequest { listener, request, peer, private: data })
+                Some(CmEvent::ConnectRequest {
+                    listener,
+                    request,
+                    peer,
+                    private: data,
+                })
             }
             _ if tag & TAG_EP == 0 => None,
             RDMA_CM_EVENT_ADDR_RESOLVED => {
                 let e = self.eps.get(&ep)?;
                 // SAFETY: live id with a resolved address.
                 if unsafe { rdma_resolve_route(e.id, RESOLVE_TIMEOUT_MS) } != 0 {
-                    return self.connect_failed(ep, ConnectFailure::Other(format!("rdma_resolve_route: {}", std::io::Error::last_os_error())));
+                    return self.connect_failed(
+                        ep,
+                        ConnectFailure::Other(format!(
+                            "rdma_resolve_route: {}",
+                            std::io::Error::last_os_error()
+                        )),
+                    );
                 }
                 None
             }
@@ -600,11 +673,19 @@ impl VerbsTransport {
                 let mut param = Self::conn_param(&private, self.rd_atom);
                 // SAFETY: live id with a QP; private data lives across the call (copied by rdma_connect).
                 if unsafe { rdma_connect(e.id, &mut param) } != 0 {
-                    return self.connect_failed(ep, ConnectFailure::Other(format!("rdma_connect: {}", std::io::Error::last_os_error())));
+                    return self.connect_failed(
+                        ep,
+                        ConnectFailure::Other(format!(
+                            "rdma_connect: {}",
+                            std::io::Error::last_os_error()
+                        )),
+                    );
                 }
                 None
             }
-            RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR => self.connect_failed(ep, ConnectFailure::Unreachable),
+            RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR => {
+                self.connect_failed(ep, ConnectFailure::Unreachable)
+            }
             RDMA_CM_EVENT_UNREACHABLE => self.connect_failed(ep, ConnectFailure::TimedOut),
             RDMA_CM_EVENT_REJECTED => {
                 if self.eps.get(&ep)?.state == EpState::Connected {
@@ -612,9 +693,10 @@ impl VerbsTransport {
                 }
                 self.connect_failed(ep, ConnectFailure::Refused(data))
             }
-            RDMA_CM_EVENT_CONNECT_ERROR => {
-                self.connect_failed(ep, ConnectFailure::Other(format!("connect error (status {status})")))
-            }
+            RDMA_CM_EVENT_CONNECT_ERROR => self.connect_failed(
+                ep,
+                ConnectFailure::Other(format!("connect error (status {status})")),
+            ),
             RDMA_CM_EVENT_ESTABLISHED => {
                 let e = self.eps.get_mut(&ep)?;
                 if e.state == EpState::Down {
@@ -634,7 +716,9 @@ impl VerbsTransport {
         let emulate = self.emulate;
         let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
         if e.qp.is_null() {
-            return Err(TransportError::Invalid("post before the queue pair exists".into()));
+            return Err(TransportError::Invalid(
+                "post before the queue pair exists".into(),
+            ));
         }
         let n = wrs.len();
         // Native verbs structures for the whole chain; kept alive until ibv_post_send returns.
@@ -648,23 +732,49 @@ impl VerbsTransport {
             let last = i + 1 == n;
             let seq = e.next_seq;
             e.next_seq += 1;
-            let sge_of = |s: &Sge| ibv_sge { addr: s.addr(), length: s.len() as u32, lkey: s.local_key() as u32 };
-            let (kind, parts): (Completed, Vec<(u32, Vec<ibv_sge>, Option<RemoteRef>, Option<u32>)>) = match &wr.op {
+            let sge_of = |s: &Sge| ibv_sge {
+                addr: s.addr(),
+                length: s.len() as u32,
+                lkey: s.local_key() as u32,
+            };
+            let (kind, parts): (
+                Completed,
+                Vec<(u32, Vec<ibv_sge>, Option<RemoteRef>, Option<u32>)>,
+            ) = match &wr.op {
                 Op::Send { sges: s, imm } => {
-                    let opc = if imm.is_some() { ibv_wr_opcode::IBV_WR_SEND_WITH_IMM } else { ibv_wr_opcode::IBV_WR_SEND };
-                    (Completed::Send, vec![(opc, s.iter().map(sge_of).collect(), None, *imm)])
+                    let opc = if imm.is_some() {
+                        ibv_wr_opcode::IBV_WR_SEND_WITH_IMM
+                    } else {
+                        ibv_wr_opcode::IBV_WR_SEND
+                    };
+                    (
+                        Completed::Send,
+                        vec![(opc, s.iter().map(sge_of).collect(), None, *imm)],
+                    )
                 }
-                Op::Write { local, remote, imm: Some(imm) } if emulate => {
+                Op::Write {
+                    local,
+                    remote,
+                    imm: Some(imm),
+                } if emulate => {
                     // Emulated write-with-immediate: the write, then a send carrying the immediate.
                     let mut payload = [0u8; 8];
                     payload[..4].copy_from_slice(&IMM_MAGIC.to_le_bytes());
                     payload[4..].copy_from_slice(&imm.to_le_bytes());
-                    debug_assert!(imm_payloads.len() < imm_payloads.capacity(), "payloads must not reallocate");
+                    debug_assert!(
+                        imm_payloads.len() < imm_payloads.capacity(),
+                        "payloads must not reallocate"
+                    );
                     imm_payloads.push(payload);
                     (
                         Completed::Write,
                         vec![
-                            (ibv_wr_opcode::IBV_WR_RDMA_WRITE, local.iter().map(sge_of).collect(), Some(*remote), None),
+                            (
+                                ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                                local.iter().map(sge_of).collect(),
+                                Some(*remote),
+                                None,
+                            ),
                             (ibv_wr_opcode::IBV_WR_SEND, Vec::new(), None, Some(u32::MAX)),
                         ],
                     )
@@ -675,12 +785,25 @@ impl VerbsTransport {
                     } else {
                         ibv_wr_opcode::IBV_WR_RDMA_WRITE
                     };
-                    (Completed::Write, vec![(opc, local.iter().map(sge_of).collect(), Some(*remote), *imm)])
+                    (
+                        Completed::Write,
+                        vec![(opc, local.iter().map(sge_of).collect(), Some(*remote), *imm)],
+                    )
                 }
-                Op::Read { local, remote } => {
-                    (Completed::Read, vec![(ibv_wr_opcode::IBV_WR_RDMA_READ, vec![sge_of(local)], Some(*remote), None)])
+                Op::Read { local, remote } => (
+                    Completed::Read,
+                    vec![(
+                        ibv_wr_opcode::IBV_WR_RDMA_READ,
+                        vec![sge_of(local)],
+                        Some(*remote),
+                        None,
+                    )],
+                ),
+                Op::Recv { .. } => {
+                    return Err(TransportError::Invalid(
+                        "a receive in the send chain".into(),
+                    ))
                 }
-                Op::Recv { .. } => return Err(TransportError::Invalid("a receive in the send chain".into())),
             };
             let nparts = parts.len();
             for (j, (opc, list, remote, imm)) in parts.into_iter().enumerate() {
@@ -692,14 +815,19 @@ impl VerbsTransport {
                 w.wr_id = seq;
                 w.opcode = opc;
                 let mut flags = 0u32;
-                let emulated_imm = imm == Some(u32::MAX) && opc == ibv_wr_opcode::IBV_WR_SEND && list.is_empty();
+                let emulated_imm =
+                    imm == Some(u32::MAX) && opc == ibv_wr_opcode::IBV_WR_SEND && list.is_empty();
                 if emulated_imm {
                     flags |= ibv_send_flags::IBV_SEND_INLINE.0;
                 } else if let Some(v) = imm {
                     w.imm_data_invalidated_rkey_union.imm_data = v.to_be();
                 }
                 let total: u32 = list.iter().map(|s| s.length).sum();
-                if !emulated_imm && opc != ibv_wr_opcode::IBV_WR_RDMA_READ && total <= e.max_inline && total > 0 {
+                if !emulated_imm
+                    && opc != ibv_wr_opcode::IBV_WR_RDMA_READ
+                    && total <= e.max_inline
+                    && total > 0
+                {
                     flags |= ibv_send_flags::IBV_SEND_INLINE.0;
                 }
                 if final_part {
@@ -711,17 +839,29 @@ impl VerbsTransport {
                 }
                 w.send_flags = flags;
                 if let Some(r) = remote {
-                    w.wr.rdma = rdma_t { remote_addr: r.addr, rkey: r.key as u32 };
+                    w.wr.rdma = rdma_t {
+                        remote_addr: r.addr,
+                        rkey: r.key as u32,
+                    };
                 }
                 sges.push(if emulated_imm {
                     let p = imm_payloads.last().expect("pushed above");
-                    vec![ibv_sge { addr: p.as_ptr() as u64, length: 8, lkey: 0 }]
+                    vec![ibv_sge {
+                        addr: p.as_ptr() as u64,
+                        length: 8,
+                        lkey: 0,
+                    }]
                 } else {
                     list
                 });
                 natives.push(w);
             }
-            recs.push(SendRec { seq, wr_id: wr.wr_id, kind, _op: wr.op });
+            recs.push(SendRec {
+                seq,
+                wr_id: wr.wr_id,
+                kind,
+                _op: wr.op,
+            });
         }
         for (w, list) in natives.iter_mut().zip(sges.iter_mut()) {
             w.sg_list = list.as_mut_ptr();
@@ -736,7 +876,10 @@ impl VerbsTransport {
         // name is leased by the records we keep until completion (inline payloads are copied by the call).
         let rc = unsafe { ibv_post_send(e.qp, natives.as_mut_ptr(), &mut bad) };
         if rc != 0 {
-            return Err(TransportError::os("ibv_post_send", std::io::Error::from_raw_os_error(rc)));
+            return Err(TransportError::os(
+                "ibv_post_send",
+                std::io::Error::from_raw_os_error(rc),
+            ));
         }
         e.sends.extend(recs);
         Ok(())
@@ -745,19 +888,38 @@ impl VerbsTransport {
     fn post_recvs(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), TransportError> {
         let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
         if e.qp.is_null() {
-            return Err(TransportError::Invalid("post before the queue pair exists".into()));
+            return Err(TransportError::Invalid(
+                "post before the queue pair exists".into(),
+            ));
         }
         let qp = e.qp;
         let mut sges = Vec::with_capacity(wrs.len());
         let mut natives: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
         let mut recs = Vec::with_capacity(wrs.len());
         for wr in wrs {
-            let Op::Recv { sge } = wr.op else { return Err(TransportError::Invalid("not a receive".into())) };
+            let Op::Recv { sge } = wr.op else {
+                return Err(TransportError::Invalid("not a receive".into()));
+            };
             let id = RECV_TAG | self.next_recv;
             self.next_recv += 1;
-            sges.push(ibv_sge { addr: sge.addr(), length: sge.len() as u32, lkey: sge.local_key() as u32 });
-            natives.push(ibv_recv_wr { wr_id: id, next: ptr::null_mut(), sg_list: ptr::null_mut(), num_sge: 1 });
-            recs.push((id, RecvRec { wr_id: wr.wr_id, sge }));
+            sges.push(ibv_sge {
+                addr: sge.addr(),
+                length: sge.len() as u32,
+                lkey: sge.local_key() as u32,
+            });
+            natives.push(ibv_recv_wr {
+                wr_id: id,
+                next: ptr::null_mut(),
+                sg_list: ptr::null_mut(),
+                num_sge: 1,
+            });
+            recs.push((
+                id,
+                RecvRec {
+                    wr_id: wr.wr_id,
+                    sge,
+                },
+            ));
         }
         for (w, s) in natives.iter_mut().zip(sges.iter_mut()) {
             w.sg_list = s;
@@ -770,7 +932,10 @@ impl VerbsTransport {
         // SAFETY: live QP; the chain lives across the call; the buffers are leased by the records we keep.
         let rc = unsafe { ibv_post_recv(qp, natives.as_mut_ptr(), &mut bad) };
         if rc != 0 {
-            return Err(TransportError::os("ibv_post_recv", std::io::Error::from_raw_os_error(rc)));
+            return Err(TransportError::os(
+                "ibv_post_recv",
+                std::io::Error::from_raw_os_error(rc),
+            ));
         }
         for (id, rec) in recs {
             self.recvs.insert(id, (ep, rec));
@@ -798,38 +963,65 @@ impl VerbsTransport {
     }
 
     fn on_wc(&mut self, wc: &ibv_wc) {
-        let status = if wc.status == ibv_wc_status::IBV_WC_SUCCESS { Ok(()) } else { Err(wc_error(wc.status)) };
+        let status = if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
+            Ok(())
+        } else {
+            Err(wc_error(wc.status))
+        };
         if wc.wr_id & RECV_TAG != 0 {
-            let Some((ep, rec)) = self.recvs.remove(&wc.wr_id) else { return };
+            let Some((ep, rec)) = self.recvs.remove(&wc.wr_id) else {
+                return;
+            };
             let mut imm = None;
             let mut len = wc.byte_len;
             if status.is_ok() {
                 if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
                     // SAFETY: for this opcode the union holds the immediate, in network byte order.
-                    imm = Some(u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data }));
+                    imm = Some(u32::from_be(unsafe {
+                        wc.imm_data_invalidated_rkey_union.imm_data
+                    }));
                 } else if wc.byte_len == 8 {
                     // Possibly an emulated write-with-immediate: 8 bytes starting with the magic (the protocol's
                     // own control messages are never shorter than 16 bytes).
                     let mut b = [0u8; 8];
-                    if rec.sge.lease().read(0, &mut b).is_ok() && b[..4] == IMM_MAGIC.to_le_bytes() {
+                    if rec.sge.lease().read(0, &mut b).is_ok() && b[..4] == IMM_MAGIC.to_le_bytes()
+                    {
                         imm = Some(u32::from_le_bytes(b[4..].try_into().expect("4 bytes")));
                         len = 0;
                     }
                 }
             }
-            self.cq_backlog.push_back(Completion { ep, wr_id: rec.wr_id, op: Completed::Recv { len, imm }, status });
+            self.cq_backlog.push_back(Completion {
+                ep,
+                wr_id: rec.wr_id,
+                op: Completed::Recv { len, imm },
+                status,
+            });
             return;
         }
-        let Some(&ep) = self.qpn.get(&wc.qp_num) else { return };
-        let Some(e) = self.eps.get_mut(&ep) else { return };
+        let Some(&ep) = self.qpn.get(&wc.qp_num) else {
+            return;
+        };
+        let Some(e) = self.eps.get_mut(&ep) else {
+            return;
+        };
         // A signalled (or failed) request completes every earlier unsignalled one: in order, successfully.
         while let Some(front) = e.sends.front() {
             if front.seq > wc.wr_id {
                 break;
             }
             let rec = e.sends.pop_front().expect("front exists");
-            let st = if rec.seq == wc.wr_id { status.clone() } else { Ok(()) };
-            self.cq_backlog.push_back(Completion { ep, wr_id: rec.wr_id, op: rec.kind, status: st });
+            let st = if rec.seq == wc.wr_id {
+                status.clone()
+            } else {
+                Ok(())
+            };
+            self.cq_backlog.push_back(Completion {
+                ep,
+                wr_id: rec.wr_id,
+                op: rec.kind,
+                status: st,
+            });
         }
     }
 }
@@ -851,7 +1043,12 @@ impl Transport for VerbsTransport {
         let mr = reg_mr(&self.pd, buf.addr(), buf.len(), access)?;
         // SAFETY: live MR.
         let lkey = unsafe { (*mr).lkey };
-        Ok(Arc::new(VerbsRegistration { _pd: Arc::clone(&self.pd), mr, lkey, buf: Arc::clone(buf) }))
+        Ok(Arc::new(VerbsRegistration {
+            _pd: Arc::clone(&self.pd),
+            mr,
+            lkey,
+            buf: Arc::clone(buf),
+        }))
     }
 
     fn expose(
@@ -861,7 +1058,9 @@ impl Transport for VerbsTransport {
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
         if !Arc::ptr_eq(reg.buf(), lease.buf()) {
-            return Err(TransportError::Invalid("exposure lease is not on the registered buffer".into()));
+            return Err(TransportError::Invalid(
+                "exposure lease is not on the registered buffer".into(),
+            ));
         }
         if lease.is_empty() {
             return Err(TransportError::Invalid("cannot expose zero bytes".into()));
@@ -870,17 +1069,39 @@ impl Transport for VerbsTransport {
             RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
             RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
         };
-        let mr = reg_mr(&self.pd, lease.addr(), lease.len(), ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | remote)?;
+        let mr = reg_mr(
+            &self.pd,
+            lease.addr(),
+            lease.len(),
+            ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | remote,
+        )?;
         // SAFETY: live MR.
         let rkey = unsafe { (*mr).rkey };
         let len = lease.len();
-        let remote = RemoteRef { addr: lease.addr(), key: u64::from(rkey) };
-        Ok(Box::new(VerbsExposure { _pd: Arc::clone(&self.pd), mr, remote, len, lease }))
+        let remote = RemoteRef {
+            addr: lease.addr(),
+            key: u64::from(rkey),
+        };
+        Ok(Box::new(VerbsExposure {
+            _pd: Arc::clone(&self.pd),
+            mr,
+            remote,
+            len,
+            lease,
+        }))
     }
 
-    fn listen(&mut self, addr: SocketAddr, backlog: u32) -> Result<(ListenerId, SocketAddr), TransportError> {
+    fn listen(
+        &mut self,
+        addr: SocketAddr,
+        backlog: u32,
+    ) -> Result<(ListenerId, SocketAddr), TransportError> {
         // An unspecified address would listen on every device; ours is the one carrying the configured address.
-        let addr = if addr.ip().is_unspecified() { SocketAddr::new(self.cfg.addr, addr.port()) } else { addr };
+        let addr = if addr.ip().is_unspecified() {
+            SocketAddr::new(self.cfg.addr, addr.port())
+        } else {
+            addr
+        };
         let id_num = ListenerId(self.next_listener);
         self.next_listener += 1;
         let mut id = ptr::null_mut();
@@ -936,7 +1157,15 @@ impl Transport for VerbsTransport {
         let src = sockaddr(SocketAddr::new(self.cfg.addr, 0));
         let dst = sockaddr(addr);
         // SAFETY: live id; both sockaddrs live across the call (rdma_cm copies them).
-        if unsafe { rdma_resolve_addr(id, src.as_ptr() as *mut _, dst.as_ptr() as *mut _, RESOLVE_TIMEOUT_MS) } != 0 {
+        if unsafe {
+            rdma_resolve_addr(
+                id,
+                src.as_ptr() as *mut _,
+                dst.as_ptr() as *mut _,
+                RESOLVE_TIMEOUT_MS,
+            )
+        } != 0
+        {
             let e = os_err("rdma_resolve_addr");
             // SAFETY: the id is ours and unused.
             unsafe { rdma_destroy_id(id) };
@@ -955,7 +1184,10 @@ impl Transport for VerbsTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
-        let id = self.requests.remove(&request).ok_or(TransportError::Invalid("unknown request".into()))?;
+        let id = self
+            .requests
+            .remove(&request)
+            .ok_or(TransportError::Invalid("unknown request".into()))?;
         // SAFETY: the request's id is live and ours; from now on it names this endpoint.
         unsafe { (*id).context = (TAG_EP | ep.0 as usize) as *mut c_void };
         let mut e = Self::new_ep(id);
@@ -991,11 +1223,21 @@ impl Transport for VerbsTransport {
         let mut v = vec![wr];
         self.post_many(ep, &mut v).map_err(|error| PostError {
             error,
-            wr: WorkRequest { wr_id: 0, op: Op::Send { sges: Vec::new(), imm: None } },
+            wr: WorkRequest {
+                wr_id: 0,
+                op: Op::Send {
+                    sges: Vec::new(),
+                    imm: None,
+                },
+            },
         })
     }
 
-    fn post_many(&mut self, ep: EndpointId, wrs: &mut Vec<WorkRequest>) -> Result<(), TransportError> {
+    fn post_many(
+        &mut self,
+        ep: EndpointId,
+        wrs: &mut Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
         let down = match self.eps.get(&ep) {
             None => return Err(TransportError::NoEndpoint),
             Some(e) => e.state == EpState::Down && !e.qp.is_null(),
@@ -1009,7 +1251,12 @@ impl Transport for VerbsTransport {
                     Op::Read { .. } => Completed::Read,
                     Op::Recv { .. } => Completed::Recv { len: 0, imm: None },
                 };
-                self.cq_backlog.push_back(Completion { ep, wr_id: wr.wr_id, op, status: Err(WcError::Flushed) });
+                self.cq_backlog.push_back(Completion {
+                    ep,
+                    wr_id: wr.wr_id,
+                    op,
+                    status: Err(WcError::Flushed),
+                });
             }
             return Ok(());
         }
@@ -1033,7 +1280,9 @@ impl Transport for VerbsTransport {
     }
 
     fn disconnect(&mut self, ep: EndpointId) {
-        let Some(e) = self.eps.get_mut(&ep) else { return };
+        let Some(e) = self.eps.get_mut(&ep) else {
+            return;
+        };
         match e.state {
             EpState::Connected | EpState::Connecting => {
                 // SAFETY: live id; DISCONNECTED follows on both sides.
@@ -1053,7 +1302,9 @@ impl Transport for VerbsTransport {
     }
 
     fn release(&mut self, ep: EndpointId) {
-        let Some(e) = self.eps.remove(&ep) else { return };
+        let Some(e) = self.eps.remove(&ep) else {
+            return;
+        };
         // SAFETY: the QP and id are ours; destroying the QP first stops the hardware from touching any posted
         // buffer, so the records (and their leases) can be dropped after.
         unsafe {

@@ -56,7 +56,10 @@ pub enum LeaseKind {
 
 impl LeaseKind {
     fn writes(self) -> bool {
-        matches!(self, Self::DeviceWrite | Self::DeviceWriteShared | Self::CpuWrite)
+        matches!(
+            self,
+            Self::DeviceWrite | Self::DeviceWriteShared | Self::CpuWrite
+        )
     }
 
     fn shared(self) -> bool {
@@ -91,13 +94,25 @@ fn compatible(held: LeaseKind, new: LeaseKind, mode: Option<CpuMode>) -> bool {
 pub enum DmaError {
     /// The range does not lie inside the buffer.
     #[error("range {start}..{end} is outside the buffer of {len} bytes")]
-    OutOfBounds { start: usize, end: usize, len: usize },
+    OutOfBounds {
+        start: usize,
+        end: usize,
+        len: usize,
+    },
     /// Another holder uses an overlapping range in a way that excludes this one.
     #[error("range {start}..{end} is in use ({held:?}); refused {wanted:?}")]
-    Busy { start: usize, end: usize, held: LeaseKind, wanted: LeaseKind },
+    Busy {
+        start: usize,
+        end: usize,
+        held: LeaseKind,
+        wanted: LeaseKind,
+    },
     /// The lease does not allow this access (for example writing through a read lease).
     #[error("a {kind:?} lease does not allow {access}")]
-    WrongKind { kind: LeaseKind, access: &'static str },
+    WrongKind {
+        kind: LeaseKind,
+        access: &'static str,
+    },
     /// The buffer still has leases (or other handles), so it cannot be taken apart.
     #[error("the buffer is still in use by {leases} lease(s)")]
     InUse { leases: usize },
@@ -148,8 +163,15 @@ impl DmaBuf {
         let layout = Layout::from_size_align(len, PAGE).expect("buffer length overflows a Layout");
         // SAFETY: the layout has a non-zero size (checked above).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else { alloc::handle_alloc_error(layout) };
-        Arc::new(Self { ptr, len, storage: Storage::Alloc(layout), leases: Mutex::new(Vec::new()) })
+        let Some(ptr) = NonNull::new(raw) else {
+            alloc::handle_alloc_error(layout)
+        };
+        Arc::new(Self {
+            ptr,
+            len,
+            storage: Storage::Alloc(layout),
+            leases: Mutex::new(Vec::new()),
+        })
     }
 
     /// Takes ownership of a vector's bytes without copying. Its length becomes the buffer's length.
@@ -160,12 +182,23 @@ impl DmaBuf {
         let mut v = std::mem::ManuallyDrop::new(v);
         let len = v.len();
         let capacity = v.capacity();
-        let ptr = NonNull::new(v.as_mut_ptr()).expect("a vector with capacity has a non-null pointer");
-        Arc::new(Self { ptr, len, storage: Storage::Vec { capacity }, leases: Mutex::new(Vec::new()) })
+        let ptr =
+            NonNull::new(v.as_mut_ptr()).expect("a vector with capacity has a non-null pointer");
+        Arc::new(Self {
+            ptr,
+            len,
+            storage: Storage::Vec { capacity },
+            leases: Mutex::new(Vec::new()),
+        })
     }
 
     fn empty() -> Self {
-        Self { ptr: NonNull::dangling(), len: 0, storage: Storage::Empty, leases: Mutex::new(Vec::new()) }
+        Self {
+            ptr: NonNull::dangling(),
+            len: 0,
+            storage: Storage::Empty,
+            leases: Mutex::new(Vec::new()),
+        }
     }
 
     /// Gives the bytes back as a vector, if nobody else holds the buffer (no lease, no other `Arc`).
@@ -227,7 +260,9 @@ impl DmaBuf {
 
     /// Whether any lease overlapping `range` is held.
     pub fn is_range_leased(&self, range: Range<usize>) -> bool {
-        self.table().iter().any(|e| e.start < range.end && range.start < e.end)
+        self.table()
+            .iter()
+            .any(|e| e.start < range.end && range.start < e.end)
     }
 
     fn table(&self) -> MutexGuard<'_, Vec<Entry>> {
@@ -238,12 +273,21 @@ impl DmaBuf {
 
     fn check_range(&self, range: &Range<usize>) -> Result<(), DmaError> {
         if range.start > range.end || range.end > self.len {
-            return Err(DmaError::OutOfBounds { start: range.start, end: range.end, len: self.len });
+            return Err(DmaError::OutOfBounds {
+                start: range.start,
+                end: range.end,
+                len: self.len,
+            });
         }
         Ok(())
     }
 
-    fn acquire(&self, range: Range<usize>, kind: LeaseKind, mode: Option<CpuMode>) -> Result<u64, DmaError> {
+    fn acquire(
+        &self,
+        range: Range<usize>,
+        kind: LeaseKind,
+        mode: Option<CpuMode>,
+    ) -> Result<u64, DmaError> {
         self.check_range(&range)?;
         let mut table = self.table();
         // Empty ranges overlap nothing; they are still recorded so that the buffer stays alive and counted.
@@ -251,12 +295,22 @@ impl DmaBuf {
             for e in table.iter() {
                 let overlaps = e.start < range.end && range.start < e.end;
                 if overlaps && !compatible(e.kind, kind, mode) {
-                    return Err(DmaError::Busy { start: range.start, end: range.end, held: e.kind, wanted: kind });
+                    return Err(DmaError::Busy {
+                        start: range.start,
+                        end: range.end,
+                        held: e.kind,
+                        wanted: kind,
+                    });
                 }
             }
         }
         let id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
-        table.push(Entry { id, start: range.start, end: range.end, kind });
+        table.push(Entry {
+            id,
+            start: range.start,
+            end: range.end,
+            kind,
+        });
         Ok(id)
     }
 
@@ -266,17 +320,29 @@ impl DmaBuf {
 
     /// Whether any shared (racy-by-design) lease overlaps the range: copies must then be atomic.
     fn racy(&self, range: &Range<usize>) -> bool {
-        self.table().iter().any(|e| e.kind.shared() && e.start < range.end && range.start < e.end)
+        self.table()
+            .iter()
+            .any(|e| e.kind.shared() && e.start < range.end && range.start < e.end)
     }
 
     /// Leases `range` for `kind`. Device leases are what work requests and remote keys hold.
-    pub fn lease(self: &Arc<Self>, range: Range<usize>, kind: LeaseKind) -> Result<Lease, DmaError> {
+    pub fn lease(
+        self: &Arc<Self>,
+        range: Range<usize>,
+        kind: LeaseKind,
+    ) -> Result<Lease, DmaError> {
         let mode = match kind {
             LeaseKind::CpuRead | LeaseKind::CpuWrite => Some(CpuMode::Borrow),
             _ => None,
         };
         let id = self.acquire(range.clone(), kind, mode)?;
-        Ok(Lease { buf: Arc::clone(self), start: range.start, end: range.end, kind, id })
+        Ok(Lease {
+            buf: Arc::clone(self),
+            start: range.start,
+            end: range.end,
+            kind,
+            id,
+        })
     }
 
     /// Copies bytes out of the buffer. Allowed alongside device reads and alongside a persistent receive
@@ -305,7 +371,11 @@ impl DmaBuf {
     }
 
     /// Borrows a range for reading. Refused while a device may write it.
-    pub fn with_slice<R>(self: &Arc<Self>, range: Range<usize>, f: impl FnOnce(&[u8]) -> R) -> Result<R, DmaError> {
+    pub fn with_slice<R>(
+        self: &Arc<Self>,
+        range: Range<usize>,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, DmaError> {
         let lease = self.lease(range, LeaseKind::CpuRead)?;
         Ok(f(lease.as_slice()))
     }
@@ -340,7 +410,10 @@ impl Drop for DmaBuf {
 
 impl fmt::Debug for DmaBuf {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DmaBuf").field("addr", &format_args!("{:#x}", self.addr())).field("len", &self.len).finish()
+        f.debug_struct("DmaBuf")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -389,7 +462,11 @@ impl Lease {
 
     /// Splits the lease in two at `at` bytes (relative to the lease). Both halves keep the kind.
     pub fn split_at(self, at: usize) -> (Lease, Lease) {
-        assert!(at <= self.len(), "split point {at} beyond lease of {} bytes", self.len());
+        assert!(
+            at <= self.len(),
+            "split point {at} beyond lease of {} bytes",
+            self.len()
+        );
         let me = std::mem::ManuallyDrop::new(self);
         // SAFETY: `me` is ManuallyDrop and its Arc is read exactly once here, so its reference is moved, not
         // duplicated; the table entry of `me.id` is replaced by the two new entries below.
@@ -400,17 +477,43 @@ impl Lease {
         {
             let mut t = buf.table();
             t.retain(|e| e.id != me.id);
-            t.push(Entry { id: first_id, start: me.start, end: mid, kind: me.kind });
-            t.push(Entry { id: second_id, start: mid, end: me.end, kind: me.kind });
+            t.push(Entry {
+                id: first_id,
+                start: me.start,
+                end: mid,
+                kind: me.kind,
+            });
+            t.push(Entry {
+                id: second_id,
+                start: mid,
+                end: me.end,
+                kind: me.kind,
+            });
         }
-        let first = Lease { buf: Arc::clone(&buf), start: me.start, end: mid, kind: me.kind, id: first_id };
-        let second = Lease { buf, start: mid, end: me.end, kind: me.kind, id: second_id };
+        let first = Lease {
+            buf: Arc::clone(&buf),
+            start: me.start,
+            end: mid,
+            kind: me.kind,
+            id: first_id,
+        };
+        let second = Lease {
+            buf,
+            start: mid,
+            end: me.end,
+            kind: me.kind,
+            id: second_id,
+        };
         (first, second)
     }
 
     /// Narrows the lease to `range` (relative to the lease), giving back the rest.
     pub fn narrow(self, range: Range<usize>) -> Lease {
-        assert!(range.start <= range.end && range.end <= self.len(), "narrow {range:?} beyond {}", self.len());
+        assert!(
+            range.start <= range.end && range.end <= self.len(),
+            "narrow {range:?} beyond {}",
+            self.len()
+        );
         let (_, rest) = self.split_at(range.start);
         let (mid, _) = rest.split_at(range.end - range.start);
         mid
@@ -434,14 +537,23 @@ impl Lease {
         let p = self.check(offset, dst.len())?;
         // SAFETY: in bounds (check); this lease excludes Rust writers of the range except racy-shared ones,
         // which are handled with atomic loads.
-        unsafe { load(p, dst, self.kind.shared() || self.buf.racy(&(self.start..self.end))) };
+        unsafe {
+            load(
+                p,
+                dst,
+                self.kind.shared() || self.buf.racy(&(self.start..self.end)),
+            )
+        };
         Ok(())
     }
 
     /// Writes bytes through the lease (as the device that holds it). Only write leases allow it.
     pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), DmaError> {
         if !self.kind.writes() {
-            return Err(DmaError::WrongKind { kind: self.kind, access: "writing" });
+            return Err(DmaError::WrongKind {
+                kind: self.kind,
+                access: "writing",
+            });
         }
         let p = self.check(offset, src.len())?;
         // SAFETY: in bounds; a write lease excludes all other users except racy CPU copies of a shared lease,
@@ -451,9 +563,18 @@ impl Lease {
     }
 
     /// Copies `len` bytes from this lease at `offset` into `dst` at `dst_offset` (device-to-device).
-    pub fn copy_to(&self, offset: usize, dst: &mut Lease, dst_offset: usize, len: usize) -> Result<(), DmaError> {
+    pub fn copy_to(
+        &self,
+        offset: usize,
+        dst: &mut Lease,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), DmaError> {
         if !dst.kind.writes() {
-            return Err(DmaError::WrongKind { kind: dst.kind, access: "writing" });
+            return Err(DmaError::WrongKind {
+                kind: dst.kind,
+                access: "writing",
+            });
         }
         let s = self.check(offset, len)?;
         let d = dst.check(dst_offset, len)?;
@@ -468,7 +589,10 @@ impl Lease {
 
     /// A shared slice of the leased bytes. Only CPU leases hand out references.
     fn as_slice(&self) -> &[u8] {
-        debug_assert!(matches!(self.kind, LeaseKind::CpuRead | LeaseKind::CpuWrite));
+        debug_assert!(matches!(
+            self.kind,
+            LeaseKind::CpuRead | LeaseKind::CpuWrite
+        ));
         // SAFETY: a CPU borrow lease excludes every writer (including racy shared ones: `compatible` refuses a
         // borrow next to them), so the bytes do not change while the reference lives; in bounds by construction.
         unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr().add(self.start), self.len()) }
@@ -583,8 +707,16 @@ mod tests {
     fn device_write_excludes_everything_overlapping() {
         let b = DmaBuf::new(100);
         let _w = b.lease(10..20, LeaseKind::DeviceWrite).unwrap();
-        for kind in [LeaseKind::DeviceRead, LeaseKind::DeviceWrite, LeaseKind::CpuRead, LeaseKind::CpuWrite] {
-            assert!(matches!(b.lease(15..25, kind), Err(DmaError::Busy { .. })), "{kind:?}");
+        for kind in [
+            LeaseKind::DeviceRead,
+            LeaseKind::DeviceWrite,
+            LeaseKind::CpuRead,
+            LeaseKind::CpuWrite,
+        ] {
+            assert!(
+                matches!(b.lease(15..25, kind), Err(DmaError::Busy { .. })),
+                "{kind:?}"
+            );
         }
         assert!(b.read_at(19, &mut [0u8; 1]).is_err());
         // Disjoint ranges are fine; touching ranges do not overlap.
@@ -610,8 +742,14 @@ mod tests {
         let mut out = [0u8; 3];
         b.read_at(0, &mut out).unwrap();
         assert_eq!(&out, b"new");
-        assert!(b.with_slice(0..3, |_| ()).is_err(), "a borrow next to a remote writer must be refused");
-        assert!(b.write_at(0, b"x").is_err(), "the CPU may not write where the remote writes");
+        assert!(
+            b.with_slice(0..3, |_| ()).is_err(),
+            "a borrow next to a remote writer must be refused"
+        );
+        assert!(
+            b.write_at(0, b"x").is_err(),
+            "the CPU may not write where the remote writes"
+        );
 
         let c = DmaBuf::new(64);
         let _reader = c.lease(0..64, LeaseKind::DeviceReadShared).unwrap();
@@ -643,7 +781,10 @@ mod tests {
         let mut d = dst.lease(0..256, LeaseKind::DeviceWrite).unwrap();
         s.copy_to(16, &mut d, 0, 100).unwrap();
         assert!(s.copy_to(200, &mut d, 0, 100).is_err(), "source overrun");
-        assert!(s.copy_to(0, &mut d, 200, 100).is_err(), "destination overrun");
+        assert!(
+            s.copy_to(0, &mut d, 200, 100).is_err(),
+            "destination overrun"
+        );
         drop(d);
         let mut out = vec![0u8; 100];
         dst.read_at(0, &mut out).unwrap();
@@ -655,7 +796,10 @@ mod tests {
         let b = DmaBuf::new(8);
         let mut r = b.lease(0..8, LeaseKind::DeviceRead).unwrap();
         assert!(matches!(r.write(0, b"x"), Err(DmaError::WrongKind { .. })));
-        assert!(matches!(b.lease(4..9, LeaseKind::DeviceRead), Err(DmaError::OutOfBounds { .. })));
+        assert!(matches!(
+            b.lease(4..9, LeaseKind::DeviceRead),
+            Err(DmaError::OutOfBounds { .. })
+        ));
         assert!(b.read_at(usize::MAX, &mut [0u8; 2]).is_err());
     }
 

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 
 use exs_dma::DmaBuf;
 use nix::poll::{PollFd, PollFlags};
-use nix::sys::time::TimeSpec;
 use nix::sys::eventfd::{EfdFlags, EventFd};
+use nix::sys::time::TimeSpec;
 
 use crate::engine::Engine;
 use crate::error::MemoryError;
@@ -154,7 +154,9 @@ pub struct Context {
 
 impl fmt::Debug for Context {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Context").field("id", &self.inner.id).finish()
+        f.debug_struct("Context")
+            .field("id", &self.inner.id)
+            .finish()
     }
 }
 
@@ -165,7 +167,10 @@ impl Context {
     }
 
     /// Creates a context with options.
-    pub fn with_options(transport: Box<dyn Transport>, opts: ContextOptions) -> Result<Context, TransportError> {
+    pub fn with_options(
+        transport: Box<dyn Transport>,
+        opts: ContextOptions,
+    ) -> Result<Context, TransportError> {
         let id = NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed);
         let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
             .map_err(|e| TransportError::os("eventfd", e.into()))?;
@@ -183,7 +188,13 @@ impl Context {
             let engine = Engine::new(transport, id, weak.clone(), &opts);
             CtxInner {
                 id,
-                shared: Arc::new(Shared { engine: Mutex::new(engine), wake, stop: AtomicBool::new(false), wait_fd, driver }),
+                shared: Arc::new(Shared {
+                    engine: Mutex::new(engine),
+                    wake,
+                    stop: AtomicBool::new(false),
+                    wait_fd,
+                    driver,
+                }),
                 thread: Mutex::new(None),
             }
         });
@@ -254,7 +265,10 @@ impl Context {
 }
 
 fn progress_thread(shared: Arc<Shared>) {
-    let wait_fd = shared.wait_fd.as_ref().expect("thread mode has a wait descriptor");
+    let wait_fd = shared
+        .wait_fd
+        .as_ref()
+        .expect("thread mode has a wait descriptor");
     loop {
         if shared.stop.load(Ordering::SeqCst) {
             return;
@@ -273,7 +287,8 @@ fn progress_thread(shared: Arc<Shared>) {
                     continue;
                 }
             }
-            e.next_deadline().map(|d| d.saturating_duration_since(e.now()))
+            e.next_deadline()
+                .map(|d| d.saturating_duration_since(e.now()))
         };
         let timeout = timeout.map(|t| TimeSpec::from_duration(t.min(Duration::from_secs(60))));
         let mut fds = [
@@ -287,7 +302,10 @@ fn progress_thread(shared: Arc<Shared>) {
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
-        if fds[1].revents().is_some_and(|r| r.contains(PollFlags::POLLIN)) {
+        if fds[1]
+            .revents()
+            .is_some_and(|r| r.contains(PollFlags::POLLIN))
+        {
             let _ = shared.wake.read();
         }
     }

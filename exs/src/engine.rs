@@ -13,8 +13,8 @@ use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::context::{Clock, Context, ContextOptions, CtxInner};
 use crate::error::{
-    AcceptError, BufferError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError, SocketError,
-    StateError, Violation,
+    AcceptError, BufferError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError,
+    SocketError, StateError, Violation,
 };
 use crate::event::{EventFlags, Ticket};
 use crate::memory::Slice;
@@ -25,8 +25,8 @@ use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
 use crate::proto::stream::StreamSetup;
 use crate::socket::SocketId;
 use crate::transport::{
-    Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration, RemoteAccess,
-    RequestId, Transport, TransportError, WorkRequest,
+    Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration,
+    RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
 };
 use crate::wire::{CloseReason, Handshake, WireSockType, HEADER_LEN};
 
@@ -151,14 +151,22 @@ pub(crate) struct Engine {
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Engine").field("transport", &self.caps.name).field("sockets", &self.sockets.len()).finish()
+        f.debug_struct("Engine")
+            .field("transport", &self.caps.name)
+            .field("sockets", &self.sockets.len())
+            .finish()
     }
 }
 
 type R<T, E> = Result<T, E>;
 
 impl Engine {
-    pub(crate) fn new(transport: Box<dyn Transport>, ctx_id: u64, ctx: Weak<CtxInner>, opts: &ContextOptions) -> Self {
+    pub(crate) fn new(
+        transport: Box<dyn Transport>,
+        ctx_id: u64,
+        ctx: Weak<CtxInner>,
+        opts: &ContextOptions,
+    ) -> Self {
         let caps = transport.capabilities().clone();
         Engine {
             transport,
@@ -198,7 +206,10 @@ impl Engine {
         self.transport.arm()
     }
 
-    pub(crate) fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
+    pub(crate) fn register(
+        &mut self,
+        buf: &Arc<DmaBuf>,
+    ) -> Result<Arc<dyn Registration>, TransportError> {
         self.transport.register(buf)
     }
 
@@ -271,13 +282,20 @@ impl Engine {
         for (_, sid, kind) in &due {
             match kind {
                 TimerKind::Linger => {
-                    if self.sockets.get(sid).is_some_and(|s| s.phase == Phase::Closing) {
+                    if self
+                        .sockets
+                        .get(sid)
+                        .is_some_and(|s| s.phase == Phase::Closing)
+                    {
                         tracing::debug!(?sid, "linger expired, disconnecting");
                         self.disconnect(*sid);
                     }
                 }
                 TimerKind::ConnectTimeout => {
-                    let connecting = self.sockets.get(sid).is_some_and(|s| s.phase == Phase::Connecting);
+                    let connecting = self
+                        .sockets
+                        .get(sid)
+                        .is_some_and(|s| s.phase == Phase::Connecting);
                     if connecting {
                         self.fail_connect(*sid, OpError::TimedOut);
                     }
@@ -307,8 +325,12 @@ impl Engine {
 
     /// Posts what a connection has ready, and moves a closing connection on once its CLOSE has left.
     fn flush(&mut self, sid: SocketId) {
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
-        let Some(conn) = sock.conn.as_mut() else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        let Some(conn) = sock.conn.as_mut() else {
+            return;
+        };
         let mut posts = std::mem::take(&mut self.posts);
         let flushed = conn.flush(&mut posts);
         let ep = conn.ep;
@@ -322,7 +344,12 @@ impl Engine {
                 return;
             }
         };
-        if delayed_ack && !self.timers.iter().any(|t| t.1 == sid && t.2 == TimerKind::Ack) {
+        if delayed_ack
+            && !self
+                .timers
+                .iter()
+                .any(|t| t.1 == sid && t.2 == TimerKind::Ack)
+        {
             let at = self.clock.now() + self.ack_delay;
             self.timers.push((at, sid, TimerKind::Ack));
         }
@@ -339,13 +366,20 @@ impl Engine {
         // Requests not posted after an error are dropped: they never reached the hardware, so their leases go back.
         if let Err(e) = self.transport.post_many(ep, posts) {
             tracing::warn!(?sid, %e, "post failed; connection goes down");
-            self.fault(sid, Fault::Transport(crate::transport::WcError::Other(e.to_string())));
+            self.fault(
+                sid,
+                Fault::Transport(crate::transport::WcError::Other(e.to_string())),
+            );
         }
     }
 
     fn on_completion(&mut self, c: Completion) {
-        let Some(&sid) = self.eps.get(&c.ep) else { return };
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(&sid) = self.eps.get(&c.ep) else {
+            return;
+        };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
         let established = sock.conn.as_ref().is_some_and(Conn::is_established);
         if !established {
             if matches!(sock.phase, Phase::Connecting | Phase::Accepting) {
@@ -358,8 +392,12 @@ impl Engine {
     }
 
     fn handle_completion(&mut self, sid: SocketId, c: Completion) {
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
-        let Some(conn) = sock.conn.as_mut() else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        let Some(conn) = sock.conn.as_mut() else {
+            return;
+        };
         let mut posts = std::mem::take(&mut self.posts);
         let result = conn.on_completion(&c, &mut posts);
         let ep = conn.ep;
@@ -375,7 +413,9 @@ impl Engine {
 
     fn on_peer_close(&mut self, sid: SocketId, reason: CloseReason) {
         tracing::debug!(?sid, ?reason, "peer sent CLOSE");
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
         if let Some(conn) = sock.conn.as_mut() {
             conn.on_peer_close(reason);
         }
@@ -408,7 +448,9 @@ impl Engine {
     /// Brings a connection down after a fault: operations fail with the reason; a violation is reported to the
     /// peer with CLOSE before disconnecting.
     fn fault(&mut self, sid: SocketId, fault: Fault) {
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
         if matches!(sock.phase, Phase::Disconnecting | Phase::Down) {
             return;
         }
@@ -439,7 +481,9 @@ impl Engine {
     }
 
     fn disconnect(&mut self, sid: SocketId) {
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
         if matches!(sock.phase, Phase::Disconnecting | Phase::Down) {
             return;
         }
@@ -455,9 +499,12 @@ impl Engine {
     fn on_cm(&mut self, ev: CmEvent) {
         tracing::debug!(?ev, "connection management");
         match ev {
-            CmEvent::ConnectRequest { listener, request, peer, private } => {
-                self.on_connect_request(listener, request, peer, private)
-            }
+            CmEvent::ConnectRequest {
+                listener,
+                request,
+                peer,
+                private,
+            } => self.on_connect_request(listener, request, peer, private),
             CmEvent::Established { ep, private } => self.on_established(ep, private),
             CmEvent::ConnectFailed { ep, reason } => {
                 if let Some(&sid) = self.eps.get(&ep) {
@@ -478,7 +525,9 @@ impl Engine {
     }
 
     fn fail_connect(&mut self, sid: SocketId, err: OpError) {
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
         if let Some(t) = sock.ticket.take() {
             t.complete(Err(err.clone()), 0, EventFlags::default());
         }
@@ -496,7 +545,13 @@ impl Engine {
         }
     }
 
-    fn on_connect_request(&mut self, listener: ListenerId, request: RequestId, peer: SocketAddr, private: Vec<u8>) {
+    fn on_connect_request(
+        &mut self,
+        listener: ListenerId,
+        request: RequestId,
+        peer: SocketAddr,
+        private: Vec<u8>,
+    ) {
         let Some(&lsid) = self.listeners.get(&listener) else {
             self.transport.reject(request);
             return;
@@ -537,8 +592,17 @@ impl Engine {
         }
     }
 
-    fn accept_request(&mut self, lsid: SocketId, request: RequestId, peer: SocketAddr, hs: Handshake, ticket: Ticket) {
-        let Some(l) = self.sockets.get(&lsid) else { return };
+    fn accept_request(
+        &mut self,
+        lsid: SocketId,
+        request: RequestId,
+        peer: SocketAddr,
+        hs: Handshake,
+        ticket: Ticket,
+    ) {
+        let Some(l) = self.sockets.get(&lsid) else {
+            return;
+        };
         let (ty, opts, bound) = (l.ty, l.opts, l.bound);
         let sid = self.new_socket_id();
         let ep = self.new_ep();
@@ -575,8 +639,12 @@ impl Engine {
     }
 
     fn on_established(&mut self, ep: EndpointId, private: Vec<u8>) {
-        let Some(&sid) = self.eps.get(&ep) else { return };
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(&sid) = self.eps.get(&ep) else {
+            return;
+        };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
         let peer = match sock.phase {
             Phase::Connecting => match Handshake::decode(&private) {
                 Ok(hs) => hs,
@@ -592,7 +660,10 @@ impl Engine {
             _ => return, // already torn down (a close raced with the connection)
         };
         let opts = sock.opts;
-        let conn = sock.conn.as_mut().expect("connecting sockets have a connection");
+        let conn = sock
+            .conn
+            .as_mut()
+            .expect("connecting sockets have a connection");
         if let Err(v) = conn.establish(&peer, &opts, !self.ack_delay.is_zero()) {
             self.fault(sid, Fault::Peer(v));
             return;
@@ -600,7 +671,8 @@ impl Engine {
         self.stats.connections += 1;
         let passive = sock.phase == Phase::Accepting;
         sock.phase = Phase::Open;
-        self.timers.retain(|t| !(t.1 == sid && t.2 == TimerKind::ConnectTimeout));
+        self.timers
+            .retain(|t| !(t.1 == sid && t.2 == TimerKind::ConnectTimeout));
         if sock.peer_addr.is_none() {
             sock.peer_addr = self.transport.peer_addr(ep);
         }
@@ -609,7 +681,10 @@ impl Engine {
         if let Some(t) = ticket {
             if passive {
                 match self.ctx.upgrade() {
-                    Some(inner) => t.complete_accept(crate::socket::Socket::from_engine(Context::from_inner(inner), sid)),
+                    Some(inner) => t.complete_accept(crate::socket::Socket::from_engine(
+                        Context::from_inner(inner),
+                        sid,
+                    )),
                     None => t.complete(Err(OpError::Cancelled), 0, EventFlags::default()),
                 }
             } else {
@@ -629,13 +704,18 @@ impl Engine {
             return;
         };
         self.transport.release(ep);
-        let Some(sock) = self.sockets.get_mut(&sid) else { return };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
         let err = sock.down.clone().unwrap_or(OpError::ConnectionReset);
         if let Some(t) = sock.ticket.take() {
             t.complete(Err(err.clone()), 0, EventFlags::default());
         }
         if let Some(mut conn) = sock.conn.take() {
-            self.stats.ctrl_recv_bytes = self.stats.ctrl_recv_bytes.saturating_sub(conn_rx_bytes(&conn));
+            self.stats.ctrl_recv_bytes = self
+                .stats
+                .ctrl_recv_bytes
+                .saturating_sub(conn_rx_bytes(&conn));
             if sock.peer_closed && sock.down.is_none() {
                 conn.drop_all(OpError::PeerClosed);
             } else {
@@ -671,26 +751,47 @@ impl Engine {
     }
 
     /// Allocates and registers a connection's control buffers (and a stream buffer for stream sockets).
-    fn build_conn(&mut self, ep: EndpointId, ty: SockType, opts: &SocketOptions) -> Result<Conn, TransportError> {
+    fn build_conn(
+        &mut self,
+        ep: EndpointId,
+        ty: SockType,
+        opts: &SocketOptions,
+    ) -> Result<Conn, TransportError> {
         let window = u32::from(opts.effective_window(ty));
         let small = opts.small_packet_max_size as usize;
         // A receive slot holds a header, the largest body, and immediate data.
-        let slot = (HEADER_LEN + 48 + small).max(HEADER_LEN + 48).next_multiple_of(64).min(u16::MAX as usize & !63);
+        let slot = (HEADER_LEN + 48 + small)
+            .max(HEADER_LEN + 48)
+            .next_multiple_of(64)
+            .min(u16::MAX as usize & !63);
         let rx_buf = DmaBuf::new(slot * window as usize);
         let rx_reg = self.transport.register(&rx_buf)?;
         let tx_count = window.max(16);
         let tx_buf = DmaBuf::new(TX_SLOT * tx_count as usize);
         let tx_reg = self.transport.register(&tx_buf)?;
         let link = Link::new(
-            Slots { buf: rx_buf, reg: rx_reg, size: slot, count: window },
-            Slots { buf: tx_buf, reg: tx_reg, size: TX_SLOT, count: tx_count },
+            Slots {
+                buf: rx_buf,
+                reg: rx_reg,
+                size: slot,
+                count: window,
+            },
+            Slots {
+                buf: tx_buf,
+                reg: tx_reg,
+                size: TX_SLOT,
+                count: tx_count,
+            },
             self.caps.max_send_wr,
             self.caps.max_read_depth,
             self.caps.imm_consumes_recv,
         );
         let stream_setup = match ty {
             SockType::SeqPacket => None,
-            SockType::Stream => Some(StreamSetup::new(&mut *self.transport, opts.stream_buffer_size as usize)?),
+            SockType::Stream => Some(StreamSetup::new(
+                &mut *self.transport,
+                opts.stream_buffer_size as usize,
+            )?),
         };
         let (stream_len, stream_addr, stream_rkey) = match &stream_setup {
             Some(s) => {
@@ -723,7 +824,8 @@ impl Engine {
 
     pub(crate) fn socket(&mut self, ty: SockType) -> SocketId {
         let sid = self.new_socket_id();
-        self.sockets.insert(sid, Sock::new(ty, SocketOptions::default()));
+        self.sockets
+            .insert(sid, Sock::new(ty, SocketOptions::default()));
         sid
     }
 
@@ -764,14 +866,24 @@ impl Engine {
         let s = self.sock(sid)?;
         s.bound = Some(bound);
         s.phase = Phase::Listening;
-        s.listening = Some(Listening { listener, accepts: VecDeque::new(), backlog: VecDeque::new() });
+        s.listening = Some(Listening {
+            listener,
+            accepts: VecDeque::new(),
+            backlog: VecDeque::new(),
+        });
         self.listeners.insert(listener, sid);
         Ok(bound)
     }
 
-    pub(crate) fn accept(&mut self, sid: SocketId, ticket: &mut Option<Ticket>) -> R<(), AcceptError> {
+    pub(crate) fn accept(
+        &mut self,
+        sid: SocketId,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), AcceptError> {
         let s = self.sock(sid)?;
-        let Some(l) = s.listening.as_mut() else { return Err(StateError::NotListening.into()) };
+        let Some(l) = s.listening.as_mut() else {
+            return Err(StateError::NotListening.into());
+        };
         let ticket = ticket.take().expect("ticket given");
         if let Some((request, peer, hs)) = l.backlog.pop_front() {
             self.accept_request(sid, request, peer, hs, ticket);
@@ -782,7 +894,12 @@ impl Engine {
         Ok(())
     }
 
-    pub(crate) fn connect(&mut self, sid: SocketId, addr: SocketAddr, ticket: &mut Option<Ticket>) -> R<(), ConnectError> {
+    pub(crate) fn connect(
+        &mut self,
+        sid: SocketId,
+        addr: SocketAddr,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), ConnectError> {
         let s = self.sock(sid)?;
         match s.phase {
             Phase::Fresh => {}
@@ -816,9 +933,9 @@ impl Engine {
             Phase::Open => Ok(s.conn.as_mut().expect("open sockets have a connection")),
             Phase::Fresh | Phase::Connecting | Phase::Accepting => Err(StateError::NotConnected),
             Phase::Listening => Err(StateError::Listening),
-            Phase::Closing | Phase::Disconnecting | Phase::Down => {
-                Err(StateError::ConnectionDown(s.down.clone().unwrap_or(OpError::ConnectionReset)))
-            }
+            Phase::Closing | Phase::Disconnecting | Phase::Down => Err(StateError::ConnectionDown(
+                s.down.clone().unwrap_or(OpError::ConnectionReset),
+            )),
         }
     }
 
@@ -850,7 +967,11 @@ impl Engine {
                     SendData::Inline(slice.lease(LeaseKind::DeviceRead)?)
                 };
                 let conn = self.open_conn(sid)?;
-                conn.send_message(SendReq { ticket: ticket.take().expect("ticket given"), len, data });
+                conn.send_message(SendReq {
+                    ticket: ticket.take().expect("ticket given"),
+                    len,
+                    data,
+                });
             }
             SockType::Stream => {
                 if slice.is_empty() {
@@ -879,9 +1000,17 @@ impl Engine {
         let closed_stream = ty == SockType::Stream && s.peer_closed && s.conn.is_some();
         // After the peer closed, a message receive reports end-of-stream (as read(2) returns 0); a stream receive
         // first takes what the stream buffer still holds.
-        if s.peer_closed && !closed_stream && matches!(s.phase, Phase::Disconnecting | Phase::Down) {
+        if s.peer_closed && !closed_stream && matches!(s.phase, Phase::Disconnecting | Phase::Down)
+        {
             let t = ticket.take().expect("ticket given");
-            t.complete(Ok(()), 0, EventFlags { eof: true, ..Default::default() });
+            t.complete(
+                Ok(()),
+                0,
+                EventFlags {
+                    eof: true,
+                    ..Default::default()
+                },
+            );
             return Ok(());
         }
         if flags.contains(MsgFlags::PERSISTENT) {
@@ -895,7 +1024,10 @@ impl Engine {
             SockType::SeqPacket => {
                 self.open_conn(sid)?;
                 let sge = slice.lease(RECV_LEASE)?;
-                self.open_conn(sid)?.recv_message(RecvReq { ticket: ticket.take().expect("ticket given"), sge });
+                self.open_conn(sid)?.recv_message(RecvReq {
+                    ticket: ticket.take().expect("ticket given"),
+                    sge,
+                });
             }
             SockType::Stream => {
                 if slice.is_empty() {
@@ -911,7 +1043,9 @@ impl Engine {
                     Some(c) => c,
                     None => return Err(StateError::NotConnected.into()),
                 };
-                if let Err(v) = conn.recv_stream(ticket.take().expect("ticket given"), exposure, reg, flags) {
+                if let Err(v) =
+                    conn.recv_stream(ticket.take().expect("ticket given"), exposure, reg, flags)
+                {
                     self.fault(sid, Fault::Peer(v));
                 }
             }
@@ -928,7 +1062,10 @@ impl Engine {
                 self.sockets.remove(&sid);
             }
             Phase::Listening => {
-                let l = s.listening.take().expect("listening sockets have a listener");
+                let l = s
+                    .listening
+                    .take()
+                    .expect("listening sockets have a listener");
                 for t in l.accepts {
                     t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
                 }
@@ -995,7 +1132,9 @@ impl Engine {
 
     /// The recorded stream-protocol decisions of a socket (with the trace option on).
     pub(crate) fn stream_trace(&mut self, sid: SocketId) -> Vec<crate::proto::stream::StreamTrace> {
-        let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else { return Vec::new() };
+        let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+            return Vec::new();
+        };
         conn.stream().map(|s| s.take_trace()).unwrap_or_default()
     }
 

@@ -33,7 +33,10 @@ pub enum Violation {
     Handshake(String),
     /// The peer's socket type differs from ours (stream vs seqpacket).
     #[error("socket type mismatch: we are {ours}, the peer is {theirs}")]
-    SocketTypeMismatch { ours: &'static str, theirs: &'static str },
+    SocketTypeMismatch {
+        ours: &'static str,
+        theirs: &'static str,
+    },
     /// More control messages arrived than the receive buffers we granted.
     #[error("the peer sent beyond its {window} control-buffer credits")]
     CreditOverrun { window: u32 },
@@ -45,7 +48,11 @@ pub enum Violation {
     AdvertOutOfOrder { expected: u32, got: u32 },
     /// An acknowledgment for an operation we never sent.
     #[error("acknowledgment for unknown advertisement {seq} (next unacked {oldest}, {outstanding} outstanding)")]
-    UnknownAck { seq: u32, oldest: u32, outstanding: usize },
+    UnknownAck {
+        seq: u32,
+        oldest: u32,
+        outstanding: usize,
+    },
     /// More credits were returned than we ever spent.
     #[error("{returned} credits returned with only {spent} outstanding")]
     CreditsBeyondWindow { returned: u32, spent: u32 },
@@ -57,7 +64,10 @@ pub enum Violation {
     Stream(String),
     /// A message of a kind that this socket type or state does not accept.
     #[error("unexpected {kind} message {context}")]
-    Unexpected { kind: &'static str, context: &'static str },
+    Unexpected {
+        kind: &'static str,
+        context: &'static str,
+    },
     /// A persistent operation was refused by the rules of seed 002, 4.3.
     #[error("persistent operation refused: {0}")]
     Persistent(String),
@@ -105,7 +115,9 @@ impl From<crate::transport::WcError> for OpError {
             WcError::RemoteAccess => OpError::PeerMisbehaved(Violation::RemoteAccess(
                 "the peer's device refused our RDMA access".into(),
             )),
-            other => OpError::Transport(TransportError::Invalid(format!("work request failed: {other}"))),
+            other => OpError::Transport(TransportError::Invalid(format!(
+                "work request failed: {other}"
+            ))),
         }
     }
 }
@@ -115,9 +127,10 @@ impl OpError {
     pub fn blame(&self) -> Blame {
         match self {
             OpError::Cancelled => Blame::Local,
-            OpError::PeerClosed | OpError::ConnectionReset | OpError::PeerMisbehaved(_) | OpError::Refused => {
-                Blame::Peer
-            }
+            OpError::PeerClosed
+            | OpError::ConnectionReset
+            | OpError::PeerMisbehaved(_)
+            | OpError::Refused => Blame::Peer,
             OpError::TimedOut | OpError::Unreachable | OpError::Transport(_) => Blame::Transport,
         }
     }
@@ -142,7 +155,11 @@ impl OpError {
 pub enum BufferError {
     /// The range is not inside the memory region.
     #[error("range {start}..{end} is outside the region of {len} bytes")]
-    OutOfRegion { start: usize, end: usize, len: usize },
+    OutOfRegion {
+        start: usize,
+        end: usize,
+        len: usize,
+    },
     /// The region belongs to another context (device) than the socket.
     #[error("the memory region was registered with another context")]
     WrongContext,
@@ -160,7 +177,9 @@ pub enum BufferError {
 impl From<DmaError> for BufferError {
     fn from(e: DmaError) -> Self {
         match e {
-            DmaError::OutOfBounds { start, end, len } => BufferError::OutOfRegion { start, end, len },
+            DmaError::OutOfBounds { start, end, len } => {
+                BufferError::OutOfRegion { start, end, len }
+            }
             other => BufferError::Busy(other),
         }
     }
@@ -243,7 +262,9 @@ macro_rules! op_error {
 fn state_kind(e: &StateError) -> io::ErrorKind {
     match e {
         StateError::InvalidSocket => io::ErrorKind::InvalidInput,
-        StateError::NotConnected | StateError::NotBound | StateError::NotListening => io::ErrorKind::NotConnected,
+        StateError::NotConnected | StateError::NotBound | StateError::NotListening => {
+            io::ErrorKind::NotConnected
+        }
         StateError::AlreadyConnected | StateError::AlreadyBound => io::ErrorKind::AlreadyExists,
         StateError::Listening | StateError::WrongType(_) => io::ErrorKind::Unsupported,
         StateError::Shutdown => io::ErrorKind::BrokenPipe,
@@ -328,7 +349,11 @@ pub enum OptionError {
     Locked(&'static str),
     /// The value is out of the allowed range.
     #[error("option {name}: {value} is out of range ({allowed})")]
-    OutOfRange { name: &'static str, value: u64, allowed: &'static str },
+    OutOfRange {
+        name: &'static str,
+        value: u64,
+        allowed: &'static str,
+    },
     /// The socket is invalid or closed.
     #[error(transparent)]
     State(#[from] StateError),
@@ -439,7 +464,9 @@ mod tests {
         let e = SendError::from(QueueFull { depth: 4 });
         assert_eq!(io::Error::from(e).kind(), io::ErrorKind::WouldBlock);
 
-        let down = StateError::ConnectionDown(OpError::PeerMisbehaved(Violation::CreditOverrun { window: 4 }));
+        let down = StateError::ConnectionDown(OpError::PeerMisbehaved(Violation::CreditOverrun {
+            window: 4,
+        }));
         let e = SendError::from(down);
         assert_eq!(e.blame(), Blame::Peer);
         assert_eq!(io::Error::from(e).kind(), io::ErrorKind::InvalidData);

@@ -87,8 +87,11 @@ impl Event {
 impl fmt::Debug for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("Event");
-        d.field("kind", &self.kind).field("status", &self.status).field("bytes", &self.bytes);
-        d.field("context", &self.context).field("socket", &self.socket);
+        d.field("kind", &self.kind)
+            .field("status", &self.status)
+            .field("bytes", &self.bytes);
+        d.field("context", &self.context)
+            .field("socket", &self.socket);
         if self.flags != EventFlags::default() {
             d.field("flags", &self.flags);
         }
@@ -378,7 +381,12 @@ impl EventQueue {
     }
 
     /// Sleeps until `need` events are queued. Returns false on timeout.
-    fn block_until(&self, need: usize, deadline: Option<Instant>, count: bool) -> Result<bool, DequeueError> {
+    fn block_until(
+        &self,
+        need: usize,
+        deadline: Option<Instant>,
+        count: bool,
+    ) -> Result<bool, DequeueError> {
         if count {
             self.inner.lock().stats.blocks += 1;
         }
@@ -396,7 +404,11 @@ impl EventQueue {
                         s.waiting_for = 0;
                         return Ok(false);
                     }
-                    self.inner.cond.wait_timeout(s, d - now).unwrap_or_else(|p| p.into_inner()).0
+                    self.inner
+                        .cond
+                        .wait_timeout(s, d - now)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
                 }
             };
         }
@@ -456,17 +468,32 @@ impl EventQueue {
 
     fn stalled(&self, waiting: usize) -> Result<usize, DequeueError> {
         let outstanding = self.inner.lock().outstanding;
-        Err(DequeueError::Stalled { waiting, outstanding })
+        Err(DequeueError::Stalled {
+            waiting,
+            outstanding,
+        })
     }
 
     /// Reserves a slot for an operation that will complete here.
-    pub(crate) fn reserve(&self, kind: EventKind, context: u64, socket: SocketId) -> Result<Ticket, QueueFull> {
+    pub(crate) fn reserve(
+        &self,
+        kind: EventKind,
+        context: u64,
+        socket: SocketId,
+    ) -> Result<Ticket, QueueFull> {
         let mut s = self.inner.lock();
         if s.outstanding + s.events.len() >= self.inner.depth {
-            return Err(QueueFull { depth: self.inner.depth });
+            return Err(QueueFull {
+                depth: self.inner.depth,
+            });
         }
         s.outstanding += 1;
-        Ok(Ticket { eq: Some(Arc::clone(&self.inner)), kind, context, socket })
+        Ok(Ticket {
+            eq: Some(Arc::clone(&self.inner)),
+            kind,
+            context,
+            socket,
+        })
     }
 
     /// Registers a manual-progress driver (simulated fabric) with this queue.
@@ -520,7 +547,10 @@ pub(crate) struct Ticket {
 
 impl fmt::Debug for Ticket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Ticket").field("kind", &self.kind).field("context", &self.context).finish()
+        f.debug_struct("Ticket")
+            .field("kind", &self.kind)
+            .field("context", &self.context)
+            .finish()
     }
 }
 
@@ -539,12 +569,24 @@ impl Ticket {
 
     /// Completes the operation.
     pub(crate) fn complete(mut self, status: Result<(), OpError>, bytes: usize, flags: EventFlags) {
-        self.finish(status, bytes, flags, None, crate::socket::Readiness::default());
+        self.finish(
+            status,
+            bytes,
+            flags,
+            None,
+            crate::socket::Readiness::default(),
+        );
     }
 
     /// Completes an accept with the new socket.
     pub(crate) fn complete_accept(mut self, socket: Socket) {
-        self.finish(Ok(()), 0, EventFlags::default(), Some(socket), crate::socket::Readiness::default());
+        self.finish(
+            Ok(()),
+            0,
+            EventFlags::default(),
+            Some(socket),
+            crate::socket::Readiness::default(),
+        );
     }
 
     /// Completes a poll with readiness.
@@ -577,7 +619,13 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        self.finish(Err(OpError::Cancelled), 0, EventFlags::default(), None, Default::default());
+        self.finish(
+            Err(OpError::Cancelled),
+            0,
+            EventFlags::default(),
+            None,
+            Default::default(),
+        );
     }
 }
 
@@ -595,7 +643,10 @@ mod tests {
         let q = EventQueue::new(2);
         let a = q.reserve(EventKind::Send, 1, sid()).unwrap();
         let _b = q.reserve(EventKind::Send, 2, sid()).unwrap();
-        assert_eq!(q.reserve(EventKind::Send, 3, sid()).unwrap_err(), QueueFull { depth: 2 });
+        assert_eq!(
+            q.reserve(EventKind::Send, 3, sid()).unwrap_err(),
+            QueueFull { depth: 2 }
+        );
         a.complete(Ok(()), 5, EventFlags::default());
         // Completed but not dequeued still counts.
         assert!(q.reserve(EventKind::Send, 3, sid()).is_err());
@@ -618,10 +669,21 @@ mod tests {
     fn timeout_with_nothing_is_an_error_and_partial_is_returned() {
         let q = EventQueue::new(4);
         let mut out = Vec::new();
-        assert_eq!(q.dequeue(&mut out, 1, 4, Some(Duration::from_millis(5))), Err(DequeueError::TimedOut));
-        q.reserve(EventKind::Send, 1, sid()).unwrap().complete(Ok(()), 0, EventFlags::default());
-        assert_eq!(q.dequeue(&mut out, 2, 4, Some(Duration::from_millis(5))), Ok(1));
-        assert_eq!(q.dequeue(&mut out, 3, 2, None), Err(DequeueError::Invalid("min must not exceed max")));
+        assert_eq!(
+            q.dequeue(&mut out, 1, 4, Some(Duration::from_millis(5))),
+            Err(DequeueError::TimedOut)
+        );
+        q.reserve(EventKind::Send, 1, sid())
+            .unwrap()
+            .complete(Ok(()), 0, EventFlags::default());
+        assert_eq!(
+            q.dequeue(&mut out, 2, 4, Some(Duration::from_millis(5))),
+            Ok(1)
+        );
+        assert_eq!(
+            q.dequeue(&mut out, 3, 2, None),
+            Err(DequeueError::Invalid("min must not exceed max"))
+        );
         assert!(q.dequeue(&mut out, 0, 0, None).is_err());
     }
 
@@ -629,7 +691,9 @@ mod tests {
     #[test]
     fn adaptive_wait_blocks_once_per_batch() {
         let q = EventQueue::new(64);
-        let tickets: Vec<_> = (0..32).map(|i| q.reserve(EventKind::Send, i, sid()).unwrap()).collect();
+        let tickets: Vec<_> = (0..32)
+            .map(|i| q.reserve(EventKind::Send, i, sid()).unwrap())
+            .collect();
         let producer = thread::spawn(move || {
             thread::sleep(Duration::from_millis(20));
             for t in tickets {
@@ -642,14 +706,21 @@ mod tests {
         let s = q.stats();
         assert_eq!(s.blocks, 1, "{s:?}");
         assert_eq!(s.wakeups, 1, "{s:?}");
-        assert_eq!(events.iter().map(|e| e.context).collect::<Vec<_>>(), (0..32).collect::<Vec<_>>());
+        assert_eq!(
+            events.iter().map(|e| e.context).collect::<Vec<_>>(),
+            (0..32).collect::<Vec<_>>()
+        );
     }
 
     #[test]
     fn adaptive_wait_does_not_block_when_events_are_there() {
         let q = EventQueue::new(8);
         for i in 0..3 {
-            q.reserve(EventKind::Recv, i, sid()).unwrap().complete(Ok(()), 0, EventFlags::default());
+            q.reserve(EventKind::Recv, i, sid()).unwrap().complete(
+                Ok(()),
+                0,
+                EventFlags::default(),
+            );
         }
         let mut out = Vec::new();
         assert_eq!(q.dequeue(&mut out, 3, 8, None), Ok(3));
@@ -659,7 +730,9 @@ mod tests {
     #[test]
     fn block_mode_wakes_per_event() {
         let q = EventQueue::with_mode(64, WaitMode::Block);
-        let tickets: Vec<_> = (0..8).map(|i| q.reserve(EventKind::Send, i, sid()).unwrap()).collect();
+        let tickets: Vec<_> = (0..8)
+            .map(|i| q.reserve(EventKind::Send, i, sid()).unwrap())
+            .collect();
         let producer = thread::spawn(move || {
             for t in tickets {
                 thread::sleep(Duration::from_millis(3));
@@ -668,10 +741,15 @@ mod tests {
         });
         let mut out = Vec::new();
         while out.len() < 8 {
-            q.dequeue(&mut out, 1, 8, Some(Duration::from_secs(10))).unwrap();
+            q.dequeue(&mut out, 1, 8, Some(Duration::from_secs(10)))
+                .unwrap();
         }
         producer.join().unwrap();
-        assert!(q.stats().blocks >= 2, "block mode should sleep per event: {:?}", q.stats());
+        assert!(
+            q.stats().blocks >= 2,
+            "block mode should sleep per event: {:?}",
+            q.stats()
+        );
     }
 
     #[test]

@@ -35,8 +35,8 @@ pub mod sim;
 
 pub use context::{Clock, Context, ContextOptions, ManualDriver, Progress, SystemClock};
 pub use error::{
-    AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, MemoryError, OpError, OptionError,
-    QueueFull, RecvError, SendError, SocketError, StateError, Violation,
+    AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, MemoryError, OpError,
+    OptionError, QueueFull, RecvError, SendError, SocketError, StateError, Violation,
 };
 pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
 pub use memory::{MemoryRegion, Slice};

@@ -50,7 +50,13 @@ impl MemoryRegion {
 
     fn register(ctx: &Context, buf: Arc<DmaBuf>) -> Result<Self, MemoryError> {
         let reg = ctx.register(&buf)?;
-        Ok(Self { inner: Arc::new(RegionInner { buf, reg: Mutex::new(Some(reg)), context_id: ctx.id() }) })
+        Ok(Self {
+            inner: Arc::new(RegionInner {
+                buf,
+                reg: Mutex::new(Some(reg)),
+                context_id: ctx.id(),
+            }),
+        })
     }
 
     /// Length in bytes.
@@ -75,7 +81,11 @@ impl MemoryRegion {
             Bound::Excluded(&e) => e,
             Bound::Unbounded => self.len(),
         };
-        Slice { region: self.clone(), start, end }
+        Slice {
+            region: self.clone(),
+            start,
+            end,
+        }
     }
 
     /// The whole region.
@@ -96,12 +106,20 @@ impl MemoryRegion {
     }
 
     /// Borrows a range for reading, without copying.
-    pub fn with_slice<R>(&self, range: Range<usize>, f: impl FnOnce(&[u8]) -> R) -> Result<R, BufferError> {
+    pub fn with_slice<R>(
+        &self,
+        range: Range<usize>,
+        f: impl FnOnce(&[u8]) -> R,
+    ) -> Result<R, BufferError> {
         Ok(self.inner.buf.with_slice(range, f)?)
     }
 
     /// Borrows a range for writing, without copying.
-    pub fn with_slice_mut<R>(&self, range: Range<usize>, f: impl FnOnce(&mut [u8]) -> R) -> Result<R, BufferError> {
+    pub fn with_slice_mut<R>(
+        &self,
+        range: Range<usize>,
+        f: impl FnOnce(&mut [u8]) -> R,
+    ) -> Result<R, BufferError> {
         Ok(self.inner.buf.with_slice_mut(range, f)?)
     }
 
@@ -141,7 +159,11 @@ impl MemoryRegion {
                     _ => 0,
                 };
                 let region = MemoryRegion {
-                    inner: Arc::new(RegionInner { buf, reg: Mutex::new(None), context_id: inner.context_id }),
+                    inner: Arc::new(RegionInner {
+                        buf,
+                        reg: Mutex::new(None),
+                        context_id: inner.context_id,
+                    }),
                 };
                 (region, MemoryError::InUse { leases })
             }),
@@ -170,7 +192,9 @@ impl MemoryRegion {
 
     pub(crate) fn registration(&self) -> Result<Arc<dyn Registration>, BufferError> {
         let reg = self.inner.reg.lock().unwrap_or_else(|p| p.into_inner());
-        reg.as_ref().map(Arc::clone).ok_or(BufferError::Deregistered)
+        reg.as_ref()
+            .map(Arc::clone)
+            .ok_or(BufferError::Deregistered)
     }
 }
 
@@ -223,7 +247,11 @@ impl Slice {
             return Err(BufferError::WrongContext);
         }
         if self.start > self.end || self.end > self.region.len() {
-            return Err(BufferError::OutOfRegion { start: self.start, end: self.end, len: self.region.len() });
+            return Err(BufferError::OutOfRegion {
+                start: self.start,
+                end: self.end,
+                len: self.region.len(),
+            });
         }
         Ok(())
     }

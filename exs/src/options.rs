@@ -81,7 +81,9 @@ impl SocketOptions {
         }
         let base = match sock_type {
             // Adverts from the peer, acknowledgments of ours, and room for CLOSE and credits.
-            SockType::SeqPacket => u32::from(self.recv_credits) + u32::from(self.send_credits) / 2 + 4,
+            SockType::SeqPacket => {
+                u32::from(self.recv_credits) + u32::from(self.send_credits) / 2 + 4
+            }
             // Stream writes consume buffers too (verbs), so the window is larger.
             SockType::Stream => u32::from(self.recv_credits) + 64,
         };
@@ -143,9 +145,19 @@ impl SocketOption {
 
     /// Checks the value and applies it.
     pub(crate) fn apply(self, o: &mut SocketOptions) -> Result<(), OptionError> {
-        fn range(name: &'static str, v: u64, lo: u64, hi: u64, allowed: &'static str) -> Result<(), OptionError> {
+        fn range(
+            name: &'static str,
+            v: u64,
+            lo: u64,
+            hi: u64,
+            allowed: &'static str,
+        ) -> Result<(), OptionError> {
             if v < lo || v > hi {
-                return Err(OptionError::OutOfRange { name, value: v, allowed });
+                return Err(OptionError::OutOfRange {
+                    name,
+                    value: v,
+                    allowed,
+                });
             }
             Ok(())
         }
@@ -160,7 +172,13 @@ impl SocketOption {
                 o.recv_credits = v;
             }
             SocketOption::SmallPacketMaxSize(v) => {
-                range(name, v.into(), 0, SocketOptions::MAX_SMALL.into(), "0..=32768")?;
+                range(
+                    name,
+                    v.into(),
+                    0,
+                    SocketOptions::MAX_SMALL.into(),
+                    "0..=32768",
+                )?;
                 o.small_packet_max_size = v;
             }
             SocketOption::StreamBufferSize(v) => {

@@ -23,7 +23,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::context::Context;
-use crate::error::{AcceptError, CloseError, ConnectError, OptionError, RecvError, SendError, SocketError, StateError};
+use crate::error::{
+    AcceptError, CloseError, ConnectError, OptionError, RecvError, SendError, SocketError,
+    StateError,
+};
 use crate::event::{EventKind, EventQueue, Ticket};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
@@ -83,7 +86,10 @@ pub struct Socket {
 
 impl fmt::Debug for Socket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Socket").field("id", &self.h.id.0).field("context", &self.h.ctx.id()).finish()
+        f.debug_struct("Socket")
+            .field("id", &self.h.id.0)
+            .field("context", &self.h.ctx.id())
+            .finish()
     }
 }
 
@@ -95,7 +101,13 @@ impl Socket {
     }
 
     pub(crate) fn from_engine(ctx: Context, id: SocketId) -> Socket {
-        Socket { h: Arc::new(Handle { ctx, id, closed: AtomicBool::new(false) }) }
+        Socket {
+            h: Arc::new(Handle {
+                ctx,
+                id,
+                closed: AtomicBool::new(false),
+            }),
+        }
     }
 
     /// The socket's number.
@@ -157,20 +169,43 @@ impl Socket {
     }
 
     /// Connects, asynchronously (ES-API `exs_connect`). Options negotiated at connect are frozen from here on.
-    pub fn connect(&self, addr: SocketAddr, eq: &EventQueue, context: u64) -> Result<(), ConnectError> {
-        self.start(eq, EventKind::Connect, context, |e, id, t| e.connect(id, addr, t))
+    pub fn connect(
+        &self,
+        addr: SocketAddr,
+        eq: &EventQueue,
+        context: u64,
+    ) -> Result<(), ConnectError> {
+        self.start(eq, EventKind::Connect, context, |e, id, t| {
+            e.connect(id, addr, t)
+        })
     }
 
     /// Sends the bytes of `buf`, asynchronously (ES-API `exs_send`). The range stays leased (the application
     /// cannot write it) until the event.
-    pub fn send(&self, eq: &EventQueue, buf: &Slice, flags: MsgFlags, context: u64) -> Result<(), SendError> {
-        self.start(eq, EventKind::Send, context, |e, id, t| e.send(id, buf, flags, t))
+    pub fn send(
+        &self,
+        eq: &EventQueue,
+        buf: &Slice,
+        flags: MsgFlags,
+        context: u64,
+    ) -> Result<(), SendError> {
+        self.start(eq, EventKind::Send, context, |e, id, t| {
+            e.send(id, buf, flags, t)
+        })
     }
 
     /// Receives into `buf`, asynchronously (ES-API `exs_recv`). The range stays leased (the application cannot
     /// read it) until the event.
-    pub fn recv(&self, eq: &EventQueue, buf: &Slice, flags: MsgFlags, context: u64) -> Result<(), RecvError> {
-        self.start(eq, EventKind::Recv, context, |e, id, t| e.recv(id, buf, flags, t))
+    pub fn recv(
+        &self,
+        eq: &EventQueue,
+        buf: &Slice,
+        flags: MsgFlags,
+        context: u64,
+    ) -> Result<(), RecvError> {
+        self.start(eq, EventKind::Recv, context, |e, id, t| {
+            e.recv(id, buf, flags, t)
+        })
     }
 
     /// Closes the socket (ES-API `exs_close`): every pending operation completes as cancelled, the peer is told,

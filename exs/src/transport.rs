@@ -135,7 +135,9 @@ impl Sge {
     /// Pairs a lease with the registration of its buffer. Fails if the lease is on another buffer.
     pub fn new(lease: Lease, reg: Arc<dyn Registration>) -> Result<Self, TransportError> {
         if !Arc::ptr_eq(lease.buf(), reg.buf()) {
-            return Err(TransportError::Invalid("scatter/gather lease is not on the registered buffer".into()));
+            return Err(TransportError::Invalid(
+                "scatter/gather lease is not on the registered buffer".into(),
+            ));
         }
         Ok(Self { lease, reg })
     }
@@ -380,7 +382,11 @@ pub enum TransportError {
 impl TransportError {
     /// Builds an OS error from a call name and an `io::Error`.
     pub fn os(call: impl Into<String>, e: io::Error) -> Self {
-        TransportError::Os { call: call.into(), kind: e.kind(), message: e.to_string() }
+        TransportError::Os {
+            call: call.into(),
+            kind: e.kind(),
+            message: e.to_string(),
+        }
     }
 
     /// The closest `std::io::ErrorKind`.
@@ -426,7 +432,11 @@ pub trait Transport: Send + fmt::Debug {
     ) -> Result<Box<dyn Exposure>, TransportError>;
 
     /// Starts listening. Port 0 picks a free port; the bound address is returned.
-    fn listen(&mut self, addr: SocketAddr, backlog: u32) -> Result<(ListenerId, SocketAddr), TransportError>;
+    fn listen(
+        &mut self,
+        addr: SocketAddr,
+        backlog: u32,
+    ) -> Result<(ListenerId, SocketAddr), TransportError>;
 
     /// Stops listening.
     fn close_listener(&mut self, listener: ListenerId);
@@ -460,7 +470,11 @@ pub trait Transport: Send + fmt::Debug {
     /// Posts a batch of work requests on an endpoint, in order, draining `wrs`. A transport that can ring the
     /// doorbell once per batch, or signal only the last request of a batch, overrides this. On error, the
     /// requests not posted are dropped (they never reached the hardware) and the error is returned.
-    fn post_many(&mut self, ep: EndpointId, wrs: &mut Vec<WorkRequest>) -> Result<(), TransportError> {
+    fn post_many(
+        &mut self,
+        ep: EndpointId,
+        wrs: &mut Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
         let mut result = Ok(());
         for wr in wrs.drain(..) {
             if result.is_ok() {

@@ -258,7 +258,11 @@ pub struct Message {
 impl Message {
     /// A message with no credits and no ack.
     pub fn new(body: Body) -> Self {
-        Self { credits: 0, ack: None, body }
+        Self {
+            credits: 0,
+            ack: None,
+            body,
+        }
     }
 
     /// Bytes of immediate data that follow the encoded message.
@@ -278,7 +282,10 @@ impl Message {
     /// Immediate data is not copied: the sender gathers it from the user's buffer (seed 002, 4.1).
     pub fn encode(&self, out: &mut [u8]) -> usize {
         let n = self.encoded_len();
-        let mut w = Writer { buf: &mut out[..n], at: 0 };
+        let mut w = Writer {
+            buf: &mut out[..n],
+            at: 0,
+        };
         w.u8(VERSION);
         w.u8(self.body.kind() as u8);
         w.u16(if self.ack.is_some() { FLAG_ACK } else { 0 });
@@ -353,7 +360,10 @@ impl Message {
         }
         let ack = (flags & FLAG_ACK != 0).then_some(ack);
         if ack.is_none() && kind == Kind::Ack {
-            return Err(WireError::Invalid { field: "ack flag of ACK", value: 0 });
+            return Err(WireError::Invalid {
+                field: "ack flag of ACK",
+                value: 0,
+            });
         }
         let body = match kind {
             Kind::Advert => {
@@ -363,7 +373,13 @@ impl Message {
                     return Err(WireError::Reserved("advert flags"));
                 }
                 let (len, addr, rkey) = (r.u64()?, r.u64()?, r.u64()?);
-                Body::Advert(Advert { seq, flags, len, addr, rkey })
+                Body::Advert(Advert {
+                    seq,
+                    flags,
+                    len,
+                    addr,
+                    rkey,
+                })
             }
             Kind::Ack => Body::Ack,
             Kind::Credit => Body::Credit,
@@ -372,7 +388,12 @@ impl Message {
                     1 => CloseReason::Close,
                     2 => CloseReason::ShutdownWrite,
                     3 => CloseReason::Violation,
-                    other => return Err(WireError::Invalid { field: "close reason", value: other.into() }),
+                    other => {
+                        return Err(WireError::Invalid {
+                            field: "close reason",
+                            value: other.into(),
+                        })
+                    }
                 };
                 if r.u32()? != 0 {
                     return Err(WireError::Reserved("close padding"));
@@ -385,10 +406,23 @@ impl Message {
                 let waitall = match r.u32()? {
                     0 => false,
                     1 => true,
-                    other => return Err(WireError::Invalid { field: "stream advert flags", value: other.into() }),
+                    other => {
+                        return Err(WireError::Invalid {
+                            field: "stream advert flags",
+                            value: other.into(),
+                        })
+                    }
                 };
                 let consumed = r.u64()?;
-                Body::StreamAdvert(StreamAdvert { addr, rkey, len, seq, phase, waitall, consumed })
+                Body::StreamAdvert(StreamAdvert {
+                    addr,
+                    rkey,
+                    len,
+                    seq,
+                    phase,
+                    waitall,
+                    consumed,
+                })
             }
             Kind::StreamWindow => Body::StreamWindow { consumed: r.u64()? },
             Kind::ReadNotify => {
@@ -398,10 +432,16 @@ impl Message {
                 }
                 Body::ReadNotify { seq }
             }
-            Kind::OffsetWritten => Body::OffsetWritten(OffsetWritten { offset: r.u64()?, len: r.u64()? }),
+            Kind::OffsetWritten => Body::OffsetWritten(OffsetWritten {
+                offset: r.u64()?,
+                len: r.u64()?,
+            }),
         };
         if body_len != body.body_len() {
-            return Err(WireError::Invalid { field: "body_len", value: body_len as u64 });
+            return Err(WireError::Invalid {
+                field: "body_len",
+                value: body_len as u64,
+            });
         }
         let msg = Message { credits, ack, body };
         let expected = HEADER_LEN as u64 + body_len as u64 + msg.inline_len_u64();
@@ -461,7 +501,10 @@ impl Handshake {
     /// Encodes into [`HANDSHAKE_LEN`] bytes.
     pub fn encode(&self) -> [u8; HANDSHAKE_LEN] {
         let mut out = [0u8; HANDSHAKE_LEN];
-        let mut w = Writer { buf: &mut out, at: 0 };
+        let mut w = Writer {
+            buf: &mut out,
+            at: 0,
+        };
         w.u32(HANDSHAKE_MAGIC);
         w.u8(VERSION);
         w.u8(self.sock_type as u8);
@@ -492,7 +535,12 @@ impl Handshake {
         let sock_type = match r.u8()? {
             1 => WireSockType::SeqPacket,
             2 => WireSockType::Stream,
-            other => return Err(WireError::Invalid { field: "socket type", value: other.into() }),
+            other => {
+                return Err(WireError::Invalid {
+                    field: "socket type",
+                    value: other.into(),
+                })
+            }
         };
         let flags = r.u16()?;
         if flags & !1 != 0 {
@@ -514,7 +562,10 @@ impl Handshake {
             return Err(WireError::Reserved("handshake reserved"));
         }
         if (hs.slot_size as usize) < HEADER_LEN + 48 {
-            return Err(WireError::Invalid { field: "slot_size", value: hs.slot_size.into() });
+            return Err(WireError::Invalid {
+                field: "slot_size",
+                value: hs.slot_size.into(),
+            });
         }
         Ok(hs)
     }
@@ -598,7 +649,10 @@ struct Reader<'a> {
 impl Reader<'_> {
     fn take<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
         let end = self.at + N;
-        let got = self.buf.get(self.at..end).ok_or(WireError::TooShort { need: end, got: self.buf.len() })?;
+        let got = self.buf.get(self.at..end).ok_or(WireError::TooShort {
+            need: end,
+            got: self.buf.len(),
+        })?;
         self.at = end;
         let mut out = [0u8; N];
         out.copy_from_slice(got);
@@ -624,10 +678,24 @@ mod tests {
     use proptest::prelude::*;
 
     fn samples() -> Vec<Message> {
-        let advert = Advert { seq: 7, flags: AdvertFlags(0), len: 1 << 40, addr: 0xdead_beef, rkey: u64::MAX };
+        let advert = Advert {
+            seq: 7,
+            flags: AdvertFlags(0),
+            len: 1 << 40,
+            addr: 0xdead_beef,
+            rkey: u64::MAX,
+        };
         vec![
-            Message { credits: 3, ack: Some(9), body: Body::Advert(advert) },
-            Message { credits: 0, ack: Some(u32::MAX), body: Body::Ack },
+            Message {
+                credits: 3,
+                ack: Some(9),
+                body: Body::Advert(advert),
+            },
+            Message {
+                credits: 0,
+                ack: Some(u32::MAX),
+                body: Body::Ack,
+            },
             Message::new(Body::Credit),
             Message::new(Body::Close(CloseReason::ShutdownWrite)),
             Message::new(Body::StreamAdvert(StreamAdvert {
@@ -641,7 +709,10 @@ mod tests {
             })),
             Message::new(Body::StreamWindow { consumed: 99 }),
             Message::new(Body::ReadNotify { seq: 12 }),
-            Message::new(Body::OffsetWritten(OffsetWritten { offset: 10, len: 20 })),
+            Message::new(Body::OffsetWritten(OffsetWritten {
+                offset: 10,
+                len: 20,
+            })),
         ]
     }
 
@@ -657,23 +728,42 @@ mod tests {
 
     #[test]
     fn immediate_advert_carries_its_data_after_the_body() {
-        let a = Advert { seq: 1, flags: AdvertFlags(AdvertFlags::IMMEDIATE), len: 5, addr: 0, rkey: 0 };
+        let a = Advert {
+            seq: 1,
+            flags: AdvertFlags(AdvertFlags::IMMEDIATE),
+            len: 5,
+            addr: 0,
+            rkey: 0,
+        };
         let m = Message::new(Body::Advert(a));
         let mut bytes = m.to_vec();
-        assert!(Message::decode(&bytes).is_err(), "missing immediate data must be refused");
+        assert!(
+            Message::decode(&bytes).is_err(),
+            "missing immediate data must be refused"
+        );
         bytes.extend_from_slice(b"hello");
         let (back, at) = Message::decode(&bytes).unwrap();
         assert_eq!(back.inline_len(), 5);
         assert_eq!(&bytes[at..], b"hello");
         bytes.push(0);
-        assert!(matches!(Message::decode(&bytes), Err(WireError::LengthMismatch { .. })));
+        assert!(matches!(
+            Message::decode(&bytes),
+            Err(WireError::LengthMismatch { .. })
+        ));
     }
 
     #[test]
     fn header_fields_are_little_endian_at_fixed_offsets() {
-        let m = Message { credits: 0x0102, ack: Some(0x0a0b0c0d), body: Body::Credit };
+        let m = Message {
+            credits: 0x0102,
+            ack: Some(0x0a0b0c0d),
+            body: Body::Credit,
+        };
         let b = m.to_vec();
-        assert_eq!(b, [1, 3, 1, 0, 0x02, 0x01, 0, 0, 0x0d, 0x0c, 0x0b, 0x0a, 0, 0, 0, 0]);
+        assert_eq!(
+            b,
+            [1, 3, 1, 0, 0x02, 0x01, 0, 0, 0x0d, 0x0c, 0x0b, 0x0a, 0, 0, 0, 0]
+        );
     }
 
     #[test]
@@ -693,12 +783,20 @@ mod tests {
         assert!(matches!(Message::decode(&b), Err(WireError::Reserved(_))));
         let mut b = good;
         b[6] = 4;
-        assert!(matches!(Message::decode(&b), Err(WireError::TooShort { .. }) | Err(WireError::Invalid { .. })));
+        assert!(matches!(
+            Message::decode(&b),
+            Err(WireError::TooShort { .. }) | Err(WireError::Invalid { .. })
+        ));
     }
 
     #[test]
     fn ack_without_flag_is_invalid() {
-        let mut b = Message { credits: 0, ack: Some(1), body: Body::Ack }.to_vec();
+        let mut b = Message {
+            credits: 0,
+            ack: Some(1),
+            body: Body::Ack,
+        }
+        .to_vec();
         b[2] = 0;
         assert!(Message::decode(&b).is_err());
     }
@@ -725,8 +823,14 @@ mod tests {
         assert_eq!(Handshake::decode(&padded).unwrap(), hs);
         let mut bad = bytes;
         bad[0] ^= 1;
-        assert!(matches!(Handshake::decode(&bad), Err(WireError::BadMagic(_))));
-        assert!(matches!(Handshake::decode(&bytes[..20]), Err(WireError::TooShort { .. })));
+        assert!(matches!(
+            Handshake::decode(&bad),
+            Err(WireError::BadMagic(_))
+        ));
+        assert!(matches!(
+            Handshake::decode(&bytes[..20]),
+            Err(WireError::TooShort { .. })
+        ));
     }
 
     #[test]

@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use common::*;
 use exs::sim::{SimConfig, World};
-use exs::{Blame, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, StateError};
+use exs::{
+    Blame, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, StateError,
+};
 
 #[test]
 fn connect_to_a_port_nobody_listens_on_is_refused() {
@@ -36,7 +38,10 @@ fn connect_to_an_unknown_host_is_unreachable() {
 #[test]
 fn connect_to_a_silent_host_times_out() {
     let world = World::new(SimConfig::default());
-    let a = world.host_with(exs::ContextOptions { connect_timeout: Duration::from_millis(50), ..Default::default() });
+    let a = world.host_with(exs::ContextOptions {
+        connect_timeout: Duration::from_millis(50),
+        ..Default::default()
+    });
     let b = world.host();
     let eq_b = EventQueue::new(8);
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
@@ -84,7 +89,10 @@ fn listener_binds_port_zero_to_a_real_port_and_reports_addresses() {
     let p = pair(SockType::SeqPacket);
     let c_local = p.client.local_addr().unwrap().unwrap();
     assert_eq!(p.server.peer_addr().unwrap(), Some(c_local));
-    assert_eq!(p.client.peer_addr().unwrap(), p.server.local_addr().unwrap());
+    assert_eq!(
+        p.client.peer_addr().unwrap(),
+        p.server.local_addr().unwrap()
+    );
     assert_eq!(p.client.peer_addr().unwrap().unwrap().port(), 7000);
 }
 
@@ -133,8 +141,16 @@ fn a_full_backlog_refuses_further_requests() {
         })
         .collect();
     world.run_for(Duration::from_millis(100));
-    let evs = eq_a.wait_all(Some(Duration::from_millis(1))).unwrap_or_default();
-    assert_eq!(evs.iter().filter(|e| e.status == Err(OpError::Refused)).count(), 2, "{evs:?}");
+    let evs = eq_a
+        .wait_all(Some(Duration::from_millis(1)))
+        .unwrap_or_default();
+    assert_eq!(
+        evs.iter()
+            .filter(|e| e.status == Err(OpError::Refused))
+            .count(),
+        2,
+        "{evs:?}"
+    );
     drop(socks);
 }
 
@@ -144,17 +160,36 @@ fn close_completes_every_pending_operation_as_cancelled() {
     let p = pair(SockType::SeqPacket);
     let buf = MemoryRegion::alloc(&p.a, 4 * 1000).unwrap();
     for i in 0..4 {
-        p.client.recv(&p.eq_a, &buf.slice(i * 1000..(i + 1) * 1000), MsgFlags::NONE, i as u64).unwrap();
+        p.client
+            .recv(
+                &p.eq_a,
+                &buf.slice(i * 1000..(i + 1) * 1000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
     }
     let out = p.client_region(pattern(3000, 1));
     for i in 0..3 {
-        p.client.send(&p.eq_a, &out.slice(i * 1000..(i + 1) * 1000), MsgFlags::NONE, 10 + i as u64).unwrap();
+        p.client
+            .send(
+                &p.eq_a,
+                &out.slice(i * 1000..(i + 1) * 1000),
+                MsgFlags::NONE,
+                10 + i as u64,
+            )
+            .unwrap();
     }
     p.client.close().unwrap();
     let evs = p.eq_a.wait_all(None).unwrap();
     assert_eq!(evs.len(), 7);
-    assert!(evs.iter().all(|e| e.status == Err(OpError::Cancelled)), "{evs:?}");
-    assert!(evs.iter().all(|e| e.status.as_ref().unwrap_err().blame() == Blame::Local));
+    assert!(
+        evs.iter().all(|e| e.status == Err(OpError::Cancelled)),
+        "{evs:?}"
+    );
+    assert!(evs
+        .iter()
+        .all(|e| e.status.as_ref().unwrap_err().blame() == Blame::Local));
     // An event means the operation's buffer is free: no lease or remote key survives it.
     assert_eq!((buf.leases(), out.leases()), (0, 0));
     out.write(0, b"reusable").unwrap();
@@ -167,17 +202,26 @@ fn close_completes_every_pending_operation_as_cancelled() {
 fn peer_close_gives_end_of_stream_and_fails_unread_sends() {
     let p = pair(SockType::SeqPacket);
     let buf = p.server_region(100);
-    p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+        .unwrap();
     let out = MemoryRegion::from_vec(&p.b, pattern(5000, 1)).unwrap();
-    p.server.send(&p.eq_b, &out.all(), MsgFlags::NONE, 2).unwrap();
+    p.server
+        .send(&p.eq_b, &out.all(), MsgFlags::NONE, 2)
+        .unwrap();
     p.world.run_until_idle(100_000);
     p.client.close().unwrap();
     let evs = p.eq_b.wait_all(None).unwrap();
     let recv = evs.iter().find(|e| e.kind == EventKind::Recv).unwrap();
-    assert_eq!((&recv.status, recv.bytes, recv.flags.eof), (&Ok(()), 0, true));
+    assert_eq!(
+        (&recv.status, recv.bytes, recv.flags.eof),
+        (&Ok(()), 0, true)
+    );
     let send = evs.iter().find(|e| e.kind == EventKind::Send).unwrap();
     assert_eq!(send.status, Err(OpError::PeerClosed));
-    p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 3).unwrap();
+    p.server
+        .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 3)
+        .unwrap();
     let later = wait(&p.eq_b);
     assert!(later.flags.eof && later.is_ok());
     match p.server.send(&p.eq_b, &out.all(), MsgFlags::NONE, 4) {
@@ -204,10 +248,16 @@ fn broken_connection_fails_pending_operations_on_both_sides() {
     let p = pair(SockType::SeqPacket);
     let dst = p.server_region(1 << 20);
     let src = p.client_region(pattern(1 << 20, 1));
-    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
     let extra = p.server_region(10);
-    p.server.recv(&p.eq_b, &extra.all(), MsgFlags::NONE, 2).unwrap();
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 3).unwrap();
+    p.server
+        .recv(&p.eq_b, &extra.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 3)
+        .unwrap();
     // Let the advert arrive and the read start, then break the link before the read is answered.
     while p.server.stats().unwrap().link.reads == 0 {
         assert!(p.world.drive());
@@ -215,22 +265,39 @@ fn broken_connection_fails_pending_operations_on_both_sides() {
     p.world.break_connections(0);
     let a = p.eq_a.wait_all(None).unwrap();
     let b = p.eq_b.wait_all(None).unwrap();
-    assert!(a.iter().all(|e| e.status == Err(OpError::ConnectionReset)), "{a:?}");
-    assert!(b.iter().all(|e| e.status == Err(OpError::ConnectionReset)), "{b:?}");
+    assert!(
+        a.iter().all(|e| e.status == Err(OpError::ConnectionReset)),
+        "{a:?}"
+    );
+    assert!(
+        b.iter().all(|e| e.status == Err(OpError::ConnectionReset)),
+        "{b:?}"
+    );
     assert_eq!(b.len(), 2);
     assert_eq!((src.leases(), dst.leases(), extra.leases()), (0, 0, 0));
-    assert_eq!(p.world.live_keys(), 0, "no remote key survives a dead connection");
+    assert_eq!(
+        p.world.live_keys(),
+        0,
+        "no remote key survives a dead connection"
+    );
 }
 
 /// A peer process killed mid-transfer: every pending operation completes with an error within the detection
 /// delay, and the listener keeps accepting.
 #[test]
 fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
-    let world = World::new(SimConfig { detect_delay: Duration::from_millis(5), ..SimConfig::default() });
+    let world = World::new(SimConfig {
+        detect_delay: Duration::from_millis(5),
+        ..SimConfig::default()
+    });
     let server_ctx = world.host();
     let client_ctx = world.host();
     let other_ctx = world.host();
-    let (eq_s, eq_c, eq_o) = (EventQueue::new(64), EventQueue::new(64), EventQueue::new(64));
+    let (eq_s, eq_c, eq_o) = (
+        EventQueue::new(64),
+        EventQueue::new(64),
+        EventQueue::new(64),
+    );
     let l = Socket::new(&server_ctx, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 80)).unwrap();
     let addr = l.listen(8).unwrap();
@@ -241,7 +308,13 @@ fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
     let s = wait(&eq_s).accepted.unwrap();
     let buf = MemoryRegion::alloc(&server_ctx, 1 << 16).unwrap();
     for i in 0..4u64 {
-        s.recv(&eq_s, &buf.slice(i as usize * 100..(i as usize + 1) * 100), MsgFlags::NONE, i).unwrap();
+        s.recv(
+            &eq_s,
+            &buf.slice(i as usize * 100..(i as usize + 1) * 100),
+            MsgFlags::NONE,
+            i,
+        )
+        .unwrap();
     }
     let out = MemoryRegion::alloc(&server_ctx, 1 << 16).unwrap();
     s.send(&eq_s, &out.all(), MsgFlags::NONE, 9).unwrap();
@@ -250,8 +323,16 @@ fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
     world.kill(1);
     let evs = eq_s.wait_all(None).unwrap();
     assert_eq!(evs.len(), 5);
-    assert!(evs.iter().all(|e| e.status == Err(OpError::ConnectionReset)), "{evs:?}");
-    assert!(world.elapsed() - before <= Duration::from_millis(6), "detected in {:?}", world.elapsed() - before);
+    assert!(
+        evs.iter()
+            .all(|e| e.status == Err(OpError::ConnectionReset)),
+        "{evs:?}"
+    );
+    assert!(
+        world.elapsed() - before <= Duration::from_millis(6),
+        "detected in {:?}",
+        world.elapsed() - before
+    );
     assert_eq!((buf.leases(), out.leases()), (0, 0));
     // The listener still accepts.
     l.accept(&eq_s, 1).unwrap();
@@ -267,7 +348,9 @@ fn silent_peer_is_detected_by_the_next_work_request() {
     let p = pair(SockType::SeqPacket);
     let src = p.client_region(pattern(100, 1));
     p.world.silence(1);
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
     let ev = wait(&p.eq_a);
     assert_eq!(ev.status, Err(OpError::ConnectionReset));
 }
@@ -276,7 +359,9 @@ fn silent_peer_is_detected_by_the_next_work_request() {
 fn dropping_every_handle_closes_the_socket() {
     let p = pair(SockType::SeqPacket);
     let buf = p.server_region(10);
-    p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+        .unwrap();
     drop(p.client);
     let ev = wait(&p.eq_b);
     assert!(ev.flags.eof, "{ev:?}");
@@ -322,13 +407,30 @@ fn one_way_messages_are_acknowledged_without_delay() {
     let src = p.client_region(pattern(10_000, 1));
     let dst = p.server_region(10_000);
     for i in 0..100 {
-        p.server.recv(&p.eq_b, &dst.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(
+                &p.eq_b,
+                &dst.slice(i * 100..(i + 1) * 100),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
     }
     let start = p.world.elapsed();
     for i in 0..100 {
-        p.client.send(&p.eq_a, &src.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64).unwrap();
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 100..(i + 1) * 100),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
         assert!(wait(&p.eq_a).is_ok());
     }
     let per_message = (p.world.elapsed() - start) / 100;
-    assert!(per_message < Duration::from_micros(100), "{per_message:?} per message (the delay is 200 us)");
+    assert!(
+        per_message < Duration::from_micros(100),
+        "{per_message:?} per message (the delay is 200 us)"
+    );
 }

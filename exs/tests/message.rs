@@ -10,8 +10,16 @@ fn assert_delivered(len: usize, cap: usize) {
     let p = pair(SockType::SeqPacket);
     let data = pattern(len, len as u64);
     let (s, r, got) = p.transfer(&data, cap);
-    assert_eq!((s.kind, &s.status, s.bytes), (EventKind::Send, &Ok(()), len), "send event");
-    assert_eq!((r.kind, &r.status, r.bytes), (EventKind::Recv, &Ok(()), len), "recv event");
+    assert_eq!(
+        (s.kind, &s.status, s.bytes),
+        (EventKind::Send, &Ok(()), len),
+        "send event"
+    );
+    assert_eq!(
+        (r.kind, &r.status, r.bytes),
+        (EventKind::Recv, &Ok(()), len),
+        "recv event"
+    );
     assert!(!r.flags.truncated && !r.flags.eof);
     assert_bytes_eq(&got, &data, "content");
     assert_eq!(p.world.stats().rnr, 0);
@@ -65,15 +73,27 @@ fn immediate_threshold_at_and_around_the_boundary() {
         let cs = p.client.stats().unwrap();
         let ss = p.server.stats().unwrap();
         assert_eq!(cs.message.immediate_sent, u64::from(immediate), "len {len}");
-        assert_eq!(ss.link.reads, u64::from(!immediate), "len {len}: reads at the receiver");
+        assert_eq!(
+            ss.link.reads,
+            u64::from(!immediate),
+            "len {len}: reads at the receiver"
+        );
     }
 }
 
 #[test]
 fn immediate_threshold_follows_the_option() {
     for small in [0u32, 64, 4096] {
-        let p = pair_with(SockType::SeqPacket, SimConfig::default(), &[SocketOption::SmallPacketMaxSize(small)]);
-        for len in [small.saturating_sub(1) as usize, small as usize, small as usize + 1] {
+        let p = pair_with(
+            SockType::SeqPacket,
+            SimConfig::default(),
+            &[SocketOption::SmallPacketMaxSize(small)],
+        );
+        for len in [
+            small.saturating_sub(1) as usize,
+            small as usize,
+            small as usize + 1,
+        ] {
             let data = pattern(len, 3);
             let (_, r, got) = p.transfer(&data, 8192);
             assert_eq!(r.bytes, len);
@@ -81,7 +101,10 @@ fn immediate_threshold_follows_the_option() {
         }
         let st = p.client.stats().unwrap();
         // len = small-1 (0 when small is 0) and len = small are immediate; small+1 is not.
-        assert_eq!(st.message.immediate_sent, 2, "small_packet_max_size {small}");
+        assert_eq!(
+            st.message.immediate_sent, 2,
+            "small_packet_max_size {small}"
+        );
     }
 }
 
@@ -106,26 +129,57 @@ fn immediate_threshold_is_clamped_to_the_peer_buffers() {
 /// acknowledgments return credits.
 #[test]
 fn credit_exhaustion_queues_sends_and_recovers() {
-    let p = pair_with(SockType::SeqPacket, SimConfig::default(), &[SocketOption::SendCredits(2), SocketOption::RecvCredits(2)]);
+    let p = pair_with(
+        SockType::SeqPacket,
+        SimConfig::default(),
+        &[SocketOption::SendCredits(2), SocketOption::RecvCredits(2)],
+    );
     let n = 10;
     let src = p.client_region(pattern(n * 2000, 1));
     for i in 0..n {
-        p.client.send(&p.eq_a, &src.slice(i * 2000..(i + 1) * 2000), MsgFlags::NONE, i as u64).unwrap();
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 2000..(i + 1) * 2000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
     }
     p.world.run_until_idle(10_000);
     let st = p.client.stats().unwrap();
     assert_eq!(st.message.adverts_sent, 2, "only two credits: two adverts");
     assert!(st.message.credit_waits > 0);
-    assert_eq!(p.eq_a.len(), 0, "no send completes before the receiver reads");
+    assert_eq!(
+        p.eq_a.len(),
+        0,
+        "no send completes before the receiver reads"
+    );
     let dst = p.server_region(n * 2000);
     for i in 0..n {
-        p.server.recv(&p.eq_b, &dst.slice(i * 2000..(i + 1) * 2000), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(
+                &p.eq_b,
+                &dst.slice(i * 2000..(i + 1) * 2000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
     }
     let recvs = p.eq_b.wait_all(None).unwrap();
     let sends = p.eq_a.wait_all(None).unwrap();
-    assert_eq!(recvs.iter().map(|e| e.context).collect::<Vec<_>>(), (0..n as u64).collect::<Vec<_>>());
-    assert_eq!(sends.iter().map(|e| e.context).collect::<Vec<_>>(), (0..n as u64).collect::<Vec<_>>());
-    assert!(recvs.iter().chain(&sends).all(|e| e.is_ok() && e.bytes == 2000));
+    assert_eq!(
+        recvs.iter().map(|e| e.context).collect::<Vec<_>>(),
+        (0..n as u64).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        sends.iter().map(|e| e.context).collect::<Vec<_>>(),
+        (0..n as u64).collect::<Vec<_>>()
+    );
+    assert!(recvs
+        .iter()
+        .chain(&sends)
+        .all(|e| e.is_ok() && e.bytes == 2000));
     assert_bytes_eq(&dst.to_vec().unwrap(), &src.to_vec().unwrap(), "dst");
     assert_eq!(p.client.stats().unwrap().message.adverts_sent, n as u64);
 }
@@ -141,7 +195,14 @@ fn credits_negotiate_to_the_minimum_of_both_sides() {
     );
     let src = p.client_region(pattern(8 * 100, 2));
     for i in 0..8 {
-        p.client.send(&p.eq_a, &src.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64).unwrap();
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 100..(i + 1) * 100),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
     }
     p.world.run_until_idle(10_000);
     assert_eq!(p.client.stats().unwrap().message.adverts_sent, 3);
@@ -149,30 +210,55 @@ fn credits_negotiate_to_the_minimum_of_both_sides() {
 
 #[test]
 fn sixty_four_outstanding_sends_and_recvs_complete_in_order() {
-    let p = pair_with(SockType::SeqPacket, SimConfig::default(), &[SocketOption::SendCredits(64), SocketOption::RecvCredits(64)]);
-    let sizes: Vec<usize> = (0..64).map(|i| [0, 1, 100, 512, 513, 4096, 70_000][i % 7]).collect();
+    let p = pair_with(
+        SockType::SeqPacket,
+        SimConfig::default(),
+        &[SocketOption::SendCredits(64), SocketOption::RecvCredits(64)],
+    );
+    let sizes: Vec<usize> = (0..64)
+        .map(|i| [0, 1, 100, 512, 513, 4096, 70_000][i % 7])
+        .collect();
     let total: usize = sizes.iter().sum();
     let src = p.client_region(pattern(total, 5));
     let dst = p.server_region(64 * 70_000);
     for i in 0..64 {
-        p.server.recv(&p.eq_b, &dst.slice(i * 70_000..(i + 1) * 70_000), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(
+                &p.eq_b,
+                &dst.slice(i * 70_000..(i + 1) * 70_000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
     }
     let mut off = 0;
     for (i, &n) in sizes.iter().enumerate() {
-        p.client.send(&p.eq_a, &src.slice(off..off + n), MsgFlags::NONE, i as u64).unwrap();
+        p.client
+            .send(&p.eq_a, &src.slice(off..off + n), MsgFlags::NONE, i as u64)
+            .unwrap();
         off += n;
     }
     let recvs = p.eq_b.wait_all(None).unwrap();
     let sends = p.eq_a.wait_all(None).unwrap();
     assert_eq!(recvs.len(), 64);
-    assert_eq!(recvs.iter().map(|e| e.context).collect::<Vec<_>>(), (0..64).collect::<Vec<_>>());
-    assert_eq!(sends.iter().map(|e| e.context).collect::<Vec<_>>(), (0..64).collect::<Vec<_>>());
+    assert_eq!(
+        recvs.iter().map(|e| e.context).collect::<Vec<_>>(),
+        (0..64).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        sends.iter().map(|e| e.context).collect::<Vec<_>>(),
+        (0..64).collect::<Vec<_>>()
+    );
     let all = src.to_vec().unwrap();
     let got = dst.to_vec().unwrap();
     let mut off = 0;
     for (i, &n) in sizes.iter().enumerate() {
         assert_eq!(recvs[i].bytes, n);
-        assert_bytes_eq(&got[i * 70_000..i * 70_000 + n], &all[off..off + n], "message");
+        assert_bytes_eq(
+            &got[i * 70_000..i * 70_000 + n],
+            &all[off..off + n],
+            "message",
+        );
         off += n;
     }
 }
@@ -186,7 +272,10 @@ fn long_message_into_short_buffer_is_truncated_and_flagged() {
         let data = pattern(len, 11);
         let (s, r, got) = p.transfer(&data, 100);
         assert_eq!((&s.status, s.bytes), (&Ok(()), len));
-        assert_eq!((&r.status, r.bytes, r.flags.truncated), (&Ok(()), 100, true));
+        assert_eq!(
+            (&r.status, r.bytes, r.flags.truncated),
+            (&Ok(()), 100, true)
+        );
         assert_bytes_eq(&got, &data[..100], "truncated prefix");
         assert_eq!(p.server.stats().unwrap().message.truncated, 1);
     }
@@ -208,8 +297,12 @@ fn zero_length_receive_buffer_takes_a_message_truncated() {
     let p = pair(SockType::SeqPacket);
     let src = p.client_region(pattern(50, 1));
     let dst = p.server_region(16);
-    p.server.recv(&p.eq_b, &dst.slice(0..0), MsgFlags::NONE, 1).unwrap();
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.slice(0..0), MsgFlags::NONE, 1)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
     let r = wait(&p.eq_b);
     assert_eq!((r.bytes, r.flags.truncated), (0, true));
     assert!(wait(&p.eq_a).is_ok());
@@ -224,13 +317,47 @@ fn messages_flow_both_ways_at_once() {
     let b_dst = p.server_region(10 * 3000);
     for i in 0..10 {
         let r = i * 3000..(i + 1) * 3000;
-        p.server.recv(&p.eq_b, &b_dst.slice(r.clone()), MsgFlags::NONE, 100 + i as u64).unwrap();
-        p.client.recv(&p.eq_a, &a_dst.slice(r.clone()), MsgFlags::NONE, 100 + i as u64).unwrap();
-        p.client.send(&p.eq_a, &a_src.slice(r.clone()), MsgFlags::NONE, i as u64).unwrap();
-        p.server.send(&p.eq_b, &b_src.slice(r), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(
+                &p.eq_b,
+                &b_dst.slice(r.clone()),
+                MsgFlags::NONE,
+                100 + i as u64,
+            )
+            .unwrap();
+        p.client
+            .recv(
+                &p.eq_a,
+                &a_dst.slice(r.clone()),
+                MsgFlags::NONE,
+                100 + i as u64,
+            )
+            .unwrap();
+        p.client
+            .send(&p.eq_a, &a_src.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .unwrap();
+        p.server
+            .send(&p.eq_b, &b_src.slice(r), MsgFlags::NONE, i as u64)
+            .unwrap();
     }
-    assert_eq!(p.eq_a.wait_all(None).unwrap().iter().filter(|e| e.is_ok()).count(), 20);
-    assert_eq!(p.eq_b.wait_all(None).unwrap().iter().filter(|e| e.is_ok()).count(), 20);
+    assert_eq!(
+        p.eq_a
+            .wait_all(None)
+            .unwrap()
+            .iter()
+            .filter(|e| e.is_ok())
+            .count(),
+        20
+    );
+    assert_eq!(
+        p.eq_b
+            .wait_all(None)
+            .unwrap()
+            .iter()
+            .filter(|e| e.is_ok())
+            .count(),
+        20
+    );
     assert_bytes_eq(&b_dst.to_vec().unwrap(), &a_src.to_vec().unwrap(), "b_dst");
     assert_bytes_eq(&a_dst.to_vec().unwrap(), &b_src.to_vec().unwrap(), "a_dst");
 }
@@ -245,10 +372,14 @@ fn acknowledgments_piggyback_on_reverse_traffic() {
     let b_in = p.server_region(100);
     // A ping-pong: each side's reply advert carries the acknowledgment of the message it answers.
     for i in 0..20 {
-        p.server.recv(&p.eq_b, &b_in.all(), MsgFlags::NONE, i).unwrap();
+        p.server
+            .recv(&p.eq_b, &b_in.all(), MsgFlags::NONE, i)
+            .unwrap();
         p.client.send(&p.eq_a, &a.all(), MsgFlags::NONE, i).unwrap();
         assert_eq!(wait(&p.eq_b).kind, EventKind::Recv);
-        p.client.recv(&p.eq_a, &a_in.all(), MsgFlags::NONE, i).unwrap();
+        p.client
+            .recv(&p.eq_a, &a_in.all(), MsgFlags::NONE, i)
+            .unwrap();
         p.server.send(&p.eq_b, &b.all(), MsgFlags::NONE, i).unwrap();
         p.eq_a.wait_all(None).unwrap();
         p.eq_b.wait_all(None).unwrap();
@@ -256,7 +387,11 @@ fn acknowledgments_piggyback_on_reverse_traffic() {
     let st = p.server.stats().unwrap();
     // 20 adverts, and fewer explicit ACK-only messages than messages acknowledged.
     assert_eq!(st.message.adverts_sent, 20);
-    assert!(st.link.ctrl_sent < 40, "server sent {} control messages for 20 replies", st.link.ctrl_sent);
+    assert!(
+        st.link.ctrl_sent < 40,
+        "server sent {} control messages for 20 replies",
+        st.link.ctrl_sent
+    );
 }
 
 /// Reads larger than the transport's largest message are split, and the pieces land in order.
@@ -279,12 +414,30 @@ fn tiny_send_queue_and_read_depth_still_deliver_everything() {
     cfg.caps.max_send_wr = 4;
     cfg.caps.max_read_depth = 1;
     cfg.caps.max_message = 1000;
-    let p = pair_with(SockType::SeqPacket, cfg, &[SocketOption::SendCredits(32), SocketOption::RecvCredits(32)]);
+    let p = pair_with(
+        SockType::SeqPacket,
+        cfg,
+        &[SocketOption::SendCredits(32), SocketOption::RecvCredits(32)],
+    );
     let src = p.client_region(pattern(64 * 3000, 8));
     let dst = p.server_region(64 * 3000);
     for i in 0..64 {
-        p.server.recv(&p.eq_b, &dst.slice(i * 3000..(i + 1) * 3000), MsgFlags::NONE, i as u64).unwrap();
-        p.client.send(&p.eq_a, &src.slice(i * 3000..(i + 1) * 3000), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(
+                &p.eq_b,
+                &dst.slice(i * 3000..(i + 1) * 3000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 3000..(i + 1) * 3000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
     }
     assert!(p.eq_b.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
     assert!(p.eq_a.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
@@ -294,7 +447,10 @@ fn tiny_send_queue_and_read_depth_still_deliver_everything() {
 /// Offset-addressed providers (libfabric with mr_mode without FI_MR_VIRT_ADDR) address remote memory from 0.
 #[test]
 fn offset_addressing_transport_works() {
-    let cfg = SimConfig { offset_addressing: true, ..SimConfig::default() };
+    let cfg = SimConfig {
+        offset_addressing: true,
+        ..SimConfig::default()
+    };
     let p = pair_with(SockType::SeqPacket, cfg, &[]);
     let data = pattern(50_000, 12);
     let (_, r, got) = p.transfer(&data, 50_000);
@@ -306,8 +462,15 @@ fn offset_addressing_transport_works() {
 /// fatal, a long one-way burst and a two-way exchange finish with no RNR.
 #[test]
 fn smallest_control_window_never_overruns_the_peer() {
-    let cfg = SimConfig { rnr: RnrPolicy::Fail, ..SimConfig::default() };
-    let opts = [SocketOption::ControlWindow(4), SocketOption::SendCredits(8), SocketOption::RecvCredits(8)];
+    let cfg = SimConfig {
+        rnr: RnrPolicy::Fail,
+        ..SimConfig::default()
+    };
+    let opts = [
+        SocketOption::ControlWindow(4),
+        SocketOption::SendCredits(8),
+        SocketOption::RecvCredits(8),
+    ];
     let p = pair_with(SockType::SeqPacket, cfg, &opts);
     let src = p.client_region(pattern(200 * 64, 1));
     let back = MemoryRegion::from_vec(&p.b, pattern(200 * 64, 2)).unwrap();
@@ -315,17 +478,37 @@ fn smallest_control_window_never_overruns_the_peer() {
     let back_dst = MemoryRegion::alloc(&p.a, 200 * 64).unwrap();
     for i in 0..200 {
         let r = i * 64..(i + 1) * 64;
-        p.server.recv(&p.eq_b, &dst.slice(r.clone()), MsgFlags::NONE, i as u64).unwrap();
-        p.client.recv(&p.eq_a, &back_dst.slice(r.clone()), MsgFlags::NONE, i as u64).unwrap();
-        p.client.send(&p.eq_a, &src.slice(r.clone()), MsgFlags::NONE, i as u64).unwrap();
-        p.server.send(&p.eq_b, &back.slice(r), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(&p.eq_b, &dst.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .unwrap();
+        p.client
+            .recv(
+                &p.eq_a,
+                &back_dst.slice(r.clone()),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
+        p.client
+            .send(&p.eq_a, &src.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .unwrap();
+        p.server
+            .send(&p.eq_b, &back.slice(r), MsgFlags::NONE, i as u64)
+            .unwrap();
     }
     assert!(p.eq_a.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
     assert!(p.eq_b.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
     assert_eq!(p.world.stats().rnr, 0);
     assert_bytes_eq(&dst.to_vec().unwrap(), &src.to_vec().unwrap(), "dst");
-    assert_bytes_eq(&back_dst.to_vec().unwrap(), &back.to_vec().unwrap(), "back_dst");
-    assert!(p.client.stats().unwrap().link.credit_stalls > 0, "the window was the bottleneck");
+    assert_bytes_eq(
+        &back_dst.to_vec().unwrap(),
+        &back.to_vec().unwrap(),
+        "back_dst",
+    );
+    assert!(
+        p.client.stats().unwrap().link.credit_stalls > 0,
+        "the window was the bottleneck"
+    );
 }
 
 /// Libfabric providers whose write-with-immediate does not consume a receive (no FI_RX_CQ_DATA) are fine too.
@@ -344,7 +527,11 @@ fn transports_where_immediate_writes_do_not_consume_receives() {
 #[test]
 fn many_connections_interleave_under_seeded_jitter() {
     for seed in 1..=8 {
-        let cfg = SimConfig { seed, jitter: std::time::Duration::from_micros(50), ..SimConfig::default() };
+        let cfg = SimConfig {
+            seed,
+            jitter: std::time::Duration::from_micros(50),
+            ..SimConfig::default()
+        };
         let world = exs::sim::World::new(cfg);
         let a = world.host();
         let b = world.host();
@@ -360,14 +547,22 @@ fn many_connections_interleave_under_seeded_jitter() {
             s.connect(addr, &eq_a, c).unwrap();
             clients.push(s);
         }
-        let mut accepted: Vec<exs::Socket> = eq_b.wait_all(None).unwrap().into_iter().map(|e| e.accepted.unwrap()).collect();
+        let mut accepted: Vec<exs::Socket> = eq_b
+            .wait_all(None)
+            .unwrap()
+            .into_iter()
+            .map(|e| e.accepted.unwrap())
+            .collect();
         assert!(eq_a.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
         // Jitter reorders the connection requests: pair each client with the server socket whose peer it is.
         let servers: Vec<exs::Socket> = clients
             .iter()
             .map(|c| {
                 let me = c.local_addr().unwrap();
-                let i = accepted.iter().position(|s| s.peer_addr().unwrap() == me).expect("accepted");
+                let i = accepted
+                    .iter()
+                    .position(|s| s.peer_addr().unwrap() == me)
+                    .expect("accepted");
                 accepted.remove(i)
             })
             .collect();
@@ -376,8 +571,20 @@ fn many_connections_interleave_under_seeded_jitter() {
         for (ci, (c, s)) in clients.iter().zip(&servers).enumerate() {
             for m in 0..20 {
                 let off = (ci * 20 + m) * 1500;
-                s.recv(&eq_b, &dst.slice(off..off + 1500), MsgFlags::NONE, off as u64).unwrap();
-                c.send(&eq_a, &src.slice(off..off + 1500), MsgFlags::NONE, off as u64).unwrap();
+                s.recv(
+                    &eq_b,
+                    &dst.slice(off..off + 1500),
+                    MsgFlags::NONE,
+                    off as u64,
+                )
+                .unwrap();
+                c.send(
+                    &eq_a,
+                    &src.slice(off..off + 1500),
+                    MsgFlags::NONE,
+                    off as u64,
+                )
+                .unwrap();
             }
         }
         let evs = eq_b.wait_all(None).unwrap();
@@ -406,11 +613,22 @@ fn threaded_world_moves_messages() {
     let src = MemoryRegion::from_vec(&a, pattern(100 * 10_000, 1)).unwrap();
     let dst = MemoryRegion::alloc(&b, 100 * 10_000).unwrap();
     for i in 0..100 {
-        s.recv(&eq_b, &dst.slice(i * 10_000..(i + 1) * 10_000), MsgFlags::NONE, i as u64).unwrap();
+        s.recv(
+            &eq_b,
+            &dst.slice(i * 10_000..(i + 1) * 10_000),
+            MsgFlags::NONE,
+            i as u64,
+        )
+        .unwrap();
     }
     for i in 0..100 {
         loop {
-            match c.send(&eq_a, &src.slice(i * 10_000..(i + 1) * 10_000), MsgFlags::NONE, i as u64) {
+            match c.send(
+                &eq_a,
+                &src.slice(i * 10_000..(i + 1) * 10_000),
+                MsgFlags::NONE,
+                i as u64,
+            ) {
                 Ok(()) => break,
                 Err(exs::SendError::Queue(_)) => {
                     wait(&eq_a);
@@ -419,10 +637,13 @@ fn threaded_world_moves_messages() {
             }
         }
     }
-    let evs = eq_b.wait_all(Some(std::time::Duration::from_secs(30))).unwrap();
+    let evs = eq_b
+        .wait_all(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
     assert_eq!(evs.len(), 100);
     assert!(evs.iter().all(|e| e.is_ok()));
-    eq_a.wait_all(Some(std::time::Duration::from_secs(30))).unwrap();
+    eq_a.wait_all(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
     assert_bytes_eq(&dst.to_vec().unwrap(), &src.to_vec().unwrap(), "dst");
 }
 
@@ -432,11 +653,19 @@ fn threaded_world_moves_messages() {
 fn immediate_message_arriving_before_the_receive_completes_when_it_is_posted() {
     let p = pair(SockType::SeqPacket);
     let src = p.client_region(pattern(10, 1));
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
     p.world.run_until_idle(1000);
-    assert_eq!(p.server.stats().unwrap().message.adverts_received, 1, "the advert is waiting at the receiver");
+    assert_eq!(
+        p.server.stats().unwrap().message.adverts_received,
+        1,
+        "the advert is waiting at the receiver"
+    );
     let dst = p.server_region(10);
-    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
     let r = wait(&p.eq_b);
     assert_eq!((r.bytes, &r.status), (10, &Ok(())));
     assert!(wait(&p.eq_a).is_ok());
@@ -447,12 +676,20 @@ fn immediate_message_arriving_before_the_receive_completes_when_it_is_posted() {
 /// needs no read; when its advert came before the receive, the receive must still complete.
 #[test]
 fn advert_arriving_before_a_zero_length_receive_completes_it_truncated() {
-    let p = pair_with(SockType::SeqPacket, SimConfig::default(), &[SocketOption::SmallPacketMaxSize(0)]);
+    let p = pair_with(
+        SockType::SeqPacket,
+        SimConfig::default(),
+        &[SocketOption::SmallPacketMaxSize(0)],
+    );
     let src = p.client_region(pattern(2048, 1));
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
     p.world.run_until_idle(1000);
     let dst = p.server_region(10);
-    p.server.recv(&p.eq_b, &dst.slice(0..0), MsgFlags::NONE, 2).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.slice(0..0), MsgFlags::NONE, 2)
+        .unwrap();
     let r = wait(&p.eq_b);
     assert_eq!((r.bytes, r.flags.truncated, &r.status), (0, true, &Ok(())));
     assert!(wait(&p.eq_a).is_ok());

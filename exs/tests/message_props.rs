@@ -41,23 +41,41 @@ fn case() -> impl Strategy<Value = Case> {
         1u32..8,
         (any::<bool>(), any::<bool>()),
     )
-        .prop_map(|(seed, msgs, send_credits, recv_credits, window, small, max_message, max_send_wr, read_depth, (recvs_first, settle))| Case {
-            seed,
-            msgs,
-            send_credits,
-            recv_credits,
-            window,
-            small,
-            max_message,
-            max_send_wr,
-            read_depth,
-            recvs_first,
-            settle,
-        })
+        .prop_map(
+            |(
+                seed,
+                msgs,
+                send_credits,
+                recv_credits,
+                window,
+                small,
+                max_message,
+                max_send_wr,
+                read_depth,
+                (recvs_first, settle),
+            )| Case {
+                seed,
+                msgs,
+                send_credits,
+                recv_credits,
+                window,
+                small,
+                max_message,
+                max_send_wr,
+                read_depth,
+                recvs_first,
+                settle,
+            },
+        )
 }
 
 fn run(c: &Case) {
-    let mut cfg = SimConfig { seed: c.seed, rnr: RnrPolicy::Fail, jitter: Duration::from_micros(20), ..SimConfig::default() };
+    let mut cfg = SimConfig {
+        seed: c.seed,
+        rnr: RnrPolicy::Fail,
+        jitter: Duration::from_micros(20),
+        ..SimConfig::default()
+    };
     cfg.caps.max_message = c.max_message;
     cfg.caps.max_send_wr = c.max_send_wr;
     cfg.caps.max_read_depth = c.read_depth;
@@ -75,7 +93,14 @@ fn run(c: &Case) {
     let post_recvs = || {
         let mut off = 0;
         for (i, &(_, cap)) in c.msgs.iter().enumerate() {
-            p.server.recv(&p.eq_b, &dst.slice(off..off + cap), MsgFlags::NONE, i as u64).unwrap();
+            p.server
+                .recv(
+                    &p.eq_b,
+                    &dst.slice(off..off + cap),
+                    MsgFlags::NONE,
+                    i as u64,
+                )
+                .unwrap();
             off += cap;
         }
     };
@@ -84,7 +109,14 @@ fn run(c: &Case) {
     }
     let mut off = 0;
     for (i, &(len, _)) in c.msgs.iter().enumerate() {
-        p.client.send(&p.eq_a, &src.slice(off..off + len), MsgFlags::NONE, i as u64).unwrap();
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(off..off + len),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
         off += len;
     }
     if !c.recvs_first {
@@ -96,8 +128,14 @@ fn run(c: &Case) {
     let recvs = p.eq_b.wait_all(None).expect("no deadlock on the receiver");
     let sends = p.eq_a.wait_all(None).expect("no deadlock on the sender");
     assert_eq!(p.world.stats().rnr, 0, "a receive queue was overrun");
-    assert_eq!(recvs.iter().map(|e| e.context).collect::<Vec<_>>(), (0..c.msgs.len() as u64).collect::<Vec<_>>());
-    assert_eq!(sends.iter().map(|e| e.context).collect::<Vec<_>>(), (0..c.msgs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(
+        recvs.iter().map(|e| e.context).collect::<Vec<_>>(),
+        (0..c.msgs.len() as u64).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        sends.iter().map(|e| e.context).collect::<Vec<_>>(),
+        (0..c.msgs.len() as u64).collect::<Vec<_>>()
+    );
     let all_src = src.to_vec().unwrap();
     let all_dst = dst.to_vec().unwrap();
     let (mut so, mut d) = (0, 0);
@@ -106,7 +144,11 @@ fn run(c: &Case) {
         assert_eq!(sends[i].status, Ok(()));
         assert_eq!(sends[i].bytes, len);
         assert_eq!(recvs[i].status, Ok(()));
-        assert_eq!((recvs[i].bytes, recvs[i].flags.truncated), (n, len > cap), "message {i}");
+        assert_eq!(
+            (recvs[i].bytes, recvs[i].flags.truncated),
+            (n, len > cap),
+            "message {i}"
+        );
         assert_bytes_eq(&all_dst[d..d + n], &all_src[so..so + n], "message content");
         so += len;
         d += cap;

@@ -8,8 +8,9 @@ use std::io;
 use common::*;
 use exs::sim::{SimConfig, World};
 use exs::{
-    AcceptError, Blame, BufferError, CloseError, ConnectError, EventQueue, MemoryError, MemoryRegion, MsgFlags,
-    OptionError, RecvError, SendError, SockType, Socket, SocketError, SocketOption, StateError,
+    AcceptError, Blame, BufferError, CloseError, ConnectError, EventQueue, MemoryError,
+    MemoryRegion, MsgFlags, OptionError, RecvError, SendError, SockType, Socket, SocketError,
+    SocketOption, StateError,
 };
 
 fn io_kind(e: impl Into<io::Error>) -> io::ErrorKind {
@@ -39,29 +40,68 @@ fn operations_on_a_closed_socket_are_invalid() {
     let p = pair(SockType::SeqPacket);
     let buf = p.client_region(vec![1; 10]);
     p.client.close().unwrap();
-    assert_eq!(p.client.recv(&p.eq_a, &buf.all(), MsgFlags::NONE, 1).unwrap_err(), RecvError::State(StateError::InvalidSocket));
-    assert_eq!(p.client.send(&p.eq_a, &buf.all(), MsgFlags::NONE, 1).unwrap_err(), SendError::State(StateError::InvalidSocket));
-    assert_eq!(io_kind(p.client.send(&p.eq_a, &buf.all(), MsgFlags::NONE, 1).unwrap_err()), io::ErrorKind::InvalidInput);
-    assert_eq!(p.client.set_option(SocketOption::Backlog(3)).unwrap_err(), OptionError::State(StateError::InvalidSocket));
-    assert_eq!(p.client.local_addr().unwrap_err(), StateError::InvalidSocket);
+    assert_eq!(
+        p.client
+            .recv(&p.eq_a, &buf.all(), MsgFlags::NONE, 1)
+            .unwrap_err(),
+        RecvError::State(StateError::InvalidSocket)
+    );
+    assert_eq!(
+        p.client
+            .send(&p.eq_a, &buf.all(), MsgFlags::NONE, 1)
+            .unwrap_err(),
+        SendError::State(StateError::InvalidSocket)
+    );
+    assert_eq!(
+        io_kind(
+            p.client
+                .send(&p.eq_a, &buf.all(), MsgFlags::NONE, 1)
+                .unwrap_err()
+        ),
+        io::ErrorKind::InvalidInput
+    );
+    assert_eq!(
+        p.client.set_option(SocketOption::Backlog(3)).unwrap_err(),
+        OptionError::State(StateError::InvalidSocket)
+    );
+    assert_eq!(
+        p.client.local_addr().unwrap_err(),
+        StateError::InvalidSocket
+    );
 }
 
 #[test]
 fn double_close_is_an_error() {
     let p = pair(SockType::SeqPacket);
     p.client.close().unwrap();
-    assert_eq!(p.client.close().unwrap_err(), CloseError::State(StateError::InvalidSocket));
+    assert_eq!(
+        p.client.close().unwrap_err(),
+        CloseError::State(StateError::InvalidSocket)
+    );
     let clone = p.server.clone();
     p.server.close().unwrap();
-    assert!(clone.close().is_err(), "a clone names the same, closed socket");
+    assert!(
+        clone.close().is_err(),
+        "a clone names the same, closed socket"
+    );
 }
 
 #[test]
 fn buffer_outside_its_region_is_refused() {
     let p = pair(SockType::SeqPacket);
     let buf = p.client_region(vec![0; 100]);
-    let e = p.client.send(&p.eq_a, &buf.slice(50..150), MsgFlags::NONE, 1).unwrap_err();
-    assert_eq!(e, SendError::Buffer(BufferError::OutOfRegion { start: 50, end: 150, len: 100 }));
+    let e = p
+        .client
+        .send(&p.eq_a, &buf.slice(50..150), MsgFlags::NONE, 1)
+        .unwrap_err();
+    assert_eq!(
+        e,
+        SendError::Buffer(BufferError::OutOfRegion {
+            start: 50,
+            end: 150,
+            len: 100
+        })
+    );
     assert_eq!(io_kind(e), io::ErrorKind::InvalidInput);
     #[allow(clippy::reversed_empty_ranges)]
     let inverted = buf.slice(60..10);
@@ -75,7 +115,10 @@ fn buffer_outside_its_region_is_refused() {
 fn buffer_registered_with_another_context_is_refused() {
     let p = pair(SockType::SeqPacket);
     let foreign = p.server_region(10);
-    let e = p.client.send(&p.eq_a, &foreign.all(), MsgFlags::NONE, 1).unwrap_err();
+    let e = p
+        .client
+        .send(&p.eq_a, &foreign.all(), MsgFlags::NONE, 1)
+        .unwrap_err();
     assert_eq!(e, SendError::Buffer(BufferError::WrongContext));
 }
 
@@ -85,7 +128,10 @@ fn deregistered_region_is_refused() {
     let buf = p.client_region(vec![0; 10]);
     let slice = buf.all();
     buf.deregister().unwrap();
-    let e = p.client.send(&p.eq_a, &slice, MsgFlags::NONE, 1).unwrap_err();
+    let e = p
+        .client
+        .send(&p.eq_a, &slice, MsgFlags::NONE, 1)
+        .unwrap_err();
     assert_eq!(e, SendError::Buffer(BufferError::Deregistered));
 }
 
@@ -94,7 +140,10 @@ fn zero_length_registration_is_refused() {
     let world = World::new(SimConfig::default());
     let a = world.host();
     assert_eq!(MemoryRegion::alloc(&a, 0).unwrap_err(), MemoryError::Empty);
-    assert_eq!(MemoryRegion::from_vec(&a, Vec::new()).unwrap_err(), MemoryError::Empty);
+    assert_eq!(
+        MemoryRegion::from_vec(&a, Vec::new()).unwrap_err(),
+        MemoryError::Empty
+    );
 }
 
 /// The buffer of a pending receive cannot be read, and that of a pending send cannot be written: the device
@@ -103,17 +152,36 @@ fn zero_length_registration_is_refused() {
 fn buffers_of_pending_operations_are_off_limits() {
     let p = pair(SockType::SeqPacket);
     let rbuf = p.server_region(100);
-    p.server.recv(&p.eq_b, &rbuf.slice(0..50), MsgFlags::NONE, 1).unwrap();
-    assert!(matches!(rbuf.read(0, &mut [0; 10]), Err(BufferError::Busy(_))));
-    assert!(rbuf.read(50, &mut [0; 10]).is_ok(), "the rest of the region is free");
-    let e = p.server.recv(&p.eq_b, &rbuf.slice(40..60), MsgFlags::NONE, 2).unwrap_err();
-    assert!(matches!(e, RecvError::Buffer(BufferError::Busy(_))), "two receives into one range: {e:?}");
+    p.server
+        .recv(&p.eq_b, &rbuf.slice(0..50), MsgFlags::NONE, 1)
+        .unwrap();
+    assert!(matches!(
+        rbuf.read(0, &mut [0; 10]),
+        Err(BufferError::Busy(_))
+    ));
+    assert!(
+        rbuf.read(50, &mut [0; 10]).is_ok(),
+        "the rest of the region is free"
+    );
+    let e = p
+        .server
+        .recv(&p.eq_b, &rbuf.slice(40..60), MsgFlags::NONE, 2)
+        .unwrap_err();
+    assert!(
+        matches!(e, RecvError::Buffer(BufferError::Busy(_))),
+        "two receives into one range: {e:?}"
+    );
     assert_eq!(io_kind(e), io::ErrorKind::ResourceBusy);
 
     let sbuf = p.client_region(pattern(5000, 1));
-    p.client.send(&p.eq_a, &sbuf.all(), MsgFlags::NONE, 3).unwrap();
+    p.client
+        .send(&p.eq_a, &sbuf.all(), MsgFlags::NONE, 3)
+        .unwrap();
     assert!(matches!(sbuf.write(0, b"x"), Err(BufferError::Busy(_))));
-    assert!(sbuf.read(0, &mut [0; 10]).is_ok(), "reading a buffer being sent is fine");
+    assert!(
+        sbuf.read(0, &mut [0; 10]).is_ok(),
+        "reading a buffer being sent is fine"
+    );
     assert!(wait(&p.eq_a).is_ok());
     sbuf.write(0, b"x").unwrap();
 }
@@ -122,14 +190,18 @@ fn buffers_of_pending_operations_are_off_limits() {
 fn deregistering_memory_in_use_is_refused_until_it_is_free() {
     let p = pair(SockType::SeqPacket);
     let buf = p.server_region(100);
-    p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+        .unwrap();
     let e = buf.deregister().unwrap_err();
     assert_eq!(e, MemoryError::InUse { leases: 1 });
     assert_eq!(io_kind(e.clone()), io::ErrorKind::ResourceBusy);
     assert_eq!(e.blame(), Blame::Local);
     let (_s, r, _) = {
         let src = p.client_region(vec![1; 10]);
-        p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+            .unwrap();
         (wait(&p.eq_a), wait(&p.eq_b), ())
     };
     assert!(r.is_ok());
@@ -142,7 +214,10 @@ fn a_region_given_back_as_vec_only_when_unused() {
     let buf = p.client_region(b"hello".to_vec());
     let clone = buf.clone();
     let (buf, e) = buf.into_vec().unwrap_err();
-    assert!(matches!(e, MemoryError::InUse { .. }), "another handle exists");
+    assert!(
+        matches!(e, MemoryError::InUse { .. }),
+        "another handle exists"
+    );
     drop(clone);
     assert_eq!(buf.into_vec().unwrap(), b"hello");
 }
@@ -152,9 +227,16 @@ fn event_queue_overflow_is_would_block() {
     let p = pair(SockType::SeqPacket);
     let eq = EventQueue::new(2);
     let buf = p.server_region(30);
-    p.server.recv(&eq, &buf.slice(0..10), MsgFlags::NONE, 1).unwrap();
-    p.server.recv(&eq, &buf.slice(10..20), MsgFlags::NONE, 2).unwrap();
-    let e = p.server.recv(&eq, &buf.slice(20..30), MsgFlags::NONE, 3).unwrap_err();
+    p.server
+        .recv(&eq, &buf.slice(0..10), MsgFlags::NONE, 1)
+        .unwrap();
+    p.server
+        .recv(&eq, &buf.slice(10..20), MsgFlags::NONE, 2)
+        .unwrap();
+    let e = p
+        .server
+        .recv(&eq, &buf.slice(20..30), MsgFlags::NONE, 3)
+        .unwrap_err();
     assert!(matches!(e, RecvError::Queue(exs::QueueFull { depth: 2 })));
     assert_eq!(io_kind(e), io::ErrorKind::WouldBlock);
     assert_eq!(buf.leases(), 2, "the refused receive took no lease");
@@ -166,17 +248,35 @@ fn options_are_checked_and_frozen_after_connect() {
     let a = world.host();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
     let e = s.set_option(SocketOption::SendCredits(0)).unwrap_err();
-    assert!(matches!(e, OptionError::OutOfRange { name: "send_credits", .. }));
+    assert!(matches!(
+        e,
+        OptionError::OutOfRange {
+            name: "send_credits",
+            ..
+        }
+    ));
     assert_eq!(io_kind(e), io::ErrorKind::InvalidInput);
-    assert!(s.set_option(SocketOption::SmallPacketMaxSize(1 << 20)).is_err());
+    assert!(s
+        .set_option(SocketOption::SmallPacketMaxSize(1 << 20))
+        .is_err());
     assert!(s.set_option(SocketOption::ControlWindow(2)).is_err());
     assert!(s.set_option(SocketOption::StreamBufferSize(10)).is_err());
     s.set_option(SocketOption::SmallPacketMaxSize(100)).unwrap();
     assert_eq!(s.options().unwrap().small_packet_max_size, 100);
 
     let p = pair(SockType::SeqPacket);
-    assert_eq!(p.client.set_option(SocketOption::SendCredits(4)).unwrap_err(), OptionError::Locked("send_credits"));
-    assert_eq!(p.server.set_option(SocketOption::SmallPacketMaxSize(4)).unwrap_err(), OptionError::Locked("small_packet_max_size"));
+    assert_eq!(
+        p.client
+            .set_option(SocketOption::SendCredits(4))
+            .unwrap_err(),
+        OptionError::Locked("send_credits")
+    );
+    assert_eq!(
+        p.server
+            .set_option(SocketOption::SmallPacketMaxSize(4))
+            .unwrap_err(),
+        OptionError::Locked("small_packet_max_size")
+    );
 }
 
 #[test]
@@ -184,9 +284,15 @@ fn listen_needs_bind_and_bind_happens_once() {
     let world = World::new(SimConfig::default());
     let a = world.host();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-    assert_eq!(s.listen(1).unwrap_err(), SocketError::State(StateError::NotBound));
+    assert_eq!(
+        s.listen(1).unwrap_err(),
+        SocketError::State(StateError::NotBound)
+    );
     s.bind(world.addr(0, 1)).unwrap();
-    assert_eq!(s.bind(world.addr(0, 2)).unwrap_err(), SocketError::State(StateError::AlreadyBound));
+    assert_eq!(
+        s.bind(world.addr(0, 2)).unwrap_err(),
+        SocketError::State(StateError::AlreadyBound)
+    );
 }
 
 #[test]
@@ -203,7 +309,10 @@ fn listening_on_a_taken_or_foreign_address_fails() {
     assert_eq!(io_kind(e), io::ErrorKind::AddrInUse);
     let s3 = Socket::new(&a, SockType::SeqPacket).unwrap();
     s3.bind("203.0.113.5:1".parse().unwrap()).unwrap();
-    assert_eq!(io_kind(s3.listen(1).unwrap_err()), io::ErrorKind::AddrNotAvailable);
+    assert_eq!(
+        io_kind(s3.listen(1).unwrap_err()),
+        io::ErrorKind::AddrNotAvailable
+    );
 }
 
 #[test]
@@ -212,15 +321,24 @@ fn accept_on_a_socket_that_does_not_listen_is_refused() {
     let a = world.host();
     let eq = EventQueue::new(2);
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-    assert_eq!(s.accept(&eq, 1).unwrap_err(), AcceptError::State(StateError::NotListening));
+    assert_eq!(
+        s.accept(&eq, 1).unwrap_err(),
+        AcceptError::State(StateError::NotListening)
+    );
 }
 
 #[test]
 fn connect_twice_or_on_a_listener_is_refused() {
     let p = pair(SockType::SeqPacket);
-    let e = p.client.connect(p.listener.local_addr().unwrap().unwrap(), &p.eq_a, 1).unwrap_err();
+    let e = p
+        .client
+        .connect(p.listener.local_addr().unwrap().unwrap(), &p.eq_a, 1)
+        .unwrap_err();
     assert_eq!(e, ConnectError::State(StateError::AlreadyConnected));
-    let e = p.listener.connect("10.0.0.1:1".parse().unwrap(), &p.eq_b, 1).unwrap_err();
+    let e = p
+        .listener
+        .connect("10.0.0.1:1".parse().unwrap(), &p.eq_b, 1)
+        .unwrap_err();
     assert_eq!(e, ConnectError::State(StateError::Listening));
 }
 
@@ -229,7 +347,9 @@ fn data_operations_on_a_listener_are_refused() {
     let p = pair(SockType::SeqPacket);
     let buf = MemoryRegion::alloc(&p.b, 10).unwrap();
     assert_eq!(
-        p.listener.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1).unwrap_err(),
+        p.listener
+            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+            .unwrap_err(),
         RecvError::State(StateError::Listening)
     );
 }

@@ -21,7 +21,10 @@ fn read_all(p: &Pair, total: usize, chunk: usize, flags: MsgFlags) -> Vec<u8> {
         p.server.recv(&p.eq_b, &dst.all(), flags, 0).unwrap();
         let ev = wait(&p.eq_b);
         assert!(ev.is_ok() && ev.kind == EventKind::Recv, "{ev:?}");
-        assert!(ev.bytes >= 1 && !ev.flags.eof, "a stream receive returns at least one byte before EOF: {ev:?}");
+        assert!(
+            ev.bytes >= 1 && !ev.flags.eof,
+            "a stream receive returns at least one byte before EOF: {ev:?}"
+        );
         got.extend_from_slice(&dst.to_vec().unwrap()[..ev.bytes]);
     }
     got
@@ -31,11 +34,15 @@ fn read_all(p: &Pair, total: usize, chunk: usize, flags: MsgFlags) -> Vec<u8> {
 fn receive_posted_first_gets_a_direct_zero_copy_transfer() {
     let p = stream_pair(&[]);
     let dst = p.server_region(5000);
-    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
     p.world.run_until_idle(1000);
     let data = pattern(3000, 1);
     let src = p.client_region(data.clone());
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
     let r = wait(&p.eq_b);
     assert_eq!((r.bytes, &r.status), (3000, &Ok(())));
     assert!(wait(&p.eq_a).is_ok());
@@ -49,8 +56,13 @@ fn send_before_any_receive_goes_through_the_stream_buffer() {
     let p = stream_pair(&[]);
     let data = pattern(3000, 2);
     let src = p.client_region(data.clone());
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
-    assert!(wait(&p.eq_a).is_ok(), "an indirect send completes once written into the peer's buffer");
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    assert!(
+        wait(&p.eq_a).is_ok(),
+        "an indirect send completes once written into the peer's buffer"
+    );
     let got = read_all(&p, 3000, 10_000, MsgFlags::NONE);
     assert_bytes_eq(&got, &data, "indirect");
     let st = p.client.stats().unwrap().stream;
@@ -62,7 +74,9 @@ fn small_receives_take_a_large_send_in_pieces_in_order() {
     let p = stream_pair(&[]);
     let data = pattern(100_000, 3);
     let src = p.client_region(data.clone());
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
     let got = read_all(&p, 100_000, 777, MsgFlags::NONE);
     assert_bytes_eq(&got, &data, "pieces");
     assert!(wait(&p.eq_a).is_ok());
@@ -72,14 +86,28 @@ fn small_receives_take_a_large_send_in_pieces_in_order() {
 fn waitall_receive_completes_only_when_full() {
     let p = stream_pair(&[]);
     let dst = p.server_region(1000);
-    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 1)
+        .unwrap();
     p.world.run_until_idle(1000);
     let src = p.client_region(pattern(1000, 4));
     for i in 0..10 {
-        p.client.send(&p.eq_a, &src.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64).unwrap();
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 100..(i + 1) * 100),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
         p.world.run_until_idle(1000);
         if i < 9 {
-            assert_eq!(p.eq_b.len(), 0, "completed early after {} bytes", (i + 1) * 100);
+            assert_eq!(
+                p.eq_b.len(),
+                0,
+                "completed early after {} bytes",
+                (i + 1) * 100
+            );
         }
     }
     let r = wait(&p.eq_b);
@@ -96,14 +124,18 @@ fn close_delivers_buffered_data_then_end_of_stream() {
     let p = stream_pair(&[]);
     let data = pattern(5000, 5);
     let src = p.client_region(data.clone());
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
     assert!(wait(&p.eq_a).is_ok());
     p.client.close().unwrap();
     p.world.run_until_idle(10_000);
     let got = read_all(&p, 5000, 2000, MsgFlags::NONE);
     assert_bytes_eq(&got, &data, "before EOF");
     let dst = p.server_region(10);
-    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
     let ev = wait(&p.eq_b);
     assert!(ev.flags.eof && ev.bytes == 0 && ev.is_ok(), "{ev:?}");
 }
@@ -112,13 +144,33 @@ fn close_delivers_buffered_data_then_end_of_stream() {
 fn trace_records_protocol_decisions() {
     let p = stream_pair(&[]);
     let dst = p.server_region(100);
-    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
     p.world.run_until_idle(1000);
     let src = p.client_region(pattern(50, 1));
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
     wait(&p.eq_b);
     let rx = p.server.stream_trace();
-    assert_eq!(rx[0], StreamTrace::AdvertSent { id: 1, seq: 0, len: 100, phase: 0 });
+    assert_eq!(
+        rx[0],
+        StreamTrace::AdvertSent {
+            id: 1,
+            seq: 0,
+            len: 100,
+            phase: 0
+        }
+    );
     let tx = p.client.stream_trace();
-    assert_eq!(tx, vec![StreamTrace::Direct { seq: 0, len: 50, phase: 0, advert_seq: 0 }]);
+    assert_eq!(
+        tx,
+        vec![StreamTrace::Direct {
+            seq: 0,
+            len: 50,
+            phase: 0,
+            advert_seq: 0
+        }]
+    );
 }

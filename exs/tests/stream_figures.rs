@@ -28,19 +28,50 @@ const SLOT: usize = 1 << 16;
 
 impl Fig {
     fn new(ring: u32) -> Fig {
-        let opts = [SocketOption::Trace(true), SocketOption::StreamBufferSize(ring)];
-        let p = pair_with(SockType::Stream, SimConfig { jitter: std::time::Duration::ZERO, ..SimConfig::default() }, &opts);
+        let opts = [
+            SocketOption::Trace(true),
+            SocketOption::StreamBufferSize(ring),
+        ];
+        let p = pair_with(
+            SockType::Stream,
+            SimConfig {
+                jitter: std::time::Duration::ZERO,
+                ..SimConfig::default()
+            },
+            &opts,
+        );
         let dst = MemoryRegion::alloc(&p.b, 64 * SLOT).unwrap();
-        Fig { p, tx: Vec::new(), rx: Vec::new(), sent: Vec::new(), got: Vec::new(), dst, next_slot: 0 }
+        Fig {
+            p,
+            tx: Vec::new(),
+            rx: Vec::new(),
+            sent: Vec::new(),
+            got: Vec::new(),
+            dst,
+            next_slot: 0,
+        }
     }
 
     /// Client-to-server direction only: the client's sender decisions, the server's receiver decisions.
     fn collect(&mut self) {
         let sender = |t: &StreamTrace| {
-            matches!(t, StreamTrace::Direct { .. } | StreamTrace::Indirect { .. } | StreamTrace::Accepted { .. } | StreamTrace::Rejected { .. })
+            matches!(
+                t,
+                StreamTrace::Direct { .. }
+                    | StreamTrace::Indirect { .. }
+                    | StreamTrace::Accepted { .. }
+                    | StreamTrace::Rejected { .. }
+            )
         };
-        self.tx.extend(self.p.client.stream_trace().into_iter().filter(sender));
-        self.rx.extend(self.p.server.stream_trace().into_iter().filter(|t| !sender(t)));
+        self.tx
+            .extend(self.p.client.stream_trace().into_iter().filter(sender));
+        self.rx.extend(
+            self.p
+                .server
+                .stream_trace()
+                .into_iter()
+                .filter(|t| !sender(t)),
+        );
     }
 
     /// The client sends `n` bytes (one send).
@@ -48,7 +79,10 @@ impl Fig {
         let data = pattern(n, self.sent.len() as u64 + 1);
         self.sent.extend_from_slice(&data);
         let src = MemoryRegion::from_vec(&self.p.a, data).unwrap();
-        self.p.client.send(&self.p.eq_a, &src.all(), MsgFlags::NONE, n as u64).unwrap();
+        self.p
+            .client
+            .send(&self.p.eq_a, &src.all(), MsgFlags::NONE, n as u64)
+            .unwrap();
         self.collect();
     }
 
@@ -56,7 +90,15 @@ impl Fig {
     fn recv(&mut self, n: usize) {
         let slot = self.next_slot;
         self.next_slot += 1;
-        self.p.server.recv(&self.p.eq_b, &self.dst.slice(slot * SLOT..slot * SLOT + n), MsgFlags::NONE, slot as u64).unwrap();
+        self.p
+            .server
+            .recv(
+                &self.p.eq_b,
+                &self.dst.slice(slot * SLOT..slot * SLOT + n),
+                MsgFlags::NONE,
+                slot as u64,
+            )
+            .unwrap();
         self.collect();
     }
 
@@ -73,7 +115,12 @@ impl Fig {
             if cond(self) {
                 return;
             }
-            assert!(self.step(), "the world went idle before: {what}\nclient: {:?}\nserver: {:?}", self.tx, self.rx);
+            assert!(
+                self.step(),
+                "the world went idle before: {what}\nclient: {:?}\nserver: {:?}",
+                self.tx,
+                self.rx
+            );
         }
         panic!("never happened: {what}");
     }
@@ -107,11 +154,14 @@ impl Fig {
     }
 
     fn server_phase(&self) -> u32 {
-        self.rx.iter().rev().find_map(|t| match t {
-            StreamTrace::ReceiverPhase { phase } => Some(*phase),
-            _ => None,
-        })
-        .unwrap_or(0)
+        self.rx
+            .iter()
+            .rev()
+            .find_map(|t| match t {
+                StreamTrace::ReceiverPhase { phase } => Some(*phase),
+                _ => None,
+            })
+            .unwrap_or(0)
     }
 
     fn adverts_sent(&self) -> Vec<(u64, u32)> {
@@ -135,23 +185,65 @@ fn figure4_receiver_waits_for_outstanding_adverts() {
     // The receiver advertises A4 and A5 (phase 0) while the sender, not having seen them, sends I3.
     f.recv(100);
     f.recv(100);
-    assert_eq!(f.adverts_sent(), vec![(0, 0), (1, 0)], "A4, A5: estimated seq 0 and 1 in phase 0");
+    assert_eq!(
+        f.adverts_sent(),
+        vec![(0, 0), (1, 0)],
+        "A4, A5: estimated seq 0 and 1 in phase 0"
+    );
     f.send(100);
-    assert!(matches!(f.tx[..], [StreamTrace::Indirect { seq: 0, len: 100, phase: 1 }]), "I3 moves the sender to phase 1: {:?}", f.tx);
+    assert!(
+        matches!(
+            f.tx[..],
+            [StreamTrace::Indirect {
+                seq: 0,
+                len: 100,
+                phase: 1
+            }]
+        ),
+        "I3 moves the sender to phase 1: {:?}",
+        f.tx
+    );
     // The receiver gets I3: phase 1; I3 satisfies A4's receive; A5 is still outstanding.
-    f.until("the receiver processed I3", |f| f.rx.iter().any(|t| matches!(t, StreamTrace::RecvCompleted { bytes: 100, advertised: true })));
+    f.until("the receiver processed I3", |f| {
+        f.rx.iter().any(|t| {
+            matches!(
+                t,
+                StreamTrace::RecvCompleted {
+                    bytes: 100,
+                    advertised: true
+                }
+            )
+        })
+    });
     assert_eq!(f.server_phase(), 1);
     // A new receive (A6's) is posted: the receiver must stay passive.
     f.recv(100);
     f.settle();
-    assert_eq!(f.adverts_sent().len(), 2, "no advertisement while A5 is outstanding: {:?}", f.rx);
+    assert_eq!(
+        f.adverts_sent().len(),
+        2,
+        "no advertisement while A5 is outstanding: {:?}",
+        f.rx
+    );
     // The sender rejects A4 and A5: their phase 0 is below its phase 1 (and the phase does not change).
-    let rejected: Vec<_> = f.tx.iter().filter(|t| matches!(t, StreamTrace::Rejected { .. })).copied().collect();
+    let rejected: Vec<_> =
+        f.tx.iter()
+            .filter(|t| matches!(t, StreamTrace::Rejected { .. }))
+            .copied()
+            .collect();
     assert_eq!(
         rejected,
         vec![
-            StreamTrace::Rejected { seq: 0, phase: 0, sender_phase: 1 },
-            StreamTrace::Rejected { seq: 1, phase: 0, sender_phase: 1 }
+            StreamTrace::Rejected {
+                seq: 0,
+                phase: 0,
+                sender_phase: 1
+            },
+            StreamTrace::Rejected {
+                seq: 1,
+                phase: 0,
+                sender_phase: 1
+            }
         ]
     );
     // More data: it must go indirect (no acceptable advertisement) and it satisfies A5's receive ...
@@ -166,8 +258,21 @@ fn figure4_receiver_waits_for_outstanding_adverts() {
     f.settle();
     f.send(60);
     f.settle();
-    assert!(f.tx.contains(&StreamTrace::Accepted { seq: 250, phase: 2 }), "{:?}", f.tx);
-    assert!(f.tx.contains(&StreamTrace::Direct { seq: 250, len: 60, phase: 2, advert_seq: 250 }), "{:?}", f.tx);
+    assert!(
+        f.tx.contains(&StreamTrace::Accepted { seq: 250, phase: 2 }),
+        "{:?}",
+        f.tx
+    );
+    assert!(
+        f.tx.contains(&StreamTrace::Direct {
+            seq: 250,
+            len: 60,
+            phase: 2,
+            advert_seq: 250
+        }),
+        "{:?}",
+        f.tx
+    );
     f.check_stream();
     assert_eq!(f.got.len(), 310);
 }
@@ -203,7 +308,11 @@ fn figure5_stale_advert_rejected_next_accepted() {
     let (a4_seq, a4_phase) = *f.adverts_sent().last().unwrap();
     assert_eq!(a4_phase, 4);
     f.send(100);
-    assert!(matches!(f.tx.last(), Some(StreamTrace::Indirect { phase: 5, .. })), "{:?}", f.tx);
+    assert!(
+        matches!(f.tx.last(), Some(StreamTrace::Indirect { phase: 5, .. })),
+        "{:?}",
+        f.tx
+    );
     // The receiver gets I3: A4's receive is satisfied by it; all flushed: phase 5, then 6.
     f.until("the receiver reached phase 6", |f| f.server_phase() == 6);
     // A5 is advertised in phase 6 with the sender's current sequence number.
@@ -213,9 +322,29 @@ fn figure5_stale_advert_rejected_next_accepted() {
     f.settle();
     f.send(40);
     f.settle();
-    assert!(f.tx.contains(&StreamTrace::Rejected { seq: a4_seq, phase: 4, sender_phase: 5 }), "A4 rejected: {:?}", f.tx);
-    assert!(f.tx.contains(&StreamTrace::Accepted { seq: a5_seq, phase: 6 }), "A5 accepted: {:?}", f.tx);
-    assert!(f.tx.contains(&StreamTrace::Direct { seq: a5_seq, len: 40, phase: 6, advert_seq: a5_seq }));
+    assert!(
+        f.tx.contains(&StreamTrace::Rejected {
+            seq: a4_seq,
+            phase: 4,
+            sender_phase: 5
+        }),
+        "A4 rejected: {:?}",
+        f.tx
+    );
+    assert!(
+        f.tx.contains(&StreamTrace::Accepted {
+            seq: a5_seq,
+            phase: 6
+        }),
+        "A5 accepted: {:?}",
+        f.tx
+    );
+    assert!(f.tx.contains(&StreamTrace::Direct {
+        seq: a5_seq,
+        len: 40,
+        phase: 6,
+        advert_seq: a5_seq
+    }));
     f.check_stream();
 }
 
@@ -234,16 +363,39 @@ fn figure6_multiple_adverts_matched_by_indirect() {
     f.send(150);
     assert!(matches!(
         f.tx[..],
-        [StreamTrace::Indirect { seq: 0, len: 150, phase: 1 }, StreamTrace::Indirect { seq: 150, len: 150, phase: 1 }]
+        [
+            StreamTrace::Indirect {
+                seq: 0,
+                len: 150,
+                phase: 1
+            },
+            StreamTrace::Indirect {
+                seq: 150,
+                len: 150,
+                phase: 1
+            }
+        ]
     ));
     f.settle();
     // All three advertised receives were satisfied by indirect data (100 + 100 + 100) and 0 bytes remain.
-    let done: Vec<_> = f.rx.iter().filter(|t| matches!(t, StreamTrace::RecvCompleted { .. })).copied().collect();
+    let done: Vec<_> =
+        f.rx.iter()
+            .filter(|t| matches!(t, StreamTrace::RecvCompleted { .. }))
+            .copied()
+            .collect();
     assert_eq!(done.len(), 3, "{:?}", f.rx);
-    assert_eq!(f.server_phase(), 2, "all advertisements flushed by indirect transfers");
+    assert_eq!(
+        f.server_phase(),
+        2,
+        "all advertisements flushed by indirect transfers"
+    );
     // The next receive gets the rest of the stream buffer (without an advertisement) ...
     f.recv(100);
-    assert_eq!(f.adverts_sent().len(), 3, "a receive that the stream buffer feeds is not advertised");
+    assert_eq!(
+        f.adverts_sent().len(),
+        3,
+        "a receive that the stream buffer feeds is not advertised"
+    );
     // ... and the one after is advertised with the exact sequence number: 300.
     f.recv(100);
     assert_eq!(*f.adverts_sent().last().unwrap(), (300, 2));
@@ -251,10 +403,27 @@ fn figure6_multiple_adverts_matched_by_indirect() {
     f.send(70);
     f.settle();
     for s in [0, 1, 2] {
-        assert!(f.tx.contains(&StreamTrace::Rejected { seq: s, phase: 0, sender_phase: 1 }), "{:?}", f.tx);
+        assert!(
+            f.tx.contains(&StreamTrace::Rejected {
+                seq: s,
+                phase: 0,
+                sender_phase: 1
+            }),
+            "{:?}",
+            f.tx
+        );
     }
-    assert!(f.tx.contains(&StreamTrace::Accepted { seq: 300, phase: 2 }), "the correct advertisement: {:?}", f.tx);
-    assert!(f.tx.contains(&StreamTrace::Direct { seq: 300, len: 70, phase: 2, advert_seq: 300 }));
+    assert!(
+        f.tx.contains(&StreamTrace::Accepted { seq: 300, phase: 2 }),
+        "the correct advertisement: {:?}",
+        f.tx
+    );
+    assert!(f.tx.contains(&StreamTrace::Direct {
+        seq: 300,
+        len: 70,
+        phase: 2,
+        advert_seq: 300
+    }));
     f.check_stream();
     assert_eq!(f.got.len(), 370);
 }
@@ -272,7 +441,14 @@ fn figure7_small_stream_buffer_phase_jump() {
     let mut f = Fig::new(200);
     // pumpexs start: the client sends "go" (2 bytes) before the server has posted anything: indirect, phase 1.
     f.send(2);
-    assert_eq!(f.tx, vec![StreamTrace::Indirect { seq: 0, len: 2, phase: 1 }]);
+    assert_eq!(
+        f.tx,
+        vec![StreamTrace::Indirect {
+            seq: 0,
+            len: 2,
+            phase: 1
+        }]
+    );
     f.settle();
     // The server receives "go", then posts receives for its buffers (3 x 100) and replies "ok".
     f.recv(100);
@@ -281,13 +457,31 @@ fn figure7_small_stream_buffer_phase_jump() {
     }
     let ok_buf = MemoryRegion::from_vec(&f.p.b, b"ok".to_vec()).unwrap();
     let ok_in = MemoryRegion::alloc(&f.p.a, 2).unwrap();
-    f.p.client.recv(&f.p.eq_a, &ok_in.all(), MsgFlags::WAITALL, 99).unwrap();
-    f.p.server.send(&f.p.eq_b, &ok_buf.all(), MsgFlags::NONE, 99).unwrap();
+    f.p.client
+        .recv(&f.p.eq_a, &ok_in.all(), MsgFlags::WAITALL, 99)
+        .unwrap();
+    f.p.server
+        .send(&f.p.eq_b, &ok_buf.all(), MsgFlags::NONE, 99)
+        .unwrap();
     f.settle();
-    assert_eq!(f.adverts_sent(), vec![(2, 2), (3, 2), (4, 2)], "A1-A3 in phase 2");
+    assert_eq!(
+        f.adverts_sent(),
+        vec![(2, 2), (3, 2), (4, 2)],
+        "A1-A3 in phase 2"
+    );
     assert_eq!(ok_in.to_vec().unwrap(), b"ok");
     // The client (phase 1 after "go", seq 2) accepts A1: higher phase, matching sequence number.
-    assert_eq!(f.tx, vec![StreamTrace::Indirect { seq: 0, len: 2, phase: 1 }, StreamTrace::Accepted { seq: 2, phase: 2 }]);
+    assert_eq!(
+        f.tx,
+        vec![
+            StreamTrace::Indirect {
+                seq: 0,
+                len: 2,
+                phase: 1
+            },
+            StreamTrace::Accepted { seq: 2, phase: 2 }
+        ]
+    );
     f.tx.clear();
     // The client now sends 100-byte messages: D2, D102, D202 use the three advertisements ...
     for _ in 0..3 {
@@ -296,9 +490,24 @@ fn figure7_small_stream_buffer_phase_jump() {
     assert_eq!(
         f.tx[..3],
         [
-            StreamTrace::Direct { seq: 2, len: 100, phase: 2, advert_seq: 2 },
-            StreamTrace::Direct { seq: 102, len: 100, phase: 2, advert_seq: 3 },
-            StreamTrace::Direct { seq: 202, len: 100, phase: 2, advert_seq: 4 },
+            StreamTrace::Direct {
+                seq: 2,
+                len: 100,
+                phase: 2,
+                advert_seq: 2
+            },
+            StreamTrace::Direct {
+                seq: 102,
+                len: 100,
+                phase: 2,
+                advert_seq: 3
+            },
+            StreamTrace::Direct {
+                seq: 202,
+                len: 100,
+                phase: 2,
+                advert_seq: 4
+            },
         ]
     );
     // ... then, with no advertisement left, I302 (100), and the next message splits at the end of the 200-byte
@@ -309,12 +518,27 @@ fn figure7_small_stream_buffer_phase_jump() {
     assert_eq!(
         f.tx[3..],
         [
-            StreamTrace::Indirect { seq: 302, len: 100, phase: 3 },
-            StreamTrace::Indirect { seq: 402, len: 98, phase: 3 },
-            StreamTrace::Indirect { seq: 500, len: 2, phase: 3 },
+            StreamTrace::Indirect {
+                seq: 302,
+                len: 100,
+                phase: 3
+            },
+            StreamTrace::Indirect {
+                seq: 402,
+                len: 98,
+                phase: 3
+            },
+            StreamTrace::Indirect {
+                seq: 500,
+                len: 2,
+                phase: 3
+            },
         ]
     );
-    assert!(f.p.client.stats().unwrap().stream.space_stalls > 0, "the sender waits for stream-buffer space");
+    assert!(
+        f.p.client.stats().unwrap().stream.space_stalls > 0,
+        "the sender waits for stream-buffer space"
+    );
     // The receiver catches up after the first RDMA write (I302): no advertisement is outstanding, so it moves
     // through phase 3 to phase 4; the application posts three receives; the first takes I302 from the stream
     // buffer, the other two are advertised in phase 4 with estimated sequence numbers.
@@ -328,17 +552,45 @@ fn figure7_small_stream_buffer_phase_jump() {
     f.settle();
     // The sender (phase 3, seq 502 or beyond) rejects the first phase-4 advertisement and jumps to phase 5, so
     // the rest of that batch is rejected whatever its sequence number.
-    let first = f.tx.iter().position(|t| matches!(t, StreamTrace::Rejected { phase: 4, .. })).expect("a phase-4 advert rejected");
-    assert_eq!(f.tx[first], StreamTrace::Rejected { seq: 402, phase: 4, sender_phase: 5 });
-    assert!(f.tx[first + 1..].contains(&StreamTrace::Rejected { seq: 403, phase: 4, sender_phase: 5 }), "{:?}", f.tx);
-    assert!(!f.tx.iter().any(|t| matches!(t, StreamTrace::Accepted { phase: 4, .. })), "no phase-4 advert accepted");
+    let first =
+        f.tx.iter()
+            .position(|t| matches!(t, StreamTrace::Rejected { phase: 4, .. }))
+            .expect("a phase-4 advert rejected");
+    assert_eq!(
+        f.tx[first],
+        StreamTrace::Rejected {
+            seq: 402,
+            phase: 4,
+            sender_phase: 5
+        }
+    );
+    assert!(
+        f.tx[first + 1..].contains(&StreamTrace::Rejected {
+            seq: 403,
+            phase: 4,
+            sender_phase: 5
+        }),
+        "{:?}",
+        f.tx
+    );
+    assert!(
+        !f.tx
+            .iter()
+            .any(|t| matches!(t, StreamTrace::Accepted { phase: 4, .. })),
+        "no phase-4 advert accepted"
+    );
     // Everything arrives, in order, once the receiver has receives for it.
     for _ in 0..4 {
         f.recv(100);
     }
     f.settle();
     f.check_stream();
-    assert_eq!(f.got.len(), f.sent.len(), "all {} bytes delivered", f.sent.len());
+    assert_eq!(
+        f.got.len(),
+        f.sent.len(),
+        "all {} bytes delivered",
+        f.sent.len()
+    );
 }
 
 /// The accidental match of Figure 7's caption: a later advertisement of a rejected batch whose estimated sequence
@@ -368,8 +620,24 @@ fn figure7_matching_seq_in_a_rejected_batch_is_not_accepted() {
     let phase4: Vec<_> = f.adverts_sent().into_iter().filter(|a| a.1 == 4).collect();
     assert_eq!(phase4, vec![(402, 4), (403, 4)]);
     f.settle();
-    assert!(f.tx.contains(&StreamTrace::Rejected { seq: 402, phase: 4, sender_phase: 5 }), "{:?}", f.tx);
-    assert!(f.tx.contains(&StreamTrace::Rejected { seq: 403, phase: 4, sender_phase: 5 }), "seq 403 matches but the phase does not: {:?}", f.tx);
+    assert!(
+        f.tx.contains(&StreamTrace::Rejected {
+            seq: 402,
+            phase: 4,
+            sender_phase: 5
+        }),
+        "{:?}",
+        f.tx
+    );
+    assert!(
+        f.tx.contains(&StreamTrace::Rejected {
+            seq: 403,
+            phase: 4,
+            sender_phase: 5
+        }),
+        "seq 403 matches but the phase does not: {:?}",
+        f.tx
+    );
     f.recv(100);
     f.settle();
     f.check_stream();

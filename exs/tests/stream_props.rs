@@ -30,10 +30,21 @@ struct Case {
 
 fn case() -> impl Strategy<Value = Case> {
     let send = prop_oneof![8 => 1usize..300, 3 => 300usize..5000, 1 => 5000usize..100_000];
-    let recv = (prop_oneof![3 => 1usize..300, 2 => 300usize..5000], prop_oneof![3 => Just(false), 1 => Just(true)]);
+    let recv = (
+        prop_oneof![3 => 1usize..300, 2 => 300usize..5000],
+        prop_oneof![3 => Just(false), 1 => Just(true)],
+    );
     (
         any::<u64>(),
-        prop_oneof![Just(64u32), Just(100), Just(200), Just(1000), Just(4096), Just(65536), Just(1 << 20)],
+        prop_oneof![
+            Just(64u32),
+            Just(100),
+            Just(200),
+            Just(1000),
+            Just(4096),
+            Just(65536),
+            Just(1 << 20)
+        ],
         prop_oneof![Just(0u16), Just(4), Just(8)],
         proptest::collection::vec(send, 1..25),
         proptest::collection::vec(recv, 1..25),
@@ -41,16 +52,18 @@ fn case() -> impl Strategy<Value = Case> {
         1usize..12,
         prop_oneof![Just(0u64), Just(5), Just(50)],
     )
-        .prop_map(|(seed, ring, window, sends, recvs, schedule, max_outstanding, jitter_us)| Case {
-            seed,
-            ring,
-            window,
-            sends,
-            recvs,
-            schedule,
-            max_outstanding,
-            jitter_us,
-        })
+        .prop_map(
+            |(seed, ring, window, sends, recvs, schedule, max_outstanding, jitter_us)| Case {
+                seed,
+                ring,
+                window,
+                sends,
+                recvs,
+                schedule,
+                max_outstanding,
+                jitter_us,
+            },
+        )
 }
 
 const SLOT: usize = 8192;
@@ -72,10 +85,21 @@ struct Run<'a> {
 
 impl Run<'_> {
     fn post_send(&mut self) -> bool {
-        let Some(&n) = self.c.sends.get(self.next_send) else { return false };
+        let Some(&n) = self.c.sends.get(self.next_send) else {
+            return false;
+        };
         let off = self.sent_bytes.len();
-        self.sent_bytes.extend_from_slice(&self.src.to_vec().unwrap()[off..off + n]);
-        self.p.client.send(&self.p.eq_a, &self.src.slice(off..off + n), MsgFlags::NONE, self.next_send as u64).unwrap();
+        self.sent_bytes
+            .extend_from_slice(&self.src.to_vec().unwrap()[off..off + n]);
+        self.p
+            .client
+            .send(
+                &self.p.eq_a,
+                &self.src.slice(off..off + n),
+                MsgFlags::NONE,
+                self.next_send as u64,
+            )
+            .unwrap();
         self.next_send += 1;
         true
     }
@@ -85,7 +109,9 @@ impl Run<'_> {
         if self.pending.len() >= self.c.max_outstanding || self.got.len() >= self.total {
             return false;
         }
-        let Some(slot) = self.free_slots.pop() else { return false };
+        let Some(slot) = self.free_slots.pop() else {
+            return false;
+        };
         let (size, mut waitall) = self.c.recvs[self.next_recv % self.c.recvs.len()];
         self.next_recv += 1;
         let claimed: usize = self.pending.iter().map(|p| p.1).sum();
@@ -93,8 +119,20 @@ impl Run<'_> {
         if waitall && size > unclaimed {
             waitall = false;
         }
-        let flags = if waitall { MsgFlags::WAITALL } else { MsgFlags::NONE };
-        self.p.server.recv(&self.p.eq_b, &self.dst.slice(slot * SLOT..slot * SLOT + size), flags, slot as u64).unwrap();
+        let flags = if waitall {
+            MsgFlags::WAITALL
+        } else {
+            MsgFlags::NONE
+        };
+        self.p
+            .server
+            .recv(
+                &self.p.eq_b,
+                &self.dst.slice(slot * SLOT..slot * SLOT + size),
+                flags,
+                slot as u64,
+            )
+            .unwrap();
         self.pending.push_back((slot, size, waitall));
         true
     }
@@ -105,9 +143,16 @@ impl Run<'_> {
         for ev in evs {
             assert_eq!(ev.kind, EventKind::Recv);
             assert!(ev.is_ok(), "receive failed: {ev:?}");
-            assert!(ev.bytes >= 1 && !ev.flags.eof, "receive returned nothing before the end: {ev:?}");
-            let (slot, size, waitall) = self.pending.pop_front().expect("completions come in order");
-            assert_eq!(slot, ev.context as usize, "receives complete in posting order");
+            assert!(
+                ev.bytes >= 1 && !ev.flags.eof,
+                "receive returned nothing before the end: {ev:?}"
+            );
+            let (slot, size, waitall) =
+                self.pending.pop_front().expect("completions come in order");
+            assert_eq!(
+                slot, ev.context as usize,
+                "receives complete in posting order"
+            );
             assert!(ev.bytes <= size);
             if waitall {
                 assert_eq!(ev.bytes, size, "MSG_WAITALL completed short");
@@ -130,7 +175,10 @@ fn run(c: &Case) {
         jitter: Duration::from_micros(c.jitter_us),
         ..SimConfig::default()
     };
-    let opts = [SocketOption::StreamBufferSize(c.ring), SocketOption::ControlWindow(c.window)];
+    let opts = [
+        SocketOption::StreamBufferSize(c.ring),
+        SocketOption::ControlWindow(c.window),
+    ];
     let p = pair_with(SockType::Stream, cfg, &opts);
     let total: usize = c.sends.iter().sum();
     let src = MemoryRegion::from_vec(&p.a, pattern(total, c.seed)).unwrap();

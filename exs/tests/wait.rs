@@ -34,18 +34,37 @@ fn adaptive_wait_sleeps_once_for_a_batch_of_completions() {
     let dst = MemoryRegion::alloc(&b, 32 * 4096).unwrap();
     let rq = EventQueue::new(64);
     for i in 0..32 {
-        s.recv(&rq, &dst.slice(i * 4096..(i + 1) * 4096), MsgFlags::NONE, i as u64).unwrap();
+        s.recv(
+            &rq,
+            &dst.slice(i * 4096..(i + 1) * 4096),
+            MsgFlags::NONE,
+            i as u64,
+        )
+        .unwrap();
     }
     let sq = EventQueue::new(64);
     for i in 0..32 {
-        c.send(&sq, &src.slice(i * 4096..(i + 1) * 4096), MsgFlags::NONE, i as u64).unwrap();
+        c.send(
+            &sq,
+            &src.slice(i * 4096..(i + 1) * 4096),
+            MsgFlags::NONE,
+            i as u64,
+        )
+        .unwrap();
     }
     let evs = sq.wait_all(Some(Duration::from_secs(20))).unwrap();
     assert_eq!(evs.len(), 32);
     let st = sq.stats();
-    assert!(st.blocks <= 1, "slept {} times for one batch: {st:?}", st.blocks);
+    assert!(
+        st.blocks <= 1,
+        "slept {} times for one batch: {st:?}",
+        st.blocks
+    );
     assert!(st.wakeups <= 1, "{st:?}");
-    assert_eq!(rq.wait_all(Some(Duration::from_secs(20))).unwrap().len(), 32);
+    assert_eq!(
+        rq.wait_all(Some(Duration::from_secs(20))).unwrap().len(),
+        32
+    );
     assert_bytes_eq(&dst.to_vec().unwrap(), &src.to_vec().unwrap(), "batch");
 }
 
@@ -59,20 +78,33 @@ fn trickling_completions_adaptive_sleeps_once_block_mode_per_event() {
         let dst = MemoryRegion::alloc(&b, 16 * 4096).unwrap();
         let sq = EventQueue::with_mode(64, mode);
         for i in 0..16 {
-            c.send(&sq, &src.slice(i * 4096..(i + 1) * 4096), MsgFlags::NONE, i as u64).unwrap();
+            c.send(
+                &sq,
+                &src.slice(i * 4096..(i + 1) * 4096),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
         }
         let poster = std::thread::spawn(move || {
             let rq = EventQueue::new(64);
             for i in 0..16 {
                 std::thread::sleep(Duration::from_millis(1));
-                s.recv(&rq, &dst.slice(i * 4096..(i + 1) * 4096), MsgFlags::NONE, i as u64).unwrap();
+                s.recv(
+                    &rq,
+                    &dst.slice(i * 4096..(i + 1) * 4096),
+                    MsgFlags::NONE,
+                    i as u64,
+                )
+                .unwrap();
             }
             rq.wait_all(Some(Duration::from_secs(20))).unwrap().len()
         });
         let mut out = Vec::new();
         while out.len() < 16 {
             let missing = 16 - out.len();
-            sq.dequeue(&mut out, missing, missing, Some(Duration::from_secs(20))).unwrap();
+            sq.dequeue(&mut out, missing, missing, Some(Duration::from_secs(20)))
+                .unwrap();
         }
         assert_eq!(poster.join().unwrap(), 16);
         let st = sq.stats();
@@ -91,16 +123,35 @@ fn manual_world_drives_while_waiting_and_reports_stalls() {
     let dst = p.server_region(16 * 100);
     let src = p.client_region(pattern(16 * 100, 2));
     for i in 0..16 {
-        p.server.recv(&p.eq_b, &dst.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64).unwrap();
-        p.client.send(&p.eq_a, &src.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(
+                &p.eq_b,
+                &dst.slice(i * 100..(i + 1) * 100),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 100..(i + 1) * 100),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
     }
     let before = p.eq_b.stats().blocks;
     assert_eq!(p.eq_b.wait_all(None).unwrap().len(), 16);
     assert_eq!(p.eq_b.stats().blocks - before, 1);
     // Nothing is coming for this receive: the simulator says so instead of hanging.
-    p.server.recv(&p.eq_b, &dst.slice(0..10), MsgFlags::NONE, 99).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.slice(0..10), MsgFlags::NONE, 99)
+        .unwrap();
     match p.eq_b.next(None) {
-        Err(exs::DequeueError::Stalled { waiting: 1, outstanding: 1 }) => {}
+        Err(exs::DequeueError::Stalled {
+            waiting: 1,
+            outstanding: 1,
+        }) => {}
         other => panic!("{other:?}"),
     }
 }
@@ -113,8 +164,20 @@ fn busy_poll_mode_completes_without_sleeping() {
     let rq = EventQueue::with_mode(64, WaitMode::BusyPoll);
     let sq = EventQueue::with_mode(64, WaitMode::BusyPoll);
     for i in 0..8 {
-        s.recv(&rq, &dst.slice(i * 1000..(i + 1) * 1000), MsgFlags::NONE, i as u64).unwrap();
-        c.send(&sq, &src.slice(i * 1000..(i + 1) * 1000), MsgFlags::NONE, i as u64).unwrap();
+        s.recv(
+            &rq,
+            &dst.slice(i * 1000..(i + 1) * 1000),
+            MsgFlags::NONE,
+            i as u64,
+        )
+        .unwrap();
+        c.send(
+            &sq,
+            &src.slice(i * 1000..(i + 1) * 1000),
+            MsgFlags::NONE,
+            i as u64,
+        )
+        .unwrap();
     }
     assert_eq!(sq.wait_all(Some(Duration::from_secs(20))).unwrap().len(), 8);
     assert_eq!(rq.wait_all(Some(Duration::from_secs(20))).unwrap().len(), 8);

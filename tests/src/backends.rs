@@ -52,7 +52,9 @@ impl Backend for Sim {
     }
     fn net(&self) -> Box<dyn Net> {
         // Progress threads, as on a real device; the deterministic manual mode is for the exs crate's tests.
-        Box::new(SimNet(exs::sim::World::threaded(exs::sim::SimConfig::default())))
+        Box::new(SimNet(exs::sim::World::threaded(
+            exs::sim::SimConfig::default(),
+        )))
     }
     fn processes(&self) -> bool {
         false
@@ -71,8 +73,14 @@ impl Fabric {
     pub fn from_env() -> Self {
         let provider = std::env::var("EXS_FABRIC_PROVIDER").unwrap_or_else(|_| "tcp".into());
         let domain = std::env::var("EXS_FABRIC_DOMAIN").ok();
-        let addr = std::env::var("EXS_FABRIC_ADDR").ok().and_then(|a| a.parse().ok()).unwrap_or([127, 0, 0, 1].into());
-        Fabric { cfg: exs_backend_fabric::FabricConfig { provider, domain }, addr }
+        let addr = std::env::var("EXS_FABRIC_ADDR")
+            .ok()
+            .and_then(|a| a.parse().ok())
+            .unwrap_or([127, 0, 0, 1].into());
+        Fabric {
+            cfg: exs_backend_fabric::FabricConfig { provider, domain },
+            addr,
+        }
     }
 }
 
@@ -100,14 +108,23 @@ impl Backend for Fabric {
     fn unavailable(&self) -> Option<String> {
         match exs_backend_fabric::FabricTransport::open(&self.cfg) {
             Ok(_) => None,
-            Err(e) => Some(format!("libfabric provider {:?} cannot be opened: {e}", self.cfg.provider)),
+            Err(e) => Some(format!(
+                "libfabric provider {:?} cannot be opened: {e}",
+                self.cfg.provider
+            )),
         }
     }
     fn net(&self) -> Box<dyn Net> {
-        Box::new(FabricNet { cfg: self.cfg.clone(), addr: self.addr })
+        Box::new(FabricNet {
+            cfg: self.cfg.clone(),
+            addr: self.addr,
+        })
     }
     fn processes(&self) -> bool {
         true
+    }
+    fn describe(&self) -> String {
+        format!("libfabric provider {} on {}", self.cfg.provider, self.addr)
     }
 }
 
@@ -129,7 +146,28 @@ impl Net for VerbsNet {
 fn verbs_unavailable(cfg: &Result<exs_backend_verbs::VerbsConfig, String>) -> Option<String> {
     match cfg {
         Err(why) => Some(why.clone()),
-        Ok(c) => exs_backend_verbs::VerbsTransport::open(c).err().map(|e| format!("cannot open an RDMA device: {e}")),
+        Ok(c) => exs_backend_verbs::VerbsTransport::open(c)
+            .err()
+            .map(|e| format!("cannot open an RDMA device: {e}")),
+    }
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_describe(cfg: &Result<exs_backend_verbs::VerbsConfig, String>) -> String {
+    match cfg {
+        Err(why) => why.clone(),
+        Ok(c) => {
+            use exs::transport::Transport;
+            let dev = exs_backend_verbs::VerbsTransport::open(c)
+                .map(|t| t.capabilities().name.clone())
+                .unwrap_or_default();
+            let imm = if c.emulate_write_imm {
+                ", write-with-immediate emulated (write + send)"
+            } else {
+                ""
+            };
+            format!("device {dev} at {}{imm}", c.addr)
+        }
     }
 }
 
@@ -161,6 +199,9 @@ impl Backend for Verbs {
     fn unavailable(&self) -> Option<String> {
         verbs_unavailable(&self.0)
     }
+    fn describe(&self) -> String {
+        verbs_describe(&self.0)
+    }
     fn net(&self) -> Box<dyn Net> {
         Box::new(VerbsNet(self.0.clone()))
     }
@@ -175,12 +216,27 @@ pub struct SoftRoce(Result<exs_backend_verbs::VerbsConfig, String>);
 
 #[cfg(feature = "softroce")]
 impl SoftRoce {
+    /// The first active soft device with an IPv4 GID; `EXS_SOFTROCE_ADDR` picks the one carrying that address.
     pub fn discover() -> Self {
         use exs_backend_softroce::{devices, Kind};
-        let found = devices().into_iter().filter(|d| d.kind != Kind::Hardware && d.active()).find_map(|d| {
-            let ip = d.gids.iter().map(|g| g.ip()).find(|ip| ip.is_ipv4())?;
-            Some(exs_backend_verbs::VerbsConfig { addr: ip, device: Some(d.name.clone()), emulate_write_imm: false })
-        });
+        let want: Option<std::net::IpAddr> = std::env::var("EXS_SOFTROCE_ADDR")
+            .ok()
+            .and_then(|a| a.parse().ok());
+        let found = devices()
+            .into_iter()
+            .filter(|d| d.kind != Kind::Hardware && d.active())
+            .find_map(|d| {
+                let ip = d
+                    .gids
+                    .iter()
+                    .map(|g| g.ip())
+                    .find(|ip| ip.is_ipv4() && want.map_or(true, |w| *ip == w))?;
+                Some(exs_backend_verbs::VerbsConfig {
+                    addr: ip,
+                    device: Some(d.name.clone()),
+                    emulate_write_imm: false,
+                })
+            });
         SoftRoce(found.ok_or_else(|| {
             "no active Soft-RoCE device (rxe/siw) with an IPv4 address on this machine; run `cargo xtask rxe up` \
              on a kernel with rdma_rxe, or `cargo xtask test`, which runs this suite in a VM"
@@ -196,6 +252,9 @@ impl Backend for SoftRoce {
     }
     fn unavailable(&self) -> Option<String> {
         verbs_unavailable(&self.0)
+    }
+    fn describe(&self) -> String {
+        verbs_describe(&self.0)
     }
     fn net(&self) -> Box<dyn Net> {
         Box::new(VerbsNet(self.0.clone()))

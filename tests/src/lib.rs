@@ -32,16 +32,52 @@ pub trait Backend: Send + Sync {
     fn net(&self) -> Box<dyn Net>;
     /// Whether hosts can live in separate processes (not the in-process simulator).
     fn processes(&self) -> bool;
+    /// What exactly it runs on (device, provider, address), for the report.
+    fn describe(&self) -> String {
+        String::new()
+    }
 }
 
 /// A test: `Ok` or a message saying what broke.
 pub type TestFn = fn(&dyn Backend) -> Result<(), String>;
 
-/// A named test, and whether it needs separate processes.
+/// What a case needs beyond a backend.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Requires {
+    /// Nothing: runs on every backend.
+    Nothing,
+    /// Hosts in separate processes (not the in-process simulator).
+    Processes,
+    /// A second host across a network link: a child process using the address `EXS_PEER_ADDR`, the far end of a
+    /// link whose near end carries this backend's address (`cargo xtask rxe up --link` sets up two rxe devices on
+    /// the ends of a veth pair, with routing that sends their traffic across it).
+    PeerHost,
+}
+
+/// A named test and what it needs.
 pub struct Case {
     pub name: &'static str,
     pub run: TestFn,
-    pub needs_processes: bool,
+    pub requires: Requires,
+}
+
+impl Case {
+    /// Why this case cannot run on `backend` here, if it cannot.
+    pub fn skip_reason(&self, backend: &dyn Backend) -> Option<String> {
+        let processes = || {
+            (!backend.processes())
+                .then(|| format!("{} hosts cannot live in separate processes", backend.name()))
+        };
+        match self.requires {
+            Requires::Nothing => None,
+            Requires::Processes => processes(),
+            Requires::PeerHost => processes().or_else(|| {
+                child::peer_host()
+                    .err()
+                    .map(|why| format!("no second host across a link: {why}"))
+            }),
+        }
+    }
 }
 
 /// Every test of the suite.

@@ -36,22 +36,31 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 /// Compares byte strings, naming the first difference.
 pub fn same(got: &[u8], want: &[u8], what: &str) -> Result<(), String> {
     if got.len() != want.len() {
-        return Err(format!("{what}: {} bytes, expected {}", got.len(), want.len()));
+        return Err(format!(
+            "{what}: {} bytes, expected {}",
+            got.len(),
+            want.len()
+        ));
     }
     match got.iter().zip(want).position(|(a, b)| a != b) {
         None => Ok(()),
-        Some(i) => Err(format!("{what}: first difference at byte {i} of {}", got.len())),
+        Some(i) => Err(format!(
+            "{what}: first difference at byte {i} of {}",
+            got.len()
+        )),
     }
 }
 
 /// Waits for one event.
 pub fn next(eq: &EventQueue) -> Result<Event, String> {
-    eq.next(Some(WAIT)).map_err(|e| format!("waiting for an event: {e}"))
+    eq.next(Some(WAIT))
+        .map_err(|e| format!("waiting for an event: {e}"))
 }
 
 /// Waits for every outstanding operation of a queue.
 pub fn all(eq: &EventQueue) -> Result<Vec<Event>, String> {
-    eq.wait_all(Some(WAIT)).map_err(|e| format!("waiting for all events: {e}"))
+    eq.wait_all(Some(WAIT))
+        .map_err(|e| format!("waiting for all events: {e}"))
 }
 
 /// A connected pair: `client` on context `a`, `server` (accepted) on context `b`.
@@ -74,20 +83,38 @@ pub fn pair(net: &dyn Net, ty: SockType, opts: &[SocketOption]) -> Result<Pair, 
     for o in opts {
         listener.set_option(*o).map_err(|e| e.to_string())?;
     }
-    listener.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
+    listener
+        .bind(net.listen_addr(0))
+        .map_err(|e| e.to_string())?;
     let addr = listener.listen(16).map_err(|e| format!("listen: {e}"))?;
     listener.accept(&eq_b, 1).map_err(|e| e.to_string())?;
     let client = Socket::new(&a, ty).map_err(|e| e.to_string())?;
     for o in opts {
         client.set_option(*o).map_err(|e| e.to_string())?;
     }
-    client.connect(addr, &eq_a, 2).map_err(|e| format!("connect: {e}"))?;
+    client
+        .connect(addr, &eq_a, 2)
+        .map_err(|e| format!("connect: {e}"))?;
     let c = next(&eq_a)?;
-    ensure!(c.kind == EventKind::Connect && c.is_ok(), "connect event: {c:?}");
+    ensure!(
+        c.kind == EventKind::Connect && c.is_ok(),
+        "connect event: {c:?}"
+    );
     let mut s = next(&eq_b)?;
-    ensure!(s.kind == EventKind::Accept && s.is_ok(), "accept event: {s:?}");
+    ensure!(
+        s.kind == EventKind::Accept && s.is_ok(),
+        "accept event: {s:?}"
+    );
     let server = s.accepted.take().ok_or("accept event without a socket")?;
-    Ok(Pair { a, b, client, server, listener, eq_a, eq_b })
+    Ok(Pair {
+        a,
+        b,
+        client,
+        server,
+        listener,
+        eq_a,
+        eq_b,
+    })
 }
 
 impl Pair {

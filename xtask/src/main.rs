@@ -1,6 +1,7 @@
 //! `cargo xtask`: install what the project needs, run its tests, benchmarks and demo.
 
 mod demo;
+mod rxe;
 mod sys;
 mod test;
 mod vm;
@@ -24,6 +25,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Soft-RoCE on this machine (kernels with rdma_rxe): up [--link], down, status.
+    Rxe(rxe::RxeArgs),
     /// Runs a command inside the throw-away QEMU guest with Soft-RoCE (rxe0 on 192.168.77.1).
     Vm {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
@@ -37,6 +40,7 @@ fn main() {
         Cmd::Test(a) => test::run(a),
         Cmd::Demo { args } => demo::run(args),
         Cmd::Vm { args } => vm::run_command(args),
+        Cmd::Rxe(a) => rxe::run(a),
     };
     if let Err(e) = r {
         eprintln!("xtask: error: {e}");

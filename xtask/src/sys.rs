@@ -7,7 +7,10 @@ pub type Result<T> = std::result::Result<T, String>;
 
 /// The workspace root (the parent of xtask/).
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
 }
 
 /// Runs a command, inheriting stdio; fails with a message naming it.
@@ -21,12 +24,16 @@ pub fn run(cmd: &mut Command) -> Result<()> {
 
 pub fn status(cmd: &mut Command) -> Result<ExitStatus> {
     eprintln!("+ {}", show(cmd));
-    cmd.status().map_err(|e| format!("cannot run {}: {e}", show(cmd)))
+    cmd.status()
+        .map_err(|e| format!("cannot run {}: {e}", show(cmd)))
 }
 
 /// Runs a command and captures stdout (stderr passes through).
 pub fn output(cmd: &mut Command) -> Result<String> {
-    let out = cmd.stderr(Stdio::inherit()).output().map_err(|e| format!("cannot run {}: {e}", show(cmd)))?;
+    let out = cmd
+        .stderr(Stdio::inherit())
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", show(cmd)))?;
     if !out.status.success() {
         return Err(format!("command failed ({}): {}", out.status, show(cmd)));
     }
@@ -50,8 +57,12 @@ pub fn have(program: &str) -> bool {
         .unwrap_or(false)
 }
 
-fn is_root() -> bool {
-    Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
+pub fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
 }
 
 fn dpkg_installed(pkg: &str) -> bool {
@@ -71,7 +82,11 @@ pub fn ensure_packages(pkgs: &[&str]) -> Result<()> {
         eprintln!("xtask: not a Debian/Ubuntu system; make sure these (or their equivalents) are installed: {missing}");
         return Ok(());
     }
-    let missing: Vec<&str> = pkgs.iter().copied().filter(|p| !dpkg_installed(p)).collect();
+    let missing: Vec<&str> = pkgs
+        .iter()
+        .copied()
+        .filter(|p| !dpkg_installed(p))
+        .collect();
     if missing.is_empty() {
         return Ok(());
     }
@@ -80,15 +95,26 @@ pub fn ensure_packages(pkgs: &[&str]) -> Result<()> {
         missing.join(" ")
     );
     if !is_root() {
-        return Err(format!("missing system packages: {}\nrun as root:\n  {cmd}", missing.join(" ")));
+        return Err(format!(
+            "missing system packages: {}\nrun as root:\n  {cmd}",
+            missing.join(" ")
+        ));
     }
     eprintln!("xtask: installing {}", missing.join(" "));
-    run(Command::new("sh").args(["-c", &cmd]).env("DEBIAN_FRONTEND", "noninteractive"))
+    run(Command::new("sh")
+        .args(["-c", &cmd])
+        .env("DEBIAN_FRONTEND", "noninteractive"))
 }
 
 /// Packages every build needs: rdma-core and libfabric headers, pkg-config, clang for bindgen.
-pub const BUILD_PACKAGES: &[&str] =
-    &["pkg-config", "libfabric-dev", "librdmacm-dev", "libibverbs-dev", "clang", "libclang-dev"];
+pub const BUILD_PACKAGES: &[&str] = &[
+    "pkg-config",
+    "libfabric-dev",
+    "librdmacm-dev",
+    "libibverbs-dev",
+    "clang",
+    "libclang-dev",
+];
 
 pub fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));

@@ -1,18 +1,22 @@
 //! `cargo xtask test`: every test, with a per-backend summary of the conformance suite.
 
+use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use clap::Args;
 
 use crate::sys::{self, Result};
+use crate::{rxe, vm};
 
 #[derive(Args)]
 pub struct TestArgs {
     /// Do not try to install missing system packages.
     #[arg(long)]
     pub no_install: bool,
-    /// Run only the conformance suite, on these backends (default: all).
+    /// Run only the conformance suite, on these backends (sim, fabric, softroce; default: all).
     #[arg(long, value_delimiter = ',')]
     pub backend: Vec<String>,
 }
@@ -38,12 +42,20 @@ fn parse_result(line: &str) -> Option<Counts> {
     let num = |word: &str| -> u64 {
         rest.split(';')
             .find_map(|part| {
-                let part = part.trim().trim_start_matches("ok.").trim_start_matches("FAILED.").trim();
+                let part = part
+                    .trim()
+                    .trim_start_matches("ok.")
+                    .trim_start_matches("FAILED.")
+                    .trim();
                 part.strip_suffix(word).and_then(|n| n.trim().parse().ok())
             })
             .unwrap_or(0)
     };
-    Some(Counts { passed: num("passed"), failed: num("failed"), ignored: num("ignored") })
+    Some(Counts {
+        passed: num("passed"),
+        failed: num("failed"),
+        ignored: num("ignored"),
+    })
 }
 
 /// Runs a command, echoing its output, and sums its "test result:" lines. Also returns the SKIPPED lines.
@@ -66,7 +78,10 @@ pub fn run_counting(cmd: &mut Command) -> Result<(Counts, bool, Vec<String>)> {
         skips
     });
     let mut counts = Counts::default();
-    for line in BufReader::new(child.stdout.take().expect("piped")).lines().map_while(|l| l.ok()) {
+    for line in BufReader::new(child.stdout.take().expect("piped"))
+        .lines()
+        .map_while(|l| l.ok())
+    {
         println!("{line}");
         if let Some(c) = parse_result(&line) {
             counts.add(c);
@@ -77,8 +92,236 @@ pub fn run_counting(cmd: &mut Command) -> Result<(Counts, bool, Vec<String>)> {
     Ok((counts, status.success(), skips))
 }
 
-/// Backends whose conformance suite runs on this host, with the cargo feature that enables each.
-const HOST_BACKENDS: &[(&str, &str)] = &[("sim", "sim"), ("fabric", "fabric")];
+/// The cargo features of the one conformance build: every backend.
+const CONFORMANCE_FEATURES: &str = "sim,fabric,softroce";
+/// Backends whose conformance suite runs on this host directly.
+const HOST_BACKENDS: &[&str] = &["sim", "fabric"];
+
+/// Builds the conformance suite with every backend and returns the test binary's path.
+fn conformance_exe() -> Result<PathBuf> {
+    let out = sys::output(sys::cargo().args([
+        "test",
+        "-p",
+        "exs-conformance",
+        "--features",
+        CONFORMANCE_FEATURES,
+        "--test",
+        "conformance",
+        "--no-run",
+        "--message-format=json-render-diagnostics",
+    ]))?;
+    out.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "conformance")
+        .find_map(|v| v["executable"].as_str().map(PathBuf::from))
+        .ok_or_else(|| "cargo did not report the conformance test binary".to_string())
+}
+
+/// Results of a script whose output is cut into sections by `@@section NAME` lines (on stdout and stderr):
+/// libtest counts, SKIPPED lines and the BACKEND line of each section.
+#[derive(Default)]
+pub struct Sections {
+    current: [Option<String>; 2],
+    order: Vec<String>,
+    counts: BTreeMap<String, Counts>,
+    skips: BTreeMap<String, Vec<String>>,
+    backends: BTreeMap<String, Vec<String>>,
+}
+
+impl Sections {
+    /// Takes one line of output (echoing it).
+    pub fn line(&mut self, l: &str, stderr: bool) {
+        if stderr {
+            eprintln!("{l}");
+        } else {
+            println!("{l}");
+        }
+        if let Some(name) = l.strip_prefix("@@section ") {
+            if !self.order.iter().any(|n| n == name) {
+                self.order.push(name.to_string());
+            }
+            self.current[stderr as usize] = Some(name.to_string());
+            return;
+        }
+        let Some(cur) = self.current[stderr as usize].clone() else {
+            return;
+        };
+        if !stderr {
+            if let Some(c) = parse_result(l) {
+                self.counts.entry(cur).or_default().add(c);
+            }
+        } else if l.starts_with("SKIPPED") {
+            self.skips.entry(cur).or_default().push(l.to_string());
+        } else if let Some(b) = l.strip_prefix("BACKEND ") {
+            self.backends.entry(cur).or_default().push(b.to_string());
+        }
+    }
+
+    /// One summary line per section; a section whose name is `backend[:anything]` keeps only that backend's skips.
+    fn report(&self, where_: &str, summary: &mut Vec<String>, failures: &mut Vec<String>) {
+        for name in &self.order {
+            let c = self.counts.get(name).copied().unwrap_or_default();
+            let backend = name.split(':').next().unwrap_or(name);
+            let skips: Vec<&String> = self
+                .skips
+                .get(name)
+                .into_iter()
+                .flatten()
+                .filter(|l| {
+                    l.starts_with(&format!("SKIPPED {backend}::"))
+                        || l.starts_with(&format!("SKIPPED backend {backend}:"))
+                })
+                .collect();
+            let on = self
+                .backends
+                .get(name)
+                .into_iter()
+                .flatten()
+                .find_map(|b| b.strip_prefix(&format!("{backend}: ")))
+                .filter(|d| !d.is_empty())
+                .map(|d| format!(" [{d}]"))
+                .unwrap_or_default();
+            if c.failed > 0 || c.passed == 0 {
+                failures.push(format!("conformance on {name}{where_}"));
+            }
+            summary.push(format!(
+                "conformance on {name}{where_}{on}: {} ran, {} passed, {} failed, {} skipped{}",
+                c.passed + c.failed,
+                c.passed,
+                c.failed,
+                c.ignored,
+                if skips.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        " ({})",
+                        skips
+                            .iter()
+                            .map(|s| s.as_str())
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    )
+                }
+            ));
+        }
+    }
+}
+
+/// Runs a command, handing every output line to `sections`.
+fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> {
+    eprintln!("+ {}", sys::show(cmd));
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run {}: {e}", sys::show(cmd)))?;
+    let (tx, rx) = std::sync::mpsc::channel::<(String, bool)>();
+    let err = child.stderr.take().expect("piped");
+    let out = child.stdout.take().expect("piped");
+    let t1 = {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            BufReader::new(err)
+                .lines()
+                .map_while(|l| l.ok())
+                .for_each(|l| drop(tx.send((l, true))))
+        })
+    };
+    let t2 = std::thread::spawn(move || {
+        BufReader::new(out)
+            .lines()
+            .map_while(|l| l.ok())
+            .for_each(|l| drop(tx.send((l, false))))
+    });
+    for (l, stderr) in rx {
+        sections.line(&l, stderr);
+    }
+    let _ = (t1.join(), t2.join());
+    Ok(child.wait().map_err(|e| e.to_string())?.success())
+}
+
+/// The shell lines that run the RDMA part of the conformance suite: every test on the Soft-RoCE device at the
+/// near end of the veth link (so the two-host test reaches the far end), then again on the same device through
+/// the plain verbs backend with write-with-immediate forced off (the write + send fallback).
+fn rdma_script(xtask: &Path, exe: &Path) -> String {
+    let (_, _, near) = rxe::NEAR;
+    let (_, _, far) = rxe::FAR;
+    let peer = format!("EXS_PEER_ADDR={far} EXS_PEER_LINK={}", rxe::NEAR.1);
+    let exe = exe.display();
+    format!(
+        "set -u
+{xtask} rxe up --link || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}
+section() {{ echo \"@@section $1\"; echo \"@@section $1\" >&2; }}
+section softroce
+env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce::
+section verbs:write-imm-emulated
+env EXS_VERBS_ADDR={near} EXS_VERBS_EMULATE_IMM=1 {peer} {exe} verbs::
+",
+        xtask = xtask.display()
+    )
+}
+
+/// Where the RDMA tests run: here when the kernel has Soft-RoCE and we may configure it, else in the QEMU guest.
+/// `EXS_RDMA_TESTS=native|vm` forces one.
+fn rdma_conformance(
+    exe: &Path,
+    summary: &mut Vec<String>,
+    failures: &mut Vec<String>,
+) -> Result<()> {
+    let xtask = std::env::current_exe().map_err(|e| e.to_string())?;
+    let script = rdma_script(&xtask, exe);
+    let forced = std::env::var("EXS_RDMA_TESTS").ok();
+    let native = match forced.as_deref() {
+        Some("native") => true,
+        Some("vm") => false,
+        _ => {
+            sys::is_root()
+                && exs_backend_softroce::kernel_supports(exs_backend_softroce::Kind::Rxe).is_ok()
+        }
+    };
+    let mut sections = Sections::default();
+    let start = std::time::Instant::now();
+    let where_ = if native {
+        eprintln!("xtask: this kernel has Soft-RoCE: running the RDMA tests natively");
+        let existed: Vec<String> = exs_backend_softroce::devices()
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        let ok = run_sections(Command::new("sh").args(["-c", &script]), &mut sections)?;
+        if !existed.iter().any(|d| d == rxe::NEAR.0) {
+            rxe::down();
+        }
+        if !ok && sections.order.is_empty() {
+            return Err("the Soft-RoCE setup failed (see above)".into());
+        }
+        " (native)".to_string()
+    } else {
+        eprintln!("xtask: no usable Soft-RoCE in this kernel: running the RDMA tests in a throw-away QEMU guest");
+        let vm = vm::Vm::prepare()?;
+        let o = vm.run_streaming(&script, Duration::from_secs(40 * 60), &mut |l, e| {
+            sections.line(l, e)
+        })?;
+        match o.rc {
+            None => {
+                return Err(format!(
+                    "the VM gave no exit code; console:\n{}",
+                    vm::tail(&o.console, 40)
+                ))
+            }
+            Some(90) => {
+                return Err(format!(
+                    "Soft-RoCE setup failed in the VM; console:\n{}",
+                    vm::tail(&o.console, 40)
+                ))
+            }
+            Some(_) => {}
+        }
+        format!(" (QEMU guest, kernel {}, {:?})", vm.kver, vm.accel)
+    };
+    sections.report(&where_, summary, failures);
+    summary.push(format!("RDMA tests took {:.0?}", start.elapsed()));
+    Ok(())
+}
 
 pub fn run(args: TestArgs) -> Result<()> {
     if !args.no_install {
@@ -87,7 +330,14 @@ pub fn run(args: TestArgs) -> Result<()> {
     let mut failures = Vec::new();
     let mut summary = Vec::new();
     let only_conformance = !args.backend.is_empty();
-    sys::run(sys::cargo().args(["build", "--workspace", "--all-targets", "--features", "exs-conformance/fabric"]))?;
+    let wanted = |b: &str| !only_conformance || args.backend.iter().any(|x| x == b);
+    sys::run(sys::cargo().args([
+        "build",
+        "--workspace",
+        "--all-targets",
+        "--features",
+        "exs-conformance/fabric,exs-conformance/softroce",
+    ]))?;
     if !only_conformance {
         let (c, ok, _) = run_counting(sys::cargo().args([
             "test",
@@ -99,12 +349,26 @@ pub fn run(args: TestArgs) -> Result<()> {
         if !ok || c.failed > 0 {
             failures.push("workspace tests".to_string());
         }
-        summary.push(format!("workspace (unit, protocol, property tests): {} ran, {} passed, {} failed", c.passed + c.failed, c.passed, c.failed));
+        summary.push(format!(
+            "workspace (unit, protocol, property tests): {} ran, {} passed, {} failed",
+            c.passed + c.failed,
+            c.passed,
+            c.failed
+        ));
         // The long property runs, in a release build: 10,000 stream cases (issue: "at least 10,000 cases in CI")
         // and 2,000 message-mode cases.
         let (c, ok, _) = run_counting(
             sys::cargo()
-                .args(["test", "--release", "-p", "exs", "--test", "stream_props", "--test", "message_props"])
+                .args([
+                    "test",
+                    "--release",
+                    "-p",
+                    "exs",
+                    "--test",
+                    "stream_props",
+                    "--test",
+                    "message_props",
+                ])
                 .env("EXS_STREAM_CASES", "10000")
                 .env("EXS_PROPTEST_CASES", "2000"),
         )?;
@@ -118,37 +382,19 @@ pub fn run(args: TestArgs) -> Result<()> {
             c.failed
         ));
     }
-    for &(backend, feature) in HOST_BACKENDS {
-        if only_conformance && !args.backend.iter().any(|b| b == backend) {
-            continue;
+    let exe = conformance_exe()?;
+    let mut host = Sections::default();
+    for &backend in HOST_BACKENDS.iter().filter(|b| wanted(b)) {
+        host.line(&format!("@@section {backend}"), false);
+        host.line(&format!("@@section {backend}"), true);
+        run_sections(Command::new(&exe).arg(format!("{backend}::")), &mut host)?;
+    }
+    host.report("", &mut summary, &mut failures);
+    if wanted("softroce") || wanted("verbs") {
+        if let Err(e) = rdma_conformance(&exe, &mut summary, &mut failures) {
+            summary.push(format!("conformance on Soft-RoCE: could not run: {e}"));
+            failures.push("conformance on Soft-RoCE".into());
         }
-        let filter = format!("{backend}::");
-        let (c, ok, skips) = run_counting(sys::cargo().args([
-            "test",
-            "-p",
-            "exs-conformance",
-            "--features",
-            feature,
-            "--test",
-            "conformance",
-            "--",
-            &filter,
-        ]))?;
-        if !ok || c.failed > 0 {
-            failures.push(format!("conformance on {backend}"));
-        }
-        let skips: Vec<String> = skips
-            .into_iter()
-            .filter(|l| l.starts_with(&format!("SKIPPED {backend}::")) || l.starts_with(&format!("SKIPPED backend {backend}:")))
-            .collect();
-        summary.push(format!(
-            "conformance on {backend}: {} ran, {} passed, {} failed, {} skipped{}",
-            c.passed + c.failed,
-            c.passed,
-            c.failed,
-            c.ignored,
-            if skips.is_empty() { String::new() } else { format!(" ({})", skips.join("; ")) }
-        ));
     }
     eprintln!("\n==== cargo xtask test ====");
     for s in &summary {
@@ -170,7 +416,8 @@ mod tests {
     fn parses_libtest_result_lines() {
         let c = parse_result("test result: ok. 22 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 1s").unwrap();
         assert_eq!((c.passed, c.failed, c.ignored), (22, 0, 2));
-        let c = parse_result("test result: FAILED. 11 passed; 1 failed; 0 ignored; 0 measured").unwrap();
+        let c = parse_result("test result: FAILED. 11 passed; 1 failed; 0 ignored; 0 measured")
+            .unwrap();
         assert_eq!((c.passed, c.failed, c.ignored), (11, 1, 0));
         assert!(parse_result("running 3 tests").is_none());
     }

@@ -56,19 +56,21 @@ pub struct Vm {
 
 pub struct Outcome {
     pub rc: Option<i32>,
-    pub stdout: String,
-    pub stderr: String,
     pub console: String,
-    pub wall: Duration,
 }
 
 fn kernel_package() -> Result<String> {
     let deps = sys::output(Command::new("apt-cache").args(["depends", "linux-image-amd64"]))?;
     deps.lines()
         .filter_map(|l| l.trim().strip_prefix("Depends: "))
-        .find(|p| p.starts_with("linux-image-") && p.chars().nth(12).is_some_and(|c| c.is_ascii_digit()))
+        .find(|p| {
+            p.starts_with("linux-image-") && p.chars().nth(12).is_some_and(|c| c.is_ascii_digit())
+        })
         .map(str::to_string)
-        .ok_or_else(|| "apt-cache does not name a versioned linux-image package (run apt-get update)".to_string())
+        .ok_or_else(|| {
+            "apt-cache does not name a versioned linux-image package (run apt-get update)"
+                .to_string()
+        })
 }
 
 /// Writes a `newc` cpio archive (the initramfs format) of (path, mode, contents) entries.
@@ -155,12 +157,19 @@ impl Vm {
             eprintln!("xtask: fetching {pkg} (its vmlinuz and modules; nothing is installed)");
             let debs = dir.join("debs");
             fs::create_dir_all(&debs).map_err(|e| e.to_string())?;
-            sys::run(Command::new("apt-get").args(["download", "-q", &pkg]).current_dir(&debs))?;
+            sys::run(
+                Command::new("apt-get")
+                    .args(["download", "-q", &pkg])
+                    .current_dir(&debs),
+            )?;
             let deb = fs::read_dir(&debs)
                 .map_err(|e| e.to_string())?
                 .filter_map(|e| e.ok())
                 .map(|e| e.path())
-                .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with(&format!("{pkg}_"))))
+                .find(|p| {
+                    p.file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with(&format!("{pkg}_")))
+                })
                 .ok_or("apt-get download left no package")?;
             sys::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root))?;
             sys::run(Command::new("depmod").arg("-b").arg(&root).arg(&kver))?;
@@ -169,7 +178,13 @@ impl Vm {
         if !initrd.exists() {
             Self::build_initrd(&root, &kver, &initrd)?;
         }
-        let mut vm = Vm { dir, kernel, initrd, kver, accel: Accel::Tcg };
+        let mut vm = Vm {
+            dir,
+            kernel,
+            initrd,
+            kver,
+            accel: Accel::Tcg,
+        };
         vm.accel = vm.probe_accel();
         Ok(vm)
     }
@@ -177,12 +192,19 @@ impl Vm {
     fn build_initrd(root: &Path, kver: &str, out: &Path) -> Result<()> {
         let mut mods: Vec<String> = Vec::new();
         for m in MODULES {
-            let deps = sys::output(
-                Command::new("modprobe").arg("-d").arg(root).args(["-S", kver, "--show-depends", m]),
-            )?;
+            let deps = sys::output(Command::new("modprobe").arg("-d").arg(root).args([
+                "-S",
+                kver,
+                "--show-depends",
+                m,
+            ]))?;
             for l in deps.lines() {
                 if let Some(path) = l.strip_prefix("insmod ") {
-                    let path = path.split_whitespace().next().unwrap_or_default().to_string();
+                    let path = path
+                        .split_whitespace()
+                        .next()
+                        .unwrap_or_default()
+                        .to_string();
                     if !mods.contains(&path) {
                         mods.push(path);
                     }
@@ -194,12 +216,17 @@ impl Vm {
             ("lib".into(), 0o040755, Vec::new()),
             ("lib/modules".into(), 0o040755, Vec::new()),
         ];
-        let busybox = fs::read("/bin/busybox").map_err(|e| format!("/bin/busybox (busybox-static): {e}"))?;
+        let busybox =
+            fs::read("/bin/busybox").map_err(|e| format!("/bin/busybox (busybox-static): {e}"))?;
         entries.push(("bin/busybox".into(), 0o100755, busybox));
         entries.push(("init".into(), 0o100755, INIT.as_bytes().to_vec()));
         let mut list = String::new();
         for m in &mods {
-            let name = Path::new(m).file_name().ok_or("bad module path")?.to_string_lossy().into_owned();
+            let name = Path::new(m)
+                .file_name()
+                .ok_or("bad module path")?
+                .to_string_lossy()
+                .into_owned();
             let data = fs::read(m).map_err(|e| format!("{m}: {e}"))?;
             entries.push((format!("lib/modules/{name}"), 0o100644, data));
             list.push_str(&name);
@@ -207,7 +234,11 @@ impl Vm {
         }
         entries.push(("modules.list".into(), 0o100644, list.into_bytes()));
         fs::write(out, cpio(&entries)).map_err(|e| e.to_string())?;
-        eprintln!("xtask: initramfs with {} modules: {}", mods.len(), out.display());
+        eprintln!(
+            "xtask: initramfs with {} modules: {}",
+            mods.len(),
+            out.display()
+        );
         Ok(())
     }
 
@@ -218,14 +249,26 @@ impl Vm {
         }
         let cache = self.dir.join("accel");
         if let Ok(v) = fs::read_to_string(&cache) {
-            return if v.trim() == "kvm" { Accel::Kvm } else { Accel::Tcg };
+            return if v.trim() == "kvm" {
+                Accel::Kvm
+            } else {
+                Accel::Tcg
+            };
         }
         let mut accel = Accel::Tcg;
         if Path::new("/dev/kvm").exists() {
-            let probe = Vm { dir: self.dir.clone(), kernel: self.kernel.clone(), initrd: self.initrd.clone(), kver: self.kver.clone(), accel: Accel::Kvm };
+            let probe = Vm {
+                dir: self.dir.clone(),
+                kernel: self.kernel.clone(),
+                initrd: self.initrd.clone(),
+                kver: self.kver.clone(),
+                accel: Accel::Kvm,
+            };
             match probe.run("true", Duration::from_secs(25)) {
                 Ok(o) if o.rc == Some(0) => accel = Accel::Kvm,
-                _ => eprintln!("xtask: KVM does not boot the guest here; using software emulation (TCG)"),
+                _ => eprintln!(
+                    "xtask: KVM does not boot the guest here; using software emulation (TCG)"
+                ),
             }
         } else {
             eprintln!("xtask: no /dev/kvm; using software emulation (TCG)");
@@ -236,7 +279,21 @@ impl Vm {
 
     /// Runs `script` (sh) in a fresh guest, with a hard timeout.
     pub fn run(&self, script: &str, timeout: Duration) -> Result<Outcome> {
-        let results = self.dir.join(format!("run-{}-{}", std::process::id(), Instant::now().elapsed().as_nanos()));
+        self.run_streaming(script, timeout, &mut |_, _| {})
+    }
+
+    /// [`Vm::run`], handing each line of the script's output to `line` as it appears (`true`: stderr).
+    pub fn run_streaming(
+        &self,
+        script: &str,
+        timeout: Duration,
+        line: &mut dyn FnMut(&str, bool),
+    ) -> Result<Outcome> {
+        let results = self.dir.join(format!(
+            "run-{}-{}",
+            std::process::id(),
+            Instant::now().elapsed().as_nanos()
+        ));
         let _ = fs::remove_dir_all(&results);
         fs::create_dir_all(&results).map_err(|e| e.to_string())?;
         fs::write(results.join("run.sh"), script).map_err(|e| e.to_string())?;
@@ -246,17 +303,54 @@ impl Vm {
             Accel::Kvm => cmd.args(["-accel", "kvm", "-cpu", "max"]),
             Accel::Tcg => cmd.args(["-accel", "tcg,thread=multi", "-cpu", "max"]),
         };
-        cmd.args(["-m", "2048", "-smp", "2", "-nodefaults", "-display", "none", "-no-reboot"]);
-        cmd.arg("-serial").arg(format!("file:{}", console.display()));
-        cmd.arg("-kernel").arg(&self.kernel).arg("-initrd").arg(&self.initrd);
-        cmd.arg("-append").arg(format!("console=ttyS0 panic=-1 quiet exs.results={}", results.display()));
-        cmd.args(["-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap"]);
-        cmd.arg("-virtfs").arg(format!("local,path={},mount_tag=results,security_model=none", results.display()));
-        cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::piped());
+        cmd.args([
+            "-m",
+            "2048",
+            "-smp",
+            "2",
+            "-nodefaults",
+            "-display",
+            "none",
+            "-no-reboot",
+        ]);
+        cmd.arg("-serial")
+            .arg(format!("file:{}", console.display()));
+        cmd.arg("-kernel")
+            .arg(&self.kernel)
+            .arg("-initrd")
+            .arg(&self.initrd);
+        cmd.arg("-append").arg(format!(
+            "console=ttyS0 panic=-1 quiet exs.results={}",
+            results.display()
+        ));
+        cmd.args([
+            "-virtfs",
+            "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+        ]);
+        cmd.arg("-virtfs").arg(format!(
+            "local,path={},mount_tag=results,security_model=none",
+            results.display()
+        ));
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
         let start = Instant::now();
-        let mut child = cmd.spawn().map_err(|e| format!("cannot start qemu-system-x86_64: {e}"))?;
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start qemu-system-x86_64: {e}"))?;
+        let mut tails = [
+            Tail::new(results.join("stdout"), false),
+            Tail::new(results.join("stderr"), true),
+        ];
         let status = loop {
+            for t in &mut tails {
+                t.poll(line);
+            }
             if let Some(st) = child.try_wait().map_err(|e| e.to_string())? {
+                for t in &mut tails {
+                    t.poll(line);
+                    t.finish(line);
+                }
                 break Some(st);
             }
             if start.elapsed() > timeout {
@@ -269,16 +363,60 @@ impl Vm {
         let read = |n: &str| fs::read_to_string(results.join(n)).unwrap_or_default();
         let out = Outcome {
             rc: read("rc").trim().parse().ok(),
-            stdout: read("stdout"),
-            stderr: read("stderr"),
             console: read("console.log"),
-            wall: start.elapsed(),
         };
         if status.is_none() {
-            eprintln!("xtask: the VM did not finish within {timeout:?}; console tail:\n{}", tail(&out.console, 20));
+            eprintln!(
+                "xtask: the VM did not finish within {timeout:?}; console tail:\n{}",
+                tail(&out.console, 20)
+            );
         }
         let _ = fs::remove_dir_all(&results);
         Ok(out)
+    }
+}
+
+/// Follows a file the guest writes over 9p, line by line.
+struct Tail {
+    path: PathBuf,
+    stderr: bool,
+    offset: u64,
+    partial: String,
+}
+
+impl Tail {
+    fn new(path: PathBuf, stderr: bool) -> Self {
+        Tail {
+            path,
+            stderr,
+            offset: 0,
+            partial: String::new(),
+        }
+    }
+
+    fn poll(&mut self, line: &mut dyn FnMut(&str, bool)) {
+        use std::io::{Read, Seek, SeekFrom};
+        let Ok(mut f) = fs::File::open(&self.path) else {
+            return;
+        };
+        if f.seek(SeekFrom::Start(self.offset)).is_err() {
+            return;
+        }
+        let mut buf = Vec::new();
+        if let Ok(n) = f.read_to_end(&mut buf) {
+            self.offset += n as u64;
+            self.partial.push_str(&String::from_utf8_lossy(&buf));
+            while let Some(i) = self.partial.find('\n') {
+                let l: String = self.partial.drain(..=i).collect();
+                line(l.trim_end_matches('\n'), self.stderr);
+            }
+        }
+    }
+
+    fn finish(&mut self, line: &mut dyn FnMut(&str, bool)) {
+        if !self.partial.is_empty() {
+            line(&std::mem::take(&mut self.partial), self.stderr);
+        }
     }
 }
 
@@ -302,11 +440,21 @@ pub fn run_command(args: Vec<String>) -> Result<()> {
     let mut script = String::from(RXE_SETUP);
     let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
     script.push_str(&format!("cd {}\n", cwd.display()));
-    script.push_str(&args.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" "));
+    script.push_str(
+        &args
+            .iter()
+            .map(|a| shell_quote(a))
+            .collect::<Vec<_>>()
+            .join(" "),
+    );
     script.push('\n');
-    let o = vm.run(&script, Duration::from_secs(1800))?;
-    print!("{}", o.stdout);
-    eprint!("{}", o.stderr);
+    let o = vm.run_streaming(&script, Duration::from_secs(1800), &mut |l, err| {
+        if err {
+            eprintln!("{l}");
+        } else {
+            println!("{l}");
+        }
+    })?;
     let _ = std::io::stdout().flush();
     match o.rc {
         Some(0) => Ok(()),
@@ -316,7 +464,9 @@ pub fn run_command(args: Vec<String>) -> Result<()> {
 }
 
 pub fn shell_quote(s: &str) -> String {
-    if s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,@".contains(c)) {
+    if s.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "-_./=:,@".contains(c))
+    {
         s.to_string()
     } else {
         format!("'{}'", s.replace('\'', "'\\''"))

@@ -85,7 +85,16 @@ impl Conn {
         limits: Limits,
         stream_setup: Option<StreamSetup>,
     ) -> Self {
-        Conn { ep, sock_type, link, local, mode: None, limits, stream_setup, close_queued: false }
+        Conn {
+            ep,
+            sock_type,
+            link,
+            local,
+            mode: None,
+            limits,
+            stream_setup,
+            close_queued: false,
+        }
     }
 
     /// Applies the peer's handshake: checks it and negotiates credits and sizes (seed 002, 3.2:
@@ -125,13 +134,18 @@ impl Conn {
                     return Err(Violation::Handshake("zero advert credits".into()));
                 }
                 let small = (opts.small_packet_max_size as usize).min(room);
-                Mode::Message(MessageProto::new(send, recv, small, self.limits.max_message, delay_acks))
+                Mode::Message(MessageProto::new(
+                    send,
+                    recv,
+                    small,
+                    self.limits.max_message,
+                    delay_acks,
+                ))
             }
             SockType::Stream => {
-                let setup = self
-                    .stream_setup
-                    .take()
-                    .ok_or_else(|| Violation::Handshake("stream socket without a stream buffer".into()))?;
+                let setup = self.stream_setup.take().ok_or_else(|| {
+                    Violation::Handshake("stream socket without a stream buffer".into())
+                })?;
                 let mut s = StreamProto::new(setup, peer, opts, self.limits)?;
                 s.set_max_sge(self.limits.max_sge);
                 Mode::Stream(Box::new(s))
@@ -219,7 +233,10 @@ impl Conn {
     ) -> Result<(), Violation> {
         match &mut self.mode {
             Some(Mode::Stream(s)) => s.recv(ticket, exposure, reg, flags, &mut self.link),
-            _ => Err(Violation::Unexpected { kind: "stream receive", context: "on a message socket" }),
+            _ => Err(Violation::Unexpected {
+                kind: "stream receive",
+                context: "on a message socket",
+            }),
         }
     }
 
@@ -231,7 +248,11 @@ impl Conn {
     }
 
     /// Handles one completion of this connection's endpoint.
-    pub(crate) fn on_completion(&mut self, c: &Completion, out: &mut Vec<WorkRequest>) -> Result<Incoming, Fault> {
+    pub(crate) fn on_completion(
+        &mut self,
+        c: &Completion,
+        out: &mut Vec<WorkRequest>,
+    ) -> Result<Incoming, Fault> {
         match (c.op, link::wr_kind(c.wr_id)) {
             (Completed::Recv { len, imm }, Some(WrKind::Recv(slot))) => {
                 match &c.status {
@@ -289,9 +310,9 @@ impl Conn {
     fn check_local(&self, status: &Result<(), WcError>) -> Result<(), Fault> {
         match status {
             Ok(()) | Err(WcError::Flushed) => Ok(()),
-            Err(WcError::RemoteAccess) => {
-                Err(Fault::Peer(Violation::RemoteAccess("the peer's device refused our RDMA access".into())))
-            }
+            Err(WcError::RemoteAccess) => Err(Fault::Peer(Violation::RemoteAccess(
+                "the peer's device refused our RDMA access".into(),
+            ))),
             Err(e) => Err(Fault::Transport(e.clone())),
         }
     }
@@ -299,25 +320,43 @@ impl Conn {
     fn on_write_imm(&mut self, imm: u32) -> Result<(), Violation> {
         match &mut self.mode {
             Some(Mode::Stream(s)) => s.on_write_imm(imm, &mut self.link),
-            _ => Err(Violation::Unexpected { kind: "write-with-immediate", context: "on a message-mode socket" }),
+            _ => Err(Violation::Unexpected {
+                kind: "write-with-immediate",
+                context: "on a message-mode socket",
+            }),
         }
     }
 
-    fn on_ctrl(&mut self, slot: u32, len: usize, _out: &mut [WorkRequest]) -> Result<Incoming, Violation> {
+    fn on_ctrl(
+        &mut self,
+        slot: u32,
+        len: usize,
+        _out: &mut [WorkRequest],
+    ) -> Result<Incoming, Violation> {
         let (msg, inline) = self.link.read_slot(slot, len)?;
         self.on_message(msg, inline)
     }
 
-    fn on_message(&mut self, msg: Message, inline: std::ops::Range<usize>) -> Result<Incoming, Violation> {
+    fn on_message(
+        &mut self,
+        msg: Message,
+        inline: std::ops::Range<usize>,
+    ) -> Result<Incoming, Violation> {
         self.link.credits_returned(msg.credits)?;
         let Some(mode) = &mut self.mode else {
-            return Err(Violation::Unexpected { kind: msg.body.kind().name(), context: "before the handshake" });
+            return Err(Violation::Unexpected {
+                kind: msg.body.kind().name(),
+                context: "before the handshake",
+            });
         };
         if let Some(ack) = msg.ack {
             match mode {
                 Mode::Message(m) => m.on_ack(ack, &mut self.link)?,
                 Mode::Stream(_) => {
-                    return Err(Violation::Unexpected { kind: "acknowledgment", context: "on a stream socket" })
+                    return Err(Violation::Unexpected {
+                        kind: "acknowledgment",
+                        context: "on a stream socket",
+                    })
                 }
             }
         }
@@ -332,12 +371,14 @@ impl Conn {
                     let src = rx
                         .lease(range.start..range.start + n, LeaseKind::DeviceRead)
                         .map_err(|e| Violation::BadRange(e.to_string()))?;
-                    src.copy_to(0, sge.lease_mut(), 0, n).map_err(|e| Violation::BadRange(e.to_string()))
+                    src.copy_to(0, sge.lease_mut(), 0, n)
+                        .map_err(|e| Violation::BadRange(e.to_string()))
                 };
                 let rx2 = std::sync::Arc::clone(self.link.rx_buf());
                 let mut copy_out = || -> Result<Vec<u8>, Violation> {
                     let mut v = vec![0u8; inline.len()];
-                    rx2.read_at(inline.start, &mut v).map_err(|e| Violation::BadRange(e.to_string()))?;
+                    rx2.read_at(inline.start, &mut v)
+                        .map_err(|e| Violation::BadRange(e.to_string()))?;
                     Ok(v)
                 };
                 m.on_advert(a, &mut into_recv, &mut copy_out, &mut self.link)?;
@@ -345,7 +386,10 @@ impl Conn {
             (Body::StreamAdvert(a), Mode::Stream(s)) => s.on_advert(a, &mut self.link)?,
             (Body::StreamWindow { consumed }, Mode::Stream(s)) => s.on_window(consumed)?,
             (body, _) => {
-                return Err(Violation::Unexpected { kind: body.kind().name(), context: "for this socket type" });
+                return Err(Violation::Unexpected {
+                    kind: body.kind().name(),
+                    context: "for this socket type",
+                });
             }
         }
         Ok(Incoming::Nothing)
@@ -382,5 +426,4 @@ impl Conn {
     pub(crate) fn sends_drained(&self) -> bool {
         self.link.is_idle() && self.link.sends_drained(self.limits.max_send_wr)
     }
-
 }

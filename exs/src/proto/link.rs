@@ -93,14 +93,28 @@ impl Slots {
 /// A data operation: RDMA write (with immediate: a stream transfer) or RDMA read.
 #[derive(Debug)]
 pub(crate) enum DataOp {
-    Write { local: Vec<Sge>, remote: RemoteRef, imm: Option<u32> },
-    Read { local: Sge, remote: RemoteRef },
+    Write {
+        local: Vec<Sge>,
+        remote: RemoteRef,
+        imm: Option<u32>,
+    },
+    Read {
+        local: Sge,
+        remote: RemoteRef,
+    },
 }
 
 #[derive(Debug)]
 enum Outgoing {
-    Ctrl { body: Body, inline: Option<Sge>, notify: Option<u32> },
-    Data { op: DataOp, tag: u32 },
+    Ctrl {
+        body: Body,
+        inline: Option<Sge>,
+        notify: Option<u32>,
+    },
+    Data {
+        op: DataOp,
+        tag: u32,
+    },
 }
 
 /// Counters for tests and benchmarks.
@@ -157,7 +171,13 @@ impl AckSource for () {
 }
 
 impl Link {
-    pub(crate) fn new(rx: Slots, tx: Slots, max_send_wr: u32, max_read_depth: u32, imm_consumes_recv: bool) -> Self {
+    pub(crate) fn new(
+        rx: Slots,
+        tx: Slots,
+        max_send_wr: u32,
+        max_read_depth: u32,
+        imm_consumes_recv: bool,
+    ) -> Self {
         let free_tx = (0..tx.count).rev().collect();
         let tx_notify = vec![None; tx.count as usize];
         let threshold = (rx.count / 2).max(2);
@@ -198,9 +218,17 @@ impl Link {
     }
 
     fn recv_wr(&self, slot: u32) -> Result<WorkRequest, Violation> {
-        let sge = lease_sge(&self.rx.buf, &self.rx.reg, self.rx.range(slot), LeaseKind::DeviceWrite)
-            .map_err(|e| Violation::BadRange(format!("control receive slot {slot} is busy: {e}")))?;
-        Ok(WorkRequest { wr_id: wr_id(WrKind::Recv(slot)), op: Op::Recv { sge } })
+        let sge = lease_sge(
+            &self.rx.buf,
+            &self.rx.reg,
+            self.rx.range(slot),
+            LeaseKind::DeviceWrite,
+        )
+        .map_err(|e| Violation::BadRange(format!("control receive slot {slot} is busy: {e}")))?;
+        Ok(WorkRequest {
+            wr_id: wr_id(WrKind::Recv(slot)),
+            op: Op::Recv { sge },
+        })
     }
 
     /// The handshake told us the peer's window: the link may send from now on.
@@ -226,12 +254,20 @@ impl Link {
 
     /// Queues a control message. `notify` is handed back by [`Link::on_ctrl_done`] when its send completes.
     pub(crate) fn push_ctrl(&mut self, body: Body, inline: Option<Sge>, notify: Option<u32>) {
-        self.normal.push_back(Outgoing::Ctrl { body, inline, notify });
+        self.normal.push_back(Outgoing::Ctrl {
+            body,
+            inline,
+            notify,
+        });
     }
 
     /// Queues a control message that may use the reserve credit (CLOSE).
     pub(crate) fn push_urgent(&mut self, body: Body) {
-        self.urgent.push_back(Outgoing::Ctrl { body, inline: None, notify: None });
+        self.urgent.push_back(Outgoing::Ctrl {
+            body,
+            inline: None,
+            notify: None,
+        });
     }
 
     /// Queues an RDMA write (with immediate: a stream transfer), in order with control messages.
@@ -246,13 +282,19 @@ impl Link {
 
     /// Whether an explicit acknowledgment or credit message is already waiting.
     pub(crate) fn has_queued(&self, kind: Kind) -> bool {
-        self.normal.iter().chain(self.urgent.iter()).any(|o| matches!(o, Outgoing::Ctrl { body, .. } if body.kind() == kind))
+        self.normal
+            .iter()
+            .chain(self.urgent.iter())
+            .any(|o| matches!(o, Outgoing::Ctrl { body, .. } if body.kind() == kind))
     }
 
     fn consumes(&self, o: &Outgoing) -> bool {
         match o {
             Outgoing::Ctrl { .. } => true,
-            Outgoing::Data { op: DataOp::Write { imm: Some(_), .. }, .. } => self.imm_consumes_recv,
+            Outgoing::Data {
+                op: DataOp::Write { imm: Some(_), .. },
+                ..
+            } => self.imm_consumes_recv,
             Outgoing::Data { .. } => false,
         }
     }
@@ -270,7 +312,9 @@ impl Link {
                 // Drop messages that became pointless: a CREDIT whose credits already rode on an earlier message,
                 // an ACK whose acknowledgment did.
                 let pointless = match front {
-                    Outgoing::Ctrl { body: Body::Credit, .. } => self.owed == 0,
+                    Outgoing::Ctrl {
+                        body: Body::Credit, ..
+                    } => self.owed == 0,
                     _ => false,
                 };
                 if pointless {
@@ -278,7 +322,15 @@ impl Link {
                     self.credit_queued = false;
                     continue;
                 }
-                let need = if self.consumes(front) { if urgent { 1 } else { 2 } } else { 0 };
+                let need = if self.consumes(front) {
+                    if urgent {
+                        1
+                    } else {
+                        2
+                    }
+                } else {
+                    0
+                };
                 if need > 0 && self.tx_credits() < need {
                     if !urgent {
                         self.stats.credit_stalls += 1;
@@ -294,7 +346,11 @@ impl Link {
                 }
                 let item = self.pop(urgent).expect("front exists");
                 match item {
-                    Outgoing::Ctrl { body, inline, notify } => {
+                    Outgoing::Ctrl {
+                        body,
+                        inline,
+                        notify,
+                    } => {
                         let ack = if body.kind() == Kind::Ack {
                             match acks.take_ack(Kind::Ack) {
                                 Some(a) => Some(a),
@@ -306,7 +362,8 @@ impl Link {
                         self.post_ctrl(body, inline, notify, ack, out);
                     }
                     Outgoing::Data { op, tag } => {
-                        let consumes = matches!(op, DataOp::Write { imm: Some(_), .. }) && self.imm_consumes_recv;
+                        let consumes = matches!(op, DataOp::Write { imm: Some(_), .. })
+                            && self.imm_consumes_recv;
                         if consumes {
                             self.spent += 1;
                         }
@@ -318,7 +375,9 @@ impl Link {
             }
         }
         while self.reads_free > 0 && self.sq_free > 0 {
-            let Some((op, tag)) = self.reads.pop_front() else { break };
+            let Some((op, tag)) = self.reads.pop_front() else {
+                break;
+            };
             self.reads_free -= 1;
             self.sq_free -= 1;
             self.stats.reads += 1;
@@ -349,7 +408,11 @@ impl Link {
             self.credit_queued = false;
             self.stats.credit_msgs += 1;
         }
-        let msg = Message { credits: credits as u16, ack, body };
+        let msg = Message {
+            credits: credits as u16,
+            ack,
+            body,
+        };
         let range = self.tx.range(slot);
         let len = msg.encoded_len();
         // The slot is free (not leased), so the CPU may write it.
@@ -357,15 +420,23 @@ impl Link {
             .buf
             .with_slice_mut(range.start..range.start + len, |b| msg.encode(b))
             .expect("a free control send slot is not leased");
-        let header = lease_sge(&self.tx.buf, &self.tx.reg, range.start..range.start + len, LeaseKind::DeviceRead)
-            .expect("a free control send slot is not leased");
+        let header = lease_sge(
+            &self.tx.buf,
+            &self.tx.reg,
+            range.start..range.start + len,
+            LeaseKind::DeviceRead,
+        )
+        .expect("a free control send slot is not leased");
         let mut sges = vec![header];
         sges.extend(inline);
         self.tx_notify[slot as usize] = notify;
         self.spent += 1;
         self.sq_free -= 1;
         self.stats.ctrl_sent += 1;
-        out.push(WorkRequest { wr_id: wr_id(WrKind::Ctrl(slot)), op: Op::Send { sges, imm: None } });
+        out.push(WorkRequest {
+            wr_id: wr_id(WrKind::Ctrl(slot)),
+            op: Op::Send { sges, imm: None },
+        });
     }
 
     /// A control send completed (or was flushed): its slot and send-queue entry come back.
@@ -388,12 +459,21 @@ impl Link {
 
     /// Decodes the message in a receive slot (the receive completed with `len` bytes).
     /// Returns the message and the byte range of its immediate data inside the slot buffer.
-    pub(crate) fn read_slot(&self, slot: u32, len: usize) -> Result<(Message, std::ops::Range<usize>), Violation> {
+    pub(crate) fn read_slot(
+        &self,
+        slot: u32,
+        len: usize,
+    ) -> Result<(Message, std::ops::Range<usize>), Violation> {
         if slot >= self.rx.count {
-            return Err(Violation::BadRange(format!("receive completion for unknown slot {slot}")));
+            return Err(Violation::BadRange(format!(
+                "receive completion for unknown slot {slot}"
+            )));
         }
         if len > self.rx.size {
-            return Err(Violation::Malformed(WireError::LengthMismatch { expected: self.rx.size, got: len }));
+            return Err(Violation::Malformed(WireError::LengthMismatch {
+                expected: self.rx.size,
+                got: len,
+            }));
         }
         let range = self.rx.range(slot);
         let (msg, at) = self
@@ -411,13 +491,21 @@ impl Link {
     }
 
     /// Reposts a receive slot once its message has been processed; the buffer becomes a credit owed to the peer.
-    pub(crate) fn repost(&mut self, slot: u32, out: &mut Vec<WorkRequest>) -> Result<(), Violation> {
+    pub(crate) fn repost(
+        &mut self,
+        slot: u32,
+        out: &mut Vec<WorkRequest>,
+    ) -> Result<(), Violation> {
         out.push(self.recv_wr(slot)?);
         self.stats.ctrl_received += 1;
         self.owed += 1;
         if self.owed >= self.threshold && !self.credit_queued {
             self.credit_queued = true;
-            self.urgent.push_back(Outgoing::Ctrl { body: Body::Credit, inline: None, notify: None });
+            self.urgent.push_back(Outgoing::Ctrl {
+                body: Body::Credit,
+                inline: None,
+                notify: None,
+            });
         }
         Ok(())
     }
@@ -426,7 +514,10 @@ impl Link {
     pub(crate) fn credits_returned(&mut self, n: u16) -> Result<(), Violation> {
         let n = u32::from(n);
         if n > self.spent {
-            return Err(Violation::CreditsBeyondWindow { returned: n, spent: self.spent });
+            return Err(Violation::CreditsBeyondWindow {
+                returned: n,
+                spent: self.spent,
+            });
         }
         self.spent -= n;
         Ok(())
@@ -443,7 +534,10 @@ fn data_wr(op: DataOp, tag: u32) -> WorkRequest {
         DataOp::Write { local, remote, imm } => Op::Write { local, remote, imm },
         DataOp::Read { local, remote } => Op::Read { local, remote },
     };
-    WorkRequest { wr_id: wr_id(WrKind::Data(tag)), op }
+    WorkRequest {
+        wr_id: wr_id(WrKind::Data(tag)),
+        op,
+    }
 }
 
 #[cfg(test)]

@@ -196,7 +196,9 @@ impl MessageProto {
     /// Sends adverts while credits last (seed 002, 3.2).
     fn pump(&mut self, link: &mut Link) {
         while self.credits > 0 {
-            let Some(req) = self.queue.pop_front() else { return };
+            let Some(req) = self.queue.pop_front() else {
+                return;
+            };
             let seq = self.next_seq;
             self.next_seq = self.next_seq.wrapping_add(1);
             self.credits -= 1;
@@ -205,15 +207,39 @@ impl MessageProto {
                 SendData::Inline(sge) => {
                     self.stats.immediate_sent += 1;
                     let flags = AdvertFlags(AdvertFlags::IMMEDIATE);
-                    (Advert { seq, flags, len: req.len as u64, addr: 0, rkey: 0 }, Some(sge), None)
+                    (
+                        Advert {
+                            seq,
+                            flags,
+                            len: req.len as u64,
+                            addr: 0,
+                            rkey: 0,
+                        },
+                        Some(sge),
+                        None,
+                    )
                 }
                 SendData::Exposed(exp) => {
                     let r = exp.remote();
-                    (Advert { seq, flags: AdvertFlags(0), len: req.len as u64, addr: r.addr, rkey: r.key }, None, Some(exp))
+                    (
+                        Advert {
+                            seq,
+                            flags: AdvertFlags(0),
+                            len: req.len as u64,
+                            addr: r.addr,
+                            rkey: r.key,
+                        },
+                        None,
+                        Some(exp),
+                    )
                 }
             };
             let inline_in_flight = inline.is_some();
-            link.push_ctrl(Body::Advert(advert), inline, inline_in_flight.then_some(seq));
+            link.push_ctrl(
+                Body::Advert(advert),
+                inline,
+                inline_in_flight.then_some(seq),
+            );
             self.unacked.push_back(Outstanding {
                 seq,
                 ticket: Some(req.ticket),
@@ -232,7 +258,14 @@ impl MessageProto {
     pub(crate) fn recv(&mut self, req: RecvReq, link: &mut Link) {
         if self.peer_closed && self.adverts.is_empty() {
             // End of stream: nothing more will come.
-            req.ticket.complete(Ok(()), 0, EventFlags { eof: true, ..Default::default() });
+            req.ticket.complete(
+                Ok(()),
+                0,
+                EventFlags {
+                    eof: true,
+                    ..Default::default()
+                },
+            );
             return;
         }
         self.recvs.push_back(req);
@@ -248,19 +281,34 @@ impl MessageProto {
         link: &mut Link,
     ) -> Result<(), Violation> {
         if advert.seq != self.expected_seq {
-            return Err(Violation::AdvertOutOfOrder { expected: self.expected_seq, got: advert.seq });
+            return Err(Violation::AdvertOutOfOrder {
+                expected: self.expected_seq,
+                got: advert.seq,
+            });
         }
         // Seed 002, 3.2: the peer may have at most recv_credits adverts we have not acknowledged.
         let unacked = self.expected_seq.wrapping_sub(self.acked_seq);
         if unacked >= self.recv_window {
-            return Err(Violation::AdvertOverrun { seq: advert.seq, credits: self.recv_window });
+            return Err(Violation::AdvertOverrun {
+                seq: advert.seq,
+                credits: self.recv_window,
+            });
         }
         let flags = advert.flags;
         if flags.has(AdvertFlags::PERSISTENT) || flags.has(AdvertFlags::PERSISTENT_RECV) {
-            return Err(Violation::Unexpected { kind: "persistent ADVERT", context: "on a message-mode socket without persistent support" });
+            return Err(Violation::Unexpected {
+                kind: "persistent ADVERT",
+                context: "on a message-mode socket without persistent support",
+            });
         }
-        if !flags.has(AdvertFlags::IMMEDIATE) && advert.len > 0 && advert.addr.checked_add(advert.len).is_none() {
-            return Err(Violation::BadRange(format!("advert {}: address {:#x} + length {} overflows", advert.seq, advert.addr, advert.len)));
+        if !flags.has(AdvertFlags::IMMEDIATE)
+            && advert.len > 0
+            && advert.addr.checked_add(advert.len).is_none()
+        {
+            return Err(Violation::BadRange(format!(
+                "advert {}: address {:#x} + length {} overflows",
+                advert.seq, advert.addr, advert.len
+            )));
         }
         self.expected_seq = self.expected_seq.wrapping_add(1);
         self.stats.adverts_received += 1;
@@ -274,8 +322,15 @@ impl MessageProto {
             }
             self.finish_immediate(advert, req, n);
         } else {
-            let data = if flags.has(AdvertFlags::IMMEDIATE) { Some(inline_copy()?) } else { None };
-            self.adverts.push_back(PeerAdvert { advert, inline: data });
+            let data = if flags.has(AdvertFlags::IMMEDIATE) {
+                Some(inline_copy()?)
+            } else {
+                None
+            };
+            self.adverts.push_back(PeerAdvert {
+                advert,
+                inline: data,
+            });
             self.match_adverts(link);
         }
         self.complete_transfers();
@@ -307,7 +362,10 @@ impl MessageProto {
             if let Some(data) = inline {
                 if n > 0 {
                     // The receive's lease is ours until we drop it: writing through it cannot fail.
-                    req.sge.lease_mut().write(0, &data[..n]).expect("receive lease covers the copy");
+                    req.sge
+                        .lease_mut()
+                        .write(0, &data[..n])
+                        .expect("receive lease covers the copy");
                 }
                 self.finish_immediate(advert, req, n);
                 continue;
@@ -324,7 +382,10 @@ impl MessageProto {
                     let (now, later) = rest.split_at(chunk);
                     rest = later;
                     let local = Sge::new(now, reg.clone()).expect("lease stays on its buffer");
-                    let remote = RemoteRef { addr: advert.addr + offset, key: advert.rkey };
+                    let remote = RemoteRef {
+                        addr: advert.addr + offset,
+                        key: advert.rkey,
+                    };
                     link.push_read(DataOp::Read { local, remote }, advert.seq);
                     offset += chunk as u64;
                     reads += 1;
@@ -344,15 +405,25 @@ impl MessageProto {
     }
 
     /// An RDMA read finished.
-    pub(crate) fn on_read_done(&mut self, seq: u32, status: Result<(), WcError>) -> Result<(), Violation> {
-        let Some(t) = self.transfers.iter_mut().find(|t| t.seq == seq && t.reads_in_flight > 0) else {
+    pub(crate) fn on_read_done(
+        &mut self,
+        seq: u32,
+        status: Result<(), WcError>,
+    ) -> Result<(), Violation> {
+        let Some(t) = self
+            .transfers
+            .iter_mut()
+            .find(|t| t.seq == seq && t.reads_in_flight > 0)
+        else {
             return Ok(()); // a read of a transfer that was already failed and completed
         };
         t.reads_in_flight -= 1;
         match status {
             Ok(()) => {}
             Err(WcError::RemoteAccess) => {
-                return Err(Violation::RemoteAccess(format!("read of advert {seq} refused by the peer's device")));
+                return Err(Violation::RemoteAccess(format!(
+                    "read of advert {seq} refused by the peer's device"
+                )));
             }
             Err(e) => {
                 t.failed.get_or_insert(e.into());
@@ -369,12 +440,22 @@ impl MessageProto {
                 return;
             }
             let mut t = self.transfers.pop_front().expect("checked");
-            let flags = EventFlags { truncated: t.truncated, eof: false };
+            let flags = EventFlags {
+                truncated: t.truncated,
+                eof: false,
+            };
             if let Some(ticket) = t.ticket.take() {
                 match t.failed.take() {
                     None => ticket.complete(Ok(()), t.bytes, flags),
                     // The sender cancelled this message by closing: for the receiver, the stream ended.
-                    Some(OpError::PeerClosed) => ticket.complete(Ok(()), 0, EventFlags { eof: true, truncated: false }),
+                    Some(OpError::PeerClosed) => ticket.complete(
+                        Ok(()),
+                        0,
+                        EventFlags {
+                            eof: true,
+                            truncated: false,
+                        },
+                    ),
                     Some(e) => ticket.complete(Err(e), 0, flags),
                 }
             }
@@ -396,7 +477,10 @@ impl MessageProto {
     pub(crate) fn ack_now(&self) -> bool {
         let waiting = self.expected_seq.wrapping_sub(self.acked_seq);
         let answering = self.stats.adverts_sent > self.ack_marker;
-        !self.delay_acks || !answering || self.peer_closed || waiting >= self.recv_window.div_ceil(2)
+        !self.delay_acks
+            || !answering
+            || self.peer_closed
+            || waiting >= self.recv_window.div_ceil(2)
     }
 
     /// Queues an explicit ACK if one is due and none is queued (it is dropped at send time if a piggyback took it).
@@ -408,11 +492,20 @@ impl MessageProto {
 
     /// The peer acknowledged `ack` adverts in total (seed 002, 3.2).
     pub(crate) fn on_ack(&mut self, ack: u32, link: &mut Link) -> Result<(), Violation> {
-        let oldest = self.unacked.iter().find(|o| !o.acked).map(|o| o.seq).unwrap_or(self.next_seq);
+        let oldest = self
+            .unacked
+            .iter()
+            .find(|o| !o.acked)
+            .map(|o| o.seq)
+            .unwrap_or(self.next_seq);
         let newly = ack.wrapping_sub(oldest) as usize;
         let waiting = self.unacked.iter().filter(|o| !o.acked).count();
         if newly > waiting {
-            return Err(Violation::UnknownAck { seq: ack, oldest, outstanding: waiting });
+            return Err(Violation::UnknownAck {
+                seq: ack,
+                oldest,
+                outstanding: waiting,
+            });
         }
         let mut marked = 0;
         for o in self.unacked.iter_mut().filter(|o| !o.acked).take(newly) {
@@ -468,7 +561,14 @@ impl MessageProto {
         self.peer_closed = true;
         self.adverts.clear();
         for r in self.recvs.drain(..) {
-            r.ticket.complete(Ok(()), 0, EventFlags { eof: true, ..Default::default() });
+            r.ticket.complete(
+                Ok(()),
+                0,
+                EventFlags {
+                    eof: true,
+                    ..Default::default()
+                },
+            );
         }
         for t in self.transfers.iter_mut().filter(|t| t.reads_in_flight > 0) {
             t.failed.get_or_insert(OpError::PeerClosed);
@@ -478,7 +578,8 @@ impl MessageProto {
 
     fn fail_sends(&mut self, err: OpError) {
         for s in self.queue.drain(..) {
-            s.ticket.complete(Err(err.clone()), 0, EventFlags::default());
+            s.ticket
+                .complete(Err(err.clone()), 0, EventFlags::default());
         }
         for o in self.unacked.iter_mut() {
             if !o.acked {
@@ -493,7 +594,8 @@ impl MessageProto {
     pub(crate) fn fail(&mut self, err: OpError) {
         self.fail_sends(err.clone());
         for r in self.recvs.drain(..) {
-            r.ticket.complete(Err(err.clone()), 0, EventFlags::default());
+            r.ticket
+                .complete(Err(err.clone()), 0, EventFlags::default());
         }
         self.adverts.clear();
         for t in self.transfers.iter_mut() {

@@ -50,7 +50,9 @@ use crate::event::{EventFlags, Ticket};
 use crate::options::{MsgFlags, SocketOptions};
 use crate::proto::conn::Limits;
 use crate::proto::link::{DataOp, Link};
-use crate::transport::{Exposure, Registration, RemoteAccess, RemoteRef, Sge, Transport, TransportError, WcError};
+use crate::transport::{
+    Exposure, Registration, RemoteAccess, RemoteRef, Sge, Transport, TransportError, WcError,
+};
 use crate::wire::{Body, CloseReason, Handshake, Imm, StreamAdvert};
 
 /// Counters.
@@ -82,7 +84,12 @@ pub struct StreamStats {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StreamTrace {
     /// Receiver: advertisement number `id` sent.
-    AdvertSent { id: u32, seq: u64, len: u64, phase: u32 },
+    AdvertSent {
+        id: u32,
+        seq: u64,
+        len: u64,
+        phase: u32,
+    },
     /// Receiver: its phase changed.
     ReceiverPhase { phase: u32 },
     /// Receiver: a receive completed (`advertised`: an advertisement had been sent for it).
@@ -90,9 +97,18 @@ pub enum StreamTrace {
     /// Sender: a peer advertisement was accepted in an odd phase.
     Accepted { seq: u64, phase: u32 },
     /// Sender: a peer advertisement was rejected; `sender_phase` is the phase afterwards.
-    Rejected { seq: u64, phase: u32, sender_phase: u32 },
+    Rejected {
+        seq: u64,
+        phase: u32,
+        sender_phase: u32,
+    },
     /// Sender: a direct transfer (into the advertisement of `advert_seq`, `advert_phase`).
-    Direct { seq: u64, len: u64, phase: u32, advert_seq: u64 },
+    Direct {
+        seq: u64,
+        len: u64,
+        phase: u32,
+        advert_seq: u64,
+    },
     /// Sender: an indirect transfer.
     Indirect { seq: u64, len: u64, phase: u32 },
 }
@@ -110,9 +126,16 @@ impl StreamSetup {
     pub(crate) fn new(t: &mut dyn Transport, len: usize) -> Result<Self, TransportError> {
         let buf = DmaBuf::new(len);
         let reg = t.register(&buf)?;
-        let lease = buf.lease(0..len, LeaseKind::DeviceWrite).map_err(|e| TransportError::Invalid(e.to_string()))?;
+        let lease = buf
+            .lease(0..len, LeaseKind::DeviceWrite)
+            .map_err(|e| TransportError::Invalid(e.to_string()))?;
         let exposure = t.expose(&reg, lease, RemoteAccess::Write)?;
-        Ok(StreamSetup { exposure, len, buf, reg })
+        Ok(StreamSetup {
+            exposure,
+            len,
+            buf,
+            reg,
+        })
     }
 }
 
@@ -212,9 +235,17 @@ impl StreamProto {
         limits: Limits,
     ) -> Result<Self, Violation> {
         if peer.stream_len < 64 {
-            return Err(Violation::Handshake(format!("stream buffer of {} bytes is too small", peer.stream_len)));
+            return Err(Violation::Handshake(format!(
+                "stream buffer of {} bytes is too small",
+                peer.stream_len
+            )));
         }
-        let StreamSetup { exposure: ring, len, buf, reg } = setup;
+        let StreamSetup {
+            exposure: ring,
+            len,
+            buf,
+            reg,
+        } = setup;
         Ok(StreamProto {
             rx: Rx {
                 ring,
@@ -238,7 +269,10 @@ impl StreamProto {
                 writes: VecDeque::new(),
                 phase: 0,
                 seq: 0,
-                ring: RemoteRef { addr: peer.stream_addr, key: peer.stream_rkey },
+                ring: RemoteRef {
+                    addr: peer.stream_addr,
+                    key: peer.stream_rkey,
+                },
                 ring_len: u64::from(peer.stream_len),
                 tail: 0,
                 consumed: 0,
@@ -284,13 +318,22 @@ impl StreamProto {
         let id = self.tx.next_id;
         self.tx.next_id = self.tx.next_id.wrapping_add(1);
         let len = sge.len();
-        self.tx.sends.push_back(SendOp { id, ticket: Some(ticket), rest: Some(sge), len, in_flight: 0, failed: None });
+        self.tx.sends.push_back(SendOp {
+            id,
+            ticket: Some(ticket),
+            rest: Some(sge),
+            len,
+            in_flight: 0,
+            failed: None,
+        });
     }
 
     /// Applies the phase rules to the advertisement at the head of the queue: `Some` when one may be used now.
     fn choose_advert(&mut self) -> Result<bool, Violation> {
         loop {
-            let Some(a) = self.tx.adverts.front() else { return Ok(false) };
+            let Some(a) = self.tx.adverts.front() else {
+                return Ok(false);
+            };
             let (aseq, aphase) = (a.seq, a.phase);
             if self.tx.phase % 2 == 0 {
                 // Seed 001: "During an even numbered phase, direct transfers are always allowed, since the sender
@@ -310,7 +353,10 @@ impl StreamProto {
                 // "Once the sender accepts an advertisement, the sender increments its phase back to even."
                 self.tx.phase = aphase;
                 self.stats.adverts_accepted += 1;
-                self.record(StreamTrace::Accepted { seq: aseq, phase: aphase });
+                self.record(StreamTrace::Accepted {
+                    seq: aseq,
+                    phase: aphase,
+                });
                 return Ok(true);
             }
             self.tx.adverts.pop_front();
@@ -321,7 +367,11 @@ impl StreamProto {
             }
             self.stats.adverts_rejected += 1;
             let sender_phase = self.tx.phase;
-            self.record(StreamTrace::Rejected { seq: aseq, phase: aphase, sender_phase });
+            self.record(StreamTrace::Rejected {
+                seq: aseq,
+                phase: aphase,
+                sender_phase,
+            });
         }
     }
 
@@ -331,11 +381,19 @@ impl StreamProto {
             return Ok(());
         }
         loop {
-            let Some(first) = self.tx.sends.iter().position(|s| s.rest.is_some()) else { return Ok(()) };
+            let Some(first) = self.tx.sends.iter().position(|s| s.rest.is_some()) else {
+                return Ok(());
+            };
             let direct = self.choose_advert()?;
             let (room, remote) = if direct {
                 let a = self.tx.adverts.front().expect("chosen");
-                (a.len - a.used, RemoteRef { addr: a.remote.addr + a.used, key: a.remote.key })
+                (
+                    a.len - a.used,
+                    RemoteRef {
+                        addr: a.remote.addr + a.used,
+                        key: a.remote.key,
+                    },
+                )
             } else {
                 let used = self.tx.tail - self.tx.consumed;
                 let free = self.tx.ring_len - used;
@@ -345,7 +403,13 @@ impl StreamProto {
                     self.stats.space_stalls += 1;
                     return Ok(());
                 }
-                (free.min(contiguous), RemoteRef { addr: self.tx.ring.addr + at, key: self.tx.ring.key })
+                (
+                    free.min(contiguous),
+                    RemoteRef {
+                        addr: self.tx.ring.addr + at,
+                        key: self.tx.ring.key,
+                    },
+                )
             };
             let limit = (room as usize).min(self.max_chunk);
             // Gather from consecutive sends (packing small writes into one transfer).
@@ -388,7 +452,12 @@ impl StreamProto {
                 }
                 self.stats.direct_sent += 1;
                 self.stats.direct_bytes += n as u64;
-                self.record(StreamTrace::Direct { seq, len: n as u64, phase, advert_seq });
+                self.record(StreamTrace::Direct {
+                    seq,
+                    len: n as u64,
+                    phase,
+                    advert_seq,
+                });
                 Imm::Direct(n as u32)
             } else {
                 // "When the sender sends an indirect transfer, it increments its phase to an odd number."
@@ -399,18 +468,31 @@ impl StreamProto {
                 self.stats.indirect_sent += 1;
                 self.stats.indirect_bytes += n as u64;
                 let phase = self.tx.phase;
-                self.record(StreamTrace::Indirect { seq, len: n as u64, phase });
+                self.record(StreamTrace::Indirect {
+                    seq,
+                    len: n as u64,
+                    phase,
+                });
                 Imm::Indirect(n as u32)
             };
             self.tx.seq += n as u64;
             self.tx.writes.push_back((tag, carried));
-            link.push_write(DataOp::Write { local: pieces, remote, imm: Some(imm.encode()) }, tag);
+            link.push_write(
+                DataOp::Write {
+                    local: pieces,
+                    remote,
+                    imm: Some(imm.encode()),
+                },
+                tag,
+            );
         }
     }
 
     /// A transfer of ours completed: the sends it carried may complete.
     pub(crate) fn on_write_done(&mut self, tag: u32, status: Result<(), WcError>) {
-        let Some(pos) = self.tx.writes.iter().position(|(t, _)| *t == tag) else { return };
+        let Some(pos) = self.tx.writes.iter().position(|(t, _)| *t == tag) else {
+            return;
+        };
         let (_, carried) = self.tx.writes.remove(pos).expect("found");
         for id in carried {
             if let Some(s) = self.tx.sends.iter_mut().find(|s| s.id == id) {
@@ -442,14 +524,23 @@ impl StreamProto {
     /// A peer advertisement arrived (it also carries the peer's stream-buffer consumption).
     pub(crate) fn on_advert(&mut self, a: StreamAdvert, _link: &mut Link) -> Result<(), Violation> {
         if a.phase % 2 != 0 {
-            return Err(Violation::Stream(format!("advertisement in odd phase {}", a.phase)));
+            return Err(Violation::Stream(format!(
+                "advertisement in odd phase {}",
+                a.phase
+            )));
         }
         if a.len == 0 || a.addr.checked_add(a.len).is_none() || a.len > u64::from(u32::MAX) * 16 {
-            return Err(Violation::BadRange(format!("stream advertisement of {} bytes at {:#x}", a.len, a.addr)));
+            return Err(Violation::BadRange(format!(
+                "stream advertisement of {} bytes at {:#x}",
+                a.len, a.addr
+            )));
         }
         self.on_window(a.consumed)?;
         self.tx.adverts.push_back(PeerAdvert {
-            remote: RemoteRef { addr: a.addr, key: a.rkey },
+            remote: RemoteRef {
+                addr: a.addr,
+                key: a.rkey,
+            },
             len: a.len,
             used: 0,
             seq: a.seq,
@@ -512,14 +603,23 @@ impl StreamProto {
     fn drain(&mut self) -> Result<(), Violation> {
         let mut bounce = vec![0u8; COPY_CHUNK.min(self.rx.ring_len as usize)];
         while self.rx.tail > self.rx.head {
-            let Some(r) = self.rx.recvs.front_mut() else { break };
+            let Some(r) = self.rx.recvs.front_mut() else {
+                break;
+            };
             let want = ((self.rx.tail - self.rx.head) as usize).min(r.len - r.filled);
             let mut done = 0;
             while done < want {
                 let at = ((self.rx.head + done as u64) % self.rx.ring_len) as usize;
-                let n = (want - done).min(self.rx.ring_len as usize - at).min(bounce.len());
-                self.rx.ring.read(at, &mut bounce[..n]).map_err(|e| Violation::BadRange(e.to_string()))?;
-                r.exposure.write(r.filled + done, &bounce[..n]).map_err(|e| Violation::BadRange(e.to_string()))?;
+                let n = (want - done)
+                    .min(self.rx.ring_len as usize - at)
+                    .min(bounce.len());
+                self.rx
+                    .ring
+                    .read(at, &mut bounce[..n])
+                    .map_err(|e| Violation::BadRange(e.to_string()))?;
+                r.exposure
+                    .write(r.filled + done, &bounce[..n])
+                    .map_err(|e| Violation::BadRange(e.to_string()))?;
                 done += n;
             }
             r.filled += want;
@@ -532,7 +632,9 @@ impl StreamProto {
     }
 
     fn complete_front(&mut self) {
-        let Some(r) = self.rx.recvs.pop_front() else { return };
+        let Some(r) = self.rx.recvs.pop_front() else {
+            return;
+        };
         let filled = r.filled as u64;
         let advertised = r.counted.is_some();
         match r.counted {
@@ -544,7 +646,10 @@ impl StreamProto {
             }
             None => self.rx.src_seqno = self.rx.src_seqno.wrapping_add(filled),
         }
-        self.record(StreamTrace::RecvCompleted { bytes: filled, advertised });
+        self.record(StreamTrace::RecvCompleted {
+            bytes: filled,
+            advertised,
+        });
         // The receive's key goes with its exposure (least exposure), then the event.
         drop(r.exposure);
         r.ticket.complete(Ok(()), r.filled, EventFlags::default());
@@ -588,7 +693,12 @@ impl StreamProto {
             self.rx.next_advert += 1;
             self.stats.adverts_sent += 1;
             let phase = self.rx.phase;
-            self.record(StreamTrace::AdvertSent { id, seq, len: remaining, phase });
+            self.record(StreamTrace::AdvertSent {
+                id,
+                seq,
+                len: remaining,
+                phase,
+            });
             link.push_ctrl(Body::StreamAdvert(advert), None, None);
         }
     }
@@ -600,7 +710,13 @@ impl StreamProto {
         if unreported > 0 && seen_used * 2 >= self.rx.ring_len {
             self.rx.reported = self.rx.head;
             self.stats.window_updates += 1;
-            link.push_ctrl(Body::StreamWindow { consumed: self.rx.head }, None, None);
+            link.push_ctrl(
+                Body::StreamWindow {
+                    consumed: self.rx.head,
+                },
+                None,
+                None,
+            );
         }
     }
 
@@ -613,7 +729,9 @@ impl StreamProto {
                 // advertised, in an even phase, and fit.
                 let phase = self.rx.phase;
                 let Some(r) = self.rx.recvs.front_mut() else {
-                    return Err(Violation::Stream("direct transfer with no receive posted".into()));
+                    return Err(Violation::Stream(
+                        "direct transfer with no receive posted".into(),
+                    ));
                 };
                 if r.counted.is_none() || phase % 2 != 0 || n > r.len - r.filled || n == 0 {
                     return Err(Violation::Stream(format!(
@@ -632,7 +750,9 @@ impl StreamProto {
                 let n = u64::from(n);
                 let free = self.rx.ring_len - (self.rx.tail - self.rx.head);
                 if n == 0 || n > free {
-                    return Err(Violation::Stream(format!("indirect transfer of {n} bytes with {free} bytes free")));
+                    return Err(Violation::Stream(format!(
+                        "indirect transfer of {n} bytes with {free} bytes free"
+                    )));
                 }
                 self.rx.tail += n;
                 // "When the receiver receives an indirect transfer, it also increments its phase if it was
@@ -660,7 +780,10 @@ impl StreamProto {
     fn finish_eof(&mut self) {
         while let Some(r) = self.rx.recvs.pop_front() {
             drop(r.exposure);
-            let flags = EventFlags { eof: r.filled == 0, truncated: false };
+            let flags = EventFlags {
+                eof: r.filled == 0,
+                truncated: false,
+            };
             r.ticket.complete(Ok(()), r.filled, flags);
         }
     }
@@ -711,7 +834,14 @@ impl StreamProto {
             drop(exposure);
             let eof = e == OpError::PeerClosed;
             if eof {
-                ticket.complete(Ok(()), 0, EventFlags { eof: true, truncated: false });
+                ticket.complete(
+                    Ok(()),
+                    0,
+                    EventFlags {
+                        eof: true,
+                        truncated: false,
+                    },
+                );
             } else {
                 ticket.complete(Err(e), 0, EventFlags::default());
             }

@@ -32,8 +32,9 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::context::{Clock, Context, ContextOptions, ManualDriver, Progress};
 use crate::transport::{
-    Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId, Op, PostError,
-    Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport, TransportError, WcError, WorkRequest,
+    Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId,
+    Op, PostError, Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport,
+    TransportError, WcError, WorkRequest,
 };
 
 /// What to do when a send or write-with-immediate finds no posted receive.
@@ -110,8 +111,16 @@ type Addr = (HostId, EndpointId);
 #[derive(Debug)]
 enum Payload {
     Wr(WorkRequest),
-    ConnectRequest { listen: SocketAddr, private: Vec<u8>, from_addr: SocketAddr },
-    Accept { private: Vec<u8>, acceptor: Addr, acceptor_addr: SocketAddr },
+    ConnectRequest {
+        listen: SocketAddr,
+        private: Vec<u8>,
+        from_addr: SocketAddr,
+    },
+    Accept {
+        private: Vec<u8>,
+        acceptor: Addr,
+        acceptor_addr: SocketAddr,
+    },
     Rtu,
     Reject,
     Disconnect,
@@ -212,7 +221,13 @@ impl Net {
             ep.last_at = at;
         }
         self.seq += 1;
-        let d = Delivery { at, seq: self.seq, from, to, payload };
+        let d = Delivery {
+            at,
+            seq: self.seq,
+            from,
+            to,
+            payload,
+        };
         if self.immediate {
             self.deliver(d);
         } else {
@@ -221,12 +236,28 @@ impl Net {
     }
 
     fn next_due(&self) -> Option<usize> {
-        self.queue.iter().enumerate().min_by_key(|(_, d)| (d.at, d.seq)).map(|(i, _)| i)
+        self.queue
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, d)| (d.at, d.seq))
+            .map(|(i, _)| i)
     }
 
-    fn complete(&mut self, host: HostId, ep: EndpointId, wr_id: u64, op: Completed, status: Result<(), WcError>) {
+    fn complete(
+        &mut self,
+        host: HostId,
+        ep: EndpointId,
+        wr_id: u64,
+        op: Completed,
+        status: Result<(), WcError>,
+    ) {
         if self.hosts[host].alive {
-            self.hosts[host].push_cq(Completion { ep, wr_id, op, status });
+            self.hosts[host].push_cq(Completion {
+                ep,
+                wr_id,
+                op,
+                status,
+            });
         }
     }
 
@@ -243,21 +274,38 @@ impl Net {
         let (th, tep) = d.to;
         match d.payload {
             Payload::Wr(wr) => self.deliver_wr(d.from, d.to, wr, d.at, d.seq),
-            Payload::ConnectRequest { listen, private, from_addr } => {
+            Payload::ConnectRequest {
+                listen,
+                private,
+                from_addr,
+            } => {
                 let host = &mut self.hosts[th];
-                let listener = host.listeners.iter().find(|(_, a)| **a == listen).map(|(l, _)| *l);
+                let listener = host
+                    .listeners
+                    .iter()
+                    .find(|(_, a)| **a == listen)
+                    .map(|(l, _)| *l);
                 match listener {
                     Some(listener) if host.alive && host.answering => {
                         let request = RequestId(host.next_request);
                         host.next_request += 1;
                         host.requests.insert(request, (d.from, from_addr, listen));
-                        host.push_cm(CmEvent::ConnectRequest { listener, request, peer: from_addr, private });
+                        host.push_cm(CmEvent::ConnectRequest {
+                            listener,
+                            request,
+                            peer: from_addr,
+                            private,
+                        });
                     }
                     Some(_) => {} // a silent host does not answer: the connect times out
                     None => self.schedule(d.to, d.from, Payload::Reject),
                 }
             }
-            Payload::Accept { private, acceptor, acceptor_addr } => {
+            Payload::Accept {
+                private,
+                acceptor,
+                acceptor_addr,
+            } => {
                 let me = &mut self.hosts[th];
                 if let Some(ep) = me.eps.get_mut(&tep) {
                     ep.peer = Some(acceptor);
@@ -271,19 +319,28 @@ impl Net {
                 let me = &mut self.hosts[th];
                 if let Some(ep) = me.eps.get_mut(&tep) {
                     ep.up = true;
-                    me.push_cm(CmEvent::Established { ep: tep, private: Vec::new() });
+                    me.push_cm(CmEvent::Established {
+                        ep: tep,
+                        private: Vec::new(),
+                    });
                 }
             }
             Payload::Reject => {
                 let me = &mut self.hosts[th];
                 if me.eps.contains_key(&tep) {
-                    me.push_cm(CmEvent::ConnectFailed { ep: tep, reason: ConnectFailure::Refused(Vec::new()) });
+                    me.push_cm(CmEvent::ConnectFailed {
+                        ep: tep,
+                        reason: ConnectFailure::Refused(Vec::new()),
+                    });
                 }
             }
             Payload::Unreachable => {
                 let me = &mut self.hosts[th];
                 if me.eps.contains_key(&tep) {
-                    me.push_cm(CmEvent::ConnectFailed { ep: tep, reason: ConnectFailure::Unreachable });
+                    me.push_cm(CmEvent::ConnectFailed {
+                        ep: tep,
+                        reason: ConnectFailure::Unreachable,
+                    });
                 }
             }
             Payload::Disconnect => self.go_down(th, tep),
@@ -293,20 +350,30 @@ impl Net {
     /// An endpoint goes to error: its receives and its undelivered work requests are flushed, then it reports
     /// `Disconnected`.
     fn go_down(&mut self, host: HostId, ep: EndpointId) {
-        let Some(e) = self.hosts[host].eps.get_mut(&ep) else { return };
+        let Some(e) = self.hosts[host].eps.get_mut(&ep) else {
+            return;
+        };
         let was_up = e.up || e.peer.is_some();
         e.up = false;
         e.peer = None;
         let recvs: Vec<_> = e.recvs.drain(..).collect();
         let waiting: Vec<_> = e.waiting.drain(..).collect();
         for wr in recvs {
-            self.complete(host, ep, wr.wr_id, Completed::Recv { len: 0, imm: None }, Err(WcError::Flushed));
+            self.complete(
+                host,
+                ep,
+                wr.wr_id,
+                Completed::Recv { len: 0, imm: None },
+                Err(WcError::Flushed),
+            );
         }
         for w in waiting {
             self.fail_delivery(w, WcError::Flushed);
         }
-        let mine: Vec<usize> =
-            (0..self.queue.len()).rev().filter(|&i| self.queue[i].from == (host, ep)).collect();
+        let mine: Vec<usize> = (0..self.queue.len())
+            .rev()
+            .filter(|&i| self.queue[i].from == (host, ep))
+            .collect();
         for i in mine {
             let d = self.queue.remove(i);
             self.fail_delivery(d, WcError::Flushed);
@@ -338,9 +405,16 @@ impl Net {
         let kind = Self::completed_kind(&wr.op);
         let target_up = self.hosts[th].alive
             && self.hosts[th].answering
-            && self.hosts[th].eps.get(&tep).is_some_and(|e| e.up && e.peer == Some(from));
+            && self.hosts[th]
+                .eps
+                .get(&tep)
+                .is_some_and(|e| e.up && e.peer == Some(from));
         if !target_up {
-            let err = if self.hosts[th].alive && self.hosts[th].answering { WcError::Flushed } else { WcError::RetryExceeded };
+            let err = if self.hosts[th].alive && self.hosts[th].answering {
+                WcError::Flushed
+            } else {
+                WcError::RetryExceeded
+            };
             self.complete(fh, fep, wr.wr_id, kind, Err(err));
             return;
         }
@@ -348,19 +422,41 @@ impl Net {
             Op::Send { sges, imm } => {
                 let imm = *imm;
                 let Some(mut recv) = self.take_recv(th, tep) else {
-                    return self.rnr(Delivery { at, seq, from, to, payload: Payload::Wr(wr) });
+                    return self.rnr(Delivery {
+                        at,
+                        seq,
+                        from,
+                        to,
+                        payload: Payload::Wr(wr),
+                    });
                 };
-                let Op::Recv { sge: target } = &mut recv.op else { unreachable!("receive queue holds receives") };
+                let Op::Recv { sge: target } = &mut recv.op else {
+                    unreachable!("receive queue holds receives")
+                };
                 let total: usize = sges.iter().map(Sge::len).sum();
                 if total > target.len() {
-                    self.complete(th, tep, recv.wr_id, Completed::Recv { len: 0, imm }, Err(WcError::LocalLength));
-                    self.complete(fh, fep, wr.wr_id, kind, Err(WcError::Other("remote invalid request".into())));
+                    self.complete(
+                        th,
+                        tep,
+                        recv.wr_id,
+                        Completed::Recv { len: 0, imm },
+                        Err(WcError::LocalLength),
+                    );
+                    self.complete(
+                        fh,
+                        fep,
+                        wr.wr_id,
+                        kind,
+                        Err(WcError::Other("remote invalid request".into())),
+                    );
                     self.break_ep(th, tep);
                     return;
                 }
                 let mut at_off = 0;
                 for s in sges.iter() {
-                    s.lease().copy_to(0, target.lease_mut(), at_off, s.len()).expect("lengths checked");
+                    s.lease()
+                        .copy_to(0, target.lease_mut(), at_off, s.len())
+                        .expect("lengths checked");
                     at_off += s.len();
                 }
                 self.stats.bytes += total as u64;
@@ -383,22 +479,39 @@ impl Net {
                 let recv = match imm {
                     Some(_) if self.cfg.caps.imm_consumes_recv => match self.take_recv(th, tep) {
                         Some(r) => Some(r),
-                        None => return self.rnr(Delivery { at, seq, from, to, payload: Payload::Wr(wr) }),
+                        None => {
+                            return self.rnr(Delivery {
+                                at,
+                                seq,
+                                from,
+                                to,
+                                payload: Payload::Wr(wr),
+                            })
+                        }
                     },
                     _ => None,
                 };
                 let entry = self.keys.get_mut(&remote.key).expect("checked");
                 let mut off = (remote.addr - entry.base) as usize;
                 for s in local.iter() {
-                    s.lease().copy_to(0, &mut entry.lease, off, s.len()).expect("bounds checked");
+                    s.lease()
+                        .copy_to(0, &mut entry.lease, off, s.len())
+                        .expect("bounds checked");
                     off += s.len();
                 }
                 self.stats.bytes += n as u64;
                 self.stats.delivered += 1;
                 match (imm, recv) {
-                    (Some(imm), Some(r)) => {
-                        self.complete(th, tep, r.wr_id, Completed::Recv { len: n as u32, imm: Some(imm) }, Ok(()))
-                    }
+                    (Some(imm), Some(r)) => self.complete(
+                        th,
+                        tep,
+                        r.wr_id,
+                        Completed::Recv {
+                            len: n as u32,
+                            imm: Some(imm),
+                        },
+                        Ok(()),
+                    ),
                     (Some(imm), None) => {
                         self.complete(th, tep, 0, Completed::RemoteWrite { imm }, Ok(()));
                     }
@@ -417,7 +530,10 @@ impl Net {
                 }
                 let entry = self.keys.get(&remote.key).expect("checked");
                 let off = (remote.addr - entry.base) as usize;
-                entry.lease.copy_to(off, local.lease_mut(), 0, n).expect("bounds checked");
+                entry
+                    .lease
+                    .copy_to(off, local.lease_mut(), 0, n)
+                    .expect("bounds checked");
                 self.stats.bytes += n as u64;
                 self.stats.delivered += 1;
                 self.complete(fh, fep, wr.wr_id, kind, Ok(()));
@@ -427,14 +543,23 @@ impl Net {
     }
 
     fn remote_access(&self, r: RemoteRef, len: usize, access: RemoteAccess) -> Result<(), String> {
-        let e = self.keys.get(&r.key).ok_or_else(|| format!("unknown key {:#x}", r.key))?;
+        let e = self
+            .keys
+            .get(&r.key)
+            .ok_or_else(|| format!("unknown key {:#x}", r.key))?;
         if e.access != access {
             return Err(format!("key {:#x} does not allow {access:?}", r.key));
         }
-        let start = r.addr.checked_sub(e.base).ok_or("address below the exposed range")?;
+        let start = r
+            .addr
+            .checked_sub(e.base)
+            .ok_or("address below the exposed range")?;
         let end = start.checked_add(len as u64).ok_or("range overflows")?;
         if end > e.lease.len() as u64 {
-            return Err(format!("range {start}..{end} beyond the exposed {} bytes", e.lease.len()));
+            return Err(format!(
+                "range {start}..{end} beyond the exposed {} bytes",
+                e.lease.len()
+            ));
         }
         Ok(())
     }
@@ -448,7 +573,10 @@ impl Net {
         match self.cfg.rnr {
             RnrPolicy::Fail => {
                 let (fh, fep) = d.from;
-                tracing::warn!("sim: receiver not ready on {:?}: the sender overran the receive queue", d.to);
+                tracing::warn!(
+                    "sim: receiver not ready on {:?}: the sender overran the receive queue",
+                    d.to
+                );
                 self.fail_delivery(d, WcError::RnrRetryExceeded);
                 self.break_ep(fh, fep);
             }
@@ -467,7 +595,9 @@ impl Net {
             if e.recvs.is_empty() {
                 return;
             }
-            let Some(d) = e.waiting.pop_front() else { return };
+            let Some(d) = e.waiting.pop_front() else {
+                return;
+            };
             self.deliver(d);
         }
     }
@@ -502,7 +632,10 @@ struct SimExposure {
 
 impl fmt::Debug for SimExposure {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SimExposure").field("key", &self.key).field("len", &self.len).finish()
+        f.debug_struct("SimExposure")
+            .field("key", &self.key)
+            .field("len", &self.len)
+            .finish()
     }
 }
 
@@ -514,13 +647,20 @@ impl Exposure for SimExposure {
         let net = self.net.upgrade().ok_or(TransportError::NoEndpoint)?;
         let n = lock(&net);
         let e = n.keys.get(&self.key).ok_or(TransportError::NoEndpoint)?;
-        e.lease.read(offset, dst).map_err(|e| TransportError::Invalid(e.to_string()))
+        e.lease
+            .read(offset, dst)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
         let net = self.net.upgrade().ok_or(TransportError::NoEndpoint)?;
         let mut n = lock(&net);
-        let e = n.keys.get_mut(&self.key).ok_or(TransportError::NoEndpoint)?;
-        e.lease.write(offset, src).map_err(|e| TransportError::Invalid(e.to_string()))
+        let e = n
+            .keys
+            .get_mut(&self.key)
+            .ok_or(TransportError::NoEndpoint)?;
+        e.lease
+            .write(offset, src)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn len(&self) -> usize {
         self.len
@@ -550,7 +690,9 @@ pub struct SimTransport {
 
 impl fmt::Debug for SimTransport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SimTransport").field("host", &self.host).finish()
+        f.debug_struct("SimTransport")
+            .field("host", &self.host)
+            .finish()
     }
 }
 
@@ -589,7 +731,10 @@ impl Transport for SimTransport {
         let mut net = self.net();
         net.next_key += 1;
         let lkey = net.next_key;
-        Ok(Arc::new(SimRegistration { buf: Arc::clone(buf), lkey }))
+        Ok(Arc::new(SimRegistration {
+            buf: Arc::clone(buf),
+            lkey,
+        }))
     }
 
     fn expose(
@@ -599,14 +744,25 @@ impl Transport for SimTransport {
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
         if !Arc::ptr_eq(reg.buf(), lease.buf()) {
-            return Err(TransportError::Invalid("exposure lease is not on the registered buffer".into()));
+            return Err(TransportError::Invalid(
+                "exposure lease is not on the registered buffer".into(),
+            ));
         }
         let wanted = match access {
-            RemoteAccess::Read => matches!(lease.kind(), LeaseKind::DeviceRead | LeaseKind::DeviceReadShared),
-            RemoteAccess::Write => matches!(lease.kind(), LeaseKind::DeviceWrite | LeaseKind::DeviceWriteShared),
+            RemoteAccess::Read => matches!(
+                lease.kind(),
+                LeaseKind::DeviceRead | LeaseKind::DeviceReadShared
+            ),
+            RemoteAccess::Write => matches!(
+                lease.kind(),
+                LeaseKind::DeviceWrite | LeaseKind::DeviceWriteShared
+            ),
         };
         if !wanted {
-            return Err(TransportError::Invalid(format!("a {:?} lease cannot be exposed for {access:?}", lease.kind())));
+            return Err(TransportError::Invalid(format!(
+                "a {:?} lease cannot be exposed for {access:?}",
+                lease.kind()
+            )));
         }
         let mut net = self.net();
         // Keys are random, as hardware keys are not guessable in sequence.
@@ -616,18 +772,45 @@ impl Transport for SimTransport {
                 break k;
             }
         };
-        let base = if net.cfg.offset_addressing { 0 } else { lease.addr() };
+        let base = if net.cfg.offset_addressing {
+            0
+        } else {
+            lease.addr()
+        };
         let len = lease.len();
-        net.keys.insert(key, KeyEntry { lease, access, base });
-        Ok(Box::new(SimExposure { net: Arc::downgrade(&self.net), key, remote: RemoteRef { addr: base, key }, len }))
+        net.keys.insert(
+            key,
+            KeyEntry {
+                lease,
+                access,
+                base,
+            },
+        );
+        Ok(Box::new(SimExposure {
+            net: Arc::downgrade(&self.net),
+            key,
+            remote: RemoteRef { addr: base, key },
+            len,
+        }))
     }
 
-    fn listen(&mut self, addr: SocketAddr, _backlog: u32) -> Result<(ListenerId, SocketAddr), TransportError> {
+    fn listen(
+        &mut self,
+        addr: SocketAddr,
+        _backlog: u32,
+    ) -> Result<(ListenerId, SocketAddr), TransportError> {
         let mut net = self.net();
         let h = &mut net.hosts[self.host];
-        let ip = if addr.ip().is_unspecified() { h.ip } else { addr.ip() };
+        let ip = if addr.ip().is_unspecified() {
+            h.ip
+        } else {
+            addr.ip()
+        };
         if ip != h.ip {
-            return Err(TransportError::AddrNotAvailable(format!("{ip} is not this host's address ({})", h.ip)));
+            return Err(TransportError::AddrNotAvailable(format!(
+                "{ip} is not this host's address ({})",
+                h.ip
+            )));
         }
         let port = if addr.port() == 0 {
             let p = h.next_port;
@@ -658,7 +841,10 @@ impl Transport for SimTransport {
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
         if private.len() > self.caps.max_private_data {
-            return Err(TransportError::Invalid(format!("{} bytes of private data", private.len())));
+            return Err(TransportError::Invalid(format!(
+                "{} bytes of private data",
+                private.len()
+            )));
         }
         let mut net = self.net();
         let local = Self::new_ep(&mut net, self.host, ep, recvs);
@@ -667,7 +853,11 @@ impl Transport for SimTransport {
             Some(t) => net.schedule(
                 (self.host, ep),
                 (t, EndpointId(0)),
-                Payload::ConnectRequest { listen: addr, private: private.to_vec(), from_addr: local },
+                Payload::ConnectRequest {
+                    listen: addr,
+                    private: private.to_vec(),
+                    from_addr: local,
+                },
             ),
             None => net.schedule((self.host, ep), (self.host, ep), Payload::Unreachable),
         }
@@ -688,14 +878,21 @@ impl Transport for SimTransport {
         Self::new_ep(&mut net, self.host, ep, recvs);
         // An accepted connection has the listener's address as its local address, as with TCP.
         let local = listen;
-        let e = net.hosts[self.host].eps.get_mut(&ep).expect("just inserted");
+        let e = net.hosts[self.host]
+            .eps
+            .get_mut(&ep)
+            .expect("just inserted");
         e.local = local;
         e.peer = Some(from);
         e.remote = Some(from_addr);
         net.schedule(
             (self.host, ep),
             from,
-            Payload::Accept { private: private.to_vec(), acceptor: (self.host, ep), acceptor_addr: local },
+            Payload::Accept {
+                private: private.to_vec(),
+                acceptor: (self.host, ep),
+                acceptor_addr: local,
+            },
         );
         Ok(())
     }
@@ -711,7 +908,10 @@ impl Transport for SimTransport {
         let mut net = self.net();
         let host = self.host;
         let Some(e) = net.hosts[host].eps.get_mut(&ep) else {
-            return Err(PostError { error: TransportError::NoEndpoint, wr });
+            return Err(PostError {
+                error: TransportError::NoEndpoint,
+                wr,
+            });
         };
         match wr.op {
             Op::Recv { .. } => {
@@ -790,7 +990,9 @@ impl Transport for SimTransport {
     }
 
     fn wait_fd(&self) -> Option<OwnedFd> {
-        self.notify.as_ref().and_then(|n| n.as_fd().try_clone_to_owned().ok())
+        self.notify
+            .as_ref()
+            .and_then(|n| n.as_fd().try_clone_to_owned().ok())
     }
 
     fn local_addr(&self, ep: EndpointId) -> Option<SocketAddr> {
@@ -798,7 +1000,10 @@ impl Transport for SimTransport {
     }
 
     fn peer_addr(&self, ep: EndpointId) -> Option<SocketAddr> {
-        self.net().hosts[self.host].eps.get(&ep).and_then(|e| e.remote)
+        self.net().hosts[self.host]
+            .eps
+            .get(&ep)
+            .and_then(|e| e.remote)
     }
 }
 
@@ -829,13 +1034,18 @@ impl WorldDriver {
     fn live(&self) -> Vec<Context> {
         let mut v = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
         v.retain(|w| w.strong_count() > 0);
-        v.iter().filter_map(Weak::upgrade).map(Context::from_inner).collect()
+        v.iter()
+            .filter_map(Weak::upgrade)
+            .map(Context::from_inner)
+            .collect()
     }
 }
 
 impl ManualDriver for WorldDriver {
     fn drive(&self) -> bool {
-        let Some(net) = self.net.upgrade() else { return false };
+        let Some(net) = self.net.upgrade() else {
+            return false;
+        };
         step(&net, self)
     }
 }
@@ -886,7 +1096,9 @@ pub struct World {
 
 impl fmt::Debug for World {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("World").field("threaded", &self.threaded).finish()
+        f.debug_struct("World")
+            .field("threaded", &self.threaded)
+            .finish()
     }
 }
 
@@ -916,8 +1128,15 @@ impl World {
             next_key: 0,
             stats: NetStats::default(),
         }));
-        let driver = Arc::new(WorldDriver { net: Arc::downgrade(&net), contexts: Mutex::new(Vec::new()) });
-        World { net, driver, threaded }
+        let driver = Arc::new(WorldDriver {
+            net: Arc::downgrade(&net),
+            contexts: Mutex::new(Vec::new()),
+        });
+        World {
+            net,
+            driver,
+            threaded,
+        }
     }
 
     /// Adds a host with the next address (10.0.0.1, 10.0.0.2, ...) and returns its context.
@@ -933,8 +1152,11 @@ impl World {
             let ip = IpAddr::V4(Ipv4Addr::new(10, 0, (id / 250) as u8, (id % 250) as u8 + 1));
             let notify = if self.threaded {
                 Some(Arc::new(
-                    EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
-                        .expect("eventfd"),
+                    EventFd::from_value_and_flags(
+                        0,
+                        EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
+                    )
+                    .expect("eventfd"),
                 ))
             } else {
                 None
@@ -956,14 +1178,26 @@ impl World {
             });
             (id, net.cfg.caps.clone(), notify, net.base)
         };
-        let transport = SimTransport { net: Arc::clone(&self.net), host, caps, notify };
+        let transport = SimTransport {
+            net: Arc::clone(&self.net),
+            host,
+            caps,
+            notify,
+        };
         if !self.threaded {
             opts.progress = Progress::Manual(self.driver.clone());
-            opts.clock = Arc::new(SimClock { net: Arc::downgrade(&self.net), base });
+            opts.clock = Arc::new(SimClock {
+                net: Arc::downgrade(&self.net),
+                base,
+            });
         }
         let ctx = Context::with_options(Box::new(transport), opts).expect("simulated context");
         if !self.threaded {
-            self.driver.contexts.lock().unwrap_or_else(|p| p.into_inner()).push(ctx.downgrade());
+            self.driver
+                .contexts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(ctx.downgrade());
         }
         ctx
     }
@@ -1029,7 +1263,11 @@ impl World {
     /// Breaks one connection, named by the local address of its endpoint on `host`.
     pub fn break_connection(&self, host: usize, local: SocketAddr) {
         let mut net = lock(&self.net);
-        let ep = net.hosts[host].eps.iter().find(|(_, e)| e.local == local).map(|(id, _)| *id);
+        let ep = net.hosts[host]
+            .eps
+            .iter()
+            .find(|(_, e)| e.local == local)
+            .map(|(id, _)| *id);
         if let Some(ep) = ep {
             net.break_ep(host, ep);
         }
@@ -1053,7 +1291,13 @@ impl World {
             let at = net.now + delay;
             net.seq += 1;
             let seq = net.seq;
-            let d = Delivery { at, seq, from: (host, EndpointId(0)), to: (ph, pep), payload: Payload::Disconnect };
+            let d = Delivery {
+                at,
+                seq,
+                from: (host, EndpointId(0)),
+                to: (ph, pep),
+                payload: Payload::Disconnect,
+            };
             if net.immediate {
                 net.deliver(d);
             } else {

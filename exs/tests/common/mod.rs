@@ -4,7 +4,9 @@
 use std::time::Duration;
 
 use exs::sim::{SimConfig, World};
-use exs::{Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
+use exs::{
+    Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption,
+};
 
 /// Deterministic test bytes: every byte depends on its position and the seed.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
@@ -39,7 +41,12 @@ pub fn pair_with(ty: SockType, cfg: SimConfig, opts: &[SocketOption]) -> Pair {
 }
 
 /// A connected pair: `client` on host 0 (context `a`), `server` accepted on host 1 (context `b`).
-pub fn pair_opts(ty: SockType, cfg: SimConfig, client_opts: &[SocketOption], server_opts: &[SocketOption]) -> Pair {
+pub fn pair_opts(
+    ty: SockType,
+    cfg: SimConfig,
+    client_opts: &[SocketOption],
+    server_opts: &[SocketOption],
+) -> Pair {
     let world = World::new(cfg);
     let a = world.host();
     let b = world.host();
@@ -64,7 +71,16 @@ pub fn pair_opts(ty: SockType, cfg: SimConfig, client_opts: &[SocketOption], ser
     assert_eq!((ev.kind, ev.context), (EventKind::Accept, 100), "{ev:?}");
     ev.status.clone().unwrap();
     let server = ev.accepted.take().expect("accept carries the socket");
-    Pair { world, a, b, client, server, listener, eq_a, eq_b }
+    Pair {
+        world,
+        a,
+        b,
+        client,
+        server,
+        listener,
+        eq_a,
+        eq_b,
+    }
 }
 
 impl Pair {
@@ -79,10 +95,18 @@ impl Pair {
 
     /// Sends `data` from client to server into a buffer of `cap` bytes; returns (send event, recv event, bytes).
     pub fn transfer(&self, data: &[u8], cap: usize) -> (Event, Event, Vec<u8>) {
-        let src = self.client_region(if data.is_empty() { vec![0] } else { data.to_vec() });
+        let src = self.client_region(if data.is_empty() {
+            vec![0]
+        } else {
+            data.to_vec()
+        });
         let dst = self.server_region(cap.max(1));
-        self.server.recv(&self.eq_b, &dst.slice(..cap), MsgFlags::NONE, 1).unwrap();
-        self.client.send(&self.eq_a, &src.slice(..data.len()), MsgFlags::NONE, 2).unwrap();
+        self.server
+            .recv(&self.eq_b, &dst.slice(..cap), MsgFlags::NONE, 1)
+            .unwrap();
+        self.client
+            .send(&self.eq_a, &src.slice(..data.len()), MsgFlags::NONE, 2)
+            .unwrap();
         let r = self.eq_b.next(None).unwrap();
         let s = self.eq_a.next(None).unwrap();
         let got = dst.to_vec().unwrap()[..r.bytes].to_vec();
@@ -102,6 +126,10 @@ pub fn assert_bytes_eq(got: &[u8], want: &[u8], what: &str) {
     }
     if let Some(i) = got.iter().zip(want).position(|(a, b)| a != b) {
         let end = (i + 8).min(got.len());
-        panic!("{what}: first difference at byte {i}: got {:?}, want {:?}", &got[i..end], &want[i..end]);
+        panic!(
+            "{what}: first difference at byte {i}: got {:?}, want {:?}",
+            &got[i..end],
+            &want[i..end]
+        );
     }
 }

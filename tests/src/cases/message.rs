@@ -3,10 +3,14 @@
 use exs::{EventKind, MsgFlags, OpError, SockType, Socket, SocketOption};
 
 use crate::util::*;
-use crate::{ensure, Backend, Case};
+use crate::{ensure, Backend, Case, Requires};
 
 pub fn cases() -> Vec<Case> {
-    let c = |name, run| Case { name, run, needs_processes: false };
+    let c = |name, run| Case {
+        name,
+        run,
+        requires: Requires::Nothing,
+    };
     vec![
         c("seqpacket_connect_and_accept", connect_and_accept),
         c("seqpacket_sizes_1b_to_16mib", sizes),
@@ -16,7 +20,10 @@ pub fn cases() -> Vec<Case> {
         c("seqpacket_64_outstanding_each_way", many_outstanding),
         c("seqpacket_truncation", truncation),
         c("seqpacket_both_directions", both_directions),
-        c("seqpacket_close_with_pending_operations", close_with_pending),
+        c(
+            "seqpacket_close_with_pending_operations",
+            close_with_pending,
+        ),
         c("connect_refused", refused),
     ]
 }
@@ -24,12 +31,34 @@ pub fn cases() -> Vec<Case> {
 fn connect_and_accept(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let p = pair(&*net, SockType::SeqPacket, &[])?;
-    let c_local = p.client.local_addr().map_err(|e| e.to_string())?.ok_or("client has no local address")?;
-    let c_peer = p.client.peer_addr().map_err(|e| e.to_string())?.ok_or("client has no peer address")?;
-    let s_peer = p.server.peer_addr().map_err(|e| e.to_string())?.ok_or("server has no peer address")?;
-    let l_addr = p.listener.local_addr().map_err(|e| e.to_string())?.ok_or("listener has no address")?;
-    ensure!(c_peer == l_addr, "client's peer {c_peer} is not the listener {l_addr}");
-    ensure!(s_peer == c_local, "server's peer {s_peer} is not the client {c_local}");
+    let c_local = p
+        .client
+        .local_addr()
+        .map_err(|e| e.to_string())?
+        .ok_or("client has no local address")?;
+    let c_peer = p
+        .client
+        .peer_addr()
+        .map_err(|e| e.to_string())?
+        .ok_or("client has no peer address")?;
+    let s_peer = p
+        .server
+        .peer_addr()
+        .map_err(|e| e.to_string())?
+        .ok_or("server has no peer address")?;
+    let l_addr = p
+        .listener
+        .local_addr()
+        .map_err(|e| e.to_string())?
+        .ok_or("listener has no address")?;
+    ensure!(
+        c_peer == l_addr,
+        "client's peer {c_peer} is not the listener {l_addr}"
+    );
+    ensure!(
+        s_peer == c_local,
+        "server's peer {s_peer} is not the client {c_local}"
+    );
     Ok(())
 }
 
@@ -37,14 +66,27 @@ fn one(p: &Pair, len: usize, cap: usize, seed: u64) -> Result<(), String> {
     let data = pattern(len.max(1), seed);
     let src = p.region_a(data.clone())?;
     let dst = p.region_b(cap)?;
-    p.server.recv(&p.eq_b, &dst.slice(..cap), MsgFlags::NONE, seed).map_err(|e| e.to_string())?;
-    p.client.send(&p.eq_a, &src.slice(..len), MsgFlags::NONE, seed).map_err(|e| e.to_string())?;
+    p.server
+        .recv(&p.eq_b, &dst.slice(..cap), MsgFlags::NONE, seed)
+        .map_err(|e| e.to_string())?;
+    p.client
+        .send(&p.eq_a, &src.slice(..len), MsgFlags::NONE, seed)
+        .map_err(|e| e.to_string())?;
     let r = next(&p.eq_b)?;
     let s = next(&p.eq_a)?;
-    ensure!(s.kind == EventKind::Send && s.is_ok() && s.bytes == len, "send of {len}: {s:?}");
-    ensure!(r.kind == EventKind::Recv && r.is_ok(), "recv of {len}: {r:?}");
+    ensure!(
+        s.kind == EventKind::Send && s.is_ok() && s.bytes == len,
+        "send of {len}: {s:?}"
+    );
+    ensure!(
+        r.kind == EventKind::Recv && r.is_ok(),
+        "recv of {len}: {r:?}"
+    );
     let n = len.min(cap);
-    ensure!(r.bytes == n && r.flags.truncated == (len > cap), "recv of {len} into {cap}: {r:?}");
+    ensure!(
+        r.bytes == n && r.flags.truncated == (len > cap),
+        "recv of {len} into {cap}: {r:?}"
+    );
     let got = dst.to_vec().map_err(|e| e.to_string())?;
     same(&got[..n], &data[..n], &format!("{len}-byte message"))
 }
@@ -52,7 +94,10 @@ fn one(p: &Pair, len: usize, cap: usize, seed: u64) -> Result<(), String> {
 fn sizes(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let p = pair(&*net, SockType::SeqPacket, &[])?;
-    for (i, len) in [1usize, 100, 4096, 65_536, 1 << 20, 16 << 20].into_iter().enumerate() {
+    for (i, len) in [1usize, 100, 4096, 65_536, 1 << 20, 16 << 20]
+        .into_iter()
+        .enumerate()
+    {
         one(&p, len, len, i as u64)?;
     }
     Ok(())
@@ -66,36 +111,78 @@ fn zero_length(b: &dyn Backend) -> Result<(), String> {
 
 fn immediate_boundary(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(256)])?;
+    let p = pair(
+        &*net,
+        SockType::SeqPacket,
+        &[SocketOption::SmallPacketMaxSize(256)],
+    )?;
     for (i, len) in [255usize, 256, 257].into_iter().enumerate() {
         one(&p, len, 1024, 10 + i as u64)?;
     }
     let st = p.client.stats().ok_or("no stats")?;
-    ensure!(st.message.immediate_sent == 2, "immediate sends: {} (expected 2)", st.message.immediate_sent);
+    ensure!(
+        st.message.immediate_sent == 2,
+        "immediate sends: {} (expected 2)",
+        st.message.immediate_sent
+    );
     Ok(())
 }
 
 fn credits_under_pressure(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let opts = [SocketOption::SendCredits(2), SocketOption::RecvCredits(2), SocketOption::ControlWindow(4)];
+    let opts = [
+        SocketOption::SendCredits(2),
+        SocketOption::RecvCredits(2),
+        SocketOption::ControlWindow(4),
+    ];
     let p = pair(&*net, SockType::SeqPacket, &opts)?;
     let n = 50;
     let src = p.region_a(pattern(n * 3000, 3))?;
     for i in 0..n {
-        p.client.send(&p.eq_a, &src.slice(i * 3000..(i + 1) * 3000), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 3000..(i + 1) * 3000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .map_err(|e| e.to_string())?;
     }
     std::thread::sleep(std::time::Duration::from_millis(50));
-    ensure!(p.eq_a.len() == 0, "sends completed before any receive was posted");
+    ensure!(
+        p.eq_a.len() == 0,
+        "sends completed before any receive was posted"
+    );
     let dst = p.region_b(n * 3000)?;
     for i in 0..n {
-        p.server.recv(&p.eq_b, &dst.slice(i * 3000..(i + 1) * 3000), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
+        p.server
+            .recv(
+                &p.eq_b,
+                &dst.slice(i * 3000..(i + 1) * 3000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .map_err(|e| e.to_string())?;
     }
     let r = all(&p.eq_b)?;
     let s = all(&p.eq_a)?;
-    ensure!(r.iter().map(|e| e.context).eq(0..n as u64), "receives out of order");
-    ensure!(s.iter().map(|e| e.context).eq(0..n as u64), "sends out of order");
-    ensure!(r.iter().chain(&s).all(|e| e.is_ok() && e.bytes == 3000), "a transfer failed");
-    same(&dst.to_vec().map_err(|e| e.to_string())?, &src.to_vec().map_err(|e| e.to_string())?, "50 messages")
+    ensure!(
+        r.iter().map(|e| e.context).eq(0..n as u64),
+        "receives out of order"
+    );
+    ensure!(
+        s.iter().map(|e| e.context).eq(0..n as u64),
+        "sends out of order"
+    );
+    ensure!(
+        r.iter().chain(&s).all(|e| e.is_ok() && e.bytes == 3000),
+        "a transfer failed"
+    );
+    same(
+        &dst.to_vec().map_err(|e| e.to_string())?,
+        &src.to_vec().map_err(|e| e.to_string())?,
+        "50 messages",
+    )
 }
 
 fn many_outstanding(b: &dyn Backend) -> Result<(), String> {
@@ -104,30 +191,70 @@ fn many_outstanding(b: &dyn Backend) -> Result<(), String> {
     let p = pair(&*net, SockType::SeqPacket, &opts)?;
     let sz = 10_000;
     let a_out = p.region_a(pattern(64 * sz, 1))?;
-    let b_out = exs::MemoryRegion::from_vec(&p.b, pattern(64 * sz, 2)).map_err(|e| e.to_string())?;
+    let b_out =
+        exs::MemoryRegion::from_vec(&p.b, pattern(64 * sz, 2)).map_err(|e| e.to_string())?;
     let a_in = exs::MemoryRegion::alloc(&p.a, 64 * sz).map_err(|e| e.to_string())?;
     let b_in = p.region_b(64 * sz)?;
     for i in 0..64 {
         let r = i * sz..(i + 1) * sz;
-        p.server.recv(&p.eq_b, &b_in.slice(r.clone()), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
-        p.client.recv(&p.eq_a, &a_in.slice(r.clone()), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
+        p.server
+            .recv(&p.eq_b, &b_in.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
+        p.client
+            .recv(&p.eq_a, &a_in.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
     }
     for i in 0..64 {
         let r = i * sz..(i + 1) * sz;
-        p.client.send(&p.eq_a, &a_out.slice(r.clone()), MsgFlags::NONE, 100 + i as u64).map_err(|e| e.to_string())?;
-        p.server.send(&p.eq_b, &b_out.slice(r), MsgFlags::NONE, 100 + i as u64).map_err(|e| e.to_string())?;
+        p.client
+            .send(
+                &p.eq_a,
+                &a_out.slice(r.clone()),
+                MsgFlags::NONE,
+                100 + i as u64,
+            )
+            .map_err(|e| e.to_string())?;
+        p.server
+            .send(&p.eq_b, &b_out.slice(r), MsgFlags::NONE, 100 + i as u64)
+            .map_err(|e| e.to_string())?;
     }
     let ea = all(&p.eq_a)?;
     let eb = all(&p.eq_b)?;
     for evs in [&ea, &eb] {
-        ensure!(evs.len() == 128 && evs.iter().all(|e| e.is_ok()), "failures: {:?}", evs.iter().find(|e| !e.is_ok()));
-        let recvs: Vec<u64> = evs.iter().filter(|e| e.kind == EventKind::Recv).map(|e| e.context).collect();
-        let sends: Vec<u64> = evs.iter().filter(|e| e.kind == EventKind::Send).map(|e| e.context).collect();
-        ensure!(recvs == (0..64).collect::<Vec<_>>(), "receives completed out of order");
-        ensure!(sends == (100..164).collect::<Vec<_>>(), "sends completed out of order");
+        ensure!(
+            evs.len() == 128 && evs.iter().all(|e| e.is_ok()),
+            "failures: {:?}",
+            evs.iter().find(|e| !e.is_ok())
+        );
+        let recvs: Vec<u64> = evs
+            .iter()
+            .filter(|e| e.kind == EventKind::Recv)
+            .map(|e| e.context)
+            .collect();
+        let sends: Vec<u64> = evs
+            .iter()
+            .filter(|e| e.kind == EventKind::Send)
+            .map(|e| e.context)
+            .collect();
+        ensure!(
+            recvs == (0..64).collect::<Vec<_>>(),
+            "receives completed out of order"
+        );
+        ensure!(
+            sends == (100..164).collect::<Vec<_>>(),
+            "sends completed out of order"
+        );
     }
-    same(&b_in.to_vec().map_err(|e| e.to_string())?, &a_out.to_vec().map_err(|e| e.to_string())?, "a to b")?;
-    same(&a_in.to_vec().map_err(|e| e.to_string())?, &b_out.to_vec().map_err(|e| e.to_string())?, "b to a")
+    same(
+        &b_in.to_vec().map_err(|e| e.to_string())?,
+        &a_out.to_vec().map_err(|e| e.to_string())?,
+        "a to b",
+    )?;
+    same(
+        &a_in.to_vec().map_err(|e| e.to_string())?,
+        &b_out.to_vec().map_err(|e| e.to_string())?,
+        "b to a",
+    )
 }
 
 fn truncation(b: &dyn Backend) -> Result<(), String> {
@@ -143,20 +270,43 @@ fn both_directions(b: &dyn Backend) -> Result<(), String> {
     let p = pair(&*net, SockType::SeqPacket, &[])?;
     let sz = 100_000;
     let a_out = p.region_a(pattern(10 * sz, 1))?;
-    let b_out = exs::MemoryRegion::from_vec(&p.b, pattern(10 * sz, 2)).map_err(|e| e.to_string())?;
+    let b_out =
+        exs::MemoryRegion::from_vec(&p.b, pattern(10 * sz, 2)).map_err(|e| e.to_string())?;
     let a_in = exs::MemoryRegion::alloc(&p.a, 10 * sz).map_err(|e| e.to_string())?;
     let b_in = p.region_b(10 * sz)?;
     for i in 0..10 {
         let r = i * sz..(i + 1) * sz;
-        p.server.recv(&p.eq_b, &b_in.slice(r.clone()), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
-        p.client.recv(&p.eq_a, &a_in.slice(r.clone()), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
-        p.client.send(&p.eq_a, &a_out.slice(r.clone()), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
-        p.server.send(&p.eq_b, &b_out.slice(r), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
+        p.server
+            .recv(&p.eq_b, &b_in.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
+        p.client
+            .recv(&p.eq_a, &a_in.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
+        p.client
+            .send(&p.eq_a, &a_out.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
+        p.server
+            .send(&p.eq_b, &b_out.slice(r), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
     }
-    ensure!(all(&p.eq_a)?.iter().all(|e| e.is_ok()), "a transfer failed on a");
-    ensure!(all(&p.eq_b)?.iter().all(|e| e.is_ok()), "a transfer failed on b");
-    same(&b_in.to_vec().map_err(|e| e.to_string())?, &a_out.to_vec().map_err(|e| e.to_string())?, "a to b")?;
-    same(&a_in.to_vec().map_err(|e| e.to_string())?, &b_out.to_vec().map_err(|e| e.to_string())?, "b to a")
+    ensure!(
+        all(&p.eq_a)?.iter().all(|e| e.is_ok()),
+        "a transfer failed on a"
+    );
+    ensure!(
+        all(&p.eq_b)?.iter().all(|e| e.is_ok()),
+        "a transfer failed on b"
+    );
+    same(
+        &b_in.to_vec().map_err(|e| e.to_string())?,
+        &a_out.to_vec().map_err(|e| e.to_string())?,
+        "a to b",
+    )?;
+    same(
+        &a_in.to_vec().map_err(|e| e.to_string())?,
+        &b_out.to_vec().map_err(|e| e.to_string())?,
+        "b to a",
+    )
 }
 
 fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
@@ -164,11 +314,25 @@ fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
     let p = pair(&*net, SockType::SeqPacket, &[])?;
     let ins = exs::MemoryRegion::alloc(&p.a, 4 * 1000).map_err(|e| e.to_string())?;
     for i in 0..4 {
-        p.client.recv(&p.eq_a, &ins.slice(i * 1000..(i + 1) * 1000), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
+        p.client
+            .recv(
+                &p.eq_a,
+                &ins.slice(i * 1000..(i + 1) * 1000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .map_err(|e| e.to_string())?;
     }
     let outs = p.region_a(pattern(3 * 50_000, 1))?;
     for i in 0..3 {
-        p.client.send(&p.eq_a, &outs.slice(i * 50_000..(i + 1) * 50_000), MsgFlags::NONE, 10 + i as u64).map_err(|e| e.to_string())?;
+        p.client
+            .send(
+                &p.eq_a,
+                &outs.slice(i * 50_000..(i + 1) * 50_000),
+                MsgFlags::NONE,
+                10 + i as u64,
+            )
+            .map_err(|e| e.to_string())?;
     }
     // Let the adverts reach the peer (which posts no receive), so that close also has to retire exposed keys.
     std::thread::sleep(std::time::Duration::from_millis(20));
@@ -176,13 +340,24 @@ fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
     p.client.close().map_err(|e| e.to_string())?;
     let evs = all(&p.eq_a)?;
     ensure!(evs.len() == 7, "{} events after close", evs.len());
-    ensure!(evs.iter().all(|e| e.status == Err(OpError::Cancelled)), "not all cancelled: {evs:?}");
+    ensure!(
+        evs.iter().all(|e| e.status == Err(OpError::Cancelled)),
+        "not all cancelled: {evs:?}"
+    );
     // The peer sees end-of-stream: the closed side's unread messages were cancelled with it.
     let peer_buf = p.region_b(100)?;
-    p.server.recv(&p.eq_b, &peer_buf.all(), MsgFlags::NONE, 99).map_err(|e| e.to_string())?;
+    p.server
+        .recv(&p.eq_b, &peer_buf.all(), MsgFlags::NONE, 99)
+        .map_err(|e| e.to_string())?;
     let peer = next(&p.eq_b)?;
-    ensure!(peer.is_ok() && peer.flags.eof && peer.bytes == 0, "peer receive after the close: {peer:?}");
-    ensure!(ins.deregister().is_ok(), "receive buffers still leased after close");
+    ensure!(
+        peer.is_ok() && peer.flags.eof && peer.bytes == 0,
+        "peer receive after the close: {peer:?}"
+    );
+    ensure!(
+        ins.deregister().is_ok(),
+        "receive buffers still leased after close"
+    );
     Ok(())
 }
 
@@ -200,6 +375,10 @@ fn refused(b: &dyn Backend) -> Result<(), String> {
     let s = Socket::new(&client_host, SockType::SeqPacket).map_err(|e| e.to_string())?;
     s.connect(addr, &eq, 1).map_err(|e| e.to_string())?;
     let ev = next(&eq)?;
-    ensure!(ev.status == Err(OpError::Refused), "connect to a closed port: {:?} (want Refused, not a timeout)", ev.status);
+    ensure!(
+        ev.status == Err(OpError::Refused),
+        "connect to a closed port: {:?} (want Refused, not a timeout)",
+        ev.status
+    );
     Ok(())
 }

@@ -4,41 +4,89 @@ use std::time::{Duration, Instant};
 
 use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 
-use crate::child::{checksum, spawn};
+use crate::child::{checksum, link_bytes, peer_host, spawn, spawn_on, PeerHost};
 use crate::util::*;
-use crate::{ensure, Backend, Case};
+use crate::{ensure, Backend, Case, Requires};
 
 pub fn cases() -> Vec<Case> {
     vec![
-        Case { name: "two_processes_transfer", run: two_processes, needs_processes: true },
-        Case { name: "peer_process_killed_mid_transfer", run: killed_peer, needs_processes: true },
+        Case {
+            name: "two_processes_transfer",
+            run: two_processes,
+            requires: Requires::Processes,
+        },
+        Case {
+            name: "peer_process_killed_mid_transfer",
+            run: killed_peer,
+            requires: Requires::Processes,
+        },
+        Case {
+            name: "two_hosts_over_a_link",
+            run: two_hosts,
+            requires: Requires::PeerHost,
+        },
     ]
 }
 
 fn two_processes(b: &dyn Backend) -> Result<(), String> {
-    let child = spawn("echo-server", b.name(), None, true)?;
+    echo_exchange(b, None).map(drop)
+}
+
+/// The same exchange with a peer on the far side of a network link (two rxe devices on a veth pair, say); with
+/// `EXS_PEER_LINK`, the link's counters must show at least the payload crossing it.
+fn two_hosts(b: &dyn Backend) -> Result<(), String> {
+    let peer = peer_host()?;
+    let before = peer.link.as_deref().map(link_bytes).transpose()?;
+    let payload = echo_exchange(b, Some(&peer))?;
+    if let (Some(link), Some(before)) = (peer.link.as_deref(), before) {
+        let crossed = link_bytes(link)? - before;
+        ensure!(
+            crossed >= payload as u64,
+            "only {crossed} bytes crossed {link} for {payload} bytes of payload"
+        );
+        eprintln!(
+            "{}: {payload} bytes of payload, {crossed} bytes crossed {link}",
+            b.name()
+        );
+    }
+    Ok(())
+}
+
+/// Sends messages of several sizes to an echo-server child and checks the checksums it reports back; returns
+/// the payload bytes sent.
+fn echo_exchange(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<usize, String> {
+    let child = spawn_on(peer, "echo-server", b.name(), None, true)?;
     let line = child.line.clone().unwrap_or_default();
-    let addr = line.strip_prefix("LISTEN ").ok_or(format!("child said {line:?}"))?.parse().map_err(|e| format!("{e}"))?;
+    let addr = line
+        .strip_prefix("LISTEN ")
+        .ok_or(format!("child said {line:?}"))?
+        .parse()
+        .map_err(|e| format!("{e}"))?;
     let net = b.net();
     let ctx = net.host();
     let eq = EventQueue::new(64);
     let s = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
     s.connect(addr, &eq, 0).map_err(|e| e.to_string())?;
-    next(&eq)?.status.map_err(|e| format!("connect to the child: {e}"))?;
+    next(&eq)?
+        .status
+        .map_err(|e| format!("connect to the child: {e}"))?;
     let sizes = [1usize, 1000, 70_000, 1 << 20, 8 << 20];
     let mut sums = Vec::new();
     for (i, &n) in sizes.iter().enumerate() {
         let data = pattern(n, 100 + i as u64);
         sums.push(checksum(&data));
         let buf = MemoryRegion::from_vec(&ctx, data).map_err(|e| e.to_string())?;
-        s.send(&eq, &buf.all(), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
+        s.send(&eq, &buf.all(), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
         let ev = next(&eq).map_err(|e| format!("send of {n} bytes to the child: {e}"))?;
         ensure!(ev.is_ok() && ev.bytes == n, "send {i}: {ev:?}");
     }
     let end = MemoryRegion::alloc(&ctx, 1).map_err(|e| e.to_string())?;
-    s.send(&eq, &end.slice(0..0), MsgFlags::NONE, 99).map_err(|e| e.to_string())?;
+    s.send(&eq, &end.slice(0..0), MsgFlags::NONE, 99)
+        .map_err(|e| e.to_string())?;
     let reply = MemoryRegion::alloc(&ctx, 8 * sizes.len()).map_err(|e| e.to_string())?;
-    s.recv(&eq, &reply.all(), MsgFlags::NONE, 100).map_err(|e| e.to_string())?;
+    s.recv(&eq, &reply.all(), MsgFlags::NONE, 100)
+        .map_err(|e| e.to_string())?;
     let evs = eq.wait_all(Some(WAIT)).map_err(|e| e.to_string())?;
     ensure!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
     let got: Vec<u64> = reply
@@ -47,16 +95,22 @@ fn two_processes(b: &dyn Backend) -> Result<(), String> {
         .chunks(8)
         .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")))
         .collect();
-    ensure!(got == sums, "the other process received different bytes: {got:x?} vs {sums:x?}");
+    ensure!(
+        got == sums,
+        "the other process received different bytes: {got:x?} vs {sums:x?}"
+    );
     s.close().map_err(|e| e.to_string())?;
     let mut child = child;
     let deadline = Instant::now() + WAIT;
     loop {
         if let Some(st) = child.child.try_wait().map_err(|e| e.to_string())? {
             ensure!(st.success(), "child exited with {st}");
-            return Ok(());
+            return Ok(sizes.iter().sum());
         }
-        ensure!(Instant::now() < deadline, "child did not exit after the close");
+        ensure!(
+            Instant::now() < deadline,
+            "child did not exit after the close"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -74,32 +128,67 @@ fn killed_peer(b: &dyn Backend) -> Result<(), String> {
     // Data flows: receive two messages.
     let buf = MemoryRegion::alloc(&ctx, 132 << 20).map_err(|e| e.to_string())?;
     for i in 0..2 {
-        s.recv(&eq, &buf.slice(i << 20..(i + 1) << 20), MsgFlags::NONE, i as u64).map_err(|e| e.to_string())?;
+        s.recv(
+            &eq,
+            &buf.slice(i << 20..(i + 1) << 20),
+            MsgFlags::NONE,
+            i as u64,
+        )
+        .map_err(|e| e.to_string())?;
         let ev = next(&eq)?;
-        ensure!(ev.is_ok() && ev.bytes == 1 << 20, "receive {i} from the child: {ev:?}");
+        ensure!(
+            ev.is_ok() && ev.bytes == 1 << 20,
+            "receive {i} from the child: {ev:?}"
+        );
     }
     // Pending operations of ours when the peer dies: the 128 MiB receive whose read is in flight, receives the
     // child will never fill, and sends it never reads.
-    s.recv(&eq, &buf.slice(4 << 20..132 << 20), MsgFlags::NONE, 2).map_err(|e| e.to_string())?;
+    s.recv(&eq, &buf.slice(4 << 20..132 << 20), MsgFlags::NONE, 2)
+        .map_err(|e| e.to_string())?;
     for i in 2..4 {
-        s.recv(&eq, &buf.slice(i << 20..(i + 1) << 20), MsgFlags::NONE, 1 + i as u64).map_err(|e| e.to_string())?;
+        s.recv(
+            &eq,
+            &buf.slice(i << 20..(i + 1) << 20),
+            MsgFlags::NONE,
+            1 + i as u64,
+        )
+        .map_err(|e| e.to_string())?;
     }
     let out = MemoryRegion::from_vec(&ctx, pattern(2 << 20, 1)).map_err(|e| e.to_string())?;
     for i in 0..2 {
-        s.send(&eq, &out.slice(i << 20..(i + 1) << 20), MsgFlags::NONE, 10 + i as u64).map_err(|e| e.to_string())?;
+        s.send(
+            &eq,
+            &out.slice(i << 20..(i + 1) << 20),
+            MsgFlags::NONE,
+            10 + i as u64,
+        )
+        .map_err(|e| e.to_string())?;
     }
     let deadline = Instant::now() + WAIT;
     while s.stats().map_or(0, |st| st.link.reads) < 3 {
-        ensure!(Instant::now() < deadline, "the read of the big message never started");
+        ensure!(
+            Instant::now() < deadline,
+            "the read of the big message never started"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     let mut child = child;
     child.child.kill().map_err(|e| format!("kill: {e}"))?;
     let killed = Instant::now();
-    let evs = eq.wait_all(Some(Duration::from_secs(30))).map_err(|e| format!("after the kill: {e}"))?;
+    let evs = eq
+        .wait_all(Some(Duration::from_secs(30)))
+        .map_err(|e| format!("after the kill: {e}"))?;
     let detect = killed.elapsed();
-    eprintln!("{}: peer killed mid-transfer; {} pending operations ended within {detect:?}", b.name(), evs.len());
-    ensure!(evs.len() == 5, "{} events for 5 pending operations: {evs:?}", evs.len());
+    eprintln!(
+        "{}: peer killed mid-transfer; {} pending operations ended within {detect:?}",
+        b.name(),
+        evs.len()
+    );
+    ensure!(
+        evs.len() == 5,
+        "{} events for 5 pending operations: {evs:?}",
+        evs.len()
+    );
     for e in &evs {
         let ended = match e.kind {
             // Nothing more was sent: a receive ends with an error or end-of-stream, never with data.
@@ -107,16 +196,30 @@ fn killed_peer(b: &dyn Backend) -> Result<(), String> {
             EventKind::Send => e.status.is_err(),
             _ => false,
         };
-        ensure!(ended, "a pending operation did not fail after the peer died: {e:?}");
+        ensure!(
+            ended,
+            "a pending operation did not fail after the peer died: {e:?}"
+        );
     }
-    ensure!(buf.deregister().is_ok() && out.deregister().is_ok(), "buffers still leased after the peer died");
+    ensure!(
+        buf.deregister().is_ok() && out.deregister().is_ok(),
+        "buffers still leased after the peer died"
+    );
     // The listener keeps accepting.
     l.accept(&eq, 1).map_err(|e| e.to_string())?;
     let _second = spawn("sender", b.name(), Some(addr), false)?;
     let s2 = next(&eq)?.accepted.ok_or("second accept failed")?;
     let buf2 = MemoryRegion::alloc(&ctx, 1 << 20).map_err(|e| e.to_string())?;
-    s2.recv(&eq, &buf2.all(), MsgFlags::NONE, 20).map_err(|e| e.to_string())?;
+    s2.recv(&eq, &buf2.all(), MsgFlags::NONE, 20)
+        .map_err(|e| e.to_string())?;
     let ev = next(&eq)?;
-    ensure!(ev.is_ok() && ev.bytes == 1 << 20, "receive from the second child: {ev:?}");
-    same(&buf2.to_vec().map_err(|e| e.to_string())?, &pattern(1 << 20, 9), "second child's data")
+    ensure!(
+        ev.is_ok() && ev.bytes == 1 << 20,
+        "receive from the second child: {ev:?}"
+    );
+    same(
+        &buf2.to_vec().map_err(|e| e.to_string())?,
+        &pattern(1 << 20, 9),
+        "second child's data",
+    )
 }

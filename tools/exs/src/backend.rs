@@ -45,12 +45,20 @@ impl Opened {
         match a.backend.as_str() {
             #[cfg(feature = "fabric")]
             "fabric" => Ok(Opened::Fabric(
-                exs_backend_fabric::FabricConfig { provider: a.provider.clone(), domain: a.domain.clone() },
+                exs_backend_fabric::FabricConfig {
+                    provider: a.provider.clone(),
+                    domain: a.domain.clone(),
+                },
                 a.addr,
             )),
             #[cfg(feature = "sim")]
-            "sim" => Ok(Opened::Sim(exs::sim::World::threaded(exs::sim::SimConfig::default()))),
-            other => Err(format!("backend {other:?} is not compiled in; this binary has: {}", compiled().join(", "))),
+            "sim" => Ok(Opened::Sim(exs::sim::World::threaded(
+                exs::sim::SimConfig::default(),
+            ))),
+            other => Err(format!(
+                "backend {other:?} is not compiled in; this binary has: {}",
+                compiled().join(", ")
+            )),
         }
     }
 

@@ -84,7 +84,13 @@ pub fn run(a: DemoArgs) -> Result<(), String> {
     }
     let opened = Opened::open(&a.backend)?;
     let chunk = a.chunk as usize;
-    eprintln!("exs demo: {} through {} in {} messages, {} in flight", fmt_bytes(a.size), opened.label(), fmt_bytes(a.chunk), a.depth);
+    eprintln!(
+        "exs demo: {} through {} in {} messages, {} in flight",
+        fmt_bytes(a.size),
+        opened.label(),
+        fmt_bytes(a.chunk),
+        a.depth
+    );
     let srcs = sources(chunk);
     let want = expected(&srcs, a.size, chunk);
     let mut results = vec![exs_transfer(&opened, &a, &srcs, want)?];
@@ -99,11 +105,16 @@ pub fn run(a: DemoArgs) -> Result<(), String> {
             fmt_bytes(r.bytes),
             r.secs,
             fmt_rate(r.bytes as f64 / r.secs),
-            if r.checksum_ok { "verified" } else { "MISMATCH" }
+            if r.checksum_ok {
+                "verified"
+            } else {
+                "MISMATCH"
+            }
         );
     }
     if results.len() == 2 {
-        let ratio = (results[0].bytes as f64 / results[0].secs) / (results[1].bytes as f64 / results[1].secs);
+        let ratio = (results[0].bytes as f64 / results[0].secs)
+            / (results[1].bytes as f64 / results[1].secs);
         println!("{:<22} {ratio:.2}x plain TCP", "exs vs TCP:");
     }
     if results.iter().any(|r| !r.checksum_ok) {
@@ -115,15 +126,37 @@ pub fn run(a: DemoArgs) -> Result<(), String> {
 fn spawn_server(mode: &str, a: &DemoArgs) -> Result<(std::process::Child, SocketAddr), String> {
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut cmd = Command::new(exe);
-    cmd.args(["demo-server", "--mode", mode, "--backend", &a.backend.backend, "--provider", &a.backend.provider]);
-    cmd.args(["--addr", &a.backend.addr.to_string(), "--chunk", &a.chunk.to_string()]);
+    cmd.args([
+        "demo-server",
+        "--mode",
+        mode,
+        "--backend",
+        &a.backend.backend,
+        "--provider",
+        &a.backend.provider,
+    ]);
+    cmd.args([
+        "--addr",
+        &a.backend.addr.to_string(),
+        "--chunk",
+        &a.chunk.to_string(),
+    ]);
     if let Some(d) = &a.backend.domain {
         cmd.args(["--domain", d]);
     }
-    let mut child = cmd.stdout(Stdio::piped()).stdin(Stdio::null()).spawn().map_err(|e| format!("spawn server: {e}"))?;
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("spawn server: {e}"))?;
     let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line).map_err(|e| e.to_string())?;
-    let addr = line.trim().strip_prefix("LISTEN ").ok_or_else(|| format!("server said {line:?}"))?;
+    BufReader::new(child.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let addr = line
+        .trim()
+        .strip_prefix("LISTEN ")
+        .ok_or_else(|| format!("server said {line:?}"))?;
     Ok((child, addr.parse().map_err(|e| format!("{e}"))?))
 }
 
@@ -135,7 +168,12 @@ fn wait_child(mut child: std::process::Child) -> Result<(), String> {
     Ok(())
 }
 
-fn exs_transfer(opened: &Opened, a: &DemoArgs, srcs: &[Vec<u8>], want: u64) -> Result<Outcome, String> {
+fn exs_transfer(
+    opened: &Opened,
+    a: &DemoArgs,
+    srcs: &[Vec<u8>],
+    want: u64,
+) -> Result<Outcome, String> {
     let chunk = a.chunk as usize;
     // Open our side first: a missing provider or device is reported here, with what exists.
     let ctx = opened.host()?;
@@ -147,26 +185,40 @@ fn exs_transfer(opened: &Opened, a: &DemoArgs, srcs: &[Vec<u8>], want: u64) -> R
         let ctx = opened.host()?;
         let listen = opened.listen_addr(0);
         let (tx, rx) = std::sync::mpsc::channel();
-        let t = std::thread::spawn(move || exs_server(&ctx, listen, chunk, |addr| {
-            let _ = tx.send(addr);
-        }));
-        let addr = rx.recv().map_err(|_| "the server thread failed to listen".to_string())?;
+        let t = std::thread::spawn(move || {
+            exs_server(&ctx, listen, chunk, |addr| {
+                let _ = tx.send(addr);
+            })
+        });
+        let addr = rx
+            .recv()
+            .map_err(|_| "the server thread failed to listen".to_string())?;
         (None, Some(t), addr)
     };
     let eq = EventQueue::new(a.depth + 8);
     let s = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
     let credits = (a.depth as u16).clamp(1, 64);
-    s.set_option(SocketOption::SendCredits(credits)).map_err(|e| e.to_string())?;
+    s.set_option(SocketOption::SendCredits(credits))
+        .map_err(|e| e.to_string())?;
     s.connect(addr, &eq, 0).map_err(|e| e.to_string())?;
-    let ev = eq.next(Some(Duration::from_secs(30))).map_err(|e| format!("connect: {e}"))?;
+    let ev = eq
+        .next(Some(Duration::from_secs(30)))
+        .map_err(|e| format!("connect: {e}"))?;
     ev.status.map_err(|e| format!("connect to {addr}: {e}"))?;
-    let regions: Vec<MemoryRegion> =
-        srcs.iter().map(|v| MemoryRegion::from_vec(&ctx, v.clone())).collect::<Result<_, _>>().map_err(|e| e.to_string())?;
-    let header = MemoryRegion::from_vec(&ctx, [a.size.to_le_bytes(), a.chunk.to_le_bytes()].concat()).map_err(|e| e.to_string())?;
+    let regions: Vec<MemoryRegion> = srcs
+        .iter()
+        .map(|v| MemoryRegion::from_vec(&ctx, v.clone()))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let header =
+        MemoryRegion::from_vec(&ctx, [a.size.to_le_bytes(), a.chunk.to_le_bytes()].concat())
+            .map_err(|e| e.to_string())?;
     let reply = MemoryRegion::alloc(&ctx, 8).map_err(|e| e.to_string())?;
-    s.recv(&eq, &reply.all(), MsgFlags::NONE, u64::MAX).map_err(|e| e.to_string())?;
+    s.recv(&eq, &reply.all(), MsgFlags::NONE, u64::MAX)
+        .map_err(|e| e.to_string())?;
     let start = Instant::now();
-    s.send(&eq, &header.all(), MsgFlags::NONE, u64::MAX - 1).map_err(|e| e.to_string())?;
+    s.send(&eq, &header.all(), MsgFlags::NONE, u64::MAX - 1)
+        .map_err(|e| e.to_string())?;
     let mut progress = Progress::new(&opened.label(), a.size);
     let (mut posted, mut done, mut i, mut inflight) = (0u64, 0u64, 0usize, 0usize);
     let mut got_reply = false;
@@ -174,15 +226,24 @@ fn exs_transfer(opened: &Opened, a: &DemoArgs, srcs: &[Vec<u8>], want: u64) -> R
     while done < a.size || !got_reply {
         while inflight < a.depth && posted < a.size {
             let n = (a.chunk).min(a.size - posted) as usize;
-            s.send(&eq, &regions[i % SOURCES].slice(0..n), MsgFlags::NONE, n as u64).map_err(|e| e.to_string())?;
+            s.send(
+                &eq,
+                &regions[i % SOURCES].slice(0..n),
+                MsgFlags::NONE,
+                n as u64,
+            )
+            .map_err(|e| e.to_string())?;
             posted += n as u64;
             inflight += 1;
             i += 1;
         }
         events.clear();
-        eq.dequeue(&mut events, 1, 64, Some(Duration::from_secs(60))).map_err(|e| format!("waiting: {e}"))?;
+        eq.dequeue(&mut events, 1, 64, Some(Duration::from_secs(60)))
+            .map_err(|e| format!("waiting: {e}"))?;
         for ev in events.drain(..) {
-            ev.status.clone().map_err(|e| format!("{:?} failed: {e}", ev.kind))?;
+            ev.status
+                .clone()
+                .map_err(|e| format!("{:?} failed: {e}", ev.kind))?;
             match (ev.kind, ev.context) {
                 (EventKind::Recv, _) => got_reply = true,
                 (EventKind::Send, c) if c >= u64::MAX - 1 => {}
@@ -206,51 +267,88 @@ fn exs_transfer(opened: &Opened, a: &DemoArgs, srcs: &[Vec<u8>], want: u64) -> R
     if let Some(t) = thread {
         t.join().map_err(|_| "server thread panicked")??;
     }
-    Ok(Outcome { label: opened.label(), bytes: a.size, secs, checksum_ok: u64::from_le_bytes(sum) == want })
+    Ok(Outcome {
+        label: opened.label(),
+        bytes: a.size,
+        secs,
+        checksum_ok: u64::from_le_bytes(sum) == want,
+    })
 }
 
 /// The exs server: one connection; a ring of receives; hashes every byte received; replies with the checksum.
-pub fn exs_server(ctx: &Context, listen: SocketAddr, chunk: usize, announce: impl FnOnce(SocketAddr)) -> Result<(), String> {
+pub fn exs_server(
+    ctx: &Context,
+    listen: SocketAddr,
+    chunk: usize,
+    announce: impl FnOnce(SocketAddr),
+) -> Result<(), String> {
     const RING: usize = 8;
     let eq = EventQueue::new(64);
     let l = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
-    l.set_option(SocketOption::RecvCredits(64)).map_err(|e| e.to_string())?;
+    l.set_option(SocketOption::RecvCredits(64))
+        .map_err(|e| e.to_string())?;
     l.bind(listen).map_err(|e| e.to_string())?;
     let addr = l.listen(1).map_err(|e| e.to_string())?;
     announce(addr);
     l.accept(&eq, 0).map_err(|e| e.to_string())?;
-    let ev = eq.next(Some(Duration::from_secs(60))).map_err(|e| format!("accept: {e}"))?;
-    let s = ev.accepted.ok_or_else(|| format!("accept failed: {:?}", ev.status))?;
+    let ev = eq
+        .next(Some(Duration::from_secs(60)))
+        .map_err(|e| format!("accept: {e}"))?;
+    let s = ev
+        .accepted
+        .ok_or_else(|| format!("accept failed: {:?}", ev.status))?;
     let header = MemoryRegion::alloc(ctx, 16).map_err(|e| e.to_string())?;
-    s.recv(&eq, &header.all(), MsgFlags::NONE, u64::MAX).map_err(|e| e.to_string())?;
-    let ev = eq.next(Some(Duration::from_secs(60))).map_err(|e| format!("header: {e}"))?;
+    s.recv(&eq, &header.all(), MsgFlags::NONE, u64::MAX)
+        .map_err(|e| e.to_string())?;
+    let ev = eq
+        .next(Some(Duration::from_secs(60)))
+        .map_err(|e| format!("header: {e}"))?;
     ev.status.map_err(|e| format!("header: {e}"))?;
     let mut h = [0u8; 16];
     header.read(0, &mut h).map_err(|e| e.to_string())?;
     let size = u64::from_le_bytes(h[..8].try_into().expect("8"));
     let ring = MemoryRegion::alloc(ctx, RING * chunk).map_err(|e| e.to_string())?;
     for k in 0..RING {
-        s.recv(&eq, &ring.slice(k * chunk..(k + 1) * chunk), MsgFlags::NONE, k as u64).map_err(|e| e.to_string())?;
+        s.recv(
+            &eq,
+            &ring.slice(k * chunk..(k + 1) * chunk),
+            MsgFlags::NONE,
+            k as u64,
+        )
+        .map_err(|e| e.to_string())?;
     }
     let (mut got, mut sum, mut events) = (0u64, SEED, Vec::new());
     while got < size {
         events.clear();
-        eq.dequeue(&mut events, 1, 64, Some(Duration::from_secs(60))).map_err(|e| format!("receiving: {e}"))?;
+        eq.dequeue(&mut events, 1, 64, Some(Duration::from_secs(60)))
+            .map_err(|e| format!("receiving: {e}"))?;
         for ev in events.drain(..) {
             ev.status.clone().map_err(|e| format!("receive: {e}"))?;
             let k = ev.context as usize;
             let range = k * chunk..k * chunk + ev.bytes;
-            sum = ring.with_slice(range, |b| fold(sum, b)).map_err(|e| e.to_string())?;
+            sum = ring
+                .with_slice(range, |b| fold(sum, b))
+                .map_err(|e| e.to_string())?;
             got += ev.bytes as u64;
             if got < size {
-                s.recv(&eq, &ring.slice(k * chunk..(k + 1) * chunk), MsgFlags::NONE, k as u64).map_err(|e| e.to_string())?;
+                s.recv(
+                    &eq,
+                    &ring.slice(k * chunk..(k + 1) * chunk),
+                    MsgFlags::NONE,
+                    k as u64,
+                )
+                .map_err(|e| e.to_string())?;
             }
         }
     }
-    let reply = MemoryRegion::from_vec(ctx, sum.to_le_bytes().to_vec()).map_err(|e| e.to_string())?;
-    s.send(&eq, &reply.all(), MsgFlags::NONE, 0).map_err(|e| e.to_string())?;
+    let reply =
+        MemoryRegion::from_vec(ctx, sum.to_le_bytes().to_vec()).map_err(|e| e.to_string())?;
+    s.send(&eq, &reply.all(), MsgFlags::NONE, 0)
+        .map_err(|e| e.to_string())?;
     loop {
-        let ev = eq.next(Some(Duration::from_secs(60))).map_err(|e| format!("reply: {e}"))?;
+        let ev = eq
+            .next(Some(Duration::from_secs(60)))
+            .map_err(|e| format!("reply: {e}"))?;
         if ev.kind == EventKind::Send {
             ev.status.map_err(|e| format!("reply: {e}"))?;
             break;
@@ -258,7 +356,8 @@ pub fn exs_server(ctx: &Context, listen: SocketAddr, chunk: usize, announce: imp
     }
     // Wait for the client to close, so the reply is read before we go.
     let tail = MemoryRegion::alloc(ctx, 1).map_err(|e| e.to_string())?;
-    s.recv(&eq, &tail.all(), MsgFlags::NONE, 0).map_err(|e| e.to_string())?;
+    s.recv(&eq, &tail.all(), MsgFlags::NONE, 0)
+        .map_err(|e| e.to_string())?;
     let _ = eq.next(Some(Duration::from_secs(60)));
     Ok(())
 }
@@ -267,27 +366,39 @@ fn tcp_transfer(a: &DemoArgs, srcs: &[Vec<u8>], want: u64) -> Result<Outcome, St
     let (child, addr) = spawn_server("tcp", a)?;
     let mut st = TcpStream::connect(addr).map_err(|e| format!("tcp connect: {e}"))?;
     let start = Instant::now();
-    st.write_all(&[a.size.to_le_bytes(), a.chunk.to_le_bytes()].concat()).map_err(|e| e.to_string())?;
+    st.write_all(&[a.size.to_le_bytes(), a.chunk.to_le_bytes()].concat())
+        .map_err(|e| e.to_string())?;
     let mut progress = Progress::new("TCP (std::net)", a.size);
     let (mut sent, mut i) = (0u64, 0usize);
     while sent < a.size {
         let n = a.chunk.min(a.size - sent) as usize;
-        st.write_all(&srcs[i % SOURCES][..n]).map_err(|e| format!("tcp write: {e}"))?;
+        st.write_all(&srcs[i % SOURCES][..n])
+            .map_err(|e| format!("tcp write: {e}"))?;
         sent += n as u64;
         i += 1;
         progress.update(sent);
     }
     let mut sum = [0u8; 8];
-    st.read_exact(&mut sum).map_err(|e| format!("tcp reply: {e}"))?;
+    st.read_exact(&mut sum)
+        .map_err(|e| format!("tcp reply: {e}"))?;
     let secs = start.elapsed().as_secs_f64();
     progress.finish();
     drop(st);
     wait_child(child)?;
-    Ok(Outcome { label: "TCP (std::net)".into(), bytes: a.size, secs, checksum_ok: u64::from_le_bytes(sum) == want })
+    Ok(Outcome {
+        label: "TCP (std::net)".into(),
+        bytes: a.size,
+        secs,
+        checksum_ok: u64::from_le_bytes(sum) == want,
+    })
 }
 
 /// The TCP server: one connection; reads every chunk, hashes it the same way, replies with the checksum.
-pub fn tcp_server(listen: SocketAddr, chunk: usize, announce: impl FnOnce(SocketAddr)) -> Result<(), String> {
+pub fn tcp_server(
+    listen: SocketAddr,
+    chunk: usize,
+    announce: impl FnOnce(SocketAddr),
+) -> Result<(), String> {
     let l = TcpListener::bind(listen).map_err(|e| e.to_string())?;
     announce(l.local_addr().map_err(|e| e.to_string())?);
     let (mut st, _) = l.accept().map_err(|e| e.to_string())?;
@@ -302,7 +413,8 @@ pub fn tcp_server(listen: SocketAddr, chunk: usize, announce: impl FnOnce(Socket
         sum = fold(sum, &buf[..n]);
         got += n as u64;
     }
-    st.write_all(&sum.to_le_bytes()).map_err(|e| e.to_string())?;
+    st.write_all(&sum.to_le_bytes())
+        .map_err(|e| e.to_string())?;
     let _ = st.read(&mut h);
     Ok(())
 }
@@ -325,7 +437,11 @@ pub fn server(a: ServerArgs) -> Result<(), String> {
         let _ = std::io::stdout().flush();
     };
     match a.mode.as_str() {
-        "tcp" => tcp_server(SocketAddr::new(a.backend.addr, 0), a.chunk as usize, announce),
+        "tcp" => tcp_server(
+            SocketAddr::new(a.backend.addr, 0),
+            a.chunk as usize,
+            announce,
+        ),
         "exs" => {
             let opened = Opened::open(&a.backend)?;
             let ctx = opened.host()?;

@@ -28,16 +28,29 @@ enum Cmd {
 fn info(a: backend::BackendArgs) -> Result<(), String> {
     println!("backends compiled in: {}", backend::compiled().join(", "));
     #[cfg(feature = "fabric")]
-    println!("libfabric providers with MSG endpoints: {}", exs_backend_fabric::providers().join(", "));
+    println!(
+        "libfabric providers with MSG endpoints: {}",
+        exs_backend_fabric::providers().join(", ")
+    );
     let opened = backend::Opened::open(&a)?;
     let ctx = opened.host()?;
     let c = ctx.capabilities();
     println!("{}:", c.name);
-    println!("  max message {} bytes, inline {} bytes, scatter/gather {}", c.max_message, c.max_inline, c.max_sge);
-    println!("  send queue {}, receive queue {}, read depth {}", c.max_send_wr, c.max_recv_wr, c.max_read_depth);
+    println!(
+        "  max message {} bytes, inline {} bytes, scatter/gather {}",
+        c.max_message, c.max_inline, c.max_sge
+    );
+    println!(
+        "  send queue {}, receive queue {}, read depth {}",
+        c.max_send_wr, c.max_recv_wr, c.max_read_depth
+    );
     println!(
         "  write-with-immediate: {}, consumes a receive: {}",
-        if c.native_write_imm { "native" } else { "emulated (write + send)" },
+        if c.native_write_imm {
+            "native"
+        } else {
+            "emulated (write + send)"
+        },
         c.imm_consumes_recv
     );
     Ok(())

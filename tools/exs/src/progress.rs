@@ -17,7 +17,14 @@ pub struct Progress {
 impl Progress {
     pub fn new(label: &str, total: u64) -> Self {
         let now = Instant::now();
-        Progress { label: label.into(), total: total.max(1), start: now, tty: std::io::stderr().is_terminal(), last_tenth: 0, last_draw: now }
+        Progress {
+            label: label.into(),
+            total: total.max(1),
+            start: now,
+            tty: std::io::stderr().is_terminal(),
+            last_tenth: 0,
+            last_draw: now,
+        }
     }
 
     fn line(&self, done: u64) -> String {

@@ -10,8 +10,12 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         Some('T' | 't') => (&t[..t.len() - 1], 1 << 40),
         _ => (t, 1),
     };
-    let n: u64 = num.trim().parse().map_err(|_| format!("not a size: {s:?} (use 4096, 64K, 1M, 1G)"))?;
-    n.checked_mul(mul).ok_or_else(|| format!("size too large: {s}"))
+    let n: u64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("not a size: {s:?} (use 4096, 64K, 1M, 1G)"))?;
+    n.checked_mul(mul)
+        .ok_or_else(|| format!("size too large: {s}"))
 }
 
 pub fn fmt_bytes(n: u64) -> String {
@@ -31,7 +35,11 @@ pub fn fmt_bytes(n: u64) -> String {
 
 /// Bytes per second as GB/s and Gb/s (decimal, as network rates are quoted).
 pub fn fmt_rate(bytes_per_sec: f64) -> String {
-    format!("{:.2} GB/s ({:.1} Gb/s)", bytes_per_sec / 1e9, bytes_per_sec * 8.0 / 1e9)
+    format!(
+        "{:.2} GB/s ({:.1} Gb/s)",
+        bytes_per_sec / 1e9,
+        bytes_per_sec * 8.0 / 1e9
+    )
 }
 
 #[cfg(test)]

@@ -537,6 +537,8 @@ impl FabricTransport {
                 (tx.size / 2).clamp(1, 64) as u32
             },
             max_private_data: 56,
+            // The tcp provider's shared receive contexts are not used: each endpoint posts its own receives.
+            max_shared_recv: 0,
         };
         let dom = Arc::new(Domain {
             fabric,

@@ -51,6 +51,8 @@ const RESOLVE_TIMEOUT_MS: i32 = 2000;
 const SQ_DEPTH: u32 = 512;
 const RQ_DEPTH: u32 = 1024;
 const CQ_DEPTH: i32 = 8192;
+/// Most buffers the shared receive queue holds.
+const SRQ_DEPTH: u32 = 16384;
 
 /// Where and how to open a device.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -261,14 +263,19 @@ pub struct VerbsTransport {
     rd_atom: u8,
     eps: HashMap<EndpointId, Ep>,
     qpn: HashMap<u32, EndpointId>,
-    recvs: HashMap<u64, (EndpointId, RecvRec)>,
+    /// Posted receives: the endpoint they were posted on, or `None` for the shared receive queue.
+    recvs: HashMap<u64, (Option<EndpointId>, RecvRec)>,
+    /// The shared receive queue (seed 003), once the engine asked for it; QPs created after use it.
+    srq: *mut ibv_srq,
     next_recv: u64,
     listeners: HashMap<ListenerId, *mut rdma_cm_id>,
     requests: HashMap<RequestId, *mut rdma_cm_id>,
     next_listener: u32,
     next_request: u64,
     cm_backlog: VecDeque<CmEvent>,
-    cq_backlog: VecDeque<Completion>,
+    /// Completions ready for the engine; `true` marks a shared receive (kept when its endpoint is released, so
+    /// the engine gets its buffer back).
+    cq_backlog: VecDeque<(Completion, bool)>,
     unacked_cq_events: u32,
 }
 
@@ -473,6 +480,11 @@ impl VerbsTransport {
             max_sge: (attr.max_sge as u32).clamp(1, 16),
             max_read_depth: u32::from(rd_atom),
             max_private_data: 56,
+            max_shared_recv: if attr.max_srq > 0 {
+                (attr.max_srq_wr.max(0) as u32).min(SRQ_DEPTH)
+            } else {
+                0
+            },
         };
         let t = VerbsTransport {
             cfg: cfg.clone(),
@@ -489,6 +501,7 @@ impl VerbsTransport {
             eps: HashMap::new(),
             qpn: HashMap::new(),
             recvs: HashMap::new(),
+            srq: ptr::null_mut(),
             next_recv: 1,
             listeners: HashMap::new(),
             requests: HashMap::new(),
@@ -542,9 +555,14 @@ impl VerbsTransport {
         } else {
             self.caps.max_send_wr
         };
-        attr.cap.max_recv_wr = self.caps.max_recv_wr;
+        if self.srq.is_null() {
+            attr.cap.max_recv_wr = self.caps.max_recv_wr;
+            attr.cap.max_recv_sge = 1;
+        } else {
+            // Receives come from the shared queue.
+            attr.srq = self.srq;
+        }
         attr.cap.max_send_sge = self.caps.max_sge;
-        attr.cap.max_recv_sge = 1;
         attr.cap.max_inline_data = 64;
         // SAFETY: live id with a resolved route (or a connection request), our PD, attr filled.
         if unsafe { rdma_create_qp(e.id, self.pd.0, &mut attr) } != 0 {
@@ -892,7 +910,26 @@ impl VerbsTransport {
                 "post before the queue pair exists".into(),
             ));
         }
+        if !self.srq.is_null() {
+            return Err(TransportError::Invalid(
+                "this endpoint takes its receives from the shared receive queue".into(),
+            ));
+        }
         let qp = e.qp;
+        self.post_recv_chain(Some(ep), wrs, |chain, bad| {
+            // SAFETY: live QP; the chain lives across the call; the buffers are leased by the records we keep.
+            unsafe { ibv_post_recv(qp, chain, bad) }
+        })
+    }
+
+    /// Builds a chain of receive work requests, posts it with `post`, and keeps the records (and their leases)
+    /// until completion. `owner` is the endpoint, or `None` for the shared receive queue.
+    fn post_recv_chain(
+        &mut self,
+        owner: Option<EndpointId>,
+        wrs: Vec<WorkRequest>,
+        post: impl FnOnce(*mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> i32,
+    ) -> Result<(), TransportError> {
         let mut sges = Vec::with_capacity(wrs.len());
         let mut natives: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
         let mut recs = Vec::with_capacity(wrs.len());
@@ -928,17 +965,23 @@ impl VerbsTransport {
             let next: *mut ibv_recv_wr = &mut natives[i + 1];
             natives[i].next = next;
         }
+        if natives.is_empty() {
+            return Ok(());
+        }
         let mut bad = ptr::null_mut();
-        // SAFETY: live QP; the chain lives across the call; the buffers are leased by the records we keep.
-        let rc = unsafe { ibv_post_recv(qp, natives.as_mut_ptr(), &mut bad) };
+        let rc = post(natives.as_mut_ptr(), &mut bad);
         if rc != 0 {
             return Err(TransportError::os(
-                "ibv_post_recv",
+                if owner.is_some() {
+                    "ibv_post_recv"
+                } else {
+                    "ibv_post_srq_recv"
+                },
                 std::io::Error::from_raw_os_error(rc),
             ));
         }
         for (id, rec) in recs {
-            self.recvs.insert(id, (ep, rec));
+            self.recvs.insert(id, (owner, rec));
         }
         Ok(())
     }
@@ -969,9 +1012,12 @@ impl VerbsTransport {
             Err(wc_error(wc.status))
         };
         if wc.wr_id & RECV_TAG != 0 {
-            let Some((ep, rec)) = self.recvs.remove(&wc.wr_id) else {
+            let Some((owner, rec)) = self.recvs.remove(&wc.wr_id) else {
                 return;
             };
+            // A shared receive belongs to the QP that dequeued it; EndpointId(0) if that one is gone.
+            let ep =
+                owner.unwrap_or_else(|| self.qpn.get(&wc.qp_num).copied().unwrap_or(EndpointId(0)));
             let mut imm = None;
             let mut len = wc.byte_len;
             if status.is_ok() {
@@ -991,12 +1037,15 @@ impl VerbsTransport {
                     }
                 }
             }
-            self.cq_backlog.push_back(Completion {
-                ep,
-                wr_id: rec.wr_id,
-                op: Completed::Recv { len, imm },
-                status,
-            });
+            self.cq_backlog.push_back((
+                Completion {
+                    ep,
+                    wr_id: rec.wr_id,
+                    op: Completed::Recv { len, imm },
+                    status,
+                },
+                owner.is_none(),
+            ));
             return;
         }
         let Some(&ep) = self.qpn.get(&wc.qp_num) else {
@@ -1016,12 +1065,15 @@ impl VerbsTransport {
             } else {
                 Ok(())
             };
-            self.cq_backlog.push_back(Completion {
-                ep,
-                wr_id: rec.wr_id,
-                op: rec.kind,
-                status: st,
-            });
+            self.cq_backlog.push_back((
+                Completion {
+                    ep,
+                    wr_id: rec.wr_id,
+                    op: rec.kind,
+                    status: st,
+                },
+                false,
+            ));
         }
     }
 }
@@ -1251,12 +1303,15 @@ impl Transport for VerbsTransport {
                     Op::Read { .. } => Completed::Read,
                     Op::Recv { .. } => Completed::Recv { len: 0, imm: None },
                 };
-                self.cq_backlog.push_back(Completion {
-                    ep,
-                    wr_id: wr.wr_id,
-                    op,
-                    status: Err(WcError::Flushed),
-                });
+                self.cq_backlog.push_back((
+                    Completion {
+                        ep,
+                        wr_id: wr.wr_id,
+                        op,
+                        status: Err(WcError::Flushed),
+                    },
+                    false,
+                ));
             }
             return Ok(());
         }
@@ -1277,6 +1332,48 @@ impl Transport for VerbsTransport {
             self.post_sends(ep, sends)?;
         }
         Ok(())
+    }
+
+    fn create_shared_recv(&mut self, depth: u32) -> Result<(), TransportError> {
+        if self.caps.max_shared_recv == 0 {
+            return Err(TransportError::Unsupported(format!(
+                "{} has no shared receive queue",
+                self.caps.name
+            )));
+        }
+        if !self.srq.is_null() {
+            return Err(TransportError::Invalid(
+                "the shared receive queue exists".into(),
+            ));
+        }
+        let mut attr = ibv_srq_init_attr {
+            srq_context: ptr::null_mut(),
+            attr: ibv_srq_attr {
+                max_wr: depth.clamp(1, self.caps.max_shared_recv),
+                max_sge: 1,
+                srq_limit: 0,
+            },
+        };
+        // SAFETY: our PD; `attr` is a valid in/out argument.
+        let srq = unsafe { ibv_create_srq(self.pd.0, &mut attr) };
+        if srq.is_null() {
+            return Err(os_err("ibv_create_srq"));
+        }
+        self.srq = srq;
+        Ok(())
+    }
+
+    fn post_shared_recv(&mut self, wrs: &mut Vec<WorkRequest>) -> Result<(), TransportError> {
+        if self.srq.is_null() {
+            wrs.clear();
+            return Err(TransportError::Invalid("no shared receive queue".into()));
+        }
+        let srq = self.srq;
+        let batch = std::mem::take(wrs);
+        self.post_recv_chain(None, batch, |chain, bad| {
+            // SAFETY: live SRQ; the chain lives across the call; the buffers are leased by the records we keep.
+            unsafe { ibv_post_srq_recv(srq, chain, bad) }
+        })
     }
 
     fn disconnect(&mut self, ep: EndpointId) {
@@ -1305,6 +1402,11 @@ impl Transport for VerbsTransport {
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
+        if !e.qp.is_null() && !self.srq.is_null() {
+            // Seed 003: shared buffers this QP dequeued but had not completed are flushed when it went to error;
+            // collect those completions while the QP still maps to this endpoint, so the buffers go back.
+            self.drain_cq();
+        }
         // SAFETY: the QP and id are ours; destroying the QP first stops the hardware from touching any posted
         // buffer, so the records (and their leases) can be dropped after.
         unsafe {
@@ -1315,8 +1417,9 @@ impl Transport for VerbsTransport {
             rdma_destroy_id(e.id);
         }
         drop(e.sends);
-        self.recvs.retain(|_, (owner, _)| *owner != ep);
-        self.cq_backlog.retain(|c| c.ep != ep);
+        self.recvs.retain(|_, (owner, _)| *owner != Some(ep));
+        // Completions of a released endpoint are dropped, except shared receives: the engine reposts those.
+        self.cq_backlog.retain(|(c, shared)| c.ep != ep || *shared);
     }
 
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
@@ -1324,7 +1427,7 @@ impl Transport for VerbsTransport {
             self.drain_cq();
         }
         let n = self.cq_backlog.len().min(max);
-        out.extend(self.cq_backlog.drain(..n));
+        out.extend(self.cq_backlog.drain(..n).map(|(c, _)| c));
         n
     }
 
@@ -1399,6 +1502,12 @@ impl Drop for VerbsTransport {
         for l in ls {
             self.close_listener(l);
         }
+        if !self.srq.is_null() {
+            // SAFETY: every QP attached to it was destroyed above; the PD outlives it (we hold an Arc).
+            unsafe { ibv_destroy_srq(self.srq) };
+            self.srq = ptr::null_mut();
+        }
+        // The hardware can no longer touch any posted buffer: the leases go back.
         self.recvs.clear();
         // SAFETY: no QP uses the CQ any more; pending channel events are acknowledged by destroying the CQ after
         // acking; the channels are ours.

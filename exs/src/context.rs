@@ -94,6 +94,38 @@ pub struct ContextOptions {
     /// Request/response traffic: how long an acknowledgment may wait for a reply to carry it (zero: never wait).
     /// One-way traffic is always acknowledged at once.
     pub ack_delay: Duration,
+    /// The shared receive pool (seed 003).
+    pub shared_recv: SharedRecv,
+}
+
+/// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
+/// receive memory does not grow with the number of connections (see [`crate::proto::pool`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SharedRecv {
+    /// `None` (default): use the pool when the transport has a shared receive queue. `Some(true)`: require it
+    /// (connections fail with `Unsupported` where there is none). `Some(false)`: each connection posts its own.
+    pub enabled: Option<bool>,
+    /// Buffers posted at first, and added each time the pool grows.
+    pub chunk_slots: u32,
+    /// Most buffers the pool grows to (also capped by the transport's queue depth).
+    pub max_slots: u32,
+    /// When fewer buffers than this are posted, the pool grows by a chunk.
+    pub low_watermark: u32,
+    /// Largest immediate payload a pool buffer holds (fixes the context's one slot size; a socket's
+    /// `small_packet_max_size` above it is limited to it).
+    pub small_packet_max_size: u32,
+}
+
+impl Default for SharedRecv {
+    fn default() -> Self {
+        SharedRecv {
+            enabled: None,
+            chunk_slots: 256,
+            max_slots: 16384,
+            low_watermark: 32,
+            small_packet_max_size: crate::options::SocketOptions::default().small_packet_max_size,
+        }
+    }
 }
 
 impl Default for ContextOptions {
@@ -104,6 +136,7 @@ impl Default for ContextOptions {
             linger: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(10),
             ack_delay: Duration::from_micros(200),
+            shared_recv: SharedRecv::default(),
         }
     }
 }

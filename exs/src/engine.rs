@@ -20,8 +20,9 @@ use crate::event::{EventFlags, Ticket};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 use crate::proto::conn::{Conn, Fault, Incoming, Limits};
-use crate::proto::link::{Link, Slots};
+use crate::proto::link::{wr_kind, Link, Slots, WrKind};
 use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
+use crate::proto::pool::{PoolStats, RecvPool};
 use crate::proto::stream::StreamSetup;
 use crate::socket::SocketId;
 use crate::transport::{
@@ -46,8 +47,19 @@ pub struct EngineStats {
     pub violations: u64,
     /// Connections established.
     pub connections: u64,
-    /// Bytes of control receive buffers currently registered for connections.
+    /// Bytes of control receive buffers currently registered for connections (their own, not the pool's).
     pub ctrl_recv_bytes: u64,
+    /// The shared receive pool (seed 003), when the context uses one.
+    pub pool: Option<PoolStats>,
+}
+
+/// Whether the context uses the shared receive pool.
+#[derive(Debug)]
+enum PoolState {
+    /// Decided at the first connection.
+    Undecided,
+    Off,
+    On(RecvPool),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,6 +159,9 @@ pub(crate) struct Engine {
     dirty: Vec<SocketId>,
     timers: Vec<(Instant, SocketId, TimerKind)>,
     stats: EngineStats,
+    shared_recv: crate::context::SharedRecv,
+    pool: PoolState,
+    pool_posts: Vec<WorkRequest>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -187,6 +202,9 @@ impl Engine {
             dirty: Vec::new(),
             timers: Vec::new(),
             stats: EngineStats::default(),
+            shared_recv: opts.shared_recv.clone(),
+            pool: PoolState::Undecided,
+            pool_posts: Vec::new(),
         }
     }
 
@@ -195,7 +213,11 @@ impl Engine {
     }
 
     pub(crate) fn stats(&self) -> EngineStats {
-        self.stats
+        let mut s = self.stats;
+        if let PoolState::On(p) = &self.pool {
+            s.pool = Some(p.stats());
+        }
+        s
     }
 
     pub(crate) fn now(&self) -> Instant {
@@ -268,6 +290,7 @@ impl Engine {
                 self.on_completion(c);
             }
             self.completions = batch;
+            self.flush_pool();
             if n == 0 {
                 return did;
             }
@@ -373,11 +396,30 @@ impl Engine {
         }
     }
 
+    /// The pool slot a completion returns, if it is a shared receive.
+    fn pool_slot(c: &Completion) -> Option<u32> {
+        match wr_kind(c.wr_id) {
+            Some(WrKind::Pool(slot)) => Some(slot),
+            _ => None,
+        }
+    }
+
     fn on_completion(&mut self, c: Completion) {
+        let pool_slot = Self::pool_slot(&c);
+        if let (Some(slot), PoolState::On(pool)) = (pool_slot, &mut self.pool) {
+            // Seed 003: a buffer flushed from a connection that went down goes back to the pool at once.
+            pool.taken(c.status.is_err());
+            if c.status.is_err() {
+                self.repost_pool(slot);
+                return;
+            }
+        }
         let Some(&sid) = self.eps.get(&c.ep) else {
+            self.release_early(vec![c]);
             return;
         };
         let Some(sock) = self.sockets.get_mut(&sid) else {
+            self.release_early(vec![c]);
             return;
         };
         let established = sock.conn.as_ref().is_some_and(Conn::is_established);
@@ -385,22 +427,74 @@ impl Engine {
             if matches!(sock.phase, Phase::Connecting | Phase::Accepting) {
                 // The connection-management event that brings this connection up has not been handled yet.
                 sock.early.push(c);
+            } else {
+                self.release_early(vec![c]);
             }
             return;
         }
         self.handle_completion(sid, c);
     }
 
+    /// Completions that will never be handled: their pool buffers go back to the pool.
+    fn release_early(&mut self, early: Vec<Completion>) {
+        for c in early {
+            if let Some(slot) = Self::pool_slot(&c) {
+                self.repost_pool(slot);
+            }
+        }
+    }
+
+    fn repost_pool(&mut self, slot: u32) {
+        if let PoolState::On(pool) = &mut self.pool {
+            match pool.repost(slot) {
+                Ok(wr) => self.pool_posts.push(wr),
+                Err(v) => tracing::error!(%v, "shared receive pool slot cannot be reposted"),
+            }
+        }
+    }
+
+    /// Posts the pool buffers that came back, and grows the pool below its low watermark.
+    fn flush_pool(&mut self) {
+        let PoolState::On(pool) = &mut self.pool else {
+            return;
+        };
+        // The watermark is checked first: the buffers this batch took are not back yet.
+        if let Err(e) = pool.refill(&mut *self.transport) {
+            tracing::warn!(%e, "the shared receive pool cannot grow");
+        }
+        if !self.pool_posts.is_empty() {
+            let n = self.pool_posts.len();
+            self.stats.posted += n as u64;
+            match self.transport.post_shared_recv(&mut self.pool_posts) {
+                Ok(()) => pool.reposted(n),
+                Err(e) => {
+                    tracing::error!(%e, "reposting to the shared receive queue failed");
+                    self.pool_posts.clear();
+                }
+            }
+        }
+    }
+
     fn handle_completion(&mut self, sid: SocketId, c: Completion) {
+        let pool_slot = Self::pool_slot(&c);
         let Some(sock) = self.sockets.get_mut(&sid) else {
+            self.release_early(vec![c]);
             return;
         };
         let Some(conn) = sock.conn.as_mut() else {
+            self.release_early(vec![c]);
             return;
         };
         let mut posts = std::mem::take(&mut self.posts);
-        let result = conn.on_completion(&c, &mut posts);
+        let pool = match &self.pool {
+            PoolState::On(p) => Some(p),
+            _ => None,
+        };
+        let result = conn.on_completion(&c, &mut posts, pool);
         let ep = conn.ep;
+        if let Some(slot) = pool_slot {
+            self.repost_pool(slot);
+        }
         self.post_all(sid, ep, &mut posts);
         self.posts = posts;
         match result {
@@ -538,11 +632,12 @@ impl Engine {
             self.transport.release(ep);
         }
         sock.conn = None;
-        sock.early.clear();
+        let early = std::mem::take(&mut sock.early);
         sock.phase = Phase::Down;
         if sock.user_closed {
             self.sockets.remove(&sid);
         }
+        self.release_early(early);
     }
 
     fn on_connect_request(
@@ -729,10 +824,11 @@ impl Engine {
         }
         sock.down.get_or_insert(err);
         sock.phase = Phase::Down;
-        sock.early.clear();
+        let early = std::mem::take(&mut sock.early);
         if sock.user_closed {
             self.sockets.remove(&sid);
         }
+        self.release_early(early);
     }
 
     // ---------------------------------------------------------------------------------------------------------
@@ -759,23 +855,30 @@ impl Engine {
     ) -> Result<Conn, TransportError> {
         let window = u32::from(opts.effective_window(ty));
         let small = opts.small_packet_max_size as usize;
-        // A receive slot holds a header, the largest body, and immediate data.
-        let slot = (HEADER_LEN + 48 + small)
-            .max(HEADER_LEN + 48)
-            .next_multiple_of(64)
-            .min(u16::MAX as usize & !63);
-        let rx_buf = DmaBuf::new(slot * window as usize);
-        let rx_reg = self.transport.register(&rx_buf)?;
+        let pooled = self.pool_slot_size()?;
+        let (rx, slot) = match pooled {
+            // Seed 003: every buffer of the shared pool has the context's one slot size; the connection owns none.
+            Some(slot) => (Err((window, slot)), slot),
+            None => {
+                let slot = ctrl_slot_size(small);
+                let rx_buf = DmaBuf::new(slot * window as usize);
+                let rx_reg = self.transport.register(&rx_buf)?;
+                (
+                    Ok(Slots {
+                        buf: rx_buf,
+                        reg: rx_reg,
+                        size: slot,
+                        count: window,
+                    }),
+                    slot,
+                )
+            }
+        };
         let tx_count = window.max(16);
         let tx_buf = DmaBuf::new(TX_SLOT * tx_count as usize);
         let tx_reg = self.transport.register(&tx_buf)?;
         let link = Link::new(
-            Slots {
-                buf: rx_buf,
-                reg: rx_reg,
-                size: slot,
-                count: window,
-            },
+            rx,
             Slots {
                 buf: tx_buf,
                 reg: tx_reg,
@@ -815,8 +918,49 @@ impl Engine {
             stream_rkey,
             native_imm: self.caps.native_write_imm,
         };
-        self.stats.ctrl_recv_bytes += (slot * window as usize) as u64;
+        self.stats.ctrl_recv_bytes += link_rx_bytes(&link);
         Ok(Conn::new(ep, ty, link, local, self.limits(), stream_setup))
+    }
+
+    /// The shared pool's slot size when connections use the pool (creating the pool at the first connection),
+    /// `None` when they post their own receives.
+    fn pool_slot_size(&mut self) -> Result<Option<usize>, TransportError> {
+        if matches!(self.pool, PoolState::Undecided) {
+            let want = self.shared_recv.enabled;
+            let has = self.caps.max_shared_recv > 0;
+            self.pool = match (want, has) {
+                (Some(false), _) | (None, false) => PoolState::Off,
+                (Some(true), false) => {
+                    return Err(TransportError::Unsupported(format!(
+                        "{} has no shared receive queue (ContextOptions::shared_recv)",
+                        self.caps.name
+                    )))
+                }
+                (_, true) => {
+                    let o = &self.shared_recv;
+                    let max = o.max_slots.min(self.caps.max_shared_recv);
+                    let slot = ctrl_slot_size(o.small_packet_max_size as usize);
+                    match RecvPool::new(
+                        &mut *self.transport,
+                        slot,
+                        o.chunk_slots.min(max),
+                        max,
+                        o.low_watermark,
+                    ) {
+                        Ok(p) => PoolState::On(p),
+                        Err(e) if want.is_none() => {
+                            tracing::warn!(%e, "no shared receive pool; connections post their own receives");
+                            PoolState::Off
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+        }
+        Ok(match &self.pool {
+            PoolState::On(p) => Some(p.stats().slot_size),
+            _ => None,
+        })
     }
 
     // ---------------------------------------------------------------------------------------------------------
@@ -1168,6 +1312,18 @@ impl Engine {
     }
 }
 
+/// A control receive slot holds a header, the largest body, and immediate data up to `small` bytes.
+fn ctrl_slot_size(small: usize) -> usize {
+    (HEADER_LEN + 48 + small)
+        .max(HEADER_LEN + 48)
+        .next_multiple_of(64)
+        .min(u16::MAX as usize & !63)
+}
+
+fn link_rx_bytes(link: &Link) -> u64 {
+    link.own_rx_bytes() as u64
+}
+
 fn conn_rx_bytes(conn: &Conn) -> u64 {
-    (conn.link.slot_size() * conn.link.window_in() as usize) as u64
+    link_rx_bytes(&conn.link)
 }

@@ -33,7 +33,9 @@ pub mod wire;
 #[cfg(feature = "sim")]
 pub mod sim;
 
-pub use context::{Clock, Context, ContextOptions, ManualDriver, Progress, SystemClock};
+pub use context::{
+    Clock, Context, ContextOptions, ManualDriver, Progress, SharedRecv, SystemClock,
+};
 pub use error::{
     AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, MemoryError, OpError,
     OptionError, QueueFull, RecvError, SendError, SocketError, StateError, Violation,

@@ -14,7 +14,8 @@
 //! | `post` Send          | `ibv_post_send` IBV_WR_SEND[_WITH_IMM], inline when small | `fi_sendv` / `fi_senddata`         |
 //! | `post` Write + imm   | IBV_WR_RDMA_WRITE_WITH_IMM (or write + send fallback) | `fi_writedata` / `fi_writemsg` + data |
 //! | `post` Read          | IBV_WR_RDMA_READ                                   | `fi_read`                               |
-//! | `post` Recv          | `ibv_post_recv` (or the shared receive queue)      | `fi_recv`                               |
+//! | `post` Recv          | `ibv_post_recv`                                    | `fi_recv`                               |
+//! | `post_shared_recv`   | `ibv_create_srq` once, then `ibv_post_srq_recv`    | (not offered: per-endpoint receives)    |
 //! | `poll`               | `ibv_poll_cq`                                      | `fi_cq_read` / `fi_cq_readerr`           |
 //! | `poll_cm`            | `rdma_get_cm_event`                                | `fi_eq_read`                             |
 //! | `arm` + `wait_fd`    | `ibv_req_notify_cq` + completion channel fd (epoll with the cm fd) | `fi_trywait` + FI_GETWAIT fd |
@@ -72,6 +73,8 @@ pub struct Capabilities {
     pub max_read_depth: u32,
     /// Bytes of private data a connect request can carry.
     pub max_private_data: usize,
+    /// Depth of a shared receive queue (seed 003), or 0 when the transport has none.
+    pub max_shared_recv: u32,
 }
 
 /// Registered memory: a whole [`DmaBuf`] made usable for local access by one transport.
@@ -193,7 +196,7 @@ pub enum Op {
         /// Immediate value.
         imm: Option<u32>,
     },
-    /// Post a receive buffer.
+    /// Post a receive buffer (on an endpoint, or on the shared receive queue).
     Recv {
         /// Where the incoming message lands.
         sge: Sge,
@@ -484,6 +487,27 @@ pub trait Transport: Send + fmt::Debug {
             }
         }
         result
+    }
+
+    /// Creates the shared receive queue (seed 003) with room for `depth` buffers. Every endpoint created after
+    /// this call takes its receives from it: `connect` and `accept` then get no receives of their own, and a
+    /// completion of a shared receive names the endpoint that dequeued it, or `EndpointId(0)` when that endpoint
+    /// is already gone. Receives an endpoint dequeued but had not completed when it went down complete flushed.
+    fn create_shared_recv(&mut self, depth: u32) -> Result<(), TransportError> {
+        let _ = depth;
+        Err(TransportError::Unsupported(format!(
+            "{} has no shared receive queue",
+            self.capabilities().name
+        )))
+    }
+
+    /// Posts receives (each an [`Op::Recv`]) on the shared receive queue, draining `wrs`.
+    fn post_shared_recv(&mut self, wrs: &mut Vec<WorkRequest>) -> Result<(), TransportError> {
+        wrs.clear();
+        Err(TransportError::Unsupported(format!(
+            "{} has no shared receive queue",
+            self.capabilities().name
+        )))
     }
 
     /// Starts tearing the connection down. Outstanding work requests complete (flushed if need be) and a

@@ -51,9 +51,10 @@ impl Backend for Sim {
         None
     }
     fn net(&self) -> Box<dyn Net> {
-        // Progress threads, as on a real device; the deterministic manual mode is for the exs crate's tests.
+        // Progress threads and a shared receive queue, as on a real device; the deterministic manual mode is for
+        // the exs crate's tests.
         Box::new(SimNet(exs::sim::World::threaded(
-            exs::sim::SimConfig::default(),
+            exs::sim::SimConfig::default().with_shared_recv(16384),
         )))
     }
     fn processes(&self) -> bool {

@@ -86,5 +86,6 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::message::cases());
     v.extend(cases::stream::cases());
     v.extend(cases::process::cases());
+    v.extend(cases::scale::cases());
     v
 }

@@ -9,6 +9,7 @@ use crate::error::{OpError, Violation};
 use crate::options::{SockType, SocketOptions};
 use crate::proto::link::{self, Link, WrKind, MIN_WINDOW};
 use crate::proto::message::{MessageProto, RecvReq, SendReq};
+use crate::proto::pool::RecvPool;
 use crate::proto::stream::{StreamProto, StreamSetup};
 use crate::transport::{Completed, Completion, EndpointId, Exposure, WcError, WorkRequest};
 use crate::wire::{Body, CloseReason, Handshake, Message, WireSockType};
@@ -248,13 +249,15 @@ impl Conn {
     }
 
     /// Handles one completion of this connection's endpoint.
+    /// `pool` is the context's shared receive pool, for completions of its buffers (the engine reposts those).
     pub(crate) fn on_completion(
         &mut self,
         c: &Completion,
         out: &mut Vec<WorkRequest>,
+        pool: Option<&RecvPool>,
     ) -> Result<Incoming, Fault> {
         match (c.op, link::wr_kind(c.wr_id)) {
-            (Completed::Recv { len, imm }, Some(WrKind::Recv(slot))) => {
+            (Completed::Recv { len, imm }, Some(kind @ (WrKind::Recv(_) | WrKind::Pool(_)))) => {
                 match &c.status {
                     Ok(()) => {}
                     Err(WcError::Flushed) => return Ok(Incoming::Nothing),
@@ -265,9 +268,25 @@ impl Conn {
                         self.on_write_imm(imm)?;
                         Incoming::Nothing
                     }
-                    None => self.on_ctrl(slot, len as usize, out)?,
+                    None => {
+                        let (slots, slot) = match kind {
+                            WrKind::Pool(id) => pool
+                                .ok_or(Violation::BadRange(
+                                    "a pool completion without a pool".into(),
+                                ))?
+                                .slot(id)?,
+                            WrKind::Recv(slot) => (self.link.own_rx()?, slot),
+                            _ => unreachable!("matched above"),
+                        };
+                        let (msg, inline) = slots.decode(slot, len as usize)?;
+                        let rx = std::sync::Arc::clone(&slots.buf);
+                        self.on_message(msg, inline, &rx)?
+                    }
                 };
-                self.link.repost(slot, out)?;
+                match kind {
+                    WrKind::Recv(slot) => self.link.repost(slot, out)?,
+                    _ => self.link.consumed(),
+                }
                 Ok(incoming)
             }
             (Completed::RemoteWrite { imm }, _) => {
@@ -327,20 +346,12 @@ impl Conn {
         }
     }
 
-    fn on_ctrl(
-        &mut self,
-        slot: u32,
-        len: usize,
-        _out: &mut [WorkRequest],
-    ) -> Result<Incoming, Violation> {
-        let (msg, inline) = self.link.read_slot(slot, len)?;
-        self.on_message(msg, inline)
-    }
-
+    /// Handles a control message whose immediate data sits at `inline` in `rx`.
     fn on_message(
         &mut self,
         msg: Message,
         inline: std::ops::Range<usize>,
+        rx: &std::sync::Arc<exs_dma::DmaBuf>,
     ) -> Result<Incoming, Violation> {
         self.link.credits_returned(msg.credits)?;
         let Some(mode) = &mut self.mode else {
@@ -364,7 +375,6 @@ impl Conn {
             (Body::Credit, _) | (Body::Ack, Mode::Message(_)) => {}
             (Body::Close(reason), _) => return Ok(Incoming::PeerClose(reason)),
             (Body::Advert(a), Mode::Message(m)) => {
-                let rx = std::sync::Arc::clone(self.link.rx_buf());
                 let range = inline.clone();
                 let mut into_recv = |sge: &mut crate::transport::Sge| -> Result<(), Violation> {
                     let n = sge.len().min(range.len());
@@ -374,7 +384,7 @@ impl Conn {
                     src.copy_to(0, sge.lease_mut(), 0, n)
                         .map_err(|e| Violation::BadRange(e.to_string()))
                 };
-                let rx2 = std::sync::Arc::clone(self.link.rx_buf());
+                let rx2 = rx;
                 let mut copy_out = || -> Result<Vec<u8>, Violation> {
                     let mut v = vec![0u8; inline.len()];
                     rx2.read_at(inline.start, &mut v)

@@ -44,6 +44,7 @@ const CLASS_SHIFT: u32 = 62;
 const CLASS_RECV: u64 = 0;
 const CLASS_CTRL: u64 = 1;
 const CLASS_DATA: u64 = 2;
+const CLASS_POOL: u64 = 3;
 
 /// What a work request id names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,6 +55,8 @@ pub(crate) enum WrKind {
     Ctrl(u32),
     /// A data operation (write or read) with a protocol tag.
     Data(u32),
+    /// A slot of the context's shared receive pool (seed 003).
+    Pool(u32),
 }
 
 pub(crate) fn wr_id(kind: WrKind) -> u64 {
@@ -61,15 +64,20 @@ pub(crate) fn wr_id(kind: WrKind) -> u64 {
         WrKind::Recv(s) => (CLASS_RECV << CLASS_SHIFT) | u64::from(s),
         WrKind::Ctrl(s) => (CLASS_CTRL << CLASS_SHIFT) | u64::from(s),
         WrKind::Data(t) => (CLASS_DATA << CLASS_SHIFT) | u64::from(t),
+        WrKind::Pool(s) => (CLASS_POOL << CLASS_SHIFT) | u64::from(s),
     }
 }
 
 pub(crate) fn wr_kind(id: u64) -> Option<WrKind> {
     let low = (id & 0xffff_ffff) as u32;
+    if (id >> 32) & ((1 << (CLASS_SHIFT - 32)) - 1) != 0 {
+        return None; // not an id of ours
+    }
     match id >> CLASS_SHIFT {
         CLASS_RECV => Some(WrKind::Recv(low)),
         CLASS_CTRL => Some(WrKind::Ctrl(low)),
         CLASS_DATA => Some(WrKind::Data(low)),
+        CLASS_POOL => Some(WrKind::Pool(low)),
         _ => None,
     }
 }
@@ -87,6 +95,48 @@ impl Slots {
     fn range(&self, slot: u32) -> std::ops::Range<usize> {
         let start = slot as usize * self.size;
         start..start + self.size
+    }
+
+    /// A receive work request for `slot`, identified as `id`.
+    pub(crate) fn recv_wr(&self, slot: u32, id: u64) -> Result<WorkRequest, Violation> {
+        let sge = lease_sge(
+            &self.buf,
+            &self.reg,
+            self.range(slot),
+            LeaseKind::DeviceWrite,
+        )
+        .map_err(|e| Violation::BadRange(format!("control receive slot {slot} is busy: {e}")))?;
+        Ok(WorkRequest {
+            wr_id: id,
+            op: Op::Recv { sge },
+        })
+    }
+
+    /// Decodes the message in a receive slot (the receive completed with `len` bytes).
+    /// Returns the message and the byte range of its immediate data inside the slot buffer.
+    pub(crate) fn decode(
+        &self,
+        slot: u32,
+        len: usize,
+    ) -> Result<(Message, std::ops::Range<usize>), Violation> {
+        if slot >= self.count {
+            return Err(Violation::BadRange(format!(
+                "receive completion for unknown slot {slot}"
+            )));
+        }
+        if len > self.size {
+            return Err(Violation::Malformed(WireError::LengthMismatch {
+                expected: self.size,
+                got: len,
+            }));
+        }
+        let range = self.range(slot);
+        let (msg, at) = self
+            .buf
+            .with_slice(range.start..range.start + len, Message::decode)
+            .map_err(|e| Violation::BadRange(format!("receive slot still leased: {e}")))??;
+        let inline = range.start + at..range.start + len;
+        Ok((msg, inline))
     }
 }
 
@@ -137,7 +187,12 @@ pub struct LinkStats {
 /// See the module documentation.
 #[derive(Debug)]
 pub(crate) struct Link {
-    rx: Slots,
+    /// This connection's own receive slots, or `None` when its receives come from the context's shared pool.
+    rx: Option<Slots>,
+    /// Receive buffers promised to the peer (own slots, or credits against the shared pool).
+    window_in: u32,
+    /// Bytes of one receive buffer.
+    rx_slot_size: usize,
     tx: Slots,
     free_tx: Vec<u32>,
     /// What to report when a control send slot completes (message-mode immediate sends).
@@ -171,8 +226,10 @@ impl AckSource for () {
 }
 
 impl Link {
+    /// A link with its own receive slots (`rx`), or, with `rx == Err((window, slot_size))`, one whose receives
+    /// come from the shared pool: it then promises the peer `window` buffers of `slot_size` bytes.
     pub(crate) fn new(
-        rx: Slots,
+        rx: Result<Slots, (u32, usize)>,
         tx: Slots,
         max_send_wr: u32,
         max_read_depth: u32,
@@ -180,9 +237,18 @@ impl Link {
     ) -> Self {
         let free_tx = (0..tx.count).rev().collect();
         let tx_notify = vec![None; tx.count as usize];
-        let threshold = (rx.count / 2).max(2);
+        let (rx, window_in, rx_slot_size) = match rx {
+            Ok(s) => {
+                let (w, z) = (s.count, s.size);
+                (Some(s), w, z)
+            }
+            Err((w, z)) => (None, w, z),
+        };
+        let threshold = (window_in / 2).max(2);
         Link {
             rx,
+            window_in,
+            rx_slot_size,
             tx,
             free_tx,
             tx_notify,
@@ -204,31 +270,27 @@ impl Link {
 
     /// Our receive window (buffers posted for the peer).
     pub(crate) fn window_in(&self) -> u32 {
-        self.rx.count
+        self.window_in
     }
 
     /// Bytes one control receive buffer holds.
     pub(crate) fn slot_size(&self) -> usize {
-        self.rx.size
+        self.rx_slot_size
     }
 
-    /// Receives to post before the connection comes up: every receive slot.
+    /// Bytes of receive memory this connection owns (zero when it draws on the shared pool).
+    pub(crate) fn own_rx_bytes(&self) -> usize {
+        self.rx.as_ref().map_or(0, |s| s.size * s.count as usize)
+    }
+
+    /// Receives to post before the connection comes up: every own receive slot (none with the shared pool).
     pub(crate) fn initial_recvs(&mut self) -> Result<Vec<WorkRequest>, Violation> {
-        (0..self.rx.count).map(|s| self.recv_wr(s)).collect()
-    }
-
-    fn recv_wr(&self, slot: u32) -> Result<WorkRequest, Violation> {
-        let sge = lease_sge(
-            &self.rx.buf,
-            &self.rx.reg,
-            self.rx.range(slot),
-            LeaseKind::DeviceWrite,
-        )
-        .map_err(|e| Violation::BadRange(format!("control receive slot {slot} is busy: {e}")))?;
-        Ok(WorkRequest {
-            wr_id: wr_id(WrKind::Recv(slot)),
-            op: Op::Recv { sge },
-        })
+        match &self.rx {
+            Some(rx) => (0..rx.count)
+                .map(|s| rx.recv_wr(s, wr_id(WrKind::Recv(s))))
+                .collect(),
+            None => Ok(Vec::new()),
+        }
     }
 
     /// The handshake told us the peer's window: the link may send from now on.
@@ -457,46 +519,29 @@ impl Link {
         }
     }
 
-    /// Decodes the message in a receive slot (the receive completed with `len` bytes).
-    /// Returns the message and the byte range of its immediate data inside the slot buffer.
-    pub(crate) fn read_slot(
-        &self,
-        slot: u32,
-        len: usize,
-    ) -> Result<(Message, std::ops::Range<usize>), Violation> {
-        if slot >= self.rx.count {
-            return Err(Violation::BadRange(format!(
-                "receive completion for unknown slot {slot}"
-            )));
-        }
-        if len > self.rx.size {
-            return Err(Violation::Malformed(WireError::LengthMismatch {
-                expected: self.rx.size,
-                got: len,
-            }));
-        }
-        let range = self.rx.range(slot);
-        let (msg, at) = self
-            .rx
-            .buf
-            .with_slice(range.start..range.start + len, Message::decode)
-            .map_err(|e| Violation::BadRange(format!("receive slot still leased: {e}")))??;
-        let inline = range.start + at..range.start + len;
-        Ok((msg, inline))
+    /// This connection's own receive slots.
+    pub(crate) fn own_rx(&self) -> Result<&Slots, Violation> {
+        self.rx.as_ref().ok_or(Violation::BadRange(
+            "a completion names a private receive slot, but this connection uses the shared pool"
+                .into(),
+        ))
     }
 
-    /// The buffer holding control receive slots (immediate data is copied out of it).
-    pub(crate) fn rx_buf(&self) -> &Arc<DmaBuf> {
-        &self.rx.buf
-    }
-
-    /// Reposts a receive slot once its message has been processed; the buffer becomes a credit owed to the peer.
+    /// Reposts an own receive slot once its message has been processed; the buffer becomes a credit owed to the
+    /// peer.
     pub(crate) fn repost(
         &mut self,
         slot: u32,
         out: &mut Vec<WorkRequest>,
     ) -> Result<(), Violation> {
-        out.push(self.recv_wr(slot)?);
+        out.push(self.own_rx()?.recv_wr(slot, wr_id(WrKind::Recv(slot)))?);
+        self.consumed();
+        Ok(())
+    }
+
+    /// A message that consumed one of the buffers promised to the peer has been processed (its buffer went back
+    /// to our own slots or to the shared pool): one credit is owed to the peer.
+    pub(crate) fn consumed(&mut self) {
         self.stats.ctrl_received += 1;
         self.owed += 1;
         if self.owed >= self.threshold && !self.credit_queued {
@@ -507,7 +552,6 @@ impl Link {
                 notify: None,
             });
         }
-        Ok(())
     }
 
     /// The peer returned `n` credits.
@@ -546,9 +590,14 @@ mod tests {
 
     #[test]
     fn wr_ids_round_trip() {
-        for k in [WrKind::Recv(0), WrKind::Ctrl(7), WrKind::Data(u32::MAX)] {
+        for k in [
+            WrKind::Recv(0),
+            WrKind::Ctrl(7),
+            WrKind::Data(u32::MAX),
+            WrKind::Pool(3),
+        ] {
             assert_eq!(wr_kind(wr_id(k)), Some(k));
         }
-        assert_eq!(wr_kind(3 << 62), None);
+        assert_eq!(wr_kind(1 << 40), None);
     }
 }

@@ -82,11 +82,24 @@ impl Default for SimConfig {
                 max_sge: 4,
                 max_read_depth: 16,
                 max_private_data: 56,
+                // Off by default, so that the receive-not-ready check below catches credit bugs on per-connection
+                // queues; [`SimConfig::with_shared_recv`] turns it on.
+                max_shared_recv: 0,
             },
             offset_addressing: false,
             rnr: RnrPolicy::Fail,
             detect_delay: Duration::from_millis(1),
         }
+    }
+}
+
+impl SimConfig {
+    /// Devices with a shared receive queue of `depth` buffers (seed 003). Sends that find it empty wait, as RC
+    /// hardware retries on receiver-not-ready: with a pool smaller than the sum of all connections' windows, an
+    /// empty pool is a delay, not an error.
+    pub fn with_shared_recv(mut self, depth: u32) -> Self {
+        self.caps.max_shared_recv = depth;
+        self
     }
 }
 
@@ -147,6 +160,8 @@ struct Ep {
     last_at: Duration,
     /// Sends waiting for a receive (RNR policy Wait).
     waiting: VecDeque<Delivery>,
+    /// Takes its receives from the host's shared receive queue.
+    shared: bool,
 }
 
 #[derive(Debug)]
@@ -159,12 +174,18 @@ struct KeyEntry {
 struct Host {
     ip: IpAddr,
     alive: bool,
+    /// The driver of a manual world skips this host's progress.
+    stalled: bool,
     answering: bool,
     cq: VecDeque<Completion>,
     cm: VecDeque<CmEvent>,
     notify: Option<Arc<EventFd>>,
     armed: bool,
     eps: HashMap<EndpointId, Ep>,
+    /// The shared receive queue, once created.
+    srq: Option<VecDeque<WorkRequest>>,
+    /// Deliveries to endpoints on the shared queue that found it empty, in arrival order.
+    srq_waiting: VecDeque<Delivery>,
     listeners: HashMap<ListenerId, SocketAddr>,
     /// Pending requests: requester, its address, and the listener address it asked for.
     requests: HashMap<RequestId, (Addr, SocketAddr, SocketAddr)>,
@@ -206,6 +227,8 @@ struct Net {
     keys: HashMap<u64, KeyEntry>,
     next_key: u64,
     stats: NetStats,
+    /// Delivering what waited for the shared receive queue (it goes before newer arrivals).
+    srq_retry: bool,
 }
 
 impl Net {
@@ -357,7 +380,12 @@ impl Net {
         e.up = false;
         e.peer = None;
         let recvs: Vec<_> = e.recvs.drain(..).collect();
-        let waiting: Vec<_> = e.waiting.drain(..).collect();
+        let mut waiting: Vec<_> = e.waiting.drain(..).collect();
+        let srq_waiting = std::mem::take(&mut self.hosts[host].srq_waiting);
+        let (mine, others): (Vec<_>, Vec<_>) =
+            srq_waiting.into_iter().partition(|d| d.to == (host, ep));
+        self.hosts[host].srq_waiting = others.into();
+        waiting.extend(mine);
         for wr in recvs {
             self.complete(
                 host,
@@ -565,11 +593,30 @@ impl Net {
     }
 
     fn take_recv(&mut self, host: HostId, ep: EndpointId) -> Option<WorkRequest> {
-        self.hosts[host].eps.get_mut(&ep)?.recvs.pop_front()
+        let h = &mut self.hosts[host];
+        let e = h.eps.get_mut(&ep)?;
+        if e.shared {
+            // Seed 003: any endpoint on the shared queue dequeues the next buffer; deliveries that waited for
+            // the queue go first.
+            if !h.srq_waiting.is_empty() && !self.srq_retry {
+                return None;
+            }
+            return h.srq.as_mut()?.pop_front();
+        }
+        e.recvs.pop_front()
     }
 
     fn rnr(&mut self, d: Delivery) {
         self.stats.rnr += 1;
+        let (th, tep) = d.to;
+        if self.hosts[th].eps.get(&tep).is_some_and(|e| e.shared) {
+            if self.srq_retry {
+                self.hosts[th].srq_waiting.push_front(d);
+            } else {
+                self.hosts[th].srq_waiting.push_back(d);
+            }
+            return;
+        }
         match self.cfg.rnr {
             RnrPolicy::Fail => {
                 let (fh, fep) = d.from;
@@ -586,6 +633,22 @@ impl Net {
                     ep.waiting.push_back(d);
                 }
             }
+        }
+    }
+
+    /// Receives were posted to the shared queue: deliver what waited for them, in order.
+    fn retry_srq(&mut self, host: HostId) {
+        loop {
+            let h = &mut self.hosts[host];
+            if h.srq.as_ref().is_none_or(|q| q.is_empty()) {
+                return;
+            }
+            let Some(d) = h.srq_waiting.pop_front() else {
+                return;
+            };
+            self.srq_retry = true;
+            self.deliver(d);
+            self.srq_retry = false;
         }
     }
 
@@ -716,6 +779,7 @@ impl SimTransport {
                 remote: None,
                 last_at: Duration::ZERO,
                 waiting: VecDeque::new(),
+                shared: h.srq.is_some(),
             },
         );
         local
@@ -931,6 +995,52 @@ impl Transport for SimTransport {
         Ok(())
     }
 
+    fn create_shared_recv(&mut self, depth: u32) -> Result<(), TransportError> {
+        if self.caps.max_shared_recv == 0 {
+            return Err(TransportError::Unsupported(
+                "this simulated device has no shared receive queue".into(),
+            ));
+        }
+        if depth > self.caps.max_shared_recv {
+            return Err(TransportError::Resource(format!(
+                "shared receive queue of {depth} (at most {})",
+                self.caps.max_shared_recv
+            )));
+        }
+        let mut net = self.net();
+        let h = &mut net.hosts[self.host];
+        if h.srq.is_some() {
+            return Err(TransportError::Invalid(
+                "the shared receive queue exists".into(),
+            ));
+        }
+        h.srq = Some(VecDeque::new());
+        Ok(())
+    }
+
+    fn post_shared_recv(&mut self, wrs: &mut Vec<WorkRequest>) -> Result<(), TransportError> {
+        let mut net = self.net();
+        let host = self.host;
+        let depth = net.cfg.caps.max_shared_recv as usize;
+        let Some(q) = net.hosts[host].srq.as_mut() else {
+            wrs.clear();
+            return Err(TransportError::Invalid("no shared receive queue".into()));
+        };
+        if wrs.iter().any(|w| !matches!(w.op, Op::Recv { .. })) {
+            wrs.clear();
+            return Err(TransportError::Invalid(
+                "only receives go to the shared receive queue".into(),
+            ));
+        }
+        if q.len() + wrs.len() > depth {
+            wrs.clear();
+            return Err(TransportError::Resource("shared receive queue full".into()));
+        }
+        q.extend(wrs.drain(..));
+        net.retry_srq(host);
+        Ok(())
+    }
+
     fn disconnect(&mut self, ep: EndpointId) {
         let mut net = self.net();
         let host = self.host;
@@ -1027,15 +1137,18 @@ impl Clock for SimClock {
 /// how long a context lives.
 struct WorldDriver {
     net: Weak<Mutex<Net>>,
-    contexts: Mutex<Vec<Weak<crate::context::CtxInner>>>,
+    contexts: Mutex<Vec<(HostId, Weak<crate::context::CtxInner>)>>,
 }
 
 impl WorldDriver {
-    fn live(&self) -> Vec<Context> {
+    /// The live contexts of hosts that are not stalled.
+    fn live(&self, net: &Mutex<Net>) -> Vec<Context> {
+        let stalled: Vec<bool> = lock(net).hosts.iter().map(|h| h.stalled).collect();
         let mut v = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        v.retain(|w| w.strong_count() > 0);
+        v.retain(|(_, w)| w.strong_count() > 0);
         v.iter()
-            .filter_map(Weak::upgrade)
+            .filter(|(h, _)| !stalled.get(*h).copied().unwrap_or(false))
+            .filter_map(|(_, w)| w.upgrade())
             .map(Context::from_inner)
             .collect()
     }
@@ -1057,7 +1170,7 @@ fn step(net: &Arc<Mutex<Net>>, driver: &WorldDriver) -> bool {
 }
 
 fn step_until(net: &Arc<Mutex<Net>>, driver: &WorldDriver, limit: Duration) -> bool {
-    let ctxs = driver.live();
+    let ctxs = driver.live(net);
     lock(net).stats.steps += 1;
     let mut any = false;
     for c in &ctxs {
@@ -1127,6 +1240,7 @@ impl World {
             keys: HashMap::new(),
             next_key: 0,
             stats: NetStats::default(),
+            srq_retry: false,
         }));
         let driver = Arc::new(WorldDriver {
             net: Arc::downgrade(&net),
@@ -1164,12 +1278,15 @@ impl World {
             net.hosts.push(Host {
                 ip,
                 alive: true,
+                stalled: false,
                 answering: true,
                 cq: VecDeque::new(),
                 cm: VecDeque::new(),
                 notify: notify.clone(),
                 armed: false,
                 eps: HashMap::new(),
+                srq: None,
+                srq_waiting: VecDeque::new(),
                 listeners: HashMap::new(),
                 requests: HashMap::new(),
                 next_listener: 1,
@@ -1197,9 +1314,15 @@ impl World {
                 .contexts
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .push(ctx.downgrade());
+                .push((host, ctx.downgrade()));
         }
         ctx
+    }
+
+    /// Stops (or resumes) the progress of host `host` in a manual world, as a receiver busy elsewhere: messages
+    /// keep arriving and consuming its receive buffers, nothing is processed or reposted.
+    pub fn stall(&self, host: usize, stalled: bool) {
+        lock(&self.net).hosts[host].stalled = stalled;
     }
 
     /// The address of host `i` (in creation order).

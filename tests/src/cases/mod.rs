@@ -2,4 +2,5 @@
 
 pub mod message;
 pub mod process;
+pub mod scale;
 pub mod stream;

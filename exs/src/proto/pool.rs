@@ -1,0 +1,177 @@
+//! The shared receive pool: control receive buffers for every connection of a context (seed 003).
+//!
+//! Without it, each connection posts `W` receive buffers of its own, so receive memory grows with the number of
+//! connections. With it, the context posts buffers to one shared receive queue that every connection draws from
+//! (`dat_srq_post_recv`: "posts the receive buffer that can be used for the incoming message ... by any connected
+//! EP that uses SRQ"), and a connection owns no receive memory at all.
+//!
+//! Rules of seed 003 this module and the engine keep:
+//! * **Any endpoint may dequeue any buffer**, so every buffer has the one slot size of the context ("Consumers
+//!   should post a buffer large enough to handle incoming message on any of these Endpoint connections").
+//! * **Order per connection only**: "The posted Recv DTOs will complete in the order of Send postings to the other
+//!   endpoint of each connection ... There is no ordering among different connections." The engine hands each
+//!   completion to the connection that dequeued it, in completion-queue order, and nothing else.
+//! * **Flush back**: "All the buffers that the Endpoint has not completed by the time of transition into
+//!   Disconnected state ... will be flushed." A flushed buffer, or one whose connection is gone, goes straight
+//!   back to the pool.
+//! * **Low watermark** (`dat_srq_set_lw`): when the buffers still posted fall below the watermark, the pool grows
+//!   by another chunk, up to its maximum.
+//!
+//! Flow control is unchanged: each connection still promises its peer `W` buffers through link credits, so one
+//! peer cannot take more than `W` buffers at once. The promises of all connections together may exceed the pool;
+//! a burst that empties it makes the sending hardware retry (receiver-not-ready with infinite retry on RC), a delay
+//! rather than an error, while the progress engine reposts each buffer as soon as its message is processed.
+
+use std::sync::Arc;
+
+use exs_dma::DmaBuf;
+
+use crate::error::Violation;
+use crate::proto::link::{wr_id, Slots, WrKind};
+use crate::transport::{Transport, TransportError, WorkRequest};
+
+/// Counters of the pool.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Buffers the pool owns.
+    pub slots: u32,
+    /// Bytes of one buffer.
+    pub slot_size: usize,
+    /// Buffers posted to the shared queue now.
+    pub posted: u32,
+    /// Lowest number of posted buffers seen.
+    pub low_mark: u32,
+    /// Times the pool grew.
+    pub grown: u32,
+    /// Messages received through the pool.
+    pub received: u64,
+    /// Buffers that came back flushed (their connection went down first).
+    pub flushed: u64,
+}
+
+/// See the module documentation.
+#[derive(Debug)]
+pub(crate) struct RecvPool {
+    chunks: Vec<Slots>,
+    chunk_slots: u32,
+    max_slots: u32,
+    low_watermark: u32,
+    /// Fewest buffers posted since the last [`RecvPool::refill`].
+    dip: u32,
+    stats: PoolStats,
+}
+
+impl RecvPool {
+    /// Creates the shared queue on the transport and posts a first chunk of `chunk` buffers of `slot_size` bytes.
+    pub(crate) fn new(
+        transport: &mut dyn Transport,
+        slot_size: usize,
+        chunk: u32,
+        max_slots: u32,
+        low_watermark: u32,
+    ) -> Result<Self, TransportError> {
+        let chunk = chunk.max(1);
+        let max_slots = max_slots.max(chunk);
+        transport.create_shared_recv(max_slots)?;
+        let mut pool = RecvPool {
+            chunks: Vec::new(),
+            chunk_slots: chunk,
+            max_slots,
+            low_watermark: low_watermark.min(chunk),
+            dip: 0,
+            stats: PoolStats {
+                slot_size,
+                ..PoolStats::default()
+            },
+        };
+        pool.grow(transport)?;
+        pool.stats.low_mark = pool.stats.posted;
+        pool.dip = pool.stats.posted;
+        Ok(pool)
+    }
+
+    /// Adds a chunk of buffers and posts them.
+    fn grow(&mut self, transport: &mut dyn Transport) -> Result<(), TransportError> {
+        let base = self.stats.slots;
+        let n = self.chunk_slots.min(self.max_slots - base);
+        if n == 0 {
+            return Ok(());
+        }
+        let buf = DmaBuf::new(self.stats.slot_size * n as usize);
+        let reg = transport.register(&buf)?;
+        let slots = Slots {
+            buf: Arc::clone(&buf),
+            reg,
+            size: self.stats.slot_size,
+            count: n,
+        };
+        let mut wrs = (0..n)
+            .map(|i| slots.recv_wr(i, wr_id(WrKind::Pool(base + i))))
+            .collect::<Result<Vec<_>, Violation>>()
+            .map_err(|v| TransportError::Invalid(v.to_string()))?;
+        self.chunks.push(slots);
+        self.stats.slots += n;
+        transport.post_shared_recv(&mut wrs)?;
+        self.stats.posted += n;
+        if base > 0 {
+            self.stats.grown += 1;
+            tracing::debug!(slots = self.stats.slots, "shared receive pool grew");
+        }
+        Ok(())
+    }
+
+    /// The chunk holding pool slot `id`, and the slot's index inside it.
+    pub(crate) fn slot(&self, id: u32) -> Result<(&Slots, u32), Violation> {
+        let c = (id / self.chunk_slots) as usize;
+        let chunk = self
+            .chunks
+            .get(c)
+            .ok_or_else(|| Violation::BadRange(format!("completion for unknown pool slot {id}")))?;
+        Ok((chunk, id % self.chunk_slots))
+    }
+
+    /// A buffer left the shared queue (its completion arrived).
+    pub(crate) fn taken(&mut self, flushed: bool) {
+        self.stats.posted = self.stats.posted.saturating_sub(1);
+        self.stats.low_mark = self.stats.low_mark.min(self.stats.posted);
+        self.dip = self.dip.min(self.stats.posted);
+        if flushed {
+            self.stats.flushed += 1;
+        } else {
+            self.stats.received += 1;
+        }
+    }
+
+    /// The receive that goes back to the shared queue for slot `id` (counted by [`RecvPool::reposted`] once the
+    /// transport took it).
+    pub(crate) fn repost(&mut self, id: u32) -> Result<WorkRequest, Violation> {
+        let (chunk, i) = self.slot(id)?;
+        chunk.recv_wr(i, wr_id(WrKind::Pool(id)))
+    }
+
+    /// `n` buffers went back to the shared queue.
+    pub(crate) fn reposted(&mut self, n: usize) {
+        self.stats.posted += n as u32;
+        self.dip = self.stats.posted;
+    }
+
+    /// Grows the pool when the posted buffers fell below the low watermark at any point since the last call
+    /// (called after each batch of completions, before the batch's buffers are reposted).
+    pub(crate) fn refill(&mut self, transport: &mut dyn Transport) -> Result<(), TransportError> {
+        let dipped = self.dip < self.low_watermark;
+        if dipped && self.stats.slots < self.max_slots {
+            self.grow(transport)?;
+            self.dip = self.stats.posted;
+        }
+        Ok(())
+    }
+
+    /// Bytes of receive memory the pool holds.
+    pub(crate) fn bytes(&self) -> u64 {
+        u64::from(self.stats.slots) * self.stats.slot_size as u64
+    }
+
+    pub(crate) fn stats(&self) -> PoolStats {
+        self.stats
+    }
+}

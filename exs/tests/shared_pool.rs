@@ -1,0 +1,356 @@
+//! The shared receive pool (seed 003) on the simulated fabric: receive memory that does not grow with the number
+//! of connections, per-connection order, an empty pool that delays instead of failing, growth at the low
+//! watermark, and buffers flushed back when their connection goes down.
+
+mod common;
+
+use common::*;
+use exs::sim::{SimConfig, World};
+use exs::{
+    Context, ContextOptions, EventKind, EventQueue, MemoryRegion, MsgFlags, SharedRecv, SockType,
+    Socket,
+};
+
+/// `n` connections from host 0 (`client`) to a listener on host 1 (`server`); returns (client, server) sockets.
+struct Many {
+    world: World,
+    client: Context,
+    server: Context,
+    eq_c: EventQueue,
+    eq_s: EventQueue,
+    conns: Vec<(Socket, Socket)>,
+    _listener: Socket,
+}
+
+fn many(n: usize, ty: SockType, cfg: SimConfig, server_pool: SharedRecv) -> Many {
+    let world = World::new(cfg);
+    let client = world.host_with(ContextOptions {
+        shared_recv: SharedRecv {
+            enabled: Some(false),
+            ..SharedRecv::default()
+        },
+        ..ContextOptions::default()
+    });
+    let server = world.host_with(ContextOptions {
+        shared_recv: server_pool,
+        ..ContextOptions::default()
+    });
+    let eq_c = EventQueue::new(8192);
+    let eq_s = EventQueue::new(8192);
+    let listener = Socket::new(&server, ty).unwrap();
+    listener.bind(world.addr(1, 7000)).unwrap();
+    let addr = listener.listen(4096).unwrap();
+    let mut conns = Vec::new();
+    for i in 0..n {
+        listener.accept(&eq_s, i as u64).unwrap();
+        let c = Socket::new(&client, ty).unwrap();
+        c.connect(addr, &eq_c, i as u64).unwrap();
+        let ev = wait(&eq_c);
+        assert_eq!(ev.kind, EventKind::Connect);
+        ev.status
+            .clone()
+            .unwrap_or_else(|e| panic!("connect {i}: {e}"));
+        let mut ev = wait(&eq_s);
+        assert_eq!(ev.kind, EventKind::Accept);
+        let s = ev.accepted.take().expect("accepted socket");
+        conns.push((c, s));
+    }
+    Many {
+        world,
+        client,
+        server,
+        eq_c,
+        eq_s,
+        conns,
+        _listener: listener,
+    }
+}
+
+fn pool_on() -> SharedRecv {
+    SharedRecv {
+        enabled: Some(true),
+        ..SharedRecv::default()
+    }
+}
+
+/// Sends `per` messages on every connection at once (sizes cycle through immediate and read-sized ones) while the
+/// server is stalled (busy elsewhere, so arriving messages hold pool buffers), then lets it run and receives them
+/// all, checking each connection's messages arrive in its order with their bytes.
+fn exchange(m: &Many, per: usize) {
+    let sizes = [1usize, 200, 512, 3000, 70_000];
+    let mut expect = Vec::new();
+    let mut dsts = Vec::new();
+    for (ci, (_, s)) in m.conns.iter().enumerate() {
+        for k in 0..per {
+            let dst = MemoryRegion::alloc(&m.server, 70_000).unwrap();
+            s.recv(&m.eq_s, &dst.all(), MsgFlags::NONE, (ci * per + k) as u64)
+                .unwrap();
+            dsts.push(dst);
+        }
+    }
+    let mut srcs = Vec::new();
+    for k in 0..per {
+        for (ci, (c, _)) in m.conns.iter().enumerate() {
+            let n = sizes[(ci + k) % sizes.len()];
+            let data = pattern(n, (ci * 1000 + k) as u64);
+            let src = MemoryRegion::from_vec(&m.client, data.clone()).unwrap();
+            c.send(&m.eq_c, &src.all(), MsgFlags::NONE, (ci * per + k) as u64)
+                .unwrap();
+            srcs.push(src);
+            expect.push(((ci * per + k) as u64, data));
+        }
+    }
+    m.world.stall(1, true);
+    m.world.run_for(std::time::Duration::from_millis(2));
+    m.world.stall(1, false);
+    let recvs = m
+        .eq_s
+        .wait_all(Some(std::time::Duration::from_secs(600)))
+        .unwrap();
+    assert_eq!(recvs.len(), m.conns.len() * per);
+    let sends = m
+        .eq_c
+        .wait_all(Some(std::time::Duration::from_secs(600)))
+        .unwrap();
+    assert!(sends.iter().all(|e| e.is_ok()), "a send failed");
+    for ev in &recvs {
+        assert!(ev.is_ok(), "{ev:?}");
+        // Receive k of connection ci was posted k-th on that connection, so it holds the k-th message sent on it.
+        let (_, want) = expect.iter().find(|(ctx, _)| *ctx == ev.context).unwrap();
+        assert_eq!(ev.bytes, want.len(), "receive {}", ev.context);
+        let got = dsts[ev.context as usize].to_vec().unwrap();
+        assert_bytes_eq(&got[..ev.bytes], want, "message through the shared pool");
+    }
+}
+
+#[test]
+fn receive_memory_per_connection_with_and_without_the_shared_pool() {
+    let n = 200;
+    let with = many(
+        n,
+        SockType::SeqPacket,
+        SimConfig::default().with_shared_recv(4096),
+        pool_on(),
+    );
+    let without = many(
+        n,
+        SockType::SeqPacket,
+        SimConfig::default().with_shared_recv(4096),
+        SharedRecv {
+            enabled: Some(false),
+            ..SharedRecv::default()
+        },
+    );
+    let sw = with.server.stats();
+    let so = without.server.stats();
+    let pool = sw.pool.expect("the server uses the pool");
+    assert_eq!(sw.ctrl_recv_bytes, 0, "no connection owns receive buffers");
+    let pool_bytes = u64::from(pool.slots) * pool.slot_size as u64;
+    assert!(so.pool.is_none());
+    let per_with = pool_bytes / n as u64;
+    let per_without = so.ctrl_recv_bytes / n as u64;
+    eprintln!(
+        "receive memory for {n} connections: {pool_bytes} bytes with the shared pool ({per_with} per connection), \
+         {} without ({per_without} per connection)",
+        so.ctrl_recv_bytes
+    );
+    assert!(per_with * 10 < per_without, "{per_with} vs {per_without}");
+    exchange(&with, 2);
+    exchange(&without, 2);
+}
+
+/// Issue: "one listener accepting 1,000 connections on the simulated fabric", with the shared pool.
+#[test]
+fn one_listener_accepts_a_thousand_connections() {
+    let m = many(
+        1000,
+        SockType::SeqPacket,
+        SimConfig::default().with_shared_recv(4096),
+        pool_on(),
+    );
+    let st = m.server.stats();
+    let pool = st.pool.unwrap();
+    eprintln!(
+        "1000 connections: {} bytes of receive memory in the pool, {} of the connections' own",
+        u64::from(pool.slots) * pool.slot_size as u64,
+        st.ctrl_recv_bytes
+    );
+    assert_eq!(st.ctrl_recv_bytes, 0);
+    exchange(&m, 1);
+}
+
+/// Seed 003: "The posted Recv DTOs will complete in the order of Send postings to the other endpoint of each
+/// connection ... There is no ordering among different connections."
+#[test]
+fn per_connection_order_is_kept_through_the_shared_pool() {
+    let m = many(
+        8,
+        SockType::SeqPacket,
+        SimConfig::default().with_shared_recv(4096),
+        pool_on(),
+    );
+    exchange(&m, 40);
+    let pool = m.server.stats().pool.unwrap();
+    assert!(pool.received >= 8 * 40, "{pool:?}");
+    assert_eq!(
+        pool.posted, pool.slots,
+        "every buffer is back in the pool: {pool:?}"
+    );
+}
+
+/// More messages in flight than the pool has buffers: senders wait (receiver-not-ready retry), nothing is lost.
+#[test]
+fn an_empty_pool_delays_senders_and_loses_nothing() {
+    let small = SharedRecv {
+        enabled: Some(true),
+        chunk_slots: 8,
+        max_slots: 8,
+        low_watermark: 0,
+        ..SharedRecv::default()
+    };
+    let m = many(
+        20,
+        SockType::SeqPacket,
+        SimConfig::default().with_shared_recv(4096),
+        small,
+    );
+    exchange(&m, 10);
+    let pool = m.server.stats().pool.unwrap();
+    assert_eq!(pool.slots, 8, "the pool never grew");
+    assert!(
+        m.world.stats().rnr > 0,
+        "the pool never ran empty: the test proves nothing"
+    );
+    assert_eq!(pool.posted, 8);
+}
+
+/// `dat_srq_set_lw`: below the low watermark the pool adds a chunk.
+#[test]
+fn the_pool_grows_below_its_low_watermark() {
+    let growing = SharedRecv {
+        enabled: Some(true),
+        chunk_slots: 8,
+        max_slots: 64,
+        low_watermark: 4,
+        ..SharedRecv::default()
+    };
+    let m = many(
+        20,
+        SockType::SeqPacket,
+        SimConfig::default().with_shared_recv(4096),
+        growing,
+    );
+    exchange(&m, 10);
+    let pool = m.server.stats().pool.unwrap();
+    assert!(pool.grown > 0 && pool.slots > 8, "{pool:?}");
+    assert!(pool.slots <= 64, "{pool:?}");
+    assert!(pool.low_mark < 4, "{pool:?}");
+}
+
+/// Seed 003: buffers a connection holds when it goes down are flushed; they go back to the pool, and the other
+/// connections keep working.
+#[test]
+fn buffers_of_a_connection_that_goes_down_return_to_the_pool() {
+    let small = SharedRecv {
+        enabled: Some(true),
+        chunk_slots: 8,
+        max_slots: 8,
+        low_watermark: 0,
+        ..SharedRecv::default()
+    };
+    let m = many(
+        6,
+        SockType::SeqPacket,
+        SimConfig::default().with_shared_recv(4096),
+        small,
+    );
+    // Connection 0 floods the stalled server, so its messages hold every pool buffer and wait for more; then the
+    // connection breaks.
+    let (c0, _s0) = &m.conns[0];
+    let src = MemoryRegion::from_vec(&m.client, pattern(100, 1)).unwrap();
+    m.world.stall(1, true);
+    for i in 0..12 {
+        c0.send(&m.eq_c, &src.all(), MsgFlags::NONE, 1000 + i)
+            .unwrap();
+    }
+    m.world.run_for(std::time::Duration::from_millis(5));
+    assert!(m.world.stats().rnr > 0, "the flood did not empty the pool");
+    let local = c0.local_addr().unwrap().unwrap();
+    m.world.break_connection(0, local);
+    m.world.stall(1, false);
+    let evs = m
+        .eq_c
+        .wait_all(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    assert_eq!(evs.len(), 12);
+    m.world.run_for(std::time::Duration::from_millis(5));
+    let pool = m.server.stats().pool.unwrap();
+    assert_eq!(
+        pool.posted, pool.slots,
+        "buffers leaked from the pool: {pool:?}"
+    );
+    // The others are unaffected.
+    let rest = Many {
+        conns: m.conns[1..]
+            .iter()
+            .map(|(a, b)| (a.clone(), b.clone()))
+            .collect(),
+        ..m
+    };
+    exchange(&rest, 3);
+}
+
+/// Stream sockets over the pool: writes-with-immediate consume pool buffers too.
+#[test]
+fn stream_sockets_over_the_shared_pool() {
+    let m = many(
+        4,
+        SockType::Stream,
+        SimConfig::default().with_shared_recv(4096),
+        pool_on(),
+    );
+    let data: Vec<Vec<u8>> = (0..4).map(|i| pattern(300_000, i)).collect();
+    let mut dsts = Vec::new();
+    for (i, (c, s)) in m.conns.iter().enumerate() {
+        let src = MemoryRegion::from_vec(&m.client, data[i].clone()).unwrap();
+        for k in 0..6 {
+            c.send(
+                &m.eq_c,
+                &src.slice(k * 50_000..(k + 1) * 50_000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
+        }
+        let dst = MemoryRegion::alloc(&m.server, 300_000).unwrap();
+        s.recv(&m.eq_s, &dst.all(), MsgFlags::WAITALL, i as u64)
+            .unwrap();
+        dsts.push((dst, src));
+    }
+    let evs = m
+        .eq_s
+        .wait_all(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    for ev in evs {
+        assert!(ev.is_ok() && ev.bytes == 300_000, "{ev:?}");
+        let got = dsts[ev.context as usize].0.to_vec().unwrap();
+        assert_bytes_eq(&got, &data[ev.context as usize], "stream through the pool");
+    }
+    assert!(m.server.stats().pool.unwrap().received > 0);
+}
+
+#[test]
+fn requiring_a_pool_where_the_transport_has_none_fails_clearly() {
+    let world = World::new(SimConfig::default());
+    let a = world.host_with(ContextOptions {
+        shared_recv: pool_on(),
+        ..ContextOptions::default()
+    });
+    let _b = world.host();
+    let eq = EventQueue::new(8);
+    let s = Socket::new(&a, SockType::SeqPacket).unwrap();
+    let err = s.connect(world.addr(1, 7000), &eq, 0).unwrap_err();
+    let io: std::io::Error = err.into();
+    assert_eq!(io.kind(), std::io::ErrorKind::Unsupported, "{io}");
+    assert!(io.to_string().contains("shared receive queue"), "{io}");
+}

@@ -7,7 +7,8 @@ use exs::Context;
 /// Which backend and how to reach it.
 #[derive(Clone, Debug, clap::Args)]
 pub struct BackendArgs {
-    /// Backend: fabric (libfabric) or sim (in-process simulated fabric).
+    /// Backend: fabric (libfabric), verbs (rdma-core: InfiniBand, RoCE, iWARP, Soft-RoCE) or sim (in-process
+    /// simulated fabric).
     #[arg(long, default_value = "fabric")]
     pub backend: String,
     /// libfabric provider (fabric backend): tcp, verbs, net, sockets.
@@ -16,9 +17,15 @@ pub struct BackendArgs {
     /// libfabric domain (interface or device), if not the provider's first.
     #[arg(long)]
     pub domain: Option<String>,
-    /// Address to listen on / connect to.
+    /// Address to listen on / connect to (verbs: an address of the RDMA device's interface).
     #[arg(long, default_value = "127.0.0.1")]
     pub addr: IpAddr,
+    /// verbs: the device that must carry --addr (checked), e.g. mlx5_0, cxgb4_0, rxe0.
+    #[arg(long)]
+    pub device: Option<String>,
+    /// verbs: emulate write-with-immediate by write + send even where the device has it.
+    #[arg(long)]
+    pub emulate_imm: bool,
 }
 
 /// Backends compiled into this binary.
@@ -27,6 +34,8 @@ pub fn compiled() -> Vec<&'static str> {
     let mut v = Vec::new();
     #[cfg(feature = "fabric")]
     v.push("fabric");
+    #[cfg(feature = "verbs")]
+    v.push("verbs");
     #[cfg(feature = "sim")]
     v.push("sim");
     v
@@ -36,6 +45,8 @@ pub fn compiled() -> Vec<&'static str> {
 pub enum Opened {
     #[cfg(feature = "fabric")]
     Fabric(exs_backend_fabric::FabricConfig, IpAddr),
+    #[cfg(feature = "verbs")]
+    Verbs(exs_backend_verbs::VerbsConfig),
     #[cfg(feature = "sim")]
     Sim(exs::sim::World),
 }
@@ -51,6 +62,21 @@ impl Opened {
                 },
                 a.addr,
             )),
+            #[cfg(feature = "verbs")]
+            "verbs" => {
+                if a.addr.is_loopback() {
+                    return Err(format!(
+                        "--backend verbs needs --addr set to the IP address of an RDMA device's interface \
+                         (rdma_cm does not work over loopback); RDMA devices here: {}",
+                        rdma_devices()
+                    ));
+                }
+                Ok(Opened::Verbs(exs_backend_verbs::VerbsConfig {
+                    addr: a.addr,
+                    device: a.device.clone(),
+                    emulate_write_imm: a.emulate_imm,
+                }))
+            }
             #[cfg(feature = "sim")]
             "sim" => Ok(Opened::Sim(exs::sim::World::threaded(
                 exs::sim::SimConfig::default(),
@@ -67,6 +93,8 @@ impl Opened {
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(cfg, _) => exs_backend_fabric::context(cfg).map_err(|e| e.to_string()),
+            #[cfg(feature = "verbs")]
+            Opened::Verbs(cfg) => exs_backend_verbs::context(cfg).map_err(|e| e.to_string()),
             #[cfg(feature = "sim")]
             Opened::Sim(w) => Ok(w.host()),
         }
@@ -77,6 +105,8 @@ impl Opened {
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(_, ip) => SocketAddr::new(*ip, 0),
+            #[cfg(feature = "verbs")]
+            Opened::Verbs(cfg) => SocketAddr::new(cfg.addr, 0),
             #[cfg(feature = "sim")]
             Opened::Sim(w) => w.addr(i, 0),
         }
@@ -87,6 +117,8 @@ impl Opened {
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(..) => true,
+            #[cfg(feature = "verbs")]
+            Opened::Verbs(..) => true,
             #[cfg(feature = "sim")]
             Opened::Sim(_) => false,
         }
@@ -97,8 +129,26 @@ impl Opened {
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(cfg, _) => format!("exs (fabric/{})", cfg.provider),
+            #[cfg(feature = "verbs")]
+            Opened::Verbs(cfg) => format!("exs (verbs/{})", cfg.device.as_deref().unwrap_or(&cfg.addr.to_string())),
             #[cfg(feature = "sim")]
             Opened::Sim(_) => "exs (sim)".into(),
         }
     }
+}
+
+/// The RDMA devices this machine has, with kind, state and addresses, for messages and `exs info`.
+#[cfg(feature = "verbs")]
+pub fn rdma_devices() -> String {
+    let devs = exs_backend_softroce::devices();
+    if devs.is_empty() {
+        return "none".into();
+    }
+    devs.iter()
+        .map(|d| {
+            let ips: Vec<String> = d.gids.iter().map(|g| g.ip().to_string()).filter(|ip| !ip.starts_with("fe80")).collect();
+            format!("{} ({:?}, {}, {})", d.name, d.kind, d.state.split(':').nth(1).unwrap_or(&d.state).trim(), ips.join(" "))
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }

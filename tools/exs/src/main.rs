@@ -32,6 +32,8 @@ fn info(a: backend::BackendArgs) -> Result<(), String> {
         "libfabric providers with MSG endpoints: {}",
         exs_backend_fabric::providers().join(", ")
     );
+    #[cfg(feature = "verbs")]
+    println!("RDMA devices: {}", backend::rdma_devices());
     let opened = backend::Opened::open(&a)?;
     let ctx = opened.host()?;
     let c = ctx.capabilities();
@@ -52,6 +54,14 @@ fn info(a: backend::BackendArgs) -> Result<(), String> {
             "emulated (write + send)"
         },
         c.imm_consumes_recv
+    );
+    println!(
+        "  shared receive queue: {}",
+        if c.max_shared_recv > 0 {
+            format!("{} buffers", c.max_shared_recv)
+        } else {
+            "none (each connection posts its own receives)".into()
+        }
     );
     Ok(())
 }

@@ -816,6 +816,7 @@ impl FabricTransport {
                 // SAFETY: an error entry is available; `ee` is a valid buffer.
                 let r = unsafe { exs_fi_cq_readerr(e.cq, &mut ee, 0) };
                 if r > 0 {
+                    tracing::debug!(err = ee.err, prov_errno = ee.prov_errno, "completion error");
                     let status = Err(wc_error(ee.err));
                     out.push_back(complete(
                         e,

@@ -96,6 +96,11 @@ pub struct ContextOptions {
     pub ack_delay: Duration,
     /// The shared receive pool (seed 003).
     pub shared_recv: SharedRecv,
+    /// Keepalive: a connection that posted nothing for this long sends a probe, so a peer that vanished (host
+    /// down, cable pulled) is detected by the transport's retries even when the application is only waiting.
+    /// `None`: idle connections never probe. A peer *process* that dies is detected without it (its kernel
+    /// tears the connection down).
+    pub keepalive: Option<Duration>,
 }
 
 /// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
@@ -137,6 +142,7 @@ impl Default for ContextOptions {
             connect_timeout: Duration::from_secs(10),
             ack_delay: Duration::from_micros(200),
             shared_recv: SharedRecv::default(),
+            keepalive: Some(Duration::from_secs(10)),
         }
     }
 }

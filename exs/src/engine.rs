@@ -138,6 +138,7 @@ enum TimerKind {
     Linger,
     ConnectTimeout,
     Ack,
+    Keepalive,
 }
 
 pub(crate) struct Engine {
@@ -149,6 +150,7 @@ pub(crate) struct Engine {
     linger: Duration,
     connect_timeout: Duration,
     ack_delay: Duration,
+    keepalive: Option<Duration>,
     sockets: HashMap<SocketId, Sock>,
     eps: HashMap<EndpointId, SocketId>,
     listeners: HashMap<ListenerId, SocketId>,
@@ -192,6 +194,7 @@ impl Engine {
             linger: opts.linger,
             connect_timeout: opts.connect_timeout,
             ack_delay: opts.ack_delay,
+            keepalive: opts.keepalive,
             sockets: HashMap::new(),
             eps: HashMap::new(),
             listeners: HashMap::new(),
@@ -327,6 +330,22 @@ impl Engine {
                     if let Some(conn) = self.sockets.get_mut(sid).and_then(|s| s.conn.as_mut()) {
                         conn.force_ack();
                         self.mark(*sid);
+                    }
+                }
+                TimerKind::Keepalive => {
+                    let Some(sock) = self.sockets.get_mut(sid) else {
+                        continue;
+                    };
+                    if sock.phase != Phase::Open {
+                        continue; // the timer dies with the connection
+                    }
+                    if let Some(conn) = sock.conn.as_mut() {
+                        if conn.link.keepalive() {
+                            self.mark(*sid);
+                        }
+                    }
+                    if let Some(k) = self.keepalive {
+                        self.timers.push((now + k, *sid, TimerKind::Keepalive));
                     }
                 }
             }
@@ -768,6 +787,10 @@ impl Engine {
         sock.phase = Phase::Open;
         self.timers
             .retain(|t| !(t.1 == sid && t.2 == TimerKind::ConnectTimeout));
+        if let Some(k) = self.keepalive {
+            let at = self.clock.now() + k;
+            self.timers.push((at, sid, TimerKind::Keepalive));
+        }
         if sock.peer_addr.is_none() {
             sock.peer_addr = self.transport.peer_addr(ep);
         }
@@ -1257,6 +1280,10 @@ impl Engine {
 
     pub(crate) fn options(&mut self, sid: SocketId) -> R<SocketOptions, StateError> {
         Ok(self.sock(sid)?.opts)
+    }
+
+    pub(crate) fn socket_error(&mut self, sid: SocketId) -> R<Option<OpError>, StateError> {
+        Ok(self.sock(sid)?.down.clone())
     }
 
     pub(crate) fn local_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {

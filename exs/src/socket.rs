@@ -244,6 +244,12 @@ impl Socket {
         self.engine(|e, id| e.stream_trace(id))
     }
 
+    /// Why the connection went down, once it has (like `SO_ERROR`): a local close, the peer closing, a transport
+    /// failure, or [`crate::OpError::PeerMisbehaved`] naming the peer's protocol violation. `None` while it is up.
+    pub fn error(&self) -> Result<Option<crate::OpError>, StateError> {
+        self.engine(|e, id| e.socket_error(id))
+    }
+
     /// Counters of the connection, while there is one.
     pub fn stats(&self) -> Option<ConnStats> {
         self.engine(|e, id| e.conn_stats(id))

@@ -434,3 +434,60 @@ fn one_way_messages_are_acknowledged_without_delay() {
         "{per_message:?} per message (the delay is 200 us)"
     );
 }
+
+/// A connection whose application only waits (a pending receive, nothing to send) to a peer that vanished:
+/// with keepalive the probe finds it within one interval plus the transport's retries; without, nothing ever
+/// moves on that connection.
+#[test]
+fn keepalive_finds_a_silent_peer_while_the_application_only_waits() {
+    for keepalive in [Some(Duration::from_secs(1)), None] {
+        let world = World::new(SimConfig::default());
+        let a = world.host_with(exs::ContextOptions {
+            keepalive,
+            ..exs::ContextOptions::default()
+        });
+        let b = world.host();
+        let (eq_a, eq_b) = (EventQueue::new(8), EventQueue::new(8));
+        let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+        l.bind(world.addr(1, 7000)).unwrap();
+        let addr = l.listen(4).unwrap();
+        l.accept(&eq_b, 1).unwrap();
+        let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+        c.connect(addr, &eq_a, 2).unwrap();
+        assert!(wait(&eq_a).is_ok());
+        let mut acc = wait(&eq_b);
+        let _server = acc.accepted.take().expect("accepted");
+        world.silence(1);
+        let dst = MemoryRegion::alloc(&a, 16).unwrap();
+        c.recv(&eq_a, &dst.all(), MsgFlags::NONE, 3).unwrap();
+        let start = world.elapsed();
+        let mut evs = Vec::new();
+        while world.elapsed() < start + Duration::from_secs(5) && evs.is_empty() {
+            world.run_for(Duration::from_millis(50));
+            eq_a.poll(&mut evs, 8);
+        }
+        match keepalive {
+            Some(k) => {
+                assert_eq!(evs.len(), 1, "the pending receive did not fail: {evs:?}");
+                assert_eq!(evs[0].status, Err(OpError::ConnectionReset));
+                let err = c
+                    .error()
+                    .unwrap()
+                    .expect("the socket reports why it went down");
+                assert_eq!(err, OpError::ConnectionReset);
+                let took = world.elapsed() - start;
+                assert!(
+                    took >= k,
+                    "found after {took:?}, before the first probe was due"
+                );
+            }
+            None => {
+                assert!(
+                    evs.is_empty(),
+                    "without keepalive an idle connection cannot notice: {evs:?}"
+                );
+                assert_eq!(c.error().unwrap(), None);
+            }
+        }
+    }
+}

@@ -40,6 +40,9 @@ impl Net for SimNet {
     fn listen_addr(&self, i: usize) -> SocketAddr {
         self.0.addr(i, 0)
     }
+    fn raw(&self) -> Result<Box<dyn exs::Transport>, String> {
+        Ok(Box::new(self.0.raw_host()))
+    }
 }
 
 #[cfg(feature = "sim")]
@@ -99,6 +102,11 @@ impl Net for FabricNet {
     fn listen_addr(&self, _i: usize) -> SocketAddr {
         SocketAddr::new(self.addr, 0)
     }
+    fn raw(&self) -> Result<Box<dyn exs::Transport>, String> {
+        exs_backend_fabric::FabricTransport::open(&self.cfg)
+            .map(|t| Box::new(t) as Box<dyn exs::Transport>)
+            .map_err(|e| e.to_string())
+    }
 }
 
 #[cfg(feature = "fabric")]
@@ -140,6 +148,12 @@ impl Net for VerbsNet {
     }
     fn listen_addr(&self, _i: usize) -> SocketAddr {
         SocketAddr::new(self.0.as_ref().expect("checked").addr, 0)
+    }
+    fn raw(&self) -> Result<Box<dyn exs::Transport>, String> {
+        let cfg = self.0.as_ref().map_err(Clone::clone)?;
+        exs_backend_verbs::VerbsTransport::open(cfg)
+            .map(|t| Box::new(t) as Box<dyn exs::Transport>)
+            .map_err(|e| e.to_string())
     }
 }
 

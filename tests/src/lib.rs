@@ -8,6 +8,7 @@
 pub mod backends;
 pub mod cases;
 pub mod child;
+pub mod raw;
 pub mod util;
 
 use std::net::SocketAddr;
@@ -20,6 +21,8 @@ pub trait Net {
     fn host(&self) -> Context;
     /// An address to listen on for the `i`th host created (port 0: any).
     fn listen_addr(&self, i: usize) -> SocketAddr;
+    /// A bare transport on this network, with no exs engine, to play a crafted peer ([`raw::RawPeer`]).
+    fn raw(&self) -> Result<Box<dyn exs::Transport>, String>;
 }
 
 /// A backend of the suite.
@@ -87,5 +90,6 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::stream::cases());
     v.extend(cases::process::cases());
     v.extend(cases::scale::cases());
+    v.extend(cases::hostile::cases());
     v
 }

@@ -393,7 +393,9 @@ pub fn run(args: TestArgs) -> Result<()> {
         host.line(&format!("@@section {backend}"), true);
         // The two-host case needs the link that the RDMA stage builds; it runs there.
         run_sections(
-            Command::new(&exe).arg(format!("{backend}::")).args(["--skip", "two_hosts_over_a_link"]),
+            Command::new(&exe)
+                .arg(format!("{backend}::"))
+                .args(["--skip", "two_hosts_over_a_link"]),
             &mut host,
         )?;
     }

@@ -182,6 +182,8 @@ pub struct LinkStats {
     pub reads: u64,
     /// Times a data message waited for link credits.
     pub credit_stalls: u64,
+    /// Keepalive probes queued on an idle connection.
+    pub keepalives: u64,
 }
 
 /// See the module documentation.
@@ -208,6 +210,10 @@ pub(crate) struct Link {
     normal: VecDeque<Outgoing>,
     reads: VecDeque<(DataOp, u32)>,
     credit_queued: bool,
+    /// A keepalive CREDIT is queued (sent even with no credits owed).
+    keepalive_queued: bool,
+    /// Something was posted since the last keepalive check.
+    sent_since_check: bool,
     started: bool,
     pub stats: LinkStats,
 }
@@ -263,6 +269,8 @@ impl Link {
             normal: VecDeque::new(),
             reads: VecDeque::new(),
             credit_queued: false,
+            keepalive_queued: false,
+            sent_since_check: false,
             started: false,
             stats: LinkStats::default(),
         }
@@ -376,7 +384,7 @@ impl Link {
                 let pointless = match front {
                     Outgoing::Ctrl {
                         body: Body::Credit, ..
-                    } => self.owed == 0,
+                    } => self.owed == 0 && !self.keepalive_queued,
                     _ => false,
                 };
                 if pointless {
@@ -431,6 +439,7 @@ impl Link {
                         }
                         self.stats.writes_imm += 1;
                         self.sq_free -= 1;
+                        self.sent_since_check = true;
                         out.push(data_wr(op, tag));
                     }
                 }
@@ -468,8 +477,10 @@ impl Link {
         self.owed -= credits;
         if matches!(body, Body::Credit) {
             self.credit_queued = false;
+            self.keepalive_queued = false;
             self.stats.credit_msgs += 1;
         }
+        self.sent_since_check = true;
         let msg = Message {
             credits: credits as u16,
             ack,
@@ -552,6 +563,25 @@ impl Link {
                 notify: None,
             });
         }
+    }
+
+    /// Keepalive check: when nothing was posted since the last check, queues a CREDIT (even with no credits
+    /// owed) so that a peer that vanished is found by the transport's retries instead of never. Returns whether a
+    /// probe was queued.
+    pub(crate) fn keepalive(&mut self) -> bool {
+        let idle = !self.sent_since_check;
+        self.sent_since_check = false;
+        if !idle || !self.started || self.keepalive_queued {
+            return false;
+        }
+        self.keepalive_queued = true;
+        self.stats.keepalives += 1;
+        self.urgent.push_back(Outgoing::Ctrl {
+            body: Body::Credit,
+            inline: None,
+            notify: None,
+        });
+        true
     }
 
     /// The peer returned `n` credits.

@@ -1255,12 +1255,43 @@ impl World {
 
     /// Adds a host with the next address (10.0.0.1, 10.0.0.2, ...) and returns its context.
     pub fn host(&self) -> Context {
-        self.host_with(ContextOptions::default())
+        self.host_with(ContextOptions {
+            // Periodic timers would keep a manual world from ever running idle; tests that want keepalive set it.
+            keepalive: None,
+            ..ContextOptions::default()
+        })
     }
 
     /// Adds a host with context options (the progress mode and clock are set by the world).
     pub fn host_with(&self, mut opts: ContextOptions) -> Context {
-        let (host, caps, notify, base) = {
+        let transport = self.new_transport();
+        let (host, base) = (transport.host, lock(&self.net).base);
+        if !self.threaded {
+            opts.progress = Progress::Manual(self.driver.clone());
+            opts.clock = Arc::new(SimClock {
+                net: Arc::downgrade(&self.net),
+                base,
+            });
+        }
+        let ctx = Context::with_options(Box::new(transport), opts).expect("simulated context");
+        if !self.threaded {
+            self.driver
+                .contexts
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push((host, ctx.downgrade()));
+        }
+        ctx
+    }
+
+    /// Adds a host with no exs engine on it: its raw transport, for tests that play a crafted (hostile) peer
+    /// through the [`Transport`] trait directly.
+    pub fn raw_host(&self) -> SimTransport {
+        self.new_transport()
+    }
+
+    fn new_transport(&self) -> SimTransport {
+        let (host, caps, notify) = {
             let mut net = lock(&self.net);
             let id = net.hosts.len();
             let ip = IpAddr::V4(Ipv4Addr::new(10, 0, (id / 250) as u8, (id % 250) as u8 + 1));
@@ -1293,30 +1324,14 @@ impl World {
                 next_request: 1,
                 next_port: 40000,
             });
-            (id, net.cfg.caps.clone(), notify, net.base)
+            (id, net.cfg.caps.clone(), notify)
         };
-        let transport = SimTransport {
+        SimTransport {
             net: Arc::clone(&self.net),
             host,
             caps,
             notify,
-        };
-        if !self.threaded {
-            opts.progress = Progress::Manual(self.driver.clone());
-            opts.clock = Arc::new(SimClock {
-                net: Arc::downgrade(&self.net),
-                base,
-            });
         }
-        let ctx = Context::with_options(Box::new(transport), opts).expect("simulated context");
-        if !self.threaded {
-            self.driver
-                .contexts
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push((host, ctx.downgrade()));
-        }
-        ctx
     }
 
     /// Stops (or resumes) the progress of host `host` in a manual world, as a receiver busy elsewhere: messages
@@ -1344,12 +1359,17 @@ impl World {
         n
     }
 
-    /// Steps for `d` of virtual time (or until nothing can happen before then).
+    /// Steps for `d` of virtual time: everything due before then happens, and the clock ends at the limit even
+    /// when nothing was due (time passes for an idle world too). Returns the steps taken.
     pub fn run_for(&self, d: Duration) -> u64 {
         let limit = self.elapsed() + d;
         let mut n = 0;
         while step_until(&self.net, &self.driver, limit) {
             n += 1;
+        }
+        if !self.threaded {
+            let mut net = lock(&self.net);
+            net.now = net.now.max(limit);
         }
         n
     }

@@ -130,7 +130,10 @@ impl Opened {
             #[cfg(feature = "fabric")]
             Opened::Fabric(cfg, _) => format!("exs (fabric/{})", cfg.provider),
             #[cfg(feature = "verbs")]
-            Opened::Verbs(cfg) => format!("exs (verbs/{})", cfg.device.as_deref().unwrap_or(&cfg.addr.to_string())),
+            Opened::Verbs(cfg) => format!(
+                "exs (verbs/{})",
+                cfg.device.as_deref().unwrap_or(&cfg.addr.to_string())
+            ),
             #[cfg(feature = "sim")]
             Opened::Sim(_) => "exs (sim)".into(),
         }
@@ -146,8 +149,19 @@ pub fn rdma_devices() -> String {
     }
     devs.iter()
         .map(|d| {
-            let ips: Vec<String> = d.gids.iter().map(|g| g.ip().to_string()).filter(|ip| !ip.starts_with("fe80")).collect();
-            format!("{} ({:?}, {}, {})", d.name, d.kind, d.state.split(':').nth(1).unwrap_or(&d.state).trim(), ips.join(" "))
+            let ips: Vec<String> = d
+                .gids
+                .iter()
+                .map(|g| g.ip().to_string())
+                .filter(|ip| !ip.starts_with("fe80"))
+                .collect();
+            format!(
+                "{} ({:?}, {}, {})",
+                d.name,
+                d.kind,
+                d.state.split(':').nth(1).unwrap_or(&d.state).trim(),
+                ips.join(" ")
+            )
         })
         .collect::<Vec<_>>()
         .join("; ")

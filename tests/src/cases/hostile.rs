@@ -1,0 +1,621 @@
+//! Hostile peers: a crafted raw peer ([`crate::raw::RawPeer`]) sends what no exs implementation would. Each case
+//! must close that one connection with a "peer misbehaved" error naming the violation, leave the victim's other
+//! connections working and its memory untouched, and never panic or hang.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use exs::wire::{Advert, AdvertFlags, Body, Handshake, Imm, Message, WireSockType, HANDSHAKE_LEN};
+use exs::{
+    Context, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, Violation,
+};
+
+use crate::raw::{handshake, RawPeer};
+use crate::util::*;
+use crate::{ensure, Backend, Case, Net, Requires};
+
+pub fn cases() -> Vec<Case> {
+    let c = |name, run| Case {
+        name,
+        run,
+        requires: Requires::Nothing,
+    };
+    vec![
+        c("hostile_handshake_wrong_version", handshake_wrong_version),
+        c("hostile_handshake_not_exs", handshake_not_exs),
+        c(
+            "hostile_handshake_window_below_minimum",
+            handshake_tiny_window,
+        ),
+        c("hostile_truncated_control_message", truncated_message),
+        c("hostile_garbage_control_message", garbage_message),
+        c(
+            "hostile_control_message_wrong_version",
+            message_wrong_version,
+        ),
+        c("hostile_control_message_length_mismatch", length_mismatch),
+        c("hostile_ack_for_unknown_operation", ack_unknown),
+        c("hostile_credits_beyond_window", credits_beyond_window),
+        c("hostile_advert_out_of_order", advert_out_of_order),
+        c("hostile_adverts_beyond_credits", adverts_beyond_credits),
+        c("hostile_advert_with_wrong_key", advert_wrong_key),
+        c(
+            "hostile_advert_beyond_exposed_range",
+            advert_beyond_exposure,
+        ),
+        c("hostile_advert_length_overflows", advert_overflow),
+        c("hostile_immediate_data_on_seqpacket", imm_on_seqpacket),
+        c(
+            "hostile_stream_direct_transfer_without_advert",
+            stream_direct_without_advert,
+        ),
+        c(
+            "hostile_stream_indirect_beyond_buffer",
+            stream_indirect_beyond_buffer,
+        ),
+        c(
+            "hostile_stream_window_beyond_written",
+            stream_window_beyond_written,
+        ),
+        c(
+            "hostile_stale_key_after_ack_is_refused",
+            stale_key_after_ack,
+        ),
+    ]
+}
+
+/// The exs side under attack: a context with a listener, and a canary region that must never change.
+struct Victim {
+    name: &'static str,
+    net: Box<dyn Net>,
+    ctx: Context,
+    eq: EventQueue,
+    listener: Socket,
+    addr: SocketAddr,
+    ty: SockType,
+    canary: MemoryRegion,
+    canary_bytes: Vec<u8>,
+}
+
+fn victim(b: &dyn Backend, ty: SockType) -> Result<Victim, String> {
+    let net = b.net();
+    let ctx = net.host();
+    let eq = EventQueue::new(256);
+    let listener = Socket::new(&ctx, ty).map_err(|e| e.to_string())?;
+    listener
+        .bind(net.listen_addr(0))
+        .map_err(|e| e.to_string())?;
+    let addr = listener.listen(16).map_err(|e| e.to_string())?;
+    let canary_bytes = pattern(64 << 10, 0xCA);
+    let canary = MemoryRegion::from_vec(&ctx, canary_bytes.clone()).map_err(|e| e.to_string())?;
+    Ok(Victim {
+        name: b.name(),
+        net,
+        ctx,
+        eq,
+        listener,
+        addr,
+        ty,
+        canary,
+        canary_bytes,
+    })
+}
+
+fn wire_type(ty: SockType) -> WireSockType {
+    match ty {
+        SockType::SeqPacket => WireSockType::SeqPacket,
+        SockType::Stream => WireSockType::Stream,
+    }
+}
+
+/// A raw handshake good enough to connect (a fake stream buffer for stream sockets: exs only writes there when
+/// it sends).
+fn good_handshake(ty: SockType) -> Handshake {
+    let mut hs = handshake(wire_type(ty));
+    if ty == SockType::Stream {
+        hs.stream_len = 4096;
+        hs.stream_addr = 0x10_000;
+        hs.stream_rkey = 1;
+    }
+    hs
+}
+
+impl Victim {
+    /// Accepts a connection from a raw peer presenting `private`.
+    fn accept_raw(&self, private: &[u8]) -> Result<(RawPeer, Socket), String> {
+        self.listener
+            .accept(&self.eq, 1)
+            .map_err(|e| e.to_string())?;
+        let raw = RawPeer::connect(self.net.raw()?, self.addr, private)?;
+        let mut ev = next(&self.eq)?;
+        ensure!(
+            ev.kind == EventKind::Accept && ev.is_ok(),
+            "accept of the raw peer: {ev:?}"
+        );
+        let s = ev.accepted.take().ok_or("accept without a socket")?;
+        Ok((raw, s))
+    }
+
+    fn accept_good(&self) -> Result<(RawPeer, Socket), String> {
+        self.accept_raw(&good_handshake(self.ty).encode())
+    }
+
+    /// The connection must go down with a violation that `want` accepts, the raw peer must be disconnected, and
+    /// the victim must be otherwise healthy.
+    fn verdict(
+        &self,
+        s: &Socket,
+        raw: RawPeer,
+        what: &str,
+        want: impl Fn(&Violation) -> bool,
+    ) -> Result<(), String> {
+        self.verdict_or_reset(s, raw, what, want, false)
+    }
+
+    /// [`Victim::verdict`]; with `reset_ok`, a plain connection reset also passes (a transport whose responder
+    /// drops the connection on a refused remote access, so the initiator cannot tell it from a network reset).
+    fn verdict_or_reset(
+        &self,
+        s: &Socket,
+        mut raw: RawPeer,
+        what: &str,
+        want: impl Fn(&Violation) -> bool,
+        reset_ok: bool,
+    ) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let err = loop {
+            if let Some(e) = s.error().map_err(|e| e.to_string())? {
+                break e;
+            }
+            raw.pump(Duration::from_millis(5), |_| false);
+            ensure!(
+                Instant::now() < deadline,
+                "{what}: the connection stayed up"
+            );
+        };
+        match &err {
+            OpError::PeerMisbehaved(v) if want(v) => {
+                eprintln!("HOSTILE {}: {what}: connection closed: {err}", self.name)
+            }
+            OpError::ConnectionReset if reset_ok => {
+                eprintln!(
+                    "HOSTILE {}: {what}: the peer's transport dropped the connection: {err}",
+                    self.name
+                )
+            }
+            other => {
+                return Err(format!(
+                    "{what}: the connection ended with {other:?}, not the expected violation"
+                ))
+            }
+        }
+        ensure!(
+            raw.wait_disconnect(Duration::from_secs(20)),
+            "{what}: the hostile peer was not disconnected"
+        );
+        drop(raw);
+        self.healthy(what, matches!(err, OpError::PeerMisbehaved(_)))
+    }
+
+    /// Another connection works, and the canary region is untouched.
+    fn healthy(&self, what: &str, violation: bool) -> Result<(), String> {
+        let client = self.net.host();
+        let eq = EventQueue::new(16);
+        self.listener
+            .accept(&self.eq, 2)
+            .map_err(|e| e.to_string())?;
+        let c = Socket::new(&client, self.ty).map_err(|e| e.to_string())?;
+        c.connect(self.addr, &eq, 0).map_err(|e| e.to_string())?;
+        next(&eq)?
+            .status
+            .map_err(|e| format!("{what}: a new connection after the attack: {e}"))?;
+        let mut ev = next(&self.eq)?;
+        let s = ev
+            .accepted
+            .take()
+            .ok_or(format!("{what}: accept after the attack: {ev:?}"))?;
+        let data = pattern(100_000, 5);
+        let src = MemoryRegion::from_vec(&client, data.clone()).map_err(|e| e.to_string())?;
+        let dst = MemoryRegion::alloc(&self.ctx, 100_000).map_err(|e| e.to_string())?;
+        s.recv(&self.eq, &dst.all(), MsgFlags::WAITALL, 3)
+            .map_err(|e| e.to_string())?;
+        c.send(&eq, &src.all(), MsgFlags::NONE, 4)
+            .map_err(|e| e.to_string())?;
+        let r = next(&self.eq)?;
+        ensure!(
+            r.is_ok() && r.bytes == 100_000,
+            "{what}: transfer after the attack: {r:?}"
+        );
+        same(
+            &dst.to_vec().map_err(|e| e.to_string())?,
+            &data,
+            "transfer after the attack",
+        )?;
+        let canary = self.canary.to_vec().map_err(|e| e.to_string())?;
+        same(&canary, &self.canary_bytes, "the victim's untouched memory")?;
+        ensure!(
+            !violation || self.ctx.stats().violations >= 1,
+            "{what}: no violation counted"
+        );
+        Ok(())
+    }
+}
+
+/// A handshake the listener must refuse: the raw connect fails, the victim counts a violation, nothing else moves.
+fn refused_handshake(b: &dyn Backend, private: &[u8], what: &str) -> Result<(), String> {
+    let v = victim(b, SockType::SeqPacket)?;
+    match RawPeer::connect(v.net.raw()?, v.addr, private) {
+        Ok(_) => return Err(format!("{what}: the connection was accepted")),
+        Err(e) => eprintln!("HOSTILE {}: {what}: refused ({e})", v.name),
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while v.ctx.stats().violations == 0 {
+        ensure!(Instant::now() < deadline, "{what}: no violation counted");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    v.healthy(what, true)
+}
+
+fn handshake_wrong_version(b: &dyn Backend) -> Result<(), String> {
+    let mut hs = good_handshake(SockType::SeqPacket).encode();
+    hs[4] = 99;
+    refused_handshake(b, &hs, "handshake version 99")
+}
+
+fn handshake_not_exs(b: &dyn Backend) -> Result<(), String> {
+    let junk = pattern(HANDSHAKE_LEN, 3);
+    refused_handshake(b, &junk, "handshake that is not exs")
+}
+
+fn handshake_tiny_window(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::SeqPacket)?;
+    let mut hs = good_handshake(SockType::SeqPacket);
+    hs.ctrl_window = 1;
+    v.listener.accept(&v.eq, 1).map_err(|e| e.to_string())?;
+    let raw = RawPeer::connect(v.net.raw()?, v.addr, &hs.encode());
+    let ev = next(&v.eq)?;
+    match &ev.status {
+        Err(OpError::PeerMisbehaved(Violation::Handshake(_))) => {
+            eprintln!(
+                "HOSTILE {}: control window 1: accept failed: {:?}",
+                v.name, ev.status
+            )
+        }
+        other => return Err(format!("control window 1: accept ended with {other:?}")),
+    }
+    if let Ok(mut raw) = raw {
+        ensure!(
+            raw.wait_disconnect(Duration::from_secs(20)),
+            "the peer with window 1 was not disconnected"
+        );
+    }
+    v.healthy("control window 1", true)
+}
+
+/// Connects a raw peer, sends `bytes` as one control message, and expects a violation.
+fn bad_bytes(
+    b: &dyn Backend,
+    bytes: &[u8],
+    imm: Option<u32>,
+    what: &str,
+    want: impl Fn(&Violation) -> bool,
+) -> Result<(), String> {
+    let v = victim(b, SockType::SeqPacket)?;
+    let (mut raw, s) = v.accept_good()?;
+    raw.send_bytes(bytes, imm)?;
+    v.verdict(&s, raw, what, want)
+}
+
+fn truncated_message(b: &dyn Backend) -> Result<(), String> {
+    bad_bytes(
+        b,
+        &[1, 3, 0, 0, 0, 0, 0],
+        None,
+        "7-byte control message",
+        |v| matches!(v, Violation::Malformed(_)),
+    )
+}
+
+fn garbage_message(b: &dyn Backend) -> Result<(), String> {
+    let mut g = pattern(40, 9);
+    g[0] = exs::wire::VERSION;
+    g[1] = 200;
+    bad_bytes(b, &g, None, "unknown message kind 200", |v| {
+        matches!(v, Violation::Malformed(_))
+    })
+}
+
+fn message_wrong_version(b: &dyn Backend) -> Result<(), String> {
+    let mut m = Message::new(Body::Credit).to_vec();
+    m[0] = 9;
+    bad_bytes(b, &m, None, "control message version 9", |v| {
+        matches!(v, Violation::Malformed(_))
+    })
+}
+
+fn length_mismatch(b: &dyn Backend) -> Result<(), String> {
+    let mut m = Message::new(Body::Credit).to_vec();
+    m.extend_from_slice(&[0; 20]);
+    bad_bytes(b, &m, None, "control message with 20 stray bytes", |v| {
+        matches!(v, Violation::Malformed(_))
+    })
+}
+
+fn ack_unknown(b: &dyn Backend) -> Result<(), String> {
+    let m = Message {
+        credits: 0,
+        ack: Some(3),
+        body: Body::Ack,
+    };
+    bad_bytes(
+        b,
+        &m.to_vec(),
+        None,
+        "acknowledgment of 3 adverts never sent",
+        |v| matches!(v, Violation::UnknownAck { .. }),
+    )
+}
+
+fn credits_beyond_window(b: &dyn Backend) -> Result<(), String> {
+    let m = Message {
+        credits: 500,
+        ack: None,
+        body: Body::Credit,
+    };
+    bad_bytes(b, &m.to_vec(), None, "500 credits returned", |v| {
+        matches!(v, Violation::CreditsBeyondWindow { .. })
+    })
+}
+
+fn immediate_advert(seq: u32, data: &[u8]) -> Vec<u8> {
+    let m = Message::new(Body::Advert(Advert {
+        seq,
+        flags: AdvertFlags(AdvertFlags::IMMEDIATE),
+        len: data.len() as u64,
+        addr: 0,
+        rkey: 0,
+    }));
+    let mut v = m.to_vec();
+    v.extend_from_slice(data);
+    v
+}
+
+fn advert_out_of_order(b: &dyn Backend) -> Result<(), String> {
+    bad_bytes(
+        b,
+        &immediate_advert(5, b"hello"),
+        None,
+        "advert 5 first",
+        |v| matches!(v, Violation::AdvertOutOfOrder { .. }),
+    )
+}
+
+fn adverts_beyond_credits(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::SeqPacket)?;
+    let (mut raw, s) = v.accept_good()?;
+    let credits = raw.peer.recv_credits.min(16) as u32;
+    for seq in 0..=credits {
+        raw.send_bytes(&immediate_advert(seq, b"x"), None)?;
+    }
+    v.verdict(
+        &s,
+        raw,
+        &format!("{} adverts on {credits} credits", credits + 1),
+        |v| matches!(v, Violation::AdvertOverrun { .. }),
+    )
+}
+
+/// Sends a read-based advert and posts a receive that will try to pull it. The libfabric tcp provider answers a
+/// read with a bad key or range by dropping the connection, so there the victim sees a reset (`reset_ok`).
+fn advert_case(
+    b: &dyn Backend,
+    what: &str,
+    make: impl Fn(exs::transport::RemoteRef) -> Advert,
+    want: impl Fn(&Violation) -> bool,
+    reset_ok: bool,
+) -> Result<(), String> {
+    let v = victim(b, SockType::SeqPacket)?;
+    let (mut raw, s) = v.accept_good()?;
+    let exposed = raw.expose(&pattern(4096, 1))?;
+    let dst = MemoryRegion::from_vec(&v.ctx, vec![0xEE; 1 << 20]).map_err(|e| e.to_string())?;
+    let eq = EventQueue::new(4);
+    s.recv(&eq, &dst.all(), MsgFlags::NONE, 7)
+        .map_err(|e| e.to_string())?;
+    raw.send_msg(&Message::new(Body::Advert(make(exposed.remote()))))?;
+    let r = v.verdict_or_reset(&s, raw, what, want, reset_ok);
+    drop(exposed);
+    r?;
+    let ev = next(&eq)?;
+    ensure!(
+        ev.kind == EventKind::Recv && !ev.is_ok() && ev.bytes == 0,
+        "{what}: the pending receive ended with {ev:?}"
+    );
+    // Nothing of the refused transfer is reported as data: the buffer holds what it held before, or bytes of the
+    // peer's own exposed range (a device may have placed part of a read before refusing the rest).
+    Ok(())
+}
+
+fn advert_wrong_key(b: &dyn Backend) -> Result<(), String> {
+    advert_case(
+        b,
+        "advert with a wrong remote key",
+        |r| Advert {
+            seq: 0,
+            flags: AdvertFlags(0),
+            len: 4096,
+            addr: r.addr,
+            rkey: r.key ^ 0x5a5a,
+        },
+        |v| matches!(v, Violation::RemoteAccess(_)),
+        b.name() == "fabric",
+    )
+}
+
+fn advert_beyond_exposure(b: &dyn Backend) -> Result<(), String> {
+    advert_case(
+        b,
+        "advert of 1 MiB over a 4 KiB exposure",
+        |r| Advert {
+            seq: 0,
+            flags: AdvertFlags(0),
+            len: 1 << 20,
+            addr: r.addr,
+            rkey: r.key,
+        },
+        |v| matches!(v, Violation::RemoteAccess(_)),
+        b.name() == "fabric",
+    )
+}
+
+fn advert_overflow(b: &dyn Backend) -> Result<(), String> {
+    advert_case(
+        b,
+        "advert whose address + length overflows",
+        |r| Advert {
+            seq: 0,
+            flags: AdvertFlags(0),
+            len: u64::MAX,
+            addr: u64::MAX - 100,
+            rkey: r.key,
+        },
+        |v| matches!(v, Violation::BadRange(_)),
+        false,
+    )
+}
+
+fn imm_on_seqpacket(b: &dyn Backend) -> Result<(), String> {
+    let imm = Imm::Indirect(10).encode();
+    bad_bytes(
+        b,
+        &[],
+        Some(imm),
+        "write-with-immediate on a message socket",
+        |v| matches!(v, Violation::Unexpected { .. }),
+    )
+}
+
+fn stream_bad_imm(b: &dyn Backend, imm: Imm, what: &str) -> Result<(), String> {
+    let v = victim(b, SockType::Stream)?;
+    let (mut raw, s) = v.accept_good()?;
+    raw.send_bytes(&[], Some(imm.encode()))?;
+    v.verdict(&s, raw, what, |v| matches!(v, Violation::Stream(_)))
+}
+
+fn stream_direct_without_advert(b: &dyn Backend) -> Result<(), String> {
+    stream_bad_imm(b, Imm::Direct(100), "direct stream transfer with no advert")
+}
+
+fn stream_indirect_beyond_buffer(b: &dyn Backend) -> Result<(), String> {
+    // The victim's stream buffer is the default size; claim more than that arrived in it.
+    let len = exs::SocketOptions::default().stream_buffer_size + 1;
+    stream_bad_imm(
+        b,
+        Imm::Indirect(len),
+        "indirect transfer beyond the stream buffer",
+    )
+}
+
+fn stream_window_beyond_written(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::Stream)?;
+    let (mut raw, s) = v.accept_good()?;
+    raw.send_msg(&Message::new(Body::StreamWindow { consumed: 1 << 30 }))?;
+    v.verdict(&s, raw, "window update for bytes never written", |v| {
+        matches!(v, Violation::Stream(_))
+    })
+}
+
+/// Least exposure: once a send is acknowledged, its remote key no longer reads anything.
+fn stale_key_after_ack(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::SeqPacket)?;
+    let (mut raw, s) = v.accept_good()?;
+    let data = pattern(8000, 4);
+    let src = MemoryRegion::from_vec(&v.ctx, data.clone()).map_err(|e| e.to_string())?;
+    s.send(&v.eq, &src.all(), MsgFlags::NONE, 9)
+        .map_err(|e| e.to_string())?;
+    raw.pump(Duration::from_secs(20), |p| {
+        p.received.iter().any(|m| {
+            matches!(
+                m,
+                Ok(Message {
+                    body: Body::Advert(_),
+                    ..
+                })
+            )
+        })
+    });
+    let advert = raw
+        .received
+        .iter()
+        .find_map(|m| match m {
+            Ok(Message {
+                body: Body::Advert(a),
+                ..
+            }) => Some(*a),
+            _ => None,
+        })
+        .ok_or("the victim's send never advertised")?;
+    let remote = exs::transport::RemoteRef {
+        addr: advert.addr,
+        key: advert.rkey,
+    };
+    let id = raw.read(remote, 8000)?;
+    raw.wait_done(id)
+        .map_err(|e| format!("reading the advertised send: {e}"))?;
+    same(&raw.read_back(8000), &data, "the advertised send")?;
+    raw.send_msg(&Message {
+        credits: 0,
+        ack: Some(1),
+        body: Body::Ack,
+    })?;
+    let ev = next(&v.eq)?;
+    ensure!(
+        ev.kind == EventKind::Send && ev.is_ok(),
+        "the acknowledged send: {ev:?}"
+    );
+    let id = raw.read(remote, 8000)?;
+    match raw.wait_done(id) {
+        Ok(()) => Err("the remote key still reads the send buffer after the acknowledgment".into()),
+        Err(e) => {
+            eprintln!("HOSTILE {}: read with a revoked key: refused ({e})", v.name);
+            let canary = src.to_vec().map_err(|e| e.to_string())?;
+            same(&canary, &data, "the send buffer")?;
+            drop(raw);
+            // The victim may or may not have seen the connection die (the failed read breaks the raw side's
+            // queue pair on verbs); either way it must keep serving others.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while s.error().map_err(|e| e.to_string())?.is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            healthy_without_violation(&v)
+        }
+    }
+}
+
+fn healthy_without_violation(v: &Victim) -> Result<(), String> {
+    let client = v.net.host();
+    let eq = EventQueue::new(16);
+    v.listener.accept(&v.eq, 2).map_err(|e| e.to_string())?;
+    let c = Socket::new(&client, v.ty).map_err(|e| e.to_string())?;
+    c.connect(v.addr, &eq, 0).map_err(|e| e.to_string())?;
+    next(&eq)?
+        .status
+        .map_err(|e| format!("a new connection: {e}"))?;
+    loop {
+        let mut ev = next(&v.eq)?;
+        if let Some(s) = ev.accepted.take() {
+            let dst = MemoryRegion::alloc(&v.ctx, 10).map_err(|e| e.to_string())?;
+            let src = MemoryRegion::from_vec(&client, b"0123456789".to_vec())
+                .map_err(|e| e.to_string())?;
+            s.recv(&v.eq, &dst.all(), MsgFlags::NONE, 3)
+                .map_err(|e| e.to_string())?;
+            c.send(&eq, &src.all(), MsgFlags::NONE, 4)
+                .map_err(|e| e.to_string())?;
+            let r = next(&v.eq)?;
+            ensure!(
+                r.is_ok() && r.bytes == 10,
+                "transfer on a new connection: {r:?}"
+            );
+            return Ok(());
+        }
+    }
+}

@@ -26,8 +26,14 @@ fn main() {
         for case in exs_conformance::all_cases() {
             let name = format!("{}::{}", backend.name(), case.name);
             let skip = unavailable.clone().or_else(|| case.skip_reason(backend));
+            // Say why a trial is skipped only when this run would have run it (filters and --skip apply).
+            let selected = match &args.filter {
+                None => true,
+                Some(f) if args.exact => name == *f,
+                Some(f) => name.contains(f.as_str()),
+            } && !args.skip.iter().any(|s| name.contains(s.as_str()));
             if let Some(why) = &skip {
-                if unavailable.is_none() {
+                if unavailable.is_none() && selected {
                     eprintln!("SKIPPED {name}: {why}");
                 }
             }

@@ -1021,8 +1021,11 @@ impl VerbsTransport {
             let mut imm = None;
             let mut len = wc.byte_len;
             if status.is_ok() {
-                if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM {
-                    // SAFETY: for this opcode the union holds the immediate, in network byte order.
+                if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
+                    || wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0
+                {
+                    // SAFETY: with an immediate (write-with-immediate, or a send with one) the union holds it, in
+                    // network byte order.
                     imm = Some(u32::from_be(unsafe {
                         wc.imm_data_invalidated_rkey_union.imm_data
                     }));

@@ -27,6 +27,7 @@ pub mod memory;
 pub mod options;
 pub mod proto;
 pub mod socket;
+pub mod testing;
 pub mod transport;
 pub mod wire;
 

@@ -444,7 +444,10 @@ impl Message {
             });
         }
         let msg = Message { credits, ack, body };
-        let expected = HEADER_LEN as u64 + body_len as u64 + msg.inline_len_u64();
+        // An immediate advert's length comes from the peer: it may be anything up to u64::MAX (found by fuzzing).
+        let expected = (HEADER_LEN as u64 + body_len as u64)
+            .checked_add(msg.inline_len_u64())
+            .unwrap_or(u64::MAX);
         if bytes.len() as u64 != expected {
             return Err(WireError::LengthMismatch {
                 expected: usize::try_from(expected).unwrap_or(usize::MAX),
@@ -860,6 +863,24 @@ mod tests {
                 // Whatever decodes must re-encode to the same header and body.
                 prop_assert_eq!(&m.to_vec()[..], &bytes[..at]);
             }
+        }
+    }
+
+    /// Found by `cargo fuzz run wire`: an immediate advert whose length is near u64::MAX made the expected-length
+    /// sum overflow (a panic with overflow checks, a wrapped length that could match without them).
+    #[test]
+    fn immediate_advert_with_length_near_u64_max_is_rejected() {
+        for len in [u64::MAX, u64::MAX - 47, u64::MAX - 16] {
+            let m = Message::new(Body::Advert(Advert {
+                seq: 0,
+                flags: AdvertFlags(AdvertFlags::IMMEDIATE),
+                len,
+                addr: 0,
+                rkey: 0,
+            }));
+            let mut b = m.to_vec();
+            b.extend_from_slice(&[0xe7; 31]);
+            assert!(matches!(Message::decode(&b), Err(WireError::LengthMismatch { .. })), "len {len}");
         }
     }
 }

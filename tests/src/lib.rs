@@ -8,7 +8,6 @@
 pub mod backends;
 pub mod cases;
 pub mod child;
-pub mod raw;
 pub mod util;
 
 use std::net::SocketAddr;
@@ -21,7 +20,7 @@ pub trait Net {
     fn host(&self) -> Context;
     /// An address to listen on for the `i`th host created (port 0: any).
     fn listen_addr(&self, i: usize) -> SocketAddr;
-    /// A bare transport on this network, with no exs engine, to play a crafted peer ([`raw::RawPeer`]).
+    /// A bare transport on this network, with no exs engine, to play a crafted peer ([`exs::testing::RawPeer`]).
     fn raw(&self) -> Result<Box<dyn exs::Transport>, String>;
 }
 

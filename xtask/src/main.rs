@@ -2,6 +2,7 @@
 
 mod demo;
 mod rxe;
+mod soak;
 mod sys;
 mod test;
 mod vm;
@@ -25,6 +26,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The bounded soak on sim and libfabric tcp: random sizes, flags and closes, every byte checked.
+    Soak(soak::SoakArgs),
     /// Soft-RoCE on this machine (kernels with rdma_rxe): up [--link], down, status.
     Rxe(rxe::RxeArgs),
     /// Runs a command inside the throw-away QEMU guest with Soft-RoCE (rxe0 on 192.168.77.1).
@@ -41,6 +44,7 @@ fn main() {
         Cmd::Demo { args } => demo::run(args),
         Cmd::Vm { args } => vm::run_command(args),
         Cmd::Rxe(a) => rxe::run(a),
+        Cmd::Soak(a) => soak::run(a),
     };
     if let Err(e) = r {
         eprintln!("xtask: error: {e}");

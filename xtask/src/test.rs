@@ -386,6 +386,31 @@ pub fn run(args: TestArgs) -> Result<()> {
             c.failed
         ));
     }
+    if !only_conformance {
+        // The fuzz targets as bounded property tests, in release so that they cover ground.
+        let (c, ok, _) = run_counting(
+            sys::cargo()
+                .args(["test", "--release", "-p", "exs", "--features", "sim", "--test", "fuzz_props"])
+                .env("EXS_FUZZ_CASES", "1000"),
+        )?;
+        if !ok || c.failed > 0 {
+            failures.push("fuzz property tests".to_string());
+        }
+        summary.push(format!(
+            "fuzz targets as property tests, release (16,000 wire inputs, 1,000 + 200 crafted-peer runs): {} ran, {} passed, {} failed",
+            c.passed + c.failed,
+            c.passed,
+            c.failed
+        ));
+        // A short soak on sim and libfabric tcp (`cargo xtask soak` runs long ones).
+        match crate::soak::soak_with(&sys::root().join("target/debug/exs"), 20, 1) {
+            Ok(lines) => summary.extend(lines.into_iter().map(|l| format!("soak: {l}"))),
+            Err(e) => {
+                summary.push(format!("soak: {e}"));
+                failures.push("soak".to_string());
+            }
+        }
+    }
     let exe = conformance_exe()?;
     let mut host = Sections::default();
     for &backend in HOST_BACKENDS.iter().filter(|b| wanted(b)) {

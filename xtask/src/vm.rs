@@ -124,7 +124,6 @@ mount -t overlay overlay -o lowerdir=/host,upperdir=/overlay/upper,workdir=/over
 mount -t proc proc /newroot/proc
 mount -t sysfs sys /newroot/sys
 mount -t devtmpfs dev /newroot/dev
-mount -t tmpfs tmpfs /newroot/tmp
 mount -t tmpfs tmpfs /newroot/run
 mkdir -p /newroot$RESULTS
 mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 results /newroot$RESULTS || echo "exs-vm: cannot mount results"
@@ -174,7 +173,10 @@ impl Vm {
             sys::run(Command::new("dpkg-deb").arg("-x").arg(&deb).arg(&root))?;
             sys::run(Command::new("depmod").arg("-b").arg(&root).arg(&kver))?;
         }
-        let initrd = dir.join(format!("initrd-{kver}.cpio"));
+        // The file name carries a hash of what goes in, so a changed /init or module list builds a new one.
+        let recipe = format!("{INIT}{}", MODULES.join(","));
+        let hash = recipe.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        let initrd = dir.join(format!("initrd-{kver}-{:08x}.cpio", hash as u32));
         if !initrd.exists() {
             Self::build_initrd(&root, &kver, &initrd)?;
         }

@@ -18,6 +18,8 @@
 //! [`World::silence`] (a host stops answering without a word: only a peer that sends finds out, by retry
 //! exhaustion).
 
+pub mod fuzz;
+
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

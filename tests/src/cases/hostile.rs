@@ -1,4 +1,4 @@
-//! Hostile peers: a crafted raw peer ([`crate::raw::RawPeer`]) sends what no exs implementation would. Each case
+//! Hostile peers: a crafted raw peer ([`exs::testing::RawPeer`]) sends what no exs implementation would. Each case
 //! must close that one connection with a "peer misbehaved" error naming the violation, leave the victim's other
 //! connections working and its memory untouched, and never panic or hang.
 
@@ -10,7 +10,7 @@ use exs::{
     Context, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, Violation,
 };
 
-use crate::raw::{handshake, RawPeer};
+use exs::testing::{handshake, RawPeer};
 use crate::util::*;
 use crate::{ensure, Backend, Case, Net, Requires};
 

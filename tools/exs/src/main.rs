@@ -3,12 +3,13 @@
 mod backend;
 mod demo;
 mod progress;
+mod soak;
 mod util;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "exs", about = "Extended Sockets over RDMA: demo, info")]
+#[command(name = "exs", about = "Extended Sockets over RDMA: demo, soak, info")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -21,6 +22,8 @@ enum Cmd {
     /// The server side of `exs demo` (started by it).
     #[command(hide = true)]
     DemoServer(demo::ServerArgs),
+    /// A bounded soak: random sizes, flags and closes, every received byte checked.
+    Soak(soak::SoakArgs),
     /// Backends compiled in, libfabric providers, and what a backend can do.
     Info(backend::BackendArgs),
 }
@@ -72,6 +75,7 @@ fn main() {
         Cmd::Demo(a) => demo::run(a),
         Cmd::DemoServer(a) => demo::server(a),
         Cmd::Info(a) => info(a),
+        Cmd::Soak(a) => soak::run(a),
     };
     if let Err(e) = r {
         eprintln!("exs: error: {e}");

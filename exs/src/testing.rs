@@ -1,17 +1,26 @@
-//! A raw peer: a transport driven directly through the [`Transport`] trait, with no exs engine, so a test can
-//! play a crafted or hostile peer (any handshake, any bytes, any RDMA access) against a real exs socket on every
-//! backend.
+//! Test utilities: a raw peer, a transport driven directly through the [`Transport`] trait with no exs engine,
+//! so a test or a fuzz target can play a crafted or hostile peer (any handshake, any bytes, any RDMA access)
+//! against a real exs socket, on every backend.
+//!
+//! Not for applications: a raw peer speaks no protocol unless its user does.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use exs::transport::{
+use crate::transport::{
     CmEvent, Completed, Completion, EndpointId, Exposure, Op, Registration, RemoteAccess,
     RemoteRef, Sge, Transport, WcError, WorkRequest,
 };
-use exs::wire::{Handshake, Message, WireSockType};
+use crate::wire::{Handshake, Message, WireSockType};
 use exs_dma::{DmaBuf, LeaseKind};
+
+/// What a raw peer does while it waits: sleep a little (real transports), or drive a manual simulated world.
+pub type Tick = Box<dyn FnMut() + Send>;
+
+fn sleep_tick() -> Tick {
+    Box::new(|| std::thread::sleep(Duration::from_micros(200)))
+}
 
 const SLOTS: usize = 64;
 const SLOT: usize = 4096;
@@ -20,6 +29,7 @@ const RECV_TAG: u64 = 1 << 40;
 /// A connected raw endpoint.
 pub struct RawPeer {
     t: Box<dyn Transport>,
+    tick: Tick,
     ep: EndpointId,
     rx: Arc<DmaBuf>,
     rx_reg: Arc<dyn Registration>,
@@ -32,6 +42,7 @@ pub struct RawPeer {
     pub received: Vec<Result<Message, String>>,
     /// Completions of our own work requests, by id.
     pub done: Vec<Completion>,
+    /// The exs side disconnected.
     pub disconnected: bool,
 }
 
@@ -54,9 +65,19 @@ pub fn handshake(ty: WireSockType) -> Handshake {
 impl RawPeer {
     /// Connects to `addr` with `private` as connection private data. `Err` carries how the connect ended.
     pub fn connect(
+        t: Box<dyn Transport>,
+        addr: SocketAddr,
+        private: &[u8],
+    ) -> Result<RawPeer, String> {
+        Self::connect_with(t, addr, private, sleep_tick())
+    }
+
+    /// [`RawPeer::connect`], calling `tick` whenever it waits (a manual world passes its `drive`).
+    pub fn connect_with(
         mut t: Box<dyn Transport>,
         addr: SocketAddr,
         private: &[u8],
+        mut tick: Tick,
     ) -> Result<RawPeer, String> {
         let rx = DmaBuf::new(SLOTS * SLOT);
         let rx_reg = t.register(&rx).map_err(|e| e.to_string())?;
@@ -77,6 +98,7 @@ impl RawPeer {
                             .map_err(|e| format!("the exs side's handshake: {e}"))?;
                         return Ok(RawPeer {
                             t,
+                            tick,
                             ep,
                             rx,
                             rx_reg,
@@ -101,7 +123,7 @@ impl RawPeer {
             if Instant::now() > deadline {
                 return Err("connect timed out".into());
             }
-            std::thread::sleep(Duration::from_millis(1));
+            tick();
         }
     }
 
@@ -225,7 +247,7 @@ impl RawPeer {
             if until(self) || Instant::now() > deadline {
                 return;
             }
-            std::thread::sleep(Duration::from_micros(200));
+            (self.tick)();
         }
     }
 
@@ -244,6 +266,15 @@ impl RawPeer {
     pub fn wait_disconnect(&mut self, d: Duration) -> bool {
         self.pump(d, |p| p.disconnected);
         self.disconnected
+    }
+}
+
+impl std::fmt::Debug for RawPeer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawPeer")
+            .field("ep", &self.ep)
+            .field("disconnected", &self.disconnected)
+            .finish()
     }
 }
 

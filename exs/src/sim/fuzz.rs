@@ -1,0 +1,275 @@
+//! Fuzz harnesses, shared by the cargo-fuzz targets in `fuzz/` (libFuzzer, nightly) and by the bounded property
+//! tests in `exs/tests/fuzz_props.rs` (stable, run by `cargo xtask test`). Each takes arbitrary bytes and panics
+//! only when exs breaks a promise.
+//!
+//! * [`wire`]: the decoders never panic, and whatever decodes encodes back to the same meaning.
+//! * [`peer`]: the protocol state machine of one exs connection, driven by an arbitrary sequence of events from a
+//!   crafted peer (raw bytes, well-formed messages with arbitrary fields, immediates, disconnects) interleaved with
+//!   local sends, receives and closes, on a deterministic simulated world. Promises checked: no panic, no hang, the
+//!   connection either stays usable or goes down with an error (a violation, a reset, or the peer's close), memory
+//!   outside what exs exposed is never touched, and the context keeps serving a new, well-behaved connection.
+
+use std::time::Duration;
+
+use crate::event::EventQueue;
+use crate::memory::MemoryRegion;
+use crate::options::{MsgFlags, SockType};
+use crate::sim::{SimConfig, World};
+use crate::socket::Socket;
+use crate::testing::{handshake, RawPeer};
+use crate::wire::{
+    Advert, AdvertFlags, Body, CloseReason, Handshake, Imm, Message, StreamAdvert, WireSockType,
+};
+use crate::{ContextOptions, OpError};
+
+/// Reads fields off the fuzz input; past the end it yields zeros.
+struct Input<'a> {
+    data: &'a [u8],
+    at: usize,
+}
+
+impl Input<'_> {
+    fn u8(&mut self) -> u8 {
+        let v = self.data.get(self.at).copied().unwrap_or(0);
+        self.at += 1;
+        v
+    }
+    fn u16(&mut self) -> u16 {
+        u16::from_le_bytes([self.u8(), self.u8()])
+    }
+    fn u32(&mut self) -> u32 {
+        u32::from_le_bytes([self.u8(), self.u8(), self.u8(), self.u8()])
+    }
+    fn u64(&mut self) -> u64 {
+        u64::from(self.u32()) | (u64::from(self.u32()) << 32)
+    }
+    fn bytes(&mut self, n: usize) -> &[u8] {
+        let start = self.at.min(self.data.len());
+        let end = (self.at + n).min(self.data.len());
+        self.at += n;
+        &self.data[start..end]
+    }
+    fn done(&self) -> bool {
+        self.at >= self.data.len()
+    }
+}
+
+/// Decoders: no panic on any input; a decoded message or handshake round-trips.
+pub fn wire(data: &[u8]) {
+    if let Ok((m, at)) = Message::decode(data) {
+        let mut again = m.to_vec();
+        again.extend_from_slice(&data[at..]);
+        let (m2, _) = Message::decode(&again).expect("a decoded message re-encodes to valid bytes");
+        assert_eq!(m, m2, "message round trip");
+    }
+    if let Ok(h) = Handshake::decode(data) {
+        assert_eq!(Handshake::decode(&h.encode()), Ok(h), "handshake round trip");
+    }
+    if data.len() >= 4 {
+        let v = u32::from_le_bytes(data[..4].try_into().expect("4 bytes"));
+        let imm = Imm::decode(v);
+        assert_eq!(Imm::decode(imm.encode()), imm, "immediate round trip");
+    }
+}
+
+/// A well-formed message whose fields come from the input.
+fn message(inp: &mut Input<'_>) -> Vec<u8> {
+    let body = match inp.u8() % 8 {
+        0 => Body::Advert(Advert {
+            seq: u32::from(inp.u8() % 20),
+            flags: AdvertFlags(u32::from(inp.u8() & 1)),
+            len: match inp.u8() % 4 {
+                0 => u64::from(inp.u8()),
+                1 => u64::from(inp.u16()),
+                2 => u64::from(inp.u32()),
+                _ => inp.u64(),
+            },
+            addr: inp.u64(),
+            rkey: inp.u64(),
+        }),
+        1 => Body::Ack,
+        2 => Body::Credit,
+        3 => Body::Close(match inp.u8() % 3 {
+            0 => CloseReason::Close,
+            1 => CloseReason::ShutdownWrite,
+            _ => CloseReason::Violation,
+        }),
+        4 => Body::StreamAdvert(StreamAdvert {
+            addr: inp.u64(),
+            rkey: inp.u64(),
+            len: u64::from(inp.u32()),
+            seq: u64::from(inp.u16()),
+            phase: u32::from(inp.u8()),
+            waitall: inp.u8() & 1 == 1,
+            consumed: u64::from(inp.u16()),
+        }),
+        5 => Body::StreamWindow {
+            consumed: u64::from(inp.u32()),
+        },
+        6 => Body::ReadNotify {
+            seq: u32::from(inp.u8()),
+        },
+        _ => Body::Ack,
+    };
+    let ack = (inp.u8() & 1 == 1 || matches!(body, Body::Ack)).then(|| u32::from(inp.u8() % 8));
+    let m = Message {
+        credits: u16::from(inp.u8() % 8),
+        ack,
+        body,
+    };
+    let mut v = m.to_vec();
+    // Immediate data to match the advert's length when it is small; otherwise the length lies.
+    let n = m.inline_len().min(600);
+    v.extend_from_slice(inp.bytes(n));
+    v
+}
+
+/// The connection under attack, and how the attack ended.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct PeerOutcome {
+    /// The connection went down with a protocol violation.
+    pub violation: bool,
+    /// It went down otherwise (reset, the peer's close).
+    pub down: bool,
+    /// Events the crafted peer sent.
+    pub events: usize,
+}
+
+/// See the module documentation.
+pub fn peer(data: &[u8]) -> PeerOutcome {
+    let mut inp = Input { data, at: 0 };
+    let ty = if inp.u8() & 1 == 0 {
+        SockType::SeqPacket
+    } else {
+        SockType::Stream
+    };
+    let world = World::new(SimConfig {
+        seed: u64::from(inp.u16()),
+        ..SimConfig::default()
+    });
+    let victim = world.host_with(ContextOptions {
+        keepalive: None,
+        ..ContextOptions::default()
+    });
+    let eq = EventQueue::new(1024);
+    let listener = Socket::new(&victim, ty).expect("socket");
+    listener.bind(world.addr(0, 7000)).expect("bind");
+    let addr = listener.listen(8).expect("listen");
+    let canary_bytes: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+    let canary = MemoryRegion::from_vec(&victim, canary_bytes.clone()).expect("canary");
+    listener.accept(&eq, 1).expect("accept");
+    let mut hs = handshake(match ty {
+        SockType::SeqPacket => WireSockType::SeqPacket,
+        SockType::Stream => WireSockType::Stream,
+    });
+    hs.stream_len = 4096;
+    hs.stream_addr = 0x10_000;
+    hs.stream_rkey = 1;
+    let w2 = world.clone();
+    let tick = Box::new(move || {
+        w2.drive();
+    });
+    let mut raw = RawPeer::connect_with(Box::new(world.raw_host()), addr, &hs.encode(), tick)
+        .expect("a well-formed handshake is accepted");
+    let mut ev = eq.next(Some(Duration::from_secs(5))).expect("accept event");
+    let sock = ev.accepted.take().expect("accepted socket");
+    let buffers = MemoryRegion::alloc(&victim, 1 << 20).expect("buffers");
+    let mut out = 0usize;
+    let mut outcome = PeerOutcome::default();
+    while !inp.done() && outcome.events < 64 {
+        outcome.events += 1;
+        match inp.u8() % 10 {
+            0 => {
+                let n = usize::from(inp.u8());
+                let bytes = inp.bytes(n).to_vec();
+                let _ = raw.send_bytes(&bytes, None);
+            }
+            1 => {
+                let imm = inp.u32();
+                let _ = raw.send_bytes(&[], Some(imm));
+            }
+            2..=4 => {
+                let m = message(&mut inp);
+                let _ = raw.send_bytes(&m, None);
+            }
+            5 => {
+                let n = usize::from(inp.u16()) % 65536 + 1;
+                let at = (out % 8) * 65536;
+                out += 1;
+                let _ = sock.recv(&eq, &buffers.slice(at..at + n), MsgFlags::NONE, 10);
+            }
+            6 => {
+                let n = usize::from(inp.u16()) % 65536 + 1;
+                let at = 8 * 65536 + (out % 8) * 65536;
+                out += 1;
+                let _ = sock.send(&eq, &buffers.slice(at..at + n), MsgFlags::NONE, 11);
+            }
+            7 => {
+                for _ in 0..inp.u8() % 16 {
+                    world.drive();
+                }
+            }
+            8 => {
+                let _ = raw.read(
+                    crate::transport::RemoteRef {
+                        addr: inp.u64(),
+                        key: inp.u64(),
+                    },
+                    usize::from(inp.u16()) % 8192 + 1,
+                );
+            }
+            _ => {
+                if inp.u8() % 16 == 0 {
+                    let _ = sock.close();
+                }
+            }
+        }
+        raw.pump(Duration::ZERO, |_| false);
+    }
+    // Let everything settle (bounded: a hang is a failure).
+    world.run_for(Duration::from_secs(3));
+    match sock.error() {
+        Ok(Some(OpError::PeerMisbehaved(_))) => outcome.violation = true,
+        Ok(Some(_)) => outcome.down = true,
+        Ok(None) | Err(_) => {}
+    }
+    assert_eq!(
+        canary.to_vec().expect("canary readable"),
+        canary_bytes,
+        "memory exs never exposed was written"
+    );
+    drop(raw);
+    // The context still serves a well-behaved peer.
+    let client = world.host_with(ContextOptions {
+        keepalive: None,
+        ..ContextOptions::default()
+    });
+    let ceq = EventQueue::new(8);
+    listener.accept(&eq, 2).expect("accept after the attack");
+    let c = Socket::new(&client, ty).expect("socket");
+    c.connect(addr, &ceq, 3).expect("connect after the attack");
+    let ce = ceq.next(Some(Duration::from_secs(30))).expect("connect event");
+    assert!(ce.is_ok(), "a new connection after the attack: {ce:?}");
+    let fresh = loop {
+        let mut e = eq
+            .next(Some(Duration::from_secs(30)))
+            .expect("the new connection is accepted");
+        if let Some(s) = e.accepted.take() {
+            break s;
+        }
+    };
+    let src = MemoryRegion::from_vec(&client, b"after the storm".to_vec()).expect("src");
+    let dst = MemoryRegion::alloc(&victim, 15).expect("dst");
+    let feq = EventQueue::new(4);
+    fresh
+        .recv(&feq, &dst.all(), MsgFlags::WAITALL, 4)
+        .expect("recv on the new connection");
+    c.send(&ceq, &src.all(), MsgFlags::NONE, 5)
+        .expect("send on the new connection");
+    let r = feq
+        .next(Some(Duration::from_secs(30)))
+        .expect("receive after the attack");
+    assert!(r.is_ok() && r.bytes == 15, "transfer after the attack: {r:?}");
+    assert_eq!(dst.to_vec().expect("dst"), b"after the storm");
+    outcome
+}

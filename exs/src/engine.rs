@@ -1106,28 +1106,54 @@ impl Engine {
         }
     }
 
+    /// `offset`: `exs_send_offset` (seed 002, 4.4) into the peer's persistent receive.
     pub(crate) fn send(
         &mut self,
         sid: SocketId,
         slice: &Slice,
         flags: MsgFlags,
+        offset: Option<u64>,
         ticket: &mut Option<Ticket>,
     ) -> R<(), SendError> {
         slice.check(self.ctx_id)?;
         let ty = self.sock(sid)?.ty;
-        if flags.contains(MsgFlags::PERSISTENT) {
-            return Err(SendError::Option(OptionError::OutOfRange {
-                name: "flags",
-                value: flags.0.into(),
-                allowed: "persistent sends are not supported on this socket",
-            }));
-        }
+        check_flags(flags, ty, offset.is_some())?;
+        let persistent = flags.contains(MsgFlags::PERSISTENT);
         let conn = self.open_conn(sid)?;
         match ty {
             SockType::SeqPacket => {
                 let len = slice.len();
-                let data = if conn.send_needs_exposure(len) {
-                    let sge = slice.lease(LeaseKind::DeviceRead)?;
+                let m = conn.message().expect("message socket");
+                if persistent {
+                    m.may_be_persistent().map_err(StateError::Persistent)?;
+                }
+                match (offset, m.peer_precv_len()) {
+                    (Some(_), None) => return Err(StateError::Persistent(
+                        "send_offset needs the peer's persistent receive, and it has none active",
+                    )
+                    .into()),
+                    (o, Some(size)) if !persistent => {
+                        let offset = o.unwrap_or(0);
+                        if offset.checked_add(len as u64).is_none_or(|end| end > size) {
+                            return Err(StateError::OffsetOutOfRange {
+                                offset,
+                                len: len as u64,
+                                size,
+                            }
+                            .into());
+                        }
+                    }
+                    _ => {}
+                }
+                let data = if persistent || (!m.writes_to_peer() && !m.is_immediate(len)) {
+                    // Seed 002, 4.2: the application keeps updating a persistent send's memory while the peer
+                    // reads it (copies in through `MemoryRegion::write`; the reader may see a mix).
+                    let kind = if persistent {
+                        LeaseKind::DeviceReadShared
+                    } else {
+                        LeaseKind::DeviceRead
+                    };
+                    let sge = slice.lease(kind)?;
                     let (lease, reg) = sge.into_parts();
                     SendData::Exposed(self.transport.expose(&reg, lease, RemoteAccess::Read)?)
                 } else {
@@ -1135,9 +1161,11 @@ impl Engine {
                 };
                 let conn = self.open_conn(sid)?;
                 conn.send_message(SendReq {
-                    ticket: ticket.take().expect("ticket given"),
+                    ticket: ticket.take(),
                     len,
                     data,
+                    persistent: persistent.then_some(flags.contains(MsgFlags::NOTIFY)),
+                    offset: offset.unwrap_or(0),
                 });
             }
             SockType::Stream => {
@@ -1154,16 +1182,19 @@ impl Engine {
         Ok(())
     }
 
+    /// `offset`: `exs_recv_offset` (seed 002, 4.4) from the peer's persistent send.
     pub(crate) fn recv(
         &mut self,
         sid: SocketId,
         slice: &Slice,
         flags: MsgFlags,
+        offset: Option<u64>,
         ticket: &mut Option<Ticket>,
     ) -> R<(), RecvError> {
         slice.check(self.ctx_id)?;
         let s = self.sock(sid)?;
         let ty = s.ty;
+        check_flags(flags, ty, offset.is_some())?;
         let closed_stream = ty == SockType::Stream && s.peer_closed && s.conn.is_some();
         // After the peer closed, a message receive reports end-of-stream (as read(2) returns 0); a stream receive
         // first takes what the stream buffer still holds.
@@ -1180,20 +1211,43 @@ impl Engine {
             );
             return Ok(());
         }
-        if flags.contains(MsgFlags::PERSISTENT) {
-            return Err(RecvError::Option(OptionError::OutOfRange {
-                name: "flags",
-                value: flags.0.into(),
-                allowed: "persistent receives are not supported on this socket",
-            }));
-        }
         match ty {
+            SockType::SeqPacket if flags.contains(MsgFlags::PERSISTENT) => {
+                let m = self.open_conn(sid)?.message().expect("message socket");
+                m.may_be_persistent().map_err(StateError::Persistent)?;
+                if slice.is_empty() {
+                    return Err(BufferError::Empty.into());
+                }
+                // Seed 002, 4.3: the application reads the current values while the peer writes them.
+                let sge = slice.lease(LeaseKind::DeviceWriteShared)?;
+                let (lease, reg) = sge.into_parts();
+                let exposure = self.transport.expose(&reg, lease, RemoteAccess::Write)?;
+                let conn = self.open_conn(sid)?;
+                if let Err((t, why)) =
+                    conn.recv_persistent(ticket.take().expect("ticket given"), exposure)
+                {
+                    *ticket = Some(t);
+                    return Err(StateError::Persistent(why).into());
+                }
+            }
             SockType::SeqPacket => {
-                self.open_conn(sid)?;
+                let conn = self.open_conn(sid)?;
+                if let Some(offset) = offset {
+                    let len = slice.len() as u64;
+                    let size = conn.message().expect("message socket").peer_psend_len().ok_or(
+                        StateError::Persistent(
+                            "recv_offset needs the peer's persistent send, and none has arrived (or it ended)",
+                        ),
+                    )?;
+                    if offset.checked_add(len).is_none_or(|end| end > size) {
+                        return Err(StateError::OffsetOutOfRange { offset, len, size }.into());
+                    }
+                }
                 let sge = slice.lease(RECV_LEASE)?;
                 self.open_conn(sid)?.recv_message(RecvReq {
                     ticket: ticket.take().expect("ticket given"),
                     sge,
+                    offset,
                 });
             }
             SockType::Stream => {
@@ -1216,6 +1270,17 @@ impl Engine {
                     self.fault(sid, Fault::Peer(v));
                 }
             }
+        }
+        self.flush(sid);
+        Ok(())
+    }
+
+    /// Ends this side's persistent send and receive (their events come when the peer has let go).
+    pub(crate) fn end_persistent(&mut self, sid: SocketId) -> R<(), StateError> {
+        if !self.open_conn(sid)?.end_persistent() {
+            return Err(StateError::Persistent(
+                "no persistent send or receive to end on this socket",
+            ));
         }
         self.flush(sid);
         Ok(())
@@ -1337,6 +1402,25 @@ impl Engine {
             self.on_disconnected(ep);
         }
     }
+}
+
+/// Flags and offsets that a socket type cannot take.
+fn check_flags(flags: MsgFlags, ty: SockType, offset: bool) -> Result<(), StateError> {
+    let known = MsgFlags::WAITALL.0 | MsgFlags::PERSISTENT.0 | MsgFlags::NOTIFY.0;
+    if flags.0 & !known != 0 {
+        return Err(StateError::Persistent("unknown flag bits"));
+    }
+    if flags.contains(MsgFlags::NOTIFY) && !flags.contains(MsgFlags::PERSISTENT) {
+        return Err(StateError::Persistent(
+            "NOTIFY applies to persistent sends only",
+        ));
+    }
+    if ty == SockType::Stream && (flags.contains(MsgFlags::PERSISTENT) || offset) {
+        return Err(StateError::Persistent(
+            "persistent and offset transfers exist on SOCK_SEQPACKET sockets only",
+        ));
+    }
+    Ok(())
 }
 
 /// A control receive slot holds a header, the largest body, and immediate data up to `small` bytes.

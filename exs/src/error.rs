@@ -103,6 +103,9 @@ pub enum OpError {
     /// The transport failed.
     #[error("transport failure: {0}")]
     Transport(TransportError),
+    /// An offset receive found that the peer had ended its persistent send (seed 002, 4.4).
+    #[error("the peer ended its persistent send")]
+    PersistentEnded,
 }
 
 impl From<crate::transport::WcError> for OpError {
@@ -130,7 +133,8 @@ impl OpError {
             OpError::PeerClosed
             | OpError::ConnectionReset
             | OpError::PeerMisbehaved(_)
-            | OpError::Refused => Blame::Peer,
+            | OpError::Refused
+            | OpError::PersistentEnded => Blame::Peer,
             OpError::TimedOut | OpError::Unreachable | OpError::Transport(_) => Blame::Transport,
         }
     }
@@ -146,6 +150,7 @@ impl OpError {
             OpError::TimedOut => io::ErrorKind::TimedOut,
             OpError::Unreachable => io::ErrorKind::HostUnreachable,
             OpError::Transport(e) => e.io_kind(),
+            OpError::PersistentEnded => io::ErrorKind::NotFound,
         }
     }
 }
@@ -218,6 +223,19 @@ pub enum StateError {
     /// The operation does not apply to this socket type.
     #[error("operation not supported on a {0} socket")]
     WrongType(&'static str),
+    /// A rule of persistent operations (seed 002, 4.2-4.4) forbids this now.
+    #[error("persistent operations: {0}")]
+    Persistent(&'static str),
+    /// An offset transfer would reach outside the peer's persistent memory.
+    #[error("offset {offset} + {len} bytes is outside the peer's {size}-byte persistent buffer")]
+    OffsetOutOfRange {
+        /// Requested offset.
+        offset: u64,
+        /// Bytes to transfer.
+        len: u64,
+        /// Size of the peer's persistent buffer.
+        size: u64,
+    },
 }
 
 /// The event queue cannot take another outstanding operation.
@@ -268,6 +286,9 @@ fn state_kind(e: &StateError) -> io::ErrorKind {
         StateError::AlreadyConnected | StateError::AlreadyBound => io::ErrorKind::AlreadyExists,
         StateError::Listening | StateError::WrongType(_) => io::ErrorKind::Unsupported,
         StateError::Shutdown => io::ErrorKind::BrokenPipe,
+        StateError::Persistent(_) | StateError::OffsetOutOfRange { .. } => {
+            io::ErrorKind::InvalidInput
+        }
         StateError::ConnectionDown(e) => e.io_kind(),
     }
 }

@@ -578,6 +578,31 @@ impl Ticket {
         );
     }
 
+    /// An extra event for a long-lived operation (a persistent send's read notification, seed 002 4.2), with
+    /// the ticket's context value. It takes a free slot of the queue if there is one; when the queue is full it is
+    /// not queued and `false` comes back, so the caller can fold it into the next one.
+    pub(crate) fn notify(&self, kind: EventKind, bytes: usize) -> bool {
+        let Some(eq) = &self.eq else { return false };
+        let mut s = eq.lock();
+        // This ticket's own slot is counted in `outstanding`; the extra event needs another.
+        if s.outstanding + s.events.len() >= eq.depth {
+            return false;
+        }
+        s.outstanding += 1;
+        drop(s);
+        eq.complete(Event {
+            kind,
+            status: Ok(()),
+            bytes,
+            context: self.context,
+            flags: EventFlags::default(),
+            socket: self.socket,
+            accepted: None,
+            readiness: Default::default(),
+        });
+        true
+    }
+
     /// Completes an accept with the new socket.
     pub(crate) fn complete_accept(mut self, socket: Socket) {
         self.finish(

@@ -190,8 +190,48 @@ impl Socket {
         context: u64,
     ) -> Result<(), SendError> {
         self.start(eq, EventKind::Send, context, |e, id, t| {
-            e.send(id, buf, flags, t)
+            e.send(id, buf, flags, None, t)
         })
+    }
+
+    /// Writes `buf` at `offset` inside the peer's persistent receive buffer (UNH-EXS `exs_send_offset`, seed 002
+    /// 4.4), completing when the write has. Outside that buffer, or with no persistent receive at the peer, it is
+    /// refused at once ([`StateError::OffsetOutOfRange`], [`StateError::Persistent`]).
+    pub fn send_offset(
+        &self,
+        eq: &EventQueue,
+        buf: &Slice,
+        offset: u64,
+        flags: MsgFlags,
+        context: u64,
+    ) -> Result<(), SendError> {
+        self.start(eq, EventKind::Send, context, |e, id, t| {
+            e.send(id, buf, flags, Some(offset), t)
+        })
+    }
+
+    /// Reads `buf.len()` bytes from `offset` inside the peer's persistent send (UNH-EXS `exs_recv_offset`, seed
+    /// 002 4.4). Refused at once outside it, or when the peer has no persistent send here.
+    pub fn recv_offset(
+        &self,
+        eq: &EventQueue,
+        buf: &Slice,
+        offset: u64,
+        flags: MsgFlags,
+        context: u64,
+    ) -> Result<(), RecvError> {
+        self.start(eq, EventKind::Recv, context, |e, id, t| {
+            e.recv(id, buf, flags, Some(offset), t)
+        })
+    }
+
+    /// Ends this side's persistent send and persistent receive (`EXS_PERSISTENT`, seed 002 4.2 and 4.3). Their
+    /// events (`Send`, `Recv`, status Ok) come once the peer has stopped touching the memory; only then is its
+    /// key revoked.
+    pub fn end_persistent(&self) -> Result<(), StateError> {
+        let r = self.engine(|e, id| e.end_persistent(id));
+        self.h.ctx.shared().kick();
+        r
     }
 
     /// Receives into `buf`, asynchronously (ES-API `exs_recv`). The range stays leased (the application cannot
@@ -204,7 +244,7 @@ impl Socket {
         context: u64,
     ) -> Result<(), RecvError> {
         self.start(eq, EventKind::Recv, context, |e, id, t| {
-            e.recv(id, buf, flags, t)
+            e.recv(id, buf, flags, None, t)
         })
     }
 

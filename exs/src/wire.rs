@@ -79,6 +79,8 @@ pub enum Kind {
     ReadNotify = 7,
     /// Offsets (seed 002, 4.4): write into the peer's persistent receive buffer at an offset, done.
     OffsetWritten = 8,
+    /// A persistent send or receive ends (or, echoed, its end is confirmed).
+    PersistentEnd = 9,
 }
 
 impl Kind {
@@ -92,6 +94,7 @@ impl Kind {
             6 => Kind::StreamWindow,
             7 => Kind::ReadNotify,
             8 => Kind::OffsetWritten,
+            9 => Kind::PersistentEnd,
             other => return Err(WireError::UnknownKind(other)),
         })
     }
@@ -107,6 +110,7 @@ impl Kind {
             Kind::StreamWindow => "STREAM_WINDOW",
             Kind::ReadNotify => "READ_NOTIFY",
             Kind::OffsetWritten => "OFFSET_WRITTEN",
+            Kind::PersistentEnd => "PERSISTENT_END",
         }
     }
 }
@@ -214,6 +218,15 @@ pub enum Body {
     },
     /// See [`OffsetWritten`].
     OffsetWritten(OffsetWritten),
+    /// The owner of persistent advertisement `seq` ends it (`echo == false`); the peer, once it no longer
+    /// touches that memory, confirms (`echo == true`) for a persistent receive. A persistent send's end is
+    /// confirmed by the ordinary acknowledgment.
+    PersistentEnd {
+        /// Sequence number of the persistent advertisement (in its owner's sequence space).
+        seq: u32,
+        /// This is the confirmation.
+        echo: bool,
+    },
 }
 
 impl Body {
@@ -228,6 +241,7 @@ impl Body {
             Body::StreamWindow { .. } => Kind::StreamWindow,
             Body::ReadNotify { .. } => Kind::ReadNotify,
             Body::OffsetWritten(_) => Kind::OffsetWritten,
+            Body::PersistentEnd { .. } => Kind::PersistentEnd,
         }
     }
 
@@ -240,6 +254,7 @@ impl Body {
             Body::StreamWindow { .. } => 8,
             Body::ReadNotify { .. } => 8,
             Body::OffsetWritten(_) => 16,
+            Body::PersistentEnd { .. } => 8,
         }
     }
 }
@@ -323,6 +338,10 @@ impl Message {
             Body::OffsetWritten(o) => {
                 w.u64(o.offset);
                 w.u64(o.len);
+            }
+            Body::PersistentEnd { seq, echo } => {
+                w.u32(seq);
+                w.u32(u32::from(echo));
             }
         }
         debug_assert_eq!(w.at, n);
@@ -436,6 +455,20 @@ impl Message {
                 offset: r.u64()?,
                 len: r.u64()?,
             }),
+            Kind::PersistentEnd => {
+                let seq = r.u32()?;
+                let echo = match r.u32()? {
+                    0 => false,
+                    1 => true,
+                    other => {
+                        return Err(WireError::Invalid {
+                            field: "persistent-end flags",
+                            value: other.into(),
+                        })
+                    }
+                };
+                Body::PersistentEnd { seq, echo }
+            }
         };
         if body_len != body.body_len() {
             return Err(WireError::Invalid {
@@ -712,6 +745,7 @@ mod tests {
             })),
             Message::new(Body::StreamWindow { consumed: 99 }),
             Message::new(Body::ReadNotify { seq: 12 }),
+            Message::new(Body::PersistentEnd { seq: 7, echo: true }),
             Message::new(Body::OffsetWritten(OffsetWritten {
                 offset: 10,
                 len: 20,
@@ -880,7 +914,10 @@ mod tests {
             }));
             let mut b = m.to_vec();
             b.extend_from_slice(&[0xe7; 31]);
-            assert!(matches!(Message::decode(&b), Err(WireError::LengthMismatch { .. })), "len {len}");
+            assert!(
+                matches!(Message::decode(&b), Err(WireError::LengthMismatch { .. })),
+                "len {len}"
+            );
         }
     }
 }

@@ -7,7 +7,10 @@ use exs::sim::fuzz;
 use proptest::prelude::*;
 
 fn cases() -> u32 {
-    std::env::var("EXS_FUZZ_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(64)
+    std::env::var("EXS_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(64)
 }
 
 proptest! {
@@ -50,5 +53,8 @@ fn a_crafted_peer_sending_well_formed_messages() {
             violations += 1;
         }
     }
-    assert!(violations > 0, "no input provoked a violation: the harness is not reaching the protocol");
+    assert!(
+        violations > 0,
+        "no input provoked a violation: the harness is not reaching the protocol"
+    );
 }

@@ -31,7 +31,11 @@ pub fn soak_with(exe: &std::path::Path, seconds: u64, seed: u64) -> Result<Vec<S
             &seed.to_string(),
         ]))?;
         print!("{out}");
-        lines.extend(out.lines().filter(|l| l.starts_with("SOAK")).map(str::to_string));
+        lines.extend(
+            out.lines()
+                .filter(|l| l.starts_with("SOAK"))
+                .map(str::to_string),
+        );
     }
     Ok(lines)
 }

@@ -390,7 +390,16 @@ pub fn run(args: TestArgs) -> Result<()> {
         // The fuzz targets as bounded property tests, in release so that they cover ground.
         let (c, ok, _) = run_counting(
             sys::cargo()
-                .args(["test", "--release", "-p", "exs", "--features", "sim", "--test", "fuzz_props"])
+                .args([
+                    "test",
+                    "--release",
+                    "-p",
+                    "exs",
+                    "--features",
+                    "sim",
+                    "--test",
+                    "fuzz_props",
+                ])
                 .env("EXS_FUZZ_CASES", "1000"),
         )?;
         if !ok || c.failed > 0 {

@@ -175,7 +175,9 @@ impl Vm {
         }
         // The file name carries a hash of what goes in, so a changed /init or module list builds a new one.
         let recipe = format!("{INIT}{}", MODULES.join(","));
-        let hash = recipe.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+        let hash = recipe.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
         let initrd = dir.join(format!("initrd-{kver}-{:08x}.cpio", hash as u32));
         if !initrd.exists() {
             Self::build_initrd(&root, &kver, &initrd)?;

@@ -187,6 +187,29 @@ impl Conn {
         }
     }
 
+    /// Posts a persistent receive (seed 002, 4.3); refused (ticket back) when the rules forbid it.
+    pub(crate) fn recv_persistent(
+        &mut self,
+        ticket: crate::event::Ticket,
+        exposure: Box<dyn Exposure>,
+    ) -> Result<(), (crate::event::Ticket, &'static str)> {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => m.recv_persistent(ticket, exposure, &mut self.link),
+            _ => Err((
+                ticket,
+                "persistent receives exist on SOCK_SEQPACKET sockets only",
+            )),
+        }
+    }
+
+    /// Ends this side's persistent operations; false if there were none.
+    pub(crate) fn end_persistent(&mut self) -> bool {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => m.end_persistent(&mut self.link),
+            _ => false,
+        }
+    }
+
     pub(crate) fn recv_message(&mut self, req: RecvReq) {
         if let Some(Mode::Message(m)) = &mut self.mode {
             m.recv(req, &mut self.link);
@@ -304,7 +327,9 @@ impl Conn {
             (Completed::Read, Some(WrKind::Data(tag))) => {
                 self.link.on_data_done(true);
                 match &mut self.mode {
-                    Some(Mode::Message(m)) => m.on_read_done(tag, c.status.clone())?,
+                    Some(Mode::Message(m)) => {
+                        m.on_read_done(tag, c.status.clone(), &mut self.link)?
+                    }
                     Some(Mode::Stream(_)) | None => {}
                 }
                 self.check_local(&c.status)?;
@@ -312,8 +337,12 @@ impl Conn {
             }
             (Completed::Write, Some(WrKind::Data(tag))) => {
                 self.link.on_data_done(false);
-                if let Some(Mode::Stream(s)) = &mut self.mode {
-                    s.on_write_done(tag, c.status.clone());
+                match &mut self.mode {
+                    Some(Mode::Stream(s)) => s.on_write_done(tag, c.status.clone()),
+                    Some(Mode::Message(m)) => {
+                        m.on_write_done(tag, c.status.clone(), &mut self.link)
+                    }
+                    None => {}
                 }
                 self.check_local(&c.status)?;
                 Ok(Incoming::Nothing)
@@ -392,6 +421,10 @@ impl Conn {
                     Ok(v)
                 };
                 m.on_advert(a, &mut into_recv, &mut copy_out, &mut self.link)?;
+            }
+            (Body::ReadNotify { seq }, Mode::Message(m)) => m.on_read_notify(seq)?,
+            (Body::PersistentEnd { seq, echo }, Mode::Message(m)) => {
+                m.on_persistent_end(seq, echo, &mut self.link)?
             }
             (Body::StreamAdvert(a), Mode::Stream(s)) => s.on_advert(a, &mut self.link)?,
             (Body::StreamWindow { consumed }, Mode::Stream(s)) => s.on_window(consumed)?,

@@ -30,18 +30,26 @@ use crate::wire::{Advert, AdvertFlags, Body, Kind};
 /// How a send's data reaches the peer, decided before it enters the protocol.
 #[derive(Debug)]
 pub(crate) enum SendData {
-    /// Immediate data (seed 002, 4.1): the user's range, leased for the device to read, gathered into the advert.
+    /// Immediate data (seed 002, 4.1): the user's range, leased for the device to read, gathered into the advert;
+    /// or, when the peer has a persistent receive, written into it.
     Inline(Sge),
     /// The user's range exposed for remote read (seed 002, 3.1).
     Exposed(Box<dyn Exposure>),
+    /// The advert of our persistent receive (its exposure stays with the receive).
+    PersistentRecv,
 }
 
 /// A send waiting for an advert credit.
 #[derive(Debug)]
 pub(crate) struct SendReq {
-    pub ticket: Ticket,
+    /// `None` for the advert of a persistent receive (its ticket stays with the receive).
+    pub ticket: Option<Ticket>,
     pub len: usize,
     pub data: SendData,
+    /// Persistent send (seed 002, 4.2), with read notifications if `true`.
+    pub persistent: Option<bool>,
+    /// Offset into the peer's persistent receive (seed 002, 4.4).
+    pub offset: u64,
 }
 
 /// A receive waiting for an advertisement: the user's range leased for the device to write.
@@ -49,7 +57,42 @@ pub(crate) struct SendReq {
 pub(crate) struct RecvReq {
     pub ticket: Ticket,
     pub sge: Sge,
+    /// Offset into the peer's persistent send (seed 002, 4.4).
+    pub offset: Option<u64>,
 }
+
+/// Our persistent receive (seed 002, 4.3): the peer writes into it at will; it ends with PERSISTENT_END.
+#[derive(Debug)]
+struct OwnPersistentRecv {
+    seq: u32,
+    len: usize,
+    ticket: Option<Ticket>,
+    exposure: Option<Box<dyn Exposure>>,
+    ending: bool,
+}
+
+/// The peer's persistent receive: where our sends go, by RDMA write.
+#[derive(Debug, Clone, Copy)]
+struct PeerPersistentRecv {
+    seq: u32,
+    addr: u64,
+    key: u64,
+    len: u64,
+    ending: bool,
+}
+
+/// A send written straight into the peer's persistent receive.
+#[derive(Debug)]
+struct PersistentWrite {
+    tag: u32,
+    ticket: Option<Ticket>,
+    len: usize,
+    done: bool,
+    failed: Option<OpError>,
+}
+
+/// Tags of persistent writes (reads use advert sequence numbers).
+const WRITE_TAG: u32 = 1 << 31;
 
 #[derive(Debug)]
 struct Outstanding {
@@ -62,6 +105,15 @@ struct Outstanding {
     inline_in_flight: bool,
     acked: bool,
     failed: Option<OpError>,
+    /// A persistent send: with notifications, the reads not yet reported (the queue was full).
+    persistent: Option<PersistentSend>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct PersistentSend {
+    notify: bool,
+    unreported: usize,
+    ending: bool,
 }
 
 #[derive(Debug)]
@@ -69,6 +121,8 @@ struct PeerAdvert {
     advert: Advert,
     /// Immediate data copied out of the control buffer because no receive was waiting.
     inline: Option<Vec<u8>>,
+    /// A persistent send its owner ended: no new reads.
+    ending: bool,
 }
 
 #[derive(Debug)]
@@ -79,6 +133,8 @@ struct Transfer {
     truncated: bool,
     reads_in_flight: u32,
     failed: Option<OpError>,
+    /// A read of the peer's persistent send: it does not consume the advert.
+    persistent: bool,
 }
 
 /// Counters.
@@ -94,6 +150,10 @@ pub struct MessageStats {
     pub credit_waits: u64,
     /// Receives truncated.
     pub truncated: u64,
+    /// Reads of the peer's persistent send.
+    pub persistent_reads: u64,
+    /// Sends written into the peer's persistent receive.
+    pub persistent_writes: u64,
 }
 
 /// Message-mode state of one connection. See the module documentation.
@@ -128,6 +188,10 @@ pub(crate) struct MessageProto {
     delay_acks: bool,
     /// Our adverts sent before the last acknowledgment left: more than that means request/response traffic.
     ack_marker: u64,
+    own_precv: Option<OwnPersistentRecv>,
+    peer_precv: Option<PeerPersistentRecv>,
+    writes: VecDeque<PersistentWrite>,
+    next_write: u32,
     pub stats: MessageStats,
 }
 
@@ -159,13 +223,59 @@ impl MessageProto {
             retired: Vec::new(),
             delay_acks,
             ack_marker: 0,
+            own_precv: None,
+            peer_precv: None,
+            writes: VecDeque::new(),
+            next_write: 0,
             stats: MessageStats::default(),
         }
     }
 
     /// Whether a send of `len` bytes goes as immediate data (seed 002, 4.1: "not exceeding that limit").
     pub(crate) fn is_immediate(&self, len: usize) -> bool {
-        len <= self.small_max
+        len <= self.small_max || self.writes_to_peer()
+    }
+
+    /// Whether sends go by RDMA write into the peer's persistent receive (seed 002, 4.3).
+    pub(crate) fn writes_to_peer(&self) -> bool {
+        self.peer_precv.is_some_and(|p| !p.ending)
+    }
+
+    /// Size of the peer's active persistent receive.
+    pub(crate) fn peer_precv_len(&self) -> Option<u64> {
+        self.peer_precv.filter(|p| !p.ending).map(|p| p.len)
+    }
+
+    /// Size of the peer's active persistent send, when it is at the head of its adverts.
+    pub(crate) fn peer_psend_len(&self) -> Option<u64> {
+        self.adverts
+            .front()
+            .filter(|a| a.advert.flags.has(AdvertFlags::PERSISTENT) && !a.ending)
+            .map(|a| a.advert.len)
+    }
+
+    /// Whether this side has a persistent operation active (ours), and whether the peer has.
+    fn persistence(&self) -> (bool, bool) {
+        let ours = self.own_precv.is_some()
+            || self.unacked.iter().any(|o| o.persistent.is_some())
+            || self.queue.iter().any(|q| q.persistent.is_some());
+        let theirs = self.peer_precv.is_some()
+            || self
+                .adverts
+                .iter()
+                .any(|a| a.advert.flags.has(AdvertFlags::PERSISTENT));
+        (ours, theirs)
+    }
+
+    /// Seed 002, 4.3: "both sides of an EXS socket connection cannot be persistent, since one of the sides must be
+    /// an active (non-persistent) driver of the passive (persistent) side." Checked before a persistent operation.
+    pub(crate) fn may_be_persistent(&self) -> Result<(), &'static str> {
+        if self.persistence().1 {
+            return Err(
+                "the peer is already persistent on this connection; one side must stay active",
+            );
+        }
+        Ok(())
     }
 
     /// Advert credits available now.
@@ -189,8 +299,134 @@ impl MessageProto {
     }
 
     pub(crate) fn send(&mut self, req: SendReq, link: &mut Link) {
+        if req.persistent.is_none() {
+            if let (Some(p), SendData::Inline(_)) = (self.peer_precv, &req.data) {
+                return self.write_to_peer(req, p, link);
+            }
+        }
+        if req.offset > 0 {
+            // An offset send needs the peer's persistent receive, which ended since the engine checked.
+            if let Some(t) = req.ticket {
+                t.complete(Err(OpError::PersistentEnded), 0, EventFlags::default());
+            }
+            return;
+        }
         self.queue.push_back(req);
         self.pump(link);
+    }
+
+    /// Seed 002, 4.3: "the same exs_rcv will be used to satisfy all subsequent exs_sends": the send becomes an
+    /// RDMA write into the peer's persistent receive (at `offset`), complete when the write is.
+    fn write_to_peer(&mut self, req: SendReq, p: PeerPersistentRecv, link: &mut Link) {
+        let SendData::Inline(sge) = req.data else {
+            unreachable!("checked by the caller")
+        };
+        let Some(ticket) = req.ticket else { return };
+        if p.ending || req.offset.saturating_add(req.len as u64) > p.len {
+            // The engine checked the range against the receive it saw; it ended since.
+            ticket.complete(Err(OpError::PersistentEnded), 0, EventFlags::default());
+            return;
+        }
+        let tag = WRITE_TAG | (self.next_write & !WRITE_TAG);
+        self.next_write = self.next_write.wrapping_add(1);
+        self.stats.persistent_writes += 1;
+        if req.len == 0 {
+            drop(sge);
+            ticket.complete(Ok(()), 0, EventFlags::default());
+            return;
+        }
+        link.push_write(
+            DataOp::Write {
+                local: vec![sge],
+                remote: RemoteRef {
+                    addr: p.addr + req.offset,
+                    key: p.key,
+                },
+                imm: None,
+            },
+            tag,
+        );
+        self.writes.push_back(PersistentWrite {
+            tag,
+            ticket: Some(ticket),
+            len: req.len,
+            done: false,
+            failed: None,
+        });
+    }
+
+    /// An RDMA write into the peer's persistent receive finished.
+    pub(crate) fn on_write_done(&mut self, tag: u32, status: Result<(), WcError>, link: &mut Link) {
+        if let Some(w) = self.writes.iter_mut().find(|w| w.tag == tag && !w.done) {
+            w.done = true;
+            if let Err(e) = status {
+                w.failed = Some(e.into());
+            }
+        }
+        while self.writes.front().is_some_and(|w| w.done) {
+            let mut w = self.writes.pop_front().expect("checked");
+            if let Some(t) = w.ticket.take() {
+                match w.failed.take() {
+                    None => t.complete(Ok(()), w.len, EventFlags::default()),
+                    Some(e) => t.complete(Err(e), 0, EventFlags::default()),
+                }
+            }
+        }
+        self.finish_peer_precv(link);
+    }
+
+    /// The peer ended its persistent receive: once our writes into it are done, confirm.
+    fn finish_peer_precv(&mut self, link: &mut Link) {
+        if let Some(p) = self.peer_precv {
+            if p.ending && self.writes.is_empty() {
+                self.peer_precv = None;
+                link.push_ctrl(
+                    Body::PersistentEnd {
+                        seq: p.seq,
+                        echo: true,
+                    },
+                    None,
+                    None,
+                );
+            }
+        }
+    }
+
+    /// Posts our persistent receive (seed 002, 4.3): its buffer is exposed for remote write and advertised; the
+    /// operation completes only when it ends ([`MessageProto::end_persistent`]) or the connection does.
+    pub(crate) fn recv_persistent(
+        &mut self,
+        ticket: Ticket,
+        exposure: Box<dyn Exposure>,
+        link: &mut Link,
+    ) -> Result<(), (Ticket, &'static str)> {
+        if self.own_precv.is_some() {
+            return Err((
+                ticket,
+                "a persistent receive is already active on this socket",
+            ));
+        }
+        if let Err(why) = self.may_be_persistent() {
+            return Err((ticket, why));
+        }
+        let len = exposure.len();
+        self.own_precv = Some(OwnPersistentRecv {
+            seq: u32::MAX, // set when the advert goes out
+            len,
+            ticket: Some(ticket),
+            exposure: Some(exposure),
+            ending: false,
+        });
+        // The advert is queued like a send: it takes an advert credit, in order with our other adverts.
+        self.queue.push_back(SendReq {
+            ticket: None,
+            len,
+            data: SendData::PersistentRecv,
+            persistent: None,
+            offset: 0,
+        });
+        self.pump(link);
+        Ok(())
     }
 
     /// Sends adverts while credits last (seed 002, 3.2).
@@ -203,7 +439,34 @@ impl MessageProto {
             self.next_seq = self.next_seq.wrapping_add(1);
             self.credits -= 1;
             self.stats.adverts_sent += 1;
+            let persistent = req.persistent.map(|notify| PersistentSend {
+                notify,
+                unreported: 0,
+                ending: false,
+            });
             let (advert, inline, exposure) = match req.data {
+                SendData::PersistentRecv => {
+                    let Some(own) = self.own_precv.as_mut() else {
+                        continue; // ended (connection failed) before its advert went out
+                    };
+                    own.seq = seq;
+                    let r = own
+                        .exposure
+                        .as_ref()
+                        .map(|e| e.remote())
+                        .unwrap_or(RemoteRef { addr: 0, key: 0 });
+                    (
+                        Advert {
+                            seq,
+                            flags: AdvertFlags(AdvertFlags::PERSISTENT_RECV),
+                            len: own.len as u64,
+                            addr: r.addr,
+                            rkey: r.key,
+                        },
+                        None,
+                        None,
+                    )
+                }
                 SendData::Inline(sge) => {
                     self.stats.immediate_sent += 1;
                     let flags = AdvertFlags(AdvertFlags::IMMEDIATE);
@@ -221,10 +484,15 @@ impl MessageProto {
                 }
                 SendData::Exposed(exp) => {
                     let r = exp.remote();
+                    let flags = match persistent {
+                        None => 0,
+                        Some(p) if p.notify => AdvertFlags::PERSISTENT | AdvertFlags::NOTIFY,
+                        Some(_) => AdvertFlags::PERSISTENT,
+                    };
                     (
                         Advert {
                             seq,
-                            flags: AdvertFlags(0),
+                            flags: AdvertFlags(flags),
                             len: req.len as u64,
                             addr: r.addr,
                             rkey: r.key,
@@ -242,12 +510,13 @@ impl MessageProto {
             );
             self.unacked.push_back(Outstanding {
                 seq,
-                ticket: Some(req.ticket),
+                ticket: req.ticket,
                 len: req.len,
                 exposure,
                 inline_in_flight,
                 acked: false,
                 failed: None,
+                persistent,
             });
         }
         if !self.queue.is_empty() {
@@ -295,11 +564,43 @@ impl MessageProto {
             });
         }
         let flags = advert.flags;
-        if flags.has(AdvertFlags::PERSISTENT) || flags.has(AdvertFlags::PERSISTENT_RECV) {
-            return Err(Violation::Unexpected {
-                kind: "persistent ADVERT",
-                context: "on a message-mode socket without persistent support",
-            });
+        let persistent =
+            flags.has(AdvertFlags::PERSISTENT) || flags.has(AdvertFlags::PERSISTENT_RECV);
+        if persistent {
+            // Seed 002, 4.3: one side must stay active.
+            if self.persistence().0 {
+                return Err(Violation::Persistent(
+                    "a persistent advertisement while our side is persistent".into(),
+                ));
+            }
+            if flags.has(AdvertFlags::IMMEDIATE)
+                || (flags.has(AdvertFlags::PERSISTENT) && flags.has(AdvertFlags::PERSISTENT_RECV))
+            {
+                return Err(Violation::Persistent(format!(
+                    "advert {} has incompatible flags {:#x}",
+                    advert.seq, flags.0
+                )));
+            }
+            let dup = if flags.has(AdvertFlags::PERSISTENT) {
+                self.adverts
+                    .iter()
+                    .any(|a| a.advert.flags.has(AdvertFlags::PERSISTENT))
+            } else {
+                self.peer_precv.is_some()
+                    || self
+                        .adverts
+                        .iter()
+                        .any(|a| a.advert.flags.has(AdvertFlags::PERSISTENT_RECV))
+            };
+            if dup {
+                return Err(Violation::Persistent(
+                    "a second persistent advertisement of the same kind".into(),
+                ));
+            }
+        } else if flags.has(AdvertFlags::NOTIFY) {
+            return Err(Violation::Persistent(
+                "read notification asked for a send that is not persistent".into(),
+            ));
         }
         if !flags.has(AdvertFlags::IMMEDIATE)
             && advert.len > 0
@@ -315,6 +616,17 @@ impl MessageProto {
         if flags.has(AdvertFlags::IMMEDIATE) && self.adverts.is_empty() && !self.recvs.is_empty() {
             // Fast path: copy straight from the control buffer into the waiting receive.
             let mut req = self.recvs.pop_front().expect("checked");
+            if req.offset.is_some() {
+                req.ticket
+                    .complete(Err(OpError::PersistentEnded), 0, EventFlags::default());
+                self.adverts.push_back(PeerAdvert {
+                    advert,
+                    inline: Some(inline_copy()?),
+                    ending: false,
+                });
+                self.match_adverts(link);
+                return Ok(());
+            }
             let cap = req.sge.len();
             let n = (advert.len as usize).min(cap);
             if n > 0 {
@@ -330,10 +642,11 @@ impl MessageProto {
             self.adverts.push_back(PeerAdvert {
                 advert,
                 inline: data,
+                ending: false,
             });
             self.match_adverts(link);
         }
-        self.complete_transfers();
+        self.complete_transfers(link);
         Ok(())
     }
 
@@ -349,14 +662,117 @@ impl MessageProto {
             truncated,
             reads_in_flight: 0,
             failed: None,
+            persistent: false,
         });
     }
 
-    /// Matches receives with advertisements in order (seed 002, 3.1) and starts the reads.
+    /// Issues the reads that move `n` bytes from `addr` (peer memory) into the receive buffer.
+    fn push_reads(
+        &self,
+        sge: Sge,
+        n: usize,
+        addr: u64,
+        key: u64,
+        seq: u32,
+        link: &mut Link,
+    ) -> u32 {
+        if n == 0 {
+            return 0;
+        }
+        let (lease, reg) = sge.into_parts();
+        let mut rest = lease.narrow(0..n);
+        let mut offset = 0u64;
+        let mut reads = 0;
+        while !rest.is_empty() {
+            let chunk = (rest.len() as u64).min(self.max_message) as usize;
+            let (now, later) = rest.split_at(chunk);
+            rest = later;
+            let local = Sge::new(now, reg.clone()).expect("lease stays on its buffer");
+            let remote = RemoteRef {
+                addr: addr + offset,
+                key,
+            };
+            link.push_read(DataOp::Read { local, remote }, seq);
+            offset += chunk as u64;
+            reads += 1;
+        }
+        reads
+    }
+
+    /// Matches receives with advertisements in order (seed 002, 3.1) and starts the reads. A persistent send at
+    /// the head is never consumed: every receive reads it again (seed 002, 4.2), until its owner ends it. A
+    /// persistent receive's advert needs no receive: it is taken as it reaches the head.
     fn match_adverts(&mut self, link: &mut Link) {
-        while !self.recvs.is_empty() && !self.adverts.is_empty() {
-            let mut req = self.recvs.pop_front().expect("checked");
-            let PeerAdvert { advert, inline } = self.adverts.pop_front().expect("checked");
+        loop {
+            let Some(head) = self.adverts.front() else {
+                break;
+            };
+            let flags = head.advert.flags;
+            if flags.has(AdvertFlags::PERSISTENT_RECV) {
+                let a = self.adverts.pop_front().expect("checked").advert;
+                self.peer_precv = Some(PeerPersistentRecv {
+                    seq: a.seq,
+                    addr: a.addr,
+                    key: a.rkey,
+                    len: a.len,
+                    ending: false,
+                });
+                self.transfers.push_back(Transfer {
+                    seq: a.seq,
+                    ticket: None,
+                    bytes: 0,
+                    truncated: false,
+                    reads_in_flight: 0,
+                    failed: None,
+                    persistent: false,
+                });
+                continue;
+            }
+            if flags.has(AdvertFlags::PERSISTENT) {
+                if head.ending {
+                    break;
+                }
+                let Some(req) = self.recvs.pop_front() else {
+                    break;
+                };
+                let advert = head.advert;
+                let offset = req.offset.unwrap_or(0);
+                let avail = advert.len.saturating_sub(offset);
+                let cap = req.sge.len();
+                let n = usize::try_from(avail).unwrap_or(usize::MAX).min(cap);
+                let truncated = req.offset.is_none() && avail > n as u64;
+                self.stats.truncated += u64::from(truncated);
+                self.stats.persistent_reads += 1;
+                let reads = self.push_reads(
+                    req.sge,
+                    n,
+                    advert.addr + offset,
+                    advert.rkey,
+                    advert.seq,
+                    link,
+                );
+                self.transfers.push_back(Transfer {
+                    seq: advert.seq,
+                    ticket: Some(req.ticket),
+                    bytes: n,
+                    truncated,
+                    reads_in_flight: reads,
+                    failed: None,
+                    persistent: true,
+                });
+                continue;
+            }
+            let Some(req) = self.recvs.pop_front() else {
+                break;
+            };
+            if req.offset.is_some() {
+                // An offset receive needs the peer's persistent send, which has ended.
+                req.ticket
+                    .complete(Err(OpError::PersistentEnded), 0, EventFlags::default());
+                continue;
+            }
+            let PeerAdvert { advert, inline, .. } = self.adverts.pop_front().expect("checked");
+            let mut req = req;
             let cap = req.sge.len();
             let n = usize::try_from(advert.len).unwrap_or(usize::MAX).min(cap);
             if let Some(data) = inline {
@@ -372,25 +788,7 @@ impl MessageProto {
             }
             let truncated = advert.len as usize > n;
             self.stats.truncated += u64::from(truncated);
-            let mut reads = 0;
-            if n > 0 {
-                let (lease, reg) = req.sge.into_parts();
-                let mut rest = lease.narrow(0..n);
-                let mut offset = 0u64;
-                while !rest.is_empty() {
-                    let chunk = (rest.len() as u64).min(self.max_message) as usize;
-                    let (now, later) = rest.split_at(chunk);
-                    rest = later;
-                    let local = Sge::new(now, reg.clone()).expect("lease stays on its buffer");
-                    let remote = RemoteRef {
-                        addr: advert.addr + offset,
-                        key: advert.rkey,
-                    };
-                    link.push_read(DataOp::Read { local, remote }, advert.seq);
-                    offset += chunk as u64;
-                    reads += 1;
-                }
-            }
+            let reads = self.push_reads(req.sge, n, advert.addr, advert.rkey, advert.seq, link);
             self.transfers.push_back(Transfer {
                 seq: advert.seq,
                 ticket: Some(req.ticket),
@@ -398,10 +796,11 @@ impl MessageProto {
                 truncated,
                 reads_in_flight: reads,
                 failed: None,
+                persistent: false,
             });
         }
         // Transfers that need no read (immediate data, empty receive buffers) are complete now.
-        self.complete_transfers();
+        self.complete_transfers(link);
     }
 
     /// An RDMA read finished.
@@ -409,6 +808,7 @@ impl MessageProto {
         &mut self,
         seq: u32,
         status: Result<(), WcError>,
+        link: &mut Link,
     ) -> Result<(), Violation> {
         let Some(t) = self
             .transfers
@@ -429,21 +829,29 @@ impl MessageProto {
                 t.failed.get_or_insert(e.into());
             }
         }
-        self.complete_transfers();
+        self.complete_transfers(link);
         Ok(())
     }
 
-    /// Completes finished transfers in order.
-    fn complete_transfers(&mut self) {
+    /// Completes finished transfers in order. Reads of a persistent send do not consume it; each one is reported
+    /// to its owner when it asked for notifications (seed 002, 4.2). A persistent send that its owner ended is
+    /// consumed once no read of it is in flight.
+    fn complete_transfers(&mut self, link: &mut Link) {
+        self.complete_transfers_with(Some(link));
+    }
+
+    /// [`MessageProto::complete_transfers`]; without a link (the connection is failing) nothing is sent.
+    fn complete_transfers_with(&mut self, mut link: Option<&mut Link>) {
         while let Some(t) = self.transfers.front() {
             if t.reads_in_flight > 0 {
-                return;
+                break;
             }
             let mut t = self.transfers.pop_front().expect("checked");
             let flags = EventFlags {
                 truncated: t.truncated,
                 eof: false,
             };
+            let ok = t.failed.is_none();
             if let Some(ticket) = t.ticket.take() {
                 match t.failed.take() {
                     None => ticket.complete(Ok(()), t.bytes, flags),
@@ -459,8 +867,134 @@ impl MessageProto {
                     Some(e) => ticket.complete(Err(e), 0, flags),
                 }
             }
-            self.done_seq = self.done_seq.wrapping_add(1);
+            if t.persistent {
+                let notify = self.adverts.front().is_some_and(|a| {
+                    a.advert.seq == t.seq && a.advert.flags.has(AdvertFlags::NOTIFY)
+                });
+                if let (true, true, Some(link)) = (notify, ok, link.as_deref_mut()) {
+                    link.push_ctrl(Body::ReadNotify { seq: t.seq }, None, None);
+                }
+            } else {
+                self.done_seq = self.done_seq.wrapping_add(1);
+            }
         }
+        // An ended persistent send is consumed once its reads are done.
+        let ended = self
+            .adverts
+            .front()
+            .is_some_and(|a| a.ending && a.advert.flags.has(AdvertFlags::PERSISTENT));
+        if let (true, Some(link)) = (ended && !self.transfers.iter().any(|t| t.persistent), link) {
+            self.adverts.pop_front();
+            self.done_seq = self.done_seq.wrapping_add(1);
+            self.match_adverts(link);
+        }
+    }
+
+    /// The peer read our persistent send `seq` (seed 002, 4.2, the notifying variant): an event for the send's
+    /// queue. While the queue is full, reads are counted and reported together in the next event's `bytes`.
+    pub(crate) fn on_read_notify(&mut self, seq: u32) -> Result<(), Violation> {
+        let Some(o) = self.unacked.iter_mut().find(|o| o.seq == seq) else {
+            return Err(Violation::Persistent(format!(
+                "read notification for unknown advert {seq}"
+            )));
+        };
+        let (Some(p), Some(ticket)) = (o.persistent.as_mut(), o.ticket.as_ref()) else {
+            return Err(Violation::Persistent(format!(
+                "read notification for advert {seq}, which is not a persistent send"
+            )));
+        };
+        if !p.notify {
+            return Err(Violation::Persistent(format!(
+                "read notification for advert {seq}, which asked for none"
+            )));
+        }
+        p.unreported += 1;
+        if ticket.notify(crate::event::EventKind::ReadNotify, p.unreported) {
+            p.unreported = 0;
+        }
+        Ok(())
+    }
+
+    /// Ends our persistent send(s) and receive (seed 002: "ends when the sender cancels"). Returns whether there
+    /// was anything to end.
+    pub(crate) fn end_persistent(&mut self, link: &mut Link) -> bool {
+        let mut any = false;
+        for o in self.unacked.iter_mut() {
+            if let Some(p) = o.persistent.as_mut() {
+                if !p.ending && !o.acked {
+                    p.ending = true;
+                    any = true;
+                    link.push_ctrl(
+                        Body::PersistentEnd {
+                            seq: o.seq,
+                            echo: false,
+                        },
+                        None,
+                        None,
+                    );
+                }
+            }
+        }
+        if let Some(own) = self.own_precv.as_mut() {
+            if !own.ending && own.seq != u32::MAX {
+                own.ending = true;
+                any = true;
+                link.push_ctrl(
+                    Body::PersistentEnd {
+                        seq: own.seq,
+                        echo: false,
+                    },
+                    None,
+                    None,
+                );
+            }
+        }
+        any
+    }
+
+    /// PERSISTENT_END from the peer: it ends its persistent send or receive, or confirms the end of ours.
+    pub(crate) fn on_persistent_end(
+        &mut self,
+        seq: u32,
+        echo: bool,
+        link: &mut Link,
+    ) -> Result<(), Violation> {
+        if echo {
+            let Some(own) = self.own_precv.as_mut().filter(|o| o.seq == seq && o.ending) else {
+                return Err(Violation::Persistent(format!(
+                    "confirmation of an end we never asked for ({seq})"
+                )));
+            };
+            // The peer writes no more: revoke the key, then complete the receive.
+            own.exposure = None;
+            let own = self.own_precv.take().expect("checked");
+            if let Some(t) = own.ticket {
+                t.complete(Ok(()), own.len, EventFlags::default());
+            }
+            return Ok(());
+        }
+        if let Some(head) = self.adverts.front_mut() {
+            if head.advert.seq == seq
+                && head.advert.flags.has(AdvertFlags::PERSISTENT)
+                && !head.ending
+            {
+                head.ending = true;
+                // Receives waiting behind it now wait for the next advert; offset receives fail.
+                self.complete_transfers(link);
+                self.match_adverts(link);
+                return Ok(());
+            }
+        }
+        if let Some(p) = self.peer_precv.as_mut() {
+            if p.seq == seq && !p.ending {
+                p.ending = true;
+                self.finish_peer_precv(link);
+                return Ok(());
+            }
+        }
+        Err(Violation::Persistent(format!(
+            "end of unknown persistent advert {seq}"
+        )))
     }
 
     /// Whether an acknowledgment is due.
@@ -578,8 +1112,9 @@ impl MessageProto {
 
     fn fail_sends(&mut self, err: OpError) {
         for s in self.queue.drain(..) {
-            s.ticket
-                .complete(Err(err.clone()), 0, EventFlags::default());
+            if let Some(t) = s.ticket {
+                t.complete(Err(err.clone()), 0, EventFlags::default());
+            }
         }
         for o in self.unacked.iter_mut() {
             if !o.acked {
@@ -601,7 +1136,17 @@ impl MessageProto {
         for t in self.transfers.iter_mut() {
             t.failed.get_or_insert(err.clone());
         }
-        self.complete_transfers();
+        self.complete_transfers_with(None);
+        for w in self.writes.iter_mut() {
+            w.failed.get_or_insert(err.clone());
+        }
+        if let Some(own) = self.own_precv.as_mut() {
+            // Its exposure goes at drop_all, when the peer can no longer write.
+            if let Some(t) = own.ticket.take() {
+                t.complete(Err(err.clone()), 0, EventFlags::default());
+            }
+        }
+        self.peer_precv = None;
     }
 
     /// The endpoint is gone and the transport returned every work request: complete everything left.
@@ -612,7 +1157,20 @@ impl MessageProto {
         for t in self.transfers.iter_mut() {
             t.reads_in_flight = 0;
         }
-        self.fail(err);
+        for w in self.writes.iter_mut() {
+            w.done = true;
+        }
+        self.fail(err.clone());
+        while let Some(mut w) = self.writes.pop_front() {
+            if let Some(t) = w.ticket.take() {
+                t.complete(
+                    Err(w.failed.take().unwrap_or(err.clone())),
+                    0,
+                    EventFlags::default(),
+                );
+            }
+        }
+        self.own_precv = None;
         for (exposure, ticket, e) in self.retired.drain(..) {
             drop(exposure);
             ticket.complete(Err(e), 0, EventFlags::default());

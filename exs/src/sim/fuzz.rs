@@ -63,7 +63,11 @@ pub fn wire(data: &[u8]) {
         assert_eq!(m, m2, "message round trip");
     }
     if let Ok(h) = Handshake::decode(data) {
-        assert_eq!(Handshake::decode(&h.encode()), Ok(h), "handshake round trip");
+        assert_eq!(
+            Handshake::decode(&h.encode()),
+            Ok(h),
+            "handshake round trip"
+        );
     }
     if data.len() >= 4 {
         let v = u32::from_le_bytes(data[..4].try_into().expect("4 bytes"));
@@ -248,7 +252,9 @@ pub fn peer(data: &[u8]) -> PeerOutcome {
     listener.accept(&eq, 2).expect("accept after the attack");
     let c = Socket::new(&client, ty).expect("socket");
     c.connect(addr, &ceq, 3).expect("connect after the attack");
-    let ce = ceq.next(Some(Duration::from_secs(30))).expect("connect event");
+    let ce = ceq
+        .next(Some(Duration::from_secs(30)))
+        .expect("connect event");
     assert!(ce.is_ok(), "a new connection after the attack: {ce:?}");
     let fresh = loop {
         let mut e = eq
@@ -269,7 +275,10 @@ pub fn peer(data: &[u8]) -> PeerOutcome {
     let r = feq
         .next(Some(Duration::from_secs(30)))
         .expect("receive after the attack");
-    assert!(r.is_ok() && r.bytes == 15, "transfer after the attack: {r:?}");
+    assert!(
+        r.is_ok() && r.bytes == 15,
+        "transfer after the attack: {r:?}"
+    );
     assert_eq!(dst.to_vec().expect("dst"), b"after the storm");
     outcome
 }

@@ -10,9 +10,9 @@ use exs::{
     Context, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, Violation,
 };
 
-use exs::testing::{handshake, RawPeer};
 use crate::util::*;
 use crate::{ensure, Backend, Case, Net, Requires};
+use exs::testing::{handshake, RawPeer};
 
 pub fn cases() -> Vec<Case> {
     let c = |name, run| Case {

@@ -81,8 +81,14 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
     let mut t = Totals::default();
     let mut last_report = Instant::now();
     while Instant::now() < deadline {
-        let ty = if rng.below(2) == 0 { SockType::SeqPacket } else { SockType::Stream };
-        one_connection(&opened, &server, &client, &send_buf, &recv_buf, ty, &mut rng, &mut t)?;
+        let ty = if rng.below(2) == 0 {
+            SockType::SeqPacket
+        } else {
+            SockType::Stream
+        };
+        one_connection(
+            &opened, &server, &client, &send_buf, &recv_buf, ty, &mut rng, &mut t,
+        )?;
         if last_report.elapsed() > Duration::from_secs(10) {
             eprintln!("soak: {:?} elapsed: {t:?}", start.elapsed().as_secs());
             last_report = Instant::now();
@@ -108,7 +114,8 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
 }
 
 fn wait(eq: &EventQueue, what: &str) -> Result<Event, String> {
-    eq.next(Some(Duration::from_secs(60))).map_err(|e| format!("{what}: no event within 60 s: {e}"))
+    eq.next(Some(Duration::from_secs(60)))
+        .map_err(|e| format!("{what}: no event within 60 s: {e}"))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -130,7 +137,9 @@ fn one_connection(
     l.accept(&eq_s, 0).map_err(|e| e.to_string())?;
     let c = Socket::new(client, ty).map_err(|e| e.to_string())?;
     c.connect(addr, &eq_c, 0).map_err(|e| e.to_string())?;
-    wait(&eq_c, "connect")?.status.map_err(|e| format!("connect: {e}"))?;
+    wait(&eq_c, "connect")?
+        .status
+        .map_err(|e| format!("connect: {e}"))?;
     let mut acc = wait(&eq_s, "accept")?;
     let s = acc.accepted.take().ok_or("accept failed")?;
     drop(l);
@@ -156,8 +165,13 @@ fn one_connection(
                 SockType::Stream => fill(send_buf, slot * SLOT, len, id, sent)?,
                 SockType::SeqPacket => fill(send_buf, slot * SLOT, len, msg_id, 0)?,
             }
-            c.send(&eq_c, &send_buf.slice(slot * SLOT..slot * SLOT + len), MsgFlags::NONE, slot as u64)
-                .map_err(|e| format!("send: {e}"))?;
+            c.send(
+                &eq_c,
+                &send_buf.slice(slot * SLOT..slot * SLOT + len),
+                MsgFlags::NONE,
+                slot as u64,
+            )
+            .map_err(|e| format!("send: {e}"))?;
             match ty {
                 SockType::Stream => sent += len as u64,
                 SockType::SeqPacket => {
@@ -169,10 +183,20 @@ fn one_connection(
         if close_at == Some(batch) {
             // Post a few receives, then close with everything in flight.
             for slot in 0..rng.below(3) as usize {
-                let _ = s.recv(&eq_s, &recv_buf.slice(slot * SLOT..slot * SLOT + SLOT), MsgFlags::NONE, slot as u64);
+                let _ = s.recv(
+                    &eq_s,
+                    &recv_buf.slice(slot * SLOT..slot * SLOT + SLOT),
+                    MsgFlags::NONE,
+                    slot as u64,
+                );
             }
             t.closes_with_pending += 1;
-            if rng.below(2) == 0 { c.close() } else { s.close() }.map_err(|e| e.to_string())?;
+            if rng.below(2) == 0 {
+                c.close()
+            } else {
+                s.close()
+            }
+            .map_err(|e| e.to_string())?;
             closed = true;
             break;
         }
@@ -184,7 +208,11 @@ fn one_connection(
             let (cap, flags) = match ty {
                 SockType::SeqPacket => {
                     let len = msgs_sent[got as usize].1;
-                    let cap = if rng.below(8) == 0 { rng.below(len as u64 + 1) as usize } else { len };
+                    let cap = if rng.below(8) == 0 {
+                        rng.below(len as u64 + 1) as usize
+                    } else {
+                        len
+                    };
                     (cap.clamp(1, SLOT), MsgFlags::NONE)
                 }
                 SockType::Stream => {
@@ -196,8 +224,13 @@ fn one_connection(
                     }
                 }
             };
-            s.recv(&eq_s, &recv_buf.slice(slot * SLOT..slot * SLOT + cap), flags, slot as u64)
-                .map_err(|e| format!("recv: {e}"))?;
+            s.recv(
+                &eq_s,
+                &recv_buf.slice(slot * SLOT..slot * SLOT + cap),
+                flags,
+                slot as u64,
+            )
+            .map_err(|e| format!("recv: {e}"))?;
             let r = wait(&eq_s, "receive")?;
             if !r.is_ok() {
                 return Err(format!("a receive failed on an open connection: {r:?}"));
@@ -218,7 +251,9 @@ fn one_connection(
     }
     // Whatever was pending ends now, with data that checks out or with an error; nothing hangs.
     for (eq, what) in [(&eq_s, "server"), (&eq_c, "client")] {
-        let evs = eq.wait_all(Some(Duration::from_secs(60))).map_err(|e| format!("{what} after close: {e}"))?;
+        let evs = eq
+            .wait_all(Some(Duration::from_secs(60)))
+            .map_err(|e| format!("{what} after close: {e}"))?;
         for e in evs {
             if e.is_ok() && e.kind == exs::EventKind::Recv && e.bytes > 0 {
                 check(recv_buf, &e, ty, id, &mut got, &msgs_sent, t)?;
@@ -249,7 +284,11 @@ fn check(
     recv_buf.read(at, &mut v).map_err(|e| e.to_string())?;
     match ty {
         SockType::Stream => {
-            let bad = v.iter().enumerate().filter(|(k, b)| **b != byte(id, *got + *k as u64)).count();
+            let bad = v
+                .iter()
+                .enumerate()
+                .filter(|(k, b)| **b != byte(id, *got + *k as u64))
+                .count();
             t.corrupted += bad as u64;
             *got += r.bytes as u64;
         }
@@ -260,7 +299,11 @@ fn check(
             if r.bytes > len || r.flags.truncated != (r.bytes < len) {
                 return Err(format!("message {got} of {len} bytes arrived as {r:?}"));
             }
-            let bad = v.iter().enumerate().filter(|(k, b)| **b != byte(msg_id, *k as u64)).count();
+            let bad = v
+                .iter()
+                .enumerate()
+                .filter(|(k, b)| **b != byte(msg_id, *k as u64))
+                .count();
             t.corrupted += bad as u64;
             *got += 1;
         }

@@ -1,0 +1,411 @@
+//! Persistent sends and receives, and offsets (seed 002, sections 4.2-4.4), on the simulated fabric.
+
+mod common;
+
+use common::*;
+use exs::sim::{SimConfig, World};
+use exs::{
+    EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, RecvError, SendError, SockType,
+    StateError, Violation,
+};
+
+/// Seed 002, 4.2: "the other side of the EXS socket can repeatedly receive this same memory block ... without
+/// subsequent corresponding exs_sends", and "the sender incurs no CPU overhead whatsoever": after the one send,
+/// the sender's engine handles no completion while the receiver pulls, and sees every update of the memory.
+#[test]
+fn a_persistent_send_is_read_by_every_receive_with_nothing_on_the_sender() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(4096, 1));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    let dst = p.server_region(4096);
+    // The first receive brings the advert in.
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 4096, "{r:?}");
+    assert_bytes_eq(&dst.to_vec().unwrap(), &pattern(4096, 1), "first read");
+    let before = p.a.stats();
+    for round in 2..12u64 {
+        // The sender updates its memory while the send stays persistent.
+        src.write(0, &pattern(4096, round)).unwrap();
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, round)
+            .unwrap();
+        let r = wait(&p.eq_b);
+        assert!(r.is_ok() && r.bytes == 4096, "{r:?}");
+        assert_bytes_eq(
+            &dst.to_vec().unwrap(),
+            &pattern(4096, round),
+            "read of the updated memory",
+        );
+    }
+    let after = p.a.stats();
+    assert_eq!(
+        after.completions, before.completions,
+        "the sender's side handled something per read"
+    );
+    assert_eq!(
+        after.posted, before.posted,
+        "the sender posted something per read"
+    );
+    assert_eq!(
+        p.eq_a.len(),
+        0,
+        "the persistent send does not complete per read"
+    );
+    assert_eq!(p.server.stats().unwrap().message.persistent_reads, 11);
+}
+
+/// The variant for the double-buffered transaction exchange: an event each time the peer has read it.
+#[test]
+fn a_notifying_persistent_send_reports_each_read() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(1000, 3));
+    p.client
+        .send(
+            &p.eq_a,
+            &src.all(),
+            MsgFlags::PERSISTENT | MsgFlags::NOTIFY,
+            7,
+        )
+        .unwrap();
+    let dst = p.server_region(1000);
+    for i in 0..5 {
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, i)
+            .unwrap();
+        assert!(wait(&p.eq_b).is_ok());
+        let n = wait(&p.eq_a);
+        assert_eq!(
+            (n.kind, n.context, n.bytes),
+            (EventKind::ReadNotify, 7, 1),
+            "{n:?}"
+        );
+    }
+}
+
+/// Ending a persistent send: receives after it wait for the next message; the send completes once the peer let
+/// go, and only then is its key revoked.
+#[test]
+fn ending_a_persistent_send_completes_it_and_the_next_send_is_received() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(3000, 4));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    let dst = p.server_region(3000);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    assert!(wait(&p.eq_b).is_ok());
+    let keys = p.world.live_keys();
+    p.client.end_persistent().unwrap();
+    let e = wait(&p.eq_a);
+    assert_eq!(
+        (e.kind, e.status.clone(), e.bytes),
+        (EventKind::Send, Ok(()), 3000),
+        "{e:?}"
+    );
+    assert!(
+        p.world.live_keys() < keys,
+        "the key outlived the persistent send"
+    );
+    assert_eq!(
+        p.client.end_persistent(),
+        Err(StateError::Persistent(
+            "no persistent send or receive to end on this socket"
+        ))
+    );
+    // A normal message now goes through as usual.
+    let (s, r, got) = p.transfer(&pattern(500, 9), 3000);
+    assert!(s.is_ok() && r.is_ok());
+    assert_bytes_eq(
+        &got,
+        &pattern(500, 9),
+        "the message after the persistent send",
+    );
+}
+
+/// Seed 002, 4.3: "the same exs_rcv will be used to satisfy all subsequent exs_sends", with no completion on
+/// the receiver; the sends complete when written.
+#[test]
+fn a_persistent_receive_takes_every_later_send_in_place() {
+    let p = pair(SockType::SeqPacket);
+    let dst = p.server_region(8192);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    p.world.run_until_idle(10_000);
+    for round in 0..5u64 {
+        let data = pattern(8192, 100 + round);
+        let src = p.client_region(data.clone());
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, round)
+            .unwrap();
+        let e = wait(&p.eq_a);
+        assert!(e.is_ok() && e.bytes == 8192, "{e:?}");
+        assert_bytes_eq(
+            &dst.to_vec().unwrap(),
+            &data,
+            "the persistent receive after a send",
+        );
+    }
+    assert_eq!(p.eq_b.len(), 0, "the receiver gets no completion per send");
+    assert_eq!(p.client.stats().unwrap().message.persistent_writes, 5);
+    // Too big for the persistent receive: refused at once, nothing written.
+    let big = p.client_region(vec![0; 9000]);
+    let e = p
+        .client
+        .send(&p.eq_a, &big.all(), MsgFlags::NONE, 9)
+        .unwrap_err();
+    assert_eq!(
+        e,
+        SendError::State(StateError::OffsetOutOfRange {
+            offset: 0,
+            len: 9000,
+            size: 8192
+        })
+    );
+    // Ending it: the receive completes once the peer confirmed it writes no more.
+    p.server.end_persistent().unwrap();
+    let r = wait(&p.eq_b);
+    assert_eq!(
+        (r.kind, r.status.clone(), r.bytes),
+        (EventKind::Recv, Ok(()), 8192),
+        "{r:?}"
+    );
+}
+
+/// Seed 002, 4.4: `exs_send_offset` writes a subpart of the peer's persistent receive; `exs_recv_offset` reads a
+/// subpart of the peer's persistent send. Out of range is an error, never a wild write.
+#[test]
+fn offsets_move_subparts_of_persistent_memory() {
+    // send_offset into a persistent receive.
+    let p = pair(SockType::SeqPacket);
+    let dst = p.server_region(4096);
+    dst.write(0, &[0xAA; 4096]).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    p.world.run_until_idle(10_000);
+    let src = p.client_region(pattern(100, 5));
+    p.client
+        .send_offset(&p.eq_a, &src.all(), 1000, MsgFlags::NONE, 2)
+        .unwrap();
+    assert!(wait(&p.eq_a).is_ok());
+    let got = dst.to_vec().unwrap();
+    assert_bytes_eq(&got[1000..1100], &pattern(100, 5), "the written subpart");
+    assert!(
+        got[..1000].iter().chain(&got[1100..]).all(|&b| b == 0xAA),
+        "bytes outside the subpart changed"
+    );
+    let e = p
+        .client
+        .send_offset(&p.eq_a, &src.all(), 4000, MsgFlags::NONE, 3)
+        .unwrap_err();
+    assert_eq!(
+        e,
+        SendError::State(StateError::OffsetOutOfRange {
+            offset: 4000,
+            len: 100,
+            size: 4096
+        })
+    );
+    let e = p
+        .client
+        .send_offset(&p.eq_a, &src.all(), u64::MAX - 10, MsgFlags::NONE, 3)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::OffsetOutOfRange { .. })),
+        "{e:?}"
+    );
+
+    // recv_offset from a persistent send.
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(4096, 6));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    let whole = p.server_region(4096);
+    p.server
+        .recv(&p.eq_b, &whole.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    assert!(wait(&p.eq_b).is_ok());
+    let part = p.server_region(256);
+    p.server
+        .recv_offset(&p.eq_b, &part.all(), 3000, MsgFlags::NONE, 2)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 256, "{r:?}");
+    assert_bytes_eq(
+        &part.to_vec().unwrap(),
+        &pattern(4096, 6)[3000..3256],
+        "the read subpart",
+    );
+    let e = p
+        .server
+        .recv_offset(&p.eq_b, &part.all(), 3900, MsgFlags::NONE, 3)
+        .unwrap_err();
+    assert_eq!(
+        e,
+        RecvError::State(StateError::OffsetOutOfRange {
+            offset: 3900,
+            len: 256,
+            size: 4096
+        })
+    );
+}
+
+/// Seed 002, 4.3: "both sides of an EXS socket connection cannot be persistent".
+#[test]
+fn only_one_side_of_a_connection_can_be_persistent() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(100, 1));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    let dst = p.server_region(100);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    assert!(wait(&p.eq_b).is_ok());
+    // The server now knows the client is persistent: it may not be persistent too.
+    let mine = p.server_region(100);
+    let e = p
+        .server
+        .recv(&p.eq_b, &mine.all(), MsgFlags::PERSISTENT, 2)
+        .unwrap_err();
+    assert!(
+        matches!(e, RecvError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+    let e = p
+        .server
+        .send(&p.eq_b, &mine.all(), MsgFlags::PERSISTENT, 3)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+    assert_eq!(
+        std::io::Error::from(e).kind(),
+        std::io::ErrorKind::InvalidInput
+    );
+    // Offsets and persistence exist on message sockets only.
+    let s = pair(SockType::Stream);
+    let b = s.client_region(vec![1; 10]);
+    let e = s
+        .client
+        .send(&s.eq_a, &b.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+    let e = s
+        .client
+        .send_offset(&s.eq_a, &b.all(), 0, MsgFlags::NONE, 1)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+    // NOTIFY without PERSISTENT is meaningless.
+    let e = p
+        .client
+        .send(&p.eq_a, &src.all(), MsgFlags::NOTIFY, 4)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+    // Without a persistent peer, offsets have nothing to address.
+    let q = pair(SockType::SeqPacket);
+    let b = q.client_region(vec![1; 10]);
+    let e = q
+        .client
+        .send_offset(&q.eq_a, &b.all(), 0, MsgFlags::NONE, 1)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+    let e = q
+        .client
+        .recv_offset(&q.eq_a, &b.all(), 0, MsgFlags::NONE, 1)
+        .unwrap_err();
+    assert!(
+        matches!(e, RecvError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+}
+
+/// Closing ends everything persistent: the persistent operations complete (cancelled), keys are revoked, the
+/// peer's waiting receives see end-of-stream.
+#[test]
+fn close_ends_persistent_operations_and_revokes_their_keys() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(2048, 1));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    let dst = p.server_region(2048);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    assert!(wait(&p.eq_b).is_ok());
+    p.client.close().unwrap();
+    let e = wait(&p.eq_a);
+    assert_eq!(e.status, Err(OpError::Cancelled));
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.flags.eof || r.status.is_err(), "{r:?}");
+    p.world.run_until_idle(100_000);
+    assert_eq!(p.world.live_keys(), 0, "keys outlived the connection");
+    assert!(src.deregister().is_ok());
+}
+
+/// A crafted peer that claims persistence while we are persistent breaks seed 002 4.3: a violation.
+#[test]
+fn a_peer_persistent_while_we_are_is_a_violation() {
+    use exs::testing::{handshake, RawPeer};
+    use exs::wire::{Advert, AdvertFlags, Body, Message, WireSockType};
+    let world = World::threaded(SimConfig::default());
+    let ctx = world.host();
+    let eq = EventQueue::new(16);
+    let l = exs::Socket::new(&ctx, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 7000)).unwrap();
+    let addr = l.listen(4).unwrap();
+    l.accept(&eq, 1).unwrap();
+    let mut raw = RawPeer::connect(
+        Box::new(world.raw_host()),
+        addr,
+        &handshake(WireSockType::SeqPacket).encode(),
+    )
+    .unwrap();
+    let mut ev = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
+    let s = ev.accepted.take().unwrap();
+    let buf = MemoryRegion::alloc(&ctx, 4096).unwrap();
+    s.send(&eq, &buf.all(), MsgFlags::PERSISTENT, 2).unwrap();
+    let m = Message::new(Body::Advert(Advert {
+        seq: 0,
+        flags: AdvertFlags(AdvertFlags::PERSISTENT_RECV),
+        len: 4096,
+        addr: 0x1000,
+        rkey: 9,
+    }));
+    raw.send_bytes(&m.to_vec(), None).unwrap();
+    let e = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
+    assert!(
+        matches!(
+            e.status,
+            Err(OpError::PeerMisbehaved(Violation::Persistent(_)))
+        ),
+        "{e:?}"
+    );
+}

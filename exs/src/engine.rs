@@ -24,7 +24,7 @@ use crate::proto::link::{wr_kind, Link, Slots, WrKind};
 use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
 use crate::proto::pool::{PoolStats, RecvPool};
 use crate::proto::stream::StreamSetup;
-use crate::socket::SocketId;
+use crate::socket::{Readiness, SocketId};
 use crate::transport::{
     Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration,
     RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
@@ -103,8 +103,14 @@ struct Sock {
     early: Vec<Completion>,
     /// Why the connection is down, reported to later operations.
     down: Option<OpError>,
-    /// The peer sent CLOSE: receives see end-of-stream.
+    /// The peer sent CLOSE (or shut its sending side down): receives see end-of-stream.
     peer_closed: bool,
+    /// The peer closed the whole connection (not only its sending side).
+    peer_full_close: bool,
+    /// We shut our sending side down.
+    shut_write: bool,
+    /// Pending polls and what each waits for.
+    polls: Vec<(Ticket, Readiness)>,
     /// The application closed the socket; the entry goes away once the connection is gone.
     user_closed: bool,
 }
@@ -124,6 +130,9 @@ impl Sock {
             early: Vec::new(),
             down: None,
             peer_closed: false,
+            peer_full_close: false,
+            shut_write: false,
+            polls: Vec::new(),
             user_closed: false,
         }
     }
@@ -356,6 +365,7 @@ impl Engine {
     fn flush_dirty(&mut self) {
         while let Some(sid) = self.dirty.pop() {
             self.flush(sid);
+            self.check_polls(sid);
         }
     }
 
@@ -539,6 +549,7 @@ impl Engine {
             }
             CloseReason::Close | CloseReason::Violation => {
                 sock.peer_closed = true;
+                sock.peer_full_close = true;
                 let err = if reason == CloseReason::Violation {
                     OpError::PeerMisbehaved(Violation::Unexpected {
                         kind: "CLOSE",
@@ -591,6 +602,7 @@ impl Engine {
             }
         }
         self.disconnect(sid);
+        self.mark(sid);
     }
 
     fn disconnect(&mut self, sid: SocketId) {
@@ -700,6 +712,7 @@ impl Engine {
             self.accept_request(lsid, request, peer, hs, ticket);
         } else if l.backlog.len() < lsock.opts.backlog as usize {
             l.backlog.push_back((request, peer, hs));
+            self.check_polls(lsid);
         } else {
             tracing::debug!(%peer, "backlog full, rejecting");
             self.transport.reject(request);
@@ -852,6 +865,7 @@ impl Engine {
             self.sockets.remove(&sid);
         }
         self.release_early(early);
+        self.check_polls(sid);
     }
 
     // ---------------------------------------------------------------------------------------------------------
@@ -1116,7 +1130,11 @@ impl Engine {
         ticket: &mut Option<Ticket>,
     ) -> R<(), SendError> {
         slice.check(self.ctx_id)?;
-        let ty = self.sock(sid)?.ty;
+        let s = self.sock(sid)?;
+        let ty = s.ty;
+        if s.shut_write {
+            return Err(StateError::Shutdown.into());
+        }
         check_flags(flags, ty, offset.is_some())?;
         let persistent = flags.contains(MsgFlags::PERSISTENT);
         let conn = self.open_conn(sid)?;
@@ -1275,6 +1293,122 @@ impl Engine {
         Ok(())
     }
 
+    /// Shuts the sending side down (half close): after the sends already started, the peer sees end-of-stream;
+    /// receiving goes on. The ticket completes once every earlier send has.
+    pub(crate) fn shutdown_write(
+        &mut self,
+        sid: SocketId,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), StateError> {
+        let s = self.sock(sid)?;
+        if s.shut_write {
+            return Err(StateError::Shutdown);
+        }
+        s.shut_write = true;
+        self.open_conn(sid)?
+            .shutdown_write(ticket.take().expect("ticket given"));
+        self.flush(sid);
+        Ok(())
+    }
+
+    /// Abortive close: pending operations are cancelled and the connection is torn down at once, without the
+    /// orderly CLOSE (the peer sees a reset, as with SO_LINGER 0).
+    pub(crate) fn abort(&mut self, sid: SocketId) -> R<(), CloseError> {
+        let s = self.sock(sid)?;
+        s.user_closed = true;
+        match s.phase {
+            Phase::Open | Phase::Closing | Phase::Connecting | Phase::Accepting => {
+                if let Some(t) = s.ticket.take() {
+                    t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
+                }
+                s.down.get_or_insert(OpError::Cancelled);
+                if let Some(conn) = s.conn.as_mut() {
+                    conn.fail(OpError::Cancelled);
+                }
+                self.disconnect(sid);
+                Ok(())
+            }
+            _ => self.close(sid),
+        }
+    }
+
+    /// What the socket is ready for now (ES-API `exs_poll`).
+    fn readiness(&self, sid: SocketId) -> Readiness {
+        let Some(s) = self.sockets.get(&sid) else {
+            return Readiness {
+                error: true,
+                hangup: true,
+                ..Readiness::default()
+            };
+        };
+        if let Some(l) = &s.listening {
+            return Readiness {
+                readable: !l.backlog.is_empty(),
+                ..Readiness::default()
+            };
+        }
+        let open = s.phase == Phase::Open;
+        let (readable, writable) = match (&s.conn, open) {
+            (Some(c), true) => c.readiness(),
+            // A stream whose peer closed keeps bytes to read.
+            (Some(c), false) if s.peer_closed => (c.readiness().0 || true, false),
+            _ => (false, false),
+        };
+        let error = matches!(
+            &s.down,
+            Some(e) if !matches!(e, OpError::PeerClosed | OpError::Cancelled)
+        );
+        Readiness {
+            readable: readable || s.peer_closed,
+            writable: writable && !s.shut_write,
+            error,
+            hangup: s.peer_closed || matches!(s.phase, Phase::Down | Phase::Disconnecting),
+        }
+    }
+
+    /// Polls readiness: completes at once if the socket is ready for something in `interest` (errors and
+    /// hang-ups always count), else when it becomes so.
+    pub(crate) fn poll(
+        &mut self,
+        sid: SocketId,
+        interest: Readiness,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), StateError> {
+        let s = self.sock(sid)?;
+        if matches!(s.phase, Phase::Fresh) {
+            return Err(StateError::NotConnected);
+        }
+        s.polls
+            .push((ticket.take().expect("ticket given"), interest));
+        self.check_polls(sid);
+        Ok(())
+    }
+
+    fn check_polls(&mut self, sid: SocketId) {
+        if self.sockets.get(&sid).is_none_or(|s| s.polls.is_empty()) {
+            return;
+        }
+        let r = self.readiness(sid);
+        let Some(s) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        let mut keep = Vec::new();
+        for (t, want) in s.polls.drain(..) {
+            let hit = Readiness {
+                readable: r.readable && want.readable,
+                writable: r.writable && want.writable,
+                error: r.error,
+                hangup: r.hangup,
+            };
+            if hit.readable || hit.writable || hit.error || hit.hangup {
+                t.complete_poll(hit);
+            } else {
+                keep.push((t, want));
+            }
+        }
+        s.polls = keep;
+    }
+
     /// Ends this side's persistent send and receive (their events come when the peer has let go).
     pub(crate) fn end_persistent(&mut self, sid: SocketId) -> R<(), StateError> {
         if !self.open_conn(sid)?.end_persistent() {
@@ -1289,6 +1423,9 @@ impl Engine {
     pub(crate) fn close(&mut self, sid: SocketId) -> R<(), CloseError> {
         let s = self.sock(sid)?;
         s.user_closed = true;
+        for (t, _) in s.polls.drain(..) {
+            t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
+        }
         match s.phase {
             Phase::Fresh | Phase::Down => {
                 self.sockets.remove(&sid);
@@ -1320,7 +1457,7 @@ impl Engine {
                 let conn = s.conn.as_mut().expect("open sockets have a connection");
                 // "Closing a socket completes every pending operation with a cancelled status."
                 conn.fail(OpError::Cancelled);
-                if s.peer_closed {
+                if s.peer_full_close {
                     self.disconnect(sid);
                 } else {
                     conn.queue_close(CloseReason::Close);

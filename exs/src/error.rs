@@ -315,6 +315,37 @@ op_error! {
         Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
         Option(OptionError) => |_| Blame::Local, |_| io::ErrorKind::InvalidInput;
         Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
+        /// `sendfile`: the file could not be read.
+        File(FileError) => |_| Blame::Local, |e: &FileError| e.kind;
+        /// `sendfile`: its bounce buffer could not be registered.
+        Memory(MemoryError) => |e: &MemoryError| e.blame(), |_| io::ErrorKind::OutOfMemory;
+    }
+}
+
+/// A file could not be read (`sendfile`).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("reading the file: {message}")]
+pub struct FileError {
+    /// The `std::io::ErrorKind` of the read.
+    pub kind: io::ErrorKind,
+    /// Its message.
+    pub message: String,
+}
+
+impl From<io::Error> for FileError {
+    fn from(e: io::Error) -> Self {
+        FileError {
+            kind: e.kind(),
+            message: e.to_string(),
+        }
+    }
+}
+
+op_error! {
+    /// Why `poll` (exs_poll) was refused at once.
+    PollError {
+        State(StateError) => state_blame, state_kind;
+        Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
     }
 }
 
@@ -359,6 +390,7 @@ op_error! {
     /// Why `close`/`shutdown` (exs_close) failed.
     CloseError {
         State(StateError) => state_blame, state_kind;
+        Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
     }
 }
 

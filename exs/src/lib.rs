@@ -38,8 +38,9 @@ pub use context::{
     Clock, Context, ContextOptions, ManualDriver, Progress, SharedRecv, SystemClock,
 };
 pub use error::{
-    AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, MemoryError, OpError,
-    OptionError, QueueFull, RecvError, SendError, SocketError, StateError, Violation,
+    AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, FileError,
+    MemoryError, OpError, OptionError, PollError, QueueFull, RecvError, SendError, SocketError,
+    StateError, Violation,
 };
 pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
 pub use memory::{MemoryRegion, Slice};

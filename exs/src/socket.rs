@@ -24,11 +24,11 @@ use std::sync::Arc;
 
 use crate::context::Context;
 use crate::error::{
-    AcceptError, CloseError, ConnectError, OptionError, RecvError, SendError, SocketError,
-    StateError,
+    AcceptError, CloseError, ConnectError, FileError, OptionError, PollError, RecvError, SendError,
+    SocketError, StateError,
 };
 use crate::event::{EventKind, EventQueue, Ticket};
-use crate::memory::Slice;
+use crate::memory::{MemoryRegion, Slice};
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 
 /// A socket's number within its context (what an ES-API file descriptor is).
@@ -222,6 +222,65 @@ impl Socket {
     ) -> Result<(), RecvError> {
         self.start(eq, EventKind::Recv, context, |e, id, t| {
             e.recv(id, buf, flags, Some(offset), t)
+        })
+    }
+
+    /// Shuts the sending side down (`shutdown(SHUT_WR)`): after the sends already started, the peer's receives see
+    /// end-of-stream; this side keeps receiving. Completes (event `Shutdown`) once every earlier send has. A graceful
+    /// close that drains is this, then [`Socket::close`] after the event.
+    pub fn shutdown(&self, eq: &EventQueue, context: u64) -> Result<(), CloseError> {
+        self.start(eq, EventKind::Shutdown, context, |e, id, t| {
+            e.shutdown_write(id, t).map_err(CloseError::from)
+        })
+    }
+
+    /// Abortive close: pending operations complete as cancelled and the connection is torn down at once, without
+    /// the orderly close (the peer sees the connection reset, as with `SO_LINGER` 0).
+    pub fn abort(&self) -> Result<(), CloseError> {
+        if self.h.closed.swap(true, Ordering::SeqCst) {
+            return Err(StateError::InvalidSocket.into());
+        }
+        let r = self.engine(|e, id| e.abort(id));
+        self.h.ctx.shared().kick();
+        r
+    }
+
+    /// Readiness (ES-API `exs_poll`): completes with an event of kind `Poll` whose `readiness` says what the
+    /// socket is ready for, at once if it already is for something in `interest`, else when it becomes so.
+    /// Errors and hang-ups are always reported. Post one on each of many sockets with one queue to wait for
+    /// whichever is ready first.
+    pub fn poll(
+        &self,
+        eq: &EventQueue,
+        interest: Readiness,
+        context: u64,
+    ) -> Result<(), PollError> {
+        self.start(eq, EventKind::Poll, context, |e, id, t| {
+            e.poll(id, interest, t).map_err(PollError::from)
+        })
+    }
+
+    /// Sends `len` bytes of `file` from `offset` (ES-API `exs_sendfile`), completing with an event of kind
+    /// `SendFile`. The bytes are read into registered memory of this socket's context first (no mapping of the
+    /// file), so the file may change afterwards without affecting what is sent.
+    pub fn sendfile(
+        &self,
+        eq: &EventQueue,
+        file: &std::fs::File,
+        offset: u64,
+        len: usize,
+        context: u64,
+    ) -> Result<(), SendError> {
+        use std::os::unix::fs::FileExt;
+        let region = MemoryRegion::alloc(&self.h.ctx, len.max(1)).map_err(SendError::from)?;
+        let mut data = vec![0u8; len];
+        file.read_exact_at(&mut data, offset)
+            .map_err(|e| SendError::File(FileError::from(e)))?;
+        region.write(0, &data).map_err(SendError::from)?;
+        let slice = region.slice(..len);
+        // The send's lease keeps the memory registered and alive after `region` goes out of scope.
+        self.start(eq, EventKind::SendFile, context, |e, id, t| {
+            e.send(id, &slice, MsgFlags::NONE, None, t)
         })
     }
 

@@ -75,6 +75,8 @@ pub(crate) struct Conn {
     /// Stream mode: our intermediate stream buffer, exposed for the peer to write (held for the connection's life).
     pub stream_setup: Option<StreamSetup>,
     pub close_queued: bool,
+    /// A write shutdown: its ticket, and whether its CLOSE(ShutdownWrite) is queued.
+    shutdown: Option<(crate::event::Ticket, bool)>,
 }
 
 impl Conn {
@@ -95,6 +97,7 @@ impl Conn {
             limits,
             stream_setup,
             close_queued: false,
+            shutdown: None,
         }
     }
 
@@ -227,6 +230,7 @@ impl Conn {
     /// Posts what can go now. Returns true when an acknowledgment is being delayed (the engine arms the
     /// acknowledgment timer, which calls [`Conn::force_ack`]).
     pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) -> Result<bool, Violation> {
+        self.advance_shutdown();
         match &mut self.mode {
             Some(Mode::Message(m)) => {
                 if m.ack_due() && m.ack_now() {
@@ -244,6 +248,43 @@ impl Conn {
                 self.link.flush(out, &mut ());
                 Ok(false)
             }
+        }
+    }
+
+    /// Shuts the write direction down once every send before it has left (seed: the peer sees end-of-stream
+    /// after the last byte); `ticket` completes when every send has completed.
+    pub(crate) fn shutdown_write(&mut self, ticket: crate::event::Ticket) {
+        self.shutdown = Some((ticket, false));
+        self.advance_shutdown();
+    }
+
+    fn advance_shutdown(&mut self) {
+        let Some((_, queued)) = &self.shutdown else {
+            return;
+        };
+        let (posted, done) = match &self.mode {
+            Some(Mode::Message(m)) => (m.sends_posted(), m.sends_done()),
+            Some(Mode::Stream(s)) => (s.sends_posted(), s.sends_done()),
+            None => return,
+        };
+        if !queued && posted {
+            // After every advert and write already queued on the link, in order.
+            self.link
+                .push_ctrl(Body::Close(CloseReason::ShutdownWrite), None, None);
+            self.shutdown.as_mut().expect("checked").1 = true;
+        }
+        if self.shutdown.as_ref().is_some_and(|s| s.1) && done {
+            let (t, _) = self.shutdown.take().expect("checked");
+            t.complete(Ok(()), 0, crate::event::EventFlags::default());
+        }
+    }
+
+    /// Readiness for poll: (readable, writable).
+    pub(crate) fn readiness(&self) -> (bool, bool) {
+        match &self.mode {
+            Some(Mode::Message(m)) => (m.readable(), m.writable()),
+            Some(Mode::Stream(s)) => (s.readable(), s.writable()),
+            None => (false, false),
         }
     }
 
@@ -440,6 +481,9 @@ impl Conn {
 
     /// Fails every operation (some complete once the transport returns their memory).
     pub(crate) fn fail(&mut self, err: OpError) {
+        if let Some((t, _)) = self.shutdown.take() {
+            t.complete(Err(err.clone()), 0, crate::event::EventFlags::default());
+        }
         match &mut self.mode {
             Some(Mode::Message(m)) => m.fail(err),
             Some(Mode::Stream(s)) => s.fail(err),
@@ -459,7 +503,7 @@ impl Conn {
     /// The peer closed (CLOSE received).
     pub(crate) fn on_peer_close(&mut self, reason: CloseReason) {
         match &mut self.mode {
-            Some(Mode::Message(m)) => m.on_peer_close(),
+            Some(Mode::Message(m)) => m.on_peer_close(reason),
             Some(Mode::Stream(s)) => s.on_peer_close(reason),
             None => {}
         }

@@ -278,19 +278,24 @@ impl MessageProto {
         Ok(())
     }
 
-    /// Advert credits available now.
-    pub(crate) fn credits(&self) -> u32 {
-        self.credits
+    /// A receive would complete at once: an advert is waiting, or the peer shut its side down.
+    pub(crate) fn readable(&self) -> bool {
+        !self.adverts.is_empty() || self.peer_closed
     }
 
-    /// Sends queued or outstanding.
-    pub(crate) fn sends_pending(&self) -> usize {
-        self.queue.len() + self.unacked.len()
+    /// A send would start at once: an advert credit, or the peer's persistent receive.
+    pub(crate) fn writable(&self) -> bool {
+        self.credits > 0 || self.writes_to_peer()
     }
 
-    /// Receives not yet completed.
-    pub(crate) fn recvs_pending(&self) -> usize {
-        self.recvs.len() + self.transfers.len()
+    /// Every send has been handed to the link (none waits for a credit).
+    pub(crate) fn sends_posted(&self) -> bool {
+        self.queue.is_empty()
+    }
+
+    /// Every send has completed (non-persistent ones; a persistent send lasts until ended).
+    pub(crate) fn sends_done(&self) -> bool {
+        self.unacked.iter().all(|o| o.persistent.is_some()) && self.writes.is_empty()
     }
 
     /// Adverts received and waiting for a receive (readiness for poll).
@@ -1091,8 +1096,24 @@ impl MessageProto {
 
     /// The peer closed: its unread adverts are gone, our receives end with end-of-stream (including those
     /// whose read is still in flight: the sender cancelled that message), our sends fail.
-    pub(crate) fn on_peer_close(&mut self) {
+    pub(crate) fn on_peer_close(&mut self, reason: crate::wire::CloseReason) {
         self.peer_closed = true;
+        if reason == crate::wire::CloseReason::ShutdownWrite {
+            // Half close: every advert the peer sent came before; they are still read (the peer waits for
+            // that), and receives beyond them see end-of-stream. Our sends go on.
+            let waiting = self.recvs.len().saturating_sub(self.adverts.len());
+            for r in self.recvs.drain(self.recvs.len() - waiting..) {
+                r.ticket.complete(
+                    Ok(()),
+                    0,
+                    EventFlags {
+                        eof: true,
+                        ..Default::default()
+                    },
+                );
+            }
+            return;
+        }
         self.adverts.clear();
         for r in self.recvs.drain(..) {
             r.ticket.complete(

@@ -210,7 +210,6 @@ struct Tx {
     consumed: u64,
     next_id: u32,
     next_tag: u32,
-    shut: bool,
 }
 
 /// Stream-mode state of one connection. See the module documentation.
@@ -278,7 +277,6 @@ impl StreamProto {
                 consumed: 0,
                 next_id: 0,
                 next_tag: 0,
-                shut: false,
             },
             max_chunk: (limits.max_message.min(u64::from(Imm::MAX_LEN))) as usize,
             max_sge: 4,
@@ -309,6 +307,21 @@ impl StreamProto {
     /// Whether a receive would find data (or end-of-stream) at once.
     pub(crate) fn readable(&self) -> bool {
         self.rx.tail > self.rx.head || self.rx.eof
+    }
+
+    /// A send would move bytes at once: room in the peer's stream buffer, or an advertised receive.
+    pub(crate) fn writable(&self) -> bool {
+        self.tx.ring_len > self.tx.tail - self.tx.consumed || !self.tx.adverts.is_empty()
+    }
+
+    /// Every send has been handed to the link (nothing waits for space or an advert).
+    pub(crate) fn sends_posted(&self) -> bool {
+        self.tx.sends.iter().all(|s| s.rest.is_none())
+    }
+
+    /// Every send has completed.
+    pub(crate) fn sends_done(&self) -> bool {
+        self.tx.sends.is_empty()
     }
 
     // -----------------------------------------------------------------------------------------------------------
@@ -377,9 +390,6 @@ impl StreamProto {
 
     /// Sends what advertisements and stream-buffer space allow.
     pub(crate) fn pump(&mut self, link: &mut Link) -> Result<(), Violation> {
-        if self.tx.shut {
-            return Ok(());
-        }
         loop {
             let Some(first) = self.tx.sends.iter().position(|s| s.rest.is_some()) else {
                 return Ok(());
@@ -800,11 +810,6 @@ impl StreamProto {
         if reason != CloseReason::ShutdownWrite {
             self.fail_sends(OpError::PeerClosed);
         }
-    }
-
-    /// Our side will send no more (shutdown of the write direction).
-    pub(crate) fn shutdown_write(&mut self) {
-        self.tx.shut = true;
     }
 
     fn fail_sends(&mut self, err: OpError) {

@@ -1,0 +1,228 @@
+//! The rest of the ES-API: shutdown (half close), graceful and abortive close, poll, sendfile, on the simulated
+//! fabric.
+
+mod common;
+
+use std::io::Write;
+
+use common::*;
+use exs::{
+    EventKind, EventQueue, MsgFlags, OpError, Readiness, SendError, SockType, Socket, StateError,
+};
+
+fn recv_one(p: &Pair, cap: usize, flags: MsgFlags) -> (exs::Event, Vec<u8>) {
+    let dst = p.server_region(cap);
+    p.server.recv(&p.eq_b, &dst.all(), flags, 0).unwrap();
+    let r = wait(&p.eq_b);
+    let got = dst.to_vec().unwrap()[..r.bytes].to_vec();
+    (r, got)
+}
+
+/// Half close: the peer reads everything sent before, then end-of-stream; the other direction keeps working.
+#[test]
+fn shutdown_write_gives_the_peer_end_of_stream_after_the_data_and_keeps_the_other_direction() {
+    for ty in [SockType::SeqPacket, SockType::Stream] {
+        let p = pair(ty);
+        let msgs: Vec<Vec<u8>> = (0..3).map(|i| pattern(700 * (i + 1), i as u64)).collect();
+        let srcs: Vec<_> = msgs.iter().map(|m| p.client_region(m.clone())).collect();
+        for (i, s) in srcs.iter().enumerate() {
+            p.client
+                .send(&p.eq_a, &s.all(), MsgFlags::NONE, i as u64)
+                .unwrap();
+        }
+        p.client.shutdown(&p.eq_a, 9).unwrap();
+        let e = p
+            .client
+            .send(&p.eq_a, &srcs[0].all(), MsgFlags::NONE, 10)
+            .unwrap_err();
+        assert_eq!(e, SendError::State(StateError::Shutdown), "{ty:?}");
+        let mut got = Vec::new();
+        loop {
+            let (r, bytes) = recv_one(&p, 4096, MsgFlags::NONE);
+            assert!(r.is_ok(), "{ty:?}: {r:?}");
+            if r.flags.eof {
+                break;
+            }
+            got.extend(bytes);
+        }
+        assert_bytes_eq(&got, &msgs.concat(), "data before the shutdown");
+        // The shutdown completes after every send before it, in order.
+        let evs = p
+            .eq_a
+            .wait_all(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        assert_eq!(
+            evs.iter().map(|e| e.kind).collect::<Vec<_>>(),
+            [
+                EventKind::Send,
+                EventKind::Send,
+                EventKind::Send,
+                EventKind::Shutdown
+            ]
+        );
+        assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
+        // The server still sends to the client.
+        let back = p.server_region(100);
+        back.write(0, &pattern(100, 77)).unwrap();
+        let dst = p.client_region(vec![0; 100]);
+        p.client
+            .recv(&p.eq_a, &dst.all(), MsgFlags::WAITALL, 1)
+            .unwrap();
+        p.server
+            .send(&p.eq_b, &back.all(), MsgFlags::NONE, 2)
+            .unwrap();
+        let r = wait(&p.eq_a);
+        assert!(r.is_ok() && r.bytes == 100, "{ty:?}: {r:?}");
+        assert_bytes_eq(
+            &dst.to_vec().unwrap(),
+            &pattern(100, 77),
+            "reply after the half close",
+        );
+        assert!(wait(&p.eq_b).is_ok());
+    }
+}
+
+/// Graceful close that drains: shutdown, wait for it (every send done), then close; the peer has everything
+/// and then end-of-stream.
+#[test]
+fn graceful_close_drains_before_closing() {
+    let p = pair(SockType::Stream);
+    let data = pattern(3 << 20, 5);
+    let src = p.client_region(data.clone());
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    p.client.shutdown(&p.eq_a, 2).unwrap();
+    let dst = p.server_region(3 << 20);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 3)
+        .unwrap();
+    let evs = p
+        .eq_a
+        .wait_all(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
+    p.client.close().unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 3 << 20, "{r:?}");
+    assert_bytes_eq(&dst.to_vec().unwrap(), &data, "drained data");
+    let (r, _) = recv_one(&p, 10, MsgFlags::NONE);
+    assert!(r.flags.eof, "{r:?}");
+}
+
+/// Abortive close: our pending operations are cancelled at once; the peer sees a reset, not end-of-stream.
+#[test]
+fn abort_cancels_at_once_and_the_peer_sees_a_reset() {
+    let p = pair(SockType::SeqPacket);
+    let buf = p.client_region(vec![0; 100]);
+    p.client
+        .recv(&p.eq_a, &buf.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    let dst = p.server_region(100);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    p.client.abort().unwrap();
+    assert_eq!(wait(&p.eq_a).status, Err(OpError::Cancelled));
+    let r = wait(&p.eq_b);
+    assert_eq!(r.status, Err(OpError::ConnectionReset), "{r:?}");
+    assert!(p.client.abort().is_err(), "abort twice");
+}
+
+/// exs_poll: readable, writable, hang-up, error, on connections and on a listener, many sockets on one queue.
+#[test]
+fn poll_reports_readiness_of_many_sockets_on_one_queue() {
+    let p = pair(SockType::SeqPacket);
+    let q = pair(SockType::Stream);
+    let eq = EventQueue::new(16);
+    let read = Readiness {
+        readable: true,
+        ..Readiness::default()
+    };
+    let write = Readiness {
+        writable: true,
+        ..Readiness::default()
+    };
+    // Writable at once (credits / stream-buffer space).
+    p.client.poll(&eq, write, 1).unwrap();
+    q.client.poll(&eq, write, 2).unwrap();
+    let a = wait(&eq);
+    let b = wait(&eq);
+    assert!(a.readiness.writable && b.readiness.writable && a.kind == EventKind::Poll);
+    // Readable only once something arrives.
+    p.server.poll(&eq, read, 3).unwrap();
+    q.server.poll(&eq, read, 4).unwrap();
+    p.world.run_until_idle(10_000);
+    q.world.run_until_idle(10_000);
+    assert_eq!(eq.len(), 0, "nothing is readable yet");
+    let src = q.client_region(vec![1; 10]);
+    q.client
+        .send(&q.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    let e = wait(&eq);
+    assert_eq!((e.context, e.readiness.readable), (4, true), "{e:?}");
+    // The peer closing is a hang-up.
+    p.client.close().unwrap();
+    let e = wait(&eq);
+    assert_eq!(e.context, 3);
+    assert!(e.readiness.hangup && e.readiness.readable, "{e:?}");
+    // A listener is readable when a connection waits to be accepted.
+    let l2 = Socket::new(&p.b, SockType::SeqPacket).unwrap();
+    l2.bind(p.world.addr(1, 7100)).unwrap();
+    let addr = l2.listen(4).unwrap();
+    l2.poll(&eq, read, 5).unwrap();
+    let c = Socket::new(&p.a, SockType::SeqPacket).unwrap();
+    let ceq = EventQueue::new(4);
+    c.connect(addr, &ceq, 0).unwrap();
+    let e = wait(&eq);
+    assert_eq!((e.context, e.readiness.readable), (5, true), "{e:?}");
+    // Closing a socket cancels its pending polls.
+    q.server
+        .poll(
+            &eq,
+            Readiness {
+                writable: false,
+                readable: false,
+                ..Readiness::default()
+            },
+            6,
+        )
+        .unwrap();
+    q.server.close().unwrap();
+    assert_eq!(wait(&eq).status, Err(OpError::Cancelled));
+}
+
+/// exs_sendfile: a range of a file arrives intact, with a SendFile event.
+#[test]
+fn sendfile_sends_a_range_of_a_file() {
+    let data = pattern(200_000, 11);
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(&data).unwrap();
+    for ty in [SockType::SeqPacket, SockType::Stream] {
+        let p = pair(ty);
+        p.client.sendfile(&p.eq_a, &f, 1000, 150_000, 42).unwrap();
+        let dst = p.server_region(150_000);
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 1)
+            .unwrap();
+        let e = wait(&p.eq_a);
+        assert_eq!(
+            (e.kind, e.context, e.bytes),
+            (EventKind::SendFile, 42, 150_000),
+            "{e:?}"
+        );
+        let r = wait(&p.eq_b);
+        assert!(r.is_ok() && r.bytes == 150_000);
+        assert_bytes_eq(&dst.to_vec().unwrap(), &data[1000..151_000], "file range");
+        // Beyond the end of the file: refused at once.
+        let e = p
+            .client
+            .sendfile(&p.eq_a, &f, 190_000, 20_000, 43)
+            .unwrap_err();
+        assert!(matches!(e, SendError::File(_)), "{e:?}");
+        assert_eq!(
+            std::io::Error::from(e).kind(),
+            std::io::ErrorKind::UnexpectedEof
+        );
+    }
+}

@@ -89,6 +89,7 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::stream::cases());
     v.extend(cases::process::cases());
     v.extend(cases::scale::cases());
+    v.extend(cases::extensions::cases());
     v.extend(cases::hostile::cases());
     v
 }

@@ -1,5 +1,6 @@
 //! The tests, by topic.
 
+pub mod extensions;
 pub mod hostile;
 pub mod message;
 pub mod process;

@@ -1,0 +1,350 @@
+//! The UNH-EXS extensions and the rest of the ES-API, end to end: persistent sends and receives, offsets,
+//! shutdown, abortive close, poll, sendfile.
+
+use std::io::Write;
+use std::time::Duration;
+
+use exs::{EventKind, EventQueue, MsgFlags, OpError, Readiness, SendError, SockType, StateError};
+
+use crate::util::*;
+use crate::{ensure, Backend, Case, Requires};
+
+pub fn cases() -> Vec<Case> {
+    let c = |name, run| Case {
+        name,
+        run,
+        requires: Requires::Nothing,
+    };
+    vec![
+        c("persistent_send_read_repeatedly", persistent_send),
+        c("persistent_send_with_read_notifications", persistent_notify),
+        c("persistent_receive_overwritten_in_place", persistent_recv),
+        c("offsets_into_persistent_memory", offsets),
+        c("shutdown_write_then_end_of_stream", shutdown),
+        c("abortive_close_resets_the_peer", abort),
+        c("poll_readiness", poll),
+        c("sendfile_range", sendfile),
+    ]
+}
+
+fn e<E: std::fmt::Display>(x: E) -> String {
+    x.to_string()
+}
+
+fn persistent_send(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let src = p.region_a(pattern(64 << 10, 1))?;
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
+        .map_err(e)?;
+    let dst = p.region_b(64 << 10)?;
+    for round in 1..8u64 {
+        if round > 1 {
+            src.write(0, &pattern(64 << 10, round)).map_err(e)?;
+        }
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, round)
+            .map_err(e)?;
+        let r = next(&p.eq_b)?;
+        ensure!(r.is_ok() && r.bytes == 64 << 10, "read {round}: {r:?}");
+        same(
+            &dst.to_vec().map_err(e)?,
+            &pattern(64 << 10, round),
+            "persistent memory as read",
+        )?;
+    }
+    ensure!(p.eq_a.is_empty(), "the persistent send completed per read");
+    p.client.end_persistent().map_err(e)?;
+    let s = next(&p.eq_a)?;
+    ensure!(
+        s.kind == EventKind::Send && s.is_ok(),
+        "end of the persistent send: {s:?}"
+    );
+    Ok(())
+}
+
+fn persistent_notify(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let src = p.region_a(pattern(4096, 2))?;
+    p.client
+        .send(
+            &p.eq_a,
+            &src.all(),
+            MsgFlags::PERSISTENT | MsgFlags::NOTIFY,
+            5,
+        )
+        .map_err(e)?;
+    let dst = p.region_b(4096)?;
+    for i in 0..4 {
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, i)
+            .map_err(e)?;
+        ensure!(next(&p.eq_b)?.is_ok(), "read {i}");
+        let n = next(&p.eq_a)?;
+        ensure!(
+            n.kind == EventKind::ReadNotify && n.context == 5 && n.bytes == 1,
+            "notification {i}: {n:?}"
+        );
+    }
+    Ok(())
+}
+
+fn persistent_recv(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let dst = p.region_b(32 << 10)?;
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::PERSISTENT, 1)
+        .map_err(e)?;
+    // The client learns of the persistent receive asynchronously: its sends become writes once it has.
+    let probe = p.region_a(vec![0; 1])?;
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        match p
+            .client
+            .send_offset(&p.eq_a, &probe.all(), 0, MsgFlags::NONE, 0)
+        {
+            Ok(()) => break,
+            Err(SendError::State(StateError::Persistent(_))) => {
+                ensure!(
+                    std::time::Instant::now() < deadline,
+                    "the persistent receive never arrived"
+                );
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(x) => return Err(x.to_string()),
+        }
+    }
+    ensure!(next(&p.eq_a)?.is_ok(), "probe write");
+    for round in 0..4u64 {
+        let data = pattern(32 << 10, 10 + round);
+        let src = p.region_a(data.clone())?;
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, round)
+            .map_err(e)?;
+        let s = next(&p.eq_a)?;
+        ensure!(
+            s.is_ok() && s.bytes == 32 << 10,
+            "send {round} into the persistent receive: {s:?}"
+        );
+        same(
+            &dst.to_vec().map_err(e)?,
+            &data,
+            "persistent receive after a send",
+        )?;
+    }
+    ensure!(
+        p.eq_b.is_empty(),
+        "the persistent receive completed per send"
+    );
+    p.server.end_persistent().map_err(e)?;
+    let r = next(&p.eq_b)?;
+    ensure!(
+        r.kind == EventKind::Recv && r.is_ok(),
+        "end of the persistent receive: {r:?}"
+    );
+    Ok(())
+}
+
+fn offsets(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let src = p.region_a(pattern(1 << 20, 3))?;
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
+        .map_err(e)?;
+    let first = p.region_b(16)?;
+    p.server
+        .recv(&p.eq_b, &first.all(), MsgFlags::NONE, 1)
+        .map_err(e)?;
+    ensure!(next(&p.eq_b)?.is_ok(), "first read");
+    let part = p.region_b(4096)?;
+    for off in [0u64, 12_345, (1 << 20) - 4096] {
+        p.server
+            .recv_offset(&p.eq_b, &part.all(), off, MsgFlags::NONE, off)
+            .map_err(e)?;
+        let r = next(&p.eq_b)?;
+        ensure!(r.is_ok() && r.bytes == 4096, "recv_offset {off}: {r:?}");
+        let o = off as usize;
+        same(
+            &part.to_vec().map_err(e)?,
+            &pattern(1 << 20, 3)[o..o + 4096],
+            "subpart",
+        )?;
+    }
+    let bad = p
+        .server
+        .recv_offset(&p.eq_b, &part.all(), (1 << 20) - 100, MsgFlags::NONE, 9);
+    ensure!(
+        matches!(
+            bad,
+            Err(exs::RecvError::State(StateError::OffsetOutOfRange { .. }))
+        ),
+        "out of range: {bad:?}"
+    );
+    Ok(())
+}
+
+fn shutdown(b: &dyn Backend) -> Result<(), String> {
+    for ty in [SockType::SeqPacket, SockType::Stream] {
+        let net = b.net();
+        let p = pair(&*net, ty, &[])?;
+        let data = pattern(300_000, 4);
+        let src = p.region_a(data.clone())?;
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+            .map_err(e)?;
+        p.client.shutdown(&p.eq_a, 2).map_err(e)?;
+        let dst = p.region_b(300_000)?;
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 1)
+            .map_err(e)?;
+        let r = next(&p.eq_b)?;
+        ensure!(
+            r.is_ok() && r.bytes == 300_000,
+            "{ty:?}: data before the shutdown: {r:?}"
+        );
+        same(&dst.to_vec().map_err(e)?, &data, "data before the shutdown")?;
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+            .map_err(e)?;
+        let r = next(&p.eq_b)?;
+        ensure!(
+            r.is_ok() && r.flags.eof,
+            "{ty:?}: end-of-stream after the shutdown: {r:?}"
+        );
+        let evs = all(&p.eq_a)?;
+        ensure!(
+            evs.len() == 2 && evs.iter().all(|x| x.is_ok()) && evs[1].kind == EventKind::Shutdown,
+            "{ty:?}: {evs:?}"
+        );
+        // The other direction still works.
+        let back = p.region_b(1000)?;
+        let got = p.region_a(vec![0; 1000])?;
+        p.client
+            .recv(&p.eq_a, &got.all(), MsgFlags::WAITALL, 3)
+            .map_err(e)?;
+        p.server
+            .send(&p.eq_b, &back.all(), MsgFlags::NONE, 4)
+            .map_err(e)?;
+        let r = next(&p.eq_a)?;
+        ensure!(
+            r.is_ok() && r.bytes == 1000,
+            "{ty:?}: reply after the half close: {r:?}"
+        );
+    }
+    Ok(())
+}
+
+fn abort(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let dst = p.region_b(100)?;
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .map_err(e)?;
+    let mine = p.region_a(vec![0; 100])?;
+    p.client
+        .recv(&p.eq_a, &mine.all(), MsgFlags::NONE, 2)
+        .map_err(e)?;
+    p.client.abort().map_err(e)?;
+    let a = next(&p.eq_a)?;
+    ensure!(
+        a.status == Err(OpError::Cancelled),
+        "our pending receive after abort: {a:?}"
+    );
+    let r = next(&p.eq_b)?;
+    ensure!(
+        r.status.is_err() && !r.flags.eof,
+        "the peer's pending receive after our abort: {r:?}"
+    );
+    Ok(())
+}
+
+fn poll(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, &[])?;
+    let eq = EventQueue::new(8);
+    p.client
+        .poll(
+            &eq,
+            Readiness {
+                writable: true,
+                ..Readiness::default()
+            },
+            1,
+        )
+        .map_err(e)?;
+    let w = next(&eq)?;
+    ensure!(
+        w.kind == EventKind::Poll && w.readiness.writable,
+        "writable: {w:?}"
+    );
+    p.server
+        .poll(
+            &eq,
+            Readiness {
+                readable: true,
+                ..Readiness::default()
+            },
+            2,
+        )
+        .map_err(e)?;
+    std::thread::sleep(Duration::from_millis(20));
+    ensure!(eq.is_empty(), "readable before any data");
+    let src = p.region_a(vec![7; 64])?;
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 3)
+        .map_err(e)?;
+    let r = next(&eq)?;
+    ensure!(
+        r.context == 2 && r.readiness.readable,
+        "readable after data: {r:?}"
+    );
+    p.server
+        .poll(
+            &eq,
+            Readiness {
+                readable: false,
+                ..Readiness::default()
+            },
+            4,
+        )
+        .map_err(e)?;
+    p.client.close().map_err(e)?;
+    let h = next(&eq)?;
+    ensure!(
+        h.context == 4 && h.readiness.hangup,
+        "hang-up after the peer closed: {h:?}"
+    );
+    Ok(())
+}
+
+fn sendfile(b: &dyn Backend) -> Result<(), String> {
+    let data = pattern(1 << 20, 6);
+    let mut f = tempfile::tempfile().map_err(e)?;
+    f.write_all(&data).map_err(e)?;
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, &[])?;
+    p.client
+        .sendfile(&p.eq_a, &f, 4096, 900_000, 7)
+        .map_err(e)?;
+    let dst = p.region_b(900_000)?;
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 1)
+        .map_err(e)?;
+    let s = next(&p.eq_a)?;
+    ensure!(
+        s.kind == EventKind::SendFile && s.is_ok() && s.bytes == 900_000,
+        "{s:?}"
+    );
+    let r = next(&p.eq_b)?;
+    ensure!(r.is_ok() && r.bytes == 900_000, "{r:?}");
+    same(
+        &dst.to_vec().map_err(e)?,
+        &data[4096..904_096],
+        "file range",
+    )
+}

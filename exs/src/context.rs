@@ -155,6 +155,20 @@ pub(crate) struct Shared {
     driver: Option<Arc<dyn Driver>>,
 }
 
+impl crate::event::Poller for Shared {
+    fn poll_progress(&self) -> bool {
+        // Never wait for the progress thread: if it holds the engine, it is making the progress.
+        let Ok(mut e) = self.engine.try_lock() else {
+            return false;
+        };
+        let mut any = false;
+        while e.progress() {
+            any = true;
+        }
+        any
+    }
+}
+
 impl Shared {
     pub(crate) fn lock(&self) -> MutexGuard<'_, Engine> {
         self.engine.lock().unwrap_or_else(|p| p.into_inner())
@@ -297,8 +311,12 @@ impl Context {
 
     /// Lets `eq` drive this context when it waits (manual progress only).
     pub(crate) fn attach(&self, eq: &EventQueue) {
-        if let Some(d) = &self.inner.shared.driver {
-            eq.add_driver(d);
+        match &self.inner.shared.driver {
+            Some(d) => eq.add_driver(d),
+            None => {
+                let p: Arc<dyn crate::event::Poller> = self.inner.shared.clone();
+                eq.add_poller(&p);
+            }
         }
     }
 }

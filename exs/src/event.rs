@@ -141,6 +141,13 @@ pub(crate) trait Driver: Send + Sync {
     fn drive(&self) -> bool;
 }
 
+/// A context the application thread may drive itself while it busy-polls (kernel-bypass style: the thread that
+/// waits polls the completion queue, no hand-off to the progress thread).
+pub(crate) trait Poller: Send + Sync {
+    /// Makes whatever progress is possible without blocking; false if nothing happened (or the context was busy).
+    fn poll_progress(&self) -> bool;
+}
+
 pub(crate) struct EqInner {
     state: Mutex<EqState>,
     cond: Condvar,
@@ -157,6 +164,8 @@ struct EqState {
     stats: QueueStats,
     /// Manual-progress drivers of the contexts whose operations report here.
     drivers: Vec<Weak<dyn Driver>>,
+    /// Threaded contexts whose operations report here (driven directly by a busy-polling dequeue).
+    pollers: Vec<Weak<dyn Poller>>,
 }
 
 /// An event queue (ES-API `exs_qcreate`). Cheap to clone (a handle); usable from several threads.
@@ -195,6 +204,7 @@ impl EventQueue {
                     mode,
                     stats: QueueStats::default(),
                     drivers: Vec::new(),
+                    pollers: Vec::new(),
                 }),
                 cond: Condvar::new(),
                 depth,
@@ -310,7 +320,9 @@ impl EventQueue {
         // The alternative embodiment: poll `spin` more times before blocking.
         let mut spins = 0;
         while got < min && spins < spin {
-            std::hint::spin_loop();
+            if !self.poll_contexts() {
+                std::hint::spin_loop();
+            }
             got += self.poll(out, max - got);
             spins += 1;
         }
@@ -372,7 +384,7 @@ impl EventQueue {
                         return self.stalled(min - got);
                     }
                 }
-            } else {
+            } else if !self.poll_contexts() {
                 std::hint::spin_loop();
             }
             got += self.poll(out, max - got);
@@ -494,6 +506,29 @@ impl EventQueue {
             context,
             socket,
         })
+    }
+
+    /// Busy polling: drives the threaded contexts reporting here from this thread. True if any progressed.
+    fn poll_contexts(&self) -> bool {
+        let pollers: Vec<Arc<dyn Poller>> = {
+            let mut s = self.inner.lock();
+            s.pollers.retain(|w| w.strong_count() > 0);
+            s.pollers.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut any = false;
+        for p in pollers {
+            any |= p.poll_progress();
+        }
+        any
+    }
+
+    /// Registers a threaded context that a busy-polling dequeue drives itself.
+    pub(crate) fn add_poller(&self, poller: &Arc<dyn Poller>) {
+        let mut s = self.inner.lock();
+        let weak = Arc::downgrade(poller);
+        if !s.pollers.iter().any(|w| w.ptr_eq(&weak)) {
+            s.pollers.push(weak);
+        }
     }
 
     /// Registers a manual-progress driver (simulated fabric) with this queue.

@@ -59,6 +59,12 @@ pub struct InitError {
     pub requested: u32,
 }
 
+impl From<InitError> for std::io::Error {
+    fn from(e: InitError) -> std::io::Error {
+        std::io::Error::new(std::io::ErrorKind::Unsupported, e)
+    }
+}
+
 /// Checks that the caller speaks our ES-API version (ES-API `exs_init(EXS_VERSION)`).
 ///
 /// Devices are opened by the backends; [`Context::new`] then wraps one.

@@ -366,4 +366,22 @@ fn dequeue_arguments_are_checked() {
 fn wrong_es_api_version_is_refused() {
     assert!(exs::init(exs::EXS_VERSION).is_ok());
     assert_eq!(exs::init(99).unwrap_err().requested, 99);
+    assert_eq!(
+        io_kind(exs::init(99).unwrap_err()),
+        io::ErrorKind::Unsupported
+    );
+}
+
+/// A stream has no message boundaries, so a zero-length send would be a no-op that still claims an event: refused.
+#[test]
+fn zero_length_stream_send_is_refused() {
+    let p = pair(SockType::Stream);
+    let buf = p.client_region(vec![1; 10]);
+    let e = p
+        .client
+        .send(&p.eq_a, &buf.slice(0..0), MsgFlags::NONE, 1)
+        .unwrap_err();
+    assert_eq!(e, SendError::Buffer(BufferError::Empty));
+    assert_eq!(io_kind(e), io::ErrorKind::InvalidInput);
+    assert_eq!(p.eq_a.outstanding(), 0);
 }

@@ -28,6 +28,30 @@ pub struct BackendArgs {
     pub emulate_imm: bool,
 }
 
+impl BackendArgs {
+    /// The same choice as command-line arguments, for a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec![
+            "--backend".to_string(),
+            self.backend.clone(),
+            "--provider".into(),
+            self.provider.clone(),
+            "--addr".into(),
+            self.addr.to_string(),
+        ];
+        if let Some(d) = &self.domain {
+            v.extend(["--domain".into(), d.clone()]);
+        }
+        if let Some(d) = &self.device {
+            v.extend(["--device".into(), d.clone()]);
+        }
+        if self.emulate_imm {
+            v.push("--emulate-imm".into());
+        }
+        v
+    }
+}
+
 /// Backends compiled into this binary.
 pub fn compiled() -> Vec<&'static str> {
     #[allow(unused_mut)]

@@ -130,20 +130,10 @@ fn spawn_server(mode: &str, a: &DemoArgs) -> Result<(std::process::Child, Socket
         "demo-server",
         "--mode",
         mode,
-        "--backend",
-        &a.backend.backend,
-        "--provider",
-        &a.backend.provider,
-    ]);
-    cmd.args([
-        "--addr",
-        &a.backend.addr.to_string(),
         "--chunk",
         &a.chunk.to_string(),
     ]);
-    if let Some(d) = &a.backend.domain {
-        cmd.args(["--domain", d]);
-    }
+    cmd.args(a.backend.to_args());
     let mut child = cmd
         .stdout(Stdio::piped())
         .stdin(Stdio::null())

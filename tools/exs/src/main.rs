@@ -2,14 +2,19 @@
 
 mod backend;
 mod demo;
+mod ping;
 mod progress;
+mod pump;
 mod soak;
 mod util;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "exs", about = "Extended Sockets over RDMA: demo, soak, info")]
+#[command(
+    name = "exs",
+    about = "Extended Sockets over RDMA: demo, pump, ping, soak, info"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -22,6 +27,14 @@ enum Cmd {
     /// The server side of `exs demo` (started by it).
     #[command(hide = true)]
     DemoServer(demo::ServerArgs),
+    /// Blast messages client to server (pumpexs): throughput and each side's CPU.
+    Pump(pump::PumpArgs),
+    #[command(hide = true)]
+    PumpServer(pump::PumpServerArgs),
+    /// One-way latency: half the round trip of an echoed message (persistent: time per read).
+    Ping(ping::PingArgs),
+    #[command(hide = true)]
+    PingServer(ping::PingServerArgs),
     /// A bounded soak: random sizes, flags and closes, every received byte checked.
     Soak(soak::SoakArgs),
     /// Backends compiled in, libfabric providers, and what a backend can do.
@@ -76,6 +89,10 @@ fn main() {
         Cmd::DemoServer(a) => demo::server(a),
         Cmd::Info(a) => info(a),
         Cmd::Soak(a) => soak::run(a),
+        Cmd::Pump(a) => pump::run(a),
+        Cmd::PumpServer(a) => pump::server(a),
+        Cmd::Ping(a) => ping::run(a),
+        Cmd::PingServer(a) => ping::server(a),
     };
     if let Err(e) = r {
         eprintln!("exs: error: {e}");

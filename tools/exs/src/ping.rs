@@ -1,0 +1,285 @@
+//! `exs ping`: one-way latency as half the round trip of a message echoed by the server, averaged over many
+//! pings (seed 002, Figure 10), for normal sends (advert + RDMA read), immediate sends (data in the advert), and
+//! persistent sends (each receive is one RDMA read of the peer's persistent memory: reported as the time per
+//! read, which is a full round trip, like `ib_read_lat`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
+
+use crate::backend::{BackendArgs, Opened};
+use crate::pump::wait_mode;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct PingArgs {
+    #[command(flatten)]
+    pub backend: BackendArgs,
+    /// Payload sizes (comma-separated).
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100,1K", value_parser = crate::util::parse_size)]
+    pub size: Vec<u64>,
+    /// normal, immediate or persistent.
+    #[arg(long, default_value = "immediate")]
+    pub mode: String,
+    /// Pings per size (after 10% warm-up).
+    #[arg(long, default_value_t = 2000)]
+    pub count: usize,
+    /// Event-queue wait mode: adaptive, block, busy.
+    #[arg(long, default_value = "busy")]
+    pub wait: String,
+    /// One JSON object per size on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct PingServerArgs {
+    #[command(flatten)]
+    pub backend: BackendArgs,
+    #[arg(long, value_parser = crate::util::parse_size)]
+    pub ping_size: u64,
+    #[arg(long)]
+    pub ping_mode: String,
+    #[arg(long)]
+    pub ping_wait: String,
+}
+
+fn options(mode: &str, size: u64) -> Vec<SocketOption> {
+    match mode {
+        "immediate" => vec![SocketOption::SmallPacketMaxSize(size as u32)],
+        "normal" => vec![SocketOption::SmallPacketMaxSize(0)],
+        _ => vec![],
+    }
+}
+
+/// The echo side: returns every message (normal, immediate), or keeps one persistent send up (persistent).
+pub fn server(a: PingServerArgs) -> Result<(), String> {
+    let opened = Opened::open(&a.backend)?;
+    let ctx = opened.host()?;
+    echo(
+        &opened,
+        &ctx,
+        a.ping_size as usize,
+        &a.ping_mode,
+        &a.ping_wait,
+        &mut |addr| {
+            println!("LISTEN {addr}");
+            let _ = std::io::stdout().flush();
+        },
+    )
+}
+
+fn echo(
+    opened: &Opened,
+    ctx: &exs::Context,
+    size: usize,
+    mode: &str,
+    wait: &str,
+    announce: &mut dyn FnMut(std::net::SocketAddr),
+) -> Result<(), String> {
+    let eq = EventQueue::with_mode(16, wait_mode(wait)?);
+    let l = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
+    for o in options(mode, size as u64) {
+        l.set_option(o).map_err(|e| e.to_string())?;
+    }
+    l.bind(opened.listen_addr(0)).map_err(|e| e.to_string())?;
+    announce(l.listen(1).map_err(|e| e.to_string())?);
+    l.accept(&eq, 0).map_err(|e| e.to_string())?;
+    let mut acc = eq
+        .next(Some(Duration::from_secs(60)))
+        .map_err(|e| e.to_string())?;
+    let s = acc.accepted.take().ok_or("accept failed")?;
+    let buf = MemoryRegion::alloc(ctx, size.max(1)).map_err(|e| e.to_string())?;
+    if mode == "persistent" {
+        s.send(&eq, &buf.all(), MsgFlags::PERSISTENT, 0)
+            .map_err(|e| e.to_string())?;
+        let probe = MemoryRegion::alloc(ctx, 1).map_err(|e| e.to_string())?;
+        s.recv(&eq, &probe.all(), MsgFlags::NONE, 1)
+            .map_err(|e| e.to_string())?;
+        let _ = eq.next(None);
+        return Ok(());
+    }
+    loop {
+        s.recv(&eq, &buf.all(), MsgFlags::NONE, 1)
+            .map_err(|e| e.to_string())?;
+        let r = eq.next(None).map_err(|e| e.to_string())?;
+        if !r.is_ok() || r.flags.eof {
+            return Ok(());
+        }
+        s.send(&eq, &buf.slice(..r.bytes), MsgFlags::NONE, 2)
+            .map_err(|e| e.to_string())?;
+        let e = eq.next(None).map_err(|e| e.to_string())?;
+        if !e.is_ok() {
+            return Ok(());
+        }
+    }
+}
+
+/// Measured latency of one size.
+#[derive(Clone, Debug)]
+pub struct Latency {
+    pub size: u64,
+    pub mode: String,
+    /// One-way (normal, immediate) or per-read (persistent) microseconds: mean, median, p99.
+    pub mean_us: f64,
+    pub median_us: f64,
+    pub p99_us: f64,
+}
+
+fn pinger(
+    ctx: &exs::Context,
+    addr: std::net::SocketAddr,
+    size: usize,
+    mode: &str,
+    wait: &str,
+    count: usize,
+) -> Result<Vec<f64>, String> {
+    let eq = EventQueue::with_mode(16, wait_mode(wait)?);
+    let s = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
+    for o in options(mode, size as u64) {
+        s.set_option(o).map_err(|e| e.to_string())?;
+    }
+    s.connect(addr, &eq, 0).map_err(|e| e.to_string())?;
+    eq.next(Some(Duration::from_secs(60)))
+        .map_err(|e| e.to_string())?
+        .status
+        .map_err(|e| format!("connect: {e}"))?;
+    let out = MemoryRegion::from_vec(ctx, vec![0x42; size.max(1)]).map_err(|e| e.to_string())?;
+    let back = MemoryRegion::alloc(ctx, size.max(1)).map_err(|e| e.to_string())?;
+    let warm = count / 10 + 1;
+    let mut samples = Vec::with_capacity(count);
+    for i in 0..warm + count {
+        let t0 = Instant::now();
+        s.recv(&eq, &back.slice(..size.max(1)), MsgFlags::NONE, 1)
+            .map_err(|e| e.to_string())?;
+        if mode != "persistent" {
+            s.send(&eq, &out.slice(..size), MsgFlags::NONE, 2)
+                .map_err(|e| e.to_string())?;
+        }
+        let want = if mode == "persistent" { 1 } else { 2 };
+        let mut evs = Vec::new();
+        eq.dequeue(&mut evs, want, want, Some(Duration::from_secs(30)))
+            .map_err(|e| e.to_string())?;
+        if evs.len() < want || evs.iter().any(|e| !e.is_ok()) {
+            return Err(format!("ping {i}: {evs:?}"));
+        }
+        let dt = t0.elapsed().as_secs_f64() * 1e6;
+        if i >= warm {
+            samples.push(if mode == "persistent" { dt } else { dt / 2.0 });
+        }
+    }
+    let _ = s.close();
+    Ok(samples)
+}
+
+pub fn measure(
+    opened: &Opened,
+    backend: &BackendArgs,
+    size: usize,
+    mode: &str,
+    wait: &str,
+    count: usize,
+) -> Result<Latency, String> {
+    let ctx = opened.host()?;
+    let mut samples = if opened.processes() {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut child = Command::new(exe)
+            .arg("ping-server")
+            .args(backend.to_args())
+            .args([
+                "--ping-size",
+                &size.to_string(),
+                "--ping-mode",
+                mode,
+                "--ping-wait",
+                wait,
+            ])
+            .stdout(Stdio::piped())
+            .stdin(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("spawn server: {e}"))?;
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("piped"))
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        let addr = line
+            .trim()
+            .strip_prefix("LISTEN ")
+            .ok_or_else(|| format!("server said {line:?}"))?;
+        let r = pinger(
+            &ctx,
+            addr.parse().map_err(|e| format!("{e}"))?,
+            size,
+            mode,
+            wait,
+            count,
+        );
+        let _ = child.wait();
+        r?
+    } else {
+        let sctx = opened.host()?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::scope(|scope| {
+            let h =
+                scope.spawn(|| echo(opened, &sctx, size, mode, wait, &mut |a| drop(tx.send(a))));
+            let addr = rx.recv().map_err(|_| "server thread failed".to_string())?;
+            let r = pinger(&ctx, addr, size, mode, wait, count);
+            let _ = h.join();
+            r
+        })?
+    };
+    samples.sort_by(f64::total_cmp);
+    let n = samples.len().max(1);
+    Ok(Latency {
+        size: size as u64,
+        mode: mode.to_string(),
+        mean_us: samples.iter().sum::<f64>() / n as f64,
+        median_us: samples.get(n / 2).copied().unwrap_or(0.0),
+        p99_us: samples.get(n * 99 / 100).copied().unwrap_or(0.0),
+    })
+}
+
+pub fn run(a: PingArgs) -> Result<(), String> {
+    let opened = Opened::open(&a.backend)?;
+    wait_mode(&a.wait)?;
+    if !["normal", "immediate", "persistent"].contains(&a.mode.as_str()) {
+        return Err(format!(
+            "--mode {:?}: use normal, immediate or persistent",
+            a.mode
+        ));
+    }
+    if !a.json {
+        println!(
+            "{:>8} {:>10} {:>10} {:>10} {:>10}",
+            "size", "mode", "mean us", "median us", "p99 us"
+        );
+    }
+    for &size in &a.size {
+        if a.mode == "immediate" && size > exs::SocketOptions::MAX_SMALL as u64 {
+            eprintln!("ping: {size} B cannot go as immediate data; skipped");
+            continue;
+        }
+        let l = measure(
+            &opened,
+            &a.backend,
+            size as usize,
+            &a.mode,
+            &a.wait,
+            a.count.max(10),
+        )?;
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({"tool": "exs-ping", "backend": opened.label(), "size": size, "mode": a.mode,
+                    "wait": a.wait, "mean_us": l.mean_us, "median_us": l.median_us, "p99_us": l.p99_us})
+            );
+        } else {
+            println!(
+                "{:>8} {:>10} {:>10.2} {:>10.2} {:>10.2}",
+                size, a.mode, l.mean_us, l.median_us, l.p99_us
+            );
+        }
+    }
+    Ok(())
+}

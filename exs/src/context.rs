@@ -151,18 +151,30 @@ pub(crate) struct Shared {
     pub(crate) engine: Mutex<Engine>,
     wake: EventFd,
     stop: AtomicBool,
+    /// Application threads busy-polling this context right now.
+    busy: std::sync::atomic::AtomicUsize,
     wait_fd: Option<OwnedFd>,
     driver: Option<Arc<dyn Driver>>,
 }
 
 impl crate::event::Poller for Shared {
+    fn set_busy(&self, on: bool) {
+        // No wake-up either way (a system call per dequeue is what busy polling avoids): an armed progress
+        // thread notices at its next wake-up and stops arming; a standing-back one re-arms within a millisecond.
+        if on {
+            self.busy.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.busy.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
     fn poll_progress(&self) -> bool {
         // Never wait for the progress thread: if it holds the engine, it is making the progress.
         let Ok(mut e) = self.engine.try_lock() else {
             return false;
         };
         let mut any = false;
-        while e.progress() {
+        while e.progress_busy() {
             any = true;
         }
         any
@@ -245,6 +257,7 @@ impl Context {
                     engine: Mutex::new(engine),
                     wake,
                     stop: AtomicBool::new(false),
+                    busy: std::sync::atomic::AtomicUsize::new(0),
                     wait_fd,
                     driver,
                 }),
@@ -329,6 +342,28 @@ fn progress_thread(shared: Arc<Shared>) {
     loop {
         if shared.stop.load(Ordering::SeqCst) {
             return;
+        }
+        if shared.busy.load(Ordering::SeqCst) > 0 {
+            // An application thread is busy-polling this context: it handles completions. Stay out of its way
+            // (no arming, so no completion-channel wake-ups): handle connection events and timers every
+            // millisecond, or at once when woken.
+            {
+                let mut e = shared.lock();
+                while e.progress() {}
+            }
+            let mut fds = [PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN)];
+            let _ = nix::poll::ppoll(
+                &mut fds,
+                Some(TimeSpec::from_duration(Duration::from_millis(1))),
+                None,
+            );
+            if fds[0]
+                .revents()
+                .is_some_and(|r| r.contains(PollFlags::POLLIN))
+            {
+                let _ = shared.wake.read();
+            }
+            continue;
         }
         let timeout = {
             let mut e = shared.lock();

@@ -292,6 +292,15 @@ impl Engine {
         did
     }
 
+    /// Progress for a thread that busy-polls: completions, timers and posting, but not the connection-management
+    /// channel (a system call per look; the progress thread sleeps on it and handles it).
+    pub(crate) fn progress_busy(&mut self) -> bool {
+        let mut did = self.poll_completions();
+        did |= self.run_timers();
+        self.flush_dirty();
+        did
+    }
+
     fn poll_completions(&mut self) -> bool {
         let mut did = false;
         loop {
@@ -311,7 +320,13 @@ impl Engine {
     }
 
     fn run_timers(&mut self) -> bool {
+        if self.timers.is_empty() {
+            return false;
+        }
         let now = self.clock.now();
+        if self.timers.iter().all(|t| t.0 > now) {
+            return false;
+        }
         let (due, keep): (Vec<_>, Vec<_>) = self.timers.drain(..).partition(|t| t.0 <= now);
         self.timers = keep;
         for (_, sid, kind) in &due {

@@ -144,6 +144,8 @@ pub(crate) trait Driver: Send + Sync {
 /// A context the application thread may drive itself while it busy-polls (kernel-bypass style: the thread that
 /// waits polls the completion queue, no hand-off to the progress thread).
 pub(crate) trait Poller: Send + Sync {
+    /// A thread starts (`true`) or stops busy-polling this context.
+    fn set_busy(&self, on: bool);
     /// Makes whatever progress is possible without blocking; false if nothing happened (or the context was busy).
     fn poll_progress(&self) -> bool;
 }
@@ -370,13 +372,22 @@ impl EventQueue {
         deadline: Option<Instant>,
     ) -> Result<usize, DequeueError> {
         let mut got = self.poll(out, max);
+        if got >= min {
+            return Ok(got);
+        }
+        // While this thread polls, the contexts' progress threads stand back (see `Poller::set_busy`).
+        let busy = BusyGuard::new(self.pollers());
+        let manual = self.has_drivers();
         let mut idle_rounds = 0u32;
+        let mut spins = 0u32;
         while got < min {
-            if deadline.is_some_and(|d| Instant::now() >= d) {
+            // The clock is read every 64 rounds: a round is far shorter than any useful timeout.
+            spins = spins.wrapping_add(1);
+            if spins % 64 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
-            if let Some(progressed) = self.drive_once() {
-                if progressed {
+            if manual {
+                if self.drive_once() == Some(true) {
                     idle_rounds = 0;
                 } else {
                     idle_rounds += 1;
@@ -384,8 +395,14 @@ impl EventQueue {
                         return self.stalled(min - got);
                     }
                 }
-            } else if !self.poll_contexts() {
-                std::hint::spin_loop();
+            } else {
+                let mut any = false;
+                for p in &busy.0 {
+                    any |= p.poll_progress();
+                }
+                if !any {
+                    std::hint::spin_loop();
+                }
             }
             got += self.poll(out, max - got);
         }
@@ -508,13 +525,15 @@ impl EventQueue {
         })
     }
 
+    fn pollers(&self) -> Vec<Arc<dyn Poller>> {
+        let mut s = self.inner.lock();
+        s.pollers.retain(|w| w.strong_count() > 0);
+        s.pollers.iter().filter_map(Weak::upgrade).collect()
+    }
+
     /// Busy polling: drives the threaded contexts reporting here from this thread. True if any progressed.
     fn poll_contexts(&self) -> bool {
-        let pollers: Vec<Arc<dyn Poller>> = {
-            let mut s = self.inner.lock();
-            s.pollers.retain(|w| w.strong_count() > 0);
-            s.pollers.iter().filter_map(Weak::upgrade).collect()
-        };
+        let pollers = self.pollers();
         let mut any = false;
         for p in pollers {
             any |= p.poll_progress();
@@ -569,6 +588,26 @@ fn drain(s: &mut EqState, out: &mut Vec<Event>, max: usize) -> usize {
     out.extend(s.events.drain(..n));
     s.stats.dequeued += n as u64;
     n
+}
+
+/// Marks contexts as busy-polled for as long as it lives.
+struct BusyGuard(Vec<Arc<dyn Poller>>);
+
+impl BusyGuard {
+    fn new(pollers: Vec<Arc<dyn Poller>>) -> Self {
+        for p in &pollers {
+            p.set_busy(true);
+        }
+        BusyGuard(pollers)
+    }
+}
+
+impl Drop for BusyGuard {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            p.set_busy(false);
+        }
+    }
 }
 
 /// The promise that an operation will complete with exactly one event. Dropping a ticket without completing it

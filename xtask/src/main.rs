@@ -1,5 +1,6 @@
 //! `cargo xtask`: install what the project needs, run its tests, benchmarks and demo.
 
+mod bench;
 mod demo;
 mod rxe;
 mod soak;
@@ -26,6 +27,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Benchmarks beside the peers (--quick: a subset in under 5 minutes): CSV, SVG plots, README tables.
+    Bench(bench::BenchArgs),
     /// The bounded soak on sim and libfabric tcp: random sizes, flags and closes, every byte checked.
     Soak(soak::SoakArgs),
     /// Soft-RoCE on this machine (kernels with rdma_rxe): up [--link], down, status.
@@ -45,6 +48,7 @@ fn main() {
         Cmd::Vm { args } => vm::run_command(args),
         Cmd::Rxe(a) => rxe::run(a),
         Cmd::Soak(a) => soak::run(a),
+        Cmd::Bench(a) => bench::run(a),
     };
     if let Err(e) = r {
         eprintln!("xtask: error: {e}");

@@ -124,6 +124,22 @@ impl Opened {
         }
     }
 
+    /// A bare transport of this backend, with no exs engine (raw baselines).
+    pub fn raw_transport(&self) -> Result<Box<dyn exs::Transport>, String> {
+        match self {
+            #[cfg(feature = "fabric")]
+            Opened::Fabric(cfg, _) => exs_backend_fabric::FabricTransport::open(cfg)
+                .map(|t| Box::new(t) as Box<dyn exs::Transport>)
+                .map_err(|e| e.to_string()),
+            #[cfg(feature = "verbs")]
+            Opened::Verbs(cfg) => exs_backend_verbs::VerbsTransport::open(cfg)
+                .map(|t| Box::new(t) as Box<dyn exs::Transport>)
+                .map_err(|e| e.to_string()),
+            #[cfg(feature = "sim")]
+            Opened::Sim(w) => Ok(Box::new(w.raw_host())),
+        }
+    }
+
     /// Where the `i`th host listens (port 0: any).
     pub fn listen_addr(&self, i: usize) -> SocketAddr {
         match self {

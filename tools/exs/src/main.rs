@@ -1,6 +1,7 @@
 //! `exs`: the command-line tool of the exs project.
 
 mod backend;
+mod baseline;
 mod demo;
 mod ping;
 mod progress;
@@ -35,6 +36,12 @@ enum Cmd {
     Ping(ping::PingArgs),
     #[command(hide = true)]
     PingServer(ping::PingServerArgs),
+    /// Baseline: a raw RDMA write/read loop through the backend's transport, no exs protocol.
+    Rawpump(baseline::RawArgs),
+    /// Baseline: plain TCP throughput (std::net), with or without Nagle.
+    Tcppump(baseline::TcpArgs),
+    /// Baseline: plain TCP one-way latency (half the round trip).
+    Tcpping(baseline::TcpArgs),
     /// A bounded soak: random sizes, flags and closes, every received byte checked.
     Soak(soak::SoakArgs),
     /// Backends compiled in, libfabric providers, and what a backend can do.
@@ -92,6 +99,9 @@ fn main() {
         Cmd::Pump(a) => pump::run(a),
         Cmd::PumpServer(a) => pump::server(a),
         Cmd::Ping(a) => ping::run(a),
+        Cmd::Rawpump(a) => baseline::run_raw(a),
+        Cmd::Tcppump(a) => baseline::run_tcppump(a),
+        Cmd::Tcpping(a) => baseline::run_tcpping(a),
         Cmd::PingServer(a) => ping::server(a),
     };
     if let Err(e) = r {

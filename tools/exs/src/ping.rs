@@ -181,6 +181,12 @@ pub fn measure(
     wait: &str,
     count: usize,
 ) -> Result<Latency, String> {
+    // In the simulator the server must be host 0 (whose address `listen_addr(0)` is): create it first.
+    let sctx = if opened.processes() {
+        None
+    } else {
+        Some(opened.host()?)
+    };
     let ctx = opened.host()?;
     let mut samples = if opened.processes() {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
@@ -218,7 +224,7 @@ pub fn measure(
         let _ = child.wait();
         r?
     } else {
-        let sctx = opened.host()?;
+        let sctx = sctx.expect("created above");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {
             let h =

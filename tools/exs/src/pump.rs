@@ -330,6 +330,12 @@ impl Measured {
 
 /// Runs one point: the server in its own process (or thread, for the simulator), the client here.
 pub fn point(opened: &Opened, backend: &BackendArgs, p: &Point) -> Result<Measured, String> {
+    // In the simulator the server must be host 0 (whose address `listen_addr(0)` is): create it first.
+    let sctx = if opened.processes() {
+        None
+    } else {
+        Some(opened.host()?)
+    };
     let ctx = opened.host()?;
     let server = if opened.processes() {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
@@ -369,8 +375,7 @@ pub fn point(opened: &Opened, backend: &BackendArgs, p: &Point) -> Result<Measur
             Side::parse(result.trim()).ok_or_else(|| format!("server reported {result:?}"))?;
         (client, server)
     } else {
-        let sctx = opened.host()?;
-        let listen_ctx = sctx.clone();
+        let listen_ctx = sctx.expect("created above");
         let pp = p.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {

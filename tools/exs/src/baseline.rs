@@ -1,0 +1,386 @@
+//! Baselines measured by the same binary as exs, so ratios come from one run on one machine:
+//!
+//! * `exs rawpump`: a raw RDMA loop through the backend's own transport (our libfabric FFI or rdma-core verbs),
+//!   with no exs protocol: the server exposes a buffer and hands its key over in the connection's private data;
+//!   the client keeps `depth` RDMA writes (or reads) of `size` bytes in flight.
+//! * `exs tcppump`, `exs tcpping`: plain TCP through `std::net`, with and without Nagle.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use exs::transport::{
+    CmEvent, EndpointId, Op, RemoteAccess, RemoteRef, Sge, Transport, WorkRequest,
+};
+use exs_dma::{DmaBuf, LeaseKind};
+
+use crate::backend::{BackendArgs, Opened};
+use crate::pump::cpu_seconds;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct RawArgs {
+    #[command(flatten)]
+    pub backend: BackendArgs,
+    /// Transfer size.
+    #[arg(long, value_parser = crate::util::parse_size, default_value = "1M")]
+    pub size: u64,
+    /// Transfers in flight.
+    #[arg(long, default_value_t = 8)]
+    pub depth: usize,
+    /// write or read.
+    #[arg(long, default_value = "write")]
+    pub op: String,
+    /// Seconds to run.
+    #[arg(long, default_value_t = 2.0)]
+    pub seconds: f64,
+    /// Internal: run as the passive side.
+    #[arg(long, hide = true)]
+    pub serve: bool,
+}
+
+fn transport(opened: &Opened) -> Result<Box<dyn Transport>, String> {
+    opened.raw_transport()
+}
+
+/// Sleeps on the transport's wait descriptor until something may have happened (at most `max`).
+fn wait(t: &mut dyn Transport, max: Duration) {
+    use std::os::fd::AsFd;
+    if !matches!(t.arm(), Ok(true)) {
+        return; // something is pending already
+    }
+    if let Some(fd) = t.wait_fd() {
+        let mut fds = [nix::poll::PollFd::new(
+            fd.as_fd(),
+            nix::poll::PollFlags::POLLIN,
+        )];
+        let ms = u16::try_from(max.as_millis()).unwrap_or(u16::MAX);
+        let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms));
+    }
+}
+
+/// Waits for the next connection event (or 30 s), progressing the completion queue meanwhile (software
+/// providers make progress only when polled).
+fn next_cm(t: &mut dyn Transport) -> Result<CmEvent, String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    loop {
+        t.poll(&mut out, 64);
+        out.clear();
+        if let Some(ev) = t.poll_cm() {
+            return Ok(ev);
+        }
+        if Instant::now() > deadline {
+            return Err("no connection event within 30 s".into());
+        }
+        wait(t, Duration::from_millis(100));
+    }
+}
+
+/// The passive side: exposes a buffer for remote write and read, accepts one connection with the buffer's
+/// address and key as private data, and sleeps on the transport until the peer disconnects (on RDMA hardware it
+/// does nothing at all; software providers need their queues polled to move data).
+fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<(), String> {
+    let mut t = transport(opened)?;
+    let buf = DmaBuf::new(size * depth);
+    let reg = t.register(&buf).map_err(|e| e.to_string())?;
+    let (kind, access) = if read {
+        (LeaseKind::DeviceReadShared, RemoteAccess::Read)
+    } else {
+        (LeaseKind::DeviceWriteShared, RemoteAccess::Write)
+    };
+    let lease = buf
+        .lease(0..size * depth, kind)
+        .map_err(|e| e.to_string())?;
+    let exposure = t.expose(&reg, lease, access).map_err(|e| e.to_string())?;
+    let (_, addr) = t
+        .listen(opened.listen_addr(0), 1)
+        .map_err(|e| e.to_string())?;
+    println!("LISTEN {addr}");
+    let _ = std::io::stdout().flush();
+    let ev = next_cm(&mut *t)?;
+    let CmEvent::ConnectRequest { request, .. } = ev else {
+        return Err(format!("expected a connection request, got {ev:?}"));
+    };
+    let w = exposure.remote();
+    let mut private = Vec::new();
+    for v in [w.addr, w.key, w.addr, w.key] {
+        private.extend_from_slice(&v.to_le_bytes());
+    }
+    t.accept(request, EndpointId(1), &private, Vec::new())
+        .map_err(|e| e.to_string())?;
+    loop {
+        match next_cm(&mut *t) {
+            Ok(CmEvent::Disconnected { .. }) => break,
+            Ok(_) => {}
+            Err(_) => {} // keep waiting: the client decides when the run ends
+        }
+    }
+    t.release(EndpointId(1));
+    drop(exposure);
+    Ok(())
+}
+
+/// What the active side measured.
+#[derive(Debug, Clone, Copy)]
+pub struct RawResult {
+    pub bytes_per_sec: f64,
+    pub cpu: f64,
+}
+
+fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult, String> {
+    let mut t = transport(opened)?;
+    let size = a.size as usize;
+    let depth = a.depth.max(1);
+    let buf = DmaBuf::new(size * depth);
+    let reg = t.register(&buf).map_err(|e| e.to_string())?;
+    t.connect(EndpointId(1), addr, &[], Vec::new())
+        .map_err(|e| e.to_string())?;
+    let private = match next_cm(&mut *t)? {
+        CmEvent::Established { private, .. } => private,
+        other => return Err(format!("connect: {other:?}")),
+    };
+    if private.len() < 32 {
+        return Err("the raw server sent no key".into());
+    }
+    let word =
+        |i: usize| u64::from_le_bytes(private[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    let read = a.op == "read";
+    let remote = if read {
+        RemoteRef {
+            addr: word(2),
+            key: word(3),
+        }
+    } else {
+        RemoteRef {
+            addr: word(0),
+            key: word(1),
+        }
+    };
+    let post = |t: &mut Box<dyn Transport>, slot: usize| -> Result<(), String> {
+        let kind = if read {
+            LeaseKind::DeviceWrite
+        } else {
+            LeaseKind::DeviceRead
+        };
+        let lease = buf
+            .lease(slot * size..(slot + 1) * size, kind)
+            .map_err(|e| e.to_string())?;
+        let sge = Sge::new(lease, Arc::clone(&reg)).map_err(|e| e.to_string())?;
+        let r = RemoteRef {
+            addr: remote.addr + (slot * size) as u64,
+            key: remote.key,
+        };
+        let op = if read {
+            Op::Read {
+                local: sge,
+                remote: r,
+            }
+        } else {
+            Op::Write {
+                local: vec![sge],
+                remote: r,
+                imm: None,
+            }
+        };
+        t.post(
+            EndpointId(1),
+            WorkRequest {
+                wr_id: slot as u64,
+                op,
+            },
+        )
+        .map_err(|e| e.error.to_string())
+    };
+    let (t0, c0) = (Instant::now(), cpu_seconds());
+    for slot in 0..depth {
+        post(&mut t, slot)?;
+    }
+    let stop = Duration::from_secs_f64(a.seconds);
+    let mut done = 0u64;
+    let mut outstanding = depth;
+    let mut out = Vec::with_capacity(64);
+    while outstanding > 0 {
+        out.clear();
+        t.poll(&mut out, 64);
+        for c in out.drain(..) {
+            c.status.map_err(|e| format!("RDMA {}: {e}", a.op))?;
+            outstanding -= 1;
+            done += 1;
+            if t0.elapsed() < stop {
+                post(&mut t, c.wr_id as usize)?;
+                outstanding += 1;
+            }
+        }
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    let cpu = cpu_seconds() - c0;
+    t.disconnect(EndpointId(1));
+    let _ = next_cm(&mut *t);
+    t.release(EndpointId(1));
+    Ok(RawResult {
+        bytes_per_sec: done as f64 * size as f64 / secs,
+        cpu: cpu / secs,
+    })
+}
+
+pub fn run_raw(a: RawArgs) -> Result<(), String> {
+    let opened = Opened::open(&a.backend)?;
+    if !["write", "read"].contains(&a.op.as_str()) {
+        return Err(format!("--op {:?}: use write or read", a.op));
+    }
+    if a.serve {
+        return serve(&opened, a.size as usize, a.depth.max(1), a.op == "read");
+    }
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut child = Command::new(exe)
+        .arg("rawpump")
+        .args(a.backend.to_args())
+        .args([
+            "--size",
+            &a.size.to_string(),
+            "--depth",
+            &a.depth.to_string(),
+            "--op",
+            &a.op,
+            "--serve",
+        ])
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("spawn the raw server: {e}"))?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let addr = line
+        .trim()
+        .strip_prefix("LISTEN ")
+        .ok_or_else(|| format!("raw server said {line:?}"))?;
+    let r = blast(&opened, addr.parse().map_err(|e| format!("{e}"))?, &a);
+    let _ = child.kill();
+    let _ = child.wait();
+    let r = r?;
+    println!(
+        "{}",
+        serde_json::json!({"tool": "raw-rma", "backend": opened.label(), "op": a.op, "size": a.size, "depth": a.depth,
+            "bytes_per_sec": r.bytes_per_sec, "cpu_client": r.cpu})
+    );
+    Ok(())
+}
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct TcpArgs {
+    /// Write size.
+    #[arg(long, value_parser = crate::util::parse_size, default_value = "1M")]
+    pub size: u64,
+    /// Seconds to run (tcppump), or round trips (tcpping).
+    #[arg(long, default_value_t = 2.0)]
+    pub seconds: f64,
+    /// Disable Nagle's algorithm (TCP_NODELAY).
+    #[arg(long)]
+    pub nodelay: bool,
+    /// tcpping: round trips.
+    #[arg(long, default_value_t = 2000)]
+    pub count: usize,
+    /// Internal: run as the sink/echo side.
+    #[arg(long, hide = true)]
+    pub serve: Option<String>,
+}
+
+fn spawn_tcp(kind: &str, a: &TcpArgs) -> Result<(std::process::Child, SocketAddr), String> {
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let mut cmd = Command::new(exe);
+    cmd.arg(kind)
+        .args(["--size", &a.size.to_string(), "--serve", kind]);
+    if a.nodelay {
+        cmd.arg("--nodelay");
+    }
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped"))
+        .read_line(&mut line)
+        .map_err(|e| e.to_string())?;
+    let addr = line
+        .trim()
+        .strip_prefix("LISTEN ")
+        .ok_or_else(|| format!("tcp server said {line:?}"))?;
+    Ok((child, addr.parse().map_err(|e| format!("{e}"))?))
+}
+
+fn tcp_serve(kind: &str, a: &TcpArgs) -> Result<(), String> {
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
+    println!("LISTEN {}", l.local_addr().map_err(|e| e.to_string())?);
+    let _ = std::io::stdout().flush();
+    let (mut s, _) = l.accept().map_err(|e| e.to_string())?;
+    s.set_nodelay(a.nodelay).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; (a.size as usize).max(1)];
+    loop {
+        if kind == "tcpping" {
+            if s.read_exact(&mut buf).is_err() || s.write_all(&buf).is_err() {
+                return Ok(());
+            }
+        } else if s.read(&mut buf).map_err(|e| e.to_string())? == 0 {
+            return Ok(());
+        }
+    }
+}
+
+pub fn run_tcppump(a: TcpArgs) -> Result<(), String> {
+    if let Some(k) = &a.serve {
+        return tcp_serve(k, &a);
+    }
+    let (mut child, addr) = spawn_tcp("tcppump", &a)?;
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_nodelay(a.nodelay).map_err(|e| e.to_string())?;
+    let buf = vec![0x5Au8; a.size as usize];
+    let (t0, c0) = (Instant::now(), cpu_seconds());
+    let mut bytes = 0u64;
+    while t0.elapsed().as_secs_f64() < a.seconds {
+        s.write_all(&buf).map_err(|e| e.to_string())?;
+        bytes += buf.len() as u64;
+    }
+    drop(s);
+    let _ = child.wait();
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "{}",
+        serde_json::json!({"tool": if a.nodelay { "tcp-nodelay" } else { "tcp-nagle" }, "size": a.size,
+            "bytes_per_sec": bytes as f64 / secs, "cpu_client": (cpu_seconds() - c0) / secs})
+    );
+    Ok(())
+}
+
+pub fn run_tcpping(a: TcpArgs) -> Result<(), String> {
+    if let Some(k) = &a.serve {
+        return tcp_serve(k, &a);
+    }
+    let (mut child, addr) = spawn_tcp("tcpping", &a)?;
+    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
+    s.set_nodelay(a.nodelay).map_err(|e| e.to_string())?;
+    let mut buf = vec![0x5Au8; (a.size as usize).max(1)];
+    let mut samples = Vec::with_capacity(a.count);
+    for i in 0..a.count + a.count / 10 {
+        let t0 = Instant::now();
+        s.write_all(&buf).map_err(|e| e.to_string())?;
+        s.read_exact(&mut buf).map_err(|e| e.to_string())?;
+        if i >= a.count / 10 {
+            samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    drop(s);
+    let _ = child.wait();
+    samples.sort_by(f64::total_cmp);
+    let n = samples.len().max(1);
+    println!(
+        "{}",
+        serde_json::json!({"tool": if a.nodelay { "tcp-nodelay" } else { "tcp-nagle" }, "size": a.size,
+            "mean_us": samples.iter().sum::<f64>() / n as f64, "median_us": samples[n / 2]})
+    );
+    Ok(())
+}

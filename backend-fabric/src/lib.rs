@@ -238,7 +238,8 @@ pub fn providers() -> Vec<String> {
 struct Domain {
     fabric: *mut fid_fabric,
     domain: *mut fid_domain,
-    info: Info,
+    /// The fi_info the domain was opened from, kept alive (and freed) with it.
+    _info: Info,
     mr_mode: u64,
     next_key: AtomicU64,
 }
@@ -543,7 +544,7 @@ impl FabricTransport {
         let dom = Arc::new(Domain {
             fabric,
             domain,
-            info,
+            _info: info,
             mr_mode,
             next_key: AtomicU64::new(1),
         });
@@ -1058,14 +1059,7 @@ impl Transport for FabricTransport {
         lease: Lease,
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
-        if !Arc::ptr_eq(reg.buf(), lease.buf()) {
-            return Err(TransportError::Invalid(
-                "exposure lease is not on the registered buffer".into(),
-            ));
-        }
-        if lease.is_empty() {
-            return Err(TransportError::Invalid("cannot expose zero bytes".into()));
-        }
+        exs::transport::check_exposure(reg, &lease, access)?;
         let flags = match access {
             RemoteAccess::Read => FI_REMOTE_READ,
             RemoteAccess::Write => FI_REMOTE_WRITE,

@@ -1112,14 +1112,7 @@ impl Transport for VerbsTransport {
         lease: Lease,
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
-        if !Arc::ptr_eq(reg.buf(), lease.buf()) {
-            return Err(TransportError::Invalid(
-                "exposure lease is not on the registered buffer".into(),
-            ));
-        }
-        if lease.is_empty() {
-            return Err(TransportError::Invalid("cannot expose zero bytes".into()));
-        }
+        exs::transport::check_exposure(reg, &lease, access)?;
         let remote = match access {
             RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
             RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,

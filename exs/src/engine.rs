@@ -255,8 +255,6 @@ impl Engine {
         Limits {
             max_message: self.caps.max_message,
             max_send_wr: self.caps.max_send_wr,
-            max_read_depth: self.caps.max_read_depth,
-            imm_consumes_recv: self.caps.imm_consumes_recv,
             max_sge: self.caps.max_sge,
         }
     }
@@ -1234,14 +1232,7 @@ impl Engine {
         if s.peer_closed && !closed_stream && matches!(s.phase, Phase::Disconnecting | Phase::Down)
         {
             let t = ticket.take().expect("ticket given");
-            t.complete(
-                Ok(()),
-                0,
-                EventFlags {
-                    eof: true,
-                    ..Default::default()
-                },
-            );
+            t.complete_eof();
             return Ok(());
         }
         match ty {

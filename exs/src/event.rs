@@ -629,10 +629,6 @@ impl fmt::Debug for Ticket {
 }
 
 impl Ticket {
-    pub(crate) fn kind(&self) -> EventKind {
-        self.kind
-    }
-
     /// Gives the slot back without an event: the operation was refused synchronously and never started.
     pub(crate) fn discard(mut self) {
         if let Some(eq) = self.eq.take() {
@@ -675,6 +671,18 @@ impl Ticket {
             readiness: Default::default(),
         });
         true
+    }
+
+    /// Completes a receive with end-of-stream: no bytes, `flags.eof` set.
+    pub(crate) fn complete_eof(self) {
+        self.complete(
+            Ok(()),
+            0,
+            EventFlags {
+                eof: true,
+                truncated: false,
+            },
+        );
     }
 
     /// Completes an accept with the new socket.

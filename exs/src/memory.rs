@@ -178,23 +178,12 @@ impl MemoryRegion {
         self.inner.context_id
     }
 
-    pub(crate) fn buf(&self) -> &Arc<DmaBuf> {
-        &self.inner.buf
-    }
-
     /// Leases a range and pairs it with the registration, as one step with respect to deregistration.
     pub(crate) fn lease(&self, range: Range<usize>, kind: LeaseKind) -> Result<Sge, BufferError> {
         let reg = self.inner.reg.lock().unwrap_or_else(|p| p.into_inner());
         let reg = reg.as_ref().ok_or(BufferError::Deregistered)?;
         let lease = self.inner.buf.lease(range, kind)?;
         Sge::new(lease, Arc::clone(reg)).map_err(|_| BufferError::Deregistered)
-    }
-
-    pub(crate) fn registration(&self) -> Result<Arc<dyn Registration>, BufferError> {
-        let reg = self.inner.reg.lock().unwrap_or_else(|p| p.into_inner());
-        reg.as_ref()
-            .map(Arc::clone)
-            .ok_or(BufferError::Deregistered)
     }
 }
 

@@ -186,6 +186,42 @@ impl Sge {
     }
 }
 
+/// The checks every transport makes before exposing a lease for remote access: the lease lies on the
+/// registered buffer, is not empty, and is of a kind that allows the access (a remote write needs a lease the
+/// device may write, a remote read one it may read), so no exposure can contradict the lease table.
+pub fn check_exposure(
+    reg: &Arc<dyn Registration>,
+    lease: &Lease,
+    access: RemoteAccess,
+) -> Result<(), TransportError> {
+    use exs_dma::LeaseKind;
+    if !Arc::ptr_eq(reg.buf(), lease.buf()) {
+        return Err(TransportError::Invalid(
+            "exposure lease is not on the registered buffer".into(),
+        ));
+    }
+    if lease.is_empty() {
+        return Err(TransportError::Invalid("cannot expose zero bytes".into()));
+    }
+    let fits = match access {
+        RemoteAccess::Read => matches!(
+            lease.kind(),
+            LeaseKind::DeviceRead | LeaseKind::DeviceReadShared
+        ),
+        RemoteAccess::Write => matches!(
+            lease.kind(),
+            LeaseKind::DeviceWrite | LeaseKind::DeviceWriteShared
+        ),
+    };
+    if !fits {
+        return Err(TransportError::Invalid(format!(
+            "a {:?} lease cannot be exposed for {access:?}",
+            lease.kind()
+        )));
+    }
+    Ok(())
+}
+
 /// An operation to post on an endpoint.
 #[derive(Debug)]
 pub enum Op {

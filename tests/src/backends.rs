@@ -27,6 +27,7 @@ pub fn by_name(name: &str) -> Option<Box<dyn Backend>> {
 }
 
 #[cfg(feature = "sim")]
+#[derive(Debug)]
 pub struct Sim;
 
 #[cfg(feature = "sim")]
@@ -66,6 +67,7 @@ impl Backend for Sim {
 }
 
 #[cfg(feature = "fabric")]
+#[derive(Debug)]
 pub struct Fabric {
     cfg: exs_backend_fabric::FabricConfig,
     addr: std::net::IpAddr,
@@ -189,6 +191,7 @@ fn verbs_describe(cfg: &Result<exs_backend_verbs::VerbsConfig, String>) -> Strin
 /// rdma-core verbs on the device carrying `EXS_VERBS_ADDR` (`EXS_VERBS_DEVICE` to check its name;
 /// `EXS_VERBS_EMULATE_IMM=1` forces the write + send fallback for write-with-immediate).
 #[cfg(feature = "verbs")]
+#[derive(Debug)]
 pub struct Verbs(Result<exs_backend_verbs::VerbsConfig, String>);
 
 #[cfg(feature = "verbs")]
@@ -227,6 +230,7 @@ impl Backend for Verbs {
 
 /// The verbs backend on a Soft-RoCE (rxe) or soft-iWARP (siw) device found on this machine, with its IPv4 address.
 #[cfg(feature = "softroce")]
+#[derive(Debug)]
 pub struct SoftRoce(Result<exs_backend_verbs::VerbsConfig, String>);
 
 #[cfg(feature = "softroce")]

@@ -22,6 +22,7 @@ pub fn checksum(b: &[u8]) -> u64 {
 }
 
 /// A child process running one role; killed on drop if still running.
+#[derive(Debug)]
 pub struct ChildProc {
     pub child: Child,
     pub line: Option<String>,

@@ -57,6 +57,7 @@ pub enum Requires {
 }
 
 /// A named test and what it needs.
+#[derive(Debug)]
 pub struct Case {
     pub name: &'static str,
     pub run: TestFn,

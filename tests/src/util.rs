@@ -64,6 +64,7 @@ pub fn all(eq: &EventQueue) -> Result<Vec<Event>, String> {
 }
 
 /// A connected pair: `client` on context `a`, `server` (accepted) on context `b`.
+#[derive(Debug)]
 pub struct Pair {
     pub a: Context,
     pub b: Context,

@@ -19,8 +19,6 @@ use crate::wire::{Body, CloseReason, Handshake, Message, WireSockType};
 pub(crate) struct Limits {
     pub max_message: u64,
     pub max_send_wr: u32,
-    pub max_read_depth: u32,
-    pub imm_consumes_recv: bool,
     pub max_sge: u32,
 }
 
@@ -173,14 +171,6 @@ impl Conn {
         match &mut self.mode {
             Some(Mode::Stream(s)) => Some(s),
             _ => None,
-        }
-    }
-
-    /// Whether a send of `len` bytes needs its buffer exposed for remote read (not immediate data).
-    pub(crate) fn send_needs_exposure(&self, len: usize) -> bool {
-        match &self.mode {
-            Some(Mode::Message(m)) => !m.is_immediate(len),
-            _ => false,
         }
     }
 

@@ -298,11 +298,6 @@ impl MessageProto {
         self.unacked.iter().all(|o| o.persistent.is_some()) && self.writes.is_empty()
     }
 
-    /// Adverts received and waiting for a receive (readiness for poll).
-    pub(crate) fn adverts_waiting(&self) -> usize {
-        self.adverts.len()
-    }
-
     pub(crate) fn send(&mut self, req: SendReq, link: &mut Link) {
         if req.persistent.is_none() {
             if let (Some(p), SendData::Inline(_)) = (self.peer_precv, &req.data) {
@@ -532,14 +527,7 @@ impl MessageProto {
     pub(crate) fn recv(&mut self, req: RecvReq, link: &mut Link) {
         if self.peer_closed && self.adverts.is_empty() {
             // End of stream: nothing more will come.
-            req.ticket.complete(
-                Ok(()),
-                0,
-                EventFlags {
-                    eof: true,
-                    ..Default::default()
-                },
-            );
+            req.ticket.complete_eof();
             return;
         }
         self.recvs.push_back(req);
@@ -861,14 +849,7 @@ impl MessageProto {
                 match t.failed.take() {
                     None => ticket.complete(Ok(()), t.bytes, flags),
                     // The sender cancelled this message by closing: for the receiver, the stream ended.
-                    Some(OpError::PeerClosed) => ticket.complete(
-                        Ok(()),
-                        0,
-                        EventFlags {
-                            eof: true,
-                            truncated: false,
-                        },
-                    ),
+                    Some(OpError::PeerClosed) => ticket.complete_eof(),
                     Some(e) => ticket.complete(Err(e), 0, flags),
                 }
             }
@@ -1103,27 +1084,13 @@ impl MessageProto {
             // that), and receives beyond them see end-of-stream. Our sends go on.
             let waiting = self.recvs.len().saturating_sub(self.adverts.len());
             for r in self.recvs.drain(self.recvs.len() - waiting..) {
-                r.ticket.complete(
-                    Ok(()),
-                    0,
-                    EventFlags {
-                        eof: true,
-                        ..Default::default()
-                    },
-                );
+                r.ticket.complete_eof();
             }
             return;
         }
         self.adverts.clear();
         for r in self.recvs.drain(..) {
-            r.ticket.complete(
-                Ok(()),
-                0,
-                EventFlags {
-                    eof: true,
-                    ..Default::default()
-                },
-            );
+            r.ticket.complete_eof();
         }
         for t in self.transfers.iter_mut().filter(|t| t.reads_in_flight > 0) {
             t.failed.get_or_insert(OpError::PeerClosed);

@@ -166,11 +166,6 @@ impl RecvPool {
         Ok(())
     }
 
-    /// Bytes of receive memory the pool holds.
-    pub(crate) fn bytes(&self) -> u64 {
-        u64::from(self.stats.slots) * self.stats.slot_size as u64
-    }
-
     pub(crate) fn stats(&self) -> PoolStats {
         self.stats
     }

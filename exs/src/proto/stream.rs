@@ -839,14 +839,7 @@ impl StreamProto {
             drop(exposure);
             let eof = e == OpError::PeerClosed;
             if eof {
-                ticket.complete(
-                    Ok(()),
-                    0,
-                    EventFlags {
-                        eof: true,
-                        truncated: false,
-                    },
-                );
+                ticket.complete_eof();
             } else {
                 ticket.complete(Err(e), 0, EventFlags::default());
             }

@@ -27,7 +27,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
-use exs_dma::{DmaBuf, Lease, LeaseKind};
+use exs_dma::{DmaBuf, Lease};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -809,27 +809,7 @@ impl Transport for SimTransport {
         lease: Lease,
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
-        if !Arc::ptr_eq(reg.buf(), lease.buf()) {
-            return Err(TransportError::Invalid(
-                "exposure lease is not on the registered buffer".into(),
-            ));
-        }
-        let wanted = match access {
-            RemoteAccess::Read => matches!(
-                lease.kind(),
-                LeaseKind::DeviceRead | LeaseKind::DeviceReadShared
-            ),
-            RemoteAccess::Write => matches!(
-                lease.kind(),
-                LeaseKind::DeviceWrite | LeaseKind::DeviceWriteShared
-            ),
-        };
-        if !wanted {
-            return Err(TransportError::Invalid(format!(
-                "a {:?} lease cannot be exposed for {access:?}",
-                lease.kind()
-            )));
-        }
+        crate::transport::check_exposure(reg, &lease, access)?;
         let mut net = self.net();
         // Keys are random, as hardware keys are not guessable in sequence.
         let key = loop {

@@ -5,9 +5,9 @@
 //!   the client keeps `depth` RDMA writes (or reads) of `size` bytes in flight.
 //! * `exs tcppump`, `exs tcpping`: plain TCP through `std::net`, with and without Nagle.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -234,31 +234,21 @@ pub fn run_raw(a: RawArgs) -> Result<(), String> {
         return serve(&opened, a.size as usize, a.depth.max(1), a.op == "read");
     }
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut child = Command::new(exe)
-        .arg("rawpump")
-        .args(a.backend.to_args())
-        .args([
-            "--size",
-            &a.size.to_string(),
-            "--depth",
-            &a.depth.to_string(),
-            "--op",
-            &a.op,
-            "--serve",
-        ])
-        .stdout(Stdio::piped())
-        .stdin(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("spawn the raw server: {e}"))?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped"))
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let addr = line
-        .trim()
-        .strip_prefix("LISTEN ")
-        .ok_or_else(|| format!("raw server said {line:?}"))?;
-    let r = blast(&opened, addr.parse().map_err(|e| format!("{e}"))?, &a);
+    let (mut child, addr, _out) = crate::util::spawn_listening(
+        &mut Command::new(exe)
+            .arg("rawpump")
+            .args(a.backend.to_args())
+            .args([
+                "--size",
+                &a.size.to_string(),
+                "--depth",
+                &a.depth.to_string(),
+                "--op",
+                &a.op,
+                "--serve",
+            ]),
+    )?;
+    let r = blast(&opened, addr, &a);
     let _ = child.kill();
     let _ = child.wait();
     let r = r?;
@@ -297,20 +287,8 @@ fn spawn_tcp(kind: &str, a: &TcpArgs) -> Result<(std::process::Child, SocketAddr
     if a.nodelay {
         cmd.arg("--nodelay");
     }
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stdin(Stdio::null())
-        .spawn()
-        .map_err(|e| e.to_string())?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped"))
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let addr = line
-        .trim()
-        .strip_prefix("LISTEN ")
-        .ok_or_else(|| format!("tcp server said {line:?}"))?;
-    Ok((child, addr.parse().map_err(|e| format!("{e}"))?))
+    let (child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
+    Ok((child, addr))
 }
 
 fn tcp_serve(kind: &str, a: &TcpArgs) -> Result<(), String> {

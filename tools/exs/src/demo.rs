@@ -1,9 +1,9 @@
 //! `exs demo`: move a volume of data client to server through exs with a progress bar, verify a checksum of every
 //! received byte, and do the same over plain TCP (std::net) in the same run.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use exs::{Context, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
@@ -134,20 +134,8 @@ fn spawn_server(mode: &str, a: &DemoArgs) -> Result<(std::process::Child, Socket
         &a.chunk.to_string(),
     ]);
     cmd.args(a.backend.to_args());
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stdin(Stdio::null())
-        .spawn()
-        .map_err(|e| format!("spawn server: {e}"))?;
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().expect("piped"))
-        .read_line(&mut line)
-        .map_err(|e| e.to_string())?;
-    let addr = line
-        .trim()
-        .strip_prefix("LISTEN ")
-        .ok_or_else(|| format!("server said {line:?}"))?;
-    Ok((child, addr.parse().map_err(|e| format!("{e}"))?))
+    let (child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
+    Ok((child, addr))
 }
 
 fn wait_child(mut child: std::process::Child) -> Result<(), String> {

@@ -3,8 +3,8 @@
 //! persistent sends (each receive is one RDMA read of the peer's persistent memory: reported as the time per
 //! read, which is a full round trip, like `ib_read_lat`).
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::io::Write;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
@@ -119,8 +119,6 @@ fn echo(
 /// Measured latency of one size.
 #[derive(Clone, Debug)]
 pub struct Latency {
-    pub size: u64,
-    pub mode: String,
     /// One-way (normal, immediate) or per-read (persistent) microseconds: mean, median, p99.
     pub mean_us: f64,
     pub median_us: f64,
@@ -190,45 +188,31 @@ pub fn measure(
     let ctx = opened.host()?;
     let mut samples = if opened.processes() {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut child = Command::new(exe)
-            .arg("ping-server")
-            .args(backend.to_args())
-            .args([
-                "--ping-size",
-                &size.to_string(),
-                "--ping-mode",
-                mode,
-                "--ping-wait",
-                wait,
-            ])
-            .stdout(Stdio::piped())
-            .stdin(Stdio::null())
-            .spawn()
-            .map_err(|e| format!("spawn server: {e}"))?;
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().expect("piped"))
-            .read_line(&mut line)
-            .map_err(|e| e.to_string())?;
-        let addr = line
-            .trim()
-            .strip_prefix("LISTEN ")
-            .ok_or_else(|| format!("server said {line:?}"))?;
-        let r = pinger(
-            &ctx,
-            addr.parse().map_err(|e| format!("{e}"))?,
-            size,
-            mode,
-            wait,
-            count,
-        );
+        let (mut child, addr, _out) = crate::util::spawn_listening(
+            &mut Command::new(exe)
+                .arg("ping-server")
+                .args(backend.to_args())
+                .args([
+                    "--ping-size",
+                    &size.to_string(),
+                    "--ping-mode",
+                    mode,
+                    "--ping-wait",
+                    wait,
+                ]),
+        )?;
+        let r = pinger(&ctx, addr, size, mode, wait, count);
         let _ = child.wait();
         r?
     } else {
         let sctx = sctx.expect("created above");
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {
-            let h =
-                scope.spawn(|| echo(opened, &sctx, size, mode, wait, &mut |a| drop(tx.send(a))));
+            let h = scope.spawn(|| {
+                echo(opened, &sctx, size, mode, wait, &mut |a| {
+                    let _ = tx.send(a);
+                })
+            });
             let addr = rx.recv().map_err(|_| "server thread failed".to_string())?;
             let r = pinger(&ctx, addr, size, mode, wait, count);
             let _ = h.join();
@@ -238,8 +222,6 @@ pub fn measure(
     samples.sort_by(f64::total_cmp);
     let n = samples.len().max(1);
     Ok(Latency {
-        size: size as u64,
-        mode: mode.to_string(),
         mean_us: samples.iter().sum::<f64>() / n as f64,
         median_us: samples.get(n / 2).copied().unwrap_or(0.0),
         p99_us: samples.get(n * 99 / 100).copied().unwrap_or(0.0),

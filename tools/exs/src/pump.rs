@@ -379,7 +379,11 @@ pub fn point(opened: &Opened, backend: &BackendArgs, p: &Point) -> Result<Measur
         let pp = p.clone();
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::scope(|scope| {
-            let h = scope.spawn(|| serve(opened, &listen_ctx, &pp, &mut |a| drop(tx.send(a))));
+            let h = scope.spawn(|| {
+                serve(opened, &listen_ctx, &pp, &mut |a| {
+                    let _ = tx.send(a);
+                })
+            });
             let addr = rx.recv().map_err(|_| "server thread failed".to_string())?;
             let client = blast(&ctx, addr, p)?;
             let server = h

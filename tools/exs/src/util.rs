@@ -58,3 +58,33 @@ mod tests {
         assert_eq!(fmt_bytes(1 << 30), "1.00 GiB");
     }
 }
+
+/// Starts a helper process (a server side) and reads the `LISTEN <addr>` line it prints first; returns the child,
+/// the address, and the rest of its standard output.
+pub fn spawn_listening(
+    cmd: &mut std::process::Command,
+) -> Result<
+    (
+        std::process::Child,
+        std::net::SocketAddr,
+        std::io::BufReader<std::process::ChildStdout>,
+    ),
+    String,
+> {
+    use std::io::BufRead;
+    let mut child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stdin(std::process::Stdio::null())
+        .spawn()
+        .map_err(|e| format!("starting {:?}: {e}", cmd.get_program()))?;
+    let mut out = std::io::BufReader::new(child.stdout.take().expect("piped"));
+    let mut line = String::new();
+    out.read_line(&mut line).map_err(|e| e.to_string())?;
+    let addr = line
+        .trim()
+        .strip_prefix("LISTEN ")
+        .ok_or_else(|| format!("the server process said {line:?}"))?
+        .parse()
+        .map_err(|e| format!("the server process's address: {e}"))?;
+    Ok((child, addr, out))
+}

@@ -34,6 +34,15 @@ pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
 }
 
 /// Compares byte strings, naming the first difference.
+/// [`same`] on the whole contents of two registered regions.
+pub fn same_regions(got: &MemoryRegion, want: &MemoryRegion, what: &str) -> Result<(), String> {
+    same(
+        &got.to_vec().map_err(|e| e.to_string())?,
+        &want.to_vec().map_err(|e| e.to_string())?,
+        what,
+    )
+}
+
 pub fn same(got: &[u8], want: &[u8], what: &str) -> Result<(), String> {
     if got.len() != want.len() {
         return Err(format!(

@@ -243,12 +243,17 @@ fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
     let mut v = exs_jobs(exe, &format!("--backend verbs --addr {addr}"), p, false);
     // perftest and rstream: server in the background, client in front, on the same device.
     let pt = |bin: &str, size: u64, extra: &str| {
-        format!("{bin} -R -d {dev} -F -s {size} {extra} >/dev/null 2>&1 & {}", retry(&format!("{bin} -R -d {dev} -F -s {size} {extra} {addr}")))
+        format!(
+            "{bin} -R -d {dev} -F -s {size} {extra} >/dev/null 2>&1 & {}",
+            retry(&format!("{bin} -R -d {dev} -F -s {size} {extra} {addr}"))
+        )
     };
     let depth = p.depths.iter().copied().max().unwrap_or(8);
     for &size in p.sizes.iter().filter(|&&s| s >= 64) {
         // The same number of transfers in flight as exs gets.
-        let extra = format!("-D 3 -t {depth}");
+        // Iterations, not duration: in duration mode (-D) ib_read_bw counts 0 iterations of 1 MiB reads on rxe.
+        let iters = (32u64 << 20).div_ceil(size).clamp(100, 5_000);
+        let extra = format!("-n {iters} -t {depth}");
         v.push(job(
             "perftest",
             "ib_write_bw",
@@ -257,7 +262,7 @@ fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
             pt("ib_write_bw", size, &extra),
             Parse::PerftestBw,
         ));
-        let extra = format!("-D 3 -o {depth}");
+        let extra = format!("-n {iters} -o {depth}");
         v.push(job(
             "perftest",
             "ib_read_bw",
@@ -273,7 +278,17 @@ fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
                 variant,
                 size,
                 1,
-                format!("rstream {t} -S {size} -C {count} >/dev/null 2>&1 & {}", retry(&format!("rstream {t} -s {addr} -S {size} -C {count}"))),
+                {
+                    let client = format!("rstream {t} -s {addr} -S {size} -C {count}");
+                    // Over TCP a client that gives up early can leave the server serving a dead connection: wait
+                    // until the server listens (rstream's port, 7471) and connect once.
+                    let connect = if t.is_empty() {
+                        retry(&client)
+                    } else {
+                        format!("for i in $(seq 60); do ss -Hltn 'sport = :7471' | grep -q . && break; sleep 0.5; done; {client}; wait")
+                    };
+                    format!("rstream {t} -S {size} -C {count} >/dev/null 2>&1 & {connect}")
+                },
                 Parse::Rstream,
             ));
         }
@@ -380,7 +395,8 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
         }
     }
     // perftest prints `inf` when its clock readings go wrong (seen under TCG): that repeat measured nothing.
-    rows.retain(|r| r.value.is_finite());
+    // A throughput of 0 (ib_read_bw in duration mode on rxe) measured nothing either.
+    rows.retain(|r| r.value.is_finite() && !(r.metric == "bytes_per_sec" && r.value <= 0.0));
     rows
 }
 
@@ -898,13 +914,20 @@ fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<Stri
     v
 }
 
-fn write_results(suite: &str, rows: &[Row], cmd: &str, machine: &str) -> Result<String> {
+/// `quick` runs go to files of their own (`-quick`), so that they never replace a full run's.
+fn write_results(
+    suite: &str,
+    quick: bool,
+    rows: &[Row],
+    cmd: &str,
+    machine: &str,
+) -> Result<String> {
     let dir = sys::root().join("bench/results");
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let date = sys::output(Command::new("date").args(["-u", "+%Y-%m-%d"]))?
         .trim()
         .to_string();
-    let stem = format!("{date}-{suite}");
+    let stem = format!("{date}-{suite}{}", if quick { "-quick" } else { "" });
     let mut csv = String::from("suite,tool,variant,size,depth,metric,repeat,value\n");
     for r in rows {
         let _ = writeln!(
@@ -970,6 +993,16 @@ fn machine() -> String {
     format!("{n} vCPUs ({cpu})")
 }
 
+/// The README shows full runs; a quick run's table is printed.
+fn publish(suite: &str, quick: bool, md: &str) -> Result<()> {
+    if quick {
+        println!("{md}");
+        Ok(())
+    } else {
+        update_readme(suite, md)
+    }
+}
+
 /// Replaces the README's generated section for `suite`.
 fn update_readme(suite: &str, md: &str) -> Result<()> {
     let path = sys::root().join("README.md");
@@ -1020,12 +1053,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
         let rows = collect("host", &jobs, &out);
         let md = write_results(
             "host",
+            a.quick,
             &rows,
             &cmd,
             &format!("{machine}, libfabric tcp on 127.0.0.1"),
         )?;
-        update_readme("host", &md)?;
-        eprintln!("xtask: host suite done at {:.0}s", started.elapsed().as_secs_f64());
+        publish("host", a.quick, &md)?;
+        eprintln!(
+            "xtask: host suite done at {:.0}s",
+            started.elapsed().as_secs_f64()
+        );
     }
     if want("softroce") {
         let jobs = softroce_jobs(&exe, &p, a.quick);
@@ -1081,8 +1118,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
             (out, format!("{machine}, rxe in a QEMU guest ({:?}, 2 vCPUs, emulated CPU: compare ratios only)", v.accel))
         };
         let rows = collect("softroce", &jobs, &out);
-        let md = write_results("softroce", &rows, &cmd, &where_)?;
-        update_readme("softroce", &md)?;
+        let md = write_results("softroce", a.quick, &rows, &cmd, &where_)?;
+        publish("softroce", a.quick, &md)?;
     }
     eprintln!("xtask: bench took {:.0?}", started.elapsed());
     Ok(())

@@ -343,25 +343,35 @@ pub fn run(args: TestArgs) -> Result<()> {
         "exs-conformance/fabric,exs-conformance/softroce",
     ]))?;
     if !only_conformance {
-        let (c, ok, _) = run_counting(sys::cargo().args([
-            "test",
-            "--workspace",
-            "--exclude",
-            "exs-conformance",
-            "--no-fail-fast",
-        ]))?;
-        if !ok || c.failed > 0 {
-            failures.push("workspace tests".to_string());
-        }
-        summary.push(format!(
-            "workspace (unit, protocol, property tests): {} ran, {} passed, {} failed",
-            c.passed + c.failed,
-            c.passed,
-            c.failed
-        ));
+        let mut tally = |what: &str, label: &str, cmd: &mut Command| -> Result<()> {
+            let (c, ok, _) = run_counting(cmd)?;
+            if !ok || c.failed > 0 {
+                failures.push(what.to_string());
+            }
+            summary.push(format!(
+                "{label}: {} ran, {} passed, {} failed",
+                c.passed + c.failed,
+                c.passed,
+                c.failed
+            ));
+            Ok(())
+        };
+        tally(
+            "workspace tests",
+            "workspace (unit, protocol, property tests)",
+            sys::cargo().args([
+                "test",
+                "--workspace",
+                "--exclude",
+                "exs-conformance",
+                "--no-fail-fast",
+            ]),
+        )?;
         // The long property runs, in a release build: 10,000 stream cases (issue: "at least 10,000 cases in CI")
         // and 2,000 message-mode cases.
-        let (c, ok, _) = run_counting(
+        tally(
+            "long property tests",
+            "property tests, release (10,000 stream + 2,000 message cases)",
             sys::cargo()
                 .args([
                     "test",
@@ -376,19 +386,10 @@ pub fn run(args: TestArgs) -> Result<()> {
                 .env("EXS_STREAM_CASES", "10000")
                 .env("EXS_PROPTEST_CASES", "2000"),
         )?;
-        if !ok || c.failed > 0 {
-            failures.push("long property tests".to_string());
-        }
-        summary.push(format!(
-            "property tests, release (10,000 stream + 2,000 message cases): {} ran, {} passed, {} failed",
-            c.passed + c.failed,
-            c.passed,
-            c.failed
-        ));
-    }
-    if !only_conformance {
         // The fuzz targets as bounded property tests, in release so that they cover ground.
-        let (c, ok, _) = run_counting(
+        tally(
+            "fuzz property tests",
+            "fuzz targets as property tests, release (16,000 wire inputs, 1,000 + 200 crafted-peer runs)",
             sys::cargo()
                 .args([
                     "test",
@@ -402,15 +403,6 @@ pub fn run(args: TestArgs) -> Result<()> {
                 ])
                 .env("EXS_FUZZ_CASES", "1000"),
         )?;
-        if !ok || c.failed > 0 {
-            failures.push("fuzz property tests".to_string());
-        }
-        summary.push(format!(
-            "fuzz targets as property tests, release (16,000 wire inputs, 1,000 + 200 crafted-peer runs): {} ran, {} passed, {} failed",
-            c.passed + c.failed,
-            c.passed,
-            c.failed
-        ));
         // A short soak on sim and libfabric tcp (`cargo xtask soak` runs long ones).
         match crate::soak::soak_with(&sys::root().join("target/debug/exs"), 20, 1) {
             Ok(lines) => summary.extend(lines.into_iter().map(|l| format!("soak: {l}"))),

@@ -178,11 +178,7 @@ fn credits_under_pressure(b: &dyn Backend) -> Result<(), String> {
         r.iter().chain(&s).all(|e| e.is_ok() && e.bytes == 3000),
         "a transfer failed"
     );
-    same(
-        &dst.to_vec().map_err(|e| e.to_string())?,
-        &src.to_vec().map_err(|e| e.to_string())?,
-        "50 messages",
-    )
+    same_regions(&dst, &src, "50 messages")
 }
 
 fn many_outstanding(b: &dyn Backend) -> Result<(), String> {
@@ -245,16 +241,8 @@ fn many_outstanding(b: &dyn Backend) -> Result<(), String> {
             "sends completed out of order"
         );
     }
-    same(
-        &b_in.to_vec().map_err(|e| e.to_string())?,
-        &a_out.to_vec().map_err(|e| e.to_string())?,
-        "a to b",
-    )?;
-    same(
-        &a_in.to_vec().map_err(|e| e.to_string())?,
-        &b_out.to_vec().map_err(|e| e.to_string())?,
-        "b to a",
-    )
+    same_regions(&b_in, &a_out, "a to b")?;
+    same_regions(&a_in, &b_out, "b to a")
 }
 
 fn truncation(b: &dyn Backend) -> Result<(), String> {
@@ -297,16 +285,8 @@ fn both_directions(b: &dyn Backend) -> Result<(), String> {
         all(&p.eq_b)?.iter().all(|e| e.is_ok()),
         "a transfer failed on b"
     );
-    same(
-        &b_in.to_vec().map_err(|e| e.to_string())?,
-        &a_out.to_vec().map_err(|e| e.to_string())?,
-        "a to b",
-    )?;
-    same(
-        &a_in.to_vec().map_err(|e| e.to_string())?,
-        &b_out.to_vec().map_err(|e| e.to_string())?,
-        "b to a",
-    )
+    same_regions(&b_in, &a_out, "a to b")?;
+    same_regions(&a_in, &b_out, "b to a")
 }
 
 fn close_with_pending(b: &dyn Backend) -> Result<(), String> {

@@ -1,6 +1,6 @@
 //! Many connections on one listener, with receive memory reported per connection.
 
-use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
+use exs::{Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 
 use crate::util::*;
 use crate::{ensure, Backend, Case, Requires};
@@ -94,24 +94,8 @@ fn many_connections(b: &dyn Backend) -> Result<(), String> {
     }
     let dst = MemoryRegion::alloc(&server, 1000 * n).map_err(|e| e.to_string())?;
     let src = MemoryRegion::from_vec(&client, pattern(1000 * n, 77)).map_err(|e| e.to_string())?;
-    for (i, (c, s)) in pairs.iter().enumerate() {
-        s.recv(
-            &eq_s,
-            &dst.slice(i * 1000..(i + 1) * 1000),
-            MsgFlags::NONE,
-            i as u64,
-        )
-        .map_err(|e| e.to_string())?;
-        c.send(
-            &eq_c,
-            &src.slice(i * 1000..(i + 1) * 1000),
-            MsgFlags::NONE,
-            i as u64,
-        )
-        .map_err(|e| e.to_string())?;
-    }
-    let r = all(&eq_s)?;
-    let s = all(&eq_c)?;
+    let forth: Vec<_> = pairs.iter().map(|&(c, s)| (c, s)).collect();
+    let (r, s) = one_message_each(&forth, (&eq_c, &eq_s), &src, &dst, 1000)?;
     ensure!(
         r.len() == n && s.len() == n,
         "{} receives and {} sends completed of {n}",
@@ -130,27 +114,30 @@ fn many_connections(b: &dyn Backend) -> Result<(), String> {
         (0..n as u64).flat_map(|i| i.to_le_bytes()).collect(),
     )
     .map_err(|e| e.to_string())?;
-    for (i, (c, s)) in pairs.iter().enumerate() {
-        c.recv(
-            &eq_c,
-            &back.slice(i * 8..(i + 1) * 8),
-            MsgFlags::NONE,
-            i as u64,
-        )
-        .map_err(|e| e.to_string())?;
-        s.send(
-            &eq_s,
-            &out.slice(i * 8..(i + 1) * 8),
-            MsgFlags::NONE,
-            i as u64,
-        )
-        .map_err(|e| e.to_string())?;
-    }
-    let r = all(&eq_c)?;
-    let s = all(&eq_s)?;
+    let backward: Vec<_> = pairs.iter().map(|&(c, s)| (s, c)).collect();
+    let (r, s) = one_message_each(&backward, (&eq_s, &eq_c), &out, &back, 8)?;
     ensure!(
         r.iter().chain(&s).all(|e| e.is_ok()) && r.len() == n,
         "replies failed"
     );
     same_regions(&back, &out, "replies on many connections")
+}
+
+/// Sends chunk `i` of `src` from `links[i].0` into chunk `i` of `dst` at `links[i].1`, on every link at once; returns
+/// the receive and the send events (`eqs`: the senders' queue, the receivers' queue).
+fn one_message_each(
+    links: &[(&Socket, &Socket)],
+    (eq_tx, eq_rx): (&EventQueue, &EventQueue),
+    src: &MemoryRegion,
+    dst: &MemoryRegion,
+    chunk: usize,
+) -> Result<(Vec<Event>, Vec<Event>), String> {
+    for (i, (tx, rx)) in links.iter().enumerate() {
+        let r = i * chunk..(i + 1) * chunk;
+        rx.recv(eq_rx, &dst.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
+        tx.send(eq_tx, &src.slice(r), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok((all(eq_rx)?, all(eq_tx)?))
 }

@@ -422,6 +422,9 @@ pub fn run(a: PumpArgs) -> Result<(), String> {
             "size", "depth", "mode", "type", "MB/s", "msgs/s", "cpu client", "cpu server"
         );
     }
+    let points = a.size.len() * a.depth.len();
+    let mut done = 0;
+    let show_progress = std::io::IsTerminal::is_terminal(&std::io::stderr());
     for &size in &a.size {
         if size == 0 || size > 16 << 20 {
             return Err(format!("--size {size}: 1 byte to 16 MiB"));
@@ -431,6 +434,7 @@ pub fn run(a: PumpArgs) -> Result<(), String> {
                 "pump: {size} B cannot go as immediate data (at most {} B); skipped",
                 exs::SocketOptions::MAX_SMALL
             );
+            done += a.depth.len();
             continue;
         }
         for &depth in &a.depth {
@@ -442,7 +446,19 @@ pub fn run(a: PumpArgs) -> Result<(), String> {
                 point_seconds: a.seconds,
                 point_wait: a.wait.clone(),
             };
+            done += 1;
+            if show_progress {
+                // Progress on the terminal only: results go to stdout, one line per point.
+                eprint!(
+                    "\rpump: point {done}/{points}: {} depth {depth}, {:.1} s...",
+                    crate::util::fmt_bytes(size),
+                    a.seconds
+                );
+            }
             let m = point(&opened, &a.backend, &p)?;
+            if show_progress {
+                eprint!("\r\x1b[K");
+            }
             if a.json {
                 println!("{}", m.json(&opened.label()));
             } else {

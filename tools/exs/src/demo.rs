@@ -262,19 +262,14 @@ pub fn exs_server(
 ) -> Result<(), String> {
     const RING: usize = 8;
     let eq = EventQueue::new(64);
-    let l = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
-    l.set_option(SocketOption::RecvCredits(64))
-        .map_err(|e| e.to_string())?;
-    l.bind(listen).map_err(|e| e.to_string())?;
-    let addr = l.listen(1).map_err(|e| e.to_string())?;
-    announce(addr);
-    l.accept(&eq, 0).map_err(|e| e.to_string())?;
-    let ev = eq
-        .next(Some(Duration::from_secs(60)))
-        .map_err(|e| format!("accept: {e}"))?;
-    let s = ev
-        .accepted
-        .ok_or_else(|| format!("accept failed: {:?}", ev.status))?;
+    let (_listener, s) = crate::util::accept_one(
+        ctx,
+        SockType::SeqPacket,
+        vec![SocketOption::RecvCredits(64)],
+        listen,
+        &eq,
+        announce,
+    )?;
     let header = MemoryRegion::alloc(ctx, 16).map_err(|e| e.to_string())?;
     s.recv(&eq, &header.all(), MsgFlags::NONE, u64::MAX)
         .map_err(|e| e.to_string())?;

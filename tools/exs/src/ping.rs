@@ -79,17 +79,14 @@ fn echo(
     announce: &mut dyn FnMut(std::net::SocketAddr),
 ) -> Result<(), String> {
     let eq = EventQueue::with_mode(16, wait_mode(wait)?);
-    let l = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
-    for o in options(mode, size as u64) {
-        l.set_option(o).map_err(|e| e.to_string())?;
-    }
-    l.bind(opened.listen_addr(0)).map_err(|e| e.to_string())?;
-    announce(l.listen(1).map_err(|e| e.to_string())?);
-    l.accept(&eq, 0).map_err(|e| e.to_string())?;
-    let mut acc = eq
-        .next(Some(Duration::from_secs(60)))
-        .map_err(|e| e.to_string())?;
-    let s = acc.accepted.take().ok_or("accept failed")?;
+    let (_listener, s) = crate::util::accept_one(
+        ctx,
+        SockType::SeqPacket,
+        options(mode, size as u64),
+        opened.listen_addr(0),
+        &eq,
+        announce,
+    )?;
     let buf = MemoryRegion::alloc(ctx, size.max(1)).map_err(|e| e.to_string())?;
     if mode == "persistent" {
         s.send(&eq, &buf.all(), MsgFlags::PERSISTENT, 0)

@@ -160,17 +160,8 @@ fn serve(
 ) -> Result<Side, String> {
     let ty = sock_type(&p.point_type)?;
     let eq = EventQueue::with_mode(p.point_depth * 2 + 8, wait_mode(&p.point_wait)?);
-    let l = Socket::new(ctx, ty).map_err(|e| e.to_string())?;
-    for o in options(p) {
-        l.set_option(o).map_err(|e| e.to_string())?;
-    }
-    l.bind(opened.listen_addr(0)).map_err(|e| e.to_string())?;
-    announce(l.listen(1).map_err(|e| e.to_string())?);
-    l.accept(&eq, 0).map_err(|e| e.to_string())?;
-    let mut acc = eq
-        .next(Some(Duration::from_secs(60)))
-        .map_err(|e| e.to_string())?;
-    let s = acc.accepted.take().ok_or("accept failed")?;
+    let (_listener, s) =
+        crate::util::accept_one(ctx, ty, options(p), opened.listen_addr(0), &eq, announce)?;
     let size = p.point_size.max(1) as usize;
     let depth = p.point_depth.max(1);
     let buf = MemoryRegion::alloc(ctx, size * depth).map_err(|e| e.to_string())?;

@@ -42,6 +42,33 @@ pub fn fmt_rate(bytes_per_sec: f64) -> String {
     )
 }
 
+/// The server side of every tool: listens on `listen` with `options`, tells the caller the bound address, and
+/// accepts one connection within a minute. Returns the listener (kept open while the connection is served) and the
+/// accepted socket.
+pub fn accept_one(
+    ctx: &exs::Context,
+    ty: exs::SockType,
+    options: Vec<exs::SocketOption>,
+    listen: std::net::SocketAddr,
+    eq: &exs::EventQueue,
+    announce: impl FnOnce(std::net::SocketAddr),
+) -> Result<(exs::Socket, exs::Socket), String> {
+    let l = exs::Socket::new(ctx, ty).map_err(|e| e.to_string())?;
+    for o in options {
+        l.set_option(o).map_err(|e| e.to_string())?;
+    }
+    l.bind(listen).map_err(|e| e.to_string())?;
+    announce(l.listen(1).map_err(|e| e.to_string())?);
+    l.accept(eq, 0).map_err(|e| e.to_string())?;
+    let ev = eq
+        .next(Some(std::time::Duration::from_secs(60)))
+        .map_err(|e| format!("accept: {e}"))?;
+    let s = ev
+        .accepted
+        .ok_or_else(|| format!("accept failed: {:?}", ev.status))?;
+    Ok((l, s))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

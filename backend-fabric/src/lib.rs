@@ -715,32 +715,28 @@ impl FabricTransport {
                         ctx,
                     )
                 }
-                Op::Write { local, remote, imm } if local.len() == 1 => {
+                Op::Write {
+                    local,
+                    remote,
+                    imm: Some(imm),
+                } if local.len() == 1 => {
                     let l = &local[0];
-                    match imm {
-                        None => exs_fi_write(
-                            ep,
-                            l.addr() as *const c_void,
-                            l.len(),
-                            l.local_key() as *mut c_void,
-                            remote.addr,
-                            remote.key,
-                            ctx,
-                        ),
-                        Some(imm) => exs_fi_writedata(
-                            ep,
-                            l.addr() as *const c_void,
-                            l.len(),
-                            l.local_key() as *mut c_void,
-                            u64::from(*imm),
-                            remote.addr,
-                            remote.key,
-                            ctx,
-                        ),
-                    }
+                    exs_fi_writedata(
+                        ep,
+                        l.addr() as *const c_void,
+                        l.len(),
+                        l.local_key() as *mut c_void,
+                        u64::from(*imm),
+                        remote.addr,
+                        remote.key,
+                        ctx,
+                    )
                 }
                 Op::Write { local, remote, imm } => {
-                    // Gathered write: one fi_writemsg with an iovec per entry and one remote range.
+                    // Gathered write: one fi_writemsg with an iovec per entry and one remote range. A plain write
+                    // (into a persistent receive) completes only once the bytes are at the peer, as an RC write
+                    // does on verbs: the sender's completion is the only signal the peer gets
+                    // (FI_DELIVERY_COMPLETE; found when faster progress let the sender's event overtake them).
                     let iov: Vec<iovec> = local
                         .iter()
                         .map(|s| iovec {
@@ -769,7 +765,7 @@ impl FabricTransport {
                     let flags = if imm.is_some() {
                         FI_REMOTE_CQ_DATA as u64
                     } else {
-                        0
+                        FI_DELIVERY_COMPLETE as u64
                     };
                     exs_fi_writemsg(ep, &msg, flags)
                 }

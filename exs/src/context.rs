@@ -1,14 +1,12 @@
 //! A context: one transport (device), its engine, and how it makes progress.
 //!
-//! ## Progress without a thread per socket
+//! ## Progress without a thread per socket, and without a wake-up per call
 //! The protocol must move (answer adverts, issue reads, send acknowledgments and credits) while the application is
-//! blocked in a dequeue or busy elsewhere. A context has **one** progress thread, whatever the number of sockets.
-//! It sleeps in `poll(2)` on the transport's wait descriptor (armed first, then polled once more so no
-//! notification is lost) and on an eventfd used to stop it; it never spins. An idle connection, and a
-//! persistent sender whose peer pulls with RDMA reads, cost it nothing: hardware serves the reads without any
-//! completion on the sender.
-//!
-//! API calls post their work requests directly (posting does not block), so the thread only handles completions.
+//! blocked in a dequeue or busy elsewhere. API calls post their work requests directly (posting does not block)
+//! and wake nobody. A thread that waits in a dequeue runs the protocol itself and sleeps on the transport's wait
+//! descriptor (see [`crate::progress`]); a context's **one** progress thread, whatever the number of sockets, does
+//! the same only while no application thread waits. An idle connection, and a persistent sender whose peer pulls
+//! with RDMA reads, cost it nothing: hardware serves the reads without any completion on the sender.
 //!
 //! The simulated fabric can instead run in manual mode: no thread, and `dequeue` drives the simulated world until
 //! the events it waits for exist, deterministically.
@@ -21,13 +19,11 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use exs_dma::DmaBuf;
-use nix::poll::{PollFd, PollFlags};
-use nix::sys::eventfd::{EfdFlags, EventFd};
-use nix::sys::time::TimeSpec;
 
 use crate::engine::Engine;
 use crate::error::MemoryError;
 use crate::event::{Driver, EventQueue};
+use crate::progress::{Lead, ProgressStats};
 use crate::transport::{Capabilities, Registration, Transport, TransportError};
 
 static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(1);
@@ -149,35 +145,67 @@ impl Default for ContextOptions {
 
 pub(crate) struct Shared {
     pub(crate) engine: Mutex<Engine>,
-    wake: EventFd,
+    /// Who leads (sleeps on the transport) and when each sleeper wakes: see [`crate::progress`].
+    pub(crate) lead: Lead,
     stop: AtomicBool,
     /// Application threads busy-polling this context right now.
     busy: std::sync::atomic::AtomicUsize,
-    wait_fd: Option<OwnedFd>,
+    pub(crate) wait_fd: Option<OwnedFd>,
     driver: Option<Arc<dyn Driver>>,
 }
 
 impl crate::event::Poller for Shared {
     fn set_busy(&self, on: bool) {
-        // No wake-up either way (a system call per dequeue is what busy polling avoids): an armed progress
+        // No wake-up either way (a system call per dequeue is what busy polling avoids): a leading progress
         // thread notices at its next wake-up and stops arming; a standing-back one re-arms within a millisecond.
         if on {
             self.busy.fetch_add(1, Ordering::SeqCst);
         } else {
+            self.lead.busy_poll_ended();
             self.busy.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
     fn poll_progress(&self) -> bool {
-        // Never wait for the progress thread: if it holds the engine, it is making the progress.
+        // Never wait for another thread: if it holds the engine, it is making the progress.
         let Ok(mut e) = self.engine.try_lock() else {
             return false;
         };
         let mut any = false;
-        while e.progress_busy() {
+        let mut rounds = 0;
+        while e.progress_busy() && rounds < 16 {
             any = true;
+            rounds += 1;
         }
         any
+    }
+
+    fn try_lead(&self, follower: &Arc<crate::event::EqInner>) -> bool {
+        self.wait_fd.is_some() && self.lead.try_lead_app(follower)
+    }
+
+    fn prepare_sleep(&self) -> Option<Option<Instant>> {
+        let mut e = self.lock();
+        crate::progress::prepare_sleep(&self.lead, &mut e)
+    }
+
+    fn sleep_fds(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {
+        [
+            self.wait_fd.as_ref().expect("a leader has a wait descriptor").as_fd(),
+            self.lead.leader_wake_fd(),
+        ]
+    }
+
+    fn woke(&self) {
+        self.lead.woke();
+    }
+
+    fn release(&self) {
+        self.lead.release_app();
+    }
+
+    fn count_sleep(&self) {
+        self.lead.count_app_sleep();
     }
 }
 
@@ -186,9 +214,27 @@ impl Shared {
         self.engine.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Wakes the progress thread (a timer may have moved earlier).
-    pub(crate) fn kick(&self) {
-        let _ = self.wake.write(1);
+    /// Runs an API call on the engine. Posting needs no wake-up; only a call that moved the earliest timer
+    /// earlier than the current sleeper's wake-up time wakes it (see [`crate::progress`], rule 1).
+    pub(crate) fn call<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
+        let mut e = self.lock();
+        let before = e.next_deadline();
+        let r = f(&mut e);
+        let after = e.next_deadline();
+        if after.is_some_and(|a| before.is_none_or(|b| a < b)) {
+            if let Some(d) = e.next_deadline_real() {
+                self.lead.after_call(d);
+            }
+        }
+        r
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn busy_polled(&self) -> bool {
+        self.busy.load(Ordering::SeqCst) > 0
     }
 }
 
@@ -201,7 +247,7 @@ pub(crate) struct CtxInner {
 impl Drop for CtxInner {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
-        self.shared.kick();
+        self.shared.lead.wake_all();
         if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = t.join();
         }
@@ -237,8 +283,7 @@ impl Context {
         opts: ContextOptions,
     ) -> Result<Context, TransportError> {
         let id = NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed);
-        let wake = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
-            .map_err(|e| TransportError::os("eventfd", e.into()))?;
+        let lead = Lead::new()?;
         let wait_fd = transport.wait_fd();
         let driver: Option<Arc<dyn Driver>> = match &opts.progress {
             Progress::Thread => None,
@@ -255,7 +300,7 @@ impl Context {
                 id,
                 shared: Arc::new(Shared {
                     engine: Mutex::new(engine),
-                    wake,
+                    lead,
                     stop: AtomicBool::new(false),
                     busy: std::sync::atomic::AtomicUsize::new(0),
                     wait_fd,
@@ -268,7 +313,7 @@ impl Context {
             let shared = Arc::clone(&inner.shared);
             let handle = std::thread::Builder::new()
                 .name(format!("exs-progress-{id}"))
-                .spawn(move || progress_thread(shared))
+                .spawn(move || crate::progress::thread(shared))
                 .map_err(|e| TransportError::os("spawn progress thread", e))?;
             *inner.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(handle);
         }
@@ -297,6 +342,11 @@ impl Context {
     /// Statistics of the engine.
     pub fn stats(&self) -> crate::engine::EngineStats {
         self.shared().lock().stats()
+    }
+
+    /// Counters of who made progress: the progress thread's wake-ups, application threads leading.
+    pub fn progress_stats(&self) -> ProgressStats {
+        self.shared().lead.stats()
     }
 
     /// Makes whatever progress is possible now, without blocking (for manual progress and tests).
@@ -330,75 +380,6 @@ impl Context {
                 let p: Arc<dyn crate::event::Poller> = self.inner.shared.clone();
                 eq.add_poller(&p);
             }
-        }
-    }
-}
-
-fn progress_thread(shared: Arc<Shared>) {
-    let wait_fd = shared
-        .wait_fd
-        .as_ref()
-        .expect("thread mode has a wait descriptor");
-    loop {
-        if shared.stop.load(Ordering::SeqCst) {
-            return;
-        }
-        if shared.busy.load(Ordering::SeqCst) > 0 {
-            // An application thread is busy-polling this context: it handles completions. Stay out of its way
-            // (no arming, so no completion-channel wake-ups): handle connection events and timers every
-            // millisecond, or at once when woken.
-            {
-                let mut e = shared.lock();
-                while e.progress() {}
-            }
-            let mut fds = [PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN)];
-            let _ = nix::poll::ppoll(
-                &mut fds,
-                Some(TimeSpec::from_duration(Duration::from_millis(1))),
-                None,
-            );
-            if fds[0]
-                .revents()
-                .is_some_and(|r| r.contains(PollFlags::POLLIN))
-            {
-                let _ = shared.wake.read();
-            }
-            continue;
-        }
-        let timeout = {
-            let mut e = shared.lock();
-            while e.progress() {}
-            match e.arm() {
-                Ok(true) => {}
-                // Events slipped in between the last poll and arming: poll again before sleeping.
-                Ok(false) => continue,
-                Err(err) => {
-                    tracing::error!(%err, "arming the completion queue failed; retrying");
-                    drop(e);
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
-                }
-            }
-            e.next_deadline()
-                .map(|d| d.saturating_duration_since(e.now()))
-        };
-        let timeout = timeout.map(|t| TimeSpec::from_duration(t.min(Duration::from_secs(60))));
-        let mut fds = [
-            PollFd::new(wait_fd.as_fd(), PollFlags::POLLIN),
-            PollFd::new(shared.wake.as_fd(), PollFlags::POLLIN),
-        ];
-        match nix::poll::ppoll(&mut fds, timeout, None) {
-            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
-            Err(err) => {
-                tracing::error!(%err, "poll on the transport failed");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        }
-        if fds[1]
-            .revents()
-            .is_some_and(|r| r.contains(PollFlags::POLLIN))
-        {
-            let _ = shared.wake.read();
         }
     }
 }

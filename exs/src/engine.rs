@@ -251,6 +251,12 @@ impl Engine {
         self.timers.iter().map(|t| t.0).min()
     }
 
+    /// The earliest timer as a point in real time (the engine's clock may be virtual).
+    pub(crate) fn next_deadline_real(&self) -> Option<Instant> {
+        let d = self.next_deadline()?;
+        Some(Instant::now() + d.saturating_duration_since(self.now()))
+    }
+
     fn limits(&self) -> Limits {
         Limits {
             max_message: self.caps.max_message,
@@ -409,14 +415,20 @@ impl Engine {
                 return;
             }
         };
-        if delayed_ack
-            && !self
-                .timers
-                .iter()
-                .any(|t| t.1 == sid && t.2 == TimerKind::Ack)
-        {
-            let at = self.clock.now() + self.ack_delay;
-            self.timers.push((at, sid, TimerKind::Ack));
+        let ack_timer = self
+            .timers
+            .iter()
+            .position(|t| t.1 == sid && t.2 == TimerKind::Ack);
+        match (delayed_ack, ack_timer) {
+            (true, None) => {
+                let at = self.clock.now() + self.ack_delay;
+                self.timers.push((at, sid, TimerKind::Ack));
+            }
+            // A reply carried the acknowledgment: the timer goes, so no sleeper is woken for it.
+            (false, Some(i)) => {
+                self.timers.swap_remove(i);
+            }
+            _ => {}
         }
         if closing_done {
             self.disconnect(sid);

@@ -19,8 +19,12 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags};
+use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use crate::error::{DequeueError, OpError, QueueFull};
 use crate::socket::{Socket, SocketId};
@@ -141,27 +145,45 @@ pub(crate) trait Driver: Send + Sync {
     fn drive(&self) -> bool;
 }
 
-/// A context the application thread may drive itself while it busy-polls (kernel-bypass style: the thread that
-/// waits polls the completion queue, no hand-off to the progress thread).
+/// A threaded context that a waiting application thread drives itself (see [`crate::progress`]): busy polling
+/// runs its protocol without sleeping; a blocking wait leads it (runs it, arms it, sleeps on its descriptor).
 pub(crate) trait Poller: Send + Sync {
     /// A thread starts (`true`) or stops busy-polling this context.
     fn set_busy(&self, on: bool);
     /// Makes whatever progress is possible without blocking; false if nothing happened (or the context was busy).
     fn poll_progress(&self) -> bool;
+    /// Tries to become the context's leader; when another thread leads, `follower` is nudged once it lets go.
+    fn try_lead(&self, follower: &Arc<EqInner>) -> bool;
+    /// The leader runs the protocol and arms the transport: `Some(wake-up time)` to sleep, `None` to run again.
+    fn prepare_sleep(&self) -> Option<Option<Instant>>;
+    /// The descriptors a leader sleeps on (the transport's, and its wake-up eventfd).
+    fn sleep_fds(&self) -> [BorrowedFd<'_>; 2];
+    /// The leader woke up.
+    fn woke(&self);
+    /// The leader lets go.
+    fn release(&self);
+    /// Counts a leader's sleep.
+    fn count_sleep(&self);
 }
 
 pub(crate) struct EqInner {
     state: Mutex<EqState>,
     cond: Condvar,
     depth: usize,
+    /// Readable when a thread sleeping on transports (a leader) should look at this queue; made on first use.
+    fd: OnceLock<Option<EventFd>>,
 }
 
 struct EqState {
     events: VecDeque<Event>,
     /// Operations started and not yet completed.
     outstanding: usize,
-    /// A sleeping dequeue wants this many events in the queue (0: nobody sleeps).
-    waiting_for: usize,
+    /// How many events each dequeue sleeping on the condition variable waits for (one entry per sleeper).
+    waiters: Vec<usize>,
+    /// A leader sleeping on its transports waits for this many events (it is woken through `fd`).
+    fd_sleeper: Option<usize>,
+    /// Bumped when a context's leader lets go, so the threads following it retry leading.
+    nudges: u64,
     mode: WaitMode,
     stats: QueueStats,
     /// Manual-progress drivers of the contexts whose operations report here.
@@ -202,7 +224,9 @@ impl EventQueue {
                 state: Mutex::new(EqState {
                     events: VecDeque::with_capacity(depth.min(4096)),
                     outstanding: 0,
-                    waiting_for: 0,
+                    waiters: Vec::new(),
+                    fd_sleeper: None,
+                    nudges: 0,
                     mode,
                     stats: QueueStats::default(),
                     drivers: Vec::new(),
@@ -210,6 +234,7 @@ impl EventQueue {
                 }),
                 cond: Condvar::new(),
                 depth,
+                fd: OnceLock::new(),
             }),
         }
     }
@@ -410,6 +435,10 @@ impl EventQueue {
     }
 
     /// Sleeps until `need` events are queued. Returns false on timeout.
+    ///
+    /// With threaded contexts reporting here, the sleeping thread leads them (see [`crate::progress`]): it runs
+    /// their protocol and sleeps on their wait descriptors itself, so a completion wakes it directly. Contexts
+    /// another thread leads deliver their events through the queue.
     fn block_until(
         &self,
         need: usize,
@@ -422,16 +451,65 @@ impl EventQueue {
         if self.has_drivers() {
             return self.drive_until(need, deadline);
         }
+        let pollers = self.pollers();
+        let mut led: Vec<Arc<dyn Poller>> = Vec::new();
+        let done = loop {
+            let nudges = {
+                let s = self.inner.lock();
+                if s.events.len() >= need {
+                    break true;
+                }
+                s.nudges
+            };
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                break false;
+            }
+            for p in &pollers {
+                if !led.iter().any(|l| Arc::ptr_eq(l, p)) && p.try_lead(&self.inner) {
+                    led.push(Arc::clone(p));
+                }
+            }
+            if led.is_empty() {
+                // Nobody to lead (a plain queue, or others lead): wait for the events or for a leader to let go.
+                if !self.wait_cond(need, nudges, deadline) {
+                    break self.inner.lock().events.len() >= need;
+                }
+                continue;
+            }
+            let mut until = deadline;
+            let mut again = false;
+            for p in &led {
+                match p.prepare_sleep() {
+                    None => again = true,
+                    Some(Some(t)) => until = Some(until.map_or(t, |u| u.min(t))),
+                    Some(None) => {}
+                }
+            }
+            if again {
+                continue;
+            }
+            self.sleep_leading(&led, need, until);
+        };
+        for p in led {
+            p.release();
+        }
+        Ok(done)
+    }
+
+    /// Waits on the condition variable until `need` events are queued, a leader let go (`nudges` moved on), or
+    /// the deadline. False on timeout.
+    fn wait_cond(&self, need: usize, nudges: u64, deadline: Option<Instant>) -> bool {
         let mut s = self.inner.lock();
-        while s.events.len() < need {
-            s.waiting_for = need;
+        s.waiters.push(need);
+        let mut in_time = true;
+        while s.events.len() < need && s.nudges == nudges {
             s = match deadline {
                 None => self.inner.cond.wait(s).unwrap_or_else(|p| p.into_inner()),
                 Some(d) => {
                     let now = Instant::now();
                     if now >= d {
-                        s.waiting_for = 0;
-                        return Ok(false);
+                        in_time = false;
+                        break;
                     }
                     self.inner
                         .cond
@@ -441,8 +519,59 @@ impl EventQueue {
                 }
             };
         }
-        s.waiting_for = 0;
-        Ok(true)
+        if let Some(i) = s.waiters.iter().position(|&n| n == need) {
+            s.waiters.swap_remove(i);
+        }
+        in_time
+    }
+
+    /// The leader's sleep: on the wait descriptors of the contexts it leads, and on this queue's descriptor for
+    /// events that other threads complete here.
+    fn sleep_leading(&self, led: &[Arc<dyn Poller>], need: usize, until: Option<Instant>) {
+        let qfd = self.inner.fd.get_or_init(|| {
+            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).ok()
+        });
+        let mut until = until;
+        let mine = {
+            let mut s = self.inner.lock();
+            if s.events.len() >= need {
+                return;
+            }
+            match (qfd, s.fd_sleeper) {
+                (Some(_), None) => {
+                    s.fd_sleeper = Some(need);
+                    true
+                }
+                // Another leader of this queue sleeps on its descriptor (or there is none): look again soon.
+                _ => {
+                    let soon = Instant::now() + crate::progress::STANDBY;
+                    until = Some(until.map_or(soon, |u| u.min(soon)));
+                    false
+                }
+            }
+        };
+        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(led.len() * 2 + 1);
+        for p in led {
+            p.count_sleep();
+            for fd in p.sleep_fds() {
+                fds.push(PollFd::new(fd, PollFlags::POLLIN));
+            }
+        }
+        if let (true, Some(q)) = (mine, qfd) {
+            fds.push(PollFd::new(q.as_fd(), PollFlags::POLLIN));
+        }
+        crate::progress::sleep_on(&mut fds, until);
+        drop(fds);
+        for p in led {
+            p.woke();
+        }
+        if mine {
+            let mut s = self.inner.lock();
+            s.fd_sleeper = None;
+            if let Some(q) = qfd {
+                let _ = q.read();
+            }
+        }
     }
 
     fn has_drivers(&self) -> bool {
@@ -569,12 +698,41 @@ impl EqInner {
         let mut s = self.lock();
         s.outstanding = s.outstanding.saturating_sub(1);
         s.events.push_back(event);
-        // Seed 004: wake the sleeper only once the count it waits for has arrived.
-        if s.waiting_for > 0 && s.events.len() >= s.waiting_for {
-            s.waiting_for = 0;
+        // Seed 004: wake a sleeper only once the count it waits for has arrived. Every sleeper has its own count,
+        // so one waiter's count never hides another's.
+        let len = s.events.len();
+        let wake_cond = s.waiters.iter().any(|&n| len >= n);
+        let wake_fd = s.fd_sleeper.is_some_and(|n| len >= n);
+        if wake_fd {
+            s.fd_sleeper = None;
+        }
+        if wake_cond || wake_fd {
             s.stats.wakeups += 1;
-            drop(s);
+        }
+        drop(s);
+        if wake_fd {
+            self.write_fd();
+        }
+        if wake_cond {
             self.cond.notify_all();
+        }
+    }
+
+    /// A context's leader let go: threads that follow it retry leading.
+    pub(crate) fn nudge(&self) {
+        let mut s = self.lock();
+        s.nudges = s.nudges.wrapping_add(1);
+        let fd = s.fd_sleeper.take().is_some();
+        drop(s);
+        if fd {
+            self.write_fd();
+        }
+        self.cond.notify_all();
+    }
+
+    fn write_fd(&self) {
+        if let Some(Some(fd)) = self.fd.get() {
+            let _ = fd.write(1);
         }
     }
 }

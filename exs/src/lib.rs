@@ -25,6 +25,7 @@ pub mod error;
 pub mod event;
 pub mod memory;
 pub mod options;
+pub mod progress;
 pub mod proto;
 pub mod socket;
 pub mod testing;
@@ -45,6 +46,7 @@ pub use error::{
 pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
 pub use memory::{MemoryRegion, Slice};
 pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
+pub use progress::ProgressStats;
 pub use socket::{ConnStats, Readiness, Socket, SocketId};
 pub use transport::{Capabilities, Transport, TransportError};
 

@@ -72,7 +72,8 @@ struct Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         if !self.closed.swap(true, Ordering::SeqCst) {
-            let _ = self.ctx.shared().lock().close(self.id);
+            let id = self.id;
+            let _ = self.ctx.shared().call(|e| e.close(id));
         }
     }
 }
@@ -126,8 +127,8 @@ impl Socket {
     }
 
     fn engine<T>(&self, f: impl FnOnce(&mut crate::engine::Engine, SocketId) -> T) -> T {
-        let mut e = self.h.ctx.shared().lock();
-        f(&mut e, self.h.id)
+        let id = self.h.id;
+        self.h.ctx.shared().call(|e| f(e, id))
     }
 
     /// Starts an asynchronous operation: reserves its event, runs it, and gives the slot back if it was refused.
@@ -144,9 +145,6 @@ impl Socket {
         if let Some(t) = ticket {
             debug_assert!(r.is_err(), "a started operation must take its ticket");
             t.discard();
-        }
-        if r.is_ok() {
-            self.h.ctx.shared().kick();
         }
         r
     }
@@ -241,7 +239,6 @@ impl Socket {
             return Err(StateError::InvalidSocket.into());
         }
         let r = self.engine(|e, id| e.abort(id));
-        self.h.ctx.shared().kick();
         r
     }
 
@@ -289,7 +286,6 @@ impl Socket {
     /// key revoked.
     pub fn end_persistent(&self) -> Result<(), StateError> {
         let r = self.engine(|e, id| e.end_persistent(id));
-        self.h.ctx.shared().kick();
         r
     }
 
@@ -314,7 +310,6 @@ impl Socket {
             return Err(StateError::InvalidSocket.into());
         }
         let r = self.engine(|e, id| e.close(id));
-        self.h.ctx.shared().kick();
         r
     }
 

@@ -47,7 +47,21 @@ pub fn pair_opts(
     client_opts: &[SocketOption],
     server_opts: &[SocketOption],
 ) -> Pair {
-    let world = World::new(cfg);
+    pair_in(World::new(cfg), ty, client_opts, server_opts)
+}
+
+/// A connected pair on a threaded world: each context has its progress thread, and waiting threads lead.
+pub fn pair_threaded(ty: SockType, opts: &[SocketOption]) -> Pair {
+    pair_in(World::threaded(SimConfig::default()), ty, opts, opts)
+}
+
+/// A connected pair in `world`.
+pub fn pair_in(
+    world: World,
+    ty: SockType,
+    client_opts: &[SocketOption],
+    server_opts: &[SocketOption],
+) -> Pair {
     let a = world.host();
     let b = world.host();
     let eq_a = EventQueue::new(1024);

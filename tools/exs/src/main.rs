@@ -7,6 +7,7 @@ mod ping;
 mod progress;
 mod pump;
 mod soak;
+mod usage;
 mod util;
 
 use clap::{Parser, Subcommand};

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
 
+use crate::usage::Usage;
 use crate::backend::{BackendArgs, Opened};
 use crate::pump::wait_mode;
 
@@ -57,7 +58,7 @@ fn options(mode: &str, size: u64) -> Vec<SocketOption> {
 pub fn server(a: PingServerArgs) -> Result<(), String> {
     let opened = Opened::open(&a.backend)?;
     let ctx = opened.host()?;
-    echo(
+    let (usage, pings) = echo(
         &opened,
         &ctx,
         a.ping_size as usize,
@@ -67,7 +68,9 @@ pub fn server(a: PingServerArgs) -> Result<(), String> {
             println!("LISTEN {addr}");
             let _ = std::io::stdout().flush();
         },
-    )
+    )?;
+    println!("USAGE {} {pings}", usage.to_fields());
+    Ok(())
 }
 
 fn echo(
@@ -77,8 +80,9 @@ fn echo(
     mode: &str,
     wait: &str,
     announce: &mut dyn FnMut(std::net::SocketAddr),
-) -> Result<(), String> {
+) -> Result<(Usage, u64), String> {
     let eq = EventQueue::with_mode(16, wait_mode(wait)?);
+    let whole = opened.processes();
     let (_listener, s) = crate::util::accept_one(
         ctx,
         SockType::SeqPacket,
@@ -94,21 +98,27 @@ fn echo(
         let probe = MemoryRegion::alloc(ctx, 1).map_err(|e| e.to_string())?;
         s.recv(&eq, &probe.all(), MsgFlags::NONE, 1)
             .map_err(|e| e.to_string())?;
+        let u0 = Usage::now(ctx, whole);
         let _ = eq.next(None);
-        return Ok(());
+        return Ok((Usage::now(ctx, whole).since(u0), 0));
     }
+    // Counted from the first message on (the connection's set-up is not a round trip).
+    let mut start = None;
+    let mut pings = 0u64;
     loop {
         s.recv(&eq, &buf.all(), MsgFlags::NONE, 1)
             .map_err(|e| e.to_string())?;
         let r = eq.next(None).map_err(|e| e.to_string())?;
+        let u0 = *start.get_or_insert_with(|| Usage::now(ctx, whole));
         if !r.is_ok() || r.flags.eof {
-            return Ok(());
+            return Ok((Usage::now(ctx, whole).since(u0), pings));
         }
         s.send(&eq, &buf.slice(..r.bytes), MsgFlags::NONE, 2)
             .map_err(|e| e.to_string())?;
         let e = eq.next(None).map_err(|e| e.to_string())?;
+        pings += 1;
         if !e.is_ok() {
-            return Ok(());
+            return Ok((Usage::now(ctx, whole).since(u0), pings));
         }
     }
 }
@@ -120,6 +130,21 @@ pub struct Latency {
     pub mean_us: f64,
     pub median_us: f64,
     pub p99_us: f64,
+    /// The pinging side over the counted pings.
+    pub client: Usage,
+    /// The echoing side over all its pings (warm-up included), and how many.
+    pub server: Usage,
+    pub server_pings: u64,
+    /// Whether each side's usage is its whole process's.
+    pub whole: bool,
+}
+
+impl Latency {
+    /// Context switches per round trip, both sides.
+    pub fn switches_per_rt(&self, count: usize) -> f64 {
+        self.client.switches(self.whole) as f64 / count.max(1) as f64
+            + self.server.switches(self.whole) as f64 / self.server_pings.max(1) as f64
+    }
 }
 
 fn pinger(
@@ -129,7 +154,8 @@ fn pinger(
     mode: &str,
     wait: &str,
     count: usize,
-) -> Result<Vec<f64>, String> {
+    whole: bool,
+) -> Result<(Vec<f64>, Usage), String> {
     let eq = EventQueue::with_mode(16, wait_mode(wait)?);
     let s = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
     for o in options(mode, size as u64) {
@@ -144,7 +170,11 @@ fn pinger(
     let back = MemoryRegion::alloc(ctx, size.max(1)).map_err(|e| e.to_string())?;
     let warm = count / 10 + 1;
     let mut samples = Vec::with_capacity(count);
+    let mut u0 = Usage::default();
     for i in 0..warm + count {
+        if i == warm {
+            u0 = Usage::now(ctx, whole);
+        }
         let t0 = Instant::now();
         s.recv(&eq, &back.slice(..size.max(1)), MsgFlags::NONE, 1)
             .map_err(|e| e.to_string())?;
@@ -164,8 +194,9 @@ fn pinger(
             samples.push(if mode == "persistent" { dt } else { dt / 2.0 });
         }
     }
+    let usage = Usage::now(ctx, whole).since(u0);
     let _ = s.close();
-    Ok(samples)
+    Ok((samples, usage))
 }
 
 pub fn measure(
@@ -183,9 +214,10 @@ pub fn measure(
         Some(opened.host()?)
     };
     let ctx = opened.host()?;
-    let mut samples = if opened.processes() {
+    let whole = opened.processes();
+    let ((mut samples, client), (server, server_pings)) = if opened.processes() {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let (mut child, addr, _out) = crate::util::spawn_listening(
+        let (mut child, addr, mut out) = crate::util::spawn_listening(
             &mut Command::new(exe)
                 .arg("ping-server")
                 .args(backend.to_args())
@@ -198,9 +230,19 @@ pub fn measure(
                     wait,
                 ]),
         )?;
-        let r = pinger(&ctx, addr, size, mode, wait, count);
+        let r = pinger(&ctx, addr, size, mode, wait, count, whole);
+        let mut line = String::new();
+        let _ = std::io::BufRead::read_line(&mut out, &mut line);
         let _ = child.wait();
-        r?
+        let server = line
+            .trim()
+            .strip_prefix("USAGE ")
+            .and_then(|l| {
+                let mut it = l.split_whitespace();
+                Some((Usage::parse(&mut it)?, it.next()?.parse().ok()?))
+            })
+            .ok_or_else(|| format!("the echo server reported {line:?}"))?;
+        (r?, server)
     } else {
         let sctx = sctx.expect("created above");
         let (tx, rx) = std::sync::mpsc::channel();
@@ -211,9 +253,11 @@ pub fn measure(
                 })
             });
             let addr = rx.recv().map_err(|_| "server thread failed".to_string())?;
-            let r = pinger(&ctx, addr, size, mode, wait, count);
-            let _ = h.join();
-            r
+            let r = pinger(&ctx, addr, size, mode, wait, count, whole)?;
+            let server = h
+                .join()
+                .map_err(|_| "server thread panicked".to_string())??;
+            Ok::<_, String>((r, server))
         })?
     };
     samples.sort_by(f64::total_cmp);
@@ -222,7 +266,22 @@ pub fn measure(
         mean_us: samples.iter().sum::<f64>() / n as f64,
         median_us: samples.get(n / 2).copied().unwrap_or(0.0),
         p99_us: samples.get(n * 99 / 100).copied().unwrap_or(0.0),
+        client,
+        server,
+        server_pings,
+        whole,
     })
+}
+
+/// One size's JSON line: latency, and per round trip (both sides) context switches and progress wake-ups.
+pub fn ping_json(l: &Latency, backend: &str, size: u64, mode: &str, wait: &str, count: usize) -> serde_json::Value {
+    let mut v = serde_json::json!({"tool": "exs-ping", "backend": backend, "size": size, "mode": mode,
+        "wait": wait, "mean_us": l.mean_us, "median_us": l.median_us, "p99_us": l.p99_us,
+        "ctx_switches_per_rt": l.switches_per_rt(count)});
+    let map = v.as_object_mut().expect("an object");
+    l.client.per_msg_json("client_", count as u64, map);
+    l.server.per_msg_json("server_", l.server_pings, map);
+    v
 }
 
 pub fn run(a: PingArgs) -> Result<(), String> {
@@ -256,8 +315,7 @@ pub fn run(a: PingArgs) -> Result<(), String> {
         if a.json {
             println!(
                 "{}",
-                serde_json::json!({"tool": "exs-ping", "backend": opened.label(), "size": size, "mode": a.mode,
-                    "wait": a.wait, "mean_us": l.mean_us, "median_us": l.median_us, "p99_us": l.p99_us})
+                ping_json(&l, &opened.label(), size, &a.mode, &a.wait, a.count.max(10))
             );
         } else {
             println!(

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption, WaitMode};
 
+use crate::usage::Usage;
 use crate::backend::{BackendArgs, Opened};
 
 #[derive(Clone, Debug, clap::Args)]
@@ -118,14 +119,20 @@ pub struct Side {
     pub bytes: u64,
     pub msgs: u64,
     pub secs: f64,
-    pub cpu: f64,
+    /// CPU, context switches and progress wake-ups while it ran.
+    pub usage: Usage,
+    /// Whether `usage` is the whole process's (a side in its own process) or one thread's.
+    pub whole: bool,
 }
 
 impl Side {
     fn to_line(self) -> String {
         format!(
-            "RESULT {} {} {:.6} {:.6}",
-            self.bytes, self.msgs, self.secs, self.cpu
+            "RESULT {} {} {:.6} {}",
+            self.bytes,
+            self.msgs,
+            self.secs,
+            self.usage.to_fields()
         )
     }
     fn parse(l: &str) -> Option<Side> {
@@ -134,7 +141,8 @@ impl Side {
             bytes: it.next()?.parse().ok()?,
             msgs: it.next()?.parse().ok()?,
             secs: it.next()?.parse().ok()?,
-            cpu: it.next()?.parse().ok()?,
+            usage: Usage::parse(&mut it)?,
+            whole: true,
         })
     }
 }
@@ -175,8 +183,12 @@ fn serve(
         .map_err(|e| e.to_string())?;
     }
     let persistent = p.point_mode == "persistent";
-    let mut side = Side::default();
-    let mut start: Option<(Instant, f64)> = None;
+    let whole = opened.processes();
+    let mut side = Side {
+        whole,
+        ..Side::default()
+    };
+    let mut start: Option<(Instant, Usage)> = None;
     let mut last = Instant::now();
     let stop = Duration::from_secs_f64(p.point_seconds);
     loop {
@@ -187,7 +199,7 @@ fn serve(
             break; // the client closed: the point is over
         }
         let now = Instant::now();
-        let (t0, _) = *start.get_or_insert((now, cpu_seconds()));
+        let (t0, _) = *start.get_or_insert_with(|| (now, Usage::now(ctx, whole)));
         side.bytes += ev.bytes as u64;
         side.msgs += 1;
         last = now;
@@ -203,9 +215,9 @@ fn serve(
         )
         .map_err(|e| e.to_string())?;
     }
-    if let Some((t0, c0)) = start {
+    if let Some((t0, u0)) = start {
         side.secs = (last - t0).as_secs_f64();
-        side.cpu = cpu_seconds() - c0;
+        side.usage = Usage::now(ctx, whole).since(u0);
         // The first message only starts the clock.
         side.bytes = side.bytes.saturating_sub(side.bytes / side.msgs.max(1));
         side.msgs = side.msgs.saturating_sub(1);
@@ -216,7 +228,12 @@ fn serve(
 
 /// The client of one point: blasts for the point's duration (persistent: one send, then waits for the server
 /// to hang up), then closes. Returns what it measured.
-fn blast(ctx: &exs::Context, addr: std::net::SocketAddr, p: &Point) -> Result<Side, String> {
+fn blast(
+    ctx: &exs::Context,
+    addr: std::net::SocketAddr,
+    p: &Point,
+    whole: bool,
+) -> Result<Side, String> {
     let ty = sock_type(&p.point_type)?;
     let eq = EventQueue::with_mode(p.point_depth * 2 + 8, wait_mode(&p.point_wait)?);
     let s = Socket::new(ctx, ty).map_err(|e| e.to_string())?;
@@ -231,8 +248,11 @@ fn blast(ctx: &exs::Context, addr: std::net::SocketAddr, p: &Point) -> Result<Si
     let size = p.point_size.max(1) as usize;
     let depth = p.point_depth.max(1);
     let buf = MemoryRegion::from_vec(ctx, vec![0x5A; size * depth]).map_err(|e| e.to_string())?;
-    let (t0, c0) = (Instant::now(), cpu_seconds());
-    let mut side = Side::default();
+    let (t0, u0) = (Instant::now(), Usage::now(ctx, whole));
+    let mut side = Side {
+        whole,
+        ..Side::default()
+    };
     if p.point_mode == "persistent" {
         s.send(&eq, &buf.slice(0..size), MsgFlags::PERSISTENT, 0)
             .map_err(|e| e.to_string())?;
@@ -275,7 +295,7 @@ fn blast(ctx: &exs::Context, addr: std::net::SocketAddr, p: &Point) -> Result<Si
         }
     }
     side.secs = t0.elapsed().as_secs_f64();
-    side.cpu = cpu_seconds() - c0;
+    side.usage = Usage::now(ctx, whole).since(u0);
     let _ = s.close();
     Ok(side)
 }
@@ -302,7 +322,7 @@ impl Measured {
     }
 
     pub fn json(&self, backend: &str) -> serde_json::Value {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "tool": "exs-pump",
             "backend": backend,
             "size": self.size,
@@ -313,9 +333,16 @@ impl Measured {
             "bytes_per_sec": self.throughput(),
             "msgs": self.server.msgs,
             "secs": self.server.secs,
-            "cpu_client": if self.client.secs > 0.0 { self.client.cpu / self.client.secs } else { 0.0 },
-            "cpu_server": if self.server.secs > 0.0 { self.server.cpu / self.server.secs } else { 0.0 },
-        })
+            "cpu_client": if self.client.secs > 0.0 { self.client.usage.cpu / self.client.secs } else { 0.0 },
+            "cpu_server": if self.server.secs > 0.0 { self.server.usage.cpu / self.server.secs } else { 0.0 },
+        });
+        let map = v.as_object_mut().expect("an object");
+        let msgs = self.server.msgs.max(self.client.msgs);
+        self.client.usage.per_msg_json("client_", msgs, map);
+        self.server.usage.per_msg_json("server_", msgs, map);
+        let switches = self.client.usage.switches(self.client.whole) + self.server.usage.switches(self.server.whole);
+        map.insert("ctx_switches_per_msg".into(), (switches as f64 / msgs.max(1) as f64).into());
+        v
     }
 }
 
@@ -358,7 +385,7 @@ pub fn point(opened: &Opened, backend: &BackendArgs, p: &Point) -> Result<Measur
             .strip_prefix("LISTEN ")
             .ok_or_else(|| format!("server said {line:?}"))?;
         let addr = addr.parse().map_err(|e| format!("{e}"))?;
-        let client = blast(&ctx, addr, p)?;
+        let client = blast(&ctx, addr, p, opened.processes())?;
         let mut result = String::new();
         out.read_line(&mut result).map_err(|e| e.to_string())?;
         let _ = child.wait();
@@ -376,7 +403,7 @@ pub fn point(opened: &Opened, backend: &BackendArgs, p: &Point) -> Result<Measur
                 })
             });
             let addr = rx.recv().map_err(|_| "server thread failed".to_string())?;
-            let client = blast(&ctx, addr, p)?;
+            let client = blast(&ctx, addr, p, opened.processes())?;
             let server = h
                 .join()
                 .map_err(|_| "server thread panicked".to_string())??;

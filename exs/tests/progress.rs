@@ -1,0 +1,136 @@
+//! Who makes progress (issue 12): API calls wake nobody, the waiting thread leads, the progress thread is the
+//! fallback while the application computes. Counted, never timed.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{pair_threaded, pattern, wait};
+use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
+
+const ROUND_TRIPS: usize = 300;
+
+/// Posting work is a system-call-free step: no call writes an eventfd to wake the progress thread.
+#[test]
+fn api_calls_wake_no_thread() {
+    let p = pair_threaded(SockType::SeqPacket, &[]);
+    // Let the progress threads settle (they lead while nobody waits).
+    std::thread::sleep(Duration::from_millis(50));
+    let before = p.b.progress_stats();
+    let bufs: Vec<MemoryRegion> = (0..50).map(|_| p.server_region(64)).collect();
+    for (i, b) in bufs.iter().enumerate() {
+        p.server.recv(&p.eq_b, &b.all(), MsgFlags::NONE, i as u64).unwrap();
+    }
+    let after = p.b.progress_stats();
+    assert_eq!(after.timer_kicks, before.timer_kicks, "{before:?} -> {after:?}");
+    // The old design wrote the context's eventfd once per call: 50 wake-ups here.
+    assert!(
+        after.thread_wakeups - before.thread_wakeups <= 2,
+        "posting 50 receives woke the progress thread: {before:?} -> {after:?}"
+    );
+}
+
+/// A blocking dequeue runs the protocol itself and sleeps on the transport's descriptor; the progress thread
+/// stands aside, so a ping-pong costs far fewer progress-thread wake-ups than round trips.
+#[test]
+fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
+    let p = pair_threaded(
+        SockType::SeqPacket,
+        &[SocketOption::SmallPacketMaxSize(64)],
+    );
+    let out = p.client_region(pattern(32, 7));
+    let back = p.client_region(vec![0; 32]);
+    let sbuf = p.server_region(32);
+    let echo = {
+        let server = p.server.clone();
+        let eq = p.eq_b.clone();
+        std::thread::spawn(move || {
+            for _ in 0..ROUND_TRIPS {
+                server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
+                let r = wait(&eq);
+                assert!(r.is_ok(), "{r:?}");
+                server.send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2).unwrap();
+                assert!(wait(&eq).is_ok());
+            }
+        })
+    };
+    let (a0, b0) = (p.a.progress_stats(), p.b.progress_stats());
+    for _ in 0..ROUND_TRIPS {
+        p.client.recv(&p.eq_a, &back.all(), MsgFlags::NONE, 1).unwrap();
+        p.client.send(&p.eq_a, &out.all(), MsgFlags::NONE, 2).unwrap();
+        let mut evs = Vec::new();
+        p.eq_a.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30))).unwrap();
+        assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
+    }
+    echo.join().unwrap();
+    assert_eq!(back.to_vec().unwrap(), pattern(32, 7));
+    let (a1, b1) = (p.a.progress_stats(), p.b.progress_stats());
+    let leads = a1.app_leads - a0.app_leads + b1.app_leads - b0.app_leads;
+    let wakeups = a1.thread_wakeups - a0.thread_wakeups + b1.thread_wakeups - b0.thread_wakeups;
+    assert!(leads > 0, "no application thread led: {a1:?} {b1:?}");
+    assert!(
+        a1.app_sleeps + b1.app_sleeps > 0,
+        "no application thread slept on the transport: {a1:?} {b1:?}"
+    );
+    // The old design woke a progress thread at least once per operation (4 per round trip, both sides).
+    assert!(
+        (wakeups as usize) < ROUND_TRIPS,
+        "{wakeups} progress-thread wake-ups for {ROUND_TRIPS} round trips: {a1:?} {b1:?}"
+    );
+}
+
+/// While the receiving application computes (no dequeue), its progress thread still answers the peer: a normal
+/// send (advert, RDMA read by the receiver, acknowledgment) completes at the sender.
+#[test]
+fn the_progress_thread_answers_while_the_application_computes() {
+    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(0)]);
+    let data = pattern(64 * 1024, 3);
+    let src = p.client_region(data.clone());
+    let dst = p.server_region(data.len());
+    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1).unwrap();
+    // Let the server's progress thread take the lead (nobody waits on the server side from here on).
+    std::thread::sleep(Duration::from_millis(20));
+    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
+    let s = wait(&p.eq_a);
+    assert_eq!((s.kind, s.bytes), (EventKind::Send, data.len()), "{s:?}");
+    assert!(s.is_ok(), "{s:?}");
+    assert!(p.b.progress_stats().thread_wakeups > 0);
+    let r = wait(&p.eq_b);
+    assert_eq!(r.bytes, data.len());
+    assert_eq!(dst.to_vec().unwrap(), data);
+}
+
+/// Two threads wait on one queue, one of them for several events: each returns once its own count is there
+/// (a leader lets go, the follower leads next).
+#[test]
+fn two_threads_waiting_on_one_queue_both_get_their_events() {
+    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
+    let src = p.client_region(pattern(16, 1));
+    let bufs: Vec<MemoryRegion> = (0..3).map(|_| p.server_region(16)).collect();
+    for (i, b) in bufs.iter().enumerate() {
+        p.server.recv(&p.eq_b, &b.all(), MsgFlags::NONE, i as u64).unwrap();
+    }
+    let one = {
+        let eq = p.eq_b.clone();
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            eq.dequeue(&mut v, 1, 1, Some(Duration::from_secs(30))).map(|_| v.len())
+        })
+    };
+    let two = {
+        let eq = p.eq_b.clone();
+        std::thread::spawn(move || {
+            let mut v = Vec::new();
+            eq.dequeue(&mut v, 2, 2, Some(Duration::from_secs(30))).map(|_| v.len())
+        })
+    };
+    std::thread::sleep(Duration::from_millis(20));
+    for i in 0..3 {
+        p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, i).unwrap();
+    }
+    assert_eq!(one.join().unwrap(), Ok(1));
+    assert_eq!(two.join().unwrap(), Ok(2));
+    for _ in 0..3 {
+        assert!(wait(&p.eq_a).is_ok());
+    }
+}

@@ -1,0 +1,90 @@
+//! What a side of a measurement cost: CPU seconds and context switches (`getrusage`), and the progress thread's
+//! wake-ups (the context's own counter). Differences of two snapshots are reported per message.
+
+use nix::sys::resource::{getrusage, UsageWho};
+
+/// One snapshot (or a difference of two).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Usage {
+    /// User + system CPU seconds.
+    pub cpu: f64,
+    /// Voluntary context switches (the thread went to sleep).
+    pub vcsw: u64,
+    /// Involuntary context switches (the thread was preempted).
+    pub ivcsw: u64,
+    /// Wake-ups of the context's progress thread.
+    pub wakeups: u64,
+}
+
+impl Usage {
+    /// Now, for this whole process (`whole`) or for the calling thread only (when both sides share a process,
+    /// so neither counts the other's switches; the progress thread's are then its wake-ups).
+    pub fn now(ctx: &exs::Context, whole: bool) -> Usage {
+        let who = if whole {
+            UsageWho::RUSAGE_SELF
+        } else {
+            UsageWho::RUSAGE_THREAD
+        };
+        let wakeups = ctx.progress_stats().thread_wakeups;
+        match getrusage(who) {
+            Ok(u) => {
+                let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
+                Usage {
+                    cpu: t(u.user_time()) + t(u.system_time()),
+                    vcsw: u.voluntary_context_switches() as u64,
+                    ivcsw: u.involuntary_context_switches() as u64,
+                    wakeups,
+                }
+            }
+            Err(_) => Usage {
+                wakeups,
+                ..Usage::default()
+            },
+        }
+    }
+
+    /// What happened since `start`.
+    pub fn since(self, start: Usage) -> Usage {
+        Usage {
+            cpu: self.cpu - start.cpu,
+            vcsw: self.vcsw.saturating_sub(start.vcsw),
+            ivcsw: self.ivcsw.saturating_sub(start.ivcsw),
+            wakeups: self.wakeups.saturating_sub(start.wakeups),
+        }
+    }
+
+    /// Context switches, counting the progress thread's wake-ups where the process total is not measured.
+    pub fn switches(&self, whole: bool) -> u64 {
+        if whole {
+            self.vcsw + self.ivcsw
+        } else {
+            self.vcsw + self.ivcsw + self.wakeups
+        }
+    }
+
+    /// The fields for a line between processes.
+    pub fn to_fields(self) -> String {
+        format!("{:.6} {} {} {}", self.cpu, self.vcsw, self.ivcsw, self.wakeups)
+    }
+
+    /// Parses [`Usage::to_fields`].
+    pub fn parse<'a>(it: &mut impl Iterator<Item = &'a str>) -> Option<Usage> {
+        Some(Usage {
+            cpu: it.next()?.parse().ok()?,
+            vcsw: it.next()?.parse().ok()?,
+            ivcsw: it.next()?.parse().ok()?,
+            wakeups: it.next()?.parse().ok()?,
+        })
+    }
+
+    /// Per-message figures as JSON fields with a prefix (`client_`, `server_`).
+    pub fn per_msg_json(&self, prefix: &str, msgs: u64, map: &mut serde_json::Map<String, serde_json::Value>) {
+        let n = msgs.max(1) as f64;
+        map.insert(format!("{prefix}vcsw_per_msg"), (self.vcsw as f64 / n).into());
+        map.insert(format!("{prefix}ivcsw_per_msg"), (self.ivcsw as f64 / n).into());
+        map.insert(
+            format!("{prefix}progress_wakeups_per_msg"),
+            (self.wakeups as f64 / n).into(),
+        );
+    }
+}

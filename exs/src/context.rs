@@ -196,8 +196,8 @@ impl crate::event::Poller for Shared {
         ]
     }
 
-    fn woke(&self) {
-        self.lead.woke();
+    fn woke(&self, kicked: bool) {
+        self.lead.woke(kicked);
     }
 
     fn release(&self) {

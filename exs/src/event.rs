@@ -158,8 +158,8 @@ pub(crate) trait Poller: Send + Sync {
     fn prepare_sleep(&self) -> Option<Option<Instant>>;
     /// The descriptors a leader sleeps on (the transport's, and its wake-up eventfd).
     fn sleep_fds(&self) -> [BorrowedFd<'_>; 2];
-    /// The leader woke up.
-    fn woke(&self);
+    /// The leader woke up; `kicked`: its wake-up eventfd was readable.
+    fn woke(&self, kicked: bool);
     /// The leader lets go.
     fn release(&self);
     /// Counts a leader's sleep.
@@ -561,14 +561,15 @@ impl EventQueue {
             fds.push(PollFd::new(q.as_fd(), PollFlags::POLLIN));
         }
         crate::progress::sleep_on(&mut fds, until);
+        let revents: Vec<bool> = fds.iter().map(crate::progress::readable).collect();
         drop(fds);
-        for p in led {
-            p.woke();
+        for (i, p) in led.iter().enumerate() {
+            p.woke(revents[i * 2 + 1]);
         }
         if mine {
             let mut s = self.inner.lock();
             s.fd_sleeper = None;
-            if let Some(q) = qfd {
+            if let (Some(q), Some(true)) = (qfd, revents.last()) {
                 let _ = q.read();
             }
         }

@@ -239,10 +239,13 @@ impl Lead {
         self.release(true);
     }
 
-    /// The leader's wake-up: drains its eventfd and marks it awake.
-    pub(crate) fn woke(&self) {
+    /// The leader's wake-up: marks it awake, and drains its eventfd if that is what woke it (no system call
+    /// otherwise).
+    pub(crate) fn woke(&self, kicked: bool) {
         self.leader_sleep.store(AWAKE, Ordering::SeqCst);
-        let _ = self.leader_wake.read();
+        if kicked {
+            let _ = self.leader_wake.read();
+        }
     }
 
     pub(crate) fn count_app_sleep(&self) {
@@ -295,6 +298,11 @@ pub(crate) fn sleep_on(fds: &mut [PollFd<'_>], until: Option<Instant>) {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
+}
+
+/// Whether a polled descriptor was reported readable.
+pub(crate) fn readable(fd: &PollFd<'_>) -> bool {
+    fd.revents().is_some_and(|r| r.contains(PollFlags::POLLIN))
 }
 
 /// What the progress thread does next.
@@ -391,7 +399,9 @@ fn sleep_thread(shared: &Shared, until: Option<Instant>) {
     let mut fds = [PollFd::new(lead.thread_wake.as_fd(), PollFlags::POLLIN)];
     sleep_on(&mut fds, until);
     lead.thread_sleep.store(AWAKE, Ordering::SeqCst);
-    let _ = lead.thread_wake.read();
+    if readable(&fds[0]) {
+        let _ = lead.thread_wake.read();
+    }
     lead.counters.thread_wakeups.fetch_add(1, Ordering::Relaxed);
     lead.lock().thread_deep = false;
 }
@@ -416,7 +426,8 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
             PollFd::new(lead.leader_wake.as_fd(), PollFlags::POLLIN),
         ];
         sleep_on(&mut fds, until);
-        lead.woke();
+        let kicked = readable(&fds[1]);
+        lead.woke(kicked);
         lead.counters.thread_wakeups.fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -3,7 +3,8 @@
 //! `bench/results/<date>-<suite>.csv`, SVG plots and a markdown table that the README includes.
 //!
 //! Suites: `host` (libfabric tcp on 127.0.0.1: exs, the raw libfabric RMA loop, plain TCP with and without
-//! Nagle, the three wait modes) and `softroce` (one rxe device in the QEMU guest, or natively: exs over verbs, the
+//! Nagle, the three wait modes, and the per-round-trip cost of an 8-byte ping-pong against `fi_pingpong` and
+//! blocking TCP, counted by `perf stat`) and `softroce` (one rxe device in the QEMU guest, or natively: exs over verbs, the
 //! raw verbs loop, perftest's ib_write_bw / ib_read_bw / ib_send_lat / ib_read_lat, rsockets' rstream and
 //! `rstream -T s`).
 
@@ -41,6 +42,9 @@ enum Parse {
     PerftestLat,
     /// rstream (Gb/sec).
     Rstream,
+    /// A ping-pong of `round trips` under `perf stat -x,` (both processes): syscalls and context switches per
+    /// round trip, plus the tool's own latency (exs/tcp JSON, or fi_pingpong's usec/xfer).
+    PerfPing(usize),
 }
 
 #[derive(Clone, Debug)]
@@ -215,6 +219,7 @@ fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
         format!("{exe} tcpping --size 8 --count {} --nodelay", p.pings),
         Parse::Json,
     ));
+    v.extend(cost_jobs(exe, p));
     v
 }
 
@@ -323,6 +328,56 @@ fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
 
 /// Runs a peer tool's client until it connects: under an emulated CPU its server can take seconds to listen. Then
 /// waits for the server.
+/// Where `perf stat` writes its counts for a cost job (read back by the same job's script).
+const PERF_OUT: &str = "/tmp/exs-bench-perf.csv";
+
+/// Wraps a command in `perf stat` counting system calls and context switches of it and its children.
+fn perf_wrapped(cmd: &str) -> String {
+    format!(
+        "perf stat -x, -e raw_syscalls:sys_enter,context-switches -o {PERF_OUT} -- {cmd}; cat {PERF_OUT}; rm -f {PERF_OUT}"
+    )
+}
+
+/// Per-message cost on the host (issue 12): the same 8-byte ping-pong through libfabric's own `fi_pingpong`
+/// (busy polling), exs immediate pings in each wait mode, and blocking TCP, each counted by `perf stat`.
+fn cost_jobs(exe: &str, p: &Plan) -> Vec<Job> {
+    let n = p.pings * 4;
+    // exs ping counts a 10% warm-up (+1) as round trips too.
+    let exs_rts = n + n / 10 + 1;
+    let mut v = vec![job(
+        "cost",
+        "fi_pingpong",
+        8,
+        1,
+        perf_wrapped(&format!(
+            "sh -c 'fi_pingpong -p tcp -e msg -I {n} -S 8 >/dev/null 2>&1 & sleep 1; \
+             fi_pingpong -p tcp -e msg -I {n} -S 8 127.0.0.1; wait'"
+        )),
+        Parse::PerfPing(n),
+    )];
+    for wait in ["busy", "adaptive", "block"] {
+        v.push(job(
+            "cost",
+            &format!("exs {wait}"),
+            8,
+            1,
+            perf_wrapped(&format!(
+                "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait} --json"
+            )),
+            Parse::PerfPing(exs_rts),
+        ));
+    }
+    v.push(job(
+        "cost",
+        "tcp nodelay",
+        8,
+        1,
+        perf_wrapped(&format!("{exe} tcpping --size 8 --count {n} --nodelay")),
+        Parse::PerfPing(n),
+    ));
+    v
+}
+
 fn retry(client: &str) -> String {
     format!("for i in 1 2 3 4 5; do sleep 1; {client} && break; done; wait")
 }
@@ -377,6 +432,35 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
                 }
             }
         }
+        Parse::PerfPing(rts) => {
+            let rts = rts.max(1) as f64;
+            for l in out.lines() {
+                let f: Vec<&str> = l.split(',').collect();
+                let count = f.first().and_then(|x| x.trim().parse::<f64>().ok());
+                match (count, f.get(2).copied()) {
+                    (Some(c), Some("raw_syscalls:sys_enter")) => rows.push(row("syscalls_per_rt", c / rts)),
+                    (Some(c), Some("context-switches")) => rows.push(row("cs_per_rt", c / rts)),
+                    _ => {}
+                }
+                // fi_pingpong: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
+                let w: Vec<&str> = l.split_whitespace().collect();
+                if w.len() == 8 && w[0] == "8" && w[2].starts_with('=') {
+                    if let Ok(us) = w[6].parse::<f64>() {
+                        rows.push(row("mean_us", us));
+                    }
+                }
+            }
+            for v in out
+                .lines()
+                .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            {
+                for m in ["mean_us", "median_us"] {
+                    if let Some(x) = v[m].as_f64() {
+                        rows.push(row(m, x));
+                    }
+                }
+            }
+        }
         Parse::Rstream => {
             // name bytes xfers iters total time Gb/sec usec/xfer
             if let Some(l) = out
@@ -401,7 +485,7 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
 }
 
 /// Kills what a timed-out job may have left behind (servers started in the background).
-const CLEANUP: &str = "for p in ib_write_bw ib_read_bw ib_send_lat ib_read_lat rstream; do pkill -x $p; done 2>/dev/null; \
+const CLEANUP: &str = "for p in ib_write_bw ib_read_bw ib_send_lat ib_read_lat rstream fi_pingpong; do pkill -x $p; done 2>/dev/null; \
                        pkill -f 'exs (pump-server|ping-server|rawpump|tcppump|tcpping)' 2>/dev/null; true";
 
 /// The jobs as one shell script with markers, repeated and interleaved (every job once per round).
@@ -731,7 +815,31 @@ fn markdown(
                 .join(" | ")
         );
     }
-    let lat: Vec<&Key> = sum.keys().filter(|k| k.4 == "mean_us").collect();
+    let costs: Vec<&Key> = sum
+        .keys()
+        .filter(|k| k.0 == "cost" && k.4 == "syscalls_per_rt")
+        .collect();
+    if !costs.is_empty() {
+        let _ = writeln!(s, "\nPer round trip, 8-byte ping-pong, both processes (`perf stat -e raw_syscalls:sys_enter,context-switches`), and one-way latency in µs (fi_pingpong reports a mean only):\n\n| test | syscalls | context switches | mean µs | median µs |\n|---|---|---|---|---|");
+        for k in costs {
+            let g = |m: &str, d: usize| {
+                get(sum, "cost", &k.1, 8, m).map_or("-".into(), |v| format!("{:.*}", d, v.0))
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} |",
+                k.1,
+                g("syscalls_per_rt", 1),
+                g("cs_per_rt", 2),
+                g("mean_us", 2),
+                g("median_us", 2)
+            );
+        }
+    }
+    let lat: Vec<&Key> = sum
+        .keys()
+        .filter(|k| k.4 == "mean_us" && k.0 != "cost")
+        .collect();
     if !lat.is_empty() {
         let _ = writeln!(s, "\nLatency, 8-byte payload (exs and TCP: one-way, half the round trip; exs persistent and ib_read_lat: one RDMA read; ib_send_lat: one-way), µs, mean / median:\n\n| test | mean | median |\n|---|---|---|");
         for k in lat {
@@ -816,6 +924,42 @@ fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<Stri
     let mib = 1 << 20;
     let mut v = Vec::new();
     if suite == "host" {
+        let cost = |v: &str, m: &str| get(sum, "cost", v, 8, m).map(|x| x.0);
+        v.push(ratio_line(
+            "exs busy ping syscalls per round trip vs fi_pingpong",
+            cost("exs busy", "syscalls_per_rt"),
+            cost("fi_pingpong", "syscalls_per_rt"),
+            |r| r <= 1.5,
+            "<= 1.5x",
+        ));
+        v.push(ratio_line(
+            "exs busy ping mean one-way vs fi_pingpong (a mean: it reports no median)",
+            cost("exs busy", "mean_us"),
+            cost("fi_pingpong", "mean_us"),
+            |r| r <= 1.5,
+            "<= 1.5x",
+        ));
+        for (w, max) in [("exs busy", 0.2), ("exs adaptive", 2.5), ("exs block", 2.5)] {
+            let cs = cost(w, "cs_per_rt");
+            v.push(format!(
+                "{w}: {} context switches per round trip (want <= {max}): {}",
+                cs.map_or("-".into(), |c| format!("{c:.2}")),
+                match cs {
+                    Some(c) if c <= max => "met",
+                    Some(_) => "MISSED",
+                    None => "not measured",
+                }
+            ));
+        }
+        for w in ["exs adaptive", "exs block"] {
+            v.push(ratio_line(
+                &format!("{w} ping median one-way vs blocking TCP nodelay"),
+                cost(w, "median_us"),
+                cost("tcp nodelay", "median_us"),
+                |r| r <= 1.0,
+                "<= 1.0x",
+            ));
+        }
         v.push(ratio_line(
             "exs seqpacket vs raw libfabric RMA write loop, 1 MiB",
             bw("exs", "seqpacket", mib),
@@ -1035,6 +1179,8 @@ fn run_host(jobs: &[Job], repeats: usize, timeout: u32) -> Result<String> {
 pub fn run(a: BenchArgs) -> Result<()> {
     let started = Instant::now();
     sys::ensure_packages(sys::BUILD_PACKAGES)?;
+    // fi_pingpong (libfabric's own ping-pong) and perf (per-round-trip counts) for the cost table.
+    sys::ensure_packages(&["libfabric-bin", "linux-perf"])?;
     sys::run(sys::cargo().args(["build", "--release", "-p", "exs-tools", "-p", "xtask"]))?;
     let exe = sys::root().join("target/release/exs");
     let exe = exe.to_string_lossy();
@@ -1170,6 +1316,25 @@ mod tests {
         let out = "name      bytes   xfers   iters   total       time     Gb/sec    usec/xfer\n64k_bw   64k     1000    1       125m        1.23s    0.85     616.31\n";
         let rows = parse("s", &j, 0, out);
         assert!((rows[0].value - 0.85e9 / 8.0).abs() < 1.0);
+    }
+
+    #[test]
+    fn parses_perf_stat_counts_per_round_trip_and_fi_pingpong() {
+        let j = job("cost", "fi_pingpong", 8, 1, String::new(), Parse::PerfPing(20000));
+        let out = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
+                   8       20k     =20k     312k        0.19s      1.71       4.69       0.21\n\
+                   # started on Mon Nov 23\n\n\
+                   433630,,raw_syscalls:sys_enter,313616920,100.00,,\n\
+                   1826,,context-switches,313616920,100.00,,\n";
+        let rows = parse("host", &j, 0, out);
+        let get = |m: &str| rows.iter().find(|r| r.metric == m).map(|r| r.value);
+        assert_eq!(get("mean_us"), Some(4.69));
+        assert!((get("syscalls_per_rt").unwrap() - 21.6815).abs() < 1e-9);
+        assert!((get("cs_per_rt").unwrap() - 0.0913).abs() < 1e-9);
+        let j = job("cost", "exs busy", 8, 1, String::new(), Parse::PerfPing(100));
+        let out = "{\"median_us\": 9.5, \"mean_us\": 10.0}\n1000,,raw_syscalls:sys_enter,1,100.00,,\n";
+        let rows = parse("host", &j, 0, out);
+        assert_eq!(rows.len(), 3, "{rows:?}");
     }
 
     #[test]

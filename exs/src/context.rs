@@ -220,6 +220,7 @@ impl Shared {
         let mut e = self.lock();
         let before = e.next_deadline();
         let r = f(&mut e);
+        e.drain_done();
         let after = e.next_deadline();
         if after.is_some_and(|a| before.is_none_or(|b| a < b)) {
             if let Some(d) = e.next_deadline_real() {

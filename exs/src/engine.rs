@@ -22,6 +22,7 @@ use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 use crate::proto::conn::{Conn, Fault, Incoming, Limits};
 use crate::proto::link::{wr_kind, Link, Slots, WrKind};
 use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
+use crate::proto::op::{Done, OpToken, Outbox};
 use crate::proto::pool::{PoolStats, RecvPool};
 use crate::proto::stream::StreamSetup;
 use crate::socket::{Readiness, SocketId};
@@ -173,6 +174,13 @@ pub(crate) struct Engine {
     shared_recv: crate::context::SharedRecv,
     pool: PoolState,
     pool_posts: Vec<WorkRequest>,
+    /// Operations handed to the protocol, by identifier: their tickets, and reads not yet reported (a full
+    /// queue folds read notifications into the next one).
+    ops: HashMap<u64, (Ticket, usize)>,
+    next_op: u64,
+    /// Where the protocol reports completions (see [`crate::proto::op`]).
+    outbox: Outbox,
+    done: Vec<Done>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -217,6 +225,10 @@ impl Engine {
             shared_recv: opts.shared_recv.clone(),
             pool: PoolState::Undecided,
             pool_posts: Vec::new(),
+            ops: HashMap::new(),
+            next_op: 1,
+            outbox: Outbox::default(),
+            done: Vec::new(),
         }
     }
 
@@ -293,6 +305,7 @@ impl Engine {
         }
         did |= self.run_timers();
         self.flush_dirty();
+        self.drain_done();
         did
     }
 
@@ -302,7 +315,50 @@ impl Engine {
         let mut did = self.poll_completions();
         did |= self.run_timers();
         self.flush_dirty();
+        self.drain_done();
         did
+    }
+
+    /// Hands an operation's ticket to the protocol as a token (the engine keeps the ticket).
+    fn token(&mut self, ticket: &mut Option<Ticket>) -> OpToken {
+        let id = self.next_op;
+        self.next_op += 1;
+        self.ops
+            .insert(id, (ticket.take().expect("ticket given"), 0));
+        OpToken::new(id, self.outbox.clone())
+    }
+
+    /// Takes back the ticket of a token the protocol refused synchronously.
+    fn untoken(&mut self, token: OpToken) -> Ticket {
+        let id = token.into_id();
+        self.ops.remove(&id).expect("a token's ticket is kept").0
+    }
+
+    /// Turns what the protocol reported into events (after every call and every round of progress).
+    pub(crate) fn drain_done(&mut self) {
+        self.outbox.take(&mut self.done);
+        for d in self.done.drain(..) {
+            match d {
+                Done::Complete {
+                    id,
+                    status,
+                    bytes,
+                    flags,
+                } => {
+                    if let Some((t, _)) = self.ops.remove(&id) {
+                        t.complete(status, bytes, flags);
+                    }
+                }
+                Done::Notify { id, reads } => {
+                    if let Some((t, unreported)) = self.ops.get_mut(&id) {
+                        *unreported += reads;
+                        if t.notify(crate::event::EventKind::ReadNotify, *unreported) {
+                            *unreported = 0;
+                        }
+                    }
+                }
+            }
+        }
     }
 
     fn poll_completions(&mut self) -> bool {
@@ -507,15 +563,45 @@ impl Engine {
         }
     }
 
+    /// Allocates, registers and posts the pool's next chunk (seed 003: the pool grows by chunks up to its
+    /// maximum). The pool itself only says what it needs.
+    fn grow_pool(&mut self, mut pool: RecvPool) -> Result<RecvPool, TransportError> {
+        let Some(bytes) = pool.next_chunk() else {
+            return Ok(pool);
+        };
+        let buf = DmaBuf::new(bytes);
+        let reg = self.transport.register(&buf)?;
+        let mut wrs = pool
+            .add_chunk(buf, reg)
+            .map_err(|v| TransportError::Invalid(v.to_string()))?;
+        let n = wrs.len();
+        self.stats.posted += n as u64;
+        self.transport.post_shared_recv(&mut wrs)?;
+        pool.reposted(n);
+        Ok(pool)
+    }
+
     /// Posts the pool buffers that came back, and grows the pool below its low watermark.
     fn flush_pool(&mut self) {
         let PoolState::On(pool) = &mut self.pool else {
             return;
         };
         // The watermark is checked first: the buffers this batch took are not back yet.
-        if let Err(e) = pool.refill(&mut *self.transport) {
-            tracing::warn!(%e, "the shared receive pool cannot grow");
+        if pool.wants_growth() {
+            let PoolState::On(p) = std::mem::replace(&mut self.pool, PoolState::Undecided) else {
+                unreachable!("checked above")
+            };
+            self.pool = match self.grow_pool(p) {
+                Ok(p) => PoolState::On(p),
+                Err(e) => {
+                    tracing::warn!(%e, "the shared receive pool cannot grow");
+                    return;
+                }
+            };
         }
+        let PoolState::On(pool) = &mut self.pool else {
+            return;
+        };
         if !self.pool_posts.is_empty() {
             let n = self.pool_posts.len();
             self.stats.posted += n as u64;
@@ -1002,13 +1088,12 @@ impl Engine {
                     let o = &self.shared_recv;
                     let max = o.max_slots.min(self.caps.max_shared_recv);
                     let slot = ctrl_slot_size(o.small_packet_max_size as usize);
-                    match RecvPool::new(
-                        &mut *self.transport,
-                        slot,
-                        o.chunk_slots.min(max),
-                        max,
-                        o.low_watermark,
-                    ) {
+                    let pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
+                    match self
+                        .transport
+                        .create_shared_recv(max)
+                        .and_then(|()| self.grow_pool(pool))
+                    {
                         Ok(p) => PoolState::On(p),
                         Err(e) if want.is_none() => {
                             tracing::warn!(%e, "no shared receive pool; connections post their own receives");
@@ -1202,9 +1287,11 @@ impl Engine {
                 } else {
                     SendData::Inline(slice.lease(LeaseKind::DeviceRead)?)
                 };
+                self.open_conn(sid)?;
+                let token = self.token(ticket);
                 let conn = self.open_conn(sid)?;
                 conn.send_message(SendReq {
-                    ticket: ticket.take(),
+                    ticket: Some(token),
                     len,
                     data,
                     persistent: persistent.then_some(flags.contains(MsgFlags::NOTIFY)),
@@ -1216,9 +1303,13 @@ impl Engine {
                     return Err(BufferError::Empty.into());
                 }
                 let sge = slice.lease(LeaseKind::DeviceRead)?;
-                let conn = self.open_conn(sid)?;
-                let stream = conn.stream().expect("stream socket");
-                stream.send(ticket.take().expect("ticket given"), sge, flags);
+                self.open_conn(sid)?;
+                let token = self.token(ticket);
+                let stream = self
+                    .open_conn(sid)?
+                    .stream()
+                    .expect("stream socket");
+                stream.send(token, sge, flags);
             }
         }
         self.flush(sid);
@@ -1258,11 +1349,11 @@ impl Engine {
                 let sge = slice.lease(LeaseKind::DeviceWriteShared)?;
                 let (lease, reg) = sge.into_parts();
                 let exposure = self.transport.expose(&reg, lease, RemoteAccess::Write)?;
+                self.open_conn(sid)?;
+                let token = self.token(ticket);
                 let conn = self.open_conn(sid)?;
-                if let Err((t, why)) =
-                    conn.recv_persistent(ticket.take().expect("ticket given"), exposure)
-                {
-                    *ticket = Some(t);
+                if let Err((t, why)) = conn.recv_persistent(token, exposure) {
+                    *ticket = Some(self.untoken(t));
                     return Err(StateError::Persistent(why).into());
                 }
             }
@@ -1280,8 +1371,9 @@ impl Engine {
                     }
                 }
                 let sge = slice.lease(RECV_LEASE)?;
+                let token = self.token(ticket);
                 self.open_conn(sid)?.recv_message(RecvReq {
-                    ticket: ticket.take().expect("ticket given"),
+                    ticket: token,
                     sge,
                     offset,
                 });
@@ -1296,13 +1388,16 @@ impl Engine {
                 let sge = slice.lease(LeaseKind::DeviceWrite)?;
                 let (lease, reg) = sge.into_parts();
                 let exposure = self.transport.expose(&reg, lease, RemoteAccess::Write)?;
-                let conn = match self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
-                    Some(c) => c,
-                    None => return Err(StateError::NotConnected.into()),
-                };
-                if let Err(v) =
-                    conn.recv_stream(ticket.take().expect("ticket given"), exposure, reg, flags)
-                {
+                if self.sockets.get(&sid).and_then(|s| s.conn.as_ref()).is_none() {
+                    return Err(StateError::NotConnected.into());
+                }
+                let token = self.token(ticket);
+                let conn = self
+                    .sockets
+                    .get_mut(&sid)
+                    .and_then(|s| s.conn.as_mut())
+                    .expect("checked above");
+                if let Err(v) = conn.recv_stream(token, exposure, reg, flags) {
                     self.fault(sid, Fault::Peer(v));
                 }
             }
@@ -1322,9 +1417,10 @@ impl Engine {
         if s.shut_write {
             return Err(StateError::Shutdown);
         }
-        s.shut_write = true;
-        self.open_conn(sid)?
-            .shutdown_write(ticket.take().expect("ticket given"));
+        self.open_conn(sid)?;
+        self.sockets.get_mut(&sid).expect("checked").shut_write = true;
+        let token = self.token(ticket);
+        self.open_conn(sid)?.shutdown_write(token);
         self.flush(sid);
         Ok(())
     }
@@ -1556,6 +1652,7 @@ impl Engine {
             self.transport.disconnect(ep);
             self.on_disconnected(ep);
         }
+        self.drain_done();
     }
 }
 

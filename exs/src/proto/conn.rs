@@ -74,7 +74,7 @@ pub(crate) struct Conn {
     pub stream_setup: Option<StreamSetup>,
     pub close_queued: bool,
     /// A write shutdown: its ticket, and whether its CLOSE(ShutdownWrite) is queued.
-    shutdown: Option<(crate::event::Ticket, bool)>,
+    shutdown: Option<(crate::proto::op::OpToken, bool)>,
 }
 
 impl Conn {
@@ -183,9 +183,9 @@ impl Conn {
     /// Posts a persistent receive (seed 002, 4.3); refused (ticket back) when the rules forbid it.
     pub(crate) fn recv_persistent(
         &mut self,
-        ticket: crate::event::Ticket,
+        ticket: crate::proto::op::OpToken,
         exposure: Box<dyn Exposure>,
-    ) -> Result<(), (crate::event::Ticket, &'static str)> {
+    ) -> Result<(), (crate::proto::op::OpToken, &'static str)> {
         match &mut self.mode {
             Some(Mode::Message(m)) => m.recv_persistent(ticket, exposure, &mut self.link),
             _ => Err((
@@ -243,7 +243,7 @@ impl Conn {
 
     /// Shuts the write direction down once every send before it has left (seed: the peer sees end-of-stream
     /// after the last byte); `ticket` completes when every send has completed.
-    pub(crate) fn shutdown_write(&mut self, ticket: crate::event::Ticket) {
+    pub(crate) fn shutdown_write(&mut self, ticket: crate::proto::op::OpToken) {
         self.shutdown = Some((ticket, false));
         self.advance_shutdown();
     }
@@ -281,7 +281,7 @@ impl Conn {
     /// Posts a stream receive (its buffer already exposed for remote write).
     pub(crate) fn recv_stream(
         &mut self,
-        ticket: crate::event::Ticket,
+        ticket: crate::proto::op::OpToken,
         exposure: Box<dyn Exposure>,
         reg: std::sync::Arc<dyn crate::transport::Registration>,
         flags: crate::options::MsgFlags,

@@ -22,7 +22,8 @@ use std::collections::VecDeque;
 use exs_dma::LeaseKind;
 
 use crate::error::{OpError, Violation};
-use crate::event::{EventFlags, Ticket};
+use crate::event::EventFlags;
+use crate::proto::op::OpToken;
 use crate::proto::link::{AckSource, DataOp, Link};
 use crate::transport::{Exposure, RemoteRef, Sge, WcError};
 use crate::wire::{Advert, AdvertFlags, Body, Kind};
@@ -43,7 +44,7 @@ pub(crate) enum SendData {
 #[derive(Debug)]
 pub(crate) struct SendReq {
     /// `None` for the advert of a persistent receive (its ticket stays with the receive).
-    pub ticket: Option<Ticket>,
+    pub ticket: Option<OpToken>,
     pub len: usize,
     pub data: SendData,
     /// Persistent send (seed 002, 4.2), with read notifications if `true`.
@@ -55,7 +56,7 @@ pub(crate) struct SendReq {
 /// A receive waiting for an advertisement: the user's range leased for the device to write.
 #[derive(Debug)]
 pub(crate) struct RecvReq {
-    pub ticket: Ticket,
+    pub ticket: OpToken,
     pub sge: Sge,
     /// Offset into the peer's persistent send (seed 002, 4.4).
     pub offset: Option<u64>,
@@ -66,7 +67,7 @@ pub(crate) struct RecvReq {
 struct OwnPersistentRecv {
     seq: u32,
     len: usize,
-    ticket: Option<Ticket>,
+    ticket: Option<OpToken>,
     exposure: Option<Box<dyn Exposure>>,
     ending: bool,
 }
@@ -85,7 +86,7 @@ struct PeerPersistentRecv {
 #[derive(Debug)]
 struct PersistentWrite {
     tag: u32,
-    ticket: Option<Ticket>,
+    ticket: Option<OpToken>,
     len: usize,
     done: bool,
     failed: Option<OpError>,
@@ -97,7 +98,7 @@ const WRITE_TAG: u32 = 1 << 31;
 #[derive(Debug)]
 struct Outstanding {
     seq: u32,
-    ticket: Option<Ticket>,
+    ticket: Option<OpToken>,
     len: usize,
     /// Held until acknowledged (remote read access to the send's range).
     exposure: Option<Box<dyn Exposure>>,
@@ -112,7 +113,8 @@ struct Outstanding {
 #[derive(Debug, Clone, Copy)]
 struct PersistentSend {
     notify: bool,
-    unreported: usize,
+    /// Reads notified so far (reported to the engine, which folds them while the queue is full).
+    reads: usize,
     ending: bool,
 }
 
@@ -128,7 +130,7 @@ struct PeerAdvert {
 #[derive(Debug)]
 struct Transfer {
     seq: u32,
-    ticket: Option<Ticket>,
+    ticket: Option<OpToken>,
     bytes: usize,
     truncated: bool,
     reads_in_flight: u32,
@@ -183,7 +185,7 @@ pub(crate) struct MessageProto {
     /// reading, so revoking the key now would turn our close into a remote-access error at the peer; and the
     /// send's event must not come while its buffer is still exposed. Both happen when the endpoint is released
     /// ([`MessageProto::drop_all`]): key first, then the event.
-    retired: Vec<(Box<dyn Exposure>, Ticket, OpError)>,
+    retired: Vec<(Box<dyn Exposure>, OpToken, OpError)>,
     /// Whether acknowledgments may wait for a message going the other way (delayed acks enabled).
     delay_acks: bool,
     /// Our adverts sent before the last acknowledgment left: more than that means request/response traffic.
@@ -396,10 +398,10 @@ impl MessageProto {
     /// operation completes only when it ends ([`MessageProto::end_persistent`]) or the connection does.
     pub(crate) fn recv_persistent(
         &mut self,
-        ticket: Ticket,
+        ticket: OpToken,
         exposure: Box<dyn Exposure>,
         link: &mut Link,
-    ) -> Result<(), (Ticket, &'static str)> {
+    ) -> Result<(), (OpToken, &'static str)> {
         if self.own_precv.is_some() {
             return Err((
                 ticket,
@@ -441,7 +443,7 @@ impl MessageProto {
             self.stats.adverts_sent += 1;
             let persistent = req.persistent.map(|notify| PersistentSend {
                 notify,
-                unreported: 0,
+                reads: 0,
                 ending: false,
             });
             let (advert, inline, exposure) = match req.data {
@@ -894,10 +896,8 @@ impl MessageProto {
                 "read notification for advert {seq}, which asked for none"
             )));
         }
-        p.unreported += 1;
-        if ticket.notify(crate::event::EventKind::ReadNotify, p.unreported) {
-            p.unreported = 0;
-        }
+        p.reads += 1;
+        ticket.notify(1);
         Ok(())
     }
 

@@ -28,7 +28,7 @@ use exs_dma::DmaBuf;
 
 use crate::error::Violation;
 use crate::proto::link::{wr_id, Slots, WrKind};
-use crate::transport::{Transport, TransportError, WorkRequest};
+use crate::transport::{Registration, WorkRequest};
 
 /// Counters of the pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -56,68 +56,64 @@ pub(crate) struct RecvPool {
     chunk_slots: u32,
     max_slots: u32,
     low_watermark: u32,
-    /// Fewest buffers posted since the last [`RecvPool::refill`].
+    /// Fewest buffers posted since the pool last grew.
     dip: u32,
+    /// The first chunk is posted (the low mark counts from there).
+    started: bool,
     stats: PoolStats,
 }
 
 impl RecvPool {
-    /// Creates the shared queue on the transport and posts a first chunk of `chunk` buffers of `slot_size` bytes.
-    pub(crate) fn new(
-        transport: &mut dyn Transport,
-        slot_size: usize,
-        chunk: u32,
-        max_slots: u32,
-        low_watermark: u32,
-    ) -> Result<Self, TransportError> {
+    /// A pool of `slot_size`-byte buffers that grows by `chunk` up to `max_slots` (the engine creates the shared
+    /// queue, then allocates, registers and posts each chunk this pool asks for: [`RecvPool::next_chunk`]).
+    pub(crate) fn new(slot_size: usize, chunk: u32, max_slots: u32, low_watermark: u32) -> Self {
         let chunk = chunk.max(1);
         let max_slots = max_slots.max(chunk);
-        transport.create_shared_recv(max_slots)?;
-        let mut pool = RecvPool {
+        RecvPool {
             chunks: Vec::new(),
             chunk_slots: chunk,
             max_slots,
             low_watermark: low_watermark.min(chunk),
             dip: 0,
+            started: false,
             stats: PoolStats {
                 slot_size,
                 ..PoolStats::default()
             },
-        };
-        pool.grow(transport)?;
-        pool.stats.low_mark = pool.stats.posted;
-        pool.dip = pool.stats.posted;
-        Ok(pool)
+        }
     }
 
-    /// Adds a chunk of buffers and posts them.
-    fn grow(&mut self, transport: &mut dyn Transport) -> Result<(), TransportError> {
+    /// Bytes of the next chunk, when the pool may still grow.
+    pub(crate) fn next_chunk(&self) -> Option<usize> {
+        let n = self.chunk_slots.min(self.max_slots - self.stats.slots);
+        (n > 0).then(|| self.stats.slot_size * n as usize)
+    }
+
+    /// Takes a chunk the engine allocated and registered (of [`RecvPool::next_chunk`]'s size); returns its
+    /// receives, to post on the shared queue and then report with [`RecvPool::reposted`].
+    pub(crate) fn add_chunk(
+        &mut self,
+        buf: Arc<DmaBuf>,
+        reg: Arc<dyn Registration>,
+    ) -> Result<Vec<WorkRequest>, Violation> {
         let base = self.stats.slots;
-        let n = self.chunk_slots.min(self.max_slots - base);
-        if n == 0 {
-            return Ok(());
-        }
-        let buf = DmaBuf::new(self.stats.slot_size * n as usize);
-        let reg = transport.register(&buf)?;
+        let n = (buf.len() / self.stats.slot_size.max(1)) as u32;
         let slots = Slots {
-            buf: Arc::clone(&buf),
+            buf,
             reg,
             size: self.stats.slot_size,
             count: n,
         };
-        let mut wrs = (0..n)
+        let wrs = (0..n)
             .map(|i| slots.recv_wr(i, wr_id(WrKind::Pool(base + i))))
-            .collect::<Result<Vec<_>, Violation>>()
-            .map_err(|v| TransportError::Invalid(v.to_string()))?;
+            .collect::<Result<Vec<_>, Violation>>()?;
         self.chunks.push(slots);
         self.stats.slots += n;
-        transport.post_shared_recv(&mut wrs)?;
-        self.stats.posted += n;
         if base > 0 {
             self.stats.grown += 1;
             tracing::debug!(slots = self.stats.slots, "shared receive pool grew");
         }
-        Ok(())
+        Ok(wrs)
     }
 
     /// The chunk holding pool slot `id`, and the slot's index inside it.
@@ -153,17 +149,16 @@ impl RecvPool {
     pub(crate) fn reposted(&mut self, n: usize) {
         self.stats.posted += n as u32;
         self.dip = self.stats.posted;
+        if !self.started {
+            self.started = true;
+            self.stats.low_mark = self.stats.posted;
+        }
     }
 
-    /// Grows the pool when the posted buffers fell below the low watermark at any point since the last call
-    /// (called after each batch of completions, before the batch's buffers are reposted).
-    pub(crate) fn refill(&mut self, transport: &mut dyn Transport) -> Result<(), TransportError> {
-        let dipped = self.dip < self.low_watermark;
-        if dipped && self.stats.slots < self.max_slots {
-            self.grow(transport)?;
-            self.dip = self.stats.posted;
-        }
-        Ok(())
+    /// Whether the pool should grow: the posted buffers fell below the low watermark at some point since it last
+    /// grew (checked after each batch of completions, before the batch's buffers are reposted), and it may.
+    pub(crate) fn wants_growth(&self) -> bool {
+        self.dip < self.low_watermark && self.stats.slots < self.max_slots
     }
 
     pub(crate) fn stats(&self) -> PoolStats {

@@ -46,7 +46,8 @@ use std::sync::Arc;
 use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::error::{OpError, Violation};
-use crate::event::{EventFlags, Ticket};
+use crate::event::EventFlags;
+use crate::proto::op::OpToken;
 use crate::options::{MsgFlags, SocketOptions};
 use crate::proto::conn::Limits;
 use crate::proto::link::{DataOp, Link};
@@ -141,7 +142,7 @@ impl StreamSetup {
 
 #[derive(Debug)]
 struct RecvOp {
-    ticket: Ticket,
+    ticket: OpToken,
     exposure: Box<dyn Exposure>,
     len: usize,
     filled: usize,
@@ -153,7 +154,7 @@ struct RecvOp {
 #[derive(Debug)]
 struct SendOp {
     id: u32,
-    ticket: Option<Ticket>,
+    ticket: Option<OpToken>,
     rest: Option<Sge>,
     len: usize,
     in_flight: u32,
@@ -193,7 +194,7 @@ struct Rx {
     next_advert: u32,
     eof: bool,
     /// Receives that failed while still exposed; their event waits for the release of the endpoint.
-    retired: Vec<(Box<dyn Exposure>, Ticket, OpError)>,
+    retired: Vec<(Box<dyn Exposure>, OpToken, OpError)>,
 }
 
 #[derive(Debug)]
@@ -327,7 +328,7 @@ impl StreamProto {
     // -----------------------------------------------------------------------------------------------------------
     // Sender
 
-    pub(crate) fn send(&mut self, ticket: Ticket, sge: Sge, _flags: MsgFlags) {
+    pub(crate) fn send(&mut self, ticket: OpToken, sge: Sge, _flags: MsgFlags) {
         let id = self.tx.next_id;
         self.tx.next_id = self.tx.next_id.wrapping_add(1);
         let len = sge.len();
@@ -579,7 +580,7 @@ impl StreamProto {
 
     pub(crate) fn recv(
         &mut self,
-        ticket: Ticket,
+        ticket: OpToken,
         exposure: Box<dyn Exposure>,
         _reg: Arc<dyn Registration>,
         flags: MsgFlags,

@@ -1,0 +1,113 @@
+//! Operations as the protocol sees them: an identifier, and completions reported as values.
+//!
+//! The protocol never touches an event queue. When it finishes an operation it pushes a [`Done`] into the
+//! engine's [`Outbox`]; the engine, the one place that owns the event-queue tickets, turns each into an event
+//! after every call and every round of progress.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use crate::error::OpError;
+use crate::event::EventFlags;
+
+/// What the protocol reports about an operation.
+#[derive(Debug)]
+pub(crate) enum Done {
+    /// The operation finished (exactly once per operation).
+    Complete {
+        id: u64,
+        status: Result<(), OpError>,
+        bytes: usize,
+        flags: EventFlags,
+    },
+    /// A persistent send with notification was read `reads` more times (seed 002, 4.2).
+    Notify { id: u64, reads: usize },
+}
+
+/// Where the protocol's completions wait for the engine.
+#[derive(Clone, Default)]
+pub(crate) struct Outbox(Arc<Mutex<Vec<Done>>>);
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Outbox")
+    }
+}
+
+impl Outbox {
+    fn push(&self, d: Done) {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(d);
+    }
+
+    /// Moves everything reported so far into `into`.
+    pub(crate) fn take(&self, into: &mut Vec<Done>) {
+        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        into.append(&mut v);
+    }
+}
+
+/// One started operation. Completing it reports a [`Done`]; dropping it uncompleted reports it cancelled, so an
+/// operation is never lost, whatever path the protocol takes.
+pub(crate) struct OpToken {
+    id: u64,
+    out: Option<Outbox>,
+}
+
+impl fmt::Debug for OpToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "OpToken({})", self.id)
+    }
+}
+
+impl OpToken {
+    pub(crate) fn new(id: u64, out: Outbox) -> Self {
+        OpToken { id, out: Some(out) }
+    }
+
+    /// Completes the operation.
+    pub(crate) fn complete(mut self, status: Result<(), OpError>, bytes: usize, flags: EventFlags) {
+        self.finish(status, bytes, flags);
+    }
+
+    /// Completes a receive with end-of-stream: no bytes, `flags.eof` set.
+    pub(crate) fn complete_eof(self) {
+        self.complete(
+            Ok(()),
+            0,
+            EventFlags {
+                eof: true,
+                truncated: false,
+            },
+        );
+    }
+
+    /// Reports `reads` more reads of a persistent send (the engine folds them while the queue is full).
+    pub(crate) fn notify(&self, reads: usize) {
+        if let Some(out) = &self.out {
+            out.push(Done::Notify { id: self.id, reads });
+        }
+    }
+
+    /// Hands the operation back unreported (it was refused synchronously and never started).
+    pub(crate) fn into_id(mut self) -> u64 {
+        self.out = None;
+        self.id
+    }
+
+    fn finish(&mut self, status: Result<(), OpError>, bytes: usize, flags: EventFlags) {
+        if let Some(out) = self.out.take() {
+            out.push(Done::Complete {
+                id: self.id,
+                status,
+                bytes,
+                flags,
+            });
+        }
+    }
+}
+
+impl Drop for OpToken {
+    fn drop(&mut self) {
+        self.finish(Err(OpError::Cancelled), 0, EventFlags::default());
+    }
+}

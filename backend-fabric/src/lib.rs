@@ -422,6 +422,7 @@ pub struct FabricTransport {
     next_request: u64,
     cm_backlog: VecDeque<CmEvent>,
     cq_backlog: VecDeque<Completion>,
+    poll_ids: Vec<EndpointId>,
 }
 
 // SAFETY: all libfabric objects were opened on a FI_THREAD_SAFE domain and are owned by this value; the engine
@@ -574,6 +575,7 @@ impl FabricTransport {
             next_request: 1,
             cm_backlog: VecDeque::new(),
             cq_backlog: VecDeque::new(),
+            poll_ids: Vec::new(),
         };
         // SAFETY: `eq` is open; its fid is valid.
         let eq_fd = wait_fd_of(unsafe { &mut (*t.eq).fid })?;
@@ -783,7 +785,7 @@ impl FabricTransport {
     }
 
     /// Reads up to `max` completions of one endpoint into `out`. Returns how many.
-    fn read_cq(&mut self, id: EndpointId, out: &mut VecDeque<Completion>, max: usize) -> usize {
+    fn read_cq(&mut self, id: EndpointId, out: &mut impl Extend<Completion>, max: usize) -> usize {
         let Some(e) = self.eps.get_mut(&id) else {
             return 0;
         };
@@ -794,8 +796,9 @@ impl FabricTransport {
             // SAFETY: open queue; the buffer holds `want` data entries.
             let ret = unsafe { exs_fi_cq_read(e.cq, entries.as_mut_ptr() as *mut c_void, want) };
             if ret > 0 {
+                let drained = (ret as usize) < want;
                 for ent in &entries[..ret as usize] {
-                    out.push_back(complete(
+                    out.extend(Some(complete(
                         e,
                         id,
                         ent.op_context,
@@ -803,8 +806,12 @@ impl FabricTransport {
                         ent.len,
                         ent.data,
                         Ok(()),
-                    ));
+                    )));
                     n += 1;
+                }
+                // Fewer than asked: nothing more is queued now (another read would only cost a system call).
+                if drained {
+                    break;
                 }
                 continue;
             }
@@ -815,7 +822,7 @@ impl FabricTransport {
                 if r > 0 {
                     tracing::debug!(err = ee.err, prov_errno = ee.prov_errno, "completion error");
                     let status = Err(wc_error(ee.err));
-                    out.push_back(complete(
+                    out.extend(Some(complete(
                         e,
                         id,
                         ee.op_context,
@@ -823,7 +830,7 @@ impl FabricTransport {
                         ee.len,
                         ee.data,
                         status,
-                    ));
+                    )));
                     n += 1;
                     continue;
                 }
@@ -1339,17 +1346,17 @@ impl Transport for FabricTransport {
             n += 1;
         }
         if n < max {
-            let ids: Vec<EndpointId> = self.eps.keys().copied().collect();
-            let mut got = VecDeque::new();
-            for id in ids {
-                if n + got.len() >= max {
+            // The endpoint list is reused from poll to poll: no allocation on the data path.
+            let mut ids = std::mem::take(&mut self.poll_ids);
+            ids.clear();
+            ids.extend(self.eps.keys().copied());
+            for &id in &ids {
+                if n >= max {
                     break;
                 }
-                let room = max - n - got.len();
-                self.read_cq(id, &mut got, room);
+                n += self.read_cq(id, out, max - n);
             }
-            n += got.len();
-            out.extend(got);
+            self.poll_ids = ids;
         }
         n
     }

@@ -171,13 +171,9 @@ impl crate::event::Poller for Shared {
         let Ok(mut e) = self.engine.try_lock() else {
             return false;
         };
-        let mut any = false;
-        let mut rounds = 0;
-        while e.progress_busy() && rounds < 16 {
-            any = true;
-            rounds += 1;
-        }
-        any
+        // One round: the caller polls again if what it waits for is not there yet (another round here would
+        // cost a transport poll, a system call on software providers).
+        e.progress_busy()
     }
 
     fn try_lead(&self, follower: &Arc<crate::event::EqInner>) -> bool {

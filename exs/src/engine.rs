@@ -364,18 +364,20 @@ impl Engine {
     fn poll_completions(&mut self) -> bool {
         let mut did = false;
         loop {
+            const BATCH: usize = 64;
             let mut batch = std::mem::take(&mut self.completions);
-            let n = self.transport.poll(&mut batch, 64);
+            let n = self.transport.poll(&mut batch, BATCH);
             for c in batch.drain(..) {
                 self.stats.completions += 1;
                 self.on_completion(c);
             }
             self.completions = batch;
             self.flush_pool();
-            if n == 0 {
+            did |= n > 0;
+            // Fewer than asked: the queue is drained (polling it again would only cost another call).
+            if n < BATCH {
                 return did;
             }
-            did = true;
         }
     }
 

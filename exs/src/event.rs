@@ -405,6 +405,7 @@ impl EventQueue {
         let manual = self.has_drivers();
         let mut idle_rounds = 0u32;
         let mut spins = 0u32;
+        let mut pause = 0u32;
         while got < min {
             // The clock is read every 64 rounds: a round is far shorter than any useful timeout.
             spins = spins.wrapping_add(1);
@@ -425,8 +426,16 @@ impl EventQueue {
                 for p in &busy.0 {
                     any |= p.poll_progress();
                 }
-                if !any {
-                    std::hint::spin_loop();
+                if any {
+                    pause = 0;
+                } else {
+                    // Adaptive polling interval: on software transports every poll is a system call, so an idle
+                    // poller backs off to at most BUSY_PAUSE_MAX pause instructions between polls (under a
+                    // microsecond), fewer calls per round trip for a fraction of a poll's latency.
+                    for _ in 0..pause.max(1) {
+                        std::hint::spin_loop();
+                    }
+                    pause = (pause * 2).clamp(1, BUSY_PAUSE_MAX);
                 }
             }
             got += self.poll(out, max - got);
@@ -748,6 +757,11 @@ fn drain(s: &mut EqState, out: &mut Vec<Event>, max: usize) -> usize {
     s.stats.dequeued += n as u64;
     n
 }
+
+/// The longest pause between two polls of an idle busy-poller, in pause instructions (about 12 ns each on the
+/// 2-vCPU EPYC VM measured: 64 is under a microsecond). Measured on libfabric tcp, 8-byte busy ping: 64 took the
+/// system calls per round trip from 59 to 49 (before the poll-once changes), 256 and 1024 no further.
+const BUSY_PAUSE_MAX: u32 = 64;
 
 /// Marks contexts as busy-polled for as long as it lives.
 struct BusyGuard(Vec<Arc<dyn Poller>>);

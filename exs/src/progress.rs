@@ -264,13 +264,9 @@ pub(crate) fn prepare_sleep(
     lead: &Lead,
     engine: &mut MutexGuard<'_, Engine>,
 ) -> Option<Option<Instant>> {
-    let mut rounds = 0;
-    while engine.progress() {
-        rounds += 1;
-        if rounds >= ROUNDS {
-            return None;
-        }
-    }
+    // One round, then arm: arming reports anything that arrived meanwhile (another round would only cost the
+    // transport polls of finding nothing, system calls on software providers).
+    engine.progress();
     match engine.arm() {
         Ok(true) => {}
         Ok(false) => return None,

@@ -42,9 +42,10 @@ enum Parse {
     PerftestLat,
     /// rstream (Gb/sec).
     Rstream,
-    /// A ping-pong of `round trips` under `perf stat -x,` (both processes): syscalls and context switches per
-    /// round trip, plus the tool's own latency (exs/tcp JSON, or fi_pingpong's usec/xfer).
-    PerfPing(usize),
+    /// A ping-pong run with a short and a long count of round trips under `perf stat -x,` (both processes):
+    /// system calls and context switches per extra round trip, plus the long run's own latency (exs/tcp JSON, or
+    /// fi_pingpong's usec/xfer).
+    PerfPing(usize, usize),
 }
 
 #[derive(Clone, Debug)]
@@ -219,7 +220,7 @@ fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
         format!("{exe} tcpping --size 8 --count {} --nodelay", p.pings),
         Parse::Json,
     ));
-    v.extend(cost_jobs(exe, p));
+    v.extend(cost_jobs(exe));
     v
 }
 
@@ -329,31 +330,45 @@ fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
 /// Runs a peer tool's client until it connects: under an emulated CPU its server can take seconds to listen. Then
 /// waits for the server.
 /// Where `perf stat` writes its counts for a cost job (read back by the same job's script).
-const PERF_OUT: &str = "/tmp/exs-bench-perf.csv";
+const PERF_OUT: &str = "/tmp/exs-bench-perf";
 
-/// Wraps a command in `perf stat` counting system calls and context switches of it and its children.
-fn perf_wrapped(cmd: &str) -> String {
+/// Runs a ping-pong twice under `perf stat` (system calls and context switches of it and its children): once
+/// with `short` round trips (its output dropped), once with `long`. The difference of the two counts is the cost
+/// of the extra round trips alone, without process start-up (libfabric's initialisation alone makes ~10,000 calls
+/// per process). `cmd(n)` is the command for `n` round trips.
+fn perf_twice(cmd: impl Fn(usize) -> String, short: usize, long: usize) -> String {
+    let stat = "perf stat -x, -e raw_syscalls:sys_enter,context-switches";
     format!(
-        "perf stat -x, -e raw_syscalls:sys_enter,context-switches -o {PERF_OUT} -- {cmd}; cat {PERF_OUT}; rm -f {PERF_OUT}"
+        "{stat} -o {PERF_OUT}.short -- {} >/dev/null 2>&1; {stat} -o {PERF_OUT}.long -- {}; \
+         echo @@short; cat {PERF_OUT}.short; echo @@long; cat {PERF_OUT}.long; rm -f {PERF_OUT}.short {PERF_OUT}.long",
+        cmd(short),
+        cmd(long)
     )
 }
 
 /// Per-message cost on the host (issue 12): the same 8-byte ping-pong through libfabric's own `fi_pingpong`
 /// (busy polling), exs immediate pings in each wait mode, and blocking TCP, each counted by `perf stat`.
-fn cost_jobs(exe: &str, p: &Plan) -> Vec<Job> {
-    let n = p.pings * 4;
+fn cost_jobs(exe: &str) -> Vec<Job> {
+    // Enough round trips that the difference is steady, in quick runs too (3 s at most per run, blocking).
+    let (short, long) = (10_000, 30_000);
     // exs ping counts a 10% warm-up (+1) as round trips too.
-    let exs_rts = n + n / 10 + 1;
+    let exs_rts = |n: usize| n + n / 10 + 1;
     let mut v = vec![job(
         "cost",
         "fi_pingpong",
         8,
         1,
-        perf_wrapped(&format!(
-            "sh -c 'fi_pingpong -p tcp -e msg -I {n} -S 8 >/dev/null 2>&1 & sleep 1; \
-             fi_pingpong -p tcp -e msg -I {n} -S 8 127.0.0.1; wait'"
-        )),
-        Parse::PerfPing(n),
+        perf_twice(
+            |n| {
+                format!(
+                    "sh -c 'fi_pingpong -p tcp -e msg -I {n} -S 8 >/dev/null 2>&1 & sleep 1; \
+                     fi_pingpong -p tcp -e msg -I {n} -S 8 127.0.0.1; wait'"
+                )
+            },
+            short,
+            long,
+        ),
+        Parse::PerfPing(short, long),
     )];
     for wait in ["busy", "adaptive", "block"] {
         v.push(job(
@@ -361,10 +376,16 @@ fn cost_jobs(exe: &str, p: &Plan) -> Vec<Job> {
             &format!("exs {wait}"),
             8,
             1,
-            perf_wrapped(&format!(
-                "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait} --json"
-            )),
-            Parse::PerfPing(exs_rts),
+            perf_twice(
+                |n| {
+                    format!(
+                        "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait} --json"
+                    )
+                },
+                short,
+                long,
+            ),
+            Parse::PerfPing(exs_rts(short), exs_rts(long)),
         ));
     }
     v.push(job(
@@ -372,8 +393,12 @@ fn cost_jobs(exe: &str, p: &Plan) -> Vec<Job> {
         "tcp nodelay",
         8,
         1,
-        perf_wrapped(&format!("{exe} tcpping --size 8 --count {n} --nodelay")),
-        Parse::PerfPing(n),
+        perf_twice(
+            |n| format!("{exe} tcpping --size 8 --count {n} --nodelay"),
+            short,
+            long,
+        ),
+        Parse::PerfPing(short, long),
     ));
     v
 }
@@ -432,15 +457,17 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
                 }
             }
         }
-        Parse::PerfPing(rts) => {
-            let rts = rts.max(1) as f64;
+        Parse::PerfPing(short, long) => {
+            let mut counts: BTreeMap<(&str, &str), f64> = BTreeMap::new();
+            let mut part = "";
             for l in out.lines() {
+                if let Some(p) = l.strip_prefix("@@") {
+                    part = if p == "short" { "short" } else { "long" };
+                    continue;
+                }
                 let f: Vec<&str> = l.split(',').collect();
-                let count = f.first().and_then(|x| x.trim().parse::<f64>().ok());
-                match (count, f.get(2).copied()) {
-                    (Some(c), Some("raw_syscalls:sys_enter")) => rows.push(row("syscalls_per_rt", c / rts)),
-                    (Some(c), Some("context-switches")) => rows.push(row("cs_per_rt", c / rts)),
-                    _ => {}
+                if let (Some(c), Some(ev)) = (f.first().and_then(|x| x.trim().parse::<f64>().ok()), f.get(2)) {
+                    counts.insert((part, ev), c);
                 }
                 // fi_pingpong: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
                 let w: Vec<&str> = l.split_whitespace().collect();
@@ -448,6 +475,15 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
                     if let Ok(us) = w[6].parse::<f64>() {
                         rows.push(row("mean_us", us));
                     }
+                }
+            }
+            let extra = long.saturating_sub(short).max(1) as f64;
+            for (ev, metric) in [
+                ("raw_syscalls:sys_enter", "syscalls_per_rt"),
+                ("context-switches", "cs_per_rt"),
+            ] {
+                if let (Some(a), Some(b)) = (counts.get(&("short", ev)), counts.get(&("long", ev))) {
+                    rows.push(row(metric, ((b - a) / extra).max(0.0)));
                 }
             }
             for v in out
@@ -820,7 +856,7 @@ fn markdown(
         .filter(|k| k.0 == "cost" && k.4 == "syscalls_per_rt")
         .collect();
     if !costs.is_empty() {
-        let _ = writeln!(s, "\nPer round trip, 8-byte ping-pong, both processes (`perf stat -e raw_syscalls:sys_enter,context-switches`), and one-way latency in µs (fi_pingpong reports a mean only):\n\n| test | syscalls | context switches | mean µs | median µs |\n|---|---|---|---|---|");
+        let _ = writeln!(s, "\nPer round trip, 8-byte ping-pong, both processes (`perf stat -e raw_syscalls:sys_enter,context-switches`; the difference between a run of N and of 3N round trips, so process start-up is not counted), and one-way latency in µs (fi_pingpong reports a mean only):\n\n| test | syscalls | context switches | mean µs | median µs |\n|---|---|---|---|---|");
         for k in costs {
             let g = |m: &str, d: usize| {
                 get(sum, "cost", &k.1, 8, m).map_or("-".into(), |v| format!("{:.*}", d, v.0))
@@ -1320,21 +1356,29 @@ mod tests {
 
     #[test]
     fn parses_perf_stat_counts_per_round_trip_and_fi_pingpong() {
-        let j = job("cost", "fi_pingpong", 8, 1, String::new(), Parse::PerfPing(20000));
+        let j = job("cost", "fi_pingpong", 8, 1, String::new(), Parse::PerfPing(10000, 30000));
         let out = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
-                   8       20k     =20k     312k        0.19s      1.71       4.69       0.21\n\
-                   # started on Mon Nov 23\n\n\
-                   433630,,raw_syscalls:sys_enter,313616920,100.00,,\n\
-                   1826,,context-switches,313616920,100.00,,\n";
+                   8       30k     =30k     468k        0.25s      1.94       4.13       0.24\n\
+                   @@short\n# started on Mon Nov 23\n\n\
+                   230000,,raw_syscalls:sys_enter,313616920,100.00,,\n\
+                   1826,,context-switches,313616920,100.00,,\n\
+                   @@long\n\
+                   630000,,raw_syscalls:sys_enter,313616920,100.00,,\n\
+                   2826,,context-switches,313616920,100.00,,\n";
         let rows = parse("host", &j, 0, out);
         let get = |m: &str| rows.iter().find(|r| r.metric == m).map(|r| r.value);
-        assert_eq!(get("mean_us"), Some(4.69));
-        assert!((get("syscalls_per_rt").unwrap() - 21.6815).abs() < 1e-9);
-        assert!((get("cs_per_rt").unwrap() - 0.0913).abs() < 1e-9);
-        let j = job("cost", "exs busy", 8, 1, String::new(), Parse::PerfPing(100));
-        let out = "{\"median_us\": 9.5, \"mean_us\": 10.0}\n1000,,raw_syscalls:sys_enter,1,100.00,,\n";
+        assert_eq!(get("mean_us"), Some(4.13));
+        assert_eq!(get("syscalls_per_rt"), Some(20.0));
+        assert_eq!(get("cs_per_rt"), Some(0.05));
+        let j = job("cost", "exs busy", 8, 1, String::new(), Parse::PerfPing(100, 300));
+        let out = "@@short\n1000,,raw_syscalls:sys_enter,1,100.00,,\n@@long\n{\"median_us\": 9.5, \"mean_us\": 10.0}\n3000,,raw_syscalls:sys_enter,1,100.00,,\n";
         let rows = parse("host", &j, 0, out);
         assert_eq!(rows.len(), 3, "{rows:?}");
+        assert_eq!(get_metric(&rows, "syscalls_per_rt"), Some(10.0));
+    }
+
+    fn get_metric(rows: &[Row], m: &str) -> Option<f64> {
+        rows.iter().find(|r| r.metric == m).map(|r| r.value)
     }
 
     #[test]

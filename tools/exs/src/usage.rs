@@ -14,6 +14,8 @@ pub struct Usage {
     pub ivcsw: u64,
     /// Wake-ups of the context's progress thread.
     pub wakeups: u64,
+    /// Work requests the context posted (sends, receives, reads, writes).
+    pub posted: u64,
 }
 
 impl Usage {
@@ -26,6 +28,7 @@ impl Usage {
             UsageWho::RUSAGE_THREAD
         };
         let wakeups = ctx.progress_stats().thread_wakeups;
+        let posted = ctx.stats().posted;
         match getrusage(who) {
             Ok(u) => {
                 let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
@@ -34,10 +37,12 @@ impl Usage {
                     vcsw: u.voluntary_context_switches() as u64,
                     ivcsw: u.involuntary_context_switches() as u64,
                     wakeups,
+                    posted,
                 }
             }
             Err(_) => Usage {
                 wakeups,
+                posted,
                 ..Usage::default()
             },
         }
@@ -50,6 +55,7 @@ impl Usage {
             vcsw: self.vcsw.saturating_sub(start.vcsw),
             ivcsw: self.ivcsw.saturating_sub(start.ivcsw),
             wakeups: self.wakeups.saturating_sub(start.wakeups),
+            posted: self.posted.saturating_sub(start.posted),
         }
     }
 
@@ -64,7 +70,10 @@ impl Usage {
 
     /// The fields for a line between processes.
     pub fn to_fields(self) -> String {
-        format!("{:.6} {} {} {}", self.cpu, self.vcsw, self.ivcsw, self.wakeups)
+        format!(
+            "{:.6} {} {} {} {}",
+            self.cpu, self.vcsw, self.ivcsw, self.wakeups, self.posted
+        )
     }
 
     /// Parses [`Usage::to_fields`].
@@ -74,6 +83,7 @@ impl Usage {
             vcsw: it.next()?.parse().ok()?,
             ivcsw: it.next()?.parse().ok()?,
             wakeups: it.next()?.parse().ok()?,
+            posted: it.next()?.parse().ok()?,
         })
     }
 
@@ -86,5 +96,6 @@ impl Usage {
             format!("{prefix}progress_wakeups_per_msg"),
             (self.wakeups as f64 / n).into(),
         );
+        map.insert(format!("{prefix}posts_per_msg"), (self.posted as f64 / n).into());
     }
 }

@@ -485,6 +485,9 @@ impl VerbsTransport {
             } else {
                 0
             },
+            // Zero-copy reads win early on RDMA hardware; no hardware was at hand to measure the crossover, so this
+            // is UNH-EXS's 512-byte default (the pool's slot size, seed 003, matches it).
+            immediate_default: 512,
         };
         let t = VerbsTransport {
             cfg: cfg.clone(),

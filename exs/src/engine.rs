@@ -1117,8 +1117,15 @@ impl Engine {
 
     pub(crate) fn socket(&mut self, ty: SockType) -> SocketId {
         let sid = self.new_socket_id();
-        self.sockets
-            .insert(sid, Sock::new(ty, SocketOptions::default()));
+        let mut opts = SocketOptions::default();
+        if ty == SockType::SeqPacket {
+            // Seed 002, 4.1: the immediate-data threshold this transport does best with (still settable).
+            opts.small_packet_max_size = self
+                .caps
+                .immediate_default
+                .min(SocketOptions::MAX_SMALL);
+        }
+        self.sockets.insert(sid, Sock::new(ty, opts));
         sid
     }
 

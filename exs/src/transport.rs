@@ -75,6 +75,11 @@ pub struct Capabilities {
     pub max_private_data: usize,
     /// Depth of a shared receive queue (seed 003), or 0 when the transport has none.
     pub max_shared_recv: u32,
+    /// The default `small_packet_max_size` of message sockets here (seed 002, 4.1): up to this size the data
+    /// travels inside the advertisement (one message) rather than being pulled by an RDMA read (advert, read,
+    /// acknowledgment). Each backend sets it from `cargo xtask bench`'s crossover on that kind of transport,
+    /// bounded by the receive memory it costs per connection; a socket can still set its own.
+    pub immediate_default: u32,
 }
 
 /// Registered memory: a whole [`DmaBuf`] made usable for local access by one transport.

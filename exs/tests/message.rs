@@ -694,3 +694,32 @@ fn advert_arriving_before_a_zero_length_receive_completes_it_truncated() {
     assert_eq!((r.bytes, r.flags.truncated, &r.status), (0, true, &Ok(())));
     assert!(wait(&p.eq_a).is_ok());
 }
+
+/// Seed 002, 4.1: immediate data travels inside the advertisement, so once that message has left the send is
+/// done (its buffer is free), like TCP's `send`; it does not wait for the receiver to take it and acknowledge.
+#[test]
+fn an_immediate_send_completes_once_its_message_left_not_at_the_acknowledgment() {
+    let p = pair_with(
+        SockType::SeqPacket,
+        SimConfig::default(),
+        &[SocketOption::SmallPacketMaxSize(64)],
+    );
+    let data = pattern(48, 9);
+    let src = p.client_region(data.clone());
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    // No receive is posted at the server: nothing can be acknowledged yet.
+    let s = wait(&p.eq_a);
+    assert_eq!((s.kind, s.bytes), (EventKind::Send, 48), "{s:?}");
+    assert!(s.is_ok(), "{s:?}");
+    let st = p.client.stats().unwrap();
+    assert_eq!(st.message.immediate_sent, 1);
+    let dst = p.server_region(64);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert_eq!(r.bytes, 48);
+    assert_eq!(&dst.to_vec().unwrap()[..48], &data[..]);
+}

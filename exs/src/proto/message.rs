@@ -104,6 +104,8 @@ struct Outstanding {
     exposure: Option<Box<dyn Exposure>>,
     /// Immediate data whose send has not completed locally: its lease is still with the transport.
     inline_in_flight: bool,
+    /// The data travels inside the advertisement (seed 002, 4.1).
+    immediate: bool,
     acked: bool,
     failed: Option<OpError>,
     /// A persistent send: with notifications, the reads not yet reported (the queue was full).
@@ -516,6 +518,7 @@ impl MessageProto {
                 len: req.len,
                 exposure,
                 inline_in_flight,
+                immediate: inline_in_flight,
                 acked: false,
                 failed: None,
                 persistent,
@@ -1051,8 +1054,29 @@ impl MessageProto {
         self.complete_sends();
     }
 
-    /// Completes acknowledged sends in order, once their local buffers are free too.
+    /// Completes sends in order: an acknowledged send once its local buffer is free too, and an immediate send
+    /// as soon as its control message has left (seed 002, 4.1: the data travels inside the advertisement, so
+    /// once the transport has it the buffer is free and nothing remains to wait for; like TCP's `send`, the
+    /// event says the bytes are on their way, and the acknowledgment only returns the advertisement's credit).
+    /// An immediate send behind one still waiting for its acknowledgment waits too: events stay in order.
     fn complete_sends(&mut self) {
+        self.retire_finished();
+        for o in self.unacked.iter_mut() {
+            if o.ticket.is_none() {
+                continue; // completed early already
+            }
+            if !(o.immediate && !o.inline_in_flight && o.failed.is_none()) {
+                break;
+            }
+            if let Some(t) = o.ticket.take() {
+                t.complete(Ok(()), o.len, EventFlags::default());
+            }
+        }
+    }
+
+    /// Pops, in order, the sends that are acknowledged (or failed) with their buffers free, completing the
+    /// ones not completed yet.
+    fn retire_finished(&mut self) {
         while let Some(o) = self.unacked.front() {
             let finished = (o.acked || o.failed.is_some()) && !o.inline_in_flight;
             if !finished {

@@ -87,6 +87,7 @@ impl Default for SimConfig {
                 // Off by default, so that the receive-not-ready check below catches credit bugs on per-connection
                 // queues; [`SimConfig::with_shared_recv`] turns it on.
                 max_shared_recv: 0,
+                immediate_default: crate::options::SocketOptions::default().small_packet_max_size,
             },
             offset_addressing: false,
             rnr: RnrPolicy::Fail,

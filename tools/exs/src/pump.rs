@@ -22,9 +22,9 @@ pub struct PumpArgs {
     /// Transfers in flight (comma-separated), e.g. 1,2,4,8.
     #[arg(long, value_delimiter = ',', default_value = "8")]
     pub depth: Vec<usize>,
-    /// normal (adverts and RDMA reads; streams: writes), immediate (data inside the advert), persistent (one
-    /// persistent send the server keeps reading).
-    #[arg(long, default_value = "normal")]
+    /// default (the transport's immediate-data threshold decides), normal (adverts and RDMA reads; streams:
+    /// writes), immediate (data inside the advert), persistent (one persistent send the server keeps reading).
+    #[arg(long, default_value = "default")]
     pub mode: String,
     /// seqpacket or stream.
     #[arg(long = "type", default_value = "seqpacket")]
@@ -425,13 +425,13 @@ pub fn run(a: PumpArgs) -> Result<(), String> {
     let opened = Opened::open(&a.backend)?;
     sock_type(&a.sock_type)?;
     wait_mode(&a.wait)?;
-    if !["normal", "immediate", "persistent"].contains(&a.mode.as_str()) {
+    if !["default", "normal", "immediate", "persistent"].contains(&a.mode.as_str()) {
         return Err(format!(
-            "--mode {:?}: use normal, immediate or persistent",
+            "--mode {:?}: use default, normal, immediate or persistent",
             a.mode
         ));
     }
-    if a.mode != "normal" && a.sock_type == "stream" {
+    if !["default", "normal"].contains(&a.mode.as_str()) && a.sock_type == "stream" {
         return Err("immediate and persistent sends exist on seqpacket sockets".into());
     }
     if !a.json {

@@ -20,6 +20,7 @@
 //!   completion is read, or until `fi_close` of the endpoint guarantees the provider no longer touches them.
 
 pub mod ffi;
+mod memory;
 mod sockaddr;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -27,7 +28,6 @@ use std::ffi::{c_void, CStr, CString};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::ptr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use exs::transport::{
@@ -39,6 +39,7 @@ use exs_dma::{DmaBuf, Lease};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 
 use ffi::*;
+use memory::{Domain, Fabric, FiExposure, FiRegistration};
 
 /// Which provider and domain to open.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -234,152 +235,6 @@ pub fn providers() -> Vec<String> {
     names
 }
 
-/// Fabric and domain, shared with registrations so they close last.
-struct Domain {
-    fabric: *mut fid_fabric,
-    domain: *mut fid_domain,
-    /// The fi_info the domain was opened from, kept alive (and freed) with it.
-    _info: Info,
-    mr_mode: u64,
-    next_key: AtomicU64,
-}
-
-// SAFETY: the domain was opened with FI_THREAD_SAFE; libfabric serializes internally.
-unsafe impl Send for Domain {}
-// SAFETY: as above; `&Domain` only hands out the handles for thread-safe calls.
-unsafe impl Sync for Domain {}
-
-impl Drop for Domain {
-    fn drop(&mut self) {
-        // SAFETY: every endpoint, queue and registration using the domain is closed before the last Arc goes.
-        unsafe {
-            exs_fi_close(&mut (*self.domain).fid);
-            exs_fi_close(&mut (*self.fabric).fid);
-        }
-    }
-}
-
-impl Domain {
-    fn register(&self, addr: u64, len: usize, access: u64) -> Result<*mut fid_mr, TransportError> {
-        let key = if self.mr_mode & FI_MR_PROV_KEY as u64 != 0 {
-            0
-        } else {
-            self.next_key.fetch_add(1, Ordering::Relaxed)
-        };
-        let mut mr = ptr::null_mut();
-        // SAFETY: the caller guarantees `addr..addr+len` is live memory (a leased or registered DmaBuf) that
-        // outlives the registration; the domain is open.
-        let ret = unsafe {
-            exs_fi_mr_reg(
-                self.domain,
-                addr as *const c_void,
-                len,
-                access,
-                0,
-                key,
-                0,
-                &mut mr,
-                ptr::null_mut(),
-            )
-        };
-        check("fi_mr_reg", ret)?;
-        Ok(mr)
-    }
-}
-
-fn close_mr(mr: *mut fid_mr) {
-    if !mr.is_null() {
-        // SAFETY: `mr` was returned by fi_mr_reg and is closed exactly once, by its owner's Drop.
-        unsafe { exs_fi_close(&mut (*mr).fid) };
-    }
-}
-
-/// A whole buffer registered for local access.
-struct FiRegistration {
-    _domain: Arc<Domain>,
-    mr: *mut fid_mr,
-    desc: u64,
-    buf: Arc<DmaBuf>,
-}
-
-// SAFETY: the MR handle is only used to close it (thread-safe domain); the buffer is Send + Sync.
-unsafe impl Send for FiRegistration {}
-// SAFETY: see Send.
-unsafe impl Sync for FiRegistration {}
-
-impl std::fmt::Debug for FiRegistration {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FiRegistration")
-            .field("buf", &self.buf)
-            .finish()
-    }
-}
-
-impl Drop for FiRegistration {
-    fn drop(&mut self) {
-        // Closed before `buf` (declared later) is released: memory outlives its registration.
-        close_mr(self.mr);
-    }
-}
-
-impl Registration for FiRegistration {
-    fn local_key(&self) -> u64 {
-        self.desc
-    }
-    fn buf(&self) -> &Arc<DmaBuf> {
-        &self.buf
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
-
-/// Remote access to one leased range: its own registration, closed (revoking the key) before the lease goes.
-struct FiExposure {
-    _domain: Arc<Domain>,
-    mr: *mut fid_mr,
-    remote: RemoteRef,
-    len: usize,
-    _lease: Lease,
-}
-
-// SAFETY: as FiRegistration.
-unsafe impl Send for FiExposure {}
-
-impl std::fmt::Debug for FiExposure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FiExposure")
-            .field("key", &self.remote.key)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl Drop for FiExposure {
-    fn drop(&mut self) {
-        close_mr(self.mr);
-    }
-}
-
-impl Exposure for FiExposure {
-    fn remote(&self) -> RemoteRef {
-        self.remote
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self._lease
-            .read(offset, dst)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self._lease
-            .write(offset, src)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
 /// A posted work request. Its address is the operation context; `ctx` comes first for FI_CONTEXT providers.
 #[repr(C)]
 struct WrRecord {
@@ -397,6 +252,8 @@ enum EpState {
 }
 
 struct Ep {
+    /// The domain the endpoint and its queue live in (closed after them).
+    _dom: Arc<Domain>,
     ep: *mut fid_ep,
     cq: *mut fid_cq,
     cq_fd: RawFd,
@@ -407,9 +264,15 @@ struct Ep {
     peer: Option<SocketAddr>,
 }
 
-/// One libfabric domain as an exs [`Transport`].
+/// One libfabric fabric as an exs [`Transport`]: the context's domain, and (see [`memory`]) a domain per
+/// connection where the provider allows it.
 pub struct FabricTransport {
     dom: Arc<Domain>,
+    /// Each connection has a domain of its own (keys bound to one connection): the provider needs no local
+    /// descriptors.
+    per_conn: bool,
+    /// The domains of connections, by endpoint (made at the first exposure or at connect/accept).
+    conn_domains: HashMap<EndpointId, Arc<Domain>>,
     provider: String,
     domain_name: String,
     eq: *mut fid_eq,
@@ -516,14 +379,8 @@ impl FabricTransport {
         check("fi_fabric", unsafe {
             fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut())
         })?;
-        let mut domain = ptr::null_mut();
-        // SAFETY: open fabric, matching info.
-        let ret = unsafe { exs_fi_domain(fabric, info.0, &mut domain, ptr::null_mut()) };
-        if ret < 0 {
-            // SAFETY: the fabric was opened above and nothing else uses it.
-            unsafe { exs_fi_close(&mut (*fabric).fid) };
-            return Err(err("fi_domain", ret.into()));
-        }
+        let fab = Arc::new(Fabric { fabric, info });
+        let dom = Domain::open(&fab, mr_mode)?;
         let caps = Capabilities {
             name: format!("fabric/{provider}/{domain_name}"),
             max_inline: tx.inject_size,
@@ -548,13 +405,6 @@ impl FabricTransport {
             // provider (verbs) keeps the 512-byte default of the verbs backend.
             immediate_default: if provider == "verbs" { 512 } else { 4096 },
         };
-        let dom = Arc::new(Domain {
-            fabric,
-            domain,
-            _info: info,
-            mr_mode,
-            next_key: AtomicU64::new(1),
-        });
         let mut attr = fi_eq_attr {
             size: 1024,
             wait_obj: fi_wait_obj_FI_WAIT_FD,
@@ -563,12 +413,14 @@ impl FabricTransport {
         let mut eq = ptr::null_mut();
         // SAFETY: open fabric; attr lives across the call.
         check("fi_eq_open", unsafe {
-            exs_fi_eq_open(fabric, &mut attr, &mut eq, ptr::null_mut())
+            exs_fi_eq_open(fab.fabric, &mut attr, &mut eq, ptr::null_mut())
         })?;
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
             .map_err(|e| TransportError::os("epoll_create", e.into()))?;
         let t = FabricTransport {
             dom,
+            per_conn: mr_mode & FI_MR_LOCAL as u64 == 0,
+            conn_domains: HashMap::new(),
             provider,
             domain_name,
             eq,
@@ -595,12 +447,26 @@ impl FabricTransport {
         &self.provider
     }
 
+    /// The domain of a connection: its own where the provider allows it, else the context's.
+    fn domain_for(&mut self, id: EndpointId) -> Result<Arc<Domain>, TransportError> {
+        if !self.per_conn {
+            return Ok(Arc::clone(&self.dom));
+        }
+        if let Some(d) = self.conn_domains.get(&id) {
+            return Ok(Arc::clone(d));
+        }
+        let d = Domain::open(&self.dom.fab, self.dom.mr_mode)?;
+        self.conn_domains.insert(id, Arc::clone(&d));
+        Ok(d)
+    }
+
     fn create_ep(&mut self, info: *mut fi_info, id: EndpointId) -> Result<Ep, TransportError> {
+        let dom = self.domain_for(id)?;
         let mut ep = ptr::null_mut();
         let ctx = (TAG_EP | id.0 as usize) as *mut c_void;
         // SAFETY: open domain; `info` is a valid entry (from fi_getinfo or a connection request).
         check("fi_endpoint", unsafe {
-            exs_fi_endpoint(self.dom.domain, info, &mut ep, ctx)
+            exs_fi_endpoint(dom.domain, info, &mut ep, ctx)
         })?;
         let size = (self.caps.max_send_wr + self.caps.max_recv_wr) as usize;
         let mut attr = fi_cq_attr {
@@ -611,7 +477,7 @@ impl FabricTransport {
         };
         let mut cq = ptr::null_mut();
         // SAFETY: open domain; attr lives across the call.
-        let ret = unsafe { exs_fi_cq_open(self.dom.domain, &mut attr, &mut cq, ctx) };
+        let ret = unsafe { exs_fi_cq_open(dom.domain, &mut attr, &mut cq, ctx) };
         let cleanup_ep = |ep: *mut fid_ep| {
             // SAFETY: the endpoint was opened above and is not used elsewhere.
             unsafe { exs_fi_close(&mut (*ep).fid) };
@@ -657,6 +523,7 @@ impl FabricTransport {
             return Err(e);
         }
         Ok(Ep {
+            _dom: dom,
             ep,
             cq,
             cq_fd,
@@ -1050,12 +917,21 @@ impl Transport for FabricTransport {
     }
 
     fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
+        if self.per_conn {
+            // No local descriptors: the provider names local memory by address (see `memory`).
+            return Ok(Arc::new(FiRegistration {
+                _domain: None,
+                mr: ptr::null_mut(),
+                desc: 0,
+                buf: Arc::clone(buf),
+            }));
+        }
         let access = (FI_SEND | FI_RECV | FI_READ | FI_WRITE) as u64;
         let mr = self.dom.register(buf.addr(), buf.len(), access)?;
         // SAFETY: `mr` is a live registration.
         let desc = unsafe { exs_fi_mr_desc(mr) } as u64;
         Ok(Arc::new(FiRegistration {
-            _domain: Arc::clone(&self.dom),
+            _domain: Some(Arc::clone(&self.dom)),
             mr,
             desc,
             buf: Arc::clone(buf),
@@ -1064,6 +940,7 @@ impl Transport for FabricTransport {
 
     fn expose(
         &mut self,
+        ep: EndpointId,
         reg: &Arc<dyn Registration>,
         lease: Lease,
         access: RemoteAccess,
@@ -1073,21 +950,22 @@ impl Transport for FabricTransport {
             RemoteAccess::Read => FI_REMOTE_READ,
             RemoteAccess::Write => FI_REMOTE_WRITE,
         } as u64;
-        let mr = self.dom.register(lease.addr(), lease.len(), flags)?;
+        let dom = self.domain_for(ep)?;
+        let mr = dom.register(lease.addr(), lease.len(), flags)?;
         // SAFETY: live registration.
         let key = unsafe { exs_fi_mr_key(mr) };
-        let addr = if self.dom.mr_mode & FI_MR_VIRT_ADDR as u64 != 0 {
+        let addr = if dom.mr_mode & FI_MR_VIRT_ADDR as u64 != 0 {
             lease.addr()
         } else {
             0
         };
         let len = lease.len();
         Ok(Box::new(FiExposure {
-            _domain: Arc::clone(&self.dom),
+            _domain: dom,
             mr,
             remote: RemoteRef { addr, key },
             len,
-            _lease: lease,
+            lease,
         }))
     }
 
@@ -1113,7 +991,7 @@ impl Transport for FabricTransport {
         let ctx = (TAG_LISTENER | id.0 as usize) as *mut c_void;
         // SAFETY: open fabric and a valid info.
         check("fi_passive_ep", unsafe {
-            exs_fi_passive_ep(self.dom.fabric, info.0, &mut pep, ctx)
+            exs_fi_passive_ep(self.dom.fab.fabric, info.0, &mut pep, ctx)
         })?;
         // SAFETY: `pep` was just opened; binding it to our event queue, then listening.
         let ret = unsafe {
@@ -1322,6 +1200,8 @@ impl Transport for FabricTransport {
     }
 
     fn release(&mut self, ep: EndpointId) {
+        // The connection's domain closes once the endpoint and the last exposure of it are gone.
+        self.conn_domains.remove(&ep);
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
@@ -1385,7 +1265,7 @@ impl Transport for FabricTransport {
             for e in self.eps.values() {
                 fids.push(&mut (*e.cq).fid);
             }
-            exs_fi_trywait(self.dom.fabric, fids.as_mut_ptr(), fids.len() as i32)
+            exs_fi_trywait(self.dom.fab.fabric, fids.as_mut_ptr(), fids.len() as i32)
         };
         match ret {
             0 => Ok(true),

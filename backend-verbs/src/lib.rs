@@ -1111,6 +1111,7 @@ impl Transport for VerbsTransport {
 
     fn expose(
         &mut self,
+        _ep: EndpointId,
         reg: &Arc<dyn Registration>,
         lease: Lease,
         access: RemoteAccess,

@@ -52,6 +52,10 @@ pub struct EngineStats {
     pub ctrl_recv_bytes: u64,
     /// The shared receive pool (seed 003), when the context uses one.
     pub pool: Option<PoolStats>,
+    /// Memory registrations the context made (memory regions, control and stream buffers, pool chunks).
+    pub registrations: u64,
+    /// Remote keys handed out (each bound to one connection).
+    pub exposures: u64,
 }
 
 /// Whether the context uses the shared receive pool.
@@ -252,11 +256,25 @@ impl Engine {
         self.transport.arm()
     }
 
+    /// Registers memory (counted: a registration pins memory on hardware; the data path makes none).
     pub(crate) fn register(
         &mut self,
         buf: &Arc<DmaBuf>,
     ) -> Result<Arc<dyn Registration>, TransportError> {
+        self.stats.registrations += 1;
         self.transport.register(buf)
+    }
+
+    /// Exposes a leased range to the peer of `ep` alone (counted).
+    fn expose(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: exs_dma::Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
+        self.stats.exposures += 1;
+        self.transport.expose(ep, reg, lease, access)
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
@@ -572,7 +590,7 @@ impl Engine {
             return Ok(pool);
         };
         let buf = DmaBuf::new(bytes);
-        let reg = self.transport.register(&buf)?;
+        let reg = self.register(&buf)?;
         let mut wrs = pool
             .add_chunk(buf, reg)
             .map_err(|v| TransportError::Invalid(v.to_string()))?;
@@ -1012,7 +1030,7 @@ impl Engine {
             None => {
                 let slot = ctrl_slot_size(small);
                 let rx_buf = DmaBuf::new(slot * window as usize);
-                let rx_reg = self.transport.register(&rx_buf)?;
+                let rx_reg = self.register(&rx_buf)?;
                 (
                     Ok(Slots {
                         buf: rx_buf,
@@ -1026,7 +1044,7 @@ impl Engine {
         };
         let tx_count = window.max(16);
         let tx_buf = DmaBuf::new(TX_SLOT * tx_count as usize);
-        let tx_reg = self.transport.register(&tx_buf)?;
+        let tx_reg = self.register(&tx_buf)?;
         let link = Link::new(
             rx,
             Slots {
@@ -1041,10 +1059,18 @@ impl Engine {
         );
         let stream_setup = match ty {
             SockType::SeqPacket => None,
-            SockType::Stream => Some(StreamSetup::new(
-                &mut *self.transport,
-                opts.stream_buffer_size as usize,
-            )?),
+            SockType::Stream => {
+                let len = opts.stream_buffer_size as usize;
+                let buf = DmaBuf::new(len);
+                let reg = self.register(&buf)?;
+                // Seed 001: the peer may write any part of the ring at any time: the lease kind for ranges the
+                // device writes concurrently.
+                let lease = buf
+                    .lease(0..len, LeaseKind::DeviceWriteShared)
+                    .map_err(|e| TransportError::Invalid(e.to_string()))?;
+                let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
+                Some(StreamSetup::new(exposure, buf, reg))
+            }
         };
         let (stream_len, stream_addr, stream_rkey) = match &stream_setup {
             Some(s) => {
@@ -1292,7 +1318,8 @@ impl Engine {
                     };
                     let sge = slice.lease(kind)?;
                     let (lease, reg) = sge.into_parts();
-                    SendData::Exposed(self.transport.expose(&reg, lease, RemoteAccess::Read)?)
+                    let ep = self.open_conn(sid)?.ep;
+                    SendData::Exposed(self.expose(ep, &reg, lease, RemoteAccess::Read)?)
                 } else {
                     SendData::Inline(slice.lease(LeaseKind::DeviceRead)?)
                 };
@@ -1357,8 +1384,8 @@ impl Engine {
                 // Seed 002, 4.3: the application reads the current values while the peer writes them.
                 let sge = slice.lease(LeaseKind::DeviceWriteShared)?;
                 let (lease, reg) = sge.into_parts();
-                let exposure = self.transport.expose(&reg, lease, RemoteAccess::Write)?;
-                self.open_conn(sid)?;
+                let ep = self.open_conn(sid)?.ep;
+                let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
                 let token = self.token(ticket);
                 let conn = self.open_conn(sid)?;
                 if let Err((t, why)) = conn.recv_persistent(token, exposure) {
@@ -1394,12 +1421,12 @@ impl Engine {
                 if !closed_stream {
                     self.open_conn(sid)?;
                 }
+                let Some(ep) = self.sockets.get(&sid).and_then(|s| s.ep()) else {
+                    return Err(StateError::NotConnected.into());
+                };
                 let sge = slice.lease(LeaseKind::DeviceWrite)?;
                 let (lease, reg) = sge.into_parts();
-                let exposure = self.transport.expose(&reg, lease, RemoteAccess::Write)?;
-                if self.sockets.get(&sid).and_then(|s| s.conn.as_ref()).is_none() {
-                    return Err(StateError::NotConnected.into());
-                }
+                let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
                 let token = self.token(ticket);
                 let conn = self
                     .sockets

@@ -192,7 +192,7 @@ impl RawPeer {
             .lease(off..off + data.len(), LeaseKind::DeviceRead)
             .map_err(|e| e.to_string())?;
         self.t
-            .expose(&self.tx_reg, lease, RemoteAccess::Read)
+            .expose(self.ep, &self.tx_reg, lease, RemoteAccess::Read)
             .map_err(|e| e.to_string())
     }
 

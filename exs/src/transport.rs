@@ -467,9 +467,15 @@ pub trait Transport: Send + fmt::Debug {
     /// Registers a buffer for local access.
     fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError>;
 
-    /// Grants the peers of this transport `access` to the leased range of a registered buffer.
+    /// Grants the peer of endpoint `ep`, and no other, `access` to the leased range of a registered buffer.
+    ///
+    /// The key works only for operations that arrive on `ep` (memory windows bound to the queue pair on verbs,
+    /// the endpoint's own domain on libfabric; a backend that cannot bind a key to one connection says so in
+    /// its documentation and the README). `ep` may be named before `connect`/`accept` creates it (the stream
+    /// buffer travels in the handshake). Dropping the exposure revokes the key.
     fn expose(
         &mut self,
+        ep: EndpointId,
         reg: &Arc<dyn Registration>,
         lease: Lease,
         access: RemoteAccess,

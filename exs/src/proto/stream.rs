@@ -43,7 +43,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use exs_dma::{DmaBuf, LeaseKind};
+use exs_dma::DmaBuf;
 
 use crate::error::{OpError, Violation};
 use crate::event::EventFlags;
@@ -52,7 +52,7 @@ use crate::options::{MsgFlags, SocketOptions};
 use crate::proto::conn::Limits;
 use crate::proto::link::{DataOp, Link};
 use crate::transport::{
-    Exposure, Registration, RemoteAccess, RemoteRef, Sge, Transport, TransportError, WcError,
+    Exposure, Registration, RemoteRef, Sge, WcError,
 };
 use crate::wire::{Body, CloseReason, Handshake, Imm, StreamAdvert};
 
@@ -124,19 +124,19 @@ pub(crate) struct StreamSetup {
 }
 
 impl StreamSetup {
-    pub(crate) fn new(t: &mut dyn Transport, len: usize) -> Result<Self, TransportError> {
-        let buf = DmaBuf::new(len);
-        let reg = t.register(&buf)?;
-        let lease = buf
-            .lease(0..len, LeaseKind::DeviceWrite)
-            .map_err(|e| TransportError::Invalid(e.to_string()))?;
-        let exposure = t.expose(&reg, lease, RemoteAccess::Write)?;
-        Ok(StreamSetup {
+    /// The engine allocated, registered and exposed the buffer (seed 001: the peer writes it at any time, so
+    /// the lease is of the shared device-write kind).
+    pub(crate) fn new(
+        exposure: Box<dyn Exposure>,
+        buf: Arc<DmaBuf>,
+        reg: Arc<dyn Registration>,
+    ) -> Self {
+        StreamSetup {
+            len: exposure.len(),
             exposure,
-            len,
             buf,
             reg,
-        })
+        }
     }
 }
 

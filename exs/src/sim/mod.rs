@@ -172,6 +172,8 @@ struct KeyEntry {
     lease: Lease,
     access: RemoteAccess,
     base: u64,
+    /// The one endpoint whose peer may use the key (a memory window bound to a queue pair).
+    owner: Addr,
 }
 
 struct Host {
@@ -500,7 +502,7 @@ impl Net {
             Op::Write { local, remote, imm } => {
                 let imm = *imm;
                 let n: usize = local.iter().map(Sge::len).sum();
-                if let Err(e) = self.remote_access(*remote, n, RemoteAccess::Write) {
+                if let Err(e) = self.remote_access(*remote, n, RemoteAccess::Write, to) {
                     self.stats.access_errors += 1;
                     tracing::debug!("sim: remote write refused: {e}");
                     self.complete(fh, fep, wr.wr_id, kind, Err(WcError::RemoteAccess));
@@ -552,7 +554,7 @@ impl Net {
             }
             Op::Read { local, remote } => {
                 let n = local.len();
-                if let Err(e) = self.remote_access(*remote, n, RemoteAccess::Read) {
+                if let Err(e) = self.remote_access(*remote, n, RemoteAccess::Read, to) {
                     self.stats.access_errors += 1;
                     tracing::debug!("sim: remote read refused: {e}");
                     self.complete(fh, fep, wr.wr_id, kind, Err(WcError::RemoteAccess));
@@ -573,11 +575,24 @@ impl Net {
         }
     }
 
-    fn remote_access(&self, r: RemoteRef, len: usize, access: RemoteAccess) -> Result<(), String> {
+    fn remote_access(
+        &self,
+        r: RemoteRef,
+        len: usize,
+        access: RemoteAccess,
+        at: Addr,
+    ) -> Result<(), String> {
         let e = self
             .keys
             .get(&r.key)
             .ok_or_else(|| format!("unknown key {:#x}", r.key))?;
+        if e.owner != at {
+            // A key works only on the connection it was given to (a window bound to its queue pair).
+            return Err(format!(
+                "key {:#x} belongs to another connection",
+                r.key
+            ));
+        }
         if e.access != access {
             return Err(format!("key {:#x} does not allow {access:?}", r.key));
         }
@@ -806,6 +821,7 @@ impl Transport for SimTransport {
 
     fn expose(
         &mut self,
+        ep: EndpointId,
         reg: &Arc<dyn Registration>,
         lease: Lease,
         access: RemoteAccess,
@@ -831,6 +847,7 @@ impl Transport for SimTransport {
                 lease,
                 access,
                 base,
+                owner: (self.host, ep),
             },
         );
         Ok(Box::new(SimExposure {

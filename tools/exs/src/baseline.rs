@@ -93,7 +93,10 @@ fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<(), S
     let lease = buf
         .lease(0..size * depth, kind)
         .map_err(|e| e.to_string())?;
-    let exposure = t.expose(&reg, lease, access).map_err(|e| e.to_string())?;
+    // Exposed to the one connection it will accept (endpoint 1), before the handshake carries the key.
+    let exposure = t
+        .expose(EndpointId(1), &reg, lease, access)
+        .map_err(|e| e.to_string())?;
     let (_, addr) = t
         .listen(opened.listen_addr(0), 1)
         .map_err(|e| e.to_string())?;

@@ -1,0 +1,233 @@
+//! Fabric and domains, registrations and exposures: who can reach which memory, with which key, on which
+//! connection.
+//!
+//! ## Keys bound to one connection
+//! libfabric offers no endpoint-bound keys on the software providers (`FI_MR_ENDPOINT` is not implemented by tcp,
+//! sockets or net in 1.17), and a key of a domain works on every endpoint of that domain. So where the provider
+//! needs no local descriptors (`FI_MR_LOCAL` clear: tcp, sockets, net), **every connection gets a domain of its
+//! own**: its endpoint, completion queue and every exposure it hands out live there, so a key one connection
+//! learned names nothing on another. Keys are requested ones (where the provider lets us choose) drawn from the
+//! operating system's randomness, so they are not guessable on the connection either. Base registrations
+//! (`register`, ES-API `exs_mregister`) then need nothing from the provider: local buffers are named by address.
+//!
+//! Where the provider needs local descriptors (`FI_MR_LOCAL`, e.g. the verbs provider), descriptors must come from
+//! the endpoint's own domain, so one domain serves all connections and a key (the provider's, unguessable on
+//! hardware) is valid domain-wide for as long as its exposure lives. The README states this per provider.
+
+use std::collections::hash_map::RandomState;
+use std::ffi::c_void;
+use std::hash::{BuildHasher, Hasher};
+use std::ptr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use exs::transport::{Exposure, Registration, RemoteRef, TransportError};
+use exs_dma::{DmaBuf, Lease};
+
+use crate::ffi::*;
+use crate::{check, err, Info};
+
+/// The fabric, closed after every domain on it.
+pub(crate) struct Fabric {
+    pub(crate) fabric: *mut fid_fabric,
+    /// The fi_info the fabric and domains were opened from, kept alive (and freed) with it.
+    pub(crate) info: Info,
+}
+
+// SAFETY: the fabric was opened with FI_THREAD_SAFE; libfabric serializes internally.
+unsafe impl Send for Fabric {}
+// SAFETY: as above.
+unsafe impl Sync for Fabric {}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        // SAFETY: every domain holds an Arc of the fabric, so all are closed by now.
+        unsafe { exs_fi_close(&mut (*self.fabric).fid) };
+    }
+}
+
+/// Unguessable 64-bit keys: SipHash under a key the operating system drew at random, over a counter.
+struct Keys {
+    hasher: RandomState,
+    next: AtomicU64,
+}
+
+impl Keys {
+    fn new() -> Self {
+        Keys {
+            hasher: RandomState::new(),
+            next: AtomicU64::new(1),
+        }
+    }
+
+    fn draw(&self) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        h.write_u64(self.next.fetch_add(1, Ordering::Relaxed));
+        h.finish().max(1)
+    }
+}
+
+/// One libfabric domain: the context's, or one connection's own.
+pub(crate) struct Domain {
+    pub(crate) fab: Arc<Fabric>,
+    pub(crate) domain: *mut fid_domain,
+    pub(crate) mr_mode: u64,
+    keys: Keys,
+}
+
+// SAFETY: the domain was opened with FI_THREAD_SAFE; libfabric serializes internally.
+unsafe impl Send for Domain {}
+// SAFETY: as above; `&Domain` only hands out the handles for thread-safe calls.
+unsafe impl Sync for Domain {}
+
+impl Drop for Domain {
+    fn drop(&mut self) {
+        // SAFETY: every endpoint, queue and registration using the domain holds an Arc of it, so all are closed.
+        unsafe { exs_fi_close(&mut (*self.domain).fid) };
+    }
+}
+
+impl Domain {
+    /// Opens a domain on the fabric.
+    pub(crate) fn open(fab: &Arc<Fabric>, mr_mode: u64) -> Result<Arc<Domain>, TransportError> {
+        let mut domain = ptr::null_mut();
+        // SAFETY: open fabric, the info it was opened from.
+        let ret = unsafe { exs_fi_domain(fab.fabric, fab.info.0, &mut domain, ptr::null_mut()) };
+        if ret < 0 {
+            return Err(err("fi_domain", ret.into()));
+        }
+        Ok(Arc::new(Domain {
+            fab: Arc::clone(fab),
+            domain,
+            mr_mode,
+            keys: Keys::new(),
+        }))
+    }
+
+    pub(crate) fn register(
+        &self,
+        addr: u64,
+        len: usize,
+        access: u64,
+    ) -> Result<*mut fid_mr, TransportError> {
+        let key = if self.mr_mode & FI_MR_PROV_KEY as u64 != 0 {
+            0
+        } else {
+            self.keys.draw()
+        };
+        let mut mr = ptr::null_mut();
+        // SAFETY: the caller guarantees `addr..addr+len` is live memory (a leased or registered DmaBuf) that
+        // outlives the registration; the domain is open.
+        let ret = unsafe {
+            exs_fi_mr_reg(
+                self.domain,
+                addr as *const c_void,
+                len,
+                access,
+                0,
+                key,
+                0,
+                &mut mr,
+                ptr::null_mut(),
+            )
+        };
+        check("fi_mr_reg", ret)?;
+        Ok(mr)
+    }
+}
+
+pub(crate) fn close_mr(mr: *mut fid_mr) {
+    if !mr.is_null() {
+        // SAFETY: `mr` was returned by fi_mr_reg and is closed exactly once, by its owner's Drop.
+        unsafe { exs_fi_close(&mut (*mr).fid) };
+    }
+}
+
+/// A whole buffer registered for local access (or, where the provider needs no local descriptors, only
+/// remembered: nothing to register).
+pub(crate) struct FiRegistration {
+    pub(crate) _domain: Option<Arc<Domain>>,
+    pub(crate) mr: *mut fid_mr,
+    pub(crate) desc: u64,
+    pub(crate) buf: Arc<DmaBuf>,
+}
+
+// SAFETY: the MR handle is only used to close it (thread-safe domain); the buffer is Send + Sync.
+unsafe impl Send for FiRegistration {}
+// SAFETY: see Send.
+unsafe impl Sync for FiRegistration {}
+
+impl std::fmt::Debug for FiRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FiRegistration")
+            .field("buf", &self.buf)
+            .field("registered", &!self.mr.is_null())
+            .finish()
+    }
+}
+
+impl Drop for FiRegistration {
+    fn drop(&mut self) {
+        // Closed before `buf` (declared later) is released: memory outlives its registration.
+        close_mr(self.mr);
+    }
+}
+
+impl Registration for FiRegistration {
+    fn local_key(&self) -> u64 {
+        self.desc
+    }
+    fn buf(&self) -> &Arc<DmaBuf> {
+        &self.buf
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+/// Remote access to one leased range: its own registration in the connection's domain, closed (revoking the key)
+/// before the lease goes.
+pub(crate) struct FiExposure {
+    pub(crate) _domain: Arc<Domain>,
+    pub(crate) mr: *mut fid_mr,
+    pub(crate) remote: RemoteRef,
+    pub(crate) len: usize,
+    pub(crate) lease: Lease,
+}
+
+// SAFETY: as FiRegistration.
+unsafe impl Send for FiExposure {}
+
+impl std::fmt::Debug for FiExposure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FiExposure")
+            .field("key", &self.remote.key)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl Drop for FiExposure {
+    fn drop(&mut self) {
+        close_mr(self.mr);
+    }
+}
+
+impl Exposure for FiExposure {
+    fn remote(&self) -> RemoteRef {
+        self.remote
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.lease
+            .read(offset, dst)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        self.lease
+            .write(offset, src)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}

@@ -92,5 +92,6 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::scale::cases());
     v.extend(cases::extensions::cases());
     v.extend(cases::hostile::cases());
+    v.extend(cases::keys::cases());
     v
 }

@@ -65,11 +65,11 @@ pub fn cases() -> Vec<Case> {
 }
 
 /// The exs side under attack: a context with a listener, and a canary region that must never change.
-struct Victim {
-    name: &'static str,
-    net: Box<dyn Net>,
-    ctx: Context,
-    eq: EventQueue,
+pub(crate) struct Victim {
+    pub(crate) name: &'static str,
+    pub(crate) net: Box<dyn Net>,
+    pub(crate) ctx: Context,
+    pub(crate) eq: EventQueue,
     listener: Socket,
     addr: SocketAddr,
     ty: SockType,
@@ -77,7 +77,7 @@ struct Victim {
     canary_bytes: Vec<u8>,
 }
 
-fn victim(b: &dyn Backend, ty: SockType) -> Result<Victim, String> {
+pub(crate) fn victim(b: &dyn Backend, ty: SockType) -> Result<Victim, String> {
     let net = b.net();
     let ctx = net.host();
     let eq = EventQueue::new(256);
@@ -136,7 +136,7 @@ impl Victim {
         Ok((raw, s))
     }
 
-    fn accept_good(&self) -> Result<(RawPeer, Socket), String> {
+    pub(crate) fn accept_good(&self) -> Result<(RawPeer, Socket), String> {
         self.accept_raw(&good_handshake(self.ty).encode())
     }
 
@@ -198,7 +198,7 @@ impl Victim {
     }
 
     /// Another connection works, and the canary region is untouched.
-    fn healthy(&self, what: &str, violation: bool) -> Result<(), String> {
+    pub(crate) fn healthy(&self, what: &str, violation: bool) -> Result<(), String> {
         let client = self.net.host();
         let eq = EventQueue::new(16);
         self.listener

@@ -2,6 +2,7 @@
 
 pub mod extensions;
 pub mod hostile;
+pub mod keys;
 pub mod message;
 pub mod process;
 pub mod scale;

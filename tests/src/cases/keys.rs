@@ -1,0 +1,181 @@
+//! Remote keys are good on one connection only (issue 13): a crafted peer holding two connections to one
+//! context learns keys on connection A and tries them on connection B. Every attempt must fail, the victim's
+//! memory must compare equal byte for byte, and connection A must be intact. (That a key stops working once its
+//! operation completed is `hostile_stale_key_after_ack_is_refused`.)
+
+use std::time::Duration;
+
+use exs::testing::RawPeer;
+use exs::transport::RemoteRef;
+use exs::wire::{Advert, AdvertFlags, Body, Message};
+use exs::{MemoryRegion, MsgFlags, SockType, Socket};
+
+use super::hostile::{victim, Victim};
+use crate::util::*;
+use crate::{ensure, Backend, Case, Requires};
+
+pub fn cases() -> Vec<Case> {
+    vec![
+        Case {
+            name: "a_key_from_one_connection_is_refused_on_another",
+            run: key_refused_on_another_connection,
+            requires: Requires::Nothing,
+        },
+    ]
+}
+
+/// The first advert the raw peer received that `pick` accepts.
+fn advert(raw: &mut RawPeer, what: &str, pick: impl Fn(&Advert) -> bool) -> Result<Advert, String> {
+    let find = |p: &RawPeer| {
+        p.received.iter().find_map(|m| match m {
+            Ok(Message {
+                body: Body::Advert(a),
+                ..
+            }) if pick(a) => Some(*a),
+            _ => None,
+        })
+    };
+    raw.pump(Duration::from_secs(20), |p| find(p).is_some());
+    find(raw).ok_or(format!("the victim never advertised {what}"))
+}
+
+/// Tries `remote` from a fresh connection B (read, or write of "EVIL"): it must fail.
+fn attempt(v: &Victim, what: &str, remote: RemoteRef, len: usize, write: bool) -> Result<(), String> {
+    let (mut b, b_sock) = v.accept_good()?;
+    let id = if write {
+        b.write(remote, &b"EVIL".repeat(len.div_ceil(4))[..len], None)?
+    } else {
+        b.read(remote, len)?
+    };
+    match b.wait_done(id) {
+        Ok(()) => Err(format!(
+            "{what}: connection B {} with connection A's key {:#x}",
+            if write { "wrote" } else { "read" },
+            remote.key
+        )),
+        Err(e) => {
+            eprintln!("KEYS {}: {what} on another connection: refused ({e})", v.name);
+            drop(b);
+            let _ = b_sock.abort();
+            Ok(())
+        }
+    }
+}
+
+/// Takes the events of the aborted connections' operations, so the victim's queue is clean for `healthy`.
+fn drain(v: &Victim) {
+    while v.eq.outstanding() > 0 || !v.eq.is_empty() {
+        if v.eq.next(Some(Duration::from_secs(5))).is_err() {
+            return;
+        }
+    }
+}
+
+fn still_up(s: &Socket, what: &str) -> Result<(), String> {
+    match s.error().map_err(|e| e.to_string())? {
+        None => Ok(()),
+        Some(e) => Err(format!("{what}: connection A went down: {e}")),
+    }
+}
+
+fn key_refused_on_another_connection(b: &dyn Backend) -> Result<(), String> {
+    // Message mode: a send in flight (readable), a persistent send (readable), a persistent receive (writable).
+    let v = victim(b, SockType::SeqPacket)?;
+    let (mut a, a_sock) = v.accept_good()?;
+    let sent = pattern(8000, 11);
+    let src = MemoryRegion::from_vec(&v.ctx, sent.clone()).map_err(|e| e.to_string())?;
+    a_sock
+        .set_option(exs::SocketOption::SmallPacketMaxSize(0))
+        .ok();
+    a_sock
+        .send(&v.eq, &src.all(), MsgFlags::NONE, 1)
+        .map_err(|e| e.to_string())?;
+    let ad = advert(&mut a, "a send", |ad| ad.flags.0 == 0 && ad.len == 8000)?;
+    attempt(&v, "the key of a send in flight", RemoteRef { addr: ad.addr, key: ad.rkey }, 8000, false)?;
+    // Connection A still reads it with the same key: the key is good where it was given.
+    let id = a.read(RemoteRef { addr: ad.addr, key: ad.rkey }, 8000)?;
+    a.wait_done(id)
+        .map_err(|e| format!("connection A reading its own advertised send: {e}"))?;
+    same(&a.read_back(8000), &sent, "the send read on its own connection")?;
+    still_up(&a_sock, "after the send's key was tried elsewhere")?;
+
+    let psend = MemoryRegion::from_vec(&v.ctx, pattern(4096, 12)).map_err(|e| e.to_string())?;
+    a_sock
+        .send(&v.eq, &psend.all(), MsgFlags::PERSISTENT, 2)
+        .map_err(|e| e.to_string())?;
+    let ad = advert(&mut a, "a persistent send", |ad| {
+        ad.flags.0 & AdvertFlags::PERSISTENT != 0
+    })?;
+    attempt(&v, "the key of a persistent send", RemoteRef { addr: ad.addr, key: ad.rkey }, 4096, false)?;
+
+    let before = pattern(4096, 13);
+    let precv = MemoryRegion::from_vec(&v.ctx, before.clone()).map_err(|e| e.to_string())?;
+    // The one-side-persistent rule: end our persistent send first.
+    let (mut a2, a2_sock) = v.accept_good()?;
+    a2_sock
+        .recv(&v.eq, &precv.all(), MsgFlags::PERSISTENT, 3)
+        .map_err(|e| e.to_string())?;
+    let ad = advert(&mut a2, "a persistent receive", |ad| {
+        ad.flags.0 & AdvertFlags::PERSISTENT_RECV != 0
+    })?;
+    attempt(&v, "the key of a persistent receive", RemoteRef { addr: ad.addr, key: ad.rkey }, 4096, true)?;
+    still_up(&a2_sock, "after the persistent receive's key was tried elsewhere")?;
+    a2_sock.end_persistent().map_err(|e| e.to_string())?;
+    drop(a2);
+    let _ = a2_sock.abort();
+    drop(a);
+    let _ = a_sock.abort();
+    let _ = psend;
+    std::thread::sleep(Duration::from_millis(50));
+    same(
+        &precv.to_vec().map_err(|e| e.to_string())?,
+        &before,
+        "the persistent receive buffer",
+    )?;
+    same(&src.to_vec().map_err(|e| e.to_string())?, &sent, "the send buffer")?;
+    drain(&v);
+    v.healthy("cross-connection keys (message mode)", false)?;
+
+    // Stream mode: the intermediate stream buffer (its key travels in the handshake) and an advertised receive.
+    let v = victim(b, SockType::Stream)?;
+    let (mut a, a_sock) = v.accept_good()?;
+    let ring = RemoteRef {
+        addr: a.peer.stream_addr,
+        key: a.peer.stream_rkey,
+    };
+    ensure!(a.peer.stream_len > 0, "the stream handshake carried no stream buffer");
+    attempt(&v, "the key of the stream buffer", ring, 64, true)?;
+    let before = pattern(64 << 10, 14);
+    let dst = MemoryRegion::from_vec(&v.ctx, before.clone()).map_err(|e| e.to_string())?;
+    a_sock
+        .recv(&v.eq, &dst.all(), MsgFlags::NONE, 5)
+        .map_err(|e| e.to_string())?;
+    let ad = advert_stream(&mut a)?;
+    attempt(&v, "the key of an advertised stream receive", ad, 4096, true)?;
+    still_up(&a_sock, "after the stream keys were tried elsewhere")?;
+    drop(a);
+    let _ = a_sock.abort();
+    let ev = next(&v.eq)?;
+    ensure!(ev.bytes == 0, "the stream receive got {} bytes: {ev:?}", ev.bytes);
+    same(&dst.to_vec().map_err(|e| e.to_string())?, &before, "the stream receive buffer")?;
+    drain(&v);
+    v.healthy("cross-connection keys (stream mode)", false)
+}
+
+/// The first stream advert (a receive buffer for direct transfers) the raw peer received.
+fn advert_stream(raw: &mut RawPeer) -> Result<RemoteRef, String> {
+    let find = |p: &RawPeer| {
+        p.received.iter().find_map(|m| match m {
+            Ok(Message {
+                body: Body::StreamAdvert(a),
+                ..
+            }) => Some(RemoteRef {
+                addr: a.addr,
+                key: a.rkey,
+            }),
+            _ => None,
+        })
+    };
+    raw.pump(Duration::from_secs(20), |p| find(p).is_some());
+    find(raw).ok_or("the victim never advertised its stream receive".into())
+}

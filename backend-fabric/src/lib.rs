@@ -404,6 +404,7 @@ impl FabricTransport {
             // can carry. 4 KiB bounds each connection's receive slots (16 credits: ~70 KiB). A hardware
             // provider (verbs) keeps the 512-byte default of the verbs backend.
             immediate_default: if provider == "verbs" { 512 } else { 4096 },
+            keys_after_connect: false,
         };
         let mut attr = fi_eq_attr {
             size: 1024,

@@ -488,6 +488,7 @@ impl VerbsTransport {
             // Zero-copy reads win early on RDMA hardware; no hardware was at hand to measure the crossover, so this
             // is UNH-EXS's 512-byte default (the pool's slot size, seed 003, matches it).
             immediate_default: 512,
+            keys_after_connect: false,
         };
         let t = VerbsTransport {
             cfg: cfg.clone(),

@@ -926,6 +926,34 @@ impl Engine {
             self.fault(sid, Fault::Peer(v));
             return;
         }
+        let pending_ring = conn.stream().and_then(|st| st.pending_local_ring());
+        if let Some((buf, reg, len)) = pending_ring {
+            // The stream buffer's key binds to the connection only now (memory windows): expose it and send
+            // it first thing (a window bind goes before the message that names it on the same queue pair).
+            let exposed = buf
+                .lease(0..len, LeaseKind::DeviceWriteShared)
+                .map_err(|e| TransportError::Invalid(e.to_string()))
+                .and_then(|lease| self.expose(ep, &reg, lease, RemoteAccess::Write));
+            let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+                return;
+            };
+            match exposed {
+                Ok(ring) => {
+                    let body = conn.stream().expect("a stream connection").set_local_ring(ring);
+                    conn.link.push_ctrl(body, None, None);
+                }
+                Err(e) => {
+                    self.fault(
+                        sid,
+                        Fault::Transport(crate::transport::WcError::Other(e.to_string())),
+                    );
+                    return;
+                }
+            }
+        }
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
         self.stats.connections += 1;
         let passive = sock.phase == Phase::Accepting;
         sock.phase = Phase::Open;
@@ -1068,14 +1096,23 @@ impl Engine {
                 let lease = buf
                     .lease(0..len, LeaseKind::DeviceWriteShared)
                     .map_err(|e| TransportError::Invalid(e.to_string()))?;
-                let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
-                Some(StreamSetup::new(exposure, buf, reg))
+                // Where keys bind only to a connected queue pair, the key follows the handshake (STREAM_RING).
+                let exposure = if self.caps.keys_after_connect {
+                    None
+                } else {
+                    Some(self.expose(ep, &reg, lease, RemoteAccess::Write)?)
+                };
+                Some(StreamSetup::new(exposure, len, buf, reg))
             }
         };
         let (stream_len, stream_addr, stream_rkey) = match &stream_setup {
             Some(s) => {
-                let r = s.exposure.remote();
-                (s.len as u32, r.addr, r.key)
+                let r = s.exposure.as_ref().map(|e| e.remote());
+                (
+                    s.len as u32,
+                    r.map_or(0, |r| r.addr),
+                    r.map_or(0, |r| r.key),
+                )
             }
             None => (0, 0, 0),
         };

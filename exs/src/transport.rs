@@ -80,6 +80,9 @@ pub struct Capabilities {
     /// acknowledgment). Each backend sets it from `cargo xtask bench`'s crossover on that kind of transport,
     /// bounded by the receive memory it costs per connection; a socket can still set its own.
     pub immediate_default: u32,
+    /// Exposures can be made only once the endpoint is connected (memory windows bind on the queue pair). The
+    /// stream buffer's key then follows the handshake in a STREAM_RING message instead of travelling in it.
+    pub keys_after_connect: bool,
 }
 
 /// Registered memory: a whole [`DmaBuf`] made usable for local access by one transport.

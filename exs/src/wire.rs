@@ -81,6 +81,9 @@ pub enum Kind {
     OffsetWritten = 8,
     /// A persistent send or receive ends (or, echoed, its end is confirmed).
     PersistentEnd = 9,
+    /// Stream mode: the address and key of the sender's intermediate stream buffer, when they could not travel in
+    /// the handshake (keys bound to the connection exist only once it is up: memory windows).
+    StreamRing = 10,
 }
 
 impl Kind {
@@ -95,6 +98,7 @@ impl Kind {
             7 => Kind::ReadNotify,
             8 => Kind::OffsetWritten,
             9 => Kind::PersistentEnd,
+            10 => Kind::StreamRing,
             other => return Err(WireError::UnknownKind(other)),
         })
     }
@@ -110,6 +114,7 @@ impl Kind {
             Kind::StreamWindow => "STREAM_WINDOW",
             Kind::ReadNotify => "READ_NOTIFY",
             Kind::OffsetWritten => "OFFSET_WRITTEN",
+            Kind::StreamRing => "STREAM_RING",
             Kind::PersistentEnd => "PERSISTENT_END",
         }
     }
@@ -227,6 +232,13 @@ pub enum Body {
         /// This is the confirmation.
         echo: bool,
     },
+    /// The stream buffer's remote address and key (its length travelled in the handshake).
+    StreamRing {
+        /// Remote address of the first byte.
+        addr: u64,
+        /// Remote key.
+        rkey: u64,
+    },
 }
 
 impl Body {
@@ -242,6 +254,7 @@ impl Body {
             Body::ReadNotify { .. } => Kind::ReadNotify,
             Body::OffsetWritten(_) => Kind::OffsetWritten,
             Body::PersistentEnd { .. } => Kind::PersistentEnd,
+            Body::StreamRing { .. } => Kind::StreamRing,
         }
     }
 
@@ -255,6 +268,7 @@ impl Body {
             Body::ReadNotify { .. } => 8,
             Body::OffsetWritten(_) => 16,
             Body::PersistentEnd { .. } => 8,
+            Body::StreamRing { .. } => 16,
         }
     }
 }
@@ -342,6 +356,10 @@ impl Message {
             Body::PersistentEnd { seq, echo } => {
                 w.u32(seq);
                 w.u32(u32::from(echo));
+            }
+            Body::StreamRing { addr, rkey } => {
+                w.u64(addr);
+                w.u64(rkey);
             }
         }
         debug_assert_eq!(w.at, n);
@@ -468,6 +486,17 @@ impl Message {
                     }
                 };
                 Body::PersistentEnd { seq, echo }
+            }
+            Kind::StreamRing => {
+                let addr = r.u64()?;
+                let rkey = r.u64()?;
+                if rkey == 0 && addr == 0 {
+                    return Err(WireError::Invalid {
+                        field: "stream ring key",
+                        value: 0,
+                    });
+                }
+                Body::StreamRing { addr, rkey }
             }
         };
         if body_len != body.body_len() {
@@ -750,6 +779,10 @@ mod tests {
                 offset: 10,
                 len: 20,
             })),
+            Message::new(Body::StreamRing {
+                addr: 0x1000,
+                rkey: 0xabcd,
+            }),
         ]
     }
 

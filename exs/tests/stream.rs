@@ -174,3 +174,40 @@ fn trace_records_protocol_decisions() {
         }]
     );
 }
+
+/// Where keys bind only to a connected queue pair (memory windows), the stream buffer's key cannot travel in the
+/// handshake: it follows in a STREAM_RING message, and indirect transfers wait for it. Both directions, both
+/// kinds of transfer, every byte checked (the simulator refuses any exposure made before the connection is up).
+#[test]
+fn stream_buffer_key_follows_the_handshake_where_keys_bind_after_connect() {
+    let mut cfg = SimConfig::default();
+    cfg.caps.keys_after_connect = true;
+    let p = pair_with(
+        SockType::Stream,
+        cfg,
+        &[SocketOption::StreamBufferSize(64 << 10)],
+    );
+    // Indirect first (no receive posted), then direct.
+    let data = pattern(300_000, 31);
+    let src = p.client_region(data.clone());
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    let got = read_all(&p, data.len(), 40_000, MsgFlags::NONE);
+    assert_bytes_eq(&got, &data, "client to server");
+    assert!(wait(&p.eq_a).is_ok());
+    let back = pattern(100_000, 32);
+    let bsrc = MemoryRegion::from_vec(&p.b, back.clone()).unwrap();
+    let dst = p.client_region(vec![0; back.len()]);
+    p.client
+        .recv(&p.eq_a, &dst.all(), MsgFlags::WAITALL, 2)
+        .unwrap();
+    p.server
+        .send(&p.eq_b, &bsrc.all(), MsgFlags::NONE, 3)
+        .unwrap();
+    let r = wait(&p.eq_a);
+    assert_eq!(r.bytes, back.len(), "{r:?}");
+    assert_bytes_eq(&dst.to_vec().unwrap(), &back, "server to client");
+    let st = p.client.stats().unwrap().stream;
+    assert!(st.indirect_sent > 0, "{st:?}");
+}

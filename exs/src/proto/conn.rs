@@ -459,6 +459,7 @@ impl Conn {
             }
             (Body::StreamAdvert(a), Mode::Stream(s)) => s.on_advert(a, &mut self.link)?,
             (Body::StreamWindow { consumed }, Mode::Stream(s)) => s.on_window(consumed)?,
+            (Body::StreamRing { addr, rkey }, Mode::Stream(s)) => s.on_ring(addr, rkey, &mut self.link)?,
             (body, _) => {
                 return Err(Violation::Unexpected {
                     kind: body.kind().name(),

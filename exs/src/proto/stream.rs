@@ -117,7 +117,9 @@ pub enum StreamTrace {
 /// Our intermediate stream buffer, exposed for the peer to write, for the connection's life.
 #[derive(Debug)]
 pub(crate) struct StreamSetup {
-    pub exposure: Box<dyn Exposure>,
+    /// `None` until the connection is up where keys can be bound only then (see
+    /// [`crate::transport::Capabilities::keys_after_connect`]).
+    pub exposure: Option<Box<dyn Exposure>>,
     pub len: usize,
     buf: Arc<DmaBuf>,
     reg: Arc<dyn Registration>,
@@ -127,12 +129,13 @@ impl StreamSetup {
     /// The engine allocated, registered and exposed the buffer (seed 001: the peer writes it at any time, so
     /// the lease is of the shared device-write kind).
     pub(crate) fn new(
-        exposure: Box<dyn Exposure>,
+        exposure: Option<Box<dyn Exposure>>,
+        len: usize,
         buf: Arc<DmaBuf>,
         reg: Arc<dyn Registration>,
     ) -> Self {
         StreamSetup {
-            len: exposure.len(),
+            len,
             exposure,
             buf,
             reg,
@@ -173,8 +176,9 @@ struct PeerAdvert {
 
 #[derive(Debug)]
 struct Rx {
-    /// Our stream buffer's exposure (the peer writes indirect transfers there; we read through it).
-    ring: Box<dyn Exposure>,
+    /// Our stream buffer's exposure (the peer writes indirect transfers there; we read through it). `None` until
+    /// the connection is up where keys bind only then; the peer cannot write before it has the key.
+    ring: Option<Box<dyn Exposure>>,
     /// Kept alive with the exposure.
     _buf: Arc<DmaBuf>,
     _reg: Arc<dyn Registration>,
@@ -205,7 +209,9 @@ struct Tx {
     writes: VecDeque<(u32, Vec<u32>)>,
     phase: u32,
     seq: u64,
-    ring: RemoteRef,
+    /// The peer's stream buffer: from the handshake, or from its STREAM_RING message (indirect transfers wait
+    /// for it).
+    ring: Option<RemoteRef>,
     ring_len: u64,
     tail: u64,
     consumed: u64,
@@ -269,10 +275,11 @@ impl StreamProto {
                 writes: VecDeque::new(),
                 phase: 0,
                 seq: 0,
-                ring: RemoteRef {
+                // Address and key 0: they follow in a STREAM_RING message (keys bound after connect).
+                ring: (peer.stream_addr != 0 || peer.stream_rkey != 0).then_some(RemoteRef {
                     addr: peer.stream_addr,
                     key: peer.stream_rkey,
-                },
+                }),
                 ring_len: u64::from(peer.stream_len),
                 tail: 0,
                 consumed: 0,
@@ -294,6 +301,38 @@ impl StreamProto {
         self.stats
     }
 
+    /// Our stream buffer is exposed now that the connection is up; returns the STREAM_RING body for the peer.
+    pub(crate) fn set_local_ring(&mut self, ring: Box<dyn Exposure>) -> Body {
+        let r = ring.remote();
+        self.rx.ring = Some(ring);
+        Body::StreamRing {
+            addr: r.addr,
+            rkey: r.key,
+        }
+    }
+
+    /// Our stream buffer, its registration and length, while it still waits for its exposure.
+    pub(crate) fn pending_local_ring(&self) -> Option<(Arc<DmaBuf>, Arc<dyn Registration>, usize)> {
+        self.rx.ring.is_none().then(|| {
+            (
+                Arc::clone(&self.rx._buf),
+                Arc::clone(&self.rx._reg),
+                self.rx.ring_len as usize,
+            )
+        })
+    }
+
+    /// The peer's STREAM_RING: its stream buffer's address and key, once (only when the handshake carried none).
+    pub(crate) fn on_ring(&mut self, addr: u64, rkey: u64, link: &mut Link) -> Result<(), Violation> {
+        if self.tx.ring.is_some() {
+            return Err(Violation::Stream(
+                "a second stream buffer key (STREAM_RING)".into(),
+            ));
+        }
+        self.tx.ring = Some(RemoteRef { addr, key: rkey });
+        self.pump(link)
+    }
+
     /// The recorded protocol decisions (tracing on), oldest first.
     pub(crate) fn take_trace(&mut self) -> Vec<StreamTrace> {
         self.trace.as_mut().map(std::mem::take).unwrap_or_default()
@@ -312,7 +351,8 @@ impl StreamProto {
 
     /// A send would move bytes at once: room in the peer's stream buffer, or an advertised receive.
     pub(crate) fn writable(&self) -> bool {
-        self.tx.ring_len > self.tx.tail - self.tx.consumed || !self.tx.adverts.is_empty()
+        (self.tx.ring.is_some() && self.tx.ring_len > self.tx.tail - self.tx.consumed)
+            || !self.tx.adverts.is_empty()
     }
 
     /// Every send has been handed to the link (nothing waits for space or an advert).
@@ -406,6 +446,11 @@ impl StreamProto {
                     },
                 )
             } else {
+                let Some(ring) = self.tx.ring else {
+                    // The peer's stream buffer key has not arrived yet (STREAM_RING).
+                    self.stats.space_stalls += 1;
+                    return Ok(());
+                };
                 let used = self.tx.tail - self.tx.consumed;
                 let free = self.tx.ring_len - used;
                 let at = self.tx.tail % self.tx.ring_len;
@@ -417,8 +462,8 @@ impl StreamProto {
                 (
                     free.min(contiguous),
                     RemoteRef {
-                        addr: self.tx.ring.addr + at,
-                        key: self.tx.ring.key,
+                        addr: ring.addr + at,
+                        key: ring.key,
                     },
                 )
             };
@@ -626,6 +671,10 @@ impl StreamProto {
                     .min(bounce.len());
                 self.rx
                     .ring
+                    .as_ref()
+                    .ok_or_else(|| {
+                        Violation::Stream("stream data before the stream buffer was exposed".into())
+                    })?
                     .read(at, &mut bounce[..n])
                     .map_err(|e| Violation::BadRange(e.to_string()))?;
                 r.exposure

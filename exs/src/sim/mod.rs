@@ -88,6 +88,7 @@ impl Default for SimConfig {
                 // queues; [`SimConfig::with_shared_recv`] turns it on.
                 max_shared_recv: 0,
                 immediate_default: crate::options::SocketOptions::default().small_packet_max_size,
+                keys_after_connect: false,
             },
             offset_addressing: false,
             rnr: RnrPolicy::Fail,
@@ -828,6 +829,14 @@ impl Transport for SimTransport {
     ) -> Result<Box<dyn Exposure>, TransportError> {
         crate::transport::check_exposure(reg, &lease, access)?;
         let mut net = self.net();
+        if net.cfg.caps.keys_after_connect
+            && !net.hosts[self.host].eps.get(&ep).is_some_and(|e| e.up)
+        {
+            // Modelling memory windows: a bind needs the connected queue pair.
+            return Err(TransportError::Invalid(
+                "exposure before the connection is up (keys bind to a connected endpoint)".into(),
+            ));
+        }
         // Keys are random, as hardware keys are not guessable in sequence.
         let key = loop {
             let k: u64 = net.rng.gen();

@@ -40,6 +40,9 @@ use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 use nix::sys::socket::{SockaddrLike, SockaddrStorage};
 use rdma_sys::*;
 
+mod memory;
+use memory::{reg_mr, MwSlot, Pd, VerbsExposure, VerbsRegistration, VerbsWindow};
+
 /// Every this many unsignalled send-queue requests, one is signalled (plus the last of every batch).
 pub const SIGNAL_EVERY: u32 = 16;
 /// Magic of an emulated write-with-immediate ("EXSI", little-endian), followed by the immediate.
@@ -63,6 +66,10 @@ pub struct VerbsConfig {
     pub device: Option<String>,
     /// Emulate write-with-immediate even if the device has it (tests the fallback used on siw and iWARP).
     pub emulate_write_imm: bool,
+    /// Expose memory through type 2 memory windows bound to one queue pair: `None` (default) where the device
+    /// has them, `Some(false)` never (a registration per exposure, its key valid on every queue pair of the
+    /// protection domain), `Some(true)` required.
+    pub memory_windows: Option<bool>,
 }
 
 impl VerbsConfig {
@@ -72,6 +79,7 @@ impl VerbsConfig {
             addr,
             device: None,
             emulate_write_imm: false,
+            memory_windows: None,
         }
     }
 }
@@ -98,120 +106,6 @@ fn to_socketaddr(p: *const libc::sockaddr) -> Option<SocketAddr> {
         .map(|v6| SocketAddr::from((v6.ip(), v6.port())))
 }
 
-/// The protection domain, shared with registrations so it is deallocated last.
-struct Pd(*mut ibv_pd);
-
-// SAFETY: verbs objects may be used from any thread; rdma-core serialises internally where needed.
-unsafe impl Send for Pd {}
-// SAFETY: see Send.
-unsafe impl Sync for Pd {}
-
-impl Drop for Pd {
-    fn drop(&mut self) {
-        // SAFETY: every MR and QP of this PD is gone: registrations hold this Arc, QPs are destroyed by the
-        // transport's Drop before its Arc is released.
-        unsafe { ibv_dealloc_pd(self.0) };
-    }
-}
-
-fn reg_mr(pd: &Pd, addr: u64, len: usize, access: u32) -> Result<*mut ibv_mr, TransportError> {
-    // SAFETY: the caller guarantees `addr..addr+len` is live memory (a DmaBuf or a lease of one) outliving the MR.
-    let mr = unsafe { ibv_reg_mr(pd.0, addr as *mut c_void, len, access as i32) };
-    if mr.is_null() {
-        return Err(os_err("ibv_reg_mr"));
-    }
-    Ok(mr)
-}
-
-fn dereg(mr: *mut ibv_mr) {
-    // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once, by its owner's Drop.
-    unsafe { ibv_dereg_mr(mr) };
-}
-
-struct VerbsRegistration {
-    _pd: Arc<Pd>,
-    mr: *mut ibv_mr,
-    lkey: u32,
-    buf: Arc<DmaBuf>,
-}
-
-// SAFETY: the MR handle is only used to deregister it.
-unsafe impl Send for VerbsRegistration {}
-// SAFETY: see Send.
-unsafe impl Sync for VerbsRegistration {}
-
-impl std::fmt::Debug for VerbsRegistration {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsRegistration")
-            .field("lkey", &self.lkey)
-            .field("buf", &self.buf)
-            .finish()
-    }
-}
-
-impl Drop for VerbsRegistration {
-    fn drop(&mut self) {
-        dereg(self.mr); // before `buf` is released (field order)
-    }
-}
-
-impl Registration for VerbsRegistration {
-    fn local_key(&self) -> u64 {
-        u64::from(self.lkey)
-    }
-    fn buf(&self) -> &Arc<DmaBuf> {
-        &self.buf
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        self
-    }
-}
-
-struct VerbsExposure {
-    _pd: Arc<Pd>,
-    mr: *mut ibv_mr,
-    remote: RemoteRef,
-    len: usize,
-    lease: Lease,
-}
-
-// SAFETY: as VerbsRegistration.
-unsafe impl Send for VerbsExposure {}
-
-impl std::fmt::Debug for VerbsExposure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsExposure")
-            .field("rkey", &self.remote.key)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-impl Drop for VerbsExposure {
-    fn drop(&mut self) {
-        dereg(self.mr); // the key dies before the lease goes
-    }
-}
-
-impl Exposure for VerbsExposure {
-    fn remote(&self) -> RemoteRef {
-        self.remote
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.lease
-            .read(offset, dst)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self.lease
-            .write(offset, src)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum EpState {
     Resolving,
@@ -220,12 +114,13 @@ enum EpState {
     Down,
 }
 
-/// A send-queue request: kept until its completion (or a later signalled one) arrives.
+/// A send-queue request: kept until its completion (or a later signalled one) arrives. `kind` is `None` for the
+/// backend's own requests (window binds), which the engine never hears of.
 struct SendRec {
     seq: u64,
     wr_id: u64,
-    kind: Completed,
-    _op: Op,
+    kind: Option<Completed>,
+    _op: Option<Op>,
 }
 
 struct RecvRec {
@@ -243,6 +138,8 @@ struct Ep {
     sends: VecDeque<SendRec>,
     next_seq: u64,
     unsignaled: u32,
+    /// Windows bound to this queue pair: deallocated before it is destroyed (see [`MwSlot`]).
+    windows: Vec<std::sync::Weak<MwSlot>>,
     max_inline: u32,
     local: Option<SocketAddr>,
     peer: Option<SocketAddr>,
@@ -260,6 +157,8 @@ pub struct VerbsTransport {
     caps: Capabilities,
     iwarp: bool,
     emulate: bool,
+    /// Exposures are type 2 memory windows bound to the connection's queue pair (see [`memory`]).
+    windows: bool,
     rd_atom: u8,
     eps: HashMap<EndpointId, Ep>,
     qpn: HashMap<u32, EndpointId>,
@@ -428,6 +327,22 @@ impl VerbsTransport {
             unsafe { rdma_destroy_event_channel(ch) };
             return Err(os_err("ibv_query_device"));
         }
+        let has_windows = attr.device_cap_flags
+            & ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0
+            != 0
+            && !iwarp;
+        let windows = match cfg.memory_windows {
+            None => has_windows,
+            Some(false) => false,
+            Some(true) if has_windows => true,
+            Some(true) => {
+                // SAFETY: as above.
+                unsafe { rdma_destroy_event_channel(ch) };
+                return Err(TransportError::Unsupported(format!(
+                    "{name} has no type 2 memory windows"
+                )));
+            }
+        };
         // SAFETY: open context.
         let pd = unsafe { ibv_alloc_pd(ctx) };
         if pd.is_null() {
@@ -468,14 +383,15 @@ impl VerbsTransport {
             .min(attr.max_qp_init_rd_atom)
             .clamp(1, 16) as u8;
         let sq = SQ_DEPTH.min(attr.max_qp_wr as u32);
+        // An emulated write-with-immediate takes two send-queue entries, and each window bind one more.
+        let sq_share = 1 + u32::from(emulate) + u32::from(windows);
         let caps = Capabilities {
             name: format!("verbs/{name}"),
             max_inline: 64,
             max_message: 1 << 30,
             native_write_imm: !emulate,
             imm_consumes_recv: true,
-            // An emulated write-with-immediate takes two send-queue entries.
-            max_send_wr: if emulate { sq / 2 } else { sq },
+            max_send_wr: sq / sq_share,
             max_recv_wr: RQ_DEPTH.min(attr.max_qp_wr as u32),
             max_sge: (attr.max_sge as u32).clamp(1, 16),
             max_read_depth: u32::from(rd_atom),
@@ -488,7 +404,7 @@ impl VerbsTransport {
             // Zero-copy reads win early on RDMA hardware; no hardware was at hand to measure the crossover, so this
             // is UNH-EXS's 512-byte default (the pool's slot size, seed 003, matches it).
             immediate_default: 512,
-            keys_after_connect: false,
+            keys_after_connect: windows,
         };
         let t = VerbsTransport {
             cfg: cfg.clone(),
@@ -501,6 +417,7 @@ impl VerbsTransport {
             caps,
             iwarp,
             emulate,
+            windows,
             rd_atom,
             eps: HashMap::new(),
             qpn: HashMap::new(),
@@ -531,6 +448,7 @@ impl VerbsTransport {
             sends: VecDeque::new(),
             next_seq: 1,
             unsignaled: 0,
+            windows: Vec::new(),
             max_inline: 0,
             local: None,
             peer: None,
@@ -881,8 +799,8 @@ impl VerbsTransport {
             recs.push(SendRec {
                 seq,
                 wr_id: wr.wr_id,
-                kind,
-                _op: wr.op,
+                kind: Some(kind),
+                _op: Some(wr.op),
             });
         }
         for (w, list) in natives.iter_mut().zip(sges.iter_mut()) {
@@ -1009,6 +927,96 @@ impl VerbsTransport {
         }
     }
 
+    /// Binds a type 2 memory window over the leased range to `ep`'s queue pair (see [`memory`]). The bind is a
+    /// send-queue request, so it executes before anything posted after it, in particular the message that hands
+    /// the key to the peer; it is unsignalled and retired by the next signalled request, like any other.
+    fn bind_window(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn Exposure>, TransportError> {
+        let base = reg
+            .as_any()
+            .downcast_ref::<VerbsRegistration>()
+            .ok_or_else(|| TransportError::Invalid("not a registration of this device".into()))?;
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.qp.is_null() || e.state != EpState::Connected {
+            return Err(TransportError::Invalid(
+                "a memory window binds to a connected queue pair".into(),
+            ));
+        }
+        // SAFETY: open protection domain.
+        let mw = unsafe { ibv_alloc_mw(self.pd.0, ibv_mw_type::IBV_MW_TYPE_2) }
+            .filter(|m| !m.is_null())
+            .ok_or_else(|| os_err("ibv_alloc_mw"))?;
+        // SAFETY: `mw` is a live window; the key's low byte moves on with each bind so a stale key fails.
+        let rkey = unsafe { ibv_inc_rkey((*mw).rkey) };
+        let mw_access = match access {
+            RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        };
+        let seq = e.next_seq;
+        e.next_seq += 1;
+        let mut w: ibv_send_wr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        w.wr_id = seq;
+        w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+        e.unsignaled += 1;
+        if e.unsignaled >= SIGNAL_EVERY {
+            w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            e.unsignaled = 0;
+        }
+        w.bind_mw_tso_union.bind_mw = bind_mw_t {
+            mw,
+            rkey,
+            bind_info: ibv_mw_bind_info {
+                mr: base.mr,
+                addr: lease.addr(),
+                length: lease.len() as u64,
+                mw_access_flags: mw_access,
+            },
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: live, connected QP; the request lives until the call returns; the window, the registration it
+        // binds over and the leased memory outlive the binding (the returned exposure owns all three).
+        let rc = unsafe { ibv_post_send(e.qp, &mut w, &mut bad) };
+        if rc != 0 {
+            // SAFETY: the window was never bound; deallocated once.
+            unsafe { ibv_dealloc_mw(mw) };
+            return Err(TransportError::os(
+                "ibv_post_send (window bind)",
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+        e.sends.push_back(SendRec {
+            seq,
+            wr_id: 0,
+            kind: None,
+            _op: None,
+        });
+        let slot = MwSlot::new(mw);
+        if e.windows.len() >= 64 {
+            e.windows.retain(|w| w.strong_count() > 0);
+        }
+        e.windows.push(Arc::downgrade(&slot));
+        let len = lease.len();
+        Ok(Box::new(VerbsWindow {
+            slot,
+            remote: RemoteRef {
+                addr: lease.addr(),
+                key: u64::from(rkey),
+            },
+            len,
+            lease,
+            _reg: Arc::clone(reg),
+            _pd: Arc::clone(&self.pd),
+        }))
+    }
+
     fn on_wc(&mut self, wc: &ibv_wc) {
         let status = if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
             Ok(())
@@ -1072,11 +1080,18 @@ impl VerbsTransport {
             } else {
                 Ok(())
             };
+            let Some(op) = rec.kind else {
+                if let Err(e) = st {
+                    // A failed window bind breaks the queue pair: the requests after it complete flushed.
+                    tracing::warn!(?ep, %e, "memory window bind failed");
+                }
+                continue;
+            };
             self.cq_backlog.push_back((
                 Completion {
                     ep,
                     wr_id: rec.wr_id,
-                    op: rec.kind,
+                    op,
                     status: st,
                 },
                 false,
@@ -1096,6 +1111,10 @@ impl Transport for VerbsTransport {
             // iWARP: the local sink of an RDMA read must allow remote write.
             access |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
         }
+        if self.windows {
+            // Exposures are windows bound over this registration (no remote access of its own).
+            access |= ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+        }
         if buf.is_empty() {
             return Err(TransportError::Invalid("cannot register zero bytes".into()));
         }
@@ -1112,12 +1131,15 @@ impl Transport for VerbsTransport {
 
     fn expose(
         &mut self,
-        _ep: EndpointId,
+        ep: EndpointId,
         reg: &Arc<dyn Registration>,
         lease: Lease,
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
         exs::transport::check_exposure(reg, &lease, access)?;
+        if self.windows {
+            return self.bind_window(ep, reg, lease, access);
+        }
         let remote = match access {
             RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
             RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
@@ -1407,6 +1429,13 @@ impl Transport for VerbsTransport {
             // Seed 003: shared buffers this QP dequeued but had not completed are flushed when it went to error;
             // collect those completions while the QP still maps to this endpoint, so the buffers go back.
             self.drain_cq();
+        }
+        // Windows still bound to the queue pair die first: it cannot be destroyed while they are bound, and their
+        // keys end with the connection.
+        for w in &e.windows {
+            if let Some(slot) = w.upgrade() {
+                slot.dealloc();
+            }
         }
         // SAFETY: the QP and id are ours; destroying the QP first stops the hardware from touching any posted
         // buffer, so the records (and their leases) can be dropped after.

@@ -1463,7 +1463,12 @@ impl Engine {
                 };
                 let sge = slice.lease(LeaseKind::DeviceWrite)?;
                 let (lease, reg) = sge.into_parts();
-                let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
+                let exposure: Box<dyn crate::transport::Exposure> = if closed_stream {
+                    // The peer closed: it writes nothing more, so no key; the stream buffer's rest is copied in.
+                    Box::new(LocalOnly(lease))
+                } else {
+                    self.expose(ep, &reg, lease, RemoteAccess::Write)?
+                };
                 let token = self.token(ticket);
                 let conn = self
                     .sockets
@@ -1726,6 +1731,29 @@ impl Engine {
             self.on_disconnected(ep);
         }
         self.drain_done();
+    }
+}
+
+/// A receive buffer only this side writes into (the peer closed its stream: no key is handed out).
+#[derive(Debug)]
+struct LocalOnly(exs_dma::Lease);
+
+impl crate::transport::Exposure for LocalOnly {
+    fn remote(&self) -> crate::transport::RemoteRef {
+        crate::transport::RemoteRef { addr: 0, key: 0 }
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.0
+            .read(offset, dst)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        self.0
+            .write(offset, src)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn len(&self) -> usize {
+        self.0.len()
     }
 }
 

@@ -175,15 +175,23 @@ fn verbs_describe(cfg: &Result<exs_backend_verbs::VerbsConfig, String>) -> Strin
         Err(why) => why.clone(),
         Ok(c) => {
             use exs::transport::Transport;
-            let dev = exs_backend_verbs::VerbsTransport::open(c)
-                .map(|t| t.capabilities().name.clone())
+            let (dev, windows) = exs_backend_verbs::VerbsTransport::open(c)
+                .map(|t| {
+                    let caps = t.capabilities();
+                    (caps.name.clone(), caps.keys_after_connect)
+                })
                 .unwrap_or_default();
             let imm = if c.emulate_write_imm {
                 ", write-with-immediate emulated (write + send)"
             } else {
                 ""
             };
-            format!("device {dev} at {}{imm}", c.addr)
+            let keys = if windows {
+                ", keys: memory windows bound to one queue pair"
+            } else {
+                ", keys: one registration per exposure (no memory windows)"
+            };
+            format!("device {dev} at {}{imm}{keys}", c.addr)
         }
     }
 }
@@ -204,6 +212,10 @@ impl Verbs {
                 addr,
                 device: std::env::var("EXS_VERBS_DEVICE").ok(),
                 emulate_write_imm: std::env::var("EXS_VERBS_EMULATE_IMM").is_ok_and(|v| v == "1"),
+                // EXS_VERBS_WINDOWS=0: the fallback without memory windows (a registration per exposure).
+                memory_windows: std::env::var("EXS_VERBS_WINDOWS")
+                    .ok()
+                    .map(|v| v != "0"),
             }),
         })
     }
@@ -225,6 +237,17 @@ impl Backend for Verbs {
     }
     fn processes(&self) -> bool {
         true
+    }
+    fn keys_unbound(&self) -> Option<String> {
+        self.0
+            .as_ref()
+            .ok()
+            .filter(|c| c.memory_windows == Some(false))
+            .map(|_| {
+                "memory windows off (EXS_VERBS_WINDOWS=0): each exposure is a registration whose key is valid on \
+                 every queue pair of the protection domain while it lives (the documented fallback)"
+                    .to_string()
+            })
     }
 }
 
@@ -254,6 +277,7 @@ impl SoftRoce {
                     addr: ip,
                     device: Some(d.name.clone()),
                     emulate_write_imm: false,
+                    memory_windows: None,
                 })
             });
         SoftRoce(found.ok_or_else(|| {

@@ -38,6 +38,11 @@ pub trait Backend: Send + Sync {
     fn describe(&self) -> String {
         String::new()
     }
+    /// Why a remote key of this configuration is valid beyond its one connection, if it is (a documented
+    /// fallback: verbs without memory windows).
+    fn keys_unbound(&self) -> Option<String> {
+        None
+    }
 }
 
 /// A test: `Ok` or a message saying what broke.
@@ -54,6 +59,8 @@ pub enum Requires {
     /// link whose near end carries this backend's address (`cargo xtask rxe up --link` sets up two rxe devices on
     /// the ends of a veth pair, with routing that sends their traffic across it).
     PeerHost,
+    /// Remote keys bound to one connection (not the documented fallback without memory windows).
+    BoundKeys,
 }
 
 /// A named test and what it needs.
@@ -79,6 +86,7 @@ impl Case {
                     .err()
                     .map(|why| format!("no second host across a link: {why}"))
             }),
+            Requires::BoundKeys => backend.keys_unbound(),
         }
     }
 }

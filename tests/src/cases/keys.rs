@@ -19,7 +19,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "a_key_from_one_connection_is_refused_on_another",
             run: key_refused_on_another_connection,
-            requires: Requires::Nothing,
+            requires: Requires::BoundKeys,
         },
     ]
 }
@@ -139,11 +139,29 @@ fn key_refused_on_another_connection(b: &dyn Backend) -> Result<(), String> {
     // Stream mode: the intermediate stream buffer (its key travels in the handshake) and an advertised receive.
     let v = victim(b, SockType::Stream)?;
     let (mut a, a_sock) = v.accept_good()?;
-    let ring = RemoteRef {
-        addr: a.peer.stream_addr,
-        key: a.peer.stream_rkey,
-    };
     ensure!(a.peer.stream_len > 0, "the stream handshake carried no stream buffer");
+    let ring = if a.peer.stream_rkey != 0 || a.peer.stream_addr != 0 {
+        RemoteRef {
+            addr: a.peer.stream_addr,
+            key: a.peer.stream_rkey,
+        }
+    } else {
+        // Keys bound after connect (memory windows): the key follows the handshake.
+        let find = |p: &RawPeer| {
+            p.received.iter().find_map(|m| match m {
+                Ok(Message {
+                    body: Body::StreamRing { addr, rkey },
+                    ..
+                }) => Some(RemoteRef {
+                    addr: *addr,
+                    key: *rkey,
+                }),
+                _ => None,
+            })
+        };
+        a.pump(Duration::from_secs(20), |p| find(p).is_some());
+        find(&a).ok_or("the stream buffer's key never arrived (STREAM_RING)")?
+    };
     attempt(&v, "the key of the stream buffer", ring, 64, true)?;
     let before = pattern(64 << 10, 14);
     let dst = MemoryRegion::from_vec(&v.ctx, before.clone()).map_err(|e| e.to_string())?;

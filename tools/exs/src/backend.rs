@@ -99,6 +99,7 @@ impl Opened {
                     addr: a.addr,
                     device: a.device.clone(),
                     emulate_write_imm: a.emulate_imm,
+                    memory_windows: None,
                 }))
             }
             #[cfg(feature = "sim")]

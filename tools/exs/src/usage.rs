@@ -16,6 +16,10 @@ pub struct Usage {
     pub wakeups: u64,
     /// Work requests the context posted (sends, receives, reads, writes).
     pub posted: u64,
+    /// Memory registrations the context made (pinning on hardware: none belong on the data path).
+    pub registrations: u64,
+    /// Remote keys the context handed out (window binds, or per-connection key entries).
+    pub exposures: u64,
 }
 
 impl Usage {
@@ -28,7 +32,8 @@ impl Usage {
             UsageWho::RUSAGE_THREAD
         };
         let wakeups = ctx.progress_stats().thread_wakeups;
-        let posted = ctx.stats().posted;
+        let st = ctx.stats();
+        let (posted, registrations, exposures) = (st.posted, st.registrations, st.exposures);
         match getrusage(who) {
             Ok(u) => {
                 let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
@@ -38,11 +43,15 @@ impl Usage {
                     ivcsw: u.involuntary_context_switches() as u64,
                     wakeups,
                     posted,
+                    registrations,
+                    exposures,
                 }
             }
             Err(_) => Usage {
                 wakeups,
                 posted,
+                registrations,
+                exposures,
                 ..Usage::default()
             },
         }
@@ -56,6 +65,8 @@ impl Usage {
             ivcsw: self.ivcsw.saturating_sub(start.ivcsw),
             wakeups: self.wakeups.saturating_sub(start.wakeups),
             posted: self.posted.saturating_sub(start.posted),
+            registrations: self.registrations.saturating_sub(start.registrations),
+            exposures: self.exposures.saturating_sub(start.exposures),
         }
     }
 
@@ -71,8 +82,14 @@ impl Usage {
     /// The fields for a line between processes.
     pub fn to_fields(self) -> String {
         format!(
-            "{:.6} {} {} {} {}",
-            self.cpu, self.vcsw, self.ivcsw, self.wakeups, self.posted
+            "{:.6} {} {} {} {} {} {}",
+            self.cpu,
+            self.vcsw,
+            self.ivcsw,
+            self.wakeups,
+            self.posted,
+            self.registrations,
+            self.exposures
         )
     }
 
@@ -84,6 +101,8 @@ impl Usage {
             ivcsw: it.next()?.parse().ok()?,
             wakeups: it.next()?.parse().ok()?,
             posted: it.next()?.parse().ok()?,
+            registrations: it.next()?.parse().ok()?,
+            exposures: it.next()?.parse().ok()?,
         })
     }
 
@@ -97,5 +116,9 @@ impl Usage {
             (self.wakeups as f64 / n).into(),
         );
         map.insert(format!("{prefix}posts_per_msg"), (self.posted as f64 / n).into());
+        map.insert(
+            format!("{prefix}exposures_per_msg"),
+            (self.exposures as f64 / n).into(),
+        );
     }
 }

@@ -34,9 +34,13 @@ use crate::engine::Engine;
 use crate::event::EqInner;
 use crate::transport::TransportError;
 
-/// How long after an application thread last led a context the progress thread waits before it takes over the
-/// transport (and how often it checks back while applications lead).
+/// How long after an application thread last led a context the progress thread waits, at least, before it takes
+/// over the transport (and how often it checks back while applications lead).
 pub(crate) const STANDBY: Duration = Duration::from_millis(1);
+/// The most it waits: the standby adapts to how long applications take between two waits (four times their
+/// recent gap), so a slow machine (Soft-RoCE under emulation: a millisecond per message) does not hand the
+/// transport back and forth on every message.
+const STANDBY_MAX: Duration = Duration::from_millis(20);
 /// The longest the progress thread checks back while an application leads; beyond it, it sleeps until the
 /// leader lets go and wakes it.
 const MAX_BACKOFF: Duration = Duration::from_millis(8);
@@ -92,6 +96,8 @@ struct LeadState {
     handover_asked: bool,
     /// Queues of application threads waiting for the lead.
     followers: Vec<Weak<EqInner>>,
+    /// Recent time between an application letting go and leading again (moving average).
+    gap: Duration,
 }
 
 /// The leadership of one context and the sleepers' wake-up times.
@@ -124,6 +130,7 @@ impl Lead {
                 thread_deep: false,
                 handover_asked: false,
                 followers: Vec::new(),
+                gap: Duration::ZERO,
             }),
             leader_wake: eventfd()?,
             thread_wake: eventfd()?,
@@ -183,6 +190,10 @@ impl Lead {
     /// An application thread asks to lead. `false`: somebody else leads; `follower` is nudged when they let go.
     pub(crate) fn try_lead_app(&self, follower: &Arc<EqInner>) -> bool {
         let mut s = self.lock();
+        if let Some(t) = s.last_release {
+            let gap = t.elapsed().min(STANDBY_MAX);
+            s.gap = (s.gap * 3 + gap) / 4;
+        }
         match s.holder {
             Holder::Nobody => {
                 s.holder = Holder::App;
@@ -332,8 +343,9 @@ pub(crate) fn thread(shared: Arc<Shared>) {
             match s.holder {
                 Holder::Nobody => {
                     let since = s.last_release.map(|t| t.elapsed());
+                    let standby = (s.gap * 4).clamp(STANDBY, STANDBY_MAX);
                     match since {
-                        Some(since) if since < STANDBY => Next::Standby(STANDBY - since),
+                        Some(since) if since < standby => Next::Standby(standby - since),
                         _ => {
                             s.holder = Holder::Thread;
                             Next::Lead

@@ -114,6 +114,10 @@ enum EpState {
     Down,
 }
 
+/// One native send request of a work request (an emulated write-with-immediate makes two): opcode, gather list,
+/// remote range, immediate.
+type NativePart = (u32, Vec<ibv_sge>, Option<RemoteRef>, Option<u32>);
+
 /// A send-queue request: kept until its completion (or a later signalled one) arrives. `kind` is `None` for the
 /// backend's own requests (window binds), which the engine never hears of.
 struct SendRec {
@@ -677,10 +681,7 @@ impl VerbsTransport {
                 length: s.len() as u32,
                 lkey: s.local_key() as u32,
             };
-            let (kind, parts): (
-                Completed,
-                Vec<(u32, Vec<ibv_sge>, Option<RemoteRef>, Option<u32>)>,
-            ) = match &wr.op {
+            let (kind, parts): (Completed, Vec<NativePart>) = match &wr.op {
                 Op::Send { sges: s, imm } => {
                     let opc = if imm.is_some() {
                         ibv_wr_opcode::IBV_WR_SEND_WITH_IMM

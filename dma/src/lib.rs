@@ -348,7 +348,7 @@ impl DmaBuf {
     /// Copies bytes out of the buffer. Allowed alongside device reads and alongside a persistent receive
     /// (in which case the copy may see a mixture of old and new bytes).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), DmaError> {
-        let range = offset..offset.checked_add(dst.len()).unwrap_or(usize::MAX);
+        let range = offset..offset.saturating_add(dst.len());
         let id = self.acquire(range.clone(), LeaseKind::CpuRead, Some(CpuMode::Copy))?;
         let racy = self.racy(&range);
         // SAFETY: the range is inside the buffer (checked by acquire) and leased CpuRead: no Rust code writes it;
@@ -360,7 +360,7 @@ impl DmaBuf {
 
     /// Copies bytes into the buffer. Allowed alongside a persistent send (the remote may read a mixture).
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), DmaError> {
-        let range = offset..offset.checked_add(src.len()).unwrap_or(usize::MAX);
+        let range = offset..offset.saturating_add(src.len());
         let id = self.acquire(range.clone(), LeaseKind::CpuWrite, Some(CpuMode::Copy))?;
         let racy = self.racy(&range);
         // SAFETY: in bounds and leased CpuWrite: nobody else writes or borrows it; a shared reader (persistent

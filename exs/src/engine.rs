@@ -1542,8 +1542,8 @@ impl Engine {
         let open = s.phase == Phase::Open;
         let (readable, writable) = match (&s.conn, open) {
             (Some(c), true) => c.readiness(),
-            // A stream whose peer closed keeps bytes to read.
-            (Some(c), false) if s.peer_closed => (c.readiness().0 || true, false),
+            // A connection whose peer closed is readable: bytes still buffered, then end-of-stream.
+            (Some(_), false) if s.peer_closed => (true, false),
             _ => (false, false),
         };
         let error = matches!(

@@ -14,10 +14,12 @@
 //! ```
 //!
 //! The wire format lives in [`wire`]. Memory handed to the hardware is leased (crate `exs-dma`), so a buffer
-//! outlives every work request and remote key that names it. FFI and raw pointers live only in the backends; this crate's lint settings forbid them here.
+//! outlives every work request and remote key that names it. FFI and raw pointers live only in the backends; `unsafe` is forbidden here.
 //!
 //! Sources: seed 001 (dynamic stream protocol), seed 002 (UNH-EXS paper: ES-API, message mode, credits,
 //! immediate data, persistent operations), seed 003 (shared receive queue), seed 004 (adaptive completion wait).
+
+#![forbid(unsafe_code)]
 
 pub mod context;
 pub mod engine;

@@ -238,8 +238,8 @@ impl Socket {
         if self.h.closed.swap(true, Ordering::SeqCst) {
             return Err(StateError::InvalidSocket.into());
         }
-        let r = self.engine(|e, id| e.abort(id));
-        r
+        
+        self.engine(|e, id| e.abort(id))
     }
 
     /// Readiness (ES-API `exs_poll`): completes with an event of kind `Poll` whose `readiness` says what the
@@ -285,8 +285,8 @@ impl Socket {
     /// events (`Send`, `Recv`, status Ok) come once the peer has stopped touching the memory; only then is its
     /// key revoked.
     pub fn end_persistent(&self) -> Result<(), StateError> {
-        let r = self.engine(|e, id| e.end_persistent(id));
-        r
+        
+        self.engine(|e, id| e.end_persistent(id))
     }
 
     /// Receives into `buf`, asynchronously (ES-API `exs_recv`). The range stays leased (the application cannot
@@ -309,8 +309,8 @@ impl Socket {
         if self.h.closed.swap(true, Ordering::SeqCst) {
             return Err(StateError::InvalidSocket.into());
         }
-        let r = self.engine(|e, id| e.close(id));
-        r
+        
+        self.engine(|e, id| e.close(id))
     }
 
     /// The local address (ES-API `exs_getsockname`).

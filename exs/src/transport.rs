@@ -517,7 +517,9 @@ pub trait Transport: Send + fmt::Debug {
     /// Rejects a request (the peer sees a refusal).
     fn reject(&mut self, request: RequestId);
 
-    /// Posts a work request on an endpoint.
+    /// Posts a work request on an endpoint. A refused request comes back whole in the error (its leases with
+    /// it), which makes the error as large as a request: posting is the hot path, so it is not boxed.
+    #[allow(clippy::result_large_err)]
     fn post(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError>;
 
     /// Posts a batch of work requests on an endpoint, in order, draining `wrs`. A transport that can ring the

@@ -507,9 +507,7 @@ impl Message {
         }
         let msg = Message { credits, ack, body };
         // An immediate advert's length comes from the peer: it may be anything up to u64::MAX (found by fuzzing).
-        let expected = (HEADER_LEN as u64 + body_len as u64)
-            .checked_add(msg.inline_len_u64())
-            .unwrap_or(u64::MAX);
+        let expected = (HEADER_LEN as u64 + body_len as u64).saturating_add(msg.inline_len_u64());
         if bytes.len() as u64 != expected {
             return Err(WireError::LengthMismatch {
                 expected: usize::try_from(expected).unwrap_or(usize::MAX),

@@ -7,6 +7,8 @@ use exs::Context;
 use crate::{Backend, Net};
 
 /// Every backend enabled by cargo features.
+// Each push depends on a feature, so no `vec![]`.
+#[allow(clippy::vec_init_then_push)]
 pub fn enabled() -> Vec<Box<dyn Backend>> {
     #[allow(unused_mut)]
     let mut v: Vec<Box<dyn Backend>> = Vec::new();
@@ -272,7 +274,7 @@ impl SoftRoce {
                     .gids
                     .iter()
                     .map(|g| g.ip())
-                    .find(|ip| ip.is_ipv4() && want.map_or(true, |w| *ip == w))?;
+                    .find(|ip| ip.is_ipv4() && want.is_none_or(|w| *ip == w))?;
                 Some(exs_backend_verbs::VerbsConfig {
                     addr: ip,
                     device: Some(d.name.clone()),

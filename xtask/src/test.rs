@@ -344,6 +344,23 @@ pub fn run(args: TestArgs) -> Result<()> {
         "exs-conformance/fabric,exs-conformance/softroce",
     ]))?;
     if !only_conformance {
+        // Lints are part of the test: every crate, every target, every backend feature, warnings denied.
+        match sys::run(sys::cargo().args([
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--features",
+            "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce",
+            "--",
+            "-D",
+            "warnings",
+        ])) {
+            Ok(()) => summary.push("clippy (all crates and targets, -D warnings): clean".to_string()),
+            Err(e) => {
+                eprintln!("xtask: clippy: {e}");
+                failures.push("clippy".to_string());
+            }
+        }
         let mut tally = |what: &str, label: &str, cmd: &mut Command| -> Result<()> {
             let (c, ok, _) = run_counting(cmd)?;
             if !ok || c.failed > 0 {

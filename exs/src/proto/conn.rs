@@ -25,7 +25,7 @@ pub(crate) struct Limits {
 /// The socket-type protocol, chosen when the handshake completes.
 #[derive(Debug)]
 pub(crate) enum Mode {
-    Message(MessageProto),
+    Message(Box<MessageProto>),
     Stream(Box<StreamProto>),
 }
 
@@ -136,13 +136,13 @@ impl Conn {
                     return Err(Violation::Handshake("zero advert credits".into()));
                 }
                 let small = (opts.small_packet_max_size as usize).min(room);
-                Mode::Message(MessageProto::new(
+                Mode::Message(Box::new(MessageProto::new(
                     send,
                     recv,
                     small,
                     self.limits.max_message,
                     delay_acks,
-                ))
+                )))
             }
             SockType::Stream => {
                 let setup = self.stream_setup.take().ok_or_else(|| {
@@ -226,7 +226,7 @@ impl Conn {
                 if m.ack_due() && m.ack_now() {
                     m.queue_ack(&mut self.link);
                 }
-                self.link.flush(out, m);
+                self.link.flush(out, &mut **m);
                 Ok(m.ack_due())
             }
             Some(Mode::Stream(s)) => {

@@ -701,10 +701,7 @@ impl MessageProto {
     /// the head is never consumed: every receive reads it again (seed 002, 4.2), until its owner ends it. A
     /// persistent receive's advert needs no receive: it is taken as it reaches the head.
     fn match_adverts(&mut self, link: &mut Link) {
-        loop {
-            let Some(head) = self.adverts.front() else {
-                break;
-            };
+        while let Some(head) = self.adverts.front() {
             let flags = head.advert.flags;
             if flags.has(AdvertFlags::PERSISTENT_RECV) {
                 let a = self.adverts.pop_front().expect("checked").advert;

@@ -336,7 +336,7 @@ fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
     }
     // Let the adverts reach the peer (which posts no receive), so that close also has to retire exposed keys.
     std::thread::sleep(std::time::Duration::from_millis(20));
-    ensure!(p.eq_a.len() == 0, "an operation completed before the close");
+    ensure!(p.eq_a.is_empty(), "an operation completed before the close");
     p.client.close().map_err(|e| e.to_string())?;
     let evs = all(&p.eq_a)?;
     ensure!(evs.len() == 7, "{} events after close", evs.len());

@@ -53,6 +53,8 @@ impl BackendArgs {
 }
 
 /// Backends compiled into this binary.
+// Each push depends on a feature, so no `vec![]`.
+#[allow(clippy::vec_init_then_push)]
 pub fn compiled() -> Vec<&'static str> {
     #[allow(unused_mut)]
     let mut v = Vec::new();

@@ -238,7 +238,7 @@ pub fn run_raw(a: RawArgs) -> Result<(), String> {
     }
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let (mut child, addr, _out) = crate::util::spawn_listening(
-        &mut Command::new(exe)
+        Command::new(exe)
             .arg("rawpump")
             .args(a.backend.to_args())
             .args([

@@ -218,7 +218,7 @@ pub fn measure(
     let ((mut samples, client), (server, server_pings)) = if opened.processes() {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
         let (mut child, addr, mut out) = crate::util::spawn_listening(
-            &mut Command::new(exe)
+            Command::new(exe)
                 .arg("ping-server")
                 .args(backend.to_args())
                 .args([

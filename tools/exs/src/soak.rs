@@ -216,7 +216,7 @@ fn one_connection(
                     (cap.clamp(1, SLOT), MsgFlags::NONE)
                 }
                 SockType::Stream => {
-                    let cap = (rng.size().max(1)).min(SLOT);
+                    let cap = rng.size().clamp(1, SLOT);
                     if rng.below(3) == 0 && cap <= left {
                         (cap, MsgFlags::WAITALL)
                     } else {

@@ -69,23 +69,6 @@ pub fn accept_one(
     Ok((l, s))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_units() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("64K"), Ok(65536));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
-        assert_eq!(parse_size("16MB"), Ok(16 << 20));
-        assert!(parse_size("lots").is_err());
-        assert!(parse_size("99999999999T").is_err());
-        assert_eq!(fmt_bytes(1 << 30), "1.00 GiB");
-    }
-}
-
 /// Starts a helper process (a server side) and reads the `LISTEN <addr>` line it prints first; returns the child,
 /// the address, and the rest of its standard output.
 pub fn spawn_listening(
@@ -114,4 +97,21 @@ pub fn spawn_listening(
         .parse()
         .map_err(|e| format!("the server process's address: {e}"))?;
     Ok((child, addr, out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_with_binary_units() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_size("16MB"), Ok(16 << 20));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("99999999999T").is_err());
+        assert_eq!(fmt_bytes(1 << 30), "1.00 GiB");
+    }
 }

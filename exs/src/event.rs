@@ -1047,6 +1047,42 @@ mod tests {
         assert!(q.stats().empty_polls > 0);
     }
 
+    /// Issue 15 regression: two threads wait on one queue for different counts; one times out first. The other
+    /// must still wake when its one event arrives (a single shared "waiting for" count used to be reset by the
+    /// timed-out waiter, so the other slept its whole timeout).
+    #[test]
+    fn a_timed_out_waiter_does_not_silence_another() {
+        let q = EventQueue::new(8);
+        let t = q.reserve(EventKind::Recv, 7, sid()).unwrap();
+        let _more: Vec<_> = (0..4)
+            .map(|i| q.reserve(EventKind::Recv, 10 + i, sid()).unwrap())
+            .collect();
+        let patient = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let started = Instant::now();
+                let mut v = Vec::new();
+                let r = q.dequeue(&mut v, 1, 1, Some(Duration::from_secs(30)));
+                (r, started.elapsed())
+            })
+        };
+        let hasty = {
+            let q = q.clone();
+            thread::spawn(move || {
+                let mut v = Vec::new();
+                q.dequeue(&mut v, 5, 5, Some(Duration::from_millis(20)))
+            })
+        };
+        assert_eq!(hasty.join().unwrap(), Err(DequeueError::TimedOut));
+        t.complete(Ok(()), 3, EventFlags::default());
+        let (r, waited) = patient.join().unwrap();
+        assert_eq!(r, Ok(1));
+        assert!(
+            waited < Duration::from_secs(20),
+            "the patient waiter slept through its event: {waited:?}"
+        );
+    }
+
     #[test]
     fn spin_count_polls_before_blocking() {
         let q = EventQueue::with_mode(8, WaitMode::Adaptive { spin: 50 });

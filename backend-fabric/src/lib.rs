@@ -39,7 +39,7 @@ use exs_dma::{DmaBuf, Lease};
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
 
 use ffi::*;
-use memory::{Domain, Fabric, FiExposure, FiRegistration};
+use memory::{Domain, Fabric, FiKey, FiRegistration, MrHandle};
 
 /// Which provider and domain to open.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -960,14 +960,14 @@ impl Transport for FabricTransport {
         } else {
             0
         };
-        let len = lease.len();
-        Ok(Box::new(FiExposure {
-            _domain: dom,
-            mr,
-            remote: RemoteRef { addr, key },
-            len,
+        Ok(Box::new(exs::transport::KeyedLease::new(
+            RemoteRef { addr, key },
             lease,
-        }))
+            FiKey {
+                mr: MrHandle(mr),
+                _domain: dom,
+            },
+        )))
     }
 
     fn listen(

@@ -21,8 +21,8 @@ use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use exs::transport::{Exposure, Registration, RemoteRef, TransportError};
-use exs_dma::{DmaBuf, Lease};
+use exs::transport::{Registration, Revoke, TransportError};
+use exs_dma::DmaBuf;
 
 use crate::ffi::*;
 use crate::{check, err, Info};
@@ -79,6 +79,12 @@ pub(crate) struct Domain {
 unsafe impl Send for Domain {}
 // SAFETY: as above; `&Domain` only hands out the handles for thread-safe calls.
 unsafe impl Sync for Domain {}
+
+impl std::fmt::Debug for Domain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Domain").field("mr_mode", &self.mr_mode).finish()
+    }
+}
 
 impl Drop for Domain {
     fn drop(&mut self) {
@@ -185,49 +191,28 @@ impl Registration for FiRegistration {
     }
 }
 
-/// Remote access to one leased range: its own registration in the connection's domain, closed (revoking the key)
-/// before the lease goes.
-pub(crate) struct FiExposure {
+/// What revokes a key on libfabric: the range's own registration in the connection's domain (closed, then the
+/// domain may close).
+#[derive(Debug)]
+pub(crate) struct FiKey {
+    pub(crate) mr: MrHandle,
     pub(crate) _domain: Arc<Domain>,
-    pub(crate) mr: *mut fid_mr,
-    pub(crate) remote: RemoteRef,
-    pub(crate) len: usize,
-    pub(crate) lease: Lease,
 }
 
-// SAFETY: as FiRegistration.
-unsafe impl Send for FiExposure {}
+/// A registration handle (closed at most once).
+pub(crate) struct MrHandle(pub(crate) *mut fid_mr);
 
-impl std::fmt::Debug for FiExposure {
+// SAFETY: the MR handle is only used to close it (thread-safe domain).
+unsafe impl Send for MrHandle {}
+
+impl std::fmt::Debug for MrHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FiExposure")
-            .field("key", &self.remote.key)
-            .field("len", &self.len)
-            .finish()
+        f.write_str("MrHandle")
     }
 }
 
-impl Drop for FiExposure {
-    fn drop(&mut self) {
-        close_mr(self.mr);
-    }
-}
-
-impl Exposure for FiExposure {
-    fn remote(&self) -> RemoteRef {
-        self.remote
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.lease
-            .read(offset, dst)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self.lease
-            .write(offset, src)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn len(&self) -> usize {
-        self.len
+impl Revoke for FiKey {
+    fn revoke(&mut self) {
+        close_mr(std::mem::replace(&mut self.mr.0, std::ptr::null_mut()));
     }
 }

@@ -41,7 +41,8 @@ use nix::sys::socket::{SockaddrLike, SockaddrStorage};
 use rdma_sys::*;
 
 mod memory;
-use memory::{reg_mr, MwSlot, Pd, VerbsExposure, VerbsRegistration, VerbsWindow};
+use exs::transport::KeyedLease;
+use memory::{reg_mr, MrKey, MrPtr, MwSlot, Pd, VerbsRegistration, WindowKey};
 
 /// Every this many unsignalled send-queue requests, one is signalled (plus the last of every batch).
 pub const SIGNAL_EVERY: u32 = 16;
@@ -1004,18 +1005,18 @@ impl VerbsTransport {
             e.windows.retain(|w| w.strong_count() > 0);
         }
         e.windows.push(Arc::downgrade(&slot));
-        let len = lease.len();
-        Ok(Box::new(VerbsWindow {
-            slot,
-            remote: RemoteRef {
+        Ok(Box::new(KeyedLease::new(
+            RemoteRef {
                 addr: lease.addr(),
                 key: u64::from(rkey),
             },
-            len,
             lease,
-            _reg: Arc::clone(reg),
-            _pd: Arc::clone(&self.pd),
-        }))
+            WindowKey {
+                slot,
+                _reg: Arc::clone(reg),
+                _pd: Arc::clone(&self.pd),
+            },
+        )))
     }
 
     fn on_wc(&mut self, wc: &ibv_wc) {
@@ -1153,18 +1154,18 @@ impl Transport for VerbsTransport {
         )?;
         // SAFETY: live MR.
         let rkey = unsafe { (*mr).rkey };
-        let len = lease.len();
         let remote = RemoteRef {
             addr: lease.addr(),
             key: u64::from(rkey),
         };
-        Ok(Box::new(VerbsExposure {
-            _pd: Arc::clone(&self.pd),
-            mr,
+        Ok(Box::new(KeyedLease::new(
             remote,
-            len,
             lease,
-        }))
+            MrKey {
+                mr: MrPtr(mr),
+                _pd: Arc::clone(&self.pd),
+            },
+        )))
     }
 
     fn listen(

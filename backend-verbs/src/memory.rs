@@ -3,19 +3,20 @@
 //! * A base registration (`register`, ES-API `exs_mregister`) grants local access, plus `IBV_ACCESS_MW_BIND`
 //!   where memory windows are used (and remote write on iWARP, where the sink of an RDMA read must allow it).
 //! * Where the device has type 2 memory windows (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`: Soft-RoCE, Mellanox), an
-//!   exposure is a window bound to **one queue pair** ([`VerbsWindow`]): the bind is a work request posted on that
+//!   exposure is a window bound to **one queue pair**: the bind is a work request posted on that
 //!   connection's send queue ahead of the message that hands the key out (a queue pair executes in order), the
-//!   key works for that connection only, and deallocating the window when the exposure is dropped revokes it.
-//!   No memory is registered on the data path. Each bind moves the key's low byte on (`ibv_inc_rkey`).
+//!   key works for that connection only, and deallocating the window when the exposure is dropped revokes it
+//!   ([`WindowKey`]). No memory is registered on the data path. Each bind moves the key's low byte on
+//!   (`ibv_inc_rkey`).
 //! * Elsewhere (siw and iWARP adapters without windows) an exposure is a registration of exactly the exposed
-//!   range ([`VerbsExposure`]): a key valid on every queue pair of the protection domain while it lives, and a
+//!   range ([`MrKey`]): a key valid on every queue pair of the protection domain while it lives, and a
 //!   registration per operation. The README says so.
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use exs::transport::{Exposure, Registration, RemoteRef, TransportError};
-use exs_dma::{DmaBuf, Lease};
+use exs::transport::{Registration, Revoke, TransportError};
+use exs_dma::DmaBuf;
 use rdma_sys::*;
 
 use crate::os_err;
@@ -27,6 +28,12 @@ pub(crate) struct Pd(pub(crate) *mut ibv_pd);
 unsafe impl Send for Pd {}
 // SAFETY: see Send.
 unsafe impl Sync for Pd {}
+
+impl std::fmt::Debug for Pd {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pd")
+    }
+}
 
 impl Drop for Pd {
     fn drop(&mut self) {
@@ -79,7 +86,7 @@ impl std::fmt::Debug for VerbsRegistration {
 impl Drop for VerbsRegistration {
     fn drop(&mut self) {
         // Before `buf` is released (field order). Every window bound to this registration holds its Arc
-        // (`VerbsWindow::_reg`), so none is bound any more (ibv_dereg_mr fails while one is).
+        // (`WindowKey::_reg`), so none is bound any more (ibv_dereg_mr fails while one is).
         dereg(self.mr);
     }
 }
@@ -96,58 +103,31 @@ impl Registration for VerbsRegistration {
     }
 }
 
-/// Reads and writes through an exposure's lease (the owner of an exposure uses the exposed bytes through it).
-fn lease_read(lease: &Lease, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-    lease
-        .read(offset, dst)
-        .map_err(|e| TransportError::Invalid(e.to_string()))
-}
-
-fn lease_write(lease: &mut Lease, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-    lease
-        .write(offset, src)
-        .map_err(|e| TransportError::Invalid(e.to_string()))
-}
-
-/// An exposure as a registration of exactly the range (devices without type 2 windows).
-pub(crate) struct VerbsExposure {
+/// What revokes a key on a device without windows: the range's own registration.
+#[derive(Debug)]
+pub(crate) struct MrKey {
+    pub(crate) mr: MrPtr,
     pub(crate) _pd: Arc<Pd>,
-    pub(crate) mr: *mut ibv_mr,
-    pub(crate) remote: RemoteRef,
-    pub(crate) len: usize,
-    pub(crate) lease: Lease,
 }
 
-// SAFETY: as VerbsRegistration.
-unsafe impl Send for VerbsExposure {}
+/// A registration pointer (deregistered at most once).
+pub(crate) struct MrPtr(pub(crate) *mut ibv_mr);
 
-impl std::fmt::Debug for VerbsExposure {
+// SAFETY: the MR handle is only used to deregister it.
+unsafe impl Send for MrPtr {}
+
+impl std::fmt::Debug for MrPtr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsExposure")
-            .field("rkey", &self.remote.key)
-            .field("len", &self.len)
-            .finish()
+        f.write_str("MrPtr")
     }
 }
 
-impl Drop for VerbsExposure {
-    fn drop(&mut self) {
-        dereg(self.mr); // the key dies before the lease goes
-    }
-}
-
-impl Exposure for VerbsExposure {
-    fn remote(&self) -> RemoteRef {
-        self.remote
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        lease_read(&self.lease, offset, dst)
-    }
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        lease_write(&mut self.lease, offset, src)
+impl Revoke for MrKey {
+    fn revoke(&mut self) {
+        let mr = std::mem::replace(&mut self.mr.0, std::ptr::null_mut());
+        if !mr.is_null() {
+            dereg(mr);
+        }
     }
 }
 
@@ -178,44 +158,23 @@ impl MwSlot {
     }
 }
 
-/// A type 2 memory window bound to one queue pair over a leased range of a base registration.
-pub(crate) struct VerbsWindow {
+/// What revokes a key bound as a type 2 memory window: deallocating the window. The registration it is bound over
+/// stays registered until then (deregistering fails while a window is bound).
+#[derive(Debug)]
+pub(crate) struct WindowKey {
     pub(crate) slot: Arc<MwSlot>,
-    pub(crate) remote: RemoteRef,
-    pub(crate) len: usize,
-    pub(crate) lease: Lease,
-    /// The registration the window is bound to: deregistering it fails while a window is bound.
     pub(crate) _reg: Arc<dyn Registration>,
     pub(crate) _pd: Arc<Pd>,
 }
 
-impl std::fmt::Debug for VerbsWindow {
+impl std::fmt::Debug for MwSlot {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerbsWindow")
-            .field("rkey", &self.remote.key)
-            .field("len", &self.len)
-            .finish()
+        f.write_str("MwSlot")
     }
 }
 
-impl Drop for VerbsWindow {
-    fn drop(&mut self) {
-        // The key dies before the lease and the registration are released (field order).
+impl Revoke for WindowKey {
+    fn revoke(&mut self) {
         self.slot.dealloc();
-    }
-}
-
-impl Exposure for VerbsWindow {
-    fn remote(&self) -> RemoteRef {
-        self.remote
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        lease_read(&self.lease, offset, dst)
-    }
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        lease_write(&mut self.lease, offset, src)
     }
 }

@@ -1277,7 +1277,12 @@ impl Engine {
             .initial_recvs()
             .map_err(|v| TransportError::Invalid(format!("control buffers: {v}")))?;
         let private = conn.local.encode();
-        self.transport.connect(ep, addr, &private, recvs)?;
+        if let Err(e) = self.transport.connect(ep, addr, &private, recvs) {
+            // Whatever the transport set up for the endpoint (a connection's own domain) goes with it.
+            drop(conn);
+            self.transport.release(ep);
+            return Err(e.into());
+        }
         let at = self.clock.now() + self.connect_timeout;
         let s = self.sock(sid)?;
         s.phase = Phase::Connecting;
@@ -1465,7 +1470,11 @@ impl Engine {
                 let (lease, reg) = sge.into_parts();
                 let exposure: Box<dyn crate::transport::Exposure> = if closed_stream {
                     // The peer closed: it writes nothing more, so no key; the stream buffer's rest is copied in.
-                    Box::new(LocalOnly(lease))
+                    Box::new(crate::transport::KeyedLease::new(
+                        crate::transport::RemoteRef { addr: 0, key: 0 },
+                        lease,
+                        crate::transport::NoKey,
+                    ))
                 } else {
                     self.expose(ep, &reg, lease, RemoteAccess::Write)?
                 };
@@ -1731,29 +1740,6 @@ impl Engine {
             self.on_disconnected(ep);
         }
         self.drain_done();
-    }
-}
-
-/// A receive buffer only this side writes into (the peer closed its stream: no key is handed out).
-#[derive(Debug)]
-struct LocalOnly(exs_dma::Lease);
-
-impl crate::transport::Exposure for LocalOnly {
-    fn remote(&self) -> crate::transport::RemoteRef {
-        crate::transport::RemoteRef { addr: 0, key: 0 }
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.0
-            .read(offset, dst)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self.0
-            .write(offset, src)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn len(&self) -> usize {
-        self.0.len()
     }
 }
 

@@ -135,6 +135,65 @@ pub trait Exposure: Send + fmt::Debug {
     }
 }
 
+/// What revokes a remote key when its exposure goes: a backend's registration of the range, or its memory window.
+pub trait Revoke: Send + fmt::Debug {
+    /// Makes the key useless (deregister, deallocate the window); called once, before the lease is released.
+    fn revoke(&mut self);
+}
+
+/// No key to revoke (a receive only this side writes into).
+#[derive(Debug)]
+pub struct NoKey;
+
+impl Revoke for NoKey {
+    fn revoke(&mut self) {}
+}
+
+/// The [`Exposure`] every backend hands out: a key, the leased range it names, and what revokes it. Dropping it
+/// revokes the key first, then releases the lease (the memory outlives every key naming it).
+#[derive(Debug)]
+pub struct KeyedLease<R: Revoke> {
+    remote: RemoteRef,
+    revoke: R,
+    lease: Lease,
+}
+
+impl<R: Revoke> KeyedLease<R> {
+    /// The exposure of `lease` under `remote`, revoked by `revoke`.
+    pub fn new(remote: RemoteRef, lease: Lease, revoke: R) -> Self {
+        KeyedLease {
+            remote,
+            revoke,
+            lease,
+        }
+    }
+}
+
+impl<R: Revoke> Drop for KeyedLease<R> {
+    fn drop(&mut self) {
+        self.revoke.revoke();
+    }
+}
+
+impl<R: Revoke> Exposure for KeyedLease<R> {
+    fn remote(&self) -> RemoteRef {
+        self.remote
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.lease
+            .read(offset, dst)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        self.lease
+            .write(offset, src)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn len(&self) -> usize {
+        self.lease.len()
+    }
+}
+
 /// One scatter/gather entry: leased memory plus the registration that names it.
 #[derive(Debug)]
 pub struct Sge {

@@ -230,6 +230,17 @@ pub(crate) struct StreamProto {
     stats: StreamStats,
 }
 
+/// The peer's stream buffer, `len` bytes at `addr`, must not wrap around the address space (issue 15: a handshake
+/// whose address plus length overflowed made a later write's address overflow).
+fn ring_fits(addr: u64, len: u64) -> Result<(), String> {
+    match addr.checked_add(len) {
+        Some(_) => Ok(()),
+        None => Err(format!(
+            "stream buffer of {len} bytes at {addr:#x} overflows the address space"
+        )),
+    }
+}
+
 /// Bytes copied from the stream buffer per step (a bounce buffer on the stack).
 const COPY_CHUNK: usize = 64 * 1024;
 
@@ -246,6 +257,8 @@ impl StreamProto {
                 peer.stream_len
             )));
         }
+        // Every address we will write at (the buffer's start plus an offset below its length) must exist.
+        ring_fits(peer.stream_addr, u64::from(peer.stream_len)).map_err(Violation::Handshake)?;
         let StreamSetup {
             exposure: ring,
             len,
@@ -329,6 +342,7 @@ impl StreamProto {
                 "a second stream buffer key (STREAM_RING)".into(),
             ));
         }
+        ring_fits(addr, self.tx.ring_len).map_err(Violation::Stream)?;
         self.tx.ring = Some(RemoteRef { addr, key: rkey });
         self.pump(link)
     }

@@ -169,17 +169,38 @@ pub fn peer(data: &[u8]) -> PeerOutcome {
     hs.stream_len = 4096;
     hs.stream_addr = 0x10_000;
     hs.stream_rkey = 1;
+    if inp.u8() % 4 == 0 {
+        // Every handshake field varies (issue 15): a hostile handshake is refused cleanly or the connection works.
+        hs.ctrl_window = inp.u16();
+        hs.slot_size = inp.u16();
+        hs.send_credits = inp.u16();
+        hs.recv_credits = inp.u16();
+        hs.small_max = inp.u32();
+        hs.stream_len = inp.u32();
+        hs.stream_addr = inp.u64();
+        hs.stream_rkey = inp.u64();
+        hs.native_imm = inp.u8() & 1 == 0;
+    }
     let w2 = world.clone();
     let tick = Box::new(move || {
         w2.drive();
     });
-    let mut raw = RawPeer::connect_with(Box::new(world.raw_host()), addr, &hs.encode(), tick)
-        .expect("a well-formed handshake is accepted");
+    let mut outcome = PeerOutcome::default();
+    let Ok(mut raw) = RawPeer::connect_with(Box::new(world.raw_host()), addr, &hs.encode(), tick) else {
+        outcome.violation = true; // refused at the handshake
+        return outcome;
+    };
     let mut ev = eq.next(Some(Duration::from_secs(5))).expect("accept event");
-    let sock = ev.accepted.take().expect("accepted socket");
+    let Some(sock) = ev.accepted.take() else {
+        assert!(
+            matches!(ev.status, Err(crate::OpError::PeerMisbehaved(_))),
+            "a refused handshake names the violation: {ev:?}"
+        );
+        outcome.violation = true;
+        return outcome;
+    };
     let buffers = MemoryRegion::alloc(&victim, 1 << 20).expect("buffers");
     let mut out = 0usize;
-    let mut outcome = PeerOutcome::default();
     while !inp.done() && outcome.events < 64 {
         outcome.events += 1;
         match inp.u8() % 10 {

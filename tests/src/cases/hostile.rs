@@ -27,6 +27,10 @@ pub fn cases() -> Vec<Case> {
             "hostile_handshake_window_below_minimum",
             handshake_tiny_window,
         ),
+        c(
+            "hostile_handshake_stream_buffer_overflows",
+            handshake_stream_overflow,
+        ),
         c("hostile_truncated_control_message", truncated_message),
         c("hostile_garbage_control_message", garbage_message),
         c(
@@ -290,6 +294,31 @@ fn handshake_tiny_window(b: &dyn Backend) -> Result<(), String> {
         );
     }
     v.healthy("control window 1", true)
+}
+
+/// Issue 15 regression: a stream handshake whose buffer address plus length overflows is refused at accept (it used
+/// to make a later write's address overflow: a panic in debug builds, a wrapped address in release).
+fn handshake_stream_overflow(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::Stream)?;
+    let mut hs = good_handshake(SockType::Stream);
+    hs.stream_addr = u64::MAX - 100;
+    hs.stream_len = 4096;
+    v.listener.accept(&v.eq, 1).map_err(|e| e.to_string())?;
+    let raw = RawPeer::connect(v.net.raw()?, v.addr, &hs.encode());
+    let ev = next(&v.eq)?;
+    match &ev.status {
+        Err(OpError::PeerMisbehaved(Violation::Handshake(why))) if why.contains("overflows") => {
+            eprintln!("HOSTILE {}: stream buffer overflowing the address space: accept failed: {why}", v.name)
+        }
+        other => return Err(format!("overflowing stream buffer: accept ended with {other:?}")),
+    }
+    if let Ok(mut raw) = raw {
+        ensure!(
+            raw.wait_disconnect(Duration::from_secs(20)),
+            "the peer with the overflowing stream buffer was not disconnected"
+        );
+    }
+    v.healthy("overflowing stream buffer", true)
 }
 
 /// Connects a raw peer, sends `bytes` as one control message, and expects a violation.

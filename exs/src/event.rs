@@ -81,6 +81,14 @@ pub struct Event {
     pub readiness: crate::socket::Readiness,
 }
 
+impl EventFlags {
+    /// End of stream, nothing truncated.
+    pub const EOF: EventFlags = EventFlags {
+        eof: true,
+        truncated: false,
+    };
+}
+
 impl Event {
     /// Whether the operation succeeded.
     pub fn is_ok(&self) -> bool {
@@ -849,14 +857,7 @@ impl Ticket {
 
     /// Completes a receive with end-of-stream: no bytes, `flags.eof` set.
     pub(crate) fn complete_eof(self) {
-        self.complete(
-            Ok(()),
-            0,
-            EventFlags {
-                eof: true,
-                truncated: false,
-            },
-        );
+        self.complete(Ok(()), 0, EventFlags::EOF);
     }
 
     /// Completes an accept with the new socket.

@@ -71,14 +71,7 @@ impl OpToken {
 
     /// Completes a receive with end-of-stream: no bytes, `flags.eof` set.
     pub(crate) fn complete_eof(self) {
-        self.complete(
-            Ok(()),
-            0,
-            EventFlags {
-                eof: true,
-                truncated: false,
-            },
-        );
+        self.complete(Ok(()), 0, EventFlags::EOF);
     }
 
     /// Reports `reads` more reads of a persistent send (the engine folds them while the queue is full).

@@ -157,21 +157,26 @@ static NEXT_LEASE: AtomicU64 = AtomicU64::new(1);
 impl DmaBuf {
     /// Allocates `len` zeroed bytes aligned to [`PAGE`].
     pub fn new(len: usize) -> Arc<Self> {
+        Self::try_new(len)
+            .unwrap_or_else(|| panic!("cannot allocate {len} bytes of device-visible memory"))
+    }
+
+    /// [`DmaBuf::new`], or `None` when `len` bytes cannot be had (a length beyond what a layout can describe, or
+    /// an allocation the system refuses) instead of aborting: for lengths an application chose.
+    pub fn try_new(len: usize) -> Option<Arc<Self>> {
         if len == 0 {
-            return Arc::new(Self::empty());
+            return Some(Arc::new(Self::empty()));
         }
-        let layout = Layout::from_size_align(len, PAGE).expect("buffer length overflows a Layout");
+        let layout = Layout::from_size_align(len, PAGE).ok()?;
         // SAFETY: the layout has a non-zero size (checked above).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let Some(ptr) = NonNull::new(raw) else {
-            alloc::handle_alloc_error(layout)
-        };
-        Arc::new(Self {
+        let ptr = NonNull::new(raw)?;
+        Some(Arc::new(Self {
             ptr,
             len,
             storage: Storage::Alloc(layout),
             leases: Mutex::new(Vec::new()),
-        })
+        }))
     }
 
     /// Takes ownership of a vector's bytes without copying. Its length becomes the buffer's length.

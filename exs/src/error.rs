@@ -437,6 +437,12 @@ pub enum MemoryError {
     /// A zero-length region.
     #[error("cannot register zero bytes")]
     Empty,
+    /// The memory could not be had (a length beyond the address space, or the system refused it).
+    #[error("cannot allocate {len} bytes")]
+    NoMemory {
+        /// What was asked for.
+        len: usize,
+    },
 }
 
 impl MemoryError {
@@ -455,6 +461,7 @@ impl From<MemoryError> for io::Error {
             MemoryError::InUse { .. } => io::ErrorKind::ResourceBusy,
             MemoryError::Transport(t) => t.io_kind(),
             MemoryError::Empty => io::ErrorKind::InvalidInput,
+            MemoryError::NoMemory { .. } => io::ErrorKind::OutOfMemory,
         };
         io::Error::new(kind, e)
     }

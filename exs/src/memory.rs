@@ -36,7 +36,8 @@ impl MemoryRegion {
         if len == 0 {
             return Err(MemoryError::Empty);
         }
-        Self::register(ctx, DmaBuf::new(len))
+        let buf = DmaBuf::try_new(len).ok_or(MemoryError::NoMemory { len })?;
+        Self::register(ctx, buf)
     }
 
     /// Registers the bytes of a vector without copying them (ES-API `exs_mregister` of caller memory).

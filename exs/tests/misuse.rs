@@ -385,3 +385,23 @@ fn zero_length_stream_send_is_refused() {
     assert_eq!(io_kind(e), io::ErrorKind::InvalidInput);
     assert_eq!(p.eq_a.outstanding(), 0);
 }
+
+/// Issue 15 regression: a region or a file send of a length no memory can hold is an error, not a panic.
+#[test]
+fn an_impossible_length_is_an_error_not_a_panic() {
+    let p = pair(SockType::SeqPacket);
+    match MemoryRegion::alloc(&p.a, usize::MAX) {
+        Err(MemoryError::NoMemory { len }) => assert_eq!(len, usize::MAX),
+        other => panic!("alloc of usize::MAX: {other:?}"),
+    }
+    let file = tempfile::tempfile().unwrap();
+    let r = p.client.sendfile(&p.eq_a, &file, 0, usize::MAX, 1);
+    assert!(
+        matches!(r, Err(SendError::Memory(MemoryError::NoMemory { .. }))),
+        "{r:?}"
+    );
+    // The context still works.
+    let (s, r, got) = p.transfer(b"still here", 64);
+    assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
+    assert_eq!(got, b"still here");
+}

@@ -265,6 +265,20 @@ impl Engine {
         self.transport.register(buf)
     }
 
+    /// Exposes a stream buffer to the peer of `ep` for remote write. Seed 001: the peer may write any part of it
+    /// at any time, so the lease is of the kind for ranges the device writes concurrently.
+    fn expose_ring(
+        &mut self,
+        ep: EndpointId,
+        buf: &Arc<DmaBuf>,
+        reg: &Arc<dyn Registration>,
+    ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
+        let lease = buf
+            .lease(0..buf.len(), LeaseKind::DeviceWriteShared)
+            .map_err(|e| TransportError::Invalid(e.to_string()))?;
+        self.expose(ep, reg, lease, RemoteAccess::Write)
+    }
+
     /// Exposes a leased range to the peer of `ep` alone (counted).
     fn expose(
         &mut self,
@@ -927,13 +941,10 @@ impl Engine {
             return;
         }
         let pending_ring = conn.stream().and_then(|st| st.pending_local_ring());
-        if let Some((buf, reg, len)) = pending_ring {
+        if let Some((buf, reg)) = pending_ring {
             // The stream buffer's key binds to the connection only now (memory windows): expose it and send
             // it first thing (a window bind goes before the message that names it on the same queue pair).
-            let exposed = buf
-                .lease(0..len, LeaseKind::DeviceWriteShared)
-                .map_err(|e| TransportError::Invalid(e.to_string()))
-                .and_then(|lease| self.expose(ep, &reg, lease, RemoteAccess::Write));
+            let exposed = self.expose_ring(ep, &buf, &reg);
             let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
                 return;
             };
@@ -1091,16 +1102,11 @@ impl Engine {
                 let len = opts.stream_buffer_size as usize;
                 let buf = DmaBuf::new(len);
                 let reg = self.register(&buf)?;
-                // Seed 001: the peer may write any part of the ring at any time: the lease kind for ranges the
-                // device writes concurrently.
-                let lease = buf
-                    .lease(0..len, LeaseKind::DeviceWriteShared)
-                    .map_err(|e| TransportError::Invalid(e.to_string()))?;
                 // Where keys bind only to a connected queue pair, the key follows the handshake (STREAM_RING).
                 let exposure = if self.caps.keys_after_connect {
                     None
                 } else {
-                    Some(self.expose(ep, &reg, lease, RemoteAccess::Write)?)
+                    Some(self.expose_ring(ep, &buf, &reg)?)
                 };
                 Some(StreamSetup::new(exposure, len, buf, reg))
             }

@@ -52,14 +52,7 @@ pub enum EventKind {
     ReadNotify,
 }
 
-/// Extra facts about a completed receive.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct EventFlags {
-    /// The message was longer than the receive buffer; the rest was discarded (like recvmsg's MSG_TRUNC).
-    pub truncated: bool,
-    /// End of stream: the peer closed or shut down its sending side; no bytes were received.
-    pub eof: bool,
-}
+pub use crate::proto::op::EventFlags;
 
 /// The completion of one asynchronous operation.
 pub struct Event {
@@ -79,14 +72,6 @@ pub struct Event {
     pub accepted: Option<Socket>,
     /// For [`EventKind::Poll`]: the readiness found.
     pub readiness: crate::socket::Readiness,
-}
-
-impl EventFlags {
-    /// End of stream, nothing truncated.
-    pub const EOF: EventFlags = EventFlags {
-        eof: true,
-        truncated: false,
-    };
 }
 
 impl Event {

@@ -286,10 +286,7 @@ pub(crate) fn prepare_sleep(
             return Some(Some(Instant::now() + Duration::from_millis(10)));
         }
     }
-    let deadline = engine.next_deadline().map(|d| {
-        let left = d.saturating_duration_since(engine.now());
-        Instant::now() + left
-    });
+    let deadline = engine.next_deadline_real();
     lead.leader_sleep.store(lead.stamp(deadline), Ordering::SeqCst);
     Some(deadline)
 }
@@ -376,23 +373,7 @@ pub(crate) fn thread(shared: Arc<Shared>) {
                 lead.thread_sleep.store(ABSENT, Ordering::SeqCst);
                 lead_as_thread(&shared, wait_fd.as_fd());
             }
-            Next::Standby(t) => {
-                // Nobody sleeps on the transport for this short while; timers still run on time.
-                let until = {
-                    let mut e = shared.lock();
-                    let mut rounds = 0;
-                    while e.progress() && rounds < ROUNDS {
-                        rounds += 1;
-                    }
-                    let mut until = Instant::now() + t;
-                    if let Some(d) = e.next_deadline() {
-                        until = until.min(Instant::now() + d.saturating_duration_since(e.now()));
-                    }
-                    lead.thread_sleep.store(lead.stamp(Some(until)), Ordering::SeqCst);
-                    until
-                };
-                sleep_thread(&shared, Some(until));
-            }
+            Next::Standby(t) => standby(&shared, t),
             Next::Deep => {
                 lead.thread_sleep.store(FOREVER, Ordering::SeqCst);
                 sleep_thread(&shared, None);
@@ -443,15 +424,23 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
 /// An application thread busy-polls this context and handles its completions: stay out of its way (no arming, so
 /// no completion-channel wake-ups); handle connection events and timers every millisecond, or at once when woken.
 fn stand_back_for_busy_pollers(shared: &Shared) {
-    {
+    standby(shared, STANDBY);
+}
+
+/// Stands aside for `t`: nobody sleeps on the transport meanwhile, so run what is due now (bounded) and wake for
+/// the earliest timer if it comes first.
+fn standby(shared: &Shared, t: Duration) {
+    let lead = &shared.lead;
+    let until = {
         let mut e = shared.lock();
         let mut rounds = 0;
         while e.progress() && rounds < ROUNDS {
             rounds += 1;
         }
-    }
-    let lead = &shared.lead;
-    lead.thread_sleep
-        .store(lead.stamp(Some(Instant::now() + STANDBY)), Ordering::SeqCst);
-    sleep_thread(shared, Some(Instant::now() + STANDBY));
+        let until = Instant::now() + t;
+        let until = e.next_deadline_real().map_or(until, |d| until.min(d));
+        lead.thread_sleep.store(lead.stamp(Some(until)), Ordering::SeqCst);
+        until
+    };
+    sleep_thread(shared, Some(until));
 }

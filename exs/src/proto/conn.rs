@@ -265,7 +265,7 @@ impl Conn {
         }
         if self.shutdown.as_ref().is_some_and(|s| s.1) && done {
             let (t, _) = self.shutdown.take().expect("checked");
-            t.complete(Ok(()), 0, crate::event::EventFlags::default());
+            t.complete(Ok(()), 0, crate::proto::op::EventFlags::default());
         }
     }
 
@@ -473,7 +473,7 @@ impl Conn {
     /// Fails every operation (some complete once the transport returns their memory).
     pub(crate) fn fail(&mut self, err: OpError) {
         if let Some((t, _)) = self.shutdown.take() {
-            t.complete(Err(err.clone()), 0, crate::event::EventFlags::default());
+            t.complete(Err(err.clone()), 0, crate::proto::op::EventFlags::default());
         }
         match &mut self.mode {
             Some(Mode::Message(m)) => m.fail(err),

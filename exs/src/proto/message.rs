@@ -22,7 +22,7 @@ use std::collections::VecDeque;
 use exs_dma::LeaseKind;
 
 use crate::error::{OpError, Violation};
-use crate::event::EventFlags;
+use crate::proto::op::EventFlags;
 use crate::proto::op::OpToken;
 use crate::proto::link::{AckSource, DataOp, Link};
 use crate::transport::{Exposure, RemoteRef, Sge, WcError};

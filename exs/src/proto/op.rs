@@ -8,7 +8,23 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use crate::error::OpError;
-use crate::event::EventFlags;
+
+/// Extra facts about a completed receive (the protocol's word for them; events carry them as they are).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EventFlags {
+    /// The message was longer than the receive buffer; the rest was discarded (like recvmsg's MSG_TRUNC).
+    pub truncated: bool,
+    /// End of stream: the peer closed or shut down its sending side; no bytes were received.
+    pub eof: bool,
+}
+
+impl EventFlags {
+    /// End of stream, nothing truncated.
+    pub const EOF: EventFlags = EventFlags {
+        eof: true,
+        truncated: false,
+    };
+}
 
 /// What the protocol reports about an operation.
 #[derive(Debug)]

@@ -46,7 +46,7 @@ use std::sync::Arc;
 use exs_dma::DmaBuf;
 
 use crate::error::{OpError, Violation};
-use crate::event::EventFlags;
+use crate::proto::op::EventFlags;
 use crate::proto::op::OpToken;
 use crate::options::{MsgFlags, SocketOptions};
 use crate::proto::conn::Limits;
@@ -324,15 +324,12 @@ impl StreamProto {
         }
     }
 
-    /// Our stream buffer, its registration and length, while it still waits for its exposure.
-    pub(crate) fn pending_local_ring(&self) -> Option<(Arc<DmaBuf>, Arc<dyn Registration>, usize)> {
-        self.rx.ring.is_none().then(|| {
-            (
-                Arc::clone(&self.rx._buf),
-                Arc::clone(&self.rx._reg),
-                self.rx.ring_len as usize,
-            )
-        })
+    /// Our stream buffer and its registration, while it still waits for its exposure.
+    pub(crate) fn pending_local_ring(&self) -> Option<(Arc<DmaBuf>, Arc<dyn Registration>)> {
+        self.rx
+            .ring
+            .is_none()
+            .then(|| (Arc::clone(&self.rx._buf), Arc::clone(&self.rx._reg)))
     }
 
     /// The peer's STREAM_RING: its stream buffer's address and key, once (only when the handshake carried none).

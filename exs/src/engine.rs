@@ -495,6 +495,7 @@ impl Engine {
         let mut posts = std::mem::take(&mut self.posts);
         let flushed = conn.flush(&mut posts);
         let ep = conn.ep;
+        let stream = conn.sock_type == SockType::Stream;
         let closing_done = sock.phase == Phase::Closing && conn.sends_drained();
         self.post_all(sid, ep, &mut posts);
         self.posts = posts;
@@ -511,8 +512,13 @@ impl Engine {
             .position(|t| t.1 == sid && t.2 == TimerKind::Ack);
         match (delayed_ack, ack_timer) {
             (true, None) => {
-                let at = self.clock.now() + self.ack_delay;
-                self.timers.push((at, sid, TimerKind::Ack));
+                // Message mode delays an acknowledgment; stream mode holds back a window update.
+                let delay = if stream {
+                    crate::proto::stream::WINDOW_HOLD
+                } else {
+                    self.ack_delay
+                };
+                self.timers.push((self.clock.now() + delay, sid, TimerKind::Ack));
             }
             // A reply carried the acknowledgment: the timer goes, so no sleeper is woken for it.
             (false, Some(i)) => {

@@ -237,11 +237,13 @@ fn figure4_receiver_waits_for_outstanding_adverts() {
             StreamTrace::Rejected {
                 seq: 0,
                 phase: 0,
+                sender_seq: 100,
                 sender_phase: 1
             },
             StreamTrace::Rejected {
                 seq: 1,
                 phase: 0,
+                sender_seq: 100,
                 sender_phase: 1
             }
         ]
@@ -326,6 +328,7 @@ fn figure5_stale_advert_rejected_next_accepted() {
         f.tx.contains(&StreamTrace::Rejected {
             seq: a4_seq,
             phase: 4,
+            sender_seq: a4_seq + 100,
             sender_phase: 5
         }),
         "A4 rejected: {:?}",
@@ -407,6 +410,7 @@ fn figure6_multiple_adverts_matched_by_indirect() {
             f.tx.contains(&StreamTrace::Rejected {
                 seq: s,
                 phase: 0,
+                sender_seq: 300,
                 sender_phase: 1
             }),
             "{:?}",
@@ -561,6 +565,7 @@ fn figure7_small_stream_buffer_phase_jump() {
         StreamTrace::Rejected {
             seq: 402,
             phase: 4,
+            sender_seq: 502,
             sender_phase: 5
         }
     );
@@ -568,6 +573,7 @@ fn figure7_small_stream_buffer_phase_jump() {
         f.tx[first + 1..].contains(&StreamTrace::Rejected {
             seq: 403,
             phase: 4,
+            sender_seq: 502,
             sender_phase: 5
         }),
         "{:?}",
@@ -624,6 +630,7 @@ fn figure7_matching_seq_in_a_rejected_batch_is_not_accepted() {
         f.tx.contains(&StreamTrace::Rejected {
             seq: 402,
             phase: 4,
+            sender_seq: 403,
             sender_phase: 5
         }),
         "{:?}",
@@ -633,6 +640,7 @@ fn figure7_matching_seq_in_a_rejected_batch_is_not_accepted() {
         f.tx.contains(&StreamTrace::Rejected {
             seq: 403,
             phase: 4,
+            sender_seq: 403,
             sender_phase: 5
         }),
         "seq 403 matches but the phase does not: {:?}",

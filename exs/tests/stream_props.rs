@@ -4,14 +4,21 @@
 //! for anything but the receive at the head of its queue (it would close the connection as a violation, failing
 //! the operations checked here).
 //!
+//! The sender's decisions are traced too: an advertisement at the sender's exact position is only ever rejected
+//! as the rest of a batch whose first advertisement was stale (seed 001: "the rest of that batch is rejected
+//! whatever its sequence number"); issue 14 found exact advertisements rejected because a window update overtook
+//! them. The direct share of every case is summarised at the end of the run.
+//!
 //! Cases: `EXS_STREAM_CASES` (default 256; `cargo xtask test` runs 10,000 in a release build).
 
 mod common;
 
 use std::collections::VecDeque;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use common::*;
+use exs::proto::stream::StreamTrace;
 use exs::sim::{RnrPolicy, SimConfig};
 use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
 use proptest::prelude::*;
@@ -178,6 +185,7 @@ fn run(c: &Case) {
     let opts = [
         SocketOption::StreamBufferSize(c.ring),
         SocketOption::ControlWindow(c.window),
+        SocketOption::Trace(true),
     ];
     let p = pair_with(SockType::Stream, cfg, &opts);
     let total: usize = c.sends.iter().sum();
@@ -236,11 +244,72 @@ fn run(c: &Case) {
     assert_bytes_eq(&r.got, &r.sent_bytes, "received stream");
     r.p.eq_a.wait_all(None).expect("every send completes");
     assert_eq!(r.p.world.stats().rnr, 0);
+    let trace = r.p.client.stream_trace();
+    no_exact_advert_rejected_alone(&trace);
+    let st = r.p.client.stats().expect("stats").stream;
+    report(st.direct_bytes, total as u64, st.adverts_rejected);
+}
+
+/// An advertisement at the sender's position is rejected only as the rest of a batch whose first one was stale.
+fn no_exact_advert_rejected_alone(trace: &[StreamTrace]) {
+    let mut stale_batch = None;
+    for (i, t) in trace.iter().enumerate() {
+        match *t {
+            StreamTrace::Rejected {
+                seq,
+                phase,
+                sender_seq,
+                ..
+            } => {
+                if seq != sender_seq {
+                    stale_batch = Some(phase);
+                } else {
+                    assert_eq!(
+                        stale_batch,
+                        Some(phase),
+                        "an advertisement at the sender's position was rejected on its own: {t:?} (trace up to it: {:?})",
+                        &trace[..=i]
+                    );
+                }
+            }
+            StreamTrace::Accepted { .. } => stale_batch = None,
+            _ => {}
+        }
+    }
+}
+
+/// Direct share per case: (direct bytes, total bytes, adverts rejected), summarised when the last case ran.
+static SHARES: Mutex<Vec<(u64, u64, u64)>> = Mutex::new(Vec::new());
+
+fn cases() -> usize {
+    std::env::var("EXS_STREAM_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(256)
+}
+
+fn report(direct: u64, total: u64, rejected: u64) {
+    let mut all = SHARES.lock().unwrap();
+    all.push((direct, total, rejected));
+    if all.len() == cases() {
+        let mut shares: Vec<f64> = all.iter().map(|&(d, t, _)| d as f64 / t as f64).collect();
+        shares.sort_by(f64::total_cmp);
+        let (d, t): (u64, u64) = all.iter().fold((0, 0), |a, &(d, t, _)| (a.0 + d, a.1 + t));
+        eprintln!(
+            "direct share over {} cases: {:.1}% of all bytes; per case min {:.0}%, median {:.0}%, max {:.0}%; {} cases had a rejected advertisement",
+            all.len(),
+            100.0 * d as f64 / t as f64,
+            100.0 * shares[0],
+            100.0 * shares[shares.len() / 2],
+            100.0 * shares[shares.len() - 1],
+            all.iter().filter(|a| a.2 > 0).count()
+        );
+    }
 }
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: std::env::var("EXS_STREAM_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(256),
+        cases: cases() as u32,
         ..ProptestConfig::default()
     })]
     #[test]

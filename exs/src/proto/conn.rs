@@ -148,7 +148,7 @@ impl Conn {
                 let setup = self.stream_setup.take().ok_or_else(|| {
                     Violation::Handshake("stream socket without a stream buffer".into())
                 })?;
-                let mut s = StreamProto::new(setup, peer, opts, self.limits)?;
+                let mut s = StreamProto::new(setup, peer, opts, self.limits, delay_acks)?;
                 s.set_max_sge(self.limits.max_sge);
                 Mode::Stream(Box::new(s))
             }
@@ -217,8 +217,8 @@ impl Conn {
         }
     }
 
-    /// Posts what can go now. Returns true when an acknowledgment is being delayed (the engine arms the
-    /// acknowledgment timer, which calls [`Conn::force_ack`]).
+    /// Posts what can go now. Returns true when an acknowledgment or a stream window update is being delayed (the engine
+    /// arms the acknowledgment timer, which calls [`Conn::force_ack`]).
     pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) -> Result<bool, Violation> {
         self.advance_shutdown();
         match &mut self.mode {
@@ -232,7 +232,7 @@ impl Conn {
             Some(Mode::Stream(s)) => {
                 let pumped = s.pump(&mut self.link);
                 self.link.flush(out, &mut ());
-                pumped.map(|()| false)
+                pumped.map(|()| s.window_waiting())
             }
             None => {
                 self.link.flush(out, &mut ());
@@ -295,10 +295,13 @@ impl Conn {
         }
     }
 
-    /// The acknowledgment delay expired: acknowledge now.
+    /// The acknowledgment delay expired: acknowledge (message mode) or report stream-buffer space (stream mode)
+    /// now.
     pub(crate) fn force_ack(&mut self) {
-        if let Some(Mode::Message(m)) = &mut self.mode {
-            m.queue_ack(&mut self.link);
+        match &mut self.mode {
+            Some(Mode::Message(m)) => m.queue_ack(&mut self.link),
+            Some(Mode::Stream(s)) => s.force_window(&mut self.link),
+            None => {}
         }
     }
 

@@ -97,10 +97,12 @@ pub enum StreamTrace {
     RecvCompleted { bytes: u64, advertised: bool },
     /// Sender: a peer advertisement was accepted in an odd phase.
     Accepted { seq: u64, phase: u32 },
-    /// Sender: a peer advertisement was rejected; `sender_phase` is the phase afterwards.
+    /// Sender: a peer advertisement was rejected; `sender_seq` is the sender's position when it judged it,
+    /// `sender_phase` its phase afterwards.
     Rejected {
         seq: u64,
         phase: u32,
+        sender_seq: u64,
         sender_phase: u32,
     },
     /// Sender: a direct transfer (into the advertisement of `advert_seq`, `advert_phase`).
@@ -199,6 +201,10 @@ struct Rx {
     eof: bool,
     /// Receives that failed while still exposed; their event waits for the release of the endpoint.
     retired: Vec<(Box<dyn Exposure>, OpToken, OpError)>,
+    /// Window updates may wait for the acknowledgment delay (an advertisement in the meantime carries them).
+    defer_windows: bool,
+    /// A window update is due and waits (see `maybe_window`).
+    window_deferred: bool,
 }
 
 #[derive(Debug)]
@@ -244,12 +250,19 @@ fn ring_fits(addr: u64, len: u64) -> Result<(), String> {
 /// Bytes copied from the stream buffer per step (a bounce buffer on the stack).
 const COPY_CHUNK: usize = 64 * 1024;
 
+/// How long space consumed in an even phase waits for the application's next receive, so that its advertisement
+/// reaches a blocked sender before the space does (see `StreamProto::maybe_window`). Long enough for an
+/// application to repost on a loaded machine; it only ever delays a sender whose receiver has read what it had
+/// and posted nothing since.
+pub(crate) const WINDOW_HOLD: std::time::Duration = std::time::Duration::from_millis(5);
+
 impl StreamProto {
     pub(crate) fn new(
         setup: StreamSetup,
         peer: &Handshake,
         opts: &SocketOptions,
         limits: Limits,
+        defer_windows: bool,
     ) -> Result<Self, Violation> {
         if peer.stream_len < 64 {
             return Err(Violation::Handshake(format!(
@@ -281,6 +294,8 @@ impl StreamProto {
                 next_advert: 1,
                 eof: false,
                 retired: Vec::new(),
+                defer_windows,
+                window_deferred: false,
             },
             tx: Tx {
                 sends: VecDeque::new(),
@@ -432,9 +447,11 @@ impl StreamProto {
             }
             self.stats.adverts_rejected += 1;
             let sender_phase = self.tx.phase;
+            let sender_seq = self.tx.seq;
             self.record(StreamTrace::Rejected {
                 seq: aseq,
                 phase: aphase,
+                sender_seq,
                 sender_phase,
             });
         }
@@ -651,18 +668,12 @@ impl StreamProto {
             waitall: flags.contains(MsgFlags::WAITALL),
             counted: None,
         });
-        self.drain_ring(link)?;
+        self.drain()?;
         if self.rx.eof && self.rx.tail == self.rx.head {
             self.finish_eof();
         }
+        // The advertisement first: it carries the consumption (see `maybe_window`).
         self.advertise(link);
-        Ok(())
-    }
-
-    /// Copies what the stream buffer holds into the receives at the head of the queue, then reports consumption
-    /// if the sender needs to know.
-    fn drain_ring(&mut self, link: &mut Link) -> Result<(), Violation> {
-        self.drain()?;
         self.maybe_window(link);
         Ok(())
     }
@@ -746,6 +757,16 @@ impl StreamProto {
             let est = if r.waitall { remaining } else { 1 };
             let base = r.exposure.remote();
             let seq = self.rx.src_seqno + r.filled as u64;
+            // The advertisement carries what we consumed, unless the sender's view of the buffer is half full
+            // or more: then it may be blocked on space, and the space waits for the window update so that it
+            // cannot overtake the receives (see `maybe_window`). With more than half free, it is not blocked and
+            // the space changes nothing.
+            let consumed = if self.window_due() {
+                self.rx.reported
+            } else {
+                self.rx.head
+            };
+            self.rx.reported = consumed;
             let advert = StreamAdvert {
                 addr: base.addr + r.filled as u64,
                 rkey: base.key,
@@ -753,13 +774,12 @@ impl StreamProto {
                 seq,
                 phase: self.rx.phase,
                 waitall: r.waitall,
-                consumed: self.rx.head,
+                consumed,
             };
             let filled = r.filled as u64;
             self.rx.recvs[i].counted = Some(filled + est);
             self.rx.src_seqno += filled + est;
             self.rx.outstanding += 1;
-            self.rx.reported = self.rx.head;
             let id = self.rx.next_advert;
             self.rx.next_advert += 1;
             self.stats.adverts_sent += 1;
@@ -774,20 +794,67 @@ impl StreamProto {
         }
     }
 
-    /// Reports consumption when the sender's view of the buffer is at least half full (see module docs).
-    fn maybe_window(&mut self, link: &mut Link) {
+    /// Whether the sender should hear of consumed space: its view of the buffer is at least half full and we
+    /// consumed since the last report (see module docs).
+    fn window_due(&self) -> bool {
         let unreported = self.rx.head - self.rx.reported;
         let seen_used = self.rx.tail - self.rx.reported;
-        if unreported > 0 && seen_used * 2 >= self.rx.ring_len {
-            self.rx.reported = self.rx.head;
-            self.stats.window_updates += 1;
-            link.push_ctrl(
-                Body::StreamWindow {
-                    consumed: self.rx.head,
-                },
-                None,
-                None,
-            );
+        unreported > 0 && seen_used * 2 >= self.rx.ring_len
+    }
+
+    /// Reports consumed space, after any advertisement of this round; in an even phase (when receives may still
+    /// be advertised), only once every advertised receive is filled and [`WINDOW_HOLD`] has passed with no new
+    /// one.
+    ///
+    /// Issue 14: a window update sent ahead of an advertisement let a sender blocked on a full buffer spend the
+    /// space on one more indirect transfer, so the advertisement's exact sequence number (seed 001 Figure 5) was
+    /// stale on arrival and every later byte went through the buffer; the same when the application reposted its
+    /// receive just after the update left, or when the sender used up the first of several advertisements before
+    /// the next arrived. Held back, the space cannot overtake the receives the
+    /// application posts meanwhile: the blocked sender, still at the advertised sequence number, accepts the
+    /// first and takes the rest in order. In an odd phase the receiver advertises nothing, so space goes at once.
+    fn maybe_window(&mut self, link: &mut Link) {
+        if !self.window_due() {
+            self.rx.window_deferred = false;
+        } else if self.rx.defer_windows && self.rx.phase % 2 == 0 {
+            self.rx.window_deferred = true;
+        } else {
+            self.send_window(link);
+        }
+    }
+
+    fn send_window(&mut self, link: &mut Link) {
+        self.rx.window_deferred = false;
+        self.rx.reported = self.rx.head;
+        self.stats.window_updates += 1;
+        link.push_ctrl(
+            Body::StreamWindow {
+                consumed: self.rx.head,
+            },
+            None,
+            None,
+        );
+    }
+
+    /// Whether held-back space is held for advertisements: in an even phase with receives advertised and not yet
+    /// filled, the sender is meant to use those; it gets the space once they are (or at once if it goes indirect,
+    /// which moves us to an odd phase).
+    fn held_for_adverts(&self) -> bool {
+        self.rx.phase % 2 == 0 && self.rx.outstanding > 0
+    }
+
+    /// A window update waits (the engine arms a timer of [`WINDOW_HOLD`], then calls
+    /// [`StreamProto::force_window`]); no timer while advertised receives hold it (see `held_for_adverts`).
+    pub(crate) fn window_waiting(&self) -> bool {
+        self.rx.window_deferred && self.window_due() && !self.held_for_adverts()
+    }
+
+    /// The hold expired: report consumption now, unless advertised receives hold it.
+    pub(crate) fn force_window(&mut self, link: &mut Link) {
+        if !self.window_due() {
+            self.rx.window_deferred = false;
+        } else if !self.held_for_adverts() {
+            self.send_window(link);
         }
     }
 
@@ -833,7 +900,7 @@ impl StreamProto {
                     let phase = self.rx.phase;
                     self.record(StreamTrace::ReceiverPhase { phase });
                 }
-                self.drain_ring(link)?;
+                self.drain()?;
             }
         }
         // "... until it has flushed all previous advertisements (by receiving indirect transfers), at which point
@@ -844,6 +911,7 @@ impl StreamProto {
             self.record(StreamTrace::ReceiverPhase { phase });
         }
         self.advertise(link);
+        self.maybe_window(link);
         Ok(())
     }
 

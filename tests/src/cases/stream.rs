@@ -17,6 +17,22 @@ pub fn cases() -> Vec<Case> {
         c("stream_mixed_direct_and_indirect", mixed),
         c("stream_small_buffer_many_small_writes", small_writes),
         c("stream_close_delivers_then_eof", close_eof),
+        c(
+            "direct_transfers_resume_after_the_sender_blocked_on_a_full_buffer",
+            resume_one,
+        ),
+        c(
+            "direct_transfers_resume_after_a_block_with_several_receives",
+            resume_several,
+        ),
+        c(
+            "direct_transfers_resume_after_a_block_with_waitall",
+            resume_waitall,
+        ),
+        c(
+            "direct_transfers_resume_after_a_block_in_both_directions",
+            resume_both_ways,
+        ),
     ]
 }
 
@@ -182,5 +198,179 @@ fn close_eof(b: &dyn Backend) -> Result<(), String> {
         ev.is_ok() && ev.flags.eof && ev.bytes == 0,
         "end of stream: {ev:?}"
     );
+    Ok(())
+}
+
+// -----------------------------------------------------------------------------------------------------------------
+// Issue 14: direct transfers resume after the sender blocked on a full stream buffer (seed 001 Figure 5 while the
+// sender is flow-controlled).
+
+/// How the receiver takes the rest once the sender is blocked.
+#[derive(Clone, Copy, Debug)]
+enum Resume {
+    /// One receive larger than what remains, reposted until everything arrived.
+    One,
+    /// Eight receives of a quarter of the total each, posted at once, reposted as they complete.
+    Several,
+    /// One MSG_WAITALL receive of everything left.
+    WaitAll,
+}
+
+const RESUME_RING: u32 = 64 * 1024;
+const RESUME_TOTAL: usize = 2 << 20;
+
+fn resume_one(b: &dyn Backend) -> Result<(), String> {
+    resume(b, Resume::One, false)
+}
+fn resume_several(b: &dyn Backend) -> Result<(), String> {
+    resume(b, Resume::Several, false)
+}
+fn resume_waitall(b: &dyn Backend) -> Result<(), String> {
+    resume(b, Resume::WaitAll, false)
+}
+fn resume_both_ways(b: &dyn Backend) -> Result<(), String> {
+    resume(b, Resume::One, true)
+}
+
+/// Waits until `sock` has written a full stream buffer and stalls for space; returns the bytes it wrote indirectly.
+fn wait_blocked(sock: &exs::Socket) -> Result<u64, String> {
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let st = sock.stats().ok_or("stats")?.stream;
+        if st.indirect_bytes >= u64::from(RESUME_RING) && st.space_stalls > 0 {
+            // Let anything in flight land: the sender is blocked when its count stops moving.
+            std::thread::sleep(std::time::Duration::from_millis(30));
+            let again = sock.stats().ok_or("stats")?.stream;
+            if again.indirect_bytes == st.indirect_bytes {
+                return Ok(st.indirect_bytes);
+            }
+        }
+        ensure!(
+            std::time::Instant::now() < until,
+            "the sender never filled the stream buffer: {st:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+}
+
+/// Receives `total` bytes on `sock` as `how` says; send completions on the same queue are counted, not kept.
+fn receive_resumed(
+    ctx: &exs::Context,
+    sock: &exs::Socket,
+    eq: &exs::EventQueue,
+    total: usize,
+    how: Resume,
+) -> Result<(Vec<u8>, usize), String> {
+    let buf = MemoryRegion::alloc(ctx, 8 * total).map_err(|e| e.to_string())?;
+    let mut got = Vec::with_capacity(total);
+    let mut sends_done = 0;
+    // Receives in flight: (offset in buf, length), in posting order.
+    let mut posted = std::collections::VecDeque::new();
+    let mut next_slot = 0usize;
+    let mut claimed = 0usize;
+    while got.len() < total {
+        let want = match how {
+            Resume::One | Resume::WaitAll => 1,
+            Resume::Several => 8,
+        };
+        while posted.len() < want && claimed < total {
+            let left = total - claimed;
+            let (len, flags) = match how {
+                Resume::One => (total, MsgFlags::NONE),
+                Resume::Several => (total.div_ceil(4), MsgFlags::NONE),
+                Resume::WaitAll => (left, MsgFlags::WAITALL),
+            };
+            let at = (next_slot % 8) * total;
+            next_slot += 1;
+            sock.recv(eq, &buf.slice(at..at + len), flags, 7)
+                .map_err(|e| e.to_string())?;
+            posted.push_back((at, len));
+            // A non-WAITALL receive may take as little as one byte: claim conservatively.
+            claimed += if flags.contains(MsgFlags::WAITALL) { len } else { 1 };
+        }
+        let ev = next(eq)?;
+        if ev.kind == EventKind::Send {
+            ensure!(ev.is_ok(), "send: {ev:?}");
+            sends_done += 1;
+            continue;
+        }
+        ensure!(
+            ev.kind == EventKind::Recv && ev.is_ok() && ev.bytes >= 1,
+            "receive: {ev:?}"
+        );
+        let (at, len) = posted.pop_front().ok_or("a receive event with none posted")?;
+        ensure!(ev.bytes <= len, "receive of {len} returned {}", ev.bytes);
+        let mut b = vec![0u8; ev.bytes];
+        buf.read(at, &mut b).map_err(|e| e.to_string())?;
+        got.extend_from_slice(&b);
+        claimed = got.len() + posted.len();
+    }
+    // Receives posted beyond the end stay posted; the pair is torn down after.
+    Ok((got, sends_done))
+}
+
+fn resume(b: &dyn Backend, how: Resume, both_ways: bool) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(
+        &*net,
+        SockType::Stream,
+        &[SocketOption::StreamBufferSize(RESUME_RING)],
+    )?;
+    let data_a = pattern(RESUME_TOTAL, 41);
+    let data_b = pattern(RESUME_TOTAL, 42);
+    let src_a = p.region_a(data_a.clone())?;
+    p.client
+        .send(&p.eq_a, &src_a.all(), MsgFlags::NONE, 1)
+        .map_err(|e| e.to_string())?;
+    let src_b = MemoryRegion::from_vec(&p.b, data_b.clone()).map_err(|e| e.to_string())?;
+    if both_ways {
+        p.server
+            .send(&p.eq_b, &src_b.all(), MsgFlags::NONE, 1)
+            .map_err(|e| e.to_string())?;
+    }
+    let ring_a = wait_blocked(&p.client)?;
+    let ring_b = if both_ways {
+        wait_blocked(&p.server)?
+    } else {
+        0
+    };
+    let before_a = p.client.stats().ok_or("stats")?.stream;
+    let before_b = p.server.stats().ok_or("stats")?.stream;
+    let (got_b, got_a) = std::thread::scope(|s| {
+        let at_b = s.spawn(|| receive_resumed(&p.b, &p.server, &p.eq_b, RESUME_TOTAL, how));
+        let at_a = both_ways.then(|| {
+            s.spawn(|| receive_resumed(&p.a, &p.client, &p.eq_a, RESUME_TOTAL, how))
+        });
+        (
+            at_b.join().expect("receiver thread"),
+            at_a.map(|h| h.join().expect("receiver thread")),
+        )
+    });
+    let (got_b, sends_b) = got_b?;
+    same(&got_b, &data_a, "client to server")?;
+    let mut report = Vec::new();
+    let mut check = |who: &str, sock: &exs::Socket, before: exs::proto::stream::StreamStats, ring: u64| -> Result<(), String> {
+        let after = sock.stats().ok_or("stats")?.stream;
+        let remaining = RESUME_TOTAL as u64 - ring;
+        let direct = after.direct_bytes - before.direct_bytes;
+        report.push(format!(
+            "{who}: {direct} of the {remaining} bytes left after the block went direct ({:.0}%), {} adverts rejected",
+            100.0 * direct as f64 / remaining as f64,
+            after.adverts_rejected
+        ));
+        ensure!(
+            direct * 10 >= remaining * 9,
+            "{how:?}: only {direct} of the {remaining} bytes sent after the sender blocked went direct: {after:?}"
+        );
+        Ok(())
+    };
+    check("client", &p.client, before_a, ring_a)?;
+    if let Some(r) = got_a {
+        let (got_a, sends_a) = r?;
+        same(&got_a, &data_b, "server to client")?;
+        check("server", &p.server, before_b, ring_b)?;
+        ensure!(sends_a + sends_b <= 2, "too many send events");
+    }
+    eprintln!("direct share after the block, {how:?} (both ways: {both_ways}): {}", report.join("; "));
     Ok(())
 }

@@ -375,6 +375,36 @@ impl DmaBuf {
         Ok(())
     }
 
+    /// Copies `len` bytes from `offset` in this buffer straight into `dst` at `dst_offset` (one copy, no bounce
+    /// buffer): how a receiver takes bytes out of a ring the peer's device writes into the receive the
+    /// application posted. Allowed alongside shared device writers of the source (their bytes are loaded
+    /// atomically), refused if `dst` cannot be written or either range is out of bounds.
+    pub fn copy_into(
+        &self,
+        offset: usize,
+        dst: &mut Lease,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), DmaError> {
+        if !dst.kind.writes() {
+            return Err(DmaError::WrongKind {
+                kind: dst.kind,
+                access: "writing",
+            });
+        }
+        let d = dst.check(dst_offset, len)?;
+        let range = offset..offset.saturating_add(len);
+        let id = self.acquire(range.clone(), LeaseKind::CpuRead, Some(CpuMode::Copy))?;
+        let racy = self.racy(&range);
+        // SAFETY: the source range is in bounds (acquire) and leased CpuRead, so no Rust code writes it except
+        // shared device leases, whose accesses are atomic (`racy`); the destination is in bounds (check) and
+        // leased for writing by `dst`. They do not overlap: the table refuses a CpuRead next to an exclusive
+        // device write of the same bytes, and a shared destination makes both sides atomic.
+        unsafe { copy(self.ptr.as_ptr().add(offset), d, len, racy, dst.kind.shared()) };
+        self.release(id);
+        Ok(())
+    }
+
     /// Borrows a range for reading. Refused while a device may write it.
     pub fn with_slice<R>(
         self: &Arc<Self>,
@@ -638,6 +668,7 @@ unsafe fn load(src: *const u8, dst: &mut [u8], racy: bool) {
         unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
         return;
     }
+    // Byte-sized atomic loads, like every racy access here (mixing access sizes on racing bytes is not defined).
     for (i, d) in dst.iter_mut().enumerate() {
         // SAFETY: in bounds per caller; AtomicU8 has the layout of u8 and any address is aligned for it.
         *d = unsafe { &*(src.add(i) as *const AtomicU8) }.load(Ordering::Relaxed);
@@ -661,33 +692,70 @@ unsafe fn store(dst: *mut u8, src: &[u8], racy: bool) {
     }
 }
 
-/// Copies `len` bytes between two leased ranges.
+/// Copies `len` bytes between two leased ranges, once: only when both sides are shared does it go through a
+/// bounce buffer.
 ///
 /// # Safety
 /// Both pointers are valid for `len` bytes; they do not overlap unless both are racy; racy sides are only accessed
 /// atomically by everyone.
 unsafe fn copy(src: *const u8, dst: *mut u8, len: usize, src_racy: bool, dst_racy: bool) {
-    if !src_racy && !dst_racy {
-        // SAFETY: per caller, valid, non-overlapping, and not concurrently accessed.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
-        return;
-    }
-    let mut bounce = [0u8; 4096];
-    let mut done = 0;
-    while done < len {
-        let n = (len - done).min(bounce.len());
-        // SAFETY: sub-ranges of the caller's valid ranges; the bounce buffer is a local.
-        unsafe {
-            load(src.add(done), &mut bounce[..n], src_racy);
-            store(dst.add(done), &bounce[..n], dst_racy);
+    match (src_racy, dst_racy) {
+        (false, false) => {
+            // SAFETY: per caller, valid, non-overlapping, and not concurrently accessed.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
         }
-        done += n;
+        (true, false) => {
+            // SAFETY: `dst` is not racy, so nothing else accesses it: a unique slice over it is sound.
+            let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
+            // SAFETY: `src` valid for `len`; its concurrent writers are atomic.
+            unsafe { load(src, d, true) };
+        }
+        (false, true) => {
+            // SAFETY: `src` is not racy, so nobody writes it while this shared slice lives.
+            let s = unsafe { std::slice::from_raw_parts(src, len) };
+            // SAFETY: `dst` valid for `len`; its concurrent users are atomic.
+            unsafe { store(dst, s, true) };
+        }
+        (true, true) => {
+            let mut bounce = [0u8; 4096];
+            let mut done = 0;
+            while done < len {
+                let n = (len - done).min(bounce.len());
+                // SAFETY: sub-ranges of the caller's valid ranges; the bounce buffer is a local.
+                unsafe {
+                    load(src.add(done), &mut bounce[..n], true);
+                    store(dst.add(done), &bounce[..n], true);
+                }
+                done += n;
+            }
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn copy_into_moves_bytes_from_a_shared_device_range_in_one_copy() {
+        let src = Arc::new(DmaBuf::from_vec((0..=255u8).cycle().take(10_000).collect()));
+        // The ring's own lease: a device may write any of it at any time.
+        let _ring = src.lease(0..10_000, LeaseKind::DeviceWriteShared).unwrap();
+        let dst = Arc::new(DmaBuf::new(10_000));
+        let mut recv = dst.lease(100..9_100, LeaseKind::DeviceWrite).unwrap();
+        src.copy_into(5_000, &mut recv, 10, 4_000).unwrap();
+        drop(recv);
+        let mut out = vec![0u8; 4_000];
+        dst.read_at(110, &mut out).unwrap();
+        let want: Vec<u8> = (0..=255u8).cycle().skip(5_000 % 256).take(4_000).collect();
+        assert_eq!(out, want);
+        let read_only = dst.lease(0..10, LeaseKind::DeviceRead).unwrap();
+        let mut ro = read_only;
+        assert!(src.copy_into(0, &mut ro, 0, 10).is_err(), "a read lease is not a destination");
+        let mut small = dst.lease(20..30, LeaseKind::DeviceWrite).unwrap();
+        assert!(src.copy_into(0, &mut small, 5, 10).is_err(), "out of the destination's bounds");
+        assert!(src.copy_into(9_995, &mut small, 0, 10).is_err(), "out of the source's bounds");
+    }
 
     #[test]
     fn new_buffer_is_zeroed_and_page_aligned() {

@@ -127,6 +127,15 @@ pub trait Exposure: Send + fmt::Debug {
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError>;
     /// Copies bytes into the exposed range at `offset` (the range must be exposed for remote write).
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError>;
+    /// Copies `len` bytes of `src` from `src_offset` (memory this side reads, such as its stream buffer) into the
+    /// exposed range at `offset`: one copy, no bounce buffer (the range must be exposed for remote write).
+    fn fill_from(
+        &mut self,
+        offset: usize,
+        src: &DmaBuf,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), TransportError>;
     /// Length of the exposed range.
     fn len(&self) -> usize;
     /// Whether the exposed range is empty.
@@ -187,6 +196,16 @@ impl<R: Revoke> Exposure for KeyedLease<R> {
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
         self.lease
             .write(offset, src)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn fill_from(
+        &mut self,
+        offset: usize,
+        src: &DmaBuf,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), TransportError> {
+        src.copy_into(src_offset, &mut self.lease, offset, len)
             .map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn len(&self) -> usize {

@@ -211,3 +211,24 @@ fn stream_buffer_key_follows_the_handshake_where_keys_bind_after_connect() {
     let st = p.client.stats().unwrap().stream;
     assert!(st.indirect_sent > 0, "{st:?}");
 }
+
+#[test]
+fn an_indirect_byte_is_copied_once_and_a_direct_byte_never() {
+    // Issue 14: indirect bytes went ring -> bounce buffer -> receive (two copies, an allocation per drain).
+    let p = stream_pair(&[SocketOption::StreamBufferSize(64 * 1024)]);
+    let data = pattern(200_000, 9);
+    let src = p.client_region(data.clone());
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    let got = read_all(&p, 200_000, 50_000, MsgFlags::NONE);
+    assert_bytes_eq(&got, &data, "stream");
+    let tx = p.client.stats().unwrap().stream;
+    let rx = p.server.stats().unwrap().stream;
+    assert_eq!(tx.direct_bytes + tx.indirect_bytes, 200_000);
+    assert!(tx.indirect_bytes > 0, "{tx:?}");
+    assert_eq!(
+        rx.copied_bytes, tx.indirect_bytes,
+        "each indirect byte copied once, no direct byte copied: {rx:?} {tx:?}"
+    );
+}

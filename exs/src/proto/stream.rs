@@ -79,6 +79,8 @@ pub struct StreamStats {
     pub window_updates: u64,
     /// Times the sender waited for stream-buffer space.
     pub space_stalls: u64,
+    /// Receiver: bytes copied out of the stream buffer into receives (once each; direct bytes are not copied).
+    pub copied_bytes: u64,
 }
 
 /// One protocol decision, recorded when tracing is on (tests rebuild the seed's figures from these).
@@ -182,7 +184,7 @@ struct Rx {
     /// the connection is up where keys bind only then; the peer cannot write before it has the key.
     ring: Option<Box<dyn Exposure>>,
     /// Kept alive with the exposure.
-    _buf: Arc<DmaBuf>,
+    buf: Arc<DmaBuf>,
     _reg: Arc<dyn Registration>,
     ring_len: u64,
     /// Bytes copied out of the stream buffer (cumulative).
@@ -247,9 +249,6 @@ fn ring_fits(addr: u64, len: u64) -> Result<(), String> {
     }
 }
 
-/// Bytes copied from the stream buffer per step (a bounce buffer on the stack).
-const COPY_CHUNK: usize = 64 * 1024;
-
 /// How long space consumed in an even phase waits for the application's next receive, so that its advertisement
 /// reaches a blocked sender before the space does (see `StreamProto::maybe_window`). Long enough for an
 /// application to repost on a loaded machine; it only ever delays a sender whose receiver has read what it had
@@ -281,7 +280,7 @@ impl StreamProto {
         Ok(StreamProto {
             rx: Rx {
                 ring,
-                _buf: buf,
+                buf,
                 _reg: reg,
                 ring_len: len as u64,
                 head: 0,
@@ -344,7 +343,7 @@ impl StreamProto {
         self.rx
             .ring
             .is_none()
-            .then(|| (Arc::clone(&self.rx._buf), Arc::clone(&self.rx._reg)))
+            .then(|| (Arc::clone(&self.rx.buf), Arc::clone(&self.rx._reg)))
     }
 
     /// The peer's STREAM_RING: its stream buffer's address and key, once (only when the handshake carried none).
@@ -678,8 +677,15 @@ impl StreamProto {
         Ok(())
     }
 
+    /// Copies what the stream buffer holds into the receives at the head of the queue: one copy per byte, from
+    /// the ring straight into the posted receive, no allocation (issue 14: it went through a bounce buffer
+    /// allocated on every drain).
     fn drain(&mut self) -> Result<(), Violation> {
-        let mut bounce = vec![0u8; COPY_CHUNK.min(self.rx.ring_len as usize)];
+        if self.rx.tail > self.rx.head && self.rx.ring.is_none() {
+            return Err(Violation::Stream(
+                "stream data before the stream buffer was exposed".into(),
+            ));
+        }
         while self.rx.tail > self.rx.head {
             let Some(r) = self.rx.recvs.front_mut() else {
                 break;
@@ -688,24 +694,15 @@ impl StreamProto {
             let mut done = 0;
             while done < want {
                 let at = ((self.rx.head + done as u64) % self.rx.ring_len) as usize;
-                let n = (want - done)
-                    .min(self.rx.ring_len as usize - at)
-                    .min(bounce.len());
-                self.rx
-                    .ring
-                    .as_ref()
-                    .ok_or_else(|| {
-                        Violation::Stream("stream data before the stream buffer was exposed".into())
-                    })?
-                    .read(at, &mut bounce[..n])
-                    .map_err(|e| Violation::BadRange(e.to_string()))?;
+                let n = (want - done).min(self.rx.ring_len as usize - at);
                 r.exposure
-                    .write(r.filled + done, &bounce[..n])
+                    .fill_from(r.filled + done, &self.rx.buf, at, n)
                     .map_err(|e| Violation::BadRange(e.to_string()))?;
                 done += n;
             }
             r.filled += want;
             self.rx.head += want as u64;
+            self.stats.copied_bytes += want as u64;
             if !r.waitall || r.filled == r.len {
                 self.complete_front();
             }

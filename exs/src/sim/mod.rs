@@ -744,6 +744,22 @@ impl Exposure for SimExposure {
             .write(offset, src)
             .map_err(|e| TransportError::Invalid(e.to_string()))
     }
+    fn fill_from(
+        &mut self,
+        offset: usize,
+        src: &DmaBuf,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), TransportError> {
+        let net = self.net.upgrade().ok_or(TransportError::NoEndpoint)?;
+        let mut n = lock(&net);
+        let e = n
+            .keys
+            .get_mut(&self.key)
+            .ok_or(TransportError::NoEndpoint)?;
+        src.copy_into(src_offset, &mut e.lease, offset, len)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
     fn len(&self) -> usize {
         self.len
     }

@@ -426,12 +426,16 @@ impl Engine {
         for (_, sid, kind) in &due {
             match kind {
                 TimerKind::Linger => {
-                    if self
+                    if let Some(s) = self
                         .sockets
-                        .get(sid)
-                        .is_some_and(|s| s.phase == Phase::Closing)
+                        .get_mut(sid)
+                        .filter(|s| s.phase == Phase::Closing)
                     {
                         tracing::debug!(?sid, "linger expired, disconnecting");
+                        // Sends still going are ended: `Aborted` where part may have reached the peer.
+                        if let Some(conn) = s.conn.as_mut() {
+                            conn.fail(OpError::Cancelled);
+                        }
                         self.disconnect(*sid);
                     }
                 }
@@ -496,7 +500,7 @@ impl Engine {
         let flushed = conn.flush(&mut posts);
         let ep = conn.ep;
         let stream = conn.sock_type == SockType::Stream;
-        let closing_done = sock.phase == Phase::Closing && conn.sends_drained();
+        let closing_done = sock.phase == Phase::Closing && conn.close_sent() && conn.sends_drained();
         self.post_all(sid, ep, &mut posts);
         self.posts = posts;
         let delayed_ack = match flushed {
@@ -1668,12 +1672,13 @@ impl Engine {
             Phase::Open => {
                 s.down = Some(OpError::Cancelled);
                 let conn = s.conn.as_mut().expect("open sockets have a connection");
-                // "Closing a socket completes every pending operation with a cancelled status."
-                conn.fail(OpError::Cancelled);
                 if s.peer_full_close {
+                    conn.fail(OpError::Cancelled);
                     self.disconnect(sid);
                 } else {
-                    conn.queue_close(CloseReason::Close);
+                    // Graceful, like TCP's close (issue 14): pending receives are cancelled, sends already posted
+                    // complete and reach the peer before its end-of-stream, within the linger time.
+                    conn.close_gracefully();
                     s.phase = Phase::Closing;
                     let at = self.clock.now() + self.linger;
                     self.timers.push((at, sid, TimerKind::Linger));

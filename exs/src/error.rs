@@ -79,9 +79,13 @@ pub enum Violation {
 /// How an asynchronous operation ended, when it did not succeed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum OpError {
-    /// The operation was cancelled by a local close.
+    /// The operation was cancelled by a local close or abort before any of it reached the peer.
     #[error("cancelled by close")]
     Cancelled,
+    /// A local abort (or a close whose linger time ran out) ended this send after part of it had been handed to
+    /// the transport: the peer may have received some of it.
+    #[error("aborted by a local close after part of it may have reached the peer")]
+    Aborted,
     /// The peer closed the connection before this operation completed.
     #[error("the peer closed the connection")]
     PeerClosed,
@@ -129,7 +133,7 @@ impl OpError {
     /// Whose fault it is.
     pub fn blame(&self) -> Blame {
         match self {
-            OpError::Cancelled => Blame::Local,
+            OpError::Cancelled | OpError::Aborted => Blame::Local,
             OpError::PeerClosed
             | OpError::ConnectionReset
             | OpError::PeerMisbehaved(_)
@@ -143,6 +147,7 @@ impl OpError {
     pub fn io_kind(&self) -> io::ErrorKind {
         match self {
             OpError::Cancelled => io::ErrorKind::Interrupted,
+            OpError::Aborted => io::ErrorKind::ConnectionAborted,
             OpError::PeerClosed => io::ErrorKind::BrokenPipe,
             OpError::ConnectionReset => io::ErrorKind::ConnectionReset,
             OpError::PeerMisbehaved(_) => io::ErrorKind::InvalidData,
@@ -151,6 +156,15 @@ impl OpError {
             OpError::Unreachable => io::ErrorKind::HostUnreachable,
             OpError::Transport(e) => e.io_kind(),
             OpError::PersistentEnded => io::ErrorKind::NotFound,
+        }
+    }
+
+    /// The error for an operation part of which may have reached the peer (`started`): a local cancellation
+    /// becomes [`OpError::Aborted`], so no operation is reported `Cancelled` for bytes the peer received.
+    pub(crate) fn once_started(self, started: bool) -> OpError {
+        match self {
+            OpError::Cancelled if started => OpError::Aborted,
+            other => other,
         }
     }
 }

@@ -232,8 +232,9 @@ impl Socket {
         })
     }
 
-    /// Abortive close: pending operations complete as cancelled and the connection is torn down at once, without
-    /// the orderly close (the peer sees the connection reset, as with `SO_LINGER` 0).
+    /// Abortive close: pending operations end at once and the connection is torn down without the orderly close
+    /// (the peer sees the connection reset, as with `SO_LINGER` 0). A send part of which was handed to the
+    /// transport ends `Aborted` (the peer may have some of it), any other operation `Cancelled`.
     pub fn abort(&self) -> Result<(), CloseError> {
         if self.h.closed.swap(true, Ordering::SeqCst) {
             return Err(StateError::InvalidSocket.into());
@@ -303,8 +304,11 @@ impl Socket {
         })
     }
 
-    /// Closes the socket (ES-API `exs_close`): every pending operation completes as cancelled, the peer is told,
-    /// and the connection is torn down in the background. Closing twice is an error.
+    /// Closes the socket (ES-API `exs_close`), gracefully like TCP's `close()`: pending receives complete as
+    /// `Cancelled`; sends already posted go on, reach the peer and complete `Ok`, then the peer sees end-of-stream
+    /// (persistent operations end as [`Socket::end_persistent`] ends them). Whatever is still going when the
+    /// context's linger time runs out ends `Aborted` (part may have reached the peer) or `Cancelled` (none did),
+    /// and the connection is torn down. [`Socket::abort`] ends everything at once. Closing twice is an error.
     pub fn close(&self) -> Result<(), CloseError> {
         if self.h.closed.swap(true, Ordering::SeqCst) {
             return Err(StateError::InvalidSocket.into());

@@ -73,6 +73,8 @@ pub(crate) struct Conn {
     /// Stream mode: our intermediate stream buffer, exposed for the peer to write (held for the connection's life).
     pub stream_setup: Option<StreamSetup>,
     pub close_queued: bool,
+    /// A graceful close waits for the sends before its CLOSE.
+    closing: bool,
     /// A write shutdown: its ticket, and whether its CLOSE(ShutdownWrite) is queued.
     shutdown: Option<(crate::proto::op::OpToken, bool)>,
 }
@@ -95,6 +97,7 @@ impl Conn {
             limits,
             stream_setup,
             close_queued: false,
+            closing: false,
             shutdown: None,
         }
     }
@@ -209,18 +212,52 @@ impl Conn {
         }
     }
 
-    /// Queues CLOSE (once).
+    /// Queues CLOSE (once): after everything already queued for an orderly close, ahead of it for a violation.
+    /// Nothing is posted after it (see [`Link::flush`]).
     pub(crate) fn queue_close(&mut self, reason: CloseReason) {
         if !self.close_queued {
             self.close_queued = true;
-            self.link.push_urgent(Body::Close(reason));
+            match reason {
+                CloseReason::Violation => self.link.push_urgent(Body::Close(reason)),
+                _ => self.link.push_ctrl(Body::Close(reason), None, None),
+            }
         }
+    }
+
+    /// Closes like TCP's `close()`: receives are cancelled; sends already posted go on and complete; CLOSE
+    /// follows once every one of them has completed, so the peer gets every byte, then end-of-stream (issue 14:
+    /// close was abortive, and its CLOSE could overtake writes waiting for credits).
+    /// Persistent operations end as [`Conn::end_persistent`] ends them, and CLOSE waits for those too.
+    pub(crate) fn close_gracefully(&mut self) {
+        self.cancel_receives(OpError::Cancelled);
+        if let Some(Mode::Message(m)) = &mut self.mode {
+            m.end_persistent(&mut self.link);
+        }
+        self.closing = true;
+        self.advance_close();
+    }
+
+    fn advance_close(&mut self) {
+        let done = match &self.mode {
+            Some(Mode::Message(m)) => m.sends_done_all(),
+            Some(Mode::Stream(s)) => s.sends_done(),
+            None => true,
+        };
+        if self.closing && done {
+            self.queue_close(CloseReason::Close);
+        }
+    }
+
+    /// Whether the final CLOSE has been posted.
+    pub(crate) fn close_sent(&self) -> bool {
+        self.link.is_closed()
     }
 
     /// Posts what can go now. Returns true when an acknowledgment or a stream window update is being delayed (the engine
     /// arms the acknowledgment timer, which calls [`Conn::force_ack`]).
     pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) -> Result<bool, Violation> {
         self.advance_shutdown();
+        self.advance_close();
         match &mut self.mode {
             Some(Mode::Message(m)) => {
                 if m.ack_due() && m.ack_now() {
@@ -481,6 +518,15 @@ impl Conn {
         match &mut self.mode {
             Some(Mode::Message(m)) => m.fail(err),
             Some(Mode::Stream(s)) => s.fail(err),
+            None => {}
+        }
+    }
+
+    /// Fails the receiving side's operations only.
+    fn cancel_receives(&mut self, err: OpError) {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => m.fail_receives(err),
+            Some(Mode::Stream(s)) => s.fail_receives(err),
             None => {}
         }
     }

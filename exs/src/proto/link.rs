@@ -35,7 +35,7 @@ use exs_dma::{DmaBuf, LeaseKind};
 use crate::error::Violation;
 use crate::memory::lease_sge;
 use crate::transport::{Op, Registration, RemoteRef, Sge, WorkRequest};
-use crate::wire::{Body, Kind, Message, WireError, HEADER_LEN};
+use crate::wire::{Body, CloseReason, Kind, Message, WireError, HEADER_LEN};
 
 /// Smallest control window a connection accepts (see the deadlock argument above).
 pub(crate) const MIN_WINDOW: u32 = 4;
@@ -215,6 +215,8 @@ pub(crate) struct Link {
     /// Something was posted since the last keepalive check.
     sent_since_check: bool,
     started: bool,
+    /// The final CLOSE has been posted: nothing more will be.
+    closed: bool,
     pub stats: LinkStats,
 }
 
@@ -272,6 +274,7 @@ impl Link {
             keepalive_queued: false,
             sent_since_check: false,
             started: false,
+            closed: false,
             stats: LinkStats::default(),
         }
     }
@@ -312,9 +315,14 @@ impl Link {
         self.window_out - self.spent
     }
 
-    /// Whether nothing waits to be posted.
+    /// Whether nothing waits to be posted (after the final CLOSE nothing will be).
     pub(crate) fn is_idle(&self) -> bool {
-        self.urgent.is_empty() && self.normal.is_empty() && self.reads.is_empty()
+        self.closed || (self.urgent.is_empty() && self.normal.is_empty() && self.reads.is_empty())
+    }
+
+    /// Whether the final CLOSE has been posted.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed
     }
 
     /// Whether every posted send-side work request has completed.
@@ -371,8 +379,11 @@ impl Link {
 
     /// Posts what resources allow, in order: urgent messages (may use the reserve credit), then the normal
     /// queue (keeps one credit in reserve), and reads up to the read depth.
+    ///
+    /// Once a final CLOSE (not a write shutdown) has been posted, nothing more is: the peer sees nothing after it
+    /// (issue 14: the closing side kept posting writes that had waited for credits).
     pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>, acks: &mut dyn AckSource) {
-        if !self.started {
+        if !self.started || self.closed {
             return;
         }
         for urgent in [true, false] {
@@ -392,14 +403,12 @@ impl Link {
                     self.credit_queued = false;
                     continue;
                 }
-                let need = if self.consumes(front) {
-                    if urgent {
-                        1
-                    } else {
-                        2
-                    }
-                } else {
-                    0
+                // The last credit is kept for urgent messages and CLOSE (the peer frees its slots without us).
+                let reserve_ok = urgent || matches!(front, Outgoing::Ctrl { body: Body::Close(_), .. });
+                let need = match (self.consumes(front), reserve_ok) {
+                    (false, _) => 0,
+                    (true, true) => 1,
+                    (true, false) => 2,
                 };
                 if need > 0 && self.tx_credits() < need {
                     if !urgent {
@@ -429,7 +438,12 @@ impl Link {
                         } else {
                             acks.take_ack(body.kind())
                         };
+                        let last = matches!(body, Body::Close(r) if r != CloseReason::ShutdownWrite);
                         self.post_ctrl(body, inline, notify, ack, out);
+                        if last {
+                            self.closed = true;
+                            return;
+                        }
                     }
                     Outgoing::Data { op, tag } => {
                         let consumes = matches!(op, DataOp::Write { imm: Some(_), .. })

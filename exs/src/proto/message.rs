@@ -302,6 +302,11 @@ impl MessageProto {
         self.unacked.iter().all(|o| o.persistent.is_some()) && self.writes.is_empty()
     }
 
+    /// Every send has completed, persistent ones included.
+    pub(crate) fn sends_done_all(&self) -> bool {
+        self.unacked.is_empty() && self.writes.is_empty() && self.queue.is_empty()
+    }
+
     pub(crate) fn send(&mut self, req: SendReq, link: &mut Link) {
         if req.persistent.is_none() {
             if let (Some(p), SendData::Inline(_)) = (self.peer_precv, &req.data) {
@@ -1125,9 +1130,10 @@ impl MessageProto {
                 t.complete(Err(err.clone()), 0, EventFlags::default());
             }
         }
+        // Their message left: the peer may have it, so never `Cancelled` (issue 14).
         for o in self.unacked.iter_mut() {
             if !o.acked {
-                o.failed.get_or_insert(err.clone());
+                o.failed.get_or_insert(err.clone().once_started(true));
             }
         }
         self.complete_sends();
@@ -1137,6 +1143,11 @@ impl MessageProto {
     /// (or at [`MessageProto::drop_all`]).
     pub(crate) fn fail(&mut self, err: OpError) {
         self.fail_sends(err.clone());
+        self.fail_receives(err);
+    }
+
+    /// Fails the receiving side's operations (a graceful close keeps the sends going).
+    pub(crate) fn fail_receives(&mut self, err: OpError) {
         for r in self.recvs.drain(..) {
             r.ticket
                 .complete(Err(err.clone()), 0, EventFlags::default());

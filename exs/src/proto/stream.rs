@@ -857,6 +857,10 @@ impl StreamProto {
 
     /// A write-with-immediate from the peer arrived (the data is already in place).
     pub(crate) fn on_write_imm(&mut self, imm: u32, link: &mut Link) -> Result<(), Violation> {
+        if self.rx.eof {
+            // Nothing the peer sends after its CLOSE may be delivered (issue 14).
+            return Err(Violation::Stream("stream data after end-of-stream".into()));
+        }
         match Imm::decode(imm) {
             Imm::Direct(n) => {
                 let n = n as usize;
@@ -938,20 +942,28 @@ impl StreamProto {
         }
     }
 
+    /// Fails the sends not yet done. A send part of which was handed to the transport may have reached the peer:
+    /// it is never reported `Cancelled` (issue 14), but `Aborted`.
     fn fail_sends(&mut self, err: OpError) {
         for s in self.tx.sends.iter_mut() {
+            let started = s.in_flight > 0 || s.rest.as_ref().is_none_or(|r| r.len() < s.len);
             s.rest = None;
-            s.failed.get_or_insert(err.clone());
+            s.failed.get_or_insert(err.clone().once_started(started));
         }
         self.complete_sends();
+    }
+
+    /// Fails the receives; exposed ones report when the endpoint is released (the peer may still write them).
+    pub(crate) fn fail_receives(&mut self, err: OpError) {
+        for r in self.rx.recvs.drain(..) {
+            self.rx.retired.push((r.exposure, r.ticket, err.clone()));
+        }
     }
 
     /// Fails every operation; exposed receives report when the endpoint is released.
     pub(crate) fn fail(&mut self, err: OpError) {
         self.fail_sends(err.clone());
-        for r in self.rx.recvs.drain(..) {
-            self.rx.retired.push((r.exposure, r.ticket, err.clone()));
-        }
+        self.fail_receives(err);
     }
 
     /// The endpoint was released: every work request is back; complete everything left.

@@ -25,8 +25,12 @@ pub fn cases() -> Vec<Case> {
         c("seqpacket_truncation", truncation),
         c("seqpacket_both_directions", both_directions),
         c(
-            "seqpacket_close_with_pending_operations",
+            "seqpacket_close_is_graceful_with_pending_operations",
             close_with_pending,
+        ),
+        c(
+            "seqpacket_abort_with_pending_operations",
+            abort_with_pending,
         ),
         c("connect_refused", refused),
     ]
@@ -309,9 +313,8 @@ fn both_directions(b: &dyn Backend) -> Result<(), String> {
     same_regions(&a_in, &b_out, "b to a")
 }
 
-fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
-    let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+/// Four receives and three 50,000-byte sends pending (their adverts reached the peer, which posts nothing yet).
+fn pending_ops(p: &Pair) -> Result<(exs::MemoryRegion, exs::MemoryRegion), String> {
     let ins = exs::MemoryRegion::alloc(&p.a, 4 * 1000).map_err(|e| e.to_string())?;
     for i in 0..4 {
         p.client
@@ -337,26 +340,92 @@ fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
     // Let the adverts reach the peer (which posts no receive), so that close also has to retire exposed keys.
     std::thread::sleep(std::time::Duration::from_millis(20));
     ensure!(p.eq_a.is_empty(), "an operation completed before the close");
+    Ok((ins, outs))
+}
+
+/// Issue 14: close is graceful, like TCP's: the receives are cancelled at once, the sends already posted are
+/// delivered and complete `Ok` once the peer takes them, then the peer sees end-of-stream.
+fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let (ins, _outs) = pending_ops(&p)?;
     p.client.close().map_err(|e| e.to_string())?;
-    let evs = all(&p.eq_a)?;
-    ensure!(evs.len() == 7, "{} events after close", evs.len());
+    let mut evs = Vec::new();
+    for _ in 0..4 {
+        evs.push(next(&p.eq_a)?);
+    }
     ensure!(
-        evs.iter().all(|e| e.status == Err(OpError::Cancelled)),
-        "not all cancelled: {evs:?}"
+        evs.iter()
+            .all(|e| e.kind == EventKind::Recv && e.status == Err(OpError::Cancelled)),
+        "the receives end first, cancelled: {evs:?}"
     );
-    // The peer sees end-of-stream: the closed side's unread messages were cancelled with it.
-    let peer_buf = p.region_b(100)?;
+    let peer_buf = p.region_b(3 * 50_000 + 100)?;
+    for i in 0..3 {
+        p.server
+            .recv(
+                &p.eq_b,
+                &peer_buf.slice(i * 50_000..(i + 1) * 50_000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .map_err(|e| e.to_string())?;
+        let ev = next(&p.eq_b)?;
+        ensure!(ev.is_ok() && ev.bytes == 50_000, "message {i} after the close: {ev:?}");
+    }
+    let mut got = vec![0u8; 3 * 50_000];
+    peer_buf.read(0, &mut got).map_err(|e| e.to_string())?;
+    same(&got, &pattern(3 * 50_000, 1), "messages sent before the close")?;
+    let sends = all(&p.eq_a)?;
+    ensure!(
+        sends.len() == 3 && sends.iter().all(|e| e.kind == EventKind::Send && e.is_ok() && e.bytes == 50_000),
+        "sends posted before a graceful close complete Ok: {sends:?}"
+    );
     p.server
-        .recv(&p.eq_b, &peer_buf.all(), MsgFlags::NONE, 99)
+        .recv(&p.eq_b, &peer_buf.slice(3 * 50_000..3 * 50_000 + 100), MsgFlags::NONE, 99)
         .map_err(|e| e.to_string())?;
     let peer = next(&p.eq_b)?;
     ensure!(
         peer.is_ok() && peer.flags.eof && peer.bytes == 0,
-        "peer receive after the close: {peer:?}"
+        "peer receive after the messages: {peer:?}"
     );
     ensure!(
         ins.deregister().is_ok(),
         "receive buffers still leased after close"
+    );
+    Ok(())
+}
+
+/// `abort()` stays abortive: every pending operation ends at once; sends whose adverts left are `Aborted` (the
+/// peer may have part of them), never `Cancelled`.
+fn abort_with_pending(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let (ins, _outs) = pending_ops(&p)?;
+    p.client.abort().map_err(|e| e.to_string())?;
+    let evs = all(&p.eq_a)?;
+    ensure!(evs.len() == 7, "{} events after abort", evs.len());
+    ensure!(
+        evs.iter().all(|e| match e.kind {
+            EventKind::Recv => e.status == Err(OpError::Cancelled),
+            _ => e.status == Err(OpError::Aborted),
+        }),
+        "receives cancelled, started sends aborted: {evs:?}"
+    );
+    // The peer sees a reset: its receive is refused (the connection is down) or ends in error or end-of-stream.
+    let peer_buf = p.region_b(100)?;
+    if p.server
+        .recv(&p.eq_b, &peer_buf.all(), MsgFlags::NONE, 99)
+        .is_ok()
+    {
+        let peer = next(&p.eq_b)?;
+        ensure!(
+            peer.flags.eof || !peer.is_ok(),
+            "the peer's receive ends after an abort: {peer:?}"
+        );
+    }
+    ensure!(
+        ins.deregister().is_ok(),
+        "receive buffers still leased after abort"
     );
     Ok(())
 }

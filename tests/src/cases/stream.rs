@@ -18,6 +18,10 @@ pub fn cases() -> Vec<Case> {
         c("stream_small_buffer_many_small_writes", small_writes),
         c("stream_close_delivers_then_eof", close_eof),
         c(
+            "stream_close_is_graceful_and_nothing_follows_its_close",
+            graceful_close,
+        ),
+        c(
             "direct_transfers_resume_after_the_sender_blocked_on_a_full_buffer",
             resume_one,
         ),
@@ -372,5 +376,58 @@ fn resume(b: &dyn Backend, how: Resume, both_ways: bool) -> Result<(), String> {
         ensure!(sends_a + sends_b <= 2, "too many send events");
     }
     eprintln!("direct share after the block, {how:?} (both ways: {both_ways}): {}", report.join("; "));
+    Ok(())
+}
+
+/// Issue 14: `close()` right after many small sends, with a small stream buffer and few link credits so that
+/// writes queue behind each other: every send completes `Ok`, the peer gets every byte and then end-of-stream, and
+/// nothing arrives after the CLOSE (the receiver treats stream data after end-of-stream as a violation, which
+/// would fail the reads here).
+fn graceful_close(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(
+        &*net,
+        SockType::Stream,
+        &[
+            SocketOption::StreamBufferSize(4096),
+            SocketOption::ControlWindow(4),
+        ],
+    )?;
+    const N: usize = 300;
+    let data = pattern(N * 1000, 21);
+    let src = p.region_a(data.clone())?;
+    for i in 0..N {
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 1000..(i + 1) * 1000),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .map_err(|e| e.to_string())?;
+    }
+    p.client.close().map_err(|e| e.to_string())?;
+    let got = read_stream(&p, N * 1000, 7000, MsgFlags::NONE)?;
+    same(&got, &data, "bytes sent before a graceful close")?;
+    let buf = MemoryRegion::alloc(&p.b, 10).map_err(|e| e.to_string())?;
+    p.server
+        .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 2)
+        .map_err(|e| e.to_string())?;
+    let ev = next(&p.eq_b)?;
+    ensure!(
+        ev.is_ok() && ev.flags.eof && ev.bytes == 0,
+        "end of stream after the last byte: {ev:?}"
+    );
+    let sends = all(&p.eq_a)?;
+    ensure!(
+        sends.len() == N && sends.iter().all(|e| e.is_ok() && e.bytes == 1000),
+        "every send before the close completes Ok: {:?}",
+        sends.iter().find(|e| !e.is_ok())
+    );
+    ensure!(
+        p.server.error().map_err(|e| e.to_string())?.is_none_or(|e| e == exs::OpError::PeerClosed),
+        "the receiving side saw a violation: {:?}",
+        p.server.error()
+    );
     Ok(())
 }

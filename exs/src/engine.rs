@@ -56,6 +56,9 @@ pub struct EngineStats {
     pub registrations: u64,
     /// Remote keys handed out (each bound to one connection).
     pub exposures: u64,
+    /// Device-visible memory the connections hold now: control send and receive slots and stream buffers
+    /// (these only once the peer first needed one). The shared pool is counted in `pool`.
+    pub connection_bytes: u64,
 }
 
 /// Whether the context uses the shared receive pool.
@@ -242,6 +245,12 @@ impl Engine {
 
     pub(crate) fn stats(&self) -> EngineStats {
         let mut s = self.stats;
+        s.connection_bytes = self
+            .sockets
+            .values()
+            .filter_map(|s| s.conn.as_ref())
+            .map(|c| c.memory_bytes())
+            .sum();
         if let PoolState::On(p) = &self.pool {
             s.pool = Some(p.stats());
         }
@@ -265,18 +274,25 @@ impl Engine {
         self.transport.register(buf)
     }
 
-    /// Exposes a stream buffer to the peer of `ep` for remote write. Seed 001: the peer may write any part of it
-    /// at any time, so the lease is of the kind for ranges the device writes concurrently.
-    fn expose_ring(
-        &mut self,
-        ep: EndpointId,
-        buf: &Arc<DmaBuf>,
-        reg: &Arc<dyn Registration>,
-    ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
+    /// Allocates, registers and exposes the stream buffer of a connection whose peer asked for it, and queues
+    /// its STREAM_RING. Seed 001: the peer may write any part of it at any time, so the lease is of the kind for
+    /// ranges the device writes concurrently.
+    fn provide_ring(&mut self, sid: SocketId, ep: EndpointId, len: usize) -> Result<(), TransportError> {
+        let buf = DmaBuf::try_new(len).ok_or_else(|| {
+            TransportError::Invalid(format!("cannot allocate a stream buffer of {len} bytes"))
+        })?;
+        let reg = self.register(&buf)?;
         let lease = buf
             .lease(0..buf.len(), LeaseKind::DeviceWriteShared)
             .map_err(|e| TransportError::Invalid(e.to_string()))?;
-        self.expose(ep, reg, lease, RemoteAccess::Write)
+        let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
+        if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
+            let link = &mut conn.link;
+            if let Some(crate::proto::conn::Mode::Stream(st)) = conn.mode.as_mut() {
+                st.set_local_ring(exposure, buf, reg, link);
+            }
+        }
+        Ok(())
     }
 
     /// Exposes a leased range to the peer of `ep` alone (counted).
@@ -490,6 +506,22 @@ impl Engine {
 
     /// Posts what a connection has ready, and moves a closing connection on once its CLOSE has left.
     fn flush(&mut self, sid: SocketId) {
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        let Some(conn) = sock.conn.as_mut() else {
+            return;
+        };
+        if let Some(len) = conn.stream().and_then(|st| st.ring_needed()) {
+            let ep = conn.ep;
+            if let Err(e) = self.provide_ring(sid, ep, len) {
+                self.fault(
+                    sid,
+                    Fault::Transport(crate::transport::WcError::Other(e.to_string())),
+                );
+                return;
+            }
+        }
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;
         };
@@ -950,26 +982,10 @@ impl Engine {
             self.fault(sid, Fault::Peer(v));
             return;
         }
-        let pending_ring = conn.stream().and_then(|st| st.pending_local_ring());
-        if let Some((buf, reg)) = pending_ring {
-            // The stream buffer's key binds to the connection only now (memory windows): expose it and send
-            // it first thing (a window bind goes before the message that names it on the same queue pair).
-            let exposed = self.expose_ring(ep, &buf, &reg);
-            let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
-                return;
-            };
-            match exposed {
-                Ok(ring) => {
-                    let body = conn.stream().expect("a stream connection").set_local_ring(ring);
-                    conn.link.push_ctrl(body, None, None);
-                }
-                Err(e) => {
-                    self.fault(
-                        sid,
-                        Fault::Transport(crate::transport::WcError::Other(e.to_string())),
-                    );
-                    return;
-                }
+        if opts.stream_buffer_eager {
+            if let Some(st) = conn.stream() {
+                // As if the peer had asked: the buffer and its STREAM_RING go with the first flush.
+                st.on_ring_wanted();
             }
         }
         let Some(sock) = self.sockets.get_mut(&sid) else {
@@ -1106,32 +1122,16 @@ impl Engine {
             self.caps.max_read_depth,
             self.caps.imm_consumes_recv,
         );
+        // The stream buffer is allocated when the peer first needs it; its address and key follow then
+        // (STREAM_RING), so the handshake carries only its length.
         let stream_setup = match ty {
             SockType::SeqPacket => None,
-            SockType::Stream => {
-                let len = opts.stream_buffer_size as usize;
-                let buf = DmaBuf::new(len);
-                let reg = self.register(&buf)?;
-                // Where keys bind only to a connected queue pair, the key follows the handshake (STREAM_RING).
-                let exposure = if self.caps.keys_after_connect {
-                    None
-                } else {
-                    Some(self.expose_ring(ep, &buf, &reg)?)
-                };
-                Some(StreamSetup::new(exposure, len, buf, reg))
-            }
+            SockType::Stream => Some(StreamSetup {
+                len: opts.stream_buffer_size as usize,
+            }),
         };
-        let (stream_len, stream_addr, stream_rkey) = match &stream_setup {
-            Some(s) => {
-                let r = s.exposure.as_ref().map(|e| e.remote());
-                (
-                    s.len as u32,
-                    r.map_or(0, |r| r.addr),
-                    r.map_or(0, |r| r.key),
-                )
-            }
-            None => (0, 0, 0),
-        };
+        let (stream_len, stream_addr, stream_rkey) =
+            (stream_setup.map_or(0, |s| s.len as u32), 0, 0);
         let local = Handshake {
             sock_type: match ty {
                 SockType::SeqPacket => WireSockType::SeqPacket,

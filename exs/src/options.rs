@@ -60,6 +60,10 @@ pub struct SocketOptions {
     pub small_packet_max_size: u32,
     /// Stream sockets: bytes of the intermediate stream buffer (seed 001). Before connect. 64..=1 GiB.
     pub stream_buffer_size: u32,
+    /// Stream sockets: allocate, register and expose the stream buffer as soon as the connection is up, rather
+    /// than when the peer first needs it. Saves the peer's first indirect transfer one round trip; costs the
+    /// buffer on every idle connection. Before connect. Off by default.
+    pub stream_buffer_eager: bool,
     /// Control receive buffers posted per connection (the link window). 0 picks a size from the credits.
     /// Before connect. 0 or 4..=4096.
     pub control_window: u16,
@@ -98,6 +102,7 @@ impl Default for SocketOptions {
             recv_credits: 16,
             small_packet_max_size: 512,
             stream_buffer_size: 1 << 20,
+            stream_buffer_eager: false,
             control_window: 0,
             backlog: 128,
             trace: false,
@@ -116,6 +121,8 @@ pub enum SocketOption {
     SmallPacketMaxSize(u32),
     /// See [`SocketOptions::stream_buffer_size`].
     StreamBufferSize(u32),
+    /// See [`SocketOptions::stream_buffer_eager`].
+    StreamBufferEager(bool),
     /// See [`SocketOptions::control_window`].
     ControlWindow(u16),
     /// See [`SocketOptions::backlog`].
@@ -132,6 +139,7 @@ impl SocketOption {
             SocketOption::RecvCredits(_) => "recv_credits",
             SocketOption::SmallPacketMaxSize(_) => "small_packet_max_size",
             SocketOption::StreamBufferSize(_) => "stream_buffer_size",
+            SocketOption::StreamBufferEager(_) => "stream_buffer_eager",
             SocketOption::ControlWindow(_) => "control_window",
             SocketOption::Backlog(_) => "backlog",
             SocketOption::Trace(_) => "trace",
@@ -196,6 +204,7 @@ impl SocketOption {
                 o.backlog = v;
             }
             SocketOption::Trace(v) => o.trace = v,
+            SocketOption::StreamBufferEager(v) => o.stream_buffer_eager = v,
         }
         Ok(())
     }

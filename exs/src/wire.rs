@@ -84,6 +84,9 @@ pub enum Kind {
     /// Stream mode: the address and key of the sender's intermediate stream buffer, when they could not travel in
     /// the handshake (keys bound to the connection exist only once it is up: memory windows).
     StreamRing = 10,
+    /// Stream mode: the sender asks for the receiver's stream buffer (allocated on first need, so an idle
+    /// connection holds none: issue 14).
+    StreamRingWanted = 11,
 }
 
 impl Kind {
@@ -99,6 +102,7 @@ impl Kind {
             8 => Kind::OffsetWritten,
             9 => Kind::PersistentEnd,
             10 => Kind::StreamRing,
+            11 => Kind::StreamRingWanted,
             other => return Err(WireError::UnknownKind(other)),
         })
     }
@@ -115,6 +119,7 @@ impl Kind {
             Kind::ReadNotify => "READ_NOTIFY",
             Kind::OffsetWritten => "OFFSET_WRITTEN",
             Kind::StreamRing => "STREAM_RING",
+            Kind::StreamRingWanted => "STREAM_RING_WANTED",
             Kind::PersistentEnd => "PERSISTENT_END",
         }
     }
@@ -239,6 +244,8 @@ pub enum Body {
         /// Remote key.
         rkey: u64,
     },
+    /// The sender needs the receiver's stream buffer (answered by STREAM_RING).
+    StreamRingWanted,
 }
 
 impl Body {
@@ -255,13 +262,14 @@ impl Body {
             Body::OffsetWritten(_) => Kind::OffsetWritten,
             Body::PersistentEnd { .. } => Kind::PersistentEnd,
             Body::StreamRing { .. } => Kind::StreamRing,
+            Body::StreamRingWanted => Kind::StreamRingWanted,
         }
     }
 
     fn body_len(&self) -> usize {
         match self {
             Body::Advert(_) => 32,
-            Body::Ack | Body::Credit => 0,
+            Body::Ack | Body::Credit | Body::StreamRingWanted => 0,
             Body::Close(_) => 8,
             Body::StreamAdvert(_) => 48,
             Body::StreamWindow { .. } => 8,
@@ -330,7 +338,7 @@ impl Message {
                 w.u64(a.addr);
                 w.u64(a.rkey);
             }
-            Body::Ack | Body::Credit => {}
+            Body::Ack | Body::Credit | Body::StreamRingWanted => {}
             Body::Close(r) => {
                 w.u32(r as u32);
                 w.u32(0);
@@ -420,6 +428,7 @@ impl Message {
             }
             Kind::Ack => Body::Ack,
             Kind::Credit => Body::Credit,
+            Kind::StreamRingWanted => Body::StreamRingWanted,
             Kind::Close => {
                 let reason = match r.u32()? {
                     1 => CloseReason::Close,
@@ -781,6 +790,7 @@ mod tests {
                 addr: 0x1000,
                 rkey: 0xabcd,
             }),
+            Message::new(Body::StreamRingWanted),
         ]
     }
 

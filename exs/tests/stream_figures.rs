@@ -28,9 +28,11 @@ const SLOT: usize = 1 << 16;
 
 impl Fig {
     fn new(ring: u32) -> Fig {
+        // The figures start with each side's stream buffer known to the other.
         let opts = [
             SocketOption::Trace(true),
             SocketOption::StreamBufferSize(ring),
+            SocketOption::StreamBufferEager(true),
         ];
         let p = pair_with(
             SockType::Stream,
@@ -40,6 +42,7 @@ impl Fig {
             },
             &opts,
         );
+        p.world.run_until_idle(10_000);
         let dst = MemoryRegion::alloc(&p.b, 64 * SLOT).unwrap();
         Fig {
             p,

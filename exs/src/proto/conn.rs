@@ -500,6 +500,7 @@ impl Conn {
             (Body::StreamAdvert(a), Mode::Stream(s)) => s.on_advert(a, &mut self.link)?,
             (Body::StreamWindow { consumed }, Mode::Stream(s)) => s.on_window(consumed)?,
             (Body::StreamRing { addr, rkey }, Mode::Stream(s)) => s.on_ring(addr, rkey, &mut self.link)?,
+            (Body::StreamRingWanted, Mode::Stream(s)) => s.on_ring_wanted(),
             (body, _) => {
                 return Err(Violation::Unexpected {
                     kind: body.kind().name(),
@@ -520,6 +521,16 @@ impl Conn {
             Some(Mode::Stream(s)) => s.fail(err),
             None => {}
         }
+    }
+
+    /// Bytes of device-visible memory this connection holds of its own: control send and receive slots, and its
+    /// stream buffer once allocated.
+    pub(crate) fn memory_bytes(&self) -> u64 {
+        let ring = match &self.mode {
+            Some(Mode::Stream(s)) => s.ring_bytes(),
+            _ => 0,
+        };
+        self.link.own_rx_bytes() as u64 + self.link.tx_bytes() as u64 + ring
     }
 
     /// Fails the receiving side's operations only.

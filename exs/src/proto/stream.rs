@@ -118,33 +118,21 @@ pub enum StreamTrace {
     Indirect { seq: u64, len: u64, phase: u32 },
 }
 
-/// Our intermediate stream buffer, exposed for the peer to write, for the connection's life.
-#[derive(Debug)]
+/// Our intermediate stream buffer's size. The buffer itself is allocated, registered and exposed only when the
+/// peer first asks for it (STREAM_RING_WANTED), so an idle connection holds none (issue 14: 1,000 idle
+/// connections held 1 GiB of stream buffers).
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct StreamSetup {
-    /// `None` until the connection is up where keys can be bound only then (see
-    /// [`crate::transport::Capabilities::keys_after_connect`]).
-    pub exposure: Option<Box<dyn Exposure>>,
     pub len: usize,
-    buf: Arc<DmaBuf>,
-    reg: Arc<dyn Registration>,
 }
 
-impl StreamSetup {
-    /// The engine allocated, registered and exposed the buffer (seed 001: the peer writes it at any time, so
-    /// the lease is of the shared device-write kind).
-    pub(crate) fn new(
-        exposure: Option<Box<dyn Exposure>>,
-        len: usize,
-        buf: Arc<DmaBuf>,
-        reg: Arc<dyn Registration>,
-    ) -> Self {
-        StreamSetup {
-            len,
-            exposure,
-            buf,
-            reg,
-        }
-    }
+/// Our stream buffer once allocated: the memory, its registration, and the peer's key to it.
+#[derive(Debug)]
+struct LocalRing {
+    /// The peer writes indirect transfers here; we copy out of `buf`. Dropped before `buf` and `_reg`.
+    _exposure: Box<dyn Exposure>,
+    buf: Arc<DmaBuf>,
+    _reg: Arc<dyn Registration>,
 }
 
 #[derive(Debug)]
@@ -180,12 +168,10 @@ struct PeerAdvert {
 
 #[derive(Debug)]
 struct Rx {
-    /// Our stream buffer's exposure (the peer writes indirect transfers there; we read through it). `None` until
-    /// the connection is up where keys bind only then; the peer cannot write before it has the key.
-    ring: Option<Box<dyn Exposure>>,
-    /// Kept alive with the exposure.
-    buf: Arc<DmaBuf>,
-    _reg: Arc<dyn Registration>,
+    /// Our stream buffer, once the peer asked for it; the peer cannot write before it has the key.
+    ring: Option<LocalRing>,
+    /// The peer asked for the stream buffer (the engine allocates it; see [`StreamProto::ring_needed`]).
+    ring_wanted: bool,
     ring_len: u64,
     /// Bytes copied out of the stream buffer (cumulative).
     head: u64,
@@ -220,6 +206,8 @@ struct Tx {
     /// The peer's stream buffer: from the handshake, or from its STREAM_RING message (indirect transfers wait
     /// for it).
     ring: Option<RemoteRef>,
+    /// STREAM_RING_WANTED has been sent.
+    ring_requested: bool,
     ring_len: u64,
     tail: u64,
     consumed: u64,
@@ -271,18 +259,11 @@ impl StreamProto {
         }
         // Every address we will write at (the buffer's start plus an offset below its length) must exist.
         ring_fits(peer.stream_addr, u64::from(peer.stream_len)).map_err(Violation::Handshake)?;
-        let StreamSetup {
-            exposure: ring,
-            len,
-            buf,
-            reg,
-        } = setup;
         Ok(StreamProto {
             rx: Rx {
-                ring,
-                buf,
-                _reg: reg,
-                ring_len: len as u64,
+                ring: None,
+                ring_wanted: false,
+                ring_len: setup.len as u64,
                 head: 0,
                 tail: 0,
                 reported: 0,
@@ -307,6 +288,7 @@ impl StreamProto {
                     addr: peer.stream_addr,
                     key: peer.stream_rkey,
                 }),
+                ring_requested: false,
                 ring_len: u64::from(peer.stream_len),
                 tail: 0,
                 consumed: 0,
@@ -328,22 +310,48 @@ impl StreamProto {
         self.stats
     }
 
-    /// Our stream buffer is exposed now that the connection is up; returns the STREAM_RING body for the peer.
-    pub(crate) fn set_local_ring(&mut self, ring: Box<dyn Exposure>) -> Body {
-        let r = ring.remote();
-        self.rx.ring = Some(ring);
-        Body::StreamRing {
-            addr: r.addr,
-            rkey: r.key,
-        }
+    /// The length of stream buffer to allocate, register and expose (seed 001: the peer writes it at any time,
+    /// so the lease is of the shared device-write kind), once the peer asked for it and until it is set.
+    pub(crate) fn ring_needed(&self) -> Option<usize> {
+        (self.rx.ring_wanted && self.rx.ring.is_none()).then_some(self.rx.ring_len as usize)
     }
 
-    /// Our stream buffer and its registration, while it still waits for its exposure.
-    pub(crate) fn pending_local_ring(&self) -> Option<(Arc<DmaBuf>, Arc<dyn Registration>)> {
-        self.rx
-            .ring
-            .is_none()
-            .then(|| (Arc::clone(&self.rx.buf), Arc::clone(&self.rx._reg)))
+    /// Our stream buffer is allocated and exposed: its address and key go to the peer (STREAM_RING).
+    pub(crate) fn set_local_ring(
+        &mut self,
+        exposure: Box<dyn Exposure>,
+        buf: Arc<DmaBuf>,
+        reg: Arc<dyn Registration>,
+        link: &mut Link,
+    ) {
+        let r = exposure.remote();
+        self.rx.ring = Some(LocalRing {
+            _exposure: exposure,
+            buf,
+            _reg: reg,
+        });
+        link.push_ctrl(
+            Body::StreamRing {
+                addr: r.addr,
+                rkey: r.key,
+            },
+            None,
+            None,
+        );
+    }
+
+    /// The peer asks for our stream buffer (once; a repeated request changes nothing).
+    pub(crate) fn on_ring_wanted(&mut self) {
+        self.rx.ring_wanted = true;
+    }
+
+    /// Bytes of stream buffer this connection holds (none until the peer asked for it).
+    pub(crate) fn ring_bytes(&self) -> u64 {
+        if self.rx.ring.is_some() {
+            self.rx.ring_len
+        } else {
+            0
+        }
     }
 
     /// The peer's STREAM_RING: its stream buffer's address and key, once (only when the handshake carried none).
@@ -374,10 +382,14 @@ impl StreamProto {
         self.rx.tail > self.rx.head || self.rx.eof
     }
 
-    /// A send would move bytes at once: room in the peer's stream buffer, or an advertised receive.
+    /// A send would move bytes at once: room in the peer's stream buffer, or an advertised receive. A fresh
+    /// connection is writable: the first send asks for the peer's stream buffer, which is empty.
     pub(crate) fn writable(&self) -> bool {
-        (self.tx.ring.is_some() && self.tx.ring_len > self.tx.tail - self.tx.consumed)
-            || !self.tx.adverts.is_empty()
+        let space = match self.tx.ring {
+            Some(_) => self.tx.ring_len > self.tx.tail - self.tx.consumed,
+            None => !self.tx.ring_requested,
+        };
+        space || !self.tx.adverts.is_empty()
     }
 
     /// Every send has been handed to the link (nothing waits for space or an advert).
@@ -474,7 +486,11 @@ impl StreamProto {
                 )
             } else {
                 let Some(ring) = self.tx.ring else {
-                    // The peer's stream buffer key has not arrived yet (STREAM_RING).
+                    // The peer allocates its stream buffer on our first need (STREAM_RING answers).
+                    if !self.tx.ring_requested {
+                        self.tx.ring_requested = true;
+                        link.push_ctrl(Body::StreamRingWanted, None, None);
+                    }
                     self.stats.space_stalls += 1;
                     return Ok(());
                 };
@@ -695,8 +711,9 @@ impl StreamProto {
             while done < want {
                 let at = ((self.rx.head + done as u64) % self.rx.ring_len) as usize;
                 let n = (want - done).min(self.rx.ring_len as usize - at);
+                let ring = self.rx.ring.as_ref().expect("checked above");
                 r.exposure
-                    .fill_from(r.filled + done, &self.rx.buf, at, n)
+                    .fill_from(r.filled + done, &ring.buf, at, n)
                     .map_err(|e| Violation::BadRange(e.to_string()))?;
                 done += n;
             }

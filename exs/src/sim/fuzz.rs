@@ -18,7 +18,7 @@ use crate::sim::{SimConfig, World};
 use crate::socket::Socket;
 use crate::testing::{handshake, RawPeer};
 use crate::wire::{
-    Advert, AdvertFlags, Body, CloseReason, Handshake, Imm, Message, StreamAdvert, WireSockType,
+    Advert, AdvertFlags, OffsetWritten, Body, CloseReason, Handshake, Imm, Message, StreamAdvert, WireSockType,
 };
 use crate::{ContextOptions, OpError};
 
@@ -78,7 +78,7 @@ pub fn wire(data: &[u8]) {
 
 /// A well-formed message whose fields come from the input.
 fn message(inp: &mut Input<'_>) -> Vec<u8> {
-    let body = match inp.u8() % 8 {
+    let body = match inp.u8() % 12 {
         0 => Body::Advert(Advert {
             seq: u32::from(inp.u8() % 20),
             flags: AdvertFlags(u32::from(inp.u8() & 1)),
@@ -113,6 +113,19 @@ fn message(inp: &mut Input<'_>) -> Vec<u8> {
         6 => Body::ReadNotify {
             seq: u32::from(inp.u8()),
         },
+        7 => Body::StreamRingWanted,
+        8 => Body::StreamRing {
+            addr: inp.u64(),
+            rkey: inp.u64() | 1,
+        },
+        9 => Body::PersistentEnd {
+            seq: u32::from(inp.u8() % 20),
+            echo: inp.u8() & 1 == 1,
+        },
+        10 => Body::OffsetWritten(OffsetWritten {
+            offset: inp.u64(),
+            len: inp.u64(),
+        }),
         _ => Body::Ack,
     };
     let ack = (inp.u8() & 1 == 1 || matches!(body, Body::Ack)).then(|| u32::from(inp.u8() % 8));

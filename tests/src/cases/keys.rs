@@ -136,7 +136,8 @@ fn key_refused_on_another_connection(b: &dyn Backend) -> Result<(), String> {
     drain(&v);
     v.healthy("cross-connection keys (message mode)", false)?;
 
-    // Stream mode: the intermediate stream buffer (its key travels in the handshake) and an advertised receive.
+    // Stream mode: the intermediate stream buffer (allocated when the peer asks for it; its key follows the
+    // handshake) and an advertised receive.
     let v = victim(b, SockType::Stream)?;
     let (mut a, a_sock) = v.accept_good()?;
     ensure!(a.peer.stream_len > 0, "the stream handshake carried no stream buffer");
@@ -146,7 +147,8 @@ fn key_refused_on_another_connection(b: &dyn Backend) -> Result<(), String> {
             key: a.peer.stream_rkey,
         }
     } else {
-        // Keys bound after connect (memory windows): the key follows the handshake.
+        // The buffer is allocated on demand: ask for it; its key follows (STREAM_RING).
+        a.send_msg(&Message::new(Body::StreamRingWanted))?;
         let find = |p: &RawPeer| {
             p.received.iter().find_map(|m| match m {
                 Ok(Message {

@@ -217,7 +217,7 @@ fn idle_stream_connections(b: &dyn Backend) -> Result<(), String> {
             bytes / n as u64 * 1000 < 64 << 20,
             "{side}: {} bytes per idle stream connection (1,000 would take {} MiB)",
             bytes / n as u64,
-            bytes / n as u64 * 1000 >> 20
+            (bytes / n as u64 * 1000) >> 20
         );
     }
     // One connection becomes busy: a send with no receive posted goes through the peer's stream buffer.

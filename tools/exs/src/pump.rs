@@ -123,16 +123,21 @@ pub struct Side {
     pub usage: Usage,
     /// Whether `usage` is the whole process's (a side in its own process) or one thread's.
     pub whole: bool,
+    /// Stream mode: bytes sent directly (client) / copied out of the stream buffer (server).
+    pub direct: u64,
+    pub copied: u64,
 }
 
 impl Side {
     fn to_line(self) -> String {
         format!(
-            "RESULT {} {} {:.6} {}",
+            "RESULT {} {} {:.6} {} {} {}",
             self.bytes,
             self.msgs,
             self.secs,
-            self.usage.to_fields()
+            self.usage.to_fields(),
+            self.direct,
+            self.copied
         )
     }
     fn parse(l: &str) -> Option<Side> {
@@ -143,6 +148,8 @@ impl Side {
             secs: it.next()?.parse().ok()?,
             usage: Usage::parse(&mut it)?,
             whole: true,
+            direct: it.next()?.parse().ok()?,
+            copied: it.next()?.parse().ok()?,
         })
     }
 }
@@ -222,6 +229,7 @@ fn serve(
         side.bytes = side.bytes.saturating_sub(side.bytes / side.msgs.max(1));
         side.msgs = side.msgs.saturating_sub(1);
     }
+    side.copied = s.stats().map_or(0, |c| c.stream.copied_bytes);
     let _ = s.close();
     Ok(side)
 }
@@ -296,6 +304,7 @@ fn blast(
     }
     side.secs = t0.elapsed().as_secs_f64();
     side.usage = Usage::now(ctx, whole).since(u0);
+    side.direct = s.stats().map_or(0, |c| c.stream.direct_bytes);
     let _ = s.close();
     Ok(side)
 }
@@ -346,6 +355,13 @@ impl Measured {
         // by window binds or per-connection keys).
         let regs = self.client.usage.registrations + self.server.usage.registrations;
         map.insert("registrations_per_msg".into(), (regs as f64 / msgs.max(1) as f64).into());
+        if self.sock_type == "stream" && self.client.bytes > 0 {
+            // Issue 14: the share of bytes written straight into posted receives, and copies per byte received
+            // (each indirect byte is copied once, out of the stream buffer; over the whole run, warm-up included).
+            let sent = self.client.bytes as f64;
+            map.insert("direct_share".into(), (self.client.direct as f64 / sent).into());
+            map.insert("copies_per_byte".into(), (self.server.copied as f64 / sent).into());
+        }
         v
     }
 }

@@ -14,13 +14,14 @@
 use std::fmt;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use exs_dma::DmaBuf;
 
 use crate::engine::Engine;
+use crate::lock::EngineGuard;
 use crate::error::MemoryError;
 use crate::event::{Driver, EventQueue};
 use crate::progress::{Lead, ProgressStats};
@@ -168,7 +169,7 @@ impl crate::event::Poller for Shared {
 
     fn poll_progress(&self) -> bool {
         // Never wait for another thread: if it holds the engine, it is making the progress.
-        let Ok(mut e) = self.engine.try_lock() else {
+        let Some(mut e) = EngineGuard::try_lock(&self.engine) else {
             return false;
         };
         // One round: the caller polls again if what it waits for is not there yet (another round here would
@@ -206,8 +207,8 @@ impl crate::event::Poller for Shared {
 }
 
 impl Shared {
-    pub(crate) fn lock(&self) -> MutexGuard<'_, Engine> {
-        self.engine.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn lock(&self) -> EngineGuard<'_> {
+        EngineGuard::lock(&self.engine)
     }
 
     /// Runs an API call on the engine. Posting needs no wake-up; only a call that moved the earliest timer
@@ -245,11 +246,19 @@ impl Drop for CtxInner {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::SeqCst);
         self.shared.lead.wake_all();
-        if let Some(t) = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            let _ = t.join();
-        }
-        // Close every connection so peers learn we are gone, and let the transport release its endpoints.
-        self.shared.lock().shutdown();
+        let thread = self.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let shared = Arc::clone(&self.shared);
+        // Not under the engine lock, and the progress thread never joins itself (the last handle can go on it,
+        // from an event it completed): it sees `stop` and ends.
+        crate::lock::run_unlocked(move || {
+            if let Some(t) = thread {
+                if t.thread().id() != std::thread::current().id() {
+                    let _ = t.join();
+                }
+            }
+            // Close every connection so peers learn we are gone, and let the transport release its endpoints.
+            shared.lock().shutdown();
+        });
     }
 }
 

@@ -273,7 +273,7 @@ impl Lead {
 /// slipped in before arming, run again.
 pub(crate) fn prepare_sleep(
     lead: &Lead,
-    engine: &mut MutexGuard<'_, Engine>,
+    engine: &mut Engine,
 ) -> Option<Option<Instant>> {
     // One round, then arm: arming reports anything that arrived meanwhile (another round would only cost the
     // transport polls of finding nothing, system calls on software providers).

@@ -496,3 +496,112 @@ fn keepalive_finds_a_silent_peer_while_the_application_only_waits() {
         }
     }
 }
+
+/// Runs `f` on a thread and fails (instead of hanging the test run) if it has not finished within 20 s.
+fn within_20s(what: &str, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("deadlock: {what} did not finish within 20 s"));
+}
+
+/// A listener with an undequeued Accept (owning the accepted socket) and a second accept pending, both in a queue
+/// the user then drops: the pending accept's ticket holds the last reference to the queue.
+fn dropped_queue_with_an_accepted_socket() -> (World, Socket, Socket, std::net::SocketAddr) {
+    let world = World::threaded(SimConfig::default());
+    let server = world.host();
+    let client = world.host();
+    let l = Socket::new(&server, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 7100)).unwrap();
+    let addr = l.listen(4).unwrap();
+    let eq = EventQueue::new(8);
+    l.accept(&eq, 1).unwrap();
+    l.accept(&eq, 2).unwrap();
+    let c = Socket::new(&client, SockType::SeqPacket).unwrap();
+    let ceq = EventQueue::new(8);
+    c.connect(addr, &ceq, 3).unwrap();
+    assert!(ceq.next(Some(Duration::from_secs(10))).unwrap().is_ok());
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while eq.is_empty() {
+        assert!(std::time::Instant::now() < until, "the accept never completed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(eq);
+    (world, l, c, addr)
+}
+
+/// Issue 15: closing the listener completes the pending accept under the engine lock; the queue goes with the
+/// ticket, and the accepted socket in it closes - after the lock is let go, not by locking it again.
+#[test]
+fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_a_close() {
+    within_20s("listener close", || {
+        let (world, l, _c, _) = dropped_queue_with_an_accepted_socket();
+        l.close().unwrap();
+        let ctx = world.host();
+        let _ = ctx.stats();
+    });
+}
+
+/// The same, with the progress thread completing the pending accept (a second client connects): the context must
+/// go on working.
+#[test]
+fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_the_progress_thread() {
+    within_20s("a connect after the queue was dropped", || {
+        let (world, l, _c, addr) = dropped_queue_with_an_accepted_socket();
+        let client = world.host();
+        let c2 = Socket::new(&client, SockType::SeqPacket).unwrap();
+        let ceq = EventQueue::new(8);
+        c2.connect(addr, &ceq, 4).unwrap();
+        let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+        assert!(ev.is_ok(), "{ev:?}");
+        // The server context still answers: a third connection, accepted on a new queue.
+        let eq = EventQueue::new(8);
+        l.accept(&eq, 5).unwrap();
+        let c3 = Socket::new(&client, SockType::SeqPacket).unwrap();
+        c3.connect(addr, &ceq, 6).unwrap();
+        let ev = eq.next(Some(Duration::from_secs(10))).unwrap();
+        assert!(ev.is_ok() && ev.kind == EventKind::Accept, "{ev:?}");
+        l.close().unwrap();
+    });
+}
+
+/// Every drop order of the user's handles: nothing deadlocks.
+#[test]
+fn dropping_handles_in_any_order_does_not_deadlock() {
+    for order in 0..6u8 {
+        within_20s("dropping handles", move || {
+            let p = pair_threaded(SockType::SeqPacket, &[]);
+            let buf = MemoryRegion::alloc(&p.a, 100).unwrap();
+            p.client.recv(&p.eq_a, &buf.all(), MsgFlags::NONE, 1).unwrap();
+            let Pair {
+                world,
+                a,
+                b,
+                client,
+                server,
+                listener,
+                eq_a,
+                eq_b,
+            } = p;
+            let mut items: Vec<Box<dyn FnOnce()>> = vec![
+                Box::new(move || drop(eq_a)),
+                Box::new(move || drop(client)),
+                Box::new(move || drop(buf)),
+                Box::new(move || drop(a)),
+                Box::new(move || drop((server, eq_b, listener))),
+                Box::new(move || drop(b)),
+            ];
+            items.rotate_left(order as usize);
+            if order % 2 == 1 {
+                items.reverse();
+            }
+            for f in items {
+                f();
+            }
+            drop(world);
+        });
+    }
+}

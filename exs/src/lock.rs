@@ -1,0 +1,92 @@
+//! The engine lock, and what must wait until a thread lets go of it.
+//!
+//! Issue 15: dropping things in an unlucky order deadlocked a context. An event queue the user dropped while it held
+//! an undequeued `Accept` event (which owns a socket) and a pending operation lived on in that operation's ticket;
+//! when the engine completed the ticket, under its lock, the last reference to the queue went, the queued socket
+//! was dropped, and its close locked the engine again. Everything dropped while this thread holds the engine lock
+//! that needs the engine (a socket's close, a context's shutdown) is therefore run once the lock is released
+//! ([`run_unlocked`]), on the same thread, in order.
+
+use std::cell::RefCell;
+use std::ops::{Deref, DerefMut};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::engine::Engine;
+
+thread_local! {
+    /// Engine locks this thread holds, and the work waiting for the last to go.
+    static HELD: RefCell<(usize, Vec<Box<dyn FnOnce()>>)> = const { RefCell::new((0, Vec::new())) };
+}
+
+/// The engine, locked by this thread.
+pub(crate) struct EngineGuard<'a> {
+    guard: Option<MutexGuard<'a, Engine>>,
+}
+
+impl<'a> EngineGuard<'a> {
+    /// Waits for the lock (a poisoned lock is taken as it is: the engine's state stays consistent per call).
+    pub(crate) fn lock(m: &'a Mutex<Engine>) -> Self {
+        Self::held(m.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The lock if nobody holds it.
+    pub(crate) fn try_lock(m: &'a Mutex<Engine>) -> Option<Self> {
+        match m.try_lock() {
+            Ok(g) => Some(Self::held(g)),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(Self::held(p.into_inner())),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    fn held(g: MutexGuard<'a, Engine>) -> Self {
+        HELD.with(|h| h.borrow_mut().0 += 1);
+        EngineGuard { guard: Some(g) }
+    }
+}
+
+impl Deref for EngineGuard<'_> {
+    type Target = Engine;
+    fn deref(&self) -> &Engine {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl DerefMut for EngineGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Engine {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for EngineGuard<'_> {
+    fn drop(&mut self) {
+        drop(self.guard.take());
+        let later = HELD.with(|h| {
+            let mut h = h.borrow_mut();
+            h.0 -= 1;
+            if h.0 == 0 {
+                std::mem::take(&mut h.1)
+            } else {
+                Vec::new()
+            }
+        });
+        for f in later {
+            f();
+        }
+    }
+}
+
+/// Runs `f` now, or, if this thread holds the engine lock, as soon as it lets go.
+pub(crate) fn run_unlocked(f: impl FnOnce() + 'static) {
+    let deferred = HELD.with(|h| {
+        let mut h = h.borrow_mut();
+        if h.0 > 0 {
+            h.1.push(Box::new(f));
+            None
+        } else {
+            Some(f)
+        }
+    });
+    if let Some(f) = deferred {
+        f();
+    }
+}

@@ -185,6 +185,8 @@ pub(crate) struct Engine {
     /// queue folds read notifications into the next one).
     ops: HashMap<u64, (Ticket, usize)>,
     next_op: u64,
+    /// Why the context failed (a panic in a progress round), if it did.
+    failed: Option<String>,
     /// Where the protocol reports completions (see [`crate::proto::op`]).
     outbox: Outbox,
     done: Vec<Done>,
@@ -234,6 +236,7 @@ impl Engine {
             pool_posts: Vec::new(),
             ops: HashMap::new(),
             next_op: 1,
+            failed: None,
             outbox: Outbox::default(),
             done: Vec::new(),
         }
@@ -334,7 +337,75 @@ impl Engine {
     /// seen before the `Established` that brings its connection up (it waits in `early`), and a `Disconnected`
     /// can be seen while messages that arrived before it (a CLOSE) still sit in the completion queue: the queue
     /// is drained once more before a disconnect is acted on.
+    /// One round of progress. A panic in it is a bug (no peer input may cause one: issue 15): the context then
+    /// fails as a whole (see [`Engine::fail_context`]) rather than stopping silently with its operations pending.
     pub(crate) fn progress(&mut self) -> bool {
+        self.guarded("a progress round", Engine::progress_round)
+    }
+
+    /// One round for a busy poller (completions and timers; connection events are the progress thread's).
+    pub(crate) fn progress_busy(&mut self) -> bool {
+        self.guarded("a busy-poll round", Engine::progress_busy_round)
+    }
+
+    fn guarded(&mut self, what: &str, round: fn(&mut Engine) -> bool) -> bool {
+        if self.failed.is_some() {
+            return false;
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| round(self))) {
+            Ok(did) => did,
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                self.fail_context(format!("{what} panicked: {msg}"));
+                true
+            }
+        }
+    }
+
+    /// After a panic nothing in the engine can be trusted: every pending operation fails with a transport error,
+    /// every connection and listener is released, and every later call on a socket of this context fails
+    /// (`StateError::ConnectionDown`). Best effort: a second panic here leaves the rest to the context's drop.
+    fn fail_context(&mut self, why: String) {
+        tracing::error!(%why, "the context failed; every operation ends with an error");
+        let err = failed_error(&why);
+        self.failed = Some(why);
+        let ids: Vec<SocketId> = self.sockets.keys().copied().collect();
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for sid in ids {
+                let Some(s) = self.sockets.get_mut(&sid) else {
+                    continue;
+                };
+                s.down.get_or_insert(err.clone());
+                if let Some(t) = s.ticket.take() {
+                    t.complete(Err(err.clone()), 0, EventFlags::default());
+                }
+                for (t, _) in s.polls.drain(..) {
+                    t.complete(Err(err.clone()), 0, EventFlags::default());
+                }
+                if let Some(l) = s.listening.take() {
+                    for t in l.accepts {
+                        t.complete(Err(err.clone()), 0, EventFlags::default());
+                    }
+                    for (request, _, _) in l.backlog {
+                        self.transport.reject(request);
+                    }
+                    self.listeners.remove(&l.listener);
+                    self.transport.close_listener(l.listener);
+                }
+                if let Some(conn) = s.conn.as_mut() {
+                    conn.fail(err.clone());
+                }
+                self.disconnect(sid);
+            }
+            self.drain_done();
+        }));
+    }
+
+    fn progress_round(&mut self) -> bool {
         let mut did = self.poll_completions();
         let mut disconnected = Vec::new();
         while let Some(ev) = self.transport.poll_cm() {
@@ -359,7 +430,7 @@ impl Engine {
 
     /// Progress for a thread that busy-polls: completions, timers and posting, but not the connection-management
     /// channel (a system call per look; the progress thread sleeps on it and handles it).
-    pub(crate) fn progress_busy(&mut self) -> bool {
+    fn progress_busy_round(&mut self) -> bool {
         let mut did = self.poll_completions();
         did |= self.run_timers();
         self.flush_dirty();
@@ -1209,6 +1280,9 @@ impl Engine {
     }
 
     fn sock(&mut self, sid: SocketId) -> Result<&mut Sock, StateError> {
+        if let Some(why) = &self.failed {
+            return Err(StateError::ConnectionDown(failed_error(why)));
+        }
         match self.sockets.get_mut(&sid) {
             Some(s) if !s.user_closed => Ok(s),
             _ => Err(StateError::InvalidSocket),
@@ -1785,6 +1859,11 @@ fn ctrl_slot_size(small: usize) -> usize {
         .max(HEADER_LEN + 48)
         .next_multiple_of(64)
         .min(u16::MAX as usize & !63)
+}
+
+/// What operations and calls of a failed context report.
+fn failed_error(why: &str) -> OpError {
+    OpError::Transport(TransportError::Invalid(format!("the context failed: {why}")))
 }
 
 fn link_rx_bytes(link: &Link) -> u64 {

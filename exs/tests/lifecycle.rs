@@ -605,3 +605,35 @@ fn dropping_handles_in_any_order_does_not_deadlock() {
         });
     }
 }
+
+/// Issue 15: a panic in a progress round (injected: no peer input may cause one) fails the context instead of
+/// stopping it silently: every pending operation ends with a transport error, later calls fail at once.
+#[test]
+fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
+    within_20s("the failed context's operations", || {
+        let p = pair_threaded(SockType::SeqPacket, &[]);
+        let buf = MemoryRegion::alloc(&p.b, 4 * 100).unwrap();
+        for i in 0..4 {
+            p.server
+                .recv(&p.eq_b, &buf.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64)
+                .unwrap();
+        }
+        // Host 1 is the server's context; the next poll there panics - the progress thread's, as nobody waits.
+        p.world.panic_on_next_poll(1);
+        let src = p.client_region(pattern(10, 1));
+        p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 9).unwrap();
+        let evs: Vec<_> = (0..4).map(|_| p.eq_b.next(Some(Duration::from_secs(10))).unwrap()).collect();
+        assert!(
+            evs.iter().all(|e| matches!(&e.status, Err(OpError::Transport(_)))),
+            "every pending receive fails with a transport error: {evs:?}"
+        );
+        let e = p
+            .server
+            .recv(&p.eq_b, &buf.slice(0..100), MsgFlags::NONE, 5)
+            .unwrap_err();
+        assert!(format!("{e}").contains("context failed"), "{e}");
+        // The other context is unharmed; its peer went away.
+        let ev = p.eq_a.next(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(ev.context, 9, "{ev:?}");
+    });
+}

@@ -98,6 +98,13 @@ const CONFORMANCE_FEATURES: &str = "sim,fabric,softroce";
 const HOST_BACKENDS: &[&str] = &["sim", "fabric"];
 
 /// Builds the conformance suite with every backend and returns the test binary's path.
+/// The long property and fuzz runs build in release for speed, but with overflow checks and debug assertions on:
+/// no panic may be reachable from peer input in debug builds either (issue 15).
+const CHECKED_RELEASE: [(&str, &str); 2] = [
+    ("CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS", "true"),
+    ("CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS", "true"),
+];
+
 fn conformance_exe() -> Result<PathBuf> {
     let out = sys::output(sys::cargo().args([
         "test",
@@ -389,7 +396,7 @@ pub fn run(args: TestArgs) -> Result<()> {
         // and 2,000 message-mode cases.
         tally(
             "long property tests",
-            "property tests, release (10,000 stream + 2,000 message cases)",
+            "property tests, release with overflow checks and debug assertions (10,000 stream + 2,000 message cases)",
             sys::cargo()
                 .args([
                     "test",
@@ -402,12 +409,13 @@ pub fn run(args: TestArgs) -> Result<()> {
                     "message_props",
                 ])
                 .env("EXS_STREAM_CASES", "10000")
-                .env("EXS_PROPTEST_CASES", "2000"),
+                .env("EXS_PROPTEST_CASES", "2000")
+                .envs(CHECKED_RELEASE),
         )?;
         // The fuzz targets as bounded property tests, in release so that they cover ground.
         tally(
             "fuzz property tests",
-            "fuzz targets as property tests, release (16,000 wire inputs, 1,000 + 200 crafted-peer runs)",
+            "fuzz targets as property tests, release with overflow checks (16,000 wire inputs, 1,000 + 200 crafted-peer runs)",
             sys::cargo()
                 .args([
                     "test",
@@ -419,7 +427,8 @@ pub fn run(args: TestArgs) -> Result<()> {
                     "--test",
                     "fuzz_props",
                 ])
-                .env("EXS_FUZZ_CASES", "1000"),
+                .env("EXS_FUZZ_CASES", "1000")
+                .envs(CHECKED_RELEASE),
         )?;
         // A short soak on sim and libfabric tcp (`cargo xtask soak` runs long ones).
         match crate::soak::soak_with(&sys::root().join("target/debug/exs"), 20, 1) {

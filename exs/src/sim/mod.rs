@@ -180,6 +180,8 @@ struct KeyEntry {
 struct Host {
     ip: IpAddr,
     alive: bool,
+    /// Fault schedule: the next completion poll panics (see [`World::panic_on_next_poll`]).
+    panic_next_poll: bool,
     /// The driver of a manual world skips this host's progress.
     stalled: bool,
     answering: bool,
@@ -1102,6 +1104,10 @@ impl Transport for SimTransport {
     fn poll(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
         let mut net = self.net();
         let h = &mut net.hosts[self.host];
+        if std::mem::take(&mut h.panic_next_poll) {
+            drop(net);
+            panic!("fault injected by World::panic_on_next_poll");
+        }
         let n = h.cq.len().min(max);
         out.extend(h.cq.drain(..n));
         n
@@ -1336,6 +1342,7 @@ impl World {
                 alive: true,
                 stalled: false,
                 answering: true,
+                panic_next_poll: false,
                 cq: VecDeque::new(),
                 cm: VecDeque::new(),
                 notify: notify.clone(),
@@ -1439,6 +1446,12 @@ impl World {
         if let Some(ep) = ep {
             net.break_ep(host, ep);
         }
+    }
+
+    /// Fault schedule: the next completion poll of `host`'s context panics, as a bug in protocol code would (the
+    /// context must then fail every operation instead of hanging).
+    pub fn panic_on_next_poll(&self, host: usize) {
+        lock(&self.net).hosts[host].panic_next_poll = true;
     }
 
     /// The host vanishes (process killed): its endpoints disappear and its peers see a disconnect after the

@@ -43,6 +43,10 @@ pub enum Violation {
     /// More advertisements arrived than the advert credits we granted (seed 002, 3.2).
     #[error("the peer sent advertisement {seq} beyond its {credits} advert credits")]
     AdvertOverrun { seq: u32, credits: u32 },
+    /// More stream advertisements are waiting at this side than the advert credits we granted allow (issue 15:
+    /// a peer could queue any number).
+    #[error("the peer has {queued} stream advertisements waiting, beyond its {credits} advert credits")]
+    StreamAdvertOverrun { queued: usize, credits: u32 },
     /// An advertisement's sequence number is not the next one.
     #[error("advertisement out of order: expected {expected}, got {got}")]
     AdvertOutOfOrder { expected: u32, got: u32 },

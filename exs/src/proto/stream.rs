@@ -220,6 +220,10 @@ struct Tx {
 pub(crate) struct StreamProto {
     rx: Rx,
     tx: Tx,
+    /// Peer advertisements that may wait here: the advert credits we granted (`recv_credits`).
+    max_adverts_in: usize,
+    /// Our receives that may be advertised and not yet completed: the peer's `recv_credits`.
+    max_adverts_out: usize,
     max_chunk: usize,
     max_sge: usize,
     trace: Option<Vec<StreamTrace>>,
@@ -295,6 +299,8 @@ impl StreamProto {
                 next_id: 0,
                 next_tag: 0,
             },
+            max_adverts_in: usize::from(opts.recv_credits.max(1)),
+            max_adverts_out: usize::from(peer.recv_credits.max(1)),
             max_chunk: (limits.max_message.min(u64::from(Imm::MAX_LEN))) as usize,
             max_sge: 4,
             trace: opts.trace.then(Vec::new),
@@ -635,6 +641,14 @@ impl StreamProto {
             )));
         }
         self.on_window(a.consumed)?;
+        // Bounded by the advert credits we granted: the receiver keeps at most that many outstanding (see
+        // `advertise`), and a waiting advertisement always has an outstanding receive behind it.
+        if self.tx.adverts.len() >= self.max_adverts_in {
+            return Err(Violation::StreamAdvertOverrun {
+                queued: self.tx.adverts.len() + 1,
+                credits: self.max_adverts_in as u32,
+            });
+        }
         self.tx.adverts.push_back(PeerAdvert {
             remote: RemoteRef {
                 addr: a.addr,
@@ -762,6 +776,10 @@ impl StreamProto {
             let r = &self.rx.recvs[i];
             if r.counted.is_some() || r.filled == r.len {
                 continue;
+            }
+            if self.rx.outstanding >= self.max_adverts_out {
+                // The peer's advert credits: the rest waits until an advertised receive completes.
+                break;
             }
             if ring_has_data {
                 // It will take bytes from the stream buffer first; advertising it now would mislead the sender.

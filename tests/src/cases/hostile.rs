@@ -62,6 +62,10 @@ pub fn cases() -> Vec<Case> {
             stream_window_beyond_written,
         ),
         c(
+            "hostile_stream_adverts_beyond_credits",
+            stream_adverts_beyond_credits,
+        ),
+        c(
             "hostile_stale_key_after_ack_is_refused",
             stale_key_after_ack,
         ),
@@ -551,6 +555,31 @@ fn stream_window_beyond_written(b: &dyn Backend) -> Result<(), String> {
     v.verdict(&s, raw, "window update for bytes never written", |v| {
         matches!(v, Violation::Stream(_))
     })
+}
+
+/// Issue 15: stream advertisements queue at the sender only up to the advert credits it granted (20,000 were
+/// accepted before).
+fn stream_adverts_beyond_credits(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::Stream)?;
+    let (mut raw, s) = v.accept_good()?;
+    let credits = u64::from(raw.peer.recv_credits);
+    for i in 0..=credits {
+        raw.send_msg(&Message::new(Body::StreamAdvert(exs::wire::StreamAdvert {
+            addr: 0x10_0000 + 4096 * i,
+            rkey: 7,
+            len: 100,
+            seq: i,
+            phase: 0,
+            waitall: false,
+            consumed: 0,
+        })))?;
+    }
+    v.verdict(
+        &s,
+        raw,
+        &format!("{} stream adverts on {credits} credits", credits + 1),
+        |v| matches!(v, Violation::StreamAdvertOverrun { .. }),
+    )
 }
 
 /// Least exposure: once a send is acknowledged, its remote key no longer reads anything.

@@ -111,6 +111,9 @@ pub enum OpError {
     /// The transport failed.
     #[error("transport failure: {0}")]
     Transport(TransportError),
+    /// `sendfile`: reading the file failed after part of it had been sent.
+    #[error("{0}")]
+    File(FileError),
     /// An offset receive found that the peer had ended its persistent send (seed 002, 4.4).
     #[error("the peer ended its persistent send")]
     PersistentEnded,
@@ -137,7 +140,7 @@ impl OpError {
     /// Whose fault it is.
     pub fn blame(&self) -> Blame {
         match self {
-            OpError::Cancelled | OpError::Aborted => Blame::Local,
+            OpError::Cancelled | OpError::Aborted | OpError::File(_) => Blame::Local,
             OpError::PeerClosed
             | OpError::ConnectionReset
             | OpError::PeerMisbehaved(_)
@@ -152,6 +155,7 @@ impl OpError {
         match self {
             OpError::Cancelled => io::ErrorKind::Interrupted,
             OpError::Aborted => io::ErrorKind::ConnectionAborted,
+            OpError::File(e) => e.kind,
             OpError::PeerClosed => io::ErrorKind::BrokenPipe,
             OpError::ConnectionReset => io::ErrorKind::ConnectionReset,
             OpError::PeerMisbehaved(_) => io::ErrorKind::InvalidData,

@@ -651,6 +651,7 @@ impl EventQueue {
         s.outstanding += 1;
         Ok(Ticket {
             eq: Some(Arc::clone(&self.inner)),
+            hook: None,
             kind,
             context,
             socket,
@@ -781,6 +782,9 @@ impl Drop for BusyGuard {
 /// completes it as cancelled, so no operation can be lost silently.
 pub(crate) struct Ticket {
     eq: Option<Arc<EqInner>>,
+    /// Instead of a queue: a continuation of this crate's own (chunked sendfile), run with the event once the
+    /// engine lock is let go.
+    hook: Option<Box<dyn FnOnce(Event) + Send>>,
     kind: EventKind,
     context: u64,
     socket: SocketId,
@@ -796,8 +800,25 @@ impl fmt::Debug for Ticket {
 }
 
 impl Ticket {
+    /// A ticket whose event goes to `hook` (run outside the engine lock) rather than to a queue.
+    pub(crate) fn hooked(
+        kind: EventKind,
+        context: u64,
+        socket: SocketId,
+        hook: impl FnOnce(Event) + Send + 'static,
+    ) -> Ticket {
+        Ticket {
+            eq: None,
+            hook: Some(Box::new(hook)),
+            kind,
+            context,
+            socket,
+        }
+    }
+
     /// Gives the slot back without an event: the operation was refused synchronously and never started.
     pub(crate) fn discard(mut self) {
+        self.hook = None;
         if let Some(eq) = self.eq.take() {
             let mut s = eq.lock();
             s.outstanding = s.outstanding.saturating_sub(1);
@@ -869,17 +890,20 @@ impl Ticket {
         accepted: Option<Socket>,
         readiness: crate::socket::Readiness,
     ) {
+        let event = Event {
+            kind: self.kind,
+            status,
+            bytes,
+            context: self.context,
+            flags,
+            socket: self.socket,
+            accepted,
+            readiness,
+        };
         if let Some(eq) = self.eq.take() {
-            eq.complete(Event {
-                kind: self.kind,
-                status,
-                bytes,
-                context: self.context,
-                flags,
-                socket: self.socket,
-                accepted,
-                readiness,
-            });
+            eq.complete(event);
+        } else if let Some(hook) = self.hook.take() {
+            crate::lock::run_unlocked(move || hook(event));
         }
     }
 }

@@ -28,6 +28,7 @@ pub mod event;
 pub mod memory;
 pub mod options;
 mod lock;
+pub mod sendfile;
 mod progress;
 pub mod proto;
 pub mod socket;

@@ -24,11 +24,11 @@ use std::sync::Arc;
 
 use crate::context::Context;
 use crate::error::{
-    AcceptError, CloseError, ConnectError, FileError, OptionError, PollError, RecvError, SendError,
+    AcceptError, CloseError, ConnectError, OptionError, PollError, RecvError, SendError,
     SocketError, StateError,
 };
 use crate::event::{EventKind, EventQueue, Ticket};
-use crate::memory::{MemoryRegion, Slice};
+use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 
 /// A socket's number within its context (what an ES-API file descriptor is).
@@ -274,17 +274,41 @@ impl Socket {
         len: usize,
         context: u64,
     ) -> Result<(), SendError> {
-        use std::os::unix::fs::FileExt;
-        let region = MemoryRegion::alloc(&self.h.ctx, len.max(1)).map_err(SendError::from)?;
-        let mut data = vec![0u8; len];
-        file.read_exact_at(&mut data, offset)
-            .map_err(|e| SendError::File(FileError::from(e)))?;
-        region.write(0, &data).map_err(SendError::from)?;
-        let slice = region.slice(..len);
-        // The send's lease keeps the memory registered and alive after `region` goes out of scope.
-        self.start(eq, EventKind::SendFile, context, |e, id, t| {
-            e.send(id, &slice, MsgFlags::NONE, None, t)
+        crate::sendfile::sendfile(self, eq, file, offset, len, context)
+    }
+
+    /// Sends `buf` with an event of `kind` (sendfile's message).
+    pub(crate) fn send_as(
+        &self,
+        eq: &EventQueue,
+        buf: &Slice,
+        kind: EventKind,
+        context: u64,
+    ) -> Result<(), SendError> {
+        self.start(eq, kind, context, |e, id, t| {
+            e.send(id, buf, MsgFlags::NONE, None, t)
         })
+    }
+
+    /// Sends `buf` completing `ticket` (a hooked one: chunked sendfile).
+    pub(crate) fn send_ticket(&self, buf: &Slice, ticket: Ticket) -> Result<(), SendError> {
+        let mut ticket = Some(ticket);
+        let r = self.engine(|e, id| e.send(id, buf, MsgFlags::NONE, None, &mut ticket));
+        if let Some(t) = ticket {
+            t.discard();
+        }
+        r
+    }
+
+    /// Reserves an event of `kind` for an operation this crate completes itself (chunked sendfile).
+    pub(crate) fn reserve(
+        &self,
+        eq: &EventQueue,
+        kind: EventKind,
+        context: u64,
+    ) -> Result<Ticket, crate::error::QueueFull> {
+        self.h.ctx.attach(eq);
+        eq.reserve(kind, context, self.h.id)
     }
 
     /// Ends this side's persistent send and persistent receive (`EXS_PERSISTENT`, seed 002 4.2 and 4.3). Their

@@ -24,6 +24,7 @@ pub fn cases() -> Vec<Case> {
         c("abortive_close_resets_the_peer", abort),
         c("poll_readiness", poll),
         c("sendfile_range", sendfile),
+        c("stream_sendfile_in_bounded_chunks", sendfile_chunks),
     ]
 }
 
@@ -347,4 +348,40 @@ fn sendfile(b: &dyn Backend) -> Result<(), String> {
         &data[4096..904_096],
         "file range",
     )
+}
+
+/// Issue 15: a stream sendfile larger than its buffers (`exs::sendfile::CHUNK * DEPTH`) goes in chunks: the call
+/// returns at once (the receiver below runs on the same thread), every byte arrives in order, and one `SendFile`
+/// event reports the total.
+fn sendfile_chunks(b: &dyn Backend) -> Result<(), String> {
+    let len = exs::sendfile::CHUNK * (exs::sendfile::DEPTH + 2) + 12_345;
+    let data = pattern(len + 100, 8);
+    let mut f = tempfile::tempfile().map_err(e)?;
+    f.write_all(&data).map_err(e)?;
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, &[])?;
+    p.client.sendfile(&p.eq_a, &f, 100, len, 9).map_err(e)?;
+    let got = {
+        let buf = p.region_b(1 << 20)?;
+        let mut got = Vec::with_capacity(len);
+        while got.len() < len {
+            p.server
+                .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+                .map_err(e)?;
+            let r = next(&p.eq_b)?;
+            ensure!(r.is_ok() && r.bytes > 0, "{r:?}");
+            let mut b = vec![0u8; r.bytes];
+            buf.read(0, &mut b).map_err(e)?;
+            got.extend_from_slice(&b);
+        }
+        got
+    };
+    same(&got, &data[100..100 + len], "file sent in chunks")?;
+    let s = next(&p.eq_a)?;
+    ensure!(
+        s.kind == EventKind::SendFile && s.is_ok() && s.bytes == len && s.context == 9,
+        "one SendFile event with the total: {s:?}"
+    );
+    ensure!(p.eq_a.is_empty(), "no event of the chunks reaches the user's queue");
+    Ok(())
 }

@@ -1,0 +1,239 @@
+//! `exs_sendfile` with bounded memory (issue 15: it read the whole file into a vector, copied it into a region of
+//! the same size, and sent it as one operation: the file twice in memory).
+//!
+//! A SOCK_SEQPACKET socket sends the file as one message (its boundary is the file's), so the whole file must be
+//! in registered memory: it is read straight into the region, in [`CHUNK`]-byte reads, no second copy. A
+//! SOCK_STREAM socket has no boundaries to keep: the file goes in [`CHUNK`]-byte sends through at most [`DEPTH`]
+//! registered buffers, each refilled when its send completes, so memory stays at `CHUNK * DEPTH` bytes whatever
+//! the file's size. The call reads and posts the first chunks and returns; each chunk's completion reads and posts
+//! the next (on whichever thread drives progress, outside the engine lock); one `SendFile` event reports the total
+//! bytes, or the first error, when the last chunk has completed.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::sync::{Arc, Mutex};
+
+use crate::error::{FileError, OpError, SendError};
+use crate::event::{Event, EventFlags, EventKind, EventQueue, Ticket};
+use crate::memory::MemoryRegion;
+use crate::options::SockType;
+use crate::socket::Socket;
+
+/// Bytes per read (and, on a stream socket, per send).
+pub const CHUNK: usize = 1 << 20;
+/// Stream sockets: chunks in flight (and buffers held).
+pub const DEPTH: usize = 4;
+
+pub(crate) fn sendfile(
+    sock: &Socket,
+    eq: &EventQueue,
+    file: &File,
+    offset: u64,
+    len: usize,
+    context: u64,
+) -> Result<(), SendError> {
+    match sock.sock_type()? {
+        SockType::SeqPacket => {
+            let region = MemoryRegion::alloc(sock.context(), len.max(1))?;
+            let mut at = 0;
+            while at < len {
+                let n = CHUNK.min(len - at);
+                region
+                    .with_slice_mut(at..at + n, |b| file.read_exact_at(b, offset + at as u64))?
+                    .map_err(|e| SendError::File(FileError::from(e)))?;
+                at += n;
+            }
+            // The send's lease keeps the memory registered and alive after `region` goes out of scope.
+            sock.send_as(eq, &region.slice(..len), EventKind::SendFile, context)
+        }
+        SockType::Stream => chunked(sock, eq, file, offset, len, context),
+    }
+}
+
+/// One stream sendfile in progress. Chunk completions arrive in `inbox`; whoever takes `state` drives (reads and
+/// posts in file order, completes the user's event). A completion can arrive while its own thread drives (a post
+/// lets the engine lock go, which runs deferred completions): it then only lands in the inbox and the driver
+/// picks it up before letting go.
+struct FileSend {
+    inbox: Mutex<VecDeque<Event>>,
+    state: Mutex<Progress>,
+}
+
+struct Progress {
+    sock: Socket,
+    file: File,
+    offset: u64,
+    len: usize,
+    bufs: MemoryRegion,
+    /// Bytes read and posted so far.
+    next: usize,
+    /// Bytes whose sends completed.
+    sent: usize,
+    in_flight: usize,
+    failure: Option<OpError>,
+    user: Option<Ticket>,
+}
+
+impl Progress {
+    /// Reads the chunk at `self.next` into buffer `slot`; returns its length.
+    fn read(&mut self, slot: usize) -> Result<usize, FileError> {
+        let n = CHUNK.min(self.len - self.next);
+        let at = self.offset + self.next as u64;
+        let file = &self.file;
+        self.bufs
+            .with_slice_mut(slot * CHUNK..slot * CHUNK + n, |b| file.read_exact_at(b, at))
+            .map_err(|e| FileError {
+                kind: std::io::ErrorKind::Other,
+                message: e.to_string(),
+            })?
+            .map_err(FileError::from)?;
+        Ok(n)
+    }
+
+    /// Reads and posts the next chunk into `slot`, if any is left and nothing failed.
+    fn refill(&mut self, slot: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
+        if self.failure.is_some() || self.next >= self.len {
+            return Ok(());
+        }
+        let n = match self.read(slot) {
+            Ok(n) => n,
+            Err(e) => {
+                self.failure = Some(OpError::File(e));
+                return Ok(());
+            }
+        };
+        let me = Arc::clone(me);
+        let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sock.id(), move |ev| {
+            me.arrived(ev)
+        });
+        self.sock
+            .send_ticket(&self.bufs.slice(slot * CHUNK..slot * CHUNK + n), ticket)?;
+        self.next += n;
+        self.in_flight += 1;
+        Ok(())
+    }
+}
+
+impl FileSend {
+    fn arrived(self: &Arc<Self>, ev: Event) {
+        self.inbox.lock().unwrap_or_else(|p| p.into_inner()).push_back(ev);
+        self.drive();
+    }
+
+    fn drive(self: &Arc<Self>) {
+        loop {
+            let Ok(mut st) = self.state.try_lock() else {
+                return; // the driver will see the inbox before it lets go
+            };
+            loop {
+                let ev = self.inbox.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                let Some(ev) = ev else { break };
+                st.in_flight -= 1;
+                match ev.status {
+                    Ok(()) => st.sent += ev.bytes,
+                    Err(e) => {
+                        st.failure.get_or_insert(e);
+                    }
+                }
+                if let Err(e) = st.refill(ev.context as usize, self) {
+                    st.failure
+                        .get_or_insert(OpError::Transport(crate::TransportError::Invalid(e.to_string())));
+                }
+            }
+            if st.in_flight == 0 {
+                if let Some(t) = st.user.take() {
+                    let sent = st.sent;
+                    match st.failure.take() {
+                        None => t.complete(Ok(()), sent, EventFlags::default()),
+                        // Part of the file may have reached the peer: never `Cancelled`.
+                        Some(e) => t.complete(Err(e.once_started(sent > 0)), sent, EventFlags::default()),
+                    }
+                }
+            }
+            drop(st);
+            // A completion that landed after the last look, while the lock was still held, needs a driver.
+            if self.inbox.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+                return;
+            }
+        }
+    }
+}
+
+fn chunked(
+    sock: &Socket,
+    eq: &EventQueue,
+    file: &File,
+    offset: u64,
+    len: usize,
+    context: u64,
+) -> Result<(), SendError> {
+    let user = sock.reserve(eq, EventKind::SendFile, context)?;
+    let depth = DEPTH.min(len.div_ceil(CHUNK)).max(1);
+    let file = match file.try_clone() {
+        Ok(f) => f,
+        Err(e) => {
+            user.discard();
+            return Err(SendError::File(FileError::from(e)));
+        }
+    };
+    let bufs = match MemoryRegion::alloc(sock.context(), CHUNK * depth) {
+        Ok(b) => b,
+        Err(e) => {
+            user.discard();
+            return Err(e.into());
+        }
+    };
+    let me = Arc::new(FileSend {
+        inbox: Mutex::new(VecDeque::new()),
+        state: Mutex::new(Progress {
+            sock: sock.clone(),
+            file,
+            offset,
+            len,
+            bufs,
+            next: 0,
+            sent: 0,
+            in_flight: 0,
+            failure: None,
+            user: Some(user),
+        }),
+    });
+    {
+        let mut st = me.state.lock().unwrap_or_else(|p| p.into_inner());
+        // Nothing has gone to the peer before the first chunk: its errors are the call's.
+        let first = match st.read(0) {
+            Ok(_) => st.refill_first(&me),
+            Err(e) => Err(SendError::File(e)),
+        };
+        if let Err(e) = first {
+            if let Some(t) = st.user.take() {
+                t.discard();
+            }
+            return Err(e);
+        }
+        for slot in 1..depth {
+            if let Err(e) = st.refill(slot, &me) {
+                st.failure
+                    .get_or_insert(OpError::Transport(crate::TransportError::Invalid(e.to_string())));
+                break;
+            }
+        }
+    }
+    // Completions that came while the first chunks were posted.
+    me.drive();
+    Ok(())
+}
+
+impl Progress {
+    /// Posts chunk 0, already read (its errors are the call's, nothing having gone to the peer yet).
+    fn refill_first(&mut self, me: &Arc<FileSend>) -> Result<(), SendError> {
+        let n = CHUNK.min(self.len);
+        let me = Arc::clone(me);
+        let ticket = Ticket::hooked(EventKind::Send, 0, self.sock.id(), move |ev| me.arrived(ev));
+        self.sock.send_ticket(&self.bufs.slice(0..n), ticket)?;
+        self.next = n;
+        self.in_flight = 1;
+        Ok(())
+    }
+}

@@ -98,6 +98,9 @@ pub struct ContextOptions {
     /// `None`: idle connections never probe. A peer *process* that dies is detected without it (its kernel
     /// tears the connection down).
     pub keepalive: Option<Duration>,
+    /// Connections the context holds at most (open, connecting, being accepted or closing). Requests beyond it are
+    /// refused (the peer sees `Refused`), and a `connect` fails with `TransportError::Resource`. Default 16,384.
+    pub max_connections: usize,
 }
 
 /// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
@@ -140,6 +143,7 @@ impl Default for ContextOptions {
             ack_delay: Duration::from_micros(200),
             shared_recv: SharedRecv::default(),
             keepalive: Some(Duration::from_secs(10)),
+            max_connections: 16_384,
         }
     }
 }

@@ -56,6 +56,10 @@ pub struct EngineStats {
     pub registrations: u64,
     /// Remote keys handed out (each bound to one connection).
     pub exposures: u64,
+    /// Connection requests refused because the context held `ContextOptions::max_connections` already.
+    pub refused_over_limit: u64,
+    /// Connection requests that waited in a backlog longer than the connect timeout and were refused.
+    pub expired_requests: u64,
     /// Device-visible memory the connections hold now: control send and receive slots and stream buffers
     /// (these only once the peer first needed one). The shared pool is counted in `pool`.
     pub connection_bytes: u64,
@@ -91,7 +95,8 @@ enum Phase {
 struct Listening {
     listener: ListenerId,
     accepts: VecDeque<Ticket>,
-    backlog: VecDeque<(RequestId, SocketAddr, Handshake)>,
+    /// Requests waiting for an accept, with when they came (they expire after the connect timeout).
+    backlog: VecDeque<(RequestId, SocketAddr, Handshake, Instant)>,
 }
 
 #[derive(Debug)]
@@ -154,6 +159,8 @@ impl Sock {
 enum TimerKind {
     Linger,
     ConnectTimeout,
+    /// A listener's oldest waiting requests expire.
+    Backlog,
     Ack,
     Keepalive,
 }
@@ -166,6 +173,8 @@ pub(crate) struct Engine {
     clock: Arc<dyn Clock>,
     linger: Duration,
     connect_timeout: Duration,
+    /// Connections (endpoints) this context holds at most; requests beyond are refused.
+    max_connections: usize,
     ack_delay: Duration,
     keepalive: Option<Duration>,
     sockets: HashMap<SocketId, Sock>,
@@ -219,6 +228,7 @@ impl Engine {
             clock: Arc::clone(&opts.clock),
             linger: opts.linger,
             connect_timeout: opts.connect_timeout,
+            max_connections: opts.max_connections,
             ack_delay: opts.ack_delay,
             keepalive: opts.keepalive,
             sockets: HashMap::new(),
@@ -390,7 +400,7 @@ impl Engine {
                     for t in l.accepts {
                         t.complete(Err(err.clone()), 0, EventFlags::default());
                     }
-                    for (request, _, _) in l.backlog {
+                    for (request, _, _, _) in l.backlog {
                         self.transport.reject(request);
                     }
                     self.listeners.remove(&l.listener);
@@ -530,11 +540,12 @@ impl Engine {
                     let connecting = self
                         .sockets
                         .get(sid)
-                        .is_some_and(|s| s.phase == Phase::Connecting);
+                        .is_some_and(|s| matches!(s.phase, Phase::Connecting | Phase::Accepting));
                     if connecting {
                         self.fail_connect(*sid, OpError::TimedOut);
                     }
                 }
+                TimerKind::Backlog => self.expire_backlog(*sid, now),
                 TimerKind::Ack => {
                     if let Some(conn) = self.sockets.get_mut(sid).and_then(|s| s.conn.as_mut()) {
                         conn.force_ack();
@@ -907,6 +918,21 @@ impl Engine {
         }
     }
 
+    /// Refuses the requests that waited in a listener's backlog longer than the connect timeout (their peers have
+    /// given up by then).
+    fn expire_backlog(&mut self, lsid: SocketId, now: Instant) {
+        let timeout = self.connect_timeout;
+        let Some(l) = self.sockets.get_mut(&lsid).and_then(|s| s.listening.as_mut()) else {
+            return;
+        };
+        while l.backlog.front().is_some_and(|b| b.3 + timeout <= now) {
+            let (request, peer, _, _) = l.backlog.pop_front().expect("checked");
+            tracing::debug!(%peer, "connection request expired in the backlog");
+            self.stats.expired_requests += 1;
+            self.transport.reject(request);
+        }
+    }
+
     fn fail_connect(&mut self, sid: SocketId, err: OpError) {
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;
@@ -940,6 +966,12 @@ impl Engine {
             self.transport.reject(request);
             return;
         };
+        if self.eps.len() >= self.max_connections {
+            tracing::debug!(%peer, limit = self.max_connections, "connection limit reached, refusing");
+            self.stats.refused_over_limit += 1;
+            self.transport.reject(request);
+            return;
+        }
         let Some(lsock) = self.sockets.get_mut(&lsid) else {
             self.transport.reject(request);
             return;
@@ -969,7 +1001,10 @@ impl Engine {
         if let Some(ticket) = l.accepts.pop_front() {
             self.accept_request(lsid, request, peer, hs, ticket);
         } else if l.backlog.len() < lsock.opts.backlog as usize {
-            l.backlog.push_back((request, peer, hs));
+            let now = self.clock.now();
+            l.backlog.push_back((request, peer, hs, now));
+            self.timers
+                .push((now + self.connect_timeout, lsid, TimerKind::Backlog));
             self.check_polls(lsid);
         } else {
             tracing::debug!(%peer, "backlog full, rejecting");
@@ -1021,6 +1056,9 @@ impl Engine {
         sock.peer_addr = Some(peer);
         self.sockets.insert(sid, sock);
         self.eps.insert(ep, sid);
+        // A peer that never completes the connection does not hold the endpoint forever.
+        let at = self.clock.now() + self.connect_timeout;
+        self.timers.push((at, sid, TimerKind::ConnectTimeout));
     }
 
     fn on_established(&mut self, ep: EndpointId, private: Vec<u8>) {
@@ -1338,7 +1376,7 @@ impl Engine {
             return Err(StateError::NotListening.into());
         };
         let ticket = ticket.take().expect("ticket given");
-        if let Some((request, peer, hs)) = l.backlog.pop_front() {
+        if let Some((request, peer, hs, _)) = l.backlog.pop_front() {
             self.accept_request(sid, request, peer, hs, ticket);
         } else {
             l.accepts.push_back(ticket);
@@ -1360,6 +1398,13 @@ impl Engine {
             _ => return Err(StateError::AlreadyConnected.into()),
         }
         let (ty, opts) = (s.ty, s.opts);
+        if self.eps.len() >= self.max_connections {
+            return Err(TransportError::Resource(format!(
+                "the context's connection limit ({}) is reached",
+                self.max_connections
+            ))
+            .into());
+        }
         let ep = self.new_ep();
         let mut conn = self.build_conn(ep, ty, &opts)?;
         let recvs = conn
@@ -1729,7 +1774,7 @@ impl Engine {
                 for t in l.accepts {
                     t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
                 }
-                for (request, _, _) in l.backlog {
+                for (request, _, _, _) in l.backlog {
                     self.transport.reject(request);
                 }
                 self.listeners.remove(&l.listener);

@@ -637,3 +637,118 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
         assert_eq!(ev.context, 9, "{ev:?}");
     });
 }
+
+/// Issue 15: `ContextOptions::max_connections` bounds what one context holds; requests beyond it are refused
+/// politely (the peer sees `Refused`), and room made by a close is used again.
+#[test]
+fn connections_beyond_the_limit_are_refused_politely() {
+    let world = World::threaded(SimConfig::default());
+    let server = world.host_with(exs::ContextOptions {
+        max_connections: 3,
+        ..exs::ContextOptions::default()
+    });
+    let client = world.host();
+    let l = Socket::new(&server, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 7200)).unwrap();
+    let addr = l.listen(16).unwrap();
+    let seq = EventQueue::new(64);
+    let ceq = EventQueue::new(64);
+    for i in 0..5 {
+        l.accept(&seq, i).unwrap();
+    }
+    let clients: Vec<Socket> = (0..5)
+        .map(|i| {
+            let c = Socket::new(&client, SockType::SeqPacket).unwrap();
+            c.connect(addr, &ceq, i).unwrap();
+            c
+        })
+        .collect();
+    let evs: Vec<_> = (0..5).map(|_| ceq.next(Some(Duration::from_secs(10))).unwrap()).collect();
+    let ok = evs.iter().filter(|e| e.is_ok()).count();
+    let refused = evs.iter().filter(|e| e.status == Err(OpError::Refused)).count();
+    assert_eq!((ok, refused), (3, 2), "{evs:?}");
+    assert_eq!(server.stats().refused_over_limit, 2);
+    let mut accepted: Vec<Socket> = (0..3)
+        .map(|_| seq.next(Some(Duration::from_secs(10))).unwrap().accepted.take().unwrap())
+        .collect();
+    // A closed connection makes room.
+    let gone = accepted.pop().unwrap();
+    gone.abort().unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let c = Socket::new(&client, SockType::SeqPacket).unwrap();
+        c.connect(addr, &ceq, 9).unwrap();
+        let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+        if ev.is_ok() {
+            break;
+        }
+        assert!(std::time::Instant::now() < until, "no room after a close: {ev:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(clients);
+}
+
+/// Issue 15: a connection request nobody accepts does not wait in the backlog forever: it is refused after the
+/// connect timeout, and the backlog's room comes back.
+#[test]
+fn a_request_left_in_the_backlog_expires() {
+    let world = World::threaded(SimConfig::default());
+    let server = world.host_with(exs::ContextOptions {
+        connect_timeout: Duration::from_millis(200),
+        ..exs::ContextOptions::default()
+    });
+    let client = world.host();
+    let l = Socket::new(&server, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 7300)).unwrap();
+    let addr = l.listen(1).unwrap();
+    let ceq = EventQueue::new(8);
+    let c = Socket::new(&client, SockType::SeqPacket).unwrap();
+    c.connect(addr, &ceq, 1).unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while server.stats().expired_requests == 0 {
+        assert!(std::time::Instant::now() < until, "the request never expired");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+    assert!(!ev.is_ok(), "the abandoned connect ends: {ev:?}");
+    // The backlog has room again: a new request waits there and is accepted.
+    let c2 = Socket::new(&client, SockType::SeqPacket).unwrap();
+    c2.connect(addr, &ceq, 2).unwrap();
+    let seq = EventQueue::new(8);
+    l.accept(&seq, 3).unwrap();
+    let ev = seq.next(Some(Duration::from_secs(10))).unwrap();
+    assert!(ev.is_ok(), "{ev:?}");
+}
+
+/// Issue 15: 10,000 refused connects (the backlog is full and nobody accepts) leave nothing behind on either side.
+#[test]
+fn ten_thousand_refused_connects_leave_nothing_behind() {
+    let world = World::threaded(SimConfig::default());
+    let server = world.host();
+    let client = world.host();
+    let l = Socket::new(&server, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 7400)).unwrap();
+    let addr = l.listen(1).unwrap();
+    let ceq = EventQueue::new(256);
+    // One request fills the backlog.
+    let first = Socket::new(&client, SockType::SeqPacket).unwrap();
+    first.connect(addr, &ceq, 0).unwrap();
+    let before = (server.stats().connection_bytes, client.stats().connection_bytes);
+    for round in 0..100 {
+        let socks: Vec<Socket> = (0..100)
+            .map(|i| {
+                let c = Socket::new(&client, SockType::SeqPacket).unwrap();
+                c.connect(addr, &ceq, 1 + round * 100 + i).unwrap();
+                c
+            })
+            .collect();
+        for _ in 0..100 {
+            let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+            assert_eq!(ev.status, Err(OpError::Refused), "{ev:?}");
+        }
+        drop(socks);
+    }
+    let after = (server.stats().connection_bytes, client.stats().connection_bytes);
+    assert_eq!(after, before, "memory held by connections changed");
+    assert_eq!(world.endpoints(1), 1, "the client's refused endpoints were released");
+}

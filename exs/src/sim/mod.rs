@@ -1421,6 +1421,11 @@ impl World {
         lock(&self.net).queue.len()
     }
 
+    /// Endpoints host `host`'s transport holds now (connected, connecting or being accepted).
+    pub fn endpoints(&self, host: usize) -> usize {
+        lock(&self.net).hosts[host].eps.len()
+    }
+
     /// Remote keys currently valid on all hosts.
     pub fn live_keys(&self) -> usize {
         lock(&self.net).keys.len()

@@ -490,10 +490,14 @@ impl Engine {
         }
     }
 
+    /// Handles up to [`ROUND_BATCHES`] batches of completions. Bounded (issue 15: a peer flooding one connection
+    /// kept the engine locked, and connection events and timers unhandled, for as long as it sent): the round's
+    /// caller handles connection events and timers, lets the lock go, and comes back (arming the completion queue
+    /// reports that completions remain).
     fn poll_completions(&mut self) -> bool {
+        const BATCH: usize = 64;
         let mut did = false;
-        loop {
-            const BATCH: usize = 64;
+        for _ in 0..ROUND_BATCHES {
             let mut batch = std::mem::take(&mut self.completions);
             let n = self.transport.poll(&mut batch, BATCH);
             for c in batch.drain(..) {
@@ -505,9 +509,10 @@ impl Engine {
             did |= n > 0;
             // Fewer than asked: the queue is drained (polling it again would only cost another call).
             if n < BATCH {
-                return did;
+                break;
             }
         }
+        did
     }
 
     fn run_timers(&mut self) -> bool {
@@ -693,7 +698,24 @@ impl Engine {
         let established = sock.conn.as_ref().is_some_and(Conn::is_established);
         if !established {
             if matches!(sock.phase, Phase::Connecting | Phase::Accepting) {
-                // The connection-management event that brings this connection up has not been handled yet.
+                // The connection-management event that brings this connection up has not been handled yet. An
+                // honest peer sends no more than the control buffers we posted before it (issue 15: they grew
+                // without bound on tcp, where writes with immediate data consume no receive).
+                let bound = sock
+                    .conn
+                    .as_ref()
+                    .map_or(0, |c| c.link.window_in() as usize)
+                    .max(16);
+                if sock.early.len() >= bound {
+                    self.release_early(vec![c]);
+                    self.fault(
+                        sid,
+                        Fault::Peer(Violation::CreditOverrun {
+                            window: bound as u32,
+                        }),
+                    );
+                    return;
+                }
                 sock.early.push(c);
             } else {
                 self.release_early(vec![c]);
@@ -1905,6 +1927,9 @@ fn ctrl_slot_size(small: usize) -> usize {
         .next_multiple_of(64)
         .min(u16::MAX as usize & !63)
 }
+
+/// Batches of completions one progress round handles at most (see `Engine::poll_completions`).
+const ROUND_BATCHES: usize = 4;
 
 /// What operations and calls of a failed context report.
 fn failed_error(why: &str) -> OpError {

@@ -167,10 +167,12 @@ impl DmaBuf {
         if len == 0 {
             return Some(Arc::new(Self::empty()));
         }
-        let layout = Layout::from_size_align(len, PAGE).ok()?;
+        // Whole pages, so that no other allocation shares one (see `dont_fork`).
+        let layout = Layout::from_size_align(len.checked_next_multiple_of(PAGE)?, PAGE).ok()?;
         // SAFETY: the layout has a non-zero size (checked above).
         let raw = unsafe { alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(raw)?;
+        dont_fork(ptr, layout.size());
         Some(Arc::new(Self {
             ptr,
             len,
@@ -675,6 +677,20 @@ unsafe fn load(src: *const u8, dst: &mut [u8], racy: bool) {
     }
 }
 
+/// Keeps a child process from inheriting these pages (issue 15, fork safety). Registered memory is pinned: if a
+/// fork left it copy-on-write, the parent's next write would move the parent to a fresh page while the device kept
+/// reading and writing the old one, now the child's, and transfers would silently lose data. With
+/// `MADV_DONTFORK` the child simply has no such mapping (a child that execs, as most do, never needed it), and the
+/// parent's pages never move. What `ibv_fork_init` arranges for registrations, done here for every buffer this
+/// crate allocates, whatever the backend. Buffers taken over from a `Vec` are not covered (their pages may hold
+/// other allocations, which a child may need): allocate with [`DmaBuf::new`] to fork safely.
+fn dont_fork(ptr: NonNull<u8>, len: usize) {
+    // SAFETY: `ptr..ptr+len` is a page-aligned allocation of whole pages that we own; madvise changes only how
+    // fork treats the mapping, never its contents. Failure (an old kernel) leaves the default behaviour.
+    let r = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTFORK) };
+    debug_assert_eq!(r, 0, "madvise(MADV_DONTFORK) failed");
+}
+
 /// Copies `src` to `dst`.
 ///
 /// # Safety
@@ -755,6 +771,37 @@ mod tests {
         let mut small = dst.lease(20..30, LeaseKind::DeviceWrite).unwrap();
         assert!(src.copy_into(0, &mut small, 5, 10).is_err(), "out of the destination's bounds");
         assert!(src.copy_into(9_995, &mut small, 0, 10).is_err(), "out of the source's bounds");
+    }
+
+    #[test]
+    fn allocated_buffers_are_not_inherited_by_a_child_process() {
+        // Issue 15 (fork safety): the kernel marks such a mapping "dc" (do not copy) in /proc/self/smaps.
+        let b = DmaBuf::new(3 * PAGE + 100);
+        let addr = b.addr();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let mut inside = false;
+        let mut flags = None;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((lo, hi)) = range.split_once('-') {
+                    if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) {
+                        inside = lo <= addr && addr < hi;
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(f) = line.strip_prefix("VmFlags:") {
+                    flags = Some(f.to_string());
+                    break;
+                }
+            }
+        }
+        let flags = flags.expect("the buffer's mapping is in /proc/self/smaps");
+        assert!(
+            flags.split_whitespace().any(|f| f == "dc"),
+            "the buffer's pages would be copied into a child: VmFlags{flags}"
+        );
     }
 
     #[test]

@@ -165,6 +165,8 @@ pub(crate) struct EqInner {
     depth: usize,
     /// Readable when a thread sleeping on transports (a leader) should look at this queue; made on first use.
     fd: OnceLock<Option<EventFd>>,
+    /// The application's descriptor ([`AsFd`]): readable while events are queued; made on first use.
+    ready: OnceLock<EventFd>,
 }
 
 struct EqState {
@@ -179,6 +181,8 @@ struct EqState {
     nudges: u64,
     mode: WaitMode,
     stats: QueueStats,
+    /// Whether `ready` has been written since the queue was last empty.
+    ready_set: bool,
     /// Manual-progress drivers of the contexts whose operations report here.
     drivers: Vec<Weak<dyn Driver>>,
     /// Threaded contexts whose operations report here (driven directly by a busy-polling dequeue).
@@ -189,6 +193,19 @@ struct EqState {
 #[derive(Clone)]
 pub struct EventQueue {
     inner: Arc<EqInner>,
+}
+
+/// Readable while events are queued (level-triggered): register it with epoll, mio, or tokio's `AsyncFd`, and call
+/// [`EventQueue::poll`] when it is. No thread per queue, no busy polling.
+///
+/// # Panics
+/// If the process has no file descriptor left for the first call ([`EventQueue::readiness_fd`] returns the error
+/// instead).
+impl AsFd for EventQueue {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.readiness_fd()
+            .unwrap_or_else(|e| panic!("an event queue's readiness descriptor: {e}"))
+    }
 }
 
 impl fmt::Debug for EventQueue {
@@ -220,6 +237,7 @@ impl EventQueue {
                     waiters: Vec::new(),
                     fd_sleeper: None,
                     nudges: 0,
+                    ready_set: false,
                     mode,
                     stats: QueueStats::default(),
                     drivers: Vec::new(),
@@ -228,6 +246,7 @@ impl EventQueue {
                 cond: Condvar::new(),
                 depth,
                 fd: OnceLock::new(),
+                ready: OnceLock::new(),
             }),
         }
     }
@@ -308,7 +327,28 @@ impl EventQueue {
     /// Takes whatever is queued, without waiting.
     pub fn poll(&self, out: &mut Vec<Event>, max: usize) -> usize {
         let mut s = self.inner.lock();
-        drain(&mut s, out, max)
+        let n = drain(&mut s, out, max);
+        self.inner.sync_ready(&mut s);
+        n
+    }
+
+    /// A descriptor readable while events are queued, for epoll, mio or tokio's `AsyncFd` (see the [`AsFd`]
+    /// implementation). Progress meanwhile is the progress thread's (`Progress::Thread`, the default): nobody
+    /// needs to call into the queue for the descriptor to become readable. Fails only if no descriptor can be
+    /// had (the process's limit).
+    pub fn readiness_fd(&self) -> std::io::Result<BorrowedFd<'_>> {
+        let fd = match self.inner.ready.get() {
+            Some(fd) => fd,
+            None => {
+                let made = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+                    .map_err(std::io::Error::from)?;
+                let _ = self.inner.ready.set(made);
+                self.inner.ready.get().expect("just set")
+            }
+        };
+        let mut s = self.inner.lock();
+        self.inner.sync_ready(&mut s);
+        Ok(fd.as_fd())
     }
 
     /// Waits until every outstanding operation has completed (seed 004's default count: all still expected).
@@ -702,6 +742,7 @@ impl EqInner {
         let mut s = self.lock();
         s.outstanding = s.outstanding.saturating_sub(1);
         s.events.push_back(event);
+        self.sync_ready(&mut s);
         // Seed 004: wake a sleeper only once the count it waits for has arrived. Every sleeper has its own count,
         // so one waiter's count never hides another's.
         let len = s.events.len();
@@ -732,6 +773,23 @@ impl EqInner {
             self.write_fd();
         }
         self.cond.notify_all();
+    }
+
+    /// Keeps the application's descriptor readable exactly while events are queued (level-triggered, as epoll,
+    /// mio and tokio's `AsyncFd` expect). Called under the state lock after every change of `events`.
+    fn sync_ready(&self, s: &mut EqState) {
+        let Some(fd) = self.ready.get() else { return };
+        match (s.events.is_empty(), s.ready_set) {
+            (false, false) => {
+                let _ = fd.write(1);
+                s.ready_set = true;
+            }
+            (true, true) => {
+                let _ = fd.read();
+                s.ready_set = false;
+            }
+            _ => {}
+        }
     }
 
     fn write_fd(&self) {

@@ -183,3 +183,28 @@ fn busy_poll_mode_completes_without_sleeping() {
     assert_eq!(rq.wait_all(Some(Duration::from_secs(20))).unwrap().len(), 8);
     assert_eq!((sq.stats().blocks, rq.stats().blocks), (0, 0));
 }
+
+/// Issue 16: an event queue is a descriptor for epoll, mio or tokio: readable exactly while events are queued,
+/// with progress made by the context's progress thread while the application sleeps in `poll(2)`.
+#[test]
+fn the_queue_descriptor_is_readable_exactly_while_events_are_queued() {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let p = pair_threaded(SockType::SeqPacket, &[]);
+    let readable = |ms: u16| {
+        let mut fds = [PollFd::new(p.eq_b.as_fd(), PollFlags::POLLIN)];
+        poll(&mut fds, PollTimeout::from(ms)).unwrap() == 1
+    };
+    assert!(!readable(0), "an empty queue is not readable");
+    let dst = p.server_region(100);
+    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1).unwrap();
+    assert!(!readable(20), "nothing arrived yet");
+    let src = p.client_region(pattern(100, 3));
+    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
+    assert!(readable(10_000), "the receive completed while this thread slept in poll(2)");
+    assert!(readable(0), "level-triggered: still readable until dequeued");
+    let mut evs = Vec::new();
+    assert_eq!(p.eq_b.poll(&mut evs, 8), 1);
+    assert!(evs[0].is_ok());
+    assert!(!readable(0), "empty again");
+}

@@ -315,6 +315,12 @@ fn state_kind(e: &StateError) -> io::ErrorKind {
     }
 }
 
+impl From<StateError> for io::Error {
+    fn from(e: StateError) -> Self {
+        io::Error::new(state_kind(&e), e)
+    }
+}
+
 fn state_blame(e: &StateError) -> Blame {
     match e {
         StateError::ConnectionDown(op) => op.blame(),

@@ -29,6 +29,7 @@ pub mod memory;
 pub mod options;
 mod lock;
 pub mod sendfile;
+mod stream_io;
 mod progress;
 pub mod proto;
 pub mod socket;
@@ -52,6 +53,7 @@ pub use memory::{MemoryRegion, Slice};
 pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
 pub use progress::ProgressStats;
 pub use socket::{ConnStats, Readiness, Socket, SocketId};
+pub use stream_io::{Listener, Stream, STREAM_IO_BUFFER};
 pub use transport::{Capabilities, Transport, TransportError};
 
 /// The ES-API version this library implements (`EXS_VERSION`).

@@ -13,9 +13,12 @@ use std::sync::{Mutex, MutexGuard};
 
 use crate::engine::Engine;
 
+/// Work waiting for this thread to let go of the engine.
+type Later = Vec<Box<dyn FnOnce()>>;
+
 thread_local! {
     /// Engine locks this thread holds, and the work waiting for the last to go.
-    static HELD: RefCell<(usize, Vec<Box<dyn FnOnce()>>)> = const { RefCell::new((0, Vec::new())) };
+    static HELD: RefCell<(usize, Later)> = const { RefCell::new((0, Vec::new())) };
 }
 
 /// The engine, locked by this thread.

@@ -21,6 +21,7 @@ pub fn cases() -> Vec<Case> {
             "stream_close_is_graceful_and_nothing_follows_its_close",
             graceful_close,
         ),
+        c("std_io_stream_transfer_then_end_of_stream", std_io_transfer),
         c(
             "direct_transfers_resume_after_the_sender_blocked_on_a_full_buffer",
             resume_one,
@@ -429,5 +430,30 @@ fn graceful_close(b: &dyn Backend) -> Result<(), String> {
         "the receiving side saw a violation: {:?}",
         p.server.error()
     );
+    Ok(())
+}
+
+/// Issue 16: `exs::Listener` and `exs::Stream` (`std::io::Read`/`Write`): 4 MiB one way, counted by the
+/// listener's side with `io::copy`, then end-of-stream both ways.
+fn std_io_transfer(b: &dyn Backend) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let net = b.net();
+    let (server, client) = (net.host(), net.host());
+    let listener = exs::Listener::bind_in(&server, net.listen_addr(0)).map_err(|e| e.to_string())?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let echo = std::thread::spawn(move || -> Result<u64, String> {
+        let (mut s, _) = listener.accept().map_err(|e| e.to_string())?;
+        let n = std::io::copy(&mut s, &mut std::io::sink()).map_err(|e| e.to_string())?;
+        Ok(n)
+    });
+    let mut c = exs::Stream::connect_in(&client, addr).map_err(|e| e.to_string())?;
+    let data = pattern(4 << 20, 77);
+    c.write_all(&data).map_err(|e| e.to_string())?;
+    c.shutdown(std::net::Shutdown::Write).map_err(|e| e.to_string())?;
+    let n = echo.join().map_err(|_| "the echo thread panicked")??;
+    ensure!(n == data.len() as u64, "the listener's side read {n} bytes of {}", data.len());
+    let mut rest = Vec::new();
+    c.read_to_end(&mut rest).map_err(|e| e.to_string())?;
+    ensure!(rest.is_empty(), "bytes after the peer's end");
     Ok(())
 }

@@ -1,0 +1,70 @@
+//! Issue 16: `exs::Stream` and `exs::Listener`, the `std::net`-shaped blocking API, on the simulated fabric.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::Shutdown;
+use std::time::Duration;
+
+use exs::sim::{SimConfig, World};
+use exs::{Listener, Stream};
+
+fn pattern(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+}
+
+#[test]
+fn a_stream_echoes_a_mebibyte_then_reads_end_of_stream() {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9100)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let echo = std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().unwrap();
+        assert_eq!(s.peer_addr().unwrap(), peer);
+        let mut buf = vec![0u8; 100_000];
+        loop {
+            let n = s.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            s.write_all(&buf[..n]).unwrap();
+        }
+        s.shutdown(Shutdown::Write).unwrap();
+    });
+    let mut c = Stream::connect_in(&client, addr).unwrap();
+    assert_eq!(c.peer_addr().unwrap(), addr);
+    let data = pattern(1 << 20);
+    c.write_all(&data).unwrap();
+    c.shutdown(Shutdown::Write).unwrap();
+    let mut back = Vec::new();
+    c.read_to_end(&mut back).unwrap();
+    assert!(back == data, "echoed bytes differ");
+    echo.join().unwrap();
+}
+
+#[test]
+fn a_read_that_waits_too_long_fails_with_would_block_and_the_next_one_gets_the_bytes() {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9101)).unwrap();
+    // As with RDMA connections generally, a connect completes when the listener accepts it.
+    let accepting = std::thread::spawn(move || listener.accept().unwrap());
+    let mut c = Stream::connect_in(&client, world.addr(0, 9101)).unwrap();
+    let (mut s, _) = accepting.join().unwrap();
+    c.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+    let mut buf = [0u8; 10];
+    let e = c.read(&mut buf).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::WouldBlock, "{e}");
+    s.write_all(b"late").unwrap();
+    c.set_read_timeout(None).unwrap();
+    let n = c.read(&mut buf).unwrap();
+    assert_eq!(&buf[..n], b"late");
+    assert!(c.set_read_timeout(Some(Duration::ZERO)).is_err());
+}
+
+#[test]
+fn connecting_where_nobody_listens_is_refused() {
+    let world = World::threaded(SimConfig::default());
+    let (_server, client) = (world.host(), world.host());
+    let e = Stream::connect_in(&client, world.addr(0, 9102)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
+}

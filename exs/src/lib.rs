@@ -30,6 +30,8 @@ pub mod options;
 mod lock;
 pub mod sendfile;
 mod stream_io;
+#[cfg(feature = "tokio")]
+pub mod tokio;
 mod progress;
 pub mod proto;
 pub mod socket;

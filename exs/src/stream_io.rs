@@ -38,25 +38,6 @@ use crate::socket::Socket;
 /// Bytes of each internal registered buffer (one for reads, one for writes).
 pub const STREAM_IO_BUFFER: usize = 256 * 1024;
 
-/// A connected stream, like `std::net::TcpStream`.
-#[derive(Debug)]
-pub struct Stream {
-    sock: Socket,
-    eq: EventQueue,
-    rx: MemoryRegion,
-    tx: MemoryRegion,
-    /// Bytes received into `rx` not yet read: `rx[at..end]`.
-    at: usize,
-    end: usize,
-    /// A receive is posted (a read timed out waiting for it).
-    recv_posted: bool,
-    /// A send is in flight (a write timed out waiting for it).
-    send_posted: bool,
-    eof: bool,
-    read_timeout: Option<Duration>,
-    write_timeout: Option<Duration>,
-}
-
 fn other(e: impl std::fmt::Display) -> io::Error {
     io::Error::other(e.to_string())
 }
@@ -69,8 +50,169 @@ fn wait_err(e: DequeueError) -> io::Error {
     }
 }
 
+/// What a connected stream needs whichever way its caller waits: the socket, its queue, the registered buffers and
+/// the steps that never block (the blocking [`Stream`] and the async `exs::tokio::Stream` wait between them).
+#[derive(Debug)]
+pub(crate) struct Core {
+    pub(crate) sock: Socket,
+    pub(crate) eq: EventQueue,
+    rx: MemoryRegion,
+    tx: MemoryRegion,
+    /// Bytes received into `rx` not yet read: `rx[at..end]`.
+    at: usize,
+    end: usize,
+    /// A receive is posted.
+    recv_posted: bool,
+    /// A send is in flight.
+    send_posted: bool,
+    /// A write shutdown is in flight / done.
+    pub(crate) shutdown_posted: bool,
+    pub(crate) shutdown_done: bool,
+    pub(crate) eof: bool,
+}
+
+impl Core {
+    pub(crate) fn new(ctx: &Context, sock: Socket, eq: EventQueue) -> io::Result<Core> {
+        Ok(Core {
+            sock,
+            eq,
+            rx: MemoryRegion::alloc(ctx, STREAM_IO_BUFFER)?,
+            tx: MemoryRegion::alloc(ctx, STREAM_IO_BUFFER)?,
+            at: 0,
+            end: 0,
+            recv_posted: false,
+            send_posted: false,
+            shutdown_posted: false,
+            shutdown_done: false,
+            eof: false,
+        })
+    }
+
+    /// Takes in one event of this stream's queue.
+    pub(crate) fn absorb(&mut self, ev: crate::event::Event) -> io::Result<()> {
+        match ev.kind {
+            EventKind::Recv => {
+                self.recv_posted = false;
+                ev.status.map_err(io::Error::from)?;
+                if ev.flags.eof {
+                    self.eof = true;
+                }
+                self.at = 0;
+                self.end = ev.bytes;
+            }
+            EventKind::Send => {
+                self.send_posted = false;
+                ev.status.map_err(io::Error::from)?;
+            }
+            EventKind::Shutdown => {
+                self.shutdown_posted = false;
+                self.shutdown_done = true;
+                ev.status.map_err(io::Error::from)?;
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Takes in whatever is queued, without waiting.
+    pub(crate) fn absorb_queued(&mut self) -> io::Result<()> {
+        let mut evs = Vec::new();
+        self.eq.poll(&mut evs, 8);
+        for ev in evs {
+            self.absorb(ev)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes (or end-of-stream: 0) if there are some now; otherwise makes sure a receive is posted and says
+    /// `None`: wait for the queue, then call again.
+    pub(crate) fn try_read(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        if buf.is_empty() {
+            return Ok(Some(0));
+        }
+        self.absorb_queued()?;
+        if self.at == self.end {
+            if self.eof {
+                return Ok(Some(0));
+            }
+            if !self.recv_posted {
+                self.sock
+                    .recv(&self.eq, &self.rx.all(), MsgFlags::NONE, 0)
+                    .map_err(io::Error::from)?;
+                self.recv_posted = true;
+            }
+            return Ok(None);
+        }
+        let n = buf.len().min(self.end - self.at);
+        self.rx.read(self.at, &mut buf[..n]).map_err(other)?;
+        self.at += n;
+        Ok(Some(n))
+    }
+
+    /// Copies up to [`STREAM_IO_BUFFER`] bytes into the registered send buffer and sends them, once the previous
+    /// send has completed (`None` until then: wait for the queue, then call again).
+    pub(crate) fn try_write(&mut self, buf: &[u8]) -> io::Result<Option<usize>> {
+        if buf.is_empty() {
+            return Ok(Some(0));
+        }
+        self.absorb_queued()?;
+        if self.send_posted {
+            return Ok(None);
+        }
+        let n = buf.len().min(STREAM_IO_BUFFER);
+        self.tx.write(0, &buf[..n]).map_err(other)?;
+        self.sock
+            .send(&self.eq, &self.tx.slice(..n), MsgFlags::NONE, 0)
+            .map_err(io::Error::from)?;
+        self.send_posted = true;
+        Ok(Some(n))
+    }
+
+    /// Whether every byte written has left.
+    pub(crate) fn try_flush(&mut self) -> io::Result<bool> {
+        self.absorb_queued()?;
+        Ok(!self.send_posted)
+    }
+
+    /// Shuts the writing side down once the bytes written have left; `true` when done.
+    pub(crate) fn try_shutdown(&mut self) -> io::Result<bool> {
+        if !self.try_flush()? {
+            return Ok(false);
+        }
+        if !self.shutdown_posted && !self.shutdown_done {
+            self.sock.shutdown(&self.eq, 1)?;
+            self.shutdown_posted = true;
+            self.absorb_queued()?;
+        }
+        Ok(self.shutdown_done)
+    }
+
+    pub(crate) fn local_addr(&self) -> io::Result<SocketAddr> {
+        self.sock
+            .local_addr()?
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no local address"))
+    }
+
+    pub(crate) fn peer_addr(&self) -> io::Result<SocketAddr> {
+        self.sock
+            .peer_addr()?
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no peer address"))
+    }
+}
+
+/// A connected stream, like `std::net::TcpStream`. A write returns once its bytes are in the registered send
+/// buffer and sent (an error of that send comes with the next write or `flush`); `flush` waits until they have
+/// left.
+#[derive(Debug)]
+pub struct Stream {
+    core: Core,
+    read_timeout: Option<Duration>,
+    write_timeout: Option<Duration>,
+}
+
 impl Stream {
-    /// Connects on `ctx` to the first address of `addr` that answers.
+    /// Connects on `ctx` to the first address of `addr` that answers. As with RDMA connections generally, the
+    /// connection completes when the listener accepts it.
     pub fn connect_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Stream> {
         let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
         for a in addr.to_socket_addrs()? {
@@ -93,15 +235,7 @@ impl Stream {
 
     fn from_socket(ctx: &Context, sock: Socket, eq: EventQueue) -> io::Result<Stream> {
         Ok(Stream {
-            sock,
-            eq,
-            rx: MemoryRegion::alloc(ctx, STREAM_IO_BUFFER)?,
-            tx: MemoryRegion::alloc(ctx, STREAM_IO_BUFFER)?,
-            at: 0,
-            end: 0,
-            recv_posted: false,
-            send_posted: false,
-            eof: false,
+            core: Core::new(ctx, sock, eq)?,
             read_timeout: None,
             write_timeout: None,
         })
@@ -109,39 +243,28 @@ impl Stream {
 
     /// The ES-API socket underneath (zero-copy sends and receives of registered memory).
     pub fn socket(&self) -> &Socket {
-        &self.sock
+        &self.core.sock
     }
 
     /// This side's address.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.sock
-            .local_addr()?
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no local address"))
+        self.core.local_addr()
     }
 
     /// The peer's address.
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
-        self.sock
-            .peer_addr()?
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no peer address"))
+        self.core.peer_addr()
     }
 
     /// Shuts the writing side down (the peer reads end-of-stream after the bytes already written), like
     /// `TcpStream::shutdown`. Shutting the reading side down only stops this side's reads.
     pub fn shutdown(&mut self, how: Shutdown) -> io::Result<()> {
         if matches!(how, Shutdown::Read | Shutdown::Both) {
-            self.eof = true;
+            self.core.eof = true;
         }
         if matches!(how, Shutdown::Write | Shutdown::Both) {
-            self.finish_send(None)?;
-            self.sock.shutdown(&self.eq, 1)?;
-            loop {
-                let ev = self.eq.next(None).map_err(io::Error::from)?;
-                if ev.kind == EventKind::Shutdown {
-                    ev.status.map_err(io::Error::from)?;
-                    break;
-                }
-                self.absorb(ev)?;
+            while !self.core.try_shutdown()? {
+                self.wait(self.write_timeout)?;
             }
         }
         Ok(())
@@ -156,7 +279,7 @@ impl Stream {
         Ok(())
     }
 
-    /// How long a write may wait for the bytes to leave (`None`: for ever).
+    /// How long a write may wait for the previous bytes to leave (`None`: for ever).
     pub fn set_write_timeout(&mut self, t: Option<Duration>) -> io::Result<()> {
         if t == Some(Duration::ZERO) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
@@ -175,82 +298,39 @@ impl Stream {
         Ok(self.write_timeout)
     }
 
-    /// An event that is not the one being waited for (receives and sends share the queue).
-    fn absorb(&mut self, ev: crate::event::Event) -> io::Result<()> {
-        match ev.kind {
-            EventKind::Recv => {
-                self.recv_posted = false;
-                ev.status.map_err(io::Error::from)?;
-                if ev.flags.eof {
-                    self.eof = true;
-                }
-                self.at = 0;
-                self.end = ev.bytes;
-            }
-            EventKind::Send => {
-                self.send_posted = false;
-                ev.status.map_err(io::Error::from)?;
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// Waits for the send in flight, if any.
-    fn finish_send(&mut self, timeout: Option<Duration>) -> io::Result<()> {
-        while self.send_posted {
-            let ev = self.eq.next(timeout).map_err(wait_err)?;
-            self.absorb(ev)?;
-        }
-        Ok(())
+    /// Waits for one event of the stream's queue and takes it in.
+    fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        let ev = self.core.eq.next(timeout).map_err(wait_err)?;
+        self.core.absorb(ev)
     }
 }
 
 impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
-        }
-        while self.at == self.end {
-            if self.eof {
-                return Ok(0);
+        loop {
+            if let Some(n) = self.core.try_read(buf)? {
+                return Ok(n);
             }
-            if !self.recv_posted {
-                self.sock
-                    .recv(&self.eq, &self.rx.all(), MsgFlags::NONE, 0)
-                    .map_err(io::Error::from)?;
-                self.recv_posted = true;
-            }
-            let ev = self.eq.next(self.read_timeout).map_err(wait_err)?;
-            self.absorb(ev)?;
+            self.wait(self.read_timeout)?;
         }
-        let n = buf.len().min(self.end - self.at);
-        self.rx.read(self.at, &mut buf[..n]).map_err(other)?;
-        self.at += n;
-        Ok(n)
     }
 }
 
 impl Write for Stream {
-    /// Copies up to [`STREAM_IO_BUFFER`] bytes into the registered send buffer and sends them; returns once
-    /// they have left (a stream send completes when its bytes are at the peer).
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        if buf.is_empty() {
-            return Ok(0);
+        loop {
+            if let Some(n) = self.core.try_write(buf)? {
+                return Ok(n);
+            }
+            self.wait(self.write_timeout)?;
         }
-        self.finish_send(self.write_timeout)?;
-        let n = buf.len().min(STREAM_IO_BUFFER);
-        self.tx.write(0, &buf[..n]).map_err(other)?;
-        self.sock
-            .send(&self.eq, &self.tx.slice(..n), MsgFlags::NONE, 0)
-            .map_err(io::Error::from)?;
-        self.send_posted = true;
-        self.finish_send(self.write_timeout)?;
-        Ok(n)
     }
 
     fn flush(&mut self) -> io::Result<()> {
-        self.finish_send(self.write_timeout)
+        while !self.core.try_flush()? {
+            self.wait(self.write_timeout)?;
+        }
+        Ok(())
     }
 }
 

@@ -348,7 +348,7 @@ pub fn run(args: TestArgs) -> Result<()> {
         "--workspace",
         "--all-targets",
         "--features",
-        "exs-conformance/fabric,exs-conformance/softroce",
+        "exs-conformance/fabric,exs-conformance/softroce,exs/tokio",
     ]))?;
     if !only_conformance {
         // Lints are part of the test: every crate, every target, every backend feature, warnings denied.
@@ -357,7 +357,7 @@ pub fn run(args: TestArgs) -> Result<()> {
             "--workspace",
             "--all-targets",
             "--features",
-            "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce",
+            "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce,exs/tokio",
             "--",
             "-D",
             "warnings",
@@ -389,6 +389,8 @@ pub fn run(args: TestArgs) -> Result<()> {
                 "--workspace",
                 "--exclude",
                 "exs-conformance",
+                "--features",
+                "exs/tokio",
                 "--no-fail-fast",
             ]),
         )?;

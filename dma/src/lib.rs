@@ -23,6 +23,8 @@
 //!
 //! This is the only crate of the protocol side that contains `unsafe`; each block states its invariant.
 
+#![deny(missing_docs)]
+
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::ops::Range;
@@ -95,27 +97,39 @@ pub enum DmaError {
     /// The range does not lie inside the buffer.
     #[error("range {start}..{end} is outside the buffer of {len} bytes")]
     OutOfBounds {
+        /// Start of the requested range (bytes into the buffer).
         start: usize,
+        /// End of the requested range (exclusive).
         end: usize,
+        /// Length of the buffer.
         len: usize,
     },
     /// Another holder uses an overlapping range in a way that excludes this one.
     #[error("range {start}..{end} is in use ({held:?}); refused {wanted:?}")]
     Busy {
+        /// Start of the requested range.
         start: usize,
+        /// End of the requested range (exclusive).
         end: usize,
+        /// The kind of the conflicting lease already held.
         held: LeaseKind,
+        /// The kind of lease (or CPU access) that was refused.
         wanted: LeaseKind,
     },
     /// The lease does not allow this access (for example writing through a read lease).
     #[error("a {kind:?} lease does not allow {access}")]
     WrongKind {
+        /// The lease's kind.
         kind: LeaseKind,
+        /// The access that was attempted (for example "writing").
         access: &'static str,
     },
     /// The buffer still has leases (or other handles), so it cannot be taken apart.
     #[error("the buffer is still in use by {leases} lease(s)")]
-    InUse { leases: usize },
+    InUse {
+        /// Leases still held on the buffer.
+        leases: usize,
+    },
 }
 
 #[derive(Debug)]

@@ -4,9 +4,10 @@
 //! The protocol must move (answer adverts, issue reads, send acknowledgments and credits) while the application is
 //! blocked in a dequeue or busy elsewhere. API calls post their work requests directly (posting does not block)
 //! and wake nobody. A thread that waits in a dequeue runs the protocol itself and sleeps on the transport's wait
-//! descriptor (see [`crate::progress`]); a context's **one** progress thread, whatever the number of sockets, does
-//! the same only while no application thread waits. An idle connection, and a persistent sender whose peer pulls
-//! with RDMA reads, cost it nothing: hardware serves the reads without any completion on the sender.
+//! descriptor (the rules are in the crate's internal `progress` module, its counters in [`ProgressStats`]); a
+//! context's **one** progress thread, whatever the number of sockets, does the same only while no application
+//! thread waits. An idle connection, and a persistent sender whose peer pulls with RDMA reads, cost it nothing:
+//! hardware serves the reads without any completion on the sender.
 //!
 //! The simulated fabric can instead run in manual mode: no thread, and `dequeue` drives the simulated world until
 //! the events it waits for exist, deterministically.

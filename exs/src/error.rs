@@ -34,32 +34,60 @@ pub enum Violation {
     /// The peer's socket type differs from ours (stream vs seqpacket).
     #[error("socket type mismatch: we are {ours}, the peer is {theirs}")]
     SocketTypeMismatch {
+        /// Our socket type ("stream" or "seqpacket").
         ours: &'static str,
+        /// The socket type the peer's handshake announced.
         theirs: &'static str,
     },
     /// More control messages arrived than the receive buffers we granted.
     #[error("the peer sent beyond its {window} control-buffer credits")]
-    CreditOverrun { window: u32 },
+    CreditOverrun {
+        /// The control-buffer credits we granted the peer.
+        window: u32,
+    },
     /// More advertisements arrived than the advert credits we granted (seed 002, 3.2).
     #[error("the peer sent advertisement {seq} beyond its {credits} advert credits")]
-    AdvertOverrun { seq: u32, credits: u32 },
+    AdvertOverrun {
+        /// Sequence number of the advertisement that overran.
+        seq: u32,
+        /// The advert credits we granted the peer (our `recv_credits`).
+        credits: u32,
+    },
     /// More stream advertisements are waiting at this side than the advert credits we granted allow (issue 15:
     /// a peer could queue any number).
     #[error("the peer has {queued} stream advertisements waiting, beyond its {credits} advert credits")]
-    StreamAdvertOverrun { queued: usize, credits: u32 },
+    StreamAdvertOverrun {
+        /// Stream advertisements waiting at this side, counting the one that overran.
+        queued: usize,
+        /// The advert credits we granted the peer.
+        credits: u32,
+    },
     /// An advertisement's sequence number is not the next one.
     #[error("advertisement out of order: expected {expected}, got {got}")]
-    AdvertOutOfOrder { expected: u32, got: u32 },
+    AdvertOutOfOrder {
+        /// The sequence number we expected next.
+        expected: u32,
+        /// The sequence number the advertisement carried.
+        got: u32,
+    },
     /// An acknowledgment for an operation we never sent.
     #[error("acknowledgment for unknown advertisement {seq} (next unacked {oldest}, {outstanding} outstanding)")]
     UnknownAck {
+        /// The cumulative acknowledgment count the peer sent.
         seq: u32,
+        /// Sequence number of our oldest advertisement not yet acknowledged.
         oldest: u32,
+        /// How many of our advertisements await an acknowledgment.
         outstanding: usize,
     },
     /// More credits were returned than we ever spent.
     #[error("{returned} credits returned with only {spent} outstanding")]
-    CreditsBeyondWindow { returned: u32, spent: u32 },
+    CreditsBeyondWindow {
+        /// Credits the peer returned in one message.
+        returned: u32,
+        /// Credits we had spent and not yet got back.
+        spent: u32,
+    },
     /// An advertised length or address range does not fit.
     #[error("advertised range is invalid: {0}")]
     BadRange(String),
@@ -69,7 +97,9 @@ pub enum Violation {
     /// A message of a kind that this socket type or state does not accept.
     #[error("unexpected {kind} message {context}")]
     Unexpected {
+        /// What arrived (a message kind, or a kind of transfer).
         kind: &'static str,
+        /// Why it is not accepted here (the socket type or state).
         context: &'static str,
     },
     /// A persistent operation was refused by the rules of seed 002, 4.3.
@@ -183,8 +213,11 @@ pub enum BufferError {
     /// The range is not inside the memory region.
     #[error("range {start}..{end} is outside the region of {len} bytes")]
     OutOfRegion {
+        /// Start of the requested range (bytes into the region).
         start: usize,
+        /// End of the requested range (exclusive).
         end: usize,
+        /// Length of the region.
         len: usize,
     },
     /// The region belongs to another context (device) than the socket.
@@ -274,7 +307,15 @@ macro_rules! op_error {
         #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
         #[non_exhaustive]
         pub enum $name {
-            $($(#[$vm])* #[error(transparent)] $var(#[from] $ty),)*
+            $(
+                $(#[$vm])*
+                #[error(transparent)]
+                $var(
+                    #[doc = concat!("The underlying [`", stringify!($ty), "`].")]
+                    #[from]
+                    $ty
+                ),
+            )*
         }
 
         impl $name {
@@ -338,10 +379,16 @@ fn buffer_kind(e: &BufferError) -> io::ErrorKind {
 op_error! {
     /// Why `send` (exs_send) was refused.
     SendError {
+        /// The socket's handle or state does not allow it: the caller's fault, or the peer's or the transport's
+        /// when the connection is down.
         State(StateError) => state_blame, state_kind;
+        /// The buffer cannot be used (out of its region, busy, deregistered): the caller's fault.
         Buffer(BufferError) => |_| Blame::Local, buffer_kind;
+        /// The event queue is full: the caller's fault (dequeue events first; it maps to `WouldBlock`).
         Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
+        /// A socket option could not be read or set: the caller's fault.
         Option(OptionError) => |_| Blame::Local, |_| io::ErrorKind::InvalidInput;
+        /// The transport refused or failed: the transport's fault.
         Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
         /// `sendfile`: the file could not be read.
         File(FileError) => |_| Blame::Local, |e: &FileError| e.kind;
@@ -372,7 +419,10 @@ impl From<io::Error> for FileError {
 op_error! {
     /// Why `poll` (exs_poll) was refused at once.
     PollError {
+        /// The socket's handle or state does not allow it: the caller's fault, or the peer's or the transport's
+        /// when the connection is down.
         State(StateError) => state_blame, state_kind;
+        /// The event queue is full: the caller's fault (dequeue events first; it maps to `WouldBlock`).
         Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
     }
 }
@@ -380,10 +430,16 @@ op_error! {
 op_error! {
     /// Why `recv` (exs_recv) was refused.
     RecvError {
+        /// The socket's handle or state does not allow it: the caller's fault, or the peer's or the transport's
+        /// when the connection is down.
         State(StateError) => state_blame, state_kind;
+        /// The buffer cannot be used (out of its region, busy, deregistered): the caller's fault.
         Buffer(BufferError) => |_| Blame::Local, buffer_kind;
+        /// The event queue is full: the caller's fault (dequeue events first; it maps to `WouldBlock`).
         Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
+        /// A socket option could not be read or set: the caller's fault.
         Option(OptionError) => |_| Blame::Local, |_| io::ErrorKind::InvalidInput;
+        /// The transport refused or failed: the transport's fault.
         Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
     }
 }
@@ -391,8 +447,12 @@ op_error! {
 op_error! {
     /// Why `connect` (exs_connect) was refused at once. Later failures arrive in the event.
     ConnectError {
+        /// The socket's handle or state does not allow it: the caller's fault, or the peer's or the transport's
+        /// when the connection is down.
         State(StateError) => state_blame, state_kind;
+        /// The event queue is full: the caller's fault (dequeue events first; it maps to `WouldBlock`).
         Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
+        /// The transport refused or failed: the transport's fault.
         Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
     }
 }
@@ -400,8 +460,12 @@ op_error! {
 op_error! {
     /// Why `accept` (exs_accept) was refused at once.
     AcceptError {
+        /// The socket's handle or state does not allow it: the caller's fault, or the peer's or the transport's
+        /// when the connection is down.
         State(StateError) => state_blame, state_kind;
+        /// The event queue is full: the caller's fault (dequeue events first; it maps to `WouldBlock`).
         Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
+        /// The transport refused or failed: the transport's fault.
         Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
     }
 }
@@ -409,7 +473,10 @@ op_error! {
 op_error! {
     /// Why `bind`/`listen`/`socket` (exs_bind, exs_listen, exs_socket) failed.
     SocketError {
+        /// The socket's handle or state does not allow it: the caller's fault, or the peer's or the transport's
+        /// when the connection is down.
         State(StateError) => state_blame, state_kind;
+        /// The transport refused or failed: the transport's fault.
         Transport(TransportError) => |_| Blame::Transport, |e: &TransportError| e.io_kind();
     }
 }
@@ -417,7 +484,10 @@ op_error! {
 op_error! {
     /// Why `close`/`shutdown` (exs_close) failed.
     CloseError {
+        /// The socket's handle or state does not allow it: the caller's fault, or the peer's or the transport's
+        /// when the connection is down.
         State(StateError) => state_blame, state_kind;
+        /// The event queue is full: the caller's fault (dequeue events first; it maps to `WouldBlock`).
         Queue(QueueFull) => |_| Blame::Local, |_| io::ErrorKind::WouldBlock;
     }
 }
@@ -431,8 +501,11 @@ pub enum OptionError {
     /// The value is out of the allowed range.
     #[error("option {name}: {value} is out of range ({allowed})")]
     OutOfRange {
+        /// The option's name.
         name: &'static str,
+        /// The value that was refused.
         value: u64,
+        /// The allowed range, in words.
         allowed: &'static str,
     },
     /// The socket is invalid or closed.
@@ -458,7 +531,10 @@ impl From<OptionError> for io::Error {
 pub enum MemoryError {
     /// Pending operations or exposed remote keys still use the region.
     #[error("the region is still used by {leases} pending operation(s) or remote key(s)")]
-    InUse { leases: usize },
+    InUse {
+        /// Pending operations and remote keys still holding a lease on the region.
+        leases: usize,
+    },
     /// The transport refused the registration.
     #[error(transparent)]
     Transport(#[from] TransportError),
@@ -506,7 +582,12 @@ pub enum DequeueError {
     Invalid(&'static str),
     /// In the simulated fabric only: nothing can ever arrive (every endpoint is idle), so waiting would hang.
     #[error("deadlock: {waiting} event(s) awaited, {outstanding} operation(s) outstanding, and the fabric is idle")]
-    Stalled { waiting: usize, outstanding: usize },
+    Stalled {
+        /// Events the dequeue waited for.
+        waiting: usize,
+        /// Operations outstanding on the queue.
+        outstanding: usize,
+    },
 }
 
 impl DequeueError {

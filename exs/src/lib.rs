@@ -20,6 +20,7 @@
 //! immediate data, persistent operations), seed 003 (shared receive queue), seed 004 (adaptive completion wait).
 
 #![forbid(unsafe_code)]
+#![deny(missing_docs)]
 
 pub mod context;
 pub mod engine;

@@ -3,7 +3,7 @@
 //! A [`MemoryRegion`] is a buffer registered with one [`Context`]'s transport. Operations name a range of it
 //! with a [`Slice`]. While an operation is pending, its range is leased (see `exs-dma`): the application cannot
 //! write a range a send is exposing or read a range a receive may be filling (it gets
-//! [`BufferError::Busy`](crate::BufferError::Busy)), the region cannot be deregistered
+//! [`BufferError::Busy`]), the region cannot be deregistered
 //! ([`MemoryError::InUse`]), and dropping every handle keeps the memory alive until the last pending operation and
 //! remote key are gone. No sequence of safe calls can make the hardware touch freed memory.
 

@@ -11,7 +11,7 @@
 //! | `listen`             | `rdma_bind_addr` + `rdma_listen`                   | `fi_passive_ep` + `fi_listen`            |
 //! | `connect`            | resolve addr/route, `rdma_create_qp`, post initial receives, `rdma_connect` | `fi_endpoint`, `fi_recv`..., `fi_connect` |
 //! | `accept`             | `rdma_create_qp`, post receives, `rdma_accept`     | `fi_endpoint`, `fi_recv`..., `fi_accept` |
-//! | `post` Send          | `ibv_post_send` IBV_WR_SEND[_WITH_IMM], inline when small | `fi_sendv` / `fi_senddata`         |
+//! | `post` Send          | `ibv_post_send` IBV_WR_SEND\[_WITH_IMM\], inline when small | `fi_sendv` / `fi_senddata`         |
 //! | `post` Write + imm   | IBV_WR_RDMA_WRITE_WITH_IMM (or write + send fallback) | `fi_writedata` / `fi_writemsg` + data |
 //! | `post` Read          | IBV_WR_RDMA_READ                                   | `fi_read`                               |
 //! | `post` Recv          | `ibv_post_recv`                                    | `fi_recv`                               |

@@ -38,10 +38,20 @@ const KNOWN_FLAGS: u16 = FLAG_ACK;
 pub enum WireError {
     /// Fewer bytes than the layout needs.
     #[error("message too short: need {need} bytes, got {got}")]
-    TooShort { need: usize, got: usize },
+    TooShort {
+        /// Bytes the layout needs.
+        need: usize,
+        /// Bytes there were.
+        got: usize,
+    },
     /// More bytes than the header announces.
     #[error("message length {got} does not match the {expected} bytes its header announces")]
-    LengthMismatch { expected: usize, got: usize },
+    LengthMismatch {
+        /// Bytes the header announces (header, body and inline data).
+        expected: usize,
+        /// Bytes there were.
+        got: usize,
+    },
     /// A version we do not speak.
     #[error("unsupported protocol version {0} (we speak {VERSION})")]
     Version(u8),
@@ -56,7 +66,12 @@ pub enum WireError {
     BadMagic(u32),
     /// A field has a value outside its domain.
     #[error("invalid field {field}: {value}")]
-    Invalid { field: &'static str, value: u64 },
+    Invalid {
+        /// The field's name.
+        field: &'static str,
+        /// The value it had.
+        value: u64,
+    },
 }
 
 /// Kinds of control messages.

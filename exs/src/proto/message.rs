@@ -1,6 +1,6 @@
 //! Message mode (SOCK_SEQPACKET): the data path of seed 002, section 3.
 //!
-//! * **Advertisement** (3.1): "an exs_send [becomes] an RDMA send operation that sends a short advertisement
+//! * **Advertisement** (3.1): "an exs_send \[becomes\] an RDMA send operation that sends a short advertisement
 //!   containing the size and the starting address of the data block to be sent, and a memory registration handle
 //!   that gives the receiving side permission to transfer the block of data directly from the sender's registered
 //!   memory." The send's range is exposed for remote read for exactly as long as the advert is outstanding.

@@ -4,8 +4,8 @@
 //! * [`message`]: SOCK_SEQPACKET, seed 002 section 3 (adverts, receiver-driven reads, acknowledgments, credits).
 //! * [`stream`]: SOCK_STREAM, seed 001 (direct and indirect transfers, estimated sequence numbers, phases).
 //! * [`pool`]: the shared receive pool of a context, seed 003.
-//! * [`conn`]: one connection, composing the link with the protocol of its socket type.
-//! * [`op`]: operations as the protocol sees them; completions go back to the engine as values.
+//! * `conn`: one connection, composing the link with the protocol of its socket type.
+//! * `op`: operations as the protocol sees them; completions go back to the engine as values.
 
 pub(crate) mod conn;
 pub mod link;

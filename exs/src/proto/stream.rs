@@ -88,34 +88,66 @@ pub struct StreamStats {
 pub enum StreamTrace {
     /// Receiver: advertisement number `id` sent.
     AdvertSent {
+        /// The advertisement's number (1, 2, 3, ... on this connection).
         id: u32,
+        /// The estimated sequence number of the first byte the advertised receive will get.
         seq: u64,
+        /// Bytes advertised (the room left in the receive).
         len: u64,
+        /// The receiver's phase, carried by the advertisement.
         phase: u32,
     },
     /// Receiver: its phase changed.
-    ReceiverPhase { phase: u32 },
+    ReceiverPhase {
+        /// The new phase (odd after an indirect transfer arrived in an even phase, even once resynchronised).
+        phase: u32,
+    },
     /// Receiver: a receive completed (`advertised`: an advertisement had been sent for it).
-    RecvCompleted { bytes: u64, advertised: bool },
+    RecvCompleted {
+        /// Bytes the receive got.
+        bytes: u64,
+        /// An advertisement had been sent for it (its estimate is then corrected by the difference).
+        advertised: bool,
+    },
     /// Sender: a peer advertisement was accepted in an odd phase.
-    Accepted { seq: u64, phase: u32 },
+    Accepted {
+        /// The advertisement's sequence number (equal to the sender's).
+        seq: u64,
+        /// The advertisement's phase, which becomes the sender's.
+        phase: u32,
+    },
     /// Sender: a peer advertisement was rejected; `sender_seq` is the sender's position when it judged it,
     /// `sender_phase` its phase afterwards.
     Rejected {
+        /// The advertisement's sequence number.
         seq: u64,
+        /// The advertisement's phase.
         phase: u32,
+        /// The sender's sequence number (bytes sent) when it judged the advertisement.
         sender_seq: u64,
+        /// The sender's phase after the rejection.
         sender_phase: u32,
     },
-    /// Sender: a direct transfer (into the advertisement of `advert_seq`, `advert_phase`).
+    /// Sender: a direct transfer (into the advertisement of `advert_seq`).
     Direct {
+        /// Sequence number of the transfer's first byte (bytes sent before it).
         seq: u64,
+        /// Bytes transferred.
         len: u64,
+        /// The sender's phase (even: the advertisement's).
         phase: u32,
+        /// Sequence number of the advertisement the bytes went into.
         advert_seq: u64,
     },
     /// Sender: an indirect transfer.
-    Indirect { seq: u64, len: u64, phase: u32 },
+    Indirect {
+        /// Sequence number of the transfer's first byte (bytes sent before it).
+        seq: u64,
+        /// Bytes transferred into the peer's stream buffer.
+        len: u64,
+        /// The sender's phase after the transfer (odd).
+        phase: u32,
+    },
 }
 
 /// Our intermediate stream buffer's size. The buffer itself is allocated, registered and exposed only when the

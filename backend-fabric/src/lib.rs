@@ -235,6 +235,28 @@ pub fn providers() -> Vec<String> {
     names
 }
 
+/// Why [`FabricTransport::create_ep`] failed, and whether it got as far as opening the endpoint.
+#[derive(Debug)]
+struct EpError {
+    error: TransportError,
+    opened: bool,
+}
+
+impl EpError {
+    fn before(error: TransportError) -> Self {
+        EpError {
+            error,
+            opened: false,
+        }
+    }
+}
+
+impl From<EpError> for TransportError {
+    fn from(e: EpError) -> Self {
+        e.error
+    }
+}
+
 /// A posted work request. Its address is the operation context; `ctx` comes first for FI_CONTEXT providers.
 #[repr(C)]
 struct WrRecord {
@@ -461,14 +483,33 @@ impl FabricTransport {
         Ok(d)
     }
 
-    fn create_ep(&mut self, info: *mut fi_info, id: EndpointId) -> Result<Ep, TransportError> {
-        let dom = self.domain_for(id)?;
+    /// Opens an endpoint and its completion queue. On error, `EpError::opened` says whether an endpoint was
+    /// opened from `info` (and closed again): from a connection request's info, that endpoint took the
+    /// connection over, so the request is no longer the provider's to refuse.
+    fn create_ep(&mut self, info: *mut fi_info, id: EndpointId) -> Result<Ep, EpError> {
+        let dom = self.domain_for(id).map_err(EpError::before)?;
         let mut ep = ptr::null_mut();
         let ctx = (TAG_EP | id.0 as usize) as *mut c_void;
         // SAFETY: open domain; `info` is a valid entry (from fi_getinfo or a connection request).
         check("fi_endpoint", unsafe {
             exs_fi_endpoint(dom.domain, info, &mut ep, ctx)
-        })?;
+        })
+        .map_err(EpError::before)?;
+        self.finish_ep(dom, ep, ctx, id).map_err(|error| EpError {
+            error,
+            opened: true,
+        })
+    }
+
+    /// The rest of [`FabricTransport::create_ep`] once the endpoint is open: its queue, bindings, enabling. On
+    /// error the endpoint is closed.
+    fn finish_ep(
+        &mut self,
+        dom: Arc<Domain>,
+        ep: *mut fid_ep,
+        ctx: *mut c_void,
+        id: EndpointId,
+    ) -> Result<Ep, TransportError> {
         let size = (self.caps.max_send_wr + self.caps.max_recv_wr) as usize;
         let mut attr = fi_cq_attr {
             size,
@@ -733,6 +774,27 @@ impl FabricTransport {
         }
     }
 
+    /// Refuses a connection request through the listener that received it, then frees its info (once, by
+    /// dropping it). The only ways a request ends are this and `accept`.
+    fn reject_info(&mut self, listener: ListenerId, info: Info) {
+        match self.listeners.get(&listener) {
+            Some(&pep) => {
+                // SAFETY: an open passive endpoint and the handle of a request it received (from the request's
+                // info, alive until `info` drops below); the provider frees the handle, not the info.
+                let ret = unsafe { exs_fi_reject(pep, (*info.0).handle, ptr::null(), 0) };
+                if ret < 0 {
+                    tracing::debug!("fi_reject: {}", strerror(ret.into()));
+                }
+            }
+            // Not reached: `close_listener` rejects a listener's requests before closing it.
+            None => tracing::error!(
+                ?listener,
+                "rejecting a request of a closed listener; its connection handle leaks"
+            ),
+        }
+        drop(info);
+    }
+
     fn report_down(&mut self, id: EndpointId) -> Option<CmEvent> {
         let e = self.eps.get_mut(&id)?;
         e.state = EpState::Down;
@@ -811,6 +873,13 @@ impl FabricTransport {
                     let info = Info(entry.info);
                     let listener = ListenerId((tag & 0xffff_ffff) as u32);
                     if tag & TAG_LISTENER == 0 || !self.listeners.contains_key(&listener) {
+                        // Not reached: a listener is closed only after its requests waiting in this queue were read
+                        // and rejected (`close_listener`), and fi_reject needs the passive endpoint that received
+                        // the request. The info goes (fi_freeinfo, once, by `Info`); its connection handle cannot.
+                        tracing::error!(
+                            tag,
+                            "connection request for a listener that is not open; its connection handle leaks"
+                        );
                         continue;
                     }
                     // SAFETY: a connection request's info carries the peer's address.
@@ -1027,17 +1096,32 @@ impl Transport for FabricTransport {
     }
 
     fn close_listener(&mut self, listener: ListenerId) {
+        if !self.listeners.contains_key(&listener) {
+            return;
+        }
+        // Connection requests for this listener may wait in the event queue (the provider's progress publishes
+        // them while a read runs, and the read returns one). Read them while the passive endpoint is open: once
+        // it is closed their entries name a freed object, and their connections can no longer be refused, so
+        // their sockets would leak. The provider makes no progress between this and the close below (the event
+        // queue's progress runs in reads, and the engine's lock is held), so none can follow.
+        while let Some(ev) = self.read_eq() {
+            self.cm_backlog.push_back(ev);
+        }
+        let stale: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, (l, _))| *l == listener)
+            .map(|(r, _)| *r)
+            .collect();
+        for r in stale {
+            self.reject(r);
+        }
+        // Requests just read for it are answered: the engine never sees them.
+        self.cm_backlog.retain(
+            |ev| !matches!(ev, CmEvent::ConnectRequest { listener: l, .. } if *l == listener),
+        );
         if let Some(pep) = self.listeners.remove(&listener) {
-            let stale: Vec<RequestId> = self
-                .requests
-                .iter()
-                .filter(|(_, (l, _))| *l == listener)
-                .map(|(r, _)| *r)
-                .collect();
-            for r in stale {
-                self.reject(r);
-            }
-            // SAFETY: the passive endpoint is removed from our table and closed once.
+            // SAFETY: the passive endpoint is removed from our table and closed once; no request of it is left.
             unsafe { exs_fi_close(&mut (*pep).fid) };
         }
     }
@@ -1096,11 +1180,23 @@ impl Transport for FabricTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
-        let (_, info) = self
+        let (listener, info) = self
             .requests
             .remove(&request)
             .ok_or(TransportError::Invalid("unknown request".into()))?;
-        let e = self.create_ep(info.0, ep)?;
+        let e = match self.create_ep(info.0, ep) {
+            Ok(e) => e,
+            Err(EpError { error, opened }) => {
+                // The connection's own domain, if one was made for it, goes with it.
+                self.conn_domains.remove(&ep);
+                if !opened {
+                    // The request is still the provider's: refuse it (the peer sees a refusal, its socket goes).
+                    self.reject_info(listener, info);
+                }
+                // Otherwise the endpoint made from it took the connection over and closed it.
+                return Err(error);
+            }
+        };
         self.eps.insert(ep, e);
         if let Err(err) = self.post_initial(ep, recvs) {
             self.release(ep);
@@ -1118,10 +1214,7 @@ impl Transport for FabricTransport {
 
     fn reject(&mut self, request: RequestId) {
         if let Some((listener, info)) = self.requests.remove(&request) {
-            if let Some(&pep) = self.listeners.get(&listener) {
-                // SAFETY: listening endpoint and the request's handle (from its info).
-                unsafe { exs_fi_reject(pep, (*info.0).handle, ptr::null(), 0) };
-            }
+            self.reject_info(listener, info);
         }
     }
 
@@ -1308,3 +1401,6 @@ impl Drop for FabricTransport {
 pub fn context(cfg: &FabricConfig) -> Result<exs::Context, TransportError> {
     exs::Context::new(Box::new(FabricTransport::open(cfg)?))
 }
+
+#[cfg(test)]
+mod tests;

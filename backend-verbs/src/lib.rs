@@ -12,7 +12,12 @@
 //! * Posting: a batch of requests is chained into one `ibv_post_send` (one doorbell). Only every
 //!   [`SIGNAL_EVERY`]-th request and the last of each batch is signalled; a signalled completion also completes the
 //!   unsignalled requests before it (a reliable connection completes in order), so the send queue never holds
-//!   more than its depth and every request gets its completion.
+//!   more than its depth and every request gets its completion. A chain the device refuses part-way leaves the
+//!   requests before the refused one on the device: their records (and leases) stay until they complete, and
+//!   only the requests that never reached it come back.
+//! * Identifiers: every request the device carries has an identifier no other request of the transport ever
+//!   had (see [`queue`]), so a late completion of a destroyed queue pair whose number went to a new one cannot
+//!   complete the new one's requests.
 //! * Memory: the base registration grants local access only (plus remote write on iWARP, where the sink of an
 //!   RDMA read must allow it); a remote key is a registration of exactly the exposed range, deregistered when the
 //!   exposure is dropped (least exposure).
@@ -41,14 +46,14 @@ use nix::sys::socket::{SockaddrLike, SockaddrStorage};
 use rdma_sys::*;
 
 mod memory;
+mod queue;
 use exs::transport::KeyedLease;
 use memory::{reg_mr, MrKey, MrPtr, MwSlot, Pd, VerbsRegistration, WindowKey};
+pub use queue::SIGNAL_EVERY;
+use queue::{Posted, SendQueue, Signaler, WrIds};
 
-/// Every this many unsignalled send-queue requests, one is signalled (plus the last of every batch).
-pub const SIGNAL_EVERY: u32 = 16;
 /// Magic of an emulated write-with-immediate ("EXSI", little-endian), followed by the immediate.
 const IMM_MAGIC: u32 = u32::from_le_bytes(*b"EXSI");
-const RECV_TAG: u64 = 1 << 63;
 const TAG_EP: usize = 1 << 40;
 const TAG_LISTENER: usize = 2 << 40;
 const RESOLVE_TIMEOUT_MS: i32 = 2000;
@@ -85,6 +90,29 @@ impl VerbsConfig {
     }
 }
 
+/// Issue 15 (fork safety): asks libibverbs to keep registered memory out of children (`MADV_DONTFORK` on every
+/// registration, including buffers the dma crate did not allocate itself), once per process, before the first
+/// registration. Kernels that keep pinned pages with the parent across fork need nothing
+/// (`IBV_FORK_UNNEEDED`); where verbs were already used in this process (say by a libfabric provider) it cannot be
+/// turned on any more, which is logged: the dma crate's own `MADV_DONTFORK` still covers the buffers it allocates.
+fn fork_safe() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: no preconditions; it only reads the kernel's fork support and sets libibverbs' own flag.
+        if unsafe { ibv_is_fork_initialized() } == IBV_FORK_UNNEEDED {
+            return;
+        }
+        // SAFETY: called before this process registers memory through this backend (first `open`).
+        let r = unsafe { ibv_fork_init() };
+        if r != 0 {
+            tracing::warn!(
+                errno = r,
+                "ibv_fork_init failed: registrations made outside exs buffers are not fork-safe"
+            );
+        }
+    });
+}
+
 fn os_err(call: &str) -> TransportError {
     TransportError::os(call, std::io::Error::last_os_error())
 }
@@ -119,13 +147,25 @@ enum EpState {
 /// remote range, immediate.
 type NativePart = (u32, Vec<ibv_sge>, Option<RemoteRef>, Option<u32>);
 
-/// A send-queue request: kept until its completion (or a later signalled one) arrives. `kind` is `None` for the
-/// backend's own requests (window binds), which the engine never hears of.
+/// A send-queue request: kept until its completion (or a later signalled one) arrives, its operation (and the
+/// leases in it) with it. `kind` is `None` for the backend's own requests (window binds), which the engine never
+/// hears of.
 struct SendRec {
-    seq: u64,
     wr_id: u64,
     kind: Option<Completed>,
-    _op: Option<Op>,
+    op: Option<Op>,
+}
+
+/// Requests a post did not get onto the device, whole and in order, and why.
+struct Refused {
+    error: TransportError,
+    wrs: Vec<WorkRequest>,
+}
+
+impl Refused {
+    fn new(error: TransportError, wrs: Vec<WorkRequest>) -> Self {
+        Refused { error, wrs }
+    }
 }
 
 struct RecvRec {
@@ -140,9 +180,10 @@ struct Ep {
     reported_down: bool,
     /// Active side: what to do once the route is resolved.
     pending: Option<(Vec<u8>, Vec<WorkRequest>)>,
-    sends: VecDeque<SendRec>,
-    next_seq: u64,
-    unsignaled: u32,
+    sends: SendQueue<SendRec>,
+    signal: Signaler,
+    /// Native entries the send queue holds (as created: at least what was asked for).
+    sq_cap: u32,
     /// Windows bound to this queue pair: deallocated before it is destroyed (see [`MwSlot`]).
     windows: Vec<std::sync::Weak<MwSlot>>,
     max_inline: u32,
@@ -164,6 +205,9 @@ pub struct VerbsTransport {
     emulate: bool,
     /// Exposures are type 2 memory windows bound to the connection's queue pair (see [`memory`]).
     windows: bool,
+    /// Native send-queue entries one request of the engine may take: itself, the send of an emulated
+    /// write-with-immediate, the bind of a window it exposes.
+    sq_share: u32,
     rd_atom: u8,
     eps: HashMap<EndpointId, Ep>,
     qpn: HashMap<u32, EndpointId>,
@@ -171,9 +215,11 @@ pub struct VerbsTransport {
     recvs: HashMap<u64, (Option<EndpointId>, RecvRec)>,
     /// The shared receive queue (seed 003), once the engine asked for it; QPs created after use it.
     srq: *mut ibv_srq,
-    next_recv: u64,
+    /// Identifiers of work requests, never reused (see [`queue`]).
+    ids: WrIds,
     listeners: HashMap<ListenerId, *mut rdma_cm_id>,
-    requests: HashMap<RequestId, *mut rdma_cm_id>,
+    /// Connection requests handed to the engine and not yet accepted or rejected, with their listener.
+    requests: HashMap<RequestId, (ListenerId, *mut rdma_cm_id)>,
     next_listener: u32,
     next_request: u64,
     cm_backlog: VecDeque<CmEvent>,
@@ -258,6 +304,7 @@ fn wc_error(status: u32) -> WcError {
 impl VerbsTransport {
     /// Opens the device carrying `cfg.addr`. With no RDMA at all, the error lists the devices that exist (none).
     pub fn open(cfg: &VerbsConfig) -> Result<VerbsTransport, TransportError> {
+        fork_safe();
         let not_found = |why: String| TransportError::NotFound {
             wanted: format!("an RDMA device for {} ({why})", cfg.addr),
             available: device_names(),
@@ -423,12 +470,13 @@ impl VerbsTransport {
             iwarp,
             emulate,
             windows,
+            sq_share,
             rd_atom,
             eps: HashMap::new(),
             qpn: HashMap::new(),
             recvs: HashMap::new(),
             srq: ptr::null_mut(),
-            next_recv: 1,
+            ids: WrIds::default(),
             listeners: HashMap::new(),
             requests: HashMap::new(),
             next_listener: 1,
@@ -450,9 +498,9 @@ impl VerbsTransport {
             state: EpState::Resolving,
             reported_down: false,
             pending: None,
-            sends: VecDeque::new(),
-            next_seq: 1,
-            unsignaled: 0,
+            sends: SendQueue::default(),
+            signal: Signaler::default(),
+            sq_cap: 0,
             windows: Vec::new(),
             max_inline: 0,
             local: None,
@@ -477,11 +525,9 @@ impl VerbsTransport {
         attr.recv_cq = self.cq;
         attr.qp_type = ibv_qp_type::IBV_QPT_RC;
         attr.sq_sig_all = 0;
-        attr.cap.max_send_wr = if self.emulate {
-            self.caps.max_send_wr * 2
-        } else {
-            self.caps.max_send_wr
-        };
+        // Room for every request the engine may have outstanding with its share of extra entries (the send of an
+        // emulated write-with-immediate, a window bind): a full queue would refuse a chain part-way.
+        attr.cap.max_send_wr = self.caps.max_send_wr * self.sq_share;
         if self.srq.is_null() {
             attr.cap.max_recv_wr = self.caps.max_recv_wr;
             attr.cap.max_recv_sge = 1;
@@ -499,6 +545,8 @@ impl VerbsTransport {
         let qp = unsafe { (*e.id).qp };
         e.qp = qp;
         e.max_inline = attr.cap.max_inline_data;
+        // rdma_create_qp wrote back the depth the queue pair got (at least the one asked for).
+        e.sq_cap = attr.cap.max_send_wr;
         // SAFETY: live QP.
         let num = unsafe { (*qp).qp_num };
         self.qpn.insert(num, ep);
@@ -527,6 +575,21 @@ impl VerbsTransport {
                 e.local = to_socketaddr(rdma_get_local_addr(&*e.id) as *const _);
                 e.peer = to_socketaddr(rdma_get_peer_addr(&*e.id) as *const _);
             }
+        }
+    }
+
+    /// Refuses a connection request and destroys its id: the one way a request that is not accepted ends.
+    fn reject_id(id: *mut rdma_cm_id) {
+        // SAFETY: `id` is a live connection-request id that nothing else holds (it was just taken out of the
+        // request table, or never entered it); after the reject nothing uses it, and it is destroyed once.
+        unsafe {
+            if rdma_reject(id, ptr::null(), 0) != 0 {
+                tracing::debug!(
+                    "rdma_reject: {} (destroying the request anyway)",
+                    std::io::Error::last_os_error()
+                );
+            }
+            rdma_destroy_id(id);
         }
     }
 
@@ -574,15 +637,15 @@ impl VerbsTransport {
                 let ltag = unsafe { (*listen_id).context as usize };
                 let listener = ListenerId((ltag & 0xffff_ffff) as u32);
                 if ltag & TAG_LISTENER == 0 || !self.listeners.contains_key(&listener) {
-                    // SAFETY: a fresh request id we will not use: reject and destroy it.
-                    unsafe {
-                        rdma_reject(id, ptr::null(), 0);
-                    }
+                    // A request nobody will answer: the peer is refused and the id goes (a connection request
+                    // counts as an event of its listener, so destroying the new id before the event is
+                    // acknowledged does not wait for it).
+                    Self::reject_id(id);
                     return None;
                 }
                 let request = RequestId(self.next_request);
                 self.next_request += 1;
-                self.requests.insert(request, id);
+                self.requests.insert(request, (listener, id));
                 // SAFETY: live id.
                 let peer = to_socketaddr(unsafe { rdma_get_peer_addr(&*id) } as *const _)
                     .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
@@ -656,27 +719,91 @@ impl VerbsTransport {
         }
     }
 
+    /// Native send-queue requests a work request takes: two for an emulated write-with-immediate.
+    fn parts_of(&self, wr: &WorkRequest) -> u32 {
+        match wr.op {
+            Op::Write { imm: Some(_), .. } if self.emulate => 2,
+            _ => 1,
+        }
+    }
+
+    /// Moves a queue pair to the error state: everything on it completes (flushed), signalled or not.
+    fn break_qp(qp: *mut ibv_qp) {
+        let mut attr: ibv_qp_attr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        attr.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        // SAFETY: a live queue pair of ours; moving to the error state needs only the state attribute.
+        let rc = unsafe { ibv_modify_qp(qp, &mut attr, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) };
+        if rc != 0 {
+            tracing::error!(rc, "ibv_modify_qp(IBV_QPS_ERR) failed");
+        }
+    }
+
     /// Posts a chain of send-queue requests (one doorbell). Signals the last one and every SIGNAL_EVERY-th.
-    fn post_sends(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), TransportError> {
-        let emulate = self.emulate;
-        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+    ///
+    /// Requests that do not fit in the send queue, and requests the device refuses, come back whole; the ones
+    /// before them are on the device and keep their records until they complete. A request the device took in
+    /// part (the write of an emulated write-with-immediate without its send) is kept too: it cannot come back while
+    /// the device may still read its memory, so its queue pair goes to error and it completes with an error.
+    fn post_sends(&mut self, ep: EndpointId, mut wrs: Vec<WorkRequest>) -> Result<(), Refused> {
+        let Some(e) = self.eps.get(&ep) else {
+            return Err(Refused::new(TransportError::NoEndpoint, wrs));
+        };
         if e.qp.is_null() {
-            return Err(TransportError::Invalid(
-                "post before the queue pair exists".into(),
+            return Err(Refused::new(
+                TransportError::Invalid("post before the queue pair exists".into()),
+                wrs,
             ));
         }
+        if wrs.iter().any(|w| matches!(w.op, Op::Recv { .. })) {
+            return Err(Refused::new(
+                TransportError::Invalid("a receive in the send chain".into()),
+                wrs,
+            ));
+        }
+        // The records bound what the device holds; completions waiting in the completion queue free entries.
+        let need: u32 = wrs.iter().map(|w| self.parts_of(w)).sum();
+        if e.sends.entries() + need > e.sq_cap {
+            self.drain_cq();
+        }
+        let room = {
+            let e = &self.eps[&ep];
+            e.sq_cap.saturating_sub(e.sends.entries())
+        };
+        let mut fit = 0;
+        let mut used = 0;
+        for w in &wrs {
+            let p = self.parts_of(w);
+            if used + p > room {
+                break;
+            }
+            used += p;
+            fit += 1;
+        }
+        let mut rest = wrs.split_off(fit);
+        let full = || TransportError::Resource("send queue full".into());
+        if wrs.is_empty() {
+            return Err(Refused::new(full(), rest));
+        }
+        let emulate = self.emulate;
+        let ids = &mut self.ids;
+        let e = self.eps.get_mut(&ep).expect("checked above");
         let n = wrs.len();
         // Native verbs structures for the whole chain; kept alive until ibv_post_send returns.
         let mut sges: Vec<Vec<ibv_sge>> = Vec::with_capacity(n * 2);
         let mut natives: Vec<ibv_send_wr> = Vec::with_capacity(n * 2);
+        // The signalling state after each native request, to restore the one after the last posted.
+        let mut signal_after: Vec<Signaler> = Vec::with_capacity(n * 2);
+        let mut signal = e.signal;
         let mut recs = Vec::with_capacity(n);
         // At most one payload per request: with this capacity the vector never reallocates, so the addresses the
         // scatter entries take from it stay valid until ibv_post_send has copied the (inline) payloads.
         let mut imm_payloads: Vec<[u8; 8]> = Vec::with_capacity(n);
         for (i, wr) in wrs.into_iter().enumerate() {
             let last = i + 1 == n;
-            let seq = e.next_seq;
-            e.next_seq += 1;
+            let seq = ids.send();
             let sge_of = |s: &Sge| ibv_sge {
                 addr: s.addr(),
                 length: s.len() as u32,
@@ -741,11 +868,7 @@ impl VerbsTransport {
                         None,
                     )],
                 ),
-                Op::Recv { .. } => {
-                    return Err(TransportError::Invalid(
-                        "a receive in the send chain".into(),
-                    ))
-                }
+                Op::Recv { .. } => unreachable!("receives were refused above"),
             };
             let nparts = parts.len();
             for (j, (opc, list, remote, imm)) in parts.into_iter().enumerate() {
@@ -772,13 +895,10 @@ impl VerbsTransport {
                 {
                     flags |= ibv_send_flags::IBV_SEND_INLINE.0;
                 }
-                if final_part {
-                    e.unsignaled += 1;
-                    if last || e.unsignaled >= SIGNAL_EVERY {
-                        flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
-                        e.unsignaled = 0;
-                    }
+                if final_part && signal.next(last) {
+                    flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
                 }
+                signal_after.push(signal);
                 w.send_flags = flags;
                 if let Some(r) = remote {
                     w.wr.rdma = rdma_t {
@@ -798,11 +918,15 @@ impl VerbsTransport {
                 });
                 natives.push(w);
             }
-            recs.push(SendRec {
+            recs.push(Posted {
                 seq,
-                wr_id: wr.wr_id,
-                kind: Some(kind),
-                _op: Some(wr.op),
+                entries: nparts as u32,
+                broken: false,
+                item: SendRec {
+                    wr_id: wr.wr_id,
+                    kind: Some(kind),
+                    op: Some(wr.op),
+                },
             });
         }
         for (w, list) in natives.iter_mut().zip(sges.iter_mut()) {
@@ -813,30 +937,76 @@ impl VerbsTransport {
             let next: *mut ibv_send_wr = &mut natives[i + 1];
             natives[i].next = next;
         }
-        let mut bad = ptr::null_mut();
+        let mut bad: *mut ibv_send_wr = ptr::null_mut();
         // SAFETY: live QP; the chain and its scatter/gather lists live until the call returns; the memory they
         // name is leased by the records we keep until completion (inline payloads are copied by the call).
         let rc = unsafe { ibv_post_send(e.qp, natives.as_mut_ptr(), &mut bad) };
-        if rc != 0 {
-            return Err(TransportError::os(
-                "ibv_post_send",
-                std::io::Error::from_raw_os_error(rc),
-            ));
+        if rc == 0 {
+            e.signal = signal;
+            for r in recs {
+                e.sends.push(r);
+            }
+            return if rest.is_empty() {
+                Ok(())
+            } else {
+                Err(Refused::new(full(), rest))
+            };
         }
-        e.sends.extend(recs);
-        Ok(())
+        let error = TransportError::os("ibv_post_send", std::io::Error::from_raw_os_error(rc));
+        // Everything before `bad` is on the device, nothing from it on. A provider that names no request of the
+        // chain leaves us not knowing: then every request is treated as on the device (kept, and flushed below).
+        let bad_at = natives.iter().position(|w| ptr::eq(w, bad));
+        let posted_natives = bad_at.unwrap_or(natives.len());
+        let cut = match bad_at {
+            Some(b) => queue::cut(recs.iter().map(|r| r.entries as usize), b),
+            None => queue::Cut {
+                posted: recs.len(),
+                partial: false,
+            },
+        };
+        e.signal = match posted_natives {
+            0 => e.signal,
+            k => signal_after[k - 1],
+        };
+        let mut refused = Vec::new();
+        for (i, mut r) in recs.into_iter().enumerate() {
+            if i < cut.posted {
+                e.sends.push(r);
+            } else if i == cut.posted && cut.partial {
+                r.broken = true;
+                e.sends.push(r);
+            } else {
+                let SendRec { wr_id, op, .. } = r.item;
+                refused.push(WorkRequest {
+                    wr_id,
+                    op: op.expect("the engine's requests carry their operation"),
+                });
+            }
+        }
+        if cut.partial || bad_at.is_none() {
+            tracing::error!(?ep, %error, "a request reached the device in part; its connection goes down");
+            Self::break_qp(e.qp);
+        }
+        refused.append(&mut rest);
+        Err(Refused::new(error, refused))
     }
 
-    fn post_recvs(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), TransportError> {
-        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
+    fn post_recvs(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), Refused> {
+        let Some(e) = self.eps.get(&ep) else {
+            return Err(Refused::new(TransportError::NoEndpoint, wrs));
+        };
         if e.qp.is_null() {
-            return Err(TransportError::Invalid(
-                "post before the queue pair exists".into(),
+            return Err(Refused::new(
+                TransportError::Invalid("post before the queue pair exists".into()),
+                wrs,
             ));
         }
         if !self.srq.is_null() {
-            return Err(TransportError::Invalid(
-                "this endpoint takes its receives from the shared receive queue".into(),
+            return Err(Refused::new(
+                TransportError::Invalid(
+                    "this endpoint takes its receives from the shared receive queue".into(),
+                ),
+                wrs,
             ));
         }
         let qp = e.qp;
@@ -847,22 +1017,29 @@ impl VerbsTransport {
     }
 
     /// Builds a chain of receive work requests, posts it with `post`, and keeps the records (and their leases)
-    /// until completion. `owner` is the endpoint, or `None` for the shared receive queue.
+    /// until completion. `owner` is the endpoint, or `None` for the shared receive queue. When the device refuses
+    /// the chain part-way, the receives before the refused one are on it and keep their records; the others come
+    /// back whole.
     fn post_recv_chain(
         &mut self,
         owner: Option<EndpointId>,
         wrs: Vec<WorkRequest>,
         post: impl FnOnce(*mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> i32,
-    ) -> Result<(), TransportError> {
+    ) -> Result<(), Refused> {
+        if wrs.iter().any(|w| !matches!(w.op, Op::Recv { .. })) {
+            return Err(Refused::new(
+                TransportError::Invalid("not a receive".into()),
+                wrs,
+            ));
+        }
         let mut sges = Vec::with_capacity(wrs.len());
         let mut natives: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
         let mut recs = Vec::with_capacity(wrs.len());
         for wr in wrs {
             let Op::Recv { sge } = wr.op else {
-                return Err(TransportError::Invalid("not a receive".into()));
+                unreachable!("checked above");
             };
-            let id = RECV_TAG | self.next_recv;
-            self.next_recv += 1;
+            let id = self.ids.recv();
             sges.push(ibv_sge {
                 addr: sge.addr(),
                 length: sge.len() as u32,
@@ -892,20 +1069,92 @@ impl VerbsTransport {
         if natives.is_empty() {
             return Ok(());
         }
-        let mut bad = ptr::null_mut();
+        let mut bad: *mut ibv_recv_wr = ptr::null_mut();
         let rc = post(natives.as_mut_ptr(), &mut bad);
-        if rc != 0 {
-            return Err(TransportError::os(
+        // Everything before `bad` is on the device, nothing from it on. A provider that names no request of the
+        // chain leaves us not knowing: then every receive is treated as on the device (kept until it completes or
+        // its queue is destroyed).
+        let posted = if rc == 0 {
+            recs.len()
+        } else {
+            natives
+                .iter()
+                .position(|w| ptr::eq(w, bad))
+                .unwrap_or(recs.len())
+        };
+        let mut refused = Vec::new();
+        for (i, (id, rec)) in recs.into_iter().enumerate() {
+            if i < posted {
+                self.recvs.insert(id, (owner, rec));
+            } else {
+                refused.push(WorkRequest {
+                    wr_id: rec.wr_id,
+                    op: Op::Recv { sge: rec.sge },
+                });
+            }
+        }
+        if rc == 0 {
+            return Ok(());
+        }
+        Err(Refused::new(
+            TransportError::os(
                 if owner.is_some() {
                     "ibv_post_recv"
                 } else {
                     "ibv_post_srq_recv"
                 },
                 std::io::Error::from_raw_os_error(rc),
-            ));
+            ),
+            refused,
+        ))
+    }
+
+    /// Posts requests on an endpoint: receives, then sends, each kind in order. On error, the requests that did
+    /// not reach the device come back whole.
+    fn post_inner(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), Refused> {
+        let down = match self.eps.get(&ep) {
+            None => return Err(Refused::new(TransportError::NoEndpoint, wrs)),
+            Some(e) => e.state == EpState::Down && !e.qp.is_null(),
+        };
+        if down {
+            // Posting on a dead connection completes with a flush, as hardware does.
+            for wr in wrs {
+                let op = match wr.op {
+                    Op::Send { .. } => Completed::Send,
+                    Op::Write { .. } => Completed::Write,
+                    Op::Read { .. } => Completed::Read,
+                    Op::Recv { .. } => Completed::Recv { len: 0, imm: None },
+                };
+                self.cq_backlog.push_back((
+                    Completion {
+                        ep,
+                        wr_id: wr.wr_id,
+                        op,
+                        status: Err(WcError::Flushed),
+                    },
+                    false,
+                ));
+            }
+            return Ok(());
         }
-        for (id, rec) in recs {
-            self.recvs.insert(id, (owner, rec));
+        // Receives and sends go to different queues; keep each kind's order.
+        let mut sends = Vec::new();
+        let mut recvs = Vec::new();
+        for wr in wrs {
+            if matches!(wr.op, Op::Recv { .. }) {
+                recvs.push(wr);
+            } else {
+                sends.push(wr);
+            }
+        }
+        if !recvs.is_empty() {
+            if let Err(mut r) = self.post_recvs(ep, recvs) {
+                r.wrs.extend(sends);
+                return Err(r);
+            }
+        }
+        if !sends.is_empty() {
+            self.post_sends(ep, sends)?;
         }
         Ok(())
     }
@@ -943,11 +1192,19 @@ impl VerbsTransport {
             .as_any()
             .downcast_ref::<VerbsRegistration>()
             .ok_or_else(|| TransportError::Invalid("not a registration of this device".into()))?;
-        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
         if e.qp.is_null() || e.state != EpState::Connected {
             return Err(TransportError::Invalid(
                 "a memory window binds to a connected queue pair".into(),
             ));
+        }
+        if e.sends.entries() >= e.sq_cap {
+            // Completions waiting in the completion queue free entries.
+            self.drain_cq();
+        }
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.sends.entries() >= e.sq_cap {
+            return Err(TransportError::Resource("send queue full".into()));
         }
         // SAFETY: open protection domain.
         let mw = unsafe { ibv_alloc_mw(self.pd.0, ibv_mw_type::IBV_MW_TYPE_2) }
@@ -959,18 +1216,17 @@ impl VerbsTransport {
             RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
             RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
         };
-        let seq = e.next_seq;
-        e.next_seq += 1;
+        let seq = self.ids.send();
         let mut w: ibv_send_wr = unsafe {
             // SAFETY: plain data, zero is valid before we fill it.
             std::mem::zeroed()
         };
         w.wr_id = seq;
         w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-        e.unsignaled += 1;
-        if e.unsignaled >= SIGNAL_EVERY {
+        // The signalling state changes only if the bind reaches the device.
+        let mut signal = e.signal;
+        if signal.next(false) {
             w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-            e.unsignaled = 0;
         }
         w.bind_mw_tso_union.bind_mw = bind_mw_t {
             mw,
@@ -994,11 +1250,16 @@ impl VerbsTransport {
                 std::io::Error::from_raw_os_error(rc),
             ));
         }
-        e.sends.push_back(SendRec {
+        e.signal = signal;
+        e.sends.push(Posted {
             seq,
-            wr_id: 0,
-            kind: None,
-            _op: None,
+            entries: 1,
+            broken: false,
+            item: SendRec {
+                wr_id: 0,
+                kind: None,
+                op: None,
+            },
         });
         let slot = MwSlot::new(mw);
         if e.windows.len() >= 64 {
@@ -1025,7 +1286,7 @@ impl VerbsTransport {
         } else {
             Err(wc_error(wc.status))
         };
-        if wc.wr_id & RECV_TAG != 0 {
+        if WrIds::is_recv(wc.wr_id) {
             let Some((owner, rec)) = self.recvs.remove(&wc.wr_id) else {
                 return;
             };
@@ -1071,18 +1332,17 @@ impl VerbsTransport {
         let Some(e) = self.eps.get_mut(&ep) else {
             return;
         };
-        // A signalled (or failed) request completes every earlier unsignalled one: in order, successfully.
-        while let Some(front) = e.sends.front() {
-            if front.seq > wc.wr_id {
-                break;
+        // A signalled (or failed) request completes every earlier unsignalled one: in order, successfully. A
+        // completion that names none of this endpoint's requests retires nothing: it is a late one of a queue pair
+        // destroyed before this one got its number (identifiers are never reused), or a repeated one.
+        for (rec, named) in e.sends.retire(wc.wr_id) {
+            let mut st = if named { status.clone() } else { Ok(()) };
+            if rec.broken && st.is_ok() {
+                st = Err(WcError::Other(
+                    "only part of the request reached the device".into(),
+                ));
             }
-            let rec = e.sends.pop_front().expect("front exists");
-            let st = if rec.seq == wc.wr_id {
-                status.clone()
-            } else {
-                Ok(())
-            };
-            let Some(op) = rec.kind else {
+            let Some(op) = rec.item.kind else {
                 if let Err(e) = st {
                     // A failed window bind breaks the queue pair: the requests after it complete flushed.
                     tracing::warn!(?ep, %e, "memory window bind failed");
@@ -1092,7 +1352,7 @@ impl VerbsTransport {
             self.cq_backlog.push_back((
                 Completion {
                     ep,
-                    wr_id: rec.wr_id,
+                    wr_id: rec.item.wr_id,
                     op,
                     status: st,
                 },
@@ -1213,7 +1473,18 @@ impl Transport for VerbsTransport {
 
     fn close_listener(&mut self, listener: ListenerId) {
         if let Some(id) = self.listeners.remove(&listener) {
-            // SAFETY: our listening id, destroyed once; its pending requests are rejected below.
+            // Requests handed out and not answered are refused first: their ids outlive the listener's.
+            let stale: Vec<RequestId> = self
+                .requests
+                .iter()
+                .filter(|(_, (l, _))| *l == listener)
+                .map(|(r, _)| *r)
+                .collect();
+            for r in stale {
+                self.reject(r);
+            }
+            // SAFETY: our listening id, removed from the table and destroyed once; every event naming it was
+            // acknowledged in `poll_cm`, so destroying it does not wait.
             unsafe { rdma_destroy_id(id) };
         }
     }
@@ -1261,7 +1532,7 @@ impl Transport for VerbsTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
-        let id = self
+        let (_, id) = self
             .requests
             .remove(&request)
             .ok_or(TransportError::Invalid("unknown request".into()))?;
@@ -1271,7 +1542,7 @@ impl Transport for VerbsTransport {
         e.state = EpState::Connecting;
         self.eps.insert(ep, e);
         if let Err(err) = self.create_qp(ep, recvs) {
-            // SAFETY: the id is live; rejecting tells the peer.
+            // SAFETY: the id is live; rejecting tells the peer. `release` destroys it (once: it is the endpoint's).
             unsafe { rdma_reject(id, ptr::null(), 0) };
             self.release(ep);
             return Err(err);
@@ -1287,27 +1558,21 @@ impl Transport for VerbsTransport {
     }
 
     fn reject(&mut self, request: RequestId) {
-        if let Some(id) = self.requests.remove(&request) {
-            // SAFETY: a live request id; after rejecting, nothing uses it and we destroy it.
-            unsafe {
-                rdma_reject(id, ptr::null(), 0);
-                rdma_destroy_id(id);
-            }
+        if let Some((_, id)) = self.requests.remove(&request) {
+            Self::reject_id(id);
         }
     }
 
+    /// A request the device took in part (see `post_sends`) is not refused: it cannot come back while the device
+    /// may read its memory, so it completes with an error instead, its connection down.
     fn post(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError> {
-        let mut v = vec![wr];
-        self.post_many(ep, &mut v).map_err(|error| PostError {
-            error,
-            wr: WorkRequest {
-                wr_id: 0,
-                op: Op::Send {
-                    sges: Vec::new(),
-                    imm: None,
-                },
+        match self.post_inner(ep, vec![wr]) {
+            Ok(()) => Ok(()),
+            Err(Refused { error, mut wrs }) => match wrs.pop() {
+                Some(wr) => Err(PostError { error, wr }),
+                None => Ok(()),
             },
-        })
+        }
     }
 
     fn post_many(
@@ -1315,48 +1580,9 @@ impl Transport for VerbsTransport {
         ep: EndpointId,
         wrs: &mut Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
-        let down = match self.eps.get(&ep) {
-            None => return Err(TransportError::NoEndpoint),
-            Some(e) => e.state == EpState::Down && !e.qp.is_null(),
-        };
-        if down {
-            // Posting on a dead connection completes with a flush, as hardware does.
-            for wr in wrs.drain(..) {
-                let op = match wr.op {
-                    Op::Send { .. } => Completed::Send,
-                    Op::Write { .. } => Completed::Write,
-                    Op::Read { .. } => Completed::Read,
-                    Op::Recv { .. } => Completed::Recv { len: 0, imm: None },
-                };
-                self.cq_backlog.push_back((
-                    Completion {
-                        ep,
-                        wr_id: wr.wr_id,
-                        op,
-                        status: Err(WcError::Flushed),
-                    },
-                    false,
-                ));
-            }
-            return Ok(());
-        }
-        // Receives and sends go to different queues; keep each kind's order.
-        let mut sends = Vec::new();
-        let mut recvs = Vec::new();
-        for wr in wrs.drain(..) {
-            if matches!(wr.op, Op::Recv { .. }) {
-                recvs.push(wr);
-            } else {
-                sends.push(wr);
-            }
-        }
-        if !recvs.is_empty() {
-            self.post_recvs(ep, recvs)?;
-        }
-        if !sends.is_empty() {
-            self.post_sends(ep, sends)?;
-        }
-        Ok(())
+        // The requests that did not reach the device are dropped, as the trait says.
+        self.post_inner(ep, std::mem::take(wrs))
+            .map_err(|r| r.error)
     }
 
     fn create_shared_recv(&mut self, depth: u32) -> Result<(), TransportError> {
@@ -1399,6 +1625,8 @@ impl Transport for VerbsTransport {
             // SAFETY: live SRQ; the chain lives across the call; the buffers are leased by the records we keep.
             unsafe { ibv_post_srq_recv(srq, chain, bad) }
         })
+        // The receives that did not reach the queue are dropped, as the trait says.
+        .map_err(|r| r.error)
     }
 
     fn disconnect(&mut self, ep: EndpointId) {
@@ -1427,9 +1655,11 @@ impl Transport for VerbsTransport {
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
-        if !e.qp.is_null() && !self.srq.is_null() {
+        let shared = !e.qp.is_null() && !self.srq.is_null();
+        if shared {
             // Seed 003: shared buffers this QP dequeued but had not completed are flushed when it went to error;
-            // collect those completions while the QP still maps to this endpoint, so the buffers go back.
+            // collect those completions while the QP still maps to this endpoint, so the buffers go back (some
+            // devices drop a destroyed QP's completions from the queue).
             self.drain_cq();
         }
         // Windows still bound to the queue pair die first: it cannot be destroyed while they are bound, and their
@@ -1439,15 +1669,27 @@ impl Transport for VerbsTransport {
                 slot.dealloc();
             }
         }
+        // SAFETY: the QP is live until destroyed just below; its number is read first.
+        let qpn = (!e.qp.is_null()).then(|| unsafe { (*e.qp).qp_num });
         // SAFETY: the QP and id are ours; destroying the QP first stops the hardware from touching any posted
         // buffer, so the records (and their leases) can be dropped after.
         unsafe {
             if !e.qp.is_null() {
-                self.qpn.remove(&(*e.qp).qp_num);
                 rdma_destroy_qp(e.id);
             }
             rdma_destroy_id(e.id);
         }
+        if shared {
+            // Others leave them in the queue, and write some between the drain above and the destruction: collect
+            // those too while the number still names this endpoint (after the destruction no more come), so a
+            // shared receive is never credited to the next endpoint that gets the number.
+            self.drain_cq();
+        }
+        if let Some(n) = qpn {
+            self.qpn.remove(&n);
+        }
+        // Completions of the destroyed QP still in the queue name none of the records of whoever gets its number
+        // next (identifiers are never reused), so they are ignored when they come.
         drop(e.sends);
         self.recvs.retain(|_, (owner, _)| *owner != Some(ep));
         // Completions of a released endpoint are dropped, except shared receives: the engine reposts those.

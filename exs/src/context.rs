@@ -85,7 +85,8 @@ pub struct ContextOptions {
     pub progress: Progress,
     /// Time source.
     pub clock: Arc<dyn Clock>,
-    /// How long a closing connection waits for its CLOSE to leave before disconnecting anyway.
+    /// How long a graceful close may take to deliver the sends already posted and its CLOSE before the connection
+    /// is torn down anyway (default 10 s).
     pub linger: Duration,
     /// How long a connect may take before it fails with a timeout.
     pub connect_timeout: Duration,
@@ -139,7 +140,7 @@ impl Default for ContextOptions {
         ContextOptions {
             progress: Progress::Thread,
             clock: Arc::new(SystemClock),
-            linger: Duration::from_secs(1),
+            linger: Duration::from_secs(10),
             connect_timeout: Duration::from_secs(10),
             ack_delay: Duration::from_micros(200),
             shared_recv: SharedRecv::default(),

@@ -1048,10 +1048,13 @@ impl Engine {
         let (ty, opts, bound) = (l.ty, l.opts, l.bound);
         let sid = self.new_socket_id();
         let ep = self.new_ep();
+        // On every failure below the endpoint goes too: whatever the transport set up for it (a connection's own
+        // domain) would otherwise stay behind.
         let mut conn = match self.build_conn(ep, ty, &opts) {
             Ok(c) => c,
             Err(e) => {
                 self.transport.reject(request);
+                self.transport.release(ep);
                 ticket.complete(Err(OpError::Transport(e)), 0, EventFlags::default());
                 return;
             }
@@ -1060,12 +1063,16 @@ impl Engine {
             Ok(r) => r,
             Err(v) => {
                 self.transport.reject(request);
+                drop(conn);
+                self.transport.release(ep);
                 ticket.complete(Err(OpError::PeerMisbehaved(v)), 0, EventFlags::default());
                 return;
             }
         };
         let private = conn.local.encode();
         if let Err(e) = self.transport.accept(request, ep, &private, recvs) {
+            drop(conn);
+            self.transport.release(ep);
             ticket.complete(Err(OpError::Transport(e)), 0, EventFlags::default());
             return;
         }

@@ -101,5 +101,6 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::extensions::cases());
     v.extend(cases::hostile::cases());
     v.extend(cases::keys::cases());
+    v.extend(cases::leaks::cases());
     v
 }

@@ -277,7 +277,7 @@ fn ring_fits(addr: u64, len: u64) -> Result<(), String> {
 /// reaches a blocked sender before the space does (see `StreamProto::maybe_window`). Long enough for an
 /// application to repost on a loaded machine; it only ever delays a sender whose receiver has read what it had
 /// and posted nothing since.
-pub(crate) const WINDOW_HOLD: std::time::Duration = std::time::Duration::from_millis(5);
+pub(crate) const WINDOW_HOLD: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl StreamProto {
     pub(crate) fn new(

@@ -3,6 +3,7 @@
 pub mod extensions;
 pub mod hostile;
 pub mod keys;
+pub mod leaks;
 pub mod message;
 pub mod process;
 pub mod scale;

@@ -1,0 +1,349 @@
+//! The bookkeeping of work requests, kept apart from ibverbs so it can be tested without a device: the
+//! identifiers the device carries, the send-queue records of an endpoint, where a failed chain stopped, and which
+//! requests are signalled.
+//!
+//! ## Identifiers
+//! Every work request the device carries has a `wr_id` no other request of the transport ever had or will have:
+//! sends (and window binds) take the next value of one 63-bit counter of the transport, receives the next value
+//! of another, tagged with [`RECV_TAG`]. A queue pair's number can be reused by rdma_cm once it is destroyed, and
+//! completions of the destroyed one may still sit in the shared completion queue, so the number alone does not
+//! say whose a completion is. The identifier does: a completion names one of the records of the endpoint that
+//! now has the number, or none of them (a late completion of the endpoint that had it before), and
+//! [`SendQueue::retire`] retires records only for a completion that names one of them.
+
+use std::collections::VecDeque;
+
+/// Marks the identifier of a receive (the other identifiers are sends and window binds).
+pub const RECV_TAG: u64 = 1 << 63;
+
+/// Every this many unsignalled send-queue requests, one is signalled (plus the last of every batch).
+pub const SIGNAL_EVERY: u32 = 16;
+
+/// The identifiers of a transport's work requests: each used once, never again (see the module documentation).
+#[derive(Debug)]
+pub struct WrIds {
+    next_send: u64,
+    next_recv: u64,
+}
+
+impl Default for WrIds {
+    fn default() -> Self {
+        WrIds {
+            next_send: 1,
+            next_recv: 1,
+        }
+    }
+}
+
+impl WrIds {
+    /// The identifier of a new send-queue request (send, write, read, window bind).
+    pub fn send(&mut self) -> u64 {
+        let id = self.next_send;
+        // 2^63 requests at 10^9 per second take 292 years: the counter never reaches the tag.
+        self.next_send += 1;
+        debug_assert!(id & RECV_TAG == 0);
+        id
+    }
+
+    /// The identifier of a new receive.
+    pub fn recv(&mut self) -> u64 {
+        let id = self.next_recv;
+        self.next_recv += 1;
+        debug_assert!(id & RECV_TAG == 0);
+        RECV_TAG | id
+    }
+
+    /// Whether an identifier is a receive's.
+    pub fn is_recv(wr_id: u64) -> bool {
+        wr_id & RECV_TAG != 0
+    }
+}
+
+/// One send-queue request of an endpoint, on the device until a completion retires it.
+#[derive(Debug)]
+pub struct Posted<T> {
+    /// Its identifier (as the device carries it).
+    pub seq: u64,
+    /// Native requests it took on the send queue (an emulated write-with-immediate takes two).
+    pub entries: u32,
+    /// Only part of it reached the device: it completes with an error whatever the device says.
+    pub broken: bool,
+    /// What the backend keeps of it (the operation and its leases).
+    pub item: T,
+}
+
+/// The requests an endpoint has on its send queue, in posting order, and how many native entries they take.
+#[derive(Debug)]
+pub struct SendQueue<T> {
+    recs: VecDeque<Posted<T>>,
+    entries: u32,
+}
+
+impl<T> Default for SendQueue<T> {
+    fn default() -> Self {
+        SendQueue {
+            recs: VecDeque::new(),
+            entries: 0,
+        }
+    }
+}
+
+impl<T> SendQueue<T> {
+    /// Records a request that reached the device. Identifiers grow with posting order.
+    pub fn push(&mut self, rec: Posted<T>) {
+        debug_assert!(self.recs.back().is_none_or(|b| b.seq < rec.seq));
+        self.entries += rec.entries;
+        self.recs.push_back(rec);
+    }
+
+    /// Native entries the recorded requests take on the send queue (the device holds no more than this).
+    pub fn entries(&self) -> u32 {
+        self.entries
+    }
+
+    /// Requests recorded.
+    #[cfg(test)]
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        self.recs.len()
+    }
+
+    /// The records a completion carrying `wr_id` retires, oldest first, each with whether it is the one the
+    /// completion names: that one and every earlier one (a reliable connection completes in order; the earlier
+    /// ones were unsignalled). A completion that names none of the records retires nothing: it belongs to a
+    /// queue pair destroyed before this one got its number, or to a request an earlier completion already retired
+    /// (the second part of an emulated write-with-immediate flushed after its first part failed).
+    pub fn retire(&mut self, wr_id: u64) -> Retire<'_, T> {
+        let named = self.recs.binary_search_by_key(&wr_id, |r| r.seq).is_ok();
+        Retire {
+            q: self,
+            upto: if named { wr_id } else { 0 },
+        }
+    }
+
+    /// Everything recorded, oldest first (for a queue pair that is gone).
+    #[cfg(test)]
+    pub fn drain(&mut self) -> impl Iterator<Item = Posted<T>> + '_ {
+        self.entries = 0;
+        self.recs.drain(..)
+    }
+}
+
+/// The records one completion retires (see [`SendQueue::retire`]).
+#[derive(Debug)]
+pub struct Retire<'a, T> {
+    q: &'a mut SendQueue<T>,
+    upto: u64,
+}
+
+impl<T> Iterator for Retire<'_, T> {
+    /// The record, and whether it is the one the completion names.
+    type Item = (Posted<T>, bool);
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.q.recs.front()?.seq > self.upto {
+            return None;
+        }
+        let rec = self.q.recs.pop_front()?;
+        self.q.entries -= rec.entries;
+        let named = rec.seq == self.upto;
+        Some((rec, named))
+    }
+}
+
+/// Decides which send-queue requests are signalled: the last of every batch and every [`SIGNAL_EVERY`]-th, so
+/// the queue never fills with requests whose entries only a later completion frees.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Signaler {
+    /// Unsignalled requests since the last signalled one.
+    pub unsignaled: u32,
+}
+
+impl Signaler {
+    /// Whether the next request (the last of its batch or not) is signalled; counts it.
+    pub fn next(&mut self, last_of_batch: bool) -> bool {
+        self.unsignaled += 1;
+        if last_of_batch || self.unsignaled >= SIGNAL_EVERY {
+            self.unsignaled = 0;
+            true
+        } else {
+            false
+        }
+    }
+}
+
+/// Where a chain of native requests that the device refused at index `bad` stopped, in terms of the caller's
+/// requests (`parts[i]`: native requests of request `i`, in chain order).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cut {
+    /// Requests that reached the device whole (the first `posted`).
+    pub posted: usize,
+    /// Whether the next request reached it in part (its first natives were posted, the rest not).
+    pub partial: bool,
+}
+
+/// See [`Cut`]. Everything before the refused native was posted; nothing from it on was.
+pub fn cut(parts: impl IntoIterator<Item = usize>, bad: usize) -> Cut {
+    let mut start = 0;
+    for (i, n) in parts.into_iter().enumerate() {
+        if bad < start + n {
+            return Cut {
+                posted: i,
+                partial: bad > start,
+            };
+        }
+        start += n;
+    }
+    // `bad` is past the chain: everything was posted (a provider that reports an error after posting all).
+    Cut {
+        posted: usize::MAX,
+        partial: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(ids: &mut WrIds, item: &'static str) -> Posted<&'static str> {
+        Posted {
+            seq: ids.send(),
+            entries: 1,
+            broken: false,
+            item,
+        }
+    }
+
+    #[test]
+    fn identifiers_are_never_reused_and_receives_are_tagged() {
+        let mut ids = WrIds::default();
+        let sends: Vec<u64> = (0..1000).map(|_| ids.send()).collect();
+        let recvs: Vec<u64> = (0..1000).map(|_| ids.recv()).collect();
+        assert!(sends.windows(2).all(|w| w[0] < w[1]), "sends grow");
+        assert!(sends.iter().all(|&s| !WrIds::is_recv(s) && s != 0));
+        assert!(recvs.iter().all(|&r| WrIds::is_recv(r)));
+        let mut all: Vec<u64> = sends.iter().chain(&recvs).copied().collect();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(all.len(), 2000, "no identifier is given twice");
+    }
+
+    /// Issue 15: a queue pair destroyed without draining leaves completions in the shared completion queue; when
+    /// its number goes to a new endpoint, those completions must not retire the new endpoint's requests (their
+    /// leases would be dropped while the device still reads or writes the memory).
+    #[test]
+    fn a_late_completion_of_a_released_endpoint_retires_nothing_of_the_next_one() {
+        let mut ids = WrIds::default();
+        // Endpoint A posts 40 requests; the device completes the signalled 16th (seq 16), then A is released
+        // (its queue dropped) with completions up to its 40th still in the completion queue.
+        let mut a = SendQueue::default();
+        for _ in 0..40 {
+            a.push(rec(&mut ids, "a"));
+        }
+        assert_eq!(a.retire(16).count(), 16);
+        let late: Vec<u64> = a.drain().map(|r| r.seq).collect();
+        assert_eq!(late.len(), 24);
+        // Endpoint B gets A's queue-pair number and posts its own requests.
+        let mut b = SendQueue::default();
+        for _ in 0..8 {
+            b.push(rec(&mut ids, "b"));
+        }
+        // Every late completion of A, whatever its identifier, retires nothing of B.
+        for &w in late.iter().chain(&[1, 16, 40]) {
+            assert_eq!(
+                b.retire(w).count(),
+                0,
+                "A's completion {w} retired B's requests"
+            );
+        }
+        assert_eq!(b.len(), 8);
+        assert_eq!(b.entries(), 8);
+        // B's own signalled completion retires B's requests up to it, naming exactly one.
+        let seq4 = 40 + 4;
+        let got: Vec<(&str, bool)> = b.retire(seq4).map(|(r, n)| (r.item, n)).collect();
+        assert_eq!(
+            got,
+            vec![("b", false), ("b", false), ("b", false), ("b", true)]
+        );
+        assert_eq!(b.len(), 4);
+        assert_eq!(b.entries(), 4);
+        // A repeated completion (the flushed second part of a request already retired) retires nothing more.
+        assert_eq!(b.retire(seq4).count(), 0);
+        assert_eq!(b.len(), 4);
+    }
+
+    #[test]
+    fn entries_follow_the_records() {
+        let mut ids = WrIds::default();
+        let mut q = SendQueue::default();
+        for parts in [2, 1, 2, 1] {
+            q.push(Posted {
+                seq: ids.send(),
+                entries: parts,
+                broken: false,
+                item: (),
+            });
+        }
+        assert_eq!(q.entries(), 6);
+        assert_eq!(q.retire(2).count(), 2);
+        assert_eq!(q.entries(), 3);
+        assert_eq!(q.drain().count(), 2);
+        assert_eq!(q.entries(), 0);
+    }
+
+    /// Issue 15: a chain refused part-way: the requests before the refused native are on the device (their
+    /// records and leases must stay), the one it cuts through is on it in part, the rest never reached it.
+    #[test]
+    fn a_chain_refused_part_way_keeps_the_posted_prefix() {
+        // Native requests per caller's request: a send, an emulated write-with-immediate (two), a read, a send.
+        let parts = [1, 2, 1, 1];
+        assert_eq!(
+            cut(parts, 0),
+            Cut {
+                posted: 0,
+                partial: false
+            }
+        );
+        assert_eq!(
+            cut(parts, 1),
+            Cut {
+                posted: 1,
+                partial: false
+            }
+        );
+        // The write went, its immediate did not.
+        assert_eq!(
+            cut(parts, 2),
+            Cut {
+                posted: 1,
+                partial: true
+            }
+        );
+        assert_eq!(
+            cut(parts, 3),
+            Cut {
+                posted: 2,
+                partial: false
+            }
+        );
+        assert_eq!(
+            cut(parts, 4),
+            Cut {
+                posted: 3,
+                partial: false
+            }
+        );
+        assert_eq!(cut(parts, 5).posted, usize::MAX);
+    }
+
+    #[test]
+    fn every_sixteenth_and_the_last_of_a_batch_are_signalled() {
+        let mut s = Signaler::default();
+        let flags: Vec<bool> = (0..40).map(|i| s.next(i == 39)).collect();
+        let signalled: Vec<usize> = (0..40).filter(|&i| flags[i]).collect();
+        assert_eq!(signalled, vec![15, 31, 39]);
+        assert_eq!(s.unsignaled, 0);
+        assert!(!s.next(false));
+        assert_eq!(s.unsignaled, 1);
+    }
+}

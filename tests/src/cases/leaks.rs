@@ -1,0 +1,377 @@
+//! Issue 15: connection attempts that fail leave nothing behind. A refused request ends with its socket
+//! (libfabric tcp) or its rdma_cm id (verbs): nothing this process holds on the listener's port grows with the
+//! number of refused connects.
+//!
+//! What is counted is what this process holds on the port of the test's listener: descriptors of TCP sockets
+//! with that port at either end (`/proc/net/tcp*` against `/proc/self/fd`), and rdma_cm ids with it (`rdma
+//! resource show cm_id`, where the tool and a device are there). Counting by port keeps the count exact while
+//! other tests of the suite open and close descriptors in the same process.
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use exs::transport::CmEvent;
+use exs::{EventQueue, OpError, SockType, Socket};
+
+use crate::util::*;
+use crate::{ensure, Backend, Case, Requires};
+
+pub fn cases() -> Vec<Case> {
+    vec![
+        Case {
+            name: "refused_connects_leave_no_sockets_or_ids",
+            run: refused_connects,
+            requires: Requires::Nothing,
+        },
+        Case {
+            name: "a_closed_listener_refuses_the_requests_waiting_for_it",
+            run: closed_listener_with_requests_waiting,
+            requires: Requires::Nothing,
+        },
+    ]
+}
+
+/// How many connects are refused (`EXS_CONFORMANCE_REFUSED`; 2,000 where connections are cheap to make, 400 on
+/// a device in an emulated guest).
+fn refused_count(b: &dyn Backend) -> usize {
+    std::env::var("EXS_CONFORMANCE_REFUSED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if matches!(b.name(), "sim" | "fabric") {
+            2000
+        } else {
+            400
+        })
+}
+
+/// What this process holds on one port.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Held {
+    /// Descriptors of TCP sockets with the port at either end.
+    sockets: usize,
+    /// rdma_cm ids of this process with the port at either end (`None`: not countable here).
+    cm_ids: Option<usize>,
+}
+
+impl Held {
+    fn total(&self) -> usize {
+        self.sockets + self.cm_ids.unwrap_or(0)
+    }
+}
+
+fn port_of(hex_addr: &str) -> Option<u16> {
+    u16::from_str_radix(hex_addr.rsplit(':').next()?, 16).ok()
+}
+
+/// Descriptors of this process that are TCP sockets with `port` at either end.
+fn sockets_on(port: u16) -> usize {
+    let mut inodes = HashSet::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            // sl local_address rem_address st tx_queue:rx_queue tr:tm->when retrnsmt uid timeout inode ...
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            if cols.len() < 10 {
+                continue;
+            }
+            if port_of(cols[1]) == Some(port) || port_of(cols[2]) == Some(port) {
+                inodes.insert(format!("socket:[{}]", cols[9]));
+            }
+        }
+    }
+    let Ok(fds) = std::fs::read_dir("/proc/self/fd") else {
+        return 0;
+    };
+    fds.filter_map(|f| std::fs::read_link(f.ok()?.path()).ok())
+        .filter(|target| inodes.contains(target.to_string_lossy().as_ref()))
+        .count()
+}
+
+/// rdma_cm ids with `port` at either end, from `rdma resource show cm_id` (iproute2); `None` when the tool or an
+/// RDMA device is not there. Every id on the port is the test's: the port is its listener's (the tool names the
+/// thread that made an id, not its process, so ids are not told apart by process).
+fn cm_ids_on(port: u16) -> Option<usize> {
+    let out = std::process::Command::new("rdma")
+        .args(["resource", "show", "cm_id"])
+        .stderr(std::process::Stdio::null())
+        .output()
+        .ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    // link rxe0/1 cm-idn 0 state LISTEN ps TCP pid 144 comm x src-addr 192.168.77.1:7471 dst-addr 0.0.0.0:0
+    let text = String::from_utf8_lossy(&out.stdout);
+    let suffix = format!(":{port}");
+    Some(
+        text.lines()
+            .filter(|line| {
+                let t: Vec<&str> = line.split_whitespace().collect();
+                t.windows(2)
+                    .any(|w| (w[0] == "src-addr" || w[0] == "dst-addr") && w[1].ends_with(&suffix))
+            })
+            .count(),
+    )
+}
+
+fn held(port: u16) -> Held {
+    Held {
+        sockets: sockets_on(port),
+        cm_ids: cm_ids_on(port),
+    }
+}
+
+/// Waits (a few seconds at most) until what is held on `port` is at most `most`, and returns it.
+fn settle(port: u16, most: usize) -> Held {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let h = held(port);
+        if h.total() <= most || Instant::now() > deadline {
+            return h;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Connects started and not yet ended, by context value.
+struct Connects {
+    eq: EventQueue,
+    live: HashMap<u64, Socket>,
+    next: u64,
+    ended: usize,
+}
+
+impl Connects {
+    fn new() -> Self {
+        Connects {
+            eq: EventQueue::new(1024),
+            live: HashMap::new(),
+            next: 0,
+            ended: 0,
+        }
+    }
+
+    /// Starts a connect to `addr`; one refused at once counts as ended.
+    fn start(&mut self, ctx: &exs::Context, addr: SocketAddr) -> Result<(), String> {
+        let s = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
+        self.next += 1;
+        match s.connect(addr, &self.eq, self.next) {
+            Ok(()) => {
+                self.live.insert(self.next, s);
+            }
+            Err(_) => {
+                self.ended += 1;
+                let _ = s.close();
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the next connect to end; it must end refused (not accepted; not timed out, since a request left
+    /// unanswered times out, unless `may_time_out`).
+    fn end_one(&mut self, what: &str, may_time_out: bool) -> Result<(), String> {
+        let ev = next(&self.eq)?;
+        let s = self
+            .live
+            .remove(&ev.context)
+            .ok_or_else(|| format!("{what}: an event of no connect: {ev:?}"))?;
+        let _ = s.close();
+        self.ended += 1;
+        match ev.status {
+            Ok(()) => Err(format!("{what}: a connect succeeded")),
+            Err(OpError::TimedOut) if !may_time_out => Err(format!(
+                "{what}: a connect timed out: its request was neither accepted nor refused"
+            )),
+            Err(_) => Ok(()),
+        }
+    }
+}
+
+/// Connects to a port whose listener was closed, then to a listener whose backlog is full and which never
+/// accepts: every one is refused, and what the process holds on the port stays flat (the listener, the backlog
+/// and the connects in flight), then goes to nothing once the listener closes.
+fn refused_connects(b: &dyn Backend) -> Result<(), String> {
+    let n = refused_count(b);
+    let net = b.net();
+    let server = net.host();
+    let client = net.host();
+    const BATCH: usize = 64;
+
+    // A port whose listener was closed.
+    let l = Socket::new(&server, SockType::SeqPacket).map_err(|e| e.to_string())?;
+    l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
+    let closed = l.listen(16).map_err(|e| format!("listen: {e}"))?;
+    l.close().map_err(|e| e.to_string())?;
+    let start = settle(closed.port(), 0);
+    ensure!(
+        start.total() == 0,
+        "a closed listener still holds its port: {start:?}"
+    );
+    let mut c = Connects::new();
+    let mut most = start;
+    for i in 0..n / 2 {
+        c.start(&client, closed)?;
+        if c.live.len() >= BATCH || i + 1 == n / 2 {
+            while !c.live.is_empty() {
+                c.end_one("connect to a closed listener", false)?;
+            }
+            let h = held(closed.port());
+            if h.total() > most.total() {
+                most = h;
+            }
+        }
+    }
+    let after = settle(closed.port(), 0);
+    ensure!(
+        after.total() == 0,
+        "{} connects to a closed listener left {after:?} on its port (at most {most:?} along the way)",
+        n / 2
+    );
+
+    // A listener whose backlog is full and which never accepts: `BACKLOG` connects wait in it, the others are
+    // refused.
+    const BACKLOG: usize = 4;
+    let l = Socket::new(&server, SockType::SeqPacket).map_err(|e| e.to_string())?;
+    l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
+    let addr = l
+        .listen(BACKLOG as u32)
+        .map_err(|e| format!("listen: {e}"))?;
+    let port = addr.port();
+    let listening = settle(port, 1);
+    // The listener, and per waiting connect its request and the connecting side: all that may be held.
+    let bound = listening.total() + 2 * BACKLOG;
+    let mut c = Connects::new();
+    let mut most = listening;
+    let mut issued = 0;
+    while issued < n / 2 {
+        let batch = BATCH.min(n / 2 - issued);
+        for _ in 0..batch {
+            c.start(&client, addr)?;
+        }
+        issued += batch;
+        // All but the ones waiting in the backlog end. A connect waiting there may give up first (its connect
+        // timeout, in a slow guest): its request stays in the backlog until the listener closes.
+        while c.live.len() > BACKLOG {
+            c.end_one("connect to a listener with a full backlog", true)?;
+        }
+        let h = settle(port, bound);
+        if h.total() > most.total() {
+            most = h;
+        }
+        ensure!(
+            h.total() <= bound,
+            "after {} refused connects the process holds {h:?} on the listener's port (the listener held \
+             {listening:?}; {BACKLOG} connects wait in its backlog)",
+            c.ended
+        );
+    }
+    // Closing the listener refuses the connects waiting in its backlog.
+    l.close().map_err(|e| e.to_string())?;
+    while !c.live.is_empty() {
+        c.end_one("connect waiting in a closed listener's backlog", true)?;
+    }
+    let after = settle(port, 0);
+    ensure!(
+        after.total() == 0,
+        "{} refused connects left {after:?} on the port (at most {most:?} along the way)",
+        n / 2
+    );
+    eprintln!(
+        "LEAKS {}: {n} refused connects; most held on a port along the way {most:?}",
+        b.name()
+    );
+    Ok(())
+}
+
+/// A listener closed while connection requests wait in its transport's event queue, not yet read: they end
+/// refused (their peers see a refusal at once, not a timeout) and nothing of them is kept. Driven through a bare
+/// transport as the engine drives it: the requests read are rejected, before the listener closes and after.
+fn closed_listener_with_requests_waiting(b: &dyn Backend) -> Result<(), String> {
+    const N: usize = 48;
+    let net = b.net();
+    // The bare transport is the first host (its address is `listen_addr(0)`).
+    let mut raw = net.raw()?;
+    let client = net.host();
+    for round in 0..3 {
+        let (l, addr) = raw
+            .listen(net.listen_addr(0), 1024)
+            .map_err(|e| format!("listen: {e}"))?;
+        let mut c = Connects::new();
+        for _ in 0..N {
+            c.start(&client, addr)?;
+        }
+        // Read half of the requests, rejecting each; more are queued by then.
+        let deadline = Instant::now() + WAIT;
+        let mut read = 0;
+        while read < N / 2 {
+            ensure!(
+                Instant::now() < deadline,
+                "round {round}: only {read} connection requests arrived"
+            );
+            match raw.poll_cm() {
+                Some(CmEvent::ConnectRequest {
+                    listener, request, ..
+                }) => {
+                    ensure!(listener == l, "a request for another listener");
+                    raw.reject(request);
+                    read += 1;
+                }
+                Some(other) => return Err(format!("round {round}: listener event {other:?}")),
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
+        }
+        raw.close_listener(l);
+        // Every connect ends refused, soon: keep the transport going meanwhile.
+        let mut ended = 0;
+        let mut failure = None;
+        while ended < N {
+            while let Some(ev) = raw.poll_cm() {
+                // A transport may still hand out a request of the closed listener (the simulator does): the
+                // engine rejects those, and so does this test.
+                if let CmEvent::ConnectRequest { request, .. } = ev {
+                    raw.reject(request);
+                }
+            }
+            match c.eq.next(Some(Duration::from_millis(5))) {
+                Ok(ev) => {
+                    ended += 1;
+                    if let Some(s) = c.live.remove(&ev.context) {
+                        let _ = s.close();
+                    }
+                    match ev.status {
+                        Ok(()) => {
+                            failure.get_or_insert_with(|| {
+                                format!("round {round}: a connect succeeded")
+                            });
+                        }
+                        Err(OpError::TimedOut) => {
+                            failure.get_or_insert_with(|| {
+                                format!(
+                                    "round {round}: a connect timed out: a request waiting when its listener \
+                                     closed was neither accepted nor refused"
+                                )
+                            });
+                        }
+                        Err(_) => {}
+                    }
+                }
+                Err(_) => ensure!(
+                    Instant::now() < deadline,
+                    "round {round}: {} of {N} connects never ended",
+                    N - ended
+                ),
+            }
+        }
+        if let Some(f) = failure {
+            return Err(f);
+        }
+        let after = settle(addr.port(), 0);
+        ensure!(
+            after.total() == 0,
+            "round {round}: a listener closed with requests waiting left {after:?} on its port"
+        );
+    }
+    Ok(())
+}

@@ -30,7 +30,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::ptr;
 use std::sync::Arc;
 
-use exs::transport::{
+use exs_transport::{
     Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId,
     Op, PostError, Registration, RemoteAccess, RemoteRef, RequestId, Transport, TransportError,
     WcError, WorkRequest,
@@ -1015,7 +1015,7 @@ impl Transport for FabricTransport {
         lease: Lease,
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
-        exs::transport::check_exposure(reg, &lease, access)?;
+        exs_transport::check_exposure(reg, &lease, access)?;
         let flags = match access {
             RemoteAccess::Read => FI_REMOTE_READ,
             RemoteAccess::Write => FI_REMOTE_WRITE,
@@ -1029,7 +1029,7 @@ impl Transport for FabricTransport {
         } else {
             0
         };
-        Ok(Box::new(exs::transport::KeyedLease::new(
+        Ok(Box::new(exs_transport::KeyedLease::new(
             RemoteRef { addr, key },
             lease,
             FiKey {
@@ -1395,11 +1395,6 @@ impl Drop for FabricTransport {
         // SAFETY: nothing is bound to the event queue any more.
         unsafe { exs_fi_close(&mut (*self.eq).fid) };
     }
-}
-
-/// Opens a provider and wraps it in an exs context with a progress thread.
-pub fn context(cfg: &FabricConfig) -> Result<exs::Context, TransportError> {
-    exs::Context::new(Box::new(FabricTransport::open(cfg)?))
 }
 
 #[cfg(test)]

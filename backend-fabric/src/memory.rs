@@ -21,7 +21,7 @@ use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use exs::transport::{Registration, Revoke, TransportError};
+use exs_transport::{Registration, Revoke, TransportError};
 use exs_dma::DmaBuf;
 
 use crate::ffi::*;

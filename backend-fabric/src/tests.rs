@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use exs::transport::{CmEvent, ConnectFailure, EndpointId, Transport};
+use exs_transport::{CmEvent, ConnectFailure, EndpointId, Transport};
 
 use crate::{FabricConfig, FabricTransport};
 

@@ -3,7 +3,11 @@
 use std::time::Duration;
 
 use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
-use exs_backend_fabric::{context, providers, FabricConfig};
+use exs_backend_fabric::{providers, FabricConfig, FabricTransport};
+
+fn context(cfg: &FabricConfig) -> Result<exs::Context, exs::TransportError> {
+    exs::Context::new(Box::new(FabricTransport::open(cfg)?))
+}
 
 #[test]
 fn tcp_provider_moves_messages_over_loopback() {

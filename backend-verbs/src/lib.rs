@@ -34,7 +34,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd, RawFd};
 use std::ptr;
 use std::sync::Arc;
 
-use exs::transport::{
+use exs_transport::{
     Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId,
     Op, PostError, Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport,
     TransportError, WcError, WorkRequest,
@@ -47,7 +47,7 @@ use rdma_sys::*;
 
 mod memory;
 mod queue;
-use exs::transport::KeyedLease;
+use exs_transport::KeyedLease;
 use memory::{reg_mr, MrKey, MrPtr, MwSlot, Pd, VerbsRegistration, WindowKey};
 pub use queue::SIGNAL_EVERY;
 use queue::{Posted, SendQueue, Signaler, WrIds};
@@ -1398,7 +1398,7 @@ impl Transport for VerbsTransport {
         lease: Lease,
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
-        exs::transport::check_exposure(reg, &lease, access)?;
+        exs_transport::check_exposure(reg, &lease, access)?;
         if self.windows {
             return self.bind_window(ep, reg, lease, access);
         }
@@ -1796,7 +1796,3 @@ impl Drop for VerbsTransport {
     }
 }
 
-/// Opens the device carrying the configured address and wraps it in an exs context with a progress thread.
-pub fn context(cfg: &VerbsConfig) -> Result<exs::Context, TransportError> {
-    exs::Context::new(Box::new(VerbsTransport::open(cfg)?))
-}

@@ -15,7 +15,7 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use exs::transport::{Registration, Revoke, TransportError};
+use exs_transport::{Registration, Revoke, TransportError};
 use exs_dma::DmaBuf;
 use rdma_sys::*;
 

@@ -337,6 +337,7 @@ impl Context {
     }
 
     /// A handle that does not keep the context alive.
+    #[cfg(feature = "sim")]
     pub(crate) fn downgrade(&self) -> Weak<CtxInner> {
         Arc::downgrade(&self.inner)
     }

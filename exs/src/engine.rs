@@ -120,6 +120,8 @@ struct Sock {
     peer_closed: bool,
     /// The peer closed the whole connection (not only its sending side).
     peer_full_close: bool,
+    /// Closing after a violation: disconnect as soon as the CLOSE has left (not waiting for the peer).
+    drop_after_close: bool,
     /// We shut our sending side down.
     shut_write: bool,
     /// Pending polls and what each waits for.
@@ -144,6 +146,7 @@ impl Sock {
             down: None,
             peer_closed: false,
             peer_full_close: false,
+            drop_after_close: false,
             shut_write: false,
             polls: Vec::new(),
             user_closed: false,
@@ -332,8 +335,8 @@ impl Engine {
 
     fn limits(&self) -> Limits {
         Limits {
-            max_message: self.caps.max_message,
             max_send_wr: self.caps.max_send_wr,
+            max_message: self.caps.max_message,
             max_sge: self.caps.max_sge,
         }
     }
@@ -619,7 +622,16 @@ impl Engine {
         let flushed = conn.flush(&mut posts);
         let ep = conn.ep;
         let stream = conn.sock_type == SockType::Stream;
-        let closing_done = sock.phase == Phase::Closing && conn.close_sent() && conn.sends_drained();
+        // After a violation, the connection goes as soon as our CLOSE has left. After a graceful close it does
+        // not: the peer takes the CLOSE after everything before it and answers by disconnecting, which ends it
+        // (`on_disconnected`); disconnecting ourselves could overtake the data and the CLOSE still on their way on
+        // some transports (libfabric tcp reset the peer's last receives). A peer that never answers is cut off
+        // when the linger time runs out.
+        let closing_done = sock.phase == Phase::Closing
+            && sock.drop_after_close
+            && conn.close_sent()
+            && conn.sends_drained();
+
         self.post_all(sid, ep, &mut posts);
         self.posts = posts;
         let delayed_ack = match flushed {
@@ -830,6 +842,14 @@ impl Engine {
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;
         };
+        if reason == CloseReason::StopReceiving {
+            // Not the end: the peer's data and its final CLOSE follow. Only our sends end.
+            if let Some(conn) = sock.conn.as_mut() {
+                conn.on_peer_stopped_receiving();
+            }
+            self.mark(sid);
+            return;
+        }
         if let Some(conn) = sock.conn.as_mut() {
             conn.on_peer_close(reason);
         }
@@ -838,6 +858,7 @@ impl Engine {
                 // Half close: the peer still receives.
                 sock.peer_closed = true;
             }
+            CloseReason::StopReceiving => {}
             CloseReason::Close | CloseReason::Violation => {
                 sock.peer_closed = true;
                 sock.peer_full_close = true;
@@ -886,6 +907,7 @@ impl Engine {
             if is_violation && conn.is_established() && sock.phase == Phase::Open {
                 conn.queue_close(CloseReason::Violation);
                 sock.phase = Phase::Closing;
+                sock.drop_after_close = true;
                 let at = self.clock.now() + self.linger;
                 self.timers.push((at, sid, TimerKind::Linger));
                 self.mark(sid);

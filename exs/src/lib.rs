@@ -29,6 +29,7 @@ pub mod event;
 pub mod memory;
 pub mod options;
 mod lock;
+mod open;
 pub mod sendfile;
 mod stream_io;
 #[cfg(feature = "tokio")]
@@ -37,7 +38,9 @@ mod progress;
 pub mod proto;
 pub mod socket;
 pub mod testing;
-pub mod transport;
+/// The seam between the protocol and hardware: the [`Transport`] trait every backend implements (crate
+/// `exs-transport`, below both exs and the backends).
+pub use exs_transport as transport;
 pub mod wire;
 
 #[cfg(feature = "sim")]
@@ -55,6 +58,13 @@ pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
 pub use memory::{MemoryRegion, Slice};
 pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
 pub use progress::ProgressStats;
+pub use open::{compiled, Backend};
+#[cfg(feature = "fabric")]
+pub use open::fabric;
+#[cfg(feature = "verbs")]
+pub use open::verbs;
+#[cfg(feature = "sim")]
+pub use open::sim_addr;
 pub use socket::{ConnStats, Readiness, Socket, SocketId};
 pub use stream_io::{Listener, Stream, STREAM_IO_BUFFER};
 pub use transport::{Capabilities, Transport, TransportError};

@@ -187,6 +187,10 @@ pub enum CloseReason {
     ShutdownWrite = 2,
     /// The sender found a protocol violation by the receiver of this message.
     Violation = 3,
+    /// The sender closed and takes nothing more (its receives were cancelled): the receiver's sends that have not
+    /// completed never will. Data the sender posted before still arrives, then its final CLOSE (issue 14: two
+    /// sides closing at once, each with sends the other would never receive, waited for the linger time).
+    StopReceiving = 4,
 }
 
 /// A stream-mode advertisement of a receive buffer (seed 001): address, length, key, the estimated next
@@ -449,6 +453,7 @@ impl Message {
                     1 => CloseReason::Close,
                     2 => CloseReason::ShutdownWrite,
                     3 => CloseReason::Violation,
+                    4 => CloseReason::StopReceiving,
                     other => {
                         return Err(WireError::Invalid {
                             field: "close reason",

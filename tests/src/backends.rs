@@ -101,7 +101,7 @@ struct FabricNet {
 #[cfg(feature = "fabric")]
 impl Net for FabricNet {
     fn host(&self) -> Context {
-        exs_backend_fabric::context(&self.cfg).expect("open the libfabric provider")
+        Context::open(&exs::Backend::Fabric(self.cfg.clone())).expect("open the libfabric provider")
     }
     fn listen_addr(&self, _i: usize) -> SocketAddr {
         SocketAddr::new(self.addr, 0)
@@ -148,7 +148,7 @@ struct VerbsNet(Result<exs_backend_verbs::VerbsConfig, String>);
 impl Net for VerbsNet {
     fn host(&self) -> Context {
         let cfg = self.0.as_ref().expect("checked by unavailable()");
-        exs_backend_verbs::context(cfg).expect("open the RDMA device")
+        Context::open(&exs::Backend::Verbs(cfg.clone())).expect("open the RDMA device")
     }
     fn listen_addr(&self, _i: usize) -> SocketAddr {
         SocketAddr::new(self.0.as_ref().expect("checked").addr, 0)

@@ -230,6 +230,11 @@ impl Conn {
     /// Persistent operations end as [`Conn::end_persistent`] ends them, and CLOSE waits for those too.
     pub(crate) fn close_gracefully(&mut self) {
         self.cancel_receives(OpError::Cancelled);
+        // The peer's sends to us can no longer complete: say so at once, ahead of our data (it is not data).
+        if self.is_established() {
+            self.link
+                .push_urgent(Body::Close(CloseReason::StopReceiving));
+        }
         if let Some(Mode::Message(m)) = &mut self.mode {
             m.end_persistent(&mut self.link);
         }
@@ -547,6 +552,16 @@ impl Conn {
         match &mut self.mode {
             Some(Mode::Message(m)) => m.drop_all(err),
             Some(Mode::Stream(s)) => s.drop_all(err),
+            None => {}
+        }
+    }
+
+    /// The peer stopped receiving (it closed; its final CLOSE follows its data): our sends not yet completed
+    /// never will.
+    pub(crate) fn on_peer_stopped_receiving(&mut self) {
+        match &mut self.mode {
+            Some(Mode::Message(m)) => m.fail_pending_sends(OpError::PeerClosed),
+            Some(Mode::Stream(s)) => s.fail_pending_sends(OpError::PeerClosed),
             None => {}
         }
     }

@@ -385,7 +385,7 @@ impl Link {
     /// Posts what resources allow, in order: urgent messages (may use the reserve credit), then the normal
     /// queue (keeps one credit in reserve), and reads up to the read depth.
     ///
-    /// Once a final CLOSE (not a write shutdown) has been posted, nothing more is: the peer sees nothing after it
+    /// Once a final CLOSE (not a write shutdown, not a stop-receiving notice) has been posted, nothing more is: the peer sees nothing after it
     /// (issue 14: the closing side kept posting writes that had waited for credits).
     pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>, acks: &mut dyn AckSource) {
         if !self.started || self.closed {
@@ -443,7 +443,10 @@ impl Link {
                         } else {
                             acks.take_ack(body.kind())
                         };
-                        let last = matches!(body, Body::Close(r) if r != CloseReason::ShutdownWrite);
+                        let last = matches!(
+                            body,
+                            Body::Close(CloseReason::Close | CloseReason::Violation)
+                        );
                         self.post_ctrl(body, inline, notify, ack, out);
                         if last {
                             self.closed = true;

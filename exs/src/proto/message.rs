@@ -1139,6 +1139,11 @@ impl MessageProto {
         self.complete_sends();
     }
 
+    /// Fails the sends not completed yet (the peer stopped receiving).
+    pub(crate) fn fail_pending_sends(&mut self, err: OpError) {
+        self.fail_sends(err);
+    }
+
     /// Fails every operation. Those whose memory is still with the transport complete when it comes back
     /// (or at [`MessageProto::drop_all`]).
     pub(crate) fn fail(&mut self, err: OpError) {

@@ -1020,6 +1020,11 @@ impl StreamProto {
         self.complete_sends();
     }
 
+    /// Fails the sends not completed yet (the peer stopped receiving).
+    pub(crate) fn fail_pending_sends(&mut self, err: OpError) {
+        self.fail_sends(err);
+    }
+
     /// Fails the receives; exposed ones report when the endpoint is released (the peer may still write them).
     pub(crate) fn fail_receives(&mut self, err: OpError) {
         for r in self.rx.recvs.drain(..) {

@@ -93,9 +93,10 @@ fn message(inp: &mut Input<'_>) -> Vec<u8> {
         }),
         1 => Body::Ack,
         2 => Body::Credit,
-        3 => Body::Close(match inp.u8() % 3 {
+        3 => Body::Close(match inp.u8() % 4 {
             0 => CloseReason::Close,
             1 => CloseReason::ShutdownWrite,
+            2 => CloseReason::StopReceiving,
             _ => CloseReason::Violation,
         }),
         4 => Body::StreamAdvert(StreamAdvert {

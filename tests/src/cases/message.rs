@@ -1,6 +1,6 @@
 //! Message mode (SOCK_SEQPACKET) end to end.
 
-use exs::{EventKind, MsgFlags, OpError, SockType, Socket, SocketOption};
+use exs::{EventKind, MemoryRegion, MsgFlags, OpError, SockType, Socket, SocketOption};
 
 use crate::util::*;
 use crate::{ensure, Backend, Case, Requires};
@@ -31,6 +31,10 @@ pub fn cases() -> Vec<Case> {
         c(
             "seqpacket_abort_with_pending_operations",
             abort_with_pending,
+        ),
+        c(
+            "a_close_from_both_sides_with_sends_pending_ends_them_at_once",
+            both_close,
         ),
         c("connect_refused", refused),
     ]
@@ -427,6 +431,35 @@ fn abort_with_pending(b: &dyn Backend) -> Result<(), String> {
         ins.deregister().is_ok(),
         "receive buffers still leased after abort"
     );
+    Ok(())
+}
+
+/// Issue 14: both sides close at once, each with sends the other never received. A graceful close cancels its
+/// receives and tells the peer (CLOSE StopReceiving), whose sends then end `PeerClosed` at once; without it each
+/// side waited for the other's receives until the linger time ran out (`Aborted`).
+fn both_close(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let a = p.region_a(pattern(3 * 50_000, 1))?;
+    let b_src = MemoryRegion::from_vec(&p.b, pattern(3 * 50_000, 2)).map_err(|e| e.to_string())?;
+    for i in 0..3 {
+        p.client
+            .send(&p.eq_a, &a.slice(i * 50_000..(i + 1) * 50_000), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
+        p.server
+            .send(&p.eq_b, &b_src.slice(i * 50_000..(i + 1) * 50_000), MsgFlags::NONE, i as u64)
+            .map_err(|e| e.to_string())?;
+    }
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    p.client.close().map_err(|e| e.to_string())?;
+    p.server.close().map_err(|e| e.to_string())?;
+    for (eq, who) in [(&p.eq_a, "client"), (&p.eq_b, "server")] {
+        let evs = all(eq)?;
+        ensure!(
+            evs.len() == 3 && evs.iter().all(|e| e.status == Err(OpError::PeerClosed)),
+            "{who}'s sends end PeerClosed (the peer stopped receiving), not at the linger time: {evs:?}"
+        );
+    }
     Ok(())
 }
 

@@ -119,9 +119,13 @@ impl Opened {
     pub fn host(&self) -> Result<Context, String> {
         match self {
             #[cfg(feature = "fabric")]
-            Opened::Fabric(cfg, _) => exs_backend_fabric::context(cfg).map_err(|e| e.to_string()),
+            Opened::Fabric(cfg, _) => {
+                Context::open(&exs::Backend::Fabric(cfg.clone())).map_err(|e| e.to_string())
+            }
             #[cfg(feature = "verbs")]
-            Opened::Verbs(cfg) => exs_backend_verbs::context(cfg).map_err(|e| e.to_string()),
+            Opened::Verbs(cfg) => {
+                Context::open(&exs::Backend::Verbs(cfg.clone())).map_err(|e| e.to_string())
+            }
             #[cfg(feature = "sim")]
             Opened::Sim(w) => Ok(w.host()),
         }

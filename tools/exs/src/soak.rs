@@ -180,25 +180,33 @@ fn one_connection(
                 }
             }
         }
+        // A graceful close by the sender with its sends in flight: they are delivered, then end-of-stream.
+        let mut graceful = false;
         if close_at == Some(batch) {
-            // Post a few receives, then close with everything in flight.
-            for slot in 0..rng.below(3) as usize {
-                let _ = s.recv(
-                    &eq_s,
-                    &recv_buf.slice(slot * SLOT..slot * SLOT + SLOT),
-                    MsgFlags::NONE,
-                    slot as u64,
-                );
-            }
             t.closes_with_pending += 1;
-            if rng.below(2) == 0 {
-                c.close()
-            } else {
-                s.close()
-            }
-            .map_err(|e| e.to_string())?;
             closed = true;
-            break;
+            if rng.below(3) == 0 {
+                c.close().map_err(|e| e.to_string())?;
+                graceful = true;
+            } else {
+                // Post a few receives, then the receiver closes (its pending receives are cancelled, the
+                // sender's sends fail), or the sender aborts, with everything in flight.
+                for slot in 0..rng.below(3) as usize {
+                    let _ = s.recv(
+                        &eq_s,
+                        &recv_buf.slice(slot * SLOT..slot * SLOT + SLOT),
+                        MsgFlags::NONE,
+                        slot as u64,
+                    );
+                }
+                if rng.below(2) == 0 {
+                    c.abort()
+                } else {
+                    s.close()
+                }
+                .map_err(|e| e.to_string())?;
+                break;
+            }
         }
         // Receive the batch: seqpacket one receive per message (sometimes too small: truncation); stream pieces
         // of random size, sometimes MSG_WAITALL.
@@ -241,10 +249,22 @@ fn one_connection(
         for _ in 0..k {
             let e = wait(&eq_c, "send")?;
             if !e.is_ok() {
-                return Err(format!("a send failed on an open connection: {e:?}"));
+                return Err(format!(
+                    "a send failed {}: {e:?}",
+                    if graceful { "before a graceful close" } else { "on an open connection" }
+                ));
             }
         }
         let _ = batch_start;
+        if graceful {
+            s.recv(&eq_s, &recv_buf.slice(0..SLOT), MsgFlags::NONE, 0)
+                .map_err(|e| format!("receive after the peer's close: {e}"))?;
+            let r = wait(&eq_s, "end of stream")?;
+            if !(r.is_ok() && r.flags.eof && r.bytes == 0) {
+                return Err(format!("after a graceful close, end-of-stream: {r:?}"));
+            }
+            break;
+        }
     }
     if !closed {
         let _ = c.close();

@@ -27,6 +27,9 @@
 //! An [`Exposure`] (a remote key for one leased range) keeps its lease until it is dropped, and dropping it revokes
 //! remote access where the transport can (least exposure).
 
+#![forbid(unsafe_code)]
+#![deny(missing_docs)]
+
 use std::any::Any;
 use std::fmt;
 use std::io;

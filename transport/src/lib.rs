@@ -673,3 +673,9 @@ pub trait Transport: Send + fmt::Debug {
     /// Peer address of a connected endpoint.
     fn peer_addr(&self, ep: EndpointId) -> Option<SocketAddr>;
 }
+
+impl From<TransportError> for io::Error {
+    fn from(e: TransportError) -> Self {
+        io::Error::new(e.io_kind(), e)
+    }
+}

@@ -22,6 +22,7 @@ pub fn cases() -> Vec<Case> {
             graceful_close,
         ),
         c("std_io_stream_transfer_then_end_of_stream", std_io_transfer),
+        c("http_over_exs_streams_with_hyper", http),
         c(
             "direct_transfers_resume_after_the_sender_blocked_on_a_full_buffer",
             resume_one,
@@ -455,5 +456,37 @@ fn std_io_transfer(b: &dyn Backend) -> Result<(), String> {
     let mut rest = Vec::new();
     c.read_to_end(&mut rest).map_err(|e| e.to_string())?;
     ensure!(rest.is_empty(), "bytes after the peer's end");
+    Ok(())
+}
+
+/// The HTTP example, run on this backend.
+#[allow(dead_code)]
+#[path = "../../../exs/examples/http.rs"]
+mod http_example;
+
+/// Issue 16: HTTP/1.1 with hyper over `exs::tokio` streams: a 64 MiB body, every byte checked (the example
+/// `exs/examples/http.rs`); the time beside plain TCP on loopback is printed.
+fn http(b: &dyn Backend) -> Result<(), String> {
+    const LEN: usize = 64 << 20;
+    let net = b.net();
+    let (server, client) = (net.host(), net.host());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let exs = rt
+        .block_on(http_example::fetch(&server, &client, net.listen_addr(0), LEN))
+        .map_err(|e| format!("GET over exs: {e}"))?;
+    let tcp = rt
+        .block_on(http_example::fetch_tcp(LEN))
+        .map_err(|e| format!("GET over TCP: {e}"))?;
+    let mb = |d: std::time::Duration| LEN as f64 / d.as_secs_f64() / 1e6;
+    eprintln!(
+        "HTTP {}: GET of 64 MiB with hyper, every byte checked: exs {:.0} MB/s, plain TCP on loopback {:.0} MB/s",
+        b.name(),
+        mb(exs),
+        mb(tcp)
+    );
     Ok(())
 }

@@ -95,3 +95,8 @@ pub fn init(version: u32) -> Result<(), InitError> {
     }
     Ok(())
 }
+
+/// The README's code, compiled as doc tests (its first program must stay true).
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

@@ -402,12 +402,7 @@ impl DmaBuf {
         dst_offset: usize,
         len: usize,
     ) -> Result<(), DmaError> {
-        if !dst.kind.writes() {
-            return Err(DmaError::WrongKind {
-                kind: dst.kind,
-                access: "writing",
-            });
-        }
+        dst.may_write()?;
         let d = dst.check(dst_offset, len)?;
         let range = offset..offset.saturating_add(len);
         let id = self.acquire(range.clone(), LeaseKind::CpuRead, Some(CpuMode::Copy))?;
@@ -613,6 +608,18 @@ impl Lease {
         Ok(())
     }
 
+    /// Whether this lease may be written through (a destination of a copy).
+    fn may_write(&self) -> Result<(), DmaError> {
+        if self.kind.writes() {
+            Ok(())
+        } else {
+            Err(DmaError::WrongKind {
+                kind: self.kind,
+                access: "writing",
+            })
+        }
+    }
+
     /// Copies `len` bytes from this lease at `offset` into `dst` at `dst_offset` (device-to-device).
     pub fn copy_to(
         &self,
@@ -621,12 +628,7 @@ impl Lease {
         dst_offset: usize,
         len: usize,
     ) -> Result<(), DmaError> {
-        if !dst.kind.writes() {
-            return Err(DmaError::WrongKind {
-                kind: dst.kind,
-                access: "writing",
-            });
-        }
+        dst.may_write()?;
         let s = self.check(offset, len)?;
         let d = dst.check(dst_offset, len)?;
         let src_racy = self.kind.shared() || self.buf.racy(&(self.start..self.end));

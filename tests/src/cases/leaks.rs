@@ -32,14 +32,14 @@ pub fn cases() -> Vec<Case> {
     ]
 }
 
-/// How many connects are refused (`EXS_CONFORMANCE_REFUSED`; 2,000 where connections are cheap to make, 400 on
+/// How many connects are refused (`EXS_CONFORMANCE_REFUSED`; 10,000 where connections are cheap to make, 400 on
 /// a device in an emulated guest).
 fn refused_count(b: &dyn Backend) -> usize {
     std::env::var("EXS_CONFORMANCE_REFUSED")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(if matches!(b.name(), "sim" | "fabric") {
-            2000
+            10_000
         } else {
             400
         })
@@ -198,6 +198,8 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     let server = net.host();
     let client = net.host();
     const BATCH: usize = 64;
+    let memory = |s: &exs::Context, c: &exs::Context| (s.stats().connection_bytes, c.stats().connection_bytes);
+    let mem_before = memory(&server, &client);
 
     // A port whose listener was closed.
     let l = Socket::new(&server, SockType::SeqPacket).map_err(|e| e.to_string())?;
@@ -278,8 +280,14 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
         "{} refused connects left {after:?} on the port (at most {most:?} along the way)",
         n / 2
     );
+    let mem_after = memory(&server, &client);
+    ensure!(
+        mem_after == mem_before,
+        "device memory held by connections (server, client) went from {mem_before:?} to {mem_after:?}"
+    );
     eprintln!(
-        "LEAKS {}: {n} refused connects; most held on a port along the way {most:?}",
+        "LEAKS {}: {n} refused connects; most held on a port along the way {most:?}; connection memory {mem_after:?} \
+         before and after",
         b.name()
     );
     Ok(())

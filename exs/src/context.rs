@@ -106,7 +106,7 @@ pub struct ContextOptions {
 }
 
 /// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
-/// receive memory does not grow with the number of connections (see [`crate::proto::pool`]).
+/// receive memory does not grow with the number of connections (seed 003; `proto::pool` in the source).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SharedRecv {
     /// `None` (default): use the pool when the transport has a shared receive queue. `Some(true)`: require it

@@ -23,7 +23,7 @@
 #![deny(missing_docs)]
 
 pub mod context;
-pub mod engine;
+mod engine;
 pub mod error;
 pub mod event;
 pub mod memory;
@@ -35,13 +35,19 @@ mod stream_io;
 #[cfg(feature = "tokio")]
 pub mod tokio;
 mod progress;
-pub mod proto;
+mod proto;
 pub mod socket;
+/// A crafted peer for tests (feature `testing`): a bare transport speaking the wire format, no engine.
+#[cfg(feature = "testing")]
 pub mod testing;
 /// The seam between the protocol and hardware: the [`Transport`] trait every backend implements (crate
 /// `exs-transport`, below both exs and the backends).
 pub use exs_transport as transport;
+#[cfg(feature = "testing")]
 pub mod wire;
+#[cfg(not(feature = "testing"))]
+#[allow(dead_code)]
+mod wire;
 
 #[cfg(feature = "sim")]
 pub mod sim;
@@ -57,7 +63,12 @@ pub use error::{
 pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
 pub use memory::{MemoryRegion, Slice};
 pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
+pub use engine::EngineStats;
 pub use progress::ProgressStats;
+pub use proto::link::LinkStats;
+pub use proto::message::MessageStats;
+pub use proto::pool::PoolStats;
+pub use proto::stream::{StreamStats, StreamTrace};
 pub use open::{compiled, Backend};
 #[cfg(feature = "fabric")]
 pub use open::fabric;

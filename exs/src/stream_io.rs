@@ -180,7 +180,17 @@ impl Core {
             return Ok(false);
         }
         if !self.shutdown_posted && !self.shutdown_done {
-            self.sock.shutdown(&self.eq, 1)?;
+            match self.sock.shutdown(&self.eq, 1) {
+                Ok(()) => {}
+                // The peer closed the whole connection: there is no writing side left to shut down.
+                Err(crate::error::CloseError::State(crate::error::StateError::ConnectionDown(
+                    crate::error::OpError::PeerClosed,
+                ))) => {
+                    self.shutdown_done = true;
+                    return Ok(true);
+                }
+                Err(e) => return Err(e.into()),
+            }
             self.shutdown_posted = true;
             self.absorb_queued()?;
         }

@@ -9,7 +9,7 @@
 //! header:  0 version u8 | 1 kind u8 | 2 flags u16 | 4 credits u16 | 6 body_len u16 | 8 ack u32 | 12 reserved u32
 //! ```
 //!
-//! * `credits`: control-buffer credits returned to the peer (the link layer, [`crate::proto::link`]).
+//! * `credits`: control-buffer credits returned to the peer (the link layer, `proto::link` in the source).
 //! * `ack` (valid when `flags & FLAG_ACK`): cumulative count of the peer's message-mode advertisements whose data
 //!   transfer finished (seed 002, 3.2: the acknowledgment that completes a send and returns its credit), so an
 //!   acknowledgment rides on any message going the other way.

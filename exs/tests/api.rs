@@ -1,5 +1,6 @@
 //! The rest of the ES-API: shutdown (half close), graceful and abortive close, poll, sendfile, on the simulated
 //! fabric.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! Remote keys live exactly as long as the operation that needs them (least exposure), and registered memory
 //! outlives every work request and key that names it.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 

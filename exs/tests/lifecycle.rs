@@ -1,4 +1,5 @@
 //! Connection lifecycle on the simulated fabric: connect outcomes, close, peer close, failures.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 

@@ -1,4 +1,5 @@
 //! Message mode (SOCK_SEQPACKET) on the simulated fabric: seed 002, section 3 and 4.1.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 

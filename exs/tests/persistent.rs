@@ -1,4 +1,5 @@
 //! Persistent sends and receives, and offsets (seed 002, sections 4.2-4.4), on the simulated fabric.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 

@@ -1,5 +1,6 @@
 //! Who makes progress (issue 12): API calls wake nobody, the waiting thread leads, the progress thread is the
 //! fallback while the application computes. Counted, never timed.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 

@@ -1,6 +1,7 @@
 //! The shared receive pool (seed 003) on the simulated fabric: receive memory that does not grow with the number
 //! of connections, per-connection order, an empty pool that delays instead of failing, growth at the low
 //! watermark, and buffers flushed back when their connection goes down.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 

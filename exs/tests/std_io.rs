@@ -1,4 +1,5 @@
 //! Issue 16: `exs::Stream` and `exs::Listener`, the `std::net`-shaped blocking API, on the simulated fabric.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::Shutdown;

@@ -1,9 +1,10 @@
 //! SOCK_STREAM on the simulated fabric: the dynamic stream protocol of seed 001.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 
 use common::*;
-use exs::proto::stream::StreamTrace;
+use exs::StreamTrace;
 use exs::sim::SimConfig;
 use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
 

@@ -4,11 +4,12 @@
 //!
 //! The simulator steps one delivery at a time and lets every host process it before the next one, so a test can
 //! stop the world right after the receiver has seen exactly one transfer.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 
 use common::*;
-use exs::proto::stream::StreamTrace;
+use exs::StreamTrace;
 use exs::sim::SimConfig;
 use exs::{MemoryRegion, MsgFlags, SockType, SocketOption};
 

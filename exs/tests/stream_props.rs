@@ -10,6 +10,7 @@
 //! them. The direct share of every case is summarised at the end of the run.
 //!
 //! Cases: `EXS_STREAM_CASES` (default 256; `cargo xtask test` runs 10,000 in a release build).
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 
@@ -18,7 +19,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use common::*;
-use exs::proto::stream::StreamTrace;
+use exs::StreamTrace;
 use exs::sim::{RnrPolicy, SimConfig};
 use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
 use proptest::prelude::*;

@@ -1,5 +1,5 @@
 //! Issue 16: `exs::tokio` on the simulated fabric (feature `tokio`).
-#![cfg(feature = "tokio")]
+#![cfg(all(feature = "tokio", feature = "sim"))]
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

@@ -1,4 +1,5 @@
 //! Seed 004 (US 7,577,712), the adaptive completion wait, against real protocol completions.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
 

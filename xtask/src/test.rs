@@ -377,6 +377,8 @@ pub fn run(args: TestArgs) -> Result<()> {
                     "exs",
                     "-p",
                     "exs-dma",
+                    "-p",
+                    "exs-transport",
                     "--no-deps",
                     "--features",
                     "exs/sim,exs/tokio",
@@ -386,7 +388,7 @@ pub fn run(args: TestArgs) -> Result<()> {
                     "-D missing_docs -D rustdoc::broken_intra_doc_links -D rustdoc::private_intra_doc_links",
                 ),
         ) {
-            Ok(()) => summary.push("cargo doc (exs, exs-dma; missing docs and broken links denied): clean".to_string()),
+            Ok(()) => summary.push("cargo doc (exs, exs-dma, exs-transport; missing docs and broken links denied): clean".to_string()),
             Err(e) => {
                 eprintln!("xtask: cargo doc: {e}");
                 failures.push("cargo doc".to_string());
@@ -414,7 +416,7 @@ pub fn run(args: TestArgs) -> Result<()> {
                 "--exclude",
                 "exs-conformance",
                 "--features",
-                "exs/tokio",
+                "exs/sim,exs/tokio",
                 "--no-fail-fast",
             ]),
         )?;
@@ -429,6 +431,8 @@ pub fn run(args: TestArgs) -> Result<()> {
                     "--release",
                     "-p",
                     "exs",
+                    "--features",
+                    "sim",
                     "--test",
                     "stream_props",
                     "--test",

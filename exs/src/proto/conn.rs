@@ -230,10 +230,11 @@ impl Conn {
     /// Persistent operations end as [`Conn::end_persistent`] ends them, and CLOSE waits for those too.
     pub(crate) fn close_gracefully(&mut self) {
         self.cancel_receives(OpError::Cancelled);
-        // The peer's sends to us can no longer complete: say so at once, ahead of our data (it is not data).
+        // The peer's sends to us can no longer complete: say so now, in order (after the acknowledgments already
+        // queued, so that nothing we received is reported failed to the peer).
         if self.is_established() {
             self.link
-                .push_urgent(Body::Close(CloseReason::StopReceiving));
+                .push_ctrl(Body::Close(CloseReason::StopReceiving), None, None);
         }
         if let Some(Mode::Message(m)) = &mut self.mode {
             m.end_persistent(&mut self.link);

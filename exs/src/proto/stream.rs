@@ -1020,9 +1020,15 @@ impl StreamProto {
         self.complete_sends();
     }
 
-    /// Fails the sends not completed yet (the peer stopped receiving).
+    /// Fails the sends that still have bytes to send (the peer stopped receiving); those wholly written complete
+    /// as their writes do (the bytes are in the peer's memory).
     pub(crate) fn fail_pending_sends(&mut self, err: OpError) {
-        self.fail_sends(err);
+        for s in self.tx.sends.iter_mut().filter(|s| s.rest.is_some()) {
+            let started = s.in_flight > 0 || s.rest.as_ref().is_some_and(|r| r.len() < s.len);
+            s.rest = None;
+            s.failed.get_or_insert(err.clone().once_started(started));
+        }
+        self.complete_sends();
     }
 
     /// Fails the receives; exposed ones report when the endpoint is released (the peer may still write them).

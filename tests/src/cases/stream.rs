@@ -355,7 +355,7 @@ fn resume(b: &dyn Backend, how: Resume, both_ways: bool) -> Result<(), String> {
     let (got_b, sends_b) = got_b?;
     same(&got_b, &data_a, "client to server")?;
     let mut report = Vec::new();
-    let mut check = |who: &str, sock: &exs::Socket, before: exs::proto::stream::StreamStats, ring: u64| -> Result<(), String> {
+    let mut check = |who: &str, sock: &exs::Socket, before: exs::StreamStats, ring: u64| -> Result<(), String> {
         let after = sock.stats().ok_or("stats")?.stream;
         let remaining = RESUME_TOTAL as u64 - ring;
         let direct = after.direct_bytes - before.direct_bytes;

@@ -478,15 +478,16 @@ fn http(b: &dyn Backend) -> Result<(), String> {
     let exs = rt
         .block_on(http_example::fetch(&server, &client, net.listen_addr(0), LEN))
         .map_err(|e| format!("GET over exs: {e}"))?;
-    let tcp = rt
-        .block_on(http_example::fetch_tcp(LEN))
-        .map_err(|e| format!("GET over TCP: {e}"))?;
     let mb = |d: std::time::Duration| LEN as f64 / d.as_secs_f64() / 1e6;
+    // Plain TCP on loopback, for comparison only (a guest may have no loopback interface up).
+    let tcp = match rt.block_on(http_example::fetch_tcp(LEN)) {
+        Ok(d) => format!("{:.0} MB/s", mb(d)),
+        Err(e) => format!("not measured here ({e})"),
+    };
     eprintln!(
-        "HTTP {}: GET of 64 MiB with hyper, every byte checked: exs {:.0} MB/s, plain TCP on loopback {:.0} MB/s",
+        "HTTP {}: GET of 64 MiB with hyper, every byte checked: exs {:.0} MB/s, plain TCP on loopback {tcp}",
         b.name(),
         mb(exs),
-        mb(tcp)
     );
     Ok(())
 }

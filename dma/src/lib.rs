@@ -50,6 +50,11 @@ pub enum LeaseKind {
     /// Persistent receive (seed 002, 4.3) or a stream buffer: the remote side writes at any time; the CPU reads
     /// only through copies.
     DeviceWriteShared,
+    /// A remote key of the trusted-peer policy (UNH-EXS, seed 002 section 4: the registration's key is exposed for
+    /// its lifetime): held over the whole buffer while the key is valid. It goes over any other lease, and while it
+    /// is held the CPU may copy in and out (atomically) but not borrow: the peer could write any byte at any time.
+    /// The operations that use the key take their own leases as usual.
+    TrustedKey,
     /// The CPU reads the range (a borrow, or a copy).
     CpuRead,
     /// The CPU writes the range (a mutable borrow, or a copy).
@@ -60,12 +65,15 @@ impl LeaseKind {
     fn writes(self) -> bool {
         matches!(
             self,
-            Self::DeviceWrite | Self::DeviceWriteShared | Self::CpuWrite
+            Self::DeviceWrite | Self::DeviceWriteShared | Self::TrustedKey | Self::CpuWrite
         )
     }
 
     fn shared(self) -> bool {
-        matches!(self, Self::DeviceReadShared | Self::DeviceWriteShared)
+        matches!(
+            self,
+            Self::DeviceReadShared | Self::DeviceWriteShared | Self::TrustedKey
+        )
     }
 }
 
@@ -79,6 +87,14 @@ enum CpuMode {
 /// Whether a new lease of `new` kind (CPU leases with `mode`) may coexist with an overlapping `held` lease.
 fn compatible(held: LeaseKind, new: LeaseKind, mode: Option<CpuMode>) -> bool {
     use LeaseKind::*;
+    // A trusted-policy key goes over whatever is there; while it is held, the CPU only copies (atomically: the
+    // kind is shared), since the peer may write any byte at any time.
+    if new == TrustedKey {
+        return true;
+    }
+    if held == TrustedKey {
+        return mode != Some(CpuMode::Borrow);
+    }
     if !held.writes() && !new.writes() {
         return true;
     }
@@ -411,7 +427,7 @@ impl DmaBuf {
         // shared device leases, whose accesses are atomic (`racy`); the destination is in bounds (check) and
         // leased for writing by `dst`. They do not overlap: the table refuses a CpuRead next to an exclusive
         // device write of the same bytes, and a shared destination makes both sides atomic.
-        unsafe { copy(self.ptr.as_ptr().add(offset), d, len, racy, dst.kind.shared()) };
+        unsafe { copy(self.ptr.as_ptr().add(offset), d, len, racy, dst.racy()) };
         self.release(id);
         Ok(())
     }
@@ -587,7 +603,7 @@ impl Lease {
             load(
                 p,
                 dst,
-                self.kind.shared() || self.buf.racy(&(self.start..self.end)),
+                self.racy(),
             )
         };
         Ok(())
@@ -604,8 +620,14 @@ impl Lease {
         let p = self.check(offset, src.len())?;
         // SAFETY: in bounds; a write lease excludes all other users except racy CPU copies of a shared lease,
         // which are atomic on both sides.
-        unsafe { store(p, src, self.kind.shared()) };
+        unsafe { store(p, src, self.racy()) };
         Ok(())
+    }
+
+    /// Whether accesses through this lease must be atomic: it is shared, or a shared lease (a persistent
+    /// exposure, a trusted-policy key) overlaps it.
+    fn racy(&self) -> bool {
+        self.kind.shared() || self.buf.racy(&(self.start..self.end))
     }
 
     /// Whether this lease may be written through (a destination of a copy).
@@ -631,8 +653,8 @@ impl Lease {
         dst.may_write()?;
         let s = self.check(offset, len)?;
         let d = dst.check(dst_offset, len)?;
-        let src_racy = self.kind.shared() || self.buf.racy(&(self.start..self.end));
-        let dst_racy = dst.kind.shared();
+        let src_racy = self.racy();
+        let dst_racy = dst.racy();
         // SAFETY: both ranges are in bounds and leased (source for reading, destination for writing). The two
         // leases cannot overlap in a conflicting way (the table refused that), so the ranges do not alias unless
         // both are shared, in which case everything goes through atomic loads/stores of a bounce buffer.
@@ -837,6 +859,28 @@ mod tests {
         assert_eq!(err, DmaError::InUse { leases: 1 });
         drop(lease);
         assert_eq!(DmaBuf::into_vec(b).unwrap(), b"hello");
+    }
+
+    #[test]
+    fn a_trusted_key_goes_over_every_lease_and_leaves_the_cpu_only_copies() {
+        let b = DmaBuf::new(100);
+        let _borrow = b.lease(0..10, LeaseKind::CpuRead).unwrap();
+        let _recv = b.lease(10..20, LeaseKind::DeviceWrite).unwrap();
+        let key = b.lease(0..100, LeaseKind::TrustedKey).unwrap();
+        // Operations keep taking their own leases under the key.
+        let _send = b.lease(30..40, LeaseKind::DeviceRead).unwrap();
+        let _recv2 = b.lease(40..50, LeaseKind::DeviceWrite).unwrap();
+        // The CPU copies (atomically) but does not borrow while the peer may write any byte.
+        b.write_at(60, b"abc").unwrap();
+        let mut out = [0u8; 3];
+        b.read_at(60, &mut out).unwrap();
+        assert_eq!(&out, b"abc");
+        assert!(matches!(b.with_slice(60..63, |_| ()), Err(DmaError::Busy { .. })));
+        assert!(matches!(b.with_slice_mut(60..63, |_| ()), Err(DmaError::Busy { .. })));
+        // It counts as a lease (the region cannot be deregistered under it), and borrows come back without it.
+        assert_eq!(b.lease_count(), 5);
+        drop(key);
+        assert_eq!(b.with_slice(60..63, |s| s.to_vec()).unwrap(), b"abc");
     }
 
     #[test]

@@ -103,6 +103,9 @@ pub struct ContextOptions {
     /// Connections the context holds at most (open, connecting, being accepted or closing). Requests beyond it are
     /// refused (the peer sees `Refused`), and a `connect` fails with `TransportError::Resource`. Default 16,384.
     pub max_connections: usize,
+    /// How memory is exposed to peers: a key per operation (the default), or UNH-EXS's key per region and
+    /// connection for peers that trust each other ([`ExposurePolicy`]).
+    pub exposure: crate::ExposurePolicy,
 }
 
 /// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
@@ -146,6 +149,7 @@ impl Default for ContextOptions {
             shared_recv: SharedRecv::default(),
             keepalive: Some(Duration::from_secs(10)),
             max_connections: 16_384,
+            exposure: crate::ExposurePolicy::PerOperation,
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::error::{
     SocketError, StateError, Violation,
 };
 use crate::event::{EventFlags, Ticket};
+use crate::exposure::{ExposurePolicy, TrustedKeys};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 use crate::proto::conn::{Conn, Fault, Incoming, Limits};
@@ -54,8 +55,11 @@ pub struct EngineStats {
     pub pool: Option<PoolStats>,
     /// Memory registrations the context made (memory regions, control and stream buffers, pool chunks).
     pub registrations: u64,
-    /// Remote keys handed out (each bound to one connection).
+    /// Remote keys handed out (each bound to one connection): one per operation, or under the trusted policy one
+    /// per region, connection and access.
     pub exposures: u64,
+    /// Whole-region keys of the trusted policy valid now ([`crate::ExposurePolicy::TrustedPeers`]).
+    pub trusted_keys: u64,
     /// Connection requests refused because the context held `ContextOptions::max_connections` already.
     pub refused_over_limit: u64,
     /// Connection requests that waited in a backlog longer than the connect timeout and were refused.
@@ -202,6 +206,9 @@ pub(crate) struct Engine {
     /// Where the protocol reports completions (see [`crate::proto::op`]).
     outbox: Outbox,
     done: Vec<Done>,
+    /// How operations' memory is exposed, and the trusted policy's keys.
+    exposure: ExposurePolicy,
+    trusted: TrustedKeys,
 }
 
 impl std::fmt::Debug for Engine {
@@ -232,6 +239,8 @@ impl Engine {
             linger: opts.linger,
             connect_timeout: opts.connect_timeout,
             max_connections: opts.max_connections,
+            exposure: opts.exposure,
+            trusted: TrustedKeys::default(),
             ack_delay: opts.ack_delay,
             keepalive: opts.keepalive,
             sockets: HashMap::new(),
@@ -270,6 +279,7 @@ impl Engine {
         if let PoolState::On(p) = &self.pool {
             s.pool = Some(p.stats());
         }
+        s.trusted_keys = self.trusted.len() as u64;
         s
     }
 
@@ -321,6 +331,45 @@ impl Engine {
     ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
         self.stats.exposures += 1;
         self.transport.expose(ep, reg, lease, access)
+    }
+
+    /// Exposes an operation's range (a send the peer reads, a receive it writes) as the context's policy says:
+    /// a key of its own, or the trusted policy's key for the whole region on this connection.
+    fn expose_op(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: exs_dma::Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
+        match self.exposure {
+            ExposurePolicy::TrustedPeers => {
+                let (exposure, made) =
+                    self.trusted
+                        .expose(self.transport.as_mut(), ep, reg, lease, access)?;
+                if made {
+                    self.stats.exposures += 1;
+                }
+                Ok(exposure)
+            }
+            _ => self.expose(ep, reg, lease, access),
+        }
+    }
+
+    /// Frees an endpoint after its connection went down, revoking the trusted policy's keys on it first.
+    fn release_endpoint(&mut self, ep: EndpointId) {
+        self.trusted.forget_endpoint(ep);
+        self.transport.release(ep);
+    }
+
+    /// Trusted-policy keys naming `buf` (a region being deregistered counts them among its leases).
+    pub(crate) fn trusted_keys(&self, buf: &Arc<DmaBuf>) -> usize {
+        self.trusted.count(buf)
+    }
+
+    /// Revokes the trusted-policy keys naming `buf` (its region is deregistered; no operation uses it).
+    pub(crate) fn forget_trusted(&mut self, buf: &Arc<DmaBuf>) {
+        self.trusted.forget_buffer(buf);
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
@@ -988,6 +1037,7 @@ impl Engine {
         // Release the endpoint now: it never carried a connection.
         if let Some(ep) = sock.ep() {
             self.eps.remove(&ep);
+            self.trusted.forget_endpoint(ep);
             self.transport.release(ep);
         }
         sock.conn = None;
@@ -1076,7 +1126,7 @@ impl Engine {
             Ok(c) => c,
             Err(e) => {
                 self.transport.reject(request);
-                self.transport.release(ep);
+                self.release_endpoint(ep);
                 ticket.complete(Err(OpError::Transport(e)), 0, EventFlags::default());
                 return;
             }
@@ -1086,7 +1136,7 @@ impl Engine {
             Err(v) => {
                 self.transport.reject(request);
                 drop(conn);
-                self.transport.release(ep);
+                self.release_endpoint(ep);
                 ticket.complete(Err(OpError::PeerMisbehaved(v)), 0, EventFlags::default());
                 return;
             }
@@ -1094,7 +1144,7 @@ impl Engine {
         let private = conn.local.encode();
         if let Err(e) = self.transport.accept(request, ep, &private, recvs) {
             drop(conn);
-            self.transport.release(ep);
+            self.release_endpoint(ep);
             ticket.complete(Err(OpError::Transport(e)), 0, EventFlags::default());
             return;
         }
@@ -1187,10 +1237,10 @@ impl Engine {
     fn on_disconnected(&mut self, ep: EndpointId) {
         tracing::debug!(?ep, "disconnected");
         let Some(sid) = self.eps.remove(&ep) else {
-            self.transport.release(ep);
+            self.release_endpoint(ep);
             return;
         };
-        self.transport.release(ep);
+        self.release_endpoint(ep);
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;
         };
@@ -1466,7 +1516,7 @@ impl Engine {
         if let Err(e) = self.transport.connect(ep, addr, &private, recvs) {
             // Whatever the transport set up for the endpoint (a connection's own domain) goes with it.
             drop(conn);
-            self.transport.release(ep);
+            self.release_endpoint(ep);
             return Err(e.into());
         }
         let at = self.clock.now() + self.connect_timeout;
@@ -1547,7 +1597,7 @@ impl Engine {
                     let sge = slice.lease(kind)?;
                     let (lease, reg) = sge.into_parts();
                     let ep = self.open_conn(sid)?.ep;
-                    SendData::Exposed(self.expose(ep, &reg, lease, RemoteAccess::Read)?)
+                    SendData::Exposed(self.expose_op(ep, &reg, lease, RemoteAccess::Read)?)
                 } else {
                     SendData::Inline(slice.lease(LeaseKind::DeviceRead)?)
                 };
@@ -1662,7 +1712,7 @@ impl Engine {
                         crate::transport::NoKey,
                     ))
                 } else {
-                    self.expose(ep, &reg, lease, RemoteAccess::Write)?
+                    self.expose_op(ep, &reg, lease, RemoteAccess::Write)?
                 };
                 let token = self.token(ticket);
                 let conn = self

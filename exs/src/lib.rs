@@ -24,6 +24,7 @@
 
 pub mod context;
 mod engine;
+mod exposure;
 pub mod error;
 pub mod event;
 pub mod memory;
@@ -64,6 +65,7 @@ pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
 pub use memory::{MemoryRegion, Slice};
 pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
 pub use engine::EngineStats;
+pub use exposure::ExposurePolicy;
 pub use progress::ProgressStats;
 pub use proto::link::LinkStats;
 pub use proto::message::MessageStats;

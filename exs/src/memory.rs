@@ -9,11 +9,11 @@
 
 use std::fmt;
 use std::ops::{Bound, Range, RangeBounds};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use exs_dma::{DmaBuf, Lease, LeaseKind};
 
-use crate::context::Context;
+use crate::context::{Context, Shared};
 use crate::error::{BufferError, MemoryError};
 use crate::transport::{Registration, Sge};
 
@@ -28,6 +28,9 @@ struct RegionInner {
     /// `None` once deregistered. The lock also orders "take a lease" against "check for leases, deregister".
     reg: Mutex<Option<Arc<dyn Registration>>>,
     context_id: u64,
+    /// The context's engine, for the trusted policy's keys (revoked at deregistration). Weak: a region does not
+    /// keep its context alive.
+    ctx: Weak<Shared>,
 }
 
 impl MemoryRegion {
@@ -56,6 +59,7 @@ impl MemoryRegion {
                 buf,
                 reg: Mutex::new(Some(reg)),
                 context_id: ctx.id(),
+                ctx: Arc::downgrade(ctx.shared()),
             }),
         })
     }
@@ -138,11 +142,24 @@ impl MemoryRegion {
 
     /// Deregisters the region (ES-API `exs_mderegister`). Refused while any operation or remote key uses it.
     /// Other handles (clones, slices) become unusable for new operations.
+    /// Under the trusted-peer policy ([`crate::ExposurePolicy::TrustedPeers`]) the keys the region's connections
+    /// hold for it are not counted as uses: they are revoked here.
     pub fn deregister(&self) -> Result<(), MemoryError> {
+        // The engine's lock before the region's: the engine leases slices while it holds its own.
+        let shared = self.inner.ctx.upgrade();
+        let mut engine = shared.as_ref().map(|s| s.lock());
         let mut reg = self.inner.reg.lock().unwrap_or_else(|p| p.into_inner());
-        let leases = self.inner.buf.lease_count();
+        let keys = engine
+            .as_ref()
+            .map_or(0, |e| e.trusted_keys(&self.inner.buf));
+        let leases = self.inner.buf.lease_count().saturating_sub(keys);
         if leases > 0 {
             return Err(MemoryError::InUse { leases });
+        }
+        if keys > 0 {
+            if let Some(e) = engine.as_mut() {
+                e.forget_trusted(&self.inner.buf);
+            }
         }
         reg.take();
         Ok(())
@@ -164,6 +181,7 @@ impl MemoryRegion {
                         buf,
                         reg: Mutex::new(None),
                         context_id: inner.context_id,
+                        ctx: Weak::new(),
                     }),
                 };
                 (region, MemoryError::InUse { leases })

@@ -139,22 +139,40 @@ pub fn sim_addr(host: usize, port: u16) -> std::net::SocketAddr {
 }
 
 impl Context {
-    /// Opens a context on `backend` (with a progress thread).
+    /// Opens a context on `backend` (with a progress thread and default options).
     pub fn open(backend: &Backend) -> Result<Context, TransportError> {
+        Context::open_with(backend, crate::ContextOptions::default())
+    }
+
+    /// Opens a context on `backend` with `opts` (the simulated backend keeps its own clock and progress).
+    pub fn open_with(
+        backend: &Backend,
+        opts: crate::ContextOptions,
+    ) -> Result<Context, TransportError> {
         match backend {
             #[cfg(feature = "fabric")]
-            Backend::Fabric(cfg) => Context::new(Box::new(fabric::FabricTransport::open(cfg)?)),
+            Backend::Fabric(cfg) => {
+                Context::with_options(Box::new(fabric::FabricTransport::open(cfg)?), opts)
+            }
             #[cfg(feature = "verbs")]
-            Backend::Verbs(cfg) => Context::new(Box::new(verbs::VerbsTransport::open(cfg)?)),
+            Backend::Verbs(cfg) => {
+                Context::with_options(Box::new(verbs::VerbsTransport::open(cfg)?), opts)
+            }
             #[cfg(feature = "sim")]
-            Backend::Sim => Ok(sim_world().host()),
+            Backend::Sim => Ok(sim_world().host_with(opts)),
             #[allow(unreachable_patterns)]
-            _ => Err(missing("none")),
+            _ => {
+                let _ = opts;
+                Err(missing("none"))
+            }
         }
     }
 
-    /// Opens a context on the backend the environment names (see [`Backend::from_env`]).
+    /// Opens a context on the backend the environment names (see [`Backend::from_env`]); `EXS_EXPOSURE=trusted`
+    /// selects [`crate::ExposurePolicy::TrustedPeers`] (`per-operation`, the default, otherwise).
     pub fn from_env() -> Result<Context, TransportError> {
-        Context::open(&Backend::from_env()?)
+        let mut opts = crate::ContextOptions::default();
+        opts.exposure = crate::ExposurePolicy::from_env()?;
+        Context::open_with(&Backend::from_env()?, opts)
     }
 }

@@ -118,3 +118,109 @@ fn the_same_buffer_can_be_sent_twice_at_once() {
     let got = dst.to_vec().unwrap();
     assert_bytes_eq(&got[..3000], &got[3000..], "both copies");
 }
+
+/// The UNH-EXS policy for trusted peers (seed 002, section 4: a region is registered once and its key is what the
+/// peer uses): contexts with `ExposurePolicy::TrustedPeers`, keepalive off (virtual time runs idle).
+fn trusted_pair(ty: SockType) -> Pair {
+    let mut opts = exs::ContextOptions::default();
+    opts.exposure = exs::ExposurePolicy::TrustedPeers;
+    opts.keepalive = None;
+    pair_ctx_opts(ty, opts, &[exs::SocketOption::SmallPacketMaxSize(0)])
+}
+
+#[test]
+fn trusted_peers_get_one_key_per_region_and_connection_for_every_send() {
+    let p = trusted_pair(SockType::SeqPacket);
+    let sent = pattern(100_000, 7);
+    let src = p.client_region(sent.clone());
+    let dst = p.server_region(100_000);
+    for i in 0..10 {
+        let r = i * 10_000..(i + 1) * 10_000;
+        p.server
+            .recv(&p.eq_b, &dst.slice(r.clone()), MsgFlags::NONE, i as u64)
+            .unwrap();
+        p.client
+            .send(&p.eq_a, &src.slice(r), MsgFlags::NONE, i as u64)
+            .unwrap();
+        assert_eq!(wait(&p.eq_b).bytes, 10_000);
+        assert!(wait(&p.eq_a).status.is_ok());
+    }
+    assert_bytes_eq(&dst.to_vec().unwrap(), &sent, "ten sends from one region, each at its own address");
+    let stats = p.a.stats();
+    assert_eq!(stats.exposures, 1, "one key for the region on this connection: {stats:?}");
+    assert_eq!(stats.trusted_keys, 1);
+    assert_eq!(p.world.live_keys(), 1, "the key outlives the operations (UNH-EXS)");
+    // While the peer may read any byte, the application copies but does not borrow.
+    assert!(src.with_slice(0..10, |_| ()).is_err());
+    src.write(0, b"new").unwrap();
+    // Deregistration revokes it: the key is not counted as a use.
+    src.deregister().unwrap();
+    assert_eq!(p.world.live_keys(), 0, "deregistered: the key is gone");
+    assert_eq!(p.a.stats().trusted_keys, 0);
+}
+
+#[test]
+fn a_trusted_region_with_an_operation_pending_is_not_deregistered() {
+    let p = trusted_pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(10_000, 3));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    p.world.run_until_idle(1000);
+    assert_eq!(
+        src.deregister(),
+        Err(exs::MemoryError::InUse { leases: 1 }),
+        "the send in flight is a use; the trusted key is not"
+    );
+    let dst = p.server_region(10_000);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    assert_eq!(wait(&p.eq_b).bytes, 10_000);
+    assert!(wait(&p.eq_a).status.is_ok());
+    src.deregister().unwrap();
+    assert_eq!(p.world.live_keys(), 0);
+}
+
+#[test]
+fn a_trusted_key_is_revoked_when_its_connection_goes() {
+    let p = trusted_pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(10_000, 4));
+    let dst = p.server_region(10_000);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    assert_eq!(wait(&p.eq_b).bytes, 10_000);
+    assert!(wait(&p.eq_a).status.is_ok());
+    assert_eq!(p.world.live_keys(), 1);
+    p.client.abort().unwrap();
+    p.world.run_until_idle(10_000);
+    assert_eq!(p.world.live_keys(), 0, "the connection went: so did its key");
+    assert_eq!(p.a.stats().trusted_keys, 0);
+    assert_eq!(src.leases(), 0);
+    src.deregister().unwrap();
+}
+
+#[test]
+fn trusted_stream_receives_share_one_write_key() {
+    let p = trusted_pair(SockType::Stream);
+    let sent = pattern(256 << 10, 9);
+    let src = p.client_region(sent.clone());
+    let dst = p.server_region(256 << 10);
+    for i in 0..4 {
+        let r = i * (64 << 10)..(i + 1) * (64 << 10);
+        p.server
+            .recv(&p.eq_b, &dst.slice(r.clone()), MsgFlags::WAITALL, i as u64)
+            .unwrap();
+        p.client
+            .send(&p.eq_a, &src.slice(r), MsgFlags::NONE, i as u64)
+            .unwrap();
+        assert_eq!(wait(&p.eq_b).bytes, 64 << 10);
+        assert!(wait(&p.eq_a).status.is_ok());
+    }
+    assert_bytes_eq(&dst.to_vec().unwrap(), &sent, "stream through one trusted key");
+    assert_eq!(p.b.stats().trusted_keys, 1, "{:?}", p.b.stats());
+}

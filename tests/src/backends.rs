@@ -40,6 +40,9 @@ impl Net for SimNet {
     fn host(&self) -> Context {
         self.0.host()
     }
+    fn host_with(&self, opts: exs::ContextOptions) -> Context {
+        self.0.host_with(opts)
+    }
     fn listen_addr(&self, i: usize) -> SocketAddr {
         self.0.addr(i, 0)
     }
@@ -100,8 +103,9 @@ struct FabricNet {
 
 #[cfg(feature = "fabric")]
 impl Net for FabricNet {
-    fn host(&self) -> Context {
-        Context::open(&exs::Backend::Fabric(self.cfg.clone())).expect("open the libfabric provider")
+    fn host_with(&self, opts: exs::ContextOptions) -> Context {
+        Context::open_with(&exs::Backend::Fabric(self.cfg.clone()), opts)
+            .expect("open the libfabric provider")
     }
     fn listen_addr(&self, _i: usize) -> SocketAddr {
         SocketAddr::new(self.addr, 0)
@@ -146,9 +150,9 @@ struct VerbsNet(Result<exs_backend_verbs::VerbsConfig, String>);
 
 #[cfg(feature = "verbs")]
 impl Net for VerbsNet {
-    fn host(&self) -> Context {
+    fn host_with(&self, opts: exs::ContextOptions) -> Context {
         let cfg = self.0.as_ref().expect("checked by unavailable()");
-        Context::open(&exs::Backend::Verbs(cfg.clone())).expect("open the RDMA device")
+        Context::open_with(&exs::Backend::Verbs(cfg.clone()), opts).expect("open the RDMA device")
     }
     fn listen_addr(&self, _i: usize) -> SocketAddr {
         SocketAddr::new(self.0.as_ref().expect("checked").addr, 0)

@@ -17,7 +17,11 @@ use exs::Context;
 /// What a test needs from a backend: hosts and addresses.
 pub trait Net {
     /// A new host (a context with its own transport and progress thread).
-    fn host(&self) -> Context;
+    fn host(&self) -> Context {
+        self.host_with(exs::ContextOptions::default())
+    }
+    /// A new host with `opts` (the simulator keeps its own clock and progress).
+    fn host_with(&self, opts: exs::ContextOptions) -> Context;
     /// An address to listen on for the `i`th host created (port 0: any).
     fn listen_addr(&self, i: usize) -> SocketAddr;
     /// A bare transport on this network, with no exs engine, to play a crafted peer ([`exs::testing::RawPeer`]).

@@ -295,11 +295,11 @@ pub fn check_exposure(
     let fits = match access {
         RemoteAccess::Read => matches!(
             lease.kind(),
-            LeaseKind::DeviceRead | LeaseKind::DeviceReadShared
+            LeaseKind::DeviceRead | LeaseKind::DeviceReadShared | LeaseKind::TrustedKey
         ),
         RemoteAccess::Write => matches!(
             lease.kind(),
-            LeaseKind::DeviceWrite | LeaseKind::DeviceWriteShared
+            LeaseKind::DeviceWrite | LeaseKind::DeviceWriteShared | LeaseKind::TrustedKey
         ),
     };
     if !fits {

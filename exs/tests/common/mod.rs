@@ -64,6 +64,26 @@ pub fn pair_in(
 ) -> Pair {
     let a = world.host();
     let b = world.host();
+    pair_hosts(world, a, b, ty, client_opts, server_opts)
+}
+
+/// A connected pair whose contexts both use `opts` (manual progress, virtual time: the world sets those).
+pub fn pair_ctx_opts(ty: SockType, opts: exs::ContextOptions, sock: &[SocketOption]) -> Pair {
+    let world = World::new(SimConfig::default());
+    let a = world.host_with(opts.clone());
+    let b = world.host_with(opts);
+    pair_hosts(world, a, b, ty, sock, sock)
+}
+
+/// A connected pair between hosts 0 (`a`, the client) and 1 (`b`) of `world`.
+pub fn pair_hosts(
+    world: World,
+    a: Context,
+    b: Context,
+    ty: SockType,
+    client_opts: &[SocketOption],
+    server_opts: &[SocketOption],
+) -> Pair {
     let eq_a = EventQueue::new(1024);
     let eq_b = EventQueue::new(1024);
     let listener = Socket::new(&b, ty).unwrap();

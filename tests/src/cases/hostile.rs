@@ -86,8 +86,17 @@ pub(crate) struct Victim {
 }
 
 pub(crate) fn victim(b: &dyn Backend, ty: SockType) -> Result<Victim, String> {
+    victim_with(b, ty, exs::ContextOptions::default())
+}
+
+/// A victim whose context uses `opts`.
+pub(crate) fn victim_with(
+    b: &dyn Backend,
+    ty: SockType,
+    opts: exs::ContextOptions,
+) -> Result<Victim, String> {
     let net = b.net();
-    let ctx = net.host();
+    let ctx = net.host_with(opts);
     let eq = EventQueue::new(256);
     let listener = Socket::new(&ctx, ty).map_err(|e| e.to_string())?;
     listener

@@ -10,7 +10,7 @@ use exs::transport::RemoteRef;
 use exs::wire::{Advert, AdvertFlags, Body, Message};
 use exs::{MemoryRegion, MsgFlags, SockType, Socket};
 
-use super::hostile::{victim, Victim};
+use super::hostile::{victim_with, Victim};
 use crate::util::*;
 use crate::{ensure, Backend, Case, Requires};
 
@@ -20,6 +20,16 @@ pub fn cases() -> Vec<Case> {
             name: "a_key_from_one_connection_is_refused_on_another",
             run: key_refused_on_another_connection,
             requires: Requires::BoundKeys,
+        },
+        Case {
+            name: "a_trusted_key_from_one_connection_is_refused_on_another",
+            run: trusted_key_refused_on_another_connection,
+            requires: Requires::BoundKeys,
+        },
+        Case {
+            name: "a_trusted_key_reaches_its_region_until_deregistered",
+            run: trusted_key_until_deregistered,
+            requires: Requires::Nothing,
         },
     ]
 }
@@ -79,8 +89,24 @@ fn still_up(s: &Socket, what: &str) -> Result<(), String> {
 }
 
 fn key_refused_on_another_connection(b: &dyn Backend) -> Result<(), String> {
+    keys_stay_on_their_connection(b, exs::ContextOptions::default())
+}
+
+/// The same attack on a context with the UNH-EXS policy for trusted peers: its keys name whole regions and live
+/// as long as the region, yet still only on the connection they were given to.
+fn trusted_key_refused_on_another_connection(b: &dyn Backend) -> Result<(), String> {
+    keys_stay_on_their_connection(b, trusted())
+}
+
+fn trusted() -> exs::ContextOptions {
+    let mut opts = exs::ContextOptions::default();
+    opts.exposure = exs::ExposurePolicy::TrustedPeers;
+    opts
+}
+
+fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> Result<(), String> {
     // Message mode: a send in flight (readable), a persistent send (readable), a persistent receive (writable).
-    let v = victim(b, SockType::SeqPacket)?;
+    let v = victim_with(b, SockType::SeqPacket, opts.clone())?;
     let (mut a, a_sock) = v.accept_good()?;
     let sent = pattern(8000, 11);
     let src = MemoryRegion::from_vec(&v.ctx, sent.clone()).map_err(|e| e.to_string())?;
@@ -138,7 +164,7 @@ fn key_refused_on_another_connection(b: &dyn Backend) -> Result<(), String> {
 
     // Stream mode: the intermediate stream buffer (allocated when the peer asks for it; its key follows the
     // handshake) and an advertised receive.
-    let v = victim(b, SockType::Stream)?;
+    let v = victim_with(b, SockType::Stream, opts)?;
     let (mut a, a_sock) = v.accept_good()?;
     ensure!(a.peer.stream_len > 0, "the stream handshake carried no stream buffer");
     let ring = if a.peer.stream_rkey != 0 || a.peer.stream_addr != 0 {
@@ -198,4 +224,50 @@ fn advert_stream(raw: &mut RawPeer) -> Result<RemoteRef, String> {
     };
     raw.pump(Duration::from_secs(20), |p| find(p).is_some());
     find(raw).ok_or("the victim never advertised its stream receive".into())
+}
+
+/// The trade-off of the trusted policy, pinned: the key of one send reaches the rest of its region (UNH-EXS gives
+/// the registration's key), on its own connection, after the send completed, until the region is deregistered.
+fn trusted_key_until_deregistered(b: &dyn Backend) -> Result<(), String> {
+    let v = victim_with(b, SockType::SeqPacket, trusted())?;
+    let (mut raw, s) = v.accept_good()?;
+    s.set_option(exs::SocketOption::SmallPacketMaxSize(0)).ok();
+    let data = pattern(64 << 10, 21);
+    let src = MemoryRegion::from_vec(&v.ctx, data.clone()).map_err(|e| e.to_string())?;
+    s.send(&v.eq, &src.slice(0..8000), MsgFlags::NONE, 9)
+        .map_err(|e| e.to_string())?;
+    let ad = advert(&mut raw, "a send", |ad| ad.len == 8000)?;
+    let id = raw.read(RemoteRef { addr: ad.addr, key: ad.rkey }, 8000)?;
+    raw.wait_done(id)
+        .map_err(|e| format!("reading the advertised send: {e}"))?;
+    same(&raw.read_back(8000), &data[..8000], "the advertised send")?;
+    raw.send_msg(&Message {
+        credits: 0,
+        ack: Some(1),
+        body: Body::Ack,
+    })?;
+    let ev = next(&v.eq)?;
+    ensure!(ev.is_ok(), "the acknowledged send: {ev:?}");
+    // The send is done; its key still reads the region, beyond the send's range.
+    let beyond = RemoteRef {
+        addr: ad.addr + 32_768,
+        key: ad.rkey,
+    };
+    let id = raw.read(beyond, 4096)?;
+    raw.wait_done(id)
+        .map_err(|e| format!("the trusted key, after its send, 32 KiB further into the region: {e}"))?;
+    same(&raw.read_back(4096), &data[32_768..32_768 + 4096], "the region beyond the send")?;
+    eprintln!("KEYS {}: trusted key read the region after its send completed", v.name);
+    // Deregistered: the key is revoked at once, the connection stays up.
+    src.deregister().map_err(|e| format!("deregistering the region: {e}"))?;
+    let id = raw.read(beyond, 4096)?;
+    ensure!(
+        raw.wait_done(id).is_err(),
+        "the trusted key still read the region after it was deregistered"
+    );
+    eprintln!("KEYS {}: trusted key refused once the region was deregistered", v.name);
+    drop(raw);
+    let _ = s.abort();
+    drain(&v);
+    v.healthy("trusted keys", false)
 }

@@ -1,0 +1,169 @@
+//! How memory is exposed to peers: the per-operation default, and the trusted-peer policy of UNH-EXS.
+//!
+//! **Per operation** ([`ExposurePolicy::PerOperation`], the default): each send in flight and each advertised
+//! receive gets a key of its own, naming exactly its range, bound to the one connection it is handed to and revoked
+//! when the operation ends (a memory-window bind, or a key-table entry, per operation: `Transport::expose`).
+//!
+//! **Trusted peers** ([`ExposurePolicy::TrustedPeers`]): the UNH-EXS model (seed 002, section 4: `exs_mregister`
+//! registers once and the registration's key is what peers use). The first operation on a region over a
+//! connection exposes the *whole* region to that connection (one key per region, connection and access) and the
+//! key stays valid until the connection goes or the region is deregistered; every later operation hands out the
+//! same key with its own address, and costs no transport call. The key still works on that connection only where
+//! the backend binds keys to connections. What is given up: between operations, and outside the ranges the
+//! protocol hands out, the peer *can* read (and, for regions used to receive, write) any byte of the region; the
+//! application trusts it not to. The per-operation leases are still taken, so exs's own accesses keep their rules.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use exs_dma::{DmaBuf, Lease, LeaseKind};
+
+use crate::transport::{
+    EndpointId, Exposure, KeyedLease, Registration, RemoteAccess, RemoteRef, Revoke, Transport,
+    TransportError,
+};
+
+/// How a context exposes memory to its peers ([`crate::ContextOptions::exposure`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ExposurePolicy {
+    /// A key per operation, for exactly its range, revoked when it ends (the default).
+    #[default]
+    PerOperation,
+    /// UNH-EXS's model for peers that trust each other: one key per region and connection, for the whole region,
+    /// valid until the connection goes or the region is deregistered. Cheaper per operation; a peer can reach every
+    /// byte of a region it was once given a key to (see the module documentation).
+    TrustedPeers,
+}
+
+impl ExposurePolicy {
+    /// The policy `EXS_EXPOSURE` names: `per-operation` (or unset) or `trusted`.
+    pub fn from_env() -> Result<Self, TransportError> {
+        match std::env::var("EXS_EXPOSURE") {
+            Err(_) => Ok(Self::PerOperation),
+            Ok(v) => v.parse(),
+        }
+    }
+}
+
+impl std::str::FromStr for ExposurePolicy {
+    type Err = TransportError;
+
+    /// `per-operation` or `trusted`.
+    fn from_str(s: &str) -> Result<Self, TransportError> {
+        match s {
+            "per-operation" | "" => Ok(Self::PerOperation),
+            "trusted" => Ok(Self::TrustedPeers),
+            other => Err(TransportError::Invalid(format!(
+                "exposure policy {other:?} (EXS_EXPOSURE: per-operation or trusted)"
+            ))),
+        }
+    }
+}
+
+/// One whole-region key of the trusted policy. `None` once revoked (region deregistered, connection gone).
+#[derive(Debug)]
+struct Whole {
+    exposure: Mutex<Option<Box<dyn Exposure>>>,
+}
+
+/// What keeps a whole-region key alive while an operation uses it: nothing to revoke per operation.
+#[derive(Debug)]
+struct Borrowed(#[allow(dead_code)] Arc<Whole>);
+
+impl Revoke for Borrowed {
+    fn revoke(&mut self) {}
+}
+
+/// The trusted policy's keys of one context, by connection, region and access.
+#[derive(Debug, Default)]
+pub(crate) struct TrustedKeys {
+    keys: HashMap<(EndpointId, usize, RemoteAccess), (Arc<Whole>, RemoteRef, u64)>,
+}
+
+/// The key of a buffer: its address (a buffer is in the map only while a whole-region lease keeps it alive).
+fn buf_key(buf: &Arc<DmaBuf>) -> usize {
+    Arc::as_ptr(buf) as usize
+}
+
+impl TrustedKeys {
+    /// The exposure of `lease` (an operation's range) under the whole-region key of `reg` on `ep`, exposing the
+    /// region first if this connection has no key for it yet. Returns whether a transport exposure was made.
+    pub(crate) fn expose(
+        &mut self,
+        transport: &mut dyn Transport,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<(Box<dyn Exposure>, bool), TransportError> {
+        crate::transport::check_exposure(reg, &lease, access)?;
+        let buf = reg.buf();
+        let key = (ep, buf_key(buf), access);
+        let mut made = false;
+        if !self.keys.contains_key(&key) {
+            let whole = buf
+                .lease(0..buf.len(), LeaseKind::TrustedKey)
+                .map_err(|e| TransportError::Invalid(e.to_string()))?;
+            let base = whole.addr();
+            let exposure = transport.expose(ep, reg, whole, access)?;
+            let remote = exposure.remote();
+            let w = Arc::new(Whole {
+                exposure: Mutex::new(Some(exposure)),
+            });
+            self.keys.insert(key, (w, remote, base));
+            made = true;
+        }
+        let (whole, remote, base) = &self.keys[&key];
+        let offset = lease.addr() - base;
+        let remote = RemoteRef {
+            addr: remote.addr + offset,
+            key: remote.key,
+        };
+        Ok((
+            Box::new(KeyedLease::new(remote, lease, Borrowed(Arc::clone(whole)))),
+            made,
+        ))
+    }
+
+    /// Revokes the keys of a connection that is going away (before its endpoint is released).
+    pub(crate) fn forget_endpoint(&mut self, ep: EndpointId) {
+        self.keys.retain(|k, (w, _, _)| {
+            if k.0 == ep {
+                revoke(w);
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// How many whole-region keys name `buf`.
+    pub(crate) fn count(&self, buf: &Arc<DmaBuf>) -> usize {
+        let b = buf_key(buf);
+        self.keys.keys().filter(|k| k.1 == b).count()
+    }
+
+    /// Revokes every key naming `buf` (the region is being deregistered and no operation uses it).
+    pub(crate) fn forget_buffer(&mut self, buf: &Arc<DmaBuf>) {
+        let b = buf_key(buf);
+        self.keys.retain(|k, (w, _, _)| {
+            if k.1 == b {
+                revoke(w);
+                false
+            } else {
+                true
+            }
+        });
+    }
+
+    /// Keys held now.
+    pub(crate) fn len(&self) -> usize {
+        self.keys.len()
+    }
+}
+
+fn revoke(w: &Whole) {
+    // Dropping the exposure revokes the key, then releases the whole-region lease.
+    drop(w.exposure.lock().unwrap_or_else(|p| p.into_inner()).take());
+}

@@ -2,6 +2,7 @@
 
 mod bench;
 mod demo;
+mod outside;
 mod rxe;
 mod soak;
 mod sys;
@@ -29,6 +30,8 @@ enum Cmd {
     },
     /// Benchmarks beside the peers (--quick: a subset in under 5 minutes): CSV, SVG plots, README tables.
     Bench(bench::BenchArgs),
+    /// A crate outside the workspace that depends on `exs` alone builds and runs the examples (part of `test`).
+    Outside,
     /// The bounded soak on sim and libfabric tcp: random sizes, flags and closes, every byte checked.
     Soak(soak::SoakArgs),
     /// Soft-RoCE on this machine (kernels with rdma_rxe): up [--link], down, status.
@@ -48,6 +51,7 @@ fn main() {
         Cmd::Vm { args } => vm::run_command(args),
         Cmd::Rxe(a) => rxe::run(a),
         Cmd::Soak(a) => soak::run(a),
+        Cmd::Outside => outside::run().map(|line| println!("{line}")),
         Cmd::Bench(a) => bench::run(a),
     };
     if let Err(e) = r {

@@ -468,6 +468,14 @@ pub fn run(args: TestArgs) -> Result<()> {
                 failures.push("soak".to_string());
             }
         }
+        // Issue 16: a user's crate outside the workspace, depending on exs alone, builds and runs the examples.
+        match crate::outside::run() {
+            Ok(line) => summary.push(line),
+            Err(e) => {
+                summary.push(format!("outside crate: {e}"));
+                failures.push("outside crate".to_string());
+            }
+        }
     }
     let exe = conformance_exe()?;
     let mut host = Sections::default();

@@ -1,4 +1,5 @@
-//! Connection lifecycle on the simulated fabric: connect outcomes, close, peer close, failures.
+//! Connection lifecycle on the simulated fabric: connect outcomes, close, peer close, failures. The tests log
+//! through `test-log`: `RUST_LOG=exs=debug cargo test -p exs --features sim --test lifecycle -- --nocapture`.
 #![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;
@@ -11,7 +12,7 @@ use exs::{
     Blame, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, StateError,
 };
 
-#[test]
+#[test_log::test]
 fn connect_to_a_port_nobody_listens_on_is_refused() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -25,7 +26,7 @@ fn connect_to_a_port_nobody_listens_on_is_refused() {
     assert_eq!(ev.status.unwrap_err().blame(), Blame::Peer);
 }
 
-#[test]
+#[test_log::test]
 fn connect_to_an_unknown_host_is_unreachable() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -36,7 +37,7 @@ fn connect_to_an_unknown_host_is_unreachable() {
 }
 
 /// A host that does not answer makes the connect time out, distinguishable from a refusal.
-#[test]
+#[test_log::test]
 fn connect_to_a_silent_host_times_out() {
     let world = World::new(SimConfig::default());
     let a = world.host_with(exs::ContextOptions {
@@ -58,7 +59,7 @@ fn connect_to_a_silent_host_times_out() {
     let _ = eq_b;
 }
 
-#[test]
+#[test_log::test]
 fn a_stream_client_is_refused_by_a_seqpacket_listener() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -77,7 +78,7 @@ fn a_stream_client_is_refused_by_a_seqpacket_listener() {
     assert_eq!(eq_b.len(), 0, "the listener accepted nothing");
 }
 
-#[test]
+#[test_log::test]
 fn listener_binds_port_zero_to_a_real_port_and_reports_addresses() {
     let world = World::new(SimConfig::default());
     let _a = world.host();
@@ -97,7 +98,7 @@ fn listener_binds_port_zero_to_a_real_port_and_reports_addresses() {
     assert_eq!(p.client.peer_addr().unwrap().unwrap().port(), 7000);
 }
 
-#[test]
+#[test_log::test]
 fn connection_requests_wait_in_the_backlog_until_accepted() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -125,7 +126,7 @@ fn connection_requests_wait_in_the_backlog_until_accepted() {
     drop(clients);
 }
 
-#[test]
+#[test_log::test]
 fn a_full_backlog_refuses_further_requests() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -158,7 +159,7 @@ fn a_full_backlog_refuses_further_requests() {
 /// "Closing a socket completes every pending operation with a cancelled status": `abort()` does (a graceful
 /// `close()` lets the sends finish: conformance `seqpacket_close_is_graceful_with_pending_operations`). A send
 /// whose message left is `Aborted`, never `Cancelled` (the peer may have it).
-#[test]
+#[test_log::test]
 fn abort_completes_every_pending_operation() {
     let p = pair(SockType::SeqPacket);
     let buf = MemoryRegion::alloc(&p.a, 4 * 1000).unwrap();
@@ -204,7 +205,7 @@ fn abort_completes_every_pending_operation() {
 
 /// The peer's close: our pending receives end with end-of-stream, our unread sends fail with PeerClosed, and
 /// later receives report end-of-stream at once.
-#[test]
+#[test_log::test]
 fn peer_close_gives_end_of_stream_and_fails_unread_sends() {
     let p = pair(SockType::SeqPacket);
     let buf = p.server_region(100);
@@ -236,7 +237,7 @@ fn peer_close_gives_end_of_stream_and_fails_unread_sends() {
     }
 }
 
-#[test]
+#[test_log::test]
 fn messages_sent_before_close_are_still_delivered_when_already_read() {
     let p = pair(SockType::SeqPacket);
     let data = pattern(300, 3);
@@ -249,7 +250,7 @@ fn messages_sent_before_close_are_still_delivered_when_already_read() {
 
 /// A connection that breaks under the transport (both ends go to error) fails pending operations with
 /// ConnectionReset on both sides, and frees every buffer.
-#[test]
+#[test_log::test]
 fn broken_connection_fails_pending_operations_on_both_sides() {
     let p = pair(SockType::SeqPacket);
     let dst = p.server_region(1 << 20);
@@ -290,7 +291,7 @@ fn broken_connection_fails_pending_operations_on_both_sides() {
 
 /// A peer process killed mid-transfer: every pending operation completes with an error within the detection
 /// delay, and the listener keeps accepting.
-#[test]
+#[test_log::test]
 fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
     let world = World::new(SimConfig {
         detect_delay: Duration::from_millis(5),
@@ -349,7 +350,7 @@ fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
 }
 
 /// A sender whose peer stops answering learns it from its own work requests (retries exhausted).
-#[test]
+#[test_log::test]
 fn silent_peer_is_detected_by_the_next_work_request() {
     let p = pair(SockType::SeqPacket);
     let src = p.client_region(pattern(100, 1));
@@ -361,7 +362,7 @@ fn silent_peer_is_detected_by_the_next_work_request() {
     assert_eq!(ev.status, Err(OpError::ConnectionReset));
 }
 
-#[test]
+#[test_log::test]
 fn dropping_every_handle_closes_the_socket() {
     let p = pair(SockType::SeqPacket);
     let buf = p.server_region(10);
@@ -373,7 +374,7 @@ fn dropping_every_handle_closes_the_socket() {
     assert!(ev.flags.eof, "{ev:?}");
 }
 
-#[test]
+#[test_log::test]
 fn closing_a_listener_cancels_its_pending_accepts() {
     let world = World::new(SimConfig::default());
     let b = world.host();
@@ -389,7 +390,7 @@ fn closing_a_listener_cancels_its_pending_accepts() {
     assert!(evs.iter().all(|e| e.status == Err(OpError::Cancelled)));
 }
 
-#[test]
+#[test_log::test]
 fn closing_a_connecting_socket_cancels_the_connect() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -407,7 +408,7 @@ fn closing_a_connecting_socket_cancels_the_connect() {
 
 /// One-way traffic is acknowledged at once: a sender with one message in flight is not slowed down by the
 /// delayed acknowledgment meant for request/response traffic.
-#[test]
+#[test_log::test]
 fn one_way_messages_are_acknowledged_without_delay() {
     let p = pair(SockType::SeqPacket);
     let src = p.client_region(pattern(10_000, 1));
@@ -444,7 +445,7 @@ fn one_way_messages_are_acknowledged_without_delay() {
 /// A connection whose application only waits (a pending receive, nothing to send) to a peer that vanished:
 /// with keepalive the probe finds it within one interval plus the transport's retries; without, nothing ever
 /// moves on that connection.
-#[test]
+#[test_log::test]
 fn keepalive_finds_a_silent_peer_while_the_application_only_waits() {
     for keepalive in [Some(Duration::from_secs(1)), None] {
         let world = World::new(SimConfig::default());
@@ -536,7 +537,7 @@ fn dropped_queue_with_an_accepted_socket() -> (World, Socket, Socket, std::net::
 
 /// Issue 15: closing the listener completes the pending accept under the engine lock; the queue goes with the
 /// ticket, and the accepted socket in it closes - after the lock is let go, not by locking it again.
-#[test]
+#[test_log::test]
 fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_a_close() {
     within_20s("listener close", || {
         let (world, l, _c, _) = dropped_queue_with_an_accepted_socket();
@@ -548,7 +549,7 @@ fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_a_close() {
 
 /// The same, with the progress thread completing the pending accept (a second client connects): the context must
 /// go on working.
-#[test]
+#[test_log::test]
 fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_the_progress_thread() {
     within_20s("a connect after the queue was dropped", || {
         let (world, l, _c, addr) = dropped_queue_with_an_accepted_socket();
@@ -570,7 +571,7 @@ fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_the_progress
 }
 
 /// Every drop order of the user's handles: nothing deadlocks.
-#[test]
+#[test_log::test]
 fn dropping_handles_in_any_order_does_not_deadlock() {
     for order in 0..6u8 {
         within_20s("dropping handles", move || {
@@ -609,7 +610,7 @@ fn dropping_handles_in_any_order_does_not_deadlock() {
 
 /// Issue 15: a panic in a progress round (injected: no peer input may cause one) fails the context instead of
 /// stopping it silently: every pending operation ends with a transport error, later calls fail at once.
-#[test]
+#[test_log::test]
 fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
     within_20s("the failed context's operations", || {
         let p = pair_threaded(SockType::SeqPacket, &[]);
@@ -641,7 +642,7 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
 
 /// Issue 15: `ContextOptions::max_connections` bounds what one context holds; requests beyond it are refused
 /// politely (the peer sees `Refused`), and room made by a close is used again.
-#[test]
+#[test_log::test]
 fn connections_beyond_the_limit_are_refused_politely() {
     let world = World::threaded(SimConfig::default());
     let server = world.host_with(exs::ContextOptions {
@@ -691,7 +692,7 @@ fn connections_beyond_the_limit_are_refused_politely() {
 
 /// Issue 15: a connection request nobody accepts does not wait in the backlog forever: it is refused after the
 /// connect timeout, and the backlog's room comes back.
-#[test]
+#[test_log::test]
 fn a_request_left_in_the_backlog_expires() {
     let world = World::threaded(SimConfig::default());
     let server = world.host_with(exs::ContextOptions {
@@ -722,7 +723,7 @@ fn a_request_left_in_the_backlog_expires() {
 }
 
 /// Issue 15: 10,000 refused connects (the backlog is full and nobody accepts) leave nothing behind on either side.
-#[test]
+#[test_log::test]
 fn ten_thousand_refused_connects_leave_nothing_behind() {
     let world = World::threaded(SimConfig::default());
     // The request filling the backlog must not expire during the run (on a loaded machine it can last long).

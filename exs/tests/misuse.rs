@@ -18,7 +18,7 @@ fn io_kind(e: impl Into<io::Error>) -> io::ErrorKind {
     e.into().kind()
 }
 
-#[test]
+#[test_log::test]
 fn send_before_connect_is_not_connected() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -36,7 +36,7 @@ fn send_before_connect_is_not_connected() {
     assert_eq!(eq.len(), 0, "and produces no event");
 }
 
-#[test]
+#[test_log::test]
 fn operations_on_a_closed_socket_are_invalid() {
     let p = pair(SockType::SeqPacket);
     let buf = p.client_region(vec![1; 10]);
@@ -71,7 +71,7 @@ fn operations_on_a_closed_socket_are_invalid() {
     );
 }
 
-#[test]
+#[test_log::test]
 fn double_close_is_an_error() {
     let p = pair(SockType::SeqPacket);
     p.client.close().unwrap();
@@ -87,7 +87,7 @@ fn double_close_is_an_error() {
     );
 }
 
-#[test]
+#[test_log::test]
 fn buffer_outside_its_region_is_refused() {
     let p = pair(SockType::SeqPacket);
     let buf = p.client_region(vec![0; 100]);
@@ -112,7 +112,7 @@ fn buffer_outside_its_region_is_refused() {
     ));
 }
 
-#[test]
+#[test_log::test]
 fn buffer_registered_with_another_context_is_refused() {
     let p = pair(SockType::SeqPacket);
     let foreign = p.server_region(10);
@@ -123,7 +123,7 @@ fn buffer_registered_with_another_context_is_refused() {
     assert_eq!(e, SendError::Buffer(BufferError::WrongContext));
 }
 
-#[test]
+#[test_log::test]
 fn deregistered_region_is_refused() {
     let p = pair(SockType::SeqPacket);
     let buf = p.client_region(vec![0; 10]);
@@ -136,7 +136,7 @@ fn deregistered_region_is_refused() {
     assert_eq!(e, SendError::Buffer(BufferError::Deregistered));
 }
 
-#[test]
+#[test_log::test]
 fn zero_length_registration_is_refused() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -149,7 +149,7 @@ fn zero_length_registration_is_refused() {
 
 /// The buffer of a pending receive cannot be read, and that of a pending send cannot be written: the device
 /// owns them until the event.
-#[test]
+#[test_log::test]
 fn buffers_of_pending_operations_are_off_limits() {
     let p = pair(SockType::SeqPacket);
     let rbuf = p.server_region(100);
@@ -187,7 +187,7 @@ fn buffers_of_pending_operations_are_off_limits() {
     sbuf.write(0, b"x").unwrap();
 }
 
-#[test]
+#[test_log::test]
 fn deregistering_memory_in_use_is_refused_until_it_is_free() {
     let p = pair(SockType::SeqPacket);
     let buf = p.server_region(100);
@@ -209,7 +209,7 @@ fn deregistering_memory_in_use_is_refused_until_it_is_free() {
     buf.deregister().unwrap();
 }
 
-#[test]
+#[test_log::test]
 fn a_region_given_back_as_vec_only_when_unused() {
     let p = pair(SockType::SeqPacket);
     let buf = p.client_region(b"hello".to_vec());
@@ -223,7 +223,7 @@ fn a_region_given_back_as_vec_only_when_unused() {
     assert_eq!(buf.into_vec().unwrap(), b"hello");
 }
 
-#[test]
+#[test_log::test]
 fn event_queue_overflow_is_would_block() {
     let p = pair(SockType::SeqPacket);
     let eq = EventQueue::new(2);
@@ -243,7 +243,7 @@ fn event_queue_overflow_is_would_block() {
     assert_eq!(buf.leases(), 2, "the refused receive took no lease");
 }
 
-#[test]
+#[test_log::test]
 fn options_are_checked_and_frozen_after_connect() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -280,7 +280,7 @@ fn options_are_checked_and_frozen_after_connect() {
     );
 }
 
-#[test]
+#[test_log::test]
 fn listen_needs_bind_and_bind_happens_once() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -296,7 +296,7 @@ fn listen_needs_bind_and_bind_happens_once() {
     );
 }
 
-#[test]
+#[test_log::test]
 fn listening_on_a_taken_or_foreign_address_fails() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -316,7 +316,7 @@ fn listening_on_a_taken_or_foreign_address_fails() {
     );
 }
 
-#[test]
+#[test_log::test]
 fn accept_on_a_socket_that_does_not_listen_is_refused() {
     let world = World::new(SimConfig::default());
     let a = world.host();
@@ -328,7 +328,7 @@ fn accept_on_a_socket_that_does_not_listen_is_refused() {
     );
 }
 
-#[test]
+#[test_log::test]
 fn connect_twice_or_on_a_listener_is_refused() {
     let p = pair(SockType::SeqPacket);
     let e = p
@@ -343,7 +343,7 @@ fn connect_twice_or_on_a_listener_is_refused() {
     assert_eq!(e, ConnectError::State(StateError::Listening));
 }
 
-#[test]
+#[test_log::test]
 fn data_operations_on_a_listener_are_refused() {
     let p = pair(SockType::SeqPacket);
     let buf = MemoryRegion::alloc(&p.b, 10).unwrap();
@@ -355,7 +355,7 @@ fn data_operations_on_a_listener_are_refused() {
     );
 }
 
-#[test]
+#[test_log::test]
 fn dequeue_arguments_are_checked() {
     let eq = EventQueue::new(2);
     let mut out = Vec::new();
@@ -363,7 +363,7 @@ fn dequeue_arguments_are_checked() {
     assert!(eq.dequeue(&mut out, 0, 0, None).is_err());
 }
 
-#[test]
+#[test_log::test]
 fn wrong_es_api_version_is_refused() {
     assert!(exs::init(exs::EXS_VERSION).is_ok());
     assert_eq!(exs::init(99).unwrap_err().requested, 99);
@@ -374,7 +374,7 @@ fn wrong_es_api_version_is_refused() {
 }
 
 /// A stream has no message boundaries, so a zero-length send would be a no-op that still claims an event: refused.
-#[test]
+#[test_log::test]
 fn zero_length_stream_send_is_refused() {
     let p = pair(SockType::Stream);
     let buf = p.client_region(vec![1; 10]);
@@ -388,7 +388,7 @@ fn zero_length_stream_send_is_refused() {
 }
 
 /// Issue 15 regression: a region or a file send of a length no memory can hold is an error, not a panic.
-#[test]
+#[test_log::test]
 fn an_impossible_length_is_an_error_not_a_panic() {
     let p = pair(SockType::SeqPacket);
     match MemoryRegion::alloc(&p.a, usize::MAX) {

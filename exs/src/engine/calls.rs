@@ -1,0 +1,731 @@
+//! The ES-API calls on sockets (seed 002, section 2): socket, bind, listen, accept, connect, send, recv,
+//! shutdown, close, abort, poll, options.
+
+use super::*;
+
+impl Engine {
+    // ---------------------------------------------------------------------------------------------------------
+    // Connections
+
+    pub(super) fn new_socket_id(&mut self) -> SocketId {
+        let id = SocketId(self.next_socket);
+        self.next_socket = self.next_socket.wrapping_add(1).max(1);
+        id
+    }
+
+    pub(super) fn new_ep(&mut self) -> EndpointId {
+        let id = EndpointId(self.next_ep);
+        self.next_ep = self.next_ep.wrapping_add(1).max(1);
+        id
+    }
+
+    /// Allocates and registers a connection's control buffers (and a stream buffer for stream sockets).
+    pub(super) fn build_conn(
+        &mut self,
+        ep: EndpointId,
+        ty: SockType,
+        opts: &SocketOptions,
+    ) -> Result<Conn, TransportError> {
+        let window = u32::from(opts.effective_window(ty));
+        let small = opts.small_packet_max_size as usize;
+        let pooled = self.pool_slot_size()?;
+        let (rx, slot) = match pooled {
+            // Seed 003: every buffer of the shared pool has the context's one slot size; the connection owns none.
+            Some(slot) => (Err((window, slot)), slot),
+            None => {
+                let slot = ctrl_slot_size(small);
+                let rx_buf = DmaBuf::new(slot * window as usize);
+                let rx_reg = self.register(&rx_buf)?;
+                (
+                    Ok(Slots {
+                        buf: rx_buf,
+                        reg: rx_reg,
+                        size: slot,
+                        count: window,
+                    }),
+                    slot,
+                )
+            }
+        };
+        let tx_count = window.max(16);
+        let tx_buf = DmaBuf::new(TX_SLOT * tx_count as usize);
+        let tx_reg = self.register(&tx_buf)?;
+        let link = Link::new(
+            rx,
+            Slots {
+                buf: tx_buf,
+                reg: tx_reg,
+                size: TX_SLOT,
+                count: tx_count,
+            },
+            self.caps.max_send_wr,
+            self.caps.max_read_depth,
+            self.caps.imm_consumes_recv,
+        );
+        // The stream buffer is allocated when the peer first needs it; its address and key follow then
+        // (STREAM_RING), so the handshake carries only its length.
+        let stream_setup = match ty {
+            SockType::SeqPacket => None,
+            SockType::Stream => Some(StreamSetup {
+                len: opts.stream_buffer_size as usize,
+            }),
+        };
+        let (stream_len, stream_addr, stream_rkey) =
+            (stream_setup.map_or(0, |s| s.len as u32), 0, 0);
+        let local = Handshake {
+            sock_type: match ty {
+                SockType::SeqPacket => WireSockType::SeqPacket,
+                SockType::Stream => WireSockType::Stream,
+            },
+            ctrl_window: window as u16,
+            slot_size: slot as u16,
+            send_credits: opts.send_credits,
+            recv_credits: opts.recv_credits,
+            small_max: opts.small_packet_max_size,
+            stream_len,
+            stream_addr,
+            stream_rkey,
+            native_imm: self.caps.native_write_imm,
+        };
+        self.stats.ctrl_recv_bytes += link_rx_bytes(&link);
+        Ok(Conn::new(ep, ty, link, local, self.limits(), stream_setup))
+    }
+
+    /// The shared pool's slot size when connections use the pool (creating the pool at the first connection),
+    /// `None` when they post their own receives.
+    pub(super) fn pool_slot_size(&mut self) -> Result<Option<usize>, TransportError> {
+        if matches!(self.pool, PoolState::Undecided) {
+            let want = self.shared_recv.enabled;
+            let has = self.caps.max_shared_recv > 0;
+            self.pool = match (want, has) {
+                (Some(false), _) | (None, false) => PoolState::Off,
+                (Some(true), false) => {
+                    return Err(TransportError::Unsupported(format!(
+                        "{} has no shared receive queue (ContextOptions::shared_recv)",
+                        self.caps.name
+                    )))
+                }
+                (_, true) => {
+                    let o = &self.shared_recv;
+                    let max = o.max_slots.min(self.caps.max_shared_recv);
+                    let slot = ctrl_slot_size(o.small_packet_max_size as usize);
+                    let pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
+                    match self
+                        .transport
+                        .create_shared_recv(max)
+                        .and_then(|()| self.grow_pool(pool))
+                    {
+                        Ok(p) => PoolState::On(p),
+                        Err(e) if want.is_none() => {
+                            tracing::warn!(%e, "no shared receive pool; connections post their own receives");
+                            PoolState::Off
+                        }
+                        Err(e) => return Err(e),
+                    }
+                }
+            };
+        }
+        Ok(match &self.pool {
+            PoolState::On(p) => Some(p.stats().slot_size),
+            _ => None,
+        })
+    }
+
+    // ---------------------------------------------------------------------------------------------------------
+    // API
+
+    pub(crate) fn socket(&mut self, ty: SockType) -> SocketId {
+        let sid = self.new_socket_id();
+        let mut opts = SocketOptions::default();
+        if ty == SockType::SeqPacket {
+            // Seed 002, 4.1: the immediate-data threshold this transport does best with (still settable).
+            opts.small_packet_max_size = self
+                .caps
+                .immediate_default
+                .min(SocketOptions::MAX_SMALL);
+        }
+        self.sockets.insert(sid, Sock::new(ty, opts));
+        sid
+    }
+
+    pub(super) fn sock(&mut self, sid: SocketId) -> Result<&mut Sock, StateError> {
+        if let Some(why) = &self.failed {
+            return Err(StateError::ConnectionDown(failed_error(why)));
+        }
+        match self.sockets.get_mut(&sid) {
+            Some(s) if !s.user_closed => Ok(s),
+            _ => Err(StateError::InvalidSocket),
+        }
+    }
+
+    pub(crate) fn socket_type(&mut self, sid: SocketId) -> Result<SockType, StateError> {
+        Ok(self.sock(sid)?.ty)
+    }
+
+    pub(crate) fn bind(&mut self, sid: SocketId, addr: SocketAddr) -> R<(), SocketError> {
+        let s = self.sock(sid)?;
+        if s.phase != Phase::Fresh {
+            return Err(StateError::AlreadyConnected.into());
+        }
+        if s.bound.is_some() {
+            return Err(StateError::AlreadyBound.into());
+        }
+        s.bound = Some(addr);
+        Ok(())
+    }
+
+    pub(crate) fn listen(&mut self, sid: SocketId, backlog: u32) -> R<SocketAddr, SocketError> {
+        let s = self.sock(sid)?;
+        if s.phase != Phase::Fresh {
+            return Err(StateError::AlreadyConnected.into());
+        }
+        let addr = s.bound.ok_or(StateError::NotBound)?;
+        if backlog > 0 {
+            s.opts.backlog = backlog.min(65535);
+        }
+        let backlog = s.opts.backlog;
+        let (listener, bound) = self.transport.listen(addr, backlog)?;
+        let s = self.sock(sid)?;
+        s.bound = Some(bound);
+        s.phase = Phase::Listening;
+        s.listening = Some(Listening {
+            listener,
+            accepts: VecDeque::new(),
+            backlog: VecDeque::new(),
+        });
+        self.listeners.insert(listener, sid);
+        Ok(bound)
+    }
+
+    pub(crate) fn accept(
+        &mut self,
+        sid: SocketId,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), AcceptError> {
+        let s = self.sock(sid)?;
+        let Some(l) = s.listening.as_mut() else {
+            return Err(StateError::NotListening.into());
+        };
+        let ticket = ticket.take().expect("ticket given");
+        if let Some((request, peer, hs, _)) = l.backlog.pop_front() {
+            self.accept_request(sid, request, peer, hs, ticket);
+        } else {
+            l.accepts.push_back(ticket);
+        }
+        self.flush_dirty();
+        Ok(())
+    }
+
+    pub(crate) fn connect(
+        &mut self,
+        sid: SocketId,
+        addr: SocketAddr,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), ConnectError> {
+        let s = self.sock(sid)?;
+        match s.phase {
+            Phase::Fresh => {}
+            Phase::Listening => return Err(StateError::Listening.into()),
+            _ => return Err(StateError::AlreadyConnected.into()),
+        }
+        let (ty, opts) = (s.ty, s.opts);
+        if self.eps.len() >= self.max_connections {
+            return Err(TransportError::Resource(format!(
+                "the context's connection limit ({}) is reached",
+                self.max_connections
+            ))
+            .into());
+        }
+        let ep = self.new_ep();
+        let mut conn = self.build_conn(ep, ty, &opts)?;
+        let recvs = conn
+            .link
+            .initial_recvs()
+            .map_err(|v| TransportError::Invalid(format!("control buffers: {v}")))?;
+        let private = conn.local.encode();
+        if let Err(e) = self.transport.connect(ep, addr, &private, recvs) {
+            // Whatever the transport set up for the endpoint (a connection's own domain) goes with it.
+            drop(conn);
+            self.release_endpoint(ep);
+            return Err(e.into());
+        }
+        let at = self.clock.now() + self.connect_timeout;
+        let s = self.sock(sid)?;
+        s.phase = Phase::Connecting;
+        s.conn = Some(conn);
+        s.ticket = ticket.take();
+        s.peer_addr = Some(addr);
+        self.eps.insert(ep, sid);
+        self.timers.push((at, sid, TimerKind::ConnectTimeout));
+        Ok(())
+    }
+
+    /// The open connection of a socket, or why there is none.
+    pub(super) fn open_conn(&mut self, sid: SocketId) -> Result<&mut Conn, StateError> {
+        let s = self.sock(sid)?;
+        match s.phase {
+            Phase::Open => Ok(s.conn.as_mut().expect("open sockets have a connection")),
+            Phase::Fresh | Phase::Connecting | Phase::Accepting => Err(StateError::NotConnected),
+            Phase::Listening => Err(StateError::Listening),
+            Phase::Closing | Phase::Disconnecting | Phase::Down => Err(StateError::ConnectionDown(
+                s.down.clone().unwrap_or(OpError::ConnectionReset),
+            )),
+        }
+    }
+
+    /// `offset`: `exs_send_offset` (seed 002, 4.4) into the peer's persistent receive.
+    pub(crate) fn send(
+        &mut self,
+        sid: SocketId,
+        slice: &Slice,
+        flags: MsgFlags,
+        offset: Option<u64>,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), SendError> {
+        slice.check(self.ctx_id)?;
+        let s = self.sock(sid)?;
+        let ty = s.ty;
+        if s.shut_write {
+            return Err(StateError::Shutdown.into());
+        }
+        check_flags(flags, ty, offset.is_some())?;
+        let persistent = flags.contains(MsgFlags::PERSISTENT);
+        let conn = self.open_conn(sid)?;
+        match ty {
+            SockType::SeqPacket => {
+                let len = slice.len();
+                let m = conn.message().expect("message socket");
+                if persistent {
+                    m.may_be_persistent().map_err(StateError::Persistent)?;
+                }
+                match (offset, m.peer_precv_len()) {
+                    (Some(_), None) => return Err(StateError::Persistent(
+                        "send_offset needs the peer's persistent receive, and it has none active",
+                    )
+                    .into()),
+                    (o, Some(size)) if !persistent => {
+                        let offset = o.unwrap_or(0);
+                        if offset.checked_add(len as u64).is_none_or(|end| end > size) {
+                            return Err(StateError::OffsetOutOfRange {
+                                offset,
+                                len: len as u64,
+                                size,
+                            }
+                            .into());
+                        }
+                    }
+                    _ => {}
+                }
+                let data = if persistent || (!m.writes_to_peer() && !m.is_immediate(len)) {
+                    // Seed 002, 4.2: the application keeps updating a persistent send's memory while the peer
+                    // reads it (copies in through `MemoryRegion::write`; the reader may see a mix).
+                    let kind = if persistent {
+                        LeaseKind::DeviceReadShared
+                    } else {
+                        LeaseKind::DeviceRead
+                    };
+                    let sge = slice.lease(kind)?;
+                    let (lease, reg) = sge.into_parts();
+                    let ep = self.open_conn(sid)?.ep;
+                    SendData::Exposed(self.expose_op(ep, &reg, lease, RemoteAccess::Read)?)
+                } else {
+                    SendData::Inline(slice.lease(LeaseKind::DeviceRead)?)
+                };
+                self.open_conn(sid)?;
+                let token = self.token(ticket);
+                let conn = self.open_conn(sid)?;
+                conn.send_message(SendReq {
+                    ticket: Some(token),
+                    len,
+                    data,
+                    persistent: persistent.then_some(flags.contains(MsgFlags::NOTIFY)),
+                    offset: offset.unwrap_or(0),
+                });
+            }
+            SockType::Stream => {
+                if slice.is_empty() {
+                    return Err(BufferError::Empty.into());
+                }
+                let sge = slice.lease(LeaseKind::DeviceRead)?;
+                self.open_conn(sid)?;
+                let token = self.token(ticket);
+                let stream = self
+                    .open_conn(sid)?
+                    .stream()
+                    .expect("stream socket");
+                stream.send(token, sge, flags);
+            }
+        }
+        self.flush(sid);
+        Ok(())
+    }
+
+    /// `offset`: `exs_recv_offset` (seed 002, 4.4) from the peer's persistent send.
+    pub(crate) fn recv(
+        &mut self,
+        sid: SocketId,
+        slice: &Slice,
+        flags: MsgFlags,
+        offset: Option<u64>,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), RecvError> {
+        slice.check(self.ctx_id)?;
+        let s = self.sock(sid)?;
+        let ty = s.ty;
+        check_flags(flags, ty, offset.is_some())?;
+        let closed_stream = ty == SockType::Stream && s.peer_closed && s.conn.is_some();
+        // After the peer closed, a message receive reports end-of-stream (as read(2) returns 0); a stream receive
+        // first takes what the stream buffer still holds.
+        if s.peer_closed && !closed_stream && matches!(s.phase, Phase::Disconnecting | Phase::Down)
+        {
+            let t = ticket.take().expect("ticket given");
+            t.complete_eof();
+            return Ok(());
+        }
+        match ty {
+            SockType::SeqPacket if flags.contains(MsgFlags::PERSISTENT) => {
+                let m = self.open_conn(sid)?.message().expect("message socket");
+                m.may_be_persistent().map_err(StateError::Persistent)?;
+                if slice.is_empty() {
+                    return Err(BufferError::Empty.into());
+                }
+                // Seed 002, 4.3: the application reads the current values while the peer writes them.
+                let sge = slice.lease(LeaseKind::DeviceWriteShared)?;
+                let (lease, reg) = sge.into_parts();
+                let ep = self.open_conn(sid)?.ep;
+                let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
+                let token = self.token(ticket);
+                let conn = self.open_conn(sid)?;
+                if let Err((t, why)) = conn.recv_persistent(token, exposure) {
+                    *ticket = Some(self.untoken(t));
+                    return Err(StateError::Persistent(why).into());
+                }
+            }
+            SockType::SeqPacket => {
+                let conn = self.open_conn(sid)?;
+                if let Some(offset) = offset {
+                    let len = slice.len() as u64;
+                    let size = conn.message().expect("message socket").peer_psend_len().ok_or(
+                        StateError::Persistent(
+                            "recv_offset needs the peer's persistent send, and none has arrived (or it ended)",
+                        ),
+                    )?;
+                    if offset.checked_add(len).is_none_or(|end| end > size) {
+                        return Err(StateError::OffsetOutOfRange { offset, len, size }.into());
+                    }
+                }
+                let sge = slice.lease(RECV_LEASE)?;
+                let token = self.token(ticket);
+                self.open_conn(sid)?.recv_message(RecvReq {
+                    ticket: token,
+                    sge,
+                    offset,
+                });
+            }
+            SockType::Stream => {
+                if slice.is_empty() {
+                    return Err(BufferError::Empty.into());
+                }
+                if !closed_stream {
+                    self.open_conn(sid)?;
+                }
+                let Some(ep) = self.sockets.get(&sid).and_then(|s| s.ep()) else {
+                    return Err(StateError::NotConnected.into());
+                };
+                let sge = slice.lease(LeaseKind::DeviceWrite)?;
+                let (lease, reg) = sge.into_parts();
+                let exposure: Box<dyn crate::transport::Exposure> = if closed_stream {
+                    // The peer closed: it writes nothing more, so no key; the stream buffer's rest is copied in.
+                    Box::new(crate::transport::KeyedLease::new(
+                        crate::transport::RemoteRef { addr: 0, key: 0 },
+                        lease,
+                        crate::transport::NoKey,
+                    ))
+                } else {
+                    self.expose_op(ep, &reg, lease, RemoteAccess::Write)?
+                };
+                let token = self.token(ticket);
+                let conn = self
+                    .sockets
+                    .get_mut(&sid)
+                    .and_then(|s| s.conn.as_mut())
+                    .expect("checked above");
+                if let Err(v) = conn.recv_stream(token, exposure, reg, flags) {
+                    self.fault(sid, Fault::Peer(v));
+                }
+            }
+        }
+        self.flush(sid);
+        Ok(())
+    }
+
+    /// Shuts the sending side down (half close): after the sends already started, the peer sees end-of-stream;
+    /// receiving goes on. The ticket completes once every earlier send has.
+    pub(crate) fn shutdown_write(
+        &mut self,
+        sid: SocketId,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), StateError> {
+        let s = self.sock(sid)?;
+        if s.shut_write {
+            return Err(StateError::Shutdown);
+        }
+        self.open_conn(sid)?;
+        self.sockets.get_mut(&sid).expect("checked").shut_write = true;
+        let token = self.token(ticket);
+        self.open_conn(sid)?.shutdown_write(token);
+        self.flush(sid);
+        Ok(())
+    }
+
+    /// Abortive close: pending operations are cancelled and the connection is torn down at once, without the
+    /// orderly CLOSE (the peer sees a reset, as with SO_LINGER 0).
+    pub(crate) fn abort(&mut self, sid: SocketId) -> R<(), CloseError> {
+        let s = self.sock(sid)?;
+        s.user_closed = true;
+        match s.phase {
+            Phase::Open | Phase::Closing | Phase::Connecting | Phase::Accepting => {
+                if let Some(t) = s.ticket.take() {
+                    t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
+                }
+                s.down.get_or_insert(OpError::Cancelled);
+                if let Some(conn) = s.conn.as_mut() {
+                    conn.fail(OpError::Cancelled);
+                }
+                self.disconnect(sid);
+                Ok(())
+            }
+            _ => self.close(sid),
+        }
+    }
+
+    /// What the socket is ready for now (ES-API `exs_poll`).
+    pub(super) fn readiness(&self, sid: SocketId) -> Readiness {
+        let Some(s) = self.sockets.get(&sid) else {
+            return Readiness {
+                error: true,
+                hangup: true,
+                ..Readiness::default()
+            };
+        };
+        if let Some(l) = &s.listening {
+            return Readiness {
+                readable: !l.backlog.is_empty(),
+                ..Readiness::default()
+            };
+        }
+        let open = s.phase == Phase::Open;
+        let (readable, writable) = match (&s.conn, open) {
+            (Some(c), true) => c.readiness(),
+            // A connection whose peer closed is readable: bytes still buffered, then end-of-stream.
+            (Some(_), false) if s.peer_closed => (true, false),
+            _ => (false, false),
+        };
+        let error = matches!(
+            &s.down,
+            Some(e) if !matches!(e, OpError::PeerClosed | OpError::Cancelled)
+        );
+        Readiness {
+            readable: readable || s.peer_closed,
+            writable: writable && !s.shut_write,
+            error,
+            hangup: s.peer_closed || matches!(s.phase, Phase::Down | Phase::Disconnecting),
+        }
+    }
+
+    /// Polls readiness: completes at once if the socket is ready for something in `interest` (errors and
+    /// hang-ups always count), else when it becomes so.
+    pub(crate) fn poll(
+        &mut self,
+        sid: SocketId,
+        interest: Readiness,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), StateError> {
+        let s = self.sock(sid)?;
+        if matches!(s.phase, Phase::Fresh) {
+            return Err(StateError::NotConnected);
+        }
+        s.polls
+            .push((ticket.take().expect("ticket given"), interest));
+        self.check_polls(sid);
+        Ok(())
+    }
+
+    pub(super) fn check_polls(&mut self, sid: SocketId) {
+        if self.sockets.get(&sid).is_none_or(|s| s.polls.is_empty()) {
+            return;
+        }
+        let r = self.readiness(sid);
+        let Some(s) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        let mut keep = Vec::new();
+        for (t, want) in s.polls.drain(..) {
+            let hit = Readiness {
+                readable: r.readable && want.readable,
+                writable: r.writable && want.writable,
+                error: r.error,
+                hangup: r.hangup,
+            };
+            if hit.readable || hit.writable || hit.error || hit.hangup {
+                t.complete_poll(hit);
+            } else {
+                keep.push((t, want));
+            }
+        }
+        s.polls = keep;
+    }
+
+    /// Ends this side's persistent send and receive (their events come when the peer has let go).
+    pub(crate) fn end_persistent(&mut self, sid: SocketId) -> R<(), StateError> {
+        if !self.open_conn(sid)?.end_persistent() {
+            return Err(StateError::Persistent(
+                "no persistent send or receive to end on this socket",
+            ));
+        }
+        self.flush(sid);
+        Ok(())
+    }
+
+    pub(crate) fn close(&mut self, sid: SocketId) -> R<(), CloseError> {
+        let s = self.sock(sid)?;
+        s.user_closed = true;
+        for (t, _) in s.polls.drain(..) {
+            t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
+        }
+        match s.phase {
+            Phase::Fresh | Phase::Down => {
+                self.sockets.remove(&sid);
+            }
+            Phase::Listening => {
+                let l = s
+                    .listening
+                    .take()
+                    .expect("listening sockets have a listener");
+                for t in l.accepts {
+                    t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
+                }
+                for (request, _, _, _) in l.backlog {
+                    self.transport.reject(request);
+                }
+                self.listeners.remove(&l.listener);
+                self.transport.close_listener(l.listener);
+                self.sockets.remove(&sid);
+            }
+            Phase::Connecting | Phase::Accepting => {
+                if let Some(t) = s.ticket.take() {
+                    t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
+                }
+                s.down = Some(OpError::Cancelled);
+                self.disconnect(sid);
+            }
+            Phase::Open => {
+                s.down = Some(OpError::Cancelled);
+                let conn = s.conn.as_mut().expect("open sockets have a connection");
+                if s.peer_full_close {
+                    conn.fail(OpError::Cancelled);
+                    self.disconnect(sid);
+                } else {
+                    // Graceful, like TCP's close (issue 14): pending receives are cancelled, sends already posted
+                    // complete and reach the peer before its end-of-stream, within the linger time.
+                    conn.close_gracefully();
+                    s.phase = Phase::Closing;
+                    let at = self.clock.now() + self.linger;
+                    self.timers.push((at, sid, TimerKind::Linger));
+                    self.flush(sid);
+                }
+            }
+            Phase::Closing | Phase::Disconnecting => {}
+        }
+        Ok(())
+    }
+
+    pub(crate) fn set_option(&mut self, sid: SocketId, opt: SocketOption) -> R<(), OptionError> {
+        let s = self.sock(sid)?;
+        if opt.negotiated() && s.phase != Phase::Fresh {
+            return Err(OptionError::Locked(opt.name()));
+        }
+        opt.apply(&mut s.opts)
+    }
+
+    pub(crate) fn options(&mut self, sid: SocketId) -> R<SocketOptions, StateError> {
+        Ok(self.sock(sid)?.opts)
+    }
+
+    pub(crate) fn socket_error(&mut self, sid: SocketId) -> R<Option<OpError>, StateError> {
+        Ok(self.sock(sid)?.down.clone())
+    }
+
+    pub(crate) fn local_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {
+        let s = self.sock(sid)?;
+        let (bound, ep) = (s.bound, s.ep());
+        Ok(ep.and_then(|ep| self.transport.local_addr(ep)).or(bound))
+    }
+
+    pub(crate) fn peer_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {
+        let s = self.sock(sid)?;
+        if s.phase != Phase::Open {
+            return Err(StateError::NotConnected);
+        }
+        let (peer, ep) = (s.peer_addr, s.ep());
+        Ok(peer.or_else(|| ep.and_then(|ep| self.transport.peer_addr(ep))))
+    }
+
+    /// The recorded stream-protocol decisions of a socket (with the trace option on).
+    pub(crate) fn stream_trace(&mut self, sid: SocketId) -> Vec<crate::proto::stream::StreamTrace> {
+        let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+            return Vec::new();
+        };
+        conn.stream().map(|s| s.take_trace()).unwrap_or_default()
+    }
+
+    /// Counters of the connection of a socket (tests and tools).
+    pub(crate) fn conn_stats(&mut self, sid: SocketId) -> Option<crate::socket::ConnStats> {
+        let s = self.sockets.get_mut(&sid)?;
+        let conn = s.conn.as_mut()?;
+        Some(crate::socket::ConnStats {
+            link: conn.link.stats,
+            message: conn.message().map(|m| m.stats).unwrap_or_default(),
+            stream: conn.stream().map(|st| st.stats()).unwrap_or_default(),
+            window_in: conn.link.window_in(),
+            slot_size: conn.link.slot_size(),
+        })
+    }
+
+    /// Closes every socket (context teardown).
+    pub(crate) fn shutdown(&mut self) {
+        let ids: Vec<SocketId> = self.sockets.keys().copied().collect();
+        for sid in ids {
+            if self.sockets.get(&sid).is_some_and(|s| !s.user_closed) {
+                let _ = self.close(sid);
+            }
+        }
+        self.flush_dirty();
+        let eps: Vec<EndpointId> = self.eps.keys().copied().collect();
+        for ep in eps {
+            self.transport.disconnect(ep);
+            self.on_disconnected(ep);
+        }
+        self.drain_done();
+    }
+}
+
+/// Flags and offsets that a socket type cannot take.
+fn check_flags(flags: MsgFlags, ty: SockType, offset: bool) -> Result<(), StateError> {
+    let known = MsgFlags::WAITALL.0 | MsgFlags::PERSISTENT.0 | MsgFlags::NOTIFY.0;
+    if flags.0 & !known != 0 {
+        return Err(StateError::Persistent("unknown flag bits"));
+    }
+    if flags.contains(MsgFlags::NOTIFY) && !flags.contains(MsgFlags::PERSISTENT) {
+        return Err(StateError::Persistent(
+            "NOTIFY applies to persistent sends only",
+        ));
+    }
+    if ty == SockType::Stream && (flags.contains(MsgFlags::PERSISTENT) || offset) {
+        return Err(StateError::Persistent(
+            "persistent and offset transfers exist on SOCK_SEQPACKET sockets only",
+        ));
+    }
+    Ok(())
+}
+

@@ -1,0 +1,251 @@
+//! Completions: control messages and data transfers handed to the protocol, the shared receive pool's slots,
+//! and what follows a fault or a peer's close.
+
+use super::*;
+
+impl Engine {
+    pub(super) fn on_completion(&mut self, c: Completion) {
+        let pool_slot = Self::pool_slot(&c);
+        if let (Some(slot), PoolState::On(pool)) = (pool_slot, &mut self.pool) {
+            // Seed 003: a buffer flushed from a connection that went down goes back to the pool at once.
+            pool.taken(c.status.is_err());
+            if c.status.is_err() {
+                self.repost_pool(slot);
+                return;
+            }
+        }
+        let Some(&sid) = self.eps.get(&c.ep) else {
+            self.release_early(vec![c]);
+            return;
+        };
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            self.release_early(vec![c]);
+            return;
+        };
+        let established = sock.conn.as_ref().is_some_and(Conn::is_established);
+        if !established {
+            if matches!(sock.phase, Phase::Connecting | Phase::Accepting) {
+                // The connection-management event that brings this connection up has not been handled yet. An
+                // honest peer sends no more than the control buffers we posted before it (issue 15: they grew
+                // without bound on tcp, where writes with immediate data consume no receive).
+                let bound = sock
+                    .conn
+                    .as_ref()
+                    .map_or(0, |c| c.link.window_in() as usize)
+                    .max(16);
+                if sock.early.len() >= bound {
+                    self.release_early(vec![c]);
+                    self.fault(
+                        sid,
+                        Fault::Peer(Violation::CreditOverrun {
+                            window: bound as u32,
+                        }),
+                    );
+                    return;
+                }
+                sock.early.push(c);
+            } else {
+                self.release_early(vec![c]);
+            }
+            return;
+        }
+        self.handle_completion(sid, c);
+    }
+
+    /// Completions that will never be handled: their pool buffers go back to the pool.
+    pub(super) fn release_early(&mut self, early: Vec<Completion>) {
+        for c in early {
+            if let Some(slot) = Self::pool_slot(&c) {
+                self.repost_pool(slot);
+            }
+        }
+    }
+
+    pub(super) fn repost_pool(&mut self, slot: u32) {
+        if let PoolState::On(pool) = &mut self.pool {
+            match pool.repost(slot) {
+                Ok(wr) => self.pool_posts.push(wr),
+                Err(v) => tracing::error!(%v, "shared receive pool slot cannot be reposted"),
+            }
+        }
+    }
+
+    /// Allocates, registers and posts the pool's next chunk (seed 003: the pool grows by chunks up to its
+    /// maximum). The pool itself only says what it needs.
+    pub(super) fn grow_pool(&mut self, mut pool: RecvPool) -> Result<RecvPool, TransportError> {
+        let Some(bytes) = pool.next_chunk() else {
+            return Ok(pool);
+        };
+        let buf = DmaBuf::new(bytes);
+        let reg = self.register(&buf)?;
+        let mut wrs = pool
+            .add_chunk(buf, reg)
+            .map_err(|v| TransportError::Invalid(v.to_string()))?;
+        let n = wrs.len();
+        self.stats.posted += n as u64;
+        self.transport.post_shared_recv(&mut wrs)?;
+        pool.reposted(n);
+        Ok(pool)
+    }
+
+    /// Posts the pool buffers that came back, and grows the pool below its low watermark.
+    pub(super) fn flush_pool(&mut self) {
+        let PoolState::On(pool) = &mut self.pool else {
+            return;
+        };
+        // The watermark is checked first: the buffers this batch took are not back yet.
+        if pool.wants_growth() {
+            let PoolState::On(p) = std::mem::replace(&mut self.pool, PoolState::Undecided) else {
+                unreachable!("checked above")
+            };
+            self.pool = match self.grow_pool(p) {
+                Ok(p) => PoolState::On(p),
+                Err(e) => {
+                    tracing::warn!(%e, "the shared receive pool cannot grow");
+                    return;
+                }
+            };
+        }
+        let PoolState::On(pool) = &mut self.pool else {
+            return;
+        };
+        if !self.pool_posts.is_empty() {
+            let n = self.pool_posts.len();
+            self.stats.posted += n as u64;
+            match self.transport.post_shared_recv(&mut self.pool_posts) {
+                Ok(()) => pool.reposted(n),
+                Err(e) => {
+                    tracing::error!(%e, "reposting to the shared receive queue failed");
+                    self.pool_posts.clear();
+                }
+            }
+        }
+    }
+
+    pub(super) fn handle_completion(&mut self, sid: SocketId, c: Completion) {
+        let pool_slot = Self::pool_slot(&c);
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            self.release_early(vec![c]);
+            return;
+        };
+        let Some(conn) = sock.conn.as_mut() else {
+            self.release_early(vec![c]);
+            return;
+        };
+        let mut posts = std::mem::take(&mut self.posts);
+        let pool = match &self.pool {
+            PoolState::On(p) => Some(p),
+            _ => None,
+        };
+        let result = conn.on_completion(&c, &mut posts, pool);
+        let ep = conn.ep;
+        if let Some(slot) = pool_slot {
+            self.repost_pool(slot);
+        }
+        self.post_all(sid, ep, &mut posts);
+        self.posts = posts;
+        match result {
+            Ok(Incoming::Nothing) => {}
+            Ok(Incoming::PeerClose(reason)) => self.on_peer_close(sid, reason),
+            Err(fault) => self.fault(sid, fault),
+        }
+        self.mark(sid);
+    }
+
+    pub(super) fn on_peer_close(&mut self, sid: SocketId, reason: CloseReason) {
+        tracing::debug!(?sid, ?reason, "peer sent CLOSE");
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        if reason == CloseReason::StopReceiving {
+            // Not the end: the peer's data and its final CLOSE follow. Only our sends end.
+            if let Some(conn) = sock.conn.as_mut() {
+                conn.on_peer_stopped_receiving();
+            }
+            self.mark(sid);
+            return;
+        }
+        if let Some(conn) = sock.conn.as_mut() {
+            conn.on_peer_close(reason);
+        }
+        match reason {
+            CloseReason::ShutdownWrite => {
+                // Half close: the peer still receives.
+                sock.peer_closed = true;
+            }
+            CloseReason::StopReceiving => {}
+            CloseReason::Close | CloseReason::Violation => {
+                sock.peer_closed = true;
+                sock.peer_full_close = true;
+                let err = if reason == CloseReason::Violation {
+                    OpError::PeerMisbehaved(Violation::Unexpected {
+                        kind: "CLOSE",
+                        context: "sent by a peer that says we broke the protocol",
+                    })
+                } else {
+                    OpError::PeerClosed
+                };
+                sock.down.get_or_insert(err.clone());
+                if let Some(conn) = sock.conn.as_mut() {
+                    conn.fail(err);
+                }
+                if matches!(sock.phase, Phase::Open | Phase::Closing) {
+                    self.disconnect(sid);
+                }
+            }
+        }
+    }
+
+    /// Brings a connection down after a fault: operations fail with the reason; a violation is reported to the
+    /// peer with CLOSE before disconnecting.
+    pub(super) fn fault(&mut self, sid: SocketId, fault: Fault) {
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        if matches!(sock.phase, Phase::Disconnecting | Phase::Down) {
+            return;
+        }
+        let is_violation = matches!(fault, Fault::Peer(_));
+        let err = fault.into_op_error();
+        if is_violation {
+            self.stats.violations += 1;
+            tracing::warn!(?sid, %err, "peer violated the protocol; closing the connection");
+        } else {
+            tracing::warn!(?sid, %err, "connection failed");
+        }
+        sock.down.get_or_insert(err.clone());
+        if let Some(t) = sock.ticket.take() {
+            t.complete(Err(err.clone()), 0, EventFlags::default());
+        }
+        if let Some(conn) = sock.conn.as_mut() {
+            conn.fail(err);
+            if is_violation && conn.is_established() && sock.phase == Phase::Open {
+                conn.queue_close(CloseReason::Violation);
+                sock.phase = Phase::Closing;
+                sock.drop_after_close = true;
+                let at = self.clock.now() + self.linger;
+                self.timers.push((at, sid, TimerKind::Linger));
+                self.mark(sid);
+                return;
+            }
+        }
+        self.disconnect(sid);
+        self.mark(sid);
+    }
+
+    pub(super) fn disconnect(&mut self, sid: SocketId) {
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        if matches!(sock.phase, Phase::Disconnecting | Phase::Down) {
+            return;
+        }
+        match sock.ep() {
+            Some(ep) => {
+                sock.phase = Phase::Disconnecting;
+                self.transport.disconnect(ep);
+            }
+            None => sock.phase = Phase::Down,
+        }
+    }
+}

@@ -1,0 +1,769 @@
+//! The engine of one context: sockets, connection management, and execution of protocol output.
+//!
+//! The engine is the only place that calls the [`Transport`]: it registers and exposes memory, posts the work
+//! requests connections produce, feeds completions and connection-management events back to them, and runs
+//! timers. All of it runs under the context's lock, from API calls and from the progress thread.
+
+mod calls;
+mod cm;
+mod completions;
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use exs_dma::{DmaBuf, LeaseKind};
+
+use crate::context::{Clock, Context, ContextOptions, CtxInner};
+use crate::error::{
+    AcceptError, BufferError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError,
+    SocketError, StateError, Violation,
+};
+use crate::event::{EventFlags, Ticket};
+use crate::exposure::{ExposurePolicy, TrustedKeys};
+use crate::memory::Slice;
+use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
+use crate::proto::conn::{Conn, Fault, Incoming, Limits};
+use crate::proto::link::{wr_kind, Link, Slots, WrKind};
+use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
+use crate::proto::op::{Done, OpToken, Outbox};
+use crate::proto::pool::{PoolStats, RecvPool};
+use crate::proto::stream::StreamSetup;
+use crate::socket::{Readiness, SocketId};
+use crate::transport::{
+    Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration,
+    RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
+};
+use crate::wire::{CloseReason, Handshake, WireSockType, HEADER_LEN};
+
+/// Bytes of a control send slot: a header and the largest body (immediate data goes as a second entry).
+const TX_SLOT: usize = 64;
+
+/// Counters of one context.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct EngineStats {
+    /// Completions handled.
+    pub completions: u64,
+    /// Connection-management events handled.
+    pub cm_events: u64,
+    /// Work requests posted.
+    pub posted: u64,
+    /// Connections brought down because the peer broke the protocol.
+    pub violations: u64,
+    /// Connections established.
+    pub connections: u64,
+    /// Bytes of control receive buffers currently registered for connections (their own, not the pool's).
+    pub ctrl_recv_bytes: u64,
+    /// The shared receive pool (seed 003), when the context uses one.
+    pub pool: Option<PoolStats>,
+    /// Memory registrations the context made (memory regions, control and stream buffers, pool chunks).
+    pub registrations: u64,
+    /// Remote keys handed out (each bound to one connection): one per operation, or under the trusted policy one
+    /// per region, connection and access.
+    pub exposures: u64,
+    /// Whole-region keys of the trusted policy valid now ([`crate::ExposurePolicy::TrustedPeers`]).
+    pub trusted_keys: u64,
+    /// Connection requests refused because the context held `ContextOptions::max_connections` already.
+    pub refused_over_limit: u64,
+    /// Connection requests that waited in a backlog longer than the connect timeout and were refused.
+    pub expired_requests: u64,
+    /// Device-visible memory the connections hold now: control send and receive slots and stream buffers
+    /// (these only once the peer first needed one). The shared pool is counted in `pool`.
+    pub connection_bytes: u64,
+}
+
+/// Whether the context uses the shared receive pool.
+#[derive(Debug)]
+enum PoolState {
+    /// Decided at the first connection.
+    Undecided,
+    Off,
+    On(RecvPool),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Fresh,
+    Listening,
+    /// Active side, waiting for the connection.
+    Connecting,
+    /// Passive side: accepted, waiting for the connection.
+    Accepting,
+    Open,
+    /// Local close or violation: CLOSE queued, disconnect once it left (or the linger timer fires).
+    Closing,
+    /// `disconnect` called, waiting for the transport's `Disconnected`.
+    Disconnecting,
+    /// Gone.
+    Down,
+}
+
+#[derive(Debug)]
+struct Listening {
+    listener: ListenerId,
+    accepts: VecDeque<Ticket>,
+    /// Requests waiting for an accept, with when they came (they expire after the connect timeout).
+    backlog: VecDeque<(RequestId, SocketAddr, Handshake, Instant)>,
+}
+
+#[derive(Debug)]
+struct Sock {
+    ty: SockType,
+    opts: SocketOptions,
+    bound: Option<SocketAddr>,
+    phase: Phase,
+    conn: Option<Conn>,
+    /// The connect or accept operation, until the connection is up.
+    ticket: Option<Ticket>,
+    listening: Option<Listening>,
+    /// Passive side: the peer's handshake from its request.
+    peer_hs: Option<Handshake>,
+    peer_addr: Option<SocketAddr>,
+    /// Completions that arrived before the connection-management event that establishes the connection.
+    early: Vec<Completion>,
+    /// Why the connection is down, reported to later operations.
+    down: Option<OpError>,
+    /// The peer sent CLOSE (or shut its sending side down): receives see end-of-stream.
+    peer_closed: bool,
+    /// The peer closed the whole connection (not only its sending side).
+    peer_full_close: bool,
+    /// Closing after a violation: disconnect as soon as the CLOSE has left (not waiting for the peer).
+    drop_after_close: bool,
+    /// We shut our sending side down.
+    shut_write: bool,
+    /// Pending polls and what each waits for.
+    polls: Vec<(Ticket, Readiness)>,
+    /// The application closed the socket; the entry goes away once the connection is gone.
+    user_closed: bool,
+}
+
+impl Sock {
+    fn new(ty: SockType, opts: SocketOptions) -> Self {
+        Sock {
+            ty,
+            opts,
+            bound: None,
+            phase: Phase::Fresh,
+            conn: None,
+            ticket: None,
+            listening: None,
+            peer_hs: None,
+            peer_addr: None,
+            early: Vec::new(),
+            down: None,
+            peer_closed: false,
+            peer_full_close: false,
+            drop_after_close: false,
+            shut_write: false,
+            polls: Vec::new(),
+            user_closed: false,
+        }
+    }
+
+    fn ep(&self) -> Option<EndpointId> {
+        self.conn.as_ref().map(|c| c.ep)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TimerKind {
+    Linger,
+    ConnectTimeout,
+    /// A listener's oldest waiting requests expire.
+    Backlog,
+    Ack,
+    Keepalive,
+}
+
+pub(crate) struct Engine {
+    transport: Box<dyn Transport>,
+    caps: Capabilities,
+    ctx_id: u64,
+    ctx: Weak<CtxInner>,
+    clock: Arc<dyn Clock>,
+    linger: Duration,
+    connect_timeout: Duration,
+    /// Connections (endpoints) this context holds at most; requests beyond are refused.
+    max_connections: usize,
+    ack_delay: Duration,
+    keepalive: Option<Duration>,
+    sockets: HashMap<SocketId, Sock>,
+    eps: HashMap<EndpointId, SocketId>,
+    listeners: HashMap<ListenerId, SocketId>,
+    next_socket: u32,
+    next_ep: u32,
+    completions: Vec<Completion>,
+    posts: Vec<WorkRequest>,
+    dirty: Vec<SocketId>,
+    timers: Vec<(Instant, SocketId, TimerKind)>,
+    stats: EngineStats,
+    shared_recv: crate::context::SharedRecv,
+    pool: PoolState,
+    pool_posts: Vec<WorkRequest>,
+    /// Operations handed to the protocol, by identifier: their tickets, and reads not yet reported (a full
+    /// queue folds read notifications into the next one).
+    ops: HashMap<u64, (Ticket, usize)>,
+    next_op: u64,
+    /// Why the context failed (a panic in a progress round), if it did.
+    failed: Option<String>,
+    /// Where the protocol reports completions (see [`crate::proto::op`]).
+    outbox: Outbox,
+    done: Vec<Done>,
+    /// How operations' memory is exposed, and the trusted policy's keys.
+    exposure: ExposurePolicy,
+    trusted: TrustedKeys,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("transport", &self.caps.name)
+            .field("sockets", &self.sockets.len())
+            .finish()
+    }
+}
+
+type R<T, E> = Result<T, E>;
+
+impl Engine {
+    pub(crate) fn new(
+        transport: Box<dyn Transport>,
+        ctx_id: u64,
+        ctx: Weak<CtxInner>,
+        opts: &ContextOptions,
+    ) -> Self {
+        let caps = transport.capabilities().clone();
+        Engine {
+            transport,
+            caps,
+            ctx_id,
+            ctx,
+            clock: Arc::clone(&opts.clock),
+            linger: opts.linger,
+            connect_timeout: opts.connect_timeout,
+            max_connections: opts.max_connections,
+            exposure: opts.exposure,
+            trusted: TrustedKeys::default(),
+            ack_delay: opts.ack_delay,
+            keepalive: opts.keepalive,
+            sockets: HashMap::new(),
+            eps: HashMap::new(),
+            listeners: HashMap::new(),
+            next_socket: 1,
+            next_ep: 1,
+            completions: Vec::with_capacity(64),
+            posts: Vec::with_capacity(64),
+            dirty: Vec::new(),
+            timers: Vec::new(),
+            stats: EngineStats::default(),
+            shared_recv: opts.shared_recv.clone(),
+            pool: PoolState::Undecided,
+            pool_posts: Vec::new(),
+            ops: HashMap::new(),
+            next_op: 1,
+            failed: None,
+            outbox: Outbox::default(),
+            done: Vec::new(),
+        }
+    }
+
+    pub(crate) fn capabilities(&self) -> &Capabilities {
+        &self.caps
+    }
+
+    pub(crate) fn stats(&self) -> EngineStats {
+        let mut s = self.stats;
+        s.connection_bytes = self
+            .sockets
+            .values()
+            .filter_map(|s| s.conn.as_ref())
+            .map(|c| c.memory_bytes())
+            .sum();
+        if let PoolState::On(p) = &self.pool {
+            s.pool = Some(p.stats());
+        }
+        s.trusted_keys = self.trusted.len() as u64;
+        s
+    }
+
+    pub(crate) fn now(&self) -> Instant {
+        self.clock.now()
+    }
+
+    pub(crate) fn arm(&mut self) -> Result<bool, TransportError> {
+        self.transport.arm()
+    }
+
+    /// Registers memory (counted: a registration pins memory on hardware; the data path makes none).
+    pub(crate) fn register(
+        &mut self,
+        buf: &Arc<DmaBuf>,
+    ) -> Result<Arc<dyn Registration>, TransportError> {
+        self.stats.registrations += 1;
+        self.transport.register(buf)
+    }
+
+    /// Allocates, registers and exposes the stream buffer of a connection whose peer asked for it, and queues
+    /// its STREAM_RING. Seed 001: the peer may write any part of it at any time, so the lease is of the kind for
+    /// ranges the device writes concurrently.
+    fn provide_ring(&mut self, sid: SocketId, ep: EndpointId, len: usize) -> Result<(), TransportError> {
+        let buf = DmaBuf::try_new(len).ok_or_else(|| {
+            TransportError::Invalid(format!("cannot allocate a stream buffer of {len} bytes"))
+        })?;
+        let reg = self.register(&buf)?;
+        let lease = buf
+            .lease(0..buf.len(), LeaseKind::DeviceWriteShared)
+            .map_err(|e| TransportError::Invalid(e.to_string()))?;
+        let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
+        if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
+            let link = &mut conn.link;
+            if let Some(crate::proto::conn::Mode::Stream(st)) = conn.mode.as_mut() {
+                st.set_local_ring(exposure, buf, reg, link);
+            }
+        }
+        Ok(())
+    }
+
+    /// Exposes a leased range to the peer of `ep` alone (counted).
+    fn expose(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: exs_dma::Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
+        self.stats.exposures += 1;
+        self.transport.expose(ep, reg, lease, access)
+    }
+
+    /// Exposes an operation's range (a send the peer reads, a receive it writes) as the context's policy says:
+    /// a key of its own, or the trusted policy's key for the whole region on this connection.
+    fn expose_op(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: exs_dma::Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
+        match self.exposure {
+            ExposurePolicy::TrustedPeers => {
+                let (exposure, made) =
+                    self.trusted
+                        .expose(self.transport.as_mut(), ep, reg, lease, access)?;
+                if made {
+                    self.stats.exposures += 1;
+                }
+                Ok(exposure)
+            }
+            _ => self.expose(ep, reg, lease, access),
+        }
+    }
+
+    /// Frees an endpoint after its connection went down, revoking the trusted policy's keys on it first.
+    fn release_endpoint(&mut self, ep: EndpointId) {
+        self.trusted.forget_endpoint(ep);
+        self.transport.release(ep);
+    }
+
+    /// Trusted-policy keys naming `buf` (a region being deregistered counts them among its leases).
+    pub(crate) fn trusted_keys(&self, buf: &Arc<DmaBuf>) -> usize {
+        self.trusted.count(buf)
+    }
+
+    /// Revokes the trusted-policy keys naming `buf` (its region is deregistered; no operation uses it).
+    pub(crate) fn forget_trusted(&mut self, buf: &Arc<DmaBuf>) {
+        self.trusted.forget_buffer(buf);
+    }
+
+    pub(crate) fn next_deadline(&self) -> Option<Instant> {
+        self.timers.iter().map(|t| t.0).min()
+    }
+
+    /// The earliest timer as a point in real time (the engine's clock may be virtual).
+    pub(crate) fn next_deadline_real(&self) -> Option<Instant> {
+        let d = self.next_deadline()?;
+        Some(Instant::now() + d.saturating_duration_since(self.now()))
+    }
+
+    fn limits(&self) -> Limits {
+        Limits {
+            max_send_wr: self.caps.max_send_wr,
+            max_message: self.caps.max_message,
+            max_sge: self.caps.max_sge,
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------------------------
+    // Progress
+
+    /// Handles every pending event once. Returns whether anything happened.
+    ///
+    /// Completions go first. Connection-management events arrive on another channel, so a completion can be
+    /// seen before the `Established` that brings its connection up (it waits in `early`), and a `Disconnected`
+    /// can be seen while messages that arrived before it (a CLOSE) still sit in the completion queue: the queue
+    /// is drained once more before a disconnect is acted on.
+    /// One round of progress. A panic in it is a bug (no peer input may cause one: issue 15): the context then
+    /// fails as a whole (see [`Engine::fail_context`]) rather than stopping silently with its operations pending.
+    pub(crate) fn progress(&mut self) -> bool {
+        self.guarded("a progress round", Engine::progress_round)
+    }
+
+    /// One round for a busy poller (completions and timers; connection events are the progress thread's).
+    pub(crate) fn progress_busy(&mut self) -> bool {
+        self.guarded("a busy-poll round", Engine::progress_busy_round)
+    }
+
+    fn guarded(&mut self, what: &str, round: fn(&mut Engine) -> bool) -> bool {
+        if self.failed.is_some() {
+            return false;
+        }
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| round(self))) {
+            Ok(did) => did,
+            Err(panic) => {
+                let msg = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a panic".into());
+                self.fail_context(format!("{what} panicked: {msg}"));
+                true
+            }
+        }
+    }
+
+    /// After a panic nothing in the engine can be trusted: every pending operation fails with a transport error,
+    /// every connection and listener is released, and every later call on a socket of this context fails
+    /// (`StateError::ConnectionDown`). Best effort: a second panic here leaves the rest to the context's drop.
+    fn fail_context(&mut self, why: String) {
+        tracing::error!(%why, "the context failed; every operation ends with an error");
+        let err = failed_error(&why);
+        self.failed = Some(why);
+        let ids: Vec<SocketId> = self.sockets.keys().copied().collect();
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for sid in ids {
+                let Some(s) = self.sockets.get_mut(&sid) else {
+                    continue;
+                };
+                s.down.get_or_insert(err.clone());
+                if let Some(t) = s.ticket.take() {
+                    t.complete(Err(err.clone()), 0, EventFlags::default());
+                }
+                for (t, _) in s.polls.drain(..) {
+                    t.complete(Err(err.clone()), 0, EventFlags::default());
+                }
+                if let Some(l) = s.listening.take() {
+                    for t in l.accepts {
+                        t.complete(Err(err.clone()), 0, EventFlags::default());
+                    }
+                    for (request, _, _, _) in l.backlog {
+                        self.transport.reject(request);
+                    }
+                    self.listeners.remove(&l.listener);
+                    self.transport.close_listener(l.listener);
+                }
+                if let Some(conn) = s.conn.as_mut() {
+                    conn.fail(err.clone());
+                }
+                self.disconnect(sid);
+            }
+            self.drain_done();
+        }));
+    }
+
+    fn progress_round(&mut self) -> bool {
+        let mut did = self.poll_completions();
+        let mut disconnected = Vec::new();
+        while let Some(ev) = self.transport.poll_cm() {
+            self.stats.cm_events += 1;
+            did = true;
+            match ev {
+                CmEvent::Disconnected { ep } => disconnected.push(ep),
+                other => self.on_cm(other),
+            }
+        }
+        if !disconnected.is_empty() {
+            self.poll_completions();
+            for ep in disconnected {
+                self.on_disconnected(ep);
+            }
+        }
+        did |= self.run_timers();
+        self.flush_dirty();
+        self.drain_done();
+        did
+    }
+
+    /// Progress for a thread that busy-polls: completions, timers and posting, but not the connection-management
+    /// channel (a system call per look; the progress thread sleeps on it and handles it).
+    fn progress_busy_round(&mut self) -> bool {
+        let mut did = self.poll_completions();
+        did |= self.run_timers();
+        self.flush_dirty();
+        self.drain_done();
+        did
+    }
+
+    /// Hands an operation's ticket to the protocol as a token (the engine keeps the ticket).
+    fn token(&mut self, ticket: &mut Option<Ticket>) -> OpToken {
+        let id = self.next_op;
+        self.next_op += 1;
+        self.ops
+            .insert(id, (ticket.take().expect("ticket given"), 0));
+        OpToken::new(id, self.outbox.clone())
+    }
+
+    /// Takes back the ticket of a token the protocol refused synchronously.
+    fn untoken(&mut self, token: OpToken) -> Ticket {
+        let id = token.into_id();
+        self.ops.remove(&id).expect("a token's ticket is kept").0
+    }
+
+    /// Turns what the protocol reported into events (after every call and every round of progress).
+    pub(crate) fn drain_done(&mut self) {
+        self.outbox.take(&mut self.done);
+        for d in self.done.drain(..) {
+            match d {
+                Done::Complete {
+                    id,
+                    status,
+                    bytes,
+                    flags,
+                } => {
+                    if let Some((t, _)) = self.ops.remove(&id) {
+                        t.complete(status, bytes, flags);
+                    }
+                }
+                Done::Notify { id, reads } => {
+                    if let Some((t, unreported)) = self.ops.get_mut(&id) {
+                        *unreported += reads;
+                        if t.notify(crate::event::EventKind::ReadNotify, *unreported) {
+                            *unreported = 0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Handles up to [`ROUND_BATCHES`] batches of completions. Bounded (issue 15: a peer flooding one connection
+    /// kept the engine locked, and connection events and timers unhandled, for as long as it sent): the round's
+    /// caller handles connection events and timers, lets the lock go, and comes back (arming the completion queue
+    /// reports that completions remain).
+    fn poll_completions(&mut self) -> bool {
+        const BATCH: usize = 64;
+        let mut did = false;
+        for _ in 0..ROUND_BATCHES {
+            let mut batch = std::mem::take(&mut self.completions);
+            let n = self.transport.poll(&mut batch, BATCH);
+            for c in batch.drain(..) {
+                self.stats.completions += 1;
+                self.on_completion(c);
+            }
+            self.completions = batch;
+            self.flush_pool();
+            did |= n > 0;
+            // Fewer than asked: the queue is drained (polling it again would only cost another call).
+            if n < BATCH {
+                break;
+            }
+        }
+        did
+    }
+
+    fn run_timers(&mut self) -> bool {
+        if self.timers.is_empty() {
+            return false;
+        }
+        let now = self.clock.now();
+        if self.timers.iter().all(|t| t.0 > now) {
+            return false;
+        }
+        let (due, keep): (Vec<_>, Vec<_>) = self.timers.drain(..).partition(|t| t.0 <= now);
+        self.timers = keep;
+        for (_, sid, kind) in &due {
+            match kind {
+                TimerKind::Linger => {
+                    if let Some(s) = self
+                        .sockets
+                        .get_mut(sid)
+                        .filter(|s| s.phase == Phase::Closing)
+                    {
+                        tracing::debug!(?sid, "linger expired, disconnecting");
+                        // Sends still going are ended: `Aborted` where part may have reached the peer.
+                        if let Some(conn) = s.conn.as_mut() {
+                            conn.fail(OpError::Cancelled);
+                        }
+                        self.disconnect(*sid);
+                    }
+                }
+                TimerKind::ConnectTimeout => {
+                    let connecting = self
+                        .sockets
+                        .get(sid)
+                        .is_some_and(|s| matches!(s.phase, Phase::Connecting | Phase::Accepting));
+                    if connecting {
+                        self.fail_connect(*sid, OpError::TimedOut);
+                    }
+                }
+                TimerKind::Backlog => self.expire_backlog(*sid, now),
+                TimerKind::Ack => {
+                    if let Some(conn) = self.sockets.get_mut(sid).and_then(|s| s.conn.as_mut()) {
+                        conn.force_ack();
+                        self.mark(*sid);
+                    }
+                }
+                TimerKind::Keepalive => {
+                    let Some(sock) = self.sockets.get_mut(sid) else {
+                        continue;
+                    };
+                    if sock.phase != Phase::Open {
+                        continue; // the timer dies with the connection
+                    }
+                    if let Some(conn) = sock.conn.as_mut() {
+                        if conn.link.keepalive() {
+                            self.mark(*sid);
+                        }
+                    }
+                    if let Some(k) = self.keepalive {
+                        self.timers.push((now + k, *sid, TimerKind::Keepalive));
+                    }
+                }
+            }
+        }
+        !due.is_empty()
+    }
+
+    fn flush_dirty(&mut self) {
+        while let Some(sid) = self.dirty.pop() {
+            self.flush(sid);
+            self.check_polls(sid);
+        }
+    }
+
+    fn mark(&mut self, sid: SocketId) {
+        if !self.dirty.contains(&sid) {
+            self.dirty.push(sid);
+        }
+    }
+
+    /// Posts what a connection has ready, and moves a closing connection on once its CLOSE has left.
+    fn flush(&mut self, sid: SocketId) {
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        let Some(conn) = sock.conn.as_mut() else {
+            return;
+        };
+        if let Some(len) = conn.stream().and_then(|st| st.ring_needed()) {
+            let ep = conn.ep;
+            if let Err(e) = self.provide_ring(sid, ep, len) {
+                self.fault(
+                    sid,
+                    Fault::Transport(crate::transport::WcError::Other(e.to_string())),
+                );
+                return;
+            }
+        }
+        let Some(sock) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        let Some(conn) = sock.conn.as_mut() else {
+            return;
+        };
+        let mut posts = std::mem::take(&mut self.posts);
+        let flushed = conn.flush(&mut posts);
+        let ep = conn.ep;
+        let stream = conn.sock_type == SockType::Stream;
+        // After a violation, the connection goes as soon as our CLOSE has left. After a graceful close it does
+        // not: the peer takes the CLOSE after everything before it and answers by disconnecting, which ends it
+        // (`on_disconnected`); disconnecting ourselves could overtake the data and the CLOSE still on their way on
+        // some transports (libfabric tcp reset the peer's last receives). A peer that never answers is cut off
+        // when the linger time runs out.
+        let closing_done = sock.phase == Phase::Closing
+            && sock.drop_after_close
+            && conn.close_sent()
+            && conn.sends_drained();
+
+        self.post_all(sid, ep, &mut posts);
+        self.posts = posts;
+        let delayed_ack = match flushed {
+            Ok(d) => d,
+            Err(v) => {
+                self.fault(sid, Fault::Peer(v));
+                return;
+            }
+        };
+        let ack_timer = self
+            .timers
+            .iter()
+            .position(|t| t.1 == sid && t.2 == TimerKind::Ack);
+        match (delayed_ack, ack_timer) {
+            (true, None) => {
+                // Message mode delays an acknowledgment; stream mode holds back a window update.
+                let delay = if stream {
+                    crate::proto::stream::WINDOW_HOLD
+                } else {
+                    self.ack_delay
+                };
+                self.timers.push((self.clock.now() + delay, sid, TimerKind::Ack));
+            }
+            // A reply carried the acknowledgment: the timer goes, so no sleeper is woken for it.
+            (false, Some(i)) => {
+                self.timers.swap_remove(i);
+            }
+            _ => {}
+        }
+        if closing_done {
+            self.disconnect(sid);
+        }
+    }
+
+    fn post_all(&mut self, sid: SocketId, ep: EndpointId, posts: &mut Vec<WorkRequest>) {
+        if posts.is_empty() {
+            return;
+        }
+        self.stats.posted += posts.len() as u64;
+        // Requests not posted after an error are dropped: they never reached the hardware, so their leases go back.
+        if let Err(e) = self.transport.post_many(ep, posts) {
+            tracing::warn!(?sid, %e, "post failed; connection goes down");
+            self.fault(
+                sid,
+                Fault::Transport(crate::transport::WcError::Other(e.to_string())),
+            );
+        }
+    }
+
+    /// The pool slot a completion returns, if it is a shared receive.
+    fn pool_slot(c: &Completion) -> Option<u32> {
+        match wr_kind(c.wr_id) {
+            Some(WrKind::Pool(slot)) => Some(slot),
+            _ => None,
+        }
+    }
+
+}
+
+/// A control receive slot holds a header, the largest body, and immediate data up to `small` bytes.
+fn ctrl_slot_size(small: usize) -> usize {
+    (HEADER_LEN + 48 + small)
+        .max(HEADER_LEN + 48)
+        .next_multiple_of(64)
+        .min(u16::MAX as usize & !63)
+}
+
+/// Batches of completions one progress round handles at most (see `Engine::poll_completions`).
+const ROUND_BATCHES: usize = 4;
+
+/// What operations and calls of a failed context report.
+fn failed_error(why: &str) -> OpError {
+    OpError::Transport(TransportError::Invalid(format!("the context failed: {why}")))
+}
+
+fn link_rx_bytes(link: &Link) -> u64 {
+    link.own_rx_bytes() as u64
+}
+
+fn conn_rx_bytes(conn: &Conn) -> u64 {
+    link_rx_bytes(&conn.link)
+}

@@ -23,6 +23,7 @@ pub const VM_PACKAGES: &[&str] = &[
     "ibverbs-providers",
     "ibverbs-utils",
     "rdmacm-utils",
+    "perftest",
 ];
 
 /// Modules to load in the guest (their dependencies are resolved with modprobe --show-depends).
@@ -38,6 +39,7 @@ const MODULES: &[&str] = &[
     "dummy",
     "veth",
     "virtio_pci",
+    "virtio_net",
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -58,6 +60,33 @@ pub struct Outcome {
     pub rc: Option<i32>,
     pub console: String,
 }
+
+/// How one guest of a run is set up: its name (for output), and the virtual network card joining it to the other
+/// guest of a pair (a QEMU `-netdev` argument), if any.
+#[derive(Clone, Debug, Default)]
+pub struct Guest {
+    pub name: String,
+    pub netdev: Option<String>,
+    pub mac: Option<String>,
+}
+
+/// The two guests of a pair: their link addresses (eth0, joined by a point-to-point UDP tunnel between the two
+/// QEMUs, so no kernel sees both ends).
+pub const PAIR_ADDRS: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
+
+/// Shell lines that bring up the link and rxe0 on it in guest `i` of a pair.
+pub fn pair_setup(i: usize) -> String {
+    format!(
+        "ip link set lo up\n\
+         ip link set eth0 up || {{ echo 'exs-vm: no eth0' >&2; exit 90; }}\n\
+         ip addr add {}/24 dev eth0\n\
+         rdma link add rxe0 type rxe netdev eth0 || exit 90\n",
+        PAIR_ADDRS[i]
+    )
+}
+
+/// Runs guests, each in its own results directory: unique names even within one process.
+static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 fn kernel_package() -> Result<String> {
     let deps = sys::output(Command::new("apt-cache").args(["depends", "linux-image-amd64"]))?;
@@ -293,10 +322,74 @@ impl Vm {
         timeout: Duration,
         line: &mut dyn FnMut(&str, bool),
     ) -> Result<Outcome> {
+        self.run_guest(&Guest::default(), script, timeout, line)
+    }
+
+    /// Two guests at once, joined by a virtual link (eth0: [`PAIR_ADDRS`]), each with its own kernel and its own
+    /// rxe device on that link: `scripts[i]` runs in guest `i` after [`pair_setup`]. Lines reach `line` with the
+    /// guest's index.
+    pub fn run_pair(
+        &self,
+        scripts: [&str; 2],
+        timeout: Duration,
+        line: &mut dyn FnMut(usize, &str, bool),
+    ) -> Result<[Outcome; 2]> {
+        let port = |_: ()| -> Result<u16> {
+            std::net::UdpSocket::bind("127.0.0.1:0")
+                .and_then(|s| s.local_addr())
+                .map(|a| a.port())
+                .map_err(|e| format!("a free UDP port for the guests' link: {e}"))
+        };
+        let ports = [port(())?, port(())?];
+        let (tx, rx) = std::sync::mpsc::channel::<(usize, String, bool)>();
+        let outcomes = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..2)
+                .map(|i| {
+                    let tx = tx.clone();
+                    let guest = Guest {
+                        name: format!("guest{i}"),
+                        netdev: Some(format!(
+                            "socket,id=link,udp=127.0.0.1:{},localaddr=127.0.0.1:{}",
+                            ports[1 - i],
+                            ports[i]
+                        )),
+                        mac: Some(format!("52:54:00:77:00:0{}", i + 1)),
+                    };
+                    let script = format!("{}{}", pair_setup(i), scripts[i]);
+                    scope.spawn(move || {
+                        self.run_guest(&guest, &script, timeout, &mut |l, e| {
+                            let _ = tx.send((i, l.to_string(), e));
+                        })
+                    })
+                })
+                .collect();
+            drop(tx);
+            for (i, l, e) in rx {
+                line(i, &l, e);
+            }
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|_| Err("a guest thread panicked".into())))
+                .collect::<Vec<_>>()
+        });
+        let mut it = outcomes.into_iter();
+        let a = it.next().ok_or("no first guest")??;
+        let b = it.next().ok_or("no second guest")??;
+        Ok([a, b])
+    }
+
+    /// One guest: `script` with the guest's devices.
+    pub fn run_guest(
+        &self,
+        guest: &Guest,
+        script: &str,
+        timeout: Duration,
+        line: &mut dyn FnMut(&str, bool),
+    ) -> Result<Outcome> {
         let results = self.dir.join(format!(
             "run-{}-{}",
             std::process::id(),
-            Instant::now().elapsed().as_nanos()
+            RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
         ));
         let _ = fs::remove_dir_all(&results);
         fs::create_dir_all(&results).map_err(|e| e.to_string())?;
@@ -335,6 +428,14 @@ impl Vm {
             "local,path={},mount_tag=results,security_model=none",
             results.display()
         ));
+        if let Some(netdev) = &guest.netdev {
+            cmd.arg("-netdev").arg(netdev);
+            let mut dev = "virtio-net-pci,netdev=link".to_string();
+            if let Some(mac) = &guest.mac {
+                dev.push_str(&format!(",mac={mac}"));
+            }
+            cmd.arg("-device").arg(dev);
+        }
         cmd.stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped());
@@ -371,7 +472,8 @@ impl Vm {
         };
         if status.is_none() {
             eprintln!(
-                "xtask: the VM did not finish within {timeout:?}; console tail:\n{}",
+                "xtask: the VM{} did not finish within {timeout:?}; console tail:\n{}",
+                if guest.name.is_empty() { String::new() } else { format!(" {}", guest.name) },
                 tail(&out.console, 20)
             );
         }
@@ -465,6 +567,74 @@ pub fn run_command(args: Vec<String>) -> Result<()> {
         Some(rc) => Err(format!("the command exited with {rc} in the VM")),
         None => Err("the VM did not report an exit code".into()),
     }
+}
+
+/// What the two guests run when `cargo xtask vm --hosts 2` gets no commands: exs pump (verbs, then libfabric tcp)
+/// and ib_write_bw, servers in guest 0 and clients in guest 1.
+const PAIR_DEMO: [&str; 2] = [
+    "target/release/exs pump --server --once --backend verbs --addr 10.77.0.1 -p 18515 && \
+     target/release/exs pump --server --once --backend fabric --addr 10.77.0.1 -p 18516 && \
+     ib_write_bw -d rxe0 -s 65536 -n 500",
+    "retry target/release/exs pump --client 10.77.0.1:18515 --backend verbs --addr 10.77.0.2 --size 64K,1M --seconds 2 && \
+     retry target/release/exs pump --client 10.77.0.1:18516 --backend fabric --addr 10.77.0.2 --size 64K,1M --seconds 2 && \
+     retry ib_write_bw -d rxe0 -s 65536 -n 500 10.77.0.1",
+];
+
+/// Shell function for the client side of a pair: retries a command (a client whose server is not up yet) for up
+/// to a minute.
+pub const RETRY: &str = "retry() { i=0; while [ $i -lt 60 ]; do \"$@\"; rc=$?; [ $rc -eq 0 ] && return 0; [ $rc -eq 127 ] && return 127; i=$((i+1)); sleep 1; done; return 1; }\n";
+
+/// `cargo xtask vm --hosts 2 [-- GUEST0_LINE GUEST1_LINE]`.
+pub fn run_pair_command(args: Vec<String>) -> Result<()> {
+    let lines: [String; 2] = match args.as_slice() {
+        [] => {
+            if !sys::root().join("target/release/exs").exists() {
+                sys::run(sys::cargo().args(["build", "--release", "-p", "exs-tools"]))?;
+            }
+            PAIR_DEMO.map(String::from)
+        }
+        [a, b] => [a.clone(), b.clone()],
+        _ => {
+            return Err(
+                "cargo xtask vm --hosts 2 takes two shell lines (guest 0, guest 1) or none".into(),
+            )
+        }
+    };
+    let vm = Vm::prepare()?;
+    let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
+    let scripts: Vec<String> = lines
+        .iter()
+        .map(|l| format!("{RETRY}cd {}\n{l}\n", cwd.display()))
+        .collect();
+    eprintln!(
+        "xtask: two guests ({:?}), guest 0 at {} and guest 1 at {} (rxe0 on eth0 in each)",
+        vm.accel, PAIR_ADDRS[0], PAIR_ADDRS[1]
+    );
+    let o = vm.run_pair(
+        [&scripts[0], &scripts[1]],
+        Duration::from_secs(1800),
+        &mut |i, l, err| {
+            if err {
+                eprintln!("[guest{i}] {l}");
+            } else {
+                println!("[guest{i}] {l}");
+            }
+        },
+    )?;
+    let _ = std::io::stdout().flush();
+    for (i, o) in o.iter().enumerate() {
+        match o.rc {
+            Some(0) => {}
+            Some(rc) => return Err(format!("guest {i} exited with {rc}")),
+            None => {
+                return Err(format!(
+                    "guest {i} reported no exit code; console:\n{}",
+                    tail(&o.console, 20)
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 pub fn shell_quote(s: &str) -> String {

@@ -1,8 +1,8 @@
 //! Child processes for the tests that need hosts in separate processes. The test binary re-executes itself with
 //! `EXS_CONFORMANCE_ROLE` set; [`run_if_child`] runs the role instead of the tests.
 
-use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -21,17 +21,74 @@ pub fn checksum(b: &[u8]) -> u64 {
     })
 }
 
-/// A child process running one role; killed on drop if still running.
+/// A child process running one role, on this host or, through the peer host's agent, on another; killed on
+/// drop if still running.
 #[derive(Debug)]
 pub struct ChildProc {
-    pub child: Child,
+    proc: Proc,
+    /// The first line the role printed (a listening address), when asked for.
     pub line: Option<String>,
+}
+
+#[derive(Debug)]
+enum Proc {
+    Local(Child),
+    /// A child of the agent on the peer host (`EXS_PEER_AGENT`), driven over a TCP connection.
+    Remote(BufReader<TcpStream>),
+}
+
+impl ChildProc {
+    /// Kills it (SIGKILL).
+    pub fn kill(&mut self) -> Result<(), String> {
+        match &mut self.proc {
+            Proc::Local(c) => c.kill().map_err(|e| format!("kill: {e}")),
+            Proc::Remote(agent) => agent_call(agent, "KILL").map(drop),
+        }
+    }
+
+    /// `Some(success)` once it exited.
+    pub fn try_wait(&mut self) -> Result<Option<bool>, String> {
+        match &mut self.proc {
+            Proc::Local(c) => Ok(c
+                .try_wait()
+                .map_err(|e| e.to_string())?
+                .map(|st| st.success())),
+            Proc::Remote(agent) => {
+                let r = agent_call(agent, "WAIT")?;
+                Ok(r.strip_prefix("EXITED ").map(|code| code.trim() == "0"))
+            }
+        }
+    }
 }
 
 impl Drop for ChildProc {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        match &mut self.proc {
+            Proc::Local(c) => {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            // The agent kills its child when the connection closes.
+            Proc::Remote(_) => {}
+        }
+    }
+}
+
+/// One request to the agent, one line of answer: `OK ...`, `RUNNING`, `EXITED code`, or `ERR why`.
+fn agent_call(agent: &mut BufReader<TcpStream>, req: &str) -> Result<String, String> {
+    agent
+        .get_mut()
+        .write_all(format!("{req}\n").as_bytes())
+        .map_err(|e| format!("the peer host's agent: {e}"))?;
+    let mut l = String::new();
+    agent
+        .read_line(&mut l)
+        .map_err(|e| format!("the peer host's agent: {e}"))?;
+    let l = l.trim_end().to_string();
+    match l.strip_prefix("ERR ") {
+        Some(why) => Err(format!("the peer host's agent: {why}")),
+        None if l.is_empty() => Err("the peer host's agent closed the connection".into()),
+        None => Ok(l),
     }
 }
 
@@ -43,7 +100,9 @@ pub struct PeerHost {
     pub link: Option<String>,
 }
 
-/// The peer host named by `EXS_PEER_ADDR` (and `EXS_PEER_LINK`, the near-end interface).
+/// The peer host named by `EXS_PEER_ADDR` (and `EXS_PEER_LINK`, the near-end interface). With `EXS_PEER_AGENT`
+/// (`HOST:PORT`), its processes run on another machine, started and killed by the agent there
+/// (`EXS_CONFORMANCE_ROLE=agent`); otherwise they are children here using the far end's address.
 pub fn peer_host() -> Result<PeerHost, String> {
     let addr =
         std::env::var("EXS_PEER_ADDR").map_err(|_| "EXS_PEER_ADDR is not set".to_string())?;
@@ -91,6 +150,9 @@ pub fn spawn_on(
     target: Option<SocketAddr>,
     read_line: bool,
 ) -> Result<ChildProc, String> {
+    if let (Some(_), Ok(agent)) = (peer, std::env::var("EXS_PEER_AGENT")) {
+        return spawn_remote(&agent, role, backend, target, read_line);
+    }
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let mut cmd = Command::new(exe);
     if let Some(p) = peer {
@@ -129,21 +191,139 @@ pub fn spawn_on(
             }
         }
     }
-    Ok(ChildProc { child, line })
+    Ok(ChildProc {
+        proc: Proc::Local(child),
+        line,
+    })
+}
+
+/// [`spawn_on`] through the agent at `agent` on the peer host.
+fn spawn_remote(
+    agent: &str,
+    role: &str,
+    backend: &str,
+    target: Option<SocketAddr>,
+    read_line: bool,
+) -> Result<ChildProc, String> {
+    // The other machine may still be starting its agent: try for a minute.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let stream = loop {
+        match TcpStream::connect(agent) {
+            Ok(s) => break s,
+            Err(e) if std::time::Instant::now() > deadline => {
+                return Err(format!("the peer host's agent at {agent}: {e}"))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(500)),
+        }
+    };
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .map_err(|e| e.to_string())?;
+    let mut agent = BufReader::new(stream);
+    let target = target.map_or("-".to_string(), |t| t.to_string());
+    let r = agent_call(
+        &mut agent,
+        &format!("SPAWN {role} {backend} {target} {}", u8::from(read_line)),
+    )?;
+    let line = r
+        .strip_prefix("OK")
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .map(String::from);
+    if read_line && line.is_none() {
+        return Err(format!("child {role} on the peer host did not report an address"));
+    }
+    Ok(ChildProc {
+        proc: Proc::Remote(agent),
+        line,
+    })
+}
+
+/// The agent of a peer host (`EXS_CONFORMANCE_ROLE=agent`, listening on `EXS_CONFORMANCE_AGENT`, `HOST:PORT`):
+/// per connection, starts one role as a child here (`SPAWN role backend target|- read_line`), reports its first
+/// line, kills it (`KILL`) or reports whether it exited (`WAIT`), and kills it when the connection closes. `QUIT`
+/// ends the agent. Only for test machines: it runs what the suite asks.
+fn agent() -> Result<(), String> {
+    let addr = std::env::var("EXS_CONFORMANCE_AGENT").map_err(|_| "EXS_CONFORMANCE_AGENT is not set")?;
+    let l = TcpListener::bind(&addr).map_err(|e| format!("agent on {addr}: {e}"))?;
+    eprintln!("agent: listening on {addr}");
+    for conn in l.incoming() {
+        let conn = conn.map_err(|e| e.to_string())?;
+        // A connection per child, each served on its own thread (a test may hold one child while it starts another).
+        std::thread::spawn(move || serve_agent_connection(conn));
+    }
+    Ok(())
+}
+
+fn serve_agent_connection(conn: TcpStream) {
+    let Ok(read_half) = conn.try_clone() else {
+        return;
+    };
+    let mut r = BufReader::new(read_half);
+    let mut w = conn;
+    let mut child: Option<ChildProc> = None;
+    let mut req = String::new();
+    loop {
+        req.clear();
+        if r.read_line(&mut req).unwrap_or(0) == 0 {
+            return; // the connection closed: `child` is killed as it drops
+        }
+        let words: Vec<&str> = req.split_whitespace().collect();
+        let answer = match words.as_slice() {
+            ["QUIT"] => {
+                let _ = w.write_all(b"OK\n");
+                drop(child.take());
+                eprintln!("agent: done");
+                std::process::exit(0);
+            }
+            ["SPAWN", role, backend, target, read_line] => {
+                let target = match *target {
+                    "-" => Ok(None),
+                    t => t.parse().map(Some).map_err(|e| format!("target {t}: {e}")),
+                };
+                match target.and_then(|t| spawn(role, backend, t, *read_line == "1")) {
+                    Ok(c) => {
+                        let a = format!("OK {}", c.line.clone().unwrap_or_default());
+                        eprintln!("agent: started {role} on {backend}");
+                        child = Some(c);
+                        a
+                    }
+                    Err(e) => format!("ERR {e}"),
+                }
+            }
+            ["KILL"] => match child.as_mut().map(|c| c.kill()) {
+                Some(Ok(())) => "OK".to_string(),
+                Some(Err(e)) => format!("ERR {e}"),
+                None => "ERR no child".to_string(),
+            },
+            ["WAIT"] => match child.as_mut().map(|c| c.try_wait()) {
+                Some(Ok(None)) => "RUNNING".to_string(),
+                Some(Ok(Some(ok))) => format!("EXITED {}", if ok { 0 } else { 1 }),
+                Some(Err(e)) => format!("ERR {e}"),
+                None => "ERR no child".to_string(),
+            },
+            _ => format!("ERR unknown request {:?}", req.trim()),
+        };
+        if w.write_all(format!("{answer}\n").as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// Ends the agent at `EXS_PEER_AGENT` (`EXS_CONFORMANCE_ROLE=agent-quit`).
+fn agent_quit() -> Result<(), String> {
+    let addr = std::env::var("EXS_PEER_AGENT").map_err(|_| "EXS_PEER_AGENT is not set")?;
+    let stream = TcpStream::connect(&addr).map_err(|e| format!("the agent at {addr}: {e}"))?;
+    agent_call(&mut BufReader::new(stream), "QUIT").map(drop)
 }
 
 /// Runs the role named in the environment, if any, and returns its exit code.
 pub fn run_if_child() -> Option<i32> {
     let role = std::env::var(ROLE).ok()?;
-    let backend = std::env::var(BACKEND).ok()?;
-    let result = match backends::by_name(&backend) {
-        None => Err(format!("backend {backend} is not compiled in")),
-        Some(b) => match role.as_str() {
-            "echo-server" => echo_server(&*b),
-            "sender" => sender(&*b, None),
-            "sender-then-big" => sender(&*b, Some(128 << 20)),
-            other => Err(format!("unknown role {other}")),
-        },
+    let result = match role.as_str() {
+        "agent" => agent(),
+        "agent-quit" => agent_quit(),
+        _ => child_role(&role),
     };
     match result {
         Ok(()) => Some(0),
@@ -151,6 +331,19 @@ pub fn run_if_child() -> Option<i32> {
             eprintln!("child {role}: {e}");
             Some(1)
         }
+    }
+}
+
+fn child_role(role: &str) -> Result<(), String> {
+    let backend = std::env::var(BACKEND).map_err(|_| format!("{BACKEND} is not set"))?;
+    match backends::by_name(&backend) {
+        None => Err(format!("backend {backend} is not compiled in")),
+        Some(b) => match role {
+            "echo-server" => echo_server(&*b),
+            "sender" => sender(&*b, None),
+            "sender-then-big" => sender(&*b, Some(128 << 20)),
+            other => Err(format!("unknown role {other}")),
+        },
     }
 }
 

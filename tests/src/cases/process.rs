@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 
-use crate::child::{checksum, link_bytes, peer_host, spawn, spawn_on, PeerHost};
+use crate::child::{checksum, link_bytes, peer_host, spawn_on, PeerHost};
 use crate::util::*;
 use crate::{ensure, Backend, Case, Requires};
 
@@ -23,6 +23,11 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "two_hosts_over_a_link",
             run: two_hosts,
+            requires: Requires::PeerHost,
+        },
+        Case {
+            name: "peer_host_killed_mid_transfer",
+            run: killed_peer_host,
             requires: Requires::PeerHost,
         },
         Case {
@@ -149,8 +154,8 @@ fn echo_exchange(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<usize, Stri
     let mut child = child;
     let deadline = Instant::now() + WAIT;
     loop {
-        if let Some(st) = child.child.try_wait().map_err(|e| e.to_string())? {
-            ensure!(st.success(), "child exited with {st}");
+        if let Some(ok) = child.try_wait()? {
+            ensure!(ok, "the child failed");
             return Ok(sizes.iter().sum());
         }
         ensure!(
@@ -162,6 +167,16 @@ fn echo_exchange(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<usize, Stri
 }
 
 fn killed_peer(b: &dyn Backend) -> Result<(), String> {
+    killed_peer_on(b, None)
+}
+
+/// A peer killed on the far side of a link (with `EXS_PEER_AGENT`, on another machine with its own kernel: the
+/// dead process's kernel, not ours, tears its connection down).
+fn killed_peer_host(b: &dyn Backend) -> Result<(), String> {
+    killed_peer_on(b, Some(&peer_host()?))
+}
+
+fn killed_peer_on(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<(), String> {
     let net = b.net();
     let ctx = net.host();
     let eq = EventQueue::new(256);
@@ -169,7 +184,7 @@ fn killed_peer(b: &dyn Backend) -> Result<(), String> {
     l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
     let addr = l.listen(4).map_err(|e| e.to_string())?;
     l.accept(&eq, 0).map_err(|e| e.to_string())?;
-    let child = spawn("sender-then-big", b.name(), Some(addr), false)?;
+    let child = spawn_on(peer, "sender-then-big", b.name(), Some(addr), false)?;
     let s = next(&eq)?.accepted.ok_or("accept failed")?;
     // Data flows: receive two messages.
     let buf = MemoryRegion::alloc(&ctx, 132 << 20).map_err(|e| e.to_string())?;
@@ -219,7 +234,7 @@ fn killed_peer(b: &dyn Backend) -> Result<(), String> {
         std::thread::sleep(Duration::from_millis(1));
     }
     let mut child = child;
-    child.child.kill().map_err(|e| format!("kill: {e}"))?;
+    child.kill()?;
     let killed = Instant::now();
     let evs = eq
         .wait_all(Some(Duration::from_secs(30)))
@@ -253,7 +268,7 @@ fn killed_peer(b: &dyn Backend) -> Result<(), String> {
     );
     // The listener keeps accepting.
     l.accept(&eq, 1).map_err(|e| e.to_string())?;
-    let _second = spawn("sender", b.name(), Some(addr), false)?;
+    let _second = spawn_on(peer, "sender", b.name(), Some(addr), false)?;
     let s2 = next(&eq)?.accepted.ok_or("second accept failed")?;
     let buf2 = MemoryRegion::alloc(&ctx, 1 << 20).map_err(|e| e.to_string())?;
     s2.recv(&eq, &buf2.all(), MsgFlags::NONE, 20)

@@ -48,6 +48,7 @@ impl Clock for SystemClock {
 
 /// How a context makes progress.
 #[derive(Clone)]
+#[non_exhaustive]
 pub enum Progress {
     /// One background thread sleeping on the transport's wait descriptor (the default).
     Thread,
@@ -78,8 +79,9 @@ impl Driver for ManualAdapter {
     }
 }
 
-/// Settings of a context.
+/// Settings of a context. It will grow: start from `ContextOptions::default()` and set fields.
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct ContextOptions {
     /// How progress is made.
     pub progress: Progress,
@@ -104,13 +106,14 @@ pub struct ContextOptions {
     /// refused (the peer sees `Refused`), and a `connect` fails with `TransportError::Resource`. Default 16,384.
     pub max_connections: usize,
     /// How memory is exposed to peers: a key per operation (the default), or UNH-EXS's key per region and
-    /// connection for peers that trust each other ([`ExposurePolicy`]).
+    /// connection for peers that trust each other ([`crate::ExposurePolicy`]).
     pub exposure: crate::ExposurePolicy,
 }
 
 /// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
 /// receive memory does not grow with the number of connections (seed 003; `proto::pool` in the source).
 #[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SharedRecv {
     /// `None` (default): use the pool when the transport has a shared receive queue. `Some(true)`: require it
     /// (connections fail with `Unsupported` where there is none). `Some(false)`: each connection posts its own.

@@ -24,6 +24,7 @@ pub enum Blame {
 
 /// A rule of the protocol the peer broke. The connection is closed; other connections are untouched.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum Violation {
     /// A control message could not be decoded.
     #[error("malformed control message: {0}")]
@@ -112,6 +113,7 @@ pub enum Violation {
 
 /// How an asynchronous operation ended, when it did not succeed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum OpError {
     /// The operation was cancelled by a local close or abort before any of it reached the peer.
     #[error("cancelled by close")]
@@ -209,6 +211,7 @@ impl OpError {
 
 /// Misuse of a buffer handed to an operation.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum BufferError {
     /// The range is not inside the memory region.
     #[error("range {start}..{end} is outside the region of {len} bytes")]
@@ -247,6 +250,7 @@ impl From<DmaError> for BufferError {
 
 /// Misuse of a socket handle or state.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum StateError {
     /// The socket was closed (or never existed in this context).
     #[error("invalid or closed socket")]
@@ -494,6 +498,7 @@ op_error! {
 
 /// Why an option could not be read or set (exs_fcntl).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum OptionError {
     /// The option can only change before the connection is established.
     #[error("option {0} cannot change after connect")]
@@ -528,6 +533,7 @@ impl From<OptionError> for io::Error {
 
 /// Why memory registration (exs_mregister) or deregistration (exs_mderegister) failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum MemoryError {
     /// Pending operations or exposed remote keys still use the region.
     #[error("the region is still used by {leases} pending operation(s) or remote key(s)")]
@@ -573,6 +579,7 @@ impl From<MemoryError> for io::Error {
 
 /// Why `dequeue` (exs_qdequeue) returned without the events asked for.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DequeueError {
     /// The timeout expired before enough events arrived (the events that did arrive were returned first).
     #[error("timed out waiting for events")]

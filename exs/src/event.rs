@@ -31,6 +31,7 @@ use crate::socket::{Socket, SocketId};
 
 /// What kind of operation an event completes (ES-API EXS_EVT_*).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum EventKind {
     /// `exs_connect` finished.
     Connect,
@@ -101,6 +102,7 @@ impl fmt::Debug for Event {
 
 /// How `dequeue` waits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum WaitMode {
     /// Seed 004: poll once (plus `spin` more polls), then block until the missing count has arrived, then drain.
     Adaptive {
@@ -121,6 +123,7 @@ impl Default for WaitMode {
 
 /// Counters of one queue, for tests and benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct QueueStats {
     /// Times a `dequeue` went to sleep (or, in the simulator, had to drive the fabric to get events).
     pub blocks: u64,

@@ -75,10 +75,18 @@ impl Revoke for Borrowed {
     fn revoke(&mut self) {}
 }
 
-/// The trusted policy's keys of one context, by connection, region and access.
+/// A whole-region key: the key, what the peer addresses with it, and the address of the region's first byte.
+#[derive(Debug)]
+struct Entry {
+    whole: Arc<Whole>,
+    remote: RemoteRef,
+    base: u64,
+}
+
+/// The trusted policy's keys of one context, by connection, region (its buffer's address) and access.
 #[derive(Debug, Default)]
 pub(crate) struct TrustedKeys {
-    keys: HashMap<(EndpointId, usize, RemoteAccess), (Arc<Whole>, RemoteRef, u64)>,
+    keys: HashMap<(EndpointId, usize, RemoteAccess), Entry>,
 }
 
 /// The key of a buffer: its address (a buffer is in the map only while a whole-region lease keeps it alive).
@@ -99,38 +107,40 @@ impl TrustedKeys {
     ) -> Result<(Box<dyn Exposure>, bool), TransportError> {
         crate::transport::check_exposure(reg, &lease, access)?;
         let buf = reg.buf();
-        let key = (ep, buf_key(buf), access);
         let mut made = false;
-        if !self.keys.contains_key(&key) {
-            let whole = buf
-                .lease(0..buf.len(), LeaseKind::TrustedKey)
-                .map_err(|e| TransportError::Invalid(e.to_string()))?;
-            let base = whole.addr();
-            let exposure = transport.expose(ep, reg, whole, access)?;
-            let remote = exposure.remote();
-            let w = Arc::new(Whole {
-                exposure: Mutex::new(Some(exposure)),
-            });
-            self.keys.insert(key, (w, remote, base));
-            made = true;
-        }
-        let (whole, remote, base) = &self.keys[&key];
-        let offset = lease.addr() - base;
+        let e = match self.keys.entry((ep, buf_key(buf), access)) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let whole = buf
+                    .lease(0..buf.len(), LeaseKind::TrustedKey)
+                    .map_err(|e| TransportError::Invalid(e.to_string()))?;
+                let base = whole.addr();
+                let exposure = transport.expose(ep, reg, whole, access)?;
+                made = true;
+                v.insert(Entry {
+                    remote: exposure.remote(),
+                    whole: Arc::new(Whole {
+                        exposure: Mutex::new(Some(exposure)),
+                    }),
+                    base,
+                })
+            }
+        };
         let remote = RemoteRef {
-            addr: remote.addr + offset,
-            key: remote.key,
+            addr: e.remote.addr + (lease.addr() - e.base),
+            key: e.remote.key,
         };
         Ok((
-            Box::new(KeyedLease::new(remote, lease, Borrowed(Arc::clone(whole)))),
+            Box::new(KeyedLease::new(remote, lease, Borrowed(Arc::clone(&e.whole)))),
             made,
         ))
     }
 
     /// Revokes the keys of a connection that is going away (before its endpoint is released).
     pub(crate) fn forget_endpoint(&mut self, ep: EndpointId) {
-        self.keys.retain(|k, (w, _, _)| {
+        self.keys.retain(|k, e| {
             if k.0 == ep {
-                revoke(w);
+                revoke(&e.whole);
                 false
             } else {
                 true
@@ -147,9 +157,9 @@ impl TrustedKeys {
     /// Revokes every key naming `buf` (the region is being deregistered and no operation uses it).
     pub(crate) fn forget_buffer(&mut self, buf: &Arc<DmaBuf>) {
         let b = buf_key(buf);
-        self.keys.retain(|k, (w, _, _)| {
+        self.keys.retain(|k, e| {
             if k.1 == b {
-                revoke(w);
+                revoke(&e.whole);
                 false
             } else {
                 true

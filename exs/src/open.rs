@@ -171,8 +171,10 @@ impl Context {
     /// Opens a context on the backend the environment names (see [`Backend::from_env`]); `EXS_EXPOSURE=trusted`
     /// selects [`crate::ExposurePolicy::TrustedPeers`] (`per-operation`, the default, otherwise).
     pub fn from_env() -> Result<Context, TransportError> {
-        let mut opts = crate::ContextOptions::default();
-        opts.exposure = crate::ExposurePolicy::from_env()?;
+        let opts = crate::ContextOptions {
+            exposure: crate::ExposurePolicy::from_env()?,
+            ..Default::default()
+        };
         Context::open_with(&Backend::from_env()?, opts)
     }
 }

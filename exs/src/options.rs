@@ -50,6 +50,7 @@ impl std::ops::BitOr for MsgFlags {
 
 /// Per-socket settings. Those marked "before connect" are negotiated in the handshake and cannot change later.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct SocketOptions {
     /// Advertisements we want to have outstanding (seed 002, 3.2 "send_credits"). Before connect. 1..=4096.
     pub send_credits: u16,
@@ -112,6 +113,7 @@ impl Default for SocketOptions {
 
 /// One option, for `Socket::set_option` (ES-API `exs_fcntl`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SocketOption {
     /// See [`SocketOptions::send_credits`].
     SendCredits(u16),

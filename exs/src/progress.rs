@@ -56,6 +56,7 @@ const AWAKE: u64 = 0;
 
 /// Counters of a context's progress, for tools and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ProgressStats {
     /// Times the progress thread woke up (from the transport, a timer, a check-back or a kick).
     pub thread_wakeups: u64,

@@ -50,6 +50,7 @@ pub struct Readiness {
 
 /// Counters of one connection (for tests and tools).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ConnStats {
     /// Control link.
     pub link: crate::proto::link::LinkStats,

@@ -40,9 +40,10 @@ fn connect_to_an_unknown_host_is_unreachable() {
 #[test_log::test]
 fn connect_to_a_silent_host_times_out() {
     let world = World::new(SimConfig::default());
-    let a = world.host_with(exs::ContextOptions {
-        connect_timeout: Duration::from_millis(50),
-        ..Default::default()
+    let a = world.host_with({
+        let mut o = exs::ContextOptions::default();
+        o.connect_timeout = Duration::from_millis(50);
+        o
     });
     let b = world.host();
     let eq_b = EventQueue::new(8);
@@ -449,9 +450,10 @@ fn one_way_messages_are_acknowledged_without_delay() {
 fn keepalive_finds_a_silent_peer_while_the_application_only_waits() {
     for keepalive in [Some(Duration::from_secs(1)), None] {
         let world = World::new(SimConfig::default());
-        let a = world.host_with(exs::ContextOptions {
-            keepalive,
-            ..exs::ContextOptions::default()
+        let a = world.host_with({
+            let mut o = exs::ContextOptions::default();
+            o.keepalive = keepalive;
+            o
         });
         let b = world.host();
         let (eq_a, eq_b) = (EventQueue::new(8), EventQueue::new(8));
@@ -645,9 +647,10 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
 #[test_log::test]
 fn connections_beyond_the_limit_are_refused_politely() {
     let world = World::threaded(SimConfig::default());
-    let server = world.host_with(exs::ContextOptions {
-        max_connections: 3,
-        ..exs::ContextOptions::default()
+    let server = world.host_with({
+        let mut o = exs::ContextOptions::default();
+        o.max_connections = 3;
+        o
     });
     let client = world.host();
     let l = Socket::new(&server, SockType::SeqPacket).unwrap();
@@ -695,9 +698,10 @@ fn connections_beyond_the_limit_are_refused_politely() {
 #[test_log::test]
 fn a_request_left_in_the_backlog_expires() {
     let world = World::threaded(SimConfig::default());
-    let server = world.host_with(exs::ContextOptions {
-        connect_timeout: Duration::from_millis(200),
-        ..exs::ContextOptions::default()
+    let server = world.host_with({
+        let mut o = exs::ContextOptions::default();
+        o.connect_timeout = Duration::from_millis(200);
+        o
     });
     let client = world.host();
     let l = Socket::new(&server, SockType::SeqPacket).unwrap();
@@ -727,9 +731,10 @@ fn a_request_left_in_the_backlog_expires() {
 fn ten_thousand_refused_connects_leave_nothing_behind() {
     let world = World::threaded(SimConfig::default());
     // The request filling the backlog must not expire during the run (on a loaded machine it can last long).
-    let server = world.host_with(exs::ContextOptions {
-        connect_timeout: Duration::from_secs(600),
-        ..exs::ContextOptions::default()
+    let server = world.host_with({
+        let mut o = exs::ContextOptions::default();
+        o.connect_timeout = Duration::from_secs(600);
+        o
     });
     let client = world.host();
     let l = Socket::new(&server, SockType::SeqPacket).unwrap();

@@ -25,16 +25,15 @@ struct Many {
 
 fn many(n: usize, ty: SockType, cfg: SimConfig, server_pool: SharedRecv) -> Many {
     let world = World::new(cfg);
-    let client = world.host_with(ContextOptions {
-        shared_recv: SharedRecv {
-            enabled: Some(false),
-            ..SharedRecv::default()
-        },
-        ..ContextOptions::default()
+    let client = world.host_with({
+        let mut o = ContextOptions::default();
+        o.shared_recv.enabled = Some(false);
+        o
     });
-    let server = world.host_with(ContextOptions {
-        shared_recv: server_pool,
-        ..ContextOptions::default()
+    let server = world.host_with({
+        let mut o = ContextOptions::default();
+        o.shared_recv = server_pool;
+        o
     });
     let eq_c = EventQueue::new(8192);
     let eq_s = EventQueue::new(8192);
@@ -68,10 +67,9 @@ fn many(n: usize, ty: SockType, cfg: SimConfig, server_pool: SharedRecv) -> Many
 }
 
 fn pool_on() -> SharedRecv {
-    SharedRecv {
-        enabled: Some(true),
-        ..SharedRecv::default()
-    }
+    let mut o = SharedRecv::default();
+    o.enabled = Some(true);
+    o
 }
 
 /// Sends `per` messages on every connection at once (sizes cycle through immediate and read-sized ones) while the
@@ -137,9 +135,10 @@ fn receive_memory_per_connection_with_and_without_the_shared_pool() {
         n,
         SockType::SeqPacket,
         SimConfig::default().with_shared_recv(4096),
-        SharedRecv {
-            enabled: Some(false),
-            ..SharedRecv::default()
+        {
+            let mut o = SharedRecv::default();
+            o.enabled = Some(false);
+            o
         },
     );
     let sw = with.server.stats();
@@ -202,12 +201,13 @@ fn per_connection_order_is_kept_through_the_shared_pool() {
 /// More messages in flight than the pool has buffers: senders wait (receiver-not-ready retry), nothing is lost.
 #[test]
 fn an_empty_pool_delays_senders_and_loses_nothing() {
-    let small = SharedRecv {
-        enabled: Some(true),
-        chunk_slots: 8,
-        max_slots: 8,
-        low_watermark: 0,
-        ..SharedRecv::default()
+    let small = {
+        let mut o = SharedRecv::default();
+        o.enabled = Some(true);
+        o.chunk_slots = 8;
+        o.max_slots = 8;
+        o.low_watermark = 0;
+        o
     };
     let m = many(
         20,
@@ -228,12 +228,13 @@ fn an_empty_pool_delays_senders_and_loses_nothing() {
 /// `dat_srq_set_lw`: below the low watermark the pool adds a chunk.
 #[test]
 fn the_pool_grows_below_its_low_watermark() {
-    let growing = SharedRecv {
-        enabled: Some(true),
-        chunk_slots: 8,
-        max_slots: 64,
-        low_watermark: 4,
-        ..SharedRecv::default()
+    let growing = {
+        let mut o = SharedRecv::default();
+        o.enabled = Some(true);
+        o.chunk_slots = 8;
+        o.max_slots = 64;
+        o.low_watermark = 4;
+        o
     };
     let m = many(
         20,
@@ -252,12 +253,13 @@ fn the_pool_grows_below_its_low_watermark() {
 /// connections keep working.
 #[test]
 fn buffers_of_a_connection_that_goes_down_return_to_the_pool() {
-    let small = SharedRecv {
-        enabled: Some(true),
-        chunk_slots: 8,
-        max_slots: 8,
-        low_watermark: 0,
-        ..SharedRecv::default()
+    let small = {
+        let mut o = SharedRecv::default();
+        o.enabled = Some(true);
+        o.chunk_slots = 8;
+        o.max_slots = 8;
+        o.low_watermark = 0;
+        o
     };
     let m = many(
         6,
@@ -343,9 +345,10 @@ fn stream_sockets_over_the_shared_pool() {
 #[test]
 fn requiring_a_pool_where_the_transport_has_none_fails_clearly() {
     let world = World::new(SimConfig::default());
-    let a = world.host_with(ContextOptions {
-        shared_recv: pool_on(),
-        ..ContextOptions::default()
+    let a = world.host_with({
+        let mut o = ContextOptions::default();
+        o.shared_recv = pool_on();
+        o
     });
     let _b = world.host();
     let eq = EventQueue::new(8);

@@ -42,6 +42,7 @@ const TX_SLOT: usize = 64;
 
 /// Counters of one context.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EngineStats {
     /// Completions handled.
     pub completions: u64,

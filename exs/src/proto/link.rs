@@ -169,6 +169,7 @@ enum Outgoing {
 
 /// Counters for tests and benchmarks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct LinkStats {
     /// Control messages posted.
     pub ctrl_sent: u64,

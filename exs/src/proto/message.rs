@@ -143,6 +143,7 @@ struct Transfer {
 
 /// Counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MessageStats {
     /// Adverts sent.
     pub adverts_sent: u64,

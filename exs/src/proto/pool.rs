@@ -32,6 +32,7 @@ use crate::transport::{Registration, WorkRequest};
 
 /// Counters of the pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PoolStats {
     /// Buffers the pool owns.
     pub slots: u32,

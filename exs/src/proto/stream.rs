@@ -58,6 +58,7 @@ use crate::wire::{Body, CloseReason, Handshake, Imm, StreamAdvert};
 
 /// Counters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StreamStats {
     /// Direct transfers sent (zero copy into an advertised receive).
     pub direct_sent: u64,
@@ -85,6 +86,7 @@ pub struct StreamStats {
 
 /// One protocol decision, recorded when tracing is on (tests rebuild the seed's figures from these).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum StreamTrace {
     /// Receiver: advertisement number `id` sent.
     AdvertSent {

@@ -159,7 +159,7 @@ fn exs_jobs(exe: &str, backend: &str, p: &Plan, wait_modes: bool) -> Vec<Job> {
                         op,
                         size,
                         depth,
-                        format!("{exe} rawpump {backend} --op {op} --size {size} --depth {depth} --seconds {secs}"),
+                        format!("{exe} rawpump {backend} --op {op} --size {size} --depth {depth} --seconds {secs} --json"),
                         Parse::Json,
                     ));
                 }
@@ -208,7 +208,7 @@ fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
                 variant,
                 size,
                 1,
-                format!("{exe} tcppump --size {size} --seconds {} {flag}", p.seconds),
+                format!("{exe} tcppump --size {size} --seconds {} {flag} --json", p.seconds),
                 Parse::Json,
             ));
         }
@@ -218,7 +218,7 @@ fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
         "nodelay",
         8,
         1,
-        format!("{exe} tcpping --size 8 --count {} --nodelay", p.pings),
+        format!("{exe} tcpping --size 8 --count {} --nodelay --json", p.pings),
         Parse::Json,
     ));
     v.extend(cost_jobs(exe));
@@ -395,7 +395,7 @@ fn cost_jobs(exe: &str) -> Vec<Job> {
         8,
         1,
         perf_twice(
-            |n| format!("{exe} tcpping --size 8 --count {n} --nodelay"),
+            |n| format!("{exe} tcpping --size 8 --count {n} --nodelay --json"),
             short,
             long,
         ),
@@ -523,7 +523,7 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
 
 /// Kills what a timed-out job may have left behind (servers started in the background).
 const CLEANUP: &str = "for p in ib_write_bw ib_read_bw ib_send_lat ib_read_lat rstream fi_pingpong; do pkill -x $p; done 2>/dev/null; \
-                       pkill -f 'exs (pump-server|ping-server|rawpump|tcppump|tcpping)' 2>/dev/null; true";
+                       pkill -f 'exs (pump|ping|demo) --server --once --announce|exs (rawpump|tcppump|tcpping) ' 2>/dev/null; true";
 
 /// The jobs as one shell script with markers, repeated and interleaved (every job once per round).
 fn script(jobs: &[Job], repeats: usize, timeout: u32) -> String {

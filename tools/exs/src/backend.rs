@@ -2,23 +2,27 @@
 
 use std::net::{IpAddr, SocketAddr};
 
+use anyhow::{bail, Context as _, Result};
 use exs::Context;
+
+use crate::opts::BackendKind;
 
 /// Which backend and how to reach it.
 #[derive(Clone, Debug, clap::Args)]
+#[command(next_help_heading = "Backend (each side chooses its own)")]
 pub struct BackendArgs {
-    /// Backend: fabric (libfabric), verbs (rdma-core: InfiniBand, RoCE, iWARP, Soft-RoCE) or sim (in-process
-    /// simulated fabric).
-    #[arg(long, default_value = "fabric")]
-    pub backend: String,
+    /// Backend (each side chooses its own; both must reach the same fabric).
+    #[arg(long, value_enum, default_value_t = BackendKind::Fabric)]
+    pub backend: BackendKind,
     /// libfabric provider (fabric backend): tcp, verbs, net, sockets.
     #[arg(long, default_value = "tcp")]
     pub provider: String,
     /// libfabric domain (interface or device), if not the provider's first.
     #[arg(long)]
     pub domain: Option<String>,
-    /// Address to listen on / connect to (verbs: an address of the RDMA device's interface).
-    #[arg(long, default_value = "127.0.0.1")]
+    /// This side's address: the one to listen on (one host, and --server), and the local RDMA interface's
+    /// (verbs: an address of the device's interface).
+    #[arg(short = 'a', long, default_value = "127.0.0.1")]
     pub addr: IpAddr,
     /// verbs: the device that must carry --addr (checked), e.g. mlx5_0, cxgb4_0, rxe0.
     #[arg(long)]
@@ -33,7 +37,7 @@ impl BackendArgs {
     pub fn to_args(&self) -> Vec<String> {
         let mut v = vec![
             "--backend".to_string(),
-            self.backend.clone(),
+            self.backend.to_string(),
             "--provider".into(),
             self.provider.clone(),
             "--addr".into(),
@@ -67,21 +71,24 @@ pub fn compiled() -> Vec<&'static str> {
     v
 }
 
-/// An opened backend: contexts and addresses.
+/// An opened backend: contexts and addresses. Clones share it (the simulator's world: a server thread and the
+/// client are hosts of one network).
+#[derive(Clone)]
 pub enum Opened {
     #[cfg(feature = "fabric")]
     Fabric(exs_backend_fabric::FabricConfig, IpAddr),
     #[cfg(feature = "verbs")]
     Verbs(exs_backend_verbs::VerbsConfig),
+    /// The world, and how many hosts it has (a host's address follows from its index).
     #[cfg(feature = "sim")]
-    Sim(exs::sim::World),
+    Sim(exs::sim::World, std::sync::Arc<std::sync::Mutex<usize>>),
 }
 
 impl Opened {
-    pub fn open(a: &BackendArgs) -> Result<Opened, String> {
-        match a.backend.as_str() {
+    pub fn open(a: &BackendArgs) -> Result<Opened> {
+        match a.backend {
             #[cfg(feature = "fabric")]
-            "fabric" => Ok(Opened::Fabric(
+            BackendKind::Fabric => Ok(Opened::Fabric(
                 exs_backend_fabric::FabricConfig {
                     provider: a.provider.clone(),
                     domain: a.domain.clone(),
@@ -89,13 +96,13 @@ impl Opened {
                 a.addr,
             )),
             #[cfg(feature = "verbs")]
-            "verbs" => {
+            BackendKind::Verbs => {
                 if a.addr.is_loopback() {
-                    return Err(format!(
+                    bail!(
                         "--backend verbs needs --addr set to the IP address of an RDMA device's interface \
                          (rdma_cm does not work over loopback); RDMA devices here: {}",
                         rdma_devices()
-                    ));
+                    );
                 }
                 Ok(Opened::Verbs(exs_backend_verbs::VerbsConfig {
                     addr: a.addr,
@@ -105,45 +112,66 @@ impl Opened {
                 }))
             }
             #[cfg(feature = "sim")]
-            "sim" => Ok(Opened::Sim(exs::sim::World::threaded(
-                exs::sim::SimConfig::default(),
-            ))),
-            other => Err(format!(
-                "backend {other:?} is not compiled in; this binary has: {}",
-                compiled().join(", ")
+            BackendKind::Sim => Ok(Opened::Sim(
+                exs::sim::World::threaded(exs::sim::SimConfig::default()),
+                Default::default(),
             )),
+            #[allow(unreachable_patterns)]
+            other => bail!(
+                "backend {other} is not compiled in; this binary has: {}",
+                compiled().join(", ")
+            ),
         }
     }
 
     /// A new host context.
-    pub fn host(&self) -> Result<Context, String> {
+    pub fn host(&self) -> Result<Context> {
+        Ok(self.host_listening()?.0)
+    }
+
+    /// A new host context and the address it listens on (port 0: any).
+    pub fn host_listening(&self) -> Result<(Context, SocketAddr)> {
         match self {
             #[cfg(feature = "fabric")]
-            Opened::Fabric(cfg, _) => {
-                Context::open(&exs::Backend::Fabric(cfg.clone())).map_err(|e| e.to_string())
+            Opened::Fabric(cfg, ip) => {
+                let ctx = Context::open(&exs::Backend::Fabric(cfg.clone()))
+                    .with_context(|| format!("opening libfabric (provider {})", cfg.provider))?;
+                Ok((ctx, SocketAddr::new(*ip, 0)))
             }
             #[cfg(feature = "verbs")]
             Opened::Verbs(cfg) => {
-                Context::open(&exs::Backend::Verbs(cfg.clone())).map_err(|e| e.to_string())
+                let ctx = Context::open(&exs::Backend::Verbs(cfg.clone()))
+                    .with_context(|| format!("opening the RDMA device of {}", cfg.addr))?;
+                Ok((ctx, SocketAddr::new(cfg.addr, 0)))
             }
             #[cfg(feature = "sim")]
-            Opened::Sim(w) => Ok(w.host()),
+            Opened::Sim(w, hosts) => {
+                let mut n = hosts.lock().unwrap_or_else(|p| p.into_inner());
+                let ctx = w.host();
+                let addr = w.addr(*n, 0);
+                *n += 1;
+                Ok((ctx, addr))
+            }
         }
     }
 
     /// A bare transport of this backend, with no exs engine (raw baselines).
-    pub fn raw_transport(&self) -> Result<Box<dyn exs::Transport>, String> {
+    pub fn raw_transport(&self) -> Result<Box<dyn exs::Transport>> {
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(cfg, _) => exs_backend_fabric::FabricTransport::open(cfg)
                 .map(|t| Box::new(t) as Box<dyn exs::Transport>)
-                .map_err(|e| e.to_string()),
+                .with_context(|| format!("opening libfabric (provider {})", cfg.provider)),
             #[cfg(feature = "verbs")]
             Opened::Verbs(cfg) => exs_backend_verbs::VerbsTransport::open(cfg)
                 .map(|t| Box::new(t) as Box<dyn exs::Transport>)
-                .map_err(|e| e.to_string()),
+                .with_context(|| format!("opening the RDMA device of {}", cfg.addr)),
             #[cfg(feature = "sim")]
-            Opened::Sim(w) => Ok(Box::new(w.raw_host())),
+            Opened::Sim(w, hosts) => {
+                let mut n = hosts.lock().unwrap_or_else(|p| p.into_inner());
+                *n += 1;
+                Ok(Box::new(w.raw_host()))
+            }
         }
     }
 
@@ -155,7 +183,7 @@ impl Opened {
             #[cfg(feature = "verbs")]
             Opened::Verbs(cfg) => SocketAddr::new(cfg.addr, 0),
             #[cfg(feature = "sim")]
-            Opened::Sim(w) => w.addr(i, 0),
+            Opened::Sim(w, _) => w.addr(i, 0),
         }
     }
 
@@ -167,7 +195,7 @@ impl Opened {
             #[cfg(feature = "verbs")]
             Opened::Verbs(..) => true,
             #[cfg(feature = "sim")]
-            Opened::Sim(_) => false,
+            Opened::Sim(..) => false,
         }
     }
 
@@ -182,7 +210,7 @@ impl Opened {
                 cfg.device.as_deref().unwrap_or(&cfg.addr.to_string())
             ),
             #[cfg(feature = "sim")]
-            Opened::Sim(_) => "exs (sim)".into(),
+            Opened::Sim(..) => "exs (sim)".into(),
         }
     }
 }

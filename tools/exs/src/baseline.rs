@@ -11,36 +11,42 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use anyhow::{anyhow, bail, Context as _, Result};
 use exs::transport::{
     CmEvent, EndpointId, Op, RemoteAccess, RemoteRef, Sge, Transport, WorkRequest,
 };
 use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::backend::{BackendArgs, Opened};
+use crate::opts::RawOp;
 use crate::pump::cpu_seconds;
+use crate::util::{fmt_bytes, fmt_rate};
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct RawArgs {
-    #[command(flatten)]
-    pub backend: BackendArgs,
     /// Transfer size.
     #[arg(long, value_parser = crate::util::parse_size, default_value = "1M")]
     pub size: u64,
     /// Transfers in flight.
     #[arg(long, default_value_t = 8)]
     pub depth: usize,
-    /// write or read.
-    #[arg(long, default_value = "write")]
-    pub op: String,
+    /// The RDMA operation.
+    #[arg(long, value_enum, default_value_t = RawOp::Write)]
+    pub op: RawOp,
     /// Seconds to run.
     #[arg(long, default_value_t = 2.0)]
     pub seconds: f64,
+    /// One JSON object on stdout instead of a line of text.
+    #[arg(long)]
+    pub json: bool,
     /// Internal: run as the passive side.
     #[arg(long, hide = true)]
     pub serve: bool,
+    #[command(flatten)]
+    pub backend: BackendArgs,
 }
 
-fn transport(opened: &Opened) -> Result<Box<dyn Transport>, String> {
+fn transport(opened: &Opened) -> Result<Box<dyn Transport>> {
     opened.raw_transport()
 }
 
@@ -62,7 +68,7 @@ fn wait(t: &mut dyn Transport, max: Duration) {
 
 /// Waits for the next connection event (or 30 s), progressing the completion queue meanwhile (software
 /// providers make progress only when polled).
-fn next_cm(t: &mut dyn Transport) -> Result<CmEvent, String> {
+fn next_cm(t: &mut dyn Transport) -> Result<CmEvent> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut out = Vec::new();
     loop {
@@ -72,7 +78,7 @@ fn next_cm(t: &mut dyn Transport) -> Result<CmEvent, String> {
             return Ok(ev);
         }
         if Instant::now() > deadline {
-            return Err("no connection event within 30 s".into());
+            bail!("no connection event within 30 s");
         }
         wait(t, Duration::from_millis(100));
     }
@@ -81,30 +87,26 @@ fn next_cm(t: &mut dyn Transport) -> Result<CmEvent, String> {
 /// The passive side: exposes a buffer for remote write and read, accepts one connection with the buffer's
 /// address and key as private data, and sleeps on the transport until the peer disconnects (on RDMA hardware it
 /// does nothing at all; software providers need their queues polled to move data).
-fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<(), String> {
+fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<()> {
     let mut t = transport(opened)?;
     let buf = DmaBuf::new(size * depth);
-    let reg = t.register(&buf).map_err(|e| e.to_string())?;
+    let reg = t.register(&buf).context("registering the buffer")?;
     let (kind, access) = if read {
         (LeaseKind::DeviceReadShared, RemoteAccess::Read)
     } else {
         (LeaseKind::DeviceWriteShared, RemoteAccess::Write)
     };
-    let lease = buf
-        .lease(0..size * depth, kind)
-        .map_err(|e| e.to_string())?;
+    let lease = buf.lease(0..size * depth, kind)?;
     // Exposed to the one connection it will accept (endpoint 1), before the handshake carries the key.
     let exposure = t
         .expose(EndpointId(1), &reg, lease, access)
-        .map_err(|e| e.to_string())?;
-    let (_, addr) = t
-        .listen(opened.listen_addr(0), 1)
-        .map_err(|e| e.to_string())?;
+        .context("exposing the buffer")?;
+    let (_, addr) = t.listen(opened.listen_addr(0), 1).context("listen")?;
     println!("LISTEN {addr}");
     let _ = std::io::stdout().flush();
     let ev = next_cm(&mut *t)?;
     let CmEvent::ConnectRequest { request, .. } = ev else {
-        return Err(format!("expected a connection request, got {ev:?}"));
+        bail!("expected a connection request, got {ev:?}");
     };
     let w = exposure.remote();
     let mut private = Vec::new();
@@ -112,7 +114,7 @@ fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<(), S
         private.extend_from_slice(&v.to_le_bytes());
     }
     t.accept(request, EndpointId(1), &private, Vec::new())
-        .map_err(|e| e.to_string())?;
+        .context("accept")?;
     loop {
         match next_cm(&mut *t) {
             Ok(CmEvent::Disconnected { .. }) => break,
@@ -132,24 +134,24 @@ pub struct RawResult {
     pub cpu: f64,
 }
 
-fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult, String> {
+fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
     let mut t = transport(opened)?;
     let size = a.size as usize;
     let depth = a.depth.max(1);
     let buf = DmaBuf::new(size * depth);
-    let reg = t.register(&buf).map_err(|e| e.to_string())?;
+    let reg = t.register(&buf).context("registering the buffer")?;
     t.connect(EndpointId(1), addr, &[], Vec::new())
-        .map_err(|e| e.to_string())?;
+        .with_context(|| format!("connecting to {addr}"))?;
     let private = match next_cm(&mut *t)? {
         CmEvent::Established { private, .. } => private,
-        other => return Err(format!("connect: {other:?}")),
+        other => bail!("connect: {other:?}"),
     };
     if private.len() < 32 {
-        return Err("the raw server sent no key".into());
+        bail!("the raw server sent no key");
     }
     let word =
         |i: usize| u64::from_le_bytes(private[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
-    let read = a.op == "read";
+    let read = a.op == RawOp::Read;
     let remote = if read {
         RemoteRef {
             addr: word(2),
@@ -161,16 +163,14 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult, St
             key: word(1),
         }
     };
-    let post = |t: &mut Box<dyn Transport>, slot: usize| -> Result<(), String> {
+    let post = |t: &mut Box<dyn Transport>, slot: usize| -> Result<()> {
         let kind = if read {
             LeaseKind::DeviceWrite
         } else {
             LeaseKind::DeviceRead
         };
-        let lease = buf
-            .lease(slot * size..(slot + 1) * size, kind)
-            .map_err(|e| e.to_string())?;
-        let sge = Sge::new(lease, Arc::clone(&reg)).map_err(|e| e.to_string())?;
+        let lease = buf.lease(slot * size..(slot + 1) * size, kind)?;
+        let sge = Sge::new(lease, Arc::clone(&reg))?;
         let r = RemoteRef {
             addr: remote.addr + (slot * size) as u64,
             key: remote.key,
@@ -194,7 +194,7 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult, St
                 op,
             },
         )
-        .map_err(|e| e.error.to_string())
+        .map_err(|e| anyhow!("posting RDMA {}: {}", a.op, e.error))
     };
     let (t0, c0) = (Instant::now(), cpu_seconds());
     for slot in 0..depth {
@@ -208,7 +208,7 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult, St
         out.clear();
         t.poll(&mut out, 64);
         for c in out.drain(..) {
-            c.status.map_err(|e| format!("RDMA {}: {e}", a.op))?;
+            c.status.with_context(|| format!("RDMA {}", a.op))?;
             outstanding -= 1;
             done += 1;
             if t0.elapsed() < stop {
@@ -228,15 +228,17 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult, St
     })
 }
 
-pub fn run_raw(a: RawArgs) -> Result<(), String> {
+pub fn run_raw(a: RawArgs) -> Result<()> {
     let opened = Opened::open(&a.backend)?;
-    if !["write", "read"].contains(&a.op.as_str()) {
-        return Err(format!("--op {:?}: use write or read", a.op));
-    }
     if a.serve {
-        return serve(&opened, a.size as usize, a.depth.max(1), a.op == "read");
+        return serve(
+            &opened,
+            a.size as usize,
+            a.depth.max(1),
+            a.op == RawOp::Read,
+        );
     }
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let exe = std::env::current_exe().context("finding this program, to start its server")?;
     let (mut child, addr, _out) = crate::util::spawn_listening(
         Command::new(exe)
             .arg("rawpump")
@@ -247,7 +249,7 @@ pub fn run_raw(a: RawArgs) -> Result<(), String> {
                 "--depth",
                 &a.depth.to_string(),
                 "--op",
-                &a.op,
+                &a.op.to_string(),
                 "--serve",
             ]),
     )?;
@@ -255,11 +257,23 @@ pub fn run_raw(a: RawArgs) -> Result<(), String> {
     let _ = child.kill();
     let _ = child.wait();
     let r = r?;
-    println!(
-        "{}",
-        serde_json::json!({"tool": "raw-rma", "backend": opened.label(), "op": a.op, "size": a.size, "depth": a.depth,
-            "bytes_per_sec": r.bytes_per_sec, "cpu_client": r.cpu})
-    );
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"tool": "raw-rma", "backend": opened.label(), "op": a.op.to_string(), "size": a.size,
+                "depth": a.depth, "bytes_per_sec": r.bytes_per_sec, "cpu_client": r.cpu})
+        );
+    } else {
+        println!(
+            "raw RDMA {} ({}): {} x {} in flight: {}, cpu {:.0}%",
+            a.op,
+            opened.label(),
+            fmt_bytes(a.size),
+            a.depth,
+            fmt_rate(r.bytes_per_sec),
+            r.cpu * 100.0
+        );
+    }
     Ok(())
 }
 
@@ -277,13 +291,16 @@ pub struct TcpArgs {
     /// tcpping: round trips.
     #[arg(long, default_value_t = 2000)]
     pub count: usize,
+    /// One JSON object on stdout instead of a line of text.
+    #[arg(long)]
+    pub json: bool,
     /// Internal: run as the sink/echo side.
     #[arg(long, hide = true)]
     pub serve: Option<String>,
 }
 
-fn spawn_tcp(kind: &str, a: &TcpArgs) -> Result<(std::process::Child, SocketAddr), String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+fn spawn_tcp(kind: &str, a: &TcpArgs) -> Result<(std::process::Child, SocketAddr)> {
+    let exe = std::env::current_exe().context("finding this program, to start its server")?;
     let mut cmd = Command::new(exe);
     cmd.arg(kind)
         .args(["--size", &a.size.to_string(), "--serve", kind]);
@@ -294,62 +311,76 @@ fn spawn_tcp(kind: &str, a: &TcpArgs) -> Result<(std::process::Child, SocketAddr
     Ok((child, addr))
 }
 
-fn tcp_serve(kind: &str, a: &TcpArgs) -> Result<(), String> {
-    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| e.to_string())?;
-    println!("LISTEN {}", l.local_addr().map_err(|e| e.to_string())?);
+fn tcp_serve(kind: &str, a: &TcpArgs) -> Result<()> {
+    let l = TcpListener::bind("127.0.0.1:0").context("TCP listener")?;
+    println!("LISTEN {}", l.local_addr()?);
     let _ = std::io::stdout().flush();
-    let (mut s, _) = l.accept().map_err(|e| e.to_string())?;
-    s.set_nodelay(a.nodelay).map_err(|e| e.to_string())?;
+    let (mut s, _) = l.accept().context("TCP accept")?;
+    s.set_nodelay(a.nodelay)?;
     let mut buf = vec![0u8; (a.size as usize).max(1)];
     loop {
         if kind == "tcpping" {
             if s.read_exact(&mut buf).is_err() || s.write_all(&buf).is_err() {
                 return Ok(());
             }
-        } else if s.read(&mut buf).map_err(|e| e.to_string())? == 0 {
+        } else if s.read(&mut buf).context("TCP read")? == 0 {
             return Ok(());
         }
     }
 }
 
-pub fn run_tcppump(a: TcpArgs) -> Result<(), String> {
+pub fn run_tcppump(a: TcpArgs) -> Result<()> {
     if let Some(k) = &a.serve {
         return tcp_serve(k, &a);
     }
     let (mut child, addr) = spawn_tcp("tcppump", &a)?;
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    s.set_nodelay(a.nodelay).map_err(|e| e.to_string())?;
+    let mut s = TcpStream::connect(addr).with_context(|| format!("TCP connect to {addr}"))?;
+    s.set_nodelay(a.nodelay)?;
     let buf = vec![0x5Au8; a.size as usize];
     let (t0, c0) = (Instant::now(), cpu_seconds());
     let mut bytes = 0u64;
     while t0.elapsed().as_secs_f64() < a.seconds {
-        s.write_all(&buf).map_err(|e| e.to_string())?;
+        s.write_all(&buf).context("TCP write")?;
         bytes += buf.len() as u64;
     }
     drop(s);
     let _ = child.wait();
     let secs = t0.elapsed().as_secs_f64();
-    println!(
-        "{}",
-        serde_json::json!({"tool": if a.nodelay { "tcp-nodelay" } else { "tcp-nagle" }, "size": a.size,
-            "bytes_per_sec": bytes as f64 / secs, "cpu_client": (cpu_seconds() - c0) / secs})
-    );
+    let tool = if a.nodelay {
+        "tcp-nodelay"
+    } else {
+        "tcp-nagle"
+    };
+    let (rate, cpu) = (bytes as f64 / secs, (cpu_seconds() - c0) / secs);
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"tool": tool, "size": a.size, "bytes_per_sec": rate, "cpu_client": cpu})
+        );
+    } else {
+        println!(
+            "{tool}: {} writes: {}, cpu {:.0}%",
+            fmt_bytes(a.size),
+            fmt_rate(rate),
+            cpu * 100.0
+        );
+    }
     Ok(())
 }
 
-pub fn run_tcpping(a: TcpArgs) -> Result<(), String> {
+pub fn run_tcpping(a: TcpArgs) -> Result<()> {
     if let Some(k) = &a.serve {
         return tcp_serve(k, &a);
     }
     let (mut child, addr) = spawn_tcp("tcpping", &a)?;
-    let mut s = TcpStream::connect(addr).map_err(|e| e.to_string())?;
-    s.set_nodelay(a.nodelay).map_err(|e| e.to_string())?;
+    let mut s = TcpStream::connect(addr).with_context(|| format!("TCP connect to {addr}"))?;
+    s.set_nodelay(a.nodelay)?;
     let mut buf = vec![0x5Au8; (a.size as usize).max(1)];
     let mut samples = Vec::with_capacity(a.count);
     for i in 0..a.count + a.count / 10 {
         let t0 = Instant::now();
-        s.write_all(&buf).map_err(|e| e.to_string())?;
-        s.read_exact(&mut buf).map_err(|e| e.to_string())?;
+        s.write_all(&buf).context("TCP write")?;
+        s.read_exact(&mut buf).context("TCP read")?;
         if i >= a.count / 10 {
             samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
         }
@@ -358,10 +389,25 @@ pub fn run_tcpping(a: TcpArgs) -> Result<(), String> {
     let _ = child.wait();
     samples.sort_by(f64::total_cmp);
     let n = samples.len().max(1);
-    println!(
-        "{}",
-        serde_json::json!({"tool": if a.nodelay { "tcp-nodelay" } else { "tcp-nagle" }, "size": a.size,
-            "mean_us": samples.iter().sum::<f64>() / n as f64, "median_us": samples[n / 2]})
+    let tool = if a.nodelay {
+        "tcp-nodelay"
+    } else {
+        "tcp-nagle"
+    };
+    let (mean, median) = (
+        samples.iter().sum::<f64>() / n as f64,
+        samples.get(n / 2).copied().unwrap_or(0.0),
     );
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"tool": tool, "size": a.size, "mean_us": mean, "median_us": median})
+        );
+    } else {
+        println!(
+            "{tool}: {} B one-way: mean {mean:.2} us, median {median:.2} us",
+            a.size
+        );
+    }
     Ok(())
 }

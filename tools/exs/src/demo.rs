@@ -1,16 +1,20 @@
 //! `exs demo`: move a volume of data client to server through exs with a progress bar, verify a checksum of every
-//! received byte, and do the same over plain TCP (std::net) in the same run.
+//! received byte, and do the same over plain TCP (std::net) in the same run. The receiving side is
+//! `exs demo --server`, here or on another host.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use exs::{Context, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
+use anyhow::{bail, Context as _, Result};
+use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
+use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
+use crate::control::{self, Host, Peer, PeerArgs, Service, Watch};
 use crate::progress::Progress;
-use crate::util::{fmt_bytes, fmt_rate};
+use crate::usage::Usage;
+use crate::util::{fmt_bytes, fmt_rate, PATIENCE};
 
 /// Order-dependent fold of per-chunk hashes: the checksum of the whole stream.
 fn fold(h: u64, chunk: &[u8]) -> u64 {
@@ -54,8 +58,6 @@ fn expected(srcs: &[Vec<u8>], size: u64, chunk: usize) -> u64 {
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct DemoArgs {
-    #[command(flatten)]
-    pub backend: BackendArgs,
     /// Bytes to move (K, M, G suffixes are binary).
     #[arg(long, default_value = "1G", value_parser = crate::util::parse_size)]
     pub size: u64,
@@ -68,20 +70,110 @@ pub struct DemoArgs {
     /// Skip the TCP baseline.
     #[arg(long)]
     pub no_tcp: bool,
+    /// One JSON object per transfer on stdout (server: one per transfer received).
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub backend: BackendArgs,
+    #[command(flatten)]
+    pub peer: PeerArgs,
+}
+
+/// Which way a transfer goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    Exs,
+    Tcp,
+}
+
+/// One transfer's parameters, sent by the client to the server.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Point {
+    pub transport: Transport,
+    pub size: u64,
+    pub chunk: u64,
+}
+
+impl Point {
+    fn check(&self) -> Result<()> {
+        if self.chunk == 0 || self.chunk > 256 << 20 {
+            bail!("--chunk must be between 1 byte and 256 MiB");
+        }
+        Ok(())
+    }
+}
+
+/// What the receiving side reports.
+#[derive(Clone, Copy, Debug, Default, Serialize, Deserialize)]
+pub struct Received {
+    pub bytes: u64,
+    pub checksum: u64,
+    pub secs: f64,
+    pub usage: Usage,
 }
 
 /// One measured transfer.
 pub struct Outcome {
     pub label: String,
+    pub transport: Transport,
     pub bytes: u64,
     pub secs: f64,
+    /// The checksum the server computed over every byte it received, and the one it sent back in-band, match
+    /// what was sent.
     pub checksum_ok: bool,
+    pub client_cpu: f64,
+    pub server: Received,
 }
 
-pub fn run(a: DemoArgs) -> Result<(), String> {
-    if a.chunk == 0 || a.chunk > 256 << 20 {
-        return Err("--chunk must be between 1 byte and 256 MiB".into());
+impl Outcome {
+    fn rate(&self) -> f64 {
+        self.bytes as f64 / self.secs.max(1e-9)
     }
+
+    fn json(&self, server_backend: &str) -> serde_json::Value {
+        serde_json::json!({"tool": "exs-demo", "transport": self.transport, "backend": self.label,
+            "server_backend": server_backend, "bytes": self.bytes, "secs": self.secs,
+            "bytes_per_sec": self.rate(), "checksum_ok": self.checksum_ok,
+            "server_bytes": self.server.bytes, "server_checksum": format!("{:016x}", self.server.checksum),
+            "cpu_client": self.client_cpu / self.secs.max(1e-9),
+            "cpu_server": self.server.usage.cpu / self.server.secs.max(1e-9)})
+    }
+}
+
+/// The receiving side of `exs demo`.
+pub struct Server;
+
+impl Service for Server {
+    const TOOL: &'static str = "demo";
+
+    fn serve(
+        &self,
+        host: &Host,
+        params: serde_json::Value,
+        announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
+        watch: &Watch,
+    ) -> Result<serde_json::Value> {
+        let p: Point = control::params(params)?;
+        p.check()?;
+        let r = match p.transport {
+            Transport::Exs => exs_server(host, &p, announce, watch)?,
+            Transport::Tcp => tcp_server(host, &p, announce, watch)?,
+        };
+        Ok(serde_json::to_value(r)?)
+    }
+}
+
+pub fn run(a: DemoArgs) -> Result<()> {
+    if a.peer.server {
+        return control::serve(Server, &a.backend, &a.peer, a.json);
+    }
+    let exs_point = Point {
+        transport: Transport::Exs,
+        size: a.size,
+        chunk: a.chunk,
+    };
+    exs_point.check()?;
     let opened = Opened::open(&a.backend)?;
     let chunk = a.chunk as usize;
     eprintln!(
@@ -91,118 +183,131 @@ pub fn run(a: DemoArgs) -> Result<(), String> {
         fmt_bytes(a.chunk),
         a.depth
     );
+    // Our side first: a missing provider or device is reported here, with what exists.
+    let ctx = opened.host()?;
+    let whole = opened.processes();
+    let mut peer = Peer::open(Server, &a.peer, &a.backend, &opened)?;
     let srcs = sources(chunk);
     let want = expected(&srcs, a.size, chunk);
-    let mut results = vec![exs_transfer(&opened, &a, &srcs, want)?];
+    let label = opened.label();
+    let mut results = vec![transfer(
+        &mut peer,
+        &exs_point,
+        want,
+        |addr, progress| exs_client(&ctx, addr, &a, &srcs, progress, whole),
+        &label,
+    )?];
     if !a.no_tcp {
-        results.push(tcp_transfer(&a, &srcs, want)?);
+        let p = Point {
+            transport: Transport::Tcp,
+            ..exs_point.clone()
+        };
+        let label = "TCP (std::net)";
+        results.push(transfer(
+            &mut peer,
+            &p,
+            want,
+            |addr, progress| tcp_client(addr, &a, &srcs, progress),
+            label,
+        )?);
     }
-    println!();
-    for r in &results {
-        println!(
-            "{:<22} {} in {:.3} s  {}  checksum {}",
-            r.label,
-            fmt_bytes(r.bytes),
-            r.secs,
-            fmt_rate(r.bytes as f64 / r.secs),
-            if r.checksum_ok {
-                "verified"
-            } else {
-                "MISMATCH"
-            }
-        );
-    }
-    if results.len() == 2 {
-        let ratio = (results[0].bytes as f64 / results[0].secs)
-            / (results[1].bytes as f64 / results[1].secs);
-        println!("{:<22} {ratio:.2}x plain TCP", "exs vs TCP:");
+    let server_backend = peer.server_backend.clone();
+    peer.close()?;
+    if a.json {
+        for r in &results {
+            println!("{}", r.json(&server_backend));
+        }
+    } else {
+        println!();
+        for r in &results {
+            println!(
+                "{:<22} {} in {:.3} s  {}  checksum {}",
+                r.label,
+                fmt_bytes(r.bytes),
+                r.secs,
+                fmt_rate(r.rate()),
+                if r.checksum_ok {
+                    "verified"
+                } else {
+                    "MISMATCH"
+                }
+            );
+        }
+        if results.len() == 2 {
+            println!(
+                "{:<22} {:.2}x plain TCP",
+                "exs vs TCP:",
+                results[0].rate() / results[1].rate()
+            );
+        }
     }
     if results.iter().any(|r| !r.checksum_ok) {
-        return Err("checksum mismatch".into());
+        bail!("checksum mismatch: the server received other bytes than were sent");
     }
     Ok(())
 }
 
-fn spawn_server(mode: &str, a: &DemoArgs) -> Result<(std::process::Child, SocketAddr), String> {
-    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        "demo-server",
-        "--mode",
-        mode,
-        "--chunk",
-        &a.chunk.to_string(),
-    ]);
-    cmd.args(a.backend.to_args());
-    let (child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
-    Ok((child, addr))
+/// One transfer: the server gets its parameters and listens, `client` sends (returning the in-band checksum
+/// reply, the seconds and its CPU seconds), the server reports what it received.
+fn transfer(
+    peer: &mut Peer,
+    p: &Point,
+    want: u64,
+    client: impl FnOnce(SocketAddr, &mut Progress) -> Result<(u64, f64, f64)>,
+    label: &str,
+) -> Result<Outcome> {
+    let addr = peer.start(p)?;
+    let mut progress = Progress::new(label, p.size);
+    let (reply, secs, cpu) = match client(addr, &mut progress) {
+        Ok(r) => r,
+        Err(e) => return Err(peer.explain(e)),
+    };
+    progress.finish();
+    let server: Received = peer.finish()?;
+    Ok(Outcome {
+        label: label.into(),
+        transport: p.transport,
+        bytes: p.size,
+        secs,
+        checksum_ok: reply == want && server.checksum == want && server.bytes == p.size,
+        client_cpu: cpu,
+        server,
+    })
 }
 
-fn wait_child(mut child: std::process::Child) -> Result<(), String> {
-    let st = child.wait().map_err(|e| e.to_string())?;
-    if !st.success() {
-        return Err(format!("server process exited with {st}"));
-    }
-    Ok(())
-}
-
-fn exs_transfer(
-    opened: &Opened,
+/// Sends `a.size` bytes over exs; returns the checksum the server replied with, the seconds, the CPU seconds.
+fn exs_client(
+    ctx: &exs::Context,
+    addr: SocketAddr,
     a: &DemoArgs,
     srcs: &[Vec<u8>],
-    want: u64,
-) -> Result<Outcome, String> {
-    let chunk = a.chunk as usize;
-    // Open our side first: a missing provider or device is reported here, with what exists.
-    let ctx = opened.host()?;
-    // The server: another process where the backend allows it, a thread otherwise.
-    let (child, thread, addr) = if opened.processes() {
-        let (c, addr) = spawn_server("exs", a)?;
-        (Some(c), None, addr)
-    } else {
-        let ctx = opened.host()?;
-        let listen = opened.listen_addr(0);
-        let (tx, rx) = std::sync::mpsc::channel();
-        let t = std::thread::spawn(move || {
-            exs_server(&ctx, listen, chunk, |addr| {
-                let _ = tx.send(addr);
-            })
-        });
-        let addr = rx
-            .recv()
-            .map_err(|_| "the server thread failed to listen".to_string())?;
-        (None, Some(t), addr)
-    };
+    progress: &mut Progress,
+    whole: bool,
+) -> Result<(u64, f64, f64)> {
     let eq = EventQueue::new(a.depth + 8);
-    let s = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
+    let s = Socket::new(ctx, SockType::SeqPacket).context("creating a socket")?;
     let credits = (a.depth as u16).clamp(1, 64);
-    s.set_option(SocketOption::SendCredits(credits))
-        .map_err(|e| e.to_string())?;
-    s.connect(addr, &eq, 0).map_err(|e| e.to_string())?;
-    let ev = eq
-        .next(Some(Duration::from_secs(30)))
-        .map_err(|e| format!("connect: {e}"))?;
-    ev.status.map_err(|e| format!("connect to {addr}: {e}"))?;
+    s.set_option(SocketOption::SendCredits(credits))?;
+    s.connect(addr, &eq, 0)
+        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
+    eq.next(Some(Duration::from_secs(30)))
+        .with_context(|| format!("connecting to {addr}: no answer"))?
+        .status
+        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
     let regions: Vec<MemoryRegion> = srcs
         .iter()
-        .map(|v| MemoryRegion::from_vec(&ctx, v.clone()))
+        .map(|v| MemoryRegion::from_vec(ctx, v.clone()))
         .collect::<Result<_, _>>()
-        .map_err(|e| e.to_string())?;
-    let header =
-        MemoryRegion::from_vec(&ctx, [a.size.to_le_bytes(), a.chunk.to_le_bytes()].concat())
-            .map_err(|e| e.to_string())?;
-    let reply = MemoryRegion::alloc(&ctx, 8).map_err(|e| e.to_string())?;
+        .context("registering the source data")?;
+    let reply = MemoryRegion::alloc(ctx, 8)?;
     s.recv(&eq, &reply.all(), MsgFlags::NONE, u64::MAX)
-        .map_err(|e| e.to_string())?;
-    let start = Instant::now();
-    s.send(&eq, &header.all(), MsgFlags::NONE, u64::MAX - 1)
-        .map_err(|e| e.to_string())?;
-    let mut progress = Progress::new(&opened.label(), a.size);
+        .context("receive")?;
+    let (start, u0) = (Instant::now(), Usage::now(ctx, whole));
     let (mut posted, mut done, mut i, mut inflight) = (0u64, 0u64, 0usize, 0usize);
     let mut got_reply = false;
     let mut events = Vec::new();
     while done < a.size || !got_reply {
-        while inflight < a.depth && posted < a.size {
+        while inflight < a.depth.max(1) && posted < a.size {
             let n = (a.chunk).min(a.size - posted) as usize;
             s.send(
                 &eq,
@@ -210,23 +315,22 @@ fn exs_transfer(
                 MsgFlags::NONE,
                 n as u64,
             )
-            .map_err(|e| e.to_string())?;
+            .context("send")?;
             posted += n as u64;
             inflight += 1;
             i += 1;
         }
         events.clear();
-        eq.dequeue(&mut events, 1, 64, Some(Duration::from_secs(60)))
-            .map_err(|e| format!("waiting: {e}"))?;
+        eq.dequeue(&mut events, 1, 64, Some(PATIENCE))
+            .context("waiting for completions")?;
         for ev in events.drain(..) {
             ev.status
                 .clone()
-                .map_err(|e| format!("{:?} failed: {e}", ev.kind))?;
-            match (ev.kind, ev.context) {
-                (EventKind::Recv, _) => got_reply = true,
-                (EventKind::Send, c) if c >= u64::MAX - 1 => {}
-                (EventKind::Send, n) => {
-                    done += n;
+                .with_context(|| format!("{:?} failed", ev.kind))?;
+            match ev.kind {
+                EventKind::Recv => got_reply = true,
+                EventKind::Send => {
+                    done += ev.context;
                     inflight -= 1;
                     progress.update(done);
                 }
@@ -235,52 +339,33 @@ fn exs_transfer(
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    progress.finish();
+    let cpu = Usage::now(ctx, whole).since(u0).cpu;
     let mut sum = [0u8; 8];
-    reply.read(0, &mut sum).map_err(|e| e.to_string())?;
-    s.close().map_err(|e| e.to_string())?;
-    if let Some(c) = child {
-        wait_child(c)?;
-    }
-    if let Some(t) = thread {
-        t.join().map_err(|_| "server thread panicked")??;
-    }
-    Ok(Outcome {
-        label: opened.label(),
-        bytes: a.size,
-        secs,
-        checksum_ok: u64::from_le_bytes(sum) == want,
-    })
+    reply.read(0, &mut sum)?;
+    s.close().context("close")?;
+    Ok((u64::from_le_bytes(sum), secs, cpu))
 }
 
-/// The exs server: one connection; a ring of receives; hashes every byte received; replies with the checksum.
-pub fn exs_server(
-    ctx: &Context,
-    listen: SocketAddr,
-    chunk: usize,
-    announce: impl FnOnce(SocketAddr),
-) -> Result<(), String> {
+/// The exs receiver: one connection; a ring of receives; hashes every byte received; replies with the checksum.
+fn exs_server(
+    host: &Host,
+    p: &Point,
+    announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
+    watch: &Watch,
+) -> Result<Received> {
     const RING: usize = 8;
+    let (ctx, chunk, size) = (&host.ctx, p.chunk as usize, p.size);
     let eq = EventQueue::new(64);
     let (_listener, s) = crate::util::accept_one(
         ctx,
         SockType::SeqPacket,
         vec![SocketOption::RecvCredits(64)],
-        listen,
+        host.listen,
         &eq,
         announce,
+        watch,
     )?;
-    let header = MemoryRegion::alloc(ctx, 16).map_err(|e| e.to_string())?;
-    s.recv(&eq, &header.all(), MsgFlags::NONE, u64::MAX)
-        .map_err(|e| e.to_string())?;
-    let ev = eq
-        .next(Some(Duration::from_secs(60)))
-        .map_err(|e| format!("header: {e}"))?;
-    ev.status.map_err(|e| format!("header: {e}"))?;
-    let mut h = [0u8; 16];
-    header.read(0, &mut h).map_err(|e| e.to_string())?;
-    let size = u64::from_le_bytes(h[..8].try_into().expect("8"));
-    let ring = MemoryRegion::alloc(ctx, RING * chunk).map_err(|e| e.to_string())?;
+    let ring = MemoryRegion::alloc(ctx, RING * chunk).context("registering the receive ring")?;
     for k in 0..RING {
         s.recv(
             &eq,
@@ -288,20 +373,27 @@ pub fn exs_server(
             MsgFlags::NONE,
             k as u64,
         )
-        .map_err(|e| e.to_string())?;
+        .context("receive")?;
     }
     let (mut got, mut sum, mut events) = (0u64, SEED, Vec::new());
+    let mut start = None;
     while got < size {
         events.clear();
-        eq.dequeue(&mut events, 1, 64, Some(Duration::from_secs(60)))
-            .map_err(|e| format!("receiving: {e}"))?;
+        eq.dequeue(&mut events, 1, 64, Some(PATIENCE))
+            .context("receiving")?;
+        // The clock starts with the first data.
+        start.get_or_insert_with(|| (Instant::now(), Usage::now(ctx, host.whole)));
         for ev in events.drain(..) {
-            ev.status.clone().map_err(|e| format!("receive: {e}"))?;
+            ev.status.clone().context("receive")?;
+            if ev.flags.eof {
+                bail!(
+                    "the client closed the connection after {} of {}",
+                    fmt_bytes(got),
+                    fmt_bytes(size)
+                );
+            }
             let k = ev.context as usize;
-            let range = k * chunk..k * chunk + ev.bytes;
-            sum = ring
-                .with_slice(range, |b| fold(sum, b))
-                .map_err(|e| e.to_string())?;
+            sum = ring.with_slice(k * chunk..k * chunk + ev.bytes, |b| fold(sum, b))?;
             got += ev.bytes as u64;
             if got < size {
                 s.recv(
@@ -310,118 +402,118 @@ pub fn exs_server(
                     MsgFlags::NONE,
                     k as u64,
                 )
-                .map_err(|e| e.to_string())?;
+                .context("receive")?;
             }
         }
     }
-    let reply =
-        MemoryRegion::from_vec(ctx, sum.to_le_bytes().to_vec()).map_err(|e| e.to_string())?;
+    let (t0, u0) = start.unwrap_or_else(|| (Instant::now(), Usage::now(ctx, host.whole)));
+    let received = Received {
+        bytes: got,
+        checksum: sum,
+        secs: t0.elapsed().as_secs_f64(),
+        usage: Usage::now(ctx, host.whole).since(u0),
+    };
+    let reply = MemoryRegion::from_vec(ctx, sum.to_le_bytes().to_vec())?;
     s.send(&eq, &reply.all(), MsgFlags::NONE, 0)
-        .map_err(|e| e.to_string())?;
+        .context("reply")?;
     loop {
-        let ev = eq
-            .next(Some(Duration::from_secs(60)))
-            .map_err(|e| format!("reply: {e}"))?;
+        let ev = eq.next(Some(PATIENCE)).context("reply")?;
         if ev.kind == EventKind::Send {
-            ev.status.map_err(|e| format!("reply: {e}"))?;
+            ev.status.context("reply")?;
             break;
         }
     }
     // Wait for the client to close, so the reply is read before we go.
-    let tail = MemoryRegion::alloc(ctx, 1).map_err(|e| e.to_string())?;
+    let tail = MemoryRegion::alloc(ctx, 1)?;
     s.recv(&eq, &tail.all(), MsgFlags::NONE, 0)
-        .map_err(|e| e.to_string())?;
-    let _ = eq.next(Some(Duration::from_secs(60)));
-    Ok(())
+        .context("receive")?;
+    let _ = crate::util::wait_watching(&eq, watch, "the client's close");
+    Ok(received)
 }
 
-fn tcp_transfer(a: &DemoArgs, srcs: &[Vec<u8>], want: u64) -> Result<Outcome, String> {
-    let (child, addr) = spawn_server("tcp", a)?;
-    let mut st = TcpStream::connect(addr).map_err(|e| format!("tcp connect: {e}"))?;
-    let start = Instant::now();
-    st.write_all(&[a.size.to_le_bytes(), a.chunk.to_le_bytes()].concat())
-        .map_err(|e| e.to_string())?;
-    let mut progress = Progress::new("TCP (std::net)", a.size);
+/// Sends `a.size` bytes over TCP; returns the checksum the server replied with, the seconds, the CPU seconds.
+fn tcp_client(
+    addr: SocketAddr,
+    a: &DemoArgs,
+    srcs: &[Vec<u8>],
+    progress: &mut Progress,
+) -> Result<(u64, f64, f64)> {
+    let mut st = TcpStream::connect(addr)
+        .with_context(|| format!("connecting to the server's TCP listener at {addr}"))?;
+    let (start, c0) = (Instant::now(), crate::pump::cpu_seconds());
     let (mut sent, mut i) = (0u64, 0usize);
     while sent < a.size {
         let n = a.chunk.min(a.size - sent) as usize;
-        st.write_all(&srcs[i % SOURCES][..n])
-            .map_err(|e| format!("tcp write: {e}"))?;
+        st.write_all(&srcs[i % SOURCES][..n]).context("TCP write")?;
         sent += n as u64;
         i += 1;
         progress.update(sent);
     }
     let mut sum = [0u8; 8];
-    st.read_exact(&mut sum)
-        .map_err(|e| format!("tcp reply: {e}"))?;
+    st.read_exact(&mut sum).context("TCP: the checksum reply")?;
     let secs = start.elapsed().as_secs_f64();
-    progress.finish();
-    drop(st);
-    wait_child(child)?;
-    Ok(Outcome {
-        label: "TCP (std::net)".into(),
-        bytes: a.size,
+    Ok((
+        u64::from_le_bytes(sum),
         secs,
-        checksum_ok: u64::from_le_bytes(sum) == want,
-    })
+        crate::pump::cpu_seconds() - c0,
+    ))
 }
 
-/// The TCP server: one connection; reads every chunk, hashes it the same way, replies with the checksum.
-pub fn tcp_server(
-    listen: SocketAddr,
-    chunk: usize,
-    announce: impl FnOnce(SocketAddr),
-) -> Result<(), String> {
-    let l = TcpListener::bind(listen).map_err(|e| e.to_string())?;
-    announce(l.local_addr().map_err(|e| e.to_string())?);
-    let (mut st, _) = l.accept().map_err(|e| e.to_string())?;
-    let mut h = [0u8; 16];
-    st.read_exact(&mut h).map_err(|e| e.to_string())?;
-    let size = u64::from_le_bytes(h[..8].try_into().expect("8"));
+/// The TCP receiver: one connection; reads every chunk, hashes it the same way, replies with the checksum.
+fn tcp_server(
+    host: &Host,
+    p: &Point,
+    announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
+    watch: &Watch,
+) -> Result<Received> {
+    let at = SocketAddr::new(host.tcp_ip, 0);
+    let l = TcpListener::bind(at).with_context(|| format!("TCP listener on {at}"))?;
+    announce(l.local_addr()?)?;
+    l.set_nonblocking(true)?;
+    let deadline = Instant::now() + PATIENCE;
+    let mut st = loop {
+        match l.accept() {
+            Ok((st, _)) => break st,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if watch.gone() {
+                    bail!("the client closed its control connection while this side waited for its TCP connection");
+                }
+                if Instant::now() > deadline {
+                    bail!(
+                        "no TCP connection from the client within {} s",
+                        PATIENCE.as_secs()
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(e).context("TCP accept"),
+        }
+    };
+    st.set_nonblocking(false)?;
+    st.set_read_timeout(Some(PATIENCE))?;
+    let (chunk, size) = (p.chunk as usize, p.size);
     let mut buf = vec![0u8; chunk];
     let (mut got, mut sum) = (0u64, SEED);
+    let (t0, c0) = (Instant::now(), crate::pump::cpu_seconds());
     while got < size {
         let n = (chunk as u64).min(size - got) as usize;
-        st.read_exact(&mut buf[..n]).map_err(|e| e.to_string())?;
+        st.read_exact(&mut buf[..n])
+            .with_context(|| format!("TCP read after {} of {}", fmt_bytes(got), fmt_bytes(size)))?;
         sum = fold(sum, &buf[..n]);
         got += n as u64;
     }
-    st.write_all(&sum.to_le_bytes())
-        .map_err(|e| e.to_string())?;
-    let _ = st.read(&mut h);
-    Ok(())
-}
-
-#[derive(Clone, Debug, clap::Args)]
-pub struct ServerArgs {
-    #[command(flatten)]
-    pub backend: BackendArgs,
-    /// exs or tcp.
-    #[arg(long)]
-    pub mode: String,
-    #[arg(long, value_parser = crate::util::parse_size)]
-    pub chunk: u64,
-}
-
-/// The server process of the demo (`exs demo-server`), announcing its address on stdout.
-pub fn server(a: ServerArgs) -> Result<(), String> {
-    let announce = |addr: SocketAddr| {
-        println!("LISTEN {addr}");
-        let _ = std::io::stdout().flush();
+    let received = Received {
+        bytes: got,
+        checksum: sum,
+        secs: t0.elapsed().as_secs_f64(),
+        usage: Usage {
+            cpu: crate::pump::cpu_seconds() - c0,
+            ..Usage::default()
+        },
     };
-    match a.mode.as_str() {
-        "tcp" => tcp_server(
-            SocketAddr::new(a.backend.addr, 0),
-            a.chunk as usize,
-            announce,
-        ),
-        "exs" => {
-            let opened = Opened::open(&a.backend)?;
-            let ctx = opened.host()?;
-            exs_server(&ctx, opened.listen_addr(0), a.chunk as usize, announce)
-        }
-        other => Err(format!("unknown server mode {other}")),
-    }
+    st.write_all(&sum.to_le_bytes()).context("TCP reply")?;
+    let _ = st.read(&mut buf[..1]);
+    Ok(received)
 }
 
 #[cfg(test)]

@@ -2,7 +2,9 @@
 
 mod backend;
 mod baseline;
+mod control;
 mod demo;
+mod opts;
 mod ping;
 mod progress;
 mod pump;
@@ -10,12 +12,16 @@ mod soak;
 mod usage;
 mod util;
 
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
     name = "exs",
-    about = "Extended Sockets over RDMA: demo, pump, ping, soak, info"
+    about = "Extended Sockets over RDMA: demo, pump, ping, soak, info",
+    after_help = "pump, ping and demo run both sides on this host, or a server (--server) on one host and a client \
+                  (--client HOST) on another: control connection on TCP port 18515 (--port). Logs: EXS_LOG or \
+                  RUST_LOG (e.g. EXS_LOG=exs=debug), default warn, on stderr."
 )]
 struct Cli {
     #[command(subcommand)]
@@ -26,17 +32,10 @@ struct Cli {
 enum Cmd {
     /// Move data client to server through exs and through plain TCP; verify checksums; compare throughput.
     Demo(demo::DemoArgs),
-    /// The server side of `exs demo` (started by it).
-    #[command(hide = true)]
-    DemoServer(demo::ServerArgs),
     /// Blast messages client to server (pumpexs): throughput and each side's CPU.
     Pump(pump::PumpArgs),
-    #[command(hide = true)]
-    PumpServer(pump::PumpServerArgs),
     /// One-way latency: half the round trip of an echoed message (persistent: time per read).
     Ping(ping::PingArgs),
-    #[command(hide = true)]
-    PingServer(ping::PingServerArgs),
     /// Baseline: a raw RDMA write/read loop through the backend's transport, no exs protocol.
     Rawpump(baseline::RawArgs),
     /// Baseline: plain TCP throughput (std::net), with or without Nagle.
@@ -46,21 +45,48 @@ enum Cmd {
     /// A bounded soak: random sizes, flags and closes, every received byte checked.
     Soak(soak::SoakArgs),
     /// Backends compiled in, libfabric providers, and what a backend can do.
-    Info(backend::BackendArgs),
+    Info(InfoArgs),
 }
 
-fn info(a: backend::BackendArgs) -> Result<(), String> {
+#[derive(Clone, Debug, clap::Args)]
+struct InfoArgs {
+    /// One JSON object on stdout instead of text.
+    #[arg(long)]
+    json: bool,
+    #[command(flatten)]
+    backend: backend::BackendArgs,
+}
+
+fn info(a: InfoArgs) -> Result<()> {
+    #[allow(unused_mut)]
+    let mut providers: Vec<String> = Vec::new();
+    #[cfg(feature = "fabric")]
+    providers.extend(exs_backend_fabric::providers());
+    #[cfg(feature = "verbs")]
+    let devices = backend::rdma_devices();
+    #[cfg(not(feature = "verbs"))]
+    let devices = String::from("none");
+    let opened = backend::Opened::open(&a.backend)?;
+    let ctx = opened.host()?;
+    let c = ctx.capabilities();
+    if a.json {
+        let v = serde_json::json!({"tool": "exs-info", "compiled": backend::compiled(),
+            "fabric_providers": providers, "rdma_devices": devices, "backend": opened.label(),
+            "name": c.name, "max_message": c.max_message, "max_inline": c.max_inline, "max_sge": c.max_sge,
+            "max_send_wr": c.max_send_wr, "max_recv_wr": c.max_recv_wr, "max_read_depth": c.max_read_depth,
+            "native_write_imm": c.native_write_imm, "imm_consumes_recv": c.imm_consumes_recv,
+            "max_shared_recv": c.max_shared_recv});
+        println!("{v}");
+        return Ok(());
+    }
     println!("backends compiled in: {}", backend::compiled().join(", "));
     #[cfg(feature = "fabric")]
     println!(
         "libfabric providers with MSG endpoints: {}",
-        exs_backend_fabric::providers().join(", ")
+        providers.join(", ")
     );
     #[cfg(feature = "verbs")]
-    println!("RDMA devices: {}", backend::rdma_devices());
-    let opened = backend::Opened::open(&a)?;
-    let ctx = opened.host()?;
-    let c = ctx.capabilities();
+    println!("RDMA devices: {devices}");
     println!("{}:", c.name);
     println!(
         "  max message {} bytes, inline {} bytes, scatter/gather {}",
@@ -90,23 +116,46 @@ fn info(a: backend::BackendArgs) -> Result<(), String> {
     Ok(())
 }
 
+/// Logs to stderr: `EXS_LOG`, else `RUST_LOG` (tracing-subscriber's filter syntax, e.g. `exs=debug`), else warn.
+fn init_logging() {
+    use tracing_subscriber::EnvFilter;
+    let spec = ["EXS_LOG", "RUST_LOG"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.trim().is_empty()));
+    let filter = match spec.as_deref().map(EnvFilter::try_new) {
+        Some(Ok(f)) => f,
+        Some(Err(e)) => {
+            eprintln!(
+                "exs: ignoring the log filter {:?}: {e}",
+                spec.unwrap_or_default()
+            );
+            EnvFilter::new("warn")
+        }
+        None => EnvFilter::new("warn"),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+}
+
 fn main() {
     let cli = Cli::parse();
+    init_logging();
     let r = match cli.cmd {
         Cmd::Demo(a) => demo::run(a),
-        Cmd::DemoServer(a) => demo::server(a),
         Cmd::Info(a) => info(a),
         Cmd::Soak(a) => soak::run(a),
         Cmd::Pump(a) => pump::run(a),
-        Cmd::PumpServer(a) => pump::server(a),
         Cmd::Ping(a) => ping::run(a),
         Cmd::Rawpump(a) => baseline::run_raw(a),
         Cmd::Tcppump(a) => baseline::run_tcppump(a),
         Cmd::Tcpping(a) => baseline::run_tcpping(a),
-        Cmd::PingServer(a) => ping::server(a),
     };
     if let Err(e) = r {
-        eprintln!("exs: error: {e}");
+        // The whole chain, outermost first: what was being done, then why.
+        eprintln!("exs: error: {e:#}");
         std::process::exit(1);
     }
 }

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use anyhow::{anyhow, bail, Context as _, Result};
 use exs::{Context, Event, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 
 use crate::backend::{BackendArgs, Opened};
@@ -12,14 +13,17 @@ use crate::util::fmt_bytes;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct SoakArgs {
-    #[command(flatten)]
-    pub backend: BackendArgs,
     /// How long to run, in seconds.
     #[arg(long, default_value_t = 60)]
     pub seconds: u64,
     /// Seed of every random choice (the run is reproducible up to timing).
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// The summary as one JSON object on stdout instead of the `SOAK` line.
+    #[arg(long)]
+    pub json: bool,
+    #[command(flatten)]
+    pub backend: BackendArgs,
 }
 
 /// xorshift64*: small, fast, good enough to pick sizes.
@@ -51,12 +55,12 @@ fn byte(id: u64, k: u64) -> u8 {
     (x >> 56) as u8
 }
 
-fn fill(buf: &MemoryRegion, at: usize, len: usize, id: u64, from: u64) -> Result<(), String> {
+fn fill(buf: &MemoryRegion, at: usize, len: usize, id: u64, from: u64) -> Result<()> {
     let v: Vec<u8> = (0..len as u64).map(|k| byte(id, from + k)).collect();
-    buf.write(at, &v).map_err(|e| e.to_string())
+    Ok(buf.write(at, &v)?)
 }
 
-#[derive(Default, Debug)]
+#[derive(Default, Debug, serde::Serialize)]
 struct Totals {
     connections: u64,
     messages: u64,
@@ -69,13 +73,15 @@ struct Totals {
 const SLOTS: usize = 8;
 const SLOT: usize = 4 << 20;
 
-pub fn run(a: SoakArgs) -> Result<(), String> {
+pub fn run(a: SoakArgs) -> Result<()> {
     let opened = Opened::open(&a.backend)?;
     let server = opened.host()?;
     let client = opened.host()?;
     let mut rng = Rng(a.seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    let send_buf = MemoryRegion::alloc(&client, SLOTS * SLOT).map_err(|e| e.to_string())?;
-    let recv_buf = MemoryRegion::alloc(&server, SLOTS * SLOT).map_err(|e| e.to_string())?;
+    let send_buf =
+        MemoryRegion::alloc(&client, SLOTS * SLOT).context("registering the send buffer")?;
+    let recv_buf =
+        MemoryRegion::alloc(&server, SLOTS * SLOT).context("registering the receive buffer")?;
     let deadline = Instant::now() + Duration::from_secs(a.seconds);
     let start = Instant::now();
     let mut t = Totals::default();
@@ -88,13 +94,23 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
         };
         one_connection(
             &opened, &server, &client, &send_buf, &recv_buf, ty, &mut rng, &mut t,
-        )?;
+        )
+        .with_context(|| format!("connection {} ({ty:?})", t.connections))?;
         if last_report.elapsed() > Duration::from_secs(10) {
             eprintln!("soak: {:?} elapsed: {t:?}", start.elapsed().as_secs());
             last_report = Instant::now();
         }
     }
-    println!(
+    if a.json {
+        let mut v = serde_json::to_value(&t)?;
+        let m = v.as_object_mut().expect("an object");
+        m.insert("tool".into(), "exs-soak".into());
+        m.insert("backend".into(), opened.label().into());
+        m.insert("secs".into(), start.elapsed().as_secs().into());
+        m.insert("seed".into(), a.seed.into());
+        println!("{v}");
+    } else {
+        println!(
         "SOAK {}: {} s, {} connections, {} messages, {} verified ({} bytes), {} closes with operations pending, \
          {} operations ended by a close, {} corrupted bytes",
         opened.label(),
@@ -106,16 +122,17 @@ pub fn run(a: SoakArgs) -> Result<(), String> {
         t.closes_with_pending,
         t.failed_ops,
         t.corrupted
-    );
+        );
+    }
     if t.corrupted > 0 {
-        return Err(format!("{} corrupted bytes", t.corrupted));
+        bail!("{} corrupted bytes", t.corrupted);
     }
     Ok(())
 }
 
-fn wait(eq: &EventQueue, what: &str) -> Result<Event, String> {
+fn wait(eq: &EventQueue, what: &str) -> Result<Event> {
     eq.next(Some(Duration::from_secs(60)))
-        .map_err(|e| format!("{what}: no event within 60 s: {e}"))
+        .with_context(|| format!("{what}: no event within 60 s"))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -128,20 +145,21 @@ fn one_connection(
     ty: SockType,
     rng: &mut Rng,
     t: &mut Totals,
-) -> Result<(), String> {
+) -> Result<()> {
     let id = rng.next();
     let (eq_s, eq_c) = (EventQueue::new(64), EventQueue::new(64));
-    let l = Socket::new(server, ty).map_err(|e| e.to_string())?;
-    l.bind(opened.listen_addr(0)).map_err(|e| e.to_string())?;
-    let addr = l.listen(1).map_err(|e| e.to_string())?;
-    l.accept(&eq_s, 0).map_err(|e| e.to_string())?;
-    let c = Socket::new(client, ty).map_err(|e| e.to_string())?;
-    c.connect(addr, &eq_c, 0).map_err(|e| e.to_string())?;
-    wait(&eq_c, "connect")?
-        .status
-        .map_err(|e| format!("connect: {e}"))?;
+    let l = Socket::new(server, ty)?;
+    l.bind(opened.listen_addr(0)).context("bind")?;
+    let addr = l.listen(1).context("listen")?;
+    l.accept(&eq_s, 0).context("accept")?;
+    let c = Socket::new(client, ty)?;
+    c.connect(addr, &eq_c, 0).context("connect")?;
+    wait(&eq_c, "connect")?.status.context("connect")?;
     let mut acc = wait(&eq_s, "accept")?;
-    let s = acc.accepted.take().ok_or("accept failed")?;
+    let s = acc
+        .accepted
+        .take()
+        .ok_or_else(|| anyhow!("accept failed: {:?}", acc.status))?;
     drop(l);
     t.connections += 1;
     let batches = 1 + rng.below(12);
@@ -171,7 +189,7 @@ fn one_connection(
                 MsgFlags::NONE,
                 slot as u64,
             )
-            .map_err(|e| format!("send: {e}"))?;
+            .context("send")?;
             match ty {
                 SockType::Stream => sent += len as u64,
                 SockType::SeqPacket => {
@@ -186,7 +204,7 @@ fn one_connection(
             t.closes_with_pending += 1;
             closed = true;
             if rng.below(3) == 0 {
-                c.close().map_err(|e| e.to_string())?;
+                c.close().context("close")?;
                 graceful = true;
             } else {
                 // Post a few receives, then the receiver closes (its pending receives are cancelled, the
@@ -204,7 +222,7 @@ fn one_connection(
                 } else {
                     s.close()
                 }
-                .map_err(|e| e.to_string())?;
+                .context("close or abort")?;
                 break;
             }
         }
@@ -238,10 +256,10 @@ fn one_connection(
                 flags,
                 slot as u64,
             )
-            .map_err(|e| format!("recv: {e}"))?;
+            .context("recv")?;
             let r = wait(&eq_s, "receive")?;
             if !r.is_ok() {
-                return Err(format!("a receive failed on an open connection: {r:?}"));
+                bail!("a receive failed on an open connection: {r:?}");
             }
             check(recv_buf, &r, ty, id, &mut got, &msgs_sent, t)?;
             slot = (slot + 1) % SLOTS;
@@ -249,19 +267,23 @@ fn one_connection(
         for _ in 0..k {
             let e = wait(&eq_c, "send")?;
             if !e.is_ok() {
-                return Err(format!(
+                bail!(
                     "a send failed {}: {e:?}",
-                    if graceful { "before a graceful close" } else { "on an open connection" }
-                ));
+                    if graceful {
+                        "before a graceful close"
+                    } else {
+                        "on an open connection"
+                    }
+                );
             }
         }
         let _ = batch_start;
         if graceful {
             s.recv(&eq_s, &recv_buf.slice(0..SLOT), MsgFlags::NONE, 0)
-                .map_err(|e| format!("receive after the peer's close: {e}"))?;
+                .context("receive after the peer's close")?;
             let r = wait(&eq_s, "end of stream")?;
             if !(r.is_ok() && r.flags.eof && r.bytes == 0) {
-                return Err(format!("after a graceful close, end-of-stream: {r:?}"));
+                bail!("after a graceful close, end-of-stream: {r:?}");
             }
             break;
         }
@@ -273,7 +295,7 @@ fn one_connection(
     for (eq, what) in [(&eq_s, "server"), (&eq_c, "client")] {
         let evs = eq
             .wait_all(Some(Duration::from_secs(60)))
-            .map_err(|e| format!("{what} after close: {e}"))?;
+            .with_context(|| format!("{what} after close"))?;
         for e in evs {
             if e.is_ok() && e.kind == exs::EventKind::Recv && e.bytes > 0 {
                 check(recv_buf, &e, ty, id, &mut got, &msgs_sent, t)?;
@@ -294,14 +316,14 @@ fn check(
     got: &mut u64,
     msgs_sent: &[(u64, usize)],
     t: &mut Totals,
-) -> Result<(), String> {
+) -> Result<()> {
     if !r.is_ok() {
         t.failed_ops += 1;
         return Ok(());
     }
     let at = r.context as usize * SLOT;
     let mut v = vec![0u8; r.bytes];
-    recv_buf.read(at, &mut v).map_err(|e| e.to_string())?;
+    recv_buf.read(at, &mut v)?;
     match ty {
         SockType::Stream => {
             let bad = v
@@ -314,10 +336,10 @@ fn check(
         }
         SockType::SeqPacket => {
             let Some(&(msg_id, len)) = msgs_sent.get(*got as usize) else {
-                return Err(format!("a message arrived that was never sent: {r:?}"));
+                bail!("a message arrived that was never sent: {r:?}");
             };
             if r.bytes > len || r.flags.truncated != (r.bytes < len) {
-                return Err(format!("message {got} of {len} bytes arrived as {r:?}"));
+                bail!("message {got} of {len} bytes arrived as {r:?}");
             }
             let bad = v
                 .iter()

@@ -4,7 +4,7 @@
 use nix::sys::resource::{getrusage, UsageWho};
 
 /// One snapshot (or a difference of two).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Usage {
     /// User + system CPU seconds.
     pub cpu: f64,
@@ -36,7 +36,8 @@ impl Usage {
         let (posted, registrations, exposures) = (st.posted, st.registrations, st.exposures);
         match getrusage(who) {
             Ok(u) => {
-                let t = |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
+                let t =
+                    |tv: nix::sys::time::TimeVal| tv.tv_sec() as f64 + tv.tv_usec() as f64 / 1e6;
                 Usage {
                     cpu: t(u.user_time()) + t(u.system_time()),
                     vcsw: u.voluntary_context_switches() as u64,
@@ -79,43 +80,30 @@ impl Usage {
         }
     }
 
-    /// The fields for a line between processes.
-    pub fn to_fields(self) -> String {
-        format!(
-            "{:.6} {} {} {} {} {} {}",
-            self.cpu,
-            self.vcsw,
-            self.ivcsw,
-            self.wakeups,
-            self.posted,
-            self.registrations,
-            self.exposures
-        )
-    }
-
-    /// Parses [`Usage::to_fields`].
-    pub fn parse<'a>(it: &mut impl Iterator<Item = &'a str>) -> Option<Usage> {
-        Some(Usage {
-            cpu: it.next()?.parse().ok()?,
-            vcsw: it.next()?.parse().ok()?,
-            ivcsw: it.next()?.parse().ok()?,
-            wakeups: it.next()?.parse().ok()?,
-            posted: it.next()?.parse().ok()?,
-            registrations: it.next()?.parse().ok()?,
-            exposures: it.next()?.parse().ok()?,
-        })
-    }
-
     /// Per-message figures as JSON fields with a prefix (`client_`, `server_`).
-    pub fn per_msg_json(&self, prefix: &str, msgs: u64, map: &mut serde_json::Map<String, serde_json::Value>) {
+    pub fn per_msg_json(
+        &self,
+        prefix: &str,
+        msgs: u64,
+        map: &mut serde_json::Map<String, serde_json::Value>,
+    ) {
         let n = msgs.max(1) as f64;
-        map.insert(format!("{prefix}vcsw_per_msg"), (self.vcsw as f64 / n).into());
-        map.insert(format!("{prefix}ivcsw_per_msg"), (self.ivcsw as f64 / n).into());
+        map.insert(
+            format!("{prefix}vcsw_per_msg"),
+            (self.vcsw as f64 / n).into(),
+        );
+        map.insert(
+            format!("{prefix}ivcsw_per_msg"),
+            (self.ivcsw as f64 / n).into(),
+        );
         map.insert(
             format!("{prefix}progress_wakeups_per_msg"),
             (self.wakeups as f64 / n).into(),
         );
-        map.insert(format!("{prefix}posts_per_msg"), (self.posted as f64 / n).into());
+        map.insert(
+            format!("{prefix}posts_per_msg"),
+            (self.posted as f64 / n).into(),
+        );
         map.insert(
             format!("{prefix}exposures_per_msg"),
             (self.exposures as f64 / n).into(),

@@ -1,7 +1,16 @@
-//! Sizes and rates for humans.
+//! Sizes and rates for humans, and what every server side shares.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+
+use crate::control::Watch;
 
 /// Parses `4096`, `64K`, `1M`, `1G`, `1GiB` (binary units).
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim().trim_end_matches("iB").trim_end_matches('B');
     let (num, mul) = match t.chars().last() {
         Some('K' | 'k') => (&t[..t.len() - 1], 1u64 << 10),
@@ -13,9 +22,9 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let n: u64 = num
         .trim()
         .parse()
-        .map_err(|_| format!("not a size: {s:?} (use 4096, 64K, 1M, 1G)"))?;
+        .map_err(|_| anyhow!("not a size: {s:?} (use 4096, 64K, 1M, 1G)"))?;
     n.checked_mul(mul)
-        .ok_or_else(|| format!("size too large: {s}"))
+        .ok_or_else(|| anyhow!("size too large: {s}"))
 }
 
 pub fn fmt_bytes(n: u64) -> String {
@@ -42,60 +51,84 @@ pub fn fmt_rate(bytes_per_sec: f64) -> String {
     )
 }
 
+/// How long a server waits for the client's exs connection (or a client for anything).
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
 /// The server side of every tool: listens on `listen` with `options`, tells the caller the bound address, and
-/// accepts one connection within a minute. Returns the listener (kept open while the connection is served) and the
-/// accepted socket.
+/// accepts one connection within [`PATIENCE`], giving up as soon as `watch` sees the client go. Returns the
+/// listener (kept open while the connection is served) and the accepted socket.
 pub fn accept_one(
     ctx: &exs::Context,
     ty: exs::SockType,
     options: Vec<exs::SocketOption>,
-    listen: std::net::SocketAddr,
+    listen: SocketAddr,
     eq: &exs::EventQueue,
-    announce: impl FnOnce(std::net::SocketAddr),
-) -> Result<(exs::Socket, exs::Socket), String> {
-    let l = exs::Socket::new(ctx, ty).map_err(|e| e.to_string())?;
+    announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
+    watch: &Watch,
+) -> Result<(exs::Socket, exs::Socket)> {
+    let l = exs::Socket::new(ctx, ty).context("creating the listening socket")?;
     for o in options {
-        l.set_option(o).map_err(|e| e.to_string())?;
+        l.set_option(o).with_context(|| format!("setting {o:?}"))?;
     }
-    l.bind(listen).map_err(|e| e.to_string())?;
-    announce(l.listen(1).map_err(|e| e.to_string())?);
-    l.accept(eq, 0).map_err(|e| e.to_string())?;
-    let ev = eq
-        .next(Some(std::time::Duration::from_secs(60)))
-        .map_err(|e| format!("accept: {e}"))?;
-    let s = ev
-        .accepted
-        .ok_or_else(|| format!("accept failed: {:?}", ev.status))?;
+    l.bind(listen)
+        .with_context(|| format!("binding {listen}"))?;
+    let bound = l
+        .listen(1)
+        .with_context(|| format!("listening on {listen}"))?;
+    announce(bound)?;
+    l.accept(eq, 0).context("accept")?;
+    let ev = wait_watching(eq, watch, "the client's exs connection")?;
+    let s = ev.accepted.ok_or_else(|| {
+        anyhow!(
+            "accepting the client's exs connection failed: {:?}",
+            ev.status
+        )
+    })?;
     Ok((l, s))
+}
+
+/// The next event within [`PATIENCE`], looking every second whether the client is still there.
+pub fn wait_watching(eq: &exs::EventQueue, watch: &Watch, what: &str) -> Result<exs::Event> {
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        match eq.next(Some(Duration::from_secs(1))) {
+            Ok(ev) => return Ok(ev),
+            Err(e) if Instant::now() >= deadline => {
+                return Err(e).with_context(|| format!("no {what} within {} s", PATIENCE.as_secs()))
+            }
+            Err(_) => {}
+        }
+        if watch.gone() {
+            bail!("the client closed its control connection while this side waited for {what}");
+        }
+    }
 }
 
 /// Starts a helper process (a server side) and reads the `LISTEN <addr>` line it prints first; returns the child,
 /// the address, and the rest of its standard output.
-pub fn spawn_listening(
-    cmd: &mut std::process::Command,
-) -> Result<
-    (
-        std::process::Child,
-        std::net::SocketAddr,
-        std::io::BufReader<std::process::ChildStdout>,
-    ),
-    String,
-> {
-    use std::io::BufRead;
+pub fn spawn_listening(cmd: &mut Command) -> Result<(Child, SocketAddr, BufReader<ChildStdout>)> {
     let mut child = cmd
-        .stdout(std::process::Stdio::piped())
-        .stdin(std::process::Stdio::null())
+        .stdout(Stdio::piped())
+        .stdin(Stdio::null())
         .spawn()
-        .map_err(|e| format!("starting {:?}: {e}", cmd.get_program()))?;
-    let mut out = std::io::BufReader::new(child.stdout.take().expect("piped"));
+        .with_context(|| format!("starting {:?}", cmd.get_program()))?;
+    let mut out = BufReader::new(child.stdout.take().expect("piped"));
     let mut line = String::new();
-    out.read_line(&mut line).map_err(|e| e.to_string())?;
-    let addr = line
-        .trim()
-        .strip_prefix("LISTEN ")
-        .ok_or_else(|| format!("the server process said {line:?}"))?
-        .parse()
-        .map_err(|e| format!("the server process's address: {e}"))?;
+    out.read_line(&mut line)
+        .context("reading the server process's address")?;
+    let addr = match line.trim().strip_prefix("LISTEN ") {
+        Some(a) => a
+            .parse()
+            .with_context(|| format!("the server process's address {a:?}"))?,
+        None => {
+            let st = child.wait().ok();
+            bail!(
+                "the server process did not start (it said {:?}{})",
+                line.trim(),
+                st.map(|s| format!(", {s}")).unwrap_or_default()
+            );
+        }
+    };
     Ok((child, addr, out))
 }
 
@@ -105,11 +138,11 @@ mod tests {
 
     #[test]
     fn sizes_parse_with_binary_units() {
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert_eq!(parse_size("64K"), Ok(65536));
-        assert_eq!(parse_size("1G"), Ok(1 << 30));
-        assert_eq!(parse_size("1GiB"), Ok(1 << 30));
-        assert_eq!(parse_size("16MB"), Ok(16 << 20));
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("64K").unwrap(), 65536);
+        assert_eq!(parse_size("1G").unwrap(), 1 << 30);
+        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
+        assert_eq!(parse_size("16MB").unwrap(), 16 << 20);
         assert!(parse_size("lots").is_err());
         assert!(parse_size("99999999999T").is_err());
         assert_eq!(fmt_bytes(1 << 30), "1.00 GiB");

@@ -1,0 +1,128 @@
+//! The values of the tool's enumerated flags (`--mode`, `--wait`, `--type`, `--backend`, `--op`): clap lists them
+//! in `--help` and refuses others; serde carries them between client and server with the same spellings.
+
+use clap::ValueEnum;
+use serde::{Deserialize, Serialize};
+
+/// Prints a value the way it is spelled on the command line (and in JSON).
+macro_rules! display_as_value {
+    ($($t:ty),*) => {$(
+        impl std::fmt::Display for $t {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                let v = ValueEnum::to_possible_value(self).expect("no value is skipped");
+                f.write_str(v.get_name())
+            }
+        }
+    )*};
+}
+
+/// Which backend carries exs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// libfabric (MSG endpoints): the tcp provider anywhere, verbs on RDMA hardware.
+    Fabric,
+    /// rdma-core verbs and rdma_cm: InfiniBand, RoCE, iWARP, Soft-RoCE.
+    Verbs,
+    /// The simulated fabric, inside this one process.
+    Sim,
+}
+
+/// How `exs pump` sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PumpMode {
+    /// The transport's immediate-data threshold decides.
+    Default,
+    /// Adverts and RDMA reads (streams: writes).
+    Normal,
+    /// Data inside the advert (at most 512 bytes; seqpacket only).
+    Immediate,
+    /// One persistent send the server keeps reading (seqpacket only).
+    Persistent,
+}
+
+/// How `exs ping` sends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PingMode {
+    /// Advert and RDMA read, echoed.
+    Normal,
+    /// Data inside the advert, echoed.
+    Immediate,
+    /// Each receive is one RDMA read of the server's persistent send (time per read).
+    Persistent,
+}
+
+/// The event queues' wait mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Wait {
+    /// Spin briefly, then sleep (seed 004).
+    Adaptive,
+    /// Sleep until an event.
+    Block,
+    /// Poll without sleeping.
+    Busy,
+}
+
+impl Wait {
+    pub fn mode(self) -> exs::WaitMode {
+        match self {
+            Wait::Adaptive => exs::WaitMode::Adaptive { spin: 0 },
+            Wait::Block => exs::WaitMode::Block,
+            Wait::Busy => exs::WaitMode::BusyPoll,
+        }
+    }
+}
+
+/// The socket type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Type {
+    /// SOCK_SEQPACKET: messages.
+    Seqpacket,
+    /// SOCK_STREAM: a byte stream.
+    Stream,
+}
+
+impl Type {
+    pub fn sock(self) -> exs::SockType {
+        match self {
+            Type::Seqpacket => exs::SockType::SeqPacket,
+            Type::Stream => exs::SockType::Stream,
+        }
+    }
+}
+
+/// The RDMA operation of `exs rawpump`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RawOp {
+    /// RDMA writes into the server's buffer.
+    Write,
+    /// RDMA reads from the server's buffer.
+    Read,
+}
+
+display_as_value!(BackendKind, PumpMode, PingMode, Wait, Type, RawOp);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_keep_their_spellings_on_the_command_line_and_in_json() {
+        assert_eq!(PumpMode::Persistent.to_string(), "persistent");
+        assert_eq!(Type::Seqpacket.to_string(), "seqpacket");
+        assert_eq!(Wait::from_str("busy", false), Ok(Wait::Busy));
+        assert_eq!(
+            serde_json::to_string(&PingMode::Immediate).unwrap(),
+            "\"immediate\""
+        );
+        assert_eq!(
+            serde_json::from_str::<BackendKind>("\"fabric\"").unwrap(),
+            BackendKind::Fabric
+        );
+    }
+}

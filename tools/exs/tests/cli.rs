@@ -1,0 +1,423 @@
+//! The `exs` command as its users run it: a server and a client in two processes over libfabric's tcp provider
+//! on 127.0.0.1 (as on two hosts), the one-host mode, and the errors a user sees.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const EXE: &str = env!("CARGO_BIN_EXE_exs");
+
+fn exs(args: &[&str]) -> Output {
+    Command::new(EXE)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("the exs binary runs")
+}
+
+/// A TCP port nobody listens on right now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A server process, killed if the test fails before it exits.
+struct Server(Option<Child>);
+
+impl Server {
+    /// Starts `exs TOOL --server ARGS` on `port` and waits until it says it serves.
+    fn start(tool: &str, port: u16, args: &[&str]) -> Server {
+        let mut child = Command::new(EXE)
+            .args([
+                tool,
+                "--server",
+                "--backend",
+                "fabric",
+                "--addr",
+                "127.0.0.1",
+                "-p",
+                &port.to_string(),
+            ])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("the server starts");
+        let err = child.stderr.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                eprintln!("server: {line}");
+                if line.contains("serving on") {
+                    let _ = tx.send(());
+                }
+            }
+        });
+        rx.recv_timeout(Duration::from_secs(60))
+            .expect("the server says it is serving");
+        Server(Some(child))
+    }
+
+    /// Waits for it to exit by itself; returns whether it succeeded.
+    fn wait(mut self) -> bool {
+        let mut c = self.0.take().unwrap();
+        let t = Instant::now();
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                return st.success();
+            }
+            if t.elapsed() > Duration::from_secs(60) {
+                let _ = c.kill();
+                panic!("the --once server did not exit after its client");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(c) = &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Stdout's JSON lines, after checking the command succeeded.
+fn json_lines(out: &Output) -> Vec<Value> {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "failed: {}\n{stderr}", out.status);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON: {l:?}: {e}")))
+        .collect()
+}
+
+fn num(v: &Value, k: &str) -> f64 {
+    v[k].as_f64()
+        .unwrap_or_else(|| panic!("no number {k} in {v}"))
+}
+
+#[test]
+fn pump_client_against_a_server_in_another_process() {
+    let port = free_port();
+    let server = Server::start("pump", port, &["--once"]);
+    let target = format!("127.0.0.1:{port}");
+    let out = exs(&[
+        "pump",
+        "--client",
+        &target,
+        "--size",
+        "4K,64K",
+        "--seconds",
+        "0.3",
+        "--json",
+    ]);
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 2, "one line per point: {lines:?}");
+    for (v, size) in lines.iter().zip([4096.0, 65536.0]) {
+        assert_eq!(v["tool"], "exs-pump");
+        assert_eq!(num(v, "size"), size);
+        assert_eq!(v["mode"], "default");
+        assert_eq!(v["type"], "seqpacket");
+        assert_eq!(v["server_backend"], "exs (fabric/tcp)");
+        // The server's own count of what it received, and the throughput from it.
+        assert!(num(v, "bytes") >= size, "{v}");
+        assert_eq!(num(v, "bytes") % size, 0.0, "whole messages: {v}");
+        assert!(num(v, "bytes_per_sec") > 0.0, "{v}");
+        assert!(num(v, "msgs") >= 1.0, "{v}");
+        // Each side measured its own CPU.
+        assert!(
+            num(v, "cpu_client") >= 0.0 && num(v, "cpu_server") >= 0.0,
+            "{v}"
+        );
+        assert!(v.get("server_vcsw_per_msg").is_some() && v.get("client_vcsw_per_msg").is_some());
+    }
+    assert!(
+        server.wait(),
+        "the --once server exits 0 after a good client"
+    );
+}
+
+#[test]
+fn ping_client_against_a_server_in_another_process() {
+    let port = free_port();
+    let server = Server::start("ping", port, &["--once"]);
+    let target = format!("127.0.0.1:{port}");
+    let out = exs(&[
+        "ping", "-c", &target, "--size", "8,64", "--count", "100", "--mode", "normal", "--wait",
+        "block", "--json",
+    ]);
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 2);
+    for (v, size) in lines.iter().zip([8.0, 64.0]) {
+        assert_eq!(v["tool"], "exs-ping");
+        assert_eq!(num(v, "size"), size);
+        assert_eq!(v["mode"], "normal");
+        assert_eq!(v["wait"], "block");
+        assert!(num(v, "mean_us") > 0.0 && num(v, "median_us") > 0.0, "{v}");
+        // The echo side counted every ping it returned: the counted ones and the warm-up.
+        assert!(num(v, "server_pings") >= 100.0, "{v}");
+        assert!(
+            num(v, "cpu_server_s") >= 0.0 && num(v, "cpu_client_s") >= 0.0,
+            "{v}"
+        );
+    }
+    assert!(server.wait());
+}
+
+#[test]
+fn demo_client_against_a_server_in_another_process() {
+    let port = free_port();
+    let server = Server::start("demo", port, &["--once"]);
+    let target = format!("127.0.0.1:{port}");
+    let out = exs(&[
+        "demo", "-c", &target, "--size", "3M", "--chunk", "256K", "--json",
+    ]);
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 2, "exs, then TCP: {lines:?}");
+    for (v, transport) in lines.iter().zip(["exs", "tcp"]) {
+        assert_eq!(v["tool"], "exs-demo");
+        assert_eq!(v["transport"], transport);
+        assert_eq!(v["checksum_ok"], true, "{v}");
+        assert_eq!(num(v, "bytes"), (3 << 20) as f64);
+        assert_eq!(
+            num(v, "server_bytes"),
+            (3 << 20) as f64,
+            "the server verified every byte: {v}"
+        );
+        assert!(num(v, "bytes_per_sec") > 0.0);
+    }
+    assert_eq!(
+        lines[0]["server_checksum"], lines[1]["server_checksum"],
+        "the same bytes both ways"
+    );
+    assert!(server.wait());
+}
+
+#[test]
+fn a_server_serves_client_after_client_and_refuses_another_tool() {
+    let port = free_port();
+    let _server = Server::start("pump", port, &[]);
+    let target = format!("127.0.0.1:{port}");
+    let out = exs(&["ping", "--client", &target, "--size", "8", "--count", "10"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("`exs pump` server") && err.contains(&target),
+        "{err}"
+    );
+    for size in ["1K", "16K"] {
+        let out = exs(&[
+            "pump",
+            "--client",
+            &target,
+            "--size",
+            size,
+            "--seconds",
+            "0.2",
+            "--json",
+        ]);
+        assert_eq!(json_lines(&out).len(), 1);
+    }
+}
+
+#[test]
+fn a_client_without_a_server_says_so_with_the_address() {
+    let port = free_port();
+    let target = format!("127.0.0.1:{port}");
+    let out = exs(&[
+        "pump",
+        "--client",
+        &target,
+        "--size",
+        "4K",
+        "--seconds",
+        "0.2",
+    ]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains(&target), "names the address: {err}");
+    assert!(err.contains("no server is running there"), "{err}");
+    assert!(
+        out.stdout.is_empty(),
+        "no results: {}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
+
+#[test]
+fn the_simulator_refuses_two_processes_clearly() {
+    for args in [
+        &["pump", "--backend", "sim", "--server"][..],
+        &["ping", "--backend", "sim", "-c", "127.0.0.1"],
+    ] {
+        let out = exs(args);
+        assert!(!out.status.success());
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("sim backend lives inside one process"),
+            "{err}"
+        );
+    }
+}
+
+#[test]
+fn help_lists_the_values_of_the_enumerated_flags() {
+    let out = exs(&["pump", "--help"]);
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for v in [
+        "default",
+        "normal",
+        "immediate",
+        "persistent",
+        "seqpacket",
+        "stream",
+        "adaptive",
+        "busy",
+        "fabric",
+        "verbs",
+        "sim",
+    ] {
+        assert!(help.contains(v), "{v} missing from:\n{help}");
+    }
+    assert!(help.contains("--client") && help.contains("--server") && help.contains("18515"));
+    let out = exs(&["pump", "--mode", "fast"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("possible values") && err.contains("persistent"),
+        "{err}"
+    );
+}
+
+#[test]
+fn one_host_mode_still_runs_both_sides() {
+    // libfabric: the server is this same program started as `--server --once` on a free port.
+    let out = exs(&[
+        "pump",
+        "--size",
+        "4K",
+        "--seconds",
+        "0.2",
+        "--type",
+        "stream",
+        "--mode",
+        "normal",
+        "--json",
+    ]);
+    let v = &json_lines(&out)[0];
+    assert_eq!(v["type"], "stream");
+    assert!(
+        num(v, "bytes_per_sec") > 0.0 && v.get("direct_share").is_some(),
+        "{v}"
+    );
+    // The simulator: the server is a thread.
+    let out = exs(&[
+        "ping",
+        "--backend",
+        "sim",
+        "--size",
+        "8",
+        "--count",
+        "50",
+        "--json",
+    ]);
+    let v = &json_lines(&out)[0];
+    assert_eq!(v["backend"], "exs (sim)");
+    assert!(num(v, "server_pings") >= 50.0, "{v}");
+    let out = exs(&[
+        "demo",
+        "--backend",
+        "sim",
+        "--size",
+        "2M",
+        "--chunk",
+        "128K",
+        "--no-tcp",
+        "--json",
+    ]);
+    let lines = json_lines(&out);
+    assert_eq!(lines.len(), 1);
+    assert_eq!(lines[0]["checksum_ok"], true);
+    // Text output keeps its table.
+    let out = exs(&[
+        "pump",
+        "--backend",
+        "sim",
+        "--size",
+        "1K",
+        "--seconds",
+        "0.2",
+    ]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines().next().unwrap().contains("cpu server"),
+        "{text}"
+    );
+}
+
+#[test]
+fn every_subcommand_speaks_json() {
+    let info = json_lines(&exs(&["info", "--backend", "sim", "--json"]));
+    assert_eq!(info[0]["tool"], "exs-info");
+    assert!(info[0]["compiled"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|b| b == "sim"));
+    let soak = json_lines(&exs(&[
+        "soak",
+        "--backend",
+        "sim",
+        "--seconds",
+        "1",
+        "--json",
+    ]));
+    assert_eq!(soak[0]["tool"], "exs-soak");
+    assert_eq!(num(&soak[0], "corrupted"), 0.0);
+    assert!(num(&soak[0], "connections") >= 1.0);
+    let tcp = json_lines(&exs(&[
+        "tcppump",
+        "--size",
+        "64K",
+        "--seconds",
+        "0.2",
+        "--json",
+    ]));
+    assert!(num(&tcp[0], "bytes_per_sec") > 0.0);
+    let tcp = json_lines(&exs(&[
+        "tcpping",
+        "--size",
+        "8",
+        "--count",
+        "50",
+        "--nodelay",
+        "--json",
+    ]));
+    assert!(num(&tcp[0], "median_us") > 0.0);
+    let raw = json_lines(&exs(&[
+        "rawpump",
+        "--size",
+        "64K",
+        "--depth",
+        "2",
+        "--seconds",
+        "0.2",
+        "--json",
+    ]));
+    assert_eq!(raw[0]["tool"], "raw-rma");
+    assert!(num(&raw[0], "bytes_per_sec") > 0.0);
+}

@@ -7,6 +7,7 @@ mod rxe;
 mod soak;
 mod sys;
 mod test;
+mod twohosts;
 mod vm;
 
 use clap::{Parser, Subcommand};

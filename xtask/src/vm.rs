@@ -70,8 +70,8 @@ pub struct Guest {
     pub mac: Option<String>,
 }
 
-/// The two guests of a pair: their link addresses (eth0, joined by a point-to-point UDP tunnel between the two
-/// QEMUs, so no kernel sees both ends).
+/// The two guests of a pair: their link addresses (eth0, joined by a TCP stream between the two QEMUs that
+/// carries their Ethernet frames, so no kernel sees both ends).
 pub const PAIR_ADDRS: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
 
 /// Shell lines that bring up the link and rxe0 on it in guest `i` of a pair.
@@ -83,6 +83,27 @@ pub fn pair_setup(i: usize) -> String {
          rdma link add rxe0 type rxe netdev eth0 || exit 90\n",
         PAIR_ADDRS[i]
     )
+}
+
+/// Waits until something listens on TCP `port` on this host (read from /proc/net/tcp: a probe connection would
+/// be taken for the peer by a QEMU that accepts one).
+fn wait_listening(port: u16, timeout: Duration) -> Result<()> {
+    let start = Instant::now();
+    let needle = format!(":{port:04X} ");
+    loop {
+        let table = fs::read_to_string("/proc/net/tcp").unwrap_or_default();
+        // local_address rem_address st: LISTEN is 0A.
+        if table.lines().any(|l| {
+            let w: Vec<&str> = l.split_whitespace().collect();
+            w.len() > 3 && format!("{} ", w[1]).ends_with(&needle) && w[3] == "0A"
+        }) {
+            return Ok(());
+        }
+        if start.elapsed() > timeout {
+            return Err(format!("the first guest's QEMU never listened on port {port}"));
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Runs guests, each in its own results directory: unique names even within one process.
@@ -334,13 +355,12 @@ impl Vm {
         timeout: Duration,
         line: &mut dyn FnMut(usize, &str, bool),
     ) -> Result<[Outcome; 2]> {
-        let port = |_: ()| -> Result<u16> {
-            std::net::UdpSocket::bind("127.0.0.1:0")
-                .and_then(|s| s.local_addr())
-                .map(|a| a.port())
-                .map_err(|e| format!("a free UDP port for the guests' link: {e}"))
-        };
-        let ports = [port(())?, port(())?];
+        // The link is a TCP stream between the two QEMUs (guest 0 listens, guest 1 connects once it does): a
+        // UDP tunnel drops bursts (an RDMA read of 1 MiB is a thousand packets) and rxe then retransmits.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|s| s.local_addr())
+            .map(|a| a.port())
+            .map_err(|e| format!("a free port for the guests' link: {e}"))?;
         let (tx, rx) = std::sync::mpsc::channel::<(usize, String, bool)>();
         let outcomes = std::thread::scope(|scope| {
             let handles: Vec<_> = (0..2)
@@ -349,14 +369,16 @@ impl Vm {
                     let guest = Guest {
                         name: format!("guest{i}"),
                         netdev: Some(format!(
-                            "socket,id=link,udp=127.0.0.1:{},localaddr=127.0.0.1:{}",
-                            ports[1 - i],
-                            ports[i]
+                            "socket,id=link,{}=127.0.0.1:{port}",
+                            if i == 0 { "listen" } else { "connect" }
                         )),
                         mac: Some(format!("52:54:00:77:00:0{}", i + 1)),
                     };
                     let script = format!("{}{}", pair_setup(i), scripts[i]);
                     scope.spawn(move || {
+                        if i == 1 {
+                            wait_listening(port, Duration::from_secs(60))?;
+                        }
                         self.run_guest(&guest, &script, timeout, &mut |l, e| {
                             let _ = tx.send((i, l.to_string(), e));
                         })

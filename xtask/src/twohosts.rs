@@ -1,0 +1,213 @@
+//! The two-guest stage of `cargo xtask test` (issue 17): two QEMU guests, each with its own kernel and its own
+//! rxe device on a virtual link between them (no kernel sees both ends; `vm::Vm::run_pair`). Guest 0 runs the
+//! conformance cases that need a second host, with the peer's processes started and killed by an agent in guest 1
+//! (`EXS_PEER_AGENT`), on verbs and on libfabric tcp; then `exs pump --server` in guest 0 against
+//! `exs pump --client` in guest 1 (verbs and fabric), and `ib_write_bw` between the same two guests.
+
+use std::path::Path;
+use std::time::Duration;
+
+use crate::sys::Result;
+use crate::test::Sections;
+use crate::vm::{self, PAIR_ADDRS};
+
+const AGENT_PORT: u16 = 18600;
+const PUMP_PORT: u16 = 18515;
+/// The cases that need a second host.
+const CASES: [&str; 2] = ["two_hosts_over_a_link", "peer_host_killed_mid_transfer"];
+/// Points of the pump across the link (the guests emulate their CPUs: a few, short).
+const PUMP: &str = "--size 64K,1M --seconds 2 --json";
+
+fn guest0(exe: &Path, tool: &Path) -> String {
+    let (near, far) = (PAIR_ADDRS[0], PAIR_ADDRS[1]);
+    let exe = exe.display();
+    let tool = tool.display();
+    let agent = format!("{far}:{AGENT_PORT}");
+    let mut s = String::from(
+        "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n",
+    );
+    for (backend, var) in [("verbs", "EXS_VERBS_ADDR"), ("fabric", "EXS_FABRIC_ADDR")] {
+        s.push_str(&format!("section {backend}:two-guests\n"));
+        for case in CASES {
+            s.push_str(&format!(
+                "env {var}={near} EXS_PEER_ADDR={far} EXS_PEER_LINK=eth0 EXS_PEER_AGENT={agent} {exe} \
+                 {backend}::{case} --exact\n"
+            ));
+        }
+    }
+    s.push_str(&format!(
+        "env EXS_PEER_AGENT={agent} EXS_CONFORMANCE_ROLE=agent-quit {exe}\n\
+         echo '@@pump servers'\n\
+         {tool} pump --server --once --backend verbs --addr {near} -p {PUMP_PORT} || echo 'PAIR-FAIL pump server verbs'\n\
+         {tool} pump --server --once --backend fabric --addr {near} -p {} || echo 'PAIR-FAIL pump server fabric'\n\
+         {tool} ping --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL ping server verbs'\n\
+         {tool} demo --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL demo server verbs'\n\
+         ib_write_bw -d rxe0 -s 65536 -n 300 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
+         ib_write_bw -d rxe0 -s 1048576 -n 30 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n",
+        PUMP_PORT + 1,
+        PUMP_PORT + 2,
+        PUMP_PORT + 3,
+    ));
+    s
+}
+
+fn guest1(exe: &Path, tool: &Path) -> String {
+    let (near, far) = (PAIR_ADDRS[0], PAIR_ADDRS[1]);
+    let exe = exe.display();
+    let tool = tool.display();
+    format!(
+        "{retry}env EXS_VERBS_ADDR={far} EXS_FABRIC_ADDR={far} EXS_SOFTROCE_ADDR={far} EXS_CONFORMANCE_ROLE=agent \
+         EXS_CONFORMANCE_AGENT={far}:{AGENT_PORT} {exe}\n\
+         echo 'PAIR-POINT verbs'\n\
+         retry {tool} pump --client {near}:{PUMP_PORT} --backend verbs --addr {far} {PUMP} || echo 'PAIR-FAIL pump client verbs'\n\
+         echo 'PAIR-POINT fabric'\n\
+         retry {tool} pump --client {near}:{} --backend fabric --addr {far} {PUMP} || echo 'PAIR-FAIL pump client fabric'\n\
+         echo 'PAIR-POINT ping'\n\
+         retry {tool} ping --client {near}:{} --backend verbs --addr {far} --size 8 --count 200 --json || echo 'PAIR-FAIL ping client verbs'\n\
+         echo 'PAIR-POINT demo'\n\
+         retry {tool} demo --client {near}:{} --backend verbs --addr {far} --size 16M --no-tcp --json || echo 'PAIR-FAIL demo client verbs'\n\
+         echo 'PAIR-POINT ib_write_bw'\n\
+         retry ib_write_bw -d rxe0 -s 65536 -n 300 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
+         retry ib_write_bw -d rxe0 -s 1048576 -n 30 {near} || echo 'PAIR-FAIL ib_write_bw client'\n",
+        PUMP_PORT + 1,
+        PUMP_PORT + 2,
+        PUMP_PORT + 3,
+        retry = vm::RETRY,
+    )
+}
+
+/// What guest 1 measured: (label, size, MB/s).
+#[derive(Default)]
+struct Measured {
+    label: String,
+    points: Vec<(String, u64, f64)>,
+    failed: Vec<String>,
+    /// `exs ping` median one-way latency, µs.
+    latency: Option<f64>,
+    /// `exs demo` MB/s (checksums verified).
+    demo: Option<f64>,
+}
+
+impl Measured {
+    fn line(&mut self, l: &str) {
+        if let Some(label) = l.strip_prefix("PAIR-POINT ") {
+            self.label = label.to_string();
+        } else if let Some(what) = l.strip_prefix("PAIR-FAIL ") {
+            self.failed.push(what.to_string());
+        } else if let Ok(v) = serde_json::from_str::<serde_json::Value>(l) {
+            if let (Some(size), Some(bps)) = (v["size"].as_u64(), v["bytes_per_sec"].as_f64()) {
+                self.points.push((self.label.clone(), size, bps / 1e6));
+            } else if let Some(us) = v["median_us"].as_f64() {
+                self.latency = Some(us);
+            } else if v["tool"] == "exs-demo" {
+                if v["checksum_ok"] != true {
+                    self.failed.push("demo: checksum mismatch".into());
+                }
+                self.demo = v["bytes_per_sec"].as_f64().map(|b| b / 1e6);
+            }
+        } else if self.label == "ib_write_bw" {
+            // " 65536      300              8.90               7.04   		   0.000113" (MB here: MiB)
+            let w: Vec<&str> = l.split_whitespace().collect();
+            if let (true, Ok(size), Ok(avg)) = (
+                w.len() >= 5,
+                w.first().map_or(Err(()), |x| x.parse::<u64>().map_err(drop)),
+                w.get(3).map_or(Err(()), |x| x.parse::<f64>().map_err(drop)),
+            ) {
+                self.points.push(("ib_write_bw".into(), size, avg * 1.048_576));
+            }
+        }
+    }
+}
+
+/// Runs the stage; its lines go to `summary`, failures to `failures`.
+pub fn run(
+    exe: &Path,
+    tool: &Path,
+    summary: &mut Vec<String>,
+    failures: &mut Vec<String>,
+) -> Result<()> {
+    let vm = vm::Vm::prepare()?;
+    let start = std::time::Instant::now();
+    let mut sections = Sections::default();
+    let mut measured = Measured::default();
+    let cwd = crate::sys::root();
+    let scripts = [
+        format!("cd {}\n{}", cwd.display(), guest0(exe, tool)),
+        format!("cd {}\n{}", cwd.display(), guest1(exe, tool)),
+    ];
+    let outcomes = vm.run_pair(
+        [&scripts[0], &scripts[1]],
+        Duration::from_secs(15 * 60),
+        &mut |i, l, err| {
+            if i == 0 {
+                sections.line(l, err);
+                if let Some(what) = l.strip_prefix("PAIR-FAIL ") {
+                    measured.failed.push(what.to_string());
+                }
+            } else {
+                if err {
+                    eprintln!("[guest1] {l}");
+                } else {
+                    println!("[guest1] {l}");
+                }
+                measured.line(l);
+            }
+        },
+    )?;
+    for (i, o) in outcomes.iter().enumerate() {
+        if o.rc.is_none() || o.rc == Some(90) {
+            failures.push(format!("two guests: guest {i} setup"));
+            summary.push(format!(
+                "two guests: guest {i} {}; console:\n{}",
+                if o.rc.is_none() { "gave no exit code" } else { "could not set up its link or rxe0" },
+                vm::tail(&o.console, 20)
+            ));
+        }
+    }
+    let where_ = format!(
+        " (two QEMU guests, kernel {} each, {:?}: rxe0 on eth0 at {} and {}, a virtual link between them)",
+        vm.kver, vm.accel, PAIR_ADDRS[0], PAIR_ADDRS[1]
+    );
+    sections.report(&where_, summary, failures);
+    let fmt = |label: &str| {
+        measured
+            .points
+            .iter()
+            .filter(|p| p.0 == label)
+            .map(|p| format!("{} {:.1} MB/s", size_name(p.1), p.2))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    for label in ["verbs", "fabric", "ib_write_bw"] {
+        if !measured.points.iter().any(|p| p.0 == label) {
+            failures.push(format!("two guests: {label} across the link"));
+        }
+    }
+    if measured.latency.is_none() || measured.demo.is_none() {
+        failures.push("two guests: exs ping or exs demo across the link".into());
+    }
+    for f in &measured.failed {
+        failures.push(format!("two guests: {f}"));
+    }
+    summary.push(format!(
+        "two guests, guest 0 serving guest 1 across the link (debug build, emulated CPUs): exs pump verbs {}; \
+         exs pump fabric (tcp) {}; ib_write_bw {}; exs ping verbs 8 B median one-way {:.0} µs; exs demo verbs \
+         16 MiB {:.1} MB/s, checksums verified ({} failed steps; {:.0?})",
+        fmt("verbs"),
+        fmt("fabric"),
+        fmt("ib_write_bw"),
+        measured.latency.unwrap_or(f64::NAN),
+        measured.demo.unwrap_or(f64::NAN),
+        measured.failed.len(),
+        start.elapsed()
+    ));
+    Ok(())
+}
+
+fn size_name(n: u64) -> String {
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}

@@ -166,6 +166,21 @@ fn exs_jobs(exe: &str, backend: &str, p: &Plan, wait_modes: bool) -> Vec<Job> {
             }
         }
     }
+    // Issue 13: the two exposure policies side by side, on sends that the peer pulls with RDMA reads (each needs a
+    // remote key): a key per operation against UNH-EXS's key per region and connection.
+    let exposure_sizes: &[u64] = if wait_modes { &[4096, 65536, 1 << 20] } else { &[65536] };
+    for &size in exposure_sizes {
+        for policy in ["per-operation", "trusted"] {
+            v.push(job(
+                "exs-exposure",
+                policy,
+                size,
+                8,
+                format!("{exe} pump {backend} --type seqpacket --mode normal --exposure {policy} --size {size} --depth 8 --seconds {secs} --json"),
+                Parse::Json,
+            ));
+        }
+    }
     if wait_modes {
         for size in [65536u64, 1 << 20] {
             for wait in ["adaptive", "block", "busy"] {
@@ -433,6 +448,8 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
                     "cpu_server",
                     "mean_us",
                     "median_us",
+                    "client_exposures_per_msg",
+                    "registrations_per_msg",
                 ] {
                     if let Some(x) = v[m].as_f64() {
                         rows.push(row(m, x));
@@ -723,7 +740,7 @@ fn series(
 ) -> Vec<(String, Vec<(f64, f64)>)> {
     let mut by: BTreeMap<String, BTreeMap<u64, (usize, f64)>> = BTreeMap::new();
     for ((tool, variant, size, depth, m), v) in sum {
-        if m != metric || tool.ends_with("-ping") || tool == "exs-wait" {
+        if m != metric || tool.ends_with("-ping") || tool == "exs-wait" || tool == "exs-exposure" {
             continue;
         }
         let e = by
@@ -785,7 +802,12 @@ fn markdown(
     let _ = writeln!(s, "#### {suite}\n\n`{cmd}` on {machine}. Median (min-max) of the repeats; throughput in MB/s (10^6 bytes/s), CPU as % of one core (user+system over wall), at the largest depth measured.\n");
     let mut cols: Vec<(String, String)> = sum
         .keys()
-        .filter(|k| k.4 == "bytes_per_sec" && !k.0.ends_with("-ping") && k.0 != "exs-wait")
+        .filter(|k| {
+            k.4 == "bytes_per_sec"
+                && !k.0.ends_with("-ping")
+                && k.0 != "exs-wait"
+                && k.0 != "exs-exposure"
+        })
         .map(|k| (k.0.clone(), k.1.clone()))
         .collect();
     cols.dedup();
@@ -916,6 +938,24 @@ fn markdown(
                 c("block"),
                 c("busy")
             );
+        }
+    }
+    let mut es: Vec<u64> = sum
+        .keys()
+        .filter(|k| k.0 == "exs-exposure" && k.4 == "bytes_per_sec")
+        .map(|k| k.2)
+        .collect();
+    es.dedup();
+    if !es.is_empty() {
+        let _ = writeln!(s, "\nExposure policies (seqpacket sends the peer pulls with RDMA reads, `--mode normal`, depth 8): MB/s, remote keys the sender made per message, memory registrations per message (both sides):\n\n| size | per operation (default) | trusted peers (UNH-EXS) |\n|---|---|---|");
+        for size in es {
+            let c = |p: &str| {
+                let t = get(sum, "exs-exposure", p, size, "bytes_per_sec").map_or(0.0, |v| v.0 / 1e6);
+                let k = get(sum, "exs-exposure", p, size, "client_exposures_per_msg").map_or(f64::NAN, |v| v.0);
+                let r = get(sum, "exs-exposure", p, size, "registrations_per_msg").map_or(f64::NAN, |v| v.0);
+                format!("{t:.0}, {k:.3} keys, {r:.3} registrations")
+            };
+            let _ = writeln!(s, "| {} | {} | {} |", fmt_size(size), c("per-operation"), c("trusted"));
         }
     }
     let _ = writeln!(s, "\nTargets (ratios of medians from this run):\n");

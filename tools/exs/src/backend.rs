@@ -30,6 +30,31 @@ pub struct BackendArgs {
     /// verbs: emulate write-with-immediate by write + send even where the device has it.
     #[arg(long)]
     pub emulate_imm: bool,
+    /// How this side exposes memory: a key per operation, or UNH-EXS's key per region and connection for
+    /// trusted peers (default: EXS_EXPOSURE, else per-operation).
+    #[arg(long, value_enum)]
+    pub exposure: Option<Exposure>,
+}
+
+/// `--exposure`: exs's `ExposurePolicy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Exposure {
+    /// A key per operation, for exactly its range, revoked when it ends.
+    PerOperation,
+    /// One key per region and connection, for the whole region, until the connection goes.
+    Trusted,
+}
+
+/// The policy of this process's contexts (one per process: `--exposure`, set when the backend is opened).
+static EXPOSURE: std::sync::OnceLock<exs::ExposurePolicy> = std::sync::OnceLock::new();
+
+fn context_options() -> Result<exs::ContextOptions> {
+    let mut o = exs::ContextOptions::default();
+    o.exposure = match EXPOSURE.get() {
+        Some(p) => *p,
+        None => exs::ExposurePolicy::from_env()?,
+    };
+    Ok(o)
 }
 
 impl BackendArgs {
@@ -51,6 +76,16 @@ impl BackendArgs {
         }
         if self.emulate_imm {
             v.push("--emulate-imm".into());
+        }
+        if let Some(e) = self.exposure {
+            v.extend([
+                "--exposure".into(),
+                match e {
+                    Exposure::PerOperation => "per-operation",
+                    Exposure::Trusted => "trusted",
+                }
+                .into(),
+            ]);
         }
         v
     }
@@ -86,6 +121,12 @@ pub enum Opened {
 
 impl Opened {
     pub fn open(a: &BackendArgs) -> Result<Opened> {
+        if let Some(e) = a.exposure {
+            let _ = EXPOSURE.set(match e {
+                Exposure::PerOperation => exs::ExposurePolicy::PerOperation,
+                Exposure::Trusted => exs::ExposurePolicy::TrustedPeers,
+            });
+        }
         match a.backend {
             #[cfg(feature = "fabric")]
             BackendKind::Fabric => Ok(Opened::Fabric(
@@ -134,20 +175,23 @@ impl Opened {
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(cfg, ip) => {
-                let ctx = Context::open(&exs::Backend::Fabric(cfg.clone()))
+                let ctx = Context::open_with(&exs::Backend::Fabric(cfg.clone()), context_options()?)
                     .with_context(|| format!("opening libfabric (provider {})", cfg.provider))?;
                 Ok((ctx, SocketAddr::new(*ip, 0)))
             }
             #[cfg(feature = "verbs")]
             Opened::Verbs(cfg) => {
-                let ctx = Context::open(&exs::Backend::Verbs(cfg.clone()))
+                let ctx = Context::open_with(&exs::Backend::Verbs(cfg.clone()), context_options()?)
                     .with_context(|| format!("opening the RDMA device of {}", cfg.addr))?;
                 Ok((ctx, SocketAddr::new(cfg.addr, 0)))
             }
             #[cfg(feature = "sim")]
             Opened::Sim(w, hosts) => {
                 let mut n = hosts.lock().unwrap_or_else(|p| p.into_inner());
-                let ctx = w.host();
+                // As the world's own hosts: no keepalive timers.
+                let mut o = context_options()?;
+                o.keepalive = None;
+                let ctx = w.host_with(o);
                 let addr = w.addr(*n, 0);
                 *n += 1;
                 Ok((ctx, addr))

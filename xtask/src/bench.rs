@@ -945,6 +945,7 @@ fn markdown(
         .filter(|k| k.0 == "exs-exposure" && k.4 == "bytes_per_sec")
         .map(|k| k.2)
         .collect();
+    es.sort();
     es.dedup();
     if !es.is_empty() {
         let _ = writeln!(s, "\nExposure policies (seqpacket sends the peer pulls with RDMA reads, `--mode normal`, depth 8): MB/s, remote keys the sender made per message, memory registrations per message (both sides):\n\n| size | per operation (default) | trusted peers (UNH-EXS) |\n|---|---|---|");

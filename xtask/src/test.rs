@@ -274,6 +274,20 @@ env EXS_FABRIC_ADDR={near} {peer} {exe} fabric::two_hosts_over_a_link --exact
     )
 }
 
+/// A copy of this xtask binary that the guest (or a root shell) can run. The workspace build in `run` may relink
+/// `target/debug/xtask` itself (features unified with other members differ from `cargo xtask`'s own build), and a
+/// replaced executable's `/proc/self/exe` ends in " (deleted)".
+fn xtask_copy() -> Result<PathBuf> {
+    let me = std::env::current_exe().map_err(|e| e.to_string())?;
+    let me = PathBuf::from(me.to_string_lossy().trim_end_matches(" (deleted)"));
+    let copy = sys::root().join("target/xtask-runner");
+    // Read the running image itself: the path may already name a newer file.
+    std::fs::copy("/proc/self/exe", &copy)
+        .or_else(|_| std::fs::copy(&me, &copy))
+        .map_err(|e| format!("copying the xtask binary to {}: {e}", copy.display()))?;
+    Ok(copy)
+}
+
 /// Where the RDMA tests run: here when the kernel has Soft-RoCE and we may configure it, else in the QEMU guest
 /// (returns whether they ran in a guest).
 /// `EXS_RDMA_TESTS=native|vm` forces one.
@@ -282,7 +296,7 @@ fn rdma_conformance(
     summary: &mut Vec<String>,
     failures: &mut Vec<String>,
 ) -> Result<bool> {
-    let xtask = std::env::current_exe().map_err(|e| e.to_string())?;
+    let xtask = xtask_copy()?;
     let script = rdma_script(&xtask, exe);
     let forced = std::env::var("EXS_RDMA_TESTS").ok();
     let native = match forced.as_deref() {

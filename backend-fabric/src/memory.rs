@@ -21,11 +21,14 @@ use std::ptr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use exs_transport::{Registration, Revoke, TransportError};
-use exs_dma::DmaBuf;
+use exs_dma::{DmaBuf, Lease};
+use exs_transport::{
+    EndpointId, Exposure, Registration, RemoteAccess, RemoteRef, Revoke, TransportError,
+};
 
+use crate::device::{check, err, Info};
 use crate::ffi::*;
-use crate::{check, err, Info};
+use crate::FabricTransport;
 
 /// The fabric, closed after every domain on it.
 pub(crate) struct Fabric {
@@ -214,5 +217,80 @@ impl std::fmt::Debug for MrHandle {
 impl Revoke for FiKey {
     fn revoke(&mut self) {
         close_mr(std::mem::replace(&mut self.mr.0, std::ptr::null_mut()));
+    }
+}
+
+impl FabricTransport {
+    /// The domain of a connection: its own where the provider allows it, else the context's.
+    pub(crate) fn domain_for(&mut self, id: EndpointId) -> Result<Arc<Domain>, TransportError> {
+        if !self.per_conn {
+            return Ok(Arc::clone(&self.dom));
+        }
+        if let Some(d) = self.conn_domains.get(&id) {
+            return Ok(Arc::clone(d));
+        }
+        let d = Domain::open(&self.dom.fab, self.dom.mr_mode)?;
+        self.conn_domains.insert(id, Arc::clone(&d));
+        Ok(d)
+    }
+
+    /// [`Transport::register`](exs_transport::Transport::register): a registration for local descriptors, or only
+    /// the buffer where none are needed.
+    pub(crate) fn register_buf(
+        &mut self,
+        buf: &Arc<DmaBuf>,
+    ) -> Result<Arc<dyn Registration>, TransportError> {
+        if self.per_conn {
+            // No local descriptors: the provider names local memory by address (see `memory`).
+            return Ok(Arc::new(FiRegistration {
+                _domain: None,
+                mr: ptr::null_mut(),
+                desc: 0,
+                buf: Arc::clone(buf),
+            }));
+        }
+        let access = (FI_SEND | FI_RECV | FI_READ | FI_WRITE) as u64;
+        let mr = self.dom.register(buf.addr(), buf.len(), access)?;
+        // SAFETY: `mr` is a live registration.
+        let desc = unsafe { exs_fi_mr_desc(mr) } as u64;
+        Ok(Arc::new(FiRegistration {
+            _domain: Some(Arc::clone(&self.dom)),
+            mr,
+            desc,
+            buf: Arc::clone(buf),
+        }))
+    }
+
+    /// [`Transport::expose`](exs_transport::Transport::expose): a registration of exactly the range in the
+    /// connection's domain.
+    pub(crate) fn expose_lease(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn Exposure>, TransportError> {
+        exs_transport::check_exposure(reg, &lease, access)?;
+        let flags = match access {
+            RemoteAccess::Read => FI_REMOTE_READ,
+            RemoteAccess::Write => FI_REMOTE_WRITE,
+        } as u64;
+        let dom = self.domain_for(ep)?;
+        let mr = dom.register(lease.addr(), lease.len(), flags)?;
+        // SAFETY: live registration.
+        let key = unsafe { exs_fi_mr_key(mr) };
+        let addr = if dom.mr_mode & FI_MR_VIRT_ADDR as u64 != 0 {
+            lease.addr()
+        } else {
+            0
+        };
+        Ok(Box::new(exs_transport::KeyedLease::new(
+            RemoteRef { addr, key },
+            lease,
+            FiKey {
+                mr: MrHandle(mr),
+                _domain: dom,
+            },
+        )))
     }
 }

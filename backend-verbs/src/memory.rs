@@ -13,13 +13,19 @@
 //!   registration per operation. The README says so.
 
 use std::ffi::c_void;
+use std::ptr;
 use std::sync::{Arc, Mutex};
 
-use exs_transport::{Registration, Revoke, TransportError};
-use exs_dma::DmaBuf;
+use exs_dma::{DmaBuf, Lease};
+use exs_transport::{
+    EndpointId, Exposure, KeyedLease, Registration, RemoteAccess, RemoteRef, Revoke, TransportError,
+};
 use rdma_sys::*;
 
-use crate::os_err;
+use crate::connection::EpState;
+use crate::post::SendRec;
+use crate::queue::Posted;
+use crate::{os_err, VerbsTransport};
 
 /// The protection domain, shared with registrations and windows so it is deallocated last.
 pub(crate) struct Pd(pub(crate) *mut ibv_pd);
@@ -176,5 +182,177 @@ impl std::fmt::Debug for MwSlot {
 impl Revoke for WindowKey {
     fn revoke(&mut self) {
         self.slot.dealloc();
+    }
+}
+
+impl VerbsTransport {
+    /// Binds a type 2 memory window over the leased range to `ep`'s queue pair (see [`memory`](crate::memory)).
+    /// The bind is a send-queue request, so it executes before anything posted after it, in particular the message
+    /// that hands the key to the peer; it is unsignalled and retired by the next signalled request, like any other.
+    fn bind_window(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn Exposure>, TransportError> {
+        let base = reg
+            .as_any()
+            .downcast_ref::<VerbsRegistration>()
+            .ok_or_else(|| TransportError::Invalid("not a registration of this device".into()))?;
+        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.qp.is_null() || e.state != EpState::Connected {
+            return Err(TransportError::Invalid(
+                "a memory window binds to a connected queue pair".into(),
+            ));
+        }
+        if e.sends.entries() >= e.sq_cap {
+            // Completions waiting in the completion queue free entries.
+            self.drain_cq();
+        }
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.sends.entries() >= e.sq_cap {
+            return Err(TransportError::Resource("send queue full".into()));
+        }
+        // SAFETY: open protection domain.
+        let mw = unsafe { ibv_alloc_mw(self.pd.0, ibv_mw_type::IBV_MW_TYPE_2) }
+            .filter(|m| !m.is_null())
+            .ok_or_else(|| os_err("ibv_alloc_mw"))?;
+        // SAFETY: `mw` is a live window; the key's low byte moves on with each bind so a stale key fails.
+        let rkey = unsafe { ibv_inc_rkey((*mw).rkey) };
+        let mw_access = match access {
+            RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        };
+        let seq = self.ids.send();
+        let mut w: ibv_send_wr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        w.wr_id = seq;
+        w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+        // The signalling state changes only if the bind reaches the device.
+        let mut signal = e.signal;
+        if signal.next(false) {
+            w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        w.bind_mw_tso_union.bind_mw = bind_mw_t {
+            mw,
+            rkey,
+            bind_info: ibv_mw_bind_info {
+                mr: base.mr,
+                addr: lease.addr(),
+                length: lease.len() as u64,
+                mw_access_flags: mw_access,
+            },
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: live, connected QP; the request lives until the call returns; the window, the registration it
+        // binds over and the leased memory outlive the binding (the returned exposure owns all three).
+        let rc = unsafe { ibv_post_send(e.qp, &mut w, &mut bad) };
+        if rc != 0 {
+            // SAFETY: the window was never bound; deallocated once.
+            unsafe { ibv_dealloc_mw(mw) };
+            return Err(TransportError::os(
+                "ibv_post_send (window bind)",
+                std::io::Error::from_raw_os_error(rc),
+            ));
+        }
+        e.signal = signal;
+        e.sends.push(Posted {
+            seq,
+            entries: 1,
+            broken: false,
+            item: SendRec {
+                wr_id: 0,
+                kind: None,
+                op: None,
+            },
+        });
+        let slot = MwSlot::new(mw);
+        if e.windows.len() >= 64 {
+            e.windows.retain(|w| w.strong_count() > 0);
+        }
+        e.windows.push(Arc::downgrade(&slot));
+        Ok(Box::new(KeyedLease::new(
+            RemoteRef {
+                addr: lease.addr(),
+                key: u64::from(rkey),
+            },
+            lease,
+            WindowKey {
+                slot,
+                _reg: Arc::clone(reg),
+                _pd: Arc::clone(&self.pd),
+            },
+        )))
+    }
+
+    /// [`Transport::register`](exs_transport::Transport::register): a registration for local access (and window
+    /// binds where windows are used).
+    pub(crate) fn register_buf(
+        &mut self,
+        buf: &Arc<DmaBuf>,
+    ) -> Result<Arc<dyn Registration>, TransportError> {
+        let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        if self.iwarp {
+            // iWARP: the local sink of an RDMA read must allow remote write.
+            access |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+        }
+        if self.windows {
+            // Exposures are windows bound over this registration (no remote access of its own).
+            access |= ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+        }
+        if buf.is_empty() {
+            return Err(TransportError::Invalid("cannot register zero bytes".into()));
+        }
+        let mr = reg_mr(&self.pd, buf.addr(), buf.len(), access)?;
+        // SAFETY: live MR.
+        let lkey = unsafe { (*mr).lkey };
+        Ok(Arc::new(VerbsRegistration {
+            _pd: Arc::clone(&self.pd),
+            mr,
+            lkey,
+            buf: Arc::clone(buf),
+        }))
+    }
+
+    /// [`Transport::expose`](exs_transport::Transport::expose): a window bound to the endpoint's queue pair, or a
+    /// registration of exactly the range.
+    pub(crate) fn expose_lease(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn Exposure>, TransportError> {
+        exs_transport::check_exposure(reg, &lease, access)?;
+        if self.windows {
+            return self.bind_window(ep, reg, lease, access);
+        }
+        let remote = match access {
+            RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        };
+        let mr = reg_mr(
+            &self.pd,
+            lease.addr(),
+            lease.len(),
+            ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | remote,
+        )?;
+        // SAFETY: live MR.
+        let rkey = unsafe { (*mr).rkey };
+        let remote = RemoteRef {
+            addr: lease.addr(),
+            key: u64::from(rkey),
+        };
+        Ok(Box::new(KeyedLease::new(
+            remote,
+            lease,
+            MrKey {
+                mr: MrPtr(mr),
+                _pd: Arc::clone(&self.pd),
+            },
+        )))
     }
 }

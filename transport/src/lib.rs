@@ -31,6 +31,7 @@
 #![deny(missing_docs)]
 
 use std::any::Any;
+use std::collections::HashMap;
 use std::fmt;
 use std::io;
 use std::net::SocketAddr;
@@ -677,5 +678,126 @@ pub trait Transport: Send + fmt::Debug {
 impl From<TransportError> for io::Error {
     fn from(e: TransportError) -> Self {
         io::Error::new(e.io_kind(), e)
+    }
+}
+
+/// Connection requests a backend handed to the engine ([`CmEvent::ConnectRequest`]) and that are not yet accepted
+/// or rejected, each with the listener that received it and the backend's handle of it (a libfabric `fi_info`, an
+/// rdma_cm id).
+///
+/// A backend answers every request exactly once, by [`Transport::accept`] or [`Transport::reject`]; requests still
+/// waiting when their listener closes must be refused before it closes ([`PendingRequests::take_listener`] hands
+/// them back for that), or their connections leak.
+#[derive(Debug)]
+pub struct PendingRequests<T> {
+    requests: HashMap<RequestId, (ListenerId, T)>,
+    next: u64,
+}
+
+impl<T> Default for PendingRequests<T> {
+    fn default() -> Self {
+        PendingRequests {
+            requests: HashMap::new(),
+            next: 1,
+        }
+    }
+}
+
+impl<T> PendingRequests<T> {
+    /// Records a request `listener` received; returns its identifier (1, 2, 3...: never reused).
+    pub fn insert(&mut self, listener: ListenerId, handle: T) -> RequestId {
+        let request = RequestId(self.next);
+        self.next += 1;
+        self.requests.insert(request, (listener, handle));
+        request
+    }
+
+    /// Takes a request out, to accept or reject it; `None` if it is unknown or already answered.
+    pub fn take(&mut self, request: RequestId) -> Option<(ListenerId, T)> {
+        self.requests.remove(&request)
+    }
+
+    /// Takes out every request of `listener` (in no particular order), to refuse them before the listener closes.
+    pub fn take_listener(&mut self, listener: ListenerId) -> Vec<T> {
+        let stale: Vec<RequestId> = self
+            .requests
+            .iter()
+            .filter(|(_, (l, _))| *l == listener)
+            .map(|(r, _)| *r)
+            .collect();
+        stale
+            .into_iter()
+            .filter_map(|r| self.requests.remove(&r).map(|(_, handle)| handle))
+            .collect()
+    }
+
+    /// Takes out every request (in no particular order), each with its listener.
+    pub fn take_all(&mut self) -> Vec<(ListenerId, T)> {
+        self.requests.drain().map(|(_, v)| v).collect()
+    }
+}
+
+impl WorkRequest {
+    /// The completion of this request when it never reaches the hardware because its endpoint is down (posting on
+    /// a dead connection completes with a flush, as hardware does): its kind, no bytes, [`WcError::Flushed`].
+    pub fn flushed(&self, ep: EndpointId) -> Completion {
+        let op = match self.op {
+            Op::Send { .. } => Completed::Send,
+            Op::Write { .. } => Completed::Write,
+            Op::Read { .. } => Completed::Read,
+            Op::Recv { .. } => Completed::Recv { len: 0, imm: None },
+        };
+        Completion {
+            ep,
+            wr_id: self.wr_id,
+            op,
+            status: Err(WcError::Flushed),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pending_requests_number_once_and_hand_back_a_closing_listeners_requests() {
+        let (a, b) = (ListenerId(1), ListenerId(2));
+        let mut p = PendingRequests::default();
+        let r1 = p.insert(a, "a1");
+        let r2 = p.insert(b, "b1");
+        let r3 = p.insert(a, "a2");
+        assert_eq!((r1, r2, r3), (RequestId(1), RequestId(2), RequestId(3)));
+        // An answered request is gone; its identifier is not given again.
+        assert_eq!(p.take(r2), Some((b, "b1")));
+        assert_eq!(p.take(r2), None);
+        assert_eq!(p.insert(b, "b2"), RequestId(4));
+        let mut stale = p.take_listener(a);
+        stale.sort_unstable();
+        assert_eq!(stale, ["a1", "a2"]);
+        assert_eq!(p.take(r1), None);
+        assert!(p.take_listener(a).is_empty());
+        assert_eq!(p.take_all(), [(b, "b2")]);
+        assert!(p.take_all().is_empty());
+    }
+
+    #[test]
+    fn a_flushed_request_completes_as_its_kind_with_no_bytes() {
+        let wr = WorkRequest {
+            wr_id: 7,
+            op: Op::Send {
+                sges: Vec::new(),
+                imm: Some(3),
+            },
+        };
+        assert_eq!(
+            wr.flushed(EndpointId(2)),
+            Completion {
+                ep: EndpointId(2),
+                wr_id: 7,
+                op: Completed::Send,
+                status: Err(WcError::Flushed),
+            }
+        );
     }
 }

@@ -1,0 +1,189 @@
+//! Completions: each endpoint's completion queue read into exs completions (reclaiming the posted records),
+//! provider errors as [`WcError`]s, and waiting (an epoll set over every queue's wait descriptor, `fi_trywait`).
+
+use std::ffi::c_void;
+use std::os::fd::{BorrowedFd, RawFd};
+
+use exs_transport::{Completed, Completion, EndpointId, Op, TransportError, WcError};
+use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
+
+use crate::connection::Ep;
+use crate::device::{check, err};
+use crate::ffi::*;
+use crate::post::WrRecord;
+use crate::FabricTransport;
+
+pub(crate) fn wait_fd_of(fid: *mut fid) -> Result<RawFd, TransportError> {
+    let mut fd: i32 = -1;
+    // SAFETY: FI_GETWAIT on a queue opened with FI_WAIT_FD writes one int.
+    let ret = unsafe { exs_fi_control(fid, FI_GETWAIT as i32, &mut fd as *mut i32 as *mut c_void) };
+    check("fi_control(FI_GETWAIT)", ret)?;
+    Ok(fd)
+}
+
+pub(crate) fn epoll_add(epoll: &Epoll, fd: RawFd, data: u64) -> Result<(), TransportError> {
+    // SAFETY: `fd` is a wait descriptor owned by a libfabric queue that stays open while it is in the set (it is
+    // removed before the queue is closed).
+    let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
+    epoll
+        .add(bfd, EpollEvent::new(EpollFlags::EPOLLIN, data))
+        .map_err(|e| TransportError::os("epoll_ctl(ADD)", e.into()))
+}
+
+impl FabricTransport {
+    /// Reads up to `max` completions of one endpoint into `out`. Returns how many.
+    pub(crate) fn read_cq(&mut self, id: EndpointId, out: &mut impl Extend<Completion>, max: usize) -> usize {
+        let Some(e) = self.eps.get_mut(&id) else {
+            return 0;
+        };
+        let mut entries = [fi_cq_data_entry::default(); 16];
+        let mut n = 0;
+        while n < max {
+            let want = entries.len().min(max - n);
+            // SAFETY: open queue; the buffer holds `want` data entries.
+            let ret = unsafe { exs_fi_cq_read(e.cq, entries.as_mut_ptr() as *mut c_void, want) };
+            if ret > 0 {
+                let drained = (ret as usize) < want;
+                for ent in &entries[..ret as usize] {
+                    out.extend(Some(complete(
+                        e,
+                        id,
+                        ent.op_context,
+                        ent.flags,
+                        ent.len,
+                        ent.data,
+                        Ok(()),
+                    )));
+                    n += 1;
+                }
+                // Fewer than asked: nothing more is queued now (another read would only cost a system call).
+                if drained {
+                    break;
+                }
+                continue;
+            }
+            if ret == -(FI_EAVAIL as isize) {
+                let mut ee = fi_cq_err_entry::default();
+                // SAFETY: an error entry is available; `ee` is a valid buffer.
+                let r = unsafe { exs_fi_cq_readerr(e.cq, &mut ee, 0) };
+                if r > 0 {
+                    tracing::debug!(err = ee.err, prov_errno = ee.prov_errno, "completion error");
+                    let status = Err(wc_error(ee.err));
+                    out.extend(Some(complete(
+                        e,
+                        id,
+                        ee.op_context,
+                        ee.flags,
+                        ee.len,
+                        ee.data,
+                        status,
+                    )));
+                    n += 1;
+                    continue;
+                }
+            }
+            break;
+        }
+        n
+    }
+
+    /// [`Transport::poll`](exs_transport::Transport::poll): the backlog first, then every endpoint's queue.
+    pub(crate) fn poll_cqs(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        let mut n = 0;
+        while n < max {
+            let Some(c) = self.cq_backlog.pop_front() else {
+                break;
+            };
+            out.push(c);
+            n += 1;
+        }
+        if n < max {
+            // The endpoint list is reused from poll to poll: no allocation on the data path.
+            let mut ids = std::mem::take(&mut self.poll_ids);
+            ids.clear();
+            ids.extend(self.eps.keys().copied());
+            for &id in &ids {
+                if n >= max {
+                    break;
+                }
+                n += self.read_cq(id, out, max - n);
+            }
+            self.poll_ids = ids;
+        }
+        n
+    }
+
+    /// [`Transport::arm`](exs_transport::Transport::arm): `fi_trywait` over the event queue and every completion queue.
+    pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
+        if !self.cm_backlog.is_empty() || !self.cq_backlog.is_empty() {
+            return Ok(false);
+        }
+        // SAFETY: the event queue and every endpoint's queue are open; fi_trywait only inspects them.
+        let ret = unsafe {
+            let mut fids: Vec<*mut fid> = Vec::with_capacity(1 + self.eps.len());
+            fids.push(&mut (*self.eq).fid);
+            for e in self.eps.values() {
+                fids.push(&mut (*e.cq).fid);
+            }
+            exs_fi_trywait(self.dom.fab.fabric, fids.as_mut_ptr(), fids.len() as i32)
+        };
+        match ret {
+            0 => Ok(true),
+            r if r == -(FI_EAGAIN as i32) => Ok(false),
+            r => Err(err("fi_trywait", r.into())),
+        }
+    }
+}
+
+fn wc_error(err: i32) -> WcError {
+    match err as u32 {
+        FI_ECANCELED => WcError::Flushed,
+        FI_ETIMEDOUT => WcError::RetryExceeded,
+        // Connection reset / broken pipe / not connected / I/O error: the connection is gone.
+        104 | 32 | 107 | 5 => WcError::Flushed,
+        13 | 1 => WcError::RemoteAccess, // EACCES, EPERM
+        _ => WcError::Other(strerror(err.into())),
+    }
+}
+
+/// Turns a completion entry into an exs completion, reclaiming its record.
+fn complete(
+    e: &mut Ep,
+    id: EndpointId,
+    op_context: *mut c_void,
+    flags: u64,
+    len: usize,
+    data: u64,
+    status: Result<(), WcError>,
+) -> Completion {
+    if op_context.is_null() {
+        // A write-with-immediate that consumed no receive (remote CQ data).
+        return Completion {
+            ep: id,
+            wr_id: 0,
+            op: Completed::RemoteWrite { imm: data as u32 },
+            status,
+        };
+    }
+    let key = op_context as usize;
+    e.pending.remove(&key);
+    // SAFETY: non-null operation contexts are records we boxed in `post` and leaked into the provider; each
+    // completes exactly once, so the box is reclaimed exactly once (and removed from `pending`).
+    let rec = unsafe { Box::from_raw(op_context as *mut WrRecord) };
+    let imm = (flags & FI_REMOTE_CQ_DATA as u64 != 0).then_some(data as u32);
+    let op = match rec.op {
+        Op::Send { .. } => Completed::Send,
+        Op::Write { .. } => Completed::Write,
+        Op::Read { .. } => Completed::Read,
+        Op::Recv { .. } => Completed::Recv {
+            len: len as u32,
+            imm,
+        },
+    };
+    Completion {
+        ep: id,
+        wr_id: rec.wr_id,
+        op,
+        status,
+    }
+}

@@ -1,0 +1,419 @@
+//! Connections: listeners, endpoints (each with its own completion queue, in the connection's domain) made to
+//! connect or to accept a request, refusing requests, disconnecting and releasing.
+
+use std::collections::HashSet;
+use std::ffi::c_void;
+use std::net::SocketAddr;
+use std::os::fd::{BorrowedFd, RawFd};
+use std::ptr;
+use std::sync::Arc;
+
+use exs_transport::{
+    CmEvent, ConnectFailure, EndpointId, ListenerId, RequestId, TransportError, WorkRequest,
+};
+
+use crate::completion::{epoll_add, wait_fd_of};
+use crate::device::{check, err, getinfo, Info};
+use crate::ffi::*;
+use crate::memory::Domain;
+use crate::post::WrRecord;
+use crate::{sockaddr, FabricTransport, TAG_EP, TAG_LISTENER};
+
+/// Why [`FabricTransport::create_ep`] failed, and whether it got as far as opening the endpoint.
+#[derive(Debug)]
+struct EpError {
+    error: TransportError,
+    opened: bool,
+}
+
+impl EpError {
+    fn before(error: TransportError) -> Self {
+        EpError {
+            error,
+            opened: false,
+        }
+    }
+}
+
+impl From<EpError> for TransportError {
+    fn from(e: EpError) -> Self {
+        e.error
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum EpState {
+    Connecting,
+    Connected,
+    Down,
+}
+
+pub(crate) struct Ep {
+    /// The domain the endpoint and its queue live in (closed after them).
+    _dom: Arc<Domain>,
+    pub(crate) ep: *mut fid_ep,
+    pub(crate) cq: *mut fid_cq,
+    pub(crate) cq_fd: RawFd,
+    pub(crate) pending: HashSet<usize>,
+    pub(crate) state: EpState,
+    pub(crate) reported_down: bool,
+    pub(crate) local: Option<SocketAddr>,
+    pub(crate) peer: Option<SocketAddr>,
+}
+
+impl FabricTransport {
+    /// Opens an endpoint and its completion queue. On error, `EpError::opened` says whether an endpoint was
+    /// opened from `info` (and closed again): from a connection request's info, that endpoint took the
+    /// connection over, so the request is no longer the provider's to refuse.
+    fn create_ep(&mut self, info: *mut fi_info, id: EndpointId) -> Result<Ep, EpError> {
+        let dom = self.domain_for(id).map_err(EpError::before)?;
+        let mut ep = ptr::null_mut();
+        let ctx = (TAG_EP | id.0 as usize) as *mut c_void;
+        // SAFETY: open domain; `info` is a valid entry (from fi_getinfo or a connection request).
+        check("fi_endpoint", unsafe {
+            exs_fi_endpoint(dom.domain, info, &mut ep, ctx)
+        })
+        .map_err(EpError::before)?;
+        self.finish_ep(dom, ep, ctx, id).map_err(|error| EpError {
+            error,
+            opened: true,
+        })
+    }
+
+    /// The rest of [`FabricTransport::create_ep`] once the endpoint is open: its queue, bindings, enabling. On
+    /// error the endpoint is closed.
+    fn finish_ep(
+        &mut self,
+        dom: Arc<Domain>,
+        ep: *mut fid_ep,
+        ctx: *mut c_void,
+        id: EndpointId,
+    ) -> Result<Ep, TransportError> {
+        let size = (self.caps.max_send_wr + self.caps.max_recv_wr) as usize;
+        let mut attr = fi_cq_attr {
+            size,
+            format: fi_cq_format_FI_CQ_FORMAT_DATA,
+            wait_obj: fi_wait_obj_FI_WAIT_FD,
+            ..Default::default()
+        };
+        let mut cq = ptr::null_mut();
+        // SAFETY: open domain; attr lives across the call.
+        let ret = unsafe { exs_fi_cq_open(dom.domain, &mut attr, &mut cq, ctx) };
+        let cleanup_ep = |ep: *mut fid_ep| {
+            // SAFETY: the endpoint was opened above and is not used elsewhere.
+            unsafe { exs_fi_close(&mut (*ep).fid) };
+        };
+        if ret < 0 {
+            cleanup_ep(ep);
+            return Err(err("fi_cq_open", ret.into()));
+        }
+        let close_both = |ep: *mut fid_ep, cq: *mut fid_cq| {
+            cleanup_ep(ep);
+            // SAFETY: the queue was opened above and is bound to nothing else.
+            unsafe { exs_fi_close(&mut (*cq).fid) };
+        };
+        // SAFETY: endpoint, queue and event queue are open; binding flags per fi_endpoint(3).
+        let r = unsafe {
+            let r = exs_fi_ep_bind(ep, &mut (*self.eq).fid, 0);
+            if r < 0 {
+                r
+            } else {
+                exs_fi_ep_bind(ep, &mut (*cq).fid, (FI_TRANSMIT | FI_RECV) as u64)
+            }
+        };
+        if r < 0 {
+            close_both(ep, cq);
+            return Err(err("fi_ep_bind", r.into()));
+        }
+        // SAFETY: bound endpoint.
+        let r = unsafe { exs_fi_enable(ep) };
+        if r < 0 {
+            close_both(ep, cq);
+            return Err(err("fi_enable", r.into()));
+        }
+        // SAFETY: `cq` is open.
+        let cq_fd = match wait_fd_of(unsafe { &mut (*cq).fid }) {
+            Ok(fd) => fd,
+            Err(e) => {
+                close_both(ep, cq);
+                return Err(e);
+            }
+        };
+        if let Err(e) = epoll_add(&self.epoll, cq_fd, u64::from(id.0)) {
+            close_both(ep, cq);
+            return Err(e);
+        }
+        Ok(Ep {
+            _dom: dom,
+            ep,
+            cq,
+            cq_fd,
+            pending: HashSet::new(),
+            state: EpState::Connecting,
+            reported_down: false,
+            local: None,
+            peer: None,
+        })
+    }
+
+    fn post_initial(
+        &mut self,
+        id: EndpointId,
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
+        for wr in recvs {
+            self.post_one(id, wr).map_err(|e| e.error)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn addresses(&mut self, id: EndpointId) {
+        let Some(e) = self.eps.get_mut(&id) else {
+            return;
+        };
+        let mut buf = [0u8; 128];
+        let mut len = buf.len();
+        // SAFETY: connected endpoint; `buf` holds `len` bytes.
+        if unsafe { exs_fi_getname(&mut (*e.ep).fid, buf.as_mut_ptr() as *mut c_void, &mut len) }
+            == 0
+        {
+            e.local = sockaddr::decode(&buf[..len.min(buf.len())]);
+        }
+        let mut len = buf.len();
+        // SAFETY: as above.
+        if unsafe { exs_fi_getpeer(e.ep, buf.as_mut_ptr() as *mut c_void, &mut len) } == 0 {
+            e.peer = sockaddr::decode(&buf[..len.min(buf.len())]);
+        }
+    }
+
+    /// Refuses a connection request through the listener that received it, then frees its info (once, by
+    /// dropping it). The only ways a request ends are this and `accept`.
+    pub(crate) fn reject_info(&mut self, listener: ListenerId, info: Info) {
+        match self.listeners.get(&listener) {
+            Some(&pep) => {
+                // SAFETY: an open passive endpoint and the handle of a request it received (from the request's
+                // info, alive until `info` drops below); the provider frees the handle, not the info.
+                let ret = unsafe { exs_fi_reject(pep, (*info.0).handle, ptr::null(), 0) };
+                if ret < 0 {
+                    tracing::debug!("fi_reject: {}", strerror(ret.into()));
+                }
+            }
+            // Not reached: `close_listener` rejects a listener's requests before closing it.
+            None => tracing::error!(
+                ?listener,
+                "rejecting a request of a closed listener; its connection handle leaks"
+            ),
+        }
+        drop(info);
+    }
+
+    /// [`Transport::listen`](exs_transport::Transport::listen): a passive endpoint bound to our event queue.
+    pub(crate) fn start_listening(
+        &mut self,
+        addr: SocketAddr,
+        _backlog: u32,
+    ) -> Result<(ListenerId, SocketAddr), TransportError> {
+        let info = getinfo(
+            &self.provider,
+            None,
+            Some(&addr.ip().to_string()),
+            Some(&addr.port().to_string()),
+            FI_SOURCE,
+        )
+        .map_err(|e| match e {
+            TransportError::Os { .. } => TransportError::AddrNotAvailable(format!("{addr}: {e}")),
+            other => other,
+        })?;
+        let id = ListenerId(self.next_listener);
+        self.next_listener += 1;
+        let mut pep = ptr::null_mut();
+        let ctx = (TAG_LISTENER | id.0 as usize) as *mut c_void;
+        // SAFETY: open fabric and a valid info.
+        check("fi_passive_ep", unsafe {
+            exs_fi_passive_ep(self.dom.fab.fabric, info.0, &mut pep, ctx)
+        })?;
+        // SAFETY: `pep` was just opened; binding it to our event queue, then listening.
+        let ret = unsafe {
+            let r = exs_fi_pep_bind(pep, &mut (*self.eq).fid, 0);
+            if r < 0 {
+                r
+            } else {
+                exs_fi_listen(pep)
+            }
+        };
+        if ret < 0 {
+            // SAFETY: the passive endpoint is ours and unused.
+            unsafe { exs_fi_close(&mut (*pep).fid) };
+            if ret.unsigned_abs() == 98 {
+                return Err(TransportError::AddrInUse(addr));
+            }
+            return Err(err("fi_listen", ret.into()));
+        }
+        let mut buf = [0u8; 128];
+        let mut len = buf.len();
+        // SAFETY: listening passive endpoint; `buf` holds `len` bytes.
+        let bound = if unsafe {
+            exs_fi_getname(&mut (*pep).fid, buf.as_mut_ptr() as *mut c_void, &mut len)
+        } == 0
+        {
+            sockaddr::decode(&buf[..len.min(buf.len())]).unwrap_or(addr)
+        } else {
+            addr
+        };
+        self.listeners.insert(id, pep);
+        Ok((id, bound))
+    }
+
+    /// [`Transport::close_listener`](exs_transport::Transport::close_listener), refusing its requests first.
+    pub(crate) fn stop_listening(&mut self, listener: ListenerId) {
+        if !self.listeners.contains_key(&listener) {
+            return;
+        }
+        // Connection requests for this listener may wait in the event queue (the provider's progress publishes
+        // them while a read runs, and the read returns one). Read them while the passive endpoint is open: once
+        // it is closed their entries name a freed object, and their connections can no longer be refused, so
+        // their sockets would leak. The provider makes no progress between this and the close below (the event
+        // queue's progress runs in reads, and the engine's lock is held), so none can follow.
+        while let Some(ev) = self.read_eq() {
+            self.cm_backlog.push_back(ev);
+        }
+        for info in self.requests.take_listener(listener) {
+            self.reject_info(listener, info);
+        }
+        // Requests just read for it are answered: the engine never sees them.
+        self.cm_backlog.retain(
+            |ev| !matches!(ev, CmEvent::ConnectRequest { listener: l, .. } if *l == listener),
+        );
+        if let Some(pep) = self.listeners.remove(&listener) {
+            // SAFETY: the passive endpoint is removed from our table and closed once; no request of it is left.
+            unsafe { exs_fi_close(&mut (*pep).fid) };
+        }
+    }
+
+    /// [`Transport::connect`](exs_transport::Transport::connect): an endpoint from `fi_getinfo` for the address,
+    /// then `fi_connect`.
+    pub(crate) fn start_connect(
+        &mut self,
+        ep: EndpointId,
+        addr: SocketAddr,
+        private: &[u8],
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
+        let node = addr.ip().to_string();
+        let service = addr.port().to_string();
+        let info = getinfo(
+            &self.provider,
+            Some(&self.domain_name),
+            Some(&node),
+            Some(&service),
+            0,
+        )
+        .or_else(|_| getinfo(&self.provider, None, Some(&node), Some(&service), 0))?;
+        let e = self.create_ep(info.0, ep)?;
+        self.eps.insert(ep, e);
+        if let Err(err) = self.post_initial(ep, recvs) {
+            self.release_ep(ep);
+            return Err(err);
+        }
+        let e = self.eps.get(&ep).expect("inserted");
+        // SAFETY: enabled endpoint; `info` carries the destination address; private data is copied by the call.
+        let ret = unsafe {
+            exs_fi_connect(
+                e.ep,
+                (*info.0).dest_addr,
+                private.as_ptr() as *const c_void,
+                private.len(),
+            )
+        };
+        if ret < 0 {
+            self.release_ep(ep);
+            if ret.unsigned_abs() == FI_ECONNREFUSED {
+                self.cm_backlog.push_back(CmEvent::ConnectFailed {
+                    ep,
+                    reason: ConnectFailure::Refused(Vec::new()),
+                });
+                return Ok(());
+            }
+            return Err(err("fi_connect", ret.into()));
+        }
+        Ok(())
+    }
+
+    /// [`Transport::accept`](exs_transport::Transport::accept): an endpoint from the request's info, then `fi_accept`.
+    pub(crate) fn accept_request(
+        &mut self,
+        request: RequestId,
+        ep: EndpointId,
+        private: &[u8],
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
+        let (listener, info) = self
+            .requests
+            .take(request)
+            .ok_or(TransportError::Invalid("unknown request".into()))?;
+        let e = match self.create_ep(info.0, ep) {
+            Ok(e) => e,
+            Err(EpError { error, opened }) => {
+                // The connection's own domain, if one was made for it, goes with it.
+                self.conn_domains.remove(&ep);
+                if !opened {
+                    // The request is still the provider's: refuse it (the peer sees a refusal, its socket goes).
+                    self.reject_info(listener, info);
+                }
+                // Otherwise the endpoint made from it took the connection over and closed it.
+                return Err(error);
+            }
+        };
+        self.eps.insert(ep, e);
+        if let Err(err) = self.post_initial(ep, recvs) {
+            self.release_ep(ep);
+            return Err(err);
+        }
+        let e = self.eps.get(&ep).expect("inserted");
+        // SAFETY: enabled endpoint created from the request's info; private data is copied by the call.
+        let ret = unsafe { exs_fi_accept(e.ep, private.as_ptr() as *const c_void, private.len()) };
+        if ret < 0 {
+            self.release_ep(ep);
+            return Err(err("fi_accept", ret.into()));
+        }
+        Ok(())
+    }
+
+    /// [`Transport::disconnect`](exs_transport::Transport::disconnect): `fi_shutdown`, and the endpoint is down.
+    pub(crate) fn start_disconnect(&mut self, ep: EndpointId) {
+        let Some(e) = self.eps.get_mut(&ep) else {
+            return;
+        };
+        if e.state != EpState::Down {
+            // SAFETY: open endpoint.
+            unsafe { exs_fi_shutdown(e.ep, 0) };
+        }
+        if let Some(ev) = self.report_down(ep) {
+            self.cm_backlog.push_back(ev);
+        }
+    }
+
+    /// [`Transport::release`](exs_transport::Transport::release): closes the endpoint, then reclaims its records.
+    pub(crate) fn release_ep(&mut self, ep: EndpointId) {
+        // The connection's domain closes once the endpoint and the last exposure of it are gone.
+        self.conn_domains.remove(&ep);
+        let Some(e) = self.eps.remove(&ep) else {
+            return;
+        };
+        // SAFETY: the wait descriptor belongs to the queue we are about to close.
+        let _ = self
+            .epoll
+            .delete(unsafe { BorrowedFd::borrow_raw(e.cq_fd) });
+        // SAFETY: closing the endpoint stops the provider from touching any posted buffer; then the queue.
+        unsafe {
+            exs_fi_close(&mut (*e.ep).fid);
+            exs_fi_close(&mut (*e.cq).fid);
+        }
+        for key in e.pending {
+            // SAFETY: records still pending were leaked into the provider, which can no longer complete them now
+            // that the endpoint is closed; each is reclaimed once, dropping its leases.
+            drop(unsafe { Box::from_raw(key as *mut WrRecord) });
+        }
+        self.cq_backlog.retain(|c| c.ep != ep);
+    }
+}

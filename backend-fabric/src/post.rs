@@ -1,0 +1,188 @@
+//! Posting work requests: each is a boxed record whose address is the operation context, owning the request (and
+//! its leases) until its completion is read or its endpoint is closed; a request the provider refuses comes back
+//! whole.
+
+use std::ffi::c_void;
+
+use exs_transport::{EndpointId, Op, PostError, TransportError, WorkRequest};
+
+use crate::connection::EpState;
+use crate::device::err;
+use crate::ffi::*;
+use crate::FabricTransport;
+
+/// A posted work request. Its address is the operation context; `ctx` comes first for FI_CONTEXT providers.
+#[repr(C)]
+pub(crate) struct WrRecord {
+    ctx: fi_context2,
+    ep: EndpointId,
+    pub(crate) wr_id: u64,
+    pub(crate) op: Op,
+}
+
+impl FabricTransport {
+    /// Posts one record; returns the libfabric result.
+    fn post_record(&mut self, ep: *mut fid_ep, rec: *mut WrRecord) -> isize {
+        // SAFETY: `rec` is a live boxed record we own until its completion is read; the addresses inside its
+        // scatter/gather entries are leased DmaBuf ranges (kept alive by the record) and the local keys are
+        // descriptors of live registrations (held by the entries). `ep` is an enabled endpoint.
+        unsafe {
+            let ctx = rec as *mut c_void;
+            match &(*rec).op {
+                Op::Recv { sge } => exs_fi_recv(
+                    ep,
+                    sge.addr() as *mut c_void,
+                    sge.len(),
+                    sge.local_key() as *mut c_void,
+                    ctx,
+                ),
+                Op::Send { sges, imm: None } => {
+                    let iov: Vec<iovec> = sges
+                        .iter()
+                        .map(|s| iovec {
+                            iov_base: s.addr() as *mut c_void,
+                            iov_len: s.len(),
+                        })
+                        .collect();
+                    let mut desc: Vec<*mut c_void> =
+                        sges.iter().map(|s| s.local_key() as *mut c_void).collect();
+                    exs_fi_sendv(ep, iov.as_ptr(), desc.as_mut_ptr(), iov.len(), ctx)
+                }
+                Op::Send {
+                    sges,
+                    imm: Some(imm),
+                } => {
+                    // Sends with immediate carry one buffer (the protocol never gathers them).
+                    let (addr, len, key) = sges
+                        .first()
+                        .map_or((0, 0, 0), |s| (s.addr(), s.len(), s.local_key()));
+                    exs_fi_senddata(
+                        ep,
+                        addr as *const c_void,
+                        len,
+                        key as *mut c_void,
+                        u64::from(*imm),
+                        ctx,
+                    )
+                }
+                Op::Write {
+                    local,
+                    remote,
+                    imm: Some(imm),
+                } if local.len() == 1 => {
+                    let l = &local[0];
+                    exs_fi_writedata(
+                        ep,
+                        l.addr() as *const c_void,
+                        l.len(),
+                        l.local_key() as *mut c_void,
+                        u64::from(*imm),
+                        remote.addr,
+                        remote.key,
+                        ctx,
+                    )
+                }
+                Op::Write { local, remote, imm } => {
+                    // Gathered write: one fi_writemsg with an iovec per entry and one remote range. A plain write
+                    // (into a persistent receive) completes only once the bytes are at the peer, as an RC write
+                    // does on verbs: the sender's completion is the only signal the peer gets
+                    // (FI_DELIVERY_COMPLETE; found when faster progress let the sender's event overtake them).
+                    let iov: Vec<iovec> = local
+                        .iter()
+                        .map(|s| iovec {
+                            iov_base: s.addr() as *mut c_void,
+                            iov_len: s.len(),
+                        })
+                        .collect();
+                    let mut desc: Vec<*mut c_void> =
+                        local.iter().map(|s| s.local_key() as *mut c_void).collect();
+                    let len: usize = local.iter().map(|s| s.len()).sum();
+                    let rma = fi_rma_iov {
+                        addr: remote.addr,
+                        len,
+                        key: remote.key,
+                    };
+                    let msg = fi_msg_rma {
+                        msg_iov: iov.as_ptr(),
+                        desc: desc.as_mut_ptr(),
+                        iov_count: iov.len(),
+                        addr: 0,
+                        rma_iov: &rma,
+                        rma_iov_count: 1,
+                        context: ctx,
+                        data: imm.map_or(0, u64::from),
+                    };
+                    let flags = if imm.is_some() {
+                        FI_REMOTE_CQ_DATA as u64
+                    } else {
+                        FI_DELIVERY_COMPLETE as u64
+                    };
+                    exs_fi_writemsg(ep, &msg, flags)
+                }
+                Op::Read { local, remote } => exs_fi_read(
+                    ep,
+                    local.addr() as *mut c_void,
+                    local.len(),
+                    local.local_key() as *mut c_void,
+                    remote.addr,
+                    remote.key,
+                    ctx,
+                ),
+            }
+        }
+    }
+
+    /// [`Transport::post`](exs_transport::Transport::post): one record, retried while the provider's queue is full.
+    /// The refused request comes back whole in the error, as the trait's `post` says (hot path: not boxed).
+    #[allow(clippy::result_large_err)]
+    pub(crate) fn post_one(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError> {
+        let Some(e) = self.eps.get(&ep) else {
+            return Err(PostError {
+                error: TransportError::NoEndpoint,
+                wr,
+            });
+        };
+        if e.state == EpState::Down {
+            // Posting on a dead connection completes with a flush, as hardware does.
+            self.cq_backlog.push_back(wr.flushed(ep));
+            return Ok(());
+        }
+        let raw_ep = e.ep;
+        let rec = Box::into_raw(Box::new(WrRecord {
+            ctx: fi_context2::default(),
+            ep,
+            wr_id: wr.wr_id,
+            op: wr.op,
+        }));
+        let mut tries = 0;
+        loop {
+            let ret = self.post_record(raw_ep, rec);
+            if ret == 0 {
+                self.eps
+                    .get_mut(&ep)
+                    .expect("checked")
+                    .pending
+                    .insert(rec as usize);
+                return Ok(());
+            }
+            if ret == -(FI_EAGAIN as isize) && tries < 1000 {
+                // The provider's queue is momentarily full: let it make progress (reading completions into our
+                // backlog), then retry.
+                tries += 1;
+                let mut backlog = std::mem::take(&mut self.cq_backlog);
+                self.read_cq(ep, &mut backlog, 64);
+                self.cq_backlog = backlog;
+                continue;
+            }
+            // SAFETY: the provider refused the record, so it never saw the pointer; we reclaim it once.
+            let rec = unsafe { Box::from_raw(rec) };
+            return Err(PostError {
+                error: err("post", ret as i64),
+                wr: WorkRequest {
+                    wr_id: rec.wr_id,
+                    op: rec.op,
+                },
+            });
+        }
+    }
+}

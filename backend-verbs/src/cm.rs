@@ -1,0 +1,158 @@
+//! Connection-management events: rdma_cm events turned into exs events, and the steps of an outgoing connection
+//! they drive (route resolution, queue pair, `rdma_connect`).
+
+use std::net::SocketAddr;
+use std::ptr;
+
+use exs_transport::{CmEvent, ConnectFailure, EndpointId, ListenerId};
+use rdma_sys::*;
+
+use crate::connection::{to_socketaddr, EpState};
+use crate::{VerbsTransport, RESOLVE_TIMEOUT_MS, TAG_EP, TAG_LISTENER};
+
+impl VerbsTransport {
+    pub(crate) fn report_down(&mut self, ep: EndpointId) -> Option<CmEvent> {
+        let e = self.eps.get_mut(&ep)?;
+        e.state = EpState::Down;
+        if e.reported_down {
+            return None;
+        }
+        e.reported_down = true;
+        Some(CmEvent::Disconnected { ep })
+    }
+
+    fn connect_failed(&mut self, ep: EndpointId, reason: ConnectFailure) -> Option<CmEvent> {
+        let e = self.eps.get_mut(&ep)?;
+        e.state = EpState::Down;
+        e.reported_down = true;
+        Some(CmEvent::ConnectFailed { ep, reason })
+    }
+
+    /// Handles one rdma_cm event; returns what the engine should see.
+    fn on_cm_event(&mut self, ev: *mut rdma_cm_event) -> Option<CmEvent> {
+        // SAFETY: `ev` came from rdma_get_cm_event and is acknowledged by our caller after this returns.
+        let (kind, id, listen_id, status, data) = unsafe {
+            let e = &*ev;
+            let conn = &e.param.conn;
+            let data = if conn.private_data.is_null() || conn.private_data_len == 0 {
+                Vec::new()
+            } else {
+                std::slice::from_raw_parts(
+                    conn.private_data as *const u8,
+                    conn.private_data_len as usize,
+                )
+                .to_vec()
+            };
+            (e.event, e.id, e.listen_id, e.status, data)
+        };
+        // SAFETY: ids in events are live (acknowledgment comes later); the context is what we set.
+        let tag = unsafe { (*id).context as usize };
+        let ep = EndpointId((tag & 0xffff_ffff) as u32);
+        use rdma_cm_event_type::*;
+        match kind {
+            RDMA_CM_EVENT_CONNECT_REQUEST => {
+                // SAFETY: the listener's id is live; its context is the listener tag.
+                let ltag = unsafe { (*listen_id).context as usize };
+                let listener = ListenerId((ltag & 0xffff_ffff) as u32);
+                if ltag & TAG_LISTENER == 0 || !self.listeners.contains_key(&listener) {
+                    // A request nobody will answer: the peer is refused and the id goes (a connection request
+                    // counts as an event of its listener, so destroying the new id before the event is
+                    // acknowledged does not wait for it).
+                    Self::reject_id(id);
+                    return None;
+                }
+                let request = self.requests.insert(listener, id);
+                // SAFETY: live id.
+                let peer = to_socketaddr(unsafe { rdma_get_peer_addr(&*id) } as *const _)
+                    .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+                Some(CmEvent::ConnectRequest {
+                    listener,
+                    request,
+                    peer,
+                    private: data,
+                })
+            }
+            _ if tag & TAG_EP == 0 => None,
+            RDMA_CM_EVENT_ADDR_RESOLVED => {
+                let e = self.eps.get(&ep)?;
+                // SAFETY: live id with a resolved address.
+                if unsafe { rdma_resolve_route(e.id, RESOLVE_TIMEOUT_MS) } != 0 {
+                    return self.connect_failed(
+                        ep,
+                        ConnectFailure::Other(format!(
+                            "rdma_resolve_route: {}",
+                            std::io::Error::last_os_error()
+                        )),
+                    );
+                }
+                None
+            }
+            RDMA_CM_EVENT_ROUTE_RESOLVED => {
+                let (private, recvs) = self.eps.get_mut(&ep)?.pending.take()?;
+                if let Err(err) = self.create_qp(ep, recvs) {
+                    return self.connect_failed(ep, ConnectFailure::Other(err.to_string()));
+                }
+                let e = self.eps.get_mut(&ep)?;
+                e.state = EpState::Connecting;
+                let mut param = Self::conn_param(&private, self.rd_atom);
+                // SAFETY: live id with a QP; private data lives across the call (copied by rdma_connect).
+                if unsafe { rdma_connect(e.id, &mut param) } != 0 {
+                    return self.connect_failed(
+                        ep,
+                        ConnectFailure::Other(format!(
+                            "rdma_connect: {}",
+                            std::io::Error::last_os_error()
+                        )),
+                    );
+                }
+                None
+            }
+            RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR => {
+                self.connect_failed(ep, ConnectFailure::Unreachable)
+            }
+            RDMA_CM_EVENT_UNREACHABLE => self.connect_failed(ep, ConnectFailure::TimedOut),
+            RDMA_CM_EVENT_REJECTED => {
+                if self.eps.get(&ep)?.state == EpState::Connected {
+                    return self.report_down(ep);
+                }
+                self.connect_failed(ep, ConnectFailure::Refused(data))
+            }
+            RDMA_CM_EVENT_CONNECT_ERROR => self.connect_failed(
+                ep,
+                ConnectFailure::Other(format!("connect error (status {status})")),
+            ),
+            RDMA_CM_EVENT_ESTABLISHED => {
+                let e = self.eps.get_mut(&ep)?;
+                if e.state == EpState::Down {
+                    return None;
+                }
+                e.state = EpState::Connected;
+                self.addresses(ep);
+                Some(CmEvent::Established { ep, private: data })
+            }
+            RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL => self.report_down(ep),
+            _ => None,
+        }
+    }
+
+    /// [`Transport::poll_cm`](exs_transport::Transport::poll_cm): the backlog first, then rdma_cm events (each
+    /// acknowledged once).
+    pub(crate) fn next_cm_event(&mut self) -> Option<CmEvent> {
+        loop {
+            if let Some(ev) = self.cm_backlog.pop_front() {
+                return Some(ev);
+            }
+            let mut ev = ptr::null_mut();
+            // SAFETY: non-blocking channel; on success `ev` is a live event we acknowledge below.
+            if unsafe { rdma_get_cm_event(self.ch, &mut ev) } != 0 {
+                return None;
+            }
+            let out = self.on_cm_event(ev);
+            // SAFETY: every event is acknowledged exactly once.
+            unsafe { rdma_ack_cm_event(ev) };
+            if let Some(o) = out {
+                return Some(o);
+            }
+        }
+    }
+}

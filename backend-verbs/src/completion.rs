@@ -1,0 +1,177 @@
+//! Completions: the shared completion queue drained into exs completions (retiring send-queue records in order,
+//! turning emulated write-with-immediate messages back into immediates), work completion statuses as
+//! [`WcError`]s, and waiting (arming the completion channel, the epoll set over it and the rdma_cm channel).
+
+use std::ffi::CStr;
+use std::os::fd::{BorrowedFd, RawFd};
+use std::ptr;
+
+use exs_transport::{Completed, Completion, EndpointId, TransportError, WcError};
+use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
+use rdma_sys::*;
+
+use crate::queue::WrIds;
+use crate::{os_err, VerbsTransport, IMM_MAGIC};
+
+pub(crate) fn epoll_add(epoll: &Epoll, fd: RawFd, data: u64) -> Result<(), TransportError> {
+    // SAFETY: the descriptor belongs to a channel that stays open while it is in the set.
+    let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
+    epoll
+        .add(bfd, EpollEvent::new(EpollFlags::EPOLLIN, data))
+        .map_err(|e| TransportError::os("epoll_ctl", e.into()))
+}
+
+fn wc_error(status: u32) -> WcError {
+    match status {
+        ibv_wc_status::IBV_WC_WR_FLUSH_ERR => WcError::Flushed,
+        ibv_wc_status::IBV_WC_REM_ACCESS_ERR => WcError::RemoteAccess,
+        ibv_wc_status::IBV_WC_RETRY_EXC_ERR => WcError::RetryExceeded,
+        ibv_wc_status::IBV_WC_RNR_RETRY_EXC_ERR => WcError::RnrRetryExceeded,
+        ibv_wc_status::IBV_WC_LOC_PROT_ERR => WcError::LocalProtection,
+        ibv_wc_status::IBV_WC_LOC_LEN_ERR => WcError::LocalLength,
+        other => {
+            // SAFETY: ibv_wc_status_str returns a static string for any status.
+            let s = unsafe { CStr::from_ptr(ibv_wc_status_str(other)) };
+            WcError::Other(s.to_string_lossy().into_owned())
+        }
+    }
+}
+
+impl VerbsTransport {
+    pub(crate) fn drain_cq(&mut self) -> usize {
+        let mut wcs: [ibv_wc; 32] = unsafe {
+            // SAFETY: plain data.
+            std::mem::zeroed()
+        };
+        let mut total = 0;
+        loop {
+            // SAFETY: live CQ; `wcs` holds 32 entries.
+            let n = unsafe { ibv_poll_cq(self.cq, wcs.len() as i32, wcs.as_mut_ptr()) };
+            if n <= 0 {
+                return total;
+            }
+            for wc in &wcs[..n as usize] {
+                self.on_wc(wc);
+            }
+            total += n as usize;
+        }
+    }
+
+    fn on_wc(&mut self, wc: &ibv_wc) {
+        let status = if wc.status == ibv_wc_status::IBV_WC_SUCCESS {
+            Ok(())
+        } else {
+            Err(wc_error(wc.status))
+        };
+        if WrIds::is_recv(wc.wr_id) {
+            let Some((owner, rec)) = self.recvs.remove(&wc.wr_id) else {
+                return;
+            };
+            // A shared receive belongs to the QP that dequeued it; EndpointId(0) if that one is gone.
+            let ep =
+                owner.unwrap_or_else(|| self.qpn.get(&wc.qp_num).copied().unwrap_or(EndpointId(0)));
+            let mut imm = None;
+            let mut len = wc.byte_len;
+            if status.is_ok() {
+                if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
+                    || wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0
+                {
+                    // SAFETY: with an immediate (write-with-immediate, or a send with one) the union holds it, in
+                    // network byte order.
+                    imm = Some(u32::from_be(unsafe {
+                        wc.imm_data_invalidated_rkey_union.imm_data
+                    }));
+                } else if wc.byte_len == 8 {
+                    // Possibly an emulated write-with-immediate: 8 bytes starting with the magic (the protocol's
+                    // own control messages are never shorter than 16 bytes).
+                    let mut b = [0u8; 8];
+                    if rec.sge.lease().read(0, &mut b).is_ok() && b[..4] == IMM_MAGIC.to_le_bytes()
+                    {
+                        imm = Some(u32::from_le_bytes(b[4..].try_into().expect("4 bytes")));
+                        len = 0;
+                    }
+                }
+            }
+            self.cq_backlog.push_back((
+                Completion {
+                    ep,
+                    wr_id: rec.wr_id,
+                    op: Completed::Recv { len, imm },
+                    status,
+                },
+                owner.is_none(),
+            ));
+            return;
+        }
+        let Some(&ep) = self.qpn.get(&wc.qp_num) else {
+            return;
+        };
+        let Some(e) = self.eps.get_mut(&ep) else {
+            return;
+        };
+        // A signalled (or failed) request completes every earlier unsignalled one: in order, successfully. A
+        // completion that names none of this endpoint's requests retires nothing: it is a late one of a queue pair
+        // destroyed before this one got its number (identifiers are never reused), or a repeated one.
+        for (rec, named) in e.sends.retire(wc.wr_id) {
+            let mut st = if named { status.clone() } else { Ok(()) };
+            if rec.broken && st.is_ok() {
+                st = Err(WcError::Other(
+                    "only part of the request reached the device".into(),
+                ));
+            }
+            let Some(op) = rec.item.kind else {
+                if let Err(e) = st {
+                    // A failed window bind breaks the queue pair: the requests after it complete flushed.
+                    tracing::warn!(?ep, %e, "memory window bind failed");
+                }
+                continue;
+            };
+            self.cq_backlog.push_back((
+                Completion {
+                    ep,
+                    wr_id: rec.item.wr_id,
+                    op,
+                    status: st,
+                },
+                false,
+            ));
+        }
+    }
+
+    /// [`Transport::poll`](exs_transport::Transport::poll): the completion queue drained into the backlog, then the
+    /// backlog handed out.
+    pub(crate) fn poll_cq(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        if self.cq_backlog.len() < max {
+            self.drain_cq();
+        }
+        let n = self.cq_backlog.len().min(max);
+        out.extend(self.cq_backlog.drain(..n).map(|(c, _)| c));
+        n
+    }
+
+    /// [`Transport::arm`](exs_transport::Transport::arm): `ibv_req_notify_cq`, then one more poll.
+    pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
+        // Consume completion-channel events (acknowledging them), re-arm, then poll once more: a completion that
+        // arrived before the re-arm would otherwise never wake us.
+        loop {
+            let mut cq = ptr::null_mut();
+            let mut ctx = ptr::null_mut();
+            // SAFETY: non-blocking channel; returns -1 when no event is pending.
+            if unsafe { ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } != 0 {
+                break;
+            }
+            self.unacked_cq_events += 1;
+        }
+        if self.unacked_cq_events > 0 {
+            // SAFETY: acknowledging the events we got, for our CQ.
+            unsafe { ibv_ack_cq_events(self.cq, self.unacked_cq_events) };
+            self.unacked_cq_events = 0;
+        }
+        // SAFETY: live CQ.
+        if unsafe { ibv_req_notify_cq(self.cq, 0) } != 0 {
+            return Err(os_err("ibv_req_notify_cq"));
+        }
+        self.drain_cq();
+        Ok(self.cq_backlog.is_empty() && self.cm_backlog.is_empty())
+    }
+}

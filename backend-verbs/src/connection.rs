@@ -1,0 +1,364 @@
+//! Connections: endpoints (an rdma_cm id and its reliable-connected queue pair), listeners, connecting and
+//! accepting, refusing requests, disconnecting and releasing.
+
+use std::ffi::c_void;
+use std::net::SocketAddr;
+use std::ptr;
+
+use exs_transport::{EndpointId, ListenerId, RequestId, Transport, TransportError, WorkRequest};
+use nix::sys::socket::{SockaddrLike, SockaddrStorage};
+use rdma_sys::*;
+
+use crate::memory::MwSlot;
+use crate::post::SendRec;
+use crate::queue::{SendQueue, Signaler};
+use crate::{os_err, VerbsTransport, RESOLVE_TIMEOUT_MS, TAG_EP, TAG_LISTENER};
+
+pub(crate) fn sockaddr(a: SocketAddr) -> SockaddrStorage {
+    SockaddrStorage::from(a)
+}
+
+pub(crate) fn to_socketaddr(p: *const libc::sockaddr) -> Option<SocketAddr> {
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: rdma_cm returns a pointer to a sockaddr inside the cm id, valid while the id lives; from_raw reads
+    // it according to its family.
+    let s = unsafe { SockaddrStorage::from_raw(p, None) }?;
+    if let Some(v4) = s.as_sockaddr_in() {
+        return Some(SocketAddr::from((v4.ip(), v4.port())));
+    }
+    s.as_sockaddr_in6()
+        .map(|v6| SocketAddr::from((v6.ip(), v6.port())))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum EpState {
+    Resolving,
+    Connecting,
+    Connected,
+    Down,
+}
+
+pub(crate) struct Ep {
+    pub(crate) id: *mut rdma_cm_id,
+    pub(crate) qp: *mut ibv_qp,
+    pub(crate) state: EpState,
+    pub(crate) reported_down: bool,
+    /// Active side: what to do once the route is resolved.
+    pub(crate) pending: Option<(Vec<u8>, Vec<WorkRequest>)>,
+    pub(crate) sends: SendQueue<SendRec>,
+    pub(crate) signal: Signaler,
+    /// Native entries the send queue holds (as created: at least what was asked for).
+    pub(crate) sq_cap: u32,
+    /// Windows bound to this queue pair: deallocated before it is destroyed (see [`MwSlot`]).
+    pub(crate) windows: Vec<std::sync::Weak<MwSlot>>,
+    pub(crate) max_inline: u32,
+    pub(crate) local: Option<SocketAddr>,
+    pub(crate) peer: Option<SocketAddr>,
+}
+
+impl VerbsTransport {
+    fn new_ep(id: *mut rdma_cm_id) -> Ep {
+        Ep {
+            id,
+            qp: ptr::null_mut(),
+            state: EpState::Resolving,
+            reported_down: false,
+            pending: None,
+            sends: SendQueue::default(),
+            signal: Signaler::default(),
+            sq_cap: 0,
+            windows: Vec::new(),
+            max_inline: 0,
+            local: None,
+            peer: None,
+        }
+    }
+
+    /// Creates the queue pair of an endpoint (same device as ours) and posts its initial receives.
+    pub(crate) fn create_qp(&mut self, ep: EndpointId, recvs: Vec<WorkRequest>) -> Result<(), TransportError> {
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        // SAFETY: live cm id; after address resolution its verbs context is set.
+        if unsafe { (*e.id).verbs } != self.ctx {
+            return Err(TransportError::Unsupported(
+                "the peer is reached through another RDMA device".into(),
+            ));
+        }
+        let mut attr: ibv_qp_init_attr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        attr.send_cq = self.cq;
+        attr.recv_cq = self.cq;
+        attr.qp_type = ibv_qp_type::IBV_QPT_RC;
+        attr.sq_sig_all = 0;
+        // Room for every request the engine may have outstanding with its share of extra entries (the send of an
+        // emulated write-with-immediate, a window bind): a full queue would refuse a chain part-way.
+        attr.cap.max_send_wr = self.caps.max_send_wr * self.sq_share;
+        if self.srq.is_null() {
+            attr.cap.max_recv_wr = self.caps.max_recv_wr;
+            attr.cap.max_recv_sge = 1;
+        } else {
+            // Receives come from the shared queue.
+            attr.srq = self.srq;
+        }
+        attr.cap.max_send_sge = self.caps.max_sge;
+        attr.cap.max_inline_data = 64;
+        // SAFETY: live id with a resolved route (or a connection request), our PD, attr filled.
+        if unsafe { rdma_create_qp(e.id, self.pd.0, &mut attr) } != 0 {
+            return Err(os_err("rdma_create_qp"));
+        }
+        // SAFETY: rdma_create_qp set id->qp.
+        let qp = unsafe { (*e.id).qp };
+        e.qp = qp;
+        e.max_inline = attr.cap.max_inline_data;
+        // rdma_create_qp wrote back the depth the queue pair got (at least the one asked for).
+        e.sq_cap = attr.cap.max_send_wr;
+        // SAFETY: live QP.
+        let num = unsafe { (*qp).qp_num };
+        self.qpn.insert(num, ep);
+        let mut batch = recvs;
+        self.post_many(ep, &mut batch)
+    }
+
+    pub(crate) fn conn_param(private: &[u8], rd: u8) -> rdma_conn_param {
+        rdma_conn_param {
+            private_data: private.as_ptr() as *const c_void,
+            private_data_len: private.len().min(255) as u8,
+            responder_resources: rd,
+            initiator_depth: rd,
+            flow_control: 1,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            srq: 0,
+            qp_num: 0,
+        }
+    }
+
+    pub(crate) fn addresses(&mut self, ep: EndpointId) {
+        if let Some(e) = self.eps.get_mut(&ep) {
+            // SAFETY: live id; the returned pointers point into it.
+            unsafe {
+                e.local = to_socketaddr(rdma_get_local_addr(&*e.id) as *const _);
+                e.peer = to_socketaddr(rdma_get_peer_addr(&*e.id) as *const _);
+            }
+        }
+    }
+
+    /// Refuses a connection request and destroys its id: the one way a request that is not accepted ends.
+    pub(crate) fn reject_id(id: *mut rdma_cm_id) {
+        // SAFETY: `id` is a live connection-request id that nothing else holds (it was just taken out of the
+        // request table, or never entered it); after the reject nothing uses it, and it is destroyed once.
+        unsafe {
+            if rdma_reject(id, ptr::null(), 0) != 0 {
+                tracing::debug!(
+                    "rdma_reject: {} (destroying the request anyway)",
+                    std::io::Error::last_os_error()
+                );
+            }
+            rdma_destroy_id(id);
+        }
+    }
+
+    /// [`Transport::listen`](exs_transport::Transport::listen): `rdma_bind_addr` and `rdma_listen` on the device's
+    /// address.
+    pub(crate) fn start_listening(
+        &mut self,
+        addr: SocketAddr,
+        backlog: u32,
+    ) -> Result<(ListenerId, SocketAddr), TransportError> {
+        // An unspecified address would listen on every device; ours is the one carrying the configured address.
+        let addr = if addr.ip().is_unspecified() {
+            SocketAddr::new(self.cfg.addr, addr.port())
+        } else {
+            addr
+        };
+        let id_num = ListenerId(self.next_listener);
+        self.next_listener += 1;
+        let mut id = ptr::null_mut();
+        let ctx = (TAG_LISTENER | id_num.0 as usize) as *mut c_void;
+        // SAFETY: our channel; `id` receives a new id.
+        if unsafe { rdma_create_id(self.ch, &mut id, ctx, rdma_port_space::RDMA_PS_TCP) } != 0 {
+            return Err(os_err("rdma_create_id"));
+        }
+        let sa = sockaddr(addr);
+        // SAFETY: live id; sockaddr lives across the calls.
+        let rc = unsafe {
+            if rdma_bind_addr(id, sa.as_ptr() as *mut _) != 0 {
+                -1
+            } else {
+                rdma_listen(id, backlog.clamp(1, 1024) as i32)
+            }
+        };
+        if rc != 0 {
+            let e = std::io::Error::last_os_error();
+            // SAFETY: the id is ours and unused.
+            unsafe { rdma_destroy_id(id) };
+            return Err(match e.kind() {
+                std::io::ErrorKind::AddrInUse => TransportError::AddrInUse(addr),
+                _ => TransportError::AddrNotAvailable(format!("{addr}: {e}")),
+            });
+        }
+        // SAFETY: bound id.
+        let port = u16::from_be(unsafe { rdma_get_src_port(id) });
+        self.listeners.insert(id_num, id);
+        Ok((id_num, SocketAddr::new(addr.ip(), port)))
+    }
+
+    /// [`Transport::close_listener`](exs_transport::Transport::close_listener), refusing its requests first.
+    pub(crate) fn stop_listening(&mut self, listener: ListenerId) {
+        if let Some(id) = self.listeners.remove(&listener) {
+            // Requests handed out and not answered are refused first: their ids outlive the listener's.
+            for id in self.requests.take_listener(listener) {
+                Self::reject_id(id);
+            }
+            // SAFETY: our listening id, removed from the table and destroyed once; every event naming it was
+            // acknowledged in `poll_cm`, so destroying it does not wait.
+            unsafe { rdma_destroy_id(id) };
+        }
+    }
+
+    /// [`Transport::connect`](exs_transport::Transport::connect): starts address resolution; the rest follows in
+    /// connection-management events.
+    pub(crate) fn start_connect(
+        &mut self,
+        ep: EndpointId,
+        addr: SocketAddr,
+        private: &[u8],
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
+        let mut id = ptr::null_mut();
+        let ctx = (TAG_EP | ep.0 as usize) as *mut c_void;
+        // SAFETY: our channel.
+        if unsafe { rdma_create_id(self.ch, &mut id, ctx, rdma_port_space::RDMA_PS_TCP) } != 0 {
+            return Err(os_err("rdma_create_id"));
+        }
+        let src = sockaddr(SocketAddr::new(self.cfg.addr, 0));
+        let dst = sockaddr(addr);
+        // SAFETY: live id; both sockaddrs live across the call (rdma_cm copies them).
+        if unsafe {
+            rdma_resolve_addr(
+                id,
+                src.as_ptr() as *mut _,
+                dst.as_ptr() as *mut _,
+                RESOLVE_TIMEOUT_MS,
+            )
+        } != 0
+        {
+            let e = os_err("rdma_resolve_addr");
+            // SAFETY: the id is ours and unused.
+            unsafe { rdma_destroy_id(id) };
+            return Err(e);
+        }
+        let mut e = Self::new_ep(id);
+        e.pending = Some((private.to_vec(), recvs));
+        self.eps.insert(ep, e);
+        Ok(())
+    }
+
+    /// [`Transport::accept`](exs_transport::Transport::accept): a queue pair on the request's id, then
+    /// `rdma_accept`.
+    pub(crate) fn accept_request(
+        &mut self,
+        request: RequestId,
+        ep: EndpointId,
+        private: &[u8],
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
+        let (_, id) = self
+            .requests
+            .take(request)
+            .ok_or(TransportError::Invalid("unknown request".into()))?;
+        // SAFETY: the request's id is live and ours; from now on it names this endpoint.
+        unsafe { (*id).context = (TAG_EP | ep.0 as usize) as *mut c_void };
+        let mut e = Self::new_ep(id);
+        e.state = EpState::Connecting;
+        self.eps.insert(ep, e);
+        if let Err(err) = self.create_qp(ep, recvs) {
+            // SAFETY: the id is live; rejecting tells the peer. `release` destroys it (once: it is the endpoint's).
+            unsafe { rdma_reject(id, ptr::null(), 0) };
+            self.release_ep(ep);
+            return Err(err);
+        }
+        let mut param = Self::conn_param(private, self.rd_atom);
+        // SAFETY: live id with a QP; private data copied by the call.
+        if unsafe { rdma_accept(id, &mut param) } != 0 {
+            let err = os_err("rdma_accept");
+            self.release_ep(ep);
+            return Err(err);
+        }
+        Ok(())
+    }
+
+    /// [`Transport::disconnect`](exs_transport::Transport::disconnect): `rdma_disconnect`, or down at once when not
+    /// connected.
+    pub(crate) fn start_disconnect(&mut self, ep: EndpointId) {
+        let Some(e) = self.eps.get_mut(&ep) else {
+            return;
+        };
+        match e.state {
+            EpState::Connected | EpState::Connecting => {
+                // SAFETY: live id; DISCONNECTED follows on both sides.
+                unsafe { rdma_disconnect(e.id) };
+                if e.state == EpState::Connecting {
+                    if let Some(ev) = self.report_down(ep) {
+                        self.cm_backlog.push_back(ev);
+                    }
+                }
+            }
+            EpState::Resolving | EpState::Down => {
+                if let Some(ev) = self.report_down(ep) {
+                    self.cm_backlog.push_back(ev);
+                }
+            }
+        }
+    }
+
+    /// [`Transport::release`](exs_transport::Transport::release): windows, queue pair and id destroyed, then the
+    /// records dropped.
+    pub(crate) fn release_ep(&mut self, ep: EndpointId) {
+        let Some(e) = self.eps.remove(&ep) else {
+            return;
+        };
+        let shared = !e.qp.is_null() && !self.srq.is_null();
+        if shared {
+            // Seed 003: shared buffers this QP dequeued but had not completed are flushed when it went to error;
+            // collect those completions while the QP still maps to this endpoint, so the buffers go back (some
+            // devices drop a destroyed QP's completions from the queue).
+            self.drain_cq();
+        }
+        // Windows still bound to the queue pair die first: it cannot be destroyed while they are bound, and their
+        // keys end with the connection.
+        for w in &e.windows {
+            if let Some(slot) = w.upgrade() {
+                slot.dealloc();
+            }
+        }
+        // SAFETY: the QP is live until destroyed just below; its number is read first.
+        let qpn = (!e.qp.is_null()).then(|| unsafe { (*e.qp).qp_num });
+        // SAFETY: the QP and id are ours; destroying the QP first stops the hardware from touching any posted
+        // buffer, so the records (and their leases) can be dropped after.
+        unsafe {
+            if !e.qp.is_null() {
+                rdma_destroy_qp(e.id);
+            }
+            rdma_destroy_id(e.id);
+        }
+        if shared {
+            // Others leave them in the queue, and write some between the drain above and the destruction: collect
+            // those too while the number still names this endpoint (after the destruction no more come), so a
+            // shared receive is never credited to the next endpoint that gets the number.
+            self.drain_cq();
+        }
+        if let Some(n) = qpn {
+            self.qpn.remove(&n);
+        }
+        // Completions of the destroyed QP still in the queue name none of the records of whoever gets its number
+        // next (identifiers are never reused), so they are ignored when they come.
+        drop(e.sends);
+        self.recvs.retain(|_, (owner, _)| *owner != Some(ep));
+        // Completions of a released endpoint are dropped, except shared receives: the engine reposts those.
+        self.cq_backlog.retain(|(c, shared)| c.ep != ep || *shared);
+    }
+}

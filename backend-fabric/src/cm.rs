@@ -110,13 +110,18 @@ impl FabricTransport {
                         );
                         continue;
                     }
-                    // SAFETY: a connection request's info carries the peer's address.
+                    // SAFETY: `info.0` is the live fi_info of this request; its address, when the provider gives
+                    // one (not null), is `dest_addrlen` readable bytes owned by the info.
                     let peer = unsafe {
                         let i = &*info.0;
-                        sockaddr::decode(std::slice::from_raw_parts(
-                            i.dest_addr as *const u8,
-                            i.dest_addrlen,
-                        ))
+                        if i.dest_addr.is_null() {
+                            None
+                        } else {
+                            sockaddr::decode(std::slice::from_raw_parts(
+                                i.dest_addr as *const u8,
+                                i.dest_addrlen,
+                            ))
+                        }
                     };
                     let request = self.requests.insert(listener, info);
                     let peer = peer.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));

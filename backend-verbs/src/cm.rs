@@ -75,6 +75,11 @@ impl VerbsTransport {
             _ if tag & TAG_EP == 0 => None,
             RDMA_CM_EVENT_ADDR_RESOLVED => {
                 let e = self.eps.get(&ep)?;
+                // Disconnected while resolving (a connect timeout, a close): `Disconnected` was reported, so the
+                // connect goes no further.
+                if e.state == EpState::Down {
+                    return None;
+                }
                 // SAFETY: live id with a resolved address.
                 if unsafe { rdma_resolve_route(e.id, RESOLVE_TIMEOUT_MS) } != 0 {
                     return self.connect_failed(
@@ -88,6 +93,9 @@ impl VerbsTransport {
                 None
             }
             RDMA_CM_EVENT_ROUTE_RESOLVED => {
+                if self.eps.get(&ep)?.state == EpState::Down {
+                    return None;
+                }
                 let (private, recvs) = self.eps.get_mut(&ep)?.pending.take()?;
                 if let Err(err) = self.create_qp(ep, recvs) {
                     return self.connect_failed(ep, ConnectFailure::Other(err.to_string()));

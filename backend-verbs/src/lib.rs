@@ -18,9 +18,10 @@
 //! * Identifiers: every request the device carries has an identifier no other request of the transport ever
 //!   had (see [`queue`]), so a late completion of a destroyed queue pair whose number went to a new one cannot
 //!   complete the new one's requests.
-//! * Memory: the base registration grants local access only (plus remote write on iWARP, where the sink of an
-//!   RDMA read must allow it); a remote key is a registration of exactly the exposed range, deregistered when the
-//!   exposure is dropped (least exposure).
+//! * Memory: the base registration grants local access only, iWARP included (there the sink of an RDMA read gets
+//!   remote write from a registration of its own for the read's duration); a remote key is a memory window bound
+//!   to one queue pair, or a registration of exactly the exposed range, revoked when the exposure is dropped
+//!   (least exposure).
 //! * Write-with-immediate: native where the device has it; otherwise (siw, some iWARP adapters, or forced by
 //!   configuration) an RDMA write followed by an inline send of 8 bytes, a magic and the immediate, which the
 //!   receiving side turns back into an immediate. Both sides' protocol code sees the same thing.
@@ -74,6 +75,10 @@ pub struct VerbsConfig {
     /// has them, `Some(false)` never (a registration per exposure, its key valid on every queue pair of the
     /// protection domain), `Some(true)` required.
     pub memory_windows: Option<bool>,
+    /// Give the local sink of each RDMA read a registration of its own with remote write, for the read's
+    /// duration: iWARP needs remote write on a read's sink, and base registrations grant no remote access at all.
+    /// `None` (default): on iWARP devices; `Some(true)`: always (tests that path on other devices).
+    pub read_sink_registration: Option<bool>,
 }
 
 impl VerbsConfig {
@@ -84,6 +89,7 @@ impl VerbsConfig {
             device: None,
             emulate_write_imm: false,
             memory_windows: None,
+            read_sink_registration: None,
         }
     }
 }
@@ -102,10 +108,11 @@ pub struct VerbsTransport {
     cq: *mut ibv_cq,
     epoll: Epoll,
     caps: Capabilities,
-    iwarp: bool,
     emulate: bool,
     /// Exposures are type 2 memory windows bound to the connection's queue pair (see [`memory`]).
     windows: bool,
+    /// RDMA read sinks registered per read (iWARP): see [`VerbsConfig::read_sink_registration`].
+    read_sinks: bool,
     /// Native send-queue entries one request of the engine may take: itself, the send of an emulated
     /// write-with-immediate, the bind of a window it exposes.
     sq_share: u32,

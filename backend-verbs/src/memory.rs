@@ -1,7 +1,8 @@
 //! Protection domain, registrations and exposures: who can reach which memory, with which key, on which queue pair.
 //!
 //! * A base registration (`register`, ES-API `exs_mregister`) grants local access, plus `IBV_ACCESS_MW_BIND`
-//!   where memory windows are used (and remote write on iWARP, where the sink of an RDMA read must allow it).
+//!   where memory windows are used; never remote access. On iWARP, where the sink of an RDMA read must allow
+//!   remote write, each read's sink is registered on its own for the read's duration ([`SinkMr`]).
 //! * Where the device has type 2 memory windows (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`: Soft-RoCE, Mellanox), an
 //!   exposure is a window bound to **one queue pair**: the bind is a work request posted on that
 //!   connection's send queue ahead of the message that hands the key out (a queue pair executes in order), the
@@ -67,6 +68,42 @@ fn dereg(mr: *mut ibv_mr) {
     // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once, by its owner's Drop.
     unsafe { ibv_dereg_mr(mr) };
 }
+
+/// The registration of one RDMA read's local sink with remote write (iWARP writes read responses into the sink
+/// through an STag that must allow it), held by the read's record and deregistered when the read is done.
+pub(crate) struct SinkMr {
+    mr: *mut ibv_mr,
+    pub(crate) lkey: u32,
+    _pd: Arc<Pd>,
+}
+
+impl SinkMr {
+    /// Registers `addr..addr+len`, which the caller's lease keeps alive for longer than the result.
+    pub(crate) fn new(pd: &Arc<Pd>, addr: u64, len: usize) -> Result<Self, TransportError> {
+        let mr = reg_mr(
+            pd,
+            addr,
+            len,
+            ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        )?;
+        // SAFETY: live MR.
+        let lkey = unsafe { (*mr).lkey };
+        Ok(SinkMr {
+            mr,
+            lkey,
+            _pd: Arc::clone(pd),
+        })
+    }
+}
+
+impl Drop for SinkMr {
+    fn drop(&mut self) {
+        dereg(self.mr);
+    }
+}
+
+// SAFETY: the MR handle is only used to deregister it.
+unsafe impl Send for SinkMr {}
 
 pub(crate) struct VerbsRegistration {
     pub(crate) _pd: Arc<Pd>,
@@ -266,6 +303,7 @@ impl VerbsTransport {
             item: SendRec {
                 wr_id: 0,
                 kind: None,
+                _sink: None,
                 op: None,
             },
         });
@@ -294,11 +332,9 @@ impl VerbsTransport {
         &mut self,
         buf: &Arc<DmaBuf>,
     ) -> Result<Arc<dyn Registration>, TransportError> {
+        // Local access only, iWARP included: there a read's sink gets remote write from a registration of its own
+        // for the read's duration (`SinkMr`), so no base registration is ever writable from the network.
         let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-        if self.iwarp {
-            // iWARP: the local sink of an RDMA read must allow remote write.
-            access |= ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
-        }
         if self.windows {
             // Exposures are windows bound over this registration (no remote access of its own).
             access |= ibv_access_flags::IBV_ACCESS_MW_BIND.0;

@@ -9,6 +9,7 @@ use exs_transport::{Completed, EndpointId, Op, RemoteRef, Sge, TransportError, W
 use rdma_sys::*;
 
 use crate::connection::EpState;
+use crate::memory::SinkMr;
 use crate::queue::{self, Posted, Signaler};
 use crate::{os_err, VerbsTransport, IMM_MAGIC};
 
@@ -22,6 +23,8 @@ type NativePart = (u32, Vec<ibv_sge>, Option<RemoteRef>, Option<u32>);
 pub(crate) struct SendRec {
     pub(crate) wr_id: u64,
     pub(crate) kind: Option<Completed>,
+    /// An RDMA read's sink registration (iWARP), dropped before the operation's leases (field order).
+    pub(crate) _sink: Option<SinkMr>,
     pub(crate) op: Option<Op>,
 }
 
@@ -111,6 +114,23 @@ impl VerbsTransport {
         if wrs.is_empty() {
             return Err(Refused::new(full(), rest));
         }
+        // iWARP: each read's sink gets its registration with remote write now, before anything is posted (a
+        // failure refuses the whole batch, which then never reached the device).
+        let mut sinks: Vec<Option<SinkMr>> = Vec::with_capacity(wrs.len());
+        for w in &wrs {
+            sinks.push(match &w.op {
+                Op::Read { local, .. } if self.read_sinks => {
+                    match SinkMr::new(&self.pd, local.addr(), local.len()) {
+                        Ok(m) => Some(m),
+                        Err(err) => {
+                            wrs.append(&mut rest);
+                            return Err(Refused::new(err, wrs));
+                        }
+                    }
+                }
+                _ => None,
+            });
+        }
         let emulate = self.emulate;
         let ids = &mut self.ids;
         let e = self.eps.get_mut(&ep).expect("checked above");
@@ -125,7 +145,7 @@ impl VerbsTransport {
         // At most one payload per request: with this capacity the vector never reallocates, so the addresses the
         // scatter entries take from it stay valid until ibv_post_send has copied the (inline) payloads.
         let mut imm_payloads: Vec<[u8; 8]> = Vec::with_capacity(n);
-        for (i, wr) in wrs.into_iter().enumerate() {
+        for (i, (wr, sink)) in wrs.into_iter().zip(sinks).enumerate() {
             let last = i + 1 == n;
             let seq = ids.send();
             let sge_of = |s: &Sge| ibv_sge {
@@ -183,15 +203,16 @@ impl VerbsTransport {
                         vec![(opc, local.iter().map(sge_of).collect(), Some(*remote), *imm)],
                     )
                 }
-                Op::Read { local, remote } => (
-                    Completed::Read,
-                    vec![(
-                        ibv_wr_opcode::IBV_WR_RDMA_READ,
-                        vec![sge_of(local)],
-                        Some(*remote),
-                        None,
-                    )],
-                ),
+                Op::Read { local, remote } => {
+                    let mut s = sge_of(local);
+                    if let Some(m) = &sink {
+                        s.lkey = m.lkey;
+                    }
+                    (
+                        Completed::Read,
+                        vec![(ibv_wr_opcode::IBV_WR_RDMA_READ, vec![s], Some(*remote), None)],
+                    )
+                }
                 Op::Recv { .. } => unreachable!("receives were refused above"),
             };
             let nparts = parts.len();
@@ -249,6 +270,7 @@ impl VerbsTransport {
                 item: SendRec {
                     wr_id: wr.wr_id,
                     kind: Some(kind),
+                    _sink: sink,
                     op: Some(wr.op),
                 },
             });

@@ -197,7 +197,12 @@ fn verbs_describe(cfg: &Result<exs_backend_verbs::VerbsConfig, String>) -> Strin
             } else {
                 ", keys: one registration per exposure (no memory windows)"
             };
-            format!("device {dev} at {}{imm}{keys}", c.addr)
+            let sinks = if c.read_sink_registration == Some(true) {
+                ", RDMA read sinks registered per read (iWARP's way)"
+            } else {
+                ""
+            };
+            format!("device {dev} at {}{imm}{keys}{sinks}", c.addr)
         }
     }
 }
@@ -222,6 +227,10 @@ impl Verbs {
                 memory_windows: std::env::var("EXS_VERBS_WINDOWS")
                     .ok()
                     .map(|v| v != "0"),
+                // EXS_VERBS_READ_SINKS=1: iWARP's way, a registration with remote write per RDMA read sink.
+                read_sink_registration: std::env::var("EXS_VERBS_READ_SINKS")
+                    .ok()
+                    .map(|v| v == "1"),
             }),
         })
     }
@@ -284,6 +293,7 @@ impl SoftRoce {
                     device: Some(d.name.clone()),
                     emulate_write_imm: false,
                     memory_windows: None,
+                    read_sink_registration: None,
                 })
             });
         SoftRoce(found.ok_or_else(|| {

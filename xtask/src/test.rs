@@ -251,8 +251,9 @@ fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> {
 
 /// The shell lines that run the RDMA part of the conformance suite: every test on the Soft-RoCE device at the
 /// near end of the veth link (so the two-host test reaches the far end; memory windows), then again on the same
-/// device through the plain verbs backend with write-with-immediate forced off (the write + send fallback) and
-/// memory windows off (a registration per exposure), and the two-host test
+/// device through the plain verbs backend the way an iWARP adapter is driven: write-with-immediate forced off (the
+/// write + send fallback), memory windows off (a registration per exposure) and RDMA read sinks registered per
+/// read, and the two-host test
 /// of the libfabric backend across the same link (the host has no second host to offer it).
 fn rdma_script(xtask: &Path, exe: &Path) -> String {
     let (_, _, near) = rxe::NEAR;
@@ -265,8 +266,8 @@ fn rdma_script(xtask: &Path, exe: &Path) -> String {
 section() {{ echo \"@@section $1\"; echo \"@@section $1\" >&2; }}
 section softroce
 env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce::
-section verbs:write-imm-emulated,no-windows
-env EXS_VERBS_ADDR={near} EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 {peer} {exe} verbs::
+section verbs:write-imm-emulated,no-windows,read-sinks
+env EXS_VERBS_ADDR={near} EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_VERBS_READ_SINKS=1 {peer} {exe} verbs::
 section fabric:over-the-link
 env EXS_FABRIC_ADDR={near} {peer} {exe} fabric::two_hosts_over_a_link --exact
 ",

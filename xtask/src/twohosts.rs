@@ -43,7 +43,8 @@ fn guest0(exe: &Path, tool: &Path) -> String {
          {tool} ping --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL ping server verbs'\n\
          {tool} demo --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL demo server verbs'\n\
          ib_write_bw -d rxe0 -s 65536 -n 300 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
-         ib_write_bw -d rxe0 -s 1048576 -n 30 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n",
+         ib_write_bw -d rxe0 -s 1048576 -n 30 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
+         ib_send_lat -d rxe0 -s 8 -n 200 >/dev/null || echo 'PAIR-FAIL ib_send_lat server'\n",
         PUMP_PORT + 1,
         PUMP_PORT + 2,
         PUMP_PORT + 3,
@@ -68,7 +69,9 @@ fn guest1(exe: &Path, tool: &Path) -> String {
          retry {tool} demo --client {near}:{} --backend verbs --addr {far} --size 16M --no-tcp --json || echo 'PAIR-FAIL demo client verbs'\n\
          echo 'PAIR-POINT ib_write_bw'\n\
          retry ib_write_bw -d rxe0 -s 65536 -n 300 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
-         retry ib_write_bw -d rxe0 -s 1048576 -n 30 {near} || echo 'PAIR-FAIL ib_write_bw client'\n",
+         retry ib_write_bw -d rxe0 -s 1048576 -n 30 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
+         echo 'PAIR-POINT ib_send_lat'\n\
+         retry ib_send_lat -d rxe0 -s 8 -n 200 {near} || echo 'PAIR-FAIL ib_send_lat client'\n",
         PUMP_PORT + 1,
         PUMP_PORT + 2,
         PUMP_PORT + 3,
@@ -86,6 +89,8 @@ struct Measured {
     latency: Option<f64>,
     /// `exs demo` MB/s (checksums verified).
     demo: Option<f64>,
+    /// `ib_send_lat` typical one-way latency, µs.
+    send_lat: Option<f64>,
 }
 
 impl Measured {
@@ -104,6 +109,12 @@ impl Measured {
                     self.failed.push("demo: checksum mismatch".into());
                 }
                 self.demo = v["bytes_per_sec"].as_f64().map(|b| b / 1e6);
+            }
+        } else if self.label == "ib_send_lat" {
+            // " 8       200          ...  t_typical[usec] ..." (#bytes #iterations t_min t_max t_typical ...)
+            let w: Vec<&str> = l.split_whitespace().collect();
+            if w.len() >= 5 && w[0] == "8" {
+                self.send_lat = w[4].parse().ok();
             }
         } else if self.label == "ib_write_bw" {
             // " 65536      300              8.90               7.04   		   0.000113" (MB here: MiB)
@@ -191,12 +202,13 @@ pub fn run(
     }
     summary.push(format!(
         "two guests, guest 0 serving guest 1 across the link (debug build, emulated CPUs): exs pump verbs {}; \
-         exs pump fabric (tcp) {}; ib_write_bw {}; exs ping verbs 8 B median one-way {:.0} µs; exs demo verbs \
+         exs pump fabric (tcp) {}; ib_write_bw {}; exs ping verbs 8 B median one-way {:.0} µs (ib_send_lat {:.0} µs); exs demo verbs \
          16 MiB {:.1} MB/s, checksums verified ({} failed steps; {:.0?})",
         fmt("verbs"),
         fmt("fabric"),
         fmt("ib_write_bw"),
         measured.latency.unwrap_or(f64::NAN),
+        measured.send_lat.unwrap_or(f64::NAN),
         measured.demo.unwrap_or(f64::NAN),
         measured.failed.len(),
         start.elapsed()

@@ -150,6 +150,7 @@ impl Opened {
                     device: a.device.clone(),
                     emulate_write_imm: a.emulate_imm,
                     memory_windows: None,
+                    read_sink_registration: None,
                 }))
             }
             #[cfg(feature = "sim")]

@@ -1298,8 +1298,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
             jobs.len()
         );
         let xtask = sys::root().join("target/release/xtask");
+        // The tool's server and client talk over TCP on the device's address, which needs `lo` up (a fresh guest
+        // has it down).
         let body = format!(
-            "{} rxe up >&2 || exit 90\n{}",
+            "ip link set lo up\n{} rxe up >&2 || exit 90\n{}",
             xtask.display(),
             script(&jobs, repeats, p.timeout.max(90))
         );

@@ -270,8 +270,13 @@ section verbs:write-imm-emulated,no-windows,read-sinks
 env EXS_VERBS_ADDR={near} EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_VERBS_READ_SINKS=1 {peer} {exe} verbs::
 section fabric:over-the-link
 env EXS_FABRIC_ADDR={near} {peer} {exe} fabric::two_hosts_over_a_link --exact
+section tools:verbs
+tool() {{ name=$1; shift; if \"$@\" >&2; then echo \"test tools::$name ... ok\"; echo 'test result: ok. 1 passed; 0 failed; 0 ignored'; else echo \"test tools::$name ... FAILED\"; echo 'test result: FAILED. 0 passed; 1 failed; 0 ignored'; fi; }}
+tool raw_baseline_runs_on_verbs_with_memory_windows {tool} rawpump --backend verbs --addr {near} --op read --size 64K --seconds 0.5 --json
+tool pump_on_one_host_over_verbs {tool} pump --backend verbs --addr {near} --size 64K --seconds 0.5 --json
 ",
-        xtask = xtask.display()
+        xtask = xtask.display(),
+        tool = sys::root().join("target/debug/exs").display(),
     )
 }
 

@@ -138,14 +138,7 @@ impl TrustedKeys {
 
     /// Revokes the keys of a connection that is going away (before its endpoint is released).
     pub(crate) fn forget_endpoint(&mut self, ep: EndpointId) {
-        self.keys.retain(|k, e| {
-            if k.0 == ep {
-                revoke(&e.whole);
-                false
-            } else {
-                true
-            }
-        });
+        self.forget(|k| k.0 == ep);
     }
 
     /// How many whole-region keys name `buf`.
@@ -157,8 +150,12 @@ impl TrustedKeys {
     /// Revokes every key naming `buf` (the region is being deregistered and no operation uses it).
     pub(crate) fn forget_buffer(&mut self, buf: &Arc<DmaBuf>) {
         let b = buf_key(buf);
+        self.forget(|k| k.1 == b);
+    }
+
+    fn forget(&mut self, gone: impl Fn(&(EndpointId, usize, RemoteAccess)) -> bool) {
         self.keys.retain(|k, e| {
-            if k.1 == b {
+            if gone(k) {
                 revoke(&e.whole);
                 false
             } else {

@@ -69,6 +69,8 @@ pub(crate) struct Core {
     pub(crate) shutdown_posted: bool,
     pub(crate) shutdown_done: bool,
     pub(crate) eof: bool,
+    /// Events taken from the queue so far (an async caller compares it across a step, see `exs::tokio`).
+    pub(crate) absorbed: u64,
 }
 
 impl Core {
@@ -85,6 +87,7 @@ impl Core {
             shutdown_posted: false,
             shutdown_done: false,
             eof: false,
+            absorbed: 0,
         })
     }
 
@@ -117,7 +120,7 @@ impl Core {
     /// Takes in whatever is queued, without waiting.
     pub(crate) fn absorb_queued(&mut self) -> io::Result<()> {
         let mut evs = Vec::new();
-        self.eq.poll(&mut evs, 8);
+        self.absorbed += self.eq.poll(&mut evs, 8) as u64;
         for ev in evs {
             self.absorb(ev)?;
         }

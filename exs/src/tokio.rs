@@ -140,8 +140,18 @@ impl Stream {
         mut step: impl FnMut(&mut Core) -> io::Result<Option<T>>,
     ) -> Poll<io::Result<T>> {
         loop {
+            let absorbed = self.core.absorbed;
             if let Some(t) = step(&mut self.core)? {
                 return Poll::Ready(Ok(t));
+            }
+            if self.core.absorbed != absorbed {
+                // The step took events that another direction waits for (a read's data while flushing, say). The
+                // queue's descriptor went back to not readable with them, so the reactor may never report the edge
+                // they made (epoll drops an edge whose condition is gone): wake this task so that whatever waits
+                // for them is polled again. Without it hyper, which polls read then flush in one task, hung with
+                // the body's next bytes absorbed and nobody told (`a_read_absorbed_while_flushing_wakes_the_reader`).
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
             }
             let mut guard = ready!(self.fd.poll_read_ready(cx))?;
             if self.core.eq.is_empty() {

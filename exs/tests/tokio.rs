@@ -69,3 +69,85 @@ async fn next_async_waits_for_an_event_without_blocking_the_runtime() {
     assert_eq!(ticker.await.unwrap(), 1);
     assert!(ceq.next_async().await.unwrap().is_ok());
 }
+
+/// Counts wake-ups.
+struct Counter(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for Counter {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Regression (the hyper example hung mid-body on libfabric tcp, about one run in ten): a task that polls read
+/// then flush, as hyper's connection task does. The flush takes the read's completion from the queue (its step
+/// absorbs every queued event), which turns the queue's descriptor back to not readable, so the reactor may never
+/// report the edge the completion made. The flush must then wake its task, or the reader is never polled again.
+#[test]
+fn a_read_absorbed_while_flushing_wakes_the_reader() {
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Waker};
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    rt.block_on(async move {
+        let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9310)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
+        let mut a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+        let mut b = accept.await.unwrap();
+        let (w_read, w_flush) = (
+            Arc::new(Counter(Default::default())),
+            Arc::new(Counter(Default::default())),
+        );
+        let (wr, wf) = (Waker::from(w_read.clone()), Waker::from(w_flush.clone()));
+        // A send that stays in flight: b reads nothing, so a's writes fill b's stream buffer.
+        let chunk = vec![7u8; 256 << 10];
+        let mut waited = 0;
+        for _ in 0..200 {
+            if Pin::new(&mut a)
+                .poll_write(&mut Context::from_waker(&wf), &chunk)
+                .is_pending()
+            {
+                // Pending: the previous send is in flight. Still pending after a pause: b's buffer is full.
+                waited += 1;
+                if waited == 3 {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            } else {
+                waited = 0;
+            }
+        }
+        assert_eq!(waited, 3, "a's writes never waited for b");
+        // a waits to read.
+        let mut buf = [0u8; 64];
+        let mut rb = ReadBuf::new(&mut buf);
+        assert!(Pin::new(&mut a)
+            .poll_read(&mut Context::from_waker(&wr), &mut rb)
+            .is_pending());
+        // b sends ten bytes; they complete a's receive while a's task is not polled (the progress threads run).
+        b.write_all(b"0123456789").await.unwrap();
+        b.flush().await.unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // Before the reactor runs, a's task polls its flush (the send is still in flight): it takes the read's
+        // completion and must wake the task.
+        let before = w_flush.0.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(Pin::new(&mut a)
+            .poll_flush(&mut Context::from_waker(&wf))
+            .is_pending());
+        assert!(
+            w_flush.0.load(std::sync::atomic::Ordering::SeqCst) > before,
+            "the flush took the read's completion and woke nobody"
+        );
+        // Polled again, as the wake-up makes it, the read has its bytes.
+        match Pin::new(&mut a).poll_read(&mut Context::from_waker(&wr), &mut rb) {
+            Poll::Ready(Ok(())) => assert_eq!(rb.filled(), b"0123456789"),
+            other => panic!("the read after the wake-up: {other:?}"),
+        }
+        drop((a, b));
+    });
+}

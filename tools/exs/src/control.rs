@@ -222,21 +222,39 @@ impl Host {
 pub trait Service: Send + Sync + 'static {
     /// The subcommand: `pump`, `ping`, `demo`.
     const TOOL: &'static str;
-    /// Runs one test with the client's `params`: calls `announce` with the listener's address once the client
-    /// may connect, gives up if `watch` sees the client go, and returns this side's measurements.
+    /// One test's parameters, as the client sends them.
+    type Params: Params;
+    /// This side's measurements of one test.
+    type Report: Serialize;
+    /// Runs one test with the client's checked parameters: calls `announce` with the listener's address once the
+    /// client may connect, gives up if `watch` sees the client go, and returns this side's measurements.
     fn serve(
         &self,
         host: &Host,
-        params: Value,
+        params: &Self::Params,
         announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
         watch: &Watch,
-    ) -> Result<Value>;
+    ) -> Result<Self::Report>;
 }
 
-/// Parses a test's parameters on the server.
-pub fn params<T: DeserializeOwned>(v: Value) -> Result<T> {
-    serde_json::from_value(v)
-        .context("parameter mismatch: the client's test parameters are not this server's (use the same exs on both hosts)")
+/// A test's parameters: chosen by the client, checked on both sides.
+pub trait Params: DeserializeOwned {
+    /// Refuses values the test cannot run with.
+    fn check(&self) -> Result<()>;
+}
+
+/// Parses and checks a test's parameters on the server, runs the test, and returns the report as JSON.
+fn serve_params<S: Service>(
+    svc: &S,
+    host: &Host,
+    params: Value,
+    announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
+    watch: &Watch,
+) -> Result<Value> {
+    let p: S::Params = serde_json::from_value(params)
+        .context("parameter mismatch: the client's test parameters are not this server's (use the same exs on both hosts)")?;
+    p.check()?;
+    Ok(serde_json::to_value(svc.serve(host, &p, announce, watch)?)?)
 }
 
 fn refuse_sim(opened: &Opened, tool: &str) -> Result<()> {
@@ -352,7 +370,8 @@ fn session<S: Service>(
                 let watch = ch.watch()?;
                 let mut tx = ch.writer.try_clone()?;
                 tracing::info!(%from, %params, "test");
-                let r = svc.serve(
+                let r = serve_params(
+                    svc,
                     host,
                     params.clone(),
                     &mut |addr| send_on(&mut tx, &Msg::Listening { addr }),

@@ -11,7 +11,7 @@ use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, Socke
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::control::{self, Host, Peer, PeerArgs, Service, Watch};
+use crate::control::{self, Host, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::progress::Progress;
 use crate::usage::Usage;
 use crate::util::{fmt_bytes, fmt_rate, PATIENCE};
@@ -95,7 +95,7 @@ pub struct Point {
     pub chunk: u64,
 }
 
-impl Point {
+impl control::Params for Point {
     fn check(&self) -> Result<()> {
         if self.chunk == 0 || self.chunk > 256 << 20 {
             bail!("--chunk must be between 1 byte and 256 MiB");
@@ -146,21 +146,20 @@ pub struct Server;
 
 impl Service for Server {
     const TOOL: &'static str = "demo";
+    type Params = Point;
+    type Report = Received;
 
     fn serve(
         &self,
         host: &Host,
-        params: serde_json::Value,
+        p: &Point,
         announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
         watch: &Watch,
-    ) -> Result<serde_json::Value> {
-        let p: Point = control::params(params)?;
-        p.check()?;
-        let r = match p.transport {
-            Transport::Exs => exs_server(host, &p, announce, watch)?,
-            Transport::Tcp => tcp_server(host, &p, announce, watch)?,
-        };
-        Ok(serde_json::to_value(r)?)
+    ) -> Result<Received> {
+        match p.transport {
+            Transport::Exs => exs_server(host, p, announce, watch),
+            Transport::Tcp => tcp_server(host, p, announce, watch),
+        }
     }
 }
 

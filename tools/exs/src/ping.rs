@@ -13,7 +13,7 @@ use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::control::{self, Host, Peer, PeerArgs, Service, Watch};
+use crate::control::{self, Host, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::opts::{PingMode, Wait};
 use crate::usage::Usage;
 use crate::util::PATIENCE;
@@ -49,7 +49,7 @@ pub struct Point {
     pub wait: Wait,
 }
 
-impl Point {
+impl control::Params for Point {
     fn check(&self) -> Result<()> {
         if self.size > 16 << 20 {
             bail!("--size {}: at most 16 MiB", self.size);
@@ -63,6 +63,9 @@ impl Point {
         }
         Ok(())
     }
+}
+
+impl Point {
 
     fn options(&self) -> Vec<SocketOption> {
         match self.mode {
@@ -85,17 +88,17 @@ pub struct Server;
 
 impl Service for Server {
     const TOOL: &'static str = "ping";
+    type Params = Point;
+    type Report = Echoed;
 
     fn serve(
         &self,
         host: &Host,
-        params: serde_json::Value,
+        p: &Point,
         announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
         watch: &Watch,
-    ) -> Result<serde_json::Value> {
-        let p: Point = control::params(params)?;
-        p.check()?;
-        Ok(serde_json::to_value(echo(host, &p, announce, watch)?)?)
+    ) -> Result<Echoed> {
+        echo(host, p, announce, watch)
     }
 }
 

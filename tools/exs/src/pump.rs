@@ -12,7 +12,7 @@ use exs::{EventQueue, MemoryRegion, MsgFlags, Socket, SocketOption};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::control::{self, Host, Peer, PeerArgs, Service, Watch};
+use crate::control::{self, Host, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::opts::{PumpMode, Type, Wait};
 use crate::usage::Usage;
 use crate::util::{fmt_bytes, PATIENCE};
@@ -58,7 +58,7 @@ pub struct Point {
     pub wait: Wait,
 }
 
-impl Point {
+impl control::Params for Point {
     /// What both sides refuse.
     fn check(&self) -> Result<()> {
         if self.size == 0 || self.size > 16 << 20 {
@@ -84,6 +84,9 @@ impl Point {
         }
         Ok(())
     }
+}
+
+impl Point {
 
     /// Socket options a point needs on both sides.
     fn options(&self) -> Vec<SocketOption> {
@@ -147,17 +150,17 @@ pub struct Server;
 
 impl Service for Server {
     const TOOL: &'static str = "pump";
+    type Params = Point;
+    type Report = Side;
 
     fn serve(
         &self,
         host: &Host,
-        params: serde_json::Value,
+        p: &Point,
         announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
         watch: &Watch,
-    ) -> Result<serde_json::Value> {
-        let p: Point = control::params(params)?;
-        p.check()?;
-        Ok(serde_json::to_value(serve(host, &p, announce, watch)?)?)
+    ) -> Result<Side> {
+        serve(host, p, announce, watch)
     }
 }
 

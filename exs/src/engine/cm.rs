@@ -58,9 +58,9 @@ impl Engine {
         // Release the endpoint now: it never carried a connection.
         if let Some(ep) = sock.ep() {
             self.eps.remove(&ep);
-            self.trusted.forget_endpoint(ep);
-            self.transport.release(ep);
+            self.release_endpoint(ep);
         }
+        let sock = self.sockets.get_mut(&sid).expect("looked up above");
         sock.conn = None;
         let early = std::mem::take(&mut sock.early);
         sock.phase = Phase::Down;

@@ -7,14 +7,33 @@ use std::process::Command;
 
 use crate::sys::{self, Result};
 
-/// The examples and the dependencies they need besides `exs` (the versions the workspace locked).
+/// The examples, and the crates they use besides `exs` (declared as exs's own dev-dependencies).
 const EXAMPLES: [&str; 4] = ["echo", "file_copy", "async_echo", "http"];
-const DEPENDENCIES: &str = r#"tokio = { version = "1", default-features = false, features = ["net", "rt", "rt-multi-thread", "macros", "io-util"] }
-hyper = { version = "1", features = ["http1", "server", "client"] }
-hyper-util = { version = "0.1", features = ["tokio"] }
-http-body-util = "0.1"
-bytes = "1"
-"#;
+const EXAMPLE_CRATES: [&str; 5] = ["tokio", "hyper", "hyper-util", "http-body-util", "bytes"];
+
+/// The lines of exs's `[dev-dependencies]` that declare the examples' crates, so both builds ask for the same.
+fn example_dependencies(manifest: &str) -> Result<String> {
+    let mut section = "";
+    let mut out = String::new();
+    for l in manifest.lines() {
+        if l.starts_with('[') {
+            section = l.trim();
+        } else if section == "[dev-dependencies]" {
+            let name = l.split('=').next().unwrap_or("").trim();
+            if EXAMPLE_CRATES.contains(&name) {
+                out.push_str(l);
+                out.push('\n');
+            }
+        }
+    }
+    match out.lines().count() {
+        n if n == EXAMPLE_CRATES.len() => Ok(out),
+        n => Err(format!(
+            "exs/Cargo.toml declares {n} of the examples' {} dev-dependencies",
+            EXAMPLE_CRATES.len()
+        )),
+    }
+}
 
 /// Writes the crate under `target/outside-crate`, builds its examples and runs them on libfabric tcp. Returns a
 /// line for the summary.
@@ -23,6 +42,9 @@ pub fn run() -> Result<String> {
     let dir = root.join("target/outside-crate");
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("examples")).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let manifest = std::fs::read_to_string(root.join("exs/Cargo.toml"))
+        .map_err(|e| format!("exs/Cargo.toml: {e}"))?;
+    let dependencies = example_dependencies(&manifest)?;
     let write = |p: &Path, text: &str| {
         std::fs::write(p, text).map_err(|e| format!("{}: {e}", p.display()))
     };
@@ -32,7 +54,7 @@ pub fn run() -> Result<String> {
             "[package]\nname = \"exs-user\"\nversion = \"0.1.0\"\nedition = \"2021\"\npublish = false\n\n\
              # Not part of the exs workspace: what a user's crate looks like.\n[workspace]\n\n\
              [features]\n# The examples pick the simulated host's address when built with it.\nsim = [\"exs/sim\"]\n\n\
-             [dependencies]\nexs = {{ path = {:?}, features = [\"fabric\", \"tokio\"] }}\n{DEPENDENCIES}",
+             [dependencies]\nexs = {{ path = {:?}, features = [\"fabric\", \"tokio\"] }}\n{dependencies}",
             root.join("exs").display().to_string()
         ),
     )?;

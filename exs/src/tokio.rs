@@ -53,9 +53,10 @@ impl AsRawFd for QueueFd {
 
 fn async_fd(eq: &EventQueue) -> io::Result<AsyncFd<QueueFd>> {
     let fd = eq.readiness_fd()?.try_clone_to_owned()?;
-    // `AsyncFd::register` (unsafe: this crate has none) asks that the descriptor stay open and the same for the
-    // AsyncFd's life: `QueueFd` owns it (an `OwnedFd`, closed only when the AsyncFd drops it) and always returns
-    // it. `new` is the same call without the `unsafe` marker (deprecated for callers that cannot promise that).
+    // tokio's newer registration call asks its caller to promise that the descriptor stays open and the same for
+    // the AsyncFd's life, which this crate (no promises of that kind allowed here) keeps by construction: `QueueFd`
+    // owns it (an `OwnedFd`, closed only when the AsyncFd drops it) and always returns it. `new` is the same call
+    // without the promise marker (deprecated for callers that cannot keep it).
     #[allow(deprecated)]
     AsyncFd::new(QueueFd(fd))
 }

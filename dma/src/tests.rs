@@ -1,0 +1,242 @@
+use super::*;
+
+#[test]
+fn copy_into_moves_bytes_from_a_shared_device_range_in_one_copy() {
+    let src = Arc::new(DmaBuf::from_vec((0..=255u8).cycle().take(10_000).collect()));
+    // The ring's own lease: a device may write any of it at any time.
+    let _ring = src.lease(0..10_000, LeaseKind::DeviceWriteShared).unwrap();
+    let dst = Arc::new(DmaBuf::new(10_000));
+    let mut recv = dst.lease(100..9_100, LeaseKind::DeviceWrite).unwrap();
+    src.copy_into(5_000, &mut recv, 10, 4_000).unwrap();
+    drop(recv);
+    let mut out = vec![0u8; 4_000];
+    dst.read_at(110, &mut out).unwrap();
+    let want: Vec<u8> = (0..=255u8).cycle().skip(5_000 % 256).take(4_000).collect();
+    assert_eq!(out, want);
+    let read_only = dst.lease(0..10, LeaseKind::DeviceRead).unwrap();
+    let mut ro = read_only;
+    assert!(src.copy_into(0, &mut ro, 0, 10).is_err(), "a read lease is not a destination");
+    let mut small = dst.lease(20..30, LeaseKind::DeviceWrite).unwrap();
+    assert!(src.copy_into(0, &mut small, 5, 10).is_err(), "out of the destination's bounds");
+    assert!(src.copy_into(9_995, &mut small, 0, 10).is_err(), "out of the source's bounds");
+}
+
+#[test]
+fn allocated_buffers_are_not_inherited_by_a_child_process() {
+    // Issue 15 (fork safety): the kernel marks such a mapping "dc" (do not copy) in /proc/self/smaps.
+    let b = DmaBuf::new(3 * PAGE + 100);
+    let addr = b.addr();
+    let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+    let mut inside = false;
+    let mut flags = None;
+    for line in smaps.lines() {
+        if let Some((range, _)) = line.split_once(' ') {
+            if let Some((lo, hi)) = range.split_once('-') {
+                if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) {
+                    inside = lo <= addr && addr < hi;
+                    continue;
+                }
+            }
+        }
+        if inside {
+            if let Some(f) = line.strip_prefix("VmFlags:") {
+                flags = Some(f.to_string());
+                break;
+            }
+        }
+    }
+    let flags = flags.expect("the buffer's mapping is in /proc/self/smaps");
+    assert!(
+        flags.split_whitespace().any(|f| f == "dc"),
+        "the buffer's pages would be copied into a child: VmFlags{flags}"
+    );
+}
+
+#[test]
+fn new_buffer_is_zeroed_and_page_aligned() {
+    let b = DmaBuf::new(10_000);
+    assert_eq!(b.addr() % PAGE as u64, 0);
+    let mut out = vec![1u8; 10_000];
+    b.read_at(0, &mut out).unwrap();
+    assert!(out.iter().all(|&x| x == 0));
+}
+
+#[test]
+fn vec_round_trip_keeps_bytes_and_needs_sole_ownership() {
+    let b = DmaBuf::from_vec(b"hello".to_vec());
+    let lease = b.lease(0..5, LeaseKind::DeviceRead).unwrap();
+    let (b, err) = DmaBuf::into_vec(b).unwrap_err();
+    assert_eq!(err, DmaError::InUse { leases: 1 });
+    drop(lease);
+    assert_eq!(DmaBuf::into_vec(b).unwrap(), b"hello");
+}
+
+#[test]
+fn a_trusted_key_goes_over_every_lease_and_leaves_the_cpu_only_copies() {
+    let b = DmaBuf::new(100);
+    let _borrow = b.lease(0..10, LeaseKind::CpuRead).unwrap();
+    let _recv = b.lease(10..20, LeaseKind::DeviceWrite).unwrap();
+    let key = b.lease(0..100, LeaseKind::TrustedKey).unwrap();
+    // Operations keep taking their own leases under the key.
+    let _send = b.lease(30..40, LeaseKind::DeviceRead).unwrap();
+    let _recv2 = b.lease(40..50, LeaseKind::DeviceWrite).unwrap();
+    // The CPU copies (atomically) but does not borrow while the peer may write any byte.
+    b.write_at(60, b"abc").unwrap();
+    let mut out = [0u8; 3];
+    b.read_at(60, &mut out).unwrap();
+    assert_eq!(&out, b"abc");
+    assert!(matches!(b.with_slice(60..63, |_| ()), Err(DmaError::Busy { .. })));
+    assert!(matches!(b.with_slice_mut(60..63, |_| ()), Err(DmaError::Busy { .. })));
+    // It counts as a lease (the region cannot be deregistered under it), and borrows come back without it.
+    assert_eq!(b.lease_count(), 5);
+    drop(key);
+    assert_eq!(b.with_slice(60..63, |s| s.to_vec()).unwrap(), b"abc");
+}
+
+#[test]
+fn device_write_excludes_everything_overlapping() {
+    let b = DmaBuf::new(100);
+    let _w = b.lease(10..20, LeaseKind::DeviceWrite).unwrap();
+    for kind in [
+        LeaseKind::DeviceRead,
+        LeaseKind::DeviceWrite,
+        LeaseKind::CpuRead,
+        LeaseKind::CpuWrite,
+    ] {
+        assert!(
+            matches!(b.lease(15..25, kind), Err(DmaError::Busy { .. })),
+            "{kind:?}"
+        );
+    }
+    assert!(b.read_at(19, &mut [0u8; 1]).is_err());
+    // Disjoint ranges are fine; touching ranges do not overlap.
+    b.lease(20..30, LeaseKind::DeviceWrite).unwrap();
+    b.read_at(0, &mut [0u8; 10]).unwrap();
+}
+
+#[test]
+fn device_read_allows_cpu_read_but_not_write() {
+    let b = DmaBuf::new(100);
+    let _r = b.lease(0..50, LeaseKind::DeviceRead).unwrap();
+    b.lease(0..50, LeaseKind::DeviceRead).unwrap();
+    b.with_slice(0..50, |s| assert_eq!(s.len(), 50)).unwrap();
+    assert!(b.write_at(0, &[1]).is_err());
+    assert!(b.with_slice_mut(40..60, |_| ()).is_err());
+}
+
+#[test]
+fn persistent_kinds_allow_copies_but_not_borrows() {
+    let b = DmaBuf::new(64);
+    let mut remote = b.lease(0..64, LeaseKind::DeviceWriteShared).unwrap();
+    remote.write(0, b"new").unwrap();
+    let mut out = [0u8; 3];
+    b.read_at(0, &mut out).unwrap();
+    assert_eq!(&out, b"new");
+    assert!(
+        b.with_slice(0..3, |_| ()).is_err(),
+        "a borrow next to a remote writer must be refused"
+    );
+    assert!(
+        b.write_at(0, b"x").is_err(),
+        "the CPU may not write where the remote writes"
+    );
+
+    let c = DmaBuf::new(64);
+    let _reader = c.lease(0..64, LeaseKind::DeviceReadShared).unwrap();
+    c.write_at(0, b"update").unwrap();
+    assert!(c.with_slice_mut(0..6, |_| ()).is_err());
+}
+
+#[test]
+fn split_and_narrow_keep_exclusion_and_release_the_rest() {
+    let b = DmaBuf::new(100);
+    let l = b.lease(0..100, LeaseKind::DeviceWrite).unwrap();
+    let (a, c) = l.split_at(40);
+    assert_eq!((a.offset(), a.len(), c.offset(), c.len()), (0, 40, 40, 60));
+    drop(a);
+    b.read_at(0, &mut [0u8; 40]).unwrap();
+    assert!(b.read_at(40, &mut [0u8; 1]).is_err());
+    let mid = c.narrow(10..20);
+    assert_eq!((mid.offset(), mid.len()), (50, 10));
+    assert_eq!(b.lease_count(), 1);
+    b.read_at(40, &mut [0u8; 10]).unwrap();
+    b.read_at(60, &mut [0u8; 40]).unwrap();
+}
+
+#[test]
+fn lease_copy_moves_bytes_between_buffers() {
+    let src = DmaBuf::from_vec((0..=255u8).collect());
+    let dst = DmaBuf::new(256);
+    let s = src.lease(0..256, LeaseKind::DeviceRead).unwrap();
+    let mut d = dst.lease(0..256, LeaseKind::DeviceWrite).unwrap();
+    s.copy_to(16, &mut d, 0, 100).unwrap();
+    assert!(s.copy_to(200, &mut d, 0, 100).is_err(), "source overrun");
+    assert!(
+        s.copy_to(0, &mut d, 200, 100).is_err(),
+        "destination overrun"
+    );
+    drop(d);
+    let mut out = vec![0u8; 100];
+    dst.read_at(0, &mut out).unwrap();
+    assert_eq!(out, (16..116u8).collect::<Vec<_>>());
+}
+
+#[test]
+fn read_lease_cannot_write_and_bounds_are_checked() {
+    let b = DmaBuf::new(8);
+    let mut r = b.lease(0..8, LeaseKind::DeviceRead).unwrap();
+    assert!(matches!(r.write(0, b"x"), Err(DmaError::WrongKind { .. })));
+    assert!(matches!(
+        b.lease(4..9, LeaseKind::DeviceRead),
+        Err(DmaError::OutOfBounds { .. })
+    ));
+    assert!(b.read_at(usize::MAX, &mut [0u8; 2]).is_err());
+}
+
+#[test]
+fn buffer_outlives_its_handle_while_leased() {
+    let b = DmaBuf::from_vec(vec![7u8; 32]);
+    let lease = b.lease(0..32, LeaseKind::DeviceRead).unwrap();
+    drop(b);
+    let mut out = [0u8; 32];
+    lease.read(0, &mut out).unwrap();
+    assert_eq!(out, [7u8; 32]);
+}
+
+#[test]
+fn shared_copies_race_without_data_race() {
+    // A "device" thread keeps writing a shared range while the CPU copies it out.
+    let b = DmaBuf::new(4096);
+    let mut dev = b.lease(0..4096, LeaseKind::DeviceWriteShared).unwrap();
+    let t = std::thread::spawn(move || {
+        for i in 0..200u8 {
+            dev.write(0, &[i; 4096]).unwrap();
+        }
+    });
+    let mut out = vec![0u8; 4096];
+    for _ in 0..200 {
+        b.read_at(0, &mut out).unwrap();
+    }
+    t.join().unwrap();
+}
+
+proptest::proptest! {
+    #[test]
+    fn table_never_grants_conflicting_writes(ops in proptest::collection::vec((0usize..64, 1usize..32, 0u8..4), 1..40)) {
+        let b = DmaBuf::new(96);
+        let mut held: Vec<Lease> = Vec::new();
+        for (start, len, k) in ops {
+            let kind = [LeaseKind::DeviceRead, LeaseKind::DeviceWrite, LeaseKind::CpuRead, LeaseKind::CpuWrite][k as usize];
+            if let Ok(l) = b.lease(start..start + len, kind) {
+                held.push(l);
+            }
+        }
+        for (i, x) in held.iter().enumerate() {
+            for y in &held[i + 1..] {
+                let overlap = x.offset() < y.offset() + y.len() && y.offset() < x.offset() + x.len();
+                let writes = x.kind().writes() || y.kind().writes();
+                proptest::prop_assert!(!(overlap && writes), "{x:?} and {y:?} both granted");
+            }
+        }
+    }
+}

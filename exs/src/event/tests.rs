@@ -1,0 +1,179 @@
+use super::*;
+use std::thread;
+
+fn sid() -> SocketId {
+    SocketId(1)
+}
+
+#[test]
+fn depth_bounds_outstanding_plus_queued() {
+    let q = EventQueue::new(2);
+    let a = q.reserve(EventKind::Send, 1, sid()).unwrap();
+    let _b = q.reserve(EventKind::Send, 2, sid()).unwrap();
+    assert_eq!(
+        q.reserve(EventKind::Send, 3, sid()).unwrap_err(),
+        QueueFull { depth: 2 }
+    );
+    a.complete(Ok(()), 5, EventFlags::default());
+    // Completed but not dequeued still counts.
+    assert!(q.reserve(EventKind::Send, 3, sid()).is_err());
+    let e = q.next(Some(Duration::ZERO)).unwrap();
+    assert_eq!((e.kind, e.bytes, e.context), (EventKind::Send, 5, 1));
+    q.reserve(EventKind::Send, 3, sid()).unwrap();
+}
+
+#[test]
+fn dropped_ticket_completes_as_cancelled() {
+    let q = EventQueue::new(4);
+    drop(q.reserve(EventKind::Recv, 9, sid()).unwrap());
+    let e = q.next(Some(Duration::ZERO)).unwrap();
+    assert_eq!(e.status, Err(OpError::Cancelled));
+    assert_eq!(e.context, 9);
+    assert_eq!(q.outstanding(), 0);
+}
+
+#[test]
+fn timeout_with_nothing_is_an_error_and_partial_is_returned() {
+    let q = EventQueue::new(4);
+    let mut out = Vec::new();
+    assert_eq!(
+        q.dequeue(&mut out, 1, 4, Some(Duration::from_millis(5))),
+        Err(DequeueError::TimedOut)
+    );
+    q.reserve(EventKind::Send, 1, sid())
+        .unwrap()
+        .complete(Ok(()), 0, EventFlags::default());
+    assert_eq!(
+        q.dequeue(&mut out, 2, 4, Some(Duration::from_millis(5))),
+        Ok(1)
+    );
+    assert_eq!(
+        q.dequeue(&mut out, 3, 2, None),
+        Err(DequeueError::Invalid("min must not exceed max"))
+    );
+    assert!(q.dequeue(&mut out, 0, 0, None).is_err());
+}
+
+/// Seed 004: a batch of n completions costs one sleep and one wake-up, not n.
+#[test]
+fn adaptive_wait_blocks_once_per_batch() {
+    let q = EventQueue::new(64);
+    let tickets: Vec<_> = (0..32)
+        .map(|i| q.reserve(EventKind::Send, i, sid()).unwrap())
+        .collect();
+    let producer = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(20));
+        for t in tickets {
+            t.complete(Ok(()), 1, EventFlags::default());
+        }
+    });
+    let events = q.wait_all(Some(Duration::from_secs(10))).unwrap();
+    producer.join().unwrap();
+    assert_eq!(events.len(), 32);
+    let s = q.stats();
+    assert_eq!(s.blocks, 1, "{s:?}");
+    assert_eq!(s.wakeups, 1, "{s:?}");
+    assert_eq!(
+        events.iter().map(|e| e.context).collect::<Vec<_>>(),
+        (0..32).collect::<Vec<_>>()
+    );
+}
+
+#[test]
+fn adaptive_wait_does_not_block_when_events_are_there() {
+    let q = EventQueue::new(8);
+    for i in 0..3 {
+        q.reserve(EventKind::Recv, i, sid()).unwrap().complete(
+            Ok(()),
+            0,
+            EventFlags::default(),
+        );
+    }
+    let mut out = Vec::new();
+    assert_eq!(q.dequeue(&mut out, 3, 8, None), Ok(3));
+    assert_eq!(q.stats().blocks, 0);
+}
+
+#[test]
+fn block_mode_wakes_per_event() {
+    let q = EventQueue::with_mode(64, WaitMode::Block);
+    let tickets: Vec<_> = (0..8)
+        .map(|i| q.reserve(EventKind::Send, i, sid()).unwrap())
+        .collect();
+    let producer = thread::spawn(move || {
+        for t in tickets {
+            thread::sleep(Duration::from_millis(3));
+            t.complete(Ok(()), 1, EventFlags::default());
+        }
+    });
+    let mut out = Vec::new();
+    while out.len() < 8 {
+        q.dequeue(&mut out, 1, 8, Some(Duration::from_secs(10)))
+            .unwrap();
+    }
+    producer.join().unwrap();
+    assert!(
+        q.stats().blocks >= 2,
+        "block mode should sleep per event: {:?}",
+        q.stats()
+    );
+}
+
+#[test]
+fn busy_poll_never_sleeps() {
+    let q = EventQueue::with_mode(8, WaitMode::BusyPoll);
+    let t = q.reserve(EventKind::Send, 0, sid()).unwrap();
+    let producer = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(10));
+        t.complete(Ok(()), 1, EventFlags::default());
+    });
+    q.next(Some(Duration::from_secs(10))).unwrap();
+    producer.join().unwrap();
+    assert_eq!(q.stats().blocks, 0);
+    assert!(q.stats().empty_polls > 0);
+}
+
+/// Issue 15 regression: two threads wait on one queue for different counts; one times out first. The other
+/// must still wake when its one event arrives (a single shared "waiting for" count used to be reset by the
+/// timed-out waiter, so the other slept its whole timeout).
+#[test]
+fn a_timed_out_waiter_does_not_silence_another() {
+    let q = EventQueue::new(8);
+    let t = q.reserve(EventKind::Recv, 7, sid()).unwrap();
+    let _more: Vec<_> = (0..4)
+        .map(|i| q.reserve(EventKind::Recv, 10 + i, sid()).unwrap())
+        .collect();
+    let patient = {
+        let q = q.clone();
+        thread::spawn(move || {
+            let started = Instant::now();
+            let mut v = Vec::new();
+            let r = q.dequeue(&mut v, 1, 1, Some(Duration::from_secs(30)));
+            (r, started.elapsed())
+        })
+    };
+    let hasty = {
+        let q = q.clone();
+        thread::spawn(move || {
+            let mut v = Vec::new();
+            q.dequeue(&mut v, 5, 5, Some(Duration::from_millis(20)))
+        })
+    };
+    assert_eq!(hasty.join().unwrap(), Err(DequeueError::TimedOut));
+    t.complete(Ok(()), 3, EventFlags::default());
+    let (r, waited) = patient.join().unwrap();
+    assert_eq!(r, Ok(1));
+    assert!(
+        waited < Duration::from_secs(20),
+        "the patient waiter slept through its event: {waited:?}"
+    );
+}
+
+#[test]
+fn spin_count_polls_before_blocking() {
+    let q = EventQueue::with_mode(8, WaitMode::Adaptive { spin: 50 });
+    let mut out = Vec::new();
+    let _ = q.dequeue(&mut out, 1, 1, Some(Duration::from_millis(1)));
+    assert!(q.stats().empty_polls >= 51, "{:?}", q.stats());
+    assert_eq!(q.stats().blocks, 1);
+}

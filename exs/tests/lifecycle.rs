@@ -290,6 +290,34 @@ fn broken_connection_fails_pending_operations_on_both_sides() {
     );
 }
 
+/// Regression (soak on libfabric tcp): a message whose read failed when the connection broke was reported as
+/// failed, and the small message behind it, whose bytes had come inline, completed as if nothing was missing. A
+/// receive that succeeds must mean every message before it arrived: once a read fails, every receive behind it
+/// fails too.
+#[test_log::test]
+fn no_message_completes_after_an_earlier_one_failed_mid_read() {
+    let p = pair(SockType::SeqPacket);
+    let big = p.server_region(1 << 20);
+    let small = p.server_region(64);
+    p.server.recv(&p.eq_b, &big.all(), MsgFlags::NONE, 0).unwrap();
+    p.server.recv(&p.eq_b, &small.all(), MsgFlags::NONE, 1).unwrap();
+    let src = p.client_region(pattern(1 << 20, 1));
+    let inline = p.client_region(pattern(16, 2));
+    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
+    p.client.send(&p.eq_a, &inline.all(), MsgFlags::NONE, 3).unwrap();
+    // Both adverts arrive (the second with its bytes inline) and the first read starts; then the link breaks.
+    while p.server.stats().unwrap().link.reads == 0 || p.server.stats().unwrap().message.adverts_received < 2 {
+        assert!(p.world.drive());
+    }
+    p.world.break_connections(0);
+    let b = p.eq_b.wait_all(None).unwrap();
+    assert_eq!(b.len(), 2, "{b:?}");
+    assert!(
+        b.iter().all(|e| e.status == Err(OpError::ConnectionReset)),
+        "a receive completed after the one before it failed: {b:?}"
+    );
+}
+
 /// A peer process killed mid-transfer: every pending operation completes with an error within the detection
 /// delay, and the listener keeps accepting.
 #[test_log::test]

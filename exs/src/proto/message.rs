@@ -827,7 +827,13 @@ impl MessageProto {
                 )));
             }
             Err(e) => {
-                t.failed.get_or_insert(e.into());
+                // A failed read means the connection broke (RC: the queue pair is in error): this message is
+                // lost, so no message behind it may complete as if nothing were missing (seqpacket delivers
+                // in order, seed 002, 3.1), even one whose bytes came inline.
+                let err: OpError = e.into();
+                for t in self.transfers.iter_mut().skip_while(|t| t.seq != seq) {
+                    t.failed.get_or_insert(err.clone());
+                }
             }
         }
         self.complete_transfers(link);

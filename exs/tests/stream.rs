@@ -141,6 +141,50 @@ fn close_delivers_buffered_data_then_end_of_stream() {
     assert!(ev.flags.eof && ev.bytes == 0 && ev.is_ok(), "{ev:?}");
 }
 
+/// Regression (soak): a receiver that closes with an advertised receive pending cancels it, and the direct
+/// transfer the sender had already started for it arrives after the close. That is the ordinary race of a close,
+/// not a protocol violation: the bytes are discarded, the sender sees the peer close, nobody is accused.
+#[test_log::test]
+fn a_direct_transfer_for_a_receive_cancelled_by_close_is_no_violation() {
+    // No jitter: the write, posted first, arrives before the receiver's CLOSE reaches the sender.
+    let p = pair_with(
+        SockType::Stream,
+        SimConfig {
+            jitter: std::time::Duration::ZERO,
+            ..SimConfig::default()
+        },
+        &[],
+    );
+    let dst = p.server_region(1 << 20);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    p.world.run_until_idle(1000);
+    let back = p.client_region(vec![0; 16]);
+    p.client
+        .recv(&p.eq_a, &back.all(), MsgFlags::NONE, 3)
+        .unwrap();
+    let src = p.client_region(pattern(1 << 20, 9));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    while p.client.stats().unwrap().link.writes_imm == 0 {
+        assert!(p.world.drive());
+    }
+    p.server.close().unwrap();
+    let r = wait(&p.eq_b);
+    assert_eq!(r.status, Err(exs::OpError::Cancelled), "{r:?}");
+    // The sender's write landed before it heard of the close; its pending receive ends with end-of-stream,
+    // as after any graceful close, not with the reset that follows a violation.
+    let mut a = p.eq_a.wait_all(None).unwrap();
+    a.sort_by_key(|e| e.context);
+    assert_eq!(a.len(), 2, "{a:?}");
+    assert!(a[0].is_ok() && a[0].bytes == 1 << 20, "{a:?}");
+    assert!(a[1].is_ok() && a[1].flags.eof && a[1].bytes == 0, "{a:?}");
+    assert_eq!((p.a.stats().violations, p.b.stats().violations), (0, 0));
+    assert_eq!(dst.leases(), 0);
+}
+
 #[test]
 fn trace_records_protocol_decisions() {
     let p = stream_pair(&[]);

@@ -221,6 +221,8 @@ struct Rx {
     outstanding: usize,
     next_advert: u32,
     eof: bool,
+    /// Our receiving side ended ([`StreamProto::fail_receives`]): whatever the peer still writes is dropped.
+    closed: bool,
     /// Receives that failed while still exposed; their event waits for the release of the endpoint.
     retired: Vec<(Box<dyn Exposure>, OpToken, OpError)>,
     /// Window updates may wait for the acknowledgment delay (an advertisement in the meantime carries them).
@@ -311,6 +313,7 @@ impl StreamProto {
                 outstanding: 0,
                 next_advert: 1,
                 eof: false,
+                closed: false,
                 retired: Vec::new(),
                 defer_windows,
                 window_deferred: false,
@@ -926,6 +929,11 @@ impl StreamProto {
 
     /// A write-with-immediate from the peer arrived (the data is already in place).
     pub(crate) fn on_write_imm(&mut self, imm: u32, link: &mut Link) -> Result<(), Violation> {
+        if self.rx.closed {
+            // Our receives were cancelled (we closed, or the connection is failing): a write the peer started
+            // before it heard of it is the ordinary race of a close, not a violation. Its bytes are dropped.
+            return Ok(());
+        }
         if self.rx.eof {
             // Nothing the peer sends after its CLOSE may be delivered (issue 14).
             return Err(Violation::Stream("stream data after end-of-stream".into()));
@@ -1035,6 +1043,7 @@ impl StreamProto {
 
     /// Fails the receives; exposed ones report when the endpoint is released (the peer may still write them).
     pub(crate) fn fail_receives(&mut self, err: OpError) {
+        self.rx.closed = true;
         for r in self.rx.recvs.drain(..) {
             self.rx.retired.push((r.exposure, r.ticket, err.clone()));
         }

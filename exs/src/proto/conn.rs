@@ -550,6 +550,7 @@ impl Conn {
 
     /// The endpoint was released: every work request is back; complete whatever is left.
     pub(crate) fn drop_all(&mut self, err: OpError) {
+        self.link.discard();
         match &mut self.mode {
             Some(Mode::Message(m)) => m.drop_all(err),
             Some(Mode::Stream(s)) => s.drop_all(err),

@@ -331,6 +331,17 @@ impl Link {
         self.closed
     }
 
+    /// The endpoint is gone (every work request came back): what is still queued can never be posted, and
+    /// nothing more will be. A stream whose peer closed keeps its state after that to deliver buffered bytes;
+    /// its link must not post the writes that waited for credits on a released endpoint (soak: they faulted a
+    /// connection already down,).
+    pub(crate) fn discard(&mut self) {
+        self.urgent.clear();
+        self.normal.clear();
+        self.reads.clear();
+        self.closed = true;
+    }
+
     /// Whether every posted send-side work request has completed.
     pub(crate) fn sends_drained(&self, max_send_wr: u32) -> bool {
         self.sq_free >= max_send_wr.max(2) && self.free_tx.len() == self.tx.count as usize
@@ -652,5 +663,61 @@ mod tests {
             assert_eq!(wr_kind(wr_id(k)), Some(k));
         }
         assert_eq!(wr_kind(1 << 40), None);
+    }
+
+    #[derive(Debug)]
+    struct TestReg(Arc<DmaBuf>);
+
+    impl Registration for TestReg {
+        fn local_key(&self) -> u64 {
+            1
+        }
+        fn buf(&self) -> &Arc<DmaBuf> {
+            &self.0
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    fn slots(count: u32) -> Slots {
+        let buf = DmaBuf::new(count as usize * 128);
+        Slots {
+            reg: Arc::new(TestReg(Arc::clone(&buf))),
+            buf,
+            size: 128,
+            count,
+        }
+    }
+
+    fn queued_write(link: &mut Link) {
+        let remote = RemoteRef { addr: 0, key: 7 };
+        link.push_write(
+            DataOp::Write {
+                local: Vec::new(),
+                remote,
+                imm: Some(1),
+            },
+            0,
+        );
+    }
+
+    /// Regression (soak): a write queued in the same progress round as the disconnect was posted on the released
+    /// endpoint once the round flushed. After [`Link::discard`] (the endpoint is gone) nothing is posted.
+    #[test]
+    fn a_discarded_link_posts_nothing() {
+        let mut link = Link::new(Ok(slots(4)), slots(4), 16, 4, true);
+        link.start(4);
+        queued_write(&mut link);
+        let mut out = Vec::new();
+        link.flush(&mut out, &mut ());
+        assert_eq!(out.len(), 1, "a live link posts the write");
+        queued_write(&mut link);
+        link.push_ctrl(Body::Credit, None, None);
+        link.discard();
+        out.clear();
+        link.flush(&mut out, &mut ());
+        assert!(out.is_empty(), "{out:?}");
+        assert!(link.is_idle());
     }
 }

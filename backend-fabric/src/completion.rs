@@ -32,7 +32,12 @@ pub(crate) fn epoll_add(epoll: &Epoll, fd: RawFd, data: u64) -> Result<(), Trans
 
 impl FabricTransport {
     /// Reads up to `max` completions of one endpoint into `out`. Returns how many.
-    pub(crate) fn read_cq(&mut self, id: EndpointId, out: &mut impl Extend<Completion>, max: usize) -> usize {
+    pub(crate) fn read_cq(
+        &mut self,
+        id: EndpointId,
+        out: &mut impl Extend<Completion>,
+        max: usize,
+    ) -> usize {
         let Some(e) = self.eps.get_mut(&id) else {
             return 0;
         };

@@ -37,8 +37,8 @@ use std::sync::Arc;
 
 use exs_dma::{DmaBuf, Lease};
 use exs_transport::{
-    Capabilities, CmEvent, Completion, EndpointId, Exposure, ListenerId, PendingRequests, PostError,
-    Registration, RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
+    Capabilities, CmEvent, Completion, EndpointId, Exposure, ListenerId, PendingRequests,
+    PostError, Registration, RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
 };
 use nix::sys::epoll::Epoll;
 

@@ -85,7 +85,9 @@ unsafe impl Sync for Domain {}
 
 impl std::fmt::Debug for Domain {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Domain").field("mr_mode", &self.mr_mode).finish()
+        f.debug_struct("Domain")
+            .field("mr_mode", &self.mr_mode)
+            .finish()
     }
 }
 

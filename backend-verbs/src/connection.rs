@@ -77,7 +77,11 @@ impl VerbsTransport {
     }
 
     /// Creates the queue pair of an endpoint (same device as ours) and posts its initial receives.
-    pub(crate) fn create_qp(&mut self, ep: EndpointId, recvs: Vec<WorkRequest>) -> Result<(), TransportError> {
+    pub(crate) fn create_qp(
+        &mut self,
+        ep: EndpointId,
+        recvs: Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
         let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
         // SAFETY: live cm id; after address resolution its verbs context is set.
         if unsafe { (*e.id).verbs } != self.ctx {

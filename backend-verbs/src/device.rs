@@ -138,10 +138,9 @@ impl VerbsTransport {
             unsafe { rdma_destroy_event_channel(ch) };
             return Err(os_err("ibv_query_device"));
         }
-        let has_windows = attr.device_cap_flags
-            & ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0
-            != 0
-            && !iwarp;
+        let has_windows =
+            attr.device_cap_flags & ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B.0 != 0
+                && !iwarp;
         let windows = match cfg.memory_windows {
             None => has_windows,
             Some(false) => false,

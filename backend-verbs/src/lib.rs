@@ -37,8 +37,8 @@ use std::sync::Arc;
 
 use exs_dma::{DmaBuf, Lease};
 use exs_transport::{
-    Capabilities, CmEvent, Completion, EndpointId, Exposure, ListenerId, PendingRequests, PostError,
-    Registration, RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
+    Capabilities, CmEvent, Completion, EndpointId, Exposure, ListenerId, PendingRequests,
+    PostError, Registration, RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
 };
 use nix::sys::epoll::Epoll;
 use rdma_sys::*;
@@ -53,8 +53,8 @@ mod queue;
 use connection::Ep;
 use memory::Pd;
 use post::{RecvRec, Refused};
-pub use queue::SIGNAL_EVERY;
 use queue::WrIds;
+pub use queue::SIGNAL_EVERY;
 
 /// Magic of an emulated write-with-immediate ("EXSI", little-endian), followed by the immediate.
 const IMM_MAGIC: u32 = u32::from_le_bytes(*b"EXSI");

@@ -84,7 +84,8 @@ impl SinkMr {
             pd,
             addr,
             len,
-            ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+            ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+                | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
         )?;
         // SAFETY: live MR.
         let lkey = unsafe { (*mr).lkey };

@@ -210,7 +210,12 @@ impl VerbsTransport {
                     }
                     (
                         Completed::Read,
-                        vec![(ibv_wr_opcode::IBV_WR_RDMA_READ, vec![s], Some(*remote), None)],
+                        vec![(
+                            ibv_wr_opcode::IBV_WR_RDMA_READ,
+                            vec![s],
+                            Some(*remote),
+                            None,
+                        )],
                     )
                 }
                 Op::Recv { .. } => unreachable!("receives were refused above"),
@@ -457,7 +462,11 @@ impl VerbsTransport {
 
     /// Posts requests on an endpoint: receives, then sends, each kind in order. On error, the requests that did
     /// not reach the device come back whole.
-    pub(crate) fn post_inner(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), Refused> {
+    pub(crate) fn post_inner(
+        &mut self,
+        ep: EndpointId,
+        wrs: Vec<WorkRequest>,
+    ) -> Result<(), Refused> {
         let down = match self.eps.get(&ep) {
             None => return Err(Refused::new(TransportError::NoEndpoint, wrs)),
             Some(e) => e.state == EpState::Down && !e.qp.is_null(),
@@ -523,7 +532,10 @@ impl VerbsTransport {
 
     /// [`Transport::post_shared_recv`](exs_transport::Transport::post_shared_recv): one chain, one
     /// `ibv_post_srq_recv`.
-    pub(crate) fn post_srq_recvs(&mut self, wrs: &mut Vec<WorkRequest>) -> Result<(), TransportError> {
+    pub(crate) fn post_srq_recvs(
+        &mut self,
+        wrs: &mut Vec<WorkRequest>,
+    ) -> Result<(), TransportError> {
         if self.srq.is_null() {
             wrs.clear();
             return Err(TransportError::Invalid("no shared receive queue".into()));

@@ -599,13 +599,7 @@ impl Lease {
         let p = self.check(offset, dst.len())?;
         // SAFETY: in bounds (check); this lease excludes Rust writers of the range except racy-shared ones,
         // which are handled with atomic loads.
-        unsafe {
-            load(
-                p,
-                dst,
-                self.racy(),
-            )
-        };
+        unsafe { load(p, dst, self.racy()) };
         Ok(())
     }
 

@@ -15,10 +15,19 @@ fn copy_into_moves_bytes_from_a_shared_device_range_in_one_copy() {
     assert_eq!(out, want);
     let read_only = dst.lease(0..10, LeaseKind::DeviceRead).unwrap();
     let mut ro = read_only;
-    assert!(src.copy_into(0, &mut ro, 0, 10).is_err(), "a read lease is not a destination");
+    assert!(
+        src.copy_into(0, &mut ro, 0, 10).is_err(),
+        "a read lease is not a destination"
+    );
     let mut small = dst.lease(20..30, LeaseKind::DeviceWrite).unwrap();
-    assert!(src.copy_into(0, &mut small, 5, 10).is_err(), "out of the destination's bounds");
-    assert!(src.copy_into(9_995, &mut small, 0, 10).is_err(), "out of the source's bounds");
+    assert!(
+        src.copy_into(0, &mut small, 5, 10).is_err(),
+        "out of the destination's bounds"
+    );
+    assert!(
+        src.copy_into(9_995, &mut small, 0, 10).is_err(),
+        "out of the source's bounds"
+    );
 }
 
 #[test]
@@ -32,7 +41,8 @@ fn allocated_buffers_are_not_inherited_by_a_child_process() {
     for line in smaps.lines() {
         if let Some((range, _)) = line.split_once(' ') {
             if let Some((lo, hi)) = range.split_once('-') {
-                if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) {
+                if let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16))
+                {
                     inside = lo <= addr && addr < hi;
                     continue;
                 }
@@ -85,8 +95,14 @@ fn a_trusted_key_goes_over_every_lease_and_leaves_the_cpu_only_copies() {
     let mut out = [0u8; 3];
     b.read_at(60, &mut out).unwrap();
     assert_eq!(&out, b"abc");
-    assert!(matches!(b.with_slice(60..63, |_| ()), Err(DmaError::Busy { .. })));
-    assert!(matches!(b.with_slice_mut(60..63, |_| ()), Err(DmaError::Busy { .. })));
+    assert!(matches!(
+        b.with_slice(60..63, |_| ()),
+        Err(DmaError::Busy { .. })
+    ));
+    assert!(matches!(
+        b.with_slice_mut(60..63, |_| ()),
+        Err(DmaError::Busy { .. })
+    ));
     // It counts as a lease (the region cannot be deregistered under it), and borrows come back without it.
     assert_eq!(b.lease_count(), 5);
     drop(key);

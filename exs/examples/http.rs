@@ -29,7 +29,12 @@ fn other(e: impl std::fmt::Display) -> io::Error {
 /// Serves one HTTP/1.1 connection: `GET /N` answers N bytes.
 pub async fn serve<T: AsyncRead + AsyncWrite + Unpin + Send + 'static>(io: T) -> io::Result<()> {
     let service = hyper::service::service_fn(|req: Request<hyper::body::Incoming>| async move {
-        let n: usize = req.uri().path().trim_start_matches('/').parse().unwrap_or(0);
+        let n: usize = req
+            .uri()
+            .path()
+            .trim_start_matches('/')
+            .parse()
+            .unwrap_or(0);
         let body: Vec<u8> = (0..n).map(byte).collect();
         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from(body))))
     });

@@ -22,9 +22,9 @@ use std::time::{Duration, Instant};
 use exs_dma::DmaBuf;
 
 use crate::engine::Engine;
-use crate::lock::EngineGuard;
 use crate::error::MemoryError;
 use crate::event::{Driver, EventQueue};
+use crate::lock::EngineGuard;
 use crate::progress::{Lead, ProgressStats};
 use crate::transport::{Capabilities, Registration, Transport, TransportError};
 
@@ -201,7 +201,10 @@ impl crate::event::Poller for Shared {
 
     fn sleep_fds(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {
         [
-            self.wait_fd.as_ref().expect("a leader has a wait descriptor").as_fd(),
+            self.wait_fd
+                .as_ref()
+                .expect("a leader has a wait descriptor")
+                .as_fd(),
             self.lead.leader_wake_fd(),
         ]
     }

@@ -56,7 +56,9 @@ pub enum Violation {
     },
     /// More stream advertisements are waiting at this side than the advert credits we granted allow (issue 15:
     /// a peer could queue any number).
-    #[error("the peer has {queued} stream advertisements waiting, beyond its {credits} advert credits")]
+    #[error(
+        "the peer has {queued} stream advertisements waiting, beyond its {credits} advert credits"
+    )]
     StreamAdvertOverrun {
         /// Stream advertisements waiting at this side, counting the one that overran.
         queued: usize,

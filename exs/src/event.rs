@@ -343,8 +343,11 @@ impl EventQueue {
         let fd = match self.inner.ready.get() {
             Some(fd) => fd,
             None => {
-                let made = EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
-                    .map_err(std::io::Error::from)?;
+                let made = EventFd::from_value_and_flags(
+                    0,
+                    EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
+                )
+                .map_err(std::io::Error::from)?;
                 let _ = self.inner.ready.set(made);
                 self.inner.ready.get().expect("just set")
             }

@@ -131,7 +131,11 @@ impl TrustedKeys {
             key: e.remote.key,
         };
         Ok((
-            Box::new(KeyedLease::new(remote, lease, Borrowed(Arc::clone(&e.whole)))),
+            Box::new(KeyedLease::new(
+                remote,
+                lease,
+                Borrowed(Arc::clone(&e.whole)),
+            )),
             made,
         ))
     }

@@ -24,23 +24,23 @@
 
 pub mod context;
 mod engine;
-mod exposure;
 pub mod error;
 pub mod event;
-pub mod memory;
-pub mod options;
+mod exposure;
 mod lock;
+pub mod memory;
 mod open;
-pub mod sendfile;
-mod stream_io;
-#[cfg(feature = "tokio")]
-pub mod tokio;
+pub mod options;
 mod progress;
 mod proto;
+pub mod sendfile;
 pub mod socket;
+mod stream_io;
 /// A crafted peer for tests (feature `testing`): a bare transport speaking the wire format, no engine.
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(feature = "tokio")]
+pub mod tokio;
 /// The seam between the protocol and hardware: the [`Transport`] trait every backend implements (crate
 /// `exs-transport`, below both exs and the backends).
 pub use exs_transport as transport;
@@ -56,28 +56,28 @@ pub mod sim;
 pub use context::{
     Clock, Context, ContextOptions, ManualDriver, Progress, SharedRecv, SystemClock,
 };
+pub use engine::EngineStats;
 pub use error::{
     AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, FileError,
     MemoryError, OpError, OptionError, PollError, QueueFull, RecvError, SendError, SocketError,
     StateError, Violation,
 };
 pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
-pub use memory::{MemoryRegion, Slice};
-pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
-pub use engine::EngineStats;
 pub use exposure::ExposurePolicy;
+pub use memory::{MemoryRegion, Slice};
+#[cfg(feature = "fabric")]
+pub use open::fabric;
+#[cfg(feature = "sim")]
+pub use open::sim_addr;
+#[cfg(feature = "verbs")]
+pub use open::verbs;
+pub use open::{compiled, Backend};
+pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
 pub use progress::ProgressStats;
 pub use proto::link::LinkStats;
 pub use proto::message::MessageStats;
 pub use proto::pool::PoolStats;
 pub use proto::stream::{StreamStats, StreamTrace};
-pub use open::{compiled, Backend};
-#[cfg(feature = "fabric")]
-pub use open::fabric;
-#[cfg(feature = "verbs")]
-pub use open::verbs;
-#[cfg(feature = "sim")]
-pub use open::sim_addr;
 pub use socket::{ConnStats, Readiness, Socket, SocketId};
 pub use stream_io::{Listener, Stream, STREAM_IO_BUFFER};
 pub use transport::{Capabilities, Transport, TransportError};

@@ -54,7 +54,9 @@ pub fn compiled() -> Vec<&'static str> {
 
 fn missing(name: &str) -> TransportError {
     TransportError::NotFound {
-        wanted: format!("backend {name:?} (not compiled in: enable the cargo feature of the same name)"),
+        wanted: format!(
+            "backend {name:?} (not compiled in: enable the cargo feature of the same name)"
+        ),
         available: compiled().into_iter().map(String::from).collect(),
     }
 }
@@ -83,7 +85,8 @@ impl Backend {
                 {
                     let addr = var("EXS_ADDR").ok_or_else(|| {
                         TransportError::AddrNotAvailable(
-                            "EXS_ADDR must name an IP address of the RDMA device's interface".into(),
+                            "EXS_ADDR must name an IP address of the RDMA device's interface"
+                                .into(),
                         )
                     })?;
                     let addr = addr.parse().map_err(|e| {

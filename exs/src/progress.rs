@@ -160,7 +160,9 @@ impl Lead {
     fn stamp(&self, at: Option<Instant>) -> u64 {
         match at {
             None => FOREVER,
-            Some(t) => (t.saturating_duration_since(self.epoch).as_nanos() as u64).clamp(1, FOREVER - 1),
+            Some(t) => {
+                (t.saturating_duration_since(self.epoch).as_nanos() as u64).clamp(1, FOREVER - 1)
+            }
         }
     }
 
@@ -272,10 +274,7 @@ impl Lead {
 /// Runs the protocol until nothing more happens now (bounded), then arms the transport. `Some(deadline)`: the
 /// caller may sleep on the wait descriptor until then (published as the leader's wake-up time); `None`: events
 /// slipped in before arming, run again.
-pub(crate) fn prepare_sleep(
-    lead: &Lead,
-    engine: &mut Engine,
-) -> Option<Option<Instant>> {
+pub(crate) fn prepare_sleep(lead: &Lead, engine: &mut Engine) -> Option<Option<Instant>> {
     // One round, then arm: arming reports anything that arrived meanwhile (another round would only cost the
     // transport polls of finding nothing, system calls on software providers).
     engine.progress();
@@ -288,14 +287,18 @@ pub(crate) fn prepare_sleep(
         }
     }
     let deadline = engine.next_deadline_real();
-    lead.leader_sleep.store(lead.stamp(deadline), Ordering::SeqCst);
+    lead.leader_sleep
+        .store(lead.stamp(deadline), Ordering::SeqCst);
     Some(deadline)
 }
 
 /// `ppoll` on `fds` until `until` (None: no timeout). Interrupted or failed polls simply return.
 pub(crate) fn sleep_on(fds: &mut [PollFd<'_>], until: Option<Instant>) {
     let timeout = until.map(|t| {
-        TimeSpec::from_duration(t.saturating_duration_since(Instant::now()).min(Duration::from_secs(60)))
+        TimeSpec::from_duration(
+            t.saturating_duration_since(Instant::now())
+                .min(Duration::from_secs(60)),
+        )
     });
     if let Err(err) = nix::poll::ppoll(fds, timeout, None) {
         if err != nix::errno::Errno::EINTR {
@@ -440,7 +443,8 @@ fn standby(shared: &Shared, t: Duration) {
         }
         let until = Instant::now() + t;
         let until = e.next_deadline_real().map_or(until, |d| until.min(d));
-        lead.thread_sleep.store(lead.stamp(Some(until)), Ordering::SeqCst);
+        lead.thread_sleep
+            .store(lead.stamp(Some(until)), Ordering::SeqCst);
         until
     };
     sleep_thread(shared, Some(until));

@@ -82,7 +82,9 @@ impl Progress {
         let at = self.offset + self.next as u64;
         let file = &self.file;
         self.bufs
-            .with_slice_mut(slot * CHUNK..slot * CHUNK + n, |b| file.read_exact_at(b, at))
+            .with_slice_mut(slot * CHUNK..slot * CHUNK + n, |b| {
+                file.read_exact_at(b, at)
+            })
             .map_err(|e| FileError {
                 kind: std::io::ErrorKind::Other,
                 message: e.to_string(),
@@ -117,7 +119,10 @@ impl Progress {
 
 impl FileSend {
     fn arrived(self: &Arc<Self>, ev: Event) {
-        self.inbox.lock().unwrap_or_else(|p| p.into_inner()).push_back(ev);
+        self.inbox
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(ev);
         self.drive();
     }
 
@@ -127,7 +132,11 @@ impl FileSend {
                 return; // the driver will see the inbox before it lets go
             };
             loop {
-                let ev = self.inbox.lock().unwrap_or_else(|p| p.into_inner()).pop_front();
+                let ev = self
+                    .inbox
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .pop_front();
                 let Some(ev) = ev else { break };
                 st.in_flight -= 1;
                 match ev.status {
@@ -138,7 +147,9 @@ impl FileSend {
                 }
                 if let Err(e) = st.refill(ev.context as usize, self) {
                     st.failure
-                        .get_or_insert(OpError::Transport(crate::TransportError::Invalid(e.to_string())));
+                        .get_or_insert(OpError::Transport(crate::TransportError::Invalid(
+                            e.to_string(),
+                        )));
                 }
             }
             if st.in_flight == 0 {
@@ -147,13 +158,20 @@ impl FileSend {
                     match st.failure.take() {
                         None => t.complete(Ok(()), sent, EventFlags::default()),
                         // Part of the file may have reached the peer: never `Cancelled`.
-                        Some(e) => t.complete(Err(e.once_started(sent > 0)), sent, EventFlags::default()),
+                        Some(e) => {
+                            t.complete(Err(e.once_started(sent > 0)), sent, EventFlags::default())
+                        }
                     }
                 }
             }
             drop(st);
             // A completion that landed after the last look, while the lock was still held, needs a driver.
-            if self.inbox.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            if self
+                .inbox
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+            {
                 return;
             }
         }
@@ -215,7 +233,9 @@ fn chunked(
         for slot in 1..depth {
             if let Err(e) = st.refill(slot, &me) {
                 st.failure
-                    .get_or_insert(OpError::Transport(crate::TransportError::Invalid(e.to_string())));
+                    .get_or_insert(OpError::Transport(crate::TransportError::Invalid(
+                        e.to_string(),
+                    )));
                 break;
             }
         }

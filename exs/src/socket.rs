@@ -245,7 +245,7 @@ impl Socket {
         if self.h.closed.swap(true, Ordering::SeqCst) {
             return Err(StateError::InvalidSocket.into());
         }
-        
+
         self.engine(|e, id| e.abort(id))
     }
 
@@ -316,7 +316,6 @@ impl Socket {
     /// events (`Send`, `Recv`, status Ok) come once the peer has stopped touching the memory; only then is its
     /// key revoked.
     pub fn end_persistent(&self) -> Result<(), StateError> {
-        
         self.engine(|e, id| e.end_persistent(id))
     }
 
@@ -343,7 +342,7 @@ impl Socket {
         if self.h.closed.swap(true, Ordering::SeqCst) {
             return Err(StateError::InvalidSocket.into());
         }
-        
+
         self.engine(|e, id| e.close(id))
     }
 

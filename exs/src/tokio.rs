@@ -205,7 +205,9 @@ pub struct Listener {
 
 impl std::fmt::Debug for Listener {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Listener").field("sock", &self.sock).finish()
+        f.debug_struct("Listener")
+            .field("sock", &self.sock)
+            .finish()
     }
 }
 

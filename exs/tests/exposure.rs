@@ -145,11 +145,22 @@ fn trusted_peers_get_one_key_per_region_and_connection_for_every_send() {
         assert_eq!(wait(&p.eq_b).bytes, 10_000);
         assert!(wait(&p.eq_a).status.is_ok());
     }
-    assert_bytes_eq(&dst.to_vec().unwrap(), &sent, "ten sends from one region, each at its own address");
+    assert_bytes_eq(
+        &dst.to_vec().unwrap(),
+        &sent,
+        "ten sends from one region, each at its own address",
+    );
     let stats = p.a.stats();
-    assert_eq!(stats.exposures, 1, "one key for the region on this connection: {stats:?}");
+    assert_eq!(
+        stats.exposures, 1,
+        "one key for the region on this connection: {stats:?}"
+    );
     assert_eq!(stats.trusted_keys, 1);
-    assert_eq!(p.world.live_keys(), 1, "the key outlives the operations (UNH-EXS)");
+    assert_eq!(
+        p.world.live_keys(),
+        1,
+        "the key outlives the operations (UNH-EXS)"
+    );
     // While the peer may read any byte, the application copies but does not borrow.
     assert!(src.with_slice(0..10, |_| ()).is_err());
     src.write(0, b"new").unwrap();
@@ -198,7 +209,11 @@ fn a_trusted_key_is_revoked_when_its_connection_goes() {
     assert_eq!(p.world.live_keys(), 1);
     p.client.abort().unwrap();
     p.world.run_until_idle(10_000);
-    assert_eq!(p.world.live_keys(), 0, "the connection went: so did its key");
+    assert_eq!(
+        p.world.live_keys(),
+        0,
+        "the connection went: so did its key"
+    );
     assert_eq!(p.a.stats().trusted_keys, 0);
     assert_eq!(src.leases(), 0);
     src.deregister().unwrap();
@@ -221,6 +236,10 @@ fn trusted_stream_receives_share_one_write_key() {
         assert_eq!(wait(&p.eq_b).bytes, 64 << 10);
         assert!(wait(&p.eq_a).status.is_ok());
     }
-    assert_bytes_eq(&dst.to_vec().unwrap(), &sent, "stream through one trusted key");
+    assert_bytes_eq(
+        &dst.to_vec().unwrap(),
+        &sent,
+        "stream through one trusted key",
+    );
     assert_eq!(p.b.stats().trusted_keys, 1, "{:?}", p.b.stats());
 }

@@ -299,14 +299,24 @@ fn no_message_completes_after_an_earlier_one_failed_mid_read() {
     let p = pair(SockType::SeqPacket);
     let big = p.server_region(1 << 20);
     let small = p.server_region(64);
-    p.server.recv(&p.eq_b, &big.all(), MsgFlags::NONE, 0).unwrap();
-    p.server.recv(&p.eq_b, &small.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &big.all(), MsgFlags::NONE, 0)
+        .unwrap();
+    p.server
+        .recv(&p.eq_b, &small.all(), MsgFlags::NONE, 1)
+        .unwrap();
     let src = p.client_region(pattern(1 << 20, 1));
     let inline = p.client_region(pattern(16, 2));
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
-    p.client.send(&p.eq_a, &inline.all(), MsgFlags::NONE, 3).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &inline.all(), MsgFlags::NONE, 3)
+        .unwrap();
     // Both adverts arrive (the second with its bytes inline) and the first read starts; then the link breaks.
-    while p.server.stats().unwrap().link.reads == 0 || p.server.stats().unwrap().message.adverts_received < 2 {
+    while p.server.stats().unwrap().link.reads == 0
+        || p.server.stats().unwrap().message.adverts_received < 2
+    {
         assert!(p.world.drive());
     }
     p.world.break_connections(0);
@@ -558,7 +568,10 @@ fn dropped_queue_with_an_accepted_socket() -> (World, Socket, Socket, std::net::
     assert!(ceq.next(Some(Duration::from_secs(10))).unwrap().is_ok());
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while eq.is_empty() {
-        assert!(std::time::Instant::now() < until, "the accept never completed");
+        assert!(
+            std::time::Instant::now() < until,
+            "the accept never completed"
+        );
         std::thread::sleep(Duration::from_millis(1));
     }
     drop(eq);
@@ -607,7 +620,9 @@ fn dropping_handles_in_any_order_does_not_deadlock() {
         within_20s("dropping handles", move || {
             let p = pair_threaded(SockType::SeqPacket, &[]);
             let buf = MemoryRegion::alloc(&p.a, 100).unwrap();
-            p.client.recv(&p.eq_a, &buf.all(), MsgFlags::NONE, 1).unwrap();
+            p.client
+                .recv(&p.eq_a, &buf.all(), MsgFlags::NONE, 1)
+                .unwrap();
             let Pair {
                 world,
                 a,
@@ -647,16 +662,26 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
         let buf = MemoryRegion::alloc(&p.b, 4 * 100).unwrap();
         for i in 0..4 {
             p.server
-                .recv(&p.eq_b, &buf.slice(i * 100..(i + 1) * 100), MsgFlags::NONE, i as u64)
+                .recv(
+                    &p.eq_b,
+                    &buf.slice(i * 100..(i + 1) * 100),
+                    MsgFlags::NONE,
+                    i as u64,
+                )
                 .unwrap();
         }
         // Host 1 is the server's context; the next poll there panics - the progress thread's, as nobody waits.
         p.world.panic_on_next_poll(1);
         let src = p.client_region(pattern(10, 1));
-        p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 9).unwrap();
-        let evs: Vec<_> = (0..4).map(|_| p.eq_b.next(Some(Duration::from_secs(10))).unwrap()).collect();
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 9)
+            .unwrap();
+        let evs: Vec<_> = (0..4)
+            .map(|_| p.eq_b.next(Some(Duration::from_secs(10))).unwrap())
+            .collect();
         assert!(
-            evs.iter().all(|e| matches!(&e.status, Err(OpError::Transport(_)))),
+            evs.iter()
+                .all(|e| matches!(&e.status, Err(OpError::Transport(_)))),
             "every pending receive fails with a transport error: {evs:?}"
         );
         let e = p
@@ -696,13 +721,24 @@ fn connections_beyond_the_limit_are_refused_politely() {
             c
         })
         .collect();
-    let evs: Vec<_> = (0..5).map(|_| ceq.next(Some(Duration::from_secs(10))).unwrap()).collect();
+    let evs: Vec<_> = (0..5)
+        .map(|_| ceq.next(Some(Duration::from_secs(10))).unwrap())
+        .collect();
     let ok = evs.iter().filter(|e| e.is_ok()).count();
-    let refused = evs.iter().filter(|e| e.status == Err(OpError::Refused)).count();
+    let refused = evs
+        .iter()
+        .filter(|e| e.status == Err(OpError::Refused))
+        .count();
     assert_eq!((ok, refused), (3, 2), "{evs:?}");
     assert_eq!(server.stats().refused_over_limit, 2);
     let mut accepted: Vec<Socket> = (0..3)
-        .map(|_| seq.next(Some(Duration::from_secs(10))).unwrap().accepted.take().unwrap())
+        .map(|_| {
+            seq.next(Some(Duration::from_secs(10)))
+                .unwrap()
+                .accepted
+                .take()
+                .unwrap()
+        })
         .collect();
     // A closed connection makes room.
     let gone = accepted.pop().unwrap();
@@ -715,7 +751,10 @@ fn connections_beyond_the_limit_are_refused_politely() {
         if ev.is_ok() {
             break;
         }
-        assert!(std::time::Instant::now() < until, "no room after a close: {ev:?}");
+        assert!(
+            std::time::Instant::now() < until,
+            "no room after a close: {ev:?}"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     drop(clients);
@@ -740,7 +779,10 @@ fn a_request_left_in_the_backlog_expires() {
     c.connect(addr, &ceq, 1).unwrap();
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while server.stats().expired_requests == 0 {
-        assert!(std::time::Instant::now() < until, "the request never expired");
+        assert!(
+            std::time::Instant::now() < until,
+            "the request never expired"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
@@ -772,7 +814,10 @@ fn ten_thousand_refused_connects_leave_nothing_behind() {
     // One request fills the backlog.
     let first = Socket::new(&client, SockType::SeqPacket).unwrap();
     first.connect(addr, &ceq, 0).unwrap();
-    let before = (server.stats().connection_bytes, client.stats().connection_bytes);
+    let before = (
+        server.stats().connection_bytes,
+        client.stats().connection_bytes,
+    );
     for round in 0..100 {
         let socks: Vec<Socket> = (0..100)
             .map(|i| {
@@ -787,7 +832,14 @@ fn ten_thousand_refused_connects_leave_nothing_behind() {
         }
         drop(socks);
     }
-    let after = (server.stats().connection_bytes, client.stats().connection_bytes);
+    let after = (
+        server.stats().connection_bytes,
+        client.stats().connection_bytes,
+    );
     assert_eq!(after, before, "memory held by connections changed");
-    assert_eq!(world.endpoints(1), 1, "the client's refused endpoints were released");
+    assert_eq!(
+        world.endpoints(1),
+        1,
+        "the client's refused endpoints were released"
+    );
 }

@@ -20,10 +20,15 @@ fn api_calls_wake_no_thread() {
     let before = p.b.progress_stats();
     let bufs: Vec<MemoryRegion> = (0..50).map(|_| p.server_region(64)).collect();
     for (i, b) in bufs.iter().enumerate() {
-        p.server.recv(&p.eq_b, &b.all(), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(&p.eq_b, &b.all(), MsgFlags::NONE, i as u64)
+            .unwrap();
     }
     let after = p.b.progress_stats();
-    assert_eq!(after.timer_kicks, before.timer_kicks, "{before:?} -> {after:?}");
+    assert_eq!(
+        after.timer_kicks, before.timer_kicks,
+        "{before:?} -> {after:?}"
+    );
     // The old design wrote the context's eventfd once per call: 50 wake-ups here.
     assert!(
         after.thread_wakeups - before.thread_wakeups <= 2,
@@ -35,10 +40,7 @@ fn api_calls_wake_no_thread() {
 /// stands aside, so a ping-pong costs far fewer progress-thread wake-ups than round trips.
 #[test]
 fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
-    let p = pair_threaded(
-        SockType::SeqPacket,
-        &[SocketOption::SmallPacketMaxSize(64)],
-    );
+    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
     let out = p.client_region(pattern(32, 7));
     let back = p.client_region(vec![0; 32]);
     let sbuf = p.server_region(32);
@@ -50,17 +52,25 @@ fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
                 server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
                 let r = wait(&eq);
                 assert!(r.is_ok(), "{r:?}");
-                server.send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2).unwrap();
+                server
+                    .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
+                    .unwrap();
                 assert!(wait(&eq).is_ok());
             }
         })
     };
     let (a0, b0) = (p.a.progress_stats(), p.b.progress_stats());
     for _ in 0..ROUND_TRIPS {
-        p.client.recv(&p.eq_a, &back.all(), MsgFlags::NONE, 1).unwrap();
-        p.client.send(&p.eq_a, &out.all(), MsgFlags::NONE, 2).unwrap();
+        p.client
+            .recv(&p.eq_a, &back.all(), MsgFlags::NONE, 1)
+            .unwrap();
+        p.client
+            .send(&p.eq_a, &out.all(), MsgFlags::NONE, 2)
+            .unwrap();
         let mut evs = Vec::new();
-        p.eq_a.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30))).unwrap();
+        p.eq_a
+            .dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
+            .unwrap();
         assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
     }
     echo.join().unwrap();
@@ -88,10 +98,14 @@ fn the_progress_thread_answers_while_the_application_computes() {
     let data = pattern(64 * 1024, 3);
     let src = p.client_region(data.clone());
     let dst = p.server_region(data.len());
-    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
     // Let the server's progress thread take the lead (nobody waits on the server side from here on).
     std::thread::sleep(Duration::from_millis(20));
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
     let s = wait(&p.eq_a);
     assert_eq!((s.kind, s.bytes), (EventKind::Send, data.len()), "{s:?}");
     assert!(s.is_ok(), "{s:?}");
@@ -109,25 +123,31 @@ fn two_threads_waiting_on_one_queue_both_get_their_events() {
     let src = p.client_region(pattern(16, 1));
     let bufs: Vec<MemoryRegion> = (0..3).map(|_| p.server_region(16)).collect();
     for (i, b) in bufs.iter().enumerate() {
-        p.server.recv(&p.eq_b, &b.all(), MsgFlags::NONE, i as u64).unwrap();
+        p.server
+            .recv(&p.eq_b, &b.all(), MsgFlags::NONE, i as u64)
+            .unwrap();
     }
     let one = {
         let eq = p.eq_b.clone();
         std::thread::spawn(move || {
             let mut v = Vec::new();
-            eq.dequeue(&mut v, 1, 1, Some(Duration::from_secs(30))).map(|_| v.len())
+            eq.dequeue(&mut v, 1, 1, Some(Duration::from_secs(30)))
+                .map(|_| v.len())
         })
     };
     let two = {
         let eq = p.eq_b.clone();
         std::thread::spawn(move || {
             let mut v = Vec::new();
-            eq.dequeue(&mut v, 2, 2, Some(Duration::from_secs(30))).map(|_| v.len())
+            eq.dequeue(&mut v, 2, 2, Some(Duration::from_secs(30)))
+                .map(|_| v.len())
         })
     };
     std::thread::sleep(Duration::from_millis(20));
     for i in 0..3 {
-        p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, i).unwrap();
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, i)
+            .unwrap();
     }
     assert_eq!(one.join().unwrap(), Ok(1));
     assert_eq!(two.join().unwrap(), Ok(2));

@@ -4,8 +4,8 @@
 mod common;
 
 use common::*;
-use exs::StreamTrace;
 use exs::sim::SimConfig;
+use exs::StreamTrace;
 use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
 
 fn stream_pair(opts: &[SocketOption]) -> Pair {

@@ -9,8 +9,8 @@
 mod common;
 
 use common::*;
-use exs::StreamTrace;
 use exs::sim::SimConfig;
+use exs::StreamTrace;
 use exs::{MemoryRegion, MsgFlags, SockType, SocketOption};
 
 struct Fig {

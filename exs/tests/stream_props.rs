@@ -19,8 +19,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use common::*;
-use exs::StreamTrace;
 use exs::sim::{RnrPolicy, SimConfig};
+use exs::StreamTrace;
 use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
 use proptest::prelude::*;
 

@@ -26,13 +26,18 @@ async fn async_streams_echo_a_mebibyte_then_end_of_stream() {
         total
     });
     let mut c = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
-    let data: Vec<u8> = (0..1 << 20).map(|i: u32| (i * 13 + i / 509) as u8).collect();
+    let data: Vec<u8> = (0..1 << 20)
+        .map(|i: u32| (i * 13 + i / 509) as u8)
+        .collect();
     let (mut back, mut sent) = (Vec::new(), 0);
     let mut buf = vec![0u8; 64 * 1024];
     // Write and read interleaved (the echo cannot buffer everything).
     while back.len() < data.len() {
         if sent < data.len() {
-            let n = c.write(&data[sent..(sent + 200_000).min(data.len())]).await.unwrap();
+            let n = c
+                .write(&data[sent..(sent + 200_000).min(data.len())])
+                .await
+                .unwrap();
             sent += n;
         }
         let n = c.read(&mut buf).await.unwrap();
@@ -90,7 +95,10 @@ fn a_read_absorbed_while_flushing_wakes_the_reader() {
     use std::task::{Context, Poll, Waker};
     use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     let world = World::threaded(SimConfig::default());
     let (server, client) = (world.host(), world.host());
     rt.block_on(async move {

@@ -198,12 +198,22 @@ fn the_queue_descriptor_is_readable_exactly_while_events_are_queued() {
     };
     assert!(!readable(0), "an empty queue is not readable");
     let dst = p.server_region(100);
-    p.server.recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
     assert!(!readable(20), "nothing arrived yet");
     let src = p.client_region(pattern(100, 3));
-    p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 2).unwrap();
-    assert!(readable(10_000), "the receive completed while this thread slept in poll(2)");
-    assert!(readable(0), "level-triggered: still readable until dequeued");
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    assert!(
+        readable(10_000),
+        "the receive completed while this thread slept in poll(2)"
+    );
+    assert!(
+        readable(0),
+        "level-triggered: still readable until dequeued"
+    );
     let mut evs = Vec::new();
     assert_eq!(p.eq_b.poll(&mut evs, 8), 1);
     assert!(evs[0].is_ok());

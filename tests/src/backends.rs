@@ -224,9 +224,7 @@ impl Verbs {
                 device: std::env::var("EXS_VERBS_DEVICE").ok(),
                 emulate_write_imm: std::env::var("EXS_VERBS_EMULATE_IMM").is_ok_and(|v| v == "1"),
                 // EXS_VERBS_WINDOWS=0: the fallback without memory windows (a registration per exposure).
-                memory_windows: std::env::var("EXS_VERBS_WINDOWS")
-                    .ok()
-                    .map(|v| v != "0"),
+                memory_windows: std::env::var("EXS_VERBS_WINDOWS").ok().map(|v| v != "0"),
                 // EXS_VERBS_READ_SINKS=1: iWARP's way, a registration with remote write per RDMA read sink.
                 read_sink_registration: std::env::var("EXS_VERBS_READ_SINKS")
                     .ok()

@@ -231,7 +231,9 @@ fn spawn_remote(
         .filter(|l| !l.is_empty())
         .map(String::from);
     if read_line && line.is_none() {
-        return Err(format!("child {role} on the peer host did not report an address"));
+        return Err(format!(
+            "child {role} on the peer host did not report an address"
+        ));
     }
     Ok(ChildProc {
         proc: Proc::Remote(agent),
@@ -244,7 +246,8 @@ fn spawn_remote(
 /// line, kills it (`KILL`) or reports whether it exited (`WAIT`), and kills it when the connection closes. `QUIT`
 /// ends the agent. Only for test machines: it runs what the suite asks.
 fn agent() -> Result<(), String> {
-    let addr = std::env::var("EXS_CONFORMANCE_AGENT").map_err(|_| "EXS_CONFORMANCE_AGENT is not set")?;
+    let addr =
+        std::env::var("EXS_CONFORMANCE_AGENT").map_err(|_| "EXS_CONFORMANCE_AGENT is not set")?;
     let l = TcpListener::bind(&addr).map_err(|e| format!("agent on {addr}: {e}"))?;
     eprintln!("agent: listening on {addr}");
     for conn in l.incoming() {

@@ -168,7 +168,11 @@ fn exs_jobs(exe: &str, backend: &str, p: &Plan, wait_modes: bool) -> Vec<Job> {
     }
     // Issue 13: the two exposure policies side by side, on sends that the peer pulls with RDMA reads (each needs a
     // remote key): a key per operation against UNH-EXS's key per region and connection.
-    let exposure_sizes: &[u64] = if wait_modes { &[4096, 65536, 1 << 20] } else { &[65536] };
+    let exposure_sizes: &[u64] = if wait_modes {
+        &[4096, 65536, 1 << 20]
+    } else {
+        &[65536]
+    };
     for &size in exposure_sizes {
         for policy in ["per-operation", "trusted"] {
             v.push(job(
@@ -223,7 +227,10 @@ fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
                 variant,
                 size,
                 1,
-                format!("{exe} tcppump --size {size} --seconds {} {flag} --json", p.seconds),
+                format!(
+                    "{exe} tcppump --size {size} --seconds {} {flag} --json",
+                    p.seconds
+                ),
                 Parse::Json,
             ));
         }
@@ -233,7 +240,10 @@ fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
         "nodelay",
         8,
         1,
-        format!("{exe} tcpping --size 8 --count {} --nodelay --json", p.pings),
+        format!(
+            "{exe} tcpping --size 8 --count {} --nodelay --json",
+            p.pings
+        ),
         Parse::Json,
     ));
     v.extend(cost_jobs(exe));
@@ -484,7 +494,10 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
                     continue;
                 }
                 let f: Vec<&str> = l.split(',').collect();
-                if let (Some(c), Some(ev)) = (f.first().and_then(|x| x.trim().parse::<f64>().ok()), f.get(2)) {
+                if let (Some(c), Some(ev)) = (
+                    f.first().and_then(|x| x.trim().parse::<f64>().ok()),
+                    f.get(2),
+                ) {
                     counts.insert((part, ev), c);
                 }
                 // fi_pingpong: bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec
@@ -500,7 +513,8 @@ fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> {
                 ("raw_syscalls:sys_enter", "syscalls_per_rt"),
                 ("context-switches", "cs_per_rt"),
             ] {
-                if let (Some(a), Some(b)) = (counts.get(&("short", ev)), counts.get(&("long", ev))) {
+                if let (Some(a), Some(b)) = (counts.get(&("short", ev)), counts.get(&("long", ev)))
+                {
                     rows.push(row(metric, ((b - a) / extra).max(0.0)));
                 }
             }
@@ -951,12 +965,21 @@ fn markdown(
         let _ = writeln!(s, "\nExposure policies (seqpacket sends the peer pulls with RDMA reads, `--mode normal`, depth 8): MB/s, remote keys the sender made per message, memory registrations per message (both sides):\n\n| size | per operation (default) | trusted peers (UNH-EXS) |\n|---|---|---|");
         for size in es {
             let c = |p: &str| {
-                let t = get(sum, "exs-exposure", p, size, "bytes_per_sec").map_or(0.0, |v| v.0 / 1e6);
-                let k = get(sum, "exs-exposure", p, size, "client_exposures_per_msg").map_or(f64::NAN, |v| v.0);
-                let r = get(sum, "exs-exposure", p, size, "registrations_per_msg").map_or(f64::NAN, |v| v.0);
+                let t =
+                    get(sum, "exs-exposure", p, size, "bytes_per_sec").map_or(0.0, |v| v.0 / 1e6);
+                let k = get(sum, "exs-exposure", p, size, "client_exposures_per_msg")
+                    .map_or(f64::NAN, |v| v.0);
+                let r = get(sum, "exs-exposure", p, size, "registrations_per_msg")
+                    .map_or(f64::NAN, |v| v.0);
                 format!("{t:.0}, {k:.3} keys, {r:.3} registrations")
             };
-            let _ = writeln!(s, "| {} | {} | {} |", fmt_size(size), c("per-operation"), c("trusted"));
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} |",
+                fmt_size(size),
+                c("per-operation"),
+                c("trusted")
+            );
         }
     }
     let _ = writeln!(s, "\nTargets (ratios of medians from this run):\n");
@@ -1400,8 +1423,16 @@ mod tests {
 
     #[test]
     fn parses_perf_stat_counts_per_round_trip_and_fi_pingpong() {
-        let j = job("cost", "fi_pingpong", 8, 1, String::new(), Parse::PerfPing(10000, 30000));
-        let out = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
+        let j = job(
+            "cost",
+            "fi_pingpong",
+            8,
+            1,
+            String::new(),
+            Parse::PerfPing(10000, 30000),
+        );
+        let out =
+            "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
                    8       30k     =30k     468k        0.25s      1.94       4.13       0.24\n\
                    @@short\n# started on Mon Nov 23\n\n\
                    230000,,raw_syscalls:sys_enter,313616920,100.00,,\n\
@@ -1414,7 +1445,14 @@ mod tests {
         assert_eq!(get("mean_us"), Some(4.13));
         assert_eq!(get("syscalls_per_rt"), Some(20.0));
         assert_eq!(get("cs_per_rt"), Some(0.05));
-        let j = job("cost", "exs busy", 8, 1, String::new(), Parse::PerfPing(100, 300));
+        let j = job(
+            "cost",
+            "exs busy",
+            8,
+            1,
+            String::new(),
+            Parse::PerfPing(100, 300),
+        );
         let out = "@@short\n1000,,raw_syscalls:sys_enter,1,100.00,,\n@@long\n{\"median_us\": 9.5, \"mean_us\": 10.0}\n3000,,raw_syscalls:sys_enter,1,100.00,,\n";
         let rows = parse("host", &j, 0, out);
         assert_eq!(rows.len(), 3, "{rows:?}");

@@ -45,9 +45,8 @@ pub fn run() -> Result<String> {
     let manifest = std::fs::read_to_string(root.join("exs/Cargo.toml"))
         .map_err(|e| format!("exs/Cargo.toml: {e}"))?;
     let dependencies = example_dependencies(&manifest)?;
-    let write = |p: &Path, text: &str| {
-        std::fs::write(p, text).map_err(|e| format!("{}: {e}", p.display()))
-    };
+    let write =
+        |p: &Path, text: &str| std::fs::write(p, text).map_err(|e| format!("{}: {e}", p.display()));
     write(
         &dir.join("Cargo.toml"),
         &format!(
@@ -91,7 +90,9 @@ pub fn run() -> Result<String> {
     // The file copy: 3 MiB + 5 bytes (not a multiple of any chunk), compared byte for byte.
     let src = dir.join("copy-src");
     let dst = dir.join("copy-dst");
-    let data: Vec<u8> = (0..(3usize << 20) + 5).map(|i| (i * 7 + i / 4093) as u8).collect();
+    let data: Vec<u8> = (0..(3usize << 20) + 5)
+        .map(|i| (i * 7 + i / 4093) as u8)
+        .collect();
     std::fs::write(&src, &data).map_err(|e| e.to_string())?;
     let mut c = Command::new(bin("file_copy"));
     c.arg(&src).arg(&dst);

@@ -384,7 +384,9 @@ pub fn run(args: TestArgs) -> Result<()> {
             "-D",
             "warnings",
         ])) {
-            Ok(()) => summary.push("clippy (all crates and targets, -D warnings): clean".to_string()),
+            Ok(()) => {
+                summary.push("clippy (all crates and targets, -D warnings): clean".to_string())
+            }
             Err(e) => {
                 eprintln!("xtask: clippy: {e}");
                 failures.push("clippy".to_string());

@@ -23,9 +23,7 @@ fn guest0(exe: &Path, tool: &Path) -> String {
     let exe = exe.display();
     let tool = tool.display();
     let agent = format!("{far}:{AGENT_PORT}");
-    let mut s = String::from(
-        "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n",
-    );
+    let mut s = String::from("section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n");
     for (backend, var) in [("verbs", "EXS_VERBS_ADDR"), ("fabric", "EXS_FABRIC_ADDR")] {
         s.push_str(&format!("section {backend}:two-guests\n"));
         for case in CASES {
@@ -121,10 +119,12 @@ impl Measured {
             let w: Vec<&str> = l.split_whitespace().collect();
             if let (true, Ok(size), Ok(avg)) = (
                 w.len() >= 5,
-                w.first().map_or(Err(()), |x| x.parse::<u64>().map_err(drop)),
+                w.first()
+                    .map_or(Err(()), |x| x.parse::<u64>().map_err(drop)),
                 w.get(3).map_or(Err(()), |x| x.parse::<f64>().map_err(drop)),
             ) {
-                self.points.push(("ib_write_bw".into(), size, avg * 1.048_576));
+                self.points
+                    .push(("ib_write_bw".into(), size, avg * 1.048_576));
             }
         }
     }
@@ -170,7 +170,11 @@ pub fn run(
             failures.push(format!("two guests: guest {i} setup"));
             summary.push(format!(
                 "two guests: guest {i} {}; console:\n{}",
-                if o.rc.is_none() { "gave no exit code" } else { "could not set up its link or rxe0" },
+                if o.rc.is_none() {
+                    "gave no exit code"
+                } else {
+                    "could not set up its link or rxe0"
+                },
                 vm::tail(&o.console, 20)
             ));
         }

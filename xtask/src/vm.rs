@@ -100,7 +100,9 @@ fn wait_listening(port: u16, timeout: Duration) -> Result<()> {
             return Ok(());
         }
         if start.elapsed() > timeout {
-            return Err(format!("the first guest's QEMU never listened on port {port}"));
+            return Err(format!(
+                "the first guest's QEMU never listened on port {port}"
+            ));
         }
         std::thread::sleep(Duration::from_millis(100));
     }
@@ -391,7 +393,10 @@ impl Vm {
             }
             handles
                 .into_iter()
-                .map(|h| h.join().unwrap_or_else(|_| Err("a guest thread panicked".into())))
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err("a guest thread panicked".into()))
+                })
                 .collect::<Vec<_>>()
         });
         let mut it = outcomes.into_iter();
@@ -495,7 +500,11 @@ impl Vm {
         if status.is_none() {
             eprintln!(
                 "xtask: the VM{} did not finish within {timeout:?}; console tail:\n{}",
-                if guest.name.is_empty() { String::new() } else { format!(" {}", guest.name) },
+                if guest.name.is_empty() {
+                    String::new()
+                } else {
+                    format!(" {}", guest.name)
+                },
                 tail(&out.console, 20)
             );
         }

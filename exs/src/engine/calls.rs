@@ -139,10 +139,7 @@ impl Engine {
         let mut opts = SocketOptions::default();
         if ty == SockType::SeqPacket {
             // Seed 002, 4.1: the immediate-data threshold this transport does best with (still settable).
-            opts.small_packet_max_size = self
-                .caps
-                .immediate_default
-                .min(SocketOptions::MAX_SMALL);
+            opts.small_packet_max_size = self.caps.immediate_default.min(SocketOptions::MAX_SMALL);
         }
         self.sockets.insert(sid, Sock::new(ty, opts));
         sid
@@ -349,10 +346,7 @@ impl Engine {
                 let sge = slice.lease(LeaseKind::DeviceRead)?;
                 self.open_conn(sid)?;
                 let token = self.token(ticket);
-                let stream = self
-                    .open_conn(sid)?
-                    .stream()
-                    .expect("stream socket");
+                let stream = self.open_conn(sid)?.stream().expect("stream socket");
                 stream.send(token, sge, flags);
             }
         }
@@ -728,4 +722,3 @@ fn check_flags(flags: MsgFlags, ty: SockType, offset: bool) -> Result<(), StateE
     }
     Ok(())
 }
-

@@ -36,7 +36,11 @@ impl Engine {
     /// given up by then).
     pub(super) fn expire_backlog(&mut self, lsid: SocketId, now: Instant) {
         let timeout = self.connect_timeout;
-        let Some(l) = self.sockets.get_mut(&lsid).and_then(|s| s.listening.as_mut()) else {
+        let Some(l) = self
+            .sockets
+            .get_mut(&lsid)
+            .and_then(|s| s.listening.as_mut())
+        else {
             return;
         };
         while l.backlog.front().is_some_and(|b| b.3 + timeout <= now) {

@@ -308,7 +308,12 @@ impl Engine {
     /// Allocates, registers and exposes the stream buffer of a connection whose peer asked for it, and queues
     /// its STREAM_RING. Seed 001: the peer may write any part of it at any time, so the lease is of the kind for
     /// ranges the device writes concurrently.
-    fn provide_ring(&mut self, sid: SocketId, ep: EndpointId, len: usize) -> Result<(), TransportError> {
+    fn provide_ring(
+        &mut self,
+        sid: SocketId,
+        ep: EndpointId,
+        len: usize,
+    ) -> Result<(), TransportError> {
         let buf = DmaBuf::try_new(len).ok_or_else(|| {
             TransportError::Invalid(format!("cannot allocate a stream buffer of {len} bytes"))
         })?;
@@ -707,7 +712,8 @@ impl Engine {
                 } else {
                     self.ack_delay
                 };
-                self.timers.push((self.clock.now() + delay, sid, TimerKind::Ack));
+                self.timers
+                    .push((self.clock.now() + delay, sid, TimerKind::Ack));
             }
             // A reply carried the acknowledgment: the timer goes, so no sleeper is woken for it.
             (false, Some(i)) => {
@@ -742,7 +748,6 @@ impl Engine {
             _ => None,
         }
     }
-
 }
 
 /// A control receive slot holds a header, the largest body, and immediate data up to `small` bytes.
@@ -758,7 +763,9 @@ const ROUND_BATCHES: usize = 4;
 
 /// What operations and calls of a failed context report.
 fn failed_error(why: &str) -> OpError {
-    OpError::Transport(TransportError::Invalid(format!("the context failed: {why}")))
+    OpError::Transport(TransportError::Invalid(format!(
+        "the context failed: {why}"
+    )))
 }
 
 fn link_rx_bytes(link: &Link) -> u64 {

@@ -83,11 +83,9 @@ fn adaptive_wait_blocks_once_per_batch() {
 fn adaptive_wait_does_not_block_when_events_are_there() {
     let q = EventQueue::new(8);
     for i in 0..3 {
-        q.reserve(EventKind::Recv, i, sid()).unwrap().complete(
-            Ok(()),
-            0,
-            EventFlags::default(),
-        );
+        q.reserve(EventKind::Recv, i, sid())
+            .unwrap()
+            .complete(Ok(()), 0, EventFlags::default());
     }
     let mut out = Vec::new();
     assert_eq!(q.dequeue(&mut out, 3, 8, None), Ok(3));

@@ -505,7 +505,9 @@ impl Conn {
             }
             (Body::StreamAdvert(a), Mode::Stream(s)) => s.on_advert(a, &mut self.link)?,
             (Body::StreamWindow { consumed }, Mode::Stream(s)) => s.on_window(consumed)?,
-            (Body::StreamRing { addr, rkey }, Mode::Stream(s)) => s.on_ring(addr, rkey, &mut self.link)?,
+            (Body::StreamRing { addr, rkey }, Mode::Stream(s)) => {
+                s.on_ring(addr, rkey, &mut self.link)?
+            }
             (Body::StreamRingWanted, Mode::Stream(s)) => s.on_ring_wanted(),
             (body, _) => {
                 return Err(Violation::Unexpected {

@@ -421,7 +421,14 @@ impl Link {
                     continue;
                 }
                 // The last credit is kept for urgent messages and CLOSE (the peer frees its slots without us).
-                let reserve_ok = urgent || matches!(front, Outgoing::Ctrl { body: Body::Close(_), .. });
+                let reserve_ok = urgent
+                    || matches!(
+                        front,
+                        Outgoing::Ctrl {
+                            body: Body::Close(_),
+                            ..
+                        }
+                    );
                 let need = match (self.consumes(front), reserve_ok) {
                     (false, _) => 0,
                     (true, true) => 1,

@@ -22,9 +22,9 @@ use std::collections::VecDeque;
 use exs_dma::LeaseKind;
 
 use crate::error::{OpError, Violation};
+use crate::proto::link::{AckSource, DataOp, Link};
 use crate::proto::op::EventFlags;
 use crate::proto::op::OpToken;
-use crate::proto::link::{AckSource, DataOp, Link};
 use crate::transport::{Exposure, RemoteRef, Sge, WcError};
 use crate::wire::{Advert, AdvertFlags, Body, Kind};
 

@@ -46,14 +46,12 @@ use std::sync::Arc;
 use exs_dma::DmaBuf;
 
 use crate::error::{OpError, Violation};
-use crate::proto::op::EventFlags;
-use crate::proto::op::OpToken;
 use crate::options::{MsgFlags, SocketOptions};
 use crate::proto::conn::Limits;
 use crate::proto::link::{DataOp, Link};
-use crate::transport::{
-    Exposure, Registration, RemoteRef, Sge, WcError,
-};
+use crate::proto::op::EventFlags;
+use crate::proto::op::OpToken;
+use crate::transport::{Exposure, Registration, RemoteRef, Sge, WcError};
 use crate::wire::{Body, CloseReason, Handshake, Imm, StreamAdvert};
 
 /// Counters.
@@ -398,7 +396,12 @@ impl StreamProto {
     }
 
     /// The peer's STREAM_RING: its stream buffer's address and key, once (only when the handshake carried none).
-    pub(crate) fn on_ring(&mut self, addr: u64, rkey: u64, link: &mut Link) -> Result<(), Violation> {
+    pub(crate) fn on_ring(
+        &mut self,
+        addr: u64,
+        rkey: u64,
+        link: &mut Link,
+    ) -> Result<(), Violation> {
         if self.tx.ring.is_some() {
             return Err(Violation::Stream(
                 "a second stream buffer key (STREAM_RING)".into(),

@@ -18,7 +18,8 @@ use crate::sim::{SimConfig, World};
 use crate::socket::Socket;
 use crate::testing::{handshake, RawPeer};
 use crate::wire::{
-    Advert, AdvertFlags, OffsetWritten, Body, CloseReason, Handshake, Imm, Message, StreamAdvert, WireSockType,
+    Advert, AdvertFlags, Body, CloseReason, Handshake, Imm, Message, OffsetWritten, StreamAdvert,
+    WireSockType,
 };
 use crate::{ContextOptions, OpError};
 
@@ -200,7 +201,8 @@ pub fn peer(data: &[u8]) -> PeerOutcome {
         w2.drive();
     });
     let mut outcome = PeerOutcome::default();
-    let Ok(mut raw) = RawPeer::connect_with(Box::new(world.raw_host()), addr, &hs.encode(), tick) else {
+    let Ok(mut raw) = RawPeer::connect_with(Box::new(world.raw_host()), addr, &hs.encode(), tick)
+    else {
         outcome.violation = true; // refused at the handshake
         return outcome;
     };

@@ -591,10 +591,7 @@ impl Net {
             .ok_or_else(|| format!("unknown key {:#x}", r.key))?;
         if e.owner != at {
             // A key works only on the connection it was given to (a window bound to its queue pair).
-            return Err(format!(
-                "key {:#x} belongs to another connection",
-                r.key
-            ));
+            return Err(format!("key {:#x} belongs to another connection", r.key));
         }
         if e.access != access {
             return Err(format!("key {:#x} does not allow {access:?}", r.key));

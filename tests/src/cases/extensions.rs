@@ -382,6 +382,9 @@ fn sendfile_chunks(b: &dyn Backend) -> Result<(), String> {
         s.kind == EventKind::SendFile && s.is_ok() && s.bytes == len && s.context == 9,
         "one SendFile event with the total: {s:?}"
     );
-    ensure!(p.eq_a.is_empty(), "no event of the chunks reaches the user's queue");
+    ensure!(
+        p.eq_a.is_empty(),
+        "no event of the chunks reaches the user's queue"
+    );
     Ok(())
 }

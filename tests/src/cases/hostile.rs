@@ -321,9 +321,16 @@ fn handshake_stream_overflow(b: &dyn Backend) -> Result<(), String> {
     let ev = next(&v.eq)?;
     match &ev.status {
         Err(OpError::PeerMisbehaved(Violation::Handshake(why))) if why.contains("overflows") => {
-            eprintln!("HOSTILE {}: stream buffer overflowing the address space: accept failed: {why}", v.name)
+            eprintln!(
+                "HOSTILE {}: stream buffer overflowing the address space: accept failed: {why}",
+                v.name
+            )
         }
-        other => return Err(format!("overflowing stream buffer: accept ended with {other:?}")),
+        other => {
+            return Err(format!(
+                "overflowing stream buffer: accept ended with {other:?}"
+            ))
+        }
     }
     if let Ok(mut raw) = raw {
         ensure!(

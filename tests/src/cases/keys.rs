@@ -50,7 +50,13 @@ fn advert(raw: &mut RawPeer, what: &str, pick: impl Fn(&Advert) -> bool) -> Resu
 }
 
 /// Tries `remote` from a fresh connection B (read, or write of "EVIL"): it must fail.
-fn attempt(v: &Victim, what: &str, remote: RemoteRef, len: usize, write: bool) -> Result<(), String> {
+fn attempt(
+    v: &Victim,
+    what: &str,
+    remote: RemoteRef,
+    len: usize,
+    write: bool,
+) -> Result<(), String> {
     let (mut b, b_sock) = v.accept_good()?;
     let id = if write {
         b.write(remote, &b"EVIL".repeat(len.div_ceil(4))[..len], None)?
@@ -64,7 +70,10 @@ fn attempt(v: &Victim, what: &str, remote: RemoteRef, len: usize, write: bool) -
             remote.key
         )),
         Err(e) => {
-            eprintln!("KEYS {}: {what} on another connection: refused ({e})", v.name);
+            eprintln!(
+                "KEYS {}: {what} on another connection: refused ({e})",
+                v.name
+            );
             drop(b);
             let _ = b_sock.abort();
             Ok(())
@@ -117,12 +126,31 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
         .send(&v.eq, &src.all(), MsgFlags::NONE, 1)
         .map_err(|e| e.to_string())?;
     let ad = advert(&mut a, "a send", |ad| ad.flags.0 == 0 && ad.len == 8000)?;
-    attempt(&v, "the key of a send in flight", RemoteRef { addr: ad.addr, key: ad.rkey }, 8000, false)?;
+    attempt(
+        &v,
+        "the key of a send in flight",
+        RemoteRef {
+            addr: ad.addr,
+            key: ad.rkey,
+        },
+        8000,
+        false,
+    )?;
     // Connection A still reads it with the same key: the key is good where it was given.
-    let id = a.read(RemoteRef { addr: ad.addr, key: ad.rkey }, 8000)?;
+    let id = a.read(
+        RemoteRef {
+            addr: ad.addr,
+            key: ad.rkey,
+        },
+        8000,
+    )?;
     a.wait_done(id)
         .map_err(|e| format!("connection A reading its own advertised send: {e}"))?;
-    same(&a.read_back(8000), &sent, "the send read on its own connection")?;
+    same(
+        &a.read_back(8000),
+        &sent,
+        "the send read on its own connection",
+    )?;
     still_up(&a_sock, "after the send's key was tried elsewhere")?;
 
     let psend = MemoryRegion::from_vec(&v.ctx, pattern(4096, 12)).map_err(|e| e.to_string())?;
@@ -132,7 +160,16 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
     let ad = advert(&mut a, "a persistent send", |ad| {
         ad.flags.0 & AdvertFlags::PERSISTENT != 0
     })?;
-    attempt(&v, "the key of a persistent send", RemoteRef { addr: ad.addr, key: ad.rkey }, 4096, false)?;
+    attempt(
+        &v,
+        "the key of a persistent send",
+        RemoteRef {
+            addr: ad.addr,
+            key: ad.rkey,
+        },
+        4096,
+        false,
+    )?;
 
     let before = pattern(4096, 13);
     let precv = MemoryRegion::from_vec(&v.ctx, before.clone()).map_err(|e| e.to_string())?;
@@ -144,8 +181,20 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
     let ad = advert(&mut a2, "a persistent receive", |ad| {
         ad.flags.0 & AdvertFlags::PERSISTENT_RECV != 0
     })?;
-    attempt(&v, "the key of a persistent receive", RemoteRef { addr: ad.addr, key: ad.rkey }, 4096, true)?;
-    still_up(&a2_sock, "after the persistent receive's key was tried elsewhere")?;
+    attempt(
+        &v,
+        "the key of a persistent receive",
+        RemoteRef {
+            addr: ad.addr,
+            key: ad.rkey,
+        },
+        4096,
+        true,
+    )?;
+    still_up(
+        &a2_sock,
+        "after the persistent receive's key was tried elsewhere",
+    )?;
     a2_sock.end_persistent().map_err(|e| e.to_string())?;
     drop(a2);
     let _ = a2_sock.abort();
@@ -158,7 +207,11 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
         &before,
         "the persistent receive buffer",
     )?;
-    same(&src.to_vec().map_err(|e| e.to_string())?, &sent, "the send buffer")?;
+    same(
+        &src.to_vec().map_err(|e| e.to_string())?,
+        &sent,
+        "the send buffer",
+    )?;
     drain(&v);
     v.healthy("cross-connection keys (message mode)", false)?;
 
@@ -166,7 +219,10 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
     // handshake) and an advertised receive.
     let v = victim_with(b, SockType::Stream, opts)?;
     let (mut a, a_sock) = v.accept_good()?;
-    ensure!(a.peer.stream_len > 0, "the stream handshake carried no stream buffer");
+    ensure!(
+        a.peer.stream_len > 0,
+        "the stream handshake carried no stream buffer"
+    );
     let ring = if a.peer.stream_rkey != 0 || a.peer.stream_addr != 0 {
         RemoteRef {
             addr: a.peer.stream_addr,
@@ -197,13 +253,27 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
         .recv(&v.eq, &dst.all(), MsgFlags::NONE, 5)
         .map_err(|e| e.to_string())?;
     let ad = advert_stream(&mut a)?;
-    attempt(&v, "the key of an advertised stream receive", ad, 4096, true)?;
+    attempt(
+        &v,
+        "the key of an advertised stream receive",
+        ad,
+        4096,
+        true,
+    )?;
     still_up(&a_sock, "after the stream keys were tried elsewhere")?;
     drop(a);
     let _ = a_sock.abort();
     let ev = next(&v.eq)?;
-    ensure!(ev.bytes == 0, "the stream receive got {} bytes: {ev:?}", ev.bytes);
-    same(&dst.to_vec().map_err(|e| e.to_string())?, &before, "the stream receive buffer")?;
+    ensure!(
+        ev.bytes == 0,
+        "the stream receive got {} bytes: {ev:?}",
+        ev.bytes
+    );
+    same(
+        &dst.to_vec().map_err(|e| e.to_string())?,
+        &before,
+        "the stream receive buffer",
+    )?;
     drain(&v);
     v.healthy("cross-connection keys (stream mode)", false)
 }
@@ -237,7 +307,13 @@ fn trusted_key_until_deregistered(b: &dyn Backend) -> Result<(), String> {
     s.send(&v.eq, &src.slice(0..8000), MsgFlags::NONE, 9)
         .map_err(|e| e.to_string())?;
     let ad = advert(&mut raw, "a send", |ad| ad.len == 8000)?;
-    let id = raw.read(RemoteRef { addr: ad.addr, key: ad.rkey }, 8000)?;
+    let id = raw.read(
+        RemoteRef {
+            addr: ad.addr,
+            key: ad.rkey,
+        },
+        8000,
+    )?;
     raw.wait_done(id)
         .map_err(|e| format!("reading the advertised send: {e}"))?;
     same(&raw.read_back(8000), &data[..8000], "the advertised send")?;
@@ -254,18 +330,30 @@ fn trusted_key_until_deregistered(b: &dyn Backend) -> Result<(), String> {
         key: ad.rkey,
     };
     let id = raw.read(beyond, 4096)?;
-    raw.wait_done(id)
-        .map_err(|e| format!("the trusted key, after its send, 32 KiB further into the region: {e}"))?;
-    same(&raw.read_back(4096), &data[32_768..32_768 + 4096], "the region beyond the send")?;
-    eprintln!("KEYS {}: trusted key read the region after its send completed", v.name);
+    raw.wait_done(id).map_err(|e| {
+        format!("the trusted key, after its send, 32 KiB further into the region: {e}")
+    })?;
+    same(
+        &raw.read_back(4096),
+        &data[32_768..32_768 + 4096],
+        "the region beyond the send",
+    )?;
+    eprintln!(
+        "KEYS {}: trusted key read the region after its send completed",
+        v.name
+    );
     // Deregistered: the key is revoked at once, the connection stays up.
-    src.deregister().map_err(|e| format!("deregistering the region: {e}"))?;
+    src.deregister()
+        .map_err(|e| format!("deregistering the region: {e}"))?;
     let id = raw.read(beyond, 4096)?;
     ensure!(
         raw.wait_done(id).is_err(),
         "the trusted key still read the region after it was deregistered"
     );
-    eprintln!("KEYS {}: trusted key refused once the region was deregistered", v.name);
+    eprintln!(
+        "KEYS {}: trusted key refused once the region was deregistered",
+        v.name
+    );
     drop(raw);
     let _ = s.abort();
     drain(&v);

@@ -198,7 +198,9 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     let server = net.host();
     let client = net.host();
     const BATCH: usize = 64;
-    let memory = |s: &exs::Context, c: &exs::Context| (s.stats().connection_bytes, c.stats().connection_bytes);
+    let memory = |s: &exs::Context, c: &exs::Context| {
+        (s.stats().connection_bytes, c.stats().connection_bytes)
+    };
     let mem_before = memory(&server, &client);
 
     // A port whose listener was closed.

@@ -374,18 +374,33 @@ fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
             )
             .map_err(|e| e.to_string())?;
         let ev = next(&p.eq_b)?;
-        ensure!(ev.is_ok() && ev.bytes == 50_000, "message {i} after the close: {ev:?}");
+        ensure!(
+            ev.is_ok() && ev.bytes == 50_000,
+            "message {i} after the close: {ev:?}"
+        );
     }
     let mut got = vec![0u8; 3 * 50_000];
     peer_buf.read(0, &mut got).map_err(|e| e.to_string())?;
-    same(&got, &pattern(3 * 50_000, 1), "messages sent before the close")?;
+    same(
+        &got,
+        &pattern(3 * 50_000, 1),
+        "messages sent before the close",
+    )?;
     let sends = all(&p.eq_a)?;
     ensure!(
-        sends.len() == 3 && sends.iter().all(|e| e.kind == EventKind::Send && e.is_ok() && e.bytes == 50_000),
+        sends.len() == 3
+            && sends
+                .iter()
+                .all(|e| e.kind == EventKind::Send && e.is_ok() && e.bytes == 50_000),
         "sends posted before a graceful close complete Ok: {sends:?}"
     );
     p.server
-        .recv(&p.eq_b, &peer_buf.slice(3 * 50_000..3 * 50_000 + 100), MsgFlags::NONE, 99)
+        .recv(
+            &p.eq_b,
+            &peer_buf.slice(3 * 50_000..3 * 50_000 + 100),
+            MsgFlags::NONE,
+            99,
+        )
         .map_err(|e| e.to_string())?;
     let peer = next(&p.eq_b)?;
     ensure!(
@@ -444,10 +459,20 @@ fn both_close(b: &dyn Backend) -> Result<(), String> {
     let b_src = MemoryRegion::from_vec(&p.b, pattern(3 * 50_000, 2)).map_err(|e| e.to_string())?;
     for i in 0..3 {
         p.client
-            .send(&p.eq_a, &a.slice(i * 50_000..(i + 1) * 50_000), MsgFlags::NONE, i as u64)
+            .send(
+                &p.eq_a,
+                &a.slice(i * 50_000..(i + 1) * 50_000),
+                MsgFlags::NONE,
+                i as u64,
+            )
             .map_err(|e| e.to_string())?;
         p.server
-            .send(&p.eq_b, &b_src.slice(i * 50_000..(i + 1) * 50_000), MsgFlags::NONE, i as u64)
+            .send(
+                &p.eq_b,
+                &b_src.slice(i * 50_000..(i + 1) * 50_000),
+                MsgFlags::NONE,
+                i as u64,
+            )
             .map_err(|e| e.to_string())?;
     }
     std::thread::sleep(std::time::Duration::from_millis(20));

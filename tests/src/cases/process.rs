@@ -47,8 +47,10 @@ fn fork_mid_transfer(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let p = pair(&*net, SockType::Stream, &[])?;
     let src = MemoryRegion::alloc(&p.a, 2 * HALF).map_err(|e| e.to_string())?;
-    src.write(0, &pattern(HALF, 31)).map_err(|e| e.to_string())?;
-    src.write(HALF, &pattern(HALF, 32)).map_err(|e| e.to_string())?;
+    src.write(0, &pattern(HALF, 31))
+        .map_err(|e| e.to_string())?;
+    src.write(HALF, &pattern(HALF, 32))
+        .map_err(|e| e.to_string())?;
     let dst = p.region_b(2 * HALF)?;
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 1)
@@ -71,7 +73,11 @@ fn fork_mid_transfer(b: &dyn Backend) -> Result<(), String> {
     let r = next(&p.eq_b)?;
     ensure!(r.is_ok() && r.bytes == 2 * HALF, "receive: {r:?}");
     let got = dst.to_vec().map_err(|e| e.to_string())?;
-    same(&got[..HALF], &pattern(HALF, 31), "bytes in flight during the forks")?;
+    same(
+        &got[..HALF],
+        &pattern(HALF, 31),
+        "bytes in flight during the forks",
+    )?;
     same(&got[HALF..], &fresh, "bytes written after the forks")?;
     for _ in 0..2 {
         ensure!(next(&p.eq_a)?.is_ok(), "send");

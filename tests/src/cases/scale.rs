@@ -209,7 +209,11 @@ fn idle_stream_connections(b: &dyn Backend) -> Result<(), String> {
         m.server.stats().connection_bytes,
         m.client.stats().connection_bytes,
     );
-    let pool = m.server.stats().pool.map_or(0, |p| u64::from(p.slots) * p.slot_size as u64);
+    let pool = m
+        .server
+        .stats()
+        .pool
+        .map_or(0, |p| u64::from(p.slots) * p.slot_size as u64);
     eprintln!(
         "MEMORY {}: {n} idle stream connections: server side {} bytes per connection ({server_bytes} in all, plus a \
          shared pool of {pool}), client side {} per connection",
@@ -249,7 +253,11 @@ fn idle_stream_connections(b: &dyn Backend) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     let ev = next(&m.eq_s)?;
     ensure!(ev.is_ok() && ev.bytes == 100_000, "receive: {ev:?}");
-    same(&dst.to_vec().map_err(|e| e.to_string())?, &data, "through the on-demand stream buffer")
+    same(
+        &dst.to_vec().map_err(|e| e.to_string())?,
+        &data,
+        "through the on-demand stream buffer",
+    )
 }
 
 /// Issue 15: one connection flooded with small messages as fast as both sides can go, while on a second connection
@@ -271,7 +279,10 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
         let c = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
         c.connect(addr, eq, 2).map_err(|e| e.to_string())?;
         let ev = next(eq)?;
-        ensure!(ev.kind == EventKind::Connect && ev.is_ok(), "connect: {ev:?}");
+        ensure!(
+            ev.kind == EventKind::Connect && ev.is_ok(),
+            "connect: {ev:?}"
+        );
         let mut ev = next(&eq_l)?;
         ensure!(ev.is_ok(), "accept: {ev:?}");
         Ok((c, ev.accepted.take().ok_or("no socket")?))
@@ -280,77 +291,102 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
     let (eq_c, eq_s) = (EventQueue::new(64), EventQueue::new(64));
     let (c2, s2) = connect(&p.a, &eq_c)?;
     let started = std::time::Instant::now();
-    let (flooded, slowest) = std::thread::scope(|sc| -> Result<(u64, std::time::Duration), String> {
-        let sender = sc.spawn(|| -> Result<u64, String> {
-            let src = p.region_a(vec![7u8; 64 * 32])?;
-            let mut n = 0u64;
-            for i in 0..32 {
-                p.client
-                    .send(&p.eq_a, &src.slice(i * 64..(i + 1) * 64), MsgFlags::NONE, i as u64)
-                    .map_err(|e| e.to_string())?;
-            }
-            while !stop.load(Ordering::Relaxed) {
-                let ev = next(&p.eq_a)?;
-                ensure!(ev.is_ok(), "flood send: {ev:?}");
-                n += 1;
-                let i = ev.context as usize;
-                p.client
-                    .send(&p.eq_a, &src.slice(i * 64..(i + 1) * 64), MsgFlags::NONE, ev.context)
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok(n)
-        });
-        let receiver = sc.spawn(|| -> Result<(), String> {
-            let dst = p.region_b(64 * 32)?;
-            for i in 0..32 {
-                p.server
-                    .recv(&p.eq_b, &dst.slice(i * 64..(i + 1) * 64), MsgFlags::NONE, i as u64)
-                    .map_err(|e| e.to_string())?;
-            }
-            while !stop.load(Ordering::Relaxed) {
-                let Ok(ev) = p.eq_b.next(Some(std::time::Duration::from_millis(200))) else {
-                    continue;
-                };
-                ensure!(ev.is_ok(), "flood receive: {ev:?}");
-                let i = ev.context as usize;
-                p.server
-                    .recv(&p.eq_b, &dst.slice(i * 64..(i + 1) * 64), MsgFlags::NONE, ev.context)
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok(())
-        });
-        std::thread::sleep(std::time::Duration::from_millis(100));
-        let result = (|| -> Result<std::time::Duration, String> {
-            let ping = p.region_a(vec![1u8; 8])?;
-            let pong = MemoryRegion::alloc(&p.b, 8).map_err(|e| e.to_string())?;
-            let back = MemoryRegion::alloc(&p.a, 8).map_err(|e| e.to_string())?;
-            let mut slowest = std::time::Duration::ZERO;
-            for i in 0..50 {
-                let t = std::time::Instant::now();
-                s2.recv(&eq_s, &pong.all(), MsgFlags::NONE, i).map_err(|e| e.to_string())?;
-                c2.recv(&eq_c, &back.all(), MsgFlags::NONE, i).map_err(|e| e.to_string())?;
-                c2.send(&eq_c, &ping.all(), MsgFlags::NONE, i).map_err(|e| e.to_string())?;
-                let r = next(&eq_s)?;
-                ensure!(r.is_ok() && r.kind == EventKind::Recv, "ping {i}: {r:?}");
-                s2.send(&eq_s, &pong.all(), MsgFlags::NONE, i).map_err(|e| e.to_string())?;
-                for _ in 0..2 {
-                    let ev = next(&eq_c)?;
-                    ensure!(ev.is_ok(), "pong {i}: {ev:?}");
+    let (flooded, slowest) =
+        std::thread::scope(|sc| -> Result<(u64, std::time::Duration), String> {
+            let sender = sc.spawn(|| -> Result<u64, String> {
+                let src = p.region_a(vec![7u8; 64 * 32])?;
+                let mut n = 0u64;
+                for i in 0..32 {
+                    p.client
+                        .send(
+                            &p.eq_a,
+                            &src.slice(i * 64..(i + 1) * 64),
+                            MsgFlags::NONE,
+                            i as u64,
+                        )
+                        .map_err(|e| e.to_string())?;
                 }
-                ensure!(next(&eq_s)?.is_ok(), "pong send {i}");
-                slowest = slowest.max(t.elapsed());
-            }
-            // And a new connection, while the flood goes on.
-            let eq3 = EventQueue::new(8);
-            let t = std::time::Instant::now();
-            let _third = connect(&p.a, &eq3)?;
-            Ok(slowest.max(t.elapsed()))
-        })();
-        stop.store(true, Ordering::Relaxed);
-        let n = sender.join().expect("sender")?;
-        receiver.join().expect("receiver")?;
-        Ok((n, result?))
-    })?;
+                while !stop.load(Ordering::Relaxed) {
+                    let ev = next(&p.eq_a)?;
+                    ensure!(ev.is_ok(), "flood send: {ev:?}");
+                    n += 1;
+                    let i = ev.context as usize;
+                    p.client
+                        .send(
+                            &p.eq_a,
+                            &src.slice(i * 64..(i + 1) * 64),
+                            MsgFlags::NONE,
+                            ev.context,
+                        )
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(n)
+            });
+            let receiver = sc.spawn(|| -> Result<(), String> {
+                let dst = p.region_b(64 * 32)?;
+                for i in 0..32 {
+                    p.server
+                        .recv(
+                            &p.eq_b,
+                            &dst.slice(i * 64..(i + 1) * 64),
+                            MsgFlags::NONE,
+                            i as u64,
+                        )
+                        .map_err(|e| e.to_string())?;
+                }
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(ev) = p.eq_b.next(Some(std::time::Duration::from_millis(200))) else {
+                        continue;
+                    };
+                    ensure!(ev.is_ok(), "flood receive: {ev:?}");
+                    let i = ev.context as usize;
+                    p.server
+                        .recv(
+                            &p.eq_b,
+                            &dst.slice(i * 64..(i + 1) * 64),
+                            MsgFlags::NONE,
+                            ev.context,
+                        )
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            });
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            let result = (|| -> Result<std::time::Duration, String> {
+                let ping = p.region_a(vec![1u8; 8])?;
+                let pong = MemoryRegion::alloc(&p.b, 8).map_err(|e| e.to_string())?;
+                let back = MemoryRegion::alloc(&p.a, 8).map_err(|e| e.to_string())?;
+                let mut slowest = std::time::Duration::ZERO;
+                for i in 0..50 {
+                    let t = std::time::Instant::now();
+                    s2.recv(&eq_s, &pong.all(), MsgFlags::NONE, i)
+                        .map_err(|e| e.to_string())?;
+                    c2.recv(&eq_c, &back.all(), MsgFlags::NONE, i)
+                        .map_err(|e| e.to_string())?;
+                    c2.send(&eq_c, &ping.all(), MsgFlags::NONE, i)
+                        .map_err(|e| e.to_string())?;
+                    let r = next(&eq_s)?;
+                    ensure!(r.is_ok() && r.kind == EventKind::Recv, "ping {i}: {r:?}");
+                    s2.send(&eq_s, &pong.all(), MsgFlags::NONE, i)
+                        .map_err(|e| e.to_string())?;
+                    for _ in 0..2 {
+                        let ev = next(&eq_c)?;
+                        ensure!(ev.is_ok(), "pong {i}: {ev:?}");
+                    }
+                    ensure!(next(&eq_s)?.is_ok(), "pong send {i}");
+                    slowest = slowest.max(t.elapsed());
+                }
+                // And a new connection, while the flood goes on.
+                let eq3 = EventQueue::new(8);
+                let t = std::time::Instant::now();
+                let _third = connect(&p.a, &eq3)?;
+                Ok(slowest.max(t.elapsed()))
+            })();
+            stop.store(true, Ordering::Relaxed);
+            let n = sender.join().expect("sender")?;
+            receiver.join().expect("receiver")?;
+            Ok((n, result?))
+        })?;
     eprintln!(
         "FLOOD {}: {flooded} messages flooded in {:?}; the slowest ping-pong or connect beside it took {slowest:?}",
         b.name(),

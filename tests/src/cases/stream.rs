@@ -292,7 +292,11 @@ fn receive_resumed(
                 .map_err(|e| e.to_string())?;
             posted.push_back((at, len));
             // A non-WAITALL receive may take as little as one byte: claim conservatively.
-            claimed += if flags.contains(MsgFlags::WAITALL) { len } else { 1 };
+            claimed += if flags.contains(MsgFlags::WAITALL) {
+                len
+            } else {
+                1
+            };
         }
         let ev = next(eq)?;
         if ev.kind == EventKind::Send {
@@ -304,7 +308,9 @@ fn receive_resumed(
             ev.kind == EventKind::Recv && ev.is_ok() && ev.bytes >= 1,
             "receive: {ev:?}"
         );
-        let (at, len) = posted.pop_front().ok_or("a receive event with none posted")?;
+        let (at, len) = posted
+            .pop_front()
+            .ok_or("a receive event with none posted")?;
         ensure!(ev.bytes <= len, "receive of {len} returned {}", ev.bytes);
         let mut b = vec![0u8; ev.bytes];
         buf.read(at, &mut b).map_err(|e| e.to_string())?;
@@ -344,9 +350,8 @@ fn resume(b: &dyn Backend, how: Resume, both_ways: bool) -> Result<(), String> {
     let before_b = p.server.stats().ok_or("stats")?.stream;
     let (got_b, got_a) = std::thread::scope(|s| {
         let at_b = s.spawn(|| receive_resumed(&p.b, &p.server, &p.eq_b, RESUME_TOTAL, how));
-        let at_a = both_ways.then(|| {
-            s.spawn(|| receive_resumed(&p.a, &p.client, &p.eq_a, RESUME_TOTAL, how))
-        });
+        let at_a = both_ways
+            .then(|| s.spawn(|| receive_resumed(&p.a, &p.client, &p.eq_a, RESUME_TOTAL, how)));
         (
             at_b.join().expect("receiver thread"),
             at_a.map(|h| h.join().expect("receiver thread")),
@@ -355,7 +360,11 @@ fn resume(b: &dyn Backend, how: Resume, both_ways: bool) -> Result<(), String> {
     let (got_b, sends_b) = got_b?;
     same(&got_b, &data_a, "client to server")?;
     let mut report = Vec::new();
-    let mut check = |who: &str, sock: &exs::Socket, before: exs::StreamStats, ring: u64| -> Result<(), String> {
+    let mut check = |who: &str,
+                     sock: &exs::Socket,
+                     before: exs::StreamStats,
+                     ring: u64|
+     -> Result<(), String> {
         let after = sock.stats().ok_or("stats")?.stream;
         let remaining = RESUME_TOTAL as u64 - ring;
         let direct = after.direct_bytes - before.direct_bytes;
@@ -377,7 +386,10 @@ fn resume(b: &dyn Backend, how: Resume, both_ways: bool) -> Result<(), String> {
         check("server", &p.server, before_b, ring_b)?;
         ensure!(sends_a + sends_b <= 2, "too many send events");
     }
-    eprintln!("direct share after the block, {how:?} (both ways: {both_ways}): {}", report.join("; "));
+    eprintln!(
+        "direct share after the block, {how:?} (both ways: {both_ways}): {}",
+        report.join("; ")
+    );
     Ok(())
 }
 
@@ -427,7 +439,10 @@ fn graceful_close(b: &dyn Backend) -> Result<(), String> {
         sends.iter().find(|e| !e.is_ok())
     );
     ensure!(
-        p.server.error().map_err(|e| e.to_string())?.is_none_or(|e| e == exs::OpError::PeerClosed),
+        p.server
+            .error()
+            .map_err(|e| e.to_string())?
+            .is_none_or(|e| e == exs::OpError::PeerClosed),
         "the receiving side saw a violation: {:?}",
         p.server.error()
     );
@@ -440,7 +455,8 @@ fn std_io_transfer(b: &dyn Backend) -> Result<(), String> {
     use std::io::{Read, Write};
     let net = b.net();
     let (server, client) = (net.host(), net.host());
-    let listener = exs::Listener::bind_in(&server, net.listen_addr(0)).map_err(|e| e.to_string())?;
+    let listener =
+        exs::Listener::bind_in(&server, net.listen_addr(0)).map_err(|e| e.to_string())?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;
     let echo = std::thread::spawn(move || -> Result<u64, String> {
         let (mut s, _) = listener.accept().map_err(|e| e.to_string())?;
@@ -450,9 +466,14 @@ fn std_io_transfer(b: &dyn Backend) -> Result<(), String> {
     let mut c = exs::Stream::connect_in(&client, addr).map_err(|e| e.to_string())?;
     let data = pattern(4 << 20, 77);
     c.write_all(&data).map_err(|e| e.to_string())?;
-    c.shutdown(std::net::Shutdown::Write).map_err(|e| e.to_string())?;
+    c.shutdown(std::net::Shutdown::Write)
+        .map_err(|e| e.to_string())?;
     let n = echo.join().map_err(|_| "the echo thread panicked")??;
-    ensure!(n == data.len() as u64, "the listener's side read {n} bytes of {}", data.len());
+    ensure!(
+        n == data.len() as u64,
+        "the listener's side read {n} bytes of {}",
+        data.len()
+    );
     let mut rest = Vec::new();
     c.read_to_end(&mut rest).map_err(|e| e.to_string())?;
     ensure!(rest.is_empty(), "bytes after the peer's end");
@@ -476,7 +497,12 @@ fn http(b: &dyn Backend) -> Result<(), String> {
         .build()
         .map_err(|e| e.to_string())?;
     let exs = rt
-        .block_on(http_example::fetch(&server, &client, net.listen_addr(0), LEN))
+        .block_on(http_example::fetch(
+            &server,
+            &client,
+            net.listen_addr(0),
+            LEN,
+        ))
         .map_err(|e| format!("GET over exs: {e}"))?;
     let mb = |d: std::time::Duration| LEN as f64 / d.as_secs_f64() / 1e6;
     // Plain TCP on loopback, for comparison only (a guest may have no loopback interface up).

@@ -176,8 +176,11 @@ impl Opened {
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(cfg, ip) => {
-                let ctx = Context::open_with(&exs::Backend::Fabric(cfg.clone()), context_options()?)
-                    .with_context(|| format!("opening libfabric (provider {})", cfg.provider))?;
+                let ctx =
+                    Context::open_with(&exs::Backend::Fabric(cfg.clone()), context_options()?)
+                        .with_context(|| {
+                            format!("opening libfabric (provider {})", cfg.provider)
+                        })?;
                 Ok((ctx, SocketAddr::new(*ip, 0)))
             }
             #[cfg(feature = "verbs")]

@@ -66,7 +66,6 @@ impl control::Params for Point {
 }
 
 impl Point {
-
     fn options(&self) -> Vec<SocketOption> {
         match self.mode {
             PingMode::Immediate => vec![SocketOption::SmallPacketMaxSize(self.size as u32)],

@@ -87,7 +87,6 @@ impl control::Params for Point {
 }
 
 impl Point {
-
     /// Socket options a point needs on both sides.
     fn options(&self) -> Vec<SocketOption> {
         let depth = (self.depth as u16).clamp(1, 256);

@@ -392,6 +392,14 @@ pub fn run(args: TestArgs) -> Result<()> {
                 failures.push("clippy".to_string());
             }
         }
+        // Formatting: the tree is as `cargo fmt` leaves it (rustfmt ships with every rustup toolchain).
+        match sys::run(sys::cargo().args(["fmt", "--all", "--", "--check"])) {
+            Ok(()) => summary.push("rustfmt: clean".to_string()),
+            Err(e) => {
+                eprintln!("xtask: rustfmt: {e}");
+                failures.push("rustfmt".to_string());
+            }
+        }
         // The public crates' documentation: every item documented, every link resolved (issue 16).
         match sys::run(
             sys::cargo()

@@ -69,8 +69,9 @@ pub(crate) struct Core {
     pub(crate) shutdown_posted: bool,
     pub(crate) shutdown_done: bool,
     pub(crate) eof: bool,
-    /// Events taken from the queue so far (an async caller compares it across a step, see `exs::tokio`).
-    pub(crate) absorbed: u64,
+    /// Events taken from the queue so far, by the direction that waits for them: `[receives, sends and
+    /// shutdowns]` (an async caller compares them across a step, see `exs::tokio`).
+    pub(crate) absorbed: [u64; 2],
 }
 
 impl Core {
@@ -87,12 +88,13 @@ impl Core {
             shutdown_posted: false,
             shutdown_done: false,
             eof: false,
-            absorbed: 0,
+            absorbed: [0; 2],
         })
     }
 
     /// Takes in one event of this stream's queue.
     pub(crate) fn absorb(&mut self, ev: crate::event::Event) -> io::Result<()> {
+        self.absorbed[usize::from(ev.kind != EventKind::Recv)] += 1;
         match ev.kind {
             EventKind::Recv => {
                 self.recv_posted = false;
@@ -120,7 +122,7 @@ impl Core {
     /// Takes in whatever is queued, without waiting.
     pub(crate) fn absorb_queued(&mut self) -> io::Result<()> {
         let mut evs = Vec::new();
-        self.absorbed += self.eq.poll(&mut evs, 8) as u64;
+        self.eq.poll(&mut evs, 8);
         for ev in evs {
             self.absorb(ev)?;
         }

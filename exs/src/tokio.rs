@@ -135,24 +135,35 @@ impl Stream {
     }
 
     /// Runs `step` until it has an answer, waiting on the queue's descriptor in between.
+    /// One step of `dir` (0: reading, 1: writing, flushing, shutting down) under the task's waker.
     fn poll_step<T>(
         &mut self,
         cx: &mut TaskContext<'_>,
+        dir: usize,
         mut step: impl FnMut(&mut Core) -> io::Result<Option<T>>,
     ) -> Poll<io::Result<T>> {
         loop {
             let absorbed = self.core.absorbed;
-            if let Some(t) = step(&mut self.core)? {
+            let done = step(&mut self.core)?;
+            if self.core.absorbed[1 - dir] != absorbed[1 - dir] {
+                // The step took events that the other direction waits for (a read's data while flushing, say).
+                // The queue's descriptor went back to not readable with them, so the reactor may never report the
+                // edge they made (epoll drops an edge whose condition is gone): wake this task so that whatever
+                // waits for them is polled again, whether this step finished or not. Without it hyper, which polls
+                // read then flush in one task, hung with the request's bytes absorbed by a flush that had nothing
+                // to wait for (`a_read_absorbed_by_a_finished_flush_wakes_the_reader`), or by one that did
+                // (`a_read_absorbed_while_flushing_wakes_the_reader`).
+                cx.waker().wake_by_ref();
+                if done.is_none() {
+                    return Poll::Pending;
+                }
+            }
+            if let Some(t) = done {
                 return Poll::Ready(Ok(t));
             }
             if self.core.absorbed != absorbed {
-                // The step took events that another direction waits for (a read's data while flushing, say). The
-                // queue's descriptor went back to not readable with them, so the reactor may never report the edge
-                // they made (epoll drops an edge whose condition is gone): wake this task so that whatever waits
-                // for them is polled again. Without it hyper, which polls read then flush in one task, hung with
-                // the body's next bytes absorbed and nobody told (`a_read_absorbed_while_flushing_wakes_the_reader`).
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
+                // Its own events, and still not done: look again before sleeping on the descriptor.
+                continue;
             }
             let mut guard = ready!(self.fd.poll_read_ready(cx))?;
             if self.core.eq.is_empty() {
@@ -169,7 +180,7 @@ impl AsyncRead for Stream {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        let n = ready!(this.poll_step(cx, |c| c.try_read(buf.initialize_unfilled())))?;
+        let n = ready!(this.poll_step(cx, 0, |c| c.try_read(buf.initialize_unfilled())))?;
         buf.advance(n);
         Poll::Ready(Ok(()))
     }
@@ -181,17 +192,17 @@ impl AsyncWrite for Stream {
         cx: &mut TaskContext<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.get_mut().poll_step(cx, |c| c.try_write(buf))
+        self.get_mut().poll_step(cx, 1, |c| c.try_write(buf))
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
         self.get_mut()
-            .poll_step(cx, |c| Ok(c.try_flush()?.then_some(())))
+            .poll_step(cx, 1, |c| Ok(c.try_flush()?.then_some(())))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
         self.get_mut()
-            .poll_step(cx, |c| Ok(c.try_shutdown()?.then_some(())))
+            .poll_step(cx, 1, |c| Ok(c.try_shutdown()?.then_some(())))
     }
 }
 

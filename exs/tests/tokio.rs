@@ -159,3 +159,57 @@ fn a_read_absorbed_while_flushing_wakes_the_reader() {
         drop((a, b));
     });
 }
+
+/// Regression (the hyper example hung under load, first request): hyper's server polled read (pending, a
+/// receive posted), then flush with nothing to flush. The request's bytes had arrived in between; the flush took
+/// their completion and returned ready at once, without waking the task, and the queue's descriptor was no
+/// longer readable: the read was never polled again. A step that takes the other direction's events wakes the
+/// task, finished or not.
+#[test]
+fn a_read_absorbed_by_a_finished_flush_wakes_the_reader() {
+    use std::pin::Pin;
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Waker};
+    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    rt.block_on(async move {
+        let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9311)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
+        let mut a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+        let mut b = accept.await.unwrap();
+        let woken = Arc::new(Counter(Default::default()));
+        let waker = Waker::from(woken.clone());
+        let mut cx = Context::from_waker(&waker);
+        // a waits to read; nothing of a's is in flight.
+        let mut buf = [0u8; 64];
+        let mut rb = ReadBuf::new(&mut buf);
+        assert!(Pin::new(&mut a).poll_read(&mut cx, &mut rb).is_pending());
+        // b's request arrives while a's task is not polled (the progress threads run).
+        b.write_all(b"GET / HTTP/1.1").await.unwrap();
+        b.flush().await.unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        // Before the reactor runs, a's task polls flush: nothing to flush, ready at once; it took the read's
+        // completion and must wake the task.
+        let before = woken.0.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(matches!(
+            Pin::new(&mut a).poll_flush(&mut cx),
+            Poll::Ready(Ok(()))
+        ));
+        assert!(
+            woken.0.load(std::sync::atomic::Ordering::SeqCst) > before,
+            "the flush took the read's completion and woke nobody"
+        );
+        match Pin::new(&mut a).poll_read(&mut cx, &mut rb) {
+            Poll::Ready(Ok(())) => assert_eq!(rb.filled(), b"GET / HTTP/1.1"),
+            other => panic!("the read after the wake-up: {other:?}"),
+        }
+        drop((a, b));
+    });
+}

@@ -404,6 +404,9 @@ impl FabricTransport {
         let _ = self
             .epoll
             .delete(unsafe { BorrowedFd::borrow_raw(e.cq_fd) });
+        // Its connection events still in the event queue go with it: closing an endpoint removes them
+        // (`ofi_eq_remove_fid_events` in the tcp provider's close), so `read_eq` never sees the closed fid; events
+        // read before the close name the endpoint by its id, which is looked up, not trusted.
         // SAFETY: closing the endpoint stops the provider from touching any posted buffer; then the queue.
         unsafe {
             exs_fi_close(&mut (*e.ep).fid);

@@ -230,6 +230,8 @@ impl VerbsTransport {
                 w.wr_id = seq;
                 w.opcode = opc;
                 let mut flags = 0u32;
+                // The emulated immediate's send is the only part with an immediate and the plain SEND opcode: a
+                // protocol send with an immediate is a SEND_WITH_IMM, one without has no immediate.
                 let emulated_imm =
                     imm == Some(u32::MAX) && opc == ibv_wr_opcode::IBV_WR_SEND && list.is_empty();
                 if emulated_imm {

@@ -84,6 +84,31 @@ impl std::task::Wake for Counter {
     }
 }
 
+/// A current-thread runtime and two connected streams on a threaded simulated world (returned to keep it alive).
+fn connected(
+    port: u16,
+) -> (
+    tokio::runtime::Runtime,
+    World,
+    exs::tokio::Stream,
+    exs::tokio::Stream,
+) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let (a, b) = rt.block_on(async {
+        let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, port)).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
+        let a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+        (a, accept.await.unwrap())
+    });
+    (rt, world, a, b)
+}
+
 /// Regression (the hyper example hung mid-body on libfabric tcp, about one run in ten): a task that polls read
 /// then flush, as hyper's connection task does. The flush takes the read's completion from the queue (its step
 /// absorbs every queued event), which turns the queue's descriptor back to not readable, so the reactor may never
@@ -95,18 +120,8 @@ fn a_read_absorbed_while_flushing_wakes_the_reader() {
     use std::task::{Context, Poll, Waker};
     use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
+    let (rt, _world, mut a, mut b) = connected(9310);
     rt.block_on(async move {
-        let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9310)).unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
-        let mut a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
-        let mut b = accept.await.unwrap();
         let (w_read, w_flush) = (
             Arc::new(Counter(Default::default())),
             Arc::new(Counter(Default::default())),
@@ -172,18 +187,8 @@ fn a_read_absorbed_by_a_finished_flush_wakes_the_reader() {
     use std::task::{Context, Poll, Waker};
     use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
+    let (rt, _world, mut a, mut b) = connected(9311);
     rt.block_on(async move {
-        let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9311)).unwrap();
-        let addr = listener.local_addr().unwrap();
-        let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
-        let mut a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
-        let mut b = accept.await.unwrap();
         let woken = Arc::new(Counter(Default::default()));
         let waker = Waker::from(woken.clone());
         let mut cx = Context::from_waker(&waker);

@@ -1,0 +1,324 @@
+//! The jobs of each suite: exs, its raw baselines and the peers, as shell command lines.
+
+use super::*;
+
+/// The exs tool invocations of a suite (`backend` are the backend flags).
+pub(super) fn exs_jobs(exe: &str, backend: &str, p: &Plan, wait_modes: bool) -> Vec<Job> {
+    let mut v = Vec::new();
+    let secs = p.seconds;
+    for &size in &p.sizes {
+        for &depth in &p.depths {
+            for (variant, flags) in [
+                // What a user gets: the transport's immediate-data threshold decides (seed 002, 4.1).
+                ("seqpacket", "--type seqpacket --mode default"),
+                ("stream", "--type stream --mode normal"),
+            ] {
+                v.push(job(
+                    "exs",
+                    variant,
+                    size,
+                    depth,
+                    format!("{exe} pump {backend} {flags} --size {size} --depth {depth} --seconds {secs} --json"),
+                    Parse::Json,
+                ));
+            }
+            if size <= 512 {
+                v.push(job(
+                    "exs",
+                    "immediate",
+                    size,
+                    depth,
+                    format!("{exe} pump {backend} --mode immediate --size {size} --depth {depth} --seconds {secs} --json"),
+                    Parse::Json,
+                ));
+            }
+            if size >= 4096 {
+                v.push(job(
+                    "exs",
+                    "persistent",
+                    size,
+                    depth,
+                    format!("{exe} pump {backend} --mode persistent --size {size} --depth {depth} --seconds {secs} --json"),
+                    Parse::Json,
+                ));
+            }
+            if size >= 64 {
+                for op in ["write", "read"] {
+                    v.push(job(
+                        "raw",
+                        op,
+                        size,
+                        depth,
+                        format!("{exe} rawpump {backend} --op {op} --size {size} --depth {depth} --seconds {secs} --json"),
+                        Parse::Json,
+                    ));
+                }
+            }
+        }
+    }
+    // Issue 13: the two exposure policies side by side, on sends that the peer pulls with RDMA reads (each needs a
+    // remote key): a key per operation against UNH-EXS's key per region and connection.
+    let exposure_sizes: &[u64] = if wait_modes {
+        &[4096, 65536, 1 << 20]
+    } else {
+        &[65536]
+    };
+    for &size in exposure_sizes {
+        for policy in ["per-operation", "trusted"] {
+            v.push(job(
+                "exs-exposure",
+                policy,
+                size,
+                8,
+                format!("{exe} pump {backend} --type seqpacket --mode normal --exposure {policy} --size {size} --depth 8 --seconds {secs} --json"),
+                Parse::Json,
+            ));
+        }
+    }
+    if wait_modes {
+        for size in [65536u64, 1 << 20] {
+            for wait in ["adaptive", "block", "busy"] {
+                v.push(job(
+                    "exs-wait",
+                    wait,
+                    size,
+                    8,
+                    format!("{exe} pump {backend} --size {size} --depth 8 --seconds {secs} --wait {wait} --json"),
+                    Parse::Json,
+                ));
+            }
+        }
+    }
+    let n = p.pings;
+    for mode in ["immediate", "normal", "persistent"] {
+        v.push(job(
+            "exs-ping",
+            mode,
+            8,
+            1,
+            format!("{exe} ping {backend} --mode {mode} --size 8 --count {n} --json"),
+            Parse::Json,
+        ));
+    }
+    v
+}
+
+pub(super) fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
+    let mut v = exs_jobs(
+        exe,
+        "--backend fabric --provider tcp --addr 127.0.0.1",
+        p,
+        true,
+    );
+    for &size in &p.sizes {
+        for (variant, flag) in [("nagle", ""), ("nodelay", "--nodelay")] {
+            v.push(job(
+                "tcp",
+                variant,
+                size,
+                1,
+                format!(
+                    "{exe} tcppump --size {size} --seconds {} {flag} --json",
+                    p.seconds
+                ),
+                Parse::Json,
+            ));
+        }
+    }
+    v.push(job(
+        "tcp-ping",
+        "nodelay",
+        8,
+        1,
+        format!(
+            "{exe} tcpping --size 8 --count {} --nodelay --json",
+            p.pings
+        ),
+        Parse::Json,
+    ));
+    v.extend(cost_jobs(exe));
+    v
+}
+
+pub(super) fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
+    let (dev, _, addr) = rxe::DUMMY;
+    // The guest's CPU is emulated: the quick run keeps to the sizes the targets name.
+    let quick_plan;
+    let p = if quick {
+        quick_plan = Plan {
+            sizes: vec![65536],
+            depths: p.depths.clone(),
+            seconds: 1.0,
+            pings: 300,
+            timeout: 90,
+        };
+        &quick_plan
+    } else {
+        // Every exs point in the guest costs seconds of emulated start-up: the sizes and depths that show the shape.
+        quick_plan = Plan {
+            sizes: vec![4096, 65536, 1 << 20],
+            depths: vec![1, 8],
+            ..p.clone()
+        };
+        &quick_plan
+    };
+    let mut v = exs_jobs(exe, &format!("--backend verbs --addr {addr}"), p, false);
+    // perftest and rstream: server in the background, client in front, on the same device.
+    let pt = |bin: &str, size: u64, extra: &str| {
+        format!(
+            "{bin} -R -d {dev} -F -s {size} {extra} >/dev/null 2>&1 & {}",
+            retry(&format!("{bin} -R -d {dev} -F -s {size} {extra} {addr}"))
+        )
+    };
+    let depth = p.depths.iter().copied().max().unwrap_or(8);
+    for &size in p.sizes.iter().filter(|&&s| s >= 64) {
+        // The same number of transfers in flight as exs gets.
+        // Iterations, not duration: in duration mode (-D) ib_read_bw counts 0 iterations of 1 MiB reads on rxe.
+        let iters = (32u64 << 20).div_ceil(size).clamp(100, 5_000);
+        let extra = format!("-n {iters} -t {depth}");
+        v.push(job(
+            "perftest",
+            "ib_write_bw",
+            size,
+            depth,
+            pt("ib_write_bw", size, &extra),
+            Parse::PerftestBw,
+        ));
+        let extra = format!("-n {iters} -o {depth}");
+        v.push(job(
+            "perftest",
+            "ib_read_bw",
+            size,
+            depth,
+            pt("ib_read_bw", size, &extra),
+            Parse::PerftestBw,
+        ));
+        for (variant, t) in [("rstream", ""), ("rstream-tcp", "-T s")] {
+            let count = (32u64 << 20).div_ceil(size).clamp(100, 5_000);
+            v.push(job(
+                "rstream",
+                variant,
+                size,
+                1,
+                {
+                    let client = format!("rstream {t} -s {addr} -S {size} -C {count}");
+                    // Over TCP a client that gives up early can leave the server serving a dead connection: wait
+                    // until the server listens (rstream's port, 7471) and connect once.
+                    let connect = if t.is_empty() {
+                        retry(&client)
+                    } else {
+                        format!("for i in $(seq 60); do ss -Hltn 'sport = :7471' | grep -q . && break; sleep 0.5; done; {client}; wait")
+                    };
+                    format!("rstream {t} -S {size} -C {count} >/dev/null 2>&1 & {connect}")
+                },
+                Parse::Rstream,
+            ));
+        }
+    }
+    v.push(job(
+        "perftest",
+        "ib_send_lat",
+        8,
+        1,
+        pt("ib_send_lat", 8, "-n 2000"),
+        Parse::PerftestLat,
+    ));
+    v.push(job(
+        "perftest",
+        "ib_read_lat",
+        8,
+        1,
+        pt("ib_read_lat", 8, "-n 2000"),
+        Parse::PerftestLat,
+    ));
+    if quick {
+        // Only what the targets compare: every point costs seconds of emulated CPU.
+        v.retain(|j| {
+            !matches!(
+                (j.tool.as_str(), j.variant.as_str()),
+                ("raw", "read") | ("rstream", "rstream-tcp") | ("exs-ping", "normal")
+            )
+        });
+    }
+    v
+}
+
+/// Runs a peer tool's client until it connects: under an emulated CPU its server can take seconds to listen. Then
+/// waits for the server.
+/// Where `perf stat` writes its counts for a cost job (read back by the same job's script).
+pub(super) const PERF_OUT: &str = "/tmp/exs-bench-perf";
+
+/// Runs a ping-pong twice under `perf stat` (system calls and context switches of it and its children): once
+/// with `short` round trips (its output dropped), once with `long`. The difference of the two counts is the cost
+/// of the extra round trips alone, without process start-up (libfabric's initialisation alone makes ~10,000 calls
+/// per process). `cmd(n)` is the command for `n` round trips.
+pub(super) fn perf_twice(cmd: impl Fn(usize) -> String, short: usize, long: usize) -> String {
+    let stat = "perf stat -x, -e raw_syscalls:sys_enter,context-switches";
+    format!(
+        "{stat} -o {PERF_OUT}.short -- {} >/dev/null 2>&1; {stat} -o {PERF_OUT}.long -- {}; \
+         echo @@short; cat {PERF_OUT}.short; echo @@long; cat {PERF_OUT}.long; rm -f {PERF_OUT}.short {PERF_OUT}.long",
+        cmd(short),
+        cmd(long)
+    )
+}
+
+/// Per-message cost on the host (issue 12): the same 8-byte ping-pong through libfabric's own `fi_pingpong`
+/// (busy polling), exs immediate pings in each wait mode, and blocking TCP, each counted by `perf stat`.
+pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
+    // Enough round trips that the difference is steady, in quick runs too (3 s at most per run, blocking).
+    let (short, long) = (10_000, 30_000);
+    // exs ping counts a 10% warm-up (+1) as round trips too.
+    let exs_rts = |n: usize| n + n / 10 + 1;
+    let mut v = vec![job(
+        "cost",
+        "fi_pingpong",
+        8,
+        1,
+        perf_twice(
+            |n| {
+                format!(
+                    "sh -c 'fi_pingpong -p tcp -e msg -I {n} -S 8 >/dev/null 2>&1 & sleep 1; \
+                     fi_pingpong -p tcp -e msg -I {n} -S 8 127.0.0.1; wait'"
+                )
+            },
+            short,
+            long,
+        ),
+        Parse::PerfPing(short, long),
+    )];
+    for wait in ["busy", "adaptive", "block"] {
+        v.push(job(
+            "cost",
+            &format!("exs {wait}"),
+            8,
+            1,
+            perf_twice(
+                |n| {
+                    format!(
+                        "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait} --json"
+                    )
+                },
+                short,
+                long,
+            ),
+            Parse::PerfPing(exs_rts(short), exs_rts(long)),
+        ));
+    }
+    v.push(job(
+        "cost",
+        "tcp nodelay",
+        8,
+        1,
+        perf_twice(
+            |n| format!("{exe} tcpping --size 8 --count {n} --nodelay --json"),
+            short,
+            long,
+        ),
+        Parse::PerfPing(short, long),
+    ));
+    v
+}
+
+pub(super) fn retry(client: &str) -> String {
+    format!("for i in 1 2 3 4 5; do sleep 1; {client} && break; done; wait")
+}

@@ -1,0 +1,463 @@
+//! The markdown report of a suite, its targets as ratios, the CSV and the README section.
+
+use super::*;
+
+/// The markdown report of one suite: tables, then the targets with their ratios.
+pub(super) fn markdown(
+    suite: &str,
+    sum: &BTreeMap<Key, (f64, f64, f64, usize)>,
+    cmd: &str,
+    machine: &str,
+    files: &[String],
+) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "#### {suite}\n\n`{cmd}` on {machine}. Median (min-max) of the repeats; throughput in MB/s (10^6 bytes/s), CPU as % of one core (user+system over wall), at the largest depth measured.\n");
+    let mut cols: Vec<(String, String)> = sum
+        .keys()
+        .filter(|k| {
+            k.4 == "bytes_per_sec"
+                && !k.0.ends_with("-ping")
+                && k.0 != "exs-wait"
+                && k.0 != "exs-exposure"
+        })
+        .map(|k| (k.0.clone(), k.1.clone()))
+        .collect();
+    cols.dedup();
+    cols.sort();
+    cols.dedup();
+    let mut sizes: Vec<u64> = sum
+        .keys()
+        .filter(|k| k.4 == "bytes_per_sec")
+        .map(|k| k.2)
+        .collect();
+    sizes.sort();
+    sizes.dedup();
+    let _ = writeln!(
+        s,
+        "| size | {} |",
+        cols.iter()
+            .map(|c| if c.0 == c.1 {
+                c.0.clone()
+            } else {
+                format!("{} {}", c.0, c.1)
+            })
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    let _ = writeln!(s, "|---|{}", "---|".repeat(cols.len()));
+    for &size in sizes.iter().filter(|&&z| z > 1) {
+        let _ = writeln!(
+            s,
+            "| {} | {} |",
+            fmt_size(size),
+            cols.iter()
+                .map(|c| cell(get(sum, &c.0, &c.1, size, "bytes_per_sec"), 1e-6, 0))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+    }
+    let _ = writeln!(s, "\nCPU (client / server, % of a core):\n");
+    let exs_cols: Vec<&(String, String)> = cols.iter().filter(|c| c.0 == "exs").collect();
+    let _ = writeln!(
+        s,
+        "| size | {} |",
+        exs_cols
+            .iter()
+            .map(|c| format!("exs {}", c.1))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    let _ = writeln!(s, "|---|{}", "---|".repeat(exs_cols.len()));
+    for &size in &sizes {
+        let _ = writeln!(
+            s,
+            "| {} | {} |",
+            fmt_size(size),
+            exs_cols
+                .iter()
+                .map(|c| format!(
+                    "{} / {}",
+                    get(sum, &c.0, &c.1, size, "cpu_client")
+                        .map_or("-".into(), |v| format!("{:.0}", v.0 * 100.0)),
+                    get(sum, &c.0, &c.1, size, "cpu_server")
+                        .map_or("-".into(), |v| format!("{:.0}", v.0 * 100.0))
+                ))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+    }
+    let costs: Vec<&Key> = sum
+        .keys()
+        .filter(|k| k.0 == "cost" && k.4 == "syscalls_per_rt")
+        .collect();
+    if !costs.is_empty() {
+        let _ = writeln!(s, "\nPer round trip, 8-byte ping-pong, both processes (`perf stat -e raw_syscalls:sys_enter,context-switches`; the difference between a run of N and of 3N round trips, so process start-up is not counted), and one-way latency in µs (fi_pingpong reports a mean only):\n\n| test | syscalls | context switches | mean µs | median µs |\n|---|---|---|---|---|");
+        for k in costs {
+            let g = |m: &str, d: usize| {
+                get(sum, "cost", &k.1, 8, m).map_or("-".into(), |v| format!("{:.*}", d, v.0))
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} | {} |",
+                k.1,
+                g("syscalls_per_rt", 1),
+                g("cs_per_rt", 2),
+                g("mean_us", 2),
+                g("median_us", 2)
+            );
+        }
+    }
+    let lat: Vec<&Key> = sum
+        .keys()
+        .filter(|k| k.4 == "mean_us" && k.0 != "cost")
+        .collect();
+    if !lat.is_empty() {
+        let _ = writeln!(s, "\nLatency, 8-byte payload (exs and TCP: one-way, half the round trip; exs persistent and ib_read_lat: one RDMA read; ib_send_lat: one-way), µs, mean / median:\n\n| test | mean | median |\n|---|---|---|");
+        for k in lat {
+            let med = get(sum, &k.0, &k.1, k.2, "median_us")
+                .map_or("-".into(), |v| format!("{:.2}", v.0));
+            let _ = writeln!(
+                s,
+                "| {} {} | {} | {med} |",
+                k.0,
+                k.1,
+                cell(get(sum, &k.0, &k.1, k.2, "mean_us"), 1.0, 2)
+            );
+        }
+    }
+    let waits: Vec<(u64, String)> = sum
+        .keys()
+        .filter(|k| k.0 == "exs-wait" && k.4 == "bytes_per_sec")
+        .map(|k| (k.2, k.1.clone()))
+        .collect();
+    if !waits.is_empty() {
+        let _ = writeln!(s, "\nWait modes (seqpacket, depth 8): MB/s, and client / server CPU %:\n\n| size | adaptive | block | busy |\n|---|---|---|---|");
+        let mut ws: Vec<u64> = waits.iter().map(|w| w.0).collect();
+        ws.sort();
+        ws.dedup();
+        for size in ws {
+            let c = |m: &str| {
+                let t = get(sum, "exs-wait", m, size, "bytes_per_sec").map_or(0.0, |v| v.0 / 1e6);
+                let cc = get(sum, "exs-wait", m, size, "cpu_client").map_or(0.0, |v| v.0 * 100.0);
+                let cs = get(sum, "exs-wait", m, size, "cpu_server").map_or(0.0, |v| v.0 * 100.0);
+                format!("{t:.0} ({cc:.0}% / {cs:.0}%)")
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} | {} |",
+                fmt_size(size),
+                c("adaptive"),
+                c("block"),
+                c("busy")
+            );
+        }
+    }
+    let mut es: Vec<u64> = sum
+        .keys()
+        .filter(|k| k.0 == "exs-exposure" && k.4 == "bytes_per_sec")
+        .map(|k| k.2)
+        .collect();
+    es.sort();
+    es.dedup();
+    if !es.is_empty() {
+        let _ = writeln!(s, "\nExposure policies (seqpacket sends the peer pulls with RDMA reads, `--mode normal`, depth 8): MB/s, remote keys the sender made per message, memory registrations per message (both sides):\n\n| size | per operation (default) | trusted peers (UNH-EXS) |\n|---|---|---|");
+        for size in es {
+            let c = |p: &str| {
+                let t =
+                    get(sum, "exs-exposure", p, size, "bytes_per_sec").map_or(0.0, |v| v.0 / 1e6);
+                let k = get(sum, "exs-exposure", p, size, "client_exposures_per_msg")
+                    .map_or(f64::NAN, |v| v.0);
+                let r = get(sum, "exs-exposure", p, size, "registrations_per_msg")
+                    .map_or(f64::NAN, |v| v.0);
+                format!("{t:.0}, {k:.3} keys, {r:.3} registrations")
+            };
+            let _ = writeln!(
+                s,
+                "| {} | {} | {} |",
+                fmt_size(size),
+                c("per-operation"),
+                c("trusted")
+            );
+        }
+    }
+    let _ = writeln!(s, "\nTargets (ratios of medians from this run):\n");
+    for t in targets(suite, sum) {
+        let _ = writeln!(s, "- {t}");
+    }
+    if !files.is_empty() {
+        let _ = writeln!(
+            s,
+            "\nPlots: {}",
+            files
+                .iter()
+                .map(|f| format!("[{f}]({f})"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    s
+}
+
+pub(super) fn ratio_line(
+    name: &str,
+    a: Option<f64>,
+    b: Option<f64>,
+    ok: impl Fn(f64) -> bool,
+    want: &str,
+) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 && a.is_finite() && b.is_finite() => {
+            let r = a / b;
+            format!(
+                "{name}: {r:.2}x (target {want}) - {}",
+                if ok(r) { "met" } else { "missed" }
+            )
+        }
+        _ => format!("{name}: not measured in this run"),
+    }
+}
+
+pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
+    let bw = |t: &str, v: &str, z: u64| get(sum, t, v, z, "bytes_per_sec").map(|x| x.0);
+    let lat = |t: &str, v: &str| get(sum, t, v, 8, "mean_us").map(|x| x.0);
+    let mib = 1 << 20;
+    let mut v = Vec::new();
+    if suite == "host" {
+        let cost = |v: &str, m: &str| get(sum, "cost", v, 8, m).map(|x| x.0);
+        v.push(ratio_line(
+            "exs busy ping syscalls per round trip vs fi_pingpong",
+            cost("exs busy", "syscalls_per_rt"),
+            cost("fi_pingpong", "syscalls_per_rt"),
+            |r| r <= 1.5,
+            "<= 1.5x",
+        ));
+        v.push(ratio_line(
+            "exs busy ping mean one-way vs fi_pingpong (a mean: it reports no median)",
+            cost("exs busy", "mean_us"),
+            cost("fi_pingpong", "mean_us"),
+            |r| r <= 1.5,
+            "<= 1.5x",
+        ));
+        for (w, max) in [("exs busy", 0.2), ("exs adaptive", 2.5), ("exs block", 2.5)] {
+            let cs = cost(w, "cs_per_rt");
+            v.push(format!(
+                "{w}: {} context switches per round trip (want <= {max}): {}",
+                cs.map_or("-".into(), |c| format!("{c:.2}")),
+                match cs {
+                    Some(c) if c <= max => "met",
+                    Some(_) => "MISSED",
+                    None => "not measured",
+                }
+            ));
+        }
+        for w in ["exs adaptive", "exs block"] {
+            v.push(ratio_line(
+                &format!("{w} ping median one-way vs blocking TCP nodelay"),
+                cost(w, "median_us"),
+                cost("tcp nodelay", "median_us"),
+                |r| r <= 1.0,
+                "<= 1.0x",
+            ));
+        }
+        v.push(ratio_line(
+            "exs seqpacket vs raw libfabric RMA write loop, 1 MiB",
+            bw("exs", "seqpacket", mib),
+            bw("raw", "write", mib),
+            |r| r >= 0.9,
+            ">= 0.9x",
+        ));
+        let tcp = bw("tcp", "nagle", mib)
+            .into_iter()
+            .chain(bw("tcp", "nodelay", mib))
+            .fold(None, |a: Option<f64>, x| Some(a.map_or(x, |a| a.max(x))));
+        v.push(ratio_line(
+            "exs seqpacket vs best plain TCP, 1 MiB",
+            bw("exs", "seqpacket", mib),
+            tcp,
+            |r| r >= 1.0,
+            ">= 1.0x",
+        ));
+        v.push(ratio_line(
+            "exs stream vs best plain TCP, 1 MiB",
+            bw("exs", "stream", mib),
+            tcp,
+            |r| r >= 1.0,
+            ">= 1.0x",
+        ));
+        for size in [65536u64, mib] {
+            let a = bw("exs-wait", "adaptive", size);
+            let best = bw("exs-wait", "busy", size)
+                .into_iter()
+                .chain(bw("exs-wait", "block", size))
+                .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
+            v.push(ratio_line(
+                &format!(
+                    "adaptive wait vs the better of busy-poll and block, {}",
+                    fmt_size(size)
+                ),
+                a,
+                best,
+                |r| r >= 0.9,
+                ">= 0.9x",
+            ));
+            let cpu = |m: &str| get(sum, "exs-wait", m, size, "cpu_client").map(|x| x.0 * 100.0);
+            if let (Some(a), Some(b)) = (cpu("adaptive"), cpu("block")) {
+                v.push(format!("adaptive wait client CPU {a:.0}% vs block {b:.0}% at {} (target: at most block + 10 points) - {}", fmt_size(size), if a <= b + 10.0 { "met" } else { "missed" }));
+            }
+        }
+    } else {
+        for size in [65536u64, mib] {
+            v.push(ratio_line(
+                &format!("exs seqpacket vs ib_read_bw, {}", fmt_size(size)),
+                bw("exs", "seqpacket", size),
+                bw("perftest", "ib_read_bw", size),
+                |r| r >= 0.9,
+                ">= 0.9x",
+            ));
+            v.push(ratio_line(
+                &format!("exs stream vs ib_write_bw, {}", fmt_size(size)),
+                bw("exs", "stream", size),
+                bw("perftest", "ib_write_bw", size),
+                |r| r >= 0.9,
+                ">= 0.9x",
+            ));
+            v.push(ratio_line(
+                &format!("exs stream vs rstream, {}", fmt_size(size)),
+                bw("exs", "stream", size),
+                bw("rstream", "rstream", size),
+                |r| r >= 1.5,
+                ">= 1.5x",
+            ));
+        }
+        v.push(ratio_line(
+            "exs immediate one-way latency vs ib_send_lat, 8 B",
+            lat("exs-ping", "immediate"),
+            lat("perftest", "ib_send_lat"),
+            |r| r <= 1.5,
+            "<= 1.5x",
+        ));
+        v.push(ratio_line(
+            "exs persistent read vs ib_read_lat, 8 B",
+            lat("exs-ping", "persistent"),
+            lat("perftest", "ib_read_lat"),
+            |r| r <= 1.3,
+            "<= 1.3x",
+        ));
+    }
+    let sizes: Vec<u64> = sum
+        .keys()
+        .filter(|k| k.0 == "exs" && k.1 == "persistent")
+        .map(|k| k.2)
+        .collect();
+    if let Some(&z) = sizes.iter().max() {
+        if let Some(c) = get(sum, "exs", "persistent", z, "cpu_client") {
+            v.push(format!("persistent sender CPU while the peer pulls ({}): {:.1}% of a core (target: near zero) - {}", fmt_size(z), c.0 * 100.0, if c.0 < 0.05 { "met" } else { "missed" }));
+        }
+    }
+    v
+}
+
+/// `quick` runs go to files of their own (`-quick`), so that they never replace a full run's.
+pub(super) fn write_results(
+    suite: &str,
+    quick: bool,
+    rows: &[Row],
+    cmd: &str,
+    machine: &str,
+) -> Result<String> {
+    let dir = sys::root().join("bench/results");
+    std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+    let date = sys::output(Command::new("date").args(["-u", "+%Y-%m-%d"]))?
+        .trim()
+        .to_string();
+    let stem = format!("{date}-{suite}{}", if quick { "-quick" } else { "" });
+    let mut csv = String::from("suite,tool,variant,size,depth,metric,repeat,value\n");
+    for r in rows {
+        let _ = writeln!(
+            csv,
+            "{},{},{},{},{},{},{},{}",
+            r.suite, r.tool, r.variant, r.size, r.depth, r.metric, r.repeat, r.value
+        );
+    }
+    std::fs::write(dir.join(format!("{stem}.csv")), csv).map_err(|e| e.to_string())?;
+    let sum = summarize(rows);
+    let mut files = Vec::new();
+    for (name, metric, scale, ylabel, logy) in [
+        ("throughput", "bytes_per_sec", 1e-6, "MB/s (log)", true),
+        (
+            "cpu-client",
+            "cpu_client",
+            100.0,
+            "client CPU, % of a core",
+            false,
+        ),
+        (
+            "cpu-server",
+            "cpu_server",
+            100.0,
+            "server CPU, % of a core",
+            false,
+        ),
+    ] {
+        let svg = svg(
+            &format!("{suite}: {name} vs message size"),
+            ylabel,
+            &series(&sum, metric, scale),
+            logy,
+        );
+        if !svg.is_empty() {
+            let f = format!("{stem}-{name}.svg");
+            std::fs::write(dir.join(&f), svg).map_err(|e| e.to_string())?;
+            files.push(f);
+        }
+    }
+    let md = markdown(suite, &sum, cmd, machine, &files);
+    std::fs::write(dir.join(format!("{stem}.md")), &md).map_err(|e| e.to_string())?;
+    eprintln!(
+        "xtask: wrote bench/results/{stem}.csv, .md and {} plots",
+        files.len()
+    );
+    // The README includes the tables (links made relative to the repository root).
+    Ok(md.replace("](", "](bench/results/"))
+}
+
+pub(super) fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+        })
+        .unwrap_or_default();
+    let n = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    format!("{n} vCPUs ({cpu})")
+}
+
+/// The README shows full runs; a quick run's table is printed.
+pub(super) fn publish(suite: &str, quick: bool, md: &str) -> Result<()> {
+    if quick {
+        println!("{md}");
+        Ok(())
+    } else {
+        update_readme(suite, md)
+    }
+}
+
+/// Replaces the README's generated section for `suite`.
+pub(super) fn update_readme(suite: &str, md: &str) -> Result<()> {
+    let path = sys::root().join("README.md");
+    let text = std::fs::read_to_string(&path).map_err(|e| e.to_string())?;
+    let (start, end) = (
+        format!("<!-- bench:{suite}:start -->"),
+        format!("<!-- bench:{suite}:end -->"),
+    );
+    let (Some(a), Some(b)) = (text.find(&start), text.find(&end)) else {
+        eprintln!("xtask: README has no {start} marker; not updated");
+        return Ok(());
+    };
+    let new = format!("{}{start}\n{md}\n{}", &text[..a], &text[b..]);
+    std::fs::write(&path, new).map_err(|e| e.to_string())
+}

@@ -1,0 +1,107 @@
+use super::*;
+
+#[test]
+fn parses_perftest_and_rstream_output() {
+    let j = job(
+        "perftest",
+        "ib_write_bw",
+        65536,
+        1,
+        String::new(),
+        Parse::PerftestBw,
+    );
+    let out = " #bytes     #iterations    BW peak[MB/sec]    BW average[MB/sec]   MsgRate[Mpps]\n 65536      1000             40.10              38.20  0.000611\n";
+    let rows = parse("s", &j, 0, out);
+    assert_eq!(rows.len(), 1);
+    assert!((rows[0].value - 38.20e6 * 1.048576).abs() < 1.0);
+    let j = job(
+        "perftest",
+        "ib_send_lat",
+        8,
+        1,
+        String::new(),
+        Parse::PerftestLat,
+    );
+    let out = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] \n 8       1000          9.10           80.00        12.50              13.10          2.00            20.00                  70.00\n";
+    let rows = parse("s", &j, 0, out);
+    assert_eq!(
+        rows.iter()
+            .map(|r| (r.metric.as_str(), r.value))
+            .collect::<Vec<_>>(),
+        [("median_us", 12.5), ("mean_us", 13.1)]
+    );
+    let j = job(
+        "rstream",
+        "rstream",
+        65536,
+        1,
+        String::new(),
+        Parse::Rstream,
+    );
+    let out = "name      bytes   xfers   iters   total       time     Gb/sec    usec/xfer\n64k_bw   64k     1000    1       125m        1.23s    0.85     616.31\n";
+    let rows = parse("s", &j, 0, out);
+    assert!((rows[0].value - 0.85e9 / 8.0).abs() < 1.0);
+}
+
+#[test]
+fn parses_perf_stat_counts_per_round_trip_and_fi_pingpong() {
+    let j = job(
+        "cost",
+        "fi_pingpong",
+        8,
+        1,
+        String::new(),
+        Parse::PerfPing(10000, 30000),
+    );
+    let out = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec\n\
+               8       30k     =30k     468k        0.25s      1.94       4.13       0.24\n\
+               @@short\n# started on Mon Nov 23\n\n\
+               230000,,raw_syscalls:sys_enter,313616920,100.00,,\n\
+               1826,,context-switches,313616920,100.00,,\n\
+               @@long\n\
+               630000,,raw_syscalls:sys_enter,313616920,100.00,,\n\
+               2826,,context-switches,313616920,100.00,,\n";
+    let rows = parse("host", &j, 0, out);
+    let get = |m: &str| rows.iter().find(|r| r.metric == m).map(|r| r.value);
+    assert_eq!(get("mean_us"), Some(4.13));
+    assert_eq!(get("syscalls_per_rt"), Some(20.0));
+    assert_eq!(get("cs_per_rt"), Some(0.05));
+    let j = job(
+        "cost",
+        "exs busy",
+        8,
+        1,
+        String::new(),
+        Parse::PerfPing(100, 300),
+    );
+    let out = "@@short\n1000,,raw_syscalls:sys_enter,1,100.00,,\n@@long\n{\"median_us\": 9.5, \"mean_us\": 10.0}\n3000,,raw_syscalls:sys_enter,1,100.00,,\n";
+    let rows = parse("host", &j, 0, out);
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    assert_eq!(get_metric(&rows, "syscalls_per_rt"), Some(10.0));
+}
+
+fn get_metric(rows: &[Row], m: &str) -> Option<f64> {
+    rows.iter().find(|r| r.metric == m).map(|r| r.value)
+}
+
+#[test]
+fn collects_jobs_by_marker_and_takes_medians() {
+    let jobs = vec![job("exs", "seqpacket", 4096, 8, String::new(), Parse::Json)];
+    let out = "@@job 0 0\n{\"bytes_per_sec\": 10.0}\n@@job 0 1\n{\"bytes_per_sec\": 30.0}\n@@job 0 2\n{\"bytes_per_sec\": 20.0}\n";
+    let rows = collect("host", &jobs, out);
+    assert_eq!(rows.len(), 3);
+    let s = summarize(&rows);
+    let v = s.values().next().unwrap();
+    assert_eq!((v.0, v.1, v.2, v.3), (20.0, 10.0, 30.0, 3));
+}
+
+#[test]
+fn svg_plot_is_well_formed() {
+    let s = svg(
+        "t",
+        "y",
+        &[("a".into(), vec![(64.0, 10.0), (65536.0, 1000.0)])],
+        true,
+    );
+    assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>") && s.contains("polyline"));
+}

@@ -394,7 +394,7 @@ impl Message {
     }
 
     /// Encodes into a new vector (tests and tools).
-    pub fn to_vec(&self) -> Vec<u8> {
+    pub fn to_vec(self) -> Vec<u8> {
         let mut v = vec![0u8; self.encoded_len()];
         self.encode(&mut v);
         v

@@ -80,11 +80,19 @@ fn hints(provider: &str, domain: Option<&str>) -> Result<Hints, TransportError> 
     if info.is_null() {
         return Err(TransportError::Resource("fi_allocinfo".into()));
     }
-    let mut strings = Vec::new();
+    // Owned from here: an error below frees it (`Hints::drop`), with whichever name pointers are set.
+    let mut h = Hints {
+        info,
+        _strings: Vec::new(),
+    };
     let prov = CString::new(provider)
         .map_err(|_| TransportError::Invalid("provider name has a NUL".into()))?;
+    let dom = domain
+        .map(CString::new)
+        .transpose()
+        .map_err(|_| TransportError::Invalid("domain name has a NUL".into()))?;
     // SAFETY: `info` and its attribute structs were just allocated by libfabric; we only set plain fields and
-    // pointers into `strings`, which outlive the hints (see `Hints::drop`).
+    // pointers into the strings, which `h` keeps for as long as the hints live (see `Hints::drop`).
     unsafe {
         let i = &mut *info;
         i.caps = (FI_MSG
@@ -103,18 +111,13 @@ fn hints(provider: &str, domain: Option<&str>) -> Result<Hints, TransportError> 
             (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY) as i32;
         (*i.domain_attr).threading = fi_threading_FI_THREAD_SAFE;
         (*i.fabric_attr).prov_name = prov.as_ptr() as *mut _;
-        strings.push(prov);
-        if let Some(d) = domain {
-            let d = CString::new(d)
-                .map_err(|_| TransportError::Invalid("domain name has a NUL".into()))?;
+        if let Some(d) = &dom {
             (*i.domain_attr).name = d.as_ptr() as *mut _;
-            strings.push(d);
         }
     }
-    Ok(Hints {
-        info,
-        _strings: strings,
-    })
+    h._strings.push(prov);
+    h._strings.extend(dom);
+    Ok(h)
 }
 
 pub(crate) fn getinfo(
@@ -157,6 +160,9 @@ impl FabricTransport {
     /// Opens a provider's domain. A provider that does not exist gives an error listing those that do.
     pub fn open(cfg: &FabricConfig) -> Result<FabricTransport, TransportError> {
         let info = getinfo(&cfg.provider, cfg.domain.as_deref(), None, None, 0).map_err(|e| {
+            if matches!(e, TransportError::Invalid(_)) {
+                return e;
+            }
             let available = providers();
             if available.iter().any(|p| p == &cfg.provider) {
                 e
@@ -225,6 +231,9 @@ impl FabricTransport {
             immediate_default: if provider == "verbs" { 512 } else { 4096 },
             keys_after_connect: false,
         };
+        // Before the event queue: a failure here leaves nothing to close.
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
+            .map_err(|e| TransportError::os("epoll_create", e.into()))?;
         let mut attr = fi_eq_attr {
             size: 1024,
             wait_obj: fi_wait_obj_FI_WAIT_FD,
@@ -235,8 +244,7 @@ impl FabricTransport {
         check("fi_eq_open", unsafe {
             exs_fi_eq_open(fab.fabric, &mut attr, &mut eq, ptr::null_mut())
         })?;
-        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
-            .map_err(|e| TransportError::os("epoll_create", e.into()))?;
+        // From here `t` owns the event queue: an error below closes it (`Drop`).
         let t = FabricTransport {
             dom,
             per_conn: mr_mode & FI_MR_LOCAL as u64 == 0,

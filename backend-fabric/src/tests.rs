@@ -104,3 +104,27 @@ fn a_listener_closed_with_requests_waiting_refuses_them_and_leaks_no_socket() {
         3 * N
     );
 }
+
+/// A provider or domain name with a NUL byte is refused as invalid (not as a missing provider), on the error path
+/// that used to leak the hints allocated for it (they are now owned, and freed, before the name is converted).
+#[test]
+fn a_name_with_a_nul_is_refused_as_invalid() {
+    for cfg in [
+        FabricConfig {
+            provider: "tc\0p".into(),
+            ..FabricConfig::default()
+        },
+        FabricConfig {
+            domain: Some("lo\0".into()),
+            ..FabricConfig::default()
+        },
+    ] {
+        match FabricTransport::open(&cfg) {
+            Err(exs_transport::TransportError::Invalid(why)) => {
+                assert!(why.contains("NUL"), "{why}")
+            }
+            Err(e) => panic!("{cfg:?}: {e}"),
+            Ok(_) => panic!("{cfg:?} was accepted"),
+        }
+    }
+}

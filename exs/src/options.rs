@@ -73,6 +73,11 @@ pub struct SocketOptions {
     /// Stream sockets: record protocol decisions (adverts, phases, direct/indirect transfers) for
     /// [`Socket::stream_trace`](crate::Socket::stream_trace). Off by default.
     pub trace: bool,
+    /// Send control messages queued while an earlier one is still in flight together, several per send and per
+    /// peer receive buffer (the immediate data of small sends is then copied once into the shared send buffer),
+    /// like TCP's autocorking. A lone message is never held back. On by default; off costs one provider call and
+    /// one peer buffer per message. Before connect.
+    pub coalesce: bool,
 }
 
 impl SocketOptions {
@@ -107,6 +112,7 @@ impl Default for SocketOptions {
             control_window: 0,
             backlog: 128,
             trace: false,
+            coalesce: true,
         }
     }
 }
@@ -131,6 +137,8 @@ pub enum SocketOption {
     Backlog(u32),
     /// See [`SocketOptions::trace`].
     Trace(bool),
+    /// See [`SocketOptions::coalesce`].
+    Coalesce(bool),
 }
 
 impl SocketOption {
@@ -145,6 +153,7 @@ impl SocketOption {
             SocketOption::ControlWindow(_) => "control_window",
             SocketOption::Backlog(_) => "backlog",
             SocketOption::Trace(_) => "trace",
+            SocketOption::Coalesce(_) => "coalesce",
         }
     }
 
@@ -207,6 +216,7 @@ impl SocketOption {
             }
             SocketOption::Trace(v) => o.trace = v,
             SocketOption::StreamBufferEager(v) => o.stream_buffer_eager = v,
+            SocketOption::Coalesce(v) => o.coalesce = v,
         }
         Ok(())
     }

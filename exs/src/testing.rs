@@ -226,11 +226,23 @@ impl RawPeer {
                         if c.status.is_ok() {
                             let mut b = vec![0u8; len as usize];
                             let _ = self.rx.read_at(slot * SLOT, &mut b);
-                            self.received.push(
-                                Message::decode(&b)
-                                    .map(|(m, _)| m)
-                                    .map_err(|e| e.to_string()),
-                            );
+                            // A buffer may hold several messages (coalescing: `wire::FLAG_MORE`).
+                            let mut at = 0;
+                            loop {
+                                match Message::decode_framed(&b[at..]) {
+                                    Ok(f) => {
+                                        self.received.push(Ok(f.msg));
+                                        if !f.more {
+                                            break;
+                                        }
+                                        at += f.end;
+                                    }
+                                    Err(e) => {
+                                        self.received.push(Err(e.to_string()));
+                                        break;
+                                    }
+                                }
+                            }
                             if let Ok(wr) = recv_wr(&self.rx, &self.rx_reg, slot) {
                                 let _ = self.t.post(self.ep, wr);
                             }

@@ -13,6 +13,10 @@
 //! * `ack` (valid when `flags & FLAG_ACK`): cumulative count of the peer's message-mode advertisements whose data
 //!   transfer finished (seed 002, 3.2: the acknowledgment that completes a send and returns its credit), so an
 //!   acknowledgment rides on any message going the other way.
+//! * `flags & FLAG_MORE`: another control message follows this one (and its inline data) in the same buffer.
+//!   Messages queued while an earlier control send is still in flight go out together, several per send and per
+//!   receive buffer (issue 12: one provider call and one link credit for many small messages). Nothing follows a
+//!   CLOSE in a buffer.
 //!
 //! Data itself never travels in control messages except as the immediate data of seed 002, 4.1. Stream data
 //! travels by RDMA write-with-immediate; its 32-bit immediate is described by [`Imm`].
@@ -31,7 +35,9 @@ pub const HANDSHAKE_LEN: usize = 48;
 
 /// Header flag: the `ack` field is valid.
 pub const FLAG_ACK: u16 = 1;
-const KNOWN_FLAGS: u16 = FLAG_ACK;
+/// Header flag: another message follows this one in the same buffer.
+pub const FLAG_MORE: u16 = 2;
+const KNOWN_FLAGS: u16 = FLAG_ACK | FLAG_MORE;
 
 /// Why bytes could not be decoded.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -337,6 +343,12 @@ impl Message {
     /// Encodes into `out` (at least [`Message::encoded_len`] bytes) and returns the bytes written.
     /// Immediate data is not copied: the sender gathers it from the user's buffer (seed 002, 4.1).
     pub fn encode(&self, out: &mut [u8]) -> usize {
+        self.encode_framed(out, false)
+    }
+
+    /// Encodes like [`Message::encode`], with [`FLAG_MORE`] set when `more` (another message follows this one's
+    /// immediate data in the same buffer).
+    pub fn encode_framed(&self, out: &mut [u8], more: bool) -> usize {
         let n = self.encoded_len();
         let mut w = Writer {
             buf: &mut out[..n],
@@ -344,7 +356,8 @@ impl Message {
         };
         w.u8(VERSION);
         w.u8(self.body.kind() as u8);
-        w.u16(if self.ack.is_some() { FLAG_ACK } else { 0 });
+        let ack = if self.ack.is_some() { FLAG_ACK } else { 0 };
+        w.u16(ack | if more { FLAG_MORE } else { 0 });
         w.u16(self.credits);
         w.u16(self.body.body_len() as u16);
         w.u32(self.ack.unwrap_or(0));
@@ -400,9 +413,23 @@ impl Message {
         v
     }
 
-    /// Decodes a control message received as `bytes` (header, body and any immediate data).
-    /// Returns the message and the offset at which immediate data starts.
+    /// Decodes a control message received as `bytes` (header, body and any immediate data), alone in its
+    /// buffer. Returns the message and the offset at which immediate data starts.
     pub fn decode(bytes: &[u8]) -> Result<(Message, usize), WireError> {
+        let f = Self::decode_framed(bytes)?;
+        if f.more {
+            return Err(WireError::Invalid {
+                field: "more flag of a message alone in its buffer",
+                value: 1,
+            });
+        }
+        Ok((f.msg, f.inline_at))
+    }
+
+    /// Decodes the first control message of a buffer that may hold several ([`FLAG_MORE`]): the next one starts
+    /// at [`Framed::end`]. A message without the flag must end the buffer exactly; one with it must be followed
+    /// by at least a header.
+    pub fn decode_framed(bytes: &[u8]) -> Result<Framed, WireError> {
         let mut r = Reader { buf: bytes, at: 0 };
         let version = r.u8()?;
         if version != VERSION {
@@ -535,15 +562,30 @@ impl Message {
             });
         }
         let msg = Message { credits, ack, body };
+        let more = flags & FLAG_MORE != 0;
         // An immediate advert's length comes from the peer: it may be anything up to u64::MAX (found by fuzzing).
         let expected = (HEADER_LEN as u64 + body_len as u64).saturating_add(msg.inline_len_u64());
-        if bytes.len() as u64 != expected {
+        let got = bytes.len() as u64;
+        if more && got < expected.saturating_add(HEADER_LEN as u64) {
+            return Err(WireError::TooShort {
+                need: usize::try_from(expected.saturating_add(HEADER_LEN as u64))
+                    .unwrap_or(usize::MAX),
+                got: bytes.len(),
+            });
+        }
+        if !more && got != expected {
             return Err(WireError::LengthMismatch {
                 expected: usize::try_from(expected).unwrap_or(usize::MAX),
                 got: bytes.len(),
             });
         }
-        Ok((msg, r.at))
+        Ok(Framed {
+            msg,
+            inline_at: r.at,
+            // Within `bytes` (checked above), so it fits a usize.
+            end: expected as usize,
+            more,
+        })
     }
 
     fn inline_len_u64(&self) -> u64 {
@@ -552,6 +594,19 @@ impl Message {
             _ => 0,
         }
     }
+}
+
+/// One control message at the start of a buffer that may hold several (see [`Message::decode_framed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Framed {
+    /// The message.
+    pub msg: Message,
+    /// Offset of its immediate data (right after header and body).
+    pub inline_at: usize,
+    /// Offset just past its immediate data: where the next message starts when `more`.
+    pub end: usize,
+    /// Another message follows ([`FLAG_MORE`]).
+    pub more: bool,
 }
 
 /// Socket type carried in the handshake.

@@ -9,7 +9,8 @@ use std::time::Duration;
 use common::*;
 use exs::sim::{SimConfig, World};
 use exs::{
-    Blame, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, StateError,
+    Blame, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, SocketOption,
+    StateError,
 };
 
 #[test_log::test]
@@ -296,7 +297,13 @@ fn broken_connection_fails_pending_operations_on_both_sides() {
 /// fails too.
 #[test_log::test]
 fn no_message_completes_after_an_earlier_one_failed_mid_read() {
-    let p = pair(SockType::SeqPacket);
+    // Both adverts must arrive while the first read is still going: with coalescing the second advert would wait
+    // for the first's send completion, and the read could finish before it lands.
+    let p = pair_with(
+        SockType::SeqPacket,
+        SimConfig::default(),
+        &[SocketOption::Coalesce(false)],
+    );
     let big = p.server_region(1 << 20);
     let small = p.server_region(64);
     p.server
@@ -841,5 +848,44 @@ fn ten_thousand_refused_connects_leave_nothing_behind() {
         world.endpoints(1),
         1,
         "the client's refused endpoints were released"
+    );
+}
+
+/// Regression (soak, made frequent by coalescing): a receiver that closes while its RDMA read of an advert is
+/// under way sends "stop receiving" with the acknowledgments it has; the read then finishes, and its final CLOSE
+/// acknowledges it too. The sender had already failed (and forgotten) every send from its oldest unacknowledged
+/// one on, the one being read and the one behind it, and took the late acknowledgment for one it did not know: a
+/// protocol violation between two exs peers.
+#[test_log::test]
+fn a_late_acknowledgment_after_the_peer_stopped_receiving_is_no_violation() {
+    let p = pair(SockType::SeqPacket);
+    // Two sends; both adverts arrive before the receiver has a receive.
+    let src = p.client_region(pattern(2 << 20, 1));
+    for i in 0..2 {
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i << 20..(i + 1) << 20),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
+    }
+    while p.server.stats().unwrap().message.adverts_received < 2 {
+        assert!(p.world.drive());
+    }
+    // The receive starts the first read; the close comes before it has finished.
+    let big = p.server_region(1 << 20);
+    p.server
+        .recv(&p.eq_b, &big.all(), MsgFlags::NONE, 0)
+        .unwrap();
+    assert_eq!(p.server.stats().unwrap().link.reads, 1);
+    p.server.close().unwrap();
+    let sent = p.eq_a.wait_all(None).unwrap();
+    assert_eq!(sent.len(), 2, "{sent:?}");
+    assert_eq!(
+        (p.a.stats().violations, p.b.stats().violations),
+        (0, 0),
+        "the sends ended with {sent:?}"
     );
 }

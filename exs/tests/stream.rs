@@ -277,3 +277,41 @@ fn an_indirect_byte_is_copied_once_and_a_direct_byte_never() {
         "each indirect byte copied once, no direct byte copied: {rx:?} {tx:?}"
     );
 }
+
+/// Issue 12: a burst of small sends made while a write is in flight joins one write (up to the scatter/gather
+/// limit) instead of one write each; the bytes arrive in order. Without coalescing each send is its own write.
+#[test]
+fn a_burst_of_small_sends_shares_writes() {
+    for coalesce in [true, false] {
+        // The stream buffer is known from the start, so that no send waits for it.
+        let p = stream_pair(&[
+            SocketOption::Coalesce(coalesce),
+            SocketOption::StreamBufferEager(true),
+        ]);
+        p.world.run_until_idle(1000);
+        let data = pattern(64 * 100, 3);
+        let src = p.client_region(data.clone());
+        for i in 0..100 {
+            p.client
+                .send(
+                    &p.eq_a,
+                    &src.slice(i * 64..(i + 1) * 64),
+                    MsgFlags::NONE,
+                    i as u64,
+                )
+                .unwrap();
+        }
+        let got = read_all(&p, data.len(), 10_000, MsgFlags::NONE);
+        assert_bytes_eq(&got, &data, "burst");
+        let sent = p.eq_a.wait_all(None).unwrap();
+        assert_eq!(sent.len(), 100);
+        assert!(sent.iter().all(|e| e.is_ok()));
+        let st = p.client.stats().unwrap().stream;
+        let writes = st.direct_sent + st.indirect_sent;
+        if coalesce {
+            assert!(writes <= 40, "{writes} writes for 100 sends: {st:?}");
+        } else {
+            assert_eq!(writes, 100, "{st:?}");
+        }
+    }
+}

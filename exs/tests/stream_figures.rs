@@ -29,11 +29,13 @@ const SLOT: usize = 1 << 16;
 
 impl Fig {
     fn new(ring: u32) -> Fig {
-        // The figures start with each side's stream buffer known to the other.
+        // The figures start with each side's stream buffer known to the other, and each send travels as soon as
+        // it is made (the seed's figures know no coalescing: a send behind one in flight would join it).
         let opts = [
             SocketOption::Trace(true),
             SocketOption::StreamBufferSize(ring),
             SocketOption::StreamBufferEager(true),
+            SocketOption::Coalesce(false),
         ];
         let p = pair_with(
             SockType::Stream,

@@ -33,7 +33,14 @@ impl Engine {
             // Seed 003: every buffer of the shared pool has the context's one slot size; the connection owns none.
             Some(slot) => (Err((window, slot)), slot),
             None => {
-                let slot = ctrl_slot_size(small);
+                // Coalescing (issue 12): a message-mode buffer holds several immediate messages of the largest
+                // size, so that a burst of them shares sends and buffers.
+                let per_buffer = if opts.coalesce && ty == SockType::SeqPacket {
+                    PACKED_PER_BUFFER
+                } else {
+                    1
+                };
+                let slot = ctrl_slot_size(small, per_buffer);
                 let rx_buf = DmaBuf::new(slot * window as usize);
                 let rx_reg = self.register(&rx_buf)?;
                 (
@@ -50,6 +57,19 @@ impl Engine {
         let tx_count = window.max(16);
         let tx_buf = DmaBuf::new(TX_SLOT * tx_count as usize);
         let tx_reg = self.register(&tx_buf)?;
+        // Coalescing (issue 12): pack buffers as large as our own receive buffers (the peer's usually match).
+        let pack = if opts.coalesce {
+            let buf = DmaBuf::new(slot * PACK_SLOTS as usize);
+            let reg = self.register(&buf)?;
+            Some(Slots {
+                buf,
+                reg,
+                size: slot,
+                count: PACK_SLOTS,
+            })
+        } else {
+            None
+        };
         let link = Link::new(
             rx,
             Slots {
@@ -58,6 +78,7 @@ impl Engine {
                 size: TX_SLOT,
                 count: tx_count,
             },
+            pack,
             self.caps.max_send_wr,
             self.caps.max_read_depth,
             self.caps.imm_consumes_recv,
@@ -108,7 +129,7 @@ impl Engine {
                 (_, true) => {
                     let o = &self.shared_recv;
                     let max = o.max_slots.min(self.caps.max_shared_recv);
-                    let slot = ctrl_slot_size(o.small_packet_max_size as usize);
+                    let slot = ctrl_slot_size(o.small_packet_max_size as usize, 1);
                     let pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
                     match self
                         .transport

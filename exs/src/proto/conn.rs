@@ -129,7 +129,8 @@ impl Conn {
                 peer.ctrl_window
             )));
         }
-        self.link.start(u32::from(peer.ctrl_window));
+        self.link
+            .start(u32::from(peer.ctrl_window), usize::from(peer.slot_size));
         let room = Link::inline_room(peer.slot_size);
         self.mode = Some(match self.sock_type {
             SockType::SeqPacket => {
@@ -368,20 +369,7 @@ impl Conn {
                         self.on_write_imm(imm)?;
                         Incoming::Nothing
                     }
-                    None => {
-                        let (slots, slot) = match kind {
-                            WrKind::Pool(id) => pool
-                                .ok_or(Violation::BadRange(
-                                    "a pool completion without a pool".into(),
-                                ))?
-                                .slot(id)?,
-                            WrKind::Recv(slot) => (self.link.own_rx()?, slot),
-                            _ => unreachable!("matched above"),
-                        };
-                        let (msg, inline) = slots.decode(slot, len as usize)?;
-                        let rx = std::sync::Arc::clone(&slots.buf);
-                        self.on_message(msg, inline, &rx)?
-                    }
+                    None => self.on_buffer(kind, len as usize, pool)?,
                 };
                 match kind {
                     WrKind::Recv(slot) => self.link.repost(slot, out)?,
@@ -394,10 +382,12 @@ impl Conn {
                 Ok(Incoming::Nothing)
             }
             (Completed::Send, Some(WrKind::Ctrl(slot))) => {
-                let notify = self.link.on_ctrl_done(slot);
-                if let (Some(seq), Some(Mode::Message(m))) = (notify, &mut self.mode) {
-                    m.on_inline_sent(seq, c.status.clone());
-                }
+                let mode = &mut self.mode;
+                self.link.on_ctrl_done(slot, &mut |seq| {
+                    if let Some(Mode::Message(m)) = mode {
+                        m.on_inline_sent(seq, c.status.clone());
+                    }
+                });
                 self.check_local(&c.status)?;
                 Ok(Incoming::Nothing)
             }
@@ -450,6 +440,40 @@ impl Conn {
                 context: "on a message-mode socket",
             }),
         }
+    }
+
+    /// Handles the control messages of one receive buffer, in order (several share a buffer when the peer sent
+    /// them together: `wire::FLAG_MORE`). Nothing may follow a CLOSE.
+    fn on_buffer(
+        &mut self,
+        kind: WrKind,
+        len: usize,
+        pool: Option<&RecvPool>,
+    ) -> Result<Incoming, Violation> {
+        let mut at = Some(0);
+        let mut incoming = Incoming::Nothing;
+        while let Some(offset) = at {
+            let (slots, slot) = match kind {
+                WrKind::Pool(id) => pool
+                    .ok_or(Violation::BadRange(
+                        "a pool completion without a pool".into(),
+                    ))?
+                    .slot(id)?,
+                WrKind::Recv(slot) => (self.link.own_rx()?, slot),
+                _ => unreachable!("only receive completions carry control messages"),
+            };
+            let (msg, inline, next) = slots.decode(slot, len, offset)?;
+            if matches!(incoming, Incoming::PeerClose(_)) {
+                return Err(Violation::Unexpected {
+                    kind: msg.body.kind().name(),
+                    context: "after CLOSE in the same buffer",
+                });
+            }
+            let rx = std::sync::Arc::clone(&slots.buf);
+            incoming = self.on_message(msg, inline, &rx)?;
+            at = next;
+        }
+        Ok(incoming)
     }
 
     /// Handles a control message whose immediate data sits at `inline` in `rx`.

@@ -26,6 +26,15 @@
 //! peer's last CREDIT, which carried `owed >= T >= 1` credits that arrived after the receiver's last send: its `tx`
 //! cannot be 0. Contradiction. An explicit CREDIT adds one to the peer's `owed`; with `T >= 2` that echo stops after
 //! one round.
+//!
+//! ## Coalescing
+//! Control messages queued while an earlier control send is still in flight wait for it (a lone message never
+//! waits, nor one too large to share a buffer with another as large) and then go together: copied one after another into a pack buffer, each header but the last flagged
+//! `wire::FLAG_MORE`, in one send that consumes one peer buffer and one credit (issue 12: on software providers
+//! every send is a system call and a completion). Only messages of one queue share a buffer: a packet that uses
+//! the reserve credit holds urgent messages only, so the argument above still counts buffers. Nothing follows a
+//! CLOSE in a buffer. The first message carries the credits owed; an ACK whose acknowledgment rode on an earlier
+//! message of the packet is dropped, as when sent alone.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -36,6 +45,9 @@ use crate::error::Violation;
 use crate::memory::lease_sge;
 use crate::transport::{Op, Registration, RemoteRef, Sge, WorkRequest};
 use crate::wire::{Body, CloseReason, Kind, Message, WireError, HEADER_LEN};
+
+/// Pack buffers per connection: one in flight, one filling while an urgent message is out.
+pub(crate) const PACK_SLOTS: u32 = 2;
 
 /// Smallest control window a connection accepts (see the deadlock argument above).
 pub(crate) const MIN_WINDOW: u32 = 4;
@@ -112,13 +124,15 @@ impl Slots {
         })
     }
 
-    /// Decodes the message in a receive slot (the receive completed with `len` bytes).
-    /// Returns the message and the byte range of its immediate data inside the slot buffer.
+    /// Decodes the message at offset `at` of a receive slot whose receive completed with `len` bytes (a buffer
+    /// may hold several messages: `wire::FLAG_MORE`). Returns the message, the byte range of its immediate data
+    /// inside the slot buffer, and the offset of the next message in the slot, if one follows.
     pub(crate) fn decode(
         &self,
         slot: u32,
         len: usize,
-    ) -> Result<(Message, std::ops::Range<usize>), Violation> {
+        at: usize,
+    ) -> Result<(Message, std::ops::Range<usize>, Option<usize>), Violation> {
         if slot >= self.count {
             return Err(Violation::BadRange(format!(
                 "receive completion for unknown slot {slot}"
@@ -131,12 +145,13 @@ impl Slots {
             }));
         }
         let range = self.range(slot);
-        let (msg, at) = self
+        let start = range.start + at.min(len);
+        let f = self
             .buf
-            .with_slice(range.start..range.start + len, Message::decode)
+            .with_slice(start..range.start + len, Message::decode_framed)
             .map_err(|e| Violation::BadRange(format!("receive slot still leased: {e}")))??;
-        let inline = range.start + at..range.start + len;
-        Ok((msg, inline))
+        let inline = start + f.inline_at..start + f.end;
+        Ok((f.msg, inline, f.more.then_some(at + f.end)))
     }
 }
 
@@ -185,6 +200,10 @@ pub struct LinkStats {
     pub credit_stalls: u64,
     /// Keepalive probes queued on an idle connection.
     pub keepalives: u64,
+    /// Sends that carried several control messages (coalescing).
+    pub packets: u64,
+    /// Control messages that travelled in such sends.
+    pub packed: u64,
 }
 
 /// See the module documentation.
@@ -200,6 +219,14 @@ pub(crate) struct Link {
     free_tx: Vec<u32>,
     /// What to report when a control send slot completes (message-mode immediate sends).
     tx_notify: Vec<Option<u32>>,
+    /// Buffers for several control messages per send (see "Coalescing"); `None` when coalescing is off. Their
+    /// work request ids follow the control slots' (`Ctrl(tx.count + i)`).
+    pack: Option<Slots>,
+    free_pack: Vec<u32>,
+    /// What to report when a pack buffer's send completes.
+    pack_notify: Vec<Vec<u32>>,
+    /// Bytes of one of the peer's receive buffers (handshake): a packet's bound.
+    peer_slot: usize,
     window_out: u32,
     spent: u32,
     owed: u32,
@@ -240,12 +267,16 @@ impl Link {
     pub(crate) fn new(
         rx: Result<Slots, (u32, usize)>,
         tx: Slots,
+        pack: Option<Slots>,
         max_send_wr: u32,
         max_read_depth: u32,
         imm_consumes_recv: bool,
     ) -> Self {
         let free_tx = (0..tx.count).rev().collect();
         let tx_notify = vec![None; tx.count as usize];
+        let packs = pack.as_ref().map_or(0, |p| p.count);
+        let free_pack = (0..packs).rev().collect();
+        let pack_notify = vec![Vec::new(); packs as usize];
         let (rx, window_in, rx_slot_size) = match rx {
             Ok(s) => {
                 let (w, z) = (s.count, s.size);
@@ -261,6 +292,10 @@ impl Link {
             tx,
             free_tx,
             tx_notify,
+            pack,
+            free_pack,
+            pack_notify,
+            peer_slot: 0,
             window_out: 0,
             spent: 0,
             owed: 0,
@@ -295,9 +330,10 @@ impl Link {
         self.rx.as_ref().map_or(0, |s| s.size * s.count as usize)
     }
 
-    /// Bytes of control send slots.
+    /// Bytes of control send slots and pack buffers.
     pub(crate) fn tx_bytes(&self) -> usize {
-        self.tx.size * self.tx.count as usize
+        let pack = self.pack.as_ref().map_or(0, |p| p.size * p.count as usize);
+        self.tx.size * self.tx.count as usize + pack
     }
 
     /// Receives to post before the connection comes up: every own receive slot (none with the shared pool).
@@ -310,9 +346,11 @@ impl Link {
         }
     }
 
-    /// The handshake told us the peer's window: the link may send from now on.
-    pub(crate) fn start(&mut self, window_out: u32) {
+    /// The handshake told us the peer's window and the size of its receive buffers: the link may send from now
+    /// on.
+    pub(crate) fn start(&mut self, window_out: u32, peer_slot: usize) {
         self.window_out = window_out;
+        self.peer_slot = peer_slot;
         self.started = true;
     }
 
@@ -344,7 +382,16 @@ impl Link {
 
     /// Whether every posted send-side work request has completed.
     pub(crate) fn sends_drained(&self, max_send_wr: u32) -> bool {
-        self.sq_free >= max_send_wr.max(2) && self.free_tx.len() == self.tx.count as usize
+        self.sq_free >= max_send_wr.max(2) && self.ctrl_in_flight() == 0
+    }
+
+    /// Control sends posted and not yet completed.
+    fn ctrl_in_flight(&self) -> usize {
+        let packs = self
+            .pack
+            .as_ref()
+            .map_or(0, |p| p.count as usize - self.free_pack.len());
+        self.tx.count as usize - self.free_tx.len() + packs
     }
 
     /// Queues a control message. `notify` is handed back by [`Link::on_ctrl_done`] when its send completes.
@@ -420,6 +467,12 @@ impl Link {
                     self.credit_queued = false;
                     continue;
                 }
+                let is_ctrl = matches!(front, Outgoing::Ctrl { .. });
+                // Coalescing: a control message waits while another is in flight; it then leaves with the others
+                // that queued behind it (the completion that ends the wait flushes the link again).
+                if !urgent && is_ctrl && self.ctrl_in_flight() > 0 && self.worth_holding(front) {
+                    break;
+                }
                 // The last credit is kept for urgent messages and CLOSE (the peer frees its slots without us).
                 let reserve_ok = urgent
                     || matches!(
@@ -443,7 +496,13 @@ impl Link {
                 if self.sq_free == 0 {
                     return;
                 }
-                let is_ctrl = matches!(front, Outgoing::Ctrl { .. });
+                if is_ctrl && self.packable(urgent) {
+                    if self.post_packet(urgent, acks, out) {
+                        self.closed = true;
+                        return;
+                    }
+                    continue;
+                }
                 if is_ctrl && self.free_tx.is_empty() {
                     return;
                 }
@@ -505,6 +564,158 @@ impl Link {
         }
     }
 
+    /// Bytes a queued control message takes in a buffer (header, body, immediate data).
+    fn wire_len(o: &Outgoing) -> usize {
+        match o {
+            Outgoing::Ctrl { body, inline, .. } => {
+                Message::new(*body).encoded_len() + inline.as_ref().map_or(0, Sge::len)
+            }
+            Outgoing::Data { .. } => usize::MAX,
+        }
+    }
+
+    /// Whether a control message should wait for the one in flight: only when coalescing is on and another
+    /// message as large could join it in one buffer (holding a message that must travel alone only delays it).
+    fn worth_holding(&self, o: &Outgoing) -> bool {
+        let Some(pack) = &self.pack else {
+            return false;
+        };
+        Self::wire_len(o).saturating_mul(2) <= pack.size.min(self.peer_slot)
+    }
+
+    /// Whether the first two messages of a queue can share a buffer (a pack buffer is free, both are control
+    /// messages, the first is no CLOSE, and both fit the peer's receive buffer and ours).
+    fn packable(&self, urgent: bool) -> bool {
+        let Some(pack) = &self.pack else {
+            return false;
+        };
+        if self.free_pack.is_empty() {
+            return false;
+        }
+        let queue = if urgent { &self.urgent } else { &self.normal };
+        let (Some(first), Some(second)) = (queue.front(), queue.get(1)) else {
+            return false;
+        };
+        if matches!(
+            first,
+            Outgoing::Ctrl {
+                body: Body::Close(_),
+                ..
+            }
+        ) {
+            return false;
+        }
+        Self::wire_len(first).saturating_add(Self::wire_len(second))
+            <= pack.size.min(self.peer_slot)
+    }
+
+    /// Posts control messages from the front of a queue together in one pack buffer (see "Coalescing"), as many
+    /// as fit. Returns whether a final CLOSE went out. The caller checked credits for the first message and
+    /// that a send-queue entry and a pack buffer are free.
+    fn post_packet(
+        &mut self,
+        urgent: bool,
+        acks: &mut dyn AckSource,
+        out: &mut Vec<WorkRequest>,
+    ) -> bool {
+        let pack = self.pack.as_ref().expect("checked by packable");
+        let limit = pack.size.min(self.peer_slot);
+        let p = self.free_pack.pop().expect("checked by packable");
+        let base = p as usize * pack.size;
+        let (buf, reg) = (Arc::clone(&pack.buf), Arc::clone(&pack.reg));
+        // The pack buffer is free (not leased): the CPU may write it.
+        let mut dst = buf
+            .lease(base..base + limit, LeaseKind::CpuWrite)
+            .expect("a free pack buffer is not leased");
+        let mut at = 0;
+        let mut last: Option<(usize, Message)> = None;
+        let mut count = 0u64;
+        let mut final_close = false;
+        let mut header = [0u8; HEADER_LEN + 48];
+        loop {
+            let queue = if urgent { &self.urgent } else { &self.normal };
+            let Some(front) = queue.front() else { break };
+            if !matches!(front, Outgoing::Ctrl { .. }) || at + Self::wire_len(front) > limit {
+                break;
+            }
+            let Some(Outgoing::Ctrl {
+                body,
+                inline,
+                notify,
+            }) = self.pop(urgent)
+            else {
+                unreachable!("checked above")
+            };
+            if matches!(body, Body::Credit) && self.owed == 0 && !self.keepalive_queued {
+                self.credit_queued = false;
+                continue; // its credits rode on an earlier message
+            }
+            let ack = if body.kind() == Kind::Ack {
+                match acks.take_ack(Kind::Ack) {
+                    Some(a) => Some(a),
+                    None => continue, // the acknowledgment rode on an earlier message
+                }
+            } else {
+                acks.take_ack(body.kind())
+            };
+            let credits = self.owed.min(u32::from(u16::MAX));
+            self.owed -= credits;
+            if matches!(body, Body::Credit) {
+                self.credit_queued = false;
+                self.keepalive_queued = false;
+                self.stats.credit_msgs += 1;
+            }
+            let msg = Message {
+                credits: credits as u16,
+                ack,
+                body,
+            };
+            let n = msg.encode_framed(&mut header, true);
+            dst.write(at, &header[..n])
+                .expect("inside the pack buffer (checked against limit)");
+            if let Some(sge) = &inline {
+                sge.lease()
+                    .copy_to(0, &mut dst, at + n, sge.len())
+                    .expect("inside the pack buffer (checked against limit)");
+            }
+            last = Some((at, msg));
+            at += n + inline.as_ref().map_or(0, Sge::len);
+            count += 1;
+            self.pack_notify[p as usize].extend(notify);
+            if let Body::Close(reason) = body {
+                final_close = matches!(reason, CloseReason::Close | CloseReason::Violation);
+                break;
+            }
+        }
+        // The last message of the buffer says nothing follows it.
+        if let Some((off, msg)) = last {
+            let n = msg.encode_framed(&mut header, false);
+            dst.write(off, &header[..n])
+                .expect("inside the pack buffer");
+        }
+        drop(dst);
+        if count == 0 {
+            self.free_pack.push(p);
+            return false;
+        }
+        let sge = lease_sge(&buf, &reg, base..base + at, LeaseKind::DeviceRead)
+            .expect("a pack buffer just written is not leased");
+        self.spent += 1;
+        self.sq_free -= 1;
+        self.sent_since_check = true;
+        self.stats.ctrl_sent += count;
+        self.stats.packets += 1;
+        self.stats.packed += count;
+        out.push(WorkRequest {
+            wr_id: wr_id(WrKind::Ctrl(self.tx.count + p)),
+            op: Op::Send {
+                sges: vec![sge],
+                imm: None,
+            },
+        });
+        final_close
+    }
+
     fn post_ctrl(
         &mut self,
         body: Body,
@@ -553,14 +764,30 @@ impl Link {
         });
     }
 
-    /// A control send completed (or was flushed): its slot and send-queue entry come back.
-    pub(crate) fn on_ctrl_done(&mut self, slot: u32) -> Option<u32> {
-        if slot >= self.tx.count || self.free_tx.contains(&slot) {
-            return None;
+    /// A control send completed (or was flushed): its slot (or pack buffer) and send-queue entry come back;
+    /// `notify` gets what each of its messages asked to be told.
+    pub(crate) fn on_ctrl_done(&mut self, slot: u32, notify: &mut dyn FnMut(u32)) {
+        if slot >= self.tx.count {
+            let p = slot - self.tx.count;
+            let packs = self.pack.as_ref().map_or(0, |p| p.count);
+            if p >= packs || self.free_pack.contains(&p) {
+                return;
+            }
+            self.free_pack.push(p);
+            self.sq_free += 1;
+            for seq in self.pack_notify[p as usize].drain(..) {
+                notify(seq);
+            }
+            return;
+        }
+        if self.free_tx.contains(&slot) {
+            return;
         }
         self.free_tx.push(slot);
         self.sq_free += 1;
-        self.tx_notify[slot as usize].take()
+        if let Some(seq) = self.tx_notify[slot as usize].take() {
+            notify(seq);
+        }
     }
 
     /// A data operation completed (or was flushed).
@@ -697,6 +924,165 @@ mod tests {
         }
     }
 
+    fn slots_of(count: u32, size: usize) -> Slots {
+        let buf = DmaBuf::new(count as usize * size);
+        Slots {
+            reg: Arc::new(TestReg(Arc::clone(&buf))),
+            buf,
+            size,
+            count,
+        }
+    }
+
+    /// A started link that coalesces, with 1 KiB pack buffers and peer buffers.
+    fn coalescing() -> Link {
+        let mut link = Link::new(
+            Ok(slots(8)),
+            slots(8),
+            Some(slots_of(PACK_SLOTS, 1024)),
+            16,
+            4,
+            true,
+        );
+        link.start(8, 1024);
+        link
+    }
+
+    fn window(consumed: u64) -> Body {
+        Body::StreamWindow { consumed }
+    }
+
+    /// The messages one send carries, decoded as the peer would.
+    fn carried(wr: &WorkRequest) -> Vec<Message> {
+        let Op::Send { sges, .. } = &wr.op else {
+            panic!("not a send: {wr:?}")
+        };
+        let mut bytes = Vec::new();
+        for sge in sges {
+            let mut b = vec![0u8; sge.len()];
+            sge.lease().read(0, &mut b).unwrap();
+            bytes.extend_from_slice(&b);
+        }
+        let mut out = Vec::new();
+        let mut rest = &bytes[..];
+        loop {
+            let f = Message::decode_framed(rest).unwrap();
+            out.push(f.msg);
+            if !f.more {
+                return out;
+            }
+            rest = &rest[f.end..];
+        }
+    }
+
+    fn ctrl_slot(wr: &WorkRequest) -> u32 {
+        match wr_kind(wr.wr_id) {
+            Some(WrKind::Ctrl(s)) => s,
+            other => panic!("not a control send: {other:?}"),
+        }
+    }
+
+    /// Issue 12: a lone message goes at once; messages queued while it is in flight wait for its completion and
+    /// then leave in one send, which consumes one peer buffer.
+    #[test]
+    fn messages_queued_behind_one_in_flight_leave_together() {
+        let mut link = coalescing();
+        let mut out = Vec::new();
+        link.push_ctrl(window(1), None, None);
+        link.flush(&mut out, &mut ());
+        assert_eq!(out.len(), 1, "a lone message is not held");
+        assert_eq!(carried(&out[0]), [Message::new(window(1))]);
+        let first = ctrl_slot(&out[0]);
+        out.clear();
+        for i in 2..5 {
+            link.push_ctrl(window(i), None, None);
+        }
+        link.flush(&mut out, &mut ());
+        assert!(out.is_empty(), "held behind the send in flight: {out:?}");
+        link.on_ctrl_done(first, &mut |_| {});
+        link.flush(&mut out, &mut ());
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(
+            carried(&out[0]),
+            (2..5).map(|i| Message::new(window(i))).collect::<Vec<_>>()
+        );
+        assert_eq!(link.tx_credits(), 6, "two sends, two peer buffers");
+        assert_eq!((link.stats.packets, link.stats.packed), (1, 3));
+        assert_eq!(link.stats.ctrl_sent, 4);
+    }
+
+    /// A message too large to share a buffer with another as large goes at once, even behind one in flight
+    /// (holding it could only delay it).
+    #[test]
+    fn a_message_too_large_to_share_a_buffer_is_not_held() {
+        let mut link = coalescing();
+        let mut out = Vec::new();
+        link.push_ctrl(window(1), None, None);
+        link.flush(&mut out, &mut ());
+        assert_eq!(out.len(), 1);
+        let data = DmaBuf::new(600);
+        let reg: Arc<dyn Registration> = Arc::new(TestReg(Arc::clone(&data)));
+        let inline = lease_sge(&data, &reg, 0..600, LeaseKind::DeviceRead).unwrap();
+        let advert = Body::Advert(crate::wire::Advert {
+            seq: 0,
+            flags: crate::wire::AdvertFlags(crate::wire::AdvertFlags::IMMEDIATE),
+            len: 600,
+            addr: 0,
+            rkey: 0,
+        });
+        link.push_ctrl(advert, Some(inline), Some(0));
+        link.flush(&mut out, &mut ());
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert_eq!(link.stats.packets, 0);
+    }
+
+    /// Nothing follows a CLOSE in a buffer, and nothing is posted after a final one.
+    #[test]
+    fn nothing_is_packed_after_a_close() {
+        let mut link = coalescing();
+        let mut out = Vec::new();
+        link.push_ctrl(window(1), None, None);
+        link.flush(&mut out, &mut ());
+        let first = ctrl_slot(&out[0]);
+        out.clear();
+        link.push_ctrl(window(2), None, None);
+        link.push_ctrl(Body::Close(CloseReason::Close), None, None);
+        link.push_ctrl(window(3), None, None);
+        link.flush(&mut out, &mut ());
+        assert!(out.is_empty());
+        link.on_ctrl_done(first, &mut |_| {});
+        link.flush(&mut out, &mut ());
+        assert_eq!(out.len(), 1, "{out:?}");
+        assert_eq!(
+            carried(&out[0]),
+            [
+                Message::new(window(2)),
+                Message::new(Body::Close(CloseReason::Close))
+            ]
+        );
+        assert!(link.is_closed());
+    }
+
+    /// The notifications of every message a pack carried come back when its send completes.
+    #[test]
+    fn a_pack_reports_each_message_it_carried() {
+        let mut link = coalescing();
+        let mut out = Vec::new();
+        link.push_ctrl(window(1), None, Some(7));
+        link.flush(&mut out, &mut ());
+        let first = ctrl_slot(&out[0]);
+        out.clear();
+        link.push_ctrl(window(2), None, Some(8));
+        link.push_ctrl(window(3), None, Some(9));
+        let mut told = Vec::new();
+        link.on_ctrl_done(first, &mut |s| told.push(s));
+        link.flush(&mut out, &mut ());
+        let pack = ctrl_slot(&out[0]);
+        link.on_ctrl_done(pack, &mut |s| told.push(s));
+        assert_eq!(told, [7, 8, 9]);
+        assert!(link.sends_drained(16));
+    }
+
     fn queued_write(link: &mut Link) {
         let remote = RemoteRef { addr: 0, key: 7 };
         link.push_write(
@@ -713,8 +1099,8 @@ mod tests {
     /// endpoint once the round flushed. After [`Link::discard`] (the endpoint is gone) nothing is posted.
     #[test]
     fn a_discarded_link_posts_nothing() {
-        let mut link = Link::new(Ok(slots(4)), slots(4), 16, 4, true);
-        link.start(4);
+        let mut link = Link::new(Ok(slots(4)), slots(4), None, 16, 4, true);
+        link.start(4, 128);
         queued_write(&mut link);
         let mut out = Vec::new();
         link.flush(&mut out, &mut ());

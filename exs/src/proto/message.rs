@@ -184,6 +184,9 @@ pub(crate) struct MessageProto {
     /// Acknowledgment value last sent.
     acked_seq: u32,
     peer_closed: bool,
+    /// The peer stopped receiving (CLOSE StopReceiving) when this was our oldest unacknowledged advert: every
+    /// send from there on was failed.
+    stopped_from: Option<u32>,
     /// Sends that failed before the peer acknowledged them, with their exposure. The peer may still be
     /// reading, so revoking the key now would turn our close into a remote-access error at the peer; and the
     /// send's event must not come while its buffer is still exposed. Both happen when the endpoint is released
@@ -225,6 +228,7 @@ impl MessageProto {
             done_seq: 0,
             acked_seq: 0,
             peer_closed: false,
+            stopped_from: None,
             retired: Vec::new(),
             delay_acks,
             ack_marker: 0,
@@ -1024,6 +1028,20 @@ impl MessageProto {
 
     /// The peer acknowledged `ack` adverts in total (seed 002, 3.2).
     pub(crate) fn on_ack(&mut self, ack: u32, link: &mut Link) -> Result<(), Violation> {
+        if let Some(floor) = self.stopped_from {
+            // The peer stopped receiving and our sends from `floor` on were failed. Transfers it had under way
+            // may still finish and be acknowledged after its notice (soak, with coalescing: an acknowledgment
+            // held behind a send in flight left after it); that changes nothing here, but it must not reach
+            // beyond what we sent.
+            if ack.wrapping_sub(floor) <= self.next_seq.wrapping_sub(floor) {
+                return Ok(());
+            }
+            return Err(Violation::UnknownAck {
+                seq: ack,
+                oldest: floor,
+                outstanding: self.next_seq.wrapping_sub(floor) as usize,
+            });
+        }
         let oldest = self
             .unacked
             .iter()
@@ -1148,6 +1166,13 @@ impl MessageProto {
 
     /// Fails the sends not completed yet (the peer stopped receiving).
     pub(crate) fn fail_pending_sends(&mut self, err: OpError) {
+        let oldest = self
+            .unacked
+            .iter()
+            .find(|o| !o.acked)
+            .map(|o| o.seq)
+            .unwrap_or(self.next_seq);
+        self.stopped_from.get_or_insert(oldest);
         self.fail_sends(err);
     }
 

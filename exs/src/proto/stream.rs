@@ -38,7 +38,9 @@
 //!
 //! ## Packing small writes
 //! Queued sends are gathered into one write (up to the transport's scatter/gather limit), so a burst of small
-//! writes costs one network operation per batch, not per write.
+//! writes costs one network operation per batch, not per write. With coalescing on (the default), a batch smaller
+//! than a full write waits while an earlier write is in flight, so that the sends behind it join it (issue 12; like
+//! TCP's autocorking: nothing waits longer than one write's completion, and a lone send never waits).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -260,9 +262,14 @@ pub(crate) struct StreamProto {
     max_adverts_out: usize,
     max_chunk: usize,
     max_sge: usize,
+    /// Small batches wait for the write in flight (see "Packing small writes").
+    coalesce: bool,
     trace: Option<Vec<StreamTrace>>,
     stats: StreamStats,
 }
+
+/// A batch of queued sends this large goes at once even while a write is in flight (see "Packing small writes").
+const CORK_BYTES: usize = 16 << 10;
 
 /// The peer's stream buffer, `len` bytes at `addr`, must not wrap around the address space (issue 15: a handshake
 /// whose address plus length overflowed made a later write's address overflow).
@@ -338,6 +345,7 @@ impl StreamProto {
             max_adverts_out: usize::from(peer.recv_credits.max(1)),
             max_chunk: (limits.max_message.min(u64::from(Imm::MAX_LEN))) as usize,
             max_sge: 4,
+            coalesce: opts.coalesce,
             trace: opts.trace.then(Vec::new),
             stats: StreamStats::default(),
         })
@@ -557,6 +565,9 @@ impl StreamProto {
                 )
             };
             let limit = (room as usize).min(self.max_chunk);
+            if self.holds(first, limit) {
+                return Ok(());
+            }
             // Gather from consecutive sends (packing small writes into one transfer).
             let mut pieces = Vec::new();
             let mut carried = Vec::new();
@@ -631,6 +642,28 @@ impl StreamProto {
                 tag,
             );
         }
+    }
+
+    /// Whether the batch that starts at send `first` waits for the write in flight: coalescing is on, a write
+    /// is in flight (its completion pumps again), and the batch would not fill a write (fewer pieces than the
+    /// scatter/gather limit, fewer bytes than the write may carry, `limit`, and than [`CORK_BYTES`]). A direct
+    /// transfer into a receive as small as the send is full at once: it never waits.
+    fn holds(&self, first: usize, limit: usize) -> bool {
+        if !self.coalesce || self.tx.writes.is_empty() {
+            return false;
+        }
+        let full = limit.min(CORK_BYTES);
+        let mut pieces = 0;
+        let mut bytes = 0;
+        for s in self.tx.sends.iter().skip(first) {
+            let Some(rest) = &s.rest else { break };
+            pieces += 1;
+            bytes += rest.len();
+            if pieces >= self.max_sge || bytes >= full {
+                return false;
+            }
+        }
+        true
     }
 
     /// A transfer of ours completed: the sends it carried may complete.

@@ -63,6 +63,21 @@ pub fn wire(data: &[u8]) {
         let (m2, _) = Message::decode(&again).expect("a decoded message re-encodes to valid bytes");
         assert_eq!(m, m2, "message round trip");
     }
+    // A buffer of several messages (coalescing): each one found re-encodes to its own header and body.
+    let mut rest = data;
+    while let Ok(f) = Message::decode_framed(rest) {
+        let mut again = vec![0u8; f.msg.encoded_len()];
+        f.msg.encode_framed(&mut again, f.more);
+        assert_eq!(
+            &again[..],
+            &rest[..f.inline_at],
+            "framed message round trip"
+        );
+        if !f.more {
+            break;
+        }
+        rest = &rest[f.end..];
+    }
     if let Ok(h) = Handshake::decode(data) {
         assert_eq!(
             Handshake::decode(&h.encode()),

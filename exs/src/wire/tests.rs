@@ -213,3 +213,97 @@ fn immediate_advert_with_length_near_u64_max_is_rejected() {
         );
     }
 }
+
+/// Encodes `msgs` one after another in one buffer, each but the last flagged [`FLAG_MORE`] (how a coalescing
+/// sender fills a pack buffer), with `inline` bytes of immediate data after each immediate advert.
+fn pack(msgs: &[Message], inline: u8) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, m) in msgs.iter().enumerate() {
+        let mut b = vec![0u8; m.encoded_len()];
+        m.encode_framed(&mut b, i + 1 < msgs.len());
+        out.extend_from_slice(&b);
+        out.extend(std::iter::repeat_n(inline, m.inline_len()));
+    }
+    out
+}
+
+/// Walks a buffer of framed messages.
+fn unpack(mut bytes: &[u8]) -> Result<Vec<Message>, WireError> {
+    let mut out = Vec::new();
+    loop {
+        let f = Message::decode_framed(bytes)?;
+        out.push(f.msg);
+        if !f.more {
+            return Ok(out);
+        }
+        bytes = &bytes[f.end..];
+    }
+}
+
+#[test]
+fn several_messages_share_a_buffer_in_order() {
+    let mut msgs = samples();
+    msgs.push(Message::new(Body::Advert(Advert {
+        seq: 1,
+        flags: AdvertFlags(AdvertFlags::IMMEDIATE),
+        len: 5,
+        addr: 0,
+        rkey: 0,
+    })));
+    msgs.push(Message::new(Body::Credit));
+    let bytes = pack(&msgs, 0x5a);
+    assert_eq!(unpack(&bytes).unwrap(), msgs);
+    // The immediate data sits between its advert and the next header.
+    let mut at = 0;
+    for m in &msgs {
+        let f = Message::decode_framed(&bytes[at..]).unwrap();
+        assert!(bytes[at + f.inline_at..at + f.end]
+            .iter()
+            .all(|&b| b == 0x5a));
+        assert_eq!(f.end - f.inline_at, m.inline_len());
+        at += f.end;
+    }
+    assert_eq!(at, bytes.len());
+}
+
+#[test]
+fn a_message_flagged_more_must_be_followed_by_one() {
+    let mut alone = vec![0u8; HEADER_LEN];
+    Message::new(Body::Credit).encode_framed(&mut alone, true);
+    assert!(matches!(
+        Message::decode_framed(&alone),
+        Err(WireError::TooShort { .. })
+    ));
+    // `decode` takes one message alone in its buffer: the flag is refused there.
+    let two = pack(&[Message::new(Body::Credit), Message::new(Body::Credit)], 0);
+    assert!(Message::decode(&two).is_err());
+    // Without the flag, trailing bytes are still a length mismatch.
+    let mut trailing = Message::new(Body::Credit).to_vec();
+    trailing.extend_from_slice(&[0; HEADER_LEN]);
+    assert!(matches!(
+        Message::decode_framed(&trailing),
+        Err(WireError::LengthMismatch { .. })
+    ));
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #[test]
+    fn packed_buffers_round_trip(idx in proptest::collection::vec(0usize..11, 1..12)) {
+        let all = samples();
+        let msgs: Vec<Message> = idx.iter().map(|&i| all[i]).collect();
+        prop_assert_eq!(unpack(&pack(&msgs, 1)).unwrap(), msgs);
+    }
+
+    #[test]
+    fn packed_decoder_never_panics_on_mutated_buffers(idx in proptest::collection::vec(0usize..11, 1..5), flips in proptest::collection::vec((0usize..300, any::<u8>()), 1..6), cut in 0usize..40) {
+        let all = samples();
+        let msgs: Vec<Message> = idx.iter().map(|&i| all[i]).collect();
+        let mut bytes = pack(&msgs, 7);
+        for (at, v) in flips {
+            if let Some(b) = bytes.get_mut(at) { *b = v; }
+        }
+        bytes.truncate(bytes.len().saturating_sub(cut));
+        let _ = unpack(&bytes);
+    }
+}

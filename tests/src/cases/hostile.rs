@@ -69,6 +69,18 @@ pub fn cases() -> Vec<Case> {
             "hostile_stale_key_after_ack_is_refused",
             stale_key_after_ack,
         ),
+        c(
+            "hostile_message_after_close_in_one_buffer",
+            message_after_close,
+        ),
+        c(
+            "hostile_more_flag_with_nothing_after",
+            more_with_nothing_after,
+        ),
+        c(
+            "coalesced_buffer_from_a_raw_peer_delivers_each_message",
+            coalesced_buffer_delivered,
+        ),
     ]
 }
 
@@ -692,4 +704,82 @@ fn healthy_without_violation(v: &Victim) -> Result<(), String> {
             return Ok(());
         }
     }
+}
+
+/// `first` flagged `wire::FLAG_MORE`, then `second`, in one buffer (how an exs sender coalesces messages).
+fn packed(first: &[u8], second: &[u8]) -> Vec<u8> {
+    let mut v = first.to_vec();
+    v[2] |= exs::wire::FLAG_MORE as u8; // flags, little-endian, at byte 2 of the header
+    v.extend_from_slice(second);
+    v
+}
+
+fn message_after_close(b: &dyn Backend) -> Result<(), String> {
+    let close = Message::new(Body::Close(exs::wire::CloseReason::Close)).to_vec();
+    let credit = Message::new(Body::Credit).to_vec();
+    bad_bytes(
+        b,
+        &packed(&close, &credit),
+        None,
+        "a CREDIT after CLOSE in one buffer",
+        |v| matches!(v, Violation::Unexpected { .. }),
+    )
+}
+
+fn more_with_nothing_after(b: &dyn Backend) -> Result<(), String> {
+    let mut m = Message::new(Body::Credit).to_vec();
+    m[2] |= exs::wire::FLAG_MORE as u8;
+    bad_bytes(
+        b,
+        &m,
+        None,
+        "a message flagged MORE alone in its buffer",
+        |v| matches!(v, Violation::Malformed(_)),
+    )
+}
+
+/// Two immediate adverts in one buffer (what a coalescing sender produces) complete two receives, in order.
+fn coalesced_buffer_delivered(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::SeqPacket)?;
+    let (mut raw, s) = v.accept_good()?;
+    let dst = MemoryRegion::alloc(&v.ctx, 64).map_err(|e| e.to_string())?;
+    for i in 0..2u64 {
+        let at = i as usize * 32;
+        s.recv(&v.eq, &dst.slice(at..at + 32), MsgFlags::NONE, 10 + i)
+            .map_err(|e| e.to_string())?;
+    }
+    raw.send_bytes(
+        &packed(
+            &immediate_advert(0, b"hello"),
+            &immediate_advert(1, b"world!"),
+        ),
+        None,
+    )?;
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while got.len() < 2 {
+        ensure!(
+            Instant::now() < deadline,
+            "the packed messages did not arrive"
+        );
+        raw.pump(Duration::from_millis(5), |_| false);
+        v.eq.poll(&mut got, 2);
+    }
+    let summary: Vec<_> = got
+        .iter()
+        .map(|e| (e.context, e.is_ok(), e.bytes))
+        .collect();
+    ensure!(
+        summary == [(10, true, 5), (11, true, 6)],
+        "two receives complete in order: {got:?}"
+    );
+    let bytes = dst.to_vec().map_err(|e| e.to_string())?;
+    same(&bytes[..5], b"hello", "first message")?;
+    same(&bytes[32..38], b"world!", "second message")?;
+    eprintln!(
+        "COALESCED {}: two messages in one buffer delivered in order",
+        v.name
+    );
+    drop(raw);
+    v.healthy("coalesced buffer", false)
 }

@@ -40,6 +40,10 @@ pub struct PumpArgs {
     /// One JSON object per point on stdout instead of a table (server: one per test served).
     #[arg(long)]
     pub json: bool,
+    /// One control message per send and per peer buffer (no coalescing; the default sends messages queued behind
+    /// one in flight together).
+    #[arg(long)]
+    pub no_coalesce: bool,
     #[command(flatten)]
     pub backend: BackendArgs,
     #[command(flatten)]
@@ -56,6 +60,9 @@ pub struct Point {
     pub sock_type: Type,
     pub seconds: f64,
     pub wait: Wait,
+    /// `--no-coalesce`.
+    #[serde(default)]
+    pub no_coalesce: bool,
 }
 
 impl control::Params for Point {
@@ -90,14 +97,20 @@ impl Point {
     /// Socket options a point needs on both sides.
     fn options(&self) -> Vec<SocketOption> {
         let depth = (self.depth as u16).clamp(1, 256);
+        // Deeper runs need more advertisement credits; shallower ones keep the default window (credits bound the
+        // messages between the two applications, not the transfers one application has in flight).
+        let credits = depth.max(exs::SocketOptions::default().send_credits);
         let mut v = vec![
-            SocketOption::SendCredits(depth.max(2)),
-            SocketOption::RecvCredits(depth.max(2)),
+            SocketOption::SendCredits(credits),
+            SocketOption::RecvCredits(credits),
         ];
         match self.mode {
             PumpMode::Immediate => v.push(SocketOption::SmallPacketMaxSize(self.size as u32)),
             PumpMode::Normal => v.push(SocketOption::SmallPacketMaxSize(0)),
             _ => {}
+        }
+        if self.no_coalesce {
+            v.push(SocketOption::Coalesce(false));
         }
         if self.sock_type == Type::Stream {
             let ring = (self.size * self.depth as u64 * 2).clamp(256 << 10, 64 << 20) as u32;
@@ -408,6 +421,7 @@ pub fn run(a: PumpArgs) -> Result<()> {
                 sock_type: a.sock_type,
                 seconds: a.seconds,
                 wait: a.wait,
+                no_coalesce: a.no_coalesce,
             };
             match p.check() {
                 Ok(()) => points.push(p),

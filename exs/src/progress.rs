@@ -426,14 +426,22 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
 }
 
 /// An application thread busy-polls this context and handles its completions: stay out of its way (no arming, so
-/// no completion-channel wake-ups); handle connection events and timers every millisecond, or at once when woken.
+/// no completion-channel wake-ups); handle connection events every millisecond, or at once when woken. Timers are
+/// the poller's: it runs them in every round, so this thread does not wake for them (issue 12: in a busy
+/// ping-pong it woke for every delayed-acknowledgment deadline, which the reply had already cancelled, 0.1
+/// wake-ups per message, each one taking a core from a poller).
 fn stand_back_for_busy_pollers(shared: &Shared) {
-    standby(shared, STANDBY);
+    standby_until(shared, STANDBY, false);
 }
 
 /// Stands aside for `t`: nobody sleeps on the transport meanwhile, so run what is due now (bounded) and wake for
 /// the earliest timer if it comes first.
 fn standby(shared: &Shared, t: Duration) {
+    standby_until(shared, t, true);
+}
+
+/// [`standby`]; with `timers` false the earliest timer does not shorten the sleep.
+fn standby_until(shared: &Shared, t: Duration, timers: bool) {
     let lead = &shared.lead;
     let until = {
         let mut e = shared.lock();
@@ -442,7 +450,10 @@ fn standby(shared: &Shared, t: Duration) {
             rounds += 1;
         }
         let until = Instant::now() + t;
-        let until = e.next_deadline_real().map_or(until, |d| until.min(d));
+        let until = match e.next_deadline_real() {
+            Some(d) if timers => until.min(d),
+            _ => until,
+        };
         lead.thread_sleep
             .store(lead.stamp(Some(until)), Ordering::SeqCst);
         until

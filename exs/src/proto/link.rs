@@ -513,13 +513,8 @@ impl Link {
                         inline,
                         notify,
                     } => {
-                        let ack = if body.kind() == Kind::Ack {
-                            match acks.take_ack(Kind::Ack) {
-                                Some(a) => Some(a),
-                                None => continue, // already acknowledged by a piggyback
-                            }
-                        } else {
-                            acks.take_ack(body.kind())
+                        let Some(ack) = Self::ack_for(&body, acks) else {
+                            continue; // already acknowledged by a piggyback
                         };
                         let last = matches!(
                             body,
@@ -564,156 +559,30 @@ impl Link {
         }
     }
 
-    /// Bytes a queued control message takes in a buffer (header, body, immediate data).
-    fn wire_len(o: &Outgoing) -> usize {
-        match o {
-            Outgoing::Ctrl { body, inline, .. } => {
-                Message::new(*body).encoded_len() + inline.as_ref().map_or(0, Sge::len)
-            }
-            Outgoing::Data { .. } => usize::MAX,
+    /// The message for `body` as it leaves now: it returns every credit owed (and a CREDIT is no longer queued).
+    fn stamp(&mut self, body: Body, ack: Option<u32>) -> Message {
+        let credits = self.owed.min(u32::from(u16::MAX));
+        self.owed -= credits;
+        if matches!(body, Body::Credit) {
+            self.credit_queued = false;
+            self.keepalive_queued = false;
+            self.stats.credit_msgs += 1;
+        }
+        Message {
+            credits: credits as u16,
+            ack,
+            body,
         }
     }
 
-    /// Whether a control message should wait for the one in flight: only when coalescing is on and another
-    /// message as large could join it in one buffer (holding a message that must travel alone only delays it).
-    fn worth_holding(&self, o: &Outgoing) -> bool {
-        let Some(pack) = &self.pack else {
-            return false;
-        };
-        Self::wire_len(o).saturating_mul(2) <= pack.size.min(self.peer_slot)
-    }
-
-    /// Whether the first two messages of a queue can share a buffer (a pack buffer is free, both are control
-    /// messages, the first is no CLOSE, and both fit the peer's receive buffer and ours).
-    fn packable(&self, urgent: bool) -> bool {
-        let Some(pack) = &self.pack else {
-            return false;
-        };
-        if self.free_pack.is_empty() {
-            return false;
+    /// The acknowledgment a message of `body` carries, or `None` when it is an ACK with nothing left to
+    /// acknowledge (the acknowledgment rode on an earlier message): it is dropped.
+    fn ack_for(body: &Body, acks: &mut dyn AckSource) -> Option<Option<u32>> {
+        if body.kind() == Kind::Ack {
+            acks.take_ack(Kind::Ack).map(Some)
+        } else {
+            Some(acks.take_ack(body.kind()))
         }
-        let queue = if urgent { &self.urgent } else { &self.normal };
-        let (Some(first), Some(second)) = (queue.front(), queue.get(1)) else {
-            return false;
-        };
-        if matches!(
-            first,
-            Outgoing::Ctrl {
-                body: Body::Close(_),
-                ..
-            }
-        ) {
-            return false;
-        }
-        Self::wire_len(first).saturating_add(Self::wire_len(second))
-            <= pack.size.min(self.peer_slot)
-    }
-
-    /// Posts control messages from the front of a queue together in one pack buffer (see "Coalescing"), as many
-    /// as fit. Returns whether a final CLOSE went out. The caller checked credits for the first message and
-    /// that a send-queue entry and a pack buffer are free.
-    fn post_packet(
-        &mut self,
-        urgent: bool,
-        acks: &mut dyn AckSource,
-        out: &mut Vec<WorkRequest>,
-    ) -> bool {
-        let pack = self.pack.as_ref().expect("checked by packable");
-        let limit = pack.size.min(self.peer_slot);
-        let p = self.free_pack.pop().expect("checked by packable");
-        let base = p as usize * pack.size;
-        let (buf, reg) = (Arc::clone(&pack.buf), Arc::clone(&pack.reg));
-        // The pack buffer is free (not leased): the CPU may write it.
-        let mut dst = buf
-            .lease(base..base + limit, LeaseKind::CpuWrite)
-            .expect("a free pack buffer is not leased");
-        let mut at = 0;
-        let mut last: Option<(usize, Message)> = None;
-        let mut count = 0u64;
-        let mut final_close = false;
-        let mut header = [0u8; HEADER_LEN + 48];
-        loop {
-            let queue = if urgent { &self.urgent } else { &self.normal };
-            let Some(front) = queue.front() else { break };
-            if !matches!(front, Outgoing::Ctrl { .. }) || at + Self::wire_len(front) > limit {
-                break;
-            }
-            let Some(Outgoing::Ctrl {
-                body,
-                inline,
-                notify,
-            }) = self.pop(urgent)
-            else {
-                unreachable!("checked above")
-            };
-            if matches!(body, Body::Credit) && self.owed == 0 && !self.keepalive_queued {
-                self.credit_queued = false;
-                continue; // its credits rode on an earlier message
-            }
-            let ack = if body.kind() == Kind::Ack {
-                match acks.take_ack(Kind::Ack) {
-                    Some(a) => Some(a),
-                    None => continue, // the acknowledgment rode on an earlier message
-                }
-            } else {
-                acks.take_ack(body.kind())
-            };
-            let credits = self.owed.min(u32::from(u16::MAX));
-            self.owed -= credits;
-            if matches!(body, Body::Credit) {
-                self.credit_queued = false;
-                self.keepalive_queued = false;
-                self.stats.credit_msgs += 1;
-            }
-            let msg = Message {
-                credits: credits as u16,
-                ack,
-                body,
-            };
-            let n = msg.encode_framed(&mut header, true);
-            dst.write(at, &header[..n])
-                .expect("inside the pack buffer (checked against limit)");
-            if let Some(sge) = &inline {
-                sge.lease()
-                    .copy_to(0, &mut dst, at + n, sge.len())
-                    .expect("inside the pack buffer (checked against limit)");
-            }
-            last = Some((at, msg));
-            at += n + inline.as_ref().map_or(0, Sge::len);
-            count += 1;
-            self.pack_notify[p as usize].extend(notify);
-            if let Body::Close(reason) = body {
-                final_close = matches!(reason, CloseReason::Close | CloseReason::Violation);
-                break;
-            }
-        }
-        // The last message of the buffer says nothing follows it.
-        if let Some((off, msg)) = last {
-            let n = msg.encode_framed(&mut header, false);
-            dst.write(off, &header[..n])
-                .expect("inside the pack buffer");
-        }
-        drop(dst);
-        if count == 0 {
-            self.free_pack.push(p);
-            return false;
-        }
-        let sge = lease_sge(&buf, &reg, base..base + at, LeaseKind::DeviceRead)
-            .expect("a pack buffer just written is not leased");
-        self.spent += 1;
-        self.sq_free -= 1;
-        self.sent_since_check = true;
-        self.stats.ctrl_sent += count;
-        self.stats.packets += 1;
-        self.stats.packed += count;
-        out.push(WorkRequest {
-            wr_id: wr_id(WrKind::Ctrl(self.tx.count + p)),
-            op: Op::Send {
-                sges: vec![sge],
-                imm: None,
-            },
-        });
-        final_close
     }
 
     fn post_ctrl(
@@ -725,19 +594,8 @@ impl Link {
         out: &mut Vec<WorkRequest>,
     ) {
         let slot = self.free_tx.pop().expect("checked by flush");
-        let credits = self.owed.min(u32::from(u16::MAX));
-        self.owed -= credits;
-        if matches!(body, Body::Credit) {
-            self.credit_queued = false;
-            self.keepalive_queued = false;
-            self.stats.credit_msgs += 1;
-        }
         self.sent_since_check = true;
-        let msg = Message {
-            credits: credits as u16,
-            ack,
-            body,
-        };
+        let msg = self.stamp(body, ack);
         let range = self.tx.range(slot);
         let len = msg.encoded_len();
         // The slot is free (not leased), so the CPU may write it.
@@ -882,235 +740,7 @@ fn data_wr(op: DataOp, tag: u32) -> WorkRequest {
     }
 }
 
+mod pack;
+
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn wr_ids_round_trip() {
-        for k in [
-            WrKind::Recv(0),
-            WrKind::Ctrl(7),
-            WrKind::Data(u32::MAX),
-            WrKind::Pool(3),
-        ] {
-            assert_eq!(wr_kind(wr_id(k)), Some(k));
-        }
-        assert_eq!(wr_kind(1 << 40), None);
-    }
-
-    #[derive(Debug)]
-    struct TestReg(Arc<DmaBuf>);
-
-    impl Registration for TestReg {
-        fn local_key(&self) -> u64 {
-            1
-        }
-        fn buf(&self) -> &Arc<DmaBuf> {
-            &self.0
-        }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
-    }
-
-    fn slots(count: u32) -> Slots {
-        let buf = DmaBuf::new(count as usize * 128);
-        Slots {
-            reg: Arc::new(TestReg(Arc::clone(&buf))),
-            buf,
-            size: 128,
-            count,
-        }
-    }
-
-    fn slots_of(count: u32, size: usize) -> Slots {
-        let buf = DmaBuf::new(count as usize * size);
-        Slots {
-            reg: Arc::new(TestReg(Arc::clone(&buf))),
-            buf,
-            size,
-            count,
-        }
-    }
-
-    /// A started link that coalesces, with 1 KiB pack buffers and peer buffers.
-    fn coalescing() -> Link {
-        let mut link = Link::new(
-            Ok(slots(8)),
-            slots(8),
-            Some(slots_of(PACK_SLOTS, 1024)),
-            16,
-            4,
-            true,
-        );
-        link.start(8, 1024);
-        link
-    }
-
-    fn window(consumed: u64) -> Body {
-        Body::StreamWindow { consumed }
-    }
-
-    /// The messages one send carries, decoded as the peer would.
-    fn carried(wr: &WorkRequest) -> Vec<Message> {
-        let Op::Send { sges, .. } = &wr.op else {
-            panic!("not a send: {wr:?}")
-        };
-        let mut bytes = Vec::new();
-        for sge in sges {
-            let mut b = vec![0u8; sge.len()];
-            sge.lease().read(0, &mut b).unwrap();
-            bytes.extend_from_slice(&b);
-        }
-        let mut out = Vec::new();
-        let mut rest = &bytes[..];
-        loop {
-            let f = Message::decode_framed(rest).unwrap();
-            out.push(f.msg);
-            if !f.more {
-                return out;
-            }
-            rest = &rest[f.end..];
-        }
-    }
-
-    fn ctrl_slot(wr: &WorkRequest) -> u32 {
-        match wr_kind(wr.wr_id) {
-            Some(WrKind::Ctrl(s)) => s,
-            other => panic!("not a control send: {other:?}"),
-        }
-    }
-
-    /// Issue 12: a lone message goes at once; messages queued while it is in flight wait for its completion and
-    /// then leave in one send, which consumes one peer buffer.
-    #[test]
-    fn messages_queued_behind_one_in_flight_leave_together() {
-        let mut link = coalescing();
-        let mut out = Vec::new();
-        link.push_ctrl(window(1), None, None);
-        link.flush(&mut out, &mut ());
-        assert_eq!(out.len(), 1, "a lone message is not held");
-        assert_eq!(carried(&out[0]), [Message::new(window(1))]);
-        let first = ctrl_slot(&out[0]);
-        out.clear();
-        for i in 2..5 {
-            link.push_ctrl(window(i), None, None);
-        }
-        link.flush(&mut out, &mut ());
-        assert!(out.is_empty(), "held behind the send in flight: {out:?}");
-        link.on_ctrl_done(first, &mut |_| {});
-        link.flush(&mut out, &mut ());
-        assert_eq!(out.len(), 1, "{out:?}");
-        assert_eq!(
-            carried(&out[0]),
-            (2..5).map(|i| Message::new(window(i))).collect::<Vec<_>>()
-        );
-        assert_eq!(link.tx_credits(), 6, "two sends, two peer buffers");
-        assert_eq!((link.stats.packets, link.stats.packed), (1, 3));
-        assert_eq!(link.stats.ctrl_sent, 4);
-    }
-
-    /// A message too large to share a buffer with another as large goes at once, even behind one in flight
-    /// (holding it could only delay it).
-    #[test]
-    fn a_message_too_large_to_share_a_buffer_is_not_held() {
-        let mut link = coalescing();
-        let mut out = Vec::new();
-        link.push_ctrl(window(1), None, None);
-        link.flush(&mut out, &mut ());
-        assert_eq!(out.len(), 1);
-        let data = DmaBuf::new(600);
-        let reg: Arc<dyn Registration> = Arc::new(TestReg(Arc::clone(&data)));
-        let inline = lease_sge(&data, &reg, 0..600, LeaseKind::DeviceRead).unwrap();
-        let advert = Body::Advert(crate::wire::Advert {
-            seq: 0,
-            flags: crate::wire::AdvertFlags(crate::wire::AdvertFlags::IMMEDIATE),
-            len: 600,
-            addr: 0,
-            rkey: 0,
-        });
-        link.push_ctrl(advert, Some(inline), Some(0));
-        link.flush(&mut out, &mut ());
-        assert_eq!(out.len(), 2, "{out:?}");
-        assert_eq!(link.stats.packets, 0);
-    }
-
-    /// Nothing follows a CLOSE in a buffer, and nothing is posted after a final one.
-    #[test]
-    fn nothing_is_packed_after_a_close() {
-        let mut link = coalescing();
-        let mut out = Vec::new();
-        link.push_ctrl(window(1), None, None);
-        link.flush(&mut out, &mut ());
-        let first = ctrl_slot(&out[0]);
-        out.clear();
-        link.push_ctrl(window(2), None, None);
-        link.push_ctrl(Body::Close(CloseReason::Close), None, None);
-        link.push_ctrl(window(3), None, None);
-        link.flush(&mut out, &mut ());
-        assert!(out.is_empty());
-        link.on_ctrl_done(first, &mut |_| {});
-        link.flush(&mut out, &mut ());
-        assert_eq!(out.len(), 1, "{out:?}");
-        assert_eq!(
-            carried(&out[0]),
-            [
-                Message::new(window(2)),
-                Message::new(Body::Close(CloseReason::Close))
-            ]
-        );
-        assert!(link.is_closed());
-    }
-
-    /// The notifications of every message a pack carried come back when its send completes.
-    #[test]
-    fn a_pack_reports_each_message_it_carried() {
-        let mut link = coalescing();
-        let mut out = Vec::new();
-        link.push_ctrl(window(1), None, Some(7));
-        link.flush(&mut out, &mut ());
-        let first = ctrl_slot(&out[0]);
-        out.clear();
-        link.push_ctrl(window(2), None, Some(8));
-        link.push_ctrl(window(3), None, Some(9));
-        let mut told = Vec::new();
-        link.on_ctrl_done(first, &mut |s| told.push(s));
-        link.flush(&mut out, &mut ());
-        let pack = ctrl_slot(&out[0]);
-        link.on_ctrl_done(pack, &mut |s| told.push(s));
-        assert_eq!(told, [7, 8, 9]);
-        assert!(link.sends_drained(16));
-    }
-
-    fn queued_write(link: &mut Link) {
-        let remote = RemoteRef { addr: 0, key: 7 };
-        link.push_write(
-            DataOp::Write {
-                local: Vec::new(),
-                remote,
-                imm: Some(1),
-            },
-            0,
-        );
-    }
-
-    /// Regression (soak): a write queued in the same progress round as the disconnect was posted on the released
-    /// endpoint once the round flushed. After [`Link::discard`] (the endpoint is gone) nothing is posted.
-    #[test]
-    fn a_discarded_link_posts_nothing() {
-        let mut link = Link::new(Ok(slots(4)), slots(4), None, 16, 4, true);
-        link.start(4, 128);
-        queued_write(&mut link);
-        let mut out = Vec::new();
-        link.flush(&mut out, &mut ());
-        assert_eq!(out.len(), 1, "a live link posts the write");
-        queued_write(&mut link);
-        link.push_ctrl(Body::Credit, None, None);
-        link.discard();
-        out.clear();
-        link.flush(&mut out, &mut ());
-        assert!(out.is_empty(), "{out:?}");
-        assert!(link.is_idle());
-    }
-}
+mod tests;

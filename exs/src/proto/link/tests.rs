@@ -1,0 +1,230 @@
+//! Unit tests of the control link: identifiers, discarding, coalescing.
+use super::*;
+
+#[test]
+fn wr_ids_round_trip() {
+    for k in [
+        WrKind::Recv(0),
+        WrKind::Ctrl(7),
+        WrKind::Data(u32::MAX),
+        WrKind::Pool(3),
+    ] {
+        assert_eq!(wr_kind(wr_id(k)), Some(k));
+    }
+    assert_eq!(wr_kind(1 << 40), None);
+}
+
+#[derive(Debug)]
+struct TestReg(Arc<DmaBuf>);
+
+impl Registration for TestReg {
+    fn local_key(&self) -> u64 {
+        1
+    }
+    fn buf(&self) -> &Arc<DmaBuf> {
+        &self.0
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+fn slots(count: u32) -> Slots {
+    let buf = DmaBuf::new(count as usize * 128);
+    Slots {
+        reg: Arc::new(TestReg(Arc::clone(&buf))),
+        buf,
+        size: 128,
+        count,
+    }
+}
+
+fn slots_of(count: u32, size: usize) -> Slots {
+    let buf = DmaBuf::new(count as usize * size);
+    Slots {
+        reg: Arc::new(TestReg(Arc::clone(&buf))),
+        buf,
+        size,
+        count,
+    }
+}
+
+/// A started link that coalesces, with 1 KiB pack buffers and peer buffers.
+fn coalescing() -> Link {
+    let mut link = Link::new(
+        Ok(slots(8)),
+        slots(8),
+        Some(slots_of(PACK_SLOTS, 1024)),
+        16,
+        4,
+        true,
+    );
+    link.start(8, 1024);
+    link
+}
+
+fn window(consumed: u64) -> Body {
+    Body::StreamWindow { consumed }
+}
+
+/// The messages one send carries, decoded as the peer would.
+fn carried(wr: &WorkRequest) -> Vec<Message> {
+    let Op::Send { sges, .. } = &wr.op else {
+        panic!("not a send: {wr:?}")
+    };
+    let mut bytes = Vec::new();
+    for sge in sges {
+        let mut b = vec![0u8; sge.len()];
+        sge.lease().read(0, &mut b).unwrap();
+        bytes.extend_from_slice(&b);
+    }
+    let mut out = Vec::new();
+    let mut rest = &bytes[..];
+    loop {
+        let f = Message::decode_framed(rest).unwrap();
+        out.push(f.msg);
+        if !f.more {
+            return out;
+        }
+        rest = &rest[f.end..];
+    }
+}
+
+fn ctrl_slot(wr: &WorkRequest) -> u32 {
+    match wr_kind(wr.wr_id) {
+        Some(WrKind::Ctrl(s)) => s,
+        other => panic!("not a control send: {other:?}"),
+    }
+}
+
+/// Issue 12: a lone message goes at once; messages queued while it is in flight wait for its completion and
+/// then leave in one send, which consumes one peer buffer.
+#[test]
+fn messages_queued_behind_one_in_flight_leave_together() {
+    let mut link = coalescing();
+    let mut out = Vec::new();
+    link.push_ctrl(window(1), None, None);
+    link.flush(&mut out, &mut ());
+    assert_eq!(out.len(), 1, "a lone message is not held");
+    assert_eq!(carried(&out[0]), [Message::new(window(1))]);
+    let first = ctrl_slot(&out[0]);
+    out.clear();
+    for i in 2..5 {
+        link.push_ctrl(window(i), None, None);
+    }
+    link.flush(&mut out, &mut ());
+    assert!(out.is_empty(), "held behind the send in flight: {out:?}");
+    link.on_ctrl_done(first, &mut |_| {});
+    link.flush(&mut out, &mut ());
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(
+        carried(&out[0]),
+        (2..5).map(|i| Message::new(window(i))).collect::<Vec<_>>()
+    );
+    assert_eq!(link.tx_credits(), 6, "two sends, two peer buffers");
+    assert_eq!((link.stats.packets, link.stats.packed), (1, 3));
+    assert_eq!(link.stats.ctrl_sent, 4);
+}
+
+/// A message too large to share a buffer with another as large goes at once, even behind one in flight
+/// (holding it could only delay it).
+#[test]
+fn a_message_too_large_to_share_a_buffer_is_not_held() {
+    let mut link = coalescing();
+    let mut out = Vec::new();
+    link.push_ctrl(window(1), None, None);
+    link.flush(&mut out, &mut ());
+    assert_eq!(out.len(), 1);
+    let data = DmaBuf::new(600);
+    let reg: Arc<dyn Registration> = Arc::new(TestReg(Arc::clone(&data)));
+    let inline = lease_sge(&data, &reg, 0..600, LeaseKind::DeviceRead).unwrap();
+    let advert = Body::Advert(crate::wire::Advert {
+        seq: 0,
+        flags: crate::wire::AdvertFlags(crate::wire::AdvertFlags::IMMEDIATE),
+        len: 600,
+        addr: 0,
+        rkey: 0,
+    });
+    link.push_ctrl(advert, Some(inline), Some(0));
+    link.flush(&mut out, &mut ());
+    assert_eq!(out.len(), 2, "{out:?}");
+    assert_eq!(link.stats.packets, 0);
+}
+
+/// Nothing follows a CLOSE in a buffer, and nothing is posted after a final one.
+#[test]
+fn nothing_is_packed_after_a_close() {
+    let mut link = coalescing();
+    let mut out = Vec::new();
+    link.push_ctrl(window(1), None, None);
+    link.flush(&mut out, &mut ());
+    let first = ctrl_slot(&out[0]);
+    out.clear();
+    link.push_ctrl(window(2), None, None);
+    link.push_ctrl(Body::Close(CloseReason::Close), None, None);
+    link.push_ctrl(window(3), None, None);
+    link.flush(&mut out, &mut ());
+    assert!(out.is_empty());
+    link.on_ctrl_done(first, &mut |_| {});
+    link.flush(&mut out, &mut ());
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(
+        carried(&out[0]),
+        [
+            Message::new(window(2)),
+            Message::new(Body::Close(CloseReason::Close))
+        ]
+    );
+    assert!(link.is_closed());
+}
+
+/// The notifications of every message a pack carried come back when its send completes.
+#[test]
+fn a_pack_reports_each_message_it_carried() {
+    let mut link = coalescing();
+    let mut out = Vec::new();
+    link.push_ctrl(window(1), None, Some(7));
+    link.flush(&mut out, &mut ());
+    let first = ctrl_slot(&out[0]);
+    out.clear();
+    link.push_ctrl(window(2), None, Some(8));
+    link.push_ctrl(window(3), None, Some(9));
+    let mut told = Vec::new();
+    link.on_ctrl_done(first, &mut |s| told.push(s));
+    link.flush(&mut out, &mut ());
+    let pack = ctrl_slot(&out[0]);
+    link.on_ctrl_done(pack, &mut |s| told.push(s));
+    assert_eq!(told, [7, 8, 9]);
+    assert!(link.sends_drained(16));
+}
+
+fn queued_write(link: &mut Link) {
+    let remote = RemoteRef { addr: 0, key: 7 };
+    link.push_write(
+        DataOp::Write {
+            local: Vec::new(),
+            remote,
+            imm: Some(1),
+        },
+        0,
+    );
+}
+
+/// Regression (soak): a write queued in the same progress round as the disconnect was posted on the released
+/// endpoint once the round flushed. After [`Link::discard`] (the endpoint is gone) nothing is posted.
+#[test]
+fn a_discarded_link_posts_nothing() {
+    let mut link = Link::new(Ok(slots(4)), slots(4), None, 16, 4, true);
+    link.start(4, 128);
+    queued_write(&mut link);
+    let mut out = Vec::new();
+    link.flush(&mut out, &mut ());
+    assert_eq!(out.len(), 1, "a live link posts the write");
+    queued_write(&mut link);
+    link.push_ctrl(Body::Credit, None, None);
+    link.discard();
+    out.clear();
+    link.flush(&mut out, &mut ());
+    assert!(out.is_empty(), "{out:?}");
+    assert!(link.is_idle());
+}

@@ -1,0 +1,294 @@
+//! The receiving side of a stream (seed 001): receives and their advertisements, bytes arriving directly or
+//! through the stream buffer, window updates, and end-of-stream.
+
+use super::*;
+
+impl StreamProto {
+    pub(crate) fn recv(
+        &mut self,
+        ticket: OpToken,
+        exposure: Box<dyn Exposure>,
+        _reg: Arc<dyn Registration>,
+        flags: MsgFlags,
+        link: &mut Link,
+    ) -> Result<(), Violation> {
+        let len = exposure.len();
+        self.rx.recvs.push_back(RecvOp {
+            ticket,
+            exposure,
+            len,
+            filled: 0,
+            waitall: flags.contains(MsgFlags::WAITALL),
+            counted: None,
+        });
+        self.drain()?;
+        if self.rx.eof && self.rx.tail == self.rx.head {
+            self.finish_eof();
+        }
+        // The advertisement first: it carries the consumption (see `maybe_window`).
+        self.advertise(link);
+        self.maybe_window(link);
+        Ok(())
+    }
+
+    /// Copies what the stream buffer holds into the receives at the head of the queue: one copy per byte, from
+    /// the ring straight into the posted receive, no allocation (issue 14: it went through a bounce buffer
+    /// allocated on every drain).
+    pub(super) fn drain(&mut self) -> Result<(), Violation> {
+        if self.rx.tail > self.rx.head && self.rx.ring.is_none() {
+            return Err(Violation::Stream(
+                "stream data before the stream buffer was exposed".into(),
+            ));
+        }
+        while self.rx.tail > self.rx.head {
+            let Some(r) = self.rx.recvs.front_mut() else {
+                break;
+            };
+            let want = ((self.rx.tail - self.rx.head) as usize).min(r.len - r.filled);
+            let mut done = 0;
+            while done < want {
+                let at = ((self.rx.head + done as u64) % self.rx.ring_len) as usize;
+                let n = (want - done).min(self.rx.ring_len as usize - at);
+                let ring = self.rx.ring.as_ref().expect("checked above");
+                r.exposure
+                    .fill_from(r.filled + done, &ring.buf, at, n)
+                    .map_err(|e| Violation::BadRange(e.to_string()))?;
+                done += n;
+            }
+            r.filled += want;
+            self.rx.head += want as u64;
+            self.stats.copied_bytes += want as u64;
+            if !r.waitall || r.filled == r.len {
+                self.complete_front();
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn complete_front(&mut self) {
+        let Some(r) = self.rx.recvs.pop_front() else {
+            return;
+        };
+        let filled = r.filled as u64;
+        let advertised = r.counted.is_some();
+        match r.counted {
+            Some(c) => {
+                // Seed 001: "if an advertisement was sent for the operation ... we add the difference to source
+                // seqno in order to correct future estimates".
+                self.rx.src_seqno = self.rx.src_seqno.wrapping_add(filled).wrapping_sub(c);
+                self.rx.outstanding -= 1;
+            }
+            None => self.rx.src_seqno = self.rx.src_seqno.wrapping_add(filled),
+        }
+        self.record(StreamTrace::RecvCompleted {
+            bytes: filled,
+            advertised,
+        });
+        // The receive's key goes with its exposure (least exposure), then the event.
+        drop(r.exposure);
+        r.ticket.complete(Ok(()), r.filled, EventFlags::default());
+    }
+
+    /// Advertises the receives not yet advertised, in an even phase.
+    pub(super) fn advertise(&mut self, link: &mut Link) {
+        // "During an odd phase, the receiver will remain passive".
+        if self.rx.phase % 2 != 0 || self.rx.eof {
+            return;
+        }
+        let ring_has_data = self.rx.tail > self.rx.head;
+        for i in 0..self.rx.recvs.len() {
+            let r = &self.rx.recvs[i];
+            if r.counted.is_some() || r.filled == r.len {
+                continue;
+            }
+            if self.rx.outstanding >= self.max_adverts_out {
+                // The peer's advert credits: the rest waits until an advertised receive completes.
+                break;
+            }
+            if ring_has_data {
+                // It will take bytes from the stream buffer first; advertising it now would mislead the sender.
+                break;
+            }
+            let remaining = (r.len - r.filled) as u64;
+            let est = if r.waitall { remaining } else { 1 };
+            let base = r.exposure.remote();
+            let seq = self.rx.src_seqno + r.filled as u64;
+            // The advertisement carries what we consumed, unless the sender's view of the buffer is half full
+            // or more: then it may be blocked on space, and the space waits for the window update so that it
+            // cannot overtake the receives (see `maybe_window`). With more than half free, it is not blocked and
+            // the space changes nothing.
+            let consumed = if self.window_due() {
+                self.rx.reported
+            } else {
+                self.rx.head
+            };
+            self.rx.reported = consumed;
+            let advert = StreamAdvert {
+                addr: base.addr + r.filled as u64,
+                rkey: base.key,
+                len: remaining,
+                seq,
+                phase: self.rx.phase,
+                waitall: r.waitall,
+                consumed,
+            };
+            let filled = r.filled as u64;
+            self.rx.recvs[i].counted = Some(filled + est);
+            self.rx.src_seqno += filled + est;
+            self.rx.outstanding += 1;
+            let id = self.rx.next_advert;
+            self.rx.next_advert += 1;
+            self.stats.adverts_sent += 1;
+            let phase = self.rx.phase;
+            self.record(StreamTrace::AdvertSent {
+                id,
+                seq,
+                len: remaining,
+                phase,
+            });
+            link.push_ctrl(Body::StreamAdvert(advert), None, None);
+        }
+    }
+
+    /// Whether the sender should hear of consumed space: its view of the buffer is at least half full and we
+    /// consumed since the last report (see module docs).
+    pub(super) fn window_due(&self) -> bool {
+        let unreported = self.rx.head - self.rx.reported;
+        let seen_used = self.rx.tail - self.rx.reported;
+        unreported > 0 && seen_used * 2 >= self.rx.ring_len
+    }
+
+    /// Reports consumed space, after any advertisement of this round; in an even phase (when receives may still
+    /// be advertised), only once every advertised receive is filled and [`WINDOW_HOLD`] has passed with no new
+    /// one.
+    ///
+    /// Issue 14: a window update sent ahead of an advertisement let a sender blocked on a full buffer spend the
+    /// space on one more indirect transfer, so the advertisement's exact sequence number (seed 001 Figure 5) was
+    /// stale on arrival and every later byte went through the buffer; the same when the application reposted its
+    /// receive just after the update left, or when the sender used up the first of several advertisements before
+    /// the next arrived. Held back, the space cannot overtake the receives the
+    /// application posts meanwhile: the blocked sender, still at the advertised sequence number, accepts the
+    /// first and takes the rest in order. In an odd phase the receiver advertises nothing, so space goes at once.
+    pub(super) fn maybe_window(&mut self, link: &mut Link) {
+        if !self.window_due() {
+            self.rx.window_deferred = false;
+        } else if self.rx.defer_windows && self.rx.phase % 2 == 0 {
+            self.rx.window_deferred = true;
+        } else {
+            self.send_window(link);
+        }
+    }
+
+    pub(super) fn send_window(&mut self, link: &mut Link) {
+        self.rx.window_deferred = false;
+        self.rx.reported = self.rx.head;
+        self.stats.window_updates += 1;
+        link.push_ctrl(
+            Body::StreamWindow {
+                consumed: self.rx.head,
+            },
+            None,
+            None,
+        );
+    }
+
+    /// Whether held-back space is held for advertisements: in an even phase with receives advertised and not yet
+    /// filled, the sender is meant to use those; it gets the space once they are (or at once if it goes indirect,
+    /// which moves us to an odd phase).
+    pub(super) fn held_for_adverts(&self) -> bool {
+        self.rx.phase % 2 == 0 && self.rx.outstanding > 0
+    }
+
+    /// A window update waits (the engine arms a timer of [`WINDOW_HOLD`], then calls
+    /// [`StreamProto::force_window`]); no timer while advertised receives hold it (see `held_for_adverts`).
+    pub(crate) fn window_waiting(&self) -> bool {
+        self.rx.window_deferred && self.window_due() && !self.held_for_adverts()
+    }
+
+    /// The hold expired: report consumption now, unless advertised receives hold it.
+    pub(crate) fn force_window(&mut self, link: &mut Link) {
+        if !self.window_due() {
+            self.rx.window_deferred = false;
+        } else if !self.held_for_adverts() {
+            self.send_window(link);
+        }
+    }
+
+    /// A write-with-immediate from the peer arrived (the data is already in place).
+    pub(crate) fn on_write_imm(&mut self, imm: u32, link: &mut Link) -> Result<(), Violation> {
+        if self.rx.closed {
+            // Our receives were cancelled (we closed, or the connection is failing): a write the peer started
+            // before it heard of it is the ordinary race of a close, not a violation. Its bytes are dropped.
+            return Ok(());
+        }
+        if self.rx.eof {
+            // Nothing the peer sends after its CLOSE may be delivered (issue 14).
+            return Err(Violation::Stream("stream data after end-of-stream".into()));
+        }
+        match Imm::decode(imm) {
+            Imm::Direct(n) => {
+                let n = n as usize;
+                // The direct transfer must be for the receive at the head of the queue (seed 001's guarantee),
+                // advertised, in an even phase, and fit.
+                let phase = self.rx.phase;
+                let Some(r) = self.rx.recvs.front_mut() else {
+                    return Err(Violation::Stream(
+                        "direct transfer with no receive posted".into(),
+                    ));
+                };
+                if r.counted.is_none() || phase % 2 != 0 || n > r.len - r.filled || n == 0 {
+                    return Err(Violation::Stream(format!(
+                        "direct transfer of {n} bytes does not fit the head receive ({} of {} filled, advertised: {}, phase {phase})",
+                        r.filled,
+                        r.len,
+                        r.counted.is_some()
+                    )));
+                }
+                r.filled += n;
+                if !r.waitall || r.filled == r.len {
+                    self.complete_front();
+                }
+            }
+            Imm::Indirect(n) => {
+                let n = u64::from(n);
+                let free = self.rx.ring_len - (self.rx.tail - self.rx.head);
+                if n == 0 || n > free {
+                    return Err(Violation::Stream(format!(
+                        "indirect transfer of {n} bytes with {free} bytes free"
+                    )));
+                }
+                self.rx.tail += n;
+                // "When the receiver receives an indirect transfer, it also increments its phase if it was
+                // previously even."
+                if self.rx.phase % 2 == 0 {
+                    self.rx.phase += 1;
+                    let phase = self.rx.phase;
+                    self.record(StreamTrace::ReceiverPhase { phase });
+                }
+                self.drain()?;
+            }
+        }
+        // "... until it has flushed all previous advertisements (by receiving indirect transfers), at which point
+        // it will increment its phase and send a new advertisement."
+        if self.rx.phase % 2 != 0 && self.rx.outstanding == 0 {
+            self.rx.phase += 1;
+            let phase = self.rx.phase;
+            self.record(StreamTrace::ReceiverPhase { phase });
+        }
+        self.advertise(link);
+        self.maybe_window(link);
+        Ok(())
+    }
+
+    /// No more data will come: receives end with what they have, or with end-of-stream.
+    pub(super) fn finish_eof(&mut self) {
+        while let Some(r) = self.rx.recvs.pop_front() {
+            drop(r.exposure);
+            let flags = EventFlags {
+                eof: r.filled == 0,
+                truncated: false,
+            };
+            r.ticket.complete(Ok(()), r.filled, flags);
+        }
+    }
+}

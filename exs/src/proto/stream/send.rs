@@ -1,0 +1,297 @@
+//! The sending side of a stream (seed 001): choosing between a direct transfer into an advertised receive and
+//! an indirect one into the stream buffer, gathering queued sends into writes, and completing them.
+
+use super::*;
+
+impl StreamProto {
+    pub(crate) fn send(&mut self, ticket: OpToken, sge: Sge, _flags: MsgFlags) {
+        let id = self.tx.next_id;
+        self.tx.next_id = self.tx.next_id.wrapping_add(1);
+        let len = sge.len();
+        self.tx.sends.push_back(SendOp {
+            id,
+            ticket: Some(ticket),
+            rest: Some(sge),
+            len,
+            in_flight: 0,
+            failed: None,
+        });
+    }
+
+    /// Applies the phase rules to the advertisement at the head of the queue: `Some` when one may be used now.
+    pub(super) fn choose_advert(&mut self) -> Result<bool, Violation> {
+        loop {
+            let Some(a) = self.tx.adverts.front() else {
+                return Ok(false);
+            };
+            let (aseq, aphase) = (a.seq, a.phase);
+            if self.tx.phase % 2 == 0 {
+                // Seed 001: "During an even numbered phase, direct transfers are always allowed, since the sender
+                // and receiver are guaranteed to be in sync": advertisements are taken in order.
+                if aphase != self.tx.phase {
+                    return Err(Violation::Stream(format!(
+                        "advertisement of phase {aphase} while both sides are in phase {}",
+                        self.tx.phase
+                    )));
+                }
+                return Ok(true);
+            }
+            // Seed 001: "During an odd phase, an advertisement can only be accepted by the sender if the
+            // advertisement has a higher phase number than the current phase number at the sender, and the
+            // sequence number of the advertisement matches the sender's current sequence number."
+            if aphase > self.tx.phase && aseq == self.tx.seq {
+                // "Once the sender accepts an advertisement, the sender increments its phase back to even."
+                self.tx.phase = aphase;
+                self.stats.adverts_accepted += 1;
+                self.record(StreamTrace::Accepted {
+                    seq: aseq,
+                    phase: aphase,
+                });
+                return Ok(true);
+            }
+            self.tx.adverts.pop_front();
+            if aphase > self.tx.phase {
+                // "If an advertisement with a higher phase number is rejected, the sender increments its phase to
+                // the first odd number beyond the advertisement's phase" (Figure 7: 3 -> 5 on rejecting phase 4).
+                self.tx.phase = aphase + 1;
+            }
+            self.stats.adverts_rejected += 1;
+            let sender_phase = self.tx.phase;
+            let sender_seq = self.tx.seq;
+            self.record(StreamTrace::Rejected {
+                seq: aseq,
+                phase: aphase,
+                sender_seq,
+                sender_phase,
+            });
+        }
+    }
+
+    /// Sends what advertisements and stream-buffer space allow.
+    pub(crate) fn pump(&mut self, link: &mut Link) -> Result<(), Violation> {
+        loop {
+            let Some(first) = self.tx.sends.iter().position(|s| s.rest.is_some()) else {
+                return Ok(());
+            };
+            let direct = self.choose_advert()?;
+            let (room, remote) = if direct {
+                let a = self.tx.adverts.front().expect("chosen");
+                (
+                    a.len - a.used,
+                    RemoteRef {
+                        addr: a.remote.addr + a.used,
+                        key: a.remote.key,
+                    },
+                )
+            } else {
+                let Some(ring) = self.tx.ring else {
+                    // The peer allocates its stream buffer on our first need (STREAM_RING answers).
+                    if !self.tx.ring_requested {
+                        self.tx.ring_requested = true;
+                        link.push_ctrl(Body::StreamRingWanted, None, None);
+                    }
+                    self.stats.space_stalls += 1;
+                    return Ok(());
+                };
+                let used = self.tx.tail - self.tx.consumed;
+                let free = self.tx.ring_len - used;
+                let at = self.tx.tail % self.tx.ring_len;
+                let contiguous = self.tx.ring_len - at;
+                if free == 0 {
+                    self.stats.space_stalls += 1;
+                    return Ok(());
+                }
+                (
+                    free.min(contiguous),
+                    RemoteRef {
+                        addr: ring.addr + at,
+                        key: ring.key,
+                    },
+                )
+            };
+            let limit = (room as usize).min(self.max_chunk);
+            if self.holds(first, limit) {
+                return Ok(());
+            }
+            // Gather from consecutive sends (packing small writes into one transfer).
+            let mut pieces = Vec::new();
+            let mut carried = Vec::new();
+            let mut n = 0usize;
+            let mut i = first;
+            while n < limit && pieces.len() < self.max_sge && i < self.tx.sends.len() {
+                let s = &mut self.tx.sends[i];
+                let Some(rest) = s.rest.take() else { break };
+                let take = rest.len().min(limit - n);
+                let (lease, reg) = rest.into_parts();
+                let (now, later) = lease.split_at(take);
+                pieces.push(Sge::new(now, Arc::clone(&reg)).expect("lease stays on its buffer"));
+                if !later.is_empty() {
+                    s.rest = Some(Sge::new(later, reg).expect("lease stays on its buffer"));
+                }
+                s.in_flight += 1;
+                carried.push(s.id);
+                n += take;
+                if s.rest.is_some() {
+                    break; // this send continues in the next transfer
+                }
+                i += 1;
+            }
+            if carried.len() > 1 {
+                self.stats.packed_sends += carried.len() as u64 - 1;
+            }
+            let tag = self.tx.next_tag;
+            self.tx.next_tag = self.tx.next_tag.wrapping_add(1);
+            let seq = self.tx.seq;
+            let imm = if direct {
+                let phase = self.tx.phase;
+                let a = self.tx.adverts.front_mut().expect("chosen");
+                a.used += n as u64;
+                let advert_seq = a.seq;
+                // "The advertisement is consumed by this transfer unless the MSG_WAITALL flag was supplied".
+                if !a.waitall || a.used == a.len {
+                    self.tx.adverts.pop_front();
+                }
+                self.stats.direct_sent += 1;
+                self.stats.direct_bytes += n as u64;
+                self.record(StreamTrace::Direct {
+                    seq,
+                    len: n as u64,
+                    phase,
+                    advert_seq,
+                });
+                Imm::Direct(n as u32)
+            } else {
+                // "When the sender sends an indirect transfer, it increments its phase to an odd number."
+                if self.tx.phase % 2 == 0 {
+                    self.tx.phase += 1;
+                }
+                self.tx.tail += n as u64;
+                self.stats.indirect_sent += 1;
+                self.stats.indirect_bytes += n as u64;
+                let phase = self.tx.phase;
+                self.record(StreamTrace::Indirect {
+                    seq,
+                    len: n as u64,
+                    phase,
+                });
+                Imm::Indirect(n as u32)
+            };
+            self.tx.seq += n as u64;
+            self.tx.writes.push_back((tag, carried));
+            link.push_write(
+                DataOp::Write {
+                    local: pieces,
+                    remote,
+                    imm: Some(imm.encode()),
+                },
+                tag,
+            );
+        }
+    }
+
+    /// Whether the batch that starts at send `first` waits for the write in flight: coalescing is on, a write
+    /// is in flight (its completion pumps again), and the batch would not fill a write (fewer pieces than the
+    /// scatter/gather limit, fewer bytes than the write may carry, `limit`, and than [`CORK_BYTES`]). A direct
+    /// transfer into a receive as small as the send is full at once: it never waits.
+    pub(super) fn holds(&self, first: usize, limit: usize) -> bool {
+        if !self.coalesce || self.tx.writes.is_empty() {
+            return false;
+        }
+        let full = limit.min(CORK_BYTES);
+        let mut pieces = 0;
+        let mut bytes = 0;
+        for s in self.tx.sends.iter().skip(first) {
+            let Some(rest) = &s.rest else { break };
+            pieces += 1;
+            bytes += rest.len();
+            if pieces >= self.max_sge || bytes >= full {
+                return false;
+            }
+        }
+        true
+    }
+
+    /// A transfer of ours completed: the sends it carried may complete.
+    pub(crate) fn on_write_done(&mut self, tag: u32, status: Result<(), WcError>) {
+        let Some(pos) = self.tx.writes.iter().position(|(t, _)| *t == tag) else {
+            return;
+        };
+        let (_, carried) = self.tx.writes.remove(pos).expect("found");
+        for id in carried {
+            if let Some(s) = self.tx.sends.iter_mut().find(|s| s.id == id) {
+                s.in_flight -= 1;
+                if let Err(e) = &status {
+                    s.failed.get_or_insert(e.clone().into());
+                }
+            }
+        }
+        self.complete_sends();
+    }
+
+    pub(super) fn complete_sends(&mut self) {
+        while let Some(s) = self.tx.sends.front() {
+            let done = s.in_flight == 0 && (s.rest.is_none() || s.failed.is_some());
+            if !done {
+                return;
+            }
+            let mut s = self.tx.sends.pop_front().expect("checked");
+            if let Some(t) = s.ticket.take() {
+                match s.failed.take() {
+                    None => t.complete(Ok(()), s.len, EventFlags::default()),
+                    Some(e) => t.complete(Err(e), 0, EventFlags::default()),
+                }
+            }
+        }
+    }
+
+    /// A peer advertisement arrived (it also carries the peer's stream-buffer consumption).
+    pub(crate) fn on_advert(&mut self, a: StreamAdvert, _link: &mut Link) -> Result<(), Violation> {
+        if a.phase % 2 != 0 {
+            return Err(Violation::Stream(format!(
+                "advertisement in odd phase {}",
+                a.phase
+            )));
+        }
+        if a.len == 0 || a.addr.checked_add(a.len).is_none() || a.len > u64::from(u32::MAX) * 16 {
+            return Err(Violation::BadRange(format!(
+                "stream advertisement of {} bytes at {:#x}",
+                a.len, a.addr
+            )));
+        }
+        self.on_window(a.consumed)?;
+        // Bounded by the advert credits we granted: the receiver keeps at most that many outstanding (see
+        // `advertise`), and a waiting advertisement always has an outstanding receive behind it.
+        if self.tx.adverts.len() >= self.max_adverts_in {
+            return Err(Violation::StreamAdvertOverrun {
+                queued: self.tx.adverts.len() + 1,
+                credits: self.max_adverts_in as u32,
+            });
+        }
+        self.tx.adverts.push_back(PeerAdvert {
+            remote: RemoteRef {
+                addr: a.addr,
+                key: a.rkey,
+            },
+            len: a.len,
+            used: 0,
+            seq: a.seq,
+            phase: a.phase,
+            waitall: a.waitall,
+        });
+        // Judge it now (the phase rules act on arrival), not only when there is data to send.
+        self.choose_advert()?;
+        Ok(())
+    }
+
+    /// The peer reports `consumed` bytes of its stream buffer consumed in total.
+    pub(crate) fn on_window(&mut self, consumed: u64) -> Result<(), Violation> {
+        if consumed < self.tx.consumed || consumed > self.tx.tail {
+            return Err(Violation::Stream(format!(
+                "stream buffer consumption {consumed} outside {}..={}",
+                self.tx.consumed, self.tx.tail
+            )));
+        }
+        self.tx.consumed = consumed;
+        Ok(())
+    }
+}

@@ -194,9 +194,9 @@ impl crate::event::Poller for Shared {
         self.wait_fd.is_some() && self.lead.try_lead_app(follower)
     }
 
-    fn prepare_sleep(&self) -> Option<Option<Instant>> {
+    fn prepare_sleep(&self, satisfied: &dyn Fn() -> bool) -> Option<Option<Instant>> {
         let mut e = self.lock();
-        crate::progress::prepare_sleep(&self.lead, &mut e)
+        crate::progress::prepare_sleep(&self.lead, &mut e, satisfied)
     }
 
     fn sleep_fds(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {

@@ -150,8 +150,9 @@ pub(crate) trait Poller: Send + Sync {
     fn poll_progress(&self) -> bool;
     /// Tries to become the context's leader; when another thread leads, `follower` is nudged once it lets go.
     fn try_lead(&self, follower: &Arc<EqInner>) -> bool;
-    /// The leader runs the protocol and arms the transport: `Some(wake-up time)` to sleep, `None` to run again.
-    fn prepare_sleep(&self) -> Option<Option<Instant>>;
+    /// The leader runs the protocol and arms the transport: `Some(wake-up time)` to sleep, `None` to look again
+    /// (events slipped in, or `satisfied` holds after the round: the caller has what it waits for).
+    fn prepare_sleep(&self, satisfied: &dyn Fn() -> bool) -> Option<Option<Instant>>;
     /// The descriptors a leader sleeps on (the transport's, and its wake-up eventfd).
     fn sleep_fds(&self) -> [BorrowedFd<'_>; 2];
     /// The leader woke up; `kicked`: its wake-up eventfd was readable.

@@ -273,11 +273,20 @@ impl Lead {
 
 /// Runs the protocol until nothing more happens now (bounded), then arms the transport. `Some(deadline)`: the
 /// caller may sleep on the wait descriptor until then (published as the leader's wake-up time); `None`: events
-/// slipped in before arming, run again.
-pub(crate) fn prepare_sleep(lead: &Lead, engine: &mut Engine) -> Option<Option<Instant>> {
+/// slipped in before arming, or the round produced what the caller waits for (`satisfied`): look again.
+pub(crate) fn prepare_sleep(
+    lead: &Lead,
+    engine: &mut Engine,
+    satisfied: &dyn Fn() -> bool,
+) -> Option<Option<Instant>> {
     // One round, then arm: arming reports anything that arrived meanwhile (another round would only cost the
-    // transport polls of finding nothing, system calls on software providers).
+    // transport polls of finding nothing, system calls on software providers). A round that produced the events
+    // the caller waits for does not arm: it would not sleep (issue 12: on libfabric tcp `fi_trywait` is three
+    // system calls, paid after every wake-up of a blocking ping-pong).
     engine.progress();
+    if satisfied() {
+        return None;
+    }
     match engine.arm() {
         Ok(true) => {}
         Ok(false) => return None,
@@ -409,7 +418,7 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
         }
         let until = {
             let mut e = shared.lock();
-            match prepare_sleep(lead, &mut e) {
+            match prepare_sleep(lead, &mut e, &|| false) {
                 Some(until) => until,
                 None => continue,
             }

@@ -157,8 +157,9 @@ impl EventQueue {
             }
             let mut until = deadline;
             let mut again = false;
+            let satisfied = || self.inner.lock().events.len() >= need;
             for p in &led {
-                match p.prepare_sleep() {
+                match p.prepare_sleep(&satisfied) {
                     None => again = true,
                     Some(Some(t)) => until = Some(until.map_or(t, |u| u.min(t))),
                     Some(None) => {}

@@ -6,10 +6,50 @@ mod common;
 
 use std::time::Duration;
 
-use common::{pair_threaded, pattern, wait};
+use common::{pair_threaded, pattern, wait, Pair};
 use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
 
 const ROUND_TRIPS: usize = 300;
+
+/// A blocking ping-pong of [`ROUND_TRIPS`] 32-byte messages, the server echoing from a thread of its own; `snap`
+/// is taken just before the client's first ping and after the last echo came back whole.
+fn ping_pong<S>(p: &Pair, snap: impl Fn(&Pair) -> S) -> (S, S) {
+    let out = p.client_region(pattern(32, 7));
+    let back = p.client_region(vec![0; 32]);
+    let sbuf = p.server_region(32);
+    let echo = {
+        let server = p.server.clone();
+        let eq = p.eq_b.clone();
+        std::thread::spawn(move || {
+            for _ in 0..ROUND_TRIPS {
+                server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
+                let r = wait(&eq);
+                assert!(r.is_ok(), "{r:?}");
+                server
+                    .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
+                    .unwrap();
+                assert!(wait(&eq).is_ok());
+            }
+        })
+    };
+    let before = snap(p);
+    for _ in 0..ROUND_TRIPS {
+        p.client
+            .recv(&p.eq_a, &back.all(), MsgFlags::NONE, 1)
+            .unwrap();
+        p.client
+            .send(&p.eq_a, &out.all(), MsgFlags::NONE, 2)
+            .unwrap();
+        let mut evs = Vec::new();
+        p.eq_a
+            .dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
+            .unwrap();
+        assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
+    }
+    echo.join().unwrap();
+    assert_eq!(back.to_vec().unwrap(), pattern(32, 7));
+    (before, snap(p))
+}
 
 /// Posting work is a system-call-free step: no call writes an eventfd to wake the progress thread.
 #[test]
@@ -41,41 +81,7 @@ fn api_calls_wake_no_thread() {
 #[test]
 fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
     let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
-    let out = p.client_region(pattern(32, 7));
-    let back = p.client_region(vec![0; 32]);
-    let sbuf = p.server_region(32);
-    let echo = {
-        let server = p.server.clone();
-        let eq = p.eq_b.clone();
-        std::thread::spawn(move || {
-            for _ in 0..ROUND_TRIPS {
-                server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
-                let r = wait(&eq);
-                assert!(r.is_ok(), "{r:?}");
-                server
-                    .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
-                    .unwrap();
-                assert!(wait(&eq).is_ok());
-            }
-        })
-    };
-    let (a0, b0) = (p.a.progress_stats(), p.b.progress_stats());
-    for _ in 0..ROUND_TRIPS {
-        p.client
-            .recv(&p.eq_a, &back.all(), MsgFlags::NONE, 1)
-            .unwrap();
-        p.client
-            .send(&p.eq_a, &out.all(), MsgFlags::NONE, 2)
-            .unwrap();
-        let mut evs = Vec::new();
-        p.eq_a
-            .dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
-            .unwrap();
-        assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
-    }
-    echo.join().unwrap();
-    assert_eq!(back.to_vec().unwrap(), pattern(32, 7));
-    let (a1, b1) = (p.a.progress_stats(), p.b.progress_stats());
+    let ((a0, b0), (a1, b1)) = ping_pong(&p, |p| (p.a.progress_stats(), p.b.progress_stats()));
     let leads = a1.app_leads - a0.app_leads + b1.app_leads - b0.app_leads;
     let wakeups = a1.thread_wakeups - a0.thread_wakeups + b1.thread_wakeups - b0.thread_wakeups;
     assert!(leads > 0, "no application thread led: {a1:?} {b1:?}");
@@ -97,40 +103,7 @@ fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
 #[test]
 fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events() {
     let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
-    let out = p.client_region(pattern(32, 8));
-    let back = p.client_region(vec![0; 32]);
-    let sbuf = p.server_region(32);
-    let echo = {
-        let server = p.server.clone();
-        let eq = p.eq_b.clone();
-        std::thread::spawn(move || {
-            for _ in 0..ROUND_TRIPS {
-                server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
-                let r = wait(&eq);
-                assert!(r.is_ok(), "{r:?}");
-                server
-                    .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
-                    .unwrap();
-                assert!(wait(&eq).is_ok());
-            }
-        })
-    };
-    let (a0, b0) = (p.a.stats(), p.b.stats());
-    for _ in 0..ROUND_TRIPS {
-        p.client
-            .recv(&p.eq_a, &back.all(), MsgFlags::NONE, 1)
-            .unwrap();
-        p.client
-            .send(&p.eq_a, &out.all(), MsgFlags::NONE, 2)
-            .unwrap();
-        let mut evs = Vec::new();
-        p.eq_a
-            .dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
-            .unwrap();
-        assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
-    }
-    echo.join().unwrap();
-    let (a1, b1) = (p.a.stats(), p.b.stats());
+    let ((a0, b0), (a1, b1)) = ping_pong(&p, |p| (p.a.stats(), p.b.stats()));
     let arms = a1.arms - a0.arms + b1.arms - b0.arms;
     let cm = a1.cm_polls - a0.cm_polls + b1.cm_polls - b0.cm_polls;
     let msgs = 2 * ROUND_TRIPS as u64;

@@ -227,21 +227,9 @@ impl RawPeer {
                             let mut b = vec![0u8; len as usize];
                             let _ = self.rx.read_at(slot * SLOT, &mut b);
                             // A buffer may hold several messages (coalescing: `wire::FLAG_MORE`).
-                            let mut at = 0;
-                            loop {
-                                match Message::decode_framed(&b[at..]) {
-                                    Ok(f) => {
-                                        self.received.push(Ok(f.msg));
-                                        if !f.more {
-                                            break;
-                                        }
-                                        at += f.end;
-                                    }
-                                    Err(e) => {
-                                        self.received.push(Err(e.to_string()));
-                                        break;
-                                    }
-                                }
+                            for r in crate::wire::frames(&b) {
+                                self.received
+                                    .push(r.map(|(_, f)| f.msg).map_err(|e| e.to_string()));
                             }
                             if let Ok(wr) = recv_wr(&self.rx, &self.rx_reg, slot) {
                                 let _ = self.t.post(self.ep, wr);

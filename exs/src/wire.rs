@@ -609,6 +609,34 @@ pub struct Framed {
     pub more: bool,
 }
 
+/// The messages of a buffer that may hold several, in order, each with its offset in `bytes` (the offsets in its
+/// [`Framed`] count from there). Ends after the message without [`FLAG_MORE`], or after the first error.
+pub fn frames(bytes: &[u8]) -> Frames<'_> {
+    Frames { bytes, at: Some(0) }
+}
+
+/// See [`frames`].
+#[derive(Clone, Debug)]
+pub struct Frames<'a> {
+    bytes: &'a [u8],
+    /// Where the next message starts; `None` once the buffer is done.
+    at: Option<usize>,
+}
+
+impl Iterator for Frames<'_> {
+    type Item = Result<(usize, Framed), WireError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let at = self.at.take()?;
+        let r = Message::decode_framed(&self.bytes[at..]);
+        if let Ok(f) = &r {
+            // Within the buffer: `decode_framed` checked that `end` bytes and a header follow `at`.
+            self.at = f.more.then_some(at + f.end);
+        }
+        Some(r.map(|f| (at, f)))
+    }
+}
+
 /// Socket type carried in the handshake.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]

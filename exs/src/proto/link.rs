@@ -457,9 +457,7 @@ impl Link {
                 // Drop messages that became pointless: a CREDIT whose credits already rode on an earlier message,
                 // an ACK whose acknowledgment did.
                 let pointless = match front {
-                    Outgoing::Ctrl {
-                        body: Body::Credit, ..
-                    } => self.owed == 0 && !self.keepalive_queued,
+                    Outgoing::Ctrl { body, .. } => self.pointless_credit(body),
                     _ => false,
                 };
                 if pointless {
@@ -557,6 +555,12 @@ impl Link {
         } else {
             self.normal.pop_front()
         }
+    }
+
+    /// Whether `body` is a CREDIT with nothing left to say: its credits rode on an earlier message, and it is no
+    /// keepalive probe.
+    fn pointless_credit(&self, body: &Body) -> bool {
+        matches!(body, Body::Credit) && self.owed == 0 && !self.keepalive_queued
     }
 
     /// The message for `body` as it leaves now: it returns every credit owed (and a CREDIT is no longer queued).

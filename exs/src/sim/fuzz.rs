@@ -64,19 +64,14 @@ pub fn wire(data: &[u8]) {
         assert_eq!(m, m2, "message round trip");
     }
     // A buffer of several messages (coalescing): each one found re-encodes to its own header and body.
-    let mut rest = data;
-    while let Ok(f) = Message::decode_framed(rest) {
+    for (at, f) in crate::wire::frames(data).map_while(Result::ok) {
         let mut again = vec![0u8; f.msg.encoded_len()];
         f.msg.encode_framed(&mut again, f.more);
         assert_eq!(
             &again[..],
-            &rest[..f.inline_at],
+            &data[at..at + f.inline_at],
             "framed message round trip"
         );
-        if !f.more {
-            break;
-        }
-        rest = &rest[f.end..];
     }
     if let Ok(h) = Handshake::decode(data) {
         assert_eq!(

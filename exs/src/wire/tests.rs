@@ -228,16 +228,8 @@ fn pack(msgs: &[Message], inline: u8) -> Vec<u8> {
 }
 
 /// Walks a buffer of framed messages.
-fn unpack(mut bytes: &[u8]) -> Result<Vec<Message>, WireError> {
-    let mut out = Vec::new();
-    loop {
-        let f = Message::decode_framed(bytes)?;
-        out.push(f.msg);
-        if !f.more {
-            return Ok(out);
-        }
-        bytes = &bytes[f.end..];
-    }
+fn unpack(bytes: &[u8]) -> Result<Vec<Message>, WireError> {
+    frames(bytes).map(|r| r.map(|(_, f)| f.msg)).collect()
 }
 
 #[test]
@@ -254,16 +246,17 @@ fn several_messages_share_a_buffer_in_order() {
     let bytes = pack(&msgs, 0x5a);
     assert_eq!(unpack(&bytes).unwrap(), msgs);
     // The immediate data sits between its advert and the next header.
-    let mut at = 0;
-    for m in &msgs {
-        let f = Message::decode_framed(&bytes[at..]).unwrap();
+    let mut end = 0;
+    for (r, m) in frames(&bytes).zip(&msgs) {
+        let (at, f) = r.unwrap();
+        assert_eq!(at, end, "each message starts where the one before it ended");
         assert!(bytes[at + f.inline_at..at + f.end]
             .iter()
             .all(|&b| b == 0x5a));
         assert_eq!(f.end - f.inline_at, m.inline_len());
-        at += f.end;
+        end = at + f.end;
     }
-    assert_eq!(at, bytes.len());
+    assert_eq!(end, bytes.len());
 }
 
 #[test]

@@ -93,7 +93,7 @@ impl Link {
             else {
                 unreachable!("checked above")
             };
-            if matches!(body, Body::Credit) && self.owed == 0 && !self.keepalive_queued {
+            if self.pointless_credit(&body) {
                 self.credit_queued = false;
                 continue; // its credits rode on an earlier message
             }

@@ -78,16 +78,9 @@ fn carried(wr: &WorkRequest) -> Vec<Message> {
         sge.lease().read(0, &mut b).unwrap();
         bytes.extend_from_slice(&b);
     }
-    let mut out = Vec::new();
-    let mut rest = &bytes[..];
-    loop {
-        let f = Message::decode_framed(rest).unwrap();
-        out.push(f.msg);
-        if !f.more {
-            return out;
-        }
-        rest = &rest[f.end..];
-    }
+    crate::wire::frames(&bytes)
+        .map(|r| r.unwrap().1.msg)
+        .collect()
 }
 
 fn ctrl_slot(wr: &WorkRequest) -> u32 {

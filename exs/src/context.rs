@@ -171,7 +171,8 @@ pub(crate) struct Shared {
 impl crate::event::Poller for Shared {
     fn set_busy(&self, on: bool) {
         // No wake-up either way (a system call per dequeue is what busy polling avoids): a leading progress
-        // thread notices at its next wake-up and stops arming; a standing-back one re-arms within a millisecond.
+        // thread notices at its next wake-up and stops arming; a standing-back one
+        // (see `progress::stand_back_for_busy_pollers`) checks back within `progress::MAX_BACKOFF`.
         if on {
             self.busy.fetch_add(1, Ordering::SeqCst);
         } else {

@@ -434,23 +434,25 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
     }
 }
 
-/// An application thread busy-polls this context and handles its completions: stay out of its way (no arming, so
-/// no completion-channel wake-ups); handle connection events every millisecond, or at once when woken. Timers are
-/// the poller's: it runs them in every round, so this thread does not wake for them (issue 12: in a busy
-/// ping-pong it woke for every delayed-acknowledgment deadline, which the reply had already cancelled, 0.1
-/// wake-ups per message, each one taking a core from a poller).
+/// An application thread busy-polls this context: it handles completions, timers and (every few hundred rounds)
+/// connection events itself, so this thread stays out of its way: no arming (no completion-channel wake-ups), no
+/// rounds (they would only take the engine lock from the poller), and it checks back every [`MAX_BACKOFF`] whether
+/// the polling has ended, or at once when woken. Issue 12: checking back every millisecond and running a round
+/// cost 0.02-0.03 wake-ups per message on each side of a busy ping-pong on libfabric tcp, two context switches
+/// each (0.12-0.28 per round trip in all, against the target of 0.2), and it woke for delayed-acknowledgment
+/// deadlines the reply had already cancelled.
 fn stand_back_for_busy_pollers(shared: &Shared) {
-    standby_until(shared, STANDBY, false);
+    let until = Instant::now() + MAX_BACKOFF;
+    shared
+        .lead
+        .thread_sleep
+        .store(shared.lead.stamp(Some(until)), Ordering::SeqCst);
+    sleep_thread(shared, Some(until));
 }
 
 /// Stands aside for `t`: nobody sleeps on the transport meanwhile, so run what is due now (bounded) and wake for
 /// the earliest timer if it comes first.
 fn standby(shared: &Shared, t: Duration) {
-    standby_until(shared, t, true);
-}
-
-/// [`standby`]; with `timers` false the earliest timer does not shorten the sleep.
-fn standby_until(shared: &Shared, t: Duration, timers: bool) {
     let lead = &shared.lead;
     let until = {
         let mut e = shared.lock();
@@ -460,7 +462,7 @@ fn standby_until(shared: &Shared, t: Duration, timers: bool) {
         }
         let until = Instant::now() + t;
         let until = match e.next_deadline_real() {
-            Some(d) if timers => until.min(d),
+            Some(d) => until.min(d),
             _ => until,
         };
         lead.thread_sleep

@@ -4,22 +4,35 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{pair_threaded, pattern, wait, Pair};
-use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
+use exs::sim::{SimConfig, World};
+use exs::{
+    EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption, WaitMode,
+};
 
 const ROUND_TRIPS: usize = 300;
 
 /// A blocking ping-pong of [`ROUND_TRIPS`] 32-byte messages, the server echoing from a thread of its own; `snap`
 /// is taken just before the client's first ping and after the last echo came back whole.
 fn ping_pong<S>(p: &Pair, snap: impl Fn(&Pair) -> S) -> (S, S) {
+    ping_pong_on(p, &p.eq_a, &p.eq_b, snap)
+}
+
+/// [`ping_pong`] with the client waiting on `eq_a` and the server on `eq_b`.
+fn ping_pong_on<S>(
+    p: &Pair,
+    eq_a: &EventQueue,
+    eq_b: &EventQueue,
+    snap: impl Fn(&Pair) -> S,
+) -> (S, S) {
     let out = p.client_region(pattern(32, 7));
     let back = p.client_region(vec![0; 32]);
     let sbuf = p.server_region(32);
     let echo = {
         let server = p.server.clone();
-        let eq = p.eq_b.clone();
+        let eq = eq_b.clone();
         std::thread::spawn(move || {
             for _ in 0..ROUND_TRIPS {
                 server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
@@ -34,15 +47,10 @@ fn ping_pong<S>(p: &Pair, snap: impl Fn(&Pair) -> S) -> (S, S) {
     };
     let before = snap(p);
     for _ in 0..ROUND_TRIPS {
-        p.client
-            .recv(&p.eq_a, &back.all(), MsgFlags::NONE, 1)
-            .unwrap();
-        p.client
-            .send(&p.eq_a, &out.all(), MsgFlags::NONE, 2)
-            .unwrap();
+        p.client.recv(eq_a, &back.all(), MsgFlags::NONE, 1).unwrap();
+        p.client.send(eq_a, &out.all(), MsgFlags::NONE, 2).unwrap();
         let mut evs = Vec::new();
-        p.eq_a
-            .dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
+        eq_a.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
             .unwrap();
         assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
     }
@@ -120,6 +128,64 @@ fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events()
         cm * 2 <= 3 * msgs,
         "{cm} connection-event reads for {msgs} messages"
     );
+}
+
+/// Issue 12, context switches of a busy ping-pong: while application threads busy-poll, the progress threads
+/// sleep (they check back every 8 ms whether the polling has ended) and run no rounds. They used to check back
+/// every millisecond and run a round, 0.02-0.03 wake-ups per message on libfabric tcp (two context switches
+/// each). Bounded by the time the ping-pong took, not timed: before, at least one wake-up per context and
+/// millisecond.
+#[test]
+fn a_busy_ping_pong_leaves_the_progress_threads_asleep() {
+    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
+    let (qa, qb) = (
+        EventQueue::with_mode(64, WaitMode::BusyPoll),
+        EventQueue::with_mode(64, WaitMode::BusyPoll),
+    );
+    // Let both progress threads notice the pollers once they start (they stand aside for 8 ms at most).
+    std::thread::sleep(Duration::from_millis(30));
+    let ((a0, b0, t0), (a1, b1, t1)) = ping_pong_on(&p, &qa, &qb, |p| {
+        (p.a.progress_stats(), p.b.progress_stats(), Instant::now())
+    });
+    let wakeups = a1.thread_wakeups - a0.thread_wakeups + b1.thread_wakeups - b0.thread_wakeups;
+    let ms = (t1 - t0).as_millis() as u64;
+    eprintln!("{wakeups} progress-thread wake-ups in {ms} ms of busy ping-pong");
+    // Two contexts, one check-back per 8 ms each, and a few for the moments between two dequeues (a thread
+    // that wakes then stands by for a millisecond).
+    assert!(
+        wakeups <= 2 * (ms / 8 + 1) + 8,
+        "{wakeups} wake-ups in {ms} ms: {a1:?} {b1:?}"
+    );
+}
+
+/// A busy poller stands in for the progress thread, connection events included: a connection request and its
+/// establishment reach applications that only ever busy-poll (the progress threads run no rounds meanwhile).
+#[test]
+fn a_busy_poller_handles_connection_events_itself() {
+    let world = World::threaded(SimConfig::default());
+    let (a, b) = (world.host(), world.host());
+    let (qa, qb) = (
+        EventQueue::with_mode(16, WaitMode::BusyPoll),
+        EventQueue::with_mode(16, WaitMode::BusyPoll),
+    );
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 1)).unwrap();
+    let addr = l.listen(1).unwrap();
+    l.accept(&qb, 7).unwrap();
+    let server = {
+        let qb = qb.clone();
+        std::thread::spawn(move || qb.next(Some(Duration::from_secs(30))))
+    };
+    // The server polls before the request exists, so its progress thread stands aside when it comes.
+    std::thread::sleep(Duration::from_millis(30));
+    let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+    c.connect(addr, &qa, 8).unwrap();
+    let ev = qa.next(Some(Duration::from_secs(30))).unwrap();
+    assert_eq!((ev.kind, ev.context), (EventKind::Connect, 8), "{ev:?}");
+    assert!(ev.is_ok(), "{ev:?}");
+    let ev = server.join().unwrap().unwrap();
+    assert_eq!((ev.kind, ev.context), (EventKind::Accept, 7), "{ev:?}");
+    assert!(ev.accepted.is_some(), "{ev:?}");
 }
 
 /// While the receiving application computes (no dequeue), its progress thread still answers the peer: a normal

@@ -423,7 +423,7 @@ impl Engine {
         self.guarded("a progress round", Engine::progress_round)
     }
 
-    /// One round for a busy poller (completions and timers; connection events are the progress thread's).
+    /// One round for a busy poller (completions and timers; connection events every [`CM_BUSY_EVERY`] rounds).
     pub(crate) fn progress_busy(&mut self) -> bool {
         self.guarded("a busy-poll round", Engine::progress_busy_round)
     }
@@ -530,6 +530,14 @@ impl Engine {
     /// channel (a system call per look; the progress thread sleeps on it and handles it).
     fn progress_busy_round(&mut self) -> bool {
         let mut did = self.poll_completions();
+        // The progress thread stands back while a poller polls (see `progress::stand_back_for_busy_pollers`):
+        // connection events are the poller's too, read every CM_BUSY_EVERY rounds (a look is a system call on
+        // software providers; a round is about a poll of the completion queues, a microsecond or two).
+        self.cm_skipped += 1;
+        if self.cm_skipped >= CM_BUSY_EVERY {
+            self.cm_skipped = 0;
+            did |= self.poll_cm_events();
+        }
         did |= self.run_timers();
         self.flush_dirty();
         self.drain_done();
@@ -794,6 +802,9 @@ fn ctrl_slot_size(small: usize, n: usize) -> usize {
 /// A progress round that handled completions looks at connection events only every this many rounds (see
 /// `Engine::progress_round`).
 const CM_EVERY: u32 = 8;
+
+/// A busy-poll round looks at connection events every this many rounds (see `Engine::progress_busy_round`).
+const CM_BUSY_EVERY: u32 = 256;
 
 /// Batches of completions one progress round handles at most (see `Engine::poll_completions`).
 const ROUND_BATCHES: usize = 4;

@@ -187,7 +187,16 @@ impl Latency {
     /// Context switches per round trip, both sides.
     pub fn switches_per_rt(&self, count: usize) -> f64 {
         self.client.switches(self.whole) as f64 / count.max(1) as f64
-            + self.server.usage.switches(self.whole) as f64 / self.server.pings.max(1) as f64
+            + self.server.usage.switches(self.whole) as f64 / self.server_msgs(count) as f64
+    }
+
+    /// What the echoing side's usage is divided by: its pings, or for persistent reads (the server sends no
+    /// message; it only exposes memory) the reads the client made of it.
+    fn server_msgs(&self, count: usize) -> u64 {
+        match self.server.pings {
+            0 => count.max(1) as u64,
+            n => n,
+        }
     }
 }
 
@@ -286,7 +295,9 @@ pub fn ping_json(
         "cpu_client_s": l.client.cpu, "cpu_server_s": l.server.usage.cpu, "server_pings": l.server.pings});
     let map = v.as_object_mut().expect("an object");
     l.client.per_msg_json("client_", count as u64, map);
-    l.server.usage.per_msg_json("server_", l.server.pings, map);
+    l.server
+        .usage
+        .per_msg_json("server_", l.server_msgs(count), map);
     v
 }
 

@@ -34,6 +34,16 @@ pub(super) fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> 
                         rows.push(row(m, x));
                     }
                 }
+                // Issue 12: what each message cost each side, from `getrusage` and the context's counters.
+                for side in ["client", "server"] {
+                    let f = |m: &str| v[format!("{side}_{m}")].as_f64();
+                    if let (Some(vol), Some(invol)) = (f("vcsw_per_msg"), f("ivcsw_per_msg")) {
+                        rows.push(row(&format!("{side}_cs_per_msg"), vol + invol));
+                    }
+                    if let Some(w) = f("progress_wakeups_per_msg") {
+                        rows.push(row(&format!("{side}_wakeups_per_msg"), w));
+                    }
+                }
             }
         }
         Parse::PerftestBw | Parse::PerftestLat => {

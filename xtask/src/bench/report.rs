@@ -86,6 +86,7 @@ pub(super) fn markdown(
                 .join(" | ")
         );
     }
+    per_message_table(&mut s, sum, &exs_cols, &sizes);
     let costs: Vec<&Key> = sum
         .keys()
         .filter(|k| k.0 == "cost" && k.4 == "syscalls_per_rt")
@@ -460,4 +461,77 @@ pub(super) fn update_readme(suite: &str, md: &str) -> Result<()> {
     };
     let new = format!("{}{start}\n{md}\n{}", &text[..a], &text[b..]);
     std::fs::write(&path, new).map_err(|e| e.to_string())
+}
+
+/// Issue 12: context switches (voluntary and involuntary, `getrusage`) and progress-thread wake-ups per message,
+/// each side, beside the throughput of the same runs; then the same for the latency runs (`exs ping`).
+fn per_message_table(
+    s: &mut String,
+    sum: &BTreeMap<Key, (f64, f64, f64, usize)>,
+    exs_cols: &[&(String, String)],
+    sizes: &[u64],
+) {
+    let pair = |tool: &str, variant: &str, size: u64, m: &str, d: usize| {
+        let side = |who: &str| {
+            get(sum, tool, variant, size, &format!("{who}_{m}"))
+                .map_or("-".into(), |v| format!("{:.*}", d, v.0))
+        };
+        format!("{} / {}", side("client"), side("server"))
+    };
+    let has = |tool: &str, variant: &str, size: u64| {
+        get(sum, tool, variant, size, "client_cs_per_msg").is_some()
+    };
+    if exs_cols
+        .iter()
+        .any(|c| sizes.iter().any(|&z| has(&c.0, &c.1, z)))
+    {
+        let _ = writeln!(s, "\nPer message, client / server (`exs pump --json`): context switches (voluntary + involuntary, `getrusage`) and progress-thread wake-ups:\n");
+        let _ = writeln!(
+            s,
+            "| size | {} |",
+            exs_cols
+                .iter()
+                .map(|c| format!("exs {}", c.1))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        let _ = writeln!(s, "|---|{}", "---|".repeat(exs_cols.len()));
+        for &size in sizes.iter().filter(|&&z| z > 1) {
+            let _ = writeln!(
+                s,
+                "| {} | {} |",
+                fmt_size(size),
+                exs_cols
+                    .iter()
+                    .map(|c| if has(&c.0, &c.1, size) {
+                        format!(
+                            "{} cs, {} wake-ups",
+                            pair(&c.0, &c.1, size, "cs_per_msg", 3),
+                            pair(&c.0, &c.1, size, "wakeups_per_msg", 4)
+                        )
+                    } else {
+                        "-".into()
+                    })
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
+        }
+    }
+    let pings: Vec<&Key> = sum
+        .keys()
+        .filter(|k| k.0.ends_with("-ping") && k.4 == "client_cs_per_msg")
+        .collect();
+    if !pings.is_empty() {
+        let _ = writeln!(s, "\nPer ping, client / server (`exs ping --json`, 8 bytes): context switches (`getrusage`) and progress-thread wake-ups:\n\n| test | context switches | progress wake-ups |\n|---|---|---|");
+        for k in pings {
+            let _ = writeln!(
+                s,
+                "| {} {} | {} | {} |",
+                k.0,
+                k.1,
+                pair(&k.0, &k.1, k.2, "cs_per_msg", 3),
+                pair(&k.0, &k.1, k.2, "wakeups_per_msg", 4)
+            );
+        }
+    }
 }

@@ -95,6 +95,25 @@ fn collects_jobs_by_marker_and_takes_medians() {
     assert_eq!((v.0, v.1, v.2, v.3), (20.0, 10.0, 30.0, 3));
 }
 
+/// Issue 12: the per-message context switches and progress-thread wake-ups `exs pump --json` reports reach the
+/// report, summed per side, beside the throughput of the same runs.
+#[test]
+fn per_message_context_switches_and_wakeups_reach_the_report() {
+    let jobs = vec![job("exs", "seqpacket", 4096, 8, String::new(), Parse::Json)];
+    let out = "@@job 0 0\n{\"bytes_per_sec\": 1e8, \"client_vcsw_per_msg\": 0.25, \"client_ivcsw_per_msg\": 0.5, \
+               \"server_vcsw_per_msg\": 1.0, \"server_ivcsw_per_msg\": 0.125, \"client_progress_wakeups_per_msg\": 0.01, \
+               \"server_progress_wakeups_per_msg\": 0.02}\n";
+    let rows = collect("host", &jobs, out);
+    assert_eq!(get_metric(&rows, "client_cs_per_msg"), Some(0.75));
+    assert_eq!(get_metric(&rows, "server_cs_per_msg"), Some(1.125));
+    assert_eq!(get_metric(&rows, "server_wakeups_per_msg"), Some(0.02));
+    let md = markdown("host", &summarize(&rows), "cmd", "m", &[]);
+    assert!(
+        md.contains("| 4 KiB | 0.750 / 1.125 cs, 0.0100 / 0.0200 wake-ups |"),
+        "{md}"
+    );
+}
+
 #[test]
 fn svg_plot_is_well_formed() {
     let s = svg(

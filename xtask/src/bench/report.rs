@@ -58,16 +58,7 @@ pub(super) fn markdown(
     }
     let _ = writeln!(s, "\nCPU (client / server, % of a core):\n");
     let exs_cols: Vec<&(String, String)> = cols.iter().filter(|c| c.0 == "exs").collect();
-    let _ = writeln!(
-        s,
-        "| size | {} |",
-        exs_cols
-            .iter()
-            .map(|c| format!("exs {}", c.1))
-            .collect::<Vec<_>>()
-            .join(" | ")
-    );
-    let _ = writeln!(s, "|---|{}", "---|".repeat(exs_cols.len()));
+    exs_header(&mut s, &exs_cols);
     for &size in &sizes {
         let _ = writeln!(
             s,
@@ -486,16 +477,7 @@ fn per_message_table(
         .any(|c| sizes.iter().any(|&z| has(&c.0, &c.1, z)))
     {
         let _ = writeln!(s, "\nPer message, client / server (`exs pump --json`): context switches (voluntary + involuntary, `getrusage`) and progress-thread wake-ups:\n");
-        let _ = writeln!(
-            s,
-            "| size | {} |",
-            exs_cols
-                .iter()
-                .map(|c| format!("exs {}", c.1))
-                .collect::<Vec<_>>()
-                .join(" | ")
-        );
-        let _ = writeln!(s, "|---|{}", "---|".repeat(exs_cols.len()));
+        exs_header(s, exs_cols);
         for &size in sizes.iter().filter(|&&z| z > 1) {
             let _ = writeln!(
                 s,
@@ -534,4 +516,18 @@ fn per_message_table(
             );
         }
     }
+}
+
+/// The header of a table with a column per exs variant.
+fn exs_header(s: &mut String, exs_cols: &[&(String, String)]) {
+    let _ = writeln!(
+        s,
+        "| size | {} |",
+        exs_cols
+            .iter()
+            .map(|c| format!("exs {}", c.1))
+            .collect::<Vec<_>>()
+            .join(" | ")
+    );
+    let _ = writeln!(s, "|---|{}", "---|".repeat(exs_cols.len()));
 }

@@ -150,10 +150,11 @@ fn a_busy_ping_pong_leaves_the_progress_threads_asleep() {
     let wakeups = a1.thread_wakeups - a0.thread_wakeups + b1.thread_wakeups - b0.thread_wakeups;
     let ms = (t1 - t0).as_millis() as u64;
     eprintln!("{wakeups} progress-thread wake-ups in {ms} ms of busy ping-pong");
-    // Two contexts, one check-back per 8 ms each, and a few for the moments between two dequeues (a thread
-    // that wakes then stands by for a millisecond).
+    // Two contexts, one check-back per 8 ms each, and one more when a check-back falls between two dequeues
+    // (the thread then stands by for a millisecond before it sees the poller again): at most two per 8 ms and
+    // context, where the old code made eight.
     assert!(
-        wakeups <= 2 * (ms / 8 + 1) + 8,
+        wakeups <= 4 * (ms / 8 + 1) + 8,
         "{wakeups} wake-ups in {ms} ms: {a1:?} {b1:?}"
     );
 }

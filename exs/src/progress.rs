@@ -439,7 +439,7 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
 /// rounds (they would only take the engine lock from the poller), and it checks back every [`MAX_BACKOFF`] whether
 /// the polling has ended, or at once when woken. Issue 12: checking back every millisecond and running a round
 /// cost 0.02-0.03 wake-ups per message on each side of a busy ping-pong on libfabric tcp, two context switches
-/// each (0.12-0.28 per round trip in all, against the target of 0.2), and it woke for delayed-acknowledgment
+/// each (0.08-0.23 per round trip in all, against the target of 0.2), and it woke for delayed-acknowledgment
 /// deadlines the reply had already cancelled.
 fn stand_back_for_busy_pollers(shared: &Shared) {
     let until = Instant::now() + MAX_BACKOFF;

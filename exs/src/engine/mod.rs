@@ -202,7 +202,8 @@ pub(crate) struct Engine {
     posts: Vec<WorkRequest>,
     dirty: Vec<SocketId>,
     timers: Vec<(Instant, SocketId, TimerKind)>,
-    /// Rounds that handled completions and did not look at connection events (see `progress_round`).
+    /// Rounds since the last look at connection events: rounds that handled completions (see `progress_round`)
+    /// and busy-poll rounds (see `progress_busy_round`).
     cm_skipped: u32,
     stats: EngineStats,
     shared_recv: crate::context::SharedRecv,
@@ -526,8 +527,8 @@ impl Engine {
         did
     }
 
-    /// Progress for a thread that busy-polls: completions, timers and posting, but not the connection-management
-    /// channel (a system call per look; the progress thread sleeps on it and handles it).
+    /// Progress for a thread that busy-polls: completions, timers and posting, and the connection-management
+    /// channel every [`CM_BUSY_EVERY`] rounds (a system call per look on software providers).
     fn progress_busy_round(&mut self) -> bool {
         let mut did = self.poll_completions();
         // The progress thread stands back while a poller polls (see `progress::stand_back_for_busy_pollers`):

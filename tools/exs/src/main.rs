@@ -4,6 +4,7 @@ mod backend;
 mod baseline;
 mod control;
 mod demo;
+mod idle;
 mod opts;
 mod ping;
 mod progress;

@@ -71,6 +71,37 @@ impl Before {
     }
 }
 
+/// Descriptors a connection may hold (libfabric tcp: the socket, its completion queue's epoll set and signal
+/// pair); the rest of the process needs a few hundred.
+const FDS_PER_CONN: u64 = 5;
+
+/// Makes room for `n` connections' descriptors: the soft limit goes up to the hard one, and (as root) the hard one
+/// up to the kernel's `nr_open` when that is not enough. Says so when it cannot.
+pub fn make_room_for(n: usize) {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    let want = (n as u64).saturating_mul(FDS_PER_CONN) + 512;
+    let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) else {
+        return;
+    };
+    if soft >= want {
+        return;
+    }
+    let nr_open = std::fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(hard);
+    let target = want.min(nr_open.max(hard));
+    if setrlimit(Resource::RLIMIT_NOFILE, target, target.max(hard)).is_err() {
+        let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+    }
+    let now = getrlimit(Resource::RLIMIT_NOFILE).map_or(soft, |l| l.0);
+    if now < want {
+        eprintln!(
+            "exs: {n} connections may need {want} file descriptors; the limit is {now} (raise it with `ulimit -n`)"
+        );
+    }
+}
+
 /// Opens `n` idle connections of type `ty` to `addr` (a listener of that type), [`IN_FLIGHT`] at a time.
 pub fn connect(
     ctx: &exs::Context,
@@ -78,6 +109,7 @@ pub fn connect(
     addr: std::net::SocketAddr,
     n: usize,
 ) -> Result<Vec<Socket>> {
+    make_room_for(n);
     let eq = EventQueue::new(IN_FLIGHT);
     let mut socks: Vec<Socket> = Vec::with_capacity(n);
     let mut up = 0;
@@ -100,6 +132,7 @@ pub fn connect(
 
 /// Accepts `n` connections on `listener`, [`IN_FLIGHT`] at a time.
 pub fn accept(listener: &Socket, n: usize) -> Result<Vec<Socket>> {
+    make_room_for(n);
     let eq = EventQueue::new(IN_FLIGHT);
     let mut socks = Vec::with_capacity(n);
     let mut posted = 0;

@@ -402,7 +402,7 @@ impl FabricTransport {
     pub(crate) fn release_ep(&mut self, ep: EndpointId) {
         // The connection's domain closes once the endpoint and the last exposure of it are gone.
         self.conn_domains.remove(&ep);
-        self.forget_ready(ep);
+        // A released endpoint's place in the hot set goes at the next retirement (identifiers are not reused).
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };

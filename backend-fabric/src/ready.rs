@@ -28,6 +28,9 @@ use crate::FabricTransport;
 pub(crate) const CONSULT_EVERY: u64 = 16;
 /// A queue with no activity for this many polls leaves the hot set (once armed).
 pub(crate) const QUIET: u64 = 64;
+/// Beyond this many hot queues (after many connections came up at once), a queue leaves the hot set as soon as a
+/// poll finds nothing in it: a poll must not read hundreds of queues for 64 polls.
+const HOT_MAX: usize = 32;
 /// Events one consultation of the epoll set takes in at most (the rest wait for the next one).
 const EVENTS: usize = 256;
 
@@ -160,6 +163,8 @@ impl FabricTransport {
         let woke = std::mem::take(&mut self.ready.armed);
         if (found == 0 && woke) || self.ready.seq - self.ready.consulted >= CONSULT_EVERY {
             n += self.consult(out, max.saturating_sub(n));
+        } else if self.ready.hot.len() > HOT_MAX {
+            self.retire();
         }
         n
     }
@@ -194,6 +199,11 @@ impl FabricTransport {
     /// arming fails has something waiting and stays).
     fn retire(&mut self) {
         let seq = self.ready.seq;
+        let quiet = if self.ready.hot.len() > HOT_MAX {
+            1
+        } else {
+            QUIET
+        };
         let mut i = 0;
         while i < self.ready.hot.len() {
             let id = self.ready.hot[i];
@@ -201,7 +211,7 @@ impl FabricTransport {
                 self.ready.hot.swap_remove(i);
                 continue;
             };
-            if seq - e.ready.last_active < QUIET {
+            if seq - e.ready.last_active < quiet {
                 i += 1;
                 continue;
             }
@@ -221,11 +231,6 @@ impl FabricTransport {
             e.ready.hot = false;
             self.ready.hot.swap_remove(i);
         }
-    }
-
-    /// Forgets an endpoint that is being closed.
-    pub(crate) fn forget_ready(&mut self, id: EndpointId) {
-        self.ready.hot.retain(|&h| h != id);
     }
 
     /// [`Transport::arm`](exs_transport::Transport::arm): `fi_trywait` over the event queue and the hot queues not

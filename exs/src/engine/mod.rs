@@ -193,7 +193,10 @@ pub(crate) struct Engine {
     next_ep: u32,
     completions: Vec<Completion>,
     posts: Vec<WorkRequest>,
+    /// Sockets with something to post, each once (`dirty_set` says which are in the list: a linear search made
+    /// closing thousands of connections at once quadratic).
     dirty: Vec<SocketId>,
+    dirty_set: std::collections::HashSet<SocketId>,
     timers: Timers,
     /// Rounds since the last look at connection events: rounds that handled completions (see `progress_round`)
     /// and busy-poll rounds (see `progress_busy_round`).
@@ -258,6 +261,7 @@ impl Engine {
             completions: Vec::with_capacity(64),
             posts: Vec::with_capacity(64),
             dirty: Vec::new(),
+            dirty_set: std::collections::HashSet::new(),
             timers: Timers::default(),
             cm_skipped: 0,
             stats: EngineStats::default(),
@@ -671,13 +675,14 @@ impl Engine {
 
     fn flush_dirty(&mut self) {
         while let Some(sid) = self.dirty.pop() {
+            self.dirty_set.remove(&sid);
             self.flush(sid);
             self.check_polls(sid);
         }
     }
 
     fn mark(&mut self, sid: SocketId) {
-        if !self.dirty.contains(&sid) {
+        if self.dirty_set.insert(sid) {
             self.dirty.push(sid);
         }
     }

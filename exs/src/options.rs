@@ -68,7 +68,8 @@ pub struct SocketOptions {
     /// Control receive buffers posted per connection (the link window). 0 picks a size from the credits.
     /// Before connect. 0 or 4..=4096.
     pub control_window: u16,
-    /// Listening sockets: connection requests held while no accept is pending. 1..=65535.
+    /// Listening sockets: connections held for the application (being set up, or established and waiting for an
+    /// accept); requests beyond are refused. 1..=65535.
     pub backlog: u32,
     /// Stream sockets: record protocol decisions (adverts, phases, direct/indirect transfers) for
     /// [`Socket::stream_trace`](crate::Socket::stream_trace). Off by default.

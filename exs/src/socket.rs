@@ -162,12 +162,19 @@ impl Socket {
 
     /// Listens for connections (ES-API `exs_listen`); returns the bound address. `backlog` 0 keeps the
     /// option's value.
+    ///
+    /// Like a TCP listener, it sets incoming connections up by itself: a connection is established (the peer's
+    /// connect completes) before any accept, and waits for one. The backlog bounds the connections being set up
+    /// and those waiting; a request beyond it is refused. A request with a bad handshake is refused, and a
+    /// connection that fails or goes silent before it is established is dropped: neither ever reaches an accept
+    /// (both are counted in [`EngineStats::dropped_before_accept`](crate::EngineStats::dropped_before_accept)).
     pub fn listen(&self, backlog: u32) -> Result<SocketAddr, SocketError> {
         self.engine(|e, id| e.listen(id, backlog))
     }
 
     /// Accepts one connection, asynchronously (ES-API `exs_accept`). The [`EventKind::Accept`] event carries the
-    /// new socket in [`Event::accepted`](crate::Event::accepted).
+    /// new socket in [`Event::accepted`](crate::Event::accepted): always an established connection (see
+    /// [`Socket::listen`]); another peer's failure never ends an accept.
     pub fn accept(&self, eq: &EventQueue, context: u64) -> Result<(), AcceptError> {
         self.start(eq, EventKind::Accept, context, |e, id, t| e.accept(id, t))
     }

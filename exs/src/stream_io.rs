@@ -226,8 +226,8 @@ pub struct Stream {
 }
 
 impl Stream {
-    /// Connects on `ctx` to the first address of `addr` that answers. As with RDMA connections generally, the
-    /// connection completes when the listener accepts it.
+    /// Connects on `ctx` to the first address of `addr` that answers (like TCP's, the connection completes when
+    /// the listener has set it up, before its application accepts it).
     pub fn connect_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Stream> {
         let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
         for a in addr.to_socket_addrs()? {

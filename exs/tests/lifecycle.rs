@@ -100,8 +100,10 @@ fn listener_binds_port_zero_to_a_real_port_and_reports_addresses() {
     assert_eq!(p.client.peer_addr().unwrap().unwrap().port(), 7000);
 }
 
+/// Like TCP's, the listener sets connections up itself (issue 27): they are established before any accept and wait
+/// for one.
 #[test_log::test]
-fn connection_requests_wait_in_the_backlog_until_accepted() {
+fn connections_wait_established_in_the_backlog_until_accepted() {
     let world = World::new(SimConfig::default());
     let a = world.host();
     let b = world.host();
@@ -117,14 +119,16 @@ fn connection_requests_wait_in_the_backlog_until_accepted() {
         })
         .collect();
     world.run_for(Duration::from_millis(100));
-    assert_eq!(eq_a.len(), 0, "nobody accepted yet");
+    let connected = eq_a.wait_all(None).unwrap();
+    assert_eq!(connected.len(), 3, "up before any accept");
+    assert!(connected.iter().all(|e| e.is_ok()));
+    assert_eq!(eq_b.len(), 0, "nobody accepted yet");
     for i in 0..3 {
         l.accept(&eq_b, i).unwrap();
     }
     let accepted = eq_b.wait_all(None).unwrap();
     assert_eq!(accepted.len(), 3);
     assert!(accepted.iter().all(|e| e.is_ok() && e.accepted.is_some()));
-    assert!(eq_a.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
     drop(clients);
 }
 
@@ -767,16 +771,13 @@ fn connections_beyond_the_limit_are_refused_politely() {
     drop(clients);
 }
 
-/// Issue 15: a connection request nobody accepts does not wait in the backlog forever: it is refused after the
-/// connect timeout, and the backlog's room comes back.
+/// Issue 27 (was issue 15's expiring backlog): like TCP's, a listener sets incoming connections up by itself and
+/// keeps established ones for its next accepts; the backlog bounds them, and a request beyond it is refused at once
+/// (counted). An accept then takes the waiting connection.
 #[test_log::test]
-fn a_request_left_in_the_backlog_expires() {
+fn an_unaccepted_connection_waits_established_within_the_backlog() {
     let world = World::threaded(SimConfig::default());
-    let server = world.host_with({
-        let mut o = exs::ContextOptions::default();
-        o.connect_timeout = Duration::from_millis(200);
-        o
-    });
+    let server = world.host();
     let client = world.host();
     let l = Socket::new(&server, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 7300)).unwrap();
@@ -784,23 +785,27 @@ fn a_request_left_in_the_backlog_expires() {
     let ceq = EventQueue::new(8);
     let c = Socket::new(&client, SockType::SeqPacket).unwrap();
     c.connect(addr, &ceq, 1).unwrap();
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while server.stats().expired_requests == 0 {
-        assert!(
-            std::time::Instant::now() < until,
-            "the request never expired"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
-    assert!(!ev.is_ok(), "the abandoned connect ends: {ev:?}");
-    // The backlog has room again: a new request waits there and is accepted.
+    assert!(ev.is_ok(), "the connection is up before any accept: {ev:?}");
+    // The backlog (one) is full: the next request is refused at once.
     let c2 = Socket::new(&client, SockType::SeqPacket).unwrap();
     c2.connect(addr, &ceq, 2).unwrap();
+    let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(ev.context, 2);
+    assert!(!ev.is_ok(), "beyond the backlog: {ev:?}");
+    assert_eq!(server.stats().refused_backlog_full, 1);
+    // An accept takes the waiting connection, which works.
     let seq = EventQueue::new(8);
     l.accept(&seq, 3).unwrap();
-    let ev = seq.next(Some(Duration::from_secs(10))).unwrap();
+    let mut ev = seq.next(Some(Duration::from_secs(10))).unwrap();
     assert!(ev.is_ok(), "{ev:?}");
+    let s = ev.accepted.take().unwrap();
+    assert_eq!(s.peer_addr().unwrap(), c.local_addr().unwrap());
+    // Room again.
+    let c3 = Socket::new(&client, SockType::SeqPacket).unwrap();
+    c3.connect(addr, &ceq, 4).unwrap();
+    let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+    assert!(ev.is_ok() && ev.context == 4, "{ev:?}");
 }
 
 /// Issue 15: 10,000 refused connects (the backlog is full and nobody accepts) leave nothing behind on either side.
@@ -818,9 +823,11 @@ fn ten_thousand_refused_connects_leave_nothing_behind() {
     l.bind(world.addr(0, 7400)).unwrap();
     let addr = l.listen(1).unwrap();
     let ceq = EventQueue::new(256);
-    // One request fills the backlog.
+    // One connection fills the backlog (established, never accepted).
     let first = Socket::new(&client, SockType::SeqPacket).unwrap();
     first.connect(addr, &ceq, 0).unwrap();
+    let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+    assert!(ev.is_ok(), "{ev:?}");
     let before = (
         server.stats().connection_bytes,
         client.stats().connection_bytes,

@@ -49,6 +49,14 @@ impl Net for SimNet {
     fn raw(&self) -> Result<Box<dyn exs::Transport>, String> {
         Ok(Box::new(self.0.raw_host()))
     }
+    fn vanishing_request(&self, addr: SocketAddr, private: &[u8]) -> Result<(), String> {
+        use exs::Transport as _;
+        let mut t = self.0.raw_host();
+        t.connect(exs::transport::EndpointId(1), addr, private, Vec::new())
+            .map_err(|e| e.to_string())?;
+        self.0.kill(self.0.host_of(&t));
+        Ok(())
+    }
 }
 
 #[cfg(feature = "sim")]

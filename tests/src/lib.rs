@@ -26,6 +26,15 @@ pub trait Net {
     fn listen_addr(&self, i: usize) -> SocketAddr;
     /// A bare transport on this network, with no exs engine, to play a crafted peer ([`exs::testing::RawPeer`]).
     fn raw(&self) -> Result<Box<dyn exs::Transport>, String>;
+    /// Sends a connection request to `addr` with `private` data from a peer that vanishes before the connection is
+    /// up (its transport goes away, as a killed process's does).
+    fn vanishing_request(&self, addr: SocketAddr, private: &[u8]) -> Result<(), String> {
+        let mut t = self.raw()?;
+        t.connect(exs::transport::EndpointId(1), addr, private, Vec::new())
+            .map_err(|e| e.to_string())?;
+        drop(t);
+        Ok(())
+    }
 }
 
 /// A backend of the suite.

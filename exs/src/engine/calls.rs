@@ -217,7 +217,8 @@ impl Engine {
         s.listening = Some(Listening {
             listener,
             accepts: VecDeque::new(),
-            backlog: VecDeque::new(),
+            pending: Default::default(),
+            ready: VecDeque::new(),
         });
         self.listeners.insert(listener, sid);
         Ok(bound)
@@ -233,10 +234,9 @@ impl Engine {
             return Err(StateError::NotListening.into());
         };
         let ticket = ticket.take().expect("ticket given");
-        if let Some((request, peer, hs, _)) = l.backlog.pop_front() {
-            self.accept_request(sid, request, peer, hs, ticket);
-        } else {
-            l.accepts.push_back(ticket);
+        match l.ready.pop_front() {
+            Some(conn) => self.hand_over(ticket, conn),
+            None => l.accepts.push_back(ticket),
         }
         self.flush_dirty();
         Ok(())
@@ -533,7 +533,7 @@ impl Engine {
         };
         if let Some(l) = &s.listening {
             return Readiness {
-                readable: !l.backlog.is_empty(),
+                readable: !l.ready.is_empty(),
                 ..Readiness::default()
             };
         }
@@ -628,12 +628,23 @@ impl Engine {
                 for t in l.accepts {
                     t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
                 }
-                for (request, _, _, _) in l.backlog {
-                    self.transport.reject(request);
-                }
                 self.listeners.remove(&l.listener);
                 self.transport.close_listener(l.listener);
                 self.remove_socket(sid);
+                // The connections it held for the application go with it (no application has them).
+                for conn in l.pending.into_iter().chain(l.ready) {
+                    let Some(s) = self.sockets.get_mut(&conn) else {
+                        continue;
+                    };
+                    s.listener = None;
+                    s.user_closed = true;
+                    s.down.get_or_insert(OpError::Cancelled);
+                    if s.phase == Phase::Down {
+                        self.remove_socket(conn);
+                    } else {
+                        self.disconnect(conn);
+                    }
+                }
             }
             Phase::Connecting | Phase::Accepting => {
                 if let Some(t) = s.ticket.take() {

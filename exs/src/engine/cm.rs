@@ -32,27 +32,6 @@ impl Engine {
         }
     }
 
-    /// Refuses the requests that waited in a listener's backlog longer than the connect timeout (their peers have
-    /// given up by then).
-    pub(super) fn expire_backlog(&mut self, lsid: SocketId, now: Instant) {
-        let timeout = self.connect_timeout;
-        let Some(l) = self
-            .sockets
-            .get_mut(&lsid)
-            .and_then(|s| s.listening.as_mut())
-        else {
-            return;
-        };
-        while l.backlog.front().is_some_and(|b| b.3 + timeout <= now) {
-            let (request, peer, _, _) = l.backlog.pop_front().expect("checked");
-            tracing::debug!(%peer, "connection request expired in the backlog");
-            self.stats.expired_requests += 1;
-            self.transport.reject(request);
-        }
-        let next = l.backlog.front().map(|b| b.3 + timeout);
-        self.timers.set(lsid, TimerKind::Backlog, next);
-    }
-
     pub(super) fn fail_connect(&mut self, sid: SocketId, err: OpError) {
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;
@@ -106,41 +85,39 @@ impl Engine {
                 return;
             }
         };
-        let want = match lsock.ty {
-            SockType::SeqPacket => WireSockType::SeqPacket,
-            SockType::Stream => WireSockType::Stream,
-        };
-        if hs.sock_type != want {
-            tracing::warn!(%peer, "rejecting a connection request for another socket type");
+        // Issue 27: a handshake that decodes but fails a check is refused here, before anything is set up for it
+        // (it used to surface from the application's accept).
+        if let Err(v) = crate::proto::conn::check_peer_handshake(&hs, lsock.ty, &lsock.opts) {
+            tracing::warn!(%peer, %v, "refusing a connection request");
+            if !matches!(v, Violation::SocketTypeMismatch { .. }) {
+                self.stats.violations += 1;
+            }
+            self.stats.dropped_before_accept += 1;
             self.transport.reject(request);
             return;
         }
-        let Some(l) = lsock.listening.as_mut() else {
+        let Some(l) = lsock.listening.as_ref() else {
             self.transport.reject(request);
             return;
         };
-        if let Some(ticket) = l.accepts.pop_front() {
-            self.accept_request(lsid, request, peer, hs, ticket);
-        } else if l.backlog.len() < lsock.opts.backlog as usize {
-            let now = self.clock.now();
-            l.backlog.push_back((request, peer, hs, now));
-            // One timer per listener, at the oldest waiting request's expiry (`expire_backlog` moves it on).
-            self.timers
-                .set_earliest(lsid, TimerKind::Backlog, now + self.connect_timeout);
-            self.check_polls(lsid);
+        // The backlog bounds what the listener holds for the application: connections being set up, and
+        // established ones not yet accepted (TCP's SYN and accept queues).
+        if l.pending.len() + l.ready.len() < lsock.opts.backlog as usize {
+            self.accept_request(lsid, request, peer, hs);
         } else {
             tracing::debug!(%peer, "backlog full, rejecting");
+            self.stats.refused_backlog_full += 1;
             self.transport.reject(request);
         }
     }
 
+    /// Sets an incoming connection up for its listener (no application has it yet: see [`Listening`]).
     pub(super) fn accept_request(
         &mut self,
         lsid: SocketId,
         request: RequestId,
         peer: SocketAddr,
         hs: Handshake,
-        ticket: Ticket,
     ) {
         let Some(l) = self.sockets.get(&lsid) else {
             return;
@@ -153,38 +130,50 @@ impl Engine {
         let mut conn = match self.build_conn(ep, ty, &opts) {
             Ok(c) => c,
             Err(e) => {
+                tracing::warn!(%peer, %e, "cannot set an incoming connection up; refusing it");
                 self.transport.reject(request);
                 self.release_endpoint(ep);
-                ticket.complete(Err(OpError::Transport(e)), 0, EventFlags::default());
+                self.stats.dropped_before_accept += 1;
                 return;
             }
         };
         let recvs = match conn.link.initial_recvs() {
             Ok(r) => r,
             Err(v) => {
+                tracing::warn!(%peer, %v, "refusing an incoming connection");
                 self.transport.reject(request);
                 drop(conn);
                 self.release_endpoint(ep);
-                ticket.complete(Err(OpError::PeerMisbehaved(v)), 0, EventFlags::default());
+                self.stats.dropped_before_accept += 1;
                 return;
             }
         };
         let private = conn.local.encode();
         if let Err(e) = self.transport.accept(request, ep, &private, recvs) {
+            tracing::debug!(%peer, %e, "accepting an incoming connection failed");
             drop(conn);
             self.release_endpoint(ep);
-            ticket.complete(Err(OpError::Transport(e)), 0, EventFlags::default());
+            self.stats.dropped_before_accept += 1;
             return;
         }
         let mut sock = Sock::new(ty, opts);
         sock.bound = bound;
         sock.phase = Phase::Accepting;
         sock.conn = Some(conn);
-        sock.ticket = Some(ticket);
         sock.peer_hs = Some(hs);
         sock.peer_addr = Some(peer);
+        // The listener's until established: gone without a trace if it fails before (`remove_socket` counts it).
+        sock.user_closed = true;
+        sock.listener = Some(lsid);
         self.sockets.insert(sid, sock);
         self.eps.insert(ep, sid);
+        if let Some(l) = self
+            .sockets
+            .get_mut(&lsid)
+            .and_then(|l| l.listening.as_mut())
+        {
+            l.pending.insert(sid);
+        }
         // A peer that never completes the connection does not hold the endpoint forever.
         let at = self.clock.now() + self.connect_timeout;
         self.timers.set(sid, TimerKind::ConnectTimeout, Some(at));
@@ -239,22 +228,55 @@ impl Engine {
         let ticket = sock.ticket.take();
         let early = std::mem::take(&mut sock.early);
         if let Some(t) = ticket {
-            if passive {
-                match self.ctx.upgrade() {
-                    Some(inner) => t.complete_accept(crate::socket::Socket::from_engine(
-                        Context::from_inner(inner),
-                        sid,
-                    )),
-                    None => t.complete(Err(OpError::Cancelled), 0, EventFlags::default()),
-                }
-            } else {
-                t.complete(Ok(()), 0, EventFlags::default());
-            }
+            t.complete(Ok(()), 0, EventFlags::default());
+        }
+        if passive {
+            self.established_for_listener(sid);
         }
         for c in early {
             self.handle_completion(sid, c);
         }
         self.mark(sid);
+    }
+
+    /// An incoming connection is established: the first accept waiting takes it, or it waits for one (the
+    /// application owns it from here: a failure now is the application's to see).
+    fn established_for_listener(&mut self, sid: SocketId) {
+        let Some(lsid) = self.sockets.get_mut(&sid).and_then(|s| {
+            s.user_closed = false;
+            s.listener
+        }) else {
+            return;
+        };
+        let Some(l) = self
+            .sockets
+            .get_mut(&lsid)
+            .and_then(|l| l.listening.as_mut())
+        else {
+            return;
+        };
+        l.pending.remove(&sid);
+        match l.accepts.pop_front() {
+            Some(ticket) => self.hand_over(ticket, sid),
+            None => {
+                l.ready.push_back(sid);
+                self.check_polls(lsid);
+            }
+        }
+    }
+
+    /// Completes an accept with an established incoming connection.
+    pub(super) fn hand_over(&mut self, ticket: Ticket, sid: SocketId) {
+        if let Some(s) = self.sockets.get_mut(&sid) {
+            s.listener = None;
+        }
+        match self.ctx.upgrade() {
+            Some(inner) => ticket.complete_accept(crate::socket::Socket::from_engine(
+                Context::from_inner(inner),
+                sid,
+            )),
+            None => ticket.complete(Err(OpError::Cancelled), 0, EventFlags::default()),
+        }
     }
 
     pub(super) fn on_disconnected(&mut self, ep: EndpointId) {

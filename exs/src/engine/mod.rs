@@ -68,8 +68,12 @@ pub struct EngineStats {
     pub trusted_keys: u64,
     /// Connection requests refused because the context held `ContextOptions::max_connections` already.
     pub refused_over_limit: u64,
-    /// Connection requests that waited in a backlog longer than the connect timeout and were refused.
-    pub expired_requests: u64,
+    /// Connection requests refused because the listener's backlog (connections being set up, and established
+    /// ones not yet accepted) was full.
+    pub refused_backlog_full: u64,
+    /// Incoming connections that failed, went silent or broke the handshake before they were established, and
+    /// requests refused for a bad handshake: ended inside, never handed to an `accept`.
+    pub dropped_before_accept: u64,
     /// Device-visible memory the connections hold now: control send and receive slots and stream buffers
     /// (these only once the peer first needed one). The shared pool is counted in `pool`.
     pub connection_bytes: u64,
@@ -107,12 +111,17 @@ enum Phase {
     Down,
 }
 
+/// A listening socket: like TCP's, it sets incoming connections up on its own, and an `accept` takes one only once
+/// it is established. A connection that fails or goes silent on the way never reaches the application.
 #[derive(Debug)]
 struct Listening {
     listener: ListenerId,
+    /// The application's accepts waiting for a connection.
     accepts: VecDeque<Ticket>,
-    /// Requests waiting for an accept, with when they came (they expire after the connect timeout).
-    backlog: VecDeque<(RequestId, SocketAddr, Handshake, Instant)>,
+    /// Connections being set up (accepted at the transport, not yet established): the listener's own.
+    pending: std::collections::HashSet<SocketId>,
+    /// Established connections waiting for an accept.
+    ready: VecDeque<SocketId>,
 }
 
 #[derive(Debug)]
@@ -142,8 +151,11 @@ struct Sock {
     shut_write: bool,
     /// Pending polls and what each waits for.
     polls: Vec<(Ticket, Readiness)>,
-    /// The application closed the socket; the entry goes away once the connection is gone.
+    /// The application closed the socket (or never had it: a connection its listener is still setting up); the
+    /// entry goes away once the connection is gone.
     user_closed: bool,
+    /// The listener this incoming connection belongs to until an `accept` hands it to the application.
+    listener: Option<SocketId>,
 }
 
 impl Sock {
@@ -166,6 +178,7 @@ impl Sock {
             shut_write: false,
             polls: Vec::new(),
             user_closed: false,
+            listener: None,
         }
     }
 
@@ -471,9 +484,6 @@ impl Engine {
                     for t in l.accepts {
                         t.complete(Err(err.clone()), 0, EventFlags::default());
                     }
-                    for (request, _, _, _) in l.backlog {
-                        self.transport.reject(request);
-                    }
                     self.listeners.remove(&l.listener);
                     self.transport.close_listener(l.listener);
                 }
@@ -648,7 +658,6 @@ impl Engine {
                     self.fail_connect(sid, OpError::TimedOut);
                 }
             }
-            TimerKind::Backlog => self.expire_backlog(sid, now),
             TimerKind::Proto => {
                 if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
                     conn.handle_timeout(now);
@@ -659,9 +668,18 @@ impl Engine {
         }
     }
 
-    /// Forgets a socket that is gone, with its timers.
+    /// Forgets a socket that is gone, with its timers. An incoming connection that goes before it was established
+    /// leaves its listener, counted: nobody else ever hears of it.
     fn remove_socket(&mut self, sid: SocketId) {
-        self.sockets.remove(&sid);
+        if let Some(lsid) = self.sockets.remove(&sid).and_then(|s| s.listener) {
+            let l = self
+                .sockets
+                .get_mut(&lsid)
+                .and_then(|l| l.listening.as_mut());
+            if l.is_some_and(|l| l.pending.remove(&sid)) {
+                self.stats.dropped_before_accept += 1;
+            }
+        }
         self.timers.forget(sid);
     }
 

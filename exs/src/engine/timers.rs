@@ -20,8 +20,6 @@ pub(crate) enum TimerKind {
     Linger,
     /// A connect or an accept must finish by then.
     ConnectTimeout,
-    /// A listener's oldest waiting request expires.
-    Backlog,
     /// The connection's protocol needs attention ([`crate::proto::conn::Conn::handle_timeout`]).
     Proto,
 }
@@ -68,7 +66,6 @@ impl Timers {
         for kind in [
             TimerKind::Linger,
             TimerKind::ConnectTimeout,
-            TimerKind::Backlog,
             TimerKind::Proto,
         ] {
             self.set(sid, kind, None);

@@ -34,6 +34,45 @@ pub(crate) struct Timing {
     pub keepalive: Option<Duration>,
 }
 
+/// Checks a peer's handshake against a socket of type `ty` with `opts` (what [`Conn::establish`] would refuse), so
+/// that a listener refuses a bad request before it sets a connection up for it.
+pub(crate) fn check_peer_handshake(
+    peer: &Handshake,
+    ty: SockType,
+    opts: &SocketOptions,
+) -> Result<(), Violation> {
+    let ours = match ty {
+        SockType::SeqPacket => WireSockType::SeqPacket,
+        SockType::Stream => WireSockType::Stream,
+    };
+    if peer.sock_type != ours {
+        return Err(Violation::SocketTypeMismatch {
+            ours: ty.name(),
+            theirs: match peer.sock_type {
+                WireSockType::SeqPacket => "seqpacket",
+                WireSockType::Stream => "stream",
+            },
+        });
+    }
+    if u32::from(peer.ctrl_window) < MIN_WINDOW {
+        return Err(Violation::Handshake(format!(
+            "control window {} is below the minimum {MIN_WINDOW}",
+            peer.ctrl_window
+        )));
+    }
+    match ty {
+        SockType::SeqPacket => {
+            if opts.send_credits.min(peer.recv_credits) == 0
+                || opts.recv_credits.min(peer.send_credits) == 0
+            {
+                return Err(Violation::Handshake("zero advert credits".into()));
+            }
+        }
+        SockType::Stream => crate::proto::stream::check_peer_ring(peer)?,
+    }
+    Ok(())
+}
+
 /// The socket-type protocol, chosen when the handshake completes.
 #[derive(Debug)]
 pub(crate) enum Mode {
@@ -132,25 +171,7 @@ impl Conn {
         now: Instant,
     ) -> Result<(), Violation> {
         let delay_acks = !self.timing.ack_delay.is_zero();
-        let ours = match self.sock_type {
-            SockType::SeqPacket => WireSockType::SeqPacket,
-            SockType::Stream => WireSockType::Stream,
-        };
-        if peer.sock_type != ours {
-            return Err(Violation::SocketTypeMismatch {
-                ours: self.sock_type.name(),
-                theirs: match peer.sock_type {
-                    WireSockType::SeqPacket => "seqpacket",
-                    WireSockType::Stream => "stream",
-                },
-            });
-        }
-        if u32::from(peer.ctrl_window) < MIN_WINDOW {
-            return Err(Violation::Handshake(format!(
-                "control window {} is below the minimum {MIN_WINDOW}",
-                peer.ctrl_window
-            )));
-        }
+        check_peer_handshake(peer, self.sock_type, opts)?;
         self.link
             .start(u32::from(peer.ctrl_window), usize::from(peer.slot_size));
         let room = Link::inline_room(peer.slot_size);

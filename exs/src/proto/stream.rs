@@ -288,6 +288,18 @@ fn ring_fits(addr: u64, len: u64) -> Result<(), String> {
 /// and posted nothing since.
 pub(crate) const WINDOW_HOLD: std::time::Duration = std::time::Duration::from_millis(10);
 
+/// The peer's stream buffer as its handshake describes it must be usable: large enough, and every address we will
+/// write at (its start plus an offset below its length) must exist.
+pub(crate) fn check_peer_ring(peer: &Handshake) -> Result<(), Violation> {
+    if peer.stream_len < 64 {
+        return Err(Violation::Handshake(format!(
+            "stream buffer of {} bytes is too small",
+            peer.stream_len
+        )));
+    }
+    ring_fits(peer.stream_addr, u64::from(peer.stream_len)).map_err(Violation::Handshake)
+}
+
 impl StreamProto {
     pub(crate) fn new(
         setup: StreamSetup,
@@ -296,14 +308,7 @@ impl StreamProto {
         limits: Limits,
         defer_windows: bool,
     ) -> Result<Self, Violation> {
-        if peer.stream_len < 64 {
-            return Err(Violation::Handshake(format!(
-                "stream buffer of {} bytes is too small",
-                peer.stream_len
-            )));
-        }
-        // Every address we will write at (the buffer's start plus an offset below its length) must exist.
-        ring_fits(peer.stream_addr, u64::from(peer.stream_len)).map_err(Violation::Handshake)?;
+        check_peer_ring(peer)?;
         Ok(StreamProto {
             rx: Rx {
                 ring: None,

@@ -439,6 +439,11 @@ impl World {
         lock(&self.net).hosts[host].panic_next_poll = true;
     }
 
+    /// The host a raw transport of [`World::raw_host`] plays (for [`World::kill`] and friends).
+    pub fn host_of(&self, t: &SimTransport) -> usize {
+        t.host
+    }
+
     /// The host vanishes (process killed): its endpoints disappear and its peers see a disconnect after the
     /// detection delay; its remote keys stop answering.
     pub fn kill(&self, host: usize) {

@@ -234,8 +234,8 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
         n / 2
     );
 
-    // A listener whose backlog is full and which never accepts: `BACKLOG` connects wait in it, the others are
-    // refused.
+    // A listener whose backlog is full and which never accepts: `BACKLOG` connections wait in it, established (as
+    // TCP's accept queue holds them), the others are refused.
     const BACKLOG: usize = 4;
     let l = Socket::new(&server, SockType::SeqPacket).map_err(|e| e.to_string())?;
     l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
@@ -247,6 +247,17 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     // The listener, and per waiting connect its request and the connecting side: all that may be held.
     let bound = listening.total() + 2 * BACKLOG;
     let mut c = Connects::new();
+    let mut waiting = Vec::new();
+    for _ in 0..BACKLOG {
+        c.start(&client, addr)?;
+        let ev = next(&c.eq)?;
+        let s = c
+            .live
+            .remove(&ev.context)
+            .ok_or_else(|| format!("an event of no connect: {ev:?}"))?;
+        ensure!(ev.is_ok(), "a connect within the backlog: {ev:?}");
+        waiting.push(s);
+    }
     let mut most = listening;
     let mut issued = 0;
     while issued < n / 2 {
@@ -255,10 +266,8 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
             c.start(&client, addr)?;
         }
         issued += batch;
-        // All but the ones waiting in the backlog end. A connect waiting there may give up first (its connect
-        // timeout, in a slow guest): its request stays in the backlog until the listener closes.
-        while c.live.len() > BACKLOG {
-            c.end_one("connect to a listener with a full backlog", true)?;
+        while !c.live.is_empty() {
+            c.end_one("connect to a listener with a full backlog", false)?;
         }
         let h = settle(port, bound);
         if h.total() > most.total() {
@@ -271,10 +280,10 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
             c.ended
         );
     }
-    // Closing the listener refuses the connects waiting in its backlog.
+    // Closing the listener ends the connections waiting in its backlog (nobody accepted them).
     l.close().map_err(|e| e.to_string())?;
-    while !c.live.is_empty() {
-        c.end_one("connect waiting in a closed listener's backlog", true)?;
+    for s in waiting {
+        let _ = s.close();
     }
     let after = settle(port, 0);
     ensure!(

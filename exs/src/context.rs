@@ -108,6 +108,14 @@ pub struct ContextOptions {
     /// How memory is exposed to peers: a key per operation (the default), or UNH-EXS's key per region and
     /// connection for peers that trust each other ([`crate::ExposurePolicy`]).
     pub exposure: crate::ExposurePolicy,
+    /// Bytes of device-visible memory (registered, pinned on hardware) the context's connections may hold in
+    /// all: their control buffers and their stream buffers. A connection whose control buffers do not fit is
+    /// refused (incoming: the peer sees a refusal; outgoing: `connect` fails with `TransportError::Resource`); a
+    /// stream buffer that does not fit is not allocated, and the connection goes on with direct transfers into
+    /// the receives it advertises, retrying at its next receive. Memory regions the application allocates are its
+    /// own and not counted. Default 1 GiB (about a thousand stream connections moving data at once with the
+    /// default 1 MiB stream buffer).
+    pub memory_budget: u64,
 }
 
 /// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
@@ -153,6 +161,7 @@ impl Default for ContextOptions {
             keepalive: Some(Duration::from_secs(10)),
             max_connections: 16_384,
             exposure: crate::ExposurePolicy::PerOperation,
+            memory_budget: 1 << 30,
         }
     }
 }

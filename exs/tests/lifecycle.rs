@@ -896,3 +896,71 @@ fn a_late_acknowledgment_after_the_peer_stopped_receiving_is_no_violation() {
         "the sends ended with {sent:?}"
     );
 }
+
+/// Issue 27: the context's memory budget bounds what its connections hold. A connection whose control buffers do
+/// not fit is refused, incoming (the peer sees a refusal, counted as dropped before accept) and outgoing (`connect`
+/// fails with a resource error), and a closed connection gives its share back.
+#[test_log::test]
+fn connections_beyond_the_memory_budget_are_refused() {
+    let world = World::threaded(SimConfig::default());
+    let server = world.host_with({
+        let mut o = exs::ContextOptions::default();
+        o.memory_budget = 64 << 10;
+        o
+    });
+    let client = world.host();
+    let l = Socket::new(&server, SockType::Stream).unwrap();
+    l.bind(world.addr(0, 7500)).unwrap();
+    let addr = l.listen(64).unwrap();
+    let ceq = EventQueue::new(64);
+    let mut up = Vec::new();
+    let mut refused = 0;
+    for i in 0..16 {
+        let c = Socket::new(&client, SockType::Stream).unwrap();
+        c.connect(addr, &ceq, i).unwrap();
+        let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+        if ev.is_ok() {
+            up.push(c);
+        } else {
+            assert_eq!(ev.status, Err(OpError::Refused), "{ev:?}");
+            refused += 1;
+        }
+    }
+    let held = server.stats().connection_bytes;
+    assert!(held <= 64 << 10, "{held} bytes held beyond the budget");
+    assert!(
+        !up.is_empty() && refused > 0,
+        "{} up, {refused} refused",
+        up.len()
+    );
+    assert_eq!(server.stats().dropped_before_accept, refused);
+    // Outgoing: the server's own connect beyond its budget fails at once.
+    let l2 = Socket::new(&client, SockType::Stream).unwrap();
+    l2.bind(world.addr(1, 7501)).unwrap();
+    let addr2 = l2.listen(4).unwrap();
+    let s = Socket::new(&server, SockType::Stream).unwrap();
+    let err = s.connect(addr2, &ceq, 99).unwrap_err();
+    assert!(err.to_string().contains("memory budget"), "{err}");
+    // A closed connection gives its share back: one more fits.
+    let seq = EventQueue::new(8);
+    l.accept(&seq, 0).unwrap();
+    let accepted = seq
+        .next(Some(Duration::from_secs(10)))
+        .unwrap()
+        .accepted
+        .take()
+        .unwrap();
+    accepted.abort().unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while server.stats().connection_bytes >= held {
+        assert!(
+            std::time::Instant::now() < until,
+            "the closed connection kept its memory"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let c = Socket::new(&client, SockType::Stream).unwrap();
+    c.connect(addr, &ceq, 100).unwrap();
+    let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+    assert!(ev.is_ok(), "{ev:?}");
+}

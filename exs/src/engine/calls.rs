@@ -29,32 +29,44 @@ impl Engine {
         let window = u32::from(opts.effective_window(ty));
         let small = opts.small_packet_max_size as usize;
         let pooled = self.pool_slot_size()?;
-        let (rx, slot) = match pooled {
+        // Coalescing (issue 12): a message-mode buffer holds several immediate messages of the largest size, so
+        // that a burst of them shares sends and buffers.
+        let per_buffer = if opts.coalesce && ty == SockType::SeqPacket {
+            PACKED_PER_BUFFER
+        } else {
+            1
+        };
+        let slot = pooled.unwrap_or_else(|| ctrl_slot_size(small, per_buffer));
+        let tx_count = window.max(16);
+        let bytes = pooled.map_or(slot * window as usize, |_| 0)
+            + TX_SLOT * tx_count as usize
+            + if opts.coalesce {
+                slot * PACK_SLOTS as usize
+            } else {
+                0
+            };
+        let charge = self.budget.charge(bytes as u64).ok_or_else(|| {
+            TransportError::Resource(format!(
+                "the context's memory budget ({} bytes, {} held) cannot hold another connection's {bytes} bytes of \
+                 control buffers",
+                self.budget.limit(),
+                self.budget.held()
+            ))
+        })?;
+        let rx = match pooled {
             // Seed 003: every buffer of the shared pool has the context's one slot size; the connection owns none.
-            Some(slot) => (Err((window, slot)), slot),
+            Some(slot) => Err((window, slot)),
             None => {
-                // Coalescing (issue 12): a message-mode buffer holds several immediate messages of the largest
-                // size, so that a burst of them shares sends and buffers.
-                let per_buffer = if opts.coalesce && ty == SockType::SeqPacket {
-                    PACKED_PER_BUFFER
-                } else {
-                    1
-                };
-                let slot = ctrl_slot_size(small, per_buffer);
                 let rx_buf = DmaBuf::new(slot * window as usize);
                 let rx_reg = self.register(&rx_buf)?;
-                (
-                    Ok(Slots {
-                        buf: rx_buf,
-                        reg: rx_reg,
-                        size: slot,
-                        count: window,
-                    }),
-                    slot,
-                )
+                Ok(Slots {
+                    buf: rx_buf,
+                    reg: rx_reg,
+                    size: slot,
+                    count: window,
+                })
             }
         };
-        let tx_count = window.max(16);
         let tx_buf = DmaBuf::new(TX_SLOT * tx_count as usize);
         let tx_reg = self.register(&tx_buf)?;
         // Coalescing (issue 12): pack buffers as large as our own receive buffers (the peer's usually match).
@@ -109,15 +121,13 @@ impl Engine {
             native_imm: self.caps.native_write_imm,
         };
         self.stats.ctrl_recv_bytes += link_rx_bytes(&link);
-        Ok(Conn::new(
-            ep,
-            ty,
-            link,
-            local,
-            self.limits(),
-            stream_setup,
-            self.timing(),
-        ))
+        let setup = crate::proto::conn::Setup {
+            limits: self.limits(),
+            timing: self.timing(),
+            stream: stream_setup,
+            charge,
+        };
+        Ok(Conn::new(ep, ty, link, local, setup))
     }
 
     /// The shared pool's slot size when connections use the pool (creating the pool at the first connection),
@@ -570,7 +580,15 @@ impl Engine {
         }
         s.polls
             .push((ticket.take().expect("ticket given"), interest));
+        // Waiting to read is reading: a stream buffer the peer asked for now serves data (as a receive does).
+        if interest.readable {
+            if let Some(st) = s.conn.as_mut().and_then(|c| c.stream()) {
+                st.reading();
+                self.mark(sid);
+            }
+        }
         self.check_polls(sid);
+        self.flush_dirty();
         Ok(())
     }
 

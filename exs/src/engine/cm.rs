@@ -212,7 +212,7 @@ impl Engine {
         if opts.stream_buffer_eager {
             if let Some(st) = conn.stream() {
                 // As if the peer had asked: the buffer and its STREAM_RING go with the first flush.
-                st.on_ring_wanted();
+                st.want_ring_now();
             }
         }
         let Some(sock) = self.sockets.get_mut(&sid) else {

@@ -75,8 +75,12 @@ pub struct EngineStats {
     /// requests refused for a bad handshake: ended inside, never handed to an `accept`.
     pub dropped_before_accept: u64,
     /// Device-visible memory the connections hold now: control send and receive slots and stream buffers
-    /// (these only once the peer first needed one). The shared pool is counted in `pool`.
+    /// (these only once the peer needed one and the application reads). The shared pool is counted in `pool`.
+    /// What [`crate::ContextOptions::memory_budget`] bounds.
     pub connection_bytes: u64,
+    /// Stream buffers a peer asked for that the memory budget could not hold (the connection went on with direct
+    /// transfers only).
+    pub rings_refused: u64,
     /// Times the transport was armed before a sleep (a system call or several on software providers).
     pub arms: u64,
     /// Times the connection-event channel was read (a system call on software providers).
@@ -227,6 +231,8 @@ pub(crate) struct Engine {
     /// Where the protocol reports completions (see [`crate::proto::op`]).
     outbox: Outbox,
     done: Vec<Done>,
+    /// What the connections' device-visible memory is charged against.
+    budget: crate::budget::Budget,
     /// How operations' memory is exposed, and the trusted policy's keys.
     exposure: ExposurePolicy,
     trusted: TrustedKeys,
@@ -263,6 +269,7 @@ impl Engine {
             connect_timeout: opts.connect_timeout,
             max_connections: opts.max_connections,
             exposure: opts.exposure,
+            budget: crate::budget::Budget::new(opts.memory_budget),
             trusted: TrustedKeys::default(),
             ack_delay: opts.ack_delay,
             keepalive: opts.keepalive,
@@ -295,12 +302,7 @@ impl Engine {
 
     pub(crate) fn stats(&self) -> EngineStats {
         let mut s = self.stats;
-        s.connection_bytes = self
-            .sockets
-            .values()
-            .filter_map(|s| s.conn.as_ref())
-            .map(|c| c.memory_bytes())
-            .sum();
+        s.connection_bytes = self.budget.held();
         if let PoolState::On(p) = &self.pool {
             s.pool = Some(p.stats());
         }
@@ -336,6 +338,38 @@ impl Engine {
         ep: EndpointId,
         len: usize,
     ) -> Result<(), TransportError> {
+        let reading = self
+            .sockets
+            .get_mut(&sid)
+            .and_then(|s| s.conn.as_mut())
+            .and_then(|c| c.stream())
+            .is_some_and(|st| st.is_reading());
+        // Under pressure (half the budget held), a connection whose application does not read yet waits: its
+        // peer's data would only sit in the buffer (it is asked again at every flush, and given once it reads).
+        if !reading && self.budget.held() + len as u64 > self.budget.limit() / 2 {
+            return Ok(());
+        }
+        let Some(charge) = self.budget.charge(len as u64) else {
+            // Issue 27: the peer's wish does not outgrow the context: the connection goes on with direct transfers
+            // into advertised receives, and asks the budget again at its next receive.
+            tracing::debug!(
+                ?sid,
+                len,
+                held = self.budget.held(),
+                limit = self.budget.limit(),
+                "memory budget: no stream buffer"
+            );
+            self.stats.rings_refused += 1;
+            if let Some(st) = self
+                .sockets
+                .get_mut(&sid)
+                .and_then(|s| s.conn.as_mut())
+                .and_then(|c| c.stream())
+            {
+                st.ring_refused();
+            }
+            return Ok(());
+        };
         let buf = DmaBuf::try_new(len).ok_or_else(|| {
             TransportError::Invalid(format!("cannot allocate a stream buffer of {len} bytes"))
         })?;
@@ -347,7 +381,7 @@ impl Engine {
         if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
             let link = &mut conn.link;
             if let Some(crate::proto::conn::Mode::Stream(st)) = conn.mode.as_mut() {
-                st.set_local_ring(exposure, buf, reg, link);
+                st.set_local_ring(exposure, buf, reg, charge, link);
             }
         }
         Ok(())

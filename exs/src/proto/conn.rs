@@ -133,6 +133,18 @@ pub(crate) struct Conn {
     ack_at: Option<Instant>,
     /// When the next keepalive check is due.
     keepalive_at: Option<Instant>,
+    /// What the control buffers cost the context's memory budget, given back with the connection.
+    _charge: crate::budget::Charge,
+}
+
+/// What a connection starts from besides its link: the transport's limits, the protocol's timings, its stream
+/// buffer's setup (stream sockets) and what its buffers cost the memory budget.
+#[derive(Debug)]
+pub(crate) struct Setup {
+    pub limits: Limits,
+    pub timing: Timing,
+    pub stream: Option<StreamSetup>,
+    pub charge: crate::budget::Charge,
 }
 
 impl Conn {
@@ -141,9 +153,7 @@ impl Conn {
         sock_type: SockType,
         link: Link,
         local: Handshake,
-        limits: Limits,
-        stream_setup: Option<StreamSetup>,
-        timing: Timing,
+        setup: Setup,
     ) -> Self {
         Conn {
             ep,
@@ -151,14 +161,15 @@ impl Conn {
             link,
             local,
             mode: None,
-            limits,
-            stream_setup,
+            limits: setup.limits,
+            stream_setup: setup.stream,
             close_queued: false,
             closing: false,
             shutdown: None,
-            timing,
+            timing: setup.timing,
             ack_at: None,
             keepalive_at: None,
+            _charge: setup.charge,
         }
     }
 
@@ -653,16 +664,6 @@ impl Conn {
             Some(Mode::Stream(s)) => s.fail(err),
             None => {}
         }
-    }
-
-    /// Bytes of device-visible memory this connection holds of its own: control send and receive slots, and its
-    /// stream buffer once allocated.
-    pub(crate) fn memory_bytes(&self) -> u64 {
-        let ring = match &self.mode {
-            Some(Mode::Stream(s)) => s.ring_bytes(),
-            _ => 0,
-        };
-        self.link.own_rx_bytes() as u64 + self.link.tx_bytes() as u64 + ring
     }
 
     /// Fails the receiving side's operations only.

@@ -330,12 +330,6 @@ impl Link {
         self.rx.as_ref().map_or(0, |s| s.size * s.count as usize)
     }
 
-    /// Bytes of control send slots and pack buffers.
-    pub(crate) fn tx_bytes(&self) -> usize {
-        let pack = self.pack.as_ref().map_or(0, |p| p.size * p.count as usize);
-        self.tx.size * self.tx.count as usize + pack
-    }
-
     /// Receives to post before the connection comes up: every own receive slot (none with the shared pool).
     pub(crate) fn initial_recvs(&mut self) -> Result<Vec<WorkRequest>, Violation> {
         match &self.rx {

@@ -167,6 +167,8 @@ struct LocalRing {
     _exposure: Box<dyn Exposure>,
     buf: Arc<DmaBuf>,
     _reg: Arc<dyn Registration>,
+    /// What it costs the context's memory budget.
+    _charge: crate::budget::Charge,
 }
 
 #[derive(Debug)]
@@ -206,6 +208,11 @@ struct Rx {
     ring: Option<LocalRing>,
     /// The peer asked for the stream buffer (the engine allocates it; see [`StreamProto::ring_needed`]).
     ring_wanted: bool,
+    /// Our application reads (a receive, or a poll for readability): the buffer serves data now (see
+    /// [`StreamProto::ring_needed`]).
+    reading: bool,
+    /// The memory budget could not hold it; asked again at the next receive.
+    ring_refused: bool,
     ring_len: u64,
     /// Bytes copied out of the stream buffer (cumulative).
     head: u64,
@@ -313,6 +320,8 @@ impl StreamProto {
             rx: Rx {
                 ring: None,
                 ring_wanted: false,
+                reading: false,
+                ring_refused: false,
                 ring_len: setup.len as u64,
                 head: 0,
                 tail: 0,
@@ -366,8 +375,26 @@ impl StreamProto {
 
     /// The length of stream buffer to allocate, register and expose (seed 001: the peer writes it at any time,
     /// so the lease is of the shared device-write kind), once the peer asked for it and until it is set.
+    ///
+    /// Issue 27: a peer's STREAM_RING_WANTED (16 bytes) used to make every connection allocate and pin its whole
+    /// buffer, with nothing bounding them all. The engine now charges it to the context's memory budget, and under
+    /// pressure gives it only to connections whose application reads ([`StreamProto::is_reading`]; before that
+    /// the peer's data would only wait in it). Without it the peer sends directly into the receives we advertise
+    /// (seed 001), as it does whenever it has an advertisement.
     pub(crate) fn ring_needed(&self) -> Option<usize> {
-        (self.rx.ring_wanted && self.rx.ring.is_none()).then_some(self.rx.ring_len as usize)
+        let rx = &self.rx;
+        (rx.ring_wanted && !rx.ring_refused && rx.ring.is_none()).then_some(rx.ring_len as usize)
+    }
+
+    /// Whether our application reads on this connection (see [`StreamProto::reading`]).
+    pub(crate) fn is_reading(&self) -> bool {
+        self.rx.reading
+    }
+
+    /// The memory budget could not hold the stream buffer: the connection goes on without it until our next
+    /// receive.
+    pub(crate) fn ring_refused(&mut self) {
+        self.rx.ring_refused = true;
     }
 
     /// Our stream buffer is allocated and exposed: its address and key go to the peer (STREAM_RING).
@@ -376,6 +403,7 @@ impl StreamProto {
         exposure: Box<dyn Exposure>,
         buf: Arc<DmaBuf>,
         reg: Arc<dyn Registration>,
+        charge: crate::budget::Charge,
         link: &mut Link,
     ) {
         let r = exposure.remote();
@@ -383,6 +411,7 @@ impl StreamProto {
             _exposure: exposure,
             buf,
             _reg: reg,
+            _charge: charge,
         });
         link.push_ctrl(
             Body::StreamRing {
@@ -399,13 +428,18 @@ impl StreamProto {
         self.rx.ring_wanted = true;
     }
 
-    /// Bytes of stream buffer this connection holds (none until the peer asked for it).
-    pub(crate) fn ring_bytes(&self) -> u64 {
-        if self.rx.ring.is_some() {
-            self.rx.ring_len
-        } else {
-            0
-        }
+    /// Our application reads (a receive, or a poll for readability): a stream buffer the peer asked for now serves
+    /// data; one the memory budget refused is asked for again.
+    pub(crate) fn reading(&mut self) {
+        self.rx.reading = true;
+        self.rx.ring_refused = false;
+    }
+
+    /// The socket wants its stream buffer at once (`SocketOption::StreamBufferEager`): as if the peer had asked
+    /// and the application were reading.
+    pub(crate) fn want_ring_now(&mut self) {
+        self.rx.ring_wanted = true;
+        self.rx.reading = true;
     }
 
     /// The peer's STREAM_RING: its stream buffer's address and key, once (only when the handshake carried none).

@@ -35,6 +35,10 @@ pub fn cases() -> Vec<Case> {
             "hostile_vanishing_requests_do_not_hold_accept",
             vanishing_requests,
         ),
+        c(
+            "hostile_stream_buffer_requests_stay_within_the_memory_budget",
+            ring_requests_within_budget,
+        ),
         c("hostile_truncated_control_message", truncated_message),
         c("hostile_garbage_control_message", garbage_message),
         c(
@@ -828,4 +832,44 @@ fn vanishing_requests(b: &dyn Backend) -> Result<(), String> {
         v.listener.accept(&v.eq, 2).map_err(|e| e.to_string())?;
     }
     Err("four accepts and none was the honest client".into())
+}
+
+/// Issue 27: one 16-byte STREAM_RING_WANTED made an accepted stream connection allocate, register and expose its
+/// whole 1 MiB stream buffer, with no bound across connections (64 connections took a server from 3.4 MB to 70.5
+/// MB; at the connection cap, 16 GiB of pinned memory). Now stream buffers are charged to the context's memory
+/// budget: past half of it only connections whose application reads get one, past all of it none (their peers
+/// send directly into advertised receives). 64 crafted peers each ask for a buffer; the victim holds no more
+/// than its budget, and an honest client that the server reads from still moves its data.
+fn ring_requests_within_budget(b: &dyn Backend) -> Result<(), String> {
+    const BUDGET: u64 = 8 << 20;
+    let mut opts = exs::ContextOptions::default();
+    opts.memory_budget = BUDGET;
+    let v = victim_with(b, SockType::Stream, opts)?;
+    let mut peers = Vec::new();
+    for _ in 0..64 {
+        let (raw, s) = v.accept_good()?;
+        peers.push((raw, s));
+    }
+    for (raw, _) in &mut peers {
+        raw.send_msg(&Message::new(Body::StreamRingWanted))?;
+    }
+    // Let every request arrive and be handled.
+    std::thread::sleep(Duration::from_millis(300));
+    let held = v.ctx.stats().connection_bytes;
+    let rings = v.ctx.stats().rings_refused;
+    eprintln!(
+        "HOSTILE {}: 64 connections asked for their stream buffers: {held} bytes of device-visible memory held \
+         (budget {BUDGET}; each buffer is 1 MiB)",
+        v.name
+    );
+    ensure!(
+        held <= BUDGET,
+        "the connections hold {held} bytes, beyond the {BUDGET}-byte budget"
+    );
+    ensure!(
+        rings == 0,
+        "nobody read, yet {rings} buffers were refused (they should wait)"
+    );
+    drop(peers);
+    v.healthy("stream buffer requests", false)
 }

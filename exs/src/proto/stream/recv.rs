@@ -13,6 +13,7 @@ impl StreamProto {
         link: &mut Link,
     ) -> Result<(), Violation> {
         let len = exposure.len();
+        self.reading();
         self.rx.recvs.push_back(RecvOp {
             ticket,
             exposure,

@@ -255,6 +255,9 @@ fn pinger(
             .with_context(|| format!("ping {i}"))?;
         for ev in &evs {
             ev.status.clone().with_context(|| format!("ping {i}"))?;
+            if ev.flags.eof {
+                bail!("ping {i}: the server closed the connection");
+            }
         }
         if evs.len() < want {
             bail!("ping {i}: no answer within 30 s");

@@ -1,16 +1,16 @@
 //! `exs TOOL --server`: serves one client's tests at a time, like iperf3 (two tests at once would measure each
 //! other: the same CPUs, the same link). Every connection gets a thread for its hello (at most
 //! [`MAX_CONNECTIONS`] at once, the rest are refused at once), so a silent or slow client never holds the door:
-//! the first client to say hello gets the server, and any other that says hello meanwhile is told "busy" and let
-//! go. A welcomed client has [`IDLE`] between tests, and each test ends within the server's `--max-seconds` (plus
-//! a minute) whatever the client does.
+//! the first client to say hello gets the server, and any other that says hello meanwhile is told "busy" (after
+//! [`BUSY_WAIT`], in case the running session is ending) and let go. A welcomed client has [`IDLE`] between
+//! tests, and each test ends within the server's `--max-seconds` (plus a few seconds) whatever the client does.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context as _, Result};
@@ -28,6 +28,8 @@ pub const HANDSHAKE: Duration = Duration::from_secs(5);
 pub const IDLE: Duration = Duration::from_secs(15);
 /// Connections handled at once (saying hello, being told "busy", or running tests); more are refused at once.
 pub const MAX_CONNECTIONS: usize = 32;
+/// How long a client that says hello while another's session ends waits for it before it is told "busy".
+const BUSY_WAIT: Duration = Duration::from_secs(1);
 /// What a client hears while another's tests run.
 const BUSY: &str =
     "busy: this server runs one client's tests at a time (tests that share a host measure each \
@@ -76,17 +78,19 @@ pub struct Server<S> {
     chatty: bool,
     /// Prints a JSON line per test served.
     json: bool,
-    /// Whether a client's tests are running (the one slot).
-    testing: AtomicBool,
+    /// Whether a client's tests are running (the one slot), and its release.
+    testing: Mutex<bool>,
+    freed: Condvar,
     connections: AtomicUsize,
 }
 
-/// Frees the slot when the client's session ends, however it ends.
-struct Slot<'a>(&'a AtomicBool);
+/// The server, held by one client's session; freed when the session ends, however it ends.
+struct Slot<'a>(&'a Mutex<bool>, &'a Condvar);
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = false;
+        self.1.notify_one();
     }
 }
 
@@ -125,7 +129,8 @@ impl<S: Service> Server<S> {
             limits,
             chatty,
             json,
-            testing: AtomicBool::new(false),
+            testing: Mutex::new(false),
+            freed: Condvar::new(),
             connections: AtomicUsize::new(0),
         })
     }
@@ -217,13 +222,14 @@ impl<S: Service> Server<S> {
             result: None,
         });
         let r = self.tests(&mut ch, from);
+        // Free before the last word: a client that hears it and comes back at once finds the server free.
+        drop(slot);
         if let Err(e) = &r {
             let _ = ch.send(&Msg::Error {
                 message: format!("{e:#}"),
             });
         }
         drop(ch);
-        drop(slot);
         match (&mut finish, r) {
             (Some(f), r) => f.result = Some(r),
             (None, Ok(n)) => self.log(from, &format!("done ({n} tests)")),
@@ -258,10 +264,7 @@ impl<S: Service> Server<S> {
                 shorten(&h.tool, 40)
             );
         }
-        if self.testing.swap(true, Ordering::AcqRel) {
-            bail!(BUSY);
-        }
-        let slot = Slot(&self.testing);
+        let slot = self.claim().ok_or_else(|| anyhow!(BUSY))?;
         tracing::info!(%from, client_backend = %shorten(&h.backend, 80), "client connected");
         ch.send(&Msg::Welcome {
             version: VERSION,
@@ -269,6 +272,21 @@ impl<S: Service> Server<S> {
             backend: self.host.label.clone(),
         })?;
         Ok(slot)
+    }
+
+    /// Takes the server for one client; waits [`BUSY_WAIT`] for a session that is ending (a client that starts
+    /// as another leaves is served, not told "busy").
+    fn claim(&self) -> Option<Slot<'_>> {
+        let held = self.testing.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut held, _) = self
+            .freed
+            .wait_timeout_while(held, BUSY_WAIT, |held| *held)
+            .unwrap_or_else(|p| p.into_inner());
+        if *held {
+            return None;
+        }
+        *held = true;
+        Some(Slot(&self.testing, &self.freed))
     }
 
     /// Runs the client's tests until it closes the connection; returns how many ran.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use exs::transport::{
-    CmEvent, EndpointId, Op, RemoteAccess, RemoteRef, Sge, Transport, WorkRequest,
+    CmEvent, ConnectFailure, EndpointId, Op, RemoteAccess, RemoteRef, Sge, Transport, WorkRequest,
 };
 use exs_dma::{DmaBuf, LeaseKind};
 
@@ -110,7 +110,9 @@ fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<()> {
     let _ = std::io::stdout().flush();
     let ev = next_cm(&mut *t)?;
     let CmEvent::ConnectRequest { request, .. } = ev else {
-        bail!("expected a connection request, got {ev:?}");
+        bail!(
+            "the client's connection did not arrive (the transport reported another event first)"
+        );
     };
     let w = exposure.remote();
     let mut private = Vec::new();
@@ -148,7 +150,16 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
         .with_context(|| format!("connecting to {addr}"))?;
     let private = match next_cm(&mut *t)? {
         CmEvent::Established { private, .. } => private,
-        other => bail!("connect: {other:?}"),
+        CmEvent::ConnectFailed { reason, .. } => bail!(
+            "connecting to {addr}: {}",
+            match reason {
+                ConnectFailure::Refused(_) => "refused".to_string(),
+                ConnectFailure::Unreachable => "unreachable".into(),
+                ConnectFailure::TimedOut => "no answer".into(),
+                ConnectFailure::Other(why) => why,
+            }
+        ),
+        _ => bail!("connecting to {addr}: the connection was not established"),
     };
     if private.len() < 32 {
         bail!("the raw server sent no key");

@@ -336,9 +336,10 @@ fn exs_client(
         eq.dequeue(&mut events, 1, 64, Some(PATIENCE))
             .context("waiting for completions")?;
         for ev in events.drain(..) {
-            ev.status
-                .clone()
-                .with_context(|| format!("{:?} failed", ev.kind))?;
+            ev.status.clone().context(match ev.kind {
+                EventKind::Recv => "receiving the server's checksum",
+                _ => "sending",
+            })?;
             match ev.kind {
                 EventKind::Recv => got_reply = true,
                 EventKind::Send => {

@@ -78,12 +78,12 @@ pub fn accept_one(
     announce(bound)?;
     l.accept(eq, 0).context("accept")?;
     let ev = wait_watching(eq, watch, "the client's exs connection")?;
-    let s = ev.accepted.ok_or_else(|| {
-        anyhow!(
-            "accepting the client's exs connection failed: {:?}",
-            ev.status
-        )
-    })?;
+    ev.status
+        .clone()
+        .context("accepting the client's exs connection")?;
+    let s = ev
+        .accepted
+        .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))?;
     Ok((l, s))
 }
 

@@ -154,37 +154,4 @@ pub fn usage_error(sub: &str, msg: impl std::fmt::Display) -> clap::Error {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn ranges_refuse_zero_overflow_and_non_numbers() {
-        assert!(seconds("0").is_err());
-        assert!(seconds("-1").is_err());
-        assert!(seconds("nan").is_err());
-        assert!(seconds("inf").is_err());
-        assert!(seconds("1e30").is_err());
-        assert!(seconds("99999999999999999999").is_err());
-        assert_eq!(seconds("0.25"), Ok(0.25));
-        assert_eq!(seconds("86400"), Ok(MAX_SECONDS));
-        assert!(target("10.0.0.5:99999").is_err());
-        assert!(target(":1").is_err());
-        assert_eq!(target("host:7").unwrap(), "host:7");
-        assert_eq!(target("::1").unwrap(), "::1");
-        assert_eq!(fmt_size(16 << 20), "16 MiB");
-        assert_eq!(fmt_size(1000), "1000 B");
-        assert_eq!(fmt_size(0), "0 B");
-        assert_eq!(
-            check_in("--size", 0, &(1..=MAX_MESSAGE)).unwrap_err(),
-            "--size 0 B: from 1 B to 16 MiB"
-        );
-    }
-
-    #[test]
-    fn every_checked_number_of_seconds_is_a_duration() {
-        for s in [f64::MIN_POSITIVE, 1e-9, 0.5, MAX_SECONDS] {
-            check_seconds(s, MAX_SECONDS).unwrap();
-            assert!(duration(s) <= Duration::from_secs(86_400));
-        }
-    }
-}
+mod tests;

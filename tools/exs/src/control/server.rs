@@ -24,8 +24,9 @@ use crate::backend::{BackendArgs, Opened};
 
 /// How long a client has, once connected, to send its hello.
 pub const HANDSHAKE: Duration = Duration::from_secs(5);
-/// How long a welcomed client may stay silent between its tests (it sends the next at once).
-pub const IDLE: Duration = Duration::from_secs(15);
+/// How long a welcomed client may stay silent between its tests (it sends the next as soon as it has summed up
+/// the last: sorting a long ping run's samples takes a few seconds in a debug build).
+pub const IDLE: Duration = Duration::from_secs(30);
 /// Connections handled at once (saying hello, being told "busy", or running tests); more are refused at once.
 pub const MAX_CONNECTIONS: usize = 32;
 /// How long a client that says hello while another's session ends waits for it before it is told "busy".

@@ -150,9 +150,14 @@ impl<S: Service> Server<S> {
             }
             match listener.accept() {
                 Ok((stream, from)) => {
-                    let finish = match once {
-                        true => Some((tx.clone(), wake_tx.try_clone()?)),
-                        false => None,
+                    let finish = match once.then(|| wake_tx.try_clone()) {
+                        None => None,
+                        Some(Ok(wake)) => Some((tx.clone(), wake)),
+                        Some(Err(e)) => {
+                            // Out of descriptors: this connection goes, the server stays.
+                            self.log(from, &format!("dropped: {e}"));
+                            continue;
+                        }
                     };
                     self.admit(stream, from, finish);
                 }

@@ -1,4 +1,4 @@
-//! Completions: each endpoint's completion queue read into exs completions (reclaiming the posted records),
+//! Completions: one endpoint's completion queue read into exs completions (reclaiming the posted records),
 //! provider errors as [`WcError`]s, and waiting (an epoll set over every queue's wait descriptor, `fi_trywait`).
 
 use std::ffi::c_void;
@@ -8,7 +8,7 @@ use exs_transport::{Completed, Completion, EndpointId, Op, TransportError, WcErr
 use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
 
 use crate::connection::Ep;
-use crate::device::{check, err};
+use crate::device::check;
 use crate::ffi::*;
 use crate::post::WrRecord;
 use crate::FabricTransport;
@@ -90,53 +90,6 @@ impl FabricTransport {
             break;
         }
         n
-    }
-
-    /// [`Transport::poll`](exs_transport::Transport::poll): the backlog first, then every endpoint's queue.
-    pub(crate) fn poll_cqs(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
-        let mut n = 0;
-        while n < max {
-            let Some(c) = self.cq_backlog.pop_front() else {
-                break;
-            };
-            out.push(c);
-            n += 1;
-        }
-        if n < max {
-            // The endpoint list is reused from poll to poll: no allocation on the data path.
-            let mut ids = std::mem::take(&mut self.poll_ids);
-            ids.clear();
-            ids.extend(self.eps.keys().copied());
-            for &id in &ids {
-                if n >= max {
-                    break;
-                }
-                n += self.read_cq(id, out, max - n);
-            }
-            self.poll_ids = ids;
-        }
-        n
-    }
-
-    /// [`Transport::arm`](exs_transport::Transport::arm): `fi_trywait` over the event queue and every completion queue.
-    pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
-        if !self.cm_backlog.is_empty() || !self.cq_backlog.is_empty() {
-            return Ok(false);
-        }
-        // SAFETY: the event queue and every endpoint's queue are open; fi_trywait only inspects them.
-        let ret = unsafe {
-            let mut fids: Vec<*mut fid> = Vec::with_capacity(1 + self.eps.len());
-            fids.push(&mut (*self.eq).fid);
-            for e in self.eps.values() {
-                fids.push(&mut (*e.cq).fid);
-            }
-            exs_fi_trywait(self.dom.fab.fabric, fids.as_mut_ptr(), fids.len() as i32)
-        };
-        match ret {
-            0 => Ok(true),
-            r if r == -(FI_EAGAIN as i32) => Ok(false),
-            r => Err(err("fi_trywait", r.into())),
-        }
     }
 }
 

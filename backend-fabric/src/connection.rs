@@ -59,6 +59,8 @@ pub(crate) struct Ep {
     pub(crate) reported_down: bool,
     pub(crate) local: Option<SocketAddr>,
     pub(crate) peer: Option<SocketAddr>,
+    /// Its place in the hot set (see [`crate::ready`]).
+    pub(crate) ready: crate::ready::EpReady,
 }
 
 impl FabricTransport {
@@ -153,6 +155,7 @@ impl FabricTransport {
             reported_down: false,
             local: None,
             peer: None,
+            ready: Default::default(),
         })
     }
 
@@ -311,6 +314,7 @@ impl FabricTransport {
         .or_else(|_| getinfo(&self.provider, None, Some(&node), Some(&service), 0))?;
         let e = self.create_ep(info.0, ep)?;
         self.eps.insert(ep, e);
+        self.touch(ep);
         if let Err(err) = self.post_initial(ep, recvs) {
             self.release_ep(ep);
             return Err(err);
@@ -365,6 +369,7 @@ impl FabricTransport {
             }
         };
         self.eps.insert(ep, e);
+        self.touch(ep);
         if let Err(err) = self.post_initial(ep, recvs) {
             self.release_ep(ep);
             return Err(err);
@@ -397,6 +402,7 @@ impl FabricTransport {
     pub(crate) fn release_ep(&mut self, ep: EndpointId) {
         // The connection's domain closes once the endpoint and the last exposure of it are gone.
         self.conn_domains.remove(&ep);
+        // A released endpoint's place in the hot set goes at the next retirement (identifiers are not reused).
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };

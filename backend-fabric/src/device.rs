@@ -14,7 +14,8 @@ use crate::ffi::*;
 use crate::memory::{Domain, Fabric};
 use crate::{providers, FabricConfig, FabricTransport};
 
-const EPOLL_EQ: u64 = u64::MAX;
+/// The event queue's entry in the epoll set (completion queues are entered by endpoint id).
+pub(crate) const EPOLL_EQ: u64 = u64::MAX;
 
 pub(crate) fn err(call: &str, ret: i64) -> TransportError {
     let code = ret.unsigned_abs();
@@ -260,7 +261,7 @@ impl FabricTransport {
             next_listener: 1,
             cm_backlog: VecDeque::new(),
             cq_backlog: VecDeque::new(),
-            poll_ids: Vec::new(),
+            ready: crate::ready::Ready::default(),
         };
         // SAFETY: `eq` is open; its fid is valid.
         let eq_fd = wait_fd_of(unsafe { &mut (*t.eq).fid })?;

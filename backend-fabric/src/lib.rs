@@ -10,8 +10,10 @@
 //!   completion with no context, and a MSG endpoint's completion entry does not name the endpoint: only a
 //!   per-endpoint queue tells which connection it belongs to. (Putting a connection token in the immediate would
 //!   let a hostile peer forge one.)
-//! * Waiting: our own epoll set over the event queue's and every completion queue's wait descriptors is the
-//!   transport's wait descriptor; `fi_trywait` over all of them is the "arm" step.
+//! * Polling and waiting (see [`ready`]): our own epoll set over the event queue's and every completion queue's
+//!   wait descriptors is the transport's wait descriptor. A poll reads only the queues that were busy recently or
+//!   that the set reports as signalled, never every connection's; arming (`fi_trywait`) covers the event queue and
+//!   the queues not armed since their last activity.
 //! * Memory: `fi_mr_reg` honouring the provider's `mr_mode` (virtual addresses or offsets, provider or requested
 //!   keys, local descriptors). A remote key is a registration of exactly the exposed range, closed when the
 //!   exposure is dropped (least exposure).
@@ -26,7 +28,10 @@ mod device;
 pub mod ffi;
 mod memory;
 mod post;
+mod ready;
 mod sockaddr;
+
+pub use ready::ReadyStats;
 
 use std::collections::{HashMap, VecDeque};
 use std::ffi::CStr;
@@ -130,7 +135,8 @@ pub struct FabricTransport {
     next_listener: u32,
     cm_backlog: VecDeque<CmEvent>,
     cq_backlog: VecDeque<Completion>,
-    poll_ids: Vec<EndpointId>,
+    /// Which completion queues polls read (see [`ready`]).
+    ready: ready::Ready,
 }
 
 // SAFETY: all libfabric objects were opened on a FI_THREAD_SAFE domain and are owned by this value; the engine

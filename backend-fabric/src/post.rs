@@ -163,6 +163,8 @@ impl FabricTransport {
                     .expect("checked")
                     .pending
                     .insert(rec as usize);
+                // Its completion will be in this endpoint's queue: read it in the next polls.
+                self.touch(ep);
                 return Ok(());
             }
             if ret == -(FI_EAGAIN as isize) && tries < 1000 {

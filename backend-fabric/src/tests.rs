@@ -7,6 +7,13 @@ use exs_transport::{CmEvent, ConnectFailure, EndpointId, Transport};
 
 use crate::{FabricConfig, FabricTransport};
 
+/// Tests that count the process's descriptors, or open many, run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd")
         .expect("/proc/self/fd")
@@ -19,6 +26,7 @@ fn open_fds() -> usize {
 /// leaked every such connection's socket (and left its peer waiting).
 #[test]
 fn a_listener_closed_with_requests_waiting_refuses_them_and_leaks_no_socket() {
+    let _serial = serial();
     const N: u32 = 48;
     let cfg = FabricConfig::default();
     let mut server = FabricTransport::open(&cfg).expect("open tcp");
@@ -126,5 +134,143 @@ fn a_name_with_a_nul_is_refused_as_invalid() {
             Err(e) => panic!("{cfg:?}: {e}"),
             Ok(_) => panic!("{cfg:?} was accepted"),
         }
+    }
+}
+
+/// A receive work request on a fresh 64-byte buffer of its own.
+fn recv_wr(t: &mut FabricTransport, id: u64) -> exs_transport::WorkRequest {
+    let buf = exs_dma::DmaBuf::new(64);
+    let reg = t.register(&buf).expect("register");
+    let lease = buf
+        .lease(0..64, exs_dma::LeaseKind::DeviceWrite)
+        .expect("lease");
+    let sge = exs_transport::Sge::new(lease, reg).expect("sge");
+    exs_transport::WorkRequest {
+        wr_id: id,
+        op: exs_transport::Op::Recv { sge },
+    }
+}
+
+/// An 8-byte send work request.
+fn send_wr(t: &mut FabricTransport, id: u64) -> exs_transport::WorkRequest {
+    let buf = exs_dma::DmaBuf::new(8);
+    let reg = t.register(&buf).expect("register");
+    let lease = buf
+        .lease(0..8, exs_dma::LeaseKind::DeviceRead)
+        .expect("lease");
+    let sge = exs_transport::Sge::new(lease, reg).expect("sge");
+    exs_transport::WorkRequest {
+        wr_id: id,
+        op: exs_transport::Op::Send {
+            sges: vec![sge],
+            imm: None,
+        },
+    }
+}
+
+/// Polls `t` until a receive completes on `ep` (other completions are dropped); the polls it took.
+fn await_recv(t: &mut FabricTransport, ep: EndpointId) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut out = Vec::new();
+    let mut polls = 0;
+    loop {
+        assert!(Instant::now() < deadline, "no receive on {ep:?}");
+        out.clear();
+        t.poll(&mut out, 64);
+        polls += 1;
+        if out.iter().any(|c| {
+            c.ep == ep && matches!(c.op, exs_transport::Completed::Recv { .. }) && c.status.is_ok()
+        }) {
+            return polls;
+        }
+    }
+}
+
+/// Issue 25: on libfabric every connection has a completion queue of its own, and a poll used to read all of
+/// them (one operation cost as much as the connections held, 58x at 1,000 idle ones). A ping-pong beside many idle
+/// connections must read no more queues per poll than are hot (this one) or have signalled.
+#[test]
+fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
+    let _serial = serial();
+    const IDLE: u32 = 100;
+    let cfg = FabricConfig::default();
+    let mut server = FabricTransport::open(&cfg).expect("open tcp");
+    let mut client = FabricTransport::open(&cfg).expect("open tcp");
+    let (_l, addr) = server
+        .listen("127.0.0.1:0".parse().expect("address"), 1024)
+        .expect("listen");
+    for i in 1..=IDLE + 1 {
+        let recvs = (0..4).map(|k| recv_wr(&mut client, k)).collect();
+        client
+            .connect(EndpointId(i), addr, b"x", recvs)
+            .expect("connect");
+    }
+    let (mut up, mut accepted) = (0, 0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut out = Vec::new();
+    while up < 2 * (IDLE + 1) {
+        assert!(Instant::now() < deadline, "{up} connection ends up");
+        while let Some(ev) = server.poll_cm() {
+            match ev {
+                CmEvent::ConnectRequest { request, .. } => {
+                    accepted += 1;
+                    let recvs = (0..4).map(|k| recv_wr(&mut server, k)).collect();
+                    server
+                        .accept(request, EndpointId(accepted), b"y", recvs)
+                        .expect("accept");
+                }
+                CmEvent::Established { .. } => up += 1,
+                other => panic!("server: {other:?}"),
+            }
+        }
+        while let Some(ev) = client.poll_cm() {
+            match ev {
+                CmEvent::Established { .. } => up += 1,
+                other => panic!("client: {other:?}"),
+            }
+        }
+        client.poll(&mut out, 64);
+        server.poll(&mut out, 64);
+    }
+    // Idle now: polls retire the quiet queues (arming them, so their next completion signals).
+    for _ in 0..2 * crate::ready::QUIET {
+        client.poll(&mut out, 64);
+        server.poll(&mut out, 64);
+    }
+    let _ = (client.arm(), server.arm());
+    assert!(
+        client.hot_queues() <= 1 && server.hot_queues() <= 1,
+        "queues still read in every poll after idling: client {}, server {}",
+        client.hot_queues(),
+        server.hot_queues()
+    );
+    // The first connection each side accepted/connected is the busy one (the server numbers in accept order).
+    let (c_ep, s_ep) = (EndpointId(1), EndpointId(1));
+    let (c0, s0) = (client.ready_stats(), server.ready_stats());
+    const PINGS: u64 = 200;
+    for i in 0..PINGS {
+        let wr = recv_wr(&mut server, 100 + i);
+        server.post(s_ep, wr).expect("repost");
+        let wr = send_wr(&mut client, 1000 + i);
+        client.post(c_ep, wr).expect("ping");
+        await_recv(&mut server, s_ep);
+        let wr = recv_wr(&mut client, 100 + i);
+        client.post(c_ep, wr).expect("repost");
+        let wr = send_wr(&mut server, 1000 + i);
+        server.post(s_ep, wr).expect("pong");
+        await_recv(&mut client, c_ep);
+    }
+    for (side, t, s0) in [("client", &client, c0), ("server", &server, s0)] {
+        let s = t.ready_stats();
+        let (reads, polls) = (s.cq_reads - s0.cq_reads, s.polls - s0.polls);
+        eprintln!(
+            "{side}: {polls} polls, {reads} queue reads, {} consults",
+            s.consults - s0.consults
+        );
+        // The busy queue once per poll, plus what a consultation of the epoll set finds (every 16th poll).
+        assert!(
+            reads <= polls + polls / 8 + 4,
+            "{side}: {reads} queue reads in {polls} polls beside {IDLE} idle connections"
+        );
     }
 }

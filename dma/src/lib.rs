@@ -25,12 +25,13 @@
 
 #![deny(missing_docs)]
 
-use std::alloc::{self, Layout};
 use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+mod arena;
 
 /// Alignment of buffers allocated by [`DmaBuf::new`]: a page, which registration and DMA engines prefer.
 pub const PAGE: usize = 4096;
@@ -157,8 +158,8 @@ struct Entry {
 }
 
 enum Storage {
-    /// Allocated by us with this layout.
-    Alloc(Layout),
+    /// Whole pages of our own (see [`arena`]).
+    Pages(arena::Origin),
     /// Taken from a caller's `Vec<u8>` (pointer, length and capacity are kept to rebuild it).
     Vec { capacity: usize },
     /// Zero length: nothing was allocated.
@@ -197,16 +198,12 @@ impl DmaBuf {
         if len == 0 {
             return Some(Arc::new(Self::empty()));
         }
-        // Whole pages, so that no other allocation shares one (see `dont_fork`).
-        let layout = Layout::from_size_align(len.checked_next_multiple_of(PAGE)?, PAGE).ok()?;
-        // SAFETY: the layout has a non-zero size (checked above).
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw)?;
-        dont_fork(ptr, layout.size());
+        // Whole pages no other allocation shares, not inherited by a forked child (see `arena`, `dont_fork`).
+        let (ptr, origin) = arena::obtain(len)?;
         Some(Arc::new(Self {
             ptr,
             len,
-            storage: Storage::Alloc(layout),
+            storage: Storage::Pages(origin),
             leases: Mutex::new(Vec::new()),
         }))
     }
@@ -258,12 +255,12 @@ impl DmaBuf {
                 // is ManuallyDrop so its Drop will not free it again. No lease exists (we own the only handle).
                 out = unsafe { Vec::from_raw_parts(me.ptr.as_ptr(), me.len, capacity) };
             }
-            Storage::Alloc(layout) => {
-                // SAFETY: we own the only handle, so no lease or device uses the bytes; the allocation is valid for
-                // `len` bytes. Afterwards it is freed exactly once, here, with the layout it was allocated with.
+            Storage::Pages(origin) => {
+                // SAFETY: we own the only handle, so no lease or device uses the bytes; the pages are valid for
+                // `len` bytes. Afterwards they are given back exactly once, here.
                 unsafe {
                     out.extend_from_slice(std::slice::from_raw_parts(me.ptr.as_ptr(), me.len));
-                    alloc::dealloc(me.ptr.as_ptr(), layout);
+                    arena::release(me.ptr, origin);
                 }
             }
             Storage::Empty => {}
@@ -457,9 +454,10 @@ impl Drop for DmaBuf {
     fn drop(&mut self) {
         // No lease can exist here: every lease holds an Arc of this buffer.
         match self.storage {
-            Storage::Alloc(layout) => {
-                // SAFETY: allocated in `new` with this layout and freed only here.
-                unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) }
+            Storage::Pages(origin) => {
+                // SAFETY: obtained in `try_new` and given back only here; no lease exists, and the registration
+                // that let a device touch the pages held an `Arc` of this buffer, so it is gone too.
+                unsafe { arena::release(self.ptr, origin) }
             }
             Storage::Vec { capacity } => {
                 // SAFETY: rebuilt from the parts `from_vec` took over; freed only here.
@@ -707,20 +705,6 @@ unsafe fn load(src: *const u8, dst: &mut [u8], racy: bool) {
         // SAFETY: in bounds per caller; AtomicU8 has the layout of u8 and any address is aligned for it.
         *d = unsafe { &*(src.add(i) as *const AtomicU8) }.load(Ordering::Relaxed);
     }
-}
-
-/// Keeps a child process from inheriting these pages (issue 15, fork safety). Registered memory is pinned: if a
-/// fork left it copy-on-write, the parent's next write would move the parent to a fresh page while the device kept
-/// reading and writing the old one, now the child's, and transfers would silently lose data. With
-/// `MADV_DONTFORK` the child simply has no such mapping (a child that execs, as most do, never needed it), and the
-/// parent's pages never move. What `ibv_fork_init` arranges for registrations, done here for every buffer this
-/// crate allocates, whatever the backend. Buffers taken over from a `Vec` are not covered (their pages may hold
-/// other allocations, which a child may need): allocate with [`DmaBuf::new`] to fork safely.
-fn dont_fork(ptr: NonNull<u8>, len: usize) {
-    // SAFETY: `ptr..ptr+len` is a page-aligned allocation of whole pages that we own; madvise changes only how
-    // fork treats the mapping, never its contents. Failure (an old kernel) leaves the default behaviour.
-    let r = unsafe { libc::madvise(ptr.as_ptr().cast(), len, libc::MADV_DONTFORK) };
-    debug_assert_eq!(r, 0, "madvise(MADV_DONTFORK) failed");
 }
 
 /// Copies `src` to `dst`.

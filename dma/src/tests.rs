@@ -256,3 +256,47 @@ proptest::proptest! {
         }
     }
 }
+
+/// Mappings of this process (`/proc/self/maps` lines).
+fn mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .expect("/proc/self/maps")
+        .lines()
+        .count()
+}
+
+/// Issue 25: every buffer was a mapping of its own (its own `madvise`), so ~10,000 connections with a few control
+/// buffers each reached `vm.max_map_count` and allocation failed ("cannot allocate 640 bytes of device-visible
+/// memory"). Small buffers now share a few large mappings.
+#[test]
+fn many_small_buffers_share_a_few_mappings() {
+    let before = mappings();
+    let bufs: Vec<_> = (0..20_000)
+        .map(|i| DmaBuf::new(640 + (i % 3) * PAGE))
+        .collect();
+    let grown = mappings().saturating_sub(before);
+    assert!(
+        grown < 200,
+        "20,000 small buffers added {grown} mappings (the kernel allows 65,530 by default)"
+    );
+    assert!(super::arena::chunks() >= 1);
+    drop(bufs);
+}
+
+/// A block handed out again after its buffer went is zeroed (its pages went back to the kernel), and a large
+/// buffer (a mapping of its own) works the same.
+#[test]
+fn a_reused_block_is_zeroed() {
+    for len in [PAGE, 5 * PAGE + 3, 2 << 20] {
+        for round in 0..3 {
+            let b = DmaBuf::new(len);
+            let mut out = vec![7u8; len];
+            b.read_at(0, &mut out).unwrap();
+            assert!(
+                out.iter().all(|&x| x == 0),
+                "round {round}: a {len}-byte buffer was not zeroed"
+            );
+            b.write_at(0, &vec![0xAB; len]).unwrap();
+        }
+    }
+}

@@ -109,7 +109,15 @@ impl Engine {
             native_imm: self.caps.native_write_imm,
         };
         self.stats.ctrl_recv_bytes += link_rx_bytes(&link);
-        Ok(Conn::new(ep, ty, link, local, self.limits(), stream_setup))
+        Ok(Conn::new(
+            ep,
+            ty,
+            link,
+            local,
+            self.limits(),
+            stream_setup,
+            self.timing(),
+        ))
     }
 
     /// The shared pool's slot size when connections use the pool (creating the pool at the first connection),
@@ -274,7 +282,7 @@ impl Engine {
         s.ticket = ticket.take();
         s.peer_addr = Some(addr);
         self.eps.insert(ep, sid);
-        self.timers.push((at, sid, TimerKind::ConnectTimeout));
+        self.timers.set(sid, TimerKind::ConnectTimeout, Some(at));
         Ok(())
     }
 
@@ -610,7 +618,7 @@ impl Engine {
         }
         match s.phase {
             Phase::Fresh | Phase::Down => {
-                self.sockets.remove(&sid);
+                self.remove_socket(sid);
             }
             Phase::Listening => {
                 let l = s
@@ -625,7 +633,7 @@ impl Engine {
                 }
                 self.listeners.remove(&l.listener);
                 self.transport.close_listener(l.listener);
-                self.sockets.remove(&sid);
+                self.remove_socket(sid);
             }
             Phase::Connecting | Phase::Accepting => {
                 if let Some(t) = s.ticket.take() {
@@ -646,7 +654,7 @@ impl Engine {
                     conn.close_gracefully();
                     s.phase = Phase::Closing;
                     let at = self.clock.now() + self.linger;
-                    self.timers.push((at, sid, TimerKind::Linger));
+                    self.timers.set_earliest(sid, TimerKind::Linger, at);
                     self.flush(sid);
                 }
             }

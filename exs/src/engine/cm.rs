@@ -49,6 +49,8 @@ impl Engine {
             self.stats.expired_requests += 1;
             self.transport.reject(request);
         }
+        let next = l.backlog.front().map(|b| b.3 + timeout);
+        self.timers.set(lsid, TimerKind::Backlog, next);
     }
 
     pub(super) fn fail_connect(&mut self, sid: SocketId, err: OpError) {
@@ -69,7 +71,7 @@ impl Engine {
         let early = std::mem::take(&mut sock.early);
         sock.phase = Phase::Down;
         if sock.user_closed {
-            self.sockets.remove(&sid);
+            self.remove_socket(sid);
         }
         self.release_early(early);
     }
@@ -122,8 +124,9 @@ impl Engine {
         } else if l.backlog.len() < lsock.opts.backlog as usize {
             let now = self.clock.now();
             l.backlog.push_back((request, peer, hs, now));
+            // One timer per listener, at the oldest waiting request's expiry (`expire_backlog` moves it on).
             self.timers
-                .push((now + self.connect_timeout, lsid, TimerKind::Backlog));
+                .set_earliest(lsid, TimerKind::Backlog, now + self.connect_timeout);
             self.check_polls(lsid);
         } else {
             tracing::debug!(%peer, "backlog full, rejecting");
@@ -184,7 +187,7 @@ impl Engine {
         self.eps.insert(ep, sid);
         // A peer that never completes the connection does not hold the endpoint forever.
         let at = self.clock.now() + self.connect_timeout;
-        self.timers.push((at, sid, TimerKind::ConnectTimeout));
+        self.timers.set(sid, TimerKind::ConnectTimeout, Some(at));
     }
 
     pub(super) fn on_established(&mut self, ep: EndpointId, private: Vec<u8>) {
@@ -213,7 +216,7 @@ impl Engine {
             .conn
             .as_mut()
             .expect("connecting sockets have a connection");
-        if let Err(v) = conn.establish(&peer, &opts, !self.ack_delay.is_zero()) {
+        if let Err(v) = conn.establish(&peer, &opts, self.clock.now()) {
             self.fault(sid, Fault::Peer(v));
             return;
         }
@@ -229,12 +232,7 @@ impl Engine {
         self.stats.connections += 1;
         let passive = sock.phase == Phase::Accepting;
         sock.phase = Phase::Open;
-        self.timers
-            .retain(|t| !(t.1 == sid && t.2 == TimerKind::ConnectTimeout));
-        if let Some(k) = self.keepalive {
-            let at = self.clock.now() + k;
-            self.timers.push((at, sid, TimerKind::Keepalive));
-        }
+        self.timers.set(sid, TimerKind::ConnectTimeout, None);
         if sock.peer_addr.is_none() {
             sock.peer_addr = self.transport.peer_addr(ep);
         }
@@ -293,7 +291,7 @@ impl Engine {
         sock.phase = Phase::Down;
         let early = std::mem::take(&mut sock.early);
         if sock.user_closed {
-            self.sockets.remove(&sid);
+            self.remove_socket(sid);
         }
         self.release_early(early);
         self.check_polls(sid);

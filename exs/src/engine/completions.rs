@@ -224,7 +224,7 @@ impl Engine {
                 sock.phase = Phase::Closing;
                 sock.drop_after_close = true;
                 let at = self.clock.now() + self.linger;
-                self.timers.push((at, sid, TimerKind::Linger));
+                self.timers.set_earliest(sid, TimerKind::Linger, at);
                 self.mark(sid);
                 return;
             }

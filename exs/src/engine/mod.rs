@@ -7,6 +7,7 @@
 mod calls;
 mod cm;
 mod completions;
+mod timers;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -24,7 +25,7 @@ use crate::event::{EventFlags, Ticket};
 use crate::exposure::{ExposurePolicy, TrustedKeys};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
-use crate::proto::conn::{Conn, Fault, Incoming, Limits};
+use crate::proto::conn::{Conn, Fault, Incoming, Limits, Timing};
 use crate::proto::link::{wr_kind, Link, Slots, WrKind, PACK_SLOTS};
 use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
 use crate::proto::op::{Done, OpToken, Outbox};
@@ -76,6 +77,8 @@ pub struct EngineStats {
     pub arms: u64,
     /// Times the connection-event channel was read (a system call on software providers).
     pub cm_polls: u64,
+    /// Timers set now (at most one of each kind per socket; a round looks only at the earliest).
+    pub timers: u64,
 }
 
 /// Whether the context uses the shared receive pool.
@@ -171,16 +174,6 @@ impl Sock {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum TimerKind {
-    Linger,
-    ConnectTimeout,
-    /// A listener's oldest waiting requests expire.
-    Backlog,
-    Ack,
-    Keepalive,
-}
-
 pub(crate) struct Engine {
     transport: Box<dyn Transport>,
     caps: Capabilities,
@@ -200,8 +193,11 @@ pub(crate) struct Engine {
     next_ep: u32,
     completions: Vec<Completion>,
     posts: Vec<WorkRequest>,
+    /// Sockets with something to post, each once (`dirty_set` says which are in the list: a linear search made
+    /// closing thousands of connections at once quadratic).
     dirty: Vec<SocketId>,
-    timers: Vec<(Instant, SocketId, TimerKind)>,
+    dirty_set: std::collections::HashSet<SocketId>,
+    timers: Timers,
     /// Rounds since the last look at connection events: rounds that handled completions (see `progress_round`)
     /// and busy-poll rounds (see `progress_busy_round`).
     cm_skipped: u32,
@@ -234,6 +230,8 @@ impl std::fmt::Debug for Engine {
 
 type R<T, E> = Result<T, E>;
 
+use timers::{TimerKind, Timers};
+
 impl Engine {
     pub(crate) fn new(
         transport: Box<dyn Transport>,
@@ -263,7 +261,8 @@ impl Engine {
             completions: Vec::with_capacity(64),
             posts: Vec::with_capacity(64),
             dirty: Vec::new(),
-            timers: Vec::new(),
+            dirty_set: std::collections::HashSet::new(),
+            timers: Timers::default(),
             cm_skipped: 0,
             stats: EngineStats::default(),
             shared_recv: opts.shared_recv.clone(),
@@ -293,6 +292,7 @@ impl Engine {
             s.pool = Some(p.stats());
         }
         s.trusted_keys = self.trusted.len() as u64;
+        s.timers = self.timers.len() as u64;
         s
     }
 
@@ -392,7 +392,7 @@ impl Engine {
     }
 
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
-        self.timers.iter().map(|t| t.0).min()
+        self.timers.next()
     }
 
     /// The earliest timer as a point in real time (the engine's clock may be virtual).
@@ -612,78 +612,77 @@ impl Engine {
         did
     }
 
+    /// Runs the timers that are due (the earliest first; none of the others is looked at).
     fn run_timers(&mut self) -> bool {
-        if self.timers.is_empty() {
-            return false;
-        }
         let now = self.clock.now();
-        if self.timers.iter().all(|t| t.0 > now) {
-            return false;
+        let mut did = false;
+        while let Some((sid, kind)) = self.timers.pop_due(now) {
+            did = true;
+            self.on_timer(sid, kind, now);
         }
-        let (due, keep): (Vec<_>, Vec<_>) = self.timers.drain(..).partition(|t| t.0 <= now);
-        self.timers = keep;
-        for (_, sid, kind) in &due {
-            match kind {
-                TimerKind::Linger => {
-                    if let Some(s) = self
-                        .sockets
-                        .get_mut(sid)
-                        .filter(|s| s.phase == Phase::Closing)
-                    {
-                        tracing::debug!(?sid, "linger expired, disconnecting");
-                        // Sends still going are ended: `Aborted` where part may have reached the peer.
-                        if let Some(conn) = s.conn.as_mut() {
-                            conn.fail(OpError::Cancelled);
-                        }
-                        self.disconnect(*sid);
+        did
+    }
+
+    fn on_timer(&mut self, sid: SocketId, kind: TimerKind, now: Instant) {
+        match kind {
+            TimerKind::Linger => {
+                if let Some(s) = self
+                    .sockets
+                    .get_mut(&sid)
+                    .filter(|s| s.phase == Phase::Closing)
+                {
+                    tracing::debug!(?sid, "linger expired, disconnecting");
+                    // Sends still going are ended: `Aborted` where part may have reached the peer.
+                    if let Some(conn) = s.conn.as_mut() {
+                        conn.fail(OpError::Cancelled);
                     }
+                    self.disconnect(sid);
                 }
-                TimerKind::ConnectTimeout => {
-                    let connecting = self
-                        .sockets
-                        .get(sid)
-                        .is_some_and(|s| matches!(s.phase, Phase::Connecting | Phase::Accepting));
-                    if connecting {
-                        self.fail_connect(*sid, OpError::TimedOut);
-                    }
+            }
+            TimerKind::ConnectTimeout => {
+                let connecting = self
+                    .sockets
+                    .get(&sid)
+                    .is_some_and(|s| matches!(s.phase, Phase::Connecting | Phase::Accepting));
+                if connecting {
+                    self.fail_connect(sid, OpError::TimedOut);
                 }
-                TimerKind::Backlog => self.expire_backlog(*sid, now),
-                TimerKind::Ack => {
-                    if let Some(conn) = self.sockets.get_mut(sid).and_then(|s| s.conn.as_mut()) {
-                        conn.force_ack();
-                        self.mark(*sid);
-                    }
-                }
-                TimerKind::Keepalive => {
-                    let Some(sock) = self.sockets.get_mut(sid) else {
-                        continue;
-                    };
-                    if sock.phase != Phase::Open {
-                        continue; // the timer dies with the connection
-                    }
-                    if let Some(conn) = sock.conn.as_mut() {
-                        if conn.link.keepalive() {
-                            self.mark(*sid);
-                        }
-                    }
-                    if let Some(k) = self.keepalive {
-                        self.timers.push((now + k, *sid, TimerKind::Keepalive));
-                    }
+            }
+            TimerKind::Backlog => self.expire_backlog(sid, now),
+            TimerKind::Proto => {
+                if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
+                    conn.handle_timeout(now);
+                    // The flush posts what it queued and sets the connection's next deadline.
+                    self.mark(sid);
                 }
             }
         }
-        !due.is_empty()
+    }
+
+    /// Forgets a socket that is gone, with its timers.
+    fn remove_socket(&mut self, sid: SocketId) {
+        self.sockets.remove(&sid);
+        self.timers.forget(sid);
+    }
+
+    /// The protocol timings every connection of this context gets.
+    fn timing(&self) -> Timing {
+        Timing {
+            ack_delay: self.ack_delay,
+            keepalive: self.keepalive,
+        }
     }
 
     fn flush_dirty(&mut self) {
         while let Some(sid) = self.dirty.pop() {
+            self.dirty_set.remove(&sid);
             self.flush(sid);
             self.check_polls(sid);
         }
     }
 
     fn mark(&mut self, sid: SocketId) {
-        if !self.dirty.contains(&sid) {
+        if self.dirty_set.insert(sid) {
             self.dirty.push(sid);
         }
     }
@@ -713,9 +712,9 @@ impl Engine {
             return;
         };
         let mut posts = std::mem::take(&mut self.posts);
-        let flushed = conn.flush(&mut posts);
+        let flushed = conn.flush(&mut posts, self.clock.now());
+        let deadline = conn.poll_timeout();
         let ep = conn.ep;
-        let stream = conn.sock_type == SockType::Stream;
         // After a violation, the connection goes as soon as our CLOSE has left. After a graceful close it does
         // not: the peer takes the CLOSE after everything before it and answers by disconnecting, which ends it
         // (`on_disconnected`); disconnecting ourselves could overtake the data and the CLOSE still on their way on
@@ -728,34 +727,11 @@ impl Engine {
 
         self.post_all(sid, ep, &mut posts);
         self.posts = posts;
-        let delayed_ack = match flushed {
-            Ok(d) => d,
-            Err(v) => {
-                self.fault(sid, Fault::Peer(v));
-                return;
-            }
-        };
-        let ack_timer = self
-            .timers
-            .iter()
-            .position(|t| t.1 == sid && t.2 == TimerKind::Ack);
-        match (delayed_ack, ack_timer) {
-            (true, None) => {
-                // Message mode delays an acknowledgment; stream mode holds back a window update.
-                let delay = if stream {
-                    crate::proto::stream::WINDOW_HOLD
-                } else {
-                    self.ack_delay
-                };
-                self.timers
-                    .push((self.clock.now() + delay, sid, TimerKind::Ack));
-            }
-            // A reply carried the acknowledgment: the timer goes, so no sleeper is woken for it.
-            (false, Some(i)) => {
-                self.timers.swap_remove(i);
-            }
-            _ => {}
+        if let Err(v) = flushed {
+            self.fault(sid, Fault::Peer(v));
+            return;
         }
+        self.timers.set(sid, TimerKind::Proto, deadline);
         if closing_done {
             self.disconnect(sid);
         }

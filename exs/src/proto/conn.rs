@@ -3,6 +3,8 @@
 //! Input: completions from the transport and API calls (through the engine). Output: work requests appended to a
 //! vector (the engine posts them) and completed tickets (events). No transport calls happen here.
 
+use std::time::{Duration, Instant};
+
 use exs_dma::LeaseKind;
 
 use crate::error::{OpError, Violation};
@@ -20,6 +22,16 @@ pub(crate) struct Limits {
     pub max_message: u64,
     pub max_send_wr: u32,
     pub max_sge: u32,
+}
+
+/// The protocol's timings, which the seeds leave to the implementation.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timing {
+    /// How long an acknowledgment may wait for a reply to carry it (message mode); zero: acknowledge at once.
+    pub ack_delay: Duration,
+    /// A connection that sent nothing for this long probes its peer (a CREDIT), so that a peer that vanished is
+    /// found by the transport's retries.
+    pub keepalive: Option<Duration>,
 }
 
 /// The socket-type protocol, chosen when the handshake completes.
@@ -77,6 +89,11 @@ pub(crate) struct Conn {
     closing: bool,
     /// A write shutdown: its ticket, and whether its CLOSE(ShutdownWrite) is queued.
     shutdown: Option<(crate::proto::op::OpToken, bool)>,
+    timing: Timing,
+    /// When a delayed acknowledgment (message mode) or a held window update (stream mode) goes anyway.
+    ack_at: Option<Instant>,
+    /// When the next keepalive check is due.
+    keepalive_at: Option<Instant>,
 }
 
 impl Conn {
@@ -87,6 +104,7 @@ impl Conn {
         local: Handshake,
         limits: Limits,
         stream_setup: Option<StreamSetup>,
+        timing: Timing,
     ) -> Self {
         Conn {
             ep,
@@ -99,6 +117,9 @@ impl Conn {
             close_queued: false,
             closing: false,
             shutdown: None,
+            timing,
+            ack_at: None,
+            keepalive_at: None,
         }
     }
 
@@ -108,8 +129,9 @@ impl Conn {
         &mut self,
         peer: &Handshake,
         opts: &SocketOptions,
-        delay_acks: bool,
+        now: Instant,
     ) -> Result<(), Violation> {
+        let delay_acks = !self.timing.ack_delay.is_zero();
         let ours = match self.sock_type {
             SockType::SeqPacket => WireSockType::SeqPacket,
             SockType::Stream => WireSockType::Stream,
@@ -157,7 +179,40 @@ impl Conn {
                 Mode::Stream(Box::new(s))
             }
         });
+        self.keepalive_at = self.timing.keepalive.map(|k| now + k);
         Ok(())
+    }
+
+    /// When the connection next needs [`Conn::handle_timeout`], if ever (the engine keeps one timer per
+    /// connection at this deadline, as quinn-proto's `Connection::poll_timeout`).
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        match (self.ack_at, self.keepalive_at) {
+            (Some(a), Some(k)) => Some(a.min(k)),
+            (a, k) => a.or(k),
+        }
+    }
+
+    /// Does what is due at `now`: a delayed acknowledgment or window update goes; an idle connection queues a
+    /// keepalive probe. The engine flushes the connection afterwards. Returns whether anything was queued.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
+        let mut queued = false;
+        if self.ack_at.is_some_and(|at| at <= now) {
+            self.ack_at = None;
+            self.force_ack();
+            queued = true;
+        }
+        if let Some(at) = self.keepalive_at.filter(|&at| at <= now) {
+            let _ = at;
+            self.keepalive_at = self.timing.keepalive.map(|k| now + k);
+            queued |= self.link.keepalive();
+        }
+        queued
+    }
+
+    /// The connection's life around the protocol is ending (a close, a violation, the transport): no more
+    /// keepalive probes.
+    fn stop_keepalive(&mut self) {
+        self.keepalive_at = None;
     }
 
     pub(crate) fn is_established(&self) -> bool {
@@ -216,6 +271,7 @@ impl Conn {
     /// Queues CLOSE (once): after everything already queued for an orderly close, ahead of it for a violation.
     /// Nothing is posted after it (see [`Link::flush`]).
     pub(crate) fn queue_close(&mut self, reason: CloseReason) {
+        self.stop_keepalive();
         if !self.close_queued {
             self.close_queued = true;
             match reason {
@@ -230,6 +286,7 @@ impl Conn {
     /// close was abortive, and its CLOSE could overtake writes waiting for credits).
     /// Persistent operations end as [`Conn::end_persistent`] ends them, and CLOSE waits for those too.
     pub(crate) fn close_gracefully(&mut self) {
+        self.stop_keepalive();
         self.cancel_receives(OpError::Cancelled);
         // The peer's sends to us can no longer complete: say so now, in order (after the acknowledgments already
         // queued, so that nothing we received is reported failed to the peer).
@@ -260,9 +317,30 @@ impl Conn {
         self.link.is_closed()
     }
 
-    /// Posts what can go now. Returns true when an acknowledgment or a stream window update is being delayed (the engine
-    /// arms the acknowledgment timer, which calls [`Conn::force_ack`]).
-    pub(crate) fn flush(&mut self, out: &mut Vec<WorkRequest>) -> Result<bool, Violation> {
+    /// Posts what can go now. An acknowledgment (message mode) or a stream window update being delayed sets the
+    /// deadline at which it goes anyway ([`Conn::poll_timeout`]): the acknowledgment delay, or the stream's
+    /// [`WINDOW_HOLD`](crate::proto::stream::WINDOW_HOLD); one sent meanwhile clears it.
+    pub(crate) fn flush(
+        &mut self,
+        out: &mut Vec<WorkRequest>,
+        now: Instant,
+    ) -> Result<(), Violation> {
+        let delayed = self.flush_now(out)?;
+        self.ack_at = match (delayed, self.ack_at) {
+            (false, _) => None,
+            (true, Some(at)) => Some(at),
+            (true, None) => Some(
+                now + match self.mode {
+                    Some(Mode::Stream(_)) => crate::proto::stream::WINDOW_HOLD,
+                    _ => self.timing.ack_delay,
+                },
+            ),
+        };
+        Ok(())
+    }
+
+    /// [`Conn::flush`] without the timing: whether an acknowledgment or window update is being delayed.
+    fn flush_now(&mut self, out: &mut Vec<WorkRequest>) -> Result<bool, Violation> {
         self.advance_shutdown();
         self.advance_close();
         match &mut self.mode {
@@ -545,6 +623,7 @@ impl Conn {
 
     /// Fails every operation (some complete once the transport returns their memory).
     pub(crate) fn fail(&mut self, err: OpError) {
+        self.stop_keepalive();
         if let Some((t, _)) = self.shutdown.take() {
             t.complete(Err(err.clone()), 0, crate::proto::op::EventFlags::default());
         }
@@ -576,6 +655,8 @@ impl Conn {
 
     /// The endpoint was released: every work request is back; complete whatever is left.
     pub(crate) fn drop_all(&mut self, err: OpError) {
+        self.stop_keepalive();
+        self.ack_at = None;
         self.link.discard();
         match &mut self.mode {
             Some(Mode::Message(m)) => m.drop_all(err),

@@ -5,6 +5,7 @@ mod baseline;
 mod cli;
 mod control;
 mod demo;
+mod idle;
 mod opts;
 mod ping;
 mod progress;

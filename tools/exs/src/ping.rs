@@ -38,6 +38,10 @@ pub struct PingArgs {
     /// One JSON object per size on stdout (server: one per test served).
     #[arg(long)]
     pub json: bool,
+    /// Idle connections (of the same socket type) that both sides hold open on the same contexts while the ping
+    /// runs: what one operation costs must not grow with connections that do nothing.
+    #[arg(long, default_value_t = 0)]
+    pub idle: u32,
     #[command(flatten)]
     pub backend: BackendArgs,
     #[command(flatten)]
@@ -53,6 +57,9 @@ pub struct Point {
     pub wait: Wait,
     /// Pings counted (the warm-up comes on top: [`rounds`]).
     pub count: u64,
+    /// Idle connections held beside the ping (opened after it, closed before it ends).
+    #[serde(default)]
+    pub idle: u32,
 }
 
 /// The warm-up pings and all the pings of a test of `count`.
@@ -78,11 +85,18 @@ impl control::Params for Point {
 
 impl Point {
     fn options(&self) -> Vec<SocketOption> {
-        match self.mode {
+        let mut o = match self.mode {
             PingMode::Immediate => vec![SocketOption::SmallPacketMaxSize(self.size as u32)],
             PingMode::Normal => vec![SocketOption::SmallPacketMaxSize(0)],
             PingMode::Persistent => vec![],
+        };
+        if self.idle > 0 {
+            // The idle connections' requests queue while the server's accepts are on their way.
+            o.push(SocketOption::Backlog(
+                self.idle.saturating_add(1).min(65535),
+            ));
         }
+        o
     }
 }
 
@@ -91,6 +105,9 @@ impl Point {
 pub struct Echoed {
     pub usage: Usage,
     pub pings: u64,
+    /// What the idle connections cost the server, if there were any.
+    #[serde(default)]
+    pub idle: Option<crate::idle::IdleCost>,
 }
 
 /// The echo side of `exs ping`.
@@ -124,7 +141,8 @@ fn echo(
     let size = p.size as usize;
     let eq = EventQueue::with_mode(16, p.wait.mode());
     let whole = host.whole;
-    let (_listener, s) = crate::util::accept_one(
+    let before = crate::idle::Before::now(ctx);
+    let (listener, s) = crate::util::accept_one(
         ctx,
         SockType::SeqPacket,
         p.options(),
@@ -133,6 +151,9 @@ fn echo(
         announce,
         watch,
     )?;
+    // The client opens its idle connections once the ping connection is up; they stay until it ends.
+    let _idle = crate::idle::accept(&listener, p.idle as usize)?;
+    let idle = (p.idle > 0).then(|| before.cost(ctx, p.idle as usize));
     let buf = MemoryRegion::alloc(ctx, size.max(1)).context("registering the echo buffer")?;
     if p.mode == PingMode::Persistent {
         s.send(&eq, &buf.all(), MsgFlags::PERSISTENT, 0)
@@ -148,6 +169,7 @@ fn echo(
         return Ok(Echoed {
             usage: Usage::now(ctx, whole).since(u0),
             pings: 0,
+            idle,
         });
     }
     // Counted from the first message on (the connection's set-up is not a round trip).
@@ -163,6 +185,7 @@ fn echo(
             return Ok(Echoed {
                 usage: Usage::now(ctx, whole).since(u0),
                 pings,
+                idle,
             });
         }
         if pings == all {
@@ -176,6 +199,7 @@ fn echo(
             return Ok(Echoed {
                 usage: Usage::now(ctx, whole).since(u0),
                 pings,
+                idle,
             });
         }
     }
@@ -194,7 +218,12 @@ pub struct Latency {
     pub server: Echoed,
     /// Whether each side's usage is its whole process's.
     pub whole: bool,
+    /// What the client's idle connections cost it, and how long closing them took.
+    pub idle: Option<IdleHeld>,
 }
+
+/// What the pinging side's idle connections cost it, and the seconds closing them took.
+pub type IdleHeld = (crate::idle::IdleCost, f64);
 
 impl Latency {
     /// Context switches per round trip, both sides.
@@ -218,7 +247,7 @@ fn pinger(
     addr: SocketAddr,
     p: &Point,
     whole: bool,
-) -> Result<(Vec<f64>, Usage)> {
+) -> Result<(Vec<f64>, Usage, Option<IdleHeld>)> {
     let size = p.size as usize;
     let persistent = p.mode == PingMode::Persistent;
     let eq = EventQueue::with_mode(16, p.wait.mode());
@@ -232,6 +261,13 @@ fn pinger(
         .with_context(|| format!("connecting to {addr}: no answer"))?
         .status
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
+    let idle = (p.idle > 0)
+        .then(|| -> Result<_> {
+            let before = crate::idle::Before::now(ctx);
+            let socks = crate::idle::connect(ctx, SockType::SeqPacket, addr, p.idle as usize)?;
+            Ok((before, before.cost(ctx, socks.len()), socks))
+        })
+        .transpose()?;
     let out = MemoryRegion::from_vec(ctx, vec![0x42; size.max(1)])?;
     let back = MemoryRegion::alloc(ctx, size.max(1))?;
     let (warm, all) = rounds(p.count);
@@ -269,13 +305,17 @@ fn pinger(
     }
     let usage = Usage::now(ctx, whole).since(u0);
     let _ = s.close();
-    Ok((samples, usage))
+    let idle = match idle {
+        Some((before, cost, socks)) => Some((cost, crate::idle::close(ctx, socks, &before)?)),
+        None => None,
+    };
+    Ok((samples, usage, idle))
 }
 
 /// One size against the server.
 fn measure(peer: &mut Peer, ctx: &exs::Context, whole: bool, p: &Point) -> Result<Latency> {
     let addr = peer.start(p)?;
-    let (mut samples, client) = match pinger(ctx, addr, p, whole) {
+    let (mut samples, client, idle) = match pinger(ctx, addr, p, whole) {
         Ok(r) => r,
         Err(e) => return Err(peer.explain(e)),
     };
@@ -289,6 +329,7 @@ fn measure(peer: &mut Peer, ctx: &exs::Context, whole: bool, p: &Point) -> Resul
         client,
         server,
         whole,
+        idle,
     })
 }
 
@@ -305,6 +346,29 @@ pub fn ping_json(l: &Latency, backend: &str, server_backend: &str, p: &Point) ->
     l.server
         .usage
         .per_msg_json("server_", l.server_msgs(count), map);
+    if let Some((c, close_secs)) = &l.idle {
+        map.insert("idle".into(), c.n.into());
+        map.insert("idle_open_secs".into(), c.open_secs.into());
+        map.insert("idle_close_secs".into(), (*close_secs).into());
+        map.insert(
+            "client_idle_engine_bytes_per_conn".into(),
+            c.engine_bytes_per_conn.into(),
+        );
+        map.insert(
+            "client_idle_rss_bytes_per_conn".into(),
+            c.rss_bytes_per_conn.into(),
+        );
+    }
+    if let Some(c) = &l.server.idle {
+        map.insert(
+            "server_idle_engine_bytes_per_conn".into(),
+            c.engine_bytes_per_conn.into(),
+        );
+        map.insert(
+            "server_idle_rss_bytes_per_conn".into(),
+            c.rss_bytes_per_conn.into(),
+        );
+    }
     v
 }
 
@@ -318,6 +382,7 @@ pub fn points(a: &PingArgs) -> Result<(Vec<Point>, Vec<String>), String> {
             mode: a.mode,
             wait: a.wait,
             count: a.count,
+            idle: a.idle,
         };
         match p.check(&Limits::widest()) {
             Ok(()) => points.push(p),

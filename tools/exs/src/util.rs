@@ -73,7 +73,7 @@ pub fn accept_one(
     l.bind(listen)
         .with_context(|| format!("binding {listen}"))?;
     let bound = l
-        .listen(1)
+        .listen(0)
         .with_context(|| format!("listening on {listen}"))?;
     announce(bound)?;
     l.accept(eq, 0).context("accept")?;

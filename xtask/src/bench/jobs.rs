@@ -137,6 +137,23 @@ pub(super) fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
         Parse::Json,
     ));
     v.extend(cost_jobs(exe));
+    // Issue 25: idle connections beside a ping-pong, on the simulator and on libfabric tcp.
+    let (sim, fabric): (Vec<usize>, Vec<usize>) = if p.quick {
+        (vec![0, 1000], vec![0, 1000])
+    } else {
+        (
+            vec![0, 100, 1000, 10_000],
+            vec![0, 100, 1000, fabric_max_idle()],
+        )
+    };
+    v.extend(idle_jobs(exe, "sim", "--backend sim", &sim, true));
+    v.extend(idle_jobs(
+        exe,
+        "fabric tcp",
+        "--backend fabric --provider tcp --addr 127.0.0.1",
+        &fabric,
+        true,
+    ));
     v
 }
 
@@ -151,6 +168,7 @@ pub(super) fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
             seconds: 1.0,
             pings: 300,
             timeout: 90,
+            quick: true,
         };
         &quick_plan
     } else {
@@ -163,6 +181,15 @@ pub(super) fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
         &quick_plan
     };
     let mut v = exs_jobs(exe, &format!("--backend verbs --addr {addr}"), p, false);
+    // Issue 25: idle connections beside a ping-pong, as many as the guest's memory allows.
+    let counts: &[usize] = if quick { &[0, 100] } else { &[0, 100, 400] };
+    v.extend(idle_jobs(
+        exe,
+        "verbs",
+        &format!("--backend verbs --addr {addr}"),
+        counts,
+        false,
+    ));
     // perftest and rstream: server in the background, client in front, on the same device.
     let pt = |bin: &str, size: u64, extra: &str| {
         format!(

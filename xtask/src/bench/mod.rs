@@ -18,6 +18,7 @@ use clap::Args;
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
 
+mod idle;
 mod jobs;
 mod parse;
 mod plot;
@@ -25,6 +26,7 @@ mod report;
 #[cfg(test)]
 mod tests;
 
+use idle::*;
 use jobs::*;
 use parse::*;
 use plot::*;
@@ -109,6 +111,7 @@ pub(super) struct Plan {
     pings: usize,
     /// Longest a single job may take before it is killed (a hung peer tool must not hang the run).
     timeout: u32,
+    quick: bool,
 }
 
 pub(super) fn plan(quick: bool) -> Plan {
@@ -119,6 +122,7 @@ pub(super) fn plan(quick: bool) -> Plan {
             seconds: 0.5,
             pings: 1000,
             timeout: 60,
+            quick,
         }
     } else {
         Plan {
@@ -127,6 +131,7 @@ pub(super) fn plan(quick: bool) -> Plan {
             seconds: 1.5,
             pings: 5000,
             timeout: 180,
+            quick,
         }
     }
 }

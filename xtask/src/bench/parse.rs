@@ -29,7 +29,10 @@ pub(super) fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> 
                     "median_us",
                     "client_exposures_per_msg",
                     "registrations_per_msg",
-                ] {
+                ]
+                .into_iter()
+                .chain(IDLE_METRICS)
+                {
                     if let Some(x) = v[m].as_f64() {
                         rows.push(row(m, x));
                     }
@@ -101,7 +104,7 @@ pub(super) fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> 
                 .lines()
                 .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
             {
-                for m in ["mean_us", "median_us"] {
+                for m in ["mean_us", "median_us"].into_iter().chain(IDLE_METRICS) {
                     if let Some(x) = v[m].as_f64() {
                         rows.push(row(m, x));
                     }

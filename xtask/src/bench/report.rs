@@ -99,9 +99,10 @@ pub(super) fn markdown(
             );
         }
     }
+    idle_table(&mut s, sum);
     let lat: Vec<&Key> = sum
         .keys()
-        .filter(|k| k.4 == "mean_us" && k.0 != "cost")
+        .filter(|k| k.4 == "mean_us" && k.0 != "cost" && k.0 != "idle")
         .collect();
     if !lat.is_empty() {
         let _ = writeln!(s, "\nLatency, 8-byte payload (exs and TCP: one-way, half the round trip; exs persistent and ib_read_lat: one RDMA read; ib_send_lat: one-way), µs, mean / median:\n\n| test | mean | median |\n|---|---|---|");
@@ -213,7 +214,7 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
     let bw = |t: &str, v: &str, z: u64| get(sum, t, v, z, "bytes_per_sec").map(|x| x.0);
     let lat = |t: &str, v: &str| get(sum, t, v, 8, "mean_us").map(|x| x.0);
     let mib = 1 << 20;
-    let mut v = Vec::new();
+    let mut v = idle_targets(sum);
     if suite == "host" {
         let cost = |v: &str, m: &str| get(sum, "cost", v, 8, m).map(|x| x.0);
         v.push(ratio_line(

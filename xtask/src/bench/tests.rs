@@ -124,3 +124,50 @@ fn svg_plot_is_well_formed() {
     );
     assert!(s.starts_with("<svg") && s.trim_end().ends_with("</svg>") && s.contains("polyline"));
 }
+
+#[test]
+fn idle_rows_carry_memory_and_times_into_their_table_and_targets() {
+    let json = |idle: u64, median: f64| {
+        format!(
+            "{{\"median_us\":{median},\"mean_us\":{median},\"idle\":{idle},\"idle_open_secs\":0.5,\
+             \"idle_close_secs\":0.25,\"client_idle_engine_bytes_per_conn\":52000,\
+             \"client_idle_rss_bytes_per_conn\":7000,\"server_idle_engine_bytes_per_conn\":51000,\
+             \"server_idle_rss_bytes_per_conn\":6000}}"
+        )
+    };
+    let mut rows = Vec::new();
+    for (idle, median, calls) in [(0u64, 40.0, 220_000.0), (1000, 42.0, 240_000.0)] {
+        let j = job(
+            "idle",
+            "fabric tcp",
+            idle,
+            1,
+            String::new(),
+            Parse::PerfPing(10, 1010),
+        );
+        let out = format!(
+            "@@short\n100000,,raw_syscalls:sys_enter,1,100.00,,\n1000,,context-switches,1,100.00,,\n\
+             @@long\n{calls},,raw_syscalls:sys_enter,1,100.00,,\n3000,,context-switches,1,100.00,,\n{}\n",
+            json(idle, median)
+        );
+        rows.extend(parse("host", &j, 0, &out));
+    }
+    let sum = summarize(&rows);
+    let mut s = String::new();
+    idle_table(&mut s, &sum);
+    assert!(s.contains("| fabric tcp | 1000 | 140.0 | 2.00 | 42.0 | 0.50 | 0.25 | 52000 / 51000 | 7000 / 6000 |"), "{s}");
+    let t = idle_targets(&sum);
+    assert!(
+        t.iter().any(|l| l
+            .contains("system calls per round trip with 1000 idle connections vs none: 1.17x")
+            && l.ends_with("missed")),
+        "{t:?}"
+    );
+    assert!(
+        t.iter().any(
+            |l| l.contains("median one-way with 1000 idle connections vs none: 1.05x")
+                && l.ends_with("met")
+        ),
+        "{t:?}"
+    );
+}

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
+use clap::builder::RangedU64ValueParser;
 use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
 use serde::{Deserialize, Serialize};
 
@@ -40,7 +41,9 @@ pub struct PingArgs {
     pub json: bool,
     /// Idle connections (of the same socket type) that both sides hold open on the same contexts while the ping
     /// runs: what one operation costs must not grow with connections that do nothing.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = RangedU64ValueParser::<u32>::new().range(0..=cli::max_idle()),
+          help = format!("Idle connections both sides hold open beside the ping (what one operation costs must \
+                          not grow with connections that do nothing), 0 to {}", cli::max_idle()))]
     pub idle: u32,
     #[command(flatten)]
     pub backend: BackendArgs,
@@ -79,6 +82,7 @@ impl control::Params for Point {
             ));
         }
         limits.count(self.count)?;
+        limits.idle(self.idle)?;
         limits.memory(self.size, "--size")
     }
 }
@@ -152,7 +156,7 @@ fn echo(
         watch,
     )?;
     // The client opens its idle connections once the ping connection is up; they stay until it ends.
-    let _idle = crate::idle::accept(&listener, p.idle as usize)?;
+    let _idle = crate::idle::accept(&listener, p.idle as usize, watch)?;
     let idle = (p.idle > 0).then(|| before.cost(ctx, p.idle as usize));
     let buf = MemoryRegion::alloc(ctx, size.max(1)).context("registering the echo buffer")?;
     if p.mode == PingMode::Persistent {

@@ -149,6 +149,8 @@ fn every_parameter_is_range_checked_against_the_servers_limits() {
         "1M",
         "--max-count",
         "100",
+        "--max-idle",
+        "10",
         "--max-memory",
         "4M",
     ];
@@ -201,6 +203,8 @@ fn every_parameter_is_range_checked_against_the_servers_limits() {
         ("pump", pump(json!({"extra": 1})), "cannot use"),
         ("ping", ping(json!({"count": 0})), "--count"),
         ("ping", ping(json!({"count": 101})), "--max-count"),
+        ("ping", ping(json!({"idle": 11})), "--max-idle"),
+        ("ping", ping(json!({"idle": 4_000_000_000u32})), "--idle"),
         ("ping", ping(json!({"size": 17u64 << 20})), "--size"),
         ("ping", ping(json!({"size": 8u64 << 20})), "--max-memory"),
         ("demo", demo(json!({"size": 1u64 << 63})), "--size"),

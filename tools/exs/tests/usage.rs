@@ -63,6 +63,7 @@ fn huge_seconds_and_counts_are_usage_errors_not_panics() {
         (&["pump", "--size", "17M"], "--size"),
         (&["pump", "--size", "99999999999T"], "--size"),
         (&["demo", "--chunk", "1G"], "--chunk"),
+        (&["ping", "--idle", "4294967296"], "--idle"),
     ] {
         usage_error(args, flag);
     }
@@ -113,6 +114,13 @@ fn range_and_conflict_errors_exit_like_parse_errors() {
     usage_error(&["pump", "--server", "--max-seconds", "0"], "--max-seconds");
     usage_error(&["pump", "--server", "--max-memory", "5G"], "--max-memory");
     usage_error(&["pump", "--client", "host:99999"], "not a port");
+    // As many idle connections as a context takes beside the ping's own, and not one more.
+    let most = exs::ContextOptions::default().max_connections - 1;
+    usage_error(&["ping", "--idle", &(most + 1).to_string()], "--idle");
+    usage_error(
+        &["ping", "--server", "--max-idle", &(most + 1).to_string()],
+        "--max-idle",
+    );
 }
 
 #[test]
@@ -220,6 +228,7 @@ fn numeric_options_state_their_ranges_in_the_help() {
         "--max-seconds",
         "--max-bytes",
         "--max-count",
+        "--max-idle",
         "--max-memory",
     ] {
         assert!(help.contains(limit), "{limit} not in {help}");

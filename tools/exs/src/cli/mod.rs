@@ -26,6 +26,13 @@ pub const MAX_TRANSFER: u64 = 1 << 50;
 /// The most buffer memory a server may be allowed to register for one test (`--max-memory`).
 pub const MAX_MEMORY: u64 = 4 << 30;
 
+/// The most idle connections `exs ping --idle` holds beside its own: what one context accepts, less the ping's.
+pub fn max_idle() -> u64 {
+    exs::ContextOptions::default()
+        .max_connections
+        .saturating_sub(1) as u64
+}
+
 /// `--seconds`: a positive, finite number of seconds up to [`MAX_SECONDS`] (fractions allowed).
 pub fn seconds(s: &str) -> Result<f64, String> {
     let v: f64 = s

@@ -82,6 +82,7 @@ fn accepted(cmd: &Cmd) -> Result<(), TestCaseError> {
         Cmd::Ping(a) => {
             prop_assert!(a.size.iter().all(|s| (0..=MAX_MESSAGE).contains(s)));
             prop_assert!((1..=MAX_COUNT).contains(&a.count));
+            prop_assert!(u64::from(a.idle) <= max_idle());
             limits_in_range(&a.peer.limits)?;
             if !a.peer.server {
                 let (points, _) = crate::ping::points(a).map_err(TestCaseError::fail)?;
@@ -117,6 +118,7 @@ fn limits_in_range(l: &Limits) -> Result<(), TestCaseError> {
     prop_assert!(l.max_seconds > 0.0 && l.max_seconds <= MAX_SECONDS);
     prop_assert!((1..=MAX_TRANSFER).contains(&l.max_bytes));
     prop_assert!((1..=MAX_COUNT).contains(&l.max_count));
+    prop_assert!(l.max_idle <= max_idle());
     prop_assert!((1..=MAX_MEMORY).contains(&l.max_memory));
     Ok(())
 }
@@ -194,6 +196,9 @@ fn value() -> impl Strategy<Value = String> {
         "host:99999",
         ":",
         "604801",
+        "16383",
+        "16384",
+        "4294967296",
         "4G",
         "5G",
     ])

@@ -10,7 +10,7 @@ use crate::cli::{self, fmt_size, MAX_COUNT, MAX_MEMORY, MAX_SECONDS, MAX_TRANSFE
 /// What a test may take beyond `--max-seconds`: its connection's set-up and close.
 pub const GRACE: Duration = Duration::from_secs(10);
 
-/// The caps of one server (`--max-seconds`, `--max-bytes`, `--max-count`, `--max-memory`).
+/// The caps of one server (`--max-seconds`, `--max-bytes`, `--max-count`, `--max-idle`, `--max-memory`).
 #[derive(Clone, Debug, clap::Args)]
 #[command(
     next_help_heading = "Server limits (with --server: a client that asks for more is refused)"
@@ -28,6 +28,10 @@ pub struct Limits {
     #[arg(long, value_name = "N", default_value = "1000000", value_parser = cli::count_in(1..=MAX_COUNT),
           requires = "server")]
     pub max_count: u64,
+    /// The most idle connections one `exs ping --idle` test may make the server hold.
+    #[arg(long, value_name = "N", default_value = "100", value_parser = cli::count_in(0..=cli::max_idle()),
+          requires = "server")]
+    pub max_idle: u64,
     /// The most buffer memory one test may make the server register (pinned, on RDMA hardware): pump's
     /// size x depth, demo's eight chunks, ping's message.
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = cli::size_in(1..=MAX_MEMORY),
@@ -42,6 +46,7 @@ impl Limits {
             max_seconds: MAX_SECONDS,
             max_bytes: MAX_TRANSFER,
             max_count: MAX_COUNT,
+            max_idle: cli::max_idle(),
             max_memory: MAX_MEMORY,
         }
     }
@@ -55,6 +60,8 @@ impl Limits {
             self.max_bytes.to_string(),
             "--max-count".into(),
             self.max_count.to_string(),
+            "--max-idle".into(),
+            self.max_idle.to_string(),
             "--max-memory".into(),
             self.max_memory.to_string(),
         ]
@@ -104,6 +111,20 @@ impl Limits {
         Ok(())
     }
 
+    /// Refuses more idle connections than `--max-idle`.
+    pub fn idle(&self, n: u32) -> Result<(), String> {
+        if u64::from(n) > cli::max_idle() {
+            return Err(format!("--idle {n}: from 0 to {}", cli::max_idle()));
+        }
+        if u64::from(n) > self.max_idle {
+            return Err(format!(
+                "--idle {n}: this server holds at most {} idle connections per test (its --max-idle)",
+                self.max_idle
+            ));
+        }
+        Ok(())
+    }
+
     /// Refuses a test whose buffers on the server would exceed `--max-memory` (`what` says which parameters).
     pub fn memory(&self, bytes: u64, what: &str) -> Result<(), String> {
         if bytes > self.max_memory {
@@ -140,7 +161,10 @@ mod tests {
         assert_eq!(t.limits.max_bytes, MAX_TRANSFER);
         assert_eq!(t.limits.max_seconds, MAX_SECONDS);
         let d = T::try_parse_from(["t", "--server"]).unwrap().limits;
-        assert_eq!((d.max_seconds, d.max_count), (300.0, 1_000_000));
+        assert_eq!(
+            (d.max_seconds, d.max_count, d.max_idle),
+            (300.0, 1_000_000, 100)
+        );
         assert_eq!((d.max_bytes, d.max_memory), (64 << 30, 256 << 20));
         assert!(
             T::try_parse_from(["t", "--max-seconds", "5"]).is_err(),
@@ -154,6 +178,7 @@ mod tests {
             max_seconds: 10.0,
             max_bytes: 1 << 20,
             max_count: 100,
+            max_idle: 10,
             max_memory: 1 << 20,
         };
         assert!(l.seconds(10.0).is_ok());
@@ -164,6 +189,9 @@ mod tests {
         assert!(l.bytes(0).is_err());
         assert!(l.count(101).unwrap_err().contains("--max-count"));
         assert!(l.count(0).is_err());
+        assert!(l.idle(10).is_ok());
+        assert!(l.idle(11).unwrap_err().contains("--max-idle"));
+        assert!(l.idle(u32::MAX).is_err());
         assert!(l.memory(2 << 20, "x").unwrap_err().contains("--max-memory"));
     }
 }

@@ -55,13 +55,14 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
         let l = &peer.limits;
         eprintln!(
             "exs {tool}: serving on {bound} with {} {}; run `exs {tool} --client {} ...` on the other host \
-             (limits per test: {} s, {} per transfer, {} pings, {} of buffers)",
+             (limits per test: {} s, {} per transfer, {} pings, {} idle connections, {} of buffers)",
             opened.label(),
             if peer.once { "for one client" } else { "until killed" },
             if peer.port == DEFAULT_PORT { bound.ip().to_string() } else { bound.to_string() },
             l.max_seconds,
             crate::cli::fmt_size(l.max_bytes),
             l.max_count,
+            l.max_idle,
             crate::cli::fmt_size(l.max_memory),
             tool = S::TOOL
         );

@@ -13,11 +13,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use exs::transport::{
-    CmEvent, EndpointId, Op, RemoteAccess, RemoteRef, Sge, Transport, WorkRequest,
+    CmEvent, ConnectFailure, EndpointId, Op, RemoteAccess, RemoteRef, Sge, Transport, WorkRequest,
 };
 use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::backend::{BackendArgs, Opened};
+use crate::cli::{self, MAX_COUNT, MAX_DEPTH, MAX_MESSAGE};
 use crate::opts::RawOp;
 use crate::pump::cpu_seconds;
 use crate::util::{fmt_bytes, fmt_rate};
@@ -25,16 +26,19 @@ use crate::util::{fmt_bytes, fmt_rate};
 #[derive(Clone, Debug, clap::Args)]
 pub struct RawArgs {
     /// Transfer size.
-    #[arg(long, value_parser = crate::util::parse_size, default_value = "1M")]
+    #[arg(long, value_parser = cli::size_in(1..=MAX_MESSAGE), default_value = "1M",
+          help = cli::help_range("Transfer size (K, M suffixes binary)", 1, MAX_MESSAGE))]
     pub size: u64,
     /// Transfers in flight.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = cli::depth(),
+          help = format!("Transfers in flight, 1 to {MAX_DEPTH}"))]
     pub depth: usize,
     /// The RDMA operation.
     #[arg(long, value_enum, default_value_t = RawOp::Write)]
     pub op: RawOp,
     /// Seconds to run.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value = "2", value_parser = cli::seconds,
+          help = format!("Seconds to run (more than 0, at most {})", cli::MAX_SECONDS))]
     pub seconds: f64,
     /// One JSON object on stdout instead of a line of text.
     #[arg(long)]
@@ -106,7 +110,9 @@ fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<()> {
     let _ = std::io::stdout().flush();
     let ev = next_cm(&mut *t)?;
     let CmEvent::ConnectRequest { request, .. } = ev else {
-        bail!("expected a connection request, got {ev:?}");
+        bail!(
+            "the client's connection did not arrive (the transport reported another event first)"
+        );
     };
     let w = exposure.remote();
     let mut private = Vec::new();
@@ -137,14 +143,23 @@ pub struct RawResult {
 fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
     let mut t = transport(opened)?;
     let size = a.size as usize;
-    let depth = a.depth.max(1);
+    let depth = a.depth;
     let buf = DmaBuf::new(size * depth);
     let reg = t.register(&buf).context("registering the buffer")?;
     t.connect(EndpointId(1), addr, &[], Vec::new())
         .with_context(|| format!("connecting to {addr}"))?;
     let private = match next_cm(&mut *t)? {
         CmEvent::Established { private, .. } => private,
-        other => bail!("connect: {other:?}"),
+        CmEvent::ConnectFailed { reason, .. } => bail!(
+            "connecting to {addr}: {}",
+            match reason {
+                ConnectFailure::Refused(_) => "refused".to_string(),
+                ConnectFailure::Unreachable => "unreachable".into(),
+                ConnectFailure::TimedOut => "no answer".into(),
+                ConnectFailure::Other(why) => why,
+            }
+        ),
+        _ => bail!("connecting to {addr}: the connection was not established"),
     };
     if private.len() < 32 {
         bail!("the raw server sent no key");
@@ -200,7 +215,7 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
     for slot in 0..depth {
         post(&mut t, slot)?;
     }
-    let stop = Duration::from_secs_f64(a.seconds);
+    let stop = cli::duration(a.seconds);
     let mut done = 0u64;
     let mut outstanding = depth;
     let mut out = Vec::with_capacity(64);
@@ -231,12 +246,7 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
 pub fn run_raw(a: RawArgs) -> Result<()> {
     let opened = Opened::open(&a.backend)?;
     if a.serve {
-        return serve(
-            &opened,
-            a.size as usize,
-            a.depth.max(1),
-            a.op == RawOp::Read,
-        );
+        return serve(&opened, a.size as usize, a.depth, a.op == RawOp::Read);
     }
     let exe = std::env::current_exe().context("finding this program, to start its server")?;
     let (mut child, addr, _out) = crate::util::spawn_listening(
@@ -278,48 +288,70 @@ pub fn run_raw(a: RawArgs) -> Result<()> {
 }
 
 #[derive(Clone, Debug, clap::Args)]
-pub struct TcpArgs {
+pub struct TcppumpArgs {
     /// Write size.
-    #[arg(long, value_parser = crate::util::parse_size, default_value = "1M")]
+    #[arg(long, value_parser = cli::size_in(1..=MAX_MESSAGE), default_value = "1M",
+          help = cli::help_range("Write size (K, M suffixes binary)", 1, MAX_MESSAGE))]
     pub size: u64,
-    /// Seconds to run (tcppump), or round trips (tcpping).
-    #[arg(long, default_value_t = 2.0)]
+    /// Seconds to run.
+    #[arg(long, default_value = "2", value_parser = cli::seconds,
+          help = format!("Seconds to run (more than 0, at most {})", cli::MAX_SECONDS))]
     pub seconds: f64,
     /// Disable Nagle's algorithm (TCP_NODELAY).
     #[arg(long)]
     pub nodelay: bool,
-    /// tcpping: round trips.
-    #[arg(long, default_value_t = 2000)]
-    pub count: usize,
     /// One JSON object on stdout instead of a line of text.
     #[arg(long)]
     pub json: bool,
-    /// Internal: run as the sink/echo side.
+    /// Internal: run as the sink.
     #[arg(long, hide = true)]
-    pub serve: Option<String>,
+    pub serve: bool,
 }
 
-fn spawn_tcp(kind: &str, a: &TcpArgs) -> Result<(std::process::Child, SocketAddr)> {
+#[derive(Clone, Debug, clap::Args)]
+pub struct TcppingArgs {
+    /// Message size (each way).
+    #[arg(long, value_parser = cli::size_in(1..=MAX_MESSAGE), default_value = "8",
+          help = cli::help_range("Message size, each way (K, M suffixes binary)", 1, MAX_MESSAGE))]
+    pub size: u64,
+    /// Round trips.
+    #[arg(long, default_value_t = 2000, value_parser = cli::count_in(1..=MAX_COUNT),
+          help = format!("Round trips, counted after a warm-up of a tenth more, 1 to {MAX_COUNT}"))]
+    pub count: u64,
+    /// Disable Nagle's algorithm (TCP_NODELAY).
+    #[arg(long)]
+    pub nodelay: bool,
+    /// One JSON object on stdout instead of a line of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Internal: run as the echo side.
+    #[arg(long, hide = true)]
+    pub serve: bool,
+}
+
+/// Starts this program as the sink (`tcppump`) or echo (`tcpping`) side of a TCP baseline; returns it and its
+/// address.
+fn spawn_tcp(kind: &str, size: u64, nodelay: bool) -> Result<(std::process::Child, SocketAddr)> {
     let exe = std::env::current_exe().context("finding this program, to start its server")?;
     let mut cmd = Command::new(exe);
-    cmd.arg(kind)
-        .args(["--size", &a.size.to_string(), "--serve", kind]);
-    if a.nodelay {
+    cmd.args([kind, "--size", &size.to_string(), "--serve"]);
+    if nodelay {
         cmd.arg("--nodelay");
     }
     let (child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
     Ok((child, addr))
 }
 
-fn tcp_serve(kind: &str, a: &TcpArgs) -> Result<()> {
+/// The sink (`echo` false) or echo side: one connection on loopback, until the client closes it.
+fn tcp_serve(size: u64, nodelay: bool, echo: bool) -> Result<()> {
     let l = TcpListener::bind("127.0.0.1:0").context("TCP listener")?;
     println!("LISTEN {}", l.local_addr()?);
     let _ = std::io::stdout().flush();
     let (mut s, _) = l.accept().context("TCP accept")?;
-    s.set_nodelay(a.nodelay)?;
-    let mut buf = vec![0u8; (a.size as usize).max(1)];
+    s.set_nodelay(nodelay)?;
+    let mut buf = vec![0u8; size as usize];
     loop {
-        if kind == "tcpping" {
+        if echo {
             if s.read_exact(&mut buf).is_err() || s.write_all(&buf).is_err() {
                 return Ok(());
             }
@@ -329,17 +361,18 @@ fn tcp_serve(kind: &str, a: &TcpArgs) -> Result<()> {
     }
 }
 
-pub fn run_tcppump(a: TcpArgs) -> Result<()> {
-    if let Some(k) = &a.serve {
-        return tcp_serve(k, &a);
+pub fn run_tcppump(a: TcppumpArgs) -> Result<()> {
+    if a.serve {
+        return tcp_serve(a.size, a.nodelay, false);
     }
-    let (mut child, addr) = spawn_tcp("tcppump", &a)?;
+    let (mut child, addr) = spawn_tcp("tcppump", a.size, a.nodelay)?;
     let mut s = TcpStream::connect(addr).with_context(|| format!("TCP connect to {addr}"))?;
     s.set_nodelay(a.nodelay)?;
     let buf = vec![0x5Au8; a.size as usize];
     let (t0, c0) = (Instant::now(), cpu_seconds());
+    let stop = cli::duration(a.seconds);
     let mut bytes = 0u64;
-    while t0.elapsed().as_secs_f64() < a.seconds {
+    while t0.elapsed() < stop {
         s.write_all(&buf).context("TCP write")?;
         bytes += buf.len() as u64;
     }
@@ -368,20 +401,21 @@ pub fn run_tcppump(a: TcpArgs) -> Result<()> {
     Ok(())
 }
 
-pub fn run_tcpping(a: TcpArgs) -> Result<()> {
-    if let Some(k) = &a.serve {
-        return tcp_serve(k, &a);
+pub fn run_tcpping(a: TcppingArgs) -> Result<()> {
+    if a.serve {
+        return tcp_serve(a.size, a.nodelay, true);
     }
-    let (mut child, addr) = spawn_tcp("tcpping", &a)?;
+    let (mut child, addr) = spawn_tcp("tcpping", a.size, a.nodelay)?;
     let mut s = TcpStream::connect(addr).with_context(|| format!("TCP connect to {addr}"))?;
     s.set_nodelay(a.nodelay)?;
-    let mut buf = vec![0x5Au8; (a.size as usize).max(1)];
-    let mut samples = Vec::with_capacity(a.count);
-    for i in 0..a.count + a.count / 10 {
+    let mut buf = vec![0x5Au8; a.size as usize];
+    let warm = a.count / 10;
+    let mut samples = Vec::with_capacity(a.count as usize);
+    for i in 0..warm + a.count {
         let t0 = Instant::now();
         s.write_all(&buf).context("TCP write")?;
         s.read_exact(&mut buf).context("TCP read")?;
-        if i >= a.count / 10 {
+        if i >= warm {
             samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
         }
     }

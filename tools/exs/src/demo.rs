@@ -11,7 +11,8 @@ use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, Socke
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::control::{self, Host, Params as _, Peer, PeerArgs, Service, Watch};
+use crate::cli::{self, check_in, MAX_CHUNK, MAX_DEPTH, MAX_TRANSFER};
+use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::progress::Progress;
 use crate::usage::Usage;
 use crate::util::{fmt_bytes, fmt_rate, PATIENCE};
@@ -58,14 +59,17 @@ fn expected(srcs: &[Vec<u8>], size: u64, chunk: usize) -> u64 {
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct DemoArgs {
-    /// Bytes to move (K, M, G suffixes are binary).
-    #[arg(long, default_value = "1G", value_parser = crate::util::parse_size)]
+    /// Bytes to move (K, M, G, T suffixes binary).
+    #[arg(long, default_value = "1G", value_parser = cli::size_in(1..=MAX_TRANSFER),
+          help = cli::help_range("Bytes to move (K, M, G, T suffixes binary)", 1, MAX_TRANSFER))]
     pub size: u64,
     /// Bytes per message.
-    #[arg(long, default_value = "4M", value_parser = crate::util::parse_size)]
+    #[arg(long, default_value = "4M", value_parser = cli::size_in(1..=MAX_CHUNK),
+          help = cli::help_range("Bytes per message", 1, MAX_CHUNK))]
     pub chunk: u64,
     /// Messages in flight.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = 8, value_parser = cli::depth(),
+          help = format!("Messages in flight, 1 to {MAX_DEPTH}"))]
     pub depth: usize,
     /// Skip the TCP baseline.
     #[arg(long)]
@@ -89,18 +93,25 @@ pub enum Transport {
 
 /// One transfer's parameters, sent by the client to the server.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Point {
     pub transport: Transport,
     pub size: u64,
     pub chunk: u64,
 }
 
+/// Receives the exs server keeps posted, each a chunk.
+const RING: usize = 8;
+
 impl control::Params for Point {
-    fn check(&self) -> Result<()> {
-        if self.chunk == 0 || self.chunk > 256 << 20 {
-            bail!("--chunk must be between 1 byte and 256 MiB");
-        }
-        Ok(())
+    fn check(&self, limits: &Limits) -> Result<(), String> {
+        check_in("--chunk", self.chunk, &(1..=MAX_CHUNK))?;
+        limits.bytes(self.size)?;
+        let buffers = match self.transport {
+            Transport::Exs => self.chunk * RING as u64,
+            Transport::Tcp => self.chunk,
+        };
+        limits.memory(buffers, "--chunk")
     }
 }
 
@@ -172,7 +183,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
         size: a.size,
         chunk: a.chunk,
     };
-    exs_point.check()?;
+    exs_point
+        .check(&Limits::widest())
+        .map_err(anyhow::Error::msg)?;
     let opened = Opened::open(&a.backend)?;
     let chunk = a.chunk as usize;
     eprintln!(
@@ -232,11 +245,11 @@ pub fn run(a: DemoArgs) -> Result<()> {
                 }
             );
         }
-        if results.len() == 2 {
+        if let [exs, tcp] = &results[..] {
             println!(
                 "{:<22} {:.2}x plain TCP",
                 "exs vs TCP:",
-                results[0].rate() / results[1].rate()
+                exs.rate() / tcp.rate()
             );
         }
     }
@@ -323,9 +336,10 @@ fn exs_client(
         eq.dequeue(&mut events, 1, 64, Some(PATIENCE))
             .context("waiting for completions")?;
         for ev in events.drain(..) {
-            ev.status
-                .clone()
-                .with_context(|| format!("{:?} failed", ev.kind))?;
+            ev.status.clone().context(match ev.kind {
+                EventKind::Recv => "receiving the server's checksum",
+                _ => "sending",
+            })?;
             match ev.kind {
                 EventKind::Recv => got_reply = true,
                 EventKind::Send => {
@@ -352,7 +366,6 @@ fn exs_server(
     announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
     watch: &Watch,
 ) -> Result<Received> {
-    const RING: usize = 8;
     let (ctx, chunk, size) = (&host.ctx, p.chunk as usize, p.size);
     let eq = EventQueue::new(64);
     let (_listener, s) = crate::util::accept_one(
@@ -378,8 +391,7 @@ fn exs_server(
     let mut start = None;
     while got < size {
         events.clear();
-        eq.dequeue(&mut events, 1, 64, Some(PATIENCE))
-            .context("receiving")?;
+        crate::util::dequeue_watching(&eq, &mut events, 64, watch, "the client's data")?;
         // The clock starts with the first data.
         start.get_or_insert_with(|| (Instant::now(), Usage::now(ctx, host.whole)));
         for ev in events.drain(..) {
@@ -474,9 +486,7 @@ fn tcp_server(
         match l.accept() {
             Ok((st, _)) => break st,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if watch.gone() {
-                    bail!("the client closed its control connection while this side waited for its TCP connection");
-                }
+                watch.check("its TCP connection")?;
                 if Instant::now() > deadline {
                     bail!(
                         "no TCP connection from the client within {} s",
@@ -489,14 +499,14 @@ fn tcp_server(
         }
     };
     st.set_nonblocking(false)?;
-    st.set_read_timeout(Some(PATIENCE))?;
+    st.set_read_timeout(Some(Duration::from_secs(1)))?;
     let (chunk, size) = (p.chunk as usize, p.size);
     let mut buf = vec![0u8; chunk];
     let (mut got, mut sum) = (0u64, SEED);
     let (t0, c0) = (Instant::now(), crate::pump::cpu_seconds());
     while got < size {
         let n = (chunk as u64).min(size - got) as usize;
-        st.read_exact(&mut buf[..n])
+        read_watching(&mut st, &mut buf[..n], watch)
             .with_context(|| format!("TCP read after {} of {}", fmt_bytes(got), fmt_bytes(size)))?;
         sum = fold(sum, &buf[..n]);
         got += n as u64;
@@ -511,8 +521,35 @@ fn tcp_server(
         },
     };
     st.write_all(&sum.to_le_bytes()).context("TCP reply")?;
+    // Wait for the client to close, so the reply is read before we go.
+    st.set_read_timeout(Some(PATIENCE))?;
     let _ = st.read(&mut buf[..1]);
     Ok(received)
+}
+
+/// Fills `buf` from the client's TCP connection (whose reads time out every second), giving up after
+/// [`PATIENCE`] of silence, or once the client has gone or the test's time is up.
+fn read_watching(st: &mut TcpStream, buf: &mut [u8], watch: &Watch) -> Result<()> {
+    use std::io::ErrorKind;
+    let (mut at, mut heard) = (0, Instant::now());
+    while at < buf.len() {
+        match st.read(&mut buf[at..]) {
+            Ok(0) => bail!("the client closed its TCP connection"),
+            Ok(n) => {
+                at += n;
+                heard = Instant::now();
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if heard.elapsed() >= PATIENCE {
+                    bail!("the client sent nothing for {} s", PATIENCE.as_secs());
+                }
+                watch.check("the client's data")?;
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    watch.in_time("the client's data")
 }
 
 #[cfg(test)]

@@ -130,8 +130,9 @@ pub fn connect(
     Ok(socks)
 }
 
-/// Accepts `n` connections on `listener`, [`IN_FLIGHT`] at a time.
-pub fn accept(listener: &Socket, n: usize) -> Result<Vec<Socket>> {
+/// Accepts `n` connections on `listener`, [`IN_FLIGHT`] at a time, giving up once the client has gone or the
+/// test's time is up (a client that opens them slowly cannot hold the server).
+pub fn accept(listener: &Socket, n: usize, watch: &crate::control::Watch) -> Result<Vec<Socket>> {
     make_room_for(n);
     let eq = EventQueue::new(IN_FLIGHT);
     let mut socks = Vec::with_capacity(n);
@@ -143,15 +144,14 @@ pub fn accept(listener: &Socket, n: usize) -> Result<Vec<Socket>> {
                 .context("accepting idle connections")?;
             posted += 1;
         }
-        let ev = eq.next(Some(PATIENCE)).with_context(|| {
-            format!(
-                "{} of {n} idle connections accepted, then none",
-                socks.len()
-            )
-        })?;
+        let what = format!("idle connection {} of {n}", socks.len() + 1);
+        let ev = crate::util::wait_watching(&eq, watch, &what)?;
+        ev.status
+            .clone()
+            .with_context(|| format!("accepting {what}"))?;
         let s = ev
             .accepted
-            .ok_or_else(|| anyhow!("accepting an idle connection failed: {:?}", ev.status))?;
+            .ok_or_else(|| anyhow!("accepting {what}: no connection"))?;
         socks.push(s);
     }
     Ok(socks)

@@ -2,6 +2,7 @@
 
 mod backend;
 mod baseline;
+mod cli;
 mod control;
 mod demo;
 mod idle;
@@ -19,6 +20,7 @@ use clap::{Parser, Subcommand};
 #[derive(Parser)]
 #[command(
     name = "exs",
+    version,
     about = "Extended Sockets over RDMA: demo, pump, ping, soak, info",
     after_help = "pump, ping and demo run both sides on this host, or a server (--server) on one host and a client \
                   (--client HOST) on another: control connection on TCP port 18515 (--port). Logs: EXS_LOG or \
@@ -40,9 +42,9 @@ enum Cmd {
     /// Baseline: a raw RDMA write/read loop through the backend's transport, no exs protocol.
     Rawpump(baseline::RawArgs),
     /// Baseline: plain TCP throughput (std::net), with or without Nagle.
-    Tcppump(baseline::TcpArgs),
+    Tcppump(baseline::TcppumpArgs),
     /// Baseline: plain TCP one-way latency (half the round trip).
-    Tcpping(baseline::TcpArgs),
+    Tcpping(baseline::TcppingArgs),
     /// A bounded soak: random sizes, flags and closes, every received byte checked.
     Soak(soak::SoakArgs),
     /// Backends compiled in, libfabric providers, and what a backend can do.
@@ -141,8 +143,22 @@ fn init_logging() {
         .init();
 }
 
+impl Cmd {
+    /// What clap cannot check alone: values that conflict with each other (a usage error, like clap's own).
+    fn validate(&self) -> Result<(), (&'static str, String)> {
+        match self {
+            Cmd::Pump(a) if !a.peer.server => pump::points(a).map(|_| ()).map_err(|e| ("pump", e)),
+            Cmd::Ping(a) if !a.peer.server => ping::points(a).map(|_| ()).map_err(|e| ("ping", e)),
+            _ => Ok(()),
+        }
+    }
+}
+
 fn main() {
     let cli = Cli::parse();
+    if let Err((sub, msg)) = cli.cmd.validate() {
+        cli::usage_error(sub, msg).exit();
+    }
     init_logging();
     let r = match cli.cmd {
         Cmd::Demo(a) => demo::run(a),

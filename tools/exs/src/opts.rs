@@ -28,6 +28,14 @@ pub enum BackendKind {
     Sim,
 }
 
+/// The help of `--mode immediate`, with the library's limit.
+fn immediate_help() -> String {
+    format!(
+        "Data inside the advert (at most {} bytes; seqpacket only)",
+        exs::SocketOptions::MAX_SMALL
+    )
+}
+
 /// How `exs pump` sends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -36,7 +44,7 @@ pub enum PumpMode {
     Default,
     /// Adverts and RDMA reads (streams: writes).
     Normal,
-    /// Data inside the advert (at most 512 bytes; seqpacket only).
+    #[value(help = immediate_help())]
     Immediate,
     /// One persistent send the server keeps reading (seqpacket only).
     Persistent,
@@ -48,7 +56,7 @@ pub enum PumpMode {
 pub enum PingMode {
     /// Advert and RDMA read, echoed.
     Normal,
-    /// Data inside the advert, echoed.
+    #[value(help = format!("{}, echoed", immediate_help()))]
     Immediate,
     /// Each receive is one RDMA read of the server's persistent send (time per read).
     Persistent,

@@ -9,11 +9,13 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
+use clap::builder::RangedU64ValueParser;
 use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::control::{self, Host, Params as _, Peer, PeerArgs, Service, Watch};
+use crate::cli::{self, check_in, MAX_COUNT, MAX_MESSAGE};
+use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::opts::{PingMode, Wait};
 use crate::usage::Usage;
 use crate::util::PATIENCE;
@@ -21,14 +23,16 @@ use crate::util::PATIENCE;
 #[derive(Clone, Debug, clap::Args)]
 pub struct PingArgs {
     /// Payload sizes (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1,10,100,1K", value_parser = crate::util::parse_size)]
+    #[arg(long, value_delimiter = ',', default_value = "1,10,100,1K", value_parser = cli::size_in(0..=MAX_MESSAGE),
+          help = cli::help_range("Payload sizes (comma-separated; K, M suffixes binary)", 0, MAX_MESSAGE))]
     pub size: Vec<u64>,
     /// How to send.
     #[arg(long, value_enum, default_value_t = PingMode::Immediate)]
     pub mode: PingMode,
     /// Pings per size (after 10% warm-up).
-    #[arg(long, default_value_t = 2000)]
-    pub count: usize,
+    #[arg(long, default_value_t = 2000, value_parser = cli::count_in(1..=MAX_COUNT),
+          help = format!("Pings per size, counted after a warm-up of a tenth more, 1 to {MAX_COUNT}"))]
+    pub count: u64,
     /// Event-queue wait mode (both sides).
     #[arg(long, value_enum, default_value_t = Wait::Busy)]
     pub wait: Wait,
@@ -37,7 +41,9 @@ pub struct PingArgs {
     pub json: bool,
     /// Idle connections (of the same socket type) that both sides hold open on the same contexts while the ping
     /// runs: what one operation costs must not grow with connections that do nothing.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = RangedU64ValueParser::<u32>::new().range(0..=cli::max_idle()),
+          help = format!("Idle connections both sides hold open beside the ping (what one operation costs must \
+                          not grow with connections that do nothing), 0 to {}", cli::max_idle()))]
     pub idle: u32,
     #[command(flatten)]
     pub backend: BackendArgs,
@@ -47,28 +53,37 @@ pub struct PingArgs {
 
 /// One size's parameters, sent by the client to the server.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Point {
     pub size: u64,
     pub mode: PingMode,
     pub wait: Wait,
+    /// Pings counted (the warm-up comes on top: [`rounds`]).
+    pub count: u64,
     /// Idle connections held beside the ping (opened after it, closed before it ends).
     #[serde(default)]
     pub idle: u32,
 }
 
+/// The warm-up pings and all the pings of a test of `count`.
+pub fn rounds(count: u64) -> (u64, u64) {
+    let warm = count / 10 + 1;
+    (warm, warm + count)
+}
+
 impl control::Params for Point {
-    fn check(&self) -> Result<()> {
-        if self.size > 16 << 20 {
-            bail!("--size {}: at most 16 MiB", self.size);
-        }
+    fn check(&self, limits: &Limits) -> Result<(), String> {
+        check_in("--size", self.size, &(0..=MAX_MESSAGE))?;
         if self.mode == PingMode::Immediate && self.size > exs::SocketOptions::MAX_SMALL as u64 {
-            bail!(
-                "{} B cannot go as immediate data (at most {} B)",
-                self.size,
+            return Err(format!(
+                "{} cannot go as immediate data (at most {} bytes)",
+                cli::fmt_size(self.size),
                 exs::SocketOptions::MAX_SMALL
-            );
+            ));
         }
-        Ok(())
+        limits.count(self.count)?;
+        limits.idle(self.idle)?;
+        limits.memory(self.size, "--size")
     }
 }
 
@@ -141,7 +156,7 @@ fn echo(
         watch,
     )?;
     // The client opens its idle connections once the ping connection is up; they stay until it ends.
-    let _idle = crate::idle::accept(&listener, p.idle as usize)?;
+    let _idle = crate::idle::accept(&listener, p.idle as usize, watch)?;
     let idle = (p.idle > 0).then(|| before.cost(ctx, p.idle as usize));
     let buf = MemoryRegion::alloc(ctx, size.max(1)).context("registering the echo buffer")?;
     if p.mode == PingMode::Persistent {
@@ -151,11 +166,9 @@ fn echo(
         s.recv(&eq, &probe.all(), MsgFlags::NONE, 1)
             .context("receive")?;
         let u0 = Usage::now(ctx, whole);
-        // Until the client hangs up (or goes away altogether).
+        // Until the client hangs up (or goes away altogether, or the time is up).
         while eq.next(Some(Duration::from_secs(1))).is_err() {
-            if watch.gone() {
-                bail!("the client closed its control connection during the test");
-            }
+            watch.check("the client to finish reading")?;
         }
         return Ok(Echoed {
             usage: Usage::now(ctx, whole).since(u0),
@@ -166,10 +179,11 @@ fn echo(
     // Counted from the first message on (the connection's set-up is not a round trip).
     let mut start = None;
     let mut pings = 0u64;
+    let (_, all) = rounds(p.count);
     loop {
         s.recv(&eq, &buf.all(), MsgFlags::NONE, 1)
             .context("receive")?;
-        let r = eq.next(Some(PATIENCE)).context("waiting for a ping")?;
+        let r = crate::util::wait_watching(&eq, watch, "a ping")?;
         let u0 = *start.get_or_insert_with(|| Usage::now(ctx, whole));
         if !r.is_ok() || r.flags.eof {
             return Ok(Echoed {
@@ -178,9 +192,12 @@ fn echo(
                 idle,
             });
         }
+        if pings == all {
+            bail!("the client sent more than the {all} pings it asked for");
+        }
         s.send(&eq, &buf.slice(..r.bytes), MsgFlags::NONE, 2)
             .context("echo")?;
-        let e = eq.next(Some(PATIENCE)).context("echoing")?;
+        let e = crate::util::wait_watching(&eq, watch, "an echo to complete")?;
         pings += 1;
         if !e.is_ok() {
             return Ok(Echoed {
@@ -214,16 +231,16 @@ pub type IdleHeld = (crate::idle::IdleCost, f64);
 
 impl Latency {
     /// Context switches per round trip, both sides.
-    pub fn switches_per_rt(&self, count: usize) -> f64 {
+    pub fn switches_per_rt(&self, count: u64) -> f64 {
         self.client.switches(self.whole) as f64 / count.max(1) as f64
             + self.server.usage.switches(self.whole) as f64 / self.server_msgs(count) as f64
     }
 
     /// What the echoing side's usage is divided by: its pings, or for persistent reads (the server sends no
     /// message; it only exposes memory) the reads the client made of it.
-    fn server_msgs(&self, count: usize) -> u64 {
+    fn server_msgs(&self, count: u64) -> u64 {
         match self.server.pings {
-            0 => count.max(1) as u64,
+            0 => count.max(1),
             n => n,
         }
     }
@@ -233,7 +250,6 @@ fn pinger(
     ctx: &exs::Context,
     addr: SocketAddr,
     p: &Point,
-    count: usize,
     whole: bool,
 ) -> Result<(Vec<f64>, Usage, Option<IdleHeld>)> {
     let size = p.size as usize;
@@ -258,12 +274,12 @@ fn pinger(
         .transpose()?;
     let out = MemoryRegion::from_vec(ctx, vec![0x42; size.max(1)])?;
     let back = MemoryRegion::alloc(ctx, size.max(1))?;
-    let warm = count / 10 + 1;
-    let mut samples = Vec::with_capacity(count);
+    let (warm, all) = rounds(p.count);
+    let mut samples = Vec::with_capacity(p.count as usize);
     let mut u0 = Usage::default();
     let want = if persistent { 1 } else { 2 };
     let mut evs = Vec::new();
-    for i in 0..warm + count {
+    for i in 0..all {
         if i == warm {
             u0 = Usage::now(ctx, whole);
         }
@@ -277,8 +293,14 @@ fn pinger(
         evs.clear();
         eq.dequeue(&mut evs, want, want, Some(Duration::from_secs(30)))
             .with_context(|| format!("ping {i}"))?;
-        if evs.len() < want || evs.iter().any(|e| !e.is_ok()) {
-            bail!("ping {i}: {evs:?}");
+        for ev in &evs {
+            ev.status.clone().with_context(|| format!("ping {i}"))?;
+            if ev.flags.eof {
+                bail!("ping {i}: the server closed the connection");
+            }
+        }
+        if evs.len() < want {
+            bail!("ping {i}: no answer within 30 s");
         }
         let dt = t0.elapsed().as_secs_f64() * 1e6;
         if i >= warm {
@@ -295,15 +317,9 @@ fn pinger(
 }
 
 /// One size against the server.
-fn measure(
-    peer: &mut Peer,
-    ctx: &exs::Context,
-    whole: bool,
-    p: &Point,
-    count: usize,
-) -> Result<Latency> {
+fn measure(peer: &mut Peer, ctx: &exs::Context, whole: bool, p: &Point) -> Result<Latency> {
     let addr = peer.start(p)?;
-    let (mut samples, client, idle) = match pinger(ctx, addr, p, count, whole) {
+    let (mut samples, client, idle) = match pinger(ctx, addr, p, whole) {
         Ok(r) => r,
         Err(e) => return Err(peer.explain(e)),
     };
@@ -322,20 +338,15 @@ fn measure(
 }
 
 /// One size's JSON line: latency, and per round trip (both sides) context switches and progress wake-ups.
-pub fn ping_json(
-    l: &Latency,
-    backend: &str,
-    server_backend: &str,
-    p: &Point,
-    count: usize,
-) -> serde_json::Value {
+pub fn ping_json(l: &Latency, backend: &str, server_backend: &str, p: &Point) -> serde_json::Value {
+    let count = p.count;
     let mut v = serde_json::json!({"tool": "exs-ping", "backend": backend, "server_backend": server_backend,
         "size": p.size, "mode": p.mode.to_string(), "wait": p.wait.to_string(), "count": count,
         "mean_us": l.mean_us, "median_us": l.median_us, "p99_us": l.p99_us,
         "ctx_switches_per_rt": l.switches_per_rt(count),
         "cpu_client_s": l.client.cpu, "cpu_server_s": l.server.usage.cpu, "server_pings": l.server.pings});
     let map = v.as_object_mut().expect("an object");
-    l.client.per_msg_json("client_", count as u64, map);
+    l.client.per_msg_json("client_", count, map);
     l.server
         .usage
         .per_msg_json("server_", l.server_msgs(count), map);
@@ -365,28 +376,47 @@ pub fn ping_json(
     v
 }
 
-pub fn run(a: PingArgs) -> Result<()> {
-    if a.peer.server {
-        return control::serve(Server, &a.backend, &a.peer, a.json);
-    }
-    let opened = Opened::open(&a.backend)?;
-    let mut points = Vec::new();
+/// The sizes of a run, checked as the server will (with the widest limits), and notes of sizes skipped because
+/// they cannot go as immediate data. Its errors are usage errors.
+pub fn points(a: &PingArgs) -> Result<(Vec<Point>, Vec<String>), String> {
+    let (mut points, mut skipped) = (Vec::new(), Vec::new());
     for &size in &a.size {
         let p = Point {
             size,
             mode: a.mode,
             wait: a.wait,
+            count: a.count,
             idle: a.idle,
         };
-        match p.check() {
+        match p.check(&Limits::widest()) {
             Ok(()) => points.push(p),
-            Err(e) if p.mode == PingMode::Immediate && size <= 16 << 20 => {
-                eprintln!("ping: {e}; skipped")
+            Err(e)
+                if p.mode == PingMode::Immediate && size > exs::SocketOptions::MAX_SMALL as u64 =>
+            {
+                skipped.push(e)
             }
             Err(e) => return Err(e),
         }
     }
-    let count = a.count.max(10);
+    if points.is_empty() {
+        return Err(format!(
+            "no --size fits immediate data (at most {} bytes)",
+            exs::SocketOptions::MAX_SMALL
+        ));
+    }
+    Ok((points, skipped))
+}
+
+pub fn run(a: PingArgs) -> Result<()> {
+    if a.peer.server {
+        return control::serve(Server, &a.backend, &a.peer, a.json);
+    }
+    let (points, skipped) = points(&a).map_err(anyhow::Error::msg)?;
+    for note in skipped {
+        eprintln!("ping: {note}; skipped");
+    }
+    let opened = Opened::open(&a.backend)?;
+    let count = a.count;
     let ctx = opened.host()?;
     let whole = opened.processes();
     let mut peer = Peer::open(Server, &a.peer, &a.backend, &opened)?;
@@ -400,13 +430,13 @@ pub fn run(a: PingArgs) -> Result<()> {
     bar.set_prefix("ping");
     for p in &points {
         bar.set_message(format!("{} B, {count} pings", p.size));
-        let l = measure(&mut peer, &ctx, whole, p, count)?;
+        let l = measure(&mut peer, &ctx, whole, p)?;
         bar.inc(1);
         bar.suspend(|| {
             if a.json {
                 println!(
                     "{}",
-                    ping_json(&l, &opened.label(), &peer.server_backend, p, count)
+                    ping_json(&l, &opened.label(), &peer.server_backend, p)
                 );
             } else {
                 println!(

@@ -5,25 +5,28 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use anyhow::{bail, Context as _, Result};
+use anyhow::{Context as _, Result};
 use exs::{EventQueue, MemoryRegion, MsgFlags, Socket, SocketOption};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::control::{self, Host, Params as _, Peer, PeerArgs, Service, Watch};
+use crate::cli::{self, check_in, MAX_DEPTH, MAX_MESSAGE};
+use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::opts::{PumpMode, Type, Wait};
 use crate::usage::Usage;
 use crate::util::{fmt_bytes, PATIENCE};
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct PumpArgs {
-    /// Message sizes (comma-separated; K, M suffixes binary), 1 B to 16 MiB.
-    #[arg(long, value_delimiter = ',', default_value = "1,1K,64K,1M", value_parser = crate::util::parse_size)]
+    /// Message sizes (comma-separated; K, M suffixes binary).
+    #[arg(long, value_delimiter = ',', default_value = "1,1K,64K,1M", value_parser = cli::size_in(1..=MAX_MESSAGE),
+          help = cli::help_range("Message sizes (comma-separated; K, M suffixes binary)", 1, MAX_MESSAGE))]
     pub size: Vec<u64>,
     /// Transfers in flight (comma-separated), e.g. 1,2,4,8.
-    #[arg(long, value_delimiter = ',', default_value = "8")]
+    #[arg(long, value_delimiter = ',', default_value = "8", value_parser = cli::depth(),
+          help = format!("Transfers in flight (comma-separated, e.g. 1,2,4,8), 1 to {MAX_DEPTH}"))]
     pub depth: Vec<usize>,
     /// How to send.
     #[arg(long, value_enum, default_value_t = PumpMode::Default)]
@@ -32,7 +35,8 @@ pub struct PumpArgs {
     #[arg(long = "type", value_enum, default_value_t = Type::Seqpacket)]
     pub sock_type: Type,
     /// Seconds per point.
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value = "2", value_parser = cli::seconds,
+          help = format!("Seconds per point (more than 0, at most {})", cli::MAX_SECONDS))]
     pub seconds: f64,
     /// Event-queue wait mode (both sides).
     #[arg(long, value_enum, default_value_t = Wait::Adaptive)]
@@ -52,6 +56,7 @@ pub struct PumpArgs {
 
 /// One point's parameters, sent by the client to the server.
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Point {
     pub size: u64,
     pub depth: usize,
@@ -66,37 +71,47 @@ pub struct Point {
 }
 
 impl control::Params for Point {
-    /// What both sides refuse.
-    fn check(&self) -> Result<()> {
-        if self.size == 0 || self.size > 16 << 20 {
-            bail!("--size {}: 1 byte to 16 MiB", self.size);
+    /// What both sides refuse; the server also refuses what its limits do not allow.
+    fn check(&self, limits: &Limits) -> Result<(), String> {
+        check_in("--size", self.size, &(1..=MAX_MESSAGE))?;
+        if !(1..=MAX_DEPTH).contains(&(self.depth as u64)) {
+            return Err(format!("--depth {}: from 1 to {MAX_DEPTH}", self.depth));
         }
-        if self.mode == PumpMode::Immediate && self.size > exs::SocketOptions::MAX_SMALL as u64 {
-            bail!(
-                "{} B cannot go as immediate data (at most {} B)",
-                self.size,
-                exs::SocketOptions::MAX_SMALL
-            );
-        }
+        limits.seconds(self.seconds)?;
         if matches!(self.mode, PumpMode::Immediate | PumpMode::Persistent)
             && self.sock_type == Type::Stream
         {
-            bail!("immediate and persistent sends exist on seqpacket sockets");
+            return Err("--mode immediate and persistent exist on seqpacket sockets only".into());
         }
-        if !(1..=64).contains(&self.depth) {
-            bail!("depth {}: 1 to 64", self.depth);
+        if self.mode == PumpMode::Immediate && self.size > exs::SocketOptions::MAX_SMALL as u64 {
+            return Err(format!(
+                "{} cannot go as immediate data (at most {} bytes)",
+                cli::fmt_size(self.size),
+                exs::SocketOptions::MAX_SMALL
+            ));
         }
-        if !(self.seconds.is_finite() && self.seconds > 0.0) {
-            bail!("--seconds {}: a positive number", self.seconds);
-        }
-        Ok(())
+        limits.memory(self.server_memory(), "--size x --depth")
     }
 }
 
 impl Point {
-    /// Socket options a point needs on both sides.
+    /// The buffers the server registers: its receives, and a stream's ring.
+    fn server_memory(&self) -> u64 {
+        let ring = match self.sock_type {
+            Type::Stream => self.stream_ring() as u64,
+            Type::Seqpacket => 0,
+        };
+        self.size * self.depth as u64 + ring
+    }
+
+    /// A stream's ring: two depths' worth, within the library's range.
+    fn stream_ring(&self) -> u32 {
+        (self.size * self.depth as u64 * 2).clamp(256 << 10, 64 << 20) as u32
+    }
+
+    /// Socket options a point needs on both sides (of a checked point: the depth fits the credits).
     fn options(&self) -> Vec<SocketOption> {
-        let depth = (self.depth as u16).clamp(1, 256);
+        let depth = u16::try_from(self.depth).unwrap_or(u16::MAX);
         // Deeper runs need more advertisement credits; shallower ones keep the default window (credits bound the
         // messages between the two applications, not the transfers one application has in flight).
         let credits = depth.max(exs::SocketOptions::default().send_credits);
@@ -113,8 +128,7 @@ impl Point {
             v.push(SocketOption::Coalesce(false));
         }
         if self.sock_type == Type::Stream {
-            let ring = (self.size * self.depth as u64 * 2).clamp(256 << 10, 64 << 20) as u32;
-            v.push(SocketOption::StreamBufferSize(ring));
+            v.push(SocketOption::StreamBufferSize(self.stream_ring()));
         }
         v
     }
@@ -195,8 +209,7 @@ fn serve(
         announce,
         watch,
     )?;
-    let size = p.size.max(1) as usize;
-    let depth = p.depth.max(1);
+    let (size, depth) = (p.size as usize, p.depth);
     let buf = MemoryRegion::alloc(ctx, size * depth).context("registering the receive buffers")?;
     for i in 0..depth {
         s.recv(
@@ -215,9 +228,9 @@ fn serve(
     };
     let mut start: Option<(Instant, Usage)> = None;
     let mut last = Instant::now();
-    let stop = Duration::from_secs_f64(p.seconds);
+    let stop = cli::duration(p.seconds);
     loop {
-        let ev = eq.next(Some(PATIENCE)).context("receiving")?;
+        let ev = crate::util::wait_watching(&eq, watch, "the client's messages")?;
         if !ev.is_ok() || ev.flags.eof {
             break; // the client closed: the point is over
         }
@@ -264,8 +277,7 @@ fn blast(ctx: &exs::Context, addr: SocketAddr, p: &Point, whole: bool) -> Result
         .with_context(|| format!("connecting to {addr}: no answer"))?
         .status
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
-    let size = p.size.max(1) as usize;
-    let depth = p.depth.max(1);
+    let (size, depth) = (p.size as usize, p.depth);
     let buf = MemoryRegion::from_vec(ctx, vec![0x5A; size * depth])
         .context("registering the send buffers")?;
     let (t0, u0) = (Instant::now(), Usage::now(ctx, whole));
@@ -280,9 +292,9 @@ fn blast(ctx: &exs::Context, addr: SocketAddr, p: &Point, whole: bool) -> Result
         let probe = MemoryRegion::alloc(ctx, 1)?;
         s.recv(&eq, &probe.all(), MsgFlags::NONE, 1)
             .context("receive")?;
-        let _ = eq.next(Some(Duration::from_secs_f64(p.seconds) + PATIENCE));
+        let _ = eq.next(Some(cli::duration(p.seconds) + PATIENCE));
     } else {
-        let stop = Duration::from_secs_f64(p.seconds);
+        let stop = cli::duration(p.seconds);
         for i in 0..depth {
             s.send(
                 &eq,
@@ -403,35 +415,55 @@ fn point(peer: &mut Peer, ctx: &exs::Context, whole: bool, p: &Point) -> Result<
     })
 }
 
-pub fn run(a: PumpArgs) -> Result<()> {
-    if a.peer.server {
-        return control::serve(Server, &a.backend, &a.peer, a.json);
-    }
-    let opened = Opened::open(&a.backend)?;
-    if matches!(a.mode, PumpMode::Immediate | PumpMode::Persistent) && a.sock_type == Type::Stream {
-        bail!("immediate and persistent sends exist on seqpacket sockets");
-    }
-    let mut points = Vec::new();
+/// The points of a run, checked as the server will (with the widest limits), and notes of sizes skipped
+/// because they cannot go as immediate data. Its errors are usage errors.
+pub fn points(a: &PumpArgs) -> Result<(Vec<Point>, Vec<String>), String> {
+    let (mut points, mut skipped) = (Vec::new(), Vec::new());
     for &size in &a.size {
         for &depth in &a.depth {
             let p = Point {
                 size,
-                depth: depth.clamp(1, 64),
+                depth,
                 mode: a.mode,
                 sock_type: a.sock_type,
                 seconds: a.seconds,
                 wait: a.wait,
                 no_coalesce: a.no_coalesce,
             };
-            match p.check() {
+            match p.check(&Limits::widest()) {
                 Ok(()) => points.push(p),
-                Err(e) if p.mode == PumpMode::Immediate && size <= 16 << 20 && size > 0 => {
-                    eprintln!("pump: {e}; skipped");
+                // The default sizes go past the immediate limit: say which are left out, and why.
+                Err(e)
+                    if p.mode == PumpMode::Immediate
+                        && p.sock_type == Type::Seqpacket
+                        && size > exs::SocketOptions::MAX_SMALL as u64 =>
+                {
+                    if !skipped.contains(&e) {
+                        skipped.push(e);
+                    }
                 }
                 Err(e) => return Err(e),
             }
         }
     }
+    if points.is_empty() {
+        return Err(format!(
+            "no --size fits immediate data (at most {} bytes)",
+            exs::SocketOptions::MAX_SMALL
+        ));
+    }
+    Ok((points, skipped))
+}
+
+pub fn run(a: PumpArgs) -> Result<()> {
+    if a.peer.server {
+        return control::serve(Server, &a.backend, &a.peer, a.json);
+    }
+    let (points, skipped) = points(&a).map_err(anyhow::Error::msg)?;
+    for note in skipped {
+        eprintln!("pump: {note}; skipped");
+    }
+    let opened = Opened::open(&a.backend)?;
     // This side first: a missing provider or device is reported here, with what exists.
     let ctx = opened.host()?;
     let whole = opened.processes();

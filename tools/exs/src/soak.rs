@@ -14,7 +14,8 @@ use crate::util::fmt_bytes;
 #[derive(Clone, Debug, clap::Args)]
 pub struct SoakArgs {
     /// How long to run, in seconds.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = 60, value_parser = crate::cli::count_in(1..=crate::cli::MAX_SOAK_SECONDS),
+          help = format!("How long to run, in seconds, 1 to {}", crate::cli::MAX_SOAK_SECONDS))]
     pub seconds: u64,
     /// Seed of every random choice (the run is reproducible up to timing).
     #[arg(long, default_value_t = 1)]

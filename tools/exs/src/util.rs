@@ -78,29 +78,43 @@ pub fn accept_one(
     announce(bound)?;
     l.accept(eq, 0).context("accept")?;
     let ev = wait_watching(eq, watch, "the client's exs connection")?;
-    let s = ev.accepted.ok_or_else(|| {
-        anyhow!(
-            "accepting the client's exs connection failed: {:?}",
-            ev.status
-        )
-    })?;
+    ev.status
+        .clone()
+        .context("accepting the client's exs connection")?;
+    let s = ev
+        .accepted
+        .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))?;
     Ok((l, s))
 }
 
-/// The next event within [`PATIENCE`], looking every second whether the client is still there.
+/// The next event within [`PATIENCE`], looking every second whether the client is still there, and refusing to
+/// go on once the test has run past the server's time limit (checked after every event: a client that keeps
+/// sending cannot keep a test alive).
 pub fn wait_watching(eq: &exs::EventQueue, watch: &Watch, what: &str) -> Result<exs::Event> {
+    let mut one = Vec::with_capacity(1);
+    dequeue_watching(eq, &mut one, 1, watch, what)?;
+    one.pop().ok_or_else(|| anyhow!("no {what}"))
+}
+
+/// Like [`wait_watching`], for a batch: at least one event, at most `max`, appended to `out`.
+pub fn dequeue_watching(
+    eq: &exs::EventQueue,
+    out: &mut Vec<exs::Event>,
+    max: usize,
+    watch: &Watch,
+    what: &str,
+) -> Result<()> {
     let deadline = Instant::now() + PATIENCE;
     loop {
-        match eq.next(Some(Duration::from_secs(1))) {
-            Ok(ev) => return Ok(ev),
-            Err(e) if Instant::now() >= deadline => {
-                return Err(e).with_context(|| format!("no {what} within {} s", PATIENCE.as_secs()))
-            }
-            Err(_) => {}
+        match eq.dequeue(out, 1, max, Some(Duration::from_secs(1))) {
+            Ok(n) if n > 0 => return watch.in_time(what),
+            Ok(_) | Err(exs::DequeueError::TimedOut) => {}
+            Err(e) => return Err(e).with_context(|| format!("waiting for {what}")),
         }
-        if watch.gone() {
-            bail!("the client closed its control connection while this side waited for {what}");
+        if Instant::now() >= deadline {
+            bail!("no {what} within {} s", PATIENCE.as_secs());
         }
+        watch.check(what)?;
     }
 }
 

@@ -1,0 +1,197 @@
+//! What a server lets one client ask for. Users run `exs pump|ping|demo --server` on shared hosts (as
+//! `iperf3 -s`): every parameter a client sends is checked against the tool's own ranges ([`crate::cli`]) and
+//! against these caps, which the server's operator sets on its command line. A client asking for more is refused
+//! with a message that names the cap.
+
+use std::time::{Duration, Instant};
+
+use crate::cli::{self, fmt_size, MAX_COUNT, MAX_MEMORY, MAX_SECONDS, MAX_TRANSFER};
+
+/// What a test may take beyond `--max-seconds`: its connection's set-up and close.
+pub const GRACE: Duration = Duration::from_secs(10);
+
+/// The caps of one server (`--max-seconds`, `--max-bytes`, `--max-count`, `--max-idle`, `--max-memory`).
+#[derive(Clone, Debug, clap::Args)]
+#[command(
+    next_help_heading = "Server limits (with --server: a client that asks for more is refused)"
+)]
+pub struct Limits {
+    /// The longest test, in seconds: the most a pump client may ask for, and the wall time any test may take
+    /// (plus 10 s to connect and close).
+    #[arg(long, value_name = "SECS", default_value = "300", value_parser = cli::seconds, requires = "server")]
+    pub max_seconds: f64,
+    /// The most bytes one `exs demo` transfer may move (K, M, G, T suffixes binary).
+    #[arg(long, value_name = "SIZE", default_value = "64G", value_parser = cli::size_in(1..=MAX_TRANSFER),
+          requires = "server")]
+    pub max_bytes: u64,
+    /// The most pings one `exs ping` test may ask for.
+    #[arg(long, value_name = "N", default_value = "1000000", value_parser = cli::count_in(1..=MAX_COUNT),
+          requires = "server")]
+    pub max_count: u64,
+    /// The most idle connections one `exs ping --idle` test may make the server hold.
+    #[arg(long, value_name = "N", default_value = "100", value_parser = cli::count_in(0..=cli::max_idle()),
+          requires = "server")]
+    pub max_idle: u64,
+    /// The most buffer memory one test may make the server register (pinned, on RDMA hardware): pump's
+    /// size x depth, demo's eight chunks, ping's message.
+    #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = cli::size_in(1..=MAX_MEMORY),
+          requires = "server")]
+    pub max_memory: u64,
+}
+
+impl Limits {
+    /// As wide as the command line allows: the server a client starts for itself on this host.
+    pub fn widest() -> Limits {
+        Limits {
+            max_seconds: MAX_SECONDS,
+            max_bytes: MAX_TRANSFER,
+            max_count: MAX_COUNT,
+            max_idle: cli::max_idle(),
+            max_memory: MAX_MEMORY,
+        }
+    }
+
+    /// The same caps as command-line arguments, for a server process.
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            "--max-seconds".into(),
+            self.max_seconds.to_string(),
+            "--max-bytes".into(),
+            self.max_bytes.to_string(),
+            "--max-count".into(),
+            self.max_count.to_string(),
+            "--max-idle".into(),
+            self.max_idle.to_string(),
+            "--max-memory".into(),
+            self.max_memory.to_string(),
+        ]
+    }
+
+    /// When a test that starts now must have ended, whatever its client does.
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + cli::duration(self.max_seconds) + GRACE
+    }
+
+    /// Refuses a test longer than `--max-seconds` (or not a valid duration at all).
+    pub fn seconds(&self, secs: f64) -> Result<(), String> {
+        cli::check_seconds(secs, MAX_SECONDS)?;
+        if secs > self.max_seconds {
+            return Err(format!(
+                "--seconds {secs}: this server allows at most {} (its --max-seconds)",
+                self.max_seconds
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a transfer of more than `--max-bytes`.
+    pub fn bytes(&self, bytes: u64) -> Result<(), String> {
+        cli::check_in("--size", bytes, &(1..=MAX_TRANSFER))?;
+        if bytes > self.max_bytes {
+            return Err(format!(
+                "--size {}: this server allows at most {} per transfer (its --max-bytes)",
+                fmt_size(bytes),
+                fmt_size(self.max_bytes)
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses more pings than `--max-count`.
+    pub fn count(&self, count: u64) -> Result<(), String> {
+        if !(1..=MAX_COUNT).contains(&count) {
+            return Err(format!("--count {count}: from 1 to {MAX_COUNT}"));
+        }
+        if count > self.max_count {
+            return Err(format!(
+                "--count {count}: this server allows at most {} pings per test (its --max-count)",
+                self.max_count
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses more idle connections than `--max-idle`.
+    pub fn idle(&self, n: u32) -> Result<(), String> {
+        if u64::from(n) > cli::max_idle() {
+            return Err(format!("--idle {n}: from 0 to {}", cli::max_idle()));
+        }
+        if u64::from(n) > self.max_idle {
+            return Err(format!(
+                "--idle {n}: this server holds at most {} idle connections per test (its --max-idle)",
+                self.max_idle
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a test whose buffers on the server would exceed `--max-memory` (`what` says which parameters).
+    pub fn memory(&self, bytes: u64, what: &str) -> Result<(), String> {
+        if bytes > self.max_memory {
+            return Err(format!(
+                "{what} needs {} of buffers on the server, which allows {} per test (its --max-memory)",
+                fmt_size(bytes),
+                fmt_size(self.max_memory)
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_widest_caps_are_what_the_command_line_accepts() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct T {
+            #[arg(long)]
+            server: bool,
+            #[command(flatten)]
+            limits: Limits,
+        }
+        let args = [
+            vec!["t".to_string(), "--server".into()],
+            Limits::widest().to_args(),
+        ]
+        .concat();
+        let t = T::try_parse_from(args).unwrap();
+        assert_eq!(t.limits.max_bytes, MAX_TRANSFER);
+        assert_eq!(t.limits.max_seconds, MAX_SECONDS);
+        let d = T::try_parse_from(["t", "--server"]).unwrap().limits;
+        assert_eq!(
+            (d.max_seconds, d.max_count, d.max_idle),
+            (300.0, 1_000_000, 100)
+        );
+        assert_eq!((d.max_bytes, d.max_memory), (64 << 30, 256 << 20));
+        assert!(
+            T::try_parse_from(["t", "--max-seconds", "5"]).is_err(),
+            "only a server has limits"
+        );
+    }
+
+    #[test]
+    fn caps_name_themselves_in_refusals() {
+        let l = Limits {
+            max_seconds: 10.0,
+            max_bytes: 1 << 20,
+            max_count: 100,
+            max_idle: 10,
+            max_memory: 1 << 20,
+        };
+        assert!(l.seconds(10.0).is_ok());
+        assert!(l.seconds(10.5).unwrap_err().contains("--max-seconds"));
+        assert!(l.seconds(1e30).is_err());
+        assert!(l.seconds(f64::NAN).is_err());
+        assert!(l.bytes(2 << 20).unwrap_err().contains("--max-bytes"));
+        assert!(l.bytes(0).is_err());
+        assert!(l.count(101).unwrap_err().contains("--max-count"));
+        assert!(l.count(0).is_err());
+        assert!(l.idle(10).is_ok());
+        assert!(l.idle(11).unwrap_err().contains("--max-idle"));
+        assert!(l.idle(u32::MAX).is_err());
+        assert!(l.memory(2 << 20, "x").unwrap_err().contains("--max-memory"));
+    }
+}

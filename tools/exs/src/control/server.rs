@@ -1,0 +1,401 @@
+//! `exs TOOL --server`: serves one client's tests at a time, like iperf3 (two tests at once would measure each
+//! other: the same CPUs, the same link). Every connection gets a thread for its hello (at most
+//! [`MAX_CONNECTIONS`] at once, the rest are refused at once), so a silent or slow client never holds the door:
+//! the first client to say hello gets the server, and any other that says hello meanwhile is told "busy" (after
+//! [`BUSY_WAIT`], in case the running session is ending) and let go. A welcomed client has [`IDLE`] between
+//! tests, and each test ends within the server's `--max-seconds` (plus a few seconds) whatever the client does.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use serde::Deserialize;
+
+use super::{
+    excerpt, refuse_sim, send_on, shorten, Channel, Host, Limits, Msg, Params, PeerArgs, Service,
+    DEFAULT_PORT, VERSION,
+};
+use crate::backend::{BackendArgs, Opened};
+
+/// How long a client has, once connected, to send its hello.
+pub const HANDSHAKE: Duration = Duration::from_secs(5);
+/// How long a welcomed client may stay silent between its tests (it sends the next as soon as it has summed up
+/// the last: sorting a long ping run's samples takes a few seconds in a debug build).
+pub const IDLE: Duration = Duration::from_secs(30);
+/// Connections handled at once (saying hello, being told "busy", or running tests); more are refused at once.
+pub const MAX_CONNECTIONS: usize = 32;
+/// How long a client that says hello while another's session ends waits for it before it is told "busy".
+const BUSY_WAIT: Duration = Duration::from_secs(1);
+/// What a client hears while another's tests run.
+const BUSY: &str =
+    "busy: this server runs one client's tests at a time (tests that share a host measure each \
+                    other) and is running another's; try again when it is done";
+
+/// `exs TOOL --server`: serves clients until killed (or one, with `--once`).
+pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: bool) -> Result<()> {
+    let opened = Opened::open(backend)?;
+    refuse_sim(&opened, S::TOOL)?;
+    let at = SocketAddr::new(backend.addr, peer.port);
+    let listener = TcpListener::bind(at).with_context(|| {
+        format!(
+            "listening for clients on {at} (TCP): another server there? (--port chooses another)"
+        )
+    })?;
+    let host = Host::open(&opened, backend)?;
+    let bound = listener.local_addr()?;
+    if peer.announce {
+        println!("LISTEN {bound}");
+        std::io::stdout().flush()?;
+    } else {
+        let l = &peer.limits;
+        eprintln!(
+            "exs {tool}: serving on {bound} with {} {}; run `exs {tool} --client {} ...` on the other host \
+             (limits per test: {} s, {} per transfer, {} pings, {} idle connections, {} of buffers)",
+            opened.label(),
+            if peer.once { "for one client" } else { "until killed" },
+            if peer.port == DEFAULT_PORT { bound.ip().to_string() } else { bound.to_string() },
+            l.max_seconds,
+            crate::cli::fmt_size(l.max_bytes),
+            l.max_count,
+            l.max_idle,
+            crate::cli::fmt_size(l.max_memory),
+            tool = S::TOOL
+        );
+    }
+    let server = Server::new(svc, host, peer.limits.clone(), !peer.announce, json);
+    server.run(&listener, peer.once)
+}
+
+/// One server: its service, host and limits, and who holds it.
+pub struct Server<S> {
+    svc: S,
+    host: Host,
+    limits: Limits,
+    /// Logs each client's end on stderr.
+    chatty: bool,
+    /// Prints a JSON line per test served.
+    json: bool,
+    /// Whether a client's tests are running (the one slot), and its release.
+    testing: Mutex<bool>,
+    freed: Condvar,
+    connections: AtomicUsize,
+}
+
+/// The server, held by one client's session; freed when the session ends, however it ends.
+struct Slot<'a>(&'a Mutex<bool>, &'a Condvar);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = false;
+        self.1.notify_one();
+    }
+}
+
+/// Counts a connection for as long as its thread runs.
+struct Counted<S: Service>(Arc<Server<S>>);
+
+impl<S: Service> Drop for Counted<S> {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// How the one welcomed client's session tells a `--once` server it ended (even by a panic).
+struct Finish {
+    tx: mpsc::Sender<Result<usize>>,
+    wake: UnixStream,
+    result: Option<Result<usize>>,
+}
+
+impl Drop for Finish {
+    fn drop(&mut self) {
+        let r = self
+            .result
+            .take()
+            .unwrap_or_else(|| Err(anyhow!("the client's session ended abnormally")));
+        let _ = self.tx.send(r);
+        let _ = self.wake.write_all(&[1]);
+    }
+}
+
+impl<S: Service> Server<S> {
+    pub fn new(svc: S, host: Host, limits: Limits, chatty: bool, json: bool) -> Arc<Server<S>> {
+        Arc::new(Server {
+            svc,
+            host,
+            limits,
+            chatty,
+            json,
+            testing: Mutex::new(false),
+            freed: Condvar::new(),
+            connections: AtomicUsize::new(0),
+        })
+    }
+
+    /// Accepts clients until killed; with `once`, returns how the first welcomed client's tests went.
+    pub fn run(self: Arc<Self>, listener: &TcpListener, once: bool) -> Result<()> {
+        // The accept loop sleeps in poll(2) with no timeout (a periodic wake-up would count in the server's
+        // measured context switches); a --once session that ends wakes it through this pair.
+        let (wake_tx, wake_rx) = UnixStream::pair().context("a wake-up socket pair")?;
+        let (tx, rx) = mpsc::channel::<Result<usize>>();
+        listener.set_nonblocking(true)?;
+        loop {
+            wait_readable(listener, &wake_rx)?;
+            if let Ok(r) = rx.try_recv() {
+                return r.map(|_| ());
+            }
+            match listener.accept() {
+                Ok((stream, from)) => {
+                    let finish = match once.then(|| wake_tx.try_clone()) {
+                        None => None,
+                        Some(Ok(wake)) => Some((tx.clone(), wake)),
+                        Some(Err(e)) => {
+                            // Out of descriptors: this connection goes, the server stays.
+                            self.log(from, &format!("dropped: {e}"));
+                            continue;
+                        }
+                    };
+                    self.admit(stream, from, finish);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(e) => {
+                    // E.g. out of descriptors under a flood: wait a little rather than stop serving.
+                    eprintln!("exs {}: accepting a connection: {e}", S::TOOL);
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            }
+        }
+    }
+
+    fn admit(
+        self: &Arc<Self>,
+        stream: TcpStream,
+        from: SocketAddr,
+        finish: Option<(mpsc::Sender<Result<usize>>, UnixStream)>,
+    ) {
+        if self.connections.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
+            self.connections.fetch_sub(1, Ordering::AcqRel);
+            refuse_at_once(stream, "too many connections at once; try again later");
+            self.log(from, "refused: too many connections at once");
+            return;
+        }
+        let counted = Counted(Arc::clone(self));
+        let spawned = std::thread::Builder::new()
+            .name(format!("exs-{}-client", S::TOOL))
+            .spawn(move || {
+                let srv = &counted.0;
+                srv.session(stream, from, finish)
+            });
+        if let Err(e) = spawned {
+            self.log(from, &format!("dropped: no thread for it ({e})"));
+        }
+    }
+
+    fn log(&self, from: SocketAddr, what: &str) {
+        if self.chatty {
+            eprintln!("exs {}: client {from}: {what}", S::TOOL);
+        }
+    }
+
+    /// One connection: its hello, then (if it gets the server) its tests until it closes the connection.
+    fn session(
+        &self,
+        stream: TcpStream,
+        from: SocketAddr,
+        finish: Option<(mpsc::Sender<Result<usize>>, UnixStream)>,
+    ) {
+        // Its address starts every line of the log about it.
+        let mut ch = match Channel::new(stream, "the client".into()) {
+            Ok(ch) => ch,
+            Err(e) => return self.log(from, &format!("{e:#}")),
+        };
+        let slot = match self.greet(&mut ch, from) {
+            Ok(slot) => slot,
+            Err(e) => {
+                let _ = ch.send(&Msg::Error {
+                    message: format!("{e:#}"),
+                });
+                return self.log(from, &format!("{e:#}"));
+            }
+        };
+        let mut finish = finish.map(|(tx, wake)| Finish {
+            tx,
+            wake,
+            result: None,
+        });
+        let r = self.tests(&mut ch, from);
+        // Free before the last word: a client that hears it and comes back at once finds the server free.
+        drop(slot);
+        if let Err(e) = &r {
+            let _ = ch.send(&Msg::Error {
+                message: format!("{e:#}"),
+            });
+        }
+        drop(ch);
+        match (&mut finish, r) {
+            (Some(f), r) => f.result = Some(r),
+            (None, Ok(n)) => self.log(from, &format!("done ({n} tests)")),
+            (None, Err(e)) => self.log(from, &format!("{e:#}")),
+        }
+    }
+
+    /// Reads the client's hello within [`HANDSHAKE`], checks it, and takes the server for the client (or says
+    /// why not).
+    fn greet(&self, ch: &mut Channel, from: SocketAddr) -> Result<Slot<'_>> {
+        #[derive(Deserialize)]
+        struct Hello {
+            version: u32,
+            tool: String,
+            backend: String,
+        }
+        let h: Hello = match recv::<Hello>(ch, "hello", HANDSHAKE)? {
+            Some(h) => h,
+            None => bail!("closed the connection before its hello"),
+        };
+        if h.version != VERSION {
+            bail!(
+                "version mismatch: the client speaks control version {}, this server {VERSION} (use the same \
+                 exs on both hosts)",
+                h.version
+            );
+        }
+        if h.tool != S::TOOL {
+            bail!(
+                "this is an `exs {}` server, not `exs {}`: start `exs {1} --server` there",
+                S::TOOL,
+                shorten(&h.tool, 40)
+            );
+        }
+        let slot = self.claim().ok_or_else(|| anyhow!(BUSY))?;
+        tracing::info!(%from, client_backend = %shorten(&h.backend, 80), "client connected");
+        ch.send(&Msg::Welcome {
+            version: VERSION,
+            tool: S::TOOL.into(),
+            backend: self.host.label.clone(),
+        })?;
+        Ok(slot)
+    }
+
+    /// Takes the server for one client; waits [`BUSY_WAIT`] for a session that is ending (a client that starts
+    /// as another leaves is served, not told "busy").
+    fn claim(&self) -> Option<Slot<'_>> {
+        let held = self.testing.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut held, _) = self
+            .freed
+            .wait_timeout_while(held, BUSY_WAIT, |held| *held)
+            .unwrap_or_else(|p| p.into_inner());
+        if *held {
+            return None;
+        }
+        *held = true;
+        Some(Slot(&self.testing, &self.freed))
+    }
+
+    /// Runs the client's tests until it closes the connection; returns how many ran.
+    fn tests(&self, ch: &mut Channel, from: SocketAddr) -> Result<usize> {
+        #[derive(Deserialize)]
+        #[serde(bound = "P: Params")]
+        struct Point<P> {
+            params: P,
+        }
+        let mut n = 0;
+        while let Some(Point::<S::Params> { params }) = recv(ch, "point", IDLE)? {
+            params.check(&self.limits).map_err(|why| anyhow!(why))?;
+            let watch = ch.watch(self.limits.deadline(), self.limits.max_seconds)?;
+            let mut tx = ch.writer.try_clone()?;
+            tracing::info!(%from, ?params, "test");
+            let report = self.svc.serve(
+                &self.host,
+                &params,
+                &mut |addr| send_on(&mut tx, &Msg::Listening { addr }),
+                &watch,
+            )?;
+            let result = serde_json::to_value(report)?;
+            if self.json {
+                let line = serde_json::json!({"tool": format!("exs-{}-server", S::TOOL),
+                    "client": from.to_string(), "params": params, "result": result});
+                println!("{line}");
+            }
+            ch.send(&Msg::Done { result })?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
+/// The client's next message, which must be of `kind`, parsed straight into `T` (no intermediate tree of
+/// values); `None` once the client closed the connection.
+fn recv<T: serde::de::DeserializeOwned>(
+    ch: &mut Channel,
+    kind: &str,
+    wait: Duration,
+) -> Result<Option<T>> {
+    #[derive(Deserialize)]
+    struct Kind<'a> {
+        #[serde(borrow)]
+        msg: std::borrow::Cow<'a, str>,
+    }
+    if !ch
+        .next_line(wait)
+        .with_context(|| format!("waiting for a {kind}"))?
+    {
+        return Ok(None);
+    }
+    let line = &ch.line;
+    let k: Kind = serde_json::from_slice(line).map_err(|e| {
+        anyhow!(
+            "sent {}: not an exs control message ({})",
+            excerpt(line),
+            shorten(&e.to_string(), 120)
+        )
+    })?;
+    if k.msg != kind {
+        bail!(
+            "sent a {:?} message where a {kind} belongs",
+            shorten(&k.msg, 40)
+        );
+    }
+    serde_json::from_slice(line).map(Some).map_err(|e| {
+        anyhow!(
+            "sent a {kind} this server cannot use ({}): use the same exs on both hosts",
+            shorten(&e.to_string(), 200)
+        )
+    })
+}
+
+/// Tells a connection the server cannot take it, and lets it go without waiting for it.
+fn refuse_at_once(mut stream: TcpStream, why: &str) {
+    let _ = stream.set_nonblocking(true);
+    let _ = send_on(
+        &mut stream,
+        &Msg::Error {
+            message: why.into(),
+        },
+    );
+    let _ = stream.shutdown(std::net::Shutdown::Write);
+}
+
+/// Sleeps until the listener has a connection or the wake-up socket has a byte.
+fn wait_readable(listener: &TcpListener, wake: &UnixStream) -> Result<()> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut fds = [
+        PollFd::new(listener.as_fd(), PollFlags::POLLIN),
+        PollFd::new(wake.as_fd(), PollFlags::POLLIN),
+    ];
+    loop {
+        match poll(&mut fds, PollTimeout::NONE) {
+            Ok(_) => break,
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(e) => return Err(e).context("waiting for clients"),
+        }
+    }
+    if fds[1].revents().is_some_and(|r| !r.is_empty()) {
+        let _ = (&*wake).read(&mut [0u8; 16]);
+    }
+    Ok(())
+}

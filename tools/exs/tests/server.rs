@@ -1,0 +1,453 @@
+//! `exs pump|ping|demo --server` against careless and hostile clients (issue 27): users run these servers on
+//! shared hosts, so no line, parameter or silence a client sends may crash, stall or bloat one. Each test drives
+//! a real server process over TCP on 127.0.0.1 (libfabric's tcp provider carries the tests themselves).
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{Shutdown, TcpStream};
+use std::time::{Duration, Instant};
+
+use common::{exs, free_port, honest, Server};
+use proptest::prelude::*;
+use serde_json::{json, Value};
+
+/// A control connection driven by hand.
+struct Raw {
+    r: BufReader<TcpStream>,
+    w: TcpStream,
+}
+
+impl Raw {
+    fn connect(server: &Server) -> Raw {
+        let w = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+        w.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        Raw {
+            r: BufReader::new(w.try_clone().unwrap()),
+            w,
+        }
+    }
+
+    /// Sends bytes; a server that already hung up is not an error here.
+    fn send(&mut self, bytes: &[u8]) {
+        let _ = self.w.write_all(bytes);
+    }
+
+    fn line(&mut self, v: &Value) {
+        self.send(format!("{v}\n").as_bytes());
+    }
+
+    /// The server's next message; `None` once it closed the connection.
+    fn reply(&mut self) -> Option<Value> {
+        let mut l = String::new();
+        match self.r.read_line(&mut l) {
+            Ok(0) | Err(_) => None,
+            Ok(_) => Some(serde_json::from_str(&l).unwrap_or_else(|e| panic!("{l:?}: {e}"))),
+        }
+    }
+
+    /// Says hello as a `tool` client of this version; returns the answer.
+    fn hello(&mut self, tool: &str) -> Value {
+        self.line(&json!({"msg": "hello", "version": 2, "tool": tool, "backend": "raw test"}));
+        self.reply().expect("an answer to the hello")
+    }
+}
+
+fn message(v: &Value) -> &str {
+    assert_eq!(v["msg"], "error", "{v}");
+    v["message"].as_str().unwrap()
+}
+
+/// An honest client's test goes through (the server is up and free).
+fn served(tool: &str, server: &Server) {
+    let out = honest(tool, server);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_client_line_longer_than_the_limit_is_refused() {
+    let mut server = Server::start("pump", free_port(), &[]);
+    served("pump", &server);
+    let before = server.status_kb("VmHWM");
+    for hello_first in [false, true] {
+        let mut raw = Raw::connect(&server);
+        if hello_first {
+            assert_eq!(raw.hello("pump")["msg"], "welcome");
+        }
+        // 64 MiB and no newline: the server must stop reading at its bound, not hold the line.
+        let mut w = raw.w.try_clone().unwrap();
+        let writer = std::thread::spawn(move || {
+            let chunk = vec![b'a'; 1 << 20];
+            for _ in 0..64 {
+                if w.write_all(&chunk).is_err() {
+                    break;
+                }
+            }
+        });
+        let m = raw.reply().expect("a refusal");
+        assert!(message(&m).contains("longer than 64 KiB"), "{m}");
+        assert!(m.to_string().len() < 600, "a short excerpt: {m}");
+        writer.join().unwrap();
+    }
+    let after = server.status_kb("VmHWM");
+    assert!(
+        after < before + 16 * 1024,
+        "peak RSS grew from {before} kB to {after} kB"
+    );
+    assert!(server.alive());
+    served("pump", &server);
+}
+
+#[test]
+fn a_parse_error_logs_a_short_excerpt_of_the_line() {
+    let mut server = Server::start("ping", free_port(), &[]);
+    let mut raw = Raw::connect(&server);
+    let mut junk = b"{\"msg\": \"hello\", ".to_vec();
+    junk.extend(std::iter::repeat_n(b'x', 60 << 10));
+    junk.push(b'\n');
+    raw.send(&junk);
+    let m = raw.reply().expect("a refusal");
+    assert!(message(&m).contains("not an exs control message"), "{m}");
+    let line = server
+        .wait_for_log("not an exs control message", Duration::from_secs(10))
+        .expect("the server logs the refusal");
+    assert!(line.len() < 600, "{} bytes logged: {line}", line.len());
+    assert!(server.log().iter().map(String::len).sum::<usize>() < 4096);
+    // A hello whose tool name is long: the refusal quotes a little of it.
+    let mut raw = Raw::connect(&server);
+    let m = raw.hello(&"p".repeat(50_000));
+    assert!(message(&m).len() < 300, "{m}");
+    assert!(server.alive());
+}
+
+#[test]
+fn a_client_asking_for_1e30_seconds_is_refused_and_the_server_stays_up() {
+    let mut server = Server::start("pump", free_port(), &[]);
+    let mut raw = Raw::connect(&server);
+    assert_eq!(raw.hello("pump")["msg"], "welcome");
+    raw.line(
+        &json!({"msg": "point", "params": {"size": 1024, "depth": 8, "mode": "default",
+        "type": "seqpacket", "seconds": 1e30, "wait": "adaptive"}}),
+    );
+    let m = raw.reply().expect("a refusal");
+    assert!(message(&m).contains("--seconds 1e30"), "{m}");
+    assert!(raw.reply().is_none(), "the session ends");
+    assert!(server.alive());
+    served("pump", &server);
+}
+
+#[test]
+fn every_parameter_is_range_checked_against_the_servers_limits() {
+    let caps = [
+        "--max-seconds",
+        "5",
+        "--max-bytes",
+        "1M",
+        "--max-count",
+        "100",
+        "--max-idle",
+        "10",
+        "--max-memory",
+        "4M",
+    ];
+    let pump = |f: Value| {
+        let mut p = json!({"size": 1024, "depth": 8, "mode": "default", "type": "seqpacket",
+            "seconds": 1.0, "wait": "adaptive"});
+        p.as_object_mut()
+            .unwrap()
+            .extend(f.as_object().unwrap().clone());
+        p
+    };
+    let ping = |f: Value| {
+        let mut p = json!({"size": 8, "mode": "normal", "wait": "block", "count": 10});
+        p.as_object_mut()
+            .unwrap()
+            .extend(f.as_object().unwrap().clone());
+        p
+    };
+    let demo = |f: Value| {
+        let mut p = json!({"transport": "exs", "size": 1024, "chunk": 1024});
+        p.as_object_mut()
+            .unwrap()
+            .extend(f.as_object().unwrap().clone());
+        p
+    };
+    let cases: Vec<(&str, Value, &str)> = vec![
+        ("pump", pump(json!({"seconds": 6.0})), "--max-seconds"),
+        ("pump", pump(json!({"seconds": 0.0})), "--seconds"),
+        ("pump", pump(json!({"seconds": -1.0})), "--seconds"),
+        ("pump", pump(json!({"size": 0})), "--size"),
+        ("pump", pump(json!({"size": 1u64 << 40})), "--size"),
+        ("pump", pump(json!({"depth": 0})), "--depth"),
+        ("pump", pump(json!({"depth": 100000})), "--depth"),
+        (
+            "pump",
+            pump(json!({"size": 1 << 20, "depth": 8})),
+            "--max-memory",
+        ),
+        (
+            "pump",
+            pump(json!({"mode": "immediate", "size": 1 << 20})),
+            "immediate",
+        ),
+        (
+            "pump",
+            pump(json!({"mode": "persistent", "type": "stream"})),
+            "seqpacket",
+        ),
+        ("pump", pump(json!({"depth": -1})), "cannot use"),
+        ("pump", pump(json!({"extra": 1})), "cannot use"),
+        ("ping", ping(json!({"count": 0})), "--count"),
+        ("ping", ping(json!({"count": 101})), "--max-count"),
+        ("ping", ping(json!({"idle": 11})), "--max-idle"),
+        ("ping", ping(json!({"idle": 4_000_000_000u32})), "--idle"),
+        ("ping", ping(json!({"size": 17u64 << 20})), "--size"),
+        ("ping", ping(json!({"size": 8u64 << 20})), "--max-memory"),
+        ("demo", demo(json!({"size": 1u64 << 63})), "--size"),
+        ("demo", demo(json!({"size": 2 << 20})), "--max-bytes"),
+        ("demo", demo(json!({"size": 0})), "--size"),
+        ("demo", demo(json!({"chunk": 0})), "--chunk"),
+        ("demo", demo(json!({"chunk": 1 << 20})), "--max-memory"),
+    ];
+    for tool in ["pump", "ping", "demo"] {
+        let mut server = Server::start(tool, free_port(), &caps);
+        for (_, params, want) in cases.iter().filter(|c| c.0 == tool) {
+            let mut raw = Raw::connect(&server);
+            assert_eq!(raw.hello(tool)["msg"], "welcome");
+            raw.line(&json!({"msg": "point", "params": params}));
+            let m = raw.reply().expect("an answer");
+            assert!(message(&m).contains(want), "{params}: {want:?} not in {m}");
+        }
+        assert!(server.alive());
+        served(tool, &server);
+    }
+}
+
+#[test]
+fn a_silent_connection_does_not_keep_an_honest_client_waiting() {
+    let server = Server::start("ping", free_port(), &[]);
+    let silent: Vec<TcpStream> = (0..3)
+        .map(|_| TcpStream::connect(("127.0.0.1", server.port)).unwrap())
+        .collect();
+    let t = Instant::now();
+    served("ping", &server);
+    let took = t.elapsed();
+    eprintln!("an honest client beside three silent connections: served in {took:?}");
+    // Served while the silent ones were still within their few seconds for a hello: the server had not
+    // dropped any of them first.
+    server
+        .wait_for_log("done (1 tests)", Duration::from_secs(10))
+        .expect("the server logs the honest client's end");
+    let log = server.log();
+    let done = log.iter().position(|l| l.contains("done (1 tests)"));
+    let dropped = log.iter().position(|l| l.contains("sent nothing"));
+    assert!(done.is_some(), "{log:?}");
+    assert!(dropped.is_none() || dropped > done, "{log:?}");
+    // And then they are let go.
+    let line = server
+        .wait_for_log("sent nothing for 5 s", Duration::from_secs(30))
+        .expect("a silent connection is dropped after its handshake time");
+    assert!(line.contains("waiting for a hello"), "{line}");
+    drop(silent);
+}
+
+#[test]
+fn a_second_client_is_told_busy_at_once() {
+    let server = Server::start("ping", free_port(), &[]);
+    let mut holder = Raw::connect(&server);
+    assert_eq!(holder.hello("ping")["msg"], "welcome");
+    let out = honest("ping", &server);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("busy"), "{err}");
+    // The holder still has the server (it was not dropped to make room), and once it goes, the next is served.
+    holder.w.shutdown(Shutdown::Write).unwrap();
+    assert!(holder.reply().is_none());
+    let t = Instant::now();
+    loop {
+        let out = honest("ping", &server);
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn a_test_ends_at_the_servers_time_limit() {
+    let mut server = Server::start(
+        "ping",
+        free_port(),
+        &["--max-seconds", "1", "--max-count", "10000000"],
+    );
+    let target = server.target();
+    // A persistent ping reads the server's memory until the client has done its count: far more than 11 s.
+    let t = Instant::now();
+    let out = exs(&[
+        "ping",
+        "-c",
+        &target,
+        "--mode",
+        "persistent",
+        "--size",
+        "8",
+        "--count",
+        "10000000",
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("--max-seconds"), "the client hears why: {err}");
+    eprintln!("stopped after {:?}", t.elapsed());
+    assert!(server.alive());
+    served("ping", &server);
+}
+
+/// Lines a careless or hostile client might send: noise, near-JSON, messages of every kind with fields of every
+/// type, and long ones.
+fn line() -> impl Strategy<Value = Vec<u8>> {
+    let field = prop_oneof![
+        any::<i64>().prop_map(Value::from),
+        any::<u64>().prop_map(Value::from),
+        any::<f64>()
+            .prop_filter("JSON numbers are finite", |f| f.is_finite())
+            .prop_map(Value::from),
+        "[ -~]{0,20}".prop_map(Value::from),
+        Just(json!(null)),
+        Just(json!([[[[[[1]]]]]])),
+        Just(json!({"a": {"b": [1, 2, {"c": "d"}]}})),
+        prop::sample::select(vec![
+            "default",
+            "immediate",
+            "persistent",
+            "stream",
+            "busy",
+            "exs",
+            "tcp"
+        ])
+        .prop_map(Value::from),
+    ];
+    let keys = prop::sample::select(vec![
+        "size",
+        "depth",
+        "mode",
+        "type",
+        "seconds",
+        "wait",
+        "no_coalesce",
+        "count",
+        "transport",
+        "chunk",
+        "version",
+        "tool",
+        "backend",
+        "params",
+        "msg",
+        "other",
+    ]);
+    let object = prop::collection::btree_map(keys, field, 0..8)
+        .prop_map(|m| Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()));
+    let kinds = prop::sample::select(vec![
+        "hello",
+        "point",
+        "welcome",
+        "done",
+        "error",
+        "listening",
+        "",
+        "HELLO",
+    ]);
+    let message = (kinds, object.clone(), object).prop_map(|(k, o, params)| {
+        let mut o = o.as_object().unwrap().clone();
+        o.insert("msg".into(), k.into());
+        if k == "point" {
+            o.insert("params".into(), params);
+        }
+        format!("{}\n", Value::Object(o)).into_bytes()
+    });
+    prop_oneof![
+        4 => message,
+        2 => prop::collection::vec(any::<u8>(), 0..300),
+        1 => (1usize..200_000).prop_map(|n| vec![b'['; n]),
+        1 => (1usize..200_000).prop_map(|n| vec![b'z'; n]),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn the_server_answers_or_refuses_any_line_and_stays_up(hello in any::<bool>(), lines in prop::collection::vec(line(), 1..4)) {
+        use std::sync::OnceLock;
+        static SERVER: OnceLock<std::sync::Mutex<Server>> = OnceLock::new();
+        let server = SERVER.get_or_init(|| std::sync::Mutex::new(Server::start("pump", free_port(), &[])));
+        let mut server = server.lock().unwrap();
+        let mut raw = Raw::connect(&server);
+        if hello {
+            let m = raw.hello("pump");
+            prop_assert!(m["msg"] == "welcome" || message(&m).contains("busy"), "{}", m);
+        }
+        for l in &lines {
+            raw.send(l);
+        }
+        let _ = raw.w.shutdown(Shutdown::Write);
+        // Every answer is a control message; a test that starts is abandoned at once (the server sees the
+        // client go).
+        while let Some(m) = raw.reply() {
+            let kind = m["msg"].as_str().unwrap_or_default().to_string();
+            prop_assert!(["error", "welcome", "listening"].contains(&kind.as_str()), "{}", m);
+            if kind == "listening" {
+                break;
+            }
+            if kind == "error" {
+                prop_assert!(m.to_string().len() < 1000, "{}", m);
+            }
+        }
+        prop_assert!(server.alive(), "the server exited");
+        prop_assert!(!server.log().iter().any(|l| l.contains("panicked")));
+    }
+}
+
+#[test]
+fn after_arbitrary_lines_an_honest_client_is_served() {
+    // The property test above shares one server; this one checks the same on a fresh one after a burst of
+    // junk from many connections at once.
+    let mut server = Server::start("pump", free_port(), &[]);
+    let junk: Vec<std::thread::JoinHandle<()>> = (0..40)
+        .map(|i| {
+            let port = server.port;
+            std::thread::spawn(move || {
+                if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+                    let _ = s.write_all(&vec![b'{'; 1000 * i]);
+                    let _ = s.shutdown(Shutdown::Write);
+                    let _ = std::io::copy(&mut s, &mut std::io::sink());
+                }
+            })
+        })
+        .collect();
+    for j in junk {
+        j.join().unwrap();
+    }
+    assert!(server.alive());
+    let t = Instant::now();
+    loop {
+        let out = honest("pump", &server);
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

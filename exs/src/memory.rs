@@ -189,6 +189,11 @@ impl MemoryRegion {
     /// keeps no reference to the memory, so the owner of memory given with [`DmaBuf::from_raw_parts`] may free
     /// it (the C API's `exs_mderegister`). Otherwise the region comes back with [`MemoryError::InUse`].
     pub fn into_dma_buf(self) -> Result<DmaBuf, (Self, MemoryError)> {
+        // Another handle (a clone, a slice) could start an operation: refused before anything changes.
+        if Arc::strong_count(&self.inner) > 1 {
+            let leases = self.inner.buf.lease_count();
+            return Err((self, MemoryError::InUse { leases }));
+        }
         if let Err(e) = self.deregister() {
             return Err((self, e));
         }

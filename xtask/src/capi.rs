@@ -172,7 +172,34 @@ pub fn build_programs(prefix: &Path) -> Result<PathBuf> {
     if needed.contains("libexs.so") {
         return Err(format!("{} still needs libexs.so", static_echo.display()));
     }
+    // The README's program must stay true: compiled (never run: it names an address outside this machine).
+    let readme = bin.join("readme.c");
+    std::fs::write(&readme, readme_program()?).map_err(|e| e.to_string())?;
+    let mut link = flags;
+    link.push(format!("-Wl,-rpath,{}", prefix.join("lib").display()));
+    compile(
+        "cc",
+        &["-std=c99"],
+        &readme.to_string_lossy(),
+        &bin.join("readme"),
+        &link,
+    )?;
     Ok(bin)
+}
+
+/// The C program of the README's "From C" section.
+fn readme_program() -> Result<String> {
+    let text = std::fs::read_to_string(sys::root().join("README.md")).map_err(|e| e.to_string())?;
+    let section = text
+        .split("\n## From C\n")
+        .nth(1)
+        .ok_or("README.md has no \"From C\" section")?;
+    let code = section
+        .split("```c\n")
+        .nth(1)
+        .and_then(|rest| rest.split("\n```").next())
+        .ok_or("the README's \"From C\" section has no C program")?;
+    Ok(format!("{code}\n"))
 }
 
 /// The runs of the C stage on one backend, as shell lines: each example (and the echo's variants) is one test;

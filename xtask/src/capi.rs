@@ -268,3 +268,51 @@ pub fn rdma_section(addr: &str) -> String {
         ),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_c_stage_runs_every_program_with_the_backend_s_variables() {
+        let s = script(
+            Path::new("/p/bin"),
+            "EXS_BACKEND=verbs EXS_ADDR=10.1.1.1",
+            "10.1.1.1",
+        );
+        for (name, _, _) in PROGRAMS {
+            assert!(
+                s.contains(&format!("/p/bin/{name} ")),
+                "{name} missing:\n{s}"
+            );
+        }
+        for name in ECHO_VARIANTS {
+            assert!(
+                s.contains(&format!("capi {name} /p/bin/{name} 10.1.1.1")),
+                "{s}"
+            );
+        }
+        assert!(
+            s.contains("capi ping_pong /p/bin/ping_pong -n 1000 10.1.1.1"),
+            "{s}"
+        );
+        assert!(s.contains(
+            "env EXS_BACKEND=verbs EXS_ADDR=10.1.1.1 timeout 300 /p/bin/capi_tests 10.1.1.1"
+        ));
+        assert_eq!(
+            s.matches("test result: ok. 1 passed").count(),
+            1,
+            "one wrapper"
+        );
+    }
+
+    #[test]
+    fn the_readme_s_c_program_is_found() {
+        let code = readme_program().unwrap();
+        assert!(
+            code.starts_with("#include <exs.h>") && code.contains("exs_init(EXS_VERSION)"),
+            "{code}"
+        );
+        assert!(!code.contains("```"));
+    }
+}

@@ -306,7 +306,7 @@ int exs_qfd(exs_qhandle_t qh);
  * `nevents` of them; with `nevents` < 0, waits for `-nevents` of them (seed 004's count: one wake-up for the
  * batch), returning fewer only at the timeout. `timeout` NULL waits as long as it takes, zero only looks.
  * Returns how many were taken, 0 if none came before the timeout, -1 with `errno` `EBADF`, `EINVAL` (`nevents`
- * 0, a null `events`, a bad `timeout`).
+ * 0, `-nevents` beyond the queue's depth, a null `events`, a bad `timeout`).
  *
  * # Safety
  * `events` is null or valid for writes of `|nevents|` events; `timeout` is null or points to a `timespec`.

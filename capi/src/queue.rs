@@ -90,7 +90,7 @@ thread_local! {
 /// `nevents` of them; with `nevents` < 0, waits for `-nevents` of them (seed 004's count: one wake-up for the
 /// batch), returning fewer only at the timeout. `timeout` NULL waits as long as it takes, zero only looks.
 /// Returns how many were taken, 0 if none came before the timeout, -1 with `errno` `EBADF`, `EINVAL` (`nevents`
-/// 0, a null `events`, a bad `timeout`).
+/// 0, `-nevents` beyond the queue's depth, a null `events`, a bad `timeout`).
 ///
 /// # Safety
 /// `events` is null or valid for writes of `|nevents|` events; `timeout` is null or points to a `timespec`.
@@ -108,6 +108,10 @@ pub unsafe extern "C" fn exs_qdequeue(
             return Err(Errno(libc::EINVAL));
         }
         let min = if nevents < 0 { n } else { 1 };
+        if min > eq.depth() {
+            // More events than the queue can ever hold at once: the wait could only end at the timeout.
+            return Err(Errno(libc::EINVAL));
+        }
         // SAFETY: the caller's promise above.
         let timeout = unsafe { duration(timeout) }?;
         TAKEN.with(|taken| {

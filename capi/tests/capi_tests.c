@@ -156,6 +156,7 @@ static void bad_arguments_are_einval(void)
     FAILS_WITH(exs_qdequeue(qh, NULL, 1, NULL), EINVAL);
     FAILS_WITH(exs_qdequeue(qh, &ev, 0, NULL), EINVAL);
     FAILS_WITH(exs_qdequeue(qh, &ev, 1, &bad), EINVAL);
+    FAILS_WITH(exs_qdequeue(qh, &ev, -5, NULL), EINVAL); /* more than a queue of depth 4 can hold */
     FAILS_WITH(exs_qwait_mode(qh, 42), EINVAL);
     FAILS_WITH(exs_bind(s, (struct sockaddr *)&a, sizeof a), EAFNOSUPPORT); /* an IPv4 address, IPv6 socket */
     FAILS_WITH(exs_bind(s, NULL, 0), EINVAL);
@@ -209,8 +210,8 @@ static void deregister_while_a_send_is_in_flight_is_ebusy(void)
     EXPECT(exs_send(c, out, 65536, 0, mo, qh, NULL) == 0);
     FAILS_WITH(exs_mderegister(mo), EBUSY);
     FAILS_WITH(exs_mderegister(mo), EBUSY); /* still the same handle: nothing changed */
+    /* (Whether the receive is still in flight when it is posted is the transport's race: not checked.) */
     EXPECT(exs_recv(s, in, 65536, 0, mi, qh, NULL) == 0);
-    FAILS_WITH(exs_mderegister(mi), EBUSY);
     a = next(qh);
     b = next(qh);
     EXPECT(a.exs_evt_errno == 0 && b.exs_evt_errno == 0 && a.exs_evt_bytes == 65536 && b.exs_evt_bytes == 65536);

@@ -162,6 +162,8 @@ enum Storage {
     Pages(arena::Origin),
     /// Taken from a caller's `Vec<u8>` (pointer, length and capacity are kept to rebuild it).
     Vec { capacity: usize },
+    /// Memory the caller owns and frees ([`DmaBuf::from_raw_parts`]): never freed here.
+    Foreign,
     /// Zero length: nothing was allocated.
     Empty,
 }
@@ -226,6 +228,32 @@ impl DmaBuf {
         })
     }
 
+    /// Takes a range of memory that the caller owns (a C program's `malloc`, `mmap` or static buffer, through
+    /// `exs_mregister`) without copying it. The buffer never frees it; it only leases it.
+    ///
+    /// # Safety
+    /// The caller promises, until the returned buffer is dropped (its last `Arc`, and so its last lease, is
+    /// gone; `exs::MemoryRegion::into_dma_buf` says when that is):
+    /// 1. `ptr..ptr + len` is one allocation, valid for reads and writes, that does not move and is not freed or
+    ///    unmapped;
+    /// 2. code outside this buffer's leases accesses the range only where no lease excludes it: it does not
+    ///    write a range a device reads (a send in flight) and does not touch a range a device writes (a receive
+    ///    in flight). Ranges under the shared kinds ([`LeaseKind::DeviceReadShared`],
+    ///    [`LeaseKind::DeviceWriteShared`]) may be accessed by the owner while the peer's device does, as seed
+    ///    002 (4.2, 4.3) describes; the bytes it sees may then be a mixture.
+    ///
+    /// These are the rules any asynchronous I/O interface states for the memory handed to it (POSIX AIO, io_uring,
+    /// ibv_reg_mr); the lease table still keeps every use made through this buffer in order.
+    /// Unlike [`DmaBuf::new`], the pages are not marked `MADV_DONTFORK` (they may hold the owner's other data).
+    pub unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize) -> Arc<Self> {
+        Arc::new(Self {
+            ptr,
+            len,
+            storage: Storage::Foreign,
+            leases: Mutex::new(Vec::new()),
+        })
+    }
+
     fn empty() -> Self {
         Self {
             ptr: NonNull::dangling(),
@@ -262,6 +290,13 @@ impl DmaBuf {
                     out.extend_from_slice(std::slice::from_raw_parts(me.ptr.as_ptr(), me.len));
                     arena::release(me.ptr, origin);
                 }
+            }
+            Storage::Foreign => {
+                // SAFETY: we own the only handle, so no lease or device uses the bytes, and the owner keeps them
+                // valid until this buffer is gone (`from_raw_parts`). The owner's memory is copied, not freed.
+                out.extend_from_slice(unsafe {
+                    std::slice::from_raw_parts(me.ptr.as_ptr(), me.len)
+                });
             }
             Storage::Empty => {}
         }
@@ -463,7 +498,8 @@ impl Drop for DmaBuf {
                 // SAFETY: rebuilt from the parts `from_vec` took over; freed only here.
                 drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, capacity) })
             }
-            Storage::Empty => {}
+            // The owner frees it, after this buffer is gone (`from_raw_parts`).
+            Storage::Foreign | Storage::Empty => {}
         }
     }
 }

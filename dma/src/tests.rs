@@ -82,6 +82,42 @@ fn vec_round_trip_keeps_bytes_and_needs_sole_ownership() {
 }
 
 #[test]
+fn foreign_memory_is_leased_in_place_and_left_to_its_owner() {
+    let mut owner = vec![7u8; 64];
+    let ptr = NonNull::new(owner.as_mut_ptr()).unwrap();
+    // SAFETY: `owner` outlives `b` (dropped below before `owner` is read) and is not touched while `b` lives.
+    let b = unsafe { DmaBuf::from_raw_parts(ptr, 16) };
+    assert_eq!(
+        b.addr(),
+        ptr.as_ptr() as u64,
+        "no copy: the device sees the owner's bytes"
+    );
+    assert_eq!(b.len(), 16);
+    b.write_at(4, b"abcd").unwrap();
+    let recv = b.lease(0..8, LeaseKind::DeviceWrite).unwrap();
+    assert!(
+        b.write_at(0, b"x").is_err(),
+        "the table guards foreign memory too"
+    );
+    assert!(
+        b.lease(15..17, LeaseKind::DeviceRead).is_err(),
+        "bounds are the range handed over"
+    );
+    drop(recv);
+    assert_eq!(
+        DmaBuf::into_vec(Arc::clone(&b)).unwrap_err().1,
+        DmaError::InUse { leases: 0 }
+    );
+    // The last handle goes: nothing is freed, the owner's bytes are as written.
+    assert_eq!(
+        DmaBuf::into_vec(b).unwrap(),
+        b"\x07\x07\x07\x07abcd\x07\x07\x07\x07\x07\x07\x07\x07"
+    );
+    assert_eq!(&owner[..10], b"\x07\x07\x07\x07abcd\x07\x07");
+    owner.push(1);
+}
+
+#[test]
 fn a_trusted_key_goes_over_every_lease_and_leaves_the_cpu_only_copies() {
     let b = DmaBuf::new(100);
     let _borrow = b.lease(0..10, LeaseKind::CpuRead).unwrap();

@@ -52,6 +52,17 @@ impl MemoryRegion {
         Self::register(ctx, DmaBuf::from_vec(bytes))
     }
 
+    /// Registers a buffer made elsewhere without copying it: memory the caller owns
+    /// ([`DmaBuf::from_raw_parts`], how the C API's `exs_mregister` takes a program's own memory; the promise
+    /// about its lifetime was made there), or any other [`DmaBuf`]. Give it back with
+    /// [`MemoryRegion::into_dma_buf`].
+    pub fn from_dma_buf(ctx: &Context, buf: Arc<DmaBuf>) -> Result<Self, MemoryError> {
+        if buf.is_empty() {
+            return Err(MemoryError::Empty);
+        }
+        Self::register(ctx, buf)
+    }
+
     fn register(ctx: &Context, buf: Arc<DmaBuf>) -> Result<Self, MemoryError> {
         let reg = ctx.register(&buf)?;
         Ok(Self {
@@ -167,30 +178,44 @@ impl MemoryRegion {
 
     /// Deregisters and gives the bytes back, if this is the only handle and nothing uses the region.
     pub fn into_vec(self) -> Result<Vec<u8>, (Self, MemoryError)> {
+        let buf = self.into_dma_buf()?;
+        Ok(DmaBuf::into_vec(Arc::new(buf)).unwrap_or_else(|_| {
+            unreachable!("a buffer just taken out of its only Arc has no other handle")
+        }))
+    }
+
+    /// Deregisters and gives the buffer itself back, if this is the only handle and nothing holds the buffer any
+    /// more (no operation, remote key or registration): once this returns `Ok` and the buffer is dropped, exs
+    /// keeps no reference to the memory, so the owner of memory given with [`DmaBuf::from_raw_parts`] may free
+    /// it (the C API's `exs_mderegister`). Otherwise the region comes back with [`MemoryError::InUse`].
+    pub fn into_dma_buf(self) -> Result<DmaBuf, (Self, MemoryError)> {
+        // Another handle (a clone, a slice) could start an operation: refused before anything changes.
+        if Arc::strong_count(&self.inner) > 1 {
+            let leases = self.inner.buf.lease_count();
+            return Err((self, MemoryError::InUse { leases }));
+        }
         if let Err(e) = self.deregister() {
             return Err((self, e));
         }
-        match Arc::try_unwrap(self.inner) {
-            Ok(inner) => DmaBuf::into_vec(inner.buf).map_err(|(buf, e)| {
-                let leases = match e {
-                    exs_dma::DmaError::InUse { leases } => leases,
-                    _ => 0,
-                };
-                let region = MemoryRegion {
-                    inner: Arc::new(RegionInner {
-                        buf,
-                        reg: Mutex::new(None),
-                        context_id: inner.context_id,
-                        ctx: Weak::new(),
-                    }),
-                };
-                (region, MemoryError::InUse { leases })
-            }),
+        let inner = match Arc::try_unwrap(self.inner) {
+            Ok(inner) => inner,
             Err(inner) => {
                 let leases = inner.buf.lease_count();
-                Err((MemoryRegion { inner }, MemoryError::InUse { leases }))
+                return Err((MemoryRegion { inner }, MemoryError::InUse { leases }));
             }
-        }
+        };
+        Arc::try_unwrap(inner.buf).map_err(|buf| {
+            let leases = buf.lease_count();
+            let region = MemoryRegion {
+                inner: Arc::new(RegionInner {
+                    buf,
+                    reg: Mutex::new(None),
+                    context_id: inner.context_id,
+                    ctx: Weak::new(),
+                }),
+            };
+            (region, MemoryError::InUse { leases })
+        })
     }
 
     pub(crate) fn context_id(&self) -> u64 {

@@ -13,6 +13,7 @@ use exs::{
     MemoryRegion, MsgFlags, OptionError, RecvError, SendError, SockType, Socket, SocketError,
     SocketOption, StateError,
 };
+use exs_dma::DmaBuf;
 
 fn io_kind(e: impl Into<io::Error>) -> io::ErrorKind {
     e.into().kind()
@@ -221,6 +222,36 @@ fn a_region_given_back_as_vec_only_when_unused() {
     );
     drop(clone);
     assert_eq!(buf.into_vec().unwrap(), b"hello");
+}
+
+#[test_log::test]
+fn a_region_gives_its_buffer_back_only_when_nothing_holds_it() {
+    // The C API's exs_mderegister: a program's own memory is registered in place and handed back only once exs
+    // holds nothing of it (issue 30).
+    let p = pair(SockType::SeqPacket);
+    let theirs = DmaBuf::from_vec(vec![0; 16]);
+    let addr = theirs.addr();
+    let dst = MemoryRegion::from_dma_buf(&p.b, theirs).unwrap();
+    p.server
+        .recv(&p.eq_b, &dst.slice(..16), MsgFlags::NONE, 1)
+        .unwrap();
+    let (dst, e) = dst.into_dma_buf().unwrap_err();
+    assert_eq!(e, MemoryError::InUse { leases: 1 }, "a receive is pending");
+    let src = p.client_region(b"in place".to_vec());
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    assert!(wait(&p.eq_b).is_ok());
+    assert!(wait(&p.eq_a).is_ok());
+    let buf = dst.into_dma_buf().unwrap();
+    assert_eq!(buf.addr(), addr, "the same memory, never copied");
+    let mut got = [0u8; 8];
+    buf.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"in place");
+    assert_eq!(
+        MemoryRegion::from_dma_buf(&p.b, DmaBuf::from_vec(Vec::new())).unwrap_err(),
+        MemoryError::Empty
+    );
 }
 
 #[test_log::test]

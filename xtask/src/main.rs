@@ -1,6 +1,7 @@
 //! `cargo xtask`: install what the project needs, run its tests, benchmarks and demo.
 
 mod bench;
+mod capi;
 mod demo;
 mod outside;
 mod rxe;
@@ -23,6 +24,9 @@ struct Cli {
 enum Cmd {
     /// Build everything and run every test: the workspace, then the conformance suite per backend.
     Test(test::TestArgs),
+    /// The ES-API for C: lays out DIR/include/exs.h, DIR/lib/libexs.so, libexs.a and lib/pkgconfig/exs.pc
+    /// (--prefix DIR, default target/c).
+    C(capi::CArgs),
     /// The main job: move 1 GiB through exs with a progress bar, verify it, and compare with plain TCP.
     /// Flags go to `exs demo` (--backend, --size, --provider, --chunk, --depth).
     Demo {
@@ -54,6 +58,7 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::Test(a) => test::run(a),
+        Cmd::C(a) => capi::run(a),
         Cmd::Demo { args } => demo::run(args),
         Cmd::Vm { hosts: 2, args } => vm::run_pair_command(args),
         Cmd::Vm { hosts: 1, args } if !args.is_empty() => vm::run_command(args),

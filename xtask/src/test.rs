@@ -303,7 +303,8 @@ fn rdma_conformance(
     failures: &mut Vec<String>,
 ) -> Result<bool> {
     let xtask = xtask_copy()?;
-    let script = rdma_script(&xtask, exe);
+    // Issue 30: the C examples and tests over verbs, a section of their own after the others.
+    let script = rdma_script(&xtask, exe) + &crate::capi::rdma_section(rxe::NEAR.2);
     let forced = std::env::var("EXS_RDMA_TESTS").ok();
     let native = match forced.as_deref() {
         Some("native") => true,
@@ -508,6 +509,8 @@ pub fn run(args: TestArgs) -> Result<()> {
                 failures.push("outside crate".to_string());
             }
         }
+        // Issue 30: the C library's layout, the C examples and the C API's tests, on libfabric tcp.
+        crate::capi::host_stage(&mut summary, &mut failures);
     }
     let exe = conformance_exe()?;
     let mut host = Sections::default();

@@ -103,13 +103,32 @@ pub(super) fn exs_jobs(exe: &str, backend: &str, p: &Plan, wait_modes: bool) -> 
     v
 }
 
-pub(super) fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
+/// Issue 30: the C example `ping_pong` (through libexs, `exs ping`'s defaults: immediate 8-byte messages, busy
+/// polling, a forked server) beside `exs ping --mode immediate`; `env` names the backend, `addr` where to listen.
+pub(super) fn c_ping_job(c_bin: &str, env: &str, addr: &str, p: &Plan) -> Job {
+    job(
+        "exs-c-ping",
+        "immediate",
+        8,
+        1,
+        format!("env {env} {c_bin}/ping_pong -n {} -s 8 -j {addr}", p.pings),
+        Parse::Json,
+    )
+}
+
+pub(super) fn host_jobs(exe: &str, c_bin: &str, p: &Plan) -> Vec<Job> {
     let mut v = exs_jobs(
         exe,
         "--backend fabric --provider tcp --addr 127.0.0.1",
         p,
         true,
     );
+    v.push(c_ping_job(
+        c_bin,
+        "EXS_BACKEND=fabric EXS_PROVIDER=tcp",
+        "127.0.0.1",
+        p,
+    ));
     for &size in &p.sizes {
         for (variant, flag) in [("nagle", ""), ("nodelay", "--nodelay")] {
             v.push(job(
@@ -157,7 +176,7 @@ pub(super) fn host_jobs(exe: &str, p: &Plan) -> Vec<Job> {
     v
 }
 
-pub(super) fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
+pub(super) fn softroce_jobs(exe: &str, c_bin: &str, p: &Plan, quick: bool) -> Vec<Job> {
     let (dev, _, addr) = rxe::DUMMY;
     // The guest's CPU is emulated: the quick run keeps to the sizes the targets name.
     let quick_plan;
@@ -189,6 +208,12 @@ pub(super) fn softroce_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
         &format!("--backend verbs --addr {addr}"),
         counts,
         false,
+    ));
+    v.push(c_ping_job(
+        c_bin,
+        &format!("EXS_BACKEND=verbs EXS_ADDR={addr}"),
+        addr,
+        p,
     ));
     // perftest and rstream: server in the background, client in front, on the same device.
     let pt = |bin: &str, size: u64, extra: &str| {

@@ -157,13 +157,17 @@ pub fn run(a: BenchArgs) -> Result<()> {
     sys::run(sys::cargo().args(["build", "--release", "-p", "exs-tools", "-p", "xtask"]))?;
     let exe = sys::root().join("target/release/exs");
     let exe = exe.to_string_lossy();
+    // Issue 30: the C library's release layout and its examples (the ping-pong is measured beside `exs ping`).
+    let c_bin = crate::capi::install(&sys::root().join("target/c"), true)
+        .and_then(|prefix| crate::capi::build_programs(&prefix))?;
+    let c_bin = c_bin.to_string_lossy();
     let p = plan(a.quick);
     let repeats = a.repeats.unwrap_or(if a.quick { 2 } else { 3 });
     let cmd = format!("cargo xtask bench{}", if a.quick { " --quick" } else { "" });
     let machine = machine();
     let want = |s: &str| a.suite.as_deref().is_none_or(|w| w == s);
     if want("host") {
-        let jobs = host_jobs(&exe, &p);
+        let jobs = host_jobs(&exe, &c_bin, &p);
         eprintln!(
             "xtask: host suite: {} points x {repeats} repeats",
             jobs.len()
@@ -184,7 +188,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     }
     if want("softroce") {
-        let jobs = softroce_jobs(&exe, &p, a.quick);
+        let jobs = softroce_jobs(&exe, &c_bin, &p, a.quick);
         // One round in the guest for --quick: its points take 5-10 s each (emulated CPU), and the quick run must stay
         // within five minutes; the full run repeats.
         let repeats = a.repeats.unwrap_or(if a.quick { 1 } else { repeats });

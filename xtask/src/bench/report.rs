@@ -337,6 +337,14 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
             "<= 1.5x, issue 12; issue 7 asked 1.3x",
         ));
     }
+    // Issue 30: the ES-API from C costs nothing measurable beside the Rust API.
+    v.push(ratio_line(
+        "C ping-pong through libexs vs exs ping (Rust), median one-way, immediate 8 B",
+        get(sum, "exs-c-ping", "immediate", 8, "median_us").map(|x| x.0),
+        get(sum, "exs-ping", "immediate", 8, "median_us").map(|x| x.0),
+        |r| r <= 1.1,
+        "<= 1.1x",
+    ));
     let sizes: Vec<u64> = sum
         .keys()
         .filter(|k| k.0 == "exs" && k.1 == "persistent")

@@ -1,0 +1,256 @@
+//! What a C caller sees: -1 and `errno`, the one a socket user expects for each typed error of exs, and no
+//! panic across the boundary.
+
+use std::io::ErrorKind;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use exs::{
+    AcceptError, BufferError, CloseError, ConnectError, DequeueError, InitError, MemoryError,
+    OpError, OptionError, PollError, QueueFull, RecvError, SendError, SocketError, StateError,
+    TransportError,
+};
+use libc::c_int;
+
+/// An errno value: the error half of every call's result.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Errno(pub(crate) c_int);
+
+/// Runs the body of one C call: its value, or -1 with `errno` set. A panic (a bug in exs) is caught here and
+/// reported as `EIO`: unwinding into C is undefined behaviour, aborting would take the caller's process down.
+pub(crate) fn call(body: impl FnOnce() -> Result<c_int, Errno>) -> c_int {
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(Errno(e))) => {
+            set_errno(e);
+            -1
+        }
+        Err(_) => {
+            set_errno(libc::EIO);
+            -1
+        }
+    }
+}
+
+fn set_errno(e: c_int) {
+    // SAFETY: `__errno_location` returns the calling thread's errno, valid for the thread's lifetime.
+    unsafe { *libc::__errno_location() = e };
+}
+
+/// The errno of an error.
+pub(crate) trait ToErrno {
+    fn errno(&self) -> c_int;
+}
+
+impl<E: ToErrno> From<E> for Errno {
+    fn from(e: E) -> Errno {
+        Errno(e.errno())
+    }
+}
+
+/// The closest errno of an `io::ErrorKind` (for errors that carry only a kind).
+pub(crate) fn kind_errno(kind: ErrorKind) -> c_int {
+    use libc::*;
+    match kind {
+        ErrorKind::NotFound => ENOENT,
+        ErrorKind::PermissionDenied => EACCES,
+        ErrorKind::ConnectionRefused => ECONNREFUSED,
+        ErrorKind::ConnectionReset => ECONNRESET,
+        ErrorKind::HostUnreachable => EHOSTUNREACH,
+        ErrorKind::NetworkUnreachable => ENETUNREACH,
+        ErrorKind::ConnectionAborted => ECONNABORTED,
+        ErrorKind::NotConnected => ENOTCONN,
+        ErrorKind::AddrInUse => EADDRINUSE,
+        ErrorKind::AddrNotAvailable => EADDRNOTAVAIL,
+        ErrorKind::NetworkDown => ENETDOWN,
+        ErrorKind::BrokenPipe => EPIPE,
+        ErrorKind::AlreadyExists => EEXIST,
+        ErrorKind::WouldBlock => EAGAIN,
+        ErrorKind::InvalidInput | ErrorKind::InvalidData => EINVAL,
+        ErrorKind::TimedOut => ETIMEDOUT,
+        ErrorKind::Interrupted => EINTR,
+        ErrorKind::Unsupported => EOPNOTSUPP,
+        ErrorKind::OutOfMemory => ENOMEM,
+        ErrorKind::ResourceBusy => EBUSY,
+        ErrorKind::UnexpectedEof => EINVAL,
+        _ => EIO,
+    }
+}
+
+impl ToErrno for StateError {
+    fn errno(&self) -> c_int {
+        match self {
+            StateError::InvalidSocket => libc::EBADF,
+            StateError::NotConnected => libc::ENOTCONN,
+            StateError::AlreadyConnected => libc::EISCONN,
+            StateError::NotListening | StateError::AlreadyBound => libc::EINVAL,
+            StateError::NotBound => libc::EDESTADDRREQ,
+            StateError::Listening | StateError::WrongType(_) => libc::EOPNOTSUPP,
+            StateError::Shutdown => libc::EPIPE,
+            StateError::ConnectionDown(op) => op.errno(),
+            StateError::Persistent(_) | StateError::OffsetOutOfRange { .. } => libc::EINVAL,
+            other => kind_errno(std::io::Error::from(other.clone()).kind()),
+        }
+    }
+}
+
+impl ToErrno for OpError {
+    fn errno(&self) -> c_int {
+        match self {
+            OpError::Cancelled => libc::ECANCELED,
+            OpError::Aborted => libc::ECONNABORTED,
+            OpError::PeerClosed => libc::EPIPE,
+            OpError::ConnectionReset => libc::ECONNRESET,
+            OpError::PeerMisbehaved(_) => libc::EPROTO,
+            OpError::Refused => libc::ECONNREFUSED,
+            OpError::TimedOut => libc::ETIMEDOUT,
+            OpError::Unreachable => libc::EHOSTUNREACH,
+            OpError::Transport(t) => t.errno(),
+            OpError::PersistentEnded => libc::ENODATA,
+            other => kind_errno(other.io_kind()),
+        }
+    }
+}
+
+impl ToErrno for TransportError {
+    fn errno(&self) -> c_int {
+        match self {
+            TransportError::NotFound { .. } => libc::ENODEV,
+            TransportError::Resource(_) => libc::ENOMEM,
+            TransportError::NoEndpoint => libc::ENOTCONN,
+            other => kind_errno(other.io_kind()),
+        }
+    }
+}
+
+impl ToErrno for BufferError {
+    fn errno(&self) -> c_int {
+        match self {
+            BufferError::Busy(_) => libc::EBUSY,
+            _ => libc::EINVAL,
+        }
+    }
+}
+
+impl ToErrno for MemoryError {
+    fn errno(&self) -> c_int {
+        match self {
+            MemoryError::InUse { .. } => libc::EBUSY,
+            MemoryError::Transport(t) => t.errno(),
+            MemoryError::NoMemory { .. } => libc::ENOMEM,
+            _ => libc::EINVAL,
+        }
+    }
+}
+
+impl ToErrno for OptionError {
+    fn errno(&self) -> c_int {
+        match self {
+            // setsockopt's errno for an option that cannot change once connected.
+            OptionError::Locked(_) => libc::EISCONN,
+            OptionError::State(s) => s.errno(),
+            _ => libc::EINVAL,
+        }
+    }
+}
+
+impl ToErrno for QueueFull {
+    fn errno(&self) -> c_int {
+        libc::EAGAIN
+    }
+}
+
+impl ToErrno for DequeueError {
+    fn errno(&self) -> c_int {
+        match self {
+            DequeueError::TimedOut => libc::ETIMEDOUT,
+            DequeueError::Stalled { .. } => libc::EDEADLK,
+            _ => libc::EINVAL,
+        }
+    }
+}
+
+impl ToErrno for InitError {
+    fn errno(&self) -> c_int {
+        libc::EINVAL
+    }
+}
+
+/// The errno of each per-operation error: its part's, or its `io::ErrorKind`'s for parts added later.
+macro_rules! op_errno {
+    ($($ty:ident { $($var:ident),* })*) => {$(
+        impl ToErrno for $ty {
+            fn errno(&self) -> c_int {
+                match self {
+                    $($ty::$var(e) => e.errno(),)*
+                    other => kind_errno(other.io_kind()),
+                }
+            }
+        }
+    )*};
+}
+
+op_errno! {
+    SendError { State, Buffer, Queue, Option, Transport, Memory }
+    RecvError { State, Buffer, Queue, Option, Transport }
+    ConnectError { State, Queue, Transport }
+    AcceptError { State, Queue, Transport }
+    SocketError { State, Transport }
+    CloseError { State, Queue }
+    PollError { State, Queue }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_socket_user_gets_the_errno_of_each_error() {
+        assert_eq!(
+            SendError::from(StateError::NotConnected).errno(),
+            libc::ENOTCONN
+        );
+        assert_eq!(
+            RecvError::from(QueueFull { depth: 1 }).errno(),
+            libc::EAGAIN
+        );
+        let busy = BufferError::Busy(exs_dma::DmaError::InUse { leases: 1 });
+        assert_eq!(SendError::from(busy).errno(), libc::EBUSY);
+        let outside = BufferError::OutOfRegion {
+            start: 0,
+            end: 9,
+            len: 8,
+        };
+        assert_eq!(RecvError::from(outside).errno(), libc::EINVAL);
+        assert_eq!(MemoryError::InUse { leases: 1 }.errno(), libc::EBUSY);
+        assert_eq!(OpError::Refused.errno(), libc::ECONNREFUSED);
+        assert_eq!(OpError::Cancelled.errno(), libc::ECANCELED);
+        let down = StateError::ConnectionDown(OpError::ConnectionReset);
+        assert_eq!(SendError::from(down).errno(), libc::ECONNRESET);
+        assert_eq!(SendError::from(StateError::Shutdown).errno(), libc::EPIPE);
+        assert_eq!(
+            CloseError::from(StateError::InvalidSocket).errno(),
+            libc::EBADF
+        );
+        assert_eq!(OptionError::Locked("send_credits").errno(), libc::EISCONN);
+        let nomem = TransportError::Resource("queue pairs".into());
+        assert_eq!(ConnectError::from(nomem).errno(), libc::ENOMEM);
+        let taken = TransportError::AddrInUse("127.0.0.1:1".parse().unwrap());
+        assert_eq!(SocketError::from(taken).errno(), libc::EADDRINUSE);
+    }
+
+    #[test]
+    fn a_panic_is_reported_as_eio_and_never_unwinds_into_c() {
+        let r = call(|| panic!("a bug in exs"));
+        assert_eq!(r, -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EIO)
+        );
+        assert_eq!(call(|| Err(Errno(libc::EBADF))), -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EBADF)
+        );
+        assert_eq!(call(|| Ok(7)), 7);
+    }
+}

@@ -1,0 +1,63 @@
+//! # The ES-API in C
+//!
+//! `libexs.so` and `libexs.a` with `exs.h`: the functions of seed 002's Figure 2 (`exs_init`, `exs_socket`,
+//! `exs_bind`, `exs_listen`, `exs_accept`, `exs_connect`, `exs_send`, `exs_recv`, `exs_send_offset`,
+//! `exs_recv_offset`, `exs_sendfile`, `exs_poll`, `exs_fcntl`, `exs_shutdown`, `exs_close`, `exs_getsockname`,
+//! `exs_getpeername`) and the ES-API's event queues and memory registration (`exs_qcreate`, `exs_qdequeue`,
+//! `exs_qdelete`, `exs_mregister`, `exs_mderegister`), over the Rust API of [`exs`] with both backends
+//! (libfabric and rdma-core verbs). `cargo xtask c` installs them with `exs.pc` for pkg-config.
+//!
+//! Each C function is one thin call of the Rust API, in the module of its kind: [`socket`], [`data`],
+//! [`queue`], [`memory`], [`fcntl`]. Around every call: the handles are checked ([`handles`]: a bad one is
+//! `EBADF`, never undefined behaviour), a failure is -1 with the `errno` a socket user expects ([`errno`]),
+//! and a panic is caught and reported as `EIO` rather than unwinding into C. Every call may be made from any
+//! thread at any time.
+//!
+//! `include/exs.h` is generated from this crate by cbindgen (`cbindgen.toml`); a test regenerates it and fails
+//! when the committed header differs, so the two cannot drift.
+
+#![allow(non_camel_case_types)]
+#![deny(missing_docs)]
+
+use libc::{c_int, c_void};
+
+mod addr;
+mod errno;
+mod handles;
+#[cfg(test)]
+mod tests;
+
+// exs.h lists the functions in this order (cbindgen follows the modules as declared; rustfmt sorts a group).
+pub mod abi;
+
+pub mod queue;
+
+pub mod memory;
+
+pub mod socket;
+
+pub mod data;
+
+pub mod fcntl;
+
+/// Checks the ES-API version and opens the process's context (ES-API `exs_init`): a device and one progress
+/// thread, on the backend the environment names, as the Rust `Context::from_env` does: `EXS_BACKEND` (`verbs`
+/// or `fabric`; default verbs), with `EXS_ADDR` (verbs: an address of the RDMA device's interface) and
+/// `EXS_DEVICE`, or `EXS_PROVIDER` (fabric, default `tcp`) and `EXS_DOMAIN`; `EXS_EXPOSURE=trusted` for the
+/// UNH-EXS key per region and connection. Call it before any other call but `exs_qcreate`; later calls return 0
+/// and keep the context. Returns 0, or -1 with `errno`: `EINVAL` (`version` is not `EXS_VERSION`), `ENODEV` (no
+/// such backend, device or provider), `EADDRNOTAVAIL` (`EXS_ADDR` missing or not a device's), `ENOMEM`.
+#[no_mangle]
+pub extern "C" fn exs_init(version: c_int) -> c_int {
+    errno::call(|| {
+        let version = u32::try_from(version).map_err(|_| errno::Errno(libc::EINVAL))?;
+        exs::init(version)?;
+        handles::open_context(exs::Context::from_env)?;
+        Ok(0)
+    })
+}
+
+/// The user context pointer of an operation, as the Rust API carries it.
+fn ctx_value(context: *mut c_void) -> u64 {
+    context as usize as u64
+}

@@ -1,0 +1,185 @@
+//! Event queues: `exs_qcreate`, `exs_qdelete`, `exs_qdequeue` (ES-API), `exs_qfd` and `exs_qwait_mode` (exs's
+//! own). Each function is one call of [`exs::EventQueue`]; events become `exs_event_t`s here.
+
+use std::cell::RefCell;
+use std::os::fd::AsRawFd;
+use std::time::Duration;
+
+use exs::{DequeueError, Event, EventKind, EventQueue, WaitMode};
+use libc::{c_int, c_void, timespec};
+
+use crate::abi::*;
+use crate::errno::{call, Errno, ToErrno};
+use crate::handles::QUEUES;
+use crate::socket::{file_accepted, is_seqpacket, revents};
+
+/// Creates an event queue (ES-API `exs_qcreate`) that holds up to `depth` operations started and not yet
+/// dequeued: starting one more fails with `EAGAIN`, so completions never overflow it. Returns its handle, or -1
+/// with `errno` `EINVAL` (`depth` < 1). Needs no `exs_init`.
+#[no_mangle]
+pub extern "C" fn exs_qcreate(depth: c_int) -> exs_qhandle_t {
+    call(|| {
+        let depth = usize::try_from(depth)
+            .ok()
+            .filter(|&d| d > 0)
+            .ok_or(Errno(libc::EINVAL))?;
+        QUEUES.insert_new(EventQueue::new(depth))
+    })
+}
+
+/// Deletes an event queue (ES-API `exs_qdelete`); events still in it are discarded (an accepted socket among
+/// them is closed). -1 with `errno`: `EBADF`, `EBUSY` while operations started on it have not completed (their
+/// events would have nowhere to go: close their sockets or dequeue first).
+#[no_mangle]
+pub extern "C" fn exs_qdelete(qh: exs_qhandle_t) -> c_int {
+    call(|| {
+        let mut table = QUEUES.write();
+        match table.get(&qh).map(|eq| eq.outstanding()) {
+            None => Err(Errno(libc::EBADF)),
+            Some(0) => {
+                let gone = table.remove(&qh);
+                // Its events (and any socket in them) go once the lock is let go.
+                drop(table);
+                drop(gone);
+                Ok(0)
+            }
+            Some(_) => Err(Errno(libc::EBUSY)),
+        }
+    })
+}
+
+/// Chooses how `exs_qdequeue` waits on this queue: `EXS_WAIT_ADAPTIVE` (the default: poll once, then sleep until
+/// the number of events still missing has arrived, seed 004), `EXS_WAIT_BLOCK` (sleep, wake on every event) or
+/// `EXS_WAIT_BUSY` (never sleep: the waiting thread runs the protocol itself, for the lowest latency at the cost
+/// of a busy core). -1 with `errno` `EBADF`, `EINVAL`.
+#[no_mangle]
+pub extern "C" fn exs_qwait_mode(qh: exs_qhandle_t, mode: c_int) -> c_int {
+    call(|| {
+        let eq = QUEUES.get(qh)?;
+        let mode = match mode {
+            EXS_WAIT_ADAPTIVE => WaitMode::Adaptive { spin: 0 },
+            EXS_WAIT_BLOCK => WaitMode::Block,
+            EXS_WAIT_BUSY => WaitMode::BusyPoll,
+            _ => return Err(Errno(libc::EINVAL)),
+        };
+        eq.set_wait_mode(mode);
+        Ok(0)
+    })
+}
+
+/// A descriptor that is readable while events are queued (level-triggered), for `epoll`, `poll` or `select`:
+/// when it is, `exs_qdequeue` with a zero timeout takes them. It belongs to the queue (do not close it) and
+/// lives until `exs_qdelete`. -1 with `errno` `EBADF`, `EMFILE`.
+#[no_mangle]
+pub extern "C" fn exs_qfd(qh: exs_qhandle_t) -> c_int {
+    call(|| {
+        let eq = QUEUES.get(qh)?;
+        let fd = eq
+            .readiness_fd()
+            .map_err(|e| Errno(e.raw_os_error().unwrap_or(libc::EMFILE)))?;
+        Ok(fd.as_raw_fd())
+    })
+}
+
+thread_local! {
+    /// The events of one dequeue on their way to the caller's array (kept per thread: no allocation per call).
+    static TAKEN: RefCell<Vec<Event>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Takes completed operations' events (ES-API `exs_qdequeue`) into `events`: with `nevents` > 0, between 1 and
+/// `nevents` of them; with `nevents` < 0, waits for `-nevents` of them (seed 004's count: one wake-up for the
+/// batch), returning fewer only at the timeout. `timeout` NULL waits as long as it takes, zero only looks.
+/// Returns how many were taken, 0 if none came before the timeout, -1 with `errno` `EBADF`, `EINVAL` (`nevents`
+/// 0, `-nevents` beyond the queue's depth, a null `events`, a bad `timeout`).
+///
+/// # Safety
+/// `events` is null or valid for writes of `|nevents|` events; `timeout` is null or points to a `timespec`.
+#[no_mangle]
+pub unsafe extern "C" fn exs_qdequeue(
+    qh: exs_qhandle_t,
+    events: *mut exs_event_t,
+    nevents: c_int,
+    timeout: *const timespec,
+) -> c_int {
+    call(|| {
+        let eq = QUEUES.get(qh)?;
+        let n = nevents.unsigned_abs() as usize;
+        if events.is_null() || n == 0 {
+            return Err(Errno(libc::EINVAL));
+        }
+        let min = if nevents < 0 { n } else { 1 };
+        if min > eq.depth() {
+            // More events than the queue can ever hold at once: the wait could only end at the timeout.
+            return Err(Errno(libc::EINVAL));
+        }
+        // SAFETY: the caller's promise above.
+        let timeout = unsafe { duration(timeout) }?;
+        TAKEN.with(|taken| {
+            let mut taken = taken.borrow_mut();
+            taken.clear();
+            match eq.dequeue(&mut taken, min, n, timeout) {
+                Ok(_) | Err(DequeueError::TimedOut) => {}
+                Err(e) => return Err(e.into()),
+            }
+            let got = taken.len();
+            for (i, ev) in taken.drain(..).enumerate() {
+                // SAFETY: i < got <= n, and `events` holds n (the caller's promise).
+                unsafe { events.add(i).write(to_c(ev)) };
+            }
+            Ok(got as c_int)
+        })
+    })
+}
+
+/// A `timespec` as a wait: `None` for a null pointer (forever).
+///
+/// # Safety
+/// `t` is null or points to a `timespec`.
+unsafe fn duration(t: *const timespec) -> Result<Option<Duration>, Errno> {
+    if t.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: non-null, so it points to a timespec (the caller).
+    let t = unsafe { t.read_unaligned() };
+    let secs = u64::try_from(t.tv_sec).map_err(|_| Errno(libc::EINVAL))?;
+    let nanos = u32::try_from(t.tv_nsec)
+        .ok()
+        .filter(|&n| n < 1_000_000_000)
+        .ok_or(Errno(libc::EINVAL))?;
+    Ok(Some(Duration::new(secs, nanos)))
+}
+
+/// The C form of an event: an accepted socket gets its number here.
+fn to_c(ev: Event) -> exs_event_t {
+    let fd = c_int::try_from(ev.socket.0).unwrap_or(-1);
+    let kind = match ev.kind {
+        EventKind::Connect => EXS_EVT_CONNECT,
+        EventKind::Accept => EXS_EVT_ACCEPT,
+        EventKind::Send => EXS_EVT_SEND,
+        EventKind::Recv => EXS_EVT_RECV,
+        EventKind::SendFile => EXS_EVT_SENDFILE,
+        EventKind::Poll => EXS_EVT_POLL,
+        EventKind::Shutdown => EXS_EVT_SHUTDOWN,
+        EventKind::ReadNotify => EXS_EVT_READ_NOTIFY,
+        // exs reports no other kind through these calls.
+        _ => 0,
+    };
+    let ok = ev.status.is_ok();
+    let mut flags = 0;
+    if ev.flags.truncated {
+        flags |= libc::MSG_TRUNC;
+    }
+    if kind == EXS_EVT_RECV && ok && !ev.flags.eof && is_seqpacket(fd) {
+        flags |= libc::MSG_EOR;
+    }
+    exs_event_t {
+        exs_evt_type: kind,
+        exs_evt_errno: ev.status.as_ref().err().map_or(0, ToErrno::errno),
+        exs_evt_context: ev.context as usize as *mut c_void,
+        exs_evt_fd: fd,
+        exs_evt_bytes: ev.bytes as libc::ssize_t,
+        exs_evt_accepted: ev.accepted.map_or(-1, file_accepted),
+        exs_evt_flags: flags,
+        exs_evt_revents: revents(ev.readiness),
+    }
+}

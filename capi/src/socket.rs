@@ -1,0 +1,235 @@
+//! Sockets: `exs_socket` ... `exs_getpeername` (seed 002, Figure 2). Each function is one call of
+//! [`exs::Socket`].
+
+use exs::{Readiness, SockType, Socket};
+use libc::{c_int, c_short, c_void, sockaddr, socklen_t};
+
+use crate::abi::exs_qhandle_t;
+use crate::errno::{call, Errno};
+use crate::handles::{context, file_socket, SockEntry, QUEUES, SOCKETS};
+use crate::{addr, ctx_value};
+
+/// Creates a socket (UNH-EXS `exs_socket`): `domain` `AF_INET` or `AF_INET6`, `type` `SOCK_STREAM` (a byte
+/// stream, seed 001) or `SOCK_SEQPACKET` (messages, seed 002; `SOCK_NONBLOCK` and `SOCK_CLOEXEC` are accepted and
+/// change nothing: every exs call is asynchronous), `protocol` 0. Returns the socket, a small positive integer
+/// that only exs calls understand, or -1 with `errno`: `EAFNOSUPPORT`, `EINVAL` (another type), `EPROTONOSUPPORT`,
+/// `ENODEV` (no `exs_init`).
+#[no_mangle]
+pub extern "C" fn exs_socket(domain: c_int, r#type: c_int, protocol: c_int) -> c_int {
+    call(|| {
+        let ctx = context()?;
+        if domain != libc::AF_INET && domain != libc::AF_INET6 {
+            return Err(Errno(libc::EAFNOSUPPORT));
+        }
+        let ty = match r#type & !(libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC) {
+            libc::SOCK_STREAM => SockType::Stream,
+            libc::SOCK_SEQPACKET => SockType::SeqPacket,
+            _ => return Err(Errno(libc::EINVAL)),
+        };
+        if protocol != 0 {
+            return Err(Errno(libc::EPROTONOSUPPORT));
+        }
+        let sock = Socket::new(ctx, ty)?;
+        file_socket(sock, domain, ty == SockType::SeqPacket)
+    })
+}
+
+/// Binds the socket to a local address (UNH-EXS `exs_bind`); port 0 lets `exs_listen` pick one. -1 with `errno`:
+/// `EBADF`, `EAFNOSUPPORT` (not the socket's family), `EINVAL` (already bound, short address).
+///
+/// # Safety
+/// `addr` is null or points to `len` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn exs_bind(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int {
+    call(|| {
+        let s = SOCKETS.get(fd)?;
+        // SAFETY: the caller's promise above.
+        let a = unsafe { addr::read(addr, len, s.domain) }?;
+        s.sock.bind(a)?;
+        Ok(0)
+    })
+}
+
+/// Listens for connections (UNH-EXS `exs_listen`) on the bound address; `backlog` <= 0 keeps the
+/// `EXS_F_SET_BACKLOG` value (default 128). -1 with `errno`: `EBADF`, `EDESTADDRREQ` (not bound), `EADDRINUSE`,
+/// `EADDRNOTAVAIL` (no device has the address).
+#[no_mangle]
+pub extern "C" fn exs_listen(fd: c_int, backlog: c_int) -> c_int {
+    call(|| {
+        let s = SOCKETS.get(fd)?;
+        let backlog = u32::try_from(backlog).unwrap_or(0).min(65535);
+        s.sock.listen(backlog)?;
+        Ok(0)
+    })
+}
+
+/// Accepts one connection, asynchronously (ES-API `exs_accept`): an `EXS_EVT_ACCEPT` event on `qh` carries the
+/// new socket in `exs_evt_accepted`, with `context`. -1 with `errno` if it could not start: `EBADF` (socket or
+/// queue), `EINVAL` (not listening), `EAGAIN` (the queue is full).
+#[no_mangle]
+pub extern "C" fn exs_accept(fd: c_int, qh: exs_qhandle_t, context: *mut c_void) -> c_int {
+    call(|| {
+        let s = SOCKETS.get(fd)?;
+        let eq = QUEUES.get(qh)?;
+        s.sock.accept(&eq, ctx_value(context))?;
+        Ok(0)
+    })
+}
+
+/// Connects, asynchronously (ES-API `exs_connect`): an `EXS_EVT_CONNECT` event on `qh` says how it went
+/// (`exs_evt_errno` `ECONNREFUSED`, `ETIMEDOUT`, `EHOSTUNREACH`...). Options set with `exs_fcntl` are
+/// negotiated now and fixed from here on. -1 with `errno` if it could not start: `EBADF`, `EAFNOSUPPORT`,
+/// `EINVAL`, `EISCONN`, `EAGAIN`.
+///
+/// # Safety
+/// `addr` is null or points to `len` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn exs_connect(
+    fd: c_int,
+    addr: *const sockaddr,
+    len: socklen_t,
+    qh: exs_qhandle_t,
+    context: *mut c_void,
+) -> c_int {
+    call(|| {
+        let s = SOCKETS.get(fd)?;
+        // SAFETY: the caller's promise above.
+        let a = unsafe { addr::read(addr, len, s.domain) }?;
+        let eq = QUEUES.get(qh)?;
+        s.sock.connect(a, &eq, ctx_value(context))?;
+        Ok(0)
+    })
+}
+
+/// Asks for the socket's readiness (ES-API `exs_poll`): an `EXS_EVT_POLL` event on `qh` comes as soon as the
+/// socket is ready for something in `events` (`POLLIN`, `POLLOUT`), at once if it already is; `POLLERR` and
+/// `POLLHUP` are always reported. One per socket on a shared queue waits for whichever is ready first. -1 with
+/// `errno`: `EBADF`, `EAGAIN`.
+#[no_mangle]
+pub extern "C" fn exs_poll(
+    fd: c_int,
+    events: c_short,
+    qh: exs_qhandle_t,
+    context: *mut c_void,
+) -> c_int {
+    call(|| {
+        let s = SOCKETS.get(fd)?;
+        let eq = QUEUES.get(qh)?;
+        let interest = Readiness {
+            readable: events & libc::POLLIN != 0,
+            writable: events & libc::POLLOUT != 0,
+            ..Readiness::default()
+        };
+        s.sock.poll(&eq, interest, ctx_value(context))?;
+        Ok(0)
+    })
+}
+
+/// The `revents` of a readiness.
+pub(crate) fn revents(r: Readiness) -> c_short {
+    [
+        (r.readable, libc::POLLIN),
+        (r.writable, libc::POLLOUT),
+        (r.error, libc::POLLERR),
+        (r.hangup, libc::POLLHUP),
+    ]
+    .iter()
+    .filter(|(on, _)| *on)
+    .fold(0, |acc, (_, bit)| acc | bit)
+}
+
+/// Shuts the sending side down (`how` `SHUT_WR`; `shutdown(2)`), asynchronously: after the sends already started,
+/// the peer's receives see end-of-stream; this side keeps receiving. `EXS_EVT_SHUTDOWN` on `qh` once every
+/// earlier send has completed. -1 with `errno`: `EBADF`, `EOPNOTSUPP` (`SHUT_RD`, `SHUT_RDWR`: exs has no
+/// receive-side shutdown; `exs_close` ends both), `EINVAL` (another `how`), `ENOTCONN`.
+#[no_mangle]
+pub extern "C" fn exs_shutdown(
+    fd: c_int,
+    how: c_int,
+    qh: exs_qhandle_t,
+    context: *mut c_void,
+) -> c_int {
+    call(|| {
+        let s = SOCKETS.get(fd)?;
+        match how {
+            libc::SHUT_WR => {}
+            libc::SHUT_RD | libc::SHUT_RDWR => return Err(Errno(libc::EOPNOTSUPP)),
+            _ => return Err(Errno(libc::EINVAL)),
+        }
+        let eq = QUEUES.get(qh)?;
+        s.sock.shutdown(&eq, ctx_value(context))?;
+        Ok(0)
+    })
+}
+
+/// Closes the socket (UNH-EXS `exs_close`), gracefully like TCP's `close()`: pending receives complete with
+/// `ECANCELED`; sends already started still reach the peer and complete, then the peer sees end-of-stream; what
+/// is left after the linger time (10 s) ends with `ECONNABORTED` or `ECANCELED`. Events still come for the
+/// operations the socket had, with its number. The number is never reused. -1 with `errno` `EBADF`.
+#[no_mangle]
+pub extern "C" fn exs_close(fd: c_int) -> c_int {
+    call(|| {
+        let s = SOCKETS.remove(fd)?;
+        s.sock.close()?;
+        Ok(0)
+    })
+}
+
+/// The local address (UNH-EXS `exs_getsockname`), as `getsockname(2)`: at most `*len` bytes at `addr`, the
+/// address's full length in `*len`; the unspecified address of the socket's family before it is bound. -1 with
+/// `errno` `EBADF`, `EFAULT` (a null pointer).
+///
+/// # Safety
+/// `len` is null or valid for reads and writes; `addr` is null or valid for writes of `*len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn exs_getsockname(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> c_int {
+    call(|| {
+        let s = SOCKETS.get(fd)?;
+        let local = s.sock.local_addr()?;
+        // SAFETY: the caller's promise above.
+        unsafe { addr::write(local, s.domain, addr, len) }?;
+        Ok(0)
+    })
+}
+
+/// The peer's address (UNH-EXS `exs_getpeername`), as `getpeername(2)`. -1 with `errno` `EBADF`, `ENOTCONN`,
+/// `EFAULT`.
+///
+/// # Safety
+/// `len` is null or valid for reads and writes; `addr` is null or valid for writes of `*len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn exs_getpeername(
+    fd: c_int,
+    addr: *mut sockaddr,
+    len: *mut socklen_t,
+) -> c_int {
+    call(|| {
+        let s = SOCKETS.get(fd)?;
+        let peer = s.sock.peer_addr()?.ok_or(Errno(libc::ENOTCONN))?;
+        // SAFETY: the caller's promise above.
+        unsafe { addr::write(Some(peer), s.domain, addr, len) }?;
+        Ok(0)
+    })
+}
+
+/// Files an accepted socket under its number (the `EXS_EVT_ACCEPT` event's `exs_evt_accepted`), -1 if it could
+/// not be (it is closed then).
+pub(crate) fn file_accepted(sock: Socket) -> c_int {
+    let seqpacket = sock.sock_type() == Ok(SockType::SeqPacket);
+    let domain = match sock.local_addr() {
+        Ok(Some(std::net::SocketAddr::V6(_))) => libc::AF_INET6,
+        _ => libc::AF_INET,
+    };
+    file_socket(sock, domain, seqpacket).unwrap_or(-1)
+}
+
+/// Whether `fd` is an open SOCK_SEQPACKET socket.
+pub(crate) fn is_seqpacket(fd: c_int) -> bool {
+    SOCKETS
+        .with(fd, |s: &SockEntry| s.seqpacket)
+        .unwrap_or(false)
+}

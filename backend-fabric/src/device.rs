@@ -37,6 +37,15 @@ pub(crate) fn err(call: &str, ret: i64) -> TransportError {
     }
 }
 
+/// Serialises the calls that read or build libfabric's process-wide provider tables (`fi_getinfo`, `fi_fabric`).
+/// A provider fills its lists lazily at the first of them; two threads opening transports at once (the test
+/// suites do) crashed inside `fi_dupinfo` once. They are not on the data path.
+pub(crate) static GETINFO: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+pub(crate) fn getinfo_lock() -> std::sync::MutexGuard<'static, ()> {
+    GETINFO.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 pub(crate) fn check(call: &str, ret: i32) -> Result<(), TransportError> {
     if ret < 0 {
         Err(err(call, ret.into()))
@@ -132,6 +141,7 @@ pub(crate) fn getinfo(
     let node = node.map(|n| CString::new(n).expect("addresses have no NUL"));
     let service = service.map(|s| CString::new(s).expect("ports have no NUL"));
     let mut out = ptr::null_mut();
+    let _tables = getinfo_lock();
     // SAFETY: valid hints; node/service are NUL-terminated or null; `out` receives an allocated list.
     let ret = unsafe {
         fi_getinfo(
@@ -203,6 +213,7 @@ impl FabricTransport {
         let mut fabric = ptr::null_mut();
         // SAFETY: fabric_attr of a returned info; out-pointer for the fabric.
         check("fi_fabric", unsafe {
+            let _tables = getinfo_lock();
             fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut())
         })?;
         let fab = Arc::new(Fabric { fabric, info });

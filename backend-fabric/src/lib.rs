@@ -87,6 +87,7 @@ const TAG_LISTENER: usize = 2 << TAG_SHIFT;
 /// Provider names this machine's libfabric offers for MSG endpoints with RMA.
 pub fn providers() -> Vec<String> {
     let mut names = Vec::new();
+    let _tables = device::getinfo_lock();
     // SAFETY: a zeroed hints structure asking for MSG endpoints; the result list is walked read-only and freed.
     unsafe {
         let h = exs_fi_allocinfo();

@@ -274,3 +274,27 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
         );
     }
 }
+
+/// Regression: a test process crashed once inside libfabric's `fi_dupinfo` with several threads opening transports
+/// and connecting at once (`fi_getinfo` reads provider tables a provider fills lazily); those calls are now
+/// serialised. Many threads open, listen and connect at once, repeatedly.
+#[test]
+fn transports_open_listen_and_connect_from_many_threads_at_once() {
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            std::thread::spawn(|| {
+                for _ in 0..10 {
+                    let mut t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
+                    let (_l, addr) = t
+                        .listen("127.0.0.1:0".parse().expect("address"), 16)
+                        .expect("listen");
+                    t.connect(EndpointId(1), addr, b"x", Vec::new())
+                        .expect("connect");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a thread opening transports panicked");
+    }
+}

@@ -280,6 +280,7 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
 /// serialised. Many threads open, listen and connect at once, repeatedly.
 #[test]
 fn transports_open_listen_and_connect_from_many_threads_at_once() {
+    let _serial = serial();
     let threads: Vec<_> = (0..8)
         .map(|_| {
             std::thread::spawn(|| {

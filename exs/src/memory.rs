@@ -31,6 +31,33 @@ struct RegionInner {
     /// The context's engine, for the trusted policy's keys (revoked at deregistration). Weak: a region does not
     /// keep its context alive.
     ctx: Weak<Shared>,
+    /// Revokes those keys when the last handle goes.
+    _revoke: RevokeOnDrop,
+}
+
+/// Issue 27: dropping the last handle of a region revokes the whole-region keys the trusted-peer policy handed out
+/// for it (they used to live, with the memory and its registration, until their connections ended, and a peer could
+/// still read the region). Keys of pending operations go with their operations, under every policy; the memory
+/// is freed only once the last of them is gone (each holds a lease).
+struct RevokeOnDrop {
+    ctx: Weak<Shared>,
+    buf: Weak<DmaBuf>,
+}
+
+impl Drop for RevokeOnDrop {
+    fn drop(&mut self) {
+        // A buffer nothing else holds has no key left; a context that is gone took its keys with it.
+        let (Some(shared), Some(buf)) = (self.ctx.upgrade(), self.buf.upgrade()) else {
+            return;
+        };
+        // Not under this thread's engine lock, if it holds it (a region can be dropped inside an engine call).
+        crate::lock::run_unlocked(move || {
+            let mut engine = shared.lock();
+            if engine.trusted_keys(&buf) > 0 {
+                engine.forget_trusted(&buf);
+            }
+        });
+    }
 }
 
 impl MemoryRegion {
@@ -65,12 +92,17 @@ impl MemoryRegion {
 
     fn register(ctx: &Context, buf: Arc<DmaBuf>) -> Result<Self, MemoryError> {
         let reg = ctx.register(&buf)?;
+        let revoke = RevokeOnDrop {
+            ctx: Arc::downgrade(ctx.shared()),
+            buf: Arc::downgrade(&buf),
+        };
         Ok(Self {
             inner: Arc::new(RegionInner {
                 buf,
                 reg: Mutex::new(Some(reg)),
                 context_id: ctx.id(),
                 ctx: Arc::downgrade(ctx.shared()),
+                _revoke: revoke,
             }),
         })
     }
@@ -208,6 +240,10 @@ impl MemoryRegion {
             let leases = buf.lease_count();
             let region = MemoryRegion {
                 inner: Arc::new(RegionInner {
+                    _revoke: RevokeOnDrop {
+                        ctx: Weak::new(),
+                        buf: Arc::downgrade(&buf),
+                    },
                     buf,
                     reg: Mutex::new(None),
                     context_id: inner.context_id,

@@ -31,6 +31,11 @@ pub fn cases() -> Vec<Case> {
             run: trusted_key_until_deregistered,
             requires: Requires::Nothing,
         },
+        Case {
+            name: "a_trusted_key_stops_working_when_its_region_is_dropped",
+            run: trusted_key_until_dropped,
+            requires: Requires::Nothing,
+        },
     ]
 }
 
@@ -299,6 +304,19 @@ fn advert_stream(raw: &mut RawPeer) -> Result<RemoteRef, String> {
 /// The trade-off of the trusted policy, pinned: the key of one send reaches the rest of its region (UNH-EXS gives
 /// the registration's key), on its own connection, after the send completed, until the region is deregistered.
 fn trusted_key_until_deregistered(b: &dyn Backend) -> Result<(), String> {
+    trusted_key_until(b, false)
+}
+
+/// Issue 27: a region used once and then dropped without `deregister` kept its whole-region key, its memory and its
+/// registration until the connection ended, and the peer could still read it (on libfabric the peer read fresh
+/// bytes after the drop). Dropping the last handle now revokes the key like deregistering does.
+fn trusted_key_until_dropped(b: &dyn Backend) -> Result<(), String> {
+    trusted_key_until(b, true)
+}
+
+/// A trusted key reads its whole region after its send completed, and stops working once the region is
+/// deregistered (or, with `drop`, once its last handle is dropped).
+fn trusted_key_until(b: &dyn Backend, drop_it: bool) -> Result<(), String> {
     let v = victim_with(b, SockType::SeqPacket, trusted())?;
     let (mut raw, s) = v.accept_good()?;
     s.set_option(exs::SocketOption::SmallPacketMaxSize(0)).ok();
@@ -342,16 +360,26 @@ fn trusted_key_until_deregistered(b: &dyn Backend) -> Result<(), String> {
         "KEYS {}: trusted key read the region after its send completed",
         v.name
     );
-    // Deregistered: the key is revoked at once, the connection stays up.
-    src.deregister()
-        .map_err(|e| format!("deregistering the region: {e}"))?;
+    // Deregistered (or dropped): the key is revoked at once, the connection stays up.
+    let how = if drop_it { "dropped" } else { "deregistered" };
+    if drop_it {
+        drop(src);
+    } else {
+        src.deregister()
+            .map_err(|e| format!("deregistering the region: {e}"))?;
+    }
     let id = raw.read(beyond, 4096)?;
     ensure!(
         raw.wait_done(id).is_err(),
-        "the trusted key still read the region after it was deregistered"
+        "the trusted key still read the region after it was {how}"
+    );
+    ensure!(
+        v.ctx.stats().trusted_keys == 0,
+        "{} trusted keys left after the region was {how}",
+        v.ctx.stats().trusted_keys
     );
     eprintln!(
-        "KEYS {}: trusted key refused once the region was deregistered",
+        "KEYS {}: trusted key refused once the region was {how}",
         v.name
     );
     drop(raw);

@@ -50,6 +50,10 @@ static EXPOSURE: std::sync::OnceLock<exs::ExposurePolicy> = std::sync::OnceLock:
 
 fn context_options() -> Result<exs::ContextOptions> {
     let mut o = exs::ContextOptions::default();
+    // Measurements hold thousands of idle connections (`exs ping --idle`): the library's default budget would
+    // refuse them. What a client may make a server do is bounded by the server's own limits (`--max-idle`,
+    // `--max-memory`).
+    o.memory_budget = 64 << 30;
     o.exposure = match EXPOSURE.get() {
         Some(p) => *p,
         None => exs::ExposurePolicy::from_env()?,

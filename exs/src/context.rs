@@ -113,9 +113,11 @@ pub struct ContextOptions {
     /// refused (incoming: the peer sees a refusal; outgoing: `connect` fails with `TransportError::Resource`); a
     /// stream buffer that does not fit is not allocated, and the connection goes on with direct transfers into
     /// the receives it advertises, retrying at its next receive. Memory regions the application allocates are its
-    /// own and not counted. Default 256 MiB: about 250 stream connections moving data at once with the default
-    /// 1 MiB stream buffer (others move theirs directly into the receives they advertise), or a few thousand idle
-    /// ones.
+    /// own and not counted. Default 1 GiB (like the kernel's own cap on TCP buffers on a machine of a few tens of
+    /// GiB): about a thousand stream connections moving data at once with the default 1 MiB stream buffer (others
+    /// move theirs directly into the receives they advertise), twenty thousand idle ones, or two thousand
+    /// SOCK_SEQPACKET connections on libfabric (each posts its own receive buffers there; on verbs they share the
+    /// context's pool).
     pub memory_budget: u64,
 }
 
@@ -162,7 +164,7 @@ impl Default for ContextOptions {
             keepalive: Some(Duration::from_secs(10)),
             max_connections: 16_384,
             exposure: crate::ExposurePolicy::PerOperation,
-            memory_budget: 256 << 20,
+            memory_budget: 1 << 30,
         }
     }
 }

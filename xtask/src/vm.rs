@@ -485,8 +485,11 @@ impl Vm {
             .arg(&self.initrd);
         cmd.arg("-append").arg(format!(
             // no_timer_check: under an emulated CPU on a busy host the kernel's check of the IO-APIC timer can
-            // fail and panic the boot ("IO-APIC + timer doesn't work!"); the timer works.
-            "console=ttyS0 panic=-1 quiet no_timer_check exs.results={}",
+            // fail and panic the boot ("IO-APIC + timer doesn't work!"); the timer works. clocksource=tsc
+            // tsc=reliable: the kernel otherwise distrusts the emulated TSC and reads the HPET, an emulated device,
+            // so every clock read became a system call and a device access (a busy exs ping read the clock about
+            // a hundred times per round trip; perftest reads the TSC itself).
+            "console=ttyS0 panic=-1 quiet no_timer_check clocksource=tsc tsc=reliable exs.results={}",
             results.display()
         ));
         cmd.args([

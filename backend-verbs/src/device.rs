@@ -240,6 +240,20 @@ fn device_limits(
     })
 }
 
+/// The transport's wait descriptor: an epoll set over the completion channel and the rdma_cm event channel, both
+/// made non-blocking.
+fn wait_set(o: &Opening) -> Result<Epoll, TransportError> {
+    // SAFETY: valid channel pointers; their fds stay open until we destroy the channels.
+    let (comp_fd, ch_fd) = unsafe { ((*o.comp).fd, (*o.ch).fd) };
+    set_nonblocking(comp_fd)?;
+    set_nonblocking(ch_fd)?;
+    let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
+        .map_err(|e| TransportError::os("epoll_create", e.into()))?;
+    epoll_add(&epoll, comp_fd, 1)?;
+    epoll_add(&epoll, ch_fd, 2)?;
+    Ok(epoll)
+}
+
 /// What the engine sees of a transport with these settings.
 fn capabilities(s: &VerbsSettings) -> Capabilities {
     Capabilities {
@@ -311,14 +325,7 @@ impl VerbsTransport {
         if o.cq.is_null() {
             return Err(os_err("ibv_create_cq"));
         }
-        // SAFETY: valid channel pointers; their fds stay open until we destroy the channels.
-        let (comp_fd, ch_fd) = unsafe { ((*o.comp).fd, (*o.ch).fd) };
-        set_nonblocking(comp_fd)?;
-        set_nonblocking(ch_fd)?;
-        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
-            .map_err(|e| TransportError::os("epoll_create", e.into()))?;
-        epoll_add(&epoll, comp_fd, 1)?;
-        epoll_add(&epoll, ch_fd, 2)?;
+        let epoll = wait_set(&o)?;
         raise_memlock_limit();
         let (ch, comp, cq) = o.into_parts();
         let t = VerbsTransport {

@@ -87,84 +87,50 @@ fn sge_of(s: &Sge) -> ibv_sge {
 /// The native requests of one operation, and what the engine is told when it completes.
 fn native_parts(op: &Op, emulate: bool, sink: Option<&SinkMr>) -> (Completed, Vec<NativePart>) {
     use ibv_wr_opcode::*;
-    let imm_of = |imm: Option<u32>| imm.map_or(ImmKind::None, ImmKind::Native);
+    let imm_of = |imm: &Option<u32>| imm.map_or(ImmKind::None, ImmKind::Native);
+    let emulated =
+        |imm: u32| NativePart::new(IBV_WR_SEND, Vec::new(), None, ImmKind::Emulated(imm));
+    let list = |s: &[Sge]| s.iter().map(sge_of).collect::<Vec<_>>();
     match op {
         // A zero-length send with an immediate is what a write-with-immediate of nothing looks like to the
         // receiver; without immediates it is the emulated immediate alone (`check_sends` refused one with data).
-        Op::Send {
-            sges,
-            imm: Some(imm),
-        } if emulate && sges.is_empty() => (
-            Completed::Send,
-            vec![NativePart::new(
-                IBV_WR_SEND,
-                Vec::new(),
-                None,
-                ImmKind::Emulated(*imm),
-            )],
-        ),
+        Op::Send { sges, imm: Some(v) } if emulate && sges.is_empty() => {
+            (Completed::Send, vec![emulated(*v)])
+        }
         Op::Send { sges, imm } => {
             let opc = if imm.is_some() {
                 IBV_WR_SEND_WITH_IMM
             } else {
                 IBV_WR_SEND
             };
-            (
-                Completed::Send,
-                vec![NativePart::new(
-                    opc,
-                    sges.iter().map(sge_of).collect(),
-                    None,
-                    imm_of(*imm),
-                )],
-            )
+            let part = NativePart::new(opc, list(sges), None, imm_of(imm));
+            (Completed::Send, vec![part])
         }
         Op::Write {
             local,
             remote,
-            imm: Some(imm),
-        } if emulate => (
-            Completed::Write,
-            vec![
-                NativePart::new(
-                    IBV_WR_RDMA_WRITE,
-                    local.iter().map(sge_of).collect(),
-                    Some(*remote),
-                    ImmKind::None,
-                ),
-                NativePart::new(IBV_WR_SEND, Vec::new(), None, ImmKind::Emulated(*imm)),
-            ],
-        ),
+            imm: Some(v),
+        } if emulate => {
+            let write =
+                NativePart::new(IBV_WR_RDMA_WRITE, list(local), Some(*remote), ImmKind::None);
+            (Completed::Write, vec![write, emulated(*v)])
+        }
         Op::Write { local, remote, imm } => {
             let opc = if imm.is_some() {
                 IBV_WR_RDMA_WRITE_WITH_IMM
             } else {
                 IBV_WR_RDMA_WRITE
             };
-            (
-                Completed::Write,
-                vec![NativePart::new(
-                    opc,
-                    local.iter().map(sge_of).collect(),
-                    Some(*remote),
-                    imm_of(*imm),
-                )],
-            )
+            let part = NativePart::new(opc, list(local), Some(*remote), imm_of(imm));
+            (Completed::Write, vec![part])
         }
         Op::Read { local, remote } => {
             let mut s = sge_of(local);
             if let Some(m) = sink {
                 s.lkey = m.lkey;
             }
-            (
-                Completed::Read,
-                vec![NativePart::new(
-                    IBV_WR_RDMA_READ,
-                    vec![s],
-                    Some(*remote),
-                    ImmKind::None,
-                )],
-            )
+            let part = NativePart::new(IBV_WR_RDMA_READ, vec![s], Some(*remote), ImmKind::None);
+            (Completed::Read, vec![part])
         }
         Op::Recv { .. } => unreachable!("receives never reach the send chain (check_sends)"),
     }

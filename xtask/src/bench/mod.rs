@@ -250,33 +250,41 @@ fn softroce_suite(
         )
     } else {
         let v = vm.as_ref().expect("prepared above");
-        let mut out = String::new();
-        let o = v.run_streaming(
-            &format!("cd {}\n{body}", sys::root().display()),
-            Duration::from_secs(3600),
-            &mut |l, err| {
-                if err {
-                    eprintln!("{l}");
-                } else {
-                    out.push_str(l);
-                    out.push('\n');
-                }
-            },
-        )?;
-        if o.rc != Some(0) {
-            eprintln!(
-                "xtask: the benchmark script in the VM ended with {:?}",
-                o.rc
-            );
-        }
-        (out, format!(
+        (
+            run_in_guest(v, &body)?,
+            format!(
                 "{machine}, rxe{} in a QEMU guest ({:?}, 2 vCPUs, emulated CPU: compare ratios only)",
                 if siw_load.is_some() { " and siw" } else { "" },
                 v.accel
-            ))
+            ),
+        )
     };
     let rows = collect("softroce", &jobs, &out);
     let md = write_results("softroce", a.quick, &rows, cmd, &where_)?;
     publish("softroce", a.quick, &md)?;
     Ok(())
+}
+
+/// Runs a benchmark script in the guest; returns its standard output (its errors pass through).
+fn run_in_guest(v: &vm::Vm, body: &str) -> Result<String> {
+    let mut out = String::new();
+    let o = v.run_streaming(
+        &format!("cd {}\n{body}", sys::root().display()),
+        Duration::from_secs(3600),
+        &mut |l, err| {
+            if err {
+                eprintln!("{l}");
+            } else {
+                out.push_str(l);
+                out.push('\n');
+            }
+        },
+    )?;
+    if o.rc != Some(0) {
+        eprintln!(
+            "xtask: the benchmark script in the VM ended with {:?}",
+            o.rc
+        );
+    }
+    Ok(out)
 }

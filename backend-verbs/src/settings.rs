@@ -145,6 +145,8 @@ const DEFAULT_RECV_DEPTH: u32 = 1024;
 const DEFAULT_CQ_DEPTH: u32 = 8192;
 const DEFAULT_SRQ_DEPTH: u32 = 16384;
 const DEFAULT_SGE: u32 = 16;
+/// Scatter/gather entries exs needs per send: a control message's header and the bytes it carries.
+const MIN_SGE: u32 = 2;
 const DEFAULT_MAX_MESSAGE: u64 = 1 << 30;
 const DEFAULT_READ_DEPTH: u32 = 16;
 
@@ -221,6 +223,18 @@ impl VerbsSettings {
             ))),
             _ => Ok(v),
         };
+        // A control message with immediate data gathers its header and the application's bytes (no copy).
+        if l.sge.is_some_and(|n| n < MIN_SGE) {
+            return Err(TransportError::Invalid(format!(
+                "EXS_VERBS_SGE/limits.sge must be at least {MIN_SGE}: a message gathers a header and its data"
+            )));
+        }
+        if dev.max_sge < MIN_SGE {
+            return Err(TransportError::Unsupported(format!(
+                "{name} gathers {} scatter/gather entries per send; exs needs {MIN_SGE}",
+                dev.max_sge
+            )));
+        }
         Ok(VerbsSettings {
             device: name.to_string(),
             inline: within("inline size", l.inline, DEFAULT_INLINE, dev.max_inline),
@@ -371,6 +385,20 @@ mod tests {
             VerbsSettings::decide("siw0", siw(), &c).is_err(),
             "a queue of no entries is refused"
         );
+        c.limits = VerbsLimits {
+            sge: Some(1),
+            ..Default::default()
+        };
+        assert!(
+            VerbsSettings::decide("siw0", siw(), &c).is_err(),
+            "one entry cannot carry a header and its data"
+        );
+        let mut d = siw();
+        d.max_sge = 1;
+        assert!(matches!(
+            VerbsSettings::decide("x", d, &cfg()),
+            Err(TransportError::Unsupported(_))
+        ));
     }
 
     #[test]

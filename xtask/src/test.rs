@@ -261,11 +261,12 @@ pub fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> 
 /// Shell lines that cut the output into sections (see [`Sections`]).
 pub const SECTION: &str = "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n";
 
-/// The limits a small device might report, forced on rxe (`verbs:small-limits`): nothing inline, one scatter/gather
-/// entry, a short send queue, one read at a time, 64 KiB per operation; with write-with-immediate emulated, so the
-/// immediates' payloads come from their registered slab rather than inline.
+/// The limits a small device might report, forced on rxe (`verbs:small-limits`): nothing inline, two scatter/gather
+/// entries (the least exs works with: a header and its data), a short send queue, one read at a time, 64 KiB per
+/// operation; with write-with-immediate emulated, so the immediates' payloads come from their registered slab
+/// rather than inline.
 pub const SMALL_LIMITS: &str =
-    "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_INLINE=0 EXS_VERBS_SGE=1 EXS_VERBS_SEND_DEPTH=32 \
+    "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_INLINE=0 EXS_VERBS_SGE=2 EXS_VERBS_SEND_DEPTH=32 \
                                 EXS_VERBS_READ_DEPTH=1 EXS_VERBS_MAX_MESSAGE=64K";
 
 /// The shell lines that run the RDMA part of the conformance suite: every test on the Soft-RoCE device at the

@@ -38,16 +38,17 @@ fn wc_error(status: u32) -> WcError {
 }
 
 impl VerbsTransport {
+    /// Polls the completion queue until it is empty, into the transport's own array of work completions (a busy
+    /// poller comes here every round: nothing is allocated or cleared per call).
     pub(crate) fn drain_cq(&mut self) -> usize {
-        let mut wcs: [ibv_wc; 32] = unsafe {
-            // SAFETY: plain data.
-            std::mem::zeroed()
-        };
+        // Taken out while its entries are handled (`on_wc` needs the transport); an empty Vec allocates nothing.
+        let mut wcs = std::mem::take(&mut self.wcs);
         let mut total = 0;
         loop {
-            // SAFETY: live CQ; `wcs` holds 32 entries.
+            // SAFETY: live CQ; `wcs` holds `wcs.len()` initialised entries.
             let n = unsafe { ibv_poll_cq(self.cq, wcs.len() as i32, wcs.as_mut_ptr()) };
             if n <= 0 {
+                self.wcs = wcs;
                 return total;
             }
             for wc in &wcs[..n as usize] {

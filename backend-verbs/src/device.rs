@@ -349,6 +349,10 @@ impl VerbsTransport {
             cm_backlog: VecDeque::new(),
             cq_backlog: VecDeque::new(),
             unacked_cq_events: 0,
+            wcs: (0..32)
+                // SAFETY: plain data; zero is a valid bit pattern (ibv_poll_cq fills what it returns).
+                .map(|_| unsafe { std::mem::zeroed() })
+                .collect(),
         };
         // SAFETY: `cq` was just created.
         unsafe { ibv_req_notify_cq(t.cq, 0) };

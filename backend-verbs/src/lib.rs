@@ -164,6 +164,8 @@ pub struct VerbsTransport {
     /// the engine gets its buffer back).
     cq_backlog: VecDeque<(Completion, bool)>,
     unacked_cq_events: u32,
+    /// Where `drain_cq` polls completions into (allocated once).
+    wcs: Vec<ibv_wc>,
 }
 
 // SAFETY: the verbs and rdma_cm objects are owned by this value and used from one thread at a time (the engine

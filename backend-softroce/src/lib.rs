@@ -1,11 +1,13 @@
 //! Software RDMA devices: Soft-RoCE (`rdma_rxe`) and soft-iWARP (`siw`).
 //!
-//! Finds them in sysfs, provisions one on a network interface (`rdma link add NAME type rxe netdev IF`, loading
+//! Finds them in sysfs, provisions one on a network interface (`rdma link add NAME type rxe|siw netdev IF`, loading
 //! the kernel module first), removes exactly what it added, and tells the verbs backend which device, port and GID
 //! index serve an IP address (RoCE v2 uses the IPv4-mapped GID `::ffff:a.b.c.d`; rdma_cm resolves it by itself,
-//! raw verbs need the index).
+//! raw verbs need the index). An iWARP device's GID is its interface's MAC address, not an IP address: siw's
+//! interface is found by that MAC, and its addresses are the interface's.
 //!
-//! No unsafe code: sysfs is read as files, and provisioning runs the `rdma` and `modprobe` tools.
+//! No unsafe code: sysfs is read as files, interface addresses come from `getifaddrs` (nix), and provisioning runs
+//! the `rdma` and `modprobe` tools.
 
 use std::fs;
 use std::net::{IpAddr, Ipv6Addr};
@@ -68,6 +70,8 @@ pub struct Device {
     pub state: String,
     /// Port 1 GIDs in use.
     pub gids: Vec<Gid>,
+    /// The addresses of `netdev` (an iWARP device's GIDs carry none).
+    pub addrs: Vec<IpAddr>,
 }
 
 impl Device {
@@ -88,6 +92,22 @@ impl Device {
     /// Whether port 1 is active.
     pub fn active(&self) -> bool {
         self.state.contains("ACTIVE")
+    }
+
+    /// The IP addresses that reach this device: its GIDs' (RoCE) and its interface's, GIDs first.
+    pub fn ips(&self) -> Vec<IpAddr> {
+        let mut v: Vec<IpAddr> = self.gids.iter().map(Gid::ip).collect();
+        for a in &self.addrs {
+            if !v.contains(a) {
+                v.push(*a);
+            }
+        }
+        v
+    }
+
+    /// Whether `ip` reaches this device (see [`Device::ips`]).
+    pub fn serves(&self, ip: IpAddr) -> bool {
+        self.ips().contains(&ip)
     }
 }
 
@@ -124,20 +144,56 @@ pub fn devices() -> Vec<Device> {
     devices_in(&sysfs_root())
 }
 
-/// Every RDMA device under a sysfs-like directory.
+/// Every RDMA device under a sysfs-like directory (`.../infiniband`, with the interfaces in `.../net` beside it).
 pub fn devices_in(root: &Path) -> Vec<Device> {
     let Ok(entries) = fs::read_dir(root) else {
         return Vec::new();
     };
+    let net = root.parent().map(|p| p.join("net")).unwrap_or_default();
     let mut v: Vec<Device> = entries
         .filter_map(|e| e.ok())
-        .filter_map(|e| device(&e.path()))
+        .filter_map(|e| device(&e.path(), &net))
         .collect();
     v.sort_by(|a, b| a.name.cmp(&b.name));
     v
 }
 
-fn device(dir: &Path) -> Option<Device> {
+/// The interface under `net` whose MAC address is `mac` (lower-case, colon-separated).
+fn netdev_by_mac(net: &Path, mac: &str) -> Option<String> {
+    fs::read_dir(net).ok()?.flatten().find_map(|e| {
+        let name = e.file_name().to_string_lossy().into_owned();
+        (read(&e.path().join("address")).as_deref() == Some(mac)).then_some(name)
+    })
+}
+
+/// The MAC address an iWARP GID carries in its first six bytes (siw: its interface's).
+fn gid_mac(gid: &Ipv6Addr) -> String {
+    let o = gid.octets();
+    o[..6]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// The addresses of interface `name`.
+fn interface_addrs(name: &str) -> Vec<IpAddr> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return Vec::new();
+    };
+    addrs
+        .filter(|a| a.interface_name == name)
+        .filter_map(|a| {
+            let s = a.address?;
+            if let Some(v4) = s.as_sockaddr_in() {
+                return Some(IpAddr::V4(v4.ip()));
+            }
+            s.as_sockaddr_in6().map(|v6| IpAddr::V6(v6.ip()))
+        })
+        .collect()
+}
+
+fn device(dir: &Path, net: &Path) -> Option<Device> {
     let name = dir.file_name()?.to_string_lossy().into_owned();
     let node_type = read(&dir.join("node_type")).unwrap_or_default();
     let parent = read(&dir.join("parent"));
@@ -153,6 +209,7 @@ fn device(dir: &Path) -> Option<Device> {
     let port = dir.join("ports/1");
     let state = read(&port.join("state")).unwrap_or_default();
     let mut gids = Vec::new();
+    let mut raw_gids = Vec::new();
     if let Ok(es) = fs::read_dir(port.join("gids")) {
         for e in es.flatten() {
             let Ok(index) = e.file_name().to_string_lossy().parse::<u32>() else {
@@ -167,26 +224,38 @@ fn device(dir: &Path) -> Option<Device> {
             if gid.is_unspecified() {
                 continue;
             }
+            raw_gids.push(gid);
+            if kind == Kind::Siw {
+                // iWARP: the GID is the interface's MAC, no address.
+                continue;
+            }
             let kind = read(&port.join(format!("gid_attrs/types/{index}"))).unwrap_or_default();
             gids.push(Gid { index, gid, kind });
         }
     }
     gids.sort_by_key(|g| g.index);
-    let netdev = parent.or_else(|| read(&port.join("gid_attrs/ndevs/0")));
+    let netdev = parent
+        .or_else(|| read(&port.join("gid_attrs/ndevs/0")))
+        .or_else(|| {
+            raw_gids
+                .iter()
+                .find_map(|g| netdev_by_mac(net, &gid_mac(g)))
+                .filter(|_| kind == Kind::Siw)
+        });
+    let addrs = netdev.as_deref().map(interface_addrs).unwrap_or_default();
     Some(Device {
         name,
         kind,
         netdev,
         state,
         gids,
+        addrs,
     })
 }
 
-/// The device whose GID table carries `ip`.
+/// The device that `ip` reaches (its GID table, or its interface, carries it).
 pub fn device_for_ip(ip: IpAddr) -> Option<Device> {
-    devices()
-        .into_iter()
-        .find(|d| d.gid_index_for(ip).is_some())
+    devices().into_iter().find(|d| d.serves(ip))
 }
 
 /// Whether the running kernel can provide `kind` (module loaded or loadable).
@@ -300,16 +369,31 @@ mod tests {
         .unwrap();
         fs::write(d.join("ports/1/gid_attrs/types/0"), "RoCE v2\n").unwrap();
         fs::write(d.join("ports/1/gid_attrs/types/1"), "RoCE v2\n").unwrap();
+        // siw (captured in the guest): no parent, and its GID is its interface's MAC address.
         let s = root.join("siw0");
-        fs::create_dir_all(s.join("ports/1")).unwrap();
+        fs::create_dir_all(s.join("ports/1/gids")).unwrap();
         fs::write(s.join("node_type"), "4: RNIC\n").unwrap();
-        fs::write(s.join("parent"), "eth0\n").unwrap();
+        fs::write(s.join("ports/1/state"), "4: ACTIVE\n").unwrap();
+        fs::write(
+            s.join("ports/1/gids/0"),
+            "5254:0077:0001:0000:0000:0000:0000:0000\n",
+        )
+        .unwrap();
+        let net = root.parent().unwrap().join("net");
+        for (ifname, mac) in [
+            ("dummy0", "12:66:02:d3:43:9d"),
+            ("eth0", "52:54:00:77:00:01"),
+        ] {
+            fs::create_dir_all(net.join(ifname)).unwrap();
+            fs::write(net.join(ifname).join("address"), format!("{mac}\n")).unwrap();
+        }
     }
 
     #[test]
     fn finds_devices_kinds_and_the_gid_index_of_an_ipv4_address() {
-        let dir = std::env::temp_dir().join(format!("exs-sysfs-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
+        let top = std::env::temp_dir().join(format!("exs-sysfs-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&top);
+        let dir = top.join("infiniband");
         fake_rxe(&dir);
         let devs = devices_in(&dir);
         assert_eq!(devs.len(), 2);
@@ -322,8 +406,15 @@ mod tests {
         assert_eq!(rxe.gids.len(), 2, "the unused entry is skipped");
         assert_eq!(rxe.gid_index_for("192.168.77.1".parse().unwrap()), Some(1));
         assert_eq!(rxe.gid_index_for("192.168.77.2".parse().unwrap()), None);
-        assert_eq!(devs[1].kind, Kind::Siw);
-        fs::remove_dir_all(&dir).unwrap();
+        let siw = &devs[1];
+        assert_eq!(siw.kind, Kind::Siw);
+        assert!(siw.gids.is_empty(), "an iWARP GID carries no address");
+        assert_eq!(
+            siw.netdev.as_deref(),
+            Some("eth0"),
+            "siw's interface is the one with its GID's MAC"
+        );
+        fs::remove_dir_all(&top).unwrap();
     }
 
     #[test]

@@ -10,6 +10,18 @@ use rdma_sys::*;
 use crate::connection::{to_socketaddr, EpState};
 use crate::{VerbsTransport, RESOLVE_TIMEOUT_MS, TAG_EP, TAG_LISTENER};
 
+/// Why `rdma_connect` failed, as the engine's reason. On iWARP the connection's TCP handshake happens inside the
+/// call (siw; Chelsio's adapters report the same through an event), so a closed port or an unreachable peer shows
+/// here rather than as a `REJECTED` or `UNREACHABLE` event.
+fn connect_failure(err: &std::io::Error) -> ConnectFailure {
+    match err.raw_os_error() {
+        Some(libc::ECONNREFUSED) => ConnectFailure::Refused(Vec::new()),
+        Some(libc::ETIMEDOUT) => ConnectFailure::TimedOut,
+        Some(libc::ENETUNREACH | libc::EHOSTUNREACH) => ConnectFailure::Unreachable,
+        _ => ConnectFailure::Other(format!("rdma_connect: {err}")),
+    }
+}
+
 impl VerbsTransport {
     pub(crate) fn report_down(&mut self, ep: EndpointId) -> Option<CmEvent> {
         let e = self.eps.get_mut(&ep)?;
@@ -50,71 +62,10 @@ impl VerbsTransport {
         let ep = EndpointId((tag & 0xffff_ffff) as u32);
         use rdma_cm_event_type::*;
         match kind {
-            RDMA_CM_EVENT_CONNECT_REQUEST => {
-                // SAFETY: the listener's id is live; its context is the listener tag.
-                let ltag = unsafe { (*listen_id).context as usize };
-                let listener = ListenerId((ltag & 0xffff_ffff) as u32);
-                if ltag & TAG_LISTENER == 0 || !self.listeners.contains_key(&listener) {
-                    // A request nobody will answer: the peer is refused and the id goes (a connection request
-                    // counts as an event of its listener, so destroying the new id before the event is
-                    // acknowledged does not wait for it).
-                    Self::reject_id(id);
-                    return None;
-                }
-                let request = self.requests.insert(listener, id);
-                // SAFETY: live id.
-                let peer = to_socketaddr(unsafe { rdma_get_peer_addr(&*id) } as *const _)
-                    .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
-                Some(CmEvent::ConnectRequest {
-                    listener,
-                    request,
-                    peer,
-                    private: data,
-                })
-            }
+            RDMA_CM_EVENT_CONNECT_REQUEST => self.connect_request(id, listen_id, data),
             _ if tag & TAG_EP == 0 => None,
-            RDMA_CM_EVENT_ADDR_RESOLVED => {
-                let e = self.eps.get(&ep)?;
-                // Disconnected while resolving (a connect timeout, a close): `Disconnected` was reported, so the
-                // connect goes no further.
-                if e.state == EpState::Down {
-                    return None;
-                }
-                // SAFETY: live id with a resolved address.
-                if unsafe { rdma_resolve_route(e.id, RESOLVE_TIMEOUT_MS) } != 0 {
-                    return self.connect_failed(
-                        ep,
-                        ConnectFailure::Other(format!(
-                            "rdma_resolve_route: {}",
-                            std::io::Error::last_os_error()
-                        )),
-                    );
-                }
-                None
-            }
-            RDMA_CM_EVENT_ROUTE_RESOLVED => {
-                if self.eps.get(&ep)?.state == EpState::Down {
-                    return None;
-                }
-                let (private, recvs) = self.eps.get_mut(&ep)?.pending.take()?;
-                if let Err(err) = self.create_qp(ep, recvs) {
-                    return self.connect_failed(ep, ConnectFailure::Other(err.to_string()));
-                }
-                let e = self.eps.get_mut(&ep)?;
-                e.state = EpState::Connecting;
-                let mut param = Self::conn_param(&private, self.rd_atom);
-                // SAFETY: live id with a QP; private data lives across the call (copied by rdma_connect).
-                if unsafe { rdma_connect(e.id, &mut param) } != 0 {
-                    return self.connect_failed(
-                        ep,
-                        ConnectFailure::Other(format!(
-                            "rdma_connect: {}",
-                            std::io::Error::last_os_error()
-                        )),
-                    );
-                }
-                None
-            }
+            RDMA_CM_EVENT_ADDR_RESOLVED => self.addr_resolved(ep),
+            RDMA_CM_EVENT_ROUTE_RESOLVED => self.route_resolved(ep),
             RDMA_CM_EVENT_ADDR_ERROR | RDMA_CM_EVENT_ROUTE_ERROR => {
                 self.connect_failed(ep, ConnectFailure::Unreachable)
             }
@@ -135,12 +86,81 @@ impl VerbsTransport {
                     return None;
                 }
                 e.state = EpState::Connected;
+                let first = e.active && self.settings.limits.iwarp;
                 self.addresses(ep);
+                if first {
+                    self.send_first_message(ep);
+                }
                 Some(CmEvent::Established { ep, private: data })
             }
             RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL => self.report_down(ep),
             _ => None,
         }
+    }
+
+    /// A connection request on one of our listeners (refused at once if the listener is gone).
+    fn connect_request(
+        &mut self,
+        id: *mut rdma_cm_id,
+        listen_id: *mut rdma_cm_id,
+        private: Vec<u8>,
+    ) -> Option<CmEvent> {
+        // SAFETY: the listener's id is live; its context is the listener tag.
+        let ltag = unsafe { (*listen_id).context as usize };
+        let listener = ListenerId((ltag & 0xffff_ffff) as u32);
+        if ltag & TAG_LISTENER == 0 || !self.listeners.contains_key(&listener) {
+            // A request nobody will answer: the peer is refused and the id goes (a connection request counts as an
+            // event of its listener, so destroying the new id before the event is acknowledged does not wait for
+            // it).
+            Self::reject_id(id);
+            return None;
+        }
+        let request = self.requests.insert(listener, id);
+        // SAFETY: live id.
+        let peer = to_socketaddr(unsafe { rdma_get_peer_addr(&*id) } as *const _)
+            .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
+        Some(CmEvent::ConnectRequest {
+            listener,
+            request,
+            peer,
+            private,
+        })
+    }
+
+    /// The address of an outgoing connection is resolved: the route next.
+    fn addr_resolved(&mut self, ep: EndpointId) -> Option<CmEvent> {
+        let e = self.eps.get(&ep)?;
+        // Disconnected while resolving (a connect timeout, a close): `Disconnected` was reported, so the connect
+        // goes no further.
+        if e.state == EpState::Down {
+            return None;
+        }
+        // SAFETY: live id with a resolved address.
+        if unsafe { rdma_resolve_route(e.id, RESOLVE_TIMEOUT_MS) } != 0 {
+            let why = format!("rdma_resolve_route: {}", std::io::Error::last_os_error());
+            return self.connect_failed(ep, ConnectFailure::Other(why));
+        }
+        None
+    }
+
+    /// The route of an outgoing connection is resolved: its queue pair, then `rdma_connect`.
+    fn route_resolved(&mut self, ep: EndpointId) -> Option<CmEvent> {
+        if self.eps.get(&ep)?.state == EpState::Down {
+            return None;
+        }
+        let (private, recvs) = self.eps.get_mut(&ep)?.pending.take()?;
+        if let Err(err) = self.create_qp(ep, recvs) {
+            return self.connect_failed(ep, ConnectFailure::Other(err.to_string()));
+        }
+        let e = self.eps.get_mut(&ep)?;
+        e.state = EpState::Connecting;
+        let mut param = Self::conn_param(&private, self.settings.read_depth);
+        // SAFETY: live id with a QP; private data lives across the call (copied by rdma_connect).
+        if unsafe { rdma_connect(e.id, &mut param) } != 0 {
+            let err = std::io::Error::last_os_error();
+            return self.connect_failed(ep, connect_failure(&err));
+        }
+        None
     }
 
     /// [`Transport::poll_cm`](exs_transport::Transport::poll_cm): the backlog first, then rdma_cm events (each

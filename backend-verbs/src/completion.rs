@@ -11,7 +11,7 @@ use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
 use rdma_sys::*;
 
 use crate::queue::WrIds;
-use crate::{os_err, VerbsTransport, IMM_MAGIC};
+use crate::{emulated, os_err, VerbsTransport};
 
 pub(crate) fn epoll_add(epoll: &Epoll, fd: RawFd, data: u64) -> Result<(), TransportError> {
     // SAFETY: the descriptor belongs to a channel that stays open while it is in the set.
@@ -38,16 +38,17 @@ fn wc_error(status: u32) -> WcError {
 }
 
 impl VerbsTransport {
+    /// Polls the completion queue until it is empty, into the transport's own array of work completions (a busy
+    /// poller comes here every round: nothing is allocated or cleared per call).
     pub(crate) fn drain_cq(&mut self) -> usize {
-        let mut wcs: [ibv_wc; 32] = unsafe {
-            // SAFETY: plain data.
-            std::mem::zeroed()
-        };
+        // Taken out while its entries are handled (`on_wc` needs the transport); an empty Vec allocates nothing.
+        let mut wcs = std::mem::take(&mut self.wcs);
         let mut total = 0;
         loop {
-            // SAFETY: live CQ; `wcs` holds 32 entries.
+            // SAFETY: live CQ; `wcs` holds `wcs.len()` initialised entries.
             let n = unsafe { ibv_poll_cq(self.cq, wcs.len() as i32, wcs.as_mut_ptr()) };
             if n <= 0 {
+                self.wcs = wcs;
                 return total;
             }
             for wc in &wcs[..n as usize] {
@@ -64,45 +65,59 @@ impl VerbsTransport {
             Err(wc_error(wc.status))
         };
         if WrIds::is_recv(wc.wr_id) {
-            let Some((owner, rec)) = self.recvs.remove(&wc.wr_id) else {
-                return;
-            };
-            // A shared receive belongs to the QP that dequeued it; EndpointId(0) if that one is gone.
-            let ep =
-                owner.unwrap_or_else(|| self.qpn.get(&wc.qp_num).copied().unwrap_or(EndpointId(0)));
-            let mut imm = None;
-            let mut len = wc.byte_len;
-            if status.is_ok() {
-                if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
-                    || wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0
+            self.on_recv_wc(wc, status);
+        } else {
+            self.on_send_wc(wc, status);
+        }
+    }
+
+    /// A receive completed: its record goes back to the engine with the length and the immediate, native or
+    /// emulated (see [`emulated`]).
+    fn on_recv_wc(&mut self, wc: &ibv_wc, status: Result<(), WcError>) {
+        let Some((owner, rec)) = self.recvs.remove(&wc.wr_id) else {
+            return;
+        };
+        // A shared receive belongs to the QP that dequeued it; EndpointId(0) if that one is gone.
+        let ep =
+            owner.unwrap_or_else(|| self.qpn.get(&wc.qp_num).copied().unwrap_or(EndpointId(0)));
+        let mut imm = None;
+        let mut len = wc.byte_len;
+        if status.is_ok() {
+            if wc.opcode == ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM
+                || wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0
+            {
+                // SAFETY: with an immediate (write-with-immediate, or a send with one) the union holds it, in
+                // network byte order.
+                imm = Some(u32::from_be(unsafe {
+                    wc.imm_data_invalidated_rkey_union.imm_data
+                }));
+            } else if wc.byte_len == 8 {
+                let mut b = [0u8; 8];
+                if let Some(v) = rec
+                    .sge
+                    .lease()
+                    .read(0, &mut b)
+                    .ok()
+                    .and_then(|_| emulated::decode(&b))
                 {
-                    // SAFETY: with an immediate (write-with-immediate, or a send with one) the union holds it, in
-                    // network byte order.
-                    imm = Some(u32::from_be(unsafe {
-                        wc.imm_data_invalidated_rkey_union.imm_data
-                    }));
-                } else if wc.byte_len == 8 {
-                    // Possibly an emulated write-with-immediate: 8 bytes starting with the magic (the protocol's
-                    // own control messages are never shorter than 16 bytes).
-                    let mut b = [0u8; 8];
-                    if rec.sge.lease().read(0, &mut b).is_ok() && b[..4] == IMM_MAGIC.to_le_bytes()
-                    {
-                        imm = Some(u32::from_le_bytes(b[4..].try_into().expect("4 bytes")));
-                        len = 0;
-                    }
+                    imm = Some(v);
+                    len = 0;
                 }
             }
-            self.cq_backlog.push_back((
-                Completion {
-                    ep,
-                    wr_id: rec.wr_id,
-                    op: Completed::Recv { len, imm },
-                    status,
-                },
-                owner.is_none(),
-            ));
-            return;
         }
+        self.cq_backlog.push_back((
+            Completion {
+                ep,
+                wr_id: rec.wr_id,
+                op: Completed::Recv { len, imm },
+                status,
+            },
+            owner.is_none(),
+        ));
+    }
+
+    /// A send-queue request completed: it and every earlier unsignalled one are retired.
+    fn on_send_wc(&mut self, wc: &ibv_wc, status: Result<(), WcError>) {
         let Some(&ep) = self.qpn.get(&wc.qp_num) else {
             return;
         };

@@ -9,6 +9,7 @@ use exs_transport::{EndpointId, ListenerId, RequestId, Transport, TransportError
 use nix::sys::socket::{SockaddrLike, SockaddrStorage};
 use rdma_sys::*;
 
+use crate::emulated::ImmSlab;
 use crate::memory::MwSlot;
 use crate::post::SendRec;
 use crate::queue::{SendQueue, Signaler};
@@ -45,6 +46,8 @@ pub(crate) struct Ep {
     pub(crate) qp: *mut ibv_qp,
     pub(crate) state: EpState,
     pub(crate) reported_down: bool,
+    /// This side connected (rather than accepted).
+    pub(crate) active: bool,
     /// Active side: what to do once the route is resolved.
     pub(crate) pending: Option<(Vec<u8>, Vec<WorkRequest>)>,
     pub(crate) sends: SendQueue<SendRec>,
@@ -53,7 +56,10 @@ pub(crate) struct Ep {
     pub(crate) sq_cap: u32,
     /// Windows bound to this queue pair: deallocated before it is destroyed (see [`MwSlot`]).
     pub(crate) windows: Vec<std::sync::Weak<MwSlot>>,
+    /// Largest inline payload of this queue pair (as created).
     pub(crate) max_inline: u32,
+    /// Where emulated immediates' payloads live when they are not sent inline (emulating transports only).
+    pub(crate) imm_slab: Option<ImmSlab>,
     pub(crate) local: Option<SocketAddr>,
     pub(crate) peer: Option<SocketAddr>,
 }
@@ -65,12 +71,14 @@ impl VerbsTransport {
             qp: ptr::null_mut(),
             state: EpState::Resolving,
             reported_down: false,
+            active: false,
             pending: None,
             sends: SendQueue::default(),
             signal: Signaler::default(),
             sq_cap: 0,
             windows: Vec::new(),
             max_inline: 0,
+            imm_slab: None,
             local: None,
             peer: None,
         }
@@ -99,7 +107,9 @@ impl VerbsTransport {
         attr.sq_sig_all = 0;
         // Room for every request the engine may have outstanding with its share of extra entries (the send of an
         // emulated write-with-immediate, a window bind): a full queue would refuse a chain part-way.
-        attr.cap.max_send_wr = self.caps.max_send_wr * self.sq_share;
+        // On iWARP the active side's first message takes one more (`send_first_message`).
+        attr.cap.max_send_wr = self.caps.max_send_wr * self.settings.sq_share()
+            + u32::from(self.settings.limits.iwarp);
         if self.srq.is_null() {
             attr.cap.max_recv_wr = self.caps.max_recv_wr;
             attr.cap.max_recv_sge = 1;
@@ -108,7 +118,7 @@ impl VerbsTransport {
             attr.srq = self.srq;
         }
         attr.cap.max_send_sge = self.caps.max_sge;
-        attr.cap.max_inline_data = 64;
+        attr.cap.max_inline_data = self.settings.inline;
         // SAFETY: live id with a resolved route (or a connection request), our PD, attr filled.
         if unsafe { rdma_create_qp(e.id, self.pd.0, &mut attr) } != 0 {
             return Err(os_err("rdma_create_qp"));
@@ -116,9 +126,15 @@ impl VerbsTransport {
         // SAFETY: rdma_create_qp set id->qp.
         let qp = unsafe { (*e.id).qp };
         e.qp = qp;
-        e.max_inline = attr.cap.max_inline_data;
+        // What the queue pair got, but no more than the settings say (a provider may round up).
+        e.max_inline = attr.cap.max_inline_data.min(self.settings.inline);
         // rdma_create_qp wrote back the depth the queue pair got (at least the one asked for).
         e.sq_cap = attr.cap.max_send_wr;
+        if self.settings.emulated_imm {
+            // Registered only where the payloads cannot go inline (see `emulated`).
+            let pd = (e.max_inline < 8).then_some(&self.pd);
+            e.imm_slab = Some(ImmSlab::new(pd, e.sq_cap)?);
+        }
         // SAFETY: live QP.
         let num = unsafe { (*qp).qp_num };
         self.qpn.insert(num, ep);
@@ -126,7 +142,9 @@ impl VerbsTransport {
         self.post_many(ep, &mut batch)
     }
 
-    pub(crate) fn conn_param(private: &[u8], rd: u8) -> rdma_conn_param {
+    pub(crate) fn conn_param(private: &[u8], read_depth: u32) -> rdma_conn_param {
+        // rdma_cm carries the read depths in a byte.
+        let rd = read_depth.min(u32::from(u8::MAX)) as u8;
         rdma_conn_param {
             private_data: private.as_ptr() as *const c_void,
             private_data_len: private.len().min(255) as u8,
@@ -256,6 +274,7 @@ impl VerbsTransport {
             return Err(e);
         }
         let mut e = Self::new_ep(id);
+        e.active = true;
         e.pending = Some((private.to_vec(), recvs));
         self.eps.insert(ep, e);
         Ok(())
@@ -285,7 +304,7 @@ impl VerbsTransport {
             self.release_ep(ep);
             return Err(err);
         }
-        let mut param = Self::conn_param(private, self.rd_atom);
+        let mut param = Self::conn_param(private, self.settings.read_depth);
         // SAFETY: live id with a QP; private data copied by the call.
         if unsafe { rdma_accept(id, &mut param) } != 0 {
             let err = os_err("rdma_accept");

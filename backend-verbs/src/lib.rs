@@ -23,8 +23,12 @@
 //!   to one queue pair, or a registration of exactly the exposed range, revoked when the exposure is dropped
 //!   (least exposure).
 //! * Write-with-immediate: native where the device has it; otherwise (siw, some iWARP adapters, or forced by
-//!   configuration) an RDMA write followed by an inline send of 8 bytes, a magic and the immediate, which the
-//!   receiving side turns back into an immediate. Both sides' protocol code sees the same thing.
+//!   configuration) an RDMA write followed by a send of 8 bytes, a magic and the immediate (inline where the
+//!   device sends 8 bytes inline, else from a small registered slab per connection), which the receiving side
+//!   turns back into an immediate. Both sides' protocol code sees the same thing. A zero-length send with an
+//!   immediate (a crafted peer's) takes the same form there.
+//! * Settings: from the device's capabilities (see [`settings`]), overridable in [`VerbsConfig::limits`] and the
+//!   environment (`EXS_VERBS_*`); [`VerbsTransport::settings`] says what was chosen.
 //!
 //! All `unsafe` of the verbs side is here, each block with its invariant.
 
@@ -47,17 +51,18 @@ mod cm;
 mod completion;
 mod connection;
 mod device;
+mod emulated;
 mod memory;
 mod post;
 mod queue;
+pub mod settings;
 use connection::Ep;
 use memory::Pd;
 use post::{RecvRec, Refused};
 use queue::WrIds;
 pub use queue::SIGNAL_EVERY;
+pub use settings::{Atomics, DeviceLimits, VerbsLimits, VerbsSettings};
 
-/// Magic of an emulated write-with-immediate ("EXSI", little-endian), followed by the immediate.
-const IMM_MAGIC: u32 = u32::from_le_bytes(*b"EXSI");
 const TAG_EP: usize = 1 << 40;
 const TAG_LISTENER: usize = 2 << 40;
 const RESOLVE_TIMEOUT_MS: i32 = 2000;
@@ -79,6 +84,9 @@ pub struct VerbsConfig {
     /// duration: iWARP needs remote write on a read's sink, and base registrations grant no remote access at all.
     /// `None` (default): on iWARP devices; `Some(true)`: always (tests that path on other devices).
     pub read_sink_registration: Option<bool>,
+    /// Overrides of the queue depths, inline size, scatter/gather entries and largest message (default: the
+    /// device's, within exs's defaults).
+    pub limits: VerbsLimits,
 }
 
 impl VerbsConfig {
@@ -90,7 +98,36 @@ impl VerbsConfig {
             emulate_write_imm: false,
             memory_windows: None,
             read_sink_registration: None,
+            limits: VerbsLimits::default(),
         }
+    }
+
+    /// This configuration with what it leaves unset taken from the environment: `EXS_VERBS_EMULATE_IMM=1`
+    /// (write-with-immediate emulated), `EXS_VERBS_WINDOWS=0|1`, `EXS_VERBS_READ_SINKS=0|1` and the limits
+    /// (`EXS_VERBS_INLINE`, `_SEND_DEPTH`, `_RECV_DEPTH`, `_CQ_DEPTH`, `_SRQ_DEPTH`, `_SGE`, `_MAX_MESSAGE`,
+    /// `_READ_DEPTH`). [`VerbsTransport::open`] applies it, so every process of a deployment (and each child
+    /// process of a test) obeys the same variables.
+    pub fn with_env(&self) -> Result<VerbsConfig, TransportError> {
+        self.with_vars(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+    }
+
+    /// [`VerbsConfig::with_env`] over any source of variables.
+    pub fn with_vars(
+        &self,
+        var: impl Fn(&str) -> Option<String>,
+    ) -> Result<VerbsConfig, TransportError> {
+        let flag = |k: &str| var(k).map(|v| v.trim() != "0");
+        Ok(VerbsConfig {
+            addr: self.addr,
+            device: self.device.clone(),
+            emulate_write_imm: self.emulate_write_imm
+                || flag("EXS_VERBS_EMULATE_IMM") == Some(true),
+            memory_windows: self.memory_windows.or_else(|| flag("EXS_VERBS_WINDOWS")),
+            read_sink_registration: self
+                .read_sink_registration
+                .or_else(|| flag("EXS_VERBS_READ_SINKS")),
+            limits: self.limits.clone().or(VerbsLimits::from_vars(&var)?),
+        })
     }
 }
 
@@ -108,15 +145,8 @@ pub struct VerbsTransport {
     cq: *mut ibv_cq,
     epoll: Epoll,
     caps: Capabilities,
-    emulate: bool,
-    /// Exposures are type 2 memory windows bound to the connection's queue pair (see [`memory`]).
-    windows: bool,
-    /// RDMA read sinks registered per read (iWARP): see [`VerbsConfig::read_sink_registration`].
-    read_sinks: bool,
-    /// Native send-queue entries one request of the engine may take: itself, the send of an emulated
-    /// write-with-immediate, the bind of a window it exposes.
-    sq_share: u32,
-    rd_atom: u8,
+    /// What this transport uses (emulated immediates, memory windows, read sinks, depths, inline size).
+    settings: VerbsSettings,
     eps: HashMap<EndpointId, Ep>,
     qpn: HashMap<u32, EndpointId>,
     /// Posted receives: the endpoint they were posted on, or `None` for the shared receive queue.
@@ -134,6 +164,8 @@ pub struct VerbsTransport {
     /// the engine gets its buffer back).
     cq_backlog: VecDeque<(Completion, bool)>,
     unacked_cq_events: u32,
+    /// Where `drain_cq` polls completions into (allocated once).
+    wcs: Vec<ibv_wc>,
 }
 
 // SAFETY: the verbs and rdma_cm objects are owned by this value and used from one thread at a time (the engine
@@ -170,6 +202,13 @@ pub fn device_names() -> Vec<String> {
         }
         ibv_free_device_list(list);
         names
+    }
+}
+
+impl VerbsTransport {
+    /// The settings chosen for this device, and what the device reported.
+    pub fn settings(&self) -> &VerbsSettings {
+        &self.settings
     }
 }
 

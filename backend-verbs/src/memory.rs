@@ -24,6 +24,7 @@ use exs_transport::{
 use rdma_sys::*;
 
 use crate::connection::EpState;
+use crate::post::post_error;
 use crate::post::SendRec;
 use crate::queue::Posted;
 use crate::{os_err, VerbsTransport};
@@ -59,7 +60,20 @@ pub(crate) fn reg_mr(
     // SAFETY: the caller guarantees `addr..addr+len` is live memory (a DmaBuf or a lease of one) outliving the MR.
     let mr = unsafe { ibv_reg_mr(pd.0, addr as *mut c_void, len, access as i32) };
     if mr.is_null() {
-        return Err(os_err("ibv_reg_mr"));
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENOMEM) {
+            // Pinning counts against RLIMIT_MEMLOCK (siw counts it even for root): say which limit ran out.
+            let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK)
+                .map(|(soft, _)| soft);
+            return Err(TransportError::Resource(match limit {
+                Ok(l) if l != nix::sys::resource::RLIM_INFINITY => format!(
+                    "cannot register {len} bytes: the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK: {l} bytes) \
+                     or the device's memory ran out"
+                ),
+                _ => format!("cannot register {len} bytes: the device or the system is out of memory"),
+            }));
+        }
+        return Err(TransportError::os("ibv_reg_mr", e));
     }
     Ok(mr)
 }
@@ -238,77 +252,30 @@ impl VerbsTransport {
             .as_any()
             .downcast_ref::<VerbsRegistration>()
             .ok_or_else(|| TransportError::Invalid("not a registration of this device".into()))?;
-        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
-        if e.qp.is_null() || e.state != EpState::Connected {
-            return Err(TransportError::Invalid(
-                "a memory window binds to a connected queue pair".into(),
-            ));
-        }
-        if e.sends.entries() >= e.sq_cap {
-            // Completions waiting in the completion queue free entries.
-            self.drain_cq();
-        }
-        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
-        if e.sends.entries() >= e.sq_cap {
-            return Err(TransportError::Resource("send queue full".into()));
-        }
+        self.room_for_bind(ep)?;
         // SAFETY: open protection domain.
         let mw = unsafe { ibv_alloc_mw(self.pd.0, ibv_mw_type::IBV_MW_TYPE_2) }
             .filter(|m| !m.is_null())
             .ok_or_else(|| os_err("ibv_alloc_mw"))?;
-        // SAFETY: `mw` is a live window; the key's low byte moves on with each bind so a stale key fails.
-        let rkey = unsafe { ibv_inc_rkey((*mw).rkey) };
-        let mw_access = match access {
-            RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
-            RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
-        };
-        let seq = self.ids.send();
-        let mut w: ibv_send_wr = unsafe {
-            // SAFETY: plain data, zero is valid before we fill it.
-            std::mem::zeroed()
-        };
-        w.wr_id = seq;
-        w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-        // The signalling state changes only if the bind reaches the device.
-        let mut signal = e.signal;
-        if signal.next(false) {
-            w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
-        w.bind_mw_tso_union.bind_mw = bind_mw_t {
-            mw,
-            rkey,
-            bind_info: ibv_mw_bind_info {
-                mr: base.mr,
-                addr: lease.addr(),
-                length: lease.len() as u64,
-                mw_access_flags: mw_access,
+        let info = ibv_mw_bind_info {
+            mr: base.mr,
+            addr: lease.addr(),
+            length: lease.len() as u64,
+            mw_access_flags: match access {
+                RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+                RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
             },
         };
-        let mut bad = ptr::null_mut();
-        // SAFETY: live, connected QP; the request lives until the call returns; the window, the registration it
-        // binds over and the leased memory outlive the binding (the returned exposure owns all three).
-        let rc = unsafe { ibv_post_send(e.qp, &mut w, &mut bad) };
-        if rc != 0 {
-            // SAFETY: the window was never bound; deallocated once.
-            unsafe { ibv_dealloc_mw(mw) };
-            return Err(TransportError::os(
-                "ibv_post_send (window bind)",
-                std::io::Error::from_raw_os_error(rc),
-            ));
-        }
-        e.signal = signal;
-        e.sends.push(Posted {
-            seq,
-            entries: 1,
-            broken: false,
-            item: SendRec {
-                wr_id: 0,
-                kind: None,
-                _sink: None,
-                op: None,
-            },
-        });
+        let rkey = match self.post_bind(ep, mw, info) {
+            Ok(k) => k,
+            Err(e) => {
+                // SAFETY: the window was never bound; deallocated once.
+                unsafe { ibv_dealloc_mw(mw) };
+                return Err(e);
+            }
+        };
         let slot = MwSlot::new(mw);
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
         if e.windows.len() >= 64 {
             e.windows.retain(|w| w.strong_count() > 0);
         }
@@ -327,6 +294,75 @@ impl VerbsTransport {
         )))
     }
 
+    /// A window binds only on a connected queue pair with a free send-queue entry (completions waiting in the
+    /// completion queue free entries).
+    fn room_for_bind(&mut self, ep: EndpointId) -> Result<(), TransportError> {
+        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.qp.is_null() || e.state != EpState::Connected {
+            return Err(TransportError::Invalid(
+                "a memory window binds to a connected queue pair".into(),
+            ));
+        }
+        if e.sends.entries() >= e.sq_cap {
+            self.drain_cq();
+        }
+        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.sends.entries() >= e.sq_cap {
+            return Err(TransportError::Resource("send queue full".into()));
+        }
+        Ok(())
+    }
+
+    /// Posts the bind of `mw` over `info` on `ep`'s queue pair and records it; returns the window's new key.
+    fn post_bind(
+        &mut self,
+        ep: EndpointId,
+        mw: *mut ibv_mw,
+        info: ibv_mw_bind_info,
+    ) -> Result<u32, TransportError> {
+        // SAFETY: `mw` is a live window; the key's low byte moves on with each bind so a stale key fails.
+        let rkey = unsafe { ibv_inc_rkey((*mw).rkey) };
+        let seq = self.ids.send();
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        let mut w: ibv_send_wr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        w.wr_id = seq;
+        w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+        // The signalling state changes only if the bind reaches the device.
+        let mut signal = e.signal;
+        if signal.next(false) {
+            w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        w.bind_mw_tso_union.bind_mw = bind_mw_t {
+            mw,
+            rkey,
+            bind_info: info,
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: live, connected QP; the request lives until the call returns; the window, the registration it
+        // binds over and the leased memory outlive the binding (the caller's exposure owns all three).
+        let rc = unsafe { ibv_post_send(e.qp, &mut w, &mut bad) };
+        if rc != 0 {
+            return Err(post_error("ibv_post_send (window bind)", rc));
+        }
+        e.signal = signal;
+        e.sends.push(Posted {
+            seq,
+            entries: 1,
+            broken: false,
+            own: false,
+            item: SendRec {
+                wr_id: 0,
+                kind: None,
+                _sink: None,
+                op: None,
+            },
+        });
+        Ok(rkey)
+    }
+
     /// [`Transport::register`](exs_transport::Transport::register): a registration for local access (and window
     /// binds where windows are used).
     pub(crate) fn register_buf(
@@ -336,7 +372,7 @@ impl VerbsTransport {
         // Local access only, iWARP included: there a read's sink gets remote write from a registration of its own
         // for the read's duration (`SinkMr`), so no base registration is ever writable from the network.
         let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-        if self.windows {
+        if self.settings.memory_windows {
             // Exposures are windows bound over this registration (no remote access of its own).
             access |= ibv_access_flags::IBV_ACCESS_MW_BIND.0;
         }
@@ -364,7 +400,7 @@ impl VerbsTransport {
         access: RemoteAccess,
     ) -> Result<Box<dyn Exposure>, TransportError> {
         exs_transport::check_exposure(reg, &lease, access)?;
-        if self.windows {
+        if self.settings.memory_windows {
             return self.bind_window(ep, reg, lease, access);
         }
         let remote = match access {

@@ -9,13 +9,39 @@ use exs_transport::{Completed, EndpointId, Op, RemoteRef, Sge, TransportError, W
 use rdma_sys::*;
 
 use crate::connection::EpState;
+use crate::emulated::ImmSlab;
 use crate::memory::SinkMr;
-use crate::queue::{self, Posted, Signaler};
-use crate::{os_err, VerbsTransport, IMM_MAGIC};
+use crate::queue::{self, Posted, Signaler, WrIds};
+use crate::{os_err, VerbsTransport};
 
-/// One native send request of a work request (an emulated write-with-immediate makes two): opcode, gather list,
-/// remote range, immediate.
-type NativePart = (u32, Vec<ibv_sge>, Option<RemoteRef>, Option<u32>);
+/// How a native send request carries an immediate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ImmKind {
+    None,
+    /// In the work request (`*_WITH_IMM`).
+    Native(u32),
+    /// As the 8-byte payload of a plain send (see [`crate::emulated`]).
+    Emulated(u32),
+}
+
+/// One native send request of a work request (an emulated write-with-immediate makes two).
+struct NativePart {
+    opcode: u32,
+    sges: Vec<ibv_sge>,
+    remote: Option<RemoteRef>,
+    imm: ImmKind,
+}
+
+impl NativePart {
+    fn new(opcode: u32, sges: Vec<ibv_sge>, remote: Option<RemoteRef>, imm: ImmKind) -> Self {
+        NativePart {
+            opcode,
+            sges,
+            remote,
+            imm,
+        }
+    }
+}
 
 /// A send-queue request: kept until its completion (or a later signalled one) arrives, its operation (and the
 /// leases in it) with it. `kind` is `None` for the backend's own requests (window binds), which the engine never
@@ -45,11 +71,216 @@ pub(crate) struct RecvRec {
     pub(crate) sge: Sge,
 }
 
+/// An error code of a post call: providers return a positive errno (rxe, mlx5) or a negative one (siw).
+pub(crate) fn post_error(call: &str, rc: i32) -> TransportError {
+    TransportError::os(call, std::io::Error::from_raw_os_error(rc.saturating_abs()))
+}
+
+fn sge_of(s: &Sge) -> ibv_sge {
+    ibv_sge {
+        addr: s.addr(),
+        length: s.len() as u32,
+        lkey: s.local_key() as u32,
+    }
+}
+
+/// The native requests of one operation, and what the engine is told when it completes.
+fn native_parts(op: &Op, emulate: bool, sink: Option<&SinkMr>) -> (Completed, Vec<NativePart>) {
+    use ibv_wr_opcode::*;
+    let imm_of = |imm: &Option<u32>| imm.map_or(ImmKind::None, ImmKind::Native);
+    let emulated =
+        |imm: u32| NativePart::new(IBV_WR_SEND, Vec::new(), None, ImmKind::Emulated(imm));
+    let list = |s: &[Sge]| s.iter().map(sge_of).collect::<Vec<_>>();
+    match op {
+        // A zero-length send with an immediate is what a write-with-immediate of nothing looks like to the
+        // receiver; without immediates it is the emulated immediate alone (`check_sends` refused one with data).
+        Op::Send { sges, imm: Some(v) } if emulate && sges.is_empty() => {
+            (Completed::Send, vec![emulated(*v)])
+        }
+        Op::Send { sges, imm } => {
+            let opc = if imm.is_some() {
+                IBV_WR_SEND_WITH_IMM
+            } else {
+                IBV_WR_SEND
+            };
+            let part = NativePart::new(opc, list(sges), None, imm_of(imm));
+            (Completed::Send, vec![part])
+        }
+        Op::Write {
+            local,
+            remote,
+            imm: Some(v),
+        } if emulate => {
+            let write =
+                NativePart::new(IBV_WR_RDMA_WRITE, list(local), Some(*remote), ImmKind::None);
+            (Completed::Write, vec![write, emulated(*v)])
+        }
+        Op::Write { local, remote, imm } => {
+            let opc = if imm.is_some() {
+                IBV_WR_RDMA_WRITE_WITH_IMM
+            } else {
+                IBV_WR_RDMA_WRITE
+            };
+            let part = NativePart::new(opc, list(local), Some(*remote), imm_of(imm));
+            (Completed::Write, vec![part])
+        }
+        Op::Read { local, remote } => {
+            let mut s = sge_of(local);
+            if let Some(m) = sink {
+                s.lkey = m.lkey;
+            }
+            let part = NativePart::new(IBV_WR_RDMA_READ, vec![s], Some(*remote), ImmKind::None);
+            (Completed::Read, vec![part])
+        }
+        Op::Recv { .. } => unreachable!("receives never reach the send chain (check_sends)"),
+    }
+}
+
+/// A chain of native send requests being built: the requests, their gather lists (kept alive until the post
+/// returns), the signalling state after each, and the records of the engine's requests.
+struct Chain {
+    natives: Vec<ibv_send_wr>,
+    sges: Vec<Vec<ibv_sge>>,
+    signal_after: Vec<Signaler>,
+    recs: Vec<Posted<SendRec>>,
+    signal: Signaler,
+}
+
+impl Chain {
+    fn new(n: usize, signal: Signaler) -> Self {
+        Chain {
+            natives: Vec::with_capacity(n * 2),
+            sges: Vec::with_capacity(n * 2),
+            signal_after: Vec::with_capacity(n * 2),
+            recs: Vec::with_capacity(n),
+            signal,
+        }
+    }
+
+    /// Appends one native request of the engine's request `seq`.
+    fn push(
+        &mut self,
+        seq: u64,
+        part: NativePart,
+        signalled: bool,
+        max_inline: u32,
+        slab: Option<&mut ImmSlab>,
+    ) {
+        let mut w: ibv_send_wr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        w.wr_id = seq;
+        w.opcode = part.opcode;
+        let mut flags = 0u32;
+        let list = match part.imm {
+            ImmKind::Emulated(v) => {
+                let slot = slab
+                    .expect("an endpoint of an emulating transport has a slab")
+                    .next(v);
+                if max_inline >= 8 {
+                    flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+                }
+                vec![slot]
+            }
+            ImmKind::Native(v) => {
+                w.imm_data_invalidated_rkey_union.imm_data = v.to_be();
+                part.sges
+            }
+            ImmKind::None => part.sges,
+        };
+        let total: u64 = list.iter().map(|s| u64::from(s.length)).sum();
+        // An emulated immediate's payload was placed above; a read's list is where the data lands.
+        let inline_ok = part.opcode != ibv_wr_opcode::IBV_WR_RDMA_READ
+            && !matches!(part.imm, ImmKind::Emulated(_));
+        if inline_ok && total > 0 && total <= u64::from(max_inline) {
+            flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+        }
+        if signalled {
+            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        w.send_flags = flags;
+        if let Some(r) = part.remote {
+            w.wr.rdma = rdma_t {
+                remote_addr: r.addr,
+                rkey: r.key as u32,
+            };
+        }
+        self.signal_after.push(self.signal);
+        self.sges.push(list);
+        self.natives.push(w);
+    }
+
+    /// Points each request at its gather list and at the next request; returns the head.
+    fn link(&mut self) -> *mut ibv_send_wr {
+        for (w, list) in self.natives.iter_mut().zip(self.sges.iter_mut()) {
+            w.sg_list = list.as_mut_ptr();
+            w.num_sge = list.len() as i32;
+        }
+        for i in 0..self.natives.len().saturating_sub(1) {
+            let next: *mut ibv_send_wr = &mut self.natives[i + 1];
+            self.natives[i].next = next;
+        }
+        self.natives.as_mut_ptr()
+    }
+}
+
+/// A chain of receive requests being built (one scatter entry each), with the records of the engine's receives.
+struct RecvChain {
+    natives: Vec<ibv_recv_wr>,
+    sges: Vec<ibv_sge>,
+    recs: Vec<(u64, RecvRec)>,
+}
+
+impl RecvChain {
+    /// `wrs` are receives (checked by the caller).
+    fn new(ids: &mut WrIds, wrs: Vec<WorkRequest>) -> Self {
+        let mut c = RecvChain {
+            natives: Vec::with_capacity(wrs.len()),
+            sges: Vec::with_capacity(wrs.len()),
+            recs: Vec::with_capacity(wrs.len()),
+        };
+        for wr in wrs {
+            let Op::Recv { sge } = wr.op else {
+                unreachable!("the caller passes receives only");
+            };
+            let id = ids.recv();
+            c.sges.push(sge_of(&sge));
+            c.natives.push(ibv_recv_wr {
+                wr_id: id,
+                next: ptr::null_mut(),
+                sg_list: ptr::null_mut(),
+                num_sge: 1,
+            });
+            c.recs.push((
+                id,
+                RecvRec {
+                    wr_id: wr.wr_id,
+                    sge,
+                },
+            ));
+        }
+        c
+    }
+
+    /// Points each request at its scatter entry and at the next request; returns the head.
+    fn link(&mut self) -> *mut ibv_recv_wr {
+        for (w, s) in self.natives.iter_mut().zip(self.sges.iter_mut()) {
+            w.sg_list = s;
+        }
+        for i in 0..self.natives.len().saturating_sub(1) {
+            let next: *mut ibv_recv_wr = &mut self.natives[i + 1];
+            self.natives[i].next = next;
+        }
+        self.natives.as_mut_ptr()
+    }
+}
+
 impl VerbsTransport {
     /// Native send-queue requests a work request takes: two for an emulated write-with-immediate.
     fn parts_of(&self, wr: &WorkRequest) -> u32 {
         match wr.op {
-            Op::Write { imm: Some(_), .. } if self.emulate => 2,
+            Op::Write { imm: Some(_), .. } if self.settings.emulated_imm => 2,
             _ => 1,
         }
     }
@@ -68,212 +299,104 @@ impl VerbsTransport {
         }
     }
 
-    /// Posts a chain of send-queue requests (one doorbell). Signals the last one and every SIGNAL_EVERY-th.
-    ///
-    /// Requests that do not fit in the send queue, and requests the device refuses, come back whole; the ones
-    /// before them are on the device and keep their records until they complete. A request the device took in
-    /// part (the write of an emulated write-with-immediate without its send) is kept too: it cannot come back while
-    /// the device may still read its memory, so its queue pair goes to error and it completes with an error.
-    fn post_sends(&mut self, ep: EndpointId, mut wrs: Vec<WorkRequest>) -> Result<(), Refused> {
-        let Some(e) = self.eps.get(&ep) else {
-            return Err(Refused::new(TransportError::NoEndpoint, wrs));
-        };
+    /// What no send chain may hold, refused before anything is posted: an unknown endpoint or one without its
+    /// queue pair, a receive, or a send with both data and an immediate where immediates are emulated (the
+    /// immediate's send cannot carry data too; the protocol never asks for one).
+    fn check_sends(&self, ep: EndpointId, wrs: &[WorkRequest]) -> Result<(), TransportError> {
+        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
         if e.qp.is_null() {
-            return Err(Refused::new(
-                TransportError::Invalid("post before the queue pair exists".into()),
-                wrs,
+            return Err(TransportError::Invalid(
+                "post before the queue pair exists".into(),
             ));
         }
-        if wrs.iter().any(|w| matches!(w.op, Op::Recv { .. })) {
-            return Err(Refused::new(
-                TransportError::Invalid("a receive in the send chain".into()),
-                wrs,
-            ));
+        for w in wrs {
+            match &w.op {
+                Op::Recv { .. } => {
+                    return Err(TransportError::Invalid(
+                        "a receive in the send chain".into(),
+                    ))
+                }
+                Op::Send { sges, imm: Some(_) }
+                    if self.settings.emulated_imm && !sges.is_empty() =>
+                {
+                    return Err(TransportError::Unsupported(format!(
+                        "{} has no immediate data: a send with an immediate carries no bytes here",
+                        self.caps.name
+                    )))
+                }
+                _ => {}
+            }
         }
-        // The records bound what the device holds; completions waiting in the completion queue free entries.
+        Ok(())
+    }
+
+    /// Splits off the requests that do not fit in the send queue (draining the completion queue first if they would
+    /// not, since completions waiting there free entries).
+    fn fit_sends(&mut self, ep: EndpointId, wrs: &mut Vec<WorkRequest>) -> Vec<WorkRequest> {
         let need: u32 = wrs.iter().map(|w| self.parts_of(w)).sum();
-        if e.sends.entries() + need > e.sq_cap {
+        let (entries, cap) = (self.eps[&ep].sends.entries(), self.eps[&ep].sq_cap);
+        if entries + need > cap {
             self.drain_cq();
         }
         let room = {
             let e = &self.eps[&ep];
             e.sq_cap.saturating_sub(e.sends.entries())
         };
-        let mut fit = 0;
         let mut used = 0;
-        for w in &wrs {
-            let p = self.parts_of(w);
-            if used + p > room {
-                break;
-            }
-            used += p;
-            fit += 1;
-        }
-        let mut rest = wrs.split_off(fit);
-        let full = || TransportError::Resource("send queue full".into());
-        if wrs.is_empty() {
-            return Err(Refused::new(full(), rest));
-        }
-        // iWARP: each read's sink gets its registration with remote write now, before anything is posted (a
-        // failure refuses the whole batch, which then never reached the device).
-        let mut sinks: Vec<Option<SinkMr>> = Vec::with_capacity(wrs.len());
-        for w in &wrs {
-            sinks.push(match &w.op {
-                Op::Read { local, .. } if self.read_sinks => {
-                    match SinkMr::new(&self.pd, local.addr(), local.len()) {
-                        Ok(m) => Some(m),
-                        Err(err) => {
-                            wrs.append(&mut rest);
-                            return Err(Refused::new(err, wrs));
-                        }
-                    }
+        let fit = wrs
+            .iter()
+            .take_while(|w| {
+                used += self.parts_of(w);
+                used <= room
+            })
+            .count();
+        wrs.split_off(fit)
+    }
+
+    /// iWARP: each read's sink gets its registration with remote write, before anything is posted.
+    fn sink_registrations(
+        &self,
+        wrs: &[WorkRequest],
+    ) -> Result<Vec<Option<SinkMr>>, TransportError> {
+        wrs.iter()
+            .map(|w| match &w.op {
+                Op::Read { local, .. } if self.settings.read_sinks => {
+                    SinkMr::new(&self.pd, local.addr(), local.len()).map(Some)
                 }
-                _ => None,
-            });
-        }
-        let emulate = self.emulate;
+                _ => Ok(None),
+            })
+            .collect()
+    }
+
+    /// Builds the native chain of `wrs` on endpoint `ep`: the last request and every SIGNAL_EVERY-th is signalled.
+    fn build_chain(
+        &mut self,
+        ep: EndpointId,
+        wrs: Vec<WorkRequest>,
+        sinks: Vec<Option<SinkMr>>,
+    ) -> Chain {
+        let emulate = self.settings.emulated_imm;
         let ids = &mut self.ids;
-        let e = self.eps.get_mut(&ep).expect("checked above");
+        let e = self.eps.get_mut(&ep).expect("checked by check_sends");
+        let max_inline = e.max_inline;
         let n = wrs.len();
-        // Native verbs structures for the whole chain; kept alive until ibv_post_send returns.
-        let mut sges: Vec<Vec<ibv_sge>> = Vec::with_capacity(n * 2);
-        let mut natives: Vec<ibv_send_wr> = Vec::with_capacity(n * 2);
-        // The signalling state after each native request, to restore the one after the last posted.
-        let mut signal_after: Vec<Signaler> = Vec::with_capacity(n * 2);
-        let mut signal = e.signal;
-        let mut recs = Vec::with_capacity(n);
-        // At most one payload per request: with this capacity the vector never reallocates, so the addresses the
-        // scatter entries take from it stay valid until ibv_post_send has copied the (inline) payloads.
-        let mut imm_payloads: Vec<[u8; 8]> = Vec::with_capacity(n);
+        let mut chain = Chain::new(n, e.signal);
         for (i, (wr, sink)) in wrs.into_iter().zip(sinks).enumerate() {
-            let last = i + 1 == n;
             let seq = ids.send();
-            let sge_of = |s: &Sge| ibv_sge {
-                addr: s.addr(),
-                length: s.len() as u32,
-                lkey: s.local_key() as u32,
-            };
-            let (kind, parts): (Completed, Vec<NativePart>) = match &wr.op {
-                Op::Send { sges: s, imm } => {
-                    let opc = if imm.is_some() {
-                        ibv_wr_opcode::IBV_WR_SEND_WITH_IMM
-                    } else {
-                        ibv_wr_opcode::IBV_WR_SEND
-                    };
-                    (
-                        Completed::Send,
-                        vec![(opc, s.iter().map(sge_of).collect(), None, *imm)],
-                    )
-                }
-                Op::Write {
-                    local,
-                    remote,
-                    imm: Some(imm),
-                } if emulate => {
-                    // Emulated write-with-immediate: the write, then a send carrying the immediate.
-                    let mut payload = [0u8; 8];
-                    payload[..4].copy_from_slice(&IMM_MAGIC.to_le_bytes());
-                    payload[4..].copy_from_slice(&imm.to_le_bytes());
-                    debug_assert!(
-                        imm_payloads.len() < imm_payloads.capacity(),
-                        "payloads must not reallocate"
-                    );
-                    imm_payloads.push(payload);
-                    (
-                        Completed::Write,
-                        vec![
-                            (
-                                ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-                                local.iter().map(sge_of).collect(),
-                                Some(*remote),
-                                None,
-                            ),
-                            (ibv_wr_opcode::IBV_WR_SEND, Vec::new(), None, Some(u32::MAX)),
-                        ],
-                    )
-                }
-                Op::Write { local, remote, imm } => {
-                    let opc = if imm.is_some() {
-                        ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM
-                    } else {
-                        ibv_wr_opcode::IBV_WR_RDMA_WRITE
-                    };
-                    (
-                        Completed::Write,
-                        vec![(opc, local.iter().map(sge_of).collect(), Some(*remote), *imm)],
-                    )
-                }
-                Op::Read { local, remote } => {
-                    let mut s = sge_of(local);
-                    if let Some(m) = &sink {
-                        s.lkey = m.lkey;
-                    }
-                    (
-                        Completed::Read,
-                        vec![(
-                            ibv_wr_opcode::IBV_WR_RDMA_READ,
-                            vec![s],
-                            Some(*remote),
-                            None,
-                        )],
-                    )
-                }
-                Op::Recv { .. } => unreachable!("receives were refused above"),
-            };
+            let (kind, parts) = native_parts(&wr.op, emulate, sink.as_ref());
             let nparts = parts.len();
-            for (j, (opc, list, remote, imm)) in parts.into_iter().enumerate() {
-                let final_part = j + 1 == nparts;
-                let mut w: ibv_send_wr = unsafe {
-                    // SAFETY: plain data, zero is valid before we fill it.
-                    std::mem::zeroed()
-                };
-                w.wr_id = seq;
-                w.opcode = opc;
-                let mut flags = 0u32;
-                // The emulated immediate's send is the only part with an immediate and the plain SEND opcode: a
-                // protocol send with an immediate is a SEND_WITH_IMM, one without has no immediate.
-                let emulated_imm =
-                    imm == Some(u32::MAX) && opc == ibv_wr_opcode::IBV_WR_SEND && list.is_empty();
-                if emulated_imm {
-                    flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-                } else if let Some(v) = imm {
-                    w.imm_data_invalidated_rkey_union.imm_data = v.to_be();
-                }
-                let total: u32 = list.iter().map(|s| s.length).sum();
-                if !emulated_imm
-                    && opc != ibv_wr_opcode::IBV_WR_RDMA_READ
-                    && total <= e.max_inline
-                    && total > 0
-                {
-                    flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-                }
-                if final_part && signal.next(last) {
-                    flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
-                }
-                signal_after.push(signal);
-                w.send_flags = flags;
-                if let Some(r) = remote {
-                    w.wr.rdma = rdma_t {
-                        remote_addr: r.addr,
-                        rkey: r.key as u32,
-                    };
-                }
-                sges.push(if emulated_imm {
-                    let p = imm_payloads.last().expect("pushed above");
-                    vec![ibv_sge {
-                        addr: p.as_ptr() as u64,
-                        length: 8,
-                        lkey: 0,
-                    }]
-                } else {
-                    list
-                });
-                natives.push(w);
+            // A read is always signalled and retired only by its own completion (see `queue`: iWARP completes
+            // reads out of order).
+            let read = kind == Completed::Read;
+            for (j, part) in parts.into_iter().enumerate() {
+                let signalled = j + 1 == nparts && chain.signal.next(i + 1 == n || read);
+                chain.push(seq, part, signalled, max_inline, e.imm_slab.as_mut());
             }
-            recs.push(Posted {
+            chain.recs.push(Posted {
                 seq,
                 entries: nparts as u32,
                 broken: false,
+                own: read,
                 item: SendRec {
                     wr_id: wr.wr_id,
                     kind: Some(kind),
@@ -282,21 +405,91 @@ impl VerbsTransport {
                 },
             });
         }
-        for (w, list) in natives.iter_mut().zip(sges.iter_mut()) {
-            w.sg_list = list.as_mut_ptr();
-            w.num_sge = list.len() as i32;
+        chain
+    }
+
+    /// iWARP, active side, once connected: a zero-length RDMA write before anything else. MPA (RFC 5044) has the
+    /// passive side send only after the active side's first message; exs's first message may come from either
+    /// side (its handshake is in the private data), so without the drivers' peer-to-peer mode (RFC 6581, whose
+    /// ready-to-receive message is this same write) a passive side that waits for it would wait for an
+    /// application that waits for it. A zero-length write names no memory (its key is not checked) and reaches no
+    /// receive; it is the backend's own request, retired by the next signalled one.
+    pub(crate) fn send_first_message(&mut self, ep: EndpointId) {
+        let seq = self.ids.send();
+        let Some(e) = self.eps.get_mut(&ep).filter(|e| !e.qp.is_null()) else {
+            return;
+        };
+        let mut w: ibv_send_wr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        w.wr_id = seq;
+        w.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        let mut signal = e.signal;
+        if signal.next(false) {
+            w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        for i in 0..natives.len().saturating_sub(1) {
-            let next: *mut ibv_send_wr = &mut natives[i + 1];
-            natives[i].next = next;
+        // As the drivers' own ready-to-receive write: key 1 (some devices treat key 0 specially), address 0.
+        w.wr.rdma = rdma_t {
+            remote_addr: 0,
+            rkey: 1,
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: live, connected QP; the request (with no scatter entries) lives until the call returns.
+        let rc = unsafe { ibv_post_send(e.qp, &mut w, &mut bad) };
+        if rc != 0 {
+            tracing::warn!(?ep, error = %post_error("ibv_post_send", rc), "the active side's first message");
+            return;
         }
+        e.signal = signal;
+        e.sends.push(Posted {
+            seq,
+            entries: 1,
+            broken: false,
+            own: false,
+            item: SendRec {
+                wr_id: 0,
+                kind: None,
+                _sink: None,
+                op: None,
+            },
+        });
+    }
+
+    /// Posts a chain of send-queue requests (one doorbell). Signals the last one and every SIGNAL_EVERY-th.
+    ///
+    /// Requests that do not fit in the send queue, and requests the device refuses, come back whole; the ones
+    /// before them are on the device and keep their records until they complete. A request the device took in
+    /// part (the write of an emulated write-with-immediate without its send) is kept too: it cannot come back while
+    /// the device may still read its memory, so its queue pair goes to error and it completes with an error.
+    fn post_sends(&mut self, ep: EndpointId, mut wrs: Vec<WorkRequest>) -> Result<(), Refused> {
+        if let Err(e) = self.check_sends(ep, &wrs) {
+            return Err(Refused::new(e, wrs));
+        }
+        let mut rest = self.fit_sends(ep, &mut wrs);
+        let full = || TransportError::Resource("send queue full".into());
+        if wrs.is_empty() {
+            return Err(Refused::new(full(), rest));
+        }
+        // A failure here refuses the whole batch, which then never reached the device.
+        let sinks = match self.sink_registrations(&wrs) {
+            Ok(s) => s,
+            Err(err) => {
+                wrs.append(&mut rest);
+                return Err(Refused::new(err, wrs));
+            }
+        };
+        let mut chain = self.build_chain(ep, wrs, sinks);
+        let head = chain.link();
+        let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let mut bad: *mut ibv_send_wr = ptr::null_mut();
         // SAFETY: live QP; the chain and its scatter/gather lists live until the call returns; the memory they
-        // name is leased by the records we keep until completion (inline payloads are copied by the call).
-        let rc = unsafe { ibv_post_send(e.qp, natives.as_mut_ptr(), &mut bad) };
+        // name is leased by the records we keep until completion (inline payloads are copied by the call; emulated
+        // immediates not sent inline are in the endpoint's slab, see `emulated`).
+        let rc = unsafe { ibv_post_send(e.qp, head, &mut bad) };
         if rc == 0 {
-            e.signal = signal;
-            for r in recs {
+            e.signal = chain.signal;
+            for r in chain.recs {
                 e.sends.push(r);
             }
             return if rest.is_empty() {
@@ -305,24 +498,38 @@ impl VerbsTransport {
                 Err(Refused::new(full(), rest))
             };
         }
-        let error = TransportError::os("ibv_post_send", std::io::Error::from_raw_os_error(rc));
+        let mut refused = self.keep_posted_part(ep, chain, bad, rc);
+        refused.wrs.append(&mut rest);
+        Err(refused)
+    }
+
+    /// After the device refused a chain at `bad`: keeps the records of what reached it (a request cut in two
+    /// breaks its queue pair, see `post_sends`) and returns the rest.
+    fn keep_posted_part(
+        &mut self,
+        ep: EndpointId,
+        chain: Chain,
+        bad: *mut ibv_send_wr,
+        rc: i32,
+    ) -> Refused {
+        let e = self.eps.get_mut(&ep).expect("checked by check_sends");
+        let error = post_error("ibv_post_send", rc);
         // Everything before `bad` is on the device, nothing from it on. A provider that names no request of the
         // chain leaves us not knowing: then every request is treated as on the device (kept, and flushed below).
-        let bad_at = natives.iter().position(|w| ptr::eq(w, bad));
-        let posted_natives = bad_at.unwrap_or(natives.len());
+        let bad_at = chain.natives.iter().position(|w| ptr::eq(w, bad));
+        let posted_natives = bad_at.unwrap_or(chain.natives.len());
         let cut = match bad_at {
-            Some(b) => queue::cut(recs.iter().map(|r| r.entries as usize), b),
+            Some(b) => queue::cut(chain.recs.iter().map(|r| r.entries as usize), b),
             None => queue::Cut {
-                posted: recs.len(),
+                posted: chain.recs.len(),
                 partial: false,
             },
         };
-        e.signal = match posted_natives {
-            0 => e.signal,
-            k => signal_after[k - 1],
-        };
+        if posted_natives > 0 {
+            e.signal = chain.signal_after[posted_natives - 1];
+        }
         let mut refused = Vec::new();
-        for (i, mut r) in recs.into_iter().enumerate() {
+        for (i, mut r) in chain.recs.into_iter().enumerate() {
             if i < cut.posted {
                 e.sends.push(r);
             } else if i == cut.posted && cut.partial {
@@ -340,8 +547,7 @@ impl VerbsTransport {
             tracing::error!(?ep, %error, "a request reached the device in part; its connection goes down");
             Self::break_qp(e.qp);
         }
-        refused.append(&mut rest);
-        Err(Refused::new(error, refused))
+        Refused::new(error, refused)
     }
 
     fn post_recvs(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), Refused> {
@@ -385,58 +591,26 @@ impl VerbsTransport {
                 wrs,
             ));
         }
-        let mut sges = Vec::with_capacity(wrs.len());
-        let mut natives: Vec<ibv_recv_wr> = Vec::with_capacity(wrs.len());
-        let mut recs = Vec::with_capacity(wrs.len());
-        for wr in wrs {
-            let Op::Recv { sge } = wr.op else {
-                unreachable!("checked above");
-            };
-            let id = self.ids.recv();
-            sges.push(ibv_sge {
-                addr: sge.addr(),
-                length: sge.len() as u32,
-                lkey: sge.local_key() as u32,
-            });
-            natives.push(ibv_recv_wr {
-                wr_id: id,
-                next: ptr::null_mut(),
-                sg_list: ptr::null_mut(),
-                num_sge: 1,
-            });
-            recs.push((
-                id,
-                RecvRec {
-                    wr_id: wr.wr_id,
-                    sge,
-                },
-            ));
-        }
-        for (w, s) in natives.iter_mut().zip(sges.iter_mut()) {
-            w.sg_list = s;
-        }
-        for i in 0..natives.len().saturating_sub(1) {
-            let next: *mut ibv_recv_wr = &mut natives[i + 1];
-            natives[i].next = next;
-        }
-        if natives.is_empty() {
+        if wrs.is_empty() {
             return Ok(());
         }
+        let mut chain = RecvChain::new(&mut self.ids, wrs);
         let mut bad: *mut ibv_recv_wr = ptr::null_mut();
-        let rc = post(natives.as_mut_ptr(), &mut bad);
+        let rc = post(chain.link(), &mut bad);
         // Everything before `bad` is on the device, nothing from it on. A provider that names no request of the
         // chain leaves us not knowing: then every receive is treated as on the device (kept until it completes or
         // its queue is destroyed).
         let posted = if rc == 0 {
-            recs.len()
+            chain.recs.len()
         } else {
-            natives
+            chain
+                .natives
                 .iter()
                 .position(|w| ptr::eq(w, bad))
-                .unwrap_or(recs.len())
+                .unwrap_or(chain.recs.len())
         };
         let mut refused = Vec::new();
-        for (i, (id, rec)) in recs.into_iter().enumerate() {
+        for (i, (id, rec)) in chain.recs.into_iter().enumerate() {
             if i < posted {
                 self.recvs.insert(id, (owner, rec));
             } else {
@@ -449,17 +623,12 @@ impl VerbsTransport {
         if rc == 0 {
             return Ok(());
         }
-        Err(Refused::new(
-            TransportError::os(
-                if owner.is_some() {
-                    "ibv_post_recv"
-                } else {
-                    "ibv_post_srq_recv"
-                },
-                std::io::Error::from_raw_os_error(rc),
-            ),
-            refused,
-        ))
+        let call = if owner.is_some() {
+            "ibv_post_recv"
+        } else {
+            "ibv_post_srq_recv"
+        };
+        Err(Refused::new(post_error(call, rc), refused))
     }
 
     /// Posts requests on an endpoint: receives, then sends, each kind in order. On error, the requests that did

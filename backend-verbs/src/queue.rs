@@ -10,6 +10,14 @@
 //! say whose a completion is. The identifier does: a completion names one of the records of the endpoint that
 //! now has the number, or none of them (a late completion of the endpoint that had it before), and
 //! [`SendQueue::retire`] retires records only for a completion that names one of them.
+//!
+//! ## Reads complete out of order on iWARP
+//! A reliable connection completes its send queue in order on InfiniBand and RoCE, so a signalled completion
+//! also completes the unsignalled requests before it. iWARP devices need not: siw completes a send or write once
+//! it has handed it to TCP, and an RDMA read when its response has arrived, so a send posted after a read may
+//! complete first. Were the read retired with it, its sink registration and lease would go while the response is
+//! still on its way (siw then refuses the response with a TERMINATE, or the receive reports bytes that have not
+//! arrived). So reads are always signalled and [`Posted::own`]: only their own completion retires them.
 
 use std::collections::VecDeque;
 
@@ -68,6 +76,8 @@ pub struct Posted<T> {
     pub entries: u32,
     /// Only part of it reached the device: it completes with an error whatever the device says.
     pub broken: bool,
+    /// Retired only by its own completion (an RDMA read: always signalled; see the module documentation).
+    pub own: bool,
     /// What the backend keeps of it (the operation and its leases).
     pub item: T,
 }
@@ -110,15 +120,33 @@ impl<T> SendQueue<T> {
 
     /// The records a completion carrying `wr_id` retires, oldest first, each with whether it is the one the
     /// completion names: that one and every earlier one (a reliable connection completes in order; the earlier
-    /// ones were unsignalled). A completion that names none of the records retires nothing: it belongs to a
-    /// queue pair destroyed before this one got its number, or to a request an earlier completion already retired
-    /// (the second part of an emulated write-with-immediate flushed after its first part failed).
-    pub fn retire(&mut self, wr_id: u64) -> Retire<'_, T> {
-        let named = self.recs.binary_search_by_key(&wr_id, |r| r.seq).is_ok();
-        Retire {
-            q: self,
-            upto: if named { wr_id } else { 0 },
+    /// ones were unsignalled), except earlier records that only their own completion retires ([`Posted::own`]:
+    /// reads, which stay). A completion that names none of the records retires nothing: it belongs to a queue pair
+    /// destroyed before this one got its number, or to a request an earlier completion already retired (the second
+    /// part of an emulated write-with-immediate flushed after its first part failed).
+    pub fn retire(&mut self, wr_id: u64) -> Vec<(Posted<T>, bool)> {
+        let mut out = Vec::new();
+        if self.recs.binary_search_by_key(&wr_id, |r| r.seq).is_err() {
+            return out;
         }
+        let mut waiting = Vec::new();
+        while let Some(rec) = self.recs.pop_front() {
+            let named = rec.seq == wr_id;
+            if rec.own && !named {
+                waiting.push(rec);
+                continue;
+            }
+            self.entries -= rec.entries;
+            out.push((rec, named));
+            if named {
+                break;
+            }
+        }
+        // The reads still waiting go back in front, in order: the queue stays sorted by identifier.
+        for rec in waiting.into_iter().rev() {
+            self.recs.push_front(rec);
+        }
+        out
     }
 
     /// Everything recorded, oldest first (for a queue pair that is gone).
@@ -126,28 +154,6 @@ impl<T> SendQueue<T> {
     pub fn drain(&mut self) -> impl Iterator<Item = Posted<T>> + '_ {
         self.entries = 0;
         self.recs.drain(..)
-    }
-}
-
-/// The records one completion retires (see [`SendQueue::retire`]).
-#[derive(Debug)]
-pub struct Retire<'a, T> {
-    q: &'a mut SendQueue<T>,
-    upto: u64,
-}
-
-impl<T> Iterator for Retire<'_, T> {
-    /// The record, and whether it is the one the completion names.
-    type Item = (Posted<T>, bool);
-
-    fn next(&mut self) -> Option<Self::Item> {
-        if self.q.recs.front()?.seq > self.upto {
-            return None;
-        }
-        let rec = self.q.recs.pop_front()?;
-        self.q.entries -= rec.entries;
-        let named = rec.seq == self.upto;
-        Some((rec, named))
     }
 }
 
@@ -210,6 +216,7 @@ mod tests {
             seq: ids.send(),
             entries: 1,
             broken: false,
+            own: false,
             item,
         }
     }
@@ -240,7 +247,7 @@ mod tests {
         for _ in 0..40 {
             a.push(rec(&mut ids, "a"));
         }
-        assert_eq!(a.retire(16).count(), 16);
+        assert_eq!(a.retire(16).len(), 16);
         let late: Vec<u64> = a.drain().map(|r| r.seq).collect();
         assert_eq!(late.len(), 24);
         // Endpoint B gets A's queue-pair number and posts its own requests.
@@ -251,7 +258,7 @@ mod tests {
         // Every late completion of A, whatever its identifier, retires nothing of B.
         for &w in late.iter().chain(&[1, 16, 40]) {
             assert_eq!(
-                b.retire(w).count(),
+                b.retire(w).len(),
                 0,
                 "A's completion {w} retired B's requests"
             );
@@ -260,7 +267,11 @@ mod tests {
         assert_eq!(b.entries(), 8);
         // B's own signalled completion retires B's requests up to it, naming exactly one.
         let seq4 = 40 + 4;
-        let got: Vec<(&str, bool)> = b.retire(seq4).map(|(r, n)| (r.item, n)).collect();
+        let got: Vec<(&str, bool)> = b
+            .retire(seq4)
+            .into_iter()
+            .map(|(r, n)| (r.item, n))
+            .collect();
         assert_eq!(
             got,
             vec![("b", false), ("b", false), ("b", false), ("b", true)]
@@ -268,8 +279,51 @@ mod tests {
         assert_eq!(b.len(), 4);
         assert_eq!(b.entries(), 4);
         // A repeated completion (the flushed second part of a request already retired) retires nothing more.
-        assert_eq!(b.retire(seq4).count(), 0);
+        assert!(b.retire(seq4).is_empty());
         assert_eq!(b.len(), 4);
+    }
+
+    /// iWARP (siw): a send posted after an RDMA read completes before the read's response has arrived. The read
+    /// must stay, its sink and lease with it, until its own completion; the queue stays in order for the next one.
+    #[test]
+    fn a_read_is_retired_only_by_its_own_completion() {
+        let mut ids = WrIds::default();
+        let mut q = SendQueue::default();
+        let mut push = |q: &mut SendQueue<&'static str>, item, own| {
+            let seq = ids.send();
+            q.push(Posted {
+                seq,
+                entries: 1,
+                broken: false,
+                own,
+                item,
+            });
+            seq
+        };
+        let s1 = push(&mut q, "send 1", false);
+        let read = push(&mut q, "read", true);
+        let _s2 = push(&mut q, "send 2", false);
+        let s3 = push(&mut q, "send 3 (signalled)", false);
+        let s4 = push(&mut q, "send 4", false);
+        // The signalled send completes first: the sends before it go, the read stays.
+        let got: Vec<&str> = q.retire(s3).into_iter().map(|(r, _)| r.item).collect();
+        assert_eq!(got, vec!["send 1", "send 2", "send 3 (signalled)"]);
+        assert_eq!(
+            (q.len(), q.entries()),
+            (2, 2),
+            "the read and send 4 are still on the device"
+        );
+        // A repeated or late completion of a send already retired retires nothing, the read included.
+        assert!(q.retire(s1).is_empty());
+        // The read's own completion retires the read alone (send 4 is after it).
+        let got: Vec<(&str, bool)> = q
+            .retire(read)
+            .into_iter()
+            .map(|(r, n)| (r.item, n))
+            .collect();
+        assert_eq!(got, vec![("read", true)]);
+        assert_eq!(q.retire(s4).len(), 1);
+        assert_eq!(q.entries(), 0);
     }
 
     #[test]
@@ -281,11 +335,12 @@ mod tests {
                 seq: ids.send(),
                 entries: parts,
                 broken: false,
+                own: false,
                 item: (),
             });
         }
         assert_eq!(q.entries(), 6);
-        assert_eq!(q.retire(2).count(), 2);
+        assert_eq!(q.retire(2).len(), 2);
         assert_eq!(q.entries(), 3);
         assert_eq!(q.drain().count(), 2);
         assert_eq!(q.entries(), 0);

@@ -130,6 +130,9 @@ impl Backend for Fabric {
     fn name(&self) -> &'static str {
         "fabric"
     }
+    fn access_errors_reset(&self) -> bool {
+        true
+    }
     fn unavailable(&self) -> Option<String> {
         match exs_backend_fabric::FabricTransport::open(&self.cfg) {
             Ok(_) => None,
@@ -183,62 +186,96 @@ fn verbs_unavailable(cfg: &Result<exs_backend_verbs::VerbsConfig, String>) -> Op
     }
 }
 
+/// The settings a transport of this configuration gets (the environment's `EXS_VERBS_*` included), found once by
+/// opening one.
 #[cfg(feature = "verbs")]
-fn verbs_describe(cfg: &Result<exs_backend_verbs::VerbsConfig, String>) -> String {
-    match cfg {
-        Err(why) => why.clone(),
-        Ok(c) => {
-            use exs::transport::Transport;
-            let (dev, windows) = exs_backend_verbs::VerbsTransport::open(c)
-                .map(|t| {
-                    let caps = t.capabilities();
-                    (caps.name.clone(), caps.keys_after_connect)
-                })
-                .unwrap_or_default();
-            let imm = if c.emulate_write_imm {
-                ", write-with-immediate emulated (write + send)"
-            } else {
-                ""
-            };
-            let keys = if windows {
-                ", keys: memory windows bound to one queue pair"
-            } else {
-                ", keys: one registration per exposure (no memory windows)"
-            };
-            let sinks = if c.read_sink_registration == Some(true) {
-                ", RDMA read sinks registered per read (iWARP's way)"
-            } else {
-                ""
-            };
-            format!("device {dev} at {}{imm}{keys}{sinks}", c.addr)
-        }
-    }
+fn verbs_settings(
+    cfg: &Result<exs_backend_verbs::VerbsConfig, String>,
+    cache: &std::sync::OnceLock<Option<exs_backend_verbs::VerbsSettings>>,
+) -> Option<exs_backend_verbs::VerbsSettings> {
+    cache
+        .get_or_init(|| {
+            let c = cfg.as_ref().ok()?;
+            exs_backend_verbs::VerbsTransport::open(c)
+                .ok()
+                .map(|t| t.settings().clone())
+        })
+        .clone()
 }
 
-/// rdma-core verbs on the device carrying `EXS_VERBS_ADDR` (`EXS_VERBS_DEVICE` to check its name;
-/// `EXS_VERBS_EMULATE_IMM=1` forces the write + send fallback for write-with-immediate).
+#[cfg(feature = "verbs")]
+fn verbs_describe(
+    cfg: &Result<exs_backend_verbs::VerbsConfig, String>,
+    s: Option<exs_backend_verbs::VerbsSettings>,
+) -> String {
+    let (c, s) = match (cfg, s) {
+        (Err(why), _) => return why.clone(),
+        (Ok(c), None) => return format!("no device at {}", c.addr),
+        (Ok(c), Some(s)) => (c, s),
+    };
+    let kind = if s.limits.iwarp {
+        "iWARP"
+    } else {
+        "InfiniBand/RoCE"
+    };
+    let imm = if s.emulated_imm {
+        ", write-with-immediate emulated (write + send)"
+    } else {
+        ""
+    };
+    let keys = if s.memory_windows {
+        ", keys: memory windows bound to one queue pair"
+    } else {
+        ", keys: one registration per exposure (no memory windows)"
+    };
+    let sinks = if s.read_sinks {
+        ", RDMA read sinks registered per read (iWARP's way)"
+    } else {
+        ""
+    };
+    format!(
+        "device {} ({kind}) at {}{imm}{keys}{sinks}, inline {} B, {} scatter/gather entries, send queue {}, \
+         largest message {} B",
+        s.device, c.addr, s.inline, s.sge, s.send_depth, s.max_message
+    )
+}
+
+#[cfg(feature = "verbs")]
+fn verbs_keys_unbound(s: Option<exs_backend_verbs::VerbsSettings>) -> Option<String> {
+    s.filter(|s| !s.memory_windows).map(|s| {
+        format!(
+            "{} exposes memory without memory windows ({}): each exposure is a registration whose key is valid on \
+             every queue pair of the protection domain while it lives (the documented fallback)",
+            s.device,
+            if s.limits.windows { "EXS_VERBS_WINDOWS=0" } else { "the device has none" }
+        )
+    })
+}
+
+/// rdma-core verbs on the device carrying `EXS_VERBS_ADDR` (`EXS_VERBS_DEVICE` to check its name). The transport
+/// reads the rest of its `EXS_VERBS_*` variables itself (`VerbsConfig::with_env`): `EXS_VERBS_EMULATE_IMM=1` forces
+/// the write + send fallback for write-with-immediate, `EXS_VERBS_WINDOWS=0` exposures without memory windows,
+/// `EXS_VERBS_READ_SINKS=1` iWARP's read sinks, `EXS_VERBS_INLINE` and the other limits lower the device's.
 #[cfg(feature = "verbs")]
 #[derive(Debug)]
-pub struct Verbs(Result<exs_backend_verbs::VerbsConfig, String>);
+pub struct Verbs(
+    Result<exs_backend_verbs::VerbsConfig, String>,
+    std::sync::OnceLock<Option<exs_backend_verbs::VerbsSettings>>,
+);
 
 #[cfg(feature = "verbs")]
 impl Verbs {
     pub fn from_env() -> Self {
         let addr = std::env::var("EXS_VERBS_ADDR");
-        Verbs(match addr.ok().and_then(|a| a.parse().ok()) {
+        let cfg = match addr.ok().and_then(|a| a.parse().ok()) {
             None => Err("EXS_VERBS_ADDR is not set to the IP address of an RDMA device".into()),
-            Some(addr) => Ok(exs_backend_verbs::VerbsConfig {
-                addr,
-                device: std::env::var("EXS_VERBS_DEVICE").ok(),
-                emulate_write_imm: std::env::var("EXS_VERBS_EMULATE_IMM").is_ok_and(|v| v == "1"),
-                // EXS_VERBS_WINDOWS=0: the fallback without memory windows (a registration per exposure).
-                memory_windows: std::env::var("EXS_VERBS_WINDOWS").ok().map(|v| v != "0"),
-                // EXS_VERBS_READ_SINKS=1: iWARP's way, a registration with remote write per RDMA read sink.
-                read_sink_registration: std::env::var("EXS_VERBS_READ_SINKS")
-                    .ok()
-                    .map(|v| v == "1"),
-            }),
-        })
+            Some(addr) => {
+                let mut c = exs_backend_verbs::VerbsConfig::new(addr);
+                c.device = std::env::var("EXS_VERBS_DEVICE").ok();
+                Ok(c)
+            }
+        };
+        Verbs(cfg, Default::default())
     }
 }
 
@@ -251,7 +288,7 @@ impl Backend for Verbs {
         verbs_unavailable(&self.0)
     }
     fn describe(&self) -> String {
-        verbs_describe(&self.0)
+        verbs_describe(&self.0, verbs_settings(&self.0, &self.1))
     }
     fn net(&self) -> Box<dyn Net> {
         Box::new(VerbsNet(self.0.clone()))
@@ -260,22 +297,20 @@ impl Backend for Verbs {
         true
     }
     fn keys_unbound(&self) -> Option<String> {
-        self.0
-            .as_ref()
-            .ok()
-            .filter(|c| c.memory_windows == Some(false))
-            .map(|_| {
-                "memory windows off (EXS_VERBS_WINDOWS=0): each exposure is a registration whose key is valid on \
-                 every queue pair of the protection domain while it lives (the documented fallback)"
-                    .to_string()
-            })
+        verbs_keys_unbound(verbs_settings(&self.0, &self.1))
+    }
+    fn access_errors_reset(&self) -> bool {
+        verbs_settings(&self.0, &self.1).is_some_and(|s| s.limits.iwarp)
     }
 }
 
 /// The verbs backend on a Soft-RoCE (rxe) or soft-iWARP (siw) device found on this machine, with its IPv4 address.
 #[cfg(feature = "softroce")]
 #[derive(Debug)]
-pub struct SoftRoce(Result<exs_backend_verbs::VerbsConfig, String>);
+pub struct SoftRoce(
+    Result<exs_backend_verbs::VerbsConfig, String>,
+    std::sync::OnceLock<Option<exs_backend_verbs::VerbsSettings>>,
+);
 
 #[cfg(feature = "softroce")]
 impl SoftRoce {
@@ -290,23 +325,21 @@ impl SoftRoce {
             .filter(|d| d.kind != Kind::Hardware && d.active())
             .find_map(|d| {
                 let ip = d
-                    .gids
-                    .iter()
-                    .map(|g| g.ip())
+                    .ips()
+                    .into_iter()
                     .find(|ip| ip.is_ipv4() && want.is_none_or(|w| *ip == w))?;
-                Some(exs_backend_verbs::VerbsConfig {
-                    addr: ip,
-                    device: Some(d.name.clone()),
-                    emulate_write_imm: false,
-                    memory_windows: None,
-                    read_sink_registration: None,
-                })
+                let mut cfg = exs_backend_verbs::VerbsConfig::new(ip);
+                cfg.device = Some(d.name.clone());
+                Some(cfg)
             });
-        SoftRoce(found.ok_or_else(|| {
-            "no active Soft-RoCE device (rxe/siw) with an IPv4 address on this machine; run `cargo xtask rxe up` \
-             on a kernel with rdma_rxe, or `cargo xtask test`, which runs this suite in a VM"
-                .to_string()
-        }))
+        SoftRoce(
+            found.ok_or_else(|| {
+                "no active Soft-RoCE device (rxe/siw) with an IPv4 address on this machine; run `cargo xtask rxe \
+                 up` on a kernel with rdma_rxe, or `cargo xtask test`, which runs this suite in a VM"
+                    .to_string()
+            }),
+            Default::default(),
+        )
     }
 }
 
@@ -319,12 +352,18 @@ impl Backend for SoftRoce {
         verbs_unavailable(&self.0)
     }
     fn describe(&self) -> String {
-        verbs_describe(&self.0)
+        verbs_describe(&self.0, verbs_settings(&self.0, &self.1))
     }
     fn net(&self) -> Box<dyn Net> {
         Box::new(VerbsNet(self.0.clone()))
     }
     fn processes(&self) -> bool {
         true
+    }
+    fn keys_unbound(&self) -> Option<String> {
+        verbs_keys_unbound(verbs_settings(&self.0, &self.1))
+    }
+    fn access_errors_reset(&self) -> bool {
+        verbs_settings(&self.0, &self.1).is_some_and(|s| s.limits.iwarp)
     }
 }

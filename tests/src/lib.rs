@@ -56,6 +56,13 @@ pub trait Backend: Send + Sync {
     fn keys_unbound(&self) -> Option<String> {
         None
     }
+    /// Whether the peer's device refusing an RDMA access (a wrong key, a range beyond the exposure) may reach us
+    /// as a reset of the connection rather than as a remote-access error: libfabric's software providers, and
+    /// iWARP, where the refusing side sends a TERMINATE message and closes (siw completes the failed read only as
+    /// flushed).
+    fn access_errors_reset(&self) -> bool {
+        false
+    }
 }
 
 /// A test: `Ok` or a message saying what broke.
@@ -108,6 +115,7 @@ impl Case {
 pub fn all_cases() -> Vec<Case> {
     let mut v = Vec::new();
     v.extend(cases::message::cases());
+    v.extend(cases::first::cases());
     v.extend(cases::stream::cases());
     v.extend(cases::process::cases());
     v.extend(cases::scale::cases());

@@ -5,11 +5,14 @@ mod capi;
 mod demo;
 mod outside;
 mod rxe;
+mod siw;
 mod soak;
 mod sys;
 mod test;
+mod test_siw;
 mod twohosts;
 mod vm;
+mod vmcmd;
 
 use clap::{Parser, Subcommand};
 
@@ -41,14 +44,18 @@ enum Cmd {
     Soak(soak::SoakArgs),
     /// Soft-RoCE on this machine (kernels with rdma_rxe): up [--link], down, status.
     Rxe(rxe::RxeArgs),
-    /// Runs a command inside the throw-away QEMU guest with Soft-RoCE (rxe0 on 192.168.77.1). With `--hosts 2`:
-    /// two guests, each with its own kernel and rxe0 on eth0, joined by a virtual link (10.77.0.1 and 10.77.0.2);
+    /// Runs a command inside the throw-away QEMU guest with Soft-RoCE (rxe0 on 192.168.77.1; `--siw`: siw0). With
+    /// `--hosts 2`: two guests, each with its own kernel and rxe0 (siw0) on eth0, joined by a virtual link (10.77.0.1
+    /// and 10.77.0.2);
     /// the arguments are two shell lines, the first run in guest 0 and the second in guest 1 (`retry CMD` retries
     /// a client until the server is up); without them, `exs pump` and `ib_write_bw` server in guest 0, client in 1.
     Vm {
         /// Guests: 1, or 2 joined by a link.
         #[arg(long, default_value_t = 1)]
         hosts: usize,
+        /// soft-iWARP (siw0, built for the guest's kernel) instead of Soft-RoCE (rxe0).
+        #[arg(long)]
+        siw: bool,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -60,8 +67,16 @@ fn main() {
         Cmd::Test(a) => test::run(a),
         Cmd::C(a) => capi::run(a),
         Cmd::Demo { args } => demo::run(args),
-        Cmd::Vm { hosts: 2, args } => vm::run_pair_command(args),
-        Cmd::Vm { hosts: 1, args } if !args.is_empty() => vm::run_command(args),
+        Cmd::Vm {
+            hosts: 2,
+            siw,
+            args,
+        } => vmcmd::run_pair_command(args, siw),
+        Cmd::Vm {
+            hosts: 1,
+            siw,
+            args,
+        } if !args.is_empty() => vmcmd::run_command(args, siw),
         Cmd::Vm { hosts, .. } => Err(format!(
             "cargo xtask vm: --hosts {hosts} with {} (one guest takes a command; two take two shell lines or none)",
             if hosts == 1 { "no command" } else { "an unsupported count" }

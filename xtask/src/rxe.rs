@@ -1,8 +1,12 @@
-//! `cargo xtask rxe up|down|status`: Soft-RoCE on this machine, for kernels that have `rdma_rxe`.
+//! `cargo xtask rxe up|down|status`: Soft-RoCE (or, with `--siw`, soft-iWARP) on this machine, for kernels that
+//! have `rdma_rxe` (`siw`).
 //!
-//! `up` puts `exs_rxe0` on a dummy interface `exs0` (192.168.77.1/24: rxe on `lo` breaks rdma_cm, see
-//! field-facts.md). `up --link` also builds two hosts joined by a link: `exs_rxe1` on `exs-veth0` (192.168.78.1)
-//! and `exs_rxe2` on `exs-veth1` (192.168.78.2), the two ends of a veth pair.
+//! `up` puts `exs_rxe0` on a dummy interface `exs0` (192.168.77.1/24: rxe on `lo` breaks rdma_cm). `up --link` also
+//! builds two hosts joined by a link: `exs_rxe1` on `exs-veth0` (192.168.78.1) and `exs_rxe2` on `exs-veth1`
+//! (192.168.78.2), the two ends of a veth pair. `up --siw` does the same with siw devices: `exs_siw0` on a dummy
+//! interface of its own (`exs1`, 192.168.79.1, so it can live beside `exs_rxe0`), and with `--link` `exs_siw1` and
+//! `exs_siw2` on the same veth pair as the rxe devices (one kind at a time there: `down` first); siw carries iWARP
+//! over the kernel's TCP, so the link's routing applies to it as well.
 //!
 //! Both ends live in one network namespace: rxe before Linux 6.13 has its UDP socket in the initial namespace
 //! only, so a device inside another namespace never receives. Traffic between two local addresses would normally
@@ -34,6 +38,9 @@ enum RxeCmd {
         /// Also build the two-host link (veth pair, policy routing across it, exs_rxe1 and exs_rxe2).
         #[arg(long)]
         link: bool,
+        /// soft-iWARP devices (exs_siw0, 1, 2) instead of Soft-RoCE, on the same interfaces.
+        #[arg(long)]
+        siw: bool,
     },
     /// Removes everything `up` added.
     Down,
@@ -43,6 +50,9 @@ enum RxeCmd {
 
 /// The single device: on a dummy interface.
 pub const DUMMY: (&str, &str, &str) = ("exs_rxe0", "exs0", "192.168.77.1");
+/// The single siw device: on a dummy interface of its own, so that it can live beside `exs_rxe0` (rdma_cm picks
+/// the device by the interface that carries the address; two devices on one interface would be a coin toss).
+pub const SIW_DUMMY: (&str, &str, &str) = ("exs_siw0", "exs1", "192.168.79.1");
 /// The near end of the link.
 pub const NEAR: (&str, &str, &str) = ("exs_rxe1", "exs-veth0", "192.168.78.1");
 /// The far end of the link.
@@ -57,7 +67,7 @@ fn sysctl(key: &str, value: &str) -> Result<()> {
 
 pub fn run(args: RxeArgs) -> Result<()> {
     match args.cmd {
-        RxeCmd::Up { link } => up(link),
+        RxeCmd::Up { link, siw } => up(link, if siw { Kind::Siw } else { Kind::Rxe }),
         RxeCmd::Down => {
             down();
             Ok(())
@@ -77,20 +87,29 @@ fn link_exists(name: &str) -> bool {
     std::path::Path::new("/sys/class/net").join(name).exists()
 }
 
-/// Waits until `addr` shows up in the GID table of device `dev` (the kernel fills it asynchronously).
-fn wait_for_gid(dev: &str, addr: &str) -> Result<()> {
+/// The name of the device of `kind` in `slot` ([`DUMMY`], [`NEAR`], [`FAR`] name the rxe ones).
+pub fn device_name(kind: Kind, slot: (&str, &str, &str)) -> String {
+    match kind {
+        Kind::Siw => slot.0.replace("rxe", "siw"),
+        _ => slot.0.to_string(),
+    }
+}
+
+/// Waits until device `dev` is active and reached by `addr` (rxe: the kernel fills its GID table asynchronously;
+/// siw: its interface's address).
+fn wait_ready(dev: &str, addr: &str) -> Result<()> {
     let want: IpAddr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         if devices()
             .iter()
-            .any(|d| d.name == dev && d.active() && d.gid_index_for(want).is_some())
+            .any(|d| d.name == dev && d.active() && d.serves(want))
         {
             return Ok(());
         }
         if Instant::now() > deadline {
             return Err(format!(
-                "{dev} did not become active with {addr} in its GID table within 20 s"
+                "{dev} did not become active and reachable at {addr} within 20 s"
             ));
         }
         std::thread::sleep(Duration::from_millis(100));
@@ -98,26 +117,29 @@ fn wait_for_gid(dev: &str, addr: &str) -> Result<()> {
 }
 
 /// Brings the devices up (idempotent: what exists is kept).
-pub fn up(link: bool) -> Result<()> {
-    kernel_supports(Kind::Rxe).map_err(|e| {
-        format!("{e}\nthis kernel has no Soft-RoCE; `cargo xtask test` runs the RDMA tests in a QEMU guest instead")
+pub fn up(link: bool, kind: Kind) -> Result<()> {
+    kernel_supports(kind).map_err(|e| match kind {
+        Kind::Siw => format!("{e}\nthis kernel has no soft-iWARP (Debian builds none); `cargo xtask test --suite siw` builds it for a QEMU guest"),
+        _ => format!("{e}\nthis kernel has no Soft-RoCE; `cargo xtask test` runs the RDMA tests in a QEMU guest instead"),
     })?;
     let have = |name: &str| devices().iter().any(|d| d.name == name);
-    let (dev, netdev, addr) = DUMMY;
+    let single = if kind == Kind::Siw { SIW_DUMMY } else { DUMMY };
+    let (dev, netdev, addr) = single;
     if !link_exists(netdev) {
         ip(&["link", "add", netdev, "type", "dummy"])?;
         ip(&["addr", "add", &format!("{addr}/24"), "dev", netdev])?;
     }
     ip(&["link", "set", netdev, "up"])?;
     if !have(dev) {
-        provision(Kind::Rxe, dev, netdev)
+        provision(kind, dev, netdev)
             .map_err(|e| e.to_string())?
             .keep();
     }
-    wait_for_gid(dev, addr)?;
+    wait_ready(dev, addr)?;
     if link {
-        let (near_dev, near_if, near_addr) = NEAR;
-        let (far_dev, far_if, far_addr) = FAR;
+        let (_, near_if, near_addr) = NEAR;
+        let (_, far_if, far_addr) = FAR;
+        let (near_dev, far_dev) = (&device_name(kind, NEAR), &device_name(kind, FAR));
         if !link_exists(near_if) {
             ip(&[
                 "link", "add", near_if, "type", "veth", "peer", "name", far_if,
@@ -158,32 +180,42 @@ pub fn up(link: bool) -> Result<()> {
             ])?;
         }
         if !have(near_dev) {
-            provision(Kind::Rxe, near_dev, near_if)
+            provision(kind, near_dev, near_if)
                 .map_err(|e| e.to_string())?
                 .keep();
         }
         if !have(far_dev) {
-            provision(Kind::Rxe, far_dev, far_if)
+            provision(kind, far_dev, far_if)
                 .map_err(|e| e.to_string())?
                 .keep();
         }
-        wait_for_gid(near_dev, near_addr)?;
-        wait_for_gid(far_dev, far_addr)?;
+        wait_ready(near_dev, near_addr)?;
+        wait_ready(far_dev, far_addr)?;
     }
     status();
     Ok(())
 }
 
-/// Removes what `up` added; reports but does not stop on what is already gone.
+/// Removes what `up` added (rxe and siw devices); reports but does not stop on what is already gone.
 pub fn down() {
-    for (dev, _, _) in [DUMMY, NEAR, FAR] {
-        if devices().iter().any(|d| d.name == dev) {
-            if let Err(e) = exs_backend_softroce::remove(dev) {
-                eprintln!("xtask: {e}");
+    for slot in [DUMMY, NEAR, FAR] {
+        for kind in [Kind::Rxe, Kind::Siw] {
+            let dev = device_name(
+                kind,
+                if kind == Kind::Siw && slot == DUMMY {
+                    SIW_DUMMY
+                } else {
+                    slot
+                },
+            );
+            if devices().iter().any(|d| d.name == dev) {
+                if let Err(e) = exs_backend_softroce::remove(&dev) {
+                    eprintln!("xtask: {e}");
+                }
             }
         }
     }
-    for netdev in [DUMMY.1, NEAR.1] {
+    for netdev in [DUMMY.1, SIW_DUMMY.1, NEAR.1] {
         if link_exists(netdev) {
             let _ = ip(&["link", "delete", netdev]);
         }
@@ -211,11 +243,17 @@ pub fn status() {
         println!("no RDMA devices");
     }
     for d in devs {
-        let addrs: Vec<String> = d
+        let mut addrs: Vec<String> = d
             .gids
             .iter()
             .map(|g| format!("{} ({})", g.ip(), g.kind))
             .collect();
+        addrs.extend(
+            d.addrs
+                .iter()
+                .filter(|a| !d.gids.iter().any(|g| g.ip() == **a))
+                .map(|a| format!("{a} (interface)")),
+        );
         println!(
             "{:<10} {:<9} {:<10} netdev {:<10} {}",
             d.name,

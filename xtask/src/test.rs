@@ -17,9 +17,13 @@ pub struct TestArgs {
     #[arg(long)]
     pub no_install: bool,
     /// Run only the conformance suite, on these backends (sim, fabric, softroce; default: all); `two-guests`
-    /// alone runs only the stage across two QEMU guests.
+    /// alone runs only the stage across two QEMU guests (with `--suite siw` too).
     #[arg(long, value_delimiter = ',')]
     pub backend: Vec<String>,
+    /// `siw`: instead, the conformance suite on soft-iWARP (built for the guest's kernel), in one guest (stock and
+    /// peer-to-peer builds) and across two; `.ci/run` runs it after the default suite.
+    #[arg(long)]
+    pub suite: Option<String>,
 }
 
 /// Counts from libtest's "test result:" lines.
@@ -106,7 +110,7 @@ const CHECKED_RELEASE: [(&str, &str); 2] = [
     ("CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS", "true"),
 ];
 
-fn conformance_exe() -> Result<PathBuf> {
+pub fn conformance_exe() -> Result<PathBuf> {
     let out = sys::output(sys::cargo().args([
         "test",
         "-p",
@@ -137,6 +141,11 @@ pub struct Sections {
 }
 
 impl Sections {
+    /// Whether no section began.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
     /// Takes one line of output (echoing it).
     pub fn line(&mut self, l: &str, stderr: bool) {
         if stderr {
@@ -217,7 +226,7 @@ impl Sections {
 }
 
 /// Runs a command, handing every output line to `sections`.
-fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> {
+pub fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> {
     eprintln!("+ {}", sys::show(cmd));
     let mut child = cmd
         .stdout(Stdio::piped())
@@ -249,11 +258,22 @@ fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> {
     Ok(child.wait().map_err(|e| e.to_string())?.success())
 }
 
+/// Shell lines that cut the output into sections (see [`Sections`]).
+pub const SECTION: &str = "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n";
+
+/// The limits a small device might report, forced on rxe (`verbs:small-limits`): nothing inline, two scatter/gather
+/// entries (the least exs works with: a header and its data), a short send queue, one read at a time, 64 KiB per
+/// operation; with write-with-immediate emulated, so the immediates' payloads come from their registered slab
+/// rather than inline.
+pub const SMALL_LIMITS: &str =
+    "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_INLINE=0 EXS_VERBS_SGE=2 EXS_VERBS_SEND_DEPTH=32 \
+                                EXS_VERBS_READ_DEPTH=1 EXS_VERBS_MAX_MESSAGE=64K";
+
 /// The shell lines that run the RDMA part of the conformance suite: every test on the Soft-RoCE device at the
 /// near end of the veth link (so the two-host test reaches the far end; memory windows), then again on the same
 /// device through the plain verbs backend the way an iWARP adapter is driven: write-with-immediate forced off (the
 /// write + send fallback), memory windows off (a registration per exposure) and RDMA read sinks registered per
-/// read, and the two-host test
+/// read; the transfers of every size and the who-sends-first cases under [`SMALL_LIMITS`]; and the two-host test
 /// of the libfabric backend across the same link (the host has no second host to offer it).
 fn rdma_script(xtask: &Path, exe: &Path) -> String {
     let (_, _, near) = rxe::NEAR;
@@ -263,11 +283,14 @@ fn rdma_script(xtask: &Path, exe: &Path) -> String {
     format!(
         "set -u
 {xtask} rxe up --link || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}
-section() {{ echo \"@@section $1\"; echo \"@@section $1\" >&2; }}
-section softroce
+{SECTION}section softroce
 env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce::
 section verbs:write-imm-emulated,no-windows,read-sinks
 env EXS_VERBS_ADDR={near} EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_VERBS_READ_SINKS=1 {peer} {exe} verbs::
+section verbs:small-limits
+env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::seqpacket_sizes_1b_to_16mib --exact
+env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::stream_sizes_1b_to_16mib --exact
+env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::the_
 section fabric:over-the-link
 env EXS_FABRIC_ADDR={near} {peer} {exe} fabric::two_hosts_over_a_link --exact
 section tools:verbs
@@ -283,7 +306,7 @@ tool pump_on_one_host_over_verbs {tool} pump --backend verbs --addr {near} --siz
 /// A copy of this xtask binary that the guest (or a root shell) can run. The workspace build in `run` may relink
 /// `target/debug/xtask` itself (features unified with other members differ from `cargo xtask`'s own build), and a
 /// replaced executable's `/proc/self/exe` ends in " (deleted)".
-fn xtask_copy() -> Result<PathBuf> {
+pub fn xtask_copy() -> Result<PathBuf> {
     let me = std::env::current_exe().map_err(|e| e.to_string())?;
     let me = PathBuf::from(me.to_string_lossy().trim_end_matches(" (deleted)"));
     let copy = sys::root().join("target/xtask-runner");
@@ -361,6 +384,15 @@ fn rdma_conformance(
 pub fn run(args: TestArgs) -> Result<()> {
     if !args.no_install {
         sys::ensure_packages(sys::BUILD_PACKAGES)?;
+    }
+    match args.suite.as_deref() {
+        None | Some("default") => {}
+        Some("siw") => {
+            let only_pair =
+                !args.backend.is_empty() && args.backend.iter().all(|b| b == "two-guests");
+            return crate::test_siw::run(only_pair);
+        }
+        Some(other) => return Err(format!("unknown suite {other:?} (default, siw)")),
     }
     let mut failures = Vec::new();
     let mut summary = Vec::new();
@@ -530,7 +562,8 @@ pub fn run(args: TestArgs) -> Result<()> {
     if only_conformance && args.backend.iter().all(|b| b == "two-guests") {
         // Only the two-guest stage (`--backend two-guests`).
         let tool = sys::root().join("target/debug/exs");
-        if let Err(e) = crate::twohosts::run(&exe, &tool, &mut summary, &mut failures) {
+        let dev = vm::GuestDevice::Rxe;
+        if let Err(e) = crate::twohosts::run(&exe, &tool, &dev, &mut summary, &mut failures) {
             summary.push(format!("two guests: could not run: {e}"));
             failures.push("two guests".into());
         }
@@ -543,7 +576,8 @@ pub fn run(args: TestArgs) -> Result<()> {
             // Issue 17: across two guests with kernels of their own (where the RDMA tests ran in a guest).
             Ok(true) => {
                 let tool = sys::root().join("target/debug/exs");
-                if let Err(e) = crate::twohosts::run(&exe, &tool, &mut summary, &mut failures) {
+                let dev = vm::GuestDevice::Rxe;
+                if let Err(e) = crate::twohosts::run(&exe, &tool, &dev, &mut summary, &mut failures) {
                     summary.push(format!("two guests: could not run: {e}"));
                     failures.push("two guests".into());
                 }
@@ -554,8 +588,13 @@ pub fn run(args: TestArgs) -> Result<()> {
             ),
         }
     }
-    eprintln!("\n==== cargo xtask test ====");
-    for s in &summary {
+    finish("cargo xtask test", &summary, &failures)
+}
+
+/// Prints the summary; an error names what failed.
+pub fn finish(what: &str, summary: &[String], failures: &[String]) -> Result<()> {
+    eprintln!("\n==== {what} ====");
+    for s in summary {
         eprintln!("{s}");
     }
     if failures.is_empty() {

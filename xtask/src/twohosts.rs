@@ -1,5 +1,5 @@
 //! The two-guest stage of `cargo xtask test` (issue 17): two QEMU guests, each with its own kernel and its own
-//! rxe device on a virtual link between them (no kernel sees both ends; `vm::Vm::run_pair`). Guest 0 runs the
+//! rxe (or, in `--suite siw`, siw) device on a virtual link between them (no kernel sees both ends; `vm::Vm::run_pair`). Guest 0 runs the
 //! conformance cases that need a second host, with the peer's processes started and killed by an agent in guest 1
 //! (`EXS_PEER_AGENT`), on verbs and on libfabric tcp; then `exs pump --server` in guest 0 against
 //! `exs pump --client` in guest 1 (verbs and fabric), and `ib_write_bw` between the same two guests.
@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::sys::Result;
 use crate::test::Sections;
-use crate::vm::{self, PAIR_ADDRS};
+use crate::vm::{self, GuestDevice, PAIR_ADDRS};
 
 const AGENT_PORT: u16 = 18600;
 const PUMP_PORT: u16 = 18515;
@@ -18,14 +18,32 @@ const CASES: [&str; 2] = ["two_hosts_over_a_link", "peer_host_killed_mid_transfe
 /// Points of the pump across the link (the guests emulate their CPUs: a few, short).
 const PUMP: &str = "--size 64K,1M --seconds 2 --json";
 
-fn guest0(exe: &Path, tool: &Path) -> String {
+/// perftest's device flags: iWARP connects through rdma_cm only (`-R`).
+fn perftest_dev(dev: &GuestDevice) -> String {
+    match dev {
+        GuestDevice::Rxe => format!("-d {}", dev.name()),
+        GuestDevice::Siw(_) => format!("-d {} -R", dev.name()),
+    }
+}
+
+fn guest0(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
     let (near, far) = (PAIR_ADDRS[0], PAIR_ADDRS[1]);
     let exe = exe.display();
     let tool = tool.display();
     let agent = format!("{far}:{AGENT_PORT}");
+    let pt = perftest_dev(dev);
     let mut s = String::from("section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n");
-    for (backend, var) in [("verbs", "EXS_VERBS_ADDR"), ("fabric", "EXS_FABRIC_ADDR")] {
-        s.push_str(&format!("section {backend}:two-guests\n"));
+    // With siw the libfabric tcp stage would repeat the rxe run's: only verbs, on siw.
+    let backends: &[(&str, &str)] = match dev {
+        GuestDevice::Rxe => &[("verbs", "EXS_VERBS_ADDR"), ("fabric", "EXS_FABRIC_ADDR")],
+        GuestDevice::Siw(_) => &[("verbs", "EXS_VERBS_ADDR")],
+    };
+    let label = match dev {
+        GuestDevice::Rxe => "two-guests",
+        GuestDevice::Siw(_) => "siw-two-guests",
+    };
+    for (backend, var) in backends {
+        s.push_str(&format!("section {backend}:{label}\n"));
         for case in CASES {
             s.push_str(&format!(
                 "env {var}={near} EXS_PEER_ADDR={far} EXS_PEER_LINK=eth0 EXS_PEER_AGENT={agent} {exe} \
@@ -40,9 +58,9 @@ fn guest0(exe: &Path, tool: &Path) -> String {
          {tool} pump --server --once --backend fabric --addr {near} -p {} || echo 'PAIR-FAIL pump server fabric'\n\
          {tool} ping --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL ping server verbs'\n\
          {tool} demo --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL demo server verbs'\n\
-         ib_write_bw -d rxe0 -s 65536 -n 300 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
-         ib_write_bw -d rxe0 -s 1048576 -n 30 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
-         ib_send_lat -d rxe0 -s 8 -n 200 >/dev/null || echo 'PAIR-FAIL ib_send_lat server'\n",
+         ib_write_bw {pt} -s 65536 -n 300 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
+         ib_write_bw {pt} -s 1048576 -n 30 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
+         ib_send_lat {pt} -s 8 -n 200 >/dev/null || echo 'PAIR-FAIL ib_send_lat server'\n",
         PUMP_PORT + 1,
         PUMP_PORT + 2,
         PUMP_PORT + 3,
@@ -50,8 +68,9 @@ fn guest0(exe: &Path, tool: &Path) -> String {
     s
 }
 
-fn guest1(exe: &Path, tool: &Path) -> String {
+fn guest1(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
     let (near, far) = (PAIR_ADDRS[0], PAIR_ADDRS[1]);
+    let pt = perftest_dev(dev);
     let exe = exe.display();
     let tool = tool.display();
     format!(
@@ -66,10 +85,10 @@ fn guest1(exe: &Path, tool: &Path) -> String {
          echo 'PAIR-POINT demo'\n\
          retry {tool} demo --client {near}:{} --backend verbs --addr {far} --size 16M --no-tcp --json || echo 'PAIR-FAIL demo client verbs'\n\
          echo 'PAIR-POINT ib_write_bw'\n\
-         retry ib_write_bw -d rxe0 -s 65536 -n 300 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
-         retry ib_write_bw -d rxe0 -s 1048576 -n 30 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
+         retry ib_write_bw {pt} -s 65536 -n 300 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
+         retry ib_write_bw {pt} -s 1048576 -n 30 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
          echo 'PAIR-POINT ib_send_lat'\n\
-         retry ib_send_lat -d rxe0 -s 8 -n 200 {near} || echo 'PAIR-FAIL ib_send_lat client'\n",
+         retry ib_send_lat {pt} -s 8 -n 200 {near} || echo 'PAIR-FAIL ib_send_lat client'\n",
         PUMP_PORT + 1,
         PUMP_PORT + 2,
         PUMP_PORT + 3,
@@ -134,6 +153,7 @@ impl Measured {
 pub fn run(
     exe: &Path,
     tool: &Path,
+    dev: &GuestDevice,
     summary: &mut Vec<String>,
     failures: &mut Vec<String>,
 ) -> Result<()> {
@@ -143,10 +163,11 @@ pub fn run(
     let mut measured = Measured::default();
     let cwd = crate::sys::root();
     let scripts = [
-        format!("cd {}\n{}", cwd.display(), guest0(exe, tool)),
-        format!("cd {}\n{}", cwd.display(), guest1(exe, tool)),
+        format!("cd {}\n{}", cwd.display(), guest0(exe, tool, dev)),
+        format!("cd {}\n{}", cwd.display(), guest1(exe, tool, dev)),
     ];
     let outcomes = vm.run_pair(
+        dev,
         [&scripts[0], &scripts[1]],
         Duration::from_secs(15 * 60),
         &mut |i, l, err| {
@@ -173,15 +194,19 @@ pub fn run(
                 if o.rc.is_none() {
                     "gave no exit code"
                 } else {
-                    "could not set up its link or rxe0"
+                    "could not set up its link or its RDMA device"
                 },
                 vm::tail(&o.console, 20)
             ));
         }
     }
     let where_ = format!(
-        " (two QEMU guests, kernel {} each, {:?}: rxe0 on eth0 at {} and {}, a virtual link between them)",
-        vm.kver, vm.accel, PAIR_ADDRS[0], PAIR_ADDRS[1]
+        " (two QEMU guests, kernel {} each, {:?}: {} on eth0 at {} and {}, a virtual link between them)",
+        vm.kver,
+        vm.accel,
+        dev.name(),
+        PAIR_ADDRS[0],
+        PAIR_ADDRS[1]
     );
     sections.report(&where_, summary, failures);
     let fmt = |label: &str| {

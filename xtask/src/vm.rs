@@ -1,4 +1,4 @@
-//! A throw-away QEMU guest with Soft-RoCE, for hosts whose kernel has no RDMA (see field-facts.md).
+//! A throw-away QEMU guest with Soft-RoCE or soft-iWARP, for hosts whose kernel has no RDMA.
 //!
 //! The guest runs Debian's own kernel (downloaded and extracted, never installed) with a busybox initramfs that
 //! loads the RDMA module closure, mounts the host root read-only over 9p under a tmpfs overlay, chroots into it
@@ -6,7 +6,6 @@
 //! code to a writable 9p share, and powers off. Everything is cached under `target/vm/`.
 
 use std::fs;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -40,6 +39,10 @@ const MODULES: &[&str] = &[
     "veth",
     "virtio_pci",
     "virtio_net",
+    // siw's dependencies (siw.ko itself is built out of tree and loaded from the host's tree: see `siw`); it asks
+    // the crypto API for crc32c, which a guest without modprobe cannot load on demand.
+    "libcrc32c",
+    "crc32c_generic",
 ];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,14 +77,45 @@ pub struct Guest {
 /// carries their Ethernet frames, so no kernel sees both ends).
 pub const PAIR_ADDRS: [&str; 2] = ["10.77.0.1", "10.77.0.2"];
 
-/// Shell lines that bring up the link and rxe0 on it in guest `i` of a pair.
-pub fn pair_setup(i: usize) -> String {
+/// The software RDMA device a guest gets on its interface.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum GuestDevice {
+    /// Soft-RoCE, `rxe0` (the module is in the initramfs).
+    Rxe,
+    /// soft-iWARP, `siw0`, from this build of siw.ko (see [`crate::siw`]).
+    Siw(PathBuf),
+}
+
+impl GuestDevice {
+    /// The device's name in the guest.
+    pub fn name(&self) -> &'static str {
+        match self {
+            GuestDevice::Rxe => "rxe0",
+            GuestDevice::Siw(_) => "siw0",
+        }
+    }
+
+    /// Shell lines that put the device on `netdev` (loading siw.ko first; siw pins memory against the locked-memory
+    /// limit even for root, so the guest's shell lifts it).
+    pub fn setup(&self, netdev: &str) -> String {
+        match self {
+            GuestDevice::Rxe => format!("rdma link add rxe0 type rxe netdev {netdev} || exit 90\n"),
+            GuestDevice::Siw(ko) => format!(
+                "ulimit -l unlimited\n{}rdma link add siw0 type siw netdev {netdev} || exit 90\n",
+                crate::siw::load_lines(ko)
+            ),
+        }
+    }
+}
+
+/// Shell lines that bring up the link and the device on it in guest `i` of a pair.
+pub fn pair_setup(i: usize, dev: &GuestDevice) -> String {
     format!(
         "ip link set lo up\n\
          ip link set eth0 up || {{ echo 'exs-vm: no eth0' >&2; exit 90; }}\n\
-         ip addr add {}/24 dev eth0\n\
-         rdma link add rxe0 type rxe netdev eth0 || exit 90\n",
-        PAIR_ADDRS[i]
+         ip addr add {}/24 dev eth0\n{}",
+        PAIR_ADDRS[i],
+        dev.setup("eth0")
     )
 }
 
@@ -188,6 +222,11 @@ poweroff -f
 "#;
 
 impl Vm {
+    /// Where the guest's kernel, initramfs and out-of-tree modules are cached.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// Prepares (or reuses) the kernel and initramfs under `target/vm/`.
     pub fn prepare() -> Result<Vm> {
         sys::ensure_packages(VM_PACKAGES)?;
@@ -349,10 +388,11 @@ impl Vm {
     }
 
     /// Two guests at once, joined by a virtual link (eth0: [`PAIR_ADDRS`]), each with its own kernel and its own
-    /// rxe device on that link: `scripts[i]` runs in guest `i` after [`pair_setup`]. Lines reach `line` with the
+    /// device `dev` on that link: `scripts[i]` runs in guest `i` after [`pair_setup`]. Lines reach `line` with the
     /// guest's index.
     pub fn run_pair(
         &self,
+        dev: &GuestDevice,
         scripts: [&str; 2],
         timeout: Duration,
         line: &mut dyn FnMut(usize, &str, bool),
@@ -376,7 +416,7 @@ impl Vm {
                         )),
                         mac: Some(format!("52:54:00:77:00:0{}", i + 1)),
                     };
-                    let script = format!("{}{}", pair_setup(i), scripts[i]);
+                    let script = format!("{}{}", pair_setup(i, dev), scripts[i]);
                     scope.spawn(move || {
                         if i == 1 {
                             wait_listening(port, Duration::from_secs(60))?;
@@ -444,7 +484,12 @@ impl Vm {
             .arg("-initrd")
             .arg(&self.initrd);
         cmd.arg("-append").arg(format!(
-            "console=ttyS0 panic=-1 quiet exs.results={}",
+            // no_timer_check: under an emulated CPU on a busy host the kernel's check of the IO-APIC timer can
+            // fail and panic the boot ("IO-APIC + timer doesn't work!"); the timer works. clocksource=tsc
+            // tsc=reliable: the kernel otherwise distrusts the emulated TSC and reads the HPET, an emulated device,
+            // so every clock read became a system call and a device access (a busy exs ping read the clock about
+            // a hundred times per round trip; perftest reads the TSC itself).
+            "console=ttyS0 panic=-1 quiet no_timer_check clocksource=tsc tsc=reliable exs.results={}",
             results.display()
         ));
         cmd.args([
@@ -562,111 +607,9 @@ pub fn tail(s: &str, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
-/// Shell lines that bring up rxe0 on a dummy interface (192.168.77.1/24): rxe on `lo` breaks rdma_cm.
-pub const RXE_SETUP: &str = "\
-ip link set lo up
-ip link add dummy0 type dummy 2>/dev/null || true
-ip addr add 192.168.77.1/24 dev dummy0
-ip link set dummy0 up
-rdma link add rxe0 type rxe netdev dummy0
-";
-
-/// `cargo xtask vm -- CMD...`: runs a command in the guest with rxe0 up, printing its output.
-pub fn run_command(args: Vec<String>) -> Result<()> {
-    let vm = Vm::prepare()?;
-    let mut script = String::from(RXE_SETUP);
-    let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
-    script.push_str(&format!("cd {}\n", cwd.display()));
-    script.push_str(
-        &args
-            .iter()
-            .map(|a| shell_quote(a))
-            .collect::<Vec<_>>()
-            .join(" "),
-    );
-    script.push('\n');
-    let o = vm.run_streaming(&script, Duration::from_secs(1800), &mut |l, err| {
-        if err {
-            eprintln!("{l}");
-        } else {
-            println!("{l}");
-        }
-    })?;
-    let _ = std::io::stdout().flush();
-    match o.rc {
-        Some(0) => Ok(()),
-        Some(rc) => Err(format!("the command exited with {rc} in the VM")),
-        None => Err("the VM did not report an exit code".into()),
-    }
-}
-
-/// What the two guests run when `cargo xtask vm --hosts 2` gets no commands: exs pump (verbs, then libfabric tcp)
-/// and ib_write_bw, servers in guest 0 and clients in guest 1.
-const PAIR_DEMO: [&str; 2] = [
-    "target/release/exs pump --server --once --backend verbs --addr 10.77.0.1 -p 18515 && \
-     target/release/exs pump --server --once --backend fabric --addr 10.77.0.1 -p 18516 && \
-     ib_write_bw -d rxe0 -s 65536 -n 500",
-    "retry target/release/exs pump --client 10.77.0.1:18515 --backend verbs --addr 10.77.0.2 --size 64K,1M --seconds 2 && \
-     retry target/release/exs pump --client 10.77.0.1:18516 --backend fabric --addr 10.77.0.2 --size 64K,1M --seconds 2 && \
-     retry ib_write_bw -d rxe0 -s 65536 -n 500 10.77.0.1",
-];
-
 /// Shell function for the client side of a pair: retries a command (a client whose server is not up yet) for up
 /// to a minute.
 pub const RETRY: &str = "retry() { i=0; while [ $i -lt 60 ]; do \"$@\"; rc=$?; [ $rc -eq 0 ] && return 0; [ $rc -eq 127 ] && return 127; i=$((i+1)); sleep 1; done; return 1; }\n";
-
-/// `cargo xtask vm --hosts 2 [-- GUEST0_LINE GUEST1_LINE]`.
-pub fn run_pair_command(args: Vec<String>) -> Result<()> {
-    let lines: [String; 2] = match args.as_slice() {
-        [] => {
-            if !sys::root().join("target/release/exs").exists() {
-                sys::run(sys::cargo().args(["build", "--release", "-p", "exs-tools"]))?;
-            }
-            PAIR_DEMO.map(String::from)
-        }
-        [a, b] => [a.clone(), b.clone()],
-        _ => {
-            return Err(
-                "cargo xtask vm --hosts 2 takes two shell lines (guest 0, guest 1) or none".into(),
-            )
-        }
-    };
-    let vm = Vm::prepare()?;
-    let cwd = std::env::current_dir().map_err(|e| e.to_string())?;
-    let scripts: Vec<String> = lines
-        .iter()
-        .map(|l| format!("{RETRY}cd {}\n{l}\n", cwd.display()))
-        .collect();
-    eprintln!(
-        "xtask: two guests ({:?}), guest 0 at {} and guest 1 at {} (rxe0 on eth0 in each)",
-        vm.accel, PAIR_ADDRS[0], PAIR_ADDRS[1]
-    );
-    let o = vm.run_pair(
-        [&scripts[0], &scripts[1]],
-        Duration::from_secs(1800),
-        &mut |i, l, err| {
-            if err {
-                eprintln!("[guest{i}] {l}");
-            } else {
-                println!("[guest{i}] {l}");
-            }
-        },
-    )?;
-    let _ = std::io::stdout().flush();
-    for (i, o) in o.iter().enumerate() {
-        match o.rc {
-            Some(0) => {}
-            Some(rc) => return Err(format!("guest {i} exited with {rc}")),
-            None => {
-                return Err(format!(
-                    "guest {i} reported no exit code; console:\n{}",
-                    tail(&o.console, 20)
-                ))
-            }
-        }
-    }
-    Ok(())
-}
 
 pub fn shell_quote(s: &str) -> String {
     if s.chars()

@@ -513,7 +513,7 @@ fn advert_wrong_key(b: &dyn Backend) -> Result<(), String> {
             rkey: r.key ^ 0x5a5a,
         },
         |v| matches!(v, Violation::RemoteAccess(_)),
-        b.name() == "fabric",
+        b.access_errors_reset(),
     )
 }
 
@@ -529,7 +529,7 @@ fn advert_beyond_exposure(b: &dyn Backend) -> Result<(), String> {
             rkey: r.key,
         },
         |v| matches!(v, Violation::RemoteAccess(_)),
-        b.name() == "fabric",
+        b.access_errors_reset(),
     )
 }
 

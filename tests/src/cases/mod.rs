@@ -1,6 +1,7 @@
 //! The tests, by topic.
 
 pub mod extensions;
+pub mod first;
 pub mod hostile;
 pub mod keys;
 pub mod leaks;

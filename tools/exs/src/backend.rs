@@ -149,13 +149,10 @@ impl Opened {
                         rdma_devices()
                     );
                 }
-                Ok(Opened::Verbs(exs_backend_verbs::VerbsConfig {
-                    addr: a.addr,
-                    device: a.device.clone(),
-                    emulate_write_imm: a.emulate_imm,
-                    memory_windows: None,
-                    read_sink_registration: None,
-                }))
+                let mut cfg = exs_backend_verbs::VerbsConfig::new(a.addr);
+                cfg.device = a.device.clone();
+                cfg.emulate_write_imm = a.emulate_imm;
+                Ok(Opened::Verbs(cfg))
             }
             #[cfg(feature = "sim")]
             BackendKind::Sim => Ok(Opened::Sim(
@@ -299,4 +296,64 @@ pub fn rdma_devices() -> String {
         })
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// The verbs backend's settings for `exs info` (what the device reported, what is used, and how to override it),
+/// as JSON and as text; `None` for the other backends.
+pub fn verbs_settings(opened: &Opened) -> Result<Option<(serde_json::Value, String)>> {
+    #[allow(irrefutable_let_patterns)]
+    #[cfg(feature = "verbs")]
+    if let Opened::Verbs(cfg) = opened {
+        let t = exs_backend_verbs::VerbsTransport::open(cfg)
+            .with_context(|| format!("opening the RDMA device of {}", cfg.addr))?;
+        let s = t.settings();
+        let d = &s.limits;
+        let json = serde_json::json!({
+            "device": s.device, "iwarp": d.iwarp,
+            "inline": s.inline, "send_depth": s.send_depth, "recv_depth": s.recv_depth, "cq_depth": s.cq_depth,
+            "srq_depth": s.srq_depth, "sge": s.sge, "max_message": s.max_message, "read_depth": s.read_depth,
+            "emulated_imm": s.emulated_imm, "memory_windows": s.memory_windows, "read_sinks": s.read_sinks,
+            "device_limits": {"max_inline": d.max_inline, "max_qp_wr": d.max_qp_wr, "max_cqe": d.max_cqe,
+                "max_sge": d.max_sge, "max_sge_rd": d.max_sge_rd, "max_msg": d.max_msg,
+                "max_rd_atom": d.max_rd_atom, "max_srq_wr": d.max_srq_wr, "atomics": format!("{:?}", d.atomics),
+                "memory_windows": d.windows},
+        });
+        let text = format!(
+            "  verbs settings (used / device; EXS_VERBS_INLINE, _SEND_DEPTH, _RECV_DEPTH, _CQ_DEPTH, _SRQ_DEPTH, \
+             _SGE, _MAX_MESSAGE, _READ_DEPTH lower them):\n\
+             \x20   {} ({}): inline {} / {} B, send queue {} / {}, receive queue {} / {}, completion queue {} / {}\n\
+             \x20   shared receive queue {} / {}, scatter/gather {} / {} (reads {}), largest message {} / {} B, \
+             read depth {} / {}\n\
+             \x20   atomics {:?} (unused), memory windows {}, read sinks registered per read: {}\n",
+            s.device,
+            if d.iwarp { "iWARP" } else { "InfiniBand/RoCE" },
+            s.inline,
+            d.max_inline,
+            s.send_depth,
+            d.max_qp_wr,
+            s.recv_depth,
+            d.max_qp_wr,
+            s.cq_depth,
+            d.max_cqe,
+            s.srq_depth,
+            d.max_srq_wr,
+            s.sge,
+            d.max_sge,
+            d.max_sge_rd,
+            s.max_message,
+            d.max_msg,
+            s.read_depth,
+            d.max_rd_atom,
+            d.atomics,
+            match (s.memory_windows, d.windows) {
+                (true, _) => "used (keys bound to one connection)",
+                (false, true) => "off (EXS_VERBS_WINDOWS=0)",
+                (false, false) => "none on this device (a registration per exposure)",
+            },
+            s.read_sinks,
+        );
+        return Ok(Some((json, text)));
+    }
+    let _ = opened;
+    Ok(None)
 }

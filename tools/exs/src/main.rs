@@ -72,13 +72,17 @@ fn info(a: InfoArgs) -> Result<()> {
     let opened = backend::Opened::open(&a.backend)?;
     let ctx = opened.host()?;
     let c = ctx.capabilities();
+    let verbs = backend::verbs_settings(&opened)?;
     if a.json {
-        let v = serde_json::json!({"tool": "exs-info", "compiled": backend::compiled(),
+        let mut v = serde_json::json!({"tool": "exs-info", "compiled": backend::compiled(),
             "fabric_providers": providers, "rdma_devices": devices, "backend": opened.label(),
             "name": c.name, "max_message": c.max_message, "max_inline": c.max_inline, "max_sge": c.max_sge,
             "max_send_wr": c.max_send_wr, "max_recv_wr": c.max_recv_wr, "max_read_depth": c.max_read_depth,
             "native_write_imm": c.native_write_imm, "imm_consumes_recv": c.imm_consumes_recv,
             "max_shared_recv": c.max_shared_recv});
+        if let Some((json, _)) = verbs {
+            v["verbs"] = json;
+        }
         println!("{v}");
         return Ok(());
     }
@@ -116,6 +120,9 @@ fn info(a: InfoArgs) -> Result<()> {
             "none (each connection posts its own receives)".into()
         }
     );
+    if let Some((_, text)) = verbs {
+        print!("{text}");
+    }
     Ok(())
 }
 

@@ -295,6 +295,74 @@ pub(super) fn softroce_jobs(exe: &str, c_bin: &str, p: &Plan, quick: bool) -> Ve
     v
 }
 
+/// The same points on soft-iWARP (`exs_siw0`, on its own interface beside `exs_rxe0` in the same guest boot): exs
+/// and perftest (through rdma_cm: iWARP has no other way), tools named `siw-...`. Fewer than on rxe: the
+/// throughput sizes the targets name, and the latencies.
+pub(super) fn siw_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
+    let (dev, _, addr) = rxe::SIW_DUMMY;
+    let plan = Plan {
+        sizes: if quick {
+            vec![65536]
+        } else {
+            vec![65536, 1 << 20]
+        },
+        depths: vec![8],
+        seconds: p.seconds.min(1.0),
+        pings: p.pings.min(1000),
+        timeout: p.timeout,
+        quick,
+    };
+    let mut v: Vec<Job> = exs_jobs(exe, &format!("--backend verbs --addr {addr}"), &plan, false)
+        .into_iter()
+        .filter(|j| j.tool == "exs" || (j.tool == "exs-ping" && j.variant != "normal"))
+        .collect();
+    let pt = |bin: &str, size: u64, extra: &str| {
+        format!(
+            "{bin} -R -d {dev} -F -s {size} {extra} >/dev/null 2>&1 & {}",
+            retry(&format!("{bin} -R -d {dev} -F -s {size} {extra} {addr}"))
+        )
+    };
+    for &size in &plan.sizes {
+        let iters = (32u64 << 20).div_ceil(size).clamp(100, 5_000);
+        v.push(job(
+            "perftest",
+            "ib_write_bw",
+            size,
+            8,
+            pt("ib_write_bw", size, &format!("-n {iters} -t 8")),
+            Parse::PerftestBw,
+        ));
+        v.push(job(
+            "perftest",
+            "ib_read_bw",
+            size,
+            8,
+            pt("ib_read_bw", size, &format!("-n {iters} -o 8")),
+            Parse::PerftestBw,
+        ));
+    }
+    v.push(job(
+        "perftest",
+        "ib_send_lat",
+        8,
+        1,
+        pt("ib_send_lat", 8, "-n 2000"),
+        Parse::PerftestLat,
+    ));
+    v.push(job(
+        "perftest",
+        "ib_read_lat",
+        8,
+        1,
+        pt("ib_read_lat", 8, "-n 2000"),
+        Parse::PerftestLat,
+    ));
+    for j in &mut v {
+        j.tool = format!("siw-{}", j.tool);
+    }
+    v
+}
+
 /// Runs a peer tool's client until it connects: under an emulated CPU its server can take seconds to listen. Then
 /// waits for the server.
 /// Where `perf stat` writes its counts for a cost job (read back by the same job's script).

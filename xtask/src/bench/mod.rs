@@ -188,64 +188,113 @@ pub fn run(a: BenchArgs) -> Result<()> {
         );
     }
     if want("softroce") {
-        let jobs = softroce_jobs(&exe, &c_bin, &p, a.quick);
-        // One round in the guest for --quick: its points take 5-10 s each (emulated CPU), and the quick run must stay
-        // within five minutes; the full run repeats.
-        let repeats = a.repeats.unwrap_or(if a.quick { 1 } else { repeats });
-        eprintln!(
-            "xtask: Soft-RoCE suite: {} points x {repeats} repeats",
-            jobs.len()
-        );
-        let xtask = sys::root().join("target/release/xtask");
-        // The tool's server and client talk over TCP on the device's address, which needs `lo` up (a fresh guest
-        // has it down).
-        let body = format!(
-            "ip link set lo up\n{} rxe up >&2 || exit 90\n{}",
-            xtask.display(),
-            script(&jobs, repeats, p.timeout.max(90))
-        );
-        let native = sys::is_root()
-            && exs_backend_softroce::kernel_supports(exs_backend_softroce::Kind::Rxe).is_ok();
-        let (out, where_) = if native {
-            let path = sys::root().join("target/bench-softroce.sh");
-            std::fs::write(&path, &body).map_err(|e| e.to_string())?;
-            let o = Command::new("sh")
-                .arg(&path)
-                .current_dir(sys::root())
-                .output()
-                .map_err(|e| e.to_string())?;
-            (
-                String::from_utf8_lossy(&o.stdout).into_owned(),
-                format!("{machine}, Soft-RoCE natively"),
-            )
-        } else {
-            sys::ensure_packages(&["perftest", "rdmacm-utils"])?;
-            let v = vm::Vm::prepare()?;
-            let mut out = String::new();
-            let o = v.run_streaming(
-                &format!("cd {}\n{body}", sys::root().display()),
-                Duration::from_secs(3600),
-                &mut |l, err| {
-                    if err {
-                        eprintln!("{l}");
-                    } else {
-                        out.push_str(l);
-                        out.push('\n');
-                    }
-                },
-            )?;
-            if o.rc != Some(0) {
-                eprintln!(
-                    "xtask: the benchmark script in the VM ended with {:?}",
-                    o.rc
-                );
-            }
-            (out, format!("{machine}, rxe in a QEMU guest ({:?}, 2 vCPUs, emulated CPU: compare ratios only)", v.accel))
-        };
-        let rows = collect("softroce", &jobs, &out);
-        let md = write_results("softroce", a.quick, &rows, &cmd, &where_)?;
-        publish("softroce", a.quick, &md)?;
+        softroce_suite(&a, &exe, &c_bin, &p, repeats, &cmd, &machine)?;
     }
     eprintln!("xtask: bench took {:.0?}", started.elapsed());
     Ok(())
+}
+
+/// The Soft-RoCE suite: rxe and, beside it in the same guest boot (or natively, where the kernel has both), siw.
+fn softroce_suite(
+    a: &BenchArgs,
+    exe: &str,
+    c_bin: &str,
+    p: &Plan,
+    repeats: usize,
+    cmd: &str,
+    machine: &str,
+) -> Result<()> {
+    let native = sys::is_root()
+        && exs_backend_softroce::kernel_supports(exs_backend_softroce::Kind::Rxe).is_ok();
+    // siw: this kernel's own natively, else a build for the guest's kernel.
+    let (vm, siw_load) = if native {
+        let has = exs_backend_softroce::kernel_supports(exs_backend_softroce::Kind::Siw).is_ok();
+        (None, has.then(String::new))
+    } else {
+        sys::ensure_packages(&["perftest", "rdmacm-utils"])?;
+        let v = vm::Vm::prepare()?;
+        let load = crate::siw::prepare(v.dir(), &v.kver)
+            .map(|m| {
+                format!(
+                    "ulimit -l unlimited\n{}",
+                    crate::siw::load_lines(&m.path(crate::siw::Variant::Stock))
+                )
+            })
+            .map_err(|e| eprintln!("xtask: no siw in this run: {e}"))
+            .ok();
+        (Some(v), load)
+    };
+    let mut jobs = softroce_jobs(exe, c_bin, p, a.quick);
+    if siw_load.is_some() {
+        jobs.extend(siw_jobs(exe, p, a.quick));
+    }
+    // One round in the guest for --quick: its points take 5-10 s each (emulated CPU), and the quick run must stay
+    // within five minutes; the full run repeats.
+    let repeats = a.repeats.unwrap_or(if a.quick { 1 } else { repeats });
+    eprintln!(
+        "xtask: Soft-RoCE suite: {} points x {repeats} repeats",
+        jobs.len()
+    );
+    let xtask = sys::root().join("target/release/xtask");
+    // The tool's server and client talk over TCP on the device's address, which needs `lo` up (a fresh guest
+    // has it down).
+    let siw_up = siw_load.as_ref().map_or(String::new(), |load| {
+        format!("{load}{} rxe up --siw >&2 || exit 90\n", xtask.display())
+    });
+    let body = format!(
+        "ip link set lo up\n{} rxe up >&2 || exit 90\n{siw_up}{}",
+        xtask.display(),
+        script(&jobs, repeats, p.timeout.max(90))
+    );
+    let (out, where_) = if native {
+        let path = sys::root().join("target/bench-softroce.sh");
+        std::fs::write(&path, &body).map_err(|e| e.to_string())?;
+        let o = Command::new("sh")
+            .arg(&path)
+            .current_dir(sys::root())
+            .output()
+            .map_err(|e| e.to_string())?;
+        (
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            format!("{machine}, Soft-RoCE natively"),
+        )
+    } else {
+        let v = vm.as_ref().expect("prepared above");
+        (
+            run_in_guest(v, &body)?,
+            format!(
+                "{machine}, rxe{} in a QEMU guest ({:?}, 2 vCPUs, emulated CPU: compare ratios only)",
+                if siw_load.is_some() { " and siw" } else { "" },
+                v.accel
+            ),
+        )
+    };
+    let rows = collect("softroce", &jobs, &out);
+    let md = write_results("softroce", a.quick, &rows, cmd, &where_)?;
+    publish("softroce", a.quick, &md)?;
+    Ok(())
+}
+
+/// Runs a benchmark script in the guest; returns its standard output (its errors pass through).
+fn run_in_guest(v: &vm::Vm, body: &str) -> Result<String> {
+    let mut out = String::new();
+    let o = v.run_streaming(
+        &format!("cd {}\n{body}", sys::root().display()),
+        Duration::from_secs(3600),
+        &mut |l, err| {
+            if err {
+                eprintln!("{l}");
+            } else {
+                out.push_str(l);
+                out.push('\n');
+            }
+        },
+    )?;
+    if o.rc != Some(0) {
+        eprintln!(
+            "xtask: the benchmark script in the VM ended with {:?}",
+            o.rc
+        );
+    }
+    Ok(out)
 }

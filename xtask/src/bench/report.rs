@@ -336,6 +336,7 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
             |r| r <= 1.5,
             "<= 1.5x, issue 12; issue 7 asked 1.3x",
         ));
+        v.extend(siw_targets(sum));
     }
     // Issue 30: the ES-API from C costs nothing measurable beside the Rust API.
     v.push(ratio_line(
@@ -356,6 +357,46 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
         }
     }
     v
+}
+
+/// The same targets on soft-iWARP (issue 31), where the run measured it (tools named `siw-...`).
+fn siw_targets(sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
+    let bw = |t: &str, v: &str, z: u64| get(sum, t, v, z, "bytes_per_sec").map(|x| x.0);
+    let lat = |t: &str, v: &str| get(sum, t, v, 8, "mean_us").map(|x| x.0);
+    if !sum.keys().any(|k| k.0.starts_with("siw-")) {
+        return Vec::new();
+    }
+    let z = 65536;
+    vec![
+        ratio_line(
+            "siw: exs seqpacket vs ib_read_bw, 64 KiB",
+            bw("siw-exs", "seqpacket", z),
+            bw("siw-perftest", "ib_read_bw", z),
+            |r| r >= 0.9,
+            ">= 0.9x",
+        ),
+        ratio_line(
+            "siw: exs stream vs ib_write_bw, 64 KiB",
+            bw("siw-exs", "stream", z),
+            bw("siw-perftest", "ib_write_bw", z),
+            |r| r >= 0.9,
+            ">= 0.9x",
+        ),
+        ratio_line(
+            "siw: exs immediate one-way latency vs ib_send_lat, 8 B",
+            lat("siw-exs-ping", "immediate"),
+            lat("siw-perftest", "ib_send_lat"),
+            |r| r <= 2.0,
+            "<= 2x",
+        ),
+        ratio_line(
+            "siw: exs persistent read vs ib_read_lat, 8 B",
+            lat("siw-exs-ping", "persistent"),
+            lat("siw-perftest", "ib_read_lat"),
+            |r| r <= 1.5,
+            "<= 1.5x",
+        ),
+    ]
 }
 
 /// `quick` runs go to files of their own (`-quick`), so that they never replace a full run's.

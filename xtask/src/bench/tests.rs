@@ -171,3 +171,36 @@ fn idle_rows_carry_memory_and_times_into_their_table_and_targets() {
         "{t:?}"
     );
 }
+
+/// Issue 31: siw beside rxe in the Soft-RoCE suite: its own tools (`siw-...`), perftest through rdma_cm on the siw
+/// device, and the targets computed for it from the same run.
+#[test]
+fn siw_points_run_on_the_siw_device_and_have_targets_of_their_own() {
+    let jobs = siw_jobs("exs", &plan(true), true);
+    assert!(jobs.iter().all(|j| j.tool.starts_with("siw-")));
+    for j in jobs.iter().filter(|j| j.tool == "siw-perftest") {
+        assert!(j.cmd.contains("-R -d exs_siw0"), "{}", j.cmd);
+    }
+    assert!(jobs.iter().any(|j| j.tool == "siw-exs-ping"
+        && j.variant == "immediate"
+        && j.cmd.contains("192.168.79.1")));
+    let mut sum = BTreeMap::new();
+    let mut put = |tool: &str, variant: &str, size: u64, metric: &str, v: f64| {
+        sum.insert(
+            (tool.into(), variant.into(), size, 8, metric.into()),
+            (v, v, v, 1),
+        );
+    };
+    put("siw-exs", "seqpacket", 65536, "bytes_per_sec", 45.0);
+    put("siw-perftest", "ib_read_bw", 65536, "bytes_per_sec", 50.0);
+    put("siw-exs-ping", "immediate", 8, "mean_us", 30.0);
+    put("siw-perftest", "ib_send_lat", 8, "mean_us", 20.0);
+    let t = targets("softroce", &sum);
+    assert!(
+        t.contains(
+            &"siw: exs seqpacket vs ib_read_bw, 64 KiB: 0.90x (target >= 0.9x) - met".to_string()
+        ),
+        "{t:?}"
+    );
+    assert!(t.iter().any(|l| l.starts_with("siw: exs immediate one-way latency vs ib_send_lat, 8 B: 1.50x")), "{t:?}");
+}

@@ -1,0 +1,115 @@
+//! Write-with-immediate where the device has none (iWARP: RDMAP carries no immediate data; or forced by
+//! configuration): the write, then a send of 8 bytes, a magic and the immediate, which the receiving backend turns
+//! back into an immediate (the protocol's own control messages are never shorter than 16 bytes, so 8 bytes with
+//! the magic are never one of them).
+//!
+//! The 8 bytes go inline where the device sends that much inline; otherwise (a device, or an override, with less)
+//! the send gathers them from a slab registered once per connection, one slot per send-queue entry, reused in
+//! turn. A slot is rewritten only after the send that used it completed: at most `entries` native requests are on
+//! the send queue at once and each emulated send takes at least one, so the send that used a slot `entries` sends
+//! ago has been retired before the slot comes round again.
+
+use std::sync::Arc;
+
+use exs_transport::TransportError;
+use rdma_sys::*;
+
+use crate::memory::{reg_mr, Pd};
+
+/// Magic of an emulated write-with-immediate ("EXSI", little-endian), followed by the immediate.
+pub(crate) const IMM_MAGIC: u32 = u32::from_le_bytes(*b"EXSI");
+
+/// The 8 bytes that carry `imm`.
+pub(crate) fn payload(imm: u32) -> [u8; 8] {
+    let mut p = [0u8; 8];
+    p[..4].copy_from_slice(&IMM_MAGIC.to_le_bytes());
+    p[4..].copy_from_slice(&imm.to_le_bytes());
+    p
+}
+
+/// The immediate a received message of exactly these bytes carries, if it is an emulated one.
+pub(crate) fn decode(bytes: &[u8; 8]) -> Option<u32> {
+    (bytes[..4] == IMM_MAGIC.to_le_bytes())
+        .then(|| u32::from_le_bytes([bytes[4], bytes[5], bytes[6], bytes[7]]))
+}
+
+/// Slots for the payloads of one connection's emulated immediates, one per send-queue entry (see the module
+/// documentation); registered where they are not sent inline.
+pub(crate) struct ImmSlab {
+    mem: *mut [u8; 8],
+    slots: usize,
+    next: usize,
+    /// The registration and its key, when the device reads the slots (not inline).
+    mr: Option<(*mut ibv_mr, u32, Arc<Pd>)>,
+}
+
+// SAFETY: the slab's memory is owned by it and written only through `&mut self`; the MR handle is only used to
+// deregister it.
+unsafe impl Send for ImmSlab {}
+
+impl ImmSlab {
+    /// A slab of `slots` payloads (the connection's send-queue entries), registered for local access in `pd`
+    /// if given (payloads the device reads from memory rather than inline).
+    pub(crate) fn new(pd: Option<&Arc<Pd>>, slots: u32) -> Result<ImmSlab, TransportError> {
+        let slots = slots.max(1) as usize;
+        let mem = Box::into_raw(vec![[0u8; 8]; slots].into_boxed_slice()) as *mut [u8; 8];
+        let mut slab = ImmSlab {
+            mem,
+            slots,
+            next: 0,
+            mr: None,
+        };
+        if let Some(pd) = pd {
+            // On failure the slab's Drop frees the memory (nothing registered).
+            let mr = reg_mr(pd, mem as u64, slots * 8, 0)?;
+            // SAFETY: live MR.
+            let lkey = unsafe { (*mr).lkey };
+            slab.mr = Some((mr, lkey, Arc::clone(pd)));
+        }
+        Ok(slab)
+    }
+
+    /// Writes `imm`'s payload into the next slot and returns its scatter entry.
+    pub(crate) fn next(&mut self, imm: u32) -> ibv_sge {
+        let i = self.next;
+        self.next = (self.next + 1) % self.slots;
+        // SAFETY: `i < slots`; the slot's last send completed (module documentation), so the device no longer reads
+        // it; no reference into the slab exists.
+        let slot = unsafe { self.mem.add(i) };
+        // SAFETY: as above; a plain write of 8 bytes into memory we own.
+        unsafe { slot.write(payload(imm)) };
+        ibv_sge {
+            addr: slot as u64,
+            length: 8,
+            lkey: self.mr.as_ref().map_or(0, |m| m.1),
+        }
+    }
+}
+
+impl Drop for ImmSlab {
+    fn drop(&mut self) {
+        // SAFETY: the connection's queue pair is destroyed before its endpoint (and this slab) is dropped, so the
+        // device reads no slot any more; the MR is deregistered before its memory is freed, each once.
+        unsafe {
+            if let Some((mr, _, _)) = self.mr.take() {
+                ibv_dereg_mr(mr);
+            }
+            drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.mem, self.slots,
+            )));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_emulated_immediate_round_trips_and_other_bytes_are_not_one() {
+        for imm in [0, 1, 0xdead_beef, u32::MAX] {
+            assert_eq!(decode(&payload(imm)), Some(imm));
+        }
+        assert_eq!(decode(b"EXSJ\0\0\0\0"), None);
+    }
+}

@@ -11,7 +11,7 @@ use std::fmt;
 use std::ops::{Bound, Range, RangeBounds};
 use std::sync::{Arc, Mutex, Weak};
 
-use exs_dma::{DmaBuf, Lease, LeaseKind};
+use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::context::{Context, Shared};
 use crate::error::{BufferError, MemoryError};
@@ -328,15 +328,4 @@ impl Slice {
     pub(crate) fn lease(&self, kind: LeaseKind) -> Result<Sge, BufferError> {
         self.region.lease(self.range(), kind)
     }
-}
-
-/// Leases one range of a buffer and pairs it with a registration (for the engine's own buffers).
-pub(crate) fn lease_sge(
-    buf: &Arc<DmaBuf>,
-    reg: &Arc<dyn Registration>,
-    range: Range<usize>,
-    kind: LeaseKind,
-) -> Result<Sge, BufferError> {
-    let lease: Lease = buf.lease(range, kind)?;
-    Sge::new(lease, Arc::clone(reg)).map_err(|_| BufferError::WrongContext)
 }

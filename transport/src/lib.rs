@@ -38,7 +38,7 @@ use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
-use exs_dma::{DmaBuf, Lease};
+use exs_dma::{DmaBuf, DmaError, Lease, LeaseKind};
 
 /// An endpoint (queue pair) of a transport, named by the engine when it creates it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -233,6 +233,21 @@ impl Sge {
             ));
         }
         Ok(Self { lease, reg })
+    }
+
+    /// Leases `range` of the registration's own buffer for the device (`kind`) and pairs it with the
+    /// registration: the buffer is the registered one by construction, so only the lease can fail (the range is
+    /// outside the buffer, or leased in a conflicting way).
+    pub fn of(
+        reg: &Arc<dyn Registration>,
+        range: std::ops::Range<usize>,
+        kind: LeaseKind,
+    ) -> Result<Self, DmaError> {
+        let lease = reg.buf().lease(range, kind)?;
+        Ok(Self {
+            lease,
+            reg: Arc::clone(reg),
+        })
     }
 
     /// Device address of the first byte.

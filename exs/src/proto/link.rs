@@ -42,7 +42,6 @@ use std::sync::Arc;
 use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::error::Violation;
-use crate::memory::lease_sge;
 use crate::transport::{Op, Registration, RemoteRef, Sge, WorkRequest};
 use crate::wire::{Body, CloseReason, Kind, Message, WireError, HEADER_LEN};
 
@@ -111,13 +110,9 @@ impl Slots {
 
     /// A receive work request for `slot`, identified as `id`.
     pub(crate) fn recv_wr(&self, slot: u32, id: u64) -> Result<WorkRequest, Violation> {
-        let sge = lease_sge(
-            &self.buf,
-            &self.reg,
-            self.range(slot),
-            LeaseKind::DeviceWrite,
-        )
-        .map_err(|e| Violation::BadRange(format!("control receive slot {slot} is busy: {e}")))?;
+        let sge = Sge::of(&self.reg, self.range(slot), LeaseKind::DeviceWrite).map_err(|e| {
+            Violation::BadRange(format!("control receive slot {slot} is busy: {e}"))
+        })?;
         Ok(WorkRequest {
             wr_id: id,
             op: Op::Recv { sge },
@@ -601,8 +596,7 @@ impl Link {
             .buf
             .with_slice_mut(range.start..range.start + len, |b| msg.encode(b))
             .expect("a free control send slot is not leased");
-        let header = lease_sge(
-            &self.tx.buf,
+        let header = Sge::of(
             &self.tx.reg,
             range.start..range.start + len,
             LeaseKind::DeviceRead,

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use exs_dma::LeaseKind;
 
 use super::{wr_id, AckSource, Link, Outgoing, WrKind};
-use crate::memory::lease_sge;
 use crate::transport::{Op, Sge, WorkRequest};
 use crate::wire::{Body, CloseReason, Message, HEADER_LEN};
 
@@ -129,7 +128,7 @@ impl Link {
             self.free_pack.push(p);
             return false;
         }
-        let sge = lease_sge(&buf, &reg, base..base + at, LeaseKind::DeviceRead)
+        let sge = Sge::of(&reg, base..base + at, LeaseKind::DeviceRead)
             .expect("a pack buffer just written is not leased");
         self.spent += 1;
         self.sq_free -= 1;

@@ -130,7 +130,7 @@ fn a_message_too_large_to_share_a_buffer_is_not_held() {
     assert_eq!(out.len(), 1);
     let data = DmaBuf::new(600);
     let reg: Arc<dyn Registration> = Arc::new(TestReg(Arc::clone(&data)));
-    let inline = lease_sge(&data, &reg, 0..600, LeaseKind::DeviceRead).unwrap();
+    let inline = Sge::of(&reg, 0..600, LeaseKind::DeviceRead).unwrap();
     let advert = Body::Advert(crate::wire::Advert {
         seq: 0,
         flags: crate::wire::AdvertFlags(crate::wire::AdvertFlags::IMMEDIATE),

@@ -355,6 +355,11 @@ impl StreamProto {
         self.max_sge = (n as usize).clamp(1, 16);
     }
 
+    /// Turns the gathering of small writes behind the write in flight on or off (see "Packing small writes").
+    pub(crate) fn set_coalesce(&mut self, on: bool) {
+        self.coalesce = on;
+    }
+
     pub(crate) fn stats(&self) -> StreamStats {
         self.stats
     }

@@ -100,6 +100,8 @@ pub fn all_cases() -> Vec<Case> {
     let mut v = Vec::new();
     v.extend(cases::message::cases());
     v.extend(cases::stream::cases());
+    v.extend(cases::stream_close::cases());
+    v.extend(cases::stream_io::cases());
     v.extend(cases::process::cases());
     v.extend(cases::scale::cases());
     v.extend(cases::extensions::cases());

@@ -1,7 +1,18 @@
-//! Blocking streams with the shape of `std::net` (issue 16): [`Stream`] is a connected SOCK_STREAM socket that
-//! implements `std::io::Read` and `Write`, [`Listener`] accepts them. Registered buffers are managed inside (one
-//! copy in each direction, between them and the caller's slices); the zero-copy path stays the ES-API calls on
-//! [`Socket`], which [`Stream::socket`] hands out.
+//! Streams with the shape of `std::net` (issues 16 and 26): [`Stream`] is a connected SOCK_STREAM socket that
+//! implements `std::io::Read` and `Write` (on `&Stream` too, as `TcpStream` does), [`Listener`] accepts them.
+//! Code written for `TcpStream` / `TcpListener` ports by renaming: [`Stream::connect`] and [`Listener::bind`] open
+//! the process's [default context](default_context) on first use (the backend chosen by the cargo features and
+//! the environment, as [`Context::from_env`]); the `_in` forms take a context.
+//!
+//! Registered buffers are managed inside, per stream ([`StreamConfig`]): several receives posted ahead into which
+//! the peer writes directly, and a send ring with several sends in flight, so the wire does not wait for the
+//! application's copy nor the copy for the wire (what each byte costs: `core.rs`). The zero-copy path stays the
+//! ES-API calls on [`Socket`], which [`Stream::socket`] hands out.
+//!
+//! The semantics are TCP's: a write returns once its bytes are copied and on their way; `flush` has nothing to
+//! wait for; `shutdown(Write)` queues end-of-stream behind the bytes written and returns (a peer that does not
+//! read does not hold it up); a read after `shutdown(Read)` returns end-of-stream; dropping the last handle
+//! closes gracefully (the bytes written are delivered, within the context's linger time).
 //!
 //! ```
 //! # #[cfg(feature = "sim")] {
@@ -24,384 +35,146 @@
 //! # }
 //! ```
 
-use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Mutex;
 use std::time::Duration;
 
 use crate::context::Context;
 use crate::error::DequeueError;
-use crate::event::{EventKind, EventQueue};
-use crate::memory::MemoryRegion;
-use crate::options::{MsgFlags, SockType};
+use crate::event::{Event, EventQueue};
+use crate::options::SockType;
 use crate::socket::Socket;
 
-/// Bytes of each internal registered buffer (one for reads, one for writes).
-pub const STREAM_IO_BUFFER: usize = 256 * 1024;
+mod blocking;
+mod core;
 
-fn other(e: impl std::fmt::Display) -> io::Error {
-    io::Error::other(e.to_string())
+pub use blocking::{Listener, Stream};
+pub(crate) use core::{Reader, Writer};
+
+/// How a stream of this module buffers; the defaults suit bulk transfers and request/response alike.
+///
+/// Memory per stream: `recv_buffer` from the start (its receives are posted at once), `send_buffer` from the
+/// first write; both registered with the context. The protocol's own stream buffer (seed 001's intermediate
+/// buffer, [`SocketOption::StreamBufferSize`](crate::SocketOption::StreamBufferSize), 1 MiB) comes on top, and
+/// only once the peer writes when no receive is advertised.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StreamConfig {
+    /// Bytes of the send ring (default 1 MiB): how much a writer may have in flight before a write waits.
+    pub send_buffer: usize,
+    /// Most bytes of one send (default 256 KiB): a large write is cut into sends of this size, so that the
+    /// ring's space comes back piece by piece.
+    pub send_piece: usize,
+    /// Bytes of the receive buffer (default 1 MiB), cut into `recv_pieces` receives posted ahead.
+    pub recv_buffer: usize,
+    /// Receives posted ahead (default 4): the peer's sends go directly into them (zero copy on the wire) while
+    /// the reader copies out of the ones filled before.
+    pub recv_pieces: usize,
+    /// How long a connection attempt may take (`None`: the context's `connect_timeout`).
+    pub connect_timeout: Option<Duration>,
 }
 
-/// A dequeue's timeout as `std` reports it on Unix: `WouldBlock`.
-fn wait_err(e: DequeueError) -> io::Error {
-    match e {
-        DequeueError::TimedOut => io::Error::new(io::ErrorKind::WouldBlock, "timed out"),
-        e => io::Error::from(e),
-    }
-}
-
-/// What a connected stream needs whichever way its caller waits: the socket, its queue, the registered buffers and
-/// the steps that never block (the blocking [`Stream`] and the async `exs::tokio::Stream` wait between them).
-#[derive(Debug)]
-pub(crate) struct Core {
-    pub(crate) sock: Socket,
-    pub(crate) eq: EventQueue,
-    rx: MemoryRegion,
-    tx: MemoryRegion,
-    /// Bytes received into `rx` not yet read: `rx[at..end]`.
-    at: usize,
-    end: usize,
-    /// A receive is posted.
-    recv_posted: bool,
-    /// A send is in flight.
-    send_posted: bool,
-    /// A write shutdown is in flight / done.
-    pub(crate) shutdown_posted: bool,
-    pub(crate) shutdown_done: bool,
-    pub(crate) eof: bool,
-    /// Events taken from the queue so far, by the direction that waits for them: `[receives, sends and
-    /// shutdowns]` (an async caller compares them across a step, see `exs::tokio`).
-    pub(crate) absorbed: [u64; 2],
-}
-
-impl Core {
-    pub(crate) fn new(ctx: &Context, sock: Socket, eq: EventQueue) -> io::Result<Core> {
-        Ok(Core {
-            sock,
-            eq,
-            rx: MemoryRegion::alloc(ctx, STREAM_IO_BUFFER)?,
-            tx: MemoryRegion::alloc(ctx, STREAM_IO_BUFFER)?,
-            at: 0,
-            end: 0,
-            recv_posted: false,
-            send_posted: false,
-            shutdown_posted: false,
-            shutdown_done: false,
-            eof: false,
-            absorbed: [0; 2],
-        })
-    }
-
-    /// Takes in one event of this stream's queue.
-    pub(crate) fn absorb(&mut self, ev: crate::event::Event) -> io::Result<()> {
-        self.absorbed[usize::from(ev.kind != EventKind::Recv)] += 1;
-        match ev.kind {
-            EventKind::Recv => {
-                self.recv_posted = false;
-                ev.status.map_err(io::Error::from)?;
-                if ev.flags.eof {
-                    self.eof = true;
-                }
-                self.at = 0;
-                self.end = ev.bytes;
-            }
-            EventKind::Send => {
-                self.send_posted = false;
-                ev.status.map_err(io::Error::from)?;
-            }
-            EventKind::Shutdown => {
-                self.shutdown_posted = false;
-                self.shutdown_done = true;
-                ev.status.map_err(io::Error::from)?;
-            }
-            _ => {}
-        }
-        Ok(())
-    }
-
-    /// Takes in whatever is queued, without waiting.
-    pub(crate) fn absorb_queued(&mut self) -> io::Result<()> {
-        let mut evs = Vec::new();
-        self.eq.poll(&mut evs, 8);
-        for ev in evs {
-            self.absorb(ev)?;
-        }
-        Ok(())
-    }
-
-    /// Bytes (or end-of-stream: 0) if there are some now; otherwise makes sure a receive is posted and says
-    /// `None`: wait for the queue, then call again.
-    pub(crate) fn try_read(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
-        if buf.is_empty() {
-            return Ok(Some(0));
-        }
-        self.absorb_queued()?;
-        if self.at == self.end {
-            if self.eof {
-                return Ok(Some(0));
-            }
-            if !self.recv_posted {
-                self.sock
-                    .recv(&self.eq, &self.rx.all(), MsgFlags::NONE, 0)
-                    .map_err(io::Error::from)?;
-                self.recv_posted = true;
-            }
-            return Ok(None);
-        }
-        let n = buf.len().min(self.end - self.at);
-        self.rx.read(self.at, &mut buf[..n]).map_err(other)?;
-        self.at += n;
-        Ok(Some(n))
-    }
-
-    /// Copies up to [`STREAM_IO_BUFFER`] bytes into the registered send buffer and sends them, once the previous
-    /// send has completed (`None` until then: wait for the queue, then call again).
-    pub(crate) fn try_write(&mut self, buf: &[u8]) -> io::Result<Option<usize>> {
-        if buf.is_empty() {
-            return Ok(Some(0));
-        }
-        self.absorb_queued()?;
-        if self.send_posted {
-            return Ok(None);
-        }
-        let n = buf.len().min(STREAM_IO_BUFFER);
-        self.tx.write(0, &buf[..n]).map_err(other)?;
-        self.sock
-            .send(&self.eq, &self.tx.slice(..n), MsgFlags::NONE, 0)
-            .map_err(io::Error::from)?;
-        self.send_posted = true;
-        Ok(Some(n))
-    }
-
-    /// Whether every byte written has left.
-    pub(crate) fn try_flush(&mut self) -> io::Result<bool> {
-        self.absorb_queued()?;
-        Ok(!self.send_posted)
-    }
-
-    /// Shuts the writing side down once the bytes written have left; `true` when done.
-    pub(crate) fn try_shutdown(&mut self) -> io::Result<bool> {
-        if !self.try_flush()? {
-            return Ok(false);
-        }
-        if !self.shutdown_posted && !self.shutdown_done {
-            match self.sock.shutdown(&self.eq, 1) {
-                Ok(()) => {}
-                // The peer closed the whole connection: there is no writing side left to shut down.
-                Err(crate::error::CloseError::State(crate::error::StateError::ConnectionDown(
-                    crate::error::OpError::PeerClosed,
-                ))) => {
-                    self.shutdown_done = true;
-                    return Ok(true);
-                }
-                Err(e) => return Err(e.into()),
-            }
-            self.shutdown_posted = true;
-            self.absorb_queued()?;
-        }
-        Ok(self.shutdown_done)
-    }
-
-    pub(crate) fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.sock
-            .local_addr()?
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no local address"))
-    }
-
-    pub(crate) fn peer_addr(&self) -> io::Result<SocketAddr> {
-        self.sock
-            .peer_addr()?
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no peer address"))
-    }
-}
-
-/// A connected stream, like `std::net::TcpStream`. A write returns once its bytes are in the registered send
-/// buffer and sent (an error of that send comes with the next write or `flush`); `flush` waits until they have
-/// left.
-#[derive(Debug)]
-pub struct Stream {
-    core: Core,
-    read_timeout: Option<Duration>,
-    write_timeout: Option<Duration>,
-}
-
-impl Stream {
-    /// Connects on `ctx` to the first address of `addr` that answers. As with RDMA connections generally, the
-    /// connection completes when the listener accepts it.
-    pub fn connect_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Stream> {
-        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
-        for a in addr.to_socket_addrs()? {
-            match Self::connect_one(ctx, a) {
-                Ok(s) => return Ok(s),
-                Err(e) => last = e,
-            }
-        }
-        Err(last)
-    }
-
-    fn connect_one(ctx: &Context, addr: SocketAddr) -> io::Result<Stream> {
-        let sock = Socket::new(ctx, SockType::Stream)?;
-        let eq = EventQueue::new(8);
-        sock.connect(addr, &eq, 0)?;
-        let ev = eq.next(None).map_err(io::Error::from)?;
-        ev.status.map_err(io::Error::from)?;
-        Self::from_socket(ctx, sock, eq)
-    }
-
-    fn from_socket(ctx: &Context, sock: Socket, eq: EventQueue) -> io::Result<Stream> {
-        Ok(Stream {
-            core: Core::new(ctx, sock, eq)?,
-            read_timeout: None,
-            write_timeout: None,
-        })
-    }
-
-    /// The ES-API socket underneath (zero-copy sends and receives of registered memory).
-    pub fn socket(&self) -> &Socket {
-        &self.core.sock
-    }
-
-    /// This side's address.
-    pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.core.local_addr()
-    }
-
-    /// The peer's address.
-    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
-        self.core.peer_addr()
-    }
-
-    /// Shuts the writing side down (the peer reads end-of-stream after the bytes already written), like
-    /// `TcpStream::shutdown`. Shutting the reading side down only stops this side's reads.
-    pub fn shutdown(&mut self, how: Shutdown) -> io::Result<()> {
-        if matches!(how, Shutdown::Read | Shutdown::Both) {
-            self.core.eof = true;
-        }
-        if matches!(how, Shutdown::Write | Shutdown::Both) {
-            while !self.core.try_shutdown()? {
-                self.wait(self.write_timeout)?;
-            }
-        }
-        Ok(())
-    }
-
-    /// How long a read may wait (`None`: for ever); a read that waits longer fails with `WouldBlock`.
-    pub fn set_read_timeout(&mut self, t: Option<Duration>) -> io::Result<()> {
-        if t == Some(Duration::ZERO) {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
-        }
-        self.read_timeout = t;
-        Ok(())
-    }
-
-    /// How long a write may wait for the previous bytes to leave (`None`: for ever).
-    pub fn set_write_timeout(&mut self, t: Option<Duration>) -> io::Result<()> {
-        if t == Some(Duration::ZERO) {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
-        }
-        self.write_timeout = t;
-        Ok(())
-    }
-
-    /// See [`Stream::set_read_timeout`].
-    pub fn read_timeout(&self) -> io::Result<Option<Duration>> {
-        Ok(self.read_timeout)
-    }
-
-    /// See [`Stream::set_write_timeout`].
-    pub fn write_timeout(&self) -> io::Result<Option<Duration>> {
-        Ok(self.write_timeout)
-    }
-
-    /// Waits for one event of the stream's queue and takes it in.
-    fn wait(&mut self, timeout: Option<Duration>) -> io::Result<()> {
-        let ev = self.core.eq.next(timeout).map_err(wait_err)?;
-        self.core.absorb(ev)
-    }
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        loop {
-            if let Some(n) = self.core.try_read(buf)? {
-                return Ok(n);
-            }
-            self.wait(self.read_timeout)?;
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            send_buffer: 1 << 20,
+            send_piece: 256 << 10,
+            recv_buffer: 1 << 20,
+            recv_pieces: 4,
+            connect_timeout: None,
         }
     }
 }
 
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        loop {
-            if let Some(n) = self.core.try_write(buf)? {
-                return Ok(n);
-            }
-            self.wait(self.write_timeout)?;
+/// The process's default context, opened on first use as [`Context::from_env`] opens one (the backend the
+/// environment names, else the first compiled in of verbs, fabric, sim) and kept for the process's life:
+/// [`Stream::connect`], [`Listener::bind`] and their tokio forms run on it. A failed opening is not kept (the
+/// next call tries again).
+pub fn default_context() -> io::Result<Context> {
+    static DEFAULT: Mutex<Option<Context>> = Mutex::new(None);
+    let mut d = DEFAULT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = &*d {
+        return Ok(c.clone());
+    }
+    let c = Context::from_env()?;
+    *d = Some(c.clone());
+    Ok(c)
+}
+
+/// The first success of `f` over `addrs`, or the last error.
+pub(crate) fn each_addr<T>(
+    addrs: impl IntoIterator<Item = SocketAddr>,
+    mut f: impl FnMut(SocketAddr) -> io::Result<T>,
+) -> io::Result<T> {
+    let mut last = None;
+    for a in addrs {
+        match f(a) {
+            Ok(t) => return Ok(t),
+            Err(e) => last = Some(e),
         }
     }
+    Err(last.unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address to use")))
+}
 
-    fn flush(&mut self) -> io::Result<()> {
-        while !self.core.try_flush()? {
-            self.wait(self.write_timeout)?;
+/// Starts a connection attempt: the socket, and the queue its `Connect` event comes to.
+pub(crate) fn start_connect(ctx: &Context, addr: SocketAddr) -> io::Result<(Socket, EventQueue)> {
+    let sock = Socket::new(ctx, SockType::Stream)?;
+    let eq = EventQueue::new(2);
+    sock.connect(addr, &eq, 0)?;
+    Ok((sock, eq))
+}
+
+/// The end of a connection attempt: its event, or the wait's error (a timeout ends the attempt).
+pub(crate) fn end_connect(sock: &Socket, ev: Result<Event, DequeueError>) -> io::Result<()> {
+    match ev {
+        Ok(ev) => Ok(ev.status?),
+        Err(DequeueError::TimedOut) => {
+            let _ = sock.abort();
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the connection attempt timed out",
+            ))
         }
-        Ok(())
+        Err(e) => Err(e.into()),
     }
 }
 
-/// Accepts streams, like `std::net::TcpListener`.
-#[derive(Debug)]
-pub struct Listener {
-    sock: Socket,
-    ctx: Context,
-    eq: EventQueue,
+/// A listening stream socket at `addr`.
+pub(crate) fn listen(ctx: &Context, addr: SocketAddr) -> io::Result<Socket> {
+    let sock = Socket::new(ctx, SockType::Stream)?;
+    sock.bind(addr)?;
+    sock.listen(0)?;
+    Ok(sock)
 }
 
-impl Listener {
-    /// Listens on `ctx` at the first address of `addr` that can be bound (port 0: one is chosen).
-    pub fn bind_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Listener> {
-        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to bind");
-        for a in addr.to_socket_addrs()? {
-            let sock = Socket::new(ctx, SockType::Stream)?;
-            match sock.bind(a).and_then(|()| sock.listen(0).map(|_| ())) {
-                Ok(()) => {
-                    return Ok(Listener {
-                        sock,
-                        ctx: ctx.clone(),
-                        eq: EventQueue::new(4),
-                    })
-                }
-                Err(e) => last = e.into(),
-            }
-        }
-        Err(last)
-    }
+/// The socket an `Accept` event carries, and its peer's address.
+pub(crate) fn accepted(mut ev: Event) -> io::Result<(Socket, SocketAddr)> {
+    ev.status.map_err(io::Error::from)?;
+    let sock = ev
+        .accepted
+        .take()
+        .ok_or_else(|| io::Error::other("an accept event without its socket"))?;
+    let peer = sock
+        .peer_addr()?
+        .ok_or_else(|| io::Error::other("an accepted socket without a peer address"))?;
+    Ok((sock, peer))
+}
 
-    /// The address it listens on.
-    pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.sock
-            .local_addr()?
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "not bound"))
-    }
+/// A socket's address, or `NotConnected`.
+pub(crate) fn addr_of(
+    a: Result<Option<SocketAddr>, crate::error::StateError>,
+) -> io::Result<SocketAddr> {
+    a?.ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no address"))
+}
 
-    /// Waits for a connection; returns it and the peer's address.
-    pub fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
-        self.sock.accept(&self.eq, 0)?;
-        let mut ev = self.eq.next(None).map_err(io::Error::from)?;
-        ev.status.map_err(io::Error::from)?;
-        let sock = ev
-            .accepted
-            .take()
-            .ok_or_else(|| other("an accept event without its socket"))?;
-        let peer = sock
-            .peer_addr()?
-            .ok_or_else(|| other("an accepted socket without a peer address"))?;
-        let s = Stream::from_socket(&self.ctx, sock, EventQueue::new(8))?;
-        Ok((s, peer))
-    }
+/// `set_nodelay`: TCP_NODELAY is coalescing off (small writes leave at once even while a write is in flight).
+pub(crate) fn set_nodelay(sock: &Socket, nodelay: bool) -> io::Result<()> {
+    sock.set_option(crate::options::SocketOption::Coalesce(!nodelay))
+        .map_err(io::Error::from)
+}
 
-    /// Connections as they come, for ever (like `TcpListener::incoming`).
-    pub fn incoming(&self) -> impl Iterator<Item = io::Result<Stream>> + '_ {
-        std::iter::repeat_with(move || self.accept().map(|(s, _)| s))
-    }
+/// See [`set_nodelay`].
+pub(crate) fn nodelay(sock: &Socket) -> io::Result<bool> {
+    Ok(!sock.options()?.coalesce)
 }

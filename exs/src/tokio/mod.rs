@@ -1,8 +1,23 @@
-//! Async streams for tokio (feature `tokio`, issue 16): [`Stream`] implements `AsyncRead` and `AsyncWrite`,
-//! [`Listener`] accepts them, and [`EventQueue::next_async`] waits for any queue. An event queue's descriptor
-//! (readable while events are queued, see [`EventQueue::readiness_fd`]) goes into tokio's reactor as an `AsyncFd`:
-//! no thread per queue, no busy polling; the context's progress thread moves the protocol meanwhile, so contexts
-//! used here must keep their default `Progress::Thread`.
+//! Async streams for tokio (feature `tokio`, issues 16 and 26): [`Stream`] implements `AsyncRead` and
+//! `AsyncWrite`, [`Listener`] accepts them, and [`EventQueue::next_async`] waits for any queue. Each direction of
+//! a stream has its own event queue, whose descriptor (readable while events are queued, see
+//! [`EventQueue::readiness_fd`]) goes into tokio's reactor as an `AsyncFd`: no thread per queue, no busy polling,
+//! and a task that reads never takes the writer's completions (or the other way round). The context's progress
+//! thread moves the protocol meanwhile, so contexts used here must keep their default `Progress::Thread`.
+//!
+//! The shapes are `tokio::net`'s: [`Stream::connect`] and [`Listener::bind`] resolve names with
+//! `tokio::net::lookup_host` (never a blocking lookup in an `async fn`) and run on the process's
+//! [default context](crate::default_context); the `_in` forms take a context. [`Stream::into_split`] and
+//! [`Stream::split`] give halves that a reading and a writing task can own. Buffers and semantics are those of
+//! [`crate::Stream`] (see [`crate::StreamConfig`]).
+//!
+//! # Cancellation safety
+//! As tokio documents its own: [`Listener::accept`] is cancel safe (a connection accepted for a call that was
+//! dropped goes to the next call). Reading (`AsyncReadExt::read` and the rest over `poll_read`) is cancel safe:
+//! bytes are taken from the stream only by a poll that returns them. Writing (`write`, over `poll_write`) is
+//! cancel safe: bytes are copied and sent only by a poll that returns their count. `write_all` and `read_exact`
+//! are not, as with any tokio stream (part may have been moved). [`Stream::connect`] is not: dropping it abandons
+//! the attempt.
 //!
 //! ```
 //! # #[cfg(feature = "sim")]
@@ -10,13 +25,12 @@
 //! use tokio::io::{AsyncReadExt, AsyncWriteExt};
 //! let world = exs::sim::World::threaded(exs::sim::SimConfig::default());
 //! let (server, client) = (world.host(), world.host());
-//! let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9200)).unwrap();
+//! let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9200)).await.unwrap();
 //! let echo = tokio::spawn(async move {
 //!     let (mut s, _) = listener.accept().await.unwrap();
 //!     let mut buf = [0u8; 5];
 //!     s.read_exact(&mut buf).await.unwrap();
 //!     s.write_all(&buf).await.unwrap();
-//!     s.flush().await.unwrap();
 //! });
 //! let mut c = exs::tokio::Stream::connect_in(&client, world.addr(0, 9200)).await.unwrap();
 //! c.write_all(b"hello").await.unwrap();
@@ -28,7 +42,7 @@
 //! ```
 
 use std::io;
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::task::{ready, Context as TaskContext, Poll};
@@ -38,9 +52,12 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::context::Context;
 use crate::event::{Event, EventQueue};
-use crate::options::SockType;
 use crate::socket::Socket;
-use crate::stream_io::Core;
+use crate::stream_io::{self as sio, Reader, StreamConfig, Writer};
+
+mod split;
+
+pub use split::{OwnedReadHalf, OwnedWriteHalf, ReadHalf, ReuniteError, WriteHalf};
 
 /// A queue's readiness descriptor, duplicated so that each `AsyncFd` registers a descriptor of its own.
 struct QueueFd(OwnedFd);
@@ -76,6 +93,27 @@ async fn next_event(eq: &EventQueue, fd: &AsyncFd<QueueFd>) -> io::Result<Event>
     }
 }
 
+/// Runs `step` until it has an answer, waiting on the queue's descriptor in between.
+fn poll_until<T>(
+    fd: &AsyncFd<QueueFd>,
+    eq: &EventQueue,
+    cx: &mut TaskContext<'_>,
+    mut step: impl FnMut() -> io::Result<Option<T>>,
+) -> Poll<io::Result<T>> {
+    loop {
+        if let Some(t) = step()? {
+            return Poll::Ready(Ok(t));
+        }
+        let mut guard = ready!(fd.poll_read_ready(cx))?;
+        if eq.is_empty() {
+            guard.clear_ready();
+        } else {
+            // Events came in between: the step takes them.
+            continue;
+        }
+    }
+}
+
 impl EventQueue {
     /// Waits, without blocking the thread, for the next event (feature `tokio`).
     pub async fn next_async(&self) -> io::Result<Event> {
@@ -84,92 +122,162 @@ impl EventQueue {
     }
 }
 
-/// A connected stream, like `tokio::net::TcpStream`.
-pub struct Stream {
-    core: Core,
+/// The reading direction of a stream with its descriptor in the reactor.
+pub(crate) struct ReadPart {
+    pub(crate) core: Reader,
     fd: AsyncFd<QueueFd>,
+}
+
+/// The writing direction of a stream with its descriptor in the reactor.
+pub(crate) struct WritePart {
+    pub(crate) core: Writer,
+    fd: AsyncFd<QueueFd>,
+}
+
+impl ReadPart {
+    pub(crate) fn poll_read(
+        &mut self,
+        cx: &mut TaskContext<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let core = &mut self.core;
+        let eq = core.eq.clone();
+        let n = ready!(poll_until(&self.fd, &eq, cx, || core
+            .try_read(buf.initialize_unfilled())))?;
+        buf.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl WritePart {
+    pub(crate) fn poll_write(
+        &mut self,
+        cx: &mut TaskContext<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let core = &mut self.core;
+        let eq = core.eq.clone();
+        poll_until(&self.fd, &eq, cx, || core.try_write(buf))
+    }
+}
+
+/// A connected stream, like `tokio::net::TcpStream` (see the module documentation).
+pub struct Stream {
+    pub(crate) read: ReadPart,
+    pub(crate) write: WritePart,
 }
 
 impl std::fmt::Debug for Stream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Stream").field("core", &self.core).finish()
+        f.debug_struct("Stream")
+            .field("socket", &self.read.core.sock)
+            .finish()
     }
 }
 
 impl Stream {
+    /// Connects on the process's [default context](crate::default_context) to the first address of `addr` that
+    /// answers, resolving names with `tokio::net::lookup_host`, like `tokio::net::TcpStream::connect`. Not
+    /// cancel safe: dropping the future abandons the attempt.
+    pub async fn connect(addr: impl tokio::net::ToSocketAddrs) -> io::Result<Stream> {
+        Self::connect_with(&sio::default_context()?, addr, &StreamConfig::default()).await
+    }
+
     /// Connects on `ctx` to the first address of `addr` that answers (once the listener accepts).
-    pub async fn connect_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Stream> {
-        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to");
-        for a in addr.to_socket_addrs()? {
-            let sock = Socket::new(ctx, SockType::Stream)?;
-            let eq = EventQueue::new(8);
-            let fd = async_fd(&eq)?;
-            sock.connect(a, &eq, 0)?;
-            let ev = next_event(&eq, &fd).await?;
-            match ev.status {
-                Ok(()) => {
-                    return Ok(Stream {
-                        core: Core::new(ctx, sock, eq)?,
-                        fd,
-                    })
-                }
-                Err(e) => last = e.into(),
+    pub async fn connect_in(
+        ctx: &Context,
+        addr: impl tokio::net::ToSocketAddrs,
+    ) -> io::Result<Stream> {
+        Self::connect_with(ctx, addr, &StreamConfig::default()).await
+    }
+
+    /// Connects on `ctx` with `cfg`'s buffers and connect timeout.
+    pub async fn connect_with(
+        ctx: &Context,
+        addr: impl tokio::net::ToSocketAddrs,
+        cfg: &StreamConfig,
+    ) -> io::Result<Stream> {
+        let mut last = None;
+        for a in tokio::net::lookup_host(addr).await? {
+            match Self::connect_one(ctx, a, cfg).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
             }
         }
-        Err(last)
+        Err(last.unwrap_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to")
+        }))
+    }
+
+    async fn connect_one(
+        ctx: &Context,
+        addr: SocketAddr,
+        cfg: &StreamConfig,
+    ) -> io::Result<Stream> {
+        let (sock, eq) = sio::start_connect(ctx, addr)?;
+        let fd = async_fd(&eq)?;
+        let ev = match cfg.connect_timeout {
+            Some(t) => match tokio::time::timeout(t, next_event(&eq, &fd)).await {
+                Ok(ev) => Ok(ev?),
+                Err(_) => Err(crate::error::DequeueError::TimedOut),
+            },
+            None => Ok(next_event(&eq, &fd).await?),
+        };
+        sio::end_connect(&sock, ev)?;
+        Self::from_socket(ctx, sock, cfg)
+    }
+
+    fn from_socket(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> io::Result<Stream> {
+        let reader = Reader::new(ctx, sock.clone(), cfg)?;
+        let writer = Writer::new(ctx, sock, cfg);
+        Ok(Stream {
+            read: ReadPart {
+                fd: async_fd(&reader.eq)?,
+                core: reader,
+            },
+            write: WritePart {
+                fd: async_fd(&writer.eq)?,
+                core: writer,
+            },
+        })
     }
 
     /// The ES-API socket underneath.
     pub fn socket(&self) -> &Socket {
-        &self.core.sock
+        &self.read.core.sock
     }
 
     /// This side's address.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.core.local_addr()
+        sio::addr_of(self.socket().local_addr())
     }
 
     /// The peer's address.
     pub fn peer_addr(&self) -> io::Result<SocketAddr> {
-        self.core.peer_addr()
+        sio::addr_of(self.socket().peer_addr())
     }
 
-    /// Runs `step` until it has an answer, waiting on the queue's descriptor in between.
-    /// One step of `dir` (0: reading, 1: writing, flushing, shutting down) under the task's waker.
-    fn poll_step<T>(
-        &mut self,
-        cx: &mut TaskContext<'_>,
-        dir: usize,
-        mut step: impl FnMut(&mut Core) -> io::Result<Option<T>>,
-    ) -> Poll<io::Result<T>> {
-        loop {
-            let absorbed = self.core.absorbed;
-            let done = step(&mut self.core)?;
-            if self.core.absorbed[1 - dir] != absorbed[1 - dir] {
-                // The step took events that the other direction waits for (a read's data while flushing, say).
-                // The queue's descriptor went back to not readable with them, so the reactor may never report the
-                // edge they made (epoll drops an edge whose condition is gone): wake this task so that whatever
-                // waits for them is polled again, whether this step finished or not. Without it hyper, which polls
-                // read then flush in one task, hung with the request's bytes absorbed by a flush that had nothing
-                // to wait for (`a_read_absorbed_by_a_finished_flush_wakes_the_reader`), or by one that did
-                // (`a_read_absorbed_while_flushing_wakes_the_reader`).
-                cx.waker().wake_by_ref();
-                if done.is_none() {
-                    return Poll::Pending;
-                }
-            }
-            if let Some(t) = done {
-                return Poll::Ready(Ok(t));
-            }
-            if self.core.absorbed != absorbed {
-                // Its own events, and still not done: look again before sleeping on the descriptor.
-                continue;
-            }
-            let mut guard = ready!(self.fd.poll_read_ready(cx))?;
-            if self.core.eq.is_empty() {
-                guard.clear_ready();
-            }
-        }
+    /// Like TCP_NODELAY (see [`crate::Stream::set_nodelay`]).
+    pub fn set_nodelay(&self, nodelay: bool) -> io::Result<()> {
+        sio::set_nodelay(self.socket(), nodelay)
+    }
+
+    /// See [`Stream::set_nodelay`].
+    pub fn nodelay(&self) -> io::Result<bool> {
+        sio::nodelay(self.socket())
+    }
+
+    /// Splits the stream into halves that borrow it (like `TcpStream::split`): one task reads while another
+    /// writes.
+    pub fn split(&mut self) -> (ReadHalf<'_>, WriteHalf<'_>) {
+        (ReadHalf(&mut self.read), WriteHalf(&mut self.write))
+    }
+
+    /// Splits the stream into owned halves (like `TcpStream::into_split`). Dropping the write half shuts the
+    /// writing side down (the peer reads end-of-stream after the bytes written); the stream closes when both
+    /// halves are gone. [`OwnedReadHalf::reunite`] puts them back together.
+    pub fn into_split(self) -> (OwnedReadHalf, OwnedWriteHalf) {
+        split::into_split(self)
     }
 }
 
@@ -179,10 +287,7 @@ impl AsyncRead for Stream {
         cx: &mut TaskContext<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        let this = self.get_mut();
-        let n = ready!(this.poll_step(cx, 0, |c| c.try_read(buf.initialize_unfilled())))?;
-        buf.advance(n);
-        Poll::Ready(Ok(()))
+        self.get_mut().read.poll_read(cx, buf)
     }
 }
 
@@ -192,17 +297,19 @@ impl AsyncWrite for Stream {
         cx: &mut TaskContext<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        self.get_mut().poll_step(cx, 1, |c| c.try_write(buf))
+        self.get_mut().write.poll_write(cx, buf)
     }
 
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
-        self.get_mut()
-            .poll_step(cx, 1, |c| Ok(c.try_flush()?.then_some(())))
+    /// Ready at once, like tokio's `TcpStream`: every byte written is already on its way. Reports the error of
+    /// an earlier write's send, if one failed.
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(self.get_mut().write.core.flush())
     }
 
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
-        self.get_mut()
-            .poll_step(cx, 1, |c| Ok(c.try_shutdown()?.then_some(())))
+    /// Shuts the writing side down and is ready at once, like tokio's `TcpStream` (see
+    /// [`crate::Stream::shutdown`]).
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(self.get_mut().write.core.shutdown())
     }
 }
 
@@ -212,6 +319,7 @@ pub struct Listener {
     ctx: Context,
     eq: EventQueue,
     fd: AsyncFd<QueueFd>,
+    cfg: StreamConfig,
 }
 
 impl std::fmt::Debug for Listener {
@@ -223,59 +331,52 @@ impl std::fmt::Debug for Listener {
 }
 
 impl Listener {
+    /// Listens on the process's [default context](crate::default_context) at the first address of `addr` that
+    /// can be bound, resolving names with `tokio::net::lookup_host`, like `tokio::net::TcpListener::bind`.
+    pub async fn bind(addr: impl tokio::net::ToSocketAddrs) -> io::Result<Listener> {
+        Self::bind_with(&sio::default_context()?, addr, &StreamConfig::default()).await
+    }
+
     /// Listens on `ctx` at the first address of `addr` that can be bound.
-    pub fn bind_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Listener> {
-        let mut last = io::Error::new(io::ErrorKind::InvalidInput, "no address to bind");
-        for a in addr.to_socket_addrs()? {
-            let sock = Socket::new(ctx, SockType::Stream)?;
-            match sock.bind(a).and_then(|()| sock.listen(0).map(|_| ())) {
-                Ok(()) => {
-                    let eq = EventQueue::new(4);
-                    let fd = async_fd(&eq)?;
-                    return Ok(Listener {
-                        sock,
-                        ctx: ctx.clone(),
-                        eq,
-                        fd,
-                    });
-                }
-                Err(e) => last = e.into(),
-            }
-        }
-        Err(last)
+    pub async fn bind_in(
+        ctx: &Context,
+        addr: impl tokio::net::ToSocketAddrs,
+    ) -> io::Result<Listener> {
+        Self::bind_with(ctx, addr, &StreamConfig::default()).await
+    }
+
+    /// Listens on `ctx`; the streams it accepts buffer as `cfg` says.
+    pub async fn bind_with(
+        ctx: &Context,
+        addr: impl tokio::net::ToSocketAddrs,
+        cfg: &StreamConfig,
+    ) -> io::Result<Listener> {
+        let addrs = tokio::net::lookup_host(addr).await?;
+        let sock = sio::each_addr(addrs, |a| sio::listen(ctx, a))?;
+        let eq = EventQueue::new(64);
+        let fd = async_fd(&eq)?;
+        Ok(Listener {
+            sock,
+            ctx: ctx.clone(),
+            eq,
+            fd,
+            cfg: cfg.clone(),
+        })
     }
 
     /// The address it listens on.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
-        self.sock
-            .local_addr()?
-            .ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "not bound"))
+        sio::addr_of(self.sock.local_addr())
     }
 
-    /// Waits for a connection; returns it and the peer's address. Not cancel-safe: a dropped `accept` leaves its
+    /// Waits for a connection; returns it and the peer's address. Cancel safe: a dropped `accept` leaves its
     /// accept posted, and the next call gets that connection.
     pub async fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
         if self.eq.outstanding() == 0 && self.eq.is_empty() {
             self.sock.accept(&self.eq, 0)?;
         }
-        let mut ev = next_event(&self.eq, &self.fd).await?;
-        ev.status.map_err(io::Error::from)?;
-        let sock = ev
-            .accepted
-            .take()
-            .ok_or_else(|| io::Error::other("an accept event without its socket"))?;
-        let peer = sock
-            .peer_addr()?
-            .ok_or_else(|| io::Error::other("an accepted socket without a peer address"))?;
-        let eq = EventQueue::new(8);
-        let fd = async_fd(&eq)?;
-        Ok((
-            Stream {
-                core: Core::new(&self.ctx, sock, eq)?,
-                fd,
-            },
-            peer,
-        ))
+        let (sock, peer) = sio::accepted(next_event(&self.eq, &self.fd).await?)?;
+        Ok((Stream::from_socket(&self.ctx, sock, &self.cfg)?, peer))
     }
 }
 

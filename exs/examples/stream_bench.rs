@@ -82,7 +82,7 @@ fn stats_of<S: 'static>(s: &S) -> Box<dyn Fn()> {
     }
     Box::new(move || {
         if let Some(st) = sock.stats() {
-            eprintln!("sender: {:?}\n{:?}", st.stream, st.link);
+            eprintln!("client: {:?}\n{:?}", st.stream, st.link);
         }
     })
 }
@@ -252,7 +252,9 @@ fn rr(api: &str, size: usize, count: usize) -> io::Result<Duration> {
             let addr = l.local_addr()?;
             let echo = std::thread::spawn(move || pong(l.accept()?.0, size));
             let mut c = exs::Stream::connect_in(&client, addr)?;
+            let stats = stats_of(&c);
             let took = ping(&mut c, size, count)?;
+            stats();
             c.shutdown(std::net::Shutdown::Write)?;
             echo.join().map_err(|_| other("the echo panicked"))??;
             Ok(took)

@@ -138,6 +138,11 @@ impl Reader {
         self.scratch = evs;
     }
 
+    /// How many receives the buffer holds.
+    fn pieces(&self) -> usize {
+        self.buf.len() / self.piece
+    }
+
     /// Posts every free slot, while more may come.
     fn refill(&mut self) {
         if self.eof || self.shut || self.failed.is_some() {
@@ -187,7 +192,12 @@ impl Reader {
                 self.free.push(slot);
             }
         }
-        self.refill();
+        // Emptied receives go back in batches, once half of them are out (or none is posted): their adverts then
+        // share one control send (coalescing), where one repost per receive cost a send per message in
+        // request/response traffic.
+        if self.posted * 2 <= self.pieces() {
+            self.refill();
+        }
         if n > 0 {
             return Ok(Some(n));
         }

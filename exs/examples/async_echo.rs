@@ -1,12 +1,14 @@
-//! An async echo with `exs::tokio` (`AsyncRead`/`AsyncWrite`), like `tokio::net`.
+//! An async echo with `exs::tokio` (`AsyncRead`/`AsyncWrite`), written as with `tokio::net`: the same program
+//! over TCP is this one with `exs::tokio::Listener` and `Stream` renamed `tokio::net::TcpListener` and
+//! `TcpStream`. Both ends run on the process's default context (`exs::default_context`, the backend the
+//! environment names).
 //! `EXS_BACKEND=fabric cargo run -p exs --features tokio,fabric --example async_echo`
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> std::io::Result<()> {
-    let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
-    let listener = exs::tokio::Listener::bind_in(&server, "127.0.0.1:0")?;
+    let listener = exs::tokio::Listener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let echo = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await?;
@@ -19,7 +21,7 @@ async fn main() -> std::io::Result<()> {
             s.write_all(&buf[..n]).await?;
         }
     });
-    let mut c = exs::tokio::Stream::connect_in(&client, addr).await?;
+    let mut c = exs::tokio::Stream::connect(addr).await?;
     c.write_all(b"hello, async").await?;
     c.shutdown().await?;
     let mut back = Vec::new();

@@ -79,7 +79,7 @@ pub async fn fetch(
     listen: std::net::SocketAddr,
     len: usize,
 ) -> io::Result<Duration> {
-    let listener = exs::tokio::Listener::bind_in(server, listen)?;
+    let listener = exs::tokio::Listener::bind_in(server, listen).await?;
     let addr = listener.local_addr()?;
     let srv = tokio::spawn(async move {
         let (s, _) = listener.accept().await?;

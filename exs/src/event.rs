@@ -45,10 +45,9 @@ pub enum EventKind {
     SendFile,
     /// `exs_poll` readiness.
     Poll,
-    /// A shutdown finished.
+    /// A shutdown finished. (There is no close event: `Socket::close` returns at once, and the sends it lets
+    /// finish report with their own events, the last of them when the close has delivered everything.)
     Shutdown,
-    /// A close finished.
-    Close,
     /// A persistent send with notification was read by the peer (seed 002, 4.2).
     ReadNotify,
 }

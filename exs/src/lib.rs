@@ -80,7 +80,7 @@ pub use proto::message::MessageStats;
 pub use proto::pool::PoolStats;
 pub use proto::stream::{StreamStats, StreamTrace};
 pub use socket::{ConnStats, Readiness, Socket, SocketId};
-pub use stream_io::{Listener, Stream, STREAM_IO_BUFFER};
+pub use stream_io::{default_context, Listener, Stream, StreamConfig};
 pub use transport::{Capabilities, Transport, TransportError};
 
 /// The ES-API version this library implements (`EXS_VERSION`).

@@ -77,7 +77,8 @@ pub struct SocketOptions {
     /// Send control messages queued while an earlier one is still in flight together, several per send and per
     /// peer receive buffer (the immediate data of small sends is then copied once into the shared send buffer),
     /// like TCP's autocorking. A lone message is never held back. On by default; off costs one provider call and
-    /// one peer buffer per message. Before connect.
+    /// one peer buffer per message. Before connect; on a stream socket at any time, where it also lets small
+    /// writes wait for the write in flight (off is TCP_NODELAY, `Stream::set_nodelay`).
     pub coalesce: bool,
 }
 

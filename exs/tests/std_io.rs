@@ -69,3 +69,75 @@ fn connecting_where_nobody_listens_is_refused() {
     let e = Stream::connect_in(&client, world.addr(0, 9102)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
 }
+
+/// Issue 26: code written for `std::net` ports by renaming. `Listener::bind` and `Stream::connect` (no context)
+/// run on the process's default context (here the simulated fabric, the only backend compiled in).
+#[test]
+fn listener_bind_and_stream_connect_run_on_the_default_context() {
+    let listener = Listener::bind("0.0.0.0:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let echo = std::thread::spawn(move || {
+        let (mut s, peer) = listener.accept().unwrap();
+        assert_eq!(s.peer_addr().unwrap(), peer);
+        let mut buf = [0u8; 5];
+        s.read_exact(&mut buf).unwrap();
+        s.write_all(&buf).unwrap();
+    });
+    let mut c = Stream::connect(addr).unwrap();
+    assert_eq!(c.peer_addr().unwrap(), addr);
+    assert_eq!(c.local_addr().unwrap().ip(), addr.ip());
+    c.write_all(b"hello").unwrap();
+    let mut back = [0u8; 5];
+    c.read_exact(&mut back).unwrap();
+    assert_eq!(&back, b"hello");
+    echo.join().unwrap();
+    let ctx = exs::default_context().unwrap();
+    assert_eq!(
+        ctx.id(),
+        exs::default_context().unwrap().id(),
+        "one default context per process"
+    );
+}
+
+/// Issue 26: `connect_timeout` bounds a connection attempt (as `TcpStream::connect_timeout`): a listener that
+/// never accepts holds the attempt, which ends `TimedOut` after the timeout, not the context's 10 s.
+#[test]
+fn a_connection_nobody_accepts_ends_after_its_connect_timeout() {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9103)).unwrap();
+    let mut cfg = exs::StreamConfig::default();
+    cfg.connect_timeout = Some(Duration::from_millis(200));
+    let t = std::time::Instant::now();
+    let e = Stream::connect_with(&client, world.addr(0, 9103), &cfg).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    drop(listener);
+}
+
+/// Issue 26: `set_nodelay` is TCP_NODELAY: coalescing of small writes off, at any time after connect.
+#[test]
+fn set_nodelay_turns_the_coalescing_of_small_writes_off_after_connect() {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9104)).unwrap();
+    let accepting = std::thread::spawn(move || listener.accept().unwrap());
+    let c = Stream::connect_in(&client, world.addr(0, 9104)).unwrap();
+    let (s, _) = accepting.join().unwrap();
+    assert!(
+        !c.nodelay().unwrap(),
+        "coalescing is on by default, as Nagle is"
+    );
+    c.set_nodelay(true).unwrap();
+    assert!(c.nodelay().unwrap());
+    assert!(!c.socket().options().unwrap().coalesce);
+    // Small writes still arrive, each at once.
+    for i in 0..100u8 {
+        (&c).write_all(&[i]).unwrap();
+    }
+    let mut got = [0u8; 100];
+    (&s).read_exact(&mut got).unwrap();
+    assert!(got.iter().enumerate().all(|(i, &b)| b == i as u8));
+    c.set_nodelay(false).unwrap();
+    assert!(!c.nodelay().unwrap());
+}

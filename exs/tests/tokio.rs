@@ -9,7 +9,9 @@ use exs::sim::{SimConfig, World};
 async fn async_streams_echo_a_mebibyte_then_end_of_stream() {
     let world = World::threaded(SimConfig::default());
     let (server, client) = (world.host(), world.host());
-    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9300)).unwrap();
+    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9300))
+        .await
+        .unwrap();
     let addr = listener.local_addr().unwrap();
     let echo = tokio::spawn(async move {
         let (mut s, _) = listener.accept().await.unwrap();
@@ -100,7 +102,9 @@ fn connected(
     let world = World::threaded(SimConfig::default());
     let (server, client) = (world.host(), world.host());
     let (a, b) = rt.block_on(async {
-        let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, port)).unwrap();
+        let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, port))
+            .await
+            .unwrap();
         let addr = listener.local_addr().unwrap();
         let accept = tokio::spawn(async move { listener.accept().await.unwrap().0 });
         let a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
@@ -109,112 +113,124 @@ fn connected(
     (rt, world, a, b)
 }
 
-/// Regression (the hyper example hung mid-body on libfabric tcp, about one run in ten): a task that polls read
-/// then flush, as hyper's connection task does. The flush takes the read's completion from the queue (its step
-/// absorbs every queued event), which turns the queue's descriptor back to not readable, so the reactor may never
-/// report the edge the completion made. The flush must then wake its task, or the reader is never polled again.
-#[test]
-fn a_read_absorbed_while_flushing_wakes_the_reader() {
+/// Polls `a`'s read with `wr` (pending), lets `b` send `msg` while `a`'s task is not polled, polls `other`
+/// (another step of the same task, as hyper polls read then write or flush), runs the reactor, and checks that the
+/// read's waker was woken and the read has the bytes.
+fn reader_woken_beside(
+    rt: &tokio::runtime::Runtime,
+    a: &mut exs::tokio::Stream,
+    b: &mut exs::tokio::Stream,
+    msg: &[u8],
+    mut other: impl FnMut(&mut exs::tokio::Stream),
+) {
     use std::pin::Pin;
+    use std::sync::atomic::Ordering;
     use std::sync::Arc;
     use std::task::{Context, Poll, Waker};
-    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+    use tokio::io::{AsyncRead, ReadBuf};
 
-    let (rt, _world, mut a, mut b) = connected(9310);
     rt.block_on(async move {
-        let (w_read, w_flush) = (
-            Arc::new(Counter(Default::default())),
-            Arc::new(Counter(Default::default())),
-        );
-        let (wr, wf) = (Waker::from(w_read.clone()), Waker::from(w_flush.clone()));
-        // A send that stays in flight: b reads nothing, so a's writes fill b's stream buffer.
-        let chunk = vec![7u8; 256 << 10];
-        let mut waited = 0;
-        for _ in 0..200 {
-            if Pin::new(&mut a)
-                .poll_write(&mut Context::from_waker(&wf), &chunk)
-                .is_pending()
-            {
-                // Pending: the previous send is in flight. Still pending after a pause: b's buffer is full.
-                waited += 1;
-                if waited == 3 {
-                    break;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(100));
-            } else {
-                waited = 0;
-            }
-        }
-        assert_eq!(waited, 3, "a's writes never waited for b");
-        // a waits to read.
+        let w_read = Arc::new(Counter(Default::default()));
+        let wr = Waker::from(w_read.clone());
         let mut buf = [0u8; 64];
         let mut rb = ReadBuf::new(&mut buf);
-        assert!(Pin::new(&mut a)
+        assert!(Pin::new(&mut *a)
             .poll_read(&mut Context::from_waker(&wr), &mut rb)
             .is_pending());
-        // b sends ten bytes; they complete a's receive while a's task is not polled (the progress threads run).
-        b.write_all(b"0123456789").await.unwrap();
-        b.flush().await.unwrap();
+        b.write_all(msg).await.unwrap();
         std::thread::sleep(std::time::Duration::from_millis(300));
-        // Before the reactor runs, a's task polls its flush (the send is still in flight): it takes the read's
-        // completion and must wake the task.
-        let before = w_flush.0.load(std::sync::atomic::Ordering::SeqCst);
-        assert!(Pin::new(&mut a)
-            .poll_flush(&mut Context::from_waker(&wf))
-            .is_pending());
+        other(a);
+        // The reactor runs while this task sleeps: it must wake the read.
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         assert!(
-            w_flush.0.load(std::sync::atomic::Ordering::SeqCst) > before,
-            "the flush took the read's completion and woke nobody"
+            w_read.0.load(Ordering::SeqCst) > 0,
+            "the read's bytes arrived and the read was never woken"
         );
-        // Polled again, as the wake-up makes it, the read has its bytes.
-        match Pin::new(&mut a).poll_read(&mut Context::from_waker(&wr), &mut rb) {
-            Poll::Ready(Ok(())) => assert_eq!(rb.filled(), b"0123456789"),
+        match Pin::new(&mut *a).poll_read(&mut Context::from_waker(&wr), &mut rb) {
+            Poll::Ready(Ok(())) => assert_eq!(rb.filled(), msg),
             other => panic!("the read after the wake-up: {other:?}"),
         }
-        drop((a, b));
     });
 }
 
-/// Regression (the hyper example hung under load, first request): hyper's server polled read (pending, a
-/// receive posted), then flush with nothing to flush. The request's bytes had arrived in between; the flush took
-/// their completion and returned ready at once, without waking the task, and the queue's descriptor was no
-/// longer readable: the read was never polled again. A step that takes the other direction's events wakes the
-/// task, finished or not.
+/// Regression (the hyper example hung mid-body on libfabric tcp, about one run in ten): a task that polls read,
+/// then a write that waits (the peer reads nothing), as hyper's connection task does. When both directions shared
+/// one queue, the write's step took the read's completion and the reactor never reported it. Each direction now
+/// has its own queue: the write takes nothing of the read's, and the read is woken.
 #[test]
-fn a_read_absorbed_by_a_finished_flush_wakes_the_reader() {
+fn a_read_beside_a_waiting_write_is_woken_by_its_bytes() {
     use std::pin::Pin;
-    use std::sync::Arc;
+    use std::task::{Context, Waker};
+    use tokio::io::AsyncWrite;
+
+    let (rt, _world, mut a, mut b) = connected(9310);
+    // a's writes fill b's receives, its stream buffer and a's send ring: b reads nothing.
+    let chunk = vec![7u8; 256 << 10];
+    let wf = Waker::from(std::sync::Arc::new(Counter(Default::default())));
+    let mut waited = 0;
+    for _ in 0..400 {
+        if Pin::new(&mut a)
+            .poll_write(&mut Context::from_waker(&wf), &chunk)
+            .is_pending()
+        {
+            waited += 1;
+            if waited == 3 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        } else {
+            waited = 0;
+        }
+    }
+    assert_eq!(waited, 3, "a's writes never waited for b");
+    reader_woken_beside(&rt, &mut a, &mut b, b"0123456789", |a| {
+        assert!(Pin::new(a)
+            .poll_write(&mut Context::from_waker(&wf), &chunk)
+            .is_pending());
+    });
+    drop((a, b));
+}
+
+/// Regression (the hyper example hung under load, first request): hyper's server polled read (pending, a
+/// receive posted), then flush with nothing to flush, which took the request's completion from the shared queue
+/// and woke nobody. With a queue per direction the flush takes nothing of the read's.
+#[test]
+fn a_read_beside_a_flush_is_woken_by_its_bytes() {
+    use std::pin::Pin;
     use std::task::{Context, Poll, Waker};
-    use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+    use tokio::io::AsyncWrite;
 
     let (rt, _world, mut a, mut b) = connected(9311);
-    rt.block_on(async move {
-        let woken = Arc::new(Counter(Default::default()));
-        let waker = Waker::from(woken.clone());
-        let mut cx = Context::from_waker(&waker);
-        // a waits to read; nothing of a's is in flight.
-        let mut buf = [0u8; 64];
-        let mut rb = ReadBuf::new(&mut buf);
-        assert!(Pin::new(&mut a).poll_read(&mut cx, &mut rb).is_pending());
-        // b's request arrives while a's task is not polled (the progress threads run).
-        b.write_all(b"GET / HTTP/1.1").await.unwrap();
-        b.flush().await.unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        // Before the reactor runs, a's task polls flush: nothing to flush, ready at once; it took the read's
-        // completion and must wake the task.
-        let before = woken.0.load(std::sync::atomic::Ordering::SeqCst);
+    let wf = Waker::from(std::sync::Arc::new(Counter(Default::default())));
+    reader_woken_beside(&rt, &mut a, &mut b, b"GET / HTTP/1.1", |a| {
         assert!(matches!(
-            Pin::new(&mut a).poll_flush(&mut cx),
+            Pin::new(a).poll_flush(&mut Context::from_waker(&wf)),
             Poll::Ready(Ok(()))
         ));
-        assert!(
-            woken.0.load(std::sync::atomic::Ordering::SeqCst) > before,
-            "the flush took the read's completion and woke nobody"
-        );
-        match Pin::new(&mut a).poll_read(&mut cx, &mut rb) {
-            Poll::Ready(Ok(())) => assert_eq!(rb.filled(), b"GET / HTTP/1.1"),
-            other => panic!("the read after the wake-up: {other:?}"),
-        }
-        drop((a, b));
     });
+    drop((a, b));
+}
+
+/// Issue 26: `exs::tokio::Listener::bind` and `Stream::connect` take what `tokio::net` takes (names resolved by
+/// `tokio::net::lookup_host`, strings included) and run on the process's default context.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokio_listener_bind_and_stream_connect_run_on_the_default_context() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = exs::tokio::Listener::bind("0.0.0.0:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let echo = tokio::spawn(async move {
+        let (s, _) = listener.accept().await.unwrap();
+        let (mut r, mut w) = s.into_split();
+        tokio::io::copy(&mut r, &mut w).await.unwrap();
+    });
+    let mut c = exs::tokio::Stream::connect(addr.to_string()).await.unwrap();
+    assert_eq!(c.peer_addr().unwrap(), addr);
+    c.set_nodelay(true).unwrap();
+    let (mut r, mut w) = c.split();
+    w.write_all(b"over the default context").await.unwrap();
+    w.shutdown().await.unwrap();
+    let mut back = Vec::new();
+    r.read_to_end(&mut back).await.unwrap();
+    assert_eq!(back, b"over the default context");
+    echo.await.unwrap();
 }

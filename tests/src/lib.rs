@@ -117,6 +117,8 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::message::cases());
     v.extend(cases::first::cases());
     v.extend(cases::stream::cases());
+    v.extend(cases::stream_close::cases());
+    v.extend(cases::stream_io::cases());
     v.extend(cases::process::cases());
     v.extend(cases::scale::cases());
     v.extend(cases::extensions::cases());

@@ -694,6 +694,15 @@ impl Engine {
 
     pub(crate) fn set_option(&mut self, sid: SocketId, opt: SocketOption) -> R<(), OptionError> {
         let s = self.sock(sid)?;
+        if let (SocketOption::Coalesce(on), SockType::Stream) = (opt, s.ty) {
+            // Issue 26: whether a stream's small writes wait for the write in flight is the sender's own rule
+            // (TCP_NODELAY), not negotiated: it may change at any time.
+            s.opts.coalesce = on;
+            if let Some(st) = s.conn.as_mut().and_then(|c| c.stream()) {
+                st.set_coalesce(on);
+            }
+            return Ok(());
+        }
         if opt.negotiated() && s.phase != Phase::Fresh {
             return Err(OptionError::Locked(opt.name()));
         }

@@ -236,6 +236,11 @@ struct Rx {
     defer_windows: bool,
     /// A window update is due and waits (see `maybe_window`).
     window_deferred: bool,
+    /// The peer sent a small indirect transfer though our advertisements were outstanding, and no large direct
+    /// one since: it sends small writes through the stream buffer (see `small_via_ring`), so space is neither held
+    /// back for advertisements nor delayed (a direct transfer it falls back on when the buffer is full does not
+    /// change that; one larger than [`SMALL_VIA_RING`] does).
+    ring_chosen: bool,
 }
 
 #[derive(Debug)]
@@ -277,6 +282,10 @@ pub(crate) struct StreamProto {
 
 /// A batch of queued sends this large goes at once even while a write is in flight (see "Packing small writes").
 const CORK_BYTES: usize = 16 << 10;
+
+/// Queued sends of at most this many bytes in all go through the stream buffer even when an advertisement is
+/// there (see `small_via_ring`).
+const SMALL_VIA_RING: usize = 16 << 10;
 
 /// The peer's stream buffer, `len` bytes at `addr`, must not wrap around the address space (issue 15: a handshake
 /// whose address plus length overflowed made a later write's address overflow).
@@ -336,6 +345,7 @@ impl StreamProto {
                 retired: Vec::new(),
                 defer_windows,
                 window_deferred: false,
+                ring_chosen: false,
             },
             tx: Tx {
                 sends: VecDeque::new(),
@@ -367,6 +377,11 @@ impl StreamProto {
 
     pub(crate) fn set_max_sge(&mut self, n: u32) {
         self.max_sge = (n as usize).clamp(1, 16);
+    }
+
+    /// Turns the gathering of small writes behind the write in flight on or off (see "Packing small writes").
+    pub(crate) fn set_coalesce(&mut self, on: bool) {
+        self.coalesce = on;
     }
 
     pub(crate) fn stats(&self) -> StreamStats {

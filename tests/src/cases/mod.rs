@@ -9,3 +9,5 @@ pub mod message;
 pub mod process;
 pub mod scale;
 pub mod stream;
+pub mod stream_close;
+pub mod stream_io;

@@ -106,6 +106,12 @@ impl StreamProto {
                 // The peer's advert credits: the rest waits until an advertised receive completes.
                 break;
             }
+            if self.rx.ring_chosen && self.rx.outstanding > 0 {
+                // The peer sends small writes through the stream buffer: one advertisement at a time is enough
+                // for it to come back to direct transfers with a large one (issue 26); more would each be
+                // flushed by its small writes and sent again, a control message per write.
+                break;
+            }
             if ring_has_data {
                 // It will take bytes from the stream buffer first; advertising it now would mislead the sender.
                 break;
@@ -152,11 +158,17 @@ impl StreamProto {
     }
 
     /// Whether the sender should hear of consumed space: its view of the buffer is at least half full and we
-    /// consumed since the last report (see module docs).
+    /// consumed since the last report, a quarter of the buffer at least unless all it wrote is consumed (see module
+    /// docs). The quarter keeps a stream of small writes from costing a window update per write once the buffer is
+    /// half full (issue 26); a sender blocked on a full buffer still hears as soon as a quarter is free, and a
+    /// posted receive always takes everything the buffer holds, so the rest never waits for a read that waits for
+    /// it.
     pub(super) fn window_due(&self) -> bool {
         let unreported = self.rx.head - self.rx.reported;
         let seen_used = self.rx.tail - self.rx.reported;
-        unreported > 0 && seen_used * 2 >= self.rx.ring_len
+        unreported > 0
+            && seen_used * 2 >= self.rx.ring_len
+            && (unreported * 4 >= self.rx.ring_len || self.rx.head == self.rx.tail)
     }
 
     /// Reports consumed space, after any advertisement of this round; in an even phase (when receives may still
@@ -173,7 +185,7 @@ impl StreamProto {
     pub(super) fn maybe_window(&mut self, link: &mut Link) {
         if !self.window_due() {
             self.rx.window_deferred = false;
-        } else if self.rx.defer_windows && self.rx.phase % 2 == 0 {
+        } else if self.rx.defer_windows && self.rx.phase % 2 == 0 && !self.rx.ring_chosen {
             self.rx.window_deferred = true;
         } else {
             self.send_window(link);
@@ -197,7 +209,7 @@ impl StreamProto {
     /// filled, the sender is meant to use those; it gets the space once they are (or at once if it goes indirect,
     /// which moves us to an odd phase).
     pub(super) fn held_for_adverts(&self) -> bool {
-        self.rx.phase % 2 == 0 && self.rx.outstanding > 0
+        self.rx.phase % 2 == 0 && self.rx.outstanding > 0 && !self.rx.ring_chosen
     }
 
     /// A window update waits (the engine arms a timer of [`WINDOW_HOLD`], then calls
@@ -246,6 +258,9 @@ impl StreamProto {
                     )));
                 }
                 r.filled += n;
+                if n > SMALL_VIA_RING {
+                    self.rx.ring_chosen = false;
+                }
                 if !r.waitall || r.filled == r.len {
                     self.complete_front();
                 }
@@ -259,6 +274,9 @@ impl StreamProto {
                     )));
                 }
                 self.rx.tail += n;
+                if self.rx.phase % 2 == 0 && self.rx.outstanding > 0 && n <= SMALL_VIA_RING as u64 {
+                    self.rx.ring_chosen = true;
+                }
                 // "When the receiver receives an indirect transfer, it also increments its phase if it was
                 // previously even."
                 if self.rx.phase % 2 == 0 {

@@ -1,0 +1,349 @@
+//! The program `cargo xtask bench` measures exs streams with, beside the same code over TCP (issue 26): one JSON
+//! line per run on stdout.
+//!
+//! ```sh
+//! # 256 MiB one way, written with write_all and read with read_to_end, server and client in this process:
+//! EXS_BACKEND=fabric cargo run --release -p exs --features tokio,fabric --example stream_bench -- bulk exs-tokio
+//! #   APIs: exs-tokio (exs::tokio::Stream), tcp-tokio (tokio::net::TcpStream), exs-std (exs::Stream),
+//! #   tcp-std (std::net::TcpStream); an optional third argument is the size in bytes
+//! # 8-byte request/response (one-way time: half the round trip, as `exs ping` reports it):
+//! ... --example stream_bench -- rr exs-std [COUNT]        # or tcp-std
+//! # hyper's GET of 64 MiB, every byte checked (exs/examples/http.rs):
+//! ... --example stream_bench -- http exs [BYTES]          # or tcp
+//! ```
+//!
+//! exs runs on two contexts of the backend the environment names (`Context::from_env`), a server and a client,
+//! as two hosts would; TCP runs on loopback. Listening address: `EXS_ADDR`, else 127.0.0.1 (the simulated host 0
+//! with `EXS_BACKEND=sim`).
+
+use std::io::{self, Read, Write};
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+#[allow(dead_code)]
+#[path = "http.rs"]
+mod http;
+
+fn other(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+fn listen_addr() -> io::Result<SocketAddr> {
+    if let Ok(a) = std::env::var("EXS_ADDR") {
+        return Ok(SocketAddr::new(a.parse().map_err(other)?, 0));
+    }
+    #[cfg(feature = "sim")]
+    if std::env::var("EXS_BACKEND").as_deref() == Ok("sim") {
+        return Ok(exs::sim_addr(0, 7300));
+    }
+    Ok("127.0.0.1:0".parse().expect("an address"))
+}
+
+fn runtime() -> io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+}
+
+fn contexts() -> io::Result<(exs::Context, exs::Context)> {
+    Ok((exs::Context::from_env()?, exs::Context::from_env()?))
+}
+
+/// The bytes sent one way: not all zero, so that a lost or misplaced chunk shows in the check.
+fn payload(len: usize) -> Vec<u8> {
+    (0..len).map(|i| (i / 4096) as u8 ^ (i as u8)).collect()
+}
+
+fn check(got: &[u8], want: &[u8]) -> io::Result<()> {
+    if got.len() != want.len() {
+        return Err(other(format!(
+            "received {} bytes of {}",
+            got.len(),
+            want.len()
+        )));
+    }
+    if got != want {
+        return Err(other("the received bytes differ from those sent"));
+    }
+    Ok(())
+}
+
+/// With `STREAM_BENCH_STATS` set: a function that prints the sending connection's counters to stderr (direct
+/// and indirect bytes, writes posted), for exs streams.
+fn stats_of<S: 'static>(s: &S) -> Box<dyn Fn()> {
+    let any: &dyn std::any::Any = s;
+    let sock = match any.downcast_ref::<exs::Stream>() {
+        Some(s) => s.socket().clone(),
+        None => return Box::new(|| ()),
+    };
+    if std::env::var_os("STREAM_BENCH_STATS").is_none() {
+        return Box::new(|| ());
+    }
+    Box::new(move || {
+        if let Some(st) = sock.stats() {
+            eprintln!("client: {:?}\n{:?}", st.stream, st.link);
+        }
+    })
+}
+
+/// Writes `data` with `write_all`, shuts the writing side down; the other side reads with `read_to_end`. The
+/// time runs from the connection's start to the reader's end-of-stream.
+fn bulk_std<S, L>(
+    data: &[u8],
+    listen: impl FnOnce() -> io::Result<(L, SocketAddr)>,
+    accept: impl FnOnce(L) -> io::Result<S> + Send + 'static,
+    connect: impl FnOnce(SocketAddr) -> io::Result<S>,
+    shutdown: impl Fn(&S) -> io::Result<()>,
+) -> io::Result<(Duration, Duration)>
+where
+    S: Read + Write + Send + 'static,
+    L: Send + 'static,
+{
+    let (l, addr) = listen()?;
+    let len = data.len();
+    let reader = std::thread::spawn(move || -> io::Result<(Vec<u8>, Instant)> {
+        let mut s = accept(l)?;
+        let mut got = Vec::with_capacity(len);
+        s.read_to_end(&mut got)?;
+        Ok((got, Instant::now()))
+    });
+    let mut c = connect(addr)?;
+    let stats = stats_of(&c);
+    let (t, cpu0) = (Instant::now(), cpu());
+    c.write_all(data)?;
+    shutdown(&c)?;
+    let (got, end) = reader.join().map_err(|_| other("the reader panicked"))??;
+    let cpu = cpu() - cpu0;
+    stats();
+    check(&got, data)?;
+    Ok((end - t, cpu))
+}
+
+async fn bulk_tokio<S>(
+    data: std::sync::Arc<Vec<u8>>,
+    accepted: tokio::task::JoinHandle<io::Result<S>>,
+    mut c: S,
+) -> io::Result<(Duration, Duration)>
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let len = data.len();
+    let reader = tokio::spawn(async move {
+        let mut s = accepted.await.map_err(other)??;
+        let mut got = Vec::with_capacity(len);
+        s.read_to_end(&mut got).await?;
+        Ok::<_, io::Error>((got, Instant::now()))
+    });
+    let (t, cpu0) = (Instant::now(), cpu());
+    c.write_all(&data).await?;
+    c.shutdown().await?;
+    let (got, end) = reader.await.map_err(other)??;
+    let cpu = cpu() - cpu0;
+    check(&got, &data)?;
+    Ok((end - t, cpu))
+}
+
+/// The time and the CPU time (both ends) of [`bulk_std`] or [`bulk_tokio`] over `api`: one transfer, or the sum
+/// of `STREAM_BENCH_ROUNDS` of them on fresh connections (for profiles, which the set-up would blur otherwise).
+fn bulk(api: &str, len: usize) -> io::Result<(Duration, Duration)> {
+    let rounds: usize = std::env::var("STREAM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(1);
+    let data = std::sync::Arc::new(payload(len));
+    let mut sum = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..rounds {
+        let (t, c) = bulk_once(api, &data)?;
+        sum = (sum.0 + t, sum.1 + c);
+    }
+    Ok(sum)
+}
+
+fn bulk_once(api: &str, data: &std::sync::Arc<Vec<u8>>) -> io::Result<(Duration, Duration)> {
+    let data = std::sync::Arc::clone(data);
+    match api {
+        "exs-std" => {
+            let (server, client) = contexts()?;
+            bulk_std(
+                &data,
+                || {
+                    let l = exs::Listener::bind_in(&server, listen_addr()?)?;
+                    let a = l.local_addr()?;
+                    Ok((l, a))
+                },
+                |l: exs::Listener| Ok(l.accept()?.0),
+                |a| exs::Stream::connect_in(&client, a),
+                |s| s.shutdown(std::net::Shutdown::Write),
+            )
+        }
+        "tcp-std" => bulk_std(
+            &data,
+            || {
+                let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+                let a = l.local_addr()?;
+                Ok((l, a))
+            },
+            |l: std::net::TcpListener| Ok(l.accept()?.0),
+            std::net::TcpStream::connect,
+            |s| s.shutdown(std::net::Shutdown::Write),
+        ),
+        "exs-tokio" => {
+            let (server, client) = contexts()?;
+            runtime()?.block_on(async move {
+                let l = exs::tokio::Listener::bind_in(&server, listen_addr()?).await?;
+                let addr = l.local_addr()?;
+                let accepted = tokio::spawn(async move { Ok(l.accept().await?.0) });
+                let c = exs::tokio::Stream::connect_in(&client, addr).await?;
+                bulk_tokio(data, accepted, c).await
+            })
+        }
+        "tcp-tokio" => runtime()?.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            let addr = l.local_addr()?;
+            let accepted = tokio::spawn(async move { Ok(l.accept().await?.0) });
+            let c = tokio::net::TcpStream::connect(addr).await?;
+            bulk_tokio(data, accepted, c).await
+        }),
+        _ => Err(other(format!(
+            "unknown API {api:?}: exs-tokio, tcp-tokio, exs-std, tcp-std"
+        ))),
+    }
+}
+
+/// `count` round trips of `size` bytes after a tenth as many for warm-up; returns the mean one-way time.
+fn ping<S: Read + Write>(c: &mut S, size: usize, count: usize) -> io::Result<Duration> {
+    let mut buf = vec![0u8; size];
+    let mut round = |buf: &mut [u8]| -> io::Result<()> {
+        c.write_all(buf)?;
+        c.read_exact(buf)
+    };
+    for _ in 0..count / 10 + 1 {
+        round(&mut buf)?;
+    }
+    let t = Instant::now();
+    for _ in 0..count {
+        round(&mut buf)?;
+    }
+    Ok(t.elapsed() / (2 * count as u32))
+}
+
+/// The echo side of [`ping`]: answers every `size` bytes until end-of-stream.
+fn pong<S: Read + Write>(mut s: S, size: usize) -> io::Result<()> {
+    let mut buf = vec![0u8; size];
+    loop {
+        let mut at = 0;
+        while at < size {
+            match s.read(&mut buf[at..])? {
+                0 => return Ok(()),
+                n => at += n,
+            }
+        }
+        s.write_all(&buf)?;
+    }
+}
+
+fn rr(api: &str, size: usize, count: usize) -> io::Result<Duration> {
+    match api {
+        "exs-std" => {
+            let (server, client) = contexts()?;
+            let l = exs::Listener::bind_in(&server, listen_addr()?)?;
+            let addr = l.local_addr()?;
+            let echo = std::thread::spawn(move || pong(l.accept()?.0, size));
+            let mut c = exs::Stream::connect_in(&client, addr)?;
+            let stats = stats_of(&c);
+            let took = ping(&mut c, size, count)?;
+            stats();
+            c.shutdown(std::net::Shutdown::Write)?;
+            echo.join().map_err(|_| other("the echo panicked"))??;
+            Ok(took)
+        }
+        "tcp-std" => {
+            let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+            let addr = l.local_addr()?;
+            let echo = std::thread::spawn(move || {
+                let s = l.accept()?.0;
+                s.set_nodelay(true)?;
+                pong(s, size)
+            });
+            let mut c = std::net::TcpStream::connect(addr)?;
+            c.set_nodelay(true)?;
+            let took = ping(&mut c, size, count)?;
+            c.shutdown(std::net::Shutdown::Write)?;
+            echo.join().map_err(|_| other("the echo panicked"))??;
+            Ok(took)
+        }
+        _ => Err(other(format!("unknown API {api:?}: exs-std, tcp-std"))),
+    }
+}
+
+fn http(api: &str, len: usize) -> io::Result<Duration> {
+    let rt = runtime()?;
+    match api {
+        "exs" => {
+            let (server, client) = contexts()?;
+            rt.block_on(http::fetch(&server, &client, listen_addr()?, len))
+        }
+        "tcp" => rt.block_on(http::fetch_tcp(len)),
+        _ => Err(other(format!("unknown API {api:?}: exs, tcp"))),
+    }
+}
+
+/// CPU time of this process so far (user + system, every thread): both ends run here.
+fn cpu() -> Duration {
+    use nix::sys::resource::{getrusage, UsageWho};
+    getrusage(UsageWho::RUSAGE_SELF).map_or(Duration::ZERO, |u| {
+        let t = |tv: nix::sys::time::TimeVal| {
+            Duration::new(tv.tv_sec() as u64, tv.tv_usec() as u32 * 1000)
+        };
+        t(u.user_time()) + t(u.system_time())
+    })
+}
+
+fn main() -> io::Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let arg = |i: usize, default: usize| -> io::Result<usize> {
+        args.get(i).map_or(Ok(default), |a| {
+            a.parse().map_err(|e| other(format!("{a:?}: {e}")))
+        })
+    };
+    let (test, api) = match (args.first(), args.get(1)) {
+        (Some(t), Some(a)) => (t.as_str(), a.as_str()),
+        _ => return Err(other("usage: stream_bench bulk|rr|http API [BYTES|COUNT]")),
+    };
+    let line = match test {
+        "bulk" | "http" => {
+            let len = arg(2, if test == "bulk" { 256 << 20 } else { 64 << 20 })?;
+            let rounds: usize = std::env::var("STREAM_BENCH_ROUNDS")
+                .ok()
+                .and_then(|r| r.parse().ok())
+                .filter(|_| test == "bulk")
+                .unwrap_or(1);
+            let (took, cpu) = if test == "bulk" {
+                bulk(api, len)?
+            } else {
+                let cpu0 = cpu();
+                let took = http(api, len)?;
+                (took, cpu() - cpu0)
+            };
+            format!(
+                r#"{{"test":"{test}","api":"{api}","bytes":{len},"secs":{:.6},"bytes_per_sec":{:.0},"cpu_ns_per_kib":{:.0}}}"#,
+                took.as_secs_f64(),
+                (len * rounds) as f64 / took.as_secs_f64(),
+                cpu.as_nanos() as f64 / ((len * rounds) as f64 / 1024.0)
+            )
+        }
+        "rr" => {
+            let count = arg(2, 20_000)?;
+            let one_way = rr(api, 8, count)?;
+            format!(
+                r#"{{"test":"rr","api":"{api}","size":8,"count":{count},"mean_us":{:.3}}}"#,
+                one_way.as_secs_f64() * 1e6
+            )
+        }
+        _ => return Err(other(format!("unknown test {test:?}: bulk, rr, http"))),
+    };
+    println!("{line}");
+    Ok(())
+}

@@ -1,0 +1,350 @@
+//! The blocking [`Stream`] and [`Listener`], like `std::net::TcpStream` and `TcpListener`.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::context::Context;
+use crate::error::DequeueError;
+use crate::event::{Event, EventQueue};
+use crate::socket::Socket;
+
+use super::{Reader, StreamConfig, Writer};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A read or write timeout as `std` reports it on Unix: `WouldBlock`.
+fn timed_out() -> io::Error {
+    io::Error::new(io::ErrorKind::WouldBlock, "timed out")
+}
+
+/// Waits until `deadline` (`None`: for ever) for at least one event of `eq`; returns those that came.
+fn wait(eq: &EventQueue, deadline: Option<Instant>, out: &mut Vec<Event>) -> io::Result<()> {
+    let left = match deadline {
+        Some(d) => match d.checked_duration_since(Instant::now()) {
+            Some(l) if !l.is_zero() => Some(l),
+            _ => return Err(timed_out()),
+        },
+        None => None,
+    };
+    match eq.dequeue(out, 1, 16, left) {
+        Ok(_) => Ok(()),
+        Err(DequeueError::TimedOut) => Err(timed_out()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    sock: Socket,
+    reader: Mutex<Reader>,
+    writer: Mutex<Writer>,
+    /// The reader's queue, to wake a blocked reader without its lock.
+    read_eq: EventQueue,
+    read_shut: AtomicBool,
+    nonblocking: AtomicBool,
+    /// (read, write).
+    timeouts: Mutex<(Option<Duration>, Option<Duration>)>,
+}
+
+/// A connected stream, like `std::net::TcpStream`: `Read` and `Write` on `Stream` and on `&Stream` (one thread
+/// may read while another writes), [`Stream::try_clone`] for another handle. A write returns once its bytes are
+/// copied into the stream's send ring and on their way; an error of that send comes with a later write or
+/// `flush`. Dropping the last handle closes the stream gracefully (see the module documentation).
+#[derive(Debug)]
+pub struct Stream {
+    inner: Arc<Shared>,
+}
+
+impl Stream {
+    /// Connects on the process's [default context](super::default_context) to the first address of `addr` that
+    /// answers, like `TcpStream::connect`.
+    pub fn connect(addr: impl ToSocketAddrs) -> io::Result<Stream> {
+        Self::connect_with(&super::default_context()?, addr, &StreamConfig::default())
+    }
+
+    /// Connects on the default context, waiting at most `timeout` (like `TcpStream::connect_timeout`).
+    pub fn connect_timeout(addr: &SocketAddr, timeout: Duration) -> io::Result<Stream> {
+        if timeout.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
+        }
+        let cfg = StreamConfig {
+            connect_timeout: Some(timeout),
+            ..Default::default()
+        };
+        Self::connect_with(&super::default_context()?, addr, &cfg)
+    }
+
+    /// Connects on `ctx` to the first address of `addr` that answers. As with RDMA connections generally, the
+    /// connection completes when the listener accepts it.
+    pub fn connect_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Stream> {
+        Self::connect_with(ctx, addr, &StreamConfig::default())
+    }
+
+    /// Connects on `ctx` with `cfg`'s buffers and connect timeout.
+    pub fn connect_with(
+        ctx: &Context,
+        addr: impl ToSocketAddrs,
+        cfg: &StreamConfig,
+    ) -> io::Result<Stream> {
+        super::each_addr(addr.to_socket_addrs()?, |a| {
+            let (sock, eq) = super::start_connect(ctx, a)?;
+            super::end_connect(&sock, eq.next(cfg.connect_timeout))?;
+            Self::from_socket(ctx, sock, cfg)
+        })
+    }
+
+    pub(crate) fn from_socket(
+        ctx: &Context,
+        sock: Socket,
+        cfg: &StreamConfig,
+    ) -> io::Result<Stream> {
+        let reader = Reader::new(ctx, sock.clone(), cfg)?;
+        let read_eq = reader.eq.clone();
+        Ok(Stream {
+            inner: Arc::new(Shared {
+                writer: Mutex::new(Writer::new(ctx, sock.clone(), cfg)),
+                reader: Mutex::new(reader),
+                read_eq,
+                sock,
+                read_shut: AtomicBool::new(false),
+                nonblocking: AtomicBool::new(false),
+                timeouts: Mutex::new((None, None)),
+            }),
+        })
+    }
+
+    /// Another handle to the same stream (like `TcpStream::try_clone`): reads and writes through either go to
+    /// the same connection; it closes when the last handle is dropped.
+    pub fn try_clone(&self) -> io::Result<Stream> {
+        Ok(Stream {
+            inner: Arc::clone(&self.inner),
+        })
+    }
+
+    /// The ES-API socket underneath (zero-copy sends and receives of registered memory).
+    pub fn socket(&self) -> &Socket {
+        &self.inner.sock
+    }
+
+    /// This side's address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        super::addr_of(self.inner.sock.local_addr())
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        super::addr_of(self.inner.sock.peer_addr())
+    }
+
+    /// Like `TcpStream::shutdown`. `Write`: end-of-stream is queued behind the bytes already written and the
+    /// call returns at once (the peer reads every byte, then end-of-stream); later writes fail with `BrokenPipe`.
+    /// `Read`: every later read returns end-of-stream, a read blocked in another thread included; bytes still
+    /// unread are dropped.
+    pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        if matches!(how, Shutdown::Read | Shutdown::Both) {
+            self.inner.read_shut.store(true, Ordering::SeqCst);
+            Reader::wake(&self.inner.read_eq, &self.inner.sock);
+        }
+        if matches!(how, Shutdown::Write | Shutdown::Both) {
+            lock(&self.inner.writer).shutdown()?;
+        }
+        Ok(())
+    }
+
+    /// How long a read may wait (`None`: for ever); a read that waits longer fails with `WouldBlock`.
+    pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
+        }
+        lock(&self.inner.timeouts).0 = t;
+        Ok(())
+    }
+
+    /// How long a write may wait for room in the send ring (`None`: for ever); then it fails with
+    /// `WouldBlock`.
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        if t == Some(Duration::ZERO) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
+        }
+        lock(&self.inner.timeouts).1 = t;
+        Ok(())
+    }
+
+    /// See [`Stream::set_read_timeout`].
+    pub fn read_timeout(&self) -> io::Result<Option<Duration>> {
+        Ok(lock(&self.inner.timeouts).0)
+    }
+
+    /// See [`Stream::set_write_timeout`].
+    pub fn write_timeout(&self) -> io::Result<Option<Duration>> {
+        Ok(lock(&self.inner.timeouts).1)
+    }
+
+    /// Non-blocking mode: a read or write that would wait fails with `WouldBlock` instead.
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        self.inner.nonblocking.store(on, Ordering::SeqCst);
+        Ok(())
+    }
+
+    /// Like TCP_NODELAY: `true` sends small writes at once even while an earlier write is in flight; `false`
+    /// (the default) lets them join the write in flight (coalescing, [`SocketOption::Coalesce`]).
+    ///
+    /// [`SocketOption::Coalesce`]: crate::SocketOption::Coalesce
+    pub fn set_nodelay(&self, nodelay: bool) -> io::Result<()> {
+        super::set_nodelay(&self.inner.sock, nodelay)
+    }
+
+    /// See [`Stream::set_nodelay`].
+    pub fn nodelay(&self) -> io::Result<bool> {
+        super::nodelay(&self.inner.sock)
+    }
+
+    /// When a wait started now ends (`None`: never), or `WouldBlock` in non-blocking mode.
+    fn deadline(&self, timeout: Option<Duration>) -> io::Result<Option<Instant>> {
+        if self.inner.nonblocking.load(Ordering::Relaxed) {
+            return Err(io::Error::new(io::ErrorKind::WouldBlock, "would block"));
+        }
+        Ok(timeout.map(|t| Instant::now() + t))
+    }
+
+    fn read_inner(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let s = &*self.inner;
+        // Readers take turns (the bytes of one receive go to one reader); the lock is held while waiting.
+        let mut r = lock(&s.reader);
+        let mut deadline = None;
+        let mut evs = Vec::new();
+        loop {
+            if s.read_shut.load(Ordering::SeqCst) {
+                r.shut();
+            }
+            if let Some(n) = r.try_read(buf)? {
+                return Ok(n);
+            }
+            if deadline.is_none() {
+                deadline = Some(self.deadline(lock(&s.timeouts).0)?);
+            }
+            wait(&r.eq, deadline.flatten(), &mut evs)?;
+            for ev in evs.drain(..) {
+                r.absorb(ev);
+            }
+        }
+    }
+
+    fn write_inner(&self, buf: &[u8]) -> io::Result<usize> {
+        let s = &*self.inner;
+        let mut deadline = None;
+        let mut evs = Vec::new();
+        loop {
+            let eq = {
+                let mut w = lock(&s.writer);
+                for ev in evs.drain(..) {
+                    w.absorb(ev);
+                }
+                if let Some(n) = w.try_write(buf)? {
+                    return Ok(n);
+                }
+                w.eq.clone()
+            };
+            // Waits without the lock, so that `shutdown` and `flush` from another thread never wait for a peer
+            // that does not read (the writer's events may be taken in any order: each frees the oldest send).
+            if deadline.is_none() {
+                deadline = Some(self.deadline(lock(&s.timeouts).1)?);
+            }
+            wait(&eq, deadline.flatten(), &mut evs)?;
+        }
+    }
+}
+
+impl Read for &Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_inner(buf)
+    }
+}
+
+impl Write for &Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_inner(buf)
+    }
+
+    /// Like `TcpStream::flush`, returns at once: every byte written is already on its way. Reports the error of
+    /// an earlier write's send, if one failed.
+    fn flush(&mut self) -> io::Result<()> {
+        lock(&self.inner.writer).flush()
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        self.read_inner(buf)
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_inner(buf)
+    }
+
+    /// See the `Write for &Stream` implementation.
+    fn flush(&mut self) -> io::Result<()> {
+        (&*self).flush()
+    }
+}
+
+/// Accepts streams, like `std::net::TcpListener`.
+#[derive(Debug)]
+pub struct Listener {
+    sock: Socket,
+    ctx: Context,
+    eq: EventQueue,
+    cfg: StreamConfig,
+}
+
+impl Listener {
+    /// Listens on the process's [default context](super::default_context) at the first address of `addr` that
+    /// can be bound (port 0: one is chosen), like `TcpListener::bind`.
+    pub fn bind(addr: impl ToSocketAddrs) -> io::Result<Listener> {
+        Self::bind_with(&super::default_context()?, addr, &StreamConfig::default())
+    }
+
+    /// Listens on `ctx` at the first address of `addr` that can be bound.
+    pub fn bind_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Listener> {
+        Self::bind_with(ctx, addr, &StreamConfig::default())
+    }
+
+    /// Listens on `ctx`; the streams it accepts buffer as `cfg` says.
+    pub fn bind_with(
+        ctx: &Context,
+        addr: impl ToSocketAddrs,
+        cfg: &StreamConfig,
+    ) -> io::Result<Listener> {
+        let sock = super::each_addr(addr.to_socket_addrs()?, |a| super::listen(ctx, a))?;
+        Ok(Listener {
+            sock,
+            ctx: ctx.clone(),
+            eq: EventQueue::new(64),
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        super::addr_of(self.sock.local_addr())
+    }
+
+    /// Waits for a connection; returns it and the peer's address.
+    pub fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
+        self.sock.accept(&self.eq, 0)?;
+        let (sock, peer) = super::accepted(self.eq.next(None)?)?;
+        Ok((Stream::from_socket(&self.ctx, sock, &self.cfg)?, peer))
+    }
+
+    /// Connections as they come, for ever (like `TcpListener::incoming`).
+    pub fn incoming(&self) -> impl Iterator<Item = io::Result<Stream>> + '_ {
+        std::iter::repeat_with(move || self.accept().map(|(s, _)| s))
+    }
+}

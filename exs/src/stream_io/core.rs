@@ -1,0 +1,400 @@
+//! The two directions of a stream, each with its own event queue and registered buffers, as steps that never
+//! block: the blocking [`Stream`](super::Stream) and the async `exs::tokio::Stream` wait between them (on the
+//! queue, or on its descriptor in tokio's reactor). A direction's queue carries only its own events, so a reader
+//! and a writer in different threads or tasks never take each other's completions.
+//!
+//! **Reading.** The receive buffer is cut into [`StreamConfig::recv_pieces`] receives, all posted ahead: each is
+//! advertised to the peer, whose sends go straight into it (seed 001's direct transfer), so the wire fills the
+//! next receive while the application copies out of the last one. A receive completes with whatever arrived
+//! (1 byte up to its length); the reader copies completed receives out in order and posts each again once empty.
+//!
+//! **Writing.** The send buffer is a ring: a write copies into the free space after the bytes in flight and posts
+//! a send of that range (at most [`StreamConfig::send_piece`] bytes each), so several sends are in flight and a
+//! write waits only when the ring is full. Sends complete in order; each completion frees its range.
+//!
+//! What each byte costs: one copy into the send ring; then one RDMA write, into the peer's posted receive when it
+//! advertised one (direct) or into its stream buffer (indirect, one more copy at the peer into the receive); then
+//! one copy out of the receive into the reader's slice. A direct byte is copied twice in all, as TCP copies it
+//! (into the kernel, out of it); an indirect byte three times.
+
+use std::collections::VecDeque;
+use std::io;
+
+use crate::context::Context;
+use crate::error::{CloseError, OpError, StateError};
+use crate::event::{Event, EventKind, EventQueue};
+use crate::memory::MemoryRegion;
+use crate::options::MsgFlags;
+use crate::socket::Socket;
+
+use super::StreamConfig;
+
+fn other(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
+}
+
+/// An error kept to be reported later (an `io::Error` cannot be cloned).
+#[derive(Debug, Clone)]
+pub(crate) struct Failure(io::ErrorKind, String);
+
+impl Failure {
+    fn of(e: &OpError) -> Failure {
+        Failure(e.io_kind(), e.to_string())
+    }
+
+    pub(crate) fn io(&self) -> io::Error {
+        io::Error::new(self.0, self.1.clone())
+    }
+}
+
+/// The context value of a wake-up event on a reader's queue (see [`Reader::wake`]).
+const WAKE: u64 = u64::MAX;
+
+/// A receive that completed with bytes not yet read: `buf[slot * piece ..][at..end]`.
+#[derive(Debug)]
+struct Filled {
+    slot: usize,
+    at: usize,
+    end: usize,
+}
+
+/// The reading direction (see the module documentation).
+#[derive(Debug)]
+pub(crate) struct Reader {
+    pub(crate) sock: Socket,
+    pub(crate) eq: EventQueue,
+    buf: MemoryRegion,
+    piece: usize,
+    /// Slots neither posted nor holding unread bytes.
+    free: Vec<usize>,
+    /// Completed receives with unread bytes, in stream order.
+    ready: VecDeque<Filled>,
+    posted: usize,
+    eof: bool,
+    /// `shutdown(Read)`: reads return end-of-stream, arriving bytes are dropped.
+    shut: bool,
+    /// A receive failed: reported once every byte before it has been read, and from then on.
+    failed: Option<Failure>,
+    scratch: Vec<Event>,
+}
+
+impl Reader {
+    /// Allocates the receive buffer and posts every receive.
+    pub(crate) fn new(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> io::Result<Reader> {
+        let pieces = cfg.recv_pieces.max(1);
+        let piece = (cfg.recv_buffer / pieces).max(1);
+        let mut r = Reader {
+            sock,
+            // Room for every receive and a wake-up.
+            eq: EventQueue::new(pieces + 2),
+            buf: MemoryRegion::alloc(ctx, piece * pieces)?,
+            piece,
+            free: (0..pieces).rev().collect(),
+            ready: VecDeque::new(),
+            posted: 0,
+            eof: false,
+            shut: false,
+            failed: None,
+            scratch: Vec::with_capacity(pieces + 2),
+        };
+        r.refill();
+        Ok(r)
+    }
+
+    /// Takes in one event of the reader's queue.
+    pub(crate) fn absorb(&mut self, ev: Event) {
+        if ev.kind != EventKind::Recv || ev.context == WAKE {
+            return;
+        }
+        self.posted -= 1;
+        let slot = ev.context as usize;
+        match ev.status {
+            Ok(()) if ev.bytes > 0 && !self.shut => self.ready.push_back(Filled {
+                slot,
+                at: 0,
+                end: ev.bytes,
+            }),
+            Ok(()) => {
+                self.eof |= ev.flags.eof;
+                self.free.push(slot);
+            }
+            Err(e) => {
+                self.free.push(slot);
+                if !self.eof && !self.shut {
+                    self.failed.get_or_insert(Failure::of(&e));
+                }
+            }
+        }
+    }
+
+    /// Takes in every event queued, without waiting: none is lost, whatever its status.
+    pub(crate) fn absorb_queued(&mut self) {
+        let mut evs = std::mem::take(&mut self.scratch);
+        while self.eq.poll(&mut evs, 16) > 0 {
+            for ev in evs.drain(..) {
+                self.absorb(ev);
+            }
+        }
+        self.scratch = evs;
+    }
+
+    /// How many receives the buffer holds.
+    fn pieces(&self) -> usize {
+        self.buf.len() / self.piece
+    }
+
+    /// Posts every free slot, while more may come.
+    fn refill(&mut self) {
+        if self.eof || self.shut || self.failed.is_some() {
+            return;
+        }
+        while let Some(slot) = self.free.pop() {
+            let range = slot * self.piece..(slot + 1) * self.piece;
+            if let Err(e) = self.sock.recv(
+                &self.eq,
+                &self.buf.slice(range),
+                MsgFlags::NONE,
+                slot as u64,
+            ) {
+                // Reported once the bytes already received have been read.
+                self.free.push(slot);
+                let e = io::Error::from(e);
+                self.failed = Some(Failure(e.kind(), e.to_string()));
+                return;
+            }
+            self.posted += 1;
+        }
+    }
+
+    /// Bytes (or end-of-stream: 0) if there are some now; `None` otherwise (wait for the queue, then call again).
+    pub(crate) fn try_read(&mut self, out: &mut [u8]) -> io::Result<Option<usize>> {
+        if out.is_empty() {
+            return Ok(Some(0));
+        }
+        self.absorb_queued();
+        if self.shut {
+            return Ok(Some(0));
+        }
+        let mut n = 0;
+        while n < out.len() {
+            let Some(f) = self.ready.front_mut() else {
+                break;
+            };
+            let k = (out.len() - n).min(f.end - f.at);
+            self.buf
+                .read(f.slot * self.piece + f.at, &mut out[n..n + k])
+                .map_err(other)?;
+            f.at += k;
+            n += k;
+            if f.at == f.end {
+                let slot = f.slot;
+                self.ready.pop_front();
+                self.free.push(slot);
+            }
+        }
+        // Emptied receives go back in batches, once half of them are out (or none is posted): their adverts then
+        // share one control send (coalescing), where one repost per receive cost a send per message in
+        // request/response traffic.
+        if self.posted * 2 <= self.pieces() {
+            self.refill();
+        }
+        if n > 0 {
+            return Ok(Some(n));
+        }
+        if let Some(f) = &self.failed {
+            return Err(f.io());
+        }
+        if self.eof {
+            return Ok(Some(0));
+        }
+        Ok(None)
+    }
+
+    /// `shutdown(Read)`: every later read returns end-of-stream; bytes still unread are dropped.
+    pub(crate) fn shut(&mut self) {
+        self.shut = true;
+        for f in self.ready.drain(..) {
+            self.free.push(f.slot);
+        }
+    }
+
+    /// Puts a wake-up event in the reader's queue, so that a thread waiting on it looks at the stream again
+    /// (`shutdown(Read)` from another thread). Nothing happens if the queue is full: its waiter is awake anyway.
+    pub(crate) fn wake(eq: &EventQueue, sock: &Socket) {
+        if let Ok(t) = eq.reserve(EventKind::Recv, WAKE, sock.id()) {
+            t.complete(Err(OpError::Cancelled), 0, Default::default());
+        }
+    }
+}
+
+/// Whether the writing side was shut down.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shut {
+    Open,
+    /// The shutdown is posted; its event has not come.
+    Posted,
+    Done,
+}
+
+/// The writing direction (see the module documentation).
+#[derive(Debug)]
+pub(crate) struct Writer {
+    pub(crate) sock: Socket,
+    pub(crate) eq: EventQueue,
+    ctx: Context,
+    /// The send ring, allocated at the first write (a stream that only reads holds none).
+    ring: Option<MemoryRegion>,
+    len: usize,
+    piece: usize,
+    /// Ring offset of the oldest byte in flight, and how many bytes are in flight.
+    head: usize,
+    used: usize,
+    /// Lengths of the sends in flight, oldest first (stream sends complete in order).
+    in_flight: VecDeque<usize>,
+    max_sends: usize,
+    shut: Shut,
+    /// A send failed: reported by the next write, flush or shutdown.
+    failed: Option<Failure>,
+    scratch: Vec<Event>,
+}
+
+/// Most sends a writer keeps in flight (small writes each post one; the protocol gathers them).
+const MAX_SENDS: usize = 256;
+
+impl Writer {
+    pub(crate) fn new(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> Writer {
+        Writer {
+            sock,
+            eq: EventQueue::new(MAX_SENDS + 1),
+            ctx: ctx.clone(),
+            ring: None,
+            len: cfg.send_buffer.max(1),
+            piece: cfg.send_piece.clamp(1, cfg.send_buffer.max(1)),
+            head: 0,
+            used: 0,
+            in_flight: VecDeque::new(),
+            max_sends: MAX_SENDS,
+            shut: Shut::Open,
+            failed: None,
+            scratch: Vec::with_capacity(16),
+        }
+    }
+
+    /// Takes in one event of the writer's queue.
+    pub(crate) fn absorb(&mut self, ev: Event) {
+        match ev.kind {
+            EventKind::Send => {
+                if let Some(n) = self.in_flight.pop_front() {
+                    self.head = (self.head + n) % self.len;
+                    self.used -= n;
+                }
+                if let Err(e) = &ev.status {
+                    self.failed.get_or_insert(Failure::of(e));
+                }
+            }
+            EventKind::Shutdown => self.shut = Shut::Done,
+            _ => {}
+        }
+    }
+
+    /// Takes in every event queued, without waiting.
+    pub(crate) fn absorb_queued(&mut self) {
+        let mut evs = std::mem::take(&mut self.scratch);
+        while self.eq.poll(&mut evs, 16) > 0 {
+            for ev in evs.drain(..) {
+                self.absorb(ev);
+            }
+        }
+        self.scratch = evs;
+    }
+
+    /// The error of an earlier send, once.
+    fn take_failure(&mut self) -> io::Result<()> {
+        match self.failed.take() {
+            Some(f) => Err(f.io()),
+            None => Ok(()),
+        }
+    }
+
+    /// Free bytes after the ones in flight, up to the end of the ring: (offset, length).
+    fn room(&mut self) -> (usize, usize) {
+        if self.used == 0 {
+            self.head = 0;
+            return (0, self.len);
+        }
+        let tail = (self.head + self.used) % self.len;
+        if tail > self.head {
+            (tail, self.len - tail)
+        } else {
+            (tail, self.head - tail)
+        }
+    }
+
+    /// Copies as much of `data` as the ring has room for and sends it; `None` when the ring is full (wait for
+    /// the queue, then call again).
+    pub(crate) fn try_write(&mut self, data: &[u8]) -> io::Result<Option<usize>> {
+        if data.is_empty() {
+            return Ok(Some(0));
+        }
+        self.absorb_queued();
+        self.take_failure()?;
+        if self.shut != Shut::Open {
+            return Err(io::Error::new(
+                io::ErrorKind::BrokenPipe,
+                "the stream is shut down for writing",
+            ));
+        }
+        if self.ring.is_none() {
+            self.ring = Some(MemoryRegion::alloc(&self.ctx, self.len)?);
+        }
+        let mut n = 0;
+        while n < data.len() && self.in_flight.len() < self.max_sends {
+            let (at, room) = self.room();
+            let k = room.min(self.piece).min(data.len() - n);
+            if k == 0 {
+                break;
+            }
+            let ring = self.ring.as_ref().expect("allocated above");
+            ring.write(at, &data[n..n + k]).map_err(other)?;
+            if let Err(e) = self
+                .sock
+                .send(&self.eq, &ring.slice(at..at + k), MsgFlags::NONE, 0)
+            {
+                if n > 0 {
+                    // The bytes before are on their way; the next write gets the error.
+                    break;
+                }
+                return Err(e.into());
+            }
+            self.in_flight.push_back(k);
+            self.used += k;
+            n += k;
+        }
+        Ok((n > 0).then_some(n))
+    }
+
+    /// Reports the error of an earlier send, if any. Every byte written is already on its way (a write posts
+    /// its send), so there is nothing to wait for: like `TcpStream::flush`.
+    pub(crate) fn flush(&mut self) -> io::Result<()> {
+        self.absorb_queued();
+        self.take_failure()
+    }
+
+    /// Shuts the writing side down, like TCP's `shutdown(SHUT_WR)`: end-of-stream is queued behind the bytes
+    /// written and the call returns (a peer that does not read does not hold it up).
+    pub(crate) fn shutdown(&mut self) -> io::Result<()> {
+        self.absorb_queued();
+        if self.shut != Shut::Open {
+            return Ok(());
+        }
+        match self.sock.shutdown(&self.eq, 0) {
+            Ok(()) => self.shut = Shut::Posted,
+            // The peer closed the whole connection, or it is down: there is no writing side left.
+            Err(CloseError::State(StateError::ConnectionDown(_) | StateError::Shutdown)) => {
+                self.shut = Shut::Done
+            }
+            Err(e) => return Err(e.into()),
+        }
+        self.take_failure()
+    }
+}

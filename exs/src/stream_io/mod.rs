@@ -1,0 +1,180 @@
+//! Streams with the shape of `std::net` (issues 16 and 26): [`Stream`] is a connected SOCK_STREAM socket that
+//! implements `std::io::Read` and `Write` (on `&Stream` too, as `TcpStream` does), [`Listener`] accepts them.
+//! Code written for `TcpStream` / `TcpListener` ports by renaming: [`Stream::connect`] and [`Listener::bind`] open
+//! the process's [default context](default_context) on first use (the backend chosen by the cargo features and
+//! the environment, as [`Context::from_env`]); the `_in` forms take a context.
+//!
+//! Registered buffers are managed inside, per stream ([`StreamConfig`]): several receives posted ahead into which
+//! the peer writes directly, and a send ring with several sends in flight, so the wire does not wait for the
+//! application's copy nor the copy for the wire (what each byte costs: `core.rs`). The zero-copy path stays the
+//! ES-API calls on [`Socket`], which [`Stream::socket`] hands out.
+//!
+//! The semantics are TCP's: a write returns once its bytes are copied and on their way; `flush` has nothing to
+//! wait for; `shutdown(Write)` queues end-of-stream behind the bytes written and returns (a peer that does not
+//! read does not hold it up); a read after `shutdown(Read)` returns end-of-stream; dropping the last handle
+//! closes gracefully (the bytes written are delivered, within the context's linger time).
+//!
+//! ```
+//! # #[cfg(feature = "sim")] {
+//! use std::io::{Read, Write};
+//! let world = exs::sim::World::threaded(exs::sim::SimConfig::default());
+//! let (server, client) = (world.host(), world.host());
+//! let listener = exs::Listener::bind_in(&server, world.addr(0, 9000)).unwrap();
+//! let echo = std::thread::spawn(move || {
+//!     let (mut s, _peer) = listener.accept().unwrap();
+//!     let mut buf = [0u8; 5];
+//!     s.read_exact(&mut buf).unwrap();
+//!     s.write_all(&buf).unwrap();
+//! });
+//! let mut c = exs::Stream::connect_in(&client, world.addr(0, 9000)).unwrap();
+//! c.write_all(b"hello").unwrap();
+//! let mut back = [0u8; 5];
+//! c.read_exact(&mut back).unwrap();
+//! assert_eq!(&back, b"hello");
+//! echo.join().unwrap();
+//! # }
+//! ```
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::context::Context;
+use crate::error::DequeueError;
+use crate::event::{Event, EventQueue};
+use crate::options::SockType;
+use crate::socket::Socket;
+
+mod blocking;
+mod core;
+
+pub use blocking::{Listener, Stream};
+pub(crate) use core::{Reader, Writer};
+
+/// How a stream of this module buffers; the defaults suit bulk transfers and request/response alike.
+///
+/// Memory per stream: `recv_buffer` from the start (its receives are posted at once), `send_buffer` from the
+/// first write; both registered with the context. The protocol's own stream buffer (seed 001's intermediate
+/// buffer, [`SocketOption::StreamBufferSize`](crate::SocketOption::StreamBufferSize), 1 MiB) comes on top, and
+/// only once the peer writes when no receive is advertised.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StreamConfig {
+    /// Bytes of the send ring (default 1 MiB): how much a writer may have in flight before a write waits.
+    pub send_buffer: usize,
+    /// Most bytes of one send (default 256 KiB): a large write is cut into sends of this size, so that the
+    /// ring's space comes back piece by piece.
+    pub send_piece: usize,
+    /// Bytes of the receive buffer (default 1 MiB), cut into `recv_pieces` receives posted ahead.
+    pub recv_buffer: usize,
+    /// Receives posted ahead (default 4): the peer's sends go directly into them (zero copy on the wire) while
+    /// the reader copies out of the ones filled before.
+    pub recv_pieces: usize,
+    /// How long a connection attempt may take (`None`: the context's `connect_timeout`).
+    pub connect_timeout: Option<Duration>,
+}
+
+impl Default for StreamConfig {
+    fn default() -> Self {
+        StreamConfig {
+            send_buffer: 1 << 20,
+            send_piece: 256 << 10,
+            recv_buffer: 1 << 20,
+            recv_pieces: 4,
+            connect_timeout: None,
+        }
+    }
+}
+
+/// The process's default context, opened on first use as [`Context::from_env`] opens one (the backend the
+/// environment names, else the first compiled in of verbs, fabric, sim) and kept for the process's life:
+/// [`Stream::connect`], [`Listener::bind`] and their tokio forms run on it. A failed opening is not kept (the
+/// next call tries again).
+pub fn default_context() -> io::Result<Context> {
+    static DEFAULT: Mutex<Option<Context>> = Mutex::new(None);
+    let mut d = DEFAULT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = &*d {
+        return Ok(c.clone());
+    }
+    let c = Context::from_env()?;
+    *d = Some(c.clone());
+    Ok(c)
+}
+
+/// The first success of `f` over `addrs`, or the last error.
+pub(crate) fn each_addr<T>(
+    addrs: impl IntoIterator<Item = SocketAddr>,
+    mut f: impl FnMut(SocketAddr) -> io::Result<T>,
+) -> io::Result<T> {
+    let mut last = None;
+    for a in addrs {
+        match f(a) {
+            Ok(t) => return Ok(t),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "no address to use")))
+}
+
+/// Starts a connection attempt: the socket, and the queue its `Connect` event comes to.
+pub(crate) fn start_connect(ctx: &Context, addr: SocketAddr) -> io::Result<(Socket, EventQueue)> {
+    let sock = Socket::new(ctx, SockType::Stream)?;
+    let eq = EventQueue::new(2);
+    sock.connect(addr, &eq, 0)?;
+    Ok((sock, eq))
+}
+
+/// The end of a connection attempt: its event, or the wait's error (a timeout ends the attempt).
+pub(crate) fn end_connect(sock: &Socket, ev: Result<Event, DequeueError>) -> io::Result<()> {
+    match ev {
+        Ok(ev) => Ok(ev.status?),
+        Err(DequeueError::TimedOut) => {
+            let _ = sock.abort();
+            Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the connection attempt timed out",
+            ))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// A listening stream socket at `addr`.
+pub(crate) fn listen(ctx: &Context, addr: SocketAddr) -> io::Result<Socket> {
+    let sock = Socket::new(ctx, SockType::Stream)?;
+    sock.bind(addr)?;
+    sock.listen(0)?;
+    Ok(sock)
+}
+
+/// The socket an `Accept` event carries, and its peer's address.
+pub(crate) fn accepted(mut ev: Event) -> io::Result<(Socket, SocketAddr)> {
+    ev.status.map_err(io::Error::from)?;
+    let sock = ev
+        .accepted
+        .take()
+        .ok_or_else(|| io::Error::other("an accept event without its socket"))?;
+    let peer = sock
+        .peer_addr()?
+        .ok_or_else(|| io::Error::other("an accepted socket without a peer address"))?;
+    Ok((sock, peer))
+}
+
+/// A socket's address, or `NotConnected`.
+pub(crate) fn addr_of(
+    a: Result<Option<SocketAddr>, crate::error::StateError>,
+) -> io::Result<SocketAddr> {
+    a?.ok_or_else(|| io::Error::new(io::ErrorKind::NotConnected, "no address"))
+}
+
+/// `set_nodelay`: TCP_NODELAY is coalescing off (small writes leave at once even while a write is in flight).
+pub(crate) fn set_nodelay(sock: &Socket, nodelay: bool) -> io::Result<()> {
+    sock.set_option(crate::options::SocketOption::Coalesce(!nodelay))
+        .map_err(io::Error::from)
+}
+
+/// See [`set_nodelay`].
+pub(crate) fn nodelay(sock: &Socket) -> io::Result<bool> {
+    Ok(!sock.options()?.coalesce)
+}

@@ -1,0 +1,387 @@
+//! Async streams for tokio (feature `tokio`, issues 16 and 26): [`Stream`] implements `AsyncRead` and
+//! `AsyncWrite`, [`Listener`] accepts them, and [`EventQueue::next_async`] waits for any queue. Each direction of
+//! a stream has its own event queue, whose descriptor (readable while events are queued, see
+//! [`EventQueue::readiness_fd`]) goes into tokio's reactor as an `AsyncFd`: no thread per queue, no busy polling,
+//! and a task that reads never takes the writer's completions (or the other way round). The context's progress
+//! thread moves the protocol meanwhile, so contexts used here must keep their default `Progress::Thread`.
+//!
+//! The shapes are `tokio::net`'s: [`Stream::connect`] and [`Listener::bind`] resolve names with
+//! `tokio::net::lookup_host` (never a blocking lookup in an `async fn`) and run on the process's
+//! [default context](crate::default_context); the `_in` forms take a context. [`Stream::into_split`] and
+//! [`Stream::split`] give halves that a reading and a writing task can own. Buffers and semantics are those of
+//! [`crate::Stream`] (see [`crate::StreamConfig`]).
+//!
+//! # Cancellation safety
+//! As tokio documents its own: [`Listener::accept`] is cancel safe (a connection accepted for a call that was
+//! dropped goes to the next call). Reading (`AsyncReadExt::read` and the rest over `poll_read`) is cancel safe:
+//! bytes are taken from the stream only by a poll that returns them. Writing (`write`, over `poll_write`) is
+//! cancel safe: bytes are copied and sent only by a poll that returns their count. `write_all` and `read_exact`
+//! are not, as with any tokio stream (part may have been moved). [`Stream::connect`] is not: dropping it abandons
+//! the attempt.
+//!
+//! ```
+//! # #[cfg(feature = "sim")]
+//! # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+//! use tokio::io::{AsyncReadExt, AsyncWriteExt};
+//! let world = exs::sim::World::threaded(exs::sim::SimConfig::default());
+//! let (server, client) = (world.host(), world.host());
+//! let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9200)).await.unwrap();
+//! let echo = tokio::spawn(async move {
+//!     let (mut s, _) = listener.accept().await.unwrap();
+//!     let mut buf = [0u8; 5];
+//!     s.read_exact(&mut buf).await.unwrap();
+//!     s.write_all(&buf).await.unwrap();
+//! });
+//! let mut c = exs::tokio::Stream::connect_in(&client, world.addr(0, 9200)).await.unwrap();
+//! c.write_all(b"hello").await.unwrap();
+//! let mut back = [0u8; 5];
+//! c.read_exact(&mut back).await.unwrap();
+//! assert_eq!(&back, b"hello");
+//! echo.await.unwrap();
+//! # });
+//! ```
+
+use std::io;
+use std::net::SocketAddr;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::pin::Pin;
+use std::task::{ready, Context as TaskContext, Poll};
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use crate::context::Context;
+use crate::event::{Event, EventQueue};
+use crate::socket::Socket;
+use crate::stream_io::{self as sio, Reader, StreamConfig, Writer};
+
+mod split;
+
+pub use split::{OwnedReadHalf, OwnedWriteHalf, ReadHalf, ReuniteError, WriteHalf};
+
+/// A queue's readiness descriptor, duplicated so that each `AsyncFd` registers a descriptor of its own.
+struct QueueFd(OwnedFd);
+
+impl AsRawFd for QueueFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+fn async_fd(eq: &EventQueue) -> io::Result<AsyncFd<QueueFd>> {
+    let fd = eq.readiness_fd()?.try_clone_to_owned()?;
+    // tokio's newer registration call asks its caller to promise that the descriptor stays open and the same for
+    // the AsyncFd's life, which this crate (no promises of that kind allowed here) keeps by construction: `QueueFd`
+    // owns it (an `OwnedFd`, closed only when the AsyncFd drops it) and always returns it. `new` is the same call
+    // without the promise marker (deprecated for callers that cannot keep it).
+    #[allow(deprecated)]
+    AsyncFd::new(QueueFd(fd))
+}
+
+/// Waits until `eq` has an event, then takes it.
+async fn next_event(eq: &EventQueue, fd: &AsyncFd<QueueFd>) -> io::Result<Event> {
+    loop {
+        let mut evs = Vec::with_capacity(1);
+        if eq.poll(&mut evs, 1) == 1 {
+            return Ok(evs.pop().expect("one event"));
+        }
+        let mut guard = fd.readable().await?;
+        if eq.is_empty() {
+            // Not cleared if the descriptor was signalled since the guard was taken (tokio tracks that).
+            guard.clear_ready();
+        }
+    }
+}
+
+/// Runs `step` until it has an answer, waiting on the queue's descriptor in between.
+fn poll_until<T>(
+    fd: &AsyncFd<QueueFd>,
+    eq: &EventQueue,
+    cx: &mut TaskContext<'_>,
+    mut step: impl FnMut() -> io::Result<Option<T>>,
+) -> Poll<io::Result<T>> {
+    loop {
+        if let Some(t) = step()? {
+            return Poll::Ready(Ok(t));
+        }
+        let mut guard = ready!(fd.poll_read_ready(cx))?;
+        if eq.is_empty() {
+            guard.clear_ready();
+        } else {
+            // Events came in between: the step takes them.
+            continue;
+        }
+    }
+}
+
+impl EventQueue {
+    /// Waits, without blocking the thread, for the next event (feature `tokio`).
+    pub async fn next_async(&self) -> io::Result<Event> {
+        let fd = async_fd(self)?;
+        next_event(self, &fd).await
+    }
+}
+
+/// The reading direction of a stream with its descriptor in the reactor.
+pub(crate) struct ReadPart {
+    pub(crate) core: Reader,
+    fd: AsyncFd<QueueFd>,
+}
+
+/// The writing direction of a stream with its descriptor in the reactor.
+pub(crate) struct WritePart {
+    pub(crate) core: Writer,
+    fd: AsyncFd<QueueFd>,
+}
+
+impl ReadPart {
+    pub(crate) fn poll_read(
+        &mut self,
+        cx: &mut TaskContext<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let core = &mut self.core;
+        let eq = core.eq.clone();
+        let n = ready!(poll_until(&self.fd, &eq, cx, || core
+            .try_read(buf.initialize_unfilled())))?;
+        buf.advance(n);
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl WritePart {
+    pub(crate) fn poll_write(
+        &mut self,
+        cx: &mut TaskContext<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let core = &mut self.core;
+        let eq = core.eq.clone();
+        poll_until(&self.fd, &eq, cx, || core.try_write(buf))
+    }
+}
+
+/// A connected stream, like `tokio::net::TcpStream` (see the module documentation).
+pub struct Stream {
+    pub(crate) read: ReadPart,
+    pub(crate) write: WritePart,
+}
+
+impl std::fmt::Debug for Stream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stream")
+            .field("socket", &self.read.core.sock)
+            .finish()
+    }
+}
+
+impl Stream {
+    /// Connects on the process's [default context](crate::default_context) to the first address of `addr` that
+    /// answers, resolving names with `tokio::net::lookup_host`, like `tokio::net::TcpStream::connect`. Not
+    /// cancel safe: dropping the future abandons the attempt.
+    pub async fn connect(addr: impl tokio::net::ToSocketAddrs) -> io::Result<Stream> {
+        Self::connect_with(&sio::default_context()?, addr, &StreamConfig::default()).await
+    }
+
+    /// Connects on `ctx` to the first address of `addr` that answers (once the listener accepts).
+    pub async fn connect_in(
+        ctx: &Context,
+        addr: impl tokio::net::ToSocketAddrs,
+    ) -> io::Result<Stream> {
+        Self::connect_with(ctx, addr, &StreamConfig::default()).await
+    }
+
+    /// Connects on `ctx` with `cfg`'s buffers and connect timeout.
+    pub async fn connect_with(
+        ctx: &Context,
+        addr: impl tokio::net::ToSocketAddrs,
+        cfg: &StreamConfig,
+    ) -> io::Result<Stream> {
+        let mut last = None;
+        for a in tokio::net::lookup_host(addr).await? {
+            match Self::connect_one(ctx, a, cfg).await {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| {
+            io::Error::new(io::ErrorKind::InvalidInput, "no address to connect to")
+        }))
+    }
+
+    async fn connect_one(
+        ctx: &Context,
+        addr: SocketAddr,
+        cfg: &StreamConfig,
+    ) -> io::Result<Stream> {
+        let (sock, eq) = sio::start_connect(ctx, addr)?;
+        let fd = async_fd(&eq)?;
+        let ev = match cfg.connect_timeout {
+            Some(t) => match tokio::time::timeout(t, next_event(&eq, &fd)).await {
+                Ok(ev) => Ok(ev?),
+                Err(_) => Err(crate::error::DequeueError::TimedOut),
+            },
+            None => Ok(next_event(&eq, &fd).await?),
+        };
+        sio::end_connect(&sock, ev)?;
+        Self::from_socket(ctx, sock, cfg)
+    }
+
+    fn from_socket(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> io::Result<Stream> {
+        let reader = Reader::new(ctx, sock.clone(), cfg)?;
+        let writer = Writer::new(ctx, sock, cfg);
+        Ok(Stream {
+            read: ReadPart {
+                fd: async_fd(&reader.eq)?,
+                core: reader,
+            },
+            write: WritePart {
+                fd: async_fd(&writer.eq)?,
+                core: writer,
+            },
+        })
+    }
+
+    /// The ES-API socket underneath.
+    pub fn socket(&self) -> &Socket {
+        &self.read.core.sock
+    }
+
+    /// This side's address.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        sio::addr_of(self.socket().local_addr())
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        sio::addr_of(self.socket().peer_addr())
+    }
+
+    /// Like TCP_NODELAY (see [`crate::Stream::set_nodelay`]).
+    pub fn set_nodelay(&self, nodelay: bool) -> io::Result<()> {
+        sio::set_nodelay(self.socket(), nodelay)
+    }
+
+    /// See [`Stream::set_nodelay`].
+    pub fn nodelay(&self) -> io::Result<bool> {
+        sio::nodelay(self.socket())
+    }
+
+    /// Splits the stream into halves that borrow it (like `TcpStream::split`): one task reads while another
+    /// writes.
+    pub fn split(&mut self) -> (ReadHalf<'_>, WriteHalf<'_>) {
+        (ReadHalf(&mut self.read), WriteHalf(&mut self.write))
+    }
+
+    /// Splits the stream into owned halves (like `TcpStream::into_split`). Dropping the write half shuts the
+    /// writing side down (the peer reads end-of-stream after the bytes written); the stream closes when both
+    /// halves are gone. [`OwnedReadHalf::reunite`] puts them back together.
+    pub fn into_split(self) -> (OwnedReadHalf, OwnedWriteHalf) {
+        split::into_split(self)
+    }
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        self.get_mut().read.poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut().write.poll_write(cx, buf)
+    }
+
+    /// Ready at once, like tokio's `TcpStream`: every byte written is already on its way. Reports the error of
+    /// an earlier write's send, if one failed.
+    fn poll_flush(self: Pin<&mut Self>, _cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(self.get_mut().write.core.flush())
+    }
+
+    /// Shuts the writing side down and is ready at once, like tokio's `TcpStream` (see
+    /// [`crate::Stream::shutdown`]).
+    fn poll_shutdown(self: Pin<&mut Self>, _cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(self.get_mut().write.core.shutdown())
+    }
+}
+
+/// Accepts streams, like `tokio::net::TcpListener`.
+pub struct Listener {
+    sock: Socket,
+    ctx: Context,
+    eq: EventQueue,
+    fd: AsyncFd<QueueFd>,
+    cfg: StreamConfig,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("sock", &self.sock)
+            .finish()
+    }
+}
+
+impl Listener {
+    /// Listens on the process's [default context](crate::default_context) at the first address of `addr` that
+    /// can be bound, resolving names with `tokio::net::lookup_host`, like `tokio::net::TcpListener::bind`.
+    pub async fn bind(addr: impl tokio::net::ToSocketAddrs) -> io::Result<Listener> {
+        Self::bind_with(&sio::default_context()?, addr, &StreamConfig::default()).await
+    }
+
+    /// Listens on `ctx` at the first address of `addr` that can be bound.
+    pub async fn bind_in(
+        ctx: &Context,
+        addr: impl tokio::net::ToSocketAddrs,
+    ) -> io::Result<Listener> {
+        Self::bind_with(ctx, addr, &StreamConfig::default()).await
+    }
+
+    /// Listens on `ctx`; the streams it accepts buffer as `cfg` says.
+    pub async fn bind_with(
+        ctx: &Context,
+        addr: impl tokio::net::ToSocketAddrs,
+        cfg: &StreamConfig,
+    ) -> io::Result<Listener> {
+        let addrs = tokio::net::lookup_host(addr).await?;
+        let sock = sio::each_addr(addrs, |a| sio::listen(ctx, a))?;
+        let eq = EventQueue::new(64);
+        let fd = async_fd(&eq)?;
+        Ok(Listener {
+            sock,
+            ctx: ctx.clone(),
+            eq,
+            fd,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        sio::addr_of(self.sock.local_addr())
+    }
+
+    /// Waits for a connection; returns it and the peer's address. Cancel safe: a dropped `accept` leaves its
+    /// accept posted, and the next call gets that connection.
+    pub async fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
+        if self.eq.outstanding() == 0 && self.eq.is_empty() {
+            self.sock.accept(&self.eq, 0)?;
+        }
+        let (sock, peer) = sio::accepted(next_event(&self.eq, &self.fd).await?)?;
+        Ok((Stream::from_socket(&self.ctx, sock, &self.cfg)?, peer))
+    }
+}
+
+impl AsFd for Listener {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.eq.as_fd()
+    }
+}

@@ -309,7 +309,8 @@ impl Engine {
         }
     }
 
-    /// `offset`: `exs_send_offset` (seed 002, 4.4) into the peer's persistent receive.
+    /// `offset`: `exs_send_offset` (seed 002, 4.4) into the peer's persistent receive. The connection plans how
+    /// the bytes travel ([`Conn::plan_send`]); this leases or exposes them as planned and hands them over.
     pub(crate) fn send(
         &mut self,
         sid: SocketId,
@@ -319,81 +320,29 @@ impl Engine {
         ticket: &mut Option<Ticket>,
     ) -> R<(), SendError> {
         slice.check(self.ctx_id)?;
-        let s = self.sock(sid)?;
-        let ty = s.ty;
-        if s.shut_write {
+        if self.sock(sid)?.shut_write {
             return Err(StateError::Shutdown.into());
         }
-        check_flags(flags, ty, offset.is_some())?;
-        let persistent = flags.contains(MsgFlags::PERSISTENT);
         let conn = self.open_conn(sid)?;
-        match ty {
-            SockType::SeqPacket => {
-                let len = slice.len();
-                let m = conn.message().expect("message socket");
-                if persistent {
-                    m.may_be_persistent().map_err(StateError::Persistent)?;
-                }
-                match (offset, m.peer_precv_len()) {
-                    (Some(_), None) => return Err(StateError::Persistent(
-                        "send_offset needs the peer's persistent receive, and it has none active",
-                    )
-                    .into()),
-                    (o, Some(size)) if !persistent => {
-                        let offset = o.unwrap_or(0);
-                        if offset.checked_add(len as u64).is_none_or(|end| end > size) {
-                            return Err(StateError::OffsetOutOfRange {
-                                offset,
-                                len: len as u64,
-                                size,
-                            }
-                            .into());
-                        }
-                    }
-                    _ => {}
-                }
-                let data = if persistent || (!m.writes_to_peer() && !m.is_immediate(len)) {
-                    // Seed 002, 4.2: the application keeps updating a persistent send's memory while the peer
-                    // reads it (copies in through `MemoryRegion::write`; the reader may see a mix).
-                    let kind = if persistent {
-                        LeaseKind::DeviceReadShared
-                    } else {
-                        LeaseKind::DeviceRead
-                    };
-                    let sge = slice.lease(kind)?;
-                    let (lease, reg) = sge.into_parts();
-                    let ep = self.open_conn(sid)?.ep;
-                    SendData::Exposed(self.expose_op(ep, &reg, lease, RemoteAccess::Read)?)
-                } else {
-                    SendData::Inline(slice.lease(LeaseKind::DeviceRead)?)
-                };
-                self.open_conn(sid)?;
-                let token = self.token(ticket);
-                let conn = self.open_conn(sid)?;
-                conn.send_message(SendReq {
-                    ticket: Some(token),
-                    len,
-                    data,
-                    persistent: persistent.then_some(flags.contains(MsgFlags::NOTIFY)),
-                    offset: offset.unwrap_or(0),
-                });
+        let plan = conn.plan_send(slice.len(), flags, offset)?;
+        let ep = conn.ep;
+        let sge = slice.lease(plan.lease_kind())?;
+        let data = match plan {
+            SendPlan::Inline => SendData::Inline(sge),
+            SendPlan::Exposed { .. } => {
+                let (lease, reg) = sge.into_parts();
+                SendData::Exposed(self.expose_op(ep, &reg, lease, RemoteAccess::Read)?)
             }
-            SockType::Stream => {
-                if slice.is_empty() {
-                    return Err(BufferError::Empty.into());
-                }
-                let sge = slice.lease(LeaseKind::DeviceRead)?;
-                self.open_conn(sid)?;
-                let token = self.token(ticket);
-                let stream = self.open_conn(sid)?.stream().expect("stream socket");
-                stream.send(token, sge, flags);
-            }
-        }
+        };
+        let token = self.token(ticket);
+        self.open_conn(sid)?
+            .start_send(token, data, slice.len(), flags, offset);
         self.flush(sid);
         Ok(())
     }
 
-    /// `offset`: `exs_recv_offset` (seed 002, 4.4) from the peer's persistent send.
+    /// `offset`: `exs_recv_offset` (seed 002, 4.4) from the peer's persistent send. The connection plans how the
+    /// receive is taken ([`Conn::plan_recv`]); this leases or exposes its memory as planned and hands it over.
     pub(crate) fn recv(
         &mut self,
         sid: SocketId,
@@ -404,89 +353,58 @@ impl Engine {
     ) -> R<(), RecvError> {
         slice.check(self.ctx_id)?;
         let s = self.sock(sid)?;
-        let ty = s.ty;
-        check_flags(flags, ty, offset.is_some())?;
-        let closed_stream = ty == SockType::Stream && s.peer_closed && s.conn.is_some();
         // After the peer closed, a message receive reports end-of-stream (as read(2) returns 0); a stream receive
         // first takes what the stream buffer still holds.
+        let closed_stream = s.ty == SockType::Stream && s.peer_closed && s.conn.is_some();
         if s.peer_closed && !closed_stream && matches!(s.phase, Phase::Disconnecting | Phase::Down)
         {
+            crate::proto::conn::check_flags(flags, s.ty, offset.is_some())?;
             let t = ticket.take().expect("ticket given");
             t.complete_eof();
             return Ok(());
         }
-        match ty {
-            SockType::SeqPacket if flags.contains(MsgFlags::PERSISTENT) => {
-                let m = self.open_conn(sid)?.message().expect("message socket");
-                m.may_be_persistent().map_err(StateError::Persistent)?;
-                if slice.is_empty() {
-                    return Err(BufferError::Empty.into());
-                }
-                // Seed 002, 4.3: the application reads the current values while the peer writes them.
-                let sge = slice.lease(LeaseKind::DeviceWriteShared)?;
+        let conn = if closed_stream {
+            s.conn.as_mut().expect("checked above")
+        } else {
+            self.open_conn(sid)?
+        };
+        let plan = conn.plan_recv(slice.len(), flags, offset, closed_stream)?;
+        let ep = conn.ep;
+        let sge = slice.lease(plan.lease_kind())?;
+        let mem = match plan {
+            RecvPlan::Message => RecvMemory::Leased(sge),
+            RecvPlan::Stream { keyless: true } => {
+                // The peer closed: it writes nothing more, so no key; the stream buffer's rest is copied in.
                 let (lease, reg) = sge.into_parts();
-                let ep = self.open_conn(sid)?.ep;
-                let exposure = self.expose(ep, &reg, lease, RemoteAccess::Write)?;
-                let token = self.token(ticket);
-                let conn = self.open_conn(sid)?;
-                if let Err((t, why)) = conn.recv_persistent(token, exposure) {
-                    *ticket = Some(self.untoken(t));
-                    return Err(StateError::Persistent(why).into());
-                }
+                let unkeyed = crate::transport::KeyedLease::new(
+                    crate::transport::RemoteRef { addr: 0, key: 0 },
+                    lease,
+                    crate::transport::NoKey,
+                );
+                RecvMemory::Exposed(Box::new(unkeyed), reg)
             }
-            SockType::SeqPacket => {
-                let conn = self.open_conn(sid)?;
-                if let Some(offset) = offset {
-                    let len = slice.len() as u64;
-                    let size = conn.message().expect("message socket").peer_psend_len().ok_or(
-                        StateError::Persistent(
-                            "recv_offset needs the peer's persistent send, and none has arrived (or it ended)",
-                        ),
-                    )?;
-                    if offset.checked_add(len).is_none_or(|end| end > size) {
-                        return Err(StateError::OffsetOutOfRange { offset, len, size }.into());
-                    }
-                }
-                let sge = slice.lease(RECV_LEASE)?;
-                let token = self.token(ticket);
-                self.open_conn(sid)?.recv_message(RecvReq {
-                    ticket: token,
-                    sge,
-                    offset,
-                });
-            }
-            SockType::Stream => {
-                if slice.is_empty() {
-                    return Err(BufferError::Empty.into());
-                }
-                if !closed_stream {
-                    self.open_conn(sid)?;
-                }
-                let Some(ep) = self.sockets.get(&sid).and_then(|s| s.ep()) else {
-                    return Err(StateError::NotConnected.into());
-                };
-                let sge = slice.lease(LeaseKind::DeviceWrite)?;
+            RecvPlan::Persistent => {
                 let (lease, reg) = sge.into_parts();
-                let exposure: Box<dyn crate::transport::Exposure> = if closed_stream {
-                    // The peer closed: it writes nothing more, so no key; the stream buffer's rest is copied in.
-                    Box::new(crate::transport::KeyedLease::new(
-                        crate::transport::RemoteRef { addr: 0, key: 0 },
-                        lease,
-                        crate::transport::NoKey,
-                    ))
-                } else {
-                    self.expose_op(ep, &reg, lease, RemoteAccess::Write)?
-                };
-                let token = self.token(ticket);
-                let conn = self
-                    .sockets
-                    .get_mut(&sid)
-                    .and_then(|s| s.conn.as_mut())
-                    .expect("checked above");
-                if let Err(v) = conn.recv_stream(token, exposure, reg, flags) {
-                    self.fault(sid, Fault::Peer(v));
-                }
+                RecvMemory::Exposed(self.expose(ep, &reg, lease, RemoteAccess::Write)?, reg)
             }
+            RecvPlan::Stream { keyless: false } => {
+                let (lease, reg) = sge.into_parts();
+                RecvMemory::Exposed(self.expose_op(ep, &reg, lease, RemoteAccess::Write)?, reg)
+            }
+        };
+        let token = self.token(ticket);
+        let conn = self
+            .sockets
+            .get_mut(&sid)
+            .and_then(|s| s.conn.as_mut())
+            .expect("checked above");
+        match conn.start_recv(token, mem, flags, offset) {
+            Ok(()) => {}
+            Err(RecvRefused::Persistent(t, why)) => {
+                *ticket = Some(self.untoken(t));
+                return Err(StateError::Persistent(why).into());
+            }
+            Err(RecvRefused::Peer(v)) => self.fault(sid, Fault::Peer(v)),
         }
         self.flush(sid);
         Ok(())
@@ -769,23 +687,4 @@ impl Engine {
         }
         self.drain_done();
     }
-}
-
-/// Flags and offsets that a socket type cannot take.
-fn check_flags(flags: MsgFlags, ty: SockType, offset: bool) -> Result<(), StateError> {
-    let known = MsgFlags::WAITALL.0 | MsgFlags::PERSISTENT.0 | MsgFlags::NOTIFY.0;
-    if flags.0 & !known != 0 {
-        return Err(StateError::Persistent("unknown flag bits"));
-    }
-    if flags.contains(MsgFlags::NOTIFY) && !flags.contains(MsgFlags::PERSISTENT) {
-        return Err(StateError::Persistent(
-            "NOTIFY applies to persistent sends only",
-        ));
-    }
-    if ty == SockType::Stream && (flags.contains(MsgFlags::PERSISTENT) || offset) {
-        return Err(StateError::Persistent(
-            "persistent and offset transfers exist on SOCK_SEQPACKET sockets only",
-        ));
-    }
-    Ok(())
 }

@@ -18,16 +18,18 @@ use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::context::{Clock, Context, ContextOptions, CtxInner};
 use crate::error::{
-    AcceptError, BufferError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError,
-    SocketError, StateError, Violation,
+    AcceptError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError, SocketError,
+    StateError, Violation,
 };
 use crate::event::{EventFlags, Ticket};
 use crate::exposure::{ExposurePolicy, TrustedKeys};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
-use crate::proto::conn::{Conn, Fault, Incoming, Limits, Timing};
+use crate::proto::conn::{
+    Conn, Fault, Incoming, Limits, RecvMemory, RecvPlan, RecvRefused, SendPlan, Timing,
+};
 use crate::proto::link::{wr_kind, Link, Slots, WrKind, PACK_SLOTS};
-use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
+use crate::proto::message::SendData;
 use crate::proto::op::{Done, OpToken, Outbox};
 use crate::proto::pool::{PoolStats, RecvPool};
 use crate::proto::stream::StreamSetup;

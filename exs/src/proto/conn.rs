@@ -10,11 +10,14 @@ use exs_dma::LeaseKind;
 use crate::error::{OpError, Violation};
 use crate::options::{SockType, SocketOptions};
 use crate::proto::link::{self, Link, WrKind, MIN_WINDOW};
-use crate::proto::message::{MessageProto, RecvReq, SendReq};
+use crate::proto::message::MessageProto;
 use crate::proto::pool::RecvPool;
 use crate::proto::stream::{StreamProto, StreamSetup};
 use crate::transport::{Completed, Completion, EndpointId, Exposure, WcError, WorkRequest};
 use crate::wire::{Body, CloseReason, Handshake, Message, WireSockType};
+
+mod plan;
+pub(crate) use plan::{check_flags, RecvMemory, RecvPlan, RecvRefused, SendPlan};
 
 /// Limits of the transport that the protocol needs.
 #[derive(Clone, Copy, Debug)]
@@ -265,12 +268,6 @@ impl Conn {
         }
     }
 
-    pub(crate) fn send_message(&mut self, req: SendReq) {
-        if let Some(Mode::Message(m)) = &mut self.mode {
-            m.send(req, &mut self.link);
-        }
-    }
-
     /// Posts a persistent receive (seed 002, 4.3); refused (ticket back) when the rules forbid it.
     pub(crate) fn recv_persistent(
         &mut self,
@@ -291,12 +288,6 @@ impl Conn {
         match &mut self.mode {
             Some(Mode::Message(m)) => m.end_persistent(&mut self.link),
             _ => false,
-        }
-    }
-
-    pub(crate) fn recv_message(&mut self, req: RecvReq) {
-        if let Some(Mode::Message(m)) = &mut self.mode {
-            m.recv(req, &mut self.link);
         }
     }
 

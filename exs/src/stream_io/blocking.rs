@@ -79,8 +79,8 @@ impl Stream {
         Self::connect_with(&super::default_context()?, addr, &cfg)
     }
 
-    /// Connects on `ctx` to the first address of `addr` that answers. As with RDMA connections generally, the
-    /// connection completes when the listener accepts it.
+    /// Connects on `ctx` to the first address of `addr` that answers (like TCP's, the connection completes when
+    /// the listener has set it up, before its application accepts it).
     pub fn connect_in(ctx: &Context, addr: impl ToSocketAddrs) -> io::Result<Stream> {
         Self::connect_with(ctx, addr, &StreamConfig::default())
     }

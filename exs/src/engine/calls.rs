@@ -19,32 +19,16 @@ impl Engine {
         id
     }
 
-    /// Allocates and registers a connection's control buffers (and a stream buffer for stream sockets).
+    /// Allocates and registers a connection's control buffers as the protocol lays them out ([`Layout`]).
     pub(super) fn build_conn(
         &mut self,
         ep: EndpointId,
         ty: SockType,
         opts: &SocketOptions,
     ) -> Result<Conn, TransportError> {
-        let window = u32::from(opts.effective_window(ty));
-        let small = opts.small_packet_max_size as usize;
         let pooled = self.pool_slot_size()?;
-        // Coalescing (issue 12): a message-mode buffer holds several immediate messages of the largest size, so
-        // that a burst of them shares sends and buffers.
-        let per_buffer = if opts.coalesce && ty == SockType::SeqPacket {
-            PACKED_PER_BUFFER
-        } else {
-            1
-        };
-        let slot = pooled.unwrap_or_else(|| ctrl_slot_size(small, per_buffer));
-        let tx_count = window.max(16);
-        let bytes = pooled.map_or(slot * window as usize, |_| 0)
-            + TX_SLOT * tx_count as usize
-            + if opts.coalesce {
-                slot * PACK_SLOTS as usize
-            } else {
-                0
-            };
+        let layout = Layout::new(ty, opts, pooled);
+        let bytes = layout.bytes();
         let charge = self.budget.charge(bytes as u64).ok_or_else(|| {
             TransportError::Resource(format!(
                 "the context's memory budget ({} bytes, {} held) cannot hold another connection's {bytes} bytes of \
@@ -55,79 +39,45 @@ impl Engine {
         })?;
         let rx = match pooled {
             // Seed 003: every buffer of the shared pool has the context's one slot size; the connection owns none.
-            Some(slot) => Err((window, slot)),
-            None => {
-                let rx_buf = DmaBuf::new(slot * window as usize);
-                let rx_reg = self.register(&rx_buf)?;
-                Ok(Slots {
-                    buf: rx_buf,
-                    reg: rx_reg,
-                    size: slot,
-                    count: window,
-                })
-            }
+            Some(slot) => Err((layout.window, slot)),
+            None => Ok(self.slots(layout.slot, layout.window)?),
         };
-        let tx_buf = DmaBuf::new(TX_SLOT * tx_count as usize);
-        let tx_reg = self.register(&tx_buf)?;
-        // Coalescing (issue 12): pack buffers as large as our own receive buffers (the peer's usually match).
-        let pack = if opts.coalesce {
-            let buf = DmaBuf::new(slot * PACK_SLOTS as usize);
-            let reg = self.register(&buf)?;
-            Some(Slots {
-                buf,
-                reg,
-                size: slot,
-                count: PACK_SLOTS,
-            })
+        let tx = self.slots(TX_SLOT, layout.tx_count)?;
+        let pack = if layout.pack {
+            // Pack buffers as large as our own receive buffers (the peer's usually match).
+            Some(self.slots(layout.slot, PACK_SLOTS)?)
         } else {
             None
         };
         let link = Link::new(
             rx,
-            Slots {
-                buf: tx_buf,
-                reg: tx_reg,
-                size: TX_SLOT,
-                count: tx_count,
-            },
+            tx,
             pack,
             self.caps.max_send_wr,
             self.caps.max_read_depth,
             self.caps.imm_consumes_recv,
         );
-        // The stream buffer is allocated when the peer first needs it; its address and key follow then
-        // (STREAM_RING), so the handshake carries only its length.
-        let stream_setup = match ty {
-            SockType::SeqPacket => None,
-            SockType::Stream => Some(StreamSetup {
-                len: opts.stream_buffer_size as usize,
-            }),
-        };
-        let (stream_len, stream_addr, stream_rkey) =
-            (stream_setup.map_or(0, |s| s.len as u32), 0, 0);
-        let local = Handshake {
-            sock_type: match ty {
-                SockType::SeqPacket => WireSockType::SeqPacket,
-                SockType::Stream => WireSockType::Stream,
-            },
-            ctrl_window: window as u16,
-            slot_size: slot as u16,
-            send_credits: opts.send_credits,
-            recv_credits: opts.recv_credits,
-            small_max: opts.small_packet_max_size,
-            stream_len,
-            stream_addr,
-            stream_rkey,
-            native_imm: self.caps.native_write_imm,
-        };
+        let local = layout.handshake(ty, opts, self.caps.native_write_imm);
         self.stats.ctrl_recv_bytes += link_rx_bytes(&link);
         let setup = crate::proto::conn::Setup {
             limits: self.limits(),
             timing: self.timing(),
-            stream: stream_setup,
+            stream: Layout::stream_setup(ty, opts),
             charge,
         };
         Ok(Conn::new(ep, ty, link, local, setup))
+    }
+
+    /// `count` slots of `size` bytes, allocated and registered.
+    fn slots(&mut self, size: usize, count: u32) -> Result<Slots, TransportError> {
+        let buf = DmaBuf::new(size * count as usize);
+        let reg = self.register(&buf)?;
+        Ok(Slots {
+            buf,
+            reg,
+            size,
+            count,
+        })
     }
 
     /// The shared pool's slot size when connections use the pool (creating the pool at the first connection),

@@ -25,6 +25,7 @@ use crate::event::{EventFlags, Ticket};
 use crate::exposure::{ExposurePolicy, TrustedKeys};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
+use crate::proto::conn::layout::{ctrl_slot_size, Layout, TX_SLOT};
 use crate::proto::conn::{
     Conn, Fault, Incoming, Limits, RecvMemory, RecvPlan, RecvRefused, SendPlan, Timing,
 };
@@ -32,16 +33,12 @@ use crate::proto::link::{wr_kind, Link, Slots, WrKind, PACK_SLOTS};
 use crate::proto::message::SendData;
 use crate::proto::op::{Done, OpToken, Outbox};
 use crate::proto::pool::{PoolStats, RecvPool};
-use crate::proto::stream::StreamSetup;
 use crate::socket::{Readiness, SocketId};
 use crate::transport::{
     Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration,
     RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
 };
-use crate::wire::{CloseReason, Handshake, WireSockType, HEADER_LEN};
-
-/// Bytes of a control send slot: a header and the largest body (immediate data goes as a second entry).
-const TX_SLOT: usize = 64;
+use crate::wire::{CloseReason, Handshake};
 
 /// Counters of one context.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -813,21 +810,6 @@ impl Engine {
             _ => None,
         }
     }
-}
-
-/// Immediate messages of the largest size one coalesced message-mode buffer holds. Measured with `exs pump`
-/// (libfabric tcp, depth 8, 4 KiB immediate sends): one per buffer 442 MB/s, two 450, four 802; 1 KiB: 164, 191,
-/// 218. It multiplies a connection's receive memory (seqpacket on libfabric tcp: 28 buffers of 16.6 KiB).
-pub(super) const PACKED_PER_BUFFER: usize = 4;
-
-/// A control receive slot holds `n` messages of a header, the largest body, and immediate data up to `small`
-/// bytes.
-fn ctrl_slot_size(small: usize, n: usize) -> usize {
-    (HEADER_LEN + 48 + small)
-        .saturating_mul(n)
-        .max(HEADER_LEN + 48)
-        .next_multiple_of(64)
-        .min(u16::MAX as usize & !63)
 }
 
 /// A progress round that handled completions looks at connection events only every this many rounds (see

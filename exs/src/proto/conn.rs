@@ -16,6 +16,7 @@ use crate::proto::stream::{StreamProto, StreamSetup};
 use crate::transport::{Completed, Completion, EndpointId, Exposure, WcError, WorkRequest};
 use crate::wire::{Body, CloseReason, Handshake, Message, WireSockType};
 
+pub(crate) mod layout;
 mod plan;
 pub(crate) use plan::{check_flags, RecvMemory, RecvPlan, RecvRefused, SendPlan};
 

@@ -74,107 +74,21 @@ impl StreamProto {
                 return Ok(());
             };
             let direct = self.choose_advert()? && !self.small_via_ring(first, link);
-            let (room, remote) = if direct {
-                let a = self.tx.adverts.front().expect("chosen");
-                (
-                    a.len - a.used,
-                    RemoteRef {
-                        addr: a.remote.addr + a.used,
-                        key: a.remote.key,
-                    },
-                )
-            } else {
-                let Some(ring) = self.tx.ring else {
-                    // The peer allocates its stream buffer on our first need (STREAM_RING answers).
-                    if !self.tx.ring_requested {
-                        self.tx.ring_requested = true;
-                        link.push_ctrl(Body::StreamRingWanted, None, None);
-                    }
-                    self.stats.space_stalls += 1;
-                    return Ok(());
-                };
-                let used = self.tx.tail - self.tx.consumed;
-                let free = self.tx.ring_len - used;
-                let at = self.tx.tail % self.tx.ring_len;
-                let contiguous = self.tx.ring_len - at;
-                if free == 0 {
-                    self.stats.space_stalls += 1;
-                    return Ok(());
-                }
-                (
-                    free.min(contiguous),
-                    RemoteRef {
-                        addr: ring.addr + at,
-                        key: ring.key,
-                    },
-                )
+            let Some((room, remote)) = self.target(direct, link) else {
+                self.stats.space_stalls += 1;
+                return Ok(());
             };
             let limit = (room as usize).min(self.max_chunk);
             if self.holds(first, limit) {
                 return Ok(());
             }
-            // Gather from consecutive sends (packing small writes into one transfer).
-            let mut pieces = Vec::new();
-            let mut carried = Vec::new();
-            let mut n = 0usize;
-            let mut i = first;
-            while n < limit && pieces.len() < self.max_sge && i < self.tx.sends.len() {
-                let s = &mut self.tx.sends[i];
-                let Some(rest) = s.rest.take() else { break };
-                let take = rest.len().min(limit - n);
-                let (lease, reg) = rest.into_parts();
-                let (now, later) = lease.split_at(take);
-                pieces.push(Sge::new(now, Arc::clone(&reg)).expect("lease stays on its buffer"));
-                if !later.is_empty() {
-                    s.rest = Some(Sge::new(later, reg).expect("lease stays on its buffer"));
-                }
-                s.in_flight += 1;
-                carried.push(s.id);
-                n += take;
-                if s.rest.is_some() {
-                    break; // this send continues in the next transfer
-                }
-                i += 1;
-            }
-            if carried.len() > 1 {
-                self.stats.packed_sends += carried.len() as u64 - 1;
-            }
+            let (pieces, carried, n) = self.gather(first, limit);
             let tag = self.tx.next_tag;
             self.tx.next_tag = self.tx.next_tag.wrapping_add(1);
-            let seq = self.tx.seq;
             let imm = if direct {
-                let phase = self.tx.phase;
-                let a = self.tx.adverts.front_mut().expect("chosen");
-                a.used += n as u64;
-                let advert_seq = a.seq;
-                // "The advertisement is consumed by this transfer unless the MSG_WAITALL flag was supplied".
-                if !a.waitall || a.used == a.len {
-                    self.tx.adverts.pop_front();
-                }
-                self.stats.direct_sent += 1;
-                self.stats.direct_bytes += n as u64;
-                self.record(StreamTrace::Direct {
-                    seq,
-                    len: n as u64,
-                    phase,
-                    advert_seq,
-                });
-                Imm::Direct(n as u32)
+                self.account_direct(n)
             } else {
-                // "When the sender sends an indirect transfer, it increments its phase to an odd number."
-                if self.tx.phase % 2 == 0 {
-                    self.tx.phase += 1;
-                }
-                self.tx.tail += n as u64;
-                self.stats.indirect_sent += 1;
-                self.stats.indirect_bytes += n as u64;
-                let phase = self.tx.phase;
-                self.record(StreamTrace::Indirect {
-                    seq,
-                    len: n as u64,
-                    phase,
-                });
-                Imm::Indirect(n as u32)
+                self.account_indirect(n)
             };
             self.tx.seq += n as u64;
             self.tx.writes.push_back((tag, carried));
@@ -187,6 +101,109 @@ impl StreamProto {
                 tag,
             );
         }
+    }
+
+    /// Where the next transfer goes and how much fits there: the advertised receive (`direct`), or the contiguous
+    /// free space of the peer's stream buffer. `None`: no space (or no stream buffer yet: asked for here, the
+    /// peer allocates it on our first need and STREAM_RING answers).
+    fn target(&mut self, direct: bool, link: &mut Link) -> Option<(u64, RemoteRef)> {
+        if direct {
+            let a = self.tx.adverts.front().expect("chosen");
+            return Some((
+                a.len - a.used,
+                RemoteRef {
+                    addr: a.remote.addr + a.used,
+                    key: a.remote.key,
+                },
+            ));
+        }
+        let Some(ring) = self.tx.ring else {
+            if !self.tx.ring_requested {
+                self.tx.ring_requested = true;
+                link.push_ctrl(Body::StreamRingWanted, None, None);
+            }
+            return None;
+        };
+        let used = self.tx.tail - self.tx.consumed;
+        let free = self.tx.ring_len - used;
+        let at = self.tx.tail % self.tx.ring_len;
+        let contiguous = self.tx.ring_len - at;
+        (free > 0).then_some((
+            free.min(contiguous),
+            RemoteRef {
+                addr: ring.addr + at,
+                key: ring.key,
+            },
+        ))
+    }
+
+    /// Gathers up to `limit` bytes from consecutive sends from `first` on (packing small writes into one
+    /// transfer): the pieces, the ids of the sends they carry, and their length.
+    fn gather(&mut self, first: usize, limit: usize) -> (Vec<Sge>, Vec<u32>, usize) {
+        let mut pieces = Vec::new();
+        let mut carried = Vec::new();
+        let mut n = 0usize;
+        let mut i = first;
+        while n < limit && pieces.len() < self.max_sge && i < self.tx.sends.len() {
+            let s = &mut self.tx.sends[i];
+            let Some(rest) = s.rest.take() else { break };
+            let take = rest.len().min(limit - n);
+            let (lease, reg) = rest.into_parts();
+            let (now, later) = lease.split_at(take);
+            pieces.push(Sge::new(now, Arc::clone(&reg)).expect("lease stays on its buffer"));
+            if !later.is_empty() {
+                s.rest = Some(Sge::new(later, reg).expect("lease stays on its buffer"));
+            }
+            s.in_flight += 1;
+            carried.push(s.id);
+            n += take;
+            if s.rest.is_some() {
+                break; // this send continues in the next transfer
+            }
+            i += 1;
+        }
+        if carried.len() > 1 {
+            self.stats.packed_sends += carried.len() as u64 - 1;
+        }
+        (pieces, carried, n)
+    }
+
+    /// A direct transfer of `n` bytes into the front advertisement (seed 001): "The advertisement is consumed by
+    /// this transfer unless the MSG_WAITALL flag was supplied".
+    fn account_direct(&mut self, n: usize) -> Imm {
+        let (seq, phase) = (self.tx.seq, self.tx.phase);
+        let a = self.tx.adverts.front_mut().expect("chosen");
+        a.used += n as u64;
+        let advert_seq = a.seq;
+        if !a.waitall || a.used == a.len {
+            self.tx.adverts.pop_front();
+        }
+        self.stats.direct_sent += 1;
+        self.stats.direct_bytes += n as u64;
+        self.record(StreamTrace::Direct {
+            seq,
+            len: n as u64,
+            phase,
+            advert_seq,
+        });
+        Imm::Direct(n as u32)
+    }
+
+    /// An indirect transfer of `n` bytes into the peer's stream buffer (seed 001): "When the sender sends an
+    /// indirect transfer, it increments its phase to an odd number."
+    fn account_indirect(&mut self, n: usize) -> Imm {
+        if self.tx.phase % 2 == 0 {
+            self.tx.phase += 1;
+        }
+        self.tx.tail += n as u64;
+        self.stats.indirect_sent += 1;
+        self.stats.indirect_bytes += n as u64;
+        self.record(StreamTrace::Indirect {
+            seq: self.tx.seq,
+            len: n as u64,
+            phase: self.tx.phase,
+        });
+        Imm::Indirect(n as u32)
     }
 
     /// Whether the small sends queued from `first` go through the peer's stream buffer though an advertisement is

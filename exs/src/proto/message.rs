@@ -53,6 +53,9 @@ pub(crate) struct SendReq {
     pub offset: u64,
 }
 
+/// An advertisement to send, with the immediate bytes to gather after it and the exposure its send keeps.
+type AdvertOut = (Advert, Option<Sge>, Option<Box<dyn Exposure>>);
+
 /// A receive waiting for an advertisement: the user's range leased for the device to write.
 #[derive(Debug)]
 pub(crate) struct RecvReq {
@@ -344,63 +347,10 @@ impl MessageProto {
                 reads: 0,
                 ending: false,
             });
-            let (advert, inline, exposure) = match req.data {
-                SendData::PersistentRecv => {
-                    let Some(own) = self.own_precv.as_mut() else {
-                        continue; // ended (connection failed) before its advert went out
-                    };
-                    own.seq = seq;
-                    let r = own
-                        .exposure
-                        .as_ref()
-                        .map(|e| e.remote())
-                        .unwrap_or(RemoteRef { addr: 0, key: 0 });
-                    (
-                        Advert {
-                            seq,
-                            flags: AdvertFlags(AdvertFlags::PERSISTENT_RECV),
-                            len: own.len as u64,
-                            addr: r.addr,
-                            rkey: r.key,
-                        },
-                        None,
-                        None,
-                    )
-                }
-                SendData::Inline(sge) => {
-                    self.stats.immediate_sent += 1;
-                    let flags = AdvertFlags(AdvertFlags::IMMEDIATE);
-                    (
-                        Advert {
-                            seq,
-                            flags,
-                            len: req.len as u64,
-                            addr: 0,
-                            rkey: 0,
-                        },
-                        Some(sge),
-                        None,
-                    )
-                }
-                SendData::Exposed(exp) => {
-                    let r = exp.remote();
-                    let flags = match persistent {
-                        None => 0,
-                        Some(p) if p.notify => AdvertFlags::PERSISTENT | AdvertFlags::NOTIFY,
-                        Some(_) => AdvertFlags::PERSISTENT,
-                    };
-                    (
-                        Advert {
-                            seq,
-                            flags: AdvertFlags(flags),
-                            len: req.len as u64,
-                            addr: r.addr,
-                            rkey: r.key,
-                        },
-                        None,
-                        Some(exp),
-                    )
-                }
+            let Some((advert, inline, exposure)) =
+                self.advert_for(seq, req.data, req.len, persistent.as_ref())
+            else {
+                continue; // ended (connection failed) before its advert went out
             };
             let inline_in_flight = inline.is_some();
             link.push_ctrl(
@@ -425,6 +375,58 @@ impl MessageProto {
         }
     }
 
+    /// The advertisement of send `seq` (seed 002, 3.1): immediate data (4.1), an exposed send, persistent or not
+    /// (4.2), or our persistent receive (4.3; `None` if it ended before its advert went out); with the immediate
+    /// bytes to gather and the exposure to keep.
+    fn advert_for(
+        &mut self,
+        seq: u32,
+        data: SendData,
+        len: usize,
+        persistent: Option<&PersistentSend>,
+    ) -> Option<AdvertOut> {
+        let (flags, addr, rkey, len, inline, exposure) = match data {
+            SendData::PersistentRecv => {
+                let own = self.own_precv.as_mut()?;
+                own.seq = seq;
+                let r = own
+                    .exposure
+                    .as_ref()
+                    .map(|e| e.remote())
+                    .unwrap_or(RemoteRef { addr: 0, key: 0 });
+                (
+                    AdvertFlags::PERSISTENT_RECV,
+                    r.addr,
+                    r.key,
+                    own.len,
+                    None,
+                    None,
+                )
+            }
+            SendData::Inline(sge) => {
+                self.stats.immediate_sent += 1;
+                (AdvertFlags::IMMEDIATE, 0, 0, len, Some(sge), None)
+            }
+            SendData::Exposed(exp) => {
+                let r = exp.remote();
+                let flags = match persistent {
+                    None => 0,
+                    Some(p) if p.notify => AdvertFlags::PERSISTENT | AdvertFlags::NOTIFY,
+                    Some(_) => AdvertFlags::PERSISTENT,
+                };
+                (flags, r.addr, r.key, len, None, Some(exp))
+            }
+        };
+        let advert = Advert {
+            seq,
+            flags: AdvertFlags(flags),
+            len: len as u64,
+            addr,
+            rkey,
+        };
+        Some((advert, inline, exposure))
+    }
+
     pub(crate) fn recv(&mut self, req: RecvReq, link: &mut Link) {
         if self.peer_closed && self.adverts.is_empty() {
             // End of stream: nothing more will come.
@@ -433,115 +435,6 @@ impl MessageProto {
         }
         self.recvs.push_back(req);
         self.match_adverts(link);
-    }
-
-    /// An advertisement arrived. `inline` reads its immediate data out of the control buffer.
-    pub(crate) fn on_advert(
-        &mut self,
-        advert: Advert,
-        inline: &mut dyn FnMut(&mut Sge) -> Result<(), Violation>,
-        inline_copy: &mut dyn FnMut() -> Result<Vec<u8>, Violation>,
-        link: &mut Link,
-    ) -> Result<(), Violation> {
-        if advert.seq != self.expected_seq {
-            return Err(Violation::AdvertOutOfOrder {
-                expected: self.expected_seq,
-                got: advert.seq,
-            });
-        }
-        // Seed 002, 3.2: the peer may have at most recv_credits adverts we have not acknowledged.
-        let unacked = self.expected_seq.wrapping_sub(self.acked_seq);
-        if unacked >= self.recv_window {
-            return Err(Violation::AdvertOverrun {
-                seq: advert.seq,
-                credits: self.recv_window,
-            });
-        }
-        let flags = advert.flags;
-        let persistent =
-            flags.has(AdvertFlags::PERSISTENT) || flags.has(AdvertFlags::PERSISTENT_RECV);
-        if persistent {
-            // Seed 002, 4.3: one side must stay active.
-            if self.persistence().0 {
-                return Err(Violation::Persistent(
-                    "a persistent advertisement while our side is persistent".into(),
-                ));
-            }
-            if flags.has(AdvertFlags::IMMEDIATE)
-                || (flags.has(AdvertFlags::PERSISTENT) && flags.has(AdvertFlags::PERSISTENT_RECV))
-            {
-                return Err(Violation::Persistent(format!(
-                    "advert {} has incompatible flags {:#x}",
-                    advert.seq, flags.0
-                )));
-            }
-            let dup = if flags.has(AdvertFlags::PERSISTENT) {
-                self.adverts
-                    .iter()
-                    .any(|a| a.advert.flags.has(AdvertFlags::PERSISTENT))
-            } else {
-                self.peer_precv.is_some()
-                    || self
-                        .adverts
-                        .iter()
-                        .any(|a| a.advert.flags.has(AdvertFlags::PERSISTENT_RECV))
-            };
-            if dup {
-                return Err(Violation::Persistent(
-                    "a second persistent advertisement of the same kind".into(),
-                ));
-            }
-        } else if flags.has(AdvertFlags::NOTIFY) {
-            return Err(Violation::Persistent(
-                "read notification asked for a send that is not persistent".into(),
-            ));
-        }
-        if !flags.has(AdvertFlags::IMMEDIATE)
-            && advert.len > 0
-            && advert.addr.checked_add(advert.len).is_none()
-        {
-            return Err(Violation::BadRange(format!(
-                "advert {}: address {:#x} + length {} overflows",
-                advert.seq, advert.addr, advert.len
-            )));
-        }
-        self.expected_seq = self.expected_seq.wrapping_add(1);
-        self.stats.adverts_received += 1;
-        if flags.has(AdvertFlags::IMMEDIATE) && self.adverts.is_empty() && !self.recvs.is_empty() {
-            // Fast path: copy straight from the control buffer into the waiting receive.
-            let mut req = self.recvs.pop_front().expect("checked");
-            if req.offset.is_some() {
-                req.ticket
-                    .complete(Err(OpError::PersistentEnded), 0, EventFlags::default());
-                self.adverts.push_back(PeerAdvert {
-                    advert,
-                    inline: Some(inline_copy()?),
-                    ending: false,
-                });
-                self.match_adverts(link);
-                return Ok(());
-            }
-            let cap = req.sge.len();
-            let n = (advert.len as usize).min(cap);
-            if n > 0 {
-                inline(&mut req.sge)?;
-            }
-            self.finish_immediate(advert, req, n);
-        } else {
-            let data = if flags.has(AdvertFlags::IMMEDIATE) {
-                Some(inline_copy()?)
-            } else {
-                None
-            };
-            self.adverts.push_back(PeerAdvert {
-                advert,
-                inline: data,
-                ending: false,
-            });
-            self.match_adverts(link);
-        }
-        self.complete_transfers(link);
-        Ok(())
     }
 
     fn finish_immediate(&mut self, advert: Advert, req: RecvReq, n: usize) {
@@ -591,107 +484,6 @@ impl MessageProto {
             reads += 1;
         }
         reads
-    }
-
-    /// Matches receives with advertisements in order (seed 002, 3.1) and starts the reads. A persistent send at
-    /// the head is never consumed: every receive reads it again (seed 002, 4.2), until its owner ends it. A
-    /// persistent receive's advert needs no receive: it is taken as it reaches the head.
-    fn match_adverts(&mut self, link: &mut Link) {
-        while let Some(head) = self.adverts.front() {
-            let flags = head.advert.flags;
-            if flags.has(AdvertFlags::PERSISTENT_RECV) {
-                let a = self.adverts.pop_front().expect("checked").advert;
-                self.peer_precv = Some(PeerPersistentRecv {
-                    seq: a.seq,
-                    addr: a.addr,
-                    key: a.rkey,
-                    len: a.len,
-                    ending: false,
-                });
-                self.transfers.push_back(Transfer {
-                    seq: a.seq,
-                    ticket: None,
-                    bytes: 0,
-                    truncated: false,
-                    reads_in_flight: 0,
-                    failed: None,
-                    persistent: false,
-                });
-                continue;
-            }
-            if flags.has(AdvertFlags::PERSISTENT) {
-                if head.ending {
-                    break;
-                }
-                let Some(req) = self.recvs.pop_front() else {
-                    break;
-                };
-                let advert = head.advert;
-                let offset = req.offset.unwrap_or(0);
-                let avail = advert.len.saturating_sub(offset);
-                let cap = req.sge.len();
-                let n = usize::try_from(avail).unwrap_or(usize::MAX).min(cap);
-                let truncated = req.offset.is_none() && avail > n as u64;
-                self.stats.truncated += u64::from(truncated);
-                self.stats.persistent_reads += 1;
-                let reads = self.push_reads(
-                    req.sge,
-                    n,
-                    advert.addr + offset,
-                    advert.rkey,
-                    advert.seq,
-                    link,
-                );
-                self.transfers.push_back(Transfer {
-                    seq: advert.seq,
-                    ticket: Some(req.ticket),
-                    bytes: n,
-                    truncated,
-                    reads_in_flight: reads,
-                    failed: None,
-                    persistent: true,
-                });
-                continue;
-            }
-            let Some(req) = self.recvs.pop_front() else {
-                break;
-            };
-            if req.offset.is_some() {
-                // An offset receive needs the peer's persistent send, which has ended.
-                req.ticket
-                    .complete(Err(OpError::PersistentEnded), 0, EventFlags::default());
-                continue;
-            }
-            let PeerAdvert { advert, inline, .. } = self.adverts.pop_front().expect("checked");
-            let mut req = req;
-            let cap = req.sge.len();
-            let n = usize::try_from(advert.len).unwrap_or(usize::MAX).min(cap);
-            if let Some(data) = inline {
-                if n > 0 {
-                    // The receive's lease is ours until we drop it: writing through it cannot fail.
-                    req.sge
-                        .lease_mut()
-                        .write(0, &data[..n])
-                        .expect("receive lease covers the copy");
-                }
-                self.finish_immediate(advert, req, n);
-                continue;
-            }
-            let truncated = advert.len as usize > n;
-            self.stats.truncated += u64::from(truncated);
-            let reads = self.push_reads(req.sge, n, advert.addr, advert.rkey, advert.seq, link);
-            self.transfers.push_back(Transfer {
-                seq: advert.seq,
-                ticket: Some(req.ticket),
-                bytes: n,
-                truncated,
-                reads_in_flight: reads,
-                failed: None,
-                persistent: false,
-            });
-        }
-        // Transfers that need no read (immediate data, empty receive buffers) are complete now.
-        self.complete_transfers(link);
     }
 
     /// An RDMA read finished.
@@ -785,5 +577,6 @@ impl MessageProto {
 pub(crate) const RECV_LEASE: LeaseKind = LeaseKind::DeviceWrite;
 
 mod ack;
+mod adverts;
 mod persistent;
 mod teardown;

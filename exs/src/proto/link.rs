@@ -164,6 +164,19 @@ pub(crate) enum DataOp {
     },
 }
 
+/// Whether the front of a send queue may go now (see `Link::admit`).
+enum Admit {
+    Go,
+    /// A credit update or acknowledgment that already rode on another message: dropped.
+    Pointless,
+    /// Coalescing: it waits for the control message in flight.
+    Hold,
+    /// Not enough send credits.
+    NoCredit,
+    /// The send queue is full.
+    NoRoom,
+}
+
 #[derive(Debug)]
 enum Outgoing {
     Ctrl {
@@ -440,93 +453,139 @@ impl Link {
             return;
         }
         for urgent in [true, false] {
-            loop {
-                let queue = if urgent { &self.urgent } else { &self.normal };
-                let Some(front) = queue.front() else { break };
-                // Drop messages that became pointless: a CREDIT whose credits already rode on an earlier message,
-                // an ACK whose acknowledgment did.
-                let pointless = match front {
-                    Outgoing::Ctrl { body, .. } => self.pointless_credit(body),
-                    _ => false,
-                };
-                if pointless {
+            if !self.flush_queue(urgent, out, acks) {
+                return;
+            }
+        }
+        self.post_reads(out);
+    }
+
+    /// Posts from one queue while its front may go. False: nothing more may be posted this round (the send queue
+    /// or the control slots are full, or the final CLOSE went).
+    fn flush_queue(
+        &mut self,
+        urgent: bool,
+        out: &mut Vec<WorkRequest>,
+        acks: &mut dyn AckSource,
+    ) -> bool {
+        loop {
+            let queue = if urgent { &self.urgent } else { &self.normal };
+            let Some(front) = queue.front() else {
+                return true;
+            };
+            let is_ctrl = matches!(front, Outgoing::Ctrl { .. });
+            match self.admit(urgent, front) {
+                Admit::Go => {}
+                Admit::Pointless => {
                     self.pop(urgent);
                     self.credit_queued = false;
                     continue;
                 }
-                let is_ctrl = matches!(front, Outgoing::Ctrl { .. });
-                // Coalescing: a control message waits while another is in flight; it then leaves with the others
-                // that queued behind it (the completion that ends the wait flushes the link again).
-                if !urgent && is_ctrl && self.ctrl_in_flight() > 0 && self.worth_holding(front) {
-                    break;
-                }
-                // The last credit is kept for urgent messages and CLOSE (the peer frees its slots without us).
-                let reserve_ok = urgent
-                    || matches!(
-                        front,
-                        Outgoing::Ctrl {
-                            body: Body::Close(_),
-                            ..
-                        }
-                    );
-                let need = match (self.consumes(front), reserve_ok) {
-                    (false, _) => 0,
-                    (true, true) => 1,
-                    (true, false) => 2,
-                };
-                if need > 0 && self.tx_credits() < need {
+                Admit::Hold => return true,
+                Admit::NoCredit => {
                     if !urgent {
                         self.stats.credit_stalls += 1;
                     }
-                    break;
+                    return true;
                 }
-                if self.sq_free == 0 {
-                    return;
+                Admit::NoRoom => return false,
+            }
+            if is_ctrl && self.packable(urgent) {
+                if self.post_packet(urgent, acks, out) {
+                    self.closed = true;
+                    return false;
                 }
-                if is_ctrl && self.packable(urgent) {
-                    if self.post_packet(urgent, acks, out) {
-                        self.closed = true;
-                        return;
-                    }
-                    continue;
-                }
-                if is_ctrl && self.free_tx.is_empty() {
-                    return;
-                }
-                let item = self.pop(urgent).expect("front exists");
-                match item {
-                    Outgoing::Ctrl {
-                        body,
-                        inline,
-                        notify,
-                    } => {
-                        let Some(ack) = Self::ack_for(&body, acks) else {
-                            continue; // already acknowledged by a piggyback
-                        };
-                        let last = matches!(
-                            body,
-                            Body::Close(CloseReason::Close | CloseReason::Violation)
-                        );
-                        self.post_ctrl(body, inline, notify, ack, out);
-                        if last {
-                            self.closed = true;
-                            return;
-                        }
-                    }
-                    Outgoing::Data { op, tag } => {
-                        let consumes = matches!(op, DataOp::Write { imm: Some(_), .. })
-                            && self.imm_consumes_recv;
-                        if consumes {
-                            self.spent += 1;
-                        }
-                        self.stats.writes_imm += 1;
-                        self.sq_free -= 1;
-                        self.sent_since_check = true;
-                        out.push(data_wr(op, tag));
-                    }
-                }
+                continue;
+            }
+            if is_ctrl && self.free_tx.is_empty() {
+                return false;
+            }
+            let item = self.pop(urgent).expect("front exists");
+            if self.post_item(item, acks, out) {
+                self.closed = true;
+                return false;
             }
         }
+    }
+
+    /// Whether the front of a queue may go now.
+    fn admit(&self, urgent: bool, front: &Outgoing) -> Admit {
+        // Drop messages that became pointless: a CREDIT whose credits already rode on an earlier message, an ACK
+        // whose acknowledgment did.
+        if let Outgoing::Ctrl { body, .. } = front {
+            if self.pointless_credit(body) {
+                return Admit::Pointless;
+            }
+        }
+        let is_ctrl = matches!(front, Outgoing::Ctrl { .. });
+        // Coalescing: a control message waits while another is in flight; it then leaves with the others that
+        // queued behind it (the completion that ends the wait flushes the link again).
+        if !urgent && is_ctrl && self.ctrl_in_flight() > 0 && self.worth_holding(front) {
+            return Admit::Hold;
+        }
+        // The last credit is kept for urgent messages and CLOSE (the peer frees its slots without us).
+        let reserve_ok = urgent
+            || matches!(
+                front,
+                Outgoing::Ctrl {
+                    body: Body::Close(_),
+                    ..
+                }
+            );
+        let need = match (self.consumes(front), reserve_ok) {
+            (false, _) => 0,
+            (true, true) => 1,
+            (true, false) => 2,
+        };
+        if need > 0 && self.tx_credits() < need {
+            return Admit::NoCredit;
+        }
+        if self.sq_free == 0 {
+            return Admit::NoRoom;
+        }
+        Admit::Go
+    }
+
+    /// Posts one queued item; true if it was the final CLOSE.
+    fn post_item(
+        &mut self,
+        item: Outgoing,
+        acks: &mut dyn AckSource,
+        out: &mut Vec<WorkRequest>,
+    ) -> bool {
+        match item {
+            Outgoing::Ctrl {
+                body,
+                inline,
+                notify,
+            } => {
+                let Some(ack) = Self::ack_for(&body, acks) else {
+                    return false; // already acknowledged by a piggyback
+                };
+                let last = matches!(
+                    body,
+                    Body::Close(CloseReason::Close | CloseReason::Violation)
+                );
+                self.post_ctrl(body, inline, notify, ack, out);
+                last
+            }
+            Outgoing::Data { op, tag } => {
+                let consumes =
+                    matches!(op, DataOp::Write { imm: Some(_), .. }) && self.imm_consumes_recv;
+                if consumes {
+                    self.spent += 1;
+                }
+                self.stats.writes_imm += 1;
+                self.sq_free -= 1;
+                self.sent_since_check = true;
+                out.push(data_wr(op, tag));
+                false
+            }
+        }
+    }
+
+    /// Posts queued reads up to the read depth.
+    fn post_reads(&mut self, out: &mut Vec<WorkRequest>) {
         while self.reads_free > 0 && self.sq_free > 0 {
             let Some((op, tag)) = self.reads.pop_front() else {
                 break;

@@ -9,7 +9,7 @@ use exs::sim::{SimConfig, World};
 use exs::{Listener, Stream};
 
 fn pattern(len: usize) -> Vec<u8> {
-    (0..len).map(|i| (i * 7 + i / 251) as u8).collect()
+    exs::testing::pattern(len, 26)
 }
 
 #[test]

@@ -20,18 +20,7 @@ macro_rules! ensure {
     };
 }
 
-/// Deterministic bytes depending on position and seed.
-pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
+pub use exs::testing::pattern;
 
 /// Compares byte strings, naming the first difference.
 /// [`same`] on the whole contents of two registered regions.

@@ -8,18 +8,7 @@ use exs::{
     Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption,
 };
 
-/// Deterministic test bytes: every byte depends on its position and the seed.
-pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
-}
+pub use exs::testing::pattern;
 
 pub struct Pair {
     pub world: World,

@@ -23,19 +23,19 @@
 #![deny(missing_docs)]
 
 mod budget;
-pub mod context;
+mod context;
 mod engine;
-pub mod error;
-pub mod event;
+mod error;
+mod event;
 mod exposure;
 mod lock;
-pub mod memory;
+mod memory;
 mod open;
-pub mod options;
+mod options;
 mod progress;
 mod proto;
-pub mod sendfile;
-pub mod socket;
+mod sendfile;
+mod socket;
 mod stream_io;
 /// A crafted peer for tests (feature `testing`): a bare transport speaking the wire format, no engine.
 #[cfg(feature = "testing")]
@@ -79,6 +79,7 @@ pub use proto::link::LinkStats;
 pub use proto::message::MessageStats;
 pub use proto::pool::PoolStats;
 pub use proto::stream::{StreamStats, StreamTrace};
+pub use sendfile::{SENDFILE_CHUNK, SENDFILE_DEPTH};
 pub use socket::{ConnStats, Readiness, Socket, SocketId};
 pub use stream_io::{default_context, Listener, Stream, StreamConfig};
 pub use transport::{Capabilities, Transport, TransportError};

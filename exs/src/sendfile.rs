@@ -1,13 +1,13 @@
 //! `exs_sendfile` with bounded memory (issue 15: it read the whole file into a vector, copied it into a region of
 //! the same size, and sent it as one operation: the file twice in memory).
 //!
-//! A SOCK_SEQPACKET socket sends the file as one message (its boundary is the file's), so the whole file must be
-//! in registered memory: it is read straight into the region, in [`CHUNK`]-byte reads, no second copy. A
-//! SOCK_STREAM socket has no boundaries to keep: the file goes in [`CHUNK`]-byte sends through at most [`DEPTH`]
-//! registered buffers, each refilled when its send completes, so memory stays at `CHUNK * DEPTH` bytes whatever
-//! the file's size. The call reads and posts the first chunks and returns; each chunk's completion reads and posts
-//! the next (on whichever thread drives progress, outside the engine lock); one `SendFile` event reports the total
-//! bytes, or the first error, when the last chunk has completed.
+//! A SOCK_SEQPACKET socket sends the file as one message (its boundary is the file's), so the whole file must be in
+//! registered memory: it is read straight into the region, in [`SENDFILE_CHUNK`]-byte reads, no second copy. A
+//! SOCK_STREAM socket has no boundaries to keep: the file goes in [`SENDFILE_CHUNK`]-byte sends through at most
+//! [`SENDFILE_DEPTH`] registered buffers, each refilled when its send completes, so memory stays at `SENDFILE_CHUNK *
+//! SENDFILE_DEPTH` bytes whatever the file's size. The call reads and posts the first chunks and returns; each chunk's
+//! completion reads and posts the next (on whichever thread drives progress, outside the engine lock); one `SendFile`
+//! event reports the total bytes, or the first error, when the last chunk has completed.
 
 use std::collections::VecDeque;
 use std::fs::File;
@@ -21,9 +21,9 @@ use crate::options::SockType;
 use crate::socket::Socket;
 
 /// Bytes per read (and, on a stream socket, per send).
-pub const CHUNK: usize = 1 << 20;
+pub const SENDFILE_CHUNK: usize = 1 << 20;
 /// Stream sockets: chunks in flight (and buffers held).
-pub const DEPTH: usize = 4;
+pub const SENDFILE_DEPTH: usize = 4;
 
 pub(crate) fn sendfile(
     sock: &Socket,
@@ -38,7 +38,7 @@ pub(crate) fn sendfile(
             let region = MemoryRegion::alloc(sock.context(), len.max(1))?;
             let mut at = 0;
             while at < len {
-                let n = CHUNK.min(len - at);
+                let n = SENDFILE_CHUNK.min(len - at);
                 region
                     .with_slice_mut(at..at + n, |b| file.read_exact_at(b, offset + at as u64))?
                     .map_err(|e| SendError::File(FileError::from(e)))?;
@@ -78,11 +78,11 @@ struct Progress {
 impl Progress {
     /// Reads the chunk at `self.next` into buffer `slot`; returns its length.
     fn read(&mut self, slot: usize) -> Result<usize, FileError> {
-        let n = CHUNK.min(self.len - self.next);
+        let n = SENDFILE_CHUNK.min(self.len - self.next);
         let at = self.offset + self.next as u64;
         let file = &self.file;
         self.bufs
-            .with_slice_mut(slot * CHUNK..slot * CHUNK + n, |b| {
+            .with_slice_mut(slot * SENDFILE_CHUNK..slot * SENDFILE_CHUNK + n, |b| {
                 file.read_exact_at(b, at)
             })
             .map_err(|e| FileError {
@@ -110,7 +110,7 @@ impl Progress {
             me.arrived(ev)
         });
         self.sock
-            .send_ticket(&self.bufs.slice(slot * CHUNK..slot * CHUNK + n), ticket)?;
+            .send_ticket(&self.bufs.slice(slot * SENDFILE_CHUNK..slot * SENDFILE_CHUNK + n), ticket)?;
         self.next += n;
         self.in_flight += 1;
         Ok(())
@@ -187,7 +187,7 @@ fn chunked(
     context: u64,
 ) -> Result<(), SendError> {
     let user = sock.reserve(eq, EventKind::SendFile, context)?;
-    let depth = DEPTH.min(len.div_ceil(CHUNK)).max(1);
+    let depth = SENDFILE_DEPTH.min(len.div_ceil(SENDFILE_CHUNK)).max(1);
     let file = match file.try_clone() {
         Ok(f) => f,
         Err(e) => {
@@ -195,7 +195,7 @@ fn chunked(
             return Err(SendError::File(FileError::from(e)));
         }
     };
-    let bufs = match MemoryRegion::alloc(sock.context(), CHUNK * depth) {
+    let bufs = match MemoryRegion::alloc(sock.context(), SENDFILE_CHUNK * depth) {
         Ok(b) => b,
         Err(e) => {
             user.discard();
@@ -248,7 +248,7 @@ fn chunked(
 impl Progress {
     /// Posts chunk 0, already read (its errors are the call's, nothing having gone to the peer yet).
     fn refill_first(&mut self, me: &Arc<FileSend>) -> Result<(), SendError> {
-        let n = CHUNK.min(self.len);
+        let n = SENDFILE_CHUNK.min(self.len);
         let me = Arc::clone(me);
         let ticket = Ticket::hooked(EventKind::Send, 0, self.sock.id(), move |ev| me.arrived(ev));
         self.sock.send_ticket(&self.bufs.slice(0..n), ticket)?;

@@ -350,11 +350,11 @@ fn sendfile(b: &dyn Backend) -> Result<(), String> {
     )
 }
 
-/// Issue 15: a stream sendfile larger than its buffers (`exs::sendfile::CHUNK * DEPTH`) goes in chunks: the call
+/// Issue 15: a stream sendfile larger than its buffers (`exs::SENDFILE_CHUNK * SENDFILE_DEPTH`) goes in chunks: the call
 /// returns at once (the receiver below runs on the same thread), every byte arrives in order, and one `SendFile`
 /// event reports the total.
 fn sendfile_chunks(b: &dyn Backend) -> Result<(), String> {
-    let len = exs::sendfile::CHUNK * (exs::sendfile::DEPTH + 2) + 12_345;
+    let len = exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 2) + 12_345;
     let data = pattern(len + 100, 8);
     let mut f = tempfile::tempfile().map_err(e)?;
     f.write_all(&data).map_err(e)?;

@@ -21,7 +21,7 @@ fn tcp_provider_moves_messages_over_loopback() {
     assert_ne!(addr.port(), 0);
     l.accept(&eq_b, 1).unwrap();
     let c = Socket::new(&a, SockType::SeqPacket).unwrap();
-    c.connect(addr, &eq_a, 2).unwrap();
+    c.connect(&eq_a, addr, 2).unwrap();
     let t = Some(Duration::from_secs(20));
     let ev = eq_a.next(t).unwrap();
     assert!(ev.is_ok(), "{ev:?}");

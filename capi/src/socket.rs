@@ -96,7 +96,7 @@ pub unsafe extern "C" fn exs_connect(
         // SAFETY: the caller's promise above.
         let a = unsafe { addr::read(addr, len, s.domain) }?;
         let eq = QUEUES.get(qh)?;
-        s.sock.connect(a, &eq, ctx_value(context))?;
+        s.sock.connect(&eq, a, ctx_value(context))?;
         Ok(0)
     })
 }

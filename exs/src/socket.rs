@@ -179,11 +179,13 @@ impl Socket {
         self.start(eq, EventKind::Accept, context, |e, id, t| e.accept(id, t))
     }
 
-    /// Connects, asynchronously (ES-API `exs_connect`). Options negotiated at connect are frozen from here on.
+    /// Connects to `addr`, asynchronously (ES-API `exs_connect`): the event of kind `Connect` comes on `eq`. The
+    /// event queue comes first, as in every asynchronous call. Options negotiated at connect are frozen from here
+    /// on.
     pub fn connect(
         &self,
-        addr: SocketAddr,
         eq: &EventQueue,
+        addr: SocketAddr,
         context: u64,
     ) -> Result<(), ConnectError> {
         self.start(eq, EventKind::Connect, context, |e, id, t| {

@@ -174,7 +174,7 @@ fn poll_reports_readiness_of_many_sockets_on_one_queue() {
     l2.poll(&eq, read, 5).unwrap();
     let c = Socket::new(&p.a, SockType::SeqPacket).unwrap();
     let ceq = EventQueue::new(4);
-    c.connect(addr, &ceq, 0).unwrap();
+    c.connect(&ceq, addr, 0).unwrap();
     let e = wait(&eq);
     assert_eq!((e.context, e.readiness.readable), (5, true), "{e:?}");
     // Closing a socket cancels its pending polls.

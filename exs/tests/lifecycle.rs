@@ -20,7 +20,7 @@ fn connect_to_a_port_nobody_listens_on_is_refused() {
     let _b = world.host();
     let eq = EventQueue::new(8);
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-    s.connect(world.addr(1, 4242), &eq, 7).unwrap();
+    s.connect(&eq, world.addr(1, 4242), 7).unwrap();
     let ev = wait(&eq);
     assert_eq!((ev.kind, ev.context), (EventKind::Connect, 7));
     assert_eq!(ev.status, Err(OpError::Refused));
@@ -33,7 +33,7 @@ fn connect_to_an_unknown_host_is_unreachable() {
     let a = world.host();
     let eq = EventQueue::new(8);
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-    s.connect("192.0.2.99:1".parse().unwrap(), &eq, 1).unwrap();
+    s.connect(&eq, "192.0.2.99:1".parse().unwrap(), 1).unwrap();
     assert_eq!(wait(&eq).status, Err(OpError::Unreachable));
 }
 
@@ -54,7 +54,7 @@ fn connect_to_a_silent_host_times_out() {
     world.silence(1);
     let eq = EventQueue::new(8);
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-    s.connect(world.addr(1, 80), &eq, 1).unwrap();
+    s.connect(&eq, world.addr(1, 80), 1).unwrap();
     let ev = wait(&eq);
     assert_eq!(ev.status, Err(OpError::TimedOut));
     assert!(world.elapsed() >= Duration::from_millis(50));
@@ -73,7 +73,7 @@ fn a_stream_client_is_refused_by_a_seqpacket_listener() {
     l.accept(&eq_b, 0).unwrap();
     let eq = EventQueue::new(8);
     let s = Socket::new(&a, SockType::Stream).unwrap();
-    match s.connect(addr, &eq, 1) {
+    match s.connect(&eq, addr, 1) {
         Ok(()) => assert_eq!(wait(&eq).status, Err(OpError::Refused)),
         Err(e) => panic!("connect refused synchronously: {e}"),
     }
@@ -114,7 +114,7 @@ fn connections_wait_established_in_the_backlog_until_accepted() {
     let clients: Vec<Socket> = (0..3)
         .map(|i| {
             let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-            s.connect(addr, &eq_a, i).unwrap();
+            s.connect(&eq_a, addr, i).unwrap();
             s
         })
         .collect();
@@ -144,7 +144,7 @@ fn a_full_backlog_refuses_further_requests() {
     let socks: Vec<Socket> = (0..4)
         .map(|i| {
             let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-            s.connect(addr, &eq_a, i).unwrap();
+            s.connect(&eq_a, addr, i).unwrap();
             s
         })
         .collect();
@@ -360,7 +360,7 @@ fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
     let addr = l.listen(8).unwrap();
     l.accept(&eq_s, 0).unwrap();
     let c = Socket::new(&client_ctx, SockType::SeqPacket).unwrap();
-    c.connect(addr, &eq_c, 0).unwrap();
+    c.connect(&eq_c, addr, 0).unwrap();
     assert!(wait(&eq_c).is_ok());
     let s = wait(&eq_s).accepted.unwrap();
     let buf = MemoryRegion::alloc(&server_ctx, 1 << 16).unwrap();
@@ -394,7 +394,7 @@ fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
     // The listener still accepts.
     l.accept(&eq_s, 1).unwrap();
     let o = Socket::new(&other_ctx, SockType::SeqPacket).unwrap();
-    o.connect(addr, &eq_o, 1).unwrap();
+    o.connect(&eq_o, addr, 1).unwrap();
     assert!(wait(&eq_o).is_ok());
     assert!(wait(&eq_s).accepted.is_some());
 }
@@ -450,7 +450,7 @@ fn closing_a_connecting_socket_cancels_the_connect() {
     let addr = l.listen(1).unwrap();
     let eq = EventQueue::new(8);
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-    s.connect(addr, &eq, 1).unwrap();
+    s.connect(&eq, addr, 1).unwrap();
     s.close().unwrap();
     assert_eq!(wait(&eq).status, Err(OpError::Cancelled));
     world.run_until_idle(10_000);
@@ -511,7 +511,7 @@ fn keepalive_finds_a_silent_peer_while_the_application_only_waits() {
         let addr = l.listen(4).unwrap();
         l.accept(&eq_b, 1).unwrap();
         let c = Socket::new(&a, SockType::SeqPacket).unwrap();
-        c.connect(addr, &eq_a, 2).unwrap();
+        c.connect(&eq_a, addr, 2).unwrap();
         assert!(wait(&eq_a).is_ok());
         let mut acc = wait(&eq_b);
         let _server = acc.accepted.take().expect("accepted");
@@ -575,7 +575,7 @@ fn dropped_queue_with_an_accepted_socket() -> (World, Socket, Socket, std::net::
     l.accept(&eq, 2).unwrap();
     let c = Socket::new(&client, SockType::SeqPacket).unwrap();
     let ceq = EventQueue::new(8);
-    c.connect(addr, &ceq, 3).unwrap();
+    c.connect(&ceq, addr, 3).unwrap();
     assert!(ceq.next(Some(Duration::from_secs(10))).unwrap().is_ok());
     let until = std::time::Instant::now() + Duration::from_secs(10);
     while eq.is_empty() {
@@ -610,14 +610,14 @@ fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_the_progress
         let client = world.host();
         let c2 = Socket::new(&client, SockType::SeqPacket).unwrap();
         let ceq = EventQueue::new(8);
-        c2.connect(addr, &ceq, 4).unwrap();
+        c2.connect(&ceq, addr, 4).unwrap();
         let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
         assert!(ev.is_ok(), "{ev:?}");
         // The server context still answers: a third connection, accepted on a new queue.
         let eq = EventQueue::new(8);
         l.accept(&eq, 5).unwrap();
         let c3 = Socket::new(&client, SockType::SeqPacket).unwrap();
-        c3.connect(addr, &ceq, 6).unwrap();
+        c3.connect(&ceq, addr, 6).unwrap();
         let ev = eq.next(Some(Duration::from_secs(10))).unwrap();
         assert!(ev.is_ok() && ev.kind == EventKind::Accept, "{ev:?}");
         l.close().unwrap();
@@ -728,7 +728,7 @@ fn connections_beyond_the_limit_are_refused_politely() {
     let clients: Vec<Socket> = (0..5)
         .map(|i| {
             let c = Socket::new(&client, SockType::SeqPacket).unwrap();
-            c.connect(addr, &ceq, i).unwrap();
+            c.connect(&ceq, addr, i).unwrap();
             c
         })
         .collect();
@@ -757,7 +757,7 @@ fn connections_beyond_the_limit_are_refused_politely() {
     let until = std::time::Instant::now() + Duration::from_secs(10);
     loop {
         let c = Socket::new(&client, SockType::SeqPacket).unwrap();
-        c.connect(addr, &ceq, 9).unwrap();
+        c.connect(&ceq, addr, 9).unwrap();
         let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
         if ev.is_ok() {
             break;
@@ -784,12 +784,12 @@ fn an_unaccepted_connection_waits_established_within_the_backlog() {
     let addr = l.listen(1).unwrap();
     let ceq = EventQueue::new(8);
     let c = Socket::new(&client, SockType::SeqPacket).unwrap();
-    c.connect(addr, &ceq, 1).unwrap();
+    c.connect(&ceq, addr, 1).unwrap();
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
     assert!(ev.is_ok(), "the connection is up before any accept: {ev:?}");
     // The backlog (one) is full: the next request is refused at once.
     let c2 = Socket::new(&client, SockType::SeqPacket).unwrap();
-    c2.connect(addr, &ceq, 2).unwrap();
+    c2.connect(&ceq, addr, 2).unwrap();
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
     assert_eq!(ev.context, 2);
     assert!(!ev.is_ok(), "beyond the backlog: {ev:?}");
@@ -803,7 +803,7 @@ fn an_unaccepted_connection_waits_established_within_the_backlog() {
     assert_eq!(s.peer_addr().unwrap(), c.local_addr().unwrap());
     // Room again.
     let c3 = Socket::new(&client, SockType::SeqPacket).unwrap();
-    c3.connect(addr, &ceq, 4).unwrap();
+    c3.connect(&ceq, addr, 4).unwrap();
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
     assert!(ev.is_ok() && ev.context == 4, "{ev:?}");
 }
@@ -825,7 +825,7 @@ fn ten_thousand_refused_connects_leave_nothing_behind() {
     let ceq = EventQueue::new(256);
     // One connection fills the backlog (established, never accepted).
     let first = Socket::new(&client, SockType::SeqPacket).unwrap();
-    first.connect(addr, &ceq, 0).unwrap();
+    first.connect(&ceq, addr, 0).unwrap();
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
     assert!(ev.is_ok(), "{ev:?}");
     let before = (
@@ -836,7 +836,7 @@ fn ten_thousand_refused_connects_leave_nothing_behind() {
         let socks: Vec<Socket> = (0..100)
             .map(|i| {
                 let c = Socket::new(&client, SockType::SeqPacket).unwrap();
-                c.connect(addr, &ceq, 1 + round * 100 + i).unwrap();
+                c.connect(&ceq, addr, 1 + round * 100 + i).unwrap();
                 c
             })
             .collect();
@@ -917,7 +917,7 @@ fn connections_beyond_the_memory_budget_are_refused() {
     let mut refused = 0;
     for i in 0..16 {
         let c = Socket::new(&client, SockType::Stream).unwrap();
-        c.connect(addr, &ceq, i).unwrap();
+        c.connect(&ceq, addr, i).unwrap();
         let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
         if ev.is_ok() {
             up.push(c);
@@ -939,7 +939,7 @@ fn connections_beyond_the_memory_budget_are_refused() {
     l2.bind(world.addr(1, 7501)).unwrap();
     let addr2 = l2.listen(4).unwrap();
     let s = Socket::new(&server, SockType::Stream).unwrap();
-    let err = s.connect(addr2, &ceq, 99).unwrap_err();
+    let err = s.connect(&ceq, addr2, 99).unwrap_err();
     assert!(err.to_string().contains("memory budget"), "{err}");
     // A closed connection gives its share back: one more fits.
     let seq = EventQueue::new(8);
@@ -960,7 +960,7 @@ fn connections_beyond_the_memory_budget_are_refused() {
         std::thread::sleep(Duration::from_millis(5));
     }
     let c = Socket::new(&client, SockType::Stream).unwrap();
-    c.connect(addr, &ceq, 100).unwrap();
+    c.connect(&ceq, addr, 100).unwrap();
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
     assert!(ev.is_ok(), "{ev:?}");
 }

@@ -554,7 +554,7 @@ fn many_connections_interleave_under_seeded_jitter() {
         for c in 0..4u64 {
             l.accept(&eq_b, c).unwrap();
             let s = exs::Socket::new(&a, SockType::SeqPacket).unwrap();
-            s.connect(addr, &eq_a, c).unwrap();
+            s.connect(&eq_a, addr, c).unwrap();
             clients.push(s);
         }
         let mut accepted: Vec<exs::Socket> = eq_b
@@ -617,7 +617,7 @@ fn threaded_world_moves_messages() {
     let addr = l.listen(4).unwrap();
     l.accept(&eq_b, 0).unwrap();
     let c = exs::Socket::new(&a, SockType::SeqPacket).unwrap();
-    c.connect(addr, &eq_a, 0).unwrap();
+    c.connect(&eq_a, addr, 0).unwrap();
     assert!(wait(&eq_a).is_ok());
     let s = wait(&eq_b).accepted.unwrap();
     let src = MemoryRegion::from_vec(&a, pattern(100 * 10_000, 1)).unwrap();

@@ -364,12 +364,12 @@ fn connect_twice_or_on_a_listener_is_refused() {
     let p = pair(SockType::SeqPacket);
     let e = p
         .client
-        .connect(p.listener.local_addr().unwrap().unwrap(), &p.eq_a, 1)
+        .connect(&p.eq_a, p.listener.local_addr().unwrap().unwrap(), 1)
         .unwrap_err();
     assert_eq!(e, ConnectError::State(StateError::AlreadyConnected));
     let e = p
         .listener
-        .connect("10.0.0.1:1".parse().unwrap(), &p.eq_b, 1)
+        .connect(&p.eq_b, "10.0.0.1:1".parse().unwrap(), 1)
         .unwrap_err();
     assert_eq!(e, ConnectError::State(StateError::Listening));
 }

@@ -180,7 +180,7 @@ fn a_busy_poller_handles_connection_events_itself() {
     // The server polls before the request exists, so its progress thread stands aside when it comes.
     std::thread::sleep(Duration::from_millis(30));
     let c = Socket::new(&a, SockType::SeqPacket).unwrap();
-    c.connect(addr, &qa, 8).unwrap();
+    c.connect(&qa, addr, 8).unwrap();
     let ev = qa.next(Some(Duration::from_secs(30))).unwrap();
     assert_eq!((ev.kind, ev.context), (EventKind::Connect, 8), "{ev:?}");
     assert!(ev.is_ok(), "{ev:?}");

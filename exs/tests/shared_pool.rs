@@ -58,7 +58,7 @@ fn many_opts(
         for o in client_opts {
             c.set_option(*o).unwrap();
         }
-        c.connect(addr, &eq_c, i as u64).unwrap();
+        c.connect(&eq_c, addr, i as u64).unwrap();
         let ev = wait(&eq_c);
         assert_eq!(ev.kind, EventKind::Connect);
         ev.status
@@ -379,7 +379,7 @@ fn requiring_a_pool_where_the_transport_has_none_fails_clearly() {
     let _b = world.host();
     let eq = EventQueue::new(8);
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-    let err = s.connect(world.addr(1, 7000), &eq, 0).unwrap_err();
+    let err = s.connect(&eq, world.addr(1, 7000), 0).unwrap_err();
     let io: std::io::Error = err.into();
     assert_eq!(io.kind(), std::io::ErrorKind::Unsupported, "{io}");
     assert!(io.to_string().contains("shared receive queue"), "{io}");

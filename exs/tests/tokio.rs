@@ -69,7 +69,7 @@ async fn next_async_waits_for_an_event_without_blocking_the_runtime() {
     });
     let c = exs::Socket::new(&client, exs::SockType::SeqPacket).unwrap();
     let ceq = exs::EventQueue::new(8);
-    c.connect(addr, &ceq, 1).unwrap();
+    c.connect(&ceq, addr, 1).unwrap();
     let ev = eq.next_async().await.unwrap();
     assert_eq!(ev.context, 7);
     assert!(ev.is_ok(), "{ev:?}");

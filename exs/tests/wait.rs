@@ -21,7 +21,7 @@ fn threaded_pair() -> (World, Socket, Socket, exs::Context, exs::Context) {
     l.accept(&eq_b, 0).unwrap();
     let c = Socket::new(&a, SockType::SeqPacket).unwrap();
     c.set_option(SocketOption::SendCredits(64)).unwrap();
-    c.connect(addr, &eq_a, 0).unwrap();
+    c.connect(&eq_a, addr, 0).unwrap();
     assert!(wait(&eq_a).is_ok());
     let s = wait(&eq_b).accepted.unwrap();
     (world, c, s, a, b)

@@ -401,7 +401,7 @@ fn sender(b: &dyn crate::Backend, big: Option<usize>) -> Result<(), String> {
     let ctx = net.host();
     let eq = EventQueue::new(64);
     let s = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
-    s.connect(target, &eq, 0).map_err(|e| e.to_string())?;
+    s.connect(&eq, target, 0).map_err(|e| e.to_string())?;
     crate::util::next(&eq)?
         .status
         .map_err(|e| format!("connect: {e}"))?;

@@ -92,7 +92,7 @@ pub fn pair(net: &dyn Net, ty: SockType, opts: &[SocketOption]) -> Result<Pair, 
         client.set_option(*o).map_err(|e| e.to_string())?;
     }
     client
-        .connect(addr, &eq_a, 2)
+        .connect(&eq_a, addr, 2)
         .map_err(|e| format!("connect: {e}"))?;
     let c = next(&eq_a)?;
     ensure!(

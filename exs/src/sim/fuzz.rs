@@ -298,7 +298,7 @@ pub fn peer(data: &[u8]) -> PeerOutcome {
     let ceq = EventQueue::new(8);
     listener.accept(&eq, 2).expect("accept after the attack");
     let c = Socket::new(&client, ty).expect("socket");
-    c.connect(addr, &ceq, 3).expect("connect after the attack");
+    c.connect(&ceq, addr, 3).expect("connect after the attack");
     let ce = ceq
         .next(Some(Duration::from_secs(30)))
         .expect("connect event");

@@ -121,7 +121,7 @@ pub(crate) fn each_addr<T>(
 pub(crate) fn start_connect(ctx: &Context, addr: SocketAddr) -> io::Result<(Socket, EventQueue)> {
     let sock = Socket::new(ctx, SockType::Stream)?;
     let eq = EventQueue::new(2);
-    sock.connect(addr, &eq, 0)?;
+    sock.connect(&eq, addr, 0)?;
     Ok((sock, eq))
 }
 

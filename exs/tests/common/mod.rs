@@ -86,7 +86,7 @@ pub fn pair_hosts(
     for o in client_opts {
         client.set_option(*o).unwrap();
     }
-    client.connect(addr, &eq_a, 200).unwrap();
+    client.connect(&eq_a, addr, 200).unwrap();
     let ev = eq_a.next(None).unwrap();
     assert_eq!((ev.kind, ev.context), (EventKind::Connect, 200), "{ev:?}");
     ev.status.clone().unwrap();

@@ -242,7 +242,7 @@ impl Victim {
             .accept(&self.eq, 2)
             .map_err(|e| e.to_string())?;
         let c = Socket::new(&client, self.ty).map_err(|e| e.to_string())?;
-        c.connect(self.addr, &eq, 0).map_err(|e| e.to_string())?;
+        c.connect(&eq, self.addr, 0).map_err(|e| e.to_string())?;
         next(&eq)?
             .status
             .map_err(|e| format!("{what}: a new connection after the attack: {e}"))?;
@@ -687,7 +687,7 @@ fn healthy_without_violation(v: &Victim) -> Result<(), String> {
     let eq = EventQueue::new(16);
     v.listener.accept(&v.eq, 2).map_err(|e| e.to_string())?;
     let c = Socket::new(&client, v.ty).map_err(|e| e.to_string())?;
-    c.connect(v.addr, &eq, 0).map_err(|e| e.to_string())?;
+    c.connect(&eq, v.addr, 0).map_err(|e| e.to_string())?;
     next(&eq)?
         .status
         .map_err(|e| format!("a new connection: {e}"))?;
@@ -805,7 +805,7 @@ fn vanishing_requests(b: &dyn Backend) -> Result<(), String> {
     let client = v.net.host();
     let eq = EventQueue::new(16);
     let c = Socket::new(&client, SockType::SeqPacket).map_err(|e| e.to_string())?;
-    c.connect(v.addr, &eq, 0).map_err(|e| e.to_string())?;
+    c.connect(&eq, v.addr, 0).map_err(|e| e.to_string())?;
     next(&eq)?
         .status
         .map_err(|e| format!("the honest client's connect: {e}"))?;

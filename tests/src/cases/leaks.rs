@@ -157,7 +157,7 @@ impl Connects {
     fn start(&mut self, ctx: &exs::Context, addr: SocketAddr) -> Result<(), String> {
         let s = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
         self.next += 1;
-        match s.connect(addr, &self.eq, self.next) {
+        match s.connect(&self.eq, addr, self.next) {
             Ok(()) => {
                 self.live.insert(self.next, s);
             }

@@ -500,7 +500,7 @@ fn refused(b: &dyn Backend) -> Result<(), String> {
     std::thread::sleep(std::time::Duration::from_millis(20));
     let eq = exs::EventQueue::new(4);
     let s = Socket::new(&client_host, SockType::SeqPacket).map_err(|e| e.to_string())?;
-    s.connect(addr, &eq, 1).map_err(|e| e.to_string())?;
+    s.connect(&eq, addr, 1).map_err(|e| e.to_string())?;
     let ev = next(&eq)?;
     ensure!(
         ev.status == Err(OpError::Refused),

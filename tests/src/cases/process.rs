@@ -123,7 +123,7 @@ fn echo_exchange(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<usize, Stri
     let ctx = net.host();
     let eq = EventQueue::new(64);
     let s = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
-    s.connect(addr, &eq, 0).map_err(|e| e.to_string())?;
+    s.connect(&eq, addr, 0).map_err(|e| e.to_string())?;
     next(&eq)?
         .status
         .map_err(|e| format!("connect to the child: {e}"))?;

@@ -80,7 +80,7 @@ fn connect_many(b: &dyn Backend, ty: SockType, n: usize) -> Result<Many, String>
     for i in 0..n {
         l.accept(&eq_s, i as u64).map_err(|e| e.to_string())?;
         let c = Socket::new(&client, ty).map_err(|e| e.to_string())?;
-        c.connect(addr, &eq_c, i as u64)
+        c.connect(&eq_c, addr, i as u64)
             .map_err(|e| format!("connect {i}: {e}"))?;
         clients.push(c);
     }
@@ -282,7 +282,7 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
         let eq_l = EventQueue::new(4);
         p.listener.accept(&eq_l, 1).map_err(|e| e.to_string())?;
         let c = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
-        c.connect(addr, eq, 2).map_err(|e| e.to_string())?;
+        c.connect(eq, addr, 2).map_err(|e| e.to_string())?;
         let ev = next(eq)?;
         ensure!(
             ev.kind == EventKind::Connect && ev.is_ok(),

@@ -300,7 +300,7 @@ fn exs_client(
     let s = Socket::new(ctx, SockType::SeqPacket).context("creating a socket")?;
     let credits = (a.depth as u16).clamp(1, 64);
     s.set_option(SocketOption::SendCredits(credits))?;
-    s.connect(addr, &eq, 0)
+    s.connect(&eq, addr, 0)
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
     eq.next(Some(Duration::from_secs(30)))
         .with_context(|| format!("connecting to {addr}: no answer"))?

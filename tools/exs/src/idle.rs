@@ -116,7 +116,7 @@ pub fn connect(
     while up < n {
         while socks.len() < n && socks.len() - up < IN_FLIGHT {
             let s = Socket::new(ctx, ty).context("creating an idle socket")?;
-            s.connect(addr, &eq, socks.len() as u64)
+            s.connect(&eq, addr, socks.len() as u64)
                 .with_context(|| format!("connecting idle connection {}", socks.len()))?;
             socks.push(s);
         }

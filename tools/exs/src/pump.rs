@@ -271,7 +271,7 @@ fn blast(ctx: &exs::Context, addr: SocketAddr, p: &Point, whole: bool) -> Result
     for o in p.options() {
         s.set_option(o).with_context(|| format!("setting {o:?}"))?;
     }
-    s.connect(addr, &eq, 0)
+    s.connect(&eq, addr, 0)
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
     eq.next(Some(PATIENCE))
         .with_context(|| format!("connecting to {addr}: no answer"))?

@@ -159,7 +159,7 @@ fn one_connection(
     let addr = l.listen(1).context("listen")?;
     l.accept(&eq_s, 0).context("accept")?;
     let c = Socket::new(client, ty)?;
-    c.connect(addr, &eq_c, 0).context("connect")?;
+    c.connect(&eq_c, addr, 0).context("connect")?;
     wait(&eq_c, "connect")?.status.context("connect")?;
     let mut acc = wait(&eq_s, "accept")?;
     let s = acc

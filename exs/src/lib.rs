@@ -57,13 +57,12 @@ pub mod sim;
 pub use context::{
     Clock, Context, ContextOptions, ManualDriver, Progress, SharedRecv, SystemClock,
 };
-pub use engine::EngineStats;
 pub use error::{
     AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, FileError,
     MemoryError, OpError, OptionError, PollError, QueueFull, RecvError, SendError, SocketError,
     StateError, Violation,
 };
-pub use event::{Event, EventFlags, EventKind, EventQueue, QueueStats, WaitMode};
+pub use event::{Event, EventFlags, EventKind, EventQueue, WaitMode};
 pub use exposure::ExposurePolicy;
 pub use memory::{MemoryRegion, Slice};
 #[cfg(feature = "fabric")]
@@ -74,13 +73,26 @@ pub use open::sim_addr;
 pub use open::verbs;
 pub use open::{compiled, Backend};
 pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
-pub use progress::ProgressStats;
-pub use proto::link::LinkStats;
-pub use proto::message::MessageStats;
-pub use proto::pool::PoolStats;
-pub use proto::stream::{StreamStats, StreamTrace};
 pub use sendfile::{SENDFILE_CHUNK, SENDFILE_DEPTH};
-pub use socket::{ConnStats, Readiness, Socket, SocketId};
+
+/// Counters, in one place: a context's ([`Context::stats`]: [`EngineStats`](stats::EngineStats), with its
+/// progress threads' [`ProgressStats`](stats::ProgressStats) and shared receive pool's
+/// [`PoolStats`](stats::PoolStats)), a connection's ([`Socket::stats`]: [`ConnStats`](stats::ConnStats) with its
+/// [`LinkStats`](stats::LinkStats) and its [`MessageStats`](stats::MessageStats) or
+/// [`StreamStats`](stats::StreamStats)), an event queue's ([`EventQueue::stats`]:
+/// [`QueueStats`](stats::QueueStats)), and the stream protocol's decisions ([`Socket::stream_trace`]:
+/// [`StreamTrace`](stats::StreamTrace)).
+pub mod stats {
+    pub use crate::engine::EngineStats;
+    pub use crate::event::QueueStats;
+    pub use crate::progress::ProgressStats;
+    pub use crate::proto::link::LinkStats;
+    pub use crate::proto::message::MessageStats;
+    pub use crate::proto::pool::PoolStats;
+    pub use crate::proto::stream::{StreamStats, StreamTrace};
+    pub use crate::socket::ConnStats;
+}
+pub use socket::{Readiness, Socket, SocketId};
 pub use stream_io::{default_context, Listener, Stream, StreamConfig};
 pub use transport::{Capabilities, Transport, TransportError};
 

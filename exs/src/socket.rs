@@ -167,7 +167,7 @@ impl Socket {
     /// connect completes) before any accept, and waits for one. The backlog bounds the connections being set up
     /// and those waiting; a request beyond it is refused. A request with a bad handshake is refused, and a
     /// connection that fails or goes silent before it is established is dropped: neither ever reaches an accept
-    /// (both are counted in [`EngineStats::dropped_before_accept`](crate::EngineStats::dropped_before_accept)).
+    /// (both are counted in [`EngineStats::dropped_before_accept`](crate::stats::EngineStats::dropped_before_accept)).
     pub fn listen(&self, backlog: u32) -> Result<SocketAddr, SocketError> {
         self.engine(|e, id| e.listen(id, backlog))
     }

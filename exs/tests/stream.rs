@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use exs::sim::SimConfig;
-use exs::StreamTrace;
+use exs::stats::StreamTrace;
 use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
 
 fn stream_pair(opts: &[SocketOption]) -> Pair {

@@ -10,7 +10,7 @@ mod common;
 
 use common::*;
 use exs::sim::SimConfig;
-use exs::StreamTrace;
+use exs::stats::StreamTrace;
 use exs::{MemoryRegion, MsgFlags, SockType, SocketOption};
 
 struct Fig {

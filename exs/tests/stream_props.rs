@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use common::*;
 use exs::sim::{RnrPolicy, SimConfig};
-use exs::StreamTrace;
+use exs::stats::StreamTrace;
 use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
 use proptest::prelude::*;
 

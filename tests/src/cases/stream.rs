@@ -362,7 +362,7 @@ fn resume(b: &dyn Backend, how: Resume, both_ways: bool) -> Result<(), String> {
     let mut report = Vec::new();
     let mut check = |who: &str,
                      sock: &exs::Socket,
-                     before: exs::StreamStats,
+                     before: exs::stats::StreamStats,
                      ring: u64|
      -> Result<(), String> {
         let after = sock.stats().ok_or("stats")?.stream;

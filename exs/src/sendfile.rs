@@ -109,8 +109,12 @@ impl Progress {
         let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sock.id(), move |ev| {
             me.arrived(ev)
         });
-        self.sock
-            .send_ticket(&self.bufs.slice(slot * SENDFILE_CHUNK..slot * SENDFILE_CHUNK + n), ticket)?;
+        self.sock.send_ticket(
+            &self
+                .bufs
+                .slice(slot * SENDFILE_CHUNK..slot * SENDFILE_CHUNK + n),
+            ticket,
+        )?;
         self.next += n;
         self.in_flight += 1;
         Ok(())

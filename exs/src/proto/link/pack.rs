@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use exs_dma::LeaseKind;
+use exs_dma::{Lease, LeaseKind};
 
 use super::{wr_id, AckSource, Link, Outgoing, WrKind};
 use crate::transport::{Op, Sge, WorkRequest};
@@ -73,15 +73,52 @@ impl Link {
         let mut dst = buf
             .lease(base..base + limit, LeaseKind::CpuWrite)
             .expect("a free pack buffer is not leased");
-        let mut at = 0;
+        let packed = self.fill_pack(urgent, acks, &mut dst, limit, p);
+        drop(dst);
+        if packed.count == 0 {
+            self.free_pack.push(p);
+            return false;
+        }
+        let sge = Sge::of(&reg, base..base + packed.len, LeaseKind::DeviceRead)
+            .expect("a pack buffer just written is not leased");
+        self.spent += 1;
+        self.sq_free -= 1;
+        self.sent_since_check = true;
+        self.stats.ctrl_sent += packed.count;
+        self.stats.packets += 1;
+        self.stats.packed += packed.count;
+        out.push(WorkRequest {
+            wr_id: wr_id(WrKind::Ctrl(self.tx.count + p)),
+            op: Op::Send {
+                sges: vec![sge],
+                imm: None,
+            },
+        });
+        packed.final_close
+    }
+
+    /// Writes the messages at the front of a queue into pack buffer `p` (`dst`, `limit` bytes), each framed as
+    /// followed by another but the last.
+    fn fill_pack(
+        &mut self,
+        urgent: bool,
+        acks: &mut dyn AckSource,
+        dst: &mut Lease,
+        limit: usize,
+        p: u32,
+    ) -> Packed {
+        let mut packed = Packed {
+            len: 0,
+            count: 0,
+            final_close: false,
+        };
         let mut last: Option<(usize, Message)> = None;
-        let mut count = 0u64;
-        let mut final_close = false;
         let mut header = [0u8; HEADER_LEN + 48];
         loop {
             let queue = if urgent { &self.urgent } else { &self.normal };
             let Some(front) = queue.front() else { break };
-            if !matches!(front, Outgoing::Ctrl { .. }) || at + Self::wire_len(front) > limit {
+            if !matches!(front, Outgoing::Ctrl { .. }) || packed.len + Self::wire_len(front) > limit
+            {
                 break;
             }
             let Some(Outgoing::Ctrl {
@@ -99,21 +136,22 @@ impl Link {
             let Some(ack) = Self::ack_for(&body, acks) else {
                 continue; // the acknowledgment rode on an earlier message
             };
+            let at = packed.len;
             let msg = self.stamp(body, ack);
             let n = msg.encode_framed(&mut header, true);
             dst.write(at, &header[..n])
                 .expect("inside the pack buffer (checked against limit)");
             if let Some(sge) = &inline {
                 sge.lease()
-                    .copy_to(0, &mut dst, at + n, sge.len())
+                    .copy_to(0, dst, at + n, sge.len())
                     .expect("inside the pack buffer (checked against limit)");
             }
             last = Some((at, msg));
-            at += n + inline.as_ref().map_or(0, Sge::len);
-            count += 1;
+            packed.len += n + inline.as_ref().map_or(0, Sge::len);
+            packed.count += 1;
             self.pack_notify[p as usize].extend(notify);
             if let Body::Close(reason) = body {
-                final_close = matches!(reason, CloseReason::Close | CloseReason::Violation);
+                packed.final_close = matches!(reason, CloseReason::Close | CloseReason::Violation);
                 break;
             }
         }
@@ -123,26 +161,16 @@ impl Link {
             dst.write(off, &header[..n])
                 .expect("inside the pack buffer");
         }
-        drop(dst);
-        if count == 0 {
-            self.free_pack.push(p);
-            return false;
-        }
-        let sge = Sge::of(&reg, base..base + at, LeaseKind::DeviceRead)
-            .expect("a pack buffer just written is not leased");
-        self.spent += 1;
-        self.sq_free -= 1;
-        self.sent_since_check = true;
-        self.stats.ctrl_sent += count;
-        self.stats.packets += 1;
-        self.stats.packed += count;
-        out.push(WorkRequest {
-            wr_id: wr_id(WrKind::Ctrl(self.tx.count + p)),
-            op: Op::Send {
-                sges: vec![sge],
-                imm: None,
-            },
-        });
-        final_close
+        packed
     }
+}
+
+/// What one pack buffer holds.
+struct Packed {
+    /// Bytes written.
+    len: usize,
+    /// Messages in it.
+    count: u64,
+    /// Whether the last is a final CLOSE.
+    final_close: bool,
 }

@@ -1,4 +1,4 @@
-//! Blocking streams with the shape of `std::net` (issue 16): [`Stream`] is a connected SOCK_STREAM socket that
+//! Blocking streams with the shape of `std::net`: [`Stream`] is a connected SOCK_STREAM socket that
 //! implements `std::io::Read` and `Write`, [`Listener`] accepts them. Registered buffers are managed inside (one
 //! copy in each direction, between them and the caller's slices); the zero-copy path stays the ES-API calls on
 //! [`Socket`], which [`Stream::socket`] hands out.
@@ -218,6 +218,31 @@ impl Core {
 /// A connected stream, like `std::net::TcpStream`. A write returns once its bytes are in the registered send
 /// buffer and sent (an error of that send comes with the next write or `flush`); `flush` waits until they have
 /// left.
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
+/// use std::io::{Read, Write};
+///
+/// let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
+/// let listener = exs::Listener::bind_in(&server, "127.0.0.1:0")?;
+/// let addr = listener.local_addr()?;
+/// let reader = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+///     let (mut s, _peer) = listener.accept()?;
+///     let mut all = Vec::new();
+///     s.read_to_end(&mut all)?; // until the writer shuts down
+///     Ok(all)
+/// });
+/// let mut s = exs::Stream::connect_in(&client, addr)?;
+/// s.set_write_timeout(Some(std::time::Duration::from_secs(10)))?;
+/// for line in ["one\n", "two\n", "three\n"] {
+///     s.write_all(line.as_bytes())?;
+/// }
+/// s.shutdown(std::net::Shutdown::Write)?;
+/// assert_eq!(reader.join().unwrap()?, b"one\ntwo\nthree\n");
+/// # }
+/// # Ok::<(), std::io::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Stream {
     core: Core,
@@ -350,6 +375,38 @@ impl Write for Stream {
 }
 
 /// Accepts streams, like `std::net::TcpListener`.
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
+/// use std::io::{Read, Write};
+///
+/// let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
+/// let listener = exs::Listener::bind_in(&server, "127.0.0.1:0")?;
+/// let addr = listener.local_addr()?;
+/// // A server that answers each connection with its length, for two clients.
+/// let served = std::thread::spawn(move || -> std::io::Result<()> {
+///     for stream in listener.incoming().take(2) {
+///         let mut s = stream?;
+///         let mut got = Vec::new();
+///         s.read_to_end(&mut got)?;
+///         s.write_all(&(got.len() as u32).to_le_bytes())?;
+///         s.shutdown(std::net::Shutdown::Write)?;
+///     }
+///     Ok(())
+/// });
+/// for n in [10usize, 1000] {
+///     let mut c = exs::Stream::connect_in(&client, addr)?;
+///     c.write_all(&vec![1u8; n])?;
+///     c.shutdown(std::net::Shutdown::Write)?;
+///     let mut answer = [0u8; 4];
+///     c.read_exact(&mut answer)?;
+///     assert_eq!(u32::from_le_bytes(answer) as usize, n);
+/// }
+/// served.join().unwrap()?;
+/// # }
+/// # Ok::<(), std::io::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Listener {
     sock: Socket,

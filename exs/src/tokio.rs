@@ -1,4 +1,4 @@
-//! Async streams for tokio (feature `tokio`, issue 16): [`Stream`] implements `AsyncRead` and `AsyncWrite`,
+//! Async streams for tokio (feature `tokio`): [`Stream`] implements `AsyncRead` and `AsyncWrite`,
 //! [`Listener`] accepts them, and [`EventQueue::next_async`] waits for any queue. An event queue's descriptor
 //! (readable while events are queued, see [`EventQueue::readiness_fd`]) goes into tokio's reactor as an `AsyncFd`:
 //! no thread per queue, no busy polling; the context's progress thread moves the protocol meanwhile, so contexts

@@ -236,10 +236,10 @@ impl FabricTransport {
             // The tcp provider's shared receive contexts are not used: each endpoint posts its own receives.
             max_shared_recv: 0,
             // Software providers (tcp, sockets, net) copy through the kernel either way, and a read is a
-            // request and a reply: `exs pump` (libfabric tcp, depth 8) moved 512 B 61 vs 41 MB/s, 2 KiB 221 vs
-            // 148, 8 KiB 1049 vs 493, 32 KiB 2544 vs 1892 immediate vs normal, so immediate wins at every size it
-            // can carry. 4 KiB bounds each connection's receive slots (16 credits: ~70 KiB). A hardware
-            // provider (verbs) keeps the 512-byte default of the verbs backend.
+            // request and a reply, so immediate data beats advert + read at every size it can carry (`exs pump
+            // --mode immediate` against `--mode normal`; bench/README.md keeps the comparison). 4 KiB bounds each
+            // connection's receive slots (16 credits of immediate-sized buffers). A hardware provider (verbs)
+            // keeps the 512-byte default of the verbs backend.
             immediate_default: if provider == "verbs" { 512 } else { 4096 },
             keys_after_connect: false,
         };

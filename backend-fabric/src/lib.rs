@@ -10,7 +10,7 @@
 //!   completion with no context, and a MSG endpoint's completion entry does not name the endpoint: only a
 //!   per-endpoint queue tells which connection it belongs to. (Putting a connection token in the immediate would
 //!   let a hostile peer forge one.)
-//! * Polling and waiting (see [`ready`]): our own epoll set over the event queue's and every completion queue's
+//! * Polling and waiting (see `src/ready.rs`): our own epoll set over the event queue's and every completion queue's
 //!   wait descriptors is the transport's wait descriptor. A poll reads only the queues that were busy recently or
 //!   that the set reports as signalled, never every connection's; arming (`fi_trywait`) covers the event queue and
 //!   the queues not armed since their last activity.
@@ -115,7 +115,7 @@ pub fn providers() -> Vec<String> {
     names
 }
 
-/// One libfabric fabric as an exs [`Transport`]: the context's domain, and (see [`memory`]) a domain per
+/// One libfabric fabric as an exs [`Transport`]: the context's domain, and (see `src/memory.rs`) a domain per
 /// connection where the provider allows it.
 pub struct FabricTransport {
     dom: Arc<Domain>,

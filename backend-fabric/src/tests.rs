@@ -186,8 +186,8 @@ fn await_recv(t: &mut FabricTransport, ep: EndpointId) -> u64 {
     }
 }
 
-/// Issue 25: on libfabric every connection has a completion queue of its own, and a poll used to read all of
-/// them (one operation cost as much as the connections held, 58x at 1,000 idle ones). A ping-pong beside many idle
+/// On libfabric every connection has a completion queue of its own, and a poll used to read all of them (one
+/// operation cost grew with the connections held, idle or not). A ping-pong beside many idle
 /// connections must read no more queues per poll than are hot (this one) or have signalled.
 #[test]
 fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {

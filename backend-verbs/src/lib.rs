@@ -16,7 +16,7 @@
 //!   requests before the refused one on the device: their records (and leases) stay until they complete, and
 //!   only the requests that never reached it come back.
 //! * Identifiers: every request the device carries has an identifier no other request of the transport ever
-//!   had (see [`queue`]), so a late completion of a destroyed queue pair whose number went to a new one cannot
+//!   had (see `src/queue.rs`), so a late completion of a destroyed queue pair whose number went to a new one cannot
 //!   complete the new one's requests.
 //! * Memory: the base registration grants local access only, iWARP included (there the sink of an RDMA read gets
 //!   remote write from a registration of its own for the read's duration); a remote key is a memory window bound

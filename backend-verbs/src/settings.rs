@@ -40,7 +40,8 @@ const LIMIT_VARS: [&str; 8] = [
 ];
 
 impl VerbsLimits {
-    /// The overrides `var` names (see [`LIMIT_VARS`]); a value that is not a number is an error naming the variable.
+    /// The overrides `var` names (`EXS_VERBS_INLINE`, `_SEND_DEPTH`, `_RECV_DEPTH`, `_CQ_DEPTH`, `_SRQ_DEPTH`, `_SGE`,
+    /// `_MAX_MESSAGE`, `_READ_DEPTH`); a value that is not a number is an error naming the variable.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<VerbsLimits, TransportError> {
         let num = |name: &str| -> Result<Option<u64>, TransportError> {
             match var(name).filter(|v| !v.trim().is_empty()) {

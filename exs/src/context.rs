@@ -293,6 +293,21 @@ impl Drop for CtxInner {
 
 /// One RDMA device (transport) with its sockets and progress (the scope of ES-API `exs_init`).
 /// Cheap to clone (a handle). Sockets and memory regions keep it alive.
+///
+/// A context comes from [`Context::from_env`] (the backend the environment names), from [`Context::open`] (a
+/// [`Backend`](crate::Backend) chosen in code), or from [`Context::new`] over any [`Transport`].
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// use exs::{fabric::FabricConfig, Backend, Context};
+///
+/// // libfabric's tcp provider: no RDMA device needed.
+/// let ctx = Context::open(&Backend::Fabric(FabricConfig::default()))?;
+/// let caps = ctx.capabilities();
+/// println!("{}: messages up to {} bytes", caps.name, caps.max_message);
+/// # }
+/// # Ok::<(), exs::TransportError>(())
+/// ```
 #[derive(Clone)]
 pub struct Context {
     inner: Arc<CtxInner>,

@@ -54,8 +54,8 @@ pub enum Violation {
         /// The advert credits we granted the peer (our `recv_credits`).
         credits: u32,
     },
-    /// More stream advertisements are waiting at this side than the advert credits we granted allow (issue 15:
-    /// a peer could queue any number).
+    /// More stream advertisements are waiting at this side than the advert credits we granted allow (without
+    /// this bound a peer could queue any number).
     #[error(
         "the peer has {queued} stream advertisements waiting, beyond its {credits} advert credits"
     )]

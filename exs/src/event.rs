@@ -193,6 +193,43 @@ struct EqState {
 }
 
 /// An event queue (ES-API `exs_qcreate`). Cheap to clone (a handle); usable from several threads.
+///
+/// Operations of any socket and context may report to one queue, up to its depth in flight. A waiting dequeue
+/// runs the protocol of the contexts that report here, and sleeps until as many events as it asked for have
+/// arrived ([`WaitMode::Adaptive`]; [`WaitMode::Block`] and [`WaitMode::BusyPoll`] on request). The queue is
+/// also a file descriptor, readable while events are queued ([`EventQueue::readiness_fd`]), for `epoll` loops.
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
+/// use std::time::Duration;
+/// use exs::{Context, DequeueError, EventQueue, SockType, Socket};
+///
+/// let ctx = Context::from_env()?;
+/// let eq = EventQueue::new(64);
+/// // Nothing started: a bounded wait times out.
+/// assert!(matches!(eq.next(Some(Duration::from_millis(5))), Err(DequeueError::TimedOut)));
+///
+/// // Three listeners, each accepting; three connects: wait for all six events in one call.
+/// let mut keep = Vec::new();
+/// for i in 0..3 {
+///     let l = Socket::new(&ctx, SockType::Stream)?;
+///     l.bind("127.0.0.1:0".parse()?)?;
+///     let addr = l.listen(4)?;
+///     l.accept(&eq, i)?;
+///     let c = Socket::new(&ctx, SockType::Stream)?;
+///     c.connect(&eq, addr, 10 + i)?;
+///     keep.push((l, c));
+/// }
+/// let mut events = Vec::new();
+/// while events.len() < 6 {
+///     let want = 6 - events.len();
+///     eq.dequeue(&mut events, want, want, Some(Duration::from_secs(10)))?;
+/// }
+/// assert!(events.iter().all(|e| e.is_ok()));
+/// # }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct EventQueue {
     inner: Arc<EqInner>,

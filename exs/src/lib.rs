@@ -1,23 +1,142 @@
 //! # exs: Extended Sockets over RDMA
 //!
-//! The transport-independent core of `exs`, a Rust implementation of the Extended Sockets API (ES-API) and the
-//! UNH-EXS protocols: sockets with asynchronous operations and registered memory, over any RDMA [`Transport`].
+//! Sockets whose data moves by RDMA: the Extended Sockets API (ES-API) and the UNH-EXS protocols, with
+//! asynchronous operations on registered memory and event queues, zero copy where the protocol allows it. The same
+//! program runs on InfiniBand, RoCE and iWARP adapters (rdma-core verbs), on anything libfabric drives (its `tcp`
+//! provider needs no RDMA at all), and on a simulated fabric for tests. Above the ES-API calls sit [`Stream`] and
+//! [`Listener`] (`std::io`, like `std::net`) and `exs::tokio` streams.
 //!
-//! ```text
-//!  application ── Socket / EventQueue / MemoryRegion        (socket.rs, event.rs, memory.rs)
-//!                      │
-//!                 Context + Engine: one progress thread      (context.rs, engine.rs)
-//!                      │
-//!                 proto: link credits, message mode, stream  (proto/)
-//!                      │ work requests, completions
-//!                 Transport trait ── backends: verbs, libfabric, simulated fabric (transport.rs, sim/)
+//! ```toml
+//! [dependencies]
+//! exs = { version = "0.1", features = ["fabric"] }   # libfabric; "verbs" for rdma-core, or both
 //! ```
 //!
-//! The wire format lives in [`wire`]. Memory handed to the hardware is leased (crate `exs-dma`), so a buffer
-//! outlives every work request and remote key that names it. FFI and raw pointers live only in the backends; `unsafe` is forbidden here.
+//! ## A blocking echo
 //!
-//! Sources: seed 001 (dynamic stream protocol), seed 002 (UNH-EXS paper: ES-API, message mode, credits,
-//! immediate data, persistent operations), seed 003 (shared receive queue), seed 004 (adaptive completion wait).
+//! [`Context::from_env`] opens the backend the environment names (`EXS_BACKEND`), else the first compiled in; a
+//! [`Listener`] and a [`Stream`] behave like `std::net`'s:
+//!
+//! ```
+//! # #[cfg(feature = "fabric")] {
+//! # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
+//! use std::io::{Read, Write};
+//!
+//! let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
+//! let listener = exs::Listener::bind_in(&server, "127.0.0.1:0")?;
+//! let addr = listener.local_addr()?;
+//! let echo = std::thread::spawn(move || -> std::io::Result<()> {
+//!     let (mut s, _peer) = listener.accept()?;
+//!     let mut buf = [0u8; 4096];
+//!     loop {
+//!         let n = s.read(&mut buf)?;
+//!         if n == 0 {
+//!             return Ok(()); // end of stream
+//!         }
+//!         s.write_all(&buf[..n])?;
+//!     }
+//! });
+//! let mut c = exs::Stream::connect_in(&client, addr)?;
+//! c.write_all(b"hello over RDMA")?;
+//! let mut back = [0u8; 15];
+//! c.read_exact(&mut back)?;
+//! assert_eq!(&back, b"hello over RDMA");
+//! c.shutdown(std::net::Shutdown::Write)?;
+//! echo.join().unwrap()?;
+//! # }
+//! # Ok::<(), std::io::Error>(())
+//! ```
+//!
+//! ## With tokio
+//!
+//! Feature `tokio`: `exs::tokio::Stream` implements `AsyncRead` and `AsyncWrite`; an event
+//! queue's descriptor goes into tokio's reactor, so no thread waits per connection.
+//!
+//! ```
+//! # #[cfg(all(feature = "fabric", feature = "tokio"))] {
+//! # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
+//! use tokio::io::{AsyncReadExt, AsyncWriteExt};
+//!
+//! # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
+//! let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
+//! let listener = exs::tokio::Listener::bind_in(&server, "127.0.0.1:0").await?;
+//! let addr = listener.local_addr()?;
+//! let echo = tokio::spawn(async move {
+//!     let (mut s, _) = listener.accept().await?;
+//!     let mut buf = [0u8; 4096];
+//!     loop {
+//!         let n = s.read(&mut buf).await?;
+//!         if n == 0 {
+//!             return s.shutdown().await;
+//!         }
+//!         s.write_all(&buf[..n]).await?;
+//!     }
+//! });
+//! let mut c = exs::tokio::Stream::connect_in(&client, addr).await?;
+//! c.write_all(b"hello, async").await?;
+//! c.shutdown().await?;
+//! let mut back = Vec::new();
+//! c.read_to_end(&mut back).await?;
+//! assert_eq!(back, b"hello, async");
+//! echo.await.unwrap()
+//! # })?;
+//! # }
+//! # Ok::<(), std::io::Error>(())
+//! ```
+//!
+//! ## Features
+//!
+//! | feature | what it adds |
+//! | --- | --- |
+//! | `fabric` | the libfabric backend (`exs::fabric`): MSG endpoints, the `tcp` provider by default, `verbs` and others by name; needs libfabric >= 1.17 (`libfabric-dev`) |
+//! | `verbs` | the rdma-core backend (`exs::verbs`): verbs and rdma_cm on InfiniBand, RoCE, iWARP, Soft-RoCE, soft-iWARP; needs `libibverbs-dev` and `librdmacm-dev` |
+//! | `tokio` | `exs::tokio`: async streams and listeners, `EventQueue::next_async` |
+//! | `sim` | `exs::sim`: the simulated fabric, deterministic and with fault injection (implies `testing`) |
+//! | `testing` | `exs::wire` (the wire format) and `testing::RawPeer`, a crafted peer for tests and fuzzing |
+//!
+//! No feature is on by default: a program names the backends it wants. Building either backend needs clang
+//! (bindgen) and pkg-config.
+//!
+//! ## Choosing a backend
+//!
+//! With several backends compiled in, the program picks one at run time: [`Context::from_env`] reads
+//! `EXS_BACKEND` (`verbs`, `fabric`, `sim`) and the backend's settings (`EXS_ADDR` and `EXS_DEVICE` for verbs,
+//! `EXS_PROVIDER` and `EXS_DOMAIN` for libfabric); without `EXS_BACKEND` it takes the first compiled in of verbs,
+//! fabric and sim. [`Context::open`] takes a [`Backend`] and its configuration in code instead; [`compiled`] lists
+//! what this build offers. The [backends chapter](manual::backends) of the manual has every setting.
+//!
+//! ## The main types
+//!
+//! - [`Context`]: one device (a backend's transport) with its progress; every other object belongs to one.
+//! - [`Socket`]: the ES-API calls: asynchronous `connect`, `accept`, `send`, `recv`, persistent operations,
+//!   `sendfile`, `poll`; each completes with one [`Event`] on the [`EventQueue`] it names.
+//! - [`EventQueue`]: where events arrive; waits adaptively, and is a file descriptor for `epoll` or tokio.
+//! - [`MemoryRegion`]: registered memory; a [`Slice`] of it names what an operation reads or writes, leased until
+//!   the operation's event.
+//! - [`Stream`], [`Listener`]: `std::io` over SOCK_STREAM sockets, for code written against `std::net`.
+//! - Errors are typed per operation ([`SendError`], [`RecvError`], [`ConnectError`], ...) and convert into
+//!   `std::io::Error`; an operation's failure arrives in its event as an [`OpError`].
+//!
+//! ## The manual
+//!
+//! [`manual`] explains how the ES-API maps onto RDMA and the protocols behind it: [message
+//! mode](manual::message_mode) and persistent memory (R. D. Russell, *A General-Purpose API for iWARP and
+//! InfiniBand*), [stream mode](manual::stream_mode) (the design note *Dynamic UNH EXS Stream Protocol*), [the shared
+//! receive pool](manual::shared_pool) (uDAPL's shared receive queue), [progress and waiting](manual::progress) (the
+//! adaptive completion wait of *Efficient event completion in UDAPL*), [memory and keys](manual::memory), and
+//! [reliability](manual::reliability).
+//!
+//! ```text
+//!  application ── Socket / EventQueue / MemoryRegion, Stream / Listener
+//!                      │
+//!                 Context + engine: progress in the thread that waits, or one progress thread
+//!                      │
+//!                 protocols: link credits, message mode, stream mode
+//!                      │ work requests, completions
+//!                 Transport trait ── backends: verbs, libfabric, simulated fabric
+//! ```
+//!
+//! Memory handed to the hardware is leased (crate `exs-dma`), so a buffer outlives every work request and remote
+//! key that names it. FFI and raw pointers live only in the backends; `unsafe` is forbidden in this crate.
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
@@ -29,6 +148,7 @@ mod error;
 mod event;
 mod exposure;
 mod lock;
+pub mod manual;
 mod memory;
 mod open;
 mod options;

@@ -18,6 +18,29 @@ use crate::error::{BufferError, MemoryError};
 use crate::transport::{Registration, Sge};
 
 /// Memory registered for RDMA with one context (ES-API `exs_mregister`). Cheap to clone (a handle).
+///
+/// An operation names a [`Slice`] of a region; the range is leased to it until its event, and the region
+/// refuses what would race the device meanwhile (a copy into a range a send is reading, a deregistration).
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// use exs::{fabric::FabricConfig, Backend, Context, MemoryRegion};
+///
+/// let ctx = Context::open(&Backend::Fabric(FabricConfig::default()))?;
+/// let region = MemoryRegion::alloc(&ctx, 4096)?;          // zeroed, page-aligned, registered
+/// region.write(0, b"header")?;
+/// let body = region.slice(6..4096);                        // what a send or receive would name
+/// assert_eq!((body.offset(), body.len()), (6, 4090));
+/// let mut head = [0u8; 6];
+/// region.read(0, &mut head)?;
+/// assert_eq!(&head, b"header");
+///
+/// // A vector, registered in place and given back once nothing uses it.
+/// let mine = MemoryRegion::from_vec(&ctx, vec![7u8; 100])?;
+/// assert_eq!(mine.into_vec().map_err(|(_, e)| e)?, vec![7u8; 100]);
+/// # }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone)]
 pub struct MemoryRegion {
     inner: Arc<RegionInner>,

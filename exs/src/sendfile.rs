@@ -1,5 +1,5 @@
-//! `exs_sendfile` with bounded memory (issue 15: it read the whole file into a vector, copied it into a region of
-//! the same size, and sent it as one operation: the file twice in memory).
+//! `exs_sendfile` with bounded memory (an earlier version read the whole file into a vector, copied it into a region
+//! of the same size, and sent it as one operation: the file twice in memory).
 //!
 //! A SOCK_SEQPACKET socket sends the file as one message (its boundary is the file's), so the whole file must be in
 //! registered memory: it is read straight into the region, in [`SENDFILE_CHUNK`]-byte reads, no second copy. A

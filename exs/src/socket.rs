@@ -86,6 +86,53 @@ impl Drop for Handle {
 
 /// An RDMA socket. Cheap to clone (a handle); the socket closes when [`Socket::close`] is called or the last
 /// handle is dropped.
+///
+/// Every call that moves data is asynchronous: it starts the operation and returns; the operation's [`Event`]
+/// arrives on the [`EventQueue`] the call named, with the `context` value it was given. The memory an operation
+/// names is leased until then. A SOCK_SEQPACKET exchange, both ends in one program:
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
+/// use exs::{Context, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
+///
+/// let (server, client) = (Context::from_env()?, Context::from_env()?);
+/// let eq = EventQueue::new(16);
+/// let listener = Socket::new(&server, SockType::SeqPacket)?;
+/// listener.bind("127.0.0.1:0".parse()?)?;
+/// let addr = listener.listen(8)?;
+/// listener.accept(&eq, 1)?;
+/// let sock = Socket::new(&client, SockType::SeqPacket)?;
+/// sock.connect(&eq, addr, 2)?;
+/// // The accept (with the server's end of the connection) and the connect, in either order.
+/// let mut accepted = None;
+/// for _ in 0..2 {
+///     let ev = eq.next(None)?;
+///     ev.status?;
+///     if ev.kind == EventKind::Accept {
+///         accepted = ev.accepted;
+///     }
+/// }
+/// let peer = accepted.expect("the accept event carries the socket");
+///
+/// let inbox = MemoryRegion::alloc(&server, 64)?;
+/// peer.recv(&eq, &inbox.all(), MsgFlags::NONE, 3)?;
+/// let msg = MemoryRegion::from_vec(&client, b"one message".to_vec())?;
+/// sock.send(&eq, &msg.all(), MsgFlags::NONE, 4)?;
+/// let mut received = 0;
+/// for _ in 0..2 {
+///     let ev = eq.next(None)?;
+///     ev.status?;
+///     if ev.context == 3 {
+///         received = ev.bytes;
+///     }
+/// }
+/// assert_eq!(&inbox.to_vec()?[..received], b"one message");
+/// # }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// [`Event`]: crate::Event
 #[derive(Clone)]
 pub struct Socket {
     h: Arc<Handle>,

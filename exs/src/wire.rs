@@ -15,7 +15,7 @@
 //!   acknowledgment rides on any message going the other way.
 //! * `flags & FLAG_MORE`: another control message follows this one (and its inline data) in the same buffer.
 //!   Messages queued while an earlier control send is still in flight go out together, several per send and per
-//!   receive buffer (issue 12: one provider call and one link credit for many small messages). Nothing follows a
+//!   receive buffer (one provider call and one link credit for many small messages). Nothing follows a
 //!   CLOSE in a buffer.
 //!
 //! Data itself never travels in control messages except as the immediate data of seed 002, 4.1. Stream data
@@ -106,7 +106,7 @@ pub enum Kind {
     /// the handshake (keys bound to the connection exist only once it is up: memory windows).
     StreamRing = 10,
     /// Stream mode: the sender asks for the receiver's stream buffer (allocated on first need, so an idle
-    /// connection holds none: issue 14).
+    /// connection holds none).
     StreamRingWanted = 11,
 }
 
@@ -194,7 +194,7 @@ pub enum CloseReason {
     /// The sender found a protocol violation by the receiver of this message.
     Violation = 3,
     /// The sender closed and takes nothing more (its receives were cancelled): the receiver's sends that have not
-    /// completed never will. Data the sender posted before still arrives, then its final CLOSE (issue 14: two
+    /// completed never will. Data the sender posted before still arrives, then its final CLOSE (without it, two
     /// sides closing at once, each with sends the other would never receive, waited for the linger time).
     StopReceiving = 4,
 }
@@ -750,8 +750,8 @@ impl Handshake {
 ///
 /// Bit 31 tells a direct transfer (into the advertised receive buffer, seed 001 Figure 1) from an indirect one
 /// (into the intermediate stream buffer, Figure 2); bits 0-30 carry the length. Lengths up to 2^31 - 1 fit, so a
-/// transfer of any size is split into chunks of at most [`Imm::MAX_LEN`] bytes (never a 16-bit field: see
-/// field-facts.md on a project that could not carry 64 KiB). Where the target does not report the length of a
+/// transfer of any size is split into chunks of at most [`Imm::MAX_LEN`] bytes (never a 16-bit field, which
+/// could not describe a 64 KiB transfer). Where the target does not report the length of a
 /// write-with-immediate (libfabric tcp reports 0), the immediate is the only source of truth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Imm {

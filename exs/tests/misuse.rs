@@ -1,5 +1,5 @@
 //! Bad input: every misuse returns a typed error at once, convertible to `std::io::Error`, blames the caller, and
-//! starts nothing (no event follows). The README's bad-input table lists these tests.
+//! starts nothing (no event follows). The manual's misuse table (exs/src/manual/api.md) lists these tests.
 #![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 mod common;

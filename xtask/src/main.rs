@@ -4,6 +4,7 @@ mod bench;
 mod capi;
 mod demo;
 mod outside;
+mod package;
 mod rxe;
 mod siw;
 mod soak;
@@ -36,7 +37,7 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Benchmarks beside the peers (--quick: a subset in under 5 minutes): CSV, SVG plots, README tables.
+    /// Benchmarks beside the peers (--quick: a subset in under 5 minutes): CSV, SVG plots, bench/<suite>.md.
     Bench(bench::BenchArgs),
     /// A crate outside the workspace that depends on `exs` alone builds and runs the examples (part of `test`).
     Outside,

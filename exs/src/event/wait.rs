@@ -323,17 +323,15 @@ impl EventQueue {
     }
 }
 
-/// The longest pause between two polls of an idle busy-poller, in pause instructions (12 ns each on the first
-/// 2-vCPU VM measured, 25 ns on the AMD EPYC one of 2026-11-25: 256 is 3-6 µs). On libfabric tcp (8-byte busy
-/// ping, both processes, extra round trips only) it took the system calls per round trip from 32 (cap 64) to 28
-/// with the median one-way latency unchanged (7.6-8.1 µs): the poller backs off only while nothing arrives.
+/// The longest pause between two polls of an idle busy-poller, in pause instructions (a few microseconds: a pause
+/// instruction lasts tens of nanoseconds). A longer cap saves system calls per round trip of an idle poller without
+/// moving its latency, because the poller backs off only while nothing arrives; `cargo xtask bench` counts both
+/// (its `cost` rows).
 const BUSY_PAUSE_MAX: u32 = 256;
 
-/// The pause after the second idle poll, in pause instructions: no reply comes back within a few hundred
-/// nanoseconds of a send, so polls that close are only system calls. 8 (about 200 ns on the EPYC VM) took the busy
-/// ping on libfabric tcp from 26-30 to 23-25 system calls per round trip, the median one-way latency unchanged
-/// within the noise (three interleaved runs of 1, 8 and 32, 2026-11-25; 32 saved two more calls for 2-3 µs of
-/// latency).
+/// The pause after the second idle poll, in pause instructions (a few hundred nanoseconds): no reply comes back
+/// sooner after a send, so polls closer together are only system calls. Shorter wastes calls, longer starts to cost
+/// latency; `cargo xtask bench` measures both for the busy wait.
 const BUSY_PAUSE_MIN: u32 = 8;
 
 /// Marks contexts as busy-polled for as long as it lives.

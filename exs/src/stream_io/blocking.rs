@@ -55,6 +55,31 @@ struct Shared {
 /// may read while another writes), [`Stream::try_clone`] for another handle. A write returns once its bytes are
 /// copied into the stream's send ring and on their way; an error of that send comes with a later write or
 /// `flush`. Dropping the last handle closes the stream gracefully (see the module documentation).
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
+/// use std::io::{Read, Write};
+///
+/// let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
+/// let listener = exs::Listener::bind_in(&server, "127.0.0.1:0")?;
+/// let addr = listener.local_addr()?;
+/// let reader = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+///     let (mut s, _peer) = listener.accept()?;
+///     let mut all = Vec::new();
+///     s.read_to_end(&mut all)?; // until the writer shuts down
+///     Ok(all)
+/// });
+/// let mut s = exs::Stream::connect_in(&client, addr)?;
+/// s.set_write_timeout(Some(std::time::Duration::from_secs(10)))?;
+/// for line in ["one\n", "two\n", "three\n"] {
+///     s.write_all(line.as_bytes())?;
+/// }
+/// s.shutdown(std::net::Shutdown::Write)?;
+/// assert_eq!(reader.join().unwrap()?, b"one\ntwo\nthree\n");
+/// # }
+/// # Ok::<(), std::io::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Stream {
     inner: Arc<Shared>,
@@ -296,6 +321,38 @@ impl Write for Stream {
 }
 
 /// Accepts streams, like `std::net::TcpListener`.
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
+/// use std::io::{Read, Write};
+///
+/// let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
+/// let listener = exs::Listener::bind_in(&server, "127.0.0.1:0")?;
+/// let addr = listener.local_addr()?;
+/// // A server that answers each connection with its length, for two clients.
+/// let served = std::thread::spawn(move || -> std::io::Result<()> {
+///     for stream in listener.incoming().take(2) {
+///         let mut s = stream?;
+///         let mut got = Vec::new();
+///         s.read_to_end(&mut got)?;
+///         s.write_all(&(got.len() as u32).to_le_bytes())?;
+///         s.shutdown(std::net::Shutdown::Write)?;
+///     }
+///     Ok(())
+/// });
+/// for n in [10usize, 1000] {
+///     let mut c = exs::Stream::connect_in(&client, addr)?;
+///     c.write_all(&vec![1u8; n])?;
+///     c.shutdown(std::net::Shutdown::Write)?;
+///     let mut answer = [0u8; 4];
+///     c.read_exact(&mut answer)?;
+///     assert_eq!(u32::from_le_bytes(answer) as usize, n);
+/// }
+/// served.join().unwrap()?;
+/// # }
+/// # Ok::<(), std::io::Error>(())
+/// ```
 #[derive(Debug)]
 pub struct Listener {
     sock: Socket,

@@ -1,4 +1,4 @@
-//! Streams with the shape of `std::net` (issues 16 and 26): [`Stream`] is a connected SOCK_STREAM socket that
+//! Streams with the shape of `std::net`: [`Stream`] is a connected SOCK_STREAM socket that
 //! implements `std::io::Read` and `Write` (on `&Stream` too, as `TcpStream` does), [`Listener`] accepts them.
 //! Code written for `TcpStream` / `TcpListener` ports by renaming: [`Stream::connect`] and [`Listener::bind`] open
 //! the process's [default context](default_context) on first use (the backend chosen by the cargo features and

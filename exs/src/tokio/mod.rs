@@ -1,4 +1,4 @@
-//! Async streams for tokio (feature `tokio`, issues 16 and 26): [`Stream`] implements `AsyncRead` and
+//! Async streams for tokio (feature `tokio`): [`Stream`] implements `AsyncRead` and
 //! `AsyncWrite`, [`Listener`] accepts them, and [`EventQueue::next_async`] waits for any queue. Each direction of
 //! a stream has its own event queue, whose descriptor (readable while events are queued, see
 //! [`EventQueue::readiness_fd`]) goes into tokio's reactor as an `AsyncFd`: no thread per queue, no busy polling,

@@ -1,6 +1,7 @@
 //! `cargo xtask bench [--quick]`: the seed paper's benchmark set (seed 002, section 5) beside the best peers,
 //! measured in the same invocation, interleaved, repeated; medians and ranges go to
-//! `bench/results/<date>-<suite>.csv`, SVG plots and a markdown table that the README includes.
+//! `bench/results/<date>-<suite>.csv`, SVG plots and a markdown report; the last full run's report is
+//! `bench/<suite>.md` (the README links to it and is never rewritten).
 //!
 //! Suites: `host` (libfabric tcp on 127.0.0.1: exs, the raw libfabric RMA loop, plain TCP with and without
 //! Nagle, the three wait modes, and the per-round-trip cost of an 8-byte ping-pong against `fi_pingpong` and

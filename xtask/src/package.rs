@@ -1,0 +1,124 @@
+//! The publishable crates: `cargo package` for each (in dependency order, against cargo's local overlay of the
+//! workspace's own crates), and the declared `rust-version` checked against the compiler that builds them.
+
+use std::time::Instant;
+
+use crate::sys::{self, Result};
+
+/// The workspace's crates meant for users: those without `publish = false` (cargo metadata says `null`, any
+/// registry), with their declared `rust-version`.
+pub fn public_crates() -> Result<Vec<(String, Option<String>)>> {
+    let out = sys::output(sys::cargo().args(["metadata", "--no-deps", "--format-version", "1"]))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).map_err(|e| format!("cargo metadata: {e}"))?;
+    let crates: Vec<_> = v["packages"]
+        .as_array()
+        .ok_or("cargo metadata lists no packages")?
+        .iter()
+        .filter(|p| p["publish"].is_null())
+        .filter_map(|p| {
+            let name = p["name"].as_str()?.to_string();
+            Some((name, p["rust_version"].as_str().map(str::to_string)))
+        })
+        .collect();
+    if crates.is_empty() {
+        return Err("no crate of the workspace is publishable".into());
+    }
+    Ok(crates)
+}
+
+/// `cargo doc` of every public crate with every feature, warnings denied (broken and private intra-doc links are
+/// warnings by default, so `-D warnings` denies them too).
+pub fn doc_command() -> Result<std::process::Command> {
+    let mut cmd = sys::cargo();
+    cmd.args(["doc", "--no-deps", "--all-features"]);
+    for (name, _) in public_crates()? {
+        cmd.args(["-p", &name]);
+    }
+    cmd.env("RUSTDOCFLAGS", "-D warnings");
+    Ok(cmd)
+}
+
+/// `major.minor[.patch]` as numbers, for comparing.
+fn version(s: &str) -> Option<(u64, u64, u64)> {
+    let mut it = s.split('.').map(|p| p.parse::<u64>().ok());
+    Some((it.next()??, it.next()??, it.next().flatten().unwrap_or(0)))
+}
+
+/// The compiler's version, from `rustc --version` ("rustc 1.95.0 (... )").
+fn rustc_version() -> Result<String> {
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let out = sys::output(std::process::Command::new(rustc).arg("--version"))?;
+    out.split_whitespace()
+        .nth(1)
+        .map(|v| v.split('-').next().unwrap_or(v).to_string())
+        .ok_or_else(|| format!("cannot read rustc's version from {out:?}"))
+}
+
+/// Every public crate declares a `rust-version`, and none is newer than the compiler this test builds with: the
+/// declared version is the one CI builds (no older toolchain is installed to prove an older claim).
+fn check_rust_versions(crates: &[(String, Option<String>)], rustc: &str) -> Result<String> {
+    let have = version(rustc).ok_or_else(|| format!("rustc version {rustc:?}"))?;
+    let mut declared = Vec::new();
+    for (name, rv) in crates {
+        let rv = rv
+            .as_deref()
+            .ok_or_else(|| format!("{name} declares no rust-version"))?;
+        let want = version(rv).ok_or_else(|| format!("{name}: rust-version {rv:?}"))?;
+        if want > have {
+            return Err(format!(
+                "{name} declares rust-version {rv}, newer than the compiler in use ({rustc})"
+            ));
+        }
+        if !declared.contains(&rv) {
+            declared.push(rv);
+        }
+    }
+    Ok(declared.join(", "))
+}
+
+/// Packages every public crate (`cargo package`, which also builds each packaged crate on its own, with the
+/// dependencies as they would come from the registry). `--offline`: the workspace build before this stage fetched
+/// every dependency, and CI may have no network; `--allow-dirty` so that the stage runs on a work in progress.
+/// Returns the summary line.
+pub fn stage() -> Result<String> {
+    let crates = public_crates()?;
+    let rustc = rustc_version()?;
+    let declared = check_rust_versions(&crates, &rustc)?;
+    let start = Instant::now();
+    let mut cmd = sys::cargo();
+    cmd.args(["package", "--offline", "--allow-dirty"]);
+    for (name, _) in &crates {
+        cmd.args(["-p", name]);
+    }
+    sys::run(&mut cmd)?;
+    Ok(format!(
+        "cargo package ({}): packaged and built in {:.0?}; rust-version {declared} (rustc {rustc})",
+        crates
+            .iter()
+            .map(|(n, _)| n.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+        start.elapsed()
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rust_version_newer_than_the_compiler_is_refused() {
+        let crates = vec![("a".to_string(), Some("1.96".to_string()))];
+        assert!(check_rust_versions(&crates, "1.95.0").is_err());
+        let crates = vec![("a".to_string(), Some("1.95".to_string()))];
+        assert_eq!(check_rust_versions(&crates, "1.95.0").unwrap(), "1.95");
+        assert_eq!(check_rust_versions(&crates, "1.100.1").unwrap(), "1.95");
+    }
+
+    #[test]
+    fn a_public_crate_without_a_rust_version_is_refused() {
+        let crates = vec![("a".to_string(), None)];
+        assert!(check_rust_versions(&crates, "1.95.0").is_err());
+    }
+}

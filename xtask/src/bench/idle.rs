@@ -45,7 +45,10 @@ pub(super) fn idle_jobs(
     counts: &[usize],
     perf: bool,
 ) -> Vec<Job> {
-    let (short, long) = (2_000, 6_000);
+    // Opening and closing thousands of connections costs hundreds of thousands of system calls, and how many
+    // varies from run to run by more than a short ping-pong makes: the two runs differ by enough round trips that
+    // their difference is the ping-pong's.
+    let (short, long) = (5_000, 25_000);
     let exs_rts = |n: usize| n + n / 10 + 1;
     counts
         .iter()

@@ -26,6 +26,8 @@ use std::fmt;
 mod decode;
 
 use decode::Reader;
+// Named only by the tools and tests of feature `testing` (the engine reads frames through `decode_framed`).
+#[cfg_attr(not(feature = "testing"), allow(unused_imports))]
 pub use decode::{frames, Framed, Frames};
 
 /// Protocol version spoken by this implementation.

@@ -170,46 +170,16 @@ fn cstr(p: *const std::os::raw::c_char) -> String {
 impl FabricTransport {
     /// Opens a provider's domain. A provider that does not exist gives an error listing those that do.
     pub fn open(cfg: &FabricConfig) -> Result<FabricTransport, TransportError> {
-        let info = getinfo(&cfg.provider, cfg.domain.as_deref(), None, None, 0).map_err(|e| {
-            if matches!(e, TransportError::Invalid(_)) {
-                return e;
-            }
-            let available = providers();
-            if available.iter().any(|p| p == &cfg.provider) {
-                e
-            } else {
-                TransportError::NotFound {
-                    wanted: cfg.provider.clone(),
-                    available,
-                }
-            }
-        })?;
-        // SAFETY: `info.0` is a valid list from fi_getinfo; we use its first entry, which stays alive in `dom`.
+        let info = provider_info(cfg)?;
+        // SAFETY: `info.0` is a valid list from fi_getinfo; we use its first entry, which stays alive in `fab`.
         let i = unsafe { &*info.0 };
         // SAFETY: attribute pointers of a returned fi_info are valid.
-        let (tx, rx, ep_attr, dattr, fattr) = unsafe {
-            (
-                &*i.tx_attr,
-                &*i.rx_attr,
-                &*i.ep_attr,
-                &*i.domain_attr,
-                &*i.fabric_attr,
-            )
-        };
+        let (dattr, fattr) = unsafe { (&*i.domain_attr, &*i.fabric_attr) };
         let provider = cstr(fattr.prov_name);
         let domain_name = cstr(dattr.name);
         let mr_mode = dattr.mr_mode as u64;
-        if mr_mode & FI_MR_ENDPOINT as u64 != 0 {
-            return Err(TransportError::Unsupported(format!(
-                "provider {provider} needs FI_MR_ENDPOINT"
-            )));
-        }
-        if dattr.cq_data_size < 4 {
-            return Err(TransportError::Unsupported(format!(
-                "provider {provider} carries {} bytes of remote CQ data; write-with-immediate needs 4",
-                dattr.cq_data_size
-            )));
-        }
+        check_domain(&provider, dattr)?;
+        let caps = capabilities(i, &provider, &domain_name);
         let mut fabric = ptr::null_mut();
         // SAFETY: fabric_attr of a returned info; out-pointer for the fabric.
         check("fi_fabric", unsafe {
@@ -218,44 +188,10 @@ impl FabricTransport {
         })?;
         let fab = Arc::new(Fabric { fabric, info });
         let dom = Domain::open(&fab, mr_mode)?;
-        let caps = Capabilities {
-            name: format!("fabric/{provider}/{domain_name}"),
-            max_inline: tx.inject_size,
-            max_message: (ep_attr.max_msg_size as u64).min(1 << 30),
-            native_write_imm: true,
-            imm_consumes_recv: (i.mode | rx.mode) & FI_RX_CQ_DATA != 0,
-            max_send_wr: tx.size.min(4096) as u32,
-            max_recv_wr: rx.size.min(4096) as u32,
-            max_sge: tx.iov_limit.clamp(1, 4) as u32,
-            max_read_depth: if provider == "verbs" {
-                16
-            } else {
-                (tx.size / 2).clamp(1, 64) as u32
-            },
-            max_private_data: 56,
-            // The tcp provider's shared receive contexts are not used: each endpoint posts its own receives.
-            max_shared_recv: 0,
-            // Software providers (tcp, sockets, net) copy through the kernel either way, and a read is a
-            // request and a reply, so immediate data beats advert + read at every size it can carry (`exs pump
-            // --mode immediate` against `--mode normal`; bench/README.md keeps the comparison). 4 KiB bounds each
-            // connection's receive slots (16 credits of immediate-sized buffers). A hardware provider (verbs)
-            // keeps the 512-byte default of the verbs backend.
-            immediate_default: if provider == "verbs" { 512 } else { 4096 },
-            keys_after_connect: false,
-        };
         // Before the event queue: a failure here leaves nothing to close.
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
             .map_err(|e| TransportError::os("epoll_create", e.into()))?;
-        let mut attr = fi_eq_attr {
-            size: 1024,
-            wait_obj: fi_wait_obj_FI_WAIT_FD,
-            ..Default::default()
-        };
-        let mut eq = ptr::null_mut();
-        // SAFETY: open fabric; attr lives across the call.
-        check("fi_eq_open", unsafe {
-            exs_fi_eq_open(fab.fabric, &mut attr, &mut eq, ptr::null_mut())
-        })?;
+        let eq = open_eq(&fab)?;
         // From here `t` owns the event queue: an error below closes it (`Drop`).
         let t = FabricTransport {
             dom,
@@ -285,4 +221,85 @@ impl FabricTransport {
     pub fn provider(&self) -> &str {
         &self.provider
     }
+}
+
+/// The provider's info for `cfg`; a provider that does not exist is [`TransportError::NotFound`], with the list of
+/// those that do.
+fn provider_info(cfg: &FabricConfig) -> Result<Info, TransportError> {
+    getinfo(&cfg.provider, cfg.domain.as_deref(), None, None, 0).map_err(|e| {
+        if matches!(e, TransportError::Invalid(_)) {
+            return e;
+        }
+        let available = providers();
+        if available.iter().any(|p| p == &cfg.provider) {
+            e
+        } else {
+            TransportError::NotFound {
+                wanted: cfg.provider.clone(),
+                available,
+            }
+        }
+    })
+}
+
+/// Refuses a domain exs cannot use: keys bound to endpoints, or remote CQ data too short for an immediate.
+fn check_domain(provider: &str, dattr: &fi_domain_attr) -> Result<(), TransportError> {
+    if dattr.mr_mode as u64 & FI_MR_ENDPOINT as u64 != 0 {
+        return Err(TransportError::Unsupported(format!(
+            "provider {provider} needs FI_MR_ENDPOINT"
+        )));
+    }
+    if dattr.cq_data_size < 4 {
+        return Err(TransportError::Unsupported(format!(
+            "provider {provider} carries {} bytes of remote CQ data; write-with-immediate needs 4",
+            dattr.cq_data_size
+        )));
+    }
+    Ok(())
+}
+
+/// What the transport offers, from the provider's info `i`.
+fn capabilities(i: &fi_info, provider: &str, domain_name: &str) -> Capabilities {
+    // SAFETY: attribute pointers of a returned fi_info are valid.
+    let (tx, rx, ep_attr) = unsafe { (&*i.tx_attr, &*i.rx_attr, &*i.ep_attr) };
+    Capabilities {
+        name: format!("fabric/{provider}/{domain_name}"),
+        max_inline: tx.inject_size,
+        max_message: (ep_attr.max_msg_size as u64).min(1 << 30),
+        native_write_imm: true,
+        imm_consumes_recv: (i.mode | rx.mode) & FI_RX_CQ_DATA != 0,
+        max_send_wr: tx.size.min(4096) as u32,
+        max_recv_wr: rx.size.min(4096) as u32,
+        max_sge: tx.iov_limit.clamp(1, 4) as u32,
+        max_read_depth: if provider == "verbs" {
+            16
+        } else {
+            (tx.size / 2).clamp(1, 64) as u32
+        },
+        max_private_data: 56,
+        // The tcp provider's shared receive contexts are not used: each endpoint posts its own receives.
+        max_shared_recv: 0,
+        // Software providers (tcp, sockets, net) copy through the kernel either way, and a read is a
+        // request and a reply, so immediate data beats advert + read at every size it can carry (`exs pump
+        // --mode immediate` against `--mode normal`; bench/README.md keeps the comparison). 4 KiB bounds each
+        // connection's receive slots (16 credits of immediate-sized buffers). A hardware provider (verbs)
+        // keeps the 512-byte default of the verbs backend.
+        immediate_default: if provider == "verbs" { 512 } else { 4096 },
+        keys_after_connect: false,
+    }
+}
+
+/// The context's event queue, with a file descriptor to wait on.
+fn open_eq(fab: &Fabric) -> Result<*mut fid_eq, TransportError> {
+    let mut attr = fi_eq_attr {
+        size: 1024,
+        wait_obj: fi_wait_obj_FI_WAIT_FD,
+        ..Default::default()
+    };
+    let mut eq = ptr::null_mut();
+    // SAFETY: open fabric; attr lives across the call.
+    check("fi_eq_open", unsafe {
+        exs_fi_eq_open(fab.fabric, &mut attr, &mut eq, ptr::null_mut())
+    })?;
+    Ok(eq)
 }

@@ -4,7 +4,7 @@
 
 use std::ffi::c_void;
 
-use exs_transport::{EndpointId, Op, PostError, TransportError, WorkRequest};
+use exs_transport::{EndpointId, Op, PostError, RemoteRef, Sge, TransportError, WorkRequest};
 
 use crate::connection::EpState;
 use crate::device::err;
@@ -37,15 +37,7 @@ impl FabricTransport {
                     ctx,
                 ),
                 Op::Send { sges, imm: None } => {
-                    let iov: Vec<iovec> = sges
-                        .iter()
-                        .map(|s| iovec {
-                            iov_base: s.addr() as *mut c_void,
-                            iov_len: s.len(),
-                        })
-                        .collect();
-                    let mut desc: Vec<*mut c_void> =
-                        sges.iter().map(|s| s.local_key() as *mut c_void).collect();
+                    let (iov, mut desc) = gather_list(sges);
                     exs_fi_sendv(ep, iov.as_ptr(), desc.as_mut_ptr(), iov.len(), ctx)
                 }
                 Op::Send {
@@ -82,43 +74,7 @@ impl FabricTransport {
                         ctx,
                     )
                 }
-                Op::Write { local, remote, imm } => {
-                    // Gathered write: one fi_writemsg with an iovec per entry and one remote range. A plain write
-                    // (into a persistent receive) completes only once the bytes are at the peer, as an RC write
-                    // does on verbs: the sender's completion is the only signal the peer gets
-                    // (FI_DELIVERY_COMPLETE; found when faster progress let the sender's event overtake them).
-                    let iov: Vec<iovec> = local
-                        .iter()
-                        .map(|s| iovec {
-                            iov_base: s.addr() as *mut c_void,
-                            iov_len: s.len(),
-                        })
-                        .collect();
-                    let mut desc: Vec<*mut c_void> =
-                        local.iter().map(|s| s.local_key() as *mut c_void).collect();
-                    let len: usize = local.iter().map(|s| s.len()).sum();
-                    let rma = fi_rma_iov {
-                        addr: remote.addr,
-                        len,
-                        key: remote.key,
-                    };
-                    let msg = fi_msg_rma {
-                        msg_iov: iov.as_ptr(),
-                        desc: desc.as_mut_ptr(),
-                        iov_count: iov.len(),
-                        addr: 0,
-                        rma_iov: &rma,
-                        rma_iov_count: 1,
-                        context: ctx,
-                        data: imm.map_or(0, u64::from),
-                    };
-                    let flags = if imm.is_some() {
-                        FI_REMOTE_CQ_DATA as u64
-                    } else {
-                        FI_DELIVERY_COMPLETE as u64
-                    };
-                    exs_fi_writemsg(ep, &msg, flags)
-                }
+                Op::Write { local, remote, imm } => write_gathered(ep, ctx, local, *remote, *imm),
                 Op::Read { local, remote } => exs_fi_read(
                     ep,
                     local.addr() as *mut c_void,
@@ -187,4 +143,58 @@ impl FabricTransport {
             });
         }
     }
+}
+
+/// The iovecs and descriptors of a gather list, in order.
+fn gather_list(sges: &[Sge]) -> (Vec<iovec>, Vec<*mut c_void>) {
+    let iov = sges
+        .iter()
+        .map(|s| iovec {
+            iov_base: s.addr() as *mut c_void,
+            iov_len: s.len(),
+        })
+        .collect();
+    let desc = sges.iter().map(|s| s.local_key() as *mut c_void).collect();
+    (iov, desc)
+}
+
+/// Gathered write: one fi_writemsg with an iovec per entry and one remote range. A plain write (into a persistent
+/// receive) completes only once the bytes are at the peer, as an RC write does on verbs: the sender's completion is
+/// the only signal the peer gets (FI_DELIVERY_COMPLETE; found when faster progress let the sender's event overtake
+/// them).
+///
+/// # Safety
+/// As [`FabricTransport::post_record`]: `ep` is an enabled endpoint, `ctx` a live record that owns `local`, whose
+/// entries are leased ranges with the keys of live registrations.
+unsafe fn write_gathered(
+    ep: *mut fid_ep,
+    ctx: *mut c_void,
+    local: &[Sge],
+    remote: RemoteRef,
+    imm: Option<u32>,
+) -> isize {
+    let (iov, mut desc) = gather_list(local);
+    let len: usize = local.iter().map(|s| s.len()).sum();
+    let rma = fi_rma_iov {
+        addr: remote.addr,
+        len,
+        key: remote.key,
+    };
+    let msg = fi_msg_rma {
+        msg_iov: iov.as_ptr(),
+        desc: desc.as_mut_ptr(),
+        iov_count: iov.len(),
+        addr: 0,
+        rma_iov: &rma,
+        rma_iov_count: 1,
+        context: ctx,
+        data: imm.map_or(0, u64::from),
+    };
+    let flags = if imm.is_some() {
+        FI_REMOTE_CQ_DATA as u64
+    } else {
+        FI_DELIVERY_COMPLETE as u64
+    };
+    // SAFETY: the caller's contract; `iov`, `desc`, `rma` and `msg` live across the call.
+    unsafe { exs_fi_writemsg(ep, &msg, flags) }
 }

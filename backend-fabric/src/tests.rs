@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use exs_transport::{CmEvent, ConnectFailure, EndpointId, Transport};
+use exs_transport::{CmEvent, ConnectFailure, EndpointId, ListenerId, Transport};
 
 use crate::{FabricConfig, FabricTransport};
 
@@ -40,63 +40,10 @@ fn a_listener_closed_with_requests_waiting_refuses_them_and_leaks_no_socket() {
                 .connect(EndpointId(i), addr, b"request", Vec::new())
                 .expect("connect");
         }
-        // The server hands out some of the requests; more are published in its event queue by the reads that
-        // returned those (a read makes progress on every connection, and returns one event).
         let deadline = Instant::now() + Duration::from_secs(20);
-        let mut handed = 0;
-        while handed < N / 2 {
-            assert!(
-                Instant::now() < deadline,
-                "round {round}: only {handed} requests arrived"
-            );
-            while client.poll_cm().is_some() {}
-            match server.poll_cm() {
-                Some(CmEvent::ConnectRequest { listener, .. }) => {
-                    assert_eq!(listener, l);
-                    handed += 1;
-                }
-                Some(other) => panic!("round {round}: server event {other:?}"),
-                None => std::thread::sleep(Duration::from_millis(1)),
-            }
-        }
+        hand_out_requests(&mut server, &mut client, l, N / 2, round, deadline);
         server.close_listener(l);
-        // Every connect ends refused: the requests handed out, those waiting in the queue, and those the
-        // listener had not read yet (closing its socket resets them).
-        let mut ended = std::collections::HashSet::new();
-        while ended.len() < N as usize {
-            assert!(
-                Instant::now() < deadline,
-                "round {round}: {} of {N} connects never ended (their requests were neither accepted nor \
-                 refused)",
-                N as usize - ended.len()
-            );
-            match server.poll_cm() {
-                None => {}
-                Some(CmEvent::ConnectRequest { .. }) => {
-                    panic!("round {round}: a request of a closed listener reached the engine")
-                }
-                Some(other) => panic!("round {round}: server event {other:?}"),
-            }
-            match client.poll_cm() {
-                Some(CmEvent::ConnectFailed { ep, reason }) => {
-                    assert!(
-                        matches!(
-                            reason,
-                            ConnectFailure::Refused(_) | ConnectFailure::Other(_)
-                        ),
-                        "{reason:?}"
-                    );
-                    assert!(ended.insert(ep), "{ep:?} ended twice");
-                    client.release(ep);
-                }
-                Some(CmEvent::Disconnected { ep }) => {
-                    assert!(ended.insert(ep), "{ep:?} ended twice");
-                    client.release(ep);
-                }
-                Some(other) => panic!("round {round}: client event {other:?}"),
-                None => std::thread::sleep(Duration::from_millis(1)),
-            }
-        }
+        every_connect_ends_refused(&mut server, &mut client, N, round, deadline);
     }
     // Sockets close as their requests are refused; give the provider a moment to finish.
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -111,6 +58,81 @@ fn a_listener_closed_with_requests_waiting_refuses_them_and_leaks_no_socket() {
         "descriptors left after {} refused connects",
         3 * N
     );
+}
+
+/// The server hands out `n` connection requests of listener `l`; more are published in its event queue by the
+/// reads that returned those (a read makes progress on every connection, and returns one event).
+fn hand_out_requests(
+    server: &mut FabricTransport,
+    client: &mut FabricTransport,
+    l: ListenerId,
+    n: u32,
+    round: u32,
+    deadline: Instant,
+) {
+    let mut handed = 0;
+    while handed < n {
+        assert!(
+            Instant::now() < deadline,
+            "round {round}: only {handed} requests arrived"
+        );
+        while client.poll_cm().is_some() {}
+        match server.poll_cm() {
+            Some(CmEvent::ConnectRequest { listener, .. }) => {
+                assert_eq!(listener, l);
+                handed += 1;
+            }
+            Some(other) => panic!("round {round}: server event {other:?}"),
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+}
+
+/// After the listener closed, every one of the client's `n` connects ends refused, once: the requests handed out,
+/// those waiting in the queue, and those the listener had not read yet (closing its socket resets them). None of
+/// them reaches the server's engine.
+fn every_connect_ends_refused(
+    server: &mut FabricTransport,
+    client: &mut FabricTransport,
+    n: u32,
+    round: u32,
+    deadline: Instant,
+) {
+    let mut ended = std::collections::HashSet::new();
+    while ended.len() < n as usize {
+        assert!(
+            Instant::now() < deadline,
+            "round {round}: {} of {n} connects never ended (their requests were neither accepted nor \
+             refused)",
+            n as usize - ended.len()
+        );
+        match server.poll_cm() {
+            None => {}
+            Some(CmEvent::ConnectRequest { .. }) => {
+                panic!("round {round}: a request of a closed listener reached the engine")
+            }
+            Some(other) => panic!("round {round}: server event {other:?}"),
+        }
+        match client.poll_cm() {
+            Some(CmEvent::ConnectFailed { ep, reason }) => {
+                assert!(
+                    matches!(
+                        reason,
+                        ConnectFailure::Refused(_) | ConnectFailure::Other(_)
+                    ),
+                    "{reason:?}"
+                );
+                assert!(ended.insert(ep), "{ep:?} ended twice");
+                client.release(ep);
+            }
+            Some(CmEvent::Disconnected { ep }) => {
+                assert!(ended.insert(ep), "{ep:?} ended twice");
+                client.release(ep);
+            }
+            Some(other) => panic!("round {round}: client event {other:?}"),
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
 }
 
 /// A provider or domain name with a NUL byte is refused as invalid (not as a missing provider), on the error path
@@ -196,11 +218,46 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
     let cfg = FabricConfig::default();
     let mut server = FabricTransport::open(&cfg).expect("open tcp");
     let mut client = FabricTransport::open(&cfg).expect("open tcp");
+    connect_pairs(&mut server, &mut client, IDLE + 1);
+    // Idle now: polls retire the quiet queues (arming them, so their next completion signals).
+    let mut out = Vec::new();
+    for _ in 0..2 * crate::ready::QUIET {
+        client.poll(&mut out, 64);
+        server.poll(&mut out, 64);
+    }
+    let _ = (client.arm(), server.arm());
+    assert!(
+        client.hot_queues() <= 1 && server.hot_queues() <= 1,
+        "queues still read in every poll after idling: client {}, server {}",
+        client.hot_queues(),
+        server.hot_queues()
+    );
+    // The first connection each side accepted/connected is the busy one (the server numbers in accept order).
+    let (c0, s0) = (client.ready_stats(), server.ready_stats());
+    ping_pong(&mut server, &mut client, EndpointId(1), 200);
+    for (side, t, s0) in [("client", &client, c0), ("server", &server, s0)] {
+        let s = t.ready_stats();
+        let (reads, polls) = (s.cq_reads - s0.cq_reads, s.polls - s0.polls);
+        eprintln!(
+            "{side}: {polls} polls, {reads} queue reads, {} consults",
+            s.consults - s0.consults
+        );
+        // The busy queue once per poll, plus what a consultation of the epoll set finds (every 16th poll).
+        assert!(
+            reads <= polls + polls / 8 + 4,
+            "{side}: {reads} queue reads in {polls} polls beside {IDLE} idle connections"
+        );
+    }
+}
+
+/// Connects `n` endpoints of `client` (1..=n) to a listener of `server`, which accepts them in order (numbering
+/// its own 1..=n), each side with four receives posted; returns when every end is up.
+fn connect_pairs(server: &mut FabricTransport, client: &mut FabricTransport, n: u32) {
     let (_l, addr) = server
         .listen("127.0.0.1:0".parse().expect("address"), 1024)
         .expect("listen");
-    for i in 1..=IDLE + 1 {
-        let recvs = (0..4).map(|k| recv_wr(&mut client, k)).collect();
+    for i in 1..=n {
+        let recvs = (0..4).map(|k| recv_wr(client, k)).collect();
         client
             .connect(EndpointId(i), addr, b"x", recvs)
             .expect("connect");
@@ -208,13 +265,13 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
     let (mut up, mut accepted) = (0, 0);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut out = Vec::new();
-    while up < 2 * (IDLE + 1) {
+    while up < 2 * n {
         assert!(Instant::now() < deadline, "{up} connection ends up");
         while let Some(ev) = server.poll_cm() {
             match ev {
                 CmEvent::ConnectRequest { request, .. } => {
                     accepted += 1;
-                    let recvs = (0..4).map(|k| recv_wr(&mut server, k)).collect();
+                    let recvs = (0..4).map(|k| recv_wr(server, k)).collect();
                     server
                         .accept(request, EndpointId(accepted), b"y", recvs)
                         .expect("accept");
@@ -232,46 +289,26 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
         client.poll(&mut out, 64);
         server.poll(&mut out, 64);
     }
-    // Idle now: polls retire the quiet queues (arming them, so their next completion signals).
-    for _ in 0..2 * crate::ready::QUIET {
-        client.poll(&mut out, 64);
-        server.poll(&mut out, 64);
-    }
-    let _ = (client.arm(), server.arm());
-    assert!(
-        client.hot_queues() <= 1 && server.hot_queues() <= 1,
-        "queues still read in every poll after idling: client {}, server {}",
-        client.hot_queues(),
-        server.hot_queues()
-    );
-    // The first connection each side accepted/connected is the busy one (the server numbers in accept order).
-    let (c_ep, s_ep) = (EndpointId(1), EndpointId(1));
-    let (c0, s0) = (client.ready_stats(), server.ready_stats());
-    const PINGS: u64 = 200;
-    for i in 0..PINGS {
-        let wr = recv_wr(&mut server, 100 + i);
-        server.post(s_ep, wr).expect("repost");
-        let wr = send_wr(&mut client, 1000 + i);
-        client.post(c_ep, wr).expect("ping");
-        await_recv(&mut server, s_ep);
-        let wr = recv_wr(&mut client, 100 + i);
-        client.post(c_ep, wr).expect("repost");
-        let wr = send_wr(&mut server, 1000 + i);
-        server.post(s_ep, wr).expect("pong");
-        await_recv(&mut client, c_ep);
-    }
-    for (side, t, s0) in [("client", &client, c0), ("server", &server, s0)] {
-        let s = t.ready_stats();
-        let (reads, polls) = (s.cq_reads - s0.cq_reads, s.polls - s0.polls);
-        eprintln!(
-            "{side}: {polls} polls, {reads} queue reads, {} consults",
-            s.consults - s0.consults
-        );
-        // The busy queue once per poll, plus what a consultation of the epoll set finds (every 16th poll).
-        assert!(
-            reads <= polls + polls / 8 + 4,
-            "{side}: {reads} queue reads in {polls} polls beside {IDLE} idle connections"
-        );
+}
+
+/// `pings` round trips on endpoint `ep` of both sides: each side reposts a receive before the other sends to it.
+fn ping_pong(
+    server: &mut FabricTransport,
+    client: &mut FabricTransport,
+    ep: EndpointId,
+    pings: u64,
+) {
+    for i in 0..pings {
+        let wr = recv_wr(server, 100 + i);
+        server.post(ep, wr).expect("repost");
+        let wr = send_wr(client, 1000 + i);
+        client.post(ep, wr).expect("ping");
+        await_recv(server, ep);
+        let wr = recv_wr(client, 100 + i);
+        client.post(ep, wr).expect("repost");
+        let wr = send_wr(server, 1000 + i);
+        server.post(ep, wr).expect("pong");
+        await_recv(client, ep);
     }
 }
 

@@ -275,6 +275,41 @@ fn capabilities(s: &VerbsSettings) -> Capabilities {
     }
 }
 
+/// The rdma_cm event channel; with no RDMA at all, an error that lists the devices that exist (none).
+fn event_channel(cfg: &VerbsConfig) -> Result<*mut rdma_event_channel, TransportError> {
+    // SAFETY: creating an event channel has no preconditions; null means failure (errno set).
+    let ch = unsafe { rdma_create_event_channel() };
+    if ch.is_null() {
+        return Err(TransportError::NotFound {
+            wanted: format!(
+                "an RDMA device for {} (rdma_create_event_channel: {})",
+                cfg.addr,
+                std::io::Error::last_os_error()
+            ),
+            available: device_names(),
+        });
+    }
+    Ok(ch)
+}
+
+/// The device's limits, probed on a small completion queue of its own: the probe queue pairs need one, and the
+/// settings say how large the real one is.
+fn probe_limits(
+    ctx: *mut ibv_context,
+    pd: *mut ibv_pd,
+    iwarp: bool,
+) -> Result<DeviceLimits, TransportError> {
+    // SAFETY: open context; no completion channel.
+    let probe_cq = unsafe { ibv_create_cq(ctx, 4, ptr::null_mut(), ptr::null_mut(), 0) };
+    if probe_cq.is_null() {
+        return Err(os_err("ibv_create_cq"));
+    }
+    let limits = device_limits(ctx, pd, probe_cq, iwarp);
+    // SAFETY: the probe queue pairs on it are destroyed.
+    unsafe { ibv_destroy_cq(probe_cq) };
+    limits
+}
+
 impl VerbsTransport {
     /// Opens the device carrying `cfg.addr`, with `cfg` completed from the environment ([`VerbsConfig::with_env`]).
     /// With no RDMA at all, the error lists the devices that exist (none).
@@ -282,21 +317,10 @@ impl VerbsTransport {
         fork_safe();
         let cfg = cfg.with_env()?;
         let mut o = Opening {
-            // SAFETY: creating an event channel has no preconditions; null means failure (errno set).
-            ch: unsafe { rdma_create_event_channel() },
+            ch: event_channel(&cfg)?,
             comp: ptr::null_mut(),
             cq: ptr::null_mut(),
         };
-        if o.ch.is_null() {
-            return Err(TransportError::NotFound {
-                wanted: format!(
-                    "an RDMA device for {} (rdma_create_event_channel: {})",
-                    cfg.addr,
-                    std::io::Error::last_os_error()
-                ),
-                available: device_names(),
-            });
-        }
         let (ctx, name, iwarp) = resolve_device(o.ch, &cfg)?;
         // SAFETY: open context.
         let pd = unsafe { ibv_alloc_pd(ctx) };
@@ -310,16 +334,8 @@ impl VerbsTransport {
         if o.comp.is_null() {
             return Err(os_err("ibv_create_comp_channel"));
         }
-        // A small CQ first: the probe queue pairs need one, and the settings say how large the real one is.
-        // SAFETY: open context and completion channel.
-        let probe_cq = unsafe { ibv_create_cq(ctx, 4, ptr::null_mut(), ptr::null_mut(), 0) };
-        if probe_cq.is_null() {
-            return Err(os_err("ibv_create_cq"));
-        }
-        let limits = device_limits(ctx, pd.0, probe_cq, iwarp);
-        // SAFETY: the probe queue pairs on it are destroyed.
-        unsafe { ibv_destroy_cq(probe_cq) };
-        let settings = VerbsSettings::decide(&name, limits?, &cfg)?;
+        let limits = probe_limits(ctx, pd.0, iwarp)?;
+        let settings = VerbsSettings::decide(&name, limits, &cfg)?;
         // SAFETY: open context and completion channel.
         o.cq = unsafe { ibv_create_cq(ctx, settings.cq_depth as i32, ptr::null_mut(), o.comp, 0) };
         if o.cq.is_null() {

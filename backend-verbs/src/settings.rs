@@ -208,55 +208,15 @@ impl VerbsSettings {
         cfg: &crate::VerbsConfig,
     ) -> Result<VerbsSettings, TransportError> {
         let l = &cfg.limits;
-        let memory_windows = match cfg.memory_windows {
-            None => dev.windows && !dev.iwarp,
-            Some(false) => false,
-            Some(true) if dev.windows && !dev.iwarp => true,
-            Some(true) => {
-                return Err(TransportError::Unsupported(format!(
-                    "{name} has no type 2 memory windows"
-                )))
-            }
-        };
-        let positive = |what: &str, v: Option<u32>| match v {
-            Some(0) => Err(TransportError::Invalid(format!(
-                "{what} must be at least 1"
-            ))),
-            _ => Ok(v),
-        };
-        // A control message with immediate data gathers its header and the application's bytes (no copy).
-        if l.sge.is_some_and(|n| n < MIN_SGE) {
-            return Err(TransportError::Invalid(format!(
-                "EXS_VERBS_SGE/limits.sge must be at least {MIN_SGE}: a message gathers a header and its data"
-            )));
-        }
-        if dev.max_sge < MIN_SGE {
-            return Err(TransportError::Unsupported(format!(
-                "{name} gathers {} scatter/gather entries per send; exs needs {MIN_SGE}",
-                dev.max_sge
-            )));
-        }
+        let memory_windows = memory_windows(name, &dev, cfg.memory_windows)?;
+        check_sge(name, l.sge, dev.max_sge)?;
+        let (send_depth, recv_depth, cq_depth) = queue_depths(l, &dev)?;
         Ok(VerbsSettings {
             device: name.to_string(),
             inline: within("inline size", l.inline, DEFAULT_INLINE, dev.max_inline),
-            send_depth: within(
-                "send-queue depth",
-                positive("the send-queue depth", l.send_depth)?,
-                DEFAULT_SEND_DEPTH,
-                dev.max_qp_wr,
-            ),
-            recv_depth: within(
-                "receive-queue depth",
-                positive("the receive-queue depth", l.recv_depth)?,
-                DEFAULT_RECV_DEPTH,
-                dev.max_qp_wr,
-            ),
-            cq_depth: within(
-                "completion-queue depth",
-                positive("the completion-queue depth", l.cq_depth)?,
-                DEFAULT_CQ_DEPTH,
-                dev.max_cqe,
-            ),
+            send_depth,
+            recv_depth,
+            cq_depth,
             srq_depth: within(
                 "shared receive queue depth",
                 l.srq_depth,
@@ -292,6 +252,73 @@ impl VerbsSettings {
     /// write-with-immediate, the bind of a window it exposes.
     pub fn sq_share(&self) -> u32 {
         1 + u32::from(self.emulated_imm) + u32::from(self.memory_windows)
+    }
+}
+
+/// Whether exposures are memory windows: by default where the device has type 2 windows and is not iWARP; asked
+/// for on a device without them, an error.
+fn memory_windows(
+    name: &str,
+    dev: &DeviceLimits,
+    want: Option<bool>,
+) -> Result<bool, TransportError> {
+    match want {
+        None => Ok(dev.windows && !dev.iwarp),
+        Some(false) => Ok(false),
+        Some(true) if dev.windows && !dev.iwarp => Ok(true),
+        Some(true) => Err(TransportError::Unsupported(format!(
+            "{name} has no type 2 memory windows"
+        ))),
+    }
+}
+
+/// A control message with immediate data gathers its header and the application's bytes (no copy): both the
+/// setting and the device must allow [`MIN_SGE`] entries.
+fn check_sge(name: &str, want: Option<u32>, device: u32) -> Result<(), TransportError> {
+    if want.is_some_and(|n| n < MIN_SGE) {
+        return Err(TransportError::Invalid(format!(
+            "EXS_VERBS_SGE/limits.sge must be at least {MIN_SGE}: a message gathers a header and its data"
+        )));
+    }
+    if device < MIN_SGE {
+        return Err(TransportError::Unsupported(format!(
+            "{name} gathers {device} scatter/gather entries per send; exs needs {MIN_SGE}"
+        )));
+    }
+    Ok(())
+}
+
+/// Send-, receive- and completion-queue depths.
+fn queue_depths(l: &VerbsLimits, dev: &DeviceLimits) -> Result<(u32, u32, u32), TransportError> {
+    Ok((
+        within(
+            "send-queue depth",
+            positive("the send-queue depth", l.send_depth)?,
+            DEFAULT_SEND_DEPTH,
+            dev.max_qp_wr,
+        ),
+        within(
+            "receive-queue depth",
+            positive("the receive-queue depth", l.recv_depth)?,
+            DEFAULT_RECV_DEPTH,
+            dev.max_qp_wr,
+        ),
+        within(
+            "completion-queue depth",
+            positive("the completion-queue depth", l.cq_depth)?,
+            DEFAULT_CQ_DEPTH,
+            dev.max_cqe,
+        ),
+    ))
+}
+
+/// A count set to 0 is refused: a queue or a gather list of nothing cannot work.
+fn positive(what: &str, v: Option<u32>) -> Result<Option<u32>, TransportError> {
+    match v {
+        Some(0) => Err(TransportError::Invalid(format!(
+            "{what} must be at least 1"
+        ))),
+        _ => Ok(v),
     }
 }
 

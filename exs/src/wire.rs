@@ -23,6 +23,13 @@
 
 use std::fmt;
 
+mod decode;
+
+use decode::Reader;
+// Named only by the tools and tests of feature `testing` (the engine reads frames through `decode_framed`).
+#[cfg_attr(not(feature = "testing"), allow(unused_imports))]
+pub use decode::{frames, Framed, Frames};
+
 /// Protocol version spoken by this implementation.
 pub const VERSION: u8 = 1;
 /// Length of the control-message header.
@@ -412,229 +419,6 @@ impl Message {
         self.encode(&mut v);
         v
     }
-
-    /// Decodes a control message received as `bytes` (header, body and any immediate data), alone in its
-    /// buffer. Returns the message and the offset at which immediate data starts.
-    pub fn decode(bytes: &[u8]) -> Result<(Message, usize), WireError> {
-        let f = Self::decode_framed(bytes)?;
-        if f.more {
-            return Err(WireError::Invalid {
-                field: "more flag of a message alone in its buffer",
-                value: 1,
-            });
-        }
-        Ok((f.msg, f.inline_at))
-    }
-
-    /// Decodes the first control message of a buffer that may hold several ([`FLAG_MORE`]): the next one starts
-    /// at [`Framed::end`]. A message without the flag must end the buffer exactly; one with it must be followed
-    /// by at least a header.
-    pub fn decode_framed(bytes: &[u8]) -> Result<Framed, WireError> {
-        let mut r = Reader { buf: bytes, at: 0 };
-        let version = r.u8()?;
-        if version != VERSION {
-            return Err(WireError::Version(version));
-        }
-        let kind = Kind::from_u8(r.u8()?)?;
-        let flags = r.u16()?;
-        if flags & !KNOWN_FLAGS != 0 {
-            return Err(WireError::Reserved("header flags"));
-        }
-        let credits = r.u16()?;
-        let body_len = r.u16()? as usize;
-        let ack = r.u32()?;
-        if r.u32()? != 0 {
-            return Err(WireError::Reserved("header reserved word"));
-        }
-        if flags & FLAG_ACK == 0 && ack != 0 {
-            return Err(WireError::Reserved("ack field without the ack flag"));
-        }
-        let ack = (flags & FLAG_ACK != 0).then_some(ack);
-        if ack.is_none() && kind == Kind::Ack {
-            return Err(WireError::Invalid {
-                field: "ack flag of ACK",
-                value: 0,
-            });
-        }
-        let body = match kind {
-            Kind::Advert => {
-                let seq = r.u32()?;
-                let flags = AdvertFlags(r.u32()?);
-                if flags.0 & !AdvertFlags::KNOWN != 0 {
-                    return Err(WireError::Reserved("advert flags"));
-                }
-                let (len, addr, rkey) = (r.u64()?, r.u64()?, r.u64()?);
-                Body::Advert(Advert {
-                    seq,
-                    flags,
-                    len,
-                    addr,
-                    rkey,
-                })
-            }
-            Kind::Ack => Body::Ack,
-            Kind::Credit => Body::Credit,
-            Kind::StreamRingWanted => Body::StreamRingWanted,
-            Kind::Close => {
-                let reason = match r.u32()? {
-                    1 => CloseReason::Close,
-                    2 => CloseReason::ShutdownWrite,
-                    3 => CloseReason::Violation,
-                    4 => CloseReason::StopReceiving,
-                    other => {
-                        return Err(WireError::Invalid {
-                            field: "close reason",
-                            value: other.into(),
-                        })
-                    }
-                };
-                if r.u32()? != 0 {
-                    return Err(WireError::Reserved("close padding"));
-                }
-                Body::Close(reason)
-            }
-            Kind::StreamAdvert => {
-                let (addr, rkey, len, seq) = (r.u64()?, r.u64()?, r.u64()?, r.u64()?);
-                let phase = r.u32()?;
-                let waitall = match r.u32()? {
-                    0 => false,
-                    1 => true,
-                    other => {
-                        return Err(WireError::Invalid {
-                            field: "stream advert flags",
-                            value: other.into(),
-                        })
-                    }
-                };
-                let consumed = r.u64()?;
-                Body::StreamAdvert(StreamAdvert {
-                    addr,
-                    rkey,
-                    len,
-                    seq,
-                    phase,
-                    waitall,
-                    consumed,
-                })
-            }
-            Kind::StreamWindow => Body::StreamWindow { consumed: r.u64()? },
-            Kind::ReadNotify => {
-                let seq = r.u32()?;
-                if r.u32()? != 0 {
-                    return Err(WireError::Reserved("read-notify padding"));
-                }
-                Body::ReadNotify { seq }
-            }
-            Kind::OffsetWritten => Body::OffsetWritten(OffsetWritten {
-                offset: r.u64()?,
-                len: r.u64()?,
-            }),
-            Kind::PersistentEnd => {
-                let seq = r.u32()?;
-                let echo = match r.u32()? {
-                    0 => false,
-                    1 => true,
-                    other => {
-                        return Err(WireError::Invalid {
-                            field: "persistent-end flags",
-                            value: other.into(),
-                        })
-                    }
-                };
-                Body::PersistentEnd { seq, echo }
-            }
-            Kind::StreamRing => {
-                let addr = r.u64()?;
-                let rkey = r.u64()?;
-                if rkey == 0 && addr == 0 {
-                    return Err(WireError::Invalid {
-                        field: "stream ring key",
-                        value: 0,
-                    });
-                }
-                Body::StreamRing { addr, rkey }
-            }
-        };
-        if body_len != body.body_len() {
-            return Err(WireError::Invalid {
-                field: "body_len",
-                value: body_len as u64,
-            });
-        }
-        let msg = Message { credits, ack, body };
-        let more = flags & FLAG_MORE != 0;
-        // An immediate advert's length comes from the peer: it may be anything up to u64::MAX (found by fuzzing).
-        let expected = (HEADER_LEN as u64 + body_len as u64).saturating_add(msg.inline_len_u64());
-        let got = bytes.len() as u64;
-        if more && got < expected.saturating_add(HEADER_LEN as u64) {
-            return Err(WireError::TooShort {
-                need: usize::try_from(expected.saturating_add(HEADER_LEN as u64))
-                    .unwrap_or(usize::MAX),
-                got: bytes.len(),
-            });
-        }
-        if !more && got != expected {
-            return Err(WireError::LengthMismatch {
-                expected: usize::try_from(expected).unwrap_or(usize::MAX),
-                got: bytes.len(),
-            });
-        }
-        Ok(Framed {
-            msg,
-            inline_at: r.at,
-            // Within `bytes` (checked above), so it fits a usize.
-            end: expected as usize,
-            more,
-        })
-    }
-
-    fn inline_len_u64(&self) -> u64 {
-        match self.body {
-            Body::Advert(a) if a.flags.has(AdvertFlags::IMMEDIATE) => a.len,
-            _ => 0,
-        }
-    }
-}
-
-/// One control message at the start of a buffer that may hold several (see [`Message::decode_framed`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Framed {
-    /// The message.
-    pub msg: Message,
-    /// Offset of its immediate data (right after header and body).
-    pub inline_at: usize,
-    /// Offset just past its immediate data: where the next message starts when `more`.
-    pub end: usize,
-    /// Another message follows ([`FLAG_MORE`]).
-    pub more: bool,
-}
-
-/// The messages of a buffer that may hold several, in order, each with its offset in `bytes` (the offsets in its
-/// [`Framed`] count from there). Ends after the message without [`FLAG_MORE`], or after the first error.
-pub fn frames(bytes: &[u8]) -> Frames<'_> {
-    Frames { bytes, at: Some(0) }
-}
-
-/// See [`frames`].
-#[derive(Clone, Debug)]
-pub struct Frames<'a> {
-    bytes: &'a [u8],
-    /// Where the next message starts; `None` once the buffer is done.
-    at: Option<usize>,
-}
-
-impl Iterator for Frames<'_> {
-    type Item = Result<(usize, Framed), WireError>;
-
-    fn next(&mut self) -> Option<Self::Item> {
-        let at = self.at.take()?;
-        let r = Message::decode_framed(&self.bytes[at..]);
-        if let Ok(f) = &r {
-            // Within the buffer: `decode_framed` checked that `end` bytes and a header follow `at`.
-            self.at = f.more.then_some(at + f.end);
-        }
-        Some(r.map(|f| (at, f)))
-    }
 }
 
 /// Socket type carried in the handshake.
@@ -698,7 +482,7 @@ impl Handshake {
 
     /// Decodes private data. Trailing bytes are allowed (transports may pad private data with zeros).
     pub fn decode(bytes: &[u8]) -> Result<Handshake, WireError> {
-        let mut r = Reader { buf: bytes, at: 0 };
+        let mut r = Reader::new(bytes);
         let magic = r.u32()?;
         if magic != HANDSHAKE_MAGIC {
             return Err(WireError::BadMagic(magic));
@@ -813,37 +597,6 @@ impl Writer<'_> {
     }
     fn u64(&mut self, v: u64) {
         self.put(&v.to_le_bytes());
-    }
-}
-
-struct Reader<'a> {
-    buf: &'a [u8],
-    at: usize,
-}
-
-impl Reader<'_> {
-    fn take<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
-        let end = self.at + N;
-        let got = self.buf.get(self.at..end).ok_or(WireError::TooShort {
-            need: end,
-            got: self.buf.len(),
-        })?;
-        self.at = end;
-        let mut out = [0u8; N];
-        out.copy_from_slice(got);
-        Ok(out)
-    }
-    fn u8(&mut self) -> Result<u8, WireError> {
-        Ok(self.take::<1>()?[0])
-    }
-    fn u16(&mut self) -> Result<u16, WireError> {
-        Ok(u16::from_le_bytes(self.take()?))
-    }
-    fn u32(&mut self) -> Result<u32, WireError> {
-        Ok(u32::from_le_bytes(self.take()?))
-    }
-    fn u64(&mut self) -> Result<u64, WireError> {
-        Ok(u64::from_le_bytes(self.take()?))
     }
 }
 

@@ -9,6 +9,7 @@
 //!   connection either stays usable or goes down with an error (a violation, a reset, or the peer's close), memory
 //!   outside what exs exposed is never touched, and the context keeps serving a new, well-behaved connection.
 
+use std::net::SocketAddr;
 use std::time::Duration;
 
 use crate::event::EventQueue;
@@ -21,7 +22,7 @@ use crate::wire::{
     Advert, AdvertFlags, Body, CloseReason, Handshake, Imm, Message, OffsetWritten, StreamAdvert,
     WireSockType,
 };
-use crate::{ContextOptions, OpError};
+use crate::{Context, ContextOptions, OpError};
 
 /// Reads fields off the fuzz input; past the end it yields zeros.
 struct Input<'a> {
@@ -167,68 +168,119 @@ pub struct PeerOutcome {
 /// See the module documentation.
 pub fn peer(data: &[u8]) -> PeerOutcome {
     let mut inp = Input { data, at: 0 };
-    let ty = if inp.u8() & 1 == 0 {
-        SockType::SeqPacket
-    } else {
-        SockType::Stream
-    };
-    let world = World::new(SimConfig {
-        seed: u64::from(inp.u16()),
-        ..SimConfig::default()
-    });
-    let victim = world.host_with(ContextOptions {
-        keepalive: None,
-        ..ContextOptions::default()
-    });
-    let eq = EventQueue::new(1024);
-    let listener = Socket::new(&victim, ty).expect("socket");
-    listener.bind(world.addr(0, 7000)).expect("bind");
-    let addr = listener.listen(8).expect("listen");
-    let canary_bytes: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
-    let canary = MemoryRegion::from_vec(&victim, canary_bytes.clone()).expect("canary");
-    listener.accept(&eq, 1).expect("accept");
-    let mut hs = handshake(match ty {
-        SockType::SeqPacket => WireSockType::SeqPacket,
-        SockType::Stream => WireSockType::Stream,
-    });
-    hs.stream_len = 4096;
-    hs.stream_addr = 0x10_000;
-    hs.stream_rkey = 1;
-    if inp.u8() % 4 == 0 {
-        // Every handshake field varies (issue 15): a hostile handshake is refused cleanly or the connection works.
-        hs.ctrl_window = inp.u16();
-        hs.slot_size = inp.u16();
-        hs.send_credits = inp.u16();
-        hs.recv_credits = inp.u16();
-        hs.small_max = inp.u32();
-        hs.stream_len = inp.u32();
-        hs.stream_addr = inp.u64();
-        hs.stream_rkey = inp.u64();
-        hs.native_imm = inp.u8() & 1 == 0;
-    }
-    let w2 = world.clone();
-    let tick = Box::new(move || {
-        w2.drive();
-    });
+    let victim = Victim::new(&mut inp);
+    let hs = hostile_handshake(victim.ty, &mut inp);
     let mut outcome = PeerOutcome::default();
-    let Ok(mut raw) = RawPeer::connect_with(Box::new(world.raw_host()), addr, &hs.encode(), tick)
-    else {
+    let Some((mut raw, sock)) = victim.admit(&hs) else {
         outcome.violation = true; // refused at the handshake
         return outcome;
     };
-    let mut ev = eq.next(Some(Duration::from_secs(5))).expect("accept event");
-    let Some(sock) = ev.accepted.take() else {
-        assert!(
-            matches!(ev.status, Err(crate::OpError::PeerMisbehaved(_))),
-            "a refused handshake names the violation: {ev:?}"
-        );
-        outcome.violation = true;
-        return outcome;
-    };
-    let buffers = MemoryRegion::alloc(&victim, 1 << 20).expect("buffers");
+    let buffers = MemoryRegion::alloc(&victim.ctx, 1 << 20).expect("buffers");
     let mut out = 0usize;
     while !inp.done() && outcome.events < 64 {
         outcome.events += 1;
+        victim.step(&mut inp, &mut raw, &sock, &buffers, &mut out);
+        raw.pump(Duration::ZERO, |_| false);
+    }
+    // Let everything settle (bounded: a hang is a failure).
+    victim.world.run_for(Duration::from_secs(3));
+    match sock.error() {
+        Ok(Some(OpError::PeerMisbehaved(_))) => outcome.violation = true,
+        Ok(Some(_)) => outcome.down = true,
+        Ok(None) | Err(_) => {}
+    }
+    assert_eq!(
+        victim.canary.to_vec().expect("canary readable"),
+        victim.canary_bytes,
+        "memory exs never exposed was written"
+    );
+    drop(raw);
+    victim.serves_a_new_peer();
+    outcome
+}
+
+/// The exs side under attack: a context on a simulated world, listening, with memory it never exposed (the canary).
+/// Fields drop in declaration order: memory and sockets before their context, the context before its world.
+struct Victim {
+    canary: MemoryRegion,
+    canary_bytes: Vec<u8>,
+    addr: SocketAddr,
+    listener: Socket,
+    eq: EventQueue,
+    ty: SockType,
+    ctx: Context,
+    world: World,
+}
+
+impl Victim {
+    /// The socket type and the world's seed come from the input.
+    fn new(inp: &mut Input<'_>) -> Victim {
+        let ty = if inp.u8() & 1 == 0 {
+            SockType::SeqPacket
+        } else {
+            SockType::Stream
+        };
+        let world = World::new(SimConfig {
+            seed: u64::from(inp.u16()),
+            ..SimConfig::default()
+        });
+        let ctx = quiet_host(&world);
+        let eq = EventQueue::new(1024);
+        let listener = Socket::new(&ctx, ty).expect("socket");
+        listener.bind(world.addr(0, 7000)).expect("bind");
+        let addr = listener.listen(8).expect("listen");
+        let canary_bytes: Vec<u8> = (0..4096u32).map(|i| (i * 7) as u8).collect();
+        let canary = MemoryRegion::from_vec(&ctx, canary_bytes.clone()).expect("canary");
+        listener.accept(&eq, 1).expect("accept");
+        Victim {
+            canary,
+            canary_bytes,
+            addr,
+            listener,
+            eq,
+            ty,
+            ctx,
+            world,
+        }
+    }
+
+    /// The crafted peer connects with `hs`; `None` when the victim refused the handshake (naming the violation).
+    fn admit(&self, hs: &Handshake) -> Option<(RawPeer, Socket)> {
+        let w2 = self.world.clone();
+        let tick = Box::new(move || {
+            w2.drive();
+        });
+        let raw = RawPeer::connect_with(
+            Box::new(self.world.raw_host()),
+            self.addr,
+            &hs.encode(),
+            tick,
+        )
+        .ok()?;
+        let mut ev = self
+            .eq
+            .next(Some(Duration::from_secs(5)))
+            .expect("accept event");
+        let Some(sock) = ev.accepted.take() else {
+            assert!(
+                matches!(ev.status, Err(crate::OpError::PeerMisbehaved(_))),
+                "a refused handshake names the violation: {ev:?}"
+            );
+            return None;
+        };
+        Some((raw, sock))
+    }
+
+    /// One event of the attack, chosen by the input: raw bytes, a bare immediate or a well-formed message from
+    /// the peer, a local receive, send or close, some progress, or a read of whatever the peer names.
+    fn step(
+        &self,
+        inp: &mut Input<'_>,
+        raw: &mut RawPeer,
+        sock: &Socket,
+        buffers: &MemoryRegion,
+        out: &mut usize,
+    ) {
         match inp.u8() % 10 {
             0 => {
                 let n = usize::from(inp.u8());
@@ -240,24 +292,24 @@ pub fn peer(data: &[u8]) -> PeerOutcome {
                 let _ = raw.send_bytes(&[], Some(imm));
             }
             2..=4 => {
-                let m = message(&mut inp);
+                let m = message(inp);
                 let _ = raw.send_bytes(&m, None);
             }
             5 => {
                 let n = usize::from(inp.u16()) % 65536 + 1;
-                let at = (out % 8) * 65536;
-                out += 1;
-                let _ = sock.recv(&eq, &buffers.slice(at..at + n), MsgFlags::NONE, 10);
+                let at = (*out % 8) * 65536;
+                *out += 1;
+                let _ = sock.recv(&self.eq, &buffers.slice(at..at + n), MsgFlags::NONE, 10);
             }
             6 => {
                 let n = usize::from(inp.u16()) % 65536 + 1;
-                let at = 8 * 65536 + (out % 8) * 65536;
-                out += 1;
-                let _ = sock.send(&eq, &buffers.slice(at..at + n), MsgFlags::NONE, 11);
+                let at = 8 * 65536 + (*out % 8) * 65536;
+                *out += 1;
+                let _ = sock.send(&self.eq, &buffers.slice(at..at + n), MsgFlags::NONE, 11);
             }
             7 => {
                 for _ in 0..inp.u8() % 16 {
-                    world.drive();
+                    self.world.drive();
                 }
             }
             8 => {
@@ -275,57 +327,78 @@ pub fn peer(data: &[u8]) -> PeerOutcome {
                 }
             }
         }
-        raw.pump(Duration::ZERO, |_| false);
     }
-    // Let everything settle (bounded: a hang is a failure).
-    world.run_for(Duration::from_secs(3));
-    match sock.error() {
-        Ok(Some(OpError::PeerMisbehaved(_))) => outcome.violation = true,
-        Ok(Some(_)) => outcome.down = true,
-        Ok(None) | Err(_) => {}
+
+    /// After the attack the context still accepts a well-behaved peer and carries its data.
+    fn serves_a_new_peer(&self) {
+        let client = quiet_host(&self.world);
+        let ceq = EventQueue::new(8);
+        self.listener
+            .accept(&self.eq, 2)
+            .expect("accept after the attack");
+        let c = Socket::new(&client, self.ty).expect("socket");
+        c.connect(&ceq, self.addr, 3)
+            .expect("connect after the attack");
+        let ce = ceq
+            .next(Some(Duration::from_secs(30)))
+            .expect("connect event");
+        assert!(ce.is_ok(), "a new connection after the attack: {ce:?}");
+        let fresh = loop {
+            let mut e = self
+                .eq
+                .next(Some(Duration::from_secs(30)))
+                .expect("the new connection is accepted");
+            if let Some(s) = e.accepted.take() {
+                break s;
+            }
+        };
+        let src = MemoryRegion::from_vec(&client, b"after the storm".to_vec()).expect("src");
+        let dst = MemoryRegion::alloc(&self.ctx, 15).expect("dst");
+        let feq = EventQueue::new(4);
+        fresh
+            .recv(&feq, &dst.all(), MsgFlags::WAITALL, 4)
+            .expect("recv on the new connection");
+        c.send(&ceq, &src.all(), MsgFlags::NONE, 5)
+            .expect("send on the new connection");
+        let r = feq
+            .next(Some(Duration::from_secs(30)))
+            .expect("receive after the attack");
+        assert!(
+            r.is_ok() && r.bytes == 15,
+            "transfer after the attack: {r:?}"
+        );
+        assert_eq!(dst.to_vec().expect("dst"), b"after the storm");
     }
-    assert_eq!(
-        canary.to_vec().expect("canary readable"),
-        canary_bytes,
-        "memory exs never exposed was written"
-    );
-    drop(raw);
-    // The context still serves a well-behaved peer.
-    let client = world.host_with(ContextOptions {
+}
+
+/// A context whose connections send no keepalives (the harness controls every packet the peer sees).
+fn quiet_host(world: &World) -> Context {
+    world.host_with(ContextOptions {
         keepalive: None,
         ..ContextOptions::default()
+    })
+}
+
+/// The crafted peer's handshake: valid for `ty`, or (one time in four) with every field from the input (issue 15:
+/// a hostile handshake is refused cleanly or the connection works).
+fn hostile_handshake(ty: SockType, inp: &mut Input<'_>) -> Handshake {
+    let mut hs = handshake(match ty {
+        SockType::SeqPacket => WireSockType::SeqPacket,
+        SockType::Stream => WireSockType::Stream,
     });
-    let ceq = EventQueue::new(8);
-    listener.accept(&eq, 2).expect("accept after the attack");
-    let c = Socket::new(&client, ty).expect("socket");
-    c.connect(&ceq, addr, 3).expect("connect after the attack");
-    let ce = ceq
-        .next(Some(Duration::from_secs(30)))
-        .expect("connect event");
-    assert!(ce.is_ok(), "a new connection after the attack: {ce:?}");
-    let fresh = loop {
-        let mut e = eq
-            .next(Some(Duration::from_secs(30)))
-            .expect("the new connection is accepted");
-        if let Some(s) = e.accepted.take() {
-            break s;
-        }
-    };
-    let src = MemoryRegion::from_vec(&client, b"after the storm".to_vec()).expect("src");
-    let dst = MemoryRegion::alloc(&victim, 15).expect("dst");
-    let feq = EventQueue::new(4);
-    fresh
-        .recv(&feq, &dst.all(), MsgFlags::WAITALL, 4)
-        .expect("recv on the new connection");
-    c.send(&ceq, &src.all(), MsgFlags::NONE, 5)
-        .expect("send on the new connection");
-    let r = feq
-        .next(Some(Duration::from_secs(30)))
-        .expect("receive after the attack");
-    assert!(
-        r.is_ok() && r.bytes == 15,
-        "transfer after the attack: {r:?}"
-    );
-    assert_eq!(dst.to_vec().expect("dst"), b"after the storm");
-    outcome
+    hs.stream_len = 4096;
+    hs.stream_addr = 0x10_000;
+    hs.stream_rkey = 1;
+    if inp.u8() % 4 == 0 {
+        hs.ctrl_window = inp.u16();
+        hs.slot_size = inp.u16();
+        hs.send_credits = inp.u16();
+        hs.recv_credits = inp.u16();
+        hs.small_max = inp.u32();
+        hs.stream_len = inp.u32();
+        hs.stream_addr = inp.u64();
+        hs.stream_rkey = inp.u64();
+        hs.native_imm = inp.u8() & 1 == 0;
+    }
+    hs
 }

@@ -320,150 +320,178 @@ impl Net {
         &mut self,
         from: Addr,
         to: Addr,
-        mut wr: WorkRequest,
+        wr: WorkRequest,
         at: Duration,
         seq: u64,
     ) {
-        let (fh, fep) = from;
-        let (th, tep) = to;
-        let kind = Self::completed_kind(&wr.op);
-        let target_up = self.hosts[th].alive
-            && self.hosts[th].answering
-            && self.hosts[th]
-                .eps
-                .get(&tep)
-                .is_some_and(|e| e.up && e.peer == Some(from));
-        if !target_up {
-            let err = if self.hosts[th].alive && self.hosts[th].answering {
-                WcError::Flushed
-            } else {
-                WcError::RetryExceeded
-            };
-            self.complete(fh, fep, wr.wr_id, kind, Err(err));
+        let arrival = Arrival { from, to, at, seq };
+        if let Err(err) = self.target_ready(from, to) {
+            let kind = Self::completed_kind(&wr.op);
+            self.complete(from.0, from.1, wr.wr_id, kind, Err(err));
             return;
         }
-        match &mut wr.op {
-            Op::Send { sges, imm } => {
-                let imm = *imm;
-                let Some(mut recv) = self.take_recv(th, tep) else {
-                    return self.rnr(Delivery {
-                        at,
-                        seq,
-                        from,
-                        to,
-                        payload: Payload::Wr(wr),
-                    });
-                };
-                let Op::Recv { sge: target } = &mut recv.op else {
-                    unreachable!("receive queue holds receives")
-                };
-                let total: usize = sges.iter().map(Sge::len).sum();
-                if total > target.len() {
-                    self.complete(
-                        th,
-                        tep,
-                        recv.wr_id,
-                        Completed::Recv { len: 0, imm },
-                        Err(WcError::LocalLength),
-                    );
-                    self.complete(
-                        fh,
-                        fep,
-                        wr.wr_id,
-                        kind,
-                        Err(WcError::Other("remote invalid request".into())),
-                    );
-                    self.break_ep(th, tep);
-                    return;
-                }
-                let mut at_off = 0;
-                for s in sges.iter() {
-                    s.lease()
-                        .copy_to(0, target.lease_mut(), at_off, s.len())
-                        .expect("lengths checked");
-                    at_off += s.len();
-                }
-                self.stats.bytes += total as u64;
-                self.stats.delivered += 1;
-                let len = total as u32;
-                drop(recv.op);
-                self.complete(th, tep, recv.wr_id, Completed::Recv { len, imm }, Ok(()));
-                self.complete(fh, fep, wr.wr_id, kind, Ok(()));
-            }
-            Op::Write { local, remote, imm } => {
-                let imm = *imm;
-                let n: usize = local.iter().map(Sge::len).sum();
-                if let Err(e) = self.remote_access(*remote, n, RemoteAccess::Write, to) {
-                    self.stats.access_errors += 1;
-                    tracing::debug!("sim: remote write refused: {e}");
-                    self.complete(fh, fep, wr.wr_id, kind, Err(WcError::RemoteAccess));
-                    self.break_ep(fh, fep);
-                    return;
-                }
-                let recv = match imm {
-                    Some(_) if self.cfg.caps.imm_consumes_recv => match self.take_recv(th, tep) {
-                        Some(r) => Some(r),
-                        None => {
-                            return self.rnr(Delivery {
-                                at,
-                                seq,
-                                from,
-                                to,
-                                payload: Payload::Wr(wr),
-                            })
-                        }
-                    },
-                    _ => None,
-                };
-                let entry = self.keys.get_mut(&remote.key).expect("checked");
-                let mut off = (remote.addr - entry.base) as usize;
-                for s in local.iter() {
-                    s.lease()
-                        .copy_to(0, &mut entry.lease, off, s.len())
-                        .expect("bounds checked");
-                    off += s.len();
-                }
-                self.stats.bytes += n as u64;
-                self.stats.delivered += 1;
-                match (imm, recv) {
-                    (Some(imm), Some(r)) => self.complete(
-                        th,
-                        tep,
-                        r.wr_id,
-                        Completed::Recv {
-                            len: n as u32,
-                            imm: Some(imm),
-                        },
-                        Ok(()),
-                    ),
-                    (Some(imm), None) => {
-                        self.complete(th, tep, 0, Completed::RemoteWrite { imm }, Ok(()));
-                    }
-                    _ => {}
-                }
-                self.complete(fh, fep, wr.wr_id, kind, Ok(()));
-            }
-            Op::Read { local, remote } => {
-                let n = local.len();
-                if let Err(e) = self.remote_access(*remote, n, RemoteAccess::Read, to) {
-                    self.stats.access_errors += 1;
-                    tracing::debug!("sim: remote read refused: {e}");
-                    self.complete(fh, fep, wr.wr_id, kind, Err(WcError::RemoteAccess));
-                    self.break_ep(fh, fep);
-                    return;
-                }
-                let entry = self.keys.get(&remote.key).expect("checked");
-                let off = (remote.addr - entry.base) as usize;
-                entry
-                    .lease
-                    .copy_to(off, local.lease_mut(), 0, n)
-                    .expect("bounds checked");
-                self.stats.bytes += n as u64;
-                self.stats.delivered += 1;
-                self.complete(fh, fep, wr.wr_id, kind, Ok(()));
-            }
+        match &wr.op {
+            Op::Send { .. } => self.deliver_send(arrival, wr),
+            Op::Write { .. } => self.deliver_write(arrival, wr),
+            Op::Read { .. } => self.deliver_read(arrival, wr),
             Op::Recv { .. } => unreachable!("receives are not delivered"),
         }
+    }
+
+    /// Whether `to` is up and connected to `from`; if not, the error the sender's work request completes with: a
+    /// flush when the target host answers, a retry timeout when it is down or silent.
+    fn target_ready(&self, from: Addr, (th, tep): Addr) -> Result<(), WcError> {
+        let host = &self.hosts[th];
+        let answering = host.alive && host.answering;
+        let connected = host
+            .eps
+            .get(&tep)
+            .is_some_and(|e| e.up && e.peer == Some(from));
+        match (answering, connected) {
+            (true, true) => Ok(()),
+            (true, false) => Err(WcError::Flushed),
+            (false, _) => Err(WcError::RetryExceeded),
+        }
+    }
+
+    /// A send consumes the target's next receive, which must hold all of it; without a receive it waits (RNR).
+    fn deliver_send(&mut self, a: Arrival, wr: WorkRequest) {
+        let ((fh, fep), (th, tep)) = (a.from, a.to);
+        let Op::Send { sges, imm } = &wr.op else {
+            unreachable!("deliver_send takes sends")
+        };
+        let imm = *imm;
+        let Some(mut recv) = self.take_recv(th, tep) else {
+            return self.rnr(a.delivery(wr));
+        };
+        let Op::Recv { sge: target } = &mut recv.op else {
+            unreachable!("receive queue holds receives")
+        };
+        let total: usize = sges.iter().map(Sge::len).sum();
+        if total > target.len() {
+            return self.overrun_recv(a, wr.wr_id, recv.wr_id, imm);
+        }
+        gather(sges, target.lease_mut(), 0);
+        self.count_delivered(total);
+        let len = total as u32;
+        drop(recv.op);
+        self.complete(th, tep, recv.wr_id, Completed::Recv { len, imm }, Ok(()));
+        self.complete(fh, fep, wr.wr_id, Completed::Send, Ok(()));
+    }
+
+    /// A send longer than the receive it landed in: the receive fails with a length error, the send with a
+    /// remote invalid request, and the connection breaks (as a queue pair goes to error).
+    fn overrun_recv(&mut self, a: Arrival, send_id: u64, recv_id: u64, imm: Option<u32>) {
+        let ((fh, fep), (th, tep)) = (a.from, a.to);
+        self.complete(
+            th,
+            tep,
+            recv_id,
+            Completed::Recv { len: 0, imm },
+            Err(WcError::LocalLength),
+        );
+        self.complete(
+            fh,
+            fep,
+            send_id,
+            Completed::Send,
+            Err(WcError::Other("remote invalid request".into())),
+        );
+        self.break_ep(th, tep);
+    }
+
+    /// A write lands in the exposed memory its key names; with an immediate it also completes at the target,
+    /// consuming a receive where the provider does so (and waiting for one, RNR, when none is posted).
+    fn deliver_write(&mut self, a: Arrival, wr: WorkRequest) {
+        let ((fh, fep), (th, tep)) = (a.from, a.to);
+        let Op::Write { local, remote, imm } = &wr.op else {
+            unreachable!("deliver_write takes writes")
+        };
+        let (remote, imm) = (*remote, *imm);
+        let n: usize = local.iter().map(Sge::len).sum();
+        if !self.remote_allowed(
+            a,
+            wr.wr_id,
+            Completed::Write,
+            remote,
+            n,
+            RemoteAccess::Write,
+        ) {
+            return;
+        }
+        let recv = match imm {
+            Some(_) if self.cfg.caps.imm_consumes_recv => match self.take_recv(th, tep) {
+                Some(r) => Some(r),
+                None => return self.rnr(a.delivery(wr)),
+            },
+            _ => None,
+        };
+        let entry = self.keys.get_mut(&remote.key).expect("checked");
+        gather(local, &mut entry.lease, (remote.addr - entry.base) as usize);
+        self.count_delivered(n);
+        match (imm, recv) {
+            (Some(imm), Some(r)) => self.complete(
+                th,
+                tep,
+                r.wr_id,
+                Completed::Recv {
+                    len: n as u32,
+                    imm: Some(imm),
+                },
+                Ok(()),
+            ),
+            (Some(imm), None) => {
+                self.complete(th, tep, 0, Completed::RemoteWrite { imm }, Ok(()));
+            }
+            _ => {}
+        }
+        self.complete(fh, fep, wr.wr_id, Completed::Write, Ok(()));
+    }
+
+    /// A read copies from the exposed memory its key names into the local sink.
+    fn deliver_read(&mut self, a: Arrival, mut wr: WorkRequest) {
+        let Op::Read { local, remote } = &mut wr.op else {
+            unreachable!("deliver_read takes reads")
+        };
+        let n = local.len();
+        if !self.remote_allowed(a, wr.wr_id, Completed::Read, *remote, n, RemoteAccess::Read) {
+            return;
+        }
+        let entry = self.keys.get(&remote.key).expect("checked");
+        let off = (remote.addr - entry.base) as usize;
+        entry
+            .lease
+            .copy_to(off, local.lease_mut(), 0, n)
+            .expect("bounds checked");
+        self.count_delivered(n);
+        self.complete(a.from.0, a.from.1, wr.wr_id, Completed::Read, Ok(()));
+    }
+
+    /// Checks a one-sided access against its key ([`Net::remote_access`]); a refused one fails the initiator's
+    /// work request with a remote access error and breaks its connection.
+    fn remote_allowed(
+        &mut self,
+        a: Arrival,
+        wr_id: u64,
+        kind: Completed,
+        remote: RemoteRef,
+        n: usize,
+        access: RemoteAccess,
+    ) -> bool {
+        let Err(e) = self.remote_access(remote, n, access, a.to) else {
+            return true;
+        };
+        self.stats.access_errors += 1;
+        tracing::debug!("sim: remote {} refused: {e}", access_word(access));
+        let (fh, fep) = a.from;
+        self.complete(fh, fep, wr_id, kind, Err(WcError::RemoteAccess));
+        self.break_ep(fh, fep);
+        false
+    }
+
+    fn count_delivered(&mut self, bytes: usize) {
+        self.stats.bytes += bytes as u64;
+        self.stats.delivered += 1;
     }
 
     pub(super) fn remote_access(
@@ -569,5 +597,43 @@ impl Net {
             };
             self.deliver(d);
         }
+    }
+}
+
+/// Where and when a work request arrives (what it needs to wait for a receive, RNR, as a [`Delivery`]).
+#[derive(Clone, Copy)]
+struct Arrival {
+    from: Addr,
+    to: Addr,
+    at: Duration,
+    seq: u64,
+}
+
+impl Arrival {
+    fn delivery(self, wr: WorkRequest) -> Delivery {
+        Delivery {
+            at: self.at,
+            seq: self.seq,
+            from: self.from,
+            to: self.to,
+            payload: Payload::Wr(wr),
+        }
+    }
+}
+
+/// Copies the gather list `sges`, in order, into `dst` from offset `at` (lengths and bounds checked by the caller).
+fn gather(sges: &[Sge], dst: &mut Lease, mut at: usize) {
+    for s in sges {
+        s.lease()
+            .copy_to(0, dst, at, s.len())
+            .expect("lengths and bounds checked");
+        at += s.len();
+    }
+}
+
+fn access_word(access: RemoteAccess) -> &'static str {
+    match access {
+        RemoteAccess::Read => "read",
+        RemoteAccess::Write => "write",
     }
 }

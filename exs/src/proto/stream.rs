@@ -153,8 +153,8 @@ pub enum StreamTrace {
 }
 
 /// Our intermediate stream buffer's size. The buffer itself is allocated, registered and exposed only when the
-/// peer first asks for it (STREAM_RING_WANTED), so an idle connection holds none (issue 14: 1,000 idle
-/// connections held 1 GiB of stream buffers).
+/// peer first asks for it (STREAM_RING_WANTED), so an idle connection holds none (they were allocated at connect:
+/// a server's idle connections held a full stream buffer each).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StreamSetup {
     pub len: usize,

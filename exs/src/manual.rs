@@ -11,8 +11,8 @@
 //! | US patent 7,577,712, *Efficient event completion in UDAPL* | the adaptive completion wait: poll once, then block until the events still missing have arrived | [`progress`] |
 //!
 //! The rest is this implementation's own: [`memory`] (leases, least exposure, keys bound to one connection),
-//! [`backends`] (libfabric, rdma-core verbs, Soft-RoCE, and their settings) and [`reliability`] (hostile peers,
-//! regression tests). Measured numbers are not here: they live in the repository's `bench/` directory, written by
+//! [`backends`] (libfabric, rdma-core verbs, Soft-RoCE, and their settings), [`scaling`] (many connections, idle
+//! memory, serving untrusted clients) and [`reliability`] (hostile peers, regression tests). Measured numbers are not here: they live in the repository's `bench/` directory, written by
 //! `cargo xtask bench` beside the peers they are compared with.
 
 #[doc = include_str!("manual/api.md")]
@@ -29,6 +29,8 @@ pub mod progress {}
 pub mod memory {}
 #[doc = include_str!("manual/backends.md")]
 pub mod backends {}
+#[doc = include_str!("manual/scaling.md")]
+pub mod scaling {}
 #[doc = include_str!("manual/reliability.md")]
 pub mod reliability {}
 #[doc = include_str!("manual/c_api.md")]

@@ -24,6 +24,7 @@ mod jobs;
 mod parse;
 mod plot;
 mod report;
+mod streams;
 #[cfg(test)]
 mod tests;
 
@@ -32,6 +33,7 @@ use jobs::*;
 use parse::*;
 use plot::*;
 use report::*;
+use streams::*;
 
 #[derive(Args)]
 pub struct BenchArgs {
@@ -168,7 +170,8 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let machine = machine();
     let want = |s: &str| a.suite.as_deref().is_none_or(|w| w == s);
     if want("host") {
-        let jobs = host_jobs(&exe, &c_bin, &p);
+        let mut jobs = host_jobs(&exe, &c_bin, &p);
+        jobs.extend(stream_jobs(&build_stream_bench()?, a.quick));
         eprintln!(
             "xtask: host suite: {} points x {repeats} repeats",
             jobs.len()

@@ -216,6 +216,7 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
     let mib = 1 << 20;
     let mut v = idle_targets(sum);
     if suite == "host" {
+        v.extend(stream_targets(sum));
         let cost = |v: &str, m: &str| get(sum, "cost", v, 8, m).map(|x| x.0);
         v.push(ratio_line(
             "exs busy ping syscalls per round trip vs fi_pingpong",

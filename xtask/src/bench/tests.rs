@@ -219,3 +219,54 @@ fn a_suite_page_links_into_the_results_and_says_it_is_generated() {
     );
     assert!(page.contains("[bench/README.md](README.md)"), "{page}");
 }
+
+/// Issue 26: the streams' rows (the stream bench beside TCP, and its request/response beside `exs ping`) reach
+/// the targets with their own ratios, and the jobs run the stream bench on libfabric tcp.
+#[test]
+fn stream_rows_are_compared_with_tcp_and_exs_ping() {
+    let jobs = stream_jobs("sb", false);
+    assert!(jobs
+        .iter()
+        .all(|j| j.cmd.starts_with("EXS_BACKEND=fabric EXS_PROVIDER=tcp sb ")));
+    assert!(jobs
+        .iter()
+        .any(|j| j.cmd.ends_with("bulk exs-tokio 268435456")));
+    let mut sum = BTreeMap::new();
+    let mut put = |tool: &str, variant: &str, size: u64, metric: &str, v: f64| {
+        sum.insert(
+            (tool.into(), variant.into(), size, 1, metric.into()),
+            (v, v, v, 1),
+        );
+    };
+    put("streams", "exs-tokio", 256 << 20, "bytes_per_sec", 95.0);
+    put("streams", "tcp-tokio", 256 << 20, "bytes_per_sec", 100.0);
+    put("streams", "exs-std", 256 << 20, "bytes_per_sec", 50.0);
+    put("streams", "tcp-std", 256 << 20, "bytes_per_sec", 100.0);
+    put("streams-rr", "exs-std", 8, "mean_us", 33.0);
+    put("cost", "exs adaptive", 8, "mean_us", 30.0);
+    let t = stream_targets(&sum);
+    assert!(
+        t.contains(
+            &"exs::tokio::Stream one way vs tokio::net::TcpStream: 0.95x (target >= 0.9x) - met"
+                .to_string()
+        ),
+        "{t:?}"
+    );
+    assert!(
+        t.contains(
+            &"exs::Stream one way vs std::net::TcpStream: 0.50x (target >= 0.9x) - missed"
+                .to_string()
+        ),
+        "{t:?}"
+    );
+    assert!(
+        t.iter()
+            .any(|l| l.contains("request/response") && l.contains("1.10x") && l.ends_with("met")),
+        "{t:?}"
+    );
+    assert!(
+        t.iter()
+            .any(|l| l.starts_with("hyper 64 MiB GET") && l.ends_with("not measured in this run")),
+        "{t:?}"
+    );
+}

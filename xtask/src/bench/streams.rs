@@ -1,0 +1,105 @@
+//! `exs::Stream` and `exs::tokio::Stream` beside the same code over TCP (`exs/examples/stream_bench.rs`): 256 MiB
+//! one way with `write_all` / `read_to_end`, hyper's 64 MiB GET, and 8-byte request/response against the ES-API
+//! `exs ping` of the same run. The users of the streams compare them with TCP, so the targets are ratios to it.
+
+use super::*;
+
+/// The stream bench program, built with the features it needs.
+pub(super) fn build_stream_bench() -> Result<String> {
+    sys::run(sys::cargo().args([
+        "build",
+        "--release",
+        "-p",
+        "exs",
+        "--features",
+        "tokio,fabric",
+        "--example",
+        "stream_bench",
+    ]))?;
+    Ok(sys::root()
+        .join("target/release/examples/stream_bench")
+        .to_string_lossy()
+        .into_owned())
+}
+
+/// One way, hyper and request/response, exs and TCP interleaved by the script.
+pub(super) fn stream_jobs(bench: &str, quick: bool) -> Vec<Job> {
+    let env = "EXS_BACKEND=fabric EXS_PROVIDER=tcp";
+    let bulk: u64 = if quick { 64 << 20 } else { 256 << 20 };
+    let mut v = Vec::new();
+    for api in ["exs-tokio", "tcp-tokio", "exs-std", "tcp-std"] {
+        v.push(job(
+            "streams",
+            api,
+            bulk,
+            1,
+            format!("{env} {bench} bulk {api} {bulk}"),
+            Parse::Json,
+        ));
+    }
+    for api in ["exs", "tcp"] {
+        v.push(job(
+            "streams-http",
+            api,
+            64 << 20,
+            1,
+            format!("{env} {bench} http {api}"),
+            Parse::Json,
+        ));
+    }
+    let count = if quick { 5_000 } else { 20_000 };
+    v.push(job(
+        "streams-rr",
+        "exs-std",
+        8,
+        1,
+        format!("{env} {bench} rr exs-std {count}"),
+        Parse::Json,
+    ));
+    v
+}
+
+/// The streams' targets: one way and hyper at least 0.9x TCP, request/response within 1.2x of `exs ping` waiting
+/// the way the streams wait (adaptive).
+pub(super) fn stream_targets(sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
+    let bw = |t: &str, v: &str| {
+        sum.iter()
+            .find(|(k, _)| k.0 == t && k.1 == v && k.4 == "bytes_per_sec")
+            .map(|(_, x)| x.0)
+    };
+    let mean = |t: &str, v: &str| {
+        sum.iter()
+            .find(|(k, _)| k.0 == t && k.1 == v && k.2 == 8 && k.4 == "mean_us")
+            .map(|(_, x)| x.0)
+    };
+    vec![
+        ratio_line(
+            "exs::tokio::Stream one way vs tokio::net::TcpStream",
+            bw("streams", "exs-tokio"),
+            bw("streams", "tcp-tokio"),
+            |r| r >= 0.9,
+            ">= 0.9x",
+        ),
+        ratio_line(
+            "exs::Stream one way vs std::net::TcpStream",
+            bw("streams", "exs-std"),
+            bw("streams", "tcp-std"),
+            |r| r >= 0.9,
+            ">= 0.9x",
+        ),
+        ratio_line(
+            "hyper 64 MiB GET over exs streams vs over TCP",
+            bw("streams-http", "exs"),
+            bw("streams-http", "tcp"),
+            |r| r >= 0.9,
+            ">= 0.9x",
+        ),
+        ratio_line(
+            "exs::Stream 8 B request/response one-way vs exs ping with the same (adaptive) wait",
+            mean("streams-rr", "exs-std"),
+            mean("cost", "exs adaptive"),
+            |r| r <= 1.2,
+            "<= 1.2x",
+        ),
+    ]
+}

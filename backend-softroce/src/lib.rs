@@ -369,9 +369,16 @@ mod tests {
         .unwrap();
         fs::write(d.join("ports/1/gid_attrs/types/0"), "RoCE v2\n").unwrap();
         fs::write(d.join("ports/1/gid_attrs/types/1"), "RoCE v2\n").unwrap();
-        // siw (captured in the guest): no parent, and its GID is its interface's MAC address.
+        // siw (captured in the guest): no parent, and its GID is its interface's MAC address. Like every software
+        // device, /sys/class/infiniband/siw0 is a link into /sys/devices/virtual/infiniband/ (a hardware iWARP
+        // adapter is an RNIC too, under its PCI device): the link is what tells siw from an adapter.
+        let real = root
+            .parent()
+            .unwrap()
+            .join("devices/virtual/infiniband/siw0");
+        fs::create_dir_all(real.join("ports/1/gids")).unwrap();
+        std::os::unix::fs::symlink(&real, root.join("siw0")).unwrap();
         let s = root.join("siw0");
-        fs::create_dir_all(s.join("ports/1/gids")).unwrap();
         fs::write(s.join("node_type"), "4: RNIC\n").unwrap();
         fs::write(s.join("ports/1/state"), "4: ACTIVE\n").unwrap();
         fs::write(

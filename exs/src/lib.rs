@@ -13,16 +13,17 @@
 //!
 //! ## A blocking echo
 //!
-//! [`Context::from_env`] opens the backend the environment names (`EXS_BACKEND`), else the first compiled in; a
-//! [`Listener`] and a [`Stream`] behave like `std::net`'s:
+//! A [`Listener`] and a [`Stream`] behave like `std::net`'s `TcpListener` and `TcpStream`: code written for those
+//! ports by renaming. [`Listener::bind`] and [`Stream::connect`] run on the process's [default
+//! context](default_context), opened on first use with the backend the environment names (as
+//! [`Context::from_env`]); `bind_in` and `connect_in` take a [`Context`] of your own.
 //!
 //! ```
 //! # #[cfg(feature = "fabric")] {
 //! # std::env::set_var("EXS_BACKEND", "fabric"); // the test's backend, whatever else the build enables
 //! use std::io::{Read, Write};
 //!
-//! let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
-//! let listener = exs::Listener::bind_in(&server, "127.0.0.1:0")?;
+//! let listener = exs::Listener::bind("127.0.0.1:0")?;
 //! let addr = listener.local_addr()?;
 //! let echo = std::thread::spawn(move || -> std::io::Result<()> {
 //!     let (mut s, _peer) = listener.accept()?;
@@ -35,7 +36,7 @@
 //!         s.write_all(&buf[..n])?;
 //!     }
 //! });
-//! let mut c = exs::Stream::connect_in(&client, addr)?;
+//! let mut c = exs::Stream::connect(addr)?;
 //! c.write_all(b"hello over RDMA")?;
 //! let mut back = [0u8; 15];
 //! c.read_exact(&mut back)?;
@@ -48,8 +49,9 @@
 //!
 //! ## With tokio
 //!
-//! Feature `tokio`: `exs::tokio::Stream` implements `AsyncRead` and `AsyncWrite`; an event
-//! queue's descriptor goes into tokio's reactor, so no thread waits per connection.
+//! Feature `tokio`: `exs::tokio::Listener` and `Stream` have `tokio::net`'s shapes; the stream implements
+//! `AsyncRead` and `AsyncWrite`, and its event queues' descriptors go into tokio's reactor, so no thread waits per
+//! connection.
 //!
 //! ```
 //! # #[cfg(all(feature = "fabric", feature = "tokio"))] {
@@ -57,8 +59,7 @@
 //! use tokio::io::{AsyncReadExt, AsyncWriteExt};
 //!
 //! # tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(async {
-//! let (server, client) = (exs::Context::from_env()?, exs::Context::from_env()?);
-//! let listener = exs::tokio::Listener::bind_in(&server, "127.0.0.1:0").await?;
+//! let listener = exs::tokio::Listener::bind("127.0.0.1:0").await?;
 //! let addr = listener.local_addr()?;
 //! let echo = tokio::spawn(async move {
 //!     let (mut s, _) = listener.accept().await?;
@@ -71,7 +72,7 @@
 //!         s.write_all(&buf[..n]).await?;
 //!     }
 //! });
-//! let mut c = exs::tokio::Stream::connect_in(&client, addr).await?;
+//! let mut c = exs::tokio::Stream::connect(addr).await?;
 //! c.write_all(b"hello, async").await?;
 //! c.shutdown().await?;
 //! let mut back = Vec::new();
@@ -113,6 +114,8 @@
 //! - [`MemoryRegion`]: registered memory; a [`Slice`] of it names what an operation reads or writes, leased until
 //!   the operation's event.
 //! - [`Stream`], [`Listener`]: `std::io` over SOCK_STREAM sockets, for code written against `std::net`.
+//! - [`stats`]: what a context, a connection and an event queue counted ([`Context::stats`], [`Socket::stats`],
+//!   [`EventQueue::stats`]).
 //! - Errors are typed per operation ([`SendError`], [`RecvError`], [`ConnectError`], ...) and convert into
 //!   `std::io::Error`; an operation's failure arrives in its event as an [`OpError`].
 //!

@@ -27,7 +27,8 @@ use nix::poll::{PollFd, PollFlags};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use crate::error::{DequeueError, OpError, QueueFull};
-use crate::socket::{Socket, SocketId};
+use crate::ids::SocketId;
+use crate::socket::Socket;
 
 /// What kind of operation an event completes (ES-API EXS_EVT_*).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,7 +72,7 @@ pub struct Event {
     /// For [`EventKind::Accept`]: the new connection.
     pub accepted: Option<Socket>,
     /// For [`EventKind::Poll`]: the readiness found.
-    pub readiness: crate::socket::Readiness,
+    pub readiness: crate::ids::Readiness,
 }
 
 impl Event {

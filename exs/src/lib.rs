@@ -150,6 +150,7 @@ mod engine;
 mod error;
 mod event;
 mod exposure;
+mod ids;
 mod lock;
 pub mod manual;
 mod memory;
@@ -215,7 +216,8 @@ pub mod stats {
     pub use crate::proto::stream::{StreamStats, StreamTrace};
     pub use crate::socket::ConnStats;
 }
-pub use socket::{Readiness, Socket, SocketId};
+pub use ids::{Readiness, SocketId};
+pub use socket::Socket;
 pub use stream_io::{default_context, Listener, Stream, StreamConfig};
 pub use transport::{Capabilities, Transport, TransportError};
 

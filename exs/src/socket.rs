@@ -31,22 +31,7 @@ use crate::event::{EventKind, EventQueue, Ticket};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 
-/// A socket's number within its context (what an ES-API file descriptor is).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct SocketId(pub u32);
-
-/// Readiness found by `poll` (ES-API `exs_poll`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Readiness {
-    /// A receive would find data (or end-of-stream) at once.
-    pub readable: bool,
-    /// A send would start at once (credits available).
-    pub writable: bool,
-    /// The connection failed.
-    pub error: bool,
-    /// The peer closed.
-    pub hangup: bool,
-}
+use crate::ids::{Readiness, SocketId};
 
 /// Counters of one connection (for tests and tools).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

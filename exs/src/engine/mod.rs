@@ -23,6 +23,7 @@ use crate::error::{
 };
 use crate::event::{EventFlags, Ticket};
 use crate::exposure::{ExposurePolicy, TrustedKeys};
+use crate::ids::{Readiness, SocketId};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 use crate::proto::conn::layout::{ctrl_slot_size, Layout, TX_SLOT};
@@ -33,7 +34,6 @@ use crate::proto::link::{wr_kind, Link, Slots, WrKind, PACK_SLOTS};
 use crate::proto::message::SendData;
 use crate::proto::op::{Done, OpToken, Outbox};
 use crate::proto::pool::{PoolStats, RecvPool};
-use crate::socket::{Readiness, SocketId};
 use crate::transport::{
     Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration,
     RemoteAccess, RequestId, Transport, TransportError, WorkRequest,

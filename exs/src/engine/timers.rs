@@ -11,7 +11,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
-use crate::socket::SocketId;
+use crate::ids::SocketId;
 
 /// What a timer is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -51,13 +51,7 @@ impl Ticket {
 
     /// Completes the operation.
     pub(crate) fn complete(mut self, status: Result<(), OpError>, bytes: usize, flags: EventFlags) {
-        self.finish(
-            status,
-            bytes,
-            flags,
-            None,
-            crate::socket::Readiness::default(),
-        );
+        self.finish(status, bytes, flags, None, crate::ids::Readiness::default());
     }
 
     /// An extra event for a long-lived operation (a persistent send's read notification, seed 002 4.2), with
@@ -97,12 +91,12 @@ impl Ticket {
             0,
             EventFlags::default(),
             Some(socket),
-            crate::socket::Readiness::default(),
+            crate::ids::Readiness::default(),
         );
     }
 
     /// Completes a poll with readiness.
-    pub(crate) fn complete_poll(mut self, readiness: crate::socket::Readiness) {
+    pub(crate) fn complete_poll(mut self, readiness: crate::ids::Readiness) {
         self.finish(Ok(()), 0, EventFlags::default(), None, readiness);
     }
 
@@ -112,7 +106,7 @@ impl Ticket {
         bytes: usize,
         flags: EventFlags,
         accepted: Option<Socket>,
-        readiness: crate::socket::Readiness,
+        readiness: crate::ids::Readiness,
     ) {
         let event = Event {
             kind: self.kind,

@@ -20,13 +20,7 @@ pub(crate) mod layout;
 mod plan;
 pub(crate) use plan::{check_flags, RecvMemory, RecvPlan, RecvRefused, SendPlan};
 
-/// Limits of the transport that the protocol needs.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Limits {
-    pub max_message: u64,
-    pub max_send_wr: u32,
-    pub max_sge: u32,
-}
+pub(crate) use crate::proto::limits::Limits;
 
 /// The protocol's timings, which the seeds leave to the implementation.
 #[derive(Clone, Copy, Debug)]

@@ -49,7 +49,7 @@ use exs_dma::DmaBuf;
 
 use crate::error::{OpError, Violation};
 use crate::options::{MsgFlags, SocketOptions};
-use crate::proto::conn::Limits;
+use crate::proto::limits::Limits;
 use crate::proto::link::{DataOp, Link};
 use crate::proto::op::EventFlags;
 use crate::proto::op::OpToken;

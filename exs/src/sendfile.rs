@@ -25,6 +25,22 @@ pub const SENDFILE_CHUNK: usize = 1 << 20;
 /// Stream sockets: chunks in flight (and buffers held).
 pub const SENDFILE_DEPTH: usize = 4;
 
+impl Socket {
+    /// Sends `len` bytes of `file` from `offset` (ES-API `exs_sendfile`), completing with an event of kind
+    /// `SendFile`. The bytes are read into registered memory of this socket's context first (no mapping of the
+    /// file), so the file may change afterwards without affecting what is sent.
+    pub fn sendfile(
+        &self,
+        eq: &EventQueue,
+        file: &std::fs::File,
+        offset: u64,
+        len: usize,
+        context: u64,
+    ) -> Result<(), SendError> {
+        sendfile(self, eq, file, offset, len, context)
+    }
+}
+
 pub(crate) fn sendfile(
     sock: &Socket,
     eq: &EventQueue,

@@ -305,20 +305,6 @@ impl Socket {
         })
     }
 
-    /// Sends `len` bytes of `file` from `offset` (ES-API `exs_sendfile`), completing with an event of kind
-    /// `SendFile`. The bytes are read into registered memory of this socket's context first (no mapping of the
-    /// file), so the file may change afterwards without affecting what is sent.
-    pub fn sendfile(
-        &self,
-        eq: &EventQueue,
-        file: &std::fs::File,
-        offset: u64,
-        len: usize,
-        context: u64,
-    ) -> Result<(), SendError> {
-        crate::sendfile::sendfile(self, eq, file, offset, len, context)
-    }
-
     /// Sends `buf` with an event of `kind` (sendfile's message).
     pub(crate) fn send_as(
         &self,

@@ -17,10 +17,11 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use exs_dma::DmaBuf;
 
+use crate::config::{ContextOptions, ManualDriver, Progress};
 use crate::engine::Engine;
 use crate::error::MemoryError;
 use crate::event::{Driver, EventQueue};
@@ -30,142 +31,11 @@ use crate::transport::{Capabilities, Registration, Transport, TransportError};
 
 static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(1);
 
-/// A source of time. Real time normally; virtual time in the simulator.
-pub trait Clock: Send + Sync + fmt::Debug {
-    /// Now.
-    fn now(&self) -> Instant;
-}
-
-/// The real clock.
-#[derive(Debug, Default)]
-pub struct SystemClock;
-
-impl Clock for SystemClock {
-    fn now(&self) -> Instant {
-        Instant::now()
-    }
-}
-
-/// How a context makes progress.
-#[derive(Clone)]
-#[non_exhaustive]
-pub enum Progress {
-    /// One background thread sleeping on the transport's wait descriptor (the default).
-    Thread,
-    /// No thread: `dequeue` calls the driver (the simulated fabric's manual mode).
-    Manual(Arc<dyn ManualDriver>),
-}
-
-impl fmt::Debug for Progress {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Progress::Thread => f.write_str("Thread"),
-            Progress::Manual(_) => f.write_str("Manual"),
-        }
-    }
-}
-
-/// Drives a manually progressed world (implemented by the simulator).
-pub trait ManualDriver: Send + Sync {
-    /// Makes progress; returns false when nothing more can happen.
-    fn drive(&self) -> bool;
-}
-
 struct ManualAdapter(Arc<dyn ManualDriver>);
 
 impl Driver for ManualAdapter {
     fn drive(&self) -> bool {
         self.0.drive()
-    }
-}
-
-/// Settings of a context. It will grow: start from `ContextOptions::default()` and set fields.
-#[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct ContextOptions {
-    /// How progress is made.
-    pub progress: Progress,
-    /// Time source.
-    pub clock: Arc<dyn Clock>,
-    /// How long a graceful close may take to deliver the sends already posted and its CLOSE before the connection
-    /// is torn down anyway (default 10 s).
-    pub linger: Duration,
-    /// How long a connect may take before it fails with a timeout.
-    pub connect_timeout: Duration,
-    /// Request/response traffic: how long an acknowledgment may wait for a reply to carry it (zero: never wait).
-    /// One-way traffic is always acknowledged at once.
-    pub ack_delay: Duration,
-    /// The shared receive pool (seed 003).
-    pub shared_recv: SharedRecv,
-    /// Keepalive: a connection that posted nothing for this long sends a probe, so a peer that vanished (host
-    /// down, cable pulled) is detected by the transport's retries even when the application is only waiting.
-    /// `None`: idle connections never probe. A peer *process* that dies is detected without it (its kernel
-    /// tears the connection down).
-    pub keepalive: Option<Duration>,
-    /// Connections the context holds at most (open, connecting, being accepted or closing). Requests beyond it are
-    /// refused (the peer sees `Refused`), and a `connect` fails with `TransportError::Resource`. Default 16,384.
-    pub max_connections: usize,
-    /// How memory is exposed to peers: a key per operation (the default), or UNH-EXS's key per region and
-    /// connection for peers that trust each other ([`crate::ExposurePolicy`]).
-    pub exposure: crate::ExposurePolicy,
-    /// Bytes of device-visible memory (registered, pinned on hardware) the context's connections may hold in
-    /// all: their control buffers and their stream buffers. A connection whose control buffers do not fit is
-    /// refused (incoming: the peer sees a refusal; outgoing: `connect` fails with `TransportError::Resource`); a
-    /// stream buffer that does not fit is not allocated, and the connection goes on with direct transfers into
-    /// the receives it advertises, retrying at its next receive. Memory regions the application allocates are its
-    /// own and not counted. Default 1 GiB (like the kernel's own cap on TCP buffers on a machine of a few tens of
-    /// GiB): about a thousand stream connections moving data at once with the default 1 MiB stream buffer (others
-    /// move theirs directly into the receives they advertise), twenty thousand idle ones, or two thousand
-    /// SOCK_SEQPACKET connections on libfabric (each posts its own receive buffers there; on verbs they share the
-    /// context's pool).
-    pub memory_budget: u64,
-}
-
-/// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
-/// receive memory does not grow with the number of connections (seed 003; `proto::pool` in the source).
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct SharedRecv {
-    /// `None` (default): use the pool when the transport has a shared receive queue. `Some(true)`: require it
-    /// (connections fail with `Unsupported` where there is none). `Some(false)`: each connection posts its own.
-    pub enabled: Option<bool>,
-    /// Buffers posted at first, and added each time the pool grows.
-    pub chunk_slots: u32,
-    /// Most buffers the pool grows to (also capped by the transport's queue depth).
-    pub max_slots: u32,
-    /// When fewer buffers than this are posted, the pool grows by a chunk.
-    pub low_watermark: u32,
-    /// Largest immediate payload a pool buffer holds (fixes the context's one slot size; a socket's
-    /// `small_packet_max_size` above it is limited to it).
-    pub small_packet_max_size: u32,
-}
-
-impl Default for SharedRecv {
-    fn default() -> Self {
-        SharedRecv {
-            enabled: None,
-            chunk_slots: 256,
-            max_slots: 16384,
-            low_watermark: 32,
-            small_packet_max_size: crate::options::SocketOptions::default().small_packet_max_size,
-        }
-    }
-}
-
-impl Default for ContextOptions {
-    fn default() -> Self {
-        ContextOptions {
-            progress: Progress::Thread,
-            clock: Arc::new(SystemClock),
-            linger: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(10),
-            ack_delay: Duration::from_micros(200),
-            shared_recv: SharedRecv::default(),
-            keepalive: Some(Duration::from_secs(10)),
-            max_connections: 16_384,
-            exposure: crate::ExposurePolicy::PerOperation,
-            memory_budget: 1 << 30,
-        }
     }
 }
 

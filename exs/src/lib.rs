@@ -145,6 +145,7 @@
 #![deny(missing_docs)]
 
 mod budget;
+mod config;
 mod context;
 mod engine;
 mod error;
@@ -178,9 +179,8 @@ mod wire;
 #[cfg(feature = "sim")]
 pub mod sim;
 
-pub use context::{
-    Clock, Context, ContextOptions, ManualDriver, Progress, SharedRecv, SystemClock,
-};
+pub use config::{Clock, ContextOptions, ManualDriver, Progress, SharedRecv, SystemClock};
+pub use context::Context;
 pub use error::{
     AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, FileError,
     MemoryError, OpError, OptionError, PollError, QueueFull, RecvError, SendError, SocketError,

@@ -16,7 +16,8 @@ use std::time::{Duration, Instant};
 
 use exs_dma::{DmaBuf, LeaseKind};
 
-use crate::context::{Clock, Context, ContextOptions, CtxInner};
+use crate::config::{Clock, ContextOptions};
+use crate::context::{Context, CtxInner};
 use crate::error::{
     AcceptError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError, SocketError,
     StateError, Violation,
@@ -218,7 +219,7 @@ pub(crate) struct Engine {
     /// and busy-poll rounds (see `progress_busy_round`).
     cm_skipped: u32,
     stats: EngineStats,
-    shared_recv: crate::context::SharedRecv,
+    shared_recv: crate::config::SharedRecv,
     pool: PoolState,
     pool_posts: Vec<WorkRequest>,
     /// Operations handed to the protocol, by identifier: their tickets, and reads not yet reported (a full

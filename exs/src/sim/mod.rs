@@ -34,7 +34,8 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::context::{Clock, Context, ContextOptions, ManualDriver, Progress};
+use crate::config::{Clock, ContextOptions, ManualDriver, Progress};
+use crate::context::Context;
 use crate::transport::{
     Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId,
     Op, PostError, Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport,

@@ -72,7 +72,7 @@ pub use open::fabric;
 pub use open::sim_addr;
 #[cfg(feature = "verbs")]
 pub use open::verbs;
-pub use open::{compiled, Backend};
+pub use open::{compiled, Backend, BackendKind, UnknownBackend};
 pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
 pub use progress::ProgressStats;
 pub use proto::link::LinkStats;

@@ -471,7 +471,7 @@ pub enum CmEvent {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum TransportError {
     /// No such device or provider; the list says what this machine has.
-    #[error("no such device or provider {wanted:?}; available: {}", if available.is_empty() { "none".to_string() } else { available.join(", ") })]
+    #[error("not found: {wanted}; available: {}", if available.is_empty() { "none".to_string() } else { available.join(", ") })]
     NotFound {
         /// What was asked for.
         wanted: String,
@@ -496,6 +496,17 @@ pub enum TransportError {
     /// The endpoint is unknown or gone.
     #[error("no such endpoint")]
     NoEndpoint,
+    /// A backend that was chosen (named by the user, or picked because it could serve) failed to open; `why`
+    /// says how it was chosen.
+    #[error("the {backend} backend ({why}) did not open: {error}")]
+    Backend {
+        /// The backend (`verbs`, `fabric`, `sim`).
+        backend: String,
+        /// How it was chosen, in plain words (`EXS_BACKEND=verbs`, `the only backend compiled in`).
+        why: String,
+        /// What opening it returned.
+        error: Box<TransportError>,
+    },
     /// A system call failed.
     #[error("{call}: {message}")]
     Os {
@@ -529,6 +540,7 @@ impl TransportError {
             TransportError::Invalid(_) => io::ErrorKind::InvalidInput,
             TransportError::NoEndpoint => io::ErrorKind::NotConnected,
             TransportError::Os { kind, .. } => *kind,
+            TransportError::Backend { error, .. } => error.io_kind(),
         }
     }
 }

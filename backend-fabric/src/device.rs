@@ -179,7 +179,7 @@ impl FabricTransport {
                 e
             } else {
                 TransportError::NotFound {
-                    wanted: cfg.provider.clone(),
+                    wanted: format!("libfabric provider {} (EXS_PROVIDER)", cfg.provider),
                     available,
                 }
             }

@@ -74,8 +74,18 @@ impl FabricTransport {
                         FI_ECONNREFUSED => ConnectFailure::Refused(Vec::new()),
                         FI_ETIMEDOUT => ConnectFailure::TimedOut,
                         113 | 101 => ConnectFailure::Unreachable, // EHOSTUNREACH, ENETUNREACH
+                        // ENOPROTOOPT, EPROTO, EIO: the tcp provider's handshake met bytes it does not parse, or
+                        // a close instead of its answer.
+                        92 | 71 | 5 => ConnectFailure::NotAPeer(strerror(ee.err.into())),
                         _ => ConnectFailure::Other(strerror(ee.err.into())),
                     };
+                    tracing::debug!(
+                        ?id,
+                        err = ee.err,
+                        ?reason,
+                        "fi_connect failed: {}",
+                        strerror(ee.err.into())
+                    );
                     if let Some(e) = self.eps.get_mut(&id) {
                         e.state = EpState::Down;
                         e.reported_down = true;

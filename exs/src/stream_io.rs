@@ -29,7 +29,7 @@ use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::time::Duration;
 
 use crate::context::Context;
-use crate::error::DequeueError;
+use crate::error::{DequeueError, OpError};
 use crate::event::{EventKind, EventQueue};
 use crate::memory::MemoryRegion;
 use crate::options::{MsgFlags, SockType};
@@ -244,7 +244,14 @@ impl Stream {
         let eq = EventQueue::new(8);
         sock.connect(addr, &eq, 0)?;
         let ev = eq.next(None).map_err(io::Error::from)?;
-        ev.status.map_err(io::Error::from)?;
+        ev.status.map_err(|e| match e {
+            // A connect timer ran out: nothing at `addr` finished exs's handshake (a silent server, or no host).
+            OpError::TimedOut => io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("connecting to {addr}: timed out; no exs peer answered"),
+            ),
+            other => io::Error::from(other),
+        })?;
         Self::from_socket(ctx, sock, eq)
     }
 

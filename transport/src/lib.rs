@@ -428,6 +428,9 @@ pub enum ConnectFailure {
     Unreachable,
     /// The peer did not answer in time.
     TimedOut,
+    /// Something answered at the address, but not in the transport's connection protocol (a plain TCP server
+    /// under libfabric's tcp provider): it is not an exs peer. The provider's own words, for debug logs.
+    NotAPeer(String),
     /// Anything else.
     Other(String),
 }

@@ -16,10 +16,15 @@ impl Engine {
             CmEvent::Established { ep, private } => self.on_established(ep, private),
             CmEvent::ConnectFailed { ep, reason } => {
                 if let Some(&sid) = self.eps.get(&ep) {
+                    let peer = self.sockets.get(&sid).and_then(|s| s.peer_addr);
                     let err = match reason {
                         ConnectFailure::Refused(_) => OpError::Refused,
                         ConnectFailure::Unreachable => OpError::Unreachable,
                         ConnectFailure::TimedOut => OpError::TimedOut,
+                        ConnectFailure::NotAPeer(why) => {
+                            tracing::debug!(?peer, %why, "connect: not an exs peer");
+                            OpError::NotAPeer(peer.map_or("the far end".into(), |a| a.to_string()))
+                        }
                         ConnectFailure::Other(s) => OpError::Transport(TransportError::Invalid(s)),
                     };
                     self.fail_connect(sid, err);

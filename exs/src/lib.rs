@@ -36,6 +36,7 @@ mod progress;
 mod proto;
 pub mod sendfile;
 pub mod socket;
+mod stats;
 mod stream_io;
 /// A crafted peer for tests (feature `testing`): a bare transport speaking the wire format, no engine.
 #[cfg(feature = "testing")]

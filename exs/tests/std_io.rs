@@ -69,3 +69,54 @@ fn connecting_where_nobody_listens_is_refused() {
     let e = Stream::connect_in(&client, world.addr(0, 9102)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
 }
+
+#[test]
+fn connection_stats_count_the_bytes_each_way_and_the_handshake() {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9120)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let len = 300_000;
+    let echo = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = vec![0u8; len];
+        s.read_exact(&mut buf).unwrap();
+        s.write_all(&buf).unwrap();
+        s
+    });
+    let mut c = Stream::connect_in(&client, addr).unwrap();
+    let data = pattern(len);
+    c.write_all(&data[..1000]).unwrap();
+    c.write_all(&data[1000..]).unwrap();
+    let mut back = vec![0u8; len];
+    c.read_exact(&mut back).unwrap();
+    let s = echo.join().unwrap();
+    // A send completes once the peer has the bytes; its event may trail the echo by a round of progress.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let stats = loop {
+        let st = c.socket().stats().expect("connected");
+        if st.bytes_sent == len as u64 || std::time::Instant::now() > deadline {
+            break st;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(
+        (stats.bytes_sent, stats.bytes_received),
+        (len as u64, len as u64),
+        "{stats}"
+    );
+    assert!(
+        stats.handshake.is_some_and(|d| d > Duration::ZERO),
+        "{stats}"
+    );
+    let theirs = s.socket().stats().expect("connected");
+    assert_eq!(theirs.bytes_received, len as u64, "{theirs}");
+    assert!(theirs.handshake.is_some(), "{theirs}");
+    let text = stats.to_string();
+    assert!(
+        text.starts_with(&format!(
+            "connection bytes_sent {len} bytes_received {len} handshake_us "
+        )),
+        "{text}"
+    );
+}

@@ -72,9 +72,11 @@ mod tests {
 
     #[test]
     fn stats_display_as_one_line_a_group_with_every_entry() {
-        let mut s = ConnStats::default();
-        s.bytes_sent = 12;
-        s.handshake = Some(std::time::Duration::from_micros(340));
+        let mut s = ConnStats {
+            bytes_sent: 12,
+            handshake: Some(std::time::Duration::from_micros(340)),
+            ..Default::default()
+        };
         s.stream.copied_bytes = 7;
         let text = s.to_string();
         let lines: Vec<&str> = text.lines().collect();

@@ -40,6 +40,9 @@ fn connect_failure(err: i32) -> ConnectFailure {
         FI_ECONNREFUSED => ConnectFailure::Refused(Vec::new()),
         FI_ETIMEDOUT => ConnectFailure::TimedOut,
         113 | 101 => ConnectFailure::Unreachable, // EHOSTUNREACH, ENETUNREACH
+        // ENOPROTOOPT, EPROTO, EIO: the tcp provider's handshake met bytes it does not parse, or a close instead of
+        // its answer.
+        92 | 71 | 5 => ConnectFailure::NotAPeer(strerror(err.into())),
         _ => ConnectFailure::Other(strerror(err.into())),
     }
 }
@@ -122,10 +125,15 @@ impl FabricTransport {
         }
         e.state = EpState::Down;
         e.reported_down = true;
-        Some(CmEvent::ConnectFailed {
-            ep: id,
-            reason: connect_failure(ee.err),
-        })
+        let reason = connect_failure(ee.err);
+        tracing::debug!(
+            ?id,
+            err = ee.err,
+            ?reason,
+            "fi_connect failed: {}",
+            strerror(ee.err.into())
+        );
+        Some(CmEvent::ConnectFailed { ep: id, reason })
     }
 
     /// A connection-management entry of `len` bytes in `buf` (header, then private data).

@@ -232,9 +232,11 @@ impl FabricTransport {
         let mut pep = ptr::null_mut();
         let ctx = (TAG_LISTENER | id.0 as usize) as *mut c_void;
         // SAFETY: open fabric and a valid info.
-        check("fi_passive_ep", unsafe {
-            exs_fi_passive_ep(self.dom.fab.fabric, info.0, &mut pep, ctx)
-        })?;
+        let ret = unsafe { exs_fi_passive_ep(self.dom.fab.fabric, info.0, &mut pep, ctx) };
+        if ret < 0 {
+            // The tcp provider binds here, so a taken address shows up at this call, not at fi_listen.
+            return Err(listen_error(addr, "fi_passive_ep", ret));
+        }
         // SAFETY: `pep` was just opened; binding it to our event queue, then listening.
         let ret = unsafe {
             let r = exs_fi_pep_bind(pep, &mut (*self.eq).fid, 0);
@@ -247,10 +249,7 @@ impl FabricTransport {
         if ret < 0 {
             // SAFETY: the passive endpoint is ours and unused.
             unsafe { exs_fi_close(&mut (*pep).fid) };
-            if ret.unsigned_abs() == 98 {
-                return Err(TransportError::AddrInUse(addr));
-            }
-            return Err(err("fi_listen", ret.into()));
+            return Err(listen_error(addr, "fi_listen", ret));
         }
         let mut buf = [0u8; 128];
         let mut len = buf.len();
@@ -424,5 +423,16 @@ impl FabricTransport {
             drop(unsafe { Box::from_raw(key as *mut WrRecord) });
         }
         self.cq_backlog.retain(|c| c.ep != ep);
+    }
+}
+
+/// What a failed `fi_passive_ep` or `fi_listen` means for the address, in plain words; the call and its code go
+/// to the debug log.
+fn listen_error(addr: SocketAddr, call: &str, ret: i32) -> TransportError {
+    tracing::debug!(%addr, call, ret, "listen failed: {}", strerror(ret.into()));
+    match ret.unsigned_abs() {
+        98 => TransportError::AddrInUse(addr),
+        99 => TransportError::AddrNotAvailable(format!("{addr} is not an address of this host")),
+        _ => err(call, ret.into()),
     }
 }

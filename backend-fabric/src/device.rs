@@ -30,10 +30,14 @@ pub(crate) fn err(call: &str, ret: i64) -> TransportError {
         61 => std::io::ErrorKind::NotFound, // FI_ENODATA
         _ => std::io::ErrorKind::Other,
     };
+    tracing::debug!(call, ret, "libfabric call failed: {}", strerror(ret));
     TransportError::Os {
-        call: call.into(),
+        call: exs_transport::CallError {
+            call: call.into(),
+            code: ret,
+        },
         kind,
-        message: format!("{} ({ret})", strerror(ret)),
+        message: exs_transport::plain_text(&strerror(ret)),
     }
 }
 
@@ -235,7 +239,7 @@ fn provider_info(cfg: &FabricConfig) -> Result<Info, TransportError> {
             e
         } else {
             TransportError::NotFound {
-                wanted: cfg.provider.clone(),
+                wanted: format!("libfabric provider {} (EXS_PROVIDER)", cfg.provider),
                 available,
             }
         }

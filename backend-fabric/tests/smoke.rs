@@ -59,7 +59,7 @@ fn unknown_provider_error_lists_the_available_ones() {
         .unwrap_err();
     match e {
         exs::TransportError::NotFound { wanted, available } => {
-            assert_eq!(wanted, "nosuchprov");
+            assert_eq!(wanted, "libfabric provider nosuchprov (EXS_PROVIDER)");
             assert!(available.iter().any(|p| p == "tcp"), "{available:?}");
             assert_eq!(available, providers());
         }

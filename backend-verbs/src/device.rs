@@ -157,6 +157,26 @@ fn resolve_device(
     ))
 }
 
+/// The name of the RDMA device that carries `addr` (rdma_cm binds a probe id to it), or why none does. Opens
+/// nothing that outlives the call; `exs::Context::from_env` asks this before it picks verbs on its own.
+pub fn device_for(addr: std::net::IpAddr) -> Result<String, TransportError> {
+    // SAFETY: creating an event channel has no preconditions; null means failure (errno set).
+    let ch = unsafe { rdma_create_event_channel() };
+    if ch.is_null() {
+        return Err(TransportError::NotFound {
+            wanted: format!(
+                "an RDMA device for {addr} (rdma_cm: {})",
+                std::io::Error::last_os_error()
+            ),
+            available: device_names(),
+        });
+    }
+    let found = resolve_device(ch, &VerbsConfig::new(addr)).map(|(_, name, _)| name);
+    // SAFETY: the channel is ours and its only id (the probe) was destroyed inside `resolve_device`.
+    unsafe { rdma_destroy_event_channel(ch) };
+    found
+}
+
 /// The largest inline payload a reliable-connected queue pair of this device accepts, found by creating (and
 /// destroying at once) queue pairs that are never connected: verbs reports it only per queue pair. Each try halves
 /// the request; a device that accepts none sends nothing inline.

@@ -57,6 +57,7 @@ mod post;
 mod queue;
 pub mod settings;
 use connection::Ep;
+pub use device::device_for;
 use memory::Pd;
 use post::{RecvRec, Refused};
 use queue::WrIds;

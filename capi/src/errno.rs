@@ -117,6 +117,7 @@ impl ToErrno for TransportError {
             TransportError::NotFound { .. } => libc::ENODEV,
             TransportError::Resource(_) => libc::ENOMEM,
             TransportError::NoEndpoint => libc::ENOTCONN,
+            TransportError::Backend { error, .. } => error.errno(),
             other => kind_errno(other.io_kind()),
         }
     }

@@ -142,6 +142,10 @@ pub enum OpError {
     /// The address could not be reached.
     #[error("address unreachable")]
     Unreachable,
+    /// Something answered the connection at this address (named), but not as an exs peer does: it is another
+    /// kind of server.
+    #[error("{0} is not an exs peer (it does not speak exs's connection handshake)")]
+    NotAPeer(String),
     /// The transport failed.
     #[error("transport failure: {0}")]
     Transport(TransportError),
@@ -179,6 +183,7 @@ impl OpError {
             | OpError::ConnectionReset
             | OpError::PeerMisbehaved(_)
             | OpError::Refused
+            | OpError::NotAPeer(_)
             | OpError::PersistentEnded => Blame::Peer,
             OpError::TimedOut | OpError::Unreachable | OpError::Transport(_) => Blame::Transport,
         }
@@ -196,6 +201,7 @@ impl OpError {
             OpError::Refused => io::ErrorKind::ConnectionRefused,
             OpError::TimedOut => io::ErrorKind::TimedOut,
             OpError::Unreachable => io::ErrorKind::HostUnreachable,
+            OpError::NotAPeer(_) => io::ErrorKind::InvalidData,
             OpError::Transport(e) => e.io_kind(),
             OpError::PersistentEnded => io::ErrorKind::NotFound,
         }

@@ -101,8 +101,9 @@
 //!
 //! With several backends compiled in, the program picks one at run time: [`Context::from_env`] reads
 //! `EXS_BACKEND` (`verbs`, `fabric`, `sim`) and the backend's settings (`EXS_ADDR` and `EXS_DEVICE` for verbs,
-//! `EXS_PROVIDER` and `EXS_DOMAIN` for libfabric); without `EXS_BACKEND` it takes the first compiled in of verbs,
-//! fabric and sim. [`Context::open`] takes a [`Backend`] and its configuration in code instead; [`compiled`] lists
+//! `EXS_PROVIDER` and `EXS_DOMAIN` for libfabric). Unset or `auto`, it takes verbs when an RDMA device carries
+//! `EXS_ADDR`, else libfabric, else the simulator when it is the only backend compiled in: features are additive, and
+//! [`Context::backend`] says which was taken. [`Context::open`] takes a [`Backend`] and its configuration in code instead; [`compiled`] lists
 //! what this build offers. The [backends chapter](manual::backends) of the manual has every setting.
 //!
 //! ## The main types
@@ -161,6 +162,7 @@ mod progress;
 mod proto;
 mod sendfile;
 mod socket;
+pub mod stats;
 mod stream_io;
 /// A crafted peer for tests (feature `testing`): a bare transport speaking the wire format, no engine.
 #[cfg(feature = "testing")]
@@ -195,27 +197,10 @@ pub use open::fabric;
 pub use open::sim_addr;
 #[cfg(feature = "verbs")]
 pub use open::verbs;
-pub use open::{compiled, Backend};
+pub use open::{compiled, Backend, BackendKind, UnknownBackend};
 pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
 pub use sendfile::{SENDFILE_CHUNK, SENDFILE_DEPTH};
 
-/// Counters, in one place: a context's ([`Context::stats`]: [`EngineStats`](stats::EngineStats), with its
-/// progress threads' [`ProgressStats`](stats::ProgressStats) and shared receive pool's
-/// [`PoolStats`](stats::PoolStats)), a connection's ([`Socket::stats`]: [`ConnStats`](stats::ConnStats) with its
-/// [`LinkStats`](stats::LinkStats) and its [`MessageStats`](stats::MessageStats) or
-/// [`StreamStats`](stats::StreamStats)), an event queue's ([`EventQueue::stats`]:
-/// [`QueueStats`](stats::QueueStats)), and the stream protocol's decisions ([`Socket::stream_trace`]:
-/// [`StreamTrace`](stats::StreamTrace)).
-pub mod stats {
-    pub use crate::engine::EngineStats;
-    pub use crate::event::QueueStats;
-    pub use crate::progress::ProgressStats;
-    pub use crate::proto::link::LinkStats;
-    pub use crate::proto::message::MessageStats;
-    pub use crate::proto::pool::PoolStats;
-    pub use crate::proto::stream::{StreamStats, StreamTrace};
-    pub use crate::socket::ConnStats;
-}
 pub use ids::{Readiness, SocketId};
 pub use socket::Socket;
 pub use stream_io::{default_context, Listener, Stream, StreamConfig};

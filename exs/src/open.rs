@@ -10,7 +10,8 @@
 //! # Ok::<(), exs::TransportError>(())
 //! ```
 //!
-//! A backend that is asked for but not compiled in is an error naming the ones that are.
+//! A backend that is asked for but not compiled in is an error naming the ones that are. With `EXS_BACKEND` unset
+//! (or `auto`) the choice follows the rules in `open/choose.rs`: features stay additive.
 
 #[cfg(feature = "sim")]
 use std::sync::OnceLock;
@@ -40,91 +41,125 @@ pub enum Backend {
     Sim,
 }
 
+mod choose;
+
+use choose::{choose, Choice};
+pub use choose::{BackendKind, UnknownBackend};
+
 /// The backends compiled into this build, in the order [`Backend::from_env`] prefers them.
 pub fn compiled() -> Vec<&'static str> {
-    [
-        cfg!(feature = "verbs").then_some("verbs"),
-        cfg!(feature = "fabric").then_some("fabric"),
-        cfg!(feature = "sim").then_some("sim"),
-    ]
-    .into_iter()
-    .flatten()
-    .collect()
+    compiled_kinds()
+        .into_iter()
+        .map(BackendKind::name)
+        .collect()
+}
+
+fn compiled_kinds() -> Vec<BackendKind> {
+    BackendKind::ALL
+        .into_iter()
+        .filter(|k| k.compiled_in())
+        .collect()
 }
 
 fn missing(name: &str) -> TransportError {
     TransportError::NotFound {
-        wanted: format!(
-            "backend {name:?} (not compiled in: enable the cargo feature of the same name)"
-        ),
+        wanted: format!("the {name} backend: not compiled in (enable exs's cargo feature {name})"),
         available: compiled().into_iter().map(String::from).collect(),
     }
 }
 
 impl Backend {
-    /// The backend the environment names: `EXS_BACKEND` (`verbs`, `fabric`, `sim`; default: the first compiled
-    /// in of those, in that order), with `EXS_ADDR` (verbs: an address of the RDMA device's interface, required)
+    /// The backend the environment names: `EXS_BACKEND` (`verbs`, `fabric`, `sim`, any case), or with it unset
+    /// or `auto`: verbs when an RDMA device carries `EXS_ADDR`, else libfabric, else the simulator when it is the
+    /// only backend compiled in. Then `EXS_ADDR` (verbs: an address of the RDMA device's interface, required)
     /// and `EXS_DEVICE` (verbs: the device that must carry it), `EXS_PROVIDER` (fabric, default `tcp`) and
     /// `EXS_DOMAIN` (fabric).
     pub fn from_env() -> Result<Backend, TransportError> {
-        Self::from_vars(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+        Self::from_vars(env_var)
     }
 
     /// [`Backend::from_env`] over any source of variables.
     pub fn from_vars(var: impl Fn(&str) -> Option<String>) -> Result<Backend, TransportError> {
-        let name = match var("EXS_BACKEND") {
-            Some(n) => n,
-            None => compiled()
-                .first()
-                .map(|s| s.to_string())
-                .ok_or_else(|| missing("any"))?,
-        };
-        match name.as_str() {
-            "verbs" => {
-                #[cfg(feature = "verbs")]
-                {
-                    let addr = var("EXS_ADDR").ok_or_else(|| {
-                        TransportError::AddrNotAvailable(
-                            "EXS_ADDR must name an IP address of the RDMA device's interface"
-                                .into(),
-                        )
-                    })?;
-                    let addr = addr.parse().map_err(|e| {
-                        TransportError::AddrNotAvailable(format!("EXS_ADDR {addr:?}: {e}"))
-                    })?;
-                    let mut cfg = verbs::VerbsConfig::new(addr);
-                    cfg.device = var("EXS_DEVICE");
-                    Ok(Backend::Verbs(cfg))
-                }
-                #[cfg(not(feature = "verbs"))]
-                Err(missing("verbs"))
-            }
-            "fabric" => {
-                #[cfg(feature = "fabric")]
-                {
-                    let mut cfg = fabric::FabricConfig::provider(
-                        &var("EXS_PROVIDER").unwrap_or_else(|| "tcp".into()),
-                    );
-                    cfg.domain = var("EXS_DOMAIN");
-                    Ok(Backend::Fabric(cfg))
-                }
-                #[cfg(not(feature = "fabric"))]
-                Err(missing("fabric"))
-            }
-            "sim" => {
-                #[cfg(feature = "sim")]
-                {
-                    Ok(Backend::Sim)
-                }
-                #[cfg(not(feature = "sim"))]
-                Err(missing("sim"))
-            }
-            other => Err(TransportError::NotFound {
-                wanted: format!("backend {other:?} (EXS_BACKEND: verbs, fabric or sim)"),
-                available: compiled().into_iter().map(String::from).collect(),
-            }),
+        Ok(Self::chosen(&var)?.0)
+    }
+
+    /// The kind of backend this is.
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            #[cfg(feature = "fabric")]
+            Backend::Fabric(_) => BackendKind::Fabric,
+            #[cfg(feature = "verbs")]
+            Backend::Verbs(_) => BackendKind::Verbs,
+            #[cfg(feature = "sim")]
+            Backend::Sim => BackendKind::Sim,
+            #[allow(unreachable_patterns)]
+            _ => unreachable!("Backend has no variant without a backend compiled in"),
         }
     }
+
+    fn chosen(var: &dyn Fn(&str) -> Option<String>) -> Result<(Backend, Choice), TransportError> {
+        let choice = choose(&compiled_kinds(), var, &choose::Devices)?;
+        let backend = Self::configure(choice.kind, var).map_err(|e| choice.failed(e))?;
+        Ok((backend, choice))
+    }
+
+    /// The configuration of `kind` from the variables.
+    fn configure(
+        kind: BackendKind,
+        var: &dyn Fn(&str) -> Option<String>,
+    ) -> Result<Backend, TransportError> {
+        match kind {
+            #[cfg(feature = "verbs")]
+            BackendKind::Verbs => {
+                let addr = var("EXS_ADDR").ok_or_else(|| {
+                    let devices = verbs::device_names();
+                    TransportError::AddrNotAvailable(format!(
+                        "EXS_ADDR is not set; verbs needs the IP address of an RDMA device's interface \
+                         (RDMA devices here: {})",
+                        if devices.is_empty() { "none".into() } else { devices.join(", ") }
+                    ))
+                })?;
+                let addr = addr.trim().parse().map_err(|_| {
+                    TransportError::AddrNotAvailable(format!(
+                        "EXS_ADDR={addr} is not an IP address"
+                    ))
+                })?;
+                let mut cfg = verbs::VerbsConfig::new(addr);
+                cfg.device = var("EXS_DEVICE");
+                Ok(Backend::Verbs(cfg))
+            }
+            #[cfg(feature = "fabric")]
+            BackendKind::Fabric => {
+                let mut cfg = fabric::FabricConfig::provider(
+                    &var("EXS_PROVIDER").unwrap_or_else(|| "tcp".into()),
+                );
+                cfg.domain = var("EXS_DOMAIN");
+                Ok(Backend::Fabric(cfg))
+            }
+            #[cfg(feature = "sim")]
+            BackendKind::Sim => Ok(Backend::Sim),
+            #[allow(unreachable_patterns)]
+            other => {
+                let _ = var;
+                Err(missing(other.name()))
+            }
+        }
+    }
+}
+
+impl Choice {
+    /// `error`, saying which backend was being opened and how it was chosen.
+    fn failed(&self, error: TransportError) -> TransportError {
+        TransportError::Backend {
+            backend: self.kind.name().into(),
+            why: self.why.clone(),
+            error: Box::new(error),
+        }
+    }
+}
+
+fn env_var(k: &str) -> Option<String> {
+    std::env::var(k).ok().filter(|v| !v.is_empty())
 }
 
 /// The process's simulated network (`Backend::Sim`).
@@ -171,13 +206,22 @@ impl Context {
         }
     }
 
-    /// Opens a context on the backend the environment names (see [`Backend::from_env`]); `EXS_EXPOSURE=trusted`
-    /// selects [`crate::ExposurePolicy::TrustedPeers`] (`per-operation`, the default, otherwise).
+    /// Opens a context on the backend the environment names (see [`Backend::from_env`]; the choice and why
+    /// are logged at info level, and [`Context::backend`] reports it); `EXS_EXPOSURE=trusted` selects
+    /// [`crate::ExposurePolicy::TrustedPeers`] (`per-operation`, the default, otherwise).
     pub fn from_env() -> Result<Context, TransportError> {
         let opts = crate::ContextOptions {
             exposure: crate::ExposurePolicy::from_env()?,
             ..Default::default()
         };
-        Context::open_with(&Backend::from_env()?, opts)
+        let (backend, choice) = Backend::chosen(&env_var)?;
+        tracing::info!(backend = %choice.kind, why = %choice.why, "exs backend chosen");
+        Context::open_with(&backend, opts).map_err(|e| choice.failed(e))
+    }
+
+    /// The kind of backend this context runs on (`None` for a transport made outside exs, through
+    /// [`Context::new`]).
+    pub fn backend(&self) -> Option<BackendKind> {
+        BackendKind::of_transport(&self.capabilities().name)
     }
 }

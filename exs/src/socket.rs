@@ -47,6 +47,14 @@ pub struct ConnStats {
     pub window_in: u32,
     /// Bytes of each.
     pub slot_size: usize,
+    /// Bytes of the sends (and sendfiles) that completed.
+    pub bytes_sent: u64,
+    /// Bytes of the receives that completed.
+    pub bytes_received: u64,
+    /// A round-trip estimate: how long the connection handshake took, from the connect (or, accepting, from the
+    /// request's arrival) to the connection being up. It includes the peer's own handling of the handshake, so it
+    /// is an upper bound of the network's round trip.
+    pub handshake: Option<std::time::Duration>,
 }
 
 struct Handle {

@@ -154,6 +154,9 @@ impl Backend for Fabric {
     fn describe(&self) -> String {
         format!("libfabric provider {} on {}", self.cfg.provider, self.addr)
     }
+    fn plain_tcp(&self) -> bool {
+        self.cfg.provider == "tcp" && self.addr.is_loopback()
+    }
 }
 
 #[cfg(feature = "verbs")]

@@ -63,6 +63,10 @@ pub trait Backend: Send + Sync {
     fn access_errors_reset(&self) -> bool {
         false
     }
+    /// Whether connections travel over plain TCP sockets of this host (libfabric's tcp provider).
+    fn plain_tcp(&self) -> bool {
+        false
+    }
 }
 
 /// A test: `Ok` or a message saying what broke.
@@ -81,6 +85,9 @@ pub enum Requires {
     PeerHost,
     /// Remote keys bound to one connection (not the documented fallback without memory windows).
     BoundKeys,
+    /// Connections over plain TCP sockets of this host (libfabric's tcp provider), so that a `std::net` socket can
+    /// play something that is not an exs peer.
+    PlainTcp,
 }
 
 /// A named test and what it needs.
@@ -107,6 +114,8 @@ impl Case {
                     .map(|why| format!("no second host across a link: {why}"))
             }),
             Requires::BoundKeys => backend.keys_unbound(),
+            Requires::PlainTcp => (!backend.plain_tcp())
+                .then(|| format!("{} does not connect over plain TCP sockets", backend.name())),
         }
     }
 }
@@ -125,5 +134,6 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::hostile::cases());
     v.extend(cases::keys::cases());
     v.extend(cases::leaks::cases());
+    v.extend(cases::errors::cases());
     v
 }

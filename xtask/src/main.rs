@@ -39,7 +39,8 @@ enum Cmd {
     },
     /// Benchmarks beside the peers (--quick: a subset in under 5 minutes): CSV, SVG plots, bench/<suite>.md.
     Bench(bench::BenchArgs),
-    /// A crate outside the workspace that depends on `exs` alone builds and runs the examples (part of `test`).
+    /// A crate outside the workspace that depends on `exs` alone builds and runs the examples, and a first program
+    /// with each backend feature alone and all together (part of `test`).
     Outside,
     /// The bounded soak on sim and libfabric tcp: random sizes, flags and closes, every byte checked.
     Soak(soak::SoakArgs),
@@ -84,7 +85,9 @@ fn main() {
         )),
         Cmd::Rxe(a) => rxe::run(a),
         Cmd::Soak(a) => soak::run(a),
-        Cmd::Outside => outside::run().map(|line| println!("{line}")),
+        Cmd::Outside => outside::run()
+            .and_then(|line| Ok(format!("{line}\n{}", outside::features::run()?)))
+            .map(|lines| println!("{lines}")),
         Cmd::Bench(a) => bench::run(a),
     };
     if let Err(e) = r {

@@ -2,6 +2,8 @@
 //! feature (`fabric`) and `tokio`, builds the examples of `exs/examples/` as its own, and runs each: the blocking
 //! echo, the file copy (a file checked byte for byte), the async echo and the hyper example.
 
+pub mod features;
+
 use std::path::Path;
 use std::process::Command;
 

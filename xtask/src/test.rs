@@ -540,6 +540,14 @@ pub fn run(args: TestArgs) -> Result<()> {
                 failures.push("outside crate".to_string());
             }
         }
+        // Issue 29: features are additive; each backend alone and all together, with no EXS_* variable.
+        match crate::outside::features::run() {
+            Ok(line) => summary.push(line),
+            Err(e) => {
+                summary.push(format!("features: {e}"));
+                failures.push("feature combinations".to_string());
+            }
+        }
         // Issue 30: the C library's layout, the C examples and the C API's tests, on libfabric tcp.
         crate::capi::host_stage(&mut summary, &mut failures);
     }

@@ -618,6 +618,9 @@ impl Engine {
             stream: conn.stream().map(|st| st.stats()).unwrap_or_default(),
             window_in: conn.link.window_in(),
             slot_size: conn.link.slot_size(),
+            bytes_sent: s.bytes_sent,
+            bytes_received: s.bytes_received,
+            handshake: s.handshake,
         })
     }
 

@@ -16,10 +16,15 @@ impl Engine {
             CmEvent::Established { ep, private } => self.on_established(ep, private),
             CmEvent::ConnectFailed { ep, reason } => {
                 if let Some(&sid) = self.eps.get(&ep) {
+                    let peer = self.sockets.get(&sid).and_then(|s| s.peer_addr);
                     let err = match reason {
                         ConnectFailure::Refused(_) => OpError::Refused,
                         ConnectFailure::Unreachable => OpError::Unreachable,
                         ConnectFailure::TimedOut => OpError::TimedOut,
+                        ConnectFailure::NotAPeer(why) => {
+                            tracing::debug!(?peer, %why, "connect: not an exs peer");
+                            OpError::NotAPeer(peer.map_or("the far end".into(), |a| a.to_string()))
+                        }
                         ConnectFailure::Other(s) => OpError::Transport(TransportError::Invalid(s)),
                     };
                     self.fail_connect(sid, err);
@@ -221,10 +226,25 @@ impl Engine {
         self.stats.connections += 1;
         let passive = sock.phase == Phase::Accepting;
         sock.phase = Phase::Open;
+        // The connect timer was set `connect_timeout` after the handshake began.
+        let now = self.clock.now();
+        sock.handshake = self
+            .timers
+            .get(sid, TimerKind::ConnectTimeout)
+            .and_then(|at| at.checked_sub(self.connect_timeout))
+            .map(|began| now.saturating_duration_since(began));
         self.timers.set(sid, TimerKind::ConnectTimeout, None);
         if sock.peer_addr.is_none() {
             sock.peer_addr = self.transport.peer_addr(ep);
         }
+        sock.span = tracing::debug_span!(
+            parent: None,
+            "exs_conn",
+            id = sid.0,
+            peer = ?sock.peer_addr,
+            backend = %self.caps.name
+        );
+        tracing::debug!(parent: &sock.span, handshake = ?sock.handshake, passive, "connection up");
         let ticket = sock.ticket.take();
         let early = std::mem::take(&mut sock.early);
         if let Some(t) = ticket {

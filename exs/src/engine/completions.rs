@@ -123,6 +123,7 @@ impl Engine {
     }
 
     pub(super) fn handle_completion(&mut self, sid: SocketId, c: Completion) {
+        let _span = self.conn_span(sid).entered();
         let pool_slot = Self::pool_slot(&c);
         let Some(sock) = self.sockets.get_mut(&sid) else {
             self.release_early(vec![c]);

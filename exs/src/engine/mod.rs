@@ -22,7 +22,7 @@ use crate::error::{
     AcceptError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError, SocketError,
     StateError, Violation,
 };
-use crate::event::{EventFlags, Ticket};
+use crate::event::{EventFlags, EventKind, Ticket};
 use crate::exposure::{ExposurePolicy, TrustedKeys};
 use crate::ids::{Readiness, SocketId};
 use crate::memory::Slice;
@@ -160,6 +160,14 @@ struct Sock {
     user_closed: bool,
     /// The listener this incoming connection belongs to until an `accept` hands it to the application.
     listener: Option<SocketId>,
+    /// Bytes of the sends and receives that completed successfully (`ConnStats`).
+    bytes_sent: u64,
+    bytes_received: u64,
+    /// From the connect (or the request's arrival) to the connection being up.
+    handshake: Option<Duration>,
+    /// The connection's tracing span (id, peer, backend), entered around its protocol work; disabled until the
+    /// connection is up, and whenever nothing subscribes at debug level.
+    span: tracing::Span,
 }
 
 impl Sock {
@@ -183,6 +191,10 @@ impl Sock {
             polls: Vec::new(),
             user_closed: false,
             listener: None,
+            bytes_sent: 0,
+            bytes_received: 0,
+            handshake: None,
+            span: tracing::Span::none(),
         }
     }
 
@@ -616,6 +628,9 @@ impl Engine {
                     flags,
                 } => {
                     if let Some((t, _)) = self.ops.remove(&id) {
+                        if status.is_ok() {
+                            count_bytes(&mut self.sockets, &t, bytes);
+                        }
                         t.complete(status, bytes, flags);
                     }
                 }
@@ -739,8 +754,16 @@ impl Engine {
         }
     }
 
+    /// The span of `sid`'s connection, to enter around its protocol work (a reference count, no allocation).
+    pub(super) fn conn_span(&self, sid: SocketId) -> tracing::Span {
+        self.sockets
+            .get(&sid)
+            .map_or_else(tracing::Span::none, |s| s.span.clone())
+    }
+
     /// Posts what a connection has ready, and moves a closing connection on once its CLOSE has left.
     fn flush(&mut self, sid: SocketId) {
+        let _span = self.conn_span(sid).entered();
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;
         };
@@ -836,4 +859,16 @@ fn link_rx_bytes(link: &Link) -> u64 {
 
 fn conn_rx_bytes(conn: &Conn) -> u64 {
     link_rx_bytes(&conn.link)
+}
+
+/// Adds a completed data operation's bytes to its socket's counters.
+fn count_bytes(sockets: &mut HashMap<SocketId, Sock>, t: &Ticket, bytes: usize) {
+    let (sid, kind) = t.counted();
+    if let Some(s) = sockets.get_mut(&sid) {
+        match kind {
+            EventKind::Send | EventKind::SendFile => s.bytes_sent += bytes as u64,
+            EventKind::Recv => s.bytes_received += bytes as u64,
+            _ => {}
+        }
+    }
 }

@@ -50,6 +50,11 @@ impl Ticket {
     }
 
     /// Completes the operation.
+    /// The socket and the kind of operation, for the connection's byte counters.
+    pub(crate) fn counted(&self) -> (SocketId, EventKind) {
+        (self.socket, self.kind)
+    }
+
     pub(crate) fn complete(mut self, status: Result<(), OpError>, bytes: usize, flags: EventFlags) {
         self.finish(status, bytes, flags, None, crate::ids::Readiness::default());
     }

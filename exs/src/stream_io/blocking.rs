@@ -118,7 +118,7 @@ impl Stream {
     ) -> io::Result<Stream> {
         super::each_addr(addr.to_socket_addrs()?, |a| {
             let (sock, eq) = super::start_connect(ctx, a)?;
-            super::end_connect(&sock, eq.next(cfg.connect_timeout))?;
+            super::end_connect(&sock, a, eq.next(cfg.connect_timeout))?;
             Self::from_socket(ctx, sock, cfg)
         })
     }

@@ -125,16 +125,28 @@ pub(crate) fn start_connect(ctx: &Context, addr: SocketAddr) -> io::Result<(Sock
     Ok((sock, eq))
 }
 
-/// The end of a connection attempt: its event, or the wait's error (a timeout ends the attempt).
-pub(crate) fn end_connect(sock: &Socket, ev: Result<Event, DequeueError>) -> io::Result<()> {
+/// The end of a connection attempt to `addr`: its event, or the wait's error (a timeout ends the attempt). A
+/// timeout says that nothing at `addr` finished exs's handshake (a silent server, or no host).
+pub(crate) fn end_connect(
+    sock: &Socket,
+    addr: SocketAddr,
+    ev: Result<Event, DequeueError>,
+) -> io::Result<()> {
+    let timed_out = || {
+        io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("connecting to {addr}: timed out; no exs peer answered"),
+        )
+    };
     match ev {
-        Ok(ev) => Ok(ev.status?),
+        Ok(ev) => match ev.status {
+            Ok(()) => Ok(()),
+            Err(crate::error::OpError::TimedOut) => Err(timed_out()),
+            Err(e) => Err(e.into()),
+        },
         Err(DequeueError::TimedOut) => {
             let _ = sock.abort();
-            Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the connection attempt timed out",
-            ))
+            Err(timed_out())
         }
         Err(e) => Err(e.into()),
     }

@@ -223,7 +223,7 @@ impl Stream {
             },
             None => Ok(next_event(&eq, &fd).await?),
         };
-        sio::end_connect(&sock, ev)?;
+        sio::end_connect(&sock, addr, ev)?;
         Self::from_socket(ctx, sock, cfg)
     }
 

@@ -1,5 +1,6 @@
 //! The tests, by topic.
 
+pub mod errors;
 pub mod extensions;
 pub mod first;
 pub mod hostile;

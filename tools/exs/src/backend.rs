@@ -48,7 +48,7 @@ pub enum Exposure {
 /// The policy of this process's contexts (one per process: `--exposure`, set when the backend is opened).
 static EXPOSURE: std::sync::OnceLock<exs::ExposurePolicy> = std::sync::OnceLock::new();
 
-fn context_options() -> Result<exs::ContextOptions> {
+pub fn context_options() -> Result<exs::ContextOptions> {
     let mut o = exs::ContextOptions::default();
     // Measurements hold thousands of idle connections (`exs ping --idle`): the library's default budget would
     // refuse them. What a client may make a server do is bounded by the server's own limits (`--max-idle`,

@@ -156,6 +156,7 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
                 ConnectFailure::Refused(_) => "refused".to_string(),
                 ConnectFailure::Unreachable => "unreachable".into(),
                 ConnectFailure::TimedOut => "no answer".into(),
+                ConnectFailure::NotAPeer(why) => format!("not an exs peer ({why})"),
                 ConnectFailure::Other(why) => why,
             }
         ),

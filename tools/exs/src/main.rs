@@ -73,13 +73,21 @@ fn info(a: InfoArgs) -> Result<()> {
     let ctx = opened.host()?;
     let c = ctx.capabilities();
     let verbs = backend::verbs_settings(&opened)?;
+    // The settings the tool's contexts open with.
+    let opts = backend::context_options()?;
     if a.json {
         let mut v = serde_json::json!({"tool": "exs-info", "compiled": backend::compiled(),
             "fabric_providers": providers, "rdma_devices": devices, "backend": opened.label(),
             "name": c.name, "max_message": c.max_message, "max_inline": c.max_inline, "max_sge": c.max_sge,
             "max_send_wr": c.max_send_wr, "max_recv_wr": c.max_recv_wr, "max_read_depth": c.max_read_depth,
             "native_write_imm": c.native_write_imm, "imm_consumes_recv": c.imm_consumes_recv,
-            "max_shared_recv": c.max_shared_recv});
+            "max_shared_recv": c.max_shared_recv,
+            "backend_kind": ctx.backend().map(|k| k.to_string()),
+            "settings": {"max_connections": opts.max_connections, "connect_timeout_ms": opts.connect_timeout.as_millis() as u64,
+                "linger_ms": opts.linger.as_millis() as u64, "memory_budget": opts.memory_budget,
+                "keepalive_ms": opts.keepalive.map(|d| d.as_millis() as u64),
+                "ack_delay_us": opts.ack_delay.as_micros() as u64, "exposure": format!("{:?}", opts.exposure)},
+            "connection_stats": exs::stats::ConnStats::default().entries().iter().map(|(n, _)| *n).collect::<Vec<_>>()});
         if let Some((json, _)) = verbs {
             v["verbs"] = json;
         }
@@ -94,7 +102,14 @@ fn info(a: InfoArgs) -> Result<()> {
     );
     #[cfg(feature = "verbs")]
     println!("RDMA devices: {devices}");
-    println!("{}:", c.name);
+    println!(
+        "{} (backend {}; contexts: at most {} connections, memory budget {} MiB, connect timeout {:?})",
+        c.name,
+        ctx.backend().map_or("unknown".into(), |k| k.to_string()),
+        opts.max_connections,
+        opts.memory_budget >> 20,
+        opts.connect_timeout
+    );
     println!(
         "  max message {} bytes, inline {} bytes, scatter/gather {}",
         c.max_message, c.max_inline, c.max_sge

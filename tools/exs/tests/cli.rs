@@ -275,6 +275,17 @@ fn every_subcommand_speaks_json() {
         .unwrap()
         .iter()
         .any(|b| b == "sim"));
+    assert_eq!(info[0]["backend_kind"], "sim");
+    assert!(info[0]["settings"]["connect_timeout_ms"].as_u64().unwrap() > 0);
+    let stats = info[0]["connection_stats"].as_array().unwrap();
+    for name in [
+        "bytes_sent",
+        "bytes_received",
+        "handshake_us",
+        "stream.copied_bytes",
+    ] {
+        assert!(stats.iter().any(|s| s == name), "{name} in {stats:?}");
+    }
     let soak = json_lines(&exs(&[
         "soak",
         "--backend",

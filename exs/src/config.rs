@@ -62,7 +62,7 @@ pub struct ContextOptions {
     /// Request/response traffic: how long an acknowledgment may wait for a reply to carry it (zero: never wait).
     /// One-way traffic is always acknowledged at once.
     pub ack_delay: Duration,
-    /// The shared receive pool (seed 003).
+    /// The shared receive pool (the shared receive queue design).
     pub shared_recv: SharedRecv,
     /// Keepalive: a connection that posted nothing for this long sends a probe, so a peer that vanished (host
     /// down, cable pulled) is detected by the transport's retries even when the application is only waiting.
@@ -88,8 +88,8 @@ pub struct ContextOptions {
     pub memory_budget: u64,
 }
 
-/// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so
-/// receive memory does not grow with the number of connections (seed 003; `proto::pool` in the source).
+/// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so receive
+/// memory does not grow with the number of connections (the shared receive queue design; `proto::pool` in the source).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SharedRecv {

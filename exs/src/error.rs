@@ -46,7 +46,7 @@ pub enum Violation {
         /// The control-buffer credits we granted the peer.
         window: u32,
     },
-    /// More advertisements arrived than the advert credits we granted (seed 002, 3.2).
+    /// More advertisements arrived than the advert credits we granted (the UNH-EXS paper, 3.2).
     #[error("the peer sent advertisement {seq} beyond its {credits} advert credits")]
     AdvertOverrun {
         /// Sequence number of the advertisement that overran.
@@ -94,7 +94,7 @@ pub enum Violation {
     /// An advertised length or address range does not fit.
     #[error("advertised range is invalid: {0}")]
     BadRange(String),
-    /// A stream-protocol rule (phase, sequence, stream buffer) was broken (seed 001).
+    /// A stream-protocol rule (phase, sequence, stream buffer) was broken (the dynamic stream protocol).
     #[error("stream protocol violation: {0}")]
     Stream(String),
     /// A message of a kind that this socket type or state does not accept.
@@ -105,7 +105,7 @@ pub enum Violation {
         /// Why it is not accepted here (the socket type or state).
         context: &'static str,
     },
-    /// A persistent operation was refused by the rules of seed 002, 4.3.
+    /// A persistent operation was refused by the rules of the UNH-EXS paper, 4.3.
     #[error("persistent operation refused: {0}")]
     Persistent(String),
     /// RDMA access by the peer was rejected by the hardware (bad key, bad bounds).
@@ -152,7 +152,7 @@ pub enum OpError {
     /// `sendfile`: reading the file failed after part of it had been sent.
     #[error("{0}")]
     File(FileError),
-    /// An offset receive found that the peer had ended its persistent send (seed 002, 4.4).
+    /// An offset receive found that the peer had ended its persistent send (the UNH-EXS paper, 4.4).
     #[error("the peer ended its persistent send")]
     PersistentEnded,
 }
@@ -290,7 +290,7 @@ pub enum StateError {
     /// The operation does not apply to this socket type.
     #[error("operation not supported on a {0} socket")]
     WrongType(&'static str),
-    /// A rule of persistent operations (seed 002, 4.2-4.4) forbids this now.
+    /// A rule of persistent operations (the UNH-EXS paper, 4.2-4.4) forbids this now.
     #[error("persistent operations: {0}")]
     Persistent(&'static str),
     /// An offset transfer would reach outside the peer's persistent memory.

@@ -1,11 +1,12 @@
-//! Event queues (ES-API `exs_qcreate`, `exs_qdequeue`) and the adaptive completion wait of seed 004.
+//! Event queues (ES-API `exs_qcreate`, `exs_qdequeue`) and the adaptive completion wait (US patent 7,577,712,
+//! *Efficient event completion in UDAPL*).
 //!
 //! Every asynchronous call names an [`EventQueue`] and a user context value; it completes with exactly one
 //! [`Event`]. A queue of depth `d` accepts at most `d` operations that have not been dequeued yet: the slot is
 //! reserved when the operation starts, so completion never overflows the queue, and starting one more returns
 //! [`QueueFull`] (EAGAIN).
 //!
-//! ## The adaptive wait (seed 004, US 7,577,712)
+//! ## The adaptive wait
 //! `dequeue(min, max, timeout)` in [`WaitMode::Adaptive`]:
 //! 1. poll the queue once (and, with `spin > 0`, up to `spin` more times: "the alternative embodiment");
 //! 2. if fewer than `min` events were found, **block until at least the number still missing has arrived**;
@@ -49,7 +50,7 @@ pub enum EventKind {
     /// A shutdown finished. (There is no close event: `Socket::close` returns at once, and the sends it lets
     /// finish report with their own events, the last of them when the close has delivered everything.)
     Shutdown,
-    /// A persistent send with notification was read by the peer (seed 002, 4.2).
+    /// A persistent send with notification was read by the peer (the UNH-EXS paper, 4.2).
     ReadNotify,
 }
 
@@ -104,7 +105,8 @@ impl fmt::Debug for Event {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum WaitMode {
-    /// Seed 004: poll once (plus `spin` more polls), then block until the missing count has arrived, then drain.
+    /// The adaptive completion wait: poll once (plus `spin` more polls), then block until the missing count has
+    /// arrived, then drain.
     Adaptive {
         /// Extra polls before blocking (0: the patent's main embodiment).
         spin: u32,
@@ -395,7 +397,8 @@ impl EventQueue {
         Ok(fd.as_fd())
     }
 
-    /// Waits until every outstanding operation has completed (seed 004's default count: all still expected).
+    /// Waits until every outstanding operation has completed (the adaptive completion wait's default count: all still
+    /// expected).
     pub fn wait_all(&self, timeout: Option<Duration>) -> Result<Vec<Event>, DequeueError> {
         let mut out = Vec::new();
         loop {

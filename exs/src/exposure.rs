@@ -4,14 +4,14 @@
 //! receive gets a key of its own, naming exactly its range, bound to the one connection it is handed to and revoked
 //! when the operation ends (a memory-window bind, or a key-table entry, per operation: `Transport::expose`).
 //!
-//! **Trusted peers** ([`ExposurePolicy::TrustedPeers`]): the UNH-EXS model (seed 002, section 4: `exs_mregister`
-//! registers once and the registration's key is what peers use). The first operation on a region over a
-//! connection exposes the *whole* region to that connection (one key per region, connection and access) and the
-//! key stays valid until the connection goes or the region is deregistered; every later operation hands out the
-//! same key with its own address, and costs no transport call. The key still works on that connection only where
-//! the backend binds keys to connections. What is given up: between operations, and outside the ranges the
-//! protocol hands out, the peer *can* read (and, for regions used to receive, write) any byte of the region; the
-//! application trusts it not to. The per-operation leases are still taken, so exs's own accesses keep their rules.
+//! **Trusted peers** ([`ExposurePolicy::TrustedPeers`]): the UNH-EXS model (the UNH-EXS paper, section 4:
+//! `exs_mregister` registers once and the registration's key is what peers use). The first operation on a region over a
+//! connection exposes the *whole* region to that connection (one key per region, connection and access) and the key
+//! stays valid until the connection goes or the region is deregistered; every later operation hands out the same key
+//! with its own address, and costs no transport call. The key still works on that connection only where the backend
+//! binds keys to connections. What is given up: between operations, and outside the ranges the protocol hands out, the
+//! peer *can* read (and, for regions used to receive, write) any byte of the region; the application trusts it not to.
+//! The per-operation leases are still taken, so exs's own accesses keep their rules.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

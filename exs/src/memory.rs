@@ -165,13 +165,13 @@ impl MemoryRegion {
     }
 
     /// Copies bytes out. Refused while a pending receive may be writing the range; allowed alongside a persistent
-    /// receive, in which case the bytes may be a mixture of old and new (seed 002, 4.3).
+    /// receive, in which case the bytes may be a mixture of old and new (the UNH-EXS paper, 4.3).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), BufferError> {
         Ok(self.inner.buf.read_at(offset, dst)?)
     }
 
     /// Copies bytes in. Refused while a pending send exposes the range; allowed alongside a persistent send
-    /// (seed 002, 4.2: the sender keeps updating what the peer samples).
+    /// (the UNH-EXS paper, 4.2: the sender keeps updating what the peer samples).
     pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), BufferError> {
         Ok(self.inner.buf.write_at(offset, src)?)
     }

@@ -5,9 +5,9 @@ use crate::error::OptionError;
 /// Socket type (ES-API `exs_socket(domain, type, protocol)`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SockType {
-    /// SOCK_SEQPACKET: reliable messages with boundaries (message mode, seed 002 section 3).
+    /// SOCK_SEQPACKET: reliable messages with boundaries (message mode, the UNH-EXS paper section 3).
     SeqPacket,
-    /// SOCK_STREAM: a byte stream with TCP's semantics (the dynamic stream protocol, seed 001).
+    /// SOCK_STREAM: a byte stream with TCP's semantics (the dynamic stream protocol, the dynamic stream protocol).
     Stream,
 }
 
@@ -30,9 +30,9 @@ impl MsgFlags {
     pub const NONE: MsgFlags = MsgFlags(0);
     /// Stream receive: complete only when the whole buffer is full (MSG_WAITALL).
     pub const WAITALL: MsgFlags = MsgFlags(1);
-    /// Persistent send or receive (EXS_PERSISTENT, seed 002 sections 4.2 and 4.3).
+    /// Persistent send or receive (EXS_PERSISTENT, the UNH-EXS paper sections 4.2 and 4.3).
     pub const PERSISTENT: MsgFlags = MsgFlags(2);
-    /// Persistent send: an event each time the peer has read the buffer (seed 002, 4.2).
+    /// Persistent send: an event each time the peer has read the buffer (the UNH-EXS paper, 4.2).
     pub const NOTIFY: MsgFlags = MsgFlags(4);
 
     /// Whether all flags of `other` are set.
@@ -52,14 +52,15 @@ impl std::ops::BitOr for MsgFlags {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SocketOptions {
-    /// Advertisements we want to have outstanding (seed 002, 3.2 "send_credits"). Before connect. 1..=4096.
+    /// Advertisements we want to have outstanding (the UNH-EXS paper, 3.2 "send_credits"). Before connect. 1..=4096.
     pub send_credits: u16,
     /// Advertisements we accept outstanding from the peer ("recv_credits"). Before connect. 1..=4096.
     pub recv_credits: u16,
-    /// Sends up to this size travel as immediate data in the advertisement (seed 002, 4.1). Before connect.
+    /// Sends up to this size travel as immediate data in the advertisement (the UNH-EXS paper, 4.1). Before connect.
     /// 0..=[`SocketOptions::MAX_SMALL`].
     pub small_packet_max_size: u32,
-    /// Stream sockets: bytes of the intermediate stream buffer (seed 001). Before connect. 64..=1 GiB.
+    /// Stream sockets: bytes of the intermediate stream buffer (the dynamic stream protocol). Before connect. 64..=1
+    /// GiB.
     pub stream_buffer_size: u32,
     /// Stream sockets: allocate, register and expose the stream buffer as soon as the connection is up, rather
     /// than when the peer first needs it. Saves the peer's first indirect transfer one round trip; costs the

@@ -1,4 +1,4 @@
-//! Sockets: the ES-API calls of seed 002, Figure 2.
+//! Sockets: the ES-API calls of the UNH-EXS paper, Figure 2.
 //!
 //! | ES-API              | here                         |
 //! |---------------------|------------------------------|
@@ -247,8 +247,8 @@ impl Socket {
         })
     }
 
-    /// Writes `buf` at `offset` inside the peer's persistent receive buffer (UNH-EXS `exs_send_offset`, seed 002
-    /// 4.4), completing when the write has. Outside that buffer, or with no persistent receive at the peer, it is
+    /// Writes `buf` at `offset` inside the peer's persistent receive buffer (UNH-EXS `exs_send_offset`, the UNH-EXS
+    /// paper 4.4), completing when the write has. Outside that buffer, or with no persistent receive at the peer, it is
     /// refused at once ([`StateError::OffsetOutOfRange`], [`StateError::Persistent`]).
     pub fn send_offset(
         &self,
@@ -347,7 +347,7 @@ impl Socket {
         eq.reserve(kind, context, self.h.id)
     }
 
-    /// Ends this side's persistent send and persistent receive (`EXS_PERSISTENT`, seed 002 4.2 and 4.3). Their
+    /// Ends this side's persistent send and persistent receive (`EXS_PERSISTENT`, the UNH-EXS paper 4.2 and 4.3). Their
     /// events (`Send`, `Recv`, status Ok) come once the peer has stopped touching the memory; only then is its
     /// key revoked.
     pub fn end_persistent(&self) -> Result<(), StateError> {

@@ -11,14 +11,14 @@
 //!
 //! * `credits`: control-buffer credits returned to the peer (the link layer, `proto::link` in the source).
 //! * `ack` (valid when `flags & FLAG_ACK`): cumulative count of the peer's message-mode advertisements whose data
-//!   transfer finished (seed 002, 3.2: the acknowledgment that completes a send and returns its credit), so an
+//!   transfer finished (the UNH-EXS paper, 3.2: the acknowledgment that completes a send and returns its credit), so an
 //!   acknowledgment rides on any message going the other way.
 //! * `flags & FLAG_MORE`: another control message follows this one (and its inline data) in the same buffer.
 //!   Messages queued while an earlier control send is still in flight go out together, several per send and per
 //!   receive buffer (one provider call and one link credit for many small messages). Nothing follows a
 //!   CLOSE in a buffer.
 //!
-//! Data itself never travels in control messages except as the immediate data of seed 002, 4.1. Stream data
+//! Data itself never travels in control messages except as the immediate data of the UNH-EXS paper, 4.1. Stream data
 //! travels by RDMA write-with-immediate; its 32-bit immediate is described by [`Imm`].
 
 use std::fmt;
@@ -91,7 +91,7 @@ pub enum WireError {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum Kind {
-    /// Message mode: a send advertises its buffer (seed 002, 3.1).
+    /// Message mode: a send advertises its buffer (the UNH-EXS paper, 3.1).
     Advert = 1,
     /// Message mode: acknowledgment only (the `ack` header field), when nothing else goes the other way.
     Ack = 2,
@@ -99,13 +99,13 @@ pub enum Kind {
     Credit = 3,
     /// The sender closes or shuts down its side.
     Close = 4,
-    /// Stream mode: the receiver advertises a receive buffer (seed 001).
+    /// Stream mode: the receiver advertises a receive buffer (the dynamic stream protocol).
     StreamAdvert = 5,
     /// Stream mode: the receiver reports stream-buffer space it has freed.
     StreamWindow = 6,
-    /// Persistent send: the peer has read the persistent buffer (seed 002, 4.2, the "notify" variant).
+    /// Persistent send: the peer has read the persistent buffer (the UNH-EXS paper, 4.2, the "notify" variant).
     ReadNotify = 7,
-    /// Offsets (seed 002, 4.4): write into the peer's persistent receive buffer at an offset, done.
+    /// Offsets (the UNH-EXS paper, 4.4): write into the peer's persistent receive buffer at an offset, done.
     OffsetWritten = 8,
     /// A persistent send or receive ends (or, echoed, its end is confirmed).
     PersistentEnd = 9,
@@ -158,13 +158,13 @@ impl Kind {
 pub struct AdvertFlags(pub u32);
 
 impl AdvertFlags {
-    /// The data follows the advertisement inline (seed 002, 4.1, "immediate data").
+    /// The data follows the advertisement inline (the UNH-EXS paper, 4.1, "immediate data").
     pub const IMMEDIATE: u32 = 1;
-    /// The buffer stays exposed for repeated reads by the peer's receives (seed 002, 4.2).
+    /// The buffer stays exposed for repeated reads by the peer's receives (the UNH-EXS paper, 4.2).
     pub const PERSISTENT: u32 = 2;
     /// With PERSISTENT: the sender wants a READ_NOTIFY each time the peer has read it.
     pub const NOTIFY: u32 = 4;
-    /// The buffer is a persistent receive: the peer may write it (at offsets) (seed 002, 4.3 and 4.4).
+    /// The buffer is a persistent receive: the peer may write it (at offsets) (the UNH-EXS paper, 4.3 and 4.4).
     pub const PERSISTENT_RECV: u32 = 8;
     const KNOWN: u32 = Self::IMMEDIATE | Self::PERSISTENT | Self::NOTIFY | Self::PERSISTENT_RECV;
 
@@ -175,7 +175,7 @@ impl AdvertFlags {
 }
 
 /// A message-mode advertisement: "the size and the starting address of the data block to be sent, and a memory
-/// registration handle that gives the receiving side permission to transfer the block" (seed 002, 3.1).
+/// registration handle that gives the receiving side permission to transfer the block" (the UNH-EXS paper, 3.1).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Advert {
     /// Sequence number of this advertisement on the connection (wrapping).
@@ -206,8 +206,8 @@ pub enum CloseReason {
     StopReceiving = 4,
 }
 
-/// A stream-mode advertisement of a receive buffer (seed 001): address, length, key, the estimated next
-/// sequence number and the phase, plus the stream-buffer space freed so far (piggybacked window update).
+/// A stream-mode advertisement of a receive buffer (the dynamic stream protocol): address, length, key, the estimated
+/// next sequence number and the phase, plus the stream-buffer space freed so far (piggybacked window update).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamAdvert {
     /// Remote address of the receive buffer.
@@ -216,9 +216,9 @@ pub struct StreamAdvert {
     pub rkey: u64,
     /// Length of the receive buffer.
     pub len: u64,
-    /// Estimated next-expected sequence number ("source seqno", seed 001).
+    /// Estimated next-expected sequence number ("source seqno", the dynamic stream protocol).
     pub seq: u64,
-    /// Phase number (seed 001).
+    /// Phase number (the dynamic stream protocol).
     pub phase: u32,
     /// Whether the receive has MSG_WAITALL (the advert may be consumed by several transfers).
     pub waitall: bool,
@@ -226,7 +226,7 @@ pub struct StreamAdvert {
     pub consumed: u64,
 }
 
-/// Persistent-receive data written at an offset (seed 002, 4.4): the writer tells the owner what changed.
+/// Persistent-receive data written at an offset (the UNH-EXS paper, 4.4): the writer tells the owner what changed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct OffsetWritten {
     /// Offset inside the persistent receive buffer.
@@ -348,7 +348,7 @@ impl Message {
     }
 
     /// Encodes into `out` (at least [`Message::encoded_len`] bytes) and returns the bytes written.
-    /// Immediate data is not copied: the sender gathers it from the user's buffer (seed 002, 4.1).
+    /// Immediate data is not copied: the sender gathers it from the user's buffer (the UNH-EXS paper, 4.1).
     pub fn encode(&self, out: &mut [u8]) -> usize {
         self.encode_framed(out, false)
     }
@@ -440,11 +440,11 @@ pub struct Handshake {
     pub ctrl_window: u16,
     /// Bytes each of those buffers holds (header + immediate data).
     pub slot_size: u16,
-    /// Advertisements the sender wants to have outstanding (seed 002, 3.2, "send_credits").
+    /// Advertisements the sender wants to have outstanding (the UNH-EXS paper, 3.2, "send_credits").
     pub send_credits: u16,
     /// Advertisements the sender is prepared to receive ("recv_credits").
     pub recv_credits: u16,
-    /// The sender's small_packet_max_size (seed 002, 4.1).
+    /// The sender's small_packet_max_size (the UNH-EXS paper, 4.1).
     pub small_max: u32,
     /// Stream mode: the sender's intermediate stream buffer (zero length when none).
     pub stream_len: u32,
@@ -532,11 +532,11 @@ impl Handshake {
 
 /// The 32-bit immediate of a stream-mode RDMA write-with-immediate.
 ///
-/// Bit 31 tells a direct transfer (into the advertised receive buffer, seed 001 Figure 1) from an indirect one
-/// (into the intermediate stream buffer, Figure 2); bits 0-30 carry the length. Lengths up to 2^31 - 1 fit, so a
-/// transfer of any size is split into chunks of at most [`Imm::MAX_LEN`] bytes (never a 16-bit field, which
-/// could not describe a 64 KiB transfer). Where the target does not report the length of a
-/// write-with-immediate (libfabric tcp reports 0), the immediate is the only source of truth.
+/// Bit 31 tells a direct transfer (into the advertised receive buffer, Figure 1 of the dynamic stream protocol) from an
+/// indirect one (into the intermediate stream buffer, Figure 2); bits 0-30 carry the length. Lengths up to 2^31 - 1
+/// fit, so a transfer of any size is split into chunks of at most [`Imm::MAX_LEN`] bytes (never a 16-bit field, which
+/// could not describe a 64 KiB transfer). Where the target does not report the length of a write-with-immediate
+/// (libfabric tcp reports 0), the immediate is the only source of truth.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Imm {
     /// Direct transfer of this many bytes into the receive at the head of the queue.

@@ -54,7 +54,7 @@ fn timeout_with_nothing_is_an_error_and_partial_is_returned() {
     assert!(q.dequeue(&mut out, 0, 0, None).is_err());
 }
 
-/// Seed 004: a batch of n completions costs one sleep and one wake-up, not n.
+/// The adaptive completion wait: a batch of n completions costs one sleep and one wake-up, not n.
 #[test]
 fn adaptive_wait_blocks_once_per_batch() {
     let q = EventQueue::new(64);

@@ -59,7 +59,7 @@ impl Ticket {
         self.finish(status, bytes, flags, None, crate::ids::Readiness::default());
     }
 
-    /// An extra event for a long-lived operation (a persistent send's read notification, seed 002 4.2), with
+    /// An extra event for a long-lived operation (a persistent send's read notification, the UNH-EXS paper 4.2), with
     /// the ticket's context value. It takes a free slot of the queue if there is one; when the queue is full it is
     /// not queued and `false` comes back, so the caller can fold it into the next one.
     pub(crate) fn notify(&self, kind: EventKind, bytes: usize) -> bool {

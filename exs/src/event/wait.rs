@@ -1,5 +1,5 @@
-//! How a dequeue waits (seed 004): the adaptive, blocking and busy-polling modes, leading a context's progress
-//! while it sleeps, and driving a manual (simulated) world.
+//! How a dequeue waits (the adaptive completion wait): the adaptive, blocking and busy-polling modes, leading a
+//! context's progress while it sleeps, and driving a manual (simulated) world.
 
 use super::*;
 

@@ -4,8 +4,8 @@
 //! and a writer in different threads or tasks never take each other's completions.
 //!
 //! **Reading.** The receive buffer is cut into [`StreamConfig::recv_pieces`] receives, all posted ahead: each is
-//! advertised to the peer, whose sends go straight into it (seed 001's direct transfer), so the wire fills the
-//! next receive while the application copies out of the last one. A receive completes with whatever arrived
+//! advertised to the peer, whose sends go straight into it (the dynamic stream protocol's direct transfer), so the wire
+//! fills the next receive while the application copies out of the last one. A receive completes with whatever arrived
 //! (1 byte up to its length); the reader copies completed receives out in order and posts each again once empty.
 //!
 //! **Writing.** The send buffer is a ring: a write copies into the free space after the bytes in flight and posts

@@ -54,10 +54,10 @@ pub(crate) use core::{Reader, Writer};
 
 /// How a stream of this module buffers; the defaults suit bulk transfers and request/response alike.
 ///
-/// Memory per stream: `recv_buffer` from the start (its receives are posted at once), `send_buffer` from the
-/// first write; both registered with the context. The protocol's own stream buffer (seed 001's intermediate
-/// buffer, [`SocketOption::StreamBufferSize`](crate::SocketOption::StreamBufferSize), 1 MiB) comes on top, and
-/// only once the peer writes when no receive is advertised.
+/// Memory per stream: `recv_buffer` from the start (its receives are posted at once), `send_buffer` from the first
+/// write; both registered with the context. The protocol's own stream buffer (the dynamic stream protocol's
+/// intermediate buffer, [`SocketOption::StreamBufferSize`](crate::SocketOption::StreamBufferSize), 1 MiB) comes on top,
+/// and only once the peer writes when no receive is advertised.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct StreamConfig {

@@ -40,9 +40,10 @@ fn connect_failure(err: i32) -> ConnectFailure {
         FI_ECONNREFUSED => ConnectFailure::Refused(Vec::new()),
         FI_ETIMEDOUT => ConnectFailure::TimedOut,
         113 | 101 => ConnectFailure::Unreachable, // EHOSTUNREACH, ENETUNREACH
-        // ENOPROTOOPT, EPROTO, EIO: the tcp provider's handshake met bytes it does not parse, or a close instead of
-        // its answer.
-        92 | 71 | 5 => ConnectFailure::NotAPeer(strerror(err.into())),
+        // ENOPROTOOPT, EPROTO, EIO, EINPROGRESS, ECONNRESET: the TCP connection was made, but the tcp provider's
+        // handshake met bytes it does not parse, or a close or reset instead of its answer (which of these depends
+        // on when the close lands).
+        92 | 71 | 5 | 115 | 104 => ConnectFailure::NotAPeer(strerror(err.into())),
         _ => ConnectFailure::Other(strerror(err.into())),
     }
 }

@@ -312,7 +312,7 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
                         .map_err(|e| e.to_string())?;
                 }
                 while !stop.load(Ordering::Relaxed) {
-                    let ev = next(&p.eq_a)?;
+                    let ev = next(&p.eq_a).map_err(|e| format!("the flooding sender, {e}"))?;
                     ensure!(ev.is_ok(), "flood send: {ev:?}");
                     n += 1;
                     let i = ev.context as usize;
@@ -370,12 +370,13 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
                         .map_err(|e| e.to_string())?;
                     c2.send(&eq_c, &ping.all(), MsgFlags::NONE, i)
                         .map_err(|e| e.to_string())?;
-                    let r = next(&eq_s)?;
+                    let r = next(&eq_s).map_err(|e| format!("ping {i} beside the flood, {e}"))?;
                     ensure!(r.is_ok() && r.kind == EventKind::Recv, "ping {i}: {r:?}");
                     s2.send(&eq_s, &pong.all(), MsgFlags::NONE, i)
                         .map_err(|e| e.to_string())?;
                     for _ in 0..2 {
-                        let ev = next(&eq_c)?;
+                        let ev =
+                            next(&eq_c).map_err(|e| format!("pong {i} beside the flood, {e}"))?;
                         ensure!(ev.is_ok(), "pong {i}: {ev:?}");
                     }
                     ensure!(next(&eq_s)?.is_ok(), "pong send {i}");
@@ -384,7 +385,8 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
                 // And a new connection, while the flood goes on.
                 let eq3 = EventQueue::new(8);
                 let t = std::time::Instant::now();
-                let _third = connect(&p.a, &eq3)?;
+                let _third =
+                    connect(&p.a, &eq3).map_err(|e| format!("a connect beside the flood, {e}"))?;
                 Ok(slowest.max(t.elapsed()))
             })();
             stop.store(true, Ordering::Relaxed);

@@ -403,7 +403,7 @@ pub fn run(args: TestArgs) -> Result<()> {
         "--workspace",
         "--all-targets",
         "--features",
-        "exs-conformance/fabric,exs-conformance/softroce,exs/tokio",
+        "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce,exs/tokio",
     ]))?;
     if !only_conformance {
         // Lints are part of the test: every crate, every target, every backend feature, warnings denied.

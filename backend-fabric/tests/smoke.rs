@@ -14,7 +14,7 @@ fn tcp_provider_moves_messages_over_loopback() {
     let cfg = FabricConfig::default();
     let a = context(&cfg).expect("open tcp");
     let b = context(&cfg).expect("open tcp");
-    let (eq_a, eq_b) = (EventQueue::new(64), EventQueue::new(64));
+    let (eq_a, eq_b) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = l.listen(4).unwrap();
@@ -27,7 +27,7 @@ fn tcp_provider_moves_messages_over_loopback() {
     assert!(ev.is_ok(), "{ev:?}");
     let mut ev = eq_b.next(t).unwrap();
     assert!(ev.is_ok(), "{ev:?}");
-    let s = ev.accepted.take().unwrap();
+    let s = ev.take_accepted().unwrap();
     for len in [0usize, 1, 512, 513, 100_000, 4 << 20] {
         let src =
             MemoryRegion::from_vec(&a, (0..len.max(1)).map(|i| (i * 7 + len) as u8).collect())

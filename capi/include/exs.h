@@ -274,7 +274,8 @@ int exs_init(int version);
 /**
  * Creates an event queue (ES-API `exs_qcreate`) that holds up to `depth` operations started and not yet
  * dequeued: starting one more fails with `EAGAIN`, so completions never overflow it. Returns its handle, or -1
- * with `errno` `EINVAL` (`depth` < 1). Needs no `exs_init`.
+ * with `errno` `EINVAL` (`depth` < 1) or `EMFILE` (no descriptor left for the queue's `exs_qfd`). Needs no
+ * `exs_init`.
  */
 exs_qhandle_t exs_qcreate(int depth);
 
@@ -297,7 +298,7 @@ int exs_qwait_mode(exs_qhandle_t qh,
 /**
  * A descriptor that is readable while events are queued (level-triggered), for `epoll`, `poll` or `select`:
  * when it is, `exs_qdequeue` with a zero timeout takes them. It belongs to the queue (do not close it) and
- * lives until `exs_qdelete`. -1 with `errno` `EBADF`, `EMFILE`.
+ * lives until `exs_qdelete`. -1 with `errno` `EBADF`.
  */
 int exs_qfd(exs_qhandle_t qh);
 

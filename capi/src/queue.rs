@@ -2,7 +2,7 @@
 //! own). Each function is one call of [`exs::EventQueue`]; events become `exs_event_t`s here.
 
 use std::cell::RefCell;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::time::Duration;
 
 use exs::{DequeueError, Event, EventKind, EventQueue, WaitMode};
@@ -15,7 +15,8 @@ use crate::socket::{file_accepted, is_seqpacket, revents};
 
 /// Creates an event queue (ES-API `exs_qcreate`) that holds up to `depth` operations started and not yet
 /// dequeued: starting one more fails with `EAGAIN`, so completions never overflow it. Returns its handle, or -1
-/// with `errno` `EINVAL` (`depth` < 1). Needs no `exs_init`.
+/// with `errno` `EINVAL` (`depth` < 1) or `EMFILE` (no descriptor left for the queue's `exs_qfd`). Needs no
+/// `exs_init`.
 #[no_mangle]
 pub extern "C" fn exs_qcreate(depth: c_int) -> exs_qhandle_t {
     call(|| {
@@ -23,7 +24,9 @@ pub extern "C" fn exs_qcreate(depth: c_int) -> exs_qhandle_t {
             .ok()
             .filter(|&d| d > 0)
             .ok_or(Errno(libc::EINVAL))?;
-        QUEUES.insert_new(EventQueue::new(depth))
+        let eq =
+            EventQueue::new(depth).map_err(|e| Errno(e.raw_os_error().unwrap_or(libc::EMFILE)))?;
+        QUEUES.insert_new(eq)
     })
 }
 
@@ -69,15 +72,12 @@ pub extern "C" fn exs_qwait_mode(qh: exs_qhandle_t, mode: c_int) -> c_int {
 
 /// A descriptor that is readable while events are queued (level-triggered), for `epoll`, `poll` or `select`:
 /// when it is, `exs_qdequeue` with a zero timeout takes them. It belongs to the queue (do not close it) and
-/// lives until `exs_qdelete`. -1 with `errno` `EBADF`, `EMFILE`.
+/// lives until `exs_qdelete`. -1 with `errno` `EBADF`.
 #[no_mangle]
 pub extern "C" fn exs_qfd(qh: exs_qhandle_t) -> c_int {
     call(|| {
         let eq = QUEUES.get(qh)?;
-        let fd = eq
-            .readiness_fd()
-            .map_err(|e| Errno(e.raw_os_error().unwrap_or(libc::EMFILE)))?;
-        Ok(fd.as_raw_fd())
+        Ok(eq.as_fd().as_raw_fd())
     })
 }
 
@@ -150,7 +150,7 @@ unsafe fn duration(t: *const timespec) -> Result<Option<Duration>, Errno> {
 }
 
 /// The C form of an event: an accepted socket gets its number here.
-fn to_c(ev: Event) -> exs_event_t {
+fn to_c(mut ev: Event) -> exs_event_t {
     let fd = c_int::try_from(ev.socket.0).unwrap_or(-1);
     let kind = match ev.kind {
         EventKind::Connect => EXS_EVT_CONNECT,
@@ -178,7 +178,7 @@ fn to_c(ev: Event) -> exs_event_t {
         exs_evt_context: ev.context as usize as *mut c_void,
         exs_evt_fd: fd,
         exs_evt_bytes: ev.bytes as libc::ssize_t,
-        exs_evt_accepted: ev.accepted.map_or(-1, file_accepted),
+        exs_evt_accepted: ev.take_accepted().map_or(-1, file_accepted),
         exs_evt_flags: flags,
         exs_evt_revents: revents(ev.readiness),
     }

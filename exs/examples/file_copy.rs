@@ -15,7 +15,7 @@ fn main() -> std::io::Result<()> {
         copy(&mut listener.accept()?.0, &mut &dst)
     });
     let mut tx = exs::Stream::connect_in(&a, addr)?;
-    let q = exs::EventQueue::new(1);
+    let q = exs::EventQueue::new(1)?;
     tx.socket()
         .sendfile(&q, &src, 0, src.metadata()?.len() as usize, 0)?;
     q.next(None).map_err(std::io::Error::from)?.status?;

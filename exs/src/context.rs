@@ -13,7 +13,6 @@
 //! the events it waits for exist, deterministically.
 
 use std::fmt;
-use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
@@ -24,9 +23,9 @@ use exs_dma::DmaBuf;
 use crate::config::{ContextOptions, ManualDriver, Progress};
 use crate::engine::Engine;
 use crate::error::MemoryError;
-use crate::event::{Driver, EventQueue};
-use crate::lock::EngineGuard;
-use crate::progress::{Lead, ProgressStats};
+use crate::event::{EventQueue, Owner};
+use crate::ids::SocketId;
+use crate::progress::{Driver, Lead, Poller, ProgressStats, Shared};
 use crate::transport::{Capabilities, Registration, Transport, TransportError};
 
 static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(1);
@@ -39,106 +38,21 @@ impl Driver for ManualAdapter {
     }
 }
 
-pub(crate) struct Shared {
-    pub(crate) engine: Mutex<Engine>,
-    /// Who leads (sleeps on the transport) and when each sleeper wakes: see [`crate::progress`].
-    pub(crate) lead: Lead,
-    stop: AtomicBool,
-    /// Application threads busy-polling this context right now.
-    busy: std::sync::atomic::AtomicUsize,
-    pub(crate) wait_fd: Option<OwnedFd>,
-    driver: Option<Arc<dyn Driver>>,
-}
-
-impl crate::event::Poller for Shared {
-    fn set_busy(&self, on: bool) {
-        // No wake-up either way (a system call per dequeue is what busy polling avoids): a leading progress
-        // thread notices at its next wake-up and stops arming; a standing-back one
-        // (see `progress::stand_back_for_busy_pollers`) checks back within `progress::MAX_BACKOFF`.
-        if on {
-            self.busy.fetch_add(1, Ordering::SeqCst);
-        } else {
-            self.lead.busy_poll_ended();
-            self.busy.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-
-    fn poll_progress(&self) -> bool {
-        // Never wait for another thread: if it holds the engine, it is making the progress.
-        let Some(mut e) = EngineGuard::try_lock(&self.engine) else {
-            return false;
-        };
-        // One round: the caller polls again if what it waits for is not there yet (another round here would
-        // cost a transport poll, a system call on software providers).
-        e.progress_busy()
-    }
-
-    fn try_lead(&self, follower: &Arc<crate::event::EqInner>) -> bool {
-        self.wait_fd.is_some() && self.lead.try_lead_app(follower)
-    }
-
-    fn prepare_sleep(&self, satisfied: &dyn Fn() -> bool) -> Option<Option<Instant>> {
-        let mut e = self.lock();
-        crate::progress::prepare_sleep(&self.lead, &mut e, satisfied)
-    }
-
-    fn sleep_fds(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {
-        [
-            self.wait_fd
-                .as_ref()
-                .expect("a leader has a wait descriptor")
-                .as_fd(),
-            self.lead.leader_wake_fd(),
-        ]
-    }
-
-    fn woke(&self, kicked: bool) {
-        self.lead.woke(kicked);
-    }
-
-    fn release(&self) {
-        self.lead.release_app();
-    }
-
-    fn count_sleep(&self) {
-        self.lead.count_app_sleep();
-    }
-}
-
-impl Shared {
-    pub(crate) fn lock(&self) -> EngineGuard<'_> {
-        EngineGuard::lock(&self.engine)
-    }
-
-    /// Runs an API call on the engine. Posting needs no wake-up; only a call that moved the earliest timer
-    /// earlier than the current sleeper's wake-up time wakes it (see [`crate::progress`], rule 1).
-    pub(crate) fn call<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
-        let mut e = self.lock();
-        let before = e.next_deadline();
-        let r = f(&mut e);
-        e.drain_done();
-        let after = e.next_deadline();
-        if after.is_some_and(|a| before.is_none_or(|b| a < b)) {
-            if let Some(d) = e.next_deadline_real() {
-                self.lead.after_call(d);
-            }
-        }
-        r
-    }
-
-    pub(crate) fn stopping(&self) -> bool {
-        self.stop.load(Ordering::SeqCst)
-    }
-
-    pub(crate) fn busy_polled(&self) -> bool {
-        self.busy.load(Ordering::SeqCst) > 0
-    }
-}
-
 pub(crate) struct CtxInner {
     id: u64,
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The engine hands accepted connections to the application through their events, naming their context as an
+/// [`Owner`]; one nobody takes is closed like a dropped socket.
+impl Owner for CtxInner {
+    fn abandon(self: Arc<Self>, sid: SocketId) {
+        // Not under this thread's engine lock, if it holds it (an event can be dropped inside an engine call).
+        crate::lock::run_unlocked(move || {
+            let _ = self.shared.call(|e| e.close(sid));
+        });
+    }
 }
 
 impl Drop for CtxInner {
@@ -215,7 +129,8 @@ impl Context {
             ));
         }
         let inner = Arc::new_cyclic(|weak: &Weak<CtxInner>| {
-            let engine = Engine::new(transport, id, weak.clone(), &opts);
+            let owner: Weak<dyn Owner> = weak.clone();
+            let engine = Engine::new(transport, id, owner, &opts);
             CtxInner {
                 id,
                 shared: Arc::new(Shared {
@@ -244,10 +159,10 @@ impl Context {
         Context { inner }
     }
 
-    /// A handle that does not keep the context alive.
-    #[cfg(feature = "sim")]
-    pub(crate) fn downgrade(&self) -> Weak<CtxInner> {
-        Arc::downgrade(&self.inner)
+    /// A handle that does not keep the context alive (as [`std::sync::Arc::downgrade`]): for whatever drives
+    /// contexts it does not own, such as the simulated fabric's manual progress.
+    pub fn downgrade(&self) -> WeakContext {
+        WeakContext(Arc::downgrade(&self.inner))
     }
 
     /// A process-unique identifier.
@@ -298,9 +213,34 @@ impl Context {
         match &self.inner.shared.driver {
             Some(d) => eq.add_driver(d),
             None => {
-                let p: Arc<dyn crate::event::Poller> = self.inner.shared.clone();
+                let p: Arc<dyn Poller> = self.inner.shared.clone();
                 eq.add_poller(&p);
             }
+        }
+    }
+}
+
+/// A [`Context`] that is not kept alive by this handle ([`Context::downgrade`]).
+#[derive(Clone)]
+pub struct WeakContext(Weak<CtxInner>);
+
+impl WeakContext {
+    /// The context, if some handle still keeps it alive.
+    pub fn upgrade(&self) -> Option<Context> {
+        self.0.upgrade().map(|inner| Context { inner })
+    }
+
+    /// Whether the context is gone.
+    pub fn is_gone(&self) -> bool {
+        self.0.strong_count() == 0
+    }
+}
+
+impl fmt::Debug for WeakContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.upgrade() {
+            Some(c) => f.debug_tuple("WeakContext").field(&c.id()).finish(),
+            None => f.write_str("WeakContext(gone)"),
         }
     }
 }

@@ -21,6 +21,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -29,7 +30,7 @@ use nix::sys::eventfd::{EfdFlags, EventFd};
 
 use crate::error::{DequeueError, OpError, QueueFull};
 use crate::ids::SocketId;
-use crate::socket::Socket;
+use crate::progress::lead::{Driver, Follower, Poller};
 
 /// What kind of operation an event completes (ES-API EXS_EVT_*).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -37,7 +38,7 @@ use crate::socket::Socket;
 pub enum EventKind {
     /// `exs_connect` finished.
     Connect,
-    /// `exs_accept` finished: [`Event::accepted`] holds the new socket.
+    /// `exs_accept` finished: [`Event::take_accepted`] gives the new socket.
     Accept,
     /// `exs_send` finished.
     Send,
@@ -70,8 +71,9 @@ pub struct Event {
     pub flags: EventFlags,
     /// The socket the operation was started on.
     pub socket: SocketId,
-    /// For [`EventKind::Accept`]: the new connection.
-    pub accepted: Option<Socket>,
+    /// For [`EventKind::Accept`]: the new connection, until the application takes it
+    /// ([`Event::take_accepted`]).
+    pub(crate) accepted: Option<Accepted>,
     /// For [`EventKind::Poll`]: the readiness found.
     pub readiness: crate::ids::Readiness,
 }
@@ -94,8 +96,8 @@ impl fmt::Debug for Event {
         if self.flags != EventFlags::default() {
             d.field("flags", &self.flags);
         }
-        if self.accepted.is_some() {
-            d.field("accepted", &self.accepted);
+        if let Some(a) = &self.accepted {
+            d.field("accepted", &a.sid);
         }
         d.finish()
     }
@@ -137,42 +139,17 @@ pub struct QueueStats {
     pub empty_polls: u64,
 }
 
-/// Something that can move the fabric forward when nobody else does (the simulated fabric's manual mode).
-pub(crate) trait Driver: Send + Sync {
-    /// Makes progress; returns false when nothing can happen any more.
-    fn drive(&self) -> bool;
-}
-
-/// A threaded context that a waiting application thread drives itself (see [`crate::progress`]): busy polling
-/// runs its protocol without sleeping; a blocking wait leads it (runs it, arms it, sleeps on its descriptor).
-pub(crate) trait Poller: Send + Sync {
-    /// A thread starts (`true`) or stops busy-polling this context.
-    fn set_busy(&self, on: bool);
-    /// Makes whatever progress is possible without blocking; false if nothing happened (or the context was busy).
-    fn poll_progress(&self) -> bool;
-    /// Tries to become the context's leader; when another thread leads, `follower` is nudged once it lets go.
-    fn try_lead(&self, follower: &Arc<EqInner>) -> bool;
-    /// The leader runs the protocol and arms the transport: `Some(wake-up time)` to sleep, `None` to look again
-    /// (events slipped in, or `satisfied` holds after the round: the caller has what it waits for).
-    fn prepare_sleep(&self, satisfied: &dyn Fn() -> bool) -> Option<Option<Instant>>;
-    /// The descriptors a leader sleeps on (the transport's, and its wake-up eventfd).
-    fn sleep_fds(&self) -> [BorrowedFd<'_>; 2];
-    /// The leader woke up; `kicked`: its wake-up eventfd was readable.
-    fn woke(&self, kicked: bool);
-    /// The leader lets go.
-    fn release(&self);
-    /// Counts a leader's sleep.
-    fn count_sleep(&self);
-}
-
 pub(crate) struct EqInner {
     state: Mutex<EqState>,
     cond: Condvar,
     depth: usize,
     /// Readable when a thread sleeping on transports (a leader) should look at this queue; made on first use.
     fd: OnceLock<Option<EventFd>>,
-    /// The application's descriptor ([`AsFd`]): readable while events are queued; made on first use.
-    ready: OnceLock<EventFd>,
+    /// The application's descriptor ([`AsFd`]): readable while events are queued. Made with the queue (so that
+    /// taking it cannot fail), kept in sync only once taken (`ready_used`): until then a queue that goes from
+    /// empty to non-empty and back costs no system call.
+    ready: EventFd,
+    ready_used: AtomicBool,
 }
 
 struct EqState {
@@ -195,12 +172,52 @@ struct EqState {
     pollers: Vec<Weak<dyn Poller>>,
 }
 
+/// Who owns the connections an engine accepts: their context. The engine sits below contexts and sockets (it
+/// cannot name them), so an accepted connection travels to the application as its id and its owner, and becomes a
+/// `Socket` when the application takes it from its event (`Event::take_accepted`).
+pub(crate) trait Owner: std::any::Any + Send + Sync {
+    /// Closes an accepted connection that nobody took (its event was dropped, dequeued or not).
+    fn abandon(self: Arc<Self>, sid: SocketId);
+}
+
+/// An accepted connection the application has not taken yet: closed when dropped (a socket nobody holds).
+pub(crate) struct Accepted {
+    sid: SocketId,
+    owner: Option<Arc<dyn Owner>>,
+}
+
+impl Accepted {
+    pub(crate) fn new(sid: SocketId, owner: Arc<dyn Owner>) -> Accepted {
+        Accepted {
+            sid,
+            owner: Some(owner),
+        }
+    }
+
+    /// The connection and its owner, for the caller to wrap in a socket (which closes it from then on).
+    pub(crate) fn into_parts(mut self) -> (SocketId, Arc<dyn Owner>) {
+        let owner = self
+            .owner
+            .take()
+            .expect("an accepted connection has its owner until taken");
+        (self.sid, owner)
+    }
+}
+
+impl Drop for Accepted {
+    fn drop(&mut self) {
+        if let Some(owner) = self.owner.take() {
+            owner.abandon(self.sid);
+        }
+    }
+}
+
 /// An event queue (ES-API `exs_qcreate`). Cheap to clone (a handle); usable from several threads.
 ///
 /// Operations of any socket and context may report to one queue, up to its depth in flight. A waiting dequeue
 /// runs the protocol of the contexts that report here, and sleeps until as many events as it asked for have
 /// arrived ([`WaitMode::Adaptive`]; [`WaitMode::Block`] and [`WaitMode::BusyPoll`] on request). The queue is
-/// also a file descriptor, readable while events are queued ([`EventQueue::readiness_fd`]), for `epoll` loops.
+/// also a file descriptor, readable while events are queued ([`AsFd`]), for `epoll` loops.
 ///
 /// ```
 /// # #[cfg(feature = "fabric")] {
@@ -209,7 +226,7 @@ struct EqState {
 /// use exs::{Context, DequeueError, EventQueue, SockType, Socket};
 ///
 /// let ctx = Context::from_env()?;
-/// let eq = EventQueue::new(64);
+/// let eq = EventQueue::new(64)?;
 /// // Nothing started: a bounded wait times out.
 /// assert!(matches!(eq.next(Some(Duration::from_millis(5))), Err(DequeueError::TimedOut)));
 ///
@@ -239,15 +256,16 @@ pub struct EventQueue {
 }
 
 /// Readable while events are queued (level-triggered): register it with epoll, mio, or tokio's `AsyncFd`, and call
-/// [`EventQueue::poll`] when it is. No thread per queue, no busy polling.
-///
-/// # Panics
-/// If the process has no file descriptor left for the first call ([`EventQueue::readiness_fd`] returns the error
-/// instead).
+/// [`EventQueue::poll`] when it is. No thread per queue, no busy polling. Progress meanwhile is the progress
+/// thread's (`Progress::Thread`, the default): nobody needs to call into the queue for the descriptor to become
+/// readable. The descriptor belongs to the queue (made by [`EventQueue::new`]) and lives as long as its last handle.
 impl AsFd for EventQueue {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.readiness_fd()
-            .unwrap_or_else(|e| panic!("an event queue's readiness descriptor: {e}"))
+        if !self.inner.ready_used.swap(true, Ordering::SeqCst) {
+            let mut s = self.inner.lock();
+            self.inner.sync_ready(&mut s);
+        }
+        self.inner.ready.as_fd()
     }
 }
 
@@ -265,14 +283,18 @@ impl fmt::Debug for EventQueue {
 
 impl EventQueue {
     /// Creates a queue that holds up to `depth` operations in flight or undequeued (ES-API `exs_qcreate(depth)`).
-    pub fn new(depth: usize) -> Self {
+    /// Fails only if the process has no file descriptor left for the queue's readiness descriptor ([`AsFd`]).
+    pub fn new(depth: usize) -> std::io::Result<Self> {
         Self::with_mode(depth, WaitMode::default())
     }
 
     /// Creates a queue with a wait mode.
-    pub fn with_mode(depth: usize, mode: WaitMode) -> Self {
+    pub fn with_mode(depth: usize, mode: WaitMode) -> std::io::Result<Self> {
         let depth = depth.max(1);
-        EventQueue {
+        let ready =
+            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)
+                .map_err(std::io::Error::from)?;
+        Ok(EventQueue {
             inner: Arc::new(EqInner {
                 state: Mutex::new(EqState {
                     events: VecDeque::with_capacity(depth.min(4096)),
@@ -289,9 +311,10 @@ impl EventQueue {
                 cond: Condvar::new(),
                 depth,
                 fd: OnceLock::new(),
-                ready: OnceLock::new(),
+                ready,
+                ready_used: AtomicBool::new(false),
             }),
-        }
+        })
     }
 
     /// The queue's depth.
@@ -375,28 +398,6 @@ impl EventQueue {
         n
     }
 
-    /// A descriptor readable while events are queued, for epoll, mio or tokio's `AsyncFd` (see the [`AsFd`]
-    /// implementation). Progress meanwhile is the progress thread's (`Progress::Thread`, the default): nobody
-    /// needs to call into the queue for the descriptor to become readable. Fails only if no descriptor can be
-    /// had (the process's limit).
-    pub fn readiness_fd(&self) -> std::io::Result<BorrowedFd<'_>> {
-        let fd = match self.inner.ready.get() {
-            Some(fd) => fd,
-            None => {
-                let made = EventFd::from_value_and_flags(
-                    0,
-                    EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC,
-                )
-                .map_err(std::io::Error::from)?;
-                let _ = self.inner.ready.set(made);
-                self.inner.ready.get().expect("just set")
-            }
-        };
-        let mut s = self.inner.lock();
-        self.inner.sync_ready(&mut s);
-        Ok(fd.as_fd())
-    }
-
     /// Waits until every outstanding operation has completed (the adaptive completion wait's default count: all still
     /// expected).
     pub fn wait_all(&self, timeout: Option<Duration>) -> Result<Vec<Event>, DequeueError> {
@@ -472,6 +473,12 @@ impl EventQueue {
     }
 }
 
+impl Follower for EqInner {
+    fn nudge(&self) {
+        EqInner::nudge(self);
+    }
+}
+
 impl EqInner {
     fn lock(&self) -> MutexGuard<'_, EqState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -517,7 +524,10 @@ impl EqInner {
     /// Keeps the application's descriptor readable exactly while events are queued (level-triggered, as epoll,
     /// mio and tokio's `AsyncFd` expect). Called under the state lock after every change of `events`.
     fn sync_ready(&self, s: &mut EqState) {
-        let Some(fd) = self.ready.get() else { return };
+        if !self.ready_used.load(Ordering::Relaxed) {
+            return;
+        }
+        let fd = &self.ready;
         match (s.events.is_empty(), s.ready_set) {
             (false, false) => {
                 let _ = fd.write(1);

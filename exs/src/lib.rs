@@ -182,7 +182,7 @@ mod wire;
 pub mod sim;
 
 pub use config::{Clock, ContextOptions, ManualDriver, Progress, SharedRecv, SystemClock};
-pub use context::Context;
+pub use context::{Context, WeakContext};
 pub use error::{
     AcceptError, Blame, BufferError, CloseError, ConnectError, DequeueError, FileError,
     MemoryError, OpError, OptionError, PollError, QueueFull, RecvError, SendError, SocketError,

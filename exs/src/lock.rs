@@ -11,8 +11,6 @@ use std::cell::RefCell;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::engine::Engine;
-
 /// Work waiting for this thread to let go of the engine.
 type Later = Vec<Box<dyn FnOnce()>>;
 
@@ -21,19 +19,19 @@ thread_local! {
     static HELD: RefCell<(usize, Later)> = const { RefCell::new((0, Vec::new())) };
 }
 
-/// The engine, locked by this thread.
-pub(crate) struct EngineGuard<'a> {
-    guard: Option<MutexGuard<'a, Engine>>,
+/// The engine (`T`), locked by this thread. Generic so that this module sits below the engine it guards.
+pub(crate) struct EngineGuard<'a, T> {
+    guard: Option<MutexGuard<'a, T>>,
 }
 
-impl<'a> EngineGuard<'a> {
+impl<'a, T> EngineGuard<'a, T> {
     /// Waits for the lock (a poisoned lock is taken as it is: the engine's state stays consistent per call).
-    pub(crate) fn lock(m: &'a Mutex<Engine>) -> Self {
+    pub(crate) fn lock(m: &'a Mutex<T>) -> Self {
         Self::held(m.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// The lock if nobody holds it.
-    pub(crate) fn try_lock(m: &'a Mutex<Engine>) -> Option<Self> {
+    pub(crate) fn try_lock(m: &'a Mutex<T>) -> Option<Self> {
         match m.try_lock() {
             Ok(g) => Some(Self::held(g)),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(Self::held(p.into_inner())),
@@ -41,26 +39,26 @@ impl<'a> EngineGuard<'a> {
         }
     }
 
-    fn held(g: MutexGuard<'a, Engine>) -> Self {
+    fn held(g: MutexGuard<'a, T>) -> Self {
         HELD.with(|h| h.borrow_mut().0 += 1);
         EngineGuard { guard: Some(g) }
     }
 }
 
-impl Deref for EngineGuard<'_> {
-    type Target = Engine;
-    fn deref(&self) -> &Engine {
+impl<T> Deref for EngineGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
         self.guard.as_ref().expect("held until dropped")
     }
 }
 
-impl DerefMut for EngineGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Engine {
+impl<T> DerefMut for EngineGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
         self.guard.as_mut().expect("held until dropped")
     }
 }
 
-impl Drop for EngineGuard<'_> {
+impl<T> Drop for EngineGuard<'_, T> {
     fn drop(&mut self) {
         drop(self.guard.take());
         let later = HELD.with(|h| {

@@ -13,8 +13,9 @@ use std::sync::{Arc, Mutex, Weak};
 
 use exs_dma::{DmaBuf, LeaseKind};
 
-use crate::context::{Context, Shared};
+use crate::context::Context;
 use crate::error::{BufferError, MemoryError};
+use crate::progress::Shared;
 use crate::transport::{Registration, Sge};
 
 /// Memory registered for RDMA with one context (ES-API `exs_mregister`). Cheap to clone (a handle).
@@ -350,5 +351,19 @@ impl Slice {
 
     pub(crate) fn lease(&self, kind: LeaseKind) -> Result<Sge, BufferError> {
         self.region.lease(self.range(), kind)
+    }
+}
+
+impl crate::engine::Buffer for Slice {
+    fn len(&self) -> usize {
+        Slice::len(self)
+    }
+
+    fn check(&self, ctx: u64) -> Result<(), BufferError> {
+        Slice::check(self, ctx)
+    }
+
+    fn lease(&self, kind: LeaseKind) -> Result<Sge, BufferError> {
+        Slice::lease(self, kind)
     }
 }

@@ -23,39 +23,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use crate::context::Context;
+use crate::engine::ConnStats;
 use crate::error::{
     AcceptError, CloseError, ConnectError, OptionError, PollError, RecvError, SendError,
     SocketError, StateError,
 };
-use crate::event::{EventKind, EventQueue, Ticket};
+use crate::event::{Event, EventKind, EventQueue, Ticket};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 
 use crate::ids::{Readiness, SocketId};
-
-/// Counters of one connection (for tests and tools).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct ConnStats {
-    /// Control link.
-    pub link: crate::proto::link::LinkStats,
-    /// Message mode.
-    pub message: crate::proto::message::MessageStats,
-    /// Stream mode.
-    pub stream: crate::proto::stream::StreamStats,
-    /// Control receive buffers posted for the peer.
-    pub window_in: u32,
-    /// Bytes of each.
-    pub slot_size: usize,
-    /// Bytes of the sends (and sendfiles) that completed.
-    pub bytes_sent: u64,
-    /// Bytes of the receives that completed.
-    pub bytes_received: u64,
-    /// A round-trip estimate: how long the connection handshake took, from the connect (or, accepting, from the
-    /// request's arrival) to the connection being up. It includes the peer's own handling of the handshake, so it
-    /// is an upper bound of the network's round trip.
-    pub handshake: Option<std::time::Duration>,
-}
 
 struct Handle {
     ctx: Context,
@@ -90,7 +67,7 @@ impl Drop for Handle {
 /// use exs::{Context, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 ///
 /// let (server, client) = (Context::from_env()?, Context::from_env()?);
-/// let eq = EventQueue::new(16);
+/// let eq = EventQueue::new(16)?;
 /// let listener = Socket::new(&server, SockType::SeqPacket)?;
 /// listener.bind("127.0.0.1:0".parse()?)?;
 /// let addr = listener.listen(8)?;
@@ -100,11 +77,11 @@ impl Drop for Handle {
 /// // The accept (with the server's end of the connection) and the connect, in either order.
 /// let mut accepted = None;
 /// for _ in 0..2 {
-///     let ev = eq.next(None)?;
-///     ev.status?;
+///     let mut ev = eq.next(None)?;
 ///     if ev.kind == EventKind::Accept {
-///         accepted = ev.accepted;
+///         accepted = ev.take_accepted();
 ///     }
+///     ev.status?;
 /// }
 /// let peer = accepted.expect("the accept event carries the socket");
 ///
@@ -147,7 +124,7 @@ impl Socket {
         Ok(Self::from_engine(ctx.clone(), id))
     }
 
-    pub(crate) fn from_engine(ctx: Context, id: SocketId) -> Socket {
+    fn from_engine(ctx: Context, id: SocketId) -> Socket {
         Socket {
             h: Arc::new(Handle {
                 ctx,
@@ -415,5 +392,19 @@ impl Socket {
     /// Counters of the connection, while there is one.
     pub fn stats(&self) -> Option<ConnStats> {
         self.engine(|e, id| e.conn_stats(id))
+    }
+}
+
+impl Event {
+    /// For a successful [`EventKind::Accept`]: the new connection, established, as a socket of the listener's
+    /// context. It is given once (`None` after, and for every other event). A connection nobody takes is closed
+    /// when its event is dropped, as a dropped socket is.
+    pub fn take_accepted(&mut self) -> Option<Socket> {
+        let (id, owner) = self.accepted.take()?.into_parts();
+        let owner: Arc<dyn std::any::Any + Send + Sync> = owner;
+        match owner.downcast::<crate::context::CtxInner>() {
+            Ok(inner) => Some(Socket::from_engine(Context::from_inner(inner), id)),
+            Err(_) => unreachable!("contexts are the only owners of accepted connections"),
+        }
     }
 }

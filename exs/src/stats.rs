@@ -9,6 +9,7 @@
 
 use std::fmt;
 
+pub use crate::engine::ConnStats;
 pub use crate::engine::EngineStats;
 pub use crate::event::QueueStats;
 pub use crate::progress::ProgressStats;
@@ -16,7 +17,6 @@ pub use crate::proto::link::LinkStats;
 pub use crate::proto::message::MessageStats;
 pub use crate::proto::pool::PoolStats;
 pub use crate::proto::stream::{StreamStats, StreamTrace};
-pub use crate::socket::ConnStats;
 
 impl ConnStats {
     /// Every counter with a stable name (`group.counter`), in the order `Display` shows them; `handshake_us` is

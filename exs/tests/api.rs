@@ -135,7 +135,7 @@ fn abort_cancels_at_once_and_the_peer_sees_a_reset() {
 fn poll_reports_readiness_of_many_sockets_on_one_queue() {
     let p = pair(SockType::SeqPacket);
     let q = pair(SockType::Stream);
-    let eq = EventQueue::new(16);
+    let eq = EventQueue::new(16).unwrap();
     let read = Readiness {
         readable: true,
         ..Readiness::default()
@@ -173,7 +173,7 @@ fn poll_reports_readiness_of_many_sockets_on_one_queue() {
     let addr = l2.listen(4).unwrap();
     l2.poll(&eq, read, 5).unwrap();
     let c = Socket::new(&p.a, SockType::SeqPacket).unwrap();
-    let ceq = EventQueue::new(4);
+    let ceq = EventQueue::new(4).unwrap();
     c.connect(&ceq, addr, 0).unwrap();
     let e = wait(&eq);
     assert_eq!((e.context, e.readiness.readable), (5, true), "{e:?}");

@@ -18,7 +18,7 @@ fn connect_to_a_port_nobody_listens_on_is_refused() {
     let world = World::new(SimConfig::default());
     let a = world.host();
     let _b = world.host();
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
     s.connect(&eq, world.addr(1, 4242), 7).unwrap();
     let ev = wait(&eq);
@@ -31,7 +31,7 @@ fn connect_to_a_port_nobody_listens_on_is_refused() {
 fn connect_to_an_unknown_host_is_unreachable() {
     let world = World::new(SimConfig::default());
     let a = world.host();
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
     s.connect(&eq, "192.0.2.99:1".parse().unwrap(), 1).unwrap();
     assert_eq!(wait(&eq).status, Err(OpError::Unreachable));
@@ -47,12 +47,12 @@ fn connect_to_a_silent_host_times_out() {
         o
     });
     let b = world.host();
-    let eq_b = EventQueue::new(8);
+    let eq_b = EventQueue::new(8).unwrap();
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind(world.addr(1, 80)).unwrap();
     l.listen(1).unwrap();
     world.silence(1);
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
     s.connect(&eq, world.addr(1, 80), 1).unwrap();
     let ev = wait(&eq);
@@ -66,12 +66,12 @@ fn a_stream_client_is_refused_by_a_seqpacket_listener() {
     let world = World::new(SimConfig::default());
     let a = world.host();
     let b = world.host();
-    let eq_b = EventQueue::new(8);
+    let eq_b = EventQueue::new(8).unwrap();
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind(world.addr(1, 80)).unwrap();
     let addr = l.listen(1).unwrap();
     l.accept(&eq_b, 0).unwrap();
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     let s = Socket::new(&a, SockType::Stream).unwrap();
     match s.connect(&eq, addr, 1) {
         Ok(()) => assert_eq!(wait(&eq).status, Err(OpError::Refused)),
@@ -107,7 +107,7 @@ fn connections_wait_established_in_the_backlog_until_accepted() {
     let world = World::new(SimConfig::default());
     let a = world.host();
     let b = world.host();
-    let (eq_a, eq_b) = (EventQueue::new(64), EventQueue::new(64));
+    let (eq_a, eq_b) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind(world.addr(1, 5)).unwrap();
     let addr = l.listen(4).unwrap();
@@ -126,9 +126,11 @@ fn connections_wait_established_in_the_backlog_until_accepted() {
     for i in 0..3 {
         l.accept(&eq_b, i).unwrap();
     }
-    let accepted = eq_b.wait_all(None).unwrap();
+    let mut accepted = eq_b.wait_all(None).unwrap();
     assert_eq!(accepted.len(), 3);
-    assert!(accepted.iter().all(|e| e.is_ok() && e.accepted.is_some()));
+    assert!(accepted
+        .iter_mut()
+        .all(|e| e.is_ok() && e.take_accepted().is_some()));
     drop(clients);
 }
 
@@ -137,7 +139,7 @@ fn a_full_backlog_refuses_further_requests() {
     let world = World::new(SimConfig::default());
     let a = world.host();
     let b = world.host();
-    let eq_a = EventQueue::new(64);
+    let eq_a = EventQueue::new(64).unwrap();
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind(world.addr(1, 5)).unwrap();
     let addr = l.listen(2).unwrap();
@@ -351,9 +353,9 @@ fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
     let client_ctx = world.host();
     let other_ctx = world.host();
     let (eq_s, eq_c, eq_o) = (
-        EventQueue::new(64),
-        EventQueue::new(64),
-        EventQueue::new(64),
+        EventQueue::new(64).unwrap(),
+        EventQueue::new(64).unwrap(),
+        EventQueue::new(64).unwrap(),
     );
     let l = Socket::new(&server_ctx, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 80)).unwrap();
@@ -362,7 +364,7 @@ fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
     let c = Socket::new(&client_ctx, SockType::SeqPacket).unwrap();
     c.connect(&eq_c, addr, 0).unwrap();
     assert!(wait(&eq_c).is_ok());
-    let s = wait(&eq_s).accepted.unwrap();
+    let s = wait(&eq_s).take_accepted().unwrap();
     let buf = MemoryRegion::alloc(&server_ctx, 1 << 16).unwrap();
     for i in 0..4u64 {
         s.recv(
@@ -396,7 +398,7 @@ fn killed_peer_fails_pending_operations_and_the_listener_keeps_accepting() {
     let o = Socket::new(&other_ctx, SockType::SeqPacket).unwrap();
     o.connect(&eq_o, addr, 1).unwrap();
     assert!(wait(&eq_o).is_ok());
-    assert!(wait(&eq_s).accepted.is_some());
+    assert!(wait(&eq_s).take_accepted().is_some());
 }
 
 /// A sender whose peer stops answering learns it from its own work requests (retries exhausted).
@@ -424,11 +426,48 @@ fn dropping_every_handle_closes_the_socket() {
     assert!(ev.flags.eof, "{ev:?}");
 }
 
+/// An accepted connection reaches the application through its event (`Event::take_accepted`); one that nobody
+/// takes, because the event was dropped after its dequeue or with its queue before, is closed as a dropped socket
+/// is: the client sees end-of-stream.
+#[test_log::test]
+fn an_accepted_connection_nobody_takes_is_closed_with_its_event() {
+    for drop_queue in [false, true] {
+        let world = World::new(SimConfig::default());
+        let (server_ctx, client_ctx) = (world.host(), world.host());
+        let (eq_s, eq_c) = (EventQueue::new(8).unwrap(), EventQueue::new(8).unwrap());
+        let l = Socket::new(&server_ctx, SockType::SeqPacket).unwrap();
+        l.bind(world.addr(0, 80)).unwrap();
+        let addr = l.listen(8).unwrap();
+        l.accept(&eq_s, 0).unwrap();
+        let c = Socket::new(&client_ctx, SockType::SeqPacket).unwrap();
+        c.connect(&eq_c, addr, 0).unwrap();
+        assert!(wait(&eq_c).is_ok());
+        if drop_queue {
+            // Wait for the accept event to be queued, then drop the queue with it undequeued.
+            while eq_s.is_empty() {
+                world.run_for(Duration::from_millis(1));
+            }
+            drop(eq_s);
+        } else {
+            let ev = wait(&eq_s);
+            assert_eq!(ev.kind, EventKind::Accept, "{ev:?}");
+            drop(ev);
+        }
+        let buf = MemoryRegion::alloc(&client_ctx, 16).unwrap();
+        c.recv(&eq_c, &buf.all(), MsgFlags::NONE, 1).unwrap();
+        let ev = wait(&eq_c);
+        assert!(
+            ev.flags.eof || ev.status.is_err(),
+            "dropping the queue: {drop_queue}: the client learns the server end closed: {ev:?}"
+        );
+    }
+}
+
 #[test_log::test]
 fn closing_a_listener_cancels_its_pending_accepts() {
     let world = World::new(SimConfig::default());
     let b = world.host();
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 1)).unwrap();
     l.listen(1).unwrap();
@@ -448,7 +487,7 @@ fn closing_a_connecting_socket_cancels_the_connect() {
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind(world.addr(1, 1)).unwrap();
     let addr = l.listen(1).unwrap();
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
     s.connect(&eq, addr, 1).unwrap();
     s.close().unwrap();
@@ -505,7 +544,7 @@ fn keepalive_finds_a_silent_peer_while_the_application_only_waits() {
             o
         });
         let b = world.host();
-        let (eq_a, eq_b) = (EventQueue::new(8), EventQueue::new(8));
+        let (eq_a, eq_b) = (EventQueue::new(8).unwrap(), EventQueue::new(8).unwrap());
         let l = Socket::new(&b, SockType::SeqPacket).unwrap();
         l.bind(world.addr(1, 7000)).unwrap();
         let addr = l.listen(4).unwrap();
@@ -514,7 +553,7 @@ fn keepalive_finds_a_silent_peer_while_the_application_only_waits() {
         c.connect(&eq_a, addr, 2).unwrap();
         assert!(wait(&eq_a).is_ok());
         let mut acc = wait(&eq_b);
-        let _server = acc.accepted.take().expect("accepted");
+        let _server = acc.take_accepted().expect("accepted");
         world.silence(1);
         let dst = MemoryRegion::alloc(&a, 16).unwrap();
         c.recv(&eq_a, &dst.all(), MsgFlags::NONE, 3).unwrap();
@@ -570,11 +609,11 @@ fn dropped_queue_with_an_accepted_socket() -> (World, Socket, Socket, std::net::
     let l = Socket::new(&server, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 7100)).unwrap();
     let addr = l.listen(4).unwrap();
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     l.accept(&eq, 1).unwrap();
     l.accept(&eq, 2).unwrap();
     let c = Socket::new(&client, SockType::SeqPacket).unwrap();
-    let ceq = EventQueue::new(8);
+    let ceq = EventQueue::new(8).unwrap();
     c.connect(&ceq, addr, 3).unwrap();
     assert!(ceq.next(Some(Duration::from_secs(10))).unwrap().is_ok());
     let until = std::time::Instant::now() + Duration::from_secs(10);
@@ -609,12 +648,12 @@ fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_the_progress
         let (world, l, _c, addr) = dropped_queue_with_an_accepted_socket();
         let client = world.host();
         let c2 = Socket::new(&client, SockType::SeqPacket).unwrap();
-        let ceq = EventQueue::new(8);
+        let ceq = EventQueue::new(8).unwrap();
         c2.connect(&ceq, addr, 4).unwrap();
         let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
         assert!(ev.is_ok(), "{ev:?}");
         // The server context still answers: a third connection, accepted on a new queue.
-        let eq = EventQueue::new(8);
+        let eq = EventQueue::new(8).unwrap();
         l.accept(&eq, 5).unwrap();
         let c3 = Socket::new(&client, SockType::SeqPacket).unwrap();
         c3.connect(&ceq, addr, 6).unwrap();
@@ -720,8 +759,8 @@ fn connections_beyond_the_limit_are_refused_politely() {
     let l = Socket::new(&server, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 7200)).unwrap();
     let addr = l.listen(16).unwrap();
-    let seq = EventQueue::new(64);
-    let ceq = EventQueue::new(64);
+    let seq = EventQueue::new(64).unwrap();
+    let ceq = EventQueue::new(64).unwrap();
     for i in 0..5 {
         l.accept(&seq, i).unwrap();
     }
@@ -746,8 +785,7 @@ fn connections_beyond_the_limit_are_refused_politely() {
         .map(|_| {
             seq.next(Some(Duration::from_secs(10)))
                 .unwrap()
-                .accepted
-                .take()
+                .take_accepted()
                 .unwrap()
         })
         .collect();
@@ -782,7 +820,7 @@ fn an_unaccepted_connection_waits_established_within_the_backlog() {
     let l = Socket::new(&server, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 7300)).unwrap();
     let addr = l.listen(1).unwrap();
-    let ceq = EventQueue::new(8);
+    let ceq = EventQueue::new(8).unwrap();
     let c = Socket::new(&client, SockType::SeqPacket).unwrap();
     c.connect(&ceq, addr, 1).unwrap();
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
@@ -795,11 +833,11 @@ fn an_unaccepted_connection_waits_established_within_the_backlog() {
     assert!(!ev.is_ok(), "beyond the backlog: {ev:?}");
     assert_eq!(server.stats().refused_backlog_full, 1);
     // An accept takes the waiting connection, which works.
-    let seq = EventQueue::new(8);
+    let seq = EventQueue::new(8).unwrap();
     l.accept(&seq, 3).unwrap();
     let mut ev = seq.next(Some(Duration::from_secs(10))).unwrap();
     assert!(ev.is_ok(), "{ev:?}");
-    let s = ev.accepted.take().unwrap();
+    let s = ev.take_accepted().unwrap();
     assert_eq!(s.peer_addr().unwrap(), c.local_addr().unwrap());
     // Room again.
     let c3 = Socket::new(&client, SockType::SeqPacket).unwrap();
@@ -822,7 +860,7 @@ fn ten_thousand_refused_connects_leave_nothing_behind() {
     let l = Socket::new(&server, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 7400)).unwrap();
     let addr = l.listen(1).unwrap();
-    let ceq = EventQueue::new(256);
+    let ceq = EventQueue::new(256).unwrap();
     // One connection fills the backlog (established, never accepted).
     let first = Socket::new(&client, SockType::SeqPacket).unwrap();
     first.connect(&ceq, addr, 0).unwrap();
@@ -912,7 +950,7 @@ fn connections_beyond_the_memory_budget_are_refused() {
     let l = Socket::new(&server, SockType::Stream).unwrap();
     l.bind(world.addr(0, 7500)).unwrap();
     let addr = l.listen(64).unwrap();
-    let ceq = EventQueue::new(64);
+    let ceq = EventQueue::new(64).unwrap();
     let mut up = Vec::new();
     let mut refused = 0;
     for i in 0..16 {
@@ -942,13 +980,12 @@ fn connections_beyond_the_memory_budget_are_refused() {
     let err = s.connect(&ceq, addr2, 99).unwrap_err();
     assert!(err.to_string().contains("memory budget"), "{err}");
     // A closed connection gives its share back: one more fits.
-    let seq = EventQueue::new(8);
+    let seq = EventQueue::new(8).unwrap();
     l.accept(&seq, 0).unwrap();
     let accepted = seq
         .next(Some(Duration::from_secs(10)))
         .unwrap()
-        .accepted
-        .take()
+        .take_accepted()
         .unwrap();
     accepted.abort().unwrap();
     let until = std::time::Instant::now() + Duration::from_secs(10);

@@ -545,8 +545,8 @@ fn many_connections_interleave_under_seeded_jitter() {
         let world = exs::sim::World::new(cfg);
         let a = world.host();
         let b = world.host();
-        let eq_a = exs::EventQueue::new(4096);
-        let eq_b = exs::EventQueue::new(4096);
+        let eq_a = exs::EventQueue::new(4096).unwrap();
+        let eq_b = exs::EventQueue::new(4096).unwrap();
         let l = exs::Socket::new(&b, SockType::SeqPacket).unwrap();
         l.bind(world.addr(1, 9)).unwrap();
         let addr = l.listen(16).unwrap();
@@ -561,7 +561,7 @@ fn many_connections_interleave_under_seeded_jitter() {
             .wait_all(None)
             .unwrap()
             .into_iter()
-            .map(|e| e.accepted.unwrap())
+            .map(|mut e| e.take_accepted().unwrap())
             .collect();
         assert!(eq_a.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
         // Jitter reorders the connection requests: pair each client with the server socket whose peer it is.
@@ -610,8 +610,8 @@ fn threaded_world_moves_messages() {
     let world = exs::sim::World::threaded(SimConfig::default());
     let a = world.host();
     let b = world.host();
-    let eq_a = exs::EventQueue::new(256);
-    let eq_b = exs::EventQueue::new(256);
+    let eq_a = exs::EventQueue::new(256).unwrap();
+    let eq_b = exs::EventQueue::new(256).unwrap();
     let l = exs::Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind(world.addr(1, 1)).unwrap();
     let addr = l.listen(4).unwrap();
@@ -619,7 +619,7 @@ fn threaded_world_moves_messages() {
     let c = exs::Socket::new(&a, SockType::SeqPacket).unwrap();
     c.connect(&eq_a, addr, 0).unwrap();
     assert!(wait(&eq_a).is_ok());
-    let s = wait(&eq_b).accepted.unwrap();
+    let s = wait(&eq_b).take_accepted().unwrap();
     let src = MemoryRegion::from_vec(&a, pattern(100 * 10_000, 1)).unwrap();
     let dst = MemoryRegion::alloc(&b, 100 * 10_000).unwrap();
     for i in 0..100 {

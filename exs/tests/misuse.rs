@@ -23,7 +23,7 @@ fn io_kind(e: impl Into<io::Error>) -> io::ErrorKind {
 fn send_before_connect_is_not_connected() {
     let world = World::new(SimConfig::default());
     let a = world.host();
-    let eq = EventQueue::new(4);
+    let eq = EventQueue::new(4).unwrap();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
     let buf = MemoryRegion::alloc(&a, 10).unwrap();
     let e = s.send(&eq, &buf.all(), MsgFlags::NONE, 1).unwrap_err();
@@ -257,7 +257,7 @@ fn a_region_gives_its_buffer_back_only_when_nothing_holds_it() {
 #[test_log::test]
 fn event_queue_overflow_is_would_block() {
     let p = pair(SockType::SeqPacket);
-    let eq = EventQueue::new(2);
+    let eq = EventQueue::new(2).unwrap();
     let buf = p.server_region(30);
     p.server
         .recv(&eq, &buf.slice(0..10), MsgFlags::NONE, 1)
@@ -351,7 +351,7 @@ fn listening_on_a_taken_or_foreign_address_fails() {
 fn accept_on_a_socket_that_does_not_listen_is_refused() {
     let world = World::new(SimConfig::default());
     let a = world.host();
-    let eq = EventQueue::new(2);
+    let eq = EventQueue::new(2).unwrap();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
     assert_eq!(
         s.accept(&eq, 1).unwrap_err(),
@@ -388,7 +388,7 @@ fn data_operations_on_a_listener_are_refused() {
 
 #[test_log::test]
 fn dequeue_arguments_are_checked() {
-    let eq = EventQueue::new(2);
+    let eq = EventQueue::new(2).unwrap();
     let mut out = Vec::new();
     assert!(eq.dequeue(&mut out, 2, 1, None).is_err());
     assert!(eq.dequeue(&mut out, 0, 0, None).is_err());

@@ -378,7 +378,7 @@ fn a_peer_persistent_while_we_are_is_a_violation() {
     use exs::wire::{Advert, AdvertFlags, Body, Message, WireSockType};
     let world = World::threaded(SimConfig::default());
     let ctx = world.host();
-    let eq = EventQueue::new(16);
+    let eq = EventQueue::new(16).unwrap();
     let l = exs::Socket::new(&ctx, SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 7000)).unwrap();
     let addr = l.listen(4).unwrap();
@@ -390,7 +390,7 @@ fn a_peer_persistent_while_we_are_is_a_violation() {
     )
     .unwrap();
     let mut ev = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
-    let s = ev.accepted.take().unwrap();
+    let s = ev.take_accepted().unwrap();
     let buf = MemoryRegion::alloc(&ctx, 4096).unwrap();
     s.send(&eq, &buf.all(), MsgFlags::PERSISTENT, 2).unwrap();
     let m = Message::new(Body::Advert(Advert {

@@ -139,8 +139,8 @@ fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events()
 fn a_busy_ping_pong_leaves_the_progress_threads_asleep() {
     let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
     let (qa, qb) = (
-        EventQueue::with_mode(64, WaitMode::BusyPoll),
-        EventQueue::with_mode(64, WaitMode::BusyPoll),
+        EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
+        EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
     );
     // Let both progress threads notice the pollers once they start (they stand aside for 8 ms at most).
     std::thread::sleep(Duration::from_millis(30));
@@ -166,8 +166,8 @@ fn a_busy_poller_handles_connection_events_itself() {
     let world = World::threaded(SimConfig::default());
     let (a, b) = (world.host(), world.host());
     let (qa, qb) = (
-        EventQueue::with_mode(16, WaitMode::BusyPoll),
-        EventQueue::with_mode(16, WaitMode::BusyPoll),
+        EventQueue::with_mode(16, WaitMode::BusyPoll).unwrap(),
+        EventQueue::with_mode(16, WaitMode::BusyPoll).unwrap(),
     );
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind(world.addr(1, 1)).unwrap();
@@ -184,9 +184,9 @@ fn a_busy_poller_handles_connection_events_itself() {
     let ev = qa.next(Some(Duration::from_secs(30))).unwrap();
     assert_eq!((ev.kind, ev.context), (EventKind::Connect, 8), "{ev:?}");
     assert!(ev.is_ok(), "{ev:?}");
-    let ev = server.join().unwrap().unwrap();
+    let mut ev = server.join().unwrap().unwrap();
     assert_eq!((ev.kind, ev.context), (EventKind::Accept, 7), "{ev:?}");
-    assert!(ev.accepted.is_some(), "{ev:?}");
+    assert!(ev.take_accepted().is_some(), "{ev:?}");
 }
 
 /// While the receiving application computes (no dequeue), its progress thread still answers the peer: a normal

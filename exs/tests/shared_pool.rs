@@ -46,8 +46,8 @@ fn many_opts(
         o.shared_recv = server_pool;
         o
     });
-    let eq_c = EventQueue::new(8192);
-    let eq_s = EventQueue::new(8192);
+    let eq_c = EventQueue::new(8192).unwrap();
+    let eq_s = EventQueue::new(8192).unwrap();
     let listener = Socket::new(&server, ty).unwrap();
     listener.bind(world.addr(1, 7000)).unwrap();
     let addr = listener.listen(4096).unwrap();
@@ -66,7 +66,7 @@ fn many_opts(
             .unwrap_or_else(|e| panic!("connect {i}: {e}"));
         let mut ev = wait(&eq_s);
         assert_eq!(ev.kind, EventKind::Accept);
-        let s = ev.accepted.take().expect("accepted socket");
+        let s = ev.take_accepted().expect("accepted socket");
         conns.push((c, s));
     }
     Many {
@@ -377,7 +377,7 @@ fn requiring_a_pool_where_the_transport_has_none_fails_clearly() {
         o
     });
     let _b = world.host();
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
     let err = s.connect(&eq, world.addr(1, 7000), 0).unwrap_err();
     let io: std::io::Error = err.into();

@@ -60,7 +60,7 @@ async fn next_async_waits_for_an_event_without_blocking_the_runtime() {
     let l = exs::Socket::new(&server, exs::SockType::SeqPacket).unwrap();
     l.bind(world.addr(0, 9301)).unwrap();
     let addr = l.listen(4).unwrap();
-    let eq = exs::EventQueue::new(8);
+    let eq = exs::EventQueue::new(8).unwrap();
     l.accept(&eq, 7).unwrap();
     let ticker = tokio::spawn(async {
         // Runs on the same (only) runtime thread while the queue is awaited.
@@ -68,7 +68,7 @@ async fn next_async_waits_for_an_event_without_blocking_the_runtime() {
         1
     });
     let c = exs::Socket::new(&client, exs::SockType::SeqPacket).unwrap();
-    let ceq = exs::EventQueue::new(8);
+    let ceq = exs::EventQueue::new(8).unwrap();
     c.connect(&ceq, addr, 1).unwrap();
     let ev = eq.next_async().await.unwrap();
     assert_eq!(ev.context, 7);

@@ -13,7 +13,7 @@ fn threaded_pair() -> (World, Socket, Socket, exs::Context, exs::Context) {
     let world = World::threaded(SimConfig::default());
     let a = world.host();
     let b = world.host();
-    let (eq_a, eq_b) = (EventQueue::new(16), EventQueue::new(16));
+    let (eq_a, eq_b) = (EventQueue::new(16).unwrap(), EventQueue::new(16).unwrap());
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.set_option(SocketOption::RecvCredits(64)).unwrap();
     l.bind(world.addr(1, 1)).unwrap();
@@ -23,7 +23,7 @@ fn threaded_pair() -> (World, Socket, Socket, exs::Context, exs::Context) {
     c.set_option(SocketOption::SendCredits(64)).unwrap();
     c.connect(&eq_a, addr, 0).unwrap();
     assert!(wait(&eq_a).is_ok());
-    let s = wait(&eq_b).accepted.unwrap();
+    let s = wait(&eq_b).take_accepted().unwrap();
     (world, c, s, a, b)
 }
 
@@ -33,7 +33,7 @@ fn adaptive_wait_sleeps_once_for_a_batch_of_completions() {
     let (_world, c, s, a, b) = threaded_pair();
     let src = MemoryRegion::from_vec(&a, pattern(32 * 4096, 1)).unwrap();
     let dst = MemoryRegion::alloc(&b, 32 * 4096).unwrap();
-    let rq = EventQueue::new(64);
+    let rq = EventQueue::new(64).unwrap();
     for i in 0..32 {
         s.recv(
             &rq,
@@ -43,7 +43,7 @@ fn adaptive_wait_sleeps_once_for_a_batch_of_completions() {
         )
         .unwrap();
     }
-    let sq = EventQueue::new(64);
+    let sq = EventQueue::new(64).unwrap();
     for i in 0..32 {
         c.send(
             &sq,
@@ -77,7 +77,7 @@ fn trickling_completions_adaptive_sleeps_once_block_mode_per_event() {
         let (_world, c, s, a, b) = threaded_pair();
         let src = MemoryRegion::from_vec(&a, pattern(16 * 4096, 1)).unwrap();
         let dst = MemoryRegion::alloc(&b, 16 * 4096).unwrap();
-        let sq = EventQueue::with_mode(64, mode);
+        let sq = EventQueue::with_mode(64, mode).unwrap();
         for i in 0..16 {
             c.send(
                 &sq,
@@ -88,7 +88,7 @@ fn trickling_completions_adaptive_sleeps_once_block_mode_per_event() {
             .unwrap();
         }
         let poster = std::thread::spawn(move || {
-            let rq = EventQueue::new(64);
+            let rq = EventQueue::new(64).unwrap();
             for i in 0..16 {
                 std::thread::sleep(Duration::from_millis(1));
                 s.recv(
@@ -162,8 +162,8 @@ fn busy_poll_mode_completes_without_sleeping() {
     let (_world, c, s, a, b) = threaded_pair();
     let src = MemoryRegion::from_vec(&a, pattern(8 * 1000, 1)).unwrap();
     let dst = MemoryRegion::alloc(&b, 8 * 1000).unwrap();
-    let rq = EventQueue::with_mode(64, WaitMode::BusyPoll);
-    let sq = EventQueue::with_mode(64, WaitMode::BusyPoll);
+    let rq = EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap();
+    let sq = EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap();
     for i in 0..8 {
         s.recv(
             &rq,
@@ -183,6 +183,41 @@ fn busy_poll_mode_completes_without_sleeping() {
     assert_eq!(sq.wait_all(Some(Duration::from_secs(20))).unwrap().len(), 8);
     assert_eq!(rq.wait_all(Some(Duration::from_secs(20))).unwrap().len(), 8);
     assert_eq!((sq.stats().blocks, rq.stats().blocks), (0, 0));
+}
+
+/// The descriptor exists from the queue's creation (taking it cannot fail) but is kept in sync only once taken:
+/// taken after events arrived, it is readable at once; once they are dequeued it is not.
+#[test]
+fn a_queue_descriptor_taken_after_events_arrived_is_readable_at_once() {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let p = pair_threaded(SockType::SeqPacket, &[]);
+    let dst = p.server_region(100);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    let src = p.client_region(pattern(100, 3));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while p.eq_b.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the receive never completed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let readable = || {
+        let mut fds = [PollFd::new(p.eq_b.as_fd(), PollFlags::POLLIN)];
+        poll(&mut fds, PollTimeout::ZERO).unwrap() == 1
+    };
+    assert!(
+        readable(),
+        "events were queued before the descriptor was taken"
+    );
+    assert!(wait(&p.eq_b).is_ok());
+    assert!(!readable(), "nothing queued any more");
 }
 
 /// Issue 16: an event queue is a descriptor for epoll, mio or tokio: readable exactly while events are queued,

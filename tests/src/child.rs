@@ -355,13 +355,15 @@ fn child_role(role: &str) -> Result<(), String> {
 fn echo_server(b: &dyn crate::Backend) -> Result<(), String> {
     let net = b.net();
     let ctx = net.host();
-    let eq = EventQueue::new(64);
+    let eq = EventQueue::new(64).unwrap();
     let l = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
     l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
     let addr = l.listen(1).map_err(|e| e.to_string())?;
     println!("LISTEN {addr}");
     l.accept(&eq, 0).map_err(|e| e.to_string())?;
-    let s = crate::util::next(&eq)?.accepted.ok_or("accept failed")?;
+    let s = crate::util::next(&eq)?
+        .take_accepted()
+        .ok_or("accept failed")?;
     let buf = MemoryRegion::alloc(&ctx, 16 << 20).map_err(|e| e.to_string())?;
     let mut sums = Vec::new();
     loop {
@@ -399,7 +401,7 @@ fn sender(b: &dyn crate::Backend, big: Option<usize>) -> Result<(), String> {
         .map_err(|e| format!("{e}"))?;
     let net = b.net();
     let ctx = net.host();
-    let eq = EventQueue::new(64);
+    let eq = EventQueue::new(64).unwrap();
     let s = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
     s.connect(&eq, target, 0).map_err(|e| e.to_string())?;
     crate::util::next(&eq)?

@@ -76,8 +76,8 @@ pub struct Pair {
 pub fn pair(net: &dyn Net, ty: SockType, opts: &[SocketOption]) -> Result<Pair, String> {
     let b = net.host();
     let a = net.host();
-    let eq_a = EventQueue::new(4096);
-    let eq_b = EventQueue::new(4096);
+    let eq_a = EventQueue::new(4096).unwrap();
+    let eq_b = EventQueue::new(4096).unwrap();
     let listener = Socket::new(&b, ty).map_err(|e| e.to_string())?;
     for o in opts {
         listener.set_option(*o).map_err(|e| e.to_string())?;
@@ -104,7 +104,7 @@ pub fn pair(net: &dyn Net, ty: SockType, opts: &[SocketOption]) -> Result<Pair, 
         s.kind == EventKind::Accept && s.is_ok(),
         "accept event: {s:?}"
     );
-    let server = s.accepted.take().ok_or("accept event without a socket")?;
+    let server = s.take_accepted().ok_or("accept event without a socket")?;
     Ok(Pair {
         a,
         b,

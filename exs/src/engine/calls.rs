@@ -3,6 +3,17 @@
 
 use super::*;
 
+/// The application's memory that a send or receive names (a `Slice` of a registered region): the engine sits below
+/// the public memory types and sees them through this.
+pub(crate) trait Buffer {
+    /// Bytes named.
+    fn len(&self) -> usize;
+    /// Refuses memory of another context, and a range outside its region.
+    fn check(&self, ctx: u64) -> Result<(), crate::error::BufferError>;
+    /// Leases the bytes with their registration, as one step with respect to deregistration.
+    fn lease(&self, kind: LeaseKind) -> Result<crate::transport::Sge, crate::error::BufferError>;
+}
+
 impl Engine {
     // ---------------------------------------------------------------------------------------------------------
     // Connections
@@ -264,7 +275,7 @@ impl Engine {
     pub(crate) fn send(
         &mut self,
         sid: SocketId,
-        slice: &Slice,
+        slice: &dyn Buffer,
         flags: MsgFlags,
         offset: Option<u64>,
         ticket: &mut Option<Ticket>,
@@ -296,7 +307,7 @@ impl Engine {
     pub(crate) fn recv(
         &mut self,
         sid: SocketId,
-        slice: &Slice,
+        slice: &dyn Buffer,
         flags: MsgFlags,
         offset: Option<u64>,
         ticket: &mut Option<Ticket>,
@@ -609,10 +620,10 @@ impl Engine {
     }
 
     /// Counters of the connection of a socket (tests and tools).
-    pub(crate) fn conn_stats(&mut self, sid: SocketId) -> Option<crate::socket::ConnStats> {
+    pub(crate) fn conn_stats(&mut self, sid: SocketId) -> Option<super::ConnStats> {
         let s = self.sockets.get_mut(&sid)?;
         let conn = s.conn.as_mut()?;
-        Some(crate::socket::ConnStats {
+        Some(super::ConnStats {
             link: conn.link.stats,
             message: conn.message().map(|m| m.stats).unwrap_or_default(),
             stream: conn.stream().map(|st| st.stats()).unwrap_or_default(),

@@ -290,11 +290,8 @@ impl Engine {
         if let Some(s) = self.sockets.get_mut(&sid) {
             s.listener = None;
         }
-        match self.ctx.upgrade() {
-            Some(inner) => ticket.complete_accept(crate::socket::Socket::from_engine(
-                Context::from_inner(inner),
-                sid,
-            )),
+        match self.owner.upgrade() {
+            Some(owner) => ticket.complete_accept(crate::event::Accepted::new(sid, owner)),
             None => ticket.complete(Err(OpError::Cancelled), 0, EventFlags::default()),
         }
     }

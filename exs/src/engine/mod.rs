@@ -7,7 +7,11 @@
 mod calls;
 mod cm;
 mod completions;
+mod stats;
 mod timers;
+
+pub(crate) use calls::Buffer;
+pub use stats::{ConnStats, EngineStats};
 
 use std::collections::{HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -17,15 +21,13 @@ use std::time::{Duration, Instant};
 use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::config::{Clock, ContextOptions};
-use crate::context::{Context, CtxInner};
 use crate::error::{
     AcceptError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError, SocketError,
     StateError, Violation,
 };
-use crate::event::{EventFlags, EventKind, Ticket};
+use crate::event::{EventFlags, EventKind, Owner, Ticket};
 use crate::exposure::{ExposurePolicy, TrustedKeys};
 use crate::ids::{Readiness, SocketId};
-use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
 use crate::proto::conn::layout::{ctrl_slot_size, Layout, TX_SLOT};
 use crate::proto::conn::{
@@ -34,60 +36,12 @@ use crate::proto::conn::{
 use crate::proto::link::{wr_kind, Link, Slots, WrKind, PACK_SLOTS};
 use crate::proto::message::SendData;
 use crate::proto::op::{Done, OpToken, Outbox};
-use crate::proto::pool::{PoolStats, RecvPool};
+use crate::proto::pool::RecvPool;
 use crate::transport::{
     Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration,
     RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
 };
 use crate::wire::{CloseReason, Handshake};
-
-/// Counters of one context.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct EngineStats {
-    /// Completions handled.
-    pub completions: u64,
-    /// Connection-management events handled.
-    pub cm_events: u64,
-    /// Work requests posted.
-    pub posted: u64,
-    /// Connections brought down because the peer broke the protocol.
-    pub violations: u64,
-    /// Connections established.
-    pub connections: u64,
-    /// Bytes of control receive buffers currently registered for connections (their own, not the pool's).
-    pub ctrl_recv_bytes: u64,
-    /// The shared receive pool (seed 003), when the context uses one.
-    pub pool: Option<PoolStats>,
-    /// Memory registrations the context made (memory regions, control and stream buffers, pool chunks).
-    pub registrations: u64,
-    /// Remote keys handed out (each bound to one connection): one per operation, or under the trusted policy one
-    /// per region, connection and access.
-    pub exposures: u64,
-    /// Whole-region keys of the trusted policy valid now ([`crate::ExposurePolicy::TrustedPeers`]).
-    pub trusted_keys: u64,
-    /// Connection requests refused because the context held `ContextOptions::max_connections` already.
-    pub refused_over_limit: u64,
-    /// Connection requests refused because the listener's backlog (connections being set up, and established
-    /// ones not yet accepted) was full.
-    pub refused_backlog_full: u64,
-    /// Incoming connections that failed, went silent or broke the handshake before they were established, and
-    /// requests refused for a bad handshake: ended inside, never handed to an `accept`.
-    pub dropped_before_accept: u64,
-    /// Device-visible memory the connections hold now: control send and receive slots and stream buffers
-    /// (these only once the peer needed one and the application reads). The shared pool is counted in `pool`.
-    /// What [`crate::ContextOptions::memory_budget`] bounds.
-    pub connection_bytes: u64,
-    /// Stream buffers a peer asked for that the memory budget could not hold (the connection went on with direct
-    /// transfers only).
-    pub rings_refused: u64,
-    /// Times the transport was armed before a sleep (a system call or several on software providers).
-    pub arms: u64,
-    /// Times the connection-event channel was read (a system call on software providers).
-    pub cm_polls: u64,
-    /// Timers set now (at most one of each kind per socket; a round looks only at the earliest).
-    pub timers: u64,
-}
 
 /// Whether the context uses the shared receive pool.
 #[derive(Debug)]
@@ -207,7 +161,9 @@ pub(crate) struct Engine {
     transport: Box<dyn Transport>,
     caps: Capabilities,
     ctx_id: u64,
-    ctx: Weak<CtxInner>,
+    /// The context, as the owner of the connections this engine accepts (they reach the application through
+    /// their accept events).
+    owner: Weak<dyn Owner>,
     clock: Arc<dyn Clock>,
     linger: Duration,
     connect_timeout: Duration,
@@ -267,7 +223,7 @@ impl Engine {
     pub(crate) fn new(
         transport: Box<dyn Transport>,
         ctx_id: u64,
-        ctx: Weak<CtxInner>,
+        owner: Weak<dyn Owner>,
         opts: &ContextOptions,
     ) -> Self {
         let caps = transport.capabilities().clone();
@@ -275,7 +231,7 @@ impl Engine {
             transport,
             caps,
             ctx_id,
-            ctx,
+            owner,
             clock: Arc::clone(&opts.clock),
             linger: opts.linger,
             connect_timeout: opts.connect_timeout,

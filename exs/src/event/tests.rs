@@ -7,7 +7,7 @@ fn sid() -> SocketId {
 
 #[test]
 fn depth_bounds_outstanding_plus_queued() {
-    let q = EventQueue::new(2);
+    let q = EventQueue::new(2).unwrap();
     let a = q.reserve(EventKind::Send, 1, sid()).unwrap();
     let _b = q.reserve(EventKind::Send, 2, sid()).unwrap();
     assert_eq!(
@@ -24,7 +24,7 @@ fn depth_bounds_outstanding_plus_queued() {
 
 #[test]
 fn dropped_ticket_completes_as_cancelled() {
-    let q = EventQueue::new(4);
+    let q = EventQueue::new(4).unwrap();
     drop(q.reserve(EventKind::Recv, 9, sid()).unwrap());
     let e = q.next(Some(Duration::ZERO)).unwrap();
     assert_eq!(e.status, Err(OpError::Cancelled));
@@ -34,7 +34,7 @@ fn dropped_ticket_completes_as_cancelled() {
 
 #[test]
 fn timeout_with_nothing_is_an_error_and_partial_is_returned() {
-    let q = EventQueue::new(4);
+    let q = EventQueue::new(4).unwrap();
     let mut out = Vec::new();
     assert_eq!(
         q.dequeue(&mut out, 1, 4, Some(Duration::from_millis(5))),
@@ -57,7 +57,7 @@ fn timeout_with_nothing_is_an_error_and_partial_is_returned() {
 /// The adaptive completion wait: a batch of n completions costs one sleep and one wake-up, not n.
 #[test]
 fn adaptive_wait_blocks_once_per_batch() {
-    let q = EventQueue::new(64);
+    let q = EventQueue::new(64).unwrap();
     let tickets: Vec<_> = (0..32)
         .map(|i| q.reserve(EventKind::Send, i, sid()).unwrap())
         .collect();
@@ -81,7 +81,7 @@ fn adaptive_wait_blocks_once_per_batch() {
 
 #[test]
 fn adaptive_wait_does_not_block_when_events_are_there() {
-    let q = EventQueue::new(8);
+    let q = EventQueue::new(8).unwrap();
     for i in 0..3 {
         q.reserve(EventKind::Recv, i, sid())
             .unwrap()
@@ -94,7 +94,7 @@ fn adaptive_wait_does_not_block_when_events_are_there() {
 
 #[test]
 fn block_mode_wakes_per_event() {
-    let q = EventQueue::with_mode(64, WaitMode::Block);
+    let q = EventQueue::with_mode(64, WaitMode::Block).unwrap();
     let tickets: Vec<_> = (0..8)
         .map(|i| q.reserve(EventKind::Send, i, sid()).unwrap())
         .collect();
@@ -119,7 +119,7 @@ fn block_mode_wakes_per_event() {
 
 #[test]
 fn busy_poll_never_sleeps() {
-    let q = EventQueue::with_mode(8, WaitMode::BusyPoll);
+    let q = EventQueue::with_mode(8, WaitMode::BusyPoll).unwrap();
     let t = q.reserve(EventKind::Send, 0, sid()).unwrap();
     let producer = thread::spawn(move || {
         thread::sleep(Duration::from_millis(10));
@@ -136,7 +136,7 @@ fn busy_poll_never_sleeps() {
 /// timed-out waiter, so the other slept its whole timeout).
 #[test]
 fn a_timed_out_waiter_does_not_silence_another() {
-    let q = EventQueue::new(8);
+    let q = EventQueue::new(8).unwrap();
     let t = q.reserve(EventKind::Recv, 7, sid()).unwrap();
     let _more: Vec<_> = (0..4)
         .map(|i| q.reserve(EventKind::Recv, 10 + i, sid()).unwrap())
@@ -169,7 +169,7 @@ fn a_timed_out_waiter_does_not_silence_another() {
 
 #[test]
 fn spin_count_polls_before_blocking() {
-    let q = EventQueue::with_mode(8, WaitMode::Adaptive { spin: 50 });
+    let q = EventQueue::with_mode(8, WaitMode::Adaptive { spin: 50 }).unwrap();
     let mut out = Vec::new();
     let _ = q.dequeue(&mut out, 1, 1, Some(Duration::from_millis(1)));
     assert!(q.stats().empty_polls >= 51, "{:?}", q.stats());

@@ -89,13 +89,13 @@ impl Ticket {
         self.complete(Ok(()), 0, EventFlags::EOF);
     }
 
-    /// Completes an accept with the new socket.
-    pub(crate) fn complete_accept(mut self, socket: Socket) {
+    /// Completes an accept with the new connection.
+    pub(crate) fn complete_accept(mut self, accepted: Accepted) {
         self.finish(
             Ok(()),
             0,
             EventFlags::default(),
-            Some(socket),
+            Some(accepted),
             crate::ids::Readiness::default(),
         );
     }
@@ -110,7 +110,7 @@ impl Ticket {
         status: Result<(), OpError>,
         bytes: usize,
         flags: EventFlags,
-        accepted: Option<Socket>,
+        accepted: Option<Accepted>,
         readiness: crate::ids::Readiness,
     ) {
         let event = Event {

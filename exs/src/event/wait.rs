@@ -144,7 +144,7 @@ impl EventQueue {
                 break false;
             }
             for p in &pollers {
-                if !led.iter().any(|l| Arc::ptr_eq(l, p)) && p.try_lead(&self.inner) {
+                if !led.iter().any(|l| Arc::ptr_eq(l, p)) && p.try_lead(self.inner.clone()) {
                     led.push(Arc::clone(p));
                 }
             }
@@ -229,7 +229,7 @@ impl EventQueue {
                 }
                 // Another leader of this queue sleeps on its descriptor (or there is none): look again soon.
                 _ => {
-                    let soon = Instant::now() + crate::progress::STANDBY;
+                    let soon = Instant::now() + crate::progress::lead::STANDBY;
                     until = Some(until.map_or(soon, |u| u.min(soon)));
                     false
                 }
@@ -245,8 +245,8 @@ impl EventQueue {
         if let (true, Some(q)) = (mine, qfd) {
             fds.push(PollFd::new(q.as_fd(), PollFlags::POLLIN));
         }
-        crate::progress::sleep_on(&mut fds, until);
-        let revents: Vec<bool> = fds.iter().map(crate::progress::readable).collect();
+        crate::progress::lead::sleep_on(&mut fds, until);
+        let revents: Vec<bool> = fds.iter().map(crate::progress::lead::readable).collect();
         drop(fds);
         for (i, p) in led.iter().enumerate() {
             p.woke(revents[i * 2 + 1]);

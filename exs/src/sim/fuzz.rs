@@ -225,7 +225,7 @@ impl Victim {
             ..SimConfig::default()
         });
         let ctx = quiet_host(&world);
-        let eq = EventQueue::new(1024);
+        let eq = EventQueue::new(1024).unwrap();
         let listener = Socket::new(&ctx, ty).expect("socket");
         listener.bind(world.addr(0, 7000)).expect("bind");
         let addr = listener.listen(8).expect("listen");
@@ -261,7 +261,7 @@ impl Victim {
             .eq
             .next(Some(Duration::from_secs(5)))
             .expect("accept event");
-        let Some(sock) = ev.accepted.take() else {
+        let Some(sock) = ev.take_accepted() else {
             assert!(
                 matches!(ev.status, Err(crate::OpError::PeerMisbehaved(_))),
                 "a refused handshake names the violation: {ev:?}"
@@ -332,7 +332,7 @@ impl Victim {
     /// After the attack the context still accepts a well-behaved peer and carries its data.
     fn serves_a_new_peer(&self) {
         let client = quiet_host(&self.world);
-        let ceq = EventQueue::new(8);
+        let ceq = EventQueue::new(8).unwrap();
         self.listener
             .accept(&self.eq, 2)
             .expect("accept after the attack");
@@ -348,13 +348,13 @@ impl Victim {
                 .eq
                 .next(Some(Duration::from_secs(30)))
                 .expect("the new connection is accepted");
-            if let Some(s) = e.accepted.take() {
+            if let Some(s) = e.take_accepted() {
                 break s;
             }
         };
         let src = MemoryRegion::from_vec(&client, b"after the storm".to_vec()).expect("src");
         let dst = MemoryRegion::alloc(&self.ctx, 15).expect("dst");
-        let feq = EventQueue::new(4);
+        let feq = EventQueue::new(4).unwrap();
         fresh
             .recv(&feq, &dst.all(), MsgFlags::WAITALL, 4)
             .expect("recv on the new connection");

@@ -35,7 +35,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::config::{Clock, ContextOptions, ManualDriver, Progress};
-use crate::context::Context;
+use crate::context::{Context, WeakContext};
 use crate::transport::{
     Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId,
     Op, PostError, Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport,
@@ -149,7 +149,7 @@ impl Clock for SimClock {
 /// how long a context lives.
 struct WorldDriver {
     net: Weak<Mutex<Net>>,
-    contexts: Mutex<Vec<(HostId, Weak<crate::context::CtxInner>)>>,
+    contexts: Mutex<Vec<(HostId, WeakContext)>>,
 }
 
 impl WorldDriver {
@@ -157,11 +157,10 @@ impl WorldDriver {
     fn live(&self, net: &Mutex<Net>) -> Vec<Context> {
         let stalled: Vec<bool> = lock(net).hosts.iter().map(|h| h.stalled).collect();
         let mut v = self.contexts.lock().unwrap_or_else(|p| p.into_inner());
-        v.retain(|(_, w)| w.strong_count() > 0);
+        v.retain(|(_, w)| !w.is_gone());
         v.iter()
             .filter(|(h, _)| !stalled.get(*h).copied().unwrap_or(false))
             .filter_map(|(_, w)| w.upgrade())
-            .map(Context::from_inner)
             .collect()
     }
 }

@@ -132,7 +132,7 @@ impl Stream {
         let read_eq = reader.eq.clone();
         Ok(Stream {
             inner: Arc::new(Shared {
-                writer: Mutex::new(Writer::new(ctx, sock.clone(), cfg)),
+                writer: Mutex::new(Writer::new(ctx, sock.clone(), cfg)?),
                 reader: Mutex::new(reader),
                 read_eq,
                 sock,
@@ -383,7 +383,7 @@ impl Listener {
         Ok(Listener {
             sock,
             ctx: ctx.clone(),
-            eq: EventQueue::new(64),
+            eq: EventQueue::new(64)?,
             cfg: cfg.clone(),
         })
     }

@@ -86,7 +86,7 @@ impl Reader {
         let mut r = Reader {
             sock,
             // Room for every receive and a wake-up.
-            eq: EventQueue::new(pieces + 2),
+            eq: EventQueue::new(pieces + 2)?,
             buf: MemoryRegion::alloc(ctx, piece * pieces)?,
             piece,
             free: (0..pieces).rev().collect(),
@@ -262,10 +262,10 @@ pub(crate) struct Writer {
 const MAX_SENDS: usize = 256;
 
 impl Writer {
-    pub(crate) fn new(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> Writer {
-        Writer {
+    pub(crate) fn new(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> io::Result<Writer> {
+        Ok(Writer {
             sock,
-            eq: EventQueue::new(MAX_SENDS + 1),
+            eq: EventQueue::new(MAX_SENDS + 1)?,
             ctx: ctx.clone(),
             ring: None,
             len: cfg.send_buffer.max(1),
@@ -277,7 +277,7 @@ impl Writer {
             shut: Shut::Open,
             failed: None,
             scratch: Vec::with_capacity(16),
-        }
+        })
     }
 
     /// Takes in one event of the writer's queue.

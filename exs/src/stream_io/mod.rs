@@ -120,7 +120,7 @@ pub(crate) fn each_addr<T>(
 /// Starts a connection attempt: the socket, and the queue its `Connect` event comes to.
 pub(crate) fn start_connect(ctx: &Context, addr: SocketAddr) -> io::Result<(Socket, EventQueue)> {
     let sock = Socket::new(ctx, SockType::Stream)?;
-    let eq = EventQueue::new(2);
+    let eq = EventQueue::new(2)?;
     sock.connect(&eq, addr, 0)?;
     Ok((sock, eq))
 }
@@ -162,11 +162,9 @@ pub(crate) fn listen(ctx: &Context, addr: SocketAddr) -> io::Result<Socket> {
 
 /// The socket an `Accept` event carries, and its peer's address.
 pub(crate) fn accepted(mut ev: Event) -> io::Result<(Socket, SocketAddr)> {
-    ev.status.map_err(io::Error::from)?;
-    let sock = ev
-        .accepted
-        .take()
-        .ok_or_else(|| io::Error::other("an accept event without its socket"))?;
+    let sock = ev.take_accepted();
+    std::mem::replace(&mut ev.status, Ok(())).map_err(io::Error::from)?;
+    let sock = sock.ok_or_else(|| io::Error::other("an accept event without its socket"))?;
     let peer = sock
         .peer_addr()?
         .ok_or_else(|| io::Error::other("an accepted socket without a peer address"))?;

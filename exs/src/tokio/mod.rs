@@ -69,7 +69,7 @@ impl AsRawFd for QueueFd {
 }
 
 fn async_fd(eq: &EventQueue) -> io::Result<AsyncFd<QueueFd>> {
-    let fd = eq.readiness_fd()?.try_clone_to_owned()?;
+    let fd = eq.as_fd().try_clone_to_owned()?;
     // tokio's newer registration call asks its caller to promise that the descriptor stays open and the same for
     // the AsyncFd's life, which this crate (no promises of that kind allowed here) keeps by construction: `QueueFd`
     // owns it (an `OwnedFd`, closed only when the AsyncFd drops it) and always returns it. `new` is the same call
@@ -229,7 +229,7 @@ impl Stream {
 
     fn from_socket(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> io::Result<Stream> {
         let reader = Reader::new(ctx, sock.clone(), cfg)?;
-        let writer = Writer::new(ctx, sock, cfg);
+        let writer = Writer::new(ctx, sock, cfg)?;
         Ok(Stream {
             read: ReadPart {
                 fd: async_fd(&reader.eq)?,
@@ -353,7 +353,7 @@ impl Listener {
     ) -> io::Result<Listener> {
         let addrs = tokio::net::lookup_host(addr).await?;
         let sock = sio::each_addr(addrs, |a| sio::listen(ctx, a))?;
-        let eq = EventQueue::new(64);
+        let eq = EventQueue::new(64)?;
         let fd = async_fd(&eq)?;
         Ok(Listener {
             sock,

@@ -73,8 +73,8 @@ pub fn pair_hosts(
     client_opts: &[SocketOption],
     server_opts: &[SocketOption],
 ) -> Pair {
-    let eq_a = EventQueue::new(1024);
-    let eq_b = EventQueue::new(1024);
+    let eq_a = EventQueue::new(1024).unwrap();
+    let eq_b = EventQueue::new(1024).unwrap();
     let listener = Socket::new(&b, ty).unwrap();
     for o in server_opts {
         listener.set_option(*o).unwrap();
@@ -93,7 +93,7 @@ pub fn pair_hosts(
     let mut ev = eq_b.next(None).unwrap();
     assert_eq!((ev.kind, ev.context), (EventKind::Accept, 100), "{ev:?}");
     ev.status.clone().unwrap();
-    let server = ev.accepted.take().expect("accept carries the socket");
+    let server = ev.take_accepted().expect("accept carries the socket");
     Pair {
         world,
         a,

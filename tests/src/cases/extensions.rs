@@ -267,7 +267,7 @@ fn abort(b: &dyn Backend) -> Result<(), String> {
 fn poll(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let p = pair(&*net, SockType::Stream, &[])?;
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     p.client
         .poll(
             &eq,

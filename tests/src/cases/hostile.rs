@@ -117,7 +117,7 @@ pub(crate) fn victim_with(
 ) -> Result<Victim, String> {
     let net = b.net();
     let ctx = net.host_with(opts);
-    let eq = EventQueue::new(256);
+    let eq = EventQueue::new(256).unwrap();
     let listener = Socket::new(&ctx, ty).map_err(|e| e.to_string())?;
     listener
         .bind(net.listen_addr(0))
@@ -169,7 +169,7 @@ impl Victim {
             ev.kind == EventKind::Accept && ev.is_ok(),
             "accept of the raw peer: {ev:?}"
         );
-        let s = ev.accepted.take().ok_or("accept without a socket")?;
+        let s = ev.take_accepted().ok_or("accept without a socket")?;
         Ok((raw, s))
     }
 
@@ -237,7 +237,7 @@ impl Victim {
     /// Another connection works, and the canary region is untouched.
     pub(crate) fn healthy(&self, what: &str, violation: bool) -> Result<(), String> {
         let client = self.net.host();
-        let eq = EventQueue::new(16);
+        let eq = EventQueue::new(16).unwrap();
         self.listener
             .accept(&self.eq, 2)
             .map_err(|e| e.to_string())?;
@@ -248,8 +248,7 @@ impl Victim {
             .map_err(|e| format!("{what}: a new connection after the attack: {e}"))?;
         let mut ev = next(&self.eq)?;
         let s = ev
-            .accepted
-            .take()
+            .take_accepted()
             .ok_or(format!("{what}: accept after the attack: {ev:?}"))?;
         let data = pattern(100_000, 5);
         let src = MemoryRegion::from_vec(&client, data.clone()).map_err(|e| e.to_string())?;
@@ -484,7 +483,7 @@ fn advert_case(
     let (mut raw, s) = v.accept_good()?;
     let exposed = raw.expose(&pattern(4096, 1))?;
     let dst = MemoryRegion::from_vec(&v.ctx, vec![0xEE; 1 << 20]).map_err(|e| e.to_string())?;
-    let eq = EventQueue::new(4);
+    let eq = EventQueue::new(4).unwrap();
     s.recv(&eq, &dst.all(), MsgFlags::NONE, 7)
         .map_err(|e| e.to_string())?;
     raw.send_msg(&Message::new(Body::Advert(make(exposed.remote()))))?;
@@ -684,7 +683,7 @@ fn stale_key_after_ack(b: &dyn Backend) -> Result<(), String> {
 
 fn healthy_without_violation(v: &Victim) -> Result<(), String> {
     let client = v.net.host();
-    let eq = EventQueue::new(16);
+    let eq = EventQueue::new(16).unwrap();
     v.listener.accept(&v.eq, 2).map_err(|e| e.to_string())?;
     let c = Socket::new(&client, v.ty).map_err(|e| e.to_string())?;
     c.connect(&eq, v.addr, 0).map_err(|e| e.to_string())?;
@@ -693,7 +692,7 @@ fn healthy_without_violation(v: &Victim) -> Result<(), String> {
         .map_err(|e| format!("a new connection: {e}"))?;
     loop {
         let mut ev = next(&v.eq)?;
-        if let Some(s) = ev.accepted.take() {
+        if let Some(s) = ev.take_accepted() {
             let dst = MemoryRegion::alloc(&v.ctx, 10).map_err(|e| e.to_string())?;
             let src = MemoryRegion::from_vec(&client, b"0123456789".to_vec())
                 .map_err(|e| e.to_string())?;
@@ -803,7 +802,7 @@ fn vanishing_requests(b: &dyn Backend) -> Result<(), String> {
     }
     let t0 = Instant::now();
     let client = v.net.host();
-    let eq = EventQueue::new(16);
+    let eq = EventQueue::new(16).unwrap();
     let c = Socket::new(&client, SockType::SeqPacket).map_err(|e| e.to_string())?;
     c.connect(&eq, v.addr, 0).map_err(|e| e.to_string())?;
     next(&eq)?
@@ -813,7 +812,7 @@ fn vanishing_requests(b: &dyn Backend) -> Result<(), String> {
     // Every accept ends with an established connection; the honest one among them.
     for i in 0..4 {
         let mut ev = next(&v.eq)?;
-        let s = ev.accepted.take().ok_or(format!(
+        let s = ev.take_accepted().ok_or(format!(
             "accept {i} ended without a connection: {:?}",
             ev.status
         ))?;

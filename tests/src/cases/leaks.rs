@@ -146,7 +146,7 @@ struct Connects {
 impl Connects {
     fn new() -> Self {
         Connects {
-            eq: EventQueue::new(1024),
+            eq: EventQueue::new(1024).unwrap(),
             live: HashMap::new(),
             next: 0,
             ended: 0,

@@ -498,7 +498,7 @@ fn refused(b: &dyn Backend) -> Result<(), String> {
     let addr = l.listen(1).map_err(|e| e.to_string())?;
     l.close().map_err(|e| e.to_string())?;
     std::thread::sleep(std::time::Duration::from_millis(20));
-    let eq = exs::EventQueue::new(4);
+    let eq = exs::EventQueue::new(4).unwrap();
     let s = Socket::new(&client_host, SockType::SeqPacket).map_err(|e| e.to_string())?;
     s.connect(&eq, addr, 1).map_err(|e| e.to_string())?;
     let ev = next(&eq)?;

@@ -121,7 +121,7 @@ fn echo_exchange(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<usize, Stri
         .map_err(|e| format!("{e}"))?;
     let net = b.net();
     let ctx = net.host();
-    let eq = EventQueue::new(64);
+    let eq = EventQueue::new(64).unwrap();
     let s = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
     s.connect(&eq, addr, 0).map_err(|e| e.to_string())?;
     next(&eq)?
@@ -185,13 +185,13 @@ fn killed_peer_host(b: &dyn Backend) -> Result<(), String> {
 fn killed_peer_on(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<(), String> {
     let net = b.net();
     let ctx = net.host();
-    let eq = EventQueue::new(256);
+    let eq = EventQueue::new(256).unwrap();
     let l = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
     l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
     let addr = l.listen(4).map_err(|e| e.to_string())?;
     l.accept(&eq, 0).map_err(|e| e.to_string())?;
     let child = spawn_on(peer, "sender-then-big", b.name(), Some(addr), false)?;
-    let s = next(&eq)?.accepted.ok_or("accept failed")?;
+    let s = next(&eq)?.take_accepted().ok_or("accept failed")?;
     // Data flows: receive two messages.
     let buf = MemoryRegion::alloc(&ctx, 132 << 20).map_err(|e| e.to_string())?;
     for i in 0..2 {
@@ -275,7 +275,7 @@ fn killed_peer_on(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<(), String
     // The listener keeps accepting.
     l.accept(&eq, 1).map_err(|e| e.to_string())?;
     let _second = spawn_on(peer, "sender", b.name(), Some(addr), false)?;
-    let s2 = next(&eq)?.accepted.ok_or("second accept failed")?;
+    let s2 = next(&eq)?.take_accepted().ok_or("second accept failed")?;
     let buf2 = MemoryRegion::alloc(&ctx, 1 << 20).map_err(|e| e.to_string())?;
     s2.recv(&eq, &buf2.all(), MsgFlags::NONE, 20)
         .map_err(|e| e.to_string())?;

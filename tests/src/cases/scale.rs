@@ -71,8 +71,8 @@ fn connect_many(b: &dyn Backend, ty: SockType, n: usize) -> Result<Many, String>
     let net = b.net();
     let server = net.host();
     let client = net.host();
-    let eq_s = EventQueue::new(4 * n + 16);
-    let eq_c = EventQueue::new(4 * n + 16);
+    let eq_s = EventQueue::new(4 * n + 16).unwrap();
+    let eq_c = EventQueue::new(4 * n + 16).unwrap();
     let l = Socket::new(&server, ty).map_err(|e| e.to_string())?;
     l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
     let addr = l.listen(n as u32).map_err(|e| e.to_string())?;
@@ -95,7 +95,7 @@ fn connect_many(b: &dyn Backend, ty: SockType, n: usize) -> Result<Many, String>
     for _ in 0..n {
         let mut ev = next(&eq_s)?;
         ensure!(ev.kind == EventKind::Accept && ev.is_ok(), "accept: {ev:?}");
-        servers[ev.context as usize] = ev.accepted.take();
+        servers[ev.context as usize] = ev.take_accepted();
     }
     let servers: Vec<Socket> = servers
         .into_iter()
@@ -279,7 +279,7 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
         .map_err(|e| e.to_string())?
         .ok_or("listener address")?;
     let connect = |ctx: &Context, eq: &EventQueue| -> Result<(Socket, Socket), String> {
-        let eq_l = EventQueue::new(4);
+        let eq_l = EventQueue::new(4).unwrap();
         p.listener.accept(&eq_l, 1).map_err(|e| e.to_string())?;
         let c = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
         c.connect(eq, addr, 2).map_err(|e| e.to_string())?;
@@ -290,10 +290,10 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
         );
         let mut ev = next(&eq_l)?;
         ensure!(ev.is_ok(), "accept: {ev:?}");
-        Ok((c, ev.accepted.take().ok_or("no socket")?))
+        Ok((c, ev.take_accepted().ok_or("no socket")?))
     };
     let stop = AtomicBool::new(false);
-    let (eq_c, eq_s) = (EventQueue::new(64), EventQueue::new(64));
+    let (eq_c, eq_s) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
     let (c2, s2) = connect(&p.a, &eq_c)?;
     let started = std::time::Instant::now();
     let (flooded, slowest) =
@@ -383,7 +383,7 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
                     slowest = slowest.max(t.elapsed());
                 }
                 // And a new connection, while the flood goes on.
-                let eq3 = EventQueue::new(8);
+                let eq3 = EventQueue::new(8).unwrap();
                 let t = std::time::Instant::now();
                 let _third =
                     connect(&p.a, &eq3).map_err(|e| format!("a connect beside the flood, {e}"))?;

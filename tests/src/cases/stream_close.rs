@@ -60,7 +60,7 @@ fn send_all(
 
 /// Reads with receives of random sizes until end-of-stream; returns the bytes.
 fn read_to_eof(sock: &Socket, ctx: &exs::Context) -> Result<Vec<u8>, String> {
-    let eq = EventQueue::new(8);
+    let eq = EventQueue::new(8).unwrap();
     let buf = MemoryRegion::alloc(ctx, 300_000).map_err(|e| e.to_string())?;
     let mut got = Vec::new();
     let mut x = 7u64;
@@ -117,7 +117,7 @@ fn close_both_ways(b: &dyn Backend) -> Result<(), String> {
     let server = p.server.clone();
     let b_ctx = p.b.clone();
     let reader = std::thread::spawn(move || read_to_eof(&server, &b_ctx));
-    let b_eq = EventQueue::new(4096);
+    let b_eq = EventQueue::new(4096).unwrap();
     send_all(&p.server, &b_eq, &b_src, 2)?;
     let n = send_all(&p.client, &p.eq_a, &a_src, 1)?;
     p.client.close().map_err(|e| e.to_string())?;
@@ -140,10 +140,10 @@ fn both_close(b: &dyn Backend) -> Result<(), String> {
     );
     let side = |sock: Socket, ctx: exs::Context, src: MemoryRegion, seed: u64, want: Vec<u8>| {
         std::thread::spawn(move || -> Result<(), String> {
-            let eq = EventQueue::new(4096);
+            let eq = EventQueue::new(4096).unwrap();
             let n = send_all(&sock, &eq, &src, seed)?;
             // Read until everything the other side sends has come, then close (no end-of-stream needed).
-            let rq = EventQueue::new(8);
+            let rq = EventQueue::new(8).unwrap();
             let buf = MemoryRegion::alloc(&ctx, 200_000).map_err(|e| e.to_string())?;
             let mut got = Vec::new();
             while got.len() < want.len() {

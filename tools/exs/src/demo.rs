@@ -296,7 +296,7 @@ fn exs_client(
     progress: &mut Progress,
     whole: bool,
 ) -> Result<(u64, f64, f64)> {
-    let eq = EventQueue::new(a.depth + 8);
+    let eq = EventQueue::new(a.depth + 8)?;
     let s = Socket::new(ctx, SockType::SeqPacket).context("creating a socket")?;
     let credits = (a.depth as u16).clamp(1, 64);
     s.set_option(SocketOption::SendCredits(credits))?;
@@ -367,7 +367,7 @@ fn exs_server(
     watch: &Watch,
 ) -> Result<Received> {
     let (ctx, chunk, size) = (&host.ctx, p.chunk as usize, p.size);
-    let eq = EventQueue::new(64);
+    let eq = EventQueue::new(64)?;
     let (_listener, s) = crate::util::accept_one(
         ctx,
         SockType::SeqPacket,

@@ -110,7 +110,7 @@ pub fn connect(
     n: usize,
 ) -> Result<Vec<Socket>> {
     make_room_for(n);
-    let eq = EventQueue::new(IN_FLIGHT);
+    let eq = EventQueue::new(IN_FLIGHT)?;
     let mut socks: Vec<Socket> = Vec::with_capacity(n);
     let mut up = 0;
     while up < n {
@@ -134,7 +134,7 @@ pub fn connect(
 /// test's time is up (a client that opens them slowly cannot hold the server).
 pub fn accept(listener: &Socket, n: usize, watch: &crate::control::Watch) -> Result<Vec<Socket>> {
     make_room_for(n);
-    let eq = EventQueue::new(IN_FLIGHT);
+    let eq = EventQueue::new(IN_FLIGHT)?;
     let mut socks = Vec::with_capacity(n);
     let mut posted = 0;
     while socks.len() < n {
@@ -145,12 +145,12 @@ pub fn accept(listener: &Socket, n: usize, watch: &crate::control::Watch) -> Res
             posted += 1;
         }
         let what = format!("idle connection {} of {n}", socks.len() + 1);
-        let ev = crate::util::wait_watching(&eq, watch, &what)?;
+        let mut ev = crate::util::wait_watching(&eq, watch, &what)?;
         ev.status
             .clone()
             .with_context(|| format!("accepting {what}"))?;
         let s = ev
-            .accepted
+            .take_accepted()
             .ok_or_else(|| anyhow!("accepting {what}: no connection"))?;
         socks.push(s);
     }

@@ -143,7 +143,7 @@ fn echo(
 ) -> Result<Echoed> {
     let ctx = &host.ctx;
     let size = p.size as usize;
-    let eq = EventQueue::with_mode(16, p.wait.mode());
+    let eq = EventQueue::with_mode(16, p.wait.mode())?;
     let whole = host.whole;
     let before = crate::idle::Before::now(ctx);
     let (listener, s) = crate::util::accept_one(
@@ -254,7 +254,7 @@ fn pinger(
 ) -> Result<(Vec<f64>, Usage, Option<IdleHeld>)> {
     let size = p.size as usize;
     let persistent = p.mode == PingMode::Persistent;
-    let eq = EventQueue::with_mode(16, p.wait.mode());
+    let eq = EventQueue::with_mode(16, p.wait.mode())?;
     let s = Socket::new(ctx, SockType::SeqPacket).context("creating a socket")?;
     for o in p.options() {
         s.set_option(o).with_context(|| format!("setting {o:?}"))?;

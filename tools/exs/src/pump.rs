@@ -199,7 +199,7 @@ fn serve(
     watch: &Watch,
 ) -> Result<Side> {
     let ctx = &host.ctx;
-    let eq = EventQueue::with_mode(p.depth * 2 + 8, p.wait.mode());
+    let eq = EventQueue::with_mode(p.depth * 2 + 8, p.wait.mode())?;
     let (_listener, s) = crate::util::accept_one(
         ctx,
         p.sock_type.sock(),
@@ -266,7 +266,7 @@ fn serve(
 /// The client of one point: blasts for the point's duration (persistent: one send, then waits for the server
 /// to hang up), then closes. Returns what it measured.
 fn blast(ctx: &exs::Context, addr: SocketAddr, p: &Point, whole: bool) -> Result<Side> {
-    let eq = EventQueue::with_mode(p.depth * 2 + 8, p.wait.mode());
+    let eq = EventQueue::with_mode(p.depth * 2 + 8, p.wait.mode())?;
     let s = Socket::new(ctx, p.sock_type.sock()).context("creating a socket")?;
     for o in p.options() {
         s.set_option(o).with_context(|| format!("setting {o:?}"))?;

@@ -153,7 +153,7 @@ fn one_connection(
     t: &mut Totals,
 ) -> Result<()> {
     let id = rng.next();
-    let (eq_s, eq_c) = (EventQueue::new(64), EventQueue::new(64));
+    let (eq_s, eq_c) = (EventQueue::new(64)?, EventQueue::new(64)?);
     let l = Socket::new(server, ty)?;
     l.bind(opened.listen_addr(0)).context("bind")?;
     let addr = l.listen(1).context("listen")?;
@@ -163,8 +163,7 @@ fn one_connection(
     wait(&eq_c, "connect")?.status.context("connect")?;
     let mut acc = wait(&eq_s, "accept")?;
     let s = acc
-        .accepted
-        .take()
+        .take_accepted()
         .ok_or_else(|| anyhow!("accept failed: {:?}", acc.status))?;
     drop(l);
     t.connections += 1;

@@ -77,12 +77,12 @@ pub fn accept_one(
         .with_context(|| format!("listening on {listen}"))?;
     announce(bound)?;
     l.accept(eq, 0).context("accept")?;
-    let ev = wait_watching(eq, watch, "the client's exs connection")?;
+    let mut ev = wait_watching(eq, watch, "the client's exs connection")?;
     ev.status
         .clone()
         .context("accepting the client's exs connection")?;
     let s = ev
-        .accepted
+        .take_accepted()
         .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))?;
     Ok((l, s))
 }

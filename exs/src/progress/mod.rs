@@ -1,0 +1,315 @@
+//! Who makes progress, and who sleeps on the transport.
+//!
+//! The protocol moves whenever some thread holds the engine and polls the transport. Which thread that is decides
+//! what every operation costs on a machine with few cores, so the rules are:
+//!
+//! 1. **An API call never wakes anybody** just because it posted work: posting does not block, and the completion
+//!    will make the transport's wait descriptor readable for whoever sleeps on it. It wakes a sleeper only when it
+//!    moved the earliest timer before that sleeper's wake-up time ([`Shared::after_call`]).
+//! 2. **The thread that waits does the work.** A dequeue that has to sleep first tries to become the *leader* of
+//!    each context reporting to its queue: the leader runs the protocol itself, arms the transport and sleeps on
+//!    the transport's wait descriptor in its own `ppoll`, so a completion costs one wake-up (this thread's), not
+//!    two (a progress thread's, then a hand-off). One thread leads a context at a time; others wait on their
+//!    queue for the events the leader produces, and are nudged when the leader lets go so one of them leads next.
+//! 3. **The progress thread is the fallback.** It leads only when no application thread has waited for a while
+//!    ([`STANDBY`]): then it answers adverts and runs timers while the application computes. While applications
+//!    lead, it stands aside: it checks back after [`STANDBY`], backing off to sleeping until asked (a leader that
+//!    lets go then wakes it once). When an application thread wants to lead while the progress thread holds the
+//!    transport, it asks for a hand-over (one wake-up of the progress thread, once per idle period, not per call).
+//!
+//! This is what UCX (`ucp_worker_arm` + the worker's fd) and rsockets (the caller drives the queue pair, then
+//! blocks on the completion channel) do; the seed-004 adaptive wait then acts on completions directly.
+
+use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::poll::{PollFd, PollFlags};
+
+use crate::engine::Engine;
+use crate::lock::EngineGuard;
+
+pub(crate) mod lead;
+
+pub use lead::ProgressStats;
+pub(crate) use lead::{readable, sleep_on, Driver, Follower, Lead, Poller, STANDBY};
+use lead::{Holder, ABSENT, AWAKE, FOREVER, MAX_BACKOFF, ROUNDS, STANDBY_MAX};
+
+/// What a context's threads share: the engine and its leadership.
+pub(crate) struct Shared {
+    pub(crate) engine: Mutex<Engine>,
+    /// Who leads (sleeps on the transport) and when each sleeper wakes: see the module docs.
+    pub(crate) lead: Lead,
+    pub(crate) stop: AtomicBool,
+    /// Application threads busy-polling this context right now.
+    pub(crate) busy: AtomicUsize,
+    pub(crate) wait_fd: Option<OwnedFd>,
+    pub(crate) driver: Option<Arc<dyn Driver>>,
+}
+
+impl Poller for Shared {
+    fn set_busy(&self, on: bool) {
+        // No wake-up either way (a system call per dequeue is what busy polling avoids): a leading progress
+        // thread notices at its next wake-up and stops arming; a standing-back one
+        // (see `progress::stand_back_for_busy_pollers`) checks back within `progress::MAX_BACKOFF`.
+        if on {
+            self.busy.fetch_add(1, Ordering::SeqCst);
+        } else {
+            self.lead.busy_poll_ended();
+            self.busy.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    fn poll_progress(&self) -> bool {
+        // Never wait for another thread: if it holds the engine, it is making the progress.
+        let Some(mut e) = EngineGuard::try_lock(&self.engine) else {
+            return false;
+        };
+        // One round: the caller polls again if what it waits for is not there yet (another round here would
+        // cost a transport poll, a system call on software providers).
+        e.progress_busy()
+    }
+
+    fn try_lead(&self, follower: Arc<dyn Follower>) -> bool {
+        self.wait_fd.is_some() && self.lead.try_lead_app(follower)
+    }
+
+    fn prepare_sleep(&self, satisfied: &dyn Fn() -> bool) -> Option<Option<Instant>> {
+        let mut e = self.lock();
+        prepare_sleep(&self.lead, &mut e, satisfied)
+    }
+
+    fn sleep_fds(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {
+        [
+            self.wait_fd
+                .as_ref()
+                .expect("a leader has a wait descriptor")
+                .as_fd(),
+            self.lead.leader_wake_fd(),
+        ]
+    }
+
+    fn woke(&self, kicked: bool) {
+        self.lead.woke(kicked);
+    }
+
+    fn release(&self) {
+        self.lead.release_app();
+    }
+
+    fn count_sleep(&self) {
+        self.lead.count_app_sleep();
+    }
+}
+
+impl Shared {
+    pub(crate) fn lock(&self) -> EngineGuard<'_, Engine> {
+        EngineGuard::lock(&self.engine)
+    }
+
+    /// Runs an API call on the engine. Posting needs no wake-up; only a call that moved the earliest timer
+    /// earlier than the current sleeper's wake-up time wakes it (see the module docs, rule 1).
+    pub(crate) fn call<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
+        let mut e = self.lock();
+        let before = e.next_deadline();
+        let r = f(&mut e);
+        e.drain_done();
+        let after = e.next_deadline();
+        if after.is_some_and(|a| before.is_none_or(|b| a < b)) {
+            if let Some(d) = e.next_deadline_real() {
+                self.lead.after_call(d);
+            }
+        }
+        r
+    }
+
+    pub(crate) fn stopping(&self) -> bool {
+        self.stop.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn busy_polled(&self) -> bool {
+        self.busy.load(Ordering::SeqCst) > 0
+    }
+}
+
+/// Runs the protocol until nothing more happens now (bounded), then arms the transport. `Some(deadline)`: the
+/// caller may sleep on the wait descriptor until then (published as the leader's wake-up time); `None`: events
+/// slipped in before arming, or the round produced what the caller waits for (`satisfied`): look again.
+pub(crate) fn prepare_sleep(
+    lead: &Lead,
+    engine: &mut Engine,
+    satisfied: &dyn Fn() -> bool,
+) -> Option<Option<Instant>> {
+    // One round, then arm: arming reports anything that arrived meanwhile (another round would only cost the
+    // transport polls of finding nothing, system calls on software providers). A round that produced the events
+    // the caller waits for does not arm: it would not sleep (issue 12: on libfabric tcp `fi_trywait` is three
+    // system calls, paid after every wake-up of a blocking ping-pong).
+    engine.progress();
+    if satisfied() {
+        return None;
+    }
+    match engine.arm() {
+        Ok(true) => {}
+        Ok(false) => return None,
+        Err(err) => {
+            tracing::error!(%err, "arming the completion queue failed");
+            return Some(Some(Instant::now() + Duration::from_millis(10)));
+        }
+    }
+    let deadline = engine.next_deadline_real();
+    lead.leader_sleep
+        .store(lead.stamp(deadline), Ordering::SeqCst);
+    Some(deadline)
+}
+
+/// What the progress thread does next.
+enum Next {
+    /// Lead: sleep on the transport.
+    Lead,
+    /// Stand aside, checking back after this long (and running due timers).
+    Standby(Duration),
+    /// Stand aside until the leader lets go.
+    Deep,
+}
+
+/// The progress thread: the fallback that moves the protocol while no application thread waits.
+pub(crate) fn thread(shared: Arc<Shared>) {
+    let lead = &shared.lead;
+    let wait_fd = shared
+        .wait_fd
+        .as_ref()
+        .expect("thread mode has a wait descriptor");
+    let mut backoff = STANDBY;
+    loop {
+        if shared.stopping() {
+            return;
+        }
+        if shared.busy_polled() {
+            stand_back_for_busy_pollers(&shared);
+            continue;
+        }
+        let next = {
+            let mut s = lead.lock();
+            match s.holder {
+                Holder::Nobody => {
+                    let since = s.last_release.map(|t| t.elapsed());
+                    let standby = (s.gap * 4).clamp(STANDBY, STANDBY_MAX);
+                    match since {
+                        Some(since) if since < standby => Next::Standby(standby - since),
+                        _ => {
+                            s.holder = Holder::Thread;
+                            Next::Lead
+                        }
+                    }
+                }
+                // An application has held the lead for a long while (blocked in a dequeue): sleep until it lets
+                // go (it then wakes this thread) rather than checking back.
+                Holder::App
+                    if backoff >= MAX_BACKOFF
+                        && s.last_release.is_none_or(|t| t.elapsed() >= MAX_BACKOFF) =>
+                {
+                    s.thread_deep = true;
+                    Next::Deep
+                }
+                // Applications come and go (a ping-pong): check back, at most every MAX_BACKOFF.
+                Holder::App => {
+                    let b = backoff;
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    Next::Standby(b)
+                }
+                Holder::Thread => Next::Lead,
+            }
+        };
+        match next {
+            Next::Lead => {
+                backoff = STANDBY;
+                lead.thread_sleep.store(ABSENT, Ordering::SeqCst);
+                lead_as_thread(&shared, wait_fd.as_fd());
+            }
+            Next::Standby(t) => standby(&shared, t),
+            Next::Deep => {
+                lead.thread_sleep.store(FOREVER, Ordering::SeqCst);
+                sleep_thread(&shared, None);
+                backoff = STANDBY;
+            }
+        }
+    }
+}
+
+fn sleep_thread(shared: &Shared, until: Option<Instant>) {
+    let lead = &shared.lead;
+    let mut fds = [PollFd::new(lead.thread_wake.as_fd(), PollFlags::POLLIN)];
+    sleep_on(&mut fds, until);
+    lead.thread_sleep.store(AWAKE, Ordering::SeqCst);
+    if readable(&fds[0]) {
+        let _ = lead.thread_wake.read();
+    }
+    lead.counters.thread_wakeups.fetch_add(1, Ordering::Relaxed);
+    lead.lock().thread_deep = false;
+}
+
+/// The progress thread holds the transport until an application thread asks for it or the context stops.
+fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
+    let lead = &shared.lead;
+    loop {
+        if shared.stopping() || lead.lock().handover_asked || shared.busy_polled() {
+            lead.release(false);
+            return;
+        }
+        let until = {
+            let mut e = shared.lock();
+            match prepare_sleep(lead, &mut e, &|| false) {
+                Some(until) => until,
+                None => continue,
+            }
+        };
+        let mut fds = [
+            PollFd::new(wait_fd, PollFlags::POLLIN),
+            PollFd::new(lead.leader_wake.as_fd(), PollFlags::POLLIN),
+        ];
+        sleep_on(&mut fds, until);
+        let kicked = readable(&fds[1]);
+        lead.woke(kicked);
+        lead.counters.thread_wakeups.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// An application thread busy-polls this context: it handles completions, timers and (every few hundred rounds)
+/// connection events itself, so this thread stays out of its way: no arming (no completion-channel wake-ups), no
+/// rounds (they would only take the engine lock from the poller), and it checks back every [`MAX_BACKOFF`] whether
+/// the polling has ended, or at once when woken. Issue 12: checking back every millisecond and running a round
+/// cost 0.02-0.03 wake-ups per message on each side of a busy ping-pong on libfabric tcp, two context switches
+/// each (0.08-0.23 per round trip in all, against the target of 0.2), and it woke for delayed-acknowledgment
+/// deadlines the reply had already cancelled.
+fn stand_back_for_busy_pollers(shared: &Shared) {
+    let until = Instant::now() + MAX_BACKOFF;
+    shared
+        .lead
+        .thread_sleep
+        .store(shared.lead.stamp(Some(until)), Ordering::SeqCst);
+    sleep_thread(shared, Some(until));
+}
+
+/// Stands aside for `t`: nobody sleeps on the transport meanwhile, so run what is due now (bounded) and wake for
+/// the earliest timer if it comes first.
+fn standby(shared: &Shared, t: Duration) {
+    let lead = &shared.lead;
+    let until = {
+        let mut e = shared.lock();
+        let mut rounds = 0;
+        while e.progress() && rounds < ROUNDS {
+            rounds += 1;
+        }
+        let until = Instant::now() + t;
+        let until = match e.next_deadline_real() {
+            Some(d) => until.min(d),
+            _ => until,
+        };
+        lead.thread_sleep
+            .store(lead.stamp(Some(until)), Ordering::SeqCst);
+        until
+    };
+    sleep_thread(shared, Some(until));
+}

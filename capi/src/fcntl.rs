@@ -3,7 +3,7 @@
 //! `O_NONBLOCK`. The variadic entry point is C (`fcntl.c`); it asks [`exs_internal_fcntl_takes_arg`] whether to
 //! read an argument, then calls [`exs_internal_fcntl`].
 
-use exs::{SocketOption, SocketOptions};
+use exs::SocketOptions;
 use libc::c_int;
 
 use crate::abi::*;
@@ -15,50 +15,54 @@ use crate::handles::SOCKETS;
 struct Opt {
     get: c_int,
     read: fn(&SocketOptions) -> i64,
-    set: fn(c_int) -> Option<SocketOption>,
+    set: fn(SocketOptions, c_int) -> Option<SocketOptions>,
 }
 
-/// One row per option: its getter command, how to read it, how to build it from an int (`None`: out of range).
+/// One row per option: its getter command, how to read it, how to set it from an int (`None`: out of range).
 const OPTIONS: [Opt; 8] = [
     Opt {
         get: EXS_F_GET_SEND_CREDITS,
         read: |o| o.send_credits.into(),
-        set: |v| u16::try_from(v).ok().map(SocketOption::SendCredits),
+        set: |o, v| u16::try_from(v).ok().map(|v| o.with_send_credits(v)),
     },
     Opt {
         get: EXS_F_GET_RECV_CREDITS,
         read: |o| o.recv_credits.into(),
-        set: |v| u16::try_from(v).ok().map(SocketOption::RecvCredits),
+        set: |o, v| u16::try_from(v).ok().map(|v| o.with_recv_credits(v)),
     },
     Opt {
         get: EXS_F_GET_SMALL_PACKET_MAX_SIZE,
         read: |o| o.small_packet_max_size.into(),
-        set: |v| u32::try_from(v).ok().map(SocketOption::SmallPacketMaxSize),
+        set: |o, v| {
+            u32::try_from(v)
+                .ok()
+                .map(|v| o.with_small_packet_max_size(v))
+        },
     },
     Opt {
         get: EXS_F_GET_STREAM_BUFFER_SIZE,
         read: |o| o.stream_buffer_size.into(),
-        set: |v| u32::try_from(v).ok().map(SocketOption::StreamBufferSize),
+        set: |o, v| u32::try_from(v).ok().map(|v| o.with_stream_buffer_size(v)),
     },
     Opt {
         get: EXS_F_GET_STREAM_BUFFER_EAGER,
         read: |o| o.stream_buffer_eager.into(),
-        set: |v| Some(SocketOption::StreamBufferEager(v != 0)),
+        set: |o, v| Some(o.with_stream_buffer_eager(v != 0)),
     },
     Opt {
         get: EXS_F_GET_CONTROL_WINDOW,
         read: |o| o.control_window.into(),
-        set: |v| u16::try_from(v).ok().map(SocketOption::ControlWindow),
+        set: |o, v| u16::try_from(v).ok().map(|v| o.with_control_window(v)),
     },
     Opt {
         get: EXS_F_GET_BACKLOG,
         read: |o| o.backlog.into(),
-        set: |v| u32::try_from(v).ok().map(SocketOption::Backlog),
+        set: |o, v| u32::try_from(v).ok().map(|v| o.with_backlog(v)),
     },
     Opt {
         get: EXS_F_GET_COALESCE,
         read: |o| o.coalesce.into(),
-        set: |v| Some(SocketOption::Coalesce(v != 0)),
+        set: |o, v| Some(o.with_coalesce(v != 0)),
     },
 ];
 
@@ -92,8 +96,8 @@ pub extern "C" fn exs_internal_fcntl(fd: c_int, cmd: c_int, arg: c_int) -> c_int
                     .iter()
                     .find(|o| o.get + 1 == cmd)
                     .ok_or(Errno(libc::EINVAL))?;
-                let opt = (o.set)(arg).ok_or(Errno(libc::EINVAL))?;
-                s.sock.set_option(opt)?;
+                let opts = (o.set)(s.sock.options()?, arg).ok_or(Errno(libc::EINVAL))?;
+                s.sock.set_options(opts)?;
                 Ok(0)
             }
         }

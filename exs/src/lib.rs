@@ -198,7 +198,7 @@ pub use open::sim_addr;
 #[cfg(feature = "verbs")]
 pub use open::verbs;
 pub use open::{compiled, Backend, BackendKind, UnknownBackend};
-pub use options::{MsgFlags, SockType, SocketOption, SocketOptions};
+pub use options::{MsgFlags, SockType, SocketOptions};
 pub use sendfile::{SENDFILE_CHUNK, SENDFILE_DEPTH};
 
 pub use ids::{Readiness, SocketId};

@@ -48,7 +48,25 @@ impl std::ops::BitOr for MsgFlags {
     }
 }
 
-/// Per-socket settings. Those marked "before connect" are negotiated in the handshake and cannot change later.
+/// Per-socket settings (ES-API `exs_fcntl`): read them with [`Socket::options`](crate::Socket::options), change
+/// them with the `with_*` setters and [`Socket::set_options`](crate::Socket::set_options). Those marked "before
+/// connect" are negotiated in the handshake and cannot change later.
+///
+/// ```
+/// # #[cfg(feature = "fabric")] {
+/// # std::env::set_var("EXS_BACKEND", "fabric");
+/// use exs::{Context, SockType, Socket};
+///
+/// let ctx = Context::from_env()?;
+/// let s = Socket::new(&ctx, SockType::SeqPacket)?;
+/// s.set_options(s.options()?.with_send_credits(64).with_recv_credits(64))?;
+/// assert_eq!(s.options()?.send_credits, 64);
+/// // Checked as a whole: nothing changes when one value is out of range.
+/// assert!(s.set_options(s.options()?.with_recv_credits(1).with_backlog(0)).is_err());
+/// assert_eq!(s.options()?.recv_credits, 64);
+/// # }
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SocketOptions {
@@ -120,49 +138,64 @@ impl Default for SocketOptions {
     }
 }
 
-/// One option, for `Socket::set_option` (ES-API `exs_fcntl`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum SocketOption {
-    /// See [`SocketOptions::send_credits`].
-    SendCredits(u16),
-    /// See [`SocketOptions::recv_credits`].
-    RecvCredits(u16),
-    /// See [`SocketOptions::small_packet_max_size`].
-    SmallPacketMaxSize(u32),
-    /// See [`SocketOptions::stream_buffer_size`].
-    StreamBufferSize(u32),
-    /// See [`SocketOptions::stream_buffer_eager`].
-    StreamBufferEager(bool),
-    /// See [`SocketOptions::control_window`].
-    ControlWindow(u16),
-    /// See [`SocketOptions::backlog`].
-    Backlog(u32),
-    /// See [`SocketOptions::trace`].
-    Trace(bool),
-    /// See [`SocketOptions::coalesce`].
-    Coalesce(bool),
+/// Declares the `with_*` setters and the per-field changes checked by [`SocketOptions::changes`].
+macro_rules! setters {
+    ($($field:ident: $ty:ty => $variant:ident, $setter:ident;)*) => {
+        impl SocketOptions {
+            $(
+                #[doc = concat!("Sets [`", stringify!($field), "`](SocketOptions::", stringify!($field), ").")]
+                #[must_use]
+                pub fn $setter(mut self, value: $ty) -> Self {
+                    self.$field = value;
+                    self
+                }
+            )*
+
+            /// The fields of `new` that differ from `self`, each with its new value.
+            pub(crate) fn changes(&self, new: &SocketOptions) -> Vec<Opt> {
+                let mut v = Vec::new();
+                $(
+                    if self.$field != new.$field {
+                        v.push(Opt::$variant(new.$field));
+                    }
+                )*
+                v
+            }
+        }
+
+        /// One field's new value, as checked and applied by the engine.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub(crate) enum Opt {
+            $($variant($ty),)*
+        }
+
+        impl Opt {
+            /// The field's name.
+            pub(crate) fn name(&self) -> &'static str {
+                match self {
+                    $(Opt::$variant(_) => stringify!($field),)*
+                }
+            }
+        }
+    };
 }
 
-impl SocketOption {
-    /// The option's name.
-    pub fn name(&self) -> &'static str {
-        match self {
-            SocketOption::SendCredits(_) => "send_credits",
-            SocketOption::RecvCredits(_) => "recv_credits",
-            SocketOption::SmallPacketMaxSize(_) => "small_packet_max_size",
-            SocketOption::StreamBufferSize(_) => "stream_buffer_size",
-            SocketOption::StreamBufferEager(_) => "stream_buffer_eager",
-            SocketOption::ControlWindow(_) => "control_window",
-            SocketOption::Backlog(_) => "backlog",
-            SocketOption::Trace(_) => "trace",
-            SocketOption::Coalesce(_) => "coalesce",
-        }
-    }
+setters! {
+    send_credits: u16 => SendCredits, with_send_credits;
+    recv_credits: u16 => RecvCredits, with_recv_credits;
+    small_packet_max_size: u32 => SmallPacketMaxSize, with_small_packet_max_size;
+    stream_buffer_size: u32 => StreamBufferSize, with_stream_buffer_size;
+    stream_buffer_eager: bool => StreamBufferEager, with_stream_buffer_eager;
+    control_window: u16 => ControlWindow, with_control_window;
+    backlog: u32 => Backlog, with_backlog;
+    trace: bool => Trace, with_trace;
+    coalesce: bool => Coalesce, with_coalesce;
+}
 
-    /// Whether the option is negotiated at connect (and so frozen afterwards).
-    pub fn negotiated(&self) -> bool {
-        !matches!(self, SocketOption::Backlog(_) | SocketOption::Trace(_))
+impl Opt {
+    /// Whether the field is negotiated at connect (and so frozen afterwards).
+    pub(crate) fn negotiated(&self) -> bool {
+        !matches!(self, Opt::Backlog(_) | Opt::Trace(_))
     }
 
     /// Checks the value and applies it.
@@ -185,15 +218,15 @@ impl SocketOption {
         }
         let name = self.name();
         match self {
-            SocketOption::SendCredits(v) => {
+            Opt::SendCredits(v) => {
                 range(name, v.into(), 1, 4096, "1..=4096")?;
                 o.send_credits = v;
             }
-            SocketOption::RecvCredits(v) => {
+            Opt::RecvCredits(v) => {
                 range(name, v.into(), 1, 4096, "1..=4096")?;
                 o.recv_credits = v;
             }
-            SocketOption::SmallPacketMaxSize(v) => {
+            Opt::SmallPacketMaxSize(v) => {
                 range(
                     name,
                     v.into(),
@@ -203,23 +236,23 @@ impl SocketOption {
                 )?;
                 o.small_packet_max_size = v;
             }
-            SocketOption::StreamBufferSize(v) => {
+            Opt::StreamBufferSize(v) => {
                 range(name, v.into(), 64, 1 << 30, "64..=1073741824")?;
                 o.stream_buffer_size = v;
             }
-            SocketOption::ControlWindow(v) => {
+            Opt::ControlWindow(v) => {
                 if v != 0 {
                     range(name, v.into(), 4, 4096, "0 or 4..=4096")?;
                 }
                 o.control_window = v;
             }
-            SocketOption::Backlog(v) => {
+            Opt::Backlog(v) => {
                 range(name, v.into(), 1, 65535, "1..=65535")?;
                 o.backlog = v;
             }
-            SocketOption::Trace(v) => o.trace = v,
-            SocketOption::StreamBufferEager(v) => o.stream_buffer_eager = v,
-            SocketOption::Coalesce(v) => o.coalesce = v,
+            Opt::Trace(v) => o.trace = v,
+            Opt::StreamBufferEager(v) => o.stream_buffer_eager = v,
+            Opt::Coalesce(v) => o.coalesce = v,
         }
         Ok(())
     }

@@ -12,7 +12,7 @@
 //! | `exs_close`         | [`Socket::close`]            |
 //! | `exs_getsockname`   | [`Socket::local_addr`]       |
 //! | `exs_getpeername`   | [`Socket::peer_addr`]        |
-//! | `exs_fcntl`         | [`Socket::set_option`], [`Socket::options`] |
+//! | `exs_fcntl`         | [`Socket::set_options`], [`Socket::options`] |
 //!
 //! Every asynchronous call takes an [`EventQueue`] and a user context value, and completes with exactly one
 //! [`Event`](crate::Event). A call that returns an error started nothing and produces no event.
@@ -30,7 +30,7 @@ use crate::error::{
 };
 use crate::event::{Event, EventKind, EventQueue, Ticket};
 use crate::memory::Slice;
-use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
+use crate::options::{MsgFlags, SockType, SocketOptions};
 
 use crate::ids::{Readiness, SocketId};
 
@@ -368,9 +368,12 @@ impl Socket {
         self.engine(|e, id| e.peer_addr(id))
     }
 
-    /// Sets an option (ES-API `exs_fcntl`). Negotiated options are refused after connect.
-    pub fn set_option(&self, opt: SocketOption) -> Result<(), OptionError> {
-        self.engine(|e, id| e.set_option(id, opt))
+    /// Changes options (ES-API `exs_fcntl`): every field of `opts` that differs from the options in effect
+    /// ([`Socket::options`], then the `with_*` setters of [`SocketOptions`]). All or nothing: a value out of
+    /// range, or a field negotiated at connect changed after the connection started, refuses the whole set
+    /// ([`OptionError`] names the field).
+    pub fn set_options(&self, opts: SocketOptions) -> Result<(), OptionError> {
+        self.engine(|e, id| e.set_options(id, &opts))
     }
 
     /// The options in effect.

@@ -125,7 +125,11 @@ fn trusted_pair(ty: SockType) -> Pair {
     let mut opts = exs::ContextOptions::default();
     opts.exposure = exs::ExposurePolicy::TrustedPeers;
     opts.keepalive = None;
-    pair_ctx_opts(ty, opts, &[exs::SocketOption::SmallPacketMaxSize(0)])
+    pair_ctx_opts(
+        ty,
+        opts,
+        exs::SocketOptions::default().with_small_packet_max_size(0),
+    )
 }
 
 #[test]

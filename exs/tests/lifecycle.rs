@@ -9,7 +9,7 @@ use std::time::Duration;
 use common::*;
 use exs::sim::{SimConfig, World};
 use exs::{
-    Blame, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, SocketOption,
+    Blame, EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket, SocketOptions,
     StateError,
 };
 
@@ -308,7 +308,7 @@ fn no_message_completes_after_an_earlier_one_failed_mid_read() {
     let p = pair_with(
         SockType::SeqPacket,
         SimConfig::default(),
-        &[SocketOption::Coalesce(false)],
+        SocketOptions::default().with_coalesce(false),
     );
     let big = p.server_region(1 << 20);
     let small = p.server_region(64);
@@ -668,7 +668,7 @@ fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_the_progress
 fn dropping_handles_in_any_order_does_not_deadlock() {
     for order in 0..6u8 {
         within_20s("dropping handles", move || {
-            let p = pair_threaded(SockType::SeqPacket, &[]);
+            let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
             let buf = MemoryRegion::alloc(&p.a, 100).unwrap();
             p.client
                 .recv(&p.eq_a, &buf.all(), MsgFlags::NONE, 1)
@@ -708,7 +708,7 @@ fn dropping_handles_in_any_order_does_not_deadlock() {
 #[test_log::test]
 fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
     within_20s("the failed context's operations", || {
-        let p = pair_threaded(SockType::SeqPacket, &[]);
+        let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
         let buf = MemoryRegion::alloc(&p.b, 4 * 100).unwrap();
         for i in 0..4 {
             p.server

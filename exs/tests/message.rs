@@ -5,7 +5,7 @@ mod common;
 
 use common::*;
 use exs::sim::{RnrPolicy, SimConfig};
-use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
+use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOptions};
 
 fn assert_delivered(len: usize, cap: usize) {
     let p = pair(SockType::SeqPacket);
@@ -88,7 +88,7 @@ fn immediate_threshold_follows_the_option() {
         let p = pair_with(
             SockType::SeqPacket,
             SimConfig::default(),
-            &[SocketOption::SmallPacketMaxSize(small)],
+            SocketOptions::default().with_small_packet_max_size(small),
         );
         for len in [
             small.saturating_sub(1) as usize,
@@ -116,8 +116,8 @@ fn immediate_threshold_is_clamped_to_the_peer_buffers() {
     let p = pair_opts(
         SockType::SeqPacket,
         SimConfig::default(),
-        &[SocketOption::SmallPacketMaxSize(8192)],
-        &[SocketOption::SmallPacketMaxSize(64)],
+        SocketOptions::default().with_small_packet_max_size(8192),
+        SocketOptions::default().with_small_packet_max_size(64),
     );
     let data = pattern(4000, 9);
     let (_, r, got) = p.transfer(&data, 4096);
@@ -133,7 +133,9 @@ fn credit_exhaustion_queues_sends_and_recovers() {
     let p = pair_with(
         SockType::SeqPacket,
         SimConfig::default(),
-        &[SocketOption::SendCredits(2), SocketOption::RecvCredits(2)],
+        SocketOptions::default()
+            .with_send_credits(2)
+            .with_recv_credits(2),
     );
     let n = 10;
     let src = p.client_region(pattern(n * 2000, 1));
@@ -191,8 +193,8 @@ fn credits_negotiate_to_the_minimum_of_both_sides() {
     let p = pair_opts(
         SockType::SeqPacket,
         SimConfig::default(),
-        &[SocketOption::SendCredits(32)],
-        &[SocketOption::RecvCredits(3)],
+        SocketOptions::default().with_send_credits(32),
+        SocketOptions::default().with_recv_credits(3),
     );
     let src = p.client_region(pattern(8 * 100, 2));
     for i in 0..8 {
@@ -214,7 +216,9 @@ fn sixty_four_outstanding_sends_and_recvs_complete_in_order() {
     let p = pair_with(
         SockType::SeqPacket,
         SimConfig::default(),
-        &[SocketOption::SendCredits(64), SocketOption::RecvCredits(64)],
+        SocketOptions::default()
+            .with_send_credits(64)
+            .with_recv_credits(64),
     );
     let sizes: Vec<usize> = (0..64)
         .map(|i| [0, 1, 100, 512, 513, 4096, 70_000][i % 7])
@@ -400,7 +404,7 @@ fn acknowledgments_piggyback_on_reverse_traffic() {
 fn reads_are_chunked_at_the_transports_message_limit() {
     let mut cfg = SimConfig::default();
     cfg.caps.max_message = 4096;
-    let p = pair_with(SockType::SeqPacket, cfg, &[]);
+    let p = pair_with(SockType::SeqPacket, cfg, exs::SocketOptions::default());
     let data = pattern(100_000, 4);
     let (_, r, got) = p.transfer(&data, 100_000);
     assert_eq!(r.bytes, 100_000);
@@ -418,7 +422,9 @@ fn tiny_send_queue_and_read_depth_still_deliver_everything() {
     let p = pair_with(
         SockType::SeqPacket,
         cfg,
-        &[SocketOption::SendCredits(32), SocketOption::RecvCredits(32)],
+        SocketOptions::default()
+            .with_send_credits(32)
+            .with_recv_credits(32),
     );
     let src = p.client_region(pattern(64 * 3000, 8));
     let dst = p.server_region(64 * 3000);
@@ -452,7 +458,7 @@ fn offset_addressing_transport_works() {
         offset_addressing: true,
         ..SimConfig::default()
     };
-    let p = pair_with(SockType::SeqPacket, cfg, &[]);
+    let p = pair_with(SockType::SeqPacket, cfg, exs::SocketOptions::default());
     let data = pattern(50_000, 12);
     let (_, r, got) = p.transfer(&data, 50_000);
     assert_eq!(r.bytes, 50_000);
@@ -473,13 +479,12 @@ fn smallest_window_exchange(coalesce: bool) {
         rnr: RnrPolicy::Fail,
         ..SimConfig::default()
     };
-    let opts = [
-        SocketOption::ControlWindow(4),
-        SocketOption::SendCredits(8),
-        SocketOption::RecvCredits(8),
-        SocketOption::Coalesce(coalesce),
-    ];
-    let p = pair_with(SockType::SeqPacket, cfg, &opts);
+    let opts = SocketOptions::default()
+        .with_control_window(4)
+        .with_send_credits(8)
+        .with_recv_credits(8)
+        .with_coalesce(coalesce);
+    let p = pair_with(SockType::SeqPacket, cfg, opts);
     let src = p.client_region(pattern(200 * 64, 1));
     let back = MemoryRegion::from_vec(&p.b, pattern(200 * 64, 2)).unwrap();
     let dst = p.server_region(200 * 64);
@@ -526,7 +531,7 @@ fn smallest_window_exchange(coalesce: bool) {
 fn transports_where_immediate_writes_do_not_consume_receives() {
     let mut cfg = SimConfig::default();
     cfg.caps.imm_consumes_recv = false;
-    let p = pair_with(SockType::SeqPacket, cfg, &[]);
+    let p = pair_with(SockType::SeqPacket, cfg, exs::SocketOptions::default());
     let data = pattern(9000, 3);
     let (_, _, got) = p.transfer(&data, 9000);
     assert_bytes_eq(&got, &data, "content");
@@ -689,7 +694,7 @@ fn advert_arriving_before_a_zero_length_receive_completes_it_truncated() {
     let p = pair_with(
         SockType::SeqPacket,
         SimConfig::default(),
-        &[SocketOption::SmallPacketMaxSize(0)],
+        SocketOptions::default().with_small_packet_max_size(0),
     );
     let src = p.client_region(pattern(2048, 1));
     p.client
@@ -712,7 +717,7 @@ fn an_immediate_send_completes_once_its_message_left_not_at_the_acknowledgment()
     let p = pair_with(
         SockType::SeqPacket,
         SimConfig::default(),
-        &[SocketOption::SmallPacketMaxSize(64)],
+        SocketOptions::default().with_small_packet_max_size(64),
     );
     let data = pattern(48, 9);
     let src = p.client_region(data.clone());
@@ -742,7 +747,7 @@ fn a_burst_of_small_sends_shares_buffers_and_arrives_in_order() {
         let p = pair_with(
             SockType::SeqPacket,
             SimConfig::default(),
-            &[SocketOption::Coalesce(coalesce)],
+            SocketOptions::default().with_coalesce(coalesce),
         );
         let n = 100;
         let src = p.client_region(pattern(64 * n, 4));

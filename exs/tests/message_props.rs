@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use exs::sim::{RnrPolicy, SimConfig};
-use exs::{MsgFlags, SockType, SocketOption};
+use exs::{MsgFlags, SockType, SocketOptions};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -80,13 +80,12 @@ fn run(c: &Case) {
     cfg.caps.max_message = c.max_message;
     cfg.caps.max_send_wr = c.max_send_wr;
     cfg.caps.max_read_depth = c.read_depth;
-    let opts = [
-        SocketOption::SendCredits(c.send_credits),
-        SocketOption::RecvCredits(c.recv_credits),
-        SocketOption::ControlWindow(c.window),
-        SocketOption::SmallPacketMaxSize(c.small),
-    ];
-    let p = pair_with(SockType::SeqPacket, cfg, &opts);
+    let opts = SocketOptions::default()
+        .with_send_credits(c.send_credits)
+        .with_recv_credits(c.recv_credits)
+        .with_control_window(c.window)
+        .with_small_packet_max_size(c.small);
+    let p = pair_with(SockType::SeqPacket, cfg, opts);
     let total_src: usize = c.msgs.iter().map(|m| m.0).sum::<usize>().max(1);
     let total_dst: usize = c.msgs.iter().map(|m| m.1).sum::<usize>().max(1);
     let src = p.client_region(pattern(total_src, c.seed));

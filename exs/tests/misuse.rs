@@ -11,7 +11,7 @@ use exs::sim::{SimConfig, World};
 use exs::{
     AcceptError, Blame, BufferError, CloseError, ConnectError, EventQueue, MemoryError,
     MemoryRegion, MsgFlags, OptionError, RecvError, SendError, SockType, Socket, SocketError,
-    SocketOption, StateError,
+    StateError,
 };
 use exs_dma::DmaBuf;
 
@@ -63,8 +63,14 @@ fn operations_on_a_closed_socket_are_invalid() {
         io::ErrorKind::InvalidInput
     );
     assert_eq!(
-        p.client.set_option(SocketOption::Backlog(3)).unwrap_err(),
+        p.client
+            .set_options(exs::SocketOptions::default().with_backlog(3))
+            .unwrap_err(),
         OptionError::State(StateError::InvalidSocket)
+    );
+    assert_eq!(
+        p.client.options().unwrap_err(),
+        StateError::InvalidSocket
     );
     assert_eq!(
         p.client.local_addr().unwrap_err(),
@@ -279,7 +285,9 @@ fn options_are_checked_and_frozen_after_connect() {
     let world = World::new(SimConfig::default());
     let a = world.host();
     let s = Socket::new(&a, SockType::SeqPacket).unwrap();
-    let e = s.set_option(SocketOption::SendCredits(0)).unwrap_err();
+    let e = s
+        .set_options(s.options().unwrap().with_send_credits(0))
+        .unwrap_err();
     assert!(matches!(
         e,
         OptionError::OutOfRange {
@@ -289,23 +297,28 @@ fn options_are_checked_and_frozen_after_connect() {
     ));
     assert_eq!(io_kind(e), io::ErrorKind::InvalidInput);
     assert!(s
-        .set_option(SocketOption::SmallPacketMaxSize(1 << 20))
+        .set_options(s.options().unwrap().with_small_packet_max_size(1 << 20))
         .is_err());
-    assert!(s.set_option(SocketOption::ControlWindow(2)).is_err());
-    assert!(s.set_option(SocketOption::StreamBufferSize(10)).is_err());
-    s.set_option(SocketOption::SmallPacketMaxSize(100)).unwrap();
+    assert!(s
+        .set_options(s.options().unwrap().with_control_window(2))
+        .is_err());
+    assert!(s
+        .set_options(s.options().unwrap().with_stream_buffer_size(10))
+        .is_err());
+    s.set_options(s.options().unwrap().with_small_packet_max_size(100))
+        .unwrap();
     assert_eq!(s.options().unwrap().small_packet_max_size, 100);
 
     let p = pair(SockType::SeqPacket);
     assert_eq!(
         p.client
-            .set_option(SocketOption::SendCredits(4))
+            .set_options(p.client.options().unwrap().with_send_credits(4))
             .unwrap_err(),
         OptionError::Locked("send_credits")
     );
     assert_eq!(
         p.server
-            .set_option(SocketOption::SmallPacketMaxSize(4))
+            .set_options(p.server.options().unwrap().with_small_packet_max_size(4))
             .unwrap_err(),
         OptionError::Locked("small_packet_max_size")
     );

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use common::{pair_threaded, pattern, wait, Pair};
 use exs::sim::{SimConfig, World};
 use exs::{
-    EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption, WaitMode,
+    EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOptions, WaitMode,
 };
 
 const ROUND_TRIPS: usize = 300;
@@ -62,7 +62,7 @@ fn ping_pong_on<S>(
 /// Posting work is a system-call-free step: no call writes an eventfd to wake the progress thread.
 #[test]
 fn api_calls_wake_no_thread() {
-    let p = pair_threaded(SockType::SeqPacket, &[]);
+    let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
     // Let the progress threads settle (they lead while nobody waits).
     std::thread::sleep(Duration::from_millis(50));
     let before = p.b.progress_stats();
@@ -88,7 +88,10 @@ fn api_calls_wake_no_thread() {
 /// stands aside, so a ping-pong costs far fewer progress-thread wake-ups than round trips.
 #[test]
 fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
-    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
+    let p = pair_threaded(
+        SockType::SeqPacket,
+        SocketOptions::default().with_small_packet_max_size(64),
+    );
     let ((a0, b0), (a1, b1)) = ping_pong(&p, |p| (p.a.progress_stats(), p.b.progress_stats()));
     let leads = a1.app_leads - a0.app_leads + b1.app_leads - b0.app_leads;
     let wakeups = a1.thread_wakeups - a0.thread_wakeups + b1.thread_wakeups - b0.thread_wakeups;
@@ -110,7 +113,10 @@ fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
 /// connection channel are calls the software providers pay for with system calls.
 #[test]
 fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events() {
-    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
+    let p = pair_threaded(
+        SockType::SeqPacket,
+        SocketOptions::default().with_small_packet_max_size(64),
+    );
     let ((a0, b0), (a1, b1)) = ping_pong(&p, |p| (p.a.stats(), p.b.stats()));
     let arms = a1.arms - a0.arms + b1.arms - b0.arms;
     let cm = a1.cm_polls - a0.cm_polls + b1.cm_polls - b0.cm_polls;
@@ -137,7 +143,10 @@ fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events()
 /// millisecond.
 #[test]
 fn a_busy_ping_pong_leaves_the_progress_threads_asleep() {
-    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
+    let p = pair_threaded(
+        SockType::SeqPacket,
+        SocketOptions::default().with_small_packet_max_size(64),
+    );
     let (qa, qb) = (
         EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
         EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
@@ -193,7 +202,10 @@ fn a_busy_poller_handles_connection_events_itself() {
 /// send (advert, RDMA read by the receiver, acknowledgment) completes at the sender.
 #[test]
 fn the_progress_thread_answers_while_the_application_computes() {
-    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(0)]);
+    let p = pair_threaded(
+        SockType::SeqPacket,
+        SocketOptions::default().with_small_packet_max_size(0),
+    );
     let data = pattern(64 * 1024, 3);
     let src = p.client_region(data.clone());
     let dst = p.server_region(data.len());
@@ -218,7 +230,10 @@ fn the_progress_thread_answers_while_the_application_computes() {
 /// (a leader lets go, the follower leads next).
 #[test]
 fn two_threads_waiting_on_one_queue_both_get_their_events() {
-    let p = pair_threaded(SockType::SeqPacket, &[SocketOption::SmallPacketMaxSize(64)]);
+    let p = pair_threaded(
+        SockType::SeqPacket,
+        SocketOptions::default().with_small_packet_max_size(64),
+    );
     let src = p.client_region(pattern(16, 1));
     let bufs: Vec<MemoryRegion> = (0..3).map(|_| p.server_region(16)).collect();
     for (i, b) in bufs.iter().enumerate() {

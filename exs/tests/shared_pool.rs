@@ -9,7 +9,7 @@ use common::*;
 use exs::sim::{SimConfig, World};
 use exs::{
     Context, ContextOptions, EventKind, EventQueue, MemoryRegion, MsgFlags, SharedRecv, SockType,
-    Socket, SocketOption,
+    Socket, SocketOptions,
 };
 
 /// `n` connections from host 0 (`client`) to a listener on host 1 (`server`); returns (client, server) sockets.
@@ -24,7 +24,7 @@ struct Many {
 }
 
 fn many(n: usize, ty: SockType, cfg: SimConfig, server_pool: SharedRecv) -> Many {
-    many_opts(n, ty, cfg, server_pool, &[])
+    many_opts(n, ty, cfg, server_pool, SocketOptions::default())
 }
 
 /// [`many`], with options for the client sockets.
@@ -33,7 +33,7 @@ fn many_opts(
     ty: SockType,
     cfg: SimConfig,
     server_pool: SharedRecv,
-    client_opts: &[SocketOption],
+    client_opts: SocketOptions,
 ) -> Many {
     let world = World::new(cfg);
     let client = world.host_with({
@@ -55,9 +55,7 @@ fn many_opts(
     for i in 0..n {
         listener.accept(&eq_s, i as u64).unwrap();
         let c = Socket::new(&client, ty).unwrap();
-        for o in client_opts {
-            c.set_option(*o).unwrap();
-        }
+        c.set_options(client_opts).unwrap();
         c.connect(&eq_c, addr, i as u64).unwrap();
         let ev = wait(&eq_c);
         assert_eq!(ev.kind, EventKind::Connect);
@@ -291,7 +289,7 @@ fn buffers_of_a_connection_that_goes_down_return_to_the_pool() {
         SockType::SeqPacket,
         SimConfig::default().with_shared_recv(4096),
         small,
-        &[SocketOption::Coalesce(false)],
+        SocketOptions::default().with_coalesce(false),
     );
     // Connection 0 floods the stalled server, so its messages hold every pool buffer and wait for more; then the
     // connection breaks.

@@ -6,12 +6,15 @@ mod common;
 use common::*;
 use exs::sim::SimConfig;
 use exs::stats::StreamTrace;
-use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
+use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOptions};
 
-fn stream_pair(opts: &[SocketOption]) -> Pair {
-    let mut all = vec![SocketOption::Trace(true)];
-    all.extend_from_slice(opts);
-    pair_with(SockType::Stream, SimConfig::default(), &all)
+/// A stream pair with the protocol's decisions traced, and `opts` otherwise.
+fn stream_pair(opts: SocketOptions) -> Pair {
+    pair_with(
+        SockType::Stream,
+        SimConfig::default(),
+        opts.with_trace(true),
+    )
 }
 
 /// Receives into `dst` until `total` bytes arrived, posting `chunk`-byte receives; returns the bytes.
@@ -33,7 +36,7 @@ fn read_all(p: &Pair, total: usize, chunk: usize, flags: MsgFlags) -> Vec<u8> {
 
 #[test]
 fn receive_posted_first_gets_a_direct_zero_copy_transfer() {
-    let p = stream_pair(&[]);
+    let p = stream_pair(SocketOptions::default());
     let dst = p.server_region(5000);
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
@@ -54,7 +57,7 @@ fn receive_posted_first_gets_a_direct_zero_copy_transfer() {
 
 #[test]
 fn send_before_any_receive_goes_through_the_stream_buffer() {
-    let p = stream_pair(&[]);
+    let p = stream_pair(SocketOptions::default());
     let data = pattern(3000, 2);
     let src = p.client_region(data.clone());
     p.client
@@ -72,7 +75,7 @@ fn send_before_any_receive_goes_through_the_stream_buffer() {
 
 #[test]
 fn small_receives_take_a_large_send_in_pieces_in_order() {
-    let p = stream_pair(&[]);
+    let p = stream_pair(SocketOptions::default());
     let data = pattern(100_000, 3);
     let src = p.client_region(data.clone());
     p.client
@@ -85,7 +88,7 @@ fn small_receives_take_a_large_send_in_pieces_in_order() {
 
 #[test]
 fn waitall_receive_completes_only_when_full() {
-    let p = stream_pair(&[]);
+    let p = stream_pair(SocketOptions::default());
     let dst = p.server_region(1000);
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 1)
@@ -122,7 +125,7 @@ fn waitall_receive_completes_only_when_full() {
 
 #[test]
 fn close_delivers_buffered_data_then_end_of_stream() {
-    let p = stream_pair(&[]);
+    let p = stream_pair(SocketOptions::default());
     let data = pattern(5000, 5);
     let src = p.client_region(data.clone());
     p.client
@@ -153,7 +156,7 @@ fn a_direct_transfer_for_a_receive_cancelled_by_close_is_no_violation() {
             jitter: std::time::Duration::ZERO,
             ..SimConfig::default()
         },
-        &[],
+        SocketOptions::default(),
     );
     let dst = p.server_region(1 << 20);
     p.server
@@ -187,7 +190,7 @@ fn a_direct_transfer_for_a_receive_cancelled_by_close_is_no_violation() {
 
 #[test]
 fn trace_records_protocol_decisions() {
-    let p = stream_pair(&[]);
+    let p = stream_pair(SocketOptions::default());
     let dst = p.server_region(100);
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
@@ -230,7 +233,7 @@ fn stream_buffer_key_follows_the_handshake_where_keys_bind_after_connect() {
     let p = pair_with(
         SockType::Stream,
         cfg,
-        &[SocketOption::StreamBufferSize(64 << 10)],
+        SocketOptions::default().with_stream_buffer_size(64 << 10),
     );
     // Indirect first (no receive posted), then direct.
     let data = pattern(300_000, 31);
@@ -260,7 +263,7 @@ fn stream_buffer_key_follows_the_handshake_where_keys_bind_after_connect() {
 #[test]
 fn an_indirect_byte_is_copied_once_and_a_direct_byte_never() {
     // Issue 14: indirect bytes went ring -> bounce buffer -> receive (two copies, an allocation per drain).
-    let p = stream_pair(&[SocketOption::StreamBufferSize(64 * 1024)]);
+    let p = stream_pair(SocketOptions::default().with_stream_buffer_size(64 * 1024));
     let data = pattern(200_000, 9);
     let src = p.client_region(data.clone());
     p.client
@@ -284,10 +287,11 @@ fn an_indirect_byte_is_copied_once_and_a_direct_byte_never() {
 fn a_burst_of_small_sends_shares_writes() {
     for coalesce in [true, false] {
         // The stream buffer is known from the start, so that no send waits for it.
-        let p = stream_pair(&[
-            SocketOption::Coalesce(coalesce),
-            SocketOption::StreamBufferEager(true),
-        ]);
+        let p = stream_pair(
+            SocketOptions::default()
+                .with_coalesce(coalesce)
+                .with_stream_buffer_eager(true),
+        );
         p.world.run_until_idle(1000);
         let data = pattern(64 * 100, 3);
         let src = p.client_region(data.clone());
@@ -330,7 +334,7 @@ fn small_sends_into_small_receives_go_through_the_stream_buffer() {
     // As `exs pump` sets it: a stream buffer of twice what is in flight, at least 256 KiB.
     let p = pair_threaded(
         SockType::Stream,
-        &[SocketOption::StreamBufferSize(256 << 10)],
+        SocketOptions::default().with_stream_buffer_size(256 << 10),
     );
     let src = p.client_region(pattern(SIZE * 8, 5));
     let dst = p.server_region(SIZE * 8);

@@ -11,7 +11,7 @@ mod common;
 use common::*;
 use exs::sim::SimConfig;
 use exs::stats::StreamTrace;
-use exs::{MemoryRegion, MsgFlags, SockType, SocketOption};
+use exs::{MemoryRegion, MsgFlags, SockType, SocketOptions};
 
 struct Fig {
     p: Pair,
@@ -31,19 +31,18 @@ impl Fig {
     fn new(ring: u32) -> Fig {
         // The figures start with each side's stream buffer known to the other, and each send travels as soon as
         // it is made (the seed's figures know no coalescing: a send behind one in flight would join it).
-        let opts = [
-            SocketOption::Trace(true),
-            SocketOption::StreamBufferSize(ring),
-            SocketOption::StreamBufferEager(true),
-            SocketOption::Coalesce(false),
-        ];
+        let opts = SocketOptions::default()
+            .with_trace(true)
+            .with_stream_buffer_size(ring)
+            .with_stream_buffer_eager(true)
+            .with_coalesce(false);
         let p = pair_with(
             SockType::Stream,
             SimConfig {
                 jitter: std::time::Duration::ZERO,
                 ..SimConfig::default()
             },
-            &opts,
+            opts,
         );
         p.world.run_until_idle(10_000);
         let dst = MemoryRegion::alloc(&p.b, 64 * SLOT).unwrap();

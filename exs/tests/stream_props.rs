@@ -21,7 +21,7 @@ use std::time::Duration;
 use common::*;
 use exs::sim::{RnrPolicy, SimConfig};
 use exs::stats::StreamTrace;
-use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
+use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOptions};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -183,12 +183,11 @@ fn run(c: &Case) {
         jitter: Duration::from_micros(c.jitter_us),
         ..SimConfig::default()
     };
-    let opts = [
-        SocketOption::StreamBufferSize(c.ring),
-        SocketOption::ControlWindow(c.window),
-        SocketOption::Trace(true),
-    ];
-    let p = pair_with(SockType::Stream, cfg, &opts);
+    let opts = SocketOptions::default()
+        .with_stream_buffer_size(c.ring)
+        .with_control_window(c.window)
+        .with_trace(true);
+    let p = pair_with(SockType::Stream, cfg, opts);
     let total: usize = c.sends.iter().sum();
     let src = MemoryRegion::from_vec(&p.a, pattern(total, c.seed)).unwrap();
     let dst = MemoryRegion::alloc(&p.b, 16 * SLOT).unwrap();

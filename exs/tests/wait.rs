@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::*;
 use exs::sim::{SimConfig, World};
-use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption, WaitMode};
+use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, WaitMode};
 
 fn threaded_pair() -> (World, Socket, Socket, exs::Context, exs::Context) {
     let world = World::threaded(SimConfig::default());
@@ -15,12 +15,14 @@ fn threaded_pair() -> (World, Socket, Socket, exs::Context, exs::Context) {
     let b = world.host();
     let (eq_a, eq_b) = (EventQueue::new(16).unwrap(), EventQueue::new(16).unwrap());
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
-    l.set_option(SocketOption::RecvCredits(64)).unwrap();
+    l.set_options(l.options().unwrap().with_recv_credits(64))
+        .unwrap();
     l.bind(world.addr(1, 1)).unwrap();
     let addr = l.listen(1).unwrap();
     l.accept(&eq_b, 0).unwrap();
     let c = Socket::new(&a, SockType::SeqPacket).unwrap();
-    c.set_option(SocketOption::SendCredits(64)).unwrap();
+    c.set_options(c.options().unwrap().with_send_credits(64))
+        .unwrap();
     c.connect(&eq_a, addr, 0).unwrap();
     assert!(wait(&eq_a).is_ok());
     let s = wait(&eq_b).take_accepted().unwrap();
@@ -191,7 +193,7 @@ fn busy_poll_mode_completes_without_sleeping() {
 fn a_queue_descriptor_taken_after_events_arrived_is_readable_at_once() {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     use std::os::fd::AsFd;
-    let p = pair_threaded(SockType::SeqPacket, &[]);
+    let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
     let dst = p.server_region(100);
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
@@ -226,7 +228,7 @@ fn a_queue_descriptor_taken_after_events_arrived_is_readable_at_once() {
 fn the_queue_descriptor_is_readable_exactly_while_events_are_queued() {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     use std::os::fd::AsFd;
-    let p = pair_threaded(SockType::SeqPacket, &[]);
+    let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
     let readable = |ms: u16| {
         let mut fds = [PollFd::new(p.eq_b.as_fd(), PollFlags::POLLIN)];
         poll(&mut fds, PollTimeout::from(ms)).unwrap() == 1

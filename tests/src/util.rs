@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use exs::{Context, Event, EventKind, EventQueue, MemoryRegion, SockType, Socket, SocketOption};
+use exs::{Context, Event, EventKind, EventQueue, MemoryRegion, SockType, Socket, SocketOptions};
 
 use crate::Net;
 
@@ -73,24 +73,20 @@ pub struct Pair {
     pub eq_b: EventQueue,
 }
 
-pub fn pair(net: &dyn Net, ty: SockType, opts: &[SocketOption]) -> Result<Pair, String> {
+pub fn pair(net: &dyn Net, ty: SockType, opts: SocketOptions) -> Result<Pair, String> {
     let b = net.host();
     let a = net.host();
     let eq_a = EventQueue::new(4096).unwrap();
     let eq_b = EventQueue::new(4096).unwrap();
     let listener = Socket::new(&b, ty).map_err(|e| e.to_string())?;
-    for o in opts {
-        listener.set_option(*o).map_err(|e| e.to_string())?;
-    }
+    listener.set_options(opts).map_err(|e| e.to_string())?;
     listener
         .bind(net.listen_addr(0))
         .map_err(|e| e.to_string())?;
     let addr = listener.listen(16).map_err(|e| format!("listen: {e}"))?;
     listener.accept(&eq_b, 1).map_err(|e| e.to_string())?;
     let client = Socket::new(&a, ty).map_err(|e| e.to_string())?;
-    for o in opts {
-        client.set_option(*o).map_err(|e| e.to_string())?;
-    }
+    client.set_options(opts).map_err(|e| e.to_string())?;
     client
         .connect(&eq_a, addr, 2)
         .map_err(|e| format!("connect: {e}"))?;

@@ -571,21 +571,27 @@ impl Engine {
         Ok(())
     }
 
-    pub(crate) fn set_option(&mut self, sid: SocketId, opt: SocketOption) -> R<(), OptionError> {
+    /// Applies every changed field of `new`, or none: a value out of range, or a negotiated field changed after
+    /// the connection started, refuses the whole set.
+    pub(crate) fn set_options(&mut self, sid: SocketId, new: &SocketOptions) -> R<(), OptionError> {
         let s = self.sock(sid)?;
-        if let (SocketOption::Coalesce(on), SockType::Stream) = (opt, s.ty) {
+        let mut next = s.opts;
+        for change in s.opts.changes(new) {
             // Issue 26: whether a stream's small writes wait for the write in flight is the sender's own rule
             // (TCP_NODELAY), not negotiated: it may change at any time.
-            s.opts.coalesce = on;
-            if let Some(st) = s.conn.as_mut().and_then(|c| c.stream()) {
-                st.set_coalesce(on);
+            let sender_rule = matches!(change, Opt::Coalesce(_)) && s.ty == SockType::Stream;
+            if change.negotiated() && !sender_rule && s.phase != Phase::Fresh {
+                return Err(OptionError::Locked(change.name()));
             }
-            return Ok(());
+            change.apply(&mut next)?;
         }
-        if opt.negotiated() && s.phase != Phase::Fresh {
-            return Err(OptionError::Locked(opt.name()));
+        if next.coalesce != s.opts.coalesce {
+            if let Some(st) = s.conn.as_mut().and_then(|c| c.stream()) {
+                st.set_coalesce(next.coalesce);
+            }
         }
-        opt.apply(&mut s.opts)
+        s.opts = next;
+        Ok(())
     }
 
     pub(crate) fn options(&mut self, sid: SocketId) -> R<SocketOptions, StateError> {

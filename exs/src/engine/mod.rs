@@ -28,7 +28,7 @@ use crate::error::{
 use crate::event::{EventFlags, EventKind, Owner, Ticket};
 use crate::exposure::{ExposurePolicy, TrustedKeys};
 use crate::ids::{Readiness, SocketId};
-use crate::options::{MsgFlags, SockType, SocketOption, SocketOptions};
+use crate::options::{MsgFlags, Opt, SockType, SocketOptions};
 use crate::proto::conn::layout::{ctrl_slot_size, Layout, TX_SLOT};
 use crate::proto::conn::{
     Conn, Fault, Incoming, Limits, RecvMemory, RecvPlan, RecvRefused, SendPlan, Timing,

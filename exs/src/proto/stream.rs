@@ -450,7 +450,7 @@ impl StreamProto {
         self.rx.ring_refused = false;
     }
 
-    /// The socket wants its stream buffer at once (`SocketOption::StreamBufferEager`): as if the peer had asked
+    /// The socket wants its stream buffer at once (`SocketOptions::stream_buffer_eager`): as if the peer had asked
     /// and the application were reading.
     pub(crate) fn want_ring_now(&mut self) {
         self.rx.ring_wanted = true;

@@ -217,9 +217,9 @@ impl Stream {
     }
 
     /// Like TCP_NODELAY: `true` sends small writes at once even while an earlier write is in flight; `false`
-    /// (the default) lets them join the write in flight (coalescing, [`SocketOption::Coalesce`]).
+    /// (the default) lets them join the write in flight (coalescing, [`SocketOptions::coalesce`]).
     ///
-    /// [`SocketOption::Coalesce`]: crate::SocketOption::Coalesce
+    /// [`SocketOptions::coalesce`]: crate::SocketOptions::coalesce
     pub fn set_nodelay(&self, nodelay: bool) -> io::Result<()> {
         super::set_nodelay(&self.inner.sock, nodelay)
     }

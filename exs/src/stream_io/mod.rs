@@ -56,7 +56,7 @@ pub(crate) use core::{Reader, Writer};
 ///
 /// Memory per stream: `recv_buffer` from the start (its receives are posted at once), `send_buffer` from the first
 /// write; both registered with the context. The protocol's own stream buffer (the dynamic stream protocol's
-/// intermediate buffer, [`SocketOption::StreamBufferSize`](crate::SocketOption::StreamBufferSize), 1 MiB) comes on top,
+/// intermediate buffer, [`SocketOptions::stream_buffer_size`](crate::SocketOptions::stream_buffer_size), 1 MiB) comes on top,
 /// and only once the peer writes when no receive is advertised.
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -180,7 +180,7 @@ pub(crate) fn addr_of(
 
 /// `set_nodelay`: TCP_NODELAY is coalescing off (small writes leave at once even while a write is in flight).
 pub(crate) fn set_nodelay(sock: &Socket, nodelay: bool) -> io::Result<()> {
-    sock.set_option(crate::options::SocketOption::Coalesce(!nodelay))
+    sock.set_options(sock.options()?.with_coalesce(!nodelay))
         .map_err(io::Error::from)
 }
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use exs::sim::{SimConfig, World};
 use exs::{
-    Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption,
+    Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOptions,
 };
 
 pub use exs::testing::pattern;
@@ -22,10 +22,10 @@ pub struct Pair {
 }
 
 pub fn pair(ty: SockType) -> Pair {
-    pair_with(ty, SimConfig::default(), &[])
+    pair_with(ty, SimConfig::default(), exs::SocketOptions::default())
 }
 
-pub fn pair_with(ty: SockType, cfg: SimConfig, opts: &[SocketOption]) -> Pair {
+pub fn pair_with(ty: SockType, cfg: SimConfig, opts: SocketOptions) -> Pair {
     pair_opts(ty, cfg, opts, opts)
 }
 
@@ -33,14 +33,14 @@ pub fn pair_with(ty: SockType, cfg: SimConfig, opts: &[SocketOption]) -> Pair {
 pub fn pair_opts(
     ty: SockType,
     cfg: SimConfig,
-    client_opts: &[SocketOption],
-    server_opts: &[SocketOption],
+    client_opts: SocketOptions,
+    server_opts: SocketOptions,
 ) -> Pair {
     pair_in(World::new(cfg), ty, client_opts, server_opts)
 }
 
 /// A connected pair on a threaded world: each context has its progress thread, and waiting threads lead.
-pub fn pair_threaded(ty: SockType, opts: &[SocketOption]) -> Pair {
+pub fn pair_threaded(ty: SockType, opts: SocketOptions) -> Pair {
     pair_in(World::threaded(SimConfig::default()), ty, opts, opts)
 }
 
@@ -48,8 +48,8 @@ pub fn pair_threaded(ty: SockType, opts: &[SocketOption]) -> Pair {
 pub fn pair_in(
     world: World,
     ty: SockType,
-    client_opts: &[SocketOption],
-    server_opts: &[SocketOption],
+    client_opts: SocketOptions,
+    server_opts: SocketOptions,
 ) -> Pair {
     let a = world.host();
     let b = world.host();
@@ -57,7 +57,7 @@ pub fn pair_in(
 }
 
 /// A connected pair whose contexts both use `opts` (manual progress, virtual time: the world sets those).
-pub fn pair_ctx_opts(ty: SockType, opts: exs::ContextOptions, sock: &[SocketOption]) -> Pair {
+pub fn pair_ctx_opts(ty: SockType, opts: exs::ContextOptions, sock: SocketOptions) -> Pair {
     let world = World::new(SimConfig::default());
     let a = world.host_with(opts.clone());
     let b = world.host_with(opts);
@@ -70,22 +70,18 @@ pub fn pair_hosts(
     a: Context,
     b: Context,
     ty: SockType,
-    client_opts: &[SocketOption],
-    server_opts: &[SocketOption],
+    client_opts: SocketOptions,
+    server_opts: SocketOptions,
 ) -> Pair {
     let eq_a = EventQueue::new(1024).unwrap();
     let eq_b = EventQueue::new(1024).unwrap();
     let listener = Socket::new(&b, ty).unwrap();
-    for o in server_opts {
-        listener.set_option(*o).unwrap();
-    }
+    listener.set_options(server_opts).unwrap();
     listener.bind(world.addr(1, 7000)).unwrap();
     let addr = listener.listen(16).unwrap();
     listener.accept(&eq_b, 100).unwrap();
     let client = Socket::new(&a, ty).unwrap();
-    for o in client_opts {
-        client.set_option(*o).unwrap();
-    }
+    client.set_options(client_opts).unwrap();
     client.connect(&eq_a, addr, 200).unwrap();
     let ev = eq_a.next(None).unwrap();
     assert_eq!((ev.kind, ev.context), (EventKind::Connect, 200), "{ev:?}");

@@ -34,7 +34,7 @@ fn e<E: std::fmt::Display>(x: E) -> String {
 
 fn persistent_send(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let src = p.region_a(pattern(64 << 10, 1))?;
     p.client
         .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
@@ -67,7 +67,7 @@ fn persistent_send(b: &dyn Backend) -> Result<(), String> {
 
 fn persistent_notify(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let src = p.region_a(pattern(4096, 2))?;
     p.client
         .send(
@@ -94,7 +94,7 @@ fn persistent_notify(b: &dyn Backend) -> Result<(), String> {
 
 fn persistent_recv(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let dst = p.region_b(32 << 10)?;
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::PERSISTENT, 1)
@@ -151,7 +151,7 @@ fn persistent_recv(b: &dyn Backend) -> Result<(), String> {
 
 fn offsets(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let src = p.region_a(pattern(1 << 20, 3))?;
     p.client
         .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
@@ -191,7 +191,7 @@ fn offsets(b: &dyn Backend) -> Result<(), String> {
 fn shutdown(b: &dyn Backend) -> Result<(), String> {
     for ty in [SockType::SeqPacket, SockType::Stream] {
         let net = b.net();
-        let p = pair(&*net, ty, &[])?;
+        let p = pair(&*net, ty, exs::SocketOptions::default())?;
         let data = pattern(300_000, 4);
         let src = p.region_a(data.clone())?;
         p.client
@@ -241,7 +241,7 @@ fn shutdown(b: &dyn Backend) -> Result<(), String> {
 
 fn abort(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let dst = p.region_b(100)?;
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
@@ -266,7 +266,7 @@ fn abort(b: &dyn Backend) -> Result<(), String> {
 
 fn poll(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     let eq = EventQueue::new(8).unwrap();
     p.client
         .poll(
@@ -328,7 +328,7 @@ fn sendfile(b: &dyn Backend) -> Result<(), String> {
     let mut f = tempfile::tempfile().map_err(e)?;
     f.write_all(&data).map_err(e)?;
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     p.client
         .sendfile(&p.eq_a, &f, 4096, 900_000, 7)
         .map_err(e)?;
@@ -359,7 +359,7 @@ fn sendfile_chunks(b: &dyn Backend) -> Result<(), String> {
     let mut f = tempfile::tempfile().map_err(e)?;
     f.write_all(&data).map_err(e)?;
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     p.client.sendfile(&p.eq_a, &f, 100, len, 9).map_err(e)?;
     let got = {
         let buf = p.region_b(1 << 20)?;

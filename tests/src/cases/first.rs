@@ -36,7 +36,7 @@ const SIZES: [usize; 2] = [100, 256 << 10];
 
 fn first(b: &dyn Backend, ty: SockType, connecting_first: bool) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, ty, &[])?;
+    let p = pair(&*net, ty, exs::SocketOptions::default())?;
     // (sender socket, its context, its queue), then the receiver's.
     let a = (&p.client, &p.a, &p.eq_a);
     let s = (&p.server, &p.b, &p.eq_b);

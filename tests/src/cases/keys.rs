@@ -125,7 +125,7 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
     let sent = pattern(8000, 11);
     let src = MemoryRegion::from_vec(&v.ctx, sent.clone()).map_err(|e| e.to_string())?;
     a_sock
-        .set_option(exs::SocketOption::SmallPacketMaxSize(0))
+        .set_options(a_sock.options().unwrap().with_small_packet_max_size(0))
         .ok();
     a_sock
         .send(&v.eq, &src.all(), MsgFlags::NONE, 1)
@@ -319,7 +319,8 @@ fn trusted_key_until_dropped(b: &dyn Backend) -> Result<(), String> {
 fn trusted_key_until(b: &dyn Backend, drop_it: bool) -> Result<(), String> {
     let v = victim_with(b, SockType::SeqPacket, trusted())?;
     let (mut raw, s) = v.accept_good()?;
-    s.set_option(exs::SocketOption::SmallPacketMaxSize(0)).ok();
+    s.set_options(s.options().unwrap().with_small_packet_max_size(0))
+        .ok();
     let data = pattern(64 << 10, 21);
     let src = MemoryRegion::from_vec(&v.ctx, data.clone()).map_err(|e| e.to_string())?;
     s.send(&v.eq, &src.slice(0..8000), MsgFlags::NONE, 9)

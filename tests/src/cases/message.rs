@@ -1,6 +1,6 @@
 //! Message mode (SOCK_SEQPACKET) end to end.
 
-use exs::{EventKind, MemoryRegion, MsgFlags, OpError, SockType, Socket, SocketOption};
+use exs::{EventKind, MemoryRegion, MsgFlags, OpError, SockType, Socket, SocketOptions};
 
 use crate::util::*;
 use crate::{ensure, Backend, Case, Requires};
@@ -42,7 +42,7 @@ pub fn cases() -> Vec<Case> {
 
 fn connect_and_accept(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let c_local = p
         .client
         .local_addr()
@@ -105,7 +105,7 @@ fn one(p: &Pair, len: usize, cap: usize, seed: u64) -> Result<(), String> {
 
 fn sizes(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     for (i, len) in [1usize, 100, 4096, 65_536, 1 << 20, 16 << 20]
         .into_iter()
         .enumerate()
@@ -117,7 +117,7 @@ fn sizes(b: &dyn Backend) -> Result<(), String> {
 
 fn zero_length(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     one(&p, 0, 10, 1)
 }
 
@@ -126,7 +126,7 @@ fn immediate_boundary(b: &dyn Backend) -> Result<(), String> {
     let p = pair(
         &*net,
         SockType::SeqPacket,
-        &[SocketOption::SmallPacketMaxSize(256)],
+        SocketOptions::default().with_small_packet_max_size(256),
     )?;
     for (i, len) in [255usize, 256, 257].into_iter().enumerate() {
         one(&p, len, 1024, 10 + i as u64)?;
@@ -152,13 +152,12 @@ fn immediate_credits_under_pressure(b: &dyn Backend) -> Result<(), String> {
 
 fn credits_pressed(b: &dyn Backend, small: u32) -> Result<(), String> {
     let net = b.net();
-    let opts = [
-        SocketOption::SendCredits(2),
-        SocketOption::RecvCredits(2),
-        SocketOption::ControlWindow(4),
-        SocketOption::SmallPacketMaxSize(small),
-    ];
-    let p = pair(&*net, SockType::SeqPacket, &opts)?;
+    let opts = SocketOptions::default()
+        .with_send_credits(2)
+        .with_recv_credits(2)
+        .with_control_window(4)
+        .with_small_packet_max_size(small);
+    let p = pair(&*net, SockType::SeqPacket, opts)?;
     let n = 50;
     let src = p.region_a(pattern(n * 3000, 3))?;
     for i in 0..n {
@@ -211,8 +210,10 @@ fn credits_pressed(b: &dyn Backend, small: u32) -> Result<(), String> {
 
 fn many_outstanding(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let opts = [SocketOption::SendCredits(64), SocketOption::RecvCredits(64)];
-    let p = pair(&*net, SockType::SeqPacket, &opts)?;
+    let opts = SocketOptions::default()
+        .with_send_credits(64)
+        .with_recv_credits(64);
+    let p = pair(&*net, SockType::SeqPacket, opts)?;
     let sz = 10_000;
     let a_out = p.region_a(pattern(64 * sz, 1))?;
     let b_out =
@@ -275,7 +276,7 @@ fn many_outstanding(b: &dyn Backend) -> Result<(), String> {
 
 fn truncation(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     one(&p, 10_000, 1000, 5)?;
     one(&p, 300, 100, 6)?;
     one(&p, 500, 500, 7)
@@ -283,7 +284,7 @@ fn truncation(b: &dyn Backend) -> Result<(), String> {
 
 fn both_directions(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let sz = 100_000;
     let a_out = p.region_a(pattern(10 * sz, 1))?;
     let b_out =
@@ -351,7 +352,7 @@ fn pending_ops(p: &Pair) -> Result<(exs::MemoryRegion, exs::MemoryRegion), Strin
 /// delivered and complete `Ok` once the peer takes them, then the peer sees end-of-stream.
 fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let (ins, _outs) = pending_ops(&p)?;
     p.client.close().map_err(|e| e.to_string())?;
     let mut evs = Vec::new();
@@ -418,7 +419,7 @@ fn close_with_pending(b: &dyn Backend) -> Result<(), String> {
 /// peer may have part of them), never `Cancelled`.
 fn abort_with_pending(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let (ins, _outs) = pending_ops(&p)?;
     p.client.abort().map_err(|e| e.to_string())?;
     let evs = all(&p.eq_a)?;
@@ -454,7 +455,7 @@ fn abort_with_pending(b: &dyn Backend) -> Result<(), String> {
 /// side waited for the other's receives until the linger time ran out (`Aborted`).
 fn both_close(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let a = p.region_a(pattern(3 * 50_000, 1))?;
     let b_src = MemoryRegion::from_vec(&p.b, pattern(3 * 50_000, 2)).map_err(|e| e.to_string())?;
     for i in 0..3 {

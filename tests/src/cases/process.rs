@@ -45,7 +45,7 @@ pub fn cases() -> Vec<Case> {
 fn fork_mid_transfer(b: &dyn Backend) -> Result<(), String> {
     const HALF: usize = 8 << 20;
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     let src = MemoryRegion::alloc(&p.a, 2 * HALF).map_err(|e| e.to_string())?;
     src.write(0, &pattern(HALF, 31))
         .map_err(|e| e.to_string())?;

@@ -272,7 +272,7 @@ fn idle_stream_connections(b: &dyn Backend) -> Result<(), String> {
 fn flood(b: &dyn Backend) -> Result<(), String> {
     use std::sync::atomic::{AtomicBool, Ordering};
     let net = b.net();
-    let p = pair(&*net, SockType::SeqPacket, &[])?;
+    let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let addr = p
         .listener
         .local_addr()

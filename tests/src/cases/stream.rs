@@ -1,6 +1,6 @@
 //! SOCK_STREAM end to end (seed 001): sizes, MSG_WAITALL, direct and indirect transfers mixed.
 
-use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOption};
+use exs::{EventKind, MemoryRegion, MsgFlags, SockType, SocketOptions};
 
 use crate::util::*;
 use crate::{ensure, Backend, Case, Requires};
@@ -72,7 +72,7 @@ fn read_stream(p: &Pair, total: usize, chunk: usize, flags: MsgFlags) -> Result<
 
 fn sizes(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     for (i, len) in [1usize, 100, 4096, 65_536, 1 << 20, 16 << 20]
         .into_iter()
         .enumerate()
@@ -92,7 +92,7 @@ fn sizes(b: &dyn Backend) -> Result<(), String> {
 
 fn waitall(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     let data = pattern(300_000, 7);
     let src = p.region_a(data.clone())?;
     // Many small sends, read back in exactly 10,000-byte MSG_WAITALL pieces.
@@ -112,7 +112,7 @@ fn mixed(b: &dyn Backend) -> Result<(), String> {
     let p = pair(
         &*net,
         SockType::Stream,
-        &[SocketOption::StreamBufferSize(64 * 1024)],
+        SocketOptions::default().with_stream_buffer_size(64 * 1024),
     )?;
     // Phase A: receives posted first (direct); phase B: sends first (indirect); alternate.
     let mut sent = Vec::new();
@@ -157,7 +157,7 @@ fn small_writes(b: &dyn Backend) -> Result<(), String> {
     let p = pair(
         &*net,
         SockType::Stream,
-        &[SocketOption::StreamBufferSize(4096)],
+        SocketOptions::default().with_stream_buffer_size(4096),
     )?;
     let data = pattern(20_000, 3);
     let src = p.region_a(data.clone())?;
@@ -184,7 +184,7 @@ fn small_writes(b: &dyn Backend) -> Result<(), String> {
 
 fn close_eof(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     let data = pattern(50_000, 11);
     let src = p.region_a(data.clone())?;
     p.client
@@ -326,7 +326,7 @@ fn resume(b: &dyn Backend, how: Resume, both_ways: bool) -> Result<(), String> {
     let p = pair(
         &*net,
         SockType::Stream,
-        &[SocketOption::StreamBufferSize(RESUME_RING)],
+        SocketOptions::default().with_stream_buffer_size(RESUME_RING),
     )?;
     let data_a = pattern(RESUME_TOTAL, 41);
     let data_b = pattern(RESUME_TOTAL, 42);
@@ -402,10 +402,9 @@ fn graceful_close(b: &dyn Backend) -> Result<(), String> {
     let p = pair(
         &*net,
         SockType::Stream,
-        &[
-            SocketOption::StreamBufferSize(4096),
-            SocketOption::ControlWindow(4),
-        ],
+        SocketOptions::default()
+            .with_stream_buffer_size(4096)
+            .with_control_window(4),
     )?;
     const N: usize = 300;
     let data = pattern(N * 1000, 21);

@@ -108,7 +108,7 @@ fn sends_ok(eq: &EventQueue, n: usize, who: &str) -> Result<(), String> {
 /// before `close`). The server's sends to the closed side may fail; they are not checked.
 fn close_both_ways(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     let (a_data, b_data) = (pattern(TOTAL, 31), pattern(TOTAL, 32));
     let (a_src, b_src) = (
         p.region_a(a_data.clone())?,
@@ -132,7 +132,7 @@ fn close_both_ways(b: &dyn Backend) -> Result<(), String> {
 /// that already reached it, must not end them.
 fn both_close(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
-    let p = pair(&*net, SockType::Stream, &[])?;
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     let (a_data, b_data) = (pattern(TOTAL, 41), pattern(TOTAL, 42));
     let (a_src, b_src) = (
         p.region_a(a_data.clone())?,

@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
-use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
+use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
@@ -299,7 +299,7 @@ fn exs_client(
     let eq = EventQueue::new(a.depth + 8)?;
     let s = Socket::new(ctx, SockType::SeqPacket).context("creating a socket")?;
     let credits = (a.depth as u16).clamp(1, 64);
-    s.set_option(SocketOption::SendCredits(credits))?;
+    s.set_options(s.options()?.with_send_credits(credits))?;
     s.connect(&eq, addr, 0)
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
     eq.next(Some(Duration::from_secs(30)))
@@ -371,7 +371,7 @@ fn exs_server(
     let (_listener, s) = crate::util::accept_one(
         ctx,
         SockType::SeqPacket,
-        vec![SocketOption::RecvCredits(64)],
+        SocketOptions::default().with_recv_credits(64),
         host.listen,
         &eq,
         announce,

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use clap::builder::RangedU64ValueParser;
-use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOption};
+use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
@@ -88,17 +88,16 @@ impl control::Params for Point {
 }
 
 impl Point {
-    fn options(&self) -> Vec<SocketOption> {
-        let mut o = match self.mode {
-            PingMode::Immediate => vec![SocketOption::SmallPacketMaxSize(self.size as u32)],
-            PingMode::Normal => vec![SocketOption::SmallPacketMaxSize(0)],
-            PingMode::Persistent => vec![],
+    fn options(&self) -> SocketOptions {
+        let o = SocketOptions::default();
+        let o = match self.mode {
+            PingMode::Immediate => o.with_small_packet_max_size(self.size as u32),
+            PingMode::Normal => o.with_small_packet_max_size(0),
+            PingMode::Persistent => o,
         };
         if self.idle > 0 {
             // The idle connections' requests queue while the server's accepts are on their way.
-            o.push(SocketOption::Backlog(
-                self.idle.saturating_add(1).min(65535),
-            ));
+            return o.with_backlog(self.idle.saturating_add(1).min(65535));
         }
         o
     }
@@ -256,9 +255,8 @@ fn pinger(
     let persistent = p.mode == PingMode::Persistent;
     let eq = EventQueue::with_mode(16, p.wait.mode())?;
     let s = Socket::new(ctx, SockType::SeqPacket).context("creating a socket")?;
-    for o in p.options() {
-        s.set_option(o).with_context(|| format!("setting {o:?}"))?;
-    }
+    s.set_options(p.options())
+        .with_context(|| format!("setting {:?}", p.options()))?;
     s.connect(&eq, addr, 0)
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
     eq.next(Some(PATIENCE))

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::Instant;
 
 use anyhow::{Context as _, Result};
-use exs::{EventQueue, MemoryRegion, MsgFlags, Socket, SocketOption};
+use exs::{EventQueue, MemoryRegion, MsgFlags, Socket, SocketOptions};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
@@ -110,25 +110,24 @@ impl Point {
     }
 
     /// Socket options a point needs on both sides (of a checked point: the depth fits the credits).
-    fn options(&self) -> Vec<SocketOption> {
+    fn options(&self) -> SocketOptions {
         let depth = u16::try_from(self.depth).unwrap_or(u16::MAX);
         // Deeper runs need more advertisement credits; shallower ones keep the default window (credits bound the
         // messages between the two applications, not the transfers one application has in flight).
         let credits = depth.max(exs::SocketOptions::default().send_credits);
-        let mut v = vec![
-            SocketOption::SendCredits(credits),
-            SocketOption::RecvCredits(credits),
-        ];
+        let mut v = SocketOptions::default()
+            .with_send_credits(credits)
+            .with_recv_credits(credits);
         match self.mode {
-            PumpMode::Immediate => v.push(SocketOption::SmallPacketMaxSize(self.size as u32)),
-            PumpMode::Normal => v.push(SocketOption::SmallPacketMaxSize(0)),
+            PumpMode::Immediate => v = v.with_small_packet_max_size(self.size as u32),
+            PumpMode::Normal => v = v.with_small_packet_max_size(0),
             _ => {}
         }
         if self.no_coalesce {
-            v.push(SocketOption::Coalesce(false));
+            v = v.with_coalesce(false);
         }
         if self.sock_type == Type::Stream {
-            v.push(SocketOption::StreamBufferSize(self.stream_ring()));
+            v = v.with_stream_buffer_size(self.stream_ring());
         }
         v
     }
@@ -268,9 +267,8 @@ fn serve(
 fn blast(ctx: &exs::Context, addr: SocketAddr, p: &Point, whole: bool) -> Result<Side> {
     let eq = EventQueue::with_mode(p.depth * 2 + 8, p.wait.mode())?;
     let s = Socket::new(ctx, p.sock_type.sock()).context("creating a socket")?;
-    for o in p.options() {
-        s.set_option(o).with_context(|| format!("setting {o:?}"))?;
-    }
+    s.set_options(p.options())
+        .with_context(|| format!("setting {:?}", p.options()))?;
     s.connect(&eq, addr, 0)
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
     eq.next(Some(PATIENCE))

@@ -60,16 +60,15 @@ pub const PATIENCE: Duration = Duration::from_secs(60);
 pub fn accept_one(
     ctx: &exs::Context,
     ty: exs::SockType,
-    options: Vec<exs::SocketOption>,
+    options: exs::SocketOptions,
     listen: SocketAddr,
     eq: &exs::EventQueue,
     announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
     watch: &Watch,
 ) -> Result<(exs::Socket, exs::Socket)> {
     let l = exs::Socket::new(ctx, ty).context("creating the listening socket")?;
-    for o in options {
-        l.set_option(o).with_context(|| format!("setting {o:?}"))?;
-    }
+    l.set_options(options)
+        .with_context(|| format!("setting {options:?}"))?;
     l.bind(listen)
         .with_context(|| format!("binding {listen}"))?;
     let bound = l

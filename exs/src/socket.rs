@@ -190,7 +190,7 @@ impl Socket {
     }
 
     /// Accepts one connection, asynchronously (ES-API `exs_accept`). The [`EventKind::Accept`] event carries the
-    /// new socket in [`Event::accepted`](crate::Event::accepted): always an established connection (see
+    /// new socket in [`Event::take_accepted`](crate::Event::take_accepted): always an established connection (see
     /// [`Socket::listen`]); another peer's failure never ends an accept.
     pub fn accept(&self, eq: &EventQueue, context: u64) -> Result<(), AcceptError> {
         self.start(eq, EventKind::Accept, context, |e, id, t| e.accept(id, t))

@@ -68,10 +68,7 @@ fn operations_on_a_closed_socket_are_invalid() {
             .unwrap_err(),
         OptionError::State(StateError::InvalidSocket)
     );
-    assert_eq!(
-        p.client.options().unwrap_err(),
-        StateError::InvalidSocket
-    );
+    assert_eq!(p.client.options().unwrap_err(), StateError::InvalidSocket);
     assert_eq!(
         p.client.local_addr().unwrap_err(),
         StateError::InvalidSocket

@@ -1,7 +1,7 @@
 //! Async streams for tokio (feature `tokio`): [`Stream`] implements `AsyncRead` and
 //! `AsyncWrite`, [`Listener`] accepts them, and [`EventQueue::next_async`] waits for any queue. Each direction of
-//! a stream has its own event queue, whose descriptor (readable while events are queued, see
-//! [`EventQueue::readiness_fd`]) goes into tokio's reactor as an `AsyncFd`: no thread per queue, no busy polling,
+//! a stream has its own event queue, whose descriptor (its `AsFd`, readable while events are queued) goes into
+//! tokio's reactor as an `AsyncFd`: no thread per queue, no busy polling,
 //! and a task that reads never takes the writer's completions (or the other way round). The context's progress
 //! thread moves the protocol meanwhile, so contexts used here must keep their default `Progress::Thread`.
 //!

@@ -421,8 +421,8 @@ fn dropping_every_handle_closes_the_socket() {
     p.server
         .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
         .unwrap();
-    drop(p.client);
-    let ev = wait(&p.eq_b);
+    drop(p.conn.client);
+    let ev = wait(&p.conn.eq_b);
     assert!(ev.flags.eof, "{ev:?}");
 }
 
@@ -675,13 +675,16 @@ fn dropping_handles_in_any_order_does_not_deadlock() {
                 .unwrap();
             let Pair {
                 world,
-                a,
-                b,
-                client,
-                server,
-                listener,
-                eq_a,
-                eq_b,
+                conn:
+                    exs::testing::Pair {
+                        a,
+                        b,
+                        client,
+                        server,
+                        listener,
+                        eq_a,
+                        eq_b,
+                    },
             } = p;
             let mut items: Vec<Box<dyn FnOnce()>> = vec![
                 Box::new(move || drop(eq_a)),

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use exs::{Context, Event, EventKind, EventQueue, MemoryRegion, SockType, Socket, SocketOptions};
+use exs::{Event, EventQueue, MemoryRegion, SockType, SocketOptions};
 
 use crate::Net;
 
@@ -61,62 +61,17 @@ pub fn all(eq: &EventQueue) -> Result<Vec<Event>, String> {
         .map_err(|e| format!("waiting for all events: {e}"))
 }
 
-/// A connected pair: `client` on context `a`, `server` (accepted) on context `b`.
-#[derive(Debug)]
-pub struct Pair {
-    pub a: Context,
-    pub b: Context,
-    pub client: Socket,
-    pub server: Socket,
-    pub listener: Socket,
-    pub eq_a: EventQueue,
-    pub eq_b: EventQueue,
-}
+/// A connected pair: `client` on context `a`, `server` (accepted) on context `b` (exs's own fixture).
+pub use exs::testing::Pair;
 
+/// Connects a pair on two fresh hosts of `net`, both ends with `opts`.
 pub fn pair(net: &dyn Net, ty: SockType, opts: SocketOptions) -> Result<Pair, String> {
     let b = net.host();
     let a = net.host();
-    let eq_a = EventQueue::new(4096).unwrap();
-    let eq_b = EventQueue::new(4096).unwrap();
-    let listener = Socket::new(&b, ty).map_err(|e| e.to_string())?;
-    listener.set_options(opts).map_err(|e| e.to_string())?;
-    listener
-        .bind(net.listen_addr(0))
-        .map_err(|e| e.to_string())?;
-    let addr = listener.listen(16).map_err(|e| format!("listen: {e}"))?;
-    listener.accept(&eq_b, 1).map_err(|e| e.to_string())?;
-    let client = Socket::new(&a, ty).map_err(|e| e.to_string())?;
-    client.set_options(opts).map_err(|e| e.to_string())?;
-    client
-        .connect(&eq_a, addr, 2)
-        .map_err(|e| format!("connect: {e}"))?;
-    let c = next(&eq_a)?;
-    ensure!(
-        c.kind == EventKind::Connect && c.is_ok(),
-        "connect event: {c:?}"
-    );
-    let mut s = next(&eq_b)?;
-    ensure!(
-        s.kind == EventKind::Accept && s.is_ok(),
-        "accept event: {s:?}"
-    );
-    let server = s.take_accepted().ok_or("accept event without a socket")?;
-    Ok(Pair {
-        a,
-        b,
-        client,
-        server,
-        listener,
-        eq_a,
-        eq_b,
-    })
-}
-
-impl Pair {
-    pub fn region_a(&self, bytes: Vec<u8>) -> Result<MemoryRegion, String> {
-        MemoryRegion::from_vec(&self.a, bytes).map_err(|e| e.to_string())
-    }
-    pub fn region_b(&self, len: usize) -> Result<MemoryRegion, String> {
-        MemoryRegion::alloc(&self.b, len.max(1)).map_err(|e| e.to_string())
-    }
+    let spec = exs::testing::PairSpec {
+        depth: 4096,
+        patience: WAIT,
+        ..exs::testing::PairSpec::new(ty).options(opts)
+    };
+    spec.connect(&a, &b, net.listen_addr(0))
 }

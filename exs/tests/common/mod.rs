@@ -4,21 +4,22 @@
 use std::time::Duration;
 
 use exs::sim::{SimConfig, World};
-use exs::{
-    Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOptions,
-};
+use exs::{Context, Event, EventQueue, MemoryRegion, MsgFlags, SockType, SocketOptions};
 
 pub use exs::testing::pattern;
 
+/// A connected pair (`exs::testing::Pair`, the conformance suite's fixture too) on a simulated world, which lives
+/// as long as the pair.
 pub struct Pair {
     pub world: World,
-    pub a: Context,
-    pub b: Context,
-    pub client: Socket,
-    pub server: Socket,
-    pub listener: Socket,
-    pub eq_a: EventQueue,
-    pub eq_b: EventQueue,
+    pub conn: exs::testing::Pair,
+}
+
+impl std::ops::Deref for Pair {
+    type Target = exs::testing::Pair;
+    fn deref(&self) -> &exs::testing::Pair {
+        &self.conn
+    }
 }
 
 pub fn pair(ty: SockType) -> Pair {
@@ -73,43 +74,24 @@ pub fn pair_hosts(
     client_opts: SocketOptions,
     server_opts: SocketOptions,
 ) -> Pair {
-    let eq_a = EventQueue::new(1024).unwrap();
-    let eq_b = EventQueue::new(1024).unwrap();
-    let listener = Socket::new(&b, ty).unwrap();
-    listener.set_options(server_opts).unwrap();
-    listener.bind(world.addr(1, 7000)).unwrap();
-    let addr = listener.listen(16).unwrap();
-    listener.accept(&eq_b, 100).unwrap();
-    let client = Socket::new(&a, ty).unwrap();
-    client.set_options(client_opts).unwrap();
-    client.connect(&eq_a, addr, 200).unwrap();
-    let ev = eq_a.next(None).unwrap();
-    assert_eq!((ev.kind, ev.context), (EventKind::Connect, 200), "{ev:?}");
-    ev.status.clone().unwrap();
-    let mut ev = eq_b.next(None).unwrap();
-    assert_eq!((ev.kind, ev.context), (EventKind::Accept, 100), "{ev:?}");
-    ev.status.clone().unwrap();
-    let server = ev.take_accepted().expect("accept carries the socket");
-    Pair {
-        world,
-        a,
-        b,
-        client,
-        server,
-        listener,
-        eq_a,
-        eq_b,
-    }
+    let spec = exs::testing::PairSpec {
+        client: client_opts,
+        server: server_opts,
+        ..exs::testing::PairSpec::new(ty)
+    };
+    let conn = spec.connect(&a, &b, world.addr(1, 7000)).unwrap();
+    Pair { world, conn }
 }
 
 impl Pair {
     /// Registers `bytes` on the client's context.
     pub fn client_region(&self, bytes: Vec<u8>) -> MemoryRegion {
-        MemoryRegion::from_vec(&self.a, bytes).unwrap()
+        self.region_a(bytes).unwrap()
     }
 
+    /// Allocates `len` bytes (at least one) on the server's context.
     pub fn server_region(&self, len: usize) -> MemoryRegion {
-        MemoryRegion::alloc(&self.b, len).unwrap()
+        self.region_b(len).unwrap()
     }
 
     /// Sends `data` from client to server into a buffer of `cap` bytes; returns (send event, recv event, bytes).

@@ -2,7 +2,8 @@
 //! so a test or a fuzz target can play a crafted or hostile peer (any handshake, any bytes, any RDMA access)
 //! against a real exs socket, on every backend.
 //!
-//! Not for applications: a raw peer speaks no protocol unless its user does.
+//! Not for applications: a raw peer speaks no protocol unless its user does. Beside it, [`Pair`]: two connected
+//! exs sockets, the fixture of this crate's tests and of the conformance suite.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,6 +15,10 @@ use crate::transport::{
 };
 use crate::wire::{Handshake, Message, WireSockType};
 use exs_dma::{DmaBuf, LeaseKind};
+
+mod pair;
+
+pub use pair::{Pair, PairSpec};
 
 /// What a raw peer does while it waits: sleep a little (real transports), or drive a manual simulated world.
 pub type Tick = Box<dyn FnMut() + Send>;

@@ -126,67 +126,6 @@ fn immediate_threshold_is_clamped_to_the_peer_buffers() {
     assert_eq!(p.client.stats().unwrap().message.immediate_sent, 0);
 }
 
-/// Seed 002, 3.2: no advertisement without a credit; the sender queues, never drops, and recovers as
-/// acknowledgments return credits.
-#[test]
-fn credit_exhaustion_queues_sends_and_recovers() {
-    let p = pair_with(
-        SockType::SeqPacket,
-        SimConfig::default(),
-        SocketOptions::default()
-            .with_send_credits(2)
-            .with_recv_credits(2),
-    );
-    let n = 10;
-    let src = p.client_region(pattern(n * 2000, 1));
-    for i in 0..n {
-        p.client
-            .send(
-                &p.eq_a,
-                &src.slice(i * 2000..(i + 1) * 2000),
-                MsgFlags::NONE,
-                i as u64,
-            )
-            .unwrap();
-    }
-    p.world.run_until_idle(10_000);
-    let st = p.client.stats().unwrap();
-    assert_eq!(st.message.adverts_sent, 2, "only two credits: two adverts");
-    assert!(st.message.credit_waits > 0);
-    assert_eq!(
-        p.eq_a.len(),
-        0,
-        "no send completes before the receiver reads"
-    );
-    let dst = p.server_region(n * 2000);
-    for i in 0..n {
-        p.server
-            .recv(
-                &p.eq_b,
-                &dst.slice(i * 2000..(i + 1) * 2000),
-                MsgFlags::NONE,
-                i as u64,
-            )
-            .unwrap();
-    }
-    let recvs = p.eq_b.wait_all(None).unwrap();
-    let sends = p.eq_a.wait_all(None).unwrap();
-    assert_eq!(
-        recvs.iter().map(|e| e.context).collect::<Vec<_>>(),
-        (0..n as u64).collect::<Vec<_>>()
-    );
-    assert_eq!(
-        sends.iter().map(|e| e.context).collect::<Vec<_>>(),
-        (0..n as u64).collect::<Vec<_>>()
-    );
-    assert!(recvs
-        .iter()
-        .chain(&sends)
-        .all(|e| e.is_ok() && e.bytes == 2000));
-    assert_bytes_eq(&dst.to_vec().unwrap(), &src.to_vec().unwrap(), "dst");
-    assert_eq!(p.client.stats().unwrap().message.adverts_sent, n as u64);
-}
-
 /// Credits are the minimum of what the sender wants and the receiver grants.
 #[test]
 fn credits_negotiate_to_the_minimum_of_both_sides() {

@@ -140,6 +140,9 @@ fn immediate_boundary(b: &dyn Backend) -> Result<(), String> {
     Ok(())
 }
 
+/// Seed 002, 3.2, with two credits and fifty sends before any receive: the sender advertises two, queues the
+/// rest, and recovers in order as acknowledgments return credits (the protocol tests' credit case, on every
+/// backend).
 fn credits_under_pressure(b: &dyn Backend) -> Result<(), String> {
     credits_pressed(b, 0)
 }
@@ -170,6 +173,13 @@ fn credits_pressed(b: &dyn Backend, small: u32) -> Result<(), String> {
             )
             .map_err(|e| e.to_string())?;
     }
+    // Seed 002, 3.2: no advertisement without a credit; the rest queue (never dropped) until acknowledgments
+    // return credits.
+    let st = p.client.stats().ok_or("no connection counters")?.message;
+    ensure!(
+        st.adverts_sent == 2 && st.credit_waits > 0,
+        "two credits: two adverts, the rest waiting ({st:?})"
+    );
     std::thread::sleep(std::time::Duration::from_millis(50));
     let early = p.eq_a.len();
     if small == 0 {
@@ -205,6 +215,13 @@ fn credits_pressed(b: &dyn Backend, small: u32) -> Result<(), String> {
         r.iter().chain(&s).all(|e| e.is_ok() && e.bytes == 3000),
         "a transfer failed"
     );
+    let adverts = p
+        .client
+        .stats()
+        .ok_or("no connection counters")?
+        .message
+        .adverts_sent;
+    ensure!(adverts == n as u64, "one advert per message: {adverts}");
     same_regions(&dst, &src, "50 messages")
 }
 

@@ -12,7 +12,8 @@
 //!
 //! The rest is this implementation's own: [`memory`] (leases, least exposure, keys bound to one connection),
 //! [`backends`] (libfabric, rdma-core verbs, Soft-RoCE, and their settings), [`scaling`] (many connections, idle
-//! memory, serving untrusted clients) and [`reliability`] (hostile peers, regression tests). Measured numbers are not here: they live in the repository's `bench/` directory, written by
+//! memory, serving untrusted clients) and [`reliability`] (hostile peers, regression tests); [`inside`] draws how
+//! the crate's own modules depend on each other. Measured numbers are not here: they live in the repository's `bench/` directory, written by
 //! `cargo xtask bench` beside the peers they are compared with.
 
 #[doc = include_str!("manual/api.md")]
@@ -35,3 +36,5 @@ pub mod scaling {}
 pub mod reliability {}
 #[doc = include_str!("manual/c_api.md")]
 pub mod c_api {}
+#[doc = include_str!("manual/inside.md")]
+pub mod inside {}

@@ -2,7 +2,7 @@
 //! so a test or a fuzz target can play a crafted or hostile peer (any handshake, any bytes, any RDMA access)
 //! against a real exs socket, on every backend.
 //!
-//! Not for applications: a raw peer speaks no protocol unless its user does. Beside it, [`Pair`]: two connected
+//! Not for applications: a raw peer speaks no protocol unless its user does. Beside it, [`Pair`](crate::testing::Pair): two connected
 //! exs sockets, the fixture of this crate's tests and of the conformance suite.
 
 use std::net::SocketAddr;

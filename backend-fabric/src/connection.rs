@@ -1,7 +1,6 @@
 //! Connections: listeners, endpoints (each with its own completion queue, in the connection's domain) made to
 //! connect or to accept a request, refusing requests, disconnecting and releasing.
 
-use std::collections::HashSet;
 use std::ffi::c_void;
 use std::net::SocketAddr;
 use std::os::fd::{BorrowedFd, RawFd};
@@ -11,6 +10,7 @@ use std::sync::Arc;
 use exs_transport::{
     CmEvent, ConnectFailure, EndpointId, ListenerId, RequestId, TransportError, WorkRequest,
 };
+use rustc_hash::FxHashSet;
 
 use crate::completion::{epoll_add, wait_fd_of};
 use crate::device::{check, err, getinfo, Info};
@@ -54,7 +54,7 @@ pub(crate) struct Ep {
     pub(crate) ep: *mut fid_ep,
     pub(crate) cq: *mut fid_cq,
     pub(crate) cq_fd: RawFd,
-    pub(crate) pending: HashSet<usize>,
+    pub(crate) pending: FxHashSet<usize>,
     pub(crate) state: EpState,
     pub(crate) reported_down: bool,
     pub(crate) local: Option<SocketAddr>,
@@ -150,7 +150,7 @@ impl FabricTransport {
             ep,
             cq,
             cq_fd,
-            pending: HashSet::new(),
+            pending: FxHashSet::default(),
             state: EpState::Connecting,
             reported_down: false,
             local: None,

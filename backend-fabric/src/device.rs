@@ -1,13 +1,14 @@
 //! Opening a provider's domain: `fi_getinfo` and its hints, the fabric, the context's domain and event queue, and
 //! the capabilities the provider reports; libfabric's error codes as transport errors.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ffi::{CStr, CString};
 use std::ptr;
 use std::sync::Arc;
 
 use exs_transport::{Capabilities, PendingRequests, TransportError};
 use nix::sys::epoll::{Epoll, EpollCreateFlags};
+use rustc_hash::FxHashMap;
 
 use crate::completion::{epoll_add, wait_fd_of};
 use crate::ffi::*;
@@ -200,14 +201,14 @@ impl FabricTransport {
         let t = FabricTransport {
             dom,
             per_conn: mr_mode & FI_MR_LOCAL as u64 == 0,
-            conn_domains: HashMap::new(),
+            conn_domains: FxHashMap::default(),
             provider,
             domain_name,
             eq,
             epoll,
             caps,
-            eps: HashMap::new(),
-            listeners: HashMap::new(),
+            eps: FxHashMap::default(),
+            listeners: FxHashMap::default(),
             requests: PendingRequests::default(),
             next_listener: 1,
             cm_backlog: VecDeque::new(),

@@ -33,7 +33,7 @@ mod sockaddr;
 
 pub use ready::ReadyStats;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
@@ -46,6 +46,7 @@ use exs_transport::{
     PostError, Registration, RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
 };
 use nix::sys::epoll::Epoll;
+use rustc_hash::FxHashMap;
 
 use connection::Ep;
 use device::Info;
@@ -123,14 +124,14 @@ pub struct FabricTransport {
     /// descriptors.
     per_conn: bool,
     /// The domains of connections, by endpoint (made at the first exposure or at connect/accept).
-    conn_domains: HashMap<EndpointId, Arc<Domain>>,
+    conn_domains: FxHashMap<EndpointId, Arc<Domain>>,
     provider: String,
     domain_name: String,
     eq: *mut fid_eq,
     epoll: Epoll,
     caps: Capabilities,
-    eps: HashMap<EndpointId, Ep>,
-    listeners: HashMap<ListenerId, *mut fid_pep>,
+    eps: FxHashMap<EndpointId, Ep>,
+    listeners: FxHashMap<ListenerId, *mut fid_pep>,
     /// Connection requests handed to the engine and not yet accepted or rejected.
     requests: PendingRequests<Info>,
     next_listener: u32,

@@ -2,7 +2,7 @@
 //! size probed with a queue pair that is never connected), the protection domain, the completion channel and
 //! queue, and the event channel; fork safety, once per process.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::net::SocketAddr;
 use std::os::fd::RawFd;
@@ -15,6 +15,7 @@ use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::epoll::{Epoll, EpollCreateFlags};
 use nix::sys::socket::SockaddrLike;
 use rdma_sys::*;
+use rustc_hash::FxHashMap;
 
 use crate::completion::epoll_add;
 use crate::connection::sockaddr;
@@ -374,12 +375,12 @@ impl VerbsTransport {
             epoll,
             caps: capabilities(&settings),
             settings,
-            eps: HashMap::new(),
-            qpn: HashMap::new(),
-            recvs: HashMap::new(),
+            eps: FxHashMap::default(),
+            qpn: FxHashMap::default(),
+            recvs: FxHashMap::default(),
             srq: ptr::null_mut(),
             ids: WrIds::default(),
-            listeners: HashMap::new(),
+            listeners: FxHashMap::default(),
             requests: PendingRequests::default(),
             next_listener: 1,
             cm_backlog: VecDeque::new(),

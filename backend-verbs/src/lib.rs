@@ -32,7 +32,7 @@
 //!
 //! All `unsafe` of the verbs side is here, each block with its invariant.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
@@ -46,6 +46,7 @@ use exs_transport::{
 };
 use nix::sys::epoll::Epoll;
 use rdma_sys::*;
+use rustc_hash::FxHashMap;
 
 mod cm;
 mod completion;
@@ -148,15 +149,15 @@ pub struct VerbsTransport {
     caps: Capabilities,
     /// What this transport uses (emulated immediates, memory windows, read sinks, depths, inline size).
     settings: VerbsSettings,
-    eps: HashMap<EndpointId, Ep>,
-    qpn: HashMap<u32, EndpointId>,
+    eps: FxHashMap<EndpointId, Ep>,
+    qpn: FxHashMap<u32, EndpointId>,
     /// Posted receives: the endpoint they were posted on, or `None` for the shared receive queue.
-    recvs: HashMap<u64, (Option<EndpointId>, RecvRec)>,
+    recvs: FxHashMap<u64, (Option<EndpointId>, RecvRec)>,
     /// The shared receive queue (seed 003), once the engine asked for it; QPs created after use it.
     srq: *mut ibv_srq,
     /// Identifiers of work requests, never reused (see [`queue`]).
     ids: WrIds,
-    listeners: HashMap<ListenerId, *mut rdma_cm_id>,
+    listeners: FxHashMap<ListenerId, *mut rdma_cm_id>,
     /// Connection requests handed to the engine and not yet accepted or rejected, with their listener.
     requests: PendingRequests<*mut rdma_cm_id>,
     next_listener: u32,

@@ -13,12 +13,13 @@ mod timers;
 pub(crate) use calls::Buffer;
 pub use stats::{ConnStats, EngineStats};
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use exs_dma::{DmaBuf, LeaseKind};
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use crate::config::{Clock, ContextOptions};
 use crate::error::{
@@ -77,7 +78,7 @@ struct Listening {
     /// The application's accepts waiting for a connection.
     accepts: VecDeque<Ticket>,
     /// Connections being set up (accepted at the transport, not yet established): the listener's own.
-    pending: std::collections::HashSet<SocketId>,
+    pending: FxHashSet<SocketId>,
     /// Established connections waiting for an accept.
     ready: VecDeque<SocketId>,
 }
@@ -171,9 +172,9 @@ pub(crate) struct Engine {
     max_connections: usize,
     ack_delay: Duration,
     keepalive: Option<Duration>,
-    sockets: HashMap<SocketId, Sock>,
-    eps: HashMap<EndpointId, SocketId>,
-    listeners: HashMap<ListenerId, SocketId>,
+    sockets: FxHashMap<SocketId, Sock>,
+    eps: FxHashMap<EndpointId, SocketId>,
+    listeners: FxHashMap<ListenerId, SocketId>,
     next_socket: u32,
     next_ep: u32,
     completions: Vec<Completion>,
@@ -181,7 +182,7 @@ pub(crate) struct Engine {
     /// Sockets with something to post, each once (`dirty_set` says which are in the list: a linear search made
     /// closing thousands of connections at once quadratic).
     dirty: Vec<SocketId>,
-    dirty_set: std::collections::HashSet<SocketId>,
+    dirty_set: FxHashSet<SocketId>,
     timers: Timers,
     /// Rounds since the last look at connection events: rounds that handled completions (see `progress_round`)
     /// and busy-poll rounds (see `progress_busy_round`).
@@ -192,7 +193,7 @@ pub(crate) struct Engine {
     pool_posts: Vec<WorkRequest>,
     /// Operations handed to the protocol, by identifier: their tickets, and reads not yet reported (a full
     /// queue folds read notifications into the next one).
-    ops: HashMap<u64, (Ticket, usize)>,
+    ops: FxHashMap<u64, (Ticket, usize)>,
     next_op: u64,
     /// Why the context failed (a panic in a progress round), if it did.
     failed: Option<String>,
@@ -241,22 +242,22 @@ impl Engine {
             trusted: TrustedKeys::default(),
             ack_delay: opts.ack_delay,
             keepalive: opts.keepalive,
-            sockets: HashMap::new(),
-            eps: HashMap::new(),
-            listeners: HashMap::new(),
+            sockets: FxHashMap::default(),
+            eps: FxHashMap::default(),
+            listeners: FxHashMap::default(),
             next_socket: 1,
             next_ep: 1,
             completions: Vec::with_capacity(64),
             posts: Vec::with_capacity(64),
             dirty: Vec::new(),
-            dirty_set: std::collections::HashSet::new(),
+            dirty_set: FxHashSet::default(),
             timers: Timers::default(),
             cm_skipped: 0,
             stats: EngineStats::default(),
             shared_recv: opts.shared_recv.clone(),
             pool: PoolState::Undecided,
             pool_posts: Vec::new(),
-            ops: HashMap::new(),
+            ops: FxHashMap::default(),
             next_op: 1,
             failed: None,
             outbox: Outbox::default(),
@@ -818,7 +819,7 @@ fn conn_rx_bytes(conn: &Conn) -> u64 {
 }
 
 /// Adds a completed data operation's bytes to its socket's counters.
-fn count_bytes(sockets: &mut HashMap<SocketId, Sock>, t: &Ticket, bytes: usize) {
+fn count_bytes(sockets: &mut FxHashMap<SocketId, Sock>, t: &Ticket, bytes: usize) {
     let (sid, kind) = t.counted();
     if let Some(s) = sockets.get_mut(&sid) {
         match kind {

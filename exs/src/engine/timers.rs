@@ -8,8 +8,10 @@
 //! [`TimerKind::Proto`]. The others belong to the connection's life around the protocol: connecting, lingering
 //! after a close, a listener's waiting requests.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
 use std::time::Instant;
+
+use rustc_hash::FxHashMap;
 
 use crate::ids::SocketId;
 
@@ -28,7 +30,7 @@ pub(crate) enum TimerKind {
 #[derive(Debug, Default)]
 pub(crate) struct Timers {
     order: BTreeSet<(Instant, SocketId, TimerKind)>,
-    by_key: HashMap<(SocketId, TimerKind), Instant>,
+    by_key: FxHashMap<(SocketId, TimerKind), Instant>,
 }
 
 impl Timers {

@@ -93,6 +93,7 @@ impl EventQueue {
                 }
             } else {
                 let mut any = false;
+                let (pause_min, pause_max) = busy_pauses();
                 for p in &busy.0 {
                     any |= p.poll_progress();
                 }
@@ -100,12 +101,12 @@ impl EventQueue {
                     pause = 0;
                 } else {
                     // Adaptive polling interval: on software transports every poll is a system call, so an idle
-                    // poller backs off to at most BUSY_PAUSE_MAX pause instructions between polls (under a
-                    // microsecond), fewer calls per round trip for a fraction of a poll's latency.
+                    // poller backs off, up to BUSY_PAUSE_MAX_NS between polls: fewer calls per round trip for a
+                    // fraction of a poll's latency.
                     for _ in 0..pause.max(1) {
                         std::hint::spin_loop();
                     }
-                    pause = (pause * 2).clamp(BUSY_PAUSE_MIN, BUSY_PAUSE_MAX);
+                    pause = (pause * 2).clamp(pause_min, pause_max);
                 }
             }
             got += self.poll(out, max - got);
@@ -323,16 +324,33 @@ impl EventQueue {
     }
 }
 
-/// The longest pause between two polls of an idle busy-poller, in pause instructions (a few microseconds: a pause
-/// instruction lasts tens of nanoseconds). A longer cap saves system calls per round trip of an idle poller without
-/// moving its latency, because the poller backs off only while nothing arrives; `cargo xtask bench` counts both
-/// (its `cost` rows).
-const BUSY_PAUSE_MAX: u32 = 256;
+/// The longest pause between two polls of an idle busy-poller. A message that arrives during a pause waits for
+/// its end, so the cap is latency (half of it, on average, on each side of a round trip) bought for fewer empty
+/// polls; `cargo xtask bench` counts both (its `cost` rows). It was 256 pause instructions, meant as "a few
+/// microseconds", until a profile of the busy ping found a pause instruction lasting 31 ns on the bench machine's
+/// AMD EPYC under its hypervisor (8 microseconds per cap): the cap is now a time, turned into a count of pauses by
+/// measuring them once per process.
+const BUSY_PAUSE_MAX_NS: u64 = 500;
 
-/// The pause after the second idle poll, in pause instructions (a few hundred nanoseconds): no reply comes back
-/// sooner after a send, so polls closer together are only system calls. Shorter wastes calls, longer starts to cost
-/// latency; `cargo xtask bench` measures both for the busy wait.
-const BUSY_PAUSE_MIN: u32 = 8;
+/// The pause after the second idle poll: no reply comes back sooner after a send, so polls closer together are
+/// only system calls.
+const BUSY_PAUSE_MIN_NS: u64 = 150;
+
+/// The busy-poller's pause range in pause instructions, from [`BUSY_PAUSE_MIN_NS`] and [`BUSY_PAUSE_MAX_NS`] and
+/// what one pause instruction costs here (measured once: 256 of them, a few microseconds at most).
+fn busy_pauses() -> (u32, u32) {
+    static PAUSES: std::sync::OnceLock<(u32, u32)> = std::sync::OnceLock::new();
+    *PAUSES.get_or_init(|| {
+        const PROBE: u32 = 256;
+        let start = Instant::now();
+        for _ in 0..PROBE {
+            std::hint::spin_loop();
+        }
+        let per_pause_ns = (start.elapsed().as_nanos() as u64 / u64::from(PROBE)).max(1);
+        let count = |ns: u64| (ns / per_pause_ns).clamp(1, 1024) as u32;
+        (count(BUSY_PAUSE_MIN_NS), count(BUSY_PAUSE_MAX_NS))
+    })
+}
 
 /// Marks contexts as busy-polled for as long as it lives.
 struct BusyGuard(Vec<Arc<dyn Poller>>);

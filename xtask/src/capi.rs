@@ -12,8 +12,8 @@ use std::process::Command;
 
 use clap::Args;
 
+use crate::runner::run_counting;
 use crate::sys::{self, Result};
-use crate::test::run_counting;
 
 #[derive(Args)]
 pub struct CArgs {
@@ -224,7 +224,7 @@ fn script(bin: &Path, env: &str, addr: &str) -> String {
 /// The C stage on this host, over libfabric tcp on 127.0.0.1: install the debug build, build the programs, run
 /// them. Adds a summary line; a failure is named in `failures`.
 pub fn host_stage(summary: &mut Vec<String>, failures: &mut Vec<String>) {
-    let run = || -> Result<(crate::test::Counts, bool)> {
+    let run = || -> Result<(crate::runner::Counts, bool)> {
         let prefix = install(&test_prefix(), false)?;
         let bin = build_programs(&prefix)?;
         let sh = script(&bin, "EXS_BACKEND=fabric EXS_PROVIDER=tcp", "127.0.0.1");

@@ -5,6 +5,7 @@ mod capi;
 mod demo;
 mod outside;
 mod package;
+mod runner;
 mod rxe;
 mod siw;
 mod soak;

@@ -1,13 +1,14 @@
 //! `cargo xtask test`: every test, with a per-backend summary of the conformance suite.
 
-use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::Duration;
 
 use clap::Args;
 
+use crate::runner::{
+    conformance_exe, finish, run_counting, run_sections, xtask_copy, Sections, SECTION,
+};
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
 
@@ -26,240 +27,15 @@ pub struct TestArgs {
     pub suite: Option<String>,
 }
 
-/// Counts from libtest's "test result:" lines.
-#[derive(Default, Clone, Copy, Debug)]
-pub struct Counts {
-    pub passed: u64,
-    pub failed: u64,
-    pub ignored: u64,
-}
-
-impl Counts {
-    fn add(&mut self, o: Counts) {
-        self.passed += o.passed;
-        self.failed += o.failed;
-        self.ignored += o.ignored;
-    }
-}
-
-fn parse_result(line: &str) -> Option<Counts> {
-    let rest = line.trim().strip_prefix("test result: ")?;
-    let num = |word: &str| -> u64 {
-        rest.split(';')
-            .find_map(|part| {
-                let part = part
-                    .trim()
-                    .trim_start_matches("ok.")
-                    .trim_start_matches("FAILED.")
-                    .trim();
-                part.strip_suffix(word).and_then(|n| n.trim().parse().ok())
-            })
-            .unwrap_or(0)
-    };
-    Some(Counts {
-        passed: num("passed"),
-        failed: num("failed"),
-        ignored: num("ignored"),
-    })
-}
-
-/// Runs a command, echoing its output, and sums its "test result:" lines. Also returns the SKIPPED lines.
-pub fn run_counting(cmd: &mut Command) -> Result<(Counts, bool, Vec<String>)> {
-    eprintln!("+ {}", sys::show(cmd));
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", sys::show(cmd)))?;
-    let stderr = child.stderr.take().expect("piped");
-    let skips = std::thread::spawn(move || {
-        let mut skips = Vec::new();
-        for line in BufReader::new(stderr).lines().map_while(|l| l.ok()) {
-            eprintln!("{line}");
-            if line.starts_with("SKIPPED") {
-                skips.push(line);
-            }
-        }
-        skips
-    });
-    let mut counts = Counts::default();
-    for line in BufReader::new(child.stdout.take().expect("piped"))
-        .lines()
-        .map_while(|l| l.ok())
-    {
-        println!("{line}");
-        if let Some(c) = parse_result(&line) {
-            counts.add(c);
-        }
-    }
-    let status = child.wait().map_err(|e| e.to_string())?;
-    let skips = skips.join().unwrap_or_default();
-    Ok((counts, status.success(), skips))
-}
-
-/// The cargo features of the one conformance build: every backend.
-const CONFORMANCE_FEATURES: &str = "sim,fabric,softroce";
 /// Backends whose conformance suite runs on this host directly.
 const HOST_BACKENDS: &[&str] = &["sim", "fabric"];
 
-/// Builds the conformance suite with every backend and returns the test binary's path.
 /// The long property and fuzz runs build in release for speed, but with overflow checks and debug assertions on:
 /// no panic may be reachable from peer input in debug builds either (issue 15).
 const CHECKED_RELEASE: [(&str, &str); 2] = [
     ("CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS", "true"),
     ("CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS", "true"),
 ];
-
-pub fn conformance_exe() -> Result<PathBuf> {
-    let out = sys::output(sys::cargo().args([
-        "test",
-        "-p",
-        "exs-conformance",
-        "--features",
-        CONFORMANCE_FEATURES,
-        "--test",
-        "conformance",
-        "--no-run",
-        "--message-format=json-render-diagnostics",
-    ]))?;
-    out.lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "conformance")
-        .find_map(|v| v["executable"].as_str().map(PathBuf::from))
-        .ok_or_else(|| "cargo did not report the conformance test binary".to_string())
-}
-
-/// Results of a script whose output is cut into sections by `@@section NAME` lines (on stdout and stderr):
-/// libtest counts, SKIPPED lines and the BACKEND line of each section.
-#[derive(Default)]
-pub struct Sections {
-    current: [Option<String>; 2],
-    order: Vec<String>,
-    counts: BTreeMap<String, Counts>,
-    skips: BTreeMap<String, Vec<String>>,
-    backends: BTreeMap<String, Vec<String>>,
-}
-
-impl Sections {
-    /// Whether no section began.
-    pub fn is_empty(&self) -> bool {
-        self.order.is_empty()
-    }
-
-    /// Takes one line of output (echoing it).
-    pub fn line(&mut self, l: &str, stderr: bool) {
-        if stderr {
-            eprintln!("{l}");
-        } else {
-            println!("{l}");
-        }
-        if let Some(name) = l.strip_prefix("@@section ") {
-            if !self.order.iter().any(|n| n == name) {
-                self.order.push(name.to_string());
-            }
-            self.current[stderr as usize] = Some(name.to_string());
-            return;
-        }
-        let Some(cur) = self.current[stderr as usize].clone() else {
-            return;
-        };
-        if !stderr {
-            if let Some(c) = parse_result(l) {
-                self.counts.entry(cur).or_default().add(c);
-            }
-        } else if l.starts_with("SKIPPED") {
-            self.skips.entry(cur).or_default().push(l.to_string());
-        } else if let Some(b) = l.strip_prefix("BACKEND ") {
-            self.backends.entry(cur).or_default().push(b.to_string());
-        }
-    }
-
-    /// One summary line per section; a section whose name is `backend[:anything]` keeps only that backend's skips.
-    pub fn report(&self, where_: &str, summary: &mut Vec<String>, failures: &mut Vec<String>) {
-        for name in &self.order {
-            let c = self.counts.get(name).copied().unwrap_or_default();
-            let backend = name.split(':').next().unwrap_or(name);
-            let skips: Vec<&String> = self
-                .skips
-                .get(name)
-                .into_iter()
-                .flatten()
-                .filter(|l| {
-                    l.starts_with(&format!("SKIPPED {backend}::"))
-                        || l.starts_with(&format!("SKIPPED backend {backend}:"))
-                })
-                .collect();
-            let on = self
-                .backends
-                .get(name)
-                .into_iter()
-                .flatten()
-                .find_map(|b| b.strip_prefix(&format!("{backend}: ")))
-                .filter(|d| !d.is_empty())
-                .map(|d| format!(" [{d}]"))
-                .unwrap_or_default();
-            if c.failed > 0 || c.passed == 0 {
-                failures.push(format!("conformance on {name}{where_}"));
-            }
-            summary.push(format!(
-                "conformance on {name}{where_}{on}: {} ran, {} passed, {} failed, {} skipped{}",
-                c.passed + c.failed,
-                c.passed,
-                c.failed,
-                c.ignored,
-                // Skip reasons are printed for every trial; only those of trials that ran as ignored matter.
-                if skips.is_empty() || c.ignored == 0 {
-                    String::new()
-                } else {
-                    format!(
-                        " ({})",
-                        skips
-                            .iter()
-                            .map(|s| s.as_str())
-                            .collect::<Vec<_>>()
-                            .join("; ")
-                    )
-                }
-            ));
-        }
-    }
-}
-
-/// Runs a command, handing every output line to `sections`.
-pub fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> {
-    eprintln!("+ {}", sys::show(cmd));
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", sys::show(cmd)))?;
-    let (tx, rx) = std::sync::mpsc::channel::<(String, bool)>();
-    let err = child.stderr.take().expect("piped");
-    let out = child.stdout.take().expect("piped");
-    let t1 = {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            BufReader::new(err)
-                .lines()
-                .map_while(|l| l.ok())
-                .for_each(|l| drop(tx.send((l, true))))
-        })
-    };
-    let t2 = std::thread::spawn(move || {
-        BufReader::new(out)
-            .lines()
-            .map_while(|l| l.ok())
-            .for_each(|l| drop(tx.send((l, false))))
-    });
-    for (l, stderr) in rx {
-        sections.line(&l, stderr);
-    }
-    let _ = (t1.join(), t2.join());
-    Ok(child.wait().map_err(|e| e.to_string())?.success())
-}
-
-/// Shell lines that cut the output into sections (see [`Sections`]).
-pub const SECTION: &str = "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n";
 
 /// The limits a small device might report, forced on rxe (`verbs:small-limits`): nothing inline, two scatter/gather
 /// entries (the least exs works with: a header and its data), a short send queue, one read at a time, 64 KiB per
@@ -303,20 +79,6 @@ tool pump_on_one_host_over_verbs {tool} pump --backend verbs --addr {near} --siz
     )
 }
 
-/// A copy of this xtask binary that the guest (or a root shell) can run. The workspace build in `run` may relink
-/// `target/debug/xtask` itself (features unified with other members differ from `cargo xtask`'s own build), and a
-/// replaced executable's `/proc/self/exe` ends in " (deleted)".
-pub fn xtask_copy() -> Result<PathBuf> {
-    let me = std::env::current_exe().map_err(|e| e.to_string())?;
-    let me = PathBuf::from(me.to_string_lossy().trim_end_matches(" (deleted)"));
-    let copy = sys::root().join("target/xtask-runner");
-    // Read the running image itself: the path may already name a newer file.
-    std::fs::copy("/proc/self/exe", &copy)
-        .or_else(|_| std::fs::copy(&me, &copy))
-        .map_err(|e| format!("copying the xtask binary to {}: {e}", copy.display()))?;
-    Ok(copy)
-}
-
 /// Where the RDMA tests run: here when the kernel has Soft-RoCE and we may configure it, else in the QEMU guest
 /// (returns whether they ran in a guest).
 /// `EXS_RDMA_TESTS=native|vm` forces one.
@@ -349,7 +111,7 @@ fn rdma_conformance(
         if !existed.iter().any(|d| d == rxe::NEAR.0) {
             rxe::down();
         }
-        if !ok && sections.order.is_empty() {
+        if !ok && sections.is_empty() {
             return Err("the Soft-RoCE setup failed (see above)".into());
         }
         " (native)".to_string()
@@ -596,33 +358,4 @@ pub fn run(args: TestArgs) -> Result<()> {
         }
     }
     finish("cargo xtask test", &summary, &failures)
-}
-
-/// Prints the summary; an error names what failed.
-pub fn finish(what: &str, summary: &[String], failures: &[String]) -> Result<()> {
-    eprintln!("\n==== {what} ====");
-    for s in summary {
-        eprintln!("{s}");
-    }
-    if failures.is_empty() {
-        eprintln!("all tests passed");
-        Ok(())
-    } else {
-        Err(format!("failures in: {}", failures.join(", ")))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_libtest_result_lines() {
-        let c = parse_result("test result: ok. 22 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 1s").unwrap();
-        assert_eq!((c.passed, c.failed, c.ignored), (22, 0, 2));
-        let c = parse_result("test result: FAILED. 11 passed; 1 failed; 0 ignored; 0 measured")
-            .unwrap();
-        assert_eq!((c.passed, c.failed, c.ignored), (11, 1, 0));
-        assert!(parse_result("running 3 tests").is_none());
-    }
 }

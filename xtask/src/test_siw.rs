@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 
 use exs_backend_softroce::Kind;
 
+use crate::runner::{conformance_exe, finish, run_sections, xtask_copy, Sections, SECTION};
 use crate::siw::{self, Variant};
 use crate::sys::{self, Result};
-use crate::test::{conformance_exe, finish, run_sections, xtask_copy, Sections, SECTION};
 use crate::{rxe, vm};
 
 /// The cases run again with the peer-to-peer build: who sends first, connecting, and a transfer across the link.

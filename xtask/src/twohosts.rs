@@ -7,8 +7,8 @@
 use std::path::Path;
 use std::time::Duration;
 
+use crate::runner::Sections;
 use crate::sys::Result;
-use crate::test::Sections;
 use crate::vm::{self, GuestDevice, PAIR_ADDRS};
 
 const AGENT_PORT: u16 = 18600;

@@ -21,7 +21,8 @@ use crate::backend::{BackendArgs, Opened};
 use crate::cli::{self, MAX_COUNT, MAX_DEPTH, MAX_MESSAGE};
 use crate::opts::RawOp;
 use crate::pump::cpu_seconds;
-use crate::util::{fmt_bytes, fmt_rate};
+use crate::size::fmt_bytes;
+use crate::util::fmt_rate;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct RawArgs {

@@ -14,8 +14,9 @@ use crate::backend::{BackendArgs, Opened};
 use crate::cli::{self, check_in, MAX_CHUNK, MAX_DEPTH, MAX_TRANSFER};
 use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::progress::Progress;
+use crate::size::fmt_bytes;
 use crate::usage::Usage;
-use crate::util::{fmt_bytes, fmt_rate, PATIENCE};
+use crate::util::{fmt_rate, PATIENCE};
 
 /// Order-dependent fold of per-chunk hashes: the checksum of the whole stream.
 fn fold(h: u64, chunk: &[u8]) -> u64 {

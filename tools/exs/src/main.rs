@@ -10,6 +10,7 @@ mod opts;
 mod ping;
 mod progress;
 mod pump;
+mod size;
 mod soak;
 mod usage;
 mod util;

@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::util::{fmt_bytes, fmt_rate};
+use crate::size::fmt_bytes;
+use crate::util::fmt_rate;
 
 fn stderr_target() -> (ProgressDrawTarget, bool) {
     if std::io::stderr().is_terminal() {

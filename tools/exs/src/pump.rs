@@ -15,8 +15,9 @@ use crate::backend::{BackendArgs, Opened};
 use crate::cli::{self, check_in, MAX_DEPTH, MAX_MESSAGE};
 use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::opts::{PumpMode, Type, Wait};
+use crate::size::fmt_bytes;
 use crate::usage::Usage;
-use crate::util::{fmt_bytes, PATIENCE};
+use crate::util::PATIENCE;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct PumpArgs {

@@ -9,7 +9,7 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use exs::{Context, Event, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::util::fmt_bytes;
+use crate::size::fmt_bytes;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct SoakArgs {

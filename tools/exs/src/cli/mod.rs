@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::builder::{RangedU64ValueParser, TypedValueParser};
 
-use crate::util::parse_size;
+use crate::size::parse_size;
 
 /// The largest message `exs pump`, `exs ping`, `exs rawpump` and the TCP baselines send.
 pub const MAX_MESSAGE: u64 = 16 << 20;

@@ -6,8 +6,8 @@ use std::net::SocketAddr;
 
 use exs_transport::{CmEvent, ConnectFailure, EndpointId, ListenerId};
 
+use crate::call::Info;
 use crate::connection::EpState;
-use crate::device::Info;
 use crate::ffi::*;
 use crate::{sockaddr, FabricTransport, TAG_EP, TAG_LISTENER};
 

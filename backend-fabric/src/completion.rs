@@ -2,33 +2,13 @@
 //! provider errors as [`WcError`]s, and waiting (an epoll set over every queue's wait descriptor, `fi_trywait`).
 
 use std::ffi::c_void;
-use std::os::fd::{BorrowedFd, RawFd};
 
-use exs_transport::{Completed, Completion, EndpointId, Op, TransportError, WcError};
-use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
+use exs_transport::{Completed, Completion, EndpointId, Op, WcError};
 
 use crate::connection::Ep;
-use crate::device::check;
 use crate::ffi::*;
-use crate::post::WrRecord;
+use crate::record::WrRecord;
 use crate::FabricTransport;
-
-pub(crate) fn wait_fd_of(fid: *mut fid) -> Result<RawFd, TransportError> {
-    let mut fd: i32 = -1;
-    // SAFETY: FI_GETWAIT on a queue opened with FI_WAIT_FD writes one int.
-    let ret = unsafe { exs_fi_control(fid, FI_GETWAIT as i32, &mut fd as *mut i32 as *mut c_void) };
-    check("fi_control(FI_GETWAIT)", ret)?;
-    Ok(fd)
-}
-
-pub(crate) fn epoll_add(epoll: &Epoll, fd: RawFd, data: u64) -> Result<(), TransportError> {
-    // SAFETY: `fd` is a wait descriptor owned by a libfabric queue that stays open while it is in the set (it is
-    // removed before the queue is closed).
-    let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
-    epoll
-        .add(bfd, EpollEvent::new(EpollFlags::EPOLLIN, data))
-        .map_err(|e| TransportError::os("epoll_ctl(ADD)", e.into()))
-}
 
 impl FabricTransport {
     /// Reads up to `max` completions of one endpoint into `out`. Returns how many.

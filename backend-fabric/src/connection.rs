@@ -12,11 +12,10 @@ use exs_transport::{
 };
 use rustc_hash::FxHashSet;
 
-use crate::completion::{epoll_add, wait_fd_of};
-use crate::device::{check, err, getinfo, Info};
+use crate::call::{check, epoll_add, err, getinfo, wait_fd_of, Info};
 use crate::ffi::*;
 use crate::memory::Domain;
-use crate::post::WrRecord;
+use crate::record::WrRecord;
 use crate::{sockaddr, FabricTransport, TAG_EP, TAG_LISTENER};
 
 /// Why [`FabricTransport::create_ep`] failed, and whether it got as far as opening the endpoint.

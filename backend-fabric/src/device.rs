@@ -1,8 +1,7 @@
-//! Opening a provider's domain: `fi_getinfo` and its hints, the fabric, the context's domain and event queue, and
-//! the capabilities the provider reports; libfabric's error codes as transport errors.
+//! Opening a provider's domain: the fabric, the context's domain and event queue, and the capabilities the provider
+//! reports (`fi_getinfo` and the error codes: [`crate::call`]).
 
 use std::collections::VecDeque;
-use std::ffi::{CStr, CString};
 use std::ptr;
 use std::sync::Arc;
 
@@ -10,167 +9,11 @@ use exs_transport::{Capabilities, PendingRequests, TransportError};
 use nix::sys::epoll::{Epoll, EpollCreateFlags};
 use rustc_hash::FxHashMap;
 
-use crate::completion::{epoll_add, wait_fd_of};
+use crate::call::{check, cstr, epoll_add, getinfo, getinfo_lock, wait_fd_of, Info};
 use crate::ffi::*;
 use crate::memory::{Domain, Fabric};
+use crate::ready::EPOLL_EQ;
 use crate::{providers, FabricConfig, FabricTransport};
-
-/// The event queue's entry in the epoll set (completion queues are entered by endpoint id).
-pub(crate) const EPOLL_EQ: u64 = u64::MAX;
-
-pub(crate) fn err(call: &str, ret: i64) -> TransportError {
-    let code = ret.unsigned_abs();
-    let kind = match code as u32 {
-        FI_EAGAIN => std::io::ErrorKind::WouldBlock,
-        FI_ECONNREFUSED => std::io::ErrorKind::ConnectionRefused,
-        FI_ETIMEDOUT => std::io::ErrorKind::TimedOut,
-        98 => std::io::ErrorKind::AddrInUse,
-        99 => std::io::ErrorKind::AddrNotAvailable,
-        12 => std::io::ErrorKind::OutOfMemory,
-        22 => std::io::ErrorKind::InvalidInput,
-        61 => std::io::ErrorKind::NotFound, // FI_ENODATA
-        _ => std::io::ErrorKind::Other,
-    };
-    tracing::debug!(call, ret, "libfabric call failed: {}", strerror(ret));
-    TransportError::Os {
-        call: exs_transport::CallError {
-            call: call.into(),
-            code: ret,
-        },
-        kind,
-        message: exs_transport::plain_text(&strerror(ret)),
-    }
-}
-
-/// Serialises the calls that read or build libfabric's process-wide provider tables (`fi_getinfo`, `fi_fabric`).
-/// A provider fills its lists lazily at the first of them; two threads opening transports at once (the test
-/// suites do) crashed inside `fi_dupinfo` once. They are not on the data path.
-pub(crate) static GETINFO: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-pub(crate) fn getinfo_lock() -> std::sync::MutexGuard<'static, ()> {
-    GETINFO.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-pub(crate) fn check(call: &str, ret: i32) -> Result<(), TransportError> {
-    if ret < 0 {
-        Err(err(call, ret.into()))
-    } else {
-        Ok(())
-    }
-}
-
-/// An owned `fi_info` list.
-pub(crate) struct Info(pub(crate) *mut fi_info);
-
-impl Drop for Info {
-    fn drop(&mut self) {
-        if !self.0.is_null() {
-            // SAFETY: the pointer came from fi_getinfo/fi_dupinfo or a connection request and is freed once.
-            unsafe { fi_freeinfo(self.0) };
-        }
-    }
-}
-
-/// Strings referenced by a hints structure while fi_getinfo runs (freed by Rust, not by fi_freeinfo).
-struct Hints {
-    info: *mut fi_info,
-    _strings: Vec<CString>,
-}
-
-impl Drop for Hints {
-    fn drop(&mut self) {
-        // SAFETY: `info` came from fi_allocinfo; the string fields we set point into `_strings` and are cleared
-        // first so fi_freeinfo does not free memory it does not own.
-        unsafe {
-            (*(*self.info).fabric_attr).prov_name = ptr::null_mut();
-            (*(*self.info).domain_attr).name = ptr::null_mut();
-            fi_freeinfo(self.info);
-        }
-    }
-}
-
-fn hints(provider: &str, domain: Option<&str>) -> Result<Hints, TransportError> {
-    // SAFETY: fi_allocinfo returns a zeroed fi_info with allocated attribute structs (or null).
-    let info = unsafe { exs_fi_allocinfo() };
-    if info.is_null() {
-        return Err(TransportError::Resource("fi_allocinfo".into()));
-    }
-    // Owned from here: an error below frees it (`Hints::drop`), with whichever name pointers are set.
-    let mut h = Hints {
-        info,
-        _strings: Vec::new(),
-    };
-    let prov = CString::new(provider)
-        .map_err(|_| TransportError::Invalid("provider name has a NUL".into()))?;
-    let dom = domain
-        .map(CString::new)
-        .transpose()
-        .map_err(|_| TransportError::Invalid("domain name has a NUL".into()))?;
-    // SAFETY: `info` and its attribute structs were just allocated by libfabric; we only set plain fields and
-    // pointers into the strings, which `h` keeps for as long as the hints live (see `Hints::drop`).
-    unsafe {
-        let i = &mut *info;
-        i.caps = (FI_MSG
-            | FI_RMA
-            | FI_READ
-            | FI_WRITE
-            | FI_RECV
-            | FI_SEND
-            | FI_REMOTE_READ
-            | FI_REMOTE_WRITE) as u64;
-        // Our operation contexts point at records with fi_context2 storage, and we post receives for remote CQ
-        // data when a provider asks for it.
-        i.mode = FI_CONTEXT | FI_CONTEXT2 | FI_RX_CQ_DATA;
-        (*i.ep_attr).type_ = fi_ep_type_FI_EP_MSG;
-        (*i.domain_attr).mr_mode =
-            (FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY) as i32;
-        (*i.domain_attr).threading = fi_threading_FI_THREAD_SAFE;
-        (*i.fabric_attr).prov_name = prov.as_ptr() as *mut _;
-        if let Some(d) = &dom {
-            (*i.domain_attr).name = d.as_ptr() as *mut _;
-        }
-    }
-    h._strings.push(prov);
-    h._strings.extend(dom);
-    Ok(h)
-}
-
-pub(crate) fn getinfo(
-    provider: &str,
-    domain: Option<&str>,
-    node: Option<&str>,
-    service: Option<&str>,
-    flags: u64,
-) -> Result<Info, TransportError> {
-    let h = hints(provider, domain)?;
-    let node = node.map(|n| CString::new(n).expect("addresses have no NUL"));
-    let service = service.map(|s| CString::new(s).expect("ports have no NUL"));
-    let mut out = ptr::null_mut();
-    let _tables = getinfo_lock();
-    // SAFETY: valid hints; node/service are NUL-terminated or null; `out` receives an allocated list.
-    let ret = unsafe {
-        fi_getinfo(
-            API_VERSION,
-            node.as_ref().map_or(ptr::null(), |c| c.as_ptr()),
-            service.as_ref().map_or(ptr::null(), |c| c.as_ptr()),
-            flags,
-            h.info,
-            &mut out,
-        )
-    };
-    if ret != 0 || out.is_null() {
-        return Err(err("fi_getinfo", ret.into()));
-    }
-    Ok(Info(out))
-}
-
-fn cstr(p: *const std::os::raw::c_char) -> String {
-    if p.is_null() {
-        return String::new();
-    }
-    // SAFETY: libfabric strings are NUL-terminated and live as long as their fi_info.
-    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-}
 
 impl FabricTransport {
     /// Opens a provider's domain. A provider that does not exist gives an error listing those that do.

@@ -21,6 +21,7 @@
 //!   satisfies `FI_CONTEXT`/`FI_CONTEXT2`). The record owns the work request, so its leases live until the
 //!   completion is read, or until `fi_close` of the endpoint guarantees the provider no longer touches them.
 
+mod call;
 mod cm;
 mod completion;
 mod connection;
@@ -29,6 +30,7 @@ pub mod ffi;
 mod memory;
 mod post;
 mod ready;
+mod record;
 mod sockaddr;
 
 pub use ready::ReadyStats;
@@ -48,8 +50,8 @@ use exs_transport::{
 use nix::sys::epoll::Epoll;
 use rustc_hash::FxHashMap;
 
+use call::Info;
 use connection::Ep;
-use device::Info;
 use ffi::*;
 use memory::Domain;
 
@@ -88,7 +90,7 @@ const TAG_LISTENER: usize = 2 << TAG_SHIFT;
 /// Provider names this machine's libfabric offers for MSG endpoints with RMA.
 pub fn providers() -> Vec<String> {
     let mut names = Vec::new();
-    let _tables = device::getinfo_lock();
+    let _tables = call::getinfo_lock();
     // SAFETY: a zeroed hints structure asking for MSG endpoints; the result list is walked read-only and freed.
     unsafe {
         let h = exs_fi_allocinfo();

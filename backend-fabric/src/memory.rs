@@ -26,7 +26,7 @@ use exs_transport::{
     EndpointId, Exposure, Registration, RemoteAccess, RemoteRef, Revoke, TransportError,
 };
 
-use crate::device::{check, err, Info};
+use crate::call::{check, err, Info};
 use crate::ffi::*;
 use crate::FabricTransport;
 

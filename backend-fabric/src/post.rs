@@ -6,19 +6,11 @@ use std::ffi::c_void;
 
 use exs_transport::{EndpointId, Op, PostError, RemoteRef, Sge, TransportError, WorkRequest};
 
+use crate::call::err;
 use crate::connection::EpState;
-use crate::device::err;
 use crate::ffi::*;
+use crate::record::WrRecord;
 use crate::FabricTransport;
-
-/// A posted work request. Its address is the operation context; `ctx` comes first for FI_CONTEXT providers.
-#[repr(C)]
-pub(crate) struct WrRecord {
-    ctx: fi_context2,
-    ep: EndpointId,
-    pub(crate) wr_id: u64,
-    pub(crate) op: Op,
-}
 
 impl FabricTransport {
     /// Posts one record; returns the libfabric result.

@@ -19,9 +19,12 @@ use nix::sys::epoll::{EpollEvent, EpollTimeout};
 
 use exs_transport::{Completion, EndpointId, TransportError};
 
-use crate::device::{err, EPOLL_EQ};
+use crate::call::err;
 use crate::ffi::*;
 use crate::FabricTransport;
+
+/// The event queue's entry in the epoll set (completion queues are entered by endpoint id).
+pub(crate) const EPOLL_EQ: u64 = u64::MAX;
 
 /// A poll consults the epoll set at least every this many polls (a system call; a busy poller polls about every
 /// microsecond or two).

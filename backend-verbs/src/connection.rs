@@ -11,8 +11,8 @@ use rdma_sys::*;
 
 use crate::emulated::ImmSlab;
 use crate::memory::MwSlot;
-use crate::post::SendRec;
 use crate::queue::{SendQueue, Signaler};
+use crate::record::SendRec;
 use crate::{os_err, VerbsTransport, RESOLVE_TIMEOUT_MS, TAG_EP, TAG_LISTENER};
 
 pub(crate) fn sockaddr(a: SocketAddr) -> SockaddrStorage {

@@ -12,6 +12,7 @@ use crate::connection::EpState;
 use crate::emulated::ImmSlab;
 use crate::memory::SinkMr;
 use crate::queue::{self, Posted, Signaler, WrIds};
+use crate::record::SendRec;
 use crate::{os_err, VerbsTransport};
 
 /// How a native send request carries an immediate.
@@ -41,17 +42,6 @@ impl NativePart {
             imm,
         }
     }
-}
-
-/// A send-queue request: kept until its completion (or a later signalled one) arrives, its operation (and the
-/// leases in it) with it. `kind` is `None` for the backend's own requests (window binds), which the engine never
-/// hears of.
-pub(crate) struct SendRec {
-    pub(crate) wr_id: u64,
-    pub(crate) kind: Option<Completed>,
-    /// An RDMA read's sink registration (iWARP), dropped before the operation's leases (field order).
-    pub(crate) _sink: Option<SinkMr>,
-    pub(crate) op: Option<Op>,
 }
 
 /// Requests a post did not get onto the device, whole and in order, and why.

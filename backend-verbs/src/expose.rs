@@ -1,0 +1,211 @@
+//! Registering and exposing memory on the data path (the rules are in [`crate::memory`]): a base registration, and
+//! an exposure as a memory window bound through the connection's send queue or as a registration of the range.
+
+use std::ptr;
+use std::sync::Arc;
+
+use exs_dma::{DmaBuf, Lease};
+use exs_transport::{
+    EndpointId, Exposure, KeyedLease, Registration, RemoteAccess, RemoteRef, TransportError,
+};
+use rdma_sys::*;
+
+use crate::connection::EpState;
+use crate::memory::{reg_mr, MrKey, MrPtr, MwSlot, VerbsRegistration, WindowKey};
+use crate::post::post_error;
+use crate::queue::Posted;
+use crate::record::SendRec;
+use crate::{os_err, VerbsTransport};
+
+impl VerbsTransport {
+    /// Binds a type 2 memory window over the leased range to `ep`'s queue pair (see [`memory`](crate::memory)).
+    /// The bind is a send-queue request, so it executes before anything posted after it, in particular the message
+    /// that hands the key to the peer; it is unsignalled and retired by the next signalled request, like any other.
+    fn bind_window(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn Exposure>, TransportError> {
+        let base = reg
+            .as_any()
+            .downcast_ref::<VerbsRegistration>()
+            .ok_or_else(|| TransportError::Invalid("not a registration of this device".into()))?;
+        self.room_for_bind(ep)?;
+        // SAFETY: open protection domain.
+        let mw = unsafe { ibv_alloc_mw(self.pd.0, ibv_mw_type::IBV_MW_TYPE_2) }
+            .filter(|m| !m.is_null())
+            .ok_or_else(|| os_err("ibv_alloc_mw"))?;
+        let info = ibv_mw_bind_info {
+            mr: base.mr,
+            addr: lease.addr(),
+            length: lease.len() as u64,
+            mw_access_flags: match access {
+                RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+                RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+            },
+        };
+        let rkey = match self.post_bind(ep, mw, info) {
+            Ok(k) => k,
+            Err(e) => {
+                // SAFETY: the window was never bound; deallocated once.
+                unsafe { ibv_dealloc_mw(mw) };
+                return Err(e);
+            }
+        };
+        let slot = MwSlot::new(mw);
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.windows.len() >= 64 {
+            e.windows.retain(|w| w.strong_count() > 0);
+        }
+        e.windows.push(Arc::downgrade(&slot));
+        Ok(Box::new(KeyedLease::new(
+            RemoteRef {
+                addr: lease.addr(),
+                key: u64::from(rkey),
+            },
+            lease,
+            WindowKey {
+                slot,
+                _reg: Arc::clone(reg),
+                _pd: Arc::clone(&self.pd),
+            },
+        )))
+    }
+
+    /// A window binds only on a connected queue pair with a free send-queue entry (completions waiting in the
+    /// completion queue free entries).
+    fn room_for_bind(&mut self, ep: EndpointId) -> Result<(), TransportError> {
+        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.qp.is_null() || e.state != EpState::Connected {
+            return Err(TransportError::Invalid(
+                "a memory window binds to a connected queue pair".into(),
+            ));
+        }
+        if e.sends.entries() >= e.sq_cap {
+            self.drain_cq();
+        }
+        let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
+        if e.sends.entries() >= e.sq_cap {
+            return Err(TransportError::Resource("send queue full".into()));
+        }
+        Ok(())
+    }
+
+    /// Posts the bind of `mw` over `info` on `ep`'s queue pair and records it; returns the window's new key.
+    fn post_bind(
+        &mut self,
+        ep: EndpointId,
+        mw: *mut ibv_mw,
+        info: ibv_mw_bind_info,
+    ) -> Result<u32, TransportError> {
+        // SAFETY: `mw` is a live window; the key's low byte moves on with each bind so a stale key fails.
+        let rkey = unsafe { ibv_inc_rkey((*mw).rkey) };
+        let seq = self.ids.send();
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        let mut w: ibv_send_wr = unsafe {
+            // SAFETY: plain data, zero is valid before we fill it.
+            std::mem::zeroed()
+        };
+        w.wr_id = seq;
+        w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+        // The signalling state changes only if the bind reaches the device.
+        let mut signal = e.signal;
+        if signal.next(false) {
+            w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        w.bind_mw_tso_union.bind_mw = bind_mw_t {
+            mw,
+            rkey,
+            bind_info: info,
+        };
+        let mut bad = ptr::null_mut();
+        // SAFETY: live, connected QP; the request lives until the call returns; the window, the registration it
+        // binds over and the leased memory outlive the binding (the caller's exposure owns all three).
+        let rc = unsafe { ibv_post_send(e.qp, &mut w, &mut bad) };
+        if rc != 0 {
+            return Err(post_error("ibv_post_send (window bind)", rc));
+        }
+        e.signal = signal;
+        e.sends.push(Posted {
+            seq,
+            entries: 1,
+            broken: false,
+            own: false,
+            item: SendRec {
+                wr_id: 0,
+                kind: None,
+                _sink: None,
+                op: None,
+            },
+        });
+        Ok(rkey)
+    }
+
+    /// [`Transport::register`](exs_transport::Transport::register): a registration for local access (and window
+    /// binds where windows are used).
+    pub(crate) fn register_buf(
+        &mut self,
+        buf: &Arc<DmaBuf>,
+    ) -> Result<Arc<dyn Registration>, TransportError> {
+        // Local access only, iWARP included: there a read's sink gets remote write from a registration of its own
+        // for the read's duration (`SinkMr`), so no base registration is ever writable from the network.
+        let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        if self.settings.memory_windows {
+            // Exposures are windows bound over this registration (no remote access of its own).
+            access |= ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+        }
+        if buf.is_empty() {
+            return Err(TransportError::Invalid("cannot register zero bytes".into()));
+        }
+        let mr = reg_mr(&self.pd, buf.addr(), buf.len(), access)?;
+        // SAFETY: live MR.
+        let lkey = unsafe { (*mr).lkey };
+        Ok(Arc::new(VerbsRegistration {
+            _pd: Arc::clone(&self.pd),
+            mr,
+            lkey,
+            buf: Arc::clone(buf),
+        }))
+    }
+
+    /// [`Transport::expose`](exs_transport::Transport::expose): a window bound to the endpoint's queue pair, or a
+    /// registration of exactly the range.
+    pub(crate) fn expose_lease(
+        &mut self,
+        ep: EndpointId,
+        reg: &Arc<dyn Registration>,
+        lease: Lease,
+        access: RemoteAccess,
+    ) -> Result<Box<dyn Exposure>, TransportError> {
+        exs_transport::check_exposure(reg, &lease, access)?;
+        if self.settings.memory_windows {
+            return self.bind_window(ep, reg, lease, access);
+        }
+        let remote = match access {
+            RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+            RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
+        };
+        let mr = reg_mr(
+            &self.pd,
+            lease.addr(),
+            lease.len(),
+            ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0 | remote,
+        )?;
+        // SAFETY: live MR.
+        let rkey = unsafe { (*mr).rkey };
+        let remote = RemoteRef {
+            addr: lease.addr(),
+            key: u64::from(rkey),
+        };
+        Ok(Box::new(KeyedLease::new(
+            remote,
+            lease,
+            MrKey {
+                mr: MrPtr(mr),
+                _pd: Arc::clone(&self.pd),
+            },
+        )))
+    }
+}

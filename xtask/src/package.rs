@@ -77,6 +77,46 @@ fn check_rust_versions(crates: &[(String, Option<String>)], rustc: &str) -> Resu
     Ok(declared.join(", "))
 }
 
+/// Cargo verifies each packaged crate against a local registry of the others (`target/package/tmp-registry`), and
+/// extracts their sources under `$CARGO_HOME/registry/src/<that registry's hash>/NAME-VERSION`, reusing an
+/// extraction that is already there. The hash comes from the overlay's path, the same for every clone at the same
+/// place: a second clean clone at one path was verified against the first one's sources (its tool crate failed
+/// to build against an exs without this clone's API). So the extractions of our own crates go first; cargo
+/// extracts them again from the `.crate` files it just made.
+fn forget_stale_overlay_sources(crates: &[(String, Option<String>)]) -> Result<()> {
+    let home = std::env::var_os("CARGO_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cargo")))
+        .ok_or("neither CARGO_HOME nor HOME is set")?;
+    let version = workspace_version()?;
+    let Ok(registries) = std::fs::read_dir(home.join("registry/src")) else {
+        return Ok(()); // nothing extracted yet
+    };
+    for registry in registries.flatten() {
+        for (name, _) in crates {
+            let dir = registry.path().join(format!("{name}-{version}"));
+            if dir.is_dir() {
+                std::fs::remove_dir_all(&dir)
+                    .map_err(|e| format!("removing {}: {e}", dir.display()))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The version every public crate shares (`workspace.package.version`).
+fn workspace_version() -> Result<String> {
+    let out = sys::output(sys::cargo().args(["metadata", "--no-deps", "--format-version", "1"]))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&out).map_err(|e| format!("cargo metadata: {e}"))?;
+    v["packages"]
+        .as_array()
+        .and_then(|p| p.iter().find(|p| p["name"] == "exs"))
+        .and_then(|p| p["version"].as_str())
+        .map(str::to_string)
+        .ok_or_else(|| "cargo metadata has no exs package".into())
+}
+
 /// Packages every public crate (`cargo package`, which also builds each packaged crate on its own, with the
 /// dependencies as they would come from the registry). `--offline`: the workspace build before this stage fetched
 /// every dependency, and CI may have no network; `--allow-dirty` so that the stage runs on a work in progress.
@@ -85,6 +125,7 @@ pub fn stage() -> Result<String> {
     let crates = public_crates()?;
     let rustc = rustc_version()?;
     let declared = check_rust_versions(&crates, &rustc)?;
+    forget_stale_overlay_sources(&crates)?;
     let start = Instant::now();
     let mut cmd = sys::cargo();
     cmd.args(["package", "--offline", "--allow-dirty"]);

@@ -48,10 +48,7 @@ pub(crate) struct CtxInner {
 /// [`Owner`]; one nobody takes is closed like a dropped socket.
 impl Owner for CtxInner {
     fn abandon(self: Arc<Self>, sid: SocketId) {
-        // Not under this thread's engine lock, if it holds it (an event can be dropped inside an engine call).
-        crate::lock::run_unlocked(move || {
-            let _ = self.shared.call(|e| e.close(sid));
-        });
+        Context::from_inner(self).close_unheld(sid);
     }
 }
 
@@ -202,6 +199,16 @@ impl Context {
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {
         &self.inner.shared
+    }
+
+    /// Closes socket `sid` that nobody holds any more (its last handle, or an accepted connection nobody took).
+    /// A handle can go under this thread's engine lock (an event holding it, in a queue dropped by a ticket the
+    /// engine completed): the close runs once the lock is let go (issue 15).
+    pub(crate) fn close_unheld(&self, sid: SocketId) {
+        let ctx = self.clone();
+        crate::lock::run_unlocked(move || {
+            let _ = ctx.shared().call(|e| e.close(sid));
+        });
     }
 
     pub(crate) fn register(&self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, MemoryError> {

@@ -43,13 +43,7 @@ struct Handle {
 impl Drop for Handle {
     fn drop(&mut self) {
         if !self.closed.swap(true, Ordering::SeqCst) {
-            let id = self.id;
-            let ctx = self.ctx.clone();
-            // A socket can be dropped under the engine lock (an event holding it, in a queue dropped by a ticket
-            // the engine completed): it closes once the lock is let go (issue 15).
-            crate::lock::run_unlocked(move || {
-                let _ = ctx.shared().call(|e| e.close(id));
-            });
+            self.ctx.close_unheld(self.id);
         }
     }
 }

@@ -5,9 +5,17 @@ use std::time::Instant;
 
 use crate::sys::{self, Result};
 
+/// A crate of the workspace meant for users.
+pub struct Public {
+    pub name: String,
+    pub version: String,
+    /// The declared `rust-version`.
+    pub rust_version: Option<String>,
+}
+
 /// The workspace's crates meant for users: those without `publish = false` (cargo metadata says `null`, any
-/// registry), with their declared `rust-version`.
-pub fn public_crates() -> Result<Vec<(String, Option<String>)>> {
+/// registry).
+pub fn public_crates() -> Result<Vec<Public>> {
     let out = sys::output(sys::cargo().args(["metadata", "--no-deps", "--format-version", "1"]))?;
     let v: serde_json::Value =
         serde_json::from_str(&out).map_err(|e| format!("cargo metadata: {e}"))?;
@@ -17,8 +25,11 @@ pub fn public_crates() -> Result<Vec<(String, Option<String>)>> {
         .iter()
         .filter(|p| p["publish"].is_null())
         .filter_map(|p| {
-            let name = p["name"].as_str()?.to_string();
-            Some((name, p["rust_version"].as_str().map(str::to_string)))
+            Some(Public {
+                name: p["name"].as_str()?.to_string(),
+                version: p["version"].as_str()?.to_string(),
+                rust_version: p["rust_version"].as_str().map(str::to_string),
+            })
         })
         .collect();
     if crates.is_empty() {
@@ -32,8 +43,8 @@ pub fn public_crates() -> Result<Vec<(String, Option<String>)>> {
 pub fn doc_command() -> Result<std::process::Command> {
     let mut cmd = sys::cargo();
     cmd.args(["doc", "--no-deps", "--all-features"]);
-    for (name, _) in public_crates()? {
-        cmd.args(["-p", &name]);
+    for c in public_crates()? {
+        cmd.args(["-p", &c.name]);
     }
     cmd.env("RUSTDOCFLAGS", "-D warnings");
     Ok(cmd)
@@ -57,11 +68,14 @@ fn rustc_version() -> Result<String> {
 
 /// Every public crate declares a `rust-version`, and none is newer than the compiler this test builds with: the
 /// declared version is the one CI builds (no older toolchain is installed to prove an older claim).
-fn check_rust_versions(crates: &[(String, Option<String>)], rustc: &str) -> Result<String> {
+fn check_rust_versions(crates: &[Public], rustc: &str) -> Result<String> {
     let have = version(rustc).ok_or_else(|| format!("rustc version {rustc:?}"))?;
     let mut declared = Vec::new();
-    for (name, rv) in crates {
-        let rv = rv
+    for Public {
+        name, rust_version, ..
+    } in crates
+    {
+        let rv = rust_version
             .as_deref()
             .ok_or_else(|| format!("{name} declares no rust-version"))?;
         let want = version(rv).ok_or_else(|| format!("{name}: rust-version {rv:?}"))?;
@@ -83,18 +97,17 @@ fn check_rust_versions(crates: &[(String, Option<String>)], rustc: &str) -> Resu
 /// place: a second clean clone at one path was verified against the first one's sources (its tool crate failed
 /// to build against an exs without this clone's API). So the extractions of our own crates go first; cargo
 /// extracts them again from the `.crate` files it just made.
-fn forget_stale_overlay_sources(crates: &[(String, Option<String>)]) -> Result<()> {
+fn forget_stale_overlay_sources(crates: &[Public]) -> Result<()> {
     let home = std::env::var_os("CARGO_HOME")
         .map(std::path::PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cargo")))
         .ok_or("neither CARGO_HOME nor HOME is set")?;
-    let version = workspace_version()?;
     let Ok(registries) = std::fs::read_dir(home.join("registry/src")) else {
         return Ok(()); // nothing extracted yet
     };
     for registry in registries.flatten() {
-        for (name, _) in crates {
-            let dir = registry.path().join(format!("{name}-{version}"));
+        for c in crates {
+            let dir = registry.path().join(format!("{}-{}", c.name, c.version));
             if dir.is_dir() {
                 std::fs::remove_dir_all(&dir)
                     .map_err(|e| format!("removing {}: {e}", dir.display()))?;
@@ -102,19 +115,6 @@ fn forget_stale_overlay_sources(crates: &[(String, Option<String>)]) -> Result<(
         }
     }
     Ok(())
-}
-
-/// The version every public crate shares (`workspace.package.version`).
-fn workspace_version() -> Result<String> {
-    let out = sys::output(sys::cargo().args(["metadata", "--no-deps", "--format-version", "1"]))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&out).map_err(|e| format!("cargo metadata: {e}"))?;
-    v["packages"]
-        .as_array()
-        .and_then(|p| p.iter().find(|p| p["name"] == "exs"))
-        .and_then(|p| p["version"].as_str())
-        .map(str::to_string)
-        .ok_or_else(|| "cargo metadata has no exs package".into())
 }
 
 /// Packages every public crate (`cargo package`, which also builds each packaged crate on its own, with the
@@ -129,15 +129,15 @@ pub fn stage() -> Result<String> {
     let start = Instant::now();
     let mut cmd = sys::cargo();
     cmd.args(["package", "--offline", "--allow-dirty"]);
-    for (name, _) in &crates {
-        cmd.args(["-p", name]);
+    for c in &crates {
+        cmd.args(["-p", &c.name]);
     }
     sys::run(&mut cmd)?;
     Ok(format!(
         "cargo package ({}): packaged and built in {:.0?}; rust-version {declared} (rustc {rustc})",
         crates
             .iter()
-            .map(|(n, _)| n.as_str())
+            .map(|c| c.name.as_str())
             .collect::<Vec<_>>()
             .join(", "),
         start.elapsed()
@@ -148,18 +148,26 @@ pub fn stage() -> Result<String> {
 mod tests {
     use super::*;
 
+    fn public(rust_version: Option<&str>) -> Public {
+        Public {
+            name: "a".into(),
+            version: "0.1.0".into(),
+            rust_version: rust_version.map(str::to_string),
+        }
+    }
+
     #[test]
     fn a_rust_version_newer_than_the_compiler_is_refused() {
-        let crates = vec![("a".to_string(), Some("1.96".to_string()))];
+        let crates = vec![public(Some("1.96"))];
         assert!(check_rust_versions(&crates, "1.95.0").is_err());
-        let crates = vec![("a".to_string(), Some("1.95".to_string()))];
+        let crates = vec![public(Some("1.95"))];
         assert_eq!(check_rust_versions(&crates, "1.95.0").unwrap(), "1.95");
         assert_eq!(check_rust_versions(&crates, "1.100.1").unwrap(), "1.95");
     }
 
     #[test]
     fn a_public_crate_without_a_rust_version_is_refused() {
-        let crates = vec![("a".to_string(), None)];
+        let crates = vec![public(None)];
         assert!(check_rust_versions(&crates, "1.95.0").is_err());
     }
 }

@@ -76,6 +76,7 @@ impl EventQueue {
         let mut idle_rounds = 0u32;
         let mut spins = 0u32;
         let mut pause = 0u32;
+        let (pause_min, pause_max) = busy_pauses();
         while got < min {
             // The clock is read every 64 rounds: a round is far shorter than any useful timeout.
             spins = spins.wrapping_add(1);
@@ -93,7 +94,6 @@ impl EventQueue {
                 }
             } else {
                 let mut any = false;
-                let (pause_min, pause_max) = busy_pauses();
                 for p in &busy.0 {
                     any |= p.poll_progress();
                 }

@@ -56,7 +56,7 @@ fn transport(opened: &Opened) -> Result<Box<dyn Transport>> {
 }
 
 /// Sleeps on the transport's wait descriptor until something may have happened (at most `max`).
-fn wait(t: &mut dyn Transport, max: Duration) {
+pub(crate) fn wait(t: &mut dyn Transport, max: Duration) {
     use std::os::fd::AsFd;
     if !matches!(t.arm(), Ok(true)) {
         return; // something is pending already
@@ -73,7 +73,7 @@ fn wait(t: &mut dyn Transport, max: Duration) {
 
 /// Waits for the next connection event (or 30 s), progressing the completion queue meanwhile (software
 /// providers make progress only when polled).
-fn next_cm(t: &mut dyn Transport) -> Result<CmEvent> {
+pub(crate) fn next_cm(t: &mut dyn Transport) -> Result<CmEvent> {
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut out = Vec::new();
     loop {

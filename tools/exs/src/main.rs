@@ -10,6 +10,7 @@ mod opts;
 mod ping;
 mod progress;
 mod pump;
+mod rawping;
 mod size;
 mod soak;
 mod usage;
@@ -42,6 +43,8 @@ enum Cmd {
     Ping(ping::PingArgs),
     /// Baseline: a raw RDMA write/read loop through the backend's transport, no exs protocol.
     Rawpump(baseline::RawArgs),
+    /// Baseline: the transport's own ping-pong (two-sided sends, no exs protocol), blocking or busy.
+    Rawping(rawping::RawpingArgs),
     /// Baseline: plain TCP throughput (std::net), with or without Nagle.
     Tcppump(baseline::TcppumpArgs),
     /// Baseline: plain TCP one-way latency (half the round trip).
@@ -190,6 +193,7 @@ fn main() {
         Cmd::Pump(a) => pump::run(a),
         Cmd::Ping(a) => ping::run(a),
         Cmd::Rawpump(a) => baseline::run_raw(a),
+        Cmd::Rawping(a) => rawping::run(a),
         Cmd::Tcppump(a) => baseline::run_tcppump(a),
         Cmd::Tcpping(a) => baseline::run_tcpping(a),
     };

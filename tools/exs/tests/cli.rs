@@ -328,4 +328,14 @@ fn every_subcommand_speaks_json() {
     ]));
     assert_eq!(raw[0]["tool"], "raw-rma");
     assert!(num(&raw[0], "bytes_per_sec") > 0.0);
+    for wait in ["block", "busy"] {
+        let ping = json_lines(&exs(&[
+            "rawping", "--size", "8", "--count", "50", "--wait", wait, "--json",
+        ]));
+        assert_eq!(
+            (ping[0]["tool"].as_str(), ping[0]["wait"].as_str()),
+            (Some("raw-ping"), Some(wait))
+        );
+        assert!(num(&ping[0], "median_us") > 0.0);
+    }
 }

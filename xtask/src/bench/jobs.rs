@@ -383,7 +383,8 @@ pub(super) fn perf_twice(cmd: impl Fn(usize) -> String, short: usize, long: usiz
 }
 
 /// Per-message cost on the host (issue 12): the same 8-byte ping-pong through libfabric's own `fi_pingpong`
-/// (busy polling), exs immediate pings in each wait mode, and blocking TCP, each counted by `perf stat`.
+/// (busy polling), exs immediate pings in each wait mode, the bare transport's ping-pong (`exs rawping`, busy and
+/// blocking), and blocking TCP, each counted by `perf stat`.
 pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
     // Enough round trips that the difference is steady, in quick runs too (3 s at most per run, blocking).
     let (short, long) = (10_000, 30_000);
@@ -424,6 +425,26 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
             Parse::PerfPing(exs_rts(short), exs_rts(long)),
         ));
     }
+    // The transport's own ping-pong, no exs protocol: what a round trip costs libfabric tcp itself.
+    for wait in ["busy", "block"] {
+        v.push(job(
+            "cost",
+            &format!("raw {wait}"),
+            8,
+            1,
+            perf_twice(
+                |n| {
+                    format!(
+                        "{exe} rawping --backend fabric --provider tcp --addr 127.0.0.1 --size 8 --count {n} --wait {wait} --json"
+                    )
+                },
+                short,
+                long,
+            ),
+            // Like tcpping, rawping warms up with a tenth more round trips.
+            Parse::PerfPing(short + short / 10, long + long / 10),
+        ));
+    }
     v.push(job(
         "cost",
         "tcp nodelay",
@@ -434,7 +455,7 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
             short,
             long,
         ),
-        Parse::PerfPing(short, long),
+        Parse::PerfPing(short + short / 10, long + long / 10),
     ));
     v
 }

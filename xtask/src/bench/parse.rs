@@ -136,7 +136,7 @@ pub(super) fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> 
 
 /// Kills what a timed-out job may have left behind (servers started in the background).
 pub(super) const CLEANUP: &str = "for p in ib_write_bw ib_read_bw ib_send_lat ib_read_lat rstream fi_pingpong ping_pong; do pkill -x $p; done 2>/dev/null; \
-                       pkill -f 'exs (pump|ping|demo) --server --once --announce|exs (rawpump|tcppump|tcpping) ' 2>/dev/null; true";
+                       pkill -f 'exs (pump|ping|demo) --server --once --announce|exs (rawpump|rawping|tcppump|tcpping) ' 2>/dev/null; true";
 
 /// The jobs as one shell script with markers, repeated and interleaved (every job once per round).
 pub(super) fn script(jobs: &[Job], repeats: usize, timeout: u32) -> String {

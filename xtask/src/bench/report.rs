@@ -210,6 +210,19 @@ pub(super) fn ratio_line(
     }
 }
 
+/// A ratio reported for what it explains, with no target of its own.
+fn floor_line(name: &str, a: Option<f64>, b: Option<f64>) -> String {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 && a.is_finite() && b.is_finite() => {
+            format!(
+                "{name}: {:.2}x (no target: the floor under the targets above)",
+                a / b
+            )
+        }
+        _ => format!("{name}: not measured in this run"),
+    }
+}
+
 pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
     let bw = |t: &str, v: &str, z: u64| get(sum, t, v, z, "bytes_per_sec").map(|x| x.0);
     let lat = |t: &str, v: &str| get(sum, t, v, 8, "mean_us").map(|x| x.0);
@@ -251,6 +264,19 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
                 cost("tcp nodelay", "median_us"),
                 |r| r <= 1.0,
                 "<= 1.0x",
+            ));
+        }
+        // The floor under those two: the transport alone, with no exs protocol, in the same run.
+        for (w, raw) in [("exs block", "raw block"), ("exs busy", "raw busy")] {
+            v.push(floor_line(
+                &format!("{raw} (the transport alone) median one-way vs blocking TCP nodelay"),
+                cost(raw, "median_us"),
+                cost("tcp nodelay", "median_us"),
+            ));
+            v.push(floor_line(
+                &format!("{w} ping median one-way vs {raw}"),
+                cost(w, "median_us"),
+                cost(raw, "median_us"),
             ));
         }
         v.push(ratio_line(

@@ -100,6 +100,10 @@ fn accepted(cmd: &Cmd) -> Result<(), TestCaseError> {
             prop_assert!((1..=MAX_DEPTH as usize).contains(&a.depth));
             prop_assert!(secs(a.seconds));
         }
+        Cmd::Rawping(a) => {
+            prop_assert!((1..=4096).contains(&a.size));
+            prop_assert!((1..=MAX_COUNT).contains(&a.count));
+        }
         Cmd::Tcppump(a) => {
             prop_assert!((1..=MAX_MESSAGE).contains(&a.size));
             prop_assert!(secs(a.seconds));

@@ -1,0 +1,241 @@
+//! `exs rawping`: the transport's own ping-pong floor, with no exs protocol. Two processes, one connection; each
+//! message is one two-sided send into a receive the other side posted ahead, echoed back. Waiting blocks on the
+//! transport's wait descriptor (`--wait block`, armed first, as the engine does) or polls (`--wait busy`). What
+//! `exs ping` costs above this is exs's own; what this costs above `exs tcpping` is the transport's.
+
+use std::io::Write;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use exs::transport::{
+    CmEvent, Completion, EndpointId, Op, Registration, Sge, Transport, WcError, WorkRequest,
+};
+use exs_dma::{DmaBuf, LeaseKind};
+
+use crate::backend::{BackendArgs, Opened};
+use crate::baseline::{next_cm, wait};
+use crate::cli::{self, MAX_COUNT};
+use crate::opts::Wait;
+
+/// Receives each side keeps posted ahead.
+const RECVS: usize = 4;
+
+#[derive(Clone, Debug, clap::Args)]
+pub struct RawpingArgs {
+    /// Message size (each way).
+    #[arg(long, value_parser = cli::size_in(1..=4096), default_value = "8",
+          help = cli::help_range("Message size, each way (K suffix binary)", 1, 4096))]
+    pub size: u64,
+    /// Round trips.
+    #[arg(long, default_value_t = 2000, value_parser = cli::count_in(1..=MAX_COUNT),
+          help = format!("Round trips, counted after a warm-up of a tenth more, 1 to {MAX_COUNT}"))]
+    pub count: u64,
+    /// How each side waits for a completion (adaptive waits as block: the transport has no adaptive wait).
+    #[arg(long, value_enum, default_value_t = Wait::Block)]
+    pub wait: Wait,
+    /// One JSON object on stdout instead of a line of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Internal: run as the echo side.
+    #[arg(long, hide = true)]
+    pub serve: bool,
+    #[command(flatten)]
+    pub backend: BackendArgs,
+}
+
+/// One side's connection: its transport, a buffer cut into `RECVS` receive slots and one send slot.
+struct Side {
+    t: Box<dyn Transport>,
+    buf: Arc<DmaBuf>,
+    reg: Arc<dyn Registration>,
+    size: usize,
+    busy: bool,
+}
+
+const EP: EndpointId = EndpointId(1);
+const SEND: u64 = u64::MAX;
+
+impl Side {
+    fn new(opened: &Opened, size: usize, busy: bool) -> Result<Side> {
+        let mut t = opened.raw_transport()?;
+        let buf = DmaBuf::new(size * (RECVS + 1));
+        let reg = t.register(&buf).context("registering the buffer")?;
+        Ok(Side {
+            t,
+            buf,
+            reg,
+            size,
+            busy,
+        })
+    }
+
+    fn sge(&self, slot: usize, kind: LeaseKind) -> Result<Sge> {
+        let lease = self
+            .buf
+            .lease(slot * self.size..(slot + 1) * self.size, kind)?;
+        Ok(Sge::new(lease, Arc::clone(&self.reg))?)
+    }
+
+    fn post(&mut self, wr_id: u64, op: Op) -> Result<()> {
+        self.t
+            .post(EP, WorkRequest { wr_id, op })
+            .map_err(|e| anyhow!("posting: {}", e.error))
+    }
+
+    fn post_recv(&mut self, slot: usize) -> Result<()> {
+        let sge = self.sge(slot, LeaseKind::DeviceWrite)?;
+        self.post(slot as u64, Op::Recv { sge })
+    }
+
+    fn send(&mut self) -> Result<()> {
+        let sge = self.sge(RECVS, LeaseKind::DeviceRead)?;
+        self.post(
+            SEND,
+            Op::Send {
+                sges: vec![sge],
+                imm: None,
+            },
+        )
+    }
+
+    /// Waits for the next receive (taking send completions on the way) and posts its slot again. `None` once
+    /// the peer disconnected.
+    fn next_recv(&mut self, out: &mut Vec<Completion>) -> Result<Option<()>> {
+        loop {
+            out.clear();
+            if self.t.poll(out, 8) == 0 {
+                if let Some(CmEvent::Disconnected { .. }) = self.t.poll_cm() {
+                    return Ok(None);
+                }
+                if !self.busy {
+                    wait(&mut *self.t, Duration::from_secs(1));
+                }
+                continue;
+            }
+            let mut got = None;
+            for c in out.drain(..) {
+                if c.status == Err(WcError::Flushed) {
+                    return Ok(None); // the connection went down
+                }
+                c.status.map_err(|e| {
+                    anyhow!(
+                        "a raw {} failed: {e:?}",
+                        if c.wr_id == SEND { "send" } else { "receive" }
+                    )
+                })?;
+                if c.wr_id != SEND {
+                    got = Some(c.wr_id as usize);
+                }
+            }
+            if let Some(slot) = got {
+                self.post_recv(slot)?;
+                return Ok(Some(()));
+            }
+        }
+    }
+}
+
+/// The echo side: accepts one connection and answers every message until the peer disconnects.
+fn serve(opened: &Opened, a: &RawpingArgs) -> Result<()> {
+    let mut s = Side::new(opened, a.size as usize, a.wait == Wait::Busy)?;
+    let (_, addr) = s.t.listen(opened.listen_addr(0), 1).context("listen")?;
+    println!("LISTEN {addr}");
+    let _ = std::io::stdout().flush();
+    let CmEvent::ConnectRequest { request, .. } = next_cm(&mut *s.t)? else {
+        bail!(
+            "the client's connection did not arrive (the transport reported another event first)"
+        );
+    };
+    s.t.accept(request, EP, &[], Vec::new()).context("accept")?;
+    for slot in 0..RECVS {
+        s.post_recv(slot)?;
+    }
+    let mut out = Vec::with_capacity(8);
+    while s.next_recv(&mut out)?.is_some() {
+        s.send()?;
+    }
+    s.t.release(EP);
+    Ok(())
+}
+
+/// The client: one-way times (half of each round trip) in microseconds, warm-up excluded.
+fn ping(opened: &Opened, addr: SocketAddr, a: &RawpingArgs) -> Result<Vec<f64>> {
+    let mut s = Side::new(opened, a.size as usize, a.wait == Wait::Busy)?;
+    s.t.connect(EP, addr, &[], Vec::new())
+        .with_context(|| format!("connecting to {addr}"))?;
+    match next_cm(&mut *s.t)? {
+        CmEvent::Established { .. } => {}
+        other => bail!("connecting to {addr}: {other:?}"),
+    }
+    for slot in 0..RECVS {
+        s.post_recv(slot)?;
+    }
+    let warm = a.count / 10;
+    let mut samples = Vec::with_capacity(a.count as usize);
+    let mut out = Vec::with_capacity(8);
+    for i in 0..warm + a.count {
+        let t0 = Instant::now();
+        s.send()?;
+        if s.next_recv(&mut out)?.is_none() {
+            bail!("the echo side went away after {i} round trips");
+        }
+        if i >= warm {
+            samples.push(t0.elapsed().as_secs_f64() * 1e6 / 2.0);
+        }
+    }
+    s.t.disconnect(EP);
+    let _ = next_cm(&mut *s.t);
+    s.t.release(EP);
+    Ok(samples)
+}
+
+pub fn run(a: RawpingArgs) -> Result<()> {
+    let opened = Opened::open(&a.backend)?;
+    if a.serve {
+        return serve(&opened, &a);
+    }
+    let exe = std::env::current_exe().context("finding this program, to start its server")?;
+    let (mut child, addr, _out) = crate::util::spawn_listening(
+        Command::new(exe)
+            .arg("rawping")
+            .args(a.backend.to_args())
+            .args([
+                "--size",
+                &a.size.to_string(),
+                "--wait",
+                &a.wait.to_string(),
+                "--serve",
+            ]),
+    )?;
+    let r = ping(&opened, addr, &a);
+    // The echo side ends when it sees the disconnect; it is not waited for longer than that should take.
+    let end = Instant::now() + Duration::from_secs(5);
+    while matches!(child.try_wait(), Ok(None)) && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    let mut samples = r?;
+    samples.sort_by(f64::total_cmp);
+    let n = samples.len().max(1);
+    let mean = samples.iter().sum::<f64>() / n as f64;
+    let median = samples.get(n / 2).copied().unwrap_or(0.0);
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({"tool": "raw-ping", "backend": opened.label(), "wait": a.wait.to_string(),
+                "size": a.size, "mean_us": mean, "median_us": median})
+        );
+    } else {
+        println!(
+            "raw ping ({}, {} waits): {} B one-way: mean {mean:.2} us, median {median:.2} us",
+            opened.label(),
+            a.wait,
+            a.size
+        );
+    }
+    Ok(())
+}

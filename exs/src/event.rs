@@ -9,6 +9,9 @@
 //! ## The adaptive wait
 //! `dequeue(min, max, timeout)` in [`WaitMode::Adaptive`]:
 //! 1. poll the queue once (and, with `spin > 0`, up to `spin` more times: "the alternative embodiment");
+//!    where the queue's contexts have a transport to poll, spin for as long as this queue's recent waits took,
+//!    when that is shorter than sleeping and waking costs (at most 50 µs; waits that took longer, such as an idle
+//!    server's, turn spinning off), so a reply due within microseconds costs no context switch;
 //! 2. if fewer than `min` events were found, **block until at least the number still missing has arrived**;
 //!    the producer wakes the waiter only when that count is reached, not at every event;
 //! 3. then drain without blocking again.
@@ -107,8 +110,8 @@ impl fmt::Debug for Event {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum WaitMode {
-    /// The adaptive completion wait: poll once (plus `spin` more polls), then block until the missing count has
-    /// arrived, then drain.
+    /// The adaptive completion wait: poll once (plus `spin` more polls), spin as long as recent waits took when
+    /// that is short (at most 50 µs), then block until the missing count has arrived, then drain.
     Adaptive {
         /// Extra polls before blocking (0: the patent's main embodiment).
         spin: u32,
@@ -137,6 +140,8 @@ pub struct QueueStats {
     pub dequeued: u64,
     /// Polls of the queue that found it empty.
     pub empty_polls: u64,
+    /// Adaptive dequeues whose events arrived while they spun, before they would have slept.
+    pub spun: u64,
 }
 
 pub(crate) struct EqInner {
@@ -150,6 +155,8 @@ pub(crate) struct EqInner {
     /// empty to non-empty and back costs no system call.
     ready: EventFd,
     ready_used: AtomicBool,
+    /// How long an adaptive dequeue spins before sleeping, learned from recent waits.
+    spin: wait::SpinEstimate,
 }
 
 struct EqState {
@@ -313,6 +320,7 @@ impl EventQueue {
                 fd: OnceLock::new(),
                 ready,
                 ready_used: AtomicBool::new(false),
+                spin: wait::SpinEstimate::new(),
             }),
         })
     }

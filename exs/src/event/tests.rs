@@ -175,3 +175,46 @@ fn spin_count_polls_before_blocking() {
     assert!(q.stats().empty_polls >= 51, "{:?}", q.stats());
     assert_eq!(q.stats().blocks, 1);
 }
+
+/// The learned spin: a fresh queue spins as long as is ever worth it; short waits keep it spinning for about
+/// twice what they took; a long wait (an idle peer) turns spinning off at once, two or three short waits turn it
+/// back on, and while it is off one wait in `PROBE_EVERY` still spins, so a wait that became short is found.
+#[test]
+fn adaptive_spin_follows_recent_waits() {
+    use super::wait::{SpinEstimate, ADAPTIVE_SPIN_MAX};
+    let us = Duration::from_micros;
+    let e = SpinEstimate::new();
+    assert_eq!(e.budget(), Some(ADAPTIVE_SPIN_MAX));
+    for _ in 0..8 {
+        e.record(us(10));
+    }
+    let b = e.budget().unwrap();
+    assert!(b >= us(18) && b <= us(22), "{b:?}");
+    e.record(Duration::from_secs(3));
+    assert_eq!(e.budget(), None, "after a long wait");
+    let probes: Vec<_> = (0..SpinEstimate::PROBE_EVERY)
+        .filter_map(|_| e.budget())
+        .collect();
+    assert_eq!(
+        probes,
+        [ADAPTIVE_SPIN_MAX],
+        "one probe in PROBE_EVERY waits"
+    );
+    let mut short = 0;
+    while e.budget().is_none() || short == 0 {
+        e.record(us(10));
+        short += 1;
+        assert!(short <= 4, "still not spinning after {short} short waits");
+    }
+}
+
+/// A queue no context reports to has nothing to drive while spinning: it sleeps at once, as the patent's main
+/// embodiment does.
+#[test]
+fn a_queue_without_contexts_does_not_spin() {
+    let q = EventQueue::new(8).unwrap();
+    let mut out = Vec::new();
+    let _ = q.dequeue(&mut out, 1, 1, Some(Duration::from_millis(1)));
+    let st = q.stats();
+    assert_eq!((st.blocks, st.spun, st.empty_polls), (1, 0, 2), "{st:?}");
+}

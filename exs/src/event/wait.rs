@@ -2,6 +2,7 @@
 //! context's progress while it sleeps, and driving a manual (simulated) world.
 
 use super::*;
+use std::sync::atomic::AtomicU64;
 
 impl EventQueue {
     pub(super) fn dequeue_adaptive(
@@ -14,6 +15,10 @@ impl EventQueue {
     ) -> Result<usize, DequeueError> {
         // Step 1: poll once.
         let mut got = self.poll(out, max);
+        if got >= min {
+            return Ok(got);
+        }
+        let start = Instant::now();
         // The alternative embodiment: poll `spin` more times before blocking.
         let mut spins = 0;
         while got < min && spins < spin {
@@ -22,6 +27,21 @@ impl EventQueue {
             }
             got += self.poll(out, max - got);
             spins += 1;
+        }
+        // Spin for as long as recent waits took, when that is shorter than sleeping and waking (see SpinEstimate).
+        let pollers = if got < min && !self.has_drivers() {
+            self.pollers()
+        } else {
+            Vec::new()
+        };
+        if !pollers.is_empty() {
+            if let Some(budget) = self.inner.spin.budget() {
+                let until = deadline.map_or(start + budget, |d| d.min(start + budget));
+                got += self.spin_until(pollers, out, min - got, max - got, Some(until))?;
+                if got >= min {
+                    self.inner.lock().stats.spun += 1;
+                }
+            }
         }
         while got < min {
             // Step 2: block until the number still missing has arrived.
@@ -33,6 +53,7 @@ impl EventQueue {
             // Step 3: drain without blocking.
             got += self.poll(out, max - got);
         }
+        self.inner.spin.record(start.elapsed());
         Ok(got)
     }
 
@@ -66,21 +87,35 @@ impl EventQueue {
         max: usize,
         deadline: Option<Instant>,
     ) -> Result<usize, DequeueError> {
-        let mut got = self.poll(out, max);
+        let got = self.poll(out, max);
         if got >= min {
             return Ok(got);
         }
+        Ok(got + self.spin_until(self.pollers(), out, min - got, max - got, deadline)?)
+    }
+
+    /// Polls without sleeping, driving the contexts itself, until `min` events were taken (at most `max`) or
+    /// `until` passed. Returns how many it took.
+    fn spin_until(
+        &self,
+        pollers: Vec<Arc<dyn Poller>>,
+        out: &mut Vec<Event>,
+        min: usize,
+        max: usize,
+        until: Option<Instant>,
+    ) -> Result<usize, DequeueError> {
         // While this thread polls, the contexts' progress threads stand back (see `Poller::set_busy`).
-        let busy = BusyGuard::new(self.pollers());
+        let busy = BusyGuard::new(pollers);
         let manual = self.has_drivers();
+        let mut got = 0;
         let mut idle_rounds = 0u32;
         let mut spins = 0u32;
         let mut pause = 0u32;
         let (pause_min, pause_max) = busy_pauses();
         while got < min {
-            // The clock is read every 64 rounds: a round is far shorter than any useful timeout.
+            // The clock is read every 8 rounds: a round is a poll of each transport, longer than a clock read.
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && deadline.is_some_and(|d| Instant::now() >= d) {
+            if spins % 8 == 0 && until.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
             if manual {
@@ -350,6 +385,61 @@ fn busy_pauses() -> (u32, u32) {
         let count = |ns: u64| (ns / per_pause_ns).clamp(1, 1024) as u32;
         (count(BUSY_PAUSE_MIN_NS), count(BUSY_PAUSE_MAX_NS))
     })
+}
+
+/// The longest an adaptive dequeue spins before it sleeps: about what sleeping and being woken costs on a
+/// software transport (two context switches and the transport's wake-up calls), so a wait that takes longer is
+/// cheaper asleep.
+pub(crate) const ADAPTIVE_SPIN_MAX: Duration = Duration::from_micros(50);
+
+/// How long an adaptive dequeue spins before it sleeps, learned from what its recent waits took.
+///
+/// The adaptive completion wait polls once, then blocks until the missing events have arrived; its alternative
+/// embodiment polls N times first. A fixed N is wrong on every machine but one: here the queue keeps an average of
+/// its recent waits (from the first empty poll until the events were there) and spins for up to twice that, capped
+/// at [`ADAPTIVE_SPIN_MAX`]: a request/response exchange whose replies come back within microseconds is answered
+/// without two context switches, while a queue whose waits are long (an idle server) does not spin at all, except
+/// for one probe in [`SpinEstimate::PROBE_EVERY`] waits, so that a wait that became short is found again.
+#[derive(Debug)]
+pub(crate) struct SpinEstimate {
+    /// Average of recent waits, nanoseconds (each sample capped at four times the longest spin).
+    avg_ns: AtomicU64,
+    /// Waits counted while the average was too long to spin, for the probes.
+    skipped: AtomicU64,
+}
+
+impl SpinEstimate {
+    /// One wait in this many spins although recent waits were too long to.
+    pub(crate) const PROBE_EVERY: u64 = 32;
+
+    pub(crate) fn new() -> Self {
+        // No history yet: spin as long as is ever worth it.
+        SpinEstimate {
+            avg_ns: AtomicU64::new(ADAPTIVE_SPIN_MAX.as_nanos() as u64 / 2),
+            skipped: AtomicU64::new(0),
+        }
+    }
+
+    /// How long the next wait should spin before it sleeps, if at all.
+    pub(crate) fn budget(&self) -> Option<Duration> {
+        let max = ADAPTIVE_SPIN_MAX.as_nanos() as u64;
+        let avg = self.avg_ns.load(Ordering::Relaxed);
+        if avg <= max {
+            return Some(Duration::from_nanos((2 * avg).clamp(max / 8, max)));
+        }
+        let n = self.skipped.fetch_add(1, Ordering::Relaxed) + 1;
+        (n % Self::PROBE_EVERY == 0).then_some(ADAPTIVE_SPIN_MAX)
+    }
+
+    /// Counts a wait that took `took` (spinning, sleeping, or timing out).
+    pub(crate) fn record(&self, took: Duration) {
+        let cap = 4 * ADAPTIVE_SPIN_MAX.as_nanos() as u64;
+        let sample = (took.as_nanos() as u64).min(cap);
+        let avg = self.avg_ns.load(Ordering::Relaxed);
+        // Half the old average, half the new sample: an idle spell (capped samples) is forgotten after two or
+        // three short waits.
+        self.avg_ns.store((avg + sample) / 2, Ordering::Relaxed);
+    }
 }
 
 /// Marks contexts as busy-polled for as long as it lives.

@@ -244,6 +244,7 @@ impl StreamProto {
                 // The direct transfer must be for the receive at the head of the queue (seed 001's guarantee),
                 // advertised, in an even phase, and fit.
                 let phase = self.rx.phase;
+                let space_held = self.window_due();
                 let Some(r) = self.rx.recvs.front_mut() else {
                     return Err(Violation::Stream(
                         "direct transfer with no receive posted".into(),
@@ -260,6 +261,14 @@ impl StreamProto {
                 r.filled += n;
                 if n > SMALL_VIA_RING {
                     self.rx.ring_chosen = false;
+                } else if space_held {
+                    // A small transfer into our receive while the sender's view of the buffer is half full or
+                    // more: its small writes go through the buffer when there is room (`small_via_ring`), so it
+                    // fell back on the receive for want of space. Holding the space for advertisements would keep
+                    // it there, one write and one advertisement per message, for as long as the application
+                    // keeps receives posted (issue 26: a sender that filled the buffer before the first
+                    // advertisement arrived never came back to it).
+                    self.rx.ring_chosen = true;
                 }
                 if !r.waitall || r.filled == r.len {
                     self.complete_front();

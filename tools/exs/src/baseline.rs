@@ -250,20 +250,17 @@ pub fn run_raw(a: RawArgs) -> Result<()> {
     if a.serve {
         return serve(&opened, a.size as usize, a.depth, a.op == RawOp::Read);
     }
-    let exe = std::env::current_exe().context("finding this program, to start its server")?;
-    let (mut child, addr, _out) = crate::util::spawn_listening(
-        Command::new(exe)
-            .arg("rawpump")
-            .args(a.backend.to_args())
-            .args([
-                "--size",
-                &a.size.to_string(),
-                "--depth",
-                &a.depth.to_string(),
-                "--op",
-                &a.op.to_string(),
-                "--serve",
-            ]),
+    let (mut child, addr) = spawn_server(
+        "rawpump",
+        &a.backend,
+        &[
+            "--size",
+            &a.size.to_string(),
+            "--depth",
+            &a.depth.to_string(),
+            "--op",
+            &a.op.to_string(),
+        ],
     )?;
     let r = blast(&opened, addr, &a);
     let _ = child.kill();
@@ -329,6 +326,34 @@ pub struct TcppingArgs {
     /// Internal: run as the echo side.
     #[arg(long, hide = true)]
     pub serve: bool,
+}
+
+/// Starts this program as the passive side of a raw baseline (`sub --serve` with the backend's flags and
+/// `args`); returns it and the address it listens on.
+pub(crate) fn spawn_server(
+    sub: &str,
+    backend: &BackendArgs,
+    args: &[&str],
+) -> Result<(std::process::Child, SocketAddr)> {
+    let exe = std::env::current_exe().context("finding this program, to start its server")?;
+    let (child, addr, _out) = crate::util::spawn_listening(
+        Command::new(exe)
+            .arg(sub)
+            .args(backend.to_args())
+            .args(args)
+            .arg("--serve"),
+    )?;
+    Ok((child, addr))
+}
+
+/// Mean and median of one-way times (sorted here).
+pub(crate) fn mean_median(samples: &mut [f64]) -> (f64, f64) {
+    samples.sort_by(f64::total_cmp);
+    let n = samples.len().max(1);
+    (
+        samples.iter().sum::<f64>() / n as f64,
+        samples.get(n / 2).copied().unwrap_or(0.0),
+    )
 }
 
 /// Starts this program as the sink (`tcppump`) or echo (`tcpping`) side of a TCP baseline; returns it and its
@@ -423,17 +448,12 @@ pub fn run_tcpping(a: TcppingArgs) -> Result<()> {
     }
     drop(s);
     let _ = child.wait();
-    samples.sort_by(f64::total_cmp);
-    let n = samples.len().max(1);
     let tool = if a.nodelay {
         "tcp-nodelay"
     } else {
         "tcp-nagle"
     };
-    let (mean, median) = (
-        samples.iter().sum::<f64>() / n as f64,
-        samples.get(n / 2).copied().unwrap_or(0.0),
-    );
+    let (mean, median) = mean_median(&mut samples);
     if a.json {
         println!(
             "{}",

@@ -5,7 +5,6 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -16,7 +15,7 @@ use exs::transport::{
 use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::baseline::{next_cm, wait};
+use crate::baseline::{mean_median, next_cm, spawn_server, wait};
 use crate::cli::{self, MAX_COUNT};
 use crate::opts::Wait;
 
@@ -197,18 +196,10 @@ pub fn run(a: RawpingArgs) -> Result<()> {
     if a.serve {
         return serve(&opened, &a);
     }
-    let exe = std::env::current_exe().context("finding this program, to start its server")?;
-    let (mut child, addr, _out) = crate::util::spawn_listening(
-        Command::new(exe)
-            .arg("rawping")
-            .args(a.backend.to_args())
-            .args([
-                "--size",
-                &a.size.to_string(),
-                "--wait",
-                &a.wait.to_string(),
-                "--serve",
-            ]),
+    let (mut child, addr) = spawn_server(
+        "rawping",
+        &a.backend,
+        &["--size", &a.size.to_string(), "--wait", &a.wait.to_string()],
     )?;
     let r = ping(&opened, addr, &a);
     // The echo side ends when it sees the disconnect; it is not waited for longer than that should take.
@@ -218,11 +209,7 @@ pub fn run(a: RawpingArgs) -> Result<()> {
     }
     let _ = child.kill();
     let _ = child.wait();
-    let mut samples = r?;
-    samples.sort_by(f64::total_cmp);
-    let n = samples.len().max(1);
-    let mean = samples.iter().sum::<f64>() / n as f64;
-    let median = samples.get(n / 2).copied().unwrap_or(0.0);
+    let (mean, median) = mean_median(&mut r?);
     if a.json {
         println!(
             "{}",

@@ -9,9 +9,10 @@
 //! ## The adaptive wait
 //! `dequeue(min, max, timeout)` in [`WaitMode::Adaptive`]:
 //! 1. poll the queue once (and, with `spin > 0`, up to `spin` more times: "the alternative embodiment");
-//!    where the queue's contexts have a transport to poll, spin for as long as this queue's recent waits took,
-//!    when that is shorter than sleeping and waking costs (at most 50 µs; waits that took longer, such as an idle
-//!    server's, turn spinning off), so a reply due within microseconds costs no context switch;
+//!    where the queue's contexts have a transport to poll (threaded contexts), spin for about twice as long as
+//!    this queue's recent waits took, when that is shorter than sleeping and waking costs (at most 50 µs, see
+//!    [`EventQueue::set_adaptive_spin`]; waits that took longer, such as an idle server's, turn spinning off), so a
+//!    reply due within microseconds costs no context switch;
 //! 2. if fewer than `min` events were found, **block until at least the number still missing has arrived**;
 //!    the producer wakes the waiter only when that count is reached, not at every event;
 //! 3. then drain without blocking again.
@@ -110,10 +111,11 @@ impl fmt::Debug for Event {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum WaitMode {
-    /// The adaptive completion wait: poll once (plus `spin` more polls), spin as long as recent waits took when
-    /// that is short (at most 50 µs), then block until the missing count has arrived, then drain.
+    /// The adaptive completion wait: poll once (plus `spin` more polls), spin for about twice as long as recent
+    /// waits took when that is short (at most 50 µs: [`EventQueue::set_adaptive_spin`]), then block until the
+    /// missing count has arrived, then drain.
     Adaptive {
-        /// Extra polls before blocking (0: the patent's main embodiment).
+        /// Extra polls before blocking, besides the learned spin (0: none).
         spin: u32,
     },
     /// Block and wake on every event.
@@ -353,6 +355,19 @@ impl EventQueue {
     /// Whether no event waits to be dequeued.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The longest an adaptive dequeue on this queue spins before it sleeps (default 50 µs); it spins for about
+    /// twice what its recent waits took, within that. `Duration::ZERO` turns the spin off: every dequeue that
+    /// finds too few events sleeps at once, the patent's main embodiment. Other wait modes ignore it.
+    ///
+    /// ```
+    /// let q = exs::EventQueue::new(64)?;
+    /// q.set_adaptive_spin(std::time::Duration::ZERO); // sleep at once: no CPU spent waiting
+    /// # Ok::<(), std::io::Error>(())
+    /// ```
+    pub fn set_adaptive_spin(&self, max: Duration) {
+        self.inner.spin.set_max(max);
     }
 
     /// Counters.

@@ -27,6 +27,10 @@ fn ping_pong_on<S>(
     eq_b: &EventQueue,
     snap: impl Fn(&Pair) -> S,
 ) -> (S, S) {
+    // A blocking ping-pong: the adaptive wait's learned spin, which would answer most waits of a simulated round
+    // trip, is off, so every wait that finds nothing leads and sleeps (busy queues ignore it).
+    eq_a.set_adaptive_spin(Duration::ZERO);
+    eq_b.set_adaptive_spin(Duration::ZERO);
     let out = p.client_region(pattern(32, 7));
     let back = p.client_region(vec![0; 32]);
     let sbuf = p.server_region(32);

@@ -256,3 +256,53 @@ fn the_queue_descriptor_is_readable_exactly_while_events_are_queued() {
     assert!(evs[0].is_ok());
     assert!(!readable(0), "empty again");
 }
+
+/// The adaptive wait's spin on a real exchange (threaded simulated contexts): with a spin long enough for any
+/// round trip here (a second at most, an eighth of it at least, whatever the load on the machine), the client's
+/// waits are answered by spinning, driving the contexts itself, not by sleeping and being woken; with the spin
+/// turned off, every wait that found nothing sleeps. (How long the default spin lasts is learned from the
+/// machine's round trips: `adaptive_spin_follows_recent_waits` tests that without timing.)
+#[test]
+fn a_fast_ping_pong_is_answered_by_spinning_unless_the_spin_is_off() {
+    for spin in [true, false] {
+        let (_world, c, s, a, b) = threaded_pair();
+        let out = MemoryRegion::from_vec(&a, pattern(32, 3)).unwrap();
+        let back = MemoryRegion::alloc(&a, 32).unwrap();
+        let sbuf = MemoryRegion::alloc(&b, 32).unwrap();
+        let (cq, sq) = (EventQueue::new(16).unwrap(), EventQueue::new(16).unwrap());
+        cq.set_adaptive_spin(if spin {
+            Duration::from_secs(1)
+        } else {
+            Duration::ZERO
+        });
+        let echo = std::thread::spawn(move || {
+            for _ in 0..200 {
+                s.recv(&sq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
+                let r = wait(&sq);
+                assert!(r.is_ok(), "{r:?}");
+                s.send(&sq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
+                    .unwrap();
+                assert!(wait(&sq).is_ok());
+            }
+        });
+        for _ in 0..200 {
+            c.recv(&cq, &back.all(), MsgFlags::NONE, 1).unwrap();
+            c.send(&cq, &out.all(), MsgFlags::NONE, 2).unwrap();
+            let mut evs = Vec::new();
+            cq.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(20)))
+                .unwrap();
+            assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
+        }
+        echo.join().unwrap();
+        let st = cq.stats();
+        if spin {
+            assert!(
+                st.spun > 0,
+                "no wait of 200 round trips was answered by spinning: {st:?}"
+            );
+        } else {
+            assert_eq!(st.spun, 0, "{st:?}");
+            assert!(st.blocks > 0, "{st:?}");
+        }
+    }
+}

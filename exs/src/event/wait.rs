@@ -28,17 +28,20 @@ impl EventQueue {
             got += self.poll(out, max - got);
             spins += 1;
         }
-        // Spin for as long as recent waits took, when that is shorter than sleeping and waking (see SpinEstimate).
-        let pollers = if got < min && !self.has_drivers() {
+        // Spin for about as long as recent waits took, when that is shorter than sleeping and waking (see
+        // SpinEstimate). Not past the caller's deadline: a dequeue whose time is up only polls.
+        let pollers = if got < min && !self.has_drivers() && deadline.is_none_or(|d| start < d) {
             self.pollers()
         } else {
             Vec::new()
         };
+        let mut spun = false;
         if !pollers.is_empty() {
             if let Some(budget) = self.inner.spin.budget() {
                 let until = deadline.map_or(start + budget, |d| d.min(start + budget));
                 got += self.spin_until(pollers, out, min - got, max - got, Some(until))?;
                 if got >= min {
+                    spun = true;
                     self.inner.lock().stats.spun += 1;
                 }
             }
@@ -53,7 +56,11 @@ impl EventQueue {
             // Step 3: drain without blocking.
             got += self.poll(out, max - got);
         }
-        self.inner.spin.record(start.elapsed());
+        self.inner.spin.record(match (got >= min, spun) {
+            (false, _) => Wait::TimedOut,
+            (true, true) => Wait::Spun(start.elapsed()),
+            (true, false) => Wait::Slept(start.elapsed()),
+        });
         Ok(got)
     }
 
@@ -109,15 +116,16 @@ impl EventQueue {
         let manual = self.has_drivers();
         let mut got = 0;
         let mut idle_rounds = 0u32;
-        let mut spins = 0u32;
+        let mut rounds = 0u32;
         let mut pause = 0u32;
         let (pause_min, pause_max) = busy_pauses();
         while got < min {
-            // The clock is read every 8 rounds: a round is a poll of each transport, longer than a clock read.
-            spins = spins.wrapping_add(1);
-            if spins % 8 == 0 && until.is_some_and(|d| Instant::now() >= d) {
+            // The clock is read before the first round and every 8th after it: a round polls each transport,
+            // longer than a clock read, and a spin of a few microseconds must not overrun by many rounds.
+            if rounds % 8 == 0 && until.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
+            rounds = rounds.wrapping_add(1);
             if manual {
                 if self.drive_once() == Some(true) {
                     idle_rounds = 0;
@@ -387,25 +395,41 @@ fn busy_pauses() -> (u32, u32) {
     })
 }
 
-/// The longest an adaptive dequeue spins before it sleeps: about what sleeping and being woken costs on a
-/// software transport (two context switches and the transport's wake-up calls), so a wait that takes longer is
-/// cheaper asleep.
+/// The longest an adaptive dequeue spins before it sleeps, unless [`EventQueue::set_adaptive_spin`] says
+/// otherwise: about what sleeping and being woken costs on a software transport (two context switches and the
+/// transport's wake-up calls), so a wait that takes longer is cheaper asleep.
 pub(crate) const ADAPTIVE_SPIN_MAX: Duration = Duration::from_micros(50);
+
+/// How an adaptive dequeue's wait ended, for [`SpinEstimate::record`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Wait {
+    /// Its events arrived while it spun, after this long.
+    Spun(Duration),
+    /// It slept (spinning was off, or its events came later than the spin lasted); this long in all.
+    Slept(Duration),
+    /// Its deadline passed first.
+    TimedOut,
+}
 
 /// How long an adaptive dequeue spins before it sleeps, learned from what its recent waits took.
 ///
 /// The adaptive completion wait polls once, then blocks until the missing events have arrived; its alternative
 /// embodiment polls N times first. A fixed N is wrong on every machine but one: here the queue keeps an average of
-/// its recent waits (from the first empty poll until the events were there) and spins for up to twice that, capped
-/// at [`ADAPTIVE_SPIN_MAX`]: a request/response exchange whose replies come back within microseconds is answered
-/// without two context switches, while a queue whose waits are long (an idle server) does not spin at all, except
-/// for one probe in [`SpinEstimate::PROBE_EVERY`] waits, so that a wait that became short is found again.
+/// its recent waits (from the first empty poll until the events were there) and spins for up to twice that,
+/// between an eighth of the longest spin and the longest spin itself ([`ADAPTIVE_SPIN_MAX`] unless set): a
+/// request/response exchange whose replies come back within microseconds is answered without two context
+/// switches, while a queue whose waits are long (an idle server) does not spin at all, except for one probe in
+/// [`SpinEstimate::PROBE_EVERY`] waits. A wait that spinning answered sets the average to what it took: a wait that
+/// slept also counts the sleep and the wake-up, so it says how long sleeping takes, not how soon the events come;
+/// without that, waits that slept would keep the average above the longest spin and spinning off for good.
 #[derive(Debug)]
 pub(crate) struct SpinEstimate {
     /// Average of recent waits, nanoseconds (each sample capped at four times the longest spin).
     avg_ns: AtomicU64,
     /// Waits counted while the average was too long to spin, for the probes.
     skipped: AtomicU64,
+    /// The longest spin, nanoseconds; 0: never spin.
+    max_ns: AtomicU64,
 }
 
 impl SpinEstimate {
@@ -413,33 +437,59 @@ impl SpinEstimate {
     pub(crate) const PROBE_EVERY: u64 = 32;
 
     pub(crate) fn new() -> Self {
+        let max = ADAPTIVE_SPIN_MAX.as_nanos() as u64;
         // No history yet: spin as long as is ever worth it.
         SpinEstimate {
-            avg_ns: AtomicU64::new(ADAPTIVE_SPIN_MAX.as_nanos() as u64 / 2),
+            avg_ns: AtomicU64::new(max / 2),
             skipped: AtomicU64::new(0),
+            max_ns: AtomicU64::new(max),
         }
+    }
+
+    /// Sets the longest spin (zero: never spin) and forgets what was learned.
+    pub(crate) fn set_max(&self, max: Duration) {
+        let max = u64::try_from(max.as_nanos()).unwrap_or(u64::MAX);
+        self.max_ns.store(max, Ordering::Relaxed);
+        self.avg_ns.store(max / 2, Ordering::Relaxed);
     }
 
     /// How long the next wait should spin before it sleeps, if at all.
     pub(crate) fn budget(&self) -> Option<Duration> {
-        let max = ADAPTIVE_SPIN_MAX.as_nanos() as u64;
+        let max = self.max_ns.load(Ordering::Relaxed);
+        if max == 0 {
+            return None;
+        }
         let avg = self.avg_ns.load(Ordering::Relaxed);
         if avg <= max {
-            return Some(Duration::from_nanos((2 * avg).clamp(max / 8, max)));
+            return Some(Duration::from_nanos(
+                avg.saturating_mul(2).clamp(max / 8, max),
+            ));
         }
         let n = self.skipped.fetch_add(1, Ordering::Relaxed) + 1;
-        (n % Self::PROBE_EVERY == 0).then_some(ADAPTIVE_SPIN_MAX)
+        (n % Self::PROBE_EVERY == 0).then_some(Duration::from_nanos(max))
     }
 
-    /// Counts a wait that took `took` (spinning, sleeping, or timing out).
-    pub(crate) fn record(&self, took: Duration) {
-        let cap = 4 * ADAPTIVE_SPIN_MAX.as_nanos() as u64;
-        let sample = (took.as_nanos() as u64).min(cap);
+    /// Counts a wait.
+    pub(crate) fn record(&self, wait: Wait) {
+        let cap = self.max_ns.load(Ordering::Relaxed).saturating_mul(4);
+        let sample = match wait {
+            Wait::Spun(took) => {
+                // What the events took, with no sleep in it: the average starts again from here.
+                self.avg_ns.store(nanos(took).min(cap), Ordering::Relaxed);
+                return;
+            }
+            Wait::Slept(took) => nanos(took).min(cap),
+            Wait::TimedOut => cap,
+        };
         let avg = self.avg_ns.load(Ordering::Relaxed);
-        // Half the old average, half the new sample: an idle spell (capped samples) is forgotten after two or
-        // three short waits.
-        self.avg_ns.store((avg + sample) / 2, Ordering::Relaxed);
+        // Half the old average, half the new sample: an idle spell (capped samples) turns spinning off within a
+        // wait or two, and one spin that answers turns it back on.
+        self.avg_ns.store(avg / 2 + sample / 2, Ordering::Relaxed);
     }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// Marks contexts as busy-polled for as long as it lives.

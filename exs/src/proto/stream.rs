@@ -236,10 +236,11 @@ struct Rx {
     defer_windows: bool,
     /// A window update is due and waits (see `maybe_window`).
     window_deferred: bool,
-    /// The peer sent a small indirect transfer though our advertisements were outstanding, and no large direct
-    /// one since: it sends small writes through the stream buffer (see `small_via_ring`), so space is neither held
-    /// back for advertisements nor delayed (a direct transfer it falls back on when the buffer is full does not
-    /// change that; one larger than [`SMALL_VIA_RING`] does).
+    /// The peer sends small writes through the stream buffer (see `small_via_ring`): it sent a small indirect
+    /// transfer though our advertisements were outstanding, or a small direct one while we held space back (it
+    /// fell back on the receive for want of space), and no direct transfer larger than [`SMALL_VIA_RING`] since.
+    /// Space is then neither held back for advertisements nor delayed, and one advertisement at a time is
+    /// outstanding: a sender with more to send uses it for a large direct transfer, which ends this.
     ring_chosen: bool,
 }
 

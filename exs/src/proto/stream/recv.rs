@@ -244,7 +244,9 @@ impl StreamProto {
                 // The direct transfer must be for the receive at the head of the queue (seed 001's guarantee),
                 // advertised, in an even phase, and fit.
                 let phase = self.rx.phase;
-                let space_held = self.window_due();
+                // Space the sender waits for, held back for the advertisements (see `maybe_window`).
+                let space_held_back =
+                    self.window_due() && self.rx.defer_windows && self.rx.phase % 2 == 0;
                 let Some(r) = self.rx.recvs.front_mut() else {
                     return Err(Violation::Stream(
                         "direct transfer with no receive posted".into(),
@@ -261,7 +263,7 @@ impl StreamProto {
                 r.filled += n;
                 if n > SMALL_VIA_RING {
                     self.rx.ring_chosen = false;
-                } else if space_held {
+                } else if space_held_back {
                     // A small transfer into our receive while the sender's view of the buffer is half full or
                     // more: its small writes go through the buffer when there is room (`small_via_ring`), so it
                     // fell back on the receive for want of space. Holding the space for advertisements would keep

@@ -113,7 +113,17 @@ pub enum RawOp {
     Read,
 }
 
-display_as_value!(BackendKind, PumpMode, PingMode, Wait, Type, RawOp);
+/// How `exs rawping` waits: the transport has no adaptive wait of its own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RawWait {
+    /// Sleep on the transport's wait descriptor, armed first.
+    Block,
+    /// Poll without sleeping.
+    Busy,
+}
+
+display_as_value!(BackendKind, PumpMode, PingMode, Wait, Type, RawOp, RawWait);
 
 #[cfg(test)]
 mod tests {

@@ -1,10 +1,11 @@
-//! `exs rawping`: the transport's own ping-pong floor, with no exs protocol. Two processes, one connection; each
-//! message is one two-sided send into a receive the other side posted ahead, echoed back. Waiting blocks on the
+//! `exs rawping`: the transport's own ping-pong, with no exs protocol. Two processes, one connection; each message
+//! is one two-sided send into a receive the other side posted ahead, answered by one of the same size. Waiting blocks on the
 //! transport's wait descriptor (`--wait block`, armed first, as the engine does) or polls (`--wait busy`). What
 //! `exs ping` costs above this is exs's own; what this costs above `exs tcpping` is the transport's.
 
 use std::io::Write;
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,11 +14,12 @@ use exs::transport::{
     CmEvent, Completion, EndpointId, Op, Registration, Sge, Transport, WcError, WorkRequest,
 };
 use exs_dma::{DmaBuf, LeaseKind};
+use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::baseline::{mean_median, next_cm, spawn_server, wait};
+use crate::baseline::{mean_median, next_cm, spawn_server};
 use crate::cli::{self, MAX_COUNT};
-use crate::opts::Wait;
+use crate::opts::RawWait;
 
 /// Receives each side keeps posted ahead.
 const RECVS: usize = 4;
@@ -32,9 +34,9 @@ pub struct RawpingArgs {
     #[arg(long, default_value_t = 2000, value_parser = cli::count_in(1..=MAX_COUNT),
           help = format!("Round trips, counted after a warm-up of a tenth more, 1 to {MAX_COUNT}"))]
     pub count: u64,
-    /// How each side waits for a completion (adaptive waits as block: the transport has no adaptive wait).
-    #[arg(long, value_enum, default_value_t = Wait::Block)]
-    pub wait: Wait,
+    /// How each side waits for a completion.
+    #[arg(long, value_enum, default_value_t = RawWait::Block)]
+    pub wait: RawWait,
     /// One JSON object on stdout instead of a line of text.
     #[arg(long)]
     pub json: bool,
@@ -52,6 +54,8 @@ struct Side {
     reg: Arc<dyn Registration>,
     size: usize,
     busy: bool,
+    /// The transport's wait descriptor, taken once.
+    fd: Option<OwnedFd>,
 }
 
 const EP: EndpointId = EndpointId(1);
@@ -62,12 +66,14 @@ impl Side {
         let mut t = opened.raw_transport()?;
         let buf = DmaBuf::new(size * (RECVS + 1));
         let reg = t.register(&buf).context("registering the buffer")?;
+        let fd = t.wait_fd();
         Ok(Side {
             t,
             buf,
             reg,
             size,
             busy,
+            fd,
         })
     }
 
@@ -100,21 +106,41 @@ impl Side {
         )
     }
 
-    /// Waits for the next receive (taking send completions on the way) and posts its slot again. `None` once
-    /// the peer disconnected.
-    fn next_recv(&mut self, out: &mut Vec<Completion>) -> Result<Option<()>> {
+    /// Sleeps on the transport's wait descriptor (armed first, as the engine does) until something may have
+    /// happened, at most a second.
+    fn sleep(&mut self) {
+        if !matches!(self.t.arm(), Ok(true)) {
+            return; // something is pending already
+        }
+        if let Some(fd) = &self.fd {
+            let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
+            let _ = nix::poll::poll(&mut fds, PollTimeout::from(1000u16));
+        }
+    }
+
+    /// Waits for the next messages (taking send completions on the way) and posts their slots again: how many
+    /// arrived, or `None` once the peer disconnected. Connection events (the disconnect) are read only when polls
+    /// find nothing: after a wake-up that brought no completion, or every 64th empty busy poll.
+    fn next_recv(&mut self, out: &mut Vec<Completion>) -> Result<Option<usize>> {
+        let mut empty = 0u32;
         loop {
             out.clear();
             if self.t.poll(out, 8) == 0 {
-                if let Some(CmEvent::Disconnected { .. }) = self.t.poll_cm() {
+                empty += 1;
+                let look = if self.busy {
+                    empty % 64 == 0
+                } else {
+                    empty > 1
+                };
+                if look && matches!(self.t.poll_cm(), Some(CmEvent::Disconnected { .. })) {
                     return Ok(None);
                 }
                 if !self.busy {
-                    wait(&mut *self.t, Duration::from_secs(1));
+                    self.sleep();
                 }
                 continue;
             }
-            let mut got = None;
+            let mut got = Vec::new();
             for c in out.drain(..) {
                 if c.status == Err(WcError::Flushed) {
                     return Ok(None); // the connection went down
@@ -126,12 +152,14 @@ impl Side {
                     )
                 })?;
                 if c.wr_id != SEND {
-                    got = Some(c.wr_id as usize);
+                    got.push(c.wr_id as usize);
                 }
             }
-            if let Some(slot) = got {
+            for &slot in &got {
                 self.post_recv(slot)?;
-                return Ok(Some(()));
+            }
+            if !got.is_empty() {
+                return Ok(Some(got.len()));
             }
         }
     }
@@ -139,7 +167,7 @@ impl Side {
 
 /// The echo side: accepts one connection and answers every message until the peer disconnects.
 fn serve(opened: &Opened, a: &RawpingArgs) -> Result<()> {
-    let mut s = Side::new(opened, a.size as usize, a.wait == Wait::Busy)?;
+    let mut s = Side::new(opened, a.size as usize, a.wait == RawWait::Busy)?;
     let (_, addr) = s.t.listen(opened.listen_addr(0), 1).context("listen")?;
     println!("LISTEN {addr}");
     let _ = std::io::stdout().flush();
@@ -153,8 +181,10 @@ fn serve(opened: &Opened, a: &RawpingArgs) -> Result<()> {
         s.post_recv(slot)?;
     }
     let mut out = Vec::with_capacity(8);
-    while s.next_recv(&mut out)?.is_some() {
-        s.send()?;
+    while let Some(n) = s.next_recv(&mut out)? {
+        for _ in 0..n {
+            s.send()?;
+        }
     }
     s.t.release(EP);
     Ok(())
@@ -162,7 +192,7 @@ fn serve(opened: &Opened, a: &RawpingArgs) -> Result<()> {
 
 /// The client: one-way times (half of each round trip) in microseconds, warm-up excluded.
 fn ping(opened: &Opened, addr: SocketAddr, a: &RawpingArgs) -> Result<Vec<f64>> {
-    let mut s = Side::new(opened, a.size as usize, a.wait == Wait::Busy)?;
+    let mut s = Side::new(opened, a.size as usize, a.wait == RawWait::Busy)?;
     s.t.connect(EP, addr, &[], Vec::new())
         .with_context(|| format!("connecting to {addr}"))?;
     match next_cm(&mut *s.t)? {

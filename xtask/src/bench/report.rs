@@ -191,6 +191,14 @@ pub(super) fn markdown(
     s
 }
 
+/// `a / b` when both were measured.
+fn ratio(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(a), Some(b)) if b > 0.0 && a.is_finite() && b.is_finite() => Some(a / b),
+        _ => None,
+    }
+}
+
 pub(super) fn ratio_line(
     name: &str,
     a: Option<f64>,
@@ -198,29 +206,79 @@ pub(super) fn ratio_line(
     ok: impl Fn(f64) -> bool,
     want: &str,
 ) -> String {
-    match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 && a.is_finite() && b.is_finite() => {
-            let r = a / b;
-            format!(
-                "{name}: {r:.2}x (target {want}) - {}",
-                if ok(r) { "met" } else { "missed" }
-            )
-        }
-        _ => format!("{name}: not measured in this run"),
+    match ratio(a, b) {
+        Some(r) => format!(
+            "{name}: {r:.2}x (target {want}) - {}",
+            if ok(r) { "met" } else { "missed" }
+        ),
+        None => format!("{name}: not measured in this run"),
     }
 }
 
 /// A ratio reported for what it explains, with no target of its own.
-fn floor_line(name: &str, a: Option<f64>, b: Option<f64>) -> String {
-    match (a, b) {
-        (Some(a), Some(b)) if b > 0.0 && a.is_finite() && b.is_finite() => {
-            format!(
-                "{name}: {:.2}x (no target: the floor under the targets above)",
-                a / b
-            )
-        }
-        _ => format!("{name}: not measured in this run"),
+fn explain_line(name: &str, a: Option<f64>, b: Option<f64>, what: &str) -> String {
+    match ratio(a, b) {
+        Some(r) => format!("{name}: {r:.2}x (no target: {what})"),
+        None => format!("{name}: not measured in this run"),
     }
+}
+
+/// The per-round-trip targets of the 8-byte ping-pong (`cost` rows), and beside them what the transport alone
+/// costs in the same run.
+fn cost_targets(sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
+    let cost = |v: &str, m: &str| get(sum, "cost", v, 8, m).map(|x| x.0);
+    let mut v = vec![
+        ratio_line(
+            "exs busy ping syscalls per round trip vs fi_pingpong",
+            cost("exs busy", "syscalls_per_rt"),
+            cost("fi_pingpong", "syscalls_per_rt"),
+            |r| r <= 1.5,
+            "<= 1.5x",
+        ),
+        ratio_line(
+            "exs busy ping mean one-way vs fi_pingpong (a mean: it reports no median)",
+            cost("exs busy", "mean_us"),
+            cost("fi_pingpong", "mean_us"),
+            |r| r <= 1.5,
+            "<= 1.5x",
+        ),
+    ];
+    for (w, max) in [("exs busy", 0.2), ("exs adaptive", 2.5), ("exs block", 2.5)] {
+        let cs = cost(w, "cs_per_rt");
+        v.push(format!(
+            "{w}: {} context switches per round trip (want <= {max}): {}",
+            cs.map_or("-".into(), |c| format!("{c:.2}")),
+            match cs {
+                Some(c) if c <= max => "met",
+                Some(_) => "MISSED",
+                None => "not measured",
+            }
+        ));
+    }
+    for w in ["exs adaptive", "exs block"] {
+        v.push(ratio_line(
+            &format!("{w} ping median one-way vs blocking TCP nodelay"),
+            cost(w, "median_us"),
+            cost("tcp nodelay", "median_us"),
+            |r| r <= 1.0,
+            "<= 1.0x",
+        ));
+    }
+    for (w, raw) in [("exs block", "raw block"), ("exs busy", "raw busy")] {
+        v.push(explain_line(
+            &format!("{raw} (the transport alone) median one-way vs blocking TCP nodelay"),
+            cost(raw, "median_us"),
+            cost("tcp nodelay", "median_us"),
+            "what the transport itself costs",
+        ));
+        v.push(explain_line(
+            &format!("{w} ping median one-way vs {raw}"),
+            cost(w, "median_us"),
+            cost(raw, "median_us"),
+            "what exs costs above the transport",
+        ));
+    }
+    v
 }
 
 pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
@@ -230,55 +288,7 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
     let mut v = idle_targets(sum);
     if suite == "host" {
         v.extend(stream_targets(sum));
-        let cost = |v: &str, m: &str| get(sum, "cost", v, 8, m).map(|x| x.0);
-        v.push(ratio_line(
-            "exs busy ping syscalls per round trip vs fi_pingpong",
-            cost("exs busy", "syscalls_per_rt"),
-            cost("fi_pingpong", "syscalls_per_rt"),
-            |r| r <= 1.5,
-            "<= 1.5x",
-        ));
-        v.push(ratio_line(
-            "exs busy ping mean one-way vs fi_pingpong (a mean: it reports no median)",
-            cost("exs busy", "mean_us"),
-            cost("fi_pingpong", "mean_us"),
-            |r| r <= 1.5,
-            "<= 1.5x",
-        ));
-        for (w, max) in [("exs busy", 0.2), ("exs adaptive", 2.5), ("exs block", 2.5)] {
-            let cs = cost(w, "cs_per_rt");
-            v.push(format!(
-                "{w}: {} context switches per round trip (want <= {max}): {}",
-                cs.map_or("-".into(), |c| format!("{c:.2}")),
-                match cs {
-                    Some(c) if c <= max => "met",
-                    Some(_) => "MISSED",
-                    None => "not measured",
-                }
-            ));
-        }
-        for w in ["exs adaptive", "exs block"] {
-            v.push(ratio_line(
-                &format!("{w} ping median one-way vs blocking TCP nodelay"),
-                cost(w, "median_us"),
-                cost("tcp nodelay", "median_us"),
-                |r| r <= 1.0,
-                "<= 1.0x",
-            ));
-        }
-        // The floor under those two: the transport alone, with no exs protocol, in the same run.
-        for (w, raw) in [("exs block", "raw block"), ("exs busy", "raw busy")] {
-            v.push(floor_line(
-                &format!("{raw} (the transport alone) median one-way vs blocking TCP nodelay"),
-                cost(raw, "median_us"),
-                cost("tcp nodelay", "median_us"),
-            ));
-            v.push(floor_line(
-                &format!("{w} ping median one-way vs {raw}"),
-                cost(w, "median_us"),
-                cost(raw, "median_us"),
-            ));
-        }
+        v.extend(cost_targets(sum));
         v.push(ratio_line(
             "exs seqpacket vs raw libfabric RMA write loop, 1 MiB",
             bw("exs", "seqpacket", mib),

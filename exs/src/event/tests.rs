@@ -209,8 +209,8 @@ fn adaptive_spin_follows_recent_waits() {
 }
 
 /// A queue whose waits slept (a sleep and a wake-up take longer than the longest spin) is not stuck there: the
-/// probe that spinning answers turns spinning back on, though the sleeping waits around it were long. Sleeping
-/// waits of 75 µs and replies that come in 30 µs, as a blocking ping-pong on libfabric tcp measures them.
+/// probe that spinning answers turns spinning back on, though the sleeping waits around it were long. The samples:
+/// sleeping waits half again as long as the longest spin, replies that come within it.
 #[test]
 fn a_probe_that_spinning_answers_turns_spinning_back_on() {
     use super::wait::{SpinEstimate, Wait};

@@ -369,10 +369,9 @@ impl EventQueue {
 
 /// The longest pause between two polls of an idle busy-poller. A message that arrives during a pause waits for
 /// its end, so the cap is latency (half of it, on average, on each side of a round trip) bought for fewer empty
-/// polls; `cargo xtask bench` counts both (its `cost` rows). It was 256 pause instructions, meant as "a few
-/// microseconds", until a profile of the busy ping found a pause instruction lasting 31 ns on the bench machine's
-/// AMD EPYC under its hypervisor (8 microseconds per cap): the cap is now a time, turned into a count of pauses by
-/// measuring them once per process.
+/// polls; `cargo xtask bench` counts both (its `cost` rows). A count of pause instructions is no bound on time
+/// (one pause lasts from a few to tens of nanoseconds depending on the CPU and its hypervisor), so the cap is a
+/// time, turned into a count of pauses by measuring them once per process.
 const BUSY_PAUSE_MAX_NS: u64 = 500;
 
 /// The pause after the second idle poll: no reply comes back sooner after a send, so polls closer together are

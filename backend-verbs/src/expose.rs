@@ -1,7 +1,6 @@
 //! Registering and exposing memory on the data path (the rules are in [`crate::memory`]): a base registration, and
 //! an exposure as a memory window bound through the connection's send queue or as a registration of the range.
 
-use std::ptr;
 use std::sync::Arc;
 
 use exs_dma::{DmaBuf, Lease};
@@ -12,9 +11,6 @@ use rdma_sys::*;
 
 use crate::connection::EpState;
 use crate::memory::{reg_mr, MrKey, MrPtr, MwSlot, VerbsRegistration, WindowKey};
-use crate::post::post_error;
-use crate::queue::Posted;
-use crate::record::SendRec;
 use crate::{os_err, VerbsTransport};
 
 impl VerbsTransport {
@@ -41,10 +37,7 @@ impl VerbsTransport {
             mr: base.mr,
             addr: lease.addr(),
             length: lease.len() as u64,
-            mw_access_flags: match access {
-                RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
-                RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
-            },
+            mw_access_flags: remote_flags(access),
         };
         let rkey = match self.post_bind(ep, mw, info) {
             Ok(k) => k,
@@ -102,44 +95,17 @@ impl VerbsTransport {
     ) -> Result<u32, TransportError> {
         // SAFETY: `mw` is a live window; the key's low byte moves on with each bind so a stale key fails.
         let rkey = unsafe { ibv_inc_rkey((*mw).rkey) };
-        let seq = self.ids.send();
-        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
-        let mut w: ibv_send_wr = unsafe {
-            // SAFETY: plain data, zero is valid before we fill it.
-            std::mem::zeroed()
+        let fill = |w: &mut ibv_send_wr| {
+            w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
+            w.bind_mw_tso_union.bind_mw = bind_mw_t {
+                mw,
+                rkey,
+                bind_info: info,
+            };
         };
-        w.wr_id = seq;
-        w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-        // The signalling state changes only if the bind reaches the device.
-        let mut signal = e.signal;
-        if signal.next(false) {
-            w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
-        w.bind_mw_tso_union.bind_mw = bind_mw_t {
-            mw,
-            rkey,
-            bind_info: info,
-        };
-        let mut bad = ptr::null_mut();
-        // SAFETY: live, connected QP; the request lives until the call returns; the window, the registration it
-        // binds over and the leased memory outlive the binding (the caller's exposure owns all three).
-        let rc = unsafe { ibv_post_send(e.qp, &mut w, &mut bad) };
-        if rc != 0 {
-            return Err(post_error("ibv_post_send (window bind)", rc));
-        }
-        e.signal = signal;
-        e.sends.push(Posted {
-            seq,
-            entries: 1,
-            broken: false,
-            own: false,
-            item: SendRec {
-                wr_id: 0,
-                kind: None,
-                _sink: None,
-                op: None,
-            },
-        });
+        // SAFETY: the window, the registration it binds over and the leased memory outlive the binding (the
+        // caller's exposure owns all three).
+        unsafe { self.post_own_send(ep, "ibv_post_send (window bind)", fill) }?;
         Ok(rkey)
     }
 
@@ -183,10 +149,7 @@ impl VerbsTransport {
         if self.settings.memory_windows {
             return self.bind_window(ep, reg, lease, access);
         }
-        let remote = match access {
-            RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
-            RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
-        };
+        let remote = remote_flags(access);
         let mr = reg_mr(
             &self.pd,
             lease.addr(),
@@ -207,5 +170,13 @@ impl VerbsTransport {
                 _pd: Arc::clone(&self.pd),
             },
         )))
+    }
+}
+
+/// The verbs access flag that grants a peer `access`.
+fn remote_flags(access: RemoteAccess) -> u32 {
+    match access {
+        RemoteAccess::Read => ibv_access_flags::IBV_ACCESS_REMOTE_READ.0,
+        RemoteAccess::Write => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0,
     }
 }

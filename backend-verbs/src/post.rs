@@ -405,31 +405,58 @@ impl VerbsTransport {
     /// application that waits for it. A zero-length write names no memory (its key is not checked) and reaches no
     /// receive; it is the backend's own request, retired by the next signalled one.
     pub(crate) fn send_first_message(&mut self, ep: EndpointId) {
-        let seq = self.ids.send();
-        let Some(e) = self.eps.get_mut(&ep).filter(|e| !e.qp.is_null()) else {
-            return;
+        let fill = |w: &mut ibv_send_wr| {
+            w.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            // As the drivers' own ready-to-receive write: key 1 (some devices treat key 0 specially), address 0.
+            w.wr.rdma = rdma_t {
+                remote_addr: 0,
+                rkey: 1,
+            };
         };
+        // SAFETY: a zero-length write with no scatter entries names no local memory.
+        match unsafe { self.post_own_send(ep, "ibv_post_send", fill) } {
+            Ok(()) | Err(TransportError::NoEndpoint) => {}
+            Err(error) => tracing::warn!(?ep, %error, "the active side's first message"),
+        }
+    }
+
+    /// Posts one of the backend's own send-queue requests (a window bind, the active side's first write) on
+    /// `ep`'s queue pair: `fill` sets its opcode and operands. It is signalled only when the endpoint's signalling
+    /// period says so, and recorded with no operation of its own, so the next signalled completion retires it.
+    /// [`TransportError::NoEndpoint`] when `ep` has no queue pair.
+    ///
+    /// # Safety
+    /// Whatever `fill` makes the request name (a window, the registration it binds over, local memory) stays valid
+    /// until the request completes.
+    pub(crate) unsafe fn post_own_send(
+        &mut self,
+        ep: EndpointId,
+        what: &str,
+        fill: impl FnOnce(&mut ibv_send_wr),
+    ) -> Result<(), TransportError> {
+        let seq = self.ids.send();
+        let e = self
+            .eps
+            .get_mut(&ep)
+            .filter(|e| !e.qp.is_null())
+            .ok_or(TransportError::NoEndpoint)?;
         let mut w: ibv_send_wr = unsafe {
             // SAFETY: plain data, zero is valid before we fill it.
             std::mem::zeroed()
         };
         w.wr_id = seq;
-        w.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        fill(&mut w);
+        // The signalling state changes only if the request reaches the device.
         let mut signal = e.signal;
         if signal.next(false) {
-            w.send_flags = ibv_send_flags::IBV_SEND_SIGNALED.0;
+            w.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        // As the drivers' own ready-to-receive write: key 1 (some devices treat key 0 specially), address 0.
-        w.wr.rdma = rdma_t {
-            remote_addr: 0,
-            rkey: 1,
-        };
         let mut bad = ptr::null_mut();
-        // SAFETY: live, connected QP; the request (with no scatter entries) lives until the call returns.
+        // SAFETY: live, connected QP; the request lives until the call returns; what it names outlives it (the
+        // caller's contract).
         let rc = unsafe { ibv_post_send(e.qp, &mut w, &mut bad) };
         if rc != 0 {
-            tracing::warn!(?ep, error = %post_error("ibv_post_send", rc), "the active side's first message");
-            return;
+            return Err(post_error(what, rc));
         }
         e.signal = signal;
         e.sends.push(Posted {
@@ -444,6 +471,7 @@ impl VerbsTransport {
                 op: None,
             },
         });
+        Ok(())
     }
 
     /// Posts a chain of send-queue requests (one doorbell). Signals the last one and every SIGNAL_EVERY-th.

@@ -45,14 +45,18 @@ fn parse_result(line: &str) -> Option<Counts> {
     })
 }
 
-/// Runs a command, echoing its output, and sums its "test result:" lines. Also returns the SKIPPED lines.
-pub fn run_counting(cmd: &mut Command) -> Result<(Counts, bool, Vec<String>)> {
+/// Starts a command (shown first) with its standard output and error piped to us.
+fn spawn_piped(cmd: &mut Command) -> Result<std::process::Child> {
     eprintln!("+ {}", sys::show(cmd));
-    let mut child = cmd
-        .stdout(Stdio::piped())
+    cmd.stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", sys::show(cmd)))?;
+        .map_err(|e| format!("cannot run {}: {e}", sys::show(cmd)))
+}
+
+/// Runs a command, echoing its output, and sums its "test result:" lines. Also returns the SKIPPED lines.
+pub fn run_counting(cmd: &mut Command) -> Result<(Counts, bool, Vec<String>)> {
+    let mut child = spawn_piped(cmd)?;
     let stderr = child.stderr.take().expect("piped");
     let skips = std::thread::spawn(move || {
         let mut skips = Vec::new();
@@ -199,12 +203,7 @@ impl Sections {
 
 /// Runs a command, handing every output line to `sections`.
 pub fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> {
-    eprintln!("+ {}", sys::show(cmd));
-    let mut child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .map_err(|e| format!("cannot run {}: {e}", sys::show(cmd)))?;
+    let mut child = spawn_piped(cmd)?;
     let (tx, rx) = std::sync::mpsc::channel::<(String, bool)>();
     let err = child.stderr.take().expect("piped");
     let out = child.stdout.take().expect("piped");

@@ -7,6 +7,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,17 +56,14 @@ fn transport(opened: &Opened) -> Result<Box<dyn Transport>> {
     opened.raw_transport()
 }
 
-/// Sleeps on the transport's wait descriptor until something may have happened (at most `max`).
-pub(crate) fn wait(t: &mut dyn Transport, max: Duration) {
-    use std::os::fd::AsFd;
+/// Sleeps on `fd`, the transport's wait descriptor, armed first, until something may have happened (at most
+/// `max`).
+pub(crate) fn wait(t: &mut dyn Transport, fd: Option<BorrowedFd<'_>>, max: Duration) {
     if !matches!(t.arm(), Ok(true)) {
         return; // something is pending already
     }
-    if let Some(fd) = t.wait_fd() {
-        let mut fds = [nix::poll::PollFd::new(
-            fd.as_fd(),
-            nix::poll::PollFlags::POLLIN,
-        )];
+    if let Some(fd) = fd {
+        let mut fds = [nix::poll::PollFd::new(fd, nix::poll::PollFlags::POLLIN)];
         let ms = u16::try_from(max.as_millis()).unwrap_or(u16::MAX);
         let _ = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(ms));
     }
@@ -75,6 +73,7 @@ pub(crate) fn wait(t: &mut dyn Transport, max: Duration) {
 /// providers make progress only when polled).
 pub(crate) fn next_cm(t: &mut dyn Transport) -> Result<CmEvent> {
     let deadline = Instant::now() + Duration::from_secs(30);
+    let fd = t.wait_fd();
     let mut out = Vec::new();
     loop {
         t.poll(&mut out, 64);
@@ -85,7 +84,11 @@ pub(crate) fn next_cm(t: &mut dyn Transport) -> Result<CmEvent> {
         if Instant::now() > deadline {
             bail!("no connection event within 30 s");
         }
-        wait(t, Duration::from_millis(100));
+        wait(
+            t,
+            fd.as_ref().map(|f| f.as_fd()),
+            Duration::from_millis(100),
+        );
     }
 }
 

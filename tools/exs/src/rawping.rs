@@ -14,10 +14,9 @@ use exs::transport::{
     CmEvent, Completion, EndpointId, Op, Registration, Sge, Transport, WcError, WorkRequest,
 };
 use exs_dma::{DmaBuf, LeaseKind};
-use nix::poll::{PollFd, PollFlags, PollTimeout};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::baseline::{mean_median, next_cm, spawn_server};
+use crate::baseline::{mean_median, next_cm, spawn_server, wait};
 use crate::cli::{self, MAX_COUNT};
 use crate::opts::RawWait;
 
@@ -109,13 +108,8 @@ impl Side {
     /// Sleeps on the transport's wait descriptor (armed first, as the engine does) until something may have
     /// happened, at most a second.
     fn sleep(&mut self) {
-        if !matches!(self.t.arm(), Ok(true)) {
-            return; // something is pending already
-        }
-        if let Some(fd) = &self.fd {
-            let mut fds = [PollFd::new(fd.as_fd(), PollFlags::POLLIN)];
-            let _ = nix::poll::poll(&mut fds, PollTimeout::from(1000u16));
-        }
+        let fd = self.fd.as_ref().map(|f| f.as_fd());
+        wait(&mut *self.t, fd, Duration::from_secs(1));
     }
 
     /// Waits for the next messages (taking send completions on the way) and posts their slots again: how many

@@ -42,6 +42,44 @@ fn a_stream_echoes_a_mebibyte_then_reads_end_of_stream() {
     echo.join().unwrap();
 }
 
+/// Issue 26: `read_to_end` appends every byte after what the vector held (it copies straight out of the receive
+/// buffer instead of zeroing the vector's spare room first), and `read_to_string` refuses bytes that are not UTF-8
+/// and leaves the string as it was, as std's do.
+#[test]
+fn read_to_end_appends_and_read_to_string_refuses_bytes_that_are_not_utf8() {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9110)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let data = pattern(300_000);
+    let sent = data.clone();
+    let writer = std::thread::spawn(move || {
+        for bytes in [&sent[..], &[0xff, 0xfe][..]] {
+            let (mut s, _) = listener.accept().unwrap();
+            s.write_all(bytes).unwrap();
+            s.shutdown(Shutdown::Write).unwrap();
+        }
+    });
+    let mut all = b"before".to_vec();
+    let n = Stream::connect_in(&client, addr)
+        .unwrap()
+        .read_to_end(&mut all)
+        .unwrap();
+    assert_eq!(n, data.len());
+    assert!(
+        all[..6] == *b"before" && all[6..] == data[..],
+        "bytes differ"
+    );
+    let mut text = String::from("kept");
+    let e = Stream::connect_in(&client, addr)
+        .unwrap()
+        .read_to_string(&mut text)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidData);
+    assert_eq!(text, "kept");
+    writer.join().unwrap();
+}
+
 #[test]
 fn a_read_that_waits_too_long_fails_with_would_block_and_the_next_one_gets_the_bytes() {
     let world = World::threaded(SimConfig::default());

@@ -234,3 +234,42 @@ async fn tokio_listener_bind_and_stream_connect_run_on_the_default_context() {
     assert_eq!(back, b"over the default context");
     echo.await.unwrap();
 }
+
+/// Issue 26: a read hands its bytes to the `ReadBuf` as they are copied out of the receive buffer: the rest of a
+/// fresh (uninitialised) buffer is not zeroed first, as `initialize_unfilled` would (all of it, on every fresh
+/// buffer: a whole `read_to_end` vector's capacity).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_into_a_fresh_buffer_initialises_only_the_bytes_it_returns() {
+    use std::mem::MaybeUninit;
+    use std::pin::Pin;
+    use tokio::io::{AsyncRead, ReadBuf};
+
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9310))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let writer = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        s.write_all(b"twelve bytes").await.unwrap();
+        s.shutdown().await.unwrap();
+    });
+    let mut c = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+    let mut storage = vec![MaybeUninit::<u8>::uninit(); 1 << 20];
+    let mut got = Vec::new();
+    loop {
+        let mut rb = ReadBuf::uninit(&mut storage);
+        std::future::poll_fn(|cx| Pin::new(&mut c).poll_read(cx, &mut rb))
+            .await
+            .unwrap();
+        let n = rb.filled().len();
+        assert_eq!(rb.initialized().len(), n, "only the bytes read are written");
+        if n == 0 {
+            break;
+        }
+        got.extend_from_slice(rb.filled());
+    }
+    assert_eq!(got, b"twelve bytes");
+    writer.await.unwrap();
+}

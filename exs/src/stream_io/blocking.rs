@@ -238,6 +238,47 @@ impl Stream {
     }
 
     fn read_inner(&self, buf: &mut [u8]) -> io::Result<usize> {
+        let mut n = 0;
+        self.read_with(buf.len(), &mut |chunk| {
+            buf[n..n + chunk.len()].copy_from_slice(chunk);
+            n += chunk.len();
+        })
+    }
+
+    /// `read_to_end` without first zeroing the vector's spare room (std's default would, for a `Read` that
+    /// cannot take uninitialised memory): each chunk is appended straight out of the receive buffer.
+    fn read_to_end_inner(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
+        let start = buf.len();
+        loop {
+            match self.read_with(usize::MAX, &mut |chunk| buf.extend_from_slice(chunk)) {
+                Ok(0) => return Ok(buf.len() - start),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// `read_to_end`, then the bytes as UTF-8; `buf` is left as it was if they are not (as std's).
+    fn read_to_string_inner(&self, buf: &mut String) -> io::Result<usize> {
+        let mut bytes = Vec::new();
+        let read = self.read_to_end_inner(&mut bytes);
+        match String::from_utf8(bytes) {
+            Ok(text) => {
+                buf.push_str(&text);
+                read
+            }
+            Err(_) => read.and_then(|_| {
+                Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    "stream did not contain valid UTF-8",
+                ))
+            }),
+        }
+    }
+
+    /// One read of at most `max` bytes, handed to `put` in chunks; waits (within the read timeout) for the first.
+    fn read_with(&self, max: usize, put: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
         let s = &*self.inner;
         // Readers take turns (the bytes of one receive go to one reader); the lock is held while waiting.
         let mut r = lock(&s.reader);
@@ -247,7 +288,7 @@ impl Stream {
             if s.read_shut.load(Ordering::SeqCst) {
                 r.shut();
             }
-            if let Some(n) = r.try_read(buf)? {
+            if let Some(n) = r.try_read_with(max, put)? {
                 return Ok(n);
             }
             if deadline.is_none() {
@@ -289,6 +330,14 @@ impl Read for &Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.read_inner(buf)
     }
+
+    fn read_to_end(&mut self, buf: &mut Vec<u8>) -> io::Result<usize> {
+        self.read_to_end_inner(buf)
+    }
+
+    fn read_to_string(&mut self, buf: &mut String) -> io::Result<usize> {
+        self.read_to_string_inner(buf)
+    }
 }
 
 impl Write for &Stream {
@@ -306,6 +355,14 @@ impl Write for &Stream {
 impl Read for Stream {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         self.read_inner(buf)
+    }
+
+    fn read_to_end(&mut self, buf: &mut Vec<u8>) -> io::Result<usize> {
+        self.read_to_end_inner(buf)
+    }
+
+    fn read_to_string(&mut self, buf: &mut String) -> io::Result<usize> {
+        self.read_to_string_inner(buf)
     }
 }
 

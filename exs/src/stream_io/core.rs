@@ -166,9 +166,15 @@ impl Reader {
         }
     }
 
-    /// Bytes (or end-of-stream: 0) if there are some now; `None` otherwise (wait for the queue, then call again).
-    pub(crate) fn try_read(&mut self, out: &mut [u8]) -> io::Result<Option<usize>> {
-        if out.is_empty() {
+    /// Bytes (at most `max`, handed to `put` in chunks straight out of the receive buffer: the one copy, into a
+    /// destination that need not be initialised first, such as tokio's `ReadBuf` or a `Vec`'s spare room), or
+    /// end-of-stream (`Some(0)`), if there are some now; `None` otherwise (wait for the queue, then call again).
+    pub(crate) fn try_read_with(
+        &mut self,
+        max: usize,
+        put: &mut dyn FnMut(&[u8]),
+    ) -> io::Result<Option<usize>> {
+        if max == 0 {
             return Ok(Some(0));
         }
         self.absorb_queued();
@@ -176,14 +182,13 @@ impl Reader {
             return Ok(Some(0));
         }
         let mut n = 0;
-        while n < out.len() {
+        while n < max {
             let Some(f) = self.ready.front_mut() else {
                 break;
             };
-            let k = (out.len() - n).min(f.end - f.at);
-            self.buf
-                .read(f.slot * self.piece + f.at, &mut out[n..n + k])
-                .map_err(other)?;
+            let k = (max - n).min(f.end - f.at);
+            let at = f.slot * self.piece + f.at;
+            self.buf.with_slice(at..at + k, &mut *put).map_err(other)?;
             f.at += k;
             n += k;
             if f.at == f.end {

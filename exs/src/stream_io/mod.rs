@@ -63,13 +63,15 @@ pub(crate) use core::{Reader, Writer};
 pub struct StreamConfig {
     /// Bytes of the send ring (default 1 MiB): how much a writer may have in flight before a write waits.
     pub send_buffer: usize,
-    /// Most bytes of one send (default 256 KiB): a large write is cut into sends of this size, so that the
-    /// ring's space comes back piece by piece.
+    /// Most bytes of one send (default 512 KiB, half the ring): a large write is cut into sends of this size, so
+    /// that the ring's space comes back piece by piece while the next piece is copied in.
     pub send_piece: usize,
     /// Bytes of the receive buffer (default 1 MiB), cut into `recv_pieces` receives posted ahead.
     pub recv_buffer: usize,
-    /// Receives posted ahead (default 4): the peer's sends go directly into them (zero copy on the wire) while
-    /// the reader copies out of the ones filled before.
+    /// Receives posted ahead (default 2): the peer's sends go directly into them (zero copy on the wire) while
+    /// the reader copies out of the ones filled before. Each receive costs an advertisement to the peer and a
+    /// completion, so fewer, larger receives move bulk data with less work per byte; two keep one filling while
+    /// the other is read.
     pub recv_pieces: usize,
     /// How long a connection attempt may take (`None`: the context's `connect_timeout`).
     pub connect_timeout: Option<Duration>,
@@ -79,9 +81,9 @@ impl Default for StreamConfig {
     fn default() -> Self {
         StreamConfig {
             send_buffer: 1 << 20,
-            send_piece: 256 << 10,
+            send_piece: 512 << 10,
             recv_buffer: 1 << 20,
-            recv_pieces: 4,
+            recv_pieces: 2,
             connect_timeout: None,
         }
     }

@@ -142,9 +142,11 @@ impl ReadPart {
     ) -> Poll<io::Result<()>> {
         let core = &mut self.core;
         let eq = core.eq.clone();
-        let n = ready!(poll_until(&self.fd, &eq, cx, || core
-            .try_read(buf.initialize_unfilled())))?;
-        buf.advance(n);
+        // `put_slice` copies into the unfilled part without zeroing it first (as `initialize_unfilled` would, all
+        // of it, on every fresh buffer).
+        let max = buf.remaining();
+        ready!(poll_until(&self.fd, &eq, cx, || core
+            .try_read_with(max, &mut |chunk| buf.put_slice(chunk))))?;
         Poll::Ready(Ok(()))
     }
 }

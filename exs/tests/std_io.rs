@@ -80,6 +80,39 @@ fn read_to_end_appends_and_read_to_string_refuses_bytes_that_are_not_utf8() {
     writer.join().unwrap();
 }
 
+/// Issue 26: a vectored write takes every slice at once (gathered into the send ring), where `Write`'s default
+/// would take only the first: a header and its body leave together, in order.
+#[test]
+fn a_vectored_write_takes_every_slice_in_order() {
+    use std::io::IoSlice;
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9120)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        listener.accept().unwrap().0.read_to_end(&mut all).unwrap();
+        all
+    });
+    let (head, body, tail) = (
+        b"header: 1\r\n\r\n".to_vec(),
+        pattern(70_000),
+        b"end".to_vec(),
+    );
+    let mut c = Stream::connect_in(&client, addr).unwrap();
+    let bufs = [
+        IoSlice::new(&head),
+        IoSlice::new(&[]),
+        IoSlice::new(&body),
+        IoSlice::new(&tail),
+    ];
+    let n = c.write_vectored(&bufs).unwrap();
+    assert_eq!(n, head.len() + body.len() + tail.len(), "every slice taken");
+    c.shutdown(Shutdown::Write).unwrap();
+    let want = [head, body, tail].concat();
+    assert!(reader.join().unwrap() == want, "bytes differ");
+}
+
 #[test]
 fn a_read_that_waits_too_long_fails_with_would_block_and_the_next_one_gets_the_bytes() {
     let world = World::threaded(SimConfig::default());

@@ -273,3 +273,39 @@ async fn a_read_into_a_fresh_buffer_initialises_only_the_bytes_it_returns() {
     assert_eq!(got, b"twelve bytes");
     writer.await.unwrap();
 }
+
+/// Issue 26: tokio streams write vectored (hyper then sends a header and its body without first copying them into
+/// one buffer of its own), every slice at once and in order; the owned write half too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vectored_write_takes_every_slice_in_order() {
+    use std::io::IoSlice;
+    use tokio::io::AsyncWrite;
+
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9320))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reader = tokio::spawn(async move {
+        let (mut s, _) = listener.accept().await.unwrap();
+        let mut all = Vec::new();
+        s.read_to_end(&mut all).await.unwrap();
+        all
+    });
+    let c = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+    assert!(c.is_write_vectored());
+    let (_r, mut w) = c.into_split();
+    assert!(w.is_write_vectored());
+    let (head, body) = (b"HTTP/1.1 200 OK\r\n\r\n".to_vec(), vec![7u8; 100_000]);
+    let n = w
+        .write_vectored(&[IoSlice::new(&head), IoSlice::new(&body)])
+        .await
+        .unwrap();
+    assert_eq!(n, head.len() + body.len(), "every slice taken");
+    w.shutdown().await.unwrap();
+    assert!(
+        reader.await.unwrap() == [head, body].concat(),
+        "bytes differ"
+    );
+}

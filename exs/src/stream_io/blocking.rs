@@ -302,6 +302,11 @@ impl Stream {
     }
 
     fn write_inner(&self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored_inner(&[io::IoSlice::new(buf)])
+    }
+
+    /// A write of several slices, gathered into the send ring (see `Writer::try_write_vectored`).
+    fn write_vectored_inner(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
         let s = &*self.inner;
         let mut deadline = None;
         let mut evs = Vec::new();
@@ -311,7 +316,7 @@ impl Stream {
                 for ev in evs.drain(..) {
                     w.absorb(ev);
                 }
-                if let Some(n) = w.try_write(buf)? {
+                if let Some(n) = w.try_write_vectored(bufs)? {
                     return Ok(n);
                 }
                 w.eq.clone()
@@ -345,6 +350,11 @@ impl Write for &Stream {
         self.write_inner(buf)
     }
 
+    /// The slices are gathered into the send ring: a header and its body leave in one send.
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.write_vectored_inner(bufs)
+    }
+
     /// Like `TcpStream::flush`, returns at once: every byte written is already on its way. Reports the error of
     /// an earlier write's send, if one failed.
     fn flush(&mut self) -> io::Result<()> {
@@ -369,6 +379,11 @@ impl Read for Stream {
 impl Write for Stream {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.write_inner(buf)
+    }
+
+    /// The slices are gathered into the send ring: a header and its body leave in one send.
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        self.write_vectored_inner(bufs)
     }
 
     /// See the `Write for &Stream` implementation.

@@ -338,7 +338,17 @@ impl Writer {
     /// Copies as much of `data` as the ring has room for and sends it; `None` when the ring is full (wait for
     /// the queue, then call again).
     pub(crate) fn try_write(&mut self, data: &[u8]) -> io::Result<Option<usize>> {
-        if data.is_empty() {
+        self.try_write_vectored(&[io::IoSlice::new(data)])
+    }
+
+    /// [`try_write`](Self::try_write) of several slices in order, gathered into the ring: the bytes of small
+    /// slices (a header and its body) leave in one send rather than one each.
+    pub(crate) fn try_write_vectored(
+        &mut self,
+        bufs: &[io::IoSlice<'_>],
+    ) -> io::Result<Option<usize>> {
+        let total: usize = bufs.iter().map(|b| b.len()).sum();
+        if total == 0 {
             return Ok(Some(0));
         }
         self.absorb_queued();
@@ -352,15 +362,17 @@ impl Writer {
         if self.ring.is_none() {
             self.ring = Some(MemoryRegion::alloc(&self.ctx, self.len)?);
         }
+        let mut src = Gather::new(bufs);
         let mut n = 0;
-        while n < data.len() && self.in_flight.len() < self.max_sends {
+        while n < total && self.in_flight.len() < self.max_sends {
             let (at, room) = self.room();
-            let k = room.min(self.piece).min(data.len() - n);
+            let k = room.min(self.piece).min(total - n);
             if k == 0 {
                 break;
             }
             let ring = self.ring.as_ref().expect("allocated above");
-            ring.write(at, &data[n..n + k]).map_err(other)?;
+            ring.with_slice_mut(at..at + k, |dst| src.fill(dst))
+                .map_err(other)?;
             if let Err(e) = self
                 .sock
                 .send(&self.eq, &ring.slice(at..at + k), MsgFlags::NONE, 0)
@@ -401,5 +413,36 @@ impl Writer {
             Err(e) => return Err(e.into()),
         }
         self.take_failure()
+    }
+}
+
+/// A cursor over the slices of a vectored write.
+struct Gather<'a, 'b> {
+    bufs: &'a [io::IoSlice<'b>],
+    /// Bytes of `bufs[0]` already taken.
+    at: usize,
+}
+
+impl<'a, 'b> Gather<'a, 'b> {
+    fn new(bufs: &'a [io::IoSlice<'b>]) -> Self {
+        Gather { bufs, at: 0 }
+    }
+
+    /// Fills `dst` with the next bytes (the caller asks for no more than are left).
+    fn fill(&mut self, dst: &mut [u8]) {
+        let mut n = 0;
+        while n < dst.len() {
+            let Some(first) = self.bufs.first() else {
+                return;
+            };
+            let k = (first.len() - self.at).min(dst.len() - n);
+            dst[n..n + k].copy_from_slice(&first[self.at..self.at + k]);
+            n += k;
+            self.at += k;
+            if self.at == first.len() {
+                self.bufs = &self.bufs[1..];
+                self.at = 0;
+            }
+        }
     }
 }

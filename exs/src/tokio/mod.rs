@@ -161,6 +161,16 @@ impl WritePart {
         let eq = core.eq.clone();
         poll_until(&self.fd, &eq, cx, || core.try_write(buf))
     }
+
+    pub(crate) fn poll_write_vectored(
+        &mut self,
+        cx: &mut TaskContext<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let core = &mut self.core;
+        let eq = core.eq.clone();
+        poll_until(&self.fd, &eq, cx, || core.try_write_vectored(bufs))
+    }
 }
 
 /// A connected stream, like `tokio::net::TcpStream` (see the module documentation).
@@ -300,6 +310,19 @@ impl AsyncWrite for Stream {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         self.get_mut().write.poll_write(cx, buf)
+    }
+
+    /// The slices are gathered into the send ring: a header and its body leave in one send.
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut TaskContext<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        self.get_mut().write.poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        true
     }
 
     /// Ready at once, like tokio's `TcpStream`: every byte written is already on its way. Reports the error of

@@ -190,6 +190,19 @@ macro_rules! async_write {
                 $get.poll_write(cx, buf)
             }
 
+            fn poll_write_vectored(
+                self: Pin<&mut Self>,
+                cx: &mut TaskContext<'_>,
+                bufs: &[io::IoSlice<'_>],
+            ) -> Poll<io::Result<usize>> {
+                let $part = self.get_mut();
+                $get.poll_write_vectored(cx, bufs)
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                true
+            }
+
             fn poll_flush(self: Pin<&mut Self>, _cx: &mut TaskContext<'_>) -> Poll<io::Result<()>> {
                 let $part = self.get_mut();
                 Poll::Ready($get.core.flush())

@@ -335,14 +335,9 @@ impl Writer {
         }
     }
 
-    /// Copies as much of `data` as the ring has room for and sends it; `None` when the ring is full (wait for
-    /// the queue, then call again).
-    pub(crate) fn try_write(&mut self, data: &[u8]) -> io::Result<Option<usize>> {
-        self.try_write_vectored(&[io::IoSlice::new(data)])
-    }
-
-    /// [`try_write`](Self::try_write) of several slices in order, gathered into the ring: the bytes of small
-    /// slices (a header and its body) leave in one send rather than one each.
+    /// Copies as much of `bufs` (several slices, in order) as the ring has room for and sends it; `None` when the
+    /// ring is full (wait for the queue, then call again). The slices are gathered into the ring: the bytes of
+    /// small ones (a header and its body) leave in one send rather than one each.
     pub(crate) fn try_write_vectored(
         &mut self,
         bufs: &[io::IoSlice<'_>],

@@ -159,7 +159,9 @@ impl WritePart {
     ) -> Poll<io::Result<usize>> {
         let core = &mut self.core;
         let eq = core.eq.clone();
-        poll_until(&self.fd, &eq, cx, || core.try_write(buf))
+        poll_until(&self.fd, &eq, cx, || {
+            core.try_write_vectored(&[io::IoSlice::new(buf)])
+        })
     }
 
     pub(crate) fn poll_write_vectored(

@@ -277,6 +277,8 @@ fn pinger(
     let mut u0 = Usage::default();
     let want = if persistent { 1 } else { 2 };
     let mut evs = Vec::new();
+    let mut window = crate::util::PerfWindow::from_env()?;
+    window.enable()?;
     for i in 0..all {
         if i == warm {
             u0 = Usage::now(ctx, whole);
@@ -305,6 +307,7 @@ fn pinger(
             samples.push(if persistent { dt } else { dt / 2.0 });
         }
     }
+    window.disable()?;
     let usage = Usage::now(ctx, whole).since(u0);
     let _ = s.close();
     let idle = match idle {

@@ -111,3 +111,65 @@ pub fn spawn_listening(cmd: &mut Command) -> Result<(Child, SocketAddr, BufReade
     };
     Ok((child, addr, out))
 }
+
+/// The part of a run that `perf stat` counts, when the bench asks (`EXS_PERF_CONTROL` names `perf stat --control`'s
+/// fifo and perf starts with its events off, `-D -1`): what is measured (a ping-pong) is counted, not the set-up and
+/// tear-down around it (thousands of idle connections opened and closed, which cost more system calls than the
+/// ping-pong and vary by more from run to run). Without the variable, nothing happens.
+pub struct PerfWindow(Option<std::fs::File>);
+
+impl PerfWindow {
+    pub fn from_env() -> Result<PerfWindow> {
+        let Some(path) = std::env::var_os("EXS_PERF_CONTROL") else {
+            return Ok(PerfWindow(None));
+        };
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening perf's control fifo {path:?} (EXS_PERF_CONTROL)"))?;
+        Ok(PerfWindow(Some(f)))
+    }
+
+    /// Counting starts.
+    pub fn enable(&mut self) -> Result<()> {
+        self.say("enable\n")
+    }
+
+    /// Counting stops.
+    pub fn disable(&mut self) -> Result<()> {
+        self.say("disable\n")
+    }
+
+    fn say(&mut self, cmd: &str) -> Result<()> {
+        use std::io::Write as _;
+        if let Some(f) = &mut self.0 {
+            f.write_all(cmd.as_bytes())
+                .context("writing to perf's control fifo")?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PerfWindow;
+
+    /// `exs ping` under the bench's `perf stat -D -1 --control` tells perf when its ping-pong starts and ends; with
+    /// no `EXS_PERF_CONTROL` it says nothing.
+    #[test]
+    fn the_perf_window_says_enable_then_disable_to_the_named_fifo() {
+        let path = std::env::temp_dir().join(format!("exs-perf-window-{}", std::process::id()));
+        std::fs::write(&path, b"").unwrap();
+        std::env::set_var("EXS_PERF_CONTROL", &path);
+        let mut w = PerfWindow::from_env().unwrap();
+        std::env::remove_var("EXS_PERF_CONTROL");
+        w.enable().unwrap();
+        w.disable().unwrap();
+        drop(w);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "enable\ndisable\n");
+        std::fs::remove_file(&path).unwrap();
+        let mut none = PerfWindow::from_env().unwrap();
+        none.enable().unwrap();
+        assert!(none.0.is_none());
+    }
+}

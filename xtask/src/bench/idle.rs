@@ -45,9 +45,10 @@ pub(super) fn idle_jobs(
     counts: &[usize],
     perf: bool,
 ) -> Vec<Job> {
-    // Opening and closing thousands of connections costs hundreds of thousands of system calls, and how many
-    // varies from run to run by more than a short ping-pong makes: the two runs differ by enough round trips that
-    // their difference is the ping-pong's.
+    // Opening and closing thousands of connections costs millions of system calls, and how many varies from run
+    // to run by more than the whole ping-pong makes (with 4,000 on libfabric tcp, the run of fewer round trips
+    // could count more calls): perf counts only the ping-pong (`perf_twice_windowed`), and the two runs' difference
+    // is that of their round trips.
     let (short, long) = (5_000, 25_000);
     let exs_rts = |n: usize| n + n / 10 + 1;
     counts
@@ -62,7 +63,7 @@ pub(super) fn idle_jobs(
                     name,
                     idle as u64,
                     1,
-                    perf_twice(cmd, short, long),
+                    perf_twice_windowed(cmd, short, long),
                     Parse::PerfPing(exs_rts(short), exs_rts(long)),
                 )
             } else {

@@ -363,8 +363,6 @@ pub(super) fn siw_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
     v
 }
 
-/// Runs a peer tool's client until it connects: under an emulated CPU its server can take seconds to listen. Then
-/// waits for the server.
 /// Where `perf stat` writes its counts for a cost job (read back by the same job's script).
 pub(super) const PERF_OUT: &str = "/tmp/exs-bench-perf";
 
@@ -373,9 +371,40 @@ pub(super) const PERF_OUT: &str = "/tmp/exs-bench-perf";
 /// of the extra round trips alone, without process start-up (libfabric's initialisation alone makes ~10,000 calls
 /// per process). `cmd(n)` is the command for `n` round trips.
 pub(super) fn perf_twice(cmd: impl Fn(usize) -> String, short: usize, long: usize) -> String {
-    let stat = "perf stat -x, -e raw_syscalls:sys_enter,context-switches";
+    perf_pair("", "", cmd, short, long)
+}
+
+/// As [`perf_twice`], counting only what the program measures: perf starts with its events off and `exs ping`
+/// turns them on and off around its ping-pong through perf's control fifo (`EXS_PERF_CONTROL`), for runs whose
+/// set-up and tear-down (thousands of idle connections) cost more, and vary more from run to run, than the
+/// ping-pong itself.
+pub(super) fn perf_twice_windowed(
+    cmd: impl Fn(usize) -> String,
+    short: usize,
+    long: usize,
+) -> String {
+    let ctl = format!("{PERF_OUT}.ctl");
+    let pair = perf_pair(
+        &format!("-D -1 --control fifo:{ctl}"),
+        &format!("env EXS_PERF_CONTROL={ctl} "),
+        cmd,
+        short,
+        long,
+    );
+    format!("rm -f {ctl}; mkfifo {ctl}; {pair}; rm -f {ctl}")
+}
+
+/// The two `perf stat` runs of [`perf_twice`], with extra perf options and a prefix to the command.
+fn perf_pair(
+    perf_opts: &str,
+    prefix: &str,
+    cmd: impl Fn(usize) -> String,
+    short: usize,
+    long: usize,
+) -> String {
+    let stat = format!("perf stat -x, -e raw_syscalls:sys_enter,context-switches {perf_opts}");
     format!(
-        "{stat} -o {PERF_OUT}.short -- {} >/dev/null 2>&1; {stat} -o {PERF_OUT}.long -- {}; \
+        "{stat} -o {PERF_OUT}.short -- {prefix}{} >/dev/null 2>&1; {stat} -o {PERF_OUT}.long -- {prefix}{}; \
          echo @@short; cat {PERF_OUT}.short; echo @@long; cat {PERF_OUT}.long; rm -f {PERF_OUT}.short {PERF_OUT}.long",
         cmd(short),
         cmd(long)

@@ -270,3 +270,34 @@ fn stream_rows_are_compared_with_tcp_and_exs_ping() {
         "{t:?}"
     );
 }
+
+/// The idle rows count only the ping-pong: perf starts with its events off and `exs ping` switches them on and off
+/// through perf's control fifo (opening and closing 4,000 connections on libfabric tcp cost more system calls, and
+/// varied more, than the whole ping-pong: the run of fewer round trips once counted more).
+#[test]
+fn idle_rows_count_only_the_ping_pong() {
+    let jobs = idle_jobs("exs", "fabric tcp", "--backend fabric", &[0, 4000], true);
+    assert_eq!(jobs.len(), 2);
+    for j in &jobs {
+        assert!(
+            j.cmd.contains("mkfifo /tmp/exs-bench-perf.ctl"),
+            "{}",
+            j.cmd
+        );
+        assert_eq!(
+            j.cmd
+                .matches("-D -1 --control fifo:/tmp/exs-bench-perf.ctl")
+                .count(),
+            2
+        );
+        assert_eq!(
+            j.cmd
+                .matches("env EXS_PERF_CONTROL=/tmp/exs-bench-perf.ctl exs ping")
+                .count(),
+            2
+        );
+    }
+    // Without perf (the guest), the ping runs alone.
+    let timed = idle_jobs("exs", "verbs", "--backend verbs", &[100], false);
+    assert!(!timed[0].cmd.contains("perf"), "{}", timed[0].cmd);
+}

@@ -113,6 +113,73 @@ fn a_vectored_write_takes_every_slice_in_order() {
     assert!(reader.join().unwrap() == want, "bytes differ");
 }
 
+/// Issue 26 (review of the read path): under the trusted-peers exposure policy a long-lived key covers the whole
+/// receive buffer; reads copy out beside it (a borrow of the buffer would be refused, and every read failed).
+#[test]
+fn streams_read_and_write_under_the_trusted_peers_exposure_policy() {
+    let world = World::threaded(SimConfig::default());
+    let opts = || {
+        let mut o = exs::ContextOptions::default();
+        o.exposure = exs::ExposurePolicy::TrustedPeers;
+        o.keepalive = None;
+        o
+    };
+    let (server, client) = (world.host_with(opts()), world.host_with(opts()));
+    let listener = Listener::bind_in(&server, world.addr(0, 9130)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let echo = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut all = Vec::new();
+        s.read_to_end(&mut all).unwrap();
+        s.write_all(&all).unwrap();
+    });
+    let data = pattern(3 << 20);
+    let mut c = Stream::connect_in(&client, addr).unwrap();
+    c.write_all(&data).unwrap();
+    c.shutdown(Shutdown::Write).unwrap();
+    let mut back = vec![0u8; data.len()];
+    c.read_exact(&mut back).unwrap();
+    assert!(back == data, "echoed bytes differ");
+    echo.join().unwrap();
+}
+
+/// Issue 26: a vectored write whose slices straddle the send pieces (1,000 bytes each here) resumes each slice
+/// where the last piece stopped.
+#[test]
+fn a_vectored_write_across_small_send_pieces_keeps_every_byte_in_order() {
+    use std::io::IoSlice;
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9140)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        listener.accept().unwrap().0.read_to_end(&mut all).unwrap();
+        all
+    });
+    let mut cfg = exs::StreamConfig::default();
+    cfg.send_piece = 1000;
+    let mut c = Stream::connect_with(&client, addr, &cfg).unwrap();
+    let parts = [pattern(2_500), pattern(1), Vec::new(), pattern(7_321)];
+    let want = parts.concat();
+    let mut sent = 0;
+    while sent < want.len() {
+        // The slices not yet taken, the first cut where the last write stopped.
+        let (mut skip, mut bufs) = (sent, Vec::new());
+        for p in &parts {
+            if skip >= p.len() {
+                skip -= p.len();
+                continue;
+            }
+            bufs.push(IoSlice::new(&p[skip..]));
+            skip = 0;
+        }
+        sent += c.write_vectored(&bufs).unwrap();
+    }
+    c.shutdown(Shutdown::Write).unwrap();
+    assert!(reader.join().unwrap() == want, "bytes differ");
+}
+
 #[test]
 fn a_read_that_waits_too_long_fails_with_would_block_and_the_next_one_gets_the_bytes() {
     let world = World::threaded(SimConfig::default());

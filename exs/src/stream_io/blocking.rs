@@ -11,7 +11,7 @@ use crate::error::DequeueError;
 use crate::event::{Event, EventQueue};
 use crate::socket::Socket;
 
-use super::{Reader, StreamConfig, Writer};
+use super::{ReadSink, Reader, SliceSink, StreamConfig, Writer};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -238,19 +238,15 @@ impl Stream {
     }
 
     fn read_inner(&self, buf: &mut [u8]) -> io::Result<usize> {
-        let mut n = 0;
-        self.read_with(buf.len(), &mut |chunk| {
-            buf[n..n + chunk.len()].copy_from_slice(chunk);
-            n += chunk.len();
-        })
+        self.read_with(buf.len(), &mut SliceSink { buf, len: 0 })
     }
 
-    /// `read_to_end` without first zeroing the vector's spare room (std's default would, for a `Read` that
-    /// cannot take uninitialised memory): each chunk is appended straight out of the receive buffer.
+    /// `read_to_end` without first zeroing the vector's spare room as a whole (std's default would, for a `Read`
+    /// that cannot take uninitialised memory): it grows by each copy out of the receive buffer.
     fn read_to_end_inner(&self, buf: &mut Vec<u8>) -> io::Result<usize> {
         let start = buf.len();
         loop {
-            match self.read_with(usize::MAX, &mut |chunk| buf.extend_from_slice(chunk)) {
+            match self.read_with(usize::MAX, buf) {
                 Ok(0) => return Ok(buf.len() - start),
                 Ok(_) => {}
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
@@ -277,8 +273,8 @@ impl Stream {
         }
     }
 
-    /// One read of at most `max` bytes, handed to `put` in chunks; waits (within the read timeout) for the first.
-    fn read_with(&self, max: usize, put: &mut dyn FnMut(&[u8])) -> io::Result<usize> {
+    /// One read of at most `max` bytes into `dst`; waits (within the read timeout) for the first.
+    fn read_with(&self, max: usize, dst: &mut dyn ReadSink) -> io::Result<usize> {
         let s = &*self.inner;
         // Readers take turns (the bytes of one receive go to one reader); the lock is held while waiting.
         let mut r = lock(&s.reader);
@@ -288,7 +284,7 @@ impl Stream {
             if s.read_shut.load(Ordering::SeqCst) {
                 r.shut();
             }
-            if let Some(n) = r.try_read_with(max, put)? {
+            if let Some(n) = r.try_read_with(max, dst)? {
                 return Ok(n);
             }
             if deadline.is_none() {

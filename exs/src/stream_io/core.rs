@@ -58,6 +58,51 @@ struct Filled {
     end: usize,
 }
 
+/// Where a read copies its bytes.
+pub(crate) trait ReadSink {
+    /// Appends `bytes`.
+    fn put(&mut self, bytes: &[u8]);
+
+    /// Hands `f` the next `k` bytes of the destination to overwrite; they count as read only if `f` succeeds.
+    fn fill(&mut self, k: usize, f: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> io::Result<()>;
+}
+
+/// A caller's slice, filled from its start.
+pub(crate) struct SliceSink<'a> {
+    pub(crate) buf: &'a mut [u8],
+    pub(crate) len: usize,
+}
+
+impl ReadSink for SliceSink<'_> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.buf[self.len..self.len + bytes.len()].copy_from_slice(bytes);
+        self.len += bytes.len();
+    }
+
+    fn fill(&mut self, k: usize, f: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> io::Result<()> {
+        f(&mut self.buf[self.len..self.len + k])?;
+        self.len += k;
+        Ok(())
+    }
+}
+
+/// A vector, appended to (`read_to_end`): it grows by what each copy takes, never zeroed as a whole.
+impl ReadSink for Vec<u8> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+
+    fn fill(&mut self, k: usize, f: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> io::Result<()> {
+        let at = self.len();
+        self.resize(at + k, 0);
+        let r = f(&mut self[at..]);
+        if r.is_err() {
+            self.truncate(at);
+        }
+        r
+    }
+}
+
 /// The reading direction (see the module documentation).
 #[derive(Debug)]
 pub(crate) struct Reader {
@@ -166,13 +211,13 @@ impl Reader {
         }
     }
 
-    /// Bytes (at most `max`, handed to `put` in chunks straight out of the receive buffer: the one copy, into a
-    /// destination that need not be initialised first, such as tokio's `ReadBuf` or a `Vec`'s spare room), or
-    /// end-of-stream (`Some(0)`), if there are some now; `None` otherwise (wait for the queue, then call again).
+    /// Bytes (at most `max`, copied out of the receive buffer into `dst`: the one copy, into a destination that
+    /// is not zeroed beforehand as a whole, such as tokio's `ReadBuf` or a `Vec`'s spare room), or end-of-stream
+    /// (`Some(0)`), if there are some now; `None` otherwise (wait for the queue, then call again).
     pub(crate) fn try_read_with(
         &mut self,
         max: usize,
-        put: &mut dyn FnMut(&[u8]),
+        dst: &mut dyn ReadSink,
     ) -> io::Result<Option<usize>> {
         if max == 0 {
             return Ok(Some(0));
@@ -188,7 +233,21 @@ impl Reader {
             };
             let k = (max - n).min(f.end - f.at);
             let at = f.slot * self.piece + f.at;
-            self.buf.with_slice(at..at + k, &mut *put).map_err(other)?;
+            // Borrowed, the bytes are copied once straight into the destination. The trusted-peers exposure
+            // policy keeps a long-lived key over the whole buffer, beside which no borrow is lent: then a copy
+            // into the destination's next bytes, zeroed first.
+            let buf = &self.buf;
+            let copied = match buf.with_slice(at..at + k, |bytes| dst.put(bytes)) {
+                Ok(()) => Ok(()),
+                Err(_) => dst.fill(k, &mut |out| buf.read(at, out).map_err(other)),
+            };
+            if let Err(e) = copied {
+                if n > 0 {
+                    // The bytes before are the caller's; the next read meets the error again.
+                    break;
+                }
+                return Err(e);
+            }
             f.at += k;
             n += k;
             if f.at == f.end {
@@ -366,8 +425,13 @@ impl Writer {
                 break;
             }
             let ring = self.ring.as_ref().expect("allocated above");
-            ring.with_slice_mut(at..at + k, |dst| src.fill(dst))
-                .map_err(other)?;
+            if let Err(e) = ring.with_slice_mut(at..at + k, |dst| src.fill(dst)) {
+                if n > 0 {
+                    // The bytes before are on their way; the next write meets the error again.
+                    break;
+                }
+                return Err(other(e));
+            }
             if let Err(e) = self
                 .sock
                 .send(&self.eq, &ring.slice(at..at + k), MsgFlags::NONE, 0)

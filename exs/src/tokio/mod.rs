@@ -134,6 +134,22 @@ pub(crate) struct WritePart {
     fd: AsyncFd<QueueFd>,
 }
 
+/// A tokio `ReadBuf` as the destination of a read: each copy fills the next bytes only (`put_slice` needs none
+/// initialised; the fallback copy initialises only those it fills).
+struct BufSink<'a, 'b>(&'a mut ReadBuf<'b>);
+
+impl sio::ReadSink for BufSink<'_, '_> {
+    fn put(&mut self, bytes: &[u8]) {
+        self.0.put_slice(bytes);
+    }
+
+    fn fill(&mut self, k: usize, f: &mut dyn FnMut(&mut [u8]) -> io::Result<()>) -> io::Result<()> {
+        f(self.0.initialize_unfilled_to(k))?;
+        self.0.advance(k);
+        Ok(())
+    }
+}
+
 impl ReadPart {
     pub(crate) fn poll_read(
         &mut self,
@@ -142,11 +158,11 @@ impl ReadPart {
     ) -> Poll<io::Result<()>> {
         let core = &mut self.core;
         let eq = core.eq.clone();
-        // `put_slice` copies into the unfilled part without zeroing it first (as `initialize_unfilled` would, all
-        // of it, on every fresh buffer).
+        // The unfilled part is not zeroed first (`initialize_unfilled` would zero all of it, on every fresh buffer: a
+        // whole `read_to_end` vector's capacity).
         let max = buf.remaining();
         ready!(poll_until(&self.fd, &eq, cx, || core
-            .try_read_with(max, &mut |chunk| buf.put_slice(chunk))))?;
+            .try_read_with(max, &mut BufSink(buf))))?;
         Poll::Ready(Ok(()))
     }
 }

@@ -120,13 +120,23 @@ pub struct PerfWindow(Option<std::fs::File>);
 
 impl PerfWindow {
     pub fn from_env() -> Result<PerfWindow> {
-        let Some(path) = std::env::var_os("EXS_PERF_CONTROL") else {
+        PerfWindow::open(std::env::var_os("EXS_PERF_CONTROL").as_deref())
+    }
+
+    /// The window on perf's control fifo at `path` (none: a window that says nothing). Fails at once, rather than
+    /// waiting, when nobody reads the fifo (no perf).
+    pub fn open(path: Option<&std::ffi::OsStr>) -> Result<PerfWindow> {
+        use std::os::unix::fs::OpenOptionsExt as _;
+        let Some(path) = path else {
             return Ok(PerfWindow(None));
         };
         let f = std::fs::OpenOptions::new()
             .write(true)
-            .open(&path)
-            .with_context(|| format!("opening perf's control fifo {path:?} (EXS_PERF_CONTROL)"))?;
+            .custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits())
+            .open(path)
+            .with_context(|| {
+                format!("opening perf's control fifo {path:?} (EXS_PERF_CONTROL): is perf stat --control reading it?")
+            })?;
         Ok(PerfWindow(Some(f)))
     }
 
@@ -153,22 +163,35 @@ impl PerfWindow {
 #[cfg(test)]
 mod tests {
     use super::PerfWindow;
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
 
-    /// `exs ping` under the bench's `perf stat -D -1 --control` tells perf when its ping-pong starts and ends; with
-    /// no `EXS_PERF_CONTROL` it says nothing.
+    /// `exs ping` under the bench's `perf stat -D -1 --control` tells perf, through its fifo, when the ping-pong
+    /// starts and ends; with nobody reading the fifo it fails at once instead of waiting for a reader; with no
+    /// fifo named it says nothing.
     #[test]
-    fn the_perf_window_says_enable_then_disable_to_the_named_fifo() {
+    fn the_perf_window_says_enable_then_disable_to_the_fifo_and_never_waits_for_a_reader() {
         let path = std::env::temp_dir().join(format!("exs-perf-window-{}", std::process::id()));
-        std::fs::write(&path, b"").unwrap();
-        std::env::set_var("EXS_PERF_CONTROL", &path);
-        let mut w = PerfWindow::from_env().unwrap();
-        std::env::remove_var("EXS_PERF_CONTROL");
+        let _ = std::fs::remove_file(&path);
+        nix::unistd::mkfifo(&path, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert!(
+            PerfWindow::open(Some(path.as_os_str())).is_err(),
+            "no reader yet"
+        );
+        let mut reader = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::fcntl::OFlag::O_NONBLOCK.bits())
+            .open(&path)
+            .unwrap();
+        let mut w = PerfWindow::open(Some(path.as_os_str())).unwrap();
         w.enable().unwrap();
         w.disable().unwrap();
         drop(w);
-        assert_eq!(std::fs::read_to_string(&path).unwrap(), "enable\ndisable\n");
+        let mut said = String::new();
+        reader.read_to_string(&mut said).unwrap();
+        assert_eq!(said, "enable\ndisable\n");
         std::fs::remove_file(&path).unwrap();
-        let mut none = PerfWindow::from_env().unwrap();
+        let mut none = PerfWindow::open(None).unwrap();
         none.enable().unwrap();
         assert!(none.0.is_none());
     }

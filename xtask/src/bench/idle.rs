@@ -45,10 +45,9 @@ pub(super) fn idle_jobs(
     counts: &[usize],
     perf: bool,
 ) -> Vec<Job> {
-    // Opening and closing thousands of connections costs millions of system calls, and how many varies from run
-    // to run by more than the whole ping-pong makes (with 4,000 on libfabric tcp, the run of fewer round trips
-    // could count more calls): perf counts only the ping-pong (`perf_twice_windowed`), and the two runs' difference
-    // is that of their round trips.
+    // Opening and closing thousands of connections costs more system calls than the whole ping-pong, and how
+    // many varies from run to run by more than the ping-pong makes: perf counts only the ping-pong
+    // (`perf_twice_windowed`), and the two runs' difference is that of their round trips.
     let (short, long) = (5_000, 25_000);
     let exs_rts = |n: usize| n + n / 10 + 1;
     counts

@@ -272,8 +272,8 @@ fn stream_rows_are_compared_with_tcp_and_exs_ping() {
 }
 
 /// The idle rows count only the ping-pong: perf starts with its events off and `exs ping` switches them on and off
-/// through perf's control fifo (opening and closing 4,000 connections on libfabric tcp cost more system calls, and
-/// varied more, than the whole ping-pong: the run of fewer round trips once counted more).
+/// through perf's control fifo (opening and closing thousands of idle connections costs more system calls, and
+/// varies more, than the whole ping-pong).
 #[test]
 fn idle_rows_count_only_the_ping_pong() {
     let jobs = idle_jobs("exs", "fabric tcp", "--backend fabric", &[0, 4000], true);

@@ -13,6 +13,8 @@ use crate::vm::{self, GuestDevice, PAIR_ADDRS};
 
 const AGENT_PORT: u16 = 18600;
 const PUMP_PORT: u16 = 18515;
+/// perftest's steps take ports from here on, one each.
+const PERFTEST_PORT: u16 = 18530;
 /// The cases that need a second host.
 const CASES: [&str; 2] = ["two_hosts_over_a_link", "peer_host_killed_mid_transfer"];
 /// Points of the pump across the link (the guests emulate their CPUs: a few, short).
@@ -26,12 +28,41 @@ fn perftest_dev(dev: &GuestDevice) -> String {
     }
 }
 
+/// One run of a peer tool (perftest) across the link: the same arguments on both sides, the client adding the
+/// server's address.
+struct PeerStep {
+    tool: &'static str,
+    args: String,
+}
+
+/// perftest's runs across the link, each on a port of its own: a client that retries after a failed run can only
+/// meet the server of its own step, never a later one.
+fn perftest_steps(dev: &GuestDevice) -> Vec<PeerStep> {
+    let pt = perftest_dev(dev);
+    let runs = [
+        ("ib_write_bw", "-s 65536 -n 300"),
+        ("ib_write_bw", "-s 1048576 -n 30"),
+        ("ib_send_lat", "-s 8 -n 200"),
+    ];
+    runs.iter()
+        .zip(PERFTEST_PORT..)
+        .map(|(&(tool, sizes), port)| PeerStep {
+            tool,
+            args: format!("{tool} {pt} -p {port} {sizes}"),
+        })
+        .collect()
+}
+
+/// Shell function for the server side of a peer-tool step: a server whose run failed (perftest's own, between soft
+/// devices, can end with a flushed work request) starts again for its client's retry, a few times, each run bounded
+/// so that a client that already moved on cannot hold the guest.
+const SERVE: &str = "serve() { n=0; while [ $n -lt 3 ]; do timeout 120 \"$@\" && return 0; n=$((n+1)); echo \"PAIR-NOTE $1 server run $n failed\"; done; return 1; }\n";
+
 fn guest0(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
     let (near, far) = (PAIR_ADDRS[0], PAIR_ADDRS[1]);
     let exe = exe.display();
     let tool = tool.display();
     let agent = format!("{far}:{AGENT_PORT}");
-    let pt = perftest_dev(dev);
     let mut s = String::from("section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n");
     // With siw the libfabric tcp stage would repeat the rxe run's: only verbs, on siw.
     let backends: &[(&str, &str)] = match dev {
@@ -57,23 +88,26 @@ fn guest0(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
          {tool} pump --server --once --backend verbs --addr {near} -p {PUMP_PORT} || echo 'PAIR-FAIL pump server verbs'\n\
          {tool} pump --server --once --backend fabric --addr {near} -p {} || echo 'PAIR-FAIL pump server fabric'\n\
          {tool} ping --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL ping server verbs'\n\
-         {tool} demo --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL demo server verbs'\n\
-         ib_write_bw {pt} -s 65536 -n 300 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
-         ib_write_bw {pt} -s 1048576 -n 30 >/dev/null || echo 'PAIR-FAIL ib_write_bw server'\n\
-         ib_send_lat {pt} -s 8 -n 200 >/dev/null || echo 'PAIR-FAIL ib_send_lat server'\n",
+         {tool} demo --server --once --backend verbs --addr {near} -p {} || echo 'PAIR-FAIL demo server verbs'\n",
         PUMP_PORT + 1,
         PUMP_PORT + 2,
         PUMP_PORT + 3,
     ));
+    s.push_str(SERVE);
+    for step in perftest_steps(dev) {
+        s.push_str(&format!(
+            "serve {} >/dev/null || echo 'PAIR-FAIL {} server'\n",
+            step.args, step.tool
+        ));
+    }
     s
 }
 
 fn guest1(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
     let (near, far) = (PAIR_ADDRS[0], PAIR_ADDRS[1]);
-    let pt = perftest_dev(dev);
     let exe = exe.display();
     let tool = tool.display();
-    format!(
+    let mut s = format!(
         "{retry}env EXS_VERBS_ADDR={far} EXS_FABRIC_ADDR={far} EXS_SOFTROCE_ADDR={far} EXS_CONFORMANCE_ROLE=agent \
          EXS_CONFORMANCE_AGENT={far}:{AGENT_PORT} {exe}\n\
          echo 'PAIR-POINT verbs'\n\
@@ -83,17 +117,24 @@ fn guest1(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
          echo 'PAIR-POINT ping'\n\
          retry {tool} ping --client {near}:{} --backend verbs --addr {far} --size 8 --count 200 --json || echo 'PAIR-FAIL ping client verbs'\n\
          echo 'PAIR-POINT demo'\n\
-         retry {tool} demo --client {near}:{} --backend verbs --addr {far} --size 16M --no-tcp --json || echo 'PAIR-FAIL demo client verbs'\n\
-         echo 'PAIR-POINT ib_write_bw'\n\
-         retry ib_write_bw {pt} -s 65536 -n 300 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
-         retry ib_write_bw {pt} -s 1048576 -n 30 {near} || echo 'PAIR-FAIL ib_write_bw client'\n\
-         echo 'PAIR-POINT ib_send_lat'\n\
-         retry ib_send_lat {pt} -s 8 -n 200 {near} || echo 'PAIR-FAIL ib_send_lat client'\n",
+         retry {tool} demo --client {near}:{} --backend verbs --addr {far} --size 16M --no-tcp --json || echo 'PAIR-FAIL demo client verbs'\n",
         PUMP_PORT + 1,
         PUMP_PORT + 2,
         PUMP_PORT + 3,
         retry = vm::RETRY,
-    )
+    );
+    let mut point = "";
+    for step in perftest_steps(dev) {
+        if step.tool != point {
+            s.push_str(&format!("echo 'PAIR-POINT {}'\n", step.tool));
+            point = step.tool;
+        }
+        s.push_str(&format!(
+            "retry {} {near} || echo 'PAIR-FAIL {} client'\n",
+            step.args, step.tool
+        ));
+    }
+    s
 }
 
 /// What guest 1 measured: (label, size, MB/s).
@@ -250,5 +291,64 @@ fn size_name(n: u64) -> String {
         n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
         n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
         n => format!("{n} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs `serve` around a command that fails its first `fail` runs; returns the exit code and the runs made.
+    fn serve_with_flaky(fail: u32) -> (i32, u32) {
+        let dir = std::env::temp_dir().join(format!("exs-serve-{}-{fail}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let count = dir.join("runs");
+        // A program, not a shell function: `serve` runs its command under `timeout`, as it runs perftest.
+        let flaky = dir.join("flaky");
+        std::fs::write(
+            &flaky,
+            format!(
+                "#!/bin/sh\nn=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; [ $n -gt {fail} ]\n",
+                c = count.display()
+            ),
+        )
+        .unwrap();
+        let script = format!("{SERVE}serve sh {}", flaky.display());
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .output()
+            .unwrap();
+        let runs = std::fs::read_to_string(&count).unwrap().trim().parse().unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        (out.status.code().unwrap(), runs)
+    }
+
+    #[test]
+    fn a_peer_tool_server_whose_run_failed_serves_again_a_bounded_number_of_times() {
+        assert_eq!(serve_with_flaky(0), (0, 1));
+        assert_eq!(serve_with_flaky(1), (0, 2));
+        assert_eq!(serve_with_flaky(99), (1, 3));
+    }
+
+    #[test]
+    fn each_peer_tool_step_has_a_port_of_its_own_on_both_sides() {
+        for dev in [GuestDevice::Rxe, GuestDevice::Siw("siw0".into())] {
+            let steps = perftest_steps(&dev);
+            let mut ports: Vec<&str> = steps
+                .iter()
+                .map(|s| s.args.split(" -p ").nth(1).unwrap().split(' ').next().unwrap())
+                .collect();
+            ports.dedup();
+            assert_eq!(ports.len(), steps.len());
+            let (g0, g1) = (
+                guest0(Path::new("exe"), Path::new("exs"), &dev),
+                guest1(Path::new("exe"), Path::new("exs"), &dev),
+            );
+            for step in &steps {
+                assert!(g0.contains(&format!("serve {} >/dev/null", step.args)), "{g0}");
+                assert!(g1.contains(&format!("retry {} {}", step.args, PAIR_ADDRS[0])), "{g1}");
+            }
+        }
     }
 }

@@ -319,7 +319,11 @@ mod tests {
             .arg(script)
             .output()
             .unwrap();
-        let runs = std::fs::read_to_string(&count).unwrap().trim().parse().unwrap();
+        let runs = std::fs::read_to_string(&count)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         (out.status.code().unwrap(), runs)
     }
@@ -337,7 +341,15 @@ mod tests {
             let steps = perftest_steps(&dev);
             let mut ports: Vec<&str> = steps
                 .iter()
-                .map(|s| s.args.split(" -p ").nth(1).unwrap().split(' ').next().unwrap())
+                .map(|s| {
+                    s.args
+                        .split(" -p ")
+                        .nth(1)
+                        .unwrap()
+                        .split(' ')
+                        .next()
+                        .unwrap()
+                })
                 .collect();
             ports.dedup();
             assert_eq!(ports.len(), steps.len());
@@ -346,8 +358,14 @@ mod tests {
                 guest1(Path::new("exe"), Path::new("exs"), &dev),
             );
             for step in &steps {
-                assert!(g0.contains(&format!("serve {} >/dev/null", step.args)), "{g0}");
-                assert!(g1.contains(&format!("retry {} {}", step.args, PAIR_ADDRS[0])), "{g1}");
+                assert!(
+                    g0.contains(&format!("serve {} >/dev/null", step.args)),
+                    "{g0}"
+                );
+                assert!(
+                    g1.contains(&format!("retry {} {}", step.args, PAIR_ADDRS[0])),
+                    "{g1}"
+                );
             }
         }
     }

@@ -41,6 +41,12 @@
 //! writes costs one network operation per batch, not per write. With coalescing on (the default), a batch smaller
 //! than a full write waits while an earlier write is in flight, so that the sends behind it join it (issue 12; like
 //! TCP's autocorking: nothing waits longer than one write's completion, and a lone send never waits).
+//!
+//! A batch of at most [`SMALL_VIA_RING`] bytes goes through the stream buffer even when an advertisement is there
+//! (one copy of a few bytes costs less than an advertisement per write). With coalescing on, a receiver that
+//! sees its advertisements passed over for several small writes in a row stops advertising (MSG_WAITALL receives excepted) until a larger transfer comes
+//! through the buffer: each advertisement would be flushed by the next small write and sent again, so a
+//! request/response stream would carry two control messages per round trip beside its data.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -238,10 +244,13 @@ struct Rx {
     window_deferred: bool,
     /// The peer sends small writes through the stream buffer (see `small_via_ring`): it sent a small indirect
     /// transfer though our advertisements were outstanding, or a small direct one while we held space back (it
-    /// fell back on the receive for want of space), and no direct transfer larger than [`SMALL_VIA_RING`] since.
-    /// Space is then neither held back for advertisements nor delayed, and one advertisement at a time is
-    /// outstanding: a sender with more to send uses it for a large direct transfer, which ends this.
+    /// fell back on the receive for want of space), and no transfer larger than [`SMALL_VIA_RING`] since. Space is
+    /// then neither held back for advertisements nor delayed, and (with coalescing on) only MSG_WAITALL receives
+    /// are advertised, otherwise one at a time: a sender with more to send writes a large transfer, which ends this.
     ring_chosen: bool,
+    /// Small indirect transfers that flushed an outstanding advertisement since the last transfer larger than
+    /// [`SMALL_VIA_RING`] (see `advertise`).
+    small_flushes: u32,
 }
 
 #[derive(Debug)]
@@ -287,6 +296,10 @@ const CORK_BYTES: usize = 16 << 10;
 /// Queued sends of at most this many bytes in all go through the stream buffer even when an advertisement is
 /// there (see `small_via_ring`).
 const SMALL_VIA_RING: usize = 16 << 10;
+
+/// With coalescing on, this many small writes in a row that passed over an advertisement (each flushed it) stop
+/// the advertisements until a large transfer: a request/response stream, not a header before a bulk body.
+const QUIET_AFTER_FLUSHES: u32 = 4;
 
 /// The peer's stream buffer, `len` bytes at `addr`, must not wrap around the address space (issue 15: a handshake
 /// whose address plus length overflowed made a later write's address overflow).
@@ -347,6 +360,7 @@ impl StreamProto {
                 defer_windows,
                 window_deferred: false,
                 ring_chosen: false,
+                small_flushes: 0,
             },
             tx: Tx {
                 sends: VecDeque::new(),

@@ -106,10 +106,23 @@ impl StreamProto {
                 // The peer's advert credits: the rest waits until an advertised receive completes.
                 break;
             }
+            if self.rx.ring_chosen
+                && self.coalesce
+                && !r.waitall
+                && self.rx.small_flushes >= QUIET_AFTER_FLUSHES
+            {
+                // The peer keeps sending small writes through the stream buffer (a request/response stream):
+                // every advertisement is flushed by its next small write and sent again, two control messages per
+                // round trip beside the data (issue 26). None goes until the peer writes a transfer larger than
+                // `SMALL_VIA_RING` through the buffer, which it does with bulk to send and no advertisement (see
+                // `on_write_imm`); a stream that writes one small header before each bulk body never gets here.
+                // Advertising is the receiver's choice (seed 001: a receiver with no receive posted advertises
+                // nothing and takes every byte indirectly). A MSG_WAITALL receive is still advertised: the
+                // sender uses it whatever the size of its writes. Without coalescing (the seed's figures), a
+                // new advertisement follows every flush.
+                break;
+            }
             if self.rx.ring_chosen && self.rx.outstanding > 0 {
-                // The peer sends small writes through the stream buffer: one advertisement at a time is enough
-                // for it to come back to direct transfers with a large one (issue 26); more would each be
-                // flushed by its small writes and sent again, a control message per write.
                 break;
             }
             if ring_has_data {
@@ -263,6 +276,7 @@ impl StreamProto {
                 r.filled += n;
                 if n > SMALL_VIA_RING {
                     self.rx.ring_chosen = false;
+                    self.rx.small_flushes = 0;
                 } else if space_held_back {
                     // A small transfer into our receive while the sender's view of the buffer is half full or
                     // more: its small writes go through the buffer when there is room (`small_via_ring`), so it
@@ -285,8 +299,14 @@ impl StreamProto {
                     )));
                 }
                 self.rx.tail += n;
-                if self.rx.phase % 2 == 0 && self.rx.outstanding > 0 && n <= SMALL_VIA_RING as u64 {
+                if n > SMALL_VIA_RING as u64 {
+                    // More than a small batch through the buffer: the sender has bulk to send and no
+                    // advertisement to send it into; advertise again (see `advertise`).
+                    self.rx.ring_chosen = false;
+                    self.rx.small_flushes = 0;
+                } else if self.rx.phase % 2 == 0 && self.rx.outstanding > 0 {
                     self.rx.ring_chosen = true;
+                    self.rx.small_flushes = self.rx.small_flushes.saturating_add(1);
                 }
                 // "When the receiver receives an indirect transfer, it also increments its phase if it was
                 // previously even."

@@ -576,7 +576,7 @@ fn next_recv(eq: &exs::EventQueue) -> exs::Event {
 /// over for several small writes in a row stops advertising; the round trip is the two writes. A large write after it goes through
 /// the buffer and brings the advertisements back.
 #[test]
-fn a_request_response_stream_sends_no_advertisement_per_message_and_bulk_after_it_advertises_again() {
+fn a_request_response_stream_sends_no_advertisement_per_message() {
     const ROUNDS: usize = 300;
     const RECV: usize = 256 << 10;
     let p = pair_threaded(SockType::Stream, SocketOptions::default());

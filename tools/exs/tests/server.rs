@@ -381,19 +381,27 @@ fn line() -> impl Strategy<Value = Vec<u8>> {
     ]
 }
 
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
-
-    #[test]
-    fn the_server_answers_or_refuses_any_line_and_stays_up(hello in any::<bool>(), lines in prop::collection::vec(line(), 1..4)) {
-        use std::sync::OnceLock;
-        static SERVER: OnceLock<std::sync::Mutex<Server>> = OnceLock::new();
-        let server = SERVER.get_or_init(|| std::sync::Mutex::new(Server::start("pump", free_port(), &[])));
-        let mut server = server.lock().unwrap();
+/// One server for every case, owned by the test (not a static, which is never dropped: its process outlived the
+/// test run), and ended with it.
+#[test]
+fn the_server_answers_or_refuses_any_line_and_stays_up() {
+    use proptest::test_runner::{Config, TestRunner};
+    let server = std::cell::RefCell::new(Server::start("pump", free_port(), &[]));
+    let mut runner = TestRunner::new(Config {
+        cases: 200,
+        ..Config::default()
+    });
+    let cases = (any::<bool>(), prop::collection::vec(line(), 1..4));
+    let outcome = runner.run(&cases, |(hello, lines)| {
+        let mut server = server.borrow_mut();
         let mut raw = Raw::connect(&server);
         if hello {
             let m = raw.hello("pump");
-            prop_assert!(m["msg"] == "welcome" || message(&m).contains("busy"), "{}", m);
+            prop_assert!(
+                m["msg"] == "welcome" || message(&m).contains("busy"),
+                "{}",
+                m
+            );
         }
         for l in &lines {
             raw.send(l);
@@ -403,7 +411,11 @@ proptest! {
         // client go).
         while let Some(m) = raw.reply() {
             let kind = m["msg"].as_str().unwrap_or_default().to_string();
-            prop_assert!(["error", "welcome", "listening"].contains(&kind.as_str()), "{}", m);
+            prop_assert!(
+                ["error", "welcome", "listening"].contains(&kind.as_str()),
+                "{}",
+                m
+            );
             if kind == "listening" {
                 break;
             }
@@ -413,6 +425,10 @@ proptest! {
         }
         prop_assert!(server.alive(), "the server exited");
         prop_assert!(!server.log().iter().any(|l| l.contains("panicked")));
+        Ok(())
+    });
+    if let Err(e) = outcome {
+        panic!("{e}");
     }
 }
 

@@ -5,7 +5,8 @@
 //! # 256 MiB one way, written with write_all and read with read_to_end, server and client in this process:
 //! EXS_BACKEND=fabric cargo run --release -p exs --features tokio,fabric --example stream_bench -- bulk exs-tokio
 //! #   APIs: exs-tokio (exs::tokio::Stream), tcp-tokio (tokio::net::TcpStream), exs-std (exs::Stream),
-//! #   tcp-std (std::net::TcpStream); an optional third argument is the size in bytes
+//! #   tcp-std (std::net::TcpStream); optional: the size in bytes, then the size of each write (default: one
+//! #   write_all of the whole buffer), e.g. `bulk exs-std 33554432 65536` as rstream writes 64 KiB at a time
 //! # 8-byte request/response (one-way time: half the round trip, as `exs ping` reports it):
 //! ... --example stream_bench -- rr exs-std [COUNT]        # or tcp-std
 //! # hyper's GET of 64 MiB, every byte checked (exs/examples/http.rs):
@@ -91,6 +92,7 @@ fn stats_of<S: 'static>(s: &S) -> Box<dyn Fn()> {
 /// time runs from the connection's start to the reader's end-of-stream.
 fn bulk_std<S, L>(
     data: &[u8],
+    write: usize,
     listen: impl FnOnce() -> io::Result<(L, SocketAddr)>,
     accept: impl FnOnce(L) -> io::Result<S> + Send + 'static,
     connect: impl FnOnce(SocketAddr) -> io::Result<S>,
@@ -111,7 +113,9 @@ where
     let mut c = connect(addr)?;
     let stats = stats_of(&c);
     let (t, cpu0) = (Instant::now(), cpu());
-    c.write_all(data)?;
+    for piece in data.chunks(write.max(1)) {
+        c.write_all(piece)?;
+    }
     shutdown(&c)?;
     let (got, end) = reader.join().map_err(|_| other("the reader panicked"))??;
     let cpu = cpu() - cpu0;
@@ -122,6 +126,7 @@ where
 
 async fn bulk_tokio<S>(
     data: std::sync::Arc<Vec<u8>>,
+    write: usize,
     accepted: tokio::task::JoinHandle<io::Result<S>>,
     mut c: S,
 ) -> io::Result<(Duration, Duration)>
@@ -137,7 +142,9 @@ where
         Ok::<_, io::Error>((got, Instant::now()))
     });
     let (t, cpu0) = (Instant::now(), cpu());
-    c.write_all(&data).await?;
+    for piece in data.chunks(write.max(1)) {
+        c.write_all(piece).await?;
+    }
     c.shutdown().await?;
     let (got, end) = reader.await.map_err(other)??;
     let cpu = cpu() - cpu0;
@@ -147,7 +154,7 @@ where
 
 /// The time and the CPU time (both ends) of [`bulk_std`] or [`bulk_tokio`] over `api`: one transfer, or the sum
 /// of `STREAM_BENCH_ROUNDS` of them on fresh connections (for profiles, which the set-up would blur otherwise).
-fn bulk(api: &str, len: usize) -> io::Result<(Duration, Duration)> {
+fn bulk(api: &str, len: usize, write: usize) -> io::Result<(Duration, Duration)> {
     let rounds: usize = std::env::var("STREAM_BENCH_ROUNDS")
         .ok()
         .and_then(|r| r.parse().ok())
@@ -155,19 +162,24 @@ fn bulk(api: &str, len: usize) -> io::Result<(Duration, Duration)> {
     let data = std::sync::Arc::new(payload(len));
     let mut sum = (Duration::ZERO, Duration::ZERO);
     for _ in 0..rounds {
-        let (t, c) = bulk_once(api, &data)?;
+        let (t, c) = bulk_once(api, &data, write)?;
         sum = (sum.0 + t, sum.1 + c);
     }
     Ok(sum)
 }
 
-fn bulk_once(api: &str, data: &std::sync::Arc<Vec<u8>>) -> io::Result<(Duration, Duration)> {
+fn bulk_once(
+    api: &str,
+    data: &std::sync::Arc<Vec<u8>>,
+    write: usize,
+) -> io::Result<(Duration, Duration)> {
     let data = std::sync::Arc::clone(data);
     match api {
         "exs-std" => {
             let (server, client) = contexts()?;
             bulk_std(
                 &data,
+                write,
                 || {
                     let l = exs::Listener::bind_in(&server, listen_addr()?)?;
                     let a = l.local_addr()?;
@@ -180,6 +192,7 @@ fn bulk_once(api: &str, data: &std::sync::Arc<Vec<u8>>) -> io::Result<(Duration,
         }
         "tcp-std" => bulk_std(
             &data,
+            write,
             || {
                 let l = std::net::TcpListener::bind("127.0.0.1:0")?;
                 let a = l.local_addr()?;
@@ -196,7 +209,7 @@ fn bulk_once(api: &str, data: &std::sync::Arc<Vec<u8>>) -> io::Result<(Duration,
                 let addr = l.local_addr()?;
                 let accepted = tokio::spawn(async move { Ok(l.accept().await?.0) });
                 let c = exs::tokio::Stream::connect_in(&client, addr).await?;
-                bulk_tokio(data, accepted, c).await
+                bulk_tokio(data, write, accepted, c).await
             })
         }
         "tcp-tokio" => runtime()?.block_on(async move {
@@ -204,7 +217,7 @@ fn bulk_once(api: &str, data: &std::sync::Arc<Vec<u8>>) -> io::Result<(Duration,
             let addr = l.local_addr()?;
             let accepted = tokio::spawn(async move { Ok(l.accept().await?.0) });
             let c = tokio::net::TcpStream::connect(addr).await?;
-            bulk_tokio(data, accepted, c).await
+            bulk_tokio(data, write, accepted, c).await
         }),
         _ => Err(other(format!(
             "unknown API {api:?}: exs-tokio, tcp-tokio, exs-std, tcp-std"
@@ -310,7 +323,11 @@ fn main() -> io::Result<()> {
     };
     let (test, api) = match (args.first(), args.get(1)) {
         (Some(t), Some(a)) => (t.as_str(), a.as_str()),
-        _ => return Err(other("usage: stream_bench bulk|rr|http API [BYTES|COUNT]")),
+        _ => {
+            return Err(other(
+                "usage: stream_bench bulk|rr|http API [BYTES [WRITE]|COUNT]",
+            ))
+        }
     };
     let line = match test {
         "bulk" | "http" => {
@@ -320,15 +337,16 @@ fn main() -> io::Result<()> {
                 .and_then(|r| r.parse().ok())
                 .filter(|_| test == "bulk")
                 .unwrap_or(1);
+            let write = arg(3, len)?;
             let (took, cpu) = if test == "bulk" {
-                bulk(api, len)?
+                bulk(api, len, write)?
             } else {
                 let cpu0 = cpu();
                 let took = http(api, len)?;
                 (took, cpu() - cpu0)
             };
             format!(
-                r#"{{"test":"{test}","api":"{api}","bytes":{len},"secs":{:.6},"bytes_per_sec":{:.0},"cpu_ns_per_kib":{:.0}}}"#,
+                r#"{{"test":"{test}","api":"{api}","bytes":{len},"write":{write},"secs":{:.6},"bytes_per_sec":{:.0},"cpu_ns_per_kib":{:.0}}}"#,
                 took.as_secs_f64(),
                 (len * rounds) as f64 / took.as_secs_f64(),
                 cpu.as_nanos() as f64 / ((len * rounds) as f64 / 1024.0)

@@ -176,7 +176,13 @@ pub(super) fn host_jobs(exe: &str, c_bin: &str, p: &Plan) -> Vec<Job> {
     v
 }
 
-pub(super) fn softroce_jobs(exe: &str, c_bin: &str, p: &Plan, quick: bool) -> Vec<Job> {
+pub(super) fn softroce_jobs(
+    exe: &str,
+    c_bin: &str,
+    stream_bench: &str,
+    p: &Plan,
+    quick: bool,
+) -> Vec<Job> {
     let (dev, _, addr) = rxe::DUMMY;
     // The guest's CPU is emulated: the quick run keeps to the sizes the targets name.
     let quick_plan;
@@ -245,8 +251,21 @@ pub(super) fn softroce_jobs(exe: &str, c_bin: &str, p: &Plan, quick: bool) -> Ve
             pt("ib_read_bw", size, &extra),
             Parse::PerftestBw,
         ));
+        // Issue 26: `exs::Stream` written as rstream writes, `size` bytes at a time (server and client in one
+        // process, two contexts on the device), beside rstream.
+        let count = (32u64 << 20).div_ceil(size).clamp(100, 5_000);
+        v.push(job(
+            "streams",
+            "exs-std",
+            size,
+            1,
+            format!(
+                "EXS_BACKEND=verbs EXS_ADDR={addr} {stream_bench} bulk exs-std {} {size}",
+                count * size
+            ),
+            Parse::Json,
+        ));
         for (variant, t) in [("rstream", ""), ("rstream-tcp", "-T s")] {
-            let count = (32u64 << 20).div_ceil(size).clamp(100, 5_000);
             v.push(job(
                 "rstream",
                 variant,

@@ -228,7 +228,7 @@ fn softroce_suite(
             .ok();
         (Some(v), load)
     };
-    let mut jobs = softroce_jobs(exe, c_bin, p, a.quick);
+    let mut jobs = softroce_jobs(exe, c_bin, &build_stream_bench()?, p, a.quick);
     if siw_load.is_some() {
         jobs.extend(siw_jobs(exe, p, a.quick));
     }

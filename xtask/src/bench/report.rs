@@ -314,6 +314,29 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
             |r| r >= 1.0,
             ">= 1.0x",
         ));
+        // Issue 26: the stream pump at small sizes beside TCP without Nagle, at large ones beside the transport's
+        // own write loop.
+        for size in [64u64, 4096] {
+            v.push(ratio_line(
+                &format!("exs stream vs TCP nodelay, {}", fmt_size(size)),
+                bw("exs", "stream", size),
+                bw("tcp", "nodelay", size),
+                |r| r >= 1.0,
+                ">= 1.0x, issue 26",
+            ));
+        }
+        for size in [65536u64, mib] {
+            v.push(ratio_line(
+                &format!(
+                    "exs stream vs raw libfabric RMA write loop, {}",
+                    fmt_size(size)
+                ),
+                bw("exs", "stream", size),
+                bw("raw", "write", size),
+                |r| r >= 0.9,
+                ">= 0.9x, issue 26",
+            ));
+        }
         for size in [65536u64, mib] {
             let a = bw("exs-wait", "adaptive", size);
             let best = bw("exs-wait", "busy", size)
@@ -357,6 +380,17 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
                 bw("rstream", "rstream", size),
                 |r| r >= 1.0,
                 ">= 1.0x, issue 12; issue 7 asked 1.5x",
+            ));
+            v.push(ratio_line(
+                &format!(
+                    "exs::Stream ({} writes) vs rstream, {}",
+                    fmt_size(size),
+                    fmt_size(size)
+                ),
+                bw("streams", "exs-std", size),
+                bw("rstream", "rstream", size),
+                |r| r >= 1.0,
+                ">= 1.0x, issue 26",
             ));
         }
         v.push(ratio_line(

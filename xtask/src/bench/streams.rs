@@ -4,7 +4,8 @@
 
 use super::*;
 
-/// The stream bench program, built with the features it needs.
+/// The stream bench program, built with the features it needs (verbs too: the Soft-RoCE suite runs it in the
+/// guest).
 pub(super) fn build_stream_bench() -> Result<String> {
     sys::run(sys::cargo().args([
         "build",
@@ -12,7 +13,7 @@ pub(super) fn build_stream_bench() -> Result<String> {
         "-p",
         "exs",
         "--features",
-        "tokio,fabric",
+        "tokio,fabric,verbs",
         "--example",
         "stream_bench",
     ]))?;

@@ -271,6 +271,69 @@ fn stream_rows_are_compared_with_tcp_and_exs_ping() {
     );
 }
 
+/// Issue 26: on Soft-RoCE, `exs::Stream` written 64 KiB at a time (as rstream writes) runs on the device in the
+/// guest and is compared with rstream.
+#[test]
+fn the_soft_roce_stream_row_writes_as_rstream_does_and_is_compared_with_it() {
+    let jobs = softroce_jobs("exs", "c", "sb", &plan(true), true);
+    let (_, _, addr) = rxe::DUMMY;
+    let j = jobs
+        .iter()
+        .find(|j| j.tool == "streams" && j.variant == "exs-std")
+        .expect("a stream row");
+    assert_eq!(j.size, 65536);
+    assert!(
+        j.cmd.starts_with(&format!(
+            "EXS_BACKEND=verbs EXS_ADDR={addr} sb bulk exs-std "
+        )) && j.cmd.ends_with(" 65536"),
+        "{}",
+        j.cmd
+    );
+    let mut sum = BTreeMap::new();
+    for (tool, variant, v) in [("streams", "exs-std", 16.0), ("rstream", "rstream", 15.0)] {
+        sum.insert(
+            (
+                tool.into(),
+                variant.into(),
+                65536,
+                1,
+                "bytes_per_sec".into(),
+            ),
+            (v, v, v, 1),
+        );
+    }
+    let t = targets("softroce", &sum);
+    assert!(
+        t.contains(&"exs::Stream (64 KiB writes) vs rstream, 64 KiB: 1.07x (target >= 1.0x, issue 26) - met".to_string()),
+        "{t:?}"
+    );
+}
+
+/// Issue 26: the stream pump's targets, beside TCP without Nagle at small sizes and beside the raw write loop at
+/// large ones.
+#[test]
+fn the_stream_pump_is_compared_with_tcp_nodelay_and_the_raw_write_loop() {
+    let mut sum = BTreeMap::new();
+    for (tool, variant, size, v) in [
+        ("exs", "stream", 4096, 110.0),
+        ("tcp", "nodelay", 4096, 100.0),
+        ("exs", "stream", 1 << 20, 80.0),
+        ("raw", "write", 1 << 20, 100.0),
+    ] {
+        sum.insert(
+            (tool.into(), variant.into(), size, 1, "bytes_per_sec".into()),
+            (v, v, v, 1),
+        );
+    }
+    let t = targets("host", &sum);
+    for want in [
+        "exs stream vs TCP nodelay, 4 KiB: 1.10x (target >= 1.0x, issue 26) - met",
+        "exs stream vs raw libfabric RMA write loop, 1 MiB: 0.80x (target >= 0.9x, issue 26) - missed",
+    ] {
+        assert!(t.contains(&want.to_string()), "{want}: {t:?}");
+    }
+}
+
 /// The idle rows count only the ping-pong: perf starts with its events off and `exs ping` switches them on and off
 /// through perf's control fifo (opening and closing thousands of idle connections costs more system calls, and
 /// varies more, than the whole ping-pong).

@@ -316,25 +316,17 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
         ));
         // Issue 26: the stream pump at small sizes beside TCP without Nagle, at large ones beside the transport's
         // own write loop.
-        for size in [64u64, 4096] {
+        let nodelay = (("tcp", "nodelay"), "TCP nodelay", 1.0);
+        let raw = (("raw", "write"), "raw libfabric RMA write loop", 0.9);
+        for (size, ((tool, variant), name, min)) in
+            [(64u64, nodelay), (4096, nodelay), (65536, raw), (mib, raw)]
+        {
             v.push(ratio_line(
-                &format!("exs stream vs TCP nodelay, {}", fmt_size(size)),
+                &format!("exs stream vs {name}, {}", fmt_size(size)),
                 bw("exs", "stream", size),
-                bw("tcp", "nodelay", size),
-                |r| r >= 1.0,
-                ">= 1.0x, issue 26",
-            ));
-        }
-        for size in [65536u64, mib] {
-            v.push(ratio_line(
-                &format!(
-                    "exs stream vs raw libfabric RMA write loop, {}",
-                    fmt_size(size)
-                ),
-                bw("exs", "stream", size),
-                bw("raw", "write", size),
-                |r| r >= 0.9,
-                ">= 0.9x, issue 26",
+                bw(tool, variant, size),
+                |r| r >= min,
+                &format!(">= {min:.1}x, issue 26"),
             ));
         }
         for size in [65536u64, mib] {

@@ -573,13 +573,26 @@ fn next_recv(eq: &exs::EventQueue) -> exs::Event {
 /// Issue 26: an 8-byte request/response stream with receives kept posted (as `exs::Stream` keeps them) cost four
 /// messages per round trip: each side's small write went through the stream buffer, flushed the receiver's
 /// advertisement, and the receiver advertised again. With coalescing on, a receiver whose advertisements are passed
-/// over for several small writes in a row stops advertising; the round trip is the two writes. A large write after it goes through
-/// the buffer and brings the advertisements back.
+/// over for several small writes in a row stops advertising; the round trip is the two writes. A large write after
+/// it goes through the buffer and brings the advertisements back.
 #[test]
 fn a_request_response_stream_sends_no_advertisement_per_message() {
+    request_response_then_bulk(SocketOptions::default());
+}
+
+/// The same with a stream buffer smaller than a small batch (4 KiB): every transfer through it is small by size,
+/// so one that fills more than half of it counts as bulk and brings the advertisements back.
+#[test]
+fn a_request_response_stream_sends_no_advertisement_per_message_with_a_small_stream_buffer() {
+    request_response_then_bulk(SocketOptions::default().with_stream_buffer_size(4096));
+}
+
+/// 8-byte request/response with receives kept posted, then 8 MiB of bulk from the client: no advertisement per
+/// round trip, advertisements again during the bulk, every byte in order.
+fn request_response_then_bulk(opts: SocketOptions) {
     const ROUNDS: usize = 300;
     const RECV: usize = 256 << 10;
-    let p = pair_threaded(SockType::Stream, SocketOptions::default());
+    let p = pair_threaded(SockType::Stream, opts);
     let req = p.client_region(pattern(8, 1));
     let resp = p.server_region(8);
     resp.write(0, &pattern(8, 2)).unwrap();

@@ -43,10 +43,11 @@
 //! TCP's autocorking: nothing waits longer than one write's completion, and a lone send never waits).
 //!
 //! A batch of at most [`SMALL_VIA_RING`] bytes goes through the stream buffer even when an advertisement is there
-//! (one copy of a few bytes costs less than an advertisement per write). With coalescing on, a receiver that
-//! sees its advertisements passed over for several small writes in a row stops advertising (MSG_WAITALL receives excepted) until a larger transfer comes
-//! through the buffer: each advertisement would be flushed by the next small write and sent again, so a
-//! request/response stream would carry two control messages per round trip beside its data.
+//! (one copy of a few bytes costs less than an advertisement per write). With coalescing on, a receiver that sees
+//! its advertisements passed over for [`QUIET_AFTER_FLUSHES`] small writes in a row stops advertising (MSG_WAITALL
+//! receives excepted) until a larger transfer comes through the buffer: each advertisement would be flushed by the
+//! next small write and sent again, so a request/response stream would carry two control messages per round trip
+//! beside its data.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -244,12 +245,12 @@ struct Rx {
     window_deferred: bool,
     /// The peer sends small writes through the stream buffer (see `small_via_ring`): it sent a small indirect
     /// transfer though our advertisements were outstanding, or a small direct one while we held space back (it
-    /// fell back on the receive for want of space), and no transfer larger than [`SMALL_VIA_RING`] since. Space is
+    /// fell back on the receive for want of space), and no large transfer since (see `on_write_imm`). Space is
     /// then neither held back for advertisements nor delayed, and (with coalescing on) only MSG_WAITALL receives
     /// are advertised, otherwise one at a time: a sender with more to send writes a large transfer, which ends this.
     ring_chosen: bool,
-    /// Small indirect transfers that flushed an outstanding advertisement since the last transfer larger than
-    /// [`SMALL_VIA_RING`] (see `advertise`).
+    /// Small indirect transfers that flushed an outstanding advertisement since the last large transfer (see
+    /// `advertise`).
     small_flushes: u32,
 }
 

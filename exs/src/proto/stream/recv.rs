@@ -123,6 +123,8 @@ impl StreamProto {
                 break;
             }
             if self.rx.ring_chosen && self.rx.outstanding > 0 {
+                // Otherwise one advertisement at a time while the peer writes small: a sender with more to send
+                // uses it for a large direct transfer.
                 break;
             }
             if ring_has_data {
@@ -299,9 +301,10 @@ impl StreamProto {
                     )));
                 }
                 self.rx.tail += n;
-                if n > SMALL_VIA_RING as u64 {
-                    // More than a small batch through the buffer: the sender has bulk to send and no
-                    // advertisement to send it into; advertise again (see `advertise`).
+                if n > SMALL_VIA_RING as u64 || n * 2 > self.rx.ring_len {
+                    // More than a small batch through the buffer (or more than half of a buffer too small to
+                    // take a batch that size): the sender has bulk to send and no advertisement to send it into;
+                    // advertise again (see `advertise`).
                     self.rx.ring_chosen = false;
                     self.rx.small_flushes = 0;
                 } else if self.rx.phase % 2 == 0 && self.rx.outstanding > 0 {

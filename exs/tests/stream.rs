@@ -573,7 +573,7 @@ fn next_recv(eq: &exs::EventQueue) -> exs::Event {
 /// Issue 26: an 8-byte request/response stream with receives kept posted (as `exs::Stream` keeps them) cost four
 /// messages per round trip: each side's small write went through the stream buffer, flushed the receiver's
 /// advertisement, and the receiver advertised again. With coalescing on, a receiver whose advertisements are passed
-/// over for several small writes in a row stops advertising; the round trip is the two writes. A large write after
+/// over by several small writes stops advertising; the round trip is the two writes. A large write after
 /// it goes through the buffer and brings the advertisements back.
 #[test]
 fn a_request_response_stream_sends_no_advertisement_per_message() {
@@ -633,6 +633,16 @@ fn request_response_then_bulk(opts: SocketOptions) {
         "{adverts:.2} advertisements per round trip: client {:?}, server {:?}",
         a.stream,
         b.stream
+    );
+    // Nor any other control message in their place (window updates): control sends, less those packed with
+    // others, plus the packs.
+    let ctrl = |l: &exs::stats::LinkStats| l.ctrl_sent - l.packed + l.packets;
+    let ctrl = (ctrl(&a.link) + ctrl(&b.link)) as f64 / ROUNDS as f64;
+    assert!(
+        ctrl < 0.2,
+        "{ctrl:.2} control sends per round trip: {:?} {:?}",
+        a.link,
+        b.link
     );
     // Bulk from the client after it: 8 MiB in 256 KiB sends into 256 KiB receives, every byte checked. Its first
     // large transfer through the buffer brings the receiver's advertisements back (the sender accepts one once it

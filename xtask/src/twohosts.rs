@@ -54,9 +54,13 @@ fn perftest_steps(dev: &GuestDevice) -> Vec<PeerStep> {
 }
 
 /// Shell function for the server side of a peer-tool step: a server whose run failed (perftest's own, between soft
-/// devices, can end with a flushed work request) starts again for its client's retry, a few times, each run bounded
-/// so that a client that already moved on cannot hold the guest.
-const SERVE: &str = "serve() { n=0; while [ $n -lt 3 ]; do timeout 120 \"$@\" && return 0; n=$((n+1)); echo \"PAIR-NOTE $1 server run $n failed\"; done; return 1; }\n";
+/// devices, can end with a flushed work request) starts again for its client's retry, a few times. Each run is
+/// bounded; one that timed out (no client came: it moved on) is not started again, so a step holds the guest for
+/// two minutes at most beyond its failures.
+const SERVE: &str = "serve() { n=0; while [ $n -lt 3 ]; do timeout -k 10 120 \"$@\"; rc=$?; [ $rc -eq 0 ] && return 0; [ $rc -eq 124 ] && return 1; n=$((n+1)); echo \"PAIR-NOTE $1 server run $n failed ($rc)\" >&2; done; return 1; }\n";
+
+/// A peer-tool client run is bounded like its server's (a client that hangs must not hold the pair).
+const CLIENT_LIMIT: &str = "timeout -k 10 120";
 
 fn guest0(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
     let (near, far) = (PAIR_ADDRS[0], PAIR_ADDRS[1]);
@@ -130,7 +134,7 @@ fn guest1(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
             point = step.tool;
         }
         s.push_str(&format!(
-            "retry {} {near} || echo 'PAIR-FAIL {} client'\n",
+            "retry {CLIENT_LIMIT} {} {near} || echo 'PAIR-FAIL {} client'\n",
             step.args, step.tool
         ));
     }
@@ -298,9 +302,11 @@ fn size_name(n: u64) -> String {
 mod tests {
     use super::*;
 
-    /// Runs `serve` around a command that fails its first `fail` runs; returns the exit code and the runs made.
-    fn serve_with_flaky(fail: u32) -> (i32, u32) {
-        let dir = std::env::temp_dir().join(format!("exs-serve-{}-{fail}", std::process::id()));
+    /// Runs `serve` around a command that fails (with `code`) its first `fail` runs; returns the exit code and the
+    /// runs made.
+    fn serve_with_flaky(fail: u32, code: u8) -> (i32, u32) {
+        let dir =
+            std::env::temp_dir().join(format!("exs-serve-{}-{fail}-{code}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let count = dir.join("runs");
         // A program, not a shell function: `serve` runs its command under `timeout`, as it runs perftest.
@@ -308,7 +314,7 @@ mod tests {
         std::fs::write(
             &flaky,
             format!(
-                "#!/bin/sh\nn=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; [ $n -gt {fail} ]\n",
+                "#!/bin/sh\nn=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; [ $n -gt {fail} ] || exit {code}\n",
                 c = count.display()
             ),
         )
@@ -330,9 +336,11 @@ mod tests {
 
     #[test]
     fn a_peer_tool_server_whose_run_failed_serves_again_a_bounded_number_of_times() {
-        assert_eq!(serve_with_flaky(0), (0, 1));
-        assert_eq!(serve_with_flaky(1), (0, 2));
-        assert_eq!(serve_with_flaky(99), (1, 3));
+        assert_eq!(serve_with_flaky(0, 1), (0, 1));
+        assert_eq!(serve_with_flaky(1, 1), (0, 2));
+        assert_eq!(serve_with_flaky(99, 1), (1, 3));
+        // A run that timed out (its client moved on) is not started again.
+        assert_eq!(serve_with_flaky(99, 124), (1, 1));
     }
 
     #[test]
@@ -363,7 +371,10 @@ mod tests {
                     "{g0}"
                 );
                 assert!(
-                    g1.contains(&format!("retry {} {}", step.args, PAIR_ADDRS[0])),
+                    g1.contains(&format!(
+                        "retry {CLIENT_LIMIT} {} {}",
+                        step.args, PAIR_ADDRS[0]
+                    )),
                     "{g1}"
                 );
             }

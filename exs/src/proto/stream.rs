@@ -44,10 +44,10 @@
 //!
 //! A batch of at most [`SMALL_VIA_RING`] bytes goes through the stream buffer even when an advertisement is there
 //! (one copy of a few bytes costs less than an advertisement per write). With coalescing on, a receiver that sees
-//! its advertisements passed over for [`QUIET_AFTER_FLUSHES`] small writes in a row stops advertising (MSG_WAITALL
-//! receives excepted) until a larger transfer comes through the buffer: each advertisement would be flushed by the
-//! next small write and sent again, so a request/response stream would carry two control messages per round trip
-//! beside its data.
+//! its advertisements passed over by [`QUIET_AFTER_FLUSHES`] small writes with no large transfer between stops
+//! advertising (MSG_WAITALL receives excepted) until a large transfer (more than [`SMALL_VIA_RING`], or half its
+//! buffer or more) comes: each advertisement would be flushed by the next small write and sent again, so a
+//! request/response stream would carry two control messages per round trip beside its data.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -246,8 +246,10 @@ struct Rx {
     /// The peer sends small writes through the stream buffer (see `small_via_ring`): it sent a small indirect
     /// transfer though our advertisements were outstanding, or a small direct one while we held space back (it
     /// fell back on the receive for want of space), and no large transfer since (see `on_write_imm`). Space is
-    /// then neither held back for advertisements nor delayed, and (with coalescing on) only MSG_WAITALL receives
-    /// are advertised, otherwise one at a time: a sender with more to send writes a large transfer, which ends this.
+    /// then neither held back for advertisements nor delayed, and one advertisement at a time is outstanding (a
+    /// sender with more to send uses it for a large direct transfer, which ends this); after
+    /// [`QUIET_AFTER_FLUSHES`] small flushes, with coalescing on, only MSG_WAITALL receives are advertised, until a
+    /// large transfer through the buffer.
     ring_chosen: bool,
     /// Small indirect transfers that flushed an outstanding advertisement since the last large transfer (see
     /// `advertise`).
@@ -298,8 +300,9 @@ const CORK_BYTES: usize = 16 << 10;
 /// there (see `small_via_ring`).
 const SMALL_VIA_RING: usize = 16 << 10;
 
-/// With coalescing on, this many small writes in a row that passed over an advertisement (each flushed it) stop
-/// the advertisements until a large transfer: a request/response stream, not a header before a bulk body.
+/// With coalescing on, this many small writes that passed over an advertisement (each flushed it), with no large
+/// transfer between, stop the advertisements until a large transfer: a request/response stream, not a header
+/// before each bulk body.
 const QUIET_AFTER_FLUSHES: u32 = 4;
 
 /// The peer's stream buffer, `len` bytes at `addr`, must not wrap around the address space (issue 15: a handshake

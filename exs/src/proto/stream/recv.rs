@@ -113,9 +113,12 @@ impl StreamProto {
             {
                 // The peer keeps sending small writes through the stream buffer (a request/response stream):
                 // every advertisement is flushed by its next small write and sent again, two control messages per
-                // round trip beside the data (issue 26). None goes until the peer writes a transfer larger than
-                // `SMALL_VIA_RING` through the buffer, which it does with bulk to send and no advertisement (see
-                // `on_write_imm`); a stream that writes one small header before each bulk body never gets here.
+                // round trip beside the data (issue 26). None goes until the peer writes a large transfer (more
+                // than `SMALL_VIA_RING`, or half our buffer or more) through the buffer, which it does with bulk
+                // to send and no advertisement, or a large direct one (see `on_write_imm`); a stream that writes
+                // one small header before each bulk body never gets here. Our `coalesce` stands for the peer's
+                // (both ends normally share their options): a peer without it passes advertisements over only
+                // when its sends overtake them.
                 // Advertising is the receiver's choice (seed 001: a receiver with no receive posted advertises
                 // nothing and takes every byte indirectly). A MSG_WAITALL receive is still advertised: the
                 // sender uses it whatever the size of its writes. Without coalescing (the seed's figures), a
@@ -301,11 +304,14 @@ impl StreamProto {
                     )));
                 }
                 self.rx.tail += n;
-                if n > SMALL_VIA_RING as u64 || n * 2 > self.rx.ring_len {
-                    // More than a small batch through the buffer (or more than half of a buffer too small to
-                    // take a batch that size): the sender has bulk to send and no advertisement to send it into;
-                    // advertise again (see `advertise`).
-                    self.rx.ring_chosen = false;
+                if n > SMALL_VIA_RING as u64 || n * 2 >= self.rx.ring_len {
+                    // More than a small batch through the buffer (or half or more of a buffer too small to take a
+                    // batch that size) ends a run of small writes. If the run had stopped our advertisements, the
+                    // sender now has bulk and no advertisement to send it into: advertise again (see
+                    // `advertise`). Otherwise nothing changes (one advertisement at a time, as before the run).
+                    if self.rx.small_flushes >= QUIET_AFTER_FLUSHES {
+                        self.rx.ring_chosen = false;
+                    }
                     self.rx.small_flushes = 0;
                 } else if self.rx.phase % 2 == 0 && self.rx.outstanding > 0 {
                     self.rx.ring_chosen = true;

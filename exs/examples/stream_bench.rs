@@ -6,7 +6,7 @@
 //! EXS_BACKEND=fabric cargo run --release -p exs --features tokio,fabric --example stream_bench -- bulk exs-tokio
 //! #   APIs: exs-tokio (exs::tokio::Stream), tcp-tokio (tokio::net::TcpStream), exs-std (exs::Stream),
 //! #   tcp-std (std::net::TcpStream); optional: the size in bytes, then the size of each write (default: one
-//! #   write_all of the whole buffer), e.g. `bulk exs-std 33554432 65536` as rstream writes 64 KiB at a time
+//! #   write_all of the whole buffer), e.g. `bulk exs-std BYTES WRITE` to write as rstream does, a piece at a time
 //! # 8-byte request/response (one-way time: half the round trip, as `exs ping` reports it):
 //! ... --example stream_bench -- rr exs-std [COUNT]        # or tcp-std
 //! # hyper's GET of 64 MiB, every byte checked (exs/examples/http.rs):

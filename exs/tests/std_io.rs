@@ -12,6 +12,28 @@ fn pattern(len: usize) -> Vec<u8> {
     exs::testing::pattern(len, 26)
 }
 
+/// A threaded world whose server accepts one stream on `port` and reads it to its end: the world (kept alive by
+/// the caller), the client's context, the address to connect to, and the reader returning every byte it read.
+fn sink(
+    port: u16,
+) -> (
+    World,
+    exs::Context,
+    std::net::SocketAddr,
+    std::thread::JoinHandle<Vec<u8>>,
+) {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, port)).unwrap();
+    let addr = listener.local_addr().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut all = Vec::new();
+        listener.accept().unwrap().0.read_to_end(&mut all).unwrap();
+        all
+    });
+    (world, client, addr, reader)
+}
+
 #[test]
 fn a_stream_echoes_a_mebibyte_then_reads_end_of_stream() {
     let world = World::threaded(SimConfig::default());
@@ -85,15 +107,7 @@ fn read_to_end_appends_and_read_to_string_refuses_bytes_that_are_not_utf8() {
 #[test]
 fn a_vectored_write_takes_every_slice_in_order() {
     use std::io::IoSlice;
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = Listener::bind_in(&server, world.addr(0, 9120)).unwrap();
-    let addr = listener.local_addr().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut all = Vec::new();
-        listener.accept().unwrap().0.read_to_end(&mut all).unwrap();
-        all
-    });
+    let (_world, client, addr, reader) = sink(9120);
     let (head, body, tail) = (
         b"header: 1\r\n\r\n".to_vec(),
         pattern(70_000),
@@ -143,20 +157,12 @@ fn streams_read_and_write_under_the_trusted_peers_exposure_policy() {
     echo.join().unwrap();
 }
 
-/// Issue 26: a vectored write whose slices straddle the send pieces (1,000 bytes each here) resumes each slice
+/// Issue 26: a vectored write whose slices straddle the send pieces (made small here) resumes each slice
 /// where the last piece stopped.
 #[test]
 fn a_vectored_write_across_small_send_pieces_keeps_every_byte_in_order() {
     use std::io::IoSlice;
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = Listener::bind_in(&server, world.addr(0, 9140)).unwrap();
-    let addr = listener.local_addr().unwrap();
-    let reader = std::thread::spawn(move || {
-        let mut all = Vec::new();
-        listener.accept().unwrap().0.read_to_end(&mut all).unwrap();
-        all
-    });
+    let (_world, client, addr, reader) = sink(9140);
     let mut cfg = exs::StreamConfig::default();
     cfg.send_piece = 1000;
     let mut c = Stream::connect_with(&client, addr, &cfg).unwrap();

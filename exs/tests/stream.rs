@@ -580,14 +580,14 @@ fn a_request_response_stream_sends_no_advertisement_per_message() {
     request_response_then_bulk(SocketOptions::default());
 }
 
-/// The same with a stream buffer smaller than a small batch (4 KiB): every transfer through it is small by size,
+/// The same with a stream buffer smaller than a small batch: every transfer through it is small by size,
 /// so one that fills more than half of it counts as bulk and brings the advertisements back.
 #[test]
 fn a_request_response_stream_sends_no_advertisement_per_message_with_a_small_stream_buffer() {
     request_response_then_bulk(SocketOptions::default().with_stream_buffer_size(4096));
 }
 
-/// 8-byte request/response with receives kept posted, then 8 MiB of bulk from the client: no advertisement per
+/// 8-byte request/response with receives kept posted, then bulk from the client: no advertisement per
 /// round trip, advertisements again during the bulk, every byte in order.
 fn request_response_then_bulk(opts: SocketOptions) {
     const ROUNDS: usize = 300;
@@ -644,7 +644,7 @@ fn request_response_then_bulk(opts: SocketOptions) {
         a.link,
         b.link
     );
-    // Bulk from the client after it: 8 MiB in 256 KiB sends into 256 KiB receives, every byte checked. Its first
+    // Bulk from the client after it, in sends as large as the receive kept posted, every byte checked. Its first
     // large transfer through the buffer brings the receiver's advertisements back (the sender accepts one once it
     // waits for space at the advertised sequence number, seed 001: when depends on the timing).
     let adverts_before = p.server.stats().unwrap().stream.adverts_sent;

@@ -271,7 +271,7 @@ fn stream_rows_are_compared_with_tcp_and_exs_ping() {
     );
 }
 
-/// Issue 26: on Soft-RoCE, `exs::Stream` written 64 KiB at a time (as rstream writes) runs on the device in the
+/// Issue 26: on Soft-RoCE, `exs::Stream` written a row's size at a time (as rstream writes) runs on the device in the
 /// guest and is compared with rstream.
 #[test]
 fn the_soft_roce_stream_row_writes_as_rstream_does_and_is_compared_with_it() {

@@ -708,7 +708,7 @@ fn a_burst_of_small_sends_shares_buffers_and_arrives_in_order() {
         assert!(p.eq_a.wait_all(None).unwrap().iter().all(|e| e.is_ok()));
         assert_bytes_eq(&dst.to_vec().unwrap(), &src.to_vec().unwrap(), "burst");
         let link = p.client.stats().unwrap().link;
-        let buffers = link.ctrl_sent - link.packed + link.packets;
+        let buffers = link.ctrl_sends();
         if coalesce {
             assert!(link.packets > 0 && buffers * 2 < n as u64, "{link:?}");
         } else {

@@ -214,6 +214,13 @@ pub struct LinkStats {
     pub packed: u64,
 }
 
+impl LinkStats {
+    /// Sends that carried control messages: one per message sent alone, one per pack of several.
+    pub fn ctrl_sends(&self) -> u64 {
+        self.ctrl_sent - self.packed + self.packets
+    }
+}
+
 /// See the module documentation.
 #[derive(Debug)]
 pub(crate) struct Link {

@@ -273,3 +273,71 @@ fn two_threads_waiting_on_one_queue_both_get_their_events() {
         assert!(wait(&p.eq_a).is_ok());
     }
 }
+
+/// A busy poller that works between its dequeues (here a couple of milliseconds per round trip, shorter than the
+/// progress thread's check-back) still counts as polling: the progress thread does not take the transport in the
+/// gaps. It used to: a check-back that fell between two dequeues stood by for a millisecond, then led, arming the
+/// transport so that completions woke it, and ran rounds under the engine lock the poller wanted back (on
+/// Soft-RoCE under emulation, a context switch or more per round trip).
+#[test]
+fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
+    let p = pair_threaded(
+        SockType::SeqPacket,
+        SocketOptions::default().with_small_packet_max_size(64),
+    );
+    let (qa, qb) = (
+        EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
+        EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
+    );
+    let rounds = 40;
+    let out = p.client_region(pattern(32, 3));
+    let back = p.client_region(vec![0; 32]);
+    let sbuf = p.server_region(32);
+    let echo = {
+        let (server, eq) = (p.server.clone(), qb.clone());
+        std::thread::spawn(move || {
+            for _ in 0..rounds {
+                server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
+                let r = wait(&eq);
+                assert!(r.is_ok(), "{r:?}");
+                server
+                    .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
+                    .unwrap();
+                assert!(wait(&eq).is_ok());
+            }
+        })
+    };
+    // The first round trip makes both sides pollers; counted from the second.
+    let mut before = None;
+    let t0 = Instant::now();
+    for i in 0..rounds {
+        if i == 1 {
+            before = Some((p.a.stats().arms, p.a.progress_stats(), Instant::now()));
+        }
+        p.client.recv(&qa, &back.all(), MsgFlags::NONE, 1).unwrap();
+        p.client.send(&qa, &out.all(), MsgFlags::NONE, 2).unwrap();
+        let mut evs = Vec::new();
+        qa.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
+            .unwrap();
+        assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
+        // The application's own work between two round trips.
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    echo.join().unwrap();
+    assert_eq!(back.to_vec().unwrap(), pattern(32, 3));
+    let (arms0, s0, t1) = before.unwrap();
+    let (arms, s) = (p.a.stats().arms - arms0, p.a.progress_stats());
+    let ms = t1.elapsed().as_millis() as u64;
+    eprintln!(
+        "{arms} arms, {} progress-thread wake-ups in {ms} ms ({:?} in all)",
+        s.thread_wakeups - s0.thread_wakeups,
+        t0.elapsed()
+    );
+    assert_eq!(arms, 0, "the progress thread led between dequeues: {s:?}");
+    // A check-back when the poller has been out of its dequeues for 8 ms, that is every 6-8 ms here; bounded
+    // loosely (the count that matters is the arms above).
+    assert!(
+        s.thread_wakeups - s0.thread_wakeups <= ms / 4 + 2,
+        "{s0:?} -> {s:?} in {ms} ms"
+    );
+}

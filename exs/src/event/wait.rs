@@ -39,7 +39,7 @@ impl EventQueue {
         if !pollers.is_empty() {
             if let Some(budget) = self.inner.spin.budget() {
                 let until = deadline.map_or(start + budget, |d| d.min(start + budget));
-                got += self.spin_until(pollers, out, min - got, max - got, Some(until))?;
+                got += self.spin_until(pollers, out, min - got, max - got, Some(until), false)?;
                 if got >= min {
                     spun = true;
                     self.inner.lock().stats.spun += 1;
@@ -98,7 +98,7 @@ impl EventQueue {
         if got >= min {
             return Ok(got);
         }
-        Ok(got + self.spin_until(self.pollers(), out, min - got, max - got, deadline)?)
+        Ok(got + self.spin_until(self.pollers(), out, min - got, max - got, deadline, true)?)
     }
 
     /// Polls without sleeping, driving the contexts itself, until `min` events were taken (at most `max`) or
@@ -110,9 +110,11 @@ impl EventQueue {
         min: usize,
         max: usize,
         until: Option<Instant>,
+        lingers: bool,
     ) -> Result<usize, DequeueError> {
-        // While this thread polls, the contexts' progress threads stand back (see `Poller::set_busy`).
-        let busy = BusyGuard::new(pollers);
+        // While this thread polls, the contexts' progress threads stand back (see `Poller::set_busy`); with
+        // `lingers` (busy polling, not the adaptive wait's spin), for a while after it too.
+        let busy = BusyGuard::new(pollers, lingers);
         let manual = self.has_drivers();
         let mut got = 0;
         let mut idle_rounds = 0u32;
@@ -492,21 +494,21 @@ fn nanos(d: Duration) -> u64 {
 }
 
 /// Marks contexts as busy-polled for as long as it lives.
-struct BusyGuard(Vec<Arc<dyn Poller>>);
+struct BusyGuard(Vec<Arc<dyn Poller>>, bool);
 
 impl BusyGuard {
-    fn new(pollers: Vec<Arc<dyn Poller>>) -> Self {
+    fn new(pollers: Vec<Arc<dyn Poller>>, lingers: bool) -> Self {
         for p in &pollers {
-            p.set_busy(true);
+            p.set_busy(true, lingers);
         }
-        BusyGuard(pollers)
+        BusyGuard(pollers, lingers)
     }
 }
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
         for p in &self.0 {
-            p.set_busy(false);
+            p.set_busy(false, self.1);
         }
     }
 }

@@ -77,6 +77,8 @@ pub(super) struct LeadState {
     pub(super) followers: Vec<Weak<dyn Follower>>,
     /// Recent time between an application letting go and leading again (moving average).
     pub(super) gap: Duration,
+    /// When a busy-polling application thread last stopped polling.
+    pub(super) last_busy_end: Option<Instant>,
 }
 
 /// The leadership of one context and the sleepers' wake-up times.
@@ -110,6 +112,7 @@ impl Lead {
                 handover_asked: false,
                 followers: Vec::new(),
                 gap: Duration::ZERO,
+                last_busy_end: None,
             }),
             leader_wake: eventfd()?,
             thread_wake: eventfd()?,
@@ -222,9 +225,22 @@ impl Lead {
 
     /// A busy-polling application thread stopped polling: it counts as a leader letting go (the progress thread
     /// stands aside for a while rather than arming the transport between two dequeues).
-    pub(crate) fn busy_poll_ended(&self) {
+    pub(crate) fn busy_poll_ended(&self, lingers: bool) {
         let mut s = self.lock();
-        s.last_release = Some(Instant::now());
+        let now = Instant::now();
+        s.last_release = Some(now);
+        if lingers {
+            s.last_busy_end = Some(now);
+        }
+    }
+
+    /// Until when a busy-polling application counts as still polling after its last dequeue ended
+    /// ([`MAX_BACKOFF`] after it), if that is still to come: between two dequeues of a busy ping-pong it posts
+    /// and sends, and a progress thread that took the transport (or ran rounds) in that gap would only take the
+    /// engine lock from it and arm the completion channel, whose every completion then wakes a thread.
+    pub(crate) fn busy_lingers(&self) -> Option<Instant> {
+        let end = self.lock().last_busy_end? + MAX_BACKOFF;
+        (end > Instant::now()).then_some(end)
     }
 
     pub(crate) fn release_app(&self) {
@@ -286,8 +302,9 @@ pub(crate) trait Driver: Send + Sync {
 /// A threaded context that a waiting application thread drives itself (see [`crate::progress`]): busy polling
 /// runs its protocol without sleeping; a blocking wait leads it (runs it, arms it, sleeps on its descriptor).
 pub(crate) trait Poller: Send + Sync {
-    /// A thread starts (`true`) or stops busy-polling this context.
-    fn set_busy(&self, on: bool);
+    /// A thread starts (`true`) or stops busy-polling this context; `lingers`: it counts as polling for a while
+    /// after it stops (see [`Lead::busy_lingers`]).
+    fn set_busy(&self, on: bool, lingers: bool);
     /// Makes whatever progress is possible without blocking; false if nothing happened (or the context was busy).
     fn poll_progress(&self) -> bool;
     /// Tries to become the context's leader; when another thread leads, `follower` is nudged once it lets go.

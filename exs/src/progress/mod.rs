@@ -50,14 +50,14 @@ pub(crate) struct Shared {
 }
 
 impl Poller for Shared {
-    fn set_busy(&self, on: bool) {
+    fn set_busy(&self, on: bool, lingers: bool) {
         // No wake-up either way (a system call per dequeue is what busy polling avoids): a leading progress
         // thread notices at its next wake-up and stops arming; a standing-back one
         // (see `progress::stand_back_for_busy_pollers`) checks back within `progress::MAX_BACKOFF`.
         if on {
             self.busy.fetch_add(1, Ordering::SeqCst);
         } else {
-            self.lead.busy_poll_ended();
+            self.lead.busy_poll_ended(lingers);
             self.busy.fetch_sub(1, Ordering::SeqCst);
         }
     }
@@ -129,8 +129,10 @@ impl Shared {
         self.stop.load(Ordering::SeqCst)
     }
 
+    /// Whether an application thread busy-polls this context now, or did so within the last
+    /// [`MAX_BACKOFF`] (see [`Lead::busy_lingers`]).
     pub(crate) fn busy_polled(&self) -> bool {
-        self.busy.load(Ordering::SeqCst) > 0
+        self.busy.load(Ordering::SeqCst) > 0 || self.lead.busy_lingers().is_some()
     }
 }
 
@@ -279,12 +281,18 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
 /// An application thread busy-polls this context: it handles completions, timers and (every few hundred rounds)
 /// connection events itself, so this thread stays out of its way: no arming (no completion-channel wake-ups), no
 /// rounds (they would only take the engine lock from the poller), and it checks back every [`MAX_BACKOFF`] whether
-/// the polling has ended, or at once when woken. Issue 12: checking back every millisecond and running a round
+/// the polling has ended (a poller counts as polling until it has been out of its dequeues for that long), or at
+/// once when woken. Issue 12: checking back every millisecond and running a round
 /// cost 0.02-0.03 wake-ups per message on each side of a busy ping-pong on libfabric tcp, two context switches
 /// each (0.08-0.23 per round trip in all, against the target of 0.2), and it woke for delayed-acknowledgment
 /// deadlines the reply had already cancelled.
 fn stand_back_for_busy_pollers(shared: &Shared) {
-    let until = Instant::now() + MAX_BACKOFF;
+    let until = match shared.lead.busy_lingers() {
+        // Between two dequeues: until the busy poller has been gone for MAX_BACKOFF, so that a timer runs at
+        // most that late once it has gone for good.
+        Some(end) if shared.busy.load(Ordering::SeqCst) == 0 => end,
+        _ => Instant::now() + MAX_BACKOFF,
+    };
     shared
         .lead
         .thread_sleep

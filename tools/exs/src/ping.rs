@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 use clap::builder::RangedU64ValueParser;
-use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOptions};
+use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOptions, WaitMode};
 use serde::{Deserialize, Serialize};
 
 use crate::backend::{BackendArgs, Opened};
@@ -33,7 +33,7 @@ pub struct PingArgs {
     #[arg(long, default_value_t = 2000, value_parser = cli::count_in(1..=MAX_COUNT),
           help = format!("Pings per size, counted after a warm-up of a tenth more, 1 to {MAX_COUNT}"))]
     pub count: u64,
-    /// Event-queue wait mode (both sides).
+    /// Event-queue wait mode (both sides; in persistent mode the server, which has nothing to do, always sleeps).
     #[arg(long, value_enum, default_value_t = Wait::Busy)]
     pub wait: Wait,
     /// One JSON object per size on stdout (server: one per test served).
@@ -142,7 +142,13 @@ fn echo(
 ) -> Result<Echoed> {
     let ctx = &host.ctx;
     let size = p.size as usize;
-    let eq = EventQueue::with_mode(16, p.wait.mode())?;
+    // Persistent: the client reads this side's memory and this side has nothing to do but wait for the hang-up,
+    // so it sleeps whatever the wait mode (a busy poller would only take a CPU from the reads' own work).
+    let wait = match p.mode {
+        PingMode::Persistent => WaitMode::Block,
+        _ => p.wait.mode(),
+    };
+    let eq = EventQueue::with_mode(16, wait)?;
     let whole = host.whole;
     let before = crate::idle::Before::now(ctx);
     let (listener, s) = crate::util::accept_one(

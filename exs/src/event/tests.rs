@@ -245,3 +245,58 @@ fn a_queue_without_contexts_does_not_spin() {
     let st = q.stats();
     assert_eq!((st.blocks, st.spun, st.empty_polls), (1, 0, 2), "{st:?}");
 }
+
+/// A context as busy polling sees it: counts the polls that start and the ones that end lingering.
+#[derive(Default)]
+struct CountingPoller {
+    started: std::sync::atomic::AtomicUsize,
+    ended_lingering: std::sync::atomic::AtomicUsize,
+}
+
+impl Poller for CountingPoller {
+    fn set_busy(&self, on: bool, lingers: bool) {
+        use std::sync::atomic::Ordering::SeqCst;
+        match (on, lingers) {
+            (true, _) => self.started.fetch_add(1, SeqCst),
+            (false, true) => self.ended_lingering.fetch_add(1, SeqCst),
+            (false, false) => 0,
+        };
+    }
+    fn poll_progress(&self) -> bool {
+        false
+    }
+    fn try_lead(&self, _: Arc<dyn crate::progress::Follower>) -> bool {
+        false
+    }
+    fn prepare_sleep(&self, _: &dyn Fn() -> bool) -> Option<Option<Instant>> {
+        None
+    }
+    fn sleep_fds(&self) -> [std::os::fd::BorrowedFd<'_>; 2] {
+        unreachable!("a busy poller never sleeps")
+    }
+    fn woke(&self, _: bool) {}
+    fn release(&self) {}
+    fn count_sleep(&self) {}
+}
+
+/// A busy dequeue that finds its events already queued (a progress thread that led before the polling began
+/// queued them) still tells the contexts that a thread busy-polls them: otherwise that thread would keep leading
+/// and queueing every event first, and the poller would never be seen.
+#[test]
+fn a_busy_dequeue_that_finds_its_events_waiting_still_counts_as_polling() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let q = EventQueue::with_mode(8, WaitMode::BusyPoll).unwrap();
+    let poller = Arc::new(CountingPoller::default());
+    let dynp: Arc<dyn Poller> = poller.clone();
+    q.add_poller(&dynp);
+    for i in 0..3 {
+        q.reserve(EventKind::Send, i, sid())
+            .unwrap()
+            .complete(Ok(()), 1, EventFlags::default());
+    }
+    for _ in 0..3 {
+        q.next(Some(Duration::from_secs(10))).unwrap();
+    }
+    assert_eq!(poller.started.load(SeqCst), 3);
+    assert_eq!(poller.ended_lingering.load(SeqCst), 3);
+}

@@ -96,6 +96,10 @@ impl EventQueue {
     ) -> Result<usize, DequeueError> {
         let got = self.poll(out, max);
         if got >= min {
+            // Events were waiting: still a busy poller, so the progress threads keep standing back. Otherwise
+            // a progress thread that led before the polling began would keep leading and queue every event
+            // before this thread looked (a wake-up per completion), and no dequeue would ever spin.
+            drop(BusyGuard::new(self.pollers(), true));
             return Ok(got);
         }
         Ok(got + self.spin_until(self.pollers(), out, min - got, max - got, deadline, true)?)

@@ -187,6 +187,8 @@ pub(crate) struct Engine {
     /// Rounds since the last look at connection events: rounds that handled completions (see `progress_round`)
     /// and busy-poll rounds (see `progress_busy_round`).
     cm_skipped: u32,
+    /// When a busy-poll round last looked at connection events.
+    cm_busy_looked: Option<Instant>,
     stats: EngineStats,
     shared_recv: crate::config::SharedRecv,
     pool: PoolState,
@@ -253,6 +255,7 @@ impl Engine {
             dirty_set: FxHashSet::default(),
             timers: Timers::default(),
             cm_skipped: 0,
+            cm_busy_looked: None,
             stats: EngineStats::default(),
             shared_recv: opts.shared_recv.clone(),
             pool: PoolState::Undecided,
@@ -541,16 +544,26 @@ impl Engine {
     }
 
     /// Progress for a thread that busy-polls: completions, timers and posting, and the connection-management
-    /// channel every [`CM_BUSY_EVERY`] rounds (a system call per look on software providers).
+    /// channel every [`CM_BUSY_EVERY`] rounds and [`CM_BUSY_INTERVAL`] at most (a system call per look on
+    /// software providers).
     fn progress_busy_round(&mut self) -> bool {
         let mut did = self.poll_completions();
         // The progress thread stands back while a poller polls (see `progress::stand_back_for_busy_pollers`):
         // connection events are the poller's too, read every CM_BUSY_EVERY rounds (a look is a system call on
-        // software providers; a round is about a poll of the completion queues, a microsecond or two).
+        // software providers; a round is about a poll of the completion queues, a microsecond or two), and not
+        // more often than CM_BUSY_INTERVAL: where rounds are slow (an emulated CPU) the count alone made it a
+        // look per message.
         self.cm_skipped += 1;
         if self.cm_skipped >= CM_BUSY_EVERY {
             self.cm_skipped = 0;
-            did |= self.poll_cm_events();
+            let now = Instant::now();
+            if self
+                .cm_busy_looked
+                .is_none_or(|t| now.duration_since(t) >= CM_BUSY_INTERVAL)
+            {
+                self.cm_busy_looked = Some(now);
+                did |= self.poll_cm_events();
+            }
         }
         did |= self.run_timers();
         self.flush_dirty();
@@ -799,6 +812,10 @@ const CM_EVERY: u32 = 8;
 
 /// A busy-poll round looks at connection events every this many rounds (see `Engine::progress_busy_round`).
 const CM_BUSY_EVERY: u32 = 256;
+
+/// The least time between two looks at connection events from busy-poll rounds (see
+/// `Engine::progress_busy_round`): what a connection event may wait while only a busy poller drives a context.
+const CM_BUSY_INTERVAL: Duration = Duration::from_millis(1);
 
 /// Batches of completions one progress round handles at most (see `Engine::poll_completions`).
 const ROUND_BATCHES: usize = 4;

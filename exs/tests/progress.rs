@@ -33,22 +33,7 @@ fn ping_pong_on<S>(
     eq_b.set_adaptive_spin(Duration::ZERO);
     let out = p.client_region(pattern(32, 7));
     let back = p.client_region(vec![0; 32]);
-    let sbuf = p.server_region(32);
-    let echo = {
-        let server = p.server.clone();
-        let eq = eq_b.clone();
-        std::thread::spawn(move || {
-            for _ in 0..ROUND_TRIPS {
-                server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
-                let r = wait(&eq);
-                assert!(r.is_ok(), "{r:?}");
-                server
-                    .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
-                    .unwrap();
-                assert!(wait(&eq).is_ok());
-            }
-        })
-    };
+    let echo = echo(p, eq_b, ROUND_TRIPS);
     let before = snap(p);
     for _ in 0..ROUND_TRIPS {
         p.client.recv(eq_a, &back.all(), MsgFlags::NONE, 1).unwrap();
@@ -61,6 +46,32 @@ fn ping_pong_on<S>(
     echo.join().unwrap();
     assert_eq!(back.to_vec().unwrap(), pattern(32, 7));
     (before, snap(p))
+}
+
+/// The server side of a ping-pong: echoes `rounds` 32-byte messages on `eq`, from a thread of its own.
+fn echo(p: &Pair, eq: &EventQueue, rounds: usize) -> std::thread::JoinHandle<()> {
+    let (server, eq, sbuf) = (p.server.clone(), eq.clone(), p.server_region(32));
+    std::thread::spawn(move || {
+        for _ in 0..rounds {
+            server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
+            let r = wait(&eq);
+            assert!(r.is_ok(), "{r:?}");
+            server
+                .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
+                .unwrap();
+            assert!(wait(&eq).is_ok());
+        }
+    })
+}
+
+/// A threaded pair for busy polling, and a busy-polling queue for each side.
+fn busy_pair() -> (Pair, EventQueue, EventQueue) {
+    let p = pair_threaded(
+        SockType::SeqPacket,
+        SocketOptions::default().with_small_packet_max_size(64),
+    );
+    let q = || EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap();
+    (p, q(), q())
 }
 
 /// Posting work is a system-call-free step: no call writes an eventfd to wake the progress thread.
@@ -147,14 +158,7 @@ fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events()
 /// millisecond.
 #[test]
 fn a_busy_ping_pong_leaves_the_progress_threads_asleep() {
-    let p = pair_threaded(
-        SockType::SeqPacket,
-        SocketOptions::default().with_small_packet_max_size(64),
-    );
-    let (qa, qb) = (
-        EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
-        EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
-    );
+    let (p, qa, qb) = busy_pair();
     // Let both progress threads notice the pollers once they start (they stand aside for 8 ms at most).
     std::thread::sleep(Duration::from_millis(30));
     let ((a0, b0, t0), (a1, b1, t1)) = ping_pong_on(&p, &qa, &qb, |p| {
@@ -281,32 +285,11 @@ fn two_threads_waiting_on_one_queue_both_get_their_events() {
 /// Soft-RoCE under emulation, a context switch or more per round trip).
 #[test]
 fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
-    let p = pair_threaded(
-        SockType::SeqPacket,
-        SocketOptions::default().with_small_packet_max_size(64),
-    );
-    let (qa, qb) = (
-        EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
-        EventQueue::with_mode(64, WaitMode::BusyPoll).unwrap(),
-    );
+    let (p, qa, qb) = busy_pair();
     let rounds = 40;
     let out = p.client_region(pattern(32, 3));
     let back = p.client_region(vec![0; 32]);
-    let sbuf = p.server_region(32);
-    let echo = {
-        let (server, eq) = (p.server.clone(), qb.clone());
-        std::thread::spawn(move || {
-            for _ in 0..rounds {
-                server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
-                let r = wait(&eq);
-                assert!(r.is_ok(), "{r:?}");
-                server
-                    .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
-                    .unwrap();
-                assert!(wait(&eq).is_ok());
-            }
-        })
-    };
+    let echo = echo(&p, &qb, rounds);
     // The first round trip makes both sides pollers; counted from the second.
     let mut before = None;
     let t0 = Instant::now();

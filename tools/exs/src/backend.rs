@@ -2,7 +2,9 @@
 
 use std::net::{IpAddr, SocketAddr};
 
-use anyhow::{bail, Context as _, Result};
+#[cfg(any(feature = "fabric", feature = "verbs"))]
+use anyhow::Context as _;
+use anyhow::{bail, Result};
 use exs::Context;
 
 use crate::opts::BackendKind;
@@ -124,6 +126,17 @@ pub enum Opened {
 }
 
 impl Opened {
+    /// See [`crate::control::Host::device_serves_peers`]. libfabric counts as software whatever its provider
+    /// (its verbs provider on hardware would not need the process, but nothing here tells the two apart).
+    pub fn device_serves_peers(&self) -> bool {
+        match self {
+            #[cfg(feature = "verbs")]
+            Opened::Verbs(_) => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
     pub fn open(a: &BackendArgs) -> Result<Opened> {
         if let Some(e) = a.exposure {
             let _ = EXPOSURE.set(match e {
@@ -233,6 +246,9 @@ impl Opened {
 
     /// Where the `i`th host listens (port 0: any).
     pub fn listen_addr(&self, i: usize) -> SocketAddr {
+        // Only the simulator's hosts have addresses of their own.
+        #[cfg(not(feature = "sim"))]
+        let _ = i;
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(_, ip) => SocketAddr::new(*ip, 0),

@@ -33,7 +33,7 @@ pub struct PingArgs {
     #[arg(long, default_value_t = 2000, value_parser = cli::count_in(1..=MAX_COUNT),
           help = format!("Pings per size, counted after a warm-up of a tenth more, 1 to {MAX_COUNT}"))]
     pub count: u64,
-    /// Event-queue wait mode (both sides; in persistent mode the server, which has nothing to do, always sleeps).
+    /// Event-queue wait mode (both sides; in persistent mode on verbs the server, which has nothing to do, sleeps).
     #[arg(long, value_enum, default_value_t = Wait::Busy)]
     pub wait: Wait,
     /// One JSON object per size on stdout (server: one per test served).
@@ -142,10 +142,11 @@ fn echo(
 ) -> Result<Echoed> {
     let ctx = &host.ctx;
     let size = p.size as usize;
-    // Persistent: the client reads this side's memory and this side has nothing to do but wait for the hang-up,
-    // so it sleeps whatever the wait mode (a busy poller would only take a CPU from the reads' own work).
+    // Persistent: the client reads this side's memory. Where the device serves the reads, this side has nothing
+    // to do but wait for the hang-up, so it sleeps whatever the wait mode (a busy poller would only take a CPU from
+    // the reads' own work: rxe's and siw's are kernel code); a software provider serves them in this process.
     let wait = match p.mode {
-        PingMode::Persistent => WaitMode::Block,
+        PingMode::Persistent if host.device_serves_peers => WaitMode::Block,
         _ => p.wait.mode(),
     };
     let eq = EventQueue::with_mode(16, wait)?;

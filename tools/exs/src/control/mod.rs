@@ -262,6 +262,10 @@ pub struct Host {
     pub tcp_ip: IpAddr,
     /// Whether the server has its process to itself (CPU and switches: the whole process's, not one thread's).
     pub whole: bool,
+    /// Whether the peer's one-sided operations on this host's memory are served without this process (verbs: the
+    /// device, or rxe's and siw's kernel code), rather than by its progress (libfabric's software providers, the
+    /// simulator).
+    pub device_serves_peers: bool,
 }
 
 impl Host {
@@ -273,6 +277,7 @@ impl Host {
             listen,
             tcp_ip: backend.addr,
             whole: opened.processes(),
+            device_serves_peers: opened.device_serves_peers(),
         })
     }
 }

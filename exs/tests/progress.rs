@@ -278,11 +278,10 @@ fn two_threads_waiting_on_one_queue_both_get_their_events() {
     }
 }
 
-/// A busy poller that works between its dequeues (here a couple of milliseconds per round trip, shorter than the
-/// progress thread's check-back) still counts as polling: the progress thread does not take the transport in the
-/// gaps. It used to: a check-back that fell between two dequeues stood by for a millisecond, then led, arming the
-/// transport so that completions woke it, and ran rounds under the engine lock the poller wanted back (on
-/// Soft-RoCE under emulation, a context switch or more per round trip).
+/// A busy poller that works between its dequeues (for less than the progress thread's check-back) still counts as
+/// polling: the progress thread does not take the transport in the gaps. It used to: a check-back that fell between
+/// two dequeues stood by, then led, arming the transport so that completions woke it, and ran rounds under the
+/// engine lock the poller wanted back (on Soft-RoCE under emulation, context switches every round trip).
 #[test]
 fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
     let (p, qa, qb) = busy_pair();
@@ -303,8 +302,9 @@ fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
         qa.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
             .unwrap();
         assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
-        // The application's own work between two round trips.
-        std::thread::sleep(Duration::from_millis(2));
+        // The application's own work between two round trips: longer than the progress thread's standby, well
+        // within the poller's linger.
+        std::thread::sleep(Duration::from_millis(3));
     }
     echo.join().unwrap();
     assert_eq!(back.to_vec().unwrap(), pattern(32, 3));
@@ -316,11 +316,56 @@ fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
         s.thread_wakeups - s0.thread_wakeups,
         t0.elapsed()
     );
-    assert_eq!(arms, 0, "the progress thread led between dequeues: {s:?}");
-    // A check-back when the poller has been out of its dequeues for 8 ms, that is every 6-8 ms here; bounded
-    // loosely (the count that matters is the arms above).
+    // Before, the progress thread led in most gaps; a rare scheduling delay longer than the linger on a loaded
+    // machine may still let it in once or twice.
+    assert!(
+        arms <= 2,
+        "the progress thread led between dequeues {arms} times: {s:?}"
+    );
+    // A check-back each time the poller has been out of its dequeues for the linger's length: bounded loosely
+    // (the count that matters is the arms above).
     assert!(
         s.thread_wakeups - s0.thread_wakeups <= ms / 4 + 2,
         "{s0:?} -> {s:?} in {ms} ms"
     );
+}
+
+/// A busy poller that only takes what is queued (no minimum, or no time to wait) still drives its context: it keeps
+/// the progress thread back, so every busy dequeue runs a round itself. Before, such dequeues marked the context as
+/// busy-polled without a round, and a message sent to it never arrived.
+#[test]
+fn a_busy_poller_that_only_takes_what_is_queued_still_gets_its_events() {
+    let (p, qa, _) = busy_pair();
+    let back = p.client_region(vec![0; 32]);
+    p.client.recv(&qa, &back.all(), MsgFlags::NONE, 1).unwrap();
+    let out = p.server_region(32);
+    out.write(0, &pattern(32, 5)).unwrap();
+    // Let the client's progress thread see the poller before the message comes.
+    let mut evs = Vec::new();
+    for _ in 0..20 {
+        qa.dequeue(&mut evs, 0, 1, Some(Duration::ZERO)).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    p.server
+        .send(&p.eq_b, &out.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    let t0 = Instant::now();
+    let mut i = 0u32;
+    while evs.is_empty() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the receive never completed: {:?}",
+            p.a.progress_stats()
+        );
+        // No minimum, then a minimum with no time to wait: both only take what is there.
+        let _ = if i % 2 == 0 {
+            qa.dequeue(&mut evs, 0, 1, Some(Duration::ZERO))
+        } else {
+            qa.dequeue(&mut evs, 1, 1, Some(Duration::ZERO))
+        };
+        i += 1;
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(evs[0].is_ok(), "{evs:?}");
+    assert_eq!(back.to_vec().unwrap(), pattern(32, 5));
 }

@@ -443,7 +443,7 @@ impl Engine {
         self.guarded("a progress round", Engine::progress_round)
     }
 
-    /// One round for a busy poller (completions and timers; connection events every [`CM_BUSY_EVERY`] rounds).
+    /// One round for a busy poller (completions and timers; connection events when [`Engine::cm_busy_due`] says so).
     pub(crate) fn progress_busy(&mut self) -> bool {
         self.guarded("a busy-poll round", Engine::progress_busy_round)
     }
@@ -544,23 +544,16 @@ impl Engine {
     }
 
     /// Progress for a thread that busy-polls: completions, timers and posting, and the connection-management
-    /// channel every [`CM_BUSY_EVERY`] rounds and [`CM_BUSY_INTERVAL`] at most (a system call per look on
-    /// software providers).
+    /// channel (a system call per look on software providers) when [`Engine::cm_busy_due`] says so.
     fn progress_busy_round(&mut self) -> bool {
         let mut did = self.poll_completions();
         // The progress thread stands back while a poller polls (see `progress::stand_back_for_busy_pollers`):
-        // connection events are the poller's too, read every CM_BUSY_EVERY rounds (a look is a system call on
-        // software providers; a round is about a poll of the completion queues, a microsecond or two), and not
-        // more often than CM_BUSY_INTERVAL: where rounds are slow (an emulated CPU) the count alone made it a
-        // look per message.
-        self.cm_skipped += 1;
-        if self.cm_skipped >= CM_BUSY_EVERY {
-            self.cm_skipped = 0;
+        // connection events are the poller's too.
+        self.cm_skipped = self.cm_skipped.saturating_add(1);
+        if self.cm_skipped % CM_BUSY_CLOCK == 0 {
             let now = Instant::now();
-            if self
-                .cm_busy_looked
-                .is_none_or(|t| now.duration_since(t) >= CM_BUSY_INTERVAL)
-            {
+            if self.cm_busy_due(now) {
+                self.cm_skipped = 0;
                 self.cm_busy_looked = Some(now);
                 did |= self.poll_cm_events();
             }
@@ -569,6 +562,18 @@ impl Engine {
         self.flush_dirty();
         self.drain_done();
         did
+    }
+
+    /// Whether a busy-poll round looks at connection events now: after [`CM_BUSY_EVERY`] rounds if
+    /// [`CM_BUSY_INTERVAL`] has passed since the last look (where rounds are slow, an emulated CPU, the count alone
+    /// came round often), and whatever the count once [`CM_BUSY_MAX_GAP`] has passed (a poller that finds its
+    /// data in a round or two and then works between its dequeues runs few rounds, and nobody else looks meanwhile).
+    fn cm_busy_due(&self, now: Instant) -> bool {
+        let Some(last) = self.cm_busy_looked else {
+            return true;
+        };
+        let since = now.saturating_duration_since(last);
+        (self.cm_skipped >= CM_BUSY_EVERY && since >= CM_BUSY_INTERVAL) || since >= CM_BUSY_MAX_GAP
     }
 
     /// Hands an operation's ticket to the protocol as a token (the engine keeps the ticket).
@@ -813,9 +818,16 @@ const CM_EVERY: u32 = 8;
 /// A busy-poll round looks at connection events every this many rounds (see `Engine::progress_busy_round`).
 const CM_BUSY_EVERY: u32 = 256;
 
-/// The least time between two looks at connection events from busy-poll rounds (see
-/// `Engine::progress_busy_round`): what a connection event may wait while only a busy poller drives a context.
+/// The least time between two looks at connection events that the round count brings on (see
+/// `Engine::cm_busy_due`).
 const CM_BUSY_INTERVAL: Duration = Duration::from_millis(1);
+
+/// The most time between two looks at connection events while a busy poller drives a context: what an accept or a
+/// disconnection may wait, however few rounds the poller runs (see `Engine::cm_busy_due`).
+const CM_BUSY_MAX_GAP: Duration = Duration::from_millis(8);
+
+/// A busy-poll round reads the clock for [`Engine::cm_busy_due`] every this many rounds.
+const CM_BUSY_CLOCK: u32 = 16;
 
 /// Batches of completions one progress round handles at most (see `Engine::poll_completions`).
 const ROUND_BATCHES: usize = 4;

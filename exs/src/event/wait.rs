@@ -94,12 +94,18 @@ impl EventQueue {
         max: usize,
         deadline: Option<Instant>,
     ) -> Result<usize, DequeueError> {
-        let got = self.poll(out, max);
+        let mut got = self.poll(out, max);
         if got >= min {
-            // Events were waiting: still a busy poller, so the progress threads keep standing back. Otherwise
-            // a progress thread that led before the polling began would keep leading and queue every event
-            // before this thread looked (a wake-up per completion), and no dequeue would ever spin.
-            drop(BusyGuard::new(self.pollers(), true));
+            // Events were waiting: still a busy poller, so it drives its contexts once and marks them as
+            // busy-polled, and their progress threads keep standing back. Otherwise a progress thread that led
+            // before the polling began would keep leading and queue every event before this thread looked (a
+            // wake-up per completion), and no dequeue would ever spin. Never a mark without a round: a poller
+            // that only takes what is queued must not keep the progress thread out.
+            let busy = BusyGuard::new(self.pollers(), true);
+            for p in &busy.0 {
+                p.poll_progress();
+            }
+            got += self.poll(out, max - got);
             return Ok(got);
         }
         Ok(got + self.spin_until(self.pollers(), out, min - got, max - got, deadline, true)?)
@@ -126,9 +132,11 @@ impl EventQueue {
         let mut pause = 0u32;
         let (pause_min, pause_max) = busy_pauses();
         while got < min {
-            // The clock is read before the first round and every 8th after it: a round polls each transport,
-            // longer than a clock read, and a spin of a few microseconds must not overrun by many rounds.
-            if rounds % 8 == 0 && until.is_some_and(|d| Instant::now() >= d) {
+            // The clock is read after the first round and every 8th after it: a round polls each transport,
+            // longer than a clock read, and a spin of a few microseconds must not overrun by many rounds. The
+            // first round always runs, so that a poll whose time is up still drives the contexts it marked as
+            // busy-polled (they stand their progress threads back: see `BusyGuard`).
+            if rounds > 0 && rounds % 8 == 0 && until.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
             rounds = rounds.wrapping_add(1);

@@ -20,7 +20,8 @@ pub(crate) const STANDBY: Duration = Duration::from_millis(1);
 /// transport back and forth on every message.
 pub(super) const STANDBY_MAX: Duration = Duration::from_millis(20);
 /// The longest the progress thread checks back while an application leads; beyond it, it sleeps until the
-/// leader lets go and wakes it.
+/// leader lets go and wakes it. Also how long a busy poller counts as polling after its last dequeue (see
+/// [`Lead::busy_lingers`]).
 pub(super) const MAX_BACKOFF: Duration = Duration::from_millis(8);
 /// Protocol rounds one leader runs before it checks its own queue again (a busy peer cannot keep it forever).
 pub(super) const ROUNDS: usize = 16;

@@ -129,10 +129,13 @@ impl Shared {
         self.stop.load(Ordering::SeqCst)
     }
 
-    /// Whether an application thread busy-polls this context now, or did so within the last
-    /// [`MAX_BACKOFF`] (see [`Lead::busy_lingers`]).
-    pub(crate) fn busy_polled(&self) -> bool {
-        self.busy.load(Ordering::SeqCst) > 0 || self.lead.busy_lingers().is_some()
+    /// Until when an application thread counts as busy-polling this context: [`MAX_BACKOFF`] from now while one
+    /// polls, the end of the linger after the last poll (see [`Lead::busy_lingers`]), or `None`.
+    pub(crate) fn busy_until(&self) -> Option<Instant> {
+        if self.busy.load(Ordering::SeqCst) > 0 {
+            return Some(Instant::now() + MAX_BACKOFF);
+        }
+        self.lead.busy_lingers()
     }
 }
 
@@ -188,8 +191,8 @@ pub(crate) fn thread(shared: Arc<Shared>) {
         if shared.stopping() {
             return;
         }
-        if shared.busy_polled() {
-            stand_back_for_busy_pollers(&shared);
+        if let Some(until) = shared.busy_until() {
+            stand_back_for_busy_pollers(&shared, until);
             continue;
         }
         let next = {
@@ -256,7 +259,7 @@ fn sleep_thread(shared: &Shared, until: Option<Instant>) {
 fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
     let lead = &shared.lead;
     loop {
-        if shared.stopping() || lead.lock().handover_asked || shared.busy_polled() {
+        if shared.stopping() || lead.lock().handover_asked || shared.busy_until().is_some() {
             lead.release(false);
             return;
         }
@@ -278,21 +281,18 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
     }
 }
 
-/// An application thread busy-polls this context: it handles completions, timers and (every few hundred rounds)
-/// connection events itself, so this thread stays out of its way: no arming (no completion-channel wake-ups), no
+/// An application thread busy-polls this context: it handles completions, timers and (see
+/// `Engine::cm_busy_due`) connection events itself, so this thread stays out of its way: no arming (no completion-channel wake-ups), no
 /// rounds (they would only take the engine lock from the poller), and it checks back every [`MAX_BACKOFF`] whether
 /// the polling has ended (a poller counts as polling until it has been out of its dequeues for that long), or at
 /// once when woken. Issue 12: checking back every millisecond and running a round
 /// cost 0.02-0.03 wake-ups per message on each side of a busy ping-pong on libfabric tcp, two context switches
 /// each (0.08-0.23 per round trip in all, against the target of 0.2), and it woke for delayed-acknowledgment
 /// deadlines the reply had already cancelled.
-fn stand_back_for_busy_pollers(shared: &Shared) {
-    let until = match shared.lead.busy_lingers() {
-        // Between two dequeues: until the busy poller has been gone for MAX_BACKOFF, so that a timer runs at
-        // most that late once it has gone for good.
-        Some(end) if shared.busy.load(Ordering::SeqCst) == 0 => end,
-        _ => Instant::now() + MAX_BACKOFF,
-    };
+///
+/// `until` comes from [`Shared::busy_until`]: between two dequeues, the end of the linger, so that a timer runs at
+/// most [`MAX_BACKOFF`] late once the poller has gone for good.
+fn stand_back_for_busy_pollers(shared: &Shared, until: Instant) {
     shared
         .lead
         .thread_sleep

@@ -822,8 +822,8 @@ const CM_BUSY_EVERY: u32 = 256;
 /// `Engine::cm_busy_due`).
 const CM_BUSY_INTERVAL: Duration = Duration::from_millis(1);
 
-/// The most time between two looks at connection events while a busy poller drives a context: what an accept or a
-/// disconnection may wait, however few rounds the poller runs (see `Engine::cm_busy_due`).
+/// Past this time since the last look at connection events, a busy poller looks at the next clock reading (every
+/// [`CM_BUSY_CLOCK`] rounds), however few rounds it runs (see `Engine::cm_busy_due`).
 const CM_BUSY_MAX_GAP: Duration = Duration::from_millis(8);
 
 /// A busy-poll round reads the clock for [`Engine::cm_busy_due`] every this many rounds.

@@ -292,9 +292,17 @@ fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
     // The first round trip makes both sides pollers; counted from the second.
     let mut before = None;
     let t0 = Instant::now();
+    // Gaps between two dequeues that a loaded machine stretched to near the linger's length (the progress thread
+    // may rightly take over in those).
+    let (mut long_gaps, mut last_end) = (0u64, None::<Instant>);
     for i in 0..rounds {
         if i == 1 {
             before = Some((p.a.stats().arms, p.a.progress_stats(), Instant::now()));
+        }
+        if let Some(end) = last_end.filter(|_| i > 1) {
+            if end.elapsed() >= Duration::from_millis(7) {
+                long_gaps += 1;
+            }
         }
         p.client.recv(&qa, &back.all(), MsgFlags::NONE, 1).unwrap();
         p.client.send(&qa, &out.all(), MsgFlags::NONE, 2).unwrap();
@@ -302,6 +310,7 @@ fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
         qa.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
             .unwrap();
         assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
+        last_end = Some(Instant::now());
         // The application's own work between two round trips: longer than the progress thread's standby, well
         // within the poller's linger.
         std::thread::sleep(Duration::from_millis(3));
@@ -312,21 +321,21 @@ fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
     let (arms, s) = (p.a.stats().arms - arms0, p.a.progress_stats());
     let ms = t1.elapsed().as_millis() as u64;
     eprintln!(
-        "{arms} arms, {} progress-thread wake-ups in {ms} ms ({:?} in all)",
+        "{arms} arms, {} progress-thread wake-ups in {ms} ms, {long_gaps} long gaps ({:?} in all)",
         s.thread_wakeups - s0.thread_wakeups,
         t0.elapsed()
     );
-    // Before, the progress thread led in most gaps; a rare scheduling delay longer than the linger on a loaded
-    // machine may still let it in once or twice.
+    // Before, the progress thread led in most gaps; now only where a gap outlasted the linger (once or twice a gap,
+    // and once more at the end).
     assert!(
-        arms <= 2,
-        "the progress thread led between dequeues {arms} times: {s:?}"
+        arms <= 2 * long_gaps + 1,
+        "the progress thread led between dequeues {arms} times ({long_gaps} long gaps): {s:?}"
     );
     // A check-back each time the poller has been out of its dequeues for the linger's length: bounded loosely
     // (the count that matters is the arms above).
     assert!(
-        s.thread_wakeups - s0.thread_wakeups <= ms / 4 + 2,
-        "{s0:?} -> {s:?} in {ms} ms"
+        s.thread_wakeups - s0.thread_wakeups <= ms / 4 + 2 + 4 * long_gaps,
+        "{s0:?} -> {s:?} in {ms} ms ({long_gaps} long gaps)"
     );
 }
 

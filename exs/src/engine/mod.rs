@@ -564,10 +564,11 @@ impl Engine {
         did
     }
 
-    /// Whether a busy-poll round looks at connection events now: after [`CM_BUSY_EVERY`] rounds if
-    /// [`CM_BUSY_INTERVAL`] has passed since the last look (where rounds are slow, an emulated CPU, the count alone
-    /// came round often), and whatever the count once [`CM_BUSY_MAX_GAP`] has passed (a poller that finds its
-    /// data in a round or two and then works between its dequeues runs few rounds, and nobody else looks meanwhile).
+    /// Whether a busy-poll round looks at connection events now (asked every [`CM_BUSY_CLOCK`] rounds): after
+    /// [`CM_BUSY_EVERY`] rounds if [`CM_BUSY_INTERVAL`] has passed since the last look (where rounds are slow, an
+    /// emulated CPU, the count alone came round often), and at the next asking once [`CM_BUSY_MAX_GAP`] has passed
+    /// (a poller that finds its data in a round or two and then works between its dequeues runs few rounds, and
+    /// nobody else looks meanwhile).
     fn cm_busy_due(&self, now: Instant) -> bool {
         let Some(last) = self.cm_busy_looked else {
             return true;

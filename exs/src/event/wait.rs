@@ -123,20 +123,21 @@ impl EventQueue {
         lingers: bool,
     ) -> Result<usize, DequeueError> {
         // While this thread polls, the contexts' progress threads stand back (see `Poller::set_busy`); with
-        // `lingers` (busy polling, not the adaptive wait's spin), for a while after it too.
-        let busy = BusyGuard::new(pollers, lingers);
+        // `lingers` (busy polling, not the adaptive wait's spin), for a while after it too. Not when this loop
+        // drives simulated worlds instead of the pollers: it must not keep back what it does not drive.
         let manual = self.has_drivers();
+        let busy = BusyGuard::new(pollers, lingers && !manual);
         let mut got = 0;
         let mut idle_rounds = 0u32;
         let mut rounds = 0u32;
         let mut pause = 0u32;
         let (pause_min, pause_max) = busy_pauses();
         while got < min {
-            // The clock is read after the first round and every 8th after it: a round polls each transport,
-            // longer than a clock read, and a spin of a few microseconds must not overrun by many rounds. The
-            // first round always runs, so that a poll whose time is up still drives the contexts it marked as
-            // busy-polled (they stand their progress threads back: see `BusyGuard`).
-            if rounds > 0 && rounds % 8 == 0 && until.is_some_and(|d| Instant::now() >= d) {
+            // The clock is read after the first round and every SPIN_CLOCK rounds after it: a round polls each
+            // transport, longer than a clock read, and a spin of a few microseconds must not overrun by many
+            // rounds. The first round always runs, so that a poll whose time is up still drives the contexts it
+            // marked as busy-polled (they stand their progress threads back: see `BusyGuard`).
+            if rounds % SPIN_CLOCK == 1 && until.is_some_and(|d| Instant::now() >= d) {
                 break;
             }
             rounds = rounds.wrapping_add(1);
@@ -407,6 +408,9 @@ fn busy_pauses() -> (u32, u32) {
         (count(BUSY_PAUSE_MIN_NS), count(BUSY_PAUSE_MAX_NS))
     })
 }
+
+/// A spin reads the clock (for its deadline) after its first round and then every this many rounds.
+const SPIN_CLOCK: u32 = 8;
 
 /// The longest an adaptive dequeue spins before it sleeps, unless [`EventQueue::set_adaptive_spin`] says
 /// otherwise: about what sleeping and being woken costs on a software transport (two context switches and the

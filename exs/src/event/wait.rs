@@ -94,25 +94,18 @@ impl EventQueue {
         max: usize,
         deadline: Option<Instant>,
     ) -> Result<usize, DequeueError> {
-        let mut got = self.poll(out, max);
-        if got >= min {
-            // Events were waiting: still a busy poller, so it drives its contexts once and marks them as
-            // busy-polled, and their progress threads keep standing back. Otherwise a progress thread that led
-            // before the polling began would keep leading and queue every event before this thread looked (a
-            // wake-up per completion), and no dequeue would ever spin. Never a mark without a round: a poller
-            // that only takes what is queued must not keep the progress thread out.
-            let busy = BusyGuard::new(self.pollers(), true);
-            for p in &busy.0 {
-                p.poll_progress();
-            }
-            got += self.poll(out, max - got);
-            return Ok(got);
-        }
-        Ok(got + self.spin_until(self.pollers(), out, min - got, max - got, deadline, true)?)
+        let got = self.poll(out, max);
+        // Even when enough events were waiting, still a busy poller: it drives its contexts (at least one round,
+        // see `spin_until`) and marks them as busy-polled, so their progress threads keep standing back. Otherwise
+        // a progress thread that led before the polling began would keep leading and queue every event before
+        // this thread looked (a wake-up per completion), and no dequeue would ever spin.
+        let rest = min.saturating_sub(got);
+        Ok(got + self.spin_until(self.pollers(), out, rest, max - got, deadline, true)?)
     }
 
     /// Polls without sleeping, driving the contexts itself, until `min` events were taken (at most `max`) or
-    /// `until` passed. Returns how many it took.
+    /// `until` passed; at least one round, whatever `min` and `until` (never a busy mark without a round: a poller
+    /// that only takes what is queued must not keep the progress threads out). Returns how many it took.
     fn spin_until(
         &self,
         pollers: Vec<Arc<dyn Poller>>,
@@ -132,7 +125,7 @@ impl EventQueue {
         let mut rounds = 0u32;
         let mut pause = 0u32;
         let (pause_min, pause_max) = busy_pauses();
-        while got < min {
+        loop {
             // The clock is read after the first round and every SPIN_CLOCK rounds after it: a round polls each
             // transport, longer than a clock read, and a spin of a few microseconds must not overrun by many
             // rounds. The first round always runs, so that a poll whose time is up still drives the contexts it
@@ -168,6 +161,9 @@ impl EventQueue {
                 }
             }
             got += self.poll(out, max - got);
+            if got >= min {
+                break;
+            }
         }
         Ok(got)
     }

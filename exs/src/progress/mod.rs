@@ -286,9 +286,9 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
 /// completion-channel wake-ups), no rounds (they would only take the engine lock from the poller), and it checks
 /// back every [`MAX_BACKOFF`] whether the polling has ended (a poller counts as polling until it has been out of
 /// its dequeues for that long), or at once when woken. Issue 12: checking back every millisecond and running a
-/// round cost 0.02-0.03 wake-ups per message on each side of a busy ping-pong on libfabric tcp, two context switches
-/// each (0.08-0.23 per round trip in all, against the target of 0.2), and it woke for delayed-acknowledgment
-/// deadlines the reply had already cancelled.
+/// round cost wake-ups (two context switches each) on each side of a busy ping-pong on libfabric tcp, and it woke
+/// for delayed-acknowledgment deadlines the reply had already cancelled (the bench README's table of system calls
+/// and context switches per round trip has the before and after).
 ///
 /// `until` comes from [`Shared::busy_until`]: between two dequeues, the end of the linger, so that a timer runs at
 /// most [`MAX_BACKOFF`] late once the poller has gone for good.

@@ -681,3 +681,86 @@ fn bulk(p: &Pair, b_in: &MemoryRegion, total: usize, send: usize) -> Vec<u8> {
     assert_bytes_eq(&got, &src.to_vec().unwrap(), "bulk");
     got
 }
+
+/// Large sends into as many large receives, one more of each than the sender lets the receiver advertise at once
+/// (its `recv_credits`), kept posted and queued as a pump keeps them: the receive past the credits goes
+/// unadvertised, so one send finds no advertisement and goes through the stream buffer (seed 001 allows it at any
+/// time). The sender must come back to direct transfers: before the fix it kept the buffer filled, the receiver
+/// never caught up with it to advertise at a sequence number the sender could accept, and every byte after was
+/// copied twice (`exs pump --type stream --size 1M --depth 17`, one past the default credits).
+#[test]
+fn a_deeper_pipeline_than_the_advert_credits_stays_direct() {
+    pipeline_stays_direct(4, 5);
+}
+
+/// The same within the credits: every receive is advertised, but a send queued before the receiver has reposted
+/// finds none; it waits for the advertisement while its direct transfers are in flight instead of going through
+/// the stream buffer (before the fix: one indirect transfer early on, and the rest of the run indirect).
+#[test]
+fn a_pipeline_within_the_advert_credits_stays_direct() {
+    pipeline_stays_direct(16, 8);
+}
+
+/// 64 KiB sends into `depth` 64 KiB receives, both kept at that depth, with `credits` advert credits: most bytes
+/// go direct, every byte arrives in order.
+fn pipeline_stays_direct(credits: u16, depth: usize) {
+    const SIZE: usize = 64 << 10;
+    const SENDS: usize = 120;
+    let opts = SocketOptions::default()
+        .with_recv_credits(credits)
+        .with_stream_buffer_size(256 << 10);
+    let p = pair_with(SockType::Stream, SimConfig::default(), opts);
+    let src = p.client_region(pattern(SIZE * depth, 13));
+    let want = src.to_vec().unwrap();
+    let dst = p.server_region(SIZE * depth);
+    let slot = |r: &MemoryRegion, i: usize| r.slice(i * SIZE..(i + 1) * SIZE);
+    for i in 0..depth {
+        p.server
+            .recv(&p.eq_b, &slot(&dst, i), MsgFlags::NONE, i as u64)
+            .unwrap();
+    }
+    for i in 0..depth {
+        p.client
+            .send(&p.eq_a, &slot(&src, i), MsgFlags::NONE, i as u64)
+            .unwrap();
+    }
+    // Which source slot each send carries, in the order they were made.
+    let mut order: std::collections::VecDeque<usize> = (0..depth).collect();
+    let (mut sent, mut evs) = (depth, Vec::new());
+    for n in 0..SENDS {
+        let ev = wait(&p.eq_b);
+        assert!(ev.is_ok() && ev.bytes == SIZE, "{ev:?}");
+        let (got, from) = (ev.context as usize, order.pop_front().unwrap());
+        let bytes = dst
+            .with_slice(got * SIZE..(got + 1) * SIZE, |b| b.to_vec())
+            .unwrap();
+        assert_bytes_eq(
+            &bytes,
+            &want[from * SIZE..(from + 1) * SIZE],
+            &format!("message {n}"),
+        );
+        p.server
+            .recv(&p.eq_b, &slot(&dst, got), MsgFlags::NONE, ev.context)
+            .unwrap();
+        evs.clear();
+        p.eq_a.poll(&mut evs, 64);
+        for e in &evs {
+            assert!(e.is_ok(), "{e:?}");
+            if sent < SENDS + depth {
+                p.client
+                    .send(
+                        &p.eq_a,
+                        &slot(&src, e.context as usize),
+                        MsgFlags::NONE,
+                        e.context,
+                    )
+                    .unwrap();
+                order.push_back(e.context as usize);
+                sent += 1;
+            }
+        }
+    }
+    let tx = p.client.stats().unwrap().stream;
+    let share = tx.direct_bytes as f64 / (tx.direct_bytes + tx.indirect_bytes) as f64;
+    assert!(share > 0.8, "direct share {share:.3}: {tx:?}");
+}

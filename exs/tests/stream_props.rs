@@ -37,9 +37,16 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    let send = prop_oneof![8 => 1usize..300, 3 => 300usize..5000, 1 => 5000usize..100_000];
+    let send = prop_oneof![
+        8 => 1usize..300,
+        3 => 300usize..5000,
+        1 => 5000usize..100_000,
+        1 => 100_000usize..300_000
+    ];
+    // Receives of 64 KiB and more make a sender that rejects their advertisements wait for the next one, and one
+    // that finds none wait while its direct transfers into them are in flight (`StreamProto::waits_for_advert`).
     let recv = (
-        prop_oneof![3 => 1usize..300, 2 => 300usize..5000],
+        prop_oneof![3 => 1usize..300, 2 => 300usize..5000, 1 => (64usize << 10)..SLOT],
         prop_oneof![3 => Just(false), 1 => Just(true)],
     );
     (
@@ -74,7 +81,8 @@ fn case() -> impl Strategy<Value = Case> {
         )
 }
 
-const SLOT: usize = 8192;
+/// The most bytes one receive takes.
+const SLOT: usize = 160 << 10;
 
 struct Run<'a> {
     c: &'a Case,
@@ -247,7 +255,12 @@ fn run(c: &Case) {
     let trace = r.p.client.stream_trace();
     no_exact_advert_rejected_alone(&trace);
     let st = r.p.client.stats().expect("stats").stream;
-    report(st.direct_bytes, total as u64, st.adverts_rejected);
+    report(
+        st.direct_bytes,
+        total as u64,
+        st.adverts_rejected,
+        st.advert_waits,
+    );
 }
 
 /// An advertisement at the sender's position is rejected only as the rest of a batch whose first one was stale.
@@ -278,8 +291,9 @@ fn no_exact_advert_rejected_alone(trace: &[StreamTrace]) {
     }
 }
 
-/// Direct share per case: (direct bytes, total bytes, adverts rejected), summarised when the last case ran.
-static SHARES: Mutex<Vec<(u64, u64, u64)>> = Mutex::new(Vec::new());
+/// Direct share per case: (direct bytes, total bytes, adverts rejected, waits for an advert), summarised when the
+/// last case ran.
+static SHARES: Mutex<Vec<(u64, u64, u64, u64)>> = Mutex::new(Vec::new());
 
 fn cases() -> usize {
     std::env::var("EXS_STREAM_CASES")
@@ -288,21 +302,27 @@ fn cases() -> usize {
         .unwrap_or(256)
 }
 
-fn report(direct: u64, total: u64, rejected: u64) {
+fn report(direct: u64, total: u64, rejected: u64, waits: u64) {
     let mut all = SHARES.lock().unwrap();
-    all.push((direct, total, rejected));
+    all.push((direct, total, rejected, waits));
     if all.len() == cases() {
-        let mut shares: Vec<f64> = all.iter().map(|&(d, t, _)| d as f64 / t as f64).collect();
+        let mut shares: Vec<f64> = all
+            .iter()
+            .map(|&(d, t, _, _)| d as f64 / t as f64)
+            .collect();
         shares.sort_by(f64::total_cmp);
-        let (d, t): (u64, u64) = all.iter().fold((0, 0), |a, &(d, t, _)| (a.0 + d, a.1 + t));
+        let (d, t): (u64, u64) = all
+            .iter()
+            .fold((0, 0), |a, &(d, t, _, _)| (a.0 + d, a.1 + t));
         eprintln!(
-            "direct share over {} cases: {:.1}% of all bytes; per case min {:.0}%, median {:.0}%, max {:.0}%; {} cases had a rejected advertisement",
+            "direct share over {} cases: {:.1}% of all bytes; per case min {:.0}%, median {:.0}%, max {:.0}%; {} cases had a rejected advertisement, {} waited for one",
             all.len(),
             100.0 * d as f64 / t as f64,
             100.0 * shares[0],
             100.0 * shares[shares.len() / 2],
             100.0 * shares[shares.len() - 1],
-            all.iter().filter(|a| a.2 > 0).count()
+            all.iter().filter(|a| a.2 > 0).count(),
+            all.iter().filter(|a| a.3 > 0).count()
         );
     }
 }

@@ -87,6 +87,9 @@ pub struct StreamStats {
     pub window_updates: u64,
     /// Times the sender waited for stream-buffer space.
     pub space_stalls: u64,
+    /// Times the sender waited for the receiver's next advertisement rather than go through the stream buffer
+    /// (large receives: see `StreamProto::waits_for_advert`).
+    pub advert_waits: u64,
     /// Receiver: bytes copied out of the stream buffer into receives (once each; direct bytes are not copied).
     pub copied_bytes: u64,
 }
@@ -260,8 +263,10 @@ struct Rx {
 struct Tx {
     sends: VecDeque<SendOp>,
     adverts: VecDeque<PeerAdvert>,
-    /// Transfers in flight, in posting order, with the sends they carry.
-    writes: VecDeque<(u32, Vec<u32>)>,
+    /// Transfers in flight, in posting order, with the sends they carry and their bytes if direct (0: indirect).
+    writes: VecDeque<(u32, Vec<u32>, u64)>,
+    /// Bytes of the direct transfers in flight.
+    direct_in_flight: u64,
     phase: u32,
     seq: u64,
     /// The peer's stream buffer: from the handshake, or from its STREAM_RING message (indirect transfers wait
@@ -272,6 +277,9 @@ struct Tx {
     ring_len: u64,
     tail: u64,
     consumed: u64,
+    /// A large advertisement was rejected: indirect transfers go on only up to this sequence number, where the
+    /// receiver's rejected advertisements are filled, then wait for its next one (see `resync_room`).
+    resync_hold: Option<u64>,
     next_id: u32,
     next_tag: u32,
 }
@@ -299,6 +307,12 @@ const CORK_BYTES: usize = 16 << 10;
 /// Queued sends of at most this many bytes in all go through the stream buffer even when an advertisement is
 /// there (see `small_via_ring`).
 const SMALL_VIA_RING: usize = 16 << 10;
+
+/// A rejected advertisement for a receive of at least this many bytes makes the sender pause its indirect
+/// transfers until the receiver can advertise again (see `StreamProto::waits_for_advert`): the copy into and out
+/// of the stream buffer that a direct transfer saves is worth a pause of a round trip. Smaller receives are filled
+/// from the buffer (see `bulk_sends_into_small_receives_are_not_a_write_per_receive`).
+const RESYNC_MIN: u64 = 64 << 10;
 
 /// With coalescing on, this many small writes that passed over an advertisement (each flushed it), with no large
 /// transfer between, stop the advertisements until a large transfer: a request/response stream, not a header
@@ -370,6 +384,7 @@ impl StreamProto {
                 sends: VecDeque::new(),
                 adverts: VecDeque::new(),
                 writes: VecDeque::new(),
+                direct_in_flight: 0,
                 phase: 0,
                 seq: 0,
                 // Address and key 0: they follow in a STREAM_RING message (keys bound after connect).
@@ -381,6 +396,7 @@ impl StreamProto {
                 ring_len: u64::from(peer.stream_len),
                 tail: 0,
                 consumed: 0,
+                resync_hold: None,
                 next_id: 0,
                 next_tag: 0,
             },
@@ -591,6 +607,7 @@ impl StreamProto {
             s.in_flight = 0;
         }
         self.tx.writes.clear();
+        self.tx.direct_in_flight = 0;
         self.fail(err);
         for (exposure, ticket, e) in self.rx.retired.drain(..) {
             drop(exposure);

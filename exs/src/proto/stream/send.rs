@@ -42,12 +42,18 @@ impl StreamProto {
             if aphase > self.tx.phase && aseq == self.tx.seq {
                 // "Once the sender accepts an advertisement, the sender increments its phase back to even."
                 self.tx.phase = aphase;
+                self.tx.resync_hold = None;
                 self.stats.adverts_accepted += 1;
                 self.record(StreamTrace::Accepted {
                     seq: aseq,
                     phase: aphase,
                 });
                 return Ok(true);
+            }
+            if a.len >= RESYNC_MIN {
+                let filled_at = a.seq.saturating_add(a.len).max(self.tx.seq);
+                self.tx.resync_hold =
+                    Some(self.tx.resync_hold.map_or(filled_at, |h| h.max(filled_at)));
             }
             self.tx.adverts.pop_front();
             if aphase > self.tx.phase {
@@ -73,12 +79,18 @@ impl StreamProto {
             let Some(first) = self.tx.sends.iter().position(|s| s.rest.is_some()) else {
                 return Ok(());
             };
-            let direct = self.choose_advert()? && !self.small_via_ring(first, link);
+            let advert = self.choose_advert()?;
+            let direct = advert && !self.small_via_ring(first, link);
+            let resync = if direct { None } else { self.resync_room() };
+            if resync == Some(0) || (!advert && self.waits_for_advert()) {
+                self.stats.advert_waits += 1;
+                return Ok(());
+            }
             let Some((room, remote)) = self.target(direct, link) else {
                 self.stats.space_stalls += 1;
                 return Ok(());
             };
-            let limit = (room as usize).min(self.max_chunk);
+            let limit = (room.min(resync.unwrap_or(u64::MAX)) as usize).min(self.max_chunk);
             if self.holds(first, limit) {
                 return Ok(());
             }
@@ -91,7 +103,9 @@ impl StreamProto {
                 self.account_indirect(n)
             };
             self.tx.seq += n as u64;
-            self.tx.writes.push_back((tag, carried));
+            let direct_bytes = if direct { n as u64 } else { 0 };
+            self.tx.direct_in_flight += direct_bytes;
+            self.tx.writes.push_back((tag, carried, direct_bytes));
             link.push_write(
                 DataOp::Write {
                     local: pieces,
@@ -101,6 +115,40 @@ impl StreamProto {
                 tag,
             );
         }
+    }
+
+    /// Whether a send that finds no advertisement waits for the next one rather than go through the stream
+    /// buffer: in an even phase, while direct transfers of [`RESYNC_MIN`] bytes or more are in flight. The
+    /// receiver advertises its next receive as each of them lands (its advert credits come back), so the
+    /// advertisement usually arrives before the last of them completes here (each completion pumps again); going
+    /// indirect meanwhile moved both sides to an odd phase for a whole resynchronisation (see `resync_room`),
+    /// two copies of every byte in between. Once nothing direct is in flight, the send goes indirect as before:
+    /// a receiver with nothing posted never holds it up.
+    fn waits_for_advert(&self) -> bool {
+        self.tx.phase % 2 == 0 && self.tx.direct_in_flight >= RESYNC_MIN
+    }
+
+    /// How many bytes indirect transfers may still carry before they wait for the receiver to advertise again,
+    /// after the sender rejected a large advertisement (`None`: no limit).
+    ///
+    /// Seed 001 lets the sender go indirect at any time and resynchronises the two sides only through an
+    /// advertisement whose sequence number is the sender's own, which the receiver sends once it has taken every
+    /// byte of the stream buffer, having first filled each receive it advertised before (in an odd phase it
+    /// "will remain passive until it has flushed all previous advertisements (by receiving indirect
+    /// transfers)"). A sender with bulk queued and space in the buffer kept refilling it, so every later
+    /// advertisement was stale on arrival and every byte after the first indirect transfer was copied twice, for
+    /// good (a pump one receive deeper than the advert credits: one receive went unadvertised, one send went
+    /// indirect). Rejecting an advertisement for a receive of [`RESYNC_MIN`] bytes or more shows that the
+    /// receiver reads into large receives: the sender then sends indirectly only up to the end of the rejected
+    /// advertisements (which fills them, so the receiver may advertise again) and then waits until an
+    /// advertisement is accepted or the hold expires ([`WINDOW_HOLD`], through the connection's delayed-update
+    /// timer: see [`StreamProto::window_waiting`]), so a receiver that stops reading holds the sender no longer
+    /// than that.
+    fn resync_room(&mut self) -> Option<u64> {
+        if self.tx.phase % 2 == 0 {
+            self.tx.resync_hold = None;
+        }
+        self.tx.resync_hold.map(|to| to.saturating_sub(self.tx.seq))
     }
 
     /// Where the next transfer goes and how much fits there: the advertised receive (`direct`), or the contiguous
@@ -265,10 +313,11 @@ impl StreamProto {
 
     /// A transfer of ours completed: the sends it carried may complete.
     pub(crate) fn on_write_done(&mut self, tag: u32, status: Result<(), WcError>) {
-        let Some(pos) = self.tx.writes.iter().position(|(t, _)| *t == tag) else {
+        let Some(pos) = self.tx.writes.iter().position(|(t, _, _)| *t == tag) else {
             return;
         };
-        let (_, carried) = self.tx.writes.remove(pos).expect("found");
+        let (_, carried, direct_bytes) = self.tx.writes.remove(pos).expect("found");
+        self.tx.direct_in_flight -= direct_bytes;
         for id in carried {
             if let Some(s) = self.tx.sends.iter_mut().find(|s| s.id == id) {
                 s.in_flight -= 1;

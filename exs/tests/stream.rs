@@ -426,49 +426,9 @@ fn a_sender_that_filled_the_buffer_before_any_advert_comes_back_to_it() {
             .recv(&p.eq_b, &slot(&dst, i), MsgFlags::NONE, i as u64)
             .unwrap();
     }
-    let want = src.to_vec().unwrap();
     // The source slot of every send, in the order they were made: the stream delivers their bytes in that order.
-    let mut order: std::collections::VecDeque<usize> = (0..32).collect();
-    let mut sent = 32;
-    let mut evs = Vec::new();
-    for n in 0..N {
-        let ev = wait(&p.eq_b);
-        assert!(ev.is_ok() && ev.bytes == SIZE, "{ev:?}");
-        let (got, from) = (ev.context as usize, order.pop_front().unwrap());
-        let bytes = dst
-            .with_slice(got * SIZE..(got + 1) * SIZE, |b| b.to_vec())
-            .unwrap();
-        assert_bytes_eq(
-            &bytes,
-            &want[from * SIZE..(from + 1) * SIZE],
-            &format!("message {n}"),
-        );
-        p.server
-            .recv(
-                &p.eq_b,
-                &slot(&dst, ev.context as usize),
-                MsgFlags::NONE,
-                ev.context,
-            )
-            .unwrap();
-        evs.clear();
-        p.eq_a.poll(&mut evs, 64);
-        for e in &evs {
-            assert!(e.is_ok(), "{e:?}");
-            if sent < N + 16 {
-                p.client
-                    .send(
-                        &p.eq_a,
-                        &slot(&src, e.context as usize),
-                        MsgFlags::NONE,
-                        e.context,
-                    )
-                    .unwrap();
-                order.push_back(e.context as usize);
-                sent += 1;
-            }
-        }
-    }
+    let order = (0..32).collect();
+    pump_slots(&p, (&src, &dst), SIZE, order, N + 16, N);
     let (tx, rx) = (p.client.stats().unwrap(), p.server.stats().unwrap());
     let writes = (tx.stream.direct_sent + tx.stream.indirect_sent) as f64 / N as f64;
     assert!(
@@ -711,7 +671,6 @@ fn pipeline_stays_direct(credits: u16, depth: usize) {
         .with_stream_buffer_size(256 << 10);
     let p = pair_with(SockType::Stream, SimConfig::default(), opts);
     let src = p.client_region(pattern(SIZE * depth, 13));
-    let want = src.to_vec().unwrap();
     let dst = p.server_region(SIZE * depth);
     let slot = |r: &MemoryRegion, i: usize| r.slice(i * SIZE..(i + 1) * SIZE);
     for i in 0..depth {
@@ -725,32 +684,58 @@ fn pipeline_stays_direct(credits: u16, depth: usize) {
             .unwrap();
     }
     // Which source slot each send carries, in the order they were made.
-    let mut order: std::collections::VecDeque<usize> = (0..depth).collect();
-    let (mut sent, mut evs) = (depth, Vec::new());
-    for n in 0..SENDS {
+    pump_slots(
+        &p,
+        (&src, &dst),
+        SIZE,
+        (0..depth).collect(),
+        SENDS + depth,
+        SENDS,
+    );
+    let tx = p.client.stats().unwrap().stream;
+    let share = tx.direct_bytes as f64 / (tx.direct_bytes + tx.indirect_bytes) as f64;
+    assert!(share > 0.8, "direct share {share:.3}: {tx:?}");
+}
+
+/// Keeps a pump of `size`-byte messages going until `messages` receives completed: each receive's bytes are checked
+/// against the source slot of the send that carried them (`order`: the source slots of the sends made so far, in
+/// order), the receive is posted again into its slot of `dst`, and each completed send is made again from its slot
+/// of `src` until `sends` sends were made in all.
+fn pump_slots(
+    p: &Pair,
+    (src, dst): (&MemoryRegion, &MemoryRegion),
+    size: usize,
+    mut order: std::collections::VecDeque<usize>,
+    sends: usize,
+    messages: usize,
+) {
+    let want = src.to_vec().unwrap();
+    let slot = |r: &MemoryRegion, i: usize| r.slice(i * size..(i + 1) * size);
+    let (mut sent, mut evs) = (order.len(), Vec::new());
+    for n in 0..messages {
         let ev = wait(&p.eq_b);
-        assert!(ev.is_ok() && ev.bytes == SIZE, "{ev:?}");
+        assert!(ev.is_ok() && ev.bytes == size, "{ev:?}");
         let (got, from) = (ev.context as usize, order.pop_front().unwrap());
         let bytes = dst
-            .with_slice(got * SIZE..(got + 1) * SIZE, |b| b.to_vec())
+            .with_slice(got * size..(got + 1) * size, |b| b.to_vec())
             .unwrap();
         assert_bytes_eq(
             &bytes,
-            &want[from * SIZE..(from + 1) * SIZE],
+            &want[from * size..(from + 1) * size],
             &format!("message {n}"),
         );
         p.server
-            .recv(&p.eq_b, &slot(&dst, got), MsgFlags::NONE, ev.context)
+            .recv(&p.eq_b, &slot(dst, got), MsgFlags::NONE, ev.context)
             .unwrap();
         evs.clear();
         p.eq_a.poll(&mut evs, 64);
         for e in &evs {
             assert!(e.is_ok(), "{e:?}");
-            if sent < SENDS + depth {
+            if sent < sends {
                 p.client
                     .send(
                         &p.eq_a,
-                        &slot(&src, e.context as usize),
+                        &slot(src, e.context as usize),
                         MsgFlags::NONE,
                         e.context,
                     )
@@ -760,7 +745,4 @@ fn pipeline_stays_direct(credits: u16, depth: usize) {
             }
         }
     }
-    let tx = p.client.stats().unwrap().stream;
-    let share = tx.direct_bytes as f64 / (tx.direct_bytes + tx.indirect_bytes) as f64;
-    assert!(share > 0.8, "direct share {share:.3}: {tx:?}");
 }

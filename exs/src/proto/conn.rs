@@ -129,6 +129,9 @@ pub(crate) struct Conn {
     timing: Timing,
     /// When a delayed acknowledgment (message mode) or a held window update (stream mode) goes anyway.
     ack_at: Option<Instant>,
+    /// Stream mode: when a sender waiting for an advertisement goes on indirectly anyway
+    /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD)).
+    resync_at: Option<Instant>,
     /// When the next keepalive check is due.
     keepalive_at: Option<Instant>,
     /// What the control buffers cost the context's memory budget, given back with the connection.
@@ -166,6 +169,7 @@ impl Conn {
             shutdown: None,
             timing: setup.timing,
             ack_at: None,
+            resync_at: None,
             keepalive_at: None,
             _charge: setup.charge,
         }
@@ -216,10 +220,10 @@ impl Conn {
     /// When the connection next needs [`Conn::handle_timeout`], if ever (the engine keeps one timer per
     /// connection at this deadline, as quinn-proto's `Connection::poll_timeout`).
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        match (self.ack_at, self.keepalive_at) {
-            (Some(a), Some(k)) => Some(a.min(k)),
-            (a, k) => a.or(k),
-        }
+        [self.ack_at, self.keepalive_at, self.resync_at]
+            .into_iter()
+            .flatten()
+            .min()
     }
 
     /// Does what is due at `now`: a delayed acknowledgment or window update goes; an idle connection queues a
@@ -229,6 +233,13 @@ impl Conn {
         if self.ack_at.is_some_and(|at| at <= now) {
             self.ack_at = None;
             self.force_ack();
+            queued = true;
+        }
+        if self.resync_at.is_some_and(|at| at <= now) {
+            self.resync_at = None;
+            if let Some(Mode::Stream(s)) = &mut self.mode {
+                s.end_resync_hold();
+            }
             queued = true;
         }
         if let Some(at) = self.keepalive_at.filter(|&at| at <= now) {
@@ -337,13 +348,20 @@ impl Conn {
 
     /// Posts what can go now. An acknowledgment (message mode) or a stream window update being delayed sets the
     /// deadline at which it goes anyway ([`Conn::poll_timeout`]): the acknowledgment delay, or the stream's
-    /// [`WINDOW_HOLD`](crate::proto::stream::WINDOW_HOLD); one sent meanwhile clears it.
+    /// [`WINDOW_HOLD`](crate::proto::stream::WINDOW_HOLD); one sent meanwhile clears it. A stream sender waiting
+    /// for an advertisement sets its own deadline the same way
+    /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD)), cleared once it no longer waits.
     pub(crate) fn flush(
         &mut self,
         out: &mut Vec<WorkRequest>,
         now: Instant,
     ) -> Result<(), Violation> {
         let delayed = self.flush_now(out)?;
+        let resync = matches!(&self.mode, Some(Mode::Stream(s)) if s.resync_waiting());
+        self.resync_at = match (resync, self.resync_at) {
+            (false, _) => None,
+            (true, at) => Some(at.unwrap_or(now + crate::proto::stream::RESYNC_HOLD)),
+        };
         self.ack_at = match (delayed, self.ack_at) {
             (false, _) => None,
             (true, Some(at)) => Some(at),
@@ -665,6 +683,7 @@ impl Conn {
     pub(crate) fn drop_all(&mut self, err: OpError) {
         self.stop_keepalive();
         self.ack_at = None;
+        self.resync_at = None;
         self.link.discard();
         match &mut self.mode {
             Some(Mode::Message(m)) => m.drop_all(err),

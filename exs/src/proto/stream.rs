@@ -87,8 +87,8 @@ pub struct StreamStats {
     pub window_updates: u64,
     /// Times the sender waited for stream-buffer space.
     pub space_stalls: u64,
-    /// Times the sender waited for the receiver's next advertisement rather than go through the stream buffer
-    /// (large receives: see `StreamProto::waits_for_advert`).
+    /// Rounds in which the sender, with sends queued, waited for the receiver's next advertisement rather than
+    /// go through the stream buffer (large receives: see `StreamProto::waits_for_advert` and `resync_room`).
     pub advert_waits: u64,
     /// Receiver: bytes copied out of the stream buffer into receives (once each; direct bytes are not copied).
     pub copied_bytes: u64,
@@ -308,11 +308,19 @@ const CORK_BYTES: usize = 16 << 10;
 /// there (see `small_via_ring`).
 const SMALL_VIA_RING: usize = 16 << 10;
 
-/// A rejected advertisement for a receive of at least this many bytes makes the sender pause its indirect
-/// transfers until the receiver can advertise again (see `StreamProto::waits_for_advert`): the copy into and out
-/// of the stream buffer that a direct transfer saves is worth a pause of a round trip. Smaller receives are filled
-/// from the buffer (see `bulk_sends_into_small_receives_are_not_a_write_per_receive`).
+/// Receives of at least this many bytes are worth waiting for: a sender that finds no advertisement waits while
+/// this much of its direct transfers is in flight (`StreamProto::waits_for_advert`), and one that rejected an
+/// advertisement this large pauses its indirect transfers until the receiver can advertise again
+/// (`StreamProto::resync_room`). The copy into and out of the stream buffer that a direct transfer saves is worth
+/// a pause of a round trip; smaller receives are filled from the buffer (see
+/// `bulk_sends_into_small_receives_are_not_a_write_per_receive`).
 const RESYNC_MIN: u64 = 64 << 10;
+
+/// The longest a sender that rejected a large advertisement waits for the next one (see
+/// `StreamProto::resync_room`): long enough for a receiver on a loaded machine to fill its rejected receives from
+/// the stream buffer and advertise again, short enough that a receiver that stopped reading holds the sender's
+/// queued bytes out of its buffer only briefly.
+pub(crate) const RESYNC_HOLD: std::time::Duration = WINDOW_HOLD;
 
 /// With coalescing on, this many small writes that passed over an advertisement (each flushed it), with no large
 /// transfer between, stop the advertisements until a large transfer: a request/response stream, not a header
@@ -568,6 +576,7 @@ impl StreamProto {
     /// Fails the sends not yet done. A send part of which was handed to the transport may have reached the peer:
     /// it is never reported `Cancelled` (issue 14), but `Aborted`.
     fn fail_sends(&mut self, err: OpError) {
+        self.tx.resync_hold = None;
         for s in self.tx.sends.iter_mut() {
             let started = s.in_flight > 0 || s.rest.as_ref().is_none_or(|r| r.len() < s.len);
             s.rest = None;

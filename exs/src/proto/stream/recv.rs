@@ -232,16 +232,12 @@ impl StreamProto {
 
     /// A window update waits (the engine arms a timer of [`WINDOW_HOLD`], then calls
     /// [`StreamProto::force_window`]); no timer while advertised receives hold it (see `held_for_adverts`).
-    /// The same timer bounds a sender's pause for an advertisement after it rejected one (see `resync_room`).
     pub(crate) fn window_waiting(&self) -> bool {
-        (self.rx.window_deferred && self.window_due() && !self.held_for_adverts())
-            || self.tx.resync_hold.is_some()
+        self.rx.window_deferred && self.window_due() && !self.held_for_adverts()
     }
 
-    /// The hold expired: report consumption now, unless advertised receives hold it; a sender pausing for an
-    /// advertisement (see `resync_room`) goes on indirectly.
+    /// The hold expired: report consumption now, unless advertised receives hold it.
     pub(crate) fn force_window(&mut self, link: &mut Link) {
-        self.tx.resync_hold = None;
         if !self.window_due() {
             self.rx.window_deferred = false;
         } else if !self.held_for_adverts() {

@@ -51,9 +51,11 @@ impl StreamProto {
                 return Ok(true);
             }
             if a.len >= RESYNC_MIN {
-                let filled_at = a.seq.saturating_add(a.len).max(self.tx.seq);
-                self.tx.resync_hold =
-                    Some(self.tx.resync_hold.map_or(filled_at, |h| h.max(filled_at)));
+                // Each rejected receive may take a whole transfer of its length: a receive without MSG_WAITALL
+                // is advertised at an estimate (one byte past the one before), so the ends are chained, not
+                // taken from the estimates.
+                let from = self.tx.resync_hold.map_or(a.seq, |h| h.max(a.seq));
+                self.tx.resync_hold = Some(from.saturating_add(a.len).max(self.tx.seq));
             }
             self.tx.adverts.pop_front();
             if aphase > self.tx.phase {
@@ -118,12 +120,12 @@ impl StreamProto {
     }
 
     /// Whether a send that finds no advertisement waits for the next one rather than go through the stream
-    /// buffer: in an even phase, while direct transfers of [`RESYNC_MIN`] bytes or more are in flight. The
+    /// buffer: in an even phase, while [`RESYNC_MIN`] bytes or more of direct transfers are in flight. The
     /// receiver advertises its next receive as each of them lands (its advert credits come back), so the
-    /// advertisement usually arrives before the last of them completes here (each completion pumps again); going
+    /// advertisement usually arrives before they have all completed here (each completion pumps again); going
     /// indirect meanwhile moved both sides to an odd phase for a whole resynchronisation (see `resync_room`),
-    /// two copies of every byte in between. Once nothing direct is in flight, the send goes indirect as before:
-    /// a receiver with nothing posted never holds it up.
+    /// two copies of every byte in between. Once less is in flight, the send goes indirect as before (small
+    /// receives are filled from the buffer anyway): a receiver with nothing posted never holds it up.
     fn waits_for_advert(&self) -> bool {
         self.tx.phase % 2 == 0 && self.tx.direct_in_flight >= RESYNC_MIN
     }
@@ -140,15 +142,25 @@ impl StreamProto {
     /// good (a pump one receive deeper than the advert credits: one receive went unadvertised, one send went
     /// indirect). Rejecting an advertisement for a receive of [`RESYNC_MIN`] bytes or more shows that the
     /// receiver reads into large receives: the sender then sends indirectly only up to the end of the rejected
-    /// advertisements (which fills them, so the receiver may advertise again) and then waits until an
-    /// advertisement is accepted or the hold expires ([`WINDOW_HOLD`], through the connection's delayed-update
-    /// timer: see [`StreamProto::window_waiting`]), so a receiver that stops reading holds the sender no longer
-    /// than that.
+    /// advertisements (enough to fill each of them, so that the receiver may advertise again) and then waits
+    /// until an advertisement is accepted or [`RESYNC_HOLD`] has passed (the connection's timer: see
+    /// [`StreamProto::resync_waiting`]), so a receiver that stops reading holds the sender no longer than that.
     fn resync_room(&mut self) -> Option<u64> {
         if self.tx.phase % 2 == 0 {
             self.tx.resync_hold = None;
         }
         self.tx.resync_hold.map(|to| to.saturating_sub(self.tx.seq))
+    }
+
+    /// Whether the sender waits for an advertisement with sends queued (see `resync_room`): the connection then
+    /// keeps a deadline of [`RESYNC_HOLD`] and calls [`StreamProto::end_resync_hold`] when it passes.
+    pub(crate) fn resync_waiting(&self) -> bool {
+        self.tx.resync_hold.is_some() && self.tx.sends.iter().any(|s| s.rest.is_some())
+    }
+
+    /// The wait for an advertisement has lasted [`RESYNC_HOLD`]: indirect transfers go on.
+    pub(crate) fn end_resync_hold(&mut self) {
+        self.tx.resync_hold = None;
     }
 
     /// Where the next transfer goes and how much fits there: the advertised receive (`direct`), or the contiguous

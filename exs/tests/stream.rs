@@ -647,10 +647,13 @@ fn bulk(p: &Pair, b_in: &MemoryRegion, total: usize, send: usize) -> Vec<u8> {
 /// unadvertised, so one send finds no advertisement and goes through the stream buffer (seed 001 allows it at any
 /// time). The sender must come back to direct transfers: before the fix it kept the buffer filled, the receiver
 /// never caught up with it to advertise at a sequence number the sender could accept, and every byte after was
-/// copied twice (`exs pump --type stream --size 1M --depth 17`, one past the default credits).
+/// copied twice (`exs pump --type stream --size 1M --depth 17`, one past the default credits). The same with
+/// twice as many receives as credits, with few credits and with the default.
 #[test]
 fn a_deeper_pipeline_than_the_advert_credits_stays_direct() {
     pipeline_stays_direct(4, 5);
+    pipeline_stays_direct(4, 8);
+    pipeline_stays_direct(16, 32);
 }
 
 /// The same within the credits: every receive is advertised, but a send queued before the receiver has reposted

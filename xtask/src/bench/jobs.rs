@@ -76,6 +76,16 @@ pub(super) fn exs_jobs(exe: &str, backend: &str, p: &Plan, wait_modes: bool) -> 
         }
     }
     if wait_modes {
+        // The stream pump twice as deep as the default advert credits (16): receives posted past the credits go
+        // unadvertised, and a sender that went through the stream buffer for one of them stayed there.
+        v.push(job(
+            "exs-deep",
+            "stream",
+            1 << 20,
+            32,
+            format!("{exe} pump {backend} --type stream --mode normal --size {} --depth 32 --seconds {secs} --json", 1 << 20),
+            Parse::Json,
+        ));
         for size in [65536u64, 1 << 20] {
             for wait in ["adaptive", "block", "busy"] {
                 v.push(job(

@@ -131,7 +131,12 @@ pub(super) fn series(
 ) -> Vec<(String, Vec<(f64, f64)>)> {
     let mut by: BTreeMap<String, BTreeMap<u64, (usize, f64)>> = BTreeMap::new();
     for ((tool, variant, size, depth, m), v) in sum {
-        if m != metric || tool.ends_with("-ping") || tool == "exs-wait" || tool == "exs-exposure" {
+        if m != metric
+            || tool.ends_with("-ping")
+            || tool == "exs-wait"
+            || tool == "exs-exposure"
+            || tool == "exs-deep"
+        {
             continue;
         }
         let e = by

@@ -329,6 +329,13 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
                 &format!(">= {min:.1}x, issue 26"),
             ));
         }
+        v.push(ratio_line(
+            "exs stream at depth 32 (twice the advert credits) vs at depth 8, 1 MiB",
+            bw("exs-deep", "stream", mib),
+            bw("exs", "stream", mib),
+            |r| r >= 0.9,
+            ">= 0.9x, a deeper pipeline must not fall back on the stream buffer",
+        ));
         for size in [65536u64, mib] {
             let a = bw("exs-wait", "adaptive", size);
             let best = bw("exs-wait", "busy", size)

@@ -152,13 +152,15 @@ impl StreamProto {
         self.tx.resync_hold.map(|to| to.saturating_sub(self.tx.seq))
     }
 
-    /// Whether the sender waits for an advertisement with sends queued (see `resync_room`): the connection then
-    /// keeps a deadline of [`RESYNC_HOLD`] and calls [`StreamProto::end_resync_hold`] when it passes.
+    /// Whether the sender, with sends queued, is holding its indirect transfers back for an advertisement (see
+    /// `resync_room`), from the rejection on (it may still be sending up to the end of the rejected receives):
+    /// the connection then keeps a deadline of [`RESYNC_HOLD`] and calls [`StreamProto::end_resync_hold`] when it
+    /// passes, so a hold lasts that long at most.
     pub(crate) fn resync_waiting(&self) -> bool {
         self.tx.resync_hold.is_some() && self.tx.sends.iter().any(|s| s.rest.is_some())
     }
 
-    /// The wait for an advertisement has lasted [`RESYNC_HOLD`]: indirect transfers go on.
+    /// The hold has lasted [`RESYNC_HOLD`]: indirect transfers go on.
     pub(crate) fn end_resync_hold(&mut self) {
         self.tx.resync_hold = None;
     }

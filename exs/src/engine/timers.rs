@@ -2,7 +2,8 @@
 //! nor an API call looks at any timer but the earliest (what one operation costs must not grow with the
 //! connections a context holds, most of them idle with a keepalive timer each).
 //!
-//! The protocol's own timings (a delayed acknowledgment, a held window update, the keepalive probe) are the
+//! The protocol's own timings (a delayed acknowledgment, a held window update, a stream sender's hold for an
+//! advertisement, the keepalive probe) are the
 //! connection's: it says when it next needs attention ([`crate::proto::conn::Conn::poll_timeout`], as
 //! quinn-proto's `Connection::poll_timeout`), and the engine keeps that one deadline here as
 //! [`TimerKind::Proto`]. The others belong to the connection's life around the protocol: connecting, lingering

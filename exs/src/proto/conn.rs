@@ -226,8 +226,8 @@ impl Conn {
             .min()
     }
 
-    /// Does what is due at `now`: a delayed acknowledgment or window update goes; an idle connection queues a
-    /// keepalive probe. The engine flushes the connection afterwards. Returns whether anything was queued.
+    /// Does what is due at `now`: a delayed acknowledgment or window update goes; a stream sender's hold for an
+    /// advertisement ends; an idle connection queues a keepalive probe. The engine flushes the connection afterwards. Returns whether anything was queued.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
         let mut queued = false;
         if self.ack_at.is_some_and(|at| at <= now) {

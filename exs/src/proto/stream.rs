@@ -87,8 +87,9 @@ pub struct StreamStats {
     pub window_updates: u64,
     /// Times the sender waited for stream-buffer space.
     pub space_stalls: u64,
-    /// Rounds in which the sender, with sends queued, waited for the receiver's next advertisement rather than
-    /// go through the stream buffer (large receives: see `StreamProto::waits_for_advert` and `resync_room`).
+    /// Times the sender's queued sends were looked at and held for the receiver's next advertisement rather than
+    /// sent through the stream buffer (each flush of the connection while it waits counts; large receives: see
+    /// `StreamProto::waits_for_advert` and `resync_room`).
     pub advert_waits: u64,
     /// Receiver: bytes copied out of the stream buffer into receives (once each; direct bytes are not copied).
     pub copied_bytes: u64,

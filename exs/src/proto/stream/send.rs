@@ -51,10 +51,15 @@ impl StreamProto {
                 return Ok(true);
             }
             if a.len >= RESYNC_MIN {
-                // Each rejected receive may take a whole transfer of its length: a receive without MSG_WAITALL
-                // is advertised at an estimate (one byte past the one before), so the ends are chained, not
-                // taken from the estimates.
-                let from = self.tx.resync_hold.map_or(a.seq, |h| h.max(a.seq));
+                // The first advertisement of the receiver's new round (a higher phase) carries its exact position:
+                // the receiver advertises again only once it has taken every byte we sent before, so the hold
+                // starts again from there. The rest of its batch is advertised at estimates (a receive without
+                // MSG_WAITALL at one byte past the one before), and each of those receives may take a whole
+                // transfer of its length, so their ends are chained.
+                let from = match self.tx.resync_hold {
+                    Some(h) if aphase <= self.tx.phase => h.max(a.seq),
+                    _ => a.seq,
+                };
                 self.tx.resync_hold = Some(from.saturating_add(a.len).max(self.tx.seq));
             }
             self.tx.adverts.pop_front();
@@ -99,13 +104,19 @@ impl StreamProto {
             let (pieces, carried, n) = self.gather(first, limit);
             let tag = self.tx.next_tag;
             self.tx.next_tag = self.tx.next_tag.wrapping_add(1);
+            let advert_len = self.tx.adverts.front().map_or(0, |a| a.len);
             let imm = if direct {
                 self.account_direct(n)
             } else {
                 self.account_indirect(n)
             };
             self.tx.seq += n as u64;
-            let direct_bytes = if direct { n as u64 } else { 0 };
+            // Only transfers into large receives count for `waits_for_advert`.
+            let direct_bytes = if direct && advert_len >= RESYNC_MIN {
+                n as u64
+            } else {
+                0
+            };
             self.tx.direct_in_flight += direct_bytes;
             self.tx.writes.push_back((tag, carried, direct_bytes));
             link.push_write(
@@ -120,7 +131,8 @@ impl StreamProto {
     }
 
     /// Whether a send that finds no advertisement waits for the next one rather than go through the stream
-    /// buffer: in an even phase, while [`RESYNC_MIN`] bytes or more of direct transfers are in flight. The
+    /// buffer: in an even phase, while [`RESYNC_MIN`] bytes or more of direct transfers into receives of that
+    /// size or more are in flight. The
     /// receiver advertises its next receive as each of them lands (its advert credits come back), so the
     /// advertisement usually arrives before they have all completed here (each completion pumps again); going
     /// indirect meanwhile moved both sides to an odd phase for a whole resynchronisation (see `resync_room`),
@@ -152,12 +164,13 @@ impl StreamProto {
         self.tx.resync_hold.map(|to| to.saturating_sub(self.tx.seq))
     }
 
-    /// Whether the sender, with sends queued, is holding its indirect transfers back for an advertisement (see
-    /// `resync_room`), from the rejection on (it may still be sending up to the end of the rejected receives):
-    /// the connection then keeps a deadline of [`RESYNC_HOLD`] and calls [`StreamProto::end_resync_hold`] when it
-    /// passes, so a hold lasts that long at most.
+    /// Whether the sender holds its indirect transfers back for an advertisement (see `resync_room`), from the
+    /// rejection on (it may still be sending up to the end of the rejected receives, or have nothing queued):
+    /// the connection then keeps a deadline of [`RESYNC_HOLD`] from the first flush after the rejection and
+    /// calls [`StreamProto::end_resync_hold`] when it passes, so a hold lasts that long at most, queued sends or
+    /// not (a new rejection starts a new one).
     pub(crate) fn resync_waiting(&self) -> bool {
-        self.tx.resync_hold.is_some() && self.tx.sends.iter().any(|s| s.rest.is_some())
+        self.tx.resync_hold.is_some()
     }
 
     /// The hold has lasted [`RESYNC_HOLD`]: indirect transfers go on.

@@ -129,8 +129,8 @@ pub(crate) struct Conn {
     timing: Timing,
     /// When a delayed acknowledgment (message mode) or a held window update (stream mode) goes anyway.
     ack_at: Option<Instant>,
-    /// Stream mode: when a sender waiting for an advertisement goes on indirectly anyway
-    /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD)).
+    /// Stream mode: when a sender holding its indirect transfers for an advertisement goes on anyway
+    /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD) after the hold began).
     resync_at: Option<Instant>,
     /// When the next keepalive check is due.
     keepalive_at: Option<Instant>,
@@ -227,7 +227,8 @@ impl Conn {
     }
 
     /// Does what is due at `now`: a delayed acknowledgment or window update goes; a stream sender's hold for an
-    /// advertisement ends; an idle connection queues a keepalive probe. The engine flushes the connection afterwards. Returns whether anything was queued.
+    /// advertisement ends; an idle connection queues a keepalive probe. The engine flushes the connection
+    /// afterwards. Returns whether anything was queued.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
         let mut queued = false;
         if self.ack_at.is_some_and(|at| at <= now) {
@@ -348,9 +349,9 @@ impl Conn {
 
     /// Posts what can go now. An acknowledgment (message mode) or a stream window update being delayed sets the
     /// deadline at which it goes anyway ([`Conn::poll_timeout`]): the acknowledgment delay, or the stream's
-    /// [`WINDOW_HOLD`](crate::proto::stream::WINDOW_HOLD); one sent meanwhile clears it. A stream sender waiting
-    /// for an advertisement sets its own deadline the same way
-    /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD)), cleared once it no longer waits.
+    /// [`WINDOW_HOLD`](crate::proto::stream::WINDOW_HOLD); one sent meanwhile clears it. A stream sender holding
+    /// its indirect transfers for an advertisement sets its own deadline the same way
+    /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD)), cleared once the hold ends.
     pub(crate) fn flush(
         &mut self,
         out: &mut Vec<WorkRequest>,

@@ -264,9 +264,10 @@ struct Rx {
 struct Tx {
     sends: VecDeque<SendOp>,
     adverts: VecDeque<PeerAdvert>,
-    /// Transfers in flight, in posting order, with the sends they carry and their bytes if direct (0: indirect).
+    /// Transfers in flight, in posting order, with the sends they carry and their bytes if direct into a receive
+    /// of [`RESYNC_MIN`] bytes or more (else 0).
     writes: VecDeque<(u32, Vec<u32>, u64)>,
-    /// Bytes of the direct transfers in flight.
+    /// Bytes of the direct transfers into receives of [`RESYNC_MIN`] bytes or more in flight.
     direct_in_flight: u64,
     phase: u32,
     seq: u64,
@@ -310,7 +311,8 @@ const CORK_BYTES: usize = 16 << 10;
 const SMALL_VIA_RING: usize = 16 << 10;
 
 /// Receives of at least this many bytes are worth waiting for: a sender that finds no advertisement waits while
-/// this much of its direct transfers is in flight (`StreamProto::waits_for_advert`), and one that rejected an
+/// this much of its direct transfers into receives this large is in flight (`StreamProto::waits_for_advert`),
+/// and one that rejected an
 /// advertisement this large pauses its indirect transfers until the receiver can advertise again
 /// (`StreamProto::resync_room`). The copy into and out of the stream buffer that a direct transfer saves is worth
 /// a pause of a round trip; smaller receives are filled from the buffer (see

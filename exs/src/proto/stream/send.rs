@@ -132,9 +132,9 @@ impl StreamProto {
 
     /// Whether a send that finds no advertisement waits for the next one rather than go through the stream
     /// buffer: in an even phase, while [`RESYNC_MIN`] bytes or more of direct transfers into receives of that
-    /// size or more are in flight. The
-    /// receiver advertises its next receive as each of them lands (its advert credits come back), so the
-    /// advertisement usually arrives before they have all completed here (each completion pumps again); going
+    /// size or more are in flight. The receiver advertises its next receive as each of them lands (its advert
+    /// credits come back), so the advertisement usually arrives before they have all completed here (each
+    /// completion pumps again); going
     /// indirect meanwhile moved both sides to an odd phase for a whole resynchronisation (see `resync_room`),
     /// two copies of every byte in between. Once less is in flight, the send goes indirect as before (small
     /// receives are filled from the buffer anyway): a receiver with nothing posted never holds it up.

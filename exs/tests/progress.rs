@@ -115,7 +115,7 @@ fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
         a1.app_sleeps + b1.app_sleeps > 0,
         "no application thread slept on the transport: {a1:?} {b1:?}"
     );
-    // The old design woke a progress thread at least once per operation (4 per round trip, both sides).
+    // The old design woke a progress thread at least once per operation, several times per round trip.
     assert!(
         (wakeups as usize) < ROUND_TRIPS,
         "{wakeups} progress-thread wake-ups for {ROUND_TRIPS} round trips: {a1:?} {b1:?}"
@@ -158,7 +158,7 @@ fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events()
 #[test]
 fn a_busy_ping_pong_leaves_the_progress_threads_asleep() {
     let (p, qa, qb) = busy_pair();
-    // Let both progress threads notice the pollers once they start (they stand aside for 8 ms at most).
+    // Let both progress threads notice the pollers once they start (they check back every MAX_BACKOFF).
     std::thread::sleep(Duration::from_millis(30));
     let ((a0, b0, t0), (a1, b1, t1)) = ping_pong_on(&p, &qa, &qb, |p| {
         (p.a.progress_stats(), p.b.progress_stats(), Instant::now())

@@ -444,9 +444,9 @@ fn perf_pair(
 /// (busy polling), exs immediate pings in each wait mode, the bare transport's ping-pong (`exs rawping`, busy and
 /// blocking), and blocking TCP, each counted by `perf stat`.
 pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
-    // Enough round trips that the difference is steady, in quick runs too (3 s at most per run, blocking).
+    // Enough round trips that the difference is steady, in quick runs too, and few enough for a short run.
     let (short, long) = (10_000, 30_000);
-    // exs ping counts a 10% warm-up (+1) as round trips too.
+    // exs ping counts its warm-up (a tenth more, plus one) as round trips too.
     let exs_rts = |n: usize| n + n / 10 + 1;
     let mut v = vec![job(
         "cost",

@@ -471,7 +471,6 @@ fn bulk_sends_into_small_receives_are_not_a_write_per_receive() {
             .unwrap();
     }
     let (mut sent, mut at, mut got, mut receives) = (4, 0, 0, 0);
-    let mut evs = Vec::new();
     while got < SENDS * SEND {
         let ev = wait(&p.eq_b);
         assert!(ev.is_ok(), "{ev:?}");
@@ -493,23 +492,7 @@ fn bulk_sends_into_small_receives_are_not_a_write_per_receive() {
         p.server
             .recv(&p.eq_b, &slot(i), MsgFlags::NONE, ev.context)
             .unwrap();
-        evs.clear();
-        p.eq_a.poll(&mut evs, 64);
-        for e in &evs {
-            assert!(e.is_ok(), "{e:?}");
-            if sent < SENDS {
-                p.client
-                    .send(
-                        &p.eq_a,
-                        &part(e.context as usize),
-                        MsgFlags::NONE,
-                        e.context,
-                    )
-                    .unwrap();
-                order.push_back(e.context as usize);
-                sent += 1;
-            }
-        }
+        resend_completed(&p, &part, &mut order, &mut sent, SENDS);
     }
     let tx = p.client.stats().unwrap().stream;
     let writes = tx.direct_sent + tx.indirect_sent;
@@ -714,7 +697,7 @@ fn pump_slots(
 ) {
     let want = src.to_vec().unwrap();
     let slot = |r: &MemoryRegion, i: usize| r.slice(i * size..(i + 1) * size);
-    let (mut sent, mut evs) = (order.len(), Vec::new());
+    let mut sent = order.len();
     for n in 0..messages {
         let ev = wait(&p.eq_b);
         assert!(ev.is_ok() && ev.bytes == size, "{ev:?}");
@@ -730,22 +713,34 @@ fn pump_slots(
         p.server
             .recv(&p.eq_b, &slot(dst, got), MsgFlags::NONE, ev.context)
             .unwrap();
-        evs.clear();
-        p.eq_a.poll(&mut evs, 64);
-        for e in &evs {
-            assert!(e.is_ok(), "{e:?}");
-            if sent < sends {
-                p.client
-                    .send(
-                        &p.eq_a,
-                        &slot(src, e.context as usize),
-                        MsgFlags::NONE,
-                        e.context,
-                    )
-                    .unwrap();
-                order.push_back(e.context as usize);
-                sent += 1;
-            }
+        resend_completed(p, &|i| slot(src, i), &mut order, &mut sent, sends);
+    }
+}
+
+/// Takes the sends that completed on the client's queue (each must have succeeded) and makes each again from its
+/// source slot (`slot` of its context) while fewer than `sends` were made, recording its slot in `order`.
+fn resend_completed(
+    p: &Pair,
+    slot: &dyn Fn(usize) -> exs::Slice,
+    order: &mut std::collections::VecDeque<usize>,
+    sent: &mut usize,
+    sends: usize,
+) {
+    let mut evs = Vec::new();
+    p.eq_a.poll(&mut evs, 64);
+    for e in &evs {
+        assert!(e.is_ok(), "{e:?}");
+        if *sent < sends {
+            p.client
+                .send(
+                    &p.eq_a,
+                    &slot(e.context as usize),
+                    MsgFlags::NONE,
+                    e.context,
+                )
+                .unwrap();
+            order.push_back(e.context as usize);
+            *sent += 1;
         }
     }
 }

@@ -13,6 +13,10 @@
 //! ... --example stream_bench -- http exs [BYTES]          # or tcp
 //! ```
 //!
+//! Environment: `STREAM_BENCH_CFG=send_buffer,send_piece,recv_buffer,recv_pieces` sets the exs streams' buffers
+//! (`exs::StreamConfig`; default: its defaults); `STREAM_BENCH_FRESH=1` reads into a vector whose pages were never
+//! touched (default: touched before the clock starts, see `sink`); `STREAM_BENCH_ROUNDS=N` sums N transfers.
+//!
 //! exs runs on two contexts of the backend the environment names (`Context::from_env`), a server and a client,
 //! as two hosts would; TCP runs on loopback. Listening address: `EXS_ADDR`, else 127.0.0.1 (the simulated host 0
 //! with `EXS_BACKEND=sim`).
@@ -47,8 +51,33 @@ fn runtime() -> io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
+/// The streams' buffers: the defaults, or `STREAM_BENCH_CFG=send_buffer,send_piece,recv_buffer,recv_pieces`.
+fn cfg() -> exs::StreamConfig {
+    let mut c = exs::StreamConfig::default();
+    if let Ok(v) = std::env::var("STREAM_BENCH_CFG") {
+        let n: Vec<usize> = v.split(',').filter_map(|x| x.parse().ok()).collect();
+        if let [sb, sp, rb, rp] = n[..] {
+            (c.send_buffer, c.send_piece, c.recv_buffer, c.recv_pieces) = (sb, sp, rb, rp);
+        }
+    }
+    c
+}
+
 fn contexts() -> io::Result<(exs::Context, exs::Context)> {
     Ok((exs::Context::from_env()?, exs::Context::from_env()?))
+}
+
+/// The reader's vector: room for `len` bytes and the end-of-stream probe, its pages touched before the timed part
+/// (unless `STREAM_BENCH_FRESH` is set). A fresh vector's first-touch faults are the same work for every API (the
+/// kernel's copy into a TCP reader's memory takes them too), and on a virtual machine they can take as long as the
+/// transfer and vary from run to run with the host's memory, which would blur the ratios between the streams.
+fn sink(len: usize) -> Vec<u8> {
+    let mut v = Vec::with_capacity(len + 64);
+    if std::env::var_os("STREAM_BENCH_FRESH").is_none() {
+        v.resize(len + 64, 0);
+        v.clear();
+    }
+    v
 }
 
 /// The bytes sent one way: not all zero, so that a lost or misplaced chunk shows in the check.
@@ -104,9 +133,9 @@ where
 {
     let (l, addr) = listen()?;
     let len = data.len();
+    let mut got = sink(len);
     let reader = std::thread::spawn(move || -> io::Result<(Vec<u8>, Instant)> {
         let mut s = accept(l)?;
-        let mut got = Vec::with_capacity(len);
         s.read_to_end(&mut got)?;
         Ok((got, Instant::now()))
     });
@@ -135,9 +164,9 @@ where
 {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let len = data.len();
+    let mut got = sink(len);
     let reader = tokio::spawn(async move {
         let mut s = accepted.await.map_err(other)??;
-        let mut got = Vec::with_capacity(len);
         s.read_to_end(&mut got).await?;
         Ok::<_, io::Error>((got, Instant::now()))
     });
@@ -181,12 +210,12 @@ fn bulk_once(
                 &data,
                 write,
                 || {
-                    let l = exs::Listener::bind_in(&server, listen_addr()?)?;
+                    let l = exs::Listener::bind_with(&server, listen_addr()?, &cfg())?;
                     let a = l.local_addr()?;
                     Ok((l, a))
                 },
                 |l: exs::Listener| Ok(l.accept()?.0),
-                |a| exs::Stream::connect_in(&client, a),
+                |a| exs::Stream::connect_with(&client, a, &cfg()),
                 |s| s.shutdown(std::net::Shutdown::Write),
             )
         }
@@ -205,10 +234,10 @@ fn bulk_once(
         "exs-tokio" => {
             let (server, client) = contexts()?;
             runtime()?.block_on(async move {
-                let l = exs::tokio::Listener::bind_in(&server, listen_addr()?).await?;
+                let l = exs::tokio::Listener::bind_with(&server, listen_addr()?, &cfg()).await?;
                 let addr = l.local_addr()?;
                 let accepted = tokio::spawn(async move { Ok(l.accept().await?.0) });
-                let c = exs::tokio::Stream::connect_in(&client, addr).await?;
+                let c = exs::tokio::Stream::connect_with(&client, addr, &cfg()).await?;
                 bulk_tokio(data, write, accepted, c).await
             })
         }
@@ -261,10 +290,10 @@ fn rr(api: &str, size: usize, count: usize) -> io::Result<Duration> {
     match api {
         "exs-std" => {
             let (server, client) = contexts()?;
-            let l = exs::Listener::bind_in(&server, listen_addr()?)?;
+            let l = exs::Listener::bind_with(&server, listen_addr()?, &cfg())?;
             let addr = l.local_addr()?;
             let echo = std::thread::spawn(move || pong(l.accept()?.0, size));
-            let mut c = exs::Stream::connect_in(&client, addr)?;
+            let mut c = exs::Stream::connect_with(&client, addr, &cfg())?;
             let stats = stats_of(&c);
             let took = ping(&mut c, size, count)?;
             stats();

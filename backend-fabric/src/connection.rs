@@ -52,7 +52,9 @@ pub(crate) struct Ep {
     _dom: Arc<Domain>,
     pub(crate) ep: *mut fid_ep,
     pub(crate) cq: *mut fid_cq,
-    pub(crate) cq_fd: RawFd,
+    /// The queue's wait descriptor, in the transport's epoll set; `None` for a queue without a wait object
+    /// ([`crate::FabricConfig::cq_wait`]), which stays in the hot set (read in every poll).
+    pub(crate) cq_fd: Option<RawFd>,
     pub(crate) pending: FxHashSet<usize>,
     pub(crate) state: EpState,
     pub(crate) reported_down: bool,
@@ -94,7 +96,11 @@ impl FabricTransport {
         let mut attr = fi_cq_attr {
             size,
             format: fi_cq_format_FI_CQ_FORMAT_DATA,
-            wait_obj: fi_wait_obj_FI_WAIT_FD,
+            wait_obj: if self.cq_wait {
+                fi_wait_obj_FI_WAIT_FD
+            } else {
+                fi_wait_obj_FI_WAIT_NONE
+            },
             ..Default::default()
         };
         let mut cq = ptr::null_mut();
@@ -132,18 +138,23 @@ impl FabricTransport {
             close_both(ep, cq);
             return Err(err("fi_enable", r.into()));
         }
-        // SAFETY: `cq` is open.
-        let cq_fd = match wait_fd_of(unsafe { &mut (*cq).fid }) {
-            Ok(fd) => fd,
-            Err(e) => {
+        let cq_fd = if self.cq_wait {
+            // SAFETY: `cq` is open.
+            let fd = match wait_fd_of(unsafe { &mut (*cq).fid }) {
+                Ok(fd) => fd,
+                Err(e) => {
+                    close_both(ep, cq);
+                    return Err(e);
+                }
+            };
+            if let Err(e) = epoll_add(&self.epoll, fd, u64::from(id.0)) {
                 close_both(ep, cq);
                 return Err(e);
             }
+            Some(fd)
+        } else {
+            None
         };
-        if let Err(e) = epoll_add(&self.epoll, cq_fd, u64::from(id.0)) {
-            close_both(ep, cq);
-            return Err(e);
-        }
         Ok(Ep {
             _dom: dom,
             ep,
@@ -404,10 +415,10 @@ impl FabricTransport {
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
-        // SAFETY: the wait descriptor belongs to the queue we are about to close.
-        let _ = self
-            .epoll
-            .delete(unsafe { BorrowedFd::borrow_raw(e.cq_fd) });
+        if let Some(fd) = e.cq_fd {
+            // SAFETY: the wait descriptor belongs to the queue we are about to close.
+            let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+        }
         // Its connection events still in the event queue go with it: closing an endpoint removes them
         // (`ofi_eq_remove_fid_events` in the tcp provider's close), so `read_eq` never sees the closed fid; events
         // read before the close name the endpoint by its id, which is looked up, not trusted.

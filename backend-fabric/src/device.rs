@@ -57,6 +57,7 @@ impl FabricTransport {
             cm_backlog: VecDeque::new(),
             cq_backlog: VecDeque::new(),
             ready: crate::ready::Ready::default(),
+            cq_wait: cfg.cq_wait,
         };
         // SAFETY: `eq` is open; its fid is valid.
         let eq_fd = wait_fd_of(unsafe { &mut (*t.eq).fid })?;

@@ -62,13 +62,26 @@ pub struct FabricConfig {
     pub provider: String,
     /// Domain (interface or device) name; `None` takes the provider's first.
     pub domain: Option<String>,
+    /// Whether completion queues have a wait object (`FI_WAIT_FD`, the default), so that a thread can sleep until
+    /// a completion comes. Without one (`false`; `EXS_FABRIC_CQ_WAIT=none`) the provider signals nothing per
+    /// completion: on the tcp provider that saves a system call inside every completion read on the receiving
+    /// side of each message (a one-byte write to the queue's signal socket, read back by the next poll), as
+    /// `fi_pingpong`'s busy-polling mode opens its queues. For applications that busy-poll: a thread that sleeps
+    /// on such a context (a blocking or adaptive dequeue, the progress thread) cannot be woken by a completion and
+    /// polls every [`NO_WAIT_POLL`] instead, and every connection's queue is read in every poll.
+    pub cq_wait: bool,
 }
+
+/// How often a thread sleeping on a context whose completion queues have no wait object polls them (see
+/// [`FabricConfig::cq_wait`]).
+pub const NO_WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl Default for FabricConfig {
     fn default() -> Self {
         FabricConfig {
             provider: "tcp".into(),
             domain: None,
+            cq_wait: true,
         }
     }
 }
@@ -79,6 +92,7 @@ impl FabricConfig {
         FabricConfig {
             provider: name.into(),
             domain: None,
+            cq_wait: true,
         }
     }
 }
@@ -141,6 +155,8 @@ pub struct FabricTransport {
     cq_backlog: VecDeque<Completion>,
     /// Which completion queues polls read (see [`ready`]).
     ready: ready::Ready,
+    /// Completion queues have a wait object ([`FabricConfig::cq_wait`]).
+    cq_wait: bool,
 }
 
 // SAFETY: all libfabric objects were opened on a FI_THREAD_SAFE domain and are owned by this value; the engine
@@ -239,6 +255,10 @@ impl Transport for FabricTransport {
 
     fn wait_fd(&self) -> Option<OwnedFd> {
         self.epoll.0.as_fd().try_clone_to_owned().ok()
+    }
+
+    fn poll_interval(&self) -> Option<std::time::Duration> {
+        (!self.cq_wait).then_some(NO_WAIT_POLL)
     }
 
     fn local_addr(&self, ep: EndpointId) -> Option<SocketAddr> {

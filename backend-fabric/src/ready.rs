@@ -214,7 +214,8 @@ impl FabricTransport {
                 self.ready.hot.swap_remove(i);
                 continue;
             };
-            if seq - e.ready.last_active < quiet {
+            // A queue without a wait object could not signal once out of the set: it stays.
+            if e.cq_fd.is_none() || seq - e.ready.last_active < quiet {
                 i += 1;
                 continue;
             }
@@ -247,7 +248,11 @@ impl FabricTransport {
         let ret = unsafe {
             fids.push(&mut (*self.eq).fid);
             for id in &self.ready.hot {
-                if let Some(e) = self.eps.get(id).filter(|e| !e.ready.armed) {
+                if let Some(e) = self
+                    .eps
+                    .get(id)
+                    .filter(|e| !e.ready.armed && e.cq_fd.is_some())
+                {
                     fids.push(&mut (*e.cq).fid);
                 }
             }

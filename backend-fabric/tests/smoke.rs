@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
+use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, WaitMode};
 use exs_backend_fabric::{providers, FabricConfig, FabricTransport};
 
 fn context(cfg: &FabricConfig) -> Result<exs::Context, exs::TransportError> {
@@ -11,10 +11,41 @@ fn context(cfg: &FabricConfig) -> Result<exs::Context, exs::TransportError> {
 
 #[test]
 fn tcp_provider_moves_messages_over_loopback() {
-    let cfg = FabricConfig::default();
-    let a = context(&cfg).expect("open tcp");
-    let b = context(&cfg).expect("open tcp");
-    let (eq_a, eq_b) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
+    moves_messages(&FabricConfig::default(), WaitMode::default());
+}
+
+/// Queues opened without a wait object signal nothing per completion; busy polling finds the completions, and a
+/// thread that sleeps on the context (blocking, adaptive) still gets them by polling at the transport's interval
+/// instead of hanging.
+#[test]
+fn completion_queues_without_a_wait_object_serve_busy_and_sleeping_waits() {
+    let cfg = FabricConfig {
+        cq_wait: false,
+        ..FabricConfig::default()
+    };
+    let t = FabricTransport::open(&cfg).expect("open tcp");
+    assert_eq!(
+        exs_transport::Transport::poll_interval(&t),
+        Some(exs_backend_fabric::NO_WAIT_POLL)
+    );
+    assert_eq!(
+        exs_transport::Transport::poll_interval(
+            &FabricTransport::open(&FabricConfig::default()).unwrap()
+        ),
+        None
+    );
+    for mode in [WaitMode::BusyPoll, WaitMode::Block, WaitMode::default()] {
+        moves_messages(&cfg, mode);
+    }
+}
+
+/// Connects two contexts over loopback, moves messages of several sizes (content checked) and closes, every
+/// queue waiting in `mode`.
+fn moves_messages(cfg: &FabricConfig, mode: WaitMode) {
+    let a = context(cfg).expect("open tcp");
+    let b = context(cfg).expect("open tcp");
+    let q = || EventQueue::with_mode(64, mode).unwrap();
+    let (eq_a, eq_b) = (q(), q());
     let l = Socket::new(&b, SockType::SeqPacket).unwrap();
     l.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let addr = l.listen(4).unwrap();
@@ -37,11 +68,11 @@ fn tcp_provider_moves_messages_over_loopback() {
         c.send(&eq_a, &src.slice(..len), MsgFlags::NONE, 4).unwrap();
         let r = eq_b.next(t).unwrap();
         let w = eq_a.next(t).unwrap();
-        assert!(r.is_ok() && w.is_ok(), "{r:?} {w:?}");
+        assert!(r.is_ok() && w.is_ok(), "{mode:?}: {r:?} {w:?}");
         assert_eq!(r.bytes, len);
         assert!(
             dst.to_vec().unwrap()[..len] == src.to_vec().unwrap()[..len],
-            "content of {len} bytes"
+            "{mode:?}: content of {len} bytes"
         );
     }
     c.close().unwrap();
@@ -50,7 +81,7 @@ fn tcp_provider_moves_messages_over_loopback() {
         s.recv(&eq_b, &buf.all(), MsgFlags::NONE, 5).unwrap();
         eq_b.next(t).unwrap()
     };
-    assert!(eof.flags.eof, "{eof:?}");
+    assert!(eof.flags.eof, "{mode:?}: {eof:?}");
 }
 
 #[test]

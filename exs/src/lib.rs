@@ -101,7 +101,7 @@
 //!
 //! With several backends compiled in, the program picks one at run time: [`Context::from_env`] reads
 //! `EXS_BACKEND` (`verbs`, `fabric`, `sim`) and the backend's settings (`EXS_ADDR` and `EXS_DEVICE` for verbs,
-//! `EXS_PROVIDER` and `EXS_DOMAIN` for libfabric). Unset or `auto`, it takes verbs when an RDMA device carries
+//! `EXS_PROVIDER`, `EXS_DOMAIN` and `EXS_FABRIC_CQ_WAIT` for libfabric). Unset or `auto`, it takes verbs when an RDMA device carries
 //! `EXS_ADDR`, else libfabric, else the simulator when it is the only backend compiled in: features are additive, and
 //! [`Context::backend`] says which was taken. [`Context::open`] takes a [`Backend`] and its configuration in code instead; [`compiled`] lists
 //! what this build offers. The [backends chapter](manual::backends) of the manual has every setting.

@@ -72,8 +72,9 @@ impl Backend {
     /// The backend the environment names: `EXS_BACKEND` (`verbs`, `fabric`, `sim`, any case), or with it unset
     /// or `auto`: verbs when an RDMA device carries `EXS_ADDR`, else libfabric, else the simulator when it is the
     /// only backend compiled in. Then `EXS_ADDR` (verbs: an address of the RDMA device's interface, required)
-    /// and `EXS_DEVICE` (verbs: the device that must carry it), `EXS_PROVIDER` (fabric, default `tcp`) and
-    /// `EXS_DOMAIN` (fabric).
+    /// and `EXS_DEVICE` (verbs: the device that must carry it), `EXS_PROVIDER` (fabric, default `tcp`),
+    /// `EXS_DOMAIN` (fabric) and `EXS_FABRIC_CQ_WAIT` (fabric: `fd`, the default, or `none` for completion queues
+    /// without a wait object, see `FabricConfig::cq_wait`).
     pub fn from_env() -> Result<Backend, TransportError> {
         Self::from_vars(env_var)
     }
@@ -134,6 +135,15 @@ impl Backend {
                     &var("EXS_PROVIDER").unwrap_or_else(|| "tcp".into()),
                 );
                 cfg.domain = var("EXS_DOMAIN");
+                cfg.cq_wait = match var("EXS_FABRIC_CQ_WAIT").as_deref() {
+                    None | Some("fd") => true,
+                    Some("none") => false,
+                    Some(other) => {
+                        return Err(TransportError::Invalid(format!(
+                            "EXS_FABRIC_CQ_WAIT={other}: say fd (the default) or none"
+                        )))
+                    }
+                };
                 Ok(Backend::Fabric(cfg))
             }
             #[cfg(feature = "sim")]
@@ -223,5 +233,44 @@ impl Context {
     /// [`Context::new`]).
     pub fn backend(&self) -> Option<BackendKind> {
         BackendKind::of_transport(&self.capabilities().name)
+    }
+}
+
+#[cfg(all(test, feature = "fabric"))]
+mod fabric_vars {
+    use super::*;
+
+    fn fabric(vars: &[(&str, &str)]) -> Result<fabric::FabricConfig, TransportError> {
+        let var = |k: &str| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| v.to_string())
+        };
+        match Backend::from_vars(var)? {
+            Backend::Fabric(cfg) => Ok(cfg),
+            #[allow(unreachable_patterns)]
+            other => panic!("not fabric: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn fabric_completion_queues_have_a_wait_object_unless_the_environment_says_none() {
+        let base = [("EXS_BACKEND", "fabric")];
+        assert!(fabric(&base).unwrap().cq_wait);
+        assert!(
+            fabric(&[base[0], ("EXS_FABRIC_CQ_WAIT", "fd")])
+                .unwrap()
+                .cq_wait
+        );
+        assert!(
+            !fabric(&[base[0], ("EXS_FABRIC_CQ_WAIT", "none")])
+                .unwrap()
+                .cq_wait
+        );
+        let e = fabric(&[base[0], ("EXS_FABRIC_CQ_WAIT", "sometimes")]).unwrap_err();
+        assert!(
+            e.to_string().contains("EXS_FABRIC_CQ_WAIT=sometimes"),
+            "{e}"
+        );
     }
 }

@@ -88,7 +88,8 @@ pub struct Fabric {
 
 #[cfg(feature = "fabric")]
 impl Fabric {
-    /// `EXS_FABRIC_PROVIDER` (default tcp), `EXS_FABRIC_DOMAIN`, `EXS_FABRIC_ADDR` (default 127.0.0.1).
+    /// `EXS_FABRIC_PROVIDER` (default tcp), `EXS_FABRIC_DOMAIN`, `EXS_FABRIC_ADDR` (default 127.0.0.1),
+    /// `EXS_FABRIC_CQ_WAIT=none` (completion queues without a wait object).
     pub fn from_env() -> Self {
         let provider = std::env::var("EXS_FABRIC_PROVIDER").unwrap_or_else(|_| "tcp".into());
         let domain = std::env::var("EXS_FABRIC_DOMAIN").ok();
@@ -97,7 +98,11 @@ impl Fabric {
             .and_then(|a| a.parse().ok())
             .unwrap_or([127, 0, 0, 1].into());
         Fabric {
-            cfg: exs_backend_fabric::FabricConfig { provider, domain },
+            cfg: exs_backend_fabric::FabricConfig {
+                provider,
+                domain,
+                cq_wait: std::env::var("EXS_FABRIC_CQ_WAIT").as_deref() != Ok("none"),
+            },
             addr,
         }
     }

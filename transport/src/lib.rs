@@ -36,6 +36,7 @@ use std::fmt;
 use std::net::SocketAddr;
 use std::os::fd::OwnedFd;
 use std::sync::Arc;
+use std::time::Duration;
 
 use exs_dma::{DmaBuf, DmaError, Lease, LeaseKind};
 
@@ -621,6 +622,14 @@ pub trait Transport: Send + fmt::Debug {
     /// duplicate (the context keeps it for its progress thread). `None` for transports that are driven by stepping
     /// (the simulated fabric in manual mode).
     fn wait_fd(&self) -> Option<OwnedFd>;
+
+    /// How long a thread may sleep on [`Transport::wait_fd`] before it polls again. `None` (the default): every
+    /// completion makes the descriptor readable once armed. `Some`: completions signal nothing (libfabric
+    /// completion queues opened without a wait object, for applications that busy-poll), so a sleeper wakes this
+    /// often to poll; connection events still wake it at once.
+    fn poll_interval(&self) -> Option<Duration> {
+        None
+    }
 
     /// Local address of a connected endpoint.
     fn local_addr(&self, ep: EndpointId) -> Option<SocketAddr>;

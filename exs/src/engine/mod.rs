@@ -287,6 +287,11 @@ impl Engine {
         self.clock.now()
     }
 
+    /// How long a sleeper may wait on the transport before it polls again (see `Transport::poll_interval`).
+    pub(crate) fn poll_interval(&self) -> Option<std::time::Duration> {
+        self.transport.poll_interval()
+    }
+
     pub(crate) fn arm(&mut self) -> Result<bool, TransportError> {
         self.stats.arms += 1;
         self.transport.arm()

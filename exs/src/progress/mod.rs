@@ -164,6 +164,15 @@ pub(crate) fn prepare_sleep(
         }
     }
     let deadline = engine.next_deadline_real();
+    // A transport whose completions wake nobody is polled at its interval (libfabric queues without a wait
+    // object, for busy polling).
+    let deadline = match engine.poll_interval() {
+        Some(i) => {
+            let poll = Instant::now() + i;
+            Some(deadline.map_or(poll, |d| d.min(poll)))
+        }
+        None => deadline,
+    };
     lead.leader_sleep
         .store(lead.stamp(deadline), Ordering::SeqCst);
     Some(deadline)

@@ -22,6 +22,10 @@ pub struct BackendArgs {
     /// libfabric domain (interface or device), if not the provider's first.
     #[arg(long)]
     pub domain: Option<String>,
+    /// libfabric: completion queues without a wait object, as `fi_pingpong` opens them for busy polling (no
+    /// signal per completion; a thread that sleeps on the context polls every millisecond instead).
+    #[arg(long)]
+    pub cq_no_wait: bool,
     /// This side's address: the one to listen on (one host, and --server), and the local RDMA interface's
     /// (verbs: an address of the device's interface).
     #[arg(short = 'a', long, default_value = "127.0.0.1")]
@@ -76,6 +80,9 @@ impl BackendArgs {
         ];
         if let Some(d) = &self.domain {
             v.extend(["--domain".into(), d.clone()]);
+        }
+        if self.cq_no_wait {
+            v.push("--cq-no-wait".into());
         }
         if let Some(d) = &self.device {
             v.extend(["--device".into(), d.clone()]);
@@ -150,6 +157,7 @@ impl Opened {
                 exs_backend_fabric::FabricConfig {
                     provider: a.provider.clone(),
                     domain: a.domain.clone(),
+                    cq_wait: !a.cq_no_wait,
                 },
                 a.addr,
             )),

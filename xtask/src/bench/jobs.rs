@@ -465,16 +465,22 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
         ),
         Parse::PerfPing(short, long),
     )];
-    for wait in ["busy", "adaptive", "block"] {
+    // `busy nowait`: busy polling on completion queues without a wait object, as fi_pingpong opens its own.
+    for (name, wait, extra) in [
+        ("busy", "busy", ""),
+        ("busy nowait", "busy", " --cq-no-wait"),
+        ("adaptive", "adaptive", ""),
+        ("block", "block", ""),
+    ] {
         v.push(job(
             "cost",
-            &format!("exs {wait}"),
+            &format!("exs {name}"),
             8,
             1,
             perf_twice(
                 |n| {
                     format!(
-                        "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait} --json"
+                        "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait}{extra} --json"
                     )
                 },
                 short,

@@ -67,8 +67,9 @@ pub struct FabricConfig {
     /// completion: on the tcp provider that saves a system call inside every completion read on the receiving
     /// side of each message (a one-byte write to the queue's signal socket, read back by the next poll), as
     /// `fi_pingpong`'s busy-polling mode opens its queues. For applications that busy-poll: a thread that sleeps
-    /// on such a context (a blocking or adaptive dequeue, the progress thread) cannot be woken by a completion and
-    /// polls every [`NO_WAIT_POLL`] instead, and every connection's queue is read in every poll.
+    /// on such a context (a blocking or adaptive dequeue, the progress thread) cannot be woken by a completion and,
+    /// while the context holds endpoints, polls every [`NO_WAIT_POLL`] instead; every connection's queue is read
+    /// in every poll.
     pub cq_wait: bool,
 }
 
@@ -258,7 +259,9 @@ impl Transport for FabricTransport {
     }
 
     fn poll_interval(&self) -> Option<std::time::Duration> {
-        (!self.cq_wait).then_some(NO_WAIT_POLL)
+        // With no endpoint there is no queue to poll: a context that holds no connection sleeps until its event
+        // queue signals, as with wait objects.
+        (!self.cq_wait && !self.eps.is_empty()).then_some(NO_WAIT_POLL)
     }
 
     fn local_addr(&self, ep: EndpointId) -> Option<SocketAddr> {

@@ -1,4 +1,4 @@
-//! Which completion queues a poll reads: never every connection's.
+//! Which completion queues a poll reads: never every connection's (unless their queues have no wait object).
 //!
 //! Every connection has a completion queue of its own (see [`crate::memory`]: keys bound to one connection), and on
 //! the software providers each read of a queue is a system call. Reading them all in every poll made one
@@ -14,6 +14,11 @@
 //! it since its last activity): from then on a completion signals its wait descriptor, and the epoll set reports
 //! it. Arming before a sleep (`fi_trywait`) covers the event queue and the hot queues not armed since their last
 //! activity; the others are armed already.
+//!
+//! Queues opened without a wait object ([`crate::FabricConfig::cq_wait`] `false`) have no descriptor in the set and
+//! cannot signal: they stay hot for their endpoint's life, so on such a context **every** connection's queue is
+//! read in every poll (what that mode trades for no signal per completion), and arming leaves them out (a poll
+//! that stopped at its maximum makes arming report that completions may remain).
 
 use nix::sys::epoll::{EpollEvent, EpollTimeout};
 
@@ -32,7 +37,8 @@ pub(crate) const CONSULT_EVERY: u64 = 16;
 /// A queue with no activity for this many polls leaves the hot set (once armed).
 pub(crate) const QUIET: u64 = 64;
 /// Beyond this many hot queues (after many connections came up at once), a queue leaves the hot set as soon as a
-/// poll finds nothing in it: a poll must not read hundreds of queues for 64 polls.
+/// poll finds nothing in it: a poll must not read hundreds of queues for 64 polls (queues without a wait object
+/// excepted: they never leave).
 const HOT_MAX: usize = 32;
 /// Events one consultation of the epoll set takes in at most (the rest wait for the next one).
 const EVENTS: usize = 256;
@@ -48,6 +54,9 @@ pub(crate) struct Ready {
     consulted: u64,
     /// The transport was armed since the last poll (a thread may have slept, and been woken by any queue).
     armed: bool,
+    /// The last poll stopped at its maximum: completions may be left in queues without a wait object, which
+    /// arming cannot report.
+    full: bool,
     events: Vec<EpollEvent>,
     /// Counters for tests and stats.
     pub(crate) stats: ReadyStats,
@@ -71,6 +80,7 @@ impl Default for Ready {
             seq: 0,
             consulted: 0,
             armed: false,
+            full: false,
             events: vec![EpollEvent::empty(); EVENTS],
             stats: ReadyStats::default(),
         }
@@ -146,6 +156,7 @@ impl FabricTransport {
             n += 1;
         }
         if n >= max {
+            self.ready.full = true;
             return n;
         }
         self.ready.seq += 1;
@@ -169,6 +180,7 @@ impl FabricTransport {
         } else if self.ready.hot.len() > HOT_MAX {
             self.retire();
         }
+        self.ready.full = n >= max;
         n
     }
 
@@ -240,7 +252,12 @@ impl FabricTransport {
     /// [`Transport::arm`](exs_transport::Transport::arm): `fi_trywait` over the event queue and the hot queues not
     /// armed since their last activity (every other queue is armed already).
     pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
-        if !self.cm_backlog.is_empty() || !self.cq_backlog.is_empty() {
+        // Queues without a wait object cannot report what is left in them: a poll that stopped at its maximum may
+        // have left some.
+        if !self.cm_backlog.is_empty()
+            || !self.cq_backlog.is_empty()
+            || (!self.cq_wait && self.ready.full)
+        {
             return Ok(false);
         }
         let mut fids: Vec<*mut fid> = Vec::with_capacity(1 + self.ready.hot.len());
@@ -261,7 +278,7 @@ impl FabricTransport {
         match ret {
             0 => {
                 for id in &self.ready.hot {
-                    if let Some(e) = self.eps.get_mut(id) {
+                    if let Some(e) = self.eps.get_mut(id).filter(|e| e.cq_fd.is_some()) {
                         e.ready.armed = true;
                     }
                 }

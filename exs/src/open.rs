@@ -135,7 +135,8 @@ impl Backend {
                     &var("EXS_PROVIDER").unwrap_or_else(|| "tcp".into()),
                 );
                 cfg.domain = var("EXS_DOMAIN");
-                cfg.cq_wait = match var("EXS_FABRIC_CQ_WAIT").as_deref() {
+                let cq_wait = var("EXS_FABRIC_CQ_WAIT").map(|v| v.trim().to_ascii_lowercase());
+                cfg.cq_wait = match cq_wait.as_deref() {
                     None | Some("fd") => true,
                     Some("none") => false,
                     Some(other) => {
@@ -255,22 +256,17 @@ mod fabric_vars {
 
     #[test]
     fn fabric_completion_queues_have_a_wait_object_unless_the_environment_says_none() {
-        let base = [("EXS_BACKEND", "fabric")];
-        assert!(fabric(&base).unwrap().cq_wait);
-        assert!(
-            fabric(&[base[0], ("EXS_FABRIC_CQ_WAIT", "fd")])
-                .unwrap()
-                .cq_wait
-        );
-        assert!(
-            !fabric(&[base[0], ("EXS_FABRIC_CQ_WAIT", "none")])
-                .unwrap()
-                .cq_wait
-        );
-        let e = fabric(&[base[0], ("EXS_FABRIC_CQ_WAIT", "sometimes")]).unwrap_err();
+        let cq_wait = |v: &str| fabric(&[("EXS_BACKEND", "fabric"), ("EXS_FABRIC_CQ_WAIT", v)]);
+        assert!(fabric(&[("EXS_BACKEND", "fabric")]).unwrap().cq_wait);
+        assert!(cq_wait("fd").unwrap().cq_wait);
+        assert!(!cq_wait("none").unwrap().cq_wait);
+        assert!(!cq_wait(" None ").unwrap().cq_wait);
+        let e = cq_wait("sometimes").unwrap_err();
         assert!(
             e.to_string().contains("EXS_FABRIC_CQ_WAIT=sometimes"),
             "{e}"
         );
+        // Whose fault: the chosen backend's configuration, named with the variable that chose it.
+        assert!(e.to_string().contains("EXS_BACKEND=fabric"), "{e}");
     }
 }

@@ -101,7 +101,11 @@ impl Fabric {
             cfg: exs_backend_fabric::FabricConfig {
                 provider,
                 domain,
-                cq_wait: std::env::var("EXS_FABRIC_CQ_WAIT").as_deref() != Ok("none"),
+                cq_wait: match std::env::var("EXS_FABRIC_CQ_WAIT").as_deref() {
+                    Err(_) | Ok("fd") => true,
+                    Ok("none") => false,
+                    Ok(other) => panic!("EXS_FABRIC_CQ_WAIT={other}: say fd or none"),
+                },
             },
             addr,
         }

@@ -626,7 +626,8 @@ pub trait Transport: Send + fmt::Debug {
     /// How long a thread may sleep on [`Transport::wait_fd`] before it polls again. `None` (the default): every
     /// completion makes the descriptor readable once armed. `Some`: completions signal nothing (libfabric
     /// completion queues opened without a wait object, for applications that busy-poll), so a sleeper wakes this
-    /// often to poll; connection events still wake it at once.
+    /// often to poll; events that signal the descriptor (a connection event queued by the provider) still wake it
+    /// at once. Asked before every sleep: it may change as the transport's state does.
     fn poll_interval(&self) -> Option<Duration> {
         None
     }

@@ -145,6 +145,9 @@ impl Opened {
     }
 
     pub fn open(a: &BackendArgs) -> Result<Opened> {
+        if a.cq_no_wait && a.backend != BackendKind::Fabric {
+            bail!("--cq-no-wait is a setting of the fabric backend's completion queues, not of --backend {}", a.backend);
+        }
         if let Some(e) = a.exposure {
             let _ = EXPOSURE.set(match e {
                 Exposure::PerOperation => exs::ExposurePolicy::PerOperation,
@@ -283,6 +286,9 @@ impl Opened {
     pub fn label(&self) -> String {
         match self {
             #[cfg(feature = "fabric")]
+            Opened::Fabric(cfg, _) if !cfg.cq_wait => {
+                format!("exs (fabric/{}, cq-no-wait)", cfg.provider)
+            }
             Opened::Fabric(cfg, _) => format!("exs (fabric/{})", cfg.provider),
             #[cfg(feature = "verbs")]
             Opened::Verbs(cfg) => format!(

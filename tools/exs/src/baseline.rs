@@ -57,8 +57,9 @@ fn transport(opened: &Opened) -> Result<Box<dyn Transport>> {
 }
 
 /// Sleeps on `fd`, the transport's wait descriptor, armed first, until something may have happened (at most
-/// `max`).
+/// `max`, and at most the transport's poll interval where completions signal nothing: `--cq-no-wait`).
 pub(crate) fn wait(t: &mut dyn Transport, fd: Option<BorrowedFd<'_>>, max: Duration) {
+    let max = t.poll_interval().map_or(max, |i| max.min(i));
     if !matches!(t.arm(), Ok(true)) {
         return; // something is pending already
     }

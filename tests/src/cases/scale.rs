@@ -292,7 +292,12 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
         ensure!(ev.is_ok(), "accept: {ev:?}");
         Ok((c, ev.take_accepted().ok_or("no socket")?))
     };
+    // The sender stops first; the receiver keeps re-posting until the sender has taken its last event. (A
+    // receiver that stopped with the sender, on the same flag, could leave with every receive taken and the
+    // sender's adverts waiting at its side for ever: no receive, no acknowledgment, no credit, no event for the
+    // sender to see the flag by.)
     let stop = AtomicBool::new(false);
+    let recv_stop = AtomicBool::new(false);
     let (eq_c, eq_s) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
     let (c2, s2) = connect(&p.a, &eq_c)?;
     let started = std::time::Instant::now();
@@ -339,7 +344,7 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
                         )
                         .map_err(|e| e.to_string())?;
                 }
-                while !stop.load(Ordering::Relaxed) {
+                while !recv_stop.load(Ordering::Relaxed) {
                     let Ok(ev) = p.eq_b.next(Some(std::time::Duration::from_millis(200))) else {
                         continue;
                     };
@@ -390,9 +395,14 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
                 Ok(slowest.max(t.elapsed()))
             })();
             stop.store(true, Ordering::Relaxed);
-            let n = sender.join().expect("sender")?;
-            receiver.join().expect("receiver")?;
-            Ok((n, result?))
+            let sent = sender.join().expect("sender");
+            recv_stop.store(true, Ordering::Relaxed);
+            let received = receiver.join().expect("receiver");
+            // What the case pins first (the ping-pongs and the connect beside the flood), then the flood's own ends.
+            let slowest = result?;
+            let n = sent?;
+            received?;
+            Ok((n, slowest))
         })?;
     eprintln!(
         "FLOOD {}: {flooded} messages flooded in {:?}; the slowest ping-pong or connect beside it took {slowest:?}",

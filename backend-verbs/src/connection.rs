@@ -184,7 +184,7 @@ impl VerbsTransport {
     }
 
     /// [`Transport::listen`](exs_transport::Transport::listen): `rdma_bind_addr` and `rdma_listen` on the device's
-    /// address.
+    /// address, with a device queue of at least [`MIN_DEVICE_BACKLOG`] (see [`device_backlog`]).
     pub(crate) fn start_listening(
         &mut self,
         addr: SocketAddr,
@@ -210,7 +210,7 @@ impl VerbsTransport {
             if rdma_bind_addr(id, sa.as_ptr() as *mut _) != 0 {
                 -1
             } else {
-                rdma_listen(id, backlog.clamp(1, 1024) as i32)
+                rdma_listen(id, device_backlog(backlog))
             }
         };
         if rc != 0 {
@@ -383,5 +383,31 @@ impl VerbsTransport {
         self.recvs.retain(|_, (owner, _)| *owner != Some(ep));
         // Completions of a released endpoint are dropped, except shared receives: the engine reposts those.
         self.cq_backlog.retain(|(c, shared)| c.ep != ep || *shared);
+    }
+}
+
+/// The shortest queue of connection requests a listener asks the device for.
+pub(crate) const MIN_DEVICE_BACKLOG: u32 = 128;
+
+/// The backlog passed to `rdma_listen`. The engine holds the application's backlog itself (it refuses a request
+/// beyond it: `Engine` in `exs/src/engine/cm.rs`), so the device's queue only has to take requests until the engine
+/// has seen them. On iWARP the device's backlog is a TCP listening socket's (siw passes it to `kernel_listen`):
+/// one as short as a small application backlog drops the handshakes of a burst of connects before they become
+/// requests, and a dropped handshake is retried by TCP until the connect times out, where the engine would have
+/// refused it at once.
+pub(crate) fn device_backlog(backlog: u32) -> i32 {
+    backlog.clamp(MIN_DEVICE_BACKLOG, 1024) as i32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_small_listen_backlog_still_asks_the_device_for_a_deep_queue() {
+        assert_eq!(device_backlog(0), MIN_DEVICE_BACKLOG as i32);
+        assert_eq!(device_backlog(4), MIN_DEVICE_BACKLOG as i32);
+        assert_eq!(device_backlog(500), 500);
+        assert_eq!(device_backlog(u32::MAX), 1024);
     }
 }

@@ -73,6 +73,16 @@ pub struct FabricConfig {
     pub cq_wait: bool,
 }
 
+/// [`FabricConfig::cq_wait`] from its setting's text (`EXS_FABRIC_CQ_WAIT`): `fd` (a wait object) or `none`, in any
+/// case and with spaces around; `None` for anything else.
+pub fn parse_cq_wait(value: &str) -> Option<bool> {
+    match value.trim().to_ascii_lowercase().as_str() {
+        "fd" => Some(true),
+        "none" => Some(false),
+        _ => None,
+    }
+}
+
 /// How often a thread sleeping on a context whose completion queues have no wait object polls them (see
 /// [`FabricConfig::cq_wait`]).
 pub const NO_WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(1);

@@ -135,16 +135,13 @@ impl Backend {
                     &var("EXS_PROVIDER").unwrap_or_else(|| "tcp".into()),
                 );
                 cfg.domain = var("EXS_DOMAIN");
-                let cq_wait = var("EXS_FABRIC_CQ_WAIT").map(|v| v.trim().to_ascii_lowercase());
-                cfg.cq_wait = match cq_wait.as_deref() {
-                    None | Some("fd") => true,
-                    Some("none") => false,
-                    Some(other) => {
-                        return Err(TransportError::Invalid(format!(
-                            "EXS_FABRIC_CQ_WAIT={other}: say fd (the default) or none"
-                        )))
-                    }
-                };
+                if let Some(v) = var("EXS_FABRIC_CQ_WAIT") {
+                    cfg.cq_wait = fabric::parse_cq_wait(&v).ok_or_else(|| {
+                        TransportError::Invalid(format!(
+                            "EXS_FABRIC_CQ_WAIT={v}: say fd (the default) or none"
+                        ))
+                    })?;
+                }
                 Ok(Backend::Fabric(cfg))
             }
             #[cfg(feature = "sim")]

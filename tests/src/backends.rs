@@ -101,11 +101,10 @@ impl Fabric {
             cfg: exs_backend_fabric::FabricConfig {
                 provider,
                 domain,
-                cq_wait: match std::env::var("EXS_FABRIC_CQ_WAIT").as_deref() {
-                    Err(_) | Ok("fd") => true,
-                    Ok("none") => false,
-                    Ok(other) => panic!("EXS_FABRIC_CQ_WAIT={other}: say fd or none"),
-                },
+                cq_wait: std::env::var("EXS_FABRIC_CQ_WAIT").map_or(true, |v| {
+                    exs_backend_fabric::parse_cq_wait(&v)
+                        .unwrap_or_else(|| panic!("EXS_FABRIC_CQ_WAIT={v}: say fd or none"))
+                }),
             },
             addr,
         }

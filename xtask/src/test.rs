@@ -39,8 +39,8 @@ struct HostSection {
 /// The host's conformance runs. The `fabric:cq-no-wait` run (completion queues without a wait object,
 /// `EXS_FABRIC_CQ_WAIT=none`) leaves out, and says so in its name, the case that holds thousands of idle
 /// connections in one process: that mode reads every queue in every poll by design, and in it the case ran out of
-/// descriptors at 2,000 connections (where the default mode holds the 2,372 it scales to; why the provider takes
-/// more per connection without a wait object was not looked into).
+/// descriptors before the count it scales to, which the default mode holds (why the provider takes more per
+/// connection without a wait object was not looked into).
 const HOST_SECTIONS: &[HostSection] = &[
     HostSection {
         section: "sim",

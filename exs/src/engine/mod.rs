@@ -512,8 +512,7 @@ impl Engine {
         // Connection events cost a system call per look on software providers (libfabric's `fi_eq_read` polls its
         // own epoll set). A round that handled completions looks only every CM_EVERY rounds: an event that waits
         // meanwhile makes arming fail (or the wait descriptor readable), so no thread sleeps on it, and the next
-        // round without completions takes it (issue 12: one system call less per message in a blocking
-        // ping-pong).
+        // round without completions takes it (issue 12: fewer system calls per message in a blocking ping-pong).
         if did && self.cm_skipped < CM_EVERY {
             self.cm_skipped += 1;
         } else {

@@ -149,7 +149,7 @@ pub(crate) fn prepare_sleep(
 ) -> Option<Option<Instant>> {
     // One round, then arm: arming reports anything that arrived meanwhile (another round would only cost the
     // transport polls of finding nothing, system calls on software providers). A round that produced the events
-    // the caller waits for does not arm: it would not sleep (issue 12: on libfabric tcp `fi_trywait` is three
+    // the caller waits for does not arm: it would not sleep (issue 12: on libfabric tcp `fi_trywait` costs
     // system calls, paid after every wake-up of a blocking ping-pong).
     engine.progress();
     if satisfied() {

@@ -165,6 +165,12 @@ impl Backend for Fabric {
     fn plain_tcp(&self) -> bool {
         self.cfg.provider == "tcp" && self.addr.is_loopback()
     }
+    /// On the tcp provider each end holds its socket and what its completion queue signals by: with a wait object
+    /// an epoll set and a socket pair (four descriptors an end); without one the provider keeps two socket pairs
+    /// (five an end). Other providers are taken to hold as many.
+    fn descriptors_per_connection(&self) -> Option<u64> {
+        Some(if self.cfg.cq_wait { 8 } else { 10 })
+    }
 }
 
 #[cfg(feature = "verbs")]

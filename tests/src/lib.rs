@@ -67,6 +67,11 @@ pub trait Backend: Send + Sync {
     fn plain_tcp(&self) -> bool {
         false
     }
+    /// File descriptors a connection with both ends in this process holds, where descriptors bound how many
+    /// connections one process can hold (libfabric's tcp provider); `None` where they do not.
+    fn descriptors_per_connection(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// A test: `Ok` or a message saying what broke.

@@ -427,18 +427,19 @@ fn fd_limit() -> u64 {
 
 /// Issue 25: opening, holding idle and closing 10,000 connections of one listener (both ends in this process),
 /// with the times reported, one of them still serving a ping-pong while the others idle, and nothing held once
-/// they are closed. On libfabric tcp each end of a connection holds four descriptors (its socket, its completion
-/// queue's epoll set and signal pair): as many pairs as the descriptor limit allows, said loudly; on Soft-RoCE in
-/// an emulated guest, `count()`.
+/// they are closed. Where descriptors bound the count (libfabric: see
+/// [`Backend::descriptors_per_connection`]), as many as the descriptor limit allows, said loudly; on Soft-RoCE
+/// in an emulated guest, `count()`.
 fn ten_thousand(b: &dyn Backend) -> Result<(), String> {
-    let n = match b.name() {
-        "sim" => 10_000,
-        "fabric" => {
-            let fit = (fd_limit().saturating_sub(1024) / 8) as usize;
+    let n = match (b.name(), b.descriptors_per_connection()) {
+        ("sim", _) => 10_000,
+        (name, Some(per)) => {
+            let fit = (fd_limit().saturating_sub(1024) / per) as usize;
             if fit < 10_000 {
                 eprintln!(
-                    "SCALED fabric: {fit} connections instead of 10,000: both ends in one process need 8 descriptors \
-                     a connection and the hard limit here is {} (the bench holds more, one end per process)",
+                    "SCALED {name}: {fit} connections instead of 10,000: both ends in one process need {per} \
+                     descriptors a connection and the hard limit here is {} (the bench holds more, one end per \
+                     process)",
                     fd_limit()
                 );
             }

@@ -233,13 +233,23 @@ fn bulk_once(
         ),
         "exs-tokio" => {
             let (server, client) = contexts()?;
-            runtime()?.block_on(async move {
+            let (s2, c2) = (server.clone(), client.clone());
+            let r = runtime()?.block_on(async move {
                 let l = exs::tokio::Listener::bind_with(&server, listen_addr()?, &cfg()).await?;
                 let addr = l.local_addr()?;
                 let accepted = tokio::spawn(async move { Ok(l.accept().await?.0) });
                 let c = exs::tokio::Stream::connect_with(&client, addr, &cfg()).await?;
                 bulk_tokio(data, write, accepted, c).await
-            })
+            });
+            // Who ran the protocol on each side (tasks leading, the progress thread's wake-ups).
+            if std::env::var_os("STREAM_BENCH_STATS").is_some() {
+                eprintln!(
+                    "progress: client {:?}\nprogress: server {:?}",
+                    c2.progress_stats(),
+                    s2.progress_stats()
+                );
+            }
+            r
         }
         "tcp-tokio" => runtime()?.block_on(async move {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

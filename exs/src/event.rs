@@ -266,8 +266,8 @@ pub struct EventQueue {
 
 /// Readable while events are queued (level-triggered): register it with epoll, mio, or tokio's `AsyncFd`, and call
 /// [`EventQueue::poll`] when it is. No thread per queue, no busy polling. Progress meanwhile is the progress
-/// thread's (`Progress::Thread`, the default): nobody needs to call into the queue for the descriptor to become
-/// readable. The descriptor belongs to the queue (made by [`EventQueue::new`]) and lives as long as its last handle.
+/// thread's (`Progress::Thread`, the default) or a waiting thread's: nobody needs to call into the queue for the
+/// descriptor to become readable. The descriptor belongs to the queue (made by [`EventQueue::new`]) and lives as long as its last handle.
 impl AsFd for EventQueue {
     fn as_fd(&self) -> BorrowedFd<'_> {
         if !self.inner.ready_used.swap(true, Ordering::SeqCst) {
@@ -461,6 +461,13 @@ impl EventQueue {
         })
     }
 
+    /// The threaded context reporting here, when there is exactly one (a stream's queue).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn threaded_context(&self) -> Option<Arc<dyn Poller>> {
+        let mut p = self.pollers();
+        (p.len() == 1 && !self.has_drivers()).then(|| p.remove(0))
+    }
+
     fn pollers(&self) -> Vec<Arc<dyn Poller>> {
         let mut s = self.inner.lock();
         s.pollers.retain(|w| w.strong_count() > 0);
@@ -586,6 +593,8 @@ pub(crate) use ticket::Ticket;
 
 mod ticket;
 mod wait;
+#[cfg_attr(not(feature = "tokio"), allow(unused_imports))]
+pub(crate) use wait::AsyncWait;
 
 #[cfg(test)]
 mod tests;

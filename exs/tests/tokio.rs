@@ -309,3 +309,52 @@ async fn a_vectored_write_takes_every_slice_in_order() {
         "bytes differ"
     );
 }
+
+/// A task that waits on a stream leads the stream's context (it runs the protocol and sleeps on the transport
+/// through its reactor). A task that stops polling while it leads (here its read is dropped by a timeout, the
+/// stream kept) must not stop the context: the progress thread takes the lead from it once the transport has
+/// signalled and the task has not run, and another stream's bytes on the same context still arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_dropped_while_it_leads_does_not_stop_its_context() {
+    use std::time::{Duration, Instant};
+
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9320))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+    let _a_peer = listener.accept().await.unwrap().0;
+    let mut b = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+    let mut b_peer = listener.accept().await.unwrap().0;
+    // Nothing comes on a: its read waits, and leads the client's context once the progress thread hands it over.
+    let (leads, t0) = (client.progress_stats().task_leads, Instant::now());
+    let mut buf = [0u8; 16];
+    while client.progress_stats().task_leads == leads {
+        let r = tokio::time::timeout(Duration::from_millis(20), a.read(&mut buf)).await;
+        assert!(
+            r.is_err(),
+            "a read of a stream nobody writes to returned {r:?}"
+        );
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "a's read never led its context"
+        );
+    }
+    // a's read is gone and a is kept, unpolled; b's bytes come through the same context, after b's read has had
+    // its spin (which drives the context itself) and sleeps.
+    let writer = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        b_peer.write_all(b"hello").await.unwrap();
+        b_peer
+    });
+    let mut got = [0u8; 5];
+    tokio::time::timeout(Duration::from_secs(10), b.read_exact(&mut got))
+        .await
+        .expect("b's bytes never came: the context stood still behind a's dropped read")
+        .unwrap();
+    assert_eq!(&got, b"hello");
+    assert!(client.progress_stats().task_steals >= 1);
+    drop((a, writer.await.unwrap()));
+}

@@ -115,12 +115,35 @@ impl EventQueue {
         until: Option<Instant>,
         lingers: bool,
     ) -> Result<usize, DequeueError> {
-        // While this thread polls, the contexts' progress threads stand back (see `Poller::set_busy`); with
-        // `lingers` (busy polling, not the adaptive wait's spin), for a while after it too. Not when this loop
-        // drives simulated worlds instead of the pollers: it must not keep back what it does not drive.
-        let manual = self.has_drivers();
-        let busy = BusyGuard::new(pollers, lingers && !manual);
         let mut got = 0;
+        let spun = self.spin_rounds(pollers, until, Mark::Busy { lingers }, &mut || {
+            got += self.poll(out, max - got);
+            got >= min
+        });
+        match spun {
+            Spun::Stalled => self.stalled(min - got),
+            Spun::Done | Spun::TimeUp => Ok(got),
+        }
+    }
+
+    /// The rounds of a spin: drives the contexts (or the simulated worlds) until `done` holds or `until` passed,
+    /// at least one round.
+    fn spin_rounds(
+        &self,
+        pollers: Vec<Arc<dyn Poller>>,
+        until: Option<Instant>,
+        mark: Mark,
+        done: &mut dyn FnMut() -> bool,
+    ) -> Spun {
+        // While this thread polls, the contexts' progress threads stand back (see `Poller::set_busy`); with
+        // `lingers` (busy polling, not the adaptive wait's spin), for a while after it too. It never lingers when
+        // this loop drives simulated worlds instead of the pollers: it must not keep back what it does not drive.
+        let manual = self.has_drivers();
+        let mark = match mark {
+            Mark::Busy { .. } if manual => Mark::Busy { lingers: false },
+            m => m,
+        };
+        let busy = BusyGuard::new(pollers, mark);
         let mut idle_rounds = 0u32;
         let mut rounds = 0u32;
         let mut pause = 0u32;
@@ -131,7 +154,7 @@ impl EventQueue {
             // rounds. The first round always runs, so that a poll whose time is up still drives the contexts it
             // marked as busy-polled (they stand their progress threads back: see `BusyGuard`).
             if rounds % SPIN_CLOCK == 1 && until.is_some_and(|d| Instant::now() >= d) {
-                break;
+                return Spun::TimeUp;
             }
             rounds = rounds.wrapping_add(1);
             if manual {
@@ -140,7 +163,7 @@ impl EventQueue {
                 } else {
                     idle_rounds += 1;
                     if idle_rounds > 2 && self.inner.lock().events.is_empty() {
-                        return self.stalled(min - got);
+                        return Spun::Stalled;
                     }
                 }
             } else {
@@ -160,12 +183,60 @@ impl EventQueue {
                     pause = (pause * 2).clamp(pause_min, pause_max);
                 }
             }
-            got += self.poll(out, max - got);
-            if got >= min {
-                break;
+            if done() {
+                return Spun::Done;
             }
         }
-        Ok(got)
+    }
+
+    /// The adaptive wait's spin for a task that sleeps on the reactor rather than in a dequeue (`crate::tokio`;
+    /// seed 004's alternative embodiment, polling before blocking, with the learned length of [`SpinEstimate`]):
+    /// in the adaptive mode, and with threaded contexts reporting here, drives them until an event is queued, once
+    /// per wait. True when an event came; the events stay
+    /// queued for the caller to take.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn spin_before_park(&self, wait: &mut AsyncWait) -> bool {
+        let start = *wait.started.get_or_insert_with(Instant::now);
+        if std::mem::replace(&mut wait.spun, true)
+            || !matches!(self.wait_mode(), WaitMode::Adaptive { .. })
+            || self.has_drivers()
+        {
+            return false;
+        }
+        let pollers = self.pollers();
+        if pollers.is_empty() {
+            return false;
+        }
+        let Some(budget) = self.inner.spin.budget() else {
+            return false;
+        };
+        let until = Instant::now() + budget;
+        // The progress threads go on leading while it spins (no busy mark): when the spin ends without an event,
+        // the task parks on the reactor and relies on them to deliver it, at once.
+        if let Spun::Done =
+            self.spin_rounds(pollers, Some(until), Mark::Not, &mut || !self.is_empty())
+        {
+            self.inner.spin.record(Wait::Spun(start.elapsed()));
+            self.inner.lock().stats.spun += 1;
+            wait.started = None;
+            wait.spun = false;
+            return true;
+        }
+        false
+    }
+
+    /// The task's wait ended (its events came): the adaptive estimate learns how long a wait that went to sleep
+    /// took. Nothing when the task did not wait.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn wait_ended(&self, wait: &mut AsyncWait) {
+        if let Some(start) = wait.started.take() {
+            if std::mem::take(&mut wait.spun)
+                && matches!(self.wait_mode(), WaitMode::Adaptive { .. })
+            {
+                self.inner.spin.record(Wait::Slept(start.elapsed()));
+            }
+        }
+        wait.spun = false;
     }
 
     /// Sleeps until `need` events are queued. Returns false on timeout.
@@ -413,6 +484,25 @@ const SPIN_CLOCK: u32 = 8;
 /// transport's wake-up calls), so a wait that takes longer is cheaper asleep.
 pub(crate) const ADAPTIVE_SPIN_MAX: Duration = Duration::from_micros(50);
 
+/// How a spin ended.
+enum Spun {
+    /// What the caller waits for came.
+    Done,
+    /// Its time passed first.
+    TimeUp,
+    /// A simulated world has nothing left to do.
+    Stalled,
+}
+
+/// A task's wait on a queue, across the polls of one wait (see [`EventQueue::spin_before_park`]).
+#[derive(Debug, Default)]
+pub(crate) struct AsyncWait {
+    /// When the wait began (its first poll that found nothing).
+    started: Option<Instant>,
+    /// Whether it has had its spin (or found it off).
+    spun: bool,
+}
+
 /// How an adaptive dequeue's wait ended, for [`SpinEstimate::record`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Wait {
@@ -506,21 +596,34 @@ fn nanos(d: Duration) -> u64 {
 }
 
 /// Marks contexts as busy-polled for as long as it lives.
-struct BusyGuard(Vec<Arc<dyn Poller>>, bool);
+struct BusyGuard(Vec<Arc<dyn Poller>>, Mark);
+
+/// Whether a spin marks the contexts it drives as busy-polled (see `Poller::set_busy`).
+#[derive(Clone, Copy)]
+enum Mark {
+    /// Their progress threads go on leading: a task that parks after its spin relies on them at once.
+    Not,
+    /// Their progress threads stand back while it spins; with `lingers`, for a while after it too.
+    Busy { lingers: bool },
+}
 
 impl BusyGuard {
-    fn new(pollers: Vec<Arc<dyn Poller>>, lingers: bool) -> Self {
-        for p in &pollers {
-            p.set_busy(true, lingers);
+    fn new(pollers: Vec<Arc<dyn Poller>>, mark: Mark) -> Self {
+        if let Mark::Busy { lingers } = mark {
+            for p in &pollers {
+                p.set_busy(true, lingers);
+            }
         }
-        BusyGuard(pollers, lingers)
+        BusyGuard(pollers, mark)
     }
 }
 
 impl Drop for BusyGuard {
     fn drop(&mut self) {
-        for p in &self.0 {
-            p.set_busy(false, self.1);
+        if let Mark::Busy { lingers } = self.1 {
+            for p in &self.0 {
+                p.set_busy(false, lingers);
+            }
         }
     }
 }

@@ -23,6 +23,9 @@ pub(super) const STANDBY_MAX: Duration = Duration::from_millis(20);
 /// leader lets go and wakes it. Also how long a busy poller counts as polling after its last dequeue (see
 /// [`Lead::busy_lingers`]).
 pub(super) const MAX_BACKOFF: Duration = Duration::from_millis(8);
+/// The longest the progress thread goes between two looks at a leading task (see [`Lead::steal_from_stale_task`]):
+/// how long a context can stand still behind a task that stopped being polled while it led.
+pub(super) const TASK_WATCH_MAX: Duration = Duration::from_millis(50);
 /// Protocol rounds one leader runs before it checks its own queue again (a busy peer cannot keep it forever).
 pub(super) const ROUNDS: usize = 16;
 
@@ -47,6 +50,10 @@ pub struct ProgressStats {
     pub handovers: u64,
     /// Times an API call woke a sleeper because it moved a timer earlier.
     pub timer_kicks: u64,
+    /// Times an async task took the lead of the context while it waited (feature `tokio`).
+    pub task_leads: u64,
+    /// Times the progress thread took the lead from a task that had stopped being polled while it led.
+    pub task_steals: u64,
 }
 
 #[derive(Debug, Default)]
@@ -56,6 +63,8 @@ pub(super) struct Counters {
     pub(super) app_sleeps: AtomicU64,
     pub(super) handovers: AtomicU64,
     pub(super) timer_kicks: AtomicU64,
+    pub(super) task_leads: AtomicU64,
+    pub(super) task_steals: AtomicU64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,6 +89,13 @@ pub(super) struct LeadState {
     pub(super) gap: Duration,
     /// When a busy-polling application thread last stopped polling.
     pub(super) last_busy_end: Option<Instant>,
+    /// The application holder is a task on a reactor, which may stop being polled while it leads (see
+    /// [`Lead::steal_from_stale_task`]).
+    pub(super) task: bool,
+    /// Counts the leads taken: a task leads while this is still the term it was given.
+    pub(super) term: u64,
+    /// A look at the leading task found the transport signalled and the task not run since the look before.
+    pub(super) task_suspect: bool,
 }
 
 /// The leadership of one context and the sleepers' wake-up times.
@@ -95,6 +111,9 @@ pub(crate) struct Lead {
     pub(super) leader_sleep: AtomicU64,
     /// When the standing-aside progress thread wakes, likewise.
     pub(super) thread_sleep: AtomicU64,
+    /// Bumped each time a leading task runs the protocol; with it, the last value the progress thread saw.
+    pub(super) task_beat: AtomicU64,
+    pub(super) task_beat_seen: AtomicU64,
     pub(super) counters: Counters,
 }
 
@@ -114,12 +133,17 @@ impl Lead {
                 followers: Vec::new(),
                 gap: Duration::ZERO,
                 last_busy_end: None,
+                task: false,
+                term: 0,
+                task_suspect: false,
             }),
             leader_wake: eventfd()?,
             thread_wake: eventfd()?,
             epoch: Instant::now(),
             leader_sleep: AtomicU64::new(ABSENT),
             thread_sleep: AtomicU64::new(ABSENT),
+            task_beat: AtomicU64::new(0),
+            task_beat_seen: AtomicU64::new(0),
             counters: Counters::default(),
         })
     }
@@ -136,6 +160,8 @@ impl Lead {
             app_sleeps: c.app_sleeps.load(Ordering::Relaxed),
             handovers: c.handovers.load(Ordering::Relaxed),
             timer_kicks: c.timer_kicks.load(Ordering::Relaxed),
+            task_leads: c.task_leads.load(Ordering::Relaxed),
+            task_steals: c.task_steals.load(Ordering::Relaxed),
         }
     }
 
@@ -174,6 +200,17 @@ impl Lead {
 
     /// An application thread asks to lead. `false`: somebody else leads; `follower` is nudged when they let go.
     pub(crate) fn try_lead_app(&self, follower: Arc<dyn Follower>) -> bool {
+        self.try_lead(follower, false).is_some()
+    }
+
+    /// A task asks to lead (see [`Lead::steal_from_stale_task`]): its term while it leads, or `None` (somebody
+    /// else leads; `follower` is nudged when they let go).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn try_lead_task(&self, follower: Arc<dyn Follower>) -> Option<u64> {
+        self.try_lead(follower, true)
+    }
+
+    fn try_lead(&self, follower: Arc<dyn Follower>, task: bool) -> Option<u64> {
         let mut s = self.lock();
         if let Some(t) = s.last_release {
             let gap = t.elapsed().min(STANDBY_MAX);
@@ -182,8 +219,16 @@ impl Lead {
         match s.holder {
             Holder::Nobody => {
                 s.holder = Holder::App;
-                self.counters.app_leads.fetch_add(1, Ordering::Relaxed);
-                true
+                s.task = task;
+                s.task_suspect = false;
+                s.term = s.term.wrapping_add(1);
+                let counter = if task {
+                    &self.counters.task_leads
+                } else {
+                    &self.counters.app_leads
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+                Some(s.term)
             }
             holder => {
                 if holder == Holder::Thread && !s.handover_asked {
@@ -195,9 +240,62 @@ impl Lead {
                 if !s.followers.iter().any(|w| w.ptr_eq(&weak)) {
                     s.followers.push(weak);
                 }
-                false
+                None
             }
         }
+    }
+
+    /// Whether the task given `term` still leads (the progress thread may have taken the lead from it).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn task_leads(&self, term: u64) -> bool {
+        let s = self.lock();
+        s.holder == Holder::App && s.task && s.term == term
+    }
+
+    /// A leading task runs the protocol: it is alive.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn task_ran(&self) {
+        self.task_beat.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The task given `term` lets go, if it still leads.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn release_task(&self, term: u64) {
+        if self.task_leads(term) {
+            self.release(true);
+        }
+    }
+
+    /// The progress thread's look at a leading task. A task leads while it waits (it sleeps on the transport
+    /// through its reactor), but it may stop being polled while it leads: its future dropped (a `select!` took
+    /// another branch) with the stream kept, or its runtime stalled. Then nobody would run the protocol. A task
+    /// that has not run since the last look while something it would have been woken for is there (`called`:
+    /// the transport signalled, its wake-up eventfd, a timer due; asked only then) is suspect; still so at the
+    /// next look, it loses the lead to the progress thread (true).
+    pub(super) fn steal_from_stale_task(&self, called: &dyn Fn() -> bool) -> bool {
+        let beat = self.task_beat.load(Ordering::Relaxed);
+        let ran = self.task_beat_seen.swap(beat, Ordering::Relaxed) != beat;
+        let task_leads = |s: &LeadState| s.holder == Holder::App && s.task;
+        if ran || !task_leads(&self.lock()) {
+            self.lock().task_suspect = false;
+            return false;
+        }
+        // Asked without the lead's lock (it may take the engine's).
+        let called = called();
+        let mut s = self.lock();
+        if !task_leads(&s) || !called || self.task_beat.load(Ordering::Relaxed) != beat {
+            s.task_suspect = false;
+            return false;
+        }
+        if !std::mem::replace(&mut s.task_suspect, true) {
+            return false;
+        }
+        s.holder = Holder::Thread;
+        s.task = false;
+        s.task_suspect = false;
+        s.term = s.term.wrapping_add(1);
+        self.counters.task_steals.fetch_add(1, Ordering::Relaxed);
+        true
     }
 
     /// The leader lets go: followers are nudged (one of them leads next), and a progress thread that sleeps until
@@ -206,6 +304,8 @@ impl Lead {
         let followers = {
             let mut s = self.lock();
             s.holder = Holder::Nobody;
+            s.task = false;
+            s.task_suspect = false;
             // A hand-over counts as application activity: the progress thread stands aside from here on.
             let handed_over = std::mem::take(&mut s.handover_asked);
             if by_app || handed_over {
@@ -321,4 +421,10 @@ pub(crate) trait Poller: Send + Sync {
     fn release(&self);
     /// Counts a leader's sleep.
     fn count_sleep(&self);
+    /// The lead of a task that sleeps on the transport through its reactor: see [`Lead::try_lead_task`] and the
+    /// methods after it.
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    fn lead(&self) -> Option<&Lead> {
+        None
+    }
 }

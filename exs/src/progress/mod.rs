@@ -11,6 +11,8 @@
 //!    the transport's wait descriptor in its own `ppoll`, so a completion costs one wake-up (this thread's), not
 //!    two (a progress thread's, then a hand-off). One thread leads a context at a time; others wait on their
 //!    queue for the events the leader produces, and are nudged when the leader lets go so one of them leads next.
+//!    An async task (`crate::tokio`) leads the same way through its reactor; the progress thread takes the lead
+//!    back from a task that stops being polled while it leads ([`Lead::steal_from_stale_task`]).
 //! 3. **The progress thread is the fallback.** It leads only when no application thread has waited for a while
 //!    ([`STANDBY`]): then it answers adverts and runs timers while the application computes. While applications
 //!    lead, it stands aside: it checks back after [`STANDBY`], backing off to sleeping until asked (a leader that
@@ -35,7 +37,7 @@ pub(crate) mod lead;
 
 pub use lead::ProgressStats;
 pub(crate) use lead::{readable, sleep_on, Driver, Follower, Lead, Poller, STANDBY};
-use lead::{Holder, ABSENT, AWAKE, FOREVER, MAX_BACKOFF, ROUNDS, STANDBY_MAX};
+use lead::{Holder, ABSENT, AWAKE, FOREVER, MAX_BACKOFF, ROUNDS, STANDBY_MAX, TASK_WATCH_MAX};
 
 /// What a context's threads share: the engine and its leadership.
 pub(crate) struct Shared {
@@ -101,6 +103,10 @@ impl Poller for Shared {
 
     fn count_sleep(&self) {
         self.lead.count_app_sleep();
+    }
+
+    fn lead(&self) -> Option<&Lead> {
+        self.wait_fd.is_some().then_some(&self.lead)
     }
 }
 
@@ -186,6 +192,10 @@ enum Next {
     Standby(Duration),
     /// Stand aside until the leader lets go.
     Deep,
+    /// A task leads: look at it again after this long, running nothing meanwhile (the task runs the protocol
+    /// and its timers; rounds here would take what signalled the transport, and with it the sign that the task
+    /// stopped being polled).
+    Watch(Duration),
 }
 
 /// The progress thread: the fallback that moves the protocol while no application thread waits.
@@ -204,38 +214,22 @@ pub(crate) fn thread(shared: Arc<Shared>) {
             stand_back_for_busy_pollers(&shared, until);
             continue;
         }
-        let next = {
-            let mut s = lead.lock();
-            match s.holder {
-                Holder::Nobody => {
-                    let since = s.last_release.map(|t| t.elapsed());
-                    let standby = (s.gap * 4).clamp(STANDBY, STANDBY_MAX);
-                    match since {
-                        Some(since) if since < standby => Next::Standby(standby - since),
-                        _ => {
-                            s.holder = Holder::Thread;
-                            Next::Lead
-                        }
-                    }
-                }
-                // An application has held the lead for a long while (blocked in a dequeue): sleep until it lets
-                // go (it then wakes this thread) rather than checking back.
-                Holder::App
-                    if backoff >= MAX_BACKOFF
-                        && s.last_release.is_none_or(|t| t.elapsed() >= MAX_BACKOFF) =>
-                {
-                    s.thread_deep = true;
-                    Next::Deep
-                }
-                // Applications come and go (a ping-pong): check back, at most every MAX_BACKOFF.
-                Holder::App => {
-                    let b = backoff;
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
-                    Next::Standby(b)
-                }
-                Holder::Thread => Next::Lead,
-            }
+        // What a leading task would have been woken for: the transport, its wake-up eventfd, a timer due.
+        let called = || {
+            signalled(wait_fd.as_fd())
+                || signalled(lead.leader_wake_fd())
+                || shared
+                    .lock()
+                    .next_deadline_real()
+                    .is_some_and(|d| d <= Instant::now())
         };
+        if lead.steal_from_stale_task(&called) {
+            backoff = STANDBY;
+            lead.thread_sleep.store(ABSENT, Ordering::SeqCst);
+            lead_as_thread(&shared, wait_fd.as_fd());
+            continue;
+        }
+        let next = next_step(lead, &mut backoff);
         match next {
             Next::Lead => {
                 backoff = STANDBY;
@@ -243,6 +237,11 @@ pub(crate) fn thread(shared: Arc<Shared>) {
                 lead_as_thread(&shared, wait_fd.as_fd());
             }
             Next::Standby(t) => standby(&shared, t),
+            Next::Watch(t) => {
+                lead.thread_sleep
+                    .store(lead.stamp(Some(Instant::now() + t)), Ordering::SeqCst);
+                sleep_thread(&shared, Some(Instant::now() + t));
+            }
             Next::Deep => {
                 lead.thread_sleep.store(FOREVER, Ordering::SeqCst);
                 sleep_thread(&shared, None);
@@ -250,6 +249,63 @@ pub(crate) fn thread(shared: Arc<Shared>) {
             }
         }
     }
+}
+
+/// Whether the transport's descriptor is signalled now (a poll that does not wait).
+fn signalled(fd: BorrowedFd<'_>) -> bool {
+    let mut fds = [PollFd::new(fd, PollFlags::POLLIN)];
+    matches!(nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO), Ok(n) if n > 0)
+        && readable(&fds[0])
+}
+
+/// What the progress thread does next, from who holds the lead; `backoff` is how long it stands aside next while
+/// another holds it.
+fn next_step(lead: &Lead, backoff_now: &mut Duration) -> Next {
+    let mut backoff = *backoff_now;
+    let mut s = lead.lock();
+    let next = match s.holder {
+        Holder::Nobody => {
+            let since = s.last_release.map(|t| t.elapsed());
+            let standby = (s.gap * 4).clamp(STANDBY, STANDBY_MAX);
+            match since {
+                Some(since) if since < standby => Next::Standby(standby - since),
+                _ => {
+                    s.holder = Holder::Thread;
+                    Next::Lead
+                }
+            }
+        }
+        // A task leads: it may stop being polled while it does, so look at it now and then (see
+        // `Lead::steal_from_stale_task`), soon again when it is suspect, never sleeping without a timeout.
+        Holder::App if s.task => {
+            let b = if s.task_suspect { STANDBY } else { backoff };
+            backoff = (backoff * 2).min(TASK_WATCH_MAX);
+            // Held for a long while (an idle wait): the task wakes this thread when it lets go, as an
+            // application thread does.
+            if b >= MAX_BACKOFF && s.last_release.is_none_or(|t| t.elapsed() >= MAX_BACKOFF) {
+                s.thread_deep = true;
+            }
+            Next::Watch(b)
+        }
+        // An application has held the lead for a long while (blocked in a dequeue): sleep until it lets
+        // go (it then wakes this thread) rather than checking back.
+        Holder::App
+            if backoff >= MAX_BACKOFF
+                && s.last_release.is_none_or(|t| t.elapsed() >= MAX_BACKOFF) =>
+        {
+            s.thread_deep = true;
+            Next::Deep
+        }
+        // Applications come and go (a ping-pong): check back, at most every MAX_BACKOFF.
+        Holder::App => {
+            let b = backoff;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+            Next::Standby(b)
+        }
+        Holder::Thread => Next::Lead,
+    };
+    *backoff_now = backoff;
+    next
 }
 
 fn sleep_thread(shared: &Shared, until: Option<Instant>) {

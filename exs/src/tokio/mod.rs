@@ -1,9 +1,16 @@
 //! Async streams for tokio (feature `tokio`): [`Stream`] implements `AsyncRead` and
 //! `AsyncWrite`, [`Listener`] accepts them, and [`EventQueue::next_async`] waits for any queue. Each direction of
 //! a stream has its own event queue, whose descriptor (its `AsFd`, readable while events are queued) goes into
-//! tokio's reactor as an `AsyncFd`: no thread per queue, no busy polling,
-//! and a task that reads never takes the writer's completions (or the other way round). The context's progress
-//! thread moves the protocol meanwhile, so contexts used here must keep their default `Progress::Thread`.
+//! tokio's reactor as an `AsyncFd`: no thread per queue, and a task that reads never takes the writer's
+//! completions (or the other way round). Contexts used here must keep their default `Progress::Thread`.
+//!
+//! A task that waits on a stream waits as a blocking stream's thread does (see the manual's
+//! [progress chapter](crate::manual::progress)): the adaptive wait's short spin (a few to 50 µs, learned from
+//! the queue's recent waits; off while they are long), then it leads the stream's context, running its protocol
+//! and sleeping on the transport's descriptor through the reactor, so that a completion wakes the task waiting for
+//! it rather than the progress thread first. While another thread or task leads, it sleeps on its queue's
+//! descriptor. The progress thread takes the lead back from a task that stops being polled while it leads (its
+//! read dropped by a `select!`, its runtime stalled) within about 50 ms.
 //!
 //! The shapes are `tokio::net`'s: [`Stream::connect`] and [`Listener::bind`] resolve names with
 //! `tokio::net::lookup_host` (never a blocking lookup in an `async fn`) and run on the process's
@@ -51,10 +58,11 @@ use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::context::Context;
-use crate::event::{Event, EventQueue};
+use crate::event::{AsyncWait, Event, EventQueue};
 use crate::socket::Socket;
 use crate::stream_io::{self as sio, Reader, StreamConfig, Writer};
 
+mod lead;
 mod split;
 
 pub use split::{OwnedReadHalf, OwnedWriteHalf, ReadHalf, ReuniteError, WriteHalf};
@@ -93,25 +101,43 @@ async fn next_event(eq: &EventQueue, fd: &AsyncFd<QueueFd>) -> io::Result<Event>
     }
 }
 
-/// Runs `step` until it has an answer, waiting on the queue's descriptor in between.
+/// Runs `step` until it has an answer. In between, the task waits as a blocking stream's thread does (see
+/// [`crate::progress`]): after the adaptive wait's spin (seed 004: [`EventQueue::spin_before_park`]) it leads the
+/// stream's context, sleeping on the transport's descriptor through the reactor (see [`lead`]), or, while another
+/// thread or task leads, on its queue's descriptor until its events come or the leader lets go.
 fn poll_until<T>(
     fd: &AsyncFd<QueueFd>,
     eq: &EventQueue,
+    wait: &mut AsyncWait,
+    tl: &mut lead::TaskLead,
     cx: &mut TaskContext<'_>,
     mut step: impl FnMut() -> io::Result<Option<T>>,
 ) -> Poll<io::Result<T>> {
-    loop {
-        if let Some(t) = step()? {
-            return Poll::Ready(Ok(t));
+    let r = loop {
+        match step() {
+            Ok(None) => {}
+            done => break done.map(|t| t.expect("an answer")),
         }
-        let mut guard = ready!(fd.poll_read_ready(cx))?;
-        if eq.is_empty() {
-            guard.clear_ready();
-        } else {
-            // Events came in between: the step takes them.
+        if eq.spin_before_park(wait) {
             continue;
         }
-    }
+        if let Some(Poll::Ready(())) = tl.poll_lead(eq, cx) {
+            continue;
+        }
+        // Events that others complete here (another leader, a call that completes at once).
+        match fd.poll_read_ready(cx) {
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(Err(e)) => break Err(e),
+            Poll::Ready(Ok(mut guard)) => {
+                if eq.is_empty() {
+                    guard.clear_ready();
+                }
+            }
+        }
+    };
+    tl.release();
+    eq.wait_ended(wait);
+    Poll::Ready(r)
 }
 
 impl EventQueue {
@@ -126,12 +152,16 @@ impl EventQueue {
 pub(crate) struct ReadPart {
     pub(crate) core: Reader,
     fd: AsyncFd<QueueFd>,
+    wait: AsyncWait,
+    tl: lead::TaskLead,
 }
 
 /// The writing direction of a stream with its descriptor in the reactor.
 pub(crate) struct WritePart {
     pub(crate) core: Writer,
     fd: AsyncFd<QueueFd>,
+    wait: AsyncWait,
+    tl: lead::TaskLead,
 }
 
 /// A tokio `ReadBuf` as the destination of a read: each copy fills the next bytes only (`put_slice` needs none
@@ -161,8 +191,14 @@ impl ReadPart {
         // The unfilled part is not zeroed first (`initialize_unfilled` would zero all of it, on every fresh buffer: a
         // whole `read_to_end` vector's capacity).
         let max = buf.remaining();
-        ready!(poll_until(&self.fd, &eq, cx, || core
-            .try_read_with(max, &mut BufSink(buf))))?;
+        ready!(poll_until(
+            &self.fd,
+            &eq,
+            &mut self.wait,
+            &mut self.tl,
+            cx,
+            || core.try_read_with(max, &mut BufSink(buf))
+        ))?;
         Poll::Ready(Ok(()))
     }
 }
@@ -175,7 +211,7 @@ impl WritePart {
     ) -> Poll<io::Result<usize>> {
         let core = &mut self.core;
         let eq = core.eq.clone();
-        poll_until(&self.fd, &eq, cx, || {
+        poll_until(&self.fd, &eq, &mut self.wait, &mut self.tl, cx, || {
             core.try_write_vectored(&[io::IoSlice::new(buf)])
         })
     }
@@ -187,7 +223,9 @@ impl WritePart {
     ) -> Poll<io::Result<usize>> {
         let core = &mut self.core;
         let eq = core.eq.clone();
-        poll_until(&self.fd, &eq, cx, || core.try_write_vectored(bufs))
+        poll_until(&self.fd, &eq, &mut self.wait, &mut self.tl, cx, || {
+            core.try_write_vectored(bufs)
+        })
     }
 }
 
@@ -264,10 +302,14 @@ impl Stream {
             read: ReadPart {
                 fd: async_fd(&reader.eq)?,
                 core: reader,
+                wait: AsyncWait::default(),
+                tl: Default::default(),
             },
             write: WritePart {
                 fd: async_fd(&writer.eq)?,
                 core: writer,
+                wait: AsyncWait::default(),
+                tl: Default::default(),
             },
         })
     }

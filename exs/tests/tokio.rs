@@ -358,3 +358,39 @@ async fn a_read_dropped_while_it_leads_does_not_stop_its_context() {
     assert!(client.progress_stats().task_steals >= 1);
     drop((a, writer.await.unwrap()));
 }
+
+/// Rule 3 of `exs::progress` (an idle connection costs the progress thread nothing) holds while a task leads: a
+/// read that waits half a second on a quiet stream leaves the progress thread asleep after a few looks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_read_that_leads_leaves_the_progress_thread_asleep() {
+    use std::time::Duration;
+
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9330))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+    let _peer = listener.accept().await.unwrap().0;
+    let mut buf = [0u8; 16];
+    // The first wait takes the lead (after a hand-over from the progress thread) and settles.
+    let r = tokio::time::timeout(Duration::from_millis(100), a.read(&mut buf)).await;
+    assert!(
+        r.is_err(),
+        "a read of a stream nobody writes to returned {r:?}"
+    );
+    let before = client.progress_stats();
+    let r = tokio::time::timeout(Duration::from_millis(500), a.read(&mut buf)).await;
+    assert!(
+        r.is_err(),
+        "a read of a stream nobody writes to returned {r:?}"
+    );
+    let after = client.progress_stats();
+    assert!(after.task_leads >= 1, "the read never led: {after:?}");
+    assert!(
+        after.thread_wakeups - before.thread_wakeups <= 4,
+        "the progress thread woke {} times in half a second of an idle read",
+        after.thread_wakeups - before.thread_wakeups
+    );
+}

@@ -23,9 +23,6 @@ pub(super) const STANDBY_MAX: Duration = Duration::from_millis(20);
 /// leader lets go and wakes it. Also how long a busy poller counts as polling after its last dequeue (see
 /// [`Lead::busy_lingers`]).
 pub(super) const MAX_BACKOFF: Duration = Duration::from_millis(8);
-/// The longest the progress thread goes between two looks at a leading task (see [`Lead::steal_from_stale_task`]):
-/// how long a context can stand still behind a task that stopped being polled while it led.
-pub(super) const TASK_WATCH_MAX: Duration = Duration::from_millis(50);
 /// Protocol rounds one leader runs before it checks its own queue again (a busy peer cannot keep it forever).
 pub(super) const ROUNDS: usize = 16;
 
@@ -94,8 +91,8 @@ pub(super) struct LeadState {
     pub(super) task: bool,
     /// Counts the leads taken: a task leads while this is still the term it was given.
     pub(super) term: u64,
-    /// A look at the leading task found the transport signalled and the task not run since the look before.
-    pub(super) task_suspect: bool,
+    /// Since when the leading task has looked stalled (see [`Lead::steal_from_stale_task`]).
+    pub(super) suspect_since: Option<Instant>,
 }
 
 /// The leadership of one context and the sleepers' wake-up times.
@@ -114,6 +111,9 @@ pub(crate) struct Lead {
     /// Bumped each time a leading task runs the protocol; with it, the last value the progress thread saw.
     pub(super) task_beat: AtomicU64,
     pub(super) task_beat_seen: AtomicU64,
+    /// The reactor's registration of the descriptors a leading task sleeps on, one per context, kept by
+    /// `crate::tokio` (only the leader polls it).
+    pub(crate) task_fds: Mutex<Option<Arc<dyn std::any::Any + Send + Sync>>>,
     pub(super) counters: Counters,
 }
 
@@ -135,7 +135,7 @@ impl Lead {
                 last_busy_end: None,
                 task: false,
                 term: 0,
-                task_suspect: false,
+                suspect_since: None,
             }),
             leader_wake: eventfd()?,
             thread_wake: eventfd()?,
@@ -144,6 +144,7 @@ impl Lead {
             thread_sleep: AtomicU64::new(ABSENT),
             task_beat: AtomicU64::new(0),
             task_beat_seen: AtomicU64::new(0),
+            task_fds: Mutex::new(None),
             counters: Counters::default(),
         })
     }
@@ -203,14 +204,7 @@ impl Lead {
         self.try_lead(follower, false).is_some()
     }
 
-    /// A task asks to lead (see [`Lead::steal_from_stale_task`]): its term while it leads, or `None` (somebody
-    /// else leads; `follower` is nudged when they let go).
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
-    pub(crate) fn try_lead_task(&self, follower: Arc<dyn Follower>) -> Option<u64> {
-        self.try_lead(follower, true)
-    }
-
-    fn try_lead(&self, follower: Arc<dyn Follower>, task: bool) -> Option<u64> {
+    pub(super) fn try_lead(&self, follower: Arc<dyn Follower>, task: bool) -> Option<u64> {
         let mut s = self.lock();
         if let Some(t) = s.last_release {
             let gap = t.elapsed().min(STANDBY_MAX);
@@ -220,7 +214,7 @@ impl Lead {
             Holder::Nobody => {
                 s.holder = Holder::App;
                 s.task = task;
-                s.task_suspect = false;
+                s.suspect_since = None;
                 s.term = s.term.wrapping_add(1);
                 let counter = if task {
                     &self.counters.task_leads
@@ -245,79 +239,29 @@ impl Lead {
         }
     }
 
-    /// Whether the task given `term` still leads (the progress thread may have taken the lead from it).
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
-    pub(crate) fn task_leads(&self, term: u64) -> bool {
-        let s = self.lock();
-        s.holder == Holder::App && s.task && s.term == term
-    }
-
-    /// A leading task runs the protocol: it is alive.
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
-    pub(crate) fn task_ran(&self) {
-        self.task_beat.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// The task given `term` lets go, if it still leads.
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
-    pub(crate) fn release_task(&self, term: u64) {
-        if self.task_leads(term) {
-            self.release(true);
-        }
-    }
-
-    /// The progress thread's look at a leading task. A task leads while it waits (it sleeps on the transport
-    /// through its reactor), but it may stop being polled while it leads: its future dropped (a `select!` took
-    /// another branch) with the stream kept, or its runtime stalled. Then nobody would run the protocol. A task
-    /// that has not run since the last look while something it would have been woken for is there (`called`:
-    /// the transport signalled, its wake-up eventfd, a timer due; asked only then) is suspect; still so at the
-    /// next look, it loses the lead to the progress thread (true).
-    pub(super) fn steal_from_stale_task(&self, called: &dyn Fn() -> bool) -> bool {
-        let beat = self.task_beat.load(Ordering::Relaxed);
-        let ran = self.task_beat_seen.swap(beat, Ordering::Relaxed) != beat;
-        let task_leads = |s: &LeadState| s.holder == Holder::App && s.task;
-        if ran || !task_leads(&self.lock()) {
-            self.lock().task_suspect = false;
-            return false;
-        }
-        // Asked without the lead's lock (it may take the engine's).
-        let called = called();
-        let mut s = self.lock();
-        if !task_leads(&s) || !called || self.task_beat.load(Ordering::Relaxed) != beat {
-            s.task_suspect = false;
-            return false;
-        }
-        if !std::mem::replace(&mut s.task_suspect, true) {
-            return false;
-        }
-        s.holder = Holder::Thread;
-        s.task = false;
-        s.task_suspect = false;
-        s.term = s.term.wrapping_add(1);
-        self.counters.task_steals.fetch_add(1, Ordering::Relaxed);
-        true
-    }
-
     /// The leader lets go: followers are nudged (one of them leads next), and a progress thread that sleeps until
     /// asked is woken to take over.
     pub(super) fn release(&self, by_app: bool) {
-        let followers = {
-            let mut s = self.lock();
-            s.holder = Holder::Nobody;
-            s.task = false;
-            s.task_suspect = false;
-            // A hand-over counts as application activity: the progress thread stands aside from here on.
-            let handed_over = std::mem::take(&mut s.handover_asked);
-            if by_app || handed_over {
-                s.last_release = Some(Instant::now());
-                // Followers may have gone (their events came through the leader): the thread checks back either way.
-                if s.thread_deep {
-                    s.thread_deep = false;
-                    let _ = self.thread_wake.write(1);
-                }
+        self.release_locked(self.lock(), by_app);
+    }
+
+    /// [`Lead::release`] with the lead's state already locked (a check and the release in one hold).
+    pub(super) fn release_locked(&self, mut s: MutexGuard<'_, LeadState>, by_app: bool) {
+        s.holder = Holder::Nobody;
+        s.task = false;
+        s.suspect_since = None;
+        // A hand-over counts as application activity: the progress thread stands aside from here on.
+        let handed_over = std::mem::take(&mut s.handover_asked);
+        if by_app || handed_over {
+            s.last_release = Some(Instant::now());
+            // Followers may have gone (their events came through the leader): the thread checks back either way.
+            if s.thread_deep {
+                s.thread_deep = false;
+                let _ = self.thread_wake.write(1);
             }
-            std::mem::take(&mut s.followers)
-        };
+        }
+        let followers = std::mem::take(&mut s.followers);
+        drop(s);
         self.leader_sleep.store(ABSENT, Ordering::SeqCst);
         for f in followers.iter().filter_map(Weak::upgrade) {
             f.nudge();

@@ -34,10 +34,11 @@ use crate::engine::Engine;
 use crate::lock::EngineGuard;
 
 pub(crate) mod lead;
+mod task;
 
 pub use lead::ProgressStats;
 pub(crate) use lead::{readable, sleep_on, Driver, Follower, Lead, Poller, STANDBY};
-use lead::{Holder, ABSENT, AWAKE, FOREVER, MAX_BACKOFF, ROUNDS, STANDBY_MAX, TASK_WATCH_MAX};
+use lead::{Holder, ABSENT, AWAKE, FOREVER, MAX_BACKOFF, ROUNDS, STANDBY_MAX};
 
 /// What a context's threads share: the engine and its leadership.
 pub(crate) struct Shared {
@@ -192,10 +193,10 @@ enum Next {
     Standby(Duration),
     /// Stand aside until the leader lets go.
     Deep,
-    /// A task leads: look at it again after this long, running nothing meanwhile (the task runs the protocol
-    /// and its timers; rounds here would take what signalled the transport, and with it the sign that the task
-    /// stopped being polled).
-    Watch(Duration),
+    /// A task leads: look at it again at this time (`None`: when woken), and, with `true`, when the transport
+    /// signals; running nothing meanwhile (the task runs the protocol and its timers; rounds here would take what
+    /// signalled the transport, and with it the sign that the task stopped being polled).
+    Watch(Option<Instant>, bool),
 }
 
 /// The progress thread: the fallback that moves the protocol while no application thread waits.
@@ -214,14 +215,10 @@ pub(crate) fn thread(shared: Arc<Shared>) {
             stand_back_for_busy_pollers(&shared, until);
             continue;
         }
-        // What a leading task would have been woken for: the transport, its wake-up eventfd, a timer due.
+        // What a leading task would have been woken for: the transport, its wake-up eventfd, its wake-up time
+        // (its timers, or the transport's polling interval).
         let called = || {
-            signalled(wait_fd.as_fd())
-                || signalled(lead.leader_wake_fd())
-                || shared
-                    .lock()
-                    .next_deadline_real()
-                    .is_some_and(|d| d <= Instant::now())
+            lead.leader_overdue() || signalled(wait_fd.as_fd()) || signalled(lead.leader_wake_fd())
         };
         if lead.steal_from_stale_task(&called) {
             backoff = STANDBY;
@@ -237,10 +234,9 @@ pub(crate) fn thread(shared: Arc<Shared>) {
                 lead_as_thread(&shared, wait_fd.as_fd());
             }
             Next::Standby(t) => standby(&shared, t),
-            Next::Watch(t) => {
-                lead.thread_sleep
-                    .store(lead.stamp(Some(Instant::now() + t)), Ordering::SeqCst);
-                sleep_thread(&shared, Some(Instant::now() + t));
+            Next::Watch(until, transport) => {
+                lead.thread_sleep.store(lead.stamp(until), Ordering::SeqCst);
+                sleep_thread_on(&shared, until, transport.then(|| wait_fd.as_fd()));
             }
             Next::Deep => {
                 lead.thread_sleep.store(FOREVER, Ordering::SeqCst);
@@ -275,17 +271,25 @@ fn next_step(lead: &Lead, backoff_now: &mut Duration) -> Next {
                 }
             }
         }
-        // A task leads: it may stop being polled while it does, so look at it now and then (see
-        // `Lead::steal_from_stale_task`), soon again when it is suspect, never sleeping without a timeout.
+        // A task leads. It may stop being polled while it does (see `Lead::steal_from_stale_task`): look at it
+        // again soon while it is suspect; while tasks come and go, every STANDBY to MAX_BACKOFF; once one has held
+        // the lead for a long while (an idle wait), sleep until it lets go (it then wakes this thread), its
+        // transport signals, or its own wake-up time has passed by MAX_BACKOFF: an idle task costs nothing.
         Holder::App if s.task => {
-            let b = if s.task_suspect { STANDBY } else { backoff };
-            backoff = (backoff * 2).min(TASK_WATCH_MAX);
-            // Held for a long while (an idle wait): the task wakes this thread when it lets go, as an
-            // application thread does.
-            if b >= MAX_BACKOFF && s.last_release.is_none_or(|t| t.elapsed() >= MAX_BACKOFF) {
+            let now = Instant::now();
+            if s.suspect_since.is_some() {
+                Next::Watch(Some(now + STANDBY), false)
+            } else if backoff < MAX_BACKOFF
+                || s.last_release.is_some_and(|t| t.elapsed() < MAX_BACKOFF)
+            {
+                let b = backoff;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+                Next::Watch(Some(now + b), false)
+            } else {
                 s.thread_deep = true;
+                backoff = STANDBY;
+                Next::Watch(lead.leader_wakes_at().map(|t| t + MAX_BACKOFF), true)
             }
-            Next::Watch(b)
         }
         // An application has held the lead for a long while (blocked in a dequeue): sleep until it lets
         // go (it then wakes this thread) rather than checking back.
@@ -309,8 +313,14 @@ fn next_step(lead: &Lead, backoff_now: &mut Duration) -> Next {
 }
 
 fn sleep_thread(shared: &Shared, until: Option<Instant>) {
+    sleep_thread_on(shared, until, None);
+}
+
+/// Sleeps until woken, `until`, or (`also`) another descriptor is readable.
+fn sleep_thread_on(shared: &Shared, until: Option<Instant>, also: Option<BorrowedFd<'_>>) {
     let lead = &shared.lead;
-    let mut fds = [PollFd::new(lead.thread_wake.as_fd(), PollFlags::POLLIN)];
+    let mut fds = vec![PollFd::new(lead.thread_wake.as_fd(), PollFlags::POLLIN)];
+    fds.extend(also.map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
     sleep_on(&mut fds, until);
     lead.thread_sleep.store(AWAKE, Ordering::SeqCst);
     if readable(&fds[0]) {

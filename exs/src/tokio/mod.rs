@@ -10,7 +10,7 @@
 //! and sleeping on the transport's descriptor through the reactor, so that a completion wakes the task waiting for
 //! it rather than the progress thread first. While another thread or task leads, it sleeps on its queue's
 //! descriptor. The progress thread takes the lead back from a task that stops being polled while it leads (its
-//! read dropped by a `select!`, its runtime stalled) within about 50 ms.
+//! read dropped by a `select!`, its runtime stalled) a few milliseconds after the task would have been woken.
 //!
 //! The shapes are `tokio::net`'s: [`Stream::connect`] and [`Listener::bind`] resolve names with
 //! `tokio::net::lookup_host` (never a blocking lookup in an `async fn`) and run on the process's

@@ -93,6 +93,8 @@ pub(super) struct LeadState {
     pub(super) term: u64,
     /// Since when the leading task has looked stalled (see [`Lead::steal_from_stale_task`]).
     pub(super) suspect_since: Option<Instant>,
+    /// The progress thread's last look at the leading task was a sleep on its descriptors.
+    pub(super) watched_deep: bool,
 }
 
 /// The leadership of one context and the sleepers' wake-up times.
@@ -136,6 +138,7 @@ impl Lead {
                 task: false,
                 term: 0,
                 suspect_since: None,
+                watched_deep: false,
             }),
             leader_wake: eventfd()?,
             thread_wake: eventfd()?,
@@ -215,6 +218,7 @@ impl Lead {
                 s.holder = Holder::App;
                 s.task = task;
                 s.suspect_since = None;
+                s.watched_deep = false;
                 s.term = s.term.wrapping_add(1);
                 let counter = if task {
                     &self.counters.task_leads
@@ -250,6 +254,7 @@ impl Lead {
         s.holder = Holder::Nobody;
         s.task = false;
         s.suspect_since = None;
+        s.watched_deep = false;
         // A hand-over counts as application activity: the progress thread stands aside from here on.
         let handed_over = std::mem::take(&mut s.handover_asked);
         if by_app || handed_over {
@@ -261,8 +266,9 @@ impl Lead {
             }
         }
         let followers = std::mem::take(&mut s.followers);
-        drop(s);
+        // Under the lock: a leader that follows (its `try_lead` takes the lock) publishes its own time after this.
         self.leader_sleep.store(ABSENT, Ordering::SeqCst);
+        drop(s);
         for f in followers.iter().filter_map(Weak::upgrade) {
             f.nudge();
         }

@@ -231,12 +231,19 @@ pub(crate) fn thread(shared: Arc<Shared>) {
             Next::Lead => {
                 backoff = STANDBY;
                 lead.thread_sleep.store(ABSENT, Ordering::SeqCst);
+                // No task has waited for a while: the reactor's registration of the descriptors goes (every
+                // completion would wake the runtime for nothing); the next task to lead registers them again.
+                lead.drop_task_fds();
                 lead_as_thread(&shared, wait_fd.as_fd());
             }
             Next::Standby(t) => standby(&shared, t),
-            Next::Watch(until, transport) => {
+            Next::Watch(until, false) => {
                 lead.thread_sleep.store(lead.stamp(until), Ordering::SeqCst);
-                sleep_thread_on(&shared, until, transport.then(|| wait_fd.as_fd()));
+                sleep_thread(&shared, until);
+            }
+            Next::Watch(until, true) => {
+                lead.thread_sleep.store(lead.stamp(until), Ordering::SeqCst);
+                sleep_thread_on(&shared, until, &[wait_fd.as_fd(), lead.leader_wake_fd()]);
             }
             Next::Deep => {
                 lead.thread_sleep.store(FOREVER, Ordering::SeqCst);
@@ -274,7 +281,9 @@ fn next_step(lead: &Lead, backoff_now: &mut Duration) -> Next {
         // A task leads. It may stop being polled while it does (see `Lead::steal_from_stale_task`): look at it
         // again soon while it is suspect; while tasks come and go, every STANDBY to MAX_BACKOFF; once one has held
         // the lead for a long while (an idle wait), sleep until it lets go (it then wakes this thread), its
-        // transport signals, or its own wake-up time has passed by MAX_BACKOFF: an idle task costs nothing.
+        // transport or its wake-up eventfd signals, or its own wake-up time has passed by MAX_BACKOFF: an idle task
+        // costs nothing. Such sleeps alternate with looks MAX_BACKOFF apart: a transport that stays signalled under
+        // a busy task (serving other streams) wakes this thread at most twice in that time, not at every signal.
         Holder::App if s.task => {
             let now = Instant::now();
             if s.suspect_since.is_some() {
@@ -285,10 +294,12 @@ fn next_step(lead: &Lead, backoff_now: &mut Duration) -> Next {
                 let b = backoff;
                 backoff = (backoff * 2).min(MAX_BACKOFF);
                 Next::Watch(Some(now + b), false)
+            } else if std::mem::take(&mut s.watched_deep) {
+                Next::Watch(Some(now + MAX_BACKOFF), false)
             } else {
                 s.thread_deep = true;
-                backoff = STANDBY;
-                Next::Watch(lead.leader_wakes_at().map(|t| t + MAX_BACKOFF), true)
+                s.watched_deep = true;
+                Next::Watch(lead.watch_until(now), true)
             }
         }
         // An application has held the lead for a long while (blocked in a dequeue): sleep until it lets
@@ -313,17 +324,25 @@ fn next_step(lead: &Lead, backoff_now: &mut Duration) -> Next {
 }
 
 fn sleep_thread(shared: &Shared, until: Option<Instant>) {
-    sleep_thread_on(shared, until, None);
+    sleep_thread_on(shared, until, &[]);
 }
 
-/// Sleeps until woken, `until`, or (`also`) another descriptor is readable.
-fn sleep_thread_on(shared: &Shared, until: Option<Instant>, also: Option<BorrowedFd<'_>>) {
+/// Sleeps until woken, `until`, or one of `also` is readable.
+fn sleep_thread_on(shared: &Shared, until: Option<Instant>, also: &[BorrowedFd<'_>]) {
     let lead = &shared.lead;
-    let mut fds = vec![PollFd::new(lead.thread_wake.as_fd(), PollFlags::POLLIN)];
-    fds.extend(also.map(|fd| PollFd::new(fd, PollFlags::POLLIN)));
-    sleep_on(&mut fds, until);
+    let wake = PollFd::new(lead.thread_wake.as_fd(), PollFlags::POLLIN);
+    let woken = if also.is_empty() {
+        let mut fds = [wake];
+        sleep_on(&mut fds, until);
+        readable(&fds[0])
+    } else {
+        let mut fds = vec![wake];
+        fds.extend(also.iter().map(|fd| PollFd::new(*fd, PollFlags::POLLIN)));
+        sleep_on(&mut fds, until);
+        readable(&fds[0])
+    };
     lead.thread_sleep.store(AWAKE, Ordering::SeqCst);
-    if readable(&fds[0]) {
+    if woken {
         let _ = lead.thread_wake.read();
     }
     lead.counters.thread_wakeups.fetch_add(1, Ordering::Relaxed);

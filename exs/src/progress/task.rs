@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use super::lead::{Follower, Holder, Lead, LeadState, ABSENT, AWAKE, FOREVER};
+use super::lead::{Follower, Holder, Lead, LeadState, ABSENT, AWAKE, FOREVER, MAX_BACKOFF};
 
 /// How long a leading task must have looked stalled, at two looks at least, before the progress thread takes
 /// the lead from it: longer than a busy runtime takes to poll a woken task (and than a reactor timer's late
@@ -52,11 +52,37 @@ impl Lead {
         at != ABSENT && at != AWAKE && at != FOREVER && self.stamp(Some(Instant::now())) > at
     }
 
-    /// The leading sleeper's published wake-up time, if it has one.
-    pub(super) fn leader_wakes_at(&self) -> Option<Instant> {
-        let at = self.leader_sleep.load(Ordering::SeqCst);
-        (at != ABSENT && at != AWAKE && at != FOREVER)
-            .then(|| self.epoch + Duration::from_nanos(at))
+    /// When the progress thread, sleeping beside a leading task, looks at it again: [`MAX_BACKOFF`] after the
+    /// task's published wake-up time; never when it has none (it sleeps with no timeout); soon when it is between
+    /// two sleeps (awake, or not yet published).
+    pub(super) fn watch_until(&self, now: Instant) -> Option<Instant> {
+        match self.leader_sleep.load(Ordering::SeqCst) {
+            FOREVER => None,
+            ABSENT | AWAKE => Some(now + MAX_BACKOFF),
+            at => Some(self.epoch + Duration::from_nanos(at) + MAX_BACKOFF),
+        }
+    }
+
+    /// The task given `term` woke up (`kicked`: by its wake-up eventfd), if it still leads: the same as
+    /// [`Lead::woke`], under the lock, so that a task the thread took the lead from meanwhile does not mark the
+    /// thread awake or read its wake-up. False if it no longer leads.
+    pub(crate) fn task_woke(&self, term: u64, kicked: bool) -> bool {
+        let s = self.lock();
+        let leads = task_leads(&s, term);
+        if leads {
+            self.woke(kicked);
+        }
+        leads
+    }
+
+    /// Drops the reactor's registration of the descriptors a leading task sleeps on.
+    pub(super) fn drop_task_fds(&self) {
+        let fds = self
+            .task_fds
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        drop(fds);
     }
 
     /// The progress thread's look at a leading task. A task leads while it waits (it sleeps on the transport

@@ -226,7 +226,9 @@ impl TaskLead {
         fds.arm(until);
         match poll_fds(&fds, cx) {
             Woken::Yes(kicked) => {
-                poller.woke(kicked);
+                if !lead.task_woke(term, kicked) {
+                    self.term = None;
+                }
                 Some(Poll::Ready(()))
             }
             Woken::No => {

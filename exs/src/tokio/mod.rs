@@ -86,7 +86,8 @@ fn async_fd(eq: &EventQueue) -> io::Result<AsyncFd<QueueFd>> {
     AsyncFd::new(QueueFd(fd))
 }
 
-/// Waits until `eq` has an event, then takes it.
+/// Waits until `eq` has an event, then takes it. It does not lead its context as a stream's wait does
+/// ([`poll_until`]): accepts, connects and `next_async` leave the protocol to the progress thread meanwhile.
 async fn next_event(eq: &EventQueue, fd: &AsyncFd<QueueFd>) -> io::Result<Event> {
     loop {
         let mut evs = Vec::with_capacity(1);

@@ -226,11 +226,15 @@ impl EventQueue {
     }
 
     /// The task's wait ended (its events came): the adaptive estimate learns how long a wait that went to sleep
-    /// took. Nothing when the task did not wait.
+    /// took, unless it waited for a leader to let go ([`AsyncWait::followed`]: a hand-over from the progress thread
+    /// takes a wake-up of that thread, which says nothing of how soon events come). Nothing when the task did not
+    /// wait.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn wait_ended(&self, wait: &mut AsyncWait) {
+        let followed = std::mem::take(&mut wait.followed);
         if let Some(start) = wait.started.take() {
             if std::mem::take(&mut wait.spun)
+                && !followed
                 && matches!(self.wait_mode(), WaitMode::Adaptive { .. })
             {
                 self.inner.spin.record(Wait::Slept(start.elapsed()));
@@ -501,6 +505,17 @@ pub(crate) struct AsyncWait {
     started: Option<Instant>,
     /// Whether it has had its spin (or found it off).
     spun: bool,
+    /// It waited for another leader to let go: its length says how long that took, not how soon its events
+    /// came, and is not learned from.
+    followed: bool,
+}
+
+impl AsyncWait {
+    /// The wait had to follow another leader (see `followed`).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    pub(crate) fn followed(&mut self) {
+        self.followed = true;
+    }
 }
 
 /// How an adaptive dequeue's wait ended, for [`SpinEstimate::record`].

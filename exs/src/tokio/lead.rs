@@ -24,6 +24,8 @@ pub(crate) struct TaskLead {
     follower: Arc<TaskFollower>,
     /// The term of the lead while this task leads.
     term: Option<u64>,
+    /// The last step found another thread or task leading.
+    followed: bool,
 }
 
 /// Wakes the task when the context's leader lets go, so that it leads next.
@@ -173,6 +175,12 @@ fn poll_fds(fds: &ReactorFds, cx: &mut TaskContext<'_>) -> Woken {
 }
 
 impl TaskLead {
+    /// Whether the last step that did not lead found another thread or task leading (rather than no reactor or
+    /// context to lead through).
+    pub(crate) fn followed(&self) -> bool {
+        self.followed
+    }
+
     /// Lets go of the lead, if this task holds it (its wait ended, or the stream is dropped).
     pub(crate) fn release(&mut self) {
         if let (Some(term), Some(p)) = (self.term.take(), &self.poller) {
@@ -206,6 +214,7 @@ impl TaskLead {
             Some(t) => t,
             None => {
                 self.term = lead.try_lead_task(self.follower.clone());
+                self.followed = self.term.is_none();
                 let t = self.term?;
                 if !lead.task_run(t) {
                     self.term = None;

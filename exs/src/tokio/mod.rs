@@ -122,8 +122,11 @@ fn poll_until<T>(
         if eq.spin_before_park(wait) {
             continue;
         }
-        if let Some(Poll::Ready(())) = tl.poll_lead(eq, cx) {
-            continue;
+        match tl.poll_lead(eq, cx) {
+            Some(Poll::Ready(())) => continue,
+            Some(Poll::Pending) => {}
+            None if tl.followed() => wait.followed(),
+            None => {}
         }
         // Events that others complete here (another leader, a call that completes at once).
         match fd.poll_read_ready(cx) {

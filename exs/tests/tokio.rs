@@ -310,6 +310,28 @@ async fn a_vectored_write_takes_every_slice_in_order() {
     );
 }
 
+/// A threaded simulated world with a listener on `port` and one connection through it: the world, the client's
+/// context, the listener, the client's stream and the accepted one.
+async fn leading_pair(
+    port: u16,
+) -> (
+    World,
+    exs::Context,
+    exs::tokio::Listener,
+    exs::tokio::Stream,
+    exs::tokio::Stream,
+) {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, port))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+    let peer = listener.accept().await.unwrap().0;
+    (world, client, listener, a, peer)
+}
+
 /// A task that waits on a stream leads the stream's context (it runs the protocol and sleeps on the transport
 /// through its reactor). A task that stops polling while it leads (here its read is dropped by a timeout, the
 /// stream kept) must not stop the context: the progress thread takes the lead from it once the transport has
@@ -318,14 +340,8 @@ async fn a_vectored_write_takes_every_slice_in_order() {
 async fn a_read_dropped_while_it_leads_does_not_stop_its_context() {
     use std::time::{Duration, Instant};
 
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9320))
-        .await
-        .unwrap();
+    let (_world, client, listener, mut a, _a_peer) = leading_pair(9320).await;
     let addr = listener.local_addr().unwrap();
-    let mut a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
-    let _a_peer = listener.accept().await.unwrap().0;
     let mut b = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
     let mut b_peer = listener.accept().await.unwrap().0;
     // Nothing comes on a: its read waits, and leads the client's context once the progress thread hands it over.
@@ -365,14 +381,7 @@ async fn a_read_dropped_while_it_leads_does_not_stop_its_context() {
 async fn an_idle_read_that_leads_leaves_the_progress_thread_asleep() {
     use std::time::Duration;
 
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9330))
-        .await
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    let mut a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
-    let _peer = listener.accept().await.unwrap().0;
+    let (_world, client, _listener, mut a, _peer) = leading_pair(9330).await;
     let mut buf = [0u8; 16];
     // The first wait takes the lead (after a hand-over from the progress thread) and settles.
     let r = tokio::time::timeout(Duration::from_millis(100), a.read(&mut buf)).await;

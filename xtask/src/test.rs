@@ -34,6 +34,12 @@ struct HostSection {
     env: Option<(&'static str, &'static str)>,
 }
 
+/// The case that holds as many connections as the process's descriptor limit allows (both ends in one process)
+/// runs by itself after the rest of its section: the cases that run in parallel hold descriptors too, and beside
+/// them it ran out of descriptors once in a clean-clone run, on queues without a wait object (whose cases are slower
+/// and overlap it longer).
+const ALONE: &str = "ten_thousand_connections_open_idle_and_close";
+
 /// The host's conformance runs: the simulator, libfabric tcp, and libfabric tcp with completion queues without a
 /// wait object (`EXS_FABRIC_CQ_WAIT=none`, for busy polling).
 const HOST_SECTIONS: &[HostSection] = &[
@@ -347,10 +353,15 @@ pub fn run(args: TestArgs) -> Result<()> {
             // The two-host case needs the link that the RDMA stage builds; it runs there.
             .args(["--skip", "two_hosts_over_a_link"])
             .args(["--skip", "peer_host_killed_mid_transfer"]);
-        if let Some((k, v)) = h.env {
-            cmd.env(k, v);
+        cmd.args(["--skip", ALONE]);
+        let mut alone = Command::new(&exe);
+        alone.arg(format!("{}::{ALONE}", h.backend)).arg("--exact");
+        for c in [&mut cmd, &mut alone] {
+            if let Some((k, v)) = h.env {
+                c.env(k, v);
+            }
+            run_sections(c, &mut host)?;
         }
-        run_sections(&mut cmd, &mut host)?;
     }
     host.report("", &mut summary, &mut failures);
     if only_conformance && args.backend.iter().all(|b| b == "two-guests") {

@@ -403,3 +403,44 @@ async fn an_idle_read_that_leads_leaves_the_progress_thread_asleep() {
         after.thread_wakeups - before.thread_wakeups
     );
 }
+
+/// Two tasks wait on two streams of one context: one leads, the other follows (it waits on its queue). When the
+/// leader's read ends and it lets go, the follower is woken to lead in its place, not left to the progress
+/// thread: both tasks have led by the time the second one's bytes arrive.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_follower_leads_when_the_leader_lets_go() {
+    use std::time::Duration;
+
+    let (_world, client, listener, mut a, mut a_peer) = leading_pair(9340).await;
+    let addr = listener.local_addr().unwrap();
+    let mut b = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+    let mut b_peer = listener.accept().await.unwrap().0;
+    let leads = client.progress_stats().task_leads;
+    let first = tokio::spawn(async move {
+        let mut got = [0u8; 5];
+        a.read_exact(&mut got).await.unwrap();
+        (a, got)
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = tokio::spawn(async move {
+        let mut got = [0u8; 5];
+        b.read_exact(&mut got).await.unwrap();
+        (b, got)
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    a_peer.write_all(b"first").await.unwrap();
+    let (_a, got) = tokio::time::timeout(Duration::from_secs(10), first)
+        .await
+        .expect("the first read never ended")
+        .unwrap();
+    assert_eq!(&got, b"first");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    b_peer.write_all(b"again").await.unwrap();
+    let (_b, got) = tokio::time::timeout(Duration::from_secs(10), second)
+        .await
+        .expect("the second read never ended")
+        .unwrap();
+    assert_eq!(&got, b"again");
+    let led = client.progress_stats().task_leads - leads;
+    assert!(led >= 2, "only {led} of the two waiting tasks led");
+}

@@ -411,36 +411,41 @@ async fn an_idle_read_that_leads_leaves_the_progress_thread_asleep() {
 async fn a_waiting_follower_leads_when_the_leader_lets_go() {
     use std::time::Duration;
 
-    let (_world, client, listener, mut a, mut a_peer) = leading_pair(9340).await;
+    let (_world, client, listener, a, mut a_peer) = leading_pair(9340).await;
     let addr = listener.local_addr().unwrap();
-    let mut b = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+    let b = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
     let mut b_peer = listener.accept().await.unwrap().0;
     let leads = client.progress_stats().task_leads;
-    let first = tokio::spawn(async move {
-        let mut got = [0u8; 5];
-        a.read_exact(&mut got).await.unwrap();
-        (a, got)
-    });
+    // Each read in a task of its own; the first waits (and leads) before the second starts.
+    let read5 = |mut s: exs::tokio::Stream| {
+        tokio::spawn(async move {
+            let mut got = [0u8; 5];
+            s.read_exact(&mut got).await.unwrap();
+            (s, got)
+        })
+    };
+    let first = read5(a);
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let second = tokio::spawn(async move {
-        let mut got = [0u8; 5];
-        b.read_exact(&mut got).await.unwrap();
-        (b, got)
-    });
+    let second = read5(b);
     tokio::time::sleep(Duration::from_millis(50)).await;
-    a_peer.write_all(b"first").await.unwrap();
-    let (_a, got) = tokio::time::timeout(Duration::from_secs(10), first)
-        .await
-        .expect("the first read never ended")
-        .unwrap();
-    assert_eq!(&got, b"first");
+    let _a = delivered(&mut a_peer, b"first", first).await;
     tokio::time::sleep(Duration::from_millis(100)).await;
-    b_peer.write_all(b"again").await.unwrap();
-    let (_b, got) = tokio::time::timeout(Duration::from_secs(10), second)
-        .await
-        .expect("the second read never ended")
-        .unwrap();
-    assert_eq!(&got, b"again");
+    let _b = delivered(&mut b_peer, b"again", second).await;
     let led = client.progress_stats().task_leads - leads;
     assert!(led >= 2, "only {led} of the two waiting tasks led");
+}
+
+/// Writes `msg` on `peer` and checks that the reading task `read` gets it (within 10 s); returns its stream.
+async fn delivered(
+    peer: &mut exs::tokio::Stream,
+    msg: &[u8; 5],
+    read: tokio::task::JoinHandle<(exs::tokio::Stream, [u8; 5])>,
+) -> exs::tokio::Stream {
+    peer.write_all(msg).await.unwrap();
+    let (s, got) = tokio::time::timeout(std::time::Duration::from_secs(10), read)
+        .await
+        .expect("the read never ended")
+        .unwrap();
+    assert_eq!(&got, msg);
+    s
 }

@@ -10,8 +10,8 @@
 //! `dequeue(min, max, timeout)` in [`WaitMode::Adaptive`]:
 //! 1. poll the queue once (and, with `spin > 0`, up to `spin` more times: "the alternative embodiment");
 //!    where the queue's contexts have a transport to poll (threaded contexts), spin for about twice as long as
-//!    this queue's recent waits took, when that is shorter than sleeping and waking costs (at most 50 µs, see
-//!    [`EventQueue::set_adaptive_spin`]; waits that took longer, such as an idle server's, turn spinning off), so a
+//!    this queue's recent waits took, when that is shorter than sleeping and waking costs (at most the longest
+//!    spin, [`EventQueue::set_adaptive_spin`]; waits that took longer, such as an idle server's, turn spinning off), so a
 //!    reply due within microseconds costs no context switch;
 //! 2. if fewer than `min` events were found, **block until at least the number still missing has arrived**;
 //!    the producer wakes the waiter only when that count is reached, not at every event;
@@ -112,8 +112,8 @@ impl fmt::Debug for Event {
 #[non_exhaustive]
 pub enum WaitMode {
     /// The adaptive completion wait: poll once (plus `spin` more polls), spin for about twice as long as recent
-    /// waits took when that is short (at most 50 µs: [`EventQueue::set_adaptive_spin`]), then block until the
-    /// missing count has arrived, then drain.
+    /// waits took when that is short (at most the longest spin: [`EventQueue::set_adaptive_spin`]), then block
+    /// until the missing count has arrived, then drain.
     Adaptive {
         /// Extra polls before blocking, besides the learned spin (0: none).
         spin: u32,
@@ -267,7 +267,8 @@ pub struct EventQueue {
 /// Readable while events are queued (level-triggered): register it with epoll, mio, or tokio's `AsyncFd`, and call
 /// [`EventQueue::poll`] when it is. No thread per queue, no busy polling. Progress meanwhile is the progress
 /// thread's (`Progress::Thread`, the default) or a waiting thread's: nobody needs to call into the queue for the
-/// descriptor to become readable. The descriptor belongs to the queue (made by [`EventQueue::new`]) and lives as long as its last handle.
+/// descriptor to become readable. The descriptor belongs to the queue (made by [`EventQueue::new`]) and lives as
+/// long as its last handle.
 impl AsFd for EventQueue {
     fn as_fd(&self) -> BorrowedFd<'_> {
         if !self.inner.ready_used.swap(true, Ordering::SeqCst) {

@@ -218,8 +218,7 @@ impl EventQueue {
         {
             self.inner.spin.record(Wait::Spun(start.elapsed()));
             self.inner.lock().stats.spun += 1;
-            wait.started = None;
-            wait.spun = false;
+            *wait = AsyncWait::default();
             return true;
         }
         false
@@ -231,16 +230,12 @@ impl EventQueue {
     /// wait.
     #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     pub(crate) fn wait_ended(&self, wait: &mut AsyncWait) {
-        let followed = std::mem::take(&mut wait.followed);
-        if let Some(start) = wait.started.take() {
-            if std::mem::take(&mut wait.spun)
-                && !followed
-                && matches!(self.wait_mode(), WaitMode::Adaptive { .. })
-            {
+        let w = std::mem::take(wait);
+        if let (Some(start), true, false) = (w.started, w.spun, w.followed) {
+            if matches!(self.wait_mode(), WaitMode::Adaptive { .. }) {
                 self.inner.spin.record(Wait::Slept(start.elapsed()));
             }
         }
-        wait.spun = false;
     }
 
     /// Sleeps until `need` events are queued. Returns false on timeout.

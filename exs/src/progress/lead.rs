@@ -269,9 +269,7 @@ impl Lead {
         // Under the lock: a leader that follows (its `try_lead` takes the lock) publishes its own time after this.
         self.leader_sleep.store(ABSENT, Ordering::SeqCst);
         drop(s);
-        for f in followers.iter().filter_map(Weak::upgrade) {
-            f.nudge();
-        }
+        nudge(followers);
     }
 
     /// A busy-polling application thread stopped polling: it counts as a leader letting go (the progress thread
@@ -335,6 +333,13 @@ pub(crate) fn sleep_on(fds: &mut [PollFd<'_>], until: Option<Instant>) {
 /// Whether a polled descriptor was reported readable.
 pub(crate) fn readable(fd: &PollFd<'_>) -> bool {
     fd.revents().is_some_and(|r| r.contains(PollFlags::POLLIN))
+}
+
+/// Nudges the threads and tasks that followed a leader who let go (or lost the lead): one of them leads next.
+pub(super) fn nudge(followers: Vec<Weak<dyn Follower>>) {
+    for f in followers.iter().filter_map(Weak::upgrade) {
+        f.nudge();
+    }
 }
 
 /// An event queue whose waiting thread follows a context's leader: nudged when the leader lets go, so that it

@@ -237,13 +237,10 @@ pub(crate) fn thread(shared: Arc<Shared>) {
                 lead_as_thread(&shared, wait_fd.as_fd());
             }
             Next::Standby(t) => standby(&shared, t),
-            Next::Watch(until, false) => {
+            Next::Watch(until, transport) => {
                 lead.thread_sleep.store(lead.stamp(until), Ordering::SeqCst);
-                sleep_thread(&shared, until);
-            }
-            Next::Watch(until, true) => {
-                lead.thread_sleep.store(lead.stamp(until), Ordering::SeqCst);
-                sleep_thread_on(&shared, until, &[wait_fd.as_fd(), lead.leader_wake_fd()]);
+                let fds = [wait_fd.as_fd(), lead.leader_wake_fd()];
+                sleep_thread_on(&shared, until, if transport { &fds } else { &[] });
             }
             Next::Deep => {
                 lead.thread_sleep.store(FOREVER, Ordering::SeqCst);

@@ -3,10 +3,10 @@
 //! cannot. The progress thread watches a leading task and takes the lead back from one that stalled.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::lead::{Follower, Holder, Lead, LeadState, ABSENT, AWAKE, FOREVER, MAX_BACKOFF};
+use super::lead::{nudge, Follower, Holder, Lead, LeadState, ABSENT, AWAKE, FOREVER, MAX_BACKOFF};
 
 /// How long a leading task must have looked stalled, at two looks at least, before the progress thread takes
 /// the lead from it: longer than a busy runtime takes to poll a woken task (and than a reactor timer's late
@@ -76,7 +76,7 @@ impl Lead {
     }
 
     /// Drops the reactor's registration of the descriptors a leading task sleeps on.
-    pub(super) fn drop_task_fds(&self) {
+    pub(crate) fn drop_task_fds(&self) {
         let fds = self
             .task_fds
             .lock()
@@ -125,9 +125,7 @@ impl Lead {
         self.counters.task_steals.fetch_add(1, Ordering::Relaxed);
         let followers = std::mem::take(&mut s.followers);
         drop(s);
-        for f in followers.iter().filter_map(Weak::upgrade) {
-            f.nudge();
-        }
+        nudge(followers);
         true
     }
 }

@@ -3,7 +3,7 @@
 //! for it, as a blocking read's thread is woken, not the progress thread first and the task after it. The progress
 //! thread watches a leading task, which may stop being polled while it leads (`Lead::steal_from_stale_task`).
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::sync::{Arc, Mutex};
 use std::task::{Context as TaskContext, Poll, Waker};
 use std::time::{Duration, Instant};
@@ -13,7 +13,7 @@ use nix::sys::timer::Expiration;
 use nix::sys::timerfd::{ClockId, TimerFd, TimerFlags, TimerSetTimeFlags};
 use tokio::io::unix::AsyncFd;
 
-use super::QueueFd;
+use super::{async_fd, QueueFd};
 use crate::event::EventQueue;
 use crate::progress::{Follower, Lead, Poller};
 
@@ -24,8 +24,18 @@ pub(crate) struct TaskLead {
     follower: Arc<TaskFollower>,
     /// The term of the lead while this task leads.
     term: Option<u64>,
-    /// The last step found another thread or task leading.
-    followed: bool,
+}
+
+/// What one step of a wait that leads found.
+pub(crate) enum Step {
+    /// Look at the queue again (events came in, the round made them, or the task was woken).
+    Again,
+    /// The task leads and sleeps on the context's descriptors (its queue's too, the caller's part).
+    Sleeps,
+    /// Another thread or task leads: this task is woken when it lets go, and waits on its queue meanwhile.
+    Follows,
+    /// This task cannot lead (no threaded context of its own, no reactor to sleep through): it waits on its queue.
+    Alone,
 }
 
 /// Wakes the task when the context's leader lets go, so that it leads next.
@@ -69,14 +79,6 @@ impl AsRawFd for Timer {
     }
 }
 
-/// `fd` duplicated into the current runtime's reactor.
-fn in_reactor(fd: BorrowedFd<'_>) -> Option<AsyncFd<QueueFd>> {
-    let fd = fd.try_clone_to_owned().ok()?;
-    // As `super::async_fd`: the descriptor is owned by the `QueueFd` for the AsyncFd's life.
-    #[allow(deprecated)]
-    AsyncFd::new(QueueFd(fd)).ok()
-}
-
 impl ReactorFds {
     /// In the current runtime's reactor; `None` outside a runtime (a stream polled by another executor waits on
     /// its queue's descriptor only, which went into the reactor when the stream was made).
@@ -85,12 +87,12 @@ impl ReactorFds {
         let [transport, kick] = poller.sleep_fds();
         let flags = TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC;
         let timer = TimerFd::new(ClockId::CLOCK_MONOTONIC, flags).ok()?;
-        // As above: `Timer` owns the descriptor for the AsyncFd's life.
+        // As in `super::async_fd`: `Timer` owns the descriptor for the AsyncFd's life.
         #[allow(deprecated)]
         let timer = AsyncFd::new(Timer(timer)).ok()?;
         Some(ReactorFds {
-            transport: in_reactor(transport)?,
-            kick: in_reactor(kick)?,
+            transport: async_fd(transport).ok()?,
+            kick: async_fd(kick).ok()?,
             timer,
             armed: Mutex::new(None),
         })
@@ -175,12 +177,6 @@ fn poll_fds(fds: &ReactorFds, cx: &mut TaskContext<'_>) -> Woken {
 }
 
 impl TaskLead {
-    /// Whether the last step that did not lead found another thread or task leading (rather than no reactor or
-    /// context to lead through).
-    pub(crate) fn followed(&self) -> bool {
-        self.followed
-    }
-
     /// Lets go of the lead, if this task holds it (its wait ended, or the stream is dropped).
     pub(crate) fn release(&mut self) {
         if let (Some(term), Some(p)) = (self.term.take(), &self.poller) {
@@ -190,47 +186,46 @@ impl TaskLead {
         }
     }
 
-    /// One step of a wait that leads: `None` when this task cannot lead (another thread or task does: it is
-    /// woken when they let go, and waits on its queue meanwhile); `Some(Ready)` when the caller should look at
-    /// its queue again; `Some(Pending)` when the task sleeps on the transport (and its wake-up eventfd and
-    /// timer), leading.
-    pub(crate) fn poll_lead(
-        &mut self,
-        eq: &EventQueue,
-        cx: &mut TaskContext<'_>,
-    ) -> Option<Poll<()>> {
+    /// One step of a wait that leads (see [`Step`]).
+    pub(crate) fn poll_lead(&mut self, eq: &EventQueue, cx: &mut TaskContext<'_>) -> Step {
         if self.poller.is_none() {
-            self.poller = Some(eq.threaded_context()?);
+            match eq.threaded_context() {
+                Some(p) => self.poller = Some(p),
+                None => return Step::Alone,
+            }
         }
         let poller = Arc::clone(self.poller.as_ref().expect("set above"));
-        let lead = poller.lead()?;
+        let Some(lead) = poller.lead() else {
+            return Step::Alone;
+        };
         // Before taking the lead: a task that cannot sleep through a reactor does not take it (or lets go).
         let Some(fds) = ReactorFds::of(lead, &*poller) else {
             self.release();
-            return None;
+            return Step::Alone;
         };
         self.follower.set(cx.waker());
         let term = match self.term.filter(|&t| lead.task_run(t)) {
             Some(t) => t,
             None => {
                 self.term = lead.try_lead_task(self.follower.clone());
-                self.followed = self.term.is_none();
-                let t = self.term?;
+                let Some(t) = self.term else {
+                    return Step::Follows;
+                };
                 if !lead.task_run(t) {
                     self.term = None;
-                    return None;
+                    return Step::Alone;
                 }
                 t
             }
         };
         let Some(until) = poller.prepare_sleep(&|| !eq.is_empty()) else {
             // Events came in, or the round made what this task waits for.
-            return Some(Poll::Ready(()));
+            return Step::Again;
         };
         if !lead.task_leads(term) {
             // The progress thread took the lead meanwhile: look again.
             self.term = None;
-            return Some(Poll::Ready(()));
+            return Step::Again;
         }
         fds.arm(until);
         match poll_fds(&fds, cx) {
@@ -238,16 +233,16 @@ impl TaskLead {
                 if !lead.task_woke(term, kicked) {
                     self.term = None;
                 }
-                Some(Poll::Ready(()))
+                Step::Again
             }
             Woken::No => {
                 poller.count_sleep();
-                Some(Poll::Pending)
+                Step::Sleeps
             }
             Woken::Broken => {
                 // A set in this runtime's reactor next time.
-                *lead.task_fds.lock().unwrap_or_else(|p| p.into_inner()) = None;
-                Some(Poll::Ready(()))
+                lead.drop_task_fds();
+                Step::Again
             }
         }
     }

@@ -5,8 +5,8 @@
 //! completions (or the other way round). Contexts used here must keep their default `Progress::Thread`.
 //!
 //! A task that waits on a stream waits as a blocking stream's thread does (see the manual's
-//! [progress chapter](crate::manual::progress)): the adaptive wait's short spin (a few to 50 µs, learned from
-//! the queue's recent waits; off while they are long), then it leads the stream's context, running its protocol
+//! [progress chapter](crate::manual::progress)): the adaptive wait's short spin (learned from the queue's recent
+//! waits; off while they are long), then it leads the stream's context, running its protocol
 //! and sleeping on the transport's descriptor through the reactor, so that a completion wakes the task waiting for
 //! it rather than the progress thread first. While another thread or task leads, it sleeps on its queue's
 //! descriptor. The progress thread takes the lead back from a task that stops being polled while it leads (its
@@ -50,7 +50,7 @@
 
 use std::io;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::task::{ready, Context as TaskContext, Poll};
 
@@ -76,8 +76,9 @@ impl AsRawFd for QueueFd {
     }
 }
 
-fn async_fd(eq: &EventQueue) -> io::Result<AsyncFd<QueueFd>> {
-    let fd = eq.as_fd().try_clone_to_owned()?;
+/// `fd` duplicated into the current runtime's reactor.
+fn async_fd(fd: BorrowedFd<'_>) -> io::Result<AsyncFd<QueueFd>> {
+    let fd = fd.try_clone_to_owned()?;
     // tokio's newer registration call asks its caller to promise that the descriptor stays open and the same for
     // the AsyncFd's life, which this crate (no promises of that kind allowed here) keeps by construction: `QueueFd`
     // owns it (an `OwnedFd`, closed only when the AsyncFd drops it) and always returns it. `new` is the same call
@@ -87,7 +88,7 @@ fn async_fd(eq: &EventQueue) -> io::Result<AsyncFd<QueueFd>> {
 }
 
 /// Waits until `eq` has an event, then takes it. It does not lead its context as a stream's wait does
-/// ([`poll_until`]): accepts, connects and `next_async` leave the protocol to the progress thread meanwhile.
+/// ([`Waiter::poll_until`]): accepts, connects and `next_async` leave the protocol to the progress thread meanwhile.
 async fn next_event(eq: &EventQueue, fd: &AsyncFd<QueueFd>) -> io::Result<Event> {
     loop {
         let mut evs = Vec::with_capacity(1);
@@ -102,52 +103,68 @@ async fn next_event(eq: &EventQueue, fd: &AsyncFd<QueueFd>) -> io::Result<Event>
     }
 }
 
-/// Runs `step` until it has an answer. In between, the task waits as a blocking stream's thread does (see
-/// [`crate::progress`]): after the adaptive wait's spin (seed 004: [`EventQueue::spin_before_park`]) it leads the
-/// stream's context, sleeping on the transport's descriptor through the reactor (see [`lead`]), or, while another
-/// thread or task leads, on its queue's descriptor until its events come or the leader lets go.
-fn poll_until<T>(
-    fd: &AsyncFd<QueueFd>,
-    eq: &EventQueue,
-    wait: &mut AsyncWait,
-    tl: &mut lead::TaskLead,
-    cx: &mut TaskContext<'_>,
-    mut step: impl FnMut() -> io::Result<Option<T>>,
-) -> Poll<io::Result<T>> {
-    let r = loop {
-        match step() {
-            Ok(None) => {}
-            done => break done.map(|t| t.expect("an answer")),
-        }
-        if eq.spin_before_park(wait) {
-            continue;
-        }
-        match tl.poll_lead(eq, cx) {
-            Some(Poll::Ready(())) => continue,
-            Some(Poll::Pending) => {}
-            None if tl.followed() => wait.followed(),
-            None => {}
-        }
-        // Events that others complete here (another leader, a call that completes at once).
-        match fd.poll_read_ready(cx) {
-            Poll::Pending => return Poll::Pending,
-            Poll::Ready(Err(e)) => break Err(e),
-            Poll::Ready(Ok(mut guard)) => {
-                if eq.is_empty() {
-                    guard.clear_ready();
+/// How one direction of a stream waits: its queue's descriptor in the reactor, the adaptive wait's state, and its
+/// part in leading the context.
+struct Waiter {
+    fd: AsyncFd<QueueFd>,
+    wait: AsyncWait,
+    lead: lead::TaskLead,
+}
+
+impl Waiter {
+    fn new(eq: &EventQueue) -> io::Result<Waiter> {
+        Ok(Waiter {
+            fd: async_fd(eq.as_fd())?,
+            wait: AsyncWait::default(),
+            lead: lead::TaskLead::default(),
+        })
+    }
+
+    /// Runs `step` until it has an answer. In between, the task waits as a blocking stream's thread does (see
+    /// [`crate::progress`]): after the adaptive wait's spin (seed 004: [`EventQueue::spin_before_park`]) it leads
+    /// the stream's context, sleeping on the transport's descriptor through the reactor (see [`lead`]), or, while
+    /// another thread or task leads, on its queue's descriptor until its events come or the leader lets go.
+    fn poll_until<T>(
+        &mut self,
+        eq: &EventQueue,
+        cx: &mut TaskContext<'_>,
+        mut step: impl FnMut() -> io::Result<Option<T>>,
+    ) -> Poll<io::Result<T>> {
+        let r = loop {
+            match step() {
+                Ok(None) => {}
+                Ok(Some(t)) => break Ok(t),
+                Err(e) => break Err(e),
+            }
+            if eq.spin_before_park(&mut self.wait) {
+                continue;
+            }
+            match self.lead.poll_lead(eq, cx) {
+                lead::Step::Again => continue,
+                lead::Step::Sleeps | lead::Step::Alone => {}
+                lead::Step::Follows => self.wait.followed(),
+            }
+            // Events that others complete here (another leader, a call that completes at once).
+            match self.fd.poll_read_ready(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(Err(e)) => break Err(e),
+                Poll::Ready(Ok(mut guard)) => {
+                    if eq.is_empty() {
+                        guard.clear_ready();
+                    }
                 }
             }
-        }
-    };
-    tl.release();
-    eq.wait_ended(wait);
-    Poll::Ready(r)
+        };
+        self.lead.release();
+        eq.wait_ended(&mut self.wait);
+        Poll::Ready(r)
+    }
 }
 
 impl EventQueue {
     /// Waits, without blocking the thread, for the next event (feature `tokio`).
     pub async fn next_async(&self) -> io::Result<Event> {
-        let fd = async_fd(self)?;
+        let fd = async_fd(self.as_fd())?;
         next_event(self, &fd).await
     }
 }
@@ -155,17 +172,13 @@ impl EventQueue {
 /// The reading direction of a stream with its descriptor in the reactor.
 pub(crate) struct ReadPart {
     pub(crate) core: Reader,
-    fd: AsyncFd<QueueFd>,
-    wait: AsyncWait,
-    tl: lead::TaskLead,
+    waiter: Waiter,
 }
 
 /// The writing direction of a stream with its descriptor in the reactor.
 pub(crate) struct WritePart {
     pub(crate) core: Writer,
-    fd: AsyncFd<QueueFd>,
-    wait: AsyncWait,
-    tl: lead::TaskLead,
+    waiter: Waiter,
 }
 
 /// A tokio `ReadBuf` as the destination of a read: each copy fills the next bytes only (`put_slice` needs none
@@ -195,14 +208,9 @@ impl ReadPart {
         // The unfilled part is not zeroed first (`initialize_unfilled` would zero all of it, on every fresh buffer: a
         // whole `read_to_end` vector's capacity).
         let max = buf.remaining();
-        ready!(poll_until(
-            &self.fd,
-            &eq,
-            &mut self.wait,
-            &mut self.tl,
-            cx,
-            || core.try_read_with(max, &mut BufSink(buf))
-        ))?;
+        ready!(self
+            .waiter
+            .poll_until(&eq, cx, || core.try_read_with(max, &mut BufSink(buf))))?;
         Poll::Ready(Ok(()))
     }
 }
@@ -215,7 +223,7 @@ impl WritePart {
     ) -> Poll<io::Result<usize>> {
         let core = &mut self.core;
         let eq = core.eq.clone();
-        poll_until(&self.fd, &eq, &mut self.wait, &mut self.tl, cx, || {
+        self.waiter.poll_until(&eq, cx, || {
             core.try_write_vectored(&[io::IoSlice::new(buf)])
         })
     }
@@ -227,9 +235,8 @@ impl WritePart {
     ) -> Poll<io::Result<usize>> {
         let core = &mut self.core;
         let eq = core.eq.clone();
-        poll_until(&self.fd, &eq, &mut self.wait, &mut self.tl, cx, || {
-            core.try_write_vectored(bufs)
-        })
+        self.waiter
+            .poll_until(&eq, cx, || core.try_write_vectored(bufs))
     }
 }
 
@@ -287,7 +294,7 @@ impl Stream {
         cfg: &StreamConfig,
     ) -> io::Result<Stream> {
         let (sock, eq) = sio::start_connect(ctx, addr)?;
-        let fd = async_fd(&eq)?;
+        let fd = async_fd(eq.as_fd())?;
         let ev = match cfg.connect_timeout {
             Some(t) => match tokio::time::timeout(t, next_event(&eq, &fd)).await {
                 Ok(ev) => Ok(ev?),
@@ -304,16 +311,12 @@ impl Stream {
         let writer = Writer::new(ctx, sock, cfg)?;
         Ok(Stream {
             read: ReadPart {
-                fd: async_fd(&reader.eq)?,
+                waiter: Waiter::new(&reader.eq)?,
                 core: reader,
-                wait: AsyncWait::default(),
-                tl: Default::default(),
             },
             write: WritePart {
-                fd: async_fd(&writer.eq)?,
+                waiter: Waiter::new(&writer.eq)?,
                 core: writer,
-                wait: AsyncWait::default(),
-                tl: Default::default(),
             },
         })
     }
@@ -443,7 +446,7 @@ impl Listener {
         let addrs = tokio::net::lookup_host(addr).await?;
         let sock = sio::each_addr(addrs, |a| sio::listen(ctx, a))?;
         let eq = EventQueue::new(64)?;
-        let fd = async_fd(&eq)?;
+        let fd = async_fd(eq.as_fd())?;
         Ok(Listener {
             sock,
             ctx: ctx.clone(),

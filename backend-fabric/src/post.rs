@@ -28,10 +28,9 @@ impl FabricTransport {
                     sge.local_key() as *mut c_void,
                     ctx,
                 ),
-                Op::Send { sges, imm: None } => {
-                    let (iov, mut desc) = gather_list(sges);
+                Op::Send { sges, imm: None } => with_gather(sges, |iov, desc| {
                     exs_fi_sendv(ep, iov.as_ptr(), desc.as_mut_ptr(), iov.len(), ctx)
-                }
+                }),
                 Op::Send {
                     sges,
                     imm: Some(imm),
@@ -138,16 +137,35 @@ impl FabricTransport {
 }
 
 /// The iovecs and descriptors of a gather list, in order.
-fn gather_list(sges: &[Sge]) -> (Vec<iovec>, Vec<*mut c_void>) {
-    let iov = sges
-        .iter()
-        .map(|s| iovec {
-            iov_base: s.addr() as *mut c_void,
-            iov_len: s.len(),
-        })
-        .collect();
-    let desc = sges.iter().map(|s| s.local_key() as *mut c_void).collect();
-    (iov, desc)
+/// Lists of at most this many entries are gathered on the stack (a control message and its inline data, a write
+/// from a few sends); longer ones (a stream write gathered from many small sends) in vectors.
+const GATHER_INLINE: usize = 4;
+
+/// Calls `f` with the iovec and descriptor lists of `sges` (no allocation for short lists: one send per message).
+fn with_gather<R>(sges: &[Sge], f: impl FnOnce(&[iovec], &mut [*mut c_void]) -> R) -> R {
+    let entry = |s: &Sge| {
+        (
+            iovec {
+                iov_base: s.addr() as *mut c_void,
+                iov_len: s.len(),
+            },
+            s.local_key() as *mut c_void,
+        )
+    };
+    if sges.len() <= GATHER_INLINE {
+        let mut iov = [iovec {
+            iov_base: std::ptr::null_mut(),
+            iov_len: 0,
+        }; GATHER_INLINE];
+        let mut desc = [std::ptr::null_mut(); GATHER_INLINE];
+        for (i, s) in sges.iter().enumerate() {
+            (iov[i], desc[i]) = entry(s);
+        }
+        f(&iov[..sges.len()], &mut desc[..sges.len()])
+    } else {
+        let (iov, mut desc): (Vec<iovec>, Vec<*mut c_void>) = sges.iter().map(entry).unzip();
+        f(&iov, &mut desc)
+    }
 }
 
 /// Gathered write: one fi_writemsg with an iovec per entry and one remote range. A plain write (into a persistent
@@ -165,28 +183,29 @@ unsafe fn write_gathered(
     remote: RemoteRef,
     imm: Option<u32>,
 ) -> isize {
-    let (iov, mut desc) = gather_list(local);
     let len: usize = local.iter().map(|s| s.len()).sum();
     let rma = fi_rma_iov {
         addr: remote.addr,
         len,
         key: remote.key,
     };
-    let msg = fi_msg_rma {
-        msg_iov: iov.as_ptr(),
-        desc: desc.as_mut_ptr(),
-        iov_count: iov.len(),
-        addr: 0,
-        rma_iov: &rma,
-        rma_iov_count: 1,
-        context: ctx,
-        data: imm.map_or(0, u64::from),
-    };
     let flags = if imm.is_some() {
         FI_REMOTE_CQ_DATA as u64
     } else {
         FI_DELIVERY_COMPLETE as u64
     };
-    // SAFETY: the caller's contract; `iov`, `desc`, `rma` and `msg` live across the call.
-    unsafe { exs_fi_writemsg(ep, &msg, flags) }
+    with_gather(local, |iov, desc| {
+        let msg = fi_msg_rma {
+            msg_iov: iov.as_ptr(),
+            desc: desc.as_mut_ptr(),
+            iov_count: iov.len(),
+            addr: 0,
+            rma_iov: &rma,
+            rma_iov_count: 1,
+            context: ctx,
+            data: imm.map_or(0, u64::from),
+        };
+        // SAFETY: the caller's contract; `iov`, `desc`, `rma` and `msg` live across the call.
+        unsafe { exs_fi_writemsg(ep, &msg, flags) }
+    })
 }

@@ -260,7 +260,8 @@ impl FabricTransport {
         {
             return Ok(false);
         }
-        let mut fids: Vec<*mut fid> = Vec::with_capacity(1 + self.ready.hot.len());
+        // The event queue and a few hot queues: no allocation per sleep.
+        let mut fids: smallvec::SmallVec<[*mut fid; 8]> = smallvec::SmallVec::new();
         // SAFETY: the event queue and the queues of endpoints in the table are open; fi_trywait only inspects them.
         let ret = unsafe {
             fids.push(&mut (*self.eq).fid);

@@ -36,6 +36,9 @@ use crate::error::{DequeueError, OpError, QueueFull};
 use crate::ids::SocketId;
 use crate::progress::lead::{Driver, Follower, Poller};
 
+/// The contexts a dequeue drives or leads: almost always one, so a short list needs no allocation per wait.
+pub(crate) type Pollers = smallvec::SmallVec<[Arc<dyn Poller>; 2]>;
+
 /// What kind of operation an event completes (ES-API EXS_EVT_*).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -469,7 +472,7 @@ impl EventQueue {
         (p.len() == 1 && !self.has_drivers()).then(|| p.remove(0))
     }
 
-    fn pollers(&self) -> Vec<Arc<dyn Poller>> {
+    fn pollers(&self) -> Pollers {
         let mut s = self.inner.lock();
         s.pollers.retain(|w| w.strong_count() > 0);
         s.pollers.iter().filter_map(Weak::upgrade).collect()

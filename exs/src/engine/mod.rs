@@ -123,6 +123,8 @@ struct Sock {
     /// The connection's tracing span (id, peer, backend), entered around its protocol work; disabled until the
     /// connection is up, and whenever nothing subscribes at debug level.
     span: tracing::Span,
+    /// In the engine's list of sockets to flush.
+    dirty: bool,
 }
 
 impl Sock {
@@ -148,6 +150,7 @@ impl Sock {
             listener: None,
             bytes_sent: 0,
             bytes_received: 0,
+            dirty: false,
             handshake: None,
             span: tracing::Span::none(),
         }
@@ -179,10 +182,9 @@ pub(crate) struct Engine {
     next_ep: u32,
     completions: Vec<Completion>,
     posts: Vec<WorkRequest>,
-    /// Sockets with something to post, each once (`dirty_set` says which are in the list: a linear search made
+    /// Sockets with something to post, each once (`Sock::dirty` says which are in the list: a linear search made
     /// closing thousands of connections at once quadratic).
     dirty: Vec<SocketId>,
-    dirty_set: FxHashSet<SocketId>,
     timers: Timers,
     /// Rounds since the last look at connection events: rounds that handled completions (see `progress_round`)
     /// and busy-poll rounds (see `progress_busy_round`).
@@ -252,7 +254,6 @@ impl Engine {
             completions: Vec::with_capacity(64),
             posts: Vec::with_capacity(64),
             dirty: Vec::new(),
-            dirty_set: FxHashSet::default(),
             timers: Timers::default(),
             cm_skipped: 0,
             cm_busy_looked: None,
@@ -519,8 +520,10 @@ impl Engine {
             self.cm_skipped = 0;
             did |= self.poll_cm_events();
         }
-        did |= self.run_timers();
-        self.flush_dirty();
+        // One reading of the clock for the round's timers and flushes.
+        let now = self.clock.now();
+        did |= self.run_timers(now);
+        self.flush_dirty_at(now);
         self.drain_done();
         did
     }
@@ -562,8 +565,9 @@ impl Engine {
                 did |= self.poll_cm_events();
             }
         }
-        did |= self.run_timers();
-        self.flush_dirty();
+        let now = self.clock.now();
+        did |= self.run_timers(now);
+        self.flush_dirty_at(now);
         self.drain_done();
         did
     }
@@ -652,8 +656,7 @@ impl Engine {
     }
 
     /// Runs the timers that are due (the earliest first; none of the others is looked at).
-    fn run_timers(&mut self) -> bool {
-        let now = self.clock.now();
+    fn run_timers(&mut self, now: Instant) -> bool {
         let mut did = false;
         while let Some((sid, kind)) = self.timers.pop_due(now) {
             did = true;
@@ -720,16 +723,27 @@ impl Engine {
         }
     }
 
+    /// Flushes the sockets marked since the last flush, all at one reading of the clock.
     fn flush_dirty(&mut self) {
+        if !self.dirty.is_empty() {
+            let now = self.clock.now();
+            self.flush_dirty_at(now);
+        }
+    }
+
+    fn flush_dirty_at(&mut self, now: Instant) {
         while let Some(sid) = self.dirty.pop() {
-            self.dirty_set.remove(&sid);
-            self.flush(sid);
+            if let Some(s) = self.sockets.get_mut(&sid) {
+                s.dirty = false;
+            }
+            self.flush_at(sid, now);
             self.check_polls(sid);
         }
     }
 
     fn mark(&mut self, sid: SocketId) {
-        if self.dirty_set.insert(sid) {
+        if let Some(s) = self.sockets.get_mut(&sid).filter(|s| !s.dirty) {
+            s.dirty = true;
             self.dirty.push(sid);
         }
     }
@@ -743,6 +757,12 @@ impl Engine {
 
     /// Posts what a connection has ready, and moves a closing connection on once its CLOSE has left.
     fn flush(&mut self, sid: SocketId) {
+        let now = self.clock.now();
+        self.flush_at(sid, now);
+    }
+
+    /// [`Engine::flush`] at `now`.
+    fn flush_at(&mut self, sid: SocketId, now: Instant) {
         let _span = self.conn_span(sid).entered();
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;
@@ -767,7 +787,7 @@ impl Engine {
             return;
         };
         let mut posts = std::mem::take(&mut self.posts);
-        let flushed = conn.flush(&mut posts, self.clock.now());
+        let flushed = conn.flush(&mut posts, now);
         let deadline = conn.poll_timeout();
         let ep = conn.ep;
         // After a violation, the connection goes as soon as our CLOSE has left. After a graceful close it does

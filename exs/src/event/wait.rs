@@ -33,7 +33,7 @@ impl EventQueue {
         let pollers = if got < min && !self.has_drivers() && deadline.is_none_or(|d| start < d) {
             self.pollers()
         } else {
-            Vec::new()
+            Pollers::new()
         };
         let mut spun = false;
         if !pollers.is_empty() {
@@ -108,7 +108,7 @@ impl EventQueue {
     /// that only takes what is queued must not keep the progress threads out). Returns how many it took.
     fn spin_until(
         &self,
-        pollers: Vec<Arc<dyn Poller>>,
+        pollers: Pollers,
         out: &mut Vec<Event>,
         min: usize,
         max: usize,
@@ -130,7 +130,7 @@ impl EventQueue {
     /// at least one round.
     fn spin_rounds(
         &self,
-        pollers: Vec<Arc<dyn Poller>>,
+        pollers: Pollers,
         until: Option<Instant>,
         mark: Mark,
         done: &mut dyn FnMut() -> bool,
@@ -256,7 +256,7 @@ impl EventQueue {
             return self.drive_until(need, deadline);
         }
         let pollers = self.pollers();
-        let mut led: Vec<Arc<dyn Poller>> = Vec::new();
+        let mut led = Pollers::new();
         let done = loop {
             let nudges = {
                 let s = self.inner.lock();
@@ -360,7 +360,7 @@ impl EventQueue {
                 }
             }
         };
-        let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(led.len() * 2 + 1);
+        let mut fds: smallvec::SmallVec<[PollFd<'_>; 6]> = smallvec::SmallVec::new();
         for p in led {
             p.count_sleep();
             for fd in p.sleep_fds() {
@@ -371,7 +371,8 @@ impl EventQueue {
             fds.push(PollFd::new(q.as_fd(), PollFlags::POLLIN));
         }
         crate::progress::lead::sleep_on(&mut fds, until);
-        let revents: Vec<bool> = fds.iter().map(crate::progress::lead::readable).collect();
+        let revents: smallvec::SmallVec<[bool; 6]> =
+            fds.iter().map(crate::progress::lead::readable).collect();
         drop(fds);
         for (i, p) in led.iter().enumerate() {
             p.woke(revents[i * 2 + 1]);
@@ -606,7 +607,7 @@ fn nanos(d: Duration) -> u64 {
 }
 
 /// Marks contexts as busy-polled for as long as it lives.
-struct BusyGuard(Vec<Arc<dyn Poller>>, Mark);
+struct BusyGuard(Pollers, Mark);
 
 /// Whether a spin marks the contexts it drives as busy-polled (see `Poller::set_busy`).
 #[derive(Clone, Copy)]
@@ -618,7 +619,7 @@ enum Mark {
 }
 
 impl BusyGuard {
-    fn new(pollers: Vec<Arc<dyn Poller>>, mark: Mark) -> Self {
+    fn new(pollers: Pollers, mark: Mark) -> Self {
         if let Mark::Busy { lingers } = mark {
             for p in &pollers {
                 p.set_busy(true, lingers);

@@ -521,7 +521,82 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
         ),
         Parse::PerfPing(short + short / 10, long + long / 10),
     ));
+    v.extend(instruction_jobs(exe));
     v
+}
+
+/// User-space instructions per round trip of the same ping-pongs (callgrind, every process of the run): what each
+/// round trip costs in instructions, which the machine's load does not move, and which an emulated CPU (the
+/// Soft-RoCE guest) pays many times over. Deterministic, so a few hundred round trips are enough.
+fn instruction_jobs(exe: &str) -> Vec<Job> {
+    let (short, long) = (500, 2_000);
+    let fi = |n: usize| {
+        format!(
+            "sh -c 'fi_pingpong -p tcp -e msg -I {n} -S 8 >/dev/null 2>&1 & sleep 2; \
+             fi_pingpong -p tcp -e msg -I {n} -S 8 127.0.0.1; wait'"
+        )
+    };
+    let ping = |wait: &'static str| {
+        move |n: usize| {
+            format!(
+                "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait} --json"
+            )
+        }
+    };
+    let raw = |n: usize| {
+        format!("{exe} rawping --backend fabric --provider tcp --addr 127.0.0.1 --size 8 --count {n} --wait block --json")
+    };
+    let exs_rts = |n: usize| n + n / 10 + 1;
+    vec![
+        job(
+            "cost",
+            "fi_pingpong",
+            8,
+            1,
+            callgrind_twice(fi, short, long),
+            Parse::Instructions(short, long),
+        ),
+        job(
+            "cost",
+            "exs busy",
+            8,
+            1,
+            callgrind_twice(ping("busy"), short, long),
+            Parse::Instructions(exs_rts(short), exs_rts(long)),
+        ),
+        job(
+            "cost",
+            "exs block",
+            8,
+            1,
+            callgrind_twice(ping("block"), short, long),
+            Parse::Instructions(exs_rts(short), exs_rts(long)),
+        ),
+        job(
+            "cost",
+            "raw block",
+            8,
+            1,
+            callgrind_twice(raw, short, long),
+            // Like tcpping, rawping warms up with a tenth more round trips.
+            Parse::Instructions(short + short / 10, long + long / 10),
+        ),
+    ]
+}
+
+/// Two runs of a command under callgrind, a short and a long one, each process's total after `@@short` and
+/// `@@long` (see [`Parse::Instructions`]).
+fn callgrind_twice(cmd: impl Fn(usize) -> String, short: usize, long: usize) -> String {
+    let log = format!("{PERF_OUT}.cg");
+    let vg = format!(
+        "valgrind --tool=callgrind --trace-children=yes --callgrind-out-file=/dev/null --log-file={log}.%p"
+    );
+    format!(
+        "rm -f {log}.*; {vg} {} >/dev/null 2>&1; echo @@short; cat {log}.*; rm -f {log}.*; \
+         {vg} {} >/dev/null 2>&1; echo @@long; cat {log}.*; rm -f {log}.*",
+        cmd(short),
+        cmd(long)
+    )
 }
 
 pub(super) fn retry(client: &str) -> String {

@@ -63,6 +63,10 @@ pub(super) enum Parse {
     /// system calls and context switches per extra round trip, plus the long run's own latency (exs/tcp JSON, or
     /// fi_pingpong's usec/xfer).
     PerfPing(usize, usize),
+    /// A ping-pong run with a short and a long count of round trips under callgrind (every process of the run,
+    /// each printing `Collected : N`): user-space instructions per extra round trip, both processes. Unlike time,
+    /// this count does not drift with the machine's load.
+    Instructions(usize, usize),
 }
 
 #[derive(Clone, Debug)]
@@ -155,8 +159,9 @@ fn run_host(jobs: &[Job], repeats: usize, timeout: u32) -> Result<String> {
 pub fn run(a: BenchArgs) -> Result<()> {
     let started = Instant::now();
     sys::ensure_packages(sys::BUILD_PACKAGES)?;
-    // fi_pingpong (libfabric's own ping-pong) and perf (per-round-trip counts) for the cost table.
-    sys::ensure_packages(&["libfabric-bin", "linux-perf"])?;
+    // fi_pingpong (libfabric's own ping-pong), perf and valgrind (per-round-trip counts) for the cost table.
+    // valgrind (callgrind): user-space instructions per round trip, beside the system calls.
+    sys::ensure_packages(&["libfabric-bin", "linux-perf", "valgrind"])?;
     sys::run(sys::cargo().args(["build", "--release", "-p", "exs-tools", "-p", "xtask"]))?;
     let exe = sys::root().join("target/release/exs");
     let exe = exe.to_string_lossy();

@@ -111,6 +111,28 @@ pub(super) fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> 
                 }
             }
         }
+        Parse::Instructions(short, long) => {
+            // valgrind prints `==PID== Collected : N` for each process it ran; the short run's part comes first.
+            let mut sums = [0f64; 2];
+            let mut part = None;
+            for l in out.lines() {
+                match l.strip_prefix("@@") {
+                    Some("short") => part = Some(0),
+                    Some(_) => part = Some(1),
+                    None => {}
+                }
+                let n = l
+                    .split_once("Collected :")
+                    .and_then(|(_, n)| n.trim().parse::<f64>().ok());
+                if let (Some(p), Some(n)) = (part, n) {
+                    sums[p] += n;
+                }
+            }
+            if sums[0] > 0.0 && sums[1] > sums[0] {
+                let extra = long.saturating_sub(short).max(1) as f64;
+                rows.push(row("instr_per_rt", (sums[1] - sums[0]) / extra));
+            }
+        }
         Parse::Rstream => {
             // name bytes xfers iters total time Gb/sec usec/xfer
             if let Some(l) = out

@@ -83,17 +83,18 @@ pub(super) fn markdown(
         .filter(|k| k.0 == "cost" && k.4 == "syscalls_per_rt")
         .collect();
     if !costs.is_empty() {
-        let _ = writeln!(s, "\nPer round trip, 8-byte ping-pong, both processes (`perf stat -e raw_syscalls:sys_enter,context-switches`; the difference between a run of N and of 3N round trips, so process start-up is not counted), and one-way latency in µs (fi_pingpong reports a mean only):\n\n| test | syscalls | context switches | mean µs | median µs |\n|---|---|---|---|---|");
+        let _ = writeln!(s, "\nPer round trip, 8-byte ping-pong, both processes (`perf stat -e raw_syscalls:sys_enter,context-switches`; the difference between a run of N and of 3N round trips, so process start-up is not counted), user-space instructions per round trip (callgrind, every process, the difference between 500 and 2,000 round trips), and one-way latency in µs (fi_pingpong reports a mean only):\n\n| test | syscalls | context switches | user instructions | mean µs | median µs |\n|---|---|---|---|---|---|");
         for k in costs {
             let g = |m: &str, d: usize| {
                 get(sum, "cost", &k.1, 8, m).map_or("-".into(), |v| format!("{:.*}", d, v.0))
             };
             let _ = writeln!(
                 s,
-                "| {} | {} | {} | {} | {} |",
+                "| {} | {} | {} | {} | {} | {} |",
                 k.1,
                 g("syscalls_per_rt", 1),
                 g("cs_per_rt", 2),
+                g("instr_per_rt", 0),
                 g("mean_us", 2),
                 g("median_us", 2)
             );
@@ -281,6 +282,18 @@ fn cost_targets(sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
             cost(w, "median_us"),
             cost(raw, "median_us"),
             "what exs costs above the transport",
+        ));
+    }
+    for (w, what) in [
+        ("exs busy", "the busy exs ping"),
+        ("exs block", "the blocking exs ping"),
+        ("raw block", "the transport alone (blocking)"),
+    ] {
+        v.push(explain_line(
+            &format!("{w}: user-space instructions per round trip vs fi_pingpong"),
+            cost(w, "instr_per_rt"),
+            cost("fi_pingpong", "instr_per_rt"),
+            &format!("what {what} runs in user space per round trip, both processes (callgrind)"),
         ));
     }
     v

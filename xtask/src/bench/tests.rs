@@ -44,6 +44,27 @@ fn parses_perftest_and_rstream_output() {
 }
 
 #[test]
+fn parses_callgrind_totals_per_round_trip_over_every_process() {
+    let j = job(
+        "cost",
+        "exs busy",
+        8,
+        1,
+        String::new(),
+        Parse::Instructions(551, 2201),
+    );
+    // Two processes per run (client and server), each with its own total.
+    let out = "@@short\n==11== Callgrind, a call-graph generating cache profiler\n==11== Collected : 100000000\n\
+               ==12== Collected : 50000000\n@@long\n==13== Collected : 150000000\n==14== Collected : 82500000\n";
+    let rows = parse("host", &j, 0, out);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    assert_eq!(rows[0].metric, "instr_per_rt");
+    assert!((rows[0].value - 50000.0).abs() < 1e-6, "{}", rows[0].value);
+    // A run that printed nothing (valgrind missing) measures nothing.
+    assert!(parse("host", &j, 0, "@@short\n@@long\n").is_empty());
+}
+
+#[test]
 fn parses_perf_stat_counts_per_round_trip_and_fi_pingpong() {
     let j = job(
         "cost",

@@ -157,6 +157,53 @@ struct Entry {
     kind: LeaseKind,
 }
 
+impl Entry {
+    fn overlaps(&self, range: &Range<usize>) -> bool {
+        self.start < range.end && range.start < self.end
+    }
+}
+
+/// The leases held on one buffer, in the order they were taken (the slots of a receive ring stay at the front;
+/// the short leases of a copy come and go at the end, where giving one back looks first), and how many are of
+/// the racy kinds, so that a copy next to none of them does not look at the others.
+#[derive(Debug, Default)]
+struct Table {
+    entries: Vec<Entry>,
+    shared: usize,
+}
+
+impl Table {
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn iter(&self) -> std::slice::Iter<'_, Entry> {
+        self.entries.iter()
+    }
+
+    fn push(&mut self, e: Entry) {
+        self.shared += usize::from(e.kind.shared());
+        self.entries.push(e);
+    }
+
+    /// Removes lease `id`, looking from the most recent.
+    fn remove(&mut self, id: u64) {
+        if let Some(i) = self.entries.iter().rposition(|e| e.id == id) {
+            let e = self.entries.swap_remove(i);
+            self.shared -= usize::from(e.kind.shared());
+        }
+    }
+
+    /// Whether a lease of a racy kind overlaps `range`.
+    fn racy(&self, range: &Range<usize>) -> bool {
+        self.shared > 0
+            && self
+                .entries
+                .iter()
+                .any(|e| e.kind.shared() && e.overlaps(range))
+    }
+}
+
 enum Storage {
     /// Whole pages of our own (see [`arena`]).
     Pages(arena::Origin),
@@ -176,7 +223,7 @@ pub struct DmaBuf {
     ptr: NonNull<u8>,
     len: usize,
     storage: Storage,
-    leases: Mutex<Vec<Entry>>,
+    leases: Mutex<Table>,
 }
 
 // SAFETY: DmaBuf owns its allocation (no thread affinity). All access to the bytes goes through lease-checked
@@ -206,7 +253,7 @@ impl DmaBuf {
             ptr,
             len,
             storage: Storage::Pages(origin),
-            leases: Mutex::new(Vec::new()),
+            leases: Mutex::new(Table::default()),
         }))
     }
 
@@ -224,7 +271,7 @@ impl DmaBuf {
             ptr,
             len,
             storage: Storage::Vec { capacity },
-            leases: Mutex::new(Vec::new()),
+            leases: Mutex::new(Table::default()),
         })
     }
 
@@ -250,7 +297,7 @@ impl DmaBuf {
             ptr,
             len,
             storage: Storage::Foreign,
-            leases: Mutex::new(Vec::new()),
+            leases: Mutex::new(Table::default()),
         })
     }
 
@@ -259,7 +306,7 @@ impl DmaBuf {
             ptr: NonNull::dangling(),
             len: 0,
             storage: Storage::Empty,
-            leases: Mutex::new(Vec::new()),
+            leases: Mutex::new(Table::default()),
         }
     }
 
@@ -329,13 +376,11 @@ impl DmaBuf {
 
     /// Whether any lease overlapping `range` is held.
     pub fn is_range_leased(&self, range: Range<usize>) -> bool {
-        self.table()
-            .iter()
-            .any(|e| e.start < range.end && range.start < e.end)
+        self.table().iter().any(|e| e.overlaps(&range))
     }
 
-    fn table(&self) -> MutexGuard<'_, Vec<Entry>> {
-        // A panic while holding this lock cannot leave the table inconsistent (each change is one push/retain),
+    fn table(&self) -> MutexGuard<'_, Table> {
+        // A panic while holding this lock cannot leave the table inconsistent (each change is one push or removal),
         // so a poisoned lock is still usable.
         self.leases.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -362,8 +407,7 @@ impl DmaBuf {
         // Empty ranges overlap nothing; they are still recorded so that the buffer stays alive and counted.
         if range.start < range.end {
             for e in table.iter() {
-                let overlaps = e.start < range.end && range.start < e.end;
-                if overlaps && !compatible(e.kind, kind, mode) {
+                if e.overlaps(&range) && !compatible(e.kind, kind, mode) {
                     return Err(DmaError::Busy {
                         start: range.start,
                         end: range.end,
@@ -384,14 +428,12 @@ impl DmaBuf {
     }
 
     fn release(&self, id: u64) {
-        self.table().retain(|e| e.id != id);
+        self.table().remove(id);
     }
 
     /// Whether any shared (racy-by-design) lease overlaps the range: copies must then be atomic.
     fn racy(&self, range: &Range<usize>) -> bool {
-        self.table()
-            .iter()
-            .any(|e| e.kind.shared() && e.start < range.end && range.start < e.end)
+        self.table().racy(range)
     }
 
     /// Leases `range` for `kind`. Device leases are what work requests and remote keys hold.
@@ -572,7 +614,7 @@ impl Lease {
         let second_id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
         {
             let mut t = buf.table();
-            t.retain(|e| e.id != me.id);
+            t.remove(me.id);
             t.push(Entry {
                 id: first_id,
                 start: me.start,

@@ -216,6 +216,27 @@ fn split_and_narrow_keep_exclusion_and_release_the_rest() {
 }
 
 #[test]
+fn a_copy_is_racy_exactly_while_a_shared_lease_overlaps_it() {
+    // The table counts the shared leases it holds; a copy looks for an overlapping one only when there are some.
+    let b = DmaBuf::new(4096);
+    let plain = b.lease(0..1024, LeaseKind::DeviceRead).unwrap();
+    assert!(!b.racy(&(0..4096)));
+    let shared = b.lease(1024..2048, LeaseKind::DeviceWriteShared).unwrap();
+    assert!(b.racy(&(1000..1100)) && !b.racy(&(0..1024)) && !b.racy(&(2048..4096)));
+    // Split in two, each half still counts; the other leases come and go around it.
+    let (low, high) = shared.split_at(512);
+    let tmp = b.lease(3000..3100, LeaseKind::CpuWrite).unwrap();
+    drop(tmp);
+    assert!(b.racy(&(1100..1200)) && b.racy(&(1600..1700)));
+    drop(low);
+    assert!(!b.racy(&(1100..1200)) && b.racy(&(1600..1700)));
+    drop(high);
+    assert!(!b.racy(&(0..4096)));
+    drop(plain);
+    assert_eq!(b.lease_count(), 0);
+}
+
+#[test]
 fn lease_copy_moves_bytes_between_buffers() {
     let src = DmaBuf::from_vec((0..=255u8).collect());
     let dst = DmaBuf::new(256);

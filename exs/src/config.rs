@@ -96,7 +96,9 @@ pub struct SharedRecv {
     /// `None` (default): use the pool when the transport has a shared receive queue. `Some(true)`: require it
     /// (connections fail with `Unsupported` where there is none). `Some(false)`: each connection posts its own.
     pub enabled: Option<bool>,
-    /// Buffers posted at first, and added each time the pool grows.
+    /// Buffers posted at first, and added each time the pool grows. Default 32: a chunk is one registered buffer,
+    /// and every lease taken on it (a receive reposted, a message read) looks at the receives it holds, so a
+    /// small chunk keeps what a message costs flat; the pool grows chunk by chunk as connections need it.
     pub chunk_slots: u32,
     /// Most buffers the pool grows to (also capped by the transport's queue depth).
     pub max_slots: u32,
@@ -111,7 +113,7 @@ impl Default for SharedRecv {
     fn default() -> Self {
         SharedRecv {
             enabled: None,
-            chunk_slots: 256,
+            chunk_slots: 32,
             max_slots: 16384,
             low_watermark: 32,
             small_packet_max_size: crate::options::SocketOptions::default().small_packet_max_size,

@@ -15,6 +15,10 @@ use crate::queue::{self, Posted, Signaler, WrIds};
 use crate::record::SendRec;
 use crate::{os_err, VerbsTransport};
 
+/// The lists a post builds (a chain's requests, their gather lists, their records): short for one message, so
+/// on the stack; a long batch spills to the heap.
+type Few<T> = smallvec::SmallVec<[T; 4]>;
+
 /// How a native send request carries an immediate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ImmKind {
@@ -28,13 +32,13 @@ enum ImmKind {
 /// One native send request of a work request (an emulated write-with-immediate makes two).
 struct NativePart {
     opcode: u32,
-    sges: Vec<ibv_sge>,
+    sges: Few<ibv_sge>,
     remote: Option<RemoteRef>,
     imm: ImmKind,
 }
 
 impl NativePart {
-    fn new(opcode: u32, sges: Vec<ibv_sge>, remote: Option<RemoteRef>, imm: ImmKind) -> Self {
+    fn new(opcode: u32, sges: Few<ibv_sge>, remote: Option<RemoteRef>, imm: ImmKind) -> Self {
         NativePart {
             opcode,
             sges,
@@ -75,17 +79,22 @@ fn sge_of(s: &Sge) -> ibv_sge {
 }
 
 /// The native requests of one operation, and what the engine is told when it completes.
-fn native_parts(op: &Op, emulate: bool, sink: Option<&SinkMr>) -> (Completed, Vec<NativePart>) {
+fn native_parts(
+    op: &Op,
+    emulate: bool,
+    sink: Option<&SinkMr>,
+) -> (Completed, smallvec::SmallVec<[NativePart; 2]>) {
     use ibv_wr_opcode::*;
+    use smallvec::smallvec;
     let imm_of = |imm: &Option<u32>| imm.map_or(ImmKind::None, ImmKind::Native);
     let emulated =
-        |imm: u32| NativePart::new(IBV_WR_SEND, Vec::new(), None, ImmKind::Emulated(imm));
-    let list = |s: &[Sge]| s.iter().map(sge_of).collect::<Vec<_>>();
+        |imm: u32| NativePart::new(IBV_WR_SEND, Few::new(), None, ImmKind::Emulated(imm));
+    let list = |s: &[Sge]| s.iter().map(sge_of).collect::<Few<_>>();
     match op {
         // A zero-length send with an immediate is what a write-with-immediate of nothing looks like to the
         // receiver; without immediates it is the emulated immediate alone (`check_sends` refused one with data).
         Op::Send { sges, imm: Some(v) } if emulate && sges.is_empty() => {
-            (Completed::Send, vec![emulated(*v)])
+            (Completed::Send, smallvec![emulated(*v)])
         }
         Op::Send { sges, imm } => {
             let opc = if imm.is_some() {
@@ -94,7 +103,7 @@ fn native_parts(op: &Op, emulate: bool, sink: Option<&SinkMr>) -> (Completed, Ve
                 IBV_WR_SEND
             };
             let part = NativePart::new(opc, list(sges), None, imm_of(imm));
-            (Completed::Send, vec![part])
+            (Completed::Send, smallvec![part])
         }
         Op::Write {
             local,
@@ -103,7 +112,7 @@ fn native_parts(op: &Op, emulate: bool, sink: Option<&SinkMr>) -> (Completed, Ve
         } if emulate => {
             let write =
                 NativePart::new(IBV_WR_RDMA_WRITE, list(local), Some(*remote), ImmKind::None);
-            (Completed::Write, vec![write, emulated(*v)])
+            (Completed::Write, smallvec![write, emulated(*v)])
         }
         Op::Write { local, remote, imm } => {
             let opc = if imm.is_some() {
@@ -112,37 +121,40 @@ fn native_parts(op: &Op, emulate: bool, sink: Option<&SinkMr>) -> (Completed, Ve
                 IBV_WR_RDMA_WRITE
             };
             let part = NativePart::new(opc, list(local), Some(*remote), imm_of(imm));
-            (Completed::Write, vec![part])
+            (Completed::Write, smallvec![part])
         }
         Op::Read { local, remote } => {
             let mut s = sge_of(local);
             if let Some(m) = sink {
                 s.lkey = m.lkey;
             }
-            let part = NativePart::new(IBV_WR_RDMA_READ, vec![s], Some(*remote), ImmKind::None);
-            (Completed::Read, vec![part])
+            let part =
+                NativePart::new(IBV_WR_RDMA_READ, smallvec![s], Some(*remote), ImmKind::None);
+            (Completed::Read, smallvec![part])
         }
         Op::Recv { .. } => unreachable!("receives never reach the send chain (check_sends)"),
     }
 }
 
 /// A chain of native send requests being built: the requests, their gather lists (kept alive until the post
-/// returns), the signalling state after each, and the records of the engine's requests.
+/// returns), the signalling state after each, and the records of the engine's requests. [`Chain::link`] points
+/// the requests at each other and at their lists: the chain must not move between it and the post (short lists
+/// live inside it).
 struct Chain {
-    natives: Vec<ibv_send_wr>,
-    sges: Vec<Vec<ibv_sge>>,
-    signal_after: Vec<Signaler>,
-    recs: Vec<Posted<SendRec>>,
+    natives: Few<ibv_send_wr>,
+    sges: Few<Few<ibv_sge>>,
+    signal_after: Few<Signaler>,
+    recs: Few<Posted<SendRec>>,
     signal: Signaler,
 }
 
 impl Chain {
     fn new(n: usize, signal: Signaler) -> Self {
         Chain {
-            natives: Vec::with_capacity(n * 2),
-            sges: Vec::with_capacity(n * 2),
-            signal_after: Vec::with_capacity(n * 2),
-            recs: Vec::with_capacity(n),
+            natives: Few::with_capacity(n * 2),
+            sges: Few::with_capacity(n * 2),
+            signal_after: Few::with_capacity(n * 2),
+            recs: Few::with_capacity(n),
             signal,
         }
     }
@@ -171,7 +183,7 @@ impl Chain {
                 if max_inline >= 8 {
                     flags |= ibv_send_flags::IBV_SEND_INLINE.0;
                 }
-                vec![slot]
+                smallvec::smallvec![slot]
             }
             ImmKind::Native(v) => {
                 w.imm_data_invalidated_rkey_union.imm_data = v.to_be();
@@ -215,20 +227,21 @@ impl Chain {
     }
 }
 
-/// A chain of receive requests being built (one scatter entry each), with the records of the engine's receives.
+/// A chain of receive requests being built (one scatter entry each), with the records of the engine's receives;
+/// as a [`Chain`], it must not move between [`RecvChain::link`] and the post.
 struct RecvChain {
-    natives: Vec<ibv_recv_wr>,
-    sges: Vec<ibv_sge>,
-    recs: Vec<(u64, RecvRec)>,
+    natives: Few<ibv_recv_wr>,
+    sges: Few<ibv_sge>,
+    recs: Few<(u64, RecvRec)>,
 }
 
 impl RecvChain {
     /// `wrs` are receives (checked by the caller).
     fn new(ids: &mut WrIds, wrs: Vec<WorkRequest>) -> Self {
         let mut c = RecvChain {
-            natives: Vec::with_capacity(wrs.len()),
-            sges: Vec::with_capacity(wrs.len()),
-            recs: Vec::with_capacity(wrs.len()),
+            natives: Few::with_capacity(wrs.len()),
+            sges: Few::with_capacity(wrs.len()),
+            recs: Few::with_capacity(wrs.len()),
         };
         for wr in wrs {
             let Op::Recv { sge } = wr.op else {
@@ -347,7 +360,7 @@ impl VerbsTransport {
     fn sink_registrations(
         &self,
         wrs: &[WorkRequest],
-    ) -> Result<Vec<Option<SinkMr>>, TransportError> {
+    ) -> Result<Few<Option<SinkMr>>, TransportError> {
         wrs.iter()
             .map(|w| match &w.op {
                 Op::Read { local, .. } if self.settings.read_sinks => {
@@ -358,19 +371,21 @@ impl VerbsTransport {
             .collect()
     }
 
-    /// Builds the native chain of `wrs` on endpoint `ep`: the last request and every SIGNAL_EVERY-th is signalled.
+    /// Builds into `chain` the native requests of `wrs` on endpoint `ep`: the last request and every
+    /// SIGNAL_EVERY-th is signalled.
     fn build_chain(
         &mut self,
         ep: EndpointId,
         wrs: Vec<WorkRequest>,
-        sinks: Vec<Option<SinkMr>>,
-    ) -> Chain {
+        sinks: Few<Option<SinkMr>>,
+        chain: &mut Chain,
+    ) {
         let emulate = self.settings.emulated_imm;
         let ids = &mut self.ids;
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let max_inline = e.max_inline;
         let n = wrs.len();
-        let mut chain = Chain::new(n, e.signal);
+        chain.signal = e.signal;
         for (i, (wr, sink)) in wrs.into_iter().zip(sinks).enumerate() {
             let seq = ids.send();
             let (kind, parts) = native_parts(&wr.op, emulate, sink.as_ref());
@@ -395,7 +410,6 @@ impl VerbsTransport {
                 },
             });
         }
-        chain
     }
 
     /// iWARP, active side, once connected: a zero-length RDMA write before anything else. MPA (RFC 5044) has the
@@ -497,7 +511,9 @@ impl VerbsTransport {
                 return Err(Refused::new(err, wrs));
             }
         };
-        let mut chain = self.build_chain(ep, wrs, sinks);
+        // Built in place: the chain holds its short lists inline, and moving it is a copy of them all.
+        let mut chain = Chain::new(wrs.len(), Signaler::default());
+        self.build_chain(ep, wrs, sinks, &mut chain);
         let head = chain.link();
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let mut bad: *mut ibv_send_wr = ptr::null_mut();
@@ -505,6 +521,8 @@ impl VerbsTransport {
         // name is leased by the records we keep until completion (inline payloads are copied by the call; emulated
         // immediates not sent inline are in the endpoint's slab, see `emulated`).
         let rc = unsafe { ibv_post_send(e.qp, head, &mut bad) };
+        // Where the device stopped, found while the chain is where `link` left it.
+        let bad_at = chain.natives.iter().position(|w| ptr::eq(w, bad));
         if rc == 0 {
             e.signal = chain.signal;
             for r in chain.recs {
@@ -516,7 +534,7 @@ impl VerbsTransport {
                 Err(Refused::new(full(), rest))
             };
         }
-        let mut refused = self.keep_posted_part(ep, chain, bad, rc);
+        let mut refused = self.keep_posted_part(ep, chain, bad_at, rc);
         refused.wrs.append(&mut rest);
         Err(refused)
     }
@@ -527,14 +545,13 @@ impl VerbsTransport {
         &mut self,
         ep: EndpointId,
         chain: Chain,
-        bad: *mut ibv_send_wr,
+        bad_at: Option<usize>,
         rc: i32,
     ) -> Refused {
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let error = post_error("ibv_post_send", rc);
         // Everything before `bad` is on the device, nothing from it on. A provider that names no request of the
         // chain leaves us not knowing: then every request is treated as on the device (kept, and flushed below).
-        let bad_at = chain.natives.iter().position(|w| ptr::eq(w, bad));
         let posted_natives = bad_at.unwrap_or(chain.natives.len());
         let cut = match bad_at {
             Some(b) => queue::cut(chain.recs.iter().map(|r| r.entries as usize), b),
@@ -667,7 +684,18 @@ impl VerbsTransport {
             }
             return Ok(());
         }
-        // Receives and sends go to different queues; keep each kind's order.
+        // Receives and sends go to different queues; keep each kind's order. A batch of one kind (one message's
+        // send, a receive reposted) goes as it is.
+        let is_recv = |wr: &WorkRequest| matches!(wr.op, Op::Recv { .. });
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        if wrs.iter().all(is_recv) {
+            return self.post_recvs(ep, wrs);
+        }
+        if !wrs.iter().any(is_recv) {
+            return self.post_sends(ep, wrs);
+        }
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
         for wr in wrs {

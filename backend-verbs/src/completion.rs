@@ -160,7 +160,9 @@ impl VerbsTransport {
             self.drain_cq();
         }
         let n = self.cq_backlog.len().min(max);
-        out.extend(self.cq_backlog.drain(..n).map(|(c, _)| c));
+        if n > 0 {
+            out.extend(self.cq_backlog.drain(..n).map(|(c, _)| c));
+        }
         n
     }
 

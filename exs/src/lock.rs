@@ -64,13 +64,9 @@ impl<T> Drop for EngineGuard<'_, T> {
         let later = HELD.with(|h| {
             let mut h = h.borrow_mut();
             h.0 -= 1;
-            if h.0 == 0 {
-                std::mem::take(&mut h.1)
-            } else {
-                Vec::new()
-            }
+            (h.0 == 0 && !h.1.is_empty()).then(|| std::mem::take(&mut h.1))
         });
-        for f in later {
+        for f in later.into_iter().flatten() {
             f();
         }
     }

@@ -640,6 +640,11 @@ impl Engine {
         for _ in 0..ROUND_BATCHES {
             let mut batch = std::mem::take(&mut self.completions);
             let n = self.transport.poll(&mut batch, BATCH);
+            if n == 0 {
+                // Nothing came (a busy poller's usual round): nothing to hand on, no pool buffer taken.
+                self.completions = batch;
+                break;
+            }
             for c in batch.drain(..) {
                 self.stats.completions += 1;
                 self.on_completion(c);

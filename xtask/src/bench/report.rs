@@ -487,7 +487,8 @@ fn siw_targets(sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
     ]
 }
 
-/// `quick` runs go to files of their own (`-quick`), so that they never replace a full run's.
+/// `quick` runs go to files of their own (`-quick`), so that they never replace a full run's; a second run of
+/// a suite the same day gets its own files too (`-2`, `-3`: the bench README may cite the first).
 pub(super) fn write_results(
     suite: &str,
     quick: bool,
@@ -500,7 +501,14 @@ pub(super) fn write_results(
     let date = sys::output(Command::new("date").args(["-u", "+%Y-%m-%d"]))?
         .trim()
         .to_string();
-    let stem = format!("{date}-{suite}{}", if quick { "-quick" } else { "" });
+    let base = format!("{date}-{suite}{}", if quick { "-quick" } else { "" });
+    let stem = (1..)
+        .map(|n| match n {
+            1 => base.clone(),
+            n => format!("{base}-{n}"),
+        })
+        .find(|s| !dir.join(format!("{s}.csv")).exists())
+        .expect("some run number is free");
     let mut csv = String::from("suite,tool,variant,size,depth,metric,repeat,value\n");
     for r in rows {
         let _ = writeln!(

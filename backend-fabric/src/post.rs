@@ -136,7 +136,6 @@ impl FabricTransport {
     }
 }
 
-/// The iovecs and descriptors of a gather list, in order.
 /// Lists of at most this many entries are gathered on the stack (a control message and its inline data, a write
 /// from a few sends); longer ones (a stream write gathered from many small sends) in vectors.
 const GATHER_INLINE: usize = 4;

@@ -550,7 +550,7 @@ impl VerbsTransport {
     ) -> Refused {
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let error = post_error("ibv_post_send", rc);
-        // Everything before `bad` is on the device, nothing from it on. A provider that names no request of the
+        // Everything before `bad_at` is on the device, nothing from it on. A provider that names no request of the
         // chain leaves us not knowing: then every request is treated as on the device (kept, and flushed below).
         let posted_natives = bad_at.unwrap_or(chain.natives.len());
         let cut = match bad_at {

@@ -440,31 +440,55 @@ fn perf_pair(
     )
 }
 
+/// libfabric's own 8-byte ping-pong, `n` round trips (busy polling), its server given `settle` seconds to start.
+fn fi_pingpong_cmd(n: usize, settle: u32) -> String {
+    format!(
+        "sh -c 'fi_pingpong -p tcp -e msg -I {n} -S 8 >/dev/null 2>&1 & sleep {settle}; \
+         fi_pingpong -p tcp -e msg -I {n} -S 8 127.0.0.1; wait'"
+    )
+}
+
+/// `exs ping` of `n` immediate 8-byte round trips on libfabric tcp, waiting as `wait` says (`extra`: more flags).
+fn exs_ping_cmd(exe: &str, wait: &str, extra: &str, n: usize) -> String {
+    format!(
+        "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait}{extra} --json"
+    )
+}
+
+/// The transport's own ping-pong (`exs rawping`), `n` 8-byte round trips on libfabric tcp.
+fn rawping_cmd(exe: &str, wait: &str, n: usize) -> String {
+    format!(
+        "{exe} rawping --backend fabric --provider tcp --addr 127.0.0.1 --size 8 --count {n} --wait {wait} --json"
+    )
+}
+
+/// Round trips `exs ping` makes for `n` asked: it counts its warm-up (a tenth more, plus one) too.
+fn exs_ping_rts(n: usize) -> usize {
+    n + n / 10 + 1
+}
+
+/// Round trips `exs rawping` and `exs tcpping` make for `n` asked: they warm up with a tenth more.
+fn warmed_rts(n: usize) -> usize {
+    n + n / 10
+}
+
 /// Per-message cost on the host (issue 12): the same 8-byte ping-pong through libfabric's own `fi_pingpong`
 /// (busy polling), exs immediate pings in each wait mode, the bare transport's ping-pong (`exs rawping`, busy and
-/// blocking), and blocking TCP, each counted by `perf stat`.
+/// blocking), and blocking TCP, each counted by `perf stat`; then the instructions of some of them.
 pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
     // Enough round trips that the difference is steady, in quick runs too, and few enough for a short run.
     let (short, long) = (10_000, 30_000);
-    // exs ping counts its warm-up (a tenth more, plus one) as round trips too.
-    let exs_rts = |n: usize| n + n / 10 + 1;
-    let mut v = vec![job(
-        "cost",
-        "fi_pingpong",
-        8,
-        1,
-        perf_twice(
-            |n| {
-                format!(
-                    "sh -c 'fi_pingpong -p tcp -e msg -I {n} -S 8 >/dev/null 2>&1 & sleep 1; \
-                     fi_pingpong -p tcp -e msg -I {n} -S 8 127.0.0.1; wait'"
-                )
-            },
-            short,
-            long,
-        ),
-        Parse::PerfPing(short, long),
-    )];
+    let counted = |name: &str, cmd: &dyn Fn(usize) -> String, rts: fn(usize) -> usize| {
+        job(
+            "cost",
+            name,
+            8,
+            1,
+            perf_twice(cmd, short, long),
+            Parse::PerfPing(rts(short), rts(long)),
+        )
+    };
+    let mut v = vec![counted("fi_pingpong", &|n| fi_pingpong_cmd(n, 1), |n| n)];
     // `busy nowait`: busy polling on completion queues without a wait object, as fi_pingpong opens its own.
     for (name, wait, extra) in [
         ("busy", "busy", ""),
@@ -472,54 +496,24 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
         ("adaptive", "adaptive", ""),
         ("block", "block", ""),
     ] {
-        v.push(job(
-            "cost",
+        v.push(counted(
             &format!("exs {name}"),
-            8,
-            1,
-            perf_twice(
-                |n| {
-                    format!(
-                        "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait}{extra} --json"
-                    )
-                },
-                short,
-                long,
-            ),
-            Parse::PerfPing(exs_rts(short), exs_rts(long)),
+            &|n| exs_ping_cmd(exe, wait, extra, n),
+            exs_ping_rts,
         ));
     }
     // The transport's own ping-pong, no exs protocol: what a round trip costs libfabric tcp itself.
     for wait in ["busy", "block"] {
-        v.push(job(
-            "cost",
+        v.push(counted(
             &format!("raw {wait}"),
-            8,
-            1,
-            perf_twice(
-                |n| {
-                    format!(
-                        "{exe} rawping --backend fabric --provider tcp --addr 127.0.0.1 --size 8 --count {n} --wait {wait} --json"
-                    )
-                },
-                short,
-                long,
-            ),
-            // Like tcpping, rawping warms up with a tenth more round trips.
-            Parse::PerfPing(short + short / 10, long + long / 10),
+            &|n| rawping_cmd(exe, wait, n),
+            warmed_rts,
         ));
     }
-    v.push(job(
-        "cost",
+    v.push(counted(
         "tcp nodelay",
-        8,
-        1,
-        perf_twice(
-            |n| format!("{exe} tcpping --size 8 --count {n} --nodelay --json"),
-            short,
-            long,
-        ),
-        Parse::PerfPing(short + short / 10, long + long / 10),
+        &|n| format!("{exe} tcpping --size 8 --count {n} --nodelay --json"),
+        warmed_rts,
     ));
     v.extend(instruction_jobs(exe));
     v
@@ -530,57 +524,30 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
 /// Soft-RoCE guest) pays many times over. Deterministic, so a few hundred round trips are enough.
 fn instruction_jobs(exe: &str) -> Vec<Job> {
     let (short, long) = (500, 2_000);
-    let fi = |n: usize| {
-        format!(
-            "sh -c 'fi_pingpong -p tcp -e msg -I {n} -S 8 >/dev/null 2>&1 & sleep 2; \
-             fi_pingpong -p tcp -e msg -I {n} -S 8 127.0.0.1; wait'"
+    let counted = |name: &str, cmd: &dyn Fn(usize) -> String, rts: fn(usize) -> usize| {
+        job(
+            "cost",
+            name,
+            8,
+            1,
+            callgrind_twice(cmd, short, long),
+            Parse::Instructions(rts(short), rts(long)),
         )
     };
-    let ping = |wait: &'static str| {
-        move |n: usize| {
-            format!(
-                "{exe} ping --backend fabric --provider tcp --addr 127.0.0.1 --mode immediate --size 8 --count {n} --wait {wait} --json"
-            )
-        }
-    };
-    let raw = |n: usize| {
-        format!("{exe} rawping --backend fabric --provider tcp --addr 127.0.0.1 --size 8 --count {n} --wait block --json")
-    };
-    let exs_rts = |n: usize| n + n / 10 + 1;
     vec![
-        job(
-            "cost",
-            "fi_pingpong",
-            8,
-            1,
-            callgrind_twice(fi, short, long),
-            Parse::Instructions(short, long),
-        ),
-        job(
-            "cost",
+        // Its server starts slower under valgrind.
+        counted("fi_pingpong", &|n| fi_pingpong_cmd(n, 2), |n| n),
+        counted(
             "exs busy",
-            8,
-            1,
-            callgrind_twice(ping("busy"), short, long),
-            Parse::Instructions(exs_rts(short), exs_rts(long)),
+            &|n| exs_ping_cmd(exe, "busy", "", n),
+            exs_ping_rts,
         ),
-        job(
-            "cost",
+        counted(
             "exs block",
-            8,
-            1,
-            callgrind_twice(ping("block"), short, long),
-            Parse::Instructions(exs_rts(short), exs_rts(long)),
+            &|n| exs_ping_cmd(exe, "block", "", n),
+            exs_ping_rts,
         ),
-        job(
-            "cost",
-            "raw block",
-            8,
-            1,
-            callgrind_twice(raw, short, long),
-            // Like tcpping, rawping warms up with a tenth more round trips.
-            Parse::Instructions(short + short / 10, long + long / 10),
-        ),
+        counted("raw block", &|n| rawping_cmd(exe, "block", n), warmed_rts),
     ]
 }
 

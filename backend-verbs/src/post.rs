@@ -385,7 +385,6 @@ impl VerbsTransport {
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let max_inline = e.max_inline;
         let n = wrs.len();
-        chain.signal = e.signal;
         for (i, (wr, sink)) in wrs.into_iter().zip(sinks).enumerate() {
             let seq = ids.send();
             let (kind, parts) = native_parts(&wr.op, emulate, sink.as_ref());
@@ -512,7 +511,8 @@ impl VerbsTransport {
             }
         };
         // Built in place: the chain holds its short lists inline, and moving it is a copy of them all.
-        let mut chain = Chain::new(wrs.len(), Signaler::default());
+        let signal = self.eps.get(&ep).expect("checked by check_sends").signal;
+        let mut chain = Chain::new(wrs.len(), signal);
         self.build_chain(ep, wrs, sinks, &mut chain);
         let head = chain.link();
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");

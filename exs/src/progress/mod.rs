@@ -327,19 +327,12 @@ fn sleep_thread(shared: &Shared, until: Option<Instant>) {
 /// Sleeps until woken, `until`, or one of `also` is readable.
 fn sleep_thread_on(shared: &Shared, until: Option<Instant>, also: &[BorrowedFd<'_>]) {
     let lead = &shared.lead;
-    let wake = PollFd::new(lead.thread_wake.as_fd(), PollFlags::POLLIN);
-    let woken = if also.is_empty() {
-        let mut fds = [wake];
-        sleep_on(&mut fds, until);
-        readable(&fds[0])
-    } else {
-        let mut fds = vec![wake];
-        fds.extend(also.iter().map(|fd| PollFd::new(*fd, PollFlags::POLLIN)));
-        sleep_on(&mut fds, until);
-        readable(&fds[0])
-    };
+    let mut fds: smallvec::SmallVec<[PollFd<'_>; 3]> =
+        smallvec::smallvec![PollFd::new(lead.thread_wake.as_fd(), PollFlags::POLLIN)];
+    fds.extend(also.iter().map(|fd| PollFd::new(*fd, PollFlags::POLLIN)));
+    sleep_on(&mut fds, until);
     lead.thread_sleep.store(AWAKE, Ordering::SeqCst);
-    if woken {
+    if readable(&fds[0]) {
         let _ = lead.thread_wake.read();
     }
     lead.counters.thread_wakeups.fetch_add(1, Ordering::Relaxed);

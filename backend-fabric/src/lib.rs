@@ -264,6 +264,11 @@ impl Transport for FabricTransport {
         self.arm_wait()
     }
 
+    fn arm_covers_cm(&self) -> bool {
+        // `arm_wait` passes the event queue to fi_trywait and fails while the backlog holds an event.
+        true
+    }
+
     fn wait_fd(&self) -> Option<OwnedFd> {
         self.epoll.0.as_fd().try_clone_to_owned().ok()
     }

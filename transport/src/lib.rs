@@ -618,6 +618,15 @@ pub trait Transport: Send + fmt::Debug {
     /// from being lost between the last poll and the sleep.
     fn arm(&mut self) -> Result<bool, TransportError>;
 
+    /// Whether an [`arm`](Transport::arm) that returns `true` also says that no connection-management event is
+    /// waiting (libfabric's `fi_trywait` looks at the event queue too). The engine then stops looking for
+    /// connection events in rounds that find no completions, from such an arm until one returns `false` (or a
+    /// few rounds have passed): on software providers each look is a system call. `false` (the default): arming
+    /// says nothing about them, and every round that finds no completions looks.
+    fn arm_covers_cm(&self) -> bool {
+        false
+    }
+
     /// A file descriptor that becomes readable after `arm` when there is something to poll, as an owned
     /// duplicate (the context keeps it for its progress thread). `None` for transports that are driven by stepping
     /// (the simulated fabric in manual mode).

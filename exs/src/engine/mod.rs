@@ -189,6 +189,9 @@ pub(crate) struct Engine {
     /// Rounds since the last look at connection events: rounds that handled completions (see `progress_round`)
     /// and busy-poll rounds (see `progress_busy_round`).
     cm_skipped: u32,
+    /// The last arm said no connection event was waiting (`Transport::arm_covers_cm`): rounds that find no
+    /// completions need not look until an arm fails (see `progress_round`).
+    cm_quiet: bool,
     /// When a busy-poll round last looked at connection events.
     cm_busy_looked: Option<Instant>,
     stats: EngineStats,
@@ -256,6 +259,7 @@ impl Engine {
             dirty: Vec::new(),
             timers: Timers::default(),
             cm_skipped: 0,
+            cm_quiet: false,
             cm_busy_looked: None,
             stats: EngineStats::default(),
             shared_recv: opts.shared_recv.clone(),
@@ -295,7 +299,9 @@ impl Engine {
 
     pub(crate) fn arm(&mut self) -> Result<bool, TransportError> {
         self.stats.arms += 1;
-        self.transport.arm()
+        let armed = self.transport.arm();
+        self.cm_quiet = matches!(armed, Ok(true)) && self.transport.arm_covers_cm();
+        armed
     }
 
     /// Registers memory (counted: a registration pins memory on hardware; the data path makes none).
@@ -514,7 +520,12 @@ impl Engine {
         // own epoll set). A round that handled completions looks only every CM_EVERY rounds: an event that waits
         // meanwhile makes arming fail (or the wait descriptor readable), so no thread sleeps on it, and the next
         // round without completions takes it (issue 12: fewer system calls per message in a blocking ping-pong).
-        if did && self.cm_skipped < CM_EVERY {
+        // Where a successful arm says the event channel was empty too (`Transport::arm_covers_cm`), rounds without
+        // completions skip it as well until an arm fails: the round before a blocking waiter's sleep, which finds
+        // nothing, no longer looks, and an event that arrives wakes the sleeper, fails its next arm and is taken
+        // by the round after that.
+        let skip = did || self.cm_quiet;
+        if skip && self.cm_skipped < CM_EVERY {
             self.cm_skipped += 1;
         } else {
             self.cm_skipped = 0;

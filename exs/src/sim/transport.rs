@@ -451,6 +451,11 @@ impl Transport for SimTransport {
         Ok(true)
     }
 
+    fn arm_covers_cm(&self) -> bool {
+        // `arm` fails while a connection event is queued.
+        true
+    }
+
     fn wait_fd(&self) -> Option<OwnedFd> {
         self.notify
             .as_ref()

@@ -7,6 +7,7 @@
 mod calls;
 mod cm;
 mod completions;
+mod ops;
 mod stats;
 mod timers;
 
@@ -200,8 +201,7 @@ pub(crate) struct Engine {
     pool_posts: Vec<WorkRequest>,
     /// Operations handed to the protocol, by identifier: their tickets, and reads not yet reported (a full
     /// queue folds read notifications into the next one).
-    ops: FxHashMap<u64, (Ticket, usize)>,
-    next_op: u64,
+    ops: ops::Ops,
     /// Why the context failed (a panic in a progress round), if it did.
     failed: Option<String>,
     /// Where the protocol reports completions (see [`crate::proto::op`]).
@@ -265,8 +265,7 @@ impl Engine {
             shared_recv: opts.shared_recv.clone(),
             pool: PoolState::Undecided,
             pool_posts: Vec::new(),
-            ops: FxHashMap::default(),
-            next_op: 1,
+            ops: ops::Ops::default(),
             failed: None,
             outbox: Outbox::default(),
             done: Vec::new(),
@@ -598,17 +597,14 @@ impl Engine {
 
     /// Hands an operation's ticket to the protocol as a token (the engine keeps the ticket).
     fn token(&mut self, ticket: &mut Option<Ticket>) -> OpToken {
-        let id = self.next_op;
-        self.next_op += 1;
-        self.ops
-            .insert(id, (ticket.take().expect("ticket given"), 0));
+        let id = self.ops.insert((ticket.take().expect("ticket given"), 0));
         OpToken::new(id, self.outbox.clone())
     }
 
     /// Takes back the ticket of a token the protocol refused synchronously.
     fn untoken(&mut self, token: OpToken) -> Ticket {
         let id = token.into_id();
-        self.ops.remove(&id).expect("a token's ticket is kept").0
+        self.ops.remove(id).expect("a token's ticket is kept").0
     }
 
     /// Turns what the protocol reported into events (after every call and every round of progress).
@@ -622,7 +618,7 @@ impl Engine {
                     bytes,
                     flags,
                 } => {
-                    if let Some((t, _)) = self.ops.remove(&id) {
+                    if let Some((t, _)) = self.ops.remove(id) {
                         if status.is_ok() {
                             count_bytes(&mut self.sockets, &t, bytes);
                         }
@@ -630,7 +626,7 @@ impl Engine {
                     }
                 }
                 Done::Notify { id, reads } => {
-                    if let Some((t, unreported)) = self.ops.get_mut(&id) {
+                    if let Some((t, unreported)) = self.ops.get_mut(id) {
                         *unreported += reads;
                         if t.notify(crate::event::EventKind::ReadNotify, *unreported) {
                             *unreported = 0;

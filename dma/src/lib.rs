@@ -32,6 +32,9 @@ use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 mod arena;
+mod table;
+
+use table::{Entry, Table};
 
 /// Alignment of buffers allocated by [`DmaBuf::new`]: a page, which registration and DMA engines prefer.
 pub const PAGE: usize = 4096;
@@ -147,61 +150,6 @@ pub enum DmaError {
         /// Leases still held on the buffer.
         leases: usize,
     },
-}
-
-#[derive(Debug)]
-struct Entry {
-    id: u64,
-    start: usize,
-    end: usize,
-    kind: LeaseKind,
-}
-
-impl Entry {
-    fn overlaps(&self, range: &Range<usize>) -> bool {
-        self.start < range.end && range.start < self.end
-    }
-}
-
-/// The leases held on one buffer, in the order they were taken (the slots of a receive ring stay at the front;
-/// the short leases of a copy come and go at the end, where giving one back looks first), and how many are of
-/// the racy kinds, so that a copy next to none of them does not look at the others.
-#[derive(Debug, Default)]
-struct Table {
-    entries: Vec<Entry>,
-    shared: usize,
-}
-
-impl Table {
-    fn len(&self) -> usize {
-        self.entries.len()
-    }
-
-    fn iter(&self) -> std::slice::Iter<'_, Entry> {
-        self.entries.iter()
-    }
-
-    fn push(&mut self, e: Entry) {
-        self.shared += usize::from(e.kind.shared());
-        self.entries.push(e);
-    }
-
-    /// Removes lease `id`, looking from the most recent.
-    fn remove(&mut self, id: u64) {
-        if let Some(i) = self.entries.iter().rposition(|e| e.id == id) {
-            let e = self.entries.swap_remove(i);
-            self.shared -= usize::from(e.kind.shared());
-        }
-    }
-
-    /// Whether a lease of a racy kind overlaps `range`.
-    fn racy(&self, range: &Range<usize>) -> bool {
-        self.shared > 0
-            && self
-                .entries
-                .iter()
-                .any(|e| e.kind.shared() && e.overlaps(range))
-    }
 }
 
 enum Storage {
@@ -376,7 +324,7 @@ impl DmaBuf {
 
     /// Whether any lease overlapping `range` is held.
     pub fn is_range_leased(&self, range: Range<usize>) -> bool {
-        self.table().iter().any(|e| e.overlaps(&range))
+        self.table().find(|e| e.overlaps(&range)).is_some()
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -403,18 +351,24 @@ impl DmaBuf {
         mode: Option<CpuMode>,
     ) -> Result<u64, DmaError> {
         self.check_range(&range)?;
-        let mut table = self.table();
+        Self::acquire_in(&mut self.table(), range, kind, mode)
+    }
+
+    fn acquire_in(
+        table: &mut Table,
+        range: Range<usize>,
+        kind: LeaseKind,
+        mode: Option<CpuMode>,
+    ) -> Result<u64, DmaError> {
         // Empty ranges overlap nothing; they are still recorded so that the buffer stays alive and counted.
         if range.start < range.end {
-            for e in table.iter() {
-                if e.overlaps(&range) && !compatible(e.kind, kind, mode) {
-                    return Err(DmaError::Busy {
-                        start: range.start,
-                        end: range.end,
-                        held: e.kind,
-                        wanted: kind,
-                    });
-                }
+            if let Some(e) = table.find(|e| e.overlaps(&range) && !compatible(e.kind, kind, mode)) {
+                return Err(DmaError::Busy {
+                    start: range.start,
+                    end: range.end,
+                    held: e.kind,
+                    wanted: kind,
+                });
             }
         }
         let id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
@@ -425,6 +379,16 @@ impl DmaBuf {
             kind,
         });
         Ok(id)
+    }
+
+    /// A CPU lease for a copy, and whether a shared lease overlaps it (the copy must then be atomic), in one hold
+    /// of the table.
+    fn acquire_copy(&self, range: Range<usize>, kind: LeaseKind) -> Result<(u64, bool), DmaError> {
+        self.check_range(&range)?;
+        let mut table = self.table();
+        let id = Self::acquire_in(&mut table, range.clone(), kind, Some(CpuMode::Copy))?;
+        let racy = table.racy(&range);
+        Ok((id, racy))
     }
 
     fn release(&self, id: u64) {
@@ -460,8 +424,7 @@ impl DmaBuf {
     /// (in which case the copy may see a mixture of old and new bytes).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), DmaError> {
         let range = offset..offset.saturating_add(dst.len());
-        let id = self.acquire(range.clone(), LeaseKind::CpuRead, Some(CpuMode::Copy))?;
-        let racy = self.racy(&range);
+        let (id, racy) = self.acquire_copy(range.clone(), LeaseKind::CpuRead)?;
         // SAFETY: the range is inside the buffer (checked by acquire) and leased CpuRead: no Rust code writes it;
         // if a shared lease overlaps, `load` uses atomic loads so a racing device writer is not a data race.
         unsafe { load(self.ptr.as_ptr().add(offset), dst, racy) };
@@ -472,8 +435,7 @@ impl DmaBuf {
     /// Copies bytes into the buffer. Allowed alongside a persistent send (the remote may read a mixture).
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), DmaError> {
         let range = offset..offset.saturating_add(src.len());
-        let id = self.acquire(range.clone(), LeaseKind::CpuWrite, Some(CpuMode::Copy))?;
-        let racy = self.racy(&range);
+        let (id, racy) = self.acquire_copy(range.clone(), LeaseKind::CpuWrite)?;
         // SAFETY: in bounds and leased CpuWrite: nobody else writes or borrows it; a shared reader (persistent
         // send) is tolerated through atomic stores.
         unsafe { store(self.ptr.as_ptr().add(offset), src, racy) };
@@ -495,8 +457,7 @@ impl DmaBuf {
         dst.may_write()?;
         let d = dst.check(dst_offset, len)?;
         let range = offset..offset.saturating_add(len);
-        let id = self.acquire(range.clone(), LeaseKind::CpuRead, Some(CpuMode::Copy))?;
-        let racy = self.racy(&range);
+        let (id, racy) = self.acquire_copy(range.clone(), LeaseKind::CpuRead)?;
         // SAFETY: the source range is in bounds (acquire) and leased CpuRead, so no Rust code writes it except
         // shared device leases, whose accesses are atomic (`racy`); the destination is in bounds (check) and
         // leased for writing by `dst`. They do not overlap: the table refuses a CpuRead next to an exclusive

@@ -1,0 +1,63 @@
+//! The leases held on one buffer.
+
+use std::ops::Range;
+
+use crate::LeaseKind;
+
+#[derive(Debug)]
+pub(crate) struct Entry {
+    pub(crate) id: u64,
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) kind: LeaseKind,
+}
+
+impl Entry {
+    pub(crate) fn overlaps(&self, range: &Range<usize>) -> bool {
+        self.start < range.end && range.start < self.end
+    }
+}
+
+/// The leases held on one buffer, in the order they were taken (the slots of a receive ring stay at the front;
+/// the short leases of a copy come and go at the end, where giving one back looks first), and how many are of
+/// the racy kinds, so that a copy next to none of them does not look at the others.
+///
+/// One list, looked through whole: a table per slot of a buffer cut into equal slots (a connection's control
+/// receives) was tried and cost more than it saved at the few dozen leases such a buffer holds.
+#[derive(Debug, Default)]
+pub(crate) struct Table {
+    entries: Vec<Entry>,
+    shared: usize,
+}
+
+impl Table {
+    pub(crate) fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// The first lease for which `f` holds.
+    pub(crate) fn find(&self, mut f: impl FnMut(&Entry) -> bool) -> Option<&Entry> {
+        self.entries.iter().find(|e| f(e))
+    }
+
+    pub(crate) fn push(&mut self, e: Entry) {
+        self.shared += usize::from(e.kind.shared());
+        self.entries.push(e);
+    }
+
+    /// Removes lease `id`, looking from the most recent.
+    pub(crate) fn remove(&mut self, id: u64) {
+        if let Some(i) = self.entries.iter().rposition(|e| e.id == id) {
+            let e = self.entries.swap_remove(i);
+            self.shared -= usize::from(e.kind.shared());
+        }
+    }
+
+    /// Whether a lease of a racy kind overlaps `range`.
+    pub(crate) fn racy(&self, range: &Range<usize>) -> bool {
+        self.shared > 0
+            && self
+                .find(|e| e.kind.shared() && e.overlaps(range))
+                .is_some()
+    }
+}

@@ -122,12 +122,10 @@ fn the_waiting_thread_leads_and_the_progress_thread_stands_aside() {
     );
 }
 
-/// Issue 12, the system calls of a blocking ping-pong: a wake-up that brings the awaited events does not arm the
-/// transport again (a leader arms once per sleep, not once per round), and rounds that handle completions look
-/// at connection events only now and then. Counted on the simulated fabric, where arming and reading the
-/// connection channel are calls the software providers pay for with system calls.
-#[test]
-fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events() {
+/// A blocking ping-pong of `ROUND_TRIPS` on the simulated fabric, where arming and reading the connection channel
+/// are calls the software providers pay for with system calls: the arms and the connection-event reads of both
+/// sides, the messages, and both sides' counters after it.
+fn blocking_ping_pong_counts() -> (u64, u64, u64, String) {
     let p = pair_threaded(
         SockType::SeqPacket,
         SocketOptions::default().with_small_packet_max_size(64),
@@ -141,9 +139,18 @@ fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events()
         arms as f64 / msgs as f64,
         cm as f64 / msgs as f64
     );
+    (arms, cm, msgs, format!("{a1:?} {b1:?}"))
+}
+
+/// Issue 12, the system calls of a blocking ping-pong: a wake-up that brings the awaited events does not arm the
+/// transport again (a leader arms once per sleep, not once per round), and rounds that handle completions look
+/// at connection events only now and then.
+#[test]
+fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events() {
+    let (arms, cm, msgs, stats) = blocking_ping_pong_counts();
     // Before, every round read the channel, and every wake-up armed again before it looked at its queue: enough
     // of each per message to break both bounds below.
-    assert!(arms > 0, "nobody slept: {a1:?} {b1:?}");
+    assert!(arms > 0, "nobody slept: {stats}");
     assert!(arms <= 2 * msgs, "{arms} arms for {msgs} messages");
     assert!(
         cm * 2 <= 3 * msgs,
@@ -157,16 +164,10 @@ fn a_blocking_ping_pong_arms_once_per_sleep_and_rarely_reads_connection_events()
 /// rounds. Before, that round read it once per message or so (a system call each on software providers).
 #[test]
 fn a_blocking_ping_pong_reads_connection_events_only_after_a_failed_arm_or_every_few_rounds() {
-    let p = pair_threaded(
-        SockType::SeqPacket,
-        SocketOptions::default().with_small_packet_max_size(64),
-    );
-    let ((a0, b0), (a1, b1)) = ping_pong(&p, |p| (p.a.stats(), p.b.stats()));
-    let cm = a1.cm_polls - a0.cm_polls + b1.cm_polls - b0.cm_polls;
-    let msgs = 2 * ROUND_TRIPS as u64;
+    let (_, cm, msgs, stats) = blocking_ping_pong_counts();
     assert!(
         cm * 5 <= 2 * msgs,
-        "{cm} connection-event reads for {msgs} messages: {a1:?} {b1:?}"
+        "{cm} connection-event reads for {msgs} messages: {stats}"
     );
 }
 

@@ -48,6 +48,21 @@ pub struct BenchArgs {
     pub suite: Option<String>,
 }
 
+/// The command as it was given, for the results' header: the flags that change what runs and how often.
+fn command_line(a: &BenchArgs) -> String {
+    let mut c = String::from("cargo xtask bench");
+    if a.quick {
+        c.push_str(" --quick");
+    }
+    if let Some(r) = a.repeats {
+        let _ = write!(c, " --repeats {r}");
+    }
+    if let Some(s) = &a.suite {
+        let _ = write!(c, " --suite {s}");
+    }
+    c
+}
+
 /// How a job's output becomes numbers.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Parse {
@@ -171,7 +186,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let c_bin = c_bin.to_string_lossy();
     let p = plan(a.quick);
     let repeats = a.repeats.unwrap_or(if a.quick { 2 } else { 3 });
-    let cmd = format!("cargo xtask bench{}", if a.quick { " --quick" } else { "" });
+    let cmd = command_line(&a);
     let machine = machine();
     let want = |s: &str| a.suite.as_deref().is_none_or(|w| w == s);
     if want("host") {

@@ -385,3 +385,23 @@ fn idle_rows_count_only_the_ping_pong() {
     let timed = idle_jobs("exs", "verbs", "--backend verbs", &[100], false);
     assert!(!timed[0].cmd.contains("perf"), "{}", timed[0].cmd);
 }
+
+/// The results' header names the command that made them, repeats and suite included (a run with five repeats of
+/// one suite was headed plain `cargo xtask bench --quick`).
+#[test]
+fn the_results_header_names_the_repeats_and_the_suite_it_ran() {
+    let args = |quick, repeats, suite: Option<&str>| BenchArgs {
+        quick,
+        repeats,
+        suite: suite.map(String::from),
+    };
+    assert_eq!(command_line(&args(false, None, None)), "cargo xtask bench");
+    assert_eq!(
+        command_line(&args(true, Some(5), Some("host"))),
+        "cargo xtask bench --quick --repeats 5 --suite host"
+    );
+    assert_eq!(
+        command_line(&args(false, None, Some("softroce"))),
+        "cargo xtask bench --suite softroce"
+    );
+}

@@ -472,6 +472,11 @@ fn warmed_rts(n: usize) -> usize {
     n + n / 10
 }
 
+/// A row of the per-round-trip cost table: an 8-byte ping-pong `name` run by `script`, read as `parse` says.
+fn cost_job(name: &str, script: String, parse: Parse) -> Job {
+    job("cost", name, 8, 1, script, parse)
+}
+
 /// Per-message cost on the host (issue 12): the same 8-byte ping-pong through libfabric's own `fi_pingpong`
 /// (busy polling), exs immediate pings in each wait mode, the bare transport's ping-pong (`exs rawping`, busy and
 /// blocking), and blocking TCP, each counted by `perf stat`; then the instructions of some of them.
@@ -479,11 +484,8 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
     // Enough round trips that the difference is steady, in quick runs too, and few enough for a short run.
     let (short, long) = (10_000, 30_000);
     let counted = |name: &str, cmd: &dyn Fn(usize) -> String, rts: fn(usize) -> usize| {
-        job(
-            "cost",
+        cost_job(
             name,
-            8,
-            1,
             perf_twice(cmd, short, long),
             Parse::PerfPing(rts(short), rts(long)),
         )
@@ -525,11 +527,8 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
 fn instruction_jobs(exe: &str) -> Vec<Job> {
     let (short, long) = (500, 2_000);
     let counted = |name: &str, cmd: &dyn Fn(usize) -> String, rts: fn(usize) -> usize| {
-        job(
-            "cost",
+        cost_job(
             name,
-            8,
-            1,
             callgrind_twice(cmd, short, long),
             Parse::Instructions(rts(short), rts(long)),
         )

@@ -127,7 +127,8 @@ impl VerbsTransport {
         // A signalled (or failed) request completes every earlier unsignalled one: in order, successfully. A
         // completion that names none of this endpoint's requests retires nothing: it is a late one of a queue pair
         // destroyed before this one got its number (identifiers are never reused), or a repeated one.
-        for (rec, named) in e.sends.retire(wc.wr_id) {
+        let backlog = &mut self.cq_backlog;
+        e.sends.retire_each(wc.wr_id, |rec, named| {
             let mut st = if named { status.clone() } else { Ok(()) };
             if rec.broken && st.is_ok() {
                 st = Err(WcError::Other(
@@ -139,9 +140,9 @@ impl VerbsTransport {
                     // A failed window bind breaks the queue pair: the requests after it complete flushed.
                     tracing::warn!(?ep, %e, "memory window bind failed");
                 }
-                continue;
+                return;
             };
-            self.cq_backlog.push_back((
+            backlog.push_back((
                 Completion {
                     ep,
                     wr_id: rec.item.wr_id,
@@ -150,7 +151,7 @@ impl VerbsTransport {
                 },
                 false,
             ));
-        }
+        });
     }
 
     /// [`Transport::poll`](exs_transport::Transport::poll): the completion queue drained into the backlog, then the

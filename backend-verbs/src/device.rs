@@ -390,6 +390,8 @@ impl VerbsTransport {
                 // SAFETY: plain data; zero is a valid bit pattern (ibv_poll_cq fills what it returns).
                 .map(|_| unsafe { std::mem::zeroed() })
                 .collect(),
+            one: Vec::with_capacity(1),
+            chain: Default::default(),
         };
         // SAFETY: `cq` was just created.
         unsafe { ibv_req_notify_cq(t.cq, 0) };

@@ -170,6 +170,10 @@ pub struct VerbsTransport {
     unacked_cq_events: u32,
     /// Where `drain_cq` polls completions into (allocated once).
     wcs: Vec<ibv_wc>,
+    /// The list a single [`Transport::post`](exs_transport::Transport::post) goes through (allocated once).
+    one: Vec<WorkRequest>,
+    /// The chain a post of sends builds, kept for the next post (see [`post::Chain`]).
+    chain: post::Chain,
 }
 
 // SAFETY: the verbs and rdma_cm objects are owned by this value and used from one thread at a time (the engine
@@ -276,7 +280,13 @@ impl Transport for VerbsTransport {
     /// A request the device took in part (see `post_sends`) is not refused: it cannot come back while the device
     /// may read its memory, so it completes with an error instead, its connection down.
     fn post(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError> {
-        match self.post_inner(ep, vec![wr]) {
+        // One request through the batch path, in a list the transport keeps (no allocation per post).
+        let mut one = std::mem::take(&mut self.one);
+        one.push(wr);
+        let result = self.post_inner(ep, &mut one);
+        one.clear();
+        self.one = one;
+        match result {
             Ok(()) => Ok(()),
             Err(Refused { error, mut wrs }) => match wrs.pop() {
                 Some(wr) => Err(PostError { error, wr }),
@@ -291,8 +301,9 @@ impl Transport for VerbsTransport {
         wrs: &mut Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
         // The requests that did not reach the device are dropped, as the trait says.
-        self.post_inner(ep, std::mem::take(wrs))
-            .map_err(|r| r.error)
+        let result = self.post_inner(ep, wrs).map_err(|r| r.error);
+        wrs.clear();
+        result
     }
 
     fn create_shared_recv(&mut self, depth: u32) -> Result<(), TransportError> {

@@ -138,25 +138,27 @@ fn native_parts(
 
 /// A chain of native send requests being built: the requests, their gather lists (kept alive until the post
 /// returns), the signalling state after each, and the records of the engine's requests. [`Chain::link`] points
-/// the requests at each other and at their lists: the chain must not move between it and the post (short lists
-/// live inside it).
-struct Chain {
-    natives: Few<ibv_send_wr>,
-    sges: Few<Few<ibv_sge>>,
-    signal_after: Few<Signaler>,
-    recs: Few<Posted<SendRec>>,
+/// the requests at each other and at their lists: nothing may be pushed between it and the post (short lists
+/// live inside `sges`). The transport keeps one and reuses it, emptied when a post starts (its records leave it
+/// for the endpoint's send queue or come back refused): a post allocates nothing once its lists have grown to
+/// the longest chain, and moves no inline arrays around.
+#[derive(Default)]
+pub(crate) struct Chain {
+    natives: Vec<ibv_send_wr>,
+    sges: Vec<Few<ibv_sge>>,
+    signal_after: Vec<Signaler>,
+    recs: Vec<Posted<SendRec>>,
     signal: Signaler,
 }
 
 impl Chain {
-    fn new(n: usize, signal: Signaler) -> Self {
-        Chain {
-            natives: Few::with_capacity(n * 2),
-            sges: Few::with_capacity(n * 2),
-            signal_after: Few::with_capacity(n * 2),
-            recs: Few::with_capacity(n),
-            signal,
-        }
+    /// Empties the chain (what `link` pointed at included) and starts it from the endpoint's signalling state.
+    fn start(&mut self, signal: Signaler) {
+        self.natives.clear();
+        self.sges.clear();
+        self.signal_after.clear();
+        self.recs.clear();
+        self.signal = signal;
     }
 
     /// Appends one native request of the engine's request `seq`.
@@ -237,13 +239,13 @@ struct RecvChain {
 
 impl RecvChain {
     /// `wrs` are receives (checked by the caller).
-    fn new(ids: &mut WrIds, wrs: Vec<WorkRequest>) -> Self {
+    fn new(ids: &mut WrIds, wrs: &mut Vec<WorkRequest>) -> Self {
         let mut c = RecvChain {
             natives: Few::with_capacity(wrs.len()),
             sges: Few::with_capacity(wrs.len()),
             recs: Few::with_capacity(wrs.len()),
         };
-        for wr in wrs {
+        for wr in wrs.drain(..) {
             let Op::Recv { sge } = wr.op else {
                 unreachable!("the caller passes receives only");
             };
@@ -337,33 +339,41 @@ impl VerbsTransport {
     /// not, since completions waiting there free entries).
     fn fit_sends(&mut self, ep: EndpointId, wrs: &mut Vec<WorkRequest>) -> Vec<WorkRequest> {
         let need: u32 = wrs.iter().map(|w| self.parts_of(w)).sum();
-        let (entries, cap) = (self.eps[&ep].sends.entries(), self.eps[&ep].sq_cap);
-        if entries + need > cap {
-            self.drain_cq();
-        }
-        let room = {
-            let e = &self.eps[&ep];
+        let room = |t: &Self| {
+            let e = &t.eps[&ep];
             e.sq_cap.saturating_sub(e.sends.entries())
         };
+        let mut free = room(self);
+        if need > free {
+            self.drain_cq();
+            free = room(self);
+        }
+        if need <= free {
+            return Vec::new();
+        }
         let mut used = 0;
         let fit = wrs
             .iter()
             .take_while(|w| {
                 used += self.parts_of(w);
-                used <= room
+                used <= free
             })
             .count();
         wrs.split_off(fit)
     }
 
-    /// iWARP: each read's sink gets its registration with remote write, before anything is posted.
+    /// iWARP: each read's sink gets its registration with remote write, before anything is posted (one entry per
+    /// request; none at all where reads need no sink).
     fn sink_registrations(
         &self,
         wrs: &[WorkRequest],
     ) -> Result<Few<Option<SinkMr>>, TransportError> {
+        if !self.settings.read_sinks {
+            return Ok(Few::new());
+        }
         wrs.iter()
             .map(|w| match &w.op {
-                Op::Read { local, .. } if self.settings.read_sinks => {
+                Op::Read { local, .. } => {
                     SinkMr::new(&self.pd, local.addr(), local.len()).map(Some)
                 }
                 _ => Ok(None),
@@ -376,7 +386,7 @@ impl VerbsTransport {
     fn build_chain(
         &mut self,
         ep: EndpointId,
-        wrs: Vec<WorkRequest>,
+        wrs: &mut Vec<WorkRequest>,
         sinks: Few<Option<SinkMr>>,
         chain: &mut Chain,
     ) {
@@ -385,7 +395,9 @@ impl VerbsTransport {
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let max_inline = e.max_inline;
         let n = wrs.len();
-        for (i, (wr, sink)) in wrs.into_iter().zip(sinks).enumerate() {
+        let mut sinks = sinks.into_iter();
+        for (i, wr) in wrs.drain(..).enumerate() {
+            let sink = sinks.next().flatten();
             let seq = ids.send();
             let (kind, parts) = native_parts(&wr.op, emulate, sink.as_ref());
             let nparts = parts.len();
@@ -493,27 +505,43 @@ impl VerbsTransport {
     /// before them are on the device and keep their records until they complete. A request the device took in
     /// part (the write of an emulated write-with-immediate without its send) is kept too: it cannot come back while
     /// the device may still read its memory, so its queue pair goes to error and it completes with an error.
-    fn post_sends(&mut self, ep: EndpointId, mut wrs: Vec<WorkRequest>) -> Result<(), Refused> {
-        if let Err(e) = self.check_sends(ep, &wrs) {
-            return Err(Refused::new(e, wrs));
+    fn post_sends(&mut self, ep: EndpointId, wrs: &mut Vec<WorkRequest>) -> Result<(), Refused> {
+        if let Err(e) = self.check_sends(ep, wrs) {
+            return Err(Refused::new(e, std::mem::take(wrs)));
         }
-        let mut rest = self.fit_sends(ep, &mut wrs);
+        let mut rest = self.fit_sends(ep, wrs);
         let full = || TransportError::Resource("send queue full".into());
         if wrs.is_empty() {
             return Err(Refused::new(full(), rest));
         }
         // A failure here refuses the whole batch, which then never reached the device.
-        let sinks = match self.sink_registrations(&wrs) {
+        let sinks = match self.sink_registrations(wrs) {
             Ok(s) => s,
             Err(err) => {
                 wrs.append(&mut rest);
-                return Err(Refused::new(err, wrs));
+                return Err(Refused::new(err, std::mem::take(wrs)));
             }
         };
-        // Built in place: the chain holds its short lists inline, and moving it is a copy of them all.
         let signal = self.eps.get(&ep).expect("checked by check_sends").signal;
-        let mut chain = Chain::new(wrs.len(), signal);
-        self.build_chain(ep, wrs, sinks, &mut chain);
+        let mut chain = std::mem::take(&mut self.chain);
+        chain.start(signal);
+        let result = self.post_chain(ep, wrs, sinks, &mut chain, rest);
+        self.chain = chain;
+        result
+    }
+
+    /// The rest of [`VerbsTransport::post_sends`] once the requests fit: builds `chain`, posts it and keeps the
+    /// records of what reached the device; `rest` (what did not fit) comes back refused after whatever the device
+    /// refused of the chain.
+    fn post_chain(
+        &mut self,
+        ep: EndpointId,
+        wrs: &mut Vec<WorkRequest>,
+        sinks: Few<Option<SinkMr>>,
+        chain: &mut Chain,
+        mut rest: Vec<WorkRequest>,
+    ) -> Result<(), Refused> {
+        self.build_chain(ep, wrs, sinks, chain);
         let head = chain.link();
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let mut bad: *mut ibv_send_wr = ptr::null_mut();
@@ -525,13 +553,16 @@ impl VerbsTransport {
         let bad_at = chain.natives.iter().position(|w| ptr::eq(w, bad));
         if rc == 0 {
             e.signal = chain.signal;
-            for r in chain.recs {
+            for r in chain.recs.drain(..) {
                 e.sends.push(r);
             }
             return if rest.is_empty() {
                 Ok(())
             } else {
-                Err(Refused::new(full(), rest))
+                Err(Refused::new(
+                    TransportError::Resource("send queue full".into()),
+                    rest,
+                ))
             };
         }
         let mut refused = self.keep_posted_part(ep, chain, bad_at, rc);
@@ -544,7 +575,7 @@ impl VerbsTransport {
     fn keep_posted_part(
         &mut self,
         ep: EndpointId,
-        chain: Chain,
+        chain: &mut Chain,
         bad_at: Option<usize>,
         rc: i32,
     ) -> Refused {
@@ -564,7 +595,7 @@ impl VerbsTransport {
             e.signal = chain.signal_after[posted_natives - 1];
         }
         let mut refused = Vec::new();
-        for (i, mut r) in chain.recs.into_iter().enumerate() {
+        for (i, mut r) in chain.recs.drain(..).enumerate() {
             if i < cut.posted {
                 e.sends.push(r);
             } else if i == cut.posted && cut.partial {
@@ -585,14 +616,17 @@ impl VerbsTransport {
         Refused::new(error, refused)
     }
 
-    fn post_recvs(&mut self, ep: EndpointId, wrs: Vec<WorkRequest>) -> Result<(), Refused> {
+    fn post_recvs(&mut self, ep: EndpointId, wrs: &mut Vec<WorkRequest>) -> Result<(), Refused> {
         let Some(e) = self.eps.get(&ep) else {
-            return Err(Refused::new(TransportError::NoEndpoint, wrs));
+            return Err(Refused::new(
+                TransportError::NoEndpoint,
+                std::mem::take(wrs),
+            ));
         };
         if e.qp.is_null() {
             return Err(Refused::new(
                 TransportError::Invalid("post before the queue pair exists".into()),
-                wrs,
+                std::mem::take(wrs),
             ));
         }
         if !self.srq.is_null() {
@@ -600,7 +634,7 @@ impl VerbsTransport {
                 TransportError::Invalid(
                     "this endpoint takes its receives from the shared receive queue".into(),
                 ),
-                wrs,
+                std::mem::take(wrs),
             ));
         }
         let qp = e.qp;
@@ -617,13 +651,13 @@ impl VerbsTransport {
     fn post_recv_chain(
         &mut self,
         owner: Option<EndpointId>,
-        wrs: Vec<WorkRequest>,
+        wrs: &mut Vec<WorkRequest>,
         post: impl FnOnce(*mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> i32,
     ) -> Result<(), Refused> {
         if wrs.iter().any(|w| !matches!(w.op, Op::Recv { .. })) {
             return Err(Refused::new(
                 TransportError::Invalid("not a receive".into()),
-                wrs,
+                std::mem::take(wrs),
             ));
         }
         if wrs.is_empty() {
@@ -671,15 +705,20 @@ impl VerbsTransport {
     pub(crate) fn post_inner(
         &mut self,
         ep: EndpointId,
-        wrs: Vec<WorkRequest>,
+        wrs: &mut Vec<WorkRequest>,
     ) -> Result<(), Refused> {
         let down = match self.eps.get(&ep) {
-            None => return Err(Refused::new(TransportError::NoEndpoint, wrs)),
+            None => {
+                return Err(Refused::new(
+                    TransportError::NoEndpoint,
+                    std::mem::take(wrs),
+                ))
+            }
             Some(e) => e.state == EpState::Down && !e.qp.is_null(),
         };
         if down {
             // Posting on a dead connection completes with a flush, as hardware does.
-            for wr in wrs {
+            for wr in wrs.drain(..) {
                 self.cq_backlog.push_back((wr.flushed(ep), false));
             }
             return Ok(());
@@ -698,7 +737,7 @@ impl VerbsTransport {
         }
         let mut sends = Vec::new();
         let mut recvs = Vec::new();
-        for wr in wrs {
+        for wr in wrs.drain(..) {
             if matches!(wr.op, Op::Recv { .. }) {
                 recvs.push(wr);
             } else {
@@ -706,13 +745,13 @@ impl VerbsTransport {
             }
         }
         if !recvs.is_empty() {
-            if let Err(mut r) = self.post_recvs(ep, recvs) {
+            if let Err(mut r) = self.post_recvs(ep, &mut recvs) {
                 r.wrs.extend(sends);
                 return Err(r);
             }
         }
         if !sends.is_empty() {
-            self.post_sends(ep, sends)?;
+            self.post_sends(ep, &mut sends)?;
         }
         Ok(())
     }
@@ -758,8 +797,7 @@ impl VerbsTransport {
             return Err(TransportError::Invalid("no shared receive queue".into()));
         }
         let srq = self.srq;
-        let batch = std::mem::take(wrs);
-        self.post_recv_chain(None, batch, |chain, bad| {
+        self.post_recv_chain(None, wrs, |chain, bad| {
             // SAFETY: live SRQ; the chain lives across the call; the buffers are leased by the records we keep.
             unsafe { ibv_post_srq_recv(srq, chain, bad) }
         })

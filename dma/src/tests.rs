@@ -314,6 +314,43 @@ proptest::proptest! {
     }
 }
 
+proptest::proptest! {
+    /// With leases of every length taken and given back in any order, the table sees every overlap a look at all
+    /// of the leases held sees, and grants no write next to another lease.
+    #[test]
+    fn the_lease_table_sees_every_overlap_as_leases_come_and_go(
+        ops in proptest::collection::vec((0u8..3, 0usize..120, 1usize..64, 0u8..4, 0usize..64), 1..80),
+    ) {
+        let b = DmaBuf::new(192);
+        let mut held: Vec<Lease> = Vec::new();
+        for (what, start, len, k, pick) in ops {
+            let kind = [LeaseKind::DeviceRead, LeaseKind::DeviceWrite, LeaseKind::CpuRead, LeaseKind::CpuWrite][k as usize];
+            match what {
+                0 | 1 => {
+                    if let Ok(l) = b.lease(start..start + len, kind) {
+                        held.push(l);
+                    }
+                }
+                _ if !held.is_empty() => {
+                    held.swap_remove(pick % held.len());
+                }
+                _ => {}
+            }
+            proptest::prop_assert_eq!(b.lease_count(), held.len());
+            let probe = start..start + len / 2 + 1;
+            let seen = held.iter().any(|l| l.offset() < probe.end && probe.start < l.offset() + l.len());
+            proptest::prop_assert_eq!(b.is_range_leased(probe.clone()), seen, "{:?} among {:?}", probe, held);
+            for (i, x) in held.iter().enumerate() {
+                for y in &held[i + 1..] {
+                    let overlap = x.offset() < y.offset() + y.len() && y.offset() < x.offset() + x.len();
+                    let writes = x.kind().writes() || y.kind().writes();
+                    proptest::prop_assert!(!(overlap && writes), "{x:?} and {y:?} both granted");
+                }
+            }
+        }
+    }
+}
+
 /// Mappings of this process (`/proc/self/maps` lines).
 fn mappings() -> usize {
     std::fs::read_to_string("/proc/self/maps")

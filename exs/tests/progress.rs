@@ -14,54 +14,10 @@ use exs::{
 
 const ROUND_TRIPS: usize = 300;
 
-/// A blocking ping-pong of [`ROUND_TRIPS`] 32-byte messages, the server echoing from a thread of its own; `snap`
-/// is taken just before the client's first ping and after the last echo came back whole.
-fn ping_pong<S>(p: &Pair, snap: impl Fn(&Pair) -> S) -> (S, S) {
-    ping_pong_on(p, &p.eq_a, &p.eq_b, snap)
-}
-
-/// [`ping_pong`] with the client waiting on `eq_a` and the server on `eq_b`.
-fn ping_pong_on<S>(
-    p: &Pair,
-    eq_a: &EventQueue,
-    eq_b: &EventQueue,
-    snap: impl Fn(&Pair) -> S,
-) -> (S, S) {
-    // A blocking ping-pong: the adaptive wait's learned spin, which would answer most waits of a simulated round
-    // trip, is off, so every wait that finds nothing leads and sleeps (busy queues ignore it).
-    eq_a.set_adaptive_spin(Duration::ZERO);
-    eq_b.set_adaptive_spin(Duration::ZERO);
-    let out = p.client_region(pattern(32, 7));
-    let back = p.client_region(vec![0; 32]);
-    let echo = echo(p, eq_b, ROUND_TRIPS);
-    let before = snap(p);
-    for _ in 0..ROUND_TRIPS {
-        p.client.recv(eq_a, &back.all(), MsgFlags::NONE, 1).unwrap();
-        p.client.send(eq_a, &out.all(), MsgFlags::NONE, 2).unwrap();
-        let mut evs = Vec::new();
-        eq_a.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(30)))
-            .unwrap();
-        assert!(evs.iter().all(|e| e.is_ok()), "{evs:?}");
-    }
-    echo.join().unwrap();
-    assert_eq!(back.to_vec().unwrap(), pattern(32, 7));
-    (before, snap(p))
-}
-
-/// The server side of a ping-pong: echoes `rounds` 32-byte messages on `eq`, from a thread of its own.
-fn echo(p: &Pair, eq: &EventQueue, rounds: usize) -> std::thread::JoinHandle<()> {
-    let (server, eq, sbuf) = (p.server.clone(), eq.clone(), p.server_region(32));
-    std::thread::spawn(move || {
-        for _ in 0..rounds {
-            server.recv(&eq, &sbuf.all(), MsgFlags::NONE, 1).unwrap();
-            let r = wait(&eq);
-            assert!(r.is_ok(), "{r:?}");
-            server
-                .send(&eq, &sbuf.slice(..r.bytes), MsgFlags::NONE, 2)
-                .unwrap();
-            assert!(wait(&eq).is_ok());
-        }
-    })
+/// A blocking ping-pong of [`ROUND_TRIPS`] 32-byte messages on the pair's own queues (see
+/// `exs::testing::Pair::ping_pong_on`).
+fn ping_pong<S>(p: &Pair, snap: impl Fn(&exs::testing::Pair) -> S) -> (S, S) {
+    p.ping_pong_on(&p.eq_a, &p.eq_b, ROUND_TRIPS, snap).unwrap()
 }
 
 /// A threaded pair for busy polling, and a busy-polling queue for each side.
@@ -180,9 +136,11 @@ fn a_busy_ping_pong_leaves_the_progress_threads_asleep() {
     let (p, qa, qb) = busy_pair();
     // Let both progress threads notice the pollers once they start (they check back every MAX_BACKOFF).
     std::thread::sleep(Duration::from_millis(30));
-    let ((a0, b0, t0), (a1, b1, t1)) = ping_pong_on(&p, &qa, &qb, |p| {
-        (p.a.progress_stats(), p.b.progress_stats(), Instant::now())
-    });
+    let ((a0, b0, t0), (a1, b1, t1)) = p
+        .ping_pong_on(&qa, &qb, ROUND_TRIPS, |p| {
+            (p.a.progress_stats(), p.b.progress_stats(), Instant::now())
+        })
+        .unwrap();
     let wakeups = a1.thread_wakeups - a0.thread_wakeups + b1.thread_wakeups - b0.thread_wakeups;
     let ms = (t1 - t0).as_millis() as u64;
     eprintln!("{wakeups} progress-thread wake-ups in {ms} ms of busy ping-pong");
@@ -306,7 +264,7 @@ fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
     let rounds = 40;
     let out = p.client_region(pattern(32, 3));
     let back = p.client_region(vec![0; 32]);
-    let echo = echo(&p, &qb, rounds);
+    let echo = p.echo(&qb, rounds).unwrap();
     // The first round trip makes both sides pollers; counted from the second.
     let mut before = None;
     let t0 = Instant::now();
@@ -333,7 +291,7 @@ fn a_busy_poller_that_works_between_dequeues_keeps_the_progress_thread_out() {
         // within the poller's linger.
         std::thread::sleep(Duration::from_millis(3));
     }
-    echo.join().unwrap();
+    echo.join().unwrap().unwrap();
     assert_eq!(back.to_vec().unwrap(), pattern(32, 3));
     let (arms0, s0, t1) = before.unwrap();
     let (arms, s) = (p.a.stats().arms - arms0, p.a.progress_stats());

@@ -17,6 +17,7 @@ use crate::wire::{Handshake, Message, WireSockType};
 use exs_dma::{DmaBuf, LeaseKind};
 
 mod pair;
+mod pingpong;
 
 pub use pair::{Pair, PairSpec};
 

@@ -7,7 +7,7 @@ use std::os::fd::{BorrowedFd, RawFd};
 use std::ptr;
 
 use exs_transport::{Completed, Completion, EndpointId, TransportError, WcError};
-use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags};
+use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags, EpollTimeout};
 use rdma_sys::*;
 
 use crate::queue::WrIds;
@@ -167,29 +167,41 @@ impl VerbsTransport {
         n
     }
 
-    /// [`Transport::arm`](exs_transport::Transport::arm): `ibv_req_notify_cq`, then one more poll.
+    /// [`Transport::arm`](exs_transport::Transport::arm): `ibv_req_notify_cq`, then one more poll; `true` also
+    /// says that no rdma_cm event is waiting ([`Transport::arm_covers_cm`](exs_transport::Transport::arm_covers_cm)).
+    ///
+    /// One look at the wait set (zero timeout) says which channels have something: the completion channel's event
+    /// is then read (one at most: the queue signals once per arming, and there is one queue), and an rdma_cm event
+    /// waiting makes the arm fail so the next round takes it. This replaces a read of the completion channel that
+    /// failed when it was empty and spares the engine a read of the rdma_cm channel in every round that finds no
+    /// completions (each a system call).
     pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
-        // Consume completion-channel events (acknowledging them), re-arm, then poll once more: a completion that
-        // arrived before the re-arm would otherwise never wake us.
-        loop {
+        let mut events = [EpollEvent::empty(); 2];
+        let n = self
+            .epoll
+            .wait(&mut events, EpollTimeout::ZERO)
+            .map_err(|e| TransportError::os("epoll_wait", e.into()))?;
+        let ready = |data: u64| events[..n].iter().any(|e| e.data() == data);
+        if ready(WAIT_COMP) {
             let mut cq = ptr::null_mut();
             let mut ctx = ptr::null_mut();
             // SAFETY: non-blocking channel; returns -1 when no event is pending.
-            if unsafe { ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } != 0 {
-                break;
+            if unsafe { ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } == 0 {
+                // SAFETY: acknowledging the event we got, for our CQ.
+                unsafe { ibv_ack_cq_events(self.cq, 1) };
             }
-            self.unacked_cq_events += 1;
-        }
-        if self.unacked_cq_events > 0 {
-            // SAFETY: acknowledging the events we got, for our CQ.
-            unsafe { ibv_ack_cq_events(self.cq, self.unacked_cq_events) };
-            self.unacked_cq_events = 0;
         }
         // SAFETY: live CQ.
         if unsafe { ibv_req_notify_cq(self.cq, 0) } != 0 {
             return Err(os_err("ibv_req_notify_cq"));
         }
+        // A completion that arrived before the re-arm would otherwise never wake us.
         self.drain_cq();
-        Ok(self.cq_backlog.is_empty() && self.cm_backlog.is_empty())
+        Ok(self.cq_backlog.is_empty() && self.cm_backlog.is_empty() && !ready(WAIT_CM))
     }
 }
+
+/// The completion channel's entry in the wait set.
+pub(crate) const WAIT_COMP: u64 = 1;
+/// The rdma_cm event channel's entry in the wait set.
+pub(crate) const WAIT_CM: u64 = 2;

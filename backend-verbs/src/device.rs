@@ -17,7 +17,7 @@ use nix::sys::socket::SockaddrLike;
 use rdma_sys::*;
 use rustc_hash::FxHashMap;
 
-use crate::completion::epoll_add;
+use crate::completion::{epoll_add, WAIT_CM, WAIT_COMP};
 use crate::connection::sockaddr;
 use crate::memory::Pd;
 use crate::queue::WrIds;
@@ -270,8 +270,8 @@ fn wait_set(o: &Opening) -> Result<Epoll, TransportError> {
     set_nonblocking(ch_fd)?;
     let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
         .map_err(|e| TransportError::os("epoll_create", e.into()))?;
-    epoll_add(&epoll, comp_fd, 1)?;
-    epoll_add(&epoll, ch_fd, 2)?;
+    epoll_add(&epoll, comp_fd, WAIT_COMP)?;
+    epoll_add(&epoll, ch_fd, WAIT_CM)?;
     Ok(epoll)
 }
 
@@ -385,7 +385,6 @@ impl VerbsTransport {
             next_listener: 1,
             cm_backlog: VecDeque::new(),
             cq_backlog: VecDeque::new(),
-            unacked_cq_events: 0,
             wcs: (0..32)
                 // SAFETY: plain data; zero is a valid bit pattern (ibv_poll_cq fills what it returns).
                 .map(|_| unsafe { std::mem::zeroed() })

@@ -8,7 +8,8 @@
 //!   queue pair per connection, created and connected through rdma_cm (address and route resolution, then
 //!   `rdma_connect` with our handshake as private data; `rdma_accept` on the passive side).
 //! * Waiting: an epoll set over the completion channel and the rdma_cm event channel. Arming is
-//!   `ibv_req_notify_cq` followed by one more poll, so a completion that slipped in between is not slept through.
+//!   `ibv_req_notify_cq` followed by one more poll, so a completion that slipped in between is not slept through;
+//!   it fails while an rdma_cm event waits, so a successful one also says the engine need not look for them.
 //! * Posting: a batch of requests is chained into one `ibv_post_send` (one doorbell). Only every
 //!   [`SIGNAL_EVERY`]-th request and the last of each batch is signalled; a signalled completion also completes the
 //!   unsignalled requests before it (a reliable connection completes in order), so the send queue never holds
@@ -167,7 +168,6 @@ pub struct VerbsTransport {
     /// Completions ready for the engine; `true` marks a shared receive (kept when its endpoint is released, so
     /// the engine gets its buffer back).
     cq_backlog: VecDeque<(Completion, bool)>,
-    unacked_cq_events: u32,
     /// Where `drain_cq` polls completions into (allocated once).
     wcs: Vec<ibv_wc>,
     /// The list a single [`Transport::post`](exs_transport::Transport::post) goes through (allocated once).
@@ -334,6 +334,10 @@ impl Transport for VerbsTransport {
         self.arm_wait()
     }
 
+    fn arm_covers_cm(&self) -> bool {
+        true
+    }
+
     fn wait_fd(&self) -> Option<OwnedFd> {
         self.epoll.0.as_fd().try_clone_to_owned().ok()
     }
@@ -367,12 +371,9 @@ impl Drop for VerbsTransport {
         }
         // The hardware can no longer touch any posted buffer: the leases go back.
         self.recvs.clear();
-        // SAFETY: no QP uses the CQ any more; pending channel events are acknowledged by destroying the CQ after
-        // acking; the channels are ours.
+        // SAFETY: no QP uses the CQ any more; every channel event read was acknowledged when read (see
+        // `arm_wait`); the channels are ours.
         unsafe {
-            if self.unacked_cq_events > 0 {
-                ibv_ack_cq_events(self.cq, self.unacked_cq_events);
-            }
             ibv_destroy_cq(self.cq);
             ibv_destroy_comp_channel(self.comp);
             rdma_destroy_event_channel(self.ch);

@@ -140,5 +140,6 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::keys::cases());
     v.extend(cases::leaks::cases());
     v.extend(cases::errors::cases());
+    v.extend(cases::waiting::cases());
     v
 }

@@ -12,3 +12,4 @@ pub mod scale;
 pub mod stream;
 pub mod stream_close;
 pub mod stream_io;
+pub mod waiting;

@@ -232,12 +232,7 @@ pub(super) fn softroce_jobs(
         p,
     ));
     // perftest and rstream: server in the background, client in front, on the same device.
-    let pt = |bin: &str, size: u64, extra: &str| {
-        format!(
-            "{bin} -R -d {dev} -F -s {size} {extra} >/dev/null 2>&1 & {}",
-            retry(&format!("{bin} -R -d {dev} -F -s {size} {extra} {addr}"))
-        )
-    };
+    let pt = |bin: &str, size: u64, extra: &str| perftest(bin, dev, addr, size, extra);
     let depth = p.depths.iter().copied().max().unwrap_or(8);
     for &size in p.sizes.iter().filter(|&&s| s >= 64) {
         // The same number of transfers in flight as exs gets.
@@ -345,12 +340,7 @@ pub(super) fn siw_jobs(exe: &str, p: &Plan, quick: bool) -> Vec<Job> {
         .into_iter()
         .filter(|j| j.tool == "exs" || (j.tool == "exs-ping" && j.variant != "normal"))
         .collect();
-    let pt = |bin: &str, size: u64, extra: &str| {
-        format!(
-            "{bin} -R -d {dev} -F -s {size} {extra} >/dev/null 2>&1 & {}",
-            retry(&format!("{bin} -R -d {dev} -F -s {size} {extra} {addr}"))
-        )
-    };
+    let pt = |bin: &str, size: u64, extra: &str| perftest(bin, dev, addr, size, extra);
     for &size in &plan.sizes {
         let iters = (32u64 << 20).div_ceil(size).clamp(100, 5_000);
         v.push(job(
@@ -567,4 +557,15 @@ fn callgrind_twice(cmd: impl Fn(usize) -> String, short: usize, long: usize) -> 
 
 pub(super) fn retry(client: &str) -> String {
     format!("for i in 1 2 3 4 5; do sleep 1; {client} && break; done; wait")
+}
+
+/// A perftest run over rdma_cm (`-R`) on device `dev`: the server in the background, the client in front. A
+/// server whose client was refused or crashed (a connection request that came before it listened, rejected)
+/// serves no second one, so each of up to five tries starts a server of its own.
+pub(super) fn perftest(bin: &str, dev: &str, addr: &str, size: u64, extra: &str) -> String {
+    let args = format!("-R -d {dev} -F -s {size} {extra}");
+    format!(
+        "for i in 1 2 3 4 5; do {bin} {args} >/dev/null 2>&1 & sleep 1; {bin} {args} {addr} && break; \
+         pkill -x {bin}; wait; done; wait"
+    )
 }

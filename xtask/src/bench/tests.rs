@@ -405,3 +405,45 @@ fn the_results_header_names_the_repeats_and_the_suite_it_ran() {
         "cargo xtask bench --suite softroce"
     );
 }
+
+/// A perftest server that refused its client (a connection request that came before it listened, rejected) or
+/// crashed serves no second one: the bench's rxe `ib_send_lat` point once went unmeasured after five tries of a
+/// client against the one dead server. Each try now starts a server of its own. Run with a stand-in `ib_send_lat`
+/// whose client succeeds only once a second server has started.
+#[test]
+fn a_perftest_point_starts_a_server_for_each_try_of_its_client() {
+    let dir = std::env::temp_dir().join(format!("exs-perftest-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let fake = dir.join("ib_send_lat");
+    std::fs::write(
+        &fake,
+        r#"#!/bin/sh
+d=$(dirname "$0")
+for a; do last=$a; done
+case "$last" in
+  127.0.0.1) served=$(cat "$d/served" 2>/dev/null || echo 0)
+     [ "$served" -ge 2 ] && { echo "served by server $served"; exit 0; }; exit 1;;
+  *) n=$(cat "$d/served" 2>/dev/null || echo 0); echo $((n + 1)) > "$d/served"; exit 0;;
+esac
+"#,
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cmd = perftest("ib_send_lat", "exs_rxe0", "127.0.0.1", 8, "-n 10");
+    let path = format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(&cmd)
+        .env("PATH", path)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("served by server 2"), "{cmd}: {stdout:?}");
+}

@@ -5,6 +5,7 @@
 //! after every call and every round of progress.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::error::OpError;
@@ -40,9 +41,18 @@ pub(crate) enum Done {
     Notify { id: u64, reads: usize },
 }
 
-/// Where the protocol's completions wait for the engine.
+/// Where the protocol's completions wait for the engine. Tokens complete under the engine lock, but one dropped
+/// elsewhere reports too, hence the lock; `queued` lets the engine's every round and call skip it while nothing
+/// waits (most rounds of a busy poller find nothing).
 #[derive(Clone, Default)]
-pub(crate) struct Outbox(Arc<Mutex<Vec<Done>>>);
+pub(crate) struct Outbox(Arc<Reported>);
+
+#[derive(Default)]
+struct Reported {
+    done: Mutex<Vec<Done>>,
+    /// Set, under the lock, by every report; cleared by the take that moves them.
+    queued: AtomicBool,
+}
 
 impl fmt::Debug for Outbox {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -52,12 +62,19 @@ impl fmt::Debug for Outbox {
 
 impl Outbox {
     fn push(&self, d: Done) {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).push(d);
+        let mut v = self.0.done.lock().unwrap_or_else(|p| p.into_inner());
+        v.push(d);
+        self.0.queued.store(true, Ordering::Release);
     }
 
-    /// Moves everything reported so far into `into`.
+    /// Moves everything reported so far into `into`. A report made while this runs, on another thread, is taken
+    /// by the next call.
     pub(crate) fn take(&self, into: &mut Vec<Done>) {
-        let mut v = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.0.queued.load(Ordering::Acquire) {
+            return;
+        }
+        let mut v = self.0.done.lock().unwrap_or_else(|p| p.into_inner());
+        self.0.queued.store(false, Ordering::Relaxed);
         into.append(&mut v);
     }
 }
@@ -118,5 +135,36 @@ impl OpToken {
 impl Drop for OpToken {
     fn drop(&mut self) {
         self.finish(Err(OpError::Cancelled), 0, EventFlags::default());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ids(out: &Outbox) -> Vec<u64> {
+        let mut v = Vec::new();
+        out.take(&mut v);
+        v.iter()
+            .map(|d| match d {
+                Done::Complete { id, .. } | Done::Notify { id, .. } => *id,
+            })
+            .collect()
+    }
+
+    /// The take skips the lock while nothing was reported; whatever was reported, on this thread or by a token
+    /// dropped on another, reaches a take after it, once.
+    #[test]
+    fn every_report_reaches_one_take_whichever_thread_made_it() {
+        let out = Outbox::default();
+        assert!(ids(&out).is_empty());
+        OpToken::new(1, out.clone()).complete(Ok(()), 8, EventFlags::default());
+        let t = OpToken::new(2, out.clone());
+        t.notify(3);
+        assert_eq!(ids(&out), vec![1, 2]);
+        assert!(ids(&out).is_empty());
+        std::thread::spawn(move || drop(t)).join().unwrap();
+        assert_eq!(ids(&out), vec![2]);
+        assert!(ids(&out).is_empty());
     }
 }

@@ -66,8 +66,10 @@ impl<T> Drop for EngineGuard<'_, T> {
             h.0 -= 1;
             (h.0 == 0 && !h.1.is_empty()).then(|| std::mem::take(&mut h.1))
         });
-        for f in later.into_iter().flatten() {
-            f();
+        if let Some(later) = later {
+            for f in later {
+                f();
+            }
         }
     }
 }

@@ -702,7 +702,7 @@ impl Engine {
                     self.fail_connect(sid, OpError::TimedOut);
                 }
             }
-            TimerKind::Proto => {
+            TimerKind::Proto | TimerKind::Keepalive => {
                 if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
                     conn.handle_timeout(now);
                     // The flush posts what it queued and sets the connection's next deadline.
@@ -818,7 +818,9 @@ impl Engine {
             self.fault(sid, Fault::Peer(v));
             return;
         }
-        self.timers.set(sid, TimerKind::Proto, deadline);
+        self.timers.set(sid, TimerKind::Proto, deadline.near);
+        self.timers
+            .set(sid, TimerKind::Keepalive, deadline.keepalive);
         if closing_done {
             self.disconnect(sid);
         }

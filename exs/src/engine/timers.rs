@@ -3,11 +3,12 @@
 //! connections a context holds, most of them idle with a keepalive timer each).
 //!
 //! The protocol's own timings (a delayed acknowledgment, a held window update, a stream sender's hold for an
-//! advertisement, the keepalive probe) are the
-//! connection's: it says when it next needs attention ([`crate::proto::conn::Conn::poll_timeout`], as
-//! quinn-proto's `Connection::poll_timeout`), and the engine keeps that one deadline here as
-//! [`TimerKind::Proto`]. The others belong to the connection's life around the protocol: connecting, lingering
-//! after a close, a listener's waiting requests.
+//! advertisement, the keepalive probe) are the connection's: it says when it next needs attention
+//! ([`crate::proto::conn::Conn::poll_timeout`], as quinn-proto's `Connection::poll_timeout`), and the engine keeps
+//! its two parts here: [`TimerKind::Proto`] for what the messages set and clear (a delayed acknowledgment),
+//! [`TimerKind::Keepalive`] for the keepalive check, which the messages leave where it is (one deadline for both
+//! moved the ordered set twice per message). The others belong to the connection's life around the protocol:
+//! connecting, lingering after a close, a listener's waiting requests.
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -23,8 +24,11 @@ pub(crate) enum TimerKind {
     Linger,
     /// A connect or an accept must finish by then.
     ConnectTimeout,
-    /// The connection's protocol needs attention ([`crate::proto::conn::Conn::handle_timeout`]).
+    /// The connection's protocol needs attention soon ([`crate::proto::conn::Conn::handle_timeout`]: a delayed
+    /// acknowledgment or window update, a stream sender's hold).
     Proto,
+    /// The connection's keepalive check is due (also [`crate::proto::conn::Conn::handle_timeout`]).
+    Keepalive,
 }
 
 /// Deadlines in order, at most one per socket and kind.
@@ -70,6 +74,7 @@ impl Timers {
             TimerKind::Linger,
             TimerKind::ConnectTimeout,
             TimerKind::Proto,
+            TimerKind::Keepalive,
         ] {
             self.set(sid, kind, None);
         }

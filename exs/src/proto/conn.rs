@@ -219,11 +219,15 @@ impl Conn {
 
     /// When the connection next needs [`Conn::handle_timeout`], if ever (the engine keeps one timer per
     /// connection at this deadline, as quinn-proto's `Connection::poll_timeout`).
-    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        [self.ack_at, self.keepalive_at, self.resync_at]
-            .into_iter()
-            .flatten()
-            .min()
+    ///
+    /// In two parts, which change at different paces: the near one (a delayed acknowledgment or window update, a
+    /// stream sender's hold), set and cleared with the messages, and the keepalive check, which moves only when it
+    /// comes due. The engine keeps a timer for each, so the messages do not move the keepalive's.
+    pub(crate) fn poll_timeout(&self) -> ConnTimeouts {
+        ConnTimeouts {
+            near: [self.ack_at, self.resync_at].into_iter().flatten().min(),
+            keepalive: self.keepalive_at,
+        }
     }
 
     /// Does what is due at `now`: a delayed acknowledgment or window update goes; a stream sender's hold for an
@@ -716,4 +720,13 @@ impl Conn {
     pub(crate) fn sends_drained(&self) -> bool {
         self.link.is_idle() && self.link.sends_drained(self.limits.max_send_wr)
     }
+}
+
+/// When a connection next needs [`Conn::handle_timeout`] ([`Conn::poll_timeout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ConnTimeouts {
+    /// A delayed acknowledgment or window update, or the end of a stream sender's hold for an advertisement.
+    pub(crate) near: Option<Instant>,
+    /// The next keepalive check.
+    pub(crate) keepalive: Option<Instant>,
 }

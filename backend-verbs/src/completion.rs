@@ -170,11 +170,14 @@ impl VerbsTransport {
     /// [`Transport::arm`](exs_transport::Transport::arm): `ibv_req_notify_cq`, then one more poll; `true` also
     /// says that no rdma_cm event is waiting ([`Transport::arm_covers_cm`](exs_transport::Transport::arm_covers_cm)).
     ///
-    /// One look at the wait set (zero timeout) says which channels have something: the completion channel's event
-    /// is then read (one at most: the queue signals once per arming, and there is one queue), and an rdma_cm event
-    /// waiting makes the arm fail so the next round takes it. This replaces a read of the completion channel that
-    /// failed when it was empty and spares the engine a read of the rdma_cm channel in every round that finds no
-    /// completions (each a system call).
+    /// One look at the wait set (zero timeout) says which channels have something: the completion channel is then
+    /// read until it is empty, and an rdma_cm event waiting makes the arm fail so the next round takes it. This
+    /// spares the read of an empty completion channel, which failed on every arm with nothing pending, and the
+    /// engine's read of the rdma_cm channel in every round that finds no completions (each a system call).
+    ///
+    /// The channel is emptied, not read once: an event of the arming before the last can arrive after that arm's
+    /// look and wait beside the last one's, and a channel left readable keeps the wait set readable, which a
+    /// sleeper registered edge-triggered (a tokio task) would never see change.
     pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
         let mut events = [EpollEvent::empty(); 2];
         let n = self
@@ -183,12 +186,19 @@ impl VerbsTransport {
             .map_err(|e| TransportError::os("epoll_wait", e.into()))?;
         let ready = |data: u64| events[..n].iter().any(|e| e.data() == data);
         if ready(WAIT_COMP) {
-            let mut cq = ptr::null_mut();
-            let mut ctx = ptr::null_mut();
-            // SAFETY: non-blocking channel; returns -1 when no event is pending.
-            if unsafe { ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } == 0 {
-                // SAFETY: acknowledging the event we got, for our CQ.
-                unsafe { ibv_ack_cq_events(self.cq, 1) };
+            let mut read = 0;
+            loop {
+                let mut cq = ptr::null_mut();
+                let mut ctx = ptr::null_mut();
+                // SAFETY: non-blocking channel; returns -1 when no event is pending.
+                if unsafe { ibv_get_cq_event(self.comp, &mut cq, &mut ctx) } != 0 {
+                    break;
+                }
+                read += 1;
+            }
+            if read > 0 {
+                // SAFETY: acknowledging the events we got, for our CQ (its only channel).
+                unsafe { ibv_ack_cq_events(self.cq, read) };
             }
         }
         // SAFETY: live CQ.

@@ -44,8 +44,8 @@ pub const EXS_ACCESS_READ: c_int = 1;
 /// `exs_mregister` access: the memory may be received into (the device writes it).
 pub const EXS_ACCESS_WRITE: c_int = 2;
 
-/// `exs_qwait_mode`: poll once, spin briefly when recent waits were short (at most 50 µs), then sleep until the
-/// number of events still missing has arrived (seed 004).
+/// `exs_qwait_mode`: poll once, spin briefly when recent waits were short (no longer than a sleep and a wake-up
+/// would cost), then sleep until the number of events still missing has arrived (seed 004).
 /// The default.
 pub const EXS_WAIT_ADAPTIVE: c_int = 0;
 /// `exs_qwait_mode`: sleep, and wake on every event.

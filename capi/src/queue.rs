@@ -52,8 +52,8 @@ pub extern "C" fn exs_qdelete(qh: exs_qhandle_t) -> c_int {
 }
 
 /// Chooses how `exs_qdequeue` waits on this queue: `EXS_WAIT_ADAPTIVE` (the default: poll once, spin while replies
-/// have recently come back within microseconds (at most 50 µs), then sleep until the number of events still
-/// missing has arrived, seed 004), `EXS_WAIT_BLOCK` (sleep, wake on every event) or
+/// have recently come back within microseconds (no longer than a sleep and a wake-up would cost), then sleep until
+/// the number of events still missing has arrived, seed 004), `EXS_WAIT_BLOCK` (sleep, wake on every event) or
 /// `EXS_WAIT_BUSY` (never sleep: the waiting thread runs the protocol itself, for the lowest latency at the cost
 /// of a busy core). -1 with `errno` `EBADF`, `EINVAL`.
 #[no_mangle]

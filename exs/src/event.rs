@@ -295,6 +295,11 @@ impl fmt::Debug for EventQueue {
 }
 
 impl EventQueue {
+    /// The longest an adaptive dequeue spins before it sleeps unless [`EventQueue::set_adaptive_spin`] says
+    /// otherwise: about what sleeping and being woken costs on a software transport, so a wait that takes longer
+    /// is cheaper asleep.
+    pub const DEFAULT_ADAPTIVE_SPIN: Duration = wait::ADAPTIVE_SPIN_MAX;
+
     /// Creates a queue that holds up to `depth` operations in flight or undequeued (ES-API `exs_qcreate(depth)`).
     /// Fails only if the process has no file descriptor left for the queue's readiness descriptor ([`AsFd`]).
     pub fn new(depth: usize) -> std::io::Result<Self> {
@@ -361,7 +366,8 @@ impl EventQueue {
         self.len() == 0
     }
 
-    /// The longest an adaptive dequeue on this queue spins before it sleeps (default 50 µs); it spins for about
+    /// The longest an adaptive dequeue on this queue spins before it sleeps (default
+    /// [`EventQueue::DEFAULT_ADAPTIVE_SPIN`]); it spins for about
     /// twice what its recent waits took, within that. `Duration::ZERO` turns the spin off: every dequeue that
     /// finds too few events sleeps at once, the patent's main embodiment. Other wait modes ignore it.
     ///

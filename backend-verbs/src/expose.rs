@@ -81,7 +81,7 @@ impl VerbsTransport {
         }
         let e = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?;
         if e.sends.entries() >= e.sq_cap {
-            return Err(TransportError::Resource("send queue full".into()));
+            return Err(crate::post::queue_full());
         }
         Ok(())
     }

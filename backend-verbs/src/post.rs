@@ -65,6 +65,11 @@ pub(crate) struct RecvRec {
     pub(crate) sge: Sge,
 }
 
+/// Why requests that did not fit in the send queue come back.
+pub(crate) fn queue_full() -> TransportError {
+    TransportError::Resource("send queue full".into())
+}
+
 /// An error code of a post call: providers return a positive errno (rxe, mlx5) or a negative one (siw).
 pub(crate) fn post_error(call: &str, rc: i32) -> TransportError {
     TransportError::os(call, std::io::Error::from_raw_os_error(rc.saturating_abs()))
@@ -510,9 +515,8 @@ impl VerbsTransport {
             return Err(Refused::new(e, std::mem::take(wrs)));
         }
         let mut rest = self.fit_sends(ep, wrs);
-        let full = || TransportError::Resource("send queue full".into());
         if wrs.is_empty() {
-            return Err(Refused::new(full(), rest));
+            return Err(Refused::new(queue_full(), rest));
         }
         // A failure here refuses the whole batch, which then never reached the device.
         let sinks = match self.sink_registrations(wrs) {
@@ -559,10 +563,7 @@ impl VerbsTransport {
             return if rest.is_empty() {
                 Ok(())
             } else {
-                Err(Refused::new(
-                    TransportError::Resource("send queue full".into()),
-                    rest,
-                ))
+                Err(Refused::new(queue_full(), rest))
             };
         }
         let mut refused = self.keep_posted_part(ep, chain, bad_at, rc);

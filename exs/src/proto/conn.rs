@@ -217,8 +217,8 @@ impl Conn {
         Ok(())
     }
 
-    /// When the connection next needs [`Conn::handle_timeout`], if ever (the engine keeps one timer per
-    /// connection at this deadline, as quinn-proto's `Connection::poll_timeout`).
+    /// When the connection next needs [`Conn::handle_timeout`], if ever (the engine keeps a timer at this deadline,
+    /// as quinn-proto's `Connection::poll_timeout`).
     ///
     /// In two parts, which change at different paces: the near one (a delayed acknowledgment or window update, a
     /// stream sender's hold), set and cleared with the messages, and the keepalive check, which moves only when it

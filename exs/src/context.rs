@@ -135,6 +135,7 @@ impl Context {
                     lead,
                     stop: AtomicBool::new(false),
                     busy: std::sync::atomic::AtomicUsize::new(0),
+                    lingering: std::sync::atomic::AtomicUsize::new(0),
                     wait_fd,
                     driver,
                 }),

@@ -421,6 +421,12 @@ impl Engine {
         self.trusted.forget_buffer(buf);
     }
 
+    /// Whether a send or shutdown has started and not completed: the protocol still has something to move out
+    /// (bytes queued behind the peer's advertisements or window), which needs rounds whoever runs them.
+    pub(crate) fn outgoing(&self) -> bool {
+        self.ops.any_outgoing()
+    }
+
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         self.timers.next()
     }

@@ -5,8 +5,12 @@
 //! none of that. An identifier carries its slot's generation beside the index, so a report for an operation that
 //! already completed (a persistent send's read notice that crossed its completion) finds nothing rather than the
 //! slot's next operation.
+//!
+//! It also counts the operations that move data or an end-of-stream out (sends and shutdowns; receives wait for
+//! the peer): while any is kept, the protocol has work of its own to finish, which the progress thread picks up
+//! soon after the application stops waiting (see [`crate::progress`], rule 3).
 
-use crate::event::Ticket;
+use crate::event::{EventKind, Ticket};
 
 /// An operation's ticket and the reads of a persistent send not yet reported (see `Engine::drain_done`).
 pub(super) type Entry = (Ticket, usize);
@@ -21,6 +25,13 @@ struct Slot {
 pub(super) struct Ops {
     slots: Vec<Slot>,
     free: Vec<u32>,
+    /// Entries kept for outgoing operations (see the module documentation).
+    outgoing: usize,
+}
+
+/// Whether an operation's ticket is for one that moves something out (not a receive).
+fn outgoing(entry: &Entry) -> bool {
+    entry.0.counted().1 != EventKind::Recv
 }
 
 impl Ops {
@@ -36,6 +47,7 @@ impl Ops {
                 u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 operations at once")
             }
         };
+        self.outgoing += usize::from(outgoing(&entry));
         let slot = &mut self.slots[index as usize];
         slot.entry = Some(entry);
         (u64::from(slot.generation) << 32) | u64::from(index)
@@ -54,7 +66,13 @@ impl Ops {
         let entry = slot.entry.take();
         slot.generation = slot.generation.wrapping_add(1);
         self.free.push((id & 0xffff_ffff) as u32);
+        self.outgoing -= usize::from(entry.as_ref().is_some_and(outgoing));
         entry
+    }
+
+    /// Whether an outgoing operation (a send or a shutdown) is kept: started and not yet complete.
+    pub(super) fn any_outgoing(&self) -> bool {
+        self.outgoing > 0
     }
 
     /// The entry of operation `id`, if it is still kept.
@@ -76,7 +94,11 @@ mod tests {
     use crate::ids::SocketId;
 
     fn ticket(context: u64) -> Ticket {
-        Ticket::hooked(EventKind::Recv, context, SocketId(1), |_| ())
+        ticket_of(EventKind::Recv, context)
+    }
+
+    fn ticket_of(kind: EventKind, context: u64) -> Ticket {
+        Ticket::hooked(kind, context, SocketId(1), |_| ())
     }
 
     #[test]
@@ -93,5 +115,22 @@ mod tests {
         assert_eq!(ops.len(), 1);
         assert!(ops.remove(second).is_some());
         assert_eq!(ops.len(), 0);
+    }
+
+    #[test]
+    fn sends_and_shutdowns_count_as_outgoing_until_they_complete_and_receives_never() {
+        let mut ops = Ops::default();
+        let recv = ops.insert((ticket(1), 0));
+        assert!(!ops.any_outgoing(), "a receive waits for the peer");
+        let send = ops.insert((ticket_of(EventKind::Send, 2), 0));
+        let shut = ops.insert((ticket_of(EventKind::Shutdown, 3), 0));
+        assert!(ops.any_outgoing());
+        assert!(ops.remove(send).is_some());
+        assert!(ops.remove(send).is_none(), "a second report finds nothing");
+        assert!(ops.any_outgoing(), "the shutdown is still kept");
+        assert!(ops.remove(shut).is_some());
+        assert!(!ops.any_outgoing());
+        assert!(ops.remove(recv).is_some());
+        assert!(!ops.any_outgoing());
     }
 }

@@ -78,6 +78,9 @@ pub(super) struct LeadState {
     pub(super) last_release: Option<Instant>,
     /// The progress thread sleeps until woken: the next leader to let go wakes it.
     pub(super) thread_deep: bool,
+    /// The last application to let go left sends or a shutdown in flight: while applications come and go, the
+    /// progress thread checks back every [`STANDBY`] at most (see `progress::check_back`).
+    pub(super) outgoing: bool,
     /// An application thread waits for the progress thread to hand the transport over.
     pub(super) handover_asked: bool,
     /// Queues of application threads waiting for the lead.
@@ -131,6 +134,7 @@ impl Lead {
                 holder: Holder::Nobody,
                 last_release: None,
                 thread_deep: false,
+                outgoing: false,
                 handover_asked: false,
                 followers: Vec::new(),
                 gap: Duration::ZERO,
@@ -245,12 +249,21 @@ impl Lead {
 
     /// The leader lets go: followers are nudged (one of them leads next), and a progress thread that sleeps until
     /// asked is woken to take over.
-    pub(super) fn release(&self, by_app: bool) {
-        self.release_locked(self.lock(), by_app);
+    /// `outgoing`: an application lets go with sends or a shutdown in flight (see [`LeadState::outgoing`]).
+    pub(super) fn release(&self, by_app: bool, outgoing: bool) {
+        self.release_locked(self.lock(), by_app, outgoing);
     }
 
     /// [`Lead::release`] with the lead's state already locked (a check and the release in one hold).
-    pub(super) fn release_locked(&self, mut s: MutexGuard<'_, LeadState>, by_app: bool) {
+    pub(super) fn release_locked(
+        &self,
+        mut s: MutexGuard<'_, LeadState>,
+        by_app: bool,
+        outgoing: bool,
+    ) {
+        if by_app {
+            s.outgoing = outgoing;
+        }
         s.holder = Holder::Nobody;
         s.task = false;
         s.suspect_since = None;
@@ -274,10 +287,12 @@ impl Lead {
 
     /// A busy-polling application thread stopped polling: it counts as a leader letting go (the progress thread
     /// stands aside for a while rather than arming the transport between two dequeues).
-    pub(crate) fn busy_poll_ended(&self, lingers: bool) {
+    /// `outgoing`: it stopped with sends or a shutdown in flight (see [`LeadState::outgoing`]).
+    pub(crate) fn busy_poll_ended(&self, lingers: bool, outgoing: bool) {
         let mut s = self.lock();
         let now = Instant::now();
         s.last_release = Some(now);
+        s.outgoing = outgoing;
         if lingers {
             s.last_busy_end = Some(now);
         }
@@ -292,8 +307,9 @@ impl Lead {
         (end > Instant::now()).then_some(end)
     }
 
-    pub(crate) fn release_app(&self) {
-        self.release(true);
+    /// An application thread lets go; `outgoing`: with sends or a shutdown in flight.
+    pub(crate) fn release_app(&self, outgoing: bool) {
+        self.release(true, outgoing);
     }
 
     /// The leader's wake-up: marks it awake, and drains its eventfd if that is what woke it (no system call
@@ -374,6 +390,11 @@ pub(crate) trait Poller: Send + Sync {
     fn woke(&self, kicked: bool);
     /// The leader lets go.
     fn release(&self);
+    /// Whether the context has sends or a shutdown in flight (see [`LeadState::outgoing`]).
+    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+    fn outgoing(&self) -> bool {
+        false
+    }
     /// Counts a leader's sleep.
     fn count_sleep(&self);
     /// The lead of a task that sleeps on the transport through its reactor: see [`Lead::try_lead_task`] and the

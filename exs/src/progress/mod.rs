@@ -38,7 +38,7 @@ mod task;
 
 pub use lead::ProgressStats;
 pub(crate) use lead::{readable, sleep_on, Driver, Follower, Lead, Poller, STANDBY};
-use lead::{Holder, ABSENT, AWAKE, FOREVER, MAX_BACKOFF, ROUNDS, STANDBY_MAX};
+use lead::{Holder, LeadState, ABSENT, AWAKE, FOREVER, MAX_BACKOFF, ROUNDS, STANDBY_MAX};
 
 /// What a context's threads share: the engine and its leadership.
 pub(crate) struct Shared {
@@ -46,8 +46,11 @@ pub(crate) struct Shared {
     /// Who leads (sleeps on the transport) and when each sleeper wakes: see the module docs.
     pub(crate) lead: Lead,
     pub(crate) stop: AtomicBool,
-    /// Application threads busy-polling this context right now.
+    /// Application threads busy-polling this context right now (the adaptive wait's spins included).
     pub(crate) busy: AtomicUsize,
+    /// Of those, the ones in a busy-polling dequeue (that count as polling for a while after it ends, see
+    /// [`Lead::busy_lingers`]); the others spin for a short while before they sleep or return.
+    pub(crate) lingering: AtomicUsize,
     pub(crate) wait_fd: Option<OwnedFd>,
     pub(crate) driver: Option<Arc<dyn Driver>>,
 }
@@ -56,11 +59,18 @@ impl Poller for Shared {
     fn set_busy(&self, on: bool, lingers: bool) {
         // No wake-up either way (a system call per dequeue is what busy polling avoids): a leading progress
         // thread notices at its next wake-up and stops arming; a standing-back one
-        // (see `progress::stand_back_for_busy_pollers`) checks back within `progress::MAX_BACKOFF`.
+        // (see `progress::stand_back_for_busy_pollers`) checks back within `progress::MAX_BACKOFF`, or
+        // `STANDBY` while only spins mark the context.
         if on {
             self.busy.fetch_add(1, Ordering::SeqCst);
+            if lingers {
+                self.lingering.fetch_add(1, Ordering::SeqCst);
+            }
         } else {
-            self.lead.busy_poll_ended(lingers);
+            self.lead.busy_poll_ended(lingers, self.outgoing());
+            if lingers {
+                self.lingering.fetch_sub(1, Ordering::SeqCst);
+            }
             self.busy.fetch_sub(1, Ordering::SeqCst);
         }
     }
@@ -99,7 +109,13 @@ impl Poller for Shared {
     }
 
     fn release(&self) {
-        self.lead.release_app();
+        self.lead.release_app(self.outgoing());
+    }
+
+    fn outgoing(&self) -> bool {
+        // A thread holding the engine is running rounds itself: assume work is in flight (the progress thread
+        // then only checks back sooner).
+        EngineGuard::try_lock(&self.engine).is_none_or(|e| e.outgoing())
     }
 
     fn count_sleep(&self) {
@@ -137,12 +153,37 @@ impl Shared {
     }
 
     /// Until when an application thread counts as busy-polling this context: [`MAX_BACKOFF`] from now while one
-    /// polls, the end of the linger after the last poll (see [`Lead::busy_lingers`]), or `None`.
-    pub(crate) fn busy_until(&self) -> Option<Instant> {
-        if self.busy.load(Ordering::SeqCst) > 0 {
-            return Some(Instant::now() + MAX_BACKOFF);
+    /// polls, the end of the linger after the last poll (see [`Lead::busy_lingers`]), or `None`. While only
+    /// adaptive waits spin, `spins` from now (the progress thread's backoff, from [`STANDBY`]): a spin lasts far
+    /// less and ends with no wake-up of this thread, and the writes an application makes once its spin has ended
+    /// (after a connect's, say) must not wait a whole backoff unless spins went on for that long.
+    pub(crate) fn busy_until(&self, spins: Duration) -> Option<Instant> {
+        let stand_back = stand_back_for(
+            self.lingering.load(Ordering::SeqCst),
+            self.busy.load(Ordering::SeqCst),
+            spins,
+        );
+        match stand_back {
+            Some(d) => Some(Instant::now() + d),
+            None => self.lead.busy_lingers(),
         }
-        self.lead.busy_lingers()
+    }
+
+    /// Whether an application thread busy-polls this context, or counts as polling (see [`Shared::busy_until`]).
+    fn busy(&self) -> bool {
+        self.busy_until(STANDBY).is_some()
+    }
+}
+
+/// How long the progress thread stands back from a context that `busy` threads poll, `lingering` of them in
+/// busy-polling dequeues (see [`Shared::busy_until`]), `spins` if they only spin; `None` when nobody polls.
+fn stand_back_for(lingering: usize, busy: usize, spins: Duration) -> Option<Duration> {
+    if lingering > 0 {
+        Some(MAX_BACKOFF)
+    } else if busy > 0 {
+        Some(spins)
+    } else {
+        None
     }
 }
 
@@ -186,6 +227,7 @@ pub(crate) fn prepare_sleep(
 }
 
 /// What the progress thread does next.
+#[derive(Debug, PartialEq)]
 enum Next {
     /// Lead: sleep on the transport.
     Lead,
@@ -211,7 +253,9 @@ pub(crate) fn thread(shared: Arc<Shared>) {
         if shared.stopping() {
             return;
         }
-        if let Some(until) = shared.busy_until() {
+        // Spinning waits keep it back for the backoff, which grows while they go on (see `Shared::busy_until`).
+        if let Some(until) = shared.busy_until(backoff) {
+            backoff = (backoff * 2).min(MAX_BACKOFF);
             stand_back_for_busy_pollers(&shared, until);
             continue;
         }
@@ -288,8 +332,7 @@ fn next_step(lead: &Lead, backoff_now: &mut Duration) -> Next {
             } else if backoff < MAX_BACKOFF
                 || s.last_release.is_some_and(|t| t.elapsed() < MAX_BACKOFF)
             {
-                let b = backoff;
-                backoff = (backoff * 2).min(MAX_BACKOFF);
+                let b = check_back(&s, &mut backoff);
                 Next::Watch(Some(now + b), false)
             } else if std::mem::take(&mut s.watched_deep) {
                 Next::Watch(Some(now + MAX_BACKOFF), false)
@@ -308,16 +351,29 @@ fn next_step(lead: &Lead, backoff_now: &mut Duration) -> Next {
             s.thread_deep = true;
             Next::Deep
         }
-        // Applications come and go (a ping-pong): check back, at most every MAX_BACKOFF.
-        Holder::App => {
-            let b = backoff;
-            backoff = (backoff * 2).min(MAX_BACKOFF);
-            Next::Standby(b)
-        }
+        // Applications come and go (a ping-pong): check back, at most every MAX_BACKOFF, running nothing meanwhile
+        // (the leading application runs the protocol and its timers).
+        Holder::App => Next::Watch(Some(Instant::now() + check_back(&s, &mut backoff)), false),
         Holder::Thread => Next::Lead,
     };
     *backoff_now = backoff;
     next
+}
+
+/// How long the progress thread stands aside before it checks back while applications come and go: the backoff,
+/// doubled for the next time up to [`MAX_BACKOFF`]; at most [`STANDBY`] while the last application to let go left
+/// sends or a shutdown in flight. Those need rounds to finish (the peer's advertisements and window updates to
+/// answer) whether or not the application comes back: a writer that returns from its last write and turns to
+/// something else leaves its last bytes to this thread, which took the transport only after its current
+/// check-back (up to [`MAX_BACKOFF`] away) and the standby after it.
+fn check_back(s: &LeadState, backoff: &mut Duration) -> Duration {
+    let b = *backoff;
+    *backoff = (b * 2).min(MAX_BACKOFF);
+    if s.outgoing {
+        b.min(STANDBY)
+    } else {
+        b
+    }
 }
 
 fn sleep_thread(shared: &Shared, until: Option<Instant>) {
@@ -343,8 +399,8 @@ fn sleep_thread_on(shared: &Shared, until: Option<Instant>, also: &[BorrowedFd<'
 fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
     let lead = &shared.lead;
     loop {
-        if shared.stopping() || lead.lock().handover_asked || shared.busy_until().is_some() {
-            lead.release(false);
+        if shared.stopping() || lead.lock().handover_asked || shared.busy() {
+            lead.release(false, false);
             return;
         }
         let until = {
@@ -404,4 +460,59 @@ fn standby(shared: &Shared, t: Duration) {
         until
     };
     sleep_thread(shared, Some(until));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A lead that nobody holds, whose last application let go just now (`outgoing`: with sends in flight).
+    fn let_go(outgoing: bool) -> Lead {
+        let lead = Lead::new().unwrap();
+        lead.release(true, outgoing);
+        lead
+    }
+
+    /// Regression (issue 26): while applications come and go with sends in flight, the progress thread checks back
+    /// every [`STANDBY`] at most, not after a backoff of up to [`MAX_BACKOFF`]: the last of them may not come back
+    /// (a tokio stream's writer that had waited for room left its last bytes waiting that long).
+    #[test]
+    fn while_applications_lead_with_sends_in_flight_the_progress_thread_checks_back_within_the_standby(
+    ) {
+        for outgoing in [true, false] {
+            let lead = let_go(outgoing);
+            {
+                let mut s = lead.lock();
+                s.holder = Holder::App;
+            }
+            let mut backoff = MAX_BACKOFF / 2;
+            let next = next_step(&lead, &mut backoff);
+            let want = if outgoing { STANDBY } else { MAX_BACKOFF / 2 };
+            match next {
+                Next::Watch(Some(at), false) => {
+                    let d = at.saturating_duration_since(Instant::now());
+                    assert!(
+                        d <= want && d + STANDBY / 2 > want,
+                        "outgoing {outgoing}: {d:?}"
+                    );
+                }
+                next => panic!("outgoing {outgoing}: {next:?}"),
+            }
+            assert_eq!(
+                backoff, MAX_BACKOFF,
+                "the backoff still grows towards the deep sleep"
+            );
+        }
+    }
+
+    /// Regression (issue 26): an adaptive wait's spin (a connect's, say) made the progress thread stand back for
+    /// [`MAX_BACKOFF`], and what the application left when it returned from the spin (a stream's first writes)
+    /// waited that long; busy-polling dequeues still keep it back that long.
+    #[test]
+    fn the_progress_thread_stands_back_from_spinning_waits_for_its_backoff_and_from_busy_pollers_for_the_longest(
+    ) {
+        assert_eq!(stand_back_for(0, 0, STANDBY), None);
+        assert_eq!(stand_back_for(0, 2, STANDBY), Some(STANDBY));
+        assert_eq!(stand_back_for(1, 2, STANDBY), Some(MAX_BACKOFF));
+    }
 }

@@ -39,10 +39,11 @@ impl Lead {
 
     /// The task given `term` lets go, if it still leads (checked and released in one hold of the lock: a steal
     /// in between would otherwise be undone).
-    pub(crate) fn release_task(&self, term: u64) {
+    /// `outgoing`: with sends or a shutdown in flight (see `LeadState::outgoing`).
+    pub(crate) fn release_task(&self, term: u64, outgoing: bool) {
         let s = self.lock();
         if task_leads(&s, term) {
-            self.release_locked(s, true);
+            self.release_locked(s, true, outgoing);
         }
     }
 

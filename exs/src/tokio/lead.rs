@@ -181,7 +181,7 @@ impl TaskLead {
     pub(crate) fn release(&mut self) {
         if let (Some(term), Some(p)) = (self.term.take(), &self.poller) {
             if let Some(lead) = p.lead() {
-                lead.release_task(term);
+                lead.release_task(term, p.outgoing());
             }
         }
     }

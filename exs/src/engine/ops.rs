@@ -1,10 +1,10 @@
 //! The operations handed to the protocol, by identifier: their event-queue tickets, in a slab.
 //!
-//! Every send and receive takes an entry when it starts and gives it back when it completes. A hash map keyed by an
-//! ever-growing number paid a hash, a probe and, as removed keys piled up, rehashes; a slot index is found with
-//! none of that. An identifier carries its slot's generation beside the index, so a report for an operation that
-//! already completed (a persistent send's read notice that crossed its completion) finds nothing rather than the
-//! slot's next operation.
+//! Every send, receive and shutdown takes an entry when it starts and gives it back when it completes. A hash map
+//! keyed by an ever-growing number paid a hash, a probe and, as removed keys piled up, rehashes; a slot index is
+//! found with none of that. An identifier carries its slot's generation beside the index, so a report for an
+//! operation that already completed (a persistent send's read notice that crossed its completion) finds nothing
+//! rather than the slot's next operation.
 //!
 //! It also counts the operations that move data or an end-of-stream out (sends and shutdowns; receives wait for
 //! the peer): while any is kept, the protocol has work of its own to finish, which the progress thread picks up

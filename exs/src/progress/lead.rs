@@ -2,7 +2,7 @@
 //! [`crate::progress`]. Below the engine: it knows queues only as [`Follower`]s and contexts only as [`Poller`]s.
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
@@ -113,6 +113,8 @@ pub(crate) struct Lead {
     pub(super) leader_sleep: AtomicU64,
     /// When the standing-aside progress thread wakes, likewise.
     pub(super) thread_sleep: AtomicU64,
+    /// The progress thread stands back from adaptive waits' spins (its sleep is not a check-back on a leader).
+    pub(super) thread_spin_stand_back: AtomicBool,
     /// Bumped each time a leading task runs the protocol; with it, the last value the progress thread saw.
     pub(super) task_beat: AtomicU64,
     pub(super) task_beat_seen: AtomicU64,
@@ -149,6 +151,7 @@ impl Lead {
             epoch: Instant::now(),
             leader_sleep: AtomicU64::new(ABSENT),
             thread_sleep: AtomicU64::new(ABSENT),
+            thread_spin_stand_back: AtomicBool::new(false),
             task_beat: AtomicU64::new(0),
             task_beat_seen: AtomicU64::new(0),
             task_fds: Mutex::new(None),
@@ -179,6 +182,15 @@ impl Lead {
             Some(t) => {
                 (t.saturating_duration_since(self.epoch).as_nanos() as u64).clamp(1, FOREVER - 1)
             }
+        }
+    }
+
+    /// Whether the progress thread sleeps, standing aside, until later than `d` from now.
+    fn thread_sleeps_beyond(&self, d: Duration) -> bool {
+        match self.thread_sleep.load(Ordering::SeqCst) {
+            ABSENT | AWAKE => false,
+            FOREVER => true,
+            at => at > self.stamp(Some(Instant::now() + d)),
         }
     }
 
@@ -263,6 +275,17 @@ impl Lead {
     ) {
         if by_app {
             s.outgoing = outgoing;
+            // A check-back scheduled while the application before let go with nothing in flight may be far: these
+            // sends must not wait for it (see `progress::check_back`). Once: the thread's next check-back is near.
+            // Not a stand-back from spins: spinners come back within microseconds, and waking the thread at each
+            // release of a pump that spins between its waits would cost a wake-up per message.
+            if outgoing
+                && !s.thread_deep
+                && !self.thread_spin_stand_back.load(Ordering::SeqCst)
+                && self.thread_sleeps_beyond(STANDBY)
+            {
+                let _ = self.thread_wake.write(1);
+            }
         }
         s.holder = Holder::Nobody;
         s.task = false;
@@ -391,7 +414,6 @@ pub(crate) trait Poller: Send + Sync {
     /// The leader lets go.
     fn release(&self);
     /// Whether the context has sends or a shutdown in flight (see [`LeadState::outgoing`]).
-    #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
     fn outgoing(&self) -> bool {
         false
     }

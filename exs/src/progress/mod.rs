@@ -59,8 +59,8 @@ impl Poller for Shared {
     fn set_busy(&self, on: bool, lingers: bool) {
         // No wake-up either way (a system call per dequeue is what busy polling avoids): a leading progress
         // thread notices at its next wake-up and stops arming; a standing-back one
-        // (see `progress::stand_back_for_busy_pollers`) checks back within `progress::MAX_BACKOFF`, or
-        // `STANDBY` while only spins mark the context.
+        // (see `progress::stand_back_for_busy_pollers`) checks back within `progress::MAX_BACKOFF`, or within its
+        // backoff (`STANDBY` growing to `MAX_BACKOFF`) while only spins mark the context.
         if on {
             self.busy.fetch_add(1, Ordering::SeqCst);
             if lingers {
@@ -154,9 +154,9 @@ impl Shared {
 
     /// Until when an application thread counts as busy-polling this context: [`MAX_BACKOFF`] from now while one
     /// polls, the end of the linger after the last poll (see [`Lead::busy_lingers`]), or `None`. While only
-    /// adaptive waits spin, `spins` from now (the progress thread's backoff, from [`STANDBY`]): a spin lasts far
-    /// less and ends with no wake-up of this thread, and the writes an application makes once its spin has ended
-    /// (after a connect's, say) must not wait a whole backoff unless spins went on for that long.
+    /// adaptive waits spin, `spins` from now (the progress thread's backoff, see [`spin_stand_back`]): a spin
+    /// lasts far less and ends with no wake-up of this thread, and the writes an application makes once its spin
+    /// has ended (after a connect's, say) must not wait a whole backoff unless spins went on for that long.
     pub(crate) fn busy_until(&self, spins: Duration) -> Option<Instant> {
         let stand_back = stand_back_for(
             self.lingering.load(Ordering::SeqCst),
@@ -173,6 +173,11 @@ impl Shared {
     fn busy(&self) -> bool {
         self.busy_until(STANDBY).is_some()
     }
+
+    /// Whether only adaptive waits' spins mark this context as polled now.
+    fn spinning_only(&self) -> bool {
+        self.lingering.load(Ordering::SeqCst) == 0 && self.busy.load(Ordering::SeqCst) > 0
+    }
 }
 
 /// How long the progress thread stands back from a context that `busy` threads poll, `lingering` of them in
@@ -185,6 +190,17 @@ fn stand_back_for(lingering: usize, busy: usize, spins: Duration) -> Option<Dura
     } else {
         None
     }
+}
+
+/// How long the progress thread stands back from adaptive waits' spins: its backoff, [`STANDBY`] after it led or
+/// slept deep, doubling up to [`MAX_BACKOFF`] at each look while applications spin or lead (a pump or ping-pong
+/// whose waits spin keeps it far back; a connect's spin right after a hand-over only for [`STANDBY`]). One backoff
+/// for spins and check-backs: a backoff of their own, reset by every look that found no spin, tried, woke the thread
+/// twice as often in a pump whose waits spin and lead in turn.
+fn spin_stand_back(backoff: &mut Duration) -> Duration {
+    let d = *backoff;
+    *backoff = (d * 2).min(MAX_BACKOFF);
+    d
 }
 
 /// Runs the protocol until nothing more happens now (bounded), then arms the transport. `Some(deadline)`: the
@@ -235,9 +251,10 @@ enum Next {
     Standby(Duration),
     /// Stand aside until the leader lets go.
     Deep,
-    /// A task leads: look at it again at this time (`None`: when woken), and, with `true`, when the transport
-    /// signals; running nothing meanwhile (the task runs the protocol and its timers; rounds here would take what
-    /// signalled the transport, and with it the sign that the task stopped being polled).
+    /// An application or a task leads: look at it again at this time (`None`: when woken), and, with `true`, when
+    /// the transport signals; running nothing meanwhile (the leader runs the protocol and its timers; with a task,
+    /// rounds here would also take what signalled the transport, and with it the sign that it stopped being
+    /// polled).
     Watch(Option<Instant>, bool),
 }
 
@@ -253,10 +270,18 @@ pub(crate) fn thread(shared: Arc<Shared>) {
         if shared.stopping() {
             return;
         }
-        // Spinning waits keep it back for the backoff, which grows while they go on (see `Shared::busy_until`).
-        if let Some(until) = shared.busy_until(backoff) {
-            backoff = (backoff * 2).min(MAX_BACKOFF);
+        // Spinning waits keep it back for the backoff, which grows while they go on (see `spin_stand_back`).
+        let spinning = shared.spinning_only();
+        let spins = if spinning {
+            spin_stand_back(&mut backoff)
+        } else {
+            STANDBY
+        };
+        if let Some(until) = shared.busy_until(spins) {
+            lead.thread_spin_stand_back
+                .store(spinning, Ordering::SeqCst);
             stand_back_for_busy_pollers(&shared, until);
+            lead.thread_spin_stand_back.store(false, Ordering::SeqCst);
             continue;
         }
         // What a leading task would have been woken for: the transport, its wake-up eventfd, its wake-up time
@@ -425,7 +450,8 @@ fn lead_as_thread(shared: &Shared, wait_fd: BorrowedFd<'_>) {
 /// `Engine::cm_busy_due`) connection events itself, so this thread stays out of its way: no arming (no
 /// completion-channel wake-ups), no rounds (they would only take the engine lock from the poller), and it checks
 /// back every [`MAX_BACKOFF`] whether the polling has ended (a poller counts as polling until it has been out of
-/// its dequeues for that long), or at once when woken. Issue 12: checking back every millisecond and running a
+/// its dequeues for that long), or at once when woken; adaptive waits' spins, which end by themselves within
+/// microseconds, keep it back for its backoff only (see [`spin_stand_back`]). Issue 12: checking back every millisecond and running a
 /// round cost wake-ups (two context switches each) on each side of a busy ping-pong on libfabric tcp, and it woke
 /// for delayed-acknowledgment deadlines the reply had already cancelled (the bench README's table of system calls
 /// and context switches per round trip has the before and after).
@@ -473,46 +499,71 @@ mod tests {
         lead
     }
 
-    /// Regression (issue 26): while applications come and go with sends in flight, the progress thread checks back
-    /// every [`STANDBY`] at most, not after a backoff of up to [`MAX_BACKOFF`]: the last of them may not come back
-    /// (a tokio stream's writer that had waited for room left its last bytes waiting that long).
+    /// Regression (issue 26): while applications (threads or tasks) come and go with sends in flight, the
+    /// progress thread checks back every [`STANDBY`] at most, not after a backoff of up to [`MAX_BACKOFF`]: the last
+    /// of them may not come back (a tokio stream's writer that had waited for room left its last bytes waiting that
+    /// long). A check-back while one leads only looks (`Watch`), and the backoff still grows towards the deep sleep.
     #[test]
     fn while_applications_lead_with_sends_in_flight_the_progress_thread_checks_back_within_the_standby(
     ) {
-        for outgoing in [true, false] {
-            let lead = let_go(outgoing);
-            {
-                let mut s = lead.lock();
-                s.holder = Holder::App;
-            }
-            let mut backoff = MAX_BACKOFF / 2;
-            let next = next_step(&lead, &mut backoff);
-            let want = if outgoing { STANDBY } else { MAX_BACKOFF / 2 };
-            match next {
-                Next::Watch(Some(at), false) => {
-                    let d = at.saturating_duration_since(Instant::now());
-                    assert!(
-                        d <= want && d + STANDBY / 2 > want,
-                        "outgoing {outgoing}: {d:?}"
-                    );
+        for task in [false, true] {
+            for outgoing in [true, false] {
+                let lead = let_go(outgoing);
+                {
+                    let mut s = lead.lock();
+                    s.holder = Holder::App;
+                    s.task = task;
                 }
-                next => panic!("outgoing {outgoing}: {next:?}"),
+                let mut backoff = MAX_BACKOFF / 2;
+                let before = Instant::now();
+                let next = next_step(&lead, &mut backoff);
+                let after = Instant::now();
+                let want = if outgoing { STANDBY } else { MAX_BACKOFF / 2 };
+                let case = format!("task {task}, outgoing {outgoing}");
+                match next {
+                    Next::Watch(Some(at), false) => {
+                        assert!(at >= before + want && at <= after + want, "{case}: {at:?}")
+                    }
+                    next => panic!("{case}: {next:?}"),
+                }
+                assert_eq!(backoff, MAX_BACKOFF, "{case}");
             }
-            assert_eq!(
-                backoff, MAX_BACKOFF,
-                "the backoff still grows towards the deep sleep"
-            );
         }
     }
 
-    /// Regression (issue 26): an adaptive wait's spin (a connect's, say) made the progress thread stand back for
-    /// [`MAX_BACKOFF`], and what the application left when it returned from the spin (a stream's first writes)
-    /// waited that long; busy-polling dequeues still keep it back that long.
+    /// Regression (issue 26): an application that lets go with sends in flight wakes a progress thread whose
+    /// check-back was scheduled further than [`STANDBY`] away (while the one before let go with none), once; with
+    /// none in flight, or a check-back that near, it wakes nobody.
     #[test]
-    fn the_progress_thread_stands_back_from_spinning_waits_for_its_backoff_and_from_busy_pollers_for_the_longest(
-    ) {
+    fn letting_go_with_sends_in_flight_brings_a_far_check_back_near() {
+        let woken = |outgoing: bool, check_back: Duration| {
+            let lead = Lead::new().unwrap();
+            lead.thread_sleep.store(
+                lead.stamp(Some(Instant::now() + check_back)),
+                Ordering::SeqCst,
+            );
+            lead.release(true, outgoing);
+            lead.thread_wake.read().is_ok()
+        };
+        assert!(woken(true, MAX_BACKOFF));
+        assert!(!woken(false, MAX_BACKOFF));
+        assert!(!woken(true, STANDBY / 2));
+    }
+
+    /// Regression (issue 26): adaptive waits' spins keep the progress thread back for its backoff, [`STANDBY`] at
+    /// the first look after it led (a connect's spin made it stand back [`MAX_BACKOFF`], and the writes after the
+    /// connect waited that long), doubling while spins go on; busy-polling dequeues keep it back [`MAX_BACKOFF`].
+    #[test]
+    fn spins_keep_the_progress_thread_back_for_its_backoff_and_busy_pollers_for_the_longest() {
+        let mut backoff = STANDBY;
+        assert_eq!(spin_stand_back(&mut backoff), STANDBY);
+        assert_eq!(spin_stand_back(&mut backoff), STANDBY * 2);
+        for _ in 0..8 {
+            spin_stand_back(&mut backoff);
+        }
+        assert_eq!(spin_stand_back(&mut backoff), MAX_BACKOFF);
         assert_eq!(stand_back_for(0, 0, STANDBY), None);
-        assert_eq!(stand_back_for(0, 2, STANDBY), Some(STANDBY));
+        assert_eq!(stand_back_for(0, 2, STANDBY * 2), Some(STANDBY * 2));
         assert_eq!(stand_back_for(1, 2, STANDBY), Some(MAX_BACKOFF));
     }
 }

@@ -226,11 +226,7 @@ impl Chain {
             w.sg_list = list.as_mut_ptr();
             w.num_sge = list.len() as i32;
         }
-        for i in 0..self.natives.len().saturating_sub(1) {
-            let next: *mut ibv_send_wr = &mut self.natives[i + 1];
-            self.natives[i].next = next;
-        }
-        self.natives.as_mut_ptr()
+        chain_next(&mut self.natives, |w: &mut ibv_send_wr, next| w.next = next)
     }
 }
 
@@ -278,12 +274,23 @@ impl RecvChain {
         for (w, s) in self.natives.iter_mut().zip(self.sges.iter_mut()) {
             w.sg_list = s;
         }
-        for i in 0..self.natives.len().saturating_sub(1) {
-            let next: *mut ibv_recv_wr = &mut self.natives[i + 1];
-            self.natives[i].next = next;
-        }
-        self.natives.as_mut_ptr()
+        chain_next(&mut self.natives, |w: &mut ibv_recv_wr, next| w.next = next)
     }
+}
+
+/// Points each request of `natives` at the one after it (`set_next`) and returns the head. Every pointer comes from
+/// the one base pointer of the list's buffer: a pointer taken from an element borrowed mutably would be invalidated,
+/// under Rust's aliasing rules, by the next mutable borrow of the list (the indexing that stores it), though the
+/// compiled code was the same.
+fn chain_next<T>(natives: &mut [T], set_next: impl Fn(&mut T, *mut T)) -> *mut T {
+    let n = natives.len();
+    let base = natives.as_mut_ptr();
+    for i in 0..n.saturating_sub(1) {
+        // SAFETY: `i + 1 < n`, so both elements are in the buffer `base` points at; the list is not touched
+        // otherwise while these pointers are made, and the reference to element `i` ends with the call.
+        unsafe { set_next(&mut *base.add(i), base.add(i + 1)) };
+    }
+    base
 }
 
 impl VerbsTransport {
@@ -804,5 +811,43 @@ impl VerbsTransport {
         })
         // The receives that did not reach the queue are dropped, as the trait says.
         .map_err(|r| r.error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A native request's shape as far as chaining goes.
+    struct Wr {
+        id: usize,
+        next: *mut Wr,
+    }
+
+    /// Each request points at the next and the last at nothing, through pointers that stay valid together: all
+    /// come from one base pointer (the indexing this replaced made each pointer from a mutable borrow that the next
+    /// store's borrow invalidated under Rust's aliasing rules, Stacked Borrows as Miri checks them).
+    #[test]
+    fn a_chain_of_requests_links_each_to_the_next_through_pointers_that_stay_valid() {
+        for n in [0, 1, 2, 5] {
+            let mut wrs: Vec<Wr> = (0..n)
+                .map(|id| Wr {
+                    id,
+                    next: ptr::null_mut(),
+                })
+                .collect();
+            let head = chain_next(&mut wrs, |w: &mut Wr, next| w.next = next);
+            let mut seen = Vec::new();
+            let mut at = head;
+            for _ in 0..n {
+                // SAFETY: `at` is the head or a `next` that `chain_next` set, in `wrs`'s buffer, which has not
+                // moved or been borrowed since.
+                let w = unsafe { &*at };
+                seen.push(w.id);
+                at = w.next;
+            }
+            assert_eq!(seen, (0..n).collect::<Vec<_>>());
+            assert!(n == 0 || at.is_null(), "the last request ends the chain");
+        }
     }
 }

@@ -75,9 +75,10 @@ impl Ops {
         self.outgoing > 0
     }
 
-    /// The entry of operation `id`, if it is still kept.
-    pub(super) fn get_mut(&mut self, id: u64) -> Option<&mut Entry> {
-        self.slot(id)?.entry.as_mut()
+    /// The ticket of operation `id` and its unreported reads, if it is still kept.
+    pub(super) fn get_mut(&mut self, id: u64) -> Option<(&Ticket, &mut usize)> {
+        // The ticket is lent shared: the outgoing count follows the kind it was inserted with.
+        self.slot(id)?.entry.as_mut().map(|(t, n)| (&*t, n))
     }
 
     /// Operations kept.

@@ -243,7 +243,7 @@ pub(crate) fn prepare_sleep(
 }
 
 /// What the progress thread does next.
-#[derive(Debug, PartialEq)]
+#[derive(Debug)]
 enum Next {
     /// Lead: sleep on the transport.
     Lead,

@@ -94,9 +94,14 @@ impl Engine {
             self.cm_skipped = 0;
             did |= self.poll_cm_events();
         }
-        // One reading of the clock for the round's timers and flushes.
+        did | self.finish_round()
+    }
+
+    /// The end of every round: the timers that are due and the flushes, at one reading of the clock, and the
+    /// reports the protocol made turned into events. Whether a timer ran.
+    fn finish_round(&mut self) -> bool {
         let now = self.clock.now();
-        did |= self.run_timers(now);
+        let did = self.run_timers(now);
         self.flush_dirty_at(now);
         self.drain_done();
         did
@@ -139,11 +144,7 @@ impl Engine {
                 did |= self.poll_cm_events();
             }
         }
-        let now = self.clock.now();
-        did |= self.run_timers(now);
-        self.flush_dirty_at(now);
-        self.drain_done();
-        did
+        did | self.finish_round()
     }
 
     /// Whether a busy-poll round looks at connection events now (asked every [`CM_BUSY_CLOCK`] rounds): after

@@ -2,12 +2,13 @@
 //! provider errors as [`WcError`]s, and waiting (an epoll set over every queue's wait descriptor, `fi_trywait`).
 
 use std::ffi::c_void;
+use std::mem::MaybeUninit;
 
 use exs_transport::{Completed, Completion, EndpointId, Op, WcError};
 
 use crate::connection::Ep;
 use crate::ffi::*;
-use crate::record::WrRecord;
+use crate::record::{Records, WrRecord};
 use crate::FabricTransport;
 
 impl FabricTransport {
@@ -21,7 +22,10 @@ impl FabricTransport {
         let Some(e) = self.eps.get_mut(&id) else {
             return 0;
         };
-        let mut entries = [fi_cq_data_entry::default(); 16];
+        let records = &mut self.records;
+        // Not zeroed (it was, on every read: most reads of a busy poller find nothing): the provider writes the
+        // entries it returns, and only those are read.
+        let mut entries = [const { MaybeUninit::<fi_cq_data_entry>::uninit() }; 16];
         let mut n = 0;
         while n < max {
             let want = entries.len().min(max - n);
@@ -30,15 +34,9 @@ impl FabricTransport {
             if ret > 0 {
                 let drained = (ret as usize) < want;
                 for ent in &entries[..ret as usize] {
-                    out.extend(Some(complete(
-                        e,
-                        id,
-                        ent.op_context,
-                        ent.flags,
-                        ent.len,
-                        ent.data,
-                        Ok(()),
-                    )));
+                    // SAFETY: fi_cq_read wrote its first `ret` entries.
+                    let ent = unsafe { ent.assume_init_ref() };
+                    out.extend(Some(complete(e, records, id, Entry::of(ent), Ok(()))));
                     n += 1;
                 }
                 // Fewer than asked: nothing more is queued now (another read would only cost a system call).
@@ -54,15 +52,13 @@ impl FabricTransport {
                 if r > 0 {
                     tracing::debug!(err = ee.err, prov_errno = ee.prov_errno, "completion error");
                     let status = Err(wc_error(ee.err));
-                    out.extend(Some(complete(
-                        e,
-                        id,
-                        ee.op_context,
-                        ee.flags,
-                        ee.len,
-                        ee.data,
-                        status,
-                    )));
+                    let entry = Entry {
+                        op_context: ee.op_context,
+                        flags: ee.flags,
+                        len: ee.len,
+                        data: ee.data,
+                    };
+                    out.extend(Some(complete(e, records, id, entry, status)));
                     n += 1;
                     continue;
                 }
@@ -84,16 +80,39 @@ fn wc_error(err: i32) -> WcError {
     }
 }
 
-/// Turns a completion entry into an exs completion, reclaiming its record.
-fn complete(
-    e: &mut Ep,
-    id: EndpointId,
+/// What a completion entry (a data entry or an error entry) says of its request.
+struct Entry {
     op_context: *mut c_void,
     flags: u64,
     len: usize,
     data: u64,
+}
+
+impl Entry {
+    fn of(ent: &fi_cq_data_entry) -> Self {
+        Entry {
+            op_context: ent.op_context,
+            flags: ent.flags,
+            len: ent.len,
+            data: ent.data,
+        }
+    }
+}
+
+/// Turns a completion entry into an exs completion, reclaiming its record.
+fn complete(
+    e: &mut Ep,
+    records: &mut Records,
+    id: EndpointId,
+    entry: Entry,
     status: Result<(), WcError>,
 ) -> Completion {
+    let Entry {
+        op_context,
+        flags,
+        len,
+        data,
+    } = entry;
     if op_context.is_null() {
         // A write-with-immediate that consumed no receive (remote CQ data).
         return Completion {
@@ -105,9 +124,9 @@ fn complete(
     }
     let key = op_context as usize;
     e.pending.remove(&key);
-    // SAFETY: non-null operation contexts are records we boxed in `post` and leaked into the provider; each
-    // completes exactly once, so the box is reclaimed exactly once (and removed from `pending`).
-    let rec = unsafe { Box::from_raw(op_context as *mut WrRecord) };
+    // SAFETY: non-null operation contexts are records leaked into the provider by `post`; each completes exactly
+    // once, so it is taken back exactly once (and removed from `pending`).
+    let rec = unsafe { records.take(op_context as *mut WrRecord) };
     let imm = (flags & FI_REMOTE_CQ_DATA as u64 != 0).then_some(data as u32);
     let op = match rec.op {
         Op::Send { .. } => Completed::Send,

@@ -430,7 +430,7 @@ impl FabricTransport {
         for key in e.pending {
             // SAFETY: records still pending were leaked into the provider, which can no longer complete them now
             // that the endpoint is closed; each is reclaimed once, dropping its leases.
-            drop(unsafe { Box::from_raw(key as *mut WrRecord) });
+            drop(unsafe { self.records.take(key as *mut WrRecord) });
         }
         self.cq_backlog.retain(|c| c.ep != ep);
     }

@@ -56,6 +56,7 @@ impl FabricTransport {
             next_listener: 1,
             cm_backlog: VecDeque::new(),
             cq_backlog: VecDeque::new(),
+            records: Default::default(),
             ready: crate::ready::Ready::default(),
             cq_wait: cfg.cq_wait,
         };

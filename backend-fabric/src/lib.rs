@@ -164,6 +164,8 @@ pub struct FabricTransport {
     next_listener: u32,
     cm_backlog: VecDeque<CmEvent>,
     cq_backlog: VecDeque<Completion>,
+    /// Record allocations kept for the next posts.
+    records: record::Records,
     /// Which completion queues polls read (see [`ready`]).
     ready: ready::Ready,
     /// Completion queues have a wait object ([`FabricConfig::cq_wait`]).

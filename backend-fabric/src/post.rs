@@ -95,12 +95,12 @@ impl FabricTransport {
             return Ok(());
         }
         let raw_ep = e.ep;
-        let rec = Box::into_raw(Box::new(WrRecord {
+        let rec = self.records.leak(WrRecord {
             ctx: fi_context2::default(),
             ep,
             wr_id: wr.wr_id,
             op: wr.op,
-        }));
+        });
         let mut tries = 0;
         loop {
             let ret = self.post_record(raw_ep, rec);
@@ -124,7 +124,7 @@ impl FabricTransport {
                 continue;
             }
             // SAFETY: the provider refused the record, so it never saw the pointer; we reclaim it once.
-            let rec = unsafe { Box::from_raw(rec) };
+            let rec = unsafe { self.records.take(rec) };
             return Err(PostError {
                 error: err("post", ret as i64),
                 wr: WorkRequest {

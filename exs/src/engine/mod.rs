@@ -461,6 +461,10 @@ impl Engine {
     /// Turns what the protocol reported into events (after every call and every round of progress).
     pub(crate) fn drain_done(&mut self) {
         self.outbox.take(&mut self.done);
+        if self.done.is_empty() {
+            // Most busy-poll rounds: nothing finished.
+            return;
+        }
         for d in self.done.drain(..) {
             match d {
                 Done::Complete {

@@ -668,7 +668,9 @@ impl Link {
             LeaseKind::DeviceRead,
         )
         .expect("a free control send slot is not leased");
-        let mut sges = vec![header];
+        // Sized for the inline data too: growing it cost a reallocation per message.
+        let mut sges = Vec::with_capacity(1 + usize::from(inline.is_some()));
+        sges.push(header);
         sges.extend(inline);
         self.tx_notify[slot as usize] = notify;
         self.spent += 1;

@@ -257,75 +257,8 @@ impl StreamProto {
             return Err(Violation::Stream("stream data after end-of-stream".into()));
         }
         match Imm::decode(imm) {
-            Imm::Direct(n) => {
-                let n = n as usize;
-                // The direct transfer must be for the receive at the head of the queue (seed 001's guarantee),
-                // advertised, in an even phase, and fit.
-                let phase = self.rx.phase;
-                // Space the sender waits for, held back for the advertisements (see `maybe_window`).
-                let space_held_back =
-                    self.window_due() && self.rx.defer_windows && self.rx.phase % 2 == 0;
-                let Some(r) = self.rx.recvs.front_mut() else {
-                    return Err(Violation::Stream(
-                        "direct transfer with no receive posted".into(),
-                    ));
-                };
-                if r.counted.is_none() || phase % 2 != 0 || n > r.len - r.filled || n == 0 {
-                    return Err(Violation::Stream(format!(
-                        "direct transfer of {n} bytes does not fit the head receive ({} of {} filled, advertised: {}, phase {phase})",
-                        r.filled,
-                        r.len,
-                        r.counted.is_some()
-                    )));
-                }
-                r.filled += n;
-                if n > SMALL_VIA_RING {
-                    self.rx.ring_chosen = false;
-                    self.rx.small_flushes = 0;
-                } else if space_held_back {
-                    // A small transfer into our receive while the sender's view of the buffer is half full or
-                    // more: its small writes go through the buffer when there is room (`small_via_ring`), so it
-                    // fell back on the receive for want of space. Holding the space for advertisements would keep
-                    // it there, one write and one advertisement per message, for as long as the application
-                    // keeps receives posted (issue 26: a sender that filled the buffer before the first
-                    // advertisement arrived never came back to it).
-                    self.rx.ring_chosen = true;
-                }
-                if !r.waitall || r.filled == r.len {
-                    self.complete_front();
-                }
-            }
-            Imm::Indirect(n) => {
-                let n = u64::from(n);
-                let free = self.rx.ring_len - (self.rx.tail - self.rx.head);
-                if n == 0 || n > free {
-                    return Err(Violation::Stream(format!(
-                        "indirect transfer of {n} bytes with {free} bytes free"
-                    )));
-                }
-                self.rx.tail += n;
-                if n > SMALL_VIA_RING as u64 || n * 2 >= self.rx.ring_len {
-                    // More than a small batch through the buffer (or half or more of a buffer too small to take a
-                    // batch that size) ends a run of small writes. If the run had stopped our advertisements, the
-                    // sender now has bulk and no advertisement to send it into: advertise again (see
-                    // `advertise`). Otherwise nothing changes (one advertisement at a time, as before the run).
-                    if self.rx.small_flushes >= QUIET_AFTER_FLUSHES {
-                        self.rx.ring_chosen = false;
-                    }
-                    self.rx.small_flushes = 0;
-                } else if self.rx.phase % 2 == 0 && self.rx.outstanding > 0 {
-                    self.rx.ring_chosen = true;
-                    self.rx.small_flushes = self.rx.small_flushes.saturating_add(1);
-                }
-                // "When the receiver receives an indirect transfer, it also increments its phase if it was
-                // previously even."
-                if self.rx.phase % 2 == 0 {
-                    self.rx.phase += 1;
-                    let phase = self.rx.phase;
-                    self.record(StreamTrace::ReceiverPhase { phase });
-                }
-                self.drain()?;
-            }
+            Imm::Direct(n) => self.on_direct(n as usize)?,
+            Imm::Indirect(n) => self.on_indirect(u64::from(n))?,
         }
         // "... until it has flushed all previous advertisements (by receiving indirect transfers), at which point
         // it will increment its phase and send a new advertisement."
@@ -337,6 +270,77 @@ impl StreamProto {
         self.advertise(link);
         self.maybe_window(link);
         Ok(())
+    }
+
+    /// A direct transfer of `n` bytes into the receive at the head of the queue (seed 001).
+    fn on_direct(&mut self, n: usize) -> Result<(), Violation> {
+        // The direct transfer must be for the receive at the head of the queue (seed 001's guarantee),
+        // advertised, in an even phase, and fit.
+        let phase = self.rx.phase;
+        // Space the sender waits for, held back for the advertisements (see `maybe_window`).
+        let space_held_back = self.window_due() && self.rx.defer_windows && self.rx.phase % 2 == 0;
+        let Some(r) = self.rx.recvs.front_mut() else {
+            return Err(Violation::Stream(
+                "direct transfer with no receive posted".into(),
+            ));
+        };
+        if r.counted.is_none() || phase % 2 != 0 || n > r.len - r.filled || n == 0 {
+            return Err(Violation::Stream(format!(
+                "direct transfer of {n} bytes does not fit the head receive ({} of {} filled, advertised: {}, phase {phase})",
+                r.filled,
+                r.len,
+                r.counted.is_some()
+            )));
+        }
+        r.filled += n;
+        if n > SMALL_VIA_RING {
+            self.rx.ring_chosen = false;
+            self.rx.small_flushes = 0;
+        } else if space_held_back {
+            // A small transfer into our receive while the sender's view of the buffer is half full or
+            // more: its small writes go through the buffer when there is room (`small_via_ring`), so it
+            // fell back on the receive for want of space. Holding the space for advertisements would keep
+            // it there, one write and one advertisement per message, for as long as the application
+            // keeps receives posted (issue 26: a sender that filled the buffer before the first
+            // advertisement arrived never came back to it).
+            self.rx.ring_chosen = true;
+        }
+        if !r.waitall || r.filled == r.len {
+            self.complete_front();
+        }
+        Ok(())
+    }
+
+    /// An indirect transfer of `n` bytes into the stream buffer (seed 001).
+    fn on_indirect(&mut self, n: u64) -> Result<(), Violation> {
+        let free = self.rx.ring_len - (self.rx.tail - self.rx.head);
+        if n == 0 || n > free {
+            return Err(Violation::Stream(format!(
+                "indirect transfer of {n} bytes with {free} bytes free"
+            )));
+        }
+        self.rx.tail += n;
+        if n > SMALL_VIA_RING as u64 || n * 2 >= self.rx.ring_len {
+            // More than a small batch through the buffer (or half or more of a buffer too small to take a
+            // batch that size) ends a run of small writes. If the run had stopped our advertisements, the
+            // sender now has bulk and no advertisement to send it into: advertise again (see
+            // `advertise`). Otherwise nothing changes (one advertisement at a time, as before the run).
+            if self.rx.small_flushes >= QUIET_AFTER_FLUSHES {
+                self.rx.ring_chosen = false;
+            }
+            self.rx.small_flushes = 0;
+        } else if self.rx.phase % 2 == 0 && self.rx.outstanding > 0 {
+            self.rx.ring_chosen = true;
+            self.rx.small_flushes = self.rx.small_flushes.saturating_add(1);
+        }
+        // "When the receiver receives an indirect transfer, it also increments its phase if it was
+        // previously even."
+        if self.rx.phase % 2 == 0 {
+            self.rx.phase += 1;
+            let phase = self.rx.phase;
+            self.record(StreamTrace::ReceiverPhase { phase });
+        }
+        self.drain()
     }
 
     /// No more data will come: receives end with what they have, or with end-of-stream.

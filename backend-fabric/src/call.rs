@@ -55,6 +55,25 @@ pub(crate) fn check(call: &str, ret: i32) -> Result<(), TransportError> {
 /// An owned `fi_info` list.
 pub(crate) struct Info(pub(crate) *mut fi_info);
 
+impl Info {
+    /// The peer's address, for the information of a connection request (when the provider gives one).
+    pub(crate) fn peer(&self) -> Option<std::net::SocketAddr> {
+        // SAFETY: `self.0` is a live fi_info; its destination address, when not null, is `dest_addrlen`
+        // readable bytes owned by the info.
+        unsafe {
+            let i = &*self.0;
+            if i.dest_addr.is_null() {
+                None
+            } else {
+                crate::sockaddr::decode(std::slice::from_raw_parts(
+                    i.dest_addr as *const u8,
+                    i.dest_addrlen,
+                ))
+            }
+        }
+    }
+}
+
 impl Drop for Info {
     fn drop(&mut self) {
         if !self.0.is_null() {

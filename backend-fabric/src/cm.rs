@@ -3,13 +3,14 @@
 
 use std::ffi::c_void;
 use std::net::SocketAddr;
+use std::ptr;
 
 use exs_transport::{CmEvent, ConnectFailure, EndpointId, ListenerId};
 
 use crate::call::Info;
 use crate::connection::EpState;
 use crate::ffi::*;
-use crate::{sockaddr, FabricTransport, TAG_EP, TAG_LISTENER};
+use crate::{FabricTransport, TAG_EP};
 
 const CM_ENTRY_LEN: usize = std::mem::size_of::<fi_eq_cm_entry>();
 const MAX_CM_DATA: usize = 256;
@@ -142,9 +143,14 @@ impl FabricTransport {
         // SAFETY: the provider wrote a cm entry (header plus `len - CM_ENTRY_LEN` bytes of data) into `buf`.
         let entry = unsafe { &*(buf.0.as_ptr() as *const fi_eq_cm_entry) };
         let data = buf.0[CM_ENTRY_LEN.min(len)..len.min(buf.0.len())].to_vec();
+        if event == FI_CONNREQ {
+            // A request names its passive endpoint, which may be closed already (see `on_connect_request`): it
+            // is found by address among the open ones, never read through the pointer.
+            let listener = self.listener_of(entry.fid);
+            return self.on_connect_request(listener, Info(entry.info), data);
+        }
         let tag = context_of(entry.fid);
         match event {
-            FI_CONNREQ => self.on_connect_request(tag, Info(entry.info), data),
             FI_CONNECTED => {
                 let id = EndpointId((tag & 0xffff_ffff) as u32);
                 let e = self.eps.get_mut(&id)?;
@@ -166,32 +172,37 @@ impl FabricTransport {
         }
     }
 
-    /// A connection request on the listener `tag` names: kept until accepted or rejected.
-    fn on_connect_request(&mut self, tag: usize, info: Info, private: Vec<u8>) -> Option<CmEvent> {
-        let listener = ListenerId((tag & 0xffff_ffff) as u32);
-        if tag & TAG_LISTENER == 0 || !self.listeners.contains_key(&listener) {
-            // Not reached: a listener is closed only after its requests waiting in this queue were read
-            // and rejected (`close_listener`), and fi_reject needs the passive endpoint that received
-            // the request. The info goes (fi_freeinfo, once, by `Info`); its connection handle cannot.
-            tracing::error!(
-                tag,
-                "connection request for a listener that is not open; its connection handle leaks"
+    /// The open listener whose passive endpoint is `f` (compared by address only: `f` may name one that is
+    /// closed and freed). A request of a closed listener whose freed passive endpoint's address went to a new
+    /// one is taken for the new one's: the engine accepts or refuses it as that listener's, where before this
+    /// lookup it was read through the freed object.
+    fn listener_of(&self, f: *mut fid) -> Option<ListenerId> {
+        self.listeners
+            .iter()
+            // SAFETY: `pep` is an open passive endpoint of ours; only the address of its fid is taken.
+            .find(|(_, &pep)| unsafe { ptr::addr_of_mut!((*pep).fid) } == f)
+            .map(|(&id, _)| id)
+    }
+
+    /// A connection request on `listener`: kept until accepted or rejected.
+    ///
+    /// A request of no open listener comes when libfabric's tcp provider (1.17) finished a handshake it took
+    /// in before its listener closed (`settle_requests` in `connection` makes that rare): it names the freed
+    /// passive endpoint, which has no reject to answer it. Its information goes; its connection stays open with
+    /// nobody to answer it (the peer's connect times out).
+    fn on_connect_request(
+        &mut self,
+        listener: Option<ListenerId>,
+        info: Info,
+        private: Vec<u8>,
+    ) -> Option<CmEvent> {
+        let Some(listener) = listener else {
+            tracing::warn!(
+                "a connection request for a listener that is closed; its connection cannot be refused"
             );
             return None;
-        }
-        // SAFETY: `info.0` is the live fi_info of this request; its address, when the provider gives
-        // one (not null), is `dest_addrlen` readable bytes owned by the info.
-        let peer = unsafe {
-            let i = &*info.0;
-            if i.dest_addr.is_null() {
-                None
-            } else {
-                sockaddr::decode(std::slice::from_raw_parts(
-                    i.dest_addr as *const u8,
-                    i.dest_addrlen,
-                ))
-            }
         };
+        let peer = info.peer();
         let request = self.requests.insert(listener, info);
         let peer = peer.unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
         Some(CmEvent::ConnectRequest {

@@ -123,7 +123,12 @@ fn complete(
         };
     }
     let key = op_context as usize;
-    e.pending.remove(&key);
+    // A context that is not pending would be taken back twice (its allocation then carrying two posts at once):
+    // a provider that completed a request twice fails the context here (the engine's guard) instead.
+    assert!(
+        e.pending.remove(&key),
+        "a completion for a request that is not pending"
+    );
     // SAFETY: non-null operation contexts are records leaked into the provider by `post`; each completes exactly
     // once, so it is taken back exactly once (and removed from `pending`).
     let rec = unsafe { records.take(op_context as *mut WrRecord) };

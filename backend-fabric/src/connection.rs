@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::os::fd::{BorrowedFd, RawFd};
 use std::ptr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use exs_transport::{
     CmEvent, ConnectFailure, EndpointId, ListenerId, RequestId, TransportError, WorkRequest,
@@ -17,6 +18,13 @@ use crate::ffi::*;
 use crate::memory::Domain;
 use crate::record::WrRecord;
 use crate::{sockaddr, FabricTransport, TAG_EP, TAG_LISTENER};
+
+/// A closing listener's event queue is read until no request for it came for this long (`settle_requests`).
+const SETTLE_QUIET: Duration = Duration::from_millis(10);
+/// A closing listener's event queue is read for this long at most.
+const SETTLE_MAX: Duration = Duration::from_millis(100);
+/// The pause between two reads meanwhile.
+const SETTLE_PAUSE: Duration = Duration::from_micros(200);
 
 /// Why [`FabricTransport::create_ep`] failed, and whether it got as far as opening the endpoint.
 #[derive(Debug)]
@@ -284,11 +292,9 @@ impl FabricTransport {
         // Connection requests for this listener may wait in the event queue (the provider's progress publishes
         // them while a read runs, and the read returns one). Read them while the passive endpoint is open: once
         // it is closed their entries name a freed object, and their connections can no longer be refused, so
-        // their sockets would leak. The provider makes no progress between this and the close below (the event
-        // queue's progress runs in reads, and the engine's lock is held), so none can follow.
-        while let Some(ev) = self.read_eq() {
-            self.cm_backlog.push_back(ev);
-        }
+        // their sockets would leak. Handshakes the provider took in but whose request has not come yet are given
+        // until requests stop coming (see `settle_requests`).
+        self.settle_requests(listener);
         for info in self.requests.take_listener(listener) {
             self.reject_info(listener, info);
         }
@@ -299,6 +305,34 @@ impl FabricTransport {
         if let Some(pep) = self.listeners.remove(&listener) {
             // SAFETY: the passive endpoint is removed from our table and closed once; no request of it is left.
             unsafe { exs_fi_close(&mut (*pep).fid) };
+        }
+    }
+
+    /// Reads the event queue into the backlog until no request for `listener` has come for [`SETTLE_QUIET`]
+    /// (at once when the first read brings none), for [`SETTLE_MAX`] at most.
+    ///
+    /// libfabric's tcp provider (1.17, Debian 12's) takes a connection in before reading its request, and a
+    /// passive endpoint closed in between does not end that handshake: when the request comes, the provider
+    /// reads the freed endpoint to queue it (newer providers abort such handshakes at the close). So while
+    /// requests are coming the endpoint is kept open a little longer, to publish and refuse those handshakes;
+    /// one that takes longer still meets the provider's fault (the peer's connect then times out).
+    fn settle_requests(&mut self, listener: ListenerId) {
+        let start = Instant::now();
+        let mut last = None;
+        loop {
+            while let Some(ev) = self.read_eq() {
+                if matches!(ev, CmEvent::ConnectRequest { listener: l, .. } if l == listener) {
+                    last = Some(Instant::now());
+                }
+                self.cm_backlog.push_back(ev);
+            }
+            let Some(at) = last else {
+                return;
+            };
+            if at.elapsed() >= SETTLE_QUIET || start.elapsed() >= SETTLE_MAX {
+                return;
+            }
+            std::thread::sleep(SETTLE_PAUSE);
         }
     }
 

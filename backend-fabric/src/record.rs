@@ -44,9 +44,10 @@ impl Records {
     /// `ptr` came from [`Records::leak`] (of any `Records`) and is taken back exactly once: the provider completed
     /// it, refused it, or can no longer touch it (its endpoint is closed).
     pub(crate) unsafe fn take(&mut self, ptr: *mut WrRecord) -> WrRecord {
-        // SAFETY: (the caller's contract) `ptr` is a live, initialised record that nobody else reads or frees; reading it out
-        // moves the request (its leases) to the caller, and the allocation is then handed back as uninitialised
-        // memory (same layout: `MaybeUninit<T>` is laid out as `T`), so the record is never dropped twice.
+        // SAFETY: (the caller's contract) `ptr` is a live, initialised record that nobody else reads or frees;
+        // reading it out moves the request (its leases) to the caller, and the allocation is then handed back as
+        // uninitialised memory (same layout: `MaybeUninit<T>` is laid out as `T`), so the record is never dropped
+        // twice.
         unsafe {
             let rec = std::ptr::read(ptr);
             let slot = Box::from_raw(ptr.cast::<MaybeUninit<WrRecord>>());

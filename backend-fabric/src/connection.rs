@@ -20,9 +20,9 @@ use crate::record::WrRecord;
 use crate::{sockaddr, FabricTransport, TAG_EP, TAG_LISTENER};
 
 /// A closing listener's event queue is read until no request for it came for this long (`settle_requests`).
-const SETTLE_QUIET: Duration = Duration::from_millis(10);
+const SETTLE_QUIET: Duration = Duration::from_millis(2);
 /// A closing listener's event queue is read for this long at most.
-const SETTLE_MAX: Duration = Duration::from_millis(100);
+const SETTLE_MAX: Duration = Duration::from_millis(20);
 /// The pause between two reads meanwhile.
 const SETTLE_PAUSE: Duration = Duration::from_micros(200);
 
@@ -208,7 +208,8 @@ impl FabricTransport {
     }
 
     /// Refuses a connection request through the listener that received it, then frees its info (once, by
-    /// dropping it). The only ways a request ends are this and `accept`.
+    /// dropping it). The only ways a request ends are this and `accept` (and, for a request naming no open
+    /// listener, being dropped unanswered: see `on_connect_request` in `cm`).
     pub(crate) fn reject_info(&mut self, listener: ListenerId, info: Info) {
         match self.listeners.get(&listener) {
             Some(&pep) => {
@@ -325,6 +326,10 @@ impl FabricTransport {
                     last = Some(Instant::now());
                 }
                 self.cm_backlog.push_back(ev);
+                if last.is_some() && start.elapsed() >= SETTLE_MAX {
+                    // A flood of events: the rest wait for the engine's next look.
+                    break;
+                }
             }
             let Some(at) = last else {
                 return;

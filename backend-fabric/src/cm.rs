@@ -174,8 +174,7 @@ impl FabricTransport {
 
     /// The open listener whose passive endpoint is `f` (compared by address only: `f` may name one that is
     /// closed and freed). A request of a closed listener whose freed passive endpoint's address went to a new
-    /// one is taken for the new one's: the engine accepts or refuses it as that listener's, where before this
-    /// lookup it was read through the freed object.
+    /// one is taken for the new one's: the engine accepts or refuses it as that listener's.
     fn listener_of(&self, f: *mut fid) -> Option<ListenerId> {
         self.listeners
             .iter()

@@ -54,13 +54,7 @@ impl FabricTransport {
                 if r > 0 {
                     tracing::debug!(err = ee.err, prov_errno = ee.prov_errno, "completion error");
                     let status = Err(wc_error(ee.err));
-                    let entry = Entry {
-                        op_context: ee.op_context,
-                        flags: ee.flags,
-                        len: ee.len,
-                        data: ee.data,
-                    };
-                    if let Some(c) = complete(e, records, id, entry, status) {
+                    if let Some(c) = complete(e, records, id, Entry::of_error(&ee), status) {
                         out.extend(Some(c));
                         n += 1;
                     }
@@ -99,6 +93,15 @@ impl Entry {
             flags: ent.flags,
             len: ent.len,
             data: ent.data,
+        }
+    }
+
+    fn of_error(ee: &fi_cq_err_entry) -> Self {
+        Entry {
+            op_context: ee.op_context,
+            flags: ee.flags,
+            len: ee.len,
+            data: ee.data,
         }
     }
 }

@@ -240,6 +240,7 @@ fn device_limits(
     let n = |v: i32| u32::try_from(v).unwrap_or(0);
     Ok(DeviceLimits {
         iwarp,
+        vendor_id: attr.vendor_id,
         max_inline: probe_inline(pd, cq),
         max_qp_wr: n(attr.max_qp_wr),
         max_cqe: n(attr.max_cqe),

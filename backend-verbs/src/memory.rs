@@ -1,8 +1,9 @@
 //! Protection domain, registrations and exposures: who can reach which memory, with which key, on which queue pair.
 //!
 //! * A base registration (`register`, ES-API `exs_mregister`) grants local access, plus `IBV_ACCESS_MW_BIND`
-//!   where memory windows are used; never remote access. On iWARP, where the sink of an RDMA read must allow
-//!   remote write, each read's sink is registered on its own for the read's duration ([`SinkMr`]).
+//!   where memory windows are used; never remote access. On iWARP adapters, where the sink of an RDMA read must
+//!   allow remote write, each read's sink is registered on its own for the read's duration ([`SinkMr`]; not on
+//!   siw, which checks a read's sink for local write only).
 //! * Where the device has type 2 memory windows (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`: Soft-RoCE, Mellanox), an
 //!   exposure is a window bound to **one queue pair**: the bind is a work request posted on that
 //!   connection's send queue ahead of the message that hands the key out (a queue pair executes in order), the
@@ -74,8 +75,8 @@ fn dereg(mr: *mut ibv_mr) {
     unsafe { ibv_dereg_mr(mr) };
 }
 
-/// The registration of one RDMA read's local sink with remote write (iWARP writes read responses into the sink
-/// through an STag that must allow it), held by the read's record and deregistered when the read is done.
+/// The registration of one RDMA read's local sink with remote write (iWARP adapters write read responses into the
+/// sink through an STag that must allow it), held by the read's record and deregistered when the read is done.
 pub(crate) struct SinkMr {
     mr: *mut ibv_mr,
     pub(crate) lkey: u32,

@@ -117,6 +117,8 @@ pub enum Atomics {
 pub struct DeviceLimits {
     /// iWARP (`IBV_TRANSPORT_IWARP`: Chelsio, siw) rather than InfiniBand/RoCE.
     pub iwarp: bool,
+    /// `vendor_id` (IEEE OUI; siw reports [`SIW_VENDOR_ID`]).
+    pub vendor_id: u32,
     /// Largest inline payload a queue pair of this device accepted.
     pub max_inline: u32,
     /// `max_qp_wr`.
@@ -137,6 +139,21 @@ pub struct DeviceLimits {
     pub atomics: Atomics,
     /// Type 2 memory windows (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`).
     pub windows: bool,
+}
+
+/// The vendor id siw reports (`SIW_VENDOR_ID` in the driver's `siw.h`: "bmt" in ASCII).
+pub const SIW_VENDOR_ID: u32 = 0x62_6d74;
+
+impl DeviceLimits {
+    /// Whether the sink of an RDMA read needs remote write. An iWARP read response is a tagged message aimed at
+    /// the sink's key, and adapters check that key as they would a peer's RDMA write (Chelsio's `iw_cxgb4`, and
+    /// the kernel's own `rdma_rw` registers iWARP read sinks with remote write for that reason). siw does not: it
+    /// places a read response through the read's own local scatter entry, matched by its outbound read queue, and
+    /// checks that entry's key for local write only (`siw_proc_rresp`), so a registration with local access does,
+    /// and a peer still cannot write into it (a tagged RDMA write needs remote write there).
+    pub fn read_sink_needs_remote_write(&self) -> bool {
+        self.iwarp && self.vendor_id != SIW_VENDOR_ID
+    }
 }
 
 /// exs's defaults, within the device's limits.
@@ -178,7 +195,8 @@ pub struct VerbsSettings {
     pub emulated_imm: bool,
     /// Exposures are type 2 memory windows bound to one queue pair.
     pub memory_windows: bool,
-    /// Each RDMA read's sink gets a registration with remote write for the read's duration (iWARP).
+    /// Each RDMA read's sink gets a registration with remote write for the read's duration (iWARP adapters that
+    /// check a read sink's key for remote write: [`DeviceLimits::read_sink_needs_remote_write`]).
     pub read_sinks: bool,
 }
 
@@ -243,7 +261,9 @@ impl VerbsSettings {
             ),
             emulated_imm: cfg.emulate_write_imm || dev.iwarp,
             memory_windows,
-            read_sinks: cfg.read_sink_registration.unwrap_or(dev.iwarp),
+            read_sinks: cfg
+                .read_sink_registration
+                .unwrap_or(dev.read_sink_needs_remote_write()),
             limits: dev,
         })
     }
@@ -331,6 +351,7 @@ mod tests {
     fn rxe() -> DeviceLimits {
         DeviceLimits {
             iwarp: false,
+            vendor_id: 0x00_0000,
             max_inline: 512,
             max_qp_wr: 1_048_576,
             max_cqe: 32_767,
@@ -348,6 +369,7 @@ mod tests {
     fn siw() -> DeviceLimits {
         DeviceLimits {
             iwarp: true,
+            vendor_id: SIW_VENDOR_ID,
             max_inline: 64,
             max_qp_wr: 32_768,
             max_cqe: 3_276_800,
@@ -370,14 +392,35 @@ mod tests {
         let s = VerbsSettings::decide("siw0", siw(), &cfg()).unwrap();
         assert_eq!((s.inline, s.sge, s.send_depth), (64, 6, 512));
         assert!(
-            s.emulated_imm && s.read_sinks && !s.memory_windows,
-            "iWARP's way"
+            s.emulated_imm && !s.read_sinks && !s.memory_windows,
+            "iWARP's way, with siw's read sinks through their local key"
         );
         assert_eq!(s.sq_share(), 2);
         let r = VerbsSettings::decide("rxe0", rxe(), &cfg()).unwrap();
         assert_eq!((r.inline, r.sge, r.max_message), (512, 16, 8 << 20));
         assert!(!r.emulated_imm && !r.read_sinks && r.memory_windows);
         assert_eq!(r.sq_share(), 2);
+    }
+
+    #[test]
+    fn an_iwarp_adapter_registers_read_sinks_with_remote_write_and_siw_does_not_need_to() {
+        // Chelsio's OUI (0x1425), as iw_cxgb4 reports it; otherwise siw's limits.
+        let cxgb4 = DeviceLimits {
+            vendor_id: 0x1425,
+            ..siw()
+        };
+        assert!(cxgb4.read_sink_needs_remote_write());
+        assert!(
+            VerbsSettings::decide("cxgb4_0", cxgb4, &cfg())
+                .unwrap()
+                .read_sinks
+        );
+        assert!(!siw().read_sink_needs_remote_write());
+        assert!(!rxe().read_sink_needs_remote_write());
+        // Asked for, siw gets them too (the suite's peer-to-peer stage drives siw as iw_cxgb4 is driven).
+        let mut c = cfg();
+        c.read_sink_registration = Some(true);
+        assert!(VerbsSettings::decide("siw0", siw(), &c).unwrap().read_sinks);
     }
 
     #[test]

@@ -339,7 +339,7 @@ pub fn verbs_settings(opened: &Opened) -> Result<Option<(serde_json::Value, Stri
         let s = t.settings();
         let d = &s.limits;
         let json = serde_json::json!({
-            "device": s.device, "iwarp": d.iwarp,
+            "device": s.device, "iwarp": d.iwarp, "vendor_id": d.vendor_id,
             "inline": s.inline, "send_depth": s.send_depth, "recv_depth": s.recv_depth, "cq_depth": s.cq_depth,
             "srq_depth": s.srq_depth, "sge": s.sge, "max_message": s.max_message, "read_depth": s.read_depth,
             "emulated_imm": s.emulated_imm, "memory_windows": s.memory_windows, "read_sinks": s.read_sinks,
@@ -351,12 +351,13 @@ pub fn verbs_settings(opened: &Opened) -> Result<Option<(serde_json::Value, Stri
         let text = format!(
             "  verbs settings (used / device; EXS_VERBS_INLINE, _SEND_DEPTH, _RECV_DEPTH, _CQ_DEPTH, _SRQ_DEPTH, \
              _SGE, _MAX_MESSAGE, _READ_DEPTH lower them):\n\
-             \x20   {} ({}): inline {} / {} B, send queue {} / {}, receive queue {} / {}, completion queue {} / {}\n\
+             \x20   {} ({}, vendor {:#x}): inline {} / {} B, send queue {} / {}, receive queue {} / {}, completion queue {} / {}\n\
              \x20   shared receive queue {} / {}, scatter/gather {} / {} (reads {}), largest message {} / {} B, \
              read depth {} / {}\n\
              \x20   atomics {:?} (unused), memory windows {}, read sinks registered per read: {}\n",
             s.device,
             if d.iwarp { "iWARP" } else { "InfiniBand/RoCE" },
+            d.vendor_id,
             s.inline,
             d.max_inline,
             s.send_depth,

@@ -100,6 +100,43 @@ impl FabricTransport {
         ctx: *mut c_void,
         id: EndpointId,
     ) -> Result<Ep, TransportError> {
+        let close_ep = |ep: *mut fid_ep| {
+            // SAFETY: the endpoint was opened by our caller and is not used elsewhere.
+            unsafe { exs_fi_close(&mut (*ep).fid) };
+        };
+        let cq = match self.open_cq(&dom, ctx) {
+            Ok(cq) => cq,
+            Err(e) => {
+                close_ep(ep);
+                return Err(e);
+            }
+        };
+        let cq_fd = match self.bind_and_enable(ep, cq, id) {
+            Ok(fd) => fd,
+            Err(e) => {
+                close_ep(ep);
+                // SAFETY: the queue was opened above and nothing is bound to it any more (its endpoint is closed).
+                unsafe { exs_fi_close(&mut (*cq).fid) };
+                return Err(e);
+            }
+        };
+        Ok(Ep {
+            _dom: dom,
+            ep,
+            cq,
+            cq_fd,
+            pending: FxHashSet::default(),
+            state: EpState::Connecting,
+            reported_down: false,
+            local: None,
+            peer: None,
+            ready: Default::default(),
+        })
+    }
+
+    /// A completion queue for one endpoint (sends and receives), with a wait descriptor unless the transport polls
+    /// its queues without one.
+    fn open_cq(&self, dom: &Domain, ctx: *mut c_void) -> Result<*mut fid_cq, TransportError> {
         let size = (self.caps.max_send_wr + self.caps.max_recv_wr) as usize;
         let mut attr = fi_cq_attr {
             size,
@@ -114,19 +151,20 @@ impl FabricTransport {
         let mut cq = ptr::null_mut();
         // SAFETY: open domain; attr lives across the call.
         let ret = unsafe { exs_fi_cq_open(dom.domain, &mut attr, &mut cq, ctx) };
-        let cleanup_ep = |ep: *mut fid_ep| {
-            // SAFETY: the endpoint was opened above and is not used elsewhere.
-            unsafe { exs_fi_close(&mut (*ep).fid) };
-        };
         if ret < 0 {
-            cleanup_ep(ep);
             return Err(err("fi_cq_open", ret.into()));
         }
-        let close_both = |ep: *mut fid_ep, cq: *mut fid_cq| {
-            cleanup_ep(ep);
-            // SAFETY: the queue was opened above and is bound to nothing else.
-            unsafe { exs_fi_close(&mut (*cq).fid) };
-        };
+        Ok(cq)
+    }
+
+    /// Binds `ep` to the transport's event queue and to `cq`, enables it, and puts `cq`'s wait descriptor (if it
+    /// has one) in the transport's epoll set under `id`. On error the caller closes both.
+    fn bind_and_enable(
+        &self,
+        ep: *mut fid_ep,
+        cq: *mut fid_cq,
+        id: EndpointId,
+    ) -> Result<Option<RawFd>, TransportError> {
         // SAFETY: endpoint, queue and event queue are open; binding flags per fi_endpoint(3).
         let r = unsafe {
             let r = exs_fi_ep_bind(ep, &mut (*self.eq).fid, 0);
@@ -137,44 +175,20 @@ impl FabricTransport {
             }
         };
         if r < 0 {
-            close_both(ep, cq);
             return Err(err("fi_ep_bind", r.into()));
         }
         // SAFETY: bound endpoint.
         let r = unsafe { exs_fi_enable(ep) };
         if r < 0 {
-            close_both(ep, cq);
             return Err(err("fi_enable", r.into()));
         }
-        let cq_fd = if self.cq_wait {
-            // SAFETY: `cq` is open.
-            let fd = match wait_fd_of(unsafe { &mut (*cq).fid }) {
-                Ok(fd) => fd,
-                Err(e) => {
-                    close_both(ep, cq);
-                    return Err(e);
-                }
-            };
-            if let Err(e) = epoll_add(&self.epoll, fd, u64::from(id.0)) {
-                close_both(ep, cq);
-                return Err(e);
-            }
-            Some(fd)
-        } else {
-            None
-        };
-        Ok(Ep {
-            _dom: dom,
-            ep,
-            cq,
-            cq_fd,
-            pending: FxHashSet::default(),
-            state: EpState::Connecting,
-            reported_down: false,
-            local: None,
-            peer: None,
-            ready: Default::default(),
-        })
+        if !self.cq_wait {
+            return Ok(None);
+        }
+        // SAFETY: `cq` is open.
+        let fd = wait_fd_of(unsafe { &mut (*cq).fid })?;
+        epoll_add(&self.epoll, fd, u64::from(id.0))?;
+        Ok(Some(fd))
     }
 
     fn post_initial(

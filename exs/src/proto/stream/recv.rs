@@ -102,77 +102,89 @@ impl StreamProto {
             if r.counted.is_some() || r.filled == r.len {
                 continue;
             }
-            if self.rx.outstanding >= self.max_adverts_out {
-                // The peer's advert credits: the rest waits until an advertised receive completes.
-                break;
-            }
-            if self.rx.ring_chosen
-                && self.coalesce
-                && !r.waitall
-                && self.rx.small_flushes >= QUIET_AFTER_FLUSHES
-            {
-                // The peer keeps sending small writes through the stream buffer (a request/response stream):
-                // every advertisement is flushed by its next small write and sent again, two control messages per
-                // round trip beside the data (issue 26). None goes until the peer writes a large transfer (more
-                // than `SMALL_VIA_RING`, or half our buffer or more) through the buffer, which it does with bulk
-                // to send and no advertisement, or a large direct one (see `on_write_imm`); a stream that writes
-                // one small header before each bulk body never gets here. Our `coalesce` stands for the peer's
-                // (both ends normally share their options): a peer without it passes advertisements over only
-                // when its sends overtake them.
-                // Advertising is the receiver's choice (seed 001: a receiver with no receive posted advertises
-                // nothing and takes every byte indirectly). A MSG_WAITALL receive is still advertised: the
-                // sender uses it whatever the size of its writes. Without coalescing (the seed's figures), a
-                // new advertisement follows every flush.
-                break;
-            }
-            if self.rx.ring_chosen && self.rx.outstanding > 0 {
-                // Otherwise one advertisement at a time while the peer writes small: a sender with more to send
-                // uses it for a large direct transfer.
+            if !self.may_advertise_next(r.waitall) {
                 break;
             }
             if ring_has_data {
                 // It will take bytes from the stream buffer first; advertising it now would mislead the sender.
                 break;
             }
-            let remaining = (r.len - r.filled) as u64;
-            let est = if r.waitall { remaining } else { 1 };
-            let base = r.exposure.remote();
-            let seq = self.rx.src_seqno + r.filled as u64;
-            // The advertisement carries what we consumed, unless the sender's view of the buffer is half full
-            // or more: then it may be blocked on space, and the space waits for the window update so that it
-            // cannot overtake the receives (see `maybe_window`). With more than half free, it is not blocked and
-            // the space changes nothing.
-            let consumed = if self.window_due() {
-                self.rx.reported
-            } else {
-                self.rx.head
-            };
-            self.rx.reported = consumed;
-            let advert = StreamAdvert {
-                addr: base.addr + r.filled as u64,
-                rkey: base.key,
-                len: remaining,
-                seq,
-                phase: self.rx.phase,
-                waitall: r.waitall,
-                consumed,
-            };
-            let filled = r.filled as u64;
-            self.rx.recvs[i].counted = Some(filled + est);
-            self.rx.src_seqno += filled + est;
-            self.rx.outstanding += 1;
-            let id = self.rx.next_advert;
-            self.rx.next_advert += 1;
-            self.stats.adverts_sent += 1;
-            let phase = self.rx.phase;
-            self.record(StreamTrace::AdvertSent {
-                id,
-                seq,
-                len: remaining,
-                phase,
-            });
-            link.push_ctrl(Body::StreamAdvert(advert), None, None);
+            self.advertise_one(link, i);
         }
+    }
+
+    /// Whether the next receive not yet advertised (`waitall`: a MSG_WAITALL one) may be advertised now.
+    fn may_advertise_next(&self, waitall: bool) -> bool {
+        if self.rx.outstanding >= self.max_adverts_out {
+            // The peer's advert credits: the rest waits until an advertised receive completes.
+            return false;
+        }
+        if self.rx.ring_chosen
+            && self.coalesce
+            && !waitall
+            && self.rx.small_flushes >= QUIET_AFTER_FLUSHES
+        {
+            // The peer keeps sending small writes through the stream buffer (a request/response stream):
+            // every advertisement is flushed by its next small write and sent again, two control messages per
+            // round trip beside the data (issue 26). None goes until the peer writes a large transfer (more
+            // than `SMALL_VIA_RING`, or half our buffer or more) through the buffer, which it does with bulk
+            // to send and no advertisement, or a large direct one (see `on_write_imm`); a stream that writes
+            // one small header before each bulk body never gets here. Our `coalesce` stands for the peer's
+            // (both ends normally share their options): a peer without it passes advertisements over only
+            // when its sends overtake them.
+            // Advertising is the receiver's choice (seed 001: a receiver with no receive posted advertises
+            // nothing and takes every byte indirectly). A MSG_WAITALL receive is still advertised: the
+            // sender uses it whatever the size of its writes. Without coalescing (the seed's figures), a
+            // new advertisement follows every flush.
+            return false;
+        }
+        // Otherwise one advertisement at a time while the peer writes small: a sender with more to send uses it
+        // for a large direct transfer.
+        !(self.rx.ring_chosen && self.rx.outstanding > 0)
+    }
+
+    /// Sends the advertisement of receive `i` (seed 001: its address, key, the bytes it still takes, the
+    /// sequence number they start at, the phase) and counts it as outstanding.
+    fn advertise_one(&mut self, link: &mut Link, i: usize) {
+        let r = &self.rx.recvs[i];
+        let remaining = (r.len - r.filled) as u64;
+        let est = if r.waitall { remaining } else { 1 };
+        let base = r.exposure.remote();
+        let seq = self.rx.src_seqno + r.filled as u64;
+        // The advertisement carries what we consumed, unless the sender's view of the buffer is half full
+        // or more: then it may be blocked on space, and the space waits for the window update so that it
+        // cannot overtake the receives (see `maybe_window`). With more than half free, it is not blocked and
+        // the space changes nothing.
+        let consumed = if self.window_due() {
+            self.rx.reported
+        } else {
+            self.rx.head
+        };
+        self.rx.reported = consumed;
+        let advert = StreamAdvert {
+            addr: base.addr + r.filled as u64,
+            rkey: base.key,
+            len: remaining,
+            seq,
+            phase: self.rx.phase,
+            waitall: r.waitall,
+            consumed,
+        };
+        let filled = r.filled as u64;
+        self.rx.recvs[i].counted = Some(filled + est);
+        self.rx.src_seqno += filled + est;
+        self.rx.outstanding += 1;
+        let id = self.rx.next_advert;
+        self.rx.next_advert += 1;
+        self.stats.adverts_sent += 1;
+        let phase = self.rx.phase;
+        self.record(StreamTrace::AdvertSent {
+            id,
+            seq,
+            len: remaining,
+            phase,
+        });
+        link.push_ctrl(Body::StreamAdvert(advert), None, None);
     }
 
     /// Whether the sender should hear of consumed space: its view of the buffer is at least half full and we

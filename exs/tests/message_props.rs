@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use exs::sim::{RnrPolicy, SimConfig};
-use exs::{MsgFlags, SockType, SocketOptions};
+use exs::{Event, MsgFlags, SockType, SocketOptions};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -70,7 +70,8 @@ fn case() -> impl Strategy<Value = Case> {
         )
 }
 
-fn run(c: &Case) {
+/// The pair a case runs on: its simulated fabric's limits and its socket options.
+fn case_pair(c: &Case) -> Pair {
     let mut cfg = SimConfig {
         seed: c.seed,
         rnr: RnrPolicy::Fail,
@@ -85,7 +86,11 @@ fn run(c: &Case) {
         .with_recv_credits(c.recv_credits)
         .with_control_window(c.window)
         .with_small_packet_max_size(c.small);
-    let p = pair_with(SockType::SeqPacket, cfg, opts);
+    pair_with(SockType::SeqPacket, cfg, opts)
+}
+
+fn run(c: &Case) {
+    let p = case_pair(c);
     let total_src: usize = c.msgs.iter().map(|m| m.0).sum::<usize>().max(1);
     let total_dst: usize = c.msgs.iter().map(|m| m.1).sum::<usize>().max(1);
     let src = p.client_region(pattern(total_src, c.seed));
@@ -136,8 +141,20 @@ fn run(c: &Case) {
         sends.iter().map(|e| e.context).collect::<Vec<_>>(),
         (0..c.msgs.len() as u64).collect::<Vec<_>>()
     );
-    let all_src = src.to_vec().unwrap();
-    let all_dst = dst.to_vec().unwrap();
+    check_delivered(
+        c,
+        &sends,
+        &recvs,
+        &src.to_vec().unwrap(),
+        &dst.to_vec().unwrap(),
+    );
+    assert_eq!(p.world.live_keys(), 0);
+    assert_eq!((src.leases(), dst.leases()), (0, 0));
+}
+
+/// Every send completed with its length, every receive with what fits of its message (truncated where it did
+/// not), the bytes in place.
+fn check_delivered(c: &Case, sends: &[Event], recvs: &[Event], all_src: &[u8], all_dst: &[u8]) {
     let (mut so, mut d) = (0, 0);
     for (i, &(len, cap)) in c.msgs.iter().enumerate() {
         let n = len.min(cap);
@@ -153,8 +170,6 @@ fn run(c: &Case) {
         so += len;
         d += cap;
     }
-    assert_eq!(p.world.live_keys(), 0);
-    assert_eq!((src.leases(), dst.leases()), (0, 0));
 }
 
 proptest! {

@@ -295,7 +295,20 @@ fn only_one_side_of_a_connection_can_be_persistent() {
         std::io::Error::from(e).kind(),
         std::io::ErrorKind::InvalidInput
     );
-    // Offsets and persistence exist on message sockets only.
+    // NOTIFY without PERSISTENT is meaningless.
+    let e = p
+        .client
+        .send(&p.eq_a, &src.all(), MsgFlags::NOTIFY, 4)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+}
+
+/// Seed 002, 4.3-4.4: offsets and persistence exist on message sockets only.
+#[test]
+fn persistence_and_offsets_exist_on_message_sockets_only() {
     let s = pair(SockType::Stream);
     let b = s.client_region(vec![1; 10]);
     let e = s
@@ -314,16 +327,11 @@ fn only_one_side_of_a_connection_can_be_persistent() {
         matches!(e, SendError::State(StateError::Persistent(_))),
         "{e:?}"
     );
-    // NOTIFY without PERSISTENT is meaningless.
-    let e = p
-        .client
-        .send(&p.eq_a, &src.all(), MsgFlags::NOTIFY, 4)
-        .unwrap_err();
-    assert!(
-        matches!(e, SendError::State(StateError::Persistent(_))),
-        "{e:?}"
-    );
-    // Without a persistent peer, offsets have nothing to address.
+}
+
+/// Seed 002, 4.4: without a persistent peer, offsets have nothing to address.
+#[test]
+fn offsets_need_a_persistent_peer() {
     let q = pair(SockType::SeqPacket);
     let b = q.client_region(vec![1; 10]);
     let e = q

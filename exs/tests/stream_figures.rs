@@ -27,6 +27,32 @@ struct Fig {
 
 const SLOT: usize = 1 << 16;
 
+/// The sender's indirect transfer I<seq> (seed 001's notation): `len` bytes into the stream buffer in `phase`.
+fn indirect(seq: u64, len: u64, phase: u32) -> StreamTrace {
+    StreamTrace::Indirect { seq, len, phase }
+}
+
+/// The sender's direct transfer D<seq> into the advertisement of `advert_seq`.
+fn direct(seq: u64, len: u64, phase: u32, advert_seq: u64) -> StreamTrace {
+    StreamTrace::Direct {
+        seq,
+        len,
+        phase,
+        advert_seq,
+    }
+}
+
+/// The sender's rejection of the advertisement (`seq`, `phase`), judged at `sender_seq`, leaving it in
+/// `sender_phase`.
+fn rejected(seq: u64, phase: u32, sender_seq: u64, sender_phase: u32) -> StreamTrace {
+    StreamTrace::Rejected {
+        seq,
+        phase,
+        sender_seq,
+        sender_phase,
+    }
+}
+
 impl Fig {
     fn new(ring: u32) -> Fig {
         // The figures start with each side's stream buffer known to the other, and each send travels as soon as
@@ -196,17 +222,10 @@ fn figure4_receiver_waits_for_outstanding_adverts() {
         "A4, A5: estimated seq 0 and 1 in phase 0"
     );
     f.send(100);
-    assert!(
-        matches!(
-            f.tx[..],
-            [StreamTrace::Indirect {
-                seq: 0,
-                len: 100,
-                phase: 1
-            }]
-        ),
-        "I3 moves the sender to phase 1: {:?}",
-        f.tx
+    assert_eq!(
+        f.tx,
+        [indirect(0, 100, 1)],
+        "I3 moves the sender to phase 1"
     );
     // The receiver gets I3: phase 1; I3 satisfies A4's receive; A5 is still outstanding.
     f.until("the receiver processed I3", |f| {
@@ -231,28 +250,12 @@ fn figure4_receiver_waits_for_outstanding_adverts() {
         f.rx
     );
     // The sender rejects A4 and A5: their phase 0 is below its phase 1 (and the phase does not change).
-    let rejected: Vec<_> =
+    let judged: Vec<_> =
         f.tx.iter()
             .filter(|t| matches!(t, StreamTrace::Rejected { .. }))
             .copied()
             .collect();
-    assert_eq!(
-        rejected,
-        vec![
-            StreamTrace::Rejected {
-                seq: 0,
-                phase: 0,
-                sender_seq: 100,
-                sender_phase: 1
-            },
-            StreamTrace::Rejected {
-                seq: 1,
-                phase: 0,
-                sender_seq: 100,
-                sender_phase: 1
-            }
-        ]
-    );
+    assert_eq!(judged, [rejected(0, 0, 100, 1), rejected(1, 0, 100, 1)]);
     // More data: it must go indirect (no acceptable advertisement) and it satisfies A5's receive ...
     f.send(150);
     f.settle();
@@ -270,16 +273,7 @@ fn figure4_receiver_waits_for_outstanding_adverts() {
         "{:?}",
         f.tx
     );
-    assert!(
-        f.tx.contains(&StreamTrace::Direct {
-            seq: 250,
-            len: 60,
-            phase: 2,
-            advert_seq: 250
-        }),
-        "{:?}",
-        f.tx
-    );
+    assert!(f.tx.contains(&direct(250, 60, 2, 250)), "{:?}", f.tx);
     f.check_stream();
     assert_eq!(f.got.len(), 310);
 }
@@ -330,12 +324,7 @@ fn figure5_stale_advert_rejected_next_accepted() {
     f.send(40);
     f.settle();
     assert!(
-        f.tx.contains(&StreamTrace::Rejected {
-            seq: a4_seq,
-            phase: 4,
-            sender_seq: a4_seq + 100,
-            sender_phase: 5
-        }),
+        f.tx.contains(&rejected(a4_seq, 4, a4_seq + 100, 5)),
         "A4 rejected: {:?}",
         f.tx
     );
@@ -347,12 +336,7 @@ fn figure5_stale_advert_rejected_next_accepted() {
         "A5 accepted: {:?}",
         f.tx
     );
-    assert!(f.tx.contains(&StreamTrace::Direct {
-        seq: a5_seq,
-        len: 40,
-        phase: 6,
-        advert_seq: a5_seq
-    }));
+    assert!(f.tx.contains(&direct(a5_seq, 40, 6, a5_seq)));
     f.check_stream();
 }
 
@@ -369,21 +353,7 @@ fn figure6_multiple_adverts_matched_by_indirect() {
     // ... while the sender, having seen none, sends two indirect transfers of 150 bytes.
     f.send(150);
     f.send(150);
-    assert!(matches!(
-        f.tx[..],
-        [
-            StreamTrace::Indirect {
-                seq: 0,
-                len: 150,
-                phase: 1
-            },
-            StreamTrace::Indirect {
-                seq: 150,
-                len: 150,
-                phase: 1
-            }
-        ]
-    ));
+    assert_eq!(f.tx, [indirect(0, 150, 1), indirect(150, 150, 1)]);
     f.settle();
     // All three advertised receives were satisfied by indirect data (100 + 100 + 100) and 0 bytes remain.
     let done: Vec<_> =
@@ -411,28 +381,14 @@ fn figure6_multiple_adverts_matched_by_indirect() {
     f.send(70);
     f.settle();
     for s in [0, 1, 2] {
-        assert!(
-            f.tx.contains(&StreamTrace::Rejected {
-                seq: s,
-                phase: 0,
-                sender_seq: 300,
-                sender_phase: 1
-            }),
-            "{:?}",
-            f.tx
-        );
+        assert!(f.tx.contains(&rejected(s, 0, 300, 1)), "{:?}", f.tx);
     }
     assert!(
         f.tx.contains(&StreamTrace::Accepted { seq: 300, phase: 2 }),
         "the correct advertisement: {:?}",
         f.tx
     );
-    assert!(f.tx.contains(&StreamTrace::Direct {
-        seq: 300,
-        len: 70,
-        phase: 2,
-        advert_seq: 300
-    }));
+    assert!(f.tx.contains(&direct(300, 70, 2, 300)));
     f.check_stream();
     assert_eq!(f.got.len(), 370);
 }
@@ -448,16 +404,57 @@ fn figure6_multiple_adverts_matched_by_indirect() {
 #[test]
 fn figure7_small_stream_buffer_phase_jump() {
     let mut f = Fig::new(200);
+    figure7_opening(&mut f);
+    // The client now sends 100-byte messages: D2, D102, D202 use the three advertisements ...
+    for _ in 0..3 {
+        f.send(100);
+    }
+    assert_eq!(
+        f.tx[..3],
+        [
+            direct(2, 100, 2, 2),
+            direct(102, 100, 2, 3),
+            direct(202, 100, 2, 4),
+        ]
+    );
+    // ... then, with no advertisement left, I302 (100), and the next message splits at the end of the 200-byte
+    // stream buffer: I402 (98) and I500 (2). The buffer is full; the sender is at seq 502 and must wait.
+    f.send(100);
+    f.send(100);
+    f.send(100);
+    assert_eq!(
+        f.tx[3..],
+        [
+            indirect(302, 100, 3),
+            indirect(402, 98, 3),
+            indirect(500, 2, 3),
+        ]
+    );
+    assert!(
+        f.p.client.stats().unwrap().stream.space_stalls > 0,
+        "the sender waits for stream-buffer space"
+    );
+    figure7_phase_jump(&mut f);
+    // Everything arrives, in order, once the receiver has receives for it.
+    for _ in 0..4 {
+        f.recv(100);
+    }
+    f.settle();
+    f.check_stream();
+    assert_eq!(
+        f.got.len(),
+        f.sent.len(),
+        "all {} bytes delivered",
+        f.sent.len()
+    );
+}
+
+/// Figure 7's start: pumpexs's "go" and "ok", and the server's three receives advertised (A1-A3) in phase 2, A1
+/// accepted by the client. Leaves the client's trace empty.
+fn figure7_opening(f: &mut Fig) {
     // pumpexs start: the client sends "go" (2 bytes) before the server has posted anything: indirect, phase 1.
     f.send(2);
-    assert_eq!(
-        f.tx,
-        vec![StreamTrace::Indirect {
-            seq: 0,
-            len: 2,
-            phase: 1
-        }]
-    );
+    assert_eq!(f.tx, vec![indirect(0, 2, 1)]);
     f.settle();
     // The server receives "go", then posts receives for its buffers (3 x 100) and replies "ok".
     f.recv(100);
@@ -483,71 +480,16 @@ fn figure7_small_stream_buffer_phase_jump() {
     assert_eq!(
         f.tx,
         vec![
-            StreamTrace::Indirect {
-                seq: 0,
-                len: 2,
-                phase: 1
-            },
+            indirect(0, 2, 1),
             StreamTrace::Accepted { seq: 2, phase: 2 }
         ]
     );
     f.tx.clear();
-    // The client now sends 100-byte messages: D2, D102, D202 use the three advertisements ...
-    for _ in 0..3 {
-        f.send(100);
-    }
-    assert_eq!(
-        f.tx[..3],
-        [
-            StreamTrace::Direct {
-                seq: 2,
-                len: 100,
-                phase: 2,
-                advert_seq: 2
-            },
-            StreamTrace::Direct {
-                seq: 102,
-                len: 100,
-                phase: 2,
-                advert_seq: 3
-            },
-            StreamTrace::Direct {
-                seq: 202,
-                len: 100,
-                phase: 2,
-                advert_seq: 4
-            },
-        ]
-    );
-    // ... then, with no advertisement left, I302 (100), and the next message splits at the end of the 200-byte
-    // stream buffer: I402 (98) and I500 (2). The buffer is full; the sender is at seq 502 and must wait.
-    f.send(100);
-    f.send(100);
-    f.send(100);
-    assert_eq!(
-        f.tx[3..],
-        [
-            StreamTrace::Indirect {
-                seq: 302,
-                len: 100,
-                phase: 3
-            },
-            StreamTrace::Indirect {
-                seq: 402,
-                len: 98,
-                phase: 3
-            },
-            StreamTrace::Indirect {
-                seq: 500,
-                len: 2,
-                phase: 3
-            },
-        ]
-    );
-    assert!(
-        f.p.client.stats().unwrap().stream.space_stalls > 0,
-        "the sender waits for stream-buffer space"
-    );
+}
+
+/// Figure 7's phase jump, with the sender stalled at seq 502 in phase 3: the receiver catches up, advertises in
+/// phase 4, and the sender rejects the whole batch.
+fn figure7_phase_jump(f: &mut Fig) {
     // The receiver catches up after the first RDMA write (I302): no advertisement is outstanding, so it moves
     // through phase 3 to phase 4; the application posts three receives; the first takes I302 from the stream
     // buffer, the other two are advertised in phase 4 with estimated sequence numbers.
@@ -565,22 +507,9 @@ fn figure7_small_stream_buffer_phase_jump() {
         f.tx.iter()
             .position(|t| matches!(t, StreamTrace::Rejected { phase: 4, .. }))
             .expect("a phase-4 advert rejected");
-    assert_eq!(
-        f.tx[first],
-        StreamTrace::Rejected {
-            seq: 402,
-            phase: 4,
-            sender_seq: 502,
-            sender_phase: 5
-        }
-    );
+    assert_eq!(f.tx[first], rejected(402, 4, 502, 5));
     assert!(
-        f.tx[first + 1..].contains(&StreamTrace::Rejected {
-            seq: 403,
-            phase: 4,
-            sender_seq: 502,
-            sender_phase: 5
-        }),
+        f.tx[first + 1..].contains(&rejected(403, 4, 502, 5)),
         "{:?}",
         f.tx
     );
@@ -589,18 +518,6 @@ fn figure7_small_stream_buffer_phase_jump() {
             .iter()
             .any(|t| matches!(t, StreamTrace::Accepted { phase: 4, .. })),
         "no phase-4 advert accepted"
-    );
-    // Everything arrives, in order, once the receiver has receives for it.
-    for _ in 0..4 {
-        f.recv(100);
-    }
-    f.settle();
-    f.check_stream();
-    assert_eq!(
-        f.got.len(),
-        f.sent.len(),
-        "all {} bytes delivered",
-        f.sent.len()
     );
 }
 
@@ -631,23 +548,9 @@ fn figure7_matching_seq_in_a_rejected_batch_is_not_accepted() {
     let phase4: Vec<_> = f.adverts_sent().into_iter().filter(|a| a.1 == 4).collect();
     assert_eq!(phase4, vec![(402, 4), (403, 4)]);
     f.settle();
+    assert!(f.tx.contains(&rejected(402, 4, 403, 5)), "{:?}", f.tx);
     assert!(
-        f.tx.contains(&StreamTrace::Rejected {
-            seq: 402,
-            phase: 4,
-            sender_seq: 403,
-            sender_phase: 5
-        }),
-        "{:?}",
-        f.tx
-    );
-    assert!(
-        f.tx.contains(&StreamTrace::Rejected {
-            seq: 403,
-            phase: 4,
-            sender_seq: 403,
-            sender_phase: 5
-        }),
+        f.tx.contains(&rejected(403, 4, 403, 5)),
         "seq 403 matches but the phase does not: {:?}",
         f.tx
     );

@@ -116,8 +116,8 @@ impl VerbsTransport {
         buf: &Arc<DmaBuf>,
     ) -> Result<Arc<dyn Registration>, TransportError> {
         // Local access only, iWARP included: there a read's sink gets remote write from a registration of its own
-        // for the read's duration (`SinkMr`; siw needs none), so no base registration is ever writable from the
-        // network.
+        // for the read's duration (`SinkMr`), so no base registration is ever writable from the network, nor its
+        // key handed out.
         let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
         if self.settings.memory_windows {
             // Exposures are windows bound over this registration (no remote access of its own).

@@ -19,8 +19,8 @@
 //! * Identifiers: every request the device carries has an identifier no other request of the transport ever
 //!   had (see `src/queue.rs`), so a late completion of a destroyed queue pair whose number went to a new one cannot
 //!   complete the new one's requests.
-//! * Memory: the base registration grants local access only, iWARP included (on iWARP adapters the sink of an RDMA
-//!   read gets remote write from a registration of its own for the read's duration; siw needs none); a remote key is a memory window bound
+//! * Memory: the base registration grants local access only, iWARP included (there the sink of an RDMA read gets
+//!   remote write from a registration of its own for the read's duration); a remote key is a memory window bound
 //!   to one queue pair, or a registration of exactly the exposed range, revoked when the exposure is dropped
 //!   (least exposure).
 //! * Write-with-immediate: native where the device has it; otherwise (siw, some iWARP adapters, or forced by
@@ -87,8 +87,10 @@ pub struct VerbsConfig {
     pub memory_windows: Option<bool>,
     /// Give the local sink of each RDMA read a registration of its own with remote write, for the read's
     /// duration: iWARP adapters check a read's sink for remote write, and base registrations grant no remote access
-    /// at all. `None` (default): on iWARP devices other than siw, which checks a read's sink for local write only
-    /// ([`DeviceLimits::read_sink_needs_remote_write`]); `Some(true)`: always (tests that path on other devices).
+    /// at all. `None` (default): on iWARP devices; `Some(true)`: always (tests that path on other devices);
+    /// `Some(false)`: never, refused where the device checks sinks (allowed on siw, which checks a read's sink for
+    /// local write only: a registration saved per read, but each read request then carries a base registration's
+    /// key, which a siw peer can invalidate; [`DeviceLimits::read_sink_needs_remote_write`]).
     pub read_sink_registration: Option<bool>,
     /// Overrides of the queue depths, inline size, scatter/gather entries and largest message (default: the
     /// device's, within exs's defaults).

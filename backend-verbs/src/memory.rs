@@ -1,9 +1,9 @@
 //! Protection domain, registrations and exposures: who can reach which memory, with which key, on which queue pair.
 //!
 //! * A base registration (`register`, ES-API `exs_mregister`) grants local access, plus `IBV_ACCESS_MW_BIND`
-//!   where memory windows are used; never remote access. On iWARP adapters, where the sink of an RDMA read must
-//!   allow remote write, each read's sink is registered on its own for the read's duration ([`SinkMr`]; not on
-//!   siw, which checks a read's sink for local write only).
+//!   where memory windows are used; never remote access. On iWARP, where the sink of an RDMA read must allow
+//!   remote write (and the read request carries its key), each read's sink is registered on its own for the
+//!   read's duration ([`SinkMr`]).
 //! * Where the device has type 2 memory windows (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`: Soft-RoCE, Mellanox), an
 //!   exposure is a window bound to **one queue pair**: the bind is a work request posted on that
 //!   connection's send queue ahead of the message that hands the key out (a queue pair executes in order), the

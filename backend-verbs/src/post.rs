@@ -374,8 +374,8 @@ impl VerbsTransport {
         wrs.split_off(fit)
     }
 
-    /// iWARP adapters: each read's sink gets its registration with remote write, before anything is posted (one
-    /// entry per request; none at all where reads need no sink).
+    /// iWARP: each read's sink gets its registration with remote write, before anything is posted (one entry per
+    /// request; none at all where reads need no sink).
     fn sink_registrations(
         &self,
         wrs: &[WorkRequest],

@@ -117,7 +117,7 @@ pub enum Atomics {
 pub struct DeviceLimits {
     /// iWARP (`IBV_TRANSPORT_IWARP`: Chelsio, siw) rather than InfiniBand/RoCE.
     pub iwarp: bool,
-    /// `vendor_id` (IEEE OUI; siw reports [`SIW_VENDOR_ID`]).
+    /// `vendor_id` (an OUI or a PCI vendor id, as the driver chooses; siw reports [`SIW_VENDOR_ID`]).
     pub vendor_id: u32,
     /// Largest inline payload a queue pair of this device accepted.
     pub max_inline: u32,
@@ -145,12 +145,17 @@ pub struct DeviceLimits {
 pub const SIW_VENDOR_ID: u32 = 0x62_6d74;
 
 impl DeviceLimits {
-    /// Whether the sink of an RDMA read needs remote write. An iWARP read response is a tagged message aimed at
-    /// the sink's key, and adapters check that key as they would a peer's RDMA write (Chelsio's `iw_cxgb4`, and
-    /// the kernel's own `rdma_rw` registers iWARP read sinks with remote write for that reason). siw does not: it
+    /// Whether the sink of an RDMA read must allow remote write. An iWARP read response is a tagged message aimed
+    /// at the sink's key, and adapters check that key as they would a peer's RDMA write (Chelsio's `iw_cxgb4`; the
+    /// kernel's own `rdma_rw` registers iWARP read sinks with remote write for that reason). siw does not: it
     /// places a read response through the read's own local scatter entry, matched by its outbound read queue, and
-    /// checks that entry's key for local write only (`siw_proc_rresp`), so a registration with local access does,
-    /// and a peer still cannot write into it (a tagged RDMA write needs remote write there).
+    /// checks that entry's key for local write only (`siw_proc_rresp`).
+    ///
+    /// siw still gets a sink registration per read by default: the read request carries its sink's key to the
+    /// peer, and siw carries out a peer's send-with-invalidate on any key of the protection domain it names
+    /// (`siw_invalidate_stag` checks the domain only), so reading into a base registration would let a hostile
+    /// peer invalidate memory the application uses on its other connections. `EXS_VERBS_READ_SINKS=0` chooses
+    /// the registration saved over that.
     pub fn read_sink_needs_remote_write(&self) -> bool {
         self.iwarp && self.vendor_id != SIW_VENDOR_ID
     }
@@ -195,8 +200,8 @@ pub struct VerbsSettings {
     pub emulated_imm: bool,
     /// Exposures are type 2 memory windows bound to one queue pair.
     pub memory_windows: bool,
-    /// Each RDMA read's sink gets a registration with remote write for the read's duration (iWARP adapters that
-    /// check a read sink's key for remote write: [`DeviceLimits::read_sink_needs_remote_write`]).
+    /// Each RDMA read's sink gets a registration with remote write for the read's duration (iWARP; see
+    /// [`DeviceLimits::read_sink_needs_remote_write`]).
     pub read_sinks: bool,
 }
 
@@ -261,9 +266,7 @@ impl VerbsSettings {
             ),
             emulated_imm: cfg.emulate_write_imm || dev.iwarp,
             memory_windows,
-            read_sinks: cfg
-                .read_sink_registration
-                .unwrap_or(dev.read_sink_needs_remote_write()),
+            read_sinks: read_sinks(name, &dev, cfg.read_sink_registration)?,
             limits: dev,
         })
     }
@@ -272,6 +275,19 @@ impl VerbsSettings {
     /// write-with-immediate, the bind of a window it exposes.
     pub fn sq_share(&self) -> u32 {
         1 + u32::from(self.emulated_imm) + u32::from(self.memory_windows)
+    }
+}
+
+/// Whether each RDMA read's sink gets a registration of its own: by default on iWARP; turned off, an error where
+/// the device checks a read's sink for remote write (its reads would fail with a remote access error).
+fn read_sinks(name: &str, dev: &DeviceLimits, want: Option<bool>) -> Result<bool, TransportError> {
+    match want {
+        Some(false) if dev.read_sink_needs_remote_write() => Err(TransportError::Unsupported(format!(
+            "{name} checks the sink of an RDMA read for remote write: read sinks cannot be turned off \
+             (EXS_VERBS_READ_SINKS=0)"
+        ))),
+        Some(w) => Ok(w),
+        None => Ok(dev.iwarp),
     }
 }
 
@@ -392,8 +408,8 @@ mod tests {
         let s = VerbsSettings::decide("siw0", siw(), &cfg()).unwrap();
         assert_eq!((s.inline, s.sge, s.send_depth), (64, 6, 512));
         assert!(
-            s.emulated_imm && !s.read_sinks && !s.memory_windows,
-            "iWARP's way, with siw's read sinks through their local key"
+            s.emulated_imm && s.read_sinks && !s.memory_windows,
+            "iWARP's way"
         );
         assert_eq!(s.sq_share(), 2);
         let r = VerbsSettings::decide("rxe0", rxe(), &cfg()).unwrap();
@@ -403,24 +419,41 @@ mod tests {
     }
 
     #[test]
-    fn an_iwarp_adapter_registers_read_sinks_with_remote_write_and_siw_does_not_need_to() {
-        // Chelsio's OUI (0x1425), as iw_cxgb4 reports it; otherwise siw's limits.
+    fn read_sinks_are_registered_on_iwarp_and_can_be_turned_off_only_where_the_device_does_not_check_them(
+    ) {
+        // Chelsio's PCI vendor id (0x1425), as iw_cxgb4 reports it; otherwise siw's limits.
         let cxgb4 = DeviceLimits {
             vendor_id: 0x1425,
             ..siw()
         };
         assert!(cxgb4.read_sink_needs_remote_write());
+        assert!(!siw().read_sink_needs_remote_write());
+        assert!(!rxe().read_sink_needs_remote_write());
         assert!(
-            VerbsSettings::decide("cxgb4_0", cxgb4, &cfg())
+            VerbsSettings::decide("cxgb4_0", cxgb4.clone(), &cfg())
                 .unwrap()
                 .read_sinks
         );
-        assert!(!siw().read_sink_needs_remote_write());
-        assert!(!rxe().read_sink_needs_remote_write());
-        // Asked for, siw gets them too (the suite's peer-to-peer stage drives siw as iw_cxgb4 is driven).
-        let mut c = cfg();
-        c.read_sink_registration = Some(true);
-        assert!(VerbsSettings::decide("siw0", siw(), &c).unwrap().read_sinks);
+        let mut off = cfg();
+        off.read_sink_registration = Some(false);
+        assert!(
+            !VerbsSettings::decide("siw0", siw(), &off)
+                .unwrap()
+                .read_sinks,
+            "siw reads into the base registration when asked"
+        );
+        let e = VerbsSettings::decide("cxgb4_0", cxgb4, &off).unwrap_err();
+        assert!(
+            matches!(&e, TransportError::Unsupported(m) if m.contains("EXS_VERBS_READ_SINKS")),
+            "{e}"
+        );
+        let mut on = cfg();
+        on.read_sink_registration = Some(true);
+        assert!(
+            VerbsSettings::decide("rxe0", rxe(), &on)
+                .unwrap()
+                .read_sinks
+        );
     }
 
     #[test]

@@ -2,10 +2,10 @@
 //! kernel cannot load it the suite runs in the QEMU guest with siw.ko built for the guest's kernel ([`crate::siw`]):
 //!
 //! * every case on `exs_siw1` at the near end of the veth link (`softroce:siw`), the tools over it (`tools:siw`);
-//! * with the peer-to-peer build (MPA RTR by a zero-length RDMA read, as iw_cxgb4 connects by default) and read
-//!   sinks registered with remote write (as iw_cxgb4 needs them; siw itself does not): the who-sends-first cases,
-//!   connecting and accepting, transfers of every size, persistent reads, and the two-host transfer
-//!   (`softroce:siw-p2p-read-rtr`);
+//! * the cases whose data moves by RDMA reads again with read sinks off (`EXS_VERBS_READ_SINKS=0`: siw reads into
+//!   the base registration; `softroce:siw-no-read-sinks`);
+//! * with the peer-to-peer build (MPA RTR by a zero-length RDMA read, as iw_cxgb4 connects by default): the
+//!   who-sends-first cases, connecting and accepting, and the two-host transfer (`softroce:siw-p2p-read-rtr`);
 //! * across two guests with siw0 on each (the peer-host cases on verbs, the tools, perftest with rdma_cm).
 //!
 //! It is a suite of its own because the guest's emulated CPU makes siw (iWARP over the kernel's TCP) the slowest
@@ -23,19 +23,18 @@ use crate::siw::{self, Variant};
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
 
-/// The cases run again with the peer-to-peer build and iw_cxgb4's read sinks: who sends first, connecting, the
-/// transfers whose large messages are RDMA reads, persistent reads, and a transfer across the link.
-const P2P_CASES: [&str; 5] = [
+/// The cases run again with the peer-to-peer build: who sends first, connecting, and a transfer across the link.
+const P2P_CASES: [&str; 3] = [
     "softroce::the_",
     "softroce::seqpacket_connect_and_accept",
-    "softroce::seqpacket_sizes_1b_to_16mib",
-    "softroce::persistent_send_read_repeatedly",
     "softroce::two_hosts_over_a_link",
 ];
 
-/// How the peer-to-peer stage drives siw: as iw_cxgb4 must be driven, each RDMA read's sink registered with remote
-/// write for the read's duration (siw's own default places read responses through the read's local key).
-const P2P_ENV: &str = "EXS_VERBS_READ_SINKS=1";
+/// The cases run again with read sinks off: the transfers whose large messages are RDMA reads, persistent reads.
+const NO_SINK_CASES: [&str; 2] = [
+    "softroce::seqpacket_sizes_1b_to_16mib",
+    "softroce::persistent_send_read_repeatedly",
+];
 
 /// The script of the one-guest stage; `load(v)` is the shell that loads build `v` of siw (`None`: this kernel's
 /// own siw, and no peer-to-peer stage).
@@ -63,12 +62,16 @@ fn script(xtask: &Path, exe: &Path, load: impl Fn(Variant) -> Option<String>) ->
          tool ping_on_siw {tool} ping --backend verbs --addr {near} --size 8 --count 100 --json\n",
         load(Variant::Stock).unwrap_or_default()
     );
+    s.push_str("section softroce:siw-no-read-sinks\n");
+    for case in NO_SINK_CASES {
+        s.push_str(&format!("env {env} EXS_VERBS_READ_SINKS=0 {exe} {case}\n"));
+    }
     if let Some(p2p) = load(Variant::P2pReadRtr) {
         s.push_str(&format!(
             "{xtask} rxe down >&2\n{p2p}{up}section softroce:siw-p2p-read-rtr\n"
         ));
         for case in P2P_CASES {
-            s.push_str(&format!("env {env} {P2P_ENV} {exe} {case}\n"));
+            s.push_str(&format!("env {env} {exe} {case}\n"));
         }
     }
     s

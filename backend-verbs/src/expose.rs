@@ -117,7 +117,7 @@ impl VerbsTransport {
     ) -> Result<Arc<dyn Registration>, TransportError> {
         // Local access only, iWARP included: there a read's sink gets remote write from a registration of its own
         // for the read's duration (`SinkMr`), so no base registration is ever writable from the network, nor its
-        // key handed out.
+        // key handed out (unless read sinks are turned off on siw: then each read request carries it).
         let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
         if self.settings.memory_windows {
             // Exposures are windows bound over this registration (no remote access of its own).

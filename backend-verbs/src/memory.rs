@@ -1,9 +1,9 @@
 //! Protection domain, registrations and exposures: who can reach which memory, with which key, on which queue pair.
 //!
 //! * A base registration (`register`, ES-API `exs_mregister`) grants local access, plus `IBV_ACCESS_MW_BIND`
-//!   where memory windows are used; never remote access. On iWARP, where the sink of an RDMA read must allow
-//!   remote write (and the read request carries its key), each read's sink is registered on its own for the
-//!   read's duration ([`SinkMr`]).
+//!   where memory windows are used; never remote access. On iWARP (where the device needs remote write on a read's
+//!   sink, and by default on siw: see `DeviceLimits::read_sink_needs_remote_write`), each read's sink is registered
+//!   on its own for the read's duration ([`SinkMr`]): the read request carries the sink's key.
 //! * Where the device has type 2 memory windows (`IBV_DEVICE_MEM_WINDOW_TYPE_2B`: Soft-RoCE, Mellanox), an
 //!   exposure is a window bound to **one queue pair**: the bind is a work request posted on that
 //!   connection's send queue ahead of the message that hands the key out (a queue pair executes in order), the

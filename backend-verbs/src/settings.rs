@@ -153,9 +153,10 @@ impl DeviceLimits {
     ///
     /// siw still gets a sink registration per read by default: the read request carries its sink's key to the
     /// peer, and siw carries out a peer's send-with-invalidate on any key of the protection domain it names
-    /// (`siw_invalidate_stag` checks the domain only), so reading into a base registration would let a hostile
-    /// peer invalidate memory the application uses on its other connections. `EXS_VERBS_READ_SINKS=0` chooses
-    /// the registration saved over that.
+    /// (`siw_invalidate_stag` checks the domain only), so reading into a base registration would hand a hostile
+    /// peer the key of memory the application uses on its other connections. `EXS_VERBS_READ_SINKS=0` chooses the
+    /// registration saved over that. It keeps base keys from being handed out, no more: siw looks a key up by its
+    /// index alone and gives indexes out in sequence, so a peer that holds any key can guess the others.
     pub fn read_sink_needs_remote_write(&self) -> bool {
         self.iwarp && self.vendor_id != SIW_VENDOR_ID
     }
@@ -284,7 +285,7 @@ fn read_sinks(name: &str, dev: &DeviceLimits, want: Option<bool>) -> Result<bool
     match want {
         Some(false) if dev.read_sink_needs_remote_write() => Err(TransportError::Unsupported(format!(
             "{name} checks the sink of an RDMA read for remote write: read sinks cannot be turned off \
-             (EXS_VERBS_READ_SINKS=0)"
+             (EXS_VERBS_READ_SINKS=0, VerbsConfig::read_sink_registration = Some(false))"
         ))),
         Some(w) => Ok(w),
         None => Ok(dev.iwarp),
@@ -367,7 +368,7 @@ mod tests {
     fn rxe() -> DeviceLimits {
         DeviceLimits {
             iwarp: false,
-            vendor_id: 0x00_0000,
+            vendor_id: 0xff_ffff,
             max_inline: 512,
             max_qp_wr: 1_048_576,
             max_cqe: 32_767,
@@ -446,6 +447,11 @@ mod tests {
         assert!(
             matches!(&e, TransportError::Unsupported(m) if m.contains("EXS_VERBS_READ_SINKS")),
             "{e}"
+        );
+        assert!(
+            !VerbsSettings::decide("rxe0", rxe(), &off)
+                .unwrap()
+                .read_sinks
         );
         let mut on = cfg();
         on.read_sink_registration = Some(true);

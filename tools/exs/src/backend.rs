@@ -351,7 +351,8 @@ pub fn verbs_settings(opened: &Opened) -> Result<Option<(serde_json::Value, Stri
         let text = format!(
             "  verbs settings (used / device; EXS_VERBS_INLINE, _SEND_DEPTH, _RECV_DEPTH, _CQ_DEPTH, _SRQ_DEPTH, \
              _SGE, _MAX_MESSAGE, _READ_DEPTH lower them):\n\
-             \x20   {} ({}, vendor {:#x}): inline {} / {} B, send queue {} / {}, receive queue {} / {}, completion queue {} / {}\n\
+             \x20   {} ({}, vendor {:#x}): inline {} / {} B, send queue {} / {}, \
+             receive queue {} / {}, completion queue {} / {}\n\
              \x20   shared receive queue {} / {}, scatter/gather {} / {} (reads {}), largest message {} / {} B, \
              read depth {} / {}\n\
              \x20   atomics {:?} (unused), memory windows {}, read sinks registered per read: {}\n",

@@ -79,10 +79,11 @@ pub fn run(a: SoakArgs) -> Result<()> {
     let server = opened.host()?;
     let client = opened.host()?;
     let mut rng = Rng(a.seed.max(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    let send_buf =
-        MemoryRegion::alloc(&client, SLOTS * SLOT).context("registering the send buffer")?;
-    let recv_buf =
-        MemoryRegion::alloc(&server, SLOTS * SLOT).context("registering the receive buffer")?;
+    let bufs = Buffers {
+        send: MemoryRegion::alloc(&client, SLOTS * SLOT).context("registering the send buffer")?,
+        recv: MemoryRegion::alloc(&server, SLOTS * SLOT)
+            .context("registering the receive buffer")?,
+    };
     let deadline = Instant::now() + Duration::from_secs(a.seconds);
     let start = Instant::now();
     let mut t = Totals::default();
@@ -93,10 +94,8 @@ pub fn run(a: SoakArgs) -> Result<()> {
         } else {
             SockType::Stream
         };
-        one_connection(
-            &opened, &server, &client, &send_buf, &recv_buf, ty, &mut rng, &mut t,
-        )
-        .with_context(|| format!("connection {} ({ty:?})", t.connections))?;
+        one_connection(&opened, (&server, &client), &bufs, ty, &mut rng, &mut t)
+            .with_context(|| format!("connection {} ({ty:?})", t.connections))?;
         if last_report.elapsed() > Duration::from_secs(10) {
             eprintln!("soak: {:?} elapsed: {t:?}", start.elapsed().as_secs());
             last_report = Instant::now();
@@ -141,136 +140,222 @@ fn wait(eq: &EventQueue, what: &str) -> Result<Event> {
         .with_context(|| format!("{what}: no event within 60 s"))
 }
 
-#[allow(clippy::too_many_arguments)]
+/// The two buffers every connection of the soak sends from and receives into, `SLOTS` slots of `SLOT` bytes each.
+struct Buffers {
+    send: MemoryRegion,
+    recv: MemoryRegion,
+}
+
+/// How a connection was closed in the middle of a batch.
+enum MidClose {
+    /// The sender closed gracefully with its sends in flight: they are delivered, then end-of-stream.
+    Graceful,
+    /// The receiver closed or the sender aborted with operations pending: the connection's batches end.
+    Cut,
+}
+
+/// One connection of the soak: its sockets and queues, and what was sent and received on it.
+struct Soaked<'a> {
+    ty: SockType,
+    /// Names the stream (or, mixed with the message's number, each message) for [`byte`].
+    id: u64,
+    bufs: &'a Buffers,
+    c: Socket,
+    s: Socket,
+    eq_c: EventQueue,
+    eq_s: EventQueue,
+    /// Stream: bytes sent so far; seqpacket: messages sent.
+    sent: u64,
+    /// Stream: bytes received; seqpacket: messages received.
+    got: u64,
+    /// Seqpacket: (id, len) of each message sent, in order.
+    msgs_sent: Vec<(u64, usize)>,
+}
+
 fn one_connection(
     opened: &Opened,
-    server: &Context,
-    client: &Context,
-    send_buf: &MemoryRegion,
-    recv_buf: &MemoryRegion,
+    (server, client): (&Context, &Context),
+    bufs: &Buffers,
     ty: SockType,
     rng: &mut Rng,
     t: &mut Totals,
 ) -> Result<()> {
-    let id = rng.next();
-    let (eq_s, eq_c) = (EventQueue::new(64)?, EventQueue::new(64)?);
-    let l = Socket::new(server, ty)?;
-    l.bind(opened.listen_addr(0)).context("bind")?;
-    let addr = l.listen(1).context("listen")?;
-    l.accept(&eq_s, 0).context("accept")?;
-    let c = Socket::new(client, ty)?;
-    c.connect(&eq_c, addr, 0).context("connect")?;
-    wait(&eq_c, "connect")?.status.context("connect")?;
-    let mut acc = wait(&eq_s, "accept")?;
-    let s = acc
-        .take_accepted()
-        .ok_or_else(|| anyhow!("accept failed: {:?}", acc.status))?;
-    drop(l);
+    let mut k = Soaked::open(opened, (server, client), bufs, ty, rng.next())?;
     t.connections += 1;
     let batches = 1 + rng.below(12);
     // Close mid-way (from either side, with operations pending) in a quarter of the connections.
     let close_at = (rng.below(4) == 0).then(|| rng.below(batches));
-    let mut sent: u64 = 0; // stream: bytes sent so far
-    let mut got: u64 = 0; // stream: bytes received; seqpacket: messages received
-    let mut msgs_sent = Vec::new(); // seqpacket: (id, len) in order
     let mut closed = false;
     for batch in 0..batches {
         // A batch: up to SLOTS sends in flight, then receives until all of it arrived, then the send events.
-        let k = 1 + rng.below(SLOTS as u64) as usize;
-        let batch_start = sent;
-        for slot in 0..k {
-            let mut len = rng.size().min(SLOT);
-            if ty == SockType::Stream && len == 0 {
-                len = 1;
-            }
-            let msg_id = id ^ (msgs_sent.len() as u64).wrapping_mul(0x1000_0000_01b3);
-            match ty {
-                SockType::Stream => fill(send_buf, slot * SLOT, len, id, sent)?,
-                SockType::SeqPacket => fill(send_buf, slot * SLOT, len, msg_id, 0)?,
-            }
-            c.send(
-                &eq_c,
-                &send_buf.slice(slot * SLOT..slot * SLOT + len),
-                MsgFlags::NONE,
-                slot as u64,
-            )
-            .context("send")?;
-            match ty {
-                SockType::Stream => sent += len as u64,
-                SockType::SeqPacket => {
-                    msgs_sent.push((msg_id, len));
-                    sent += 1;
-                }
-            }
-        }
-        // A graceful close by the sender with its sends in flight: they are delivered, then end-of-stream.
+        let n = 1 + rng.below(SLOTS as u64) as usize;
+        k.send_batch(n, rng)?;
         let mut graceful = false;
         if close_at == Some(batch) {
             t.closes_with_pending += 1;
             closed = true;
-            if rng.below(3) == 0 {
-                c.close().context("close")?;
-                graceful = true;
-            } else {
-                // Post a few receives, then the receiver closes (its pending receives are cancelled, the
-                // sender's sends fail), or the sender aborts, with everything in flight.
-                for slot in 0..rng.below(3) as usize {
-                    let _ = s.recv(
-                        &eq_s,
-                        &recv_buf.slice(slot * SLOT..slot * SLOT + SLOT),
-                        MsgFlags::NONE,
-                        slot as u64,
-                    );
-                }
-                if rng.below(2) == 0 {
-                    c.abort()
-                } else {
-                    s.close()
-                }
-                .context("close or abort")?;
-                break;
+            match k.close_mid_way(rng)? {
+                MidClose::Graceful => graceful = true,
+                MidClose::Cut => break,
             }
         }
-        // Receive the batch: seqpacket one receive per message (sometimes too small: truncation); stream pieces
-        // of random size, sometimes MSG_WAITALL.
-        let mut slot = 0usize;
-        while got < sent {
-            let left = (sent - got) as usize;
-            let (cap, flags) = match ty {
+        k.receive_batch(rng, t)?;
+        k.wait_sends(n, graceful)?;
+        if graceful {
+            k.expect_end_of_stream()?;
+            break;
+        }
+    }
+    if !closed {
+        let _ = k.c.close();
+    }
+    k.drain(t)
+}
+
+impl<'a> Soaked<'a> {
+    /// A connection of type `ty` from `client` to a listener of `server` (closed once it accepted).
+    fn open(
+        opened: &Opened,
+        (server, client): (&Context, &Context),
+        bufs: &'a Buffers,
+        ty: SockType,
+        id: u64,
+    ) -> Result<Soaked<'a>> {
+        let (eq_s, eq_c) = (EventQueue::new(64)?, EventQueue::new(64)?);
+        let l = Socket::new(server, ty)?;
+        l.bind(opened.listen_addr(0)).context("bind")?;
+        let addr = l.listen(1).context("listen")?;
+        l.accept(&eq_s, 0).context("accept")?;
+        let c = Socket::new(client, ty)?;
+        c.connect(&eq_c, addr, 0).context("connect")?;
+        wait(&eq_c, "connect")?.status.context("connect")?;
+        let mut acc = wait(&eq_s, "accept")?;
+        let s = acc
+            .take_accepted()
+            .ok_or_else(|| anyhow!("accept failed: {:?}", acc.status))?;
+        drop(l);
+        Ok(Soaked {
+            ty,
+            id,
+            bufs,
+            c,
+            s,
+            eq_c,
+            eq_s,
+            sent: 0,
+            got: 0,
+            msgs_sent: Vec::new(),
+        })
+    }
+
+    /// Posts `n` sends of random sizes, one per slot, each filled with its bytes of the stream (or message).
+    fn send_batch(&mut self, n: usize, rng: &mut Rng) -> Result<()> {
+        for slot in 0..n {
+            let mut len = rng.size().min(SLOT);
+            if self.ty == SockType::Stream && len == 0 {
+                len = 1;
+            }
+            let msg_id = self.id ^ (self.msgs_sent.len() as u64).wrapping_mul(0x1000_0000_01b3);
+            match self.ty {
+                SockType::Stream => fill(&self.bufs.send, slot * SLOT, len, self.id, self.sent)?,
+                SockType::SeqPacket => fill(&self.bufs.send, slot * SLOT, len, msg_id, 0)?,
+            }
+            self.c
+                .send(
+                    &self.eq_c,
+                    &self.bufs.send.slice(slot * SLOT..slot * SLOT + len),
+                    MsgFlags::NONE,
+                    slot as u64,
+                )
+                .context("send")?;
+            match self.ty {
+                SockType::Stream => self.sent += len as u64,
                 SockType::SeqPacket => {
-                    let len = msgs_sent[got as usize].1;
-                    let cap = if rng.below(8) == 0 {
-                        rng.below(len as u64 + 1) as usize
-                    } else {
-                        len
-                    };
-                    (cap.clamp(1, SLOT), MsgFlags::NONE)
+                    self.msgs_sent.push((msg_id, len));
+                    self.sent += 1;
                 }
-                SockType::Stream => {
-                    let cap = rng.size().clamp(1, SLOT);
-                    if rng.below(3) == 0 && cap <= left {
-                        (cap, MsgFlags::WAITALL)
-                    } else {
-                        (cap, MsgFlags::NONE)
-                    }
-                }
-            };
-            s.recv(
-                &eq_s,
-                &recv_buf.slice(slot * SLOT..slot * SLOT + cap),
-                flags,
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes with the batch in flight: a third of the time the sender gracefully; otherwise, after posting a few
+    /// receives, the receiver closes (its pending receives are cancelled, the sender's sends fail) or the sender
+    /// aborts.
+    fn close_mid_way(&mut self, rng: &mut Rng) -> Result<MidClose> {
+        if rng.below(3) == 0 {
+            self.c.close().context("close")?;
+            return Ok(MidClose::Graceful);
+        }
+        for slot in 0..rng.below(3) as usize {
+            let _ = self.s.recv(
+                &self.eq_s,
+                &self.bufs.recv.slice(slot * SLOT..slot * SLOT + SLOT),
+                MsgFlags::NONE,
                 slot as u64,
-            )
-            .context("recv")?;
-            let r = wait(&eq_s, "receive")?;
+            );
+        }
+        if rng.below(2) == 0 {
+            self.c.abort()
+        } else {
+            self.s.close()
+        }
+        .context("close or abort")?;
+        Ok(MidClose::Cut)
+    }
+
+    /// Receives until everything sent arrived: seqpacket one receive per message (sometimes too small:
+    /// truncation); stream pieces of random size, sometimes MSG_WAITALL. Every byte is checked.
+    fn receive_batch(&mut self, rng: &mut Rng, t: &mut Totals) -> Result<()> {
+        let mut slot = 0usize;
+        while self.got < self.sent {
+            let (cap, flags) = self.next_receive(rng);
+            self.s
+                .recv(
+                    &self.eq_s,
+                    &self.bufs.recv.slice(slot * SLOT..slot * SLOT + cap),
+                    flags,
+                    slot as u64,
+                )
+                .context("recv")?;
+            let r = wait(&self.eq_s, "receive")?;
             if !r.is_ok() {
                 bail!("a receive failed on an open connection: {r:?}");
             }
-            check(recv_buf, &r, ty, id, &mut got, &msgs_sent, t)?;
+            self.check(&r, t)?;
             slot = (slot + 1) % SLOTS;
         }
-        for _ in 0..k {
-            let e = wait(&eq_c, "send")?;
+        Ok(())
+    }
+
+    /// The size and flags of the next receive.
+    fn next_receive(&self, rng: &mut Rng) -> (usize, MsgFlags) {
+        let left = (self.sent - self.got) as usize;
+        match self.ty {
+            SockType::SeqPacket => {
+                let len = self.msgs_sent[self.got as usize].1;
+                let cap = if rng.below(8) == 0 {
+                    rng.below(len as u64 + 1) as usize
+                } else {
+                    len
+                };
+                (cap.clamp(1, SLOT), MsgFlags::NONE)
+            }
+            SockType::Stream => {
+                let cap = rng.size().clamp(1, SLOT);
+                if rng.below(3) == 0 && cap <= left {
+                    (cap, MsgFlags::WAITALL)
+                } else {
+                    (cap, MsgFlags::NONE)
+                }
+            }
+        }
+    }
+
+    /// The events of the batch's `n` sends: each must have succeeded (`graceful`: the sender closed behind them).
+    fn wait_sends(&self, n: usize, graceful: bool) -> Result<()> {
+        for _ in 0..n {
+            let e = wait(&self.eq_c, "send")?;
             if !e.is_ok() {
                 bail!(
                     "a send failed {}: {e:?}",
@@ -282,37 +367,59 @@ fn one_connection(
                 );
             }
         }
-        let _ = batch_start;
-        if graceful {
-            s.recv(&eq_s, &recv_buf.slice(0..SLOT), MsgFlags::NONE, 0)
-                .context("receive after the peer's close")?;
-            let r = wait(&eq_s, "end of stream")?;
-            if !(r.is_ok() && r.flags.eof && r.bytes == 0) {
-                bail!("after a graceful close, end-of-stream: {r:?}");
-            }
-            break;
+        Ok(())
+    }
+
+    /// After the sender's graceful close, a receive reports end-of-stream.
+    fn expect_end_of_stream(&self) -> Result<()> {
+        self.s
+            .recv(
+                &self.eq_s,
+                &self.bufs.recv.slice(0..SLOT),
+                MsgFlags::NONE,
+                0,
+            )
+            .context("receive after the peer's close")?;
+        let r = wait(&self.eq_s, "end of stream")?;
+        if !(r.is_ok() && r.flags.eof && r.bytes == 0) {
+            bail!("after a graceful close, end-of-stream: {r:?}");
         }
+        Ok(())
     }
-    if !closed {
-        let _ = c.close();
-    }
-    // Whatever was pending ends now, with data that checks out or with an error; nothing hangs.
-    for (eq, what) in [(&eq_s, "server"), (&eq_c, "client")] {
-        let evs = eq
-            .wait_all(Some(Duration::from_secs(60)))
-            .with_context(|| format!("{what} after close"))?;
-        for e in evs {
-            // A zero-length seqpacket message is a message (regression: skipping it made the soak compare the
-            // next one against it); end-of-stream is not.
-            if e.is_ok() && e.kind == exs::EventKind::Recv && !e.flags.eof {
-                check(recv_buf, &e, ty, id, &mut got, &msgs_sent, t)?;
-            } else if !e.is_ok() {
-                t.failed_ops += 1;
+
+    /// Whatever was pending ends now, with data that checks out or with an error; nothing hangs.
+    fn drain(&mut self, t: &mut Totals) -> Result<()> {
+        for (server_side, what) in [(true, "server"), (false, "client")] {
+            let eq = if server_side { &self.eq_s } else { &self.eq_c };
+            let evs = eq
+                .wait_all(Some(Duration::from_secs(60)))
+                .with_context(|| format!("{what} after close"))?;
+            for e in evs {
+                // A zero-length seqpacket message is a message (regression: skipping it made the soak compare the
+                // next one against it); end-of-stream is not.
+                if e.is_ok() && e.kind == exs::EventKind::Recv && !e.flags.eof {
+                    self.check(&e, t)?;
+                } else if !e.is_ok() {
+                    t.failed_ops += 1;
+                }
             }
         }
+        let _ = self.s.close();
+        Ok(())
     }
-    let _ = s.close();
-    Ok(())
+
+    /// Checks a completed receive's bytes against what was sent (see [`check`]).
+    fn check(&mut self, r: &Event, t: &mut Totals) -> Result<()> {
+        check(
+            &self.bufs.recv,
+            r,
+            self.ty,
+            self.id,
+            &mut self.got,
+            &self.msgs_sent,
+            t,
+        )
+    }
 }
 
 fn check(

@@ -119,8 +119,13 @@ fn trusted() -> exs::ContextOptions {
 }
 
 fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> Result<(), String> {
-    // Message mode: a send in flight (readable), a persistent send (readable), a persistent receive (writable).
-    let v = victim_with(b, SockType::SeqPacket, opts.clone())?;
+    message_keys_stay(b, opts.clone())?;
+    stream_keys_stay(b, opts)
+}
+
+/// Message mode: a send in flight (readable), a persistent send (readable), a persistent receive (writable).
+fn message_keys_stay(b: &dyn Backend, opts: exs::ContextOptions) -> Result<(), String> {
+    let v = victim_with(b, SockType::SeqPacket, opts)?;
     let (mut a, a_sock) = v.accept_good()?;
     let sent = pattern(8000, 11);
     let src = MemoryRegion::from_vec(&v.ctx, sent.clone()).map_err(|e| e.to_string())?;
@@ -131,24 +136,13 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
         .send(&v.eq, &src.all(), MsgFlags::NONE, 1)
         .map_err(|e| e.to_string())?;
     let ad = advert(&mut a, "a send", |ad| ad.flags.0 == 0 && ad.len == 8000)?;
-    attempt(
-        &v,
-        "the key of a send in flight",
-        RemoteRef {
-            addr: ad.addr,
-            key: ad.rkey,
-        },
-        8000,
-        false,
-    )?;
+    let key = RemoteRef {
+        addr: ad.addr,
+        key: ad.rkey,
+    };
+    attempt(&v, "the key of a send in flight", key, 8000, false)?;
     // Connection A still reads it with the same key: the key is good where it was given.
-    let id = a.read(
-        RemoteRef {
-            addr: ad.addr,
-            key: ad.rkey,
-        },
-        8000,
-    )?;
+    let id = a.read(key, 8000)?;
     a.wait_done(id)
         .map_err(|e| format!("connection A reading its own advertised send: {e}"))?;
     same(
@@ -165,20 +159,31 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
     let ad = advert(&mut a, "a persistent send", |ad| {
         ad.flags.0 & AdvertFlags::PERSISTENT != 0
     })?;
-    attempt(
-        &v,
-        "the key of a persistent send",
-        RemoteRef {
-            addr: ad.addr,
-            key: ad.rkey,
-        },
-        4096,
-        false,
-    )?;
+    let key = RemoteRef {
+        addr: ad.addr,
+        key: ad.rkey,
+    };
+    attempt(&v, "the key of a persistent send", key, 4096, false)?;
 
+    persistent_recv_key_stays(&v)?;
+    drop(a);
+    let _ = a_sock.abort();
+    let _ = psend;
+    std::thread::sleep(Duration::from_millis(50));
+    same(
+        &src.to_vec().map_err(|e| e.to_string())?,
+        &sent,
+        "the send buffer",
+    )?;
+    drain(&v);
+    v.healthy("cross-connection keys (message mode)", false)
+}
+
+/// A persistent receive's key, on a second connection of `v` (the one-side-persistent rule: the first holds a
+/// persistent send), tried on a connection it was not given to: the buffer is not written.
+fn persistent_recv_key_stays(v: &Victim) -> Result<(), String> {
     let before = pattern(4096, 13);
     let precv = MemoryRegion::from_vec(&v.ctx, before.clone()).map_err(|e| e.to_string())?;
-    // The one-side-persistent rule: end our persistent send first.
     let (mut a2, a2_sock) = v.accept_good()?;
     a2_sock
         .recv(&v.eq, &precv.all(), MsgFlags::PERSISTENT, 3)
@@ -186,16 +191,11 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
     let ad = advert(&mut a2, "a persistent receive", |ad| {
         ad.flags.0 & AdvertFlags::PERSISTENT_RECV != 0
     })?;
-    attempt(
-        &v,
-        "the key of a persistent receive",
-        RemoteRef {
-            addr: ad.addr,
-            key: ad.rkey,
-        },
-        4096,
-        true,
-    )?;
+    let key = RemoteRef {
+        addr: ad.addr,
+        key: ad.rkey,
+    };
+    attempt(v, "the key of a persistent receive", key, 4096, true)?;
     still_up(
         &a2_sock,
         "after the persistent receive's key was tried elsewhere",
@@ -203,54 +203,24 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
     a2_sock.end_persistent().map_err(|e| e.to_string())?;
     drop(a2);
     let _ = a2_sock.abort();
-    drop(a);
-    let _ = a_sock.abort();
-    let _ = psend;
     std::thread::sleep(Duration::from_millis(50));
     same(
         &precv.to_vec().map_err(|e| e.to_string())?,
         &before,
         "the persistent receive buffer",
-    )?;
-    same(
-        &src.to_vec().map_err(|e| e.to_string())?,
-        &sent,
-        "the send buffer",
-    )?;
-    drain(&v);
-    v.healthy("cross-connection keys (message mode)", false)?;
+    )
+}
 
-    // Stream mode: the intermediate stream buffer (allocated when the peer asks for it; its key follows the
-    // handshake) and an advertised receive.
+/// Stream mode: the intermediate stream buffer (allocated when the peer asks for it; its key follows the
+/// handshake) and an advertised receive.
+fn stream_keys_stay(b: &dyn Backend, opts: exs::ContextOptions) -> Result<(), String> {
     let v = victim_with(b, SockType::Stream, opts)?;
     let (mut a, a_sock) = v.accept_good()?;
     ensure!(
         a.peer.stream_len > 0,
         "the stream handshake carried no stream buffer"
     );
-    let ring = if a.peer.stream_rkey != 0 || a.peer.stream_addr != 0 {
-        RemoteRef {
-            addr: a.peer.stream_addr,
-            key: a.peer.stream_rkey,
-        }
-    } else {
-        // The buffer is allocated on demand: ask for it; its key follows (STREAM_RING).
-        a.send_msg(&Message::new(Body::StreamRingWanted))?;
-        let find = |p: &RawPeer| {
-            p.received.iter().find_map(|m| match m {
-                Ok(Message {
-                    body: Body::StreamRing { addr, rkey },
-                    ..
-                }) => Some(RemoteRef {
-                    addr: *addr,
-                    key: *rkey,
-                }),
-                _ => None,
-            })
-        };
-        a.pump(Duration::from_secs(20), |p| find(p).is_some());
-        find(&a).ok_or("the stream buffer's key never arrived (STREAM_RING)")?
-    };
+    let ring = stream_ring_key(&mut a)?;
     attempt(&v, "the key of the stream buffer", ring, 64, true)?;
     let before = pattern(64 << 10, 14);
     let dst = MemoryRegion::from_vec(&v.ctx, before.clone()).map_err(|e| e.to_string())?;
@@ -281,6 +251,32 @@ fn keys_stay_on_their_connection(b: &dyn Backend, opts: exs::ContextOptions) -> 
     )?;
     drain(&v);
     v.healthy("cross-connection keys (stream mode)", false)
+}
+
+/// The key of the victim's stream buffer: from the handshake, or, where the buffer is allocated on demand, asked
+/// for (its key follows in STREAM_RING).
+fn stream_ring_key(a: &mut RawPeer) -> Result<RemoteRef, String> {
+    if a.peer.stream_rkey != 0 || a.peer.stream_addr != 0 {
+        return Ok(RemoteRef {
+            addr: a.peer.stream_addr,
+            key: a.peer.stream_rkey,
+        });
+    }
+    a.send_msg(&Message::new(Body::StreamRingWanted))?;
+    let find = |p: &RawPeer| {
+        p.received.iter().find_map(|m| match m {
+            Ok(Message {
+                body: Body::StreamRing { addr, rkey },
+                ..
+            }) => Some(RemoteRef {
+                addr: *addr,
+                key: *rkey,
+            }),
+            _ => None,
+        })
+    };
+    a.pump(Duration::from_secs(20), |p| find(p).is_some());
+    Ok(find(a).ok_or("the stream buffer's key never arrived (STREAM_RING)")?)
 }
 
 /// The first stream advert (a receive buffer for direct transfers) the raw peer received.

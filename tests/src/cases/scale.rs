@@ -1,5 +1,8 @@
 //! Many connections on one listener, with receive memory reported per connection.
 
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use exs::{Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 
 use crate::util::*;
@@ -270,7 +273,6 @@ fn idle_stream_connections(b: &dyn Backend) -> Result<(), String> {
 /// slowest is reported). Before, a progress round handled completions until the queue was empty, with connection
 /// events and timers waiting behind a flood that never ends.
 fn flood(b: &dyn Backend) -> Result<(), String> {
-    use std::sync::atomic::{AtomicBool, Ordering};
     let net = b.net();
     let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;
     let addr = p
@@ -278,20 +280,6 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
         .local_addr()
         .map_err(|e| e.to_string())?
         .ok_or("listener address")?;
-    let connect = |ctx: &Context, eq: &EventQueue| -> Result<(Socket, Socket), String> {
-        let eq_l = EventQueue::new(4).unwrap();
-        p.listener.accept(&eq_l, 1).map_err(|e| e.to_string())?;
-        let c = Socket::new(ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
-        c.connect(eq, addr, 2).map_err(|e| e.to_string())?;
-        let ev = next(eq)?;
-        ensure!(
-            ev.kind == EventKind::Connect && ev.is_ok(),
-            "connect: {ev:?}"
-        );
-        let mut ev = next(&eq_l)?;
-        ensure!(ev.is_ok(), "accept: {ev:?}");
-        Ok((c, ev.take_accepted().ok_or("no socket")?))
-    };
     // The sender stops first; the receiver keeps re-posting until the sender has taken its last event. (A
     // receiver that stopped with the sender, on the same flag, could leave with every receive taken and the
     // sender's adverts waiting at its side for ever: no receive, no acknowledgment, no credit, no event for the
@@ -299,101 +287,14 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
     let stop = AtomicBool::new(false);
     let recv_stop = AtomicBool::new(false);
     let (eq_c, eq_s) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
-    let (c2, s2) = connect(&p.a, &eq_c)?;
+    let (c2, s2) = connect_beside(&p, addr, &eq_c)?;
     let started = std::time::Instant::now();
     let (flooded, slowest) =
         std::thread::scope(|sc| -> Result<(u64, std::time::Duration), String> {
-            let sender = sc.spawn(|| -> Result<u64, String> {
-                let src = p.region_a(vec![7u8; 64 * 32])?;
-                let mut n = 0u64;
-                for i in 0..32 {
-                    p.client
-                        .send(
-                            &p.eq_a,
-                            &src.slice(i * 64..(i + 1) * 64),
-                            MsgFlags::NONE,
-                            i as u64,
-                        )
-                        .map_err(|e| e.to_string())?;
-                }
-                while !stop.load(Ordering::Relaxed) {
-                    let ev = next(&p.eq_a).map_err(|e| format!("the flooding sender, {e}"))?;
-                    ensure!(ev.is_ok(), "flood send: {ev:?}");
-                    n += 1;
-                    let i = ev.context as usize;
-                    p.client
-                        .send(
-                            &p.eq_a,
-                            &src.slice(i * 64..(i + 1) * 64),
-                            MsgFlags::NONE,
-                            ev.context,
-                        )
-                        .map_err(|e| e.to_string())?;
-                }
-                Ok(n)
-            });
-            let receiver = sc.spawn(|| -> Result<(), String> {
-                let dst = p.region_b(64 * 32)?;
-                for i in 0..32 {
-                    p.server
-                        .recv(
-                            &p.eq_b,
-                            &dst.slice(i * 64..(i + 1) * 64),
-                            MsgFlags::NONE,
-                            i as u64,
-                        )
-                        .map_err(|e| e.to_string())?;
-                }
-                while !recv_stop.load(Ordering::Relaxed) {
-                    let Ok(ev) = p.eq_b.next(Some(std::time::Duration::from_millis(200))) else {
-                        continue;
-                    };
-                    ensure!(ev.is_ok(), "flood receive: {ev:?}");
-                    let i = ev.context as usize;
-                    p.server
-                        .recv(
-                            &p.eq_b,
-                            &dst.slice(i * 64..(i + 1) * 64),
-                            MsgFlags::NONE,
-                            ev.context,
-                        )
-                        .map_err(|e| e.to_string())?;
-                }
-                Ok(())
-            });
+            let sender = sc.spawn(|| flood_send(&p, &stop));
+            let receiver = sc.spawn(|| flood_receive(&p, &recv_stop));
             std::thread::sleep(std::time::Duration::from_millis(100));
-            let result = (|| -> Result<std::time::Duration, String> {
-                let ping = p.region_a(vec![1u8; 8])?;
-                let pong = MemoryRegion::alloc(&p.b, 8).map_err(|e| e.to_string())?;
-                let back = MemoryRegion::alloc(&p.a, 8).map_err(|e| e.to_string())?;
-                let mut slowest = std::time::Duration::ZERO;
-                for i in 0..50 {
-                    let t = std::time::Instant::now();
-                    s2.recv(&eq_s, &pong.all(), MsgFlags::NONE, i)
-                        .map_err(|e| e.to_string())?;
-                    c2.recv(&eq_c, &back.all(), MsgFlags::NONE, i)
-                        .map_err(|e| e.to_string())?;
-                    c2.send(&eq_c, &ping.all(), MsgFlags::NONE, i)
-                        .map_err(|e| e.to_string())?;
-                    let r = next(&eq_s).map_err(|e| format!("ping {i} beside the flood, {e}"))?;
-                    ensure!(r.is_ok() && r.kind == EventKind::Recv, "ping {i}: {r:?}");
-                    s2.send(&eq_s, &pong.all(), MsgFlags::NONE, i)
-                        .map_err(|e| e.to_string())?;
-                    for _ in 0..2 {
-                        let ev =
-                            next(&eq_c).map_err(|e| format!("pong {i} beside the flood, {e}"))?;
-                        ensure!(ev.is_ok(), "pong {i}: {ev:?}");
-                    }
-                    ensure!(next(&eq_s)?.is_ok(), "pong send {i}");
-                    slowest = slowest.max(t.elapsed());
-                }
-                // And a new connection, while the flood goes on.
-                let eq3 = EventQueue::new(8).unwrap();
-                let t = std::time::Instant::now();
-                let _third =
-                    connect(&p.a, &eq3).map_err(|e| format!("a connect beside the flood, {e}"))?;
-                Ok(slowest.max(t.elapsed()))
-            })();
+            let result = pings_beside(&p, addr, (&c2, &eq_c), (&s2, &eq_s));
             stop.store(true, Ordering::Relaxed);
             let sent = sender.join().expect("sender");
             recv_stop.store(true, Ordering::Relaxed);
@@ -411,6 +312,114 @@ fn flood(b: &dyn Backend) -> Result<(), String> {
     );
     ensure!(flooded > 0, "the flood did not run");
     Ok(())
+}
+
+/// A second connection from `p.a` to `p`'s listener at `addr`, its connect event on `eq`: (client, server).
+fn connect_beside(p: &Pair, addr: SocketAddr, eq: &EventQueue) -> Result<(Socket, Socket), String> {
+    let eq_l = EventQueue::new(4).unwrap();
+    p.listener.accept(&eq_l, 1).map_err(|e| e.to_string())?;
+    let c = Socket::new(&p.a, SockType::SeqPacket).map_err(|e| e.to_string())?;
+    c.connect(eq, addr, 2).map_err(|e| e.to_string())?;
+    let ev = next(eq)?;
+    ensure!(
+        ev.kind == EventKind::Connect && ev.is_ok(),
+        "connect: {ev:?}"
+    );
+    let mut ev = next(&eq_l)?;
+    ensure!(ev.is_ok(), "accept: {ev:?}");
+    Ok((c, ev.take_accepted().ok_or("no socket")?))
+}
+
+/// The flood's sender: 32 small sends in flight on `p`'s connection, each sent again as it completes, until
+/// `stop`; the sends it saw complete.
+fn flood_send(p: &Pair, stop: &AtomicBool) -> Result<u64, String> {
+    let src = p.region_a(vec![7u8; 64 * 32])?;
+    let send = |i: usize, context: u64| {
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * 64..(i + 1) * 64),
+                MsgFlags::NONE,
+                context,
+            )
+            .map_err(|e| e.to_string())
+    };
+    for i in 0..32 {
+        send(i, i as u64)?;
+    }
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let ev = next(&p.eq_a).map_err(|e| format!("the flooding sender, {e}"))?;
+        ensure!(ev.is_ok(), "flood send: {ev:?}");
+        n += 1;
+        send(ev.context as usize, ev.context)?;
+    }
+    Ok(n)
+}
+
+/// The flood's receiver: 32 receives posted, each posted again as it completes, until `stop`.
+fn flood_receive(p: &Pair, stop: &AtomicBool) -> Result<(), String> {
+    let dst = p.region_b(64 * 32)?;
+    let recv = |i: usize, context: u64| {
+        p.server
+            .recv(
+                &p.eq_b,
+                &dst.slice(i * 64..(i + 1) * 64),
+                MsgFlags::NONE,
+                context,
+            )
+            .map_err(|e| e.to_string())
+    };
+    for i in 0..32 {
+        recv(i, i as u64)?;
+    }
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(ev) = p.eq_b.next(Some(std::time::Duration::from_millis(200))) else {
+            continue;
+        };
+        ensure!(ev.is_ok(), "flood receive: {ev:?}");
+        recv(ev.context as usize, ev.context)?;
+    }
+    Ok(())
+}
+
+/// Beside the flood: 50 ping-pongs on the second connection (client `c2`, server `s2`, each with its queue) and a
+/// new connect; the slowest of them.
+fn pings_beside(
+    p: &Pair,
+    addr: SocketAddr,
+    (c2, eq_c): (&Socket, &EventQueue),
+    (s2, eq_s): (&Socket, &EventQueue),
+) -> Result<std::time::Duration, String> {
+    let ping = p.region_a(vec![1u8; 8])?;
+    let pong = MemoryRegion::alloc(&p.b, 8).map_err(|e| e.to_string())?;
+    let back = MemoryRegion::alloc(&p.a, 8).map_err(|e| e.to_string())?;
+    let mut slowest = std::time::Duration::ZERO;
+    for i in 0..50 {
+        let t = std::time::Instant::now();
+        s2.recv(eq_s, &pong.all(), MsgFlags::NONE, i)
+            .map_err(|e| e.to_string())?;
+        c2.recv(eq_c, &back.all(), MsgFlags::NONE, i)
+            .map_err(|e| e.to_string())?;
+        c2.send(eq_c, &ping.all(), MsgFlags::NONE, i)
+            .map_err(|e| e.to_string())?;
+        let r = next(eq_s).map_err(|e| format!("ping {i} beside the flood, {e}"))?;
+        ensure!(r.is_ok() && r.kind == EventKind::Recv, "ping {i}: {r:?}");
+        s2.send(eq_s, &pong.all(), MsgFlags::NONE, i)
+            .map_err(|e| e.to_string())?;
+        for _ in 0..2 {
+            let ev = next(eq_c).map_err(|e| format!("pong {i} beside the flood, {e}"))?;
+            ensure!(ev.is_ok(), "pong {i}: {ev:?}");
+        }
+        ensure!(next(eq_s)?.is_ok(), "pong send {i}");
+        slowest = slowest.max(t.elapsed());
+    }
+    // And a new connection, while the flood goes on.
+    let eq3 = EventQueue::new(8).unwrap();
+    let t = std::time::Instant::now();
+    let _third =
+        connect_beside(p, addr, &eq3).map_err(|e| format!("a connect beside the flood, {e}"))?;
+    Ok(slowest.max(t.elapsed()))
 }
 
 /// The process's hard limit on open descriptors (`/proc/self/limits`).

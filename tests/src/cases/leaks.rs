@@ -12,10 +12,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use exs::transport::CmEvent;
-use exs::{EventQueue, OpError, SockType, Socket};
+use exs::{Context, EventQueue, OpError, SockType, Socket};
 
 use crate::util::*;
-use crate::{ensure, Backend, Case, Requires};
+use crate::{ensure, Backend, Case, Net, Requires};
 
 pub fn cases() -> Vec<Case> {
     vec![
@@ -197,14 +197,37 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let server = net.host();
     let client = net.host();
-    const BATCH: usize = 64;
     let memory = |s: &exs::Context, c: &exs::Context| {
         (s.stats().connection_bytes, c.stats().connection_bytes)
     };
     let mem_before = memory(&server, &client);
+    connects_to_a_closed_listener(&*net, &server, &client, n / 2)?;
+    let most = connects_to_a_full_backlog(&*net, &server, &client, n / 2)?;
+    let mem_after = memory(&server, &client);
+    ensure!(
+        mem_after == mem_before,
+        "device memory held by connections (server, client) went from {mem_before:?} to {mem_after:?}"
+    );
+    eprintln!(
+        "LEAKS {}: {n} refused connects; most held on a port along the way {most:?}; connection memory {mem_after:?} \
+         before and after",
+        b.name()
+    );
+    Ok(())
+}
 
-    // A port whose listener was closed.
-    let l = Socket::new(&server, SockType::SeqPacket).map_err(|e| e.to_string())?;
+/// Connects started at a time, at most, before their ends are taken.
+const CONNECT_BATCH: usize = 64;
+
+/// `count` connects from `client` to a port of `server` whose listener was closed: each is refused, and nothing
+/// is held on the port afterwards.
+fn connects_to_a_closed_listener(
+    net: &dyn Net,
+    server: &Context,
+    client: &Context,
+    count: usize,
+) -> Result<(), String> {
+    let l = Socket::new(server, SockType::SeqPacket).map_err(|e| e.to_string())?;
     l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
     let closed = l.listen(16).map_err(|e| format!("listen: {e}"))?;
     l.close().map_err(|e| e.to_string())?;
@@ -215,9 +238,9 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     );
     let mut c = Connects::new();
     let mut most = start;
-    for i in 0..n / 2 {
-        c.start(&client, closed)?;
-        if c.live.len() >= BATCH || i + 1 == n / 2 {
+    for i in 0..count {
+        c.start(client, closed)?;
+        if c.live.len() >= CONNECT_BATCH || i + 1 == count {
             while !c.live.is_empty() {
                 c.end_one("connect to a closed listener", false)?;
             }
@@ -230,14 +253,22 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     let after = settle(closed.port(), 0);
     ensure!(
         after.total() == 0,
-        "{} connects to a closed listener left {after:?} on its port (at most {most:?} along the way)",
-        n / 2
+        "{count} connects to a closed listener left {after:?} on its port (at most {most:?} along the way)"
     );
+    Ok(())
+}
 
-    // A listener whose backlog is full and which never accepts: `BACKLOG` connections wait in it, established (as
-    // TCP's accept queue holds them), the others are refused.
+/// `count` connects from `client` to a listener of `server` whose backlog is full and which never accepts:
+/// `BACKLOG` connections wait in it, established (as TCP's accept queue holds them), the others are refused, and
+/// what is held on the port stays bounded, then goes once the listener closes. Returns the most held on the way.
+fn connects_to_a_full_backlog(
+    net: &dyn Net,
+    server: &Context,
+    client: &Context,
+    count: usize,
+) -> Result<Held, String> {
     const BACKLOG: usize = 4;
-    let l = Socket::new(&server, SockType::SeqPacket).map_err(|e| e.to_string())?;
+    let l = Socket::new(server, SockType::SeqPacket).map_err(|e| e.to_string())?;
     l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
     let addr = l
         .listen(BACKLOG as u32)
@@ -249,7 +280,7 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     let mut c = Connects::new();
     let mut waiting = Vec::new();
     for _ in 0..BACKLOG {
-        c.start(&client, addr)?;
+        c.start(client, addr)?;
         let ev = next(&c.eq)?;
         let s = c
             .live
@@ -260,10 +291,10 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     }
     let mut most = listening;
     let mut issued = 0;
-    while issued < n / 2 {
-        let batch = BATCH.min(n / 2 - issued);
+    while issued < count {
+        let batch = CONNECT_BATCH.min(count - issued);
         for _ in 0..batch {
-            c.start(&client, addr)?;
+            c.start(client, addr)?;
         }
         issued += batch;
         while !c.live.is_empty() {
@@ -288,20 +319,9 @@ fn refused_connects(b: &dyn Backend) -> Result<(), String> {
     let after = settle(port, 0);
     ensure!(
         after.total() == 0,
-        "{} refused connects left {after:?} on the port (at most {most:?} along the way)",
-        n / 2
+        "{count} refused connects left {after:?} on the port (at most {most:?} along the way)"
     );
-    let mem_after = memory(&server, &client);
-    ensure!(
-        mem_after == mem_before,
-        "device memory held by connections (server, client) went from {mem_before:?} to {mem_after:?}"
-    );
-    eprintln!(
-        "LEAKS {}: {n} refused connects; most held on a port along the way {most:?}; connection memory {mem_after:?} \
-         before and after",
-        b.name()
-    );
-    Ok(())
+    Ok(most)
 }
 
 /// A listener closed while connection requests wait in its transport's event queue, not yet read: they end

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
+use exs::{Context, Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 
 use crate::child::{checksum, link_bytes, peer_host, spawn_on, PeerHost};
 use crate::util::*;
@@ -208,29 +208,7 @@ fn killed_peer_on(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<(), String
             "receive {i} from the child: {ev:?}"
         );
     }
-    // Pending operations of ours when the peer dies: the 128 MiB receive whose read is in flight, receives the
-    // child will never fill, and sends it never reads.
-    s.recv(&eq, &buf.slice(4 << 20..132 << 20), MsgFlags::NONE, 2)
-        .map_err(|e| e.to_string())?;
-    for i in 2..4 {
-        s.recv(
-            &eq,
-            &buf.slice(i << 20..(i + 1) << 20),
-            MsgFlags::NONE,
-            1 + i as u64,
-        )
-        .map_err(|e| e.to_string())?;
-    }
-    let out = MemoryRegion::from_vec(&ctx, pattern(2 << 20, 1)).map_err(|e| e.to_string())?;
-    for i in 0..2 {
-        s.send(
-            &eq,
-            &out.slice(i << 20..(i + 1) << 20),
-            MsgFlags::NONE,
-            10 + i as u64,
-        )
-        .map_err(|e| e.to_string())?;
-    }
+    let out = post_pending(&s, &eq, &ctx, &buf)?;
     let deadline = Instant::now() + WAIT;
     while s.stats().map_or(0, |st| st.link.reads) < 3 {
         ensure!(
@@ -251,23 +229,7 @@ fn killed_peer_on(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<(), String
         b.name(),
         evs.len()
     );
-    ensure!(
-        evs.len() == 5,
-        "{} events for 5 pending operations: {evs:?}",
-        evs.len()
-    );
-    for e in &evs {
-        let ended = match e.kind {
-            // Nothing more was sent: a receive ends with an error or end-of-stream, never with data.
-            EventKind::Recv => e.status.is_err() || (e.flags.eof && e.bytes == 0),
-            EventKind::Send => e.status.is_err(),
-            _ => false,
-        };
-        ensure!(
-            ended,
-            "a pending operation did not fail after the peer died: {e:?}"
-        );
-    }
+    all_ended(&evs)?;
     ensure!(
         buf.deregister().is_ok() && out.deregister().is_ok(),
         "buffers still leased after the peer died"
@@ -289,4 +251,58 @@ fn killed_peer_on(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<(), String
         &pattern(1 << 20, 9),
         "second child's data",
     )
+}
+
+/// Our operations left pending when the peer dies: the 128 MiB receive whose read is in flight (into `buf` from 4
+/// MiB on), receives the child will never fill, and sends it never reads (from the region returned).
+fn post_pending(
+    s: &Socket,
+    eq: &EventQueue,
+    ctx: &Context,
+    buf: &MemoryRegion,
+) -> Result<MemoryRegion, String> {
+    s.recv(eq, &buf.slice(4 << 20..132 << 20), MsgFlags::NONE, 2)
+        .map_err(|e| e.to_string())?;
+    for i in 2..4 {
+        s.recv(
+            eq,
+            &buf.slice(i << 20..(i + 1) << 20),
+            MsgFlags::NONE,
+            1 + i as u64,
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    let out = MemoryRegion::from_vec(ctx, pattern(2 << 20, 1)).map_err(|e| e.to_string())?;
+    for i in 0..2 {
+        s.send(
+            eq,
+            &out.slice(i << 20..(i + 1) << 20),
+            MsgFlags::NONE,
+            10 + i as u64,
+        )
+        .map_err(|e| e.to_string())?;
+    }
+    Ok(out)
+}
+
+/// The five pending operations each ended after the peer died: nothing more was sent, so a receive ends with an
+/// error or end-of-stream, never with data, and a send with an error.
+fn all_ended(evs: &[Event]) -> Result<(), String> {
+    ensure!(
+        evs.len() == 5,
+        "{} events for 5 pending operations: {evs:?}",
+        evs.len()
+    );
+    for e in evs {
+        let ended = match e.kind {
+            EventKind::Recv => e.status.is_err() || (e.flags.eof && e.bytes == 0),
+            EventKind::Send => e.status.is_err(),
+            _ => false,
+        };
+        ensure!(
+            ended,
+            "a pending operation did not fail after the peer died: {e:?}"
+        );
+    }
+    Ok(())
 }

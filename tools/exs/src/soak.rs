@@ -389,82 +389,68 @@ impl<'a> Soaked<'a> {
 
     /// Whatever was pending ends now, with data that checks out or with an error; nothing hangs.
     fn drain(&mut self, t: &mut Totals) -> Result<()> {
-        for (server_side, what) in [(true, "server"), (false, "client")] {
-            let eq = if server_side { &self.eq_s } else { &self.eq_c };
-            let evs = eq
-                .wait_all(Some(Duration::from_secs(60)))
-                .with_context(|| format!("{what} after close"))?;
-            for e in evs {
-                // A zero-length seqpacket message is a message (regression: skipping it made the soak compare the
-                // next one against it); end-of-stream is not.
-                if e.is_ok() && e.kind == exs::EventKind::Recv && !e.flags.eof {
-                    self.check(&e, t)?;
-                } else if !e.is_ok() {
-                    t.failed_ops += 1;
-                }
-            }
-        }
+        let within = Some(Duration::from_secs(60));
+        let server = self.eq_s.wait_all(within).context("server after close")?;
+        self.take_ended(server, t)?;
+        let client = self.eq_c.wait_all(within).context("client after close")?;
+        self.take_ended(client, t)?;
         let _ = self.s.close();
         Ok(())
     }
 
-    /// Checks a completed receive's bytes against what was sent (see [`check`]).
-    fn check(&mut self, r: &Event, t: &mut Totals) -> Result<()> {
-        check(
-            &self.bufs.recv,
-            r,
-            self.ty,
-            self.id,
-            &mut self.got,
-            &self.msgs_sent,
-            t,
-        )
-    }
-}
-
-fn check(
-    recv_buf: &MemoryRegion,
-    r: &Event,
-    ty: SockType,
-    id: u64,
-    got: &mut u64,
-    msgs_sent: &[(u64, usize)],
-    t: &mut Totals,
-) -> Result<()> {
-    if !r.is_ok() {
-        t.failed_ops += 1;
-        return Ok(());
-    }
-    let at = r.context as usize * SLOT;
-    let mut v = vec![0u8; r.bytes];
-    recv_buf.read(at, &mut v)?;
-    match ty {
-        SockType::Stream => {
-            let bad = v
-                .iter()
-                .enumerate()
-                .filter(|(k, b)| **b != byte(id, *got + *k as u64))
-                .count();
-            t.corrupted += bad as u64;
-            *got += r.bytes as u64;
-        }
-        SockType::SeqPacket => {
-            let Some(&(msg_id, len)) = msgs_sent.get(*got as usize) else {
-                bail!("a message arrived that was never sent: {r:?}");
-            };
-            if r.bytes > len || r.flags.truncated != (r.bytes < len) {
-                bail!("message {got} of {len} bytes arrived as {r:?}");
+    /// Counts the operations that ended with an error and checks the receives that brought data.
+    fn take_ended(&mut self, evs: Vec<Event>, t: &mut Totals) -> Result<()> {
+        for e in evs {
+            // A zero-length seqpacket message is a message (regression: skipping it made the soak compare the
+            // next one against it); end-of-stream is not.
+            if e.is_ok() && e.kind == exs::EventKind::Recv && !e.flags.eof {
+                self.check(&e, t)?;
+            } else if !e.is_ok() {
+                t.failed_ops += 1;
             }
-            let bad = v
-                .iter()
-                .enumerate()
-                .filter(|(k, b)| **b != byte(msg_id, *k as u64))
-                .count();
-            t.corrupted += bad as u64;
-            *got += 1;
         }
+        Ok(())
     }
-    t.messages += 1;
-    t.bytes += r.bytes as u64;
-    Ok(())
+
+    /// Checks a completed receive's bytes against what was sent: a stream's next bytes, or the next message
+    /// whole (or truncated, as its receive's size says); a failed receive is counted.
+    fn check(&mut self, r: &Event, t: &mut Totals) -> Result<()> {
+        if !r.is_ok() {
+            t.failed_ops += 1;
+            return Ok(());
+        }
+        let at = r.context as usize * SLOT;
+        let mut v = vec![0u8; r.bytes];
+        self.bufs.recv.read(at, &mut v)?;
+        let got = self.got;
+        match self.ty {
+            SockType::Stream => {
+                let bad = v
+                    .iter()
+                    .enumerate()
+                    .filter(|(k, b)| **b != byte(self.id, got + *k as u64))
+                    .count();
+                t.corrupted += bad as u64;
+                self.got += r.bytes as u64;
+            }
+            SockType::SeqPacket => {
+                let Some(&(msg_id, len)) = self.msgs_sent.get(got as usize) else {
+                    bail!("a message arrived that was never sent: {r:?}");
+                };
+                if r.bytes > len || r.flags.truncated != (r.bytes < len) {
+                    bail!("message {got} of {len} bytes arrived as {r:?}");
+                }
+                let bad = v
+                    .iter()
+                    .enumerate()
+                    .filter(|(k, b)| **b != byte(msg_id, *k as u64))
+                    .count();
+                t.corrupted += bad as u64;
+                self.got += 1;
+            }
+        }
+        t.messages += 1;
+        t.bytes += r.bytes as u64;
+        Ok(())
+    }
 }

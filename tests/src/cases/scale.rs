@@ -333,54 +333,75 @@ fn connect_beside(p: &Pair, addr: SocketAddr, eq: &EventQueue) -> Result<(Socket
 /// The flood's sender: 32 small sends in flight on `p`'s connection, each sent again as it completes, until
 /// `stop`; the sends it saw complete.
 fn flood_send(p: &Pair, stop: &AtomicBool) -> Result<u64, String> {
-    let src = p.region_a(vec![7u8; 64 * 32])?;
-    let send = |i: usize, context: u64| {
-        p.client
-            .send(
-                &p.eq_a,
-                &src.slice(i * 64..(i + 1) * 64),
-                MsgFlags::NONE,
-                context,
-            )
-            .map_err(|e| e.to_string())
-    };
-    for i in 0..32 {
-        send(i, i as u64)?;
+    let src = p.region_a(vec![7u8; FLOOD_SLOT * FLOOD_DEPTH])?;
+    keep_in_flight(
+        "flood send",
+        stop,
+        |i| {
+            p.client
+                .send(&p.eq_a, &src.slice(flood_slot(i)), MsgFlags::NONE, i)
+                .map_err(|e| e.to_string())
+        },
+        || {
+            next(&p.eq_a)
+                .map(Some)
+                .map_err(|e| format!("the flooding sender, {e}"))
+        },
+    )
+}
+
+/// The flood's receiver: 32 receives posted, each posted again as it completes, until `stop` (it waits for its
+/// events 200 ms at a time, so that it sees `stop` when they no longer come).
+fn flood_receive(p: &Pair, stop: &AtomicBool) -> Result<(), String> {
+    let dst = p.region_b(FLOOD_SLOT * FLOOD_DEPTH)?;
+    keep_in_flight(
+        "flood receive",
+        stop,
+        |i| {
+            p.server
+                .recv(&p.eq_b, &dst.slice(flood_slot(i)), MsgFlags::NONE, i)
+                .map_err(|e| e.to_string())
+        },
+        || {
+            Ok(p.eq_b
+                .next(Some(std::time::Duration::from_millis(200)))
+                .ok())
+        },
+    )
+    .map(|_| ())
+}
+
+/// Operations of the flood in flight at once, and the bytes of each.
+const FLOOD_DEPTH: usize = 32;
+const FLOOD_SLOT: usize = 64;
+
+/// The bytes of the flood's operation `i` in its region (its context value is `i` too).
+fn flood_slot(i: u64) -> std::ops::Range<usize> {
+    let i = i as usize;
+    i * FLOOD_SLOT..(i + 1) * FLOOD_SLOT
+}
+
+/// Posts operations 0 to `FLOOD_DEPTH - 1`, then, until `stop`, takes the next event (`take`: `None` when none came
+/// in time), which must be a success, and posts its operation again; returns how many completed.
+fn keep_in_flight(
+    what: &str,
+    stop: &AtomicBool,
+    post: impl Fn(u64) -> Result<(), String>,
+    take: impl Fn() -> Result<Option<Event>, String>,
+) -> Result<u64, String> {
+    for i in 0..FLOOD_DEPTH as u64 {
+        post(i)?;
     }
     let mut n = 0u64;
     while !stop.load(Ordering::Relaxed) {
-        let ev = next(&p.eq_a).map_err(|e| format!("the flooding sender, {e}"))?;
-        ensure!(ev.is_ok(), "flood send: {ev:?}");
-        n += 1;
-        send(ev.context as usize, ev.context)?;
-    }
-    Ok(n)
-}
-
-/// The flood's receiver: 32 receives posted, each posted again as it completes, until `stop`.
-fn flood_receive(p: &Pair, stop: &AtomicBool) -> Result<(), String> {
-    let dst = p.region_b(64 * 32)?;
-    let recv = |i: usize, context: u64| {
-        p.server
-            .recv(
-                &p.eq_b,
-                &dst.slice(i * 64..(i + 1) * 64),
-                MsgFlags::NONE,
-                context,
-            )
-            .map_err(|e| e.to_string())
-    };
-    for i in 0..32 {
-        recv(i, i as u64)?;
-    }
-    while !stop.load(Ordering::Relaxed) {
-        let Ok(ev) = p.eq_b.next(Some(std::time::Duration::from_millis(200))) else {
+        let Some(ev) = take()? else {
             continue;
         };
-        ensure!(ev.is_ok(), "flood receive: {ev:?}");
-        recv(ev.context as usize, ev.context)?;
+        ensure!(ev.is_ok(), "{what}: {ev:?}");
+        n += 1;
+        post(ev.context)?;
     }
-    Ok(())
+    Ok(n)
 }
 
 /// Beside the flood: 50 ping-pongs on the second connection (client `c2`, server `s2`, each with its queue) and a

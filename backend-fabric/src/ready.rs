@@ -7,8 +7,9 @@
 //! * the **hot** queues: those of endpoints that posted, completed something, or signalled recently. A ping-pong's
 //!   connection stays hot, so its queue is read directly, as often as before, whatever else the context holds;
 //! * the queues the **epoll set** says have signalled (each queue's wait descriptor is in the transport's epoll
-//!   set, which is also what a sleeping thread waits on). The set is consulted every [`CONSULT_EVERY`] polls, and
-//!   at once when the first poll after a sleep finds nothing on the hot queues (the wake-up came from elsewhere).
+//!   set, which is also what a sleeping thread waits on). The set is consulted every [`CONSULT_EVERY`] polls (by a
+//!   poll that found nothing on the hot queues, or by any after twice that), and at once when the first poll after
+//!   a sleep finds nothing on the hot queues (the wake-up came from elsewhere).
 //!
 //! A queue leaves the hot set after [`QUIET`] polls without activity, once it is armed (`fi_trywait` succeeded on
 //! it since its last activity): from then on a completion signals its wait descriptor, and the epoll set reports
@@ -31,8 +32,8 @@ use crate::FabricTransport;
 /// The event queue's entry in the epoll set (completion queues are entered by endpoint id).
 pub(crate) const EPOLL_EQ: u64 = u64::MAX;
 
-/// A poll consults the epoll set at least every this many polls (a system call; a busy poller polls about every
-/// microsecond or two).
+/// A poll that finds nothing consults the epoll set if this many polls went by since the last consultation, and
+/// any poll does after twice as many (a system call; a busy poller polls about every microsecond or two).
 pub(crate) const CONSULT_EVERY: u64 = 16;
 /// A queue with no activity for this many polls leaves the hot set (once armed).
 pub(crate) const QUIET: u64 = 64;
@@ -175,7 +176,11 @@ impl FabricTransport {
         let added = std::mem::replace(&mut self.ready.hot, hot);
         self.ready.hot.extend(added);
         let woke = std::mem::take(&mut self.ready.armed);
-        if (found == 0 && woke) || self.ready.seq - self.ready.consulted >= CONSULT_EVERY {
+        // A poll that found completions leaves its consultation to the next one, up to twice the interval: the
+        // caller is about to act on what it found (a busy ping-pong's reply waited behind this system call in
+        // one round trip of ten), and a poll that finds nothing follows soon.
+        let due = self.ready.seq - self.ready.consulted;
+        if (found == 0 && (woke || due >= CONSULT_EVERY)) || due >= 2 * CONSULT_EVERY {
             n += self.consult(out, max.saturating_sub(n));
         } else if self.ready.hot.len() > HOT_MAX {
             self.retire();

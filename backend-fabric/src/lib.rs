@@ -63,10 +63,11 @@ pub struct FabricConfig {
     /// Domain (interface or device) name; `None` takes the provider's first.
     pub domain: Option<String>,
     /// Whether completion queues have a wait object (`FI_WAIT_FD`, the default), so that a thread can sleep until
-    /// a completion comes. Without one (`false`; `EXS_FABRIC_CQ_WAIT=none`) the provider signals nothing per
-    /// completion: on the tcp provider that saves a system call inside every completion read on the receiving
-    /// side of each message (a one-byte write to the queue's signal socket, read back by the next poll), as
-    /// `fi_pingpong`'s busy-polling mode opens its queues. For applications that busy-poll: a thread that sleeps
+    /// a completion comes. Without one (`false`; `EXS_FABRIC_CQ_WAIT=none`), as `fi_pingpong`'s busy-polling mode
+    /// opens its queues, a queue is in no epoll set: the tcp provider drives its sockets with `poll` instead of
+    /// through the queue's wait set, and a busy 8-byte ping-pong runs about a microsecond faster (the bench
+    /// README). The one-byte write the tcp provider makes inside every completion read that returns a received
+    /// message is made with and without a wait object (and by `fi_pingpong`). For applications that busy-poll: a thread that sleeps
     /// on such a context (a blocking or adaptive dequeue, the progress thread) cannot be woken by a completion and,
     /// while the context holds endpoints, polls every [`NO_WAIT_POLL`] instead; every connection's queue is read
     /// in every poll.

@@ -18,7 +18,7 @@
 //!
 //! Queues opened without a wait object ([`crate::FabricConfig::cq_wait`] `false`) have no descriptor in the set and
 //! cannot signal: they stay hot for their endpoint's life, so on such a context **every** connection's queue is
-//! read in every poll (what that mode trades for no signal per completion), and arming leaves them out (a poll
+//! read in every poll (what that mode trades for queues outside any epoll set), and arming leaves them out (a poll
 //! that stopped at its maximum makes arming report that completions may remain).
 
 use nix::sys::epoll::{EpollEvent, EpollTimeout};

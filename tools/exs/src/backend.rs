@@ -22,8 +22,8 @@ pub struct BackendArgs {
     /// libfabric domain (interface or device), if not the provider's first.
     #[arg(long)]
     pub domain: Option<String>,
-    /// libfabric: completion queues without a wait object, as `fi_pingpong` opens them for busy polling (no
-    /// signal per completion; a thread that sleeps on the context polls every millisecond instead).
+    /// libfabric: completion queues without a wait object, as `fi_pingpong` opens them for busy polling (a thread
+    /// that sleeps on the context polls every millisecond instead).
     #[arg(long)]
     pub cq_no_wait: bool,
     /// This side's address: the one to listen on (one host, and --server), and the local RDMA interface's

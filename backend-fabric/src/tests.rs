@@ -250,6 +250,68 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
     }
 }
 
+/// A poll that finds completions leaves its consultation of the epoll set to a later poll (the caller is about to
+/// act on what it found), but not for ever: while one connection's queue holds more completions than the polls
+/// take, the set is still consulted every twice the interval, and the other connection's queue, signalled, joins
+/// the polled set.
+#[test]
+fn polls_that_find_completions_still_consult_the_epoll_set_every_twice_the_interval() {
+    use crate::ready::{CONSULT_EVERY, QUIET};
+    let _serial = serial();
+    const POLLS: u64 = 4 * CONSULT_EVERY;
+    let cfg = FabricConfig::default();
+    let mut server = FabricTransport::open(&cfg).expect("open tcp");
+    let mut client = FabricTransport::open(&cfg).expect("open tcp");
+    connect_pairs(&mut server, &mut client, 2);
+    let mut out = Vec::new();
+    for _ in 0..2 * QUIET {
+        client.poll(&mut out, 64);
+        server.poll(&mut out, 64);
+    }
+    let _ = (client.arm(), server.arm());
+    assert_eq!(
+        server.hot_queues(),
+        0,
+        "the server's queues did not go quiet"
+    );
+    let (busy, other) = (EndpointId(1), EndpointId(2));
+    for i in 0..2 * POLLS {
+        let wr = recv_wr(&mut server, 100 + i);
+        server.post(busy, wr).expect("receive");
+        let wr = send_wr(&mut client, 1000 + i);
+        client.post(busy, wr).expect("send");
+    }
+    let wr = send_wr(&mut client, 5000);
+    client.post(other, wr).expect("send");
+    // Let the client's provider push the bytes out, and the server's take them in.
+    let until = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < until {
+        client.poll(&mut out, 64);
+    }
+    out.clear();
+    server.poll(&mut out, 1);
+    let s0 = server.ready_stats();
+    for i in 0..POLLS {
+        out.clear();
+        server.poll(&mut out, 1);
+        assert!(
+            out.iter().any(|c| c.ep == busy && c.status.is_ok()),
+            "poll {i} took no completion of the busy connection: {out:?}"
+        );
+    }
+    let consults = server.ready_stats().consults - s0.consults;
+    assert_eq!(
+        consults,
+        POLLS / (2 * CONSULT_EVERY),
+        "consultations in {POLLS} polls that each found a completion"
+    );
+    assert_eq!(
+        server.hot_queues(),
+        2,
+        "the other connection's signalled queue is not polled"
+    );
+}
+
 /// Connects `n` endpoints of `client` (1..=n) to a listener of `server`, which accepts them in order (numbering
 /// its own 1..=n), each side with four receives posted; returns when every end is up.
 fn connect_pairs(server: &mut FabricTransport, client: &mut FabricTransport, n: u32) {

@@ -67,10 +67,10 @@ pub struct FabricConfig {
     /// opens its queues, a queue is in no epoll set: the tcp provider drives its sockets with `poll` instead of
     /// through the queue's wait set, and a busy 8-byte ping-pong runs about a microsecond faster (the bench
     /// README). The one-byte write the tcp provider makes inside every completion read that returns a received
-    /// message is made with and without a wait object (and by `fi_pingpong`). For applications that busy-poll: a thread that sleeps
-    /// on such a context (a blocking or adaptive dequeue, the progress thread) cannot be woken by a completion and,
-    /// while the context holds endpoints, polls every [`NO_WAIT_POLL`] instead; every connection's queue is read
-    /// in every poll.
+    /// message is made with and without a wait object (and by `fi_pingpong`). For applications that busy-poll: a
+    /// thread that sleeps on such a context (a blocking or adaptive dequeue, the progress thread) cannot be woken by
+    /// a completion and, while the context holds endpoints, polls every [`NO_WAIT_POLL`] instead; every
+    /// connection's queue is read in every poll.
     pub cq_wait: bool,
 }
 

@@ -252,10 +252,10 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
 
 /// A poll that finds completions leaves its consultation of the epoll set to a later poll (the caller is about to
 /// act on what it found), but not for ever: while one connection's queue holds more completions than the polls
-/// take, the set is still consulted every twice the interval, and the other connection's queue, signalled, joins
-/// the polled set.
+/// take, the set is still consulted every twice the interval; the other connection's queue, signalled, is read
+/// although the busy queue fills every poll (each poll starts one queue further along the polled set).
 #[test]
-fn polls_that_find_completions_still_consult_the_epoll_set_every_twice_the_interval() {
+fn polls_that_find_completions_still_consult_the_epoll_set_and_read_the_other_queues() {
     use crate::ready::{CONSULT_EVERY, QUIET};
     let _serial = serial();
     const POLLS: u64 = 4 * CONSULT_EVERY;
@@ -264,18 +264,25 @@ fn polls_that_find_completions_still_consult_the_epoll_set_every_twice_the_inter
     let mut client = FabricTransport::open(&cfg).expect("open tcp");
     connect_pairs(&mut server, &mut client, 2);
     let mut out = Vec::new();
-    for _ in 0..2 * QUIET {
-        client.poll(&mut out, 64);
-        server.poll(&mut out, 64);
+    // Idle: the queues go quiet (armed, out of the polled set); an arming that fails keeps one a while longer.
+    for _ in 0..8 {
+        for _ in 0..2 * QUIET {
+            client.poll(&mut out, 64);
+            server.poll(&mut out, 64);
+        }
+        let _ = (client.arm(), server.arm());
+        if server.hot_queues() == 0 {
+            break;
+        }
     }
-    let _ = (client.arm(), server.arm());
     assert_eq!(
         server.hot_queues(),
         0,
         "the server's queues did not go quiet"
     );
     let (busy, other) = (EndpointId(1), EndpointId(2));
-    for i in 0..2 * POLLS {
+    let sends = POLLS + 8;
+    for i in 0..sends {
         let wr = recv_wr(&mut server, 100 + i);
         server.post(busy, wr).expect("receive");
         let wr = send_wr(&mut client, 1000 + i);
@@ -283,32 +290,35 @@ fn polls_that_find_completions_still_consult_the_epoll_set_every_twice_the_inter
     }
     let wr = send_wr(&mut client, 5000);
     client.post(other, wr).expect("send");
-    // Let the client's provider push the bytes out, and the server's take them in.
-    let until = Instant::now() + Duration::from_millis(200);
-    while Instant::now() < until {
+    // The client's provider pushes the bytes out as it completes the sends.
+    let (mut sent, until) = (0, Instant::now() + Duration::from_secs(5));
+    while sent <= sends && Instant::now() < until {
+        out.clear();
         client.poll(&mut out, 64);
+        sent += out.iter().filter(|c| c.status.is_ok()).count() as u64;
     }
     out.clear();
     server.poll(&mut out, 1);
     let s0 = server.ready_stats();
+    let mut other_found = false;
     for i in 0..POLLS {
         out.clear();
         server.poll(&mut out, 1);
+        other_found |= out.iter().any(|c| c.ep == other && c.status.is_ok());
         assert!(
-            out.iter().any(|c| c.ep == busy && c.status.is_ok()),
-            "poll {i} took no completion of the busy connection: {out:?}"
+            other_found || out.iter().any(|c| c.ep == busy && c.status.is_ok()),
+            "poll {i} took no completion: {out:?}"
         );
     }
     let consults = server.ready_stats().consults - s0.consults;
+    assert!(
+        other_found,
+        "the other connection's message not read in {POLLS} polls beside a busy queue"
+    );
     assert_eq!(
         consults,
         POLLS / (2 * CONSULT_EVERY),
         "consultations in {POLLS} polls that each found a completion"
-    );
-    assert_eq!(
-        server.hot_queues(),
-        2,
-        "the other connection's signalled queue is not polled"
     );
 }
 

@@ -14,9 +14,9 @@ fn tcp_provider_moves_messages_over_loopback() {
     moves_messages(&FabricConfig::default(), WaitMode::default());
 }
 
-/// Queues opened without a wait object signal nothing per completion; busy polling finds the completions, and a
-/// thread that sleeps on the context (blocking, adaptive) still gets them by polling at the transport's interval
-/// instead of hanging.
+/// Queues opened without a wait object signal no descriptor of the transport's; busy polling finds the
+/// completions, and a thread that sleeps on the context (blocking, adaptive) still gets them by polling at the
+/// transport's interval instead of hanging.
 #[test]
 fn completion_queues_without_a_wait_object_serve_busy_and_sleeping_waits() {
     let cfg = FabricConfig {

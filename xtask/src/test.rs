@@ -186,8 +186,7 @@ pub fn run(args: TestArgs) -> Result<()> {
         }
         Some(other) => return Err(format!("unknown suite {other:?} (default, siw)")),
     }
-    let mut failures = Vec::new();
-    let mut summary = Vec::new();
+    let mut out = Outcome::default();
     let only_conformance = !args.backend.is_empty();
     let wanted = |b: &str| !only_conformance || args.backend.iter().any(|x| x == b);
     sys::run(sys::cargo().args([
@@ -195,166 +194,193 @@ pub fn run(args: TestArgs) -> Result<()> {
         "--workspace",
         "--all-targets",
         "--features",
-        "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce,exs/tokio",
+        ALL_FEATURES,
     ]))?;
     if !only_conformance {
-        // Lints are part of the test: every crate, every target, every backend feature, warnings denied.
-        match sys::run(sys::cargo().args([
-            "clippy",
-            "--workspace",
-            "--all-targets",
-            "--features",
-            "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce,exs/tokio",
-            "--",
-            "-D",
-            "warnings",
-        ])) {
-            Ok(()) => {
-                summary.push("clippy (all crates and targets, -D warnings): clean".to_string())
-            }
-            Err(e) => {
-                eprintln!("xtask: clippy: {e}");
-                failures.push("clippy".to_string());
-            }
-        }
-        // Formatting: the tree is as `cargo fmt` leaves it (rustfmt ships with every rustup toolchain).
-        match sys::run(sys::cargo().args(["fmt", "--all", "--", "--check"])) {
-            Ok(()) => summary.push("rustfmt: clean".to_string()),
-            Err(e) => {
-                eprintln!("xtask: rustfmt: {e}");
-                failures.push("rustfmt".to_string());
-            }
-        }
-        // The public crates' documentation, every feature on: every link resolved, every warning denied (the
-        // crates that must document every item say so themselves, `#![deny(missing_docs)]`).
-        match crate::package::doc_command().and_then(|mut c| sys::run(&mut c)) {
-            Ok(()) => summary.push(
-                "cargo doc (every public crate, every feature, -D warnings): clean".to_string(),
-            ),
-            Err(e) => {
-                eprintln!("xtask: cargo doc: {e}");
-                failures.push("cargo doc".to_string());
-            }
-        }
-        // Every public crate packages and builds on its own; rust-version is not newer than this compiler.
-        match crate::package::stage() {
-            Ok(line) => summary.push(line),
-            Err(e) => {
-                eprintln!("xtask: cargo package: {e}");
-                failures.push("cargo package".to_string());
-            }
-        }
-        let mut tally = |what: &str, label: &str, cmd: &mut Command| -> Result<()> {
-            let (c, ok, _) = run_counting(cmd)?;
-            if !ok || c.failed > 0 {
-                failures.push(what.to_string());
-            }
-            summary.push(format!(
-                "{label}: {} ran, {} passed, {} failed",
-                c.passed + c.failed,
-                c.passed,
-                c.failed
-            ));
-            Ok(())
-        };
-        tally(
-            "workspace tests",
-            "workspace (unit, protocol, property tests)",
-            sys::cargo().args([
-                "test",
-                "--workspace",
-                "--exclude",
-                "exs-conformance",
-                "--features",
-                "exs/sim,exs/tokio",
-                "--no-fail-fast",
-            ]),
-        )?;
-        // The front page's examples on the real default backend (libfabric tcp on loopback), as a user builds them.
-        tally(
-            "doc examples on libfabric",
-            "doc examples (exs, features fabric and tokio: libfabric tcp on 127.0.0.1)",
-            sys::cargo().args(["test", "--doc", "-p", "exs", "--features", "fabric,tokio"]),
-        )?;
-        // The long property runs, in a release build: 10,000 stream cases (issue: "at least 10,000 cases in CI")
-        // and 2,000 message-mode cases.
-        tally(
-            "long property tests",
-            "property tests, release with overflow checks and debug assertions (10,000 stream + 2,000 message cases)",
-            sys::cargo()
-                .args([
-                    "test",
-                    "--release",
-                    "-p",
-                    "exs",
-                    "--features",
-                    "sim",
-                    "--test",
-                    "stream_props",
-                    "--test",
-                    "message_props",
-                ])
-                .env("EXS_STREAM_CASES", "10000")
-                .env("EXS_PROPTEST_CASES", "2000")
-                .envs(CHECKED_RELEASE),
-        )?;
-        // The fuzz targets as bounded property tests, in release so that they cover ground.
-        tally(
-            "fuzz property tests",
-            "fuzz targets as property tests, release with overflow checks (16,000 wire inputs, 1,000 + 200 crafted-peer runs)",
-            sys::cargo()
-                .args([
-                    "test",
-                    "--release",
-                    "-p",
-                    "exs",
-                    "--features",
-                    "sim",
-                    "--test",
-                    "fuzz_props",
-                ])
-                .env("EXS_FUZZ_CASES", "1000")
-                .envs(CHECKED_RELEASE),
-        )?;
-        // A short soak on sim and libfabric tcp (`cargo xtask soak` runs long ones).
-        match crate::soak::soak_with(&sys::root().join("target/debug/exs"), 20, 1) {
-            Ok(lines) => summary.extend(lines.into_iter().map(|l| format!("soak: {l}"))),
-            Err(e) => {
-                summary.push(format!("soak: {e}"));
-                failures.push("soak".to_string());
-            }
-        }
-        // Issue 16: a user's crate outside the workspace, depending on exs alone, builds and runs the examples.
-        match crate::outside::run() {
-            Ok(line) => summary.push(line),
-            Err(e) => {
-                summary.push(format!("outside crate: {e}"));
-                failures.push("outside crate".to_string());
-            }
-        }
-        // Issue 29: features are additive; each backend alone and all together, with no EXS_* variable.
-        match crate::outside::features::run() {
-            Ok(line) => summary.push(line),
-            Err(e) => {
-                summary.push(format!("features: {e}"));
-                failures.push("feature combinations".to_string());
-            }
-        }
-        // Issue 30: the C library's layout, the C examples and the C API's tests, on libfabric tcp.
-        crate::capi::host_stage(&mut summary, &mut failures);
+        checks(&mut out);
+        workspace_tests(&mut out)?;
+        users_stages(&mut out);
     }
     let exe = conformance_exe()?;
+    host_conformance(&exe, &wanted, &mut out)?;
+    if only_conformance && args.backend.iter().all(|b| b == "two-guests") {
+        // Only the two-guest stage (`--backend two-guests`).
+        two_guests(&exe, &mut out);
+    } else if wanted("softroce") || wanted("verbs") {
+        rdma_stages(&exe, &mut out);
+    }
+    finish("cargo xtask test", &out.summary, &out.failures)
+}
+
+/// Every backend feature of the workspace, for the build, clippy and the conformance suite.
+const ALL_FEATURES: &str =
+    "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce,exs/tokio";
+
+/// The run's summary lines and the names of what failed.
+#[derive(Default)]
+struct Outcome {
+    summary: Vec<String>,
+    failures: Vec<String>,
+}
+
+impl Outcome {
+    /// A stage that reports one line: the line when it passed; `what: error` and a failure when it did not.
+    fn stage(&mut self, what: &str, failure: &str, r: Result<String>) {
+        match r {
+            Ok(line) => self.summary.push(line),
+            Err(e) => {
+                eprintln!("xtask: {what}: {e}");
+                self.summary.push(format!("{what}: {e}"));
+                self.failures.push(failure.to_string());
+            }
+        }
+    }
+
+    /// A test command: its counts, and a failure when it failed or any test did.
+    fn tally(&mut self, what: &str, label: &str, cmd: &mut Command) -> Result<()> {
+        let (c, ok, _) = run_counting(cmd)?;
+        if !ok || c.failed > 0 {
+            self.failures.push(what.to_string());
+        }
+        self.summary.push(format!(
+            "{label}: {} ran, {} passed, {} failed",
+            c.passed + c.failed,
+            c.passed,
+            c.failed
+        ));
+        Ok(())
+    }
+}
+
+/// Lints, formatting, documentation and packaging.
+fn checks(out: &mut Outcome) {
+    // Lints are part of the test: every crate, every target, every backend feature, warnings denied.
+    let mut clippy = sys::cargo();
+    clippy.args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--features",
+        ALL_FEATURES,
+        "--",
+        "-D",
+        "warnings",
+    ]);
+    out.stage(
+        "clippy",
+        "clippy",
+        sys::run(&mut clippy)
+            .map(|()| "clippy (all crates and targets, -D warnings): clean".to_string()),
+    );
+    // Formatting: the tree is as `cargo fmt` leaves it (rustfmt ships with every rustup toolchain).
+    out.stage(
+        "rustfmt",
+        "rustfmt",
+        sys::run(sys::cargo().args(["fmt", "--all", "--", "--check"]))
+            .map(|()| "rustfmt: clean".to_string()),
+    );
+    // The public crates' documentation, every feature on: every link resolved, every warning denied (the
+    // crates that must document every item say so themselves, `#![deny(missing_docs)]`).
+    out.stage(
+        "cargo doc",
+        "cargo doc",
+        crate::package::doc_command()
+            .and_then(|mut c| sys::run(&mut c))
+            .map(|()| {
+                "cargo doc (every public crate, every feature, -D warnings): clean".to_string()
+            }),
+    );
+    // Every public crate packages and builds on its own; rust-version is not newer than this compiler.
+    out.stage("cargo package", "cargo package", crate::package::stage());
+}
+
+/// The workspace's tests, the front page's examples, the long property runs and the fuzz targets.
+fn workspace_tests(out: &mut Outcome) -> Result<()> {
+    out.tally(
+        "workspace tests",
+        "workspace (unit, protocol, property tests)",
+        sys::cargo().args([
+            "test",
+            "--workspace",
+            "--exclude",
+            "exs-conformance",
+            "--features",
+            "exs/sim,exs/tokio",
+            "--no-fail-fast",
+        ]),
+    )?;
+    // The front page's examples on the real default backend (libfabric tcp on loopback), as a user builds them.
+    out.tally(
+        "doc examples on libfabric",
+        "doc examples (exs, features fabric and tokio: libfabric tcp on 127.0.0.1)",
+        sys::cargo().args(["test", "--doc", "-p", "exs", "--features", "fabric,tokio"]),
+    )?;
+    // The long property runs, in a release build: 10,000 stream cases (issue: "at least 10,000 cases in CI")
+    // and 2,000 message-mode cases.
+    out.tally(
+        "long property tests",
+        "property tests, release with overflow checks and debug assertions (10,000 stream + 2,000 message cases)",
+        release_tests(&["stream_props", "message_props"])
+            .env("EXS_STREAM_CASES", "10000")
+            .env("EXS_PROPTEST_CASES", "2000"),
+    )?;
+    // The fuzz targets as bounded property tests, in release so that they cover ground.
+    out.tally(
+        "fuzz property tests",
+        "fuzz targets as property tests, release with overflow checks (16,000 wire inputs, 1,000 + 200 crafted-peer runs)",
+        release_tests(&["fuzz_props"]).env("EXS_FUZZ_CASES", "1000"),
+    )
+}
+
+/// `cargo test --release -p exs --features sim` of these test targets, with overflow checks and debug
+/// assertions.
+fn release_tests(targets: &[&str]) -> Command {
+    let mut cmd = sys::cargo();
+    cmd.args(["test", "--release", "-p", "exs", "--features", "sim"]);
+    for t in targets {
+        cmd.args(["--test", t]);
+    }
+    cmd.envs(CHECKED_RELEASE);
+    cmd
+}
+
+/// What a user meets: a short soak, a crate outside the workspace, the feature combinations, the C library.
+fn users_stages(out: &mut Outcome) {
+    // A short soak on sim and libfabric tcp (`cargo xtask soak` runs long ones).
+    match crate::soak::soak_with(&sys::root().join("target/debug/exs"), 20, 1) {
+        Ok(lines) => out
+            .summary
+            .extend(lines.into_iter().map(|l| format!("soak: {l}"))),
+        Err(e) => {
+            out.summary.push(format!("soak: {e}"));
+            out.failures.push("soak".to_string());
+        }
+    }
+    // Issue 16: a user's crate outside the workspace, depending on exs alone, builds and runs the examples.
+    out.stage("outside crate", "outside crate", crate::outside::run());
+    // Issue 29: features are additive; each backend alone and all together, with no EXS_* variable.
+    out.stage(
+        "features",
+        "feature combinations",
+        crate::outside::features::run(),
+    );
+    // Issue 30: the C library's layout, the C examples and the C API's tests, on libfabric tcp.
+    crate::capi::host_stage(&mut out.summary, &mut out.failures);
+}
+
+/// The conformance suite on the host's backends that are wanted.
+fn host_conformance(exe: &Path, wanted: &dyn Fn(&str) -> bool, out: &mut Outcome) -> Result<()> {
     let mut host = Sections::default();
     for h in HOST_SECTIONS.iter().filter(|h| wanted(h.backend)) {
         host.line(&format!("@@section {}", h.section), false);
         host.line(&format!("@@section {}", h.section), true);
-        let mut cmd = Command::new(&exe);
+        let mut cmd = Command::new(exe);
         cmd.arg(format!("{}::", h.backend))
             // The two-host case needs the link that the RDMA stage builds; it runs there.
             .args(["--skip", "two_hosts_over_a_link"])
             .args(["--skip", "peer_host_killed_mid_transfer"]);
         cmd.args(["--skip", ALONE]);
-        let mut alone = Command::new(&exe);
+        let mut alone = Command::new(exe);
         alone.arg(format!("{}::{ALONE}", h.backend)).arg("--exact");
         for c in [&mut cmd, &mut alone] {
             if let Some((k, v)) = h.env {
@@ -363,35 +389,32 @@ pub fn run(args: TestArgs) -> Result<()> {
             run_sections(c, &mut host)?;
         }
     }
-    host.report("", &mut summary, &mut failures);
-    if only_conformance && args.backend.iter().all(|b| b == "two-guests") {
-        // Only the two-guest stage (`--backend two-guests`).
-        let tool = sys::root().join("target/debug/exs");
-        let dev = vm::GuestDevice::Rxe;
-        if let Err(e) = crate::twohosts::run(&exe, &tool, &dev, &mut summary, &mut failures) {
-            summary.push(format!("two guests: could not run: {e}"));
-            failures.push("two guests".into());
+    host.report("", &mut out.summary, &mut out.failures);
+    Ok(())
+}
+
+/// The RDMA stage (Soft-RoCE in a guest, or natively), then, where it ran in a guest, the stage across two.
+fn rdma_stages(exe: &Path, out: &mut Outcome) {
+    match rdma_conformance(exe, &mut out.summary, &mut out.failures) {
+        Err(e) => {
+            out.summary.push(format!("conformance on Soft-RoCE: could not run: {e}"));
+            out.failures.push("conformance on Soft-RoCE".into());
         }
-    } else if wanted("softroce") || wanted("verbs") {
-        match rdma_conformance(&exe, &mut summary, &mut failures) {
-            Err(e) => {
-                summary.push(format!("conformance on Soft-RoCE: could not run: {e}"));
-                failures.push("conformance on Soft-RoCE".into());
-            }
-            // Issue 17: across two guests with kernels of their own (where the RDMA tests ran in a guest).
-            Ok(true) => {
-                let tool = sys::root().join("target/debug/exs");
-                let dev = vm::GuestDevice::Rxe;
-                if let Err(e) = crate::twohosts::run(&exe, &tool, &dev, &mut summary, &mut failures) {
-                    summary.push(format!("two guests: could not run: {e}"));
-                    failures.push("two guests".into());
-                }
-            }
-            Ok(false) => summary.push(
-                "two guests: not run (native Soft-RoCE: the cross-host cases ran over the veth link in one kernel)"
-                    .into(),
-            ),
-        }
+        // Issue 17: across two guests with kernels of their own (where the RDMA tests ran in a guest).
+        Ok(true) => two_guests(exe, out),
+        Ok(false) => out.summary.push(
+            "two guests: not run (native Soft-RoCE: the cross-host cases ran over the veth link in one kernel)"
+                .into(),
+        ),
     }
-    finish("cargo xtask test", &summary, &failures)
+}
+
+/// The stage across two QEMU guests with rxe.
+fn two_guests(exe: &Path, out: &mut Outcome) {
+    let tool = sys::root().join("target/debug/exs");
+    let dev = vm::GuestDevice::Rxe;
+    if let Err(e) = crate::twohosts::run(exe, &tool, &dev, &mut out.summary, &mut out.failures) {
+        out.summary.push(format!("two guests: could not run: {e}"));
+        out.failures.push("two guests".into());
+    }
 }

@@ -343,69 +343,11 @@ fn closed_listener_with_requests_waiting(b: &dyn Backend) -> Result<(), String> 
         }
         // Read half of the requests, rejecting each; more are queued by then.
         let deadline = Instant::now() + WAIT;
-        let mut read = 0;
-        while read < N / 2 {
-            ensure!(
-                Instant::now() < deadline,
-                "round {round}: only {read} connection requests arrived"
-            );
-            match raw.poll_cm() {
-                Some(CmEvent::ConnectRequest {
-                    listener, request, ..
-                }) => {
-                    ensure!(listener == l, "a request for another listener");
-                    raw.reject(request);
-                    read += 1;
-                }
-                Some(other) => return Err(format!("round {round}: listener event {other:?}")),
-                None => std::thread::sleep(Duration::from_millis(1)),
-            }
-        }
+        reject_requests(&mut *raw, l, N / 2, deadline)
+            .map_err(|e| format!("round {round}: {e}"))?;
         raw.close_listener(l);
         // Every connect ends refused, soon: keep the transport going meanwhile.
-        let mut ended = 0;
-        let mut failure = None;
-        while ended < N {
-            while let Some(ev) = raw.poll_cm() {
-                // A transport may still hand out a request of the closed listener (the simulator does): the
-                // engine rejects those, and so does this test.
-                if let CmEvent::ConnectRequest { request, .. } = ev {
-                    raw.reject(request);
-                }
-            }
-            match c.eq.next(Some(Duration::from_millis(5))) {
-                Ok(ev) => {
-                    ended += 1;
-                    if let Some(s) = c.live.remove(&ev.context) {
-                        let _ = s.close();
-                    }
-                    match ev.status {
-                        Ok(()) => {
-                            failure.get_or_insert_with(|| {
-                                format!("round {round}: a connect succeeded")
-                            });
-                        }
-                        Err(OpError::TimedOut) => {
-                            failure.get_or_insert_with(|| {
-                                format!(
-                                    "round {round}: a connect timed out: a request waiting when its listener \
-                                     closed was neither accepted nor refused"
-                                )
-                            });
-                        }
-                        Err(_) => {}
-                    }
-                }
-                Err(_) => ensure!(
-                    Instant::now() < deadline,
-                    "round {round}: {} of {N} connects never ended",
-                    N - ended
-                ),
-            }
-        }
-        if let Some(f) = failure {
-            return Err(f);
-        }
+        all_refused(&mut *raw, &mut c, N, deadline).map_err(|e| format!("round {round}: {e}"))?;
         let after = settle(addr.port(), 0);
         ensure!(
             after.total() == 0,
@@ -413,4 +355,74 @@ fn closed_listener_with_requests_waiting(b: &dyn Backend) -> Result<(), String> 
         );
     }
     Ok(())
+}
+
+/// Reads `n` connection requests for listener `l` from `raw`, rejecting each.
+fn reject_requests(
+    raw: &mut dyn exs::Transport,
+    l: exs::transport::ListenerId,
+    n: usize,
+    deadline: Instant,
+) -> Result<(), String> {
+    let mut read = 0;
+    while read < n {
+        ensure!(
+            Instant::now() < deadline,
+            "only {read} connection requests arrived"
+        );
+        match raw.poll_cm() {
+            Some(CmEvent::ConnectRequest {
+                listener, request, ..
+            }) => {
+                ensure!(listener == l, "a request for another listener");
+                raw.reject(request);
+                read += 1;
+            }
+            Some(other) => return Err(format!("listener event {other:?}")),
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+    Ok(())
+}
+
+/// Waits for all `n` connects of `c` to end, each refused (not accepted, not timed out), rejecting whatever
+/// requests `raw` still hands out meanwhile.
+fn all_refused(
+    raw: &mut dyn exs::Transport,
+    c: &mut Connects,
+    n: usize,
+    deadline: Instant,
+) -> Result<(), String> {
+    let mut ended = 0;
+    let mut failure = None;
+    while ended < n {
+        while let Some(ev) = raw.poll_cm() {
+            // A transport may still hand out a request of the closed listener (the simulator does): the engine
+            // rejects those, and so does this test.
+            if let CmEvent::ConnectRequest { request, .. } = ev {
+                raw.reject(request);
+            }
+        }
+        let Ok(ev) = c.eq.next(Some(Duration::from_millis(5))) else {
+            ensure!(
+                Instant::now() < deadline,
+                "{} of {n} connects never ended",
+                n - ended
+            );
+            continue;
+        };
+        ended += 1;
+        if let Some(s) = c.live.remove(&ev.context) {
+            let _ = s.close();
+        }
+        let why = match ev.status {
+            Ok(()) => "a connect succeeded",
+            Err(OpError::TimedOut) => {
+                "a connect timed out: a request waiting when its listener closed was neither accepted nor refused"
+            }
+            Err(_) => continue,
+        };
+        failure.get_or_insert_with(|| why.to_string());
+    }
+    failure.map_or(Ok(()), Err)
 }

@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use exs::transport::{
-    CmEvent, ConnectFailure, EndpointId, Op, RemoteAccess, RemoteRef, Sge, Transport, WorkRequest,
+    CmEvent, ConnectFailure, EndpointId, Op, Registration, RemoteAccess, RemoteRef, Sge, Transport,
+    WorkRequest,
 };
 use exs_dma::{DmaBuf, LeaseKind};
 
@@ -151,75 +152,18 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
     let depth = a.depth;
     let buf = DmaBuf::new(size * depth);
     let reg = t.register(&buf).context("registering the buffer")?;
-    t.connect(EndpointId(1), addr, &[], Vec::new())
-        .with_context(|| format!("connecting to {addr}"))?;
-    let private = match next_cm(&mut *t)? {
-        CmEvent::Established { private, .. } => private,
-        CmEvent::ConnectFailed { reason, .. } => bail!(
-            "connecting to {addr}: {}",
-            match reason {
-                ConnectFailure::Refused(_) => "refused".to_string(),
-                ConnectFailure::Unreachable => "unreachable".into(),
-                ConnectFailure::TimedOut => "no answer".into(),
-                ConnectFailure::NotAPeer(why) => format!("not an exs peer ({why})"),
-                ConnectFailure::Other(why) => why,
-            }
-        ),
-        _ => bail!("connecting to {addr}: the connection was not established"),
-    };
-    if private.len() < 32 {
-        bail!("the raw server sent no key");
-    }
-    let word =
-        |i: usize| u64::from_le_bytes(private[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    let private = connect_raw(&mut *t, addr)?;
     let read = a.op == RawOp::Read;
-    let remote = if read {
-        RemoteRef {
-            addr: word(2),
-            key: word(3),
-        }
-    } else {
-        RemoteRef {
-            addr: word(0),
-            key: word(1),
-        }
-    };
-    let post = |t: &mut Box<dyn Transport>, slot: usize| -> Result<()> {
-        let kind = if read {
-            LeaseKind::DeviceWrite
-        } else {
-            LeaseKind::DeviceRead
-        };
-        let lease = buf.lease(slot * size..(slot + 1) * size, kind)?;
-        let sge = Sge::new(lease, Arc::clone(&reg))?;
-        let r = RemoteRef {
-            addr: remote.addr + (slot * size) as u64,
-            key: remote.key,
-        };
-        let op = if read {
-            Op::Read {
-                local: sge,
-                remote: r,
-            }
-        } else {
-            Op::Write {
-                local: vec![sge],
-                remote: r,
-                imm: None,
-            }
-        };
-        t.post(
-            EndpointId(1),
-            WorkRequest {
-                wr_id: slot as u64,
-                op,
-            },
-        )
-        .map_err(|e| anyhow!("posting RDMA {}: {}", a.op, e.error))
+    let slots = Slots {
+        buf: &buf,
+        reg,
+        remote: server_buffer(&private, read)?,
+        size,
+        read,
     };
     let (t0, c0) = (Instant::now(), cpu_seconds());
     for slot in 0..depth {
-        post(&mut t, slot)?;
+        slots.post(&mut *t, slot, a.op)?;
     }
     let stop = cli::duration(a.seconds);
     let mut done = 0u64;
@@ -233,7 +177,7 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
             outstanding -= 1;
             done += 1;
             if t0.elapsed() < stop {
-                post(&mut t, c.wr_id as usize)?;
+                slots.post(&mut *t, c.wr_id as usize, a.op)?;
                 outstanding += 1;
             }
         }
@@ -247,6 +191,85 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
         bytes_per_sec: done as f64 * size as f64 / secs,
         cpu: cpu / secs,
     })
+}
+
+/// Connects endpoint 1 to the raw server at `addr`; the private data of its accept.
+fn connect_raw(t: &mut dyn Transport, addr: SocketAddr) -> Result<Vec<u8>> {
+    t.connect(EndpointId(1), addr, &[], Vec::new())
+        .with_context(|| format!("connecting to {addr}"))?;
+    match next_cm(t)? {
+        CmEvent::Established { private, .. } => Ok(private),
+        CmEvent::ConnectFailed { reason, .. } => bail!(
+            "connecting to {addr}: {}",
+            match reason {
+                ConnectFailure::Refused(_) => "refused".to_string(),
+                ConnectFailure::Unreachable => "unreachable".into(),
+                ConnectFailure::TimedOut => "no answer".into(),
+                ConnectFailure::NotAPeer(why) => format!("not an exs peer ({why})"),
+                ConnectFailure::Other(why) => why,
+            }
+        ),
+        _ => bail!("connecting to {addr}: the connection was not established"),
+    }
+}
+
+/// The server's buffer from its accept's private data: the one it writes into (`read`: the one it reads from).
+fn server_buffer(private: &[u8], read: bool) -> Result<RemoteRef> {
+    if private.len() < 32 {
+        bail!("the raw server sent no key");
+    }
+    let word =
+        |i: usize| u64::from_le_bytes(private[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    let first = if read { 2 } else { 0 };
+    Ok(RemoteRef {
+        addr: word(first),
+        key: word(first + 1),
+    })
+}
+
+/// The active side's buffer, cut in one slot per transfer in flight, against the server's.
+struct Slots<'a> {
+    buf: &'a Arc<DmaBuf>,
+    reg: Arc<dyn Registration>,
+    remote: RemoteRef,
+    size: usize,
+    read: bool,
+}
+
+impl Slots<'_> {
+    /// Posts the transfer of slot `slot` (its id is the slot's number).
+    fn post(&self, t: &mut dyn Transport, slot: usize, what: RawOp) -> Result<()> {
+        let kind = if self.read {
+            LeaseKind::DeviceWrite
+        } else {
+            LeaseKind::DeviceRead
+        };
+        let lease = self
+            .buf
+            .lease(slot * self.size..(slot + 1) * self.size, kind)?;
+        let sge = Sge::new(lease, Arc::clone(&self.reg))?;
+        let remote = RemoteRef {
+            addr: self.remote.addr + (slot * self.size) as u64,
+            key: self.remote.key,
+        };
+        let op = if self.read {
+            Op::Read { local: sge, remote }
+        } else {
+            Op::Write {
+                local: vec![sge],
+                remote,
+                imm: None,
+            }
+        };
+        t.post(
+            EndpointId(1),
+            WorkRequest {
+                wr_id: slot as u64,
+                op,
+            },
+        )
+        .map_err(|e| anyhow!("posting RDMA {what}: {}", e.error))
+    }
 }
 
 pub fn run_raw(a: RawArgs) -> Result<()> {

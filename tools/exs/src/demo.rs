@@ -226,38 +226,43 @@ pub fn run(a: DemoArgs) -> Result<()> {
     }
     let server_backend = peer.server_backend.clone();
     peer.close()?;
-    if a.json {
-        for r in &results {
-            println!("{}", r.json(&server_backend));
-        }
-    } else {
-        println!();
-        for r in &results {
-            println!(
-                "{:<22} {} in {:.3} s  {}  checksum {}",
-                r.label,
-                fmt_bytes(r.bytes),
-                r.secs,
-                fmt_rate(r.rate()),
-                if r.checksum_ok {
-                    "verified"
-                } else {
-                    "MISMATCH"
-                }
-            );
-        }
-        if let [exs, tcp] = &results[..] {
-            println!(
-                "{:<22} {:.2}x plain TCP",
-                "exs vs TCP:",
-                exs.rate() / tcp.rate()
-            );
-        }
-    }
+    report(&results, &server_backend, a.json);
     if results.iter().any(|r| !r.checksum_ok) {
         bail!("checksum mismatch: the server received other bytes than were sent");
     }
     Ok(())
+}
+
+/// Prints each transfer (JSON lines, or a table with exs against TCP).
+fn report(results: &[Outcome], server_backend: &str, json: bool) {
+    if json {
+        for r in results {
+            println!("{}", r.json(server_backend));
+        }
+        return;
+    }
+    println!();
+    for r in results {
+        println!(
+            "{:<22} {} in {:.3} s  {}  checksum {}",
+            r.label,
+            fmt_bytes(r.bytes),
+            r.secs,
+            fmt_rate(r.rate()),
+            if r.checksum_ok {
+                "verified"
+            } else {
+                "MISMATCH"
+            }
+        );
+    }
+    if let [exs, tcp] = results {
+        println!(
+            "{:<22} {:.2}x plain TCP",
+            "exs vs TCP:",
+            exs.rate() / tcp.rate()
+        );
+    }
 }
 
 /// One transfer: the server gets its parameters and listens, `client` sends (returning the in-band checksum
@@ -425,8 +430,20 @@ fn exs_server(
         secs: t0.elapsed().as_secs_f64(),
         usage: Usage::now(ctx, host.whole).since(u0),
     };
+    reply_and_wait_for_close(ctx, &s, &eq, sum, watch)?;
+    Ok(received)
+}
+
+/// Sends the checksum back, then waits for the client to close, so that the reply is read before we go.
+fn reply_and_wait_for_close(
+    ctx: &exs::Context,
+    s: &Socket,
+    eq: &EventQueue,
+    sum: u64,
+    watch: &Watch,
+) -> Result<()> {
     let reply = MemoryRegion::from_vec(ctx, sum.to_le_bytes().to_vec())?;
-    s.send(&eq, &reply.all(), MsgFlags::NONE, 0)
+    s.send(eq, &reply.all(), MsgFlags::NONE, 0)
         .context("reply")?;
     loop {
         let ev = eq.next(Some(PATIENCE)).context("reply")?;
@@ -435,12 +452,11 @@ fn exs_server(
             break;
         }
     }
-    // Wait for the client to close, so the reply is read before we go.
     let tail = MemoryRegion::alloc(ctx, 1)?;
-    s.recv(&eq, &tail.all(), MsgFlags::NONE, 0)
+    s.recv(eq, &tail.all(), MsgFlags::NONE, 0)
         .context("receive")?;
-    let _ = crate::util::wait_watching(&eq, watch, "the client's close");
-    Ok(received)
+    let _ = crate::util::wait_watching(eq, watch, "the client's close");
+    Ok(())
 }
 
 /// Sends `a.size` bytes over TCP; returns the checksum the server replied with, the seconds, the CPU seconds.

@@ -1,11 +1,18 @@
-//! Finds the system libfabric (>= 1.17) with pkg-config, compiles the C shim for its static inline calls, and
-//! generates bindings for the subset of the API we use.
+//! Finds the system libfabric's headers (>= 1.17) with pkg-config, compiles the C shim for its static inline calls
+//! and the loader of the library itself (not linked: loaded on first use), and generates bindings for the subset of
+//! the API we use.
 
 use std::env;
 use std::path::PathBuf;
 
 fn main() {
-    let lib = match pkg_config::Config::new().atleast_version("1.17").probe("libfabric") {
+    // The headers only: the library is loaded when a process first opens a fabric context (see shim/shim.c), not
+    // linked.
+    let lib = match pkg_config::Config::new()
+        .atleast_version("1.17")
+        .cargo_metadata(false)
+        .probe("libfabric")
+    {
         Ok(lib) => lib,
         Err(e) => panic!(
             "libfabric >= 1.17 was not found by pkg-config ({e}).\n\
@@ -23,11 +30,11 @@ fn main() {
         build.include(p);
     }
     build.compile("exs_fi_shim");
+    println!("cargo:rustc-link-lib=dl");
 
     let mut bg = bindgen::Builder::default()
         .header("shim/shim.h")
         .allowlist_function("exs_fi_.*")
-        .allowlist_function("fi_getinfo|fi_freeinfo|fi_dupinfo|fi_fabric|fi_strerror|fi_version")
         .allowlist_type("fi_.*")
         .allowlist_var("FI_.*")
         .derive_default(true)

@@ -1,5 +1,88 @@
-/* exs: out-of-line wrappers for libfabric's static inline calls. See shim.h. */
+/* exs: out-of-line wrappers for libfabric's static inline calls, and libfabric loaded when first needed. See
+ * shim.h. */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+
 #include "shim.h"
+
+/* The library's own functions (the inline calls above go through the ops tables of objects it made), found once
+ * libfabric is loaded. Not linked: loading it runs its dependencies' constructors (the psm provider's
+ * libinfinipath calibrates the CPU clock for about 0.2 s), which a process that never opens a fabric context does
+ * not pay. dlsym gives each name's default version, the one the headers describe (as linking would bind). */
+static struct {
+    int (*getinfo)(uint32_t, const char *, const char *, uint64_t, const struct fi_info *, struct fi_info **);
+    void (*freeinfo)(struct fi_info *);
+    struct fi_info *(*dupinfo)(const struct fi_info *);
+    int (*fabric)(struct fi_fabric_attr *, struct fid_fabric **, void *);
+    const char *(*strerror)(int);
+    char error[256];
+} lib;
+static pthread_once_t lib_once = PTHREAD_ONCE_INIT;
+
+static void lib_load(void)
+{
+    const char *name = getenv("EXS_FABRIC_LIBRARY");
+    if (!name || !*name)
+        name = EXS_FI_LIBRARY;
+    void *h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        snprintf(lib.error, sizeof lib.error, "%s", dlerror());
+        return;
+    }
+    lib.getinfo = (int (*)(uint32_t, const char *, const char *, uint64_t, const struct fi_info *,
+                           struct fi_info **))dlsym(h, "fi_getinfo");
+    lib.freeinfo = (void (*)(struct fi_info *))dlsym(h, "fi_freeinfo");
+    lib.dupinfo = (struct fi_info * (*)(const struct fi_info *)) dlsym(h, "fi_dupinfo");
+    lib.fabric = (int (*)(struct fi_fabric_attr *, struct fid_fabric **, void *))dlsym(h, "fi_fabric");
+    lib.strerror = (const char *(*)(int))dlsym(h, "fi_strerror");
+    if (!lib.getinfo || !lib.freeinfo || !lib.dupinfo || !lib.fabric || !lib.strerror) {
+        snprintf(lib.error, sizeof lib.error, "%s lacks one of fi_getinfo, fi_freeinfo, fi_dupinfo, fi_fabric, "
+                 "fi_strerror", name);
+        lib.getinfo = NULL;
+    }
+}
+
+const char *exs_fi_load_error(void)
+{
+    pthread_once(&lib_once, lib_load);
+    return lib.getinfo ? NULL : lib.error;
+}
+
+int exs_fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+                   const struct fi_info *hints, struct fi_info **info)
+{
+    if (exs_fi_load_error())
+        return -FI_ENOSYS;
+    return lib.getinfo(version, node, service, flags, hints, info);
+}
+
+/* Only ever given what the loaded library made. */
+void exs_fi_freeinfo(struct fi_info *info)
+{
+    if (!exs_fi_load_error())
+        lib.freeinfo(info);
+}
+
+struct fi_info *exs_fi_dupinfo(const struct fi_info *info)
+{
+    return exs_fi_load_error() ? NULL : lib.dupinfo(info);
+}
+
+struct fi_info *exs_fi_allocinfo(void) { return exs_fi_dupinfo(NULL); }
+
+int exs_fi_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context)
+{
+    if (exs_fi_load_error())
+        return -FI_ENOSYS;
+    return lib.fabric(attr, fabric, context);
+}
+
+const char *exs_fi_strerror(int errnum)
+{
+    return exs_fi_load_error() ? "libfabric is not loaded" : lib.strerror(errnum);
+}
 
 int exs_fi_close(struct fid *fid) { return fi_close(fid); }
 int exs_fi_control(struct fid *fid, int command, void *arg) { return fi_control(fid, command, arg); }
@@ -57,4 +140,3 @@ ssize_t exs_fi_eq_read(struct fid_eq *eq, uint32_t *event, void *buf, size_t len
 ssize_t exs_fi_eq_readerr(struct fid_eq *eq, struct fi_eq_err_entry *buf, uint64_t flags)
 { return fi_eq_readerr(eq, buf, flags); }
 int exs_fi_trywait(struct fid_fabric *fabric, struct fid **fids, int count) { return fi_trywait(fabric, fids, count); }
-struct fi_info *exs_fi_allocinfo(void) { return fi_allocinfo(); }

@@ -1,5 +1,6 @@
-/* exs: out-of-line wrappers for the libfabric calls that are static inline in its headers.
- * Rust cannot call static inline functions; these forward to the provider's ops tables. */
+/* exs: out-of-line wrappers for the libfabric calls that are static inline in its headers (Rust cannot call
+ * static inline functions; these forward to the provider's ops tables), and the library's own functions, through
+ * libfabric loaded when first needed. */
 #ifndef EXS_FI_SHIM_H
 #define EXS_FI_SHIM_H
 
@@ -50,5 +51,16 @@ ssize_t exs_fi_eq_read(struct fid_eq *eq, uint32_t *event, void *buf, size_t len
 ssize_t exs_fi_eq_readerr(struct fid_eq *eq, struct fi_eq_err_entry *buf, uint64_t flags);
 int exs_fi_trywait(struct fid_fabric *fabric, struct fid **fids, int count);
 struct fi_info *exs_fi_allocinfo(void);
+
+/* libfabric itself, loaded on first use (see shim.c; `EXS_FABRIC_LIBRARY` names another file): why it could not
+ * be, or NULL once it is. */
+#define EXS_FI_LIBRARY "libfabric.so.1"
+const char *exs_fi_load_error(void);
+int exs_fi_getinfo(uint32_t version, const char *node, const char *service, uint64_t flags,
+                   const struct fi_info *hints, struct fi_info **info);
+void exs_fi_freeinfo(struct fi_info *info);
+struct fi_info *exs_fi_dupinfo(const struct fi_info *info);
+int exs_fi_fabric(struct fi_fabric_attr *attr, struct fid_fabric **fabric, void *context);
+const char *exs_fi_strerror(int errnum);
 
 #endif

@@ -78,7 +78,7 @@ impl Drop for Info {
     fn drop(&mut self) {
         if !self.0.is_null() {
             // SAFETY: the pointer came from fi_getinfo/fi_dupinfo or a connection request and is freed once.
-            unsafe { fi_freeinfo(self.0) };
+            unsafe { exs_fi_freeinfo(self.0) };
         }
     }
 }
@@ -96,7 +96,7 @@ impl Drop for Hints {
         unsafe {
             (*(*self.info).fabric_attr).prov_name = ptr::null_mut();
             (*(*self.info).domain_attr).name = ptr::null_mut();
-            fi_freeinfo(self.info);
+            exs_fi_freeinfo(self.info);
         }
     }
 }
@@ -147,6 +147,20 @@ fn hints(provider: &str, domain: Option<&str>) -> Result<Hints, TransportError> 
     Ok(h)
 }
 
+/// libfabric itself, loaded on first use (the shim's loader, see `shim/shim.c`): why it cannot be, said as a user
+/// can act on it.
+pub(crate) fn loaded() -> Result<(), TransportError> {
+    // SAFETY: no arguments; the loader runs once and returns a static string or null.
+    let why = unsafe { exs_fi_load_error() };
+    if why.is_null() {
+        return Ok(());
+    }
+    Err(TransportError::Unsupported(format!(
+        "libfabric could not be loaded ({}); on Debian/Ubuntu: apt-get install libfabric1",
+        cstr(why)
+    )))
+}
+
 pub(crate) fn getinfo(
     provider: &str,
     domain: Option<&str>,
@@ -154,6 +168,7 @@ pub(crate) fn getinfo(
     service: Option<&str>,
     flags: u64,
 ) -> Result<Info, TransportError> {
+    loaded()?;
     let h = hints(provider, domain)?;
     let node = node.map(|n| CString::new(n).expect("addresses have no NUL"));
     let service = service.map(|s| CString::new(s).expect("ports have no NUL"));
@@ -161,7 +176,7 @@ pub(crate) fn getinfo(
     let _tables = getinfo_lock();
     // SAFETY: valid hints; node/service are NUL-terminated or null; `out` receives an allocated list.
     let ret = unsafe {
-        fi_getinfo(
+        exs_fi_getinfo(
             API_VERSION,
             node.as_ref().map_or(ptr::null(), |c| c.as_ptr()),
             service.as_ref().map_or(ptr::null(), |c| c.as_ptr()),

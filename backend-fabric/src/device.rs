@@ -32,7 +32,7 @@ impl FabricTransport {
         // SAFETY: fabric_attr of a returned info; out-pointer for the fabric.
         check("fi_fabric", unsafe {
             let _tables = getinfo_lock();
-            fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut())
+            exs_fi_fabric(i.fabric_attr, &mut fabric, ptr::null_mut())
         })?;
         let fab = Arc::new(Fabric { fabric, info });
         let dom = Domain::open(&fab, mr_mode)?;
@@ -77,7 +77,11 @@ impl FabricTransport {
 /// those that do.
 fn provider_info(cfg: &FabricConfig) -> Result<Info, TransportError> {
     getinfo(&cfg.provider, cfg.domain.as_deref(), None, None, 0).map_err(|e| {
-        if matches!(e, TransportError::Invalid(_)) {
+        // A bad argument, or no libfabric at all: said as it is, not as a provider missing from an empty list.
+        if matches!(
+            e,
+            TransportError::Invalid(_) | TransportError::Unsupported(_)
+        ) {
             return e;
         }
         let available = providers();

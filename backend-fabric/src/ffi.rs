@@ -20,7 +20,7 @@ pub const API_VERSION: u32 = (1 << 16) | 17;
 pub fn strerror(code: i64) -> String {
     let code = code.unsigned_abs() as i32;
     // SAFETY: fi_strerror returns a pointer to a static, NUL-terminated string for any code.
-    let p = unsafe { fi_strerror(code) };
+    let p = unsafe { exs_fi_strerror(code) };
     if p.is_null() {
         return format!("error {code}");
     }

@@ -113,9 +113,12 @@ const TAG_SHIFT: u32 = 40;
 const TAG_EP: usize = 1 << TAG_SHIFT;
 const TAG_LISTENER: usize = 2 << TAG_SHIFT;
 
-/// Provider names this machine's libfabric offers for MSG endpoints with RMA.
+/// Provider names this machine's libfabric offers for MSG endpoints with RMA (none where libfabric cannot be loaded).
 pub fn providers() -> Vec<String> {
     let mut names = Vec::new();
+    if call::loaded().is_err() {
+        return names;
+    }
     let _tables = call::getinfo_lock();
     // SAFETY: a zeroed hints structure asking for MSG endpoints; the result list is walked read-only and freed.
     unsafe {
@@ -126,7 +129,7 @@ pub fn providers() -> Vec<String> {
         (*(*h).ep_attr).type_ = fi_ep_type_FI_EP_MSG;
         (*h).caps = (FI_MSG | FI_RMA) as u64;
         let mut out = ptr::null_mut();
-        if fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, h, &mut out) == 0 {
+        if exs_fi_getinfo(API_VERSION, ptr::null(), ptr::null(), 0, h, &mut out) == 0 {
             let mut cur = out;
             while !cur.is_null() {
                 let name = CStr::from_ptr((*(*cur).fabric_attr).prov_name)
@@ -137,9 +140,9 @@ pub fn providers() -> Vec<String> {
                 }
                 cur = (*cur).next;
             }
-            fi_freeinfo(out);
+            exs_fi_freeinfo(out);
         }
-        fi_freeinfo(h);
+        exs_fi_freeinfo(h);
     }
     names
 }

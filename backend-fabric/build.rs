@@ -29,6 +29,10 @@ fn main() {
     for p in &lib.include_paths {
         build.include(p);
     }
+    for (name, version) in symbol_versions(&build.get_compiler()) {
+        let macro_name = format!("EXS_FI_V_{}", name.trim_start_matches("fi_").to_uppercase());
+        build.define(&macro_name, Some(format!("\"{version}\"").as_str()));
+    }
     build.compile("exs_fi_shim");
     println!("cargo:rustc-link-lib=dl");
 
@@ -51,4 +55,46 @@ fn main() {
     bindings
         .write_to_file(out.join("fi.rs"))
         .expect("write bindings");
+}
+
+/// The functions the shim's loader looks up in libfabric.
+const LOADED: [&str; 5] = [
+    "fi_getinfo",
+    "fi_freeinfo",
+    "fi_dupinfo",
+    "fi_fabric",
+    "fi_strerror",
+];
+
+/// The version linking against the build's libfabric would bind for each of [`LOADED`] (the library's defaults,
+/// `name@@version` in its dynamic symbol table), so that the loader asks for the same ones whatever libfabric it
+/// loads later. Found through the C compiler (`-print-file-name`) and `nm` (binutils, which the compiler needs);
+/// where either fails, a warning, and the loader takes the loaded library's defaults.
+fn symbol_versions(cc: &cc::Tool) -> Vec<(String, String)> {
+    let found = std::process::Command::new(cc.path())
+        .arg("-print-file-name=libfabric.so")
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .filter(|p| p.contains('/'))
+        .and_then(|lib| {
+            std::process::Command::new("nm")
+                .args(["-D", "--defined-only", &lib])
+                .output()
+                .ok()
+                .filter(|o| o.status.success())
+        });
+    let Some(out) = found else {
+        println!(
+            "cargo:warning=libfabric's symbol versions not found (no libfabric.so for the compiler, or no nm): \
+             the shim loads the defaults of the library it finds at run time"
+        );
+        return Vec::new();
+    };
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().last()?.split_once("@@"))
+        .filter(|(name, _)| LOADED.contains(name))
+        .map(|(name, version)| (name.to_string(), version.to_string()))
+        .collect()
 }

@@ -1,5 +1,6 @@
 /* exs: out-of-line wrappers for libfabric's static inline calls, and libfabric loaded when first needed. See
  * shim.h. */
+#define _GNU_SOURCE /* dlvsym, secure_getenv */
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -7,10 +8,28 @@
 
 #include "shim.h"
 
+/* The version of each of the library's own functions that linking against the build's libfabric would have bound
+ * (its defaults there, found by build.rs); without one, the default of the library loaded. */
+#ifndef EXS_FI_V_GETINFO
+#define EXS_FI_V_GETINFO NULL
+#endif
+#ifndef EXS_FI_V_FREEINFO
+#define EXS_FI_V_FREEINFO NULL
+#endif
+#ifndef EXS_FI_V_DUPINFO
+#define EXS_FI_V_DUPINFO NULL
+#endif
+#ifndef EXS_FI_V_FABRIC
+#define EXS_FI_V_FABRIC NULL
+#endif
+#ifndef EXS_FI_V_STRERROR
+#define EXS_FI_V_STRERROR NULL
+#endif
+
 /* The library's own functions (the inline calls above go through the ops tables of objects it made), found once
  * libfabric is loaded. Not linked: loading it runs its dependencies' constructors (the psm provider's
  * libinfinipath calibrates the CPU clock for about 0.2 s), which a process that never opens a fabric context does
- * not pay. dlsym gives each name's default version, the one the headers describe (as linking would bind). */
+ * not pay. Loaded RTLD_GLOBAL, as a linked library's symbols are seen. */
 static struct {
     int (*getinfo)(uint32_t, const char *, const char *, uint64_t, const struct fi_info *, struct fi_info **);
     void (*freeinfo)(struct fi_info *);
@@ -21,27 +40,38 @@ static struct {
 } lib;
 static pthread_once_t lib_once = PTHREAD_ONCE_INIT;
 
+/* `name` at `version` (as linking would bind it: a library without that version is refused, as it would refuse to
+ * start a linked program), or at the library's default without one; NULL and the reason in lib.error if absent. */
+static void *lib_sym(void *h, const char *file, const char *name, const char *version)
+{
+    void *p = version ? dlvsym(h, name, version) : dlsym(h, name);
+    if (!p && !lib.error[0])
+        snprintf(lib.error, sizeof lib.error,
+                 "%s has no %s%s%s (not libfabric, or older than the one exs was built against)", file, name,
+                 version ? "@" : "", version ? version : "");
+    return p;
+}
+
 static void lib_load(void)
 {
-    const char *name = getenv("EXS_FABRIC_LIBRARY");
+    const char *name = secure_getenv("EXS_FABRIC_LIBRARY");
     if (!name || !*name)
         name = EXS_FI_LIBRARY;
-    void *h = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+    void *h = dlopen(name, RTLD_NOW | RTLD_GLOBAL);
     if (!h) {
         snprintf(lib.error, sizeof lib.error, "%s", dlerror());
         return;
     }
-    lib.getinfo = (int (*)(uint32_t, const char *, const char *, uint64_t, const struct fi_info *,
-                           struct fi_info **))dlsym(h, "fi_getinfo");
-    lib.freeinfo = (void (*)(struct fi_info *))dlsym(h, "fi_freeinfo");
-    lib.dupinfo = (struct fi_info * (*)(const struct fi_info *)) dlsym(h, "fi_dupinfo");
-    lib.fabric = (int (*)(struct fi_fabric_attr *, struct fid_fabric **, void *))dlsym(h, "fi_fabric");
-    lib.strerror = (const char *(*)(int))dlsym(h, "fi_strerror");
-    if (!lib.getinfo || !lib.freeinfo || !lib.dupinfo || !lib.fabric || !lib.strerror) {
-        snprintf(lib.error, sizeof lib.error, "%s lacks one of fi_getinfo, fi_freeinfo, fi_dupinfo, fi_fabric, "
-                 "fi_strerror", name);
-        lib.getinfo = NULL;
-    }
+    lib.freeinfo = (void (*)(struct fi_info *))lib_sym(h, name, "fi_freeinfo", EXS_FI_V_FREEINFO);
+    lib.dupinfo = (struct fi_info * (*)(const struct fi_info *)) lib_sym(h, name, "fi_dupinfo", EXS_FI_V_DUPINFO);
+    lib.fabric = (int (*)(struct fi_fabric_attr *, struct fid_fabric **, void *))lib_sym(h, name, "fi_fabric",
+                                                                                        EXS_FI_V_FABRIC);
+    lib.strerror = (const char *(*)(int))lib_sym(h, name, "fi_strerror", EXS_FI_V_STRERROR);
+    /* Last: its being set says every one was found. */
+    void *getinfo = lib_sym(h, name, "fi_getinfo", EXS_FI_V_GETINFO);
+    if (lib.freeinfo && lib.dupinfo && lib.fabric && lib.strerror)
+        lib.getinfo = (int (*)(uint32_t, const char *, const char *, uint64_t, const struct fi_info *,
+                               struct fi_info **))getinfo;
 }
 
 const char *exs_fi_load_error(void)

@@ -143,7 +143,7 @@ pub(crate) fn choose(
         }
     }
     if compiled.contains(&BackendKind::Fabric) {
-        passed.push("libfabric's tcp provider runs anywhere".into());
+        passed.push("libfabric's tcp provider runs anywhere libfabric is installed".into());
         return Ok(Choice {
             kind: BackendKind::Fabric,
             why: passed.join("; "),

@@ -36,6 +36,10 @@ mod table;
 
 use table::{Entry, Table};
 
+/// The longest copy ([`DmaBuf::read_at`], [`DmaBuf::write_at`], [`DmaBuf::copy_into`]) that runs under the
+/// buffer's lease table lock rather than under a lease of its own.
+const COPY_UNDER_LOCK: usize = 4096;
+
 /// Alignment of buffers allocated by [`DmaBuf::new`]: a page, which registration and DMA engines prefer.
 pub const PAGE: usize = 4096;
 
@@ -324,7 +328,7 @@ impl DmaBuf {
 
     /// Whether any lease overlapping `range` is held.
     pub fn is_range_leased(&self, range: Range<usize>) -> bool {
-        self.table().find(|e| e.overlaps(&range)).is_some()
+        self.table().overlapping(&range).next().is_some()
     }
 
     fn table(&self) -> MutexGuard<'_, Table> {
@@ -360,17 +364,7 @@ impl DmaBuf {
         kind: LeaseKind,
         mode: Option<CpuMode>,
     ) -> Result<u64, DmaError> {
-        // Empty ranges overlap nothing; they are still recorded so that the buffer stays alive and counted.
-        if range.start < range.end {
-            if let Some(e) = table.find(|e| e.overlaps(&range) && !compatible(e.kind, kind, mode)) {
-                return Err(DmaError::Busy {
-                    start: range.start,
-                    end: range.end,
-                    held: e.kind,
-                    wanted: kind,
-                });
-            }
-        }
+        Self::check_free(table, &range, kind, mode)?;
         let id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
         table.push(Entry {
             id,
@@ -381,14 +375,54 @@ impl DmaBuf {
         Ok(id)
     }
 
-    /// A CPU lease for a copy, and whether a shared lease overlaps it (the copy must then be atomic), in one hold
-    /// of the table.
-    fn acquire_copy(&self, range: Range<usize>, kind: LeaseKind) -> Result<(u64, bool), DmaError> {
+    /// Whether `range` may be leased for `kind` beside the leases `table` holds.
+    fn check_free(
+        table: &Table,
+        range: &Range<usize>,
+        kind: LeaseKind,
+        mode: Option<CpuMode>,
+    ) -> Result<(), DmaError> {
+        // Empty ranges overlap nothing; they are still recorded so that the buffer stays alive and counted.
+        if range.start < range.end {
+            if let Some(e) = table
+                .overlapping(range)
+                .find(|e| !compatible(e.kind, kind, mode))
+            {
+                return Err(DmaError::Busy {
+                    start: range.start,
+                    end: range.end,
+                    held: e.kind,
+                    wanted: kind,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs the copy `f` over `range` (`kind`: [`LeaseKind::CpuRead`] or [`LeaseKind::CpuWrite`]) while no lease
+    /// that excludes it is held, telling it whether a racy one overlaps (the copy must then be atomic). A copy of
+    /// up to [`COPY_UNDER_LOCK`] bytes runs under the table's lock, where no lease can be taken meanwhile (the
+    /// short copies of control messages took and gave back a lease of their own twice per message); a longer one
+    /// takes a lease for its time, so that other ranges can be leased meanwhile.
+    fn copying<R>(
+        &self,
+        range: Range<usize>,
+        kind: LeaseKind,
+        f: impl FnOnce(bool) -> R,
+    ) -> Result<R, DmaError> {
         self.check_range(&range)?;
         let mut table = self.table();
+        if range.len() <= COPY_UNDER_LOCK {
+            Self::check_free(&table, &range, kind, Some(CpuMode::Copy))?;
+            let racy = table.racy(&range);
+            return Ok(f(racy));
+        }
         let id = Self::acquire_in(&mut table, range.clone(), kind, Some(CpuMode::Copy))?;
         let racy = table.racy(&range);
-        Ok((id, racy))
+        drop(table);
+        let r = f(racy);
+        self.release(id);
+        Ok(r)
     }
 
     fn release(&self, id: u64) {
@@ -424,23 +458,22 @@ impl DmaBuf {
     /// (in which case the copy may see a mixture of old and new bytes).
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<(), DmaError> {
         let range = offset..offset.saturating_add(dst.len());
-        let (id, racy) = self.acquire_copy(range.clone(), LeaseKind::CpuRead)?;
-        // SAFETY: the range is inside the buffer (checked by acquire) and leased CpuRead: no Rust code writes it;
-        // if a shared lease overlaps, `load` uses atomic loads so a racing device writer is not a data race.
-        unsafe { load(self.ptr.as_ptr().add(offset), dst, racy) };
-        self.release(id);
-        Ok(())
+        self.copying(range, LeaseKind::CpuRead, |racy| {
+            // SAFETY: the range is inside the buffer (checked by `copying`), and while this runs no lease that
+            // lets anything write it is held but a shared one (`racy`), whose writer `load` races with atomic
+            // loads only: not a data race.
+            unsafe { load(self.ptr.as_ptr().add(offset), dst, racy) }
+        })
     }
 
     /// Copies bytes into the buffer. Allowed alongside a persistent send (the remote may read a mixture).
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<(), DmaError> {
         let range = offset..offset.saturating_add(src.len());
-        let (id, racy) = self.acquire_copy(range.clone(), LeaseKind::CpuWrite)?;
-        // SAFETY: in bounds and leased CpuWrite: nobody else writes or borrows it; a shared reader (persistent
-        // send) is tolerated through atomic stores.
-        unsafe { store(self.ptr.as_ptr().add(offset), src, racy) };
-        self.release(id);
-        Ok(())
+        self.copying(range, LeaseKind::CpuWrite, |racy| {
+            // SAFETY: in bounds (checked by `copying`), and while this runs nobody else writes or borrows the
+            // range; a shared reader (persistent send) is tolerated through atomic stores.
+            unsafe { store(self.ptr.as_ptr().add(offset), src, racy) }
+        })
     }
 
     /// Copies `len` bytes from `offset` in this buffer straight into `dst` at `dst_offset` (one copy, no bounce
@@ -456,15 +489,17 @@ impl DmaBuf {
     ) -> Result<(), DmaError> {
         dst.may_write()?;
         let d = dst.check(dst_offset, len)?;
+        // Before `copying` holds this buffer's table: `dst` may be on this buffer.
+        let dst_racy = dst.racy();
         let range = offset..offset.saturating_add(len);
-        let (id, racy) = self.acquire_copy(range.clone(), LeaseKind::CpuRead)?;
-        // SAFETY: the source range is in bounds (acquire) and leased CpuRead, so no Rust code writes it except
-        // shared device leases, whose accesses are atomic (`racy`); the destination is in bounds (check) and
-        // leased for writing by `dst`. They do not overlap: the table refuses a CpuRead next to an exclusive
-        // device write of the same bytes, and a shared destination makes both sides atomic.
-        unsafe { copy(self.ptr.as_ptr().add(offset), d, len, racy, dst.racy()) };
-        self.release(id);
-        Ok(())
+        self.copying(range, LeaseKind::CpuRead, |racy| {
+            // SAFETY: the source range is in bounds (`copying`) and, while this runs, no lease that lets anything
+            // write it is held but shared device leases, whose accesses are atomic (`racy`); the destination is
+            // in bounds (check) and leased for writing by `dst`. They do not overlap: `copying` refuses a CPU
+            // read next to an exclusive write of the same bytes, and a shared destination makes both sides
+            // atomic.
+            unsafe { copy(self.ptr.as_ptr().add(offset), d, len, racy, dst_racy) }
+        })
     }
 
     /// Borrows a range for reading. Refused while a device may write it.

@@ -19,11 +19,13 @@ impl Entry {
 }
 
 /// The leases held on one buffer, in the order they were taken (the slots of a receive ring stay at the front;
-/// the short leases of a copy come and go at the end, where giving one back looks first), and how many are of
+/// the leases of a long copy come and go at the end, where giving one back looks first), and how many are of
 /// the racy kinds, so that a copy next to none of them does not look at the others.
 ///
 /// One list, looked through whole: a table per slot of a buffer cut into equal slots (a connection's control
-/// receives) was tried and cost more than it saved at the few dozen leases such a buffer holds.
+/// receives) was tried and cost more than it saved at the few dozen leases such a buffer holds, and so was a list
+/// kept in the order of the leases' starts and searched by halves (moving the entries behind each one taken and
+/// given back cost more than looking through them all).
 #[derive(Debug, Default)]
 pub(crate) struct Table {
     entries: Vec<Entry>,
@@ -35,9 +37,12 @@ impl Table {
         self.entries.len()
     }
 
-    /// The first lease for which `f` holds.
-    pub(crate) fn find(&self, mut f: impl FnMut(&Entry) -> bool) -> Option<&Entry> {
-        self.entries.iter().find(|e| f(e))
+    /// The leases that overlap `range`.
+    pub(crate) fn overlapping<'a>(
+        &'a self,
+        range: &'a Range<usize>,
+    ) -> impl Iterator<Item = &'a Entry> + 'a {
+        self.entries.iter().filter(move |e| e.overlaps(range))
     }
 
     pub(crate) fn push(&mut self, e: Entry) {
@@ -55,9 +60,6 @@ impl Table {
 
     /// Whether a lease of a racy kind overlaps `range`.
     pub(crate) fn racy(&self, range: &Range<usize>) -> bool {
-        self.shared > 0
-            && self
-                .find(|e| e.kind.shared() && e.overlaps(range))
-                .is_some()
+        self.shared > 0 && self.overlapping(range).any(|e| e.kind.shared())
     }
 }

@@ -394,3 +394,60 @@ fn a_reused_block_is_zeroed() {
         }
     }
 }
+
+#[test]
+fn short_and_long_copies_obey_the_same_exclusions_and_leave_no_lease() {
+    for len in [
+        16,
+        COPY_UNDER_LOCK,
+        COPY_UNDER_LOCK + 1,
+        3 * COPY_UNDER_LOCK,
+    ] {
+        let b = DmaBuf::new(4 * COPY_UNDER_LOCK);
+        let w = b.lease(0..8, LeaseKind::DeviceWrite).unwrap();
+        let mut out = vec![0u8; len];
+        assert!(
+            matches!(b.read_at(4, &mut out), Err(DmaError::Busy { .. })),
+            "{len}: a read beside a device write"
+        );
+        assert!(
+            matches!(b.write_at(0, &out), Err(DmaError::Busy { .. })),
+            "{len}: a write beside a device write"
+        );
+        drop(w);
+        let r = b.lease(0..8, LeaseKind::DeviceRead).unwrap();
+        b.read_at(0, &mut out).unwrap();
+        assert!(
+            b.write_at(0, &out).is_err(),
+            "{len}: a write beside a device read"
+        );
+        b.write_at(8, &vec![7u8; len]).unwrap();
+        b.read_at(8, &mut out).unwrap();
+        assert!(out.iter().all(|&x| x == 7), "{len}");
+        drop(r);
+        assert_eq!(b.lease_count(), 0, "{len}: a copy leaves no lease behind");
+    }
+}
+
+#[test]
+fn copy_into_a_lease_on_the_same_buffer_does_not_deadlock() {
+    for len in [8, 2 * COPY_UNDER_LOCK] {
+        let b = Arc::new(DmaBuf::new(8 * COPY_UNDER_LOCK));
+        b.write_at(0, &vec![3u8; len]).unwrap();
+        let mut dst = b
+            .lease(
+                4 * COPY_UNDER_LOCK..8 * COPY_UNDER_LOCK,
+                LeaseKind::DeviceWrite,
+            )
+            .unwrap();
+        b.copy_into(0, &mut dst, 0, len).unwrap();
+        assert!(
+            b.copy_into(4 * COPY_UNDER_LOCK, &mut dst, 0, len).is_err(),
+            "{len}: the source overlaps the destination's exclusive lease"
+        );
+        drop(dst);
+        let mut out = vec![0u8; len];
+        b.read_at(4 * COPY_UNDER_LOCK, &mut out).unwrap();
+        assert!(out.iter().all(|&x| x == 3), "{len}");
+    }
+}

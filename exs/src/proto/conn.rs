@@ -5,8 +5,6 @@
 
 use std::time::{Duration, Instant};
 
-use exs_dma::LeaseKind;
-
 use crate::error::{OpError, Violation};
 use crate::options::{SockType, SocketOptions};
 use crate::proto::link::{self, Link, WrKind, MIN_WINDOW};
@@ -627,10 +625,7 @@ impl Conn {
                 let range = inline.clone();
                 let mut into_recv = |sge: &mut crate::transport::Sge| -> Result<(), Violation> {
                     let n = sge.len().min(range.len());
-                    let src = rx
-                        .lease(range.start..range.start + n, LeaseKind::DeviceRead)
-                        .map_err(|e| Violation::BadRange(e.to_string()))?;
-                    src.copy_to(0, sge.lease_mut(), 0, n)
+                    rx.copy_into(range.start, sge.lease_mut(), 0, n)
                         .map_err(|e| Violation::BadRange(e.to_string()))
                 };
                 let rx2 = rx;

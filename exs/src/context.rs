@@ -195,7 +195,9 @@ impl Context {
 
     /// The earliest pending timer (manual progress uses it to advance virtual time).
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.shared().lock().next_deadline()
+        let mut e = self.shared().lock();
+        e.settle_timers();
+        e.next_deadline()
     }
 
     pub(crate) fn shared(&self) -> &Arc<Shared> {

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{pair_threaded, pattern, wait, Pair};
+use common::{pair, pair_threaded, pattern, wait, Pair};
 use exs::sim::{SimConfig, World};
 use exs::{
     EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, Socket, SocketOptions, WaitMode,
@@ -353,4 +353,49 @@ fn a_busy_poller_that_only_takes_what_is_queued_still_gets_its_events() {
     }
     assert!(evs[0].is_ok(), "{evs:?}");
     assert_eq!(back.to_vec().unwrap(), pattern(32, 5));
+}
+
+/// A delayed acknowledgment's timer is left where it is when the acknowledgment leaves with a message (moving the
+/// ordered timers at every message cost a busy round trip more than anything else the engine does with time), and
+/// put right before anyone sleeps on it: a thread about to sleep, and a manual world advancing its clock, see
+/// the connection's next real deadline (here its keepalive check), not the acknowledgment that already left.
+#[test]
+fn an_acknowledgment_sent_with_a_reply_leaves_no_timer_for_a_sleeper() {
+    let p = pair(SockType::SeqPacket);
+    let ping = p.client_region(pattern(32, 1));
+    let inbox = p.server_region(32);
+    let reply = p.server_region(32);
+    let back = p.client_region(vec![0; 32]);
+    // The server's deadline once the ping is in, and once its reply (carrying the acknowledgment) has come back.
+    let round = || {
+        p.server
+            .recv(&p.eq_b, &inbox.all(), MsgFlags::NONE, 1)
+            .unwrap();
+        p.client
+            .recv(&p.eq_a, &back.all(), MsgFlags::NONE, 3)
+            .unwrap();
+        p.client
+            .send(&p.eq_a, &ping.all(), MsgFlags::NONE, 2)
+            .unwrap();
+        assert_eq!(wait(&p.eq_b).kind, EventKind::Recv);
+        let acking = p.b.next_deadline();
+        p.server
+            .send(&p.eq_b, &reply.all(), MsgFlags::NONE, 4)
+            .unwrap();
+        let mut kinds = vec![wait(&p.eq_a).kind, wait(&p.eq_a).kind];
+        kinds.sort_by_key(|k| format!("{k:?}"));
+        assert_eq!(kinds, [EventKind::Recv, EventKind::Send]);
+        assert_eq!(wait(&p.eq_b).kind, EventKind::Send);
+        (acking, p.b.next_deadline())
+    };
+    // The first ping is acknowledged at once (the server is not answering yet); the second one's acknowledgment
+    // waits for the reply.
+    round();
+    let (acking, next) = round();
+    let acking = acking.expect("the acknowledgment is delayed");
+    assert!(
+        next.is_none_or(|d| d > acking + Duration::from_secs(1)),
+        "the server's next deadline {:?} after the acknowledgment's",
+        next.map(|d| d.saturating_duration_since(acking))
+    );
 }

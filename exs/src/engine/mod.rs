@@ -127,6 +127,8 @@ struct Sock {
     span: tracing::Span,
     /// In the engine's list of sockets to flush.
     dirty: bool,
+    /// What the connection's timers are set to.
+    armed: timers::Armed,
 }
 
 impl Sock {
@@ -153,6 +155,7 @@ impl Sock {
             bytes_sent: 0,
             bytes_received: 0,
             dirty: false,
+            armed: timers::Armed::default(),
             handshake: None,
             span: tracing::Span::none(),
         }
@@ -428,8 +431,50 @@ impl Engine {
         self.ops.any_outgoing()
     }
 
+    /// The earliest timer, perhaps a connection's that will find nothing to do (see [`timers`]). What a sleep
+    /// waits for comes from [`Engine::sleep_deadline`].
     pub(crate) fn next_deadline(&self) -> Option<Instant> {
         self.timers.next()
+    }
+
+    /// The earliest deadline set since the last call, as a point in real time: what a call that set it must wake a
+    /// sleeping thread for, if it comes before the thread's wake-up time.
+    pub(crate) fn take_armed_real(&mut self) -> Option<Instant> {
+        let d = self.timers.take_armed()?;
+        Some(Instant::now() + d.saturating_duration_since(self.now()))
+    }
+
+    /// Forgets the deadlines set so far ([`Engine::take_armed_real`] reports those set after).
+    pub(crate) fn clear_armed(&mut self) {
+        self.timers.take_armed();
+    }
+
+    /// Whether a deadline was set since [`Engine::clear_armed`].
+    pub(crate) fn armed(&self) -> bool {
+        self.timers.armed()
+    }
+
+    /// The earliest timer that has something to do, as a point in real time: what a thread about to sleep waits
+    /// for.
+    pub(crate) fn sleep_deadline(&mut self) -> Option<Instant> {
+        self.settle_timers();
+        self.next_deadline_real()
+    }
+
+    /// Puts right the connection timers at the front that were left earlier than their connection's deadline
+    /// (cleared or moved later since: [`Timers::arm`]), until the earliest is one that has something to do.
+    pub(crate) fn settle_timers(&mut self) {
+        while let Some((at, sid, TimerKind::Proto)) = self.timers.first() {
+            let Some(sock) = self.sockets.get_mut(&sid) else {
+                self.timers.set(sid, TimerKind::Proto, None);
+                continue;
+            };
+            let near = sock.conn.as_ref().and_then(|c| c.poll_timeout().near);
+            if near == Some(at) {
+                break;
+            }
+            self.timers.set_near(sid, &mut sock.armed, near);
+        }
     }
 
     /// The earliest timer as a point in real time (the engine's clock may be virtual).
@@ -518,7 +563,11 @@ impl Engine {
                 }
             }
             TimerKind::Proto | TimerKind::Keepalive => {
-                if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
+                let Some(sock) = self.sockets.get_mut(&sid) else {
+                    return;
+                };
+                Timers::fired(&mut sock.armed, kind);
+                if let Some(conn) = sock.conn.as_mut() {
                     conn.handle_timeout(now);
                     // The flush posts what it queued and sets the connection's next deadline.
                     self.mark(sid);
@@ -626,6 +675,10 @@ impl Engine {
             && sock.drop_after_close
             && conn.close_sent()
             && conn.sends_drained();
+        if flushed.is_ok() {
+            self.timers
+                .arm(sid, &mut sock.armed, deadline.near, deadline.keepalive);
+        }
 
         self.post_all(sid, ep, &mut posts);
         self.posts = posts;
@@ -633,9 +686,6 @@ impl Engine {
             self.fault(sid, Fault::Peer(v));
             return;
         }
-        self.timers.set(sid, TimerKind::Proto, deadline.near);
-        self.timers
-            .set(sid, TimerKind::Keepalive, deadline.keepalive);
         if closing_done {
             self.disconnect(sid);
         }

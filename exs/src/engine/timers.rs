@@ -9,6 +9,12 @@
 //! [`TimerKind::Keepalive`] for the keepalive check, which the messages leave where it is (one deadline for both
 //! moved the ordered set twice per message). The others belong to the connection's life around the protocol:
 //! connecting, lingering after a close, a listener's waiting requests.
+//!
+//! A connection's two timers are moved earlier at once and left where they are otherwise ([`Armed`]): a
+//! delayed acknowledgment is set by one message and cleared by the next, and moving the ordered set for both
+//! cost a busy round trip more than anything else the engine does with time. A timer left behind fires early and
+//! does nothing (the connection checks its own deadlines, and its flush arms the next one); before a thread
+//! sleeps, stale timers at the front are put right (`Engine::settle_timers`), so none of them wakes it.
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -31,11 +37,21 @@ pub(crate) enum TimerKind {
     Keepalive,
 }
 
+/// What one connection's [`TimerKind::Proto`] and [`TimerKind::Keepalive`] timers are set to, kept with the
+/// socket so that a flush which changes neither looks nothing up.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Armed {
+    near: Option<Instant>,
+    keepalive: Option<Instant>,
+}
+
 /// Deadlines in order, at most one per socket and kind.
 #[derive(Debug, Default)]
 pub(crate) struct Timers {
     order: BTreeSet<(Instant, SocketId, TimerKind)>,
     by_key: FxHashMap<(SocketId, TimerKind), Instant>,
+    /// The earliest deadline set since [`Timers::take_armed`] last looked.
+    armed: Option<Instant>,
 }
 
 impl Timers {
@@ -53,7 +69,19 @@ impl Timers {
         }
         if let Some(at) = at {
             self.order.insert((at, sid, kind));
+            self.armed = Some(self.armed.map_or(at, |a| a.min(at)));
         }
+    }
+
+    /// The earliest deadline set since the last look: a sleeping thread must wake for it if it comes before the
+    /// thread's own wake-up time (the earliest timer cannot tell: it may be a stale one, [`Timers::arm`]).
+    pub(crate) fn take_armed(&mut self) -> Option<Instant> {
+        self.armed.take()
+    }
+
+    /// Whether a deadline was set since [`Timers::take_armed`] last looked.
+    pub(crate) fn armed(&self) -> bool {
+        self.armed.is_some()
     }
 
     /// Sets the timer of `sid` and `kind` to `at`, unless it is set to go earlier already.
@@ -80,9 +108,52 @@ impl Timers {
         }
     }
 
-    /// The earliest deadline.
+    /// Arms a connection's timers for its deadlines (`near`: [`TimerKind::Proto`], and the keepalive check): each
+    /// moves when it must come earlier; a later or cleared near deadline leaves the timer where it is, to fire
+    /// early and do nothing (or to be put right before anyone sleeps on it: [`Timers::set_near`]).
+    pub(crate) fn arm(
+        &mut self,
+        sid: SocketId,
+        armed: &mut Armed,
+        near: Option<Instant>,
+        keepalive: Option<Instant>,
+    ) {
+        if let Some(at) = near.filter(|&at| armed.near.is_none_or(|old| at < old)) {
+            self.set(sid, TimerKind::Proto, Some(at));
+            armed.near = Some(at);
+        }
+        if keepalive != armed.keepalive {
+            self.set(sid, TimerKind::Keepalive, keepalive);
+            armed.keepalive = keepalive;
+        }
+    }
+
+    /// A connection's timer of `kind` fired (it is no longer set).
+    pub(crate) fn fired(armed: &mut Armed, kind: TimerKind) {
+        match kind {
+            TimerKind::Proto => armed.near = None,
+            TimerKind::Keepalive => armed.keepalive = None,
+            TimerKind::Linger | TimerKind::ConnectTimeout => {}
+        }
+    }
+
+    /// Sets a connection's [`TimerKind::Proto`] timer to exactly `near` (how [`Engine::settle_timers`] puts a
+    /// stale one right).
+    ///
+    /// [`Engine::settle_timers`]: crate::engine::Engine::settle_timers
+    pub(crate) fn set_near(&mut self, sid: SocketId, armed: &mut Armed, near: Option<Instant>) {
+        self.set(sid, TimerKind::Proto, near);
+        armed.near = near;
+    }
+
+    /// The earliest deadline (perhaps a connection's stale one: `Engine::settle_timers`).
     pub(crate) fn next(&self) -> Option<Instant> {
         self.order.first().map(|t| t.0)
+    }
+
+    /// The earliest timer.
+    pub(crate) fn first(&self) -> Option<(Instant, SocketId, TimerKind)> {
+        self.order.first().copied()
     }
 
     /// Takes out the earliest timer if it is due at `now`.
@@ -143,5 +214,40 @@ mod tests {
         assert_eq!(t.len(), 1);
         assert_eq!(t.pop_due(t0), Some((s, TimerKind::ConnectTimeout)));
         assert_eq!(t.len(), 0);
+    }
+
+    #[test]
+    fn a_connection_timer_moves_earlier_at_once_and_is_left_behind_otherwise() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let s = SocketId(3);
+        let mut t = Timers::default();
+        let mut armed = Armed::default();
+        t.arm(s, &mut armed, Some(ms(20)), Some(ms(1000)));
+        assert_eq!(t.take_armed(), Some(ms(20)));
+        assert_eq!(t.take_armed(), None, "reported once");
+        // Cleared, then later: the timer stays where it was (it will fire early and find nothing to do).
+        t.arm(s, &mut armed, None, Some(ms(1000)));
+        t.arm(s, &mut armed, Some(ms(50)), Some(ms(1000)));
+        assert_eq!(t.get(s, TimerKind::Proto), Some(ms(20)));
+        assert_eq!(t.take_armed(), None, "nothing set");
+        // Earlier: moved at once.
+        t.arm(s, &mut armed, Some(ms(10)), Some(ms(1000)));
+        assert_eq!(t.get(s, TimerKind::Proto), Some(ms(10)));
+        assert_eq!(t.take_armed(), Some(ms(10)));
+        // Once fired, the next deadline is armed whatever it is.
+        assert_eq!(t.pop_due(ms(10)), Some((s, TimerKind::Proto)));
+        Timers::fired(&mut armed, TimerKind::Proto);
+        t.arm(s, &mut armed, Some(ms(60)), Some(ms(1000)));
+        assert_eq!(t.get(s, TimerKind::Proto), Some(ms(60)));
+        // Put right exactly (before a sleep).
+        t.set_near(s, &mut armed, None);
+        assert_eq!(t.get(s, TimerKind::Proto), None);
+        // The keepalive follows its deadline both ways.
+        t.arm(s, &mut armed, None, Some(ms(500)));
+        assert_eq!(t.get(s, TimerKind::Keepalive), Some(ms(500)));
+        t.arm(s, &mut armed, None, Some(ms(2000)));
+        assert_eq!(t.get(s, TimerKind::Keepalive), Some(ms(2000)));
+        assert_eq!(t.len(), 1);
     }
 }

@@ -200,13 +200,21 @@ impl Lead {
         let _ = self.thread_wake.write(1);
     }
 
-    /// Rule 1: after an API call that moved the earliest timer to `deadline` (under the engine lock), wake the
-    /// sleeper whose wake-up time is now too late. A timer may run up to [`MAX_BACKOFF`] late: while an
+    /// Rule 1: after an API call that set a timer for `deadline` (under the engine lock), wake the sleeper whose
+    /// wake-up time is now too late. A timer may run up to [`MAX_BACKOFF`] late: while an
     /// application thread comes back to wait that often, it runs the timers itself, and no thread is woken.
-    pub(crate) fn after_call(&self, deadline: Instant) {
-        let d = self.stamp(Some(deadline + MAX_BACKOFF));
+    /// `deadline` is asked for only when somebody sleeps (it reads the clock).
+    pub(crate) fn after_call(&self, deadline: impl FnOnce() -> Option<Instant>) {
         let leader = self.leader_sleep.load(Ordering::SeqCst);
         let thread = self.thread_sleep.load(Ordering::SeqCst);
+        let asleep = |t| t != ABSENT && t != AWAKE;
+        if !asleep(leader) && !asleep(thread) {
+            return;
+        }
+        let Some(deadline) = deadline() else {
+            return;
+        };
+        let d = self.stamp(Some(deadline + MAX_BACKOFF));
         let target = if leader != ABSENT {
             (leader != AWAKE && d < leader).then_some(&self.leader_wake)
         } else {

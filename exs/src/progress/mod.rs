@@ -5,7 +5,7 @@
 //!
 //! 1. **An API call never wakes anybody** just because it posted work: posting does not block, and the completion
 //!    will make the transport's wait descriptor readable for whoever sleeps on it. It wakes a sleeper only when it
-//!    moved the earliest timer before that sleeper's wake-up time ([`Shared::after_call`]).
+//!    set a timer for earlier than that sleeper's wake-up time ([`Lead::after_call`]).
 //! 2. **The thread that waits does the work.** A dequeue that has to sleep first tries to become the *leader* of
 //!    each context reporting to its queue: the leader runs the protocol itself, arms the transport and sleeps on
 //!    the transport's wait descriptor in its own `ppoll`, so a completion costs one wake-up (this thread's), not
@@ -132,18 +132,16 @@ impl Shared {
         EngineGuard::lock(&self.engine)
     }
 
-    /// Runs an API call on the engine. Posting needs no wake-up; only a call that moved the earliest timer
-    /// earlier than the current sleeper's wake-up time wakes it (see the module docs, rule 1).
+    /// Runs an API call on the engine. Posting needs no wake-up; only a call that set a timer earlier than the
+    /// current sleeper's wake-up time wakes it (see the module docs, rule 1).
     pub(crate) fn call<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
         let mut e = self.lock();
-        let before = e.next_deadline();
+        // Set by rounds run before this call, which the thread that ran them took into account.
+        e.clear_armed();
         let r = f(&mut e);
         e.drain_done();
-        let after = e.next_deadline();
-        if after.is_some_and(|a| before.is_none_or(|b| a < b)) {
-            if let Some(d) = e.next_deadline_real() {
-                self.lead.after_call(d);
-            }
+        if e.armed() {
+            self.lead.after_call(|| e.take_armed_real());
         }
         r
     }
@@ -227,7 +225,7 @@ pub(crate) fn prepare_sleep(
             return Some(Some(Instant::now() + Duration::from_millis(10)));
         }
     }
-    let deadline = engine.next_deadline_real();
+    let deadline = engine.sleep_deadline();
     // A transport whose completions wake nobody is polled at its interval (libfabric queues without a wait
     // object, for busy polling).
     let deadline = match engine.poll_interval() {
@@ -477,7 +475,7 @@ fn standby(shared: &Shared, t: Duration) {
             rounds += 1;
         }
         let until = Instant::now() + t;
-        let until = match e.next_deadline_real() {
+        let until = match e.sleep_deadline() {
             Some(d) => until.min(d),
             _ => until,
         };

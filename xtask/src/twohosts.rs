@@ -62,6 +62,15 @@ const SERVE: &str = "serve() { n=0; while [ $n -lt 3 ]; do timeout -k 10 120 \"$
 /// A peer-tool client run is bounded like its server's (a client that hangs must not hold the pair).
 const CLIENT_LIMIT: &str = "timeout -k 10 120";
 
+/// Shell function for the client side of a peer-tool step: tries `$2...` until it succeeds or `$1` seconds have
+/// gone by (the server may not listen yet). Bounded in time, not in tries: after perftest's client crashed
+/// between soft devices, each later try could spend some 15 s failing to resolve the address, and sixty of them
+/// held the pair for a quarter of an hour.
+const PEER_RETRY: &str = "peer_retry() { end=$(( $(date +%s) + $1 )); shift; while :; do \"$@\"; rc=$?; [ $rc -eq 0 ] && return 0; [ $rc -eq 127 ] && return 127; [ $(date +%s) -ge $end ] && return 1; sleep 1; done; }\n";
+
+/// Seconds a peer-tool client keeps trying.
+const PEER_PATIENCE: u32 = 90;
+
 fn guest0(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
     let (near, far) = (PAIR_ADDRS[0], PAIR_ADDRS[1]);
     let exe = exe.display();
@@ -100,7 +109,7 @@ fn guest0(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
     s.push_str(SERVE);
     for step in perftest_steps(dev) {
         s.push_str(&format!(
-            "serve {} >/dev/null || echo 'PAIR-FAIL {} server'\n",
+            "serve {} >/dev/null || echo 'PAIR-PEER-FAIL {} server'\n",
             step.args, step.tool
         ));
     }
@@ -127,6 +136,7 @@ fn guest1(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
         PUMP_PORT + 3,
         retry = vm::RETRY,
     );
+    s.push_str(PEER_RETRY);
     let mut point = "";
     for step in perftest_steps(dev) {
         if step.tool != point {
@@ -134,7 +144,7 @@ fn guest1(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
             point = step.tool;
         }
         s.push_str(&format!(
-            "retry {CLIENT_LIMIT} {} {near} || echo 'PAIR-FAIL {} client'\n",
+            "peer_retry {PEER_PATIENCE} {CLIENT_LIMIT} {} {near} || echo 'PAIR-PEER-FAIL {} client'\n",
             step.args, step.tool
         ));
     }
@@ -147,6 +157,8 @@ struct Measured {
     label: String,
     points: Vec<(String, u64, f64)>,
     failed: Vec<String>,
+    /// Peer-tool (perftest) steps that failed: reported, not counted against exs (see [`peer_failed`]).
+    peer_failed: Vec<String>,
     /// `exs ping` median one-way latency, µs.
     latency: Option<f64>,
     /// `exs demo` MB/s (checksums verified).
@@ -161,6 +173,8 @@ impl Measured {
             self.label = label.to_string();
         } else if let Some(what) = l.strip_prefix("PAIR-FAIL ") {
             self.failed.push(what.to_string());
+        } else if let Some(what) = l.strip_prefix("PAIR-PEER-FAIL ") {
+            self.peer_failed.push(what.to_string());
         } else if let Ok(v) = serde_json::from_str::<serde_json::Value>(l) {
             if let (Some(size), Some(bps)) = (v["size"].as_u64(), v["bytes_per_sec"].as_f64()) {
                 self.points.push((self.label.clone(), size, bps / 1e6));
@@ -220,6 +234,8 @@ pub fn run(
                 sections.line(l, err);
                 if let Some(what) = l.strip_prefix("PAIR-FAIL ") {
                     measured.failed.push(what.to_string());
+                } else if let Some(what) = l.strip_prefix("PAIR-PEER-FAIL ") {
+                    measured.peer_failed.push(what.to_string());
                 }
             } else {
                 if err {
@@ -263,10 +279,14 @@ pub fn run(
             .collect::<Vec<_>>()
             .join(", ")
     };
-    for label in ["verbs", "fabric", "ib_write_bw"] {
+    for label in ["verbs", "fabric"] {
         if !measured.points.iter().any(|p| p.0 == label) {
             failures.push(format!("two guests: {label} across the link"));
         }
+    }
+    if let Some(note) = peer_failed(&measured.peer_failed) {
+        eprintln!("xtask: {note}");
+        summary.push(note);
     }
     if measured.latency.is_none() || measured.demo.is_none() {
         failures.push("two guests: exs ping or exs demo across the link".into());
@@ -288,6 +308,19 @@ pub fn run(
         start.elapsed()
     ));
     Ok(())
+}
+
+/// The loud note for peer-tool steps that failed. perftest runs beside exs for its numbers; between two soft
+/// devices its own client can fail (a crash on a flushed work request, seen with siw), which says nothing of exs:
+/// the note names the steps and says their numbers are missing, and the stage fails only on what exs did.
+fn peer_failed(steps: &[String]) -> Option<String> {
+    (!steps.is_empty()).then(|| {
+        format!(
+            "two guests: PEER TOOL FAILED: {} (perftest's own run between the guests; its numbers are missing \
+             from this run, exs's steps are judged on their own)",
+            steps.join(", ")
+        )
+    })
 }
 
 fn size_name(n: u64) -> String {
@@ -372,12 +405,69 @@ mod tests {
                 );
                 assert!(
                     g1.contains(&format!(
-                        "retry {CLIENT_LIMIT} {} {}",
+                        "peer_retry {PEER_PATIENCE} {CLIENT_LIMIT} {} {}",
                         step.args, PAIR_ADDRS[0]
                     )),
                     "{g1}"
                 );
             }
         }
+    }
+
+    /// Runs `peer_retry` with `secs` of patience around a command that fails its first `fail` runs; returns the
+    /// exit code, the runs made and the seconds it took.
+    fn peer_retry_with_flaky(secs: u32, fail: u32) -> (i32, u32, u64) {
+        let dir =
+            std::env::temp_dir().join(format!("exs-peer-retry-{}-{fail}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let count = dir.join("runs");
+        let script = format!(
+            "{PEER_RETRY}peer_retry {secs} sh -c 'n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; [ $n -gt {fail} ]'",
+            c = count.display()
+        );
+        let start = std::time::Instant::now();
+        let out = std::process::Command::new("sh")
+            .arg("-c")
+            .arg(script)
+            .output()
+            .unwrap();
+        let runs = std::fs::read_to_string(&count)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        (out.status.code().unwrap(), runs, start.elapsed().as_secs())
+    }
+
+    /// The two-siw-guest flake: perftest's client crashed, then every retry failed slowly, sixty of them.
+    #[test]
+    fn a_peer_tool_client_retries_until_it_succeeds_or_its_patience_runs_out() {
+        let (rc, runs, _) = peer_retry_with_flaky(30, 2);
+        assert_eq!((rc, runs), (0, 3));
+        let (rc, runs, secs) = peer_retry_with_flaky(2, 99);
+        assert_eq!(rc, 1);
+        assert!((2..=5).contains(&runs), "{runs} runs");
+        assert!(secs <= 5, "{secs} s");
+    }
+
+    #[test]
+    fn a_failed_peer_tool_step_is_reported_but_is_not_a_failure_of_exs() {
+        let mut m = Measured::default();
+        for l in [
+            "PAIR-POINT ib_send_lat",
+            "PAIR-PEER-FAIL ib_send_lat client",
+            "PAIR-FAIL demo client verbs",
+        ] {
+            m.line(l);
+        }
+        assert_eq!(m.peer_failed, ["ib_send_lat client"]);
+        assert_eq!(m.failed, ["demo client verbs"]);
+        let note = peer_failed(&m.peer_failed).unwrap();
+        assert!(
+            note.contains("PEER TOOL FAILED: ib_send_lat client"),
+            "{note}"
+        );
+        assert_eq!(peer_failed(&[]), None);
     }
 }

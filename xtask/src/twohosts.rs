@@ -335,27 +335,15 @@ fn size_name(n: u64) -> String {
 mod tests {
     use super::*;
 
-    /// Runs `serve` around a command that fails (with `code`) its first `fail` runs; returns the exit code and the
-    /// runs made.
-    fn serve_with_flaky(fail: u32, code: u8) -> (i32, u32) {
-        let dir =
-            std::env::temp_dir().join(format!("exs-serve-{}-{fail}-{code}", std::process::id()));
+    /// Runs `sh -c` on the script `script(dir, count)` makes, in a directory of its own (`name`), where `count` is
+    /// a file the script's command counts its runs in; returns the exit code and the runs made.
+    fn sh_counting(name: &str, script: impl Fn(&Path, &Path) -> String) -> (i32, u32) {
+        let dir = std::env::temp_dir().join(format!("exs-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let count = dir.join("runs");
-        // A program, not a shell function: `serve` runs its command under `timeout`, as it runs perftest.
-        let flaky = dir.join("flaky");
-        std::fs::write(
-            &flaky,
-            format!(
-                "#!/bin/sh\nn=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; [ $n -gt {fail} ] || exit {code}\n",
-                c = count.display()
-            ),
-        )
-        .unwrap();
-        let script = format!("{SERVE}serve sh {}", flaky.display());
         let out = std::process::Command::new("sh")
             .arg("-c")
-            .arg(script)
+            .arg(script(&dir, &count))
             .output()
             .unwrap();
         let runs = std::fs::read_to_string(&count)
@@ -365,6 +353,24 @@ mod tests {
             .unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
         (out.status.code().unwrap(), runs)
+    }
+
+    /// Runs `serve` around a command that fails (with `code`) its first `fail` runs; returns the exit code and the
+    /// runs made.
+    fn serve_with_flaky(fail: u32, code: u8) -> (i32, u32) {
+        sh_counting(&format!("serve-{fail}-{code}"), |dir, count| {
+            // A program, not a shell function: `serve` runs its command under `timeout`, as it runs perftest.
+            let flaky = dir.join("flaky");
+            std::fs::write(
+                &flaky,
+                format!(
+                    "#!/bin/sh\nn=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; [ $n -gt {fail} ] || exit {code}\n",
+                    c = count.display()
+                ),
+            )
+            .unwrap();
+            format!("{SERVE}serve sh {}", flaky.display())
+        })
     }
 
     #[test]
@@ -417,27 +423,14 @@ mod tests {
     /// Runs `peer_retry` with `secs` of patience around a command that fails its first `fail` runs; returns the
     /// exit code, the runs made and the seconds it took.
     fn peer_retry_with_flaky(secs: u32, fail: u32) -> (i32, u32, u64) {
-        let dir =
-            std::env::temp_dir().join(format!("exs-peer-retry-{}-{fail}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let count = dir.join("runs");
-        let script = format!(
-            "{PEER_RETRY}peer_retry {secs} sh -c 'n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; [ $n -gt {fail} ]'",
-            c = count.display()
-        );
         let start = std::time::Instant::now();
-        let out = std::process::Command::new("sh")
-            .arg("-c")
-            .arg(script)
-            .output()
-            .unwrap();
-        let runs = std::fs::read_to_string(&count)
-            .unwrap()
-            .trim()
-            .parse()
-            .unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        (out.status.code().unwrap(), runs, start.elapsed().as_secs())
+        let (rc, runs) = sh_counting(&format!("peer-retry-{fail}"), |_, count| {
+            format!(
+                "{PEER_RETRY}peer_retry {secs} sh -c 'n=$(cat {c} 2>/dev/null || echo 0); n=$((n+1)); echo $n > {c}; [ $n -gt {fail} ]'",
+                c = count.display()
+            )
+        });
+        (rc, runs, start.elapsed().as_secs())
     }
 
     /// The two-siw-guest flake: perftest's client crashed, then every retry failed slowly, sixty of them.

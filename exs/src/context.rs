@@ -193,7 +193,9 @@ impl Context {
         any
     }
 
-    /// The earliest pending timer (manual progress uses it to advance virtual time).
+    /// The earliest pending timer that has something to do (manual progress uses it to advance virtual time).
+    /// Puts right first the connection timers left earlier than their connection's deadline (they would fire and
+    /// find nothing due).
     pub fn next_deadline(&self) -> Option<Instant> {
         let mut e = self.shared().lock();
         e.settle_timers();

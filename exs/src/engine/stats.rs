@@ -50,7 +50,8 @@ pub struct EngineStats {
     pub arms: u64,
     /// Times the connection-event channel was read (a system call on software providers).
     pub cm_polls: u64,
-    /// Timers set now (at most one of each kind per socket; a round looks only at the earliest).
+    /// Timers set now (at most one of each kind per socket; a round looks only at the earliest), counting a
+    /// connection's acknowledgment timer left behind to fire early.
     pub timers: u64,
 }
 

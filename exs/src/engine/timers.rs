@@ -10,11 +10,11 @@
 //! moved the ordered set twice per message). The others belong to the connection's life around the protocol:
 //! connecting, lingering after a close, a listener's waiting requests.
 //!
-//! A connection's two timers are moved earlier at once and left where they are otherwise ([`Armed`]): a
-//! delayed acknowledgment is set by one message and cleared by the next, and moving the ordered set for both
-//! cost a busy round trip more than anything else the engine does with time. A timer left behind fires early and
-//! does nothing (the connection checks its own deadlines, and its flush arms the next one); before a thread
-//! sleeps, stale timers at the front are put right (`Engine::settle_timers`), so none of them wakes it.
+//! A connection's near timer is moved earlier at once and left where it is otherwise ([`Armed`]): a delayed
+//! acknowledgment is set by one message and cleared by the next, and moving the ordered set for both cost a busy
+//! round trip more than anything else the engine does with time. A timer left behind fires early and does nothing
+//! (the connection checks its own deadlines, and its flush arms the next one); before a thread sleeps, stale
+//! timers at the front are put right (`Engine::settle_timers`), so none of them wakes it.
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -43,6 +43,8 @@ pub(crate) enum TimerKind {
 pub(crate) struct Armed {
     near: Option<Instant>,
     keepalive: Option<Instant>,
+    /// The connection's near deadline at the last arming (what the timer serves, perhaps from earlier).
+    wanted: Option<Instant>,
 }
 
 /// Deadlines in order, at most one per socket and kind.
@@ -108,9 +110,11 @@ impl Timers {
         }
     }
 
-    /// Arms a connection's timers for its deadlines (`near`: [`TimerKind::Proto`], and the keepalive check): each
-    /// moves when it must come earlier; a later or cleared near deadline leaves the timer where it is, to fire
-    /// early and do nothing (or to be put right before anyone sleeps on it: [`Timers::set_near`]).
+    /// Arms a connection's timers for its deadlines (`near`: [`TimerKind::Proto`], and the keepalive check). The
+    /// near one moves when it must come earlier; a later or cleared near deadline leaves it where it is, to fire
+    /// early and do nothing (or to be put right before anyone sleeps on it: [`Timers::set_near`]), and a later one
+    /// is reported by [`Timers::take_armed`] at the time of the timer that serves it. The keepalive follows its
+    /// deadline both ways (it moves only when it comes due).
     pub(crate) fn arm(
         &mut self,
         sid: SocketId,
@@ -118,9 +122,19 @@ impl Timers {
         near: Option<Instant>,
         keepalive: Option<Instant>,
     ) {
-        if let Some(at) = near.filter(|&at| armed.near.is_none_or(|old| at < old)) {
-            self.set(sid, TimerKind::Proto, Some(at));
-            armed.near = Some(at);
+        let new = near != armed.wanted;
+        armed.wanted = near;
+        match (near, armed.near) {
+            (Some(at), old) if old.is_none_or(|old| at < old) => {
+                self.set(sid, TimerKind::Proto, Some(at));
+                armed.near = Some(at);
+            }
+            // A new deadline left behind: the earlier timer serves it (it fires, finds nothing due and the flush
+            // arms the real one), so a sleeper must wake for it as for one set now.
+            (Some(_), Some(old)) if new => {
+                self.armed = Some(self.armed.map_or(old, |a| a.min(old)))
+            }
+            _ => {}
         }
         if keepalive != armed.keepalive {
             self.set(sid, TimerKind::Keepalive, keepalive);
@@ -144,6 +158,7 @@ impl Timers {
     pub(crate) fn set_near(&mut self, sid: SocketId, armed: &mut Armed, near: Option<Instant>) {
         self.set(sid, TimerKind::Proto, near);
         armed.near = near;
+        armed.wanted = near;
     }
 
     /// The earliest deadline (perhaps a connection's stale one: `Engine::settle_timers`).
@@ -230,7 +245,7 @@ mod tests {
         t.arm(s, &mut armed, None, Some(ms(1000)));
         t.arm(s, &mut armed, Some(ms(50)), Some(ms(1000)));
         assert_eq!(t.get(s, TimerKind::Proto), Some(ms(20)));
-        assert_eq!(t.take_armed(), None, "nothing set");
+        t.take_armed();
         // Earlier: moved at once.
         t.arm(s, &mut armed, Some(ms(10)), Some(ms(1000)));
         assert_eq!(t.get(s, TimerKind::Proto), Some(ms(10)));
@@ -249,5 +264,25 @@ mod tests {
         t.arm(s, &mut armed, None, Some(ms(2000)));
         assert_eq!(t.get(s, TimerKind::Keepalive), Some(ms(2000)));
         assert_eq!(t.len(), 1);
+    }
+
+    /// A review found that a call whose deadline was left behind an earlier (stale) timer reported nothing, so a
+    /// progress thread asleep until later was not woken for it: the deadline waited for the thread's own wake-up.
+    #[test]
+    fn a_deadline_left_behind_is_reported_at_the_timer_that_serves_it() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let s = SocketId(4);
+        let mut t = Timers::default();
+        let mut armed = Armed::default();
+        t.arm(s, &mut armed, Some(ms(20)), None);
+        t.arm(s, &mut armed, None, None);
+        assert_eq!(t.take_armed(), Some(ms(20)));
+        assert_eq!(t.take_armed(), None, "a cleared deadline reports nothing");
+        t.arm(s, &mut armed, Some(ms(50)), None);
+        assert_eq!(t.take_armed(), Some(ms(20)), "served by the timer at 20 ms");
+        // The same deadline again (another flush of the connection) is nothing new: it was reported.
+        t.arm(s, &mut armed, Some(ms(50)), None);
+        assert_eq!(t.take_armed(), None);
     }
 }

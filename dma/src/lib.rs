@@ -9,9 +9,10 @@
 //!    write a range that Rust code is reading or writing.
 //!
 //! This crate encodes both. A [`DmaBuf`] is a fixed, page-aligned allocation that never moves. Every use of a
-//! range (by a device or by the CPU) holds a [`Lease`] on it. A lease holds an `Arc` of its buffer, so the memory
-//! lives as long as any lease does (rule 1), and the buffer's lease table refuses a lease that conflicts with one
-//! already held (rule 2). A work request *owns* the leases of the memory it names, and a transport drops them only
+//! range (by a device or by the CPU) holds a [`Lease`] on it, except a short copy, which holds the buffer's lease
+//! table for its time instead (no lease can be taken meanwhile). A lease holds an `Arc` of its buffer, so the
+//! memory lives as long as any lease does (rule 1), and the buffer's lease table refuses a lease (or a copy) that
+//! conflicts with one already held (rule 2). A work request *owns* the leases of the memory it names, and a transport drops them only
 //! when the hardware is done with it (completion or flush). Remote exposure (a remote key) is a lease too.
 //!
 //! Two lease kinds are racy by design, because the EXS paper asks for it (seed 002, sections 4.2 and 4.3):
@@ -63,9 +64,9 @@ pub enum LeaseKind {
     /// is held the CPU may copy in and out (atomically) but not borrow: the peer could write any byte at any time.
     /// The operations that use the key take their own leases as usual.
     TrustedKey,
-    /// The CPU reads the range (a borrow, or a copy).
+    /// The CPU reads the range (a borrow, or a copy longer than a short one: [`DmaBuf::read_at`]).
     CpuRead,
-    /// The CPU writes the range (a mutable borrow, or a copy).
+    /// The CPU writes the range (a mutable borrow, or a copy longer than a short one: [`DmaBuf::write_at`]).
     CpuWrite,
 }
 

@@ -12,8 +12,9 @@
 //! range (by a device or by the CPU) holds a [`Lease`] on it, except a short copy, which holds the buffer's lease
 //! table for its time instead (no lease can be taken meanwhile). A lease holds an `Arc` of its buffer, so the
 //! memory lives as long as any lease does (rule 1), and the buffer's lease table refuses a lease (or a copy) that
-//! conflicts with one already held (rule 2). A work request *owns* the leases of the memory it names, and a transport drops them only
-//! when the hardware is done with it (completion or flush). Remote exposure (a remote key) is a lease too.
+//! conflicts with one already held (rule 2). A work request *owns* the leases of the memory it names, and a
+//! transport drops them only when the hardware is done with it (completion or flush). Remote exposure (a remote
+//! key) is a lease too.
 //!
 //! Two lease kinds are racy by design, because the EXS paper asks for it (seed 002, sections 4.2 and 4.3):
 //! a persistent send lets the remote side read memory the application keeps updating, and a persistent receive

@@ -231,13 +231,20 @@ mod tests {
         assert_eq!(t.len(), 0);
     }
 
+    /// Milliseconds from now as instants, empty timers, and a connection's record of its own.
+    fn connection() -> (impl Fn(u64) -> Instant, Timers, Armed) {
+        let t0 = Instant::now();
+        (
+            move |n| t0 + Duration::from_millis(n),
+            Timers::default(),
+            Armed::default(),
+        )
+    }
+
     #[test]
     fn a_connection_timer_moves_earlier_at_once_and_is_left_behind_otherwise() {
-        let t0 = Instant::now();
-        let ms = |n| t0 + Duration::from_millis(n);
+        let (ms, mut t, mut armed) = connection();
         let s = SocketId(3);
-        let mut t = Timers::default();
-        let mut armed = Armed::default();
         t.arm(s, &mut armed, Some(ms(20)), Some(ms(1000)));
         assert_eq!(t.take_armed(), Some(ms(20)));
         assert_eq!(t.take_armed(), None, "reported once");
@@ -270,11 +277,8 @@ mod tests {
     /// progress thread asleep until later was not woken for it: the deadline waited for the thread's own wake-up.
     #[test]
     fn a_deadline_left_behind_is_reported_at_the_timer_that_serves_it() {
-        let t0 = Instant::now();
-        let ms = |n| t0 + Duration::from_millis(n);
+        let (ms, mut t, mut armed) = connection();
         let s = SocketId(4);
-        let mut t = Timers::default();
-        let mut armed = Armed::default();
         t.arm(s, &mut armed, Some(ms(20)), None);
         t.arm(s, &mut armed, None, None);
         assert_eq!(t.take_armed(), Some(ms(20)));

@@ -441,7 +441,7 @@ impl Engine {
     /// sleeping thread for, if it comes before the thread's wake-up time.
     pub(crate) fn take_armed_real(&mut self) -> Option<Instant> {
         let d = self.timers.take_armed()?;
-        Some(Instant::now() + d.saturating_duration_since(self.now()))
+        Some(self.real(d))
     }
 
     /// Forgets the deadlines set so far ([`Engine::take_armed_real`] reports those set after).
@@ -480,7 +480,12 @@ impl Engine {
     /// The earliest timer as a point in real time (the engine's clock may be virtual).
     pub(crate) fn next_deadline_real(&self) -> Option<Instant> {
         let d = self.next_deadline()?;
-        Some(Instant::now() + d.saturating_duration_since(self.now()))
+        Some(self.real(d))
+    }
+
+    /// `d` on the engine's clock (which may be virtual) as a point in real time.
+    fn real(&self, d: Instant) -> Instant {
+        Instant::now() + d.saturating_duration_since(self.now())
     }
 
     fn limits(&self) -> Limits {

@@ -136,7 +136,7 @@ impl Shared {
     /// current sleeper's wake-up time wakes it (see the module docs, rule 1).
     pub(crate) fn call<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
         let mut e = self.lock();
-        // Set by rounds run before this call, which the thread that ran them took into account.
+        // Timers set by rounds before this call are not its to report (a leader computes its own sleep from them).
         e.clear_armed();
         let r = f(&mut e);
         e.drain_done();

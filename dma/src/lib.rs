@@ -30,11 +30,14 @@
 use std::fmt;
 use std::ops::Range;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
+mod access;
 mod arena;
 mod table;
+
+use access::{copy, load, store, Plain};
 
 use table::{Entry, Table};
 
@@ -61,9 +64,11 @@ pub enum LeaseKind {
     /// only through copies.
     DeviceWriteShared,
     /// A remote key of the trusted-peer policy (UNH-EXS, seed 002 section 4: the registration's key is exposed for
-    /// its lifetime): held over the whole buffer while the key is valid. It goes over any other lease, and while it
-    /// is held the CPU may copy in and out (atomically) but not borrow: the peer could write any byte at any time.
-    /// The operations that use the key take their own leases as usual.
+    /// its lifetime): held over the whole buffer while the key is valid. It goes over any other lease but a borrow
+    /// of the bytes ([`DmaBuf::with_slice`], [`DmaBuf::with_slice_mut`]: refused), after any copy in progress that
+    /// found nothing racy and so copies without atomics (it waits for that copy to end); while it is held the CPU
+    /// may copy in and out (atomically) but not borrow: the peer could write any byte at any time. The operations
+    /// that use the key take their own leases as usual.
     TrustedKey,
     /// The CPU reads the range (a borrow, or a copy longer than a short one: [`DmaBuf::read_at`]).
     CpuRead,
@@ -79,6 +84,11 @@ impl LeaseKind {
         )
     }
 
+    /// A CPU lease.
+    fn cpu(self) -> bool {
+        matches!(self, Self::CpuRead | Self::CpuWrite)
+    }
+
     fn shared(self) -> bool {
         matches!(
             self,
@@ -90,20 +100,28 @@ impl LeaseKind {
 /// How the CPU wants to touch a range: a borrow must be exclusive of any writer, a copy tolerates the racy kinds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum CpuMode {
+    /// A CPU lease of [`DmaBuf::lease`]: its holder copies through it, excluding writers.
     Borrow,
+    /// A borrow that hands out references to the bytes ([`DmaBuf::with_slice`]): a borrow, and a trusted key
+    /// cannot come over it.
+    Refs,
+    /// A copy of [`DmaBuf::read_at`] and its kin.
     Copy,
 }
 
-/// Whether a new lease of `new` kind (CPU leases with `mode`) may coexist with an overlapping `held` lease.
-fn compatible(held: LeaseKind, new: LeaseKind, mode: Option<CpuMode>) -> bool {
+/// Whether a new lease of `new` kind (CPU leases with `mode`) may coexist with an overlapping `held` lease
+/// (`held_refs`: a borrow that hands out references).
+fn compatible(held: LeaseKind, held_refs: bool, new: LeaseKind, mode: Option<CpuMode>) -> bool {
     use LeaseKind::*;
-    // A trusted-policy key goes over whatever is there; while it is held, the CPU only copies (atomically: the
-    // kind is shared), since the peer may write any byte at any time.
+    // A trusted-policy key goes over whatever is there but a borrow (a reference must not see a peer's writes);
+    // while it is held, the CPU only copies (atomically: the kind is shared), since the peer may write any byte
+    // at any time. A copy in progress that found no racy lease, and so does not copy atomically, ends before the
+    // key is taken (`DmaBuf::acquire` waits for it).
     if new == TrustedKey {
-        return true;
+        return !held_refs;
     }
     if held == TrustedKey {
-        return mode != Some(CpuMode::Borrow);
+        return !matches!(mode, Some(CpuMode::Borrow | CpuMode::Refs));
     }
     if !held.writes() && !new.writes() {
         return true;
@@ -178,6 +196,8 @@ pub struct DmaBuf {
     len: usize,
     storage: Storage,
     leases: Mutex<Table>,
+    /// Signalled when a plain access ends while somebody waits (`Table::waiting`) to take a trusted key.
+    plain_ended: Condvar,
 }
 
 // SAFETY: DmaBuf owns its allocation (no thread affinity). All access to the bytes goes through lease-checked
@@ -208,6 +228,7 @@ impl DmaBuf {
             len,
             storage: Storage::Pages(origin),
             leases: Mutex::new(Table::default()),
+            plain_ended: Condvar::new(),
         }))
     }
 
@@ -226,6 +247,7 @@ impl DmaBuf {
             len,
             storage: Storage::Vec { capacity },
             leases: Mutex::new(Table::default()),
+            plain_ended: Condvar::new(),
         })
     }
 
@@ -252,6 +274,7 @@ impl DmaBuf {
             len,
             storage: Storage::Foreign,
             leases: Mutex::new(Table::default()),
+            plain_ended: Condvar::new(),
         })
     }
 
@@ -261,6 +284,7 @@ impl DmaBuf {
             len: 0,
             storage: Storage::Empty,
             leases: Mutex::new(Table::default()),
+            plain_ended: Condvar::new(),
         }
     }
 
@@ -276,7 +300,7 @@ impl DmaBuf {
     }
 
     fn take_vec(self) -> Vec<u8> {
-        let me = std::mem::ManuallyDrop::new(self);
+        let mut me = std::mem::ManuallyDrop::new(self);
         let mut out = Vec::with_capacity(me.len);
         match me.storage {
             Storage::Vec { capacity } => {
@@ -304,6 +328,8 @@ impl DmaBuf {
         // The lease table is empty (we were the only handle); drop it explicitly since `me` is ManuallyDrop.
         // SAFETY: `me.leases` is read exactly once and never used again.
         drop(unsafe { std::ptr::read(&me.leases) });
+        // SAFETY: the same, for the condition variable beside it (nobody waits: we were the only handle).
+        unsafe { std::ptr::drop_in_place(&mut me.plain_ended) };
         out
     }
 
@@ -357,7 +383,20 @@ impl DmaBuf {
         mode: Option<CpuMode>,
     ) -> Result<u64, DmaError> {
         self.check_range(&range)?;
-        Self::acquire_in(&mut self.table(), range, kind, mode)
+        let mut table = self.table();
+        if kind == LeaseKind::TrustedKey {
+            // A copy that found no racy lease stores and loads without atomics: the key, which would let a peer
+            // write the bytes meanwhile, waits for it (copies do nothing else, so the wait is a copy's length).
+            while table.plain_overlaps(&range) {
+                table.waiting += 1;
+                table = self
+                    .plain_ended
+                    .wait(table)
+                    .unwrap_or_else(|p| p.into_inner());
+                table.waiting -= 1;
+            }
+        }
+        Self::acquire_in(&mut table, range, kind, mode)
     }
 
     fn acquire_in(
@@ -373,6 +412,7 @@ impl DmaBuf {
             start: range.start,
             end: range.end,
             kind,
+            refs: mode == Some(CpuMode::Refs),
         });
         Ok(id)
     }
@@ -388,7 +428,7 @@ impl DmaBuf {
         if range.start < range.end {
             if let Some(e) = table
                 .overlapping(range)
-                .find(|e| !compatible(e.kind, kind, mode))
+                .find(|e| !compatible(e.kind, e.refs, kind, mode))
             {
                 return Err(DmaError::Busy {
                     start: range.start,
@@ -421,9 +461,12 @@ impl DmaBuf {
         }
         let id = Self::acquire_in(&mut table, range.clone(), kind, Some(CpuMode::Copy))?;
         let racy = table.racy(&range);
+        let plain = (!racy).then(|| table.begin_plain(range));
         drop(table);
         let r = f(racy);
-        self.release(id);
+        let mut table = self.table();
+        table.remove(id);
+        self.ended(table, plain);
         Ok(r)
     }
 
@@ -432,6 +475,7 @@ impl DmaBuf {
     }
 
     /// Whether any shared (racy-by-design) lease overlaps the range: copies must then be atomic.
+    #[cfg(test)]
     fn racy(&self, range: &Range<usize>) -> bool {
         self.table().racy(range)
     }
@@ -442,10 +486,15 @@ impl DmaBuf {
         range: Range<usize>,
         kind: LeaseKind,
     ) -> Result<Lease, DmaError> {
-        let mode = match kind {
-            LeaseKind::CpuRead | LeaseKind::CpuWrite => Some(CpuMode::Borrow),
-            _ => None,
-        };
+        self.lease_for(range, kind, kind.cpu().then_some(CpuMode::Borrow))
+    }
+
+    fn lease_for(
+        self: &Arc<Self>,
+        range: Range<usize>,
+        kind: LeaseKind,
+        mode: Option<CpuMode>,
+    ) -> Result<Lease, DmaError> {
         let id = self.acquire(range.clone(), kind, mode)?;
         Ok(Lease {
             buf: Arc::clone(self),
@@ -491,8 +540,9 @@ impl DmaBuf {
     ) -> Result<(), DmaError> {
         dst.may_write()?;
         let d = dst.check(dst_offset, len)?;
-        // Before `copying` holds this buffer's table: `dst` may be on this buffer.
-        let dst_racy = dst.racy();
+        // Without holding the destination's table while `copying` holds this buffer's: `dst` may be on this
+        // buffer, or another copy may go the other way.
+        let (dst_racy, _plain) = dst.access(dst_offset, len);
         let range = offset..offset.saturating_add(len);
         self.copying(range, LeaseKind::CpuRead, |racy| {
             // SAFETY: the source range is in bounds (`copying`) and, while this runs, no lease that lets anything
@@ -510,7 +560,7 @@ impl DmaBuf {
         range: Range<usize>,
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, DmaError> {
-        let lease = self.lease(range, LeaseKind::CpuRead)?;
+        let lease = self.lease_for(range, LeaseKind::CpuRead, Some(CpuMode::Refs))?;
         Ok(f(lease.as_slice()))
     }
 
@@ -520,7 +570,7 @@ impl DmaBuf {
         range: Range<usize>,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, DmaError> {
-        let mut lease = self.lease(range, LeaseKind::CpuWrite)?;
+        let mut lease = self.lease_for(range, LeaseKind::CpuWrite, Some(CpuMode::Refs))?;
         Ok(f(lease.as_mut_slice()))
     }
 }
@@ -612,18 +662,20 @@ impl Lease {
         let second_id = NEXT_LEASE.fetch_add(1, Ordering::Relaxed);
         {
             let mut t = buf.table();
-            t.remove(me.id);
+            let refs = t.remove(me.id).is_some_and(|e| e.refs);
             t.push(Entry {
                 id: first_id,
                 start: me.start,
                 end: mid,
                 kind: me.kind,
+                refs,
             });
             t.push(Entry {
                 id: second_id,
                 start: mid,
                 end: me.end,
                 kind: me.kind,
+                refs,
             });
         }
         let first = Lease {
@@ -671,9 +723,12 @@ impl Lease {
     /// Reads bytes through the lease (as the device that holds it).
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), DmaError> {
         let p = self.check(offset, dst.len())?;
-        // SAFETY: in bounds (check); this lease excludes Rust writers of the range except racy-shared ones,
-        // which are handled with atomic loads.
-        unsafe { load(p, dst, self.racy()) };
+        let range = self.start + offset..self.start + offset + dst.len();
+        self.buf.accessing(&range, self.kind.shared(), |racy| {
+            // SAFETY: in bounds (check); this lease excludes Rust writers of the range except racy-shared ones,
+            // which are handled with atomic loads, and `accessing` keeps `racy` true while this runs.
+            unsafe { load(p, dst, racy) }
+        });
         Ok(())
     }
 
@@ -686,16 +741,20 @@ impl Lease {
             });
         }
         let p = self.check(offset, src.len())?;
-        // SAFETY: in bounds; a write lease excludes all other users except racy CPU copies of a shared lease,
-        // which are atomic on both sides.
-        unsafe { store(p, src, self.racy()) };
+        let range = self.start + offset..self.start + offset + src.len();
+        self.buf.accessing(&range, self.kind.shared(), |racy| {
+            // SAFETY: in bounds; a write lease excludes all other users except racy CPU copies of a shared lease,
+            // which are atomic on both sides (`accessing` keeps `racy` true while this runs).
+            unsafe { store(p, src, racy) }
+        });
         Ok(())
     }
 
-    /// Whether accesses through this lease must be atomic: it is shared, or a shared lease (a persistent
-    /// exposure, a trusted-policy key) overlaps it.
-    fn racy(&self) -> bool {
-        self.kind.shared() || self.buf.racy(&(self.start..self.end))
+    /// Whether an access of `len` bytes at `offset` (checked in bounds) must be atomic: the lease is shared, or a
+    /// shared lease (a persistent exposure, a trusted-policy key) overlaps the range; the guard keeps it so.
+    fn access(&self, offset: usize, len: usize) -> (bool, Plain<'_>) {
+        let range = self.start + offset..self.start + offset + len;
+        self.buf.access(&range, self.kind.shared())
     }
 
     /// Whether this lease may be written through (a destination of a copy).
@@ -721,8 +780,8 @@ impl Lease {
         dst.may_write()?;
         let s = self.check(offset, len)?;
         let d = dst.check(dst_offset, len)?;
-        let src_racy = self.racy();
-        let dst_racy = dst.racy();
+        let (src_racy, _src) = self.access(offset, len);
+        let (dst_racy, _dst) = dst.access(dst_offset, len);
         // SAFETY: both ranges are in bounds and leased (source for reading, destination for writing). The two
         // leases cannot overlap in a conflicting way (the table refused that), so the ranges do not alias unless
         // both are shared, in which case everything goes through atomic loads/stores of a bounce buffer.
@@ -762,81 +821,6 @@ impl fmt::Debug for Lease {
             .field("range", &(self.start..self.end))
             .field("kind", &self.kind)
             .finish()
-    }
-}
-
-/// Copies `dst.len()` bytes from `src`.
-///
-/// # Safety
-/// `src` is valid for reads of `dst.len()` bytes and no Rust code writes them concurrently unless `racy`, in which
-/// case every concurrent Rust writer uses atomic stores.
-unsafe fn load(src: *const u8, dst: &mut [u8], racy: bool) {
-    if !racy {
-        // SAFETY: caller guarantees validity and absence of concurrent writers; `dst` is a distinct &mut.
-        unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
-        return;
-    }
-    // Byte-sized atomic loads, like every racy access here (mixing access sizes on racing bytes is not defined).
-    for (i, d) in dst.iter_mut().enumerate() {
-        // SAFETY: in bounds per caller; AtomicU8 has the layout of u8 and any address is aligned for it.
-        *d = unsafe { &*(src.add(i) as *const AtomicU8) }.load(Ordering::Relaxed);
-    }
-}
-
-/// Copies `src` to `dst`.
-///
-/// # Safety
-/// `dst` is valid for writes of `src.len()` bytes; no Rust code accesses them concurrently unless `racy`, in which
-/// case every concurrent access is atomic.
-unsafe fn store(dst: *mut u8, src: &[u8], racy: bool) {
-    if !racy {
-        // SAFETY: per caller, `dst` is exclusively ours for these bytes and does not overlap `src`.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
-        return;
-    }
-    for (i, s) in src.iter().enumerate() {
-        // SAFETY: in bounds per caller; AtomicU8 has the layout of u8.
-        unsafe { &*(dst.add(i) as *const AtomicU8) }.store(*s, Ordering::Relaxed);
-    }
-}
-
-/// Copies `len` bytes between two leased ranges, once: only when both sides are shared does it go through a
-/// bounce buffer.
-///
-/// # Safety
-/// Both pointers are valid for `len` bytes; they do not overlap unless both are racy; racy sides are only accessed
-/// atomically by everyone.
-unsafe fn copy(src: *const u8, dst: *mut u8, len: usize, src_racy: bool, dst_racy: bool) {
-    match (src_racy, dst_racy) {
-        (false, false) => {
-            // SAFETY: per caller, valid, non-overlapping, and not concurrently accessed.
-            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
-        }
-        (true, false) => {
-            // SAFETY: `dst` is not racy, so nothing else accesses it: a unique slice over it is sound.
-            let d = unsafe { std::slice::from_raw_parts_mut(dst, len) };
-            // SAFETY: `src` valid for `len`; its concurrent writers are atomic.
-            unsafe { load(src, d, true) };
-        }
-        (false, true) => {
-            // SAFETY: `src` is not racy, so nobody writes it while this shared slice lives.
-            let s = unsafe { std::slice::from_raw_parts(src, len) };
-            // SAFETY: `dst` valid for `len`; its concurrent users are atomic.
-            unsafe { store(dst, s, true) };
-        }
-        (true, true) => {
-            let mut bounce = [0u8; 4096];
-            let mut done = 0;
-            while done < len {
-                let n = (len - done).min(bounce.len());
-                // SAFETY: sub-ranges of the caller's valid ranges; the bounce buffer is a local.
-                unsafe {
-                    load(src.add(done), &mut bounce[..n], true);
-                    store(dst.add(done), &bounce[..n], true);
-                }
-                done += n;
-            }
-        }
     }
 }
 

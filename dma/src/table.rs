@@ -10,6 +10,8 @@ pub(crate) struct Entry {
     pub(crate) start: usize,
     pub(crate) end: usize,
     pub(crate) kind: LeaseKind,
+    /// A borrow that hands out references to the bytes.
+    pub(crate) refs: bool,
 }
 
 impl Entry {
@@ -30,6 +32,12 @@ impl Entry {
 pub(crate) struct Table {
     entries: Vec<Entry>,
     shared: usize,
+    /// Long accesses in progress that found no racy lease over their range and so copy without atomics, by
+    /// token: a trusted key, the one lease that may come over held ones, waits until none overlaps it.
+    plain: Vec<(u64, Range<usize>)>,
+    next_plain: u64,
+    /// Threads waiting for a plain access to end.
+    pub(crate) waiting: usize,
 }
 
 impl Table {
@@ -51,15 +59,37 @@ impl Table {
     }
 
     /// Removes lease `id`, looking from the most recent.
-    pub(crate) fn remove(&mut self, id: u64) {
-        if let Some(i) = self.entries.iter().rposition(|e| e.id == id) {
-            let e = self.entries.swap_remove(i);
-            self.shared -= usize::from(e.kind.shared());
-        }
+    pub(crate) fn remove(&mut self, id: u64) -> Option<Entry> {
+        let i = self.entries.iter().rposition(|e| e.id == id)?;
+        let e = self.entries.swap_remove(i);
+        self.shared -= usize::from(e.kind.shared());
+        Some(e)
     }
 
     /// Whether a lease of a racy kind overlaps `range`.
     pub(crate) fn racy(&self, range: &Range<usize>) -> bool {
         self.shared > 0 && self.overlapping(range).any(|e| e.kind.shared())
+    }
+
+    /// Records a plain access of `range` in progress; the token ends it.
+    pub(crate) fn begin_plain(&mut self, range: Range<usize>) -> u64 {
+        self.next_plain += 1;
+        self.plain.push((self.next_plain, range));
+        self.next_plain
+    }
+
+    /// Ends the plain access `token`. Returns whether anybody waits for one to end.
+    pub(crate) fn end_plain(&mut self, token: u64) -> bool {
+        if let Some(i) = self.plain.iter().position(|(t, _)| *t == token) {
+            self.plain.swap_remove(i);
+        }
+        self.waiting > 0
+    }
+
+    /// Whether a plain access in progress overlaps `range`.
+    pub(crate) fn plain_overlaps(&self, range: &Range<usize>) -> bool {
+        self.plain
+            .iter()
+            .any(|(_, r)| r.start < range.end && range.start < r.end)
     }
 }

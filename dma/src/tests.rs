@@ -146,6 +146,70 @@ fn a_trusted_key_goes_over_every_lease_and_leaves_the_cpu_only_copies() {
 }
 
 #[test]
+fn a_trusted_key_is_refused_beside_a_borrow_of_the_bytes() {
+    // A reference to the bytes must not see a peer's writes: the key is refused while one lives, as a borrow is
+    // refused while a key is held, and goes over the range once the borrow ended.
+    let b = DmaBuf::new(100);
+    let refused = b.with_slice(10..20, |_| b.lease(0..100, LeaseKind::TrustedKey).err());
+    assert!(
+        matches!(refused, Ok(Some(DmaError::Busy { .. }))),
+        "{refused:?}"
+    );
+    let refused = b.with_slice_mut(10..20, |_| b.lease(0..100, LeaseKind::TrustedKey).err());
+    assert!(
+        matches!(refused, Ok(Some(DmaError::Busy { .. }))),
+        "{refused:?}"
+    );
+    // A CPU lease that only copies through itself is no borrow of references.
+    let cpu = b.lease(10..20, LeaseKind::CpuRead).unwrap();
+    let key = b.lease(0..100, LeaseKind::TrustedKey).unwrap();
+    drop((cpu, key));
+    // A borrow split in two stays a borrow.
+    let (first, _second) = b
+        .lease_for(0..20, LeaseKind::CpuRead, Some(CpuMode::Refs))
+        .unwrap()
+        .split_at(10);
+    assert!(b.lease(0..100, LeaseKind::TrustedKey).is_err());
+    drop(first);
+}
+
+#[test]
+fn a_trusted_key_waits_for_a_plain_copy_in_progress() {
+    // A long copy that found no racy lease copies without atomics; a trusted key taken meanwhile would let a peer
+    // write the bytes under it. The key waits for the copy to end, and copies after it are atomic.
+    let b = DmaBuf::new(64 << 10);
+    let range = 0..64 << 10;
+    let (taken, key_taken) = std::sync::mpsc::channel();
+    let taker = b.accessing(&range, false, |racy| {
+        assert!(!racy, "nothing racy overlaps the copy");
+        let b = Arc::clone(&b);
+        let taker = std::thread::spawn(move || {
+            let key = b.lease(0..64 << 10, LeaseKind::TrustedKey).unwrap();
+            taken.send(()).unwrap();
+            key
+        });
+        assert!(
+            key_taken
+                .recv_timeout(std::time::Duration::from_millis(200))
+                .is_err(),
+            "a trusted key was taken during a plain copy"
+        );
+        taker
+    });
+    key_taken
+        .recv_timeout(std::time::Duration::from_secs(10))
+        .expect("the key is taken once the copy ended");
+    let _key = taker.join().unwrap();
+    assert!(
+        b.accessing(&range, false, |racy| racy),
+        "copies under the key are atomic"
+    );
+    // A short access runs under the table's lock: no key can come meanwhile, and none is recorded.
+    assert!(b.accessing(&(0..100), false, |racy| racy));
+    assert!(!b.table().plain_overlaps(&range));
+}
+
+#[test]
 fn device_write_excludes_everything_overlapping() {
     let b = DmaBuf::new(100);
     let _w = b.lease(10..20, LeaseKind::DeviceWrite).unwrap();

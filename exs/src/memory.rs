@@ -177,7 +177,10 @@ impl MemoryRegion {
         Ok(self.inner.buf.write_at(offset, src)?)
     }
 
-    /// Borrows a range for reading, without copying.
+    /// Borrows a range for reading, without copying. Refused while a device may write the range, and while the
+    /// trusted-peers exposure policy has a key over the region (a peer may write any byte then: copy with
+    /// [`MemoryRegion::read`]); while the borrow lives, an operation under that policy that would make the
+    /// region's first key for its connection fails as busy.
     pub fn with_slice<R>(
         &self,
         range: Range<usize>,
@@ -186,7 +189,8 @@ impl MemoryRegion {
         Ok(self.inner.buf.with_slice(range, f)?)
     }
 
-    /// Borrows a range for writing, without copying.
+    /// Borrows a range for writing, without copying. Refused while a device uses the range, and under a
+    /// trusted-peers key as [`MemoryRegion::with_slice`] is.
     pub fn with_slice_mut<R>(
         &self,
         range: Range<usize>,

@@ -1,27 +1,15 @@
 //! How the bytes are touched: whether an access must be atomic, kept so while it runs, and the copies
 //! themselves.
 
+use crate::{DmaBuf, COPY_UNDER_LOCK};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::MutexGuard;
-
-use crate::table::Table;
-use crate::{DmaBuf, COPY_UNDER_LOCK};
 
 impl DmaBuf {
-    /// Ends the plain access `plain` (if any) and wakes whoever waits for one to end.
-    pub(crate) fn ended(&self, mut table: MutexGuard<'_, Table>, plain: Option<u64>) {
-        if let Some(token) = plain {
-            if table.end_plain(token) {
-                self.plain_ended.notify_all();
-            }
-        }
-    }
-
     /// Runs the access `f` to `range` through a lease already held, telling it whether it must be atomic: its
     /// lease is `shared`, or a racy lease overlaps it. Whether it must stays true while it runs: a short access
     /// runs under the table's lock, where no lease can be taken; a longer one is recorded as plain while it runs,
-    /// and a trusted key, the only lease that could come over it, waits for it to end.
+    /// and a trusted key, the only lease that could write over it, waits for it to end.
     pub(crate) fn accessing<R>(
         &self,
         range: &Range<usize>,
@@ -36,11 +24,13 @@ impl DmaBuf {
         if racy || range.len() <= COPY_UNDER_LOCK {
             return f(racy);
         }
-        let token = table.begin_plain(range.clone());
+        let _done = Plain {
+            buf: self,
+            token: Some(table.begin_plain(range.clone())),
+            lease: None,
+        };
         drop(table);
-        let r = f(false);
-        self.ended(self.table(), Some(token));
-        r
+        f(false)
     }
 
     /// Like [`DmaBuf::accessing`], but never holding the table's lock, for an access that takes another buffer's
@@ -49,6 +39,7 @@ impl DmaBuf {
         let mut plain = Plain {
             buf: self,
             token: None,
+            lease: None,
         };
         if shared {
             return (true, plain);
@@ -62,16 +53,28 @@ impl DmaBuf {
     }
 }
 
-/// A plain access in progress ([`DmaBuf::access`]), ended when dropped.
+/// An access in progress: its plain record (if it copies without atomics) and the lease of a copy (if it took
+/// one), ended and given back when dropped (also if the access panicked: a plain record left behind would hold a
+/// trusted key off for ever). Wakes the keys waiting for a plain access to end.
 pub(crate) struct Plain<'a> {
     pub(crate) buf: &'a DmaBuf,
     pub(crate) token: Option<u64>,
+    pub(crate) lease: Option<u64>,
 }
 
 impl Drop for Plain<'_> {
     fn drop(&mut self) {
-        if self.token.is_some() {
-            self.buf.ended(self.buf.table(), self.token);
+        if self.token.is_none() && self.lease.is_none() {
+            return;
+        }
+        let mut table = self.buf.table();
+        if let Some(id) = self.lease {
+            table.remove(id);
+        }
+        if let Some(token) = self.token {
+            if table.end_plain(token) {
+                self.buf.plain_ended.notify_all();
+            }
         }
     }
 }

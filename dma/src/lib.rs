@@ -386,14 +386,17 @@ impl DmaBuf {
         let mut table = self.table();
         if kind == LeaseKind::TrustedKey {
             // A copy that found no racy lease stores and loads without atomics: the key, which would let a peer
-            // write the bytes meanwhile, waits for it (copies do nothing else, so the wait is a copy's length).
-            while table.plain_overlaps(&range) {
-                table.waiting += 1;
-                table = self
-                    .plain_ended
-                    .wait(table)
-                    .unwrap_or_else(|p| p.into_inner());
-                table.waiting -= 1;
+            // write the bytes meanwhile, waits for it. Copies do nothing else, and those that begin meanwhile are
+            // atomic (`Table::racy`), so the wait is at most the longest copy in progress.
+            if table.plain_overlaps(&range) {
+                let token = table.begin_wait(range.clone());
+                while table.plain_overlaps(&range) {
+                    table = self
+                        .plain_ended
+                        .wait(table)
+                        .unwrap_or_else(|p| p.into_inner());
+                }
+                table.end_wait(token);
             }
         }
         Self::acquire_in(&mut table, range, kind, mode)
@@ -461,13 +464,14 @@ impl DmaBuf {
         }
         let id = Self::acquire_in(&mut table, range.clone(), kind, Some(CpuMode::Copy))?;
         let racy = table.racy(&range);
-        let plain = (!racy).then(|| table.begin_plain(range));
+        // Gives the copy's lease back and ends its plain record when the copy is over.
+        let _done = Plain {
+            buf: self,
+            token: (!racy).then(|| table.begin_plain(range)),
+            lease: Some(id),
+        };
         drop(table);
-        let r = f(racy);
-        let mut table = self.table();
-        table.remove(id);
-        self.ended(table, plain);
-        Ok(r)
+        Ok(f(racy))
     }
 
     fn release(&self, id: u64) {
@@ -795,8 +799,9 @@ impl Lease {
             self.kind,
             LeaseKind::CpuRead | LeaseKind::CpuWrite
         ));
-        // SAFETY: a CPU borrow lease excludes every writer (including racy shared ones: `compatible` refuses a
-        // borrow next to them), so the bytes do not change while the reference lives; in bounds by construction.
+        // SAFETY: a borrow lease that hands out references (`CpuMode::Refs`: `with_slice`, the only caller)
+        // excludes every writer (including racy shared ones and a trusted key: `compatible` refuses either beside
+        // it), so the bytes do not change while the reference lives; in bounds by construction.
         unsafe { std::slice::from_raw_parts(self.buf.ptr.as_ptr().add(self.start), self.len()) }
     }
 

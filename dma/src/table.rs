@@ -35,9 +35,10 @@ pub(crate) struct Table {
     /// Long accesses in progress that found no racy lease over their range and so copy without atomics, by
     /// token: a trusted key, the one lease that may come over held ones, waits until none overlaps it.
     plain: Vec<(u64, Range<usize>)>,
-    next_plain: u64,
-    /// Threads waiting for a plain access to end.
-    pub(crate) waiting: usize,
+    /// The ranges of trusted keys waiting for plain accesses to end, by token: accesses that begin meanwhile
+    /// are atomic, so that the wait ends.
+    waiting: Vec<(u64, Range<usize>)>,
+    next_token: u64,
 }
 
 impl Table {
@@ -66,30 +67,51 @@ impl Table {
         Some(e)
     }
 
-    /// Whether a lease of a racy kind overlaps `range`.
+    /// Whether an access of `range` must be atomic: a lease of a racy kind overlaps it, or a trusted key that
+    /// would waits.
     pub(crate) fn racy(&self, range: &Range<usize>) -> bool {
-        self.shared > 0 && self.overlapping(range).any(|e| e.kind.shared())
+        (self.shared > 0 && self.overlapping(range).any(|e| e.kind.shared()))
+            || overlap(&self.waiting, range)
     }
 
     /// Records a plain access of `range` in progress; the token ends it.
     pub(crate) fn begin_plain(&mut self, range: Range<usize>) -> u64 {
-        self.next_plain += 1;
-        self.plain.push((self.next_plain, range));
-        self.next_plain
+        self.next_token += 1;
+        self.plain.push((self.next_token, range));
+        self.next_token
     }
 
-    /// Ends the plain access `token`. Returns whether anybody waits for one to end.
+    /// Ends the plain access `token`. Returns whether a trusted key waits for one to end.
     pub(crate) fn end_plain(&mut self, token: u64) -> bool {
-        if let Some(i) = self.plain.iter().position(|(t, _)| *t == token) {
-            self.plain.swap_remove(i);
-        }
-        self.waiting > 0
+        take(&mut self.plain, token);
+        !self.waiting.is_empty()
     }
 
     /// Whether a plain access in progress overlaps `range`.
     pub(crate) fn plain_overlaps(&self, range: &Range<usize>) -> bool {
-        self.plain
-            .iter()
-            .any(|(_, r)| r.start < range.end && range.start < r.end)
+        overlap(&self.plain, range)
+    }
+
+    /// Records a trusted key over `range` waiting for plain accesses to end; the token ends the wait.
+    pub(crate) fn begin_wait(&mut self, range: Range<usize>) -> u64 {
+        self.next_token += 1;
+        self.waiting.push((self.next_token, range));
+        self.next_token
+    }
+
+    pub(crate) fn end_wait(&mut self, token: u64) {
+        take(&mut self.waiting, token);
+    }
+}
+
+fn overlap(ranges: &[(u64, Range<usize>)], range: &Range<usize>) -> bool {
+    ranges
+        .iter()
+        .any(|(_, r)| r.start < range.end && range.start < r.end)
+}
+
+fn take(ranges: &mut Vec<(u64, Range<usize>)>, token: u64) {
+    if let Some(i) = ranges.iter().position(|(t, _)| *t == token) {
+        ranges.swap_remove(i);
     }
 }

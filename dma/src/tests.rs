@@ -182,9 +182,9 @@ fn a_trusted_key_waits_for_a_plain_copy_in_progress() {
     let (taken, key_taken) = std::sync::mpsc::channel();
     let taker = b.accessing(&range, false, |racy| {
         assert!(!racy, "nothing racy overlaps the copy");
-        let b = Arc::clone(&b);
+        let theirs = Arc::clone(&b);
         let taker = std::thread::spawn(move || {
-            let key = b.lease(0..64 << 10, LeaseKind::TrustedKey).unwrap();
+            let key = theirs.lease(0..64 << 10, LeaseKind::TrustedKey).unwrap();
             taken.send(()).unwrap();
             key
         });
@@ -194,6 +194,8 @@ fn a_trusted_key_waits_for_a_plain_copy_in_progress() {
                 .is_err(),
             "a trusted key was taken during a plain copy"
         );
+        // While the key waits, accesses that begin are atomic, so that the wait ends.
+        assert!(b.accessing(&(0..64 << 10), false, |racy| racy));
         taker
     });
     key_taken
@@ -204,9 +206,97 @@ fn a_trusted_key_waits_for_a_plain_copy_in_progress() {
         b.accessing(&range, false, |racy| racy),
         "copies under the key are atomic"
     );
-    // A short access runs under the table's lock: no key can come meanwhile, and none is recorded.
-    assert!(b.accessing(&(0..100), false, |racy| racy));
     assert!(!b.table().plain_overlaps(&range));
+}
+
+#[test]
+fn a_short_access_runs_under_the_table_s_lock_and_is_not_recorded() {
+    let b = DmaBuf::new(64 << 10);
+    b.accessing(&(0..COPY_UNDER_LOCK), false, |racy| {
+        assert!(!racy);
+        assert!(
+            b.leases.try_lock().is_err(),
+            "the table's lock is held: no key can come"
+        );
+    });
+    assert!(!b.table().plain_overlaps(&(0..64 << 10)));
+}
+
+/// Runs `op` again and again in a thread until a plain access shows over `range` of every buffer of `bufs`
+/// (each at least once), or for ten seconds; returns whether all did.
+fn shows_plain(bufs: &[&Arc<DmaBuf>], range: Range<usize>, op: impl Fn() + Send + 'static) -> bool {
+    use std::sync::atomic::AtomicBool;
+    let stop = Arc::new(AtomicBool::new(false));
+    let running = {
+        let stop = Arc::clone(&stop);
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                op();
+            }
+        })
+    };
+    let mut seen = vec![false; bufs.len()];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !seen.iter().all(|s| *s) && std::time::Instant::now() < deadline {
+        for (s, b) in seen.iter_mut().zip(bufs) {
+            *s |= b.table().plain_overlaps(&range);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    running.join().unwrap();
+    seen.iter().all(|s| *s)
+}
+
+#[test]
+fn every_long_access_without_atomics_is_recorded_while_it_runs() {
+    // What a trusted key waits for: each way of touching more than a short copy's bytes records itself.
+    const N: usize = 16 << 20;
+    let a = DmaBuf::new(N);
+    let b = DmaBuf::new(N);
+    let whole = 0..N;
+    let (a2, b2) = (Arc::clone(&a), Arc::clone(&b));
+    assert!(
+        shows_plain(&[&a], whole.clone(), move || {
+            let mut out = vec![0u8; N];
+            a2.read_at(0, &mut out).unwrap();
+        }),
+        "read_at"
+    );
+    let a2 = Arc::clone(&a);
+    assert!(
+        shows_plain(&[&a], whole.clone(), move || {
+            a2.write_at(0, &vec![1u8; N]).unwrap();
+        }),
+        "write_at"
+    );
+    let a2 = Arc::clone(&a);
+    let dst = std::sync::Mutex::new(b2.lease(0..N, LeaseKind::DeviceWrite).unwrap());
+    assert!(
+        shows_plain(&[&a, &b], whole.clone(), move || {
+            a2.copy_into(0, &mut dst.lock().unwrap(), 0, N).unwrap();
+        }),
+        "copy_into, both sides"
+    );
+    let src = a.lease(0..N, LeaseKind::DeviceRead).unwrap();
+    let dst = std::sync::Mutex::new(b.lease(0..N, LeaseKind::DeviceWrite).unwrap());
+    assert!(
+        shows_plain(&[&a, &b], whole.clone(), move || {
+            src.copy_to(0, &mut dst.lock().unwrap(), 0, N).unwrap();
+        }),
+        "copy_to, both sides"
+    );
+    let dst = std::sync::Mutex::new(b.lease(0..N, LeaseKind::DeviceWrite).unwrap());
+    assert!(
+        shows_plain(&[&b], whole.clone(), move || {
+            let mut d = dst.lock().unwrap();
+            d.write(0, &vec![2u8; N]).unwrap();
+            let mut out = vec![0u8; N];
+            d.read(0, &mut out).unwrap();
+        }),
+        "a lease's read and write"
+    );
+    assert!(!a.table().plain_overlaps(&whole) && !b.table().plain_overlaps(&whole));
+    assert_eq!((a.lease_count(), b.lease_count()), (0, 0));
 }
 
 #[test]

@@ -180,7 +180,7 @@ impl MemoryRegion {
     /// Borrows a range for reading, without copying. Refused while a device may write the range, and while the
     /// trusted-peers exposure policy has a key over the region (a peer may write any byte then: copy with
     /// [`MemoryRegion::read`]); while the borrow lives, an operation under that policy that would make the
-    /// region's first key for its connection fails as busy.
+    /// region's first key for its connection fails, saying the range is in use.
     pub fn with_slice<R>(
         &self,
         range: Range<usize>,

@@ -544,10 +544,13 @@ impl DmaBuf {
     ) -> Result<(), DmaError> {
         dst.may_write()?;
         let d = dst.check(dst_offset, len)?;
+        let range = offset..offset.saturating_add(len);
+        if len <= COPY_UNDER_LOCK {
+            return self.copy_short_into(range, dst, dst_offset, d);
+        }
         // Without holding the destination's table while `copying` holds this buffer's: `dst` may be on this
         // buffer, or another copy may go the other way.
         let (dst_racy, _plain) = dst.access(dst_offset, len);
-        let range = offset..offset.saturating_add(len);
         self.copying(range, LeaseKind::CpuRead, |racy| {
             // SAFETY: the source range is in bounds (`copying`) and, while this runs, no lease that lets anything
             // write it is held but shared device leases, whose accesses are atomic (`racy`); the destination is
@@ -556,6 +559,45 @@ impl DmaBuf {
             // atomic.
             unsafe { copy(self.ptr.as_ptr().add(offset), d, len, racy, dst_racy) }
         })
+    }
+
+    /// [`DmaBuf::copy_into`] of a short copy (`range` of this buffer into `dst` at `dst_offset`, whose address
+    /// is `d`), under both tables' locks, where no lease can be taken on either range meanwhile. The locks are
+    /// taken in the order of the buffers' addresses (one, if `dst` is on this buffer), so that copies going both
+    /// ways cannot deadlock; nothing else holds two.
+    fn copy_short_into(
+        &self,
+        range: Range<usize>,
+        dst: &Lease,
+        dst_offset: usize,
+        d: *mut u8,
+    ) -> Result<(), DmaError> {
+        self.check_range(&range)?;
+        let theirs_range = dst.start + dst_offset..dst.start + dst_offset + range.len();
+        let (mine, theirs) = if std::ptr::eq(self, Arc::as_ptr(&dst.buf)) {
+            (self.table(), None)
+        } else if (self as *const Self) < Arc::as_ptr(&dst.buf) {
+            let mine = self.table();
+            (mine, Some(dst.buf.table()))
+        } else {
+            let theirs = dst.buf.table();
+            (self.table(), Some(theirs))
+        };
+        Self::check_free(&mine, &range, LeaseKind::CpuRead, Some(CpuMode::Copy))?;
+        let racy = mine.racy(&range);
+        let dst_racy = dst.kind.shared() || theirs.as_ref().unwrap_or(&mine).racy(&theirs_range);
+        // SAFETY: as in `copy_into`; both tables' locks are held, so neither side's racy-or-not can change while
+        // this runs (no lease can be taken).
+        unsafe {
+            copy(
+                self.ptr.as_ptr().add(range.start),
+                d,
+                range.len(),
+                racy,
+                dst_racy,
+            )
+        };
+        Ok(())
     }
 
     /// Borrows a range for reading. Refused while a device may write it.

@@ -605,3 +605,25 @@ fn copy_into_a_lease_on_the_same_buffer_does_not_deadlock() {
         assert!(out.iter().all(|&x| x == 3), "{len}");
     }
 }
+
+#[test]
+fn copies_going_both_ways_between_two_buffers_do_not_deadlock() {
+    // A short copy holds both buffers' tables: taken in one order whichever way it goes.
+    let a = DmaBuf::new(2 * COPY_UNDER_LOCK);
+    let b = DmaBuf::new(2 * COPY_UNDER_LOCK);
+    let way = |from: &Arc<DmaBuf>, to: &Arc<DmaBuf>| {
+        let from = Arc::clone(from);
+        let mut dst = to
+            .lease(COPY_UNDER_LOCK..2 * COPY_UNDER_LOCK, LeaseKind::DeviceWrite)
+            .unwrap();
+        std::thread::spawn(move || {
+            for i in 0..20_000 {
+                let len = if i % 2 == 0 { 64 } else { COPY_UNDER_LOCK };
+                from.copy_into(0, &mut dst, 0, len).unwrap();
+            }
+        })
+    };
+    let (one, other) = (way(&a, &b), way(&b, &a));
+    one.join().unwrap();
+    other.join().unwrap();
+}

@@ -9,8 +9,9 @@
 //!    write a range that Rust code is reading or writing.
 //!
 //! This crate encodes both. A [`DmaBuf`] is a fixed, page-aligned allocation that never moves. Every use of a
-//! range (by a device or by the CPU) holds a [`Lease`] on it, except a short copy, which holds the buffer's lease
-//! table for its time instead (no lease can be taken meanwhile). A lease holds an `Arc` of its buffer, so the
+//! range (by a device or by the CPU) holds a [`Lease`] on it, except a short copy, which holds the lease table of
+//! its buffer (of both buffers, for a copy from one into a lease on another) for its time instead (no lease can be
+//! taken meanwhile). A lease holds an `Arc` of its buffer, so the
 //! memory lives as long as any lease does (rule 1), and the buffer's lease table refuses a lease (or a copy) that
 //! conflicts with one already held (rule 2). A work request *owns* the leases of the memory it names, and a
 //! transport drops them only when the hardware is done with it (completion or flush). Remote exposure (a remote
@@ -548,8 +549,8 @@ impl DmaBuf {
         if len <= COPY_UNDER_LOCK {
             return self.copy_short_into(range, dst, dst_offset, d);
         }
-        // Without holding the destination's table while `copying` holds this buffer's: `dst` may be on this
-        // buffer, or another copy may go the other way.
+        // A long copy holds no table while it copies: the destination's access is recorded (its table is not
+        // held while `copying` holds this buffer's: `dst` may be on this buffer).
         let (dst_racy, _plain) = dst.access(dst_offset, len);
         self.copying(range, LeaseKind::CpuRead, |racy| {
             // SAFETY: the source range is in bounds (`copying`) and, while this runs, no lease that lets anything
@@ -563,8 +564,8 @@ impl DmaBuf {
 
     /// [`DmaBuf::copy_into`] of a short copy (`range` of this buffer into `dst` at `dst_offset`, whose address
     /// is `d`), under both tables' locks, where no lease can be taken on either range meanwhile. The locks are
-    /// taken in the order of the buffers' addresses (one, if `dst` is on this buffer), so that copies going both
-    /// ways cannot deadlock; nothing else holds two.
+    /// taken in the order of the `DmaBuf`s' own addresses (one, if `dst` is on this buffer), so that copies going
+    /// both ways cannot deadlock; nothing else holds two tables' locks.
     fn copy_short_into(
         &self,
         range: Range<usize>,
@@ -586,8 +587,12 @@ impl DmaBuf {
         Self::check_free(&mine, &range, LeaseKind::CpuRead, Some(CpuMode::Copy))?;
         let racy = mine.racy(&range);
         let dst_racy = dst.kind.shared() || theirs.as_ref().unwrap_or(&mine).racy(&theirs_range);
-        // SAFETY: as in `copy_into`; both tables' locks are held, so neither side's racy-or-not can change while
-        // this runs (no lease can be taken).
+        // SAFETY: both ranges are in bounds (`check_range`, and `dst.check` in `copy_into`); the source has no
+        // lease that lets anything write it but shared ones (`check_free`; accessed atomically if `racy`), and the
+        // destination is leased for writing by `dst`. They do not overlap: `check_free` refuses a CPU read next
+        // to an exclusive write of the same bytes (on one buffer, `mine` holds `dst`'s own entry), and a shared
+        // destination is atomic on both sides. Both tables' locks are held, so neither side's racy-or-not can
+        // change while this runs (no lease can be taken or given back).
         unsafe {
             copy(
                 self.ptr.as_ptr().add(range.start),

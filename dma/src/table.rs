@@ -67,8 +67,8 @@ impl Table {
         Some(e)
     }
 
-    /// Whether an access of `range` must be atomic: a lease of a racy kind overlaps it, or a trusted key that
-    /// would waits.
+    /// Whether an access of `range` must be atomic: a lease of a racy kind overlaps it, or a trusted key waits to
+    /// come over it.
     pub(crate) fn racy(&self, range: &Range<usize>) -> bool {
         (self.shared > 0 && self.overlapping(range).any(|e| e.kind.shared()))
             || overlap(&self.waiting, range)
@@ -101,6 +101,12 @@ impl Table {
 
     pub(crate) fn end_wait(&mut self, token: u64) {
         take(&mut self.waiting, token);
+    }
+
+    /// Whether a trusted key waits for a plain access to end.
+    #[cfg(test)]
+    pub(crate) fn key_waits(&self) -> bool {
+        !self.waiting.is_empty()
     }
 }
 

@@ -118,7 +118,7 @@ fn foreign_memory_is_leased_in_place_and_left_to_its_owner() {
 }
 
 #[test]
-fn a_trusted_key_goes_over_every_lease_and_leaves_the_cpu_only_copies() {
+fn a_trusted_key_goes_over_leases_held_and_leaves_the_cpu_only_copies() {
     let b = DmaBuf::new(100);
     let _borrow = b.lease(0..10, LeaseKind::CpuRead).unwrap();
     let _recv = b.lease(10..20, LeaseKind::DeviceWrite).unwrap();
@@ -188,9 +188,15 @@ fn a_trusted_key_waits_for_a_plain_copy_in_progress() {
             taken.send(()).unwrap();
             key
         });
+        // The key comes to wait (ten seconds at most for its thread to get there), and is not taken.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !b.table().key_waits() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        assert!(b.table().key_waits(), "the key never came to wait");
         assert!(
             key_taken
-                .recv_timeout(std::time::Duration::from_millis(200))
+                .recv_timeout(std::time::Duration::from_millis(50))
                 .is_err(),
             "a trusted key was taken during a plain copy"
         );
@@ -608,8 +614,8 @@ fn copy_into_a_lease_on_the_same_buffer_does_not_deadlock() {
 
 #[test]
 fn copies_going_both_ways_between_two_buffers_do_not_deadlock() {
-    // A short copy holds both buffers' tables: taken in one order whichever way it goes. Two threads copy each
-    // way 20,000 times; a deadlock fails the case after 60 s instead of hanging it.
+    // A short copy (`copy_into`, `Lease::copy_to`) holds both buffers' tables: taken in one order whichever way it
+    // goes. Two threads copy each way 20,000 times; a deadlock fails the case after 60 s instead of hanging it.
     let a = DmaBuf::new(2 * COPY_UNDER_LOCK);
     let b = DmaBuf::new(2 * COPY_UNDER_LOCK);
     a.write_at(0, &[7u8; COPY_UNDER_LOCK]).unwrap();
@@ -621,9 +627,16 @@ fn copies_going_both_ways_between_two_buffers_do_not_deadlock() {
             .lease(COPY_UNDER_LOCK..2 * COPY_UNDER_LOCK, LeaseKind::DeviceWrite)
             .unwrap();
         std::thread::spawn(move || {
+            let src = from
+                .lease(0..COPY_UNDER_LOCK, LeaseKind::DeviceRead)
+                .unwrap();
             for i in 0..20_000 {
                 let len = if i % 2 == 0 { 64 } else { COPY_UNDER_LOCK };
-                from.copy_into(0, &mut dst, 0, len).unwrap();
+                if i % 4 < 2 {
+                    from.copy_into(0, &mut dst, 0, len).unwrap();
+                } else {
+                    src.copy_to(0, &mut dst, 0, len).unwrap();
+                }
             }
             done.send(()).unwrap();
         })

@@ -111,6 +111,8 @@ impl TrustedKeys {
         let e = match self.keys.entry((ep, buf_key(buf), access)) {
             std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
+                // The key waits for the region's long copies that run without atomics to end (copies that
+                // begin meanwhile are atomic): under the engine's lock, so this context's calls wait as long.
                 let whole = buf
                     .lease(0..buf.len(), LeaseKind::TrustedKey)
                     .map_err(|e| TransportError::Invalid(e.to_string()))?;

@@ -8,33 +8,25 @@ use std::sync::atomic::{AtomicU8, Ordering};
 impl DmaBuf {
     /// Runs the access `f` to `range` through a lease already held, telling it whether it must be atomic: its
     /// lease is `shared`, or a racy lease overlaps it. Whether it must stays true while it runs: a short access
-    /// runs under the table's lock, where no lease can be taken; a longer one is recorded as plain while it runs,
-    /// and a trusted key, the only lease that could write over it, waits for it to end.
+    /// runs under the table's lock, where no lease can be taken; a longer one that must not be atomic is recorded
+    /// as plain while it runs ([`DmaBuf::access`]), and a trusted key, the only lease that could write over it,
+    /// waits for it to end.
     pub(crate) fn accessing<R>(
         &self,
         range: &Range<usize>,
         shared: bool,
         f: impl FnOnce(bool) -> R,
     ) -> R {
-        if shared {
-            return f(true);
+        if !shared && range.len() <= COPY_UNDER_LOCK {
+            return f(self.table().racy(range));
         }
-        let mut table = self.table();
-        let racy = table.racy(range);
-        if racy || range.len() <= COPY_UNDER_LOCK {
-            return f(racy);
-        }
-        let _done = Plain {
-            buf: self,
-            token: Some(table.begin_plain(range.clone())),
-            lease: None,
-        };
-        drop(table);
-        f(false)
+        let (racy, _done) = self.access(range, shared);
+        f(racy)
     }
 
-    /// Like [`DmaBuf::accessing`], but never holding the table's lock, for an access that takes another buffer's
-    /// (or this one's) lock inside: whether it must be atomic, and the guard of its plain record.
+    /// Whether an access to `range` (through a `shared` lease, or not) must be atomic, and the guard of its plain
+    /// record if it need not: the access runs without the table's lock (it may be long, or take another
+    /// buffer's lock).
     pub(crate) fn access(&self, range: &Range<usize>, shared: bool) -> (bool, Plain<'_>) {
         let mut plain = Plain {
             buf: self,

@@ -196,11 +196,13 @@ impl Lease {
         if len <= COPY_UNDER_LOCK {
             // Under both tables' locks (a control message's inline bytes, once per message).
             let src = self.start + offset..self.start + offset + len;
-            let dst_range = dst.start + dst_offset..dst.start + dst_offset + len;
-            let (mine, theirs) = self.buf.both_tables(&dst.buf);
-            let src_racy = self.kind.shared() || mine.racy(&src);
-            let dst_racy = dst.kind.shared() || theirs.as_ref().unwrap_or(&mine).racy(&dst_range);
-            copy_racy(src_racy, dst_racy);
+            self.buf.with_both(
+                &src,
+                self.kind.shared(),
+                dst,
+                dst_offset,
+                |_, src_racy, dst_racy| copy_racy(src_racy, dst_racy),
+            );
             return Ok(());
         }
         let (src_racy, _src) = self.access(offset, len);

@@ -567,14 +567,22 @@ impl DmaBuf {
         })
     }
 
-    /// This buffer's table and `other`'s (`None` if it is this one), locked in the order of the `DmaBuf`s' own
-    /// addresses, so that two short copies going opposite ways between two buffers cannot deadlock: the only
-    /// place that holds two tables' locks ([`DmaBuf::copy_into`], [`Lease::copy_to`] of short copies).
-    pub(crate) fn both_tables<'a>(
-        &'a self,
-        other: &'a DmaBuf,
-    ) -> (MutexGuard<'a, Table>, Option<MutexGuard<'a, Table>>) {
-        if std::ptr::eq(self, other) {
+    /// Runs the short copy `f` from `src` of this buffer (through a `src_shared` lease, or none) into `dst` at
+    /// `dst_offset`, holding this buffer's table and `dst`'s, and tells it (this table, then) whether each side
+    /// must be atomic: the locks hold that true while it runs (no lease can be taken or given back). They are
+    /// taken in the order of the `DmaBuf`s' own addresses (one, if `dst` is on this buffer), so that two copies
+    /// going opposite ways between two buffers cannot deadlock: the only place that holds two tables' locks
+    /// ([`DmaBuf::copy_into`], [`Lease::copy_to`] of short copies).
+    pub(crate) fn with_both<R>(
+        &self,
+        src: &Range<usize>,
+        src_shared: bool,
+        dst: &Lease,
+        dst_offset: usize,
+        f: impl FnOnce(&Table, bool, bool) -> R,
+    ) -> R {
+        let other: &DmaBuf = &dst.buf;
+        let (mine, theirs) = if std::ptr::eq(self, other) {
             (self.table(), None)
         } else if (self as *const Self) < (other as *const Self) {
             let mine = self.table();
@@ -582,11 +590,15 @@ impl DmaBuf {
         } else {
             let theirs = other.table();
             (self.table(), Some(theirs))
-        }
+        };
+        let dst_range = dst.start + dst_offset..dst.start + dst_offset + src.len();
+        let src_racy = src_shared || mine.racy(src);
+        let dst_racy = dst.kind.shared() || theirs.as_ref().unwrap_or(&mine).racy(&dst_range);
+        f(&mine, src_racy, dst_racy)
     }
 
     /// [`DmaBuf::copy_into`] of a short copy (`range` of this buffer into `dst` at `dst_offset`, whose address
-    /// is `d`), under both tables' locks ([`DmaBuf::both_tables`]), where no lease can be taken on either range
+    /// is `d`), under both tables' locks ([`DmaBuf::with_both`]), where no lease can be taken on either range
     /// meanwhile.
     fn copy_short_into(
         &self,
@@ -596,27 +608,24 @@ impl DmaBuf {
         d: *mut u8,
     ) -> Result<(), DmaError> {
         self.check_range(&range)?;
-        let theirs_range = dst.start + dst_offset..dst.start + dst_offset + range.len();
-        let (mine, theirs) = self.both_tables(&dst.buf);
-        Self::check_free(&mine, &range, LeaseKind::CpuRead, Some(CpuMode::Copy))?;
-        let racy = mine.racy(&range);
-        let dst_racy = dst.kind.shared() || theirs.as_ref().unwrap_or(&mine).racy(&theirs_range);
-        // SAFETY: both ranges are in bounds (`check_range`, and `dst.check` in `copy_into`); the source has no
-        // lease that lets anything write it but shared ones (`check_free`; accessed atomically if `racy`), and the
-        // destination is leased for writing by `dst`. They do not overlap: `check_free` refuses a CPU read next
-        // to an exclusive write of the same bytes (on one buffer, `mine` holds `dst`'s own entry), and a shared
-        // destination is atomic on both sides. Both tables' locks are held, so neither side's racy-or-not can
-        // change while this runs (no lease can be taken or given back).
-        unsafe {
-            copy(
-                self.ptr.as_ptr().add(range.start),
-                d,
-                range.len(),
-                racy,
-                dst_racy,
-            )
-        };
-        Ok(())
+        self.with_both(&range, false, dst, dst_offset, |mine, racy, dst_racy| {
+            Self::check_free(mine, &range, LeaseKind::CpuRead, Some(CpuMode::Copy))?;
+            // SAFETY: both ranges are in bounds (`check_range`, and `dst.check` in `copy_into`); the source has
+            // no lease that lets anything write it but shared ones (`check_free`; accessed atomically if `racy`),
+            // and the destination is leased for writing by `dst`. They do not overlap: `check_free` refuses a CPU
+            // read next to an exclusive write of the same bytes (on one buffer, `mine` holds `dst`'s own entry),
+            // and a shared destination is atomic on both sides; `with_both` keeps both sides' racy-or-not true.
+            unsafe {
+                copy(
+                    self.ptr.as_ptr().add(range.start),
+                    d,
+                    range.len(),
+                    racy,
+                    dst_racy,
+                )
+            };
+            Ok(())
+        })
     }
 
     /// Borrows a range for reading. Refused while a device may write it.

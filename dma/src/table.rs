@@ -16,7 +16,7 @@ pub(crate) struct Entry {
 
 impl Entry {
     pub(crate) fn overlaps(&self, range: &Range<usize>) -> bool {
-        self.start < range.end && range.start < self.end
+        overlap(&(self.start..self.end), range)
     }
 }
 
@@ -71,7 +71,7 @@ impl Table {
     /// come over it.
     pub(crate) fn racy(&self, range: &Range<usize>) -> bool {
         (self.shared > 0 && self.overlapping(range).any(|e| e.kind.shared()))
-            || overlap(&self.waiting, range)
+            || any_overlaps(&self.waiting, range)
     }
 
     /// Records a plain access of `range` in progress; the token ends it.
@@ -89,7 +89,7 @@ impl Table {
 
     /// Whether a plain access in progress overlaps `range`.
     pub(crate) fn plain_overlaps(&self, range: &Range<usize>) -> bool {
-        overlap(&self.plain, range)
+        any_overlaps(&self.plain, range)
     }
 
     /// Records a trusted key over `range` waiting for plain accesses to end; the token ends the wait.
@@ -110,10 +110,12 @@ impl Table {
     }
 }
 
-fn overlap(ranges: &[(u64, Range<usize>)], range: &Range<usize>) -> bool {
-    ranges
-        .iter()
-        .any(|(_, r)| r.start < range.end && range.start < r.end)
+fn overlap(a: &Range<usize>, b: &Range<usize>) -> bool {
+    a.start < b.end && b.start < a.end
+}
+
+fn any_overlaps(ranges: &[(u64, Range<usize>)], range: &Range<usize>) -> bool {
+    ranges.iter().any(|(_, r)| overlap(r, range))
 }
 
 fn take(ranges: &mut Vec<(u64, Range<usize>)>, token: u64) {

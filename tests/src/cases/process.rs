@@ -192,13 +192,13 @@ fn killed_peer_on(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<(), String
     let l = Socket::new(&ctx, SockType::SeqPacket).map_err(|e| e.to_string())?;
     l.bind(net.listen_addr(0)).map_err(|e| e.to_string())?;
     let addr = l.listen(4).map_err(|e| e.to_string())?;
+    let w = Ours {
+        b,
+        peer,
+        ctx: &ctx,
+        eq: &eq,
+    };
     for attempt in 1..=KILL_TRIES {
-        let w = Ours {
-            b,
-            peer,
-            ctx: &ctx,
-            eq: &eq,
-        };
         if kill_mid_read(&w, &l, addr, attempt)? {
             break;
         }

@@ -21,8 +21,9 @@ pub struct TestArgs {
     /// alone runs only the stage across two QEMU guests (with `--suite siw` too).
     #[arg(long, value_delimiter = ',')]
     pub backend: Vec<String>,
-    /// `siw`: instead, the conformance suite on soft-iWARP (built for the guest's kernel), in one guest (stock and
-    /// peer-to-peer builds) and across two; `.ci/run` runs it after the default suite.
+    /// `siw`: instead, the iWARP suite: the conformance suite on soft-iWARP (built for the guest's kernel), in one
+    /// guest (stock and peer-to-peer builds) and across two, and on rxe driven the iWARP way; `.ci/run` runs it
+    /// after the default suite.
     #[arg(long)]
     pub suite: Option<String>,
 }
@@ -75,12 +76,16 @@ pub const SMALL_LIMITS: &str =
     "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_INLINE=0 EXS_VERBS_SGE=2 EXS_VERBS_SEND_DEPTH=32 \
                                 EXS_VERBS_READ_DEPTH=1 EXS_VERBS_MAX_MESSAGE=64K";
 
+/// The settings that drive rxe the way an iWARP adapter is driven, through the plain verbs backend:
+/// write-with-immediate forced off (the write + send fallback), memory windows off (a registration per exposure) and
+/// RDMA read sinks registered per read (`verbs:write-imm-emulated,no-windows,read-sinks`, in `--suite siw`).
+pub const IWARP_SHAPED: &str = "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_VERBS_READ_SINKS=1";
+
 /// The shell lines that run the RDMA part of the conformance suite: every test on the Soft-RoCE device at the
-/// near end of the veth link (so the two-host test reaches the far end; memory windows), then again on the same
-/// device through the plain verbs backend the way an iWARP adapter is driven: write-with-immediate forced off (the
-/// write + send fallback), memory windows off (a registration per exposure) and RDMA read sinks registered per
-/// read; the transfers of every size and the who-sends-first cases under [`SMALL_LIMITS`]; and the two-host test
-/// of the libfabric backend across the same link (the host has no second host to offer it).
+/// near end of the veth link (so the two-host test reaches the far end; memory windows); the transfers of every
+/// size and the who-sends-first cases under [`SMALL_LIMITS`]; and the two-host test of the libfabric backend across
+/// the same link (the host has no second host to offer it). The same device driven the way an iWARP adapter is
+/// ([`IWARP_SHAPED`]) runs in `--suite siw`, beside the real iWARP device.
 fn rdma_script(xtask: &Path, exe: &Path) -> String {
     let (_, _, near) = rxe::NEAR;
     let (_, _, far) = rxe::FAR;
@@ -91,8 +96,6 @@ fn rdma_script(xtask: &Path, exe: &Path) -> String {
 {xtask} rxe up --link || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}
 {SECTION}section softroce
 env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce::
-section verbs:write-imm-emulated,no-windows,read-sinks
-env EXS_VERBS_ADDR={near} EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_VERBS_READ_SINKS=1 {peer} {exe} verbs::
 section verbs:small-limits
 env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::seqpacket_sizes_1b_to_16mib --exact
 env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::stream_sizes_1b_to_16mib --exact
@@ -189,26 +192,29 @@ pub fn run(args: TestArgs) -> Result<()> {
     let mut out = Outcome::default();
     let only_conformance = !args.backend.is_empty();
     let wanted = |b: &str| !only_conformance || args.backend.iter().any(|x| x == b);
-    sys::run(sys::cargo().args([
-        "build",
-        "--workspace",
-        "--all-targets",
-        "--features",
-        ALL_FEATURES,
-    ]))?;
+    out.timed("build", |_| {
+        sys::run(sys::cargo().args([
+            "build",
+            "--workspace",
+            "--all-targets",
+            "--features",
+            ALL_FEATURES,
+        ]))
+    })?;
     if !only_conformance {
         checks(&mut out);
         workspace_tests(&mut out)?;
         users_stages(&mut out);
     }
     let exe = conformance_exe()?;
-    host_conformance(&exe, &wanted, &mut out)?;
+    out.timed("host conformance", |o| host_conformance(&exe, &wanted, o))?;
     if only_conformance && args.backend.iter().all(|b| b == "two-guests") {
         // Only the two-guest stage (`--backend two-guests`).
         two_guests(&exe, &mut out);
     } else if wanted("softroce") || wanted("verbs") {
         rdma_stages(&exe, &mut out);
     }
+    out.summary.push(out.times_line());
     finish("cargo xtask test", &out.summary, &out.failures)
 }
 
@@ -216,14 +222,38 @@ pub fn run(args: TestArgs) -> Result<()> {
 const ALL_FEATURES: &str =
     "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce,exs/tokio";
 
-/// The run's summary lines and the names of what failed.
+/// The run's summary lines, the names of what failed, and how long each stage took.
 #[derive(Default)]
 struct Outcome {
     summary: Vec<String>,
     failures: Vec<String>,
+    times: Vec<(&'static str, Duration)>,
 }
 
 impl Outcome {
+    /// Runs one stage, timed: where the clean-clone run's fifteen minutes go.
+    fn timed<R>(&mut self, stage: &'static str, f: impl FnOnce(&mut Self) -> R) -> R {
+        let start = std::time::Instant::now();
+        let r = f(self);
+        self.times.push((stage, start.elapsed()));
+        r
+    }
+
+    /// `stage times: build 104 s, clippy 42 s, ...; 1,000 s in all`.
+    fn times_line(&self) -> String {
+        let each: Vec<String> = self
+            .times
+            .iter()
+            .map(|(s, d)| format!("{s} {:.0} s", d.as_secs_f64()))
+            .collect();
+        let all: Duration = self.times.iter().map(|(_, d)| *d).sum();
+        format!(
+            "stage times: {}; {:.0} s in all",
+            each.join(", "),
+            all.as_secs_f64()
+        )
+    }
+
     /// A stage that reports one line: the line when it passed; `what: error` and a failure when it did not.
     fn stage(&mut self, what: &str, failure: &str, r: Result<String>) {
         match r {
@@ -237,8 +267,8 @@ impl Outcome {
     }
 
     /// A test command: its counts, and a failure when it failed or any test did.
-    fn tally(&mut self, what: &str, label: &str, cmd: &mut Command) -> Result<()> {
-        let (c, ok, _) = run_counting(cmd)?;
+    fn tally(&mut self, what: &'static str, label: &str, cmd: &mut Command) -> Result<()> {
+        let (c, ok, _) = self.timed(what, |_| run_counting(cmd))?;
         if !ok || c.failed > 0 {
             self.failures.push(what.to_string());
         }
@@ -266,12 +296,14 @@ fn checks(out: &mut Outcome) {
         "-D",
         "warnings",
     ]);
-    out.stage(
-        "clippy",
-        "clippy",
-        sys::run(&mut clippy)
-            .map(|()| "clippy (all crates and targets, -D warnings): clean".to_string()),
-    );
+    out.timed("clippy", |o| {
+        o.stage(
+            "clippy",
+            "clippy",
+            sys::run(&mut clippy)
+                .map(|()| "clippy (all crates and targets, -D warnings): clean".to_string()),
+        )
+    });
     // Formatting: the tree is as `cargo fmt` leaves it (rustfmt ships with every rustup toolchain).
     out.stage(
         "rustfmt",
@@ -281,17 +313,21 @@ fn checks(out: &mut Outcome) {
     );
     // The public crates' documentation, every feature on: every link resolved, every warning denied (the
     // crates that must document every item say so themselves, `#![deny(missing_docs)]`).
-    out.stage(
-        "cargo doc",
-        "cargo doc",
-        crate::package::doc_command()
-            .and_then(|mut c| sys::run(&mut c))
-            .map(|()| {
-                "cargo doc (every public crate, every feature, -D warnings): clean".to_string()
-            }),
-    );
+    out.timed("cargo doc", |o| {
+        o.stage(
+            "cargo doc",
+            "cargo doc",
+            crate::package::doc_command()
+                .and_then(|mut c| sys::run(&mut c))
+                .map(|()| {
+                    "cargo doc (every public crate, every feature, -D warnings): clean".to_string()
+                }),
+        )
+    });
     // Every public crate packages and builds on its own; rust-version is not newer than this compiler.
-    out.stage("cargo package", "cargo package", crate::package::stage());
+    out.timed("cargo package", |o| {
+        o.stage("cargo package", "cargo package", crate::package::stage())
+    });
 }
 
 /// The workspace's tests, the front page's examples, the long property runs and the fuzz targets.
@@ -347,7 +383,10 @@ fn release_tests(targets: &[&str]) -> Command {
 /// What a user meets: a short soak, a crate outside the workspace, the feature combinations, the C library.
 fn users_stages(out: &mut Outcome) {
     // A short soak on sim and libfabric tcp (`cargo xtask soak` runs long ones).
-    match crate::soak::soak_with(&sys::root().join("target/debug/exs"), 20, 1) {
+    let soak = out.timed("soak", |_| {
+        crate::soak::soak_with(&sys::root().join("target/debug/exs"), 20, 1)
+    });
+    match soak {
         Ok(lines) => out
             .summary
             .extend(lines.into_iter().map(|l| format!("soak: {l}"))),
@@ -357,15 +396,21 @@ fn users_stages(out: &mut Outcome) {
         }
     }
     // Issue 16: a user's crate outside the workspace, depending on exs alone, builds and runs the examples.
-    out.stage("outside crate", "outside crate", crate::outside::run());
+    out.timed("outside crate", |o| {
+        o.stage("outside crate", "outside crate", crate::outside::run())
+    });
     // Issue 29: features are additive; each backend alone and all together, with no EXS_* variable.
-    out.stage(
-        "features",
-        "feature combinations",
-        crate::outside::features::run(),
-    );
+    out.timed("features", |o| {
+        o.stage(
+            "features",
+            "feature combinations",
+            crate::outside::features::run(),
+        )
+    });
     // Issue 30: the C library's layout, the C examples and the C API's tests, on libfabric tcp.
-    crate::capi::host_stage(&mut out.summary, &mut out.failures);
+    out.timed("C API", |o| {
+        crate::capi::host_stage(&mut o.summary, &mut o.failures)
+    });
 }
 
 /// The conformance suite on the host's backends that are wanted.
@@ -395,7 +440,10 @@ fn host_conformance(exe: &Path, wanted: &dyn Fn(&str) -> bool, out: &mut Outcome
 
 /// The RDMA stage (Soft-RoCE in a guest, or natively), then, where it ran in a guest, the stage across two.
 fn rdma_stages(exe: &Path, out: &mut Outcome) {
-    match rdma_conformance(exe, &mut out.summary, &mut out.failures) {
+    let rdma = out.timed("RDMA (one guest)", |o| {
+        rdma_conformance(exe, &mut o.summary, &mut o.failures)
+    });
+    match rdma {
         Err(e) => {
             out.summary.push(format!("conformance on Soft-RoCE: could not run: {e}"));
             out.failures.push("conformance on Soft-RoCE".into());
@@ -413,7 +461,10 @@ fn rdma_stages(exe: &Path, out: &mut Outcome) {
 fn two_guests(exe: &Path, out: &mut Outcome) {
     let tool = sys::root().join("target/debug/exs");
     let dev = vm::GuestDevice::Rxe;
-    if let Err(e) = crate::twohosts::run(exe, &tool, &dev, &mut out.summary, &mut out.failures) {
+    let r = out.timed("two guests", |o| {
+        crate::twohosts::run(exe, &tool, &dev, &mut o.summary, &mut o.failures)
+    });
+    if let Err(e) = r {
         out.summary.push(format!("two guests: could not run: {e}"));
         out.failures.push("two guests".into());
     }

@@ -6,11 +6,13 @@
 //!   the base registration; `softroce:siw-no-read-sinks`);
 //! * with the peer-to-peer build (MPA RTR by a zero-length RDMA read, as iw_cxgb4 connects by default): the
 //!   who-sends-first cases, connecting and accepting, and the two-host transfer (`softroce:siw-p2p-read-rtr`);
+//! * then every case on rxe driven the way an iWARP adapter is (`verbs:write-imm-emulated,no-windows,read-sinks`:
+//!   write-with-immediate emulated, no memory windows, read sinks; [`crate::test::IWARP_SHAPED`]);
 //! * across two guests with siw0 on each (the peer-host cases on verbs, the tools, perftest with rdma_cm).
 //!
 //! It is a suite of its own because the guest's emulated CPU makes siw (iWARP over the kernel's TCP) the slowest
 //! device to test: beside the default suite it would pass the fifteen minutes a clean-clone `cargo xtask test` may
-//! take. `.ci/run` runs both.
+//! take, as the iWARP-shaped rxe run did. `.ci/run` runs both.
 
 use std::path::Path;
 use std::process::Command;
@@ -37,8 +39,8 @@ const NO_SINK_CASES: [&str; 2] = [
 ];
 
 /// The script of the one-guest stage; `load(v)` is the shell that loads build `v` of siw (`None`: this kernel's
-/// own siw, and no peer-to-peer stage).
-fn script(xtask: &Path, exe: &Path, load: impl Fn(Variant) -> Option<String>) -> String {
+/// own siw, and no peer-to-peer stage); `rxe`: then rxe, driven the iWARP way, on the same link.
+fn script(xtask: &Path, exe: &Path, load: impl Fn(Variant) -> Option<String>, rxe: bool) -> String {
     let (_, _, near) = rxe::NEAR;
     let (_, _, far) = rxe::FAR;
     let env = format!(
@@ -74,6 +76,18 @@ fn script(xtask: &Path, exe: &Path, load: impl Fn(Variant) -> Option<String>) ->
             s.push_str(&format!("env {env} {exe} {case}\n"));
         }
     }
+    if rxe {
+        // Every case on rxe through the plain verbs backend as an iWARP adapter is driven: the same code paths as
+        // siw's on a device that could do without them (what differs is siw's own).
+        s.push_str(&format!(
+            "{xtask} rxe down >&2\n\
+             {xtask} rxe up --link >&2 || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}\n\
+             section verbs:write-imm-emulated,no-windows,read-sinks\n\
+             env EXS_VERBS_ADDR={near} {} EXS_PEER_ADDR={far} EXS_PEER_LINK={} {exe} verbs::\n",
+            crate::test::IWARP_SHAPED,
+            rxe::NEAR.1
+        ));
+    }
     s
 }
 
@@ -99,8 +113,14 @@ pub fn run(only_pair: bool) -> Result<()> {
     let native = sys::is_root() && exs_backend_softroce::kernel_supports(Kind::Siw).is_ok();
     let where_ = if native {
         eprintln!("xtask: this kernel has siw: running the suite natively (stock siw only)");
+        let rxe = exs_backend_softroce::kernel_supports(Kind::Rxe).is_ok();
+        if !rxe {
+            summary.push(
+                "SKIPPED verbs:write-imm-emulated,no-windows,read-sinks: this kernel has no rdma_rxe".into(),
+            );
+        }
         let ok = run_sections(
-            Command::new("sh").args(["-c", &script(&xtask, &exe, |_| None)]),
+            Command::new("sh").args(["-c", &script(&xtask, &exe, |_| None, rxe)]),
             &mut sections,
         )?;
         rxe::down();
@@ -118,7 +138,7 @@ pub fn run(only_pair: bool) -> Result<()> {
             t.elapsed()
         ));
         if !only_pair {
-            let body = script(&xtask, &exe, |v| Some(siw::load_lines(&mods.path(v))));
+            let body = script(&xtask, &exe, |v| Some(siw::load_lines(&mods.path(v))), true);
             let t = Instant::now();
             let o = vm.run_streaming(&body, Duration::from_secs(40 * 60), &mut |l, e| {
                 sections.line(l, e)

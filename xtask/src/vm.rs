@@ -221,6 +221,11 @@ echo "exs-vm: done rc=$(cat /newroot$RESULTS/rc)"
 poweroff -f
 "#;
 
+/// How long the KVM probe waits for a guest that runs `true`. A guest under KVM boots this kernel and its initramfs
+/// in a few seconds; where /dev/kvm exists but cannot run it (a nested VM without the CPU's support) the guest prints
+/// nothing and the probe waits all of it, once per clean clone (the answer is kept in `target/vm/accel`).
+const KVM_PROBE: Duration = Duration::from_secs(12);
+
 impl Vm {
     /// Where the guest's kernel, initramfs and out-of-tree modules are cached.
     pub fn dir(&self) -> &Path {
@@ -337,7 +342,7 @@ impl Vm {
         Ok(())
     }
 
-    /// KVM when it actually boots this kernel (probed once, with a short timeout), software emulation otherwise.
+    /// KVM when it actually boots this kernel (probed once, within [`KVM_PROBE`]), software emulation otherwise.
     fn probe_accel(&self) -> Accel {
         if let Ok(v) = std::env::var("EXS_VM_ACCEL") {
             return if v == "kvm" { Accel::Kvm } else { Accel::Tcg };
@@ -359,7 +364,7 @@ impl Vm {
                 kver: self.kver.clone(),
                 accel: Accel::Kvm,
             };
-            match probe.run("true", Duration::from_secs(25)) {
+            match probe.run("true", KVM_PROBE) {
                 Ok(o) if o.rc == Some(0) => accel = Accel::Kvm,
                 _ => eprintln!(
                     "xtask: KVM does not boot the guest here; using software emulation (TCG)"

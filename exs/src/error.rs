@@ -234,8 +234,9 @@ pub enum BufferError {
     /// The region belongs to another context (device) than the socket.
     #[error("the memory region was registered with another context")]
     WrongContext,
-    /// The range is already in use by a pending operation that excludes this one.
-    #[error("the buffer is in use by a pending operation: {0}")]
+    /// The range is already in use in a way that excludes this use: by a pending operation, or by a borrow of
+    /// its bytes (`MemoryRegion::with_slice`) where the operation needs the trusted policy's key over the region.
+    #[error("the buffer is in use: {0}")]
     Busy(DmaError),
     /// The region was deregistered.
     #[error("the memory region has been deregistered")]

@@ -83,6 +83,40 @@ struct Entry {
     base: u64,
 }
 
+/// Why an operation's range was not exposed.
+#[derive(Debug)]
+pub(crate) enum ExposeError {
+    /// The trusted policy's key for the whole region was refused: a borrow of the region's bytes
+    /// (`MemoryRegion::with_slice`) is in progress. The caller's, as any other busy buffer.
+    Busy(exs_dma::DmaError),
+    /// The transport refused or failed.
+    Transport(TransportError),
+}
+
+impl From<TransportError> for ExposeError {
+    fn from(e: TransportError) -> Self {
+        ExposeError::Transport(e)
+    }
+}
+
+impl From<ExposeError> for crate::error::SendError {
+    fn from(e: ExposeError) -> Self {
+        match e {
+            ExposeError::Busy(d) => crate::error::BufferError::Busy(d).into(),
+            ExposeError::Transport(t) => t.into(),
+        }
+    }
+}
+
+impl From<ExposeError> for crate::error::RecvError {
+    fn from(e: ExposeError) -> Self {
+        match e {
+            ExposeError::Busy(d) => crate::error::BufferError::Busy(d).into(),
+            ExposeError::Transport(t) => t.into(),
+        }
+    }
+}
+
 /// The trusted policy's keys of one context, by connection, region (its buffer's address) and access.
 #[derive(Debug, Default)]
 pub(crate) struct TrustedKeys {
@@ -104,7 +138,7 @@ impl TrustedKeys {
         reg: &Arc<dyn Registration>,
         lease: Lease,
         access: RemoteAccess,
-    ) -> Result<(Box<dyn Exposure>, bool), TransportError> {
+    ) -> Result<(Box<dyn Exposure>, bool), ExposeError> {
         crate::transport::check_exposure(reg, &lease, access)?;
         let buf = reg.buf();
         let mut made = false;
@@ -115,7 +149,7 @@ impl TrustedKeys {
                 // begin meanwhile are atomic): under the engine's lock, so this context's calls wait as long.
                 let whole = buf
                     .lease(0..buf.len(), LeaseKind::TrustedKey)
-                    .map_err(|e| TransportError::Invalid(e.to_string()))?;
+                    .map_err(ExposeError::Busy)?;
                 let base = whole.addr();
                 let exposure = transport.expose(ep, reg, whole, access)?;
                 made = true;

@@ -271,3 +271,43 @@ fn dropped_trusted_regions_leave_no_key_and_no_memory() {
     assert_eq!(p.a.stats().trusted_keys, 0, "dropped regions keep keys");
     assert_eq!(p.world.live_keys(), 0);
 }
+
+/// A trusted-policy send whose region is borrowed (`with_slice`) when its connection's key for the region must be
+/// made: the key is refused, and the send says the buffer is busy (the caller's), not that the transport was handed
+/// an invalid argument; nothing of it is left behind, and the same send goes once the borrow ends.
+#[test]
+fn a_trusted_key_refused_beside_a_borrow_says_the_buffer_is_busy() {
+    let p = trusted_pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(10_000, 5));
+    let refused = src
+        .with_slice(0..10, |_| {
+            p.client.send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        })
+        .unwrap();
+    let e = refused.expect_err("the region's key cannot be made while its bytes are borrowed");
+    assert!(
+        matches!(e, exs::SendError::Buffer(exs::BufferError::Busy(_))),
+        "{e:?}"
+    );
+    assert_eq!(e.blame(), exs::Blame::Local, "{e}");
+    assert_eq!(
+        std::io::Error::from(e).kind(),
+        std::io::ErrorKind::ResourceBusy
+    );
+    assert_eq!(src.leases(), 0, "the refused send holds nothing");
+    assert_eq!(p.world.live_keys(), 0);
+    let dst = p.server_region(10_000);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 3)
+        .unwrap();
+    assert_eq!(wait(&p.eq_b).bytes, 10_000);
+    assert!(wait(&p.eq_a).status.is_ok());
+    assert_bytes_eq(
+        &dst.to_vec().unwrap(),
+        &pattern(10_000, 5),
+        "sent after the borrow",
+    );
+}

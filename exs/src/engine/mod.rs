@@ -29,7 +29,7 @@ use crate::error::{
     StateError, Violation,
 };
 use crate::event::{EventFlags, EventKind, Owner, Ticket};
-use crate::exposure::{ExposurePolicy, TrustedKeys};
+use crate::exposure::{ExposeError, ExposurePolicy, TrustedKeys};
 use crate::ids::{Readiness, SocketId};
 use crate::options::{MsgFlags, Opt, SockType, SocketOptions};
 use crate::proto::conn::layout::{ctrl_slot_size, Layout, TX_SLOT};
@@ -394,7 +394,7 @@ impl Engine {
         reg: &Arc<dyn Registration>,
         lease: exs_dma::Lease,
         access: RemoteAccess,
-    ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
+    ) -> Result<Box<dyn crate::transport::Exposure>, ExposeError> {
         match self.exposure {
             ExposurePolicy::TrustedPeers => {
                 let (exposure, made) =
@@ -405,7 +405,7 @@ impl Engine {
                 }
                 Ok(exposure)
             }
-            _ => self.expose(ep, reg, lease, access),
+            _ => Ok(self.expose(ep, reg, lease, access)?),
         }
     }
 

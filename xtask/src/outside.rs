@@ -74,12 +74,7 @@ pub fn run() -> Result<String> {
     std::fs::copy(root.join("Cargo.lock"), dir.join("Cargo.lock"))
         .map_err(|e| format!("Cargo.lock: {e}"))?;
     let target = root.join("target");
-    let cargo = || {
-        let mut c = sys::cargo();
-        c.current_dir(&dir).env("CARGO_TARGET_DIR", &target);
-        c
-    };
-    sys::run(cargo().args(["build", "--examples"]))?;
+    sys::run(sys::cargo_outside(&dir).args(["build", "--examples"]))?;
     let bin = |ex: &str| target.join("debug/examples").join(ex);
     let fabric = |c: &mut Command| {
         c.env("EXS_BACKEND", "fabric").env("EXS_PROVIDER", "tcp");

@@ -129,10 +129,8 @@ pub fn stage() -> Result<String> {
     let start = Instant::now();
     let mut cmd = sys::cargo();
     cmd.args(["package", "--offline", "--allow-dirty"]);
-    // Cargo verifies each package as a workspace of its own, without the workspace's profiles: every dependency
-    // would build again with full debug information, none reused from the workspace build (which builds them
-    // without, `[profile.dev.package."*"]`). Without debug information, those whose features match are reused.
-    cmd.env("CARGO_PROFILE_DEV_DEBUG", "false");
+    // Cargo verifies each package as a workspace of its own, without the workspace's profiles.
+    cmd.env(sys::REUSE_DEPS.0, sys::REUSE_DEPS.1);
     for c in &crates {
         cmd.args(["-p", &c.name]);
     }

@@ -90,12 +90,7 @@ pub fn run() -> Result<String> {
     let target = root.join("target");
     let mut ran = Vec::new();
     for (features, want) in COMBINATIONS {
-        sys::run(
-            sys::cargo()
-                .current_dir(&dir)
-                .env("CARGO_TARGET_DIR", &target)
-                .args(["build", "--offline", "--features", features]),
-        )?;
+        sys::run(sys::cargo_outside(&dir).args(["build", "--offline", "--features", features]))?;
         let mut c = Command::new(target.join("debug/exs-first"));
         for (k, _) in std::env::vars().filter(|(k, _)| k.starts_with("EXS_")) {
             c.env_remove(k);

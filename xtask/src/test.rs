@@ -241,7 +241,8 @@ impl Outcome {
         r
     }
 
-    /// `stage times: build 104 s, clippy 42 s, ...; 1,000 s in all`.
+    /// `stage times: build 97 s, clippy 35 s, ...; 994 s in these stages` (the rest: installing, rustfmt, finding
+    /// the conformance executable).
     fn times_line(&self) -> String {
         let each: Vec<String> = self
             .times
@@ -250,7 +251,7 @@ impl Outcome {
             .collect();
         let all: Duration = self.times.iter().map(|(_, d)| *d).sum();
         format!(
-            "stage times: {}; {:.0} s in all",
+            "stage times: {}; {:.0} s in these stages",
             each.join(", "),
             all.as_secs_f64()
         )

@@ -102,7 +102,7 @@ impl From<TransportError> for ExposeError {
 impl From<ExposeError> for crate::error::SendError {
     fn from(e: ExposeError) -> Self {
         match e {
-            ExposeError::Busy(d) => crate::error::BufferError::Busy(d).into(),
+            ExposeError::Busy(d) => crate::error::BufferError::from(d).into(),
             ExposeError::Transport(t) => t.into(),
         }
     }
@@ -111,7 +111,7 @@ impl From<ExposeError> for crate::error::SendError {
 impl From<ExposeError> for crate::error::RecvError {
     fn from(e: ExposeError) -> Self {
         match e {
-            ExposeError::Busy(d) => crate::error::BufferError::Busy(d).into(),
+            ExposeError::Busy(d) => crate::error::BufferError::from(d).into(),
             ExposeError::Transport(t) => t.into(),
         }
     }

@@ -1,4 +1,5 @@
-//! `cargo xtask test`: every test, with a per-backend summary of the conformance suite.
+//! `cargo xtask test`: every test but the iWARP suite's (`--suite siw`, [`crate::test_siw`]), with a per-backend
+//! summary of the conformance suite.
 
 use std::path::Path;
 use std::process::Command;

@@ -39,8 +39,13 @@ const NO_SINK_CASES: [&str; 2] = [
 ];
 
 /// The script of the one-guest stage; `load(v)` is the shell that loads build `v` of siw (`None`: this kernel's
-/// own siw, and no peer-to-peer stage); `rxe`: then rxe, driven the iWARP way, on the same link.
-fn script(xtask: &Path, exe: &Path, load: impl Fn(Variant) -> Option<String>, rxe: bool) -> String {
+/// own siw, and no peer-to-peer stage); `with_rxe`: then rxe, driven the iWARP way, on the same link.
+fn script(
+    xtask: &Path,
+    exe: &Path,
+    load: impl Fn(Variant) -> Option<String>,
+    with_rxe: bool,
+) -> String {
     let (_, _, near) = rxe::NEAR;
     let (_, _, far) = rxe::FAR;
     let env = format!(
@@ -76,14 +81,16 @@ fn script(xtask: &Path, exe: &Path, load: impl Fn(Variant) -> Option<String>, rx
             s.push_str(&format!("env {env} {exe} {case}\n"));
         }
     }
-    if rxe {
+    if with_rxe {
         // Every case on rxe through the plain verbs backend as an iWARP adapter is driven: the same code paths as
-        // siw's on a device that could do without them (what differs is siw's own).
+        // siw's on a device that could do without them (what differs is siw's own). The section opens first, so
+        // that a failed setup is that section's failure (nothing ran in it) and not the whole guest's.
         s.push_str(&format!(
-            "{xtask} rxe down >&2\n\
-             {xtask} rxe up --link >&2 || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}\n\
-             section verbs:write-imm-emulated,no-windows,read-sinks\n\
-             env EXS_VERBS_ADDR={near} {} EXS_PEER_ADDR={far} EXS_PEER_LINK={} {exe} verbs::\n",
+            "section verbs:write-imm-emulated,no-windows,read-sinks\n\
+             {xtask} rxe down >&2\n\
+             if {xtask} rxe up --link >&2; then\n\
+             env EXS_VERBS_ADDR={near} {} EXS_PEER_ADDR={far} EXS_PEER_LINK={} {exe} verbs::\n\
+             else echo 'xtask: Soft-RoCE setup failed' >&2; fi\n",
             crate::test::IWARP_SHAPED,
             rxe::NEAR.1
         ));
@@ -113,14 +120,14 @@ pub fn run(only_pair: bool) -> Result<()> {
     let native = sys::is_root() && exs_backend_softroce::kernel_supports(Kind::Siw).is_ok();
     let where_ = if native {
         eprintln!("xtask: this kernel has siw: running the suite natively (stock siw only)");
-        let rxe = exs_backend_softroce::kernel_supports(Kind::Rxe).is_ok();
-        if !rxe {
+        let with_rxe = exs_backend_softroce::kernel_supports(Kind::Rxe).is_ok();
+        if !with_rxe {
             summary.push(
                 "SKIPPED verbs:write-imm-emulated,no-windows,read-sinks: this kernel has no rdma_rxe".into(),
             );
         }
         let ok = run_sections(
-            Command::new("sh").args(["-c", &script(&xtask, &exe, |_| None, rxe)]),
+            Command::new("sh").args(["-c", &script(&xtask, &exe, |_| None, with_rxe)]),
             &mut sections,
         )?;
         rxe::down();

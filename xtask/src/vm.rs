@@ -228,7 +228,8 @@ poweroff -f
 
 /// How long the KVM probe waits for a guest that runs `true`. A guest under KVM boots this kernel and its initramfs
 /// in a few seconds; where /dev/kvm exists but cannot run it (a nested VM without the CPU's support) the guest prints
-/// nothing and the probe waits all of it, once per clean clone (the answer is kept in `target/vm/accel`).
+/// nothing and the probe waits all of it, once per clean clone (the answer is kept in `target/vm/accel`). A guest
+/// that printed its boot but did not finish in time is taken as a slow KVM, not as none.
 const KVM_PROBE: Duration = Duration::from_secs(12);
 
 impl Vm {
@@ -371,6 +372,8 @@ impl Vm {
             };
             match probe.run("true", KVM_PROBE) {
                 Ok(o) if o.rc == Some(0) => accel = Accel::Kvm,
+                // Slow, but booting: KVM it is (the answer is kept, and emulation would cost every later run).
+                Ok(o) if o.rc.is_none() && !o.console.trim().is_empty() => accel = Accel::Kvm,
                 _ => eprintln!(
                     "xtask: KVM does not boot the guest here; using software emulation (TCG)"
                 ),

@@ -329,8 +329,8 @@ fn report(direct: u64, total: u64, rejected: u64, waits: u64) {
 }
 
 // The cases are split between two tests, each drawing its own random cases, so that the test harness runs them
-// on two threads: the simulator runs one case on one thread, and the 10,000 cases of `cargo xtask test` took a
-// minute on one core of the CI machine's two.
+// on two threads: the simulator runs one case on one thread, and the 10,000 cases of `cargo xtask test` kept one
+// core of the CI machine's two idle.
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: cases().div_ceil(2) as u32,

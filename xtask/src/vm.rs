@@ -6,9 +6,9 @@
 //! code to a writable 9p share, and powers off. Everything is cached under `target/vm/`.
 //!
 //! The host root is mounted with `cache=loose`: the guest keeps what it read in its page cache. Without it every
-//! start of a program read the whole binary over 9p again, some 7 s for the 26 MB conformance executable under
-//! an emulated CPU, and a guest stage starts dozens of programs. Nothing on the host changes what a guest reads
-//! while it runs (the results go to their own share, uncached).
+//! start of a program read the whole binary over 9p again, seconds each for the conformance executable under an
+//! emulated CPU, and a guest stage starts dozens of programs. Nothing on the host changes what a guest reads while
+//! it runs (the results go to their own share, uncached).
 
 use std::fs;
 use std::path::{Path, PathBuf};

@@ -99,18 +99,13 @@ impl From<TransportError> for ExposeError {
     }
 }
 
-impl From<ExposeError> for crate::error::SendError {
-    fn from(e: ExposeError) -> Self {
-        match e {
-            ExposeError::Busy(d) => crate::error::BufferError::from(d).into(),
-            ExposeError::Transport(t) => t.into(),
-        }
-    }
-}
-
-impl From<ExposeError> for crate::error::RecvError {
-    fn from(e: ExposeError) -> Self {
-        match e {
+impl ExposeError {
+    /// The operation's error (`SendError` or `RecvError`): a busy buffer is the caller's, as any other.
+    pub(crate) fn into_op<E>(self) -> E
+    where
+        E: From<crate::error::BufferError> + From<TransportError>,
+    {
+        match self {
             ExposeError::Busy(d) => crate::error::BufferError::from(d).into(),
             ExposeError::Transport(t) => t.into(),
         }

@@ -2,6 +2,7 @@
 //! shutdown, close, abort, poll, options.
 
 use super::*;
+use crate::exposure::ExposeError;
 
 /// The application's memory that a send or receive names (a `Slice` of a registered region): the engine sits below
 /// the public memory types and sees them through this.
@@ -292,7 +293,10 @@ impl Engine {
             SendPlan::Inline => SendData::Inline(sge),
             SendPlan::Exposed { .. } => {
                 let (lease, reg) = sge.into_parts();
-                SendData::Exposed(self.expose_op(ep, &reg, lease, RemoteAccess::Read)?)
+                SendData::Exposed(
+                    self.expose_op(ep, &reg, lease, RemoteAccess::Read)
+                        .map_err(ExposeError::into_op::<SendError>)?,
+                )
             }
         };
         let token = self.token(ticket);
@@ -350,7 +354,11 @@ impl Engine {
             }
             RecvPlan::Stream { keyless: false } => {
                 let (lease, reg) = sge.into_parts();
-                RecvMemory::Exposed(self.expose_op(ep, &reg, lease, RemoteAccess::Write)?, reg)
+                RecvMemory::Exposed(
+                    self.expose_op(ep, &reg, lease, RemoteAccess::Write)
+                        .map_err(ExposeError::into_op::<RecvError>)?,
+                    reg,
+                )
             }
         };
         let token = self.token(ticket);

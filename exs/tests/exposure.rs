@@ -311,3 +311,46 @@ fn a_trusted_key_refused_beside_a_borrow_says_the_buffer_is_busy() {
         "sent after the borrow",
     );
 }
+
+/// The receive side of the same refusal: a trusted-policy stream receive advertises its buffer under the
+/// connection's key for the whole region, which cannot be made while any of the region is borrowed, even bytes
+/// beside the receive's (whose own lease the borrow allows). The receive says the buffer is busy, holds nothing,
+/// and the same receive, posted once the borrow ends, gets the peer's bytes.
+#[test]
+fn a_trusted_stream_receive_refused_beside_a_borrow_says_the_buffer_is_busy() {
+    let p = trusted_pair(SockType::Stream);
+    let dst = p.server_region(10_100);
+    let refused = dst
+        .with_slice(0..100, |_| {
+            p.server
+                .recv(&p.eq_b, &dst.slice(100..10_100), MsgFlags::WAITALL, 1)
+        })
+        .unwrap();
+    let e = refused.expect_err("the region's key cannot be made while its bytes are borrowed");
+    assert!(
+        matches!(e, exs::RecvError::Buffer(exs::BufferError::Busy(_))),
+        "{e:?}"
+    );
+    assert_eq!(e.blame(), exs::Blame::Local, "{e}");
+    assert_eq!(
+        std::io::Error::from(e).kind(),
+        std::io::ErrorKind::ResourceBusy
+    );
+    assert_eq!(dst.leases(), 0, "the refused receive holds nothing");
+    assert_eq!(p.world.live_keys(), 0);
+    p.server
+        .recv(&p.eq_b, &dst.slice(100..10_100), MsgFlags::WAITALL, 2)
+        .unwrap();
+    let src = p.client_region(pattern(10_000, 6));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 3)
+        .unwrap();
+    let got = wait(&p.eq_b);
+    assert_eq!((got.context, got.bytes), (2, 10_000), "{got:?}");
+    assert!(wait(&p.eq_a).status.is_ok());
+    assert_bytes_eq(
+        &dst.to_vec().unwrap()[100..],
+        &pattern(10_000, 6),
+        "received after the borrow",
+    );
+}

@@ -484,10 +484,11 @@ fn std_io_transfer(b: &dyn Backend) -> Result<(), String> {
 #[path = "../../../exs/examples/http.rs"]
 mod http_example;
 
-/// Issue 16: HTTP/1.1 with hyper over `exs::tokio` streams: a 64 MiB body, every byte checked (the example
-/// `exs/examples/http.rs`); the time beside plain TCP on loopback is printed.
+/// Issue 16: HTTP/1.1 with hyper over `exs::tokio` streams: a 16 MiB body (many times round every stream buffer),
+/// every byte checked (the example `exs/examples/http.rs`). Its speed beside hyper over TCP is the bench's
+/// (`streams-http` rows), not this case's.
 fn http(b: &dyn Backend) -> Result<(), String> {
-    const LEN: usize = 64 << 20;
+    const LEN: usize = 16 << 20;
     let net = b.net();
     let (server, client) = (net.host(), net.host());
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -495,24 +496,12 @@ fn http(b: &dyn Backend) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let exs = rt
-        .block_on(http_example::fetch(
-            &server,
-            &client,
-            net.listen_addr(0),
-            LEN,
-        ))
-        .map_err(|e| format!("GET over exs: {e}"))?;
-    let mb = |d: std::time::Duration| LEN as f64 / d.as_secs_f64() / 1e6;
-    // Plain TCP on loopback, for comparison only (a guest may have no loopback interface up).
-    let tcp = match rt.block_on(http_example::fetch_tcp(LEN)) {
-        Ok(d) => format!("{:.0} MB/s", mb(d)),
-        Err(e) => format!("not measured here ({e})"),
-    };
-    eprintln!(
-        "HTTP {}: GET of 64 MiB with hyper, every byte checked: exs {:.0} MB/s, plain TCP on loopback {tcp}",
-        b.name(),
-        mb(exs),
-    );
+    rt.block_on(http_example::fetch(
+        &server,
+        &client,
+        net.listen_addr(0),
+        LEN,
+    ))
+    .map_err(|e| format!("GET over exs: {e}"))?;
     Ok(())
 }

@@ -287,10 +287,18 @@ fn a_test_ends_at_the_servers_time_limit() {
     let mut server = Server::start(
         "ping",
         free_port(),
-        &["--max-seconds", "1", "--max-count", "10000000"],
+        &[
+            "--max-seconds",
+            "1",
+            "--max-grace",
+            "1",
+            "--max-count",
+            "10000000",
+        ],
     );
     let target = server.target();
-    // A persistent ping reads the server's memory until the client has done its count: far more than 11 s.
+    // A persistent ping reads the server's memory until the client has done its count: far more than the 2 s
+    // the server allows.
     let t = Instant::now();
     let out = exs(&[
         "ping",
@@ -305,7 +313,10 @@ fn a_test_ends_at_the_servers_time_limit() {
     ]);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
-    assert!(err.contains("--max-seconds"), "the client hears why: {err}");
+    assert!(
+        err.contains("--max-seconds") && err.contains("--max-grace"),
+        "the client hears why: {err}"
+    );
     eprintln!("stopped after {:?}", t.elapsed());
     assert!(server.alive());
     served("ping", &server);

@@ -3,23 +3,28 @@
 //! against these caps, which the server's operator sets on its command line. A client asking for more is refused
 //! with a message that names the cap.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::cli::{self, fmt_size, MAX_COUNT, MAX_MEMORY, MAX_SECONDS, MAX_TRANSFER};
 
-/// What a test may take beyond `--max-seconds`: its connection's set-up and close.
-pub const GRACE: Duration = Duration::from_secs(10);
+/// What a test may take beyond `--max-seconds` unless `--max-grace` says otherwise: its connection's set-up and
+/// close.
+pub const GRACE_SECONDS: f64 = 10.0;
 
-/// The caps of one server (`--max-seconds`, `--max-bytes`, `--max-count`, `--max-idle`, `--max-memory`).
+/// The caps of one server (`--max-seconds`, `--max-grace`, `--max-bytes`, `--max-count`, `--max-idle`,
+/// `--max-memory`).
 #[derive(Clone, Debug, clap::Args)]
 #[command(
     next_help_heading = "Server limits (with --server: a client that asks for more is refused)"
 )]
 pub struct Limits {
     /// The longest test, in seconds: the most a pump client may ask for, and the wall time any test may take
-    /// (plus 10 s to connect and close).
+    /// (plus `--max-grace` to connect and close).
     #[arg(long, value_name = "SECS", default_value = "300", value_parser = cli::seconds, requires = "server")]
     pub max_seconds: f64,
+    /// The time a test may take beyond `--max-seconds` to set up and close its connection, in seconds.
+    #[arg(long, value_name = "SECS", default_value = "10", value_parser = cli::seconds, requires = "server")]
+    pub max_grace: f64,
     /// The most bytes one `exs demo` transfer may move (K, M, G, T suffixes binary).
     #[arg(long, value_name = "SIZE", default_value = "64G", value_parser = cli::size_in(1..=MAX_TRANSFER),
           requires = "server")]
@@ -44,6 +49,7 @@ impl Limits {
     pub fn widest() -> Limits {
         Limits {
             max_seconds: MAX_SECONDS,
+            max_grace: GRACE_SECONDS,
             max_bytes: MAX_TRANSFER,
             max_count: MAX_COUNT,
             max_idle: cli::max_idle(),
@@ -56,6 +62,8 @@ impl Limits {
         vec![
             "--max-seconds".into(),
             self.max_seconds.to_string(),
+            "--max-grace".into(),
+            self.max_grace.to_string(),
             "--max-bytes".into(),
             self.max_bytes.to_string(),
             "--max-count".into(),
@@ -69,7 +77,7 @@ impl Limits {
 
     /// When a test that starts now must have ended, whatever its client does.
     pub fn deadline(&self) -> Instant {
-        Instant::now() + cli::duration(self.max_seconds) + GRACE
+        Instant::now() + cli::duration(self.max_seconds) + cli::duration(self.max_grace)
     }
 
     /// Refuses a test longer than `--max-seconds` (or not a valid duration at all).
@@ -160,10 +168,11 @@ mod tests {
         let t = T::try_parse_from(args).unwrap();
         assert_eq!(t.limits.max_bytes, MAX_TRANSFER);
         assert_eq!(t.limits.max_seconds, MAX_SECONDS);
+        assert_eq!(t.limits.max_grace, GRACE_SECONDS);
         let d = T::try_parse_from(["t", "--server"]).unwrap().limits;
         assert_eq!(
-            (d.max_seconds, d.max_count, d.max_idle),
-            (300.0, 1_000_000, 100)
+            (d.max_seconds, d.max_grace, d.max_count, d.max_idle),
+            (300.0, GRACE_SECONDS, 1_000_000, 100)
         );
         assert_eq!((d.max_bytes, d.max_memory), (64 << 30, 256 << 20));
         assert!(
@@ -176,6 +185,7 @@ mod tests {
     fn caps_name_themselves_in_refusals() {
         let l = Limits {
             max_seconds: 10.0,
+            max_grace: 1.0,
             max_bytes: 1 << 20,
             max_count: 100,
             max_idle: 10,

@@ -190,10 +190,15 @@ impl Channel {
     }
 
     /// Something that tells, without blocking, whether the peer has gone, or the test's time is up.
-    fn watch(&self, deadline: Instant, max_seconds: f64) -> Result<Watch> {
+    fn watch(&self, limits: &limits::Limits) -> Result<Watch> {
+        self.watch_until(limits.deadline(), limits.max_seconds, limits.max_grace)
+    }
+
+    /// [`Channel::watch`] with the deadline given, and the limits it came from (for the message).
+    fn watch_until(&self, deadline: Instant, max_seconds: f64, max_grace: f64) -> Result<Watch> {
         Ok(Watch {
             peer: Some(self.writer.try_clone()?),
-            deadline: Some((deadline, max_seconds)),
+            deadline: Some((deadline, max_seconds, max_grace)),
         })
     }
 }
@@ -202,8 +207,8 @@ impl Channel {
 /// went), and whether the test has run past the server's limit.
 pub struct Watch {
     peer: Option<TcpStream>,
-    /// When the test must have ended, and the server's `--max-seconds` (for the message).
-    deadline: Option<(Instant, f64)>,
+    /// When the test must have ended, and the server's `--max-seconds` and `--max-grace` (for the message).
+    deadline: Option<(Instant, f64, f64)>,
 }
 
 impl Watch {
@@ -229,12 +234,11 @@ impl Watch {
 
     /// An error once the test has run past the server's limit (cheap: no system call).
     pub fn in_time(&self, what: &str) -> Result<()> {
-        if let Some((at, max)) = self.deadline {
+        if let Some((at, max, grace)) = self.deadline {
             if Instant::now() >= at {
                 bail!(
                     "stopped while waiting for {what}: the test ran past this server's limit of {max} s \
-                     (its --max-seconds) plus {} s to connect and close",
-                    limits::GRACE.as_secs()
+                     (its --max-seconds) plus {grace} s to connect and close (its --max-grace)"
                 );
             }
         }
@@ -344,7 +348,7 @@ mod tests {
         let (s, _) = l.accept().unwrap();
         let ch = Channel::new(s, "test".into()).unwrap();
         let w = ch
-            .watch(Instant::now() + Duration::from_secs(60), 1.0)
+            .watch_until(Instant::now() + Duration::from_secs(60), 1.0, 10.0)
             .unwrap();
         assert!(!w.gone());
         assert!(w.check("x").is_ok());
@@ -358,10 +362,13 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert!(!Watch::never().gone());
-        let late = ch.watch(Instant::now(), 7.0).unwrap();
+        let late = ch.watch_until(Instant::now(), 7.0, 2.5).unwrap();
         let e = late.in_time("the pings").unwrap_err().to_string();
         assert!(
-            e.contains("limit of 7 s") && e.contains("--max-seconds"),
+            e.contains("limit of 7 s")
+                && e.contains("--max-seconds")
+                && e.contains("plus 2.5 s")
+                && e.contains("--max-grace"),
             "{e}"
         );
     }

@@ -306,7 +306,7 @@ impl<S: Service> Server<S> {
         let mut n = 0;
         while let Some(Point::<S::Params> { params }) = recv(ch, "point", IDLE)? {
             params.check(&self.limits).map_err(|why| anyhow!(why))?;
-            let watch = ch.watch(self.limits.deadline(), self.limits.max_seconds)?;
+            let watch = ch.watch(&self.limits)?;
             let mut tx = ch.writer.try_clone()?;
             tracing::info!(%from, ?params, "test");
             let report = self.svc.serve(

@@ -372,11 +372,12 @@ fn workspace_tests(out: &mut Outcome) -> Result<()> {
     )
 }
 
-/// `cargo test --release -p exs --features sim` of these test targets, with overflow checks and debug
-/// assertions.
+/// `cargo test --release -p exs-props` of these test targets, with overflow checks and debug assertions (the
+/// crate of the property tests: its release build needs exs and proptest only, not exs's other test
+/// dependencies).
 fn release_tests(targets: &[&str]) -> Command {
     let mut cmd = sys::cargo();
-    cmd.args(["test", "--release", "-p", "exs", "--features", "sim"]);
+    cmd.args(["test", "--release", "-p", "exs-props"]);
     for t in targets {
         cmd.args(["--test", t]);
     }

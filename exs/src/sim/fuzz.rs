@@ -1,5 +1,5 @@
 //! Fuzz harnesses, shared by the cargo-fuzz targets in `fuzz/` (libFuzzer, nightly) and by the bounded property
-//! tests in `exs/tests/fuzz_props.rs` (stable, run by `cargo xtask test`). Each takes arbitrary bytes and panics
+//! tests in `props/tests/fuzz_props.rs` (stable, run by `cargo xtask test`). Each takes arbitrary bytes and panics
 //! only when exs breaks a promise.
 //!
 //! * [`wire`]: the decoders never panic, and whatever decodes encodes back to the same meaning.

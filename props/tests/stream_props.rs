@@ -11,8 +11,8 @@
 //!
 //! Cases: `EXS_STREAM_CASES` (default 256; `cargo xtask test` runs 10,000 in a release build), half in each of two
 //! tests.
-#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
+#[path = "../../exs/tests/common/mod.rs"]
 mod common;
 
 use std::collections::VecDeque;

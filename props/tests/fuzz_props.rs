@@ -2,7 +2,6 @@
 //! random bytes into the wire decoders, and random crafted-peer event sequences against a live connection on the
 //! simulated fabric (`exs::sim::fuzz`). `EXS_FUZZ_CASES` sets the number of cases (default 64; CI runs more in
 //! release). Crashes found by fuzzing are kept as named regression tests below.
-#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
 use exs::sim::fuzz;
 use proptest::prelude::*;

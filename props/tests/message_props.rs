@@ -1,8 +1,8 @@
 //! Property: whatever the sizes, credits, windows, transport limits and interleaving, message mode delivers every
 //! message once, in order, intact (or truncated exactly as the receive buffer dictates), without overrunning a
 //! receive queue and without deadlock.
-#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
 
+#[path = "../../exs/tests/common/mod.rs"]
 mod common;
 
 use std::time::Duration;

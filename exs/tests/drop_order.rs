@@ -1,0 +1,171 @@
+//! Dropping handles in any order, and a failed progress thread, on the simulated fabric: nothing deadlocks, and
+//! every operation of a failed context ends. The tests log through `test-log`:
+//! `RUST_LOG=exs=debug cargo test -p exs --features sim --test drop_order -- --nocapture`.
+#![cfg(feature = "sim")] // the simulated fabric: `cargo test -p exs --features sim`
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use exs::sim::{SimConfig, World};
+use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket};
+
+/// Runs `f` on a thread and fails (instead of hanging the test run) if it has not finished within 20 s.
+fn within_20s(what: &str, f: impl FnOnce() + Send + 'static) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        f();
+        let _ = tx.send(());
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .unwrap_or_else(|_| panic!("deadlock: {what} did not finish within 20 s"));
+}
+
+/// A listener with an undequeued Accept (owning the accepted socket) and a second accept pending, both in a queue
+/// the user then drops: the pending accept's ticket holds the last reference to the queue.
+fn dropped_queue_with_an_accepted_socket() -> (World, Socket, Socket, std::net::SocketAddr) {
+    let world = World::threaded(SimConfig::default());
+    let server = world.host();
+    let client = world.host();
+    let l = Socket::new(&server, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 7100)).unwrap();
+    let addr = l.listen(4).unwrap();
+    let eq = EventQueue::new(8).unwrap();
+    l.accept(&eq, 1).unwrap();
+    l.accept(&eq, 2).unwrap();
+    let c = Socket::new(&client, SockType::SeqPacket).unwrap();
+    let ceq = EventQueue::new(8).unwrap();
+    c.connect(&ceq, addr, 3).unwrap();
+    assert!(ceq.next(Some(Duration::from_secs(10))).unwrap().is_ok());
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while eq.is_empty() {
+        assert!(
+            std::time::Instant::now() < until,
+            "the accept never completed"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    drop(eq);
+    (world, l, c, addr)
+}
+
+/// Issue 15: closing the listener completes the pending accept under the engine lock; the queue goes with the
+/// ticket, and the accepted socket in it closes - after the lock is let go, not by locking it again.
+#[test_log::test]
+fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_a_close() {
+    within_20s("listener close", || {
+        let (world, l, _c, _) = dropped_queue_with_an_accepted_socket();
+        l.close().unwrap();
+        let ctx = world.host();
+        let _ = ctx.stats();
+    });
+}
+
+/// The same, with the progress thread completing the pending accept (a second client connects): the context must
+/// go on working.
+#[test_log::test]
+fn dropping_a_queue_that_holds_an_accepted_socket_does_not_deadlock_the_progress_thread() {
+    within_20s("a connect after the queue was dropped", || {
+        let (world, l, _c, addr) = dropped_queue_with_an_accepted_socket();
+        let client = world.host();
+        let c2 = Socket::new(&client, SockType::SeqPacket).unwrap();
+        let ceq = EventQueue::new(8).unwrap();
+        c2.connect(&ceq, addr, 4).unwrap();
+        let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+        assert!(ev.is_ok(), "{ev:?}");
+        // The server context still answers: a third connection, accepted on a new queue.
+        let eq = EventQueue::new(8).unwrap();
+        l.accept(&eq, 5).unwrap();
+        let c3 = Socket::new(&client, SockType::SeqPacket).unwrap();
+        c3.connect(&ceq, addr, 6).unwrap();
+        let ev = eq.next(Some(Duration::from_secs(10))).unwrap();
+        assert!(ev.is_ok() && ev.kind == EventKind::Accept, "{ev:?}");
+        l.close().unwrap();
+    });
+}
+
+/// Every drop order of the user's handles: nothing deadlocks.
+#[test_log::test]
+fn dropping_handles_in_any_order_does_not_deadlock() {
+    for order in 0..6u8 {
+        within_20s("dropping handles", move || {
+            let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
+            let buf = MemoryRegion::alloc(&p.a, 100).unwrap();
+            p.client
+                .recv(&p.eq_a, &buf.all(), MsgFlags::NONE, 1)
+                .unwrap();
+            let Pair {
+                world,
+                conn:
+                    exs::testing::Pair {
+                        a,
+                        b,
+                        client,
+                        server,
+                        listener,
+                        eq_a,
+                        eq_b,
+                    },
+            } = p;
+            let mut items: Vec<Box<dyn FnOnce()>> = vec![
+                Box::new(move || drop(eq_a)),
+                Box::new(move || drop(client)),
+                Box::new(move || drop(buf)),
+                Box::new(move || drop(a)),
+                Box::new(move || drop((server, eq_b, listener))),
+                Box::new(move || drop(b)),
+            ];
+            items.rotate_left(order as usize);
+            if order % 2 == 1 {
+                items.reverse();
+            }
+            for f in items {
+                f();
+            }
+            drop(world);
+        });
+    }
+}
+
+/// Issue 15: a panic in a progress round (injected: no peer input may cause one) fails the context instead of
+/// stopping it silently: every pending operation ends with a transport error, later calls fail at once.
+#[test_log::test]
+fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
+    within_20s("the failed context's operations", || {
+        let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
+        let buf = MemoryRegion::alloc(&p.b, 4 * 100).unwrap();
+        for i in 0..4 {
+            p.server
+                .recv(
+                    &p.eq_b,
+                    &buf.slice(i * 100..(i + 1) * 100),
+                    MsgFlags::NONE,
+                    i as u64,
+                )
+                .unwrap();
+        }
+        // Host 1 is the server's context; the next poll there panics - the progress thread's, as nobody waits.
+        p.world.panic_on_next_poll(1);
+        let src = p.client_region(pattern(10, 1));
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 9)
+            .unwrap();
+        let evs: Vec<_> = (0..4)
+            .map(|_| p.eq_b.next(Some(Duration::from_secs(10))).unwrap())
+            .collect();
+        assert!(
+            evs.iter()
+                .all(|e| matches!(&e.status, Err(OpError::Transport(_)))),
+            "every pending receive fails with a transport error: {evs:?}"
+        );
+        let e = p
+            .server
+            .recv(&p.eq_b, &buf.slice(0..100), MsgFlags::NONE, 5)
+            .unwrap_err();
+        assert!(format!("{e}").contains("context failed"), "{e}");
+        // The other context is unharmed; its peer went away.
+        let ev = p.eq_a.next(Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(ev.context, 9, "{ev:?}");
+    });
+}

@@ -1,4 +1,6 @@
-//! Helpers shared by the protocol tests: a connected pair of sockets on a simulated world.
+//! Helpers shared by the protocol tests: a connected pair of sockets on a simulated world. The property tests of
+//! `props/` include this file by path, so it uses exs and the standard library only (none of exs's other test
+//! dependencies, which that crate does not have).
 #![allow(dead_code)]
 
 use std::time::Duration;

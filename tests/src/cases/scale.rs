@@ -60,7 +60,10 @@ impl Many {
     fn pairs(&self) -> Result<Vec<(&Socket, &Socket)>, String> {
         let mut by_peer = std::collections::HashMap::with_capacity(self.servers.len());
         for s in &self.servers {
-            if let Some(peer) = s.peer_addr().map_err(|e| e.to_string())? {
+            let peer = s
+                .peer_addr()
+                .map_err(|e| format!("the peer address of an accepted socket: {e}"))?;
+            if let Some(peer) = peer {
                 by_peer.insert(peer, s);
             }
         }

@@ -112,6 +112,8 @@ fn range_and_conflict_errors_exit_like_parse_errors() {
     );
     usage_error(&["pump", "--max-seconds", "5"], "--server");
     usage_error(&["pump", "--server", "--max-seconds", "0"], "--max-seconds");
+    usage_error(&["pump", "--server", "--max-grace", "0"], "--max-grace");
+    usage_error(&["ping", "--max-grace", "5"], "--server");
     usage_error(&["pump", "--server", "--max-memory", "5G"], "--max-memory");
     usage_error(&["pump", "--client", "host:99999"], "not a port");
     // As many idle connections as a context takes beside the ping's own, and not one more.
@@ -226,6 +228,7 @@ fn numeric_options_state_their_ranges_in_the_help() {
     let help = stdout(&exs(&["pump", "--server", "--help"]));
     for limit in [
         "--max-seconds",
+        "--max-grace",
         "--max-bytes",
         "--max-count",
         "--max-idle",

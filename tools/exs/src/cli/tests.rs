@@ -120,6 +120,7 @@ fn accepted(cmd: &Cmd) -> Result<(), TestCaseError> {
 
 fn limits_in_range(l: &Limits) -> Result<(), TestCaseError> {
     prop_assert!(l.max_seconds > 0.0 && l.max_seconds <= MAX_SECONDS);
+    prop_assert!(l.max_grace > 0.0 && l.max_grace <= MAX_SECONDS);
     prop_assert!((1..=MAX_TRANSFER).contains(&l.max_bytes));
     prop_assert!((1..=MAX_COUNT).contains(&l.max_count));
     prop_assert!(l.max_idle <= max_idle());

@@ -23,7 +23,7 @@ pub struct Limits {
     #[arg(long, value_name = "SECS", default_value = "300", value_parser = cli::seconds, requires = "server")]
     pub max_seconds: f64,
     /// The time a test may take beyond `--max-seconds` to set up and close its connection, in seconds.
-    #[arg(long, value_name = "SECS", default_value = "10", value_parser = cli::seconds, requires = "server")]
+    #[arg(long, value_name = "SECS", default_value_t = GRACE_SECONDS, value_parser = cli::seconds, requires = "server")]
     pub max_grace: f64,
     /// The most bytes one `exs demo` transfer may move (K, M, G, T suffixes binary).
     #[arg(long, value_name = "SIZE", default_value = "64G", value_parser = cli::size_in(1..=MAX_TRANSFER),
@@ -45,7 +45,8 @@ pub struct Limits {
 }
 
 impl Limits {
-    /// As wide as the command line allows: the server a client starts for itself on this host.
+    /// As wide as the command line allows (the grace at its default: the test's own time is what is widened): the
+    /// server a client starts for itself on this host.
     pub fn widest() -> Limits {
         Limits {
             max_seconds: MAX_SECONDS,

@@ -3,7 +3,7 @@
 //! [`MAX_CONNECTIONS`] at once, the rest are refused at once), so a silent or slow client never holds the door:
 //! the first client to say hello gets the server, and any other that says hello meanwhile is told "busy" (after
 //! [`BUSY_WAIT`], in case the running session is ending) and let go. A welcomed client has [`IDLE`] between
-//! tests, and each test ends within the server's `--max-seconds` (plus a few seconds) whatever the client does.
+//! tests, and each test ends within the server's `--max-seconds` (plus its `--max-grace`) whatever the client does.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -55,11 +55,13 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
         let l = &peer.limits;
         eprintln!(
             "exs {tool}: serving on {bound} with {} {}; run `exs {tool} --client {} ...` on the other host \
-             (limits per test: {} s, {} per transfer, {} pings, {} idle connections, {} of buffers)",
+             (limits per test: {} s and {} s to connect and close, {} per transfer, {} pings, {} idle connections, \
+             {} of buffers)",
             opened.label(),
             if peer.once { "for one client" } else { "until killed" },
             if peer.port == DEFAULT_PORT { bound.ip().to_string() } else { bound.to_string() },
             l.max_seconds,
+            l.max_grace,
             crate::cli::fmt_size(l.max_bytes),
             l.max_count,
             l.max_idle,

@@ -4,8 +4,9 @@
 //!
 //! What is counted is what this process holds on the port of the test's listener: descriptors of TCP sockets
 //! with that port at either end (`ss`'s sockets on the port, or `/proc/net/tcp*` without it, against
-//! `/proc/self/fd`), and rdma_cm ids with it (`rdma resource show cm_id`, where the tool and a device are there). Counting by port keeps the count exact while
-//! other tests of the suite open and close descriptors in the same process.
+//! `/proc/self/fd`), and rdma_cm ids with it (`rdma resource show cm_id`, where the tool and a device are there).
+//! Counting by port keeps the count exact while other tests of the suite open and close descriptors in the same
+//! process.
 
 use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
@@ -76,9 +77,9 @@ fn sockets_on(port: u16) -> usize {
 }
 
 /// The inodes (as `/proc/self/fd` names them, `socket:[N]`) of the TCP sockets with `port` at either end and not
-/// in TIME_WAIT, from `ss` (iproute2), whose filter runs in the kernel; `None` without the tool or when it fails. Reading the whole
-/// `/proc/net/tcp` after every batch of connects took most of these cases' time: their refused connects leave
-/// thousands of sockets in TIME_WAIT, which the kernel formats on every read.
+/// in TIME_WAIT, from `ss` (iproute2), whose filter runs in the kernel; `None` without the tool or when it fails.
+/// Reading the whole `/proc/net/tcp` after every batch of connects took most of these cases' time: their refused
+/// connects leave thousands of sockets in TIME_WAIT, which the kernel formats on every read.
 fn socket_inodes_ss(port: u16) -> Option<HashSet<String>> {
     let filter = format!("( sport = :{port} or dport = :{port} )");
     let out = std::process::Command::new("ss")

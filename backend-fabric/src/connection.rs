@@ -416,7 +416,7 @@ impl FabricTransport {
         let (listener, info) = self
             .requests
             .take(request)
-            .ok_or(TransportError::Invalid("unknown request".into()))?;
+            .ok_or_else(|| TransportError::Invalid("unknown request".into()))?;
         let e = match self.create_ep(info.0, ep) {
             Ok(e) => e,
             Err(EpError { error, opened }) => {

@@ -292,7 +292,7 @@ impl VerbsTransport {
         let (_, id) = self
             .requests
             .take(request)
-            .ok_or(TransportError::Invalid("unknown request".into()))?;
+            .ok_or_else(|| TransportError::Invalid("unknown request".into()))?;
         // SAFETY: the request's id is live and ours; from now on it names this endpoint.
         unsafe { (*id).context = (TAG_EP | ep.0 as usize) as *mut c_void };
         let mut e = Self::new_ep(id);

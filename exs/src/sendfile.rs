@@ -166,10 +166,9 @@ impl FileSend {
                     }
                 }
                 if let Err(e) = st.refill(ev.context as usize, self) {
-                    st.failure
-                        .get_or_insert(OpError::Transport(crate::TransportError::Invalid(
-                            e.to_string(),
-                        )));
+                    st.failure.get_or_insert_with(|| {
+                        OpError::Transport(crate::TransportError::Invalid(e.to_string()))
+                    });
                 }
             }
             if st.in_flight == 0 {
@@ -252,10 +251,9 @@ fn chunked(
         }
         for slot in 1..depth {
             if let Err(e) = st.refill(slot, &me) {
-                st.failure
-                    .get_or_insert(OpError::Transport(crate::TransportError::Invalid(
-                        e.to_string(),
-                    )));
+                st.failure.get_or_insert_with(|| {
+                    OpError::Transport(crate::TransportError::Invalid(e.to_string()))
+                });
                 break;
             }
         }

@@ -23,7 +23,9 @@ impl Engine {
                         ConnectFailure::TimedOut => OpError::TimedOut,
                         ConnectFailure::NotAPeer(why) => {
                             tracing::debug!(?peer, %why, "connect: not an exs peer");
-                            OpError::NotAPeer(peer.map_or("the far end".into(), |a| a.to_string()))
+                            OpError::NotAPeer(
+                                peer.map_or_else(|| "the far end".into(), |a| a.to_string()),
+                            )
                         }
                         ConnectFailure::Other(s) => OpError::Transport(TransportError::Invalid(s)),
                     };

@@ -186,7 +186,7 @@ impl Engine {
                 } else {
                     OpError::PeerClosed
                 };
-                sock.down.get_or_insert(err.clone());
+                sock.down.get_or_insert_with(|| err.clone());
                 if let Some(conn) = sock.conn.as_mut() {
                     conn.fail(err);
                 }
@@ -214,7 +214,7 @@ impl Engine {
         } else {
             tracing::warn!(?sid, %err, "connection failed");
         }
-        sock.down.get_or_insert(err.clone());
+        sock.down.get_or_insert_with(|| err.clone());
         if let Some(t) = sock.ticket.take() {
             t.complete(Err(err.clone()), 0, EventFlags::default());
         }

@@ -54,7 +54,7 @@ impl Engine {
                 let Some(s) = self.sockets.get_mut(&sid) else {
                     continue;
                 };
-                s.down.get_or_insert(err.clone());
+                s.down.get_or_insert_with(|| err.clone());
                 if let Some(t) = s.ticket.take() {
                     t.complete(Err(err.clone()), 0, EventFlags::default());
                 }

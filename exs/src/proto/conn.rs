@@ -572,9 +572,7 @@ impl Conn {
         while let Some(offset) = at {
             let (slots, slot) = match kind {
                 WrKind::Pool(id) => pool
-                    .ok_or(Violation::BadRange(
-                        "a pool completion without a pool".into(),
-                    ))?
+                    .ok_or_else(|| Violation::BadRange("a pool completion without a pool".into()))?
                     .slot(id)?,
                 WrKind::Recv(slot) => (self.link.own_rx()?, slot),
                 _ => unreachable!("only receive completions carry control messages"),

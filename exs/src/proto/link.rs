@@ -716,12 +716,14 @@ impl Link {
         }
     }
 
-    /// This connection's own receive slots.
+    /// This connection's own receive slots. (Asked twice per message received: the error is made only when it is
+    /// one, `ok_or_else`, not on every call.)
     pub(crate) fn own_rx(&self) -> Result<&Slots, Violation> {
-        self.rx.as_ref().ok_or(Violation::BadRange(
-            "a completion names a private receive slot, but this connection uses the shared pool"
-                .into(),
-        ))
+        self.rx.as_ref().ok_or_else(|| {
+            Violation::BadRange(
+                "a completion names a private receive slot, but this connection uses the shared pool".into(),
+            )
+        })
     }
 
     /// Reposts an own receive slot once its message has been processed; the buffer becomes a credit owed to the

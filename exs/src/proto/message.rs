@@ -514,7 +514,7 @@ impl MessageProto {
                 // in order, seed 002, 3.1), even one whose bytes came inline.
                 let err: OpError = e.into();
                 for t in self.transfers.iter_mut().skip_while(|t| t.seq != seq) {
-                    t.failed.get_or_insert(err.clone());
+                    t.failed.get_or_insert_with(|| err.clone());
                 }
             }
         }

@@ -583,7 +583,8 @@ impl StreamProto {
         for s in self.tx.sends.iter_mut() {
             let started = s.in_flight > 0 || s.rest.as_ref().is_none_or(|r| r.len() < s.len);
             s.rest = None;
-            s.failed.get_or_insert(err.clone().once_started(started));
+            s.failed
+                .get_or_insert_with(|| err.clone().once_started(started));
         }
         self.complete_sends();
     }
@@ -594,7 +595,8 @@ impl StreamProto {
         for s in self.tx.sends.iter_mut().filter(|s| s.rest.is_some()) {
             let started = s.in_flight > 0 || s.rest.as_ref().is_some_and(|r| r.len() < s.len);
             s.rest = None;
-            s.failed.get_or_insert(err.clone().once_started(started));
+            s.failed
+                .get_or_insert_with(|| err.clone().once_started(started));
         }
         self.complete_sends();
     }

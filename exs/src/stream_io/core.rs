@@ -166,7 +166,7 @@ impl Reader {
             Err(e) => {
                 self.free.push(slot);
                 if !self.eof && !self.shut {
-                    self.failed.get_or_insert(Failure::of(&e));
+                    self.failed.get_or_insert_with(|| Failure::of(&e));
                 }
             }
         }
@@ -353,7 +353,7 @@ impl Writer {
                     self.used -= n;
                 }
                 if let Err(e) = &ev.status {
-                    self.failed.get_or_insert(Failure::of(e));
+                    self.failed.get_or_insert_with(|| Failure::of(e));
                 }
             }
             EventKind::Shutdown => self.shut = Shut::Done,

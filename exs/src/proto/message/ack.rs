@@ -84,7 +84,7 @@ impl MessageProto {
         if let Some(o) = self.unacked.iter_mut().find(|o| o.seq == seq) {
             o.inline_in_flight = false;
             if let Err(e) = status {
-                o.failed.get_or_insert(e.into());
+                o.failed.get_or_insert_with(|| e.into());
             }
         }
         self.complete_sends();

@@ -35,7 +35,8 @@ impl MessageProto {
         // Their message left: the peer may have it, so never `Cancelled` (issue 14).
         for o in self.unacked.iter_mut() {
             if !o.acked {
-                o.failed.get_or_insert(err.clone().once_started(true));
+                o.failed
+                    .get_or_insert_with(|| err.clone().once_started(true));
             }
         }
         self.complete_sends();
@@ -63,11 +64,11 @@ impl MessageProto {
         }
         self.adverts.clear();
         for t in self.transfers.iter_mut() {
-            t.failed.get_or_insert(err.clone());
+            t.failed.get_or_insert_with(|| err.clone());
         }
         self.complete_transfers_with(None);
         for w in self.writes.iter_mut() {
-            w.failed.get_or_insert(err.clone());
+            w.failed.get_or_insert_with(|| err.clone());
         }
         if let Some(own) = self.own_precv.as_mut() {
             // Its exposure goes at drop_all, when the peer can no longer write.
@@ -93,7 +94,7 @@ impl MessageProto {
         while let Some(mut w) = self.writes.pop_front() {
             if let Some(t) = w.ticket.take() {
                 t.complete(
-                    Err(w.failed.take().unwrap_or(err.clone())),
+                    Err(w.failed.take().unwrap_or_else(|| err.clone())),
                     0,
                     EventFlags::default(),
                 );

@@ -349,7 +349,7 @@ impl StreamProto {
             if let Some(s) = self.tx.sends.iter_mut().find(|s| s.id == id) {
                 s.in_flight -= 1;
                 if let Err(e) = &status {
-                    s.failed.get_or_insert(e.clone().into());
+                    s.failed.get_or_insert_with(|| e.clone().into());
                 }
             }
         }

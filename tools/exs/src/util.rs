@@ -57,9 +57,16 @@ pub fn accept_one(
 /// go on once the test has run past the server's time limit (checked after every event: a client that keeps
 /// sending cannot keep a test alive).
 pub fn wait_watching(eq: &exs::EventQueue, watch: &Watch, what: &str) -> Result<exs::Event> {
-    let mut one = Vec::with_capacity(1);
-    dequeue_watching(eq, &mut one, 1, watch, what)?;
-    one.pop().ok_or_else(|| anyhow!("no {what}"))
+    // One buffer per thread, empty between calls: a `Vec` made per event was an allocation on the measured path
+    // of every ping.
+    thread_local! {
+        static ONE: std::cell::RefCell<Vec<exs::Event>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    ONE.with_borrow_mut(|one| {
+        one.clear();
+        dequeue_watching(eq, one, 1, watch, what)?;
+        one.pop().ok_or_else(|| anyhow!("no {what}"))
+    })
 }
 
 /// Like [`wait_watching`], for a batch: at least one event, at most `max`, appended to `out`.

@@ -21,10 +21,6 @@
 //!   satisfies `FI_CONTEXT`/`FI_CONTEXT2`). The record owns the work request, so its leases live until the
 //!   completion is read, or until `fi_close` of the endpoint guarantees the provider no longer touches them.
 
-// A value built for `ok_or`, `unwrap_or` and the like is built on every call, also when it is not used; closures
-// build it only when it is needed (see exs's lib.rs).
-#![warn(clippy::or_fun_call)]
-
 mod call;
 mod cm;
 mod completion;

@@ -33,10 +33,6 @@
 //!
 //! All `unsafe` of the verbs side is here, each block with its invariant.
 
-// A value built for `ok_or`, `unwrap_or` and the like is built on every call, also when it is not used; closures
-// build it only when it is needed (see exs's lib.rs).
-#![warn(clippy::or_fun_call)]
-
 use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::net::{IpAddr, SocketAddr};

@@ -27,10 +27,6 @@
 //! This is the only crate of the protocol side that contains `unsafe`; each block states its invariant.
 
 #![deny(missing_docs)]
-// A value built for `ok_or`, `unwrap_or`, `get_or_insert` and the like is built on every call, also when it is
-// not used: an error message allocated on every received message was found this way. Closures build it only when
-// it is needed.
-#![warn(clippy::or_fun_call)]
 
 use std::fmt;
 use std::ops::Range;

@@ -144,10 +144,6 @@
 
 #![forbid(unsafe_code)]
 #![deny(missing_docs)]
-// A value built for `ok_or`, `unwrap_or`, `get_or_insert` and the like is built on every call, also when it is
-// not used: an error message allocated on every received message was found this way. Closures build it only when
-// it is needed.
-#![warn(clippy::or_fun_call)]
 
 mod budget;
 mod config;

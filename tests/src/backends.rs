@@ -96,7 +96,7 @@ impl Fabric {
         let addr = std::env::var("EXS_FABRIC_ADDR")
             .ok()
             .and_then(|a| a.parse().ok())
-            .unwrap_or([127, 0, 0, 1].into());
+            .unwrap_or_else(|| [127, 0, 0, 1].into());
         Fabric {
             cfg: exs_backend_fabric::FabricConfig {
                 provider,

@@ -220,7 +220,7 @@ fn spawn_remote(
         .set_read_timeout(Some(Duration::from_secs(120)))
         .map_err(|e| e.to_string())?;
     let mut agent = BufReader::new(stream);
-    let target = target.map_or("-".to_string(), |t| t.to_string());
+    let target = target.map_or_else(|| "-".to_string(), |t| t.to_string());
     let r = agent_call(
         &mut agent,
         &format!("SPAWN {role} {backend} {target} {}", u8::from(read_line)),

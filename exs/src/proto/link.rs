@@ -716,8 +716,7 @@ impl Link {
         }
     }
 
-    /// This connection's own receive slots. (Asked twice per message received: the error is made only when it is
-    /// one, `ok_or_else`, not on every call.)
+    /// This connection's own receive slots.
     pub(crate) fn own_rx(&self) -> Result<&Slots, Violation> {
         self.rx.as_ref().ok_or_else(|| {
             Violation::BadRange(

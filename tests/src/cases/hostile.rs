@@ -252,7 +252,7 @@ impl Victim {
         let mut ev = next(&self.eq)?;
         let s = ev
             .take_accepted()
-            .ok_or(format!("{what}: accept after the attack: {ev:?}"))?;
+            .ok_or_else(|| format!("{what}: accept after the attack: {ev:?}"))?;
         let data = pattern(100_000, 5);
         let src = MemoryRegion::from_vec(&client, data.clone()).map_err(|e| e.to_string())?;
         let dst = MemoryRegion::alloc(&self.ctx, 100_000).map_err(|e| e.to_string())?;

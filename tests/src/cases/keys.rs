@@ -51,7 +51,7 @@ fn advert(raw: &mut RawPeer, what: &str, pick: impl Fn(&Advert) -> bool) -> Resu
         })
     };
     raw.pump(Duration::from_secs(20), |p| find(p).is_some());
-    find(raw).ok_or(format!("the victim never advertised {what}"))
+    find(raw).ok_or_else(|| format!("the victim never advertised {what}"))
 }
 
 /// Tries `remote` from a fresh connection B (read, or write of "EVIL"): it must fail.
@@ -294,7 +294,7 @@ fn advert_stream(raw: &mut RawPeer) -> Result<RemoteRef, String> {
         })
     };
     raw.pump(Duration::from_secs(20), |p| find(p).is_some());
-    find(raw).ok_or("the victim never advertised its stream receive".into())
+    find(raw).ok_or_else(|| "the victim never advertised its stream receive".into())
 }
 
 /// The trade-off of the trusted policy, pinned: the key of one send reaches the rest of its region (UNH-EXS gives

@@ -39,10 +39,12 @@ fn refused_count(b: &dyn Backend) -> usize {
     std::env::var("EXS_CONFORMANCE_REFUSED")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(if matches!(b.name(), "sim" | "fabric") {
-            10_000
-        } else {
-            400
+        .unwrap_or_else(|| {
+            if matches!(b.name(), "sim" | "fabric") {
+                10_000
+            } else {
+                400
+            }
         })
 }
 

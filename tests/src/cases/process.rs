@@ -116,7 +116,7 @@ fn echo_exchange(b: &dyn Backend, peer: Option<&PeerHost>) -> Result<usize, Stri
     let line = child.line.clone().unwrap_or_default();
     let addr = line
         .strip_prefix("LISTEN ")
-        .ok_or(format!("child said {line:?}"))?
+        .ok_or_else(|| format!("child said {line:?}"))?
         .parse()
         .map_err(|e| format!("{e}"))?;
     let net = b.net();

@@ -217,10 +217,12 @@ fn idle_stream_connections(b: &dyn Backend) -> Result<(), String> {
     let n = std::env::var("EXS_CONFORMANCE_IDLE_CONNS")
         .ok()
         .and_then(|v| v.parse().ok())
-        .unwrap_or(if matches!(b.name(), "sim" | "fabric") {
-            1000
-        } else {
-            count()
+        .unwrap_or_else(|| {
+            if matches!(b.name(), "sim" | "fabric") {
+                1000
+            } else {
+                count()
+            }
         });
     let m = connect_many(b, SockType::Stream, n)?;
     let (server_bytes, client_bytes) = (

@@ -109,7 +109,7 @@ fn info(a: InfoArgs) -> Result<()> {
     println!(
         "{} (backend {}; contexts: at most {} connections, memory budget {} MiB, connect timeout {:?})",
         c.name,
-        ctx.backend().map_or("unknown".into(), |k| k.to_string()),
+        ctx.backend().map_or_else(|| "unknown".into(), |k| k.to_string()),
         opts.max_connections,
         opts.memory_budget >> 20,
         opts.connect_timeout

@@ -123,10 +123,9 @@ pub(super) fn vanishing_requests(b: &dyn Backend) -> Result<(), String> {
     // Every accept ends with an established connection; the honest one among them.
     for i in 0..4 {
         let mut ev = next(&v.eq)?;
-        let s = ev.take_accepted().ok_or(format!(
-            "accept {i} ended without a connection: {:?}",
-            ev.status
-        ))?;
+        let s = ev
+            .take_accepted()
+            .ok_or_else(|| format!("accept {i} ended without a connection: {:?}", ev.status))?;
         // A vanishing peer may have come up before it vanished (an established connection is the application's,
         // as with TCP); it is down by now, or soon.
         if s.peer_addr().ok().flatten() == honest {

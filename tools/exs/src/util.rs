@@ -63,9 +63,12 @@ pub fn wait_watching(eq: &exs::EventQueue, watch: &Watch, what: &str) -> Result<
         static ONE: std::cell::RefCell<Vec<exs::Event>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     ONE.with_borrow_mut(|one| {
+        let r = dequeue_watching(eq, one, 1, watch, what);
+        // Empty again whatever happened: an event taken before the time limit's error goes with that error.
+        let ev = one.pop();
         one.clear();
-        dequeue_watching(eq, one, 1, watch, what)?;
-        one.pop().ok_or_else(|| anyhow!("no {what}"))
+        r?;
+        ev.ok_or_else(|| anyhow!("no {what}"))
     })
 }
 

@@ -354,3 +354,45 @@ fn a_trusted_stream_receive_refused_beside_a_borrow_says_the_buffer_is_busy() {
         "received after the borrow",
     );
 }
+
+/// A stream receive that what the stream buffer already holds completes at once is never advertised, so it is
+/// given no key (least exposure, and no registration per read while the writer is ahead); one that must wait
+/// for more bytes (MSG_WAITALL beyond what is held) is exposed as before.
+#[test]
+fn a_stream_receive_the_stream_buffer_fills_at_once_gets_no_key() {
+    let p = pair(SockType::Stream);
+    let sent = pattern(1000, 4);
+    let src = p.client_region(sent.clone());
+    let dst = p.server_region(4000);
+    // The first receive waits for bytes: it is advertised, with a key.
+    p.server
+        .recv(&p.eq_b, &dst.slice(0..10), MsgFlags::NONE, 1)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    assert_eq!(wait(&p.eq_b).bytes, 10);
+    assert!(wait(&p.eq_a).status.is_ok());
+    p.world.run_until_idle(1000);
+    let keys = p.b.stats().exposures;
+    assert!(keys >= 1, "the waiting receive had a key: {:?}", p.b.stats());
+    // The rest is in the stream buffer: a receive of part of it completes at once, with no key.
+    p.server
+        .recv(&p.eq_b, &dst.slice(10..500), MsgFlags::NONE, 2)
+        .unwrap();
+    assert_eq!(wait(&p.eq_b).bytes, 490);
+    assert_eq!(p.b.stats().exposures, keys, "{:?}", p.b.stats());
+    // A MSG_WAITALL receive of more than the buffer holds waits for the writer, so it is exposed.
+    p.server
+        .recv(&p.eq_b, &dst.slice(500..1500), MsgFlags::WAITALL, 3)
+        .unwrap();
+    p.world.run_until_idle(1000);
+    assert_eq!(p.b.stats().exposures, keys + 1, "{:?}", p.b.stats());
+    p.client
+        .send(&p.eq_a, &src.slice(0..500), MsgFlags::NONE, 2)
+        .unwrap();
+    assert_eq!(wait(&p.eq_b).bytes, 1000);
+    let got = dst.to_vec().unwrap();
+    assert_bytes_eq(&got[..1000], &sent, "the first send, through both receives");
+    assert_bytes_eq(&got[1000..1500], &sent[..500], "the second send");
+}

@@ -337,27 +337,17 @@ impl Engine {
         let ep = conn.ep;
         let sge = slice.lease(plan.lease_kind())?;
         let mem = match plan {
-            RecvPlan::Message => RecvMemory::Leased(sge),
-            RecvPlan::Stream { keyless: true } => {
-                // The peer closed: it writes nothing more, so no key; the stream buffer's rest is copied in.
-                let (lease, reg) = sge.into_parts();
-                let unkeyed = crate::transport::KeyedLease::new(
-                    crate::transport::RemoteRef { addr: 0, key: 0 },
-                    lease,
-                    crate::transport::NoKey,
-                );
-                RecvMemory::Exposed(Box::new(unkeyed), reg)
-            }
+            // No key: only our copies out of the stream buffer fill it (the protocol decided).
+            RecvPlan::Message | RecvPlan::Stream { keyless: true } => RecvMemory::Leased(sge),
             RecvPlan::Persistent => {
                 let (lease, reg) = sge.into_parts();
-                RecvMemory::Exposed(self.expose(ep, &reg, lease, RemoteAccess::Write)?, reg)
+                RecvMemory::Exposed(self.expose(ep, &reg, lease, RemoteAccess::Write)?)
             }
             RecvPlan::Stream { keyless: false } => {
                 let (lease, reg) = sge.into_parts();
                 RecvMemory::Exposed(
                     self.expose_op(ep, &reg, lease, RemoteAccess::Write)
                         .map_err(ExposeError::into_op::<RecvError>)?,
-                    reg,
                 )
             }
         };

@@ -443,12 +443,11 @@ impl Conn {
     pub(crate) fn recv_stream(
         &mut self,
         ticket: crate::proto::op::OpToken,
-        exposure: Box<dyn Exposure>,
-        reg: std::sync::Arc<dyn crate::transport::Registration>,
+        mem: crate::proto::stream::StreamRecvMemory,
         flags: crate::options::MsgFlags,
     ) -> Result<(), Violation> {
         match &mut self.mode {
-            Some(Mode::Stream(s)) => s.recv(ticket, exposure, reg, flags, &mut self.link),
+            Some(Mode::Stream(s)) => s.recv(ticket, mem, flags, &mut self.link),
             _ => Err(Violation::Unexpected {
                 kind: "stream receive",
                 context: "on a message socket",

@@ -60,7 +60,7 @@ use crate::proto::limits::Limits;
 use crate::proto::link::{DataOp, Link};
 use crate::proto::op::EventFlags;
 use crate::proto::op::OpToken;
-use crate::transport::{Exposure, Registration, RemoteRef, Sge, WcError};
+use crate::transport::{Exposure, KeyedLease, NoKey, Registration, RemoteRef, Sge, WcError};
 use crate::wire::{Body, CloseReason, Handshake, Imm, StreamAdvert};
 
 /// Counters.
@@ -182,6 +182,14 @@ struct LocalRing {
     _charge: crate::budget::Charge,
 }
 
+/// A stream receive's memory, as [`crate::proto::conn::RecvPlan::Stream`] planned it.
+pub(crate) enum StreamRecvMemory {
+    /// Exposed for the peer's direct transfers (seed 001): it may be advertised.
+    Keyed(Box<dyn Exposure>),
+    /// Leased with no key: filled by our copies out of the stream buffer only, never advertised.
+    Keyless(Sge),
+}
+
 #[derive(Debug)]
 struct RecvOp {
     ticket: OpToken,
@@ -189,6 +197,8 @@ struct RecvOp {
     len: usize,
     filled: usize,
     waitall: bool,
+    /// Exposed with a key the peer may write through (`false`: [`StreamRecvMemory::Keyless`]).
+    keyed: bool,
     /// Set when advertised: bytes this receive was counted for in `src_seqno` (filled then + estimate).
     counted: Option<u64>,
 }
@@ -487,6 +497,18 @@ impl StreamProto {
     /// The peer asks for our stream buffer (once; a repeated request changes nothing).
     pub(crate) fn on_ring_wanted(&mut self) {
         self.rx.ring_wanted = true;
+    }
+
+    /// Whether a receive of `len` bytes posted now is completed at once by what our stream buffer holds, so that
+    /// it needs no key (least exposure, and no registration per receive while the buffer is ahead of the reader):
+    /// no receive is queued before it, and the buffer holds a byte (all `len` for a MSG_WAITALL one). Seed 001
+    /// fills a receive from the stream buffer first; one filled from it whole is never advertised.
+    pub(crate) fn fills_at_once(&self, len: usize, waitall: bool) -> bool {
+        let held = self.rx.tail - self.rx.head;
+        self.rx.recvs.is_empty()
+            && self.rx.ring.is_some()
+            && held > 0
+            && (!waitall || held >= len as u64)
     }
 
     /// Our application reads (a receive, or a poll for readability): a stream buffer the peer asked for now serves

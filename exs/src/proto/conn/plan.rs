@@ -8,8 +8,6 @@
 //! engine only leases and exposes the memory as told ([`SendPlan`], [`RecvPlan`]) and hands the result back
 //! ([`Conn::start_send`]).
 
-use std::sync::Arc;
-
 use exs_dma::LeaseKind;
 
 use super::{Conn, Mode};
@@ -17,7 +15,8 @@ use crate::error::{BufferError, RecvError, SendError, StateError, Violation};
 use crate::options::{MsgFlags, SockType};
 use crate::proto::message::{RecvReq, SendData, SendReq, RECV_LEASE};
 use crate::proto::op::OpToken;
-use crate::transport::{Exposure, Registration, Sge};
+use crate::proto::stream::StreamRecvMemory;
+use crate::transport::{Exposure, Sge};
 
 /// What the engine does with a send's memory before the protocol takes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,10 +50,13 @@ pub(crate) enum RecvPlan {
     /// A message receive: leased for the device to write (the peer's immediate data lands there, or an RDMA read
     /// of its exposed send).
     Message,
-    /// A stream receive: exposed for the peer's direct transfers (seed 001), or, once the peer has closed, leased
-    /// with no key (it writes nothing more; what its stream buffer still holds is copied in).
+    /// A stream receive: exposed for the peer's direct transfers (seed 001), or leased with no key when no
+    /// transfer can land in it: the peer has closed (it writes nothing more; what its stream buffer still holds is
+    /// copied in), or our stream buffer already holds what completes it (see [`StreamProto::fills_at_once`]).
+    ///
+    /// [`StreamProto::fills_at_once`]: crate::proto::stream::StreamProto::fills_at_once
     Stream {
-        /// The peer has closed.
+        /// No key: the receive is filled from the stream buffer only, never advertised.
         keyless: bool,
     },
 }
@@ -168,7 +170,13 @@ impl Conn {
         let m = match &mut self.mode {
             Some(Mode::Message(m)) => m,
             _ if len == 0 => return Err(BufferError::Empty.into()),
-            _ => {
+            Some(Mode::Stream(s)) => {
+                let waitall = flags.contains(MsgFlags::WAITALL);
+                return Ok(RecvPlan::Stream {
+                    keyless: peer_closed || s.fills_at_once(len, waitall),
+                });
+            }
+            None => {
                 return Ok(RecvPlan::Stream {
                     keyless: peer_closed,
                 })
@@ -196,10 +204,11 @@ impl Conn {
 
 /// A receive's memory, prepared as planned.
 pub(crate) enum RecvMemory {
-    /// Leased for the device to write ([`RecvPlan::Message`]).
+    /// Leased for the device to write ([`RecvPlan::Message`]), or for our copies out of the stream buffer only
+    /// (a keyless [`RecvPlan::Stream`]).
     Leased(Sge),
     /// Exposed for the peer's writes, with its registration ([`RecvPlan::Persistent`], [`RecvPlan::Stream`]).
-    Exposed(Box<dyn Exposure>, Arc<dyn Registration>),
+    Exposed(Box<dyn Exposure>),
 }
 
 /// Why a planned receive did not start.
@@ -231,15 +240,15 @@ impl Conn {
                 );
                 Ok(())
             }
-            (Some(Mode::Message(_)), RecvMemory::Exposed(e, _)) => self
+            (Some(Mode::Message(_)), RecvMemory::Exposed(e)) => self
                 .recv_persistent(ticket, e)
                 .map_err(|(t, why)| RecvRefused::Persistent(t, why)),
-            (_, RecvMemory::Exposed(e, reg)) => self
-                .recv_stream(ticket, e, reg, flags)
+            (_, RecvMemory::Exposed(e)) => self
+                .recv_stream(ticket, StreamRecvMemory::Keyed(e), flags)
                 .map_err(RecvRefused::Peer),
-            (_, RecvMemory::Leased(_)) => {
-                unreachable!("a receive starts only as planned for its connection")
-            }
+            (_, RecvMemory::Leased(sge)) => self
+                .recv_stream(ticket, StreamRecvMemory::Keyless(sge), flags)
+                .map_err(RecvRefused::Peer),
         }
     }
 }

@@ -7,11 +7,18 @@ impl StreamProto {
     pub(crate) fn recv(
         &mut self,
         ticket: OpToken,
-        exposure: Box<dyn Exposure>,
-        _reg: Arc<dyn Registration>,
+        mem: StreamRecvMemory,
         flags: MsgFlags,
         link: &mut Link,
     ) -> Result<(), Violation> {
+        let (exposure, keyed): (Box<dyn Exposure>, bool) = match mem {
+            StreamRecvMemory::Keyed(e) => (e, true),
+            StreamRecvMemory::Keyless(sge) => {
+                let (lease, _reg) = sge.into_parts();
+                let remote = RemoteRef { addr: 0, key: 0 };
+                (Box::new(KeyedLease::new(remote, lease, NoKey)), false)
+            }
+        };
         let len = exposure.len();
         self.reading();
         self.rx.recvs.push_back(RecvOp {
@@ -20,6 +27,7 @@ impl StreamProto {
             len,
             filled: 0,
             waitall: flags.contains(MsgFlags::WAITALL),
+            keyed,
             counted: None,
         });
         self.drain()?;
@@ -101,6 +109,10 @@ impl StreamProto {
             let r = &self.rx.recvs[i];
             if r.counted.is_some() || r.filled == r.len {
                 continue;
+            }
+            if !r.keyed {
+                // Filled from the stream buffer only; the receives behind it wait (advertisements go in order).
+                break;
             }
             if !self.may_advertise_next(r.waitall) {
                 break;

@@ -103,9 +103,13 @@ fn check(got: &[u8], want: &[u8]) -> io::Result<()> {
 /// and indirect bytes, writes posted), for exs streams.
 fn stats_of<S: 'static>(s: &S) -> Box<dyn Fn()> {
     let any: &dyn std::any::Any = s;
-    let sock = match any.downcast_ref::<exs::Stream>() {
-        Some(s) => s.socket().clone(),
-        None => return Box::new(|| ()),
+    let sock = match (
+        any.downcast_ref::<exs::Stream>(),
+        any.downcast_ref::<exs::tokio::Stream>(),
+    ) {
+        (Some(s), _) => s.socket().clone(),
+        (_, Some(s)) => s.socket().clone(),
+        _ => return Box::new(|| ()),
     };
     if std::env::var_os("STREAM_BENCH_STATS").is_none() {
         return Box::new(|| ());
@@ -170,6 +174,7 @@ where
         s.read_to_end(&mut got).await?;
         Ok::<_, io::Error>((got, Instant::now()))
     });
+    let stats = stats_of(&c);
     let (t, cpu0) = (Instant::now(), cpu());
     for piece in data.chunks(write.max(1)) {
         c.write_all(piece).await?;
@@ -177,6 +182,7 @@ where
     c.shutdown().await?;
     let (got, end) = reader.await.map_err(other)??;
     let cpu = cpu() - cpu0;
+    stats();
     check(&got, &data)?;
     Ok((end - t, cpu))
 }

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::exposure::ExposeError;
+use crate::proto::stream::StreamRecvMemory;
 
 /// The application's memory that a send or receive names (a `Slice` of a registered region): the engine sits below
 /// the public memory types and sees them through this.
@@ -337,19 +338,27 @@ impl Engine {
         let ep = conn.ep;
         let sge = slice.lease(plan.lease_kind())?;
         let mem = match plan {
-            // No key: only our copies out of the stream buffer fill it (the protocol decided).
-            RecvPlan::Message | RecvPlan::Stream { keyless: true } => RecvMemory::Leased(sge),
+            RecvPlan::Message => RecvMemory::Leased(sge),
             RecvPlan::Persistent => {
                 let (lease, reg) = sge.into_parts();
                 RecvMemory::Exposed(self.expose(ep, &reg, lease, RemoteAccess::Write)?)
             }
-            RecvPlan::Stream { keyless: false } => {
+            // Under the trusted policy the key is the region's, made once per connection: the receive takes it
+            // now (so a receive beside a borrow of the region is refused at once). Otherwise it gets a key of
+            // its own only if the protocol advertises it (`Engine::provide_recv_keys`).
+            RecvPlan::Stream { keyless: false }
+                if self.exposure == ExposurePolicy::TrustedPeers =>
+            {
                 let (lease, reg) = sge.into_parts();
-                RecvMemory::Exposed(
+                RecvMemory::Stream(StreamRecvMemory::Keyed(
                     self.expose_op(ep, &reg, lease, RemoteAccess::Write)
                         .map_err(ExposeError::into_op::<RecvError>)?,
-                )
+                ))
             }
+            RecvPlan::Stream { keyless } => RecvMemory::Stream(StreamRecvMemory::Unkeyed {
+                sge,
+                keyable: !keyless,
+            }),
         };
         let token = self.token(ticket);
         let conn = self

@@ -386,6 +386,25 @@ impl Engine {
         self.transport.expose(ep, reg, lease, access)
     }
 
+    /// Keys the stream receives the protocol is about to advertise (seed 001: a receive is exposed only when
+    /// advertised; see [`crate::proto::stream::StreamRecvMemory`]), each as the exposure policy says.
+    fn provide_recv_keys(&mut self, sid: SocketId) -> Result<(), ExposeError> {
+        loop {
+            let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+                return Ok(());
+            };
+            let ep = conn.ep;
+            let Some(sge) = conn.take_recv_to_key() else {
+                return Ok(());
+            };
+            let (lease, reg) = sge.into_parts();
+            let exposure = self.expose_op(ep, &reg, lease, RemoteAccess::Write)?;
+            if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
+                conn.give_recv_key(exposure);
+            }
+        }
+    }
+
     /// Exposes an operation's range (a send the peer reads, a receive it writes) as the context's policy says:
     /// a key of its own, or the trusted policy's key for the whole region on this connection.
     fn expose_op(
@@ -660,6 +679,17 @@ impl Engine {
                 );
                 return;
             }
+        }
+        if let Err(e) = self.provide_recv_keys(sid) {
+            let what = format!(
+                "a key for a stream receive: {}",
+                e.into_op::<crate::error::RecvError>()
+            );
+            self.fault(
+                sid,
+                Fault::Transport(crate::transport::WcError::Other(what)),
+            );
+            return;
         }
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;

@@ -455,6 +455,22 @@ impl Conn {
         }
     }
 
+    /// The memory of the stream receive to advertise next, if it waits for its key (see
+    /// [`crate::proto::stream::StreamRecvMemory`]); the key comes back through [`Conn::give_recv_key`].
+    pub(crate) fn take_recv_to_key(&mut self) -> Option<crate::transport::Sge> {
+        match &mut self.mode {
+            Some(Mode::Stream(s)) => s.take_recv_to_key(&mut self.link),
+            _ => None,
+        }
+    }
+
+    /// The key of the receive [`Conn::take_recv_to_key`] handed out; it is advertised now.
+    pub(crate) fn give_recv_key(&mut self, exposure: Box<dyn Exposure>) {
+        if let Some(Mode::Stream(s)) = &mut self.mode {
+            s.give_recv_key(exposure, &mut self.link);
+        }
+    }
+
     /// The acknowledgment delay expired: acknowledge (message mode) or report stream-buffer space (stream mode)
     /// now.
     pub(crate) fn force_ack(&mut self) {

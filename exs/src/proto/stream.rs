@@ -60,7 +60,7 @@ use crate::proto::limits::Limits;
 use crate::proto::link::{DataOp, Link};
 use crate::proto::op::EventFlags;
 use crate::proto::op::OpToken;
-use crate::transport::{Exposure, KeyedLease, NoKey, Registration, RemoteRef, Sge, WcError};
+use crate::transport::{Exposure, Registration, RemoteRef, Sge, WcError};
 use crate::wire::{Body, CloseReason, Handshake, Imm, StreamAdvert};
 
 /// Counters.
@@ -182,23 +182,59 @@ struct LocalRing {
     _charge: crate::budget::Charge,
 }
 
-/// A stream receive's memory, as [`crate::proto::conn::RecvPlan::Stream`] planned it.
+/// A stream receive's memory (seed 001). A receive is exposed for the peer's direct transfers only when it is
+/// advertised: one filled from the stream buffer before its turn to be advertised (the writer ahead of the
+/// reader, receives queued deep) never has a key, so it costs no registration and exposes nothing. The protocol
+/// asks for the key ([`StreamProto::take_recv_to_key`]) and the engine makes it as the context's exposure
+/// policy says ([`StreamProto::give_recv_key`]).
+#[derive(Debug)]
 pub(crate) enum StreamRecvMemory {
-    /// Exposed for the peer's direct transfers (seed 001): it may be advertised.
+    /// Exposed for the peer's direct transfers: it may be advertised.
     Keyed(Box<dyn Exposure>),
-    /// Leased with no key: filled by our copies out of the stream buffer only, never advertised.
-    Keyless(Sge),
+    /// Leased for our copies out of the stream buffer, no key yet. `keyable`: it may be given one to be
+    /// advertised (not once the peer has closed: it writes nothing more).
+    Unkeyed { sge: Sge, keyable: bool },
+    /// With the engine for its key, between [`StreamProto::take_recv_to_key`] and
+    /// [`StreamProto::give_recv_key`] (no other call comes in between).
+    Keying,
+}
+
+impl StreamRecvMemory {
+    fn len(&self) -> usize {
+        match self {
+            StreamRecvMemory::Keyed(e) => e.len(),
+            StreamRecvMemory::Unkeyed { sge, .. } => sge.len(),
+            StreamRecvMemory::Keying => 0,
+        }
+    }
+
+    /// Copies `len` bytes of `src` from `src_offset` into the receive at `offset`.
+    fn fill_from(
+        &mut self,
+        offset: usize,
+        src: &DmaBuf,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), String> {
+        match self {
+            StreamRecvMemory::Keyed(e) => e
+                .fill_from(offset, src, src_offset, len)
+                .map_err(|e| e.to_string()),
+            StreamRecvMemory::Unkeyed { sge, .. } => src
+                .copy_into(src_offset, sge.lease_mut(), offset, len)
+                .map_err(|e| e.to_string()),
+            StreamRecvMemory::Keying => Err("a receive being keyed was filled".into()),
+        }
+    }
 }
 
 #[derive(Debug)]
 struct RecvOp {
     ticket: OpToken,
-    exposure: Box<dyn Exposure>,
+    mem: StreamRecvMemory,
     len: usize,
     filled: usize,
     waitall: bool,
-    /// Exposed with a key the peer may write through (`false`: [`StreamRecvMemory::Keyless`]).
-    keyed: bool,
     /// Set when advertised: bytes this receive was counted for in `src_seqno` (filled then + estimate).
     counted: Option<u64>,
 }
@@ -252,7 +288,9 @@ struct Rx {
     /// Our receiving side ended ([`StreamProto::fail_receives`]): whatever the peer still writes is dropped.
     closed: bool,
     /// Receives that failed while still exposed; their event waits for the release of the endpoint.
-    retired: Vec<(Box<dyn Exposure>, OpToken, OpError)>,
+    retired: Vec<(StreamRecvMemory, OpToken, OpError)>,
+    /// The next receive to advertise has no key yet: the engine is asked for one (see [`StreamRecvMemory`]).
+    key_wanted: bool,
     /// Window updates may wait for the acknowledgment delay (an advertisement in the meantime carries them).
     defer_windows: bool,
     /// A window update is due and waits (see `maybe_window`).
@@ -396,6 +434,7 @@ impl StreamProto {
                 eof: false,
                 closed: false,
                 retired: Vec::new(),
+                key_wanted: false,
                 defer_windows,
                 window_deferred: false,
                 ring_chosen: false,
@@ -497,18 +536,6 @@ impl StreamProto {
     /// The peer asks for our stream buffer (once; a repeated request changes nothing).
     pub(crate) fn on_ring_wanted(&mut self) {
         self.rx.ring_wanted = true;
-    }
-
-    /// Whether a receive of `len` bytes posted now is completed at once by what our stream buffer holds, so that
-    /// it needs no key (least exposure, and no registration per receive while the buffer is ahead of the reader):
-    /// no receive is queued before it, and the buffer holds a byte (all `len` for a MSG_WAITALL one). Seed 001
-    /// fills a receive from the stream buffer first; one filled from it whole is never advertised.
-    pub(crate) fn fills_at_once(&self, len: usize, waitall: bool) -> bool {
-        let held = self.rx.tail - self.rx.head;
-        self.rx.recvs.is_empty()
-            && self.rx.ring.is_some()
-            && held > 0
-            && (!waitall || held >= len as u64)
     }
 
     /// Our application reads (a receive, or a poll for readability): a stream buffer the peer asked for now serves
@@ -627,7 +654,7 @@ impl StreamProto {
     pub(crate) fn fail_receives(&mut self, err: OpError) {
         self.rx.closed = true;
         for r in self.rx.recvs.drain(..) {
-            self.rx.retired.push((r.exposure, r.ticket, err.clone()));
+            self.rx.retired.push((r.mem, r.ticket, err.clone()));
         }
     }
 
@@ -645,8 +672,8 @@ impl StreamProto {
         self.tx.writes.clear();
         self.tx.direct_in_flight = 0;
         self.fail(err);
-        for (exposure, ticket, e) in self.rx.retired.drain(..) {
-            drop(exposure);
+        for (mem, ticket, e) in self.rx.retired.drain(..) {
+            drop(mem);
             let eof = e == OpError::PeerClosed;
             if eof {
                 ticket.complete_eof();

@@ -50,13 +50,11 @@ pub(crate) enum RecvPlan {
     /// A message receive: leased for the device to write (the peer's immediate data lands there, or an RDMA read
     /// of its exposed send).
     Message,
-    /// A stream receive: exposed for the peer's direct transfers (seed 001), or leased with no key when no
-    /// transfer can land in it: the peer has closed (it writes nothing more; what its stream buffer still holds is
-    /// copied in), or our stream buffer already holds what completes it (see [`StreamProto::fills_at_once`]).
-    ///
-    /// [`StreamProto::fills_at_once`]: crate::proto::stream::StreamProto::fills_at_once
+    /// A stream receive: leased, and exposed for the peer's direct transfers (seed 001) when it is advertised
+    /// (see [`StreamRecvMemory`]).
     Stream {
-        /// No key: the receive is filled from the stream buffer only, never advertised.
+        /// It never takes a key: the peer has closed (it writes nothing more; what our stream buffer still holds
+        /// is copied in).
         keyless: bool,
     },
 }
@@ -170,13 +168,7 @@ impl Conn {
         let m = match &mut self.mode {
             Some(Mode::Message(m)) => m,
             _ if len == 0 => return Err(BufferError::Empty.into()),
-            Some(Mode::Stream(s)) => {
-                let waitall = flags.contains(MsgFlags::WAITALL);
-                return Ok(RecvPlan::Stream {
-                    keyless: peer_closed || s.fills_at_once(len, waitall),
-                });
-            }
-            None => {
+            _ => {
                 return Ok(RecvPlan::Stream {
                     keyless: peer_closed,
                 })
@@ -204,10 +196,11 @@ impl Conn {
 
 /// A receive's memory, prepared as planned.
 pub(crate) enum RecvMemory {
-    /// Leased for the device to write ([`RecvPlan::Message`]), or for our copies out of the stream buffer only
-    /// (a keyless [`RecvPlan::Stream`]).
+    /// Leased for the device to write ([`RecvPlan::Message`]).
     Leased(Sge),
-    /// Exposed for the peer's writes, with its registration ([`RecvPlan::Persistent`], [`RecvPlan::Stream`]).
+    /// A stream receive's ([`RecvPlan::Stream`]).
+    Stream(StreamRecvMemory),
+    /// Exposed for the peer's writes ([`RecvPlan::Persistent`]).
     Exposed(Box<dyn Exposure>),
 }
 
@@ -243,12 +236,12 @@ impl Conn {
             (Some(Mode::Message(_)), RecvMemory::Exposed(e)) => self
                 .recv_persistent(ticket, e)
                 .map_err(|(t, why)| RecvRefused::Persistent(t, why)),
-            (_, RecvMemory::Exposed(e)) => self
-                .recv_stream(ticket, StreamRecvMemory::Keyed(e), flags)
+            (_, RecvMemory::Stream(mem)) => self
+                .recv_stream(ticket, mem, flags)
                 .map_err(RecvRefused::Peer),
-            (_, RecvMemory::Leased(sge)) => self
-                .recv_stream(ticket, StreamRecvMemory::Keyless(sge), flags)
-                .map_err(RecvRefused::Peer),
+            (_, RecvMemory::Leased(_) | RecvMemory::Exposed(_)) => {
+                unreachable!("a receive starts only as planned for its connection")
+            }
         }
     }
 }

@@ -11,23 +11,14 @@ impl StreamProto {
         flags: MsgFlags,
         link: &mut Link,
     ) -> Result<(), Violation> {
-        let (exposure, keyed): (Box<dyn Exposure>, bool) = match mem {
-            StreamRecvMemory::Keyed(e) => (e, true),
-            StreamRecvMemory::Keyless(sge) => {
-                let (lease, _reg) = sge.into_parts();
-                let remote = RemoteRef { addr: 0, key: 0 };
-                (Box::new(KeyedLease::new(remote, lease, NoKey)), false)
-            }
-        };
-        let len = exposure.len();
+        let len = mem.len();
         self.reading();
         self.rx.recvs.push_back(RecvOp {
             ticket,
-            exposure,
+            mem,
             len,
             filled: 0,
             waitall: flags.contains(MsgFlags::WAITALL),
-            keyed,
             counted: None,
         });
         self.drain()?;
@@ -59,9 +50,9 @@ impl StreamProto {
                 let at = ((self.rx.head + done as u64) % self.rx.ring_len) as usize;
                 let n = (want - done).min(self.rx.ring_len as usize - at);
                 let ring = self.rx.ring.as_ref().expect("checked above");
-                r.exposure
+                r.mem
                     .fill_from(r.filled + done, &ring.buf, at, n)
-                    .map_err(|e| Violation::BadRange(e.to_string()))?;
+                    .map_err(Violation::BadRange)?;
                 done += n;
             }
             r.filled += want;
@@ -94,35 +85,91 @@ impl StreamProto {
             advertised,
         });
         // The receive's key goes with its exposure (least exposure), then the event.
-        drop(r.exposure);
+        drop(r.mem);
         r.ticket.complete(Ok(()), r.filled, EventFlags::default());
     }
 
-    /// Advertises the receives not yet advertised, in an even phase.
+    /// Advertises the receives not yet advertised, in an even phase. One with no key yet stops the round and asks
+    /// the engine for its key ([`StreamProto::take_recv_to_key`]); the advertisement follows when it comes.
     pub(super) fn advertise(&mut self, link: &mut Link) {
+        let mut from = 0;
+        while let Some(i) = self.next_to_advertise(from) {
+            match &self.rx.recvs[i].mem {
+                StreamRecvMemory::Keyed(e) => {
+                    let base = e.remote();
+                    self.advertise_one(link, i, base);
+                }
+                StreamRecvMemory::Unkeyed { keyable: true, .. } => {
+                    self.rx.key_wanted = true;
+                    return;
+                }
+                // Advertisements go in order: the receives behind it wait.
+                StreamRecvMemory::Unkeyed { keyable: false, .. } | StreamRecvMemory::Keying => {
+                    return
+                }
+            }
+            from = i + 1;
+        }
+    }
+
+    /// The receive to advertise now, looking from `from`: the first not yet advertised (nor full), if the phase,
+    /// the stream buffer and the advert credits allow.
+    fn next_to_advertise(&self, from: usize) -> Option<usize> {
         // "During an odd phase, the receiver will remain passive".
         if self.rx.phase % 2 != 0 || self.rx.eof {
-            return;
+            return None;
         }
-        let ring_has_data = self.rx.tail > self.rx.head;
-        for i in 0..self.rx.recvs.len() {
+        let i = (from..self.rx.recvs.len()).find(|&i| {
             let r = &self.rx.recvs[i];
-            if r.counted.is_some() || r.filled == r.len {
-                continue;
-            }
-            if !r.keyed {
-                // Filled from the stream buffer only; the receives behind it wait (advertisements go in order).
-                break;
-            }
-            if !self.may_advertise_next(r.waitall) {
-                break;
-            }
-            if ring_has_data {
-                // It will take bytes from the stream buffer first; advertising it now would mislead the sender.
-                break;
-            }
-            self.advertise_one(link, i);
+            r.counted.is_none() && r.filled < r.len
+        })?;
+        if !self.may_advertise_next(self.rx.recvs[i].waitall) {
+            return None;
         }
+        if self.rx.tail > self.rx.head {
+            // It will take bytes from the stream buffer first; advertising it now would mislead the sender.
+            return None;
+        }
+        Some(i)
+    }
+
+    /// The memory of the receive to advertise next, if it waits for a key (see [`StreamRecvMemory`]): the engine
+    /// exposes it and hands the key back with [`StreamProto::give_recv_key`] before anything else reaches the
+    /// protocol. If none waits after all, the report of consumed space held back for the advertisement
+    /// (`maybe_window`) is decided now.
+    pub(crate) fn take_recv_to_key(&mut self, link: &mut Link) -> Option<Sge> {
+        if !std::mem::take(&mut self.rx.key_wanted) {
+            return None;
+        }
+        let keyable = |i: &usize| {
+            matches!(
+                self.rx.recvs[*i].mem,
+                StreamRecvMemory::Unkeyed { keyable: true, .. }
+            )
+        };
+        let Some(i) = self.next_to_advertise(0).filter(keyable) else {
+            self.maybe_window(link);
+            return None;
+        };
+        match std::mem::replace(&mut self.rx.recvs[i].mem, StreamRecvMemory::Keying) {
+            StreamRecvMemory::Unkeyed { sge, .. } => Some(sge),
+            _ => unreachable!("checked by `keyable`"),
+        }
+    }
+
+    /// The key of the receive [`StreamProto::take_recv_to_key`] handed out: it is advertised now, the receives
+    /// after it as the credits allow, and then the space held back for them (`maybe_window`).
+    pub(crate) fn give_recv_key(&mut self, exposure: Box<dyn Exposure>, link: &mut Link) {
+        if let Some(r) = self
+            .rx
+            .recvs
+            .iter_mut()
+            .find(|r| matches!(r.mem, StreamRecvMemory::Keying))
+        {
+            r.mem = StreamRecvMemory::Keyed(exposure);
+        }
+        self.advertise(link);
+        self.maybe_window(link);
     }
 
     /// Whether the next receive not yet advertised (`waitall`: a MSG_WAITALL one) may be advertised now.
@@ -155,13 +202,12 @@ impl StreamProto {
         !(self.rx.ring_chosen && self.rx.outstanding > 0)
     }
 
-    /// Sends the advertisement of receive `i` (seed 001: its address, key, the bytes it still takes, the
-    /// sequence number they start at, the phase) and counts it as outstanding.
-    fn advertise_one(&mut self, link: &mut Link, i: usize) {
+    /// Sends the advertisement of receive `i`, exposed under `base` (seed 001: its address, key, the bytes it still
+    /// takes, the sequence number they start at, the phase) and counts it as outstanding.
+    fn advertise_one(&mut self, link: &mut Link, i: usize, base: RemoteRef) {
         let r = &self.rx.recvs[i];
         let remaining = (r.len - r.filled) as u64;
         let est = if r.waitall { remaining } else { 1 };
-        let base = r.exposure.remote();
         let seq = self.rx.src_seqno + r.filled as u64;
         // The advertisement carries what we consumed, unless the sender's view of the buffer is half full
         // or more: then it may be blocked on space, and the space waits for the window update so that it
@@ -225,6 +271,10 @@ impl StreamProto {
     /// application posts meanwhile: the blocked sender, still at the advertised sequence number, accepts the
     /// first and takes the rest in order. In an odd phase the receiver advertises nothing, so space goes at once.
     pub(super) fn maybe_window(&mut self, link: &mut Link) {
+        if self.rx.key_wanted {
+            // An advertisement waits for its key: the space is decided after it (`give_recv_key`), as above.
+            return;
+        }
         if !self.window_due() {
             self.rx.window_deferred = false;
         } else if self.rx.defer_windows && self.rx.phase % 2 == 0 && !self.rx.ring_chosen {
@@ -262,6 +312,10 @@ impl StreamProto {
 
     /// The hold expired: report consumption now, unless advertised receives hold it.
     pub(crate) fn force_window(&mut self, link: &mut Link) {
+        if self.rx.key_wanted {
+            // After the advertisement that waits for its key (`give_recv_key`).
+            return;
+        }
         if !self.window_due() {
             self.rx.window_deferred = false;
         } else if !self.held_for_adverts() {
@@ -370,7 +424,7 @@ impl StreamProto {
     /// No more data will come: receives end with what they have, or with end-of-stream.
     pub(super) fn finish_eof(&mut self) {
         while let Some(r) = self.rx.recvs.pop_front() {
-            drop(r.exposure);
+            drop(r.mem);
             let flags = EventFlags {
                 eof: r.filled == 0,
                 truncated: false,

@@ -42,7 +42,7 @@ use crate::proto::op::{Done, OpToken, Outbox};
 use crate::proto::pool::RecvPool;
 use crate::transport::{
     Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration,
-    RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
+    RemoteAccess, RequestId, Sge, Transport, TransportError, WorkRequest,
 };
 use crate::wire::{CloseReason, Handshake};
 
@@ -382,8 +382,9 @@ impl Engine {
         lease: exs_dma::Lease,
         access: RemoteAccess,
     ) -> Result<Box<dyn crate::transport::Exposure>, TransportError> {
+        let exposure = self.transport.expose(ep, reg, lease, access)?;
         self.stats.exposures += 1;
-        self.transport.expose(ep, reg, lease, access)
+        Ok(exposure)
     }
 
     /// Keys the stream receives the protocol is about to advertise (seed 001: a receive is exposed only when
@@ -398,9 +399,20 @@ impl Engine {
                 return Ok(());
             };
             let (lease, reg) = sge.into_parts();
-            let exposure = self.expose_op(ep, &reg, lease, RemoteAccess::Write)?;
+            let range = lease.offset()..lease.offset() + lease.len();
+            let keyed = match self.expose_op(ep, &reg, lease, RemoteAccess::Write) {
+                Ok(exposure) => Ok(exposure),
+                Err(e) => {
+                    // No key (the device is out of registrations or windows): the receive is leased again and
+                    // filled from the stream buffer only, as one the peer never hears of; the stream goes on.
+                    let e = e.into_op::<crate::error::RecvError>();
+                    tracing::debug!(?sid, %e, "no key for a stream receive: it is not advertised");
+                    self.stats.keys_refused += 1;
+                    Err(Sge::of(&reg, range, LeaseKind::DeviceWrite).map_err(ExposeError::Busy)?)
+                }
+            };
             if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
-                conn.give_recv_key(exposure);
+                conn.give_recv_key(keyed);
             }
         }
     }

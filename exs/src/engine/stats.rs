@@ -29,6 +29,9 @@ pub struct EngineStats {
     /// Remote keys handed out (each bound to one connection): one per operation, or under the trusted policy one
     /// per region, connection and access.
     pub exposures: u64,
+    /// Stream receives the device could make no key for when their turn to be advertised came: they were filled
+    /// from the stream buffer instead (a device out of registrations or memory windows).
+    pub keys_refused: u64,
     /// Whole-region keys of the trusted policy valid now ([`crate::ExposurePolicy::TrustedPeers`]).
     pub trusted_keys: u64,
     /// Connection requests refused because the context held `ContextOptions::max_connections` already.

@@ -464,10 +464,14 @@ impl Conn {
         }
     }
 
-    /// The key of the receive [`Conn::take_recv_to_key`] handed out; it is advertised now.
-    pub(crate) fn give_recv_key(&mut self, exposure: Box<dyn Exposure>) {
+    /// The key of the receive [`Conn::take_recv_to_key`] handed out, or its memory again without one (see
+    /// [`crate::proto::stream::StreamProto::give_recv_key`]).
+    pub(crate) fn give_recv_key(
+        &mut self,
+        keyed: Result<Box<dyn Exposure>, crate::transport::Sge>,
+    ) {
         if let Some(Mode::Stream(s)) = &mut self.mode {
-            s.give_recv_key(exposure, &mut self.link);
+            s.give_recv_key(keyed, &mut self.link);
         }
     }
 

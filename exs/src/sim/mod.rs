@@ -323,6 +323,7 @@ impl World {
                 stalled: false,
                 answering: true,
                 panic_next_poll: false,
+                refuse_keys: false,
                 cq: VecDeque::new(),
                 cm: VecDeque::new(),
                 notify: notify.clone(),
@@ -437,6 +438,12 @@ impl World {
     /// context must then fail every operation instead of hanging).
     pub fn panic_on_next_poll(&self, host: usize) {
         lock(&self.net).hosts[host].panic_next_poll = true;
+    }
+
+    /// Fault schedule: `host`'s device makes no remote keys while `refused` (out of registrations or memory
+    /// windows): every exposure fails with [`crate::transport::TransportError::Resource`].
+    pub fn refuse_keys(&self, host: usize, refused: bool) {
+        lock(&self.net).hosts[host].refuse_keys = refused;
     }
 
     /// The host a raw transport of [`World::raw_host`] plays (for [`World::kill`] and friends).

@@ -63,6 +63,8 @@ pub(super) struct Host {
     pub(super) alive: bool,
     /// Fault schedule: the next completion poll panics (see [`World::panic_on_next_poll`]).
     pub(super) panic_next_poll: bool,
+    /// Fault schedule: the device makes no remote keys (see [`World::refuse_keys`]).
+    pub(super) refuse_keys: bool,
     /// The driver of a manual world skips this host's progress.
     pub(super) stalled: bool,
     pub(super) answering: bool,

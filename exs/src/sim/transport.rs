@@ -168,6 +168,11 @@ impl Transport for SimTransport {
     ) -> Result<Box<dyn Exposure>, TransportError> {
         crate::transport::check_exposure(reg, &lease, access)?;
         let mut net = self.net();
+        if net.hosts[self.host].refuse_keys {
+            return Err(TransportError::Resource(
+                "no remote key: refused by the fault schedule".into(),
+            ));
+        }
         if net.cfg.caps.keys_after_connect
             && !net.hosts[self.host].eps.get(&ep).is_some_and(|e| e.up)
         {

@@ -158,15 +158,23 @@ impl StreamProto {
     }
 
     /// The key of the receive [`StreamProto::take_recv_to_key`] handed out: it is advertised now, the receives
-    /// after it as the credits allow, and then the space held back for them (`maybe_window`).
-    pub(crate) fn give_recv_key(&mut self, exposure: Box<dyn Exposure>, link: &mut Link) {
+    /// after it as the credits allow, and then the space held back for them (`maybe_window`). `Err`: the device
+    /// made no key, and this is the receive's memory again: it is never advertised, so it and the receives after it
+    /// are filled from the stream buffer (seed 001 lets a receiver take every byte indirectly) until it completes.
+    pub(crate) fn give_recv_key(&mut self, keyed: Result<Box<dyn Exposure>, Sge>, link: &mut Link) {
         if let Some(r) = self
             .rx
             .recvs
             .iter_mut()
             .find(|r| matches!(r.mem, StreamRecvMemory::Keying))
         {
-            r.mem = StreamRecvMemory::Keyed(exposure);
+            r.mem = match keyed {
+                Ok(exposure) => StreamRecvMemory::Keyed(exposure),
+                Err(sge) => StreamRecvMemory::Unkeyed {
+                    sge,
+                    keyable: false,
+                },
+            };
         }
         self.advertise(link);
         self.maybe_window(link);

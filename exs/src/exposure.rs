@@ -100,6 +100,17 @@ impl From<TransportError> for ExposeError {
 }
 
 impl ExposeError {
+    /// As the error of an operation that already started (its completion's): a busy buffer (which only the
+    /// trusted policy's whole-region key meets) reads as the transport refusing the key.
+    pub(crate) fn into_op_error(self) -> crate::error::OpError {
+        match self {
+            ExposeError::Busy(d) => {
+                crate::error::OpError::Transport(TransportError::Resource(d.to_string()))
+            }
+            ExposeError::Transport(t) => crate::error::OpError::Transport(t),
+        }
+    }
+
     /// The operation's error (`SendError` or `RecvError`): a busy buffer is the caller's, as any other.
     pub(crate) fn into_op<E>(self) -> E
     where

@@ -42,7 +42,7 @@ use crate::proto::op::{Done, OpToken, Outbox};
 use crate::proto::pool::RecvPool;
 use crate::transport::{
     Capabilities, CmEvent, Completion, ConnectFailure, EndpointId, ListenerId, Registration,
-    RemoteAccess, RequestId, Sge, Transport, TransportError, WorkRequest,
+    RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
 };
 use crate::wire::{CloseReason, Handshake};
 
@@ -389,28 +389,26 @@ impl Engine {
 
     /// Keys the stream receives the protocol is about to advertise (seed 001: a receive is exposed only when
     /// advertised; see [`crate::proto::stream::StreamRecvMemory`]), each as the exposure policy says.
-    fn provide_recv_keys(&mut self, sid: SocketId) -> Result<(), ExposeError> {
+    fn provide_recv_keys(&mut self, sid: SocketId) {
         loop {
             let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
-                return Ok(());
+                return;
             };
             let ep = conn.ep;
             let Some(sge) = conn.take_recv_to_key() else {
-                return Ok(());
+                return;
             };
             let (lease, reg) = sge.into_parts();
-            let range = lease.offset()..lease.offset() + lease.len();
-            let keyed = match self.expose_op(ep, &reg, lease, RemoteAccess::Write) {
-                Ok(exposure) => Ok(exposure),
-                Err(e) => {
-                    // No key (the device is out of registrations or windows): the receive is leased again and
-                    // filled from the stream buffer only, as one the peer never hears of; the stream goes on.
-                    let e = e.into_op::<crate::error::RecvError>();
-                    tracing::debug!(?sid, %e, "no key for a stream receive: it is not advertised");
+            let keyed = self
+                .expose_op(ep, &reg, lease, RemoteAccess::Write)
+                .map_err(|e| {
+                    // The device made no key (out of registrations or memory windows): the receive fails with
+                    // the transport's error, as its post did when receives were exposed as they were posted.
                     self.stats.keys_refused += 1;
-                    Err(Sge::of(&reg, range, LeaseKind::DeviceWrite).map_err(ExposeError::Busy)?)
-                }
-            };
+                    let e = e.into_op_error();
+                    tracing::debug!(?sid, %e, "no key for a stream receive");
+                    e
+                });
             if let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) {
                 conn.give_recv_key(keyed);
             }
@@ -676,10 +674,10 @@ impl Engine {
     /// [`Engine::flush`] at `now`.
     fn flush_at(&mut self, sid: SocketId, now: Instant) {
         let _span = self.conn_span(sid).entered();
-        let Some(sock) = self.sockets.get_mut(&sid) else {
-            return;
-        };
-        let Some(conn) = sock.conn.as_mut() else {
+        // The keys first: the advertisements they let go out must not be overtaken by the STREAM_RING that gives
+        // the sender space in the stream buffer (issue 14's order).
+        self.provide_recv_keys(sid);
+        let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
             return;
         };
         if let Some(len) = conn.stream().and_then(|st| st.ring_needed()) {
@@ -691,17 +689,6 @@ impl Engine {
                 );
                 return;
             }
-        }
-        if let Err(e) = self.provide_recv_keys(sid) {
-            let what = format!(
-                "a key for a stream receive: {}",
-                e.into_op::<crate::error::RecvError>()
-            );
-            self.fault(
-                sid,
-                Fault::Transport(crate::transport::WcError::Other(what)),
-            );
-            return;
         }
         let Some(sock) = self.sockets.get_mut(&sid) else {
             return;

@@ -26,11 +26,12 @@ pub struct EngineStats {
     pub pool: Option<PoolStats>,
     /// Memory registrations the context made (memory regions, control and stream buffers, pool chunks).
     pub registrations: u64,
-    /// Remote keys handed out (each bound to one connection): one per operation, or under the trusted policy one
-    /// per region, connection and access.
+    /// Remote keys handed out (each bound to one connection): one per send the peer reads and per advertised
+    /// stream receive (a stream receive filled from the stream buffer before it is advertised has none), or under
+    /// the trusted policy one per region, connection and access.
     pub exposures: u64,
-    /// Stream receives the device could make no key for when their turn to be advertised came: they were filled
-    /// from the stream buffer instead (a device out of registrations or memory windows).
+    /// Stream receives the device could make no key for when their turn to be advertised came (out of
+    /// registrations or memory windows): each completed with the transport's error.
     pub keys_refused: u64,
     /// Whole-region keys of the trusted policy valid now ([`crate::ExposurePolicy::TrustedPeers`]).
     pub trusted_keys: u64,

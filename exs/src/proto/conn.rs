@@ -439,7 +439,7 @@ impl Conn {
         }
     }
 
-    /// Posts a stream receive (its buffer already exposed for remote write).
+    /// Posts a stream receive (leased; exposed for remote write now under the trusted policy, else when advertised).
     pub(crate) fn recv_stream(
         &mut self,
         ticket: crate::proto::op::OpToken,
@@ -466,10 +466,7 @@ impl Conn {
 
     /// The key of the receive [`Conn::take_recv_to_key`] handed out, or its memory again without one (see
     /// [`crate::proto::stream::StreamProto::give_recv_key`]).
-    pub(crate) fn give_recv_key(
-        &mut self,
-        keyed: Result<Box<dyn Exposure>, crate::transport::Sge>,
-    ) {
+    pub(crate) fn give_recv_key(&mut self, keyed: Result<Box<dyn Exposure>, OpError>) {
         if let Some(Mode::Stream(s)) = &mut self.mode {
             s.give_recv_key(keyed, &mut self.link);
         }

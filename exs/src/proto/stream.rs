@@ -287,10 +287,13 @@ struct Rx {
     eof: bool,
     /// Our receiving side ended ([`StreamProto::fail_receives`]): whatever the peer still writes is dropped.
     closed: bool,
-    /// Receives that failed while still exposed; their event waits for the release of the endpoint.
+    /// Receives that failed before the endpoint was released (the peer may still write an exposed one): their
+    /// events wait for the release.
     retired: Vec<(StreamRecvMemory, OpToken, OpError)>,
     /// The next receive to advertise has no key yet: the engine is asked for one (see [`StreamRecvMemory`]).
     key_wanted: bool,
+    /// The hold of a window update expired while `key_wanted` (see `decide_window`).
+    window_forced: bool,
     /// Window updates may wait for the acknowledgment delay (an advertisement in the meantime carries them).
     defer_windows: bool,
     /// A window update is due and waits (see `maybe_window`).
@@ -435,6 +438,7 @@ impl StreamProto {
                 closed: false,
                 retired: Vec::new(),
                 key_wanted: false,
+                window_forced: false,
                 defer_windows,
                 window_deferred: false,
                 ring_chosen: false,
@@ -650,7 +654,7 @@ impl StreamProto {
         self.complete_sends();
     }
 
-    /// Fails the receives; exposed ones report when the endpoint is released (the peer may still write them).
+    /// Fails the receives; they report when the endpoint is released (the peer may still write an exposed one).
     pub(crate) fn fail_receives(&mut self, err: OpError) {
         self.rx.closed = true;
         for r in self.rx.recvs.drain(..) {
@@ -658,7 +662,7 @@ impl StreamProto {
         }
     }
 
-    /// Fails every operation; exposed receives report when the endpoint is released.
+    /// Fails every operation; the receives report when the endpoint is released.
     pub(crate) fn fail(&mut self, err: OpError) {
         self.fail_sends(err.clone());
         self.fail_receives(err);

@@ -148,7 +148,7 @@ impl StreamProto {
             )
         };
         let Some(i) = self.next_to_advertise(0).filter(keyable) else {
-            self.maybe_window(link);
+            self.decide_window(link);
             return None;
         };
         match std::mem::replace(&mut self.rx.recvs[i].mem, StreamRecvMemory::Keying) {
@@ -158,26 +158,39 @@ impl StreamProto {
     }
 
     /// The key of the receive [`StreamProto::take_recv_to_key`] handed out: it is advertised now, the receives
-    /// after it as the credits allow, and then the space held back for them (`maybe_window`). `Err`: the device
-    /// made no key, and this is the receive's memory again: it is never advertised, so it and the receives after it
-    /// are filled from the stream buffer (seed 001 lets a receiver take every byte indirectly) until it completes.
-    pub(crate) fn give_recv_key(&mut self, keyed: Result<Box<dyn Exposure>, Sge>, link: &mut Link) {
-        if let Some(r) = self
-            .rx
-            .recvs
-            .iter_mut()
-            .find(|r| matches!(r.mem, StreamRecvMemory::Keying))
-        {
-            r.mem = match keyed {
-                Ok(exposure) => StreamRecvMemory::Keyed(exposure),
-                Err(sge) => StreamRecvMemory::Unkeyed {
-                    sge,
-                    keyable: false,
-                },
-            };
+    /// after it as the credits allow, and then the space held back for them. `Err`: the device made no key, and
+    /// the receive completes with that error, as its post failed when receives were exposed as they were posted
+    /// (no byte of the stream went into it: only the receive at the head takes bytes, and one there with bytes
+    /// completes with them); the receives after it go on.
+    pub(crate) fn give_recv_key(
+        &mut self,
+        keyed: Result<Box<dyn Exposure>, OpError>,
+        link: &mut Link,
+    ) {
+        let keying = |r: &RecvOp| matches!(r.mem, StreamRecvMemory::Keying);
+        if let Some(i) = self.rx.recvs.iter().position(keying) {
+            match keyed {
+                Ok(exposure) => self.rx.recvs[i].mem = StreamRecvMemory::Keyed(exposure),
+                Err(_) if self.rx.recvs[i].filled > 0 => self.complete_front(),
+                Err(e) => {
+                    if let Some(r) = self.rx.recvs.remove(i) {
+                        r.ticket.complete(Err(e), 0, EventFlags::default());
+                    }
+                }
+            }
         }
         self.advertise(link);
-        self.maybe_window(link);
+        self.decide_window(link);
+    }
+
+    /// The report of consumed space held back while an advertisement waited for its key: forced if its timer
+    /// expired meanwhile (`force_window`), else as `maybe_window` decides.
+    fn decide_window(&mut self, link: &mut Link) {
+        if std::mem::take(&mut self.rx.window_forced) {
+            self.force_window(link);
+        } else {
+            self.maybe_window(link);
+        }
     }
 
     /// Whether the next receive not yet advertised (`waitall`: a MSG_WAITALL one) may be advertised now.
@@ -321,7 +334,8 @@ impl StreamProto {
     /// The hold expired: report consumption now, unless advertised receives hold it.
     pub(crate) fn force_window(&mut self, link: &mut Link) {
         if self.rx.key_wanted {
-            // After the advertisement that waits for its key (`give_recv_key`).
+            // After the advertisement that waits for its key (`decide_window`).
+            self.rx.window_forced = true;
             return;
         }
         if !self.window_due() {

@@ -39,7 +39,78 @@ pub fn cases() -> Vec<Case> {
             "direct_transfers_resume_after_a_block_in_both_directions",
             resume_both_ways,
         ),
+        c(
+            "stream_receives_filled_from_the_stream_buffer_get_no_key",
+            keys_only_when_advertised,
+        ),
     ]
+}
+
+/// Seed 001 with the writer ahead: a reader that keeps eight 64-byte receives posted (as `exs pump` does) behind
+/// bytes already in its stream buffer fills them by copy before their turn to be advertised, so they get no key:
+/// every key the reader made is for an advertised receive or for its stream buffer.
+fn keys_only_when_advertised(b: &dyn Backend) -> Result<(), String> {
+    const MSG: usize = 64;
+    const DEPTH: usize = 8;
+    const COUNT: usize = 1000;
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, SocketOptions::default())?;
+    let sent = pattern(MSG * COUNT, 3);
+    let src = p.region_a(sent.clone())?;
+    for i in 0..COUNT {
+        p.client
+            .send(
+                &p.eq_a,
+                &src.slice(i * MSG..(i + 1) * MSG),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .map_err(|e| e.to_string())?;
+    }
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let dst = p.region_b(MSG * DEPTH)?;
+    let mut slots = std::collections::VecDeque::new();
+    let (mut got, mut posted) = (Vec::with_capacity(sent.len()), 0usize);
+    while got.len() < sent.len() {
+        while slots.len() < DEPTH {
+            let slot = posted % DEPTH;
+            p.server
+                .recv(
+                    &p.eq_b,
+                    &dst.slice(slot * MSG..(slot + 1) * MSG),
+                    MsgFlags::NONE,
+                    0,
+                )
+                .map_err(|e| e.to_string())?;
+            slots.push_back(slot);
+            posted += 1;
+        }
+        let ev = next(&p.eq_b)?;
+        ensure!(ev.is_ok() && ev.bytes >= 1, "stream receive: {ev:?}");
+        let slot = slots
+            .pop_front()
+            .ok_or("a completion with no receive posted")?;
+        let mut bytes = vec![0; ev.bytes];
+        dst.read(slot * MSG, &mut bytes)
+            .map_err(|e| e.to_string())?;
+        got.extend_from_slice(&bytes);
+    }
+    same(
+        &got,
+        &sent,
+        "the stream, through receives filled from the buffer",
+    )?;
+    let adverts = p.server.stats().ok_or("stats")?.stream.adverts_sent;
+    let keys = p.b.stats().exposures;
+    ensure!(
+        (adverts as usize) < posted / 2,
+        "most receives were filled from the stream buffer, not advertised: {adverts} adverts, {posted} receives"
+    );
+    ensure!(
+        keys == adverts + 1,
+        "{keys} keys: one per advertised receive ({adverts}) and one for the stream buffer ({posted} receives)"
+    );
+    Ok(())
 }
 
 /// Reads `total` bytes with receives of up to `chunk` bytes; returns them.

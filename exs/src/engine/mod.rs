@@ -674,12 +674,18 @@ impl Engine {
     /// [`Engine::flush`] at `now`.
     fn flush_at(&mut self, sid: SocketId, now: Instant) {
         let _span = self.conn_span(sid).entered();
-        // The keys first: the advertisements they let go out must not be overtaken by the STREAM_RING that gives
-        // the sender space in the stream buffer (issue 14's order).
-        self.provide_recv_keys(sid);
-        let Some(conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+        let Some(mut conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
             return;
         };
+        // The keys first: the advertisements they let go out must not be overtaken by the STREAM_RING that gives
+        // the sender space in the stream buffer (issue 14's order).
+        if conn.recv_key_wanted() {
+            self.provide_recv_keys(sid);
+            let Some(c) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+                return;
+            };
+            conn = c;
+        }
         if let Some(len) = conn.stream().and_then(|st| st.ring_needed()) {
             let ep = conn.ep;
             if let Err(e) = self.provide_ring(sid, ep, len) {

@@ -455,6 +455,11 @@ impl Conn {
         }
     }
 
+    /// Whether a stream receive waits for its key (see [`Conn::take_recv_to_key`]).
+    pub(crate) fn recv_key_wanted(&self) -> bool {
+        matches!(&self.mode, Some(Mode::Stream(s)) if s.recv_key_wanted())
+    }
+
     /// The memory of the stream receive to advertise next, if it waits for its key (see
     /// [`crate::proto::stream::StreamRecvMemory`]); the key comes back through [`Conn::give_recv_key`].
     pub(crate) fn take_recv_to_key(&mut self) -> Option<crate::transport::Sge> {

@@ -133,6 +133,11 @@ impl StreamProto {
         Some(i)
     }
 
+    /// Whether the receive to advertise next waits for its key ([`StreamProto::take_recv_to_key`]).
+    pub(crate) fn recv_key_wanted(&self) -> bool {
+        self.rx.key_wanted
+    }
+
     /// The memory of the receive to advertise next, if it waits for a key (see [`StreamRecvMemory`]): the engine
     /// exposes it and hands the key back with [`StreamProto::give_recv_key`] before anything else reaches the
     /// protocol. If none waits after all, the report of consumed space held back for the advertisement

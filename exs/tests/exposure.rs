@@ -401,64 +401,6 @@ fn a_stream_receive_the_stream_buffer_fills_at_once_gets_no_key() {
     assert_bytes_eq(&got[1000..1500], &sent[..500], "the second send");
 }
 
-/// Seed 001 with the writer ahead of the reader: receives queued behind bytes in the stream buffer are filled from
-/// it before their turn to be advertised, so they never get a key. Every key the receiver makes is for an
-/// advertised receive or for its stream buffer (a key was made for every receive as it was posted, advertised or
-/// not: a registration per message on libfabric).
-#[test]
-fn stream_receives_get_a_key_only_when_advertised() {
-    const MSG: usize = 64;
-    const DEPTH: usize = 8;
-    const COUNT: usize = 1000;
-    let p = pair(SockType::Stream);
-    let sent = pattern(MSG * COUNT, 5);
-    let src = p.client_region(sent.clone());
-    let dst = p.server_region(MSG * DEPTH);
-    for i in 0..COUNT {
-        let r = i * MSG..(i + 1) * MSG;
-        p.client
-            .send(&p.eq_a, &src.slice(r), MsgFlags::NONE, i as u64)
-            .unwrap();
-    }
-    // The reader keeps DEPTH receives posted, as `exs pump` does; receives complete in order.
-    let mut slots = std::collections::VecDeque::new();
-    let mut got = Vec::with_capacity(sent.len());
-    let mut posted = 0usize;
-    while got.len() < sent.len() {
-        while slots.len() < DEPTH {
-            let slot = posted % DEPTH;
-            let r = slot * MSG..(slot + 1) * MSG;
-            p.server
-                .recv(&p.eq_b, &dst.slice(r), MsgFlags::NONE, posted as u64)
-                .unwrap();
-            slots.push_back(slot);
-            posted += 1;
-        }
-        let ev = wait(&p.eq_b);
-        assert!(ev.status.is_ok(), "{ev:?}");
-        let slot = slots.pop_front().unwrap();
-        let mut bytes = vec![0; ev.bytes];
-        dst.read(slot * MSG, &mut bytes).unwrap();
-        got.extend_from_slice(&bytes);
-    }
-    assert_bytes_eq(
-        &got,
-        &sent,
-        "the stream, through receives filled from the buffer",
-    );
-    let adverts = p.server.stats().unwrap().stream.adverts_sent;
-    let keys = p.b.stats().exposures;
-    assert!(
-        (adverts as usize) < posted / 2,
-        "most receives were filled from the stream buffer, not advertised: {adverts} adverts, {posted} receives"
-    );
-    assert_eq!(
-        keys,
-        adverts + 1,
-        "one key per advertised receive and one for the stream buffer ({posted} receives)"
-    );
-}
-
 /// A device that can make no key when a stream receive's turn to be advertised comes (out of registrations or
 /// memory windows): that receive completes with the transport's error, as its post failed when receives were keyed
 /// as they were posted; the connection stays up, no byte is lost, and the next receive is advertised once keys can

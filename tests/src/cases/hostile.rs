@@ -180,6 +180,26 @@ impl Victim {
         self.accept_raw(&good_handshake(self.ty).encode())
     }
 
+    /// The raw peer reads the victim's advertised send at `remote` (it must hold `want`) and acknowledges it, as
+    /// a good peer does; the victim's next event (the send's completion) for the caller to judge.
+    pub(crate) fn pull_and_ack(
+        &self,
+        raw: &mut RawPeer,
+        remote: exs::transport::RemoteRef,
+        want: &[u8],
+    ) -> Result<exs::Event, String> {
+        let id = raw.read(remote, want.len())?;
+        raw.wait_done(id)
+            .map_err(|e| format!("reading the advertised send: {e}"))?;
+        same(&raw.read_back(want.len()), want, "the advertised send")?;
+        raw.send_msg(&Message {
+            credits: 0,
+            ack: Some(1),
+            body: Body::Ack,
+        })?;
+        next(&self.eq)
+    }
+
     /// The connection must go down with a violation that `want` accepts, the raw peer must be disconnected, and
     /// the victim must be otherwise healthy.
     fn verdict(

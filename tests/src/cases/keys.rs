@@ -322,22 +322,11 @@ fn trusted_key_until(b: &dyn Backend, drop_it: bool) -> Result<(), String> {
     s.send(&v.eq, &src.slice(0..8000), MsgFlags::NONE, 9)
         .map_err(|e| e.to_string())?;
     let ad = advert(&mut raw, "a send", |ad| ad.len == 8000)?;
-    let id = raw.read(
-        RemoteRef {
-            addr: ad.addr,
-            key: ad.rkey,
-        },
-        8000,
-    )?;
-    raw.wait_done(id)
-        .map_err(|e| format!("reading the advertised send: {e}"))?;
-    same(&raw.read_back(8000), &data[..8000], "the advertised send")?;
-    raw.send_msg(&Message {
-        credits: 0,
-        ack: Some(1),
-        body: Body::Ack,
-    })?;
-    let ev = next(&v.eq)?;
+    let remote = RemoteRef {
+        addr: ad.addr,
+        key: ad.rkey,
+    };
+    let ev = v.pull_and_ack(&mut raw, remote, &data[..8000])?;
     ensure!(ev.is_ok(), "the acknowledged send: {ev:?}");
     // The send is done; its key still reads the region, beyond the send's range.
     let beyond = RemoteRef {

@@ -37,16 +37,7 @@ pub(super) fn stale_key_after_ack(b: &dyn Backend) -> Result<(), String> {
         addr: advert.addr,
         key: advert.rkey,
     };
-    let id = raw.read(remote, 8000)?;
-    raw.wait_done(id)
-        .map_err(|e| format!("reading the advertised send: {e}"))?;
-    same(&raw.read_back(8000), &data, "the advertised send")?;
-    raw.send_msg(&Message {
-        credits: 0,
-        ack: Some(1),
-        body: Body::Ack,
-    })?;
-    let ev = next(&v.eq)?;
+    let ev = v.pull_and_ack(&mut raw, remote, &data)?;
     ensure!(
         ev.kind == EventKind::Send && ev.is_ok(),
         "the acknowledged send: {ev:?}"

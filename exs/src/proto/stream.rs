@@ -331,8 +331,12 @@ struct Tx {
     tail: u64,
     consumed: u64,
     /// A large advertisement was rejected: indirect transfers go on only up to this sequence number, where the
-    /// receiver's rejected advertisements are filled, then wait for its next one (see `resync_room`).
+    /// receiver's rejected advertisements are filled, then wait for its next one (see `resync_room`). It may be
+    /// behind `seq` (the indirect bytes sent already fill them): the sender then waits at once.
     resync_hold: Option<u64>,
+    /// Where the first indirect transfer of the current odd phase began: the receives advertised in the even phase
+    /// before it and not used by a direct transfer are filled from here on (see `choose_advert`).
+    odd_from: u64,
     next_id: u32,
     next_tag: u32,
 }
@@ -461,6 +465,7 @@ impl StreamProto {
                 tail: 0,
                 consumed: 0,
                 resync_hold: None,
+                odd_from: 0,
                 next_id: 0,
                 next_tag: 0,
             },

@@ -51,16 +51,22 @@ impl StreamProto {
                 return Ok(true);
             }
             if a.len >= RESYNC_MIN {
-                // The first advertisement of the receiver's new round (a higher phase) carries its exact position:
-                // the receiver advertises again only once it has taken every byte we sent before, so the hold
-                // starts again from there. The rest of its batch is advertised at estimates (a receive without
-                // MSG_WAITALL at one byte past the one before), and each of those receives may take a whole
-                // transfer of its length, so their ends are chained.
+                // Where the rejected receive ends, which is where the hold ends (`resync_room`): the first
+                // advertisement of the receiver's new round (a higher phase) carries its exact position (the
+                // receiver advertises again only once it has taken every byte we sent before), so the hold starts
+                // again from there. The receives advertised in the even phase we left start no earlier than our
+                // first indirect transfer (`odd_from`): the direct transfers before it filled the receives
+                // advertised before them, and their own estimates lag by the receives queued ahead. The rest of a
+                // batch is advertised at estimates (a receive without MSG_WAITALL at one byte past the one before)
+                // and each of those receives may take a whole transfer of its length, so their ends are chained
+                // from the one before, never from our own position: bytes already sent past the end leave no room
+                // (before, the end was raised to our position and the next receive chained from there, so a sender
+                // ahead went on by a whole batch of receives and made the receiver's next advertisement stale).
                 let from = match self.tx.resync_hold {
                     Some(h) if aphase <= self.tx.phase => h.max(a.seq),
-                    _ => a.seq,
+                    _ => a.seq.max(self.tx.odd_from),
                 };
-                self.tx.resync_hold = Some(from.saturating_add(a.len).max(self.tx.seq));
+                self.tx.resync_hold = Some(from.saturating_add(a.len - a.used));
             }
             self.tx.adverts.pop_front();
             if aphase > self.tx.phase {
@@ -269,6 +275,7 @@ impl StreamProto {
     fn account_indirect(&mut self, n: usize) -> Imm {
         if self.tx.phase % 2 == 0 {
             self.tx.phase += 1;
+            self.tx.odd_from = self.tx.seq;
         }
         self.tx.tail += n as u64;
         self.stats.indirect_sent += 1;

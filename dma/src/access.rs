@@ -3,7 +3,7 @@
 
 use crate::{DmaBuf, COPY_UNDER_LOCK};
 use std::ops::Range;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 
 impl DmaBuf {
     /// Runs the access `f` to `range` through a lease already held, telling it whether it must be atomic: its
@@ -74,41 +74,18 @@ impl Drop for Plain<'_> {
 /// Copies `dst.len()` bytes from `src`.
 ///
 /// # Safety
-/// `src` is valid for reads of `dst.len()` bytes and no Rust code writes them concurrently; if `racy`, a device may
-/// (the lease table keeps CPU writes off a range the CPU reads).
+/// `src` is valid for reads of `dst.len()` bytes and no Rust code writes them concurrently unless `racy`, in which
+/// case every concurrent Rust writer uses atomic stores.
 pub(crate) unsafe fn load(src: *const u8, dst: &mut [u8], racy: bool) {
     if !racy {
         // SAFETY: caller guarantees validity and absence of concurrent writers; `dst` is a distinct &mut.
         unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
         return;
     }
-    // Word-sized atomic loads for the aligned middle, byte-sized at the edges: byte by byte, a copy out of a
-    // stream buffer (always racy: the peer's device writes it) ran at a fraction of memory speed. The width mixes
-    // with no other Rust access: the only writers that may race these bytes are devices (the lease table lets no
-    // CPU write overlap a CPU read: `compatible`), and racing reads of different sizes are allowed.
-    const W: usize = std::mem::size_of::<usize>();
-    let len = dst.len();
-    // `align_offset` may answer "cannot" (usize::MAX): then every byte goes one at a time.
-    let head = src
-        .align_offset(std::mem::align_of::<AtomicUsize>())
-        .min(len);
-    let words = (len - head) / W;
-    let tail = head + words * W;
-    let byte = |i: usize| {
+    // Byte-sized atomic loads, like every racy access here (mixing access sizes on racing bytes is not defined).
+    for (i, d) in dst.iter_mut().enumerate() {
         // SAFETY: in bounds per caller; AtomicU8 has the layout of u8 and any address is aligned for it.
-        unsafe { &*(src.add(i) as *const AtomicU8) }.load(Ordering::Relaxed)
-    };
-    for (i, d) in dst[..head].iter_mut().enumerate() {
-        *d = byte(i);
-    }
-    for (w, d) in dst[head..tail].chunks_exact_mut(W).enumerate() {
-        // SAFETY: in bounds per caller (`tail <= len`); `src + head` is aligned for AtomicUsize, which has the
-        // layout of usize.
-        let v = unsafe { &*(src.add(head + w * W) as *const AtomicUsize) }.load(Ordering::Relaxed);
-        d.copy_from_slice(&v.to_ne_bytes());
-    }
-    for (i, d) in dst[tail..].iter_mut().enumerate() {
-        *d = byte(tail + i);
+        *d = unsafe { &*(src.add(i) as *const AtomicU8) }.load(Ordering::Relaxed);
     }
 }
 

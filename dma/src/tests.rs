@@ -655,29 +655,3 @@ fn copies_going_both_ways_between_two_buffers_do_not_deadlock() {
     a.read_at(COPY_UNDER_LOCK, &mut out).unwrap();
     assert!(out.iter().all(|&x| x == 9), "b's bytes in a");
 }
-
-/// A racy copy goes word by word through the aligned middle and byte by byte at the edges: every start and
-/// length around the word size copies exactly the bytes asked for (and no neighbour).
-#[test]
-fn a_racy_load_copies_every_byte_at_every_alignment() {
-    let src: Vec<u8> = (0..96u8)
-        .map(|i| i.wrapping_mul(37).wrapping_add(11))
-        .collect();
-    for start in 0..17 {
-        for len in 0..40 {
-            let mut dst = vec![0xAAu8; len + 2];
-            // SAFETY: `src[start..start + len]` is in bounds and nothing else touches it.
-            unsafe { access::load(src.as_ptr().add(start), &mut dst[1..=len], true) };
-            assert_eq!(
-                &dst[1..=len],
-                &src[start..start + len],
-                "start {start}, len {len}"
-            );
-            assert_eq!(
-                (dst[0], dst[len + 1]),
-                (0xAA, 0xAA),
-                "start {start}, len {len}"
-            );
-        }
-    }
-}

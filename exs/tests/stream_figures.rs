@@ -195,6 +195,27 @@ impl Fig {
             .unwrap_or(0)
     }
 
+    /// The sender's indirect transfers so far: (sequence number, length).
+    fn indirects(&self) -> Vec<(u64, u64)> {
+        self.tx
+            .iter()
+            .filter_map(|t| match t {
+                StreamTrace::Indirect { seq, len, .. } => Some((*seq, *len)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Steps until the sender has rejected `n` advertisements in all.
+    fn until_rejected(&mut self, n: usize) {
+        self.until("advertisements rejected", |f| {
+            f.tx.iter()
+                .filter(|t| matches!(t, StreamTrace::Rejected { .. }))
+                .count()
+                == n
+        });
+    }
+
     fn adverts_sent(&self) -> Vec<(u64, u32)> {
         self.rx
             .iter()
@@ -582,26 +603,13 @@ fn rejected_large_receives_already_filled_hold_the_sender_until_the_next_advert(
     for _ in 0..3 {
         f.send(BIG);
     }
-    let indirect_at = |f: &Fig| -> Vec<u64> {
-        f.tx.iter()
-            .filter_map(|t| match t {
-                StreamTrace::Indirect { seq, .. } => Some(*seq),
-                _ => None,
-            })
-            .collect()
-    };
-    let before = vec![0, big, 2 * big];
-    assert_eq!(indirect_at(&f), before);
-    f.until("the three advertisements rejected", |f| {
-        f.tx.iter()
-            .filter(|t| matches!(t, StreamTrace::Rejected { .. }))
-            .count()
-            == 3
-    });
+    let before = vec![(0, big), (big, big), (2 * big, big)];
+    assert_eq!(f.indirects(), before);
+    f.until_rejected(3);
     f.send(BIG);
     f.send(BIG);
     assert_eq!(
-        indirect_at(&f),
+        f.indirects(),
         before,
         "sends made after the rejections went indirect: {:?}",
         f.tx
@@ -614,7 +622,7 @@ fn rejected_large_receives_already_filled_hold_the_sender_until_the_next_advert(
     f.recv(BIG);
     f.recv(BIG);
     f.settle();
-    assert_eq!(indirect_at(&f), before, "{:?}", f.tx);
+    assert_eq!(f.indirects(), before, "{:?}", f.tx);
     let resync = 3 * big;
     assert!(
         f.tx.contains(&StreamTrace::Accepted {
@@ -627,6 +635,90 @@ fn rejected_large_receives_already_filled_hold_the_sender_until_the_next_advert(
     assert!(f.tx.contains(&direct(resync, big, 2, resync)), "{:?}", f.tx);
     assert!(
         f.tx.contains(&direct(resync + big, big, 2, resync + 1)),
+        "{:?}",
+        f.tx
+    );
+    f.check_stream();
+    assert_eq!(f.got.len(), f.sent.len());
+}
+
+/// The receives the sender rejects after leaving an even phase start where its first indirect transfer did, not at
+/// the receiver's estimates: here a 60 KiB receive was filled directly before the sender went indirect, and the
+/// three large receives advertised behind it (at estimates 1, 2 and 3: the first had not completed) are filled from
+/// byte 61,440 on. Two sends went indirect before the rejections; the third fills the last rejected receive whole
+/// (chained from the estimates, the hold would have ended 61,439 bytes short of it), and the receiver's next
+/// advertisement is accepted.
+#[test]
+fn rejected_receives_of_the_phase_left_start_where_the_first_indirect_transfer_did() {
+    const BIG: usize = 64 << 10;
+    const FIRST: usize = 60 << 10;
+    let (big, first) = (BIG as u64, FIRST as u64);
+    let mut f = Fig::new(512 << 10);
+    f.recv(FIRST);
+    f.settle();
+    for _ in 0..3 {
+        f.recv(BIG);
+    }
+    // Before the three large advertisements arrive: one direct transfer, then two indirect ones.
+    for n in [FIRST, BIG, BIG] {
+        f.send(n);
+    }
+    assert!(f.tx.contains(&direct(0, first, 0, 0)), "{:?}", f.tx);
+    f.until_rejected(3);
+    f.send(BIG);
+    let want = vec![(first, big), (first + big, big), (first + 2 * big, big)];
+    assert_eq!(f.indirects(), want, "{:?}", f.tx);
+    f.until("the receiver filled the rejected receives", |f| {
+        f.server_phase() == 2
+    });
+    f.recv(BIG);
+    f.send(BIG);
+    f.settle();
+    let resync = first + 3 * big;
+    assert!(
+        f.tx.contains(&StreamTrace::Accepted {
+            seq: resync,
+            phase: 2
+        }),
+        "{:?}",
+        f.tx
+    );
+    assert_eq!(f.indirects(), want, "{:?}", f.tx);
+    f.check_stream();
+    assert_eq!(f.got.len(), f.sent.len());
+}
+
+/// A small receive rejected behind a large one is filled before the receiver can advertise again, so the sender's
+/// hold covers it too: the next send fills it indirectly (100 bytes) and waits with the rest, which goes direct
+/// into the receiver's next advertisement. Before, only large receives were chained: the hold ended at the large
+/// one, the small one was never filled, and both sides waited for the hold's time limit.
+#[test]
+fn a_small_receive_rejected_behind_a_large_one_is_inside_the_hold() {
+    const BIG: usize = 64 << 10;
+    let big = BIG as u64;
+    let mut f = Fig::new(512 << 10);
+    f.recv(BIG);
+    f.recv(100);
+    f.send(BIG);
+    f.until_rejected(2);
+    f.send(BIG);
+    assert_eq!(f.indirects(), vec![(0, big), (big, 100)], "{:?}", f.tx);
+    f.until("the receiver filled the rejected receives", |f| {
+        f.server_phase() == 2
+    });
+    f.recv(BIG);
+    f.settle();
+    let resync = big + 100;
+    assert!(
+        f.tx.contains(&StreamTrace::Accepted {
+            seq: resync,
+            phase: 2
+        }),
+        "{:?}",
+        f.tx
+    );
+    assert!(
+        f.tx.contains(&direct(resync, big - 100, 2, resync)),
         "{:?}",
         f.tx
     );

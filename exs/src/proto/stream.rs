@@ -334,6 +334,9 @@ struct Tx {
     /// receiver's rejected advertisements are filled, then wait for its next one (see `resync_room`). It may be
     /// behind `seq` (the indirect bytes sent already fill them): the sender then waits at once.
     resync_hold: Option<u64>,
+    /// Where the receives rejected since the last resynchronisation end, small ones included (see
+    /// `chain_rejected`).
+    resync_chain: Option<u64>,
     /// Where the first indirect transfer of the current odd phase began: the receives advertised in the even phase
     /// before it and not used by a direct transfer are filled from here on (see `choose_advert`).
     odd_from: u64,
@@ -465,6 +468,7 @@ impl StreamProto {
                 tail: 0,
                 consumed: 0,
                 resync_hold: None,
+                resync_chain: None,
                 odd_from: 0,
                 next_id: 0,
                 next_tag: 0,
@@ -638,6 +642,7 @@ impl StreamProto {
     /// it is never reported `Cancelled` (issue 14), but `Aborted`.
     fn fail_sends(&mut self, err: OpError) {
         self.tx.resync_hold = None;
+        self.tx.resync_chain = None;
         for s in self.tx.sends.iter_mut() {
             let started = s.in_flight > 0 || s.rest.as_ref().is_none_or(|r| r.len() < s.len);
             s.rest = None;

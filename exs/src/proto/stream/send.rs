@@ -43,6 +43,7 @@ impl StreamProto {
                 // "Once the sender accepts an advertisement, the sender increments its phase back to even."
                 self.tx.phase = aphase;
                 self.tx.resync_hold = None;
+                self.tx.resync_chain = None;
                 self.stats.adverts_accepted += 1;
                 self.record(StreamTrace::Accepted {
                     seq: aseq,
@@ -50,24 +51,7 @@ impl StreamProto {
                 });
                 return Ok(true);
             }
-            if a.len >= RESYNC_MIN {
-                // Where the rejected receive ends, which is where the hold ends (`resync_room`): the first
-                // advertisement of the receiver's new round (a higher phase) carries its exact position (the
-                // receiver advertises again only once it has taken every byte we sent before), so the hold starts
-                // again from there. The receives advertised in the even phase we left start no earlier than our
-                // first indirect transfer (`odd_from`): the direct transfers before it filled the receives
-                // advertised before them, and their own estimates lag by the receives queued ahead. The rest of a
-                // batch is advertised at estimates (a receive without MSG_WAITALL at one byte past the one before)
-                // and each of those receives may take a whole transfer of its length, so their ends are chained
-                // from the one before, never from our own position: bytes already sent past the end leave no room
-                // (before, the end was raised to our position and the next receive chained from there, so a sender
-                // ahead went on by a whole batch of receives and made the receiver's next advertisement stale).
-                let from = match self.tx.resync_hold {
-                    Some(h) if aphase <= self.tx.phase => h.max(a.seq),
-                    _ => a.seq.max(self.tx.odd_from),
-                };
-                self.tx.resync_hold = Some(from.saturating_add(a.len - a.used));
-            }
+            self.chain_rejected(aseq, aphase, a.len, a.used);
             self.tx.adverts.pop_front();
             if aphase > self.tx.phase {
                 // "If an advertisement with a higher phase number is rejected, the sender increments its phase to
@@ -83,6 +67,32 @@ impl StreamProto {
                 sender_seq,
                 sender_phase,
             });
+        }
+    }
+
+    /// Records where the rejected receive (`seq`, `phase`, `len` bytes of which `used` were filled directly) ends,
+    /// and holds indirect transfers there once a large one was rejected (see `resync_room`).
+    ///
+    /// The first advertisement of the receiver's new round (a higher phase) carries its exact position (the
+    /// receiver advertises again only once it has taken every byte we sent before): the chain starts again from
+    /// there. The receives advertised in the even phase we left start no earlier than our first indirect transfer
+    /// (`odd_from`): the direct transfers before it filled the receives advertised before them, and their own
+    /// estimates lag by the receives queued ahead. The rest of a batch is advertised at estimates (a receive
+    /// without MSG_WAITALL at one byte past the one before) and each of those receives may take a whole transfer
+    /// of its length, small ones too, so their ends are chained from the one before, never from our own position:
+    /// bytes already sent past the end leave no room. (Before, the end was raised to our position and the next
+    /// receive chained from there, so a sender ahead went on by a whole batch of receives and made the receiver's
+    /// next advertisement stale; and small receives were left out of the chain, so a hold could end before a small
+    /// receive behind a large one was filled, and both sides waited for [`RESYNC_HOLD`].)
+    fn chain_rejected(&mut self, seq: u64, phase: u32, len: u64, used: u64) {
+        let from = match self.tx.resync_chain {
+            Some(end) if phase <= self.tx.phase => end.max(seq),
+            _ => seq.max(self.tx.odd_from),
+        };
+        let end = from.saturating_add(len - used);
+        self.tx.resync_chain = Some(end);
+        if len >= RESYNC_MIN || self.tx.resync_hold.is_some() {
+            self.tx.resync_hold = Some(end);
         }
     }
 
@@ -166,6 +176,7 @@ impl StreamProto {
     fn resync_room(&mut self) -> Option<u64> {
         if self.tx.phase % 2 == 0 {
             self.tx.resync_hold = None;
+            self.tx.resync_chain = None;
         }
         self.tx.resync_hold.map(|to| to.saturating_sub(self.tx.seq))
     }

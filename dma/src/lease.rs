@@ -133,7 +133,7 @@ impl Lease {
         self.buf.accessing(&range, self.kind.shared(), |racy| {
             // SAFETY: in bounds (check); this lease excludes Rust writers of the range except racy-shared ones,
             // which are handled with atomic loads, and `accessing` keeps `racy` true while this runs.
-            unsafe { load(p, dst, racy) }
+            unsafe { load(p, dst, self.buf.atomicity(racy)) }
         });
         Ok(())
     }
@@ -151,7 +151,7 @@ impl Lease {
         self.buf.accessing(&range, self.kind.shared(), |racy| {
             // SAFETY: in bounds; a write lease excludes all other users except racy CPU copies of a shared lease,
             // which are atomic on both sides (`accessing` keeps `racy` true while this runs).
-            unsafe { store(p, src, racy) }
+            unsafe { store(p, src, self.buf.atomicity(racy)) }
         });
         Ok(())
     }
@@ -191,7 +191,15 @@ impl Lease {
             // two leases cannot overlap in a conflicting way (the table refused that), so the ranges do not alias
             // unless both are shared, in which case everything goes through atomic loads/stores of a bounce
             // buffer. The caller keeps both sides' racy-or-not true while this runs.
-            unsafe { copy(s, d, len, src_racy, dst_racy) }
+            unsafe {
+                copy(
+                    s,
+                    d,
+                    len,
+                    self.buf.atomicity(src_racy),
+                    dst.buf.atomicity(dst_racy),
+                )
+            }
         };
         if len <= COPY_UNDER_LOCK {
             // Under both tables' locks (a control message's inline bytes, once per message).

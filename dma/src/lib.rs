@@ -204,6 +204,8 @@ pub struct DmaBuf {
     leases: Mutex<Table>,
     /// Signalled when a plain access ends while somebody waits (`Table::waiting`) to take a trusted key.
     plain_ended: Condvar,
+    /// Every access to the bytes is word-sized atomics ([`DmaBuf::try_new_device_written`]).
+    words: bool,
 }
 
 // SAFETY: DmaBuf owns its allocation (no thread affinity). All access to the bytes goes through lease-checked
@@ -235,7 +237,21 @@ impl DmaBuf {
             storage: Storage::Pages(origin),
             leases: Mutex::new(Table::default()),
             plain_ended: Condvar::new(),
+            words: false,
         }))
+    }
+
+    /// [`DmaBuf::try_new`] for bytes a device writes while the CPU reads them, all their life (a stream buffer
+    /// the peer writes into and the receiver copies out of): every access to them, by the CPU or by a device
+    /// through a lease (a simulated one is Rust code), is word-sized atomics on the word grid. A shared range of
+    /// any other buffer is copied with byte-sized atomics, several times slower than memory: sizes cannot mix
+    /// where a write races (undefined behaviour), and its other users cannot all be made to use words. The
+    /// allocation is whole pages, so the words that hold the first and last bytes are the buffer's own.
+    pub fn try_new_device_written(len: usize) -> Option<Arc<Self>> {
+        let buf = Self::try_new(len)?;
+        let mut buf = Arc::into_inner(buf).expect("just made");
+        buf.words = len > 0;
+        Some(Arc::new(buf))
     }
 
     /// Takes ownership of a vector's bytes without copying. Its length becomes the buffer's length.
@@ -254,6 +270,7 @@ impl DmaBuf {
             storage: Storage::Vec { capacity },
             leases: Mutex::new(Table::default()),
             plain_ended: Condvar::new(),
+            words: false,
         })
     }
 
@@ -281,6 +298,7 @@ impl DmaBuf {
             storage: Storage::Foreign,
             leases: Mutex::new(Table::default()),
             plain_ended: Condvar::new(),
+            words: false,
         })
     }
 
@@ -291,6 +309,7 @@ impl DmaBuf {
             storage: Storage::Empty,
             leases: Mutex::new(Table::default()),
             plain_ended: Condvar::new(),
+            words: false,
         }
     }
 
@@ -523,7 +542,7 @@ impl DmaBuf {
             // SAFETY: the range is inside the buffer (checked by `copying`), and while this runs no lease that
             // lets anything write it is held but a shared one (`racy`), whose writer `load` races with atomic
             // loads only: not a data race.
-            unsafe { load(self.ptr.as_ptr().add(offset), dst, racy) }
+            unsafe { load(self.ptr.as_ptr().add(offset), dst, self.atomicity(racy)) }
         })
     }
 
@@ -533,7 +552,7 @@ impl DmaBuf {
         self.copying(range, LeaseKind::CpuWrite, |racy| {
             // SAFETY: in bounds (checked by `copying`), and while this runs nobody else writes or borrows the
             // range; a shared reader (persistent send) is tolerated through atomic stores.
-            unsafe { store(self.ptr.as_ptr().add(offset), src, racy) }
+            unsafe { store(self.ptr.as_ptr().add(offset), src, self.atomicity(racy)) }
         })
     }
 
@@ -563,7 +582,15 @@ impl DmaBuf {
             // in bounds (check) and leased for writing by `dst`. They do not overlap: `copying` refuses a CPU
             // read next to an exclusive write of the same bytes, and a shared destination makes both sides
             // atomic.
-            unsafe { copy(self.ptr.as_ptr().add(offset), d, len, racy, dst_racy) }
+            unsafe {
+                copy(
+                    self.ptr.as_ptr().add(offset),
+                    d,
+                    len,
+                    self.atomicity(racy),
+                    dst.buf.atomicity(dst_racy),
+                )
+            }
         })
     }
 
@@ -620,8 +647,8 @@ impl DmaBuf {
                     self.ptr.as_ptr().add(range.start),
                     d,
                     range.len(),
-                    racy,
-                    dst_racy,
+                    self.atomicity(racy),
+                    dst.buf.atomicity(dst_racy),
                 )
             };
             Ok(())

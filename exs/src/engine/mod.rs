@@ -357,7 +357,8 @@ impl Engine {
             }
             return Ok(());
         };
-        let buf = DmaBuf::try_new(len).ok_or_else(|| {
+        // Only the peer's device writes it, while we copy out: word-sized copies (`try_new_device_written`).
+        let buf = DmaBuf::try_new_device_written(len).ok_or_else(|| {
             TransportError::Invalid(format!("cannot allocate a stream buffer of {len} bytes"))
         })?;
         let reg = self.register(&buf)?;

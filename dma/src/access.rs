@@ -78,15 +78,17 @@ pub(crate) enum Atomicity {
     Plain,
     /// A device may (a shared lease): byte-sized atomics, as every other racy access to the buffer.
     Bytes,
-    /// A buffer every copy into or out of which is word-sized atomics on the word grid
-    /// ([`DmaBuf::try_new_device_written`]; the references of `with_slice` and `with_slice_mut` exclude every
-    /// writer): a racing Rust access of any other size cannot happen there, so word-sized accesses are defined,
-    /// and copy several times faster than bytes.
+    /// A buffer every copy into or out of which is word-sized atomics on the word grid, and which is never
+    /// borrowed ([`DmaBuf::try_new_device_written`]): an access reaches the whole words at the edges of its range,
+    /// whose other bytes may be another lease's, and every Rust access to them is word-sized atomic too, so no
+    /// access of another size can race one; words copy several times faster than bytes.
     Words,
 }
 
 impl DmaBuf {
-    /// How an access to this buffer that must be atomic or not (`racy`) is made.
+    /// How an access to this buffer that must be atomic or not (`racy`) is made. Every copy into or out of a
+    /// buffer is made as this says, and a buffer only devices write is never borrowed, which is what the contract
+    /// of [`load`] and [`store`] asks of [`Atomicity::Words`].
     pub(crate) fn atomicity(&self, racy: bool) -> Atomicity {
         match (self.words, racy) {
             (true, _) => Atomicity::Words,
@@ -102,8 +104,9 @@ const W: usize = std::mem::size_of::<usize>();
 ///
 /// # Safety
 /// `src` is valid for reads of `dst.len()` bytes. `Plain`: no Rust code writes them concurrently. `Bytes`: every
-/// concurrent Rust writer uses byte-sized atomic stores. `Words`: `src` lies in a buffer every access to which is
-/// [`Atomicity::Words`], whose allocation holds the whole words around the range.
+/// concurrent Rust writer uses byte-sized atomic stores. `Words`: `src` lies in a buffer every Rust access to which
+/// is [`Atomicity::Words`] (it is never borrowed), whose allocation holds the whole words around the range; their
+/// bytes outside it may be accessed meanwhile, word-sized and atomically by Rust code, or by a device.
 pub(crate) unsafe fn load(src: *const u8, dst: &mut [u8], how: Atomicity) {
     match how {
         Atomicity::Plain => {

@@ -204,7 +204,8 @@ pub struct DmaBuf {
     leases: Mutex<Table>,
     /// Signalled when a plain access ends while somebody waits (`Table::waiting`) to take a trusted key.
     plain_ended: Condvar,
-    /// Every access to the bytes is word-sized atomics ([`DmaBuf::try_new_device_written`]).
+    /// Every copy into or out of the bytes is word-sized atomics, and they are never borrowed
+    /// ([`DmaBuf::try_new_device_written`]).
     words: bool,
 }
 
@@ -243,7 +244,8 @@ impl DmaBuf {
 
     /// [`DmaBuf::try_new`] for bytes a device writes while the CPU reads them, all their life (a stream buffer
     /// the peer writes into and the receiver copies out of): every access to them, by the CPU or by a device
-    /// through a lease (a simulated one is Rust code), is word-sized atomics on the word grid. A shared range of
+    /// through a lease (a simulated one is Rust code), is word-sized atomics on the word grid, and references to
+    /// them are refused ([`DmaBuf::with_slice`], [`DmaBuf::with_slice_mut`]). A shared range of
     /// any other buffer is copied with byte-sized atomics, several times slower than memory: sizes cannot mix
     /// where a write races (undefined behaviour), and its other users cannot all be made to use words. The
     /// allocation is whole pages, so the words that hold the first and last bytes are the buffer's own.
@@ -655,24 +657,40 @@ impl DmaBuf {
         })
     }
 
-    /// Borrows a range for reading. Refused while a device may write it.
+    /// Borrows a range for reading. Refused while a device may write it, and always on a buffer only devices
+    /// write ([`DmaBuf::try_new_device_written`]: copies only).
     pub fn with_slice<R>(
         self: &Arc<Self>,
         range: Range<usize>,
         f: impl FnOnce(&[u8]) -> R,
     ) -> Result<R, DmaError> {
+        self.may_borrow(LeaseKind::CpuRead)?;
         let lease = self.lease_for(range, LeaseKind::CpuRead, Some(CpuMode::Refs))?;
         Ok(f(lease.as_slice()))
     }
 
-    /// Borrows a range for writing. Refused while any device uses it.
+    /// Borrows a range for writing. Refused while any device uses it, and always on a buffer only devices write.
     pub fn with_slice_mut<R>(
         self: &Arc<Self>,
         range: Range<usize>,
         f: impl FnOnce(&mut [u8]) -> R,
     ) -> Result<R, DmaError> {
+        self.may_borrow(LeaseKind::CpuWrite)?;
         let mut lease = self.lease_for(range, LeaseKind::CpuWrite, Some(CpuMode::Refs))?;
         Ok(f(lease.as_mut_slice()))
+    }
+
+    /// Whether references to the bytes may be handed out: never for a buffer only devices write, whose every
+    /// access is word-sized atomics that reach past the range to the whole words at its edges (their other bytes
+    /// may be another lease's, read or written by a device meanwhile), which a plain reference would race.
+    fn may_borrow(&self, kind: LeaseKind) -> Result<(), DmaError> {
+        if self.words {
+            return Err(DmaError::WrongKind {
+                kind,
+                access: "borrowing a buffer only devices write (it is copied, never borrowed)",
+            });
+        }
+        Ok(())
     }
 }
 

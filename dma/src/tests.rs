@@ -710,3 +710,21 @@ fn part_word_writes_to_one_device_written_word_lose_nothing() {
     assert!(got[..half].iter().all(|&x| x == 0x11 ^ last), "{got:?}");
     assert!(got[half..].iter().all(|&x| x == 0x22 ^ last), "{got:?}");
 }
+
+/// A buffer only devices write is never borrowed: a reference next to a part-word write through a device lease
+/// would race the compare-and-swap of the word they share.
+#[test]
+fn a_device_written_buffer_refuses_borrows() {
+    let b = DmaBuf::try_new_device_written(16).unwrap();
+    let _device = b.lease(3..8, LeaseKind::DeviceWriteShared).unwrap();
+    assert!(matches!(
+        b.with_slice(0..3, |s| s.len()),
+        Err(DmaError::WrongKind { .. })
+    ));
+    assert!(matches!(
+        b.with_slice_mut(8..16, |s| s.len()),
+        Err(DmaError::WrongKind { .. })
+    ));
+    b.read_at(0, &mut [0u8; 3]).unwrap();
+    b.write_at(8, &[1u8; 8]).unwrap();
+}

@@ -206,6 +206,26 @@ impl Fig {
             .collect()
     }
 
+    /// Steps until the receiver has filled every receive it advertised before the sender went indirect and moved
+    /// back to an even phase (2).
+    fn until_receiver_resynchronised(&mut self) {
+        self.until("the receiver filled the rejected receives", |f| {
+            f.server_phase() == 2
+        });
+    }
+
+    /// After the world settled: the sender accepted the advertisement at `seq` in phase 2, and every byte sent
+    /// arrived in order.
+    fn assert_resynchronised_at(&mut self, seq: u64) {
+        assert!(
+            self.tx.contains(&StreamTrace::Accepted { seq, phase: 2 }),
+            "{:?}",
+            self.tx
+        );
+        self.check_stream();
+        assert_eq!(self.got.len(), self.sent.len());
+    }
+
     /// Steps until the sender has rejected `n` advertisements in all.
     fn until_rejected(&mut self, n: usize) {
         self.until("advertisements rejected", |f| {
@@ -616,30 +636,19 @@ fn rejected_large_receives_already_filled_hold_the_sender_until_the_next_advert(
     );
     // The receiver fills the three rejected receives (phase 1, then 2), then advertises its fourth at the
     // sender's exact position: accepted (long before the hold's time limit), and both waiting sends go direct.
-    f.until("the receiver filled the rejected receives", |f| {
-        f.server_phase() == 2
-    });
+    f.until_receiver_resynchronised();
     f.recv(BIG);
     f.recv(BIG);
     f.settle();
     assert_eq!(f.indirects(), before, "{:?}", f.tx);
     let resync = 3 * big;
-    assert!(
-        f.tx.contains(&StreamTrace::Accepted {
-            seq: resync,
-            phase: 2
-        }),
-        "{:?}",
-        f.tx
-    );
     assert!(f.tx.contains(&direct(resync, big, 2, resync)), "{:?}", f.tx);
     assert!(
         f.tx.contains(&direct(resync + big, big, 2, resync + 1)),
         "{:?}",
         f.tx
     );
-    f.check_stream();
-    assert_eq!(f.got.len(), f.sent.len());
+    f.assert_resynchronised_at(resync);
 }
 
 /// The receives the sender rejects after leaving an even phase start where its first indirect transfer did, not at
@@ -668,24 +677,13 @@ fn rejected_receives_of_the_phase_left_start_where_the_first_indirect_transfer_d
     f.send(BIG);
     let want = vec![(first, big), (first + big, big), (first + 2 * big, big)];
     assert_eq!(f.indirects(), want, "{:?}", f.tx);
-    f.until("the receiver filled the rejected receives", |f| {
-        f.server_phase() == 2
-    });
+    f.until_receiver_resynchronised();
     f.recv(BIG);
     f.send(BIG);
     f.settle();
     let resync = first + 3 * big;
-    assert!(
-        f.tx.contains(&StreamTrace::Accepted {
-            seq: resync,
-            phase: 2
-        }),
-        "{:?}",
-        f.tx
-    );
     assert_eq!(f.indirects(), want, "{:?}", f.tx);
-    f.check_stream();
-    assert_eq!(f.got.len(), f.sent.len());
+    f.assert_resynchronised_at(resync);
 }
 
 /// A small receive rejected behind a large one is filled before the receiver can advertise again, so the sender's
@@ -703,25 +701,14 @@ fn a_small_receive_rejected_behind_a_large_one_is_inside_the_hold() {
     f.until_rejected(2);
     f.send(BIG);
     assert_eq!(f.indirects(), vec![(0, big), (big, 100)], "{:?}", f.tx);
-    f.until("the receiver filled the rejected receives", |f| {
-        f.server_phase() == 2
-    });
+    f.until_receiver_resynchronised();
     f.recv(BIG);
     f.settle();
     let resync = big + 100;
-    assert!(
-        f.tx.contains(&StreamTrace::Accepted {
-            seq: resync,
-            phase: 2
-        }),
-        "{:?}",
-        f.tx
-    );
     assert!(
         f.tx.contains(&direct(resync, big - 100, 2, resync)),
         "{:?}",
         f.tx
     );
-    f.check_stream();
-    assert_eq!(f.got.len(), f.sent.len());
+    f.assert_resynchronised_at(resync);
 }

@@ -338,7 +338,7 @@ struct Tx {
     /// `chain_rejected`).
     resync_chain: Option<u64>,
     /// Where the first indirect transfer of the current odd phase began: the receives advertised in the even phase
-    /// before it and not used by a direct transfer are filled from here on (see `choose_advert`).
+    /// before it and not used by a direct transfer are filled from here on (see `chain_rejected`).
     odd_from: u64,
     next_id: u32,
     next_tag: u32,

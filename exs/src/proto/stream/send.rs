@@ -79,11 +79,9 @@ impl StreamProto {
     /// (`odd_from`): the direct transfers before it filled the receives advertised before them, and their own
     /// estimates lag by the receives queued ahead. The rest of a batch is advertised at estimates (a receive
     /// without MSG_WAITALL at one byte past the one before) and each of those receives may take a whole transfer
-    /// of its length, small ones too, so their ends are chained from the one before, never from our own position:
-    /// bytes already sent past the end leave no room. (Before, the end was raised to our position and the next
-    /// receive chained from there, so a sender ahead went on by a whole batch of receives and made the receiver's
-    /// next advertisement stale; and small receives were left out of the chain, so a hold could end before a small
-    /// receive behind a large one was filled, and both sides waited for [`RESYNC_HOLD`].)
+    /// of its length, small ones too (the receiver advertises again only once each is filled), so their ends are
+    /// chained from the one before, never from our own position: a sender already past the end waits at once
+    /// rather than go on by a batch of receives and make the receiver's next advertisement stale on arrival.
     fn chain_rejected(&mut self, seq: u64, phase: u32, len: u64, used: u64) {
         let from = match self.tx.resync_chain {
             Some(end) if phase <= self.tx.phase => end.max(seq),

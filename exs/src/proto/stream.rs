@@ -641,8 +641,7 @@ impl StreamProto {
     /// Fails the sends not yet done. A send part of which was handed to the transport may have reached the peer:
     /// it is never reported `Cancelled` (issue 14), but `Aborted`.
     fn fail_sends(&mut self, err: OpError) {
-        self.tx.resync_hold = None;
-        self.tx.resync_chain = None;
+        self.end_resync();
         for s in self.tx.sends.iter_mut() {
             let started = s.in_flight > 0 || s.rest.as_ref().is_none_or(|r| r.len() < s.len);
             s.rest = None;

@@ -42,8 +42,7 @@ impl StreamProto {
             if aphase > self.tx.phase && aseq == self.tx.seq {
                 // "Once the sender accepts an advertisement, the sender increments its phase back to even."
                 self.tx.phase = aphase;
-                self.tx.resync_hold = None;
-                self.tx.resync_chain = None;
+                self.end_resync();
                 self.stats.adverts_accepted += 1;
                 self.record(StreamTrace::Accepted {
                     seq: aseq,
@@ -173,8 +172,7 @@ impl StreamProto {
     /// [`StreamProto::resync_waiting`]), so a receiver that stops reading holds the sender no longer than that.
     fn resync_room(&mut self) -> Option<u64> {
         if self.tx.phase % 2 == 0 {
-            self.tx.resync_hold = None;
-            self.tx.resync_chain = None;
+            self.end_resync();
         }
         self.tx.resync_hold.map(|to| to.saturating_sub(self.tx.seq))
     }
@@ -188,7 +186,13 @@ impl StreamProto {
         self.tx.resync_hold.is_some()
     }
 
-    /// The hold has lasted [`RESYNC_HOLD`]: indirect transfers go on.
+    /// The two sides are in step again (or the sends failed): no hold, and no rejected receives to chain from.
+    pub(super) fn end_resync(&mut self) {
+        self.tx.resync_hold = None;
+        self.tx.resync_chain = None;
+    }
+
+    /// The hold has lasted [`RESYNC_HOLD`]: indirect transfers go on (the rejected receives stay chained).
     pub(crate) fn end_resync_hold(&mut self) {
         self.tx.resync_hold = None;
     }

@@ -227,19 +227,7 @@ impl DmaBuf {
     /// [`DmaBuf::new`], or `None` when `len` bytes cannot be had (a length beyond what a layout can describe, or
     /// an allocation the system refuses) instead of aborting: for lengths an application chose.
     pub fn try_new(len: usize) -> Option<Arc<Self>> {
-        if len == 0 {
-            return Some(Arc::new(Self::empty()));
-        }
-        // Whole pages no other allocation shares, not inherited by a forked child (see `arena`, `dont_fork`).
-        let (ptr, origin) = arena::obtain(len)?;
-        Some(Arc::new(Self {
-            ptr,
-            len,
-            storage: Storage::Pages(origin),
-            leases: Mutex::new(Table::default()),
-            plain_ended: Condvar::new(),
-            words: false,
-        }))
+        Self::obtain(len, false)
     }
 
     /// [`DmaBuf::try_new`] for bytes a device writes while the CPU reads them, all their life (a stream buffer
@@ -250,10 +238,24 @@ impl DmaBuf {
     /// where a write races (undefined behaviour), and its other users cannot all be made to use words. The
     /// allocation is whole pages, so the words that hold the first and last bytes are the buffer's own.
     pub fn try_new_device_written(len: usize) -> Option<Arc<Self>> {
-        let buf = Self::try_new(len)?;
-        let mut buf = Arc::into_inner(buf).expect("just made");
-        buf.words = len > 0;
-        Some(Arc::new(buf))
+        Self::obtain(len, true)
+    }
+
+    /// Whole pages no other allocation shares, not inherited by a forked child (see `arena`, `dont_fork`), copied
+    /// a word at a time if `words` ([`DmaBuf::try_new_device_written`]).
+    fn obtain(len: usize, words: bool) -> Option<Arc<Self>> {
+        if len == 0 {
+            return Some(Arc::new(Self::empty()));
+        }
+        let (ptr, origin) = arena::obtain(len)?;
+        Some(Arc::new(Self {
+            ptr,
+            len,
+            storage: Storage::Pages(origin),
+            leases: Mutex::new(Table::default()),
+            plain_ended: Condvar::new(),
+            words,
+        }))
     }
 
     /// Takes ownership of a vector's bytes without copying. Its length becomes the buffer's length.

@@ -277,7 +277,7 @@ fn blast(ctx: &exs::Context, addr: SocketAddr, p: &Point, whole: bool) -> Result
         .status
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
     let (size, depth) = (p.size as usize, p.depth);
-    let buf = MemoryRegion::from_vec(ctx, vec![0x5A; size * depth])
+    let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth))
         .context("registering the send buffers")?;
     let (t0, u0) = (Instant::now(), Usage::now(ctx, whole));
     let mut side = Side {

@@ -10,6 +10,23 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use crate::control::Watch;
 
 /// Bytes per second as GB/s and Gb/s (decimal, as network rates are quoted).
+/// A page-aligned buffer of `len` bytes (more than 0), every byte written with `0x5A`: what a benchmark sends
+/// from. A buffer never written reads as the kernel's zero page, one physical page behind every page of it, so
+/// a software transport that copies out of it (libfabric tcp) reads from the cache, not from memory; a `Vec` starts
+/// a few bytes past a page boundary. Both the raw baselines and `exs pump` send from one of these, so that they
+/// move the same kind of bytes.
+pub fn filled_buffer(len: usize) -> std::sync::Arc<exs_dma::DmaBuf> {
+    const PIECE: usize = 64 << 10;
+    let buf = exs_dma::DmaBuf::new(len);
+    let pattern = [0x5Au8; PIECE];
+    for at in (0..len).step_by(PIECE) {
+        let n = PIECE.min(len - at);
+        buf.write_at(at, &pattern[..n])
+            .expect("a new buffer has no lease and the range is inside it");
+    }
+    buf
+}
+
 pub fn fmt_rate(bytes_per_sec: f64) -> String {
     format!(
         "{:.2} GB/s ({:.1} Gb/s)",
@@ -176,9 +193,28 @@ impl PerfWindow {
 
 #[cfg(test)]
 mod tests {
-    use super::PerfWindow;
+    use super::{filled_buffer, PerfWindow};
     use std::io::Read as _;
     use std::os::unix::fs::OpenOptionsExt as _;
+
+    /// The buffers the benchmarks send from are written to their last byte, whatever their length against the
+    /// piece the pattern is written in (a page left unwritten would be the kernel's zero page again).
+    #[test]
+    fn a_benchmark_buffer_is_written_to_its_last_byte() {
+        for len in [
+            1,
+            (64 << 10) - 1,
+            64 << 10,
+            (64 << 10) + 1,
+            3 * (64 << 10) + 5,
+        ] {
+            let buf = filled_buffer(len);
+            assert_eq!(buf.len(), len);
+            let mut back = vec![0u8; len];
+            buf.read_at(0, &mut back).expect("in bounds, no lease");
+            assert!(back.iter().all(|&b| b == 0x5A), "length {len}");
+        }
+    }
 
     /// `exs ping` under the bench's `perf stat -D -1 --control` tells perf, through its fifo, when the ping-pong
     /// starts and ends; with nobody reading the fifo it fails at once instead of waiting for a reader; with no

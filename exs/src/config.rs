@@ -11,6 +11,29 @@ pub trait Clock: Send + Sync + fmt::Debug {
     fn now(&self) -> Instant;
 }
 
+/// The time, read from a clock the first time it is asked for, then the same: most flushes start no timer and
+/// need no time at all (a clock reading costs tens of nanoseconds, on every message's path).
+pub(crate) struct LazyNow<'a> {
+    at: Option<Instant>,
+    clock: &'a dyn Clock,
+}
+
+impl<'a> LazyNow<'a> {
+    /// `at` if already read (a round reads the clock once for all it does), else `clock` when first asked.
+    pub(crate) fn new(at: Option<Instant>, clock: &'a dyn Clock) -> Self {
+        LazyNow { at, clock }
+    }
+
+    pub(crate) fn get(&mut self) -> Instant {
+        *self.at.get_or_insert_with(|| self.clock.now())
+    }
+
+    /// The time if it was read.
+    pub(crate) fn at(&self) -> Option<Instant> {
+        self.at
+    }
+}
+
 /// The real clock.
 #[derive(Debug, Default)]
 pub struct SystemClock;

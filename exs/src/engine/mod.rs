@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use exs_dma::{DmaBuf, LeaseKind};
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::config::{Clock, ContextOptions};
+use crate::config::{Clock, ContextOptions, LazyNow};
 use crate::error::{
     AcceptError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError, SocketError,
     StateError, Violation,
@@ -634,20 +634,20 @@ impl Engine {
         }
     }
 
-    /// Flushes the sockets marked since the last flush, all at one reading of the clock.
+    /// Flushes the sockets marked since the last flush, all at one reading of the clock (if any needs it).
     fn flush_dirty(&mut self) {
         if !self.dirty.is_empty() {
-            let now = self.clock.now();
-            self.flush_dirty_at(now);
+            self.flush_dirty_at(None);
         }
     }
 
-    fn flush_dirty_at(&mut self, now: Instant) {
+    /// `now`: the round's reading of the clock, if it made one (else the first flush that needs the time reads it).
+    fn flush_dirty_at(&mut self, mut now: Option<Instant>) {
         while let Some(sid) = self.dirty.pop() {
             if let Some(s) = self.sockets.get_mut(&sid) {
                 s.dirty = false;
             }
-            self.flush_at(sid, now);
+            now = self.flush_at(sid, now);
             self.check_polls(sid);
         }
     }
@@ -668,22 +668,22 @@ impl Engine {
 
     /// Posts what a connection has ready, and moves a closing connection on once its CLOSE has left.
     fn flush(&mut self, sid: SocketId) {
-        let now = self.clock.now();
-        self.flush_at(sid, now);
+        self.flush_at(sid, None);
     }
 
-    /// [`Engine::flush`] at `now`.
-    fn flush_at(&mut self, sid: SocketId, now: Instant) {
+    /// [`Engine::flush`] at `now` (read from the clock only if the protocol asks for the time, when it starts a
+    /// timer). Returns the time if it was read, for the next flush of the same round.
+    fn flush_at(&mut self, sid: SocketId, now: Option<Instant>) -> Option<Instant> {
         let _span = self.conn_span(sid).entered();
         let Some(mut conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
-            return;
+            return now;
         };
         // The keys first: the advertisements they let go out must not be overtaken by the STREAM_RING that gives
         // the sender space in the stream buffer (issue 14's order).
         if conn.recv_key_wanted() {
             self.provide_recv_keys(sid);
             let Some(c) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
-                return;
+                return now;
             };
             conn = c;
         }
@@ -694,17 +694,19 @@ impl Engine {
                     sid,
                     Fault::Transport(crate::transport::WcError::Other(e.to_string())),
                 );
-                return;
+                return now;
             }
         }
         let Some(sock) = self.sockets.get_mut(&sid) else {
-            return;
+            return now;
         };
         let Some(conn) = sock.conn.as_mut() else {
-            return;
+            return now;
         };
         let mut posts = std::mem::take(&mut self.posts);
-        let flushed = conn.flush(&mut posts, now);
+        let mut lazy = LazyNow::new(now, &*self.clock);
+        let flushed = conn.flush(&mut posts, &mut lazy);
+        let now = lazy.at();
         let deadline = conn.poll_timeout();
         let ep = conn.ep;
         // After a violation, the connection goes as soon as our CLOSE has left. After a graceful close it does
@@ -725,11 +727,12 @@ impl Engine {
         self.posts = posts;
         if let Err(v) = flushed {
             self.fault(sid, Fault::Peer(v));
-            return;
+            return now;
         }
         if closing_done {
             self.disconnect(sid);
         }
+        now
     }
 
     fn post_all(&mut self, sid: SocketId, ep: EndpointId, posts: &mut Vec<WorkRequest>) {

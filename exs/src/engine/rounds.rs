@@ -102,7 +102,7 @@ impl Engine {
     fn finish_round(&mut self) -> bool {
         let now = self.clock.now();
         let did = self.run_timers(now);
-        self.flush_dirty_at(now);
+        self.flush_dirty_at(Some(now));
         self.drain_done();
         did
     }

@@ -5,6 +5,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::config::LazyNow;
 use crate::error::{OpError, Violation};
 use crate::options::{SockType, SocketOptions};
 use crate::proto::link::{self, Link, WrKind, MIN_WINDOW};
@@ -354,25 +355,29 @@ impl Conn {
     /// [`WINDOW_HOLD`](crate::proto::stream::WINDOW_HOLD); one sent meanwhile clears it. A stream sender holding
     /// its indirect transfers for an advertisement sets its own deadline the same way
     /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD)), cleared once the hold ends.
+    ///
+    /// `now` is asked for only when a deadline starts (most flushes start none).
     pub(crate) fn flush(
         &mut self,
         out: &mut Vec<WorkRequest>,
-        now: Instant,
+        now: &mut LazyNow<'_>,
     ) -> Result<(), Violation> {
         let delayed = self.flush_now(out)?;
         let resync = matches!(&self.mode, Some(Mode::Stream(s)) if s.resync_waiting());
         self.resync_at = match (resync, self.resync_at) {
             (false, _) => None,
-            (true, at) => Some(at.unwrap_or(now + crate::proto::stream::RESYNC_HOLD)),
+            (true, Some(at)) => Some(at),
+            (true, None) => Some(now.get() + crate::proto::stream::RESYNC_HOLD),
         };
         self.ack_at = match (delayed, self.ack_at) {
             (false, _) => None,
             (true, Some(at)) => Some(at),
             (true, None) => Some(
-                now + match self.mode {
-                    Some(Mode::Stream(_)) => crate::proto::stream::WINDOW_HOLD,
-                    _ => self.timing.ack_delay,
-                },
+                now.get()
+                    + match self.mode {
+                        Some(Mode::Stream(_)) => crate::proto::stream::WINDOW_HOLD,
+                        _ => self.timing.ack_delay,
+                    },
             ),
         };
         Ok(())

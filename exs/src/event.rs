@@ -25,7 +25,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -149,7 +149,12 @@ pub struct QueueStats {
     pub spun: u64,
 }
 
+/// The next queue's number ([`EventQueue::id`]).
+static NEXT_QUEUE: AtomicU64 = AtomicU64::new(1);
+
 pub(crate) struct EqInner {
+    /// This queue's number, never used by another queue of the process (see [`EventQueue::id`]).
+    id: u64,
     state: Mutex<EqState>,
     cond: Condvar,
     depth: usize,
@@ -300,6 +305,11 @@ impl EventQueue {
     /// is cheaper asleep.
     pub const DEFAULT_ADAPTIVE_SPIN: Duration = wait::ADAPTIVE_SPIN_MAX;
 
+    /// This queue's number in the process (from 1; a queue made later never has the number of one dropped).
+    pub(crate) fn id(&self) -> u64 {
+        self.inner.id
+    }
+
     /// Creates a queue that holds up to `depth` operations in flight or undequeued (ES-API `exs_qcreate(depth)`).
     /// Fails only if the process has no file descriptor left for the queue's readiness descriptor ([`AsFd`]).
     pub fn new(depth: usize) -> std::io::Result<Self> {
@@ -314,6 +324,7 @@ impl EventQueue {
                 .map_err(std::io::Error::from)?;
         Ok(EventQueue {
             inner: Arc::new(EqInner {
+                id: NEXT_QUEUE.fetch_add(1, Ordering::Relaxed),
                 state: Mutex::new(EqState {
                     events: VecDeque::with_capacity(depth.min(4096)),
                     outstanding: 0,
@@ -403,12 +414,14 @@ impl EventQueue {
         if min > max {
             return Err(DequeueError::Invalid("min must not exceed max"));
         }
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // The adaptive and blocking waits read the clock only once the events already queued are not enough.
         let mode = self.inner.lock().mode;
         let got = match mode {
-            WaitMode::Adaptive { spin } => self.dequeue_adaptive(out, min, max, deadline, spin),
-            WaitMode::Block => self.dequeue_blocking(out, min, max, deadline),
-            WaitMode::BusyPoll => self.dequeue_busy(out, min, max, deadline),
+            WaitMode::Adaptive { spin } => self.dequeue_adaptive(out, min, max, timeout, spin),
+            WaitMode::Block => self.dequeue_blocking(out, min, max, timeout),
+            WaitMode::BusyPoll => {
+                self.dequeue_busy(out, min, max, wait::deadline(Instant::now(), timeout))
+            }
         }?;
         if got == 0 && min > 0 {
             return Err(DequeueError::TimedOut);

@@ -10,7 +10,7 @@ impl EventQueue {
         out: &mut Vec<Event>,
         min: usize,
         max: usize,
-        deadline: Option<Instant>,
+        timeout: Option<Duration>,
         spin: u32,
     ) -> Result<usize, DequeueError> {
         // Step 1: poll once.
@@ -19,6 +19,7 @@ impl EventQueue {
             return Ok(got);
         }
         let start = Instant::now();
+        let deadline = deadline(start, timeout);
         // The alternative embodiment: poll `spin` more times before blocking.
         let mut spins = 0;
         while got < min && spins < spin {
@@ -69,9 +70,10 @@ impl EventQueue {
         out: &mut Vec<Event>,
         min: usize,
         max: usize,
-        deadline: Option<Instant>,
+        timeout: Option<Duration>,
     ) -> Result<usize, DequeueError> {
         let mut got = 0;
+        let mut until = None;
         loop {
             // One event per wake-up: the behaviour the adaptive wait improves on.
             got += self.poll(out, (max - got).min(1));
@@ -80,6 +82,7 @@ impl EventQueue {
                 got += self.poll(out, max - got);
                 return Ok(got);
             }
+            let deadline = *until.get_or_insert_with(|| deadline(Instant::now(), timeout));
             if !self.block_until(1, deadline, true)? {
                 got += self.poll(out, max - got);
                 return Ok(got);
@@ -474,6 +477,11 @@ fn busy_pauses() -> (u32, u32) {
         let count = |ns: u64| (ns / per_pause_ns).clamp(1, 1024) as u32;
         (count(BUSY_PAUSE_MIN_NS), count(BUSY_PAUSE_MAX_NS))
     })
+}
+
+/// The end of a wait of `timeout` from `start`; `None` (no end) for none, and for one too long to count.
+pub(super) fn deadline(start: Instant, timeout: Option<Duration>) -> Option<Instant> {
+    timeout.and_then(|t| start.checked_add(t))
 }
 
 /// A spin reads the clock (for its deadline) after its first round and then every this many rounds.

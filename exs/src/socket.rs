@@ -19,7 +19,7 @@
 
 use std::fmt;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::context::Context;
@@ -38,6 +38,8 @@ struct Handle {
     ctx: Context,
     id: SocketId,
     closed: AtomicBool,
+    /// The queue ([`EventQueue::id`]) the context was last attached to (0: none yet).
+    attached: AtomicU64,
 }
 
 impl Drop for Handle {
@@ -124,6 +126,7 @@ impl Socket {
                 ctx,
                 id,
                 closed: AtomicBool::new(false),
+                attached: AtomicU64::new(0),
             }),
         }
     }
@@ -156,7 +159,7 @@ impl Socket {
         context: u64,
         f: impl FnOnce(&mut crate::engine::Engine, SocketId, &mut Option<Ticket>) -> Result<(), E>,
     ) -> Result<(), E> {
-        self.h.ctx.attach(eq);
+        self.attach(eq);
         let mut ticket = Some(eq.reserve(kind, context, self.h.id)?);
         let r = self.engine(|e, id| f(e, id, &mut ticket));
         if let Some(t) = ticket {
@@ -314,8 +317,19 @@ impl Socket {
         kind: EventKind,
         context: u64,
     ) -> Result<Ticket, crate::error::QueueFull> {
-        self.h.ctx.attach(eq);
+        self.attach(eq);
         eq.reserve(kind, context, self.h.id)
+    }
+
+    /// Lets a busy dequeue on `eq` drive this socket's context: once per queue, not on every call (a lock and four
+    /// reference counts each time). A queue keeps every context attached to it for as long as that context lives,
+    /// and this handle keeps it alive; another queue in between attaches again.
+    fn attach(&self, eq: &EventQueue) {
+        let id = eq.id();
+        if self.h.attached.load(Ordering::Relaxed) != id {
+            self.h.ctx.attach(eq);
+            self.h.attached.store(id, Ordering::Relaxed);
+        }
     }
 
     /// Ends this side's persistent send and persistent receive (`EXS_PERSISTENT`, the UNH-EXS paper 4.2 and 4.3). Their

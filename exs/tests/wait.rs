@@ -306,3 +306,28 @@ fn a_fast_ping_pong_is_answered_by_spinning_unless_the_spin_is_off() {
         }
     }
 }
+
+/// A dequeue drives the contexts attached to its queue, and a socket attaches its context to the queue of each
+/// call; it remembers only the last queue it attached to (attaching is a lock and four reference counts), so a
+/// socket going back and forth between two queues must attach again at every change. Here each send's
+/// completion is dequeued first, from the queue the send named, with nothing else driving the world.
+#[test]
+fn a_socket_going_back_and_forth_between_queues_is_driven_from_each() {
+    let p = pair(SockType::SeqPacket);
+    let queues = [EventQueue::new(8).unwrap(), EventQueue::new(8).unwrap()];
+    let src = p.client_region(vec![7; 8]);
+    let dst = p.server_region(8);
+    for round in 0..4u64 {
+        let q = &queues[round as usize % 2];
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, round)
+            .unwrap();
+        p.client.send(q, &src.all(), MsgFlags::NONE, round).unwrap();
+        let sent = q.next(Some(Duration::from_secs(10))).unwrap();
+        assert!(
+            sent.is_ok() && sent.context == round,
+            "round {round}: {sent:?}"
+        );
+        assert!(wait(&p.eq_b).is_ok());
+    }
+}

@@ -86,6 +86,19 @@ pub(super) fn exs_jobs(exe: &str, backend: &str, p: &Plan, wait_modes: bool) -> 
             format!("{exe} pump {backend} --type stream --mode normal --size {} --depth 32 --seconds {secs} --json", 1 << 20),
             Parse::Json,
         ));
+        // The transport's own write loop as deep: twice the memory in flight costs it too (caches), which the
+        // stream's ratio above includes.
+        v.push(job(
+            "raw-deep",
+            "write",
+            1 << 20,
+            32,
+            format!(
+                "{exe} rawpump {backend} --op write --size {} --depth 32 --seconds {secs} --json",
+                1 << 20
+            ),
+            Parse::Json,
+        ));
         for size in [65536u64, 1 << 20] {
             for wait in ["adaptive", "block", "busy"] {
                 v.push(job(

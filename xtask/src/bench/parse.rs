@@ -29,6 +29,7 @@ pub(super) fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> 
                     "median_us",
                     "client_exposures_per_msg",
                     "registrations_per_msg",
+                    "direct_share",
                 ]
                 .into_iter()
                 .chain(IDLE_METRICS)

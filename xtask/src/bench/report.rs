@@ -354,6 +354,18 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
             |r| r >= 0.9,
             ">= 0.9x, a deeper pipeline must not fall back on the stream buffer",
         ));
+        if let Some((share, _, _)) = get(sum, "exs-deep", "stream", mib, "direct_share") {
+            v.push(format!(
+                "exs stream at depth 32, 1 MiB: {share:.3} of the bytes went straight into the receives (the rest \
+                 through the stream buffer)"
+            ));
+        }
+        v.push(explain_line(
+            "raw libfabric RMA write loop at depth 32 vs at depth 8, 1 MiB",
+            bw("raw-deep", "write", mib),
+            bw("raw", "write", mib),
+            "what twice the memory in flight costs the transport itself",
+        ));
         for size in [65536u64, mib] {
             let a = bw("exs-wait", "adaptive", size);
             let best = bw("exs-wait", "busy", size)

@@ -355,6 +355,33 @@ fn the_stream_pump_is_compared_with_tcp_nodelay_and_the_raw_write_loop() {
     }
 }
 
+/// The stream pump twice as deep is reported with the share of its bytes that went straight into the receives, and
+/// beside the transport's own write loop as deep against at depth 8 (what the deeper pipeline costs without exs).
+#[test]
+fn the_deep_stream_row_says_its_direct_share_beside_the_raw_loop_as_deep() {
+    let mut sum = BTreeMap::new();
+    for (tool, variant, depth, metric, v) in [
+        ("exs-deep", "stream", 32, "bytes_per_sec", 80.0),
+        ("exs-deep", "stream", 32, "direct_share", 0.995),
+        ("exs", "stream", 8, "bytes_per_sec", 100.0),
+        ("raw-deep", "write", 32, "bytes_per_sec", 75.0),
+        ("raw", "write", 8, "bytes_per_sec", 100.0),
+    ] {
+        sum.insert(
+            (tool.into(), variant.into(), 1 << 20, depth, metric.into()),
+            (v, v, v, 1),
+        );
+    }
+    let t = targets("host", &sum);
+    for want in [
+        "exs stream at depth 32 (twice the advert credits) vs at depth 8, 1 MiB: 0.80x (target >= 0.9x, a deeper pipeline must not fall back on the stream buffer) - missed",
+        "exs stream at depth 32, 1 MiB: 0.995 of the bytes went straight into the receives (the rest through the stream buffer)",
+        "raw libfabric RMA write loop at depth 32 vs at depth 8, 1 MiB: 0.75x (no target: what twice the memory in flight costs the transport itself)",
+    ] {
+        assert!(t.contains(&want.to_string()), "{want}: {t:?}");
+    }
+}
+
 /// The idle rows count only the ping-pong: perf starts with its events off and `exs ping` switches them on and off
 /// through perf's control fifo (opening and closing thousands of idle connections costs more system calls, and
 /// varies more, than the whole ping-pong).

@@ -29,7 +29,6 @@ mod server;
 use std::io::{BufReader, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
@@ -200,7 +199,6 @@ impl Channel {
         Ok(Watch {
             peer: Some(self.writer.try_clone()?),
             deadline: Some((deadline, max_seconds, max_grace)),
-            calls: AtomicU32::new(0),
         })
     }
 }
@@ -211,14 +209,7 @@ pub struct Watch {
     peer: Option<TcpStream>,
     /// When the test must have ended, and the server's `--max-seconds` and `--max-grace` (for the message).
     deadline: Option<(Instant, f64, f64)>,
-    /// Calls of [`Watch::in_time`] so far (it reads the clock on every [`CLOCK_EVERY`]th).
-    calls: AtomicU32,
 }
-
-/// [`Watch::in_time`] reads the clock on its first call and on every this many after it: a reading on every event
-/// was a measurable part of a small message's cost in `exs pump`, and a client that keeps sending runs past the
-/// server's limit by this many events at most.
-const CLOCK_EVERY: u32 = 32;
 
 impl Watch {
     /// A watch that never sees anyone go, and no deadline.
@@ -227,7 +218,6 @@ impl Watch {
         Watch {
             peer: None,
             deadline: None,
-            calls: AtomicU32::new(0),
         }
     }
 
@@ -242,17 +232,8 @@ impl Watch {
         }
     }
 
-    /// An error once the test has run past the server's limit (after an event: cheap, no system call, and a clock
-    /// reading only every [`CLOCK_EVERY`] calls).
+    /// An error once the test has run past the server's limit (cheap: no system call).
     pub fn in_time(&self, what: &str) -> Result<()> {
-        if self.calls.fetch_add(1, Ordering::Relaxed) % CLOCK_EVERY == 0 {
-            self.before_deadline(what)?;
-        }
-        Ok(())
-    }
-
-    /// An error once the test has run past the server's limit.
-    fn before_deadline(&self, what: &str) -> Result<()> {
         if let Some((at, max, grace)) = self.deadline {
             if Instant::now() >= at {
                 bail!(
@@ -266,7 +247,7 @@ impl Watch {
 
     /// An error once the client has gone or the test's time is up.
     pub fn check(&self, what: &str) -> Result<()> {
-        self.before_deadline(what)?;
+        self.in_time(what)?;
         if self.gone() {
             bail!("the client closed its control connection while this side waited for {what}");
         }
@@ -390,23 +371,5 @@ mod tests {
                 && e.contains("--max-grace"),
             "{e}"
         );
-    }
-
-    /// After an event the deadline is looked at on the first call and every `CLOCK_EVERY`th after it (a client
-    /// that keeps sending overruns by that many events at most); a wait without events looks every time.
-    #[test]
-    fn a_late_watch_stops_within_clock_every_events_and_at_every_idle_check() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let ch = Channel::new(l.accept().unwrap().0, "test".into()).unwrap();
-        let late = ch.watch_until(Instant::now(), 7.0, 2.5).unwrap();
-        let stopped = (0..3 * CLOCK_EVERY)
-            .filter(|_| late.in_time("the pings").is_err())
-            .count();
-        assert_eq!(stopped, 3, "one stop per {CLOCK_EVERY} events");
-        for _ in 0..3 {
-            assert!(late.check("the pings").is_err());
-        }
-        drop(c);
     }
 }

@@ -210,7 +210,8 @@ fn serve(
         watch,
     )?;
     let (size, depth) = (p.size as usize, p.depth);
-    let buf = MemoryRegion::alloc(ctx, size * depth).context("registering the receive buffers")?;
+    let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth))
+        .context("registering the receive buffers")?;
     for i in 0..depth {
         s.recv(
             &eq,
@@ -226,28 +227,16 @@ fn serve(
         whole,
         ..Side::default()
     };
-    let mut start: Option<(Instant, Usage)> = None;
-    let mut last = Instant::now();
-    // Bytes and messages up to the last reading of the clock, which small messages take only every few (a reading
-    // per message was a measurable part of a 4 KiB message's cost): the rate counts what came by then.
-    let every = if size < 64 << 10 { 32 } else { 1 };
-    let mut counted = (0, 0);
+    let mut meter = Meter::new(size, persistent);
     let stop = cli::duration(p.seconds);
     loop {
         let ev = crate::util::wait_watching(&eq, watch, "the client's messages")?;
         if !ev.is_ok() || ev.flags.eof {
             break; // the client closed: the point is over
         }
-        side.bytes += ev.bytes as u64;
-        side.msgs += 1;
-        if start.is_none() || persistent || side.msgs % every == 0 {
-            let now = Instant::now();
-            let (t0, _) = *start.get_or_insert_with(|| (now, Usage::now(ctx, whole)));
-            last = now;
-            counted = (side.bytes, side.msgs);
-            if persistent && now - t0 >= stop {
-                break;
-            }
+        let since_first = meter.add(ev.bytes as u64, || Usage::now(ctx, whole));
+        if persistent && since_first.is_some_and(|d| d >= stop) {
+            break;
         }
         let i = ev.context as usize;
         s.recv(
@@ -258,17 +247,73 @@ fn serve(
         )
         .context("receive")?;
     }
-    if let Some((t0, u0)) = start {
-        (side.bytes, side.msgs) = counted;
-        side.secs = (last - t0).as_secs_f64();
-        side.usage = Usage::now(ctx, whole).since(u0);
-        // The first message only starts the clock.
-        side.bytes = side.bytes.saturating_sub(side.bytes / side.msgs.max(1));
-        side.msgs = side.msgs.saturating_sub(1);
-    }
+    meter.finish(&mut side, Usage::now(ctx, whole));
     side.copied = s.stats().map_or(0, |c| c.stream.copied_bytes);
     let _ = s.close();
     Ok(side)
+}
+
+/// Messages below this size read the clock only every [`CLOCK_EVERY`] (a reading per message was a measurable part
+/// of a 4 KiB message's cost).
+const SMALL: usize = 64 << 10;
+/// See [`SMALL`].
+const CLOCK_EVERY: u64 = 32;
+
+/// What the receiving side of a point counts: the bytes and messages that came by the last reading of the clock,
+/// the first message only starting it. Small messages read it only every [`CLOCK_EVERY`] messages after the first
+/// [`CLOCK_EVERY`] (a short run still has a rate).
+struct Meter {
+    every: u64,
+    start: Option<(Instant, Usage)>,
+    last: Option<Instant>,
+    bytes: u64,
+    msgs: u64,
+    counted: (u64, u64),
+}
+
+impl Meter {
+    fn new(size: usize, persistent: bool) -> Meter {
+        Meter {
+            every: if size < SMALL && !persistent {
+                CLOCK_EVERY
+            } else {
+                1
+            },
+            start: None,
+            last: None,
+            bytes: 0,
+            msgs: 0,
+            counted: (0, 0),
+        }
+    }
+
+    /// A message of `bytes` came; the time since the first one if the clock was read (`usage`: the resources used
+    /// so far, taken at the first).
+    fn add(&mut self, bytes: u64, usage: impl FnOnce() -> Usage) -> Option<std::time::Duration> {
+        self.bytes += bytes;
+        self.msgs += 1;
+        if self.msgs > CLOCK_EVERY && self.msgs % self.every != 0 {
+            return None;
+        }
+        let now = Instant::now();
+        let (t0, _) = *self.start.get_or_insert_with(|| (now, usage()));
+        self.last = Some(now);
+        self.counted = (self.bytes, self.msgs);
+        Some(now - t0)
+    }
+
+    /// Fills `side` in (`usage`: the resources used by now).
+    fn finish(self, side: &mut Side, usage: Usage) {
+        let (Some((t0, u0)), Some(last)) = (self.start, self.last) else {
+            return;
+        };
+        let (bytes, msgs) = self.counted;
+        side.secs = (last - t0).as_secs_f64();
+        side.usage = usage.since(u0);
+        // The first message only starts the clock.
+        side.bytes = bytes.saturating_sub(bytes / msgs.max(1));
+        side.msgs = msgs.saturating_sub(1);
+    }
 }
 
 /// The client of one point: blasts for the point's duration (persistent: one send, then waits for the server
@@ -514,4 +559,39 @@ pub fn run(a: PumpArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     peer.close()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Meter, Side, CLOCK_EVERY};
+    use crate::usage::Usage;
+
+    fn run(size: usize, persistent: bool, msgs: u64) -> Side {
+        let mut meter = Meter::new(size, persistent);
+        for _ in 0..msgs {
+            meter.add(size as u64, Usage::default);
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        let mut side = Side::default();
+        meter.finish(&mut side, Usage::default());
+        side
+    }
+
+    /// Small messages read the clock on each of the first `CLOCK_EVERY` and then every `CLOCK_EVERY`: a short run
+    /// still has a rate, and a long one counts the messages up to the last reading (the first only starts the
+    /// clock); large messages and persistent runs read it on every message.
+    #[test]
+    fn the_pump_server_counts_what_came_by_its_last_clock_reading() {
+        let short = run(4096, false, 5);
+        assert_eq!((short.msgs, short.bytes), (4, 4 * 4096));
+        assert!(short.secs > 0.0);
+        let long = run(4096, false, 2 * CLOCK_EVERY + 7);
+        assert_eq!(long.msgs, 2 * CLOCK_EVERY - 1);
+        assert_eq!(long.bytes, (2 * CLOCK_EVERY - 1) * 4096);
+        let large = run(1 << 20, false, CLOCK_EVERY + 3);
+        assert_eq!(large.msgs, CLOCK_EVERY + 2);
+        let persistent = run(4096, true, CLOCK_EVERY + 3);
+        assert_eq!(persistent.msgs, CLOCK_EVERY + 2);
+        assert_eq!(run(4096, false, 0).msgs, 0);
+    }
 }

@@ -9,12 +9,11 @@ use anyhow::{anyhow, bail, Context as _, Result};
 
 use crate::control::Watch;
 
-/// Bytes per second as GB/s and Gb/s (decimal, as network rates are quoted).
 /// A page-aligned buffer of `len` bytes (more than 0), every byte written with `0x5A`: what a benchmark sends
-/// from. A buffer never written reads as the kernel's zero page, one physical page behind every page of it, so
-/// a software transport that copies out of it (libfabric tcp) reads from the cache, not from memory; a `Vec` starts
-/// a few bytes past a page boundary. Both the raw baselines and `exs pump` send from one of these, so that they
-/// move the same kind of bytes.
+/// from and receives into. A buffer never written reads as the kernel's zero page, one physical page behind every
+/// page of it, so a software transport that copies out of it (libfabric tcp) reads from the cache, not from
+/// memory, and one first written during a run maps its pages then; a `Vec` starts a few bytes past a page boundary.
+/// The raw baselines and `exs pump` both use these on both sides, so that they move the same kind of bytes.
 pub fn filled_buffer(len: usize) -> std::sync::Arc<exs_dma::DmaBuf> {
     const PIECE: usize = 64 << 10;
     let buf = exs_dma::DmaBuf::new(len);
@@ -27,6 +26,7 @@ pub fn filled_buffer(len: usize) -> std::sync::Arc<exs_dma::DmaBuf> {
     buf
 }
 
+/// Bytes per second as GB/s and Gb/s (decimal, as network rates are quoted).
 pub fn fmt_rate(bytes_per_sec: f64) -> String {
     format!(
         "{:.2} GB/s ({:.1} Gb/s)",

@@ -321,14 +321,15 @@ impl Socket {
         eq.reserve(kind, context, self.h.id)
     }
 
-    /// Lets a busy dequeue on `eq` drive this socket's context: once per queue, not on every call (a lock and four
+    /// Lets a busy dequeue on `eq` drive this socket's context: once per queue, not on every call (a lock and
     /// reference counts each time). A queue keeps every context attached to it for as long as that context lives,
-    /// and this handle keeps it alive; another queue in between attaches again.
+    /// and this handle keeps it alive; another queue in between attaches again. (Release and acquire: a thread that
+    /// sees the id sees the attachment made before it was stored.)
     fn attach(&self, eq: &EventQueue) {
         let id = eq.id();
-        if self.h.attached.load(Ordering::Relaxed) != id {
+        if self.h.attached.load(Ordering::Acquire) != id {
             self.h.ctx.attach(eq);
-            self.h.attached.store(id, Ordering::Relaxed);
+            self.h.attached.store(id, Ordering::Release);
         }
     }
 

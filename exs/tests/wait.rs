@@ -308,7 +308,7 @@ fn a_fast_ping_pong_is_answered_by_spinning_unless_the_spin_is_off() {
 }
 
 /// A dequeue drives the contexts attached to its queue, and a socket attaches its context to the queue of each
-/// call; it remembers only the last queue it attached to (attaching is a lock and four reference counts), so a
+/// call; it remembers only the last queue it attached to (attaching takes a lock and reference counts), so a
 /// socket going back and forth between two queues must attach again at every change. Here each send's
 /// completion is dequeued first, from the queue the send named, with nothing else driving the world.
 #[test]

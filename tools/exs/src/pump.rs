@@ -264,8 +264,10 @@ const CLOCK_EVERY: u64 = 32;
 /// [`CLOCK_EVERY`] (a short run still has a rate).
 struct Meter {
     every: u64,
+    /// The first message's time and the resources used by then.
     start: Option<(Instant, Usage)>,
-    last: Option<Instant>,
+    /// The last reading of the clock.
+    last: Instant,
     bytes: u64,
     msgs: u64,
     counted: (u64, u64),
@@ -280,7 +282,7 @@ impl Meter {
                 1
             },
             start: None,
-            last: None,
+            last: Instant::now(),
             bytes: 0,
             msgs: 0,
             counted: (0, 0),
@@ -297,18 +299,18 @@ impl Meter {
         }
         let now = Instant::now();
         let (t0, _) = *self.start.get_or_insert_with(|| (now, usage()));
-        self.last = Some(now);
+        self.last = now;
         self.counted = (self.bytes, self.msgs);
         Some(now - t0)
     }
 
     /// Fills `side` in (`usage`: the resources used by now).
     fn finish(self, side: &mut Side, usage: Usage) {
-        let (Some((t0, u0)), Some(last)) = (self.start, self.last) else {
+        let Some((t0, u0)) = self.start else {
             return;
         };
         let (bytes, msgs) = self.counted;
-        side.secs = (last - t0).as_secs_f64();
+        side.secs = (self.last - t0).as_secs_f64();
         side.usage = usage.since(u0);
         // The first message only starts the clock.
         side.bytes = bytes.saturating_sub(bytes / msgs.max(1));

@@ -34,6 +34,15 @@ impl<'a> LazyNow<'a> {
     }
 }
 
+/// `d`, or a century if longer: a setting too long to count (`Duration::MAX` for "never") still adds to an
+/// `Instant` without the panic of `Instant + Duration::MAX`, and a century never comes. It also fits in the progress
+/// thread's nanosecond stamps.
+pub(crate) fn countable(d: Duration) -> Duration {
+    d.min(CENTURY)
+}
+
+const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 /// The real clock.
 #[derive(Debug, Default)]
 pub struct SystemClock;

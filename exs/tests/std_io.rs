@@ -345,3 +345,41 @@ fn connection_stats_count_the_bytes_each_way_and_the_handshake() {
         "{text}"
     );
 }
+
+#[test]
+fn timeouts_and_durations_too_long_to_count_mean_never_not_a_panic() {
+    let world = World::threaded(SimConfig::default());
+    let mut opts = exs::ContextOptions::default();
+    opts.linger = Duration::MAX;
+    opts.connect_timeout = Duration::MAX;
+    opts.ack_delay = Duration::MAX;
+    opts.keepalive = Some(Duration::MAX);
+    let (server, client) = (world.host_with(opts.clone()), world.host_with(opts));
+    let listener = Listener::bind_in(&server, world.addr(0, 9131)).unwrap();
+    let accepting = std::thread::spawn(move || listener.accept().unwrap());
+    let mut cfg = exs::StreamConfig::default();
+    cfg.connect_timeout = Some(Duration::MAX);
+    let mut c = Stream::connect_with(&client, world.addr(0, 9131), &cfg).unwrap();
+    let (mut s, _) = accepting.join().unwrap();
+    c.set_read_timeout(Some(Duration::MAX)).unwrap();
+    c.set_write_timeout(Some(Duration::MAX)).unwrap();
+    s.set_read_timeout(Some(Duration::MAX)).unwrap();
+    let want = pattern(300_000);
+    let echo = std::thread::spawn(move || {
+        let mut got = vec![0u8; 300_000];
+        s.read_exact(&mut got).unwrap();
+        s.write_all(&got).unwrap();
+        s.shutdown(Shutdown::Write).unwrap();
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).unwrap();
+        rest.len()
+    });
+    c.write_all(&want).unwrap();
+    let mut back = vec![0u8; want.len()];
+    c.read_exact(&mut back).unwrap();
+    assert!(back == want, "the echo differs");
+    c.shutdown(Shutdown::Write).unwrap();
+    assert_eq!(c.read(&mut back).unwrap(), 0, "end of stream");
+    assert_eq!(echo.join().unwrap(), 0);
+    drop(c);
+}

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use exs_dma::{DmaBuf, LeaseKind};
 use rustc_hash::{FxHashMap, FxHashSet};
 
-use crate::config::{Clock, ContextOptions, LazyNow};
+use crate::config::{countable, Clock, ContextOptions, LazyNow};
 use crate::error::{
     AcceptError, CloseError, ConnectError, OpError, OptionError, RecvError, SendError, SocketError,
     StateError, Violation,
@@ -245,14 +245,15 @@ impl Engine {
             ctx_id,
             owner,
             clock: Arc::clone(&opts.clock),
-            linger: opts.linger,
-            connect_timeout: opts.connect_timeout,
+            // Settings too long to count mean never (`config::countable`): the timers add them to the time.
+            linger: countable(opts.linger),
+            connect_timeout: countable(opts.connect_timeout),
             max_connections: opts.max_connections,
             exposure: opts.exposure,
             budget: crate::budget::Budget::new(opts.memory_budget),
             trusted: TrustedKeys::default(),
-            ack_delay: opts.ack_delay,
-            keepalive: opts.keepalive,
+            ack_delay: countable(opts.ack_delay),
+            keepalive: opts.keepalive.map(countable),
             sockets: FxHashMap::default(),
             eps: FxHashMap::default(),
             listeners: FxHashMap::default(),

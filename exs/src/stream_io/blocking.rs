@@ -234,7 +234,7 @@ impl Stream {
         if self.inner.nonblocking.load(Ordering::Relaxed) {
             return Err(io::Error::new(io::ErrorKind::WouldBlock, "would block"));
         }
-        Ok(timeout.map(|t| Instant::now() + t))
+        Ok(timeout.map(|t| Instant::now() + crate::config::countable(t)))
     }
 
     fn read_inner(&self, buf: &mut [u8]) -> io::Result<usize> {

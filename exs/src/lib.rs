@@ -97,6 +97,21 @@
 //! No feature is on by default: a program names the backends it wants. Building either backend needs clang
 //! (bindgen) and pkg-config.
 //!
+//! ## Building for speed
+//!
+//! A message's path runs through this crate, the transport and memory crates and a backend. Compiled apart (the
+//! release profile's default), they inline into each other only what is generic or marked; a program that wants
+//! the shortest path builds as one unit, as the `exs` tool is built:
+//!
+//! ```toml
+//! [profile.release]
+//! lto = "fat"
+//! codegen-units = 1
+//! ```
+//!
+//! About 7% fewer instructions per round trip and 12% fewer instruction-cache misses in an 8-byte ping-pong
+//! (measured with callgrind on libfabric tcp), where the cache, not the instruction count, bounds a busy round trip.
+//!
 //! ## Choosing a backend
 //!
 //! With several backends compiled in, the program picks one at run time: [`Context::from_env`] reads

@@ -20,7 +20,7 @@ pub struct CArgs {
     /// Where to lay out include/, lib/ and lib/pkgconfig/ (default: target/c).
     #[arg(long)]
     pub prefix: Option<PathBuf>,
-    /// Install the debug build instead of the release build.
+    /// Install the debug build instead of the optimized one (the `dist` profile: fat LTO).
     #[arg(long)]
     pub debug: bool,
     /// Also build the C examples and tests from the layout into DIR/bin.
@@ -66,17 +66,20 @@ pub fn run(a: CArgs) -> Result<()> {
     Ok(())
 }
 
-/// Builds the library and lays it out under `prefix` (made absolute); returns the absolute prefix.
+/// Builds the library (`release`: with the `dist` profile, as we ship it; else the debug build) and lays it out
+/// under `prefix` (made absolute); returns the absolute prefix.
 pub fn install(prefix: &Path, release: bool) -> Result<PathBuf> {
     let mut build = sys::cargo();
     build.args(["build", "-p", "exs-capi"]);
     if release {
-        build.arg("--release");
+        build.args(["--profile", sys::DIST]);
     }
     sys::run(&mut build)?;
-    let built = sys::root()
-        .join("target")
-        .join(if release { "release" } else { "debug" });
+    let built = if release {
+        sys::dist_dir()
+    } else {
+        sys::root().join("target/debug")
+    };
     let prefix = std::path::absolute(prefix).map_err(|e| e.to_string())?;
     for d in ["include", "lib/pkgconfig"] {
         std::fs::create_dir_all(prefix.join(d))

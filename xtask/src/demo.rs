@@ -4,8 +4,8 @@ use crate::sys::{self, Result};
 
 pub fn run(args: Vec<String>) -> Result<()> {
     sys::ensure_packages(sys::BUILD_PACKAGES)?;
-    sys::run(sys::cargo().args(["build", "--release", "-p", "exs-tools"]))?;
-    let exe = sys::root().join("target/release/exs");
+    sys::run(sys::cargo().args(["build", "--profile", sys::DIST, "-p", "exs-tools"]))?;
+    let exe = sys::dist_dir().join("exs");
     let mut cmd = std::process::Command::new(exe);
     cmd.arg("demo").args(&args);
     sys::run(&mut cmd)

@@ -116,6 +116,14 @@ pub const BUILD_PACKAGES: &[&str] = &[
     "libclang-dev",
 ];
 
+/// The profile of what we ship and measure (see `[profile.dist]` in the workspace manifest).
+pub const DIST: &str = "dist";
+
+/// Where the `dist` profile's binaries land.
+pub fn dist_dir() -> PathBuf {
+    root().join("target").join(DIST)
+}
+
 pub fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());

@@ -177,8 +177,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // fi_pingpong (libfabric's own ping-pong), perf and valgrind (per-round-trip counts) for the cost table.
     // valgrind (callgrind): user-space instructions per round trip, beside the system calls.
     sys::ensure_packages(&["libfabric-bin", "linux-perf", "valgrind"])?;
-    sys::run(sys::cargo().args(["build", "--release", "-p", "exs-tools", "-p", "xtask"]))?;
-    let exe = sys::root().join("target/release/exs");
+    sys::run(sys::cargo().args([
+        "build",
+        "--profile",
+        sys::DIST,
+        "-p",
+        "exs-tools",
+        "-p",
+        "xtask",
+    ]))?;
+    let exe = sys::dist_dir().join("exs");
     let exe = exe.to_string_lossy();
     // Issue 30: the C library's release layout and its examples (the ping-pong is measured beside `exs ping`).
     let c_bin = crate::capi::install(&sys::root().join("target/c"), true)
@@ -259,7 +267,7 @@ fn softroce_suite(
         "xtask: Soft-RoCE suite: {} points x {repeats} repeats",
         jobs.len()
     );
-    let xtask = sys::root().join("target/release/xtask");
+    let xtask = sys::dist_dir().join("xtask");
     // The tool's server and client talk over TCP on the device's address, which needs `lo` up (a fresh guest
     // has it down).
     let siw_up = siw_load.as_ref().map_or(String::new(), |load| {

@@ -9,7 +9,8 @@ use super::*;
 pub(super) fn build_stream_bench() -> Result<String> {
     sys::run(sys::cargo().args([
         "build",
-        "--release",
+        "--profile",
+        sys::DIST,
         "-p",
         "exs",
         "--features",
@@ -17,8 +18,8 @@ pub(super) fn build_stream_bench() -> Result<String> {
         "--example",
         "stream_bench",
     ]))?;
-    Ok(sys::root()
-        .join("target/release/examples/stream_bench")
+    Ok(sys::dist_dir()
+        .join("examples/stream_bench")
         .to_string_lossy()
         .into_owned())
 }

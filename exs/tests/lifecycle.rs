@@ -627,3 +627,42 @@ fn a_late_acknowledgment_after_the_peer_stopped_receiving_is_no_violation() {
         "the sends ended with {sent:?}"
     );
 }
+
+/// Settings too long to count mean never, not a panic (`Instant + Duration::MAX` failed the engine's round): a
+/// request and its reply on message sockets, where the acknowledgment delay applies, then a graceful close.
+#[test_log::test]
+fn context_durations_too_long_to_count_mean_never_on_message_sockets() {
+    let mut opts = exs::ContextOptions::default();
+    opts.linger = Duration::MAX;
+    opts.connect_timeout = Duration::MAX;
+    opts.ack_delay = Duration::MAX;
+    opts.keepalive = Some(Duration::MAX);
+    let p = pair_ctx_opts(SockType::SeqPacket, opts, SocketOptions::default());
+    let request = pattern(100, 5);
+    let (s, r, got) = p.transfer(&request, 100);
+    assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
+    assert_bytes_eq(&got, &request, "request");
+    let reply = pattern(200, 6);
+    let src = MemoryRegion::from_vec(&p.b, reply.clone()).unwrap();
+    let dst = p.client_region(vec![0; 200]);
+    p.client
+        .recv(&p.eq_a, &dst.all(), MsgFlags::NONE, 7)
+        .unwrap();
+    p.server
+        .send(&p.eq_b, &src.all(), MsgFlags::NONE, 8)
+        .unwrap();
+    let (got_reply, sent) = (wait(&p.eq_a), wait(&p.eq_b));
+    assert!(got_reply.is_ok() && sent.is_ok(), "{got_reply:?} {sent:?}");
+    assert_bytes_eq(&dst.to_vec().unwrap(), &reply, "reply");
+    let handshake = p.client.stats().unwrap().handshake.expect("timed");
+    assert!(handshake < Duration::from_secs(60), "{handshake:?}");
+    // The close is graceful and needs no timer: the server's next receive reports the end at once.
+    p.client.close().unwrap();
+    p.world.run_until_idle(100_000);
+    let buf = p.server_region(10);
+    p.server
+        .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 9)
+        .unwrap();
+    let end = wait(&p.eq_b);
+    assert!(end.is_ok() && end.flags.eof, "{end:?}");
+}

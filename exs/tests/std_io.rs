@@ -363,6 +363,7 @@ fn timeouts_and_durations_too_long_to_count_mean_never_not_a_panic() {
     let (mut s, _) = accepting.join().unwrap();
     c.set_read_timeout(Some(Duration::MAX)).unwrap();
     c.set_write_timeout(Some(Duration::MAX)).unwrap();
+    assert_eq!(c.read_timeout().unwrap(), Some(Duration::MAX));
     s.set_read_timeout(Some(Duration::MAX)).unwrap();
     let want = pattern(300_000);
     let echo = std::thread::spawn(move || {

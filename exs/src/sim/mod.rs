@@ -375,7 +375,7 @@ impl World {
     /// Steps for `d` of virtual time: everything due before then happens, and the clock ends at the limit even
     /// when nothing was due (time passes for an idle world too). Returns the steps taken.
     pub fn run_for(&self, d: Duration) -> u64 {
-        let limit = self.elapsed() + d;
+        let limit = self.elapsed().saturating_add(d);
         let mut n = 0;
         while step_until(&self.net, &self.driver, limit) {
             n += 1;
@@ -466,7 +466,7 @@ impl World {
         net.hosts[host].listeners.clear();
         net.queue.retain(|d| d.from.0 != host);
         for ((ph, pep), _) in peers {
-            let at = net.now + delay;
+            let at = net.now.saturating_add(delay);
             net.seq += 1;
             let seq = net.seq;
             let d = Delivery {

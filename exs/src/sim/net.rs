@@ -129,7 +129,10 @@ impl Net {
         } else {
             Duration::from_nanos(self.rng.gen_range(0..=self.cfg.jitter.as_nanos() as u64))
         };
-        let mut at = self.now + self.cfg.latency + jitter;
+        let mut at = self
+            .now
+            .saturating_add(self.cfg.latency)
+            .saturating_add(jitter);
         if let Some(ep) = self.hosts[from.0].eps.get_mut(&from.1) {
             at = at.max(ep.last_at);
             ep.last_at = at;

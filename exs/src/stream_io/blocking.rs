@@ -229,12 +229,13 @@ impl Stream {
         super::nodelay(&self.inner.sock)
     }
 
-    /// When a wait started now ends (`None`: never), or `WouldBlock` in non-blocking mode.
+    /// When a wait started now ends (`None`: never, also for a timeout too long to count), or `WouldBlock` in
+    /// non-blocking mode.
     fn deadline(&self, timeout: Option<Duration>) -> io::Result<Option<Instant>> {
         if self.inner.nonblocking.load(Ordering::Relaxed) {
             return Err(io::Error::new(io::ErrorKind::WouldBlock, "would block"));
         }
-        Ok(timeout.map(|t| Instant::now() + crate::config::countable(t)))
+        Ok(timeout.and_then(|t| Instant::now().checked_add(t)))
     }
 
     fn read_inner(&self, buf: &mut [u8]) -> io::Result<usize> {

@@ -220,7 +220,7 @@ impl RawPeer {
 
     /// Processes completions and connection events for `d` (or until `until` holds).
     pub fn pump(&mut self, d: Duration, until: impl Fn(&RawPeer) -> bool) {
-        let deadline = Instant::now() + d;
+        let deadline = Instant::now().checked_add(d);
         let mut out = Vec::new();
         loop {
             out.clear();
@@ -250,7 +250,7 @@ impl RawPeer {
                     self.disconnected = true;
                 }
             }
-            if until(self) || Instant::now() > deadline {
+            if until(self) || deadline.is_some_and(|d| Instant::now() > d) {
                 return;
             }
             (self.tick)();

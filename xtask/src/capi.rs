@@ -20,7 +20,7 @@ pub struct CArgs {
     /// Where to lay out include/, lib/ and lib/pkgconfig/ (default: target/c).
     #[arg(long)]
     pub prefix: Option<PathBuf>,
-    /// Install the debug build instead of the optimized one (the `dist` profile: fat LTO).
+    /// Install the debug build instead of the optimized one (the `dist` profile: fat LTO, one codegen unit).
     #[arg(long)]
     pub debug: bool,
     /// Also build the C examples and tests from the layout into DIR/bin.
@@ -66,16 +66,28 @@ pub fn run(a: CArgs) -> Result<()> {
     Ok(())
 }
 
-/// Builds the library (`release`: with the `dist` profile, as we ship it; else the debug build) and lays it out
+/// Builds the library (`optimized`: with the `dist` profile, as we ship it; else the debug build) and lays it out
 /// under `prefix` (made absolute); returns the absolute prefix.
-pub fn install(prefix: &Path, release: bool) -> Result<PathBuf> {
+pub fn install(prefix: &Path, optimized: bool) -> Result<PathBuf> {
     let mut build = sys::cargo();
-    build.args(["build", "-p", "exs-capi"]);
-    if release {
-        build.args(["--profile", sys::DIST]);
+    if optimized {
+        // The two C libraries only: a crate that is an rlib too (the crate's own Rust tests link it) is built
+        // without LTO whatever the profile says.
+        build.args([
+            "rustc",
+            "-p",
+            "exs-capi",
+            "--lib",
+            "--profile",
+            sys::DIST,
+            "--crate-type",
+            "cdylib,staticlib",
+        ]);
+    } else {
+        build.args(["build", "-p", "exs-capi"]);
     }
     sys::run(&mut build)?;
-    let built = if release {
+    let built = if optimized {
         sys::dist_dir()
     } else {
         sys::root().join("target/debug")

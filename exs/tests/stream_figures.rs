@@ -712,3 +712,49 @@ fn a_small_receive_rejected_behind_a_large_one_is_inside_the_hold() {
     );
     f.assert_resynchronised_at(resync);
 }
+
+/// A receiver that takes longer than the hold's time limit to drain the stream buffer, but keeps draining it, holds
+/// the sender until it advertises again: each window update (the buffer consumed further) starts the limit again.
+/// Here eight large sends went indirect before the receiver's one advertisement arrived, the receiver's
+/// application posts a receive every 4 ms (each filled from the buffer), and the two sends made after the
+/// rejection wait 32 ms, past the limit, and go direct into the receiver's next two advertisements. Before, the
+/// limit ended the hold while the receiver was still draining: the two sends went indirect and made the next
+/// advertisement stale on arrival (`exs pump --type stream --size 1M --depth 32` on libfabric tcp: 32 MiB written
+/// indirect before the first advertisements came, the hold ended while the receiver copied them out, and the
+/// stream stayed indirect for another 32 MiB or, in some runs, for good).
+#[test]
+fn a_receiver_still_draining_the_stream_buffer_keeps_the_sender_holding() {
+    const BIG: usize = 64 << 10;
+    let big = BIG as u64;
+    let mut f = Fig::new(512 << 10);
+    f.recv(BIG);
+    for _ in 0..8 {
+        f.send(BIG);
+    }
+    assert_eq!(f.indirects().len(), 8, "{:?}", f.tx);
+    f.until_rejected(1);
+    f.send(BIG);
+    f.send(BIG);
+    for _ in 0..8 {
+        f.p.world.run_for(std::time::Duration::from_millis(4));
+        f.collect();
+        f.recv(BIG);
+    }
+    f.recv(BIG);
+    f.settle();
+    assert_eq!(
+        f.indirects().len(),
+        8,
+        "sends made after the rejection went indirect: {:?}",
+        f.tx
+    );
+    let resync = 8 * big;
+    let accepted =
+        |t: &StreamTrace| matches!(t, StreamTrace::Accepted { seq, .. } if *seq == resync);
+    let direct_at = |at: u64| move |t: &StreamTrace| matches!(t, StreamTrace::Direct { seq, len, .. } if *seq == at && *len == big);
+    assert!(f.tx.iter().any(accepted), "{:?}", f.tx);
+    assert!(f.tx.iter().any(direct_at(resync)), "{:?}", f.tx);
+    assert!(f.tx.iter().any(direct_at(resync + big)), "{:?}", f.tx);
+    f.check_stream();
+    assert_eq!(f.got.len(), f.sent.len());
+}

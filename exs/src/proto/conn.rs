@@ -363,11 +363,15 @@ impl Conn {
         now: &mut LazyNow<'_>,
     ) -> Result<(), Violation> {
         let delayed = self.flush_now(out)?;
-        let resync = matches!(&self.mode, Some(Mode::Stream(s)) if s.resync_waiting());
+        // A hold lasts RESYNC_HOLD from its start, or from the receiver's last progress through the stream buffer.
+        let (resync, progressed) = match &mut self.mode {
+            Some(Mode::Stream(s)) => (s.resync_waiting(), s.take_resync_progress()),
+            _ => (false, false),
+        };
         self.resync_at = match (resync, self.resync_at) {
             (false, _) => None,
-            (true, Some(at)) => Some(at),
-            (true, None) => Some(now.get() + crate::proto::stream::RESYNC_HOLD),
+            (true, Some(at)) if !progressed => Some(at),
+            (true, _) => Some(now.get() + crate::proto::stream::RESYNC_HOLD),
         };
         self.ack_at = match (delayed, self.ack_at) {
             (false, _) => None,

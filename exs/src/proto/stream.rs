@@ -337,6 +337,9 @@ struct Tx {
     /// Where the receives rejected since the last resynchronisation end, small ones included (see
     /// `chain_rejected`).
     resync_chain: Option<u64>,
+    /// The receiver consumed more of the stream buffer while the sender held: the hold's time limit starts again
+    /// (see `StreamProto::take_resync_progress`).
+    resync_progress: bool,
     /// Where the first indirect transfer of the current odd phase began: the receives advertised in the even phase
     /// before it and not used by a direct transfer are filled from here on (see `chain_rejected`).
     odd_from: u64,
@@ -377,11 +380,13 @@ const SMALL_VIA_RING: usize = 16 << 10;
 /// `bulk_sends_into_small_receives_are_not_a_write_per_receive`).
 const RESYNC_MIN: u64 = 64 << 10;
 
-/// The longest a sender that rejected a large advertisement waits for the next one (see
-/// `StreamProto::resync_room`): long enough for a receiver on a loaded machine to fill its rejected receives from
-/// the stream buffer and advertise again, short enough that a receiver that stopped reading holds the sender's
-/// queued bytes out of its buffer only briefly.
-pub(crate) const RESYNC_HOLD: std::time::Duration = WINDOW_HOLD;
+/// The longest a sender that rejected a large advertisement waits for the next one, or for the receiver's next
+/// progress through the stream buffer (see `StreamProto::resync_room` and `StreamProto::take_resync_progress`):
+/// long enough for a receiver on a loaded machine to fill its rejected receives from the stream buffer and
+/// advertise again, and longer than the [`WINDOW_HOLD`] by which a receiver may defer reporting that progress;
+/// short enough that a receiver that stopped reading holds the sender's queued bytes out of its buffer only
+/// briefly.
+pub(crate) const RESYNC_HOLD: std::time::Duration = WINDOW_HOLD.saturating_mul(2);
 
 /// With coalescing on, this many small writes that passed over an advertisement (each flushed it), with no large
 /// transfer between, stop the advertisements until a large transfer: a request/response stream, not a header
@@ -469,6 +474,7 @@ impl StreamProto {
                 consumed: 0,
                 resync_hold: None,
                 resync_chain: None,
+                resync_progress: false,
                 odd_from: 0,
                 next_id: 0,
                 next_tag: 0,

@@ -190,6 +190,7 @@ impl StreamProto {
     pub(super) fn end_resync(&mut self) {
         self.tx.resync_hold = None;
         self.tx.resync_chain = None;
+        self.tx.resync_progress = false;
     }
 
     /// The hold has lasted [`RESYNC_HOLD`]: indirect transfers go on (the rejected receives stay chained).
@@ -439,7 +440,19 @@ impl StreamProto {
                 self.tx.consumed, self.tx.tail
             )));
         }
+        if consumed > self.tx.consumed && self.tx.resync_hold.is_some() {
+            self.tx.resync_progress = true;
+        }
         self.tx.consumed = consumed;
         Ok(())
+    }
+
+    /// Whether the receiver consumed more of the stream buffer since the last call while the sender held (see
+    /// `resync_room`): it is still reading, filling the receives the sender rejected, and will advertise again once
+    /// they are full, so the hold's time limit (for a receiver that stopped reading) starts again. A receiver
+    /// that drains a full buffer takes longer than [`RESYNC_HOLD`] on a loaded machine, and a hold ended meanwhile
+    /// sent the waiting bytes indirect, past the position the receiver's next advertisement names.
+    pub(crate) fn take_resync_progress(&mut self) -> bool {
+        std::mem::take(&mut self.tx.resync_progress)
     }
 }

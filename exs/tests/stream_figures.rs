@@ -758,3 +758,35 @@ fn a_receiver_still_draining_the_stream_buffer_keeps_the_sender_holding() {
     f.check_stream();
     assert_eq!(f.got.len(), f.sent.len());
 }
+
+/// The other side of the hold above: a receiver that drains part of the stream buffer and then stops reading holds
+/// the sender only until the limit after its last progress. Its two receives empty a quarter of the buffer (a
+/// window update the sender counts), then it posts nothing: the two held sends go indirect within the limit
+/// (20 ms) and the time the receiver may defer its update (10 ms).
+#[test]
+fn a_receiver_that_stops_draining_ends_the_hold() {
+    const BIG: usize = 64 << 10;
+    let mut f = Fig::new(512 << 10);
+    f.recv(BIG);
+    for _ in 0..8 {
+        f.send(BIG);
+    }
+    f.until_rejected(1);
+    f.send(BIG);
+    f.send(BIG);
+    for _ in 0..2 {
+        f.p.world.run_for(std::time::Duration::from_millis(4));
+        f.collect();
+        f.recv(BIG);
+    }
+    f.p.world.run_for(std::time::Duration::from_millis(20));
+    f.collect();
+    assert_eq!(f.indirects().len(), 8, "the hold ended early: {:?}", f.tx);
+    f.p.world.run_for(std::time::Duration::from_millis(30));
+    f.collect();
+    assert!(
+        f.indirects().len() > 8,
+        "the held sends never went: {:?}",
+        f.tx
+    );
+}

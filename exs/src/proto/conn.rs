@@ -129,7 +129,8 @@ pub(crate) struct Conn {
     /// When a delayed acknowledgment (message mode) or a held window update (stream mode) goes anyway.
     ack_at: Option<Instant>,
     /// Stream mode: when a sender holding its indirect transfers for an advertisement goes on anyway
-    /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD) after the hold began).
+    /// ([`RESYNC_HOLD`](crate::proto::stream::RESYNC_HOLD) after the hold began, or after the receiver last showed
+    /// progress through the stream buffer).
     resync_at: Option<Instant>,
     /// When the next keepalive check is due.
     keepalive_at: Option<Instant>,

@@ -340,6 +340,8 @@ struct Tx {
     /// The receiver consumed more of the stream buffer while the sender held: the hold's time limit starts again
     /// (see `StreamProto::take_resync_progress`).
     resync_progress: bool,
+    /// The consumption that last counted as progress during the hold (or where the hold began).
+    resync_mark: u64,
     /// Where the first indirect transfer of the current odd phase began: the receives advertised in the even phase
     /// before it and not used by a direct transfer are filled from here on (see `chain_rejected`).
     odd_from: u64,
@@ -475,6 +477,7 @@ impl StreamProto {
                 resync_hold: None,
                 resync_chain: None,
                 resync_progress: false,
+                resync_mark: 0,
                 odd_from: 0,
                 next_id: 0,
                 next_tag: 0,

@@ -89,6 +89,9 @@ impl StreamProto {
         let end = from.saturating_add(len - used);
         self.tx.resync_chain = Some(end);
         if len >= RESYNC_MIN || self.tx.resync_hold.is_some() {
+            if self.tx.resync_hold.is_none() {
+                self.tx.resync_mark = self.tx.consumed;
+            }
             self.tx.resync_hold = Some(end);
         }
     }
@@ -179,9 +182,10 @@ impl StreamProto {
 
     /// Whether the sender holds its indirect transfers back for an advertisement (see `resync_room`), from the
     /// rejection on (it may still be sending up to the end of the rejected receives, or have nothing queued):
-    /// the connection then keeps a deadline of [`RESYNC_HOLD`] from the first flush after the rejection and
-    /// calls [`StreamProto::end_resync_hold`] when it passes, so a hold lasts that long at most, queued sends or
-    /// not (a new rejection starts a new one).
+    /// the connection then keeps a deadline of [`RESYNC_HOLD`] from the first flush after the rejection, started
+    /// again by each step of the receiver's progress through the stream buffer (see `take_resync_progress`), and
+    /// calls [`StreamProto::end_resync_hold`] when it passes: a hold lasts that long after the receiver stopped
+    /// showing progress, queued sends or not (a new rejection starts a new one).
     pub(crate) fn resync_waiting(&self) -> bool {
         self.tx.resync_hold.is_some()
     }
@@ -193,9 +197,11 @@ impl StreamProto {
         self.tx.resync_progress = false;
     }
 
-    /// The hold has lasted [`RESYNC_HOLD`]: indirect transfers go on (the rejected receives stay chained).
+    /// The hold has lasted [`RESYNC_HOLD`] since it began or since the receiver's last progress: indirect transfers
+    /// go on (the rejected receives stay chained).
     pub(crate) fn end_resync_hold(&mut self) {
         self.tx.resync_hold = None;
+        self.tx.resync_progress = false;
     }
 
     /// Where the next transfer goes and how much fits there: the advertised receive (`direct`), or the contiguous
@@ -440,18 +446,27 @@ impl StreamProto {
                 self.tx.consumed, self.tx.tail
             )));
         }
-        if consumed > self.tx.consumed && self.tx.resync_hold.is_some() {
+        // Progress counts in steps of a quarter of the buffer (the receiver's own reporting step) or at its end:
+        // a sender that holds puts nothing more in the buffer, so a peer reporting a byte at a time restarts the
+        // limit a few times at most.
+        let step = (self.tx.ring_len / 4).max(1);
+        if self.tx.resync_hold.is_some()
+            && (consumed >= self.tx.resync_mark.saturating_add(step)
+                || (consumed == self.tx.tail && consumed > self.tx.resync_mark))
+        {
             self.tx.resync_progress = true;
+            self.tx.resync_mark = consumed;
         }
         self.tx.consumed = consumed;
         Ok(())
     }
 
-    /// Whether the receiver consumed more of the stream buffer since the last call while the sender held (see
-    /// `resync_room`): it is still reading, filling the receives the sender rejected, and will advertise again once
-    /// they are full, so the hold's time limit (for a receiver that stopped reading) starts again. A receiver
-    /// that drains a full buffer takes longer than [`RESYNC_HOLD`] on a loaded machine, and a hold ended meanwhile
-    /// sent the waiting bytes indirect, past the position the receiver's next advertisement names.
+    /// Whether the receiver consumed more of the stream buffer since the last call while the sender held, by a
+    /// quarter of the buffer or to its end (see `resync_room`): it is still reading, filling the receives the
+    /// sender rejected, and will advertise again once they are full, so the hold's time limit (for a receiver that
+    /// stopped reading) starts again; a peer that reports a byte at a time restarts it a few times at most. A
+    /// receiver that drains a full buffer takes longer than [`RESYNC_HOLD`] on a loaded machine, and a hold ended
+    /// meanwhile sent the waiting bytes indirect, past the position the receiver's next advertisement names.
     pub(crate) fn take_resync_progress(&mut self) -> bool {
         std::mem::take(&mut self.tx.resync_progress)
     }

@@ -447,8 +447,8 @@ impl StreamProto {
             )));
         }
         // Progress counts in steps of a quarter of the buffer (the receiver's own reporting step) or at its end:
-        // a sender that holds puts nothing more in the buffer, so a peer reporting a byte at a time restarts the
-        // limit a few times at most.
+        // a holding sender adds to the buffer at most up to the end of the rejected receives, so a peer reporting a
+        // byte at a time restarts the limit a few times at most.
         let step = (self.tx.ring_len / 4).max(1);
         if self.tx.resync_hold.is_some()
             && (consumed >= self.tx.resync_mark.saturating_add(step)

@@ -43,6 +43,11 @@ pub(crate) fn countable(d: Duration) -> Duration {
 
 const CENTURY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
+/// The end of a wait of `timeout` from `start`; `None` (no end) for none, and for one too long to count.
+pub(crate) fn deadline(start: Instant, timeout: Option<Duration>) -> Option<Instant> {
+    timeout.and_then(|t| start.checked_add(t))
+}
+
 /// The real clock.
 #[derive(Debug, Default)]
 pub struct SystemClock;

@@ -419,9 +419,12 @@ impl EventQueue {
         let got = match mode {
             WaitMode::Adaptive { spin } => self.dequeue_adaptive(out, min, max, timeout, spin),
             WaitMode::Block => self.dequeue_blocking(out, min, max, timeout),
-            WaitMode::BusyPoll => {
-                self.dequeue_busy(out, min, max, wait::deadline(Instant::now(), timeout))
-            }
+            WaitMode::BusyPoll => self.dequeue_busy(
+                out,
+                min,
+                max,
+                crate::config::deadline(Instant::now(), timeout),
+            ),
         }?;
         if got == 0 && min > 0 {
             return Err(DequeueError::TimedOut);

@@ -4,6 +4,8 @@
 use super::*;
 use std::sync::atomic::AtomicU64;
 
+use crate::config::deadline;
+
 impl EventQueue {
     pub(super) fn dequeue_adaptive(
         &self,
@@ -477,11 +479,6 @@ fn busy_pauses() -> (u32, u32) {
         let count = |ns: u64| (ns / per_pause_ns).clamp(1, 1024) as u32;
         (count(BUSY_PAUSE_MIN_NS), count(BUSY_PAUSE_MAX_NS))
     })
-}
-
-/// The end of a wait of `timeout` from `start`; `None` (no end) for none, and for one too long to count.
-pub(super) fn deadline(start: Instant, timeout: Option<Duration>) -> Option<Instant> {
-    timeout.and_then(|t| start.checked_add(t))
 }
 
 /// A spin reads the clock (for its deadline) after its first round and then every this many rounds.

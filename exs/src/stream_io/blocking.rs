@@ -235,7 +235,7 @@ impl Stream {
         if self.inner.nonblocking.load(Ordering::Relaxed) {
             return Err(io::Error::new(io::ErrorKind::WouldBlock, "would block"));
         }
-        Ok(timeout.and_then(|t| Instant::now().checked_add(t)))
+        Ok(crate::config::deadline(Instant::now(), timeout))
     }
 
     fn read_inner(&self, buf: &mut [u8]) -> io::Result<usize> {

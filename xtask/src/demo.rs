@@ -4,9 +4,7 @@ use crate::sys::{self, Result};
 
 pub fn run(args: Vec<String>) -> Result<()> {
     sys::ensure_packages(sys::BUILD_PACKAGES)?;
-    sys::run(sys::cargo().args(["build", "--profile", sys::DIST, "-p", "exs-tools"]))?;
-    let exe = sys::dist_dir().join("exs");
-    let mut cmd = std::process::Command::new(exe);
+    let mut cmd = std::process::Command::new(sys::dist_exs()?);
     cmd.arg("demo").args(&args);
     sys::run(&mut cmd)
 }

@@ -124,6 +124,12 @@ pub fn dist_dir() -> PathBuf {
     root().join("target").join(DIST)
 }
 
+/// Builds the `exs` tool as we ship it (the `dist` profile) and returns its path.
+pub fn dist_exs() -> Result<PathBuf> {
+    run(cargo().args(["build", "--profile", DIST, "-p", "exs-tools"]))?;
+    Ok(dist_dir().join("exs"))
+}
+
 pub fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());

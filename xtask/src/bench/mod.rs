@@ -177,10 +177,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     // fi_pingpong (libfabric's own ping-pong), perf and valgrind (per-round-trip counts) for the cost table.
     // valgrind (callgrind): user-space instructions per round trip, beside the system calls.
     sys::ensure_packages(&["libfabric-bin", "linux-perf", "valgrind"])?;
-    sys::run(sys::cargo().args(["build", "--profile", sys::DIST, "-p", "exs-tools"]))?;
+    let exe = sys::dist_exs()?;
     // The guest runs xtask only to bring its devices up: no need to optimize it as one unit.
     sys::run(sys::cargo().args(["build", "--release", "-p", "xtask"]))?;
-    let exe = sys::dist_dir().join("exs");
     let exe = exe.to_string_lossy();
     // Issue 30: the C library's release layout and its examples (the ping-pong is measured beside `exs ping`).
     let c_bin = crate::capi::install(&sys::root().join("target/c"), true)

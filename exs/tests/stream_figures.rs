@@ -713,6 +713,33 @@ fn a_small_receive_rejected_behind_a_large_one_is_inside_the_hold() {
     f.assert_resynchronised_at(resync);
 }
 
+/// The start both hold tests share: eight large sends go indirect before the receiver's one advertisement (a
+/// 64 KiB receive) arrives, the sender rejects it, and two more sends wait behind the hold.
+fn eight_indirect_then_two_held() -> Fig {
+    let mut f = Fig::new(512 << 10);
+    f.recv(HOLD_SEND);
+    for _ in 0..8 {
+        f.send(HOLD_SEND);
+    }
+    assert_eq!(f.indirects().len(), 8, "{:?}", f.tx);
+    f.until_rejected(1);
+    f.send(HOLD_SEND);
+    f.send(HOLD_SEND);
+    f
+}
+
+/// The size of every send and receive of the hold tests: large enough to make a rejection hold the sender.
+const HOLD_SEND: usize = 64 << 10;
+
+/// The receiver's application posts `n` receives of [`HOLD_SEND`] bytes, one every `ms` of virtual time.
+fn recv_every(f: &mut Fig, n: usize, ms: u64) {
+    for _ in 0..n {
+        f.p.world.run_for(std::time::Duration::from_millis(ms));
+        f.collect();
+        f.recv(HOLD_SEND);
+    }
+}
+
 /// A receiver that takes longer than the hold's time limit to drain the stream buffer, but keeps draining it, holds
 /// the sender until it advertises again: each window update (the buffer consumed further) starts the limit again.
 /// Here eight large sends went indirect before the receiver's one advertisement arrived, the receiver's
@@ -724,23 +751,10 @@ fn a_small_receive_rejected_behind_a_large_one_is_inside_the_hold() {
 /// stream stayed indirect for another 32 MiB or, in some runs, for good).
 #[test]
 fn a_receiver_still_draining_the_stream_buffer_keeps_the_sender_holding() {
-    const BIG: usize = 64 << 10;
-    let big = BIG as u64;
-    let mut f = Fig::new(512 << 10);
-    f.recv(BIG);
-    for _ in 0..8 {
-        f.send(BIG);
-    }
-    assert_eq!(f.indirects().len(), 8, "{:?}", f.tx);
-    f.until_rejected(1);
-    f.send(BIG);
-    f.send(BIG);
-    for _ in 0..8 {
-        f.p.world.run_for(std::time::Duration::from_millis(4));
-        f.collect();
-        f.recv(BIG);
-    }
-    f.recv(BIG);
+    let big = HOLD_SEND as u64;
+    let mut f = eight_indirect_then_two_held();
+    recv_every(&mut f, 8, 4);
+    f.recv(HOLD_SEND);
     f.settle();
     assert_eq!(
         f.indirects().len(),
@@ -765,20 +779,8 @@ fn a_receiver_still_draining_the_stream_buffer_keeps_the_sender_holding() {
 /// (20 ms) and the time the receiver may defer its update (10 ms).
 #[test]
 fn a_receiver_that_stops_draining_ends_the_hold() {
-    const BIG: usize = 64 << 10;
-    let mut f = Fig::new(512 << 10);
-    f.recv(BIG);
-    for _ in 0..8 {
-        f.send(BIG);
-    }
-    f.until_rejected(1);
-    f.send(BIG);
-    f.send(BIG);
-    for _ in 0..2 {
-        f.p.world.run_for(std::time::Duration::from_millis(4));
-        f.collect();
-        f.recv(BIG);
-    }
+    let mut f = eight_indirect_then_two_held();
+    recv_every(&mut f, 2, 4);
     f.p.world.run_for(std::time::Duration::from_millis(20));
     f.collect();
     assert_eq!(f.indirects().len(), 8, "the hold ended early: {:?}", f.tx);

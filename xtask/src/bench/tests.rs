@@ -355,6 +355,71 @@ fn the_stream_pump_is_compared_with_tcp_nodelay_and_the_raw_write_loop() {
     }
 }
 
+/// Issue 26: the points the stream pump's targets compare run side by side several times a round (the deepest of a
+/// point measured at several depths), their extra runs join the same medians, and the streams' one-way rows run
+/// five times a round; a pair with a point the plan leaves out adds nothing.
+#[test]
+fn target_pairs_run_side_by_side_several_times_a_round_into_the_same_medians() {
+    let p = plan(true);
+    let jobs = host_jobs("exs", "c", &p);
+    let count = |tool: &str, variant: &str, size: u64| {
+        jobs.iter()
+            .filter(|j| j.tool == tool && j.variant == variant && j.size == size)
+            .count()
+    };
+    assert_eq!(count("exs", "stream", 64), PAIRED_RUNS);
+    assert_eq!(count("tcp", "nodelay", 4096), PAIRED_RUNS);
+    // The 1 MiB stream is in two pairs: against the raw loop and against the deeper stream.
+    assert_eq!(count("exs", "stream", 1 << 20), 2 * PAIRED_RUNS - 1);
+    let at = jobs
+        .iter()
+        .position(|j| j.tool == "exs" && j.variant == "stream" && j.size == 64)
+        .unwrap();
+    let extra = &jobs[jobs.len() - 2 * (PAIRED_RUNS - 1) * 5..];
+    assert!(extra[..2]
+        .iter()
+        .zip(["stream", "nodelay"])
+        .all(|(j, v)| j.variant == v && j.size == 64));
+    assert_eq!(extra[0].cmd, jobs[at].cmd);
+    let deep = job("exs", "stream", 4096, 8, "d8".into(), Parse::Json);
+    let shallow = job("exs", "stream", 4096, 1, "d1".into(), Parse::Json);
+    let extra = pair_up(
+        &[
+            shallow,
+            deep,
+            job("tcp", "nodelay", 4096, 1, "t".into(), Parse::Json),
+        ],
+        &[
+            (("exs", "stream", 4096), ("tcp", "nodelay", 4096)),
+            (("exs", "stream", 64), ("tcp", "nodelay", 64)),
+        ],
+        2,
+    );
+    let cmds: Vec<&str> = extra.iter().map(|j| j.cmd.as_str()).collect();
+    assert_eq!(cmds, ["d8", "t", "d8", "t"]);
+    // Two runs of one point in a round join its median with the other round's.
+    let two = vec![jobs[at].clone(), jobs[at].clone()];
+    let out = "@@job 0 0\n{\"bytes_per_sec\": 10.0}\n@@job 1 0\n{\"bytes_per_sec\": 40.0}\n@@job 0 1\n{\"bytes_per_sec\": 20.0}\n";
+    let s = summarize(&collect("host", &two, out));
+    let v = s
+        .values()
+        .find(|v| v.3 == 3)
+        .expect("one point, three runs");
+    assert_eq!((v.0, v.1, v.2), (20.0, 10.0, 40.0));
+    let streams = stream_jobs("sb", false);
+    assert_eq!(
+        streams
+            .iter()
+            .filter(|j| j.tool == "streams" && j.variant == "exs-std")
+            .count(),
+        BULK_RUNS
+    );
+    assert!(stream_jobs("sb", true)
+        .iter()
+        .filter(|j| j.tool == "streams")
+        .all(|j| j.size == 256 << 20));
+}
+
 /// The stream pump twice as deep is reported with the share of its bytes that went straight into the receives, and
 /// beside the transport's own write loop as deep against at depth 8 (what the deeper pipeline costs without exs).
 #[test]

@@ -418,3 +418,123 @@ fn a_peer_persistent_while_we_are_is_a_violation() {
         "{e:?}"
     );
 }
+
+/// Both sends of a client that sent a message, then a persistent send, and ended the persistent send before the
+/// server received anything, complete: the server reads the message, lets the persistent send go unread, and the
+/// connection carries on. (The server took the end of a persistent send that was not yet at the head of its
+/// adverts for a violation and closed the connection.)
+#[test]
+fn ending_a_persistent_send_behind_an_unread_message_lets_it_go_unread() {
+    let p = pair(SockType::SeqPacket);
+    let msg = p.client_region(pattern(65536, 1));
+    let ps = p.client_region(pattern(3000, 2));
+    p.client
+        .send(&p.eq_a, &msg.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &ps.all(), MsgFlags::PERSISTENT, 2)
+        .unwrap();
+    p.world.run_until_idle(100_000);
+    p.client.end_persistent().unwrap();
+    p.world.run_until_idle(100_000);
+    let dst = p.server_region(65536);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 10)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 65536, "{r:?}");
+    assert_bytes_eq(&dst.to_vec().unwrap(), &pattern(65536, 1), "the message");
+    let mut sent = [wait(&p.eq_a), wait(&p.eq_a)];
+    sent.sort_by_key(|e| e.context);
+    for (e, (ctx, bytes)) in sent.iter().zip([(1, 65536), (2, 3000)]) {
+        assert_eq!(
+            (e.kind, e.context, e.status.clone(), e.bytes),
+            (EventKind::Send, ctx, Ok(()), bytes),
+            "{e:?}"
+        );
+    }
+    let (s, r, got) = p.transfer(&pattern(500, 9), 3000);
+    assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
+    assert_bytes_eq(
+        &got,
+        &pattern(500, 9),
+        "the message after the persistent send",
+    );
+}
+
+/// A second persistent send while the first is active, or ended but not yet confirmed by the peer, is refused
+/// locally and says why; once the first completed, a new one starts and the peer reads it. (The second went out,
+/// and the peer took it for a violation and closed the connection.)
+#[test]
+fn a_second_persistent_send_waits_for_the_first_to_complete() {
+    let p = pair(SockType::SeqPacket);
+    let first = p.client_region(pattern(2000, 1));
+    let second = p.client_region(pattern(2000, 2));
+    p.client
+        .send(&p.eq_a, &first.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    let refused = |p: &Pair| {
+        let e = p
+            .client
+            .send(&p.eq_a, &second.all(), MsgFlags::PERSISTENT, 2)
+            .unwrap_err();
+        assert!(
+            matches!(e, SendError::State(StateError::Persistent(_))),
+            "{e:?}"
+        );
+    };
+    refused(&p);
+    p.world.run_until_idle(100_000);
+    p.client.end_persistent().unwrap();
+    refused(&p);
+    let e = wait(&p.eq_a);
+    assert_eq!((e.context, e.status.clone()), (1, Ok(())), "{e:?}");
+    p.client
+        .send(&p.eq_a, &second.all(), MsgFlags::PERSISTENT, 2)
+        .unwrap();
+    let dst = p.server_region(2000);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 10)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 2000, "{r:?}");
+    assert_bytes_eq(
+        &dst.to_vec().unwrap(),
+        &pattern(2000, 2),
+        "the second persistent send",
+    );
+}
+
+/// A persistent send ended while the peer reads the message before it: the read delivers the message, and both
+/// sends complete, the message's no sooner than the receiver has it.
+#[test]
+fn a_persistent_send_ended_while_the_message_before_it_is_read_completes_both() {
+    let p = pair(SockType::SeqPacket);
+    let msg = p.client_region(pattern(65536, 3));
+    let ps = p.client_region(pattern(3000, 4));
+    p.client
+        .send(&p.eq_a, &msg.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &ps.all(), MsgFlags::PERSISTENT, 2)
+        .unwrap();
+    p.world.run_until_idle(100_000);
+    let dst = p.server_region(65536);
+    // The read of the message starts, and the end of the persistent send is on its way, at the same time.
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 10)
+        .unwrap();
+    p.client.end_persistent().unwrap();
+    while p.eq_a.is_empty() && p.world.drive() {}
+    assert_eq!(
+        p.eq_b.len(),
+        1,
+        "the sender got a completion before the receiver had read the message"
+    );
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 65536, "{r:?}");
+    assert_bytes_eq(&dst.to_vec().unwrap(), &pattern(65536, 3), "the message");
+    let mut sent = [wait(&p.eq_a), wait(&p.eq_a)];
+    sent.sort_by_key(|e| e.context);
+    assert!(sent.iter().all(|e| e.is_ok()), "{sent:?}");
+}

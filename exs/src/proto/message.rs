@@ -290,6 +290,22 @@ impl MessageProto {
         Ok(())
     }
 
+    /// A persistent send may start: [`MessageProto::may_be_persistent`], and none of ours is active or waiting for
+    /// the peer to confirm its end (the peer holds one persistent send of ours at a time, and takes a second for
+    /// a violation).
+    pub(crate) fn may_send_persistent(&self) -> Result<(), &'static str> {
+        self.may_be_persistent()?;
+        let ours = self
+            .unacked
+            .iter()
+            .any(|o| o.persistent.is_some() && !o.acked)
+            || self.queue.iter().any(|q| q.persistent.is_some());
+        if ours {
+            return Err("a persistent send is already active on this socket (or its end is not yet confirmed by the peer: wait for its completion)");
+        }
+        Ok(())
+    }
+
     /// A receive would complete at once: an advert is waiting, or the peer shut its side down.
     pub(crate) fn readable(&self) -> bool {
         !self.adverts.is_empty() || self.peer_closed
@@ -560,12 +576,14 @@ impl MessageProto {
                 self.done_seq = self.done_seq.wrapping_add(1);
             }
         }
-        // An ended persistent send is consumed once its reads are done.
+        // An ended persistent send is consumed once its reads are done, and those of the adverts before it (every
+        // transfer left is one of them: none starts past the persistent send at the head). It counts as done after
+        // them: an acknowledgment of it releases every send before it on the peer.
         let ended = self
             .adverts
             .front()
             .is_some_and(|a| a.ending && a.advert.flags.has(AdvertFlags::PERSISTENT));
-        if let (true, Some(link)) = (ended && !self.transfers.iter().any(|t| t.persistent), link) {
+        if let (true, Some(link)) = (ended && self.transfers.is_empty(), link) {
             self.adverts.pop_front();
             self.done_seq = self.done_seq.wrapping_add(1);
             self.match_adverts(link);

@@ -94,7 +94,7 @@ impl Conn {
             _ => return Ok(SendPlan::Inline),
         };
         if persistent {
-            m.may_be_persistent().map_err(StateError::Persistent)?;
+            m.may_send_persistent().map_err(StateError::Persistent)?;
         }
         match (offset, m.peer_precv_len()) {
             (Some(_), None) => {

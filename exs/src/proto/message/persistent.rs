@@ -199,17 +199,16 @@ impl MessageProto {
             }
             return Ok(());
         }
-        if let Some(head) = self.adverts.front_mut() {
-            if head.advert.seq == seq
-                && head.advert.flags.has(AdvertFlags::PERSISTENT)
-                && !head.ending
-            {
-                head.ending = true;
-                // Receives waiting behind it now wait for the next advert; offset receives fail.
-                self.complete_transfers(link);
-                self.match_adverts(link);
-                return Ok(());
-            }
+        // The peer's persistent send need not be at the head yet: adverts it sent before it may still wait for our
+        // receives. It is then consumed, unread, when it reaches the head.
+        if let Some(a) = self.adverts.iter_mut().find(|a| {
+            a.advert.seq == seq && a.advert.flags.has(AdvertFlags::PERSISTENT) && !a.ending
+        }) {
+            a.ending = true;
+            // Receives waiting behind it now wait for the next advert; offset receives fail.
+            self.complete_transfers(link);
+            self.match_adverts(link);
+            return Ok(());
         }
         if let Some(p) = self.peer_precv.as_mut() {
             if p.seq == seq && !p.ending {

@@ -235,6 +235,50 @@ async fn tokio_listener_bind_and_stream_connect_run_on_the_default_context() {
     echo.await.unwrap();
 }
 
+/// Two tasks waiting in `accept` on one listener at once each get a connection (as with tokio's `TcpListener`):
+/// both waited on a single posted accept, and the task that did not get its connection waited for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_tasks_accepting_at_once_each_get_a_connection() {
+    use tokio::io::AsyncReadExt;
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = std::sync::Arc::new(
+        exs::tokio::Listener::bind_in(&server, world.addr(0, 9310))
+            .await
+            .unwrap(),
+    );
+    let addr = listener.local_addr().unwrap();
+    let accepting: Vec<_> = (0..2)
+        .map(|_| {
+            let l = listener.clone();
+            tokio::spawn(async move {
+                let (mut s, _) = l.accept().await.unwrap();
+                let mut got = Vec::new();
+                s.read_to_end(&mut got).await.unwrap();
+                got
+            })
+        })
+        .collect();
+    // Both tasks wait before the first connection comes.
+    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    for i in 0..2u8 {
+        use tokio::io::AsyncWriteExt;
+        let mut c = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+        c.write_all(&[i; 100]).await.unwrap();
+        c.shutdown().await.unwrap();
+    }
+    let mut got = Vec::new();
+    for t in accepting {
+        let v = tokio::time::timeout(std::time::Duration::from_secs(20), t)
+            .await
+            .expect("an accepting task was left waiting")
+            .unwrap();
+        got.push(v);
+    }
+    got.sort();
+    assert_eq!(got, [vec![0u8; 100], vec![1u8; 100]]);
+}
+
 /// Issue 26: a read hands its bytes to the `ReadBuf` as they are copied out of the receive buffer: the rest of a
 /// fresh (uninitialised) buffer is not zeroed first, as `initialize_unfilled` would (all of it, on every fresh
 /// buffer: a whole `read_to_end` vector's capacity).

@@ -412,6 +412,17 @@ pub struct Listener {
     eq: EventQueue,
     fd: AsyncFd<QueueFd>,
     cfg: StreamConfig,
+    /// `accept` calls waiting now: each has an accept posted (or its connection queued) for it.
+    waiting: std::sync::Mutex<usize>,
+}
+
+/// One `accept` call counted in [`Listener::waiting`] until it returns or is dropped.
+struct Waiting<'a>(&'a std::sync::Mutex<usize>);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+    }
 }
 
 impl std::fmt::Debug for Listener {
@@ -453,6 +464,7 @@ impl Listener {
             eq,
             fd,
             cfg: cfg.clone(),
+            waiting: std::sync::Mutex::new(0),
         })
     }
 
@@ -461,14 +473,32 @@ impl Listener {
         sio::addr_of(self.sock.local_addr())
     }
 
-    /// Waits for a connection; returns it and the peer's address. Cancel safe: a dropped `accept` leaves its
-    /// accept posted, and the next call gets that connection.
+    /// Waits for a connection; returns it and the peer's address. Several tasks may wait at once (each gets its
+    /// own connection, as with `tokio::net::TcpListener`). Cancel safe: a dropped `accept` leaves its accept
+    /// posted, and the next call gets that connection.
     pub async fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
-        if self.eq.outstanding() == 0 && self.eq.is_empty() {
-            self.sock.accept(&self.eq, 0)?;
-        }
+        let _waiting = self.wait_for_one()?;
         let (sock, peer) = sio::accepted(next_event(&self.eq, &self.fd).await?)?;
         Ok((Stream::from_socket(&self.ctx, sock, &self.cfg)?, peer))
+    }
+}
+
+impl Listener {
+    /// Counts the caller among those waiting and posts accepts until there is one, posted or with its connection
+    /// queued, for each of them (a single posted accept shared by two waiting tasks left one of them waiting for
+    /// ever).
+    fn wait_for_one(&self) -> io::Result<Waiting<'_>> {
+        let mut n = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        *n += 1;
+        let guard = Waiting(&self.waiting);
+        while self.eq.outstanding() + self.eq.len() < *n {
+            if let Err(e) = self.sock.accept(&self.eq, 0) {
+                drop(n);
+                return Err(e.into());
+            }
+        }
+        drop(n);
+        Ok(guard)
     }
 }
 

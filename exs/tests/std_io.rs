@@ -384,3 +384,33 @@ fn timeouts_and_durations_too_long_to_count_mean_never_not_a_panic() {
     assert_eq!(echo.join().unwrap(), 0);
     drop(c);
 }
+
+/// A blocking write waiting for room in the send ring while another thread flushes the same stream finishes:
+/// the flush took the completions the writer waited for, and the writer waited for events that never came (here
+/// its write timeout ended it with `WouldBlock`, the ring empty).
+#[test]
+fn a_write_waiting_for_room_beside_flushes_from_another_thread_finishes() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let (_world, client, addr, reader) = sink(9150);
+    let mut cfg = exs::StreamConfig::default();
+    (cfg.send_buffer, cfg.send_piece) = (64 << 10, 16 << 10);
+    let c = Arc::new(Stream::connect_with(&client, addr, &cfg).unwrap());
+    c.set_write_timeout(Some(Duration::from_secs(20))).unwrap();
+    let done = Arc::new(AtomicBool::new(false));
+    let flusher = {
+        let (c, done) = (c.clone(), done.clone());
+        std::thread::spawn(move || {
+            while !done.load(Ordering::Relaxed) {
+                (&*c).flush().unwrap();
+            }
+        })
+    };
+    let data = pattern(8 << 20);
+    let wrote = (&*c).write_all(&data);
+    done.store(true, Ordering::Relaxed);
+    flusher.join().unwrap();
+    wrote.unwrap();
+    c.shutdown(Shutdown::Write).unwrap();
+    assert!(reader.join().unwrap() == data, "bytes differ");
+}

@@ -173,7 +173,7 @@ impl Stream {
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         if matches!(how, Shutdown::Read | Shutdown::Both) {
             self.inner.read_shut.store(true, Ordering::SeqCst);
-            Reader::wake(&self.inner.read_eq, &self.inner.sock);
+            super::core::wake(&self.inner.read_eq, &self.inner.sock);
         }
         if matches!(how, Shutdown::Write | Shutdown::Both) {
             lock(&self.inner.writer).shutdown()?;
@@ -310,20 +310,31 @@ impl Stream {
         loop {
             let eq = {
                 let mut w = lock(&s.writer);
+                let took = !evs.is_empty();
                 for ev in evs.drain(..) {
                     w.absorb(ev);
                 }
-                if let Some(n) = w.try_write_vectored(bufs)? {
+                let wrote = w.try_write_vectored(bufs);
+                if took && w.waiters > 0 && !matches!(wrote, Ok(None)) {
+                    // Leaving with completions other waiting writers did not see (the room they wait for may be
+                    // there now, and none may be in flight to wake them).
+                    super::core::wake(&w.eq, &s.sock);
+                }
+                if let Some(n) = wrote? {
                     return Ok(n);
                 }
+                if deadline.is_none() {
+                    deadline = Some(self.deadline(lock(&s.timeouts).1)?);
+                }
+                // Counted before the lock goes: a thread that takes the completions meanwhile wakes this one.
+                w.waiters += 1;
                 w.eq.clone()
             };
             // Waits without the lock, so that `shutdown` and `flush` from another thread never wait for a peer
             // that does not read (the writer's events may be taken in any order: each frees the oldest send).
-            if deadline.is_none() {
-                deadline = Some(self.deadline(lock(&s.timeouts).1)?);
-            }
-            wait(&eq, deadline.flatten(), &mut evs)?;
+            let waited = wait(&eq, deadline.flatten(), &mut evs);
+            lock(&s.writer).waiters -= 1;
+            waited?;
         }
     }
 }

@@ -281,13 +281,14 @@ impl Reader {
             self.free.push(f.slot);
         }
     }
+}
 
-    /// Puts a wake-up event in the reader's queue, so that a thread waiting on it looks at the stream again
-    /// (`shutdown(Read)` from another thread). Nothing happens if the queue is full: its waiter is awake anyway.
-    pub(crate) fn wake(eq: &EventQueue, sock: &Socket) {
-        if let Ok(t) = eq.reserve(EventKind::Recv, WAKE, sock.id()) {
-            t.complete(Err(OpError::Cancelled), 0, Default::default());
-        }
+/// Puts a wake-up event in a direction's queue, so that a thread waiting on it looks at the stream again
+/// (`shutdown(Read)` from another thread; another thread took the completions a writer waited for). Nothing
+/// happens if the queue is full: its waiter is awake anyway. Both directions pass it over when they take it in.
+pub(crate) fn wake(eq: &EventQueue, sock: &Socket) {
+    if let Ok(t) = eq.reserve(EventKind::Recv, WAKE, sock.id()) {
+        t.complete(Err(OpError::Cancelled), 0, Default::default());
     }
 }
 
@@ -320,6 +321,9 @@ pub(crate) struct Writer {
     /// A send failed: reported by the next write, flush or shutdown.
     failed: Option<Failure>,
     scratch: Vec<Event>,
+    /// Threads of a blocking stream waiting on `eq` without the lock, for room in the ring (counted under the
+    /// lock before they wait). While there are any, only they take the queue's events.
+    pub(crate) waiters: usize,
 }
 
 /// Most sends a writer keeps in flight (small writes each post one; the protocol gathers them).
@@ -341,6 +345,7 @@ impl Writer {
             shut: Shut::Open,
             failed: None,
             scratch: Vec::with_capacity(16),
+            waiters: 0,
         })
     }
 
@@ -363,6 +368,11 @@ impl Writer {
 
     /// Takes in every event queued, without waiting.
     pub(crate) fn absorb_queued(&mut self) {
+        // While threads wait on the queue for room (blocking writes), its events are theirs: taken here, they
+        // would leave a waiter waiting for completions that already came.
+        if self.waiters > 0 {
+            return;
+        }
         let mut evs = std::mem::take(&mut self.scratch);
         while self.eq.poll(&mut evs, 16) > 0 {
             for ev in evs.drain(..) {

@@ -414,3 +414,28 @@ fn a_write_waiting_for_room_beside_flushes_from_another_thread_finishes() {
     c.shutdown(Shutdown::Write).unwrap();
     assert!(reader.join().unwrap() == data, "bytes differ");
 }
+
+/// A stream configured with more receives than its buffer has bytes, or with as many as `usize` counts, posts at
+/// most 256 of at least a byte each in the buffer size asked for, and carries bytes as any other: the count
+/// overflowed the queue's size (a panic in debug builds), or made a buffer of the count's size.
+#[test]
+fn a_receive_count_past_the_buffer_or_past_counting_is_capped() {
+    for (pieces, buffer) in [(usize::MAX, 1 << 20), (5000, 1000)] {
+        let world = World::threaded(SimConfig::default());
+        let (server, client) = (world.host(), world.host());
+        let mut cfg = exs::StreamConfig::default();
+        (cfg.recv_pieces, cfg.recv_buffer) = (pieces, buffer);
+        let listener = Listener::bind_with(&server, world.addr(0, 9160), &cfg).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut all = Vec::new();
+            listener.accept().unwrap().0.read_to_end(&mut all).unwrap();
+            all
+        });
+        let mut c = Stream::connect_in(&client, addr).unwrap();
+        let data = pattern(300_000);
+        c.write_all(&data).unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+        assert!(reader.join().unwrap() == data, "bytes differ");
+    }
+}

@@ -123,10 +123,18 @@ pub(crate) struct Reader {
     scratch: Vec<Event>,
 }
 
+/// Most receives a stream posts ahead ([`StreamConfig::recv_pieces`] is capped here).
+pub(crate) const MAX_RECV_PIECES: usize = 256;
+
 impl Reader {
     /// Allocates the receive buffer and posts every receive.
     pub(crate) fn new(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> io::Result<Reader> {
-        let pieces = cfg.recv_pieces.max(1);
+        // Whatever the configuration asks: one receive at least, at most MAX_RECV_PIECES, each of a byte at least
+        // (the buffer stays the size asked for; a count past it made pieces of a byte and a buffer of the count).
+        let pieces = cfg
+            .recv_pieces
+            .clamp(1, MAX_RECV_PIECES)
+            .min(cfg.recv_buffer.max(1));
         let piece = (cfg.recv_buffer / pieces).max(1);
         let mut r = Reader {
             sock,

@@ -71,7 +71,8 @@ pub struct StreamConfig {
     /// Receives posted ahead (default 2): the peer's sends go directly into them (zero copy on the wire) while
     /// the reader copies out of the ones filled before. Each receive costs an advertisement to the peer and a
     /// completion, so fewer, larger receives move bulk data with less work per byte; two keep one filling while
-    /// the other is read.
+    /// the other is read. Taken as at least 1 and at most 256, and at most `recv_buffer` (a receive holds a byte
+    /// at least).
     pub recv_pieces: usize,
     /// How long a connection attempt may take (`None`: the context's `connect_timeout`).
     pub connect_timeout: Option<Duration>,

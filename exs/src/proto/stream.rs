@@ -26,6 +26,10 @@
 //!   advertisement with a higher phase number is rejected, the sender increments its phase to the first odd number
 //!   beyond the advertisement's phase."
 //!
+//! Phases count without end in the seed; ours are 32-bit, wrap on both sides alike (parity is kept: 2^32 is even)
+//! and compare as serial numbers ([`later_phase`]): a long-lived connection that went indirect two billion times
+//! (hours of small request/response flushes) keeps its direct transfers.
+//!
 //! Together they ensure that "when a direct transfer responding to advertisement A arrives at the receiver, the
 //! exs recv() operation corresponding to advertisement A is at the head of the exs recv() queue"; the receiver
 //! checks it and treats anything else as a protocol violation.
@@ -444,7 +448,7 @@ impl StreamProto {
                 tail: 0,
                 reported: 0,
                 recvs: VecDeque::new(),
-                phase: 0,
+                phase: first_phase(),
                 src_seqno: 0,
                 outstanding: 0,
                 next_advert: 1,
@@ -463,7 +467,7 @@ impl StreamProto {
                 adverts: VecDeque::new(),
                 writes: VecDeque::new(),
                 direct_in_flight: 0,
-                phase: 0,
+                phase: first_phase(),
                 seq: 0,
                 // Address and key 0: they follow in a STREAM_RING message (keys bound after connect).
                 ring: (peer.stream_addr != 0 || peer.stream_rkey != 0).then_some(RemoteRef {
@@ -706,5 +710,26 @@ impl StreamProto {
     }
 }
 
+/// The next phase (seed 001's increments), wrapping at 2^32 on both sides alike.
+pub(crate) fn next_phase(phase: u32) -> u32 {
+    phase.wrapping_add(1)
+}
+
+/// Whether phase `a` is later than `b` (seed 001's "higher phase number"), in serial-number arithmetic (RFC
+/// 1982): `a` is less than 2^31 increments ahead of `b`. Phases on a connection are never that far apart.
+pub(crate) fn later_phase(a: u32, b: u32) -> bool {
+    a != b && a.wrapping_sub(b) < 1 << 31
+}
+
+/// The phase both sides start in: 0 (seed 001). A unit test starts its connections near the wrap.
+fn first_phase() -> u32 {
+    #[cfg(all(test, feature = "sim"))]
+    return tests::FIRST_PHASE.with(|p| p.get());
+    #[cfg(not(all(test, feature = "sim")))]
+    0
+}
+
 mod recv;
 mod send;
+#[cfg(all(test, feature = "sim"))]
+mod tests;

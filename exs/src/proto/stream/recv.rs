@@ -368,7 +368,7 @@ impl StreamProto {
         // "... until it has flushed all previous advertisements (by receiving indirect transfers), at which point
         // it will increment its phase and send a new advertisement."
         if self.rx.phase % 2 != 0 && self.rx.outstanding == 0 {
-            self.rx.phase += 1;
+            self.rx.phase = next_phase(self.rx.phase);
             let phase = self.rx.phase;
             self.record(StreamTrace::ReceiverPhase { phase });
         }
@@ -441,7 +441,7 @@ impl StreamProto {
         // "When the receiver receives an indirect transfer, it also increments its phase if it was
         // previously even."
         if self.rx.phase % 2 == 0 {
-            self.rx.phase += 1;
+            self.rx.phase = next_phase(self.rx.phase);
             let phase = self.rx.phase;
             self.record(StreamTrace::ReceiverPhase { phase });
         }

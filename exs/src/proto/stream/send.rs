@@ -39,7 +39,7 @@ impl StreamProto {
             // Seed 001: "During an odd phase, an advertisement can only be accepted by the sender if the
             // advertisement has a higher phase number than the current phase number at the sender, and the
             // sequence number of the advertisement matches the sender's current sequence number."
-            if aphase > self.tx.phase && aseq == self.tx.seq {
+            if later_phase(aphase, self.tx.phase) && aseq == self.tx.seq {
                 // "Once the sender accepts an advertisement, the sender increments its phase back to even."
                 self.tx.phase = aphase;
                 self.end_resync();
@@ -52,10 +52,10 @@ impl StreamProto {
             }
             self.chain_rejected(aseq, aphase, a.len, a.used);
             self.tx.adverts.pop_front();
-            if aphase > self.tx.phase {
+            if later_phase(aphase, self.tx.phase) {
                 // "If an advertisement with a higher phase number is rejected, the sender increments its phase to
                 // the first odd number beyond the advertisement's phase" (Figure 7: 3 -> 5 on rejecting phase 4).
-                self.tx.phase = aphase + 1;
+                self.tx.phase = next_phase(aphase);
             }
             self.stats.adverts_rejected += 1;
             let sender_phase = self.tx.phase;
@@ -83,7 +83,7 @@ impl StreamProto {
     /// rather than go on by a batch of receives and make the receiver's next advertisement stale on arrival.
     fn chain_rejected(&mut self, seq: u64, phase: u32, len: u64, used: u64) {
         let from = match self.tx.resync_chain {
-            Some(end) if phase <= self.tx.phase => end.max(seq),
+            Some(end) if !later_phase(phase, self.tx.phase) => end.max(seq),
             _ => seq.max(self.tx.odd_from),
         };
         let end = from.saturating_add(len - used);
@@ -294,7 +294,7 @@ impl StreamProto {
     /// indirect transfer, it increments its phase to an odd number."
     fn account_indirect(&mut self, n: usize) -> Imm {
         if self.tx.phase % 2 == 0 {
-            self.tx.phase += 1;
+            self.tx.phase = next_phase(self.tx.phase);
             self.tx.odd_from = self.tx.seq;
         }
         self.tx.tail += n as u64;

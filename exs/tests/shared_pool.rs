@@ -379,3 +379,55 @@ fn requiring_a_pool_where_the_transport_has_none_fails_clearly() {
     assert_eq!(io.kind(), std::io::ErrorKind::Unsupported, "{io}");
     assert!(io.to_string().contains("shared receive queue"), "{io}");
 }
+
+/// A peer that sends past its control-buffer credits while it returns none of ours is closed for an overrun, with
+/// the shared pool (nothing else stops it taking buffers meant for every connection) and with the connection's
+/// own receive slots (where its extra messages waited for each repost while our credit messages could not leave).
+/// Before, it went on for as long as it liked.
+#[test]
+fn a_peer_sending_past_its_credits_while_withholding_ours_is_closed() {
+    use exs::testing::{handshake, RawPeer};
+    use exs::wire::{Body, Message, WireSockType};
+    use exs::{OpError, Violation};
+    use std::time::Duration;
+    for pool in [true, false] {
+        let cfg = SimConfig::default().with_shared_recv(4096);
+        let world = World::threaded(cfg);
+        let ctx = world.host_with({
+            let mut o = ContextOptions::default();
+            o.shared_recv.enabled = Some(pool);
+            o
+        });
+        let eq = EventQueue::new(16).unwrap();
+        let l = Socket::new(&ctx, SockType::SeqPacket).unwrap();
+        l.bind(world.addr(0, 7000)).unwrap();
+        let addr = l.listen(4).unwrap();
+        l.accept(&eq, 1).unwrap();
+        // Four of our messages fit the peer's window, and it returns no credit: we can give back a few windows'
+        // worth of credits at most.
+        let mut hs = handshake(WireSockType::SeqPacket);
+        hs.ctrl_window = 4;
+        let mut raw = RawPeer::connect(Box::new(world.raw_host()), addr, &hs.encode()).unwrap();
+        let mut ev = eq.next(Some(Duration::from_secs(10))).unwrap();
+        let s = ev.take_accepted().unwrap();
+        let buf = MemoryRegion::alloc(&ctx, 64).unwrap();
+        s.recv(&eq, &buf.all(), MsgFlags::NONE, 2).unwrap();
+        let window = usize::from(raw.peer.ctrl_window);
+        let credit = Message::new(Body::Credit).to_vec();
+        let mut sent = 0;
+        while sent < 8 * window && !raw.disconnected {
+            if raw.send_bytes(&credit, None).is_ok() {
+                sent += 1;
+            }
+            raw.pump(Duration::ZERO, |_| true);
+        }
+        let e = eq.next(Some(Duration::from_secs(10))).unwrap();
+        assert!(
+            matches!(
+                e.status,
+                Err(OpError::PeerMisbehaved(Violation::CreditOverrun { .. }))
+            ),
+            "pool {pool}: {e:?}"
+        );
+    }
+}

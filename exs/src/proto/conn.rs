@@ -521,7 +521,7 @@ impl Conn {
                 };
                 match kind {
                     WrKind::Recv(slot) => self.link.repost(slot, out)?,
-                    _ => self.link.consumed(),
+                    _ => self.link.consumed()?,
                 }
                 Ok(incoming)
             }

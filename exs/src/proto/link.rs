@@ -733,13 +733,23 @@ impl Link {
         out: &mut Vec<WorkRequest>,
     ) -> Result<(), Violation> {
         out.push(self.own_rx()?.recv_wr(slot, wr_id(WrKind::Recv(slot)))?);
-        self.consumed();
-        Ok(())
+        self.consumed()
     }
 
     /// A message that consumed one of the buffers promised to the peer has been processed (its buffer went back
     /// to our own slots or to the shared pool): one credit is owed to the peer.
-    pub(crate) fn consumed(&mut self) {
+    ///
+    /// A peer that keeps its credits has at most `W` messages we have not returned a credit for (every credit we
+    /// report leaves in a message we sent, and the peer can have used no more than those): more is an overrun.
+    /// With our own receive slots the device refuses it; with the shared pool nothing else would (the peer's
+    /// messages would take buffers meant for every connection, and `owed` would grow while our messages wait for
+    /// credits the peer withholds).
+    pub(crate) fn consumed(&mut self) -> Result<(), Violation> {
+        if self.owed >= self.window_in {
+            return Err(Violation::CreditOverrun {
+                window: self.window_in,
+            });
+        }
         self.stats.ctrl_received += 1;
         self.owed += 1;
         if self.owed >= self.threshold && !self.credit_queued {
@@ -750,6 +760,7 @@ impl Link {
                 notify: None,
             });
         }
+        Ok(())
     }
 
     /// Keepalive check: when nothing was posted since the last check, queues a CREDIT (even with no credits

@@ -91,6 +91,11 @@ pub enum Violation {
         /// Credits we had spent and not yet got back.
         spent: u32,
     },
+    /// The peer returned none of our control-buffer credits for two keepalive intervals while our messages waited
+    /// for them: its side of the protocol stopped (a peer that runs returns them as it processes our messages,
+    /// whatever its application does).
+    #[error("the peer returned no control-buffer credits for two keepalive intervals while messages waited for them")]
+    CreditsWithheld,
     /// An advertised length or address range does not fit.
     #[error("advertised range is invalid: {0}")]
     BadRange(String),

@@ -380,36 +380,49 @@ fn requiring_a_pool_where_the_transport_has_none_fails_clearly() {
     assert!(io.to_string().contains("shared receive queue"), "{io}");
 }
 
+/// A raw peer connected to a listener of a threaded world's host (its own receive slots, or the shared pool),
+/// whose handshake grants us four control-buffer credits; the accepted socket and the listener's queue. The
+/// context lingers 200 ms (a connection closed for a violation waits that long at most for its sends).
+fn raw_peer_granting_four(
+    pool: bool,
+    keepalive: Option<std::time::Duration>,
+) -> (World, Context, EventQueue, Socket, exs::testing::RawPeer) {
+    use exs::testing::{handshake, RawPeer};
+    use exs::wire::WireSockType;
+    let world = World::threaded(SimConfig::default().with_shared_recv(4096));
+    let ctx = world.host_with({
+        let mut o = ContextOptions::default();
+        o.shared_recv.enabled = Some(pool);
+        o.keepalive = keepalive;
+        o.linger = std::time::Duration::from_millis(200);
+        o
+    });
+    let eq = EventQueue::new(64).unwrap();
+    let l = Socket::new(&ctx, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 7000)).unwrap();
+    let addr = l.listen(4).unwrap();
+    l.accept(&eq, 1).unwrap();
+    let mut hs = handshake(WireSockType::SeqPacket);
+    hs.ctrl_window = 4;
+    let raw = RawPeer::connect(Box::new(world.raw_host()), addr, &hs.encode()).unwrap();
+    let mut ev = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
+    let s = ev.take_accepted().unwrap();
+    (world, ctx, eq, s, raw)
+}
+
 /// A peer that sends past its control-buffer credits while it returns none of ours is closed for an overrun, with
 /// the shared pool (nothing else stops it taking buffers meant for every connection) and with the connection's
 /// own receive slots (where its extra messages waited for each repost while our credit messages could not leave).
 /// Before, it went on for as long as it liked.
 #[test]
 fn a_peer_sending_past_its_credits_while_withholding_ours_is_closed() {
-    use exs::testing::{handshake, RawPeer};
-    use exs::wire::{Body, Message, WireSockType};
+    use exs::wire::{Body, Message};
     use exs::{OpError, Violation};
     use std::time::Duration;
     for pool in [true, false] {
-        let cfg = SimConfig::default().with_shared_recv(4096);
-        let world = World::threaded(cfg);
-        let ctx = world.host_with({
-            let mut o = ContextOptions::default();
-            o.shared_recv.enabled = Some(pool);
-            o
-        });
-        let eq = EventQueue::new(16).unwrap();
-        let l = Socket::new(&ctx, SockType::SeqPacket).unwrap();
-        l.bind(world.addr(0, 7000)).unwrap();
-        let addr = l.listen(4).unwrap();
-        l.accept(&eq, 1).unwrap();
         // Four of our messages fit the peer's window, and it returns no credit: we can give back a few windows'
         // worth of credits at most.
-        let mut hs = handshake(WireSockType::SeqPacket);
-        hs.ctrl_window = 4;
-        let mut raw = RawPeer::connect(Box::new(world.raw_host()), addr, &hs.encode()).unwrap();
-        let mut ev = eq.next(Some(Duration::from_secs(10))).unwrap();
-        let s = ev.take_accepted().unwrap();
+        let (_world, ctx, eq, s, mut raw) = raw_peer_granting_four(pool, None);
         let buf = MemoryRegion::alloc(&ctx, 64).unwrap();
         s.recv(&eq, &buf.all(), MsgFlags::NONE, 2).unwrap();
         let window = usize::from(raw.peer.ctrl_window);
@@ -430,4 +443,41 @@ fn a_peer_sending_past_its_credits_while_withholding_ours_is_closed() {
             "pool {pool}: {e:?}"
         );
     }
+}
+
+/// A peer that takes our messages but never returns a control-buffer credit is closed after two keepalive
+/// intervals with messages waiting: our keepalive probe needs a credit too, so the connection (and a receive
+/// waiting on it) stayed for ever.
+#[test]
+fn a_peer_that_returns_no_credits_is_closed_after_two_keepalives() {
+    use exs::{OpError, Violation};
+    use std::time::{Duration, Instant};
+    let keepalive = Duration::from_millis(100);
+    let (_world, ctx, eq, s, mut raw) = raw_peer_granting_four(false, Some(keepalive));
+    let buf = MemoryRegion::from_vec(&ctx, vec![5u8; 64]).unwrap();
+    let start = Instant::now();
+    for i in 0..8 {
+        s.send(&eq, &buf.all(), MsgFlags::NONE, 10 + i).unwrap();
+    }
+    // The raw peer receives (and reposts its buffers) but returns nothing.
+    raw.pump(Duration::from_millis(50), |_| false);
+    let into = MemoryRegion::alloc(&ctx, 64).unwrap();
+    s.recv(&eq, &into.all(), MsgFlags::NONE, 99).unwrap();
+    let mut failed = None;
+    while let Ok(e) = eq.next(Some(Duration::from_secs(10))) {
+        if let Err(err) = e.status {
+            failed = Some(err);
+            break;
+        }
+    }
+    assert_eq!(
+        failed,
+        Some(OpError::PeerMisbehaved(Violation::CreditsWithheld)),
+        "the receive did not fail for the withheld credits"
+    );
+    assert!(
+        start.elapsed() >= keepalive,
+        "closed before a keepalive interval passed"
+    );
+    assert!(!raw.received.is_empty(), "nothing reached the peer");
 }

@@ -604,9 +604,11 @@ impl Engine {
                 };
                 Timers::fired(&mut sock.armed, kind);
                 if let Some(conn) = sock.conn.as_mut() {
-                    conn.handle_timeout(now);
-                    // The flush posts what it queued and sets the connection's next deadline.
-                    self.mark(sid);
+                    match conn.handle_timeout(now) {
+                        // The flush posts what it queued and sets the connection's next deadline.
+                        Ok(_) => self.mark(sid),
+                        Err(fault) => self.fault(sid, fault),
+                    }
                 }
             }
         }

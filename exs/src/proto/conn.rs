@@ -232,8 +232,9 @@ impl Conn {
 
     /// Does what is due at `now`: a delayed acknowledgment or window update goes; a stream sender's hold for an
     /// advertisement ends; an idle connection queues a keepalive probe. The engine flushes the connection
-    /// afterwards. Returns whether anything was queued.
-    pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
+    /// afterwards. Returns whether anything was queued; `Err` when the peer withheld credits too long (see
+    /// [`Link::keepalive`]).
+    pub(crate) fn handle_timeout(&mut self, now: Instant) -> Result<bool, Fault> {
         let mut queued = false;
         if self.ack_at.is_some_and(|at| at <= now) {
             self.ack_at = None;
@@ -250,9 +251,9 @@ impl Conn {
         if let Some(at) = self.keepalive_at.filter(|&at| at <= now) {
             let _ = at;
             self.keepalive_at = self.timing.keepalive.map(|k| now + k);
-            queued |= self.link.keepalive();
+            queued |= self.link.keepalive()?;
         }
-        queued
+        Ok(queued)
     }
 
     /// The connection's life around the protocol is ending (a close, a violation, the transport): no more

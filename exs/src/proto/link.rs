@@ -253,6 +253,11 @@ pub(crate) struct Link {
     normal: VecDeque<Outgoing>,
     reads: VecDeque<(DataOp, u32)>,
     credit_queued: bool,
+    /// Keepalive checks in a row at which messages waited for credits and none had come back since the one
+    /// before (see [`Link::keepalive`]).
+    starved_checks: u8,
+    /// The peer returned a credit since the last keepalive check.
+    credit_since_check: bool,
     /// A keepalive CREDIT is queued (sent even with no credits owed).
     keepalive_queued: bool,
     /// Something was posted since the last keepalive check.
@@ -323,6 +328,8 @@ impl Link {
             reads: VecDeque::new(),
             credit_queued: false,
             keepalive_queued: false,
+            starved_checks: 0,
+            credit_since_check: false,
             sent_since_check: false,
             started: false,
             closed: false,
@@ -766,11 +773,26 @@ impl Link {
     /// Keepalive check: when nothing was posted since the last check, queues a CREDIT (even with no credits
     /// owed) so that a peer that vanished is found by the transport's retries instead of never. Returns whether a
     /// probe was queued.
-    pub(crate) fn keepalive(&mut self) -> bool {
+    ///
+    /// A probe needs a credit too: a peer whose device still answers but that returns no credits would hold the
+    /// connection for ever. When messages have waited for credits through two checks in a row and none came back,
+    /// the peer's side of the protocol has stopped: `Err`.
+    pub(crate) fn keepalive(&mut self) -> Result<bool, Violation> {
+        let waiting = (!self.urgent.is_empty() && self.tx_credits() == 0)
+            || (!self.normal.is_empty() && self.tx_credits() < 2);
+        self.starved_checks = if waiting && !self.credit_since_check {
+            self.starved_checks.saturating_add(1)
+        } else {
+            0
+        };
+        self.credit_since_check = false;
+        if self.starved_checks >= 2 {
+            return Err(Violation::CreditsWithheld);
+        }
         let idle = !self.sent_since_check;
         self.sent_since_check = false;
         if !idle || !self.started || self.keepalive_queued {
-            return false;
+            return Ok(false);
         }
         self.keepalive_queued = true;
         self.stats.keepalives += 1;
@@ -779,7 +801,7 @@ impl Link {
             inline: None,
             notify: None,
         });
-        true
+        Ok(true)
     }
 
     /// The peer returned `n` credits.
@@ -792,6 +814,7 @@ impl Link {
             });
         }
         self.spent -= n;
+        self.credit_since_check |= n > 0;
         Ok(())
     }
 

@@ -93,7 +93,9 @@ fn message(inp: &mut Input<'_>) -> Vec<u8> {
     let body = match inp.u8() % 12 {
         0 => Body::Advert(Advert {
             seq: u32::from(inp.u8() % 20),
-            flags: AdvertFlags(u32::from(inp.u8() & 1)),
+            // Every flag and every combination of them (persistent sends and receives, notifications, and the
+            // combinations the protocol refuses).
+            flags: AdvertFlags(u32::from(inp.u8() & 0x0f)),
             len: match inp.u8() % 4 {
                 0 => u64::from(inp.u8()),
                 1 => u64::from(inp.u16()),
@@ -116,7 +118,11 @@ fn message(inp: &mut Input<'_>) -> Vec<u8> {
             rkey: inp.u64(),
             len: u64::from(inp.u32()),
             seq: u64::from(inp.u16()),
-            phase: u32::from(inp.u8()),
+            // Small phases, and any (those near the 32-bit wrap too).
+            phase: match inp.u8() % 4 {
+                0 => inp.u32(),
+                _ => u32::from(inp.u8()),
+            },
             waitall: inp.u8() & 1 == 1,
             consumed: u64::from(inp.u16()),
         }),

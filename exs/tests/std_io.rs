@@ -439,3 +439,42 @@ fn a_receive_count_past_the_buffer_or_past_counting_is_capped() {
         assert!(reader.join().unwrap() == data, "bytes differ");
     }
 }
+
+/// A non-blocking read while another thread's blocking read waits returns `WouldBlock` at once, as with
+/// `TcpStream`: it waited for the other read to let go of the stream's reading side (here until the bytes came).
+#[test]
+fn a_non_blocking_read_beside_a_blocking_one_does_not_wait_for_it() {
+    use std::sync::Arc;
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9170)).unwrap();
+    let accepting = std::thread::spawn(move || listener.accept().unwrap());
+    let c = Arc::new(Stream::connect_in(&client, world.addr(0, 9170)).unwrap());
+    let (mut s, _) = accepting.join().unwrap();
+    let blocked = {
+        let c = c.clone();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 16];
+            (&*c).read(&mut buf).map(|n| buf[..n].to_vec())
+        })
+    };
+    // The bytes come two seconds later, from another thread (a read that waited for the blocking one gets its
+    // turn only then).
+    let writer = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        s.write_all(b"now").unwrap();
+        s
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    c.set_nonblocking(true).unwrap();
+    let started = std::time::Instant::now();
+    let e = (&*c).read(&mut [0u8; 16]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::WouldBlock, "{e}");
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "the non-blocking read waited {:?}",
+        started.elapsed()
+    );
+    assert_eq!(blocked.join().unwrap().unwrap(), b"now");
+    drop(writer.join().unwrap());
+}

@@ -181,7 +181,8 @@ impl Stream {
         Ok(())
     }
 
-    /// How long a read may wait (`None`: for ever); a read that waits longer fails with `WouldBlock`.
+    /// How long a read may wait (`None`: for ever); a read that waits longer fails with `WouldBlock`. Reads from
+    /// several threads take turns: the time a read waits for the one before it to return is not counted.
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         if t == Some(Duration::ZERO) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
@@ -277,8 +278,19 @@ impl Stream {
     /// One read of at most `max` bytes into `dst`; waits (within the read timeout) for the first.
     fn read_with(&self, max: usize, dst: &mut dyn ReadSink) -> io::Result<usize> {
         let s = &*self.inner;
-        // Readers take turns (the bytes of one receive go to one reader); the lock is held while waiting.
-        let mut r = lock(&s.reader);
+        // Readers take turns (the bytes of one receive go to one reader); the lock is held while waiting. A
+        // non-blocking read does not wait for another thread's blocking read to let go of it.
+        let mut r = if s.nonblocking.load(Ordering::Relaxed) {
+            match s.reader.try_lock() {
+                Ok(r) => r,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    return Err(io::Error::new(io::ErrorKind::WouldBlock, "would block"))
+                }
+            }
+        } else {
+            lock(&s.reader)
+        };
         let mut deadline = None;
         let mut evs = Vec::new();
         loop {

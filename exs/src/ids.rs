@@ -1,6 +1,8 @@
 //! The small values a socket is named and described by, below everything that uses them.
 
-/// A socket's number within its context (what an ES-API file descriptor is).
+/// A socket's number within its context (what an ES-API file descriptor is): from 1 to `i32::MAX` (a C `int`),
+/// then round again from 1, skipping the numbers of sockets the context still holds. Two sockets of a context
+/// never have the same number at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SocketId(pub u32);
 

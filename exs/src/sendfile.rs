@@ -28,7 +28,8 @@ pub const SENDFILE_DEPTH: usize = 4;
 impl Socket {
     /// Sends `len` bytes of `file` from `offset` (ES-API `exs_sendfile`), completing with an event of kind
     /// `SendFile`. The bytes are read into registered memory of this socket's context first (no mapping of the
-    /// file), so the file may change afterwards without affecting what is sent.
+    /// file), so the file may change afterwards without affecting what is sent. A range that goes past the end of
+    /// a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory is taken for it.
     pub fn sendfile(
         &self,
         eq: &EventQueue,
@@ -49,7 +50,9 @@ pub(crate) fn sendfile(
     len: usize,
     context: u64,
 ) -> Result<(), SendError> {
-    match sock.sock_type()? {
+    let ty = sock.sock_type()?;
+    within_file(file, offset, len)?;
+    match ty {
         SockType::SeqPacket => {
             let region = MemoryRegion::alloc(sock.context(), len.max(1))?;
             let mut at = 0;
@@ -65,6 +68,30 @@ pub(crate) fn sendfile(
         }
         SockType::Stream => chunked(sock, eq, file, offset, len, context),
     }
+}
+
+/// Refuses a range that goes past the end of a regular file, as the read would, but before any memory is taken
+/// for it: a SOCK_SEQPACKET sendfile holds the whole range at once, and a count far past a small file's end (64 GiB
+/// of a 1 KiB file) had it allocate and register that much first. Other files (pipes, devices, `/proc`) report no
+/// size to go by: their reads decide.
+fn within_file(file: &File, offset: u64, len: usize) -> Result<(), SendError> {
+    let meta = file
+        .metadata()
+        .map_err(|e| SendError::File(FileError::from(e)))?;
+    if !meta.is_file() {
+        return Ok(());
+    }
+    let left = meta.len().saturating_sub(offset);
+    if u64::try_from(len).map_or(true, |len| len > left) {
+        return Err(SendError::File(FileError {
+            kind: std::io::ErrorKind::UnexpectedEof,
+            message: format!(
+                "{len} bytes from offset {offset} go past the end of the file ({} bytes)",
+                meta.len()
+            ),
+        }));
+    }
+    Ok(())
 }
 
 /// One stream sendfile in progress. Chunk completions arrive in `inbox`; whoever takes `state` drives (reads and

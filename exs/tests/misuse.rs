@@ -428,6 +428,41 @@ fn zero_length_stream_send_is_refused() {
     assert_eq!(p.eq_a.outstanding(), 0);
 }
 
+/// A sendfile far past the end of a small file (2^60 bytes of a 1 KiB one) is refused as past its end before any
+/// memory is taken: a SOCK_SEQPACKET sendfile allocated and registered the whole count first (64 GiB for
+/// `exs_sendfile(s, fd, 0, 64UL << 30, ...)`), and failed with `NoMemory` or pinned it all. The socket and the
+/// queue are as before, and a range within the file still goes.
+#[test_log::test]
+fn a_sendfile_past_the_end_of_a_small_file_takes_no_memory_for_it() {
+    use std::io::Write;
+    let data = pattern(1024, 3);
+    let mut file = tempfile::tempfile().unwrap();
+    file.write_all(&data).unwrap();
+    for ty in [SockType::SeqPacket, SockType::Stream] {
+        let p = pair(ty);
+        for (offset, len) in [(0, 1 << 60), (1000, 25), (2048, 1)] {
+            let e = p
+                .client
+                .sendfile(&p.eq_a, &file, offset, len, 1)
+                .unwrap_err();
+            assert!(
+                matches!(&e, SendError::File(f) if f.kind == io::ErrorKind::UnexpectedEof),
+                "{ty:?} {offset}+{len}: {e:?}"
+            );
+            assert_eq!(p.eq_a.outstanding(), 0, "nothing started");
+        }
+        p.client.sendfile(&p.eq_a, &file, 1000, 24, 2).unwrap();
+        let dst = p.server_region(24);
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 3)
+            .unwrap();
+        let (sent, got) = (wait(&p.eq_a), wait(&p.eq_b));
+        assert!(sent.is_ok() && sent.bytes == 24, "{sent:?}");
+        assert!(got.is_ok() && got.bytes == 24, "{got:?}");
+        assert_eq!(dst.to_vec().unwrap(), &data[1000..]);
+    }
+}
+
 /// Issue 15 regression: a region or a file send of a length no memory can hold is an error, not a panic.
 #[test_log::test]
 fn an_impossible_length_is_an_error_not_a_panic() {
@@ -436,10 +471,11 @@ fn an_impossible_length_is_an_error_not_a_panic() {
         Err(MemoryError::NoMemory { len }) => assert_eq!(len, usize::MAX),
         other => panic!("alloc of usize::MAX: {other:?}"),
     }
+    // An empty file holds none of it: refused as past its end, before any memory is asked for.
     let file = tempfile::tempfile().unwrap();
     let r = p.client.sendfile(&p.eq_a, &file, 0, usize::MAX, 1);
     assert!(
-        matches!(r, Err(SendError::Memory(MemoryError::NoMemory { .. }))),
+        matches!(&r, Err(SendError::File(f)) if f.kind == io::ErrorKind::UnexpectedEof),
         "{r:?}"
     );
     // The context still works.

@@ -16,14 +16,37 @@ pub(crate) trait Buffer {
     fn lease(&self, kind: LeaseKind) -> Result<crate::transport::Sge, crate::error::BufferError>;
 }
 
+/// The highest socket number: an ES-API socket is a C `int` (a file descriptor's type), so the numbers stay within
+/// one and come round to 1 after it.
+const LAST_SOCKET_ID: u32 = i32::MAX as u32;
+
 impl Engine {
     // ---------------------------------------------------------------------------------------------------------
     // Connections
 
+    /// The number of a new socket: the next one this engine does not hold, counting from 1 to [`LAST_SOCKET_ID`]
+    /// and round again. A socket that outlives two billion others keeps its number to itself (a number that came
+    /// round used to name two sockets at once, and the C API's table filed the new one over the old), and a
+    /// program that makes sockets for ever never runs out.
     pub(super) fn new_socket_id(&mut self) -> SocketId {
-        let id = SocketId(self.next_socket);
-        self.next_socket = self.next_socket.wrapping_add(1).max(1);
-        id
+        // Each socket the map holds costs far more than a byte, so a free number is always there to find.
+        loop {
+            let id = SocketId(self.next_socket);
+            self.next_socket = if self.next_socket >= LAST_SOCKET_ID {
+                1
+            } else {
+                self.next_socket + 1
+            };
+            if !self.sockets.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Starts the socket numbers at `next`, to test their wrap without making two billion sockets.
+    #[cfg(test)]
+    pub(crate) fn set_next_socket_id(&mut self, next: u32) {
+        self.next_socket = next;
     }
 
     pub(super) fn new_ep(&mut self) -> EndpointId {
@@ -663,5 +686,43 @@ impl Engine {
             self.on_disconnected(ep);
         }
         self.drain_done();
+    }
+}
+
+#[cfg(all(test, feature = "sim"))]
+mod tests {
+    use super::LAST_SOCKET_ID;
+    use crate::sim::{SimConfig, World};
+    use crate::{SockType, Socket, SocketId};
+
+    #[test]
+    fn socket_numbers_wrap_at_int_max_and_skip_the_sockets_still_held() {
+        let world = World::new(SimConfig::default());
+        let ctx = world.host();
+        let new = || Socket::new(&ctx, SockType::Stream).unwrap();
+        let (one, two) = (new(), new());
+        assert_eq!((one.id(), two.id()), (SocketId(1), SocketId(2)));
+        ctx.shared().lock().set_next_socket_id(LAST_SOCKET_ID);
+        let last = new();
+        assert_eq!(
+            last.id(),
+            SocketId(i32::MAX as u32),
+            "the highest number a C int holds"
+        );
+        let after = new();
+        assert_eq!(
+            after.id(),
+            SocketId(3),
+            "round again, past the sockets still open"
+        );
+        // A closed socket's number is free again; the open ones' are not.
+        one.close().unwrap();
+        ctx.shared().lock().set_next_socket_id(1);
+        let again = new();
+        assert_eq!(again.id(), SocketId(1));
+        assert_eq!(new().id(), SocketId(4));
+        // Each number names one socket: binding the new socket 1 leaves socket 2 unbound.
+        again.bind(world.addr(0, 5000)).unwrap();
+        two.bind(world.addr(0, 5001)).unwrap();
     }
 }

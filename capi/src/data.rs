@@ -12,8 +12,9 @@ use crate::abi::{
 };
 use crate::ctx_value;
 use crate::errno::{call, Errno};
-use crate::handles::{QUEUES, SOCKETS};
+use crate::handles::SOCKETS;
 use crate::memory::slice;
+use crate::queue::start_on;
 
 /// Flags that change nothing here: exs raises no `SIGPIPE`, never blocks, and every message is a record.
 const HARMLESS: c_int = libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT | libc::MSG_EOR;
@@ -55,9 +56,7 @@ pub extern "C" fn exs_send(
         let s = SOCKETS.get(fd)?;
         let f = msg_flags(flags, EXS_PERSISTENT | EXS_NOTIFY)?;
         let range = slice(mh, buf, len, EXS_ACCESS_READ)?;
-        let eq = QUEUES.get(qh)?;
-        s.sock.send(&eq, &range, f, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| s.sock.send(eq, &range, f, ctx_value(context)))
     })
 }
 
@@ -81,9 +80,7 @@ pub extern "C" fn exs_recv(
         let s = SOCKETS.get(fd)?;
         let f = msg_flags(flags, libc::MSG_WAITALL | EXS_PERSISTENT)?;
         let range = slice(mh, buf, len, EXS_ACCESS_WRITE)?;
-        let eq = QUEUES.get(qh)?;
-        s.sock.recv(&eq, &range, f, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| s.sock.recv(eq, &range, f, ctx_value(context)))
     })
 }
 
@@ -105,10 +102,10 @@ pub extern "C" fn exs_send_offset(
         let s = SOCKETS.get(fd)?;
         let f = msg_flags(flags, 0)?;
         let range = slice(mh, buf, len, EXS_ACCESS_READ)?;
-        let eq = QUEUES.get(qh)?;
-        s.sock
-            .send_offset(&eq, &range, offset, f, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| {
+            s.sock
+                .send_offset(eq, &range, offset, f, ctx_value(context))
+        })
     })
 }
 
@@ -130,17 +127,19 @@ pub extern "C" fn exs_recv_offset(
         let s = SOCKETS.get(fd)?;
         let f = msg_flags(flags, 0)?;
         let range = slice(mh, buf, len, EXS_ACCESS_WRITE)?;
-        let eq = QUEUES.get(qh)?;
-        s.sock
-            .recv_offset(&eq, &range, offset, f, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| {
+            s.sock
+                .recv_offset(eq, &range, offset, f, ctx_value(context))
+        })
     })
 }
 
 /// Sends `count` bytes of the file `in_fd` from `offset` (ES-API `exs_sendfile`), completing with
 /// `EXS_EVT_SENDFILE`. The bytes are read into memory exs registered itself (no mapping of the file), so the file
-/// may change once the call returns; `in_fd` may be closed then too. `flags` must be 0. -1 with `errno`: `EBADF`
-/// (socket, queue or `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `ENOTCONN`,
+/// may change once the call returns; `in_fd` may be closed then too. On SOCK_SEQPACKET the message is the whole
+/// range, held in memory at once; a range that goes past the end of a regular file is refused before any memory
+/// is taken. `flags` must be 0. -1 with `errno`: `EBADF` (socket, queue or `in_fd`), `EMFILE` (no descriptor left
+/// for exs's copy of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `ENOTCONN`,
 /// `EAGAIN`, `ENOMEM`.
 #[no_mangle]
 pub extern "C" fn exs_sendfile(
@@ -158,17 +157,19 @@ pub extern "C" fn exs_sendfile(
         if flags != 0 {
             return Err(Errno(libc::EINVAL));
         }
-        let eq = QUEUES.get(qh)?;
         // SAFETY: fcntl(F_DUPFD_CLOEXEC) only reads the descriptor number; on any number it fails cleanly.
         let dup = unsafe { libc::fcntl(in_fd, libc::F_DUPFD_CLOEXEC, 0) };
         if dup < 0 {
-            return Err(Errno(libc::EBADF));
+            // EBADF for a descriptor that is not open, EMFILE when none is left for the copy: fcntl's own errno.
+            let e = std::io::Error::last_os_error();
+            return Err(Errno(e.raw_os_error().unwrap_or(libc::EBADF)));
         }
         // SAFETY: `dup` is a descriptor this call just made and nothing else owns; the File closes it.
         let file = unsafe { File::from_raw_fd(dup) };
-        s.sock
-            .sendfile(&eq, &file, offset, count, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| {
+            s.sock
+                .sendfile(eq, &file, offset, count, ctx_value(context))
+        })
     })
 }
 

@@ -1,14 +1,20 @@
 //! The process's context and its handle tables: what turns a C integer into a Rust object.
 //!
 //! A handle is checked on every call: one that names nothing (never made, closed, deleted, deregistered) is
-//! `EBADF`, never a wild access. Sockets are numbered by exs itself ([`exs::SocketId`], from 1, never reused in
-//! a context), so an event names its socket with no table of its own; queues and memory are numbered here, from
-//! 1, and never reused either: a stale handle cannot reach a newer object.
+//! `EBADF`, never a wild access. Sockets are numbered by exs itself ([`exs::SocketId`], from 1 to `INT_MAX` and
+//! round again, skipping the numbers of sockets it still holds), so an event names its socket with no table of its
+//! own; queues and memory are numbered here the same way, from 1 to `INT_MAX` and round again, skipping the numbers
+//! in use. A new handle therefore never replaces or aliases a live one, and a number comes back only when the
+//! count comes round to it, about two billion handles of its kind after it was given out: only a stale handle
+//! used that much later can reach a newer object.
 //!
 //! Locks: each table has its own, held only to look up, insert or remove (a lookup clones the handle out); no
-//! call into exs runs under one, except `exs_mderegister`, which holds the memory table's write lock while it
-//! deregisters so that no new use of the region can start meanwhile. No table lock is taken under another.
+//! call into exs runs under one, except two. `exs_mderegister` holds the memory table's write lock while it
+//! deregisters, so that no new use of the region can start meanwhile; an operation holds the queue table's read
+//! lock while it starts ([`crate::queue::start_on`]), so that `exs_qdelete` cannot delete its queue between the
+//! look-up and the start. No table lock is taken under another.
 
+use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -64,6 +70,8 @@ pub(crate) struct MemEntry {
 #[derive(Debug)]
 pub(crate) struct Table<T> {
     map: RwLock<BTreeMap<c_int, T>>,
+    /// The number [`Table::insert_new`] tries first. Changed only under the write lock (atomic so that the
+    /// statics need no lock of their own).
     next: AtomicI32,
 }
 
@@ -94,19 +102,35 @@ impl<T: Clone> Table<T> {
         self.read().get(&h).map(f).ok_or(Errno(libc::EBADF))
     }
 
-    /// Files `v` under the next number (`EMFILE` once the numbers have run out).
+    /// Files `v` under the next number not in use, counting from 1 to `INT_MAX` and round again: a program that
+    /// makes and deletes handles for ever never runs out, and a new handle never takes a live one's number.
+    /// `EMFILE` only if every number is in use.
     pub(crate) fn insert_new(&self, v: T) -> Result<c_int, Errno> {
-        let h = self
-            .next
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_add(1))
-            .map_err(|_| Errno(libc::EMFILE))?;
-        self.write().insert(h, v);
-        Ok(h)
+        let mut map = self.write();
+        let mut h = self.next.load(Ordering::Relaxed);
+        // At most `map.len()` numbers are taken, so one more try than that finds a free one if any is.
+        for _ in 0..=map.len() {
+            let candidate = h;
+            h = h.checked_add(1).unwrap_or(1);
+            if let Entry::Vacant(free) = map.entry(candidate) {
+                free.insert(v);
+                self.next.store(h, Ordering::Relaxed);
+                return Ok(candidate);
+            }
+        }
+        Err(Errno(libc::EMFILE))
     }
 
-    /// Files `v` under `h` (a number exs chose).
-    pub(crate) fn insert_at(&self, h: c_int, v: T) {
-        self.write().insert(h, v);
+    /// Files `v` under `h` (a number exs chose), unless `h` is in use: then `v` comes back and the live entry
+    /// stays (a new object must never replace one a program still holds).
+    pub(crate) fn insert_at(&self, h: c_int, v: T) -> Result<(), T> {
+        match self.write().entry(h) {
+            Entry::Vacant(free) => {
+                free.insert(v);
+                Ok(())
+            }
+            Entry::Occupied(_) => Err(v),
+        }
     }
 
     /// Takes the object behind `h` out (`EBADF` if none).
@@ -122,19 +146,71 @@ pub(crate) static QUEUES: Table<EventQueue> = Table::new();
 /// Registered memory.
 pub(crate) static MEMORY: Table<MemEntry> = Table::new();
 
-/// Files a socket exs made under its own number (`EMFILE` beyond what a C int holds: it is closed).
+/// Files a socket exs made under its own number. `EMFILE`, and the socket is closed, if the number does not fit
+/// a C int or is still filed: exs numbers sockets from 1 to `INT_MAX` and skips those it holds, so neither
+/// happens while every socket filed here is one of the context's own.
 pub(crate) fn file_socket(sock: Socket, domain: c_int, seqpacket: bool) -> Result<c_int, Errno> {
     let Ok(fd) = c_int::try_from(sock.id().0) else {
         let _ = sock.close();
         return Err(Errno(libc::EMFILE));
     };
-    SOCKETS.insert_at(
-        fd,
-        SockEntry {
-            sock,
-            domain,
-            seqpacket,
-        },
-    );
+    let entry = SockEntry {
+        sock,
+        domain,
+        seqpacket,
+    };
+    SOCKETS.insert_at(fd, entry).map_err(|refused| {
+        let _ = refused.sock.close();
+        Errno(libc::EMFILE)
+    })?;
     Ok(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table whose counter starts at `next`.
+    fn table_from(next: c_int) -> Table<u32> {
+        Table {
+            map: RwLock::new(BTreeMap::new()),
+            next: AtomicI32::new(next),
+        }
+    }
+
+    #[test]
+    fn handle_numbers_wrap_past_int_max_to_numbers_not_in_use() {
+        let t = table_from(c_int::MAX - 1);
+        let low = t.insert_new(10).unwrap();
+        assert_eq!(low, c_int::MAX - 1);
+        // 1 and 2 are still in use when the counter comes round to them.
+        t.insert_at(1, 11).unwrap();
+        t.insert_at(2, 12).unwrap();
+        assert_eq!(t.insert_new(13), Ok(c_int::MAX));
+        assert_eq!(
+            t.insert_new(14),
+            Ok(3),
+            "past INT_MAX, the first number not in use"
+        );
+        assert_eq!(t.get(1), Ok(11), "a live handle keeps its object");
+        assert_eq!(t.get(2), Ok(12));
+        // A number given back is free again when the counter comes round to it; the live ones after it are not.
+        t.remove(low).unwrap();
+        t.next.store(c_int::MAX - 1, Ordering::Relaxed);
+        assert_eq!(t.insert_new(20), Ok(c_int::MAX - 1));
+        assert_eq!(t.insert_new(21), Ok(4), "INT_MAX, 1, 2 and 3 are in use");
+        assert_eq!(t.get(c_int::MAX), Ok(13));
+        assert_eq!(t.get(3), Ok(14));
+    }
+
+    #[test]
+    fn a_number_in_use_is_never_filed_over() {
+        let t = table_from(1);
+        t.insert_at(5, 50).unwrap();
+        assert_eq!(t.insert_at(5, 51), Err(51), "the new object comes back");
+        assert_eq!(t.get(5), Ok(50), "the live entry stays");
+        t.remove(5).unwrap();
+        assert_eq!(t.insert_at(5, 52), Ok(()));
+        assert_eq!(t.get(5), Ok(52));
+    }
 }

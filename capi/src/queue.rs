@@ -32,7 +32,9 @@ pub extern "C" fn exs_qcreate(depth: c_int) -> exs_qhandle_t {
 
 /// Deletes an event queue (ES-API `exs_qdelete`); events still in it are discarded (an accepted socket among
 /// them is closed). -1 with `errno`: `EBADF`, `EBUSY` while operations started on it have not completed (their
-/// events would have nowhere to go: close their sockets or dequeue first).
+/// events would have nowhere to go: close their sockets or dequeue first). An operation that another thread
+/// starts on the queue meanwhile either started before (`EBUSY` here) or fails with `EBADF`: none starts on a
+/// deleted queue.
 #[no_mangle]
 pub extern "C" fn exs_qdelete(qh: exs_qhandle_t) -> c_int {
     call(|| {
@@ -49,6 +51,24 @@ pub extern "C" fn exs_qdelete(qh: exs_qhandle_t) -> c_int {
             Some(_) => Err(Errno(libc::EBUSY)),
         }
     })
+}
+
+/// Starts an operation on the queue `qh`: `start` runs under the queue table's read lock, which `exs_qdelete`
+/// needs for writing. So the queue is deleted either before the look-up (`EBADF`, nothing started) or after
+/// `start` has reserved the operation's event (`exs_qdelete` sees it outstanding: `EBUSY`); with a copy taken
+/// out of the table and the lock let go, the queue could be deleted in between and the operation's event would
+/// go to a queue nobody can reach, its memory busy until the socket closed. Returns 0 once started.
+///
+/// `start` must not take a table lock (no lock is taken under another): look sockets and memory up before.
+pub(crate) fn start_on<E>(
+    qh: exs_qhandle_t,
+    start: impl FnOnce(&EventQueue) -> Result<(), E>,
+) -> Result<c_int, Errno>
+where
+    Errno: From<E>,
+{
+    QUEUES.with(qh, |eq| start(eq).map_err(Errno::from))??;
+    Ok(0)
 }
 
 /// Chooses how `exs_qdequeue` waits on this queue: `EXS_WAIT_ADAPTIVE` (the default: poll once, spin while replies
@@ -91,7 +111,9 @@ thread_local! {
 /// `nevents` of them; with `nevents` < 0, waits for `-nevents` of them (seed 004's count: one wake-up for the
 /// batch), returning fewer only at the timeout. `timeout` NULL waits as long as it takes, zero only looks.
 /// Returns how many were taken, 0 if none came before the timeout, -1 with `errno` `EBADF`, `EINVAL` (`nevents`
-/// 0, `-nevents` beyond the queue's depth, a null `events`, a bad `timeout`).
+/// 0, `-nevents` beyond the queue's depth, a null `events`, a bad `timeout`), `EDEADLK` (only on a simulated
+/// fabric that can deliver nothing more, before any event was taken: a wait that took some first returns them,
+/// fewer than asked, as at a timeout).
 ///
 /// # Safety
 /// `events` is null or valid for writes of `|nevents|` events; `timeout` is null or points to a `timespec`.
@@ -120,6 +142,9 @@ pub unsafe extern "C" fn exs_qdequeue(
             taken.clear();
             match eq.dequeue(&mut taken, min, n, timeout) {
                 Ok(_) | Err(DequeueError::TimedOut) => {}
+                // A wait that stalled may have taken events first: they are out of the queue and the caller's
+                // now (an accepted socket among them would be closed if they were dropped).
+                Err(DequeueError::Stalled { .. }) if !taken.is_empty() => {}
                 Err(e) => return Err(e.into()),
             }
             let got = taken.len();
@@ -182,5 +207,133 @@ fn to_c(mut ev: Event) -> exs_event_t {
         exs_evt_accepted: ev.take_accepted().map_or(-1, file_accepted),
         exs_evt_flags: flags,
         exs_evt_revents: revents(ev.readiness),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ptr;
+    use std::sync::mpsc;
+    use std::thread;
+
+    use exs::sim::{SimConfig, World};
+    use exs::{SockType, Socket};
+
+    use super::*;
+    use crate::handles::SOCKETS;
+
+    fn errno() -> c_int {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    const NO_EVENT: exs_event_t = exs_event_t {
+        exs_evt_type: 0,
+        exs_evt_errno: 0,
+        exs_evt_context: ptr::null_mut(),
+        exs_evt_fd: -1,
+        exs_evt_bytes: 0,
+        exs_evt_accepted: -1,
+        exs_evt_flags: 0,
+        exs_evt_revents: 0,
+    };
+
+    /// A listening socket of `ctx` (host `host` of `world`) whose accepts stay outstanding until a peer connects.
+    fn listener(world: &World, ctx: &exs::Context, host: usize, port: u16) -> Socket {
+        let l = Socket::new(ctx, SockType::Stream).unwrap();
+        l.bind(world.addr(host, port)).unwrap();
+        l.listen(4).unwrap();
+        l
+    }
+
+    /// Thread A starts an accept on a queue while thread B deletes it. B's `exs_qdelete` comes between A's look-up
+    /// of the queue and its start (A waits there for B); it returned 0, the accept then started on the deleted
+    /// queue, and its event went where nobody could dequeue it. Now B waits until the accept has started and gets
+    /// `EBUSY`; the event reaches the queue.
+    #[test]
+    fn a_queue_deleted_while_an_operation_starts_on_it_keeps_it_or_refuses_it() {
+        let world = World::new(SimConfig::default());
+        let ctx = world.host();
+        let l = listener(&world, &ctx, 0, 7000);
+        let qh = exs_qcreate(4);
+        assert!(qh > 0, "errno {}", errno());
+        let (deleted_tx, deleted_rx) = mpsc::channel();
+        let mut deleter = None;
+        let started = start_on(qh, |eq| {
+            deleter = Some(thread::spawn(move || {
+                let r = (exs_qdelete(qh), errno());
+                let _ = deleted_tx.send(());
+                r
+            }));
+            // Time for the deletion to finish, if it can before the start.
+            let _ = deleted_rx.recv_timeout(Duration::from_millis(300));
+            l.accept(eq, 1)
+        });
+        assert_eq!(started, Ok(0));
+        let deleted = deleter.expect("the start ran").join().unwrap();
+        assert_eq!(
+            deleted,
+            (-1, libc::EBUSY),
+            "the queue holds a started accept"
+        );
+        // The accept's event reaches the queue: closing the listener cancels it.
+        l.close().unwrap();
+        let mut ev = NO_EVENT;
+        let zero = timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: one event's room, and a timespec.
+        assert_eq!(unsafe { exs_qdequeue(qh, &mut ev, 1, &zero) }, 1);
+        assert_eq!(
+            (ev.exs_evt_type, ev.exs_evt_errno),
+            (EXS_EVT_ACCEPT, libc::ECANCELED)
+        );
+        assert_eq!(exs_qdelete(qh), 0);
+        // Once it is deleted, an operation refuses to start on it.
+        let late = start_on(qh, |_| -> Result<(), Errno> {
+            panic!("an operation started on a deleted queue")
+        });
+        assert_eq!(late, Err(Errno(libc::EBADF)));
+    }
+
+    /// A wait for three events on a simulated fabric that goes idle after two: the dequeue took the two, then
+    /// found that the third could never come (`DequeueError::Stalled`) and returned -1 with `EDEADLK`; the next
+    /// dequeue on the thread threw the two away, closing the accepted socket among them. Now they are returned,
+    /// as at a timeout.
+    #[test]
+    fn a_dequeue_that_stalls_after_taking_events_returns_them() {
+        let world = World::new(SimConfig::default());
+        let (a, b) = (world.host(), world.host());
+        let eq = EventQueue::new(4).unwrap();
+        let qh = QUEUES.insert_new(eq.clone()).unwrap();
+        let l = listener(&world, &b, 1, 7000);
+        l.accept(&eq, 1).unwrap();
+        let c = Socket::new(&a, SockType::Stream).unwrap();
+        c.connect(&eq, world.addr(1, 7000), 2).unwrap();
+        // An accept nobody will ever complete.
+        let idle = listener(&world, &b, 1, 7001);
+        idle.accept(&eq, 3).unwrap();
+        world.run_until_idle(100_000);
+        assert_eq!(eq.len(), 2, "the accept and the connect are queued");
+        let mut evs = [NO_EVENT; 3];
+        // SAFETY: room for three events; no timeout.
+        let n = unsafe { exs_qdequeue(qh, evs.as_mut_ptr(), -3, ptr::null()) };
+        assert_eq!(n, 2, "errno {}", errno());
+        let accept = evs[..2]
+            .iter()
+            .find(|e| e.exs_evt_type == EXS_EVT_ACCEPT)
+            .expect("the accept's event");
+        let server = accept.exs_evt_accepted;
+        assert!(server > 0, "{accept:?}");
+        assert!(SOCKETS.get(server).is_ok(), "the accepted socket is open");
+        // Nothing else was taken: the next wait has none to return.
+        // SAFETY: as above.
+        let again = unsafe { exs_qdequeue(qh, evs.as_mut_ptr(), -1, ptr::null()) };
+        assert_eq!((again, errno()), (-1, libc::EDEADLK));
+        SOCKETS.remove(server).unwrap().sock.close().unwrap();
+        for s in [c, l, idle] {
+            s.close().unwrap();
+        }
+        assert_eq!(exs_qdelete(qh), 0);
     }
 }

@@ -6,7 +6,8 @@ use libc::{c_int, c_short, c_void, sockaddr, socklen_t};
 
 use crate::abi::exs_qhandle_t;
 use crate::errno::{call, Errno};
-use crate::handles::{context, file_socket, SockEntry, QUEUES, SOCKETS};
+use crate::handles::{context, file_socket, SockEntry, SOCKETS};
+use crate::queue::start_on;
 use crate::{addr, ctx_value};
 
 /// Creates a socket (UNH-EXS `exs_socket`): `domain` `AF_INET` or `AF_INET6`, `type` `SOCK_STREAM` (a byte
@@ -70,9 +71,7 @@ pub extern "C" fn exs_listen(fd: c_int, backlog: c_int) -> c_int {
 pub extern "C" fn exs_accept(fd: c_int, qh: exs_qhandle_t, context: *mut c_void) -> c_int {
     call(|| {
         let s = SOCKETS.get(fd)?;
-        let eq = QUEUES.get(qh)?;
-        s.sock.accept(&eq, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| s.sock.accept(eq, ctx_value(context)))
     })
 }
 
@@ -95,9 +94,7 @@ pub unsafe extern "C" fn exs_connect(
         let s = SOCKETS.get(fd)?;
         // SAFETY: the caller's promise above.
         let a = unsafe { addr::read(addr, len, s.domain) }?;
-        let eq = QUEUES.get(qh)?;
-        s.sock.connect(&eq, a, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| s.sock.connect(eq, a, ctx_value(context)))
     })
 }
 
@@ -114,14 +111,12 @@ pub extern "C" fn exs_poll(
 ) -> c_int {
     call(|| {
         let s = SOCKETS.get(fd)?;
-        let eq = QUEUES.get(qh)?;
         let interest = Readiness {
             readable: events & libc::POLLIN != 0,
             writable: events & libc::POLLOUT != 0,
             ..Readiness::default()
         };
-        s.sock.poll(&eq, interest, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| s.sock.poll(eq, interest, ctx_value(context)))
     })
 }
 
@@ -156,16 +151,16 @@ pub extern "C" fn exs_shutdown(
             libc::SHUT_RD | libc::SHUT_RDWR => return Err(Errno(libc::EOPNOTSUPP)),
             _ => return Err(Errno(libc::EINVAL)),
         }
-        let eq = QUEUES.get(qh)?;
-        s.sock.shutdown(&eq, ctx_value(context))?;
-        Ok(0)
+        start_on(qh, |eq| s.sock.shutdown(eq, ctx_value(context)))
     })
 }
 
 /// Closes the socket (UNH-EXS `exs_close`), gracefully like TCP's `close()`: pending receives complete with
 /// `ECANCELED`; sends already started still reach the peer and complete, then the peer sees end-of-stream; what
 /// is left after the linger time (10 s) ends with `ECONNABORTED` or `ECANCELED`. Events still come for the
-/// operations the socket had, with its number. The number is never reused. -1 with `errno` `EBADF`.
+/// operations the socket had, with its number. The number is not given to a new socket while exs still holds
+/// this one (its lingering connection), nor before the count of socket numbers has come round to it (at
+/// `INT_MAX`). -1 with `errno` `EBADF`.
 #[no_mangle]
 pub extern "C" fn exs_close(fd: c_int) -> c_int {
     call(|| {

@@ -1,0 +1,94 @@
+//! `exs_sendfile` through the C functions, on the simulated fabric (`EXS_BACKEND=sim`).
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::ptr;
+use std::sync::{Mutex, MutexGuard};
+
+use exs_capi::abi::{exs_qhandle_t, EXS_VERSION};
+use exs_capi::data::exs_sendfile;
+use exs_capi::exs_init;
+use exs_capi::queue::{exs_qcreate, exs_qdelete};
+use exs_capi::socket::{exs_close, exs_socket};
+use libc::c_int;
+
+/// The tests change the process's descriptor limit: one at a time.
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+fn errno() -> c_int {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// The lock, the simulated context and a queue.
+fn setup() -> (MutexGuard<'static, ()>, exs_qhandle_t) {
+    let one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    std::env::set_var("EXS_BACKEND", "sim");
+    assert_eq!(exs_init(EXS_VERSION), 0, "errno {}", errno());
+    let q = exs_qcreate(4);
+    assert!(q > 0, "errno {}", errno());
+    (one, q)
+}
+
+/// A file of `len` bytes.
+fn file_of(len: usize) -> std::fs::File {
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(&vec![7; len]).unwrap();
+    f
+}
+
+/// exs copies `in_fd` first (`F_DUPFD_CLOEXEC`); when no descriptor is left for the copy the call failed with
+/// `EBADF`, as if `in_fd` were not open. Now it is `EMFILE`, the copy's own errno.
+#[test]
+fn a_sendfile_without_a_descriptor_left_reports_emfile() {
+    let (_one, q) = setup();
+    let s = exs_socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+    assert!(s > 0, "errno {}", errno());
+    let file = file_of(100);
+    // SAFETY: dup only reads the descriptor number; the copy (the lowest descriptor free) is this test's.
+    let free = unsafe { libc::dup(file.as_raw_fd()) };
+    assert!(free >= 0, "errno {}", errno());
+    // SAFETY: `free` is the copy just made, which nothing else uses.
+    let closed = unsafe { libc::close(free) };
+    assert_eq!(closed, 0);
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the rlimit it is given.
+    let got = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) };
+    assert_eq!(got, 0);
+    // No descriptor free below the limit: every one below `free` is open.
+    let tight = libc::rlimit {
+        rlim_cur: free as libc::rlim_t,
+        rlim_max: limit.rlim_max,
+    };
+    // SAFETY: setrlimit reads the rlimit it is given; the old limit is restored below.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &tight) }, 0);
+    let r = exs_sendfile(s, file.as_raw_fd(), 0, 10, 0, q, ptr::null_mut());
+    let e = errno();
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &limit) }, 0);
+    assert_eq!((r, e), (-1, libc::EMFILE));
+    // A descriptor that is not open is still EBADF.
+    let r = exs_sendfile(s, -1, 0, 10, 0, q, ptr::null_mut());
+    assert_eq!((r, errno()), (-1, libc::EBADF));
+    assert_eq!(exs_close(s), 0);
+    assert_eq!(exs_qdelete(q), 0);
+}
+
+/// A SOCK_SEQPACKET sendfile holds its whole range in registered memory, and it took that memory for `count`
+/// before looking at the file: 2^60 bytes of a 1 KiB file failed with `ENOMEM` (64 GiB tried to pin 64 GiB).
+/// Now a range past the end of the file is `EINVAL` before any memory is taken.
+#[test]
+fn a_seqpacket_sendfile_past_the_end_of_a_small_file_is_einval_not_an_allocation() {
+    let (_one, q) = setup();
+    let s = exs_socket(libc::AF_INET, libc::SOCK_SEQPACKET, 0);
+    assert!(s > 0, "errno {}", errno());
+    let file = file_of(1024);
+    for count in [1usize << 60, 64 << 30, 1025] {
+        let r = exs_sendfile(s, file.as_raw_fd(), 0, count, 0, q, ptr::null_mut());
+        assert_eq!((r, errno()), (-1, libc::EINVAL), "count {count}");
+    }
+    assert_eq!(exs_close(s), 0);
+    assert_eq!(exs_qdelete(q), 0);
+}

@@ -419,15 +419,13 @@ fn a_peer_persistent_while_we_are_is_a_violation() {
     );
 }
 
-/// Both sends of a client that sent a message, then a persistent send, and ended the persistent send before the
-/// server received anything, complete: the server reads the message, lets the persistent send go unread, and the
-/// connection carries on. (The server took the end of a persistent send that was not yet at the head of its
-/// adverts for a violation and closed the connection.)
-#[test]
-fn ending_a_persistent_send_behind_an_unread_message_lets_it_go_unread() {
+/// A pair whose client sent a 64 KiB message (context 1), then a persistent send of 3000 bytes (context 2), both
+/// adverts delivered and nothing received yet; the message's bytes and a receive buffer on the server for it.
+fn message_then_persistent_send(seed: u64) -> (Pair, Vec<u8>, MemoryRegion) {
     let p = pair(SockType::SeqPacket);
-    let msg = p.client_region(pattern(65536, 1));
-    let ps = p.client_region(pattern(3000, 2));
+    let want = pattern(65536, seed);
+    let msg = p.client_region(want.clone());
+    let ps = p.client_region(pattern(3000, seed + 1));
     p.client
         .send(&p.eq_a, &msg.all(), MsgFlags::NONE, 1)
         .unwrap();
@@ -435,15 +433,16 @@ fn ending_a_persistent_send_behind_an_unread_message_lets_it_go_unread() {
         .send(&p.eq_a, &ps.all(), MsgFlags::PERSISTENT, 2)
         .unwrap();
     p.world.run_until_idle(100_000);
-    p.client.end_persistent().unwrap();
-    p.world.run_until_idle(100_000);
     let dst = p.server_region(65536);
-    p.server
-        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 10)
-        .unwrap();
+    (p, want, dst)
+}
+
+/// The server's receive got the message, and both of the client's sends completed (the persistent one unread),
+/// then a new message goes through.
+fn message_received_and_both_sends_done(p: &Pair, want: &[u8], dst: &MemoryRegion) {
     let r = wait(&p.eq_b);
     assert!(r.is_ok() && r.bytes == 65536, "{r:?}");
-    assert_bytes_eq(&dst.to_vec().unwrap(), &pattern(65536, 1), "the message");
+    assert_bytes_eq(&dst.to_vec().unwrap(), want, "the message");
     let mut sent = [wait(&p.eq_a), wait(&p.eq_a)];
     sent.sort_by_key(|e| e.context);
     for (e, (ctx, bytes)) in sent.iter().zip([(1, 65536), (2, 3000)]) {
@@ -460,6 +459,21 @@ fn ending_a_persistent_send_behind_an_unread_message_lets_it_go_unread() {
         &pattern(500, 9),
         "the message after the persistent send",
     );
+}
+
+/// Both sends of a client that sent a message, then a persistent send, and ended the persistent send before the
+/// server received anything, complete: the server reads the message, lets the persistent send go unread, and the
+/// connection carries on. (The server took the end of a persistent send that was not yet at the head of its
+/// adverts for a violation and closed the connection.)
+#[test]
+fn ending_a_persistent_send_behind_an_unread_message_lets_it_go_unread() {
+    let (p, want, dst) = message_then_persistent_send(1);
+    p.client.end_persistent().unwrap();
+    p.world.run_until_idle(100_000);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 10)
+        .unwrap();
+    message_received_and_both_sends_done(&p, &want, &dst);
 }
 
 /// A second persistent send while the first is active, or ended but not yet confirmed by the peer, is refused
@@ -509,17 +523,7 @@ fn a_second_persistent_send_waits_for_the_first_to_complete() {
 /// sends complete, the message's no sooner than the receiver has it.
 #[test]
 fn a_persistent_send_ended_while_the_message_before_it_is_read_completes_both() {
-    let p = pair(SockType::SeqPacket);
-    let msg = p.client_region(pattern(65536, 3));
-    let ps = p.client_region(pattern(3000, 4));
-    p.client
-        .send(&p.eq_a, &msg.all(), MsgFlags::NONE, 1)
-        .unwrap();
-    p.client
-        .send(&p.eq_a, &ps.all(), MsgFlags::PERSISTENT, 2)
-        .unwrap();
-    p.world.run_until_idle(100_000);
-    let dst = p.server_region(65536);
+    let (p, want, dst) = message_then_persistent_send(3);
     // The read of the message starts, and the end of the persistent send is on its way, at the same time.
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 10)
@@ -531,10 +535,5 @@ fn a_persistent_send_ended_while_the_message_before_it_is_read_completes_both() 
         1,
         "the sender got a completion before the receiver had read the message"
     );
-    let r = wait(&p.eq_b);
-    assert!(r.is_ok() && r.bytes == 65536, "{r:?}");
-    assert_bytes_eq(&dst.to_vec().unwrap(), &pattern(65536, 3), "the message");
-    let mut sent = [wait(&p.eq_a), wait(&p.eq_a)];
-    sent.sort_by_key(|e| e.context);
-    assert!(sent.iter().all(|e| e.is_ok()), "{sent:?}");
+    message_received_and_both_sends_done(&p, &want, &dst);
 }

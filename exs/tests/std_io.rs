@@ -34,6 +34,18 @@ fn sink(
     (world, client, addr, reader)
 }
 
+/// A threaded world and a stream connected to a listener on `port` of its first host: (world, client, server).
+fn connected(port: u16) -> (World, Stream, Stream) {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, port)).unwrap();
+    // As with RDMA connections generally, a connect completes when the listener accepts it.
+    let accepting = std::thread::spawn(move || listener.accept().unwrap());
+    let c = Stream::connect_in(&client, world.addr(0, port)).unwrap();
+    let (s, _) = accepting.join().unwrap();
+    (world, c, s)
+}
+
 #[test]
 fn a_stream_echoes_a_mebibyte_then_reads_end_of_stream() {
     let world = World::threaded(SimConfig::default());
@@ -188,13 +200,7 @@ fn a_vectored_write_across_small_send_pieces_keeps_every_byte_in_order() {
 
 #[test]
 fn a_read_that_waits_too_long_fails_with_would_block_and_the_next_one_gets_the_bytes() {
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = Listener::bind_in(&server, world.addr(0, 9101)).unwrap();
-    // As with RDMA connections generally, a connect completes when the listener accepts it.
-    let accepting = std::thread::spawn(move || listener.accept().unwrap());
-    let mut c = Stream::connect_in(&client, world.addr(0, 9101)).unwrap();
-    let (mut s, _) = accepting.join().unwrap();
+    let (_world, mut c, mut s) = connected(9101);
     c.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
     let mut buf = [0u8; 10];
     let e = c.read(&mut buf).unwrap_err();
@@ -271,12 +277,7 @@ fn a_connection_nobody_answers_ends_after_its_connect_timeout() {
 /// Issue 26: `set_nodelay` is TCP_NODELAY: coalescing of small writes off, at any time after connect.
 #[test]
 fn set_nodelay_turns_the_coalescing_of_small_writes_off_after_connect() {
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = Listener::bind_in(&server, world.addr(0, 9104)).unwrap();
-    let accepting = std::thread::spawn(move || listener.accept().unwrap());
-    let c = Stream::connect_in(&client, world.addr(0, 9104)).unwrap();
-    let (s, _) = accepting.join().unwrap();
+    let (_world, c, s) = connected(9104);
     assert!(
         !c.nodelay().unwrap(),
         "coalescing is on by default, as Nagle is"
@@ -445,12 +446,8 @@ fn a_receive_count_past_the_buffer_or_past_counting_is_capped() {
 #[test]
 fn a_non_blocking_read_beside_a_blocking_one_does_not_wait_for_it() {
     use std::sync::Arc;
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = Listener::bind_in(&server, world.addr(0, 9170)).unwrap();
-    let accepting = std::thread::spawn(move || listener.accept().unwrap());
-    let c = Arc::new(Stream::connect_in(&client, world.addr(0, 9170)).unwrap());
-    let (mut s, _) = accepting.join().unwrap();
+    let (_world, c, mut s) = connected(9170);
+    let c = Arc::new(c);
     let blocked = {
         let c = c.clone();
         std::thread::spawn(move || {

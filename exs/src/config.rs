@@ -105,8 +105,9 @@ pub struct ContextOptions {
     /// down, cable pulled) is detected by the transport's retries even when the application is only waiting.
     /// `None`: idle connections never probe. A peer *process* that dies is detected without it (its kernel
     /// tears the connection down). A probe needs a control-buffer credit like any message: a peer whose device
-    /// answers but whose side of the protocol returns no credits for two intervals while messages wait for them
-    /// is closed (`Violation::CreditsWithheld`).
+    /// answers but whose side of the protocol returns no credits for two whole intervals while messages wait for
+    /// them is closed (`Violation::CreditsWithheld`; a peer process stopped that long, in a debugger or by
+    /// SIGSTOP, too: a longer keepalive, or `None`, keeps such connections).
     pub keepalive: Option<Duration>,
     /// Connections the context holds at most (open, connecting, being accepted or closing). Requests beyond it are
     /// refused (the peer sees `Refused`), and a `connect` fails with `TransportError::Resource`. Default 16,384.

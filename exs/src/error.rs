@@ -93,7 +93,7 @@ pub enum Violation {
     },
     /// The peer returned none of our control-buffer credits for two keepalive intervals while our messages waited
     /// for them: its side of the protocol stopped (a peer that runs returns them as it processes our messages,
-    /// whatever its application does).
+    /// whatever its application does; one stopped that long in a debugger or by SIGSTOP is closed too).
     #[error("the peer returned no control-buffer credits for two keepalive intervals while messages waited for them")]
     CreditsWithheld,
     /// An advertised length or address range does not fit.

@@ -253,11 +253,13 @@ pub(crate) struct Link {
     normal: VecDeque<Outgoing>,
     reads: VecDeque<(DataOp, u32)>,
     credit_queued: bool,
-    /// Keepalive checks in a row at which messages waited for credits and none had come back since the one
-    /// before (see [`Link::keepalive`]).
+    /// Keepalive intervals in a row through which messages waited for credits and none came back (see
+    /// [`Link::keepalive`]).
     starved_checks: u8,
     /// The peer returned a credit since the last keepalive check.
     credit_since_check: bool,
+    /// Messages waited for credits at the last keepalive check.
+    waited_at_check: bool,
     /// A keepalive CREDIT is queued (sent even with no credits owed).
     keepalive_queued: bool,
     /// Something was posted since the last keepalive check.
@@ -330,6 +332,7 @@ impl Link {
             keepalive_queued: false,
             starved_checks: 0,
             credit_since_check: false,
+            waited_at_check: false,
             sent_since_check: false,
             started: false,
             closed: false,
@@ -775,16 +778,18 @@ impl Link {
     /// probe was queued.
     ///
     /// A probe needs a credit too: a peer whose device still answers but that returns no credits would hold the
-    /// connection for ever. When messages have waited for credits through two checks in a row and none came back,
-    /// the peer's side of the protocol has stopped: `Err`.
+    /// connection for ever. When messages have waited for credits at three checks in a row (two whole intervals)
+    /// and none came back meanwhile, the peer's side of the protocol has stopped: `Err`.
     pub(crate) fn keepalive(&mut self) -> Result<bool, Violation> {
         let waiting = (!self.urgent.is_empty() && self.tx_credits() == 0)
             || (!self.normal.is_empty() && self.tx_credits() < 2);
-        self.starved_checks = if waiting && !self.credit_since_check {
+        // Counted only across a whole interval: messages waited at the check before too, and no credit came since.
+        self.starved_checks = if waiting && self.waited_at_check && !self.credit_since_check {
             self.starved_checks.saturating_add(1)
         } else {
             0
         };
+        self.waited_at_check = waiting;
         self.credit_since_check = false;
         if self.starved_checks >= 2 {
             return Err(Violation::CreditsWithheld);

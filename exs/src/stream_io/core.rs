@@ -341,7 +341,8 @@ impl Writer {
     pub(crate) fn new(ctx: &Context, sock: Socket, cfg: &StreamConfig) -> io::Result<Writer> {
         Ok(Writer {
             sock,
-            eq: EventQueue::new(MAX_SENDS + 1)?,
+            // Room for every send, the shutdown and a wake-up.
+            eq: EventQueue::new(MAX_SENDS + 2)?,
             ctx: ctx.clone(),
             ring: None,
             len: cfg.send_buffer.max(1),

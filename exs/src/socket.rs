@@ -377,6 +377,11 @@ impl Socket {
         self.engine(|e, id| e.peer_addr(id))
     }
 
+    /// The peer's address as recorded when the connection was set up, also once it has ended.
+    pub(crate) fn recorded_peer_addr(&self) -> Result<Option<SocketAddr>, StateError> {
+        self.engine(|e, id| e.recorded_peer_addr(id))
+    }
+
     /// Changes options (ES-API `exs_fcntl`): every field of `opts` that differs from the options in effect
     /// ([`Socket::options`], then the `with_*` setters of [`SocketOptions`]). All or nothing: a value out of
     /// range, or a field negotiated at connect changed after the connection started, refuses the whole set

@@ -235,20 +235,27 @@ async fn tokio_listener_bind_and_stream_connect_run_on_the_default_context() {
     echo.await.unwrap();
 }
 
-/// Two tasks waiting in `accept` on one listener at once each get a connection (as with tokio's `TcpListener`):
-/// both waited on a single posted accept, and the task that did not get its connection waited for ever.
+/// Tasks waiting in `accept` on one listener at once each get a connection (as with tokio's `TcpListener`): two
+/// of them waited on a single posted accept, and the task that did not get its connection waited for ever; and
+/// more of them than the listener's queue holds events (64) wait for a turn instead of failing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_tasks_accepting_at_once_each_get_a_connection() {
-    use tokio::io::AsyncReadExt;
+async fn tasks_accepting_at_once_each_get_a_connection() {
+    for (n, port) in [(2u8, 9310), (66, 9311)] {
+        accepting_at_once(n, port).await;
+    }
+}
+
+async fn accepting_at_once(n: u8, port: u16) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let world = World::threaded(SimConfig::default());
     let (server, client) = (world.host(), world.host());
     let listener = std::sync::Arc::new(
-        exs::tokio::Listener::bind_in(&server, world.addr(0, 9310))
+        exs::tokio::Listener::bind_in(&server, world.addr(0, port))
             .await
             .unwrap(),
     );
     let addr = listener.local_addr().unwrap();
-    let accepting: Vec<_> = (0..2)
+    let accepting: Vec<_> = (0..n)
         .map(|_| {
             let l = listener.clone();
             tokio::spawn(async move {
@@ -259,10 +266,9 @@ async fn two_tasks_accepting_at_once_each_get_a_connection() {
             })
         })
         .collect();
-    // Both tasks wait before the first connection comes.
+    // Every task waits before the first connection comes.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    for i in 0..2u8 {
-        use tokio::io::AsyncWriteExt;
+    for i in 0..n {
         let mut c = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
         c.write_all(&[i; 100]).await.unwrap();
         c.shutdown().await.unwrap();
@@ -276,7 +282,8 @@ async fn two_tasks_accepting_at_once_each_get_a_connection() {
         got.push(v);
     }
     got.sort();
-    assert_eq!(got, [vec![0u8; 100], vec![1u8; 100]]);
+    let want: Vec<Vec<u8>> = (0..n).map(|i| vec![i; 100]).collect();
+    assert!(got == want, "{n} tasks: the connections' bytes differ");
 }
 
 /// Issue 26: a read hands its bytes to the `ReadBuf` as they are copied out of the receive buffer: the rest of a
@@ -492,4 +499,33 @@ async fn delivered(
         .unwrap();
     assert_eq!(&got, msg);
     s
+}
+
+/// A connection whose peer wrote and closed before the application took its accept (here after an `accept`
+/// future was dropped, which leaves its accept posted) is accepted with its bytes and end of stream to read, as
+/// TCP's is: the accept failed with `NotConnected`, the connection's live address being gone, and its bytes with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_peer_already_wrote_and_closed_is_accepted_with_its_bytes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, 9399))
+        .await
+        .unwrap();
+    let addr = listener.local_addr().unwrap();
+    let posted = tokio::time::timeout(std::time::Duration::from_millis(20), listener.accept());
+    assert!(posted.await.is_err(), "nobody has connected yet");
+    let c_local = {
+        let mut c = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+        c.write_all(&[7; 100]).await.unwrap();
+        c.shutdown().await.unwrap();
+        c.local_addr().unwrap()
+    };
+    // The client's stream is closed: its connection goes down while the accept waits to be taken.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let (mut s, peer) = listener.accept().await.unwrap();
+    assert_eq!(peer, c_local);
+    let mut got = Vec::new();
+    s.read_to_end(&mut got).await.unwrap();
+    assert_eq!(got, vec![7u8; 100]);
 }

@@ -638,6 +638,15 @@ impl Engine {
         Ok(ep.and_then(|ep| self.transport.local_addr(ep)).or(bound))
     }
 
+    /// The peer's address as recorded when the connection was set up, whatever became of the connection since
+    /// (an accepted connection whose peer already wrote and closed is still accepted, as TCP's is).
+    pub(crate) fn recorded_peer_addr(
+        &mut self,
+        sid: SocketId,
+    ) -> R<Option<SocketAddr>, StateError> {
+        Ok(self.sock(sid)?.peer_addr)
+    }
+
     pub(crate) fn peer_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {
         let s = self.sock(sid)?;
         if s.phase != Phase::Open {

@@ -168,8 +168,10 @@ pub(crate) fn accepted(mut ev: Event) -> io::Result<(Socket, SocketAddr)> {
     let sock = ev.take_accepted();
     std::mem::replace(&mut ev.status, Ok(())).map_err(io::Error::from)?;
     let sock = sock.ok_or_else(|| io::Error::other("an accept event without its socket"))?;
+    // Recorded at set-up: a connection whose peer already wrote and closed before the accept was taken is
+    // accepted with its bytes and end of stream to read, as TCP's is (its live address is gone by then).
     let peer = sock
-        .peer_addr()?
+        .recorded_peer_addr()?
         .ok_or_else(|| io::Error::other("an accepted socket without a peer address"))?;
     Ok((sock, peer))
 }

@@ -417,11 +417,15 @@ pub struct Listener {
 }
 
 /// One `accept` call counted in [`Listener::waiting`] until it returns or is dropped.
-struct Waiting<'a>(&'a std::sync::Mutex<usize>);
+struct Waiting<'a>(&'a Listener);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) -= 1;
+        let mut n = self.0.waiting.lock().unwrap_or_else(|p| p.into_inner());
+        *n -= 1;
+        // Callers past the queue's depth wait without an accept of their own: one more for them now (a failure
+        // shows in their next call).
+        let _ = self.0.post_accepts(*n);
     }
 }
 
@@ -490,15 +494,21 @@ impl Listener {
     fn wait_for_one(&self) -> io::Result<Waiting<'_>> {
         let mut n = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
         *n += 1;
-        let guard = Waiting(&self.waiting);
-        while self.eq.outstanding() + self.eq.len() < *n {
-            if let Err(e) = self.sock.accept(&self.eq, 0) {
-                drop(n);
-                return Err(e.into());
-            }
-        }
+        let posted = self.post_accepts(*n);
         drop(n);
+        // Counted from here: a failure is undone as the guard goes.
+        let guard = Waiting(self);
+        posted?;
         Ok(guard)
+    }
+
+    /// Posts accepts until `waiting` callers have one each, posted or with its connection queued, as far as the
+    /// queue holds events (callers past its depth wait for one to leave). Called with `waiting` locked.
+    fn post_accepts(&self, waiting: usize) -> io::Result<()> {
+        while self.eq.outstanding() + self.eq.len() < waiting.min(self.eq.depth()) {
+            self.sock.accept(&self.eq, 0)?;
+        }
+        Ok(())
     }
 }
 

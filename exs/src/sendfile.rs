@@ -28,8 +28,9 @@ pub const SENDFILE_DEPTH: usize = 4;
 impl Socket {
     /// Sends `len` bytes of `file` from `offset` (ES-API `exs_sendfile`), completing with an event of kind
     /// `SendFile`. The bytes are read into registered memory of this socket's context first (no mapping of the
-    /// file), so the file may change afterwards without affecting what is sent. A range that goes past the end of
-    /// a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory is taken for it.
+    /// file), so the file may change afterwards without affecting what is sent. On a SOCK_SEQPACKET socket, a range
+    /// that goes past the end of a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory
+    /// is taken for it.
     pub fn sendfile(
         &self,
         eq: &EventQueue,
@@ -50,10 +51,9 @@ pub(crate) fn sendfile(
     len: usize,
     context: u64,
 ) -> Result<(), SendError> {
-    let ty = sock.sock_type()?;
-    within_file(file, offset, len)?;
-    match ty {
+    match sock.sock_type()? {
         SockType::SeqPacket => {
+            within_file(file, offset, len)?;
             let region = MemoryRegion::alloc(sock.context(), len.max(1))?;
             let mut at = 0;
             while at < len {
@@ -73,7 +73,8 @@ pub(crate) fn sendfile(
 /// Refuses a range that goes past the end of a regular file, as the read would, but before any memory is taken
 /// for it: a SOCK_SEQPACKET sendfile holds the whole range at once, and a count far past a small file's end (64 GiB
 /// of a 1 KiB file) had it allocate and register that much first. Other files (pipes, devices, `/proc`) report no
-/// size to go by: their reads decide.
+/// size to go by: their reads decide. A stream sendfile takes bounded chunks and reads as it goes (a file still
+/// growing may grow into the range).
 fn within_file(file: &File, offset: u64, len: usize) -> Result<(), SendError> {
     let meta = file
         .metadata()

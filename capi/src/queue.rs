@@ -2,7 +2,9 @@
 //! own). Each function is one call of [`exs::EventQueue`]; events become `exs_event_t`s here.
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use exs::{DequeueError, Event, EventKind, EventQueue, WaitMode};
@@ -39,7 +41,7 @@ pub extern "C" fn exs_qcreate(depth: c_int) -> exs_qhandle_t {
 pub extern "C" fn exs_qdelete(qh: exs_qhandle_t) -> c_int {
     call(|| {
         let mut table = QUEUES.write();
-        match table.get(&qh).map(|eq| eq.outstanding()) {
+        match table.get(&qh).map(|eq| eq.outstanding() + starting(qh)) {
             None => Err(Errno(libc::EBADF)),
             Some(0) => {
                 let gone = table.remove(&qh);
@@ -53,13 +55,13 @@ pub extern "C" fn exs_qdelete(qh: exs_qhandle_t) -> c_int {
     })
 }
 
-/// Starts an operation on the queue `qh`: `start` runs under the queue table's read lock, which `exs_qdelete`
-/// needs for writing. So the queue is deleted either before the look-up (`EBADF`, nothing started) or after
-/// `start` has reserved the operation's event (`exs_qdelete` sees it outstanding: `EBUSY`); with a copy taken
-/// out of the table and the lock let go, the queue could be deleted in between and the operation's event would
-/// go to a queue nobody can reach, its memory busy until the socket closed. Returns 0 once started.
-///
-/// `start` must not take a table lock (no lock is taken under another): look sockets and memory up before.
+/// Starts an operation on the queue `qh`. The start is counted for the queue under the queue table's read lock,
+/// and `exs_qdelete` (which needs the lock for writing) refuses a queue with starts counted as it refuses one with
+/// operations outstanding: so the queue is deleted either before the look-up (`EBADF`, nothing started) or not
+/// until the start is over (`EBUSY` meanwhile, and then the operation's event is reserved on it). With a copy taken
+/// out of the table and nothing counted, the queue could be deleted in between and the operation's event would go
+/// to a queue nobody can reach, its memory busy until the socket closed. `start` itself runs with no table lock
+/// held (a SOCK_SEQPACKET sendfile reads its whole file in it). Returns 0 once started.
 pub(crate) fn start_on<E>(
     qh: exs_qhandle_t,
     start: impl FnOnce(&EventQueue) -> Result<(), E>,
@@ -67,8 +69,43 @@ pub(crate) fn start_on<E>(
 where
     Errno: From<E>,
 {
-    QUEUES.with(qh, |eq| start(eq).map_err(Errno::from))??;
+    let eq = QUEUES.with(qh, |eq| {
+        count_start(qh, true);
+        eq.clone()
+    })?;
+    let _started = Starting(qh);
+    start(&eq).map_err(Errno::from)?;
     Ok(0)
+}
+
+/// Operations being started on each queue (see [`start_on`]).
+static STARTING: Mutex<BTreeMap<exs_qhandle_t, usize>> = Mutex::new(BTreeMap::new());
+
+fn count_start(qh: exs_qhandle_t, more: bool) {
+    let mut m = STARTING.lock().unwrap_or_else(|p| p.into_inner());
+    let n = m.entry(qh).or_insert(0);
+    if more {
+        *n += 1;
+    } else {
+        *n -= 1;
+        if *n == 0 {
+            m.remove(&qh);
+        }
+    }
+}
+
+fn starting(qh: exs_qhandle_t) -> usize {
+    let m = STARTING.lock().unwrap_or_else(|p| p.into_inner());
+    m.get(&qh).copied().unwrap_or(0)
+}
+
+/// One start counted for its queue until it is over.
+struct Starting(exs_qhandle_t);
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        count_start(self.0, false);
+    }
 }
 
 /// Chooses how `exs_qdequeue` waits on this queue: `EXS_WAIT_ADAPTIVE` (the default: poll once, spin while replies
@@ -247,8 +284,8 @@ mod tests {
 
     /// Thread A starts an accept on a queue while thread B deletes it. B's `exs_qdelete` comes between A's look-up
     /// of the queue and its start (A waits there for B); it returned 0, the accept then started on the deleted
-    /// queue, and its event went where nobody could dequeue it. Now B waits until the accept has started and gets
-    /// `EBUSY`; the event reaches the queue.
+    /// queue, and its event went where nobody could dequeue it. Now B gets `EBUSY` at once (a start is counted on
+    /// the queue, and B does not wait for it), and the event reaches the queue.
     #[test]
     fn a_queue_deleted_while_an_operation_starts_on_it_keeps_it_or_refuses_it() {
         let world = World::new(SimConfig::default());

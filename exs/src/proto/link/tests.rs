@@ -221,3 +221,64 @@ fn a_discarded_link_posts_nothing() {
     assert!(out.is_empty(), "{out:?}");
     assert!(link.is_idle());
 }
+
+/// A link whose peer granted 4 credits, with two writes (which need two credits each time they go) queued behind
+/// two sent: messages wait for credits.
+fn starved() -> Link {
+    let mut link = Link::new(Ok(slots(4)), slots(4), None, 16, 4, true);
+    link.start(4, 128);
+    let mut out = Vec::new();
+    for _ in 0..5 {
+        queued_write(&mut link);
+    }
+    link.flush(&mut out, &mut ());
+    assert!(
+        link.tx_credits() < 2 && !link.is_idle(),
+        "writes wait for credits"
+    );
+    link
+}
+
+/// The keepalive closes a connection whose peer returns no credits only after two whole intervals through which
+/// messages waited: the check that first finds them waiting does not count the interval before it (messages that
+/// began to wait just before a check closed the connection one interval later), and a credit in between starts
+/// the count again.
+#[test]
+fn credits_withheld_only_after_two_whole_intervals_of_waiting() {
+    let mut link = starved();
+    let first = link.keepalive();
+    assert!(
+        first.is_ok(),
+        "the first check that finds them waiting: {first:?}"
+    );
+    let second = link.keepalive();
+    assert!(second.is_ok(), "one whole interval: {second:?}");
+    assert_eq!(link.keepalive(), Err(Violation::CreditsWithheld));
+    let mut link = starved();
+    link.keepalive().unwrap();
+    link.keepalive().unwrap();
+    // A credit comes back and a write takes it: the messages behind still wait, but the count starts again.
+    link.credits_returned(1).unwrap();
+    link.flush(&mut Vec::new(), &mut ());
+    let after = link.keepalive();
+    assert!(after.is_ok(), "a credit came back meanwhile: {after:?}");
+    let next = link.keepalive();
+    assert!(next.is_ok(), "{next:?}");
+    assert_eq!(link.keepalive(), Err(Violation::CreditsWithheld));
+}
+
+/// A peer has at most its window of messages we have not returned a credit for: one more is an overrun, and a
+/// credit message of ours that leaves makes room again.
+#[test]
+fn a_message_past_the_unreturned_window_is_an_overrun() {
+    let mut link = Link::new(Ok(slots(4)), slots(4), None, 16, 4, true);
+    link.start(4, 128);
+    for _ in 0..4 {
+        link.consumed().unwrap();
+    }
+    assert_eq!(link.consumed(), Err(Violation::CreditOverrun { window: 4 }));
+    let mut out = Vec::new();
+    link.flush(&mut out, &mut ());
+    assert!(!out.is_empty(), "a credit message returns what is owed");
+    link.consumed().unwrap();
+}

@@ -269,7 +269,11 @@ async fn accepting_at_once(n: u8, port: u16) {
     // Every task waits before the first connection comes.
     tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     for i in 0..n {
-        let mut c = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
+        let connect = exs::tokio::Stream::connect_in(&client, addr);
+        let mut c = tokio::time::timeout(std::time::Duration::from_secs(20), connect)
+            .await
+            .expect("a connection was left waiting for an accept")
+            .unwrap();
         c.write_all(&[i; 100]).await.unwrap();
         c.shutdown().await.unwrap();
     }

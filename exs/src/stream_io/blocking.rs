@@ -173,7 +173,7 @@ impl Stream {
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         if matches!(how, Shutdown::Read | Shutdown::Both) {
             self.inner.read_shut.store(true, Ordering::SeqCst);
-            super::core::wake(&self.inner.read_eq, &self.inner.sock);
+            let _ = super::core::wake(&self.inner.read_eq, &self.inner.sock);
         }
         if matches!(how, Shutdown::Write | Shutdown::Both) {
             lock(&self.inner.writer).shutdown()?;
@@ -330,7 +330,7 @@ impl Stream {
                 if took && w.waiters > 0 && !matches!(wrote, Ok(None)) {
                     // Leaving with completions other waiting writers did not see (the room they wait for may be
                     // there now, and none may be in flight to wake them).
-                    super::core::wake(&w.eq, &s.sock);
+                    w.wake_waiters();
                 }
                 if let Some(n) = wrote? {
                     return Ok(n);

@@ -292,11 +292,16 @@ impl Reader {
 }
 
 /// Puts a wake-up event in a direction's queue, so that a thread waiting on it looks at the stream again
-/// (`shutdown(Read)` from another thread; another thread took the completions a writer waited for). Nothing
-/// happens if the queue is full: its waiter is awake anyway. Both directions pass it over when they take it in.
-pub(crate) fn wake(eq: &EventQueue, sock: &Socket) {
-    if let Ok(t) = eq.reserve(EventKind::Recv, WAKE, sock.id()) {
-        t.complete(Err(OpError::Cancelled), 0, Default::default());
+/// (`shutdown(Read)` from another thread; a writer left with completions the writers still waiting did not see). Nothing
+/// happens if the queue is full (`false`): its waiter is awake anyway. Both directions pass it over when they take
+/// it in.
+pub(crate) fn wake(eq: &EventQueue, sock: &Socket) -> bool {
+    match eq.reserve(EventKind::Recv, WAKE, sock.id()) {
+        Ok(t) => {
+            t.complete(Err(OpError::Cancelled), 0, Default::default());
+            true
+        }
+        Err(_) => false,
     }
 }
 
@@ -332,6 +337,9 @@ pub(crate) struct Writer {
     /// Threads of a blocking stream waiting on `eq` without the lock, for room in the ring (counted under the
     /// lock before they wait). While there are any, only they take the queue's events.
     pub(crate) waiters: usize,
+    /// A wake-up for them is in the queue (at most one is: the queue has room for it beside every send and the
+    /// shutdown).
+    wake_queued: bool,
 }
 
 /// Most sends a writer keeps in flight (small writes each post one; the protocol gathers them).
@@ -355,11 +363,23 @@ impl Writer {
             failed: None,
             scratch: Vec::with_capacity(16),
             waiters: 0,
+            wake_queued: false,
         })
+    }
+
+    /// Wakes the threads waiting on the queue for room (see `waiters`), unless a wake-up is already queued.
+    pub(crate) fn wake_waiters(&mut self) {
+        if !self.wake_queued {
+            self.wake_queued = wake(&self.eq, &self.sock);
+        }
     }
 
     /// Takes in one event of the writer's queue.
     pub(crate) fn absorb(&mut self, ev: Event) {
+        if ev.context == WAKE {
+            self.wake_queued = false;
+            return;
+        }
         match ev.kind {
             EventKind::Send => {
                 if let Some(n) = self.in_flight.pop_front() {

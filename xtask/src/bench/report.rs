@@ -11,7 +11,7 @@ pub(super) fn markdown(
     files: &[String],
 ) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "#### {suite}\n\n`{cmd}` on {machine}; the exs tools built with the `dist` profile (fat LTO, one codegen unit). Median (min-max) of the repeats (the streams' one-way rows and the points the stream pump's targets compare run several times a round, side by side: the median is of all their runs); throughput in MB/s (10^6 bytes/s), CPU as % of one core (user+system over wall), at the largest depth measured.\n");
+    let _ = writeln!(s, "#### {suite}\n\n`{cmd}` on {machine}; the exs tools built with the `dist` profile (fat LTO, one codegen unit). Median (min-max) of the repeats (the streams' one-way rows, hyper's GET and the points the stream pump's targets compare run several times a round, side by side: the median is of all their runs); throughput in MB/s (10^6 bytes/s), CPU as % of one core (user+system over wall), at the largest depth measured.\n");
     let mut cols: Vec<(String, String)> = sum
         .keys()
         .filter(|k| {

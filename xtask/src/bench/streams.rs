@@ -24,8 +24,8 @@ pub(super) fn build_stream_bench() -> Result<String> {
         .into_owned())
 }
 
-/// Transfers of each API per round for the one-way rows, side by side: the targets compare streams a few
-/// percent apart on a machine whose speed drifts by tens of percent within minutes, so each median comes from
+/// Transfers of each API per round for the one-way rows and hyper's GET, side by side: the targets compare streams
+/// a few percent apart on a machine whose speed drifts by tens of percent within minutes, so each median comes from
 /// this many interleaved runs times the rounds (issue 26 asks for at least five).
 pub(super) const BULK_RUNS: usize = 5;
 
@@ -35,11 +35,12 @@ pub(super) fn stream_jobs(bench: &str, quick: bool) -> Vec<Job> {
     // The size the targets name: at 64 MiB (20 ms) a transfer's start weighs as much as its bytes.
     let bulk: u64 = 256 << 20;
     let mut v = Vec::new();
-    for _ in 0..if quick {
+    let runs = if quick {
         BULK_RUNS.div_ceil(2)
     } else {
         BULK_RUNS
-    } {
+    };
+    for _ in 0..runs {
         for api in ["exs-tokio", "tcp-tokio", "exs-std", "tcp-std"] {
             v.push(job(
                 "streams",
@@ -51,15 +52,18 @@ pub(super) fn stream_jobs(bench: &str, quick: bool) -> Vec<Job> {
             ));
         }
     }
-    for api in ["exs", "tcp"] {
-        v.push(job(
-            "streams-http",
-            api,
-            64 << 20,
-            1,
-            format!("{env} {bench} http {api}"),
-            Parse::Json,
-        ));
+    // hyper's GET has a target of its own beside TCP: as many runs, side by side.
+    for _ in 0..runs {
+        for api in ["exs", "tcp"] {
+            v.push(job(
+                "streams-http",
+                api,
+                64 << 20,
+                1,
+                format!("{env} {bench} http {api}"),
+                Parse::Json,
+            ));
+        }
     }
     let count = if quick { 5_000 } else { 20_000 };
     v.push(job(

@@ -356,8 +356,8 @@ fn the_stream_pump_is_compared_with_tcp_nodelay_and_the_raw_write_loop() {
 }
 
 /// Issue 26: the points the stream pump's targets compare run side by side several times a round (the deepest of a
-/// point measured at several depths), their extra runs join the same medians, and the streams' one-way rows run
-/// five times a round; a pair with a point the plan leaves out adds nothing.
+/// point measured at several depths), their extra runs join the same medians, and the streams' one-way rows and
+/// hyper's GET run five times a round; a pair with a point the plan leaves out adds nothing.
 #[test]
 fn target_pairs_run_side_by_side_several_times_a_round_into_the_same_medians() {
     let p = plan(true);
@@ -407,13 +407,16 @@ fn target_pairs_run_side_by_side_several_times_a_round_into_the_same_medians() {
         .expect("one point, three runs");
     assert_eq!((v.0, v.1, v.2), (20.0, 10.0, 40.0));
     let streams = stream_jobs("sb", false);
-    assert_eq!(
-        streams
-            .iter()
-            .filter(|j| j.tool == "streams" && j.variant == "exs-std")
-            .count(),
-        BULK_RUNS
-    );
+    for (tool, variant) in [("streams", "exs-std"), ("streams-http", "exs")] {
+        assert_eq!(
+            streams
+                .iter()
+                .filter(|j| j.tool == tool && j.variant == variant)
+                .count(),
+            BULK_RUNS,
+            "{tool} {variant}"
+        );
+    }
     assert!(stream_jobs("sb", true)
         .iter()
         .filter(|j| j.tool == "streams")

@@ -222,8 +222,8 @@ fn a_discarded_link_posts_nothing() {
     assert!(link.is_idle());
 }
 
-/// A link whose peer granted 4 credits, with two writes (which need two credits each time they go) queued behind
-/// two sent: messages wait for credits.
+/// A link whose peer granted 4 credits, with five writes queued: three go (a write needs two credits left), and
+/// two wait for credits.
 fn starved() -> Link {
     let mut link = Link::new(Ok(slots(4)), slots(4), None, 16, 4, true);
     link.start(4, 128);

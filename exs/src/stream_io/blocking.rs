@@ -22,6 +22,11 @@ fn timed_out() -> io::Error {
     io::Error::new(io::ErrorKind::WouldBlock, "timed out")
 }
 
+/// A non-blocking call that would have to wait.
+fn would_block() -> io::Error {
+    io::Error::new(io::ErrorKind::WouldBlock, "would block")
+}
+
 /// Waits until `deadline` (`None`: for ever) for at least one event of `eq`; returns those that came.
 fn wait(eq: &EventQueue, deadline: Option<Instant>, out: &mut Vec<Event>) -> io::Result<()> {
     let left = match deadline {
@@ -234,7 +239,7 @@ impl Stream {
     /// non-blocking mode.
     fn deadline(&self, timeout: Option<Duration>) -> io::Result<Option<Instant>> {
         if self.inner.nonblocking.load(Ordering::Relaxed) {
-            return Err(io::Error::new(io::ErrorKind::WouldBlock, "would block"));
+            return Err(would_block());
         }
         Ok(crate::config::deadline(Instant::now(), timeout))
     }
@@ -284,9 +289,7 @@ impl Stream {
             match s.reader.try_lock() {
                 Ok(r) => r,
                 Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    return Err(io::Error::new(io::ErrorKind::WouldBlock, "would block"))
-                }
+                Err(std::sync::TryLockError::WouldBlock) => return Err(would_block()),
             }
         } else {
             lock(&s.reader)

@@ -445,8 +445,9 @@ fn reply_and_wait_for_close(
     let reply = MemoryRegion::from_vec(ctx, sum.to_le_bytes().to_vec())?;
     s.send(eq, &reply.all(), MsgFlags::NONE, 0)
         .context("reply")?;
+    // Within the test's limit, and not past the client's leaving, as every other wait of a test.
     loop {
-        let ev = eq.next(Some(PATIENCE)).context("reply")?;
+        let ev = crate::util::wait_watching(eq, watch, "the reply's send")?;
         if ev.kind == EventKind::Send {
             ev.status.context("reply")?;
             break;
@@ -538,10 +539,34 @@ fn tcp_server(
         },
     };
     st.write_all(&sum.to_le_bytes()).context("TCP reply")?;
-    // Wait for the client to close, so the reply is read before we go.
-    st.set_read_timeout(Some(PATIENCE))?;
-    let _ = st.read(&mut buf[..1]);
+    wait_for_tcp_close(&mut st, watch);
     Ok(received)
+}
+
+/// Waits for the client to close its TCP connection, so that the reply is read before we go: at most
+/// [`PATIENCE`], and not past the test's limit or the client's leaving (a client that kept the connection open
+/// held the server for the whole [`PATIENCE`], whatever its `--max-seconds`). The data are in by then: how the
+/// wait ends does not change the test's result.
+fn wait_for_tcp_close(st: &mut TcpStream, watch: &Watch) {
+    use std::io::ErrorKind;
+    let since = Instant::now();
+    let _ = st.set_read_timeout(Some(Duration::from_secs(1)));
+    loop {
+        match st.read(&mut [0u8; 1]) {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted
+                ) =>
+            {
+                if since.elapsed() >= PATIENCE || watch.check("the client's TCP close").is_err() {
+                    return;
+                }
+            }
+            // Closed, a stray byte, or an error: either way the client is done with the reply.
+            _ => return,
+        }
+    }
 }
 
 /// Fills `buf` from the client's TCP connection (whose reads time out every second), giving up after

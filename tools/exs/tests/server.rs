@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
@@ -320,6 +320,102 @@ fn a_test_ends_at_the_servers_time_limit() {
     eprintln!("stopped after {:?}", t.elapsed());
     assert!(server.alive());
     served("ping", &server);
+}
+
+/// One demo test over TCP, driven by hand on a welcomed connection: 1 byte sent, its 8-byte checksum read. The
+/// data connection is returned open.
+fn demo_tcp_test(c: &mut Raw) -> TcpStream {
+    c.line(&json!({"msg": "point", "params": {"transport": "tcp", "size": 1, "chunk": 1}}));
+    let l = c.reply().expect("the test's address");
+    assert_eq!(l["msg"], "listening", "{l}");
+    let mut data = TcpStream::connect(l["addr"].as_str().unwrap()).unwrap();
+    data.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    data.write_all(&[7]).unwrap();
+    data.read_exact(&mut [0u8; 8]).unwrap();
+    data
+}
+
+/// A demo client that read its TCP test's checksum and kept the data connection open held the server for 60 s,
+/// whatever its `--max-seconds` (the wait for the close looked at neither the limit nor the client).
+#[test]
+fn a_demo_client_that_keeps_its_tcp_connection_open_is_let_go_at_the_limit() {
+    let server = Server::start(
+        "demo",
+        free_port(),
+        &["--max-seconds", "2", "--max-grace", "1"],
+    );
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("demo")["msg"], "welcome");
+    let data = demo_tcp_test(&mut c);
+    let t = Instant::now();
+    let done = c.reply().expect("the server's word on the test");
+    let took = t.elapsed();
+    assert_eq!(done["msg"], "done", "{done}");
+    assert!(
+        took < Duration::from_secs(10),
+        "the server waited {took:?} for the close"
+    );
+    drop(data);
+}
+
+/// A client that keeps sending short tests held the server for ever, every other client told "busy".
+#[test]
+fn a_session_ends_at_the_servers_session_limit() {
+    let server = Server::start("demo", free_port(), &["--max-session", "1"]);
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("demo")["msg"], "welcome");
+    drop(demo_tcp_test(&mut c));
+    assert_eq!(c.reply().expect("done")["msg"], "done");
+    std::thread::sleep(Duration::from_millis(1200));
+    c.line(&json!({"msg": "point", "params": {"transport": "tcp", "size": 1, "chunk": 1}}));
+    let m = c.reply().expect("the session's end");
+    assert!(message(&m).contains("--max-session"), "{m}");
+    assert!(c.reply().is_none(), "the server let the client go");
+    served("demo", &server);
+}
+
+/// A control connection from `ip` (any of 127.0.0.0/8 reaches the server on 127.0.0.1).
+fn connect_from(ip: &str, server: &Server) -> Raw {
+    use nix::sys::socket::{bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrIn};
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::empty(),
+        None,
+    )
+    .unwrap();
+    let from: std::net::SocketAddrV4 = format!("{ip}:0").parse().unwrap();
+    bind(
+        std::os::fd::AsRawFd::as_raw_fd(&fd),
+        &SockaddrIn::from(from),
+    )
+    .unwrap();
+    let to: std::net::SocketAddrV4 = format!("127.0.0.1:{}", server.port).parse().unwrap();
+    connect(std::os::fd::AsRawFd::as_raw_fd(&fd), &SockaddrIn::from(to)).unwrap();
+    // SAFETY: `fd` is a connected TCP socket this function owns; its ownership moves to the stream.
+    let w = unsafe { TcpStream::from_raw_fd(fd.into_raw_fd()) };
+    w.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    Raw {
+        r: BufReader::new(w.try_clone().unwrap()),
+        w,
+    }
+}
+
+/// Silent connections from one host took every place the server has, and every other host was refused.
+#[test]
+fn silent_connections_from_one_host_leave_room_for_the_others() {
+    let server = Server::start("ping", free_port(), &[]);
+    let silent: Vec<Raw> = (0..8).map(|_| connect_from("127.0.0.3", &server)).collect();
+    // Each is counted when its thread starts: give the server a moment to take them all.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut ninth = connect_from("127.0.0.3", &server);
+    let m = ninth.reply().expect("a refusal");
+    assert!(message(&m).contains("from your host"), "{m}");
+    let mut other = connect_from("127.0.0.2", &server);
+    assert_eq!(other.hello("ping")["msg"], "welcome");
+    drop(silent);
 }
 
 /// Lines a careless or hostile client might send: noise, near-JSON, messages of every kind with fields of every

@@ -125,6 +125,7 @@ fn limits_in_range(l: &Limits) -> Result<(), TestCaseError> {
     prop_assert!((1..=MAX_COUNT).contains(&l.max_count));
     prop_assert!(l.max_idle <= max_idle());
     prop_assert!((1..=MAX_MEMORY).contains(&l.max_memory));
+    prop_assert!(l.max_session > 0.0 && l.max_session <= MAX_SECONDS);
     Ok(())
 }
 

@@ -42,6 +42,11 @@ pub struct Limits {
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = cli::size_in(1..=MAX_MEMORY),
           requires = "server")]
     pub max_memory: u64,
+    /// The longest one client may keep the server, in seconds: a test it asks for past that ends its session
+    /// (a test already running runs to its end), so that a client sending a short test every few seconds cannot
+    /// hold the server for ever, every other client told "busy".
+    #[arg(long, value_name = "SECS", default_value = "3600", value_parser = cli::seconds, requires = "server")]
+    pub max_session: f64,
 }
 
 impl Limits {
@@ -55,6 +60,7 @@ impl Limits {
             max_count: MAX_COUNT,
             max_idle: cli::max_idle(),
             max_memory: MAX_MEMORY,
+            max_session: MAX_SECONDS,
         }
     }
 
@@ -73,12 +79,19 @@ impl Limits {
             self.max_idle.to_string(),
             "--max-memory".into(),
             self.max_memory.to_string(),
+            "--max-session".into(),
+            self.max_session.to_string(),
         ]
     }
 
     /// When a test that starts now must have ended, whatever its client does.
     pub fn deadline(&self) -> Instant {
         Instant::now() + cli::duration(self.max_seconds) + cli::duration(self.max_grace)
+    }
+
+    /// When a session that starts now takes no more tests.
+    pub fn session_end(&self) -> Instant {
+        Instant::now() + cli::duration(self.max_session)
     }
 
     /// Refuses a test longer than `--max-seconds` (or not a valid duration at all).
@@ -176,6 +189,8 @@ mod tests {
             (300.0, GRACE_SECONDS, 1_000_000, 100)
         );
         assert_eq!((d.max_bytes, d.max_memory), (64 << 30, 256 << 20));
+        assert_eq!(d.max_session, 3600.0);
+        assert_eq!(t.limits.max_session, MAX_SECONDS);
         assert!(
             T::try_parse_from(["t", "--max-seconds", "5"]).is_err(),
             "only a server has limits"
@@ -191,6 +206,7 @@ mod tests {
             max_count: 100,
             max_idle: 10,
             max_memory: 1 << 20,
+            max_session: 60.0,
         };
         assert!(l.seconds(10.0).is_ok());
         assert!(l.seconds(10.5).unwrap_err().contains("--max-seconds"));

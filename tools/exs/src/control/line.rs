@@ -106,12 +106,21 @@ fn quote(b: &[u8]) -> String {
 }
 
 /// At most `max` characters of a message that may quote a peer (serde's errors quote the value they refused).
+/// Control characters are escaped (`\n`, `\u{1b}`): text a peer sent must not add lines to the log it goes
+/// into, or send escape sequences to a terminal.
 pub fn shorten(s: &str, max: usize) -> String {
-    if s.chars().count() <= max {
-        return s.to_string();
+    let mut t = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == max {
+            t.push_str("...");
+            break;
+        }
+        if c.is_control() {
+            t.extend(c.escape_default());
+        } else {
+            t.push(c);
+        }
     }
-    let mut t: String = s.chars().take(max).collect();
-    t.push_str("...");
     t
 }
 
@@ -209,5 +218,15 @@ mod tests {
         );
         assert!(e.len() < 160);
         assert_eq!(shorten("abcdef", 3), "abc...");
+    }
+
+    /// A client's hello named its tool `x\nexs demo: client 10.9.9.9:1: done (3 tests)`, and the server's log got
+    /// a second line that no client's end had written.
+    #[test]
+    fn text_from_a_peer_is_shortened_onto_one_line_without_control_characters() {
+        let s = shorten("x\nexs demo: client 10.9.9.9:1: done\r\u{1b}[31m", 200);
+        assert!(!s.chars().any(char::is_control), "{s:?}");
+        assert_eq!(s, "x\\nexs demo: client 10.9.9.9:1: done\\r\\u{1b}[31m");
+        assert_eq!(shorten("ab\ncd", 3), "ab\\n...");
     }
 }

@@ -2,11 +2,14 @@
 //! other: the same CPUs, the same link). Every connection gets a thread for its hello (at most
 //! [`MAX_CONNECTIONS`] at once, the rest are refused at once), so a silent or slow client never holds the door:
 //! the first client to say hello gets the server, and any other that says hello meanwhile is told "busy" (after
-//! [`BUSY_WAIT`], in case the running session is ending) and let go. A welcomed client has [`IDLE`] between
-//! tests, and each test ends within the server's `--max-seconds` (plus its `--max-grace`) whatever the client does.
+//! [`BUSY_WAIT`], in case the running session is ending) and let go. One host holds at most [`MAX_PER_HOST`] of the
+//! connections, so that silent connections from one host cannot shut every other out. A welcomed client has
+//! [`IDLE`] between tests, each test ends within the server's `--max-seconds` (plus its `--max-grace`) whatever the
+//! client does, and a test asked for past the server's `--max-session` ends the session.
 
+use std::collections::HashMap;
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -29,6 +32,8 @@ pub const HANDSHAKE: Duration = Duration::from_secs(5);
 pub const IDLE: Duration = Duration::from_secs(30);
 /// Connections handled at once (saying hello, being told "busy", or running tests); more are refused at once.
 pub const MAX_CONNECTIONS: usize = 32;
+/// Connections one host may have at once (a quarter of [`MAX_CONNECTIONS`]).
+pub const MAX_PER_HOST: usize = MAX_CONNECTIONS / 4;
 /// How long a client that says hello while another's session ends waits for it before it is told "busy".
 const BUSY_WAIT: Duration = Duration::from_secs(1);
 /// What a client hears while another's tests run.
@@ -56,7 +61,7 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
         eprintln!(
             "exs {tool}: serving on {bound} with {} {}; run `exs {tool} --client {} ...` on the other host \
              (limits per test: {} s and {} s to connect and close, {} per transfer, {} pings, {} idle connections, \
-             {} of buffers)",
+             {} of buffers; {} s per client)",
             opened.label(),
             if peer.once { "for one client" } else { "until killed" },
             if peer.port == DEFAULT_PORT { bound.ip().to_string() } else { bound.to_string() },
@@ -66,6 +71,7 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
             l.max_count,
             l.max_idle,
             crate::cli::fmt_size(l.max_memory),
+            l.max_session,
             tool = S::TOOL
         );
     }
@@ -86,6 +92,8 @@ pub struct Server<S> {
     testing: Mutex<bool>,
     freed: Condvar,
     connections: AtomicUsize,
+    /// Connections per client host (none of a host that has none).
+    per_host: Mutex<HashMap<IpAddr, usize>>,
 }
 
 /// The server, held by one client's session; freed when the session ends, however it ends.
@@ -98,12 +106,13 @@ impl Drop for Slot<'_> {
     }
 }
 
-/// Counts a connection for as long as its thread runs.
-struct Counted<S: Service>(Arc<Server<S>>);
+/// Counts a connection (and its host's) for as long as its thread runs.
+struct Counted<S: Service>(Arc<Server<S>>, IpAddr);
 
 impl<S: Service> Drop for Counted<S> {
     fn drop(&mut self) {
         self.0.connections.fetch_sub(1, Ordering::AcqRel);
+        self.0.uncount_host(self.1);
     }
 }
 
@@ -136,7 +145,29 @@ impl<S: Service> Server<S> {
             testing: Mutex::new(false),
             freed: Condvar::new(),
             connections: AtomicUsize::new(0),
+            per_host: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Counts a connection of `ip`'s, unless that host has [`MAX_PER_HOST`] already.
+    fn count_host(&self, ip: IpAddr) -> bool {
+        let mut m = self.per_host.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= MAX_PER_HOST {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    fn uncount_host(&self, ip: IpAddr) {
+        let mut m = self.per_host.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&ip);
+            }
+        }
     }
 
     /// Accepts clients until killed; with `once`, returns how the first welcomed client's tests went.
@@ -186,7 +217,16 @@ impl<S: Service> Server<S> {
             self.log(from, "refused: too many connections at once");
             return;
         }
-        let counted = Counted(Arc::clone(self));
+        if !self.count_host(from.ip()) {
+            self.connections.fetch_sub(1, Ordering::AcqRel);
+            refuse_at_once(
+                stream,
+                &format!("too many connections from your host at once (this server takes {MAX_PER_HOST}); try again later"),
+            );
+            self.log(from, "refused: too many connections from its host at once");
+            return;
+        }
+        let counted = Counted(Arc::clone(self), from.ip());
         let spawned = std::thread::Builder::new()
             .name(format!("exs-{}-client", S::TOOL))
             .spawn(move || {
@@ -231,8 +271,14 @@ impl<S: Service> Server<S> {
             result: None,
         });
         let r = self.tests(&mut ch, from);
-        // Free before the last word: a client that hears it and comes back at once finds the server free.
-        drop(slot);
+        if finish.is_some() {
+            // A --once server exits now: the slot stays taken, so that a client waiting for it is told "busy"
+            // rather than welcomed by a process about to go.
+            std::mem::forget(slot);
+        } else {
+            // Free before the last word: a client that hears it and comes back at once finds the server free.
+            drop(slot);
+        }
         if let Err(e) = &r {
             let _ = ch.send(&Msg::Error {
                 message: format!("{e:#}"),
@@ -306,7 +352,15 @@ impl<S: Service> Server<S> {
             params: P,
         }
         let mut n = 0;
+        let end = self.limits.session_end();
         while let Some(Point::<S::Params> { params }) = recv(ch, "point", IDLE)? {
+            if std::time::Instant::now() >= end {
+                bail!(
+                    "the session ran past this server's limit of {} s per client (its --max-session) after {n} \
+                     tests; connect again for more",
+                    self.limits.max_session
+                );
+            }
             params.check(&self.limits).map_err(|why| anyhow!(why))?;
             let watch = ch.watch(&self.limits)?;
             let mut tx = ch.writer.try_clone()?;

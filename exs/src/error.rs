@@ -197,7 +197,8 @@ impl OpError {
     /// The closest `std::io::ErrorKind`.
     pub fn io_kind(&self) -> io::ErrorKind {
         match self {
-            OpError::Cancelled => io::ErrorKind::Interrupted,
+            // Not `Interrupted`: std's `read_to_end` and `read_exact` retry that, and a cancelled operation stays so.
+            OpError::Cancelled => io::ErrorKind::ConnectionAborted,
             OpError::Aborted => io::ErrorKind::ConnectionAborted,
             OpError::File(e) => e.kind,
             OpError::PeerClosed => io::ErrorKind::BrokenPipe,

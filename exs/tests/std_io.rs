@@ -475,3 +475,23 @@ fn a_non_blocking_read_beside_a_blocking_one_does_not_wait_for_it() {
     assert_eq!(blocked.join().unwrap().unwrap(), b"now");
     drop(writer.join().unwrap());
 }
+
+/// A read cancelled by a local close failed with `Interrupted`, which std's `read_to_end` (and `read_exact`)
+/// retry: the reader spun for ever. `Cancelled` is `ConnectionAborted` now.
+#[test]
+fn a_read_to_end_whose_socket_is_closed_under_it_fails_instead_of_spinning() {
+    let (_world, c, _s) = connected(9180);
+    let mut reader = c.try_clone().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut all = Vec::new();
+        let _ = tx.send(reader.read_to_end(&mut all));
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    c.socket().close().unwrap();
+    let r = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("read_to_end returns after the close");
+    let e = r.expect_err("a read cut by a close is an error");
+    assert_eq!(e.kind(), ErrorKind::ConnectionAborted, "{e}");
+}

@@ -77,6 +77,10 @@ impl VerbsTransport {
         let Some((owner, rec)) = self.recvs.remove(&wc.wr_id) else {
             return;
         };
+        if owner.is_some() {
+            // A shared receive's room is the shared queue's reservation; an endpoint's own was taken when posted.
+            self.cq_budget.give(1);
+        }
         // A shared receive belongs to the QP that dequeued it; EndpointId(0) if that one is gone.
         let ep =
             owner.unwrap_or_else(|| self.qpn.get(&wc.qp_num).copied().unwrap_or(EndpointId(0)));
@@ -128,7 +132,9 @@ impl VerbsTransport {
         // completion that names none of this endpoint's requests retires nothing: it is a late one of a queue pair
         // destroyed before this one got its number (identifiers are never reused), or a repeated one.
         let backlog = &mut self.cq_backlog;
+        let budget = &mut self.cq_budget;
         e.sends.retire_each(wc.wr_id, |rec, named| {
+            budget.give(rec.entries);
             let mut st = if named { status.clone() } else { Ok(()) };
             if rec.broken && st.is_ok() {
                 st = Err(WcError::Other(

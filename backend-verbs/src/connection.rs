@@ -368,10 +368,11 @@ impl VerbsTransport {
             }
             rdma_destroy_id(e.id);
         }
-        if shared {
+        if !e.qp.is_null() {
             // Others leave them in the queue, and write some between the drain above and the destruction: collect
             // those too while the number still names this endpoint (after the destruction no more come), so a
-            // shared receive is never credited to the next endpoint that gets the number.
+            // shared receive is never credited to the next endpoint that gets the number; and so that the room
+            // the endpoint's requests took in the completion queue is free when it is given back below.
             self.drain_cq();
         }
         if let Some(n) = qpn {
@@ -379,8 +380,12 @@ impl VerbsTransport {
         }
         // Completions of the destroyed QP still in the queue name none of the records of whoever gets its number
         // next (identifiers are never reused), so they are ignored when they come.
+        self.cq_budget.give(e.sends.entries());
         drop(e.sends);
+        let before = self.recvs.len();
         self.recvs.retain(|_, (owner, _)| *owner != Some(ep));
+        self.cq_budget
+            .give((before - self.recvs.len()).try_into().unwrap_or(u32::MAX));
         // Completions of a released endpoint are dropped, except shared receives: the engine reposts those.
         self.cq_backlog.retain(|(c, shared)| c.ep != ep || *shared);
     }

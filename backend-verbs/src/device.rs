@@ -19,6 +19,7 @@ use rustc_hash::FxHashMap;
 
 use crate::completion::{epoll_add, WAIT_CM, WAIT_COMP};
 use crate::connection::sockaddr;
+use crate::cq::CqBudget;
 use crate::memory::Pd;
 use crate::queue::WrIds;
 use crate::{device_names, os_err, VerbsConfig, VerbsTransport};
@@ -363,6 +364,12 @@ impl VerbsTransport {
         if o.cq.is_null() {
             return Err(os_err("ibv_create_cq"));
         }
+        // SAFETY: the CQ was just created; the provider wrote the entries it got (at least those asked for).
+        let cqe = unsafe { (*o.cq).cqe };
+        let cq_budget = CqBudget::new(
+            u32::try_from(cqe).unwrap_or(settings.cq_depth),
+            settings.limits.max_cqe,
+        );
         let epoll = wait_set(&o)?;
         raise_memlock_limit();
         let (ch, comp, cq) = o.into_parts();
@@ -373,6 +380,7 @@ impl VerbsTransport {
             pd,
             comp,
             cq,
+            cq_budget,
             epoll,
             caps: capabilities(&settings),
             settings,

@@ -52,6 +52,7 @@ use rustc_hash::FxHashMap;
 mod cm;
 mod completion;
 mod connection;
+mod cq;
 mod device;
 mod emulated;
 mod expose;
@@ -151,6 +152,8 @@ pub struct VerbsTransport {
     pd: Arc<Pd>,
     comp: *mut ibv_comp_channel,
     cq: *mut ibv_cq,
+    /// What the completion queue holds and what may still complete into it (see [`cq`]).
+    cq_budget: cq::CqBudget,
     epoll: Epoll,
     caps: Capabilities,
     /// What this transport uses (emulated immediates, memory windows, read sinks, depths, inline size).

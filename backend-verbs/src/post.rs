@@ -421,12 +421,12 @@ impl VerbsTransport {
         what: &str,
         fill: impl FnOnce(&mut ibv_send_wr),
     ) -> Result<(), TransportError> {
+        if self.eps.get(&ep).is_none_or(|e| e.qp.is_null()) {
+            return Err(TransportError::NoEndpoint);
+        }
+        self.cq_room(1)?;
         let seq = self.ids.send();
-        let e = self
-            .eps
-            .get_mut(&ep)
-            .filter(|e| !e.qp.is_null())
-            .ok_or(TransportError::NoEndpoint)?;
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
         let mut w: ibv_send_wr = unsafe {
             // SAFETY: plain data, zero is valid before we fill it.
             std::mem::zeroed()
@@ -446,6 +446,7 @@ impl VerbsTransport {
             return Err(post_error(what, rc));
         }
         e.signal = signal;
+        self.cq_budget.take(1);
         e.sends.push(Posted {
             seq,
             entries: 1,
@@ -474,6 +475,12 @@ impl VerbsTransport {
         let mut rest = self.fit_sends(ep, wrs);
         if wrs.is_empty() {
             return Err(Refused::new(queue_full(), rest));
+        }
+        // Every entry may complete (flushed, when the connection fails): the completion queue must hold it.
+        let need = wrs.iter().map(|w| self.parts_of(w)).sum();
+        if let Err(err) = self.cq_room(need) {
+            wrs.append(&mut rest);
+            return Err(Refused::new(err, std::mem::take(wrs)));
         }
         // A failure here refuses the whole batch, which then never reached the device.
         let sinks = match self.sink_registrations(wrs) {
@@ -515,6 +522,7 @@ impl VerbsTransport {
         if rc == 0 {
             e.signal = chain.signal;
             for r in chain.recs.drain(..) {
+                self.cq_budget.take(r.entries);
                 e.sends.push(r);
             }
             return if rest.is_empty() {
@@ -555,9 +563,11 @@ impl VerbsTransport {
         let mut refused = Vec::new();
         for (i, mut r) in chain.recs.drain(..).enumerate() {
             if i < cut.posted {
+                self.cq_budget.take(r.entries);
                 e.sends.push(r);
             } else if i == cut.posted && cut.partial {
                 r.broken = true;
+                self.cq_budget.take(r.entries);
                 e.sends.push(r);
             } else {
                 let SendRec { wr_id, op, .. } = r.item;

@@ -234,19 +234,15 @@ impl VerbsSettings {
         let l = &cfg.limits;
         let memory_windows = memory_windows(name, &dev, cfg.memory_windows)?;
         check_sge(name, l.sge, dev.max_sge)?;
-        let (send_depth, recv_depth, cq_depth) = queue_depths(l, &dev)?;
+        let (send_depth, recv_depth) = queue_depths(l, &dev)?;
+        let (srq_depth, cq_depth) = completion_depths(l, &dev)?;
         Ok(VerbsSettings {
             device: name.to_string(),
             inline: within("inline size", l.inline, DEFAULT_INLINE, dev.max_inline),
             send_depth,
             recv_depth,
             cq_depth,
-            srq_depth: within(
-                "shared receive queue depth",
-                l.srq_depth,
-                DEFAULT_SRQ_DEPTH,
-                dev.max_srq_wr,
-            ),
+            srq_depth,
             sge: within(
                 "scatter/gather entries",
                 positive("scatter/gather entries", l.sge)?,
@@ -325,8 +321,8 @@ fn check_sge(name: &str, want: Option<u32>, device: u32) -> Result<(), Transport
     Ok(())
 }
 
-/// Send-, receive- and completion-queue depths.
-fn queue_depths(l: &VerbsLimits, dev: &DeviceLimits) -> Result<(u32, u32, u32), TransportError> {
+/// Send- and receive-queue depths.
+fn queue_depths(l: &VerbsLimits, dev: &DeviceLimits) -> Result<(u32, u32), TransportError> {
     Ok((
         within(
             "send-queue depth",
@@ -340,13 +336,28 @@ fn queue_depths(l: &VerbsLimits, dev: &DeviceLimits) -> Result<(u32, u32, u32), 
             DEFAULT_RECV_DEPTH,
             dev.max_qp_wr,
         ),
-        within(
-            "completion-queue depth",
-            positive("the completion-queue depth", l.cq_depth)?,
-            DEFAULT_CQ_DEPTH,
-            dev.max_cqe,
-        ),
     ))
+}
+
+/// Shared-receive- and completion-queue depths. Every receive of the shared queue completes into the completion
+/// queue, so the shared queue is no deeper than half what the device's completion queues hold (the other half is
+/// for what connections have on the device: see [`crate::cq`]), and the completion queue starts large enough for
+/// it beside [`DEFAULT_CQ_DEPTH`] (some providers, siw, cannot grow a completion queue later).
+fn completion_depths(l: &VerbsLimits, dev: &DeviceLimits) -> Result<(u32, u32), TransportError> {
+    let srq = within(
+        "shared receive queue depth",
+        l.srq_depth,
+        DEFAULT_SRQ_DEPTH,
+        dev.max_srq_wr
+            .min(crate::cq::shared_depth_bound(dev.max_cqe)),
+    );
+    let cq = within(
+        "completion-queue depth",
+        positive("the completion-queue depth", l.cq_depth)?,
+        DEFAULT_CQ_DEPTH.saturating_add(srq),
+        dev.max_cqe,
+    );
+    Ok((srq, cq))
 }
 
 /// A count set to 0 is refused: a queue or a gather list of nothing cannot work.
@@ -459,6 +470,24 @@ mod tests {
             VerbsSettings::decide("rxe0", rxe(), &on)
                 .unwrap()
                 .read_sinks
+        );
+    }
+
+    #[test]
+    fn the_shared_receive_queue_fits_in_half_the_completion_queue_which_starts_large_enough_for_it()
+    {
+        let r = VerbsSettings::decide("rxe0", rxe(), &cfg()).unwrap();
+        assert_eq!((r.srq_depth, r.cq_depth), (16_383, 16_383 + 8192));
+        let s = VerbsSettings::decide("siw0", siw(), &cfg()).unwrap();
+        assert_eq!((s.srq_depth, s.cq_depth), (16_384, 16_384 + 8192));
+        let mut c = cfg();
+        c.limits.srq_depth = Some(30_000);
+        c.limits.cq_depth = Some(1024);
+        let r = VerbsSettings::decide("rxe0", rxe(), &c).unwrap();
+        assert_eq!(
+            (r.srq_depth, r.cq_depth),
+            (16_383, 1024),
+            "an override is bounded; the queue grows to the shared queue when it is created"
         );
     }
 

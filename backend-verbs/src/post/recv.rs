@@ -116,6 +116,13 @@ impl VerbsTransport {
         if wrs.is_empty() {
             return Ok(());
         }
+        // An endpoint's own receives take room in the completion queue while posted (the shared queue's reserved
+        // its depth when it was created).
+        if owner.is_some() {
+            if let Err(e) = self.cq_room(wrs.len().try_into().unwrap_or(u32::MAX)) {
+                return Err(Refused::new(e, std::mem::take(wrs)));
+            }
+        }
         let mut chain = RecvChain::new(&mut self.ids, wrs);
         let mut bad: *mut ibv_recv_wr = ptr::null_mut();
         let rc = post(chain.link(), &mut bad);
@@ -134,6 +141,9 @@ impl VerbsTransport {
         let mut refused = Vec::new();
         for (i, (id, rec)) in chain.recs.into_iter().enumerate() {
             if i < posted {
+                if owner.is_some() {
+                    self.cq_budget.take(1);
+                }
                 self.recvs.insert(id, (owner, rec));
             } else {
                 refused.push(WorkRequest {
@@ -166,10 +176,13 @@ impl VerbsTransport {
                 "the shared receive queue exists".into(),
             ));
         }
+        let depth = depth.clamp(1, self.caps.max_shared_recv);
+        // Every receive posted to it completes into the completion queue: it must hold them all.
+        self.cq_room_for_shared(depth)?;
         let mut attr = ibv_srq_init_attr {
             srq_context: ptr::null_mut(),
             attr: ibv_srq_attr {
-                max_wr: depth.clamp(1, self.caps.max_shared_recv),
+                max_wr: depth,
                 max_sge: 1,
                 srq_limit: 0,
             },
@@ -179,6 +192,16 @@ impl VerbsTransport {
         if srq.is_null() {
             return Err(os_err("ibv_create_srq"));
         }
+        // The provider wrote back the depth it gave (it may round up): the queue then takes more receives.
+        let got = attr.attr.max_wr.max(depth);
+        if got > depth {
+            if let Err(e) = self.cq_room_for_shared(got) {
+                // SAFETY: the queue was just created; nothing was posted to it or attached to it.
+                unsafe { ibv_destroy_srq(srq) };
+                return Err(e);
+            }
+        }
+        self.cq_budget.reserve_shared(got);
         self.srq = srq;
         Ok(())
     }

@@ -10,13 +10,14 @@ use exs_transport::{
 use rdma_sys::*;
 
 use crate::connection::EpState;
-use crate::memory::{reg_mr, MrKey, MrPtr, MwSlot, VerbsRegistration, WindowKey};
+use crate::memory::{reg_mr, BindHold, MrKey, MrPtr, MwSlot, VerbsRegistration, WindowExposure};
 use crate::{os_err, VerbsTransport};
 
 impl VerbsTransport {
     /// Binds a type 2 memory window over the leased range to `ep`'s queue pair (see [`memory`](crate::memory)).
     /// The bind is a send-queue request, so it executes before anything posted after it, in particular the message
-    /// that hands the key to the peer; it is unsignalled and retired by the next signalled request, like any other.
+    /// that hands the key to the peer. It is signalled, and its record holds the window and the registration until
+    /// it retires: an exposure dropped before that (a cancelled operation) leaves the window to the record.
     fn bind_window(
         &mut self,
         ep: EndpointId,
@@ -28,43 +29,40 @@ impl VerbsTransport {
             .as_any()
             .downcast_ref::<VerbsRegistration>()
             .ok_or_else(|| TransportError::Invalid("not a registration of this device".into()))?;
+        let mr = base.mr;
         self.room_for_bind(ep)?;
         // SAFETY: open protection domain.
         let mw = unsafe { ibv_alloc_mw(self.pd.0, ibv_mw_type::IBV_MW_TYPE_2) }
             .filter(|m| !m.is_null())
             .ok_or_else(|| os_err("ibv_alloc_mw"))?;
+        // From here the slot deallocates the window, whatever happens.
+        let slot = MwSlot::new(mw);
         let info = ibv_mw_bind_info {
-            mr: base.mr,
+            mr,
             addr: lease.addr(),
             length: lease.len() as u64,
             mw_access_flags: remote_flags(access),
         };
-        let rkey = match self.post_bind(ep, mw, info) {
-            Ok(k) => k,
-            Err(e) => {
-                // SAFETY: the window was never bound; deallocated once.
-                unsafe { ibv_dealloc_mw(mw) };
-                return Err(e);
-            }
+        let hold = BindHold {
+            _slot: Arc::clone(&slot),
+            _reg: Arc::clone(reg),
         };
-        let slot = MwSlot::new(mw);
+        let rkey = self.post_bind(ep, mw, info, hold)?;
         let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
         if e.windows.len() >= 64 {
             e.windows.retain(|w| w.strong_count() > 0);
         }
         e.windows.push(Arc::downgrade(&slot));
-        Ok(Box::new(KeyedLease::new(
-            RemoteRef {
+        Ok(Box::new(WindowExposure {
+            remote: RemoteRef {
                 addr: lease.addr(),
                 key: u64::from(rkey),
             },
-            lease,
-            WindowKey {
-                slot,
-                _reg: Arc::clone(reg),
-                _pd: Arc::clone(&self.pd),
-            },
-        )))
+            lease: Some(lease),
+            slot,
+            _reg: Arc::clone(reg),
+            _pd: Arc::clone(&self.pd),
+        }))
     }
 
     /// A window binds only on a connected queue pair with a free send-queue entry (completions waiting in the
@@ -86,14 +84,17 @@ impl VerbsTransport {
         Ok(())
     }
 
-    /// Posts the bind of `mw` over `info` on `ep`'s queue pair and records it; returns the window's new key.
+    /// Posts the bind of `mw` over `info` on `ep`'s queue pair and records it, with `hold`; returns the window's
+    /// new key.
     fn post_bind(
         &mut self,
         ep: EndpointId,
         mw: *mut ibv_mw,
         info: ibv_mw_bind_info,
+        hold: BindHold,
     ) -> Result<u32, TransportError> {
-        // SAFETY: `mw` is a live window; the key's low byte moves on with each bind so a stale key fails.
+        // SAFETY: `mw` is a live window (`hold` keeps it); the key's low byte moves on with each bind so a stale
+        // key fails.
         let rkey = unsafe { ibv_inc_rkey((*mw).rkey) };
         let fill = |w: &mut ibv_send_wr| {
             w.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
@@ -103,9 +104,11 @@ impl VerbsTransport {
                 bind_info: info,
             };
         };
-        // SAFETY: the window, the registration it binds over and the leased memory outlive the binding (the
-        // caller's exposure owns all three).
-        unsafe { self.post_own_send(ep, "ibv_post_send (window bind)", fill) }?;
+        // SAFETY: the request names the window and the registration it binds over, which `hold` keeps alive in
+        // the request's record until the request retires (its completion, a later one, or its queue pair's
+        // destruction); the registration holds the buffer of the range. The exposure's lease outlives the window:
+        // it is parked on the window when the exposure goes first (`WindowExposure`).
+        unsafe { self.post_own_send(ep, "ibv_post_send (window bind)", fill, Some(hold)) }?;
         Ok(rkey)
     }
 

@@ -8,7 +8,7 @@
 //!   exposure is a window bound to **one queue pair**: the bind is a work request posted on that
 //!   connection's send queue ahead of the message that hands the key out (a queue pair executes in order), the
 //!   key works for that connection only, and deallocating the window when the exposure is dropped revokes it
-//!   ([`WindowKey`]). No memory is registered on the data path. Each bind moves the key's low byte on
+//!   ([`WindowExposure`]). No memory is registered on the data path. Each bind moves the key's low byte on
 //!   (`ibv_inc_rkey`).
 //! * Elsewhere (siw and iWARP adapters without windows) an exposure is a registration of exactly the exposed
 //!   range ([`MrKey`]): a key valid on every queue pair of the protection domain while it lives, and a
@@ -17,8 +17,8 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use exs_dma::DmaBuf;
-use exs_transport::{Registration, Revoke, TransportError};
+use exs_dma::{DmaBuf, Lease};
+use exs_transport::{Exposure, Registration, RemoteRef, Revoke, TransportError};
 use rdma_sys::*;
 
 /// The protection domain, shared with registrations and windows so it is deallocated last.
@@ -136,7 +136,7 @@ impl std::fmt::Debug for VerbsRegistration {
 impl Drop for VerbsRegistration {
     fn drop(&mut self) {
         // Before `buf` is released (field order). Every window bound to this registration holds its Arc
-        // (`WindowKey::_reg`), so none is bound any more (ibv_dereg_mr fails while one is).
+        // (`WindowExposure::_reg`, and `BindHold::_reg` while its bind is queued), so none is bound any more (ibv_dereg_mr fails while one is).
         dereg(self.mr);
     }
 }
@@ -181,40 +181,104 @@ impl Revoke for MrKey {
     }
 }
 
-/// A window's handle, shared by its exposure and its endpoint: whichever comes first deallocates it. The
-/// endpoint must, before its queue pair is destroyed: a queue pair with windows still bound to it cannot be
-/// destroyed (rxe waits for them, then warns), and the keys die with the connection anyway.
-pub(crate) struct MwSlot(Mutex<*mut ibv_mw>);
+/// A window's handle, shared by its exposure, the record of its bind (while the bind is on the send queue) and,
+/// weakly, its endpoint. The window is deallocated (its key revoked) when the last of the first two goes, or when
+/// the endpoint forces it: a queue pair with windows still bound to it cannot be destroyed (rxe waits for them, then
+/// warns), and the keys die with the connection anyway. A bind still queued names the window and the registration
+/// it binds over, so neither may go before the bind retires ([`BindHold`]); and a key that may still be valid must
+/// not outlive the lease of the range it names, so an exposure dropped before its window is deallocated leaves its
+/// lease parked here, released once the window is.
+pub(crate) struct MwSlot(Mutex<Window>);
+
+/// The window of an [`MwSlot`] and the lease parked on it.
+struct Window {
+    mw: *mut ibv_mw,
+    parked: Option<Lease>,
+    /// `ibv_dealloc_mw` failed: the key may still be valid, so parked leases are never released.
+    failed: bool,
+    /// `ibv_dealloc_mw` (a stand-in in tests, which have no device).
+    dealloc: fn(*mut ibv_mw) -> i32,
+}
 
 // SAFETY: the window pointer is only used under the mutex, to deallocate it once.
 unsafe impl Send for MwSlot {}
 // SAFETY: see Send.
 unsafe impl Sync for MwSlot {}
 
-impl MwSlot {
-    pub(crate) fn new(mw: *mut ibv_mw) -> Arc<MwSlot> {
-        Arc::new(MwSlot(Mutex::new(mw)))
+fn dealloc_mw(mw: *mut ibv_mw) -> i32 {
+    // SAFETY: `mw` came from ibv_alloc_mw and is deallocated exactly once: `Window::revoke` clears it under the
+    // slot's lock.
+    unsafe { ibv_dealloc_mw(mw) }
+}
+
+impl Window {
+    /// Deallocates the window, once, then releases a parked lease; a failure keeps the lease for ever.
+    fn revoke(&mut self) {
+        if !self.mw.is_null() {
+            let rc = (self.dealloc)(self.mw);
+            self.mw = std::ptr::null_mut();
+            if rc != 0 {
+                tracing::error!(
+                    rc,
+                    "ibv_dealloc_mw failed: the window's key may still be valid; its range stays leased"
+                );
+                self.failed = true;
+            }
+        }
+        if let Some(lease) = self.parked.take() {
+            self.release(lease);
+        }
     }
 
-    /// Deallocates the window (revoking its key), once.
-    pub(crate) fn dealloc(&self) {
-        let mut mw = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if !mw.is_null() {
-            // SAFETY: `*mw` came from ibv_alloc_mw and is deallocated exactly once: the pointer is cleared under
-            // the lock.
-            unsafe { ibv_dealloc_mw(*mw) };
-            *mw = std::ptr::null_mut();
+    /// Releases `lease`, unless the window's key may still name its range: then it is leaked, with its buffer.
+    fn release(&self, lease: Lease) {
+        if self.failed {
+            std::mem::forget(lease);
+        } else {
+            drop(lease);
         }
     }
 }
 
-/// What revokes a key bound as a type 2 memory window: deallocating the window. The registration it is bound over
-/// stays registered until then (deregistering fails while a window is bound).
-#[derive(Debug)]
-pub(crate) struct WindowKey {
-    pub(crate) slot: Arc<MwSlot>,
-    pub(crate) _reg: Arc<dyn Registration>,
-    pub(crate) _pd: Arc<Pd>,
+impl MwSlot {
+    pub(crate) fn new(mw: *mut ibv_mw) -> Arc<MwSlot> {
+        Self::with_dealloc(mw, dealloc_mw)
+    }
+
+    fn with_dealloc(mw: *mut ibv_mw, dealloc: fn(*mut ibv_mw) -> i32) -> Arc<MwSlot> {
+        Arc::new(MwSlot(Mutex::new(Window {
+            mw,
+            parked: None,
+            failed: false,
+            dealloc,
+        })))
+    }
+
+    fn window(&self) -> std::sync::MutexGuard<'_, Window> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Deallocates the window (revoking its key) now, once; a lease parked on it goes back.
+    pub(crate) fn dealloc(&self) {
+        self.window().revoke();
+    }
+
+    /// Keeps `lease` until the window is deallocated (released at once if it already is).
+    fn park(&self, lease: Lease) {
+        let mut w = self.window();
+        if w.mw.is_null() {
+            w.release(lease);
+        } else {
+            w.parked = Some(lease);
+        }
+    }
+}
+
+impl Drop for MwSlot {
+    fn drop(&mut self) {
+        // The last holder went: the exposure, and the bind's record if the bind was still queued.
+        self.0.get_mut().unwrap_or_else(|p| p.into_inner()).revoke();
+    }
 }
 
 impl std::fmt::Debug for MwSlot {
@@ -223,8 +287,137 @@ impl std::fmt::Debug for MwSlot {
     }
 }
 
-impl Revoke for WindowKey {
-    fn revoke(&mut self) {
-        self.slot.dealloc();
+/// What a window bind's record holds until the bind retires: the window (field order: deallocated first, if this
+/// is its last holder) and the registration it binds over (which holds the buffer and the protection domain).
+pub(crate) struct BindHold {
+    pub(crate) _slot: Arc<MwSlot>,
+    pub(crate) _reg: Arc<dyn Registration>,
+}
+
+/// An exposure through a type 2 memory window. Dropping it deallocates the window, or, while the window's bind is
+/// still queued, leaves that to the bind's record; either way its lease is released only once the window is gone.
+#[derive(Debug)]
+pub(crate) struct WindowExposure {
+    pub(crate) remote: RemoteRef,
+    /// Always `Some` until dropped.
+    pub(crate) lease: Option<Lease>,
+    /// Dropped before the registration (field order).
+    pub(crate) slot: Arc<MwSlot>,
+    pub(crate) _reg: Arc<dyn Registration>,
+    pub(crate) _pd: Arc<Pd>,
+}
+
+impl WindowExposure {
+    fn lease(&self) -> &Lease {
+        self.lease
+            .as_ref()
+            .expect("the lease is taken only when dropped")
+    }
+
+    fn lease_mut(&mut self) -> &mut Lease {
+        self.lease
+            .as_mut()
+            .expect("the lease is taken only when dropped")
+    }
+}
+
+impl Drop for WindowExposure {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take() {
+            self.slot.park(lease);
+        }
+        // `slot` goes next: the window is deallocated here unless a queued bind still holds it.
+    }
+}
+
+impl Exposure for WindowExposure {
+    fn remote(&self) -> RemoteRef {
+        self.remote
+    }
+    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
+        self.lease()
+            .read(offset, dst)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
+        self.lease_mut()
+            .write(offset, src)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn fill_from(
+        &mut self,
+        offset: usize,
+        src: &DmaBuf,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), TransportError> {
+        src.copy_into(src_offset, self.lease_mut(), offset, len)
+            .map_err(|e| TransportError::Invalid(e.to_string()))
+    }
+    fn len(&self) -> usize {
+        self.lease().len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use exs_dma::LeaseKind;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    static DEALLOCS: AtomicUsize = AtomicUsize::new(0);
+
+    fn fake_dealloc(_: *mut ibv_mw) -> i32 {
+        DEALLOCS.fetch_add(1, Ordering::SeqCst);
+        0
+    }
+
+    fn failing_dealloc(_: *mut ibv_mw) -> i32 {
+        libc::EBUSY
+    }
+
+    /// A window that is never touched (the stand-ins do not dereference it).
+    fn fake_mw() -> *mut ibv_mw {
+        std::ptr::NonNull::dangling().as_ptr()
+    }
+
+    #[test]
+    fn a_window_whose_bind_is_still_queued_outlives_its_exposure_and_keeps_the_range_leased() {
+        let buf = DmaBuf::new(4096);
+        let lease = buf.lease(0..100, LeaseKind::DeviceWrite).unwrap();
+        let before = DEALLOCS.load(Ordering::SeqCst);
+        let slot = MwSlot::with_dealloc(fake_mw(), fake_dealloc);
+        // The bind's record holds the window while the bind is queued.
+        let bind = Arc::clone(&slot);
+        // The exposure goes first: the window stays, and so does the lease of the range its key may name.
+        slot.park(lease);
+        drop(slot);
+        assert_eq!(
+            DEALLOCS.load(Ordering::SeqCst),
+            before,
+            "not deallocated under a queued bind"
+        );
+        assert!(
+            buf.is_range_leased(0..100),
+            "the range stays leased while the key may be valid"
+        );
+        // The bind retires: the window goes, then the lease.
+        drop(bind);
+        assert_eq!(DEALLOCS.load(Ordering::SeqCst), before + 1);
+        assert!(!buf.is_range_leased(0..100));
+    }
+
+    #[test]
+    fn a_window_that_fails_to_deallocate_keeps_its_range_leased_for_ever() {
+        let buf = DmaBuf::new(4096);
+        let slot = MwSlot::with_dealloc(fake_mw(), failing_dealloc);
+        slot.park(buf.lease(0..64, LeaseKind::DeviceRead).unwrap());
+        slot.dealloc();
+        assert!(
+            buf.is_range_leased(0..64),
+            "the key may still name the range"
+        );
+        drop(slot);
+        assert!(buf.is_range_leased(0..64));
     }
 }

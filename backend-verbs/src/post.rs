@@ -379,6 +379,7 @@ impl VerbsTransport {
                     wr_id: wr.wr_id,
                     kind: Some(kind),
                     _sink: sink,
+                    _bind: None,
                     op: Some(wr.op),
                 },
             });
@@ -401,25 +402,27 @@ impl VerbsTransport {
             };
         };
         // SAFETY: a zero-length write with no scatter entries names no local memory.
-        match unsafe { self.post_own_send(ep, "ibv_post_send", fill) } {
+        match unsafe { self.post_own_send(ep, "ibv_post_send", fill, None) } {
             Ok(()) | Err(TransportError::NoEndpoint) => {}
             Err(error) => tracing::warn!(?ep, %error, "the active side's first message"),
         }
     }
 
     /// Posts one of the backend's own send-queue requests (a window bind, the active side's first write) on
-    /// `ep`'s queue pair: `fill` sets its opcode and operands. It is signalled only when the endpoint's signalling
-    /// period says so, and recorded with no operation of its own, so the next signalled completion retires it.
+    /// `ep`'s queue pair: `fill` sets its opcode and operands. It is recorded with no operation of its own, with
+    /// `hold` (a bind's window and registration), and retired by its own completion or a later one. A request with
+    /// something to hold is signalled, so that goes soon; the others only when the signalling period says so.
     /// [`TransportError::NoEndpoint`] when `ep` has no queue pair.
     ///
     /// # Safety
     /// Whatever `fill` makes the request name (a window, the registration it binds over, local memory) stays valid
-    /// until the request completes.
+    /// until the request retires: `hold` may keep it.
     pub(crate) unsafe fn post_own_send(
         &mut self,
         ep: EndpointId,
         what: &str,
         fill: impl FnOnce(&mut ibv_send_wr),
+        hold: Option<crate::memory::BindHold>,
     ) -> Result<(), TransportError> {
         if self.eps.get(&ep).is_none_or(|e| e.qp.is_null()) {
             return Err(TransportError::NoEndpoint);
@@ -435,7 +438,7 @@ impl VerbsTransport {
         fill(&mut w);
         // The signalling state changes only if the request reaches the device.
         let mut signal = e.signal;
-        if signal.next(false) {
+        if signal.next(hold.is_some()) {
             w.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
         let mut bad = ptr::null_mut();
@@ -456,6 +459,7 @@ impl VerbsTransport {
                 wr_id: 0,
                 kind: None,
                 _sink: None,
+                _bind: hold,
                 op: None,
             },
         });

@@ -11,7 +11,7 @@ use nix::sys::epoll::{Epoll, EpollEvent, EpollFlags, EpollTimeout};
 use rdma_sys::*;
 
 use crate::queue::WrIds;
-use crate::{emulated, os_err, VerbsTransport};
+use crate::{emulated, ret_err, VerbsTransport};
 
 pub(crate) fn epoll_add(epoll: &Epoll, fd: RawFd, data: u64) -> Result<(), TransportError> {
     // SAFETY: the descriptor belongs to a channel that stays open while it is in the set.
@@ -207,9 +207,10 @@ impl VerbsTransport {
                 unsafe { ibv_ack_cq_events(self.cq, read) };
             }
         }
-        // SAFETY: live CQ.
-        if unsafe { ibv_req_notify_cq(self.cq, 0) } != 0 {
-            return Err(os_err("ibv_req_notify_cq"));
+        // SAFETY: live CQ. It returns its error code (errno is not set).
+        let rc = unsafe { ibv_req_notify_cq(self.cq, 0) };
+        if rc != 0 {
+            return Err(ret_err("ibv_req_notify_cq", rc));
         }
         // A completion that arrived before the re-arm would otherwise never wake us.
         self.drain_cq();

@@ -206,21 +206,20 @@ impl VerbsTransport {
         }
         let sa = sockaddr(addr);
         // SAFETY: live id; sockaddr lives across the calls.
-        let rc = unsafe {
+        let failed = unsafe {
             if rdma_bind_addr(id, sa.as_ptr() as *mut _) != 0 {
-                -1
+                Some("rdma_bind_addr")
+            } else if rdma_listen(id, device_backlog(backlog)) != 0 {
+                Some("rdma_listen")
             } else {
-                rdma_listen(id, device_backlog(backlog))
+                None
             }
         };
-        if rc != 0 {
+        if let Some(call) = failed {
             let e = std::io::Error::last_os_error();
             // SAFETY: the id is ours and unused.
             unsafe { rdma_destroy_id(id) };
-            return Err(match e.kind() {
-                std::io::ErrorKind::AddrInUse => TransportError::AddrInUse(addr),
-                _ => TransportError::AddrNotAvailable(format!("{addr}: {e}")),
-            });
+            return Err(listen_error(addr, call, e));
         }
         // SAFETY: bound id.
         let port = u16::from_be(unsafe { rdma_get_src_port(id) });
@@ -391,6 +390,21 @@ impl VerbsTransport {
     }
 }
 
+/// Why listening on `addr` failed in `call` with `e`: the documented [`TransportError::AddrInUse`] (its message is
+/// the API's: `address in use: ADDR`), or [`TransportError::AddrNotAvailable`] naming the call and its code. Neither
+/// variant has a source to carry them (`exs-transport`'s), so the call and code are logged as well.
+fn listen_error(addr: SocketAddr, call: &str, e: std::io::Error) -> TransportError {
+    tracing::debug!(call, code = e.raw_os_error(), %addr, "listening failed");
+    match e.kind() {
+        std::io::ErrorKind::AddrInUse => TransportError::AddrInUse(addr),
+        _ => TransportError::AddrNotAvailable(format!(
+            "{addr}: {call} returned {} ({})",
+            e.raw_os_error().unwrap_or(0),
+            exs_transport::plain_text(&e.to_string())
+        )),
+    }
+}
+
 /// The shortest queue of connection requests a listener asks the device for.
 pub(crate) const MIN_DEVICE_BACKLOG: u32 = 128;
 
@@ -407,6 +421,27 @@ pub(crate) fn device_backlog(backlog: u32) -> i32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_listen_that_fails_keeps_the_documented_error_or_names_the_call_and_code() {
+        let addr: SocketAddr = "10.0.0.1:7471".parse().unwrap();
+        let e = listen_error(
+            addr,
+            "rdma_bind_addr",
+            std::io::Error::from_raw_os_error(libc::EADDRINUSE),
+        );
+        assert_eq!(e.to_string(), "address in use: 10.0.0.1:7471");
+        let e = listen_error(
+            addr,
+            "rdma_listen",
+            std::io::Error::from_raw_os_error(libc::ENODEV),
+        );
+        assert_eq!(e.io_kind(), std::io::ErrorKind::AddrNotAvailable);
+        assert_eq!(
+            e.to_string(),
+            "address not available: 10.0.0.1:7471: rdma_listen returned 19 (no such device)"
+        );
+    }
 
     #[test]
     fn a_small_listen_backlog_still_asks_the_device_for_a_deep_queue() {

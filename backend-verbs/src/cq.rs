@@ -15,7 +15,7 @@
 //! (the conformance suite's) would not fit rxe's 32,767 entries beside a shared receive queue, though they never
 //! have more than a few requests out. [`CqBudget`] is the arithmetic, tested without a device.
 
-use exs_transport::{CallError, TransportError};
+use exs_transport::TransportError;
 use rdma_sys::*;
 
 use crate::VerbsTransport;
@@ -149,18 +149,15 @@ impl VerbsTransport {
         // holds its lock for every call).
         let rc = unsafe { ibv_resize_cq(self.cq, to as i32) };
         if rc != 0 {
-            let code = rc.saturating_abs();
-            return Err(TransportError::Os {
-                call: CallError {
-                    call: "ibv_resize_cq".into(),
-                    code: code.into(),
-                },
-                kind: std::io::ErrorKind::OutOfMemory,
-                message: format!(
+            return Err(crate::call_err(
+                "ibv_resize_cq",
+                rc.saturating_abs(),
+                std::io::ErrorKind::OutOfMemory,
+                format!(
                     "the completion queue ({} entries) cannot grow to {to} for {what}",
                     self.cq_budget.capacity()
                 ),
-            });
+            ));
         }
         // SAFETY: live CQ; the provider wrote what it gave (at least what was asked for).
         let got = unsafe { (*self.cq).cqe };

@@ -22,7 +22,7 @@ use crate::connection::sockaddr;
 use crate::cq::CqBudget;
 use crate::memory::Pd;
 use crate::queue::WrIds;
-use crate::{device_names, os_err, VerbsConfig, VerbsTransport};
+use crate::{device_names, os_err, ret_err, VerbsConfig, VerbsTransport};
 
 /// The largest inline size the probe asks a device for (it halves the request until the device accepts one).
 const PROBE_INLINE: u32 = 1024;
@@ -225,9 +225,10 @@ fn device_limits(
         // SAFETY: plain data; zero is a valid bit pattern before the query fills it.
         std::mem::zeroed()
     };
-    // SAFETY: open context; `attr` is a valid out-buffer.
-    if unsafe { ibv_query_device(ctx, &mut attr) } != 0 {
-        return Err(os_err("ibv_query_device"));
+    // SAFETY: open context; `attr` is a valid out-buffer. It returns its error code (errno is not set).
+    let rc = unsafe { ibv_query_device(ctx, &mut attr) };
+    if rc != 0 {
+        return Err(ret_err("ibv_query_device", rc));
     }
     let mut port: ibv_port_attr = unsafe {
         // SAFETY: plain data, as above.
@@ -235,8 +236,10 @@ fn device_limits(
     };
     // SAFETY: open context, port 1 (every device rdma_cm resolves has it); `port` is a valid out-buffer. The
     // ibv_query_port macro's compatibility shim is not in rdma-sys: this is the call it makes.
-    if unsafe { ___ibv_query_port(ctx, 1, &mut port) } != 0 {
-        return Err(os_err("ibv_query_port"));
+    // It returns its error code, as ibv_query_device.
+    let rc = unsafe { ___ibv_query_port(ctx, 1, &mut port) };
+    if rc != 0 {
+        return Err(ret_err("ibv_query_port", rc));
     }
     let n = |v: i32| u32::try_from(v).unwrap_or(0);
     Ok(DeviceLimits {
@@ -402,7 +405,11 @@ impl VerbsTransport {
             chain: Default::default(),
         };
         // SAFETY: `cq` was just created.
-        unsafe { ibv_req_notify_cq(t.cq, 0) };
+        let rc = unsafe { ibv_req_notify_cq(t.cq, 0) };
+        if rc != 0 {
+            // Dropping `t` destroys what was opened.
+            return Err(ret_err("ibv_req_notify_cq", rc));
+        }
         tracing::debug!(device = %name, settings = ?t.settings, "verbs device open");
         Ok(t)
     }

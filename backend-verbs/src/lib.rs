@@ -140,8 +140,33 @@ impl VerbsConfig {
     }
 }
 
+/// A call that failed and set `errno` (rdma_cm's calls, and verbs' that return a pointer).
 fn os_err(call: &str) -> TransportError {
     TransportError::os(call, std::io::Error::last_os_error())
+}
+
+/// A call that returns its error code rather than setting `errno` (`ibv_query_device`, `ibv_req_notify_cq`, the
+/// posts): positive, or negative on some providers (siw).
+pub(crate) fn ret_err(call: &str, rc: i32) -> TransportError {
+    TransportError::os(call, std::io::Error::from_raw_os_error(rc.saturating_abs()))
+}
+
+/// A failed call told in our own words (`message`), its call and code kept as the error's `source()`.
+pub(crate) fn call_err(
+    call: &str,
+    code: i32,
+    kind: std::io::ErrorKind,
+    message: String,
+) -> TransportError {
+    tracing::debug!(call, code, %message, "call failed");
+    TransportError::Os {
+        call: exs_transport::CallError {
+            call: call.into(),
+            code: code.into(),
+        },
+        kind,
+        message,
+    }
 }
 
 /// One rdma-core device as an exs [`Transport`].
@@ -384,5 +409,30 @@ impl Drop for VerbsTransport {
             ibv_destroy_comp_channel(self.comp);
             rdma_destroy_event_channel(self.ch);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error;
+
+    #[test]
+    fn a_call_that_returns_its_error_code_is_reported_with_that_code_not_errno() {
+        // errno holds something else (a call before it failed): the returned code is what counts.
+        // SAFETY: this thread's errno, written once.
+        unsafe { *libc::__errno_location() = libc::EAGAIN };
+        let e = ret_err("ibv_query_device", libc::EINVAL);
+        assert_eq!(
+            e.source().map(|s| s.to_string()).as_deref(),
+            Some("ibv_query_device returned 22")
+        );
+        assert_eq!(e.io_kind(), std::io::ErrorKind::InvalidInput);
+        // siw returns a negative code.
+        let e = ret_err("ibv_req_notify_cq", -libc::EINVAL);
+        assert_eq!(
+            e.source().map(|s| s.to_string()).as_deref(),
+            Some("ibv_req_notify_cq returned 22")
+        );
     }
 }

@@ -53,21 +53,29 @@ pub(crate) fn reg_mr(
     let mr = unsafe { ibv_reg_mr(pd.0, addr as *mut c_void, len, access as i32) };
     if mr.is_null() {
         let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ENOMEM) {
-            // Pinning counts against RLIMIT_MEMLOCK (siw counts it even for root): say which limit ran out.
-            let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK)
-                .map(|(soft, _)| soft);
-            return Err(TransportError::Resource(match limit {
-                Ok(l) if l != nix::sys::resource::RLIM_INFINITY => format!(
-                    "cannot register {len} bytes: the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK: {l} bytes) \
-                     or the device's memory ran out"
-                ),
-                _ => format!("cannot register {len} bytes: the device or the system is out of memory"),
-            }));
-        }
-        return Err(TransportError::os("ibv_reg_mr", e));
+        let limit = nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_MEMLOCK)
+            .ok()
+            .map(|(soft, _)| soft);
+        return Err(reg_error(len, e, limit));
     }
     Ok(mr)
+}
+
+/// Why `ibv_reg_mr` of `len` bytes failed with `e`, `ibv_reg_mr` and its code as the error's source; `limit` is
+/// the soft locked-memory limit.
+fn reg_error(len: usize, e: std::io::Error, limit: Option<u64>) -> TransportError {
+    let Some(code) = e.raw_os_error().filter(|&c| c == libc::ENOMEM) else {
+        return TransportError::os("ibv_reg_mr", e);
+    };
+    // Pinning counts against RLIMIT_MEMLOCK (siw counts it even for root): say which limit ran out.
+    let message = match limit {
+        Some(l) if l != nix::sys::resource::RLIM_INFINITY => format!(
+            "cannot register {len} bytes: the locked-memory limit (ulimit -l, RLIMIT_MEMLOCK: {l} bytes) or the \
+             device's memory ran out"
+        ),
+        _ => format!("cannot register {len} bytes: the device or the system is out of memory"),
+    };
+    crate::call_err("ibv_reg_mr", code, std::io::ErrorKind::OutOfMemory, message)
 }
 
 fn dereg(mr: *mut ibv_mr) {
@@ -379,6 +387,27 @@ mod tests {
     /// A window that is never touched (the stand-ins do not dereference it).
     fn fake_mw() -> *mut ibv_mw {
         std::ptr::NonNull::dangling().as_ptr()
+    }
+
+    #[test]
+    fn a_registration_out_of_memory_names_the_limit_with_the_call_and_code_as_its_source() {
+        use std::error::Error;
+        let e = reg_error(
+            4096,
+            std::io::Error::from_raw_os_error(libc::ENOMEM),
+            Some(65536),
+        );
+        assert!(e.to_string().contains("RLIMIT_MEMLOCK: 65536 bytes"), "{e}");
+        assert_eq!(e.io_kind(), std::io::ErrorKind::OutOfMemory);
+        assert_eq!(
+            e.source().map(|s| s.to_string()).as_deref(),
+            Some("ibv_reg_mr returned 12")
+        );
+        let other = reg_error(4096, std::io::Error::from_raw_os_error(libc::EFAULT), None);
+        assert_eq!(
+            other.source().map(|s| s.to_string()).as_deref(),
+            Some("ibv_reg_mr returned 14")
+        );
     }
 
     #[test]

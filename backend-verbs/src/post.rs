@@ -70,7 +70,7 @@ pub(crate) fn queue_full() -> TransportError {
 
 /// An error code of a post call: providers return a positive errno (rxe, mlx5) or a negative one (siw).
 pub(crate) fn post_error(call: &str, rc: i32) -> TransportError {
-    TransportError::os(call, std::io::Error::from_raw_os_error(rc.saturating_abs()))
+    crate::ret_err(call, rc)
 }
 
 fn sge_of(s: &Sge) -> ibv_sge {

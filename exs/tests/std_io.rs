@@ -495,3 +495,33 @@ fn a_read_to_end_whose_socket_is_closed_under_it_fails_instead_of_spinning() {
     let e = r.expect_err("a read cut by a close is an error");
     assert_eq!(e.kind(), ErrorKind::ConnectionAborted, "{e}");
 }
+
+/// Dropping a stream closes it gracefully, the bytes written still delivered; but when that drop let the last
+/// handle of its context go, the context shut every connection down at once: the peer read `ConnectionReset`
+/// after a mebibyte of three.
+#[test]
+fn a_stream_dropped_with_the_last_handle_of_its_context_still_delivers_what_it_wrote() {
+    // A link slow enough that the bytes are still on their way when the stream goes.
+    let world = World::threaded(SimConfig {
+        latency: Duration::from_millis(2),
+        ..SimConfig::default()
+    });
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9190)).unwrap();
+    let reading = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut all = Vec::new();
+        s.read_to_end(&mut all).map(|_| all)
+    });
+    let mut c = Stream::connect_in(&client, world.addr(0, 9190)).unwrap();
+    drop(client);
+    let data = pattern(3 << 20);
+    c.write_all(&data).unwrap();
+    drop(c);
+    let got = reading
+        .join()
+        .unwrap()
+        .expect("the server reads to the end of the stream");
+    assert_eq!(got.len(), data.len());
+    assert!(got == data, "every byte, in order");
+}

@@ -680,6 +680,15 @@ impl Engine {
         })
     }
 
+    /// Whether a closed connection is still closing gracefully (its sends and CLOSE on their way, within the
+    /// linger time), and until when at most.
+    pub(crate) fn lingering_until(&self) -> Option<Instant> {
+        self.sockets
+            .values()
+            .any(|s| s.phase == Phase::Closing)
+            .then(|| self.clock.now() + self.linger)
+    }
+
     /// Closes every socket (context teardown).
     pub(crate) fn shutdown(&mut self) {
         let ids: Vec<SocketId> = self.sockets.keys().copied().collect();

@@ -73,10 +73,33 @@ pub(crate) fn post_error(call: &str, rc: i32) -> TransportError {
     crate::ret_err(call, rc)
 }
 
+/// A scatter/gather entry's length as verbs carries it (32 bits); a longer one is refused, never truncated (a
+/// 4 GiB + 1 entry would otherwise move one byte).
+fn sge_length(len: usize) -> Result<u32, TransportError> {
+    u32::try_from(len).map_err(|_| {
+        TransportError::Invalid(format!(
+            "a scatter/gather entry of {len} bytes: verbs carries at most {} in one",
+            u32::MAX
+        ))
+    })
+}
+
+/// Refuses an operation with an entry longer than verbs carries ([`sge_length`]), before anything is posted.
+pub(crate) fn check_lengths(op: &Op) -> Result<(), TransportError> {
+    let check = |s: &Sge| sge_length(s.len()).map(drop);
+    match op {
+        Op::Send { sges, .. } => sges.iter().try_for_each(check),
+        Op::Write { local, .. } => local.iter().try_for_each(check),
+        Op::Read { local, .. } => check(local),
+        Op::Recv { sge } => check(sge),
+    }
+}
+
+/// The native entry of `s`, whose length [`check_lengths`] accepted.
 fn sge_of(s: &Sge) -> ibv_sge {
     ibv_sge {
         addr: s.addr(),
-        length: s.len() as u32,
+        length: sge_length(s.len()).expect("checked before the chain is built (check_lengths)"),
         lkey: s.local_key() as u32,
     }
 }
@@ -277,6 +300,7 @@ impl VerbsTransport {
             ));
         }
         for w in wrs {
+            check_lengths(&w.op)?;
             match &w.op {
                 Op::Recv { .. } => {
                     return Err(TransportError::Invalid(
@@ -658,6 +682,17 @@ mod tests {
     /// Each request points at the next and the last at nothing, through pointers that stay valid together: all
     /// come from one base pointer (the indexing this replaced made each pointer from a mutable borrow that the next
     /// store's borrow invalidated under Rust's aliasing rules, Stacked Borrows as Miri checks them).
+    #[test]
+    fn a_scatter_gather_entry_over_4_gib_is_refused_not_truncated() {
+        assert_eq!(sge_length(4096).unwrap(), 4096);
+        assert_eq!(sge_length(u32::MAX as usize).unwrap(), u32::MAX);
+        let e = sge_length((1 << 32) + 1).unwrap_err();
+        assert!(
+            matches!(&e, TransportError::Invalid(m) if m.contains("4294967297 bytes")),
+            "{e}"
+        );
+    }
+
     #[test]
     fn a_chain_of_requests_links_each_to_the_next_through_pointers_that_stay_valid() {
         for n in [0, 1, 2, 5] {

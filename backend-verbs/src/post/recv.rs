@@ -6,7 +6,7 @@ use std::ptr;
 use exs_transport::{EndpointId, Op, Sge, TransportError, WorkRequest};
 use rdma_sys::*;
 
-use super::{chain_next, post_error, sge_of, Few, Refused};
+use super::{chain_next, check_lengths, post_error, sge_of, Few, Refused};
 use crate::queue::WrIds;
 use crate::{os_err, VerbsTransport};
 
@@ -112,6 +112,9 @@ impl VerbsTransport {
                 TransportError::Invalid("not a receive".into()),
                 std::mem::take(wrs),
             ));
+        }
+        if let Err(e) = wrs.iter().try_for_each(|w| check_lengths(&w.op)) {
+            return Err(Refused::new(e, std::mem::take(wrs)));
         }
         if wrs.is_empty() {
             return Ok(());

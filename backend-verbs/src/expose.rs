@@ -4,13 +4,11 @@
 use std::sync::Arc;
 
 use exs_dma::{DmaBuf, Lease};
-use exs_transport::{
-    EndpointId, Exposure, KeyedLease, Registration, RemoteAccess, RemoteRef, TransportError,
-};
+use exs_transport::{EndpointId, Exposure, Registration, RemoteAccess, RemoteRef, TransportError};
 use rdma_sys::*;
 
 use crate::connection::EpState;
-use crate::memory::{reg_mr, BindHold, MrKey, MrPtr, MwSlot, VerbsRegistration, WindowExposure};
+use crate::memory::{reg_mr, BindHold, Exposed, MrKey, MwSlot, VerbsRegistration, WindowKey};
 use crate::{os_err, VerbsTransport};
 
 impl VerbsTransport {
@@ -53,16 +51,16 @@ impl VerbsTransport {
             e.windows.retain(|w| w.strong_count() > 0);
         }
         e.windows.push(Arc::downgrade(&slot));
-        Ok(Box::new(WindowExposure {
-            remote: RemoteRef {
-                addr: lease.addr(),
-                key: u64::from(rkey),
-            },
-            lease: Some(lease),
+        let remote = RemoteRef {
+            addr: lease.addr(),
+            key: u64::from(rkey),
+        };
+        let key = WindowKey {
             slot,
             _reg: Arc::clone(reg),
             _pd: Arc::clone(&self.pd),
-        }))
+        };
+        Ok(Box::new(Exposed::new(remote, lease, key)))
     }
 
     /// A window binds only on a connected queue pair with a free send-queue entry (completions waiting in the
@@ -107,7 +105,7 @@ impl VerbsTransport {
         // SAFETY: the request names the window and the registration it binds over, which `hold` keeps alive in
         // the request's record until the request retires (its completion, a later one, or its queue pair's
         // destruction); the registration holds the buffer of the range. The exposure's lease outlives the window:
-        // it is parked on the window when the exposure goes first (`WindowExposure`).
+        // it is parked on the window when the exposure goes first (`WindowKey::end`).
         unsafe { self.post_own_send(ep, "ibv_post_send (window bind)", fill, Some(hold)) }?;
         Ok(rkey)
     }
@@ -166,13 +164,10 @@ impl VerbsTransport {
             addr: lease.addr(),
             key: u64::from(rkey),
         };
-        Ok(Box::new(KeyedLease::new(
+        Ok(Box::new(Exposed::new(
             remote,
             lease,
-            MrKey {
-                mr: MrPtr(mr),
-                _pd: Arc::clone(&self.pd),
-            },
+            MrKey::new(mr, &self.pd),
         )))
     }
 }

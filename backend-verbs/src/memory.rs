@@ -8,7 +8,7 @@
 //!   exposure is a window bound to **one queue pair**: the bind is a work request posted on that
 //!   connection's send queue ahead of the message that hands the key out (a queue pair executes in order), the
 //!   key works for that connection only, and deallocating the window when the exposure is dropped revokes it
-//!   ([`WindowExposure`]). No memory is registered on the data path. Each bind moves the key's low byte on
+//!   ([`WindowKey`]). No memory is registered on the data path. Each bind moves the key's low byte on
 //!   (`ibv_inc_rkey`).
 //! * Elsewhere (siw and iWARP adapters without windows) an exposure is a registration of exactly the exposed
 //!   range ([`MrKey`]): a key valid on every queue pair of the protection domain while it lives, and a
@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use exs_dma::{DmaBuf, Lease};
-use exs_transport::{Exposure, Registration, RemoteRef, Revoke, TransportError};
+use exs_transport::{Exposure, Registration, RemoteRef, TransportError};
 use rdma_sys::*;
 
 /// The protection domain, shared with registrations and windows so it is deallocated last.
@@ -78,9 +78,18 @@ fn reg_error(len: usize, e: std::io::Error, limit: Option<u64>) -> TransportErro
     crate::call_err("ibv_reg_mr", code, std::io::ErrorKind::OutOfMemory, message)
 }
 
-fn dereg(mr: *mut ibv_mr) {
-    // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once, by its owner's Drop.
-    unsafe { ibv_dereg_mr(mr) };
+/// `ibv_dereg_mr`; a failure is logged (the registration, and its key, may still be valid) and returned.
+fn dereg(mr: *mut ibv_mr) -> i32 {
+    // SAFETY: `mr` came from ibv_reg_mr and is deregistered exactly once, by its owner (Drop, or `MrKey::end`,
+    // which clears it).
+    let rc = unsafe { ibv_dereg_mr(mr) };
+    if rc != 0 {
+        tracing::error!(
+            rc,
+            "ibv_dereg_mr failed: the registration, and its key, may still be valid"
+        );
+    }
+    rc
 }
 
 /// The registration of one RDMA read's local sink with remote write (iWARP adapters write read responses into the
@@ -113,6 +122,7 @@ impl SinkMr {
 
 impl Drop for SinkMr {
     fn drop(&mut self) {
+        // A failure is logged; nothing else can be done about it here.
         dereg(self.mr);
     }
 }
@@ -144,7 +154,7 @@ impl std::fmt::Debug for VerbsRegistration {
 impl Drop for VerbsRegistration {
     fn drop(&mut self) {
         // Before `buf` is released (field order). Every window bound to this registration holds its Arc
-        // (`WindowExposure::_reg`, and `BindHold::_reg` while its bind is queued), so none is bound any more (ibv_dereg_mr fails while one is).
+        // (`WindowKey::_reg`, and `BindHold::_reg` while its bind is queued), so none is bound any more (ibv_dereg_mr fails while one is).
         dereg(self.mr);
     }
 }
@@ -166,6 +176,18 @@ impl Registration for VerbsRegistration {
 pub(crate) struct MrKey {
     pub(crate) mr: MrPtr,
     pub(crate) _pd: Arc<Pd>,
+    /// `ibv_dereg_mr` (a stand-in in tests, which have no device).
+    pub(crate) dereg: fn(*mut ibv_mr) -> i32,
+}
+
+impl MrKey {
+    pub(crate) fn new(mr: *mut ibv_mr, pd: &Arc<Pd>) -> Self {
+        MrKey {
+            mr: MrPtr(mr),
+            _pd: Arc::clone(pd),
+            dereg,
+        }
+    }
 }
 
 /// A registration pointer (deregistered at most once).
@@ -180,11 +202,12 @@ impl std::fmt::Debug for MrPtr {
     }
 }
 
-impl Revoke for MrKey {
-    fn revoke(&mut self) {
+impl KeyEnd for MrKey {
+    /// Deregisters the range; if that fails its key may still be valid, so the lease is never released.
+    fn end(&mut self, lease: Lease) {
         let mr = std::mem::replace(&mut self.mr.0, std::ptr::null_mut());
-        if !mr.is_null() {
-            dereg(mr);
+        if !mr.is_null() && (self.dereg)(mr) != 0 {
+            std::mem::forget(lease);
         }
     }
 }
@@ -302,20 +325,50 @@ pub(crate) struct BindHold {
     pub(crate) _reg: Arc<dyn Registration>,
 }
 
-/// An exposure through a type 2 memory window. Dropping it deallocates the window, or, while the window's bind is
-/// still queued, leaves that to the bind's record; either way its lease is released only once the window is gone.
+/// What ends a key when its exposure goes, and decides when the exposure's lease goes: at once once the key is
+/// revoked, later (a window whose bind is still queued keeps it), or never (a key that could not be revoked may
+/// still name the range).
+pub(crate) trait KeyEnd: Send + std::fmt::Debug {
+    /// Revokes the key, or arranges it; `lease` is the exposed range's.
+    fn end(&mut self, lease: Lease);
+}
+
+/// A window's key: the window, shared with its bind's record while the bind is queued (field order: the slot goes
+/// before the registration it binds over).
 #[derive(Debug)]
-pub(crate) struct WindowExposure {
-    pub(crate) remote: RemoteRef,
-    /// Always `Some` until dropped.
-    pub(crate) lease: Option<Lease>,
-    /// Dropped before the registration (field order).
+pub(crate) struct WindowKey {
     pub(crate) slot: Arc<MwSlot>,
     pub(crate) _reg: Arc<dyn Registration>,
     pub(crate) _pd: Arc<Pd>,
 }
 
-impl WindowExposure {
+impl KeyEnd for WindowKey {
+    /// Parks the lease on the window: released when the window is deallocated, which is when the slot's last
+    /// holder goes (this key right after, unless a queued bind still holds it).
+    fn end(&mut self, lease: Lease) {
+        self.slot.park(lease);
+    }
+}
+
+/// The backend's exposures: a key, the leased range it names, and what ends the key ([`KeyEnd`]), which also says
+/// when the lease goes (exs-transport's `KeyedLease` always releases it right after revoking).
+#[derive(Debug)]
+pub(crate) struct Exposed<K: KeyEnd> {
+    remote: RemoteRef,
+    /// Always `Some` until dropped.
+    lease: Option<Lease>,
+    key: K,
+}
+
+impl<K: KeyEnd> Exposed<K> {
+    pub(crate) fn new(remote: RemoteRef, lease: Lease, key: K) -> Self {
+        Exposed {
+            remote,
+            lease: Some(lease),
+            key,
+        }
+    }
+
     fn lease(&self) -> &Lease {
         self.lease
             .as_ref()
@@ -329,16 +382,15 @@ impl WindowExposure {
     }
 }
 
-impl Drop for WindowExposure {
+impl<K: KeyEnd> Drop for Exposed<K> {
     fn drop(&mut self) {
         if let Some(lease) = self.lease.take() {
-            self.slot.park(lease);
+            self.key.end(lease);
         }
-        // `slot` goes next: the window is deallocated here unless a queued bind still holds it.
     }
 }
 
-impl Exposure for WindowExposure {
+impl<K: KeyEnd> Exposure for Exposed<K> {
     fn remote(&self) -> RemoteRef {
         self.remote
     }
@@ -434,6 +486,30 @@ mod tests {
         drop(bind);
         assert_eq!(DEALLOCS.load(Ordering::SeqCst), before + 1);
         assert!(!buf.is_range_leased(0..100));
+    }
+
+    fn failing_dereg(_: *mut ibv_mr) -> i32 {
+        libc::EBUSY
+    }
+
+    #[test]
+    fn a_range_registration_that_fails_to_deregister_keeps_its_range_leased() {
+        let buf = DmaBuf::new(4096);
+        let lease = buf.lease(0..64, LeaseKind::DeviceWrite).unwrap();
+        // A stand-in domain, never deallocated (its last Arc is forgotten below).
+        let pd = Arc::new(Pd(std::ptr::null_mut()));
+        let key = MrKey {
+            mr: MrPtr(std::ptr::NonNull::dangling().as_ptr()),
+            _pd: Arc::clone(&pd),
+            dereg: failing_dereg,
+        };
+        let exposed = Exposed::new(RemoteRef { addr: 0, key: 1 }, lease, key);
+        drop(exposed);
+        std::mem::forget(pd);
+        assert!(
+            buf.is_range_leased(0..64),
+            "its key may still name the range"
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::ptr;
 use exs_transport::{EndpointId, ListenerId, RequestId, Transport, TransportError, WorkRequest};
 use nix::sys::socket::{SockaddrLike, SockaddrStorage};
 use rdma_sys::*;
+use rustc_hash::FxHashMap;
 
 use crate::emulated::ImmSlab;
 use crate::memory::MwSlot;
@@ -249,6 +250,7 @@ impl VerbsTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
+        id_free(&self.eps, ep)?;
         let mut id = ptr::null_mut();
         let ctx = (TAG_EP | ep.0 as usize) as *mut c_void;
         // SAFETY: our channel.
@@ -288,6 +290,8 @@ impl VerbsTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
+        // Checked before the request is taken: it stays for the engine to reject.
+        id_free(&self.eps, ep)?;
         let (_, id) = self
             .requests
             .take(request)
@@ -405,6 +409,18 @@ fn listen_error(addr: SocketAddr, call: &str, e: std::io::Error) -> TransportErr
     }
 }
 
+/// Refuses an endpoint id that names a live endpoint: inserting over it would drop its record without destroying
+/// its queue pair or id, and leave the queue pair's number naming the new one.
+fn id_free<V>(eps: &FxHashMap<EndpointId, V>, ep: EndpointId) -> Result<(), TransportError> {
+    if eps.contains_key(&ep) {
+        return Err(TransportError::Invalid(format!(
+            "endpoint {} is in use",
+            ep.0
+        )));
+    }
+    Ok(())
+}
+
 /// The shortest queue of connection requests a listener asks the device for.
 pub(crate) const MIN_DEVICE_BACKLOG: u32 = 128;
 
@@ -441,6 +457,19 @@ mod tests {
             e.to_string(),
             "address not available: 10.0.0.1:7471: rdma_listen returned 19 (no such device)"
         );
+    }
+
+    #[test]
+    fn an_endpoint_id_in_use_is_refused_not_overwritten() {
+        let mut eps = FxHashMap::default();
+        assert!(id_free(&eps, EndpointId(7)).is_ok());
+        eps.insert(EndpointId(7), "live");
+        let e = id_free(&eps, EndpointId(7)).unwrap_err();
+        assert!(
+            matches!(&e, TransportError::Invalid(m) if m == "endpoint 7 is in use"),
+            "{e}"
+        );
+        assert!(id_free(&eps, EndpointId(8)).is_ok());
     }
 
     #[test]

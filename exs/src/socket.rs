@@ -202,8 +202,20 @@ impl Socket {
         addr: SocketAddr,
         context: u64,
     ) -> Result<(), ConnectError> {
+        self.connect_within(eq, addr, None, context)
+    }
+
+    /// [`Socket::connect`], failing `TimedOut` after `timeout` (`None`: the context's `connect_timeout`), longer
+    /// or shorter than the context's: the streams' per-call connect timeout.
+    pub(crate) fn connect_within(
+        &self,
+        eq: &EventQueue,
+        addr: SocketAddr,
+        timeout: Option<std::time::Duration>,
+        context: u64,
+    ) -> Result<(), ConnectError> {
         self.start(eq, EventKind::Connect, context, |e, id, t| {
-            e.connect(id, addr, t)
+            e.connect(id, addr, timeout, t)
         })
     }
 

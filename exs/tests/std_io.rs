@@ -274,6 +274,30 @@ fn a_connection_nobody_answers_ends_after_its_connect_timeout() {
     drop(silent);
 }
 
+/// A connect timeout longer than the context's was cut at the context's: the engine timed every attempt out
+/// after the context's `connect_timeout`, whatever the call asked for.
+#[test]
+fn a_connect_timeout_longer_than_the_contexts_is_waited_out() {
+    use exs::Transport as _;
+    let world = World::threaded(SimConfig::default());
+    let mut opts = exs::ContextOptions::default();
+    opts.connect_timeout = Duration::from_millis(100);
+    let client = world.host_with(opts);
+    let mut silent = world.raw_host();
+    let (_, addr) = silent.listen(world.addr(1, 9105), 8).unwrap();
+    let mut cfg = exs::StreamConfig::default();
+    cfg.connect_timeout = Some(Duration::from_millis(800));
+    let t = std::time::Instant::now();
+    let e = Stream::connect_with(&client, addr, &cfg).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::TimedOut, "{e}");
+    assert!(
+        t.elapsed() >= Duration::from_millis(800),
+        "gave up after {:?}, at the context's 100 ms",
+        t.elapsed()
+    );
+    drop(silent);
+}
+
 /// Issue 26: `set_nodelay` is TCP_NODELAY: coalescing of small writes off, at any time after connect.
 #[test]
 fn set_nodelay_turns_the_coalescing_of_small_writes_off_after_connect() {

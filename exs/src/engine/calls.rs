@@ -238,10 +238,13 @@ impl Engine {
         Ok(())
     }
 
+    /// Starts a connection attempt, which fails `TimedOut` after `timeout` (`None`: the context's
+    /// `connect_timeout`; a time too long to count: never).
     pub(crate) fn connect(
         &mut self,
         sid: SocketId,
         addr: SocketAddr,
+        timeout: Option<Duration>,
         ticket: &mut Option<Ticket>,
     ) -> R<(), ConnectError> {
         let s = self.sock(sid)?;
@@ -271,14 +274,17 @@ impl Engine {
             self.release_endpoint(ep);
             return Err(e.into());
         }
-        let at = self.clock.now() + self.connect_timeout;
+        let at = crate::config::deadline(
+            self.clock.now(),
+            Some(timeout.unwrap_or(self.connect_timeout)),
+        );
         let s = self.sock(sid)?;
         s.phase = Phase::Connecting;
         s.conn = Some(conn);
         s.ticket = ticket.take();
         s.peer_addr = Some(addr);
         self.eps.insert(ep, sid);
-        self.timers.set(sid, TimerKind::ConnectTimeout, Some(at));
+        self.timers.set(sid, TimerKind::ConnectTimeout, at);
         Ok(())
     }
 

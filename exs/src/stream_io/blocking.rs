@@ -122,7 +122,7 @@ impl Stream {
         cfg: &StreamConfig,
     ) -> io::Result<Stream> {
         super::each_addr(addr.to_socket_addrs()?, |a| {
-            let (sock, eq) = super::start_connect(ctx, a)?;
+            let (sock, eq) = super::start_connect(ctx, a, cfg.connect_timeout)?;
             super::end_connect(&sock, a, eq.next(cfg.connect_timeout))?;
             Self::from_socket(ctx, sock, cfg)
         })

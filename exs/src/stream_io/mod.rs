@@ -74,7 +74,8 @@ pub struct StreamConfig {
     /// the other is read. Taken as at least 1 and at most 256, and at most `recv_buffer` (a receive holds a byte
     /// at least).
     pub recv_pieces: usize,
-    /// How long a connection attempt may take (`None`: the context's `connect_timeout`).
+    /// How long a connection attempt may take, longer or shorter than the context's (`None`: the context's
+    /// `connect_timeout`, 10 s by default).
     pub connect_timeout: Option<Duration>,
 }
 
@@ -90,8 +91,10 @@ impl Default for StreamConfig {
     }
 }
 
-/// The process's default context, opened on first use as [`Context::from_env`] opens one (the backend the
-/// environment names, else the first compiled in of verbs, fabric, sim) and kept for the process's life:
+/// The process's default context, opened on first use as [`Context::from_env`] opens one (the backend
+/// [`Backend::from_env`](crate::Backend::from_env) chooses: the one `EXS_BACKEND` names, else verbs when an RDMA
+/// device carries `EXS_ADDR`, else libfabric, else the simulator when it is the only backend compiled in) and kept
+/// for the process's life:
 /// [`Stream::connect`], [`Listener::bind`] and their tokio forms run on it. A failed opening is not kept (the
 /// next call tries again).
 pub fn default_context() -> io::Result<Context> {
@@ -121,10 +124,15 @@ pub(crate) fn each_addr<T>(
 }
 
 /// Starts a connection attempt: the socket, and the queue its `Connect` event comes to.
-pub(crate) fn start_connect(ctx: &Context, addr: SocketAddr) -> io::Result<(Socket, EventQueue)> {
+/// Starts a stream connection to `addr` that fails after `timeout` (`None`: the context's `connect_timeout`).
+pub(crate) fn start_connect(
+    ctx: &Context,
+    addr: SocketAddr,
+    timeout: Option<std::time::Duration>,
+) -> io::Result<(Socket, EventQueue)> {
     let sock = Socket::new(ctx, SockType::Stream)?;
     let eq = EventQueue::new(2)?;
-    sock.connect(&eq, addr, 0)?;
+    sock.connect_within(&eq, addr, timeout, 0)?;
     Ok((sock, eq))
 }
 

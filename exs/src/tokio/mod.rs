@@ -293,7 +293,7 @@ impl Stream {
         addr: SocketAddr,
         cfg: &StreamConfig,
     ) -> io::Result<Stream> {
-        let (sock, eq) = sio::start_connect(ctx, addr)?;
+        let (sock, eq) = sio::start_connect(ctx, addr, cfg.connect_timeout)?;
         let fd = async_fd(eq.as_fd())?;
         let ev = match cfg.connect_timeout {
             Some(t) => match tokio::time::timeout(t, next_event(&eq, &fd)).await {

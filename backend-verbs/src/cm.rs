@@ -22,6 +22,16 @@ fn connect_failure(err: &std::io::Error) -> ConnectFailure {
     }
 }
 
+/// The rdma_cm events after which a connection's queue pair can carry nothing more: it goes to the error state
+/// ([`VerbsTransport::flush_ep`]).
+fn ends_connection(kind: rdma_cm_event_type::Type) -> bool {
+    use rdma_cm_event_type::*;
+    matches!(
+        kind,
+        RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL
+    )
+}
+
 impl VerbsTransport {
     pub(crate) fn report_down(&mut self, ep: EndpointId) -> Option<CmEvent> {
         let e = self.eps.get_mut(&ep)?;
@@ -93,8 +103,20 @@ impl VerbsTransport {
                 }
                 Some(CmEvent::Established { ep, private: data })
             }
-            RDMA_CM_EVENT_DISCONNECTED | RDMA_CM_EVENT_DEVICE_REMOVAL => self.report_down(ep),
+            _ if ends_connection(kind) => {
+                self.flush_ep(ep);
+                self.report_down(ep)
+            }
             _ => None,
+        }
+    }
+
+    /// Moves an endpoint's queue pair to the error state, so every request on it completes (flushed): rdma_cm
+    /// does so on the side that calls `rdma_disconnect`, not on the side told of it, whose requests (shared
+    /// receives it had dequeued among them) would otherwise never complete.
+    pub(crate) fn flush_ep(&mut self, ep: EndpointId) {
+        if let Some(e) = self.eps.get(&ep).filter(|e| !e.qp.is_null()) {
+            Self::break_qp(e.qp);
         }
     }
 
@@ -182,5 +204,19 @@ impl VerbsTransport {
                 return Some(o);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_disconnected_connection_has_its_queue_pair_flushed() {
+        use rdma_cm_event_type::*;
+        assert!(ends_connection(RDMA_CM_EVENT_DISCONNECTED));
+        assert!(ends_connection(RDMA_CM_EVENT_DEVICE_REMOVAL));
+        assert!(!ends_connection(RDMA_CM_EVENT_ESTABLISHED));
+        assert!(!ends_connection(RDMA_CM_EVENT_ROUTE_RESOLVED));
     }
 }

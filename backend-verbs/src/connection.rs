@@ -347,9 +347,14 @@ impl VerbsTransport {
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
+        if !e.qp.is_null() {
+            // Whatever is still on it completes (flushed) rather than vanishing with it: a queue pair released
+            // without a DISCONNECTED (a connect abandoned, a transport dropped) was never moved to error.
+            Self::break_qp(e.qp);
+        }
         let shared = !e.qp.is_null() && !self.srq.is_null();
         if shared {
-            // Seed 003: shared buffers this QP dequeued but had not completed are flushed when it went to error;
+            // Seed 003: shared buffers this QP dequeued but had not completed are flushed now it is in error;
             // collect those completions while the QP still maps to this endpoint, so the buffers go back (some
             // devices drop a destroyed QP's completions from the queue).
             self.drain_cq();

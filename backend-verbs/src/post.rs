@@ -276,7 +276,7 @@ impl VerbsTransport {
     }
 
     /// Moves a queue pair to the error state: everything on it completes (flushed), signalled or not.
-    fn break_qp(qp: *mut ibv_qp) {
+    pub(crate) fn break_qp(qp: *mut ibv_qp) {
         let mut attr: ibv_qp_attr = unsafe {
             // SAFETY: plain data, zero is valid before we fill it.
             std::mem::zeroed()

@@ -233,6 +233,16 @@ fn chunked(
     len: usize,
     context: u64,
 ) -> Result<(), SendError> {
+    if len == 0 {
+        // Nothing to send, as sendfile(2) with a count of 0 (an empty file copied whole): done at once, where a
+        // zero-length send (refused on a stream) failed the call.
+        if sock.peer_addr()?.is_none() {
+            return Err(crate::error::StateError::NotConnected.into());
+        }
+        let user = sock.reserve(eq, EventKind::SendFile, context)?;
+        user.complete(Ok(()), 0, EventFlags::default());
+        return Ok(());
+    }
     let user = sock.reserve(eq, EventKind::SendFile, context)?;
     let depth = SENDFILE_DEPTH.min(len.div_ceil(SENDFILE_CHUNK)).max(1);
     let file = match file.try_clone() {

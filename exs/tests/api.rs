@@ -193,6 +193,23 @@ fn poll_reports_readiness_of_many_sockets_on_one_queue() {
     assert_eq!(wait(&eq).status, Err(OpError::Cancelled));
 }
 
+/// A sendfile of nothing (an empty file sent whole) completes at once with 0 bytes, on either kind of socket:
+/// on a stream socket it failed the call (a zero-length send is refused there), so copying an empty file failed.
+#[test]
+fn a_sendfile_of_nothing_completes_with_zero_bytes() {
+    let f = tempfile::tempfile().unwrap();
+    for ty in [SockType::SeqPacket, SockType::Stream] {
+        let p = pair(ty);
+        p.client.sendfile(&p.eq_a, &f, 0, 0, 7).unwrap();
+        let e = wait(&p.eq_a);
+        assert_eq!(
+            (e.kind, e.context, e.bytes, e.status.is_ok()),
+            (EventKind::SendFile, 7, 0, true),
+            "{ty:?}: {e:?}"
+        );
+    }
+}
+
 /// exs_sendfile: a range of a file arrives intact, with a SendFile event.
 #[test]
 fn sendfile_sends_a_range_of_a_file() {

@@ -198,7 +198,8 @@ struct timespec;
 #define EXS_F_GET_COALESCE 17694
 
 /**
- * `exs_fcntl(fd, EXS_F_SET_COALESCE, int)`: before connect.
+ * `exs_fcntl(fd, EXS_F_SET_COALESCE, int)`: at any time on a SOCK_STREAM socket (0 there is `TCP_NODELAY`: small
+ * writes leave at once); before connect on a SOCK_SEQPACKET one.
  */
 #define EXS_F_SET_COALESCE 17695
 
@@ -265,12 +266,14 @@ extern "C" {
 
 /**
  * Checks the ES-API version and opens the process's context (ES-API `exs_init`): a device and one progress
- * thread, on the backend the environment names, as the Rust `Context::from_env` does: `EXS_BACKEND` (`verbs`,
- * `fabric` or `sim`; unset or `auto`: verbs when an RDMA device carries `EXS_ADDR`, else libfabric), with
+ * thread, on the backend the environment names, as the Rust `Context::from_env` does: `EXS_BACKEND` (`verbs` or
+ * `fabric`, the backends `libexs` is built with; unset or `auto`: verbs when an RDMA device carries `EXS_ADDR`,
+ * else libfabric), with
  * `EXS_ADDR` (verbs: an address of the RDMA device's interface) and `EXS_DEVICE`, or `EXS_PROVIDER` (fabric, default `tcp`), `EXS_DOMAIN` and `EXS_FABRIC_CQ_WAIT` (`none`: completion queues without a wait object, for busy polling); `EXS_EXPOSURE=trusted` for the
  * UNH-EXS key per region and connection. Call it before any other call but `exs_qcreate`; later calls return 0
  * and keep the context. Returns 0, or -1 with `errno`: `EINVAL` (`version` is not `EXS_VERSION`), `ENODEV` (no
- * such backend, device or provider), `EADDRNOTAVAIL` (`EXS_ADDR` missing or not a device's), `ENOMEM`.
+ * such backend, device or provider), `EADDRNOTAVAIL` (`EXS_BACKEND=verbs` with `EXS_ADDR` missing or not a
+ * device's), `ENOMEM`.
  */
 int exs_init(int version);
 

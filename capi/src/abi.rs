@@ -87,7 +87,8 @@ pub const EXS_F_GET_BACKLOG: c_int = 0x451c;
 pub const EXS_F_SET_BACKLOG: c_int = 0x451d;
 /// `exs_fcntl`: whether control messages queued behind one in flight leave together (1, the default).
 pub const EXS_F_GET_COALESCE: c_int = 0x451e;
-/// `exs_fcntl(fd, EXS_F_SET_COALESCE, int)`: before connect.
+/// `exs_fcntl(fd, EXS_F_SET_COALESCE, int)`: at any time on a SOCK_STREAM socket (0 there is `TCP_NODELAY`: small
+/// writes leave at once); before connect on a SOCK_SEQPACKET one.
 pub const EXS_F_SET_COALESCE: c_int = 0x451f;
 
 /// One completed operation, filled in by `exs_qdequeue`.

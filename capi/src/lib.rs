@@ -41,12 +41,14 @@ pub mod data;
 pub mod fcntl;
 
 /// Checks the ES-API version and opens the process's context (ES-API `exs_init`): a device and one progress
-/// thread, on the backend the environment names, as the Rust `Context::from_env` does: `EXS_BACKEND` (`verbs`,
-/// `fabric` or `sim`; unset or `auto`: verbs when an RDMA device carries `EXS_ADDR`, else libfabric), with
+/// thread, on the backend the environment names, as the Rust `Context::from_env` does: `EXS_BACKEND` (`verbs` or
+/// `fabric`, the backends `libexs` is built with; unset or `auto`: verbs when an RDMA device carries `EXS_ADDR`,
+/// else libfabric), with
 /// `EXS_ADDR` (verbs: an address of the RDMA device's interface) and `EXS_DEVICE`, or `EXS_PROVIDER` (fabric, default `tcp`), `EXS_DOMAIN` and `EXS_FABRIC_CQ_WAIT` (`none`: completion queues without a wait object, for busy polling); `EXS_EXPOSURE=trusted` for the
 /// UNH-EXS key per region and connection. Call it before any other call but `exs_qcreate`; later calls return 0
 /// and keep the context. Returns 0, or -1 with `errno`: `EINVAL` (`version` is not `EXS_VERSION`), `ENODEV` (no
-/// such backend, device or provider), `EADDRNOTAVAIL` (`EXS_ADDR` missing or not a device's), `ENOMEM`.
+/// such backend, device or provider), `EADDRNOTAVAIL` (`EXS_BACKEND=verbs` with `EXS_ADDR` missing or not a
+/// device's), `ENOMEM`.
 #[no_mangle]
 pub extern "C" fn exs_init(version: c_int) -> c_int {
     errno::call(|| {

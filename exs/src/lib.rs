@@ -13,9 +13,11 @@
 //!
 //! ## A blocking echo
 //!
-//! A [`Listener`] and a [`Stream`] behave like `std::net`'s `TcpListener` and `TcpStream`: code written for those
-//! ports by renaming. [`Listener::bind`] and [`Stream::connect`] run on the process's [default
-//! context](default_context), opened on first use with the backend the environment names (as
+//! A [`Listener`] and a [`Stream`] behave like `std::net`'s `TcpListener` and `TcpStream`: code that uses what they
+//! share (connect, bind, accept, incoming, reading and writing, shutdown, timeouts, non-blocking streams,
+//! `set_nodelay`, `try_clone`, the addresses) ports by renaming; the rest of `std::net` (`peek`, `take_error`, TTLs,
+//! a non-blocking or cloned listener) is not there. [`Listener::bind`] and [`Stream::connect`] run on the
+//! process's [default context](default_context), opened on first use with the backend the environment names (as
 //! [`Context::from_env`]); `bind_in` and `connect_in` take a [`Context`] of your own.
 //!
 //! ```

@@ -39,7 +39,7 @@ fn connected(port: u16) -> (World, Stream, Stream) {
     let world = World::threaded(SimConfig::default());
     let (server, client) = (world.host(), world.host());
     let listener = Listener::bind_in(&server, world.addr(0, port)).unwrap();
-    // As with RDMA connections generally, a connect completes when the listener accepts it.
+    // As TCP's, a connect completes when the listener has set the connection up, before its accept.
     let accepting = std::thread::spawn(move || listener.accept().unwrap());
     let c = Stream::connect_in(&client, world.addr(0, port)).unwrap();
     let (s, _) = accepting.join().unwrap();

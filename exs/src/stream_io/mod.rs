@@ -1,6 +1,10 @@
 //! Streams with the shape of `std::net`: [`Stream`] is a connected SOCK_STREAM socket that
 //! implements `std::io::Read` and `Write` (on `&Stream` too, as `TcpStream` does), [`Listener`] accepts them.
-//! Code written for `TcpStream` / `TcpListener` ports by renaming: [`Stream::connect`] and [`Listener::bind`] open
+//! Code written for `TcpStream` / `TcpListener` ports by renaming as long as it keeps to the calls they share:
+//! connect (with a timeout too), bind, accept, `incoming`, `Read`/`Write`, `shutdown`, read and write timeouts,
+//! `set_nonblocking` on a stream, `set_nodelay`, `try_clone` of a stream, `local_addr`/`peer_addr`. Not there:
+//! `peek`, `take_error`, TTLs and the other socket options, `set_nonblocking` and `try_clone` of a listener (the
+//! tokio streams likewise lack `readable`/`try_read`/`try_write`). [`Stream::connect`] and [`Listener::bind`] open
 //! the process's [default context](default_context) on first use (the backend chosen by the cargo features and
 //! the environment, as [`Context::from_env`]); the `_in` forms take a context.
 //!

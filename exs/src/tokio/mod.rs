@@ -262,7 +262,8 @@ impl Stream {
         Self::connect_with(&sio::default_context()?, addr, &StreamConfig::default()).await
     }
 
-    /// Connects on `ctx` to the first address of `addr` that answers (once the listener accepts).
+    /// Connects on `ctx` to the first address of `addr` that answers (like TCP's, the connection completes when
+    /// the listener has set it up, before its application accepts it).
     pub async fn connect_in(
         ctx: &Context,
         addr: impl tokio::net::ToSocketAddrs,

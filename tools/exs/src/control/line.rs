@@ -106,8 +106,9 @@ fn quote(b: &[u8]) -> String {
 }
 
 /// At most `max` characters of a message that may quote a peer (serde's errors quote the value they refused).
-/// Control characters are escaped (`\n`, `\u{1b}`): text a peer sent must not add lines to the log it goes
-/// into, or send escape sequences to a terminal.
+/// Control characters, backslashes and the characters that reorder text on screen are escaped (`\n`, `\\`,
+/// `\u{1b}`, `\u{202e}`): text a peer sent must not add lines to the log it goes into, fake an escape, send
+/// escape sequences to a terminal or make a line display other than it reads.
 pub fn shorten(s: &str, max: usize) -> String {
     let mut t = String::new();
     for (i, c) in s.chars().enumerate() {
@@ -115,13 +116,18 @@ pub fn shorten(s: &str, max: usize) -> String {
             t.push_str("...");
             break;
         }
-        if c.is_control() {
+        if c.is_control() || c == '\\' || reorders(c) {
             t.extend(c.escape_default());
         } else {
             t.push(c);
         }
     }
     t
+}
+
+/// The Unicode bidirectional marks, embeddings, overrides and isolates.
+fn reorders(c: char) -> bool {
+    matches!(c, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
 }
 
 #[cfg(test)]
@@ -228,5 +234,11 @@ mod tests {
         assert!(!s.chars().any(char::is_control), "{s:?}");
         assert_eq!(s, "x\\nexs demo: client 10.9.9.9:1: done\\r\\u{1b}[31m");
         assert_eq!(shorten("ab\ncd", 3), "ab\\n...");
+        assert_eq!(
+            shorten("a\\nb", 10),
+            "a\\\\nb",
+            "a backslash cannot fake an escape"
+        );
+        assert_eq!(shorten("x\u{202e}y", 10), "x\\u{202e}y");
     }
 }

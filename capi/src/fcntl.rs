@@ -66,11 +66,6 @@ const OPTIONS: [Opt; 8] = [
     },
 ];
 
-/// Held through a set's read, change and write of a socket's options: two threads setting different options of
-/// one socket at once would otherwise each write back the other's older value. One lock for every socket (a set
-/// is rare and short); no other lock is taken under it but the engine's, inside the two calls.
-static SETTING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// Whether `cmd` takes an `int` argument (fcntl.c reads one only then).
 #[no_mangle]
 pub extern "C" fn exs_internal_fcntl_takes_arg(cmd: c_int) -> c_int {
@@ -101,9 +96,18 @@ pub extern "C" fn exs_internal_fcntl(fd: c_int, cmd: c_int, arg: c_int) -> c_int
                     .iter()
                     .find(|o| o.get + 1 == cmd)
                     .ok_or(Errno(libc::EINVAL))?;
-                let _one = SETTING.lock().unwrap_or_else(|p| p.into_inner());
-                let opts = (o.set)(s.sock.options()?, arg).ok_or(Errno(libc::EINVAL))?;
-                s.sock.set_options(opts)?;
+                // Read, changed and written in one step (two threads setting different options of one socket at
+                // once each wrote the other's field back to its old value).
+                let mut in_range = true;
+                s.sock.update_options(|cur| {
+                    (o.set)(cur, arg).unwrap_or_else(|| {
+                        in_range = false;
+                        cur
+                    })
+                })?;
+                if !in_range {
+                    return Err(Errno(libc::EINVAL));
+                }
                 Ok(0)
             }
         }

@@ -49,8 +49,9 @@ impl std::ops::BitOr for MsgFlags {
 }
 
 /// Per-socket settings (ES-API `exs_fcntl`): read them with [`Socket::options`](crate::Socket::options), change
-/// them with the `with_*` setters and [`Socket::set_options`](crate::Socket::set_options). Those marked "before
-/// connect" are negotiated in the handshake and cannot change later.
+/// them with the `with_*` setters and [`Socket::set_options`](crate::Socket::set_options), or in one step with
+/// [`Socket::update_options`](crate::Socket::update_options) where other threads may change the socket's options
+/// at the same time. Those marked "before connect" are negotiated in the handshake and cannot change later.
 ///
 /// ```
 /// # #[cfg(feature = "fabric")] {

@@ -402,6 +402,20 @@ impl Socket {
         self.engine(|e, id| e.set_options(id, &opts))
     }
 
+    /// Changes options from those in effect in one step (`change` gets them and returns the options to set, as
+    /// [`Socket::set_options`] takes them), under the socket's lock: two threads changing different options at
+    /// once keep both changes, where [`Socket::options`] then [`Socket::set_options`] from each could write the
+    /// other's field back to its old value. `change` runs with the context locked: it must not call into exs.
+    pub fn update_options(
+        &self,
+        change: impl FnOnce(SocketOptions) -> SocketOptions,
+    ) -> Result<(), OptionError> {
+        self.engine(|e, id| {
+            let new = change(e.options(id)?);
+            e.set_options(id, &new)
+        })
+    }
+
     /// The options in effect.
     pub fn options(&self) -> Result<SocketOptions, StateError> {
         self.engine(|e, id| e.options(id))

@@ -244,3 +244,34 @@ fn sendfile_sends_a_range_of_a_file() {
         );
     }
 }
+
+/// Two threads change different options of one socket at once, each reading its own back after every change:
+/// with `options()` then `set_options()`, one could write the other's field back to its old value;
+/// `update_options` changes them in one step.
+#[test]
+fn options_updated_from_two_threads_at_once_both_hold() {
+    let world = exs::sim::World::threaded(exs::sim::SimConfig::default());
+    let ctx = world.host();
+    let s = Socket::new(&ctx, SockType::Stream).unwrap();
+    const ROUNDS: u16 = 20_000;
+    let start = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let credits = {
+        let (s, start) = (s.clone(), start.clone());
+        std::thread::spawn(move || {
+            start.wait();
+            for i in 0..ROUNDS {
+                let v = 4 + i % 29;
+                s.update_options(|o| o.with_send_credits(v)).unwrap();
+                assert_eq!(s.options().unwrap().send_credits, v, "round {i}");
+            }
+        })
+    };
+    start.wait();
+    for i in 0..u32::from(ROUNDS) {
+        let v = 64 + i % 97;
+        s.update_options(|o| o.with_small_packet_max_size(v))
+            .unwrap();
+        assert_eq!(s.options().unwrap().small_packet_max_size, v, "round {i}");
+    }
+    credits.join().expect("the send-credits thread");
+}

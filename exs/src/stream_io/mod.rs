@@ -197,7 +197,7 @@ pub(crate) fn addr_of(
 
 /// `set_nodelay`: TCP_NODELAY is coalescing off (small writes leave at once even while a write is in flight).
 pub(crate) fn set_nodelay(sock: &Socket, nodelay: bool) -> io::Result<()> {
-    sock.set_options(sock.options()?.with_coalesce(!nodelay))
+    sock.update_options(|o| o.with_coalesce(!nodelay))
         .map_err(io::Error::from)
 }
 

@@ -185,12 +185,15 @@ impl VerbsTransport {
     /// look and wait beside the last one's, and a channel left readable keeps the wait set readable, which a
     /// sleeper registered edge-triggered (a tokio task) would never see change.
     pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
-        let mut events = [EpollEvent::empty(); 2];
+        let mut events = [EpollEvent::empty(); 3];
         let n = self
             .epoll
             .wait(&mut events, EpollTimeout::ZERO)
             .map_err(|e| TransportError::os("epoll_wait", e.into()))?;
         let ready = |data: u64| events[..n].iter().any(|e| e.data() == data);
+        if ready(WAIT_ASYNC) {
+            self.read_async_events();
+        }
         if ready(WAIT_COMP) {
             let mut read = 0;
             loop {
@@ -222,3 +225,5 @@ impl VerbsTransport {
 pub(crate) const WAIT_COMP: u64 = 1;
 /// The rdma_cm event channel's entry in the wait set.
 pub(crate) const WAIT_CM: u64 = 2;
+/// The device's asynchronous events' entry in the wait set.
+pub(crate) const WAIT_ASYNC: u64 = 3;

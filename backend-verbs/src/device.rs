@@ -17,7 +17,7 @@ use nix::sys::socket::SockaddrLike;
 use rdma_sys::*;
 use rustc_hash::FxHashMap;
 
-use crate::completion::{epoll_add, WAIT_CM, WAIT_COMP};
+use crate::completion::{epoll_add, WAIT_ASYNC, WAIT_CM, WAIT_COMP};
 use crate::connection::sockaddr;
 use crate::cq::CqBudget;
 use crate::memory::Pd;
@@ -266,17 +266,20 @@ fn device_limits(
     })
 }
 
-/// The transport's wait descriptor: an epoll set over the completion channel and the rdma_cm event channel, both
-/// made non-blocking.
-fn wait_set(o: &Opening) -> Result<Epoll, TransportError> {
-    // SAFETY: valid channel pointers; their fds stay open until we destroy the channels.
-    let (comp_fd, ch_fd) = unsafe { ((*o.comp).fd, (*o.ch).fd) };
+/// The transport's wait descriptor: an epoll set over the completion channel, the rdma_cm event channel and the
+/// device's asynchronous events (see [`crate::events`]), all made non-blocking.
+fn wait_set(o: &Opening, ctx: *mut ibv_context) -> Result<Epoll, TransportError> {
+    // SAFETY: valid channel pointers and open context; their fds stay open until we destroy the channels (the
+    // context's for as long as rdma_cm keeps the device open, which outlives our ids).
+    let (comp_fd, ch_fd, async_fd) = unsafe { ((*o.comp).fd, (*o.ch).fd, (*ctx).async_fd) };
     set_nonblocking(comp_fd)?;
     set_nonblocking(ch_fd)?;
+    set_nonblocking(async_fd)?;
     let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)
         .map_err(|e| TransportError::os("epoll_create", e.into()))?;
     epoll_add(&epoll, comp_fd, WAIT_COMP)?;
     epoll_add(&epoll, ch_fd, WAIT_CM)?;
+    epoll_add(&epoll, async_fd, WAIT_ASYNC)?;
     Ok(epoll)
 }
 
@@ -373,7 +376,7 @@ impl VerbsTransport {
             u32::try_from(cqe).unwrap_or(settings.cq_depth),
             settings.limits.max_cqe,
         );
-        let epoll = wait_set(&o)?;
+        let epoll = wait_set(&o, ctx)?;
         raise_memlock_limit();
         let (ch, comp, cq) = o.into_parts();
         let t = VerbsTransport {

@@ -7,7 +7,8 @@
 //! * One protection domain, one completion channel and one completion queue per transport; a reliable-connected
 //!   queue pair per connection, created and connected through rdma_cm (address and route resolution, then
 //!   `rdma_connect` with our handshake as private data; `rdma_accept` on the passive side).
-//! * Waiting: an epoll set over the completion channel and the rdma_cm event channel. Arming is
+//! * Waiting: an epoll set over the completion channel, the rdma_cm event channel and the device's asynchronous
+//!   events (logged: see `src/events.rs`). Arming is
 //!   `ibv_req_notify_cq` followed by one more poll, so a completion that slipped in between is not slept through;
 //!   it fails while an rdma_cm event waits, so a successful one also says the engine need not look for them.
 //! * Posting: a batch of requests is chained into one `ibv_post_send` (one doorbell). Only every
@@ -55,6 +56,7 @@ mod connection;
 mod cq;
 mod device;
 mod emulated;
+mod events;
 mod expose;
 mod memory;
 mod post;

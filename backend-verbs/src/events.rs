@@ -1,0 +1,116 @@
+//! The device's asynchronous events (`ibv_get_async_event`): a completion queue or queue pair in error, a port
+//! gone, a device failed. The device context's event descriptor is in the wait set; its events are read when
+//! arming finds it readable, logged (errors as errors: a completion queue that overflowed says so here), and
+//! acknowledged at once (destroying a queue pair waits for its events to be acknowledged). Nothing else is done with
+//! them: a queue pair in error completes its requests flushed, which is what the engine acts on.
+//!
+//! rdma_cm hands every user of a device in the process the same context, so another transport's events may be read
+//! (and logged) here; each is acknowledged all the same.
+
+use std::mem::MaybeUninit;
+
+use rdma_sys::*;
+
+use crate::VerbsTransport;
+
+/// How loudly an event is logged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Severity {
+    Error,
+    Warn,
+    Debug,
+}
+
+/// The name and severity of the event with code `code` (`enum ibv_event_type` of verbs.h, read as a number: a
+/// code this binding's enum lacks is not a valid value of it).
+pub(crate) fn describe(code: u32) -> (&'static str, Severity) {
+    use Severity::*;
+    match code {
+        0 => ("completion queue error (overrun)", Error),
+        1 => ("queue pair fatal error", Error),
+        2 => ("queue pair invalid request error", Error),
+        3 => ("queue pair access error", Error),
+        4 => ("communication established", Debug),
+        5 => ("send queue drained", Debug),
+        6 => ("path migrated", Debug),
+        7 => ("path migration error", Error),
+        8 => ("device fatal error", Error),
+        9 => ("port active", Debug),
+        10 => ("port error", Warn),
+        11..=13 | 17 | 18 => ("port attribute change", Debug),
+        14 => ("shared receive queue error", Error),
+        15 => ("shared receive queue limit reached", Debug),
+        16 => ("last work request reached", Debug),
+        19 => ("work queue fatal error", Error),
+        _ => ("unknown event", Warn),
+    }
+}
+
+/// Whether the event's element is a queue pair (its number then says whose).
+fn names_qp(code: u32) -> bool {
+    matches!(code, 1..=7 | 16)
+}
+
+impl VerbsTransport {
+    /// Reads, logs and acknowledges the device's pending asynchronous events (its descriptor is non-blocking).
+    pub(crate) fn read_async_events(&mut self) {
+        loop {
+            let mut ev = MaybeUninit::<ibv_async_event>::uninit();
+            // SAFETY: open context; the call fills `ev` when it returns 0.
+            if unsafe { ibv_get_async_event(self.ctx, ev.as_mut_ptr()) } != 0 {
+                return;
+            }
+            let p = ev.as_mut_ptr();
+            // SAFETY: filled by the call. The type is read as the C enum's integer; the element as the queue pair
+            // only for queue pair events, whose queue pair lives until the event is acknowledged (below).
+            let (code, qp_num) = unsafe {
+                let code = std::ptr::addr_of!((*p).event_type).cast::<u32>().read();
+                let qp = names_qp(code)
+                    .then(|| (*p).element.qp)
+                    .filter(|q| !q.is_null());
+                (code, qp.map(|q| (*q).qp_num))
+            };
+            let ep = qp_num.and_then(|n| self.qpn.get(&n).copied());
+            let (what, severity) = describe(code);
+            match severity {
+                Severity::Error => tracing::error!(code, qp_num, ?ep, "device event: {what}"),
+                Severity::Warn => tracing::warn!(code, qp_num, ?ep, "device event: {what}"),
+                Severity::Debug => tracing::debug!(code, qp_num, ?ep, "device event: {what}"),
+            }
+            // SAFETY: an event we got, acknowledged once, after its last use.
+            unsafe { ibv_ack_async_event(p) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_completion_queue_overrun_or_a_fatal_queue_pair_is_logged_as_an_error() {
+        use ibv_event_type::*;
+        for e in [
+            IBV_EVENT_CQ_ERR,
+            IBV_EVENT_QP_FATAL,
+            IBV_EVENT_QP_ACCESS_ERR,
+            IBV_EVENT_SRQ_ERR,
+            IBV_EVENT_DEVICE_FATAL,
+        ] {
+            assert_eq!(describe(e as u32).1, Severity::Error, "{e:?}");
+        }
+        for e in [
+            IBV_EVENT_QP_LAST_WQE_REACHED,
+            IBV_EVENT_COMM_EST,
+            IBV_EVENT_PORT_ACTIVE,
+        ] {
+            assert_eq!(describe(e as u32).1, Severity::Debug, "{e:?}");
+        }
+        assert_eq!(describe(IBV_EVENT_PORT_ERR as u32).1, Severity::Warn);
+        assert_eq!(describe(99), ("unknown event", Severity::Warn));
+        assert!(
+            names_qp(IBV_EVENT_QP_FATAL as u32) && names_qp(IBV_EVENT_QP_LAST_WQE_REACHED as u32)
+        );
+        assert!(!names_qp(IBV_EVENT_CQ_ERR as u32) && !names_qp(IBV_EVENT_SRQ_ERR as u32));
+    }
+}

@@ -70,7 +70,7 @@ impl Drop for CtxInner {
             // the last handle of its context: its bytes on their way). They finish in the background, as TCP's
             // do after `close`, within the linger time; then every connection is closed so peers learn we are
             // gone, and the transport releases its endpoints.
-            let lingering = shared.driver.is_none() && shared.lock().lingering_until().is_some();
+            let lingering = shared.driver.is_none() && shared.lock().lingering();
             if lingering {
                 let bg = Arc::clone(&shared);
                 let spawned = std::thread::Builder::new()
@@ -89,21 +89,21 @@ impl Drop for CtxInner {
 /// out), then shuts it down: the progress thread's last job, done by a thread of its own (the progress thread
 /// has stopped, and the context's last handle may have gone on an application thread that must not wait).
 fn linger_then_shut_down(shared: &Shared) {
-    let Some(give_up) = shared.lock().lingering_until() else {
-        return shared.lock().shutdown();
-    };
+    // Each closing connection's own linger timer ends it by then (in the engine's clock); this bounds the thread
+    // in real time whatever that clock does.
+    let give_up = Instant::now() + shared.lock().linger();
     loop {
-        let (did, until) = {
+        let (did, lingering) = {
             let mut e = shared.lock();
             let did = e.progress();
-            (did, e.lingering_until())
+            (did, e.lingering())
         };
-        if until.is_none() || Instant::now() >= give_up {
+        if !lingering || Instant::now() >= give_up {
             break;
         }
         if !did {
-            // Nothing moved: the peer's acknowledgments or disconnect are on their way (a poll every
-            // millisecond costs little for the few seconds at most this lasts).
+            // Nothing moved: the peer's acknowledgments or disconnect are on their way. A look every millisecond
+            // costs little for the linger time at most (10 s by default) that this lasts.
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
@@ -114,9 +114,9 @@ fn linger_then_shut_down(shared: &Shared) {
 /// Cheap to clone (a handle). Sockets and memory regions keep it alive. When its last handle goes, the
 /// connections still closing gracefully (closed or dropped sockets whose bytes are on their way) finish in the
 /// background, on a thread of their own, within the linger time ([`ContextOptions::linger`]), as TCP's do after
-/// `close`; then every connection is closed. A process that exits meanwhile cuts them (the kernel does not carry
-/// RDMA connections on as it does TCP's). Contexts whose progress is driven by hand (the simulator's manual mode)
-/// close everything at once.
+/// `close`; then every connection is closed and the transport's resources are released (up to the linger time
+/// after the last handle went). A process that exits meanwhile cuts them (no kernel carries them on as it does
+/// TCP's). Contexts whose progress is driven by hand (the simulator's manual mode) close everything at once.
 ///
 /// A context comes from [`Context::from_env`] (the backend the environment names), from [`Context::open`] (a
 /// [`Backend`](crate::Backend) chosen in code), or from [`Context::new`] over any [`Transport`].

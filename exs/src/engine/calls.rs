@@ -687,12 +687,14 @@ impl Engine {
     }
 
     /// Whether a closed connection is still closing gracefully (its sends and CLOSE on their way, within the
-    /// linger time), and until when at most.
-    pub(crate) fn lingering_until(&self) -> Option<Instant> {
-        self.sockets
-            .values()
-            .any(|s| s.phase == Phase::Closing)
-            .then(|| self.clock.now() + self.linger)
+    /// linger time).
+    pub(crate) fn lingering(&self) -> bool {
+        self.sockets.values().any(|s| s.phase == Phase::Closing)
+    }
+
+    /// How long a closing connection lingers at most ([`crate::ContextOptions::linger`]).
+    pub(crate) fn linger(&self) -> Duration {
+        self.linger
     }
 
     /// Closes every socket (context teardown).

@@ -236,9 +236,8 @@ fn chunked(
     if len == 0 {
         // Nothing to send, as sendfile(2) with a count of 0 (an empty file copied whole): done at once, where a
         // zero-length send (refused on a stream) failed the call.
-        if sock.peer_addr()?.is_none() {
-            return Err(crate::error::StateError::NotConnected.into());
-        }
+        // Refused where a send would be (not connected yet, shut down for writing, down).
+        sock.check_sendable()?;
         let user = sock.reserve(eq, EventKind::SendFile, context)?;
         user.complete(Ok(()), 0, EventFlags::default());
         return Ok(());

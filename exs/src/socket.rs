@@ -389,6 +389,11 @@ impl Socket {
         self.engine(|e, id| e.peer_addr(id))
     }
 
+    /// Why a send would be refused now, if it would (see `Engine::check_sendable`).
+    pub(crate) fn check_sendable(&self) -> Result<(), StateError> {
+        self.engine(|e, id| e.check_sendable(id))
+    }
+
     /// The peer's address as recorded when the connection was set up, also once it has ended.
     pub(crate) fn recorded_peer_addr(&self) -> Result<Option<SocketAddr>, StateError> {
         self.engine(|e, id| e.recorded_peer_addr(id))

@@ -208,6 +208,20 @@ fn a_sendfile_of_nothing_completes_with_zero_bytes() {
             "{ty:?}: {e:?}"
         );
     }
+    // Refused where a send would be: after shutdown(Write), and before connect.
+    let p = pair(SockType::Stream);
+    p.client.shutdown(&p.eq_a, 8).unwrap();
+    let e = p.client.sendfile(&p.eq_a, &f, 0, 0, 9).unwrap_err();
+    assert!(
+        matches!(e, SendError::State(exs::StateError::Shutdown)),
+        "{e:?}"
+    );
+    let fresh = Socket::new(&p.a, SockType::Stream).unwrap();
+    let e = fresh.sendfile(&p.eq_a, &f, 0, 0, 10).unwrap_err();
+    assert!(
+        matches!(e, SendError::State(exs::StateError::NotConnected)),
+        "{e:?}"
+    );
 }
 
 /// exs_sendfile: a range of a file arrives intact, with a SendFile event.

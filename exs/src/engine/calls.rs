@@ -288,6 +288,15 @@ impl Engine {
         Ok(())
     }
 
+    /// Why a send on `sid` would be refused now, if it would (shut down for writing, not connected, down): what
+    /// a send of nothing checks, having nothing to hand over.
+    pub(crate) fn check_sendable(&mut self, sid: SocketId) -> R<(), StateError> {
+        if self.sock(sid)?.shut_write {
+            return Err(StateError::Shutdown);
+        }
+        self.open_conn(sid).map(|_| ())
+    }
+
     /// The open connection of a socket, or why there is none.
     pub(super) fn open_conn(&mut self, sid: SocketId) -> Result<&mut Conn, StateError> {
         let s = self.sock(sid)?;

@@ -130,34 +130,37 @@ impl VerbsTransport {
         };
         // A signalled (or failed) request completes every earlier unsignalled one: in order, successfully. A
         // completion that names none of this endpoint's requests retires nothing: it is a late one of a queue pair
-        // destroyed before this one got its number (identifiers are never reused), or a repeated one.
+        // destroyed before this one got its number (identifiers are never reused), or a repeated one. What may
+        // still complete of a request (the flushed send of an emulated write-with-immediate whose write failed)
+        // keeps its room until it does (`SendQueue::retire_each`).
         let backlog = &mut self.cq_backlog;
-        let budget = &mut self.cq_budget;
-        e.sends.retire_each(wc.wr_id, |rec, named| {
-            budget.give(rec.entries);
-            let mut st = if named { status.clone() } else { Ok(()) };
-            if rec.broken && st.is_ok() {
-                st = Err(WcError::Other(
-                    "only part of the request reached the device".into(),
-                ));
-            }
-            let Some(op) = rec.item.kind else {
-                if let Err(e) = st {
-                    // A failed window bind breaks the queue pair: the requests after it complete flushed.
-                    tracing::warn!(?ep, %e, "memory window bind failed");
+        let freed = e
+            .sends
+            .retire_each(wc.wr_id, status.is_err(), |rec, named| {
+                let mut st = if named { status.clone() } else { Ok(()) };
+                if rec.broken && st.is_ok() {
+                    st = Err(WcError::Other(
+                        "only part of the request reached the device".into(),
+                    ));
                 }
-                return;
-            };
-            backlog.push_back((
-                Completion {
-                    ep,
-                    wr_id: rec.item.wr_id,
-                    op,
-                    status: st,
-                },
-                false,
-            ));
-        });
+                let Some(op) = rec.item.kind else {
+                    if let Err(e) = st {
+                        // A failed window bind breaks the queue pair: the requests after it complete flushed.
+                        tracing::warn!(?ep, %e, "memory window bind failed");
+                    }
+                    return;
+                };
+                backlog.push_back((
+                    Completion {
+                        ep,
+                        wr_id: rec.item.wr_id,
+                        op,
+                        status: st,
+                    },
+                    false,
+                ));
+            });
+        self.cq_budget.give(freed);
     }
 
     /// [`Transport::poll`](exs_transport::Transport::poll): the completion queue drained into the backlog, then the

@@ -387,7 +387,8 @@ impl VerbsTransport {
             self.qpn.remove(&n);
         }
         // Completions of the destroyed QP still in the queue name none of the records of whoever gets its number
-        // next (identifiers are never reused), so they are ignored when they come.
+        // next (identifiers are never reused), so they are ignored when they come. The entries still counted
+        // include those of flushed sends still to come after their write's failed completion.
         self.cq_budget.give(e.sends.entries());
         drop(e.sends);
         let before = self.recvs.len();

@@ -175,6 +175,7 @@ impl VerbsTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::queue::{cut, Cut, Posted, SendQueue, WrIds};
 
     /// rxe's `max_cqe`.
     const RXE_MAX_CQE: u32 = 32_767;
@@ -232,6 +233,90 @@ mod tests {
             Room::Grow(3000),
             "doubling stops at the limit"
         );
+    }
+
+    /// Records of requests of `parts` native entries each, numbered from 1.
+    fn recs(parts: &[u32]) -> Vec<Posted<usize>> {
+        let mut ids = WrIds::default();
+        (0..parts.len())
+            .map(|i| Posted {
+                seq: ids.send(),
+                entries: parts[i],
+                broken: false,
+                own: false,
+                item: i,
+            })
+            .collect()
+    }
+
+    /// What the completion path gives back for a completion carrying `wr_id` (as `on_send_wc` does).
+    fn complete(q: &mut SendQueue<usize>, b: &mut CqBudget, wr_id: u64, failed: bool) {
+        b.give(q.retire_each(wr_id, failed, |_, _| {}));
+    }
+
+    #[test]
+    fn an_emulated_write_whose_write_fails_keeps_a_slot_until_its_flushed_send_completes() {
+        let mut b = CqBudget::new(100, 100);
+        let mut q = SendQueue::default();
+        // A send, then an emulated write-with-immediate (the write, then the send of the immediate).
+        assert!(q.keep(recs(&[1, 2]), Cut::ALL, &mut b).is_empty());
+        assert_eq!(b.used(), 3);
+        // The connection fails: the first send and the write complete flushed, each under its own identifier...
+        complete(&mut q, &mut b, 1, true);
+        complete(&mut q, &mut b, 2, true);
+        assert_eq!(
+            b.used(),
+            1,
+            "the immediate's send is still to complete: its room stays taken"
+        );
+        assert_eq!(q.entries(), 1);
+        // ...then the immediate's send, flushed, under the write's identifier.
+        complete(&mut q, &mut b, 2, true);
+        assert_eq!((b.used(), q.entries()), (0, 0));
+        // Nothing more is given back for another completion naming it.
+        complete(&mut q, &mut b, 2, true);
+        assert_eq!(b.used(), 0);
+    }
+
+    #[test]
+    fn an_emulated_write_that_succeeds_gives_both_entries_back_with_its_one_completion() {
+        let mut b = CqBudget::new(100, 100);
+        let mut q = SendQueue::default();
+        q.keep(recs(&[2, 2]), Cut::ALL, &mut b);
+        assert_eq!(b.used(), 4);
+        // Only the second request's send is signalled: its completion retires both.
+        complete(&mut q, &mut b, 2, false);
+        assert_eq!((b.used(), q.entries()), (0, 0));
+    }
+
+    #[test]
+    fn a_released_endpoint_gives_back_the_room_of_completions_still_to_come() {
+        let mut b = CqBudget::new(100, 100);
+        let mut q = SendQueue::default();
+        q.keep(recs(&[2, 1, 1]), Cut::ALL, &mut b);
+        // The failed completion was the immediate's send (its write went through): nothing follows it, and the
+        // entry kept for a flushed send stays counted until the endpoint is released (as `release_ep` does).
+        complete(&mut q, &mut b, 1, true);
+        complete(&mut q, &mut b, 2, true);
+        assert_eq!(b.used(), 2);
+        b.give(q.entries());
+        assert_eq!(b.used(), 0);
+    }
+
+    #[test]
+    fn a_chain_refused_part_way_charges_only_what_reached_the_device() {
+        let mut b = CqBudget::new(100, 100);
+        let mut q = SendQueue::default();
+        // A send, an emulated write-with-immediate, a read, a send; the device refused the third native: the
+        // write went, the immediate's send did not.
+        let refused = q.keep(recs(&[1, 2, 1, 1]), cut([1, 2, 1, 1], 2), &mut b);
+        assert_eq!(refused, vec![2, 3]);
+        assert_eq!((b.used(), q.entries()), (3, 3));
+        // Its queue pair goes to error: the send and the write complete flushed, and nothing follows the write
+        // (its send never reached the device).
+        complete(&mut q, &mut b, 1, true);
+        complete(&mut q, &mut b, 2, true);
+        assert_eq!((b.used(), q.entries()), (0, 0));
     }
 
     #[test]

@@ -549,10 +549,10 @@ impl VerbsTransport {
         let bad_at = chain.natives.iter().position(|w| ptr::eq(w, bad));
         if rc == 0 {
             e.signal = chain.signal;
-            for r in chain.recs.drain(..) {
-                self.cq_budget.take(r.entries);
-                e.sends.push(r);
-            }
+            let refused = e
+                .sends
+                .keep(chain.recs.drain(..), queue::Cut::ALL, &mut self.cq_budget);
+            debug_assert!(refused.is_empty());
             return if rest.is_empty() {
                 Ok(())
             } else {
@@ -588,23 +588,15 @@ impl VerbsTransport {
         if posted_natives > 0 {
             e.signal = chain.signal_after[posted_natives - 1];
         }
-        let mut refused = Vec::new();
-        for (i, mut r) in chain.recs.drain(..).enumerate() {
-            if i < cut.posted {
-                self.cq_budget.take(r.entries);
-                e.sends.push(r);
-            } else if i == cut.posted && cut.partial {
-                r.broken = true;
-                self.cq_budget.take(r.entries);
-                e.sends.push(r);
-            } else {
-                let SendRec { wr_id, op, .. } = r.item;
-                refused.push(WorkRequest {
-                    wr_id,
-                    op: op.expect("the engine's requests carry their operation"),
-                });
-            }
-        }
+        let refused = e
+            .sends
+            .keep(chain.recs.drain(..), cut, &mut self.cq_budget)
+            .into_iter()
+            .map(|SendRec { wr_id, op, .. }| WorkRequest {
+                wr_id,
+                op: op.expect("the engine's requests carry their operation"),
+            })
+            .collect();
         if cut.partial || bad_at.is_none() {
             tracing::error!(?ep, %error, "a request reached the device in part; its connection goes down");
             Self::break_qp(e.qp);

@@ -21,6 +21,8 @@
 
 use std::collections::VecDeque;
 
+use crate::cq::CqBudget;
+
 /// Marks the identifier of a receive (the other identifiers are sends and window binds).
 pub const RECV_TAG: u64 = 1 << 63;
 
@@ -86,6 +88,9 @@ pub struct Posted<T> {
 #[derive(Debug)]
 pub struct SendQueue<T> {
     recs: VecDeque<Posted<T>>,
+    /// Requests retired by a failed completion that may be their first native's, with how many of their natives
+    /// may still complete (flushed, under the same identifier): those entries are still on the device.
+    echoes: Vec<(u64, u32)>,
     entries: u32,
 }
 
@@ -93,8 +98,24 @@ impl<T> Default for SendQueue<T> {
     fn default() -> Self {
         SendQueue {
             recs: VecDeque::new(),
+            echoes: Vec::new(),
             entries: 0,
         }
+    }
+}
+
+/// The natives of `rec` that may still complete after a completion naming it (`failed`: with an error). An
+/// unsignalled native completes only when it fails, so a failed completion of a request of several natives (an
+/// emulated write-with-immediate: the write, then the send) may be its first one's, and the others then complete
+/// too, flushed. It may also be the last one's (the first ones went through, unsignalled): nothing more comes then,
+/// and the entries stay counted until the endpoint is released, which over-counts by one on a connection that has
+/// failed anyway (under-counting lets the completion queue overflow). A request that reached the device in part
+/// ([`Posted::broken`]) has only its first native there.
+fn later_parts<T>(rec: &Posted<T>, failed: bool) -> u32 {
+    if failed && !rec.broken {
+        rec.entries.saturating_sub(1)
+    } else {
+        0
     }
 }
 
@@ -126,11 +147,27 @@ impl<T> SendQueue<T> {
     /// part of an emulated write-with-immediate flushed after its first part failed).
     ///
     /// Each retired record goes to `f` as it leaves the queue (a completion retires one request, or a few with the
-    /// unsignalled ones before it: nothing is gathered or allocated per completion).
-    pub fn retire_each(&mut self, wr_id: u64, mut f: impl FnMut(Posted<T>, bool)) {
-        if self.recs.binary_search_by_key(&wr_id, |r| r.seq).is_err() {
-            return;
+    /// unsignalled ones before it: nothing is gathered or allocated per completion). Returns the native entries
+    /// that left the device: those of the retired records, less what may still complete of the named one when the
+    /// completion `failed` ([`later_parts`]), plus one when the completion is such a later part.
+    pub fn retire_each(
+        &mut self,
+        wr_id: u64,
+        failed: bool,
+        mut f: impl FnMut(Posted<T>, bool),
+    ) -> u32 {
+        if let Some(i) = self.echoes.iter().position(|&(seq, _)| seq == wr_id) {
+            self.echoes[i].1 -= 1;
+            if self.echoes[i].1 == 0 {
+                self.echoes.swap_remove(i);
+            }
+            self.entries -= 1;
+            return 1;
         }
+        if self.recs.binary_search_by_key(&wr_id, |r| r.seq).is_err() {
+            return 0;
+        }
+        let mut freed = 0;
         let mut waiting = Vec::new();
         while let Some(rec) = self.recs.pop_front() {
             let named = rec.seq == wr_id;
@@ -138,7 +175,12 @@ impl<T> SendQueue<T> {
                 waiting.push(rec);
                 continue;
             }
-            self.entries -= rec.entries;
+            let later = if named { later_parts(&rec, failed) } else { 0 };
+            if later > 0 {
+                self.echoes.push((rec.seq, later));
+            }
+            self.entries -= rec.entries - later;
+            freed += rec.entries - later;
             f(rec, named);
             if named {
                 break;
@@ -148,13 +190,35 @@ impl<T> SendQueue<T> {
         for rec in waiting.into_iter().rev() {
             self.recs.push_front(rec);
         }
+        freed
+    }
+
+    /// Records the requests of a chain that reached the device, as far as `cut` says (a request it cuts through is
+    /// kept, [`Posted::broken`]), each taking its entries from `budget`; returns the items of the others, in order.
+    pub fn keep(
+        &mut self,
+        recs: impl IntoIterator<Item = Posted<T>>,
+        cut: Cut,
+        budget: &mut CqBudget,
+    ) -> Vec<T> {
+        let mut refused = Vec::new();
+        for (i, mut r) in recs.into_iter().enumerate() {
+            if i < cut.posted || (i == cut.posted && cut.partial) {
+                r.broken |= i == cut.posted;
+                budget.take(r.entries);
+                self.push(r);
+            } else {
+                refused.push(r.item);
+            }
+        }
+        refused
     }
 
     /// [`SendQueue::retire_each`], gathered.
     #[cfg(test)]
     pub fn retire(&mut self, wr_id: u64) -> Vec<(Posted<T>, bool)> {
         let mut out = Vec::new();
-        self.retire_each(wr_id, |rec, named| out.push((rec, named)));
+        self.retire_each(wr_id, false, |rec, named| out.push((rec, named)));
         out
     }
 
@@ -162,6 +226,7 @@ impl<T> SendQueue<T> {
     #[cfg(test)]
     pub fn drain(&mut self) -> impl Iterator<Item = Posted<T>> + '_ {
         self.entries = 0;
+        self.echoes.clear();
         self.recs.drain(..)
     }
 }
@@ -197,6 +262,14 @@ pub struct Cut {
     pub partial: bool,
 }
 
+impl Cut {
+    /// A chain the device took whole.
+    pub const ALL: Cut = Cut {
+        posted: usize::MAX,
+        partial: false,
+    };
+}
+
 /// See [`Cut`]. Everything before the refused native was posted; nothing from it on was.
 pub fn cut(parts: impl IntoIterator<Item = usize>, bad: usize) -> Cut {
     let mut start = 0;
@@ -210,10 +283,7 @@ pub fn cut(parts: impl IntoIterator<Item = usize>, bad: usize) -> Cut {
         start += n;
     }
     // `bad` is past the chain: everything was posted (a provider that reports an error after posting all).
-    Cut {
-        posted: usize::MAX,
-        partial: false,
-    }
+    Cut::ALL
 }
 
 #[cfg(test)]

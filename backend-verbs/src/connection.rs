@@ -11,7 +11,7 @@ use rdma_sys::*;
 use rustc_hash::FxHashMap;
 
 use crate::emulated::ImmSlab;
-use crate::memory::MwSlot;
+use crate::memory::{revoke_on_release, MwSlot};
 use crate::queue::{SendQueue, Signaler};
 use crate::record::SendRec;
 use crate::{os_err, VerbsTransport, RESOLVE_TIMEOUT_MS, TAG_EP, TAG_LISTENER};
@@ -347,25 +347,35 @@ impl VerbsTransport {
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
-        if !e.qp.is_null() {
-            // Whatever is still on it completes (flushed) rather than vanishing with it: a queue pair released
-            // without a DISCONNECTED (a connect abandoned, a transport dropped) was never moved to error.
-            Self::break_qp(e.qp);
-        }
-        let shared = !e.qp.is_null() && !self.srq.is_null();
-        if shared {
+        // Whatever is still on the queue pair completes (flushed) rather than vanishing with it: a queue pair
+        // released without a DISCONNECTED (a connect abandoned, a transport dropped) was never moved to error.
+        let in_error = e.qp.is_null() || Self::break_qp(e.qp).is_ok();
+        if !e.qp.is_null() && !self.srq.is_null() {
             // Seed 003: shared buffers this QP dequeued but had not completed are flushed now it is in error;
             // collect those completions while the QP still maps to this endpoint, so the buffers go back (some
             // devices drop a destroyed QP's completions from the queue).
             self.drain_cq();
         }
         // Windows still bound to the queue pair die first: it cannot be destroyed while they are bound, and their
-        // keys end with the connection.
-        for w in &e.windows {
-            if let Some(slot) = w.upgrade() {
-                slot.dealloc();
-            }
-        }
+        // keys end with the connection. A window whose bind is still queued stays if the queue pair is not in
+        // error (the bind could still run); its record, dropped below, deallocates it.
+        let queued: Vec<&std::sync::Arc<MwSlot>> = if in_error {
+            Vec::new()
+        } else {
+            e.sends
+                .items()
+                .filter_map(|r| r._bind.as_ref())
+                .map(|b| &b._slot)
+                .collect()
+        };
+        revoke_on_release(&e.windows, &queued, in_error);
+        drop(queued);
+        self.destroy_qp(&e);
+        self.forget_records(ep, e);
+    }
+
+    /// Destroys a released endpoint's queue pair and id, then collects the completions its queue pair left.
+    fn destroy_qp(&mut self, e: &Ep) {
         // SAFETY: the QP is live until destroyed just below; its number is read first.
         let qpn = (!e.qp.is_null()).then(|| unsafe { (*e.qp).qp_num });
         // SAFETY: the QP and id are ours; destroying the QP first stops the hardware from touching any posted
@@ -376,21 +386,24 @@ impl VerbsTransport {
             }
             rdma_destroy_id(e.id);
         }
-        if !e.qp.is_null() {
-            // Others leave them in the queue, and write some between the drain above and the destruction: collect
-            // those too while the number still names this endpoint (after the destruction no more come), so a
-            // shared receive is never credited to the next endpoint that gets the number; and so that the room
-            // the endpoint's requests took in the completion queue is free when it is given back below.
-            self.drain_cq();
-        }
         if let Some(n) = qpn {
+            // Others leave them in the queue, and write some between the drain before and the destruction:
+            // collect those too while the number still names this endpoint (after the destruction no more come),
+            // so a shared receive is never credited to the next endpoint that gets the number; and so that the
+            // room the endpoint's requests took in the completion queue is free when it is given back.
+            self.drain_cq();
             self.qpn.remove(&n);
         }
+    }
+
+    /// Drops the records of a released endpoint, whose queue pair is destroyed, giving back the room they took in
+    /// the completion queue.
+    fn forget_records(&mut self, ep: EndpointId, e: Ep) {
         // Completions of the destroyed QP still in the queue name none of the records of whoever gets its number
         // next (identifiers are never reused), so they are ignored when they come. The entries still counted
         // include those of flushed sends still to come after their write's failed completion.
         self.cq_budget.give(e.sends.entries());
-        drop(e.sends);
+        drop(e);
         let before = self.recvs.len();
         self.recvs.retain(|_, (owner, _)| *owner != Some(ep));
         self.cq_budget

@@ -102,10 +102,14 @@ impl VerbsTransport {
                 bind_info: info,
             };
         };
-        // SAFETY: the request names the window and the registration it binds over, which `hold` keeps alive in
-        // the request's record until the request retires (its completion, a later one, or its queue pair's
-        // destruction); the registration holds the buffer of the range. The exposure's lease outlives the window:
-        // it is parked on the window when the exposure goes first (`WindowKey::end`).
+        // SAFETY: the request names the window and the registration it binds over. `hold` keeps the registration
+        // (and with it the buffer of the range) in the request's record until the request retires: its completion,
+        // a later one, or the release of its endpoint, which drops the record only after destroying the queue pair.
+        // The window is deallocated before the record goes only by that release (`revoke_on_release`), and only
+        // once `ibv_modify_qp` has moved the queue pair to the error state, where a queued bind is flushed and
+        // never executed; when that move failed, a window whose bind is queued is left to the record. The
+        // exposure's lease outlives the window: it is parked on the window when the exposure goes first
+        // (`WindowKey::end`).
         unsafe { self.post_own_send(ep, "ibv_post_send (window bind)", fill, Some(hold)) }?;
         Ok(rkey)
     }

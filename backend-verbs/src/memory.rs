@@ -305,6 +305,27 @@ impl MwSlot {
     }
 }
 
+/// Deallocates the windows bound to a queue pair about to be destroyed (one with windows still bound cannot be: rxe
+/// waits for them, then warns; and their keys end with the connection), except, when the queue pair could not be
+/// moved to the error state (`in_error` false), those whose bind is still on its send queue (`queued`: the windows
+/// the send queue's records hold). Such a bind may still execute, and must not find its window gone: its window
+/// goes with its record, which is dropped after the queue pair is destroyed, or later with its exposure. In the
+/// error state a queued bind is flushed, never executed. Returns how many were deallocated.
+pub(crate) fn revoke_on_release(
+    windows: &[std::sync::Weak<MwSlot>],
+    queued: &[&Arc<MwSlot>],
+    in_error: bool,
+) -> usize {
+    let mut n = 0;
+    for slot in windows.iter().filter_map(std::sync::Weak::upgrade) {
+        if in_error || !queued.iter().any(|q| Arc::ptr_eq(q, &slot)) {
+            slot.dealloc();
+            n += 1;
+        }
+    }
+    n
+}
+
 impl Drop for MwSlot {
     fn drop(&mut self) {
         // The last holder went: the exposure, and the bind's record if the bind was still queued.
@@ -510,6 +531,25 @@ mod tests {
             buf.is_range_leased(0..64),
             "its key may still name the range"
         );
+    }
+
+    fn deallocated(slot: &MwSlot) -> bool {
+        slot.window().mw.is_null()
+    }
+
+    #[test]
+    fn a_release_leaves_a_queued_binds_window_alone_when_its_queue_pair_could_not_be_broken() {
+        let queued = MwSlot::with_dealloc(fake_mw(), fake_dealloc);
+        let retired = MwSlot::with_dealloc(fake_mw(), fake_dealloc);
+        let gone = std::sync::Weak::new();
+        let windows = [Arc::downgrade(&queued), Arc::downgrade(&retired), gone];
+        // ibv_modify_qp failed: the queued bind may still run, so its window stays (its record drops it after
+        // the queue pair is destroyed); the window whose bind retired goes.
+        assert_eq!(revoke_on_release(&windows, &[&queued], false), 1);
+        assert!(!deallocated(&queued) && deallocated(&retired));
+        // In the error state the bind is flushed: every window goes.
+        assert_eq!(revoke_on_release(&windows, &[&queued], true), 2);
+        assert!(deallocated(&queued));
     }
 
     #[test]

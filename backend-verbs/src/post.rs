@@ -275,18 +275,23 @@ impl VerbsTransport {
         }
     }
 
-    /// Moves a queue pair to the error state: everything on it completes (flushed), signalled or not.
-    pub(crate) fn break_qp(qp: *mut ibv_qp) {
+    /// Moves a queue pair to the error state: everything on it completes (flushed), signalled or not, and nothing
+    /// queued on it executes any more. A failure is logged and returned: the queue pair may still be running.
+    pub(crate) fn break_qp(qp: *mut ibv_qp) -> Result<(), TransportError> {
         let mut attr: ibv_qp_attr = unsafe {
             // SAFETY: plain data, zero is valid before we fill it.
             std::mem::zeroed()
         };
         attr.qp_state = ibv_qp_state::IBV_QPS_ERR;
-        // SAFETY: a live queue pair of ours; moving to the error state needs only the state attribute.
+        // SAFETY: a live queue pair of ours; moving to the error state needs only the state attribute. It returns
+        // its error code.
         let rc = unsafe { ibv_modify_qp(qp, &mut attr, ibv_qp_attr_mask::IBV_QP_STATE.0 as i32) };
         if rc != 0 {
-            tracing::error!(rc, "ibv_modify_qp(IBV_QPS_ERR) failed");
+            let e = crate::ret_err("ibv_modify_qp(IBV_QPS_ERR)", rc);
+            tracing::error!(%e, "a queue pair could not be moved to the error state");
+            return Err(e);
         }
+        Ok(())
     }
 
     /// What no send chain may hold, refused before anything is posted: an unknown endpoint or one without its
@@ -599,7 +604,8 @@ impl VerbsTransport {
             .collect();
         if cut.partial || bad_at.is_none() {
             tracing::error!(?ep, %error, "a request reached the device in part; its connection goes down");
-            Self::break_qp(e.qp);
+            // A failure is logged; the request still completes with an error (it is `broken`).
+            let _ = Self::break_qp(e.qp);
         }
         Refused::new(error, refused)
     }

@@ -132,6 +132,11 @@ impl<T> SendQueue<T> {
         self.entries
     }
 
+    /// What the records on the device keep, oldest first.
+    pub fn items(&self) -> impl Iterator<Item = &T> + '_ {
+        self.recs.iter().map(|r| &r.item)
+    }
+
     /// Requests recorded.
     #[cfg(test)]
     #[allow(clippy::len_without_is_empty)]

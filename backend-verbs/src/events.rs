@@ -4,14 +4,53 @@
 //! acknowledged at once (destroying a queue pair waits for its events to be acknowledged). Nothing else is done with
 //! them: a queue pair in error completes its requests flushed, which is what the engine acts on.
 //!
-//! rdma_cm hands every user of a device in the process the same context, so another transport's events may be read
-//! (and logged) here; each is acknowledged all the same.
+//! rdma_cm hands every user of a device in the process the same context, and so the same event descriptor: every
+//! transport on the device has it in its wait set, and whichever reads first takes the event. One transport may
+//! read (and log, and acknowledge) another's events, which that one then never sees: its queue pair's number is
+//! not in the reader's table, so the event is logged without an endpoint. Nothing here depends on seeing one's own
+//! events. Each transport sets the shared descriptor non-blocking and removes it from its own wait set only.
+//!
+//! A device that goes away (disassociated: unplugged, its driver unloaded) leaves the descriptor readable for
+//! good (`EPOLLERR`) while every read fails (`EIO`): the descriptor then leaves the wait set, with one warning,
+//! or the wait set would stay readable and the engine would wake in a loop.
 
 use std::mem::MaybeUninit;
+use std::os::fd::{BorrowedFd, RawFd};
 
+use nix::sys::epoll::Epoll;
 use rdma_sys::*;
 
 use crate::VerbsTransport;
+
+/// What a failed read of the event descriptor says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ReadFailure {
+    /// No event is pending (`EAGAIN`).
+    Empty,
+    /// A signal interrupted the read: read again.
+    Interrupted,
+    /// The descriptor will not deliver events any more (`EIO` after the device went): it left the wait set.
+    Gone,
+}
+
+/// What the failed read `err` of the event descriptor `fd` says; when it will not deliver events any more, `fd`
+/// leaves `epoll` (the wait set) and a warning says so.
+pub(crate) fn after_failed_read(epoll: &Epoll, fd: RawFd, err: &std::io::Error) -> ReadFailure {
+    match err.kind() {
+        std::io::ErrorKind::WouldBlock => return ReadFailure::Empty,
+        std::io::ErrorKind::Interrupted => return ReadFailure::Interrupted,
+        _ => {}
+    }
+    // SAFETY: `fd` is the device context's event descriptor, open while the context is (longer than this call).
+    let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
+    let removed = epoll.delete(bfd);
+    tracing::warn!(
+        %err,
+        removed = removed.is_ok(),
+        "the device's asynchronous events cannot be read (the device is gone?): no longer waited for"
+    );
+    ReadFailure::Gone
+}
 
 /// How loudly an event is logged.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -52,13 +91,20 @@ fn names_qp(code: u32) -> bool {
 }
 
 impl VerbsTransport {
-    /// Reads, logs and acknowledges the device's pending asynchronous events (its descriptor is non-blocking).
+    /// Reads, logs and acknowledges the device's pending asynchronous events (its descriptor is non-blocking); a
+    /// descriptor that fails otherwise than for want of events leaves the wait set ([`after_failed_read`]).
     pub(crate) fn read_async_events(&mut self) {
         loop {
             let mut ev = MaybeUninit::<ibv_async_event>::uninit();
-            // SAFETY: open context; the call fills `ev` when it returns 0.
+            // SAFETY: open context; the call fills `ev` when it returns 0, else sets errno (that of its read).
             if unsafe { ibv_get_async_event(self.ctx, ev.as_mut_ptr()) } != 0 {
-                return;
+                let err = std::io::Error::last_os_error();
+                // SAFETY: open context; its descriptor stays open with it.
+                let fd = unsafe { (*self.ctx).async_fd };
+                match after_failed_read(&self.epoll, fd, &err) {
+                    ReadFailure::Interrupted => continue,
+                    ReadFailure::Empty | ReadFailure::Gone => return,
+                }
             }
             let p = ev.as_mut_ptr();
             // SAFETY: filled by the call. The type is read as the C enum's integer; the element as the queue pair
@@ -86,6 +132,47 @@ impl VerbsTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nix::sys::epoll::{EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    /// Events ready in `epoll` right now.
+    fn ready(epoll: &Epoll) -> usize {
+        let mut events = [EpollEvent::empty(); 2];
+        epoll.wait(&mut events, EpollTimeout::ZERO).unwrap()
+    }
+
+    #[test]
+    fn a_device_gone_takes_its_event_descriptor_out_of_the_wait_set() {
+        // A descriptor readable for good, as a disassociated device's is.
+        // SAFETY: eventfd returns a new descriptor (or -1, checked), owned here.
+        let fd = unsafe { libc::eventfd(1, libc::EFD_NONBLOCK) };
+        assert!(fd >= 0);
+        // SAFETY: just created, owned by nothing else.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).unwrap();
+        epoll
+            .add(&fd, EpollEvent::new(EpollFlags::EPOLLIN, 3))
+            .unwrap();
+        assert_eq!(ready(&epoll), 1);
+        let raw = fd.as_raw_fd();
+        let err = |code| std::io::Error::from_raw_os_error(code);
+        // No event pending, or a signal: the descriptor stays.
+        assert_eq!(
+            after_failed_read(&epoll, raw, &err(libc::EAGAIN)),
+            ReadFailure::Empty
+        );
+        assert_eq!(
+            after_failed_read(&epoll, raw, &err(libc::EINTR)),
+            ReadFailure::Interrupted
+        );
+        assert_eq!(ready(&epoll), 1);
+        // The device is gone: the wait set no longer wakes for it.
+        assert_eq!(
+            after_failed_read(&epoll, raw, &err(libc::EIO)),
+            ReadFailure::Gone
+        );
+        assert_eq!(ready(&epoll), 0, "the wait set stays readable");
+    }
 
     #[test]
     fn a_completion_queue_overrun_or_a_fatal_queue_pair_is_logged_as_an_error() {

@@ -30,7 +30,8 @@ impl Socket {
     /// `SendFile`. The bytes are read into registered memory of this socket's context first (no mapping of the
     /// file), so the file may change afterwards without affecting what is sent. On a SOCK_SEQPACKET socket, a range
     /// that goes past the end of a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory
-    /// is taken for it.
+    /// is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
+    /// come before those of sends still in flight), or is refused where a send would be.
     pub fn sendfile(
         &self,
         eq: &EventQueue,

@@ -212,8 +212,9 @@ impl VerbsTransport {
 mod tests {
     use super::*;
 
+    /// The events `on_cm_event` answers with `flush_ep` (the flush itself needs a device).
     #[test]
-    fn a_disconnected_connection_has_its_queue_pair_flushed() {
+    fn a_disconnection_or_a_device_removal_is_what_flushes_a_queue_pair() {
         use rdma_cm_event_type::*;
         assert!(ends_connection(RDMA_CM_EVENT_DISCONNECTED));
         assert!(ends_connection(RDMA_CM_EVENT_DEVICE_REMOVAL));

@@ -354,6 +354,17 @@ impl VerbsTransport {
             // Seed 003: shared buffers this QP dequeued but had not completed are flushed now it is in error;
             // collect those completions while the QP still maps to this endpoint, so the buffers go back (some
             // devices drop a destroyed QP's completions from the queue).
+            //
+            // KNOWN GAP (review item 4, not fixed): the flush is asynchronous on rxe and mlx5, so this drain, the
+            // one after the destruction included, can run before the flush completion of a shared receive this QP
+            // had dequeued is written; the destruction then discards it, and its `recvs` record (with the engine's
+            // pool slot and lease) stays until the transport is dropped. The verbs way is to wait, after the move
+            // to error, for IBV_EVENT_QP_LAST_WQE_REACHED of this QP (read through `read_async_events`), bounded
+            // (~100 ms), then drain and destroy. Not done yet because: the event may already have come and gone
+            // (a DISCONNECTED moved the QP to error earlier, `flush_ep`), so what was seen must be remembered per
+            // QP number; another transport on the same device context may read it first (see `events`), so that
+            // memory would have to be shared by the process; and a kernel whose rxe never raises it would stall
+            // every release (under the engine's lock) for the whole bound.
             self.drain_cq();
         }
         // Windows still bound to the queue pair die first: it cannot be destroyed while they are bound, and their

@@ -553,3 +553,34 @@ fn a_stream_dropped_with_the_last_handle_of_its_context_still_delivers_what_it_w
     assert_eq!(got.len(), data.len());
     assert!(got == data, "every byte, in order");
 }
+
+/// A peer's write that failed on its way in (libfabric tcp reports a reset mid-write with the write's immediate and
+/// an error status) was taken as delivered: the stream moved past bytes that never arrived, and the reader read
+/// whatever its buffer held there. Now the connection ends, and every byte read is one the peer sent.
+#[test]
+fn a_write_that_fails_on_its_way_in_is_never_read_as_data() {
+    let (world, c, s) = connected(9192);
+    // The server is the world's first host: the first write into it fails part-way.
+    world.fail_next_incoming_write(0);
+    let data = pattern(4 << 20);
+    let writer = std::thread::spawn(move || {
+        let mut c = c;
+        let _ = c.write_all(&data);
+        data
+    });
+    let mut got = Vec::new();
+    let end = (&s).read_to_end(&mut got);
+    let data = writer.join().unwrap();
+    assert!(
+        got == data[..got.len()],
+        "{} bytes read, the first wrong one at {:?}",
+        got.len(),
+        got.iter().zip(&data).position(|(a, b)| a != b)
+    );
+    assert!(
+        end.is_err() || got.len() == data.len(),
+        "the stream ended early without an error: {end:?}, {} of {} bytes",
+        got.len(),
+        data.len()
+    );
+}

@@ -527,6 +527,14 @@ impl Conn {
                 Ok(incoming)
             }
             (Completed::RemoteWrite { imm }, _) => {
+                // A peer's write that failed on its way in (a reset mid-transfer, our own shutdown cutting it)
+                // carries its immediate too: its bytes did not all arrive, so it is the connection's end, never
+                // data (taken as data, the stream moved past bytes it never received).
+                match &c.status {
+                    Ok(()) => {}
+                    Err(WcError::Flushed) => return Ok(Incoming::Nothing),
+                    Err(e) => return Err(Fault::Transport(e.clone())),
+                }
                 self.on_write_imm(imm)?;
                 Ok(Incoming::Nothing)
             }

@@ -324,6 +324,7 @@ impl World {
                 answering: true,
                 panic_next_poll: false,
                 refuse_keys: false,
+                fail_next_incoming_write: false,
                 cq: VecDeque::new(),
                 cm: VecDeque::new(),
                 notify: notify.clone(),
@@ -444,6 +445,13 @@ impl World {
     /// windows): every exposure fails with [`crate::transport::TransportError::Resource`].
     pub fn refuse_keys(&self, host: usize, refused: bool) {
         lock(&self.net).hosts[host].refuse_keys = refused;
+    }
+
+    /// Fault schedule: the next write-with-immediate into `host` fails on its way in, as a connection reset mid-
+    /// transfer does on libfabric tcp: nothing of it lands, and `host` gets its immediate with an error status
+    /// (then the connection breaks).
+    pub fn fail_next_incoming_write(&self, host: usize) {
+        lock(&self.net).hosts[host].fail_next_incoming_write = true;
     }
 
     /// The host a raw transport of [`World::raw_host`] plays (for [`World::kill`] and friends).

@@ -65,6 +65,9 @@ pub(super) struct Host {
     pub(super) panic_next_poll: bool,
     /// Fault schedule: the device makes no remote keys (see [`World::refuse_keys`]).
     pub(super) refuse_keys: bool,
+    /// Fault schedule: the next write-with-immediate into this host fails on its way in (see
+    /// [`World::fail_next_incoming_write`]).
+    pub(super) fail_next_incoming_write: bool,
     /// The driver of a manual world skips this host's progress.
     pub(super) stalled: bool,
     pub(super) answering: bool,
@@ -422,6 +425,15 @@ impl Net {
             n,
             RemoteAccess::Write,
         ) {
+            return;
+        }
+        if let Some(imm) =
+            imm.filter(|_| std::mem::take(&mut self.hosts[th].fail_next_incoming_write))
+        {
+            let cut = || Err(WcError::Other("connection reset mid-write".into()));
+            self.complete(th, tep, 0, Completed::RemoteWrite { imm }, cut());
+            self.complete(fh, fep, wr.wr_id, Completed::Write, cut());
+            self.break_ep(th, tep);
             return;
         }
         let recv = match imm {

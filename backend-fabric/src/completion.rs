@@ -122,7 +122,15 @@ fn complete(
         data,
     } = entry;
     if op_context.is_null() {
-        // A write-with-immediate that consumed no receive (remote CQ data).
+        // A write-with-immediate that consumed no receive (remote CQ data). One that failed on its way in (a
+        // reset mid-transfer, our shutdown cutting it) is an error entry of the same shape: its status says so,
+        // and the protocol ends the connection on it. A success that carries no remote data names nothing.
+        let status = match status {
+            Ok(()) if flags & FI_REMOTE_CQ_DATA as u64 == 0 => Err(WcError::Other(
+                "a completion naming no request and carrying no remote data".into(),
+            )),
+            s => s,
+        };
         return Some(Completion {
             ep: id,
             wr_id: 0,

@@ -476,9 +476,23 @@ impl FabricTransport {
         // (`ofi_eq_remove_fid_events` in the tcp provider's close), so `read_eq` never sees the closed fid; events
         // read before the close name the endpoint by its id, which is looked up, not trusted.
         // SAFETY: closing the endpoint stops the provider from touching any posted buffer; then the queue.
-        unsafe {
-            exs_fi_close(&mut (*e.ep).fid);
-            exs_fi_close(&mut (*e.cq).fid);
+        let closed = unsafe {
+            let ep_ret = exs_fi_close(&mut (*e.ep).fid);
+            let cq_ret = exs_fi_close(&mut (*e.cq).fid);
+            (ep_ret, cq_ret)
+        };
+        if closed != (0, 0) {
+            // The provider may still hold the records' addresses (and DMA into their buffers): they are leaked,
+            // with their leases, rather than freed under it.
+            tracing::error!(
+                ?ep,
+                ep_ret = closed.0,
+                cq_ret = closed.1,
+                pending = e.pending.len(),
+                "fi_close of a released endpoint failed; its requests' buffers are kept for the process's life"
+            );
+            self.cq_backlog.retain(|c| c.ep != ep);
+            return;
         }
         for key in e.pending {
             // SAFETY: records still pending were leaked into the provider, which can no longer complete them now

@@ -38,7 +38,7 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Benchmarks beside the peers (--quick: a subset in under 5 minutes): CSV, SVG plots, bench/<suite>.md.
+    /// Benchmarks beside the peers (--quick: a subset, about ten minutes): CSV, SVG plots, bench/<suite>.md.
     Bench(bench::BenchArgs),
     /// A crate outside the workspace that depends on `exs` alone builds and runs the examples, and a first program
     /// with each backend feature alone and all together (part of `test`).

@@ -37,7 +37,8 @@ use streams::*;
 
 #[derive(Args)]
 pub struct BenchArgs {
-    /// A representative subset in under five minutes.
+    /// A representative subset: about ten minutes for the host suite on two cores (each target pair runs several
+    /// times a round).
     #[arg(long)]
     pub quick: bool,
     /// Repeats of every point (default 3; quick: 2 on the host, 1 in the Soft-RoCE guest).

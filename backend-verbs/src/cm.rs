@@ -7,7 +7,7 @@ use std::ptr;
 use exs_transport::{CmEvent, ConnectFailure, EndpointId, ListenerId};
 use rdma_sys::*;
 
-use crate::connection::{to_socketaddr, EpState};
+use crate::connection::{to_socketaddr, EpState, ReadDepths};
 use crate::{VerbsTransport, RESOLVE_TIMEOUT_MS, TAG_EP, TAG_LISTENER};
 
 /// Why `rdma_connect` failed, as the engine's reason. On iWARP the connection's TCP handshake happens inside the
@@ -53,9 +53,10 @@ impl VerbsTransport {
     /// Handles one rdma_cm event; returns what the engine should see.
     fn on_cm_event(&mut self, ev: *mut rdma_cm_event) -> Option<CmEvent> {
         // SAFETY: `ev` came from rdma_get_cm_event and is acknowledged by our caller after this returns.
-        let (kind, id, listen_id, status, data) = unsafe {
+        let (kind, id, listen_id, status, data, reads) = unsafe {
             let e = &*ev;
             let conn = &e.param.conn;
+            let reads = ReadDepths::of_event(conn);
             let data = if conn.private_data.is_null() || conn.private_data_len == 0 {
                 Vec::new()
             } else {
@@ -65,14 +66,14 @@ impl VerbsTransport {
                 )
                 .to_vec()
             };
-            (e.event, e.id, e.listen_id, e.status, data)
+            (e.event, e.id, e.listen_id, e.status, data, reads)
         };
         // SAFETY: ids in events are live (acknowledgment comes later); the context is what we set.
         let tag = unsafe { (*id).context as usize };
         let ep = EndpointId((tag & 0xffff_ffff) as u32);
         use rdma_cm_event_type::*;
         match kind {
-            RDMA_CM_EVENT_CONNECT_REQUEST => self.connect_request(id, listen_id, data),
+            RDMA_CM_EVENT_CONNECT_REQUEST => self.connect_request(id, listen_id, data, reads),
             _ if tag & TAG_EP == 0 => None,
             RDMA_CM_EVENT_ADDR_RESOLVED => self.addr_resolved(ep),
             RDMA_CM_EVENT_ROUTE_RESOLVED => self.route_resolved(ep),
@@ -96,7 +97,13 @@ impl VerbsTransport {
                     return None;
                 }
                 e.state = EpState::Connected;
-                let first = e.active && self.settings.limits.iwarp;
+                let active = e.active;
+                let first = active && self.settings.limits.iwarp;
+                if active {
+                    // What the accepting side granted (rdma_cm set our queue pair's depths from it).
+                    let ours = ReadDepths::offer(self.settings.read_depth);
+                    self.agreed(ep, ReadDepths::accept(ours, reads), reads);
+                }
                 self.addresses(ep);
                 if first {
                     self.send_first_message(ep);
@@ -127,6 +134,7 @@ impl VerbsTransport {
         id: *mut rdma_cm_id,
         listen_id: *mut rdma_cm_id,
         private: Vec<u8>,
+        reads: ReadDepths,
     ) -> Option<CmEvent> {
         // SAFETY: the listener's id is live; its context is the listener tag.
         let ltag = unsafe { (*listen_id).context as usize };
@@ -138,7 +146,8 @@ impl VerbsTransport {
             Self::reject_id(id);
             return None;
         }
-        let request = self.requests.insert(listener, id);
+        // The request's read depths are kept for the accept (see `accept_request`).
+        let request = self.requests.insert(listener, (id, reads));
         // SAFETY: live id.
         let peer = to_socketaddr(unsafe { rdma_get_peer_addr(&*id) } as *const _)
             .unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
@@ -177,7 +186,7 @@ impl VerbsTransport {
         }
         let e = self.eps.get_mut(&ep)?;
         e.state = EpState::Connecting;
-        let mut param = Self::conn_param(&private, self.settings.read_depth);
+        let mut param = Self::conn_param(&private, ReadDepths::offer(self.settings.read_depth));
         // SAFETY: live id with a QP; private data lives across the call (copied by rdma_connect).
         if unsafe { rdma_connect(e.id, &mut param) } != 0 {
             let err = std::io::Error::last_os_error();

@@ -42,6 +42,46 @@ pub(crate) enum EpState {
     Down,
 }
 
+/// The RDMA read depths of a connection from this side's point of view: `initiator`, the reads this side may have
+/// outstanding at the peer (its queue pair's `max_rd_atomic`); `responder`, the peer's reads this side holds at
+/// once (`max_dest_rd_atomic`). rdma_cm carries each in a byte. In a connection request or a reply the kernel has
+/// already turned the peer's values around (a requester's responder resources arrive as `initiator_depth`), so an
+/// event's `param.conn` reads the same way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct ReadDepths {
+    pub(crate) initiator: u8,
+    pub(crate) responder: u8,
+}
+
+impl ReadDepths {
+    /// What this side offers: `read_depth` both ways.
+    pub(crate) fn offer(read_depth: u32) -> ReadDepths {
+        let rd = read_depth.min(u32::from(u8::MAX)) as u8;
+        ReadDepths {
+            initiator: rd,
+            responder: rd,
+        }
+    }
+
+    /// As a connection-management event states them (see above).
+    pub(crate) fn of_event(conn: &rdma_conn_param) -> ReadDepths {
+        ReadDepths {
+            initiator: conn.initiator_depth,
+            responder: conn.responder_resources,
+        }
+    }
+
+    /// What the accepting side answers a request with: no more reads initiated than the requester holds (its
+    /// responder resources, `request.initiator`), no more resources than the requester will use (its initiator
+    /// depth, `request.responder`), and neither more than `ours`.
+    pub(crate) fn accept(ours: ReadDepths, request: ReadDepths) -> ReadDepths {
+        ReadDepths {
+            initiator: ours.initiator.min(request.initiator),
+            responder: ours.responder.min(request.responder),
+        }
+    }
+}
+
 pub(crate) struct Ep {
     pub(crate) id: *mut rdma_cm_id,
     pub(crate) qp: *mut ibv_qp,
@@ -59,6 +99,8 @@ pub(crate) struct Ep {
     pub(crate) windows: Vec<std::sync::Weak<MwSlot>>,
     /// Largest inline payload of this queue pair (as created).
     pub(crate) max_inline: u32,
+    /// The read depths agreed with the peer (accepted, or granted in the peer's accept); zero until then.
+    pub(crate) reads: ReadDepths,
     /// Where emulated immediates' payloads live when they are not sent inline (emulating transports only).
     pub(crate) imm_slab: Option<ImmSlab>,
     pub(crate) local: Option<SocketAddr>,
@@ -79,6 +121,7 @@ impl VerbsTransport {
             sq_cap: 0,
             windows: Vec::new(),
             max_inline: 0,
+            reads: ReadDepths::default(),
             imm_slab: None,
             local: None,
             peer: None,
@@ -143,19 +186,44 @@ impl VerbsTransport {
         self.post_many(ep, &mut batch)
     }
 
-    pub(crate) fn conn_param(private: &[u8], read_depth: u32) -> rdma_conn_param {
-        // rdma_cm carries the read depths in a byte.
-        let rd = read_depth.min(u32::from(u8::MAX)) as u8;
+    /// What `rdma_connect` or `rdma_accept` sends: our private data and read depths (see [`ReadDepths`]).
+    pub(crate) fn conn_param(private: &[u8], reads: ReadDepths) -> rdma_conn_param {
         rdma_conn_param {
             private_data: private.as_ptr() as *const c_void,
             private_data_len: private.len().min(255) as u8,
-            responder_resources: rd,
-            initiator_depth: rd,
+            responder_resources: reads.responder,
+            initiator_depth: reads.initiator,
             flow_control: 1,
             retry_count: 7,
             rnr_retry_count: 7,
             srq: 0,
             qp_num: 0,
+        }
+    }
+
+    /// Keeps (and logs) the read depths a connection agreed on. The engine takes its read depth from the
+    /// capabilities (one for every connection); a connection granted fewer holds the reads beyond them in its
+    /// queue pair, whose depth rdma_cm set to the agreed one, rather than sending more than the peer can take.
+    pub(crate) fn agreed(&mut self, ep: EndpointId, reads: ReadDepths, peer: ReadDepths) {
+        let ours = self.settings.read_depth;
+        if let Some(e) = self.eps.get_mut(&ep) {
+            e.reads = reads;
+        }
+        tracing::debug!(
+            ep = ep.0,
+            initiator = reads.initiator,
+            responder = reads.responder,
+            ours,
+            peer_initiator = peer.responder,
+            peer_responder = peer.initiator,
+            "read depths agreed"
+        );
+        if u32::from(reads.initiator) < ours {
+            tracing::info!(
+                ep = ep.0,
+                "the peer takes {} reads at once, fewer than our {ours}: the others wait on the device",
+                reads.initiator
+            );
         }
     }
 
@@ -232,7 +300,7 @@ impl VerbsTransport {
     pub(crate) fn stop_listening(&mut self, listener: ListenerId) {
         if let Some(id) = self.listeners.remove(&listener) {
             // Requests handed out and not answered are refused first: their ids outlive the listener's.
-            for id in self.requests.take_listener(listener) {
+            for (id, _) in self.requests.take_listener(listener) {
                 Self::reject_id(id);
             }
             // SAFETY: our listening id, removed from the table and destroyed once; every event naming it was
@@ -292,7 +360,7 @@ impl VerbsTransport {
     ) -> Result<(), TransportError> {
         // Checked before the request is taken: it stays for the engine to reject.
         id_free(&self.eps, ep)?;
-        let (_, id) = self
+        let (_, (id, offered)) = self
             .requests
             .take(request)
             .ok_or_else(|| TransportError::Invalid("unknown request".into()))?;
@@ -307,13 +375,16 @@ impl VerbsTransport {
             self.release_ep(ep);
             return Err(err);
         }
-        let mut param = Self::conn_param(private, self.settings.read_depth);
+        // Never more than the requester can take: rdma_cm moves our queue pair to the depths we accept with.
+        let reads = ReadDepths::accept(ReadDepths::offer(self.settings.read_depth), offered);
+        let mut param = Self::conn_param(private, reads);
         // SAFETY: live id with a QP; private data copied by the call.
         if unsafe { rdma_accept(id, &mut param) } != 0 {
             let err = os_err("rdma_accept");
             self.release_ep(ep);
             return Err(err);
         }
+        self.agreed(ep, reads, offered);
         Ok(())
     }
 
@@ -500,6 +571,32 @@ mod tests {
             "{e}"
         );
         assert!(id_free(&eps, EndpointId(8)).is_ok());
+    }
+
+    /// Review item: the accepting side sent its own read depth both ways whatever the request said, so against a
+    /// requester with fewer responder resources it initiated more reads than the requester could hold.
+    #[test]
+    fn an_accept_never_grants_more_reads_than_the_request_can_take() {
+        // A requester with initiator depth 8 and 4 responder resources, as the connection request's event states
+        // it (turned around by the kernel): we may initiate 4, it will initiate 8.
+        let event = rdma_conn_param {
+            initiator_depth: 4,
+            responder_resources: 8,
+            ..VerbsTransport::conn_param(&[], ReadDepths::default())
+        };
+        let request = ReadDepths::of_event(&event);
+        let reads = ReadDepths::accept(ReadDepths::offer(16), request);
+        let param = VerbsTransport::conn_param(&[], reads);
+        assert_eq!((param.initiator_depth, param.responder_resources), (4, 8));
+        // Our own depth bounds both when the request offers more.
+        let reads = ReadDepths::accept(ReadDepths::offer(2), request);
+        assert_eq!((reads.initiator, reads.responder), (2, 2));
+        // A request that takes no reads gets none initiated at it.
+        let none = ReadDepths::accept(ReadDepths::offer(16), ReadDepths::default());
+        assert_eq!((none.initiator, none.responder), (0, 0));
+        // rdma_cm carries a depth in a byte.
+        assert_eq!(ReadDepths::offer(1000), ReadDepths::offer(255));
+        assert_eq!(ReadDepths::offer(1000).initiator, 255);
     }
 
     #[test]

@@ -194,8 +194,9 @@ pub struct VerbsTransport {
     /// Identifiers of work requests, never reused (see [`queue`]).
     ids: WrIds,
     listeners: FxHashMap<ListenerId, *mut rdma_cm_id>,
-    /// Connection requests handed to the engine and not yet accepted or rejected, with their listener.
-    requests: PendingRequests<*mut rdma_cm_id>,
+    /// Connection requests handed to the engine and not yet accepted or rejected, with their listener and the read
+    /// depths they offer.
+    requests: PendingRequests<(*mut rdma_cm_id, connection::ReadDepths)>,
     next_listener: u32,
     cm_backlog: VecDeque<CmEvent>,
     /// Completions ready for the engine; `true` marks a shared receive (kept when its endpoint is released, so
@@ -251,6 +252,14 @@ impl VerbsTransport {
     pub fn settings(&self) -> &VerbsSettings {
         &self.settings
     }
+
+    /// The RDMA read depths a connection agreed with its peer, as (initiator depth, responder resources): reads
+    /// this side may have outstanding at the peer, and reads of the peer it holds at once. `None` for an unknown
+    /// endpoint; zeros until the connection is accepted or established.
+    pub fn read_depths(&self, ep: EndpointId) -> Option<(u32, u32)> {
+        let r = self.eps.get(&ep)?.reads;
+        Some((u32::from(r.initiator), u32::from(r.responder)))
+    }
 }
 
 impl Transport for VerbsTransport {
@@ -305,7 +314,7 @@ impl Transport for VerbsTransport {
     }
 
     fn reject(&mut self, request: RequestId) {
-        if let Some((_, id)) = self.requests.take(request) {
+        if let Some((_, (id, _))) = self.requests.take(request) {
             Self::reject_id(id);
         }
     }
@@ -390,7 +399,7 @@ impl Drop for VerbsTransport {
         for ep in eps {
             self.release(ep);
         }
-        for (_, id) in self.requests.take_all() {
+        for (_, (id, _)) in self.requests.take_all() {
             Self::reject_id(id);
         }
         let ls: Vec<ListenerId> = self.listeners.keys().copied().collect();

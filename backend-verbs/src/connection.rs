@@ -134,13 +134,37 @@ impl VerbsTransport {
         ep: EndpointId,
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
-        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        let id = self.eps.get(&ep).ok_or(TransportError::NoEndpoint)?.id;
         // SAFETY: live cm id; after address resolution its verbs context is set.
-        if unsafe { (*e.id).verbs } != self.ctx {
+        if unsafe { (*id).verbs } != self.ctx {
             return Err(TransportError::Unsupported(
                 "the peer is reached through another RDMA device".into(),
             ));
         }
+        let attr = self.create_fitting_qp(id)?;
+        let inline = self.qp_inline;
+        let e = self.eps.get_mut(&ep).ok_or(TransportError::NoEndpoint)?;
+        // SAFETY: rdma_create_qp set id->qp.
+        let qp = unsafe { (*e.id).qp };
+        e.qp = qp;
+        // What the queue pair got, but no more than was asked for (a provider may round up).
+        e.max_inline = attr.cap.max_inline_data.min(inline);
+        // rdma_create_qp wrote back the depth the queue pair got (at least the one asked for).
+        e.sq_cap = attr.cap.max_send_wr;
+        if self.settings.emulated_imm {
+            // Registered only where the payloads cannot go inline (see `emulated`).
+            let pd = (e.max_inline < 8).then_some(&self.pd);
+            e.imm_slab = Some(ImmSlab::new(pd, e.sq_cap)?);
+        }
+        // SAFETY: live QP.
+        let num = unsafe { (*qp).qp_num };
+        self.qpn.insert(num, ep);
+        let mut batch = recvs;
+        self.post_many(ep, &mut batch)
+    }
+
+    /// What an endpoint's queue pair asks for, with `inline` bytes of inline data.
+    fn qp_init_attr(&self, inline: u32) -> ibv_qp_init_attr {
         let mut attr: ibv_qp_init_attr = unsafe {
             // SAFETY: plain data, zero is valid before we fill it.
             std::mem::zeroed()
@@ -162,28 +186,41 @@ impl VerbsTransport {
             attr.srq = self.srq;
         }
         attr.cap.max_send_sge = self.caps.max_sge;
-        attr.cap.max_inline_data = self.settings.inline;
-        // SAFETY: live id with a resolved route (or a connection request), our PD, attr filled.
-        if unsafe { rdma_create_qp(e.id, self.pd.0, &mut attr) } != 0 {
-            return Err(os_err("rdma_create_qp"));
+        attr.cap.max_inline_data = inline;
+        attr
+    }
+
+    /// `rdma_create_qp` on `id`, with the inline size lowered ([`smaller_inline`]) while the device refuses the
+    /// queue pair for its size. The inline size was probed on a queue pair of one entry and one scatter/gather
+    /// entry (`device::probe_inline`); ours are deeper and wider, and on providers where inline data shares the
+    /// work-request size with the scatter/gather list the probed size can be refused for every connection. The
+    /// size that worked is kept for the next ones. Returns what the queue pair got.
+    fn create_fitting_qp(
+        &mut self,
+        id: *mut rdma_cm_id,
+    ) -> Result<ibv_qp_init_attr, TransportError> {
+        let mut inline = self.qp_inline;
+        loop {
+            let mut attr = self.qp_init_attr(inline);
+            // SAFETY: live id with a resolved route (or a connection request) and no queue pair (a refused
+            // creation leaves none), our PD, attr filled.
+            if unsafe { rdma_create_qp(id, self.pd.0, &mut attr) } == 0 {
+                if inline != self.qp_inline {
+                    tracing::warn!(
+                        "queue pairs take {inline} bytes inline, not the probed {}: using {inline} from now on",
+                        self.qp_inline
+                    );
+                    self.qp_inline = inline;
+                }
+                return Ok(attr);
+            }
+            let err = std::io::Error::last_os_error();
+            let Some(next) = smaller_inline(inline, err.raw_os_error()) else {
+                return Err(TransportError::os("rdma_create_qp", err));
+            };
+            tracing::debug!(%err, inline, next, "rdma_create_qp refused the queue pair; less inline data");
+            inline = next;
         }
-        // SAFETY: rdma_create_qp set id->qp.
-        let qp = unsafe { (*e.id).qp };
-        e.qp = qp;
-        // What the queue pair got, but no more than the settings say (a provider may round up).
-        e.max_inline = attr.cap.max_inline_data.min(self.settings.inline);
-        // rdma_create_qp wrote back the depth the queue pair got (at least the one asked for).
-        e.sq_cap = attr.cap.max_send_wr;
-        if self.settings.emulated_imm {
-            // Registered only where the payloads cannot go inline (see `emulated`).
-            let pd = (e.max_inline < 8).then_some(&self.pd);
-            e.imm_slab = Some(ImmSlab::new(pd, e.sq_cap)?);
-        }
-        // SAFETY: live QP.
-        let num = unsafe { (*qp).qp_num };
-        self.qpn.insert(num, ep);
-        let mut batch = recvs;
-        self.post_many(ep, &mut batch)
     }
 
     /// What `rdma_connect` or `rdma_accept` sends: our private data and read depths (see [`ReadDepths`]).
@@ -510,6 +547,17 @@ fn listen_error(addr: SocketAddr, call: &str, e: std::io::Error) -> TransportErr
     }
 }
 
+/// The inline size to ask for after `rdma_create_qp` refused a queue pair with `inline` bytes and `errno`, or
+/// `None` to give up: half as much, 0 below 8 bytes (less carries neither an emulated immediate nor a header),
+/// and only for the codes providers give for capabilities they cannot meet.
+fn smaller_inline(inline: u32, errno: Option<i32>) -> Option<u32> {
+    if inline == 0 || !matches!(errno, Some(libc::EINVAL | libc::ENOMEM)) {
+        return None;
+    }
+    let half = inline / 2;
+    Some(if half >= 8 { half } else { 0 })
+}
+
 /// Refuses an endpoint id that names a live endpoint: inserting over it would drop its record without destroying
 /// its queue pair or id, and leave the queue pair's number naming the new one.
 fn id_free<V>(eps: &FxHashMap<EndpointId, V>, ep: EndpointId) -> Result<(), TransportError> {
@@ -597,6 +645,25 @@ mod tests {
         // rdma_cm carries a depth in a byte.
         assert_eq!(ReadDepths::offer(1000), ReadDepths::offer(255));
         assert_eq!(ReadDepths::offer(1000).initiator, 255);
+    }
+
+    /// Review item: the inline size was probed on a one-entry queue pair and then asked of every real one as it
+    /// was; a device that refuses it at our depth and scatter/gather count refused every connection.
+    #[test]
+    fn a_queue_pair_refused_for_its_inline_size_is_retried_with_half_down_to_none() {
+        let mut tries = vec![];
+        let mut inline = 256;
+        while let Some(next) = smaller_inline(inline, Some(libc::EINVAL)) {
+            tries.push(next);
+            inline = next;
+        }
+        assert_eq!(tries, [128, 64, 32, 16, 8, 0]);
+        assert_eq!(smaller_inline(12, Some(libc::ENOMEM)), Some(0));
+        // Refusals that are not about the queue pair's size, and no errno at all, end the retries.
+        assert_eq!(smaller_inline(256, Some(libc::EPERM)), None);
+        assert_eq!(smaller_inline(256, None), None);
+        // Nothing inline refused as well: the refusal stands.
+        assert_eq!(smaller_inline(0, Some(libc::EINVAL)), None);
     }
 
     #[test]

@@ -181,7 +181,8 @@ pub fn device_for(addr: std::net::IpAddr) -> Result<String, TransportError> {
 
 /// The largest inline payload a reliable-connected queue pair of this device accepts, found by creating (and
 /// destroying at once) queue pairs that are never connected: verbs reports it only per queue pair. Each try halves
-/// the request; a device that accepts none sends nothing inline.
+/// the request; a device that accepts none sends nothing inline. The connections' queue pairs are deeper and
+/// wider than the probe's: one refused with this size is asked again with less (`create_fitting_qp`).
 fn probe_inline(pd: *mut ibv_pd, cq: *mut ibv_cq) -> u32 {
     let mut want = PROBE_INLINE;
     loop {
@@ -389,6 +390,7 @@ impl VerbsTransport {
             cq_budget,
             epoll,
             caps: capabilities(&settings),
+            qp_inline: settings.inline,
             settings,
             eps: FxHashMap::default(),
             qpn: FxHashMap::default(),

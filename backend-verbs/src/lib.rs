@@ -185,6 +185,9 @@ pub struct VerbsTransport {
     caps: Capabilities,
     /// What this transport uses (emulated immediates, memory windows, read sinks, depths, inline size).
     settings: VerbsSettings,
+    /// The inline size queue pairs are created with: the settings' at first, lowered for good when the device
+    /// refuses a queue pair with it (`connection::create_fitting_qp`).
+    qp_inline: u32,
     eps: FxHashMap<EndpointId, Ep>,
     qpn: FxHashMap<u32, EndpointId>,
     /// Posted receives: the endpoint they were posted on, or `None` for the shared receive queue.

@@ -4,11 +4,13 @@
 use std::sync::Arc;
 
 use exs_dma::{DmaBuf, Lease};
-use exs_transport::{EndpointId, Exposure, Registration, RemoteAccess, RemoteRef, TransportError};
+use exs_transport::{
+    EndpointId, Exposure, KeyedLease, Registration, RemoteAccess, RemoteRef, TransportError,
+};
 use rdma_sys::*;
 
 use crate::connection::EpState;
-use crate::memory::{reg_mr, BindHold, Exposed, MrKey, MwSlot, VerbsRegistration, WindowKey};
+use crate::memory::{reg_mr, BindHold, MrKey, MwSlot, VerbsRegistration, WindowKey};
 use crate::{os_err, VerbsTransport};
 
 impl VerbsTransport {
@@ -60,7 +62,7 @@ impl VerbsTransport {
             _reg: Arc::clone(reg),
             _pd: Arc::clone(&self.pd),
         };
-        Ok(Box::new(Exposed::new(remote, lease, key)))
+        Ok(Box::new(KeyedLease::new(remote, lease, key)))
     }
 
     /// A window binds only on a connected queue pair with a free send-queue entry (completions waiting in the
@@ -168,7 +170,7 @@ impl VerbsTransport {
             addr: lease.addr(),
             key: u64::from(rkey),
         };
-        Ok(Box::new(Exposed::new(
+        Ok(Box::new(KeyedLease::new(
             remote,
             lease,
             MrKey::new(mr, &self.pd),

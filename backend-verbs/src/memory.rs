@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use exs_dma::{DmaBuf, Lease};
-use exs_transport::{Exposure, Registration, RemoteRef, TransportError};
+use exs_transport::{Registration, Revoke, TransportError};
 use rdma_sys::*;
 
 /// The protection domain, shared with registrations and windows so it is deallocated last.
@@ -178,6 +178,8 @@ pub(crate) struct MrKey {
     pub(crate) _pd: Arc<Pd>,
     /// `ibv_dereg_mr` (a stand-in in tests, which have no device).
     pub(crate) dereg: fn(*mut ibv_mr) -> i32,
+    /// The deregistration failed: the key may still name the range.
+    pub(crate) failed: bool,
 }
 
 impl MrKey {
@@ -186,6 +188,7 @@ impl MrKey {
             mr: MrPtr(mr),
             _pd: Arc::clone(pd),
             dereg,
+            failed: false,
         }
     }
 }
@@ -202,11 +205,18 @@ impl std::fmt::Debug for MrPtr {
     }
 }
 
-impl KeyEnd for MrKey {
-    /// Deregisters the range; if that fails its key may still be valid, so the lease is never released.
-    fn end(&mut self, lease: Lease) {
+impl Revoke for MrKey {
+    /// Deregisters the range, once.
+    fn revoke(&mut self) {
         let mr = std::mem::replace(&mut self.mr.0, std::ptr::null_mut());
         if !mr.is_null() && (self.dereg)(mr) != 0 {
+            self.failed = true;
+        }
+    }
+
+    /// Releases the lease, unless the deregistration failed: its key may still be valid, so it never is.
+    fn release(&mut self, lease: Lease) {
+        if self.failed {
             std::mem::forget(lease);
         }
     }
@@ -346,14 +356,6 @@ pub(crate) struct BindHold {
     pub(crate) _reg: Arc<dyn Registration>,
 }
 
-/// What ends a key when its exposure goes, and decides when the exposure's lease goes: at once once the key is
-/// revoked, later (a window whose bind is still queued keeps it), or never (a key that could not be revoked may
-/// still name the range).
-pub(crate) trait KeyEnd: Send + std::fmt::Debug {
-    /// Revokes the key, or arranges it; `lease` is the exposed range's.
-    fn end(&mut self, lease: Lease);
-}
-
 /// A window's key: the window, shared with its bind's record while the bind is queued (field order: the slot goes
 /// before the registration it binds over).
 #[derive(Debug)]
@@ -363,80 +365,14 @@ pub(crate) struct WindowKey {
     pub(crate) _pd: Arc<Pd>,
 }
 
-impl KeyEnd for WindowKey {
-    /// Parks the lease on the window: released when the window is deallocated, which is when the slot's last
-    /// holder goes (this key right after, unless a queued bind still holds it).
-    fn end(&mut self, lease: Lease) {
+impl Revoke for WindowKey {
+    /// Nothing yet: the window is deallocated when the slot's last holder goes (this key right after its lease is
+    /// parked, unless a queued bind still holds the slot).
+    fn revoke(&mut self) {}
+
+    /// Parks the lease on the window: released when the window is deallocated.
+    fn release(&mut self, lease: Lease) {
         self.slot.park(lease);
-    }
-}
-
-/// The backend's exposures: a key, the leased range it names, and what ends the key ([`KeyEnd`]), which also says
-/// when the lease goes (exs-transport's `KeyedLease` always releases it right after revoking).
-#[derive(Debug)]
-pub(crate) struct Exposed<K: KeyEnd> {
-    remote: RemoteRef,
-    /// Always `Some` until dropped.
-    lease: Option<Lease>,
-    key: K,
-}
-
-impl<K: KeyEnd> Exposed<K> {
-    pub(crate) fn new(remote: RemoteRef, lease: Lease, key: K) -> Self {
-        Exposed {
-            remote,
-            lease: Some(lease),
-            key,
-        }
-    }
-
-    fn lease(&self) -> &Lease {
-        self.lease
-            .as_ref()
-            .expect("the lease is taken only when dropped")
-    }
-
-    fn lease_mut(&mut self) -> &mut Lease {
-        self.lease
-            .as_mut()
-            .expect("the lease is taken only when dropped")
-    }
-}
-
-impl<K: KeyEnd> Drop for Exposed<K> {
-    fn drop(&mut self) {
-        if let Some(lease) = self.lease.take() {
-            self.key.end(lease);
-        }
-    }
-}
-
-impl<K: KeyEnd> Exposure for Exposed<K> {
-    fn remote(&self) -> RemoteRef {
-        self.remote
-    }
-    fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.lease()
-            .read(offset, dst)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self.lease_mut()
-            .write(offset, src)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn fill_from(
-        &mut self,
-        offset: usize,
-        src: &DmaBuf,
-        src_offset: usize,
-        len: usize,
-    ) -> Result<(), TransportError> {
-        src.copy_into(src_offset, self.lease_mut(), offset, len)
-            .map_err(|e| TransportError::Invalid(e.to_string()))
-    }
-    fn len(&self) -> usize {
-        self.lease().len()
     }
 }
 
@@ -444,6 +380,7 @@ impl<K: KeyEnd> Exposure for Exposed<K> {
 mod tests {
     use super::*;
     use exs_dma::LeaseKind;
+    use exs_transport::{KeyedLease, RemoteRef};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     static DEALLOCS: AtomicUsize = AtomicUsize::new(0);
@@ -523,8 +460,9 @@ mod tests {
             mr: MrPtr(std::ptr::NonNull::dangling().as_ptr()),
             _pd: Arc::clone(&pd),
             dereg: failing_dereg,
+            failed: false,
         };
-        let exposed = Exposed::new(RemoteRef { addr: 0, key: 1 }, lease, key);
+        let exposed = KeyedLease::new(RemoteRef { addr: 0, key: 1 }, lease, key);
         drop(exposed);
         std::mem::forget(pd);
         assert!(

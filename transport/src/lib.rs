@@ -153,8 +153,15 @@ pub trait Exposure: Send + fmt::Debug {
 
 /// What revokes a remote key when its exposure goes: a backend's registration of the range, or its memory window.
 pub trait Revoke: Send + fmt::Debug {
-    /// Makes the key useless (deregister, deallocate the window); called once, before the lease is released.
+    /// Makes the key useless (deregister, deallocate the window), or arranges it; called once, before the lease is
+    /// handed to [`Revoke::release`].
     fn revoke(&mut self);
+    /// Takes the exposed range's lease once the key is revoked; by default it is released at once. A backend whose
+    /// key is revoked later (a memory window a queued bind still names) keeps it until then, and one whose key could
+    /// not be revoked (and may still name the range) never releases it.
+    fn release(&mut self, lease: Lease) {
+        drop(lease);
+    }
 }
 
 /// No key to revoke (a receive only this side writes into).
@@ -171,7 +178,8 @@ impl Revoke for NoKey {
 pub struct KeyedLease<R: Revoke> {
     remote: RemoteRef,
     revoke: R,
-    lease: Lease,
+    /// Always `Some` until dropped (then handed to [`Revoke::release`]).
+    lease: Option<Lease>,
 }
 
 impl<R: Revoke> KeyedLease<R> {
@@ -180,14 +188,29 @@ impl<R: Revoke> KeyedLease<R> {
         KeyedLease {
             remote,
             revoke,
-            lease,
+            lease: Some(lease),
         }
+    }
+
+    fn lease(&self) -> &Lease {
+        self.lease
+            .as_ref()
+            .expect("the lease is taken only when dropped")
+    }
+
+    fn lease_mut(&mut self) -> &mut Lease {
+        self.lease
+            .as_mut()
+            .expect("the lease is taken only when dropped")
     }
 }
 
 impl<R: Revoke> Drop for KeyedLease<R> {
     fn drop(&mut self) {
         self.revoke.revoke();
+        if let Some(lease) = self.lease.take() {
+            self.revoke.release(lease);
+        }
     }
 }
 
@@ -196,12 +219,12 @@ impl<R: Revoke> Exposure for KeyedLease<R> {
         self.remote
     }
     fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), TransportError> {
-        self.lease
+        self.lease()
             .read(offset, dst)
             .map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), TransportError> {
-        self.lease
+        self.lease_mut()
             .write(offset, src)
             .map_err(|e| TransportError::Invalid(e.to_string()))
     }
@@ -212,11 +235,11 @@ impl<R: Revoke> Exposure for KeyedLease<R> {
         src_offset: usize,
         len: usize,
     ) -> Result<(), TransportError> {
-        src.copy_into(src_offset, &mut self.lease, offset, len)
+        src.copy_into(src_offset, self.lease_mut(), offset, len)
             .map_err(|e| TransportError::Invalid(e.to_string()))
     }
     fn len(&self) -> usize {
-        self.lease.len()
+        self.lease().len()
     }
 }
 

@@ -291,10 +291,15 @@ impl Engine {
     /// Why a send on `sid` would be refused now, if it would (shut down for writing, not connected, down): what
     /// a send of nothing checks, having nothing to hand over.
     pub(crate) fn check_sendable(&mut self, sid: SocketId) -> R<(), StateError> {
+        self.sendable_conn(sid).map(|_| ())
+    }
+
+    /// The open connection a send on `sid` goes out on, or why it would be refused.
+    fn sendable_conn(&mut self, sid: SocketId) -> R<&mut Conn, StateError> {
         if self.sock(sid)?.shut_write {
             return Err(StateError::Shutdown);
         }
-        self.open_conn(sid).map(|_| ())
+        self.open_conn(sid)
     }
 
     /// The open connection of a socket, or why there is none.
@@ -321,10 +326,7 @@ impl Engine {
         ticket: &mut Option<Ticket>,
     ) -> R<(), SendError> {
         slice.check(self.ctx_id)?;
-        if self.sock(sid)?.shut_write {
-            return Err(StateError::Shutdown.into());
-        }
-        let conn = self.open_conn(sid)?;
+        let conn = self.sendable_conn(sid)?;
         let plan = conn.plan_send(slice.len(), flags, offset)?;
         let ep = conn.ep;
         let sge = slice.lease(plan.lease_kind())?;

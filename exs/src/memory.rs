@@ -216,6 +216,12 @@ impl MemoryRegion {
     /// Under the trusted-peer policy ([`crate::ExposurePolicy::TrustedPeers`]) the keys the region's connections
     /// hold for it are not counted as uses: they are revoked here.
     pub fn deregister(&self) -> Result<(), MemoryError> {
+        self.deregister_if(false)
+    }
+
+    /// [`MemoryRegion::deregister`]; with `unheld`, also refused while anything but the region and its
+    /// registration holds the buffer or the registration (see [`MemoryRegion::into_dma_buf`]).
+    fn deregister_if(&self, unheld: bool) -> Result<(), MemoryError> {
         // The engine's lock before the region's: the engine leases slices while it holds its own.
         let shared = self.inner.ctx.upgrade();
         let mut engine = shared.as_ref().map(|s| s.lock());
@@ -226,6 +232,15 @@ impl MemoryRegion {
         let leases = self.inner.buf.lease_count().saturating_sub(keys);
         if leases > 0 {
             return Err(MemoryError::InUse { leases });
+        }
+        // A lease dropped on another thread lets go of its table entry first, then of the buffer, and its
+        // scatter/gather entry of the registration after that: in between, no lease is counted but the buffer
+        // cannot be handed back yet. Nothing new can take hold meanwhile (leases are taken under `reg`).
+        let held = |r: &Arc<dyn Registration>| {
+            Arc::strong_count(&self.inner.buf) > 2 || Arc::strong_count(r) > 1
+        };
+        if unheld && keys == 0 && reg.as_ref().is_some_and(held) {
+            return Err(MemoryError::InUse { leases: 0 });
         }
         if keys > 0 {
             if let Some(e) = engine.as_mut() {
@@ -254,7 +269,7 @@ impl MemoryRegion {
             let leases = self.inner.buf.lease_count();
             return Err((self, MemoryError::InUse { leases }));
         }
-        if let Err(e) = self.deregister() {
+        if let Err(e) = self.deregister_if(true) {
             return Err((self, e));
         }
         let inner = match Arc::try_unwrap(self.inner) {

@@ -228,6 +228,33 @@ fn a_region_given_back_as_vec_only_when_unused() {
 }
 
 #[test_log::test]
+fn a_region_refused_back_because_its_buffer_is_held_stays_registered() {
+    // A lease dropped on another thread lets go of its table entry before its hold on the buffer. A region handed
+    // back in that moment was deregistered and then refused (the C API's exs_mderegister said EBUSY, "nothing
+    // changed", and the next send on the handle failed). Here a clone of the buffer stands for that hold.
+    let p = pair(SockType::SeqPacket);
+    let theirs = DmaBuf::from_vec(vec![0; 16]);
+    let held = std::sync::Arc::clone(&theirs);
+    let dst = MemoryRegion::from_dma_buf(&p.b, theirs).unwrap();
+    let (dst, e) = dst.into_dma_buf().unwrap_err();
+    assert_eq!(e, MemoryError::InUse { leases: 0 });
+    p.server
+        .recv(&p.eq_b, &dst.slice(..16), MsgFlags::NONE, 1)
+        .expect("still registered after the refusal");
+    let src = p.client_region(b"still in".to_vec());
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    assert!(wait(&p.eq_b).is_ok());
+    assert!(wait(&p.eq_a).is_ok());
+    drop(held);
+    let buf = dst.into_dma_buf().unwrap();
+    let mut got = [0u8; 8];
+    buf.read_at(0, &mut got).unwrap();
+    assert_eq!(&got, b"still in");
+}
+
+#[test_log::test]
 fn a_region_gives_its_buffer_back_only_when_nothing_holds_it() {
     // The C API's exs_mderegister: a program's own memory is registered in place and handed back only once exs
     // holds nothing of it (issue 30).

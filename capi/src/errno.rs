@@ -118,6 +118,14 @@ impl ToErrno for TransportError {
             TransportError::Resource(_) => libc::ENOMEM,
             TransportError::NoEndpoint => libc::ENOTCONN,
             TransportError::Backend { error, .. } => error.errno(),
+            // The call's own code where it is an errno (libfabric's negative codes below 256 are errnos too):
+            // `EFAULT` from a registration of memory the device cannot use says more than its kind's `EIO`.
+            TransportError::Os { call, kind, .. } => {
+                match i32::try_from(call.code.unsigned_abs()) {
+                    Ok(code @ 1..=255) => code,
+                    _ => kind_errno(*kind),
+                }
+            }
             other => kind_errno(other.io_kind()),
         }
     }
@@ -203,6 +211,35 @@ op_errno! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A registration the device refused (`ibv_reg_mr` of read-only memory: `EFAULT`) reached C as `EIO`, which
+    /// the API keeps for a panic: the code's kind has no name in `std::io`. Now the call's own code is the errno.
+    #[test]
+    fn a_failed_call_gives_its_own_code_as_the_errno() {
+        let reg = TransportError::os(
+            "ibv_reg_mr",
+            std::io::Error::from_raw_os_error(libc::EFAULT),
+        );
+        assert_eq!(reg.errno(), libc::EFAULT);
+        assert_eq!(MemoryError::Transport(reg).errno(), libc::EFAULT);
+        // A libfabric code is negative; one with no errno behind it (FI_EOTHER) falls back on its kind.
+        let fi = |code: i64, kind| TransportError::Os {
+            call: exs::transport::CallError {
+                call: "fi_mr_reg".into(),
+                code,
+            },
+            kind,
+            message: String::new(),
+        };
+        assert_eq!(
+            fi(-libc::EACCES as i64, std::io::ErrorKind::PermissionDenied).errno(),
+            libc::EACCES
+        );
+        assert_eq!(
+            fi(-256, std::io::ErrorKind::OutOfMemory).errno(),
+            libc::ENOMEM
+        );
+    }
 
     #[test]
     fn a_socket_user_gets_the_errno_of_each_error() {

@@ -107,7 +107,18 @@ impl<T: Clone> Table<T> {
     /// makes and deletes handles for ever never runs out, and a new handle never takes a live one's number.
     /// `EMFILE` only if every number is in use.
     pub(crate) fn insert_new(&self, v: T) -> Result<c_int, Errno> {
+        self.insert_new_unless(v, |_| Ok(()))
+    }
+
+    /// [`Table::insert_new`], unless `refuse` finds a reason in the handles filed already (looked at under the same
+    /// write lock as the insertion, so that two insertions cannot both pass it).
+    pub(crate) fn insert_new_unless(
+        &self,
+        v: T,
+        refuse: impl FnOnce(&BTreeMap<c_int, T>) -> Result<(), Errno>,
+    ) -> Result<c_int, Errno> {
         let mut map = self.write();
+        refuse(&map)?;
         let mut h = self.next.load(Ordering::Relaxed);
         // At most `map.len()` numbers are taken, so one more try than that finds a free one if any is.
         for _ in 0..=map.len() {

@@ -34,9 +34,10 @@ pub extern "C" fn exs_qcreate(depth: c_int) -> exs_qhandle_t {
 
 /// Deletes an event queue (ES-API `exs_qdelete`); events still in it are discarded (an accepted socket among
 /// them is closed). -1 with `errno`: `EBADF`, `EBUSY` while operations started on it have not completed (their
-/// events would have nowhere to go: close their sockets or dequeue first). An operation that another thread
-/// starts on the queue meanwhile either started before (`EBUSY` here) or fails with `EBADF`: none starts on a
-/// deleted queue.
+/// events would have nowhere to go: close their sockets or dequeue first) or while another thread waits in
+/// `exs_qdequeue` on it (a deleted queue would keep it waiting for events that can no longer come). An operation
+/// that another thread starts on the queue meanwhile either started before (`EBUSY` here) or fails with `EBADF`:
+/// none starts on a deleted queue.
 #[no_mangle]
 pub extern "C" fn exs_qdelete(qh: exs_qhandle_t) -> c_int {
     call(|| {
@@ -78,7 +79,7 @@ where
     Ok(0)
 }
 
-/// Operations being started on each queue (see [`start_on`]).
+/// Operations being started, and dequeues under way, on each queue (see [`start_on`] and [`exs_qdequeue`]).
 static STARTING: Mutex<BTreeMap<exs_qhandle_t, usize>> = Mutex::new(BTreeMap::new());
 
 fn count_start(qh: exs_qhandle_t, more: bool) {
@@ -99,7 +100,7 @@ fn starting(qh: exs_qhandle_t) -> usize {
     m.get(&qh).copied().unwrap_or(0)
 }
 
-/// One start counted for its queue until it is over.
+/// One start (or dequeue) counted for its queue until it is over.
 struct Starting(exs_qhandle_t);
 
 impl Drop for Starting {
@@ -162,7 +163,13 @@ pub unsafe extern "C" fn exs_qdequeue(
     timeout: *const timespec,
 ) -> c_int {
     call(|| {
-        let eq = QUEUES.get(qh)?;
+        // Counted like a start (under the table's read lock), so that `exs_qdelete` refuses the queue while this
+        // waits on it.
+        let eq = QUEUES.with(qh, |eq| {
+            count_start(qh, true);
+            eq.clone()
+        })?;
+        let _dequeuing = Starting(qh);
         let n = nevents.unsigned_abs() as usize;
         if events.is_null() || n == 0 {
             return Err(Errno(libc::EINVAL));
@@ -331,6 +338,40 @@ mod tests {
             panic!("an operation started on a deleted queue")
         });
         assert_eq!(late, Err(Errno(libc::EBADF)));
+    }
+
+    /// Thread A waits in `exs_qdequeue` while thread B deletes the queue. B's delete returned 0, and A went on
+    /// waiting on a queue nothing could reach any more (for ever, without a timeout). Now B gets `EBUSY` while A
+    /// waits, and the delete succeeds once A's wait is over.
+    #[test]
+    fn a_queue_is_not_deleted_while_a_thread_waits_in_dequeue_on_it() {
+        let qh = exs_qcreate(4);
+        assert!(qh > 0, "errno {}", errno());
+        let waiter = thread::spawn(move || {
+            let mut ev = NO_EVENT;
+            let wait = timespec {
+                tv_sec: 1,
+                tv_nsec: 0,
+            };
+            // SAFETY: one event's room, and a timespec.
+            (unsafe { exs_qdequeue(qh, &mut ev, 1, &wait) }, errno())
+        });
+        // Until the waiter is counted (at most 500 ms: before the fix it never was).
+        let t0 = std::time::Instant::now();
+        while starting(qh) == 0 && t0.elapsed() < Duration::from_millis(500) {
+            thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            (exs_qdelete(qh), errno()),
+            (-1, libc::EBUSY),
+            "a thread waits on the queue"
+        );
+        assert_eq!(
+            waiter.join().unwrap().0,
+            0,
+            "the wait ends at its timeout, with no event"
+        );
+        assert_eq!(exs_qdelete(qh), 0);
     }
 
     /// A wait for three events on a simulated fabric that goes idle after two: the dequeue took the two, then

@@ -537,3 +537,177 @@ fn a_persistent_send_ended_while_the_message_before_it_is_read_completes_both() 
     );
     message_received_and_both_sends_done(&p, &want, &dst);
 }
+
+/// Events of `eq` until one of `kind` (at most 16).
+fn until_kind(eq: &EventQueue, kind: EventKind) -> Vec<exs::Event> {
+    let mut seen = Vec::new();
+    for _ in 0..16 {
+        let e = wait(eq);
+        let last = e.kind == kind;
+        seen.push(e);
+        if last {
+            return seen;
+        }
+    }
+    panic!("no {kind:?} event among {seen:?}");
+}
+
+/// A notifying persistent send ended while the peer's read of it was in flight: the peer's read notification
+/// carried the acknowledgment of the ended send, which was taken first and retired it, and the notification then
+/// named an unknown advert, a violation that closed the connection. Now the notification comes first, and the
+/// send completes.
+#[test]
+fn a_read_notification_crossing_the_end_of_its_send_keeps_the_connection() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(1000, 3));
+    p.client
+        .send(
+            &p.eq_a,
+            &src.all(),
+            MsgFlags::PERSISTENT | MsgFlags::NOTIFY,
+            7,
+        )
+        .unwrap();
+    p.world.run_until_idle(100_000);
+    let dst = p.server_region(1000);
+    // The read starts at once; the end crosses it.
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    p.client.end_persistent().unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 1000, "{r:?}");
+    let seen = until_kind(&p.eq_a, EventKind::Send);
+    assert!(seen.iter().all(|e| e.is_ok()), "{seen:?}");
+    let (s, r, got) = p.transfer(&pattern(500, 9), 3000);
+    assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
+    assert_bytes_eq(&got, &pattern(500, 9), "a message after it");
+}
+
+/// A persistent receive ended while its advert still waited at the peer behind an unread message: the peer
+/// looked for it only among persistent sends and in the persistent receive it had taken, found nothing, and
+/// closed the connection for a violation (the message was lost). Now the peer lets it go when it reaches the
+/// head, confirming the end, and the message is read.
+#[test]
+fn ending_a_persistent_receive_behind_an_unread_message_lets_it_go() {
+    let p = pair(SockType::SeqPacket);
+    let want = pattern(2000, 4);
+    let msg = p.client_region(want.clone());
+    p.client
+        .send(&p.eq_a, &msg.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    let mine = p.client_region(vec![0; 4096]);
+    p.client
+        .recv(&p.eq_a, &mine.all(), MsgFlags::PERSISTENT, 2)
+        .unwrap();
+    p.world.run_until_idle(100_000);
+    p.client.end_persistent().unwrap();
+    p.world.run_until_idle(100_000);
+    let dst = p.server_region(2000);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 10)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 2000, "{r:?}");
+    assert_bytes_eq(&dst.to_vec().unwrap(), &want, "the message");
+    let mut done = [wait(&p.eq_a), wait(&p.eq_a)];
+    done.sort_by_key(|e| e.context);
+    assert_eq!(
+        (done[0].kind, done[0].status.clone()),
+        (EventKind::Send, Ok(()))
+    );
+    assert_eq!(
+        (done[1].kind, done[1].status.clone()),
+        (EventKind::Recv, Ok(())),
+        "the persistent receive ends when the peer confirms"
+    );
+    let (s, r, got) = p.transfer(&pattern(500, 9), 3000);
+    assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
+    assert_bytes_eq(&got, &pattern(500, 9), "a message after it");
+}
+
+/// The server closes gracefully with a send the client has not received yet, while the client ends its
+/// persistent send: the close had let go of the client's adverts, the end then named an unknown advert, and the
+/// violation turned the graceful close abortive (the server's send failed). Now the end is let go, and the send
+/// is delivered.
+#[test]
+fn a_persistent_end_crossing_a_graceful_close_keeps_it_graceful() {
+    let p = pair(SockType::SeqPacket);
+    let ps = p.client_region(pattern(3000, 5));
+    p.client
+        .send(&p.eq_a, &ps.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    let want = pattern(700, 6);
+    let reply = p.server_region(700);
+    reply.write(0, &want).unwrap();
+    p.server
+        .send(&p.eq_b, &reply.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    p.world.run_until_idle(100_000);
+    p.server.close().unwrap();
+    p.client.end_persistent().unwrap();
+    let dst = p.client_region(vec![0; 700]);
+    p.client
+        .recv(&p.eq_a, &dst.all(), MsgFlags::NONE, 3)
+        .unwrap();
+    let s = until_kind(&p.eq_b, EventKind::Send);
+    assert_eq!(
+        s.last().map(|e| e.status.clone()),
+        Some(Ok(())),
+        "the server's send: {s:?}"
+    );
+    let mut got = [wait(&p.eq_a), wait(&p.eq_a)];
+    got.sort_by_key(|e| e.context);
+    assert_eq!((got[1].context, got[1].status.clone()), (3, Ok(())));
+    assert_bytes_eq(&dst.to_vec().unwrap(), &want, "the server's message");
+    // The persistent send ends with the server's close, never with a violation.
+    assert!(
+        matches!(got[0].status, Ok(()) | Err(OpError::PeerClosed)),
+        "{:?}",
+        got[0]
+    );
+}
+
+/// A persistent receive whose advert waited for a credit when its socket closed: its receive ended (cancelled),
+/// but the advert still went out once a credit came back, and the peer got a key to write into memory nobody
+/// would read. Now it never leaves.
+#[test]
+fn a_persistent_receive_closed_before_its_advert_left_is_never_advertised() {
+    let p = pair(SockType::SeqPacket);
+    let msg = p.client_region(pattern(100, 8));
+    // Every advert credit taken by messages the server has not received.
+    let mut sent = 0u64;
+    while p.client.stats().unwrap().message.credit_waits == 0 {
+        p.client
+            .send(&p.eq_a, &msg.all(), MsgFlags::NONE, 100 + sent)
+            .unwrap();
+        sent += 1;
+        assert!(sent <= 256, "no credit wait after {sent} sends");
+    }
+    p.world.run_until_idle(100_000);
+    let mine = p.client_region(vec![0; 4096]);
+    p.client
+        .recv(&p.eq_a, &mine.all(), MsgFlags::PERSISTENT, 2)
+        .unwrap();
+    p.client.close().unwrap();
+    // The server takes every message: the credits come back.
+    let dst = p.server_region(100);
+    let mut adverts = 0;
+    for i in 0..sent {
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, i)
+            .unwrap();
+        assert!(wait(&p.eq_b).is_ok());
+    }
+    // Until the connection is gone (the client's close), what reached the server.
+    while let Some(s) = p.server.stats() {
+        adverts = s.message.adverts_received;
+        if !p.world.drive() {
+            break;
+        }
+    }
+    assert_eq!(
+        adverts, sent,
+        "an advert besides the messages' reached the server after the close"
+    );
+}

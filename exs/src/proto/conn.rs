@@ -645,6 +645,11 @@ impl Conn {
                 context: "before the handshake",
             });
         };
+        // A read notification tells of a read that came before the acknowledgment it carries (the peer may consume
+        // an ended persistent send right after that read): it is taken first, while its send is outstanding.
+        if let (Body::ReadNotify { seq }, Mode::Message(m)) = (&msg.body, &mut *mode) {
+            m.on_read_notify(*seq)?;
+        }
         if let Some(ack) = msg.ack {
             match mode {
                 Mode::Message(m) => m.on_ack(ack, &mut self.link)?,
@@ -675,7 +680,7 @@ impl Conn {
                 };
                 m.on_advert(a, &mut into_recv, &mut copy_out, &mut self.link)?;
             }
-            (Body::ReadNotify { seq }, Mode::Message(m)) => m.on_read_notify(seq)?,
+            (Body::ReadNotify { .. }, Mode::Message(_)) => {} // taken above
             (Body::PersistentEnd { seq, echo }, Mode::Message(m)) => {
                 m.on_persistent_end(seq, echo, &mut self.link)?
             }

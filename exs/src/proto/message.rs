@@ -187,6 +187,8 @@ pub(crate) struct MessageProto {
     /// Acknowledgment value last sent.
     acked_seq: u32,
     peer_closed: bool,
+    /// Our receiving side ended ([`MessageProto::fail_receives`]: we closed, or the connection is failing).
+    receives_ended: bool,
     /// The peer stopped receiving (CLOSE StopReceiving) when this was our oldest unacknowledged advert: every
     /// send from there on was failed.
     stopped_from: Option<u32>,
@@ -231,6 +233,7 @@ impl MessageProto {
             done_seq: 0,
             acked_seq: 0,
             peer_closed: false,
+            receives_ended: false,
             stopped_from: None,
             retired: Vec::new(),
             delay_acks,

@@ -53,6 +53,10 @@ pub fn cases() -> Vec<Case> {
         c("hostile_credits_beyond_window", credits_beyond_window),
         c("hostile_advert_out_of_order", advert_out_of_order),
         c("hostile_adverts_beyond_credits", adverts_beyond_credits),
+        c(
+            "hostile_advert_after_shutting_down_writing",
+            advert_after_shutdown,
+        ),
         c("hostile_advert_with_wrong_key", advert_wrong_key),
         c(
             "hostile_advert_beyond_exposed_range",
@@ -491,6 +495,19 @@ fn adverts_beyond_credits(b: &dyn Backend) -> Result<(), String> {
         &format!("{} adverts on {credits} credits", credits + 1),
         |v| matches!(v, Violation::AdvertOverrun { .. }),
     )
+}
+
+/// A peer that shut down writing sends a message after all: receives past its adverts saw end-of-stream, and a
+/// later one got the data (message mode accepted it; stream mode never did).
+fn advert_after_shutdown(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::SeqPacket)?;
+    let (mut raw, s) = v.accept_good()?;
+    let shut = Message::new(Body::Close(exs::wire::CloseReason::ShutdownWrite));
+    raw.send_msg(&shut)?;
+    raw.send_bytes(&immediate_advert(0, b"late"), None)?;
+    v.verdict(&s, raw, "an ADVERT after CLOSE(ShutdownWrite)", |v| {
+        matches!(v, Violation::Unexpected { .. })
+    })
 }
 
 /// Sends a read-based advert and posts a receive that will try to pull it. The libfabric tcp provider answers a

@@ -12,6 +12,14 @@ impl MessageProto {
         inline_copy: &mut dyn FnMut() -> Result<Vec<u8>, Violation>,
         link: &mut Link,
     ) -> Result<(), Violation> {
+        if self.peer_closed && !advert.flags.has(AdvertFlags::PERSISTENT_RECV) {
+            // Receives past its adverts saw end-of-stream already (issue 14's rule, as in stream mode). A peer
+            // that shut down writing may still post a persistent receive.
+            return Err(Violation::Unexpected {
+                kind: "ADVERT",
+                context: "after the peer's CLOSE",
+            });
+        }
         self.check_advert(&advert)?;
         self.expected_seq = self.expected_seq.wrapping_add(1);
         self.stats.adverts_received += 1;
@@ -132,8 +140,15 @@ impl MessageProto {
         while let Some(head) = self.adverts.front() {
             let flags = head.advert.flags;
             if flags.has(AdvertFlags::PERSISTENT_RECV) {
-                let a = self.adverts.pop_front().expect("checked").advert;
-                self.take_peer_precv(a);
+                let PeerAdvert { advert, ending, .. } = self.adverts.pop_front().expect("checked");
+                self.take_peer_precv(advert);
+                if ending {
+                    // Its owner ended it before it reached the head: nothing was written into it.
+                    if let Some(p) = self.peer_precv.as_mut() {
+                        p.ending = true;
+                    }
+                    self.finish_peer_precv(link);
+                }
                 continue;
             }
             if flags.has(AdvertFlags::PERSISTENT) {

@@ -122,6 +122,12 @@ impl MessageProto {
     /// queue. While the queue is full, reads are counted and reported together in the next event's `bytes`.
     pub(crate) fn on_read_notify(&mut self, seq: u32) -> Result<(), Violation> {
         let Some(o) = self.unacked.iter_mut().find(|o| o.seq == seq) else {
+            // An acknowledgment that went on ahead of the notification (a message of its own) may have retired
+            // the send already: one of ours, before the oldest outstanding. Nothing is left to report it to.
+            let behind = self.oldest_unacked().wrapping_sub(seq);
+            if behind != 0 && behind <= u32::MAX / 2 {
+                return Ok(());
+            }
             return Err(Violation::Persistent(format!(
                 "read notification for unknown advert {seq}"
             )));
@@ -216,6 +222,18 @@ impl MessageProto {
                 self.finish_peer_precv(link);
                 return Ok(());
             }
+        }
+        // The peer's persistent receive is taken only at the head of its adverts: ended before it got there, it
+        // is let go when it does (`match_adverts`), never written into.
+        if let Some(a) = self.adverts.iter_mut().find(|a| {
+            a.advert.seq == seq && a.advert.flags.has(AdvertFlags::PERSISTENT_RECV) && !a.ending
+        }) {
+            a.ending = true;
+            return Ok(());
+        }
+        if self.receives_ended {
+            // Our close let go of the peer's adverts and persistent receive: an end that crossed it ends nothing.
+            return Ok(());
         }
         Err(Violation::Persistent(format!(
             "end of unknown persistent advert {seq}"

@@ -58,6 +58,7 @@ impl MessageProto {
 
     /// Fails the receiving side's operations (a graceful close keeps the sends going).
     pub(crate) fn fail_receives(&mut self, err: OpError) {
+        self.receives_ended = true;
         for r in self.recvs.drain(..) {
             r.ticket
                 .complete(Err(err.clone()), 0, EventFlags::default());
@@ -75,6 +76,13 @@ impl MessageProto {
             if let Some(t) = own.ticket.take() {
                 t.complete(Err(err.clone()), 0, EventFlags::default());
             }
+        }
+        if self.own_precv.as_ref().is_some_and(|o| o.seq == u32::MAX) {
+            // Its advert is still queued behind the credits: it must not go out now (the peer would get a key to
+            // memory whose receive ended). The peer never had the key, so the exposure goes at once.
+            self.queue
+                .retain(|s| !matches!(s.data, SendData::PersistentRecv));
+            self.own_precv = None;
         }
         self.peer_precv = None;
     }

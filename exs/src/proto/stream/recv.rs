@@ -259,7 +259,7 @@ impl StreamProto {
         self.rx.src_seqno += filled + est;
         self.rx.outstanding += 1;
         let id = self.rx.next_advert;
-        self.rx.next_advert += 1;
+        self.rx.next_advert = self.rx.next_advert.wrapping_add(1);
         self.stats.adverts_sent += 1;
         let phase = self.rx.phase;
         self.record(StreamTrace::AdvertSent {

@@ -744,3 +744,58 @@ fn resend_completed(
         }
     }
 }
+
+/// Regression (review): every receive the peer advertised was filled from the stream buffer by one small
+/// indirect transfer, and the peer advertised its next receive in the new phase; the sender had not judged the
+/// old advertisements (it had nothing left to send), counted them against the credits before judging the new one,
+/// and closed the connection for a `StreamAdvertOverrun` the honest peer never committed. Now it judges the queue
+/// first.
+#[test]
+fn adverts_made_stale_by_an_indirect_transfer_do_not_count_against_the_next() {
+    let credits: u16 = 4;
+    let p = stream_pair(SocketOptions::default().with_recv_credits(credits));
+    let src = p.client_region(pattern(4096, 6));
+    let dst = p.server_region(4096);
+    // A first small transfer asks for the stream buffer.
+    p.server
+        .recv(&p.eq_b, &dst.slice(..8), MsgFlags::NONE, 0)
+        .unwrap();
+    p.client
+        .send(&p.eq_a, &src.slice(..8), MsgFlags::NONE, 0)
+        .unwrap();
+    assert!(wait(&p.eq_b).is_ok() && wait(&p.eq_a).is_ok());
+    p.world.run_until_idle(100_000);
+    // As many small receives as the sender takes advertisements for, all advertised.
+    let n = usize::from(credits);
+    for i in 0..n {
+        p.server
+            .recv(&p.eq_b, &dst.slice(8 * i..8 * (i + 1)), MsgFlags::NONE, 1)
+            .unwrap();
+    }
+    p.world.run_until_idle(100_000);
+    // One small send through the stream buffer fills every one of them.
+    p.client
+        .send(&p.eq_a, &src.slice(..8 * n), MsgFlags::NONE, 1)
+        .unwrap();
+    for _ in 0..n {
+        let r = wait(&p.eq_b);
+        assert!(r.is_ok() && r.bytes == 8, "{r:?}");
+    }
+    assert!(wait(&p.eq_a).is_ok());
+    assert!(
+        p.client.stats().unwrap().stream.indirect_sent >= 1,
+        "the send went direct: not the case"
+    );
+    // The next receive is advertised in the new phase, and a transfer into it works.
+    p.server
+        .recv(&p.eq_b, &dst.slice(..1000), MsgFlags::NONE, 2)
+        .unwrap();
+    p.world.run_until_idle(100_000);
+    p.client
+        .send(&p.eq_a, &src.slice(..1000), MsgFlags::NONE, 2)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 1000, "{r:?}");
+    assert!(wait(&p.eq_a).is_ok());
+    assert_eq!(p.client.error().unwrap(), None);
+}

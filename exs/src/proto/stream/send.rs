@@ -414,6 +414,10 @@ impl StreamProto {
             )));
         }
         self.on_window(a.consumed)?;
+        // The queue judged first: advertisements whose receives the stream buffer filled meanwhile (an indirect
+        // transfer that left nothing to send, so nothing judged them) are rejected and dropped here, not counted
+        // against the new one.
+        self.choose_advert()?;
         // Bounded by the advert credits we granted: the receiver keeps at most that many outstanding (see
         // `advertise`), and a waiting advertisement always has an outstanding receive behind it.
         if self.tx.adverts.len() >= self.max_adverts_in {

@@ -584,3 +584,43 @@ fn a_write_that_fails_on_its_way_in_is_never_read_as_data() {
         data.len()
     );
 }
+
+/// Regression (review): every `Listener::accept` posted an accept on the listener's queue of 64, so with 64
+/// threads waiting the 65th failed at once with `WouldBlock`, which a blocking `TcpListener` never returns. Now
+/// threads beyond the queue's depth wait for the posted accepts' connections, and each thread gets one.
+#[test]
+fn threads_accepting_at_once_beyond_the_queue_depth_each_get_a_connection() {
+    const N: u8 = 70;
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = std::sync::Arc::new(Listener::bind_in(&server, world.addr(0, 9190)).unwrap());
+    let addr = listener.local_addr().unwrap();
+    let accepting: Vec<_> = (0..N)
+        .map(|_| {
+            let l = listener.clone();
+            std::thread::spawn(move || {
+                let (mut s, _) = l.accept()?;
+                let mut got = Vec::new();
+                s.read_to_end(&mut got)?;
+                Ok::<_, std::io::Error>(got)
+            })
+        })
+        .collect();
+    // Every thread waits before the first connection comes.
+    std::thread::sleep(Duration::from_millis(100));
+    for i in 0..N {
+        let mut c = Stream::connect_in(&client, addr).unwrap();
+        c.write_all(&[i; 100]).unwrap();
+        c.shutdown(Shutdown::Write).unwrap();
+    }
+    let mut got: Vec<u8> = accepting
+        .into_iter()
+        .map(|t| {
+            let v = t.join().unwrap().expect("an accept failed");
+            assert_eq!(v.len(), 100);
+            v[0]
+        })
+        .collect();
+    got.sort_unstable();
+    assert_eq!(got, (0..N).collect::<Vec<_>>());
+}

@@ -533,3 +533,26 @@ async fn a_connection_whose_peer_already_wrote_and_closed_is_accepted_with_its_b
     s.read_to_end(&mut got).await.unwrap();
     assert_eq!(got, vec![7u8; 100]);
 }
+
+/// Regression (review): a connect with a timeout wrapped its wait in `tokio::time::timeout`, which panics on a
+/// runtime built without the time driver ("timers are disabled"). The engine times the connect out itself now,
+/// so such a runtime gets `TimedOut`.
+#[test]
+fn a_connect_timeout_needs_no_tokio_timer() {
+    use exs::Transport as _;
+    let world = World::threaded(SimConfig::default());
+    let client = world.host();
+    let mut silent = world.raw_host();
+    let (_, addr) = silent.listen(world.addr(1, 9395), 8).unwrap();
+    let mut cfg = exs::StreamConfig::default();
+    cfg.connect_timeout = Some(std::time::Duration::from_millis(200));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .build()
+        .unwrap();
+    let e = rt
+        .block_on(exs::tokio::Stream::connect_with(&client, addr, &cfg))
+        .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    drop(silent);
+}

@@ -454,7 +454,19 @@ pub struct Listener {
     ctx: Context,
     eq: EventQueue,
     cfg: StreamConfig,
+    /// Threads in [`Listener::accept`], and accepts posted for them (see there).
+    accepting: Mutex<Accepting>,
 }
+
+/// Threads waiting in [`Listener::accept`] and the accepts posted on the listener's queue.
+#[derive(Debug, Default)]
+struct Accepting {
+    waiting: usize,
+    posted: usize,
+}
+
+/// Accepts a listener keeps posted at most: its queue's depth.
+const ACCEPTS_POSTED: usize = 64;
 
 impl Listener {
     /// Listens on the process's [default context](super::default_context) at the first address of `addr` that
@@ -478,8 +490,9 @@ impl Listener {
         Ok(Listener {
             sock,
             ctx: ctx.clone(),
-            eq: EventQueue::new(64)?,
+            eq: EventQueue::new(ACCEPTS_POSTED)?,
             cfg: cfg.clone(),
+            accepting: Mutex::default(),
         })
     }
 
@@ -488,11 +501,45 @@ impl Listener {
         super::addr_of(self.sock.local_addr())
     }
 
-    /// Waits for a connection; returns it and the peer's address.
+    /// Waits for a connection; returns it and the peer's address. Any number of threads may wait at once: each
+    /// takes the next connection that comes.
     pub fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
-        self.sock.accept(&self.eq, 0)?;
-        let (sock, peer) = super::accepted(self.eq.next(None)?)?;
+        // An accept is posted per waiting thread, up to the queue's depth (each posted one filled a slot: the
+        // 65th thread's post failed with `WouldBlock`, which a blocking listener never returns). A thread beyond
+        // that waits for the events of the posted ones, and every thread that takes an event posts again for
+        // the waiters left without one.
+        self.post_accepts(1)?;
+        let ev = self.eq.next(None);
+        let mut a = self.lock_accepting();
+        a.waiting -= 1;
+        if ev.is_ok() {
+            a.posted = a.posted.saturating_sub(1);
+        }
+        drop(a);
+        // A failed post (the listener closed) fails the waiters it was for through their own posts' events; this
+        // thread's connection, if it got one, is still its to return.
+        let _ = self.post_accepts(0);
+        let (sock, peer) = super::accepted(ev?)?;
         Ok((Stream::from_socket(&self.ctx, sock, &self.cfg)?, peer))
+    }
+
+    /// Counts `more` waiting threads and posts accepts until there is one per waiting thread (or the queue's
+    /// depth of them).
+    fn post_accepts(&self, more: usize) -> io::Result<()> {
+        let mut a = self.lock_accepting();
+        a.waiting += more;
+        while a.posted < a.waiting.min(ACCEPTS_POSTED) {
+            if let Err(e) = self.sock.accept(&self.eq, 0) {
+                a.waiting -= more;
+                return Err(e.into());
+            }
+            a.posted += 1;
+        }
+        Ok(())
+    }
+
+    fn lock_accepting(&self) -> MutexGuard<'_, Accepting> {
+        self.accepting.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Connections as they come, for ever (like `TcpListener::incoming`).

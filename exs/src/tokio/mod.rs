@@ -294,15 +294,11 @@ impl Stream {
         addr: SocketAddr,
         cfg: &StreamConfig,
     ) -> io::Result<Stream> {
+        // The connect's own timeout (the engine's timer ends it with `TimedOut`): no tokio timer, so a runtime
+        // without the time driver connects with a timeout too.
         let (sock, eq) = sio::start_connect(ctx, addr, cfg.connect_timeout)?;
         let fd = async_fd(eq.as_fd())?;
-        let ev = match cfg.connect_timeout {
-            Some(t) => match tokio::time::timeout(t, next_event(&eq, &fd)).await {
-                Ok(ev) => Ok(ev?),
-                Err(_) => Err(crate::error::DequeueError::TimedOut),
-            },
-            None => Ok(next_event(&eq, &fd).await?),
-        };
+        let ev = Ok(next_event(&eq, &fd).await?);
         sio::end_connect(&sock, addr, ev)?;
         Self::from_socket(ctx, sock, cfg)
     }

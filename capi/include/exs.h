@@ -240,8 +240,8 @@ struct exs_event {
    */
   int exs_evt_accepted;
   /**
-   * `MSG_EOR`: a SOCK_SEQPACKET receive holds a whole message; `MSG_TRUNC`: the message was longer than the
-   * buffer and the rest was discarded.
+   * `MSG_EOR`: a SOCK_SEQPACKET receive holds a whole message (not `exs_recv_offset`'s range of the peer's
+   * persistent send); `MSG_TRUNC`: the message was longer than the buffer and the rest was discarded.
    */
   int exs_evt_flags;
   /**

@@ -110,8 +110,8 @@ pub struct exs_event {
     pub exs_evt_bytes: ssize_t,
     /// `EXS_EVT_ACCEPT`: the new connected socket (-1 otherwise).
     pub exs_evt_accepted: c_int,
-    /// `MSG_EOR`: a SOCK_SEQPACKET receive holds a whole message; `MSG_TRUNC`: the message was longer than the
-    /// buffer and the rest was discarded.
+    /// `MSG_EOR`: a SOCK_SEQPACKET receive holds a whole message (not `exs_recv_offset`'s range of the peer's
+    /// persistent send); `MSG_TRUNC`: the message was longer than the buffer and the rest was discarded.
     pub exs_evt_flags: c_int,
     /// `EXS_EVT_POLL`: `POLLIN`, `POLLOUT`, `POLLERR`, `POLLHUP`.
     pub exs_evt_revents: c_short,

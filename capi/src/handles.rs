@@ -53,8 +53,6 @@ pub(crate) struct SockEntry {
     pub(crate) sock: Socket,
     /// `AF_INET` or `AF_INET6`: addresses given to it must be of this family.
     pub(crate) domain: c_int,
-    /// SOCK_SEQPACKET (its completed receives are whole messages: `MSG_EOR`).
-    pub(crate) seqpacket: bool,
 }
 
 /// Registered memory and the range of the caller's address space it covers.
@@ -161,16 +159,12 @@ pub(crate) static MEMORY: Table<MemEntry> = Table::new();
 /// Files a socket exs made under its own number. `EMFILE`, and the socket is closed, if the number does not fit
 /// a C int or is still filed: exs numbers sockets from 1 to `INT_MAX` and skips those it holds, so neither
 /// happens while every socket filed here is one of the context's own.
-pub(crate) fn file_socket(sock: Socket, domain: c_int, seqpacket: bool) -> Result<c_int, Errno> {
+pub(crate) fn file_socket(sock: Socket, domain: c_int) -> Result<c_int, Errno> {
     let Ok(fd) = c_int::try_from(sock.id().0) else {
         let _ = sock.close();
         return Err(Errno(libc::EMFILE));
     };
-    let entry = SockEntry {
-        sock,
-        domain,
-        seqpacket,
-    };
+    let entry = SockEntry { sock, domain };
     SOCKETS.insert_at(fd, entry).map_err(|refused| {
         let _ = refused.sock.close();
         Errno(libc::EMFILE)

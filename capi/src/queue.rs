@@ -13,7 +13,7 @@ use libc::{c_int, c_void, timespec};
 use crate::abi::*;
 use crate::errno::{call, Errno, ToErrno};
 use crate::handles::QUEUES;
-use crate::socket::{file_accepted, is_seqpacket, revents};
+use crate::socket::{file_accepted, revents};
 
 /// Creates an event queue (ES-API `exs_qcreate`) that holds up to `depth` operations started and not yet
 /// dequeued: starting one more fails with `EAGAIN`, so completions never overflow it. Returns its handle, or -1
@@ -239,7 +239,8 @@ fn to_c(mut ev: Event) -> exs_event_t {
     if ev.flags.truncated {
         flags |= libc::MSG_TRUNC;
     }
-    if kind == EXS_EVT_RECV && ok && !ev.flags.eof && is_seqpacket(fd) {
+    // From the event itself: the socket may be closed (and gone from the table) by the time its events are taken.
+    if kind == EXS_EVT_RECV && ok && ev.flags.eor {
         flags |= libc::MSG_EOR;
     }
     exs_event_t {
@@ -413,5 +414,59 @@ mod tests {
             s.close().unwrap();
         }
         assert_eq!(exs_qdelete(qh), 0);
+    }
+
+    /// A message taken from the queue after its socket was closed (gone from the socket table) lost its
+    /// `MSG_EOR`: the flag came from a look-up of the socket's type in the table. It comes with the event now.
+    #[test]
+    fn a_message_taken_after_its_socket_is_closed_still_says_eor() {
+        let world = World::new(SimConfig::default());
+        let (a, b) = (world.host(), world.host());
+        let eq = EventQueue::new(8).unwrap();
+        let qh = QUEUES.insert_new(eq.clone()).unwrap();
+        let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+        l.bind(world.addr(1, 7002)).unwrap();
+        l.listen(4).unwrap();
+        l.accept(&eq, 1).unwrap();
+        let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+        c.connect(&eq, world.addr(1, 7002), 2).unwrap();
+        let mut evs = Vec::new();
+        eq.dequeue(&mut evs, 2, 2, None).unwrap();
+        let server = evs
+            .iter_mut()
+            .find_map(|e| e.take_accepted())
+            .expect("the accept's event");
+        let dst = exs::MemoryRegion::alloc(&b, 64).unwrap();
+        let src = exs::MemoryRegion::from_vec(&a, vec![7; 10]).unwrap();
+        server
+            .recv(&eq, &dst.all(), exs::MsgFlags::NONE, 3)
+            .unwrap();
+        c.send(&eq, &src.all(), exs::MsgFlags::NONE, 4).unwrap();
+        world.run_until_idle(100_000);
+        // Closed before its events are taken (the socket is in no table here, as after exs_close).
+        server.close().unwrap();
+        let mut got = [NO_EVENT; 2];
+        // SAFETY: room for two events; no timeout.
+        let n = unsafe { exs_qdequeue(qh, got.as_mut_ptr(), -2, ptr::null()) };
+        assert_eq!(n, 2, "errno {}", errno());
+        let recv = got
+            .iter()
+            .find(|e| e.exs_evt_type == EXS_EVT_RECV)
+            .expect("the receive's event");
+        assert_eq!(
+            (recv.exs_evt_errno, recv.exs_evt_bytes),
+            (0, 10),
+            "{recv:?}"
+        );
+        assert_eq!(
+            recv.exs_evt_flags & libc::MSG_EOR,
+            libc::MSG_EOR,
+            "{recv:?}"
+        );
+        for s in [c, l] {
+            s.close().unwrap();
+        }
+        world.run_until_idle(100_000);
+        let _ = exs_qdelete(qh);
     }
 }

@@ -6,7 +6,7 @@ use libc::{c_int, c_short, c_void, sockaddr, socklen_t};
 
 use crate::abi::exs_qhandle_t;
 use crate::errno::{call, Errno};
-use crate::handles::{context, file_socket, SockEntry, SOCKETS};
+use crate::handles::{context, file_socket, SOCKETS};
 use crate::queue::start_on;
 use crate::{addr, ctx_value};
 
@@ -31,7 +31,7 @@ pub extern "C" fn exs_socket(domain: c_int, r#type: c_int, protocol: c_int) -> c
             return Err(Errno(libc::EPROTONOSUPPORT));
         }
         let sock = Socket::new(ctx, ty)?;
-        file_socket(sock, domain, ty == SockType::SeqPacket)
+        file_socket(sock, domain)
     })
 }
 
@@ -214,17 +214,9 @@ pub unsafe extern "C" fn exs_getpeername(
 /// Files an accepted socket under its number (the `EXS_EVT_ACCEPT` event's `exs_evt_accepted`), -1 if it could
 /// not be (it is closed then).
 pub(crate) fn file_accepted(sock: Socket) -> c_int {
-    let seqpacket = sock.sock_type() == Ok(SockType::SeqPacket);
     let domain = match sock.local_addr() {
         Ok(Some(std::net::SocketAddr::V6(_))) => libc::AF_INET6,
         _ => libc::AF_INET,
     };
-    file_socket(sock, domain, seqpacket).unwrap_or(-1)
-}
-
-/// Whether `fd` is an open SOCK_SEQPACKET socket.
-pub(crate) fn is_seqpacket(fd: c_int) -> bool {
-    SOCKETS
-        .with(fd, |s: &SockEntry| s.seqpacket)
-        .unwrap_or(false)
+    file_socket(sock, domain).unwrap_or(-1)
 }

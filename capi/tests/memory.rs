@@ -21,8 +21,12 @@ fn a_range_overlapping_registered_memory_is_refused() {
     let base = mem.as_mut_ptr();
     let at = |off: usize| base.wrapping_add(off).cast::<c_void>();
     let both = EXS_ACCESS_READ | EXS_ACCESS_WRITE;
-    // SAFETY (every call below): `mem` outlives the registrations, deregistered before it is dropped.
-    let mid = unsafe { exs_mregister(at(4096), 4096, EXS_ACCESS_WRITE) };
+    // Every registration below is of `mem`, which outlives them: each is deregistered before it is dropped.
+    let register = |off: usize, len: usize, access: c_int| {
+        // SAFETY: `mem` is readable and writable for `off..off + len` and outlives the registration (above).
+        unsafe { exs_mregister(at(off), len, access) }
+    };
+    let mid = register(4096, 4096, EXS_ACCESS_WRITE);
     assert!(mid > 0, "errno {}", errno());
     for (off, len, what) in [
         (4096, 4096, "the same range"),
@@ -31,17 +35,17 @@ fn a_range_overlapping_registered_memory_is_refused() {
         (8000, 200, "across its end"),
         (0, 3 * 4096, "around it"),
     ] {
-        let h = unsafe { exs_mregister(at(off), len, EXS_ACCESS_READ) };
+        let h = register(off, len, EXS_ACCESS_READ);
         assert_eq!((h, errno()), (-1, libc::EBUSY), "{what}");
     }
-    let before = unsafe { exs_mregister(at(0), 4096, both) };
-    let after = unsafe { exs_mregister(at(8192), 4096, both) };
+    let before = register(0, 4096, both);
+    let after = register(8192, 4096, both);
     assert!(before > 0 && after > 0, "side by side: errno {}", errno());
     for h in [mid, before, after] {
         assert_eq!(exs_mderegister(h), 0, "errno {}", errno());
     }
     // Once deregistered, the range may be registered again.
-    let again = unsafe { exs_mregister(at(4096), 4096, both) };
+    let again = register(4096, 4096, both);
     assert!(again > 0, "errno {}", errno());
     assert_eq!(exs_mderegister(again), 0);
     drop(mem);

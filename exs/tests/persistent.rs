@@ -711,3 +711,28 @@ fn a_persistent_receive_closed_before_its_advert_left_is_never_advertised() {
         "an advert besides the messages' reached the server after the close"
     );
 }
+
+/// `EventFlags::eor` (recvmsg's `MSG_EOR`): a receive of a whole message says so, a read of a range of the
+/// peer's persistent send (`recv_offset`) does not.
+#[test]
+fn a_whole_message_says_eor_and_a_range_of_a_persistent_send_does_not() {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(2000, 9));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    let dst = p.server_region(2000);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    let whole = wait(&p.eq_b);
+    assert!(whole.is_ok() && whole.flags.eor, "{whole:?}");
+    p.server
+        .recv_offset(&p.eq_b, &dst.slice(..100), 500, MsgFlags::NONE, 3)
+        .unwrap();
+    let part = wait(&p.eq_b);
+    assert!(
+        part.is_ok() && part.bytes == 100 && !part.flags.eor,
+        "{part:?}"
+    );
+}

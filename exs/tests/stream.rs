@@ -29,6 +29,7 @@ fn read_all(p: &Pair, total: usize, chunk: usize, flags: MsgFlags) -> Vec<u8> {
             ev.bytes >= 1 && !ev.flags.eof,
             "a stream receive returns at least one byte before EOF: {ev:?}"
         );
+        assert!(!ev.flags.eor, "a stream has no message boundaries: {ev:?}");
         got.extend_from_slice(&dst.to_vec().unwrap()[..ev.bytes]);
     }
     got

@@ -142,6 +142,8 @@ struct Transfer {
     failed: Option<OpError>,
     /// A read of the peer's persistent send: it does not consume the advert.
     persistent: bool,
+    /// The receive takes a whole message (not a range of a persistent send: `recv_offset`).
+    whole: bool,
 }
 
 /// Counters.
@@ -469,6 +471,7 @@ impl MessageProto {
             reads_in_flight: 0,
             failed: None,
             persistent: false,
+            whole: true,
         });
     }
 
@@ -558,6 +561,7 @@ impl MessageProto {
             let flags = EventFlags {
                 truncated: t.truncated,
                 eof: false,
+                eor: t.whole,
             };
             let ok = t.failed.is_none();
             if let Some(ticket) = t.ticket.take() {

@@ -17,6 +17,10 @@ pub struct EventFlags {
     pub truncated: bool,
     /// End of stream: the peer closed or shut down its sending side; no bytes were received.
     pub eof: bool,
+    /// The receive holds the end of one whole message of a `SOCK_SEQPACKET` socket (like recvmsg's `MSG_EOR`).
+    /// Not set by a read of a range of the peer's persistent send (`recv_offset`), by a stream receive, or at
+    /// end of stream.
+    pub eor: bool,
 }
 
 impl EventFlags {
@@ -24,6 +28,7 @@ impl EventFlags {
     pub const EOF: EventFlags = EventFlags {
         eof: true,
         truncated: false,
+        eor: false,
     };
 }
 

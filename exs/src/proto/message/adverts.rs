@@ -195,6 +195,7 @@ impl MessageProto {
             reads_in_flight: 0,
             failed: None,
             persistent: false,
+            whole: false,
         });
     }
 
@@ -205,7 +206,8 @@ impl MessageProto {
         let n = usize::try_from(avail)
             .unwrap_or(usize::MAX)
             .min(req.sge.len());
-        let truncated = req.offset.is_none() && avail > n as u64;
+        let req_whole = req.offset.is_none();
+        let truncated = req_whole && avail > n as u64;
         self.stats.truncated += u64::from(truncated);
         self.stats.persistent_reads += 1;
         let reads = self.push_reads(
@@ -224,6 +226,7 @@ impl MessageProto {
             reads_in_flight: reads,
             failed: None,
             persistent: true,
+            whole: req_whole,
         });
     }
 
@@ -261,6 +264,7 @@ impl MessageProto {
             reads_in_flight: reads,
             failed: None,
             persistent: false,
+            whole: true,
         });
     }
 }

@@ -455,6 +455,7 @@ impl StreamProto {
             let flags = EventFlags {
                 eof: r.filled == 0,
                 truncated: false,
+                eor: false,
             };
             r.ticket.complete(Ok(()), r.filled, flags);
         }

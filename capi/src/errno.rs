@@ -111,6 +111,19 @@ impl ToErrno for OpError {
     }
 }
 
+/// Errnos of a failed system or provider call that reach C as they are: what they say of the call is what they
+/// say to the caller.
+const PASSED_THROUGH: [c_int; 8] = [
+    libc::EFAULT,
+    libc::EACCES,
+    libc::EPERM,
+    libc::ENOMEM,
+    libc::ENOSPC,
+    libc::ENOBUFS,
+    libc::EMFILE,
+    libc::ENFILE,
+];
+
 impl ToErrno for TransportError {
     fn errno(&self) -> c_int {
         match self {
@@ -120,9 +133,11 @@ impl ToErrno for TransportError {
             TransportError::Backend { error, .. } => error.errno(),
             // The call's own code where it is an errno (libfabric's negative codes below 256 are errnos too):
             // `EFAULT` from a registration of memory the device cannot use says more than its kind's `EIO`.
+            // Only codes the C API gives no meaning of its own (`EBADF` is a bad handle here, `ENODEV` no
+            // `exs_init`, `EBUSY` "in use, nothing changed", and so on): the rest go by their kind.
             TransportError::Os { call, kind, .. } => {
                 match i32::try_from(call.code.unsigned_abs()) {
-                    Ok(code @ 1..=255) => code,
+                    Ok(code) if PASSED_THROUGH.contains(&code) => code,
                     _ => kind_errno(*kind),
                 }
             }
@@ -238,6 +253,15 @@ mod tests {
         assert_eq!(
             fi(-256, std::io::ErrorKind::OutOfMemory).errno(),
             libc::ENOMEM
+        );
+        // A code the C API gives a meaning of its own goes by its kind: `EBADF` here is a bad handle.
+        assert_eq!(
+            fi(-libc::EBADF as i64, std::io::ErrorKind::Other).errno(),
+            libc::EIO
+        );
+        assert_eq!(
+            fi(-libc::ENODATA as i64, std::io::ErrorKind::NotFound).errno(),
+            libc::ENOENT
         );
     }
 

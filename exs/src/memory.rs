@@ -233,19 +233,20 @@ impl MemoryRegion {
         if leases > 0 {
             return Err(MemoryError::InUse { leases });
         }
+        if keys > 0 {
+            // Revoked whether or not the region then goes: they are made again at the next use.
+            if let Some(e) = engine.as_mut() {
+                e.forget_trusted(&self.inner.buf);
+            }
+        }
         // A lease dropped on another thread lets go of its table entry first, then of the buffer, and its
         // scatter/gather entry of the registration after that: in between, no lease is counted but the buffer
         // cannot be handed back yet. Nothing new can take hold meanwhile (leases are taken under `reg`).
         let held = |r: &Arc<dyn Registration>| {
             Arc::strong_count(&self.inner.buf) > 2 || Arc::strong_count(r) > 1
         };
-        if unheld && keys == 0 && reg.as_ref().is_some_and(held) {
+        if unheld && reg.as_ref().is_some_and(held) {
             return Err(MemoryError::InUse { leases: 0 });
-        }
-        if keys > 0 {
-            if let Some(e) = engine.as_mut() {
-                e.forget_trusted(&self.inner.buf);
-            }
         }
         reg.take();
         Ok(())

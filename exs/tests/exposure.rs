@@ -450,3 +450,42 @@ fn a_stream_receive_the_device_makes_no_key_for_fails_with_its_error_and_the_str
     assert_bytes_eq(&dst.to_vec().unwrap(), &sent, "every byte, in order");
     assert_eq!(p.b.stats().violations, 0);
 }
+
+/// The region handed back while something still holds its buffer, under the trusted policy (its whole-region key
+/// counted apart): it was deregistered, and then refused, and the next send on it failed. It stays registered
+/// now, and is handed back once nothing holds it.
+#[test]
+fn a_trusted_region_refused_back_because_its_buffer_is_held_stays_registered() {
+    let p = trusted_pair(SockType::SeqPacket);
+    let theirs = exs_dma::DmaBuf::from_vec(pattern(10_000, 4));
+    let held = std::sync::Arc::clone(&theirs);
+    let src = MemoryRegion::from_dma_buf(&p.a, theirs).unwrap();
+    let dst = p.server_region(10_000);
+    let send = |ctx: u64| {
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, ctx)
+            .unwrap();
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, ctx)
+            .unwrap();
+        assert_eq!(wait(&p.eq_b).bytes, 10_000);
+        assert!(wait(&p.eq_a).status.is_ok());
+    };
+    // A send leaves the region's trusted key on the connection.
+    send(1);
+    let (src, e) = src.into_dma_buf().unwrap_err();
+    assert_eq!(e, exs::MemoryError::InUse { leases: 0 });
+    let send = |ctx: u64| {
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, ctx)
+            .expect("still registered after the refusal");
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, ctx)
+            .unwrap();
+        assert_eq!(wait(&p.eq_b).bytes, 10_000);
+        assert!(wait(&p.eq_a).status.is_ok());
+    };
+    send(2);
+    drop(held);
+    src.into_dma_buf().unwrap();
+}

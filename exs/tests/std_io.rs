@@ -607,7 +607,7 @@ fn threads_accepting_at_once_beyond_the_queue_depth_each_get_a_connection() {
         })
         .collect();
     // Every thread waits before the first connection comes.
-    std::thread::sleep(Duration::from_millis(100));
+    std::thread::sleep(Duration::from_millis(300));
     for i in 0..N {
         let mut c = Stream::connect_in(&client, addr).unwrap();
         c.write_all(&[i; 100]).unwrap();
@@ -623,4 +623,35 @@ fn threads_accepting_at_once_beyond_the_queue_depth_each_get_a_connection() {
         .collect();
     got.sort_unstable();
     assert_eq!(got, (0..N).collect::<Vec<_>>());
+}
+
+/// Threads beyond the accepts a listener keeps posted waited for those accepts' events; when the context failed,
+/// the posted ones ended with errors and the others waited for ever. Now each of them fails too.
+#[test]
+fn threads_accepting_beyond_the_queue_depth_all_fail_when_the_context_does() {
+    const N: usize = 70;
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = std::sync::Arc::new(Listener::bind_in(&server, world.addr(0, 9191)).unwrap());
+    let addr = listener.local_addr().unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    for _ in 0..N {
+        let (l, done) = (listener.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            let _ = done.send(l.accept().map(|_| ()));
+        });
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // The server's progress thread panics at its next poll: the context fails, and every operation with it.
+    world.panic_on_next_poll(0);
+    // A connection request wakes it (the connect's own outcome does not matter).
+    let mut cfg = exs::StreamConfig::default();
+    cfg.connect_timeout = Some(Duration::from_millis(200));
+    let _ = Stream::connect_with(&client, addr, &cfg);
+    for i in 0..N {
+        let r = done_rx
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|_| panic!("{} of {N} accepts still wait", N - i));
+        assert!(r.is_err(), "an accept succeeded on a failed context");
+    }
 }

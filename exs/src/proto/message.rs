@@ -68,7 +68,8 @@ pub(crate) struct RecvReq {
 /// Our persistent receive (seed 002, 4.3): the peer writes into it at will; it ends with PERSISTENT_END.
 #[derive(Debug)]
 struct OwnPersistentRecv {
-    seq: u32,
+    /// Its advert's number, once the advert has gone out (every number is a valid one: they wrap).
+    seq: Option<u32>,
     len: usize,
     ticket: Option<OpToken>,
     exposure: Option<Box<dyn Exposure>>,
@@ -409,7 +410,7 @@ impl MessageProto {
         let (flags, addr, rkey, len, inline, exposure) = match data {
             SendData::PersistentRecv => {
                 let own = self.own_precv.as_mut()?;
-                own.seq = seq;
+                own.seq = Some(seq);
                 let r = own
                     .exposure
                     .as_ref()

@@ -12,6 +12,7 @@ use crate::error::OpError;
 
 /// Extra facts about a completed receive (the protocol's word for them; events carry them as they are).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct EventFlags {
     /// The message was longer than the receive buffer; the rest was discarded (like recvmsg's MSG_TRUNC).
     pub truncated: bool,

@@ -463,6 +463,16 @@ pub struct Listener {
 struct Accepting {
     waiting: usize,
     posted: usize,
+    /// Posting failed for good (the context failed, the listener is gone): every later accept fails so.
+    failed: Option<(io::ErrorKind, String)>,
+}
+
+impl Accepting {
+    fn failure(&self) -> Option<io::Error> {
+        self.failed
+            .as_ref()
+            .map(|(kind, msg)| io::Error::new(*kind, msg.clone()))
+    }
 }
 
 /// Accepts a listener keeps posted at most: its queue's depth.
@@ -512,21 +522,45 @@ impl Listener {
         let ev = self.eq.next(None);
         let mut a = self.lock_accepting();
         a.waiting -= 1;
-        if ev.is_ok() {
+        let woken = matches!(&ev, Ok(e) if super::core::is_wake(e));
+        if ev.is_ok() && !woken {
             a.posted = a.posted.saturating_sub(1);
         }
         drop(a);
-        // A failed post (the listener closed) fails the waiters it was for through their own posts' events; this
-        // thread's connection, if it got one, is still its to return.
-        let _ = self.post_accepts(0);
+        if let Err(e) = self.post_accepts(0) {
+            // Posting failed for good: the waiters beyond the posted accepts would wait for ever. Each is woken
+            // to fail with the same error. This thread's connection, if it got one, is still its to return.
+            self.fail_waiters(e);
+        }
+        if woken {
+            let a = self.lock_accepting();
+            return Err(a
+                .failure()
+                .unwrap_or_else(|| io::Error::other("the listener failed")));
+        }
         let (sock, peer) = super::accepted(ev?)?;
         Ok((Stream::from_socket(&self.ctx, sock, &self.cfg)?, peer))
+    }
+
+    /// Records `e` as the listener's failure and wakes the waiting threads that no posted accept will wake.
+    fn fail_waiters(&self, e: io::Error) {
+        let mut a = self.lock_accepting();
+        a.failed.get_or_insert_with(|| (e.kind(), e.to_string()));
+        for _ in a.posted..a.waiting {
+            // A full queue holds events that will wake threads, which come back here.
+            if !super::core::wake(&self.eq, &self.sock) {
+                break;
+            }
+        }
     }
 
     /// Counts `more` waiting threads and posts accepts until there is one per waiting thread (or the queue's
     /// depth of them).
     fn post_accepts(&self, more: usize) -> io::Result<()> {
         let mut a = self.lock_accepting();
+        if let Some(e) = a.failure() {
+            return Err(e);
+        }
         a.waiting += more;
         while a.posted < a.waiting.min(ACCEPTS_POSTED) {
             if let Err(e) = self.sock.accept(&self.eq, 0) {

@@ -291,6 +291,11 @@ impl Reader {
     }
 }
 
+/// Whether `ev` is a wake-up queued by [`wake`], not an operation's event.
+pub(crate) fn is_wake(ev: &Event) -> bool {
+    ev.context == WAKE
+}
+
 /// Puts a wake-up event in a direction's queue, so that a thread waiting on it looks at the stream again
 /// (`shutdown(Read)` from another thread; a writer left with completions the writers still waiting did not see). Nothing
 /// happens if the queue is full (`false`): its waiter is awake anyway. Both directions pass it over when they take

@@ -57,6 +57,14 @@ pub fn cases() -> Vec<Case> {
             "hostile_advert_after_shutting_down_writing",
             advert_after_shutdown,
         ),
+        c(
+            "hostile_read_notification_for_a_send_never_made",
+            notify_never_sent,
+        ),
+        c(
+            "hostile_end_of_an_unknown_persistent_advert",
+            end_unknown_persistent,
+        ),
         c("hostile_advert_with_wrong_key", advert_wrong_key),
         c(
             "hostile_advert_beyond_exposed_range",
@@ -508,6 +516,33 @@ fn advert_after_shutdown(b: &dyn Backend) -> Result<(), String> {
     v.verdict(&s, raw, "an ADVERT after CLOSE(ShutdownWrite)", |v| {
         matches!(v, Violation::Unexpected { .. })
     })
+}
+
+/// A read notification is let go when its send was retired already (an acknowledgment may overtake it), but one
+/// naming a send we never made stays a violation.
+fn notify_never_sent(b: &dyn Backend) -> Result<(), String> {
+    bad_bytes(
+        b,
+        &Message::new(Body::ReadNotify { seq: 5 }).to_vec(),
+        None,
+        "a read notification for advert 5, never sent",
+        |v| matches!(v, Violation::Persistent(_)),
+    )
+}
+
+/// An end that names nothing is let go only once our receiving side has ended (it crossed our close).
+fn end_unknown_persistent(b: &dyn Backend) -> Result<(), String> {
+    bad_bytes(
+        b,
+        &Message::new(Body::PersistentEnd {
+            seq: 3,
+            echo: false,
+        })
+        .to_vec(),
+        None,
+        "the end of persistent advert 3, never sent",
+        |v| matches!(v, Violation::Persistent(_)),
+    )
 }
 
 /// Sends a read-based advert and posts a receive that will try to pull it. The libfabric tcp provider answers a

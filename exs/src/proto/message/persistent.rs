@@ -100,7 +100,7 @@ impl MessageProto {
         }
         let len = exposure.len();
         self.own_precv = Some(OwnPersistentRecv {
-            seq: u32::MAX, // set when the advert goes out
+            seq: None, // set when the advert goes out
             len,
             ticket: Some(ticket),
             exposure: Some(exposure),
@@ -168,17 +168,10 @@ impl MessageProto {
             }
         }
         if let Some(own) = self.own_precv.as_mut() {
-            if !own.ending && own.seq != u32::MAX {
+            if let (false, Some(seq)) = (own.ending, own.seq) {
                 own.ending = true;
                 any = true;
-                link.push_ctrl(
-                    Body::PersistentEnd {
-                        seq: own.seq,
-                        echo: false,
-                    },
-                    None,
-                    None,
-                );
+                link.push_ctrl(Body::PersistentEnd { seq, echo: false }, None, None);
             }
         }
         any
@@ -192,7 +185,11 @@ impl MessageProto {
         link: &mut Link,
     ) -> Result<(), Violation> {
         if echo {
-            let Some(own) = self.own_precv.as_mut().filter(|o| o.seq == seq && o.ending) else {
+            let Some(own) = self
+                .own_precv
+                .as_mut()
+                .filter(|o| o.seq == Some(seq) && o.ending)
+            else {
                 return Err(Violation::Persistent(format!(
                     "confirmation of an end we never asked for ({seq})"
                 )));

@@ -77,7 +77,7 @@ impl MessageProto {
                 t.complete(Err(err.clone()), 0, EventFlags::default());
             }
         }
-        if self.own_precv.as_ref().is_some_and(|o| o.seq == u32::MAX) {
+        if self.own_precv.as_ref().is_some_and(|o| o.seq.is_none()) {
             // Its advert is still queued behind the credits: it must not go out now (the peer would get a key to
             // memory whose receive ended). The peer never had the key, so the exposure goes at once.
             self.queue

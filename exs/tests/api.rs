@@ -289,3 +289,54 @@ fn options_updated_from_two_threads_at_once_both_hold() {
     }
     credits.join().expect("the send-credits thread");
 }
+
+/// Regression (review): a poll posted on a connecting socket never completed when the connect failed (refused,
+/// or timed out): the failure changed the socket's readiness without looking at its polls, and no other event
+/// of the socket followed. It completes now, with the error.
+#[test]
+fn a_poll_on_a_connect_that_fails_reports_the_failure() {
+    let world = exs::sim::World::new(exs::sim::SimConfig::default());
+    let (a, _nobody) = (world.host(), world.host());
+    let eq = EventQueue::new(4).unwrap();
+    let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+    c.connect(&eq, world.addr(1, 7300), 1).unwrap();
+    let write = Readiness {
+        writable: true,
+        ..Readiness::default()
+    };
+    c.poll(&eq, write, 2).unwrap();
+    let mut evs = [wait(&eq), wait(&eq)];
+    evs.sort_by_key(|e| e.context);
+    assert!(evs[0].status.is_err(), "the connect: {:?}", evs[0]);
+    assert_eq!(evs[1].kind, EventKind::Poll, "{:?}", evs[1]);
+    assert!(
+        evs[1].readiness.error && !evs[1].readiness.writable,
+        "{:?}",
+        evs[1]
+    );
+}
+
+/// Regression (review): `wait_all` lost the events it had taken when a later round of its wait timed out (or the
+/// simulated fabric could deliver nothing more): the error went up and the events with it. Its timeout bounds the
+/// whole wait now, and the events that came are returned.
+#[test]
+fn wait_all_returns_the_events_that_came_when_the_rest_do_not() {
+    let p = pair(SockType::SeqPacket);
+    let dst = p.server_region(300);
+    for i in 0..3u64 {
+        let at = i as usize * 100;
+        p.server
+            .recv(&p.eq_b, &dst.slice(at..at + 100), MsgFlags::NONE, i)
+            .unwrap();
+    }
+    let src = p.client_region(vec![5; 50]);
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 9)
+        .unwrap();
+    let got = p
+        .eq_b
+        .wait_all(Some(std::time::Duration::from_secs(1)))
+        .expect("the event that came");
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!((got[0].context, got[0].bytes), (0, 50), "{:?}", got[0]);
+}

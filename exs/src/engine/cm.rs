@@ -58,6 +58,9 @@ impl Engine {
         sock.phase = Phase::Down;
         if sock.user_closed {
             self.remove_socket(sid);
+        } else {
+            // A poll waiting for the connection learns of its failure (no other event of the socket follows).
+            self.check_polls(sid);
         }
         self.release_early(early);
     }

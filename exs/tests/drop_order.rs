@@ -169,3 +169,33 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
         assert_eq!(ev.context, 9, "{ev:?}");
     });
 }
+
+/// Regression (review): after a panic failed the context, nothing took the transport's reports any more (the
+/// flushed work of the released connections stayed queued), so every arm failed and the progress thread spun on
+/// a core for the context's life instead of sleeping. It sleeps now: it arms a few times, not thousands.
+#[test_log::test]
+fn a_failed_context_sleeps_instead_of_spinning() {
+    within_20s("the failed context", || {
+        let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
+        let buf = MemoryRegion::alloc(&p.b, 100).unwrap();
+        p.server
+            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+            .unwrap();
+        p.world.panic_on_next_poll(1);
+        let src = p.client_region(pattern(10, 1));
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 9)
+            .unwrap();
+        let ev = p.eq_b.next(Some(Duration::from_secs(10))).unwrap();
+        assert!(ev.status.is_err(), "{ev:?}");
+        // Time for what the failure flushed to come back, then a quiet interval.
+        std::thread::sleep(Duration::from_millis(200));
+        let before = p.b.stats().arms;
+        std::thread::sleep(Duration::from_millis(300));
+        let arms = p.b.stats().arms - before;
+        assert!(
+            arms < 100,
+            "{arms} arms in 300 ms on a failed, idle context"
+        );
+    });
+}

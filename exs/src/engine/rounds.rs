@@ -25,6 +25,7 @@ impl Engine {
 
     fn guarded(&mut self, what: &str, round: fn(&mut Engine) -> bool) -> bool {
         if self.failed.is_some() {
+            self.discard_reports();
             return false;
         }
         match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| round(self))) {
@@ -41,8 +42,31 @@ impl Engine {
         }
     }
 
+    /// On a failed context nothing runs, but what the transport still reports (the flushed work of the connections
+    /// it released, their connection events) is taken and dropped: left there, it kept every arm failing, and each
+    /// thread that would have slept on the context spun instead, for the context's life.
+    fn discard_reports(&mut self) {
+        let mut batch = std::mem::take(&mut self.completions);
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            for _ in 0..ROUND_BATCHES {
+                batch.clear();
+                if self.transport.poll(&mut batch, 64) == 0 {
+                    break;
+                }
+            }
+            for _ in 0..64 {
+                if self.transport.poll_cm().is_none() {
+                    break;
+                }
+            }
+        }));
+        batch.clear();
+        self.completions = batch;
+    }
+
     /// After a panic nothing in the engine can be trusted: every pending operation fails with a transport error,
-    /// every connection and listener is released, and every later call on a socket of this context fails
+    /// every connection is disconnected and every listener closed (their endpoints are released with the
+    /// context), and every later call on a socket of this context fails
     /// (`StateError::ConnectionDown`). Best effort: a second panic here leaves the rest to the context's drop.
     fn fail_context(&mut self, why: String) {
         tracing::error!(%why, "the context failed; every operation ends with an error");

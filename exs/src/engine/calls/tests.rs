@@ -1,0 +1,64 @@
+//! Tests of the engine's calls: the numbering of sockets and endpoints.
+
+use super::LAST_SOCKET_ID;
+use crate::sim::{SimConfig, World};
+use crate::{SockType, Socket, SocketId};
+
+/// Regression (review): endpoint numbers wrapped without looking at the endpoints still held, so after 2^32
+/// of them a new connection could take a live one's number and its completions.
+#[test]
+fn endpoint_numbers_skip_the_endpoints_still_held() {
+    let world = World::new(SimConfig::default());
+    let (a, b) = (world.host(), world.host());
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 6000)).unwrap();
+    l.listen(4).unwrap();
+    let eq = crate::EventQueue::new(8).unwrap();
+    let connect = || {
+        let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+        c.connect(&eq, world.addr(1, 6000), 1).unwrap();
+        world.run_until_idle(100_000);
+        let ev = eq.next(None).unwrap();
+        assert!(ev.is_ok(), "{ev:?}");
+        let ep = a.shared().lock().sockets[&c.id()].ep().unwrap();
+        (c, ep)
+    };
+    let (first, ep1) = connect();
+    // The count comes round to the first connection's number.
+    a.shared().lock().set_next_ep(ep1.0);
+    let (second, ep2) = connect();
+    assert_ne!(ep1, ep2, "a live endpoint's number given again");
+    let e = a.shared().lock();
+    assert_eq!((e.eps[&ep1], e.eps[&ep2]), (first.id(), second.id()));
+}
+
+#[test]
+fn socket_numbers_wrap_at_int_max_and_skip_the_sockets_still_held() {
+    let world = World::new(SimConfig::default());
+    let ctx = world.host();
+    let new = || Socket::new(&ctx, SockType::Stream).unwrap();
+    let (one, two) = (new(), new());
+    assert_eq!((one.id(), two.id()), (SocketId(1), SocketId(2)));
+    ctx.shared().lock().set_next_socket_id(LAST_SOCKET_ID);
+    let last = new();
+    assert_eq!(
+        last.id(),
+        SocketId(i32::MAX as u32),
+        "the highest number a C int holds"
+    );
+    let after = new();
+    assert_eq!(
+        after.id(),
+        SocketId(3),
+        "round again, past the sockets still open"
+    );
+    // A closed socket's number is free again; the open ones' are not.
+    one.close().unwrap();
+    ctx.shared().lock().set_next_socket_id(1);
+    let again = new();
+    assert_eq!(again.id(), SocketId(1));
+    assert_eq!(new().id(), SocketId(4));
+    // Each number names one socket: binding the new socket 1 leaves socket 2 unbound.
+    again.bind(world.addr(0, 5000)).unwrap();
+    two.bind(world.addr(0, 5001)).unwrap();
+}

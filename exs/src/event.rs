@@ -178,8 +178,11 @@ struct EqState {
     outstanding: usize,
     /// How many events each dequeue sleeping on the condition variable waits for (one entry per sleeper).
     waiters: Vec<usize>,
-    /// A leader sleeping on its transports waits for this many events (it is woken through `fd`).
-    fd_sleeper: Option<usize>,
+    /// A leader sleeping on its transports waits for this many events (it is woken through `fd`), with the token
+    /// of its registration (see [`EqState::register_fd_sleeper`]).
+    fd_sleeper: Option<(usize, u64)>,
+    /// The last token given to a leader's registration.
+    fd_tokens: u64,
     /// Bumped when a context's leader lets go, so the threads following it retry leading.
     nudges: u64,
     mode: WaitMode,
@@ -333,6 +336,7 @@ impl EventQueue {
                     outstanding: 0,
                     waiters: Vec::new(),
                     fd_sleeper: None,
+                    fd_tokens: 0,
                     nudges: 0,
                     ready_set: false,
                     mode,
@@ -559,6 +563,28 @@ impl Follower for EqInner {
     }
 }
 
+impl EqState {
+    /// Registers a leader that sleeps on the queue's descriptor for `need` events, if none is registered: its
+    /// token.
+    pub(crate) fn register_fd_sleeper(&mut self, need: usize) -> Option<u64> {
+        if self.fd_sleeper.is_some() {
+            return None;
+        }
+        self.fd_tokens = self.fd_tokens.wrapping_add(1);
+        self.fd_sleeper = Some((need, self.fd_tokens));
+        Some(self.fd_tokens)
+    }
+
+    /// A leader woke: its registration goes, if it is still there. A completion that woke it took it already,
+    /// and another leader may have registered since: that one stays (clearing it left that leader asleep with
+    /// nobody to wake it).
+    pub(crate) fn unregister_fd_sleeper(&mut self, token: u64) {
+        if self.fd_sleeper.is_some_and(|(_, t)| t == token) {
+            self.fd_sleeper = None;
+        }
+    }
+}
+
 impl EqInner {
     fn lock(&self) -> MutexGuard<'_, EqState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -573,7 +599,7 @@ impl EqInner {
         // so one waiter's count never hides another's.
         let len = s.events.len();
         let wake_cond = s.waiters.iter().any(|&n| len >= n);
-        let wake_fd = s.fd_sleeper.is_some_and(|n| len >= n);
+        let wake_fd = s.fd_sleeper.is_some_and(|(n, _)| len >= n);
         if wake_fd {
             s.fd_sleeper = None;
         }

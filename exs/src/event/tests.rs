@@ -300,3 +300,33 @@ fn a_busy_dequeue_that_finds_its_events_waiting_still_counts_as_polling() {
     assert_eq!(poller.started.load(SeqCst), 3);
     assert_eq!(poller.ended_lingering.load(SeqCst), 3);
 }
+
+/// Regression (review): two threads leading two contexts that report to one queue. A completion woke the first
+/// leader (taking its registration on the queue's descriptor), the second registered, and the first, waking,
+/// cleared the registration: the second's. The second then slept with nobody to wake it for events of the first
+/// context. A leader now clears only its own registration.
+#[test]
+fn a_waking_leader_leaves_another_leaders_registration() {
+    let eq = EventQueue::new(4).unwrap();
+    let first = eq.inner.lock().register_fd_sleeper(1).unwrap();
+    assert!(
+        eq.inner.lock().register_fd_sleeper(1).is_none(),
+        "one registration at a time"
+    );
+    // A completion wakes the first leader: its registration goes.
+    eq.reserve(EventKind::Recv, 1, sid())
+        .unwrap()
+        .complete(Ok(()), 0, Default::default());
+    let mut s = eq.inner.lock();
+    assert!(s.fd_sleeper.is_none());
+    let second = s.register_fd_sleeper(2).unwrap();
+    // The first leader comes round.
+    s.unregister_fd_sleeper(first);
+    assert_eq!(
+        s.fd_sleeper.map(|(_, t)| t),
+        Some(second),
+        "the second leader's registration stays"
+    );
+    s.unregister_fd_sleeper(second);
+    assert!(s.fd_sleeper.is_none());
+}

@@ -352,16 +352,13 @@ impl EventQueue {
             if s.events.len() >= need {
                 return;
             }
-            match (qfd, s.fd_sleeper) {
-                (Some(_), None) => {
-                    s.fd_sleeper = Some(need);
-                    true
-                }
+            match qfd.as_ref().and_then(|_| s.register_fd_sleeper(need)) {
+                Some(token) => Some(token),
                 // Another leader of this queue sleeps on its descriptor (or there is none): look again soon.
-                _ => {
+                None => {
                     let soon = Instant::now() + crate::progress::lead::STANDBY;
                     until = Some(until.map_or(soon, |u| u.min(soon)));
-                    false
+                    None
                 }
             }
         };
@@ -372,7 +369,7 @@ impl EventQueue {
                 fds.push(PollFd::new(fd, PollFlags::POLLIN));
             }
         }
-        if let (true, Some(q)) = (mine, qfd) {
+        if let (Some(_), Some(q)) = (mine, qfd) {
             fds.push(PollFd::new(q.as_fd(), PollFlags::POLLIN));
         }
         crate::progress::lead::sleep_on(&mut fds, until);
@@ -382,9 +379,9 @@ impl EventQueue {
         for (i, p) in led.iter().enumerate() {
             p.woke(revents[i * 2 + 1]);
         }
-        if mine {
+        if let Some(token) = mine {
             let mut s = self.inner.lock();
-            s.fd_sleeper = None;
+            s.unregister_fd_sleeper(token);
             if let (Some(q), Some(true)) = (qfd, revents.last()) {
                 let _ = q.read();
             }

@@ -14,11 +14,12 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 
-use crate::error::{FileError, OpError, SendError};
+use crate::error::{FileError, OpError, SendError, StateError};
 use crate::event::{Event, EventFlags, EventKind, EventQueue, Ticket};
+use crate::ids::SocketId;
 use crate::memory::MemoryRegion;
 use crate::options::SockType;
-use crate::socket::Socket;
+use crate::socket::{Socket, WeakSocket};
 
 /// Bytes per read (and, on a stream socket, per send).
 pub const SENDFILE_CHUNK: usize = 1 << 20;
@@ -106,7 +107,10 @@ struct FileSend {
 }
 
 struct Progress {
-    sock: Socket,
+    /// Not a handle: a sendfile stalled by a peer that stopped reading must not keep its socket (and context)
+    /// open once the application let go of every handle.
+    sock: WeakSocket,
+    sid: SocketId,
     file: File,
     offset: u64,
     len: usize,
@@ -150,11 +154,16 @@ impl Progress {
                 return Ok(());
             }
         };
+        let Some(sock) = self.sock.upgrade() else {
+            // Every handle of the socket is gone: it is closing, and the rest of the file is not sent.
+            self.failure = Some(OpError::Cancelled);
+            return Ok(());
+        };
         let me = Arc::clone(me);
-        let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sock.id(), move |ev| {
+        let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sid, move |ev| {
             me.arrived(ev)
         });
-        self.sock.send_ticket(
+        sock.send_ticket(
             &self
                 .bufs
                 .slice(slot * SENDFILE_CHUNK..slot * SENDFILE_CHUNK + n),
@@ -262,7 +271,8 @@ fn chunked(
     let me = Arc::new(FileSend {
         inbox: Mutex::new(VecDeque::new()),
         state: Mutex::new(Progress {
-            sock: sock.clone(),
+            sock: sock.downgrade(),
+            sid: sock.id(),
             file,
             offset,
             len,
@@ -306,8 +316,9 @@ impl Progress {
     fn refill_first(&mut self, me: &Arc<FileSend>) -> Result<(), SendError> {
         let n = SENDFILE_CHUNK.min(self.len);
         let me = Arc::clone(me);
-        let ticket = Ticket::hooked(EventKind::Send, 0, self.sock.id(), move |ev| me.arrived(ev));
-        self.sock.send_ticket(&self.bufs.slice(0..n), ticket)?;
+        let sock = self.sock.upgrade().ok_or(StateError::InvalidSocket)?;
+        let ticket = Ticket::hooked(EventKind::Send, 0, self.sid, move |ev| me.arrived(ev));
+        sock.send_ticket(&self.bufs.slice(0..n), ticket)?;
         self.next = n;
         self.in_flight = 1;
         Ok(())

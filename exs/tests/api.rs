@@ -340,3 +340,40 @@ fn wait_all_returns_the_events_that_came_when_the_rest_do_not() {
     assert_eq!(got.len(), 1, "{got:?}");
     assert_eq!((got[0].context, got[0].bytes), (0, 50), "{:?}", got[0]);
 }
+
+/// Regression (review): a stream `sendfile` held a handle of its socket in the chunks it had posted, so when the
+/// peer stopped reading and the application then dropped every handle of the socket, the socket never closed:
+/// its connection, buffers and context stayed for the process's life. The chunks hold no handle now: the socket
+/// closes (gracefully, within the linger time), and the sendfile ends with an error.
+#[test]
+fn a_stalled_sendfile_does_not_keep_its_dropped_socket_open() {
+    let data = pattern(16 << 20, 12);
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(&data).unwrap();
+    let mut ctx = exs::ContextOptions::default();
+    ctx.linger = std::time::Duration::from_millis(200);
+    ctx.keepalive = None;
+    let p = pair_ctx_opts(SockType::Stream, ctx, exs::SocketOptions::default());
+    p.client.sendfile(&p.eq_a, &f, 0, data.len(), 7).unwrap();
+    // The server reads nothing: the sendfile stalls once the stream buffer is full.
+    p.world.run_until_idle(100_000);
+    assert!(p.eq_a.is_empty(), "the sendfile finished: not the case");
+    let Pair { world, conn } = p;
+    let exs::testing::Pair {
+        client,
+        server,
+        eq_a,
+        ..
+    } = conn;
+    drop(client);
+    world.run_for(std::time::Duration::from_secs(2));
+    let e = eq_a
+        .next(Some(std::time::Duration::from_secs(5)))
+        .expect("the sendfile's event");
+    assert_eq!(e.kind, EventKind::SendFile, "{e:?}");
+    assert!(e.status.is_err(), "{e:?}");
+    assert!(
+        server.error().unwrap().is_some(),
+        "the server's connection is still up"
+    );
+}

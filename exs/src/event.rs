@@ -17,8 +17,11 @@
 //!    the producer wakes the waiter only when that count is reached, not at every event;
 //! 3. then drain without blocking again.
 //!
-//! So a batch of `n` expected completions costs at most one sleep and one wake-up. [`QueueStats::blocks`] counts
-//! the sleeps (tests assert on it). [`WaitMode::Block`] wakes on every event (the `dat_evd_wait` per event that the
+//! So a batch of `n` expected completions costs at most one sleep and one wake-up of a thread that waits on the
+//! queue while another thread (the context's progress thread) makes the progress. A waiting thread that makes the
+//! progress itself (it leads its context: see `progress`) sleeps on the transport instead, and wakes when the
+//! transport has something, to run the protocol, before it sleeps again. [`QueueStats::blocks`] counts the waits
+//! that went to sleep, each once however many wake-ups it took (tests assert on it). [`WaitMode::Block`] wakes on every event (the `dat_evd_wait` per event that the
 //! patent improves on) and [`WaitMode::BusyPoll`] never sleeps (the `dat_evd_dequeue` loop); both exist to be
 //! measured against the adaptive mode.
 
@@ -140,7 +143,8 @@ impl Default for WaitMode {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct QueueStats {
-    /// Times a `dequeue` went to sleep (or, in the simulator, had to drive the fabric to get events).
+    /// Times a `dequeue` went to sleep (or, in the simulator, had to drive the fabric to get events): once per
+    /// wait, however many times a leading thread woke to run the protocol during it.
     pub blocks: u64,
     /// Times a producer woke a sleeping `dequeue`.
     pub wakeups: u64,

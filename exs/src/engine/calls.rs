@@ -286,11 +286,10 @@ impl Engine {
             self.release_endpoint(ep);
             return Err(e.into());
         }
-        let at = crate::config::deadline(
-            self.clock.now(),
-            Some(timeout.unwrap_or(self.connect_timeout)),
-        );
+        let now = self.clock.now();
+        let at = crate::config::deadline(now, Some(timeout.unwrap_or(self.connect_timeout)));
         let s = self.sock(sid)?;
+        s.handshake_began = Some(now);
         s.phase = Phase::Connecting;
         s.conn = Some(conn);
         s.ticket = ticket.take();

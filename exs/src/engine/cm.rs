@@ -185,8 +185,15 @@ impl Engine {
             l.pending.insert(sid);
         }
         // A peer that never completes the connection does not hold the endpoint forever.
-        let at = self.clock.now() + self.connect_timeout;
-        self.timers.set(sid, TimerKind::ConnectTimeout, Some(at));
+        let now = self.clock.now();
+        if let Some(s) = self.sockets.get_mut(&sid) {
+            s.handshake_began = Some(now);
+        }
+        self.timers.set(
+            sid,
+            TimerKind::ConnectTimeout,
+            Some(now + self.connect_timeout),
+        );
     }
 
     pub(super) fn on_established(&mut self, ep: EndpointId, private: Vec<u8>) {
@@ -231,12 +238,12 @@ impl Engine {
         self.stats.connections += 1;
         let passive = sock.phase == Phase::Accepting;
         sock.phase = Phase::Open;
-        // The connect timer was set `connect_timeout` after the handshake began.
+        // From when the handshake began: the connect timer's deadline says nothing of it once a call chose its own
+        // timeout.
         let now = self.clock.now();
-        sock.handshake = self
-            .timers
-            .get(sid, TimerKind::ConnectTimeout)
-            .and_then(|at| at.checked_sub(self.connect_timeout))
+        sock.handshake = sock
+            .handshake_began
+            .take()
             .map(|began| now.saturating_duration_since(began));
         self.timers.set(sid, TimerKind::ConnectTimeout, None);
         if sock.peer_addr.is_none() {

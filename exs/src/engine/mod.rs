@@ -122,6 +122,8 @@ struct Sock {
     bytes_received: u64,
     /// From the connect (or the request's arrival) to the connection being up.
     handshake: Option<Duration>,
+    /// When the handshake began (the connect, or the request's arrival), until the connection is up.
+    handshake_began: Option<Instant>,
     /// The connection's tracing span (id, peer, backend), entered around its protocol work; disabled until the
     /// connection is up, and whenever nothing subscribes at debug level.
     span: tracing::Span,
@@ -157,6 +159,7 @@ impl Sock {
             dirty: false,
             armed: timers::Armed::default(),
             handshake: None,
+            handshake_began: None,
             span: tracing::Span::none(),
         }
     }

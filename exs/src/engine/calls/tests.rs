@@ -2,6 +2,8 @@
 
 use super::LAST_SOCKET_ID;
 use crate::sim::{SimConfig, World};
+use std::time::Duration;
+
 use crate::{SockType, Socket, SocketId};
 
 /// Regression (review): endpoint numbers wrapped without looking at the endpoints still held, so after 2^32
@@ -61,4 +63,24 @@ fn socket_numbers_wrap_at_int_max_and_skip_the_sockets_still_held() {
     // Each number names one socket: binding the new socket 1 leaves socket 2 unbound.
     again.bind(world.addr(0, 5000)).unwrap();
     two.bind(world.addr(0, 5001)).unwrap();
+}
+
+/// Regression (review): the handshake time was read back from the connect timer's deadline less the context's
+/// connect timeout, so a connect with a timeout of its own (1 s against the context's 10 s) reported 9 s more
+/// than it took. It is measured from when the handshake began.
+#[test]
+fn a_connect_with_its_own_timeout_reports_the_handshake_it_took() {
+    let world = World::new(SimConfig::default());
+    let (a, b) = (world.host(), world.host());
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 6001)).unwrap();
+    l.listen(4).unwrap();
+    let eq = crate::EventQueue::new(8).unwrap();
+    let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+    c.connect_within(&eq, world.addr(1, 6001), Some(Duration::from_secs(1)), 1)
+        .unwrap();
+    world.run_until_idle(100_000);
+    assert!(eq.next(None).unwrap().is_ok());
+    let took = c.stats().unwrap().handshake.expect("a handshake time");
+    assert!(took < Duration::from_millis(100), "{took:?}");
 }

@@ -260,6 +260,9 @@ impl Lead {
                 }
                 let weak = Arc::downgrade(&follower);
                 if !s.followers.iter().any(|w| w.ptr_eq(&weak)) {
+                    // Followers gone meanwhile (short-lived queues) leave: the list, and this look through it,
+                    // must not grow while one holder keeps the lead.
+                    s.followers.retain(|w| w.strong_count() > 0);
                     s.followers.push(weak);
                 }
                 None

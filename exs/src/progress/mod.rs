@@ -564,4 +564,28 @@ mod tests {
         assert_eq!(stand_back_for(0, 2, STANDBY * 2), Some(STANDBY * 2));
         assert_eq!(stand_back_for(1, 2, STANDBY), Some(MAX_BACKOFF));
     }
+
+    struct Quiet;
+    impl Follower for Quiet {
+        fn nudge(&self) {}
+    }
+
+    /// Regression (review): while one application kept the lead, every queue that asked to lead was added to
+    /// the followers, and the entries of queues gone meanwhile stayed until it let go: the list (and the look
+    /// through it at every asking) grew with short-lived queues. Gone followers leave as new ones come.
+    #[test]
+    fn followers_gone_meanwhile_leave_the_list() {
+        let lead = Lead::new().unwrap();
+        assert!(lead.try_lead_app(Arc::new(Quiet)));
+        for _ in 0..1000 {
+            assert!(!lead.try_lead_app(Arc::new(Quiet)), "one leads already");
+        }
+        let kept = Arc::new(Quiet);
+        assert!(!lead.try_lead_app(kept.clone()));
+        assert!(
+            lead.lock().followers.len() <= 2,
+            "{} followers, all but one gone",
+            lead.lock().followers.len()
+        );
+    }
 }

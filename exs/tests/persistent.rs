@@ -736,3 +736,36 @@ fn a_whole_message_says_eor_and_a_range_of_a_persistent_send_does_not() {
         "{part:?}"
     );
 }
+
+/// Regression (review): the peer's persistent receive counted as the peer being persistent only once its advert
+/// reached the head of our queue; with a message before it still unread, our side could start a persistent send,
+/// which the peer took for a violation (both sides persistent) and closed the connection. It is refused here now.
+#[test]
+fn a_persistent_send_is_refused_while_the_peers_persistent_receive_waits_behind_a_message() {
+    let p = pair(SockType::SeqPacket);
+    let msg = p.client_region(pattern(100, 1));
+    p.client
+        .send(&p.eq_a, &msg.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    let mine = p.client_region(vec![0; 4096]);
+    p.client
+        .recv(&p.eq_a, &mine.all(), MsgFlags::PERSISTENT, 2)
+        .unwrap();
+    p.world.run_until_idle(100_000);
+    let src = p.server_region(1000);
+    let e = p
+        .server
+        .send(&p.eq_b, &src.all(), MsgFlags::PERSISTENT, 3)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::Persistent(_))),
+        "{e:?}"
+    );
+    // The connection carries on: the server reads the message.
+    let dst = p.server_region(100);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 4)
+        .unwrap();
+    let r = wait(&p.eq_b);
+    assert!(r.is_ok() && r.bytes == 100, "{r:?}");
+}

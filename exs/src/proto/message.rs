@@ -277,11 +277,13 @@ impl MessageProto {
         let ours = self.own_precv.is_some()
             || self.unacked.iter().any(|o| o.persistent.is_some())
             || self.queue.iter().any(|q| q.persistent.is_some());
+        // A persistent receive of the peer's counts while its advert still waits behind others too: the peer is
+        // persistent from the moment it posted it.
         let theirs = self.peer_precv.is_some()
-            || self
-                .adverts
-                .iter()
-                .any(|a| a.advert.flags.has(AdvertFlags::PERSISTENT));
+            || self.adverts.iter().any(|a| {
+                a.advert.flags.has(AdvertFlags::PERSISTENT)
+                    || a.advert.flags.has(AdvertFlags::PERSISTENT_RECV)
+            });
         (ours, theirs)
     }
 

@@ -127,16 +127,27 @@ impl VerbsConfig {
         &self,
         var: impl Fn(&str) -> Option<String>,
     ) -> Result<VerbsConfig, TransportError> {
-        let flag = |k: &str| var(k).map(|v| v.trim() != "0");
+        // `0` or `1` (`false`/`true`, `no`/`yes`, `off`/`on` too, in any case); anything else is refused, naming the
+        // variable: `EXS_VERBS_WINDOWS=false` turned windows on when every value but `0` meant yes.
+        let flag = |k: &str| -> Result<Option<bool>, TransportError> {
+            let Some(v) = var(k) else {
+                return Ok(None);
+            };
+            match v.trim().to_ascii_lowercase().as_str() {
+                "1" | "true" | "yes" | "on" => Ok(Some(true)),
+                "0" | "false" | "no" | "off" => Ok(Some(false)),
+                _ => Err(TransportError::Invalid(format!("{k}={v}: 0 or 1"))),
+            }
+        };
+        let emulate = flag("EXS_VERBS_EMULATE_IMM")?;
+        let windows = flag("EXS_VERBS_WINDOWS")?;
+        let sinks = flag("EXS_VERBS_READ_SINKS")?;
         Ok(VerbsConfig {
             addr: self.addr,
             device: self.device.clone(),
-            emulate_write_imm: self.emulate_write_imm
-                || flag("EXS_VERBS_EMULATE_IMM") == Some(true),
-            memory_windows: self.memory_windows.or_else(|| flag("EXS_VERBS_WINDOWS")),
-            read_sink_registration: self
-                .read_sink_registration
-                .or_else(|| flag("EXS_VERBS_READ_SINKS")),
+            emulate_write_imm: self.emulate_write_imm || emulate == Some(true),
+            memory_windows: self.memory_windows.or(windows),
+            read_sink_registration: self.read_sink_registration.or(sinks),
             limits: self.limits.clone().or(VerbsLimits::from_vars(&var)?),
         })
     }
@@ -430,6 +441,34 @@ impl Drop for VerbsTransport {
 mod tests {
     use super::*;
     use std::error::Error;
+
+    /// `EXS_VERBS_WINDOWS=false` turned memory windows on: every value but `0` meant yes. Words mean what they say
+    /// now, and a value that is neither is refused, naming the variable.
+    #[test]
+    fn verbs_flags_read_words_and_refuse_anything_else() {
+        let with = |k: &'static str, v: &'static str| {
+            VerbsConfig::new([127, 0, 0, 1].into())
+                .with_vars(move |name| (name == k).then(|| v.to_string()))
+        };
+        for (v, want) in [
+            ("0", false),
+            ("false", false),
+            ("Off", false),
+            ("1", true),
+            (" yes ", true),
+        ] {
+            let c = with("EXS_VERBS_WINDOWS", v).unwrap();
+            assert_eq!(c.memory_windows, Some(want), "{v:?}");
+            let c = with("EXS_VERBS_READ_SINKS", v).unwrap();
+            assert_eq!(c.read_sink_registration, Some(want), "{v:?}");
+            assert_eq!(
+                with("EXS_VERBS_EMULATE_IMM", v).unwrap().emulate_write_imm,
+                want
+            );
+        }
+        let e = with("EXS_VERBS_WINDOWS", "maybe").unwrap_err();
+        assert!(e.to_string().contains("EXS_VERBS_WINDOWS=maybe"), "{e}");
+    }
 
     /// The posts report what `ibv_post_send` and `ibv_post_recv` return (through `post_error`): a positive code
     /// (rxe, mlx5) or a negative one (siw), never errno, which these calls do not set.

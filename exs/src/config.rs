@@ -5,6 +5,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::transport::TransportError;
+
 /// A source of time. Real time normally; virtual time in the simulator.
 pub trait Clock: Send + Sync + fmt::Debug {
     /// Now.
@@ -94,7 +96,7 @@ pub struct ContextOptions {
     /// How long a graceful close may take to deliver the sends already posted and its CLOSE before the connection
     /// is torn down anyway (default 10 s).
     pub linger: Duration,
-    /// How long a connect may take before it fails with a timeout.
+    /// How long a connect may take before it fails with a timeout (default 10 s; more than zero).
     pub connect_timeout: Duration,
     /// Request/response traffic: how long an acknowledgment may wait for a reply to carry it (zero: never wait).
     /// One-way traffic is always acknowledged at once.
@@ -107,7 +109,8 @@ pub struct ContextOptions {
     /// tears the connection down). A probe needs a control-buffer credit like any message: a peer whose device
     /// answers but whose side of the protocol returns no credits for two whole intervals while messages wait for
     /// them is closed (`Violation::CreditsWithheld`; a peer process stopped that long, in a debugger or by
-    /// SIGSTOP, too: a longer keepalive, or `None`, keeps such connections).
+    /// SIGSTOP, too: a longer keepalive, or `None`, keeps such connections). Default `Some(10 s)`; zero is
+    /// refused.
     pub keepalive: Option<Duration>,
     /// Connections the context holds at most (open, connecting, being accepted or closing). Requests beyond it are
     /// refused (the peer sees `Refused`), and a `connect` fails with `TransportError::Resource`. Default 16,384.
@@ -138,11 +141,14 @@ pub struct SharedRecv {
     pub enabled: Option<bool>,
     /// Buffers posted at first, and added each time the pool grows. Default 32: a chunk is one registered buffer,
     /// and every lease taken on it (a receive reposted, a message read) looks at the receives it holds, so a
-    /// small chunk keeps what a message costs flat; the pool grows chunk by chunk as connections need it.
+    /// small chunk keeps what a message costs flat; the pool grows chunk by chunk as connections need it. 0 is
+    /// taken as 1.
     pub chunk_slots: u32,
-    /// Most buffers the pool grows to (also capped by the transport's queue depth).
+    /// Most buffers the pool grows to (also capped by the transport's queue depth; default 16,384). Below one
+    /// chunk it is taken as one chunk.
     pub max_slots: u32,
-    /// When fewer buffers than this are posted, the pool grows by a chunk.
+    /// When fewer buffers than this are posted, the pool grows by a chunk. Above one chunk it is taken as one
+    /// chunk.
     pub low_watermark: u32,
     /// Largest immediate payload a pool buffer holds (fixes the context's one slot size; a socket's
     /// `small_packet_max_size` above it is limited to it).
@@ -158,6 +164,27 @@ impl Default for SharedRecv {
             low_watermark: 32,
             small_packet_max_size: crate::options::SocketOptions::default().small_packet_max_size,
         }
+    }
+}
+
+impl ContextOptions {
+    /// Refuses settings that mean nothing useful: a keepalive of zero (a probe in every round, and ordinary
+    /// back-pressure taken for a peer withholding credits; `None` turns probes off) and a connect timeout of zero
+    /// (every connect would fail at once).
+    pub(crate) fn check(&self) -> Result<(), TransportError> {
+        if self.keepalive == Some(Duration::ZERO) {
+            return Err(TransportError::Invalid(
+                "ContextOptions::keepalive of zero: give an interval, or None to send no probes"
+                    .into(),
+            ));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(TransportError::Invalid(
+                "ContextOptions::connect_timeout of zero: every connect would time out at once"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -156,6 +156,7 @@ impl Context {
         transport: Box<dyn Transport>,
         opts: ContextOptions,
     ) -> Result<Context, TransportError> {
+        opts.check()?;
         let id = NEXT_CONTEXT.fetch_add(1, Ordering::Relaxed);
         let lead = Lead::new()?;
         let wait_fd = transport.wait_fd();

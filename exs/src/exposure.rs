@@ -40,7 +40,10 @@ impl ExposurePolicy {
     /// The policy `EXS_EXPOSURE` names: `per-operation` (or unset) or `trusted`.
     pub fn from_env() -> Result<Self, TransportError> {
         match std::env::var("EXS_EXPOSURE") {
-            Err(_) => Ok(Self::PerOperation),
+            Err(std::env::VarError::NotPresent) => Ok(Self::PerOperation),
+            Err(std::env::VarError::NotUnicode(v)) => Err(TransportError::Invalid(format!(
+                "exposure policy {v:?} (EXS_EXPOSURE: per-operation or trusted)"
+            ))),
             Ok(v) => v.parse(),
         }
     }
@@ -49,9 +52,9 @@ impl ExposurePolicy {
 impl std::str::FromStr for ExposurePolicy {
     type Err = TransportError;
 
-    /// `per-operation` or `trusted`.
+    /// `per-operation` or `trusted`, in any case, around spaces ignored; empty means the default.
     fn from_str(s: &str) -> Result<Self, TransportError> {
-        match s {
+        match s.trim().to_ascii_lowercase().as_str() {
             "per-operation" | "" => Ok(Self::PerOperation),
             "trusted" => Ok(Self::TrustedPeers),
             other => Err(TransportError::Invalid(format!(
@@ -219,4 +222,28 @@ impl TrustedKeys {
 fn revoke(w: &Whole) {
     // Dropping the exposure revokes the key, then releases the whole-region lease.
     drop(w.exposure.lock().unwrap_or_else(|p| p.into_inner()).take());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ExposurePolicy;
+
+    /// `EXS_EXPOSURE=TRUSTED` (or with spaces around) was refused, where every other `EXS_` setting ignores case
+    /// and surrounding spaces.
+    #[test]
+    fn policies_are_named_in_any_case_around_spaces() {
+        for v in ["trusted", "TRUSTED", " Trusted "] {
+            assert_eq!(
+                v.parse::<ExposurePolicy>().unwrap(),
+                ExposurePolicy::TrustedPeers
+            );
+        }
+        for v in ["per-operation", "PER-OPERATION", ""] {
+            assert_eq!(
+                v.parse::<ExposurePolicy>().unwrap(),
+                ExposurePolicy::PerOperation
+            );
+        }
+        assert!("sometimes".parse::<ExposurePolicy>().is_err());
+    }
 }

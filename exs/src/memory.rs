@@ -95,7 +95,9 @@ impl MemoryRegion {
     }
 
     /// Registers the bytes of a vector without copying them (ES-API `exs_mregister` of caller memory).
-    /// Get them back with [`MemoryRegion::into_vec`].
+    /// Get them back with [`MemoryRegion::into_vec`]. Unlike [`MemoryRegion::alloc`]'s pages, the vector's share
+    /// pages with the rest of the heap and are not kept out of a forked child (`MADV_DONTFORK`): a process that
+    /// forks while the region is in use should register `alloc`ated memory instead (see the memory chapter).
     pub fn from_vec(ctx: &Context, bytes: Vec<u8>) -> Result<Self, MemoryError> {
         if bytes.is_empty() {
             return Err(MemoryError::Empty);

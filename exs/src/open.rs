@@ -216,7 +216,8 @@ impl Context {
 
     /// Opens a context on the backend the environment names (see [`Backend::from_env`]; the choice and why
     /// are logged at info level, and [`Context::backend`] reports it); `EXS_EXPOSURE=trusted` selects
-    /// [`crate::ExposurePolicy::TrustedPeers`] (`per-operation`, the default, otherwise).
+    /// [`crate::ExposurePolicy::TrustedPeers`], `per-operation` (the default, also when unset or empty) the
+    /// other; any other value is refused.
     pub fn from_env() -> Result<Context, TransportError> {
         let opts = crate::ContextOptions {
             exposure: crate::ExposurePolicy::from_env()?,

@@ -76,7 +76,8 @@ pub struct SocketOptions {
     /// Advertisements we accept outstanding from the peer ("recv_credits"). Before connect. 1..=4096.
     pub recv_credits: u16,
     /// Sends up to this size travel as immediate data in the advertisement (the UNH-EXS paper, 4.1). Before connect.
-    /// 0..=[`SocketOptions::MAX_SMALL`].
+    /// 0..=[`SocketOptions::MAX_SMALL`]. What a connection uses is also at most what the peer's control buffers
+    /// hold (its shared receive pool's slots: [`crate::SharedRecv`]); the option keeps the value set.
     pub small_packet_max_size: u32,
     /// Stream sockets: bytes of the intermediate stream buffer (the dynamic stream protocol). Before connect. 64..=1
     /// GiB.

@@ -14,6 +14,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 
+use crate::context::WeakContext;
 use crate::error::{FileError, OpError, SendError, StateError};
 use crate::event::{Event, EventFlags, EventKind, EventQueue, Ticket};
 use crate::ids::SocketId;
@@ -32,7 +33,9 @@ impl Socket {
     /// file), so the file may change afterwards without affecting what is sent. On a SOCK_SEQPACKET socket, a range
     /// that goes past the end of a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory
     /// is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
-    /// come before those of sends still in flight), or is refused where a send would be.
+    /// come before those of sends still in flight), or is refused where a send would be; a stream socket closed
+    /// (or its last handle dropped) before the event has come cannot send the rest of the file, so its connection
+    /// is then cut: the peer sees it fail, never a clean end of stream after part of the file.
     pub fn sendfile(
         &self,
         eq: &EventQueue,
@@ -111,6 +114,8 @@ struct Progress {
     /// open once the application let go of every handle.
     sock: WeakSocket,
     sid: SocketId,
+    /// To cut the connection when the rest of the file cannot go (see [`Progress::cut`]).
+    ctx: WeakContext,
     file: File,
     offset: u64,
     len: usize,
@@ -142,11 +147,27 @@ impl Progress {
         Ok(n)
     }
 
+    /// The rest of the file cannot go (the socket was closed or dropped under the sendfile): the connection is
+    /// cut, so that the peer sees it fail rather than a graceful close's clean end of stream after part of the
+    /// file (a close queues its end behind the chunks already posted).
+    fn cut(&self) {
+        if let Some(ctx) = self.ctx.upgrade() {
+            let sid = self.sid;
+            ctx.shared().call(|e| e.cut(sid));
+        }
+    }
+
     /// Reads and posts the next chunk into `slot`, if any is left and nothing failed.
     fn refill(&mut self, slot: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
         if self.failure.is_some() || self.next >= self.len {
             return Ok(());
         }
+        let Some(sock) = self.sock.upgrade() else {
+            // Every handle of the socket is gone: it is closing, and the rest of the file cannot go.
+            self.failure = Some(OpError::Cancelled);
+            self.cut();
+            return Ok(());
+        };
         let n = match self.read(slot) {
             Ok(n) => n,
             Err(e) => {
@@ -154,21 +175,20 @@ impl Progress {
                 return Ok(());
             }
         };
-        let Some(sock) = self.sock.upgrade() else {
-            // Every handle of the socket is gone: it is closing, and the rest of the file is not sent.
-            self.failure = Some(OpError::Cancelled);
-            return Ok(());
-        };
         let me = Arc::clone(me);
         let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sid, move |ev| {
             me.arrived(ev)
         });
-        sock.send_ticket(
+        if let Err(e) = sock.send_ticket(
             &self
                 .bufs
                 .slice(slot * SENDFILE_CHUNK..slot * SENDFILE_CHUNK + n),
             ticket,
-        )?;
+        ) {
+            // The socket was closed under it (or its connection ended): the rest of the file cannot go.
+            self.cut();
+            return Err(e);
+        }
         self.next += n;
         self.in_flight += 1;
         Ok(())
@@ -273,6 +293,7 @@ fn chunked(
         state: Mutex::new(Progress {
             sock: sock.downgrade(),
             sid: sock.id(),
+            ctx: sock.context().downgrade(),
             file,
             offset,
             len,

@@ -191,7 +191,8 @@ impl Socket {
     }
 
     /// Listens for connections (ES-API `exs_listen`); returns the bound address. `backlog` 0 keeps the
-    /// option's value.
+    /// option's value; a larger one than 65,535 (the option's limit) is taken as 65,535, as `listen(2)` takes one
+    /// beyond `somaxconn`.
     ///
     /// Like a TCP listener, it sets incoming connections up by itself: a connection is established (the peer's
     /// connect completes) before any accept, and waits for one. The backlog bounds the connections being set up

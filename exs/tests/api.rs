@@ -377,3 +377,84 @@ fn a_stalled_sendfile_does_not_keep_its_dropped_socket_open() {
         "the server's connection is still up"
     );
 }
+
+/// Regression (review): a keepalive of zero was taken as is (a probe in every round, and ordinary back-pressure
+/// taken for a peer withholding credits), and a connect timeout of zero made every connect fail at once. Both
+/// are refused when the context opens.
+#[test]
+fn a_keepalive_or_connect_timeout_of_zero_is_refused() {
+    let world = exs::sim::World::new(exs::sim::SimConfig::default());
+    let mut ka = exs::ContextOptions::default();
+    ka.keepalive = Some(std::time::Duration::ZERO);
+    let e = exs::Context::with_options(Box::new(world.raw_host()), ka).unwrap_err();
+    assert!(e.to_string().contains("keepalive"), "{e}");
+    let mut ct = exs::ContextOptions::default();
+    ct.connect_timeout = std::time::Duration::ZERO;
+    let e = exs::Context::with_options(Box::new(world.raw_host()), ct).unwrap_err();
+    assert!(e.to_string().contains("connect_timeout"), "{e}");
+}
+
+/// Review of the `wait_all` fix: with nothing left to deliver on a simulated fabric it must report so at once
+/// (not wait out its slices), and a zero timeout still takes the events that are queued.
+#[test]
+fn wait_all_reports_a_stalled_world_at_once_and_a_zero_wait_takes_what_is_queued() {
+    let p = pair(SockType::SeqPacket);
+    let dst = p.server_region(100);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    let t = std::time::Instant::now();
+    let e = p.eq_b.wait_all(None).unwrap_err();
+    assert!(matches!(e, exs::DequeueError::Stalled { .. }), "{e:?}");
+    assert!(t.elapsed() < std::time::Duration::from_millis(500));
+    let src = p.client_region(vec![3; 10]);
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    p.world.run_until_idle(100_000);
+    let got = p.eq_b.wait_all(Some(std::time::Duration::ZERO)).unwrap();
+    assert_eq!(got.len(), 1, "{got:?}");
+}
+
+/// Review of the sendfile fix: a stream socket dropped while its sendfile still had chunks to post (the peer
+/// reading all along) ended gracefully after the chunks already posted, and the peer read a clean end of stream
+/// after part of the file. The connection is cut now: the peer sees it fail.
+#[test]
+fn a_sendfile_whose_socket_is_dropped_midway_never_ends_in_a_clean_eof() {
+    let data = pattern(16 << 20, 13);
+    let mut f = tempfile::tempfile().unwrap();
+    f.write_all(&data).unwrap();
+    let p = pair(SockType::Stream);
+    p.client.sendfile(&p.eq_a, &f, 0, data.len(), 7).unwrap();
+    let Pair { world, conn } = p;
+    let exs::testing::Pair {
+        client,
+        server,
+        eq_b,
+        b,
+        ..
+    } = conn;
+    drop(client);
+    // The server reads until the stream ends, one way or the other.
+    let dst = exs::MemoryRegion::alloc(&b, 1 << 20).unwrap();
+    let mut got = 0usize;
+    let end: Result<(), String> = loop {
+        // A receive refused because the connection is down ends it as well as a failed receive.
+        if let Err(e) = server.recv(&eq_b, &dst.all(), MsgFlags::NONE, 1) {
+            break Err(e.to_string());
+        }
+        world.run_until_idle(1_000_000);
+        let ev = eq_b.next(Some(std::time::Duration::from_secs(5))).unwrap();
+        match (&ev.status, ev.flags.eof) {
+            (Ok(()), false) => got += ev.bytes,
+            (Ok(()), true) => break Ok(()),
+            (Err(e), _) => break Err(e.to_string()),
+        }
+    };
+    assert!(got < data.len(), "the whole file came: not the case");
+    assert!(
+        end.is_err(),
+        "a clean end of stream after {got} of {} bytes",
+        data.len()
+    );
+}

@@ -287,7 +287,9 @@ impl Engine {
             return Err(e.into());
         }
         let now = self.clock.now();
-        let at = crate::config::deadline(now, Some(timeout.unwrap_or(self.connect_timeout)));
+        // Too long to count means never, as for the context's own (`config::countable`).
+        let wait = crate::config::countable(timeout.unwrap_or(self.connect_timeout));
+        let at = crate::config::deadline(now, Some(wait));
         let s = self.sock(sid)?;
         s.handshake_began = Some(now);
         s.phase = Phase::Connecting;
@@ -467,6 +469,23 @@ impl Engine {
             }
             _ => self.close(sid),
         }
+    }
+
+    /// Ends a connection at once, whatever the application did with its socket (closed it, dropped it): a stream
+    /// sendfile that cannot send the rest of its file, so that the peer sees the connection fail, not a clean end
+    /// of stream after part of the file.
+    pub(crate) fn cut(&mut self, sid: SocketId) {
+        let Some(s) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        if !matches!(s.phase, Phase::Open | Phase::Closing) {
+            return;
+        }
+        s.down.get_or_insert(OpError::Cancelled);
+        if let Some(conn) = s.conn.as_mut() {
+            conn.fail(OpError::Cancelled);
+        }
+        self.disconnect(sid);
     }
 
     /// What the socket is ready for now (ES-API `exs_poll`).

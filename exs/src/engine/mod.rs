@@ -211,6 +211,8 @@ pub(crate) struct Engine {
     ops: ops::Ops,
     /// Why the context failed (a panic in a progress round), if it did.
     failed: Option<String>,
+    /// Taking a failed context's reports panicked (`Engine::discard_reports`): they are left alone.
+    discard_panicked: bool,
     /// Where the protocol reports completions (see [`crate::proto::op`]).
     outbox: Outbox,
     done: Vec<Done>,
@@ -275,6 +277,7 @@ impl Engine {
             pool_posts: Vec::new(),
             ops: ops::Ops::default(),
             failed: None,
+            discard_panicked: false,
             outbox: Outbox::default(),
             done: Vec::new(),
         }

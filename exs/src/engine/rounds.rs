@@ -46,8 +46,11 @@ impl Engine {
     /// it released, their connection events) is taken and dropped: left there, it kept every arm failing, and each
     /// thread that would have slept on the context spun instead, for the context's life.
     fn discard_reports(&mut self) {
+        if self.discard_panicked {
+            return; // the transport itself panicked: looking again would only panic again
+        }
         let mut batch = std::mem::take(&mut self.completions);
-        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             for _ in 0..ROUND_BATCHES {
                 batch.clear();
                 if self.transport.poll(&mut batch, 64) == 0 {
@@ -60,6 +63,7 @@ impl Engine {
                 }
             }
         }));
+        self.discard_panicked = r.is_err();
         batch.clear();
         self.completions = batch;
     }

@@ -130,6 +130,15 @@ pub(crate) fn choose(
             why: format!("EXS_BACKEND={kind}"),
         });
     }
+    // An address that is not one is the user's mistake whichever backend it was meant for: said, not passed over
+    // for the next backend.
+    if let Some(addr) = var("EXS_ADDR") {
+        if addr.trim().parse::<IpAddr>().is_err() {
+            return Err(TransportError::Invalid(format!(
+                "EXS_ADDR={addr}: not an IP address (the address of the interface to listen and connect on)"
+            )));
+        }
+    }
     let mut passed = Vec::new();
     if compiled.contains(&BackendKind::Verbs) {
         match verbs_serves(var, rdma) {

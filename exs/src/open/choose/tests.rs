@@ -98,10 +98,22 @@ fn verbs_alone_without_a_device_says_what_it_needs() {
         "not found: a backend that can serve here (not verbs: no RDMA device carries EXS_ADDR=10.9.9.9 (this \
          machine has rxe0)); available: verbs"
     );
-    assert_eq!(
-        refusal(&[Verbs], &[("EXS_ADDR", "rxe0")], &rxe()),
-        "not found: a backend that can serve here (not verbs: EXS_ADDR=rxe0 is not an IP address); available: verbs"
-    );
+    // Not an address at all: the user's mistake, said whichever backends are compiled in (with libfabric beside
+    // verbs it was passed over, and libfabric opened as if nothing were wrong).
+    for compiled in [&[Verbs][..], &[Verbs, Fabric][..], &[Fabric][..]] {
+        assert_eq!(
+            refusal(compiled, &[("EXS_ADDR", "rxe0")], &rxe()),
+            "invalid argument: EXS_ADDR=rxe0: not an IP address (the address of the interface to listen and \
+             connect on)",
+            "{compiled:?}"
+        );
+    }
+    assert!(choose(
+        &[Verbs, Fabric],
+        &env(&[("EXS_ADDR", "10.0.0.500")]),
+        &rxe()
+    )
+    .is_err());
 }
 
 #[test]

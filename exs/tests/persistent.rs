@@ -10,6 +10,21 @@ use exs::{
     StateError, Violation,
 };
 
+/// A pair whose client sent `len` bytes of pattern `seed` with `flags` (a persistent send, context 1 unless
+/// `ctx` says otherwise), and a region of the same size on the server to receive it: (pair, sent, receive).
+fn persistent_send(
+    flags: MsgFlags,
+    len: usize,
+    seed: u64,
+    ctx: u64,
+) -> (Pair, MemoryRegion, MemoryRegion) {
+    let p = pair(SockType::SeqPacket);
+    let src = p.client_region(pattern(len, seed));
+    p.client.send(&p.eq_a, &src.all(), flags, ctx).unwrap();
+    let dst = p.server_region(len);
+    (p, src, dst)
+}
+
 /// Seed 002, 4.2: "the other side of the EXS socket can repeatedly receive this same memory block ... without
 /// subsequent corresponding exs_sends", and "the sender incurs no CPU overhead whatsoever": after the one send,
 /// the sender's engine handles no completion while the receiver pulls, and sees every update of the memory.
@@ -63,17 +78,7 @@ fn a_persistent_send_is_read_by_every_receive_with_nothing_on_the_sender() {
 /// The variant for the double-buffered transaction exchange: an event each time the peer has read it.
 #[test]
 fn a_notifying_persistent_send_reports_each_read() {
-    let p = pair(SockType::SeqPacket);
-    let src = p.client_region(pattern(1000, 3));
-    p.client
-        .send(
-            &p.eq_a,
-            &src.all(),
-            MsgFlags::PERSISTENT | MsgFlags::NOTIFY,
-            7,
-        )
-        .unwrap();
-    let dst = p.server_region(1000);
+    let (p, _src, dst) = persistent_send(MsgFlags::PERSISTENT | MsgFlags::NOTIFY, 1000, 3, 7);
     for i in 0..5 {
         p.server
             .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, i)
@@ -92,12 +97,7 @@ fn a_notifying_persistent_send_reports_each_read() {
 /// go, and only then is its key revoked.
 #[test]
 fn ending_a_persistent_send_completes_it_and_the_next_send_is_received() {
-    let p = pair(SockType::SeqPacket);
-    let src = p.client_region(pattern(3000, 4));
-    p.client
-        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
-        .unwrap();
-    let dst = p.server_region(3000);
+    let (p, _src, dst) = persistent_send(MsgFlags::PERSISTENT, 3000, 4, 1);
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
         .unwrap();
@@ -538,6 +538,13 @@ fn a_persistent_send_ended_while_the_message_before_it_is_read_completes_both() 
     message_received_and_both_sends_done(&p, &want, &dst);
 }
 
+/// The connection carries on: a message goes through.
+fn carries_on(p: &Pair) {
+    let (s, r, got) = p.transfer(&pattern(500, 9), 3000);
+    assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
+    assert_bytes_eq(&got, &pattern(500, 9), "a message after it");
+}
+
 /// Events of `eq` until one of `kind` (at most 16).
 fn until_kind(eq: &EventQueue, kind: EventKind) -> Vec<exs::Event> {
     let mut seen = Vec::new();
@@ -558,18 +565,8 @@ fn until_kind(eq: &EventQueue, kind: EventKind) -> Vec<exs::Event> {
 /// send completes.
 #[test]
 fn a_read_notification_crossing_the_end_of_its_send_keeps_the_connection() {
-    let p = pair(SockType::SeqPacket);
-    let src = p.client_region(pattern(1000, 3));
-    p.client
-        .send(
-            &p.eq_a,
-            &src.all(),
-            MsgFlags::PERSISTENT | MsgFlags::NOTIFY,
-            7,
-        )
-        .unwrap();
+    let (p, _src, dst) = persistent_send(MsgFlags::PERSISTENT | MsgFlags::NOTIFY, 1000, 3, 7);
     p.world.run_until_idle(100_000);
-    let dst = p.server_region(1000);
     // The read starts at once; the end crosses it.
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
@@ -579,9 +576,7 @@ fn a_read_notification_crossing_the_end_of_its_send_keeps_the_connection() {
     assert!(r.is_ok() && r.bytes == 1000, "{r:?}");
     let seen = until_kind(&p.eq_a, EventKind::Send);
     assert!(seen.iter().all(|e| e.is_ok()), "{seen:?}");
-    let (s, r, got) = p.transfer(&pattern(500, 9), 3000);
-    assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
-    assert_bytes_eq(&got, &pattern(500, 9), "a message after it");
+    carries_on(&p);
 }
 
 /// A persistent receive ended while its advert still waited at the peer behind an unread message: the peer
@@ -621,9 +616,7 @@ fn ending_a_persistent_receive_behind_an_unread_message_lets_it_go() {
         (EventKind::Recv, Ok(())),
         "the persistent receive ends when the peer confirms"
     );
-    let (s, r, got) = p.transfer(&pattern(500, 9), 3000);
-    assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
-    assert_bytes_eq(&got, &pattern(500, 9), "a message after it");
+    carries_on(&p);
 }
 
 /// The server closes gracefully with a send the client has not received yet, while the client ends its
@@ -716,12 +709,7 @@ fn a_persistent_receive_closed_before_its_advert_left_is_never_advertised() {
 /// peer's persistent send (`recv_offset`) does not.
 #[test]
 fn a_whole_message_says_eor_and_a_range_of_a_persistent_send_does_not() {
-    let p = pair(SockType::SeqPacket);
-    let src = p.client_region(pattern(2000, 9));
-    p.client
-        .send(&p.eq_a, &src.all(), MsgFlags::PERSISTENT, 1)
-        .unwrap();
-    let dst = p.server_region(2000);
+    let (p, _src, dst) = persistent_send(MsgFlags::PERSISTENT, 2000, 9, 1);
     p.server
         .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 2)
         .unwrap();

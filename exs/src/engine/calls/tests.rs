@@ -1,21 +1,27 @@
 //! Tests of the engine's calls: the numbering of sockets and endpoints.
 
-use super::LAST_SOCKET_ID;
-use crate::sim::{SimConfig, World};
 use std::time::Duration;
 
-use crate::{SockType, Socket, SocketId};
+use super::LAST_SOCKET_ID;
+use crate::sim::{SimConfig, World};
+use crate::{Context, EventQueue, SockType, Socket, SocketId};
+
+/// A manual world of two hosts, a SOCK_SEQPACKET listener on the second at `port`, and a queue: (world, the
+/// first host's context, the listener, the queue).
+fn listening(port: u16) -> (World, Context, Socket, EventQueue) {
+    let world = World::new(SimConfig::default());
+    let (a, b) = (world.host(), world.host());
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, port)).unwrap();
+    l.listen(4).unwrap();
+    (world, a, l, EventQueue::new(8).unwrap())
+}
 
 /// Regression (review): endpoint numbers wrapped without looking at the endpoints still held, so after 2^32
 /// of them a new connection could take a live one's number and its completions.
 #[test]
 fn endpoint_numbers_skip_the_endpoints_still_held() {
-    let world = World::new(SimConfig::default());
-    let (a, b) = (world.host(), world.host());
-    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
-    l.bind(world.addr(1, 6000)).unwrap();
-    l.listen(4).unwrap();
-    let eq = crate::EventQueue::new(8).unwrap();
+    let (world, a, _listener, eq) = listening(6000);
     let connect = || {
         let c = Socket::new(&a, SockType::SeqPacket).unwrap();
         c.connect(&eq, world.addr(1, 6000), 1).unwrap();
@@ -70,12 +76,7 @@ fn socket_numbers_wrap_at_int_max_and_skip_the_sockets_still_held() {
 /// than it took. It is measured from when the handshake began.
 #[test]
 fn a_connect_with_its_own_timeout_reports_the_handshake_it_took() {
-    let world = World::new(SimConfig::default());
-    let (a, b) = (world.host(), world.host());
-    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
-    l.bind(world.addr(1, 6001)).unwrap();
-    l.listen(4).unwrap();
-    let eq = crate::EventQueue::new(8).unwrap();
+    let (world, a, _listener, eq) = listening(6001);
     let c = Socket::new(&a, SockType::SeqPacket).unwrap();
     c.connect_within(&eq, world.addr(1, 6001), Some(Duration::from_secs(1)), 1)
         .unwrap();

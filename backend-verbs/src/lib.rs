@@ -130,7 +130,8 @@ impl VerbsConfig {
         // `0` or `1` (`false`/`true`, `no`/`yes`, `off`/`on` too, in any case); anything else is refused, naming the
         // variable: `EXS_VERBS_WINDOWS=false` turned windows on when every value but `0` meant yes.
         let flag = |k: &str| -> Result<Option<bool>, TransportError> {
-            let Some(v) = var(k) else {
+            // Empty is unset, as for the limits.
+            let Some(v) = var(k).filter(|v| !v.trim().is_empty()) else {
                 return Ok(None);
             };
             match v.trim().to_ascii_lowercase().as_str() {

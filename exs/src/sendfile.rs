@@ -14,13 +14,11 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Mutex};
 
-use crate::context::WeakContext;
-use crate::error::{FileError, OpError, SendError, StateError};
+use crate::error::{FileError, OpError, SendError};
 use crate::event::{Event, EventFlags, EventKind, EventQueue, Ticket};
-use crate::ids::SocketId;
 use crate::memory::MemoryRegion;
 use crate::options::SockType;
-use crate::socket::{Socket, WeakSocket};
+use crate::socket::Socket;
 
 /// Bytes per read (and, on a stream socket, per send).
 pub const SENDFILE_CHUNK: usize = 1 << 20;
@@ -33,9 +31,9 @@ impl Socket {
     /// file), so the file may change afterwards without affecting what is sent. On a SOCK_SEQPACKET socket, a range
     /// that goes past the end of a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory
     /// is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
-    /// come before those of sends still in flight), or is refused where a send would be; a stream socket closed
-    /// (or its last handle dropped) before the event has come cannot send the rest of the file, so its connection
-    /// is then cut: the peer sees it fail, never a clean end of stream after part of the file.
+    /// come before those of sends still in flight), or is refused where a send would be. A stream sendfile keeps
+    /// its socket open until it has posted the whole file (dropping the application's handles meanwhile does not
+    /// close it before then): to give up on a peer that stops reading, `close` the socket.
     pub fn sendfile(
         &self,
         eq: &EventQueue,
@@ -110,12 +108,7 @@ struct FileSend {
 }
 
 struct Progress {
-    /// Not a handle: a sendfile stalled by a peer that stopped reading must not keep its socket (and context)
-    /// open once the application let go of every handle.
-    sock: WeakSocket,
-    sid: SocketId,
-    /// To cut the connection when the rest of the file cannot go (see [`Progress::cut`]).
-    ctx: WeakContext,
+    sock: Socket,
     file: File,
     offset: u64,
     len: usize,
@@ -147,27 +140,11 @@ impl Progress {
         Ok(n)
     }
 
-    /// The rest of the file cannot go (the socket was closed or dropped under the sendfile): the connection is
-    /// cut, so that the peer sees it fail rather than a graceful close's clean end of stream after part of the
-    /// file (a close queues its end behind the chunks already posted).
-    fn cut(&self) {
-        if let Some(ctx) = self.ctx.upgrade() {
-            let sid = self.sid;
-            ctx.shared().call(|e| e.cut(sid));
-        }
-    }
-
     /// Reads and posts the next chunk into `slot`, if any is left and nothing failed.
     fn refill(&mut self, slot: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
         if self.failure.is_some() || self.next >= self.len {
             return Ok(());
         }
-        let Some(sock) = self.sock.upgrade() else {
-            // Every handle of the socket is gone: it is closing, and the rest of the file cannot go.
-            self.failure = Some(OpError::Cancelled);
-            self.cut();
-            return Ok(());
-        };
         let n = match self.read(slot) {
             Ok(n) => n,
             Err(e) => {
@@ -176,19 +153,15 @@ impl Progress {
             }
         };
         let me = Arc::clone(me);
-        let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sid, move |ev| {
+        let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sock.id(), move |ev| {
             me.arrived(ev)
         });
-        if let Err(e) = sock.send_ticket(
+        self.sock.send_ticket(
             &self
                 .bufs
                 .slice(slot * SENDFILE_CHUNK..slot * SENDFILE_CHUNK + n),
             ticket,
-        ) {
-            // The socket was closed under it (or its connection ended): the rest of the file cannot go.
-            self.cut();
-            return Err(e);
-        }
+        )?;
         self.next += n;
         self.in_flight += 1;
         Ok(())
@@ -291,9 +264,7 @@ fn chunked(
     let me = Arc::new(FileSend {
         inbox: Mutex::new(VecDeque::new()),
         state: Mutex::new(Progress {
-            sock: sock.downgrade(),
-            sid: sock.id(),
-            ctx: sock.context().downgrade(),
+            sock: sock.clone(),
             file,
             offset,
             len,
@@ -337,9 +308,8 @@ impl Progress {
     fn refill_first(&mut self, me: &Arc<FileSend>) -> Result<(), SendError> {
         let n = SENDFILE_CHUNK.min(self.len);
         let me = Arc::clone(me);
-        let sock = self.sock.upgrade().ok_or(StateError::InvalidSocket)?;
-        let ticket = Ticket::hooked(EventKind::Send, 0, self.sid, move |ev| me.arrived(ev));
-        sock.send_ticket(&self.bufs.slice(0..n), ticket)?;
+        let ticket = Ticket::hooked(EventKind::Send, 0, self.sock.id(), move |ev| me.arrived(ev));
+        self.sock.send_ticket(&self.bufs.slice(0..n), ticket)?;
         self.next = n;
         self.in_flight = 1;
         Ok(())

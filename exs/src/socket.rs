@@ -104,17 +104,6 @@ pub struct Socket {
     h: Arc<Handle>,
 }
 
-/// A hold on a socket that does not keep it open: a long operation's (a stream `sendfile`'s chunks), so that
-/// dropping the application's last handle still closes the socket.
-pub(crate) struct WeakSocket(std::sync::Weak<Handle>);
-
-impl WeakSocket {
-    /// The socket, while the application holds a handle to it.
-    pub(crate) fn upgrade(&self) -> Option<Socket> {
-        self.0.upgrade().map(|h| Socket { h })
-    }
-}
-
 impl fmt::Debug for Socket {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Socket")
@@ -125,11 +114,6 @@ impl fmt::Debug for Socket {
 }
 
 impl Socket {
-    /// A hold on this socket that does not keep it open.
-    pub(crate) fn downgrade(&self) -> WeakSocket {
-        WeakSocket(Arc::downgrade(&self.h))
-    }
-
     /// Creates a socket (ES-API `exs_socket`).
     pub fn new(ctx: &Context, ty: SockType) -> Result<Socket, SocketError> {
         let id = ctx.shared().lock().socket(ty);

@@ -341,43 +341,6 @@ fn wait_all_returns_the_events_that_came_when_the_rest_do_not() {
     assert_eq!((got[0].context, got[0].bytes), (0, 50), "{:?}", got[0]);
 }
 
-/// Regression (review): a stream `sendfile` held a handle of its socket in the chunks it had posted, so when the
-/// peer stopped reading and the application then dropped every handle of the socket, the socket never closed:
-/// its connection, buffers and context stayed for the process's life. The chunks hold no handle now: the socket
-/// closes (gracefully, within the linger time), and the sendfile ends with an error.
-#[test]
-fn a_stalled_sendfile_does_not_keep_its_dropped_socket_open() {
-    let data = pattern(16 << 20, 12);
-    let mut f = tempfile::tempfile().unwrap();
-    f.write_all(&data).unwrap();
-    let mut ctx = exs::ContextOptions::default();
-    ctx.linger = std::time::Duration::from_millis(200);
-    ctx.keepalive = None;
-    let p = pair_ctx_opts(SockType::Stream, ctx, exs::SocketOptions::default());
-    p.client.sendfile(&p.eq_a, &f, 0, data.len(), 7).unwrap();
-    // The server reads nothing: the sendfile stalls once the stream buffer is full.
-    p.world.run_until_idle(100_000);
-    assert!(p.eq_a.is_empty(), "the sendfile finished: not the case");
-    let Pair { world, conn } = p;
-    let exs::testing::Pair {
-        client,
-        server,
-        eq_a,
-        ..
-    } = conn;
-    drop(client);
-    world.run_for(std::time::Duration::from_secs(2));
-    let e = eq_a
-        .next(Some(std::time::Duration::from_secs(5)))
-        .expect("the sendfile's event");
-    assert_eq!(e.kind, EventKind::SendFile, "{e:?}");
-    assert!(e.status.is_err(), "{e:?}");
-    assert!(
-        server.error().unwrap().is_some(),
-        "the server's connection is still up"
-    );
-}
-
 /// Regression (review): a keepalive of zero was taken as is (a probe in every round, and ordinary back-pressure
 /// taken for a peer withholding credits), and a connect timeout of zero made every connect fail at once. Both
 /// are refused when the context opens.
@@ -414,47 +377,4 @@ fn wait_all_reports_a_stalled_world_at_once_and_a_zero_wait_takes_what_is_queued
     p.world.run_until_idle(100_000);
     let got = p.eq_b.wait_all(Some(std::time::Duration::ZERO)).unwrap();
     assert_eq!(got.len(), 1, "{got:?}");
-}
-
-/// Review of the sendfile fix: a stream socket dropped while its sendfile still had chunks to post (the peer
-/// reading all along) ended gracefully after the chunks already posted, and the peer read a clean end of stream
-/// after part of the file. The connection is cut now: the peer sees it fail.
-#[test]
-fn a_sendfile_whose_socket_is_dropped_midway_never_ends_in_a_clean_eof() {
-    let data = pattern(16 << 20, 13);
-    let mut f = tempfile::tempfile().unwrap();
-    f.write_all(&data).unwrap();
-    let p = pair(SockType::Stream);
-    p.client.sendfile(&p.eq_a, &f, 0, data.len(), 7).unwrap();
-    let Pair { world, conn } = p;
-    let exs::testing::Pair {
-        client,
-        server,
-        eq_b,
-        b,
-        ..
-    } = conn;
-    drop(client);
-    // The server reads until the stream ends, one way or the other.
-    let dst = exs::MemoryRegion::alloc(&b, 1 << 20).unwrap();
-    let mut got = 0usize;
-    let end: Result<(), String> = loop {
-        // A receive refused because the connection is down ends it as well as a failed receive.
-        if let Err(e) = server.recv(&eq_b, &dst.all(), MsgFlags::NONE, 1) {
-            break Err(e.to_string());
-        }
-        world.run_until_idle(1_000_000);
-        let ev = eq_b.next(Some(std::time::Duration::from_secs(5))).unwrap();
-        match (&ev.status, ev.flags.eof) {
-            (Ok(()), false) => got += ev.bytes,
-            (Ok(()), true) => break Ok(()),
-            (Err(e), _) => break Err(e.to_string()),
-        }
-    };
-    assert!(got < data.len(), "the whole file came: not the case");
-    assert!(
-        end.is_err(),
-        "a clean end of stream after {got} of {} bytes",
-        data.len()
-    );
 }

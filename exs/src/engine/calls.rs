@@ -471,23 +471,6 @@ impl Engine {
         }
     }
 
-    /// Ends a connection at once, whatever the application did with its socket (closed it, dropped it): a stream
-    /// sendfile that cannot send the rest of its file, so that the peer sees the connection fail, not a clean end
-    /// of stream after part of the file.
-    pub(crate) fn cut(&mut self, sid: SocketId) {
-        let Some(s) = self.sockets.get_mut(&sid) else {
-            return;
-        };
-        if !matches!(s.phase, Phase::Open | Phase::Closing) {
-            return;
-        }
-        s.down.get_or_insert(OpError::Cancelled);
-        if let Some(conn) = s.conn.as_mut() {
-            conn.fail(OpError::Cancelled);
-        }
-        self.disconnect(sid);
-    }
-
     /// What the socket is ready for now (ES-API `exs_poll`).
     pub(super) fn readiness(&self, sid: SocketId) -> Readiness {
         let Some(s) = self.sockets.get(&sid) else {

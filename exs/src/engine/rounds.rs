@@ -47,7 +47,9 @@ impl Engine {
     /// thread that would have slept on the context spun instead, for the context's life.
     fn discard_reports(&mut self) {
         if self.discard_panicked {
-            return; // the transport itself panicked: looking again would only panic again
+            // The transport itself panicked: looking again would only panic again. Its reports then stay, and a
+            // thread that would sleep on this failed context spins instead: the lesser harm.
+            return;
         }
         let mut batch = std::mem::take(&mut self.completions);
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

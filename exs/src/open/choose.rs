@@ -132,10 +132,11 @@ pub(crate) fn choose(
     }
     // An address that is not one is the user's mistake whichever backend it was meant for: said, not passed over
     // for the next backend.
-    if let Some(addr) = var("EXS_ADDR") {
+    // (The same error as when verbs is named: `EADDRNOTAVAIL` in C.)
+    if let Some(addr) = var("EXS_ADDR").filter(|a| !a.trim().is_empty()) {
         if addr.trim().parse::<IpAddr>().is_err() {
-            return Err(TransportError::Invalid(format!(
-                "EXS_ADDR={addr}: not an IP address (the address of the interface to listen and connect on)"
+            return Err(TransportError::AddrNotAvailable(format!(
+                "EXS_ADDR={addr} is not an IP address"
             )));
         }
     }

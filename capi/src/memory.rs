@@ -15,9 +15,10 @@ use crate::handles::{context, MemEntry, MEMORY};
 /// Registers `len` bytes of the program's memory at `addr` (ES-API `exs_mregister`) for sends
 /// (`EXS_ACCESS_READ`), receives (`EXS_ACCESS_WRITE`) or both. Any memory the program may write will do
 /// (`malloc`, `mmap` with `PROT_WRITE`, a static buffer not declared `const`), even for sends only: RDMA devices
-/// register memory for local writes whatever the access. It is used where it is, never copied. Each byte is registered once: a range that overlaps memory
-/// registered already is refused (register the whole range once, with both accesses, and pass slices of it; two
-/// registrations of one byte would let a send and a receive on it run at once, which exs refuses within one).
+/// register memory for local writes whatever the access. It is used where it is, never copied. Each byte is
+/// registered once: a range that overlaps memory registered already is refused (register the whole range once,
+/// with both accesses, and pass slices of it; two registrations of one byte would let a send and a receive on it
+/// run at once, which exs refuses within one).
 /// Returns a memory handle, or -1 with `errno`: `EINVAL` (null, empty, access), `EBUSY` (overlaps a registered
 /// range), `ENOMEM`, `ENODEV` (no `exs_init`), or the device's own (`EFAULT`: memory it cannot register).
 ///
@@ -25,10 +26,11 @@ use crate::handles::{context, MemEntry, MEMORY};
 /// `fork()` are the caller's to avoid (`madvise(MADV_DONTFORK)`), as with `ibv_reg_mr`.
 ///
 /// # Safety
-/// The memory is readable and writable, and stays valid (not freed, unmapped or reallocated) until `exs_mderegister` of the handle has
-/// returned 0. While an operation on a range of it is in flight (between its call and its event) the program
-/// does not write a range being sent nor touch a range being received into; a persistent operation's memory
-/// (`EXS_PERSISTENT`) may be used meanwhile, and may then be seen half old, half new (seed 002, 4.2-4.3).
+/// The memory is readable and writable, and stays valid (not freed, unmapped or reallocated) until
+/// `exs_mderegister` of the handle has returned 0. While an operation on a range of it is in flight (between its
+/// call and its event) the program does not write a range being sent nor touch a range being received into; a
+/// persistent operation's memory (`EXS_PERSISTENT`) may be used meanwhile, and may then be seen half old, half
+/// new (seed 002, 4.2-4.3).
 #[no_mangle]
 pub unsafe extern "C" fn exs_mregister(
     addr: *mut c_void,

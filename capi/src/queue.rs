@@ -70,13 +70,19 @@ pub(crate) fn start_on<E>(
 where
     Errno: From<E>,
 {
+    let (eq, _started) = counted(qh)?;
+    start(&eq).map_err(Errno::from)?;
+    Ok(0)
+}
+
+/// The queue `qh`, counted as in use (by a start, or a dequeue) under the queue table's read lock until the
+/// returned [`Starting`] goes: `exs_qdelete` refuses it meanwhile (see [`start_on`]).
+fn counted(qh: exs_qhandle_t) -> Result<(EventQueue, Starting), Errno> {
     let eq = QUEUES.with(qh, |eq| {
         count_start(qh, true);
         eq.clone()
     })?;
-    let _started = Starting(qh);
-    start(&eq).map_err(Errno::from)?;
-    Ok(0)
+    Ok((eq, Starting(qh)))
 }
 
 /// Operations being started, and dequeues under way, on each queue (see [`start_on`] and [`exs_qdequeue`]).
@@ -163,13 +169,8 @@ pub unsafe extern "C" fn exs_qdequeue(
     timeout: *const timespec,
 ) -> c_int {
     call(|| {
-        // Counted like a start (under the table's read lock), so that `exs_qdelete` refuses the queue while this
-        // waits on it.
-        let eq = QUEUES.with(qh, |eq| {
-            count_start(qh, true);
-            eq.clone()
-        })?;
-        let _dequeuing = Starting(qh);
+        // Counted like a start, so that `exs_qdelete` refuses the queue while this waits on it.
+        let (eq, _dequeuing) = counted(qh)?;
         let n = nevents.unsigned_abs() as usize;
         if events.is_null() || n == 0 {
             return Err(Errno(libc::EINVAL));

@@ -21,9 +21,9 @@
 //! queue while another thread (the context's progress thread) makes the progress. A waiting thread that makes the
 //! progress itself (it leads its context: see `progress`) sleeps on the transport instead, and wakes when the
 //! transport has something, to run the protocol, before it sleeps again. [`QueueStats::blocks`] counts the waits
-//! that went to sleep, each once however many wake-ups it took (tests assert on it). [`WaitMode::Block`] wakes on every event (the `dat_evd_wait` per event that the
-//! patent improves on) and [`WaitMode::BusyPoll`] never sleeps (the `dat_evd_dequeue` loop); both exist to be
-//! measured against the adaptive mode.
+//! that went to sleep, each once however many wake-ups it took (tests assert on it). [`WaitMode::Block`] wakes
+//! on every event (the `dat_evd_wait` per event that the patent improves on) and [`WaitMode::BusyPoll`] never
+//! sleeps (the `dat_evd_dequeue` loop); both exist to be measured against the adaptive mode.
 
 use std::collections::VecDeque;
 use std::fmt;

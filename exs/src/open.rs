@@ -120,12 +120,7 @@ impl Backend {
                         if devices.is_empty() { "none".into() } else { devices.join(", ") }
                     ))
                 })?;
-                let addr = addr.trim().parse().map_err(|_| {
-                    TransportError::AddrNotAvailable(format!(
-                        "EXS_ADDR={addr} is not an IP address"
-                    ))
-                })?;
-                let mut cfg = verbs::VerbsConfig::new(addr);
+                let mut cfg = verbs::VerbsConfig::new(choose::parse_addr(&addr)?);
                 cfg.device = var("EXS_DEVICE");
                 Ok(Backend::Verbs(cfg))
             }

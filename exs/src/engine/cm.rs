@@ -166,9 +166,11 @@ impl Engine {
             self.stats.dropped_before_accept += 1;
             return;
         }
+        let now = self.clock.now();
         let mut sock = Sock::new(ty, opts);
         sock.bound = bound;
         sock.phase = Phase::Accepting;
+        sock.handshake_began = Some(now);
         sock.conn = Some(conn);
         sock.peer_hs = Some(hs);
         sock.peer_addr = Some(peer);
@@ -185,10 +187,6 @@ impl Engine {
             l.pending.insert(sid);
         }
         // A peer that never completes the connection does not hold the endpoint forever.
-        let now = self.clock.now();
-        if let Some(s) = self.sockets.get_mut(&sid) {
-            s.handshake_began = Some(now);
-        }
         self.timers.set(
             sid,
             TimerKind::ConnectTimeout,

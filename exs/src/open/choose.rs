@@ -130,19 +130,14 @@ pub(crate) fn choose(
             why: format!("EXS_BACKEND={kind}"),
         });
     }
-    // An address that is not one is the user's mistake whichever backend it was meant for: said, not passed over
-    // for the next backend.
-    // (The same error as when verbs is named: `EADDRNOTAVAIL` in C.)
-    if let Some(addr) = var("EXS_ADDR").filter(|a| !a.trim().is_empty()) {
-        if addr.trim().parse::<IpAddr>().is_err() {
-            return Err(TransportError::AddrNotAvailable(format!(
-                "EXS_ADDR={addr} is not an IP address"
-            )));
-        }
-    }
+    // Said, not passed over for the next backend.
+    let addr = var("EXS_ADDR")
+        .filter(|a| !a.trim().is_empty())
+        .map(|a| parse_addr(&a))
+        .transpose()?;
     let mut passed = Vec::new();
     if compiled.contains(&BackendKind::Verbs) {
-        match verbs_serves(var, rdma) {
+        match verbs_serves(addr, rdma) {
             Ok(why) => {
                 return Ok(Choice {
                     kind: BackendKind::Verbs,
@@ -183,18 +178,22 @@ pub(crate) fn choose(
     ))
 }
 
-/// Why verbs can serve (an RDMA device carries `EXS_ADDR`), or why not, in plain words.
-fn verbs_serves(var: &dyn Fn(&str) -> Option<String>, rdma: &dyn Rdma) -> Result<String, String> {
-    let Some(addr) = var("EXS_ADDR") else {
+/// `EXS_ADDR`'s value as an IP address. One that is not an address is the user's mistake, whichever backend it
+/// was meant for (`EADDRNOTAVAIL` in C).
+pub(crate) fn parse_addr(addr: &str) -> Result<IpAddr, TransportError> {
+    addr.trim().parse().map_err(|_| {
+        TransportError::AddrNotAvailable(format!("EXS_ADDR={addr} is not an IP address"))
+    })
+}
+
+/// Why verbs can serve (an RDMA device carries `addr`, `EXS_ADDR`), or why not, in plain words.
+fn verbs_serves(addr: Option<IpAddr>, rdma: &dyn Rdma) -> Result<String, String> {
+    let Some(ip) = addr else {
         return Err(format!(
             "EXS_ADDR is not set (verbs needs the IP address of an RDMA device's interface; {})",
             device_list(rdma)
         ));
     };
-    let ip: IpAddr = addr
-        .trim()
-        .parse()
-        .map_err(|_| format!("EXS_ADDR={addr} is not an IP address"))?;
     match rdma.device_for(ip) {
         Ok(dev) => Ok(format!("the RDMA device {dev} carries EXS_ADDR={ip}")),
         Err(why) => {

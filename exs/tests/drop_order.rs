@@ -128,6 +128,16 @@ fn dropping_handles_in_any_order_does_not_deadlock() {
     }
 }
 
+/// Host 1 is the server's context; its next poll panics (the progress thread's, as nobody waits), brought on
+/// by a message the client sends (context 9 on the client's queue).
+fn panic_the_servers_context(p: &Pair) {
+    p.world.panic_on_next_poll(1);
+    let src = p.client_region(pattern(10, 1));
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 9)
+        .unwrap();
+}
+
 /// Issue 15: a panic in a progress round (injected: no peer input may cause one) fails the context instead of
 /// stopping it silently: every pending operation ends with a transport error, later calls fail at once.
 #[test_log::test]
@@ -145,12 +155,7 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
                 )
                 .unwrap();
         }
-        // Host 1 is the server's context; the next poll there panics - the progress thread's, as nobody waits.
-        p.world.panic_on_next_poll(1);
-        let src = p.client_region(pattern(10, 1));
-        p.client
-            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 9)
-            .unwrap();
+        panic_the_servers_context(&p);
         let evs: Vec<_> = (0..4)
             .map(|_| p.eq_b.next(Some(Duration::from_secs(10))).unwrap())
             .collect();
@@ -181,11 +186,7 @@ fn a_failed_context_sleeps_instead_of_spinning() {
         p.server
             .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
             .unwrap();
-        p.world.panic_on_next_poll(1);
-        let src = p.client_region(pattern(10, 1));
-        p.client
-            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 9)
-            .unwrap();
+        panic_the_servers_context(&p);
         let ev = p.eq_b.next(Some(Duration::from_secs(10))).unwrap();
         assert!(ev.status.is_err(), "{ev:?}");
         // Time for what the failure flushed to come back, then a quiet interval.

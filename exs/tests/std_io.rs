@@ -585,16 +585,30 @@ fn a_write_that_fails_on_its_way_in_is_never_read_as_data() {
     );
 }
 
+/// A threaded world whose first host listens on `port` behind a listener threads can share: (world, the second
+/// host's context, the listener, its address).
+fn shared_listener(
+    port: u16,
+) -> (
+    World,
+    exs::Context,
+    std::sync::Arc<Listener>,
+    std::net::SocketAddr,
+) {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = std::sync::Arc::new(Listener::bind_in(&server, world.addr(0, port)).unwrap());
+    let addr = listener.local_addr().unwrap();
+    (world, client, listener, addr)
+}
+
 /// Regression (review): every `Listener::accept` posted an accept on the listener's queue of 64, so with 64
 /// threads waiting the 65th failed at once with `WouldBlock`, which a blocking `TcpListener` never returns. Now
 /// threads beyond the queue's depth wait for the posted accepts' connections, and each thread gets one.
 #[test]
 fn threads_accepting_at_once_beyond_the_queue_depth_each_get_a_connection() {
     const N: u8 = 70;
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = std::sync::Arc::new(Listener::bind_in(&server, world.addr(0, 9190)).unwrap());
-    let addr = listener.local_addr().unwrap();
+    let (_world, client, listener, addr) = shared_listener(9190);
     let accepting: Vec<_> = (0..N)
         .map(|_| {
             let l = listener.clone();
@@ -630,10 +644,7 @@ fn threads_accepting_at_once_beyond_the_queue_depth_each_get_a_connection() {
 #[test]
 fn threads_accepting_beyond_the_queue_depth_all_fail_when_the_context_does() {
     const N: usize = 70;
-    let world = World::threaded(SimConfig::default());
-    let (server, client) = (world.host(), world.host());
-    let listener = std::sync::Arc::new(Listener::bind_in(&server, world.addr(0, 9191)).unwrap());
-    let addr = listener.local_addr().unwrap();
+    let (world, client, listener, addr) = shared_listener(9191);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
     for _ in 0..N {
         let (l, done) = (listener.clone(), done_tx.clone());

@@ -33,7 +33,11 @@ impl Socket {
     /// is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
     /// come before those of sends still in flight), or is refused where a send would be. A stream sendfile keeps
     /// its socket open until it has posted the whole file (dropping the application's handles meanwhile does not
-    /// close it before then): to give up on a peer that stops reading, `close` the socket.
+    /// close it before then). Like any send already started, the whole file goes before the end of stream of a
+    /// [`close`](Socket::close) or [`shutdown`](Socket::shutdown) made meanwhile: a close waits for it at most the
+    /// linger time ([`ContextOptions::linger`](crate::ContextOptions::linger)), then resets the connection (the
+    /// peer sees an error, never a clean end after part of the file); to give up on a peer that stops reading,
+    /// `close` the socket.
     pub fn sendfile(
         &self,
         eq: &EventQueue,
@@ -120,6 +124,10 @@ struct Progress {
     in_flight: usize,
     failure: Option<OpError>,
     user: Option<Ticket>,
+    /// The socket's end of stream waits for this sendfile ([`Socket::hold_sends`]): a close or write shutdown
+    /// meanwhile lets every chunk go first, within the linger time. Let go once the last chunk is posted or
+    /// the sendfile has failed.
+    held: bool,
 }
 
 impl Progress {
@@ -140,8 +148,17 @@ impl Progress {
         Ok(n)
     }
 
-    /// Reads and posts the next chunk into `slot`, if any is left and nothing failed.
+    /// Reads and posts the next chunk into `slot`, if any is left and nothing failed; lets the socket's end of
+    /// stream go once nothing is.
     fn refill(&mut self, slot: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
+        let r = self.post_next(slot, me);
+        if r.is_err() || self.failure.is_some() || self.next >= self.len {
+            self.let_go();
+        }
+        r
+    }
+
+    fn post_next(&mut self, slot: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
         if self.failure.is_some() || self.next >= self.len {
             return Ok(());
         }
@@ -152,19 +169,27 @@ impl Progress {
                 return Ok(());
             }
         };
+        self.post(slot, n, me)
+    }
+
+    /// Posts the `n` bytes read into `slot`.
+    fn post(&mut self, slot: usize, n: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
         let me = Arc::clone(me);
         let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sock.id(), move |ev| {
             me.arrived(ev)
         });
-        self.sock.send_ticket(
-            &self
-                .bufs
-                .slice(slot * SENDFILE_CHUNK..slot * SENDFILE_CHUNK + n),
-            ticket,
-        )?;
+        let at = slot * SENDFILE_CHUNK;
+        self.sock.send_held(&self.bufs.slice(at..at + n), ticket)?;
         self.next += n;
         self.in_flight += 1;
         Ok(())
+    }
+
+    /// Lets go of the socket's end of stream (once): no chunk is left to post.
+    fn let_go(&mut self) {
+        if std::mem::take(&mut self.held) {
+            self.sock.release_sends();
+        }
     }
 }
 
@@ -274,20 +299,25 @@ fn chunked(
             in_flight: 0,
             failure: None,
             user: Some(user),
+            held: false,
         }),
     });
     {
         let mut st = me.state.lock().unwrap_or_else(|p| p.into_inner());
         // Nothing has gone to the peer before the first chunk: its errors are the call's.
         let first = match st.read(0) {
-            Ok(_) => st.refill_first(&me),
+            Ok(n) => st.post_first(n, &me),
             Err(e) => Err(SendError::File(e)),
         };
         if let Err(e) = first {
+            st.let_go();
             if let Some(t) = st.user.take() {
                 t.discard();
             }
             return Err(e);
+        }
+        if st.next >= st.len {
+            st.let_go();
         }
         for slot in 1..depth {
             if let Err(e) = st.refill(slot, &me) {
@@ -304,14 +334,11 @@ fn chunked(
 }
 
 impl Progress {
-    /// Posts chunk 0, already read (its errors are the call's, nothing having gone to the peer yet).
-    fn refill_first(&mut self, me: &Arc<FileSend>) -> Result<(), SendError> {
-        let n = SENDFILE_CHUNK.min(self.len);
-        let me = Arc::clone(me);
-        let ticket = Ticket::hooked(EventKind::Send, 0, self.sock.id(), move |ev| me.arrived(ev));
-        self.sock.send_ticket(&self.bufs.slice(0..n), ticket)?;
-        self.next = n;
-        self.in_flight = 1;
-        Ok(())
+    /// Holds the socket's end of stream back, then posts chunk 0, already read (`n` bytes): errors here are the
+    /// call's, nothing having gone to the peer yet.
+    fn post_first(&mut self, n: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
+        self.sock.hold_sends()?;
+        self.held = true;
+        self.post(0, n, me)
     }
 }

@@ -313,14 +313,25 @@ impl Socket {
         })
     }
 
-    /// Sends `buf` completing `ticket` (a hooked one: chunked sendfile).
-    pub(crate) fn send_ticket(&self, buf: &Slice, ticket: Ticket) -> Result<(), SendError> {
+    /// Sends the next part of a held send, completing `ticket` (a hooked one: chunked sendfile; see
+    /// [`Socket::hold_sends`]).
+    pub(crate) fn send_held(&self, buf: &Slice, ticket: Ticket) -> Result<(), SendError> {
         let mut ticket = Some(ticket);
-        let r = self.engine(|e, id| e.send(id, buf, MsgFlags::NONE, None, &mut ticket));
+        let r = self.engine(|e, id| e.send_held(id, buf, &mut ticket));
         if let Some(t) = ticket {
             t.discard();
         }
         r
+    }
+
+    /// Holds the end of stream back for a send handed over in parts (see `Engine::hold_sends`).
+    pub(crate) fn hold_sends(&self) -> Result<(), StateError> {
+        self.engine(|e, id| e.hold_sends(id))
+    }
+
+    /// Lets go of a hold taken by [`Socket::hold_sends`].
+    pub(crate) fn release_sends(&self) {
+        self.engine(|e, id| e.release_sends(id))
     }
 
     /// Reserves an event of `kind` for an operation this crate completes itself (chunked sendfile).

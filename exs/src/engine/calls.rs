@@ -338,8 +338,31 @@ impl Engine {
         offset: Option<u64>,
         ticket: &mut Option<Ticket>,
     ) -> R<(), SendError> {
+        self.send_on(sid, slice, flags, offset, ticket, false)
+    }
+
+    /// The next part of a held send ([`Engine::hold_sends`]): goes out as [`Engine::send`] does, and also after
+    /// the application closed the socket or shut its writing down, ahead of the end of stream the hold keeps back.
+    pub(crate) fn send_held(
+        &mut self,
+        sid: SocketId,
+        slice: &dyn Buffer,
+        ticket: &mut Option<Ticket>,
+    ) -> R<(), SendError> {
+        self.send_on(sid, slice, MsgFlags::NONE, None, ticket, true)
+    }
+
+    fn send_on(
+        &mut self,
+        sid: SocketId,
+        slice: &dyn Buffer,
+        flags: MsgFlags,
+        offset: Option<u64>,
+        ticket: &mut Option<Ticket>,
+        held: bool,
+    ) -> R<(), SendError> {
         slice.check(self.ctx_id)?;
-        let conn = self.sendable_conn(sid)?;
+        let conn = self.send_conn(sid, held)?;
         let plan = conn.plan_send(slice.len(), flags, offset)?;
         let ep = conn.ep;
         let sge = slice.lease(plan.lease_kind())?;
@@ -354,10 +377,49 @@ impl Engine {
             }
         };
         let token = self.token(ticket);
-        self.open_conn(sid)?
+        self.send_conn(sid, held)?
             .start_send(token, data, slice.len(), flags, offset);
         self.flush(sid);
         Ok(())
+    }
+
+    /// The connection a send goes out on: an application's send needs the socket open for writing
+    /// ([`Engine::sendable_conn`]); the next part of a held send may also go out while the connection closes
+    /// gracefully or after a write shutdown, as long as the hold stands (a failure, or the linger time running
+    /// out, ends it).
+    fn send_conn(&mut self, sid: SocketId, held: bool) -> R<&mut Conn, StateError> {
+        // The application may have closed the socket since (`sock` refuses it then): the hold is the sendfile's.
+        let holding = held
+            && self.failed.is_none()
+            && self.sockets.get(&sid).is_some_and(|s| {
+                matches!(s.phase, Phase::Open | Phase::Closing)
+                    && s.conn.as_ref().is_some_and(Conn::holds_sends)
+            });
+        if holding {
+            let s = self.sockets.get_mut(&sid).expect("checked above");
+            return Ok(s.conn.as_mut().expect("checked above"));
+        }
+        self.sendable_conn(sid)
+    }
+
+    /// A send handed over in parts begins (a stream sendfile, which reads its file as it goes): until
+    /// [`Engine::release_sends`], a graceful close or write shutdown holds its end of stream back, so that the
+    /// peer gets the whole of it, never a clean end after part of it ([`Conn::hold_sends`]). Refused where a send
+    /// would be.
+    pub(crate) fn hold_sends(&mut self, sid: SocketId) -> R<(), StateError> {
+        self.sendable_conn(sid)?.hold_sends();
+        Ok(())
+    }
+
+    /// A held send has handed over its last part, or gave up: the end of stream it held back goes out once the
+    /// sends before it have completed.
+    pub(crate) fn release_sends(&mut self, sid: SocketId) {
+        // Also once the application has closed the socket: that close is what the hold kept waiting.
+        let Some(c) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+            return;
+        };
+        c.release_sends();
+        self.flush(sid);
     }
 
     /// `offset`: `exs_recv_offset` (seed 002, 4.4) from the peer's persistent send. The connection plans how the

@@ -123,6 +123,11 @@ pub(crate) struct Conn {
     pub close_queued: bool,
     /// A graceful close waits for the sends before its CLOSE.
     closing: bool,
+    /// Sends the application started that are still to be handed over in parts (a stream sendfile reads its file
+    /// as it goes): while any is held, neither a graceful close's CLOSE nor a write shutdown's goes out, so the
+    /// peer never sees a clean end of stream after part of it (issue 26: a graceful close delivers every send
+    /// already started). See [`Conn::hold_sends`].
+    held_sends: u32,
     /// A write shutdown: its ticket, and whether its CLOSE(ShutdownWrite) is queued.
     shutdown: Option<(crate::proto::op::OpToken, bool)>,
     timing: Timing,
@@ -166,6 +171,7 @@ impl Conn {
             stream_setup: setup.stream,
             close_queued: false,
             closing: false,
+            held_sends: 0,
             shutdown: None,
             timing: setup.timing,
             ack_at: None,
@@ -337,11 +343,12 @@ impl Conn {
     }
 
     fn advance_close(&mut self) {
-        let done = match &self.mode {
-            Some(Mode::Message(m)) => m.sends_done_all(),
-            Some(Mode::Stream(s)) => s.sends_done(),
-            None => true,
-        };
+        let done = self.held_sends == 0
+            && match &self.mode {
+                Some(Mode::Message(m)) => m.sends_done_all(),
+                Some(Mode::Stream(s)) => s.sends_done(),
+                None => true,
+            };
         if self.closing && done {
             self.queue_close(CloseReason::Close);
         }
@@ -429,7 +436,7 @@ impl Conn {
             Some(Mode::Stream(s)) => (s.sends_posted(), s.sends_done()),
             None => return,
         };
-        if !queued && posted {
+        if !queued && posted && self.held_sends == 0 {
             // After every advert and write already queued on the link, in order.
             self.link
                 .push_ctrl(Body::Close(CloseReason::ShutdownWrite), None, None);
@@ -439,6 +446,26 @@ impl Conn {
             let (t, _) = self.shutdown.take().expect("checked");
             t.complete(Ok(()), 0, crate::proto::op::EventFlags::default());
         }
+    }
+
+    /// Holds the end of stream back for a send started now and handed over in parts later (a stream sendfile):
+    /// a graceful close or a write shutdown meanwhile sends its CLOSE only after [`Conn::release_sends`]. The
+    /// parts themselves still go out while the connection closes ([`Conn::holds_sends`]); a failure (the linger
+    /// time running out included) ends every hold.
+    pub(crate) fn hold_sends(&mut self) {
+        self.held_sends += 1;
+    }
+
+    /// The last part of a held send has been handed over, or it gave up: the close it held back may go out (at
+    /// the next flush).
+    pub(crate) fn release_sends(&mut self) {
+        self.held_sends = self.held_sends.saturating_sub(1);
+    }
+
+    /// Whether a held send's next part may still go out (a send the application started before its close or
+    /// write shutdown).
+    pub(crate) fn holds_sends(&self) -> bool {
+        self.held_sends > 0
     }
 
     /// Readiness for poll: (readable, writable).
@@ -703,6 +730,8 @@ impl Conn {
     /// Fails every operation (some complete once the transport returns their memory).
     pub(crate) fn fail(&mut self, err: OpError) {
         self.stop_keepalive();
+        // Nothing more goes out: a held send's next part is refused (see [`Conn::holds_sends`]).
+        self.held_sends = 0;
         if let Some((t, _)) = self.shutdown.take() {
             t.complete(Err(err.clone()), 0, crate::proto::op::EventFlags::default());
         }

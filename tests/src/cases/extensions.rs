@@ -25,6 +25,14 @@ pub fn cases() -> Vec<Case> {
         c("poll_readiness", poll),
         c("sendfile_range", sendfile),
         c("stream_sendfile_in_bounded_chunks", sendfile_chunks),
+        c(
+            "a_close_during_a_stream_sendfile_delivers_the_whole_file",
+            close_during_sendfile,
+        ),
+        c(
+            "a_write_shutdown_during_a_stream_sendfile_ends_the_stream_after_the_file",
+            shutdown_during_sendfile,
+        ),
     ]
 }
 
@@ -386,5 +394,83 @@ fn sendfile_chunks(b: &dyn Backend) -> Result<(), String> {
         p.eq_a.is_empty(),
         "no event of the chunks reaches the user's queue"
     );
+    Ok(())
+}
+
+/// Issue 26 (a graceful close delivers every send already started): a stream sendfile longer than its buffers still
+/// has chunks to read when the application closes the socket right after starting it. The peer gets the whole
+/// file, then a clean end of stream, and the sendfile completes with every byte; before, the close's end of stream
+/// followed the chunks already posted, so the peer saw a clean end after part of the file.
+fn close_during_sendfile(b: &dyn Backend) -> Result<(), String> {
+    sendfile_then_end(b, false)
+}
+
+/// The same for a write shutdown: its end of stream comes after the whole file, and the shutdown completes after
+/// it; the other direction still works.
+fn shutdown_during_sendfile(b: &dyn Backend) -> Result<(), String> {
+    sendfile_then_end(b, true)
+}
+
+fn sendfile_then_end(b: &dyn Backend, shutdown: bool) -> Result<(), String> {
+    let len = exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 1) + 777;
+    let data = pattern(len, 10);
+    let mut f = tempfile::tempfile().map_err(e)?;
+    f.write_all(&data).map_err(e)?;
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
+    p.client.sendfile(&p.eq_a, &f, 0, len, 5).map_err(e)?;
+    if shutdown {
+        p.client.shutdown(&p.eq_a, 6).map_err(e)?;
+    } else {
+        p.client.close().map_err(e)?;
+    }
+    let buf = p.region_b(1 << 20)?;
+    let mut got = Vec::with_capacity(len);
+    loop {
+        p.server
+            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+            .map_err(e)?;
+        let r = next(&p.eq_b)?;
+        ensure!(r.is_ok(), "after {} bytes: {r:?}", got.len());
+        if r.flags.eof || r.bytes == 0 {
+            break;
+        }
+        let mut b = vec![0u8; r.bytes];
+        buf.read(0, &mut b).map_err(e)?;
+        got.extend_from_slice(&b);
+        ensure!(got.len() <= len, "more than the file: {} bytes", got.len());
+    }
+    ensure!(
+        got.len() == len,
+        "end of stream after {} of the file's {len} bytes",
+        got.len()
+    );
+    same(&got, &data, "the file, before the end of stream")?;
+    let evs = all(&p.eq_a)?;
+    let file = evs.iter().find(|x| x.kind == EventKind::SendFile);
+    ensure!(
+        file.is_some_and(|s| s.is_ok() && s.bytes == len),
+        "the sendfile completes with every byte: {evs:?}"
+    );
+    if shutdown {
+        ensure!(
+            evs.iter()
+                .any(|x| x.kind == EventKind::Shutdown && x.is_ok()),
+            "the shutdown completes: {evs:?}"
+        );
+        let back = p.region_b(1000)?;
+        let into = p.region_a(vec![0; 1000])?;
+        p.client
+            .recv(&p.eq_a, &into.all(), MsgFlags::WAITALL, 7)
+            .map_err(e)?;
+        p.server
+            .send(&p.eq_b, &back.all(), MsgFlags::NONE, 8)
+            .map_err(e)?;
+        let r = next(&p.eq_a)?;
+        ensure!(
+            r.is_ok() && r.bytes == 1000,
+            "reply after the half close: {r:?}"
+        );
+    }
     Ok(())
 }

@@ -159,6 +159,9 @@ impl FabricTransport {
                 }
                 e.state = EpState::Connected;
                 self.addresses(id);
+                // Its socket has joined its queue's wait set: the queue is armed (and its entries in the epoll set
+                // brought up to date) anew before it can go quiet.
+                self.touch(id);
                 Some(CmEvent::Established {
                     ep: id,
                     private: data,

@@ -3,7 +3,6 @@
 
 use std::ffi::c_void;
 use std::net::SocketAddr;
-use std::os::fd::{BorrowedFd, RawFd};
 use std::ptr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,7 +16,8 @@ use crate::call::{check, epoll_add, err, getinfo, wait_fd_of, Info};
 use crate::ffi::*;
 use crate::memory::Domain;
 use crate::record::WrRecord;
-use crate::{sockaddr, FabricTransport, TAG_EP, TAG_LISTENER};
+use crate::wait::{pollfds_of, EpWait};
+use crate::{sockaddr, CqWait, FabricTransport, TAG_EP, TAG_LISTENER};
 
 /// A closing listener's event queue is read until no request for it came for this long (`settle_requests`).
 const SETTLE_QUIET: Duration = Duration::from_millis(2);
@@ -60,9 +60,8 @@ pub(crate) struct Ep {
     _dom: Arc<Domain>,
     pub(crate) ep: *mut fid_ep,
     pub(crate) cq: *mut fid_cq,
-    /// The queue's wait descriptor, in the transport's epoll set; `None` for a queue without a wait object
-    /// ([`crate::FabricConfig::cq_wait`]), which stays in the hot set (read in every poll).
-    pub(crate) cq_fd: Option<RawFd>,
+    /// The queue's wait object, as the transport's epoll set holds it (see [`crate::wait`]).
+    pub(crate) wait: EpWait,
     pub(crate) pending: FxHashSet<usize>,
     pub(crate) state: EpState,
     pub(crate) reported_down: bool,
@@ -104,15 +103,15 @@ impl FabricTransport {
             // SAFETY: the endpoint was opened by our caller and is not used elsewhere.
             unsafe { exs_fi_close(&mut (*ep).fid) };
         };
-        let cq = match self.open_cq(&dom, ctx) {
+        let (cq, kind) = match self.open_cq(&dom, ctx) {
             Ok(cq) => cq,
             Err(e) => {
                 close_ep(ep);
                 return Err(e);
             }
         };
-        let cq_fd = match self.bind_and_enable(ep, cq, id) {
-            Ok(fd) => fd,
+        let wait = match self.bind_and_enable(ep, cq, kind, id) {
+            Ok(w) => w,
             Err(e) => {
                 close_ep(ep);
                 // SAFETY: the queue was opened above and nothing is bound to it any more (its endpoint is closed).
@@ -124,7 +123,7 @@ impl FabricTransport {
             _dom: dom,
             ep,
             cq,
-            cq_fd,
+            wait,
             pending: FxHashSet::default(),
             state: EpState::Connecting,
             reported_down: false,
@@ -134,17 +133,36 @@ impl FabricTransport {
         })
     }
 
-    /// A completion queue for one endpoint (sends and receives), with a wait descriptor unless the transport polls
-    /// its queues without one.
-    fn open_cq(&self, dom: &Domain, ctx: *mut c_void) -> Result<*mut fid_cq, TransportError> {
+    /// A completion queue for one endpoint (sends and receives), with the wait object the transport asks for
+    /// (a provider that refuses `FI_WAIT_POLLFD` gets `FI_WAIT_FD`), and the kind it was opened with.
+    fn open_cq(
+        &self,
+        dom: &Domain,
+        ctx: *mut c_void,
+    ) -> Result<(*mut fid_cq, CqWait), TransportError> {
+        match self.open_cq_with(dom, ctx, self.cq_wait) {
+            Err(e) if self.cq_wait == CqWait::PollFd => {
+                tracing::debug!(%e, "FI_WAIT_POLLFD refused; the queue waits with FI_WAIT_FD");
+                Ok((self.open_cq_with(dom, ctx, CqWait::Fd)?, CqWait::Fd))
+            }
+            r => r.map(|cq| (cq, self.cq_wait)),
+        }
+    }
+
+    fn open_cq_with(
+        &self,
+        dom: &Domain,
+        ctx: *mut c_void,
+        kind: CqWait,
+    ) -> Result<*mut fid_cq, TransportError> {
         let size = (self.caps.max_send_wr + self.caps.max_recv_wr) as usize;
         let mut attr = fi_cq_attr {
             size,
             format: fi_cq_format_FI_CQ_FORMAT_DATA,
-            wait_obj: if self.cq_wait {
-                fi_wait_obj_FI_WAIT_FD
-            } else {
-                fi_wait_obj_FI_WAIT_NONE
+            wait_obj: match kind {
+                CqWait::PollFd => fi_wait_obj_FI_WAIT_POLLFD,
+                CqWait::Fd => fi_wait_obj_FI_WAIT_FD,
+                CqWait::None => fi_wait_obj_FI_WAIT_NONE,
             },
             ..Default::default()
         };
@@ -157,14 +175,15 @@ impl FabricTransport {
         Ok(cq)
     }
 
-    /// Binds `ep` to the transport's event queue and to `cq`, enables it, and puts `cq`'s wait descriptor (if it
-    /// has one) in the transport's epoll set under `id`. On error the caller closes both.
+    /// Binds `ep` to the transport's event queue and to `cq`, enables it, and enters `cq`'s wait object (if it
+    /// has one, of `kind`) in the transport's epoll set under `id`. On error the caller closes both.
     fn bind_and_enable(
         &self,
         ep: *mut fid_ep,
         cq: *mut fid_cq,
+        kind: CqWait,
         id: EndpointId,
-    ) -> Result<Option<RawFd>, TransportError> {
+    ) -> Result<EpWait, TransportError> {
         // SAFETY: endpoint, queue and event queue are open; binding flags per fi_endpoint(3).
         let r = unsafe {
             let r = exs_fi_ep_bind(ep, &mut (*self.eq).fid, 0);
@@ -182,13 +201,24 @@ impl FabricTransport {
         if r < 0 {
             return Err(err("fi_enable", r.into()));
         }
-        if !self.cq_wait {
-            return Ok(None);
+        match kind {
+            CqWait::None => Ok(EpWait::None),
+            CqWait::Fd => {
+                // SAFETY: `cq` is open.
+                let fd = wait_fd_of(unsafe { &mut (*cq).fid })?;
+                epoll_add(&self.epoll, fd, u64::from(id.0))?;
+                Ok(EpWait::Fd(fd))
+            }
+            CqWait::PollFd => {
+                // The connection's socket joins the set later, at the latest by the queue's first arming.
+                let now = pollfds_of(cq)?;
+                if let Err(e) = self.enter_pollfds(id, &[], &now) {
+                    self.leave_epoll(&EpWait::PollFd(now));
+                    return Err(e);
+                }
+                Ok(EpWait::PollFd(now))
+            }
         }
-        // SAFETY: `cq` is open.
-        let fd = wait_fd_of(unsafe { &mut (*cq).fid })?;
-        epoll_add(&self.epoll, fd, u64::from(id.0))?;
-        Ok(Some(fd))
     }
 
     fn post_initial(
@@ -468,10 +498,7 @@ impl FabricTransport {
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
-        if let Some(fd) = e.cq_fd {
-            // SAFETY: the wait descriptor belongs to the queue we are about to close.
-            let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
-        }
+        self.leave_epoll(&e.wait);
         // Its connection events still in the event queue go with it: closing an endpoint removes them
         // (`ofi_eq_remove_fid_events` in the tcp provider's close), so `read_eq` never sees the closed fid; events
         // read before the close name the endpoint by its id, which is looked up, not trusted.

@@ -32,6 +32,7 @@ mod post;
 mod ready;
 mod record;
 mod sockaddr;
+mod wait;
 
 pub use ready::ReadyStats;
 
@@ -62,30 +63,47 @@ pub struct FabricConfig {
     pub provider: String,
     /// Domain (interface or device) name; `None` takes the provider's first.
     pub domain: Option<String>,
-    /// Whether completion queues have a wait object (`FI_WAIT_FD`, the default), so that a thread can sleep until
-    /// a completion comes. Without one (`false`; `EXS_FABRIC_CQ_WAIT=none`), as `fi_pingpong`'s busy-polling mode
-    /// opens its queues, a queue is in no epoll set: the tcp provider drives its sockets with `poll` instead of
-    /// through the queue's wait set, and a busy 8-byte ping-pong runs about a microsecond faster (the bench
-    /// README). The one-byte write the tcp provider makes inside every completion read that returns a received
-    /// message is made with and without a wait object (and by `fi_pingpong`). For applications that busy-poll: a
-    /// thread that sleeps on such a context (a blocking or adaptive dequeue, the progress thread) cannot be woken by
-    /// a completion and, while the context holds endpoints, polls every [`NO_WAIT_POLL`] instead; every
-    /// connection's queue is read in every poll.
-    pub cq_wait: bool,
+    /// How a thread sleeps until a completion queue has something ([`CqWait`]; `EXS_FABRIC_CQ_WAIT`).
+    pub cq_wait: CqWait,
 }
 
-/// [`FabricConfig::cq_wait`] from its setting's text (`EXS_FABRIC_CQ_WAIT`): `fd` (a wait object) or `none`, in any
-/// case and with spaces around; `None` for anything else.
-pub fn parse_cq_wait(value: &str) -> Option<bool> {
+/// The wait object a connection's completion queue is opened with: what lets a thread sleep until a completion
+/// comes, and what the provider does on every message because of it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CqWait {
+    /// `FI_WAIT_POLLFD` (the default; `EXS_FABRIC_CQ_WAIT=pollfd`): the provider keeps the queue's descriptors
+    /// (its signal and its connection's socket) in a list and drives its sockets with `poll`, as without a wait
+    /// object; the transport puts those descriptors themselves in its epoll set, brought up to date each time the
+    /// queue is armed ([`fi_trywait`](https://ofiwg.github.io/libfabric/main/man/fi_poll.3.html)). A busy 8-byte
+    /// ping-pong runs as fast as without a wait object, and a thread can still sleep. A provider that refuses it
+    /// gets [`CqWait::Fd`].
+    #[default]
+    PollFd,
+    /// `FI_WAIT_FD` (`EXS_FABRIC_CQ_WAIT=fd`): the queue's wait object is an epoll set of the provider's, nested in
+    /// the transport's. On the tcp provider every completion read then consults that set (`epoll_wait`), and a
+    /// busy ping-pong is slower than with [`CqWait::PollFd`] (the bench README measures both).
+    Fd,
+    /// No wait object (`EXS_FABRIC_CQ_WAIT=none`), as `fi_pingpong`'s busy-polling mode opens its queues: a queue
+    /// is in no epoll set. For applications that busy-poll: a thread that sleeps on such a context (a blocking or
+    /// adaptive dequeue, the progress thread) cannot be woken by a completion and, while the context holds
+    /// endpoints, polls every [`NO_WAIT_POLL`] instead; every connection's queue is read in every poll.
+    None,
+}
+
+/// [`FabricConfig::cq_wait`] from its setting's text (`EXS_FABRIC_CQ_WAIT`): `pollfd` (the default), `fd` or
+/// `none`, in any case and with spaces around; `None` for anything else.
+pub fn parse_cq_wait(value: &str) -> Option<CqWait> {
     match value.trim().to_ascii_lowercase().as_str() {
-        "fd" => Some(true),
-        "none" => Some(false),
+        "pollfd" => Some(CqWait::PollFd),
+        "fd" => Some(CqWait::Fd),
+        "none" => Some(CqWait::None),
         _ => None,
     }
 }
 
 /// How often a thread sleeping on a context whose completion queues have no wait object polls them (see
-/// [`FabricConfig::cq_wait`]).
+/// [`CqWait::None`]).
 pub const NO_WAIT_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl Default for FabricConfig {
@@ -93,7 +111,7 @@ impl Default for FabricConfig {
         FabricConfig {
             provider: "tcp".into(),
             domain: None,
-            cq_wait: true,
+            cq_wait: CqWait::default(),
         }
     }
 }
@@ -104,7 +122,7 @@ impl FabricConfig {
         FabricConfig {
             provider: name.into(),
             domain: None,
-            cq_wait: true,
+            cq_wait: CqWait::default(),
         }
     }
 }
@@ -172,8 +190,8 @@ pub struct FabricTransport {
     records: record::Records,
     /// Which completion queues polls read (see [`ready`]).
     ready: ready::Ready,
-    /// Completion queues have a wait object ([`FabricConfig::cq_wait`]).
-    cq_wait: bool,
+    /// The wait object completion queues are opened with ([`FabricConfig::cq_wait`]).
+    cq_wait: CqWait,
 }
 
 // SAFETY: all libfabric objects were opened on a FI_THREAD_SAFE domain and are owned by this value; the engine
@@ -282,7 +300,7 @@ impl Transport for FabricTransport {
     fn poll_interval(&self) -> Option<std::time::Duration> {
         // With no endpoint there is no queue to poll: a context that holds no connection sleeps until its event
         // queue signals, as with wait objects.
-        (!self.cq_wait && !self.eps.is_empty()).then_some(NO_WAIT_POLL)
+        (self.cq_wait == CqWait::None && !self.eps.is_empty()).then_some(NO_WAIT_POLL)
     }
 
     fn local_addr(&self, ep: EndpointId) -> Option<SocketAddr> {

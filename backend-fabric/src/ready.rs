@@ -16,7 +16,7 @@
 //! it. Arming before a sleep (`fi_trywait`) covers the event queue and the hot queues not armed since their last
 //! activity; the others are armed already.
 //!
-//! Queues opened without a wait object ([`crate::FabricConfig::cq_wait`] `false`) have no descriptor in the set and
+//! Queues opened without a wait object ([`crate::CqWait::None`]) have no descriptor in the set and
 //! cannot signal: they stay hot for their endpoint's life, so on such a context **every** connection's queue is
 //! read in every poll (what that mode trades for queues outside any epoll set), and arming leaves them out (a poll
 //! that stopped at its maximum makes arming report that completions may remain).
@@ -237,7 +237,7 @@ impl FabricTransport {
                 continue;
             };
             // A queue without a wait object could not signal once out of the set: it stays.
-            if e.cq_fd.is_none() || seq - e.ready.last_active < quiet {
+            if !e.wait.signals() || seq - e.ready.last_active < quiet {
                 i += 1;
                 continue;
             }
@@ -253,8 +253,19 @@ impl FabricTransport {
                     continue;
                 }
                 e.ready.armed = true;
+                // Armed: from now on only its entries in the epoll set can say it has something.
+                if let Err(err) = self.sync_wait(id) {
+                    tracing::warn!(?id, %err, "a queue's wait descriptors could not be entered; it stays hot");
+                    if let Some(e) = self.eps.get_mut(&id) {
+                        e.ready.armed = false;
+                    }
+                    i += 1;
+                    continue;
+                }
             }
-            e.ready.hot = false;
+            if let Some(e) = self.eps.get_mut(&id) {
+                e.ready.hot = false;
+            }
             self.ready.hot.swap_remove(i);
         }
     }
@@ -266,7 +277,7 @@ impl FabricTransport {
         // have left some.
         if !self.cm_backlog.is_empty()
             || !self.cq_backlog.is_empty()
-            || (!self.cq_wait && self.ready.full)
+            || (self.cq_wait == crate::CqWait::None && self.ready.full)
         {
             return Ok(false);
         }
@@ -279,7 +290,7 @@ impl FabricTransport {
                 if let Some(e) = self
                     .eps
                     .get(id)
-                    .filter(|e| !e.ready.armed && e.cq_fd.is_some())
+                    .filter(|e| !e.ready.armed && e.wait.signals())
                 {
                     fids.push(&mut (*e.cq).fid);
                 }
@@ -288,9 +299,16 @@ impl FabricTransport {
         };
         match ret {
             0 => {
-                for id in &self.ready.hot {
-                    if let Some(e) = self.eps.get_mut(id).filter(|e| e.cq_fd.is_some()) {
-                        e.ready.armed = true;
+                for i in 0..self.ready.hot.len() {
+                    let id = self.ready.hot[i];
+                    let Some(e) = self.eps.get_mut(&id).filter(|e| e.wait.signals()) else {
+                        continue;
+                    };
+                    let newly = !e.ready.armed;
+                    e.ready.armed = true;
+                    // Armed now: its entries in the epoll set must say what the queue waits on.
+                    if newly {
+                        self.sync_wait(id)?;
                     }
                 }
                 self.ready.armed = true;

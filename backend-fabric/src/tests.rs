@@ -1,6 +1,7 @@
 //! Connection-management paths of the transport, driven through the trait with no engine (tcp over loopback).
 
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use exs_transport::{CmEvent, ConnectFailure, EndpointId, ListenerId, Transport};
@@ -247,6 +248,65 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
             reads <= polls + polls / 8 + 4,
             "{side}: {reads} queue reads in {polls} polls beside {IDLE} idle connections"
         );
+    }
+}
+
+/// A quiet queue, armed, wakes a thread sleeping on the transport's descriptor when a message comes, with either
+/// wait object: with `FI_WAIT_POLLFD` the queue's own descriptors (its signal, and the socket that joined it when
+/// the connection came up) are what the transport's epoll set holds for it. Between messages nothing signals.
+#[test]
+fn an_armed_quiet_queue_wakes_a_sleeper_when_a_message_comes() {
+    let _serial = serial();
+    for wait in [crate::CqWait::PollFd, crate::CqWait::Fd] {
+        let cfg = FabricConfig {
+            cq_wait: wait,
+            ..FabricConfig::default()
+        };
+        let mut server = FabricTransport::open(&cfg).expect("open tcp");
+        let mut client = FabricTransport::open(&cfg).expect("open tcp");
+        connect_pairs(&mut server, &mut client, 2);
+        let ep = EndpointId(1);
+        for round in 0..3 {
+            let mut out = Vec::new();
+            for _ in 0..2 * crate::ready::QUIET {
+                client.poll(&mut out, 64);
+                server.poll(&mut out, 64);
+            }
+            assert!(
+                client.arm().expect("arm"),
+                "{wait:?}: nothing pending, the client arms"
+            );
+            let fd = client.wait_fd().expect("a descriptor to sleep on");
+            let readable = |ms: u16| {
+                let mut p = [nix::poll::PollFd::new(
+                    fd.as_fd(),
+                    nix::poll::PollFlags::POLLIN,
+                )];
+                nix::poll::poll(&mut p, nix::poll::PollTimeout::from(ms)).expect("poll") > 0
+            };
+            assert!(
+                !readable(50),
+                "{wait:?}, round {round}: the client's descriptor is readable with nothing to read"
+            );
+            let wr = send_wr(&mut server, 7);
+            server.post(ep, wr).expect("send");
+            // The server's send goes out as its queue is read.
+            let mut woke = false;
+            for _ in 0..400 {
+                server.poll(&mut out, 64);
+                if readable(5) {
+                    woke = true;
+                    break;
+                }
+            }
+            assert!(
+                woke,
+                "{wait:?}, round {round}: a message came and the sleeper was not woken"
+            );
+            await_recv(&mut client, ep);
+            let wr = recv_wr(&mut client, 50 + round);
+            client.post(ep, wr).expect("repost");
+        }
     }
 }
 

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket, WaitMode};
-use exs_backend_fabric::{providers, FabricConfig, FabricTransport};
+use exs_backend_fabric::{providers, CqWait, FabricConfig, FabricTransport};
 
 fn context(cfg: &FabricConfig) -> Result<exs::Context, exs::TransportError> {
     exs::Context::new(Box::new(FabricTransport::open(cfg)?))
@@ -20,7 +20,7 @@ fn tcp_provider_moves_messages_over_loopback() {
 #[test]
 fn completion_queues_without_a_wait_object_serve_busy_and_sleeping_waits() {
     let cfg = FabricConfig {
-        cq_wait: false,
+        cq_wait: CqWait::None,
         ..FabricConfig::default()
     };
     // With no endpoint there is nothing to poll: the transport asks for no polling interval (an idle context

@@ -73,8 +73,8 @@ impl Backend {
     /// or `auto`: verbs when an RDMA device carries `EXS_ADDR`, else libfabric, else the simulator when it is the
     /// only backend compiled in. Then `EXS_ADDR` (verbs: an address of the RDMA device's interface, required)
     /// and `EXS_DEVICE` (verbs: the device that must carry it), `EXS_PROVIDER` (fabric, default `tcp`),
-    /// `EXS_DOMAIN` (fabric) and `EXS_FABRIC_CQ_WAIT` (fabric: `fd`, the default, or `none` for completion queues
-    /// without a wait object, see `FabricConfig::cq_wait`).
+    /// `EXS_DOMAIN` (fabric) and `EXS_FABRIC_CQ_WAIT` (fabric: `pollfd`, the default, `fd`, or `none` for
+    /// completion queues without a wait object, see `fabric::CqWait`).
     pub fn from_env() -> Result<Backend, TransportError> {
         Self::from_vars(env_var)
     }
@@ -133,7 +133,7 @@ impl Backend {
                 if let Some(v) = var("EXS_FABRIC_CQ_WAIT") {
                     cfg.cq_wait = fabric::parse_cq_wait(&v).ok_or_else(|| {
                         TransportError::Invalid(format!(
-                            "EXS_FABRIC_CQ_WAIT={v}: say fd (the default) or none"
+                            "EXS_FABRIC_CQ_WAIT={v}: say pollfd (the default), fd or none"
                         ))
                     })?;
                 }
@@ -249,11 +249,14 @@ mod fabric_vars {
 
     #[test]
     fn fabric_completion_queues_have_a_wait_object_unless_the_environment_says_none() {
+        use fabric::CqWait;
         let cq_wait = |v: &str| fabric(&[("EXS_BACKEND", "fabric"), ("EXS_FABRIC_CQ_WAIT", v)]);
-        assert!(fabric(&[("EXS_BACKEND", "fabric")]).unwrap().cq_wait);
-        assert!(cq_wait("fd").unwrap().cq_wait);
-        assert!(!cq_wait("none").unwrap().cq_wait);
-        assert!(!cq_wait(" None ").unwrap().cq_wait);
+        let unset = fabric(&[("EXS_BACKEND", "fabric")]).unwrap().cq_wait;
+        assert_eq!(unset, CqWait::PollFd);
+        assert_eq!(cq_wait("pollfd").unwrap().cq_wait, CqWait::PollFd);
+        assert_eq!(cq_wait("fd").unwrap().cq_wait, CqWait::Fd);
+        assert_eq!(cq_wait("none").unwrap().cq_wait, CqWait::None);
+        assert_eq!(cq_wait(" None ").unwrap().cq_wait, CqWait::None);
         let e = cq_wait("sometimes").unwrap_err();
         assert!(
             e.to_string().contains("EXS_FABRIC_CQ_WAIT=sometimes"),

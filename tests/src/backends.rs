@@ -89,7 +89,7 @@ pub struct Fabric {
 #[cfg(feature = "fabric")]
 impl Fabric {
     /// `EXS_FABRIC_PROVIDER` (default tcp), `EXS_FABRIC_DOMAIN`, `EXS_FABRIC_ADDR` (default 127.0.0.1),
-    /// `EXS_FABRIC_CQ_WAIT=none` (completion queues without a wait object).
+    /// `EXS_FABRIC_CQ_WAIT` (`pollfd`, the default; `fd`; `none`: completion queues without a wait object).
     pub fn from_env() -> Self {
         let provider = std::env::var("EXS_FABRIC_PROVIDER").unwrap_or_else(|_| "tcp".into());
         let domain = std::env::var("EXS_FABRIC_DOMAIN").ok();
@@ -101,10 +101,14 @@ impl Fabric {
             cfg: exs_backend_fabric::FabricConfig {
                 provider,
                 domain,
-                cq_wait: std::env::var("EXS_FABRIC_CQ_WAIT").map_or(true, |v| {
-                    exs_backend_fabric::parse_cq_wait(&v)
-                        .unwrap_or_else(|| panic!("EXS_FABRIC_CQ_WAIT={v}: say fd or none"))
-                }),
+                cq_wait: std::env::var("EXS_FABRIC_CQ_WAIT").map_or_else(
+                    |_| Default::default(),
+                    |v| {
+                        exs_backend_fabric::parse_cq_wait(&v).unwrap_or_else(|| {
+                            panic!("EXS_FABRIC_CQ_WAIT={v}: say pollfd, fd or none")
+                        })
+                    },
+                ),
             },
             addr,
         }
@@ -165,11 +169,15 @@ impl Backend for Fabric {
     fn plain_tcp(&self) -> bool {
         self.cfg.provider == "tcp" && self.addr.is_loopback()
     }
-    /// On the tcp provider each end holds its socket and what its completion queue signals by: with a wait object
-    /// an epoll set and a socket pair (four descriptors an end); without one the provider keeps two socket pairs
-    /// (five an end). Other providers are taken to hold as many.
+    /// On the tcp provider each end holds its socket and what its completion queue signals by: with an
+    /// `FI_WAIT_FD` wait object an epoll set and a socket pair (four descriptors an end); with `FI_WAIT_POLLFD`,
+    /// or without a wait object (which the provider makes a pollfd set), two socket pairs (five an end). Other
+    /// providers are taken to hold as many.
     fn descriptors_per_connection(&self) -> Option<u64> {
-        Some(if self.cfg.cq_wait { 8 } else { 10 })
+        Some(match self.cfg.cq_wait {
+            exs_backend_fabric::CqWait::Fd => 8,
+            _ => 10,
+        })
     }
 }
 

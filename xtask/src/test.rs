@@ -42,8 +42,9 @@ struct HostSection {
 /// and overlap it longer).
 const ALONE: &str = "ten_thousand_connections_open_idle_and_close";
 
-/// The host's conformance runs: the simulator, libfabric tcp, and libfabric tcp with completion queues without a
-/// wait object (`EXS_FABRIC_CQ_WAIT=none`, for busy polling).
+/// The host's conformance runs: the simulator, libfabric tcp (completion queues with `FI_WAIT_POLLFD`, the
+/// default), libfabric tcp with `FI_WAIT_FD` queues (`EXS_FABRIC_CQ_WAIT=fd`), and with queues without a wait
+/// object (`EXS_FABRIC_CQ_WAIT=none`, for busy polling).
 const HOST_SECTIONS: &[HostSection] = &[
     HostSection {
         section: "sim",
@@ -54,6 +55,11 @@ const HOST_SECTIONS: &[HostSection] = &[
         section: "fabric",
         backend: "fabric",
         env: None,
+    },
+    HostSection {
+        section: "fabric:cq-wait-fd",
+        backend: "fabric",
+        env: Some(("EXS_FABRIC_CQ_WAIT", "fd")),
     },
     HostSection {
         section: "fabric:cq-no-wait",

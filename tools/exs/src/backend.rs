@@ -7,7 +7,7 @@ use anyhow::Context as _;
 use anyhow::{bail, Result};
 use exs::Context;
 
-use crate::opts::BackendKind;
+use crate::opts::{BackendKind, CqWaitKind};
 
 /// Which backend and how to reach it.
 #[derive(Clone, Debug, clap::Args)]
@@ -23,9 +23,12 @@ pub struct BackendArgs {
     #[arg(long)]
     pub domain: Option<String>,
     /// libfabric: completion queues without a wait object, as `fi_pingpong` opens them for busy polling (a thread
-    /// that sleeps on the context polls every millisecond instead).
-    #[arg(long)]
+    /// that sleeps on the context polls every millisecond instead); the same as `--cq-wait none`.
+    #[arg(long, conflicts_with = "cq_wait")]
     pub cq_no_wait: bool,
+    /// libfabric: the completion queues' wait object (default pollfd).
+    #[arg(long, value_enum)]
+    pub cq_wait: Option<CqWaitKind>,
     /// This side's address: the one to listen on (one host, and --server), and the local RDMA interface's
     /// (verbs: an address of the device's interface).
     #[arg(short = 'a', long, default_value = "127.0.0.1")]
@@ -83,6 +86,9 @@ impl BackendArgs {
         }
         if self.cq_no_wait {
             v.push("--cq-no-wait".into());
+        }
+        if let Some(w) = self.cq_wait {
+            v.extend(["--cq-wait".into(), w.to_string()]);
         }
         if let Some(d) = &self.device {
             v.extend(["--device".into(), d.clone()]);
@@ -145,8 +151,8 @@ impl Opened {
     }
 
     pub fn open(a: &BackendArgs) -> Result<Opened> {
-        if a.cq_no_wait && a.backend != BackendKind::Fabric {
-            bail!("--cq-no-wait is a setting of the fabric backend's completion queues, not of --backend {}", a.backend);
+        if (a.cq_no_wait || a.cq_wait.is_some()) && a.backend != BackendKind::Fabric {
+            bail!("--cq-wait and --cq-no-wait are settings of the fabric backend's completion queues, not of --backend {}", a.backend);
         }
         if let Some(e) = a.exposure {
             let _ = EXPOSURE.set(match e {
@@ -160,7 +166,11 @@ impl Opened {
                 exs_backend_fabric::FabricConfig {
                     provider: a.provider.clone(),
                     domain: a.domain.clone(),
-                    cq_wait: !a.cq_no_wait,
+                    cq_wait: match (a.cq_no_wait, a.cq_wait) {
+                        (true, _) | (_, Some(CqWaitKind::None)) => exs_backend_fabric::CqWait::None,
+                        (_, Some(CqWaitKind::Fd)) => exs_backend_fabric::CqWait::Fd,
+                        _ => exs_backend_fabric::CqWait::PollFd,
+                    },
                 },
                 a.addr,
             )),
@@ -286,8 +296,11 @@ impl Opened {
     pub fn label(&self) -> String {
         match self {
             #[cfg(feature = "fabric")]
-            Opened::Fabric(cfg, _) if !cfg.cq_wait => {
+            Opened::Fabric(cfg, _) if cfg.cq_wait == exs_backend_fabric::CqWait::None => {
                 format!("exs (fabric/{}, cq-no-wait)", cfg.provider)
+            }
+            Opened::Fabric(cfg, _) if cfg.cq_wait == exs_backend_fabric::CqWait::Fd => {
+                format!("exs (fabric/{}, cq-wait fd)", cfg.provider)
             }
             Opened::Fabric(cfg, _) => format!("exs (fabric/{})", cfg.provider),
             #[cfg(feature = "verbs")]

@@ -28,6 +28,19 @@ pub enum BackendKind {
     Sim,
 }
 
+/// The wait object of the fabric backend's completion queues (`--cq-wait`; see `exs::fabric::CqWait`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CqWaitKind {
+    /// FI_WAIT_POLLFD (the default): a thread can sleep, and the tcp provider polls its sockets as without one.
+    Pollfd,
+    /// FI_WAIT_FD: the provider's own epoll set, nested in the transport's.
+    Fd,
+    /// No wait object, as fi_pingpong opens its queues for busy polling (a thread that sleeps on the context
+    /// polls every millisecond instead).
+    None,
+}
+
 /// The help of `--mode immediate`, with the library's limit.
 fn immediate_help() -> String {
     format!(
@@ -123,7 +136,16 @@ pub enum RawWait {
     Busy,
 }
 
-display_as_value!(BackendKind, PumpMode, PingMode, Wait, Type, RawOp, RawWait);
+display_as_value!(
+    BackendKind,
+    CqWaitKind,
+    PumpMode,
+    PingMode,
+    Wait,
+    Type,
+    RawOp,
+    RawWait
+);
 
 #[cfg(test)]
 mod tests {

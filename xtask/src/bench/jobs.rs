@@ -534,9 +534,11 @@ pub(super) fn cost_jobs(exe: &str) -> Vec<Job> {
         )
     };
     let mut v = vec![counted("fi_pingpong", &|n| fi_pingpong_cmd(n, 1), |n| n)];
-    // `busy nowait`: busy polling on completion queues without a wait object, as fi_pingpong opens its own.
+    // `busy` on the default wait object (FI_WAIT_POLLFD); `busy fd`: on FI_WAIT_FD queues (the provider's epoll set
+    // nested in the transport's); `busy nowait`: on queues without a wait object, as fi_pingpong opens its own.
     for (name, wait, extra) in [
         ("busy", "busy", ""),
+        ("busy fd", "busy", " --cq-wait fd"),
         ("busy nowait", "busy", " --cq-no-wait"),
         ("adaptive", "adaptive", ""),
         ("block", "block", ""),

@@ -232,6 +232,10 @@ fn cost_targets(sum: &BTreeMap<Key, (f64, f64, f64, usize)>) -> Vec<String> {
     for (row, name) in [
         ("exs busy", "exs busy ping"),
         (
+            "exs busy fd",
+            "exs busy ping on FI_WAIT_FD completion queues (--cq-wait fd)",
+        ),
+        (
             "exs busy nowait",
             "exs busy ping on completion queues without a wait object (--cq-no-wait, as fi_pingpong's)",
         ),

@@ -1,0 +1,177 @@
+//! What lets a thread sleep until a connection's completion queue has something: the queue's wait object and its
+//! place in the transport's epoll set ([`crate::CqWait`]).
+//!
+//! With `FI_WAIT_FD` the queue's wait object is one epoll descriptor of the provider's, entered in the transport's
+//! set once. With `FI_WAIT_POLLFD` it is a list of descriptors the provider keeps (the queue's signal, and the
+//! connection's socket once connected) with the events it wants on each (`POLLOUT` too while it has bytes the
+//! socket would not take): the transport enters each in its own set, and brings the entries up to date whenever
+//! the queue is armed ([`FabricTransport::sync_wait`]): `fi_trywait` runs the provider's progress on the queue
+//! first, which applies the changes it had queued. Between two armings the queue is hot (read in every poll, see
+//! [`crate::ready`]), so its entries only matter from the arming on; a connection that comes up makes its queue
+//! hot again (its socket joins the set then), so that it is armed, and its entries brought up to date, anew.
+
+use std::os::fd::{BorrowedFd, RawFd};
+
+use nix::sys::epoll::{EpollEvent, EpollFlags};
+
+use exs_transport::{EndpointId, TransportError};
+
+use crate::call::check;
+use crate::ffi::*;
+use crate::FabricTransport;
+
+/// A queue's wait object, as the transport's epoll set holds it.
+#[derive(Debug)]
+pub(crate) enum EpWait {
+    /// No wait object ([`crate::CqWait::None`]): the queue stays hot, read in every poll.
+    None,
+    /// `FI_WAIT_FD`: the provider's epoll descriptor, in the transport's set.
+    Fd(RawFd),
+    /// `FI_WAIT_POLLFD`: the descriptors entered in the transport's set, with the events entered for each.
+    PollFd(Vec<(RawFd, i16)>),
+}
+
+impl EpWait {
+    /// Whether a completion wakes a thread sleeping on the transport's epoll set (the queue may leave the hot
+    /// set once armed).
+    pub(crate) fn signals(&self) -> bool {
+        !matches!(self, EpWait::None)
+    }
+}
+
+/// Descriptors in a pollfd set, as a rule two or three.
+const INLINE_FDS: usize = 8;
+
+/// The descriptors and events a queue opened with `FI_WAIT_POLLFD` waits on now.
+pub(crate) fn pollfds_of(cq: *mut fid_cq) -> Result<Vec<(RawFd, i16)>, TransportError> {
+    let mut fds = vec![
+        pollfd {
+            fd: -1,
+            events: 0,
+            revents: 0
+        };
+        INLINE_FDS
+    ];
+    loop {
+        let mut w = fi_wait_pollfd {
+            change_index: 0,
+            nfds: fds.len(),
+            fd: fds.as_mut_ptr(),
+        };
+        // SAFETY: `cq` is open with a FI_WAIT_POLLFD wait object; FI_GETWAIT copies at most `nfds` entries into
+        // `fds` (which holds that many) and writes the set's size to `nfds`.
+        let ret = unsafe {
+            exs_fi_control(
+                &mut (*cq).fid,
+                FI_GETWAIT as i32,
+                &mut w as *mut fi_wait_pollfd as *mut std::ffi::c_void,
+            )
+        };
+        if ret == -(FI_ETOOSMALL as i32) && w.nfds > fds.len() {
+            fds.resize(w.nfds, fds[0]);
+            continue;
+        }
+        check("fi_control(FI_GETWAIT)", ret)?;
+        fds.truncate(w.nfds);
+        // The first entry is the set's own signal (libfabric's `ofi_pollfds` puts it first and never moves it),
+        // written whenever a change to the set is queued and read again only by a thread waiting on the set
+        // itself, which no one does here: entered, it would make every armed queue look signalled for good.
+        // What the changes are about is taken in when the queue is next armed.
+        return Ok(fds.iter().skip(1).map(|p| (p.fd, p.events)).collect());
+    }
+}
+
+/// The epoll events for a pollfd entry's (`POLLIN` and `POLLOUT` have epoll's values).
+fn epoll_events(events: i16) -> EpollFlags {
+    EpollFlags::from_bits_truncate(i32::from(events))
+        & (EpollFlags::EPOLLIN | EpollFlags::EPOLLOUT | EpollFlags::EPOLLPRI)
+}
+
+impl FabricTransport {
+    /// Enters `now` (a queue's pollfd set) in the transport's epoll set under `id`, in place of `was`; an entry
+    /// whose events changed is modified. Entries no longer in the set are taken out (the provider may already
+    /// have closed them: that error is ignored).
+    pub(crate) fn enter_pollfds(
+        &self,
+        id: EndpointId,
+        was: &[(RawFd, i16)],
+        now: &[(RawFd, i16)],
+    ) -> Result<(), TransportError> {
+        let data = u64::from(id.0);
+        for &(fd, _) in was {
+            if !now.iter().any(|n| n.0 == fd) {
+                // SAFETY: `fd` was one of the queue's descriptors; deleting a closed one fails harmlessly.
+                let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+            }
+        }
+        for &(fd, events) in now {
+            let mut ev = EpollEvent::new(epoll_events(events), data);
+            // SAFETY: `fd` is in the queue's pollfd set, so open while the queue is; it leaves the epoll set
+            // before the queue closes (`release_ep`) or when it leaves the pollfd set.
+            let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
+            let r = match was.iter().find(|w| w.0 == fd) {
+                Some(&(_, e)) if e == events => Ok(()),
+                Some(_) => self.epoll.modify(bfd, &mut ev),
+                None => match self.epoll.add(bfd, ev) {
+                    Err(nix::errno::Errno::EEXIST) => self.epoll.modify(bfd, &mut ev),
+                    r => r,
+                },
+            };
+            r.map_err(|e| TransportError::os("epoll_ctl", e.into()))?;
+        }
+        Ok(())
+    }
+
+    /// Brings `id`'s entries in the epoll set up to date with its queue's pollfd set (a `FI_WAIT_POLLFD` queue;
+    /// nothing for others). Called once `fi_trywait` has armed the queue: from then on only the set can tell
+    /// that it has something.
+    pub(crate) fn sync_wait(&mut self, id: EndpointId) -> Result<(), TransportError> {
+        let Some(e) = self.eps.get(&id) else {
+            return Ok(());
+        };
+        let EpWait::PollFd(was) = &e.wait else {
+            return Ok(());
+        };
+        let now = pollfds_of(e.cq)?;
+        if *was == now {
+            return Ok(());
+        }
+        let r = self.enter_pollfds(id, was, &now);
+        if let Some(e) = self.eps.get_mut(&id) {
+            // What is entered now, also after an error part way (the entries made stay recorded, to be taken
+            // out with the queue).
+            e.wait = EpWait::PollFd(match &r {
+                Ok(()) => now,
+                Err(_) => merged(&e.wait, &now),
+            });
+        }
+        r
+    }
+
+    /// Takes a released queue's entries out of the epoll set (before the queue and its socket close).
+    pub(crate) fn leave_epoll(&self, wait: &EpWait) {
+        let fds: Vec<RawFd> = match wait {
+            EpWait::None => Vec::new(),
+            EpWait::Fd(fd) => vec![*fd],
+            EpWait::PollFd(v) => v.iter().map(|p| p.0).collect(),
+        };
+        for fd in fds {
+            // SAFETY: the descriptor belongs to the queue (or its socket) we are about to close.
+            let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+        }
+    }
+}
+
+/// Every descriptor that may be entered after a failed update: those entered before and those of the new set.
+fn merged(was: &EpWait, now: &[(RawFd, i16)]) -> Vec<(RawFd, i16)> {
+    let mut all: Vec<(RawFd, i16)> = match was {
+        EpWait::PollFd(v) => v.clone(),
+        _ => Vec::new(),
+    };
+    for n in now {
+        if !all.iter().any(|a| a.0 == n.0) {
+            all.push(*n);
+        }
+    }
+    all
+}

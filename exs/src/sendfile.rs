@@ -35,9 +35,11 @@ impl Socket {
     /// its socket open until it has posted the whole file (dropping the application's handles meanwhile does not
     /// close it before then). Like any send already started, the whole file goes before the end of stream of a
     /// [`close`](Socket::close) or [`shutdown`](Socket::shutdown) made meanwhile: a close waits for it at most the
-    /// linger time ([`ContextOptions::linger`](crate::ContextOptions::linger)), then resets the connection (the
-    /// peer sees an error, never a clean end after part of the file); to give up on a peer that stops reading,
-    /// `close` the socket.
+    /// linger time ([`ContextOptions::linger`](crate::ContextOptions::linger)), then resets the connection, and so
+    /// does a close or shutdown whose sendfile gives up part way (a read of the file fails): the peer sees an
+    /// error, never a clean end after part of the file. A shutdown has no time limit of its own: to give up on a
+    /// peer that stops reading, `close` the socket. The chunks are sends of their own, posted as earlier ones
+    /// complete: a send the application makes on the socket while a stream sendfile runs may land between them.
     pub fn sendfile(
         &self,
         eq: &EventQueue,
@@ -152,8 +154,10 @@ impl Progress {
     /// stream go once nothing is.
     fn refill(&mut self, slot: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
         let r = self.post_next(slot, me);
-        if r.is_err() || self.failure.is_some() || self.next >= self.len {
-            self.let_go();
+        if r.is_err() || self.failure.is_some() {
+            self.let_go(true);
+        } else if self.next >= self.len {
+            self.let_go(false);
         }
         r
     }
@@ -185,10 +189,11 @@ impl Progress {
         Ok(())
     }
 
-    /// Lets go of the socket's end of stream (once): no chunk is left to post.
-    fn let_go(&mut self) {
+    /// Lets go of the socket's end of stream (once): no chunk is left to post. `gave_up`: the file was not sent
+    /// whole (a close or write shutdown waiting for it then resets the connection: see `Engine::release_sends`).
+    fn let_go(&mut self, gave_up: bool) {
         if std::mem::take(&mut self.held) {
-            self.sock.release_sends();
+            self.sock.release_sends(gave_up);
         }
     }
 }
@@ -204,8 +209,13 @@ impl FileSend {
 
     fn drive(self: &Arc<Self>) {
         loop {
-            let Ok(mut st) = self.state.try_lock() else {
-                return; // the driver will see the inbox before it lets go
+            let mut st = match self.state.try_lock() {
+                Ok(st) => st,
+                // A panic in an earlier drive: the state is whole between two steps; go on (a sendfile that stopped
+                // here would hold its socket's end of stream for ever).
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                // The driver will see the inbox before it lets go.
+                Err(std::sync::TryLockError::WouldBlock) => return,
             };
             loop {
                 let ev = self
@@ -310,14 +320,15 @@ fn chunked(
             Err(e) => Err(SendError::File(e)),
         };
         if let Err(e) = first {
-            st.let_go();
+            // Nothing of the file went out: an end of stream after the bytes before it is true.
+            st.let_go(false);
             if let Some(t) = st.user.take() {
                 t.discard();
             }
             return Err(e);
         }
         if st.next >= st.len {
-            st.let_go();
+            st.let_go(false);
         }
         for slot in 1..depth {
             if let Err(e) = st.refill(slot, &me) {

@@ -329,9 +329,10 @@ impl Socket {
         self.engine(|e, id| e.hold_sends(id))
     }
 
-    /// Lets go of a hold taken by [`Socket::hold_sends`].
-    pub(crate) fn release_sends(&self) {
-        self.engine(|e, id| e.release_sends(id))
+    /// Lets go of a hold taken by [`Socket::hold_sends`]; `gave_up`: part of the send went out and the rest never
+    /// will (see `Engine::release_sends`).
+    pub(crate) fn release_sends(&self, gave_up: bool) {
+        self.engine(|e, id| e.release_sends(id, gave_up))
     }
 
     /// Reserves an event of `kind` for an operation this crate completes itself (chunked sendfile).

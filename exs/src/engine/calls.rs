@@ -411,14 +411,34 @@ impl Engine {
         Ok(())
     }
 
-    /// A held send has handed over its last part, or gave up: the end of stream it held back goes out once the
-    /// sends before it have completed.
-    pub(crate) fn release_sends(&mut self, sid: SocketId) {
+    /// A held send has handed over its last part, or gave up (`gave_up`: part of it went out, the rest never
+    /// will): the end of stream it held back goes out once the sends before it have completed. One that gave up
+    /// while a close or write shutdown waited for it resets the connection instead, as the linger timer does:
+    /// a clean end of stream would tell the peer it had the whole of it.
+    pub(crate) fn release_sends(&mut self, sid: SocketId, gave_up: bool) {
+        // A failed context has already failed every connection (and ended every hold).
+        if self.failed.is_some() {
+            return;
+        }
         // Also once the application has closed the socket: that close is what the hold kept waiting.
-        let Some(c) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+        let Some(s) = self.sockets.get_mut(&sid) else {
+            return;
+        };
+        let ending = matches!(s.phase, Phase::Closing) || (s.phase == Phase::Open && s.shut_write);
+        let Some(c) = s.conn.as_mut() else {
             return;
         };
         c.release_sends();
+        if gave_up && ending {
+            tracing::debug!(
+                ?sid,
+                "a held send gave up before its end of stream: resetting"
+            );
+            s.down.get_or_insert(OpError::Cancelled);
+            c.fail(OpError::Cancelled);
+            self.disconnect(sid);
+            return;
+        }
         self.flush(sid);
     }
 

@@ -33,6 +33,10 @@ pub fn cases() -> Vec<Case> {
             "a_write_shutdown_during_a_stream_sendfile_ends_the_stream_after_the_file",
             shutdown_during_sendfile,
         ),
+        c(
+            "a_stream_sendfile_cut_short_after_a_close_resets_the_peer",
+            sendfile_cut_short_after_close,
+        ),
     ]
 }
 
@@ -472,5 +476,54 @@ fn sendfile_then_end(b: &dyn Backend, shutdown: bool) -> Result<(), String> {
             "reply after the half close: {r:?}"
         );
     }
+    Ok(())
+}
+
+/// A close waits for a stream sendfile to post its whole file; if the sendfile then gives up part way (here the file
+/// shrinks under it, so a chunk cannot be read), the close's clean end of stream would tell the peer it had the
+/// whole file: the connection is reset instead, and the peer's read fails.
+fn sendfile_cut_short_after_close(b: &dyn Backend) -> Result<(), String> {
+    let len = exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 3);
+    let data = pattern(len, 11);
+    let mut f = tempfile::tempfile().map_err(e)?;
+    f.write_all(&data).map_err(e)?;
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
+    p.client.sendfile(&p.eq_a, &f, 0, len, 5).map_err(e)?;
+    p.client.close().map_err(e)?;
+    // The chunks read so far are those the call posted (the peer has taken nothing yet).
+    f.set_len((exs::SENDFILE_CHUNK * exs::SENDFILE_DEPTH + 10) as u64)
+        .map_err(e)?;
+    let buf = p.region_b(1 << 20)?;
+    let mut got = 0;
+    // The reset shows as a failed read, or as a read refused because the connection is down.
+    loop {
+        if let Err(err) = p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1) {
+            ensure!(
+                matches!(err, exs::RecvError::State(StateError::ConnectionDown(_))),
+                "a read after {got} bytes refused for another reason: {err}"
+            );
+            break;
+        }
+        let r = next(&p.eq_b)?;
+        ensure!(
+            r.is_ok() || got < len,
+            "more than the file: {got} bytes, then {r:?}"
+        );
+        if !r.is_ok() {
+            break;
+        }
+        ensure!(
+            !r.flags.eof && r.bytes > 0,
+            "the peer saw a clean end of stream after {got} of the file's {len} bytes: {r:?}"
+        );
+        got += r.bytes;
+    }
+    let evs = all(&p.eq_a)?;
+    ensure!(
+        evs.iter()
+            .any(|x| x.kind == EventKind::SendFile && !x.is_ok() && x.bytes < len),
+        "the sendfile reports that it gave up: {evs:?}"
+    );
     Ok(())
 }

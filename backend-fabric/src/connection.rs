@@ -140,12 +140,26 @@ impl FabricTransport {
         dom: &Domain,
         ctx: *mut c_void,
     ) -> Result<(*mut fid_cq, CqWait), TransportError> {
+        let refused =
+            |ret: i32| [FI_ENOSYS, FI_EOPNOTSUPP, FI_EINVAL].contains(&ret.unsigned_abs());
         match self.open_cq_with(dom, ctx, self.cq_wait) {
-            Err(e) if self.cq_wait == CqWait::PollFd => {
-                tracing::debug!(%e, "FI_WAIT_POLLFD refused; the queue waits with FI_WAIT_FD");
-                Ok((self.open_cq_with(dom, ctx, CqWait::Fd)?, CqWait::Fd))
+            Err(ret) if self.cq_wait == CqWait::PollFd && refused(ret) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    tracing::info!(
+                        provider = %self.provider,
+                        "the provider refuses FI_WAIT_POLLFD completion queues ({}): they wait with FI_WAIT_FD",
+                        strerror(ret.into())
+                    )
+                });
+                let cq = self
+                    .open_cq_with(dom, ctx, CqWait::Fd)
+                    .map_err(|ret| err("fi_cq_open", ret.into()))?;
+                Ok((cq, CqWait::Fd))
             }
-            r => r.map(|cq| (cq, self.cq_wait)),
+            r => r
+                .map(|cq| (cq, self.cq_wait))
+                .map_err(|ret| err("fi_cq_open", ret.into())),
         }
     }
 
@@ -154,7 +168,7 @@ impl FabricTransport {
         dom: &Domain,
         ctx: *mut c_void,
         kind: CqWait,
-    ) -> Result<*mut fid_cq, TransportError> {
+    ) -> Result<*mut fid_cq, i32> {
         let size = (self.caps.max_send_wr + self.caps.max_recv_wr) as usize;
         let mut attr = fi_cq_attr {
             size,
@@ -170,7 +184,7 @@ impl FabricTransport {
         // SAFETY: open domain; attr lives across the call.
         let ret = unsafe { exs_fi_cq_open(dom.domain, &mut attr, &mut cq, ctx) };
         if ret < 0 {
-            return Err(err("fi_cq_open", ret.into()));
+            return Err(ret);
         }
         Ok(cq)
     }
@@ -212,11 +226,12 @@ impl FabricTransport {
             CqWait::PollFd => {
                 // The connection's socket joins the set later, at the latest by the queue's first arming.
                 let now = pollfds_of(cq)?;
-                if let Err(e) = self.enter_pollfds(id, &[], &now) {
-                    self.leave_epoll(&EpWait::PollFd(now));
+                let (entered, r) = self.enter_pollfds(id, &[], &now);
+                if let Err(e) = r {
+                    self.leave_epoll(&EpWait::PollFd(entered));
                     return Err(e);
                 }
-                Ok(EpWait::PollFd(now))
+                Ok(EpWait::PollFd(entered))
             }
         }
     }

@@ -76,8 +76,8 @@ pub enum CqWait {
     /// (its signal and its connection's socket) in a list and drives its sockets with `poll`, as without a wait
     /// object; the transport puts those descriptors themselves in its epoll set, brought up to date each time the
     /// queue is armed ([`fi_trywait`](https://ofiwg.github.io/libfabric/main/man/fi_poll.3.html)). A busy 8-byte
-    /// ping-pong runs as fast as without a wait object, and a thread can still sleep. A provider that refuses it
-    /// gets [`CqWait::Fd`].
+    /// ping-pong runs nearly as fast as without a wait object (the bench README), and a thread can still sleep.
+    /// A provider that refuses it gets [`CqWait::Fd`].
     #[default]
     PollFd,
     /// `FI_WAIT_FD` (`EXS_FABRIC_CQ_WAIT=fd`): the queue's wait object is an epoll set of the provider's, nested in

@@ -27,6 +27,7 @@ use exs_transport::{Completion, EndpointId, TransportError};
 
 use crate::call::err;
 use crate::ffi::*;
+use crate::wait::EpWait;
 use crate::FabricTransport;
 
 /// The event queue's entry in the epoll set (completion queues are entered by endpoint id).
@@ -141,6 +142,15 @@ impl FabricTransport {
         let k = self.read_cq(id, out, max);
         if k > 0 {
             self.touch(id);
+        } else if let Some(e) = self
+            .eps
+            .get_mut(&id)
+            .filter(|e| matches!(e.wait, EpWait::PollFd(_)))
+        {
+            // The read ran the provider's progress, which may have changed what the queue waits on (a read
+            // request taken in, its response queued: POLLOUT) without a completion: its entries in the epoll set
+            // are brought up to date by the next arming before it can go quiet.
+            e.ready.armed = false;
         }
         k
     }
@@ -308,7 +318,12 @@ impl FabricTransport {
                     e.ready.armed = true;
                     // Armed now: its entries in the epoll set must say what the queue waits on.
                     if newly {
-                        self.sync_wait(id)?;
+                        if let Err(err) = self.sync_wait(id) {
+                            if let Some(e) = self.eps.get_mut(&id) {
+                                e.ready.armed = false;
+                            }
+                            return Err(err);
+                        }
                     }
                 }
                 self.ready.armed = true;

@@ -310,6 +310,90 @@ fn an_armed_quiet_queue_wakes_a_sleeper_when_a_message_comes() {
     }
 }
 
+/// A queue armed while hot goes on being read; a read that takes in a peer's RDMA read request makes no
+/// completion but queues a response bigger than the socket takes, so the provider now waits for the socket to
+/// drain (`POLLOUT`). The queue then goes quiet: before it leaves the hot set it must be armed again, its entries in
+/// the epoll set brought up to date, or a thread that sleeps is never woken to send the rest, and the read never
+/// completes (it stalled `exs pump --size 16M --wait block` at 0.8 MB/s).
+#[test]
+fn a_read_response_bigger_than_the_socket_wakes_the_side_that_serves_it() {
+    let _serial = serial();
+    for wait in [crate::CqWait::PollFd, crate::CqWait::Fd] {
+        let cfg = FabricConfig {
+            cq_wait: wait,
+            ..FabricConfig::default()
+        };
+        let mut server = FabricTransport::open(&cfg).expect("open tcp");
+        let mut client = FabricTransport::open(&cfg).expect("open tcp");
+        connect_pairs(&mut server, &mut client, 1);
+        let ep = EndpointId(1);
+        const N: usize = 32 << 20;
+        let sbuf = exs_dma::DmaBuf::new(N);
+        let sreg = server.register(&sbuf).expect("register");
+        let slease = sbuf
+            .lease(0..N, exs_dma::LeaseKind::DeviceRead)
+            .expect("lease");
+        let exposed = server
+            .expose(ep, &sreg, slease, exs_transport::RemoteAccess::Read)
+            .expect("expose");
+        let cbuf = exs_dma::DmaBuf::new(N);
+        let creg = client.register(&cbuf).expect("register");
+        let clease = cbuf
+            .lease(0..N, exs_dma::LeaseKind::DeviceWrite)
+            .expect("lease");
+        let local = exs_transport::Sge::new(clease, creg).expect("sge");
+        let mut out = Vec::new();
+        for _ in 0..2 * crate::ready::QUIET {
+            client.poll(&mut out, 64);
+            server.poll(&mut out, 64);
+        }
+        let wr = recv_wr(&mut server, 99);
+        server.post(ep, wr).expect("recv");
+        assert!(server.arm().expect("arm"), "{wait:?}: the server arms");
+        server.poll(&mut out, 64);
+        let read = exs_transport::Op::Read {
+            local,
+            remote: exposed.remote(),
+        };
+        client
+            .post(ep, exs_transport::WorkRequest { wr_id: 1, op: read })
+            .expect("read");
+        for _ in 0..20 {
+            client.poll(&mut out, 64);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+        // The server takes the request in, then goes quiet and arms: it would sleep now.
+        for _ in 0..3 * crate::ready::QUIET + 2 {
+            server.poll(&mut out, 64);
+        }
+        let _ = server.arm().expect("arm");
+        let fd = server.wait_fd().expect("a descriptor to sleep on");
+        let readable = || {
+            let mut p = [nix::poll::PollFd::new(
+                fd.as_fd(),
+                nix::poll::PollFlags::POLLIN,
+            )];
+            nix::poll::poll(&mut p, nix::poll::PollTimeout::ZERO).expect("poll") > 0
+        };
+        let t0 = Instant::now();
+        let (mut woke, mut done) = (false, false);
+        while t0.elapsed() < Duration::from_secs(5) && !woke && !done {
+            out.clear();
+            client.poll(&mut out, 64);
+            done = out
+                .iter()
+                .any(|c| matches!(c.op, exs_transport::Completed::Read));
+            woke = readable();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(
+            woke || done,
+            "{wait:?}: the server, asleep with a read response to send, was never woken"
+        );
+        drop(exposed);
+    }
+}
+
 /// A poll that finds completions leaves its consultation of the epoll set to a later poll (the caller is about to
 /// act on what it found), but not for ever: while one connection's queue holds more completions than the polls
 /// take, the set is still consulted every twice the interval; the other connection's queue, signalled, is read

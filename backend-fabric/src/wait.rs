@@ -6,13 +6,15 @@
 //! connection's socket once connected) with the events it wants on each (`POLLOUT` too while it has bytes the
 //! socket would not take): the transport enters each in its own set, and brings the entries up to date whenever
 //! the queue is armed ([`FabricTransport::sync_wait`]): `fi_trywait` runs the provider's progress on the queue
-//! first, which applies the changes it had queued. Between two armings the queue is hot (read in every poll, see
-//! [`crate::ready`]), so its entries only matter from the arming on; a connection that comes up makes its queue
-//! hot again (its socket joins the set then), so that it is armed, and its entries brought up to date, anew.
+//! first, which applies the changes it had queued. Only a read of the queue (its progress), or a post on it, can
+//! change what it waits on: each marks the queue unarmed ([`crate::ready`]), so it is armed, and its entries
+//! brought up to date, before it can go quiet; a connection that comes up makes its queue hot again too (its
+//! socket joins the set then, from the event queue's progress).
 
 use std::os::fd::{BorrowedFd, RawFd};
 
 use nix::sys::epoll::{EpollEvent, EpollFlags};
+use smallvec::SmallVec;
 
 use exs_transport::{EndpointId, TransportError};
 
@@ -28,7 +30,7 @@ pub(crate) enum EpWait {
     /// `FI_WAIT_FD`: the provider's epoll descriptor, in the transport's set.
     Fd(RawFd),
     /// `FI_WAIT_POLLFD`: the descriptors entered in the transport's set, with the events entered for each.
-    PollFd(Vec<(RawFd, i16)>),
+    PollFd(PollFds),
 }
 
 impl EpWait {
@@ -39,19 +41,17 @@ impl EpWait {
     }
 }
 
-/// Descriptors in a pollfd set, as a rule two or three.
-const INLINE_FDS: usize = 8;
+/// A queue's descriptors and the events on each: as a rule two (its signal and its connection's socket).
+pub(crate) type PollFds = SmallVec<[(RawFd, i16); 4]>;
 
 /// The descriptors and events a queue opened with `FI_WAIT_POLLFD` waits on now.
-pub(crate) fn pollfds_of(cq: *mut fid_cq) -> Result<Vec<(RawFd, i16)>, TransportError> {
-    let mut fds = vec![
-        pollfd {
-            fd: -1,
-            events: 0,
-            revents: 0
-        };
-        INLINE_FDS
-    ];
+pub(crate) fn pollfds_of(cq: *mut fid_cq) -> Result<PollFds, TransportError> {
+    let none = pollfd {
+        fd: -1,
+        events: 0,
+        revents: 0,
+    };
+    let mut fds: SmallVec<[pollfd; 8]> = SmallVec::from_elem(none, 8);
     loop {
         let mut w = fi_wait_pollfd {
             change_index: 0,
@@ -68,7 +68,7 @@ pub(crate) fn pollfds_of(cq: *mut fid_cq) -> Result<Vec<(RawFd, i16)>, Transport
             )
         };
         if ret == -(FI_ETOOSMALL as i32) && w.nfds > fds.len() {
-            fds.resize(w.nfds, fds[0]);
+            fds.resize(w.nfds, none);
             continue;
         }
         check("fi_control(FI_GETWAIT)", ret)?;
@@ -88,18 +88,22 @@ fn epoll_events(events: i16) -> EpollFlags {
 }
 
 impl FabricTransport {
-    /// Enters `now` (a queue's pollfd set) in the transport's epoll set under `id`, in place of `was`; an entry
-    /// whose events changed is modified. Entries no longer in the set are taken out (the provider may already
-    /// have closed them: that error is ignored).
+    /// Enters `now` (a queue's pollfd set) in the transport's epoll set under `id`, in place of `was`: entries no
+    /// longer in the set are taken out (the provider may already have closed them: that error is ignored), an
+    /// entry whose events changed is modified. Returns what is entered afterwards, also when a step failed part
+    /// way (with the error), so that the next update starts from the truth.
     pub(crate) fn enter_pollfds(
         &self,
         id: EndpointId,
         was: &[(RawFd, i16)],
         now: &[(RawFd, i16)],
-    ) -> Result<(), TransportError> {
+    ) -> (PollFds, Result<(), TransportError>) {
         let data = u64::from(id.0);
-        for &(fd, _) in was {
-            if !now.iter().any(|n| n.0 == fd) {
+        let mut entered: PollFds = SmallVec::new();
+        for &(fd, events) in was {
+            if now.iter().any(|n| n.0 == fd) {
+                entered.push((fd, events));
+            } else {
                 // SAFETY: `fd` was one of the queue's descriptors; deleting a closed one fails harmlessly.
                 let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
             }
@@ -109,17 +113,31 @@ impl FabricTransport {
             // SAFETY: `fd` is in the queue's pollfd set, so open while the queue is; it leaves the epoll set
             // before the queue closes (`release_ep`) or when it leaves the pollfd set.
             let bfd = unsafe { BorrowedFd::borrow_raw(fd) };
-            let r = match was.iter().find(|w| w.0 == fd) {
-                Some(&(_, e)) if e == events => Ok(()),
-                Some(_) => self.epoll.modify(bfd, &mut ev),
+            let r = match entered.iter().position(|w| w.0 == fd) {
+                Some(i) if entered[i].1 == events => Ok(()),
+                Some(i) => self
+                    .epoll
+                    .modify(bfd, &mut ev)
+                    .map(|()| entered[i].1 = events),
                 None => match self.epoll.add(bfd, ev) {
-                    Err(nix::errno::Errno::EEXIST) => self.epoll.modify(bfd, &mut ev),
+                    Err(nix::errno::Errno::EEXIST) => {
+                        // Entered already, under another endpoint or none: a descriptor is one queue's.
+                        tracing::warn!(
+                            ?id,
+                            fd,
+                            "a queue's descriptor was in the epoll set already"
+                        );
+                        self.epoll.modify(bfd, &mut ev)
+                    }
                     r => r,
-                },
+                }
+                .map(|()| entered.push((fd, events))),
             };
-            r.map_err(|e| TransportError::os("epoll_ctl", e.into()))?;
+            if let Err(e) = r {
+                return (entered, Err(TransportError::os("epoll_ctl", e.into())));
+            }
         }
-        Ok(())
+        (entered, Ok(()))
     }
 
     /// Brings `id`'s entries in the epoll set up to date with its queue's pollfd set (a `FI_WAIT_POLLFD` queue;
@@ -133,17 +151,12 @@ impl FabricTransport {
             return Ok(());
         };
         let now = pollfds_of(e.cq)?;
-        if *was == now {
+        if **was == *now {
             return Ok(());
         }
-        let r = self.enter_pollfds(id, was, &now);
+        let (entered, r) = self.enter_pollfds(id, was, &now);
         if let Some(e) = self.eps.get_mut(&id) {
-            // What is entered now, also after an error part way (the entries made stay recorded, to be taken
-            // out with the queue).
-            e.wait = EpWait::PollFd(match &r {
-                Ok(()) => now,
-                Err(_) => merged(&e.wait, &now),
-            });
+            e.wait = EpWait::PollFd(entered);
         }
         r
     }
@@ -160,18 +173,4 @@ impl FabricTransport {
             let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
         }
     }
-}
-
-/// Every descriptor that may be entered after a failed update: those entered before and those of the new set.
-fn merged(was: &EpWait, now: &[(RawFd, i16)]) -> Vec<(RawFd, i16)> {
-    let mut all: Vec<(RawFd, i16)> = match was {
-        EpWait::PollFd(v) => v.clone(),
-        _ => Vec::new(),
-    };
-    for n in now {
-        if !all.iter().any(|a| a.0 == n.0) {
-            all.push(*n);
-        }
-    }
-    all
 }

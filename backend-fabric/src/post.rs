@@ -123,6 +123,11 @@ impl FabricTransport {
                 self.cq_backlog = backlog;
                 continue;
             }
+            // The reads above ran the provider's progress on the queue (what it waits on may have changed): it is
+            // read in the next polls and armed anew before it goes quiet, as after a post.
+            if tries > 0 {
+                self.touch(ep);
+            }
             // SAFETY: the provider refused the record, so it never saw the pointer; we reclaim it once.
             let rec = unsafe { self.records.take(rec) };
             return Err(PostError {

@@ -394,6 +394,66 @@ fn a_read_response_bigger_than_the_socket_wakes_the_side_that_serves_it() {
     }
 }
 
+/// What the pollfd wait objects rest on (see `crate::wait`): the tcp provider moves a queue's data only in that
+/// queue's own progress, never in a read of the event queue, so reading connection events cannot change what an
+/// armed queue waits on behind the transport's back. A peer's RDMA read of 32 MiB gets no answer while the
+/// serving side only reads its event queue; the first read of its completion queue sends it.
+#[test]
+fn reading_connection_events_moves_no_queues_data() {
+    let _serial = serial();
+    let cfg = FabricConfig::default();
+    let mut server = FabricTransport::open(&cfg).expect("open tcp");
+    let mut client = FabricTransport::open(&cfg).expect("open tcp");
+    connect_pairs(&mut server, &mut client, 1);
+    let ep = EndpointId(1);
+    const N: usize = 32 << 20;
+    let sbuf = exs_dma::DmaBuf::new(N);
+    let sreg = server.register(&sbuf).expect("register");
+    let slease = sbuf
+        .lease(0..N, exs_dma::LeaseKind::DeviceRead)
+        .expect("lease");
+    let exposed = server
+        .expose(ep, &sreg, slease, exs_transport::RemoteAccess::Read)
+        .expect("expose");
+    let cbuf = exs_dma::DmaBuf::new(N);
+    let creg = client.register(&cbuf).expect("register");
+    let clease = cbuf
+        .lease(0..N, exs_dma::LeaseKind::DeviceWrite)
+        .expect("lease");
+    let local = exs_transport::Sge::new(clease, creg).expect("sge");
+    let read = exs_transport::Op::Read {
+        local,
+        remote: exposed.remote(),
+    };
+    client
+        .post(ep, exs_transport::WorkRequest { wr_id: 1, op: read })
+        .expect("read");
+    let mut out = Vec::new();
+    let completed = |out: &Vec<exs_transport::Completion>| {
+        out.iter()
+            .any(|c| matches!(c.op, exs_transport::Completed::Read))
+    };
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        assert!(server.poll_cm().is_none(), "no connection event is due");
+        client.poll(&mut out, 64);
+        assert!(
+            !completed(&out),
+            "the peer's read was answered while the server only read its event queue"
+        );
+    }
+    let t0 = Instant::now();
+    while !completed(&out) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the read never completed"
+        );
+        server.poll(&mut out, 64);
+        client.poll(&mut out, 64);
+    }
+    drop(exposed);
+}
+
 /// A poll that finds completions leaves its consultation of the epoll set to a later poll (the caller is about to
 /// act on what it found), but not for ever: while one connection's queue holds more completions than the polls
 /// take, the set is still consulted every twice the interval; the other connection's queue, signalled, is read

@@ -9,7 +9,11 @@
 //! first, which applies the changes it had queued. Only a read of the queue (its progress), or a post on it, can
 //! change what it waits on: each marks the queue unarmed ([`crate::ready`]), so it is armed, and its entries
 //! brought up to date, before it can go quiet; a connection that comes up makes its queue hot again too (its
-//! socket joins the set then, from the event queue's progress).
+//! socket joins the set then, from the event queue's progress). This rests on what libfabric 1.17's tcp provider
+//! does (Debian 12's): its event-queue reads drive connection management only, and a queue's data moves only in
+//! that queue's own progress (`reading_connection_events_moves_no_queues_data` pins it). A provider whose
+//! event-queue reads also moved a queue's data could change what an armed queue waits on unseen;
+//! `EXS_FABRIC_CQ_WAIT=fd` does not depend on it.
 
 use std::os::fd::{BorrowedFd, RawFd};
 

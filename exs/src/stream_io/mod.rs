@@ -106,7 +106,6 @@ impl Default for StreamConfig {
 /// [`Stream::connect`], [`Listener::bind`] and their tokio forms run on it. A failed opening is not kept (the
 /// next call tries again).
 pub fn default_context() -> io::Result<Context> {
-    static DEFAULT: Mutex<Option<Context>> = Mutex::new(None);
     let mut d = DEFAULT.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(c) = &*d {
         return Ok(c.clone());
@@ -115,6 +114,14 @@ pub fn default_context() -> io::Result<Context> {
     *d = Some(c.clone());
     Ok(c)
 }
+
+/// The default context (see [`default_context`]) if it is open already.
+#[cfg_attr(not(feature = "tokio"), allow(dead_code))]
+pub(crate) fn default_context_if_open() -> Option<Context> {
+    DEFAULT.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+static DEFAULT: Mutex<Option<Context>> = Mutex::new(None);
 
 /// The first success of `f` over `addrs`, or the last error.
 pub(crate) fn each_addr<T>(

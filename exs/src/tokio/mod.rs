@@ -254,12 +254,27 @@ impl std::fmt::Debug for Stream {
     }
 }
 
+/// The process's [default context](crate::default_context), opened on tokio's blocking pool the first time, not on
+/// the task's thread: opening a context looks for devices and providers and takes long enough to stall a runtime
+/// (libfabric's first `fi_getinfo` in a process reads `/proc/kallsyms`, a tenth of a second here).
+async fn default_context() -> io::Result<Context> {
+    if let Some(c) = sio::default_context_if_open() {
+        return Ok(c);
+    }
+    match tokio::task::spawn_blocking(sio::default_context).await {
+        Ok(r) => r,
+        Err(e) => Err(io::Error::other(format!(
+            "opening the default context failed: {e}"
+        ))),
+    }
+}
+
 impl Stream {
     /// Connects on the process's [default context](crate::default_context) to the first address of `addr` that
     /// answers, resolving names with `tokio::net::lookup_host`, like `tokio::net::TcpStream::connect`. Not
     /// cancel safe: dropping the future abandons the attempt.
     pub async fn connect(addr: impl tokio::net::ToSocketAddrs) -> io::Result<Stream> {
-        Self::connect_with(&sio::default_context()?, addr, &StreamConfig::default()).await
+        Self::connect_with(&default_context().await?, addr, &StreamConfig::default()).await
     }
 
     /// Connects on `ctx` to the first address of `addr` that answers (like TCP's, the connection completes when
@@ -438,7 +453,7 @@ impl Listener {
     /// Listens on the process's [default context](crate::default_context) at the first address of `addr` that
     /// can be bound, resolving names with `tokio::net::lookup_host`, like `tokio::net::TcpListener::bind`.
     pub async fn bind(addr: impl tokio::net::ToSocketAddrs) -> io::Result<Listener> {
-        Self::bind_with(&sio::default_context()?, addr, &StreamConfig::default()).await
+        Self::bind_with(&default_context().await?, addr, &StreamConfig::default()).await
     }
 
     /// Listens on `ctx` at the first address of `addr` that can be bound.

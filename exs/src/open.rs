@@ -99,8 +99,15 @@ impl Backend {
     }
 
     fn chosen(var: &dyn Fn(&str) -> Option<String>) -> Result<(Backend, Choice), TransportError> {
-        let choice = choose(&compiled_kinds(), var, &choose::Devices)?;
-        let backend = Self::configure(choice.kind, var).map_err(|e| choice.failed(e))?;
+        // Every setting is read without the spaces around it, and an empty one is unset, whatever the source
+        // (`EXS_PROVIDER=" tcp "` named no provider; through `from_vars`, an empty `EXS_DOMAIN` named a domain).
+        let var = |k: &str| {
+            var(k)
+                .map(|v| v.trim().to_owned())
+                .filter(|v| !v.is_empty())
+        };
+        let choice = choose(&compiled_kinds(), &var, &choose::Devices)?;
+        let backend = Self::configure(choice.kind, &var).map_err(|e| choice.failed(e))?;
         Ok((backend, choice))
     }
 
@@ -245,6 +252,20 @@ mod fabric_vars {
             #[allow(unreachable_patterns)]
             other => panic!("not fabric: {other:?}"),
         }
+    }
+
+    #[test]
+    fn settings_are_read_without_spaces_and_an_empty_one_is_unset() {
+        let cfg = fabric(&[
+            ("EXS_BACKEND", " fabric "),
+            ("EXS_PROVIDER", " tcp "),
+            ("EXS_DOMAIN", "   "),
+        ])
+        .unwrap();
+        assert_eq!(cfg.provider, "tcp");
+        assert_eq!(cfg.domain, None);
+        let cfg = fabric(&[("EXS_BACKEND", "fabric"), ("EXS_PROVIDER", "")]).unwrap();
+        assert_eq!(cfg.provider, "tcp", "an empty provider is the default one");
     }
 
     #[test]

@@ -327,21 +327,7 @@ fn a_read_response_bigger_than_the_socket_wakes_the_side_that_serves_it() {
         let mut client = FabricTransport::open(&cfg).expect("open tcp");
         connect_pairs(&mut server, &mut client, 1);
         let ep = EndpointId(1);
-        const N: usize = 32 << 20;
-        let sbuf = exs_dma::DmaBuf::new(N);
-        let sreg = server.register(&sbuf).expect("register");
-        let slease = sbuf
-            .lease(0..N, exs_dma::LeaseKind::DeviceRead)
-            .expect("lease");
-        let exposed = server
-            .expose(ep, &sreg, slease, exs_transport::RemoteAccess::Read)
-            .expect("expose");
-        let cbuf = exs_dma::DmaBuf::new(N);
-        let creg = client.register(&cbuf).expect("register");
-        let clease = cbuf
-            .lease(0..N, exs_dma::LeaseKind::DeviceWrite)
-            .expect("lease");
-        let local = exs_transport::Sge::new(clease, creg).expect("sge");
+        let (exposed, read) = big_read(&mut server, &mut client, ep);
         let mut out = Vec::new();
         for _ in 0..2 * crate::ready::QUIET {
             client.poll(&mut out, 64);
@@ -351,10 +337,6 @@ fn a_read_response_bigger_than_the_socket_wakes_the_side_that_serves_it() {
         server.post(ep, wr).expect("recv");
         assert!(server.arm().expect("arm"), "{wait:?}: the server arms");
         server.poll(&mut out, 64);
-        let read = exs_transport::Op::Read {
-            local,
-            remote: exposed.remote(),
-        };
         client
             .post(ep, exs_transport::WorkRequest { wr_id: 1, op: read })
             .expect("read");
@@ -406,25 +388,7 @@ fn reading_connection_events_moves_no_queues_data() {
     let mut client = FabricTransport::open(&cfg).expect("open tcp");
     connect_pairs(&mut server, &mut client, 1);
     let ep = EndpointId(1);
-    const N: usize = 32 << 20;
-    let sbuf = exs_dma::DmaBuf::new(N);
-    let sreg = server.register(&sbuf).expect("register");
-    let slease = sbuf
-        .lease(0..N, exs_dma::LeaseKind::DeviceRead)
-        .expect("lease");
-    let exposed = server
-        .expose(ep, &sreg, slease, exs_transport::RemoteAccess::Read)
-        .expect("expose");
-    let cbuf = exs_dma::DmaBuf::new(N);
-    let creg = client.register(&cbuf).expect("register");
-    let clease = cbuf
-        .lease(0..N, exs_dma::LeaseKind::DeviceWrite)
-        .expect("lease");
-    let local = exs_transport::Sge::new(clease, creg).expect("sge");
-    let read = exs_transport::Op::Read {
-        local,
-        remote: exposed.remote(),
-    };
+    let (exposed, read) = big_read(&mut server, &mut client, ep);
     client
         .post(ep, exs_transport::WorkRequest { wr_id: 1, op: read })
         .expect("read");
@@ -452,6 +416,35 @@ fn reading_connection_events_moves_no_queues_data() {
         client.poll(&mut out, 64);
     }
     drop(exposed);
+}
+
+/// 32 MiB of `server`'s memory exposed on `ep` for reading, and the client's read of all of it (more than a socket
+/// takes at once: its response keeps the serving side sending).
+fn big_read(
+    server: &mut FabricTransport,
+    client: &mut FabricTransport,
+    ep: EndpointId,
+) -> (Box<dyn exs_transport::Exposure>, exs_transport::Op) {
+    const N: usize = 32 << 20;
+    let sbuf = exs_dma::DmaBuf::new(N);
+    let sreg = server.register(&sbuf).expect("register");
+    let slease = sbuf
+        .lease(0..N, exs_dma::LeaseKind::DeviceRead)
+        .expect("lease");
+    let exposed = server
+        .expose(ep, &sreg, slease, exs_transport::RemoteAccess::Read)
+        .expect("expose");
+    let cbuf = exs_dma::DmaBuf::new(N);
+    let creg = client.register(&cbuf).expect("register");
+    let clease = cbuf
+        .lease(0..N, exs_dma::LeaseKind::DeviceWrite)
+        .expect("lease");
+    let local = exs_transport::Sge::new(clease, creg).expect("sge");
+    let read = exs_transport::Op::Read {
+        local,
+        remote: exposed.remote(),
+    };
+    (exposed, read)
 }
 
 /// A poll that finds completions leaves its consultation of the epoll set to a later poll (the caller is about to

@@ -258,13 +258,7 @@ fn a_poll_beside_idle_connections_reads_only_queues_that_have_work() {
 fn an_armed_quiet_queue_wakes_a_sleeper_when_a_message_comes() {
     let _serial = serial();
     for wait in [crate::CqWait::PollFd, crate::CqWait::Fd] {
-        let cfg = FabricConfig {
-            cq_wait: wait,
-            ..FabricConfig::default()
-        };
-        let mut server = FabricTransport::open(&cfg).expect("open tcp");
-        let mut client = FabricTransport::open(&cfg).expect("open tcp");
-        connect_pairs(&mut server, &mut client, 2);
+        let (mut server, mut client) = connected(wait, 2);
         let ep = EndpointId(1);
         for round in 0..3 {
             let mut out = Vec::new();
@@ -319,13 +313,7 @@ fn an_armed_quiet_queue_wakes_a_sleeper_when_a_message_comes() {
 fn a_read_response_bigger_than_the_socket_wakes_the_side_that_serves_it() {
     let _serial = serial();
     for wait in [crate::CqWait::PollFd, crate::CqWait::Fd] {
-        let cfg = FabricConfig {
-            cq_wait: wait,
-            ..FabricConfig::default()
-        };
-        let mut server = FabricTransport::open(&cfg).expect("open tcp");
-        let mut client = FabricTransport::open(&cfg).expect("open tcp");
-        connect_pairs(&mut server, &mut client, 1);
+        let (mut server, mut client) = connected(wait, 1);
         let ep = EndpointId(1);
         let (exposed, read) = big_read(&mut server, &mut client, ep);
         let mut out = Vec::new();
@@ -383,10 +371,7 @@ fn a_read_response_bigger_than_the_socket_wakes_the_side_that_serves_it() {
 #[test]
 fn reading_connection_events_moves_no_queues_data() {
     let _serial = serial();
-    let cfg = FabricConfig::default();
-    let mut server = FabricTransport::open(&cfg).expect("open tcp");
-    let mut client = FabricTransport::open(&cfg).expect("open tcp");
-    connect_pairs(&mut server, &mut client, 1);
+    let (mut server, mut client) = connected(crate::CqWait::default(), 1);
     let ep = EndpointId(1);
     let (exposed, read) = big_read(&mut server, &mut client, ep);
     client
@@ -416,6 +401,18 @@ fn reading_connection_events_moves_no_queues_data() {
         client.poll(&mut out, 64);
     }
     drop(exposed);
+}
+
+/// Two transports whose queues wait with `wait`, `n` connections between them (see [`connect_pairs`]).
+fn connected(wait: crate::CqWait, n: u32) -> (FabricTransport, FabricTransport) {
+    let cfg = FabricConfig {
+        cq_wait: wait,
+        ..FabricConfig::default()
+    };
+    let mut server = FabricTransport::open(&cfg).expect("open tcp");
+    let mut client = FabricTransport::open(&cfg).expect("open tcp");
+    connect_pairs(&mut server, &mut client, n);
+    (server, client)
 }
 
 /// 32 MiB of `server`'s memory exposed on `ep` for reading, and the client's read of all of it (more than a socket

@@ -135,22 +135,21 @@ impl FabricTransport {
     fn read_counted(&mut self, id: EndpointId, out: &mut Vec<Completion>, max: usize) -> usize {
         let seq = self.ready.seq;
         match self.eps.get_mut(&id) {
-            Some(e) if e.ready.read_at != seq => e.ready.read_at = seq,
+            Some(e) if e.ready.read_at != seq => {
+                e.ready.read_at = seq;
+                // The read runs the provider's progress, which may change what the queue waits on (a read request
+                // taken in, its response queued: POLLOUT) without a completion: its entries in the epoll set are
+                // brought up to date by the next arming before it can go quiet.
+                if matches!(e.wait, EpWait::PollFd(_)) {
+                    e.ready.armed = false;
+                }
+            }
             _ => return 0,
         }
         self.ready.stats.cq_reads += 1;
         let k = self.read_cq(id, out, max);
         if k > 0 {
             self.touch(id);
-        } else if let Some(e) = self
-            .eps
-            .get_mut(&id)
-            .filter(|e| matches!(e.wait, EpWait::PollFd(_)))
-        {
-            // The read ran the provider's progress, which may have changed what the queue waits on (a read
-            // request taken in, its response queued: POLLOUT) without a completion: its entries in the epoll set
-            // are brought up to date by the next arming before it can go quiet.
-            e.ready.armed = false;
         }
         k
     }
@@ -264,11 +263,8 @@ impl FabricTransport {
                 }
                 e.ready.armed = true;
                 // Armed: from now on only its entries in the epoll set can say it has something.
-                if let Err(err) = self.sync_wait(id) {
+                if let Err(err) = self.sync_armed(id) {
                     tracing::warn!(?id, %err, "a queue's wait descriptors could not be entered; it stays hot");
-                    if let Some(e) = self.eps.get_mut(&id) {
-                        e.ready.armed = false;
-                    }
                     i += 1;
                     continue;
                 }
@@ -278,6 +274,18 @@ impl FabricTransport {
             }
             self.ready.hot.swap_remove(i);
         }
+    }
+
+    /// Brings a queue just armed up to date in the epoll set ([`FabricTransport::sync_wait`]); one whose entries
+    /// could not be updated is left unarmed (hot, read in every poll, and armed again before a sleep).
+    fn sync_armed(&mut self, id: EndpointId) -> Result<(), TransportError> {
+        let r = self.sync_wait(id);
+        if r.is_err() {
+            if let Some(e) = self.eps.get_mut(&id) {
+                e.ready.armed = false;
+            }
+        }
+        r
     }
 
     /// [`Transport::arm`](exs_transport::Transport::arm): `fi_trywait` over the event queue and the hot queues not
@@ -318,12 +326,7 @@ impl FabricTransport {
                     e.ready.armed = true;
                     // Armed now: its entries in the epoll set must say what the queue waits on.
                     if newly {
-                        if let Err(err) = self.sync_wait(id) {
-                            if let Some(e) = self.eps.get_mut(&id) {
-                                e.ready.armed = false;
-                            }
-                            return Err(err);
-                        }
+                        self.sync_armed(id)?;
                     }
                 }
                 self.ready.armed = true;

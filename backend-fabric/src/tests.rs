@@ -308,7 +308,7 @@ fn an_armed_quiet_queue_wakes_a_sleeper_when_a_message_comes() {
 /// completion but queues a response bigger than the socket takes, so the provider now waits for the socket to
 /// drain (`POLLOUT`). The queue then goes quiet: before it leaves the hot set it must be armed again, its entries in
 /// the epoll set brought up to date, or a thread that sleeps is never woken to send the rest, and the read never
-/// completes (it stalled `exs pump --size 16M --wait block` at 0.8 MB/s).
+/// completes (it stalled `exs pump --size 16M --wait block`; the bench README has the figures).
 #[test]
 fn a_read_response_bigger_than_the_socket_wakes_the_side_that_serves_it() {
     let _serial = serial();

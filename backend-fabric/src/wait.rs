@@ -108,8 +108,7 @@ impl FabricTransport {
             if now.iter().any(|n| n.0 == fd) {
                 entered.push((fd, events));
             } else {
-                // SAFETY: `fd` was one of the queue's descriptors; deleting a closed one fails harmlessly.
-                let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+                self.leave(fd);
             }
         }
         for &(fd, events) in now {
@@ -167,14 +166,17 @@ impl FabricTransport {
 
     /// Takes a released queue's entries out of the epoll set (before the queue and its socket close).
     pub(crate) fn leave_epoll(&self, wait: &EpWait) {
-        let fds: Vec<RawFd> = match wait {
-            EpWait::None => Vec::new(),
-            EpWait::Fd(fd) => vec![*fd],
-            EpWait::PollFd(v) => v.iter().map(|p| p.0).collect(),
-        };
-        for fd in fds {
-            // SAFETY: the descriptor belongs to the queue (or its socket) we are about to close.
-            let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+        match wait {
+            EpWait::None => {}
+            EpWait::Fd(fd) => self.leave(*fd),
+            EpWait::PollFd(v) => v.iter().for_each(|&(fd, _)| self.leave(fd)),
         }
+    }
+
+    /// Takes one of a queue's descriptors out of the epoll set.
+    fn leave(&self, fd: RawFd) {
+        // SAFETY: the descriptor is (or was) one of the queue's, entered under it; deleting one the provider has
+        // closed already fails harmlessly.
+        let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
     }
 }

@@ -7,8 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 /// Issue 26 (no blocking inside an `async fn`): the first `exs::tokio::Listener::bind` opens the default context
-/// on tokio's blocking pool, so the runtime's one thread runs other tasks meanwhile; before, the opening (a tenth of
-/// a second of libfabric's start on this machine) ran on the task's own thread and held the runtime.
+/// on tokio's blocking pool, so the runtime's one thread runs other tasks meanwhile; before, the opening (libfabric's
+/// start among it) ran on the task's own thread and held the runtime.
 #[test]
 fn the_first_bind_opens_the_default_context_off_the_runtimes_thread() {
     let rt = tokio::runtime::Builder::new_current_thread()

@@ -256,7 +256,7 @@ impl std::fmt::Debug for Stream {
 
 /// The process's [default context](crate::default_context), opened on tokio's blocking pool the first time, not on
 /// the task's thread: opening a context looks for devices and providers and takes long enough to stall a runtime
-/// (libfabric's first `fi_getinfo` in a process reads `/proc/kallsyms`, a tenth of a second here).
+/// (libfabric's first `fi_getinfo` in a process reads `/proc/kallsyms`: the backends chapter says what it costs).
 async fn default_context() -> io::Result<Context> {
     if let Some(c) = sio::default_context_if_open() {
         return Ok(c);

@@ -312,8 +312,9 @@ impl fmt::Debug for EventQueue {
 
 impl EventQueue {
     /// The longest an adaptive dequeue spins before it sleeps unless [`EventQueue::set_adaptive_spin`] says
-    /// otherwise: about what sleeping and being woken costs on a software transport, so a wait that takes longer
-    /// is cheaper asleep.
+    /// otherwise: about twice what sleeping and being woken costs on a software transport. A wait longer than
+    /// that is cheaper asleep; a longest spin of only one wake-up would let two threads that answer each other
+    /// sleep in turns for good, each one's wait as long as the other's wake-up.
     pub const DEFAULT_ADAPTIVE_SPIN: Duration = wait::ADAPTIVE_SPIN_MAX;
 
     /// This queue's number in the process (from 1; a queue made later never has the number of one dropped).

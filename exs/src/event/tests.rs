@@ -213,26 +213,69 @@ fn adaptive_spin_follows_recent_waits() {
 /// sleeping waits half again as long as the longest spin, replies that come within it.
 #[test]
 fn a_probe_that_spinning_answers_turns_spinning_back_on() {
-    use super::wait::{SpinEstimate, Wait};
+    use super::wait::{SpinEstimate, Wait, ADAPTIVE_SPIN_MAX};
     let us = Duration::from_micros;
+    let slept = ADAPTIVE_SPIN_MAX * 3 / 2;
     let e = SpinEstimate::new();
     for _ in 0..4 {
-        e.record(Wait::Slept(us(75)));
+        e.record(Wait::Slept(slept));
     }
     let mut waits = 0;
     while e.budget().is_none() {
-        e.record(Wait::Slept(us(75)));
+        e.record(Wait::Slept(slept));
         waits += 1;
         assert!(waits <= SpinEstimate::PROBE_EVERY, "no probe");
     }
+    let twice = (us(30) * 2).min(ADAPTIVE_SPIN_MAX);
     e.record(Wait::Spun(us(30)));
     assert_eq!(
         e.budget(),
-        Some(us(50)),
+        Some(twice),
         "spinning again after one answered probe"
     );
     e.record(Wait::Spun(us(30)));
-    assert_eq!(e.budget(), Some(us(50)));
+    assert_eq!(e.budget(), Some(twice));
+}
+
+/// Two threads that answer each other and have both slept: each one's request waits for the other's wake-up, so
+/// each one's wait is as long as the other's wake-up and work. With a longest spin shorter than that, no spin
+/// catches a request, not even the probes, and they sleep in turns for good; the longest spin is twice a wake-up
+/// so that a probe ends it. The model's wake-up is more than half the longest spin: within a few probes, both
+/// spin again. A model of the exchange, no clock.
+#[test]
+fn two_waiters_that_answer_each_other_do_not_sleep_in_turns() {
+    use super::wait::{SpinEstimate, Wait};
+    let us = Duration::from_micros;
+    let (wake, work) = (us(60), us(5));
+    let sides = [SpinEstimate::new(), SpinEstimate::new()];
+    // Both start out asleep: their last waits were a wake-up and the work after it, and their own sleep.
+    for e in &sides {
+        for _ in 0..4 {
+            e.record(Wait::Slept(wake + work + wake));
+        }
+    }
+    let mut peer_slept = true;
+    let mut spun = Vec::new();
+    for turn in 0..40 * SpinEstimate::PROBE_EVERY as usize {
+        let e = &sides[turn % 2];
+        // The request came when the other side sent it: at once, or after it woke.
+        let came = if peer_slept { wake + work } else { work };
+        let slept = e.budget().is_none_or(|b| came > b);
+        e.record(if slept {
+            Wait::Slept(came + wake)
+        } else {
+            Wait::Spun(came)
+        });
+        spun.push(!slept);
+        peer_slept = slept;
+    }
+    let last = &spun[spun.len() - 4 * SpinEstimate::PROBE_EVERY as usize..];
+    assert!(
+        last.iter().all(|&s| s),
+        "the waiters still sleep in turns: {} of the last {} waits slept",
+        last.iter().filter(|&&s| !s).count(),
+        last.len()
+    );
 }
 
 /// A queue no context reports to has nothing to drive while spinning: it sleeps at once, as the patent's main

@@ -482,9 +482,12 @@ fn busy_pauses() -> (u32, u32) {
 const SPIN_CLOCK: u32 = 8;
 
 /// The longest an adaptive dequeue spins before it sleeps, unless [`EventQueue::set_adaptive_spin`] says
-/// otherwise: about what sleeping and being woken costs on a software transport (two context switches and the
-/// transport's wake-up calls), so a wait that takes longer is cheaper asleep.
-pub(crate) const ADAPTIVE_SPIN_MAX: Duration = Duration::from_micros(50);
+/// otherwise: about twice what sleeping and being woken costs on a software transport (two context switches and
+/// the transport's wake-up calls). Not once: two threads that answer each other, and have both slept, make each
+/// other's waits as long as a wake-up and the work after it. With a longest spin below that, neither spin ever
+/// catches the other's reply and they go on sleeping in turns; with twice it, the first spin that does ends it
+/// (`two_waiters_that_answer_each_other_do_not_sleep_in_turns`).
+pub(crate) const ADAPTIVE_SPIN_MAX: Duration = Duration::from_micros(100);
 
 /// How a spin ended.
 enum Spun {

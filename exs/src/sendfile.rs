@@ -18,6 +18,7 @@ use crate::error::{FileError, OpError, SendError};
 use crate::event::{Event, EventFlags, EventKind, EventQueue, Ticket};
 use crate::memory::MemoryRegion;
 use crate::options::SockType;
+use crate::proto::conn::HoldId;
 use crate::socket::Socket;
 
 /// Bytes per read (and, on a stream socket, per send).
@@ -39,7 +40,8 @@ impl Socket {
     /// does a close or shutdown whose sendfile gives up part way (a read of the file fails): the peer sees an
     /// error, never a clean end after part of the file. A shutdown has no time limit of its own: to give up on a
     /// peer that stops reading, `close` the socket. The chunks are sends of their own, posted as earlier ones
-    /// complete: a send the application makes on the socket while a stream sendfile runs may land between them.
+    /// complete. Sends made on the socket after a stream sendfile began (the application's, another sendfile) go after
+    /// the whole file: they wait, their events reserved, until the sendfile has posted its last chunk.
     pub fn sendfile(
         &self,
         eq: &EventQueue,
@@ -126,10 +128,10 @@ struct Progress {
     in_flight: usize,
     failure: Option<OpError>,
     user: Option<Ticket>,
-    /// The socket's end of stream waits for this sendfile ([`Socket::hold_sends`]): a close or write shutdown
-    /// meanwhile lets every chunk go first, within the linger time. Let go once the last chunk is posted or
-    /// the sendfile has failed.
-    held: bool,
+    /// The socket's end of stream, and the sends made on it after this sendfile began, wait for it
+    /// ([`Socket::hold_sends`]): a close or write shutdown meanwhile lets every chunk go first, within the linger
+    /// time. Let go once the last chunk is posted or the sendfile has failed.
+    held: Option<HoldId>,
 }
 
 impl Progress {
@@ -178,12 +180,19 @@ impl Progress {
 
     /// Posts the `n` bytes read into `slot`.
     fn post(&mut self, slot: usize, n: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
+        // Chunks are posted only while the sendfile holds its socket (it lets go once it failed or posted all).
+        let Some(hold) = self.held else {
+            debug_assert!(false, "a chunk posted after the sendfile let go");
+            self.failure.get_or_insert(OpError::Cancelled);
+            return Ok(());
+        };
         let me = Arc::clone(me);
         let ticket = Ticket::hooked(EventKind::Send, slot as u64, self.sock.id(), move |ev| {
             me.arrived(ev)
         });
         let at = slot * SENDFILE_CHUNK;
-        self.sock.send_held(&self.bufs.slice(at..at + n), ticket)?;
+        self.sock
+            .send_held(hold, &self.bufs.slice(at..at + n), ticket)?;
         self.next += n;
         self.in_flight += 1;
         Ok(())
@@ -192,8 +201,8 @@ impl Progress {
     /// Lets go of the socket's end of stream (once): no chunk is left to post. `gave_up`: the file was not sent
     /// whole (a close or write shutdown waiting for it then resets the connection: see `Engine::release_sends`).
     fn let_go(&mut self, gave_up: bool) {
-        if std::mem::take(&mut self.held) {
-            self.sock.release_sends(gave_up);
+        if let Some(hold) = self.held.take() {
+            self.sock.release_sends(hold, gave_up);
         }
     }
 }
@@ -309,7 +318,7 @@ fn chunked(
             in_flight: 0,
             failure: None,
             user: Some(user),
-            held: false,
+            held: None,
         }),
     });
     {
@@ -348,8 +357,7 @@ impl Progress {
     /// Holds the socket's end of stream back, then posts chunk 0, already read (`n` bytes): errors here are the
     /// call's, nothing having gone to the peer yet.
     fn post_first(&mut self, n: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
-        self.sock.hold_sends()?;
-        self.held = true;
+        self.held = Some(self.sock.hold_sends()?);
         self.post(0, n, me)
     }
 }

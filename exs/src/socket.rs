@@ -31,6 +31,7 @@ use crate::error::{
 use crate::event::{Event, EventKind, EventQueue, Ticket};
 use crate::memory::Slice;
 use crate::options::{MsgFlags, SockType, SocketOptions};
+use crate::proto::conn::HoldId;
 
 use crate::ids::{Readiness, SocketId};
 
@@ -313,26 +314,32 @@ impl Socket {
         })
     }
 
-    /// Sends the next part of a held send, completing `ticket` (a hooked one: chunked sendfile; see
+    /// Sends the next part of held send `hold`, completing `ticket` (a hooked one: chunked sendfile; see
     /// [`Socket::hold_sends`]).
-    pub(crate) fn send_held(&self, buf: &Slice, ticket: Ticket) -> Result<(), SendError> {
+    pub(crate) fn send_held(
+        &self,
+        hold: HoldId,
+        buf: &Slice,
+        ticket: Ticket,
+    ) -> Result<(), SendError> {
         let mut ticket = Some(ticket);
-        let r = self.engine(|e, id| e.send_held(id, buf, &mut ticket));
+        let r = self.engine(|e, id| e.send_held(id, hold, buf, &mut ticket));
         if let Some(t) = ticket {
             t.discard();
         }
         r
     }
 
-    /// Holds the end of stream back for a send handed over in parts (see `Engine::hold_sends`).
-    pub(crate) fn hold_sends(&self) -> Result<(), StateError> {
+    /// Holds the end of stream back for a send handed over in parts, and the sends made after it until its last
+    /// part (see `Engine::hold_sends`).
+    pub(crate) fn hold_sends(&self) -> Result<HoldId, StateError> {
         self.engine(|e, id| e.hold_sends(id))
     }
 
     /// Lets go of a hold taken by [`Socket::hold_sends`]; `gave_up`: part of the send went out and the rest never
     /// will (see `Engine::release_sends`).
-    pub(crate) fn release_sends(&self, gave_up: bool) {
-        self.engine(|e, id| e.release_sends(id, gave_up))
+    pub(crate) fn release_sends(&self, hold: HoldId, gave_up: bool) {
+        self.engine(|e, id| e.release_sends(id, hold, gave_up))
     }
 
     /// Reserves an event of `kind` for an operation this crate completes itself (chunked sendfile).

@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::exposure::ExposeError;
+use crate::proto::conn::HoldId;
 use crate::proto::stream::StreamRecvMemory;
 
 /// The application's memory that a send or receive names (a `Slice` of a registered region): the engine sits below
@@ -338,18 +339,20 @@ impl Engine {
         offset: Option<u64>,
         ticket: &mut Option<Ticket>,
     ) -> R<(), SendError> {
-        self.send_on(sid, slice, flags, offset, ticket, false)
+        self.send_on(sid, slice, flags, offset, ticket, None)
     }
 
-    /// The next part of a held send ([`Engine::hold_sends`]): goes out as [`Engine::send`] does, and also after
-    /// the application closed the socket or shut its writing down, ahead of the end of stream the hold keeps back.
+    /// The next part of held send `hold` ([`Engine::hold_sends`]): goes out as [`Engine::send`] does, and also
+    /// after the application closed the socket or shut its writing down, ahead of the end of stream the hold keeps
+    /// back.
     pub(crate) fn send_held(
         &mut self,
         sid: SocketId,
+        hold: HoldId,
         slice: &dyn Buffer,
         ticket: &mut Option<Ticket>,
     ) -> R<(), SendError> {
-        self.send_on(sid, slice, MsgFlags::NONE, None, ticket, true)
+        self.send_on(sid, slice, MsgFlags::NONE, None, ticket, Some(hold))
     }
 
     fn send_on(
@@ -359,7 +362,7 @@ impl Engine {
         flags: MsgFlags,
         offset: Option<u64>,
         ticket: &mut Option<Ticket>,
-        held: bool,
+        held: Option<HoldId>,
     ) -> R<(), SendError> {
         slice.check(self.ctx_id)?;
         let conn = self.send_conn(sid, held)?;
@@ -378,7 +381,7 @@ impl Engine {
         };
         let token = self.token(ticket);
         self.send_conn(sid, held)?
-            .start_send(token, data, slice.len(), flags, offset);
+            .start_send(token, data, slice.len(), flags, offset, held);
         self.flush(sid);
         Ok(())
     }
@@ -387,14 +390,15 @@ impl Engine {
     /// ([`Engine::sendable_conn`]); the next part of a held send may also go out while the connection closes
     /// gracefully or after a write shutdown, as long as the hold stands (a failure, or the linger time running
     /// out, ends it).
-    fn send_conn(&mut self, sid: SocketId, held: bool) -> R<&mut Conn, StateError> {
+    fn send_conn(&mut self, sid: SocketId, held: Option<HoldId>) -> R<&mut Conn, StateError> {
         // The application may have closed the socket since (`sock` refuses it then): the hold is the sendfile's.
-        let holding = held
-            && self.failed.is_none()
-            && self.sockets.get(&sid).is_some_and(|s| {
-                matches!(s.phase, Phase::Open | Phase::Closing)
-                    && s.conn.as_ref().is_some_and(Conn::holds_sends)
-            });
+        let holding = held.is_some_and(|h| {
+            self.failed.is_none()
+                && self.sockets.get(&sid).is_some_and(|s| {
+                    matches!(s.phase, Phase::Open | Phase::Closing)
+                        && s.conn.as_ref().is_some_and(|c| c.holds_sends(h))
+                })
+        });
         if holding {
             let s = self.sockets.get_mut(&sid).expect("checked above");
             return Ok(s.conn.as_mut().expect("checked above"));
@@ -404,18 +408,17 @@ impl Engine {
 
     /// A send handed over in parts begins (a stream sendfile, which reads its file as it goes): until
     /// [`Engine::release_sends`], a graceful close or write shutdown holds its end of stream back, so that the
-    /// peer gets the whole of it, never a clean end after part of it ([`Conn::hold_sends`]). Refused where a send
-    /// would be.
-    pub(crate) fn hold_sends(&mut self, sid: SocketId) -> R<(), StateError> {
-        self.sendable_conn(sid)?.hold_sends();
-        Ok(())
+    /// peer gets the whole of it, never a clean end after part of it, and the sends made meanwhile go after all of
+    /// it ([`Conn::hold_sends`]). Refused where a send would be.
+    pub(crate) fn hold_sends(&mut self, sid: SocketId) -> R<HoldId, StateError> {
+        Ok(self.sendable_conn(sid)?.hold_sends())
     }
 
     /// A held send has handed over its last part, or gave up (`gave_up`: part of it went out, the rest never
     /// will): the end of stream it held back goes out once the sends before it have completed. One that gave up
     /// while a close or write shutdown waited for it resets the connection instead, as the linger timer does:
     /// a clean end of stream would tell the peer it had the whole of it.
-    pub(crate) fn release_sends(&mut self, sid: SocketId, gave_up: bool) {
+    pub(crate) fn release_sends(&mut self, sid: SocketId, hold: HoldId, gave_up: bool) {
         // A failed context has already failed every connection (and ended every hold).
         if self.failed.is_some() {
             return;
@@ -428,7 +431,7 @@ impl Engine {
         let Some(c) = s.conn.as_mut() else {
             return;
         };
-        c.release_sends();
+        c.release_sends(hold);
         if gave_up && ending {
             tracing::debug!(
                 ?sid,

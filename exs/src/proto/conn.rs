@@ -16,7 +16,9 @@ use crate::transport::{Completed, Completion, EndpointId, Exposure, WcError, Wor
 use crate::wire::{Body, CloseReason, Handshake, Message, WireSockType};
 
 pub(crate) mod layout;
+mod order;
 mod plan;
+pub(crate) use order::HoldId;
 pub(crate) use plan::{check_flags, RecvMemory, RecvPlan, RecvRefused, SendPlan};
 
 pub(crate) use crate::proto::limits::Limits;
@@ -124,10 +126,11 @@ pub(crate) struct Conn {
     /// A graceful close waits for the sends before its CLOSE.
     closing: bool,
     /// Sends the application started that are still to be handed over in parts (a stream sendfile reads its file
-    /// as it goes): while any is held, neither a graceful close's CLOSE nor a write shutdown's goes out, so the
-    /// peer never sees a clean end of stream after part of it (issue 26: a graceful close delivers every send
-    /// already started). See [`Conn::hold_sends`].
-    held_sends: u32,
+    /// as it goes), and the sends made after them, which wait for them (see [`order`]). While any is held or
+    /// waits, neither a graceful close's CLOSE nor a write shutdown's goes out, so the peer never sees a clean end
+    /// of stream after part of it (issue 26: a graceful close delivers every send already started). See
+    /// [`Conn::hold_sends`].
+    order: order::SendOrder<plan::TakenSend>,
     /// A write shutdown: its ticket, and whether its CLOSE(ShutdownWrite) is queued.
     shutdown: Option<(crate::proto::op::OpToken, bool)>,
     timing: Timing,
@@ -171,7 +174,7 @@ impl Conn {
             stream_setup: setup.stream,
             close_queued: false,
             closing: false,
-            held_sends: 0,
+            order: order::SendOrder::default(),
             shutdown: None,
             timing: setup.timing,
             ack_at: None,
@@ -343,7 +346,7 @@ impl Conn {
     }
 
     fn advance_close(&mut self) {
-        let done = self.held_sends == 0
+        let done = self.order.is_idle()
             && match &self.mode {
                 Some(Mode::Message(m)) => m.sends_done_all(),
                 Some(Mode::Stream(s)) => s.sends_done(),
@@ -436,7 +439,7 @@ impl Conn {
             Some(Mode::Stream(s)) => (s.sends_posted(), s.sends_done()),
             None => return,
         };
-        if !queued && posted && self.held_sends == 0 {
+        if !queued && posted && self.order.is_idle() {
             // After every advert and write already queued on the link, in order.
             self.link
                 .push_ctrl(Body::Close(CloseReason::ShutdownWrite), None, None);
@@ -449,23 +452,26 @@ impl Conn {
     }
 
     /// Holds the end of stream back for a send started now and handed over in parts later (a stream sendfile):
-    /// a graceful close or a write shutdown meanwhile sends its CLOSE only after [`Conn::release_sends`]. The
-    /// parts themselves still go out while the connection closes ([`Conn::holds_sends`]); a failure (the linger
-    /// time running out included) ends every hold.
-    pub(crate) fn hold_sends(&mut self) {
-        self.held_sends += 1;
+    /// a graceful close or a write shutdown meanwhile sends its CLOSE only after [`Conn::release_sends`], and the
+    /// sends made meanwhile go after all of it ([`Conn::start_send`]). The parts themselves still go out while the
+    /// connection closes ([`Conn::holds_sends`]); a failure (the linger time running out included) ends every
+    /// hold.
+    pub(crate) fn hold_sends(&mut self) -> HoldId {
+        self.order.hold()
     }
 
-    /// The last part of a held send has been handed over, or it gave up: the close it held back may go out (at
-    /// the next flush).
-    pub(crate) fn release_sends(&mut self) {
-        self.held_sends = self.held_sends.saturating_sub(1);
+    /// The last part of held send `id` has been handed over, or it gave up: the sends that waited for it start,
+    /// and the close it held back may go out (at the next flush).
+    pub(crate) fn release_sends(&mut self, id: HoldId) {
+        for send in self.order.release(id) {
+            self.start_now(send);
+        }
     }
 
-    /// Whether a held send's next part may still go out (a send the application started before its close or
+    /// Whether held send `id`'s next part may still go out (a send the application started before its close or
     /// write shutdown).
-    pub(crate) fn holds_sends(&self) -> bool {
-        self.held_sends > 0
+    pub(crate) fn holds_sends(&self, id: HoldId) -> bool {
+        self.order.holds(id)
     }
 
     /// Readiness for poll: (readable, writable).
@@ -730,8 +736,12 @@ impl Conn {
     /// Fails every operation (some complete once the transport returns their memory).
     pub(crate) fn fail(&mut self, err: OpError) {
         self.stop_keepalive();
-        // Nothing more goes out: a held send's next part is refused (see [`Conn::holds_sends`]).
-        self.held_sends = 0;
+        // Nothing more goes out: a held send's next part is refused (see [`Conn::holds_sends`]), and the sends
+        // that waited for one fail.
+        for send in self.order.fail() {
+            send.ticket
+                .complete(Err(err.clone()), 0, crate::proto::op::EventFlags::default());
+        }
         if let Some((t, _)) = self.shutdown.take() {
             t.complete(Err(err.clone()), 0, crate::proto::op::EventFlags::default());
         }

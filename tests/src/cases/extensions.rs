@@ -37,6 +37,10 @@ pub fn cases() -> Vec<Case> {
             "a_stream_sendfile_cut_short_after_a_close_resets_the_peer",
             sendfile_cut_short_after_close,
         ),
+        c(
+            "sends_made_during_a_stream_sendfile_go_after_the_whole_file",
+            sends_during_sendfile,
+        ),
     ]
 }
 
@@ -524,6 +528,67 @@ fn sendfile_cut_short_after_close(b: &dyn Backend) -> Result<(), String> {
         evs.iter()
             .any(|x| x.kind == EventKind::SendFile && !x.is_ok() && x.bytes < len),
         "the sendfile reports that it gave up: {evs:?}"
+    );
+    Ok(())
+}
+
+/// Sends made on a stream socket while a sendfile runs (the application's, and a second sendfile) go after the whole
+/// file, in the order they were made: here a file longer than the sendfile's buffers, a send, a second file, a send.
+/// Before, the chunks a sendfile posted as earlier ones completed went after the sends made meanwhile, and the two
+/// files' chunks between each other's.
+fn sends_during_sendfile(b: &dyn Backend) -> Result<(), String> {
+    let lens = [
+        exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 1) + 777,
+        exs::SENDFILE_CHUNK * 2 + 99,
+    ];
+    let files = [pattern(lens[0], 12), pattern(lens[1], 13)];
+    let tails = [pattern(3000, 14), pattern(5000, 15)];
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
+    let mut want = Vec::new();
+    for i in 0..2 {
+        let mut f = tempfile::tempfile().map_err(e)?;
+        f.write_all(&files[i]).map_err(e)?;
+        let tail = p.region_a(tails[i].clone())?;
+        let ctx = 2 * i as u64;
+        p.client.sendfile(&p.eq_a, &f, 0, lens[i], ctx).map_err(e)?;
+        p.client
+            .send(&p.eq_a, &tail.all(), MsgFlags::NONE, ctx + 1)
+            .map_err(e)?;
+        want.extend_from_slice(&files[i]);
+        want.extend_from_slice(&tails[i]);
+    }
+    let buf = p.region_b(1 << 20)?;
+    let mut got = Vec::with_capacity(want.len());
+    while got.len() < want.len() {
+        p.server
+            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+            .map_err(e)?;
+        let r = next(&p.eq_b)?;
+        ensure!(r.is_ok() && r.bytes > 0, "after {} bytes: {r:?}", got.len());
+        let mut b = vec![0u8; r.bytes];
+        buf.read(0, &mut b).map_err(e)?;
+        got.extend_from_slice(&b);
+    }
+    same(
+        &got,
+        &want,
+        "the files and the sends, in the order they were made",
+    )?;
+    let mut evs = all(&p.eq_a)?;
+    evs.sort_by_key(|x| x.context);
+    let done: Vec<_> = evs
+        .iter()
+        .map(|x| (x.context, x.kind, x.is_ok(), x.bytes))
+        .collect();
+    ensure!(
+        done == [
+            (0, EventKind::SendFile, true, lens[0]),
+            (1, EventKind::Send, true, tails[0].len()),
+            (2, EventKind::SendFile, true, lens[1]),
+            (3, EventKind::Send, true, tails[1].len()),
+        ],
+        "every send and sendfile completes whole: {evs:?}"
     );
     Ok(())
 }

@@ -18,6 +18,16 @@ use crate::proto::op::OpToken;
 use crate::proto::stream::StreamRecvMemory;
 use crate::transport::{Exposure, Sge};
 
+/// A send the connection has taken, its memory prepared as planned ([`Conn::start_send`]).
+#[derive(Debug)]
+pub(super) struct TakenSend {
+    pub(super) ticket: OpToken,
+    data: SendData,
+    len: usize,
+    flags: MsgFlags,
+    offset: Option<u64>,
+}
+
 /// What the engine does with a send's memory before the protocol takes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum SendPlan {
@@ -128,7 +138,9 @@ impl Conn {
         })
     }
 
-    /// Starts a send planned by [`Conn::plan_send`], its memory prepared as planned.
+    /// Starts a send planned by [`Conn::plan_send`], its memory prepared as planned (`part_of`: a part of that
+    /// held send), or keeps it until the held sends started before it have handed over their last parts
+    /// ([`Conn::hold_sends`]): a stream's bytes go in the order its sends were made.
     pub(crate) fn start_send(
         &mut self,
         ticket: OpToken,
@@ -136,7 +148,28 @@ impl Conn {
         len: usize,
         flags: MsgFlags,
         offset: Option<u64>,
+        part_of: Option<super::HoldId>,
     ) {
+        let send = TakenSend {
+            ticket,
+            data,
+            len,
+            flags,
+            offset,
+        };
+        if let Some(send) = self.order.take(send, part_of) {
+            self.start_now(send);
+        }
+    }
+
+    pub(super) fn start_now(&mut self, send: TakenSend) {
+        let TakenSend {
+            ticket,
+            data,
+            len,
+            flags,
+            offset,
+        } = send;
         match (&mut self.mode, data) {
             (Some(Mode::Stream(s)), SendData::Inline(sge)) => s.send(ticket, sge, flags),
             (Some(Mode::Message(m)), data) => m.send(

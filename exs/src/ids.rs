@@ -11,7 +11,8 @@ pub struct SocketId(pub u32);
 pub struct Readiness {
     /// A receive would find data (or end-of-stream) at once.
     pub readable: bool,
-    /// A send would start at once (credits available).
+    /// A send would be taken at once (credits available); on a stream socket it may still wait behind a `sendfile`
+    /// started before it ([`Socket::sendfile`](crate::Socket::sendfile)).
     pub writable: bool,
     /// The connection failed.
     pub error: bool,

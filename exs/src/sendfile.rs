@@ -41,7 +41,8 @@ impl Socket {
     /// error, never a clean end after part of the file. A shutdown has no time limit of its own: to give up on a
     /// peer that stops reading, `close` the socket. The chunks are sends of their own, posted as earlier ones
     /// complete. Sends made on the socket after a stream sendfile began (the application's, another sendfile) go after
-    /// the whole file: they wait, their events reserved, until the sendfile has posted its last chunk.
+    /// the whole file: they wait, their events reserved, until the sendfile has posted its last chunk; if it gives
+    /// up part way meanwhile, they would follow part of the file, so the connection is reset instead and they fail.
     pub fn sendfile(
         &self,
         eq: &EventQueue,

@@ -415,9 +415,10 @@ impl Engine {
     }
 
     /// A held send has handed over its last part, or gave up (`gave_up`: part of it went out, the rest never
-    /// will): the end of stream it held back goes out once the sends before it have completed. One that gave up
-    /// while a close or write shutdown waited for it resets the connection instead, as the linger timer does:
-    /// a clean end of stream would tell the peer it had the whole of it.
+    /// will): the sends made after it start, and the end of stream it held back goes out once the sends before it
+    /// have completed. One that gave up while a close or write shutdown, or a send made after it, waited for it
+    /// resets the connection instead, as the linger timer does: a clean end of stream, or the next send's bytes,
+    /// would tell the peer it had the whole of it.
     pub(crate) fn release_sends(&mut self, sid: SocketId, hold: HoldId, gave_up: bool) {
         // A failed context has already failed every connection (and ended every hold).
         if self.failed.is_some() {
@@ -431,11 +432,11 @@ impl Engine {
         let Some(c) = s.conn.as_mut() else {
             return;
         };
-        c.release_sends(hold);
-        if gave_up && ending {
+        let behind = c.release_sends(hold, gave_up);
+        if gave_up && (ending || behind) {
             tracing::debug!(
                 ?sid,
-                "a held send gave up before its end of stream: resetting"
+                "a held send gave up before its end of stream or sends made after it: resetting"
             );
             s.down.get_or_insert(OpError::Cancelled);
             c.fail(OpError::Cancelled);

@@ -460,12 +460,18 @@ impl Conn {
         self.order.hold()
     }
 
-    /// The last part of held send `id` has been handed over, or it gave up: the sends that waited for it start,
-    /// and the close it held back may go out (at the next flush).
-    pub(crate) fn release_sends(&mut self, id: HoldId) {
+    /// The last part of held send `id` has been handed over, or it gave up (`gave_up`: part of it went out, the
+    /// rest never will): the sends that waited for it start, and the close it held back may go out (at the next
+    /// flush). Returns `true`, starting nothing, when it gave up with sends made after it waiting: they would
+    /// follow part of it, so the connection must be reset instead ([`Conn::fail`] fails them).
+    pub(crate) fn release_sends(&mut self, id: HoldId, gave_up: bool) -> bool {
+        if gave_up && self.order.waits_behind(id) {
+            return true;
+        }
         for send in self.order.release(id) {
             self.start_now(send);
         }
+        false
     }
 
     /// Whether held send `id`'s next part may still go out (a send the application started before its close or
@@ -738,10 +744,7 @@ impl Conn {
         self.stop_keepalive();
         // Nothing more goes out: a held send's next part is refused (see [`Conn::holds_sends`]), and the sends
         // that waited for one fail.
-        for send in self.order.fail() {
-            send.ticket
-                .complete(Err(err.clone()), 0, crate::proto::op::EventFlags::default());
-        }
+        self.fail_waiting(&err);
         if let Some((t, _)) = self.shutdown.take() {
             t.complete(Err(err.clone()), 0, crate::proto::op::EventFlags::default());
         }
@@ -761,9 +764,19 @@ impl Conn {
         }
     }
 
+    /// Ends every hold and fails the sends that waited for one ([`Conn::hold_sends`]).
+    fn fail_waiting(&mut self, err: &OpError) {
+        for send in self.order.fail() {
+            send.ticket
+                .complete(Err(err.clone()), 0, crate::proto::op::EventFlags::default());
+        }
+    }
+
     /// The endpoint was released: every work request is back; complete whatever is left.
     pub(crate) fn drop_all(&mut self, err: OpError) {
         self.stop_keepalive();
+        // A send still waiting for a held one would otherwise start later on a connection that is gone.
+        self.fail_waiting(&err);
         self.ack_at = None;
         self.resync_at = None;
         self.link.discard();

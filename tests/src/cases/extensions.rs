@@ -41,6 +41,14 @@ pub fn cases() -> Vec<Case> {
             "sends_made_during_a_stream_sendfile_go_after_the_whole_file",
             sends_during_sendfile,
         ),
+        c(
+            "a_stream_sendfile_cut_short_with_a_send_waiting_resets_the_peer",
+            sendfile_cut_short_with_a_send_waiting,
+        ),
+        c(
+            "a_send_waiting_behind_a_sendfile_fails_when_the_connection_goes_down",
+            send_waiting_when_the_connection_goes_down,
+        ),
     ]
 }
 
@@ -589,6 +597,104 @@ fn sends_during_sendfile(b: &dyn Backend) -> Result<(), String> {
             (3, EventKind::Send, true, tails[1].len()),
         ],
         "every send and sendfile completes whole: {evs:?}"
+    );
+    Ok(())
+}
+
+/// A stream sendfile that gives up part way (the file shrinks under it) with a send made after it waiting: that
+/// send's bytes would follow part of the file, and the peer could not tell. The connection is reset instead: the
+/// peer reads part of the file and then an error, never the send's bytes; both operations fail. Before, the peer
+/// read the file's first chunks and then the send's bytes, and the send completed.
+fn sendfile_cut_short_with_a_send_waiting(b: &dyn Backend) -> Result<(), String> {
+    let len = exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 3);
+    let data = pattern(len, 16);
+    let mut f = tempfile::tempfile().map_err(e)?;
+    f.write_all(&data).map_err(e)?;
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
+    p.client.sendfile(&p.eq_a, &f, 0, len, 5).map_err(e)?;
+    let tail = p.region_a(pattern(3000, 17))?;
+    p.client
+        .send(&p.eq_a, &tail.all(), MsgFlags::NONE, 6)
+        .map_err(e)?;
+    // The chunks read so far are those the call posted (the peer has taken nothing yet).
+    f.set_len((exs::SENDFILE_CHUNK * exs::SENDFILE_DEPTH + 10) as u64)
+        .map_err(e)?;
+    let buf = p.region_b(1 << 20)?;
+    let mut got = Vec::new();
+    loop {
+        if let Err(err) = p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1) {
+            ensure!(
+                matches!(err, exs::RecvError::State(StateError::ConnectionDown(_))),
+                "a read after {} bytes refused for another reason: {err}",
+                got.len()
+            );
+            break;
+        }
+        let r = next(&p.eq_b)?;
+        if !r.is_ok() {
+            break;
+        }
+        ensure!(
+            !r.flags.eof && r.bytes > 0,
+            "the peer saw a clean end of stream after {} bytes: {r:?}",
+            got.len()
+        );
+        let mut b = vec![0u8; r.bytes];
+        buf.read(0, &mut b).map_err(e)?;
+        got.extend_from_slice(&b);
+        ensure!(
+            got.len() < len,
+            "more than the shrunk file: {} bytes",
+            got.len()
+        );
+        same(
+            &got,
+            &data[..got.len()],
+            "part of the file, and nothing after it",
+        )?;
+    }
+    let evs = all(&p.eq_a)?;
+    let failed = |ctx, kind| {
+        evs.iter()
+            .any(|x| x.context == ctx && x.kind == kind && !x.is_ok())
+    };
+    ensure!(
+        failed(5, EventKind::SendFile) && failed(6, EventKind::Send),
+        "the sendfile and the send after it fail: {evs:?}"
+    );
+    Ok(())
+}
+
+/// A send waits behind a stream sendfile when the connection goes down under both (the peer shuts its writing
+/// down, so the stream stays readable, then resets it): the send's event comes, failed, without the application
+/// closing the socket. Before, the sendfile's end started the waiting send on the connection that was gone, and its
+/// event never came.
+fn send_waiting_when_the_connection_goes_down(b: &dyn Backend) -> Result<(), String> {
+    let len = exs::SENDFILE_CHUNK * 40;
+    let mut f = tempfile::tempfile().map_err(e)?;
+    f.write_all(&pattern(len, 18)).map_err(e)?;
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
+    p.client.sendfile(&p.eq_a, &f, 0, len, 5).map_err(e)?;
+    let tail = p.region_a(pattern(3000, 19))?;
+    p.client
+        .send(&p.eq_a, &tail.all(), MsgFlags::NONE, 6)
+        .map_err(e)?;
+    p.server.shutdown(&p.eq_b, 1).map_err(e)?;
+    let eq = EventQueue::new(4).map_err(e)?;
+    let readable = Readiness {
+        readable: true,
+        ..Readiness::default()
+    };
+    p.client.poll(&eq, readable, 7).map_err(e)?;
+    next(&eq)?;
+    p.server.abort().map_err(e)?;
+    let evs = [next(&p.eq_a)?, next(&p.eq_a)?];
+    ensure!(
+        evs.iter().any(|x| x.context == 5 && !x.is_ok())
+            && evs.iter().any(|x| x.context == 6 && !x.is_ok()),
+        "the sendfile and the send waiting behind it fail: {evs:?}"
     );
     Ok(())
 }

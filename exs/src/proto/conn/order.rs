@@ -92,6 +92,14 @@ impl<T> SendOrder<T> {
         go
     }
 
+    /// Whether a send made after `id` began (not a part of it) waits: if `id` gave up part way, that send would
+    /// follow part of it.
+    pub(crate) fn waits_behind(&self, id: HoldId) -> bool {
+        self.waiting
+            .iter()
+            .any(|w| w.part_of != Some(id) && place(w) > id.0)
+    }
+
     /// The connection failed: no hold stands any more; returns the waiting sends, to fail them.
     pub(crate) fn fail(&mut self) -> Vec<T> {
         self.holds.clear();
@@ -102,8 +110,7 @@ impl<T> SendOrder<T> {
     /// where that send began (its parts go ahead of the sends made after it began, and wait for the holds before
     /// it).
     fn may_go(&self, w: &Waiting<T>) -> bool {
-        let place = w.part_of.map_or(w.at, |h| h.0);
-        self.holds.front().is_none_or(|h| h.0 >= place)
+        self.holds.front().is_none_or(|h| h.0 >= place(w))
     }
 
     fn take_number(&mut self) -> u64 {
@@ -111,6 +118,11 @@ impl<T> SendOrder<T> {
         self.next += 1;
         n
     }
+}
+
+/// A send's place in the order: where it was made, or for a part of a held send, where that send began.
+fn place<T>(w: &Waiting<T>) -> u64 {
+    w.part_of.map_or(w.at, |h| h.0)
 }
 
 #[cfg(test)]
@@ -148,7 +160,12 @@ mod tests {
         let a = o.hold();
         let b = o.hold();
         assert_eq!(o.take("b part", Some(b)), None);
+        assert!(
+            o.waits_behind(a) && !o.waits_behind(b),
+            "only b's own part waits"
+        );
         assert_eq!(o.take("app", None), None);
+        assert!(o.waits_behind(b));
         assert!(o.release(b).is_empty());
         assert_eq!(o.fail(), ["b part", "app"]);
         assert!(!o.holds(a) && o.is_idle());

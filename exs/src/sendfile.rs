@@ -19,7 +19,7 @@ use crate::event::{Event, EventFlags, EventKind, EventQueue, Ticket};
 use crate::memory::MemoryRegion;
 use crate::options::SockType;
 use crate::proto::conn::HoldId;
-use crate::socket::Socket;
+use crate::socket::{Socket, SocketRef};
 
 /// Bytes per read (and, on a stream socket, per send).
 pub const SENDFILE_CHUNK: usize = 1 << 20;
@@ -32,9 +32,9 @@ impl Socket {
     /// file), so the file may change afterwards without affecting what is sent. On a SOCK_SEQPACKET socket, a range
     /// that goes past the end of a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory
     /// is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
-    /// come before those of sends still in flight), or is refused where a send would be. A stream sendfile keeps
-    /// its socket open until it has posted the whole file (dropping the application's handles meanwhile does not
-    /// close it before then). Like any send already started, the whole file goes before the end of stream of a
+    /// come before those of sends still in flight), or is refused where a send would be. Dropping the
+    /// application's last handle of the socket while a stream sendfile runs closes it as
+    /// [`close`](Socket::close) does. Like any send already started, the whole file goes before the end of stream of a
     /// [`close`](Socket::close) or [`shutdown`](Socket::shutdown) made meanwhile: a close waits for it at most the
     /// linger time ([`ContextOptions::linger`](crate::ContextOptions::linger)), then resets the connection, and so
     /// does a close or shutdown whose sendfile gives up part way (a read of the file fails): the peer sees an
@@ -117,7 +117,8 @@ struct FileSend {
 }
 
 struct Progress {
-    sock: Socket,
+    /// The socket, without keeping it open: dropping the application's last handle closes it (see [`SocketRef`]).
+    sock: SocketRef,
     file: File,
     offset: u64,
     len: usize,
@@ -130,7 +131,7 @@ struct Progress {
     failure: Option<OpError>,
     user: Option<Ticket>,
     /// The socket's end of stream, and the sends made on it after this sendfile began, wait for it
-    /// ([`Socket::hold_sends`]): a close or write shutdown meanwhile lets every chunk go first, within the linger
+    /// ([`SocketRef::hold_sends`]): a close or write shutdown meanwhile lets every chunk go first, within the linger
     /// time. Let go once the last chunk is posted or the sendfile has failed.
     held: Option<HoldId>,
 }
@@ -309,7 +310,7 @@ fn chunked(
     let me = Arc::new(FileSend {
         inbox: Mutex::new(VecDeque::new()),
         state: Mutex::new(Progress {
-            sock: sock.clone(),
+            sock: sock.by_ref(),
             file,
             offset,
             len,

@@ -314,32 +314,12 @@ impl Socket {
         })
     }
 
-    /// Sends the next part of held send `hold`, completing `ticket` (a hooked one: chunked sendfile; see
-    /// [`Socket::hold_sends`]).
-    pub(crate) fn send_held(
-        &self,
-        hold: HoldId,
-        buf: &Slice,
-        ticket: Ticket,
-    ) -> Result<(), SendError> {
-        let mut ticket = Some(ticket);
-        let r = self.engine(|e, id| e.send_held(id, hold, buf, &mut ticket));
-        if let Some(t) = ticket {
-            t.discard();
+    /// This socket named without keeping it open (see [`SocketRef`]).
+    pub(crate) fn by_ref(&self) -> SocketRef {
+        SocketRef {
+            ctx: self.h.ctx.clone(),
+            id: self.h.id,
         }
-        r
-    }
-
-    /// Holds the end of stream back for a send handed over in parts, and the sends made after it until its last
-    /// part (see `Engine::hold_sends`).
-    pub(crate) fn hold_sends(&self) -> Result<HoldId, StateError> {
-        self.engine(|e, id| e.hold_sends(id))
-    }
-
-    /// Lets go of a hold taken by [`Socket::hold_sends`]; `gave_up`: part of the send went out and the rest never
-    /// will (see `Engine::release_sends`).
-    pub(crate) fn release_sends(&self, hold: HoldId, gave_up: bool) {
-        self.engine(|e, id| e.release_sends(id, hold, gave_up))
     }
 
     /// Reserves an event of `kind` for an operation this crate completes itself (chunked sendfile).
@@ -474,5 +454,56 @@ impl Event {
             Ok(inner) => Some(Socket::from_engine(Context::from_inner(inner), id)),
             Err(_) => unreachable!("contexts are the only owners of accepted connections"),
         }
+    }
+}
+
+/// A socket named by its context and number, without keeping it open: what an operation the crate carries on by
+/// itself holds (a stream sendfile, which posts its later chunks as earlier ones complete), so that dropping the
+/// application's last handle still closes the socket. The close is graceful: it waits for the sendfile within the
+/// linger time, then resets the connection. (A sendfile that held a handle kept the socket, and its connection,
+/// open for as long as a peer that stopped reading wished.) Once the socket is gone its calls are refused.
+#[derive(Clone, Debug)]
+pub(crate) struct SocketRef {
+    ctx: Context,
+    id: SocketId,
+}
+
+impl SocketRef {
+    /// The socket's number.
+    pub(crate) fn id(&self) -> SocketId {
+        self.id
+    }
+
+    fn engine<T>(&self, f: impl FnOnce(&mut crate::engine::Engine, SocketId) -> T) -> T {
+        let id = self.id;
+        self.ctx.shared().call(|e| f(e, id))
+    }
+
+    /// Sends the next part of held send `hold`, completing `ticket` (a hooked one: chunked sendfile; see
+    /// [`SocketRef::hold_sends`]).
+    pub(crate) fn send_held(
+        &self,
+        hold: HoldId,
+        buf: &Slice,
+        ticket: Ticket,
+    ) -> Result<(), SendError> {
+        let mut ticket = Some(ticket);
+        let r = self.engine(|e, id| e.send_held(id, hold, buf, &mut ticket));
+        if let Some(t) = ticket {
+            t.discard();
+        }
+        r
+    }
+
+    /// Holds the end of stream back for a send handed over in parts, and the sends made after it until its last
+    /// part (see `Engine::hold_sends`).
+    pub(crate) fn hold_sends(&self) -> Result<HoldId, StateError> {
+        self.engine(|e, id| e.hold_sends(id))
+    }
+
+    /// Lets go of a hold taken by [`SocketRef::hold_sends`]; `gave_up`: part of the send went out and the rest never
+    /// will (see `Engine::release_sends`).
+    pub(crate) fn release_sends(&self, hold: HoldId, gave_up: bool) {
+        self.engine(|e, id| e.release_sends(id, hold, gave_up))
     }
 }

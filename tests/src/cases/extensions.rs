@@ -49,6 +49,10 @@ pub fn cases() -> Vec<Case> {
             "a_send_waiting_behind_a_sendfile_fails_when_the_connection_goes_down",
             send_waiting_when_the_connection_goes_down,
         ),
+        c(
+            "dropping_a_socket_whose_sendfile_stalls_closes_it_within_the_linger_time",
+            drop_during_stalled_sendfile,
+        ),
     ]
 }
 
@@ -696,5 +700,54 @@ fn send_waiting_when_the_connection_goes_down(b: &dyn Backend) -> Result<(), Str
             && evs.iter().any(|x| x.context == 6 && !x.is_ok()),
         "the sendfile and the send waiting behind it fail: {evs:?}"
     );
+    Ok(())
+}
+
+/// The application drops its last handle of a stream socket whose sendfile cannot finish (the peer takes nothing):
+/// the socket closes as `close` does, so within the linger time the sendfile fails and the peer sees the connection
+/// reset, never a clean end. Before, the sendfile's own handle kept the socket, and its connection, open for as long
+/// as the peer did not read.
+fn drop_during_stalled_sendfile(b: &dyn Backend) -> Result<(), String> {
+    let len = exs::SENDFILE_CHUNK * 64;
+    let f = tempfile::tempfile().map_err(e)?;
+    f.set_len(len as u64).map_err(e)?;
+    let net = b.net();
+    let mut opts = exs::ContextOptions::default();
+    opts.linger = Duration::from_millis(300);
+    let (server, client) = (net.host(), net.host_with(opts));
+    let p = exs::testing::PairSpec {
+        depth: 64,
+        patience: WAIT,
+        ..exs::testing::PairSpec::new(SockType::Stream)
+    }
+    .connect(&client, &server, net.listen_addr(0))?;
+    p.client.sendfile(&p.eq_a, &f, 0, len, 5).map_err(e)?;
+    let exs::testing::Pair {
+        client: sock,
+        server: peer,
+        eq_a,
+        eq_b,
+        ..
+    } = p;
+    drop(sock);
+    let ev = next(&eq_a)?;
+    ensure!(
+        ev.kind == EventKind::SendFile && !ev.is_ok() && ev.bytes < len,
+        "the sendfile fails part way: {ev:?}"
+    );
+    let buf = exs::MemoryRegion::alloc(&server, 1 << 20).map_err(e)?;
+    loop {
+        if peer.recv(&eq_b, &buf.all(), MsgFlags::NONE, 1).is_err() {
+            break;
+        }
+        let r = next(&eq_b)?;
+        if !r.is_ok() {
+            break;
+        }
+        ensure!(
+            !r.flags.eof && r.bytes > 0,
+            "the peer saw a clean end of stream: {r:?}"
+        );
+    }
     Ok(())
 }

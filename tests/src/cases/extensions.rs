@@ -499,6 +499,19 @@ fn sendfile_then_end(b: &dyn Backend, shutdown: bool) -> Result<(), String> {
 /// shrinks under it, so a chunk cannot be read), the close's clean end of stream would tell the peer it had the
 /// whole file: the connection is reset instead, and the peer's read fails.
 fn sendfile_cut_short_after_close(b: &dyn Backend) -> Result<(), String> {
+    sendfile_cut_short(b, false)
+}
+
+/// The same with a send made after the sendfile waiting instead of a close: that send's bytes would follow part of
+/// the file, and the peer could not tell. The connection is reset instead; the sendfile and the send fail. Before,
+/// the peer read the file's first chunks and then the send's bytes, and the send completed.
+fn sendfile_cut_short_with_a_send_waiting(b: &dyn Backend) -> Result<(), String> {
+    sendfile_cut_short(b, true)
+}
+
+/// A stream sendfile, then a send (`send_after`) or a close, then the file shrinks: the peer reads part of the file
+/// and then an error (or a read refused, the connection being down), never a clean end or the send's bytes.
+fn sendfile_cut_short(b: &dyn Backend, send_after: bool) -> Result<(), String> {
     let len = exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 3);
     let data = pattern(len, 11);
     let mut f = tempfile::tempfile().map_err(e)?;
@@ -506,40 +519,59 @@ fn sendfile_cut_short_after_close(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
     p.client.sendfile(&p.eq_a, &f, 0, len, 5).map_err(e)?;
-    p.client.close().map_err(e)?;
+    let tail = p.region_a(pattern(3000, 17))?;
+    if send_after {
+        p.client
+            .send(&p.eq_a, &tail.all(), MsgFlags::NONE, 6)
+            .map_err(e)?;
+    } else {
+        p.client.close().map_err(e)?;
+    }
     // The chunks read so far are those the call posted (the peer has taken nothing yet).
     f.set_len((exs::SENDFILE_CHUNK * exs::SENDFILE_DEPTH + 10) as u64)
         .map_err(e)?;
     let buf = p.region_b(1 << 20)?;
-    let mut got = 0;
-    // The reset shows as a failed read, or as a read refused because the connection is down.
+    let mut got = Vec::new();
     loop {
         if let Err(err) = p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1) {
             ensure!(
                 matches!(err, exs::RecvError::State(StateError::ConnectionDown(_))),
-                "a read after {got} bytes refused for another reason: {err}"
+                "a read after {} bytes refused for another reason: {err}",
+                got.len()
             );
             break;
         }
         let r = next(&p.eq_b)?;
-        ensure!(
-            r.is_ok() || got < len,
-            "more than the file: {got} bytes, then {r:?}"
-        );
         if !r.is_ok() {
             break;
         }
         ensure!(
             !r.flags.eof && r.bytes > 0,
-            "the peer saw a clean end of stream after {got} of the file's {len} bytes: {r:?}"
+            "the peer saw a clean end of stream after {} of the file's {len} bytes: {r:?}",
+            got.len()
         );
-        got += r.bytes;
+        let mut b = vec![0u8; r.bytes];
+        buf.read(0, &mut b).map_err(e)?;
+        got.extend_from_slice(&b);
+        ensure!(
+            got.len() < len,
+            "more than the shrunk file: {} bytes",
+            got.len()
+        );
+        same(
+            &got,
+            &data[..got.len()],
+            "part of the file, and nothing after it",
+        )?;
     }
     let evs = all(&p.eq_a)?;
-    ensure!(
+    let failed = |ctx, kind| {
         evs.iter()
-            .any(|x| x.kind == EventKind::SendFile && !x.is_ok() && x.bytes < len),
-        "the sendfile reports that it gave up: {evs:?}"
+            .any(|x| x.context == ctx && x.kind == kind && !x.is_ok() && x.bytes < len)
+    };
+    ensure!(
+        failed(5, EventKind::SendFile) && (!send_after || failed(6, EventKind::Send)),
+        "the sendfile (and the send after it) report that it gave up: {evs:?}"
     );
     Ok(())
 }
@@ -601,71 +633,6 @@ fn sends_during_sendfile(b: &dyn Backend) -> Result<(), String> {
             (3, EventKind::Send, true, tails[1].len()),
         ],
         "every send and sendfile completes whole: {evs:?}"
-    );
-    Ok(())
-}
-
-/// A stream sendfile that gives up part way (the file shrinks under it) with a send made after it waiting: that
-/// send's bytes would follow part of the file, and the peer could not tell. The connection is reset instead: the
-/// peer reads part of the file and then an error, never the send's bytes; both operations fail. Before, the peer
-/// read the file's first chunks and then the send's bytes, and the send completed.
-fn sendfile_cut_short_with_a_send_waiting(b: &dyn Backend) -> Result<(), String> {
-    let len = exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 3);
-    let data = pattern(len, 16);
-    let mut f = tempfile::tempfile().map_err(e)?;
-    f.write_all(&data).map_err(e)?;
-    let net = b.net();
-    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
-    p.client.sendfile(&p.eq_a, &f, 0, len, 5).map_err(e)?;
-    let tail = p.region_a(pattern(3000, 17))?;
-    p.client
-        .send(&p.eq_a, &tail.all(), MsgFlags::NONE, 6)
-        .map_err(e)?;
-    // The chunks read so far are those the call posted (the peer has taken nothing yet).
-    f.set_len((exs::SENDFILE_CHUNK * exs::SENDFILE_DEPTH + 10) as u64)
-        .map_err(e)?;
-    let buf = p.region_b(1 << 20)?;
-    let mut got = Vec::new();
-    loop {
-        if let Err(err) = p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1) {
-            ensure!(
-                matches!(err, exs::RecvError::State(StateError::ConnectionDown(_))),
-                "a read after {} bytes refused for another reason: {err}",
-                got.len()
-            );
-            break;
-        }
-        let r = next(&p.eq_b)?;
-        if !r.is_ok() {
-            break;
-        }
-        ensure!(
-            !r.flags.eof && r.bytes > 0,
-            "the peer saw a clean end of stream after {} bytes: {r:?}",
-            got.len()
-        );
-        let mut b = vec![0u8; r.bytes];
-        buf.read(0, &mut b).map_err(e)?;
-        got.extend_from_slice(&b);
-        ensure!(
-            got.len() < len,
-            "more than the shrunk file: {} bytes",
-            got.len()
-        );
-        same(
-            &got,
-            &data[..got.len()],
-            "part of the file, and nothing after it",
-        )?;
-    }
-    let evs = all(&p.eq_a)?;
-    let failed = |ctx, kind| {
-        evs.iter()
-            .any(|x| x.context == ctx && x.kind == kind && !x.is_ok())
-    };
-    ensure!(
-        failed(5, EventKind::SendFile) && failed(6, EventKind::Send),
-        "the sendfile and the send after it fail: {evs:?}"
     );
     Ok(())
 }

@@ -36,13 +36,14 @@ impl Socket {
     /// application's last handle of the socket while a stream sendfile runs closes it as
     /// [`close`](Socket::close) does. Like any send already started, the whole file goes before the end of stream of a
     /// [`close`](Socket::close) or [`shutdown`](Socket::shutdown) made meanwhile: a close waits for it at most the
-    /// linger time ([`ContextOptions::linger`](crate::ContextOptions::linger)), then resets the connection, and so
-    /// does a close or shutdown whose sendfile gives up part way (a read of the file fails): the peer sees an
-    /// error, never a clean end after part of the file. A shutdown has no time limit of its own: to give up on a
-    /// peer that stops reading, `close` the socket. The chunks are sends of their own, posted as earlier ones
-    /// complete. Sends made on the socket after a stream sendfile began (the application's, another sendfile) go after
-    /// the whole file: they wait, their events reserved, until the sendfile has posted its last chunk; if it gives
-    /// up part way meanwhile, they would follow part of the file, so the connection is reset instead and they fail.
+    /// linger time ([`ContextOptions::linger`](crate::ContextOptions::linger)), then resets the connection. A
+    /// shutdown has no time limit of its own: to give up on a peer that stops reading, `close` the socket. The
+    /// chunks are sends of their own, posted as earlier ones complete. Sends made on the socket after a stream
+    /// sendfile began (the application's, another sendfile) go after the whole file: they wait, their events
+    /// reserved, until the sendfile has posted its last chunk. A stream sendfile that gives up part way (a read of
+    /// the file fails after the call: the file is shorter than the range, or an I/O error) resets the connection,
+    /// and what waited behind it fails: whatever followed part of the file (a clean end of stream, the next send's
+    /// bytes) would tell the peer it had all of it.
     pub fn sendfile(
         &self,
         eq: &EventQueue,

@@ -416,9 +416,9 @@ impl Engine {
 
     /// A held send has handed over its last part, or gave up (`gave_up`: part of it went out, the rest never
     /// will): the sends made after it start, and the end of stream it held back goes out once the sends before it
-    /// have completed. One that gave up while a close or write shutdown, or a send made after it, waited for it
-    /// resets the connection instead, as the linger timer does: a clean end of stream, or the next send's bytes,
-    /// would tell the peer it had the whole of it.
+    /// have completed. One that gave up resets the connection instead, as the linger timer does: what followed part
+    /// of it (a clean end of stream, the next send's bytes) would tell the peer it had the whole of it
+    /// ([`Conn::release_sends`]).
     pub(crate) fn release_sends(&mut self, sid: SocketId, hold: HoldId, gave_up: bool) {
         // A failed context has already failed every connection (and ended every hold).
         if self.failed.is_some() {
@@ -428,16 +428,14 @@ impl Engine {
         let Some(s) = self.sockets.get_mut(&sid) else {
             return;
         };
-        let ending = matches!(s.phase, Phase::Closing) || (s.phase == Phase::Open && s.shut_write);
+        // A connection already down sends nothing more (its sends failed with it); one whose peer closed keeps
+        // what it received for the application to read.
+        let live = matches!(s.phase, Phase::Open | Phase::Closing);
         let Some(c) = s.conn.as_mut() else {
             return;
         };
-        let behind = c.release_sends(hold, gave_up);
-        if gave_up && (ending || behind) {
-            tracing::debug!(
-                ?sid,
-                "a held send gave up before its end of stream or sends made after it: resetting"
-            );
+        if c.release_sends(hold, gave_up && live) {
+            tracing::debug!(?sid, "a held send gave up part way: resetting");
             s.down.get_or_insert(OpError::Cancelled);
             c.fail(OpError::Cancelled);
             self.disconnect(sid);

@@ -462,10 +462,11 @@ impl Conn {
 
     /// The last part of held send `id` has been handed over, or it gave up (`gave_up`: part of it went out, the
     /// rest never will): the sends that waited for it start, and the close it held back may go out (at the next
-    /// flush). Returns `true`, starting nothing, when it gave up with sends made after it waiting: they would
-    /// follow part of it, so the connection must be reset instead ([`Conn::fail`] fails them).
+    /// flush). Returns `true`, starting nothing, when it gave up: whatever followed part of it on the stream (a send
+    /// made after it, a close's clean end, a send the application makes before it learns of the failure) would tell
+    /// the peer it had the whole, so the connection must be reset instead ([`Conn::fail`] fails what waits).
     pub(crate) fn release_sends(&mut self, id: HoldId, gave_up: bool) -> bool {
-        if gave_up && self.order.waits_behind(id) {
+        if gave_up {
             return true;
         }
         for send in self.order.release(id) {

@@ -53,6 +53,10 @@ pub fn cases() -> Vec<Case> {
             "dropping_a_socket_whose_sendfile_stalls_closes_it_within_the_linger_time",
             drop_during_stalled_sendfile,
         ),
+        c(
+            "a_stream_sendfile_that_gives_up_part_way_resets_the_peer_whatever_follows",
+            sendfile_gives_up_then_send,
+        ),
     ]
 }
 
@@ -716,5 +720,81 @@ fn drop_during_stalled_sendfile(b: &dyn Backend) -> Result<(), String> {
             "the peer saw a clean end of stream: {r:?}"
         );
     }
+    Ok(())
+}
+
+/// A stream sendfile that gives up part way while nothing waits behind it yet: here a second sendfile whose range
+/// runs past its file's end (its second chunk cannot be read, inside the call, which returns) queued behind a first,
+/// then a send the application makes before it could know. Whatever followed part of the second file would tell
+/// the peer it had the whole, so the connection is reset at once: the peer reads part of the two files, then an
+/// error, never the send's bytes or a clean end. Before, the give-up reset only when a close or a send already
+/// waited, and this send went out after the first chunk of the second file.
+fn sendfile_gives_up_then_send(b: &dyn Backend) -> Result<(), String> {
+    let lens = [
+        exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 1),
+        exs::SENDFILE_CHUNK + 10,
+    ];
+    let files = [pattern(lens[0], 20), pattern(lens[1], 21)];
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
+    let mut handles = Vec::new();
+    for (i, data) in files.iter().enumerate() {
+        let mut f = tempfile::tempfile().map_err(e)?;
+        f.write_all(data).map_err(e)?;
+        // The second asks for two chunks more than its file holds.
+        let len = lens[i] + i * 2 * exs::SENDFILE_CHUNK;
+        p.client
+            .sendfile(&p.eq_a, &f, 0, len, i as u64)
+            .map_err(e)?;
+        handles.push(f);
+    }
+    let tail = p.region_a(pattern(3000, 22))?;
+    let sent = p
+        .client
+        .send(&p.eq_a, &tail.all(), MsgFlags::NONE, 2)
+        .is_ok();
+    let both = [files[0].as_slice(), files[1].as_slice()].concat();
+    let buf = p.region_b(1 << 20)?;
+    let mut got = Vec::new();
+    loop {
+        if p.server
+            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+            .is_err()
+        {
+            break;
+        }
+        let r = next(&p.eq_b)?;
+        if !r.is_ok() {
+            break;
+        }
+        ensure!(
+            !r.flags.eof && r.bytes > 0,
+            "the peer saw a clean end of stream after {} bytes: {r:?}",
+            got.len()
+        );
+        let mut b = vec![0u8; r.bytes];
+        buf.read(0, &mut b).map_err(e)?;
+        got.extend_from_slice(&b);
+        ensure!(
+            got.len() < both.len(),
+            "{} bytes: more than the files",
+            got.len()
+        );
+        same(
+            &got,
+            &both[..got.len()],
+            "part of the files, and nothing after",
+        )?;
+    }
+    let evs = all(&p.eq_a)?;
+    ensure!(
+        evs.iter()
+            .any(|x| x.context == 1 && x.kind == EventKind::SendFile && !x.is_ok()),
+        "the second sendfile reports that it gave up: {evs:?}"
+    );
+    ensure!(
+        !sent || evs.iter().any(|x| x.context == 2 && !x.is_ok()),
+        "the send after it fails: {evs:?}"
+    );
     Ok(())
 }

@@ -92,14 +92,6 @@ impl<T> SendOrder<T> {
         go
     }
 
-    /// Whether a send made after `id` began (not a part of it) waits: if `id` gave up part way, that send would
-    /// follow part of it.
-    pub(crate) fn waits_behind(&self, id: HoldId) -> bool {
-        self.waiting
-            .iter()
-            .any(|w| w.part_of != Some(id) && place(w) > id.0)
-    }
-
     /// The connection failed: no hold stands any more; returns the waiting sends, to fail them.
     pub(crate) fn fail(&mut self) -> Vec<T> {
         self.holds.clear();
@@ -160,12 +152,7 @@ mod tests {
         let a = o.hold();
         let b = o.hold();
         assert_eq!(o.take("b part", Some(b)), None);
-        assert!(
-            o.waits_behind(a) && !o.waits_behind(b),
-            "only b's own part waits"
-        );
         assert_eq!(o.take("app", None), None);
-        assert!(o.waits_behind(b));
         assert!(o.release(b).is_empty());
         assert_eq!(o.fail(), ["b part", "app"]);
         assert!(!o.holds(a) && o.is_idle());

@@ -389,7 +389,9 @@ impl Engine {
     /// The connection a send goes out on: an application's send needs the socket open for writing
     /// ([`Engine::sendable_conn`]); the next part of a held send may also go out while the connection closes
     /// gracefully or after a write shutdown, as long as the hold stands (a failure, or the linger time running
-    /// out, ends it).
+    /// out, ends it), and only then: a part whose hold has ended is refused with the socket's reason, or as an
+    /// unknown socket (the sendfile names its socket by number, which a later socket may take once this one is
+    /// gone).
     fn send_conn(&mut self, sid: SocketId, held: Option<HoldId>) -> R<&mut Conn, StateError> {
         // The application may have closed the socket since (`sock` refuses it then): the hold is the sendfile's.
         let holding = held.is_some_and(|h| {
@@ -402,6 +404,12 @@ impl Engine {
         if holding {
             let s = self.sockets.get_mut(&sid).expect("checked above");
             return Ok(s.conn.as_mut().expect("checked above"));
+        }
+        if held.is_some() {
+            return Err(self
+                .sendable_conn(sid)
+                .err()
+                .unwrap_or(StateError::InvalidSocket));
         }
         self.sendable_conn(sid)
     }

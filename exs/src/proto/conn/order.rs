@@ -9,6 +9,7 @@
 //! stands. What waits is bounded by the event queues' depth (each waiting send holds a reserved event).
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A send handed over in parts ([`SendOrder::hold`]): its number in the connection's order of sends.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -33,10 +34,14 @@ pub(crate) struct SendOrder<T> {
     waiting: VecDeque<Waiting<T>>,
 }
 
+/// Where the next connection's numbers start: each connection numbers from its own multiple of 2^32, so that a
+/// [`HoldId`] names one connection's hold (a sendfile names its socket by number, which a later socket may take).
+static NEXT_BASE: AtomicU64 = AtomicU64::new(0);
+
 impl<T> Default for SendOrder<T> {
     fn default() -> Self {
         SendOrder {
-            next: 0,
+            next: NEXT_BASE.fetch_add(1 << 32, Ordering::Relaxed),
             holds: VecDeque::new(),
             waiting: VecDeque::new(),
         }
@@ -156,5 +161,15 @@ mod tests {
         assert!(o.release(b).is_empty());
         assert_eq!(o.fail(), ["b part", "app"]);
         assert!(!o.holds(a) && o.is_idle());
+    }
+
+    /// Two connections' holds never share a number: a sendfile's late call cannot end or use another connection's
+    /// hold.
+    #[test]
+    fn holds_of_two_connections_have_different_numbers() {
+        let (mut one, mut two) = (SendOrder::<()>::default(), SendOrder::<()>::default());
+        let (a, b) = (one.hold(), two.hold());
+        assert_ne!(a, b);
+        assert!(one.holds(a) && !one.holds(b) && two.holds(b) && !two.holds(a));
     }
 }

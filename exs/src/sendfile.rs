@@ -28,8 +28,10 @@ pub const SENDFILE_DEPTH: usize = 4;
 
 impl Socket {
     /// Sends `len` bytes of `file` from `offset` (ES-API `exs_sendfile`), completing with an event of kind
-    /// `SendFile`. The bytes are read into registered memory of this socket's context first (no mapping of the
-    /// file), so the file may change afterwards without affecting what is sent. On a SOCK_SEQPACKET socket, a range
+    /// `SendFile`. The bytes are read into registered memory of this socket's context (no mapping of the file): on
+    /// a SOCK_SEQPACKET socket all of them before the call returns, so the file may change afterwards without
+    /// affecting what is sent; on a SOCK_STREAM socket chunk by chunk as earlier ones are sent, so the file must stay
+    /// as it is until the event. On a SOCK_SEQPACKET socket, a range
     /// that goes past the end of a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory
     /// is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
     /// come before those of sends still in flight), or is refused where a send would be. Dropping the

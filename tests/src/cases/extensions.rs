@@ -535,39 +535,7 @@ fn sendfile_cut_short(b: &dyn Backend, send_after: bool) -> Result<(), String> {
     f.set_len((exs::SENDFILE_CHUNK * exs::SENDFILE_DEPTH + 10) as u64)
         .map_err(e)?;
     let buf = p.region_b(1 << 20)?;
-    let mut got = Vec::new();
-    loop {
-        if let Err(err) = p.server.recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1) {
-            ensure!(
-                matches!(err, exs::RecvError::State(StateError::ConnectionDown(_))),
-                "a read after {} bytes refused for another reason: {err}",
-                got.len()
-            );
-            break;
-        }
-        let r = next(&p.eq_b)?;
-        if !r.is_ok() {
-            break;
-        }
-        ensure!(
-            !r.flags.eof && r.bytes > 0,
-            "the peer saw a clean end of stream after {} of the file's {len} bytes: {r:?}",
-            got.len()
-        );
-        let mut b = vec![0u8; r.bytes];
-        buf.read(0, &mut b).map_err(e)?;
-        got.extend_from_slice(&b);
-        ensure!(
-            got.len() < len,
-            "more than the shrunk file: {} bytes",
-            got.len()
-        );
-        same(
-            &got,
-            &data[..got.len()],
-            "part of the file, and nothing after it",
-        )?;
-    }
+    read_until_reset(&p.server, &p.eq_b, &buf, &data)?;
     let evs = all(&p.eq_a)?;
     let failed = |ctx, kind| {
         evs.iter()
@@ -707,19 +675,7 @@ fn drop_during_stalled_sendfile(b: &dyn Backend) -> Result<(), String> {
         "the sendfile fails part way: {ev:?}"
     );
     let buf = exs::MemoryRegion::alloc(&server, 1 << 20).map_err(e)?;
-    loop {
-        if peer.recv(&eq_b, &buf.all(), MsgFlags::NONE, 1).is_err() {
-            break;
-        }
-        let r = next(&eq_b)?;
-        if !r.is_ok() {
-            break;
-        }
-        ensure!(
-            !r.flags.eof && r.bytes > 0,
-            "the peer saw a clean end of stream: {r:?}"
-        );
-    }
+    read_until_reset(&peer, &eq_b, &buf, &vec![0; len])?;
     Ok(())
 }
 
@@ -755,37 +711,7 @@ fn sendfile_gives_up_then_send(b: &dyn Backend) -> Result<(), String> {
         .is_ok();
     let both = [files[0].as_slice(), files[1].as_slice()].concat();
     let buf = p.region_b(1 << 20)?;
-    let mut got = Vec::new();
-    loop {
-        if p.server
-            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
-            .is_err()
-        {
-            break;
-        }
-        let r = next(&p.eq_b)?;
-        if !r.is_ok() {
-            break;
-        }
-        ensure!(
-            !r.flags.eof && r.bytes > 0,
-            "the peer saw a clean end of stream after {} bytes: {r:?}",
-            got.len()
-        );
-        let mut b = vec![0u8; r.bytes];
-        buf.read(0, &mut b).map_err(e)?;
-        got.extend_from_slice(&b);
-        ensure!(
-            got.len() < both.len(),
-            "{} bytes: more than the files",
-            got.len()
-        );
-        same(
-            &got,
-            &both[..got.len()],
-            "part of the files, and nothing after",
-        )?;
-    }
+    read_until_reset(&p.server, &p.eq_b, &buf, &both)?;
     let evs = all(&p.eq_a)?;
     ensure!(
         evs.iter()
@@ -797,4 +723,49 @@ fn sendfile_gives_up_then_send(b: &dyn Backend) -> Result<(), String> {
         "the send after it fails: {evs:?}"
     );
     Ok(())
+}
+
+/// Reads on `peer` until the connection is reset: a read that fails, or one refused because the connection is down.
+/// What it reads must be the start of `sent` and not the whole of it, and no read may see a clean end of stream.
+/// Returns the bytes read.
+fn read_until_reset(
+    peer: &exs::Socket,
+    eq: &EventQueue,
+    buf: &exs::MemoryRegion,
+    sent: &[u8],
+) -> Result<usize, String> {
+    let mut got = Vec::new();
+    loop {
+        if let Err(err) = peer.recv(eq, &buf.all(), MsgFlags::NONE, 1) {
+            ensure!(
+                matches!(err, exs::RecvError::State(StateError::ConnectionDown(_))),
+                "a read after {} bytes refused for another reason: {err}",
+                got.len()
+            );
+            return Ok(got.len());
+        }
+        let r = next(eq)?;
+        if !r.is_ok() {
+            return Ok(got.len());
+        }
+        ensure!(
+            !r.flags.eof && r.bytes > 0,
+            "the peer saw a clean end of stream after {} of {} bytes: {r:?}",
+            got.len(),
+            sent.len()
+        );
+        let mut b = vec![0u8; r.bytes];
+        buf.read(0, &mut b).map_err(e)?;
+        got.extend_from_slice(&b);
+        ensure!(
+            got.len() < sent.len(),
+            "{} bytes read: all that was sent, or more",
+            got.len()
+        );
+        same(
+            &got,
+            &sent[..got.len()],
+            "the start of what was sent, nothing after it",
+        )?;
+    }
 }

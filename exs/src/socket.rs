@@ -148,8 +148,7 @@ impl Socket {
     }
 
     fn engine<T>(&self, f: impl FnOnce(&mut crate::engine::Engine, SocketId) -> T) -> T {
-        let id = self.h.id;
-        self.h.ctx.shared().call(|e| f(e, id))
+        on_engine(&self.h.ctx, self.h.id, f)
     }
 
     /// Starts an asynchronous operation: reserves its event, runs it, and gives the slot back if it was refused.
@@ -475,8 +474,7 @@ impl SocketRef {
     }
 
     fn engine<T>(&self, f: impl FnOnce(&mut crate::engine::Engine, SocketId) -> T) -> T {
-        let id = self.id;
-        self.ctx.shared().call(|e| f(e, id))
+        on_engine(&self.ctx, self.id, f)
     }
 
     /// Sends the next part of held send `hold`, completing `ticket` (a hooked one: chunked sendfile; see
@@ -506,4 +504,13 @@ impl SocketRef {
     pub(crate) fn release_sends(&self, hold: HoldId, gave_up: bool) {
         self.engine(|e, id| e.release_sends(id, hold, gave_up))
     }
+}
+
+/// Runs `f` on `ctx`'s engine for socket `id` ([`Socket`] and [`SocketRef`] alike).
+fn on_engine<T>(
+    ctx: &Context,
+    id: SocketId,
+    f: impl FnOnce(&mut crate::engine::Engine, SocketId) -> T,
+) -> T {
+    ctx.shared().call(|e| f(e, id))
 }

@@ -425,8 +425,8 @@ impl Engine {
     /// A held send has handed over its last part, or gave up (`gave_up`: part of it went out, the rest never
     /// will): the sends made after it start, and the end of stream it held back goes out once the sends before it
     /// have completed. One that gave up resets the connection instead, as the linger timer does: what followed part
-    /// of it (a clean end of stream, the next send's bytes) would tell the peer it had the whole of it
-    /// ([`Conn::release_sends`]).
+    /// of it on the stream (a send made after it, a close's clean end, a send the application makes before it
+    /// learns of the failure) would tell the peer it had the whole of it; [`Conn::fail`] fails what waits.
     pub(crate) fn release_sends(&mut self, sid: SocketId, hold: HoldId, gave_up: bool) {
         // A failed context has already failed every connection (and ended every hold).
         if self.failed.is_some() {
@@ -442,13 +442,14 @@ impl Engine {
         let Some(c) = s.conn.as_mut() else {
             return;
         };
-        if c.release_sends(hold, gave_up && live) {
+        if gave_up && live {
             tracing::debug!(?sid, "a held send gave up part way: resetting");
             s.down.get_or_insert(OpError::Cancelled);
             c.fail(OpError::Cancelled);
             self.disconnect(sid);
             return;
         }
+        c.release_sends(hold);
         self.flush(sid);
     }
 

@@ -460,19 +460,14 @@ impl Conn {
         self.order.hold()
     }
 
-    /// The last part of held send `id` has been handed over, or it gave up (`gave_up`: part of it went out, the
-    /// rest never will): the sends that waited for it start, and the close it held back may go out (at the next
-    /// flush). Returns `true`, starting nothing, when it gave up: whatever followed part of it on the stream (a send
-    /// made after it, a close's clean end, a send the application makes before it learns of the failure) would tell
-    /// the peer it had the whole, so the connection must be reset instead ([`Conn::fail`] fails what waits).
-    pub(crate) fn release_sends(&mut self, id: HoldId, gave_up: bool) -> bool {
-        if gave_up {
-            return true;
-        }
+    /// The last part of held send `id` has been handed over: the sends that waited for it start, and the close it
+    /// held back may go out (at the next flush). One that gave up part way is not released: the connection is
+    /// reset instead ([`Conn::fail`] fails what waited for it), since whatever followed part of it on the stream
+    /// would tell the peer it had the whole.
+    pub(crate) fn release_sends(&mut self, id: HoldId) {
         for send in self.order.release(id) {
             self.start_now(send);
         }
-        false
     }
 
     /// Whether held send `id`'s next part may still go out (a send the application started before its close or

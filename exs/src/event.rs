@@ -29,7 +29,7 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use nix::poll::{PollFd, PollFlags};
@@ -166,8 +166,6 @@ pub(crate) struct EqInner {
     state: Mutex<EqState>,
     cond: Condvar,
     depth: usize,
-    /// Readable when a thread sleeping on transports (a leader) should look at this queue; made on first use.
-    fd: OnceLock<Option<EventFd>>,
     /// The application's descriptor ([`AsFd`]): readable while events are queued. Made with the queue (so that
     /// taking it cannot fail), kept in sync only once taken (`ready_used`): until then a queue that goes from
     /// empty to non-empty and back costs no system call.
@@ -183,11 +181,8 @@ struct EqState {
     outstanding: usize,
     /// How many events each dequeue sleeping on the condition variable waits for (one entry per sleeper).
     waiters: Vec<usize>,
-    /// A leader sleeping on its transports waits for this many events (it is woken through `fd`), with the token
-    /// of its registration (see [`EqState::register_fd_sleeper`]).
-    fd_sleeper: Option<(usize, u64)>,
-    /// The last token given to a leader's registration.
-    fd_tokens: u64,
+    /// Leaders sleeping on their transports, each waiting for a count of events here (see [`sleepers`]).
+    sleepers: sleepers::Sleepers,
     /// Bumped when a context's leader lets go, so the threads following it retry leading.
     nudges: u64,
     mode: WaitMode,
@@ -341,8 +336,7 @@ impl EventQueue {
                     events: VecDeque::with_capacity(depth.min(4096)),
                     outstanding: 0,
                     waiters: Vec::new(),
-                    fd_sleeper: None,
-                    fd_tokens: 0,
+                    sleepers: Default::default(),
                     nudges: 0,
                     ready_set: false,
                     mode,
@@ -352,7 +346,6 @@ impl EventQueue {
                 }),
                 cond: Condvar::new(),
                 depth,
-                fd: OnceLock::new(),
                 ready,
                 ready_used: AtomicBool::new(false),
                 spin: wait::SpinEstimate::new(),
@@ -572,28 +565,6 @@ impl Follower for EqInner {
     }
 }
 
-impl EqState {
-    /// Registers a leader that sleeps on the queue's descriptor for `need` events, if none is registered: its
-    /// token.
-    pub(crate) fn register_fd_sleeper(&mut self, need: usize) -> Option<u64> {
-        if self.fd_sleeper.is_some() {
-            return None;
-        }
-        self.fd_tokens = self.fd_tokens.wrapping_add(1);
-        self.fd_sleeper = Some((need, self.fd_tokens));
-        Some(self.fd_tokens)
-    }
-
-    /// A leader woke: its registration goes, if it is still there. A completion that woke it took it already,
-    /// and another leader may have registered since: that one stays (clearing it left that leader asleep with
-    /// nobody to wake it).
-    pub(crate) fn unregister_fd_sleeper(&mut self, token: u64) {
-        if self.fd_sleeper.is_some_and(|(_, t)| t == token) {
-            self.fd_sleeper = None;
-        }
-    }
-}
-
 impl EqInner {
     fn lock(&self) -> MutexGuard<'_, EqState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -608,17 +579,12 @@ impl EqInner {
         // so one waiter's count never hides another's.
         let len = s.events.len();
         let wake_cond = s.waiters.iter().any(|&n| len >= n);
-        let wake_fd = s.fd_sleeper.is_some_and(|(n, _)| len >= n);
-        if wake_fd {
-            s.fd_sleeper = None;
-        }
-        if wake_cond || wake_fd {
+        let wake_fds = s.sleepers.due(len);
+        if wake_cond || !wake_fds.is_empty() {
             s.stats.wakeups += 1;
         }
         drop(s);
-        if wake_fd {
-            self.write_fd();
-        }
+        sleepers::wake(wake_fds);
         if wake_cond {
             self.cond.notify_all();
         }
@@ -628,11 +594,9 @@ impl EqInner {
     pub(crate) fn nudge(&self) {
         let mut s = self.lock();
         s.nudges = s.nudges.wrapping_add(1);
-        let fd = s.fd_sleeper.take().is_some();
+        let fds = s.sleepers.all();
         drop(s);
-        if fd {
-            self.write_fd();
-        }
+        sleepers::wake(fds);
         self.cond.notify_all();
     }
 
@@ -655,12 +619,6 @@ impl EqInner {
             _ => {}
         }
     }
-
-    fn write_fd(&self) {
-        if let Some(Some(fd)) = self.fd.get() {
-            let _ = fd.write(1);
-        }
-    }
 }
 
 fn drain(s: &mut EqState, out: &mut Vec<Event>, max: usize) -> usize {
@@ -676,6 +634,7 @@ fn drain(s: &mut EqState, out: &mut Vec<Event>, max: usize) -> usize {
 
 pub(crate) use ticket::Ticket;
 
+mod sleepers;
 mod ticket;
 mod wait;
 #[cfg_attr(not(feature = "tokio"), allow(unused_imports))]

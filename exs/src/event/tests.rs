@@ -344,32 +344,83 @@ fn a_busy_dequeue_that_finds_its_events_waiting_still_counts_as_polling() {
     assert_eq!(poller.ended_lingering.load(SeqCst), 3);
 }
 
-/// Regression (review): two threads leading two contexts that report to one queue. A completion woke the first
-/// leader (taking its registration on the queue's descriptor), the second registered, and the first, waking,
-/// cleared the registration: the second's. The second then slept with nobody to wake it for events of the first
-/// context. A leader now clears only its own registration.
-#[test]
-fn a_waking_leader_leaves_another_leaders_registration() {
-    let eq = EventQueue::new(4).unwrap();
-    let first = eq.inner.lock().register_fd_sleeper(1).unwrap();
-    assert!(
-        eq.inner.lock().register_fd_sleeper(1).is_none(),
-        "one registration at a time"
-    );
-    // A completion wakes the first leader: its registration goes.
+fn wake_fd() -> Arc<EventFd> {
+    Arc::new(
+        EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).unwrap(),
+    )
+}
+
+fn complete_one(eq: &EventQueue) {
     eq.reserve(EventKind::Recv, 1, sid())
         .unwrap()
         .complete(Ok(()), 0, Default::default());
+}
+
+/// Regression (review): two threads leading two contexts that report to one queue. A completion woke the first
+/// leader (taking its registration on the queue), the second registered, and the first, waking, cleared the
+/// registration: the second's. The second then slept with nobody to wake it for events of the first context. A
+/// leader now clears only its own registration.
+#[test]
+fn a_waking_leader_leaves_another_leaders_registration() {
+    let eq = EventQueue::new(4).unwrap();
+    let (a, b) = (wake_fd(), wake_fd());
+    let first = eq.inner.lock().sleepers.register(1, &a);
+    // A completion wakes the first leader: its registration goes.
+    complete_one(&eq);
     let mut s = eq.inner.lock();
-    assert!(s.fd_sleeper.is_none());
-    let second = s.register_fd_sleeper(2).unwrap();
+    assert!(s.sleepers.tokens().is_empty());
+    let second = s.sleepers.register(2, &b);
     // The first leader comes round.
-    s.unregister_fd_sleeper(first);
+    s.sleepers.unregister(first);
     assert_eq!(
-        s.fd_sleeper.map(|(_, t)| t),
-        Some(second),
+        s.sleepers.tokens(),
+        [second],
         "the second leader's registration stays"
     );
-    s.unregister_fd_sleeper(second);
-    assert!(s.fd_sleeper.is_none());
+    s.sleepers.unregister(second);
+    assert!(s.sleepers.tokens().is_empty());
+}
+
+/// Regression: two leaders of one queue shared its one wake-up descriptor. A completion woke the first; the
+/// second registered and a completion woke it too; then the first, waking, read the descriptor and so took the
+/// second's wake-up, which slept on until its transports or its timeout woke it, with its events queued. Each
+/// sleeping thread now has its own descriptor, and reads only that one.
+#[test]
+fn a_waking_leader_does_not_take_another_leaders_wake_up() {
+    let eq = EventQueue::new(4).unwrap();
+    let (a, b) = (wake_fd(), wake_fd());
+    let first = eq.inner.lock().sleepers.register(1, &a);
+    complete_one(&eq);
+    let second = eq.inner.lock().sleepers.register(2, &b);
+    complete_one(&eq);
+    // The first leader wakes and reads its descriptor.
+    eq.woke_leading(first, &a, true);
+    assert!(
+        b.read().is_ok(),
+        "the second leader's wake-up is still there"
+    );
+    eq.woke_leading(second, &b, false);
+    assert!(a.read().is_err(), "the first leader read its own wake-up");
+}
+
+/// Two leaders sleep on one queue at once, each woken when its own count of events has arrived; before, only one
+/// could register and the other looked again every `STANDBY`.
+#[test]
+fn two_leaders_of_one_queue_each_wake_at_their_own_count() {
+    let eq = EventQueue::new(4).unwrap();
+    let (a, b) = (wake_fd(), wake_fd());
+    let first = eq.inner.lock().sleepers.register(1, &a);
+    let second = eq.inner.lock().sleepers.register(2, &b);
+    complete_one(&eq);
+    assert!(
+        a.read().is_ok(),
+        "one event wakes the leader waiting for one"
+    );
+    assert!(b.read().is_err(), "but not the one waiting for two");
+    assert_eq!(eq.inner.lock().sleepers.tokens(), [second]);
+    complete_one(&eq);
+    assert!(b.read().is_ok(), "the second event wakes it");
+    eq.woke_leading(first, &a, false);
+    eq.woke_leading(second, &b, false);
+    assert!(eq.inner.lock().sleepers.tokens().is_empty());
 }

@@ -335,26 +335,24 @@ impl EventQueue {
         in_time
     }
 
-    /// The leader's sleep: on the wait descriptors of the contexts it leads, and on this queue's descriptor for
-    /// events that other threads complete here.
+    /// The leader's sleep: on the wait descriptors of the contexts it leads, and on this thread's wake-up
+    /// descriptor, registered with the queue, for events that other threads complete here.
     pub(super) fn sleep_leading(
         &self,
         led: &[Arc<dyn Poller>],
         need: usize,
         until: Option<Instant>,
     ) {
-        let qfd = self.inner.fd.get_or_init(|| {
-            EventFd::from_value_and_flags(0, EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC).ok()
-        });
+        let wake = sleepers::this_thread();
         let mut until = until;
         let mine = {
             let mut s = self.inner.lock();
             if s.events.len() >= need {
                 return;
             }
-            match qfd.as_ref().and_then(|_| s.register_fd_sleeper(need)) {
-                Some(token) => Some(token),
-                // Another leader of this queue sleeps on its descriptor (or there is none): look again soon.
+            match &wake {
+                Some(fd) => Some(s.sleepers.register(need, fd)),
+                // No descriptor to be woken through: look again soon.
                 None => {
                     let soon = Instant::now() + crate::progress::lead::STANDBY;
                     until = Some(until.map_or(soon, |u| u.min(soon)));
@@ -369,8 +367,8 @@ impl EventQueue {
                 fds.push(PollFd::new(fd, PollFlags::POLLIN));
             }
         }
-        if let (Some(_), Some(q)) = (mine, qfd) {
-            fds.push(PollFd::new(q.as_fd(), PollFlags::POLLIN));
+        if let (Some(_), Some(w)) = (mine, &wake) {
+            fds.push(PollFd::new(w.as_fd(), PollFlags::POLLIN));
         }
         crate::progress::lead::sleep_on(&mut fds, until);
         let revents: smallvec::SmallVec<[bool; 6]> =
@@ -379,12 +377,17 @@ impl EventQueue {
         for (i, p) in led.iter().enumerate() {
             p.woke(revents[i * 2 + 1]);
         }
-        if let Some(token) = mine {
-            let mut s = self.inner.lock();
-            s.unregister_fd_sleeper(token);
-            if let (Some(q), Some(true)) = (qfd, revents.last()) {
-                let _ = q.read();
-            }
+        if let (Some(token), Some(w)) = (mine, &wake) {
+            self.woke_leading(token, w, revents.last() == Some(&true));
+        }
+    }
+
+    /// A leader's sleep ended: its registration goes, and it reads its own wake-up descriptor if that was
+    /// readable (only this thread reads it, so no other leader's wake-up is taken).
+    pub(super) fn woke_leading(&self, token: u64, wake: &EventFd, readable: bool) {
+        self.inner.lock().sleepers.unregister(token);
+        if readable {
+            let _ = wake.read();
         }
     }
 

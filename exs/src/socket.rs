@@ -378,12 +378,14 @@ impl Socket {
         self.engine(|e, id| e.close(id))
     }
 
-    /// The local address (ES-API `exs_getsockname`).
+    /// The local address (ES-API `exs_getsockname`): a connected socket's stays after its connection ended.
     pub fn local_addr(&self) -> Result<Option<SocketAddr>, StateError> {
         self.engine(|e, id| e.local_addr(id))
     }
 
-    /// The peer's address (ES-API `exs_getpeername`).
+    /// The peer's address (ES-API `exs_getpeername`), while the connection is up and after the peer closed it (as
+    /// TCP's in CLOSE_WAIT, while its last bytes are read); [`StateError::NotConnected`] otherwise, a reset
+    /// included.
     pub fn peer_addr(&self) -> Result<Option<SocketAddr>, StateError> {
         self.engine(|e, id| e.peer_addr(id))
     }

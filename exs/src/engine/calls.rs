@@ -755,10 +755,12 @@ impl Engine {
         Ok(self.sock(sid)?.down.clone())
     }
 
+    /// The socket's address: its connection's while the transport has it, else the one recorded when the
+    /// connection came up (after a disconnect, as TCP's `getsockname`), else the one it was bound to.
     pub(crate) fn local_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {
         let s = self.sock(sid)?;
-        let (bound, ep) = (s.bound, s.ep());
-        Ok(ep.and_then(|ep| self.transport.local_addr(ep)).or(bound))
+        let (recorded, ep) = (s.local_addr.or(s.bound), s.ep());
+        Ok(ep.and_then(|ep| self.transport.local_addr(ep)).or(recorded))
     }
 
     /// The peer's address as recorded when the connection was set up, whatever became of the connection since
@@ -770,9 +772,11 @@ impl Engine {
         Ok(self.sock(sid)?.peer_addr)
     }
 
+    /// The peer's address while the connection is up, and after the peer closed it (until this side reads the
+    /// end of its stream and closes, as TCP's `getpeername` in CLOSE_WAIT); not after a reset.
     pub(crate) fn peer_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {
         let s = self.sock(sid)?;
-        if s.phase != Phase::Open {
+        if s.phase != Phase::Open && !s.peer_closed {
             return Err(StateError::NotConnected);
         }
         let (peer, ep) = (s.peer_addr, s.ep());

@@ -247,6 +247,7 @@ impl Engine {
         if sock.peer_addr.is_none() {
             sock.peer_addr = self.transport.peer_addr(ep);
         }
+        sock.local_addr = self.transport.local_addr(ep);
         sock.span = tracing::debug_span!(
             parent: None,
             "exs_conn",

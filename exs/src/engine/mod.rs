@@ -98,6 +98,9 @@ struct Sock {
     /// Passive side: the peer's handshake from its request.
     peer_hs: Option<Handshake>,
     peer_addr: Option<SocketAddr>,
+    /// This side's address of the connection, recorded when it came up: still the socket's address once the
+    /// transport's endpoint is gone (as TCP's `getsockname` after the connection ended).
+    local_addr: Option<SocketAddr>,
     /// Completions that arrived before the connection-management event that establishes the connection.
     early: Vec<Completion>,
     /// Why the connection is down, reported to later operations.
@@ -145,6 +148,7 @@ impl Sock {
             listening: None,
             peer_hs: None,
             peer_addr: None,
+            local_addr: None,
             early: Vec::new(),
             down: None,
             peer_closed: false,

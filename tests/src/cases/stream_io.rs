@@ -31,6 +31,10 @@ pub fn cases() -> Vec<Case> {
             shutdown_wakes_reader,
         ),
         c(
+            "a_streams_addresses_stay_after_the_peer_closes_and_only_the_local_one_after_a_reset",
+            addresses_after_close,
+        ),
+        c(
             "clones_of_a_stream_read_and_write_in_two_threads",
             clones_both_ways,
         ),
@@ -197,6 +201,64 @@ fn shutdown_wakes_reader(b: &dyn Backend) -> Result<(), String> {
     let (n, took) = reader.join().map_err(|_| "the reader panicked")?;
     ensure!(n? == 0, "the blocked read returned bytes");
     ensure!(took < WAIT, "the blocked read was not woken");
+    Ok(())
+}
+
+/// Review: `peer_addr` and `local_addr` failed with `NotConnected` as soon as the peer's close came in, while its
+/// bytes were still to be read (TCP's `getpeername` and `getsockname` work in CLOSE_WAIT), and `local_addr` after
+/// any disconnect (a connecting socket is bound by its endpoint alone, released with the connection). Now both
+/// stay until this side closes; after a reset, `peer_addr` is `NotConnected` and `local_addr` stays, as TCP's.
+fn addresses_after_close(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let (a, mut p, hosts) = streams(&*net)?;
+    let (peer, local) = (a.peer_addr().map_err(s)?, a.local_addr().map_err(s)?);
+    ensure!(
+        peer == p.local_addr().map_err(s)? && local == p.peer_addr().map_err(s)?,
+        "the two ends' addresses disagree: {peer} {local}"
+    );
+    p.write_all(b"last words").map_err(s)?;
+    drop(p);
+    // The close has come in once the first read returns; the rest is still to be read.
+    let mut first = [0u8; 4];
+    a.set_read_timeout(Some(WAIT)).map_err(s)?;
+    (&a).read_exact(&mut first).map_err(s)?;
+    std::thread::sleep(Duration::from_millis(100));
+    let after = |what: &str| -> Result<(), String> {
+        let (pa, la) = (a.peer_addr(), a.local_addr());
+        ensure!(
+            pa.as_ref().ok() == Some(&peer) && la.as_ref().ok() == Some(&local),
+            "{what}: peer_addr {pa:?}, local_addr {la:?}"
+        );
+        Ok(())
+    };
+    after("after the peer's close")?;
+    let rest = read_all(&a)?;
+    same(&rest, b" words", "the bytes after the first read")?;
+    after("after end-of-stream")?;
+    // The peer resets: its address goes, this side's stays.
+    let net = b.net();
+    let (c, p2, _hosts2) = streams(&*net)?;
+    let local = c.local_addr().map_err(s)?;
+    p2.socket().abort().map_err(s)?;
+    let mut one = [0u8; 1];
+    let e = (&c)
+        .read(&mut one)
+        .err()
+        .ok_or("a read after the peer's reset returned")?;
+    ensure!(
+        e.kind() == ErrorKind::ConnectionReset,
+        "the read after the peer's reset: {e}"
+    );
+    ensure!(
+        c.peer_addr().map_err(|e| e.kind()) == Err(ErrorKind::NotConnected),
+        "peer_addr after a reset: {:?}",
+        c.peer_addr()
+    );
+    ensure!(
+        c.local_addr().map_err(s)? == local,
+        "local_addr after a reset"
+    );
+    drop(hosts);
     Ok(())
 }
 

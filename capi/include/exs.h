@@ -271,7 +271,8 @@ extern "C" {
  * else libfabric), with
  * `EXS_ADDR` (verbs: an address of the RDMA device's interface) and `EXS_DEVICE`, or `EXS_PROVIDER` (fabric, default `tcp`), `EXS_DOMAIN` and `EXS_FABRIC_CQ_WAIT` (`none`: completion queues without a wait object, for busy polling); `EXS_EXPOSURE=trusted` for the
  * UNH-EXS key per region and connection. Call it before any other call but `exs_qcreate`; later calls return 0
- * and keep the context. Returns 0, or -1 with `errno`: `EINVAL` (`version` is not `EXS_VERSION`), `ENODEV` (no
+ * and keep the context. Returns 0, or -1 with `errno`: `EINVAL` (`version` is not `EXS_VERSION`, or an unknown
+ * value of `EXS_EXPOSURE` or `EXS_FABRIC_CQ_WAIT`), `ENODEV` (no
  * such backend, device or provider), `EADDRNOTAVAIL` (`EXS_BACKEND=verbs` with `EXS_ADDR` missing or not a
  * device's), `ENOMEM`.
  */
@@ -534,14 +535,15 @@ int exs_recv_offset(int fd,
 /**
  * Sends `count` bytes of the file `in_fd` from `offset` (ES-API `exs_sendfile`), completing with
  * `EXS_EVT_SENDFILE`. The bytes are read into memory exs registered itself (no mapping of the file); `in_fd` may
- * be closed once the call returns (exs reads through a copy of it). On SOCK_SEQPACKET the message is the whole
- * range, read and held in memory before the call returns (the file may change afterwards); a range that goes past
- * the end of a regular file is refused before any memory is taken. On SOCK_STREAM the file is read in 1 MiB
+ * be closed once the call returns (exs reads through a copy of it). A range that goes past the end of a regular
+ * file is refused before any memory is taken. On SOCK_SEQPACKET the message is the whole range, read and held in
+ * memory before the call returns (the file may change afterwards). On SOCK_STREAM the file is read in 1 MiB
  * chunks as earlier ones are sent, so it must stay as it is until the event; sends made on the socket meanwhile go
- * after the whole file, and a read that fails part way (the file shrank) resets the connection. `flags` must be
- * 0. -1 with `errno`: `EBADF` (socket, queue or `in_fd`), `EMFILE` (no descriptor left
- * for exs's copy of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `ENOTCONN`,
- * `EAGAIN`, `ENOMEM`.
+ * after the whole file, and a read that fails part way (the file shrank) resets the connection: the event then
+ * has the read's errno, and `exs_evt_bytes` counts the chunks that were delivered. `flags` must be 0. -1 with
+ * `errno`: `EBADF` (socket, queue, or `in_fd` not open for reading), `EMFILE` (no descriptor left for exs's copy
+ * of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `EISDIR`, `ENOTCONN`, `EAGAIN`,
+ * `ENOMEM`.
  */
 int exs_sendfile(int fd,
                  int in_fd,

@@ -5,9 +5,9 @@ use std::io::ErrorKind;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use exs::{
-    AcceptError, BufferError, CloseError, ConnectError, DequeueError, InitError, MemoryError,
-    OpError, OptionError, PollError, QueueFull, RecvError, SendError, SocketError, StateError,
-    TransportError,
+    AcceptError, BufferError, CloseError, ConnectError, DequeueError, FileError, InitError,
+    MemoryError, OpError, OptionError, PollError, QueueFull, RecvError, SendError, SocketError,
+    StateError, TransportError,
 };
 use libc::c_int;
 
@@ -166,6 +166,14 @@ impl ToErrno for MemoryError {
     }
 }
 
+/// A read of `exs_sendfile`'s file: the system call's own code (`EBADF` for a descriptor not open for reading,
+/// `EISDIR`, `EMFILE`), else its kind's (`EINVAL` for a range past the end of the file).
+impl ToErrno for FileError {
+    fn errno(&self) -> c_int {
+        self.os_error.unwrap_or_else(|| kind_errno(self.kind))
+    }
+}
+
 impl ToErrno for OptionError {
     fn errno(&self) -> c_int {
         match self {
@@ -214,7 +222,7 @@ macro_rules! op_errno {
 }
 
 op_errno! {
-    SendError { State, Buffer, Queue, Option, Transport, Memory }
+    SendError { State, Buffer, Queue, Option, Transport, Memory, File }
     RecvError { State, Buffer, Queue, Option, Transport }
     ConnectError { State, Queue, Transport }
     AcceptError { State, Queue, Transport }

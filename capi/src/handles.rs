@@ -9,8 +9,10 @@
 //! used that much later can reach a newer object.
 //!
 //! Locks: each table has its own, held only to look up, insert or remove (a lookup clones the handle out); no
-//! call into exs runs under one, except one: `exs_mderegister` holds the memory table's write lock while it
-//! deregisters, so that no new use of the region can start meanwhile. An operation counts its start on its queue
+//! call into exs runs under one, except two: `exs_mderegister` holds the memory table's write lock while it
+//! deregisters, so that no new use of the region can start meanwhile, and `exs_qdelete` reads the queue's count of
+//! operations outstanding (the queue's own lock, which no exs call holds while it takes a table's) under the queue
+//! table's write lock, so that none starts between the count and the removal. An operation counts its start on its queue
 //! under the queue table's read lock and starts with no table lock held ([`crate::queue::start_on`]), so that
 //! `exs_qdelete` cannot delete its queue between the look-up and the start. No table lock is taken under another
 //! (the count's own mutex is taken under the queue table's lock, never the other way).

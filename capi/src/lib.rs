@@ -46,7 +46,8 @@ pub mod fcntl;
 /// else libfabric), with
 /// `EXS_ADDR` (verbs: an address of the RDMA device's interface) and `EXS_DEVICE`, or `EXS_PROVIDER` (fabric, default `tcp`), `EXS_DOMAIN` and `EXS_FABRIC_CQ_WAIT` (`none`: completion queues without a wait object, for busy polling); `EXS_EXPOSURE=trusted` for the
 /// UNH-EXS key per region and connection. Call it before any other call but `exs_qcreate`; later calls return 0
-/// and keep the context. Returns 0, or -1 with `errno`: `EINVAL` (`version` is not `EXS_VERSION`), `ENODEV` (no
+/// and keep the context. Returns 0, or -1 with `errno`: `EINVAL` (`version` is not `EXS_VERSION`, or an unknown
+/// value of `EXS_EXPOSURE` or `EXS_FABRIC_CQ_WAIT`), `ENODEV` (no
 /// such backend, device or provider), `EADDRNOTAVAIL` (`EXS_BACKEND=verbs` with `EXS_ADDR` missing or not a
 /// device's), `ENOMEM`.
 #[no_mangle]

@@ -92,3 +92,48 @@ fn a_seqpacket_sendfile_past_the_end_of_a_small_file_is_einval_not_an_allocation
     assert_eq!(exs_close(s), 0);
     assert_eq!(exs_qdelete(q), 0);
 }
+
+/// A file exs cannot read reached C as `EIO`, the errno the API keeps for a panic: the read's error kept only its
+/// `io::ErrorKind`, and `EBADF` or `EISDIR` have none of their own. Now the system call's code is the errno.
+#[test]
+fn a_file_that_cannot_be_read_gives_the_reads_own_errno() {
+    let (_one, q) = setup();
+    for ty in [libc::SOCK_SEQPACKET, libc::SOCK_STREAM] {
+        let s = exs_socket(libc::AF_INET, ty, 0);
+        assert!(s > 0, "errno {}", errno());
+        let dir = std::fs::File::open(std::env::temp_dir()).unwrap();
+        let r = exs_sendfile(s, dir.as_raw_fd(), 0, 10, 0, q, ptr::null_mut());
+        assert_eq!((r, errno()), (-1, libc::EISDIR), "a directory, type {ty}");
+        let path =
+            std::env::temp_dir().join(format!("exs-capi-wronly-{}-{ty}", std::process::id()));
+        let mut wronly = std::fs::File::create(&path).unwrap();
+        wronly.write_all(&[1; 100]).unwrap();
+        let r = exs_sendfile(s, wronly.as_raw_fd(), 0, 10, 0, q, ptr::null_mut());
+        let e = errno();
+        let _ = std::fs::remove_file(&path);
+        assert_eq!(
+            (r, e),
+            (-1, libc::EBADF),
+            "a file open for writing only, type {ty}"
+        );
+        assert_eq!(exs_close(s), 0);
+    }
+    assert_eq!(exs_qdelete(q), 0);
+}
+
+/// A SOCK_STREAM sendfile read its range as it went: a range past the end of a file of more than a chunk was found
+/// only once part of the file had gone (the call succeeded, the connection was then reset), one within the first
+/// chunks failed the call. Now both socket types refuse it at once.
+#[test]
+fn a_stream_sendfile_past_the_end_of_a_file_is_einval() {
+    let (_one, q) = setup();
+    let s = exs_socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+    assert!(s > 0, "errno {}", errno());
+    for (len, count) in [(100_000, 200_000), (3 << 20, 4 << 20)] {
+        let file = file_of(len);
+        let r = exs_sendfile(s, file.as_raw_fd(), 0, count, 0, q, ptr::null_mut());
+        assert_eq!((r, errno()), (-1, libc::EINVAL), "{count} bytes of {len}");
+    }
+    assert_eq!(exs_close(s), 0);
+    assert_eq!(exs_qdelete(q), 0);
+}

@@ -422,6 +422,9 @@ op_error! {
 pub struct FileError {
     /// The `std::io::ErrorKind` of the read.
     pub kind: io::ErrorKind,
+    /// The operating system's error code, when a system call failed (`EBADF` for a descriptor not open for
+    /// reading, `EISDIR`, `EMFILE` for exs's own copy of the descriptor): the C API's `errno`.
+    pub os_error: Option<i32>,
     /// Its message.
     pub message: String,
 }
@@ -430,6 +433,7 @@ impl From<io::Error> for FileError {
     fn from(e: io::Error) -> Self {
         FileError {
             kind: e.kind(),
+            os_error: e.raw_os_error(),
             message: e.to_string(),
         }
     }

@@ -31,9 +31,8 @@ impl Socket {
     /// `SendFile`. The bytes are read into registered memory of this socket's context (no mapping of the file): on
     /// a SOCK_SEQPACKET socket all of them before the call returns, so the file may change afterwards without
     /// affecting what is sent; on a SOCK_STREAM socket chunk by chunk as earlier ones are sent, so the file must stay
-    /// as it is until the event. On a SOCK_SEQPACKET socket, a range
-    /// that goes past the end of a regular file is refused ([`SendError::File`], `UnexpectedEof`) before any memory
-    /// is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
+    /// as it is until the event. A range that goes past the end of a regular file is refused
+    /// ([`SendError::File`], `UnexpectedEof`) before any memory is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
     /// come before those of sends still in flight), or is refused where a send would be. Dropping the
     /// application's last handle of the socket while a stream sendfile runs closes it as
     /// [`close`](Socket::close) does. Like any send already started, the whole file goes before the end of stream of a
@@ -43,7 +42,7 @@ impl Socket {
     /// chunks are sends of their own, posted as earlier ones complete. Sends made on the socket after a stream
     /// sendfile began (the application's, another sendfile) go after the whole file: they wait, their events
     /// reserved, until the sendfile has posted its last chunk. A stream sendfile that gives up part way (a read of
-    /// the file fails after the call: the file is shorter than the range, or an I/O error) resets the connection,
+    /// the file fails after the call: the file shrank, or an I/O error) resets the connection,
     /// and what waited behind it fails: whatever followed part of the file (a clean end of stream, the next send's
     /// bytes) would tell the peer it had all of it.
     pub fn sendfile(
@@ -66,9 +65,10 @@ pub(crate) fn sendfile(
     len: usize,
     context: u64,
 ) -> Result<(), SendError> {
-    match sock.sock_type()? {
+    let ty = sock.sock_type()?;
+    within_file(file, offset, len)?;
+    match ty {
         SockType::SeqPacket => {
-            within_file(file, offset, len)?;
             let region = MemoryRegion::alloc(sock.context(), len.max(1))?;
             let mut at = 0;
             while at < len {
@@ -87,9 +87,10 @@ pub(crate) fn sendfile(
 
 /// Refuses a range that goes past the end of a regular file, as the read would, but before any memory is taken
 /// for it: a SOCK_SEQPACKET sendfile holds the whole range at once, and a count far past a small file's end (64 GiB
-/// of a 1 KiB file) had it allocate and register that much first. Other files (pipes, devices, `/proc`) report no
-/// size to go by: their reads decide. A stream sendfile takes bounded chunks and reads as it goes (a file still
-/// growing may grow into the range).
+/// of a 1 KiB file) had it allocate and register that much first. A SOCK_STREAM sendfile reads as it goes, and
+/// found such a range only at the chunk past the end: the call succeeded, the connection was reset once part of the
+/// file had gone, and a range within its first chunks was refused instead (a review). Other files (pipes, devices,
+/// `/proc`) report no size to go by: their reads decide.
 fn within_file(file: &File, offset: u64, len: usize) -> Result<(), SendError> {
     let meta = file
         .metadata()
@@ -101,6 +102,7 @@ fn within_file(file: &File, offset: u64, len: usize) -> Result<(), SendError> {
     if u64::try_from(len).map_or(true, |len| len > left) {
         return Err(SendError::File(FileError {
             kind: std::io::ErrorKind::UnexpectedEof,
+            os_error: None,
             message: format!(
                 "{len} bytes from offset {offset} go past the end of the file ({} bytes)",
                 meta.len()
@@ -151,6 +153,7 @@ impl Progress {
             })
             .map_err(|e| FileError {
                 kind: std::io::ErrorKind::Other,
+                os_error: None,
                 message: e.to_string(),
             })?
             .map_err(FileError::from)?;
@@ -257,8 +260,10 @@ impl FileSend {
                     match st.failure.take() {
                         None => t.complete(Ok(()), sent, EventFlags::default()),
                         // Part of the file may have reached the peer: never `Cancelled`.
+                        // A chunk posted may have reached the peer, completed or not.
                         Some(e) => {
-                            t.complete(Err(e.once_started(sent > 0)), sent, EventFlags::default())
+                            let started = st.next > 0;
+                            t.complete(Err(e.once_started(started)), sent, EventFlags::default())
                         }
                     }
                 }

@@ -57,6 +57,10 @@ pub fn cases() -> Vec<Case> {
             "a_stream_sendfile_that_gives_up_part_way_resets_the_peer_whatever_follows",
             sendfile_gives_up_then_send,
         ),
+        c(
+            "a_stream_sendfile_past_the_end_of_its_file_is_refused_and_sends_nothing",
+            stream_sendfile_past_the_end,
+        ),
     ]
 }
 
@@ -574,18 +578,7 @@ fn sends_during_sendfile(b: &dyn Backend) -> Result<(), String> {
         want.extend_from_slice(&files[i]);
         want.extend_from_slice(&tails[i]);
     }
-    let buf = p.region_b(1 << 20)?;
-    let mut got = Vec::with_capacity(want.len());
-    while got.len() < want.len() {
-        p.server
-            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
-            .map_err(e)?;
-        let r = next(&p.eq_b)?;
-        ensure!(r.is_ok() && r.bytes > 0, "after {} bytes: {r:?}", got.len());
-        let mut b = vec![0u8; r.bytes];
-        buf.read(0, &mut b).map_err(e)?;
-        got.extend_from_slice(&b);
-    }
+    let got = read_stream(&p, want.len())?;
     same(
         &got,
         &want,
@@ -679,16 +672,16 @@ fn drop_during_stalled_sendfile(b: &dyn Backend) -> Result<(), String> {
     Ok(())
 }
 
-/// A stream sendfile that gives up part way while nothing waits behind it yet: here a second sendfile whose range
-/// runs past its file's end (its second chunk cannot be read, inside the call, which returns) queued behind a first,
-/// then a send the application makes before it could know. Whatever followed part of the second file would tell
-/// the peer it had the whole, so the connection is reset at once: the peer reads part of the two files, then an
-/// error, never the send's bytes or a clean end. Before, the give-up reset only when a close or a send already
-/// waited, and this send went out after the first chunk of the second file.
+/// A stream sendfile that gives up part way while nothing waits behind it yet: here a second sendfile whose file
+/// shrinks after the call (a chunk it reads later is past the new end) queued behind a first, then a send the
+/// application makes before it could know. Whatever followed part of the second file would tell the peer it had
+/// the whole, so the connection is reset at once: the peer reads part of the two files, then an error, never the
+/// send's bytes or a clean end. Before, the give-up reset only when a close or a send already waited, and this send
+/// went out after the first chunk of the second file.
 fn sendfile_gives_up_then_send(b: &dyn Backend) -> Result<(), String> {
     let lens = [
         exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 1),
-        exs::SENDFILE_CHUNK + 10,
+        exs::SENDFILE_CHUNK * (exs::SENDFILE_DEPTH + 2) + 10,
     ];
     let files = [pattern(lens[0], 20), pattern(lens[1], 21)];
     let net = b.net();
@@ -697,13 +690,15 @@ fn sendfile_gives_up_then_send(b: &dyn Backend) -> Result<(), String> {
     for (i, data) in files.iter().enumerate() {
         let mut f = tempfile::tempfile().map_err(e)?;
         f.write_all(data).map_err(e)?;
-        // The second asks for two chunks more than its file holds.
-        let len = lens[i] + i * 2 * exs::SENDFILE_CHUNK;
         p.client
-            .sendfile(&p.eq_a, &f, 0, len, i as u64)
+            .sendfile(&p.eq_a, &f, 0, lens[i], i as u64)
             .map_err(e)?;
         handles.push(f);
     }
+    // The second file loses its last two chunks before they are read (it waits behind the first file).
+    handles[1]
+        .set_len((exs::SENDFILE_CHUNK * exs::SENDFILE_DEPTH + 10) as u64)
+        .map_err(e)?;
     let tail = p.region_a(pattern(3000, 22))?;
     let sent = p
         .client
@@ -721,6 +716,56 @@ fn sendfile_gives_up_then_send(b: &dyn Backend) -> Result<(), String> {
     ensure!(
         !sent || evs.iter().any(|x| x.context == 2 && !x.is_ok()),
         "the send after it fails: {evs:?}"
+    );
+    Ok(())
+}
+
+/// Reads `n` bytes of the stream on the pair's server side.
+fn read_stream(p: &exs::testing::Pair, n: usize) -> Result<Vec<u8>, String> {
+    let buf = p.region_b(1 << 20)?;
+    let mut got = Vec::with_capacity(n);
+    while got.len() < n {
+        p.server
+            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+            .map_err(e)?;
+        let r = next(&p.eq_b)?;
+        ensure!(r.is_ok() && r.bytes > 0, "after {} bytes: {r:?}", got.len());
+        let mut b = vec![0u8; r.bytes];
+        buf.read(0, &mut b).map_err(e)?;
+        got.extend_from_slice(&b);
+    }
+    Ok(got)
+}
+
+/// Review: a SOCK_STREAM sendfile read its range as it went, so a range past the end of a file was found only at
+/// the chunk past the end: for a file of more than a chunk the call succeeded and the connection was reset once part
+/// of the file had gone; within the first chunks the call failed. Now it is refused at the call, as on
+/// SOCK_SEQPACKET, whatever the file's size, and nothing of it goes: the connection carries on.
+fn stream_sendfile_past_the_end(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
+    for (len, count) in [
+        (100_000, 200_000),
+        (3 * exs::SENDFILE_CHUNK, 4 * exs::SENDFILE_CHUNK),
+    ] {
+        let mut f = tempfile::tempfile().map_err(e)?;
+        f.write_all(&pattern(len, 23)).map_err(e)?;
+        match p.client.sendfile(&p.eq_a, &f, 0, count, 5) {
+            Err(exs::SendError::File(fe)) if fe.kind == std::io::ErrorKind::UnexpectedEof => {}
+            other => return Err(format!("{count} bytes of a {len}-byte file: {other:?}")),
+        }
+    }
+    let tail = pattern(3000, 24);
+    let r = p.region_a(tail.clone())?;
+    p.client
+        .send(&p.eq_a, &r.all(), MsgFlags::NONE, 6)
+        .map_err(e)?;
+    let got = read_stream(&p, tail.len())?;
+    same(&got, &tail, "the send after the refused sendfiles, alone")?;
+    let ev = next(&p.eq_a)?;
+    ensure!(
+        ev.context == 6 && ev.is_ok(),
+        "the only event is the send's: {ev:?}"
     );
     Ok(())
 }

@@ -32,6 +32,11 @@ pub fn same_regions(got: &MemoryRegion, want: &MemoryRegion, what: &str) -> Resu
     )
 }
 
+/// An error as the cases report it (`.map_err(e)`).
+pub fn e<E: std::fmt::Display>(x: E) -> String {
+    x.to_string()
+}
+
 pub fn same(got: &[u8], want: &[u8], what: &str) -> Result<(), String> {
     if got.len() != want.len() {
         return Err(format!(

@@ -466,8 +466,10 @@ impl Engine {
         slice.check(self.ctx_id)?;
         let s = self.sock(sid)?;
         // After the peer closed, a message receive reports end-of-stream (as read(2) returns 0); a stream receive
-        // first takes what the stream buffer still holds.
-        let closed_stream = s.ty == SockType::Stream && s.peer_closed && s.conn.is_some();
+        // first takes what the stream buffer still holds (after a reset too, then the reset's error).
+        let closed_stream = s.ty == SockType::Stream
+            && s.conn.is_some()
+            && (s.peer_closed || s.phase == Phase::Down);
         if s.peer_closed && !closed_stream && matches!(s.phase, Phase::Disconnecting | Phase::Down)
         {
             crate::proto::conn::check_flags(flags, s.ty, offset.is_some())?;
@@ -582,8 +584,9 @@ impl Engine {
         let open = s.phase == Phase::Open;
         let (readable, writable) = match (&s.conn, open) {
             (Some(c), true) => c.readiness(),
-            // A connection whose peer closed is readable: bytes still buffered, then end-of-stream.
-            (Some(_), false) if s.peer_closed => (true, false),
+            // A connection whose peer closed is readable: bytes still buffered, then end-of-stream (or, after a
+            // reset, its error).
+            (Some(_), false) if s.peer_closed || s.phase == Phase::Down => (true, false),
             _ => (false, false),
         };
         let error = matches!(

@@ -326,14 +326,19 @@ impl Engine {
                 .stats
                 .ctrl_recv_bytes
                 .saturating_sub(conn_rx_bytes(&conn));
+            // A stream keeps its receiving state: bytes that arrived before the peer's close are still read (as
+            // after a TCP FIN), then receives see end-of-stream; after a reset, as TCP delivers the bytes it
+            // acknowledged, those the stream buffer holds are read, then receives fail with the reset's error.
+            let keep = sock.ty == SockType::Stream && !sock.user_closed;
             if sock.peer_closed && sock.down.is_none() {
                 conn.drop_all(OpError::PeerClosed);
             } else {
+                if keep {
+                    conn.on_reset(err.clone());
+                }
                 conn.drop_all(err.clone());
             }
-            // A stream whose peer closed keeps its state: bytes that arrived before the close are still read
-            // (as after a TCP FIN), then receives see end-of-stream.
-            if sock.ty == SockType::Stream && sock.peer_closed && !sock.user_closed {
+            if keep {
                 sock.conn = Some(conn);
             }
         }

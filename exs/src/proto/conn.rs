@@ -793,6 +793,14 @@ impl Conn {
         }
     }
 
+    /// The connection went down without the peer's close: a stream's bytes already received stay readable
+    /// ([`StreamProto::on_reset`](crate::proto::stream::StreamProto::on_reset)); call before [`Conn::drop_all`].
+    pub(crate) fn on_reset(&mut self, err: OpError) {
+        if let Some(Mode::Stream(s)) = &mut self.mode {
+            s.on_reset(err);
+        }
+    }
+
     /// The peer closed (CLOSE received).
     pub(crate) fn on_peer_close(&mut self, reason: CloseReason) {
         match &mut self.mode {

@@ -289,6 +289,9 @@ struct Rx {
     outstanding: usize,
     next_advert: u32,
     eof: bool,
+    /// The connection went down without the peer's close (a reset): once the bytes the stream buffer holds have
+    /// been read, receives fail with this error rather than see end-of-stream.
+    reset: Option<OpError>,
     /// Our receiving side ended ([`StreamProto::fail_receives`]): whatever the peer still writes is dropped.
     closed: bool,
     /// Receives that failed before the endpoint was released (the peer may still write an exposed one): their
@@ -453,6 +456,7 @@ impl StreamProto {
                 outstanding: 0,
                 next_advert: 1,
                 eof: false,
+                reset: None,
                 closed: false,
                 retired: Vec::new(),
                 key_wanted: false,
@@ -648,6 +652,23 @@ impl StreamProto {
         }
         if reason != CloseReason::ShutdownWrite {
             self.fail_sends(OpError::PeerClosed);
+        }
+    }
+
+    /// The connection went down without the peer's close (`err`: a reset, a timeout, a failure). As TCP delivers
+    /// the bytes it acknowledged before a reset, what the stream buffer holds goes to the receives posted and to
+    /// later ones (the engine keeps the connection's receiving state for them); then receives fail with `err`.
+    /// Called before [`StreamProto::drop_all`] fails what is left. After the peer's close, its end-of-stream
+    /// stands.
+    pub(crate) fn on_reset(&mut self, err: OpError) {
+        if self.rx.eof {
+            return;
+        }
+        self.rx.eof = true;
+        self.rx.reset = Some(err);
+        let _ = self.drain();
+        if self.rx.tail == self.rx.head {
+            self.finish_eof();
         }
     }
 

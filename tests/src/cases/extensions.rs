@@ -64,10 +64,6 @@ pub fn cases() -> Vec<Case> {
     ]
 }
 
-fn e<E: std::fmt::Display>(x: E) -> String {
-    x.to_string()
-}
-
 fn persistent_send(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let p = pair(&*net, SockType::SeqPacket, exs::SocketOptions::default())?;

@@ -20,6 +20,10 @@ pub fn cases() -> Vec<Case> {
             "both_sides_closing_with_traffic_both_ways_complete_every_send_delivered",
             both_close,
         ),
+        c(
+            "bytes_a_stream_holds_when_the_peer_resets_are_read_then_the_reset",
+            bytes_before_a_reset,
+        ),
     ]
 }
 
@@ -166,4 +170,65 @@ fn both_close(b: &dyn Backend) -> Result<(), String> {
     let rb = tb.join().map_err(|_| "server thread panicked")?;
     ra.map_err(|e| format!("client: {e}"))?;
     rb.map_err(|e| format!("server: {e}"))
+}
+
+/// Review: on a reset, the bytes a stream receiver already held in its stream buffer were thrown away with the
+/// connection: only those already in posted receives were read, then the reset. TCP delivers what it acknowledged
+/// before a reset, and the peer's sends had completed (the bytes were in this side's memory). Now receives read
+/// what the stream buffer holds, then fail with the reset. Here one send of 3,000 bytes lands in the stream
+/// buffer (no receive posted); a receive of 100 bytes shows it arrived; the sender resets; the rest is read, then
+/// the reset's error, and again on every later receive.
+fn bytes_before_a_reset(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
+    let data = pattern(3000, 31);
+    let src = p.region_a(data.clone())?;
+    p.client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+        .map_err(e)?;
+    let ev = next(&p.eq_a)?;
+    ensure!(ev.is_ok() && ev.bytes == data.len(), "the send: {ev:?}");
+    let buf = p.region_b(100)?;
+    p.server
+        .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 2)
+        .map_err(e)?;
+    let r = next(&p.eq_b)?;
+    ensure!(r.is_ok() && r.bytes == 100, "the first receive: {r:?}");
+    let mut got = vec![0u8; 100];
+    buf.read(0, &mut got).map_err(e)?;
+    p.client.abort().map_err(e)?;
+    let rest = p.region_b(1 << 20)?;
+    let mut failed = 0;
+    while failed < 2 {
+        match p.server.recv(&p.eq_b, &rest.all(), MsgFlags::NONE, 3) {
+            Ok(()) => {}
+            Err(err) => {
+                return Err(format!(
+                    "a receive refused after {} bytes: {err}",
+                    got.len()
+                ))
+            }
+        }
+        let r = next(&p.eq_b)?;
+        match &r.status {
+            Ok(()) => {
+                ensure!(
+                    r.bytes > 0,
+                    "a clean end of stream after {} bytes",
+                    got.len()
+                );
+                let mut b = vec![0u8; r.bytes];
+                rest.read(0, &mut b).map_err(e)?;
+                got.extend_from_slice(&b);
+            }
+            Err(err) => {
+                ensure!(
+                    matches!(err, exs::OpError::ConnectionReset),
+                    "the receive after the bytes: {err:?}"
+                );
+                failed += 1;
+            }
+        }
+    }
+    same(&got, &data, "the bytes read before the reset")
 }

@@ -449,15 +449,24 @@ impl StreamProto {
     }
 
     /// No more data will come: receives end with what they have, or with end-of-stream.
+    /// Completes the receives once the stream buffer is empty after the end of the stream: with the bytes they
+    /// hold, else end-of-stream, or after a reset its error ([`StreamProto::on_reset`]).
     pub(super) fn finish_eof(&mut self) {
         while let Some(r) = self.rx.recvs.pop_front() {
             drop(r.mem);
-            let flags = EventFlags {
-                eof: r.filled == 0,
-                truncated: false,
-                eor: false,
-            };
-            r.ticket.complete(Ok(()), r.filled, flags);
+            match &self.rx.reset {
+                Some(e) if r.filled == 0 => {
+                    r.ticket.complete(Err(e.clone()), 0, EventFlags::default());
+                }
+                _ => {
+                    let flags = EventFlags {
+                        eof: r.filled == 0,
+                        truncated: false,
+                        eor: false,
+                    };
+                    r.ticket.complete(Ok(()), r.filled, flags);
+                }
+            }
         }
     }
 }

@@ -106,6 +106,7 @@ impl ToErrno for OpError {
             OpError::Unreachable => libc::EHOSTUNREACH,
             OpError::Transport(t) => t.errno(),
             OpError::PersistentEnded => libc::ENODATA,
+            OpError::File(f) => f.errno(),
             other => kind_errno(other.io_kind()),
         }
     }
@@ -234,6 +235,16 @@ op_errno! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stream sendfile whose file could not be read part way reported the read's failure in its event as a
+    /// transport error (`EINVAL`, or `EIO` for a code with no `io::ErrorKind`): now the event has the read's own
+    /// code, as the call does.
+    #[test]
+    fn a_file_read_that_failed_gives_its_own_code_in_the_event_and_the_call() {
+        let f = FileError::from(std::io::Error::from_raw_os_error(libc::ESTALE));
+        assert_eq!(OpError::File(f.clone()).errno(), libc::ESTALE);
+        assert_eq!(SendError::File(f).errno(), libc::ESTALE);
+    }
 
     /// A registration the device refused (`ibv_reg_mr` of read-only memory: `EFAULT`) reached C as `EIO`, which
     /// the API keeps for a panic: the code's kind has no name in `std::io`. Now the call's own code is the errno.

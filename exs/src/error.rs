@@ -419,6 +419,7 @@ op_error! {
 /// A file could not be read (`sendfile`).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("reading the file: {message}")]
+#[non_exhaustive]
 pub struct FileError {
     /// The `std::io::ErrorKind` of the read.
     pub kind: io::ErrorKind,

@@ -249,8 +249,11 @@ impl FileSend {
                     }
                 }
                 if let Err(e) = st.refill(ev.context as usize, self) {
-                    st.failure.get_or_insert_with(|| {
-                        OpError::Transport(crate::TransportError::Invalid(e.to_string()))
+                    st.failure.get_or_insert_with(|| match e {
+                        SendError::File(f) => OpError::File(f),
+                        other => {
+                            OpError::Transport(crate::TransportError::Invalid(other.to_string()))
+                        }
                     });
                 }
             }
@@ -259,8 +262,7 @@ impl FileSend {
                     let sent = st.sent;
                     match st.failure.take() {
                         None => t.complete(Ok(()), sent, EventFlags::default()),
-                        // Part of the file may have reached the peer: never `Cancelled`.
-                        // A chunk posted may have reached the peer, completed or not.
+                        // A chunk posted may have reached the peer, completed or not: never `Cancelled` then.
                         Some(e) => {
                             let started = st.next > 0;
                             t.complete(Err(e.once_started(started)), sent, EventFlags::default())

@@ -469,7 +469,7 @@ impl Engine {
         // first takes what the stream buffer still holds (after a reset too, then the reset's error).
         let closed_stream = s.ty == SockType::Stream
             && s.conn.is_some()
-            && (s.peer_closed || s.phase == Phase::Down);
+            && (s.peer_closed || matches!(s.phase, Phase::Disconnecting | Phase::Down));
         if s.peer_closed && !closed_stream && matches!(s.phase, Phase::Disconnecting | Phase::Down)
         {
             crate::proto::conn::check_flags(flags, s.ty, offset.is_some())?;
@@ -521,6 +521,18 @@ impl Engine {
                 return Err(StateError::Persistent(why).into());
             }
             Err(RecvRefused::Peer(v)) => self.fault(sid, Fault::Peer(v)),
+        }
+        // A stream kept after a reset for the bytes its buffer held lets the connection go once they are read:
+        // later receives are refused with the reset, as on a connection that held none.
+        if let Some(s) = self.sockets.get_mut(&sid) {
+            let drained = s
+                .conn
+                .as_mut()
+                .and_then(|c| c.stream())
+                .is_some_and(|st| !st.holds_unread());
+            if s.phase == Phase::Down && !s.peer_closed && drained {
+                s.conn = None;
+            }
         }
         self.flush(sid);
         Ok(())
@@ -779,7 +791,7 @@ impl Engine {
     /// end of its stream and closes, as TCP's `getpeername` in CLOSE_WAIT); not after a reset.
     pub(crate) fn peer_addr(&mut self, sid: SocketId) -> R<Option<SocketAddr>, StateError> {
         let s = self.sock(sid)?;
-        if s.phase != Phase::Open && !s.peer_closed {
+        if s.phase != Phase::Open && !s.peer_full_close {
             return Err(StateError::NotConnected);
         }
         let (peer, ep) = (s.peer_addr, s.ep());

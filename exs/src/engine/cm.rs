@@ -329,8 +329,11 @@ impl Engine {
             // A stream keeps its receiving state: bytes that arrived before the peer's close are still read (as
             // after a TCP FIN), then receives see end-of-stream; after a reset, as TCP delivers the bytes it
             // acknowledged, those the stream buffer holds are read, then receives fail with the reset's error.
-            let keep = sock.ty == SockType::Stream && !sock.user_closed;
-            if sock.peer_closed && sock.down.is_none() {
+            // Only an established stream's; after a reset, only while the buffer holds bytes (the receive that
+            // empties it lets the connection go: `Engine::recv`).
+            let graceful = sock.peer_closed && sock.down.is_none();
+            let keep = sock.ty == SockType::Stream && !sock.user_closed && conn.stream().is_some();
+            if graceful {
                 conn.drop_all(OpError::PeerClosed);
             } else {
                 if keep {
@@ -338,7 +341,8 @@ impl Engine {
                 }
                 conn.drop_all(err.clone());
             }
-            if keep {
+            let unread = conn.stream().is_some_and(|s| s.holds_unread());
+            if keep && (sock.peer_closed || unread) {
                 sock.conn = Some(conn);
             }
         }

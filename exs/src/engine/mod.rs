@@ -168,8 +168,13 @@ impl Sock {
         }
     }
 
+    /// The connection's endpoint, while the transport has it (a stream's connection kept after a disconnect
+    /// names a released one).
     fn ep(&self) -> Option<EndpointId> {
-        self.conn.as_ref().map(|c| c.ep)
+        match self.phase {
+            Phase::Down => None,
+            _ => self.conn.as_ref().map(|c| c.ep),
+        }
     }
 }
 
@@ -688,7 +693,13 @@ impl Engine {
     /// timer). Returns the time if it was read, for the next flush of the same round.
     fn flush_at(&mut self, sid: SocketId, now: Option<Instant>) -> Option<Instant> {
         let _span = self.conn_span(sid).entered();
-        let Some(mut conn) = self.sockets.get_mut(&sid).and_then(|s| s.conn.as_mut()) else {
+        // A connection kept after a disconnect (a stream's bytes still to be read) has no endpoint to post to.
+        let Some(mut conn) = self
+            .sockets
+            .get_mut(&sid)
+            .filter(|s| s.phase != Phase::Down)
+            .and_then(|s| s.conn.as_mut())
+        else {
             return now;
         };
         // The keys first: the advertisements they let go out must not be overtaken by the STREAM_RING that gives

@@ -21,7 +21,8 @@ thread_local! {
 
 /// The calling thread's wake-up descriptor (see the module docs), or `None` if it could not be made.
 pub(super) fn this_thread() -> Option<Arc<EventFd>> {
-    WAKE.with(Clone::clone)
+    // `None` too while the thread's locals are being destroyed (a dequeue from a destructor).
+    WAKE.try_with(Clone::clone).ok().flatten()
 }
 
 /// Descriptors to write once the queue's lock is let go (most wake-ups wake one sleeper).

@@ -523,7 +523,8 @@ impl StreamProto {
     /// (seed 001), as it does whenever it has an advertisement.
     pub(crate) fn ring_needed(&self) -> Option<usize> {
         let rx = &self.rx;
-        (rx.ring_wanted && !rx.ring_refused && rx.ring.is_none()).then_some(rx.ring_len as usize)
+        (rx.ring_wanted && !rx.ring_refused && rx.ring.is_none() && !rx.eof && !rx.closed)
+            .then_some(rx.ring_len as usize)
     }
 
     /// Whether our application reads on this connection (see [`StreamProto::reading`]).
@@ -670,6 +671,11 @@ impl StreamProto {
         if self.rx.tail == self.rx.head {
             self.finish_eof();
         }
+    }
+
+    /// Whether the stream buffer holds bytes no receive has taken yet.
+    pub(crate) fn holds_unread(&self) -> bool {
+        self.rx.tail > self.rx.head
     }
 
     /// Fails the sends not yet done. A send part of which was handed to the transport may have reached the peer:

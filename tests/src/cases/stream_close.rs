@@ -176,8 +176,8 @@ fn both_close(b: &dyn Backend) -> Result<(), String> {
 /// connection: only those already in posted receives were read, then the reset. TCP delivers what it acknowledged
 /// before a reset, and the peer's sends had completed (the bytes were in this side's memory). Now receives read
 /// what the stream buffer holds, then fail with the reset. Here one send of 3,000 bytes lands in the stream
-/// buffer (no receive posted); a receive of 100 bytes shows it arrived; the sender resets; the rest is read, then
-/// the reset's error, and again on every later receive.
+/// buffer (no receive posted); a receive of 100 bytes shows it arrived; the sender resets, and once this side has
+/// seen the reset the rest is read, then every later receive fails with the reset (in its event, or refused).
 fn bytes_before_a_reset(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;
@@ -197,17 +197,23 @@ fn bytes_before_a_reset(b: &dyn Backend) -> Result<(), String> {
     let mut got = vec![0u8; 100];
     buf.read(0, &mut got).map_err(e)?;
     p.client.abort().map_err(e)?;
+    let seen = std::time::Instant::now();
+    while p.server.error().map_err(e)?.is_none() {
+        ensure!(seen.elapsed() < WAIT, "the reset never reached the server");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
     let rest = p.region_b(1 << 20)?;
-    let mut failed = 0;
-    while failed < 2 {
-        match p.server.recv(&p.eq_b, &rest.all(), MsgFlags::NONE, 3) {
-            Ok(()) => {}
-            Err(err) => {
-                return Err(format!(
-                    "a receive refused after {} bytes: {err}",
-                    got.len()
-                ))
-            }
+    let reset = |what: &str| format!("{what}: not the reset");
+    let mut failures = 0;
+    while failures < 2 {
+        if let Err(err) = p.server.recv(&p.eq_b, &rest.all(), MsgFlags::NONE, 3) {
+            ensure!(
+                err.to_string().contains("reset"),
+                "{}: {err}",
+                reset("a receive refused")
+            );
+            failures += 1;
+            continue;
         }
         let r = next(&p.eq_b)?;
         match &r.status {
@@ -224,9 +230,10 @@ fn bytes_before_a_reset(b: &dyn Backend) -> Result<(), String> {
             Err(err) => {
                 ensure!(
                     matches!(err, exs::OpError::ConnectionReset),
-                    "the receive after the bytes: {err:?}"
+                    "{}: {err:?}",
+                    reset("a receive's event")
                 );
-                failed += 1;
+                failures += 1;
             }
         }
     }

@@ -258,6 +258,28 @@ fn addresses_after_close(b: &dyn Backend) -> Result<(), String> {
         c.local_addr().map_err(s)? == local,
         "local_addr after a reset"
     );
+    // The peer shuts its sending side down, then resets: the reset ends the peer's address as well.
+    let net = b.net();
+    let (c, p3, _hosts3) = streams(&*net)?;
+    p3.shutdown(Shutdown::Write).map_err(s)?;
+    c.set_read_timeout(Some(WAIT)).map_err(s)?;
+    ensure!(
+        (&c).read(&mut one).map_err(s)? == 0,
+        "end-of-stream after the peer's shutdown"
+    );
+    ensure!(
+        c.peer_addr().is_ok(),
+        "peer_addr after the peer's shutdown(Write)"
+    );
+    p3.socket().abort().map_err(s)?;
+    let t = Instant::now();
+    while c.peer_addr().is_ok() {
+        ensure!(
+            t.elapsed() < WAIT,
+            "peer_addr after the peer's shutdown(Write) and reset"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     drop(hosts);
     Ok(())
 }

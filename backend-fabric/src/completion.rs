@@ -71,6 +71,8 @@ fn wc_error(err: i32) -> WcError {
     match err as u32 {
         FI_ECANCELED => WcError::Flushed,
         FI_ETIMEDOUT => WcError::RetryExceeded,
+        // A message longer than the receive it landed in (as verbs' IBV_WC_LOC_LEN_ERR).
+        FI_ETRUNC => WcError::LocalLength,
         // Connection reset / broken pipe / not connected / I/O error: the connection is gone.
         104 | 32 | 107 | 5 => WcError::Flushed,
         13 | 1 => WcError::RemoteAccess, // EACCES, EPERM

@@ -131,7 +131,7 @@ impl FabricTransport {
             // SAFETY: the provider refused the record, so it never saw the pointer; we reclaim it once.
             let rec = unsafe { self.records.take(rec) };
             return Err(PostError {
-                error: err("post", ret as i64),
+                error: err(call_name(&rec.op), ret as i64),
                 wr: WorkRequest {
                     wr_id: rec.wr_id,
                     op: rec.op,
@@ -180,6 +180,22 @@ fn with_gather<R>(sges: &[Sge], f: impl FnOnce(&[iovec], &mut [*mut c_void]) -> 
 /// # Safety
 /// As [`FabricTransport::post_record`]: `ep` is an enabled endpoint, `ctx` a live record that owns `local`, whose
 /// entries are leased ranges with the keys of live registrations.
+/// The provider call [`FabricTransport::post_record`] makes for `op` (named in a refusal's error).
+fn call_name(op: &Op) -> &'static str {
+    match op {
+        Op::Recv { .. } => "fi_recv",
+        Op::Send { imm: None, .. } => "fi_sendv",
+        Op::Send { imm: Some(_), .. } => "fi_senddata",
+        Op::Write {
+            local,
+            imm: Some(_),
+            ..
+        } if local.len() == 1 => "fi_writedata",
+        Op::Write { .. } => "fi_writemsg",
+        Op::Read { .. } => "fi_read",
+    }
+}
+
 unsafe fn write_gathered(
     ep: *mut fid_ep,
     ctx: *mut c_void,

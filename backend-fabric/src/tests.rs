@@ -602,3 +602,41 @@ fn transports_open_listen_and_connect_from_many_threads_at_once() {
         t.join().expect("a thread opening transports panicked");
     }
 }
+
+/// Review: a message longer than the receive it landed in (64 bytes, posted by `connected`) completed with
+/// `WcError::Other("Truncation error")`; it is the local length error every backend names (`FI_ETRUNC`, verbs'
+/// `IBV_WC_LOC_LEN_ERR`).
+#[test]
+fn a_message_longer_than_its_receive_is_a_local_length_error() {
+    let _serial = serial();
+    let (mut server, mut client) = connected(crate::CqWait::default(), 1);
+    let ep = EndpointId(1);
+    let buf = exs_dma::DmaBuf::new(256);
+    let reg = client.register(&buf).expect("register");
+    let lease = buf
+        .lease(0..256, exs_dma::LeaseKind::DeviceRead)
+        .expect("lease");
+    let sge = exs_transport::Sge::new(lease, reg).expect("sge");
+    let send = exs_transport::WorkRequest {
+        wr_id: 6,
+        op: exs_transport::Op::Send {
+            sges: vec![sge],
+            imm: None,
+        },
+    };
+    client.post(ep, send).expect("send");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut out = Vec::new();
+    let status = loop {
+        assert!(Instant::now() < deadline, "the receive never completed");
+        out.clear();
+        client.poll(&mut out, 16);
+        out.clear();
+        server.poll(&mut out, 16);
+        // The message lands in the first receive posted on the endpoint (the connection's own, then ours).
+        if let Some(c) = out.first() {
+            break c.status.clone();
+        }
+    };
+    assert_eq!(status, Err(exs_transport::WcError::LocalLength));
+}

@@ -467,8 +467,13 @@ fn tcp_client(
     srcs: &[Vec<u8>],
     progress: &mut Progress,
 ) -> Result<(u64, f64, f64)> {
-    let mut st = TcpStream::connect(addr)
+    // Bounded like every other wait of the client: a server that takes the bytes and never answers (or never reads)
+    // held it for ever.
+    let mut st = TcpStream::connect_timeout(&addr, PATIENCE)
         .with_context(|| format!("connecting to the server's TCP listener at {addr}"))?;
+    st.set_read_timeout(Some(PATIENCE))
+        .and_then(|()| st.set_write_timeout(Some(PATIENCE)))
+        .context("TCP timeouts")?;
     let (start, c0) = (Instant::now(), crate::pump::cpu_seconds());
     let (mut sent, mut i) = (0u64, 0usize);
     while sent < a.size {

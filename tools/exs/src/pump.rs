@@ -424,15 +424,19 @@ impl Measured {
         let msgs = self.server.msgs.max(self.client.msgs);
         self.client.usage.per_msg_json("client_", msgs, map);
         self.server.usage.per_msg_json("server_", msgs, map);
-        let switches = self.client.usage.switches(self.client.whole)
-            + self.server.usage.switches(self.server.whole);
+        let switches = self
+            .client
+            .usage
+            .switches(self.client.whole)
+            .saturating_add(self.server.usage.switches(self.server.whole));
         map.insert(
             "ctx_switches_per_msg".into(),
             (switches as f64 / msgs.max(1) as f64).into(),
         );
         // Issue 13: memory registered on the data path, both sides, per message (0: registered once, exposed
         // by window binds or per-connection keys).
-        let regs = self.client.usage.registrations + self.server.usage.registrations;
+        let regs =
+            (self.client.usage.registrations).saturating_add(self.server.usage.registrations);
         map.insert(
             "registrations_per_msg".into(),
             (regs as f64 / msgs.max(1) as f64).into(),

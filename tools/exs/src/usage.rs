@@ -73,10 +73,12 @@ impl Usage {
 
     /// Context switches, counting the progress thread's wake-ups where the process total is not measured.
     pub fn switches(&self, whole: bool) -> u64 {
+        // Saturating: a peer's figures come over the wire (a hostile server's made the sum overflow).
+        let switches = self.vcsw.saturating_add(self.ivcsw);
         if whole {
-            self.vcsw + self.ivcsw
+            switches
         } else {
-            self.vcsw + self.ivcsw + self.wakeups
+            switches.saturating_add(self.wakeups)
         }
     }
 
@@ -108,5 +110,24 @@ impl Usage {
             format!("{prefix}exposures_per_msg"),
             (self.exposures as f64 / n).into(),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Usage;
+
+    /// Review: a hostile server's `done` with counts near `u64::MAX` made the client's sum of context switches
+    /// overflow (a panic in a debug build, a wrong figure in a release one). The sums saturate.
+    #[test]
+    fn a_peers_huge_counts_do_not_overflow_the_sums() {
+        let u = Usage {
+            vcsw: u64::MAX,
+            ivcsw: u64::MAX,
+            wakeups: u64::MAX,
+            ..Usage::default()
+        };
+        assert_eq!(u.switches(true), u64::MAX);
+        assert_eq!(u.switches(false), u64::MAX);
     }
 }

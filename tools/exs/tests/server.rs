@@ -418,6 +418,26 @@ fn silent_connections_from_one_host_leave_room_for_the_others() {
     drop(silent);
 }
 
+/// Review: a server whose standard error went away (a log read through a pipe whose reader exited) stopped at
+/// its next log line: `eprintln!` panics on a broken pipe, and refusals are logged by the thread that accepts.
+/// Now log lines that cannot be written are dropped, and the server goes on serving.
+#[test]
+fn a_server_whose_log_reader_went_away_keeps_serving() {
+    let mut server = Server::start_logging("ping", free_port(), &[], false);
+    // The ninth connection from one host is refused and logged on the accepting thread.
+    let silent: Vec<Raw> = (0..8).map(|_| connect_from("127.0.0.5", &server)).collect();
+    let mut ninth = connect_from("127.0.0.5", &server);
+    let m = ninth.reply().expect("a refusal");
+    assert!(message(&m).contains("from your host"), "{m}");
+    drop(silent);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        server.alive(),
+        "the server stopped at a log line it could not write"
+    );
+    served("ping", &server);
+}
+
 /// Lines a careless or hostile client might send: noise, near-JSON, messages of every kind with fields of every
 /// type, and long ones.
 fn line() -> impl Strategy<Value = Vec<u8>> {

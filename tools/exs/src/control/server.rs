@@ -198,7 +198,7 @@ impl<S: Service> Server<S> {
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
                 Err(e) => {
                     // E.g. out of descriptors under a flood: wait a little rather than stop serving.
-                    eprintln!("exs {}: accepting a connection: {e}", S::TOOL);
+                    note(format_args!("exs {}: accepting a connection: {e}", S::TOOL));
                     std::thread::sleep(Duration::from_millis(100));
                 }
             }
@@ -240,7 +240,7 @@ impl<S: Service> Server<S> {
 
     fn log(&self, from: SocketAddr, what: &str) {
         if self.chatty {
-            eprintln!("exs {}: client {from}: {what}", S::TOOL);
+            note(format_args!("exs {}: client {from}: {what}", S::TOOL));
         }
     }
 
@@ -375,7 +375,8 @@ impl<S: Service> Server<S> {
             if self.json {
                 let line = serde_json::json!({"tool": format!("exs-{}-server", S::TOOL),
                     "client": from.to_string(), "params": params, "result": result});
-                println!("{line}");
+                // A reader that went away (`| head`) costs the report, never the session.
+                let _ = writeln!(std::io::stdout(), "{line}");
             }
             ch.send(&Msg::Done { result })?;
             n += 1;
@@ -454,4 +455,10 @@ fn wait_readable(listener: &TcpListener, wake: &UnixStream) -> Result<()> {
         let _ = (&*wake).read(&mut [0u8; 16]);
     }
     Ok(())
+}
+
+/// Writes a line to standard error, whatever becomes of it: `eprintln!` panics when the reader of a pipe went away,
+/// and a server must not stop (or lose a session) over its log.
+fn note(line: std::fmt::Arguments<'_>) {
+    let _ = writeln!(std::io::stderr(), "{line}");
 }

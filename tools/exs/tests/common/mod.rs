@@ -39,6 +39,12 @@ pub struct Server {
 impl Server {
     /// Starts `exs TOOL --server ARGS` on `port` and waits until it says it serves.
     pub fn start(tool: &str, port: u16, args: &[&str]) -> Server {
+        Self::start_logging(tool, port, args, true)
+    }
+
+    /// [`Server::start`], with the reader of its standard error gone once it serves (`keep_reading: false`): its
+    /// later log lines meet a broken pipe.
+    pub fn start_logging(tool: &str, port: u16, args: &[&str], keep_reading: bool) -> Server {
         let mut child = Command::new(EXE)
             .args([
                 tool,
@@ -63,10 +69,14 @@ impl Server {
         std::thread::spawn(move || {
             for line in BufReader::new(err).lines().map_while(Result::ok) {
                 eprintln!("server: {line}");
-                if line.contains("serving on") {
-                    let _ = tx.send(());
-                }
+                let serving = line.contains("serving on");
                 lines.lock().unwrap().push(line);
+                if serving {
+                    let _ = tx.send(());
+                    if !keep_reading {
+                        return;
+                    }
+                }
             }
         });
         rx.recv_timeout(Duration::from_secs(60))

@@ -418,6 +418,22 @@ fn silent_connections_from_one_host_leave_room_for_the_others() {
     drop(silent);
 }
 
+/// Review: silent connections from four hosts, each within its own count, took every place the server has, and
+/// every other client was refused for as long as they kept coming back. Now a newcomer lets the oldest connection
+/// that has not said hello go.
+#[test]
+fn silent_connections_from_a_few_hosts_do_not_keep_a_client_out() {
+    let server = Server::start("ping", free_port(), &[]);
+    let silent: Vec<Raw> = (11..15)
+        .flat_map(|h| (0..8).map(move |_| h))
+        .map(|h| connect_from(&format!("127.0.0.{h}"), &server))
+        .collect();
+    assert_eq!(silent.len(), 32);
+    let mut other = connect_from("127.0.0.2", &server);
+    assert_eq!(other.hello("ping")["msg"], "welcome");
+    drop(silent);
+}
+
 /// Review: a server whose standard error went away (a log read through a pipe whose reader exited) stopped at
 /// its next log line: `eprintln!` panics on a broken pipe, and refusals are logged by the thread that accepts.
 /// Now log lines that cannot be written are dropped, and the server goes on serving.

@@ -30,7 +30,8 @@ pub const HANDSHAKE: Duration = Duration::from_secs(5);
 /// How long a welcomed client may stay silent between its tests (it sends the next as soon as it has summed up
 /// the last: sorting a long ping run's samples takes a few seconds in a debug build).
 pub const IDLE: Duration = Duration::from_secs(30);
-/// Connections handled at once (saying hello, being told "busy", or running tests); more are refused at once.
+/// Connections handled at once (saying hello, being told "busy", or running tests). When all are taken, the one
+/// that has waited longest without saying hello is let go for a newcomer; with none such, more are refused at once.
 pub const MAX_CONNECTIONS: usize = 32;
 /// Connections one host may have at once (a quarter of [`MAX_CONNECTIONS`]).
 pub const MAX_PER_HOST: usize = MAX_CONNECTIONS / 4;
@@ -94,6 +95,10 @@ pub struct Server<S> {
     connections: AtomicUsize,
     /// Connections per client host (none of a host that has none).
     per_host: Mutex<HashMap<IpAddr, usize>>,
+    /// Connections that have not said hello yet, oldest first, by number: the oldest is let go when every place
+    /// is taken (see [`Server::admit`]).
+    unwelcomed: Mutex<std::collections::VecDeque<(u64, TcpStream)>>,
+    next_conn: std::sync::atomic::AtomicU64,
 }
 
 /// The server, held by one client's session; freed when the session ends, however it ends.
@@ -146,7 +151,46 @@ impl<S: Service> Server<S> {
             freed: Condvar::new(),
             connections: AtomicUsize::new(0),
             per_host: Mutex::new(HashMap::new()),
+            unwelcomed: Mutex::new(std::collections::VecDeque::new()),
+            next_conn: std::sync::atomic::AtomicU64::new(0),
         })
+    }
+
+    /// Lists a connection as waiting for its hello; its number.
+    fn await_hello(&self, stream: &TcpStream) -> Option<u64> {
+        let copy = stream.try_clone().ok()?;
+        let id = self.next_conn.fetch_add(1, Ordering::Relaxed);
+        self.unwelcomed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back((id, copy));
+        Some(id)
+    }
+
+    /// The connection's hello came (or its wait ended): it is no longer one to let go.
+    fn said_hello(&self, id: Option<u64>) {
+        if let Some(id) = id {
+            self.unwelcomed
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .retain(|(i, _)| *i != id);
+        }
+    }
+
+    /// Shuts the oldest connection still waiting for its hello down (its session then ends); whether there was one.
+    fn let_go_oldest_silent(&self) -> bool {
+        let oldest = self
+            .unwelcomed
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop_front();
+        match oldest {
+            Some((_, s)) => {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Counts a connection of `ip`'s, unless that host has [`MAX_PER_HOST`] already.
@@ -211,19 +255,24 @@ impl<S: Service> Server<S> {
         from: SocketAddr,
         finish: Option<(mpsc::Sender<Result<usize>>, UnixStream)>,
     ) {
-        if self.connections.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS {
-            self.connections.fetch_sub(1, Ordering::AcqRel);
-            refuse_at_once(stream, "too many connections at once; try again later");
-            self.log(from, "refused: too many connections at once");
-            return;
-        }
         if !self.count_host(from.ip()) {
-            self.connections.fetch_sub(1, Ordering::AcqRel);
             refuse_at_once(
                 stream,
                 &format!("too many connections from your host at once (this server takes {MAX_PER_HOST}); try again later"),
             );
             self.log(from, "refused: too many connections from its host at once");
+            return;
+        }
+        // Every place taken: the connection that has waited longest without a hello goes, so that silent
+        // connections from a few hosts (each within its own count) cannot keep every other client out. Its thread
+        // ends at once and gives its place back; until then the count runs one over.
+        if self.connections.fetch_add(1, Ordering::AcqRel) >= MAX_CONNECTIONS
+            && !self.let_go_oldest_silent()
+        {
+            self.connections.fetch_sub(1, Ordering::AcqRel);
+            self.uncount_host(from.ip());
+            refuse_at_once(stream, "too many connections at once; try again later");
+            self.log(from, "refused: too many connections at once");
             return;
         }
         let counted = Counted(Arc::clone(self), from.ip());
@@ -251,12 +300,15 @@ impl<S: Service> Server<S> {
         from: SocketAddr,
         finish: Option<(mpsc::Sender<Result<usize>>, UnixStream)>,
     ) {
+        let waiting = self.await_hello(&stream);
         // Its address starts every line of the log about it.
         let mut ch = match Channel::new(stream, "the client".into()) {
             Ok(ch) => ch,
             Err(e) => return self.log(from, &format!("{e:#}")),
         };
-        let slot = match self.greet(&mut ch, from) {
+        let greeted = self.greet(&mut ch, from);
+        self.said_hello(waiting);
+        let slot = match greeted {
             Ok(slot) => slot,
             Err(e) => {
                 let _ = ch.send(&Msg::Error {

@@ -197,7 +197,10 @@ impl Registration for FiRegistration {
 }
 
 /// What revokes a key on libfabric: the range's own registration in the connection's domain (closed, then the
-/// domain may close).
+/// domain may close). The lease goes back at once ([`Revoke::release`]'s default), though on the software providers
+/// closing the registration does not stop an access the peer began before (see the backends chapter, "A revoked key
+/// and an access already under way"): the engine revokes a key only once the protocol says the peer is done with
+/// it, or at the endpoint's release, which stops the provider's accesses.
 #[derive(Debug)]
 pub(crate) struct FiKey {
     pub(crate) mr: MrHandle,

@@ -420,7 +420,9 @@ pub fn run_tcppump(a: TcppumpArgs) -> Result<()> {
         return tcp_serve(a.size, a.nodelay, false);
     }
     let (mut child, addr) = spawn_tcp("tcppump", a.size, a.nodelay)?;
-    let mut s = TcpStream::connect(addr).with_context(|| format!("TCP connect to {addr}"))?;
+    let mut s = TcpStream::connect(addr)
+        .inspect_err(|_| crate::util::reap(&mut child))
+        .with_context(|| format!("TCP connect to {addr}"))?;
     s.set_nodelay(a.nodelay)?;
     let buf = vec![0x5Au8; a.size as usize];
     let (t0, c0) = (Instant::now(), cpu_seconds());
@@ -460,7 +462,9 @@ pub fn run_tcpping(a: TcppingArgs) -> Result<()> {
         return tcp_serve(a.size, a.nodelay, true);
     }
     let (mut child, addr) = spawn_tcp("tcpping", a.size, a.nodelay)?;
-    let mut s = TcpStream::connect(addr).with_context(|| format!("TCP connect to {addr}"))?;
+    let mut s = TcpStream::connect(addr)
+        .inspect_err(|_| crate::util::reap(&mut child))
+        .with_context(|| format!("TCP connect to {addr}"))?;
     s.set_nodelay(a.nodelay)?;
     let mut buf = vec![0x5Au8; a.size as usize];
     let warm = a.count / 10;

@@ -115,6 +115,13 @@ pub fn dequeue_watching(
     }
 }
 
+/// Stops a helper process this one started and collects it: on an early return it would otherwise wait in its
+/// `accept` for ever.
+pub fn reap(child: &mut Child) {
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
 /// Starts a helper process (a server side) and reads the `LISTEN <addr>` line it prints first; returns the child,
 /// the address, and the rest of its standard output.
 pub fn spawn_listening(cmd: &mut Command) -> Result<(Child, SocketAddr, BufReader<ChildStdout>)> {
@@ -128,9 +135,14 @@ pub fn spawn_listening(cmd: &mut Command) -> Result<(Child, SocketAddr, BufReade
     out.read_line(&mut line)
         .context("reading the server process's address")?;
     let addr = match line.trim().strip_prefix("LISTEN ") {
-        Some(a) => a
-            .parse()
-            .with_context(|| format!("the server process's address {a:?}"))?,
+        Some(a) => match a.parse() {
+            Ok(addr) => addr,
+            Err(e) => {
+                reap(&mut child);
+                return Err(anyhow::Error::new(e))
+                    .with_context(|| format!("the server process's address {a:?}"));
+            }
+        },
         None => {
             let st = child.wait().ok();
             bail!(

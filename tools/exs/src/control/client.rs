@@ -115,8 +115,8 @@ impl Peer {
                 cmd.args([S::TOOL, "--server", "--once", "--announce", "--port", "0"])
                     .args(backend.to_args())
                     .args(Limits::widest().to_args());
-                let (child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
-                let s = connect(&[addr], S::TOOL)?;
+                let (mut child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
+                let s = connect(&[addr], S::TOOL).inspect_err(|_| crate::util::reap(&mut child))?;
                 (
                     s,
                     format!("the server process (at {addr})"),

@@ -556,3 +556,71 @@ fn a_connect_timeout_needs_no_tokio_timer() {
     assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
     drop(silent);
 }
+
+/// A current-thread runtime, with its IO and time drivers.
+fn current_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Review: a context's reactor descriptors (the transport's, the leader's wake-up, its timer) went into the reactor
+/// of the runtime whose task led it first, and a task of another runtime that led later slept on them: while the
+/// first runtime was not driven (its `block_on` had returned), nothing woke the second's task but the progress
+/// thread taking the lead from it, a few milliseconds later, about once per wait (102 takings for 200 round trips).
+/// Now a leader of another runtime makes a set in its own reactor. Runtime A leads the client's context and is kept
+/// without being driven; runtime B then runs 200 one-byte round trips on another stream of that context.
+#[test]
+fn a_task_of_another_runtime_that_leads_sleeps_on_its_own_reactor() {
+    let world = World::threaded(SimConfig::default());
+    let (server_a, client, server_b) = (world.host(), world.host(), world.host());
+    let rt_a = current_thread();
+    let (a, a_peer) = rt_a.block_on(async {
+        let l = exs::tokio::Listener::bind_in(&server_a, world.addr(0, 9500))
+            .await
+            .unwrap();
+        let mut a = exs::tokio::Stream::connect_in(&client, l.local_addr().unwrap())
+            .await
+            .unwrap();
+        let a_peer = l.accept().await.unwrap().0;
+        let leads = client.progress_stats().task_leads;
+        let mut buf = [0u8; 8];
+        while client.progress_stats().task_leads == leads {
+            let r =
+                tokio::time::timeout(std::time::Duration::from_millis(20), a.read(&mut buf)).await;
+            assert!(r.is_err(), "nothing was sent");
+        }
+        (a, a_peer)
+    });
+    let before = client.progress_stats().task_steals;
+    current_thread().block_on(async {
+        let l = exs::tokio::Listener::bind_in(&server_b, world.addr(2, 9501))
+            .await
+            .unwrap();
+        let mut b = exs::tokio::Stream::connect_in(&client, l.local_addr().unwrap())
+            .await
+            .unwrap();
+        let mut b_peer = l.accept().await.unwrap().0;
+        let echo = tokio::spawn(async move {
+            let mut x = [0u8; 1];
+            while b_peer.read_exact(&mut x).await.is_ok() {
+                b_peer.write_all(&x).await.unwrap();
+            }
+        });
+        let mut x = [7u8; 1];
+        for _ in 0..200 {
+            b.write_all(&x).await.unwrap();
+            b.read_exact(&mut x).await.unwrap();
+        }
+        drop(b);
+        let _ = echo.await;
+    });
+    let steals = client.progress_stats().task_steals - before;
+    assert!(
+        steals < 20,
+        "the progress thread took the lead from runtime B's task {steals} times in 200 round trips"
+    );
+    drop((a, a_peer));
+    drop(rt_a);
+}

@@ -290,6 +290,9 @@ pub(crate) fn thread(shared: Arc<Shared>) {
         if lead.steal_from_stale_task(&called) {
             backoff = STANDBY;
             lead.thread_sleep.store(ABSENT, Ordering::SeqCst);
+            // The stale task's reactor registration goes (each completion would wake its runtime for nothing);
+            // the next task to lead registers in its own runtime.
+            lead.drop_task_fds();
             lead_as_thread(&shared, wait_fd.as_fd());
             continue;
         }

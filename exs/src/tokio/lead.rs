@@ -62,8 +62,12 @@ impl Follower for TaskFollower {
 
 /// What a leading task sleeps on, in the reactor: the transport's descriptor, the leader's wake-up eventfd, and a
 /// timer for the leader's wake-up time. One set per context (kept in its [`Lead`]), polled only by the task that
-/// leads it, so that a transport's signal wakes one task, not every stream that ever led.
+/// leads it, so that a transport's signal wakes one task, not every stream that ever led. The set is in one
+/// runtime's reactor: a task of another runtime that leads makes a set in its own (a task sleeping on a reactor
+/// its runtime does not drive was woken only when the progress thread took the lead from it).
 struct ReactorFds {
+    /// The runtime whose reactor holds the descriptors.
+    runtime: tokio::runtime::Id,
     transport: AsyncFd<QueueFd>,
     kick: AsyncFd<QueueFd>,
     timer: AsyncFd<Timer>,
@@ -83,7 +87,7 @@ impl ReactorFds {
     /// In the current runtime's reactor; `None` outside a runtime (a stream polled by another executor waits on
     /// its queue's descriptor only, which went into the reactor when the stream was made).
     fn new(poller: &dyn Poller) -> Option<ReactorFds> {
-        tokio::runtime::Handle::try_current().ok()?;
+        let runtime = tokio::runtime::Handle::try_current().ok()?.id();
         let [transport, kick] = poller.sleep_fds();
         let flags = TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC;
         let timer = TimerFd::new(ClockId::CLOCK_MONOTONIC, flags).ok()?;
@@ -91,6 +95,7 @@ impl ReactorFds {
         #[allow(deprecated)]
         let timer = AsyncFd::new(Timer(timer)).ok()?;
         Some(ReactorFds {
+            runtime,
             transport: async_fd(transport).ok()?,
             kick: async_fd(kick).ok()?,
             timer,
@@ -98,11 +103,15 @@ impl ReactorFds {
         })
     }
 
-    /// The context's set, made on first use.
+    /// The context's set in the current runtime's reactor, made on first use and again by a leader of another
+    /// runtime. Called by the task that leads: the set it replaces has no waiter (only the leader polls it).
     fn of(lead: &Lead, poller: &dyn Poller) -> Option<Arc<ReactorFds>> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?.id();
         let mut slot = lead.task_fds.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(fds) = slot.clone().and_then(|a| a.downcast::<ReactorFds>().ok()) {
-            return Some(fds);
+            if fds.runtime == runtime {
+                return Some(fds);
+            }
         }
         let fds = Arc::new(ReactorFds::new(poller)?);
         *slot = Some(fds.clone());
@@ -199,10 +208,10 @@ impl TaskLead {
             return Step::Alone;
         };
         // Before taking the lead: a task that cannot sleep through a reactor does not take it (or lets go).
-        let Some(fds) = ReactorFds::of(lead, &*poller) else {
+        if tokio::runtime::Handle::try_current().is_err() {
             self.release();
             return Step::Alone;
-        };
+        }
         self.follower.set(cx.waker());
         let term = match self.term.filter(|&t| lead.task_run(t)) {
             Some(t) => t,
@@ -227,6 +236,13 @@ impl TaskLead {
             self.term = None;
             return Step::Again;
         }
+        // Taken only now that this task leads: a set fetched before could be dropped (by the progress thread,
+        // taking the lead in between) while this task went on to lead and sleep on it, with nothing left to wake
+        // it.
+        let Some(fds) = ReactorFds::of(lead, &*poller) else {
+            self.release();
+            return Step::Alone;
+        };
         fds.arm(until);
         match poll_fds(&fds, cx) {
             Woken::Yes(kicked) => {

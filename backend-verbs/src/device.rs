@@ -31,7 +31,7 @@ const PROBE_INLINE: u32 = 1024;
 /// registration, including buffers the dma crate did not allocate itself), once per process, before the first
 /// registration. Kernels that keep pinned pages with the parent across fork need nothing
 /// (`IBV_FORK_UNNEEDED`); where verbs were already used in this process (say by a libfabric provider) it cannot be
-/// turned on any more, which is logged: the dma crate's own `MADV_DONTFORK` still covers the buffers it allocates.
+/// turned on any more, which is logged: the dma crate's own `MADV_WIPEONFORK` still covers the buffers it allocates.
 fn fork_safe() {
     static ONCE: std::sync::Once = std::sync::Once::new();
     ONCE.call_once(|| {

@@ -1,10 +1,10 @@
 //! Where [`DmaBuf`](crate::DmaBuf) memory comes from: whole pages, carved out of a few large mappings.
 //!
 //! Device-visible memory must not share a page with anything else, and must not be copied-on-write into a forked
-//! child while a device may write it (`MADV_DONTFORK`). Each buffer used to be a page-aligned allocation of its
-//! own with its own `madvise`, and the kernel keeps every such range as a mapping of its own: with ~10,000
-//! connections (a few control buffers each, both sides in one process) a process reached `vm.max_map_count`
-//! (65,530 by default) and allocations failed. So buffers of up to [`MAX_BLOCK_PAGES`] pages come from
+//! child while a device may write it (`MADV_WIPEONFORK`, see `map`). Each buffer used to be a page-aligned
+//! allocation of its own with its own `madvise`, and the kernel keeps every such range as a mapping of its own:
+//! with ~10,000 connections (a few control buffers each, both sides in one process) a process reached
+//! `vm.max_map_count` (65,530 by default) and allocations failed. So buffers of up to [`MAX_BLOCK_PAGES`] pages come from
 //! [`CHUNK_PAGES`]-page chunks that are mapped and marked once, in power-of-two blocks; a freed block's pages go
 //! back to the kernel (`MADV_DONTNEED`: they read as zero afterwards, so a block is zeroed when it is handed out
 //! again without being written) and the block waits on a free list for the next buffer of its size. Larger buffers
@@ -56,9 +56,12 @@ fn class_of(pages: usize) -> usize {
 ///
 /// Fork safety: registered memory is pinned. If a fork left it copy-on-write, the parent's next write would move
 /// the parent to a fresh page while the device kept reading and writing the old one, now the child's, and
-/// transfers would silently lose data. With `MADV_DONTFORK` the child simply has no such mapping (a child that
-/// execs, as most do, never needed it), and the parent's pages never move: what `ibv_fork_init` arranges for
-/// registrations, done here for every buffer this crate allocates, whatever the backend. Buffers taken over from a
+/// transfers would silently lose data. With `MADV_WIPEONFORK` the kernel copies nothing of such a mapping into the
+/// child, which gets it zero-filled, and the parent's pages never move: what `ibv_fork_init` arranges for
+/// registrations, done here for every buffer this crate allocates, whatever the backend. `MADV_DONTFORK` (the
+/// fallback, for kernels before 4.14) left the child with no mapping at all, while the child's copy of the arena
+/// and of every buffer still named those addresses: a buffer used in the child faulted, and one allocated there
+/// could be handed memory another mapping of the child had taken (a review). Buffers taken over from a
 /// `Vec` are not covered (their pages may hold other allocations, which a child may need).
 fn map(bytes: usize) -> Option<NonNull<u8>> {
     // SAFETY: an anonymous private mapping at an address the kernel chooses: no existing memory is affected.
@@ -75,10 +78,15 @@ fn map(bytes: usize) -> Option<NonNull<u8>> {
     if p == libc::MAP_FAILED {
         return None;
     }
-    // SAFETY: the range was just mapped by us; madvise changes only how fork treats it. Failure (an old kernel)
-    // leaves the default behaviour.
-    let r = unsafe { libc::madvise(p, bytes, libc::MADV_DONTFORK) };
-    debug_assert_eq!(r, 0, "madvise(MADV_DONTFORK) failed");
+    // SAFETY: the range was just mapped by us; madvise changes only how fork treats it. Failure of both (no such
+    // kernel) leaves the default behaviour.
+    let r = unsafe {
+        match libc::madvise(p, bytes, libc::MADV_WIPEONFORK) {
+            0 => 0,
+            _ => libc::madvise(p, bytes, libc::MADV_DONTFORK),
+        }
+    };
+    debug_assert_eq!(r, 0, "madvise(MADV_WIPEONFORK / MADV_DONTFORK) failed");
     NonNull::new(p.cast())
 }
 

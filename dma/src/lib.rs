@@ -284,17 +284,23 @@ impl DmaBuf {
     /// # Safety
     /// The caller promises, until the returned buffer is dropped (its last `Arc`, and so its last lease, is
     /// gone; `exs::MemoryRegion::into_dma_buf` says when that is):
-    /// 1. `ptr..ptr + len` is one allocation, valid for reads and writes, that does not move and is not freed or
+    /// 1. `ptr..ptr + len` is one allocation, valid for reads and writes, initialized (every byte written once, as
+    ///    `calloc` or `mmap` give it; `malloc`'s must be filled first), that does not move and is not freed or
     ///    unmapped;
-    /// 2. code outside this buffer's leases accesses the range only where no lease excludes it: it does not
-    ///    write a range a device reads (a send in flight) and does not touch a range a device writes (a receive
-    ///    in flight). Ranges under the shared kinds ([`LeaseKind::DeviceReadShared`],
-    ///    [`LeaseKind::DeviceWriteShared`]) may be accessed by the owner while the peer's device does, as seed
-    ///    002 (4.2, 4.3) describes; the bytes it sees may then be a mixture.
+    /// 2. no other `DmaBuf` covers any of these bytes (two buffers would keep two lease tables, and each would lend
+    ///    the same bytes out);
+    /// 3. code outside this buffer accesses the range only where no lease excludes it and no call on this buffer
+    ///    is copying it (`read_at`, `write_at`, `copy_into` and `copy_to` copy short ranges under the buffer's lock
+    ///    and hold no lease): it does not write a range a device reads (a send in flight) and does not touch a
+    ///    range a device writes (a receive in flight). Ranges under the shared kinds
+    ///    ([`LeaseKind::DeviceReadShared`], [`LeaseKind::DeviceWriteShared`]) may be accessed by the owner while
+    ///    the peer's device does, as seed 002 (4.2, 4.3) describes; the bytes it sees may then be a mixture. Where
+    ///    the device is simulated in this process (the `sim` backend) such accesses must be atomic or volatile.
     ///
     /// These are the rules any asynchronous I/O interface states for the memory handed to it (POSIX AIO, io_uring,
     /// ibv_reg_mr); the lease table still keeps every use made through this buffer in order.
-    /// Unlike [`DmaBuf::new`], the pages are not marked `MADV_DONTFORK` (they may hold the owner's other data).
+    /// Unlike [`DmaBuf::new`], the pages are not marked for fork (`MADV_WIPEONFORK`: they may hold the owner's other
+    /// data).
     pub unsafe fn from_raw_parts(ptr: NonNull<u8>, len: usize) -> Arc<Self> {
         Arc::new(Self {
             ptr,

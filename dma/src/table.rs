@@ -110,8 +110,10 @@ impl Table {
     }
 }
 
+/// Whether two ranges share a byte: an empty range shares none (an empty lease, from `split_at(0)` or of an empty
+/// range, refused the borrows and leases around it).
 fn overlap(a: &Range<usize>, b: &Range<usize>) -> bool {
-    a.start < b.end && b.start < a.end
+    a.start < a.end && b.start < b.end && a.start < b.end && b.start < a.end
 }
 
 fn any_overlaps(ranges: &[(u64, Range<usize>)], range: &Range<usize>) -> bool {

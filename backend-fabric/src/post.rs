@@ -172,14 +172,6 @@ fn with_gather<R>(sges: &[Sge], f: impl FnOnce(&[iovec], &mut [*mut c_void]) -> 
     }
 }
 
-/// Gathered write: one fi_writemsg with an iovec per entry and one remote range. A plain write (into a persistent
-/// receive) completes only once the bytes are at the peer, as an RC write does on verbs: the sender's completion is
-/// the only signal the peer gets (FI_DELIVERY_COMPLETE; found when faster progress let the sender's event overtake
-/// them).
-///
-/// # Safety
-/// As [`FabricTransport::post_record`]: `ep` is an enabled endpoint, `ctx` a live record that owns `local`, whose
-/// entries are leased ranges with the keys of live registrations.
 /// The provider call [`FabricTransport::post_record`] makes for `op` (named in a refusal's error).
 fn call_name(op: &Op) -> &'static str {
     match op {
@@ -196,6 +188,14 @@ fn call_name(op: &Op) -> &'static str {
     }
 }
 
+/// Gathered write: one fi_writemsg with an iovec per entry and one remote range. A plain write (into a persistent
+/// receive) completes only once the bytes are at the peer, as an RC write does on verbs: the sender's completion is
+/// the only signal the peer gets (FI_DELIVERY_COMPLETE; found when faster progress let the sender's event overtake
+/// them).
+///
+/// # Safety
+/// As [`FabricTransport::post_record`]: `ep` is an enabled endpoint, `ctx` a live record that owns `local`, whose
+/// entries are leased ranges with the keys of live registrations.
 unsafe fn write_gathered(
     ep: *mut fid_ep,
     ctx: *mut c_void,

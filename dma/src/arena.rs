@@ -4,11 +4,11 @@
 //! child while a device may write it (`MADV_WIPEONFORK`, see `map`). Each buffer used to be a page-aligned
 //! allocation of its own with its own `madvise`, and the kernel keeps every such range as a mapping of its own:
 //! with ~10,000 connections (a few control buffers each, both sides in one process) a process reached
-//! `vm.max_map_count` (65,530 by default) and allocations failed. So buffers of up to [`MAX_BLOCK_PAGES`] pages come from
-//! [`CHUNK_PAGES`]-page chunks that are mapped and marked once, in power-of-two blocks; a freed block's pages go
-//! back to the kernel (`MADV_DONTNEED`: they read as zero afterwards, so a block is zeroed when it is handed out
-//! again without being written) and the block waits on a free list for the next buffer of its size. Larger buffers
-//! get a mapping of their own.
+//! `vm.max_map_count` (65,530 by default) and allocations failed. So buffers of up to [`MAX_BLOCK_PAGES`] pages
+//! come from [`CHUNK_PAGES`]-page chunks that are mapped and marked once, in power-of-two blocks; a freed block's
+//! pages go back to the kernel (`MADV_DONTNEED`: they read as zero afterwards, so a block is zeroed when it is
+//! handed out again without being written) and the block waits on a free list for the next buffer of its size.
+//! Larger buffers get a mapping of their own.
 
 use std::ptr::NonNull;
 use std::sync::Mutex;

@@ -32,7 +32,8 @@ impl Socket {
     /// a SOCK_SEQPACKET socket all of them before the call returns, so the file may change afterwards without
     /// affecting what is sent; on a SOCK_STREAM socket chunk by chunk as earlier ones are sent, so the file must stay
     /// as it is until the event. A range that goes past the end of a regular file is refused
-    /// ([`SendError::File`], `UnexpectedEof`) before any memory is taken for it. On a SOCK_STREAM socket, a `len` of 0 sends nothing and completes at once (its event may
+    /// ([`SendError::File`], `UnexpectedEof`) before any memory is taken for it. On a SOCK_STREAM socket, a `len`
+    /// of 0 sends nothing and completes at once (its event may
     /// come before those of sends still in flight), or is refused where a send would be. Dropping the
     /// application's last handle of the socket while a stream sendfile runs closes it as
     /// [`close`](Socket::close) does. Like any send already started, the whole file goes before the end of stream of a

@@ -86,8 +86,7 @@ impl AsRawFd for Timer {
 impl ReactorFds {
     /// In the current runtime's reactor; `None` outside a runtime (a stream polled by another executor waits on
     /// its queue's descriptor only, which went into the reactor when the stream was made).
-    fn new(poller: &dyn Poller) -> Option<ReactorFds> {
-        let runtime = tokio::runtime::Handle::try_current().ok()?.id();
+    fn new(poller: &dyn Poller, runtime: tokio::runtime::Id) -> Option<ReactorFds> {
         let [transport, kick] = poller.sleep_fds();
         let flags = TimerFlags::TFD_NONBLOCK | TimerFlags::TFD_CLOEXEC;
         let timer = TimerFd::new(ClockId::CLOCK_MONOTONIC, flags).ok()?;
@@ -103,17 +102,20 @@ impl ReactorFds {
         })
     }
 
-    /// The context's set in the current runtime's reactor, made on first use and again by a leader of another
-    /// runtime. Called by the task that leads: the set it replaces has no waiter (only the leader polls it).
-    fn of(lead: &Lead, poller: &dyn Poller) -> Option<Arc<ReactorFds>> {
-        let runtime = tokio::runtime::Handle::try_current().ok()?.id();
+    /// The context's set in the reactor of `runtime` (the current one), made on first use and again by a leader of
+    /// another runtime. Called by the task that leads: the set it replaces has no waiter (only the leader polls it).
+    fn of(
+        lead: &Lead,
+        poller: &dyn Poller,
+        runtime: tokio::runtime::Id,
+    ) -> Option<Arc<ReactorFds>> {
         let mut slot = lead.task_fds.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(fds) = slot.clone().and_then(|a| a.downcast::<ReactorFds>().ok()) {
             if fds.runtime == runtime {
                 return Some(fds);
             }
         }
-        let fds = Arc::new(ReactorFds::new(poller)?);
+        let fds = Arc::new(ReactorFds::new(poller, runtime)?);
         *slot = Some(fds.clone());
         Some(fds)
     }
@@ -208,10 +210,10 @@ impl TaskLead {
             return Step::Alone;
         };
         // Before taking the lead: a task that cannot sleep through a reactor does not take it (or lets go).
-        if tokio::runtime::Handle::try_current().is_err() {
+        let Ok(runtime) = tokio::runtime::Handle::try_current().map(|h| h.id()) else {
             self.release();
             return Step::Alone;
-        }
+        };
         self.follower.set(cx.waker());
         let term = match self.term.filter(|&t| lead.task_run(t)) {
             Some(t) => t,
@@ -239,7 +241,7 @@ impl TaskLead {
         // Taken only now that this task leads: a set fetched before could be dropped (by the progress thread,
         // taking the lead in between) while this task went on to lead and sleep on it, with nothing left to wake
         // it.
-        let Some(fds) = ReactorFds::of(lead, &*poller) else {
+        let Some(fds) = ReactorFds::of(lead, &*poller, runtime) else {
             self.release();
             return Step::Alone;
         };

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use exs::{Event, EventQueue, MemoryRegion, SockType, SocketOptions};
+use exs::{Event, EventKind, EventQueue, MemoryRegion, MsgFlags, SockType, SocketOptions};
 
 use crate::Net;
 
@@ -79,4 +79,37 @@ pub fn pair(net: &dyn Net, ty: SockType, opts: SocketOptions) -> Result<Pair, St
         ..exs::testing::PairSpec::new(ty).options(opts)
     };
     spec.connect(&a, &b, net.listen_addr(0))
+}
+
+/// Reads `total` bytes on the pair's server side, with receives of up to `chunk` bytes; returns them.
+pub fn read_stream(
+    p: &Pair,
+    total: usize,
+    chunk: usize,
+    flags: MsgFlags,
+) -> Result<Vec<u8>, String> {
+    let buf = p.region_b(chunk)?;
+    let mut got = Vec::with_capacity(total);
+    while got.len() < total {
+        let want = chunk.min(total - got.len());
+        p.server
+            .recv(&p.eq_b, &buf.slice(0..want), flags, 0)
+            .map_err(e)?;
+        let ev = next(&p.eq_b)?;
+        ensure!(
+            ev.kind == EventKind::Recv && ev.is_ok() && ev.bytes >= 1,
+            "stream receive: {ev:?}"
+        );
+        if flags.contains(MsgFlags::WAITALL) {
+            ensure!(
+                ev.bytes == want,
+                "MSG_WAITALL returned {} of {want}",
+                ev.bytes
+            );
+        }
+        let mut b = vec![0u8; ev.bytes];
+        buf.read(0, &mut b).map_err(e)?;
+        got.extend_from_slice(&b);
+    }
+    Ok(got)
 }

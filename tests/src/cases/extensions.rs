@@ -574,7 +574,7 @@ fn sends_during_sendfile(b: &dyn Backend) -> Result<(), String> {
         want.extend_from_slice(&files[i]);
         want.extend_from_slice(&tails[i]);
     }
-    let got = read_stream(&p, want.len())?;
+    let got = read_stream(&p, want.len(), 1 << 20, MsgFlags::NONE)?;
     same(
         &got,
         &want,
@@ -717,23 +717,6 @@ fn sendfile_gives_up_then_send(b: &dyn Backend) -> Result<(), String> {
     Ok(())
 }
 
-/// Reads `n` bytes of the stream on the pair's server side.
-fn read_stream(p: &exs::testing::Pair, n: usize) -> Result<Vec<u8>, String> {
-    let buf = p.region_b(1 << 20)?;
-    let mut got = Vec::with_capacity(n);
-    while got.len() < n {
-        p.server
-            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
-            .map_err(e)?;
-        let r = next(&p.eq_b)?;
-        ensure!(r.is_ok() && r.bytes > 0, "after {} bytes: {r:?}", got.len());
-        let mut b = vec![0u8; r.bytes];
-        buf.read(0, &mut b).map_err(e)?;
-        got.extend_from_slice(&b);
-    }
-    Ok(got)
-}
-
 /// Review: a SOCK_STREAM sendfile read its range as it went, so a range past the end of a file was found only at
 /// the chunk past the end: for a file of more than a chunk the call succeeded and the connection was reset once part
 /// of the file had gone; within the first chunks the call failed. Now it is refused at the call, as on
@@ -757,7 +740,7 @@ fn stream_sendfile_past_the_end(b: &dyn Backend) -> Result<(), String> {
     p.client
         .send(&p.eq_a, &r.all(), MsgFlags::NONE, 6)
         .map_err(e)?;
-    let got = read_stream(&p, tail.len())?;
+    let got = read_stream(&p, tail.len(), 1 << 20, MsgFlags::NONE)?;
     same(&got, &tail, "the send after the refused sendfiles, alone")?;
     let ev = next(&p.eq_a)?;
     ensure!(

@@ -113,34 +113,6 @@ fn keys_only_when_advertised(b: &dyn Backend) -> Result<(), String> {
     Ok(())
 }
 
-/// Reads `total` bytes with receives of up to `chunk` bytes; returns them.
-fn read_stream(p: &Pair, total: usize, chunk: usize, flags: MsgFlags) -> Result<Vec<u8>, String> {
-    let buf = p.region_b(chunk)?;
-    let mut got = Vec::with_capacity(total);
-    while got.len() < total {
-        let want = chunk.min(total - got.len());
-        p.server
-            .recv(&p.eq_b, &buf.slice(0..want), flags, 0)
-            .map_err(|e| e.to_string())?;
-        let ev = next(&p.eq_b)?;
-        ensure!(
-            ev.kind == EventKind::Recv && ev.is_ok() && ev.bytes >= 1,
-            "stream receive: {ev:?}"
-        );
-        if flags.contains(MsgFlags::WAITALL) {
-            ensure!(
-                ev.bytes == want,
-                "MSG_WAITALL returned {} of {want}",
-                ev.bytes
-            );
-        }
-        let mut b = vec![0u8; ev.bytes];
-        buf.read(0, &mut b).map_err(|e| e.to_string())?;
-        got.extend_from_slice(&b);
-    }
-    Ok(got)
-}
-
 fn sizes(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let p = pair(&*net, SockType::Stream, exs::SocketOptions::default())?;

@@ -275,14 +275,18 @@ impl<S: Service> Server<S> {
             self.log(from, "refused: too many connections at once");
             return;
         }
+        // Listed here, by the one thread that accepts, not by its session's thread: a newcomer that finds every
+        // place taken must find every silent connection counted so far listed, however late their threads start.
+        let waiting = self.await_hello(&stream);
         let counted = Counted(Arc::clone(self), from.ip());
         let spawned = std::thread::Builder::new()
             .name(format!("exs-{}-client", S::TOOL))
             .spawn(move || {
                 let srv = &counted.0;
-                srv.session(stream, from, finish)
+                srv.session(stream, from, finish, waiting)
             });
         if let Err(e) = spawned {
+            self.said_hello(waiting);
             self.log(from, &format!("dropped: no thread for it ({e})"));
         }
     }
@@ -299,15 +303,20 @@ impl<S: Service> Server<S> {
         stream: TcpStream,
         from: SocketAddr,
         finish: Option<(mpsc::Sender<Result<usize>>, UnixStream)>,
+        waiting: Option<u64>,
     ) {
-        let waiting = self.await_hello(&stream);
         // Its address starts every line of the log about it.
-        let mut ch = match Channel::new(stream, "the client".into()) {
-            Ok(ch) => ch,
+        let ch = Channel::new(stream, "the client".into());
+        let greeted = ch.map(|mut ch| {
+            let g = self.greet(&mut ch, from);
+            (ch, g)
+        });
+        // Off the list of silent connections however the hello went (its copy of the stream goes with it).
+        self.said_hello(waiting);
+        let (mut ch, greeted) = match greeted {
+            Ok(x) => x,
             Err(e) => return self.log(from, &format!("{e:#}")),
         };
-        let greeted = self.greet(&mut ch, from);
-        self.said_hello(waiting);
         let slot = match greeted {
             Ok(slot) => slot,
             Err(e) => {

@@ -757,3 +757,140 @@ fn a_persistent_send_is_refused_while_the_peers_persistent_receive_waits_behind_
     let r = wait(&p.eq_b);
     assert!(r.is_ok() && r.bytes == 100, "{r:?}");
 }
+
+/// A manual world with a fixed latency and no jitter (deliveries in the order they were posted), a seqpacket
+/// socket accepted from a raw peer that drives the world while it waits, and the socket's queue.
+fn raw_accepted(
+    port: u16,
+) -> (
+    World,
+    exs::testing::RawPeer,
+    exs::Socket,
+    EventQueue,
+    exs::Context,
+) {
+    use exs::testing::{handshake, RawPeer};
+    use exs::wire::WireSockType;
+    let world = World::new(SimConfig {
+        latency: std::time::Duration::from_micros(100),
+        jitter: std::time::Duration::ZERO,
+        ..SimConfig::default()
+    });
+    let ctx = world.host();
+    let eq = EventQueue::new(16).unwrap();
+    let l = exs::Socket::new(&ctx, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, port)).unwrap();
+    let addr = l.listen(4).unwrap();
+    l.accept(&eq, 1).unwrap();
+    let w = world.clone();
+    let raw = RawPeer::connect_with(
+        Box::new(world.raw_host()),
+        addr,
+        &handshake(WireSockType::SeqPacket).encode(),
+        Box::new(move || {
+            w.drive();
+        }),
+    )
+    .unwrap();
+    let mut ev = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
+    let s = ev.take_accepted().unwrap();
+    (world, raw, s, eq, ctx)
+}
+
+/// The raw peer's first advert (`flags`, 4096 bytes at `at`), which then arrives, and its end (on its way).
+fn advert_then_end(
+    world: &World,
+    raw: &mut exs::testing::RawPeer,
+    flags: u32,
+    at: exs::transport::RemoteRef,
+) {
+    use exs::wire::{Advert, AdvertFlags, Body, Message};
+    raw.send_msg(&Message::new(Body::Advert(Advert {
+        seq: 0,
+        flags: AdvertFlags(flags),
+        len: 4096,
+        addr: at.addr,
+        rkey: at.key,
+    })))
+    .unwrap();
+    world.run_for(std::time::Duration::from_millis(1));
+    raw.send_msg(&Message::new(Body::PersistentEnd {
+        seq: 0,
+        echo: false,
+    }))
+    .unwrap();
+}
+
+/// Review finding: the peer ended its persistent send while a receive's read of it was in flight, and shut down
+/// writing; a receive made behind it waited for ever (end-of-stream went only to receives beyond the queued
+/// adverts, and the ended send counted as one though it would never take a receive).
+#[test]
+fn a_receive_behind_an_ended_persistent_send_sees_the_end_of_a_half_closed_peer() {
+    use exs::wire::{AdvertFlags, Body, CloseReason, Message};
+    let (world, mut raw, s, eq, ctx) = raw_accepted(7001);
+    let data = pattern(4096, 5);
+    let exposed = raw.expose(&data).unwrap();
+    // The end and the half close leave half a latency before the first receive's read: they arrive while it is
+    // in flight, and the second receive comes after them.
+    advert_then_end(&world, &mut raw, AdvertFlags::PERSISTENT, exposed.remote());
+    raw.send_msg(&Message::new(Body::Close(CloseReason::ShutdownWrite)))
+        .unwrap();
+    world.run_for(std::time::Duration::from_micros(50));
+    let first = MemoryRegion::alloc(&ctx, 4096).unwrap();
+    let second = MemoryRegion::alloc(&ctx, 4096).unwrap();
+    s.recv(&eq, &first.all(), MsgFlags::NONE, 2).unwrap();
+    world.run_for(std::time::Duration::from_micros(60));
+    s.recv(&eq, &second.all(), MsgFlags::NONE, 3).unwrap();
+    let a = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
+    assert!(
+        a.is_ok() && a.context == 2 && a.bytes == 4096 && !a.flags.eof,
+        "{a:?}"
+    );
+    assert_bytes_eq(&first.to_vec().unwrap(), &data, "the persistent send");
+    let b = eq.next(Some(std::time::Duration::from_secs(10)));
+    assert!(
+        matches!(&b, Ok(e) if e.is_ok() && e.context == 3 && e.flags.eof),
+        "the receive behind the ended send: {b:?}"
+    );
+    drop(exposed);
+}
+
+/// Review finding: once the peer had ended its persistent receive (our write into it still in flight), a small
+/// send, planned as immediate data, failed with `PersistentEnded`: it was still taken for a write into that
+/// receive. It now goes as a message.
+#[test]
+fn a_small_send_after_the_peer_ended_its_persistent_receive_goes_as_a_message() {
+    use exs::wire::{AdvertFlags, Body, Message};
+    use std::time::Duration;
+    let (world, mut raw, s, eq, ctx) = raw_accepted(7002);
+    let sink = raw.expose_writable(4096).unwrap();
+    // The end leaves half a latency before our first send's write: it arrives while that write is in flight.
+    advert_then_end(
+        &world,
+        &mut raw,
+        AdvertFlags::PERSISTENT_RECV,
+        sink.remote(),
+    );
+    world.run_for(Duration::from_micros(50));
+    let src = MemoryRegion::from_vec(&ctx, pattern(100, 8)).unwrap();
+    s.send(&eq, &src.all(), MsgFlags::NONE, 1).unwrap();
+    world.run_for(Duration::from_micros(60));
+    let second = MemoryRegion::from_vec(&ctx, pattern(100, 9)).unwrap();
+    s.send(&eq, &second.all(), MsgFlags::NONE, 2).unwrap();
+    let advert = |p: &exs::testing::RawPeer| {
+        p.received.iter().find_map(|m| match m {
+            Ok(Message {
+                body: Body::Advert(a),
+                ..
+            }) if a.flags.has(AdvertFlags::IMMEDIATE) => Some(*a),
+            _ => None,
+        })
+    };
+    raw.pump(Duration::from_secs(10), |p| advert(p).is_some());
+    let mut evs = Vec::new();
+    eq.poll(&mut evs, 16);
+    assert!(evs.iter().all(|e| e.is_ok()), "no send failed: {evs:?}");
+    let a = advert(&raw).expect("the second send as an immediate advert");
+    assert_eq!(a.len, 100);
+    drop(sink);
+}

@@ -342,7 +342,12 @@ impl MessageProto {
     pub(crate) fn send(&mut self, req: SendReq, link: &mut Link) {
         if req.persistent.is_none() {
             if let (Some(p), SendData::Inline(_)) = (self.peer_precv, &req.data) {
-                return self.write_to_peer(req, p, link);
+                // Once the peer has ended its persistent receive, a small send planned as immediate data goes
+                // as an advert as usual ([`MessageProto::writes_to_peer`] said so when it was planned); only one
+                // planned as a write into that receive (an offset, or more than immediate data takes) fails.
+                if !p.ending || req.offset > 0 || req.len > self.small_max {
+                    return self.write_to_peer(req, p, link);
+                }
             }
         }
         if req.offset > 0 {

@@ -202,6 +202,39 @@ impl RawPeer {
             .map_err(|e| e.to_string())
     }
 
+    /// Asks the exs side for its stream buffer (STREAM_RING_WANTED) and waits for its address and key
+    /// (STREAM_RING).
+    pub fn ask_stream_ring(&mut self) -> Result<RemoteRef, String> {
+        self.send_msg(&Message::new(crate::wire::Body::StreamRingWanted))?;
+        let find = |p: &RawPeer| {
+            p.received.iter().find_map(|m| match m {
+                Ok(Message {
+                    body: crate::wire::Body::StreamRing { addr, rkey },
+                    ..
+                }) => Some(RemoteRef {
+                    addr: *addr,
+                    key: *rkey,
+                }),
+                _ => None,
+            })
+        };
+        self.pump(Duration::from_secs(20), |p| find(p).is_some());
+        find(self).ok_or_else(|| "the stream buffer's key never arrived (STREAM_RING)".into())
+    }
+
+    /// Exposes `len` bytes (at most 128 KiB) for the exs side to write into (a persistent receive's memory); the
+    /// exposure must be kept alive while it may write.
+    pub fn expose_writable(&mut self, len: usize) -> Result<Box<dyn Exposure>, String> {
+        let off = 896 << 10;
+        let lease = self
+            .tx
+            .lease(off..off + len, LeaseKind::DeviceWrite)
+            .map_err(|e| e.to_string())?;
+        self.t
+            .expose(self.ep, &self.tx_reg, lease, RemoteAccess::Write)
+            .map_err(|e| e.to_string())
+    }
+
     /// Bytes last read by [`RawPeer::read`].
     pub fn read_back(&self, len: usize) -> Vec<u8> {
         let mut v = vec![0u8; len];

@@ -262,21 +262,7 @@ fn stream_ring_key(a: &mut RawPeer) -> Result<RemoteRef, String> {
             key: a.peer.stream_rkey,
         });
     }
-    a.send_msg(&Message::new(Body::StreamRingWanted))?;
-    let find = |p: &RawPeer| {
-        p.received.iter().find_map(|m| match m {
-            Ok(Message {
-                body: Body::StreamRing { addr, rkey },
-                ..
-            }) => Some(RemoteRef {
-                addr: *addr,
-                key: *rkey,
-            }),
-            _ => None,
-        })
-    };
-    a.pump(Duration::from_secs(20), |p| find(p).is_some());
-    Ok(find(a).ok_or("the stream buffer's key never arrived (STREAM_RING)")?)
+    a.ask_stream_ring()
 }
 
 /// The first stream advert (a receive buffer for direct transfers) the raw peer received.

@@ -176,6 +176,7 @@ impl MessageProto {
         }
         // Transfers that need no read (immediate data, empty receive buffers) are complete now.
         self.complete_transfers(link);
+        self.end_unmatched_receives();
     }
 
     /// The peer's persistent receive reached the head (seed 002, 4.3): our sends with an offset write into it.

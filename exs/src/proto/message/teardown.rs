@@ -10,10 +10,7 @@ impl MessageProto {
         if reason == crate::wire::CloseReason::ShutdownWrite {
             // Half close: every advert the peer sent came before; they are still read (the peer waits for
             // that), and receives beyond them see end-of-stream. Our sends go on.
-            let waiting = self.recvs.len().saturating_sub(self.adverts.len());
-            for r in self.recvs.drain(self.recvs.len() - waiting..) {
-                r.ticket.complete_eof();
-            }
+            self.end_unmatched_receives();
             return;
         }
         self.adverts.clear();
@@ -24,6 +21,20 @@ impl MessageProto {
             t.failed.get_or_insert(OpError::PeerClosed);
         }
         self.fail_sends(OpError::PeerClosed);
+    }
+
+    /// Once the peer has closed its side, receives that no advert can take any more see end-of-stream: those
+    /// left when the last advert has been matched or consumed. Nothing else will come (an advert after the close
+    /// is a violation). Counting waiting receives against queued adverts is not enough: an ended persistent send
+    /// waiting for its read, or the peer's persistent receive, stays queued without ever taking a receive, and
+    /// the receives behind it waited for ever (review: a receive after the peer ended its persistent send and shut
+    /// down writing).
+    pub(super) fn end_unmatched_receives(&mut self) {
+        if self.peer_closed && self.adverts.is_empty() {
+            for r in self.recvs.drain(..) {
+                r.ticket.complete_eof();
+            }
+        }
     }
 
     pub(super) fn fail_sends(&mut self, err: OpError) {

@@ -717,3 +717,19 @@ fn a_burst_of_small_sends_shares_buffers_and_arrives_in_order() {
         }
     }
 }
+
+/// The bound on a connection's queued control messages counts only those waiting: a connection that sends many
+/// more than the bound over its life, each advert and acknowledgment leaving as credits come back, keeps going.
+#[test]
+fn more_control_messages_than_a_connection_may_queue_go_through_over_its_life() {
+    let p = pair(SockType::SeqPacket);
+    for i in 0..5000u64 {
+        let data = pattern(64, i);
+        let (s, r, got) = p.transfer(&data, 64);
+        assert!(s.is_ok() && r.is_ok(), "message {i}: {s:?} {r:?}");
+        assert_eq!(got, data, "message {i}");
+    }
+    let link = p.client.stats().unwrap().link;
+    assert!(link.ctrl_sent >= 5000, "{link:?}");
+    assert_eq!(link.ctrl_queued, 0, "{link:?}");
+}

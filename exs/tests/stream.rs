@@ -800,3 +800,77 @@ fn adverts_made_stale_by_an_indirect_transfer_do_not_count_against_the_next() {
     assert!(wait(&p.eq_a).is_ok());
     assert_eq!(p.client.error().unwrap(), None);
 }
+
+/// Review finding: where a write with immediate data costs the peer no credit (libfabric providers without
+/// `FI_RX_CQ_DATA`), a peer that returned none of our credits while it wrote into our stream buffer made us queue
+/// a message for every receive the application made (its advertisement) and every quarter of the buffer it read
+/// (a window update), without bound. The queue is now bounded: past `CTRL_BACKLOG_MAX` messages the connection
+/// is closed for the peer's violation (window updates queued back to back fold into one: `link::tests`).
+#[test]
+fn a_creditless_writer_cannot_make_us_queue_control_messages_without_bound() {
+    use exs::testing::{handshake, RawPeer};
+    use exs::transport::RemoteRef;
+    use exs::wire::{Imm, WireSockType};
+    use exs::{OpError, Violation};
+    const RING: usize = 16 << 10;
+    const CHUNK: usize = 2048;
+    let mut cfg = SimConfig::default();
+    cfg.caps.imm_consumes_recv = false;
+    let world = exs::sim::World::new(cfg);
+    let ctx = world.host();
+    let eq = exs::EventQueue::new(16).unwrap();
+    let l = exs::Socket::new(&ctx, SockType::Stream).unwrap();
+    l.set_options(SocketOptions::default().with_stream_buffer_size(RING as u32))
+        .unwrap();
+    l.bind(world.addr(0, 7100)).unwrap();
+    let addr = l.listen(4).unwrap();
+    l.accept(&eq, 1).unwrap();
+    let mut hs = handshake(WireSockType::Stream);
+    (hs.stream_len, hs.stream_addr, hs.stream_rkey) = (4096, 0x10_000, 1);
+    let w = world.clone();
+    let mut raw = RawPeer::connect_with(
+        Box::new(world.raw_host()),
+        addr,
+        &hs.encode(),
+        Box::new(move || {
+            w.drive();
+        }),
+    )
+    .unwrap();
+    let mut ev = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
+    let s = ev.take_accepted().unwrap();
+    let ring = raw.ask_stream_ring().unwrap();
+    let dst = MemoryRegion::alloc(&ctx, CHUNK).unwrap();
+    let (mut most, mut closed) = (0, None);
+    for i in 0..10_000usize {
+        let data = pattern(CHUNK, i as u64);
+        let at = RemoteRef {
+            addr: ring.addr + ((i * CHUNK) % RING) as u64,
+            key: ring.key,
+        };
+        let Ok(id) = raw.write(at, &data, Some(Imm::Indirect(CHUNK as u32).encode())) else {
+            break;
+        };
+        if raw.wait_done(id).is_err() {
+            break;
+        }
+        s.recv(&eq, &dst.all(), MsgFlags::WAITALL, i as u64)
+            .unwrap();
+        let r = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
+        if let Err(e) = &r.status {
+            closed = Some((i, e.clone()));
+            break;
+        }
+        assert_eq!(r.bytes, CHUNK, "chunk {i}: {r:?}");
+        assert_bytes_eq(&dst.to_vec().unwrap(), &data, "a chunk");
+        most = most.max(s.stats().unwrap().link.ctrl_queued);
+    }
+    assert!(
+        matches!(
+            &closed,
+            Some((_, OpError::PeerMisbehaved(Violation::ControlBacklog { .. })))
+        ),
+        "after {most} control messages queued at most: {closed:?}"
+    );
+    assert!(most <= 4097, "{most} control messages queued");
+}

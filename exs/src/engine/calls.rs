@@ -811,7 +811,7 @@ impl Engine {
         let s = self.sockets.get_mut(&sid)?;
         let conn = s.conn.as_mut()?;
         Some(super::ConnStats {
-            link: conn.link.stats,
+            link: conn.link.stats(),
             message: conn.message().map(|m| m.stats).unwrap_or_default(),
             stream: conn.stream().map(|st| st.stats()).unwrap_or_default(),
             window_in: conn.link.window_in(),

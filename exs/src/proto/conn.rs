@@ -409,11 +409,13 @@ impl Conn {
                     m.queue_ack(&mut self.link);
                 }
                 self.link.flush(out, &mut **m);
+                self.link.check_backlog()?;
                 Ok(m.ack_due())
             }
             Some(Mode::Stream(s)) => {
                 let pumped = s.pump(&mut self.link);
                 self.link.flush(out, &mut ());
+                self.link.check_backlog()?;
                 pumped.map(|()| s.window_waiting())
             }
             None => {

@@ -51,6 +51,13 @@ pub(crate) const PACK_SLOTS: u32 = 2;
 /// Smallest control window a connection accepts (see the deadlock argument above).
 pub(crate) const MIN_WINDOW: u32 = 4;
 
+/// Control messages one connection may hold waiting for the peer's credits. What a peer's messages make us
+/// answer is bounded by the credits we give it, except where its writes with immediate data cost it none
+/// (transports whose write-with-immediate consumes no receive); what our own application makes us send (adverts, offset notices,
+/// read notifications) goes as fast as a peer that runs returns credits. Far above both: only a peer that keeps
+/// us answering and never returns a credit reaches it.
+pub(crate) const CTRL_BACKLOG_MAX: usize = 4096;
+
 const CLASS_SHIFT: u32 = 62;
 const CLASS_RECV: u64 = 0;
 const CLASS_CTRL: u64 = 1;
@@ -212,6 +219,10 @@ pub struct LinkStats {
     pub packets: u64,
     /// Control messages that travelled in such sends.
     pub packed: u64,
+    /// Stream window updates folded into one still queued (both report the total consumed).
+    pub windows_merged: u64,
+    /// Control messages waiting now (for credits, or behind others).
+    pub ctrl_queued: u64,
 }
 
 impl LinkStats {
@@ -251,6 +262,8 @@ pub(crate) struct Link {
     imm_consumes_recv: bool,
     urgent: VecDeque<Outgoing>,
     normal: VecDeque<Outgoing>,
+    /// Control messages in `normal` (see [`CTRL_BACKLOG_MAX`]).
+    ctrl_backlog: usize,
     reads: VecDeque<(DataOp, u32)>,
     credit_queued: bool,
     /// Keepalive intervals in a row through which messages waited for credits and none came back (see
@@ -327,6 +340,7 @@ impl Link {
             imm_consumes_recv,
             urgent: VecDeque::new(),
             normal: VecDeque::new(),
+            ctrl_backlog: 0,
             reads: VecDeque::new(),
             credit_queued: false,
             keepalive_queued: false,
@@ -378,6 +392,14 @@ impl Link {
         self.window_out - self.spent
     }
 
+    /// The counters, with the control messages waiting now.
+    pub(crate) fn stats(&self) -> LinkStats {
+        LinkStats {
+            ctrl_queued: self.ctrl_backlog as u64,
+            ..self.stats
+        }
+    }
+
     /// Whether nothing waits to be posted (after the final CLOSE nothing will be).
     pub(crate) fn is_idle(&self) -> bool {
         self.closed || (self.urgent.is_empty() && self.normal.is_empty() && self.reads.is_empty())
@@ -395,6 +417,7 @@ impl Link {
     pub(crate) fn discard(&mut self) {
         self.urgent.clear();
         self.normal.clear();
+        self.ctrl_backlog = 0;
         self.reads.clear();
         self.closed = true;
     }
@@ -414,12 +437,42 @@ impl Link {
     }
 
     /// Queues a control message. `notify` is handed back by [`Link::on_ctrl_done`] when its send completes.
+    ///
+    /// A STREAM_WINDOW right behind another still queued replaces what that one says (both report the total
+    /// consumed): a peer that withholds our credits while its writes, which cost it none on some transports, keep
+    /// us reporting space made one queued message per report, without bound (review finding).
     pub(crate) fn push_ctrl(&mut self, body: Body, inline: Option<Sge>, notify: Option<u32>) {
+        if let (
+            Body::StreamWindow { consumed },
+            Some(Outgoing::Ctrl {
+                body: Body::StreamWindow { consumed: queued },
+                notify: None,
+                ..
+            }),
+            None,
+        ) = (body, self.normal.back_mut(), notify)
+        {
+            *queued = consumed;
+            self.stats.windows_merged += 1;
+            return;
+        }
+        self.ctrl_backlog += 1;
         self.normal.push_back(Outgoing::Ctrl {
             body,
             inline,
             notify,
         });
+    }
+
+    /// [`Violation::ControlBacklog`] once more than [`CTRL_BACKLOG_MAX`] control messages wait: the peer returns
+    /// none of our credits and still makes us answer. Whatever it does, what a connection queues stays bounded.
+    pub(crate) fn check_backlog(&self) -> Result<(), Violation> {
+        if self.ctrl_backlog > CTRL_BACKLOG_MAX {
+            return Err(Violation::ControlBacklog {
+                queued: self.ctrl_backlog,
+            });
+        }
+        Ok(())
     }
 
     /// Queues a control message that may use the reserve credit (CLOSE).
@@ -618,7 +671,11 @@ impl Link {
         if urgent {
             self.urgent.pop_front()
         } else {
-            self.normal.pop_front()
+            let o = self.normal.pop_front();
+            if matches!(o, Some(Outgoing::Ctrl { .. })) {
+                self.ctrl_backlog -= 1;
+            }
+            o
         }
     }
 

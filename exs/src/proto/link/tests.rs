@@ -63,8 +63,9 @@ fn coalescing() -> Link {
     link
 }
 
-fn window(consumed: u64) -> Body {
-    Body::StreamWindow { consumed }
+/// A small control message (not a window update: those queued back to back fold into one).
+fn notice(seq: u64) -> Body {
+    Body::ReadNotify { seq: seq as u32 }
 }
 
 /// The messages one send carries, decoded as the peer would.
@@ -96,14 +97,14 @@ fn ctrl_slot(wr: &WorkRequest) -> u32 {
 fn messages_queued_behind_one_in_flight_leave_together() {
     let mut link = coalescing();
     let mut out = Vec::new();
-    link.push_ctrl(window(1), None, None);
+    link.push_ctrl(notice(1), None, None);
     link.flush(&mut out, &mut ());
     assert_eq!(out.len(), 1, "a lone message is not held");
-    assert_eq!(carried(&out[0]), [Message::new(window(1))]);
+    assert_eq!(carried(&out[0]), [Message::new(notice(1))]);
     let first = ctrl_slot(&out[0]);
     out.clear();
     for i in 2..5 {
-        link.push_ctrl(window(i), None, None);
+        link.push_ctrl(notice(i), None, None);
     }
     link.flush(&mut out, &mut ());
     assert!(out.is_empty(), "held behind the send in flight: {out:?}");
@@ -112,7 +113,7 @@ fn messages_queued_behind_one_in_flight_leave_together() {
     assert_eq!(out.len(), 1, "{out:?}");
     assert_eq!(
         carried(&out[0]),
-        (2..5).map(|i| Message::new(window(i))).collect::<Vec<_>>()
+        (2..5).map(|i| Message::new(notice(i))).collect::<Vec<_>>()
     );
     assert_eq!(link.tx_credits(), 6, "two sends, two peer buffers");
     assert_eq!((link.stats.packets, link.stats.packed), (1, 3));
@@ -125,7 +126,7 @@ fn messages_queued_behind_one_in_flight_leave_together() {
 fn a_message_too_large_to_share_a_buffer_is_not_held() {
     let mut link = coalescing();
     let mut out = Vec::new();
-    link.push_ctrl(window(1), None, None);
+    link.push_ctrl(notice(1), None, None);
     link.flush(&mut out, &mut ());
     assert_eq!(out.len(), 1);
     let data = DmaBuf::new(600);
@@ -149,13 +150,13 @@ fn a_message_too_large_to_share_a_buffer_is_not_held() {
 fn nothing_is_packed_after_a_close() {
     let mut link = coalescing();
     let mut out = Vec::new();
-    link.push_ctrl(window(1), None, None);
+    link.push_ctrl(notice(1), None, None);
     link.flush(&mut out, &mut ());
     let first = ctrl_slot(&out[0]);
     out.clear();
-    link.push_ctrl(window(2), None, None);
+    link.push_ctrl(notice(2), None, None);
     link.push_ctrl(Body::Close(CloseReason::Close), None, None);
-    link.push_ctrl(window(3), None, None);
+    link.push_ctrl(notice(3), None, None);
     link.flush(&mut out, &mut ());
     assert!(out.is_empty());
     link.on_ctrl_done(first, &mut |_| {});
@@ -164,7 +165,7 @@ fn nothing_is_packed_after_a_close() {
     assert_eq!(
         carried(&out[0]),
         [
-            Message::new(window(2)),
+            Message::new(notice(2)),
             Message::new(Body::Close(CloseReason::Close))
         ]
     );
@@ -176,12 +177,12 @@ fn nothing_is_packed_after_a_close() {
 fn a_pack_reports_each_message_it_carried() {
     let mut link = coalescing();
     let mut out = Vec::new();
-    link.push_ctrl(window(1), None, Some(7));
+    link.push_ctrl(notice(1), None, Some(7));
     link.flush(&mut out, &mut ());
     let first = ctrl_slot(&out[0]);
     out.clear();
-    link.push_ctrl(window(2), None, Some(8));
-    link.push_ctrl(window(3), None, Some(9));
+    link.push_ctrl(notice(2), None, Some(8));
+    link.push_ctrl(notice(3), None, Some(9));
     let mut told = Vec::new();
     link.on_ctrl_done(first, &mut |s| told.push(s));
     link.flush(&mut out, &mut ());
@@ -281,4 +282,55 @@ fn a_message_past_the_unreturned_window_is_an_overrun() {
     link.flush(&mut out, &mut ());
     assert!(!out.is_empty(), "a credit message returns what is owed");
     link.consumed().unwrap();
+}
+
+/// Review finding: window updates queued behind messages that wait for credits piled up, one per report, for as
+/// long as a peer that returns none kept making room in the stream buffer. A report queued right behind another
+/// now replaces it (both say the total consumed), so the last one says everything.
+#[test]
+fn a_window_update_behind_another_still_queued_replaces_it() {
+    let mut link = starved();
+    let before = link.stats().ctrl_queued;
+    for consumed in 1..=100u64 {
+        link.push_ctrl(Body::StreamWindow { consumed }, None, None);
+    }
+    assert_eq!(link.stats().ctrl_queued, before + 1, "one queued report");
+    assert_eq!(link.stats.windows_merged, 99);
+    let last = link.normal.back();
+    assert!(
+        matches!(
+            last,
+            Some(Outgoing::Ctrl {
+                body: Body::StreamWindow { consumed: 100 },
+                ..
+            })
+        ),
+        "{last:?}"
+    );
+    // Behind another message, a report queues anew: it must not overtake what went in between.
+    link.push_ctrl(Body::ReadNotify { seq: 1 }, None, None);
+    link.push_ctrl(Body::StreamWindow { consumed: 101 }, None, None);
+    assert_eq!(link.stats().ctrl_queued, before + 3);
+}
+
+/// Whatever a peer that returns no credits makes us queue, a connection holds at most `CTRL_BACKLOG_MAX` control
+/// messages: one more closes it.
+#[test]
+fn a_connection_holds_a_bounded_backlog_of_control_messages() {
+    let mut link = starved();
+    while link.stats().ctrl_queued < CTRL_BACKLOG_MAX as u64 {
+        link.push_ctrl(Body::ReadNotify { seq: 1 }, None, None);
+        link.flush(&mut Vec::new(), &mut ());
+    }
+    assert_eq!(link.check_backlog(), Ok(()));
+    link.push_ctrl(Body::ReadNotify { seq: 1 }, None, None);
+    assert_eq!(
+        link.check_backlog(),
+        Err(Violation::ControlBacklog {
+            queued: CTRL_BACKLOG_MAX + 1
+        })
+    );
+    // A link whose endpoint is gone holds none.
+    link.discard();
+    assert_eq!(link.stats().ctrl_queued, 0);
 }

@@ -489,3 +489,142 @@ fn a_peer_that_returns_no_credits_is_closed_after_two_keepalives() {
     );
     assert!(!raw.received.is_empty(), "nothing reached the peer");
 }
+
+/// A context on host 0 of `world` with `pool` as its shared receive pool, a plain one on host 1 listening, and
+/// the listener's queue.
+fn pool_client(
+    world: &World,
+    pool: SharedRecv,
+) -> (Context, Context, Socket, std::net::SocketAddr) {
+    let a = world.host_with({
+        let mut o = ContextOptions::default();
+        o.shared_recv = pool;
+        o
+    });
+    let b = world.host_with({
+        let mut o = ContextOptions::default();
+        o.shared_recv.enabled = Some(false);
+        o
+    });
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 7000)).unwrap();
+    let addr = l.listen(16).unwrap();
+    (a, b, l, addr)
+}
+
+/// Connects a socket of `a` to `addr`, accepted on `l`: (client, server).
+fn connect_one(
+    a: &Context,
+    l: &Socket,
+    addr: std::net::SocketAddr,
+    eq_a: &EventQueue,
+    eq_b: &EventQueue,
+) -> (Socket, Socket) {
+    l.accept(eq_b, 0).unwrap();
+    let c = Socket::new(a, SockType::SeqPacket).unwrap();
+    c.connect(eq_a, addr, 0).unwrap();
+    let ev = wait(eq_a);
+    assert!(ev.kind == EventKind::Connect && ev.is_ok(), "{ev:?}");
+    let mut ev = wait(eq_b);
+    let s = ev.take_accepted().expect("accepted socket");
+    (c, s)
+}
+
+/// `n` messages from `from` to `to`, each received into a buffer of `dsts` posted first (while `stalled` host 0
+/// takes nothing in, then runs again), checked in order.
+fn deliver(
+    m: (&World, &Context, &Context),
+    from: &Socket,
+    to: &Socket,
+    eqs: (&EventQueue, &EventQueue),
+    dsts: &[MemoryRegion],
+) {
+    let (world, a, b) = m;
+    let _ = a;
+    for (i, d) in dsts.iter().enumerate() {
+        to.recv(eqs.0, &d.all(), MsgFlags::NONE, i as u64).unwrap();
+    }
+    let srcs: Vec<MemoryRegion> = (0..dsts.len())
+        .map(|i| MemoryRegion::from_vec(b, pattern(300, i as u64)).unwrap())
+        .collect();
+    for (i, s) in srcs.iter().enumerate() {
+        from.send(eqs.1, &s.all(), MsgFlags::NONE, i as u64)
+            .unwrap();
+    }
+    world.stall(0, true);
+    world.run_for(std::time::Duration::from_millis(2));
+    world.stall(0, false);
+    for _ in 0..dsts.len() {
+        let ev = wait(eqs.0);
+        assert!(ev.is_ok() && ev.bytes == 300, "{ev:?}");
+        let got = dsts[ev.context as usize].to_vec().unwrap();
+        assert_bytes_eq(
+            &got[..300],
+            &pattern(300, ev.context),
+            "a message through the pool",
+        );
+    }
+    let sends = eqs
+        .1
+        .wait_all(Some(std::time::Duration::from_secs(60)))
+        .unwrap();
+    assert!(sends.iter().all(|e| e.is_ok()), "{sends:?}");
+}
+
+/// Review finding: when the first chunk of a context's shared pool could not be registered (the locked-memory
+/// limit), the context fell back to each connection posting its own receives while the transport's shared queue
+/// stayed and took every later connection's messages (verbs refuses a connection's own receives once it exists;
+/// here its messages never arrived). The pool now stays: the connection that found no memory fails, and a later
+/// one grows the pool and works.
+#[test]
+fn a_pool_whose_first_chunk_could_not_be_registered_serves_later_connections() {
+    let world = World::new(SimConfig::default().with_shared_recv(4096));
+    let (a, b, l, addr) = pool_client(&world, SharedRecv::default());
+    let (eq_a, eq_b) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
+    world.refuse_registrations(0, true);
+    let first = Socket::new(&a, SockType::SeqPacket).unwrap();
+    let refused = first.connect(&eq_a, addr, 0);
+    assert!(
+        refused.is_err(),
+        "a connection with no memory for its receives: {refused:?}"
+    );
+    world.refuse_registrations(0, false);
+    let (c, s) = connect_one(&a, &l, addr, &eq_a, &eq_b);
+    let dsts: Vec<MemoryRegion> = (0..4)
+        .map(|_| MemoryRegion::alloc(&a, 300).unwrap())
+        .collect();
+    deliver((&world, &a, &b), &s, &c, (&eq_a, &eq_b), &dsts);
+    assert!(a.stats().pool.unwrap().slots > 0, "{:?}", a.stats().pool);
+}
+
+/// Review finding: a growth of the shared pool that failed dropped the pool; the next connection asked the
+/// transport for a second shared queue and failed, as did every one after it. A failed growth now leaves the
+/// pool as it was, and it grows once memory can be registered again.
+#[test]
+fn a_pool_that_could_not_grow_stays_and_later_connections_come_up() {
+    let world = World::new(SimConfig::default().with_shared_recv(4096));
+    let growing = {
+        let mut o = pool_on();
+        o.chunk_slots = 8;
+        o.max_slots = 64;
+        o.low_watermark = 4;
+        o
+    };
+    let (a, b, l, addr) = pool_client(&world, growing);
+    let (eq_a, eq_b) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
+    let (c, s) = connect_one(&a, &l, addr, &eq_a, &eq_b);
+    let dsts: Vec<MemoryRegion> = (0..12)
+        .map(|_| MemoryRegion::alloc(&a, 300).unwrap())
+        .collect();
+    world.refuse_registrations(0, true);
+    // Twelve messages on eight buffers while the client takes nothing in: the pool runs dry and tries to grow.
+    deliver((&world, &a, &b), &s, &c, (&eq_a, &eq_b), &dsts);
+    let pool = a.stats().pool.expect("the pool is still there");
+    assert_eq!((pool.slots, pool.grown), (8, 0), "{pool:?}");
+    world.refuse_registrations(0, false);
+    let (c2, s2) = connect_one(&a, &l, addr, &eq_a, &eq_b);
+    deliver((&world, &a, &b), &s2, &c2, (&eq_a, &eq_b), &dsts);
+    let pool = a.stats().pool.unwrap();
+    assert!(pool.slots > 8 && pool.grown > 0, "{pool:?}");
+    drop((c, s));
+}

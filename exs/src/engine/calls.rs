@@ -133,40 +133,48 @@ impl Engine {
     /// `None` when they post their own receives.
     pub(super) fn pool_slot_size(&mut self) -> Result<Option<usize>, TransportError> {
         if matches!(self.pool, PoolState::Undecided) {
-            let want = self.shared_recv.enabled;
-            let has = self.caps.max_shared_recv > 0;
-            self.pool = match (want, has) {
-                (Some(false), _) | (None, false) => PoolState::Off,
-                (Some(true), false) => {
-                    return Err(TransportError::Unsupported(format!(
-                        "{} has no shared receive queue (ContextOptions::shared_recv)",
-                        self.caps.name
-                    )))
-                }
-                (_, true) => {
-                    let o = &self.shared_recv;
-                    let max = o.max_slots.min(self.caps.max_shared_recv);
-                    let slot = ctrl_slot_size(o.small_packet_max_size as usize, 1);
-                    let pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
-                    match self
-                        .transport
-                        .create_shared_recv(max)
-                        .and_then(|()| self.grow_pool(pool))
-                    {
-                        Ok(p) => PoolState::On(p),
-                        Err(e) if want.is_none() => {
-                            tracing::warn!(%e, "no shared receive pool; connections post their own receives");
-                            PoolState::Off
-                        }
-                        Err(e) => return Err(e),
-                    }
-                }
-            };
+            self.decide_pool()?;
         }
         Ok(match &self.pool {
             PoolState::On(p) => Some(p.stats().slot_size),
             _ => None,
         })
+    }
+
+    /// Decides at the first connection whether connections use the shared pool, creating it if so.
+    fn decide_pool(&mut self) -> Result<(), TransportError> {
+        let want = self.shared_recv.enabled;
+        match (want, self.caps.max_shared_recv > 0) {
+            (Some(false), _) | (None, false) => self.pool = PoolState::Off,
+            (Some(true), false) => {
+                return Err(TransportError::Unsupported(format!(
+                    "{} has no shared receive queue (ContextOptions::shared_recv)",
+                    self.caps.name
+                )))
+            }
+            (_, true) => {
+                let o = &self.shared_recv;
+                let max = o.max_slots.min(self.caps.max_shared_recv);
+                let slot = ctrl_slot_size(o.small_packet_max_size as usize, 1);
+                let mut pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
+                if let Err(e) = self.transport.create_shared_recv(max) {
+                    if want.is_some() {
+                        return Err(e);
+                    }
+                    tracing::warn!(%e, "no shared receive pool; connections post their own receives");
+                    self.pool = PoolState::Off;
+                    return Ok(());
+                }
+                // From now on the transport's endpoints take their receives from the shared queue, so the pool
+                // stays whatever its first growth does: this connection fails, and a later one grows it again.
+                // Falling back to receives of their own, as before, made every later connection fail on a
+                // transport that refuses them once the shared queue exists (review finding).
+                let grown = self.grow_pool(&mut pool);
+                self.pool = PoolState::On(pool);
+                grown?;
+            }
+        }
+        Ok(())
     }
 
     // ---------------------------------------------------------------------------------------------------------

@@ -71,10 +71,11 @@ impl Engine {
     }
 
     /// Allocates, registers and posts the pool's next chunk (seed 003: the pool grows by chunks up to its
-    /// maximum). The pool itself only says what it needs.
-    pub(super) fn grow_pool(&mut self, mut pool: RecvPool) -> Result<RecvPool, TransportError> {
+    /// maximum). The pool itself only says what it needs. A growth that fails leaves the pool as it was (the
+    /// chunk's slots that could not be posted are never handed out); it is tried again below the watermark.
+    pub(super) fn grow_pool(&mut self, pool: &mut RecvPool) -> Result<(), TransportError> {
         let Some(bytes) = pool.next_chunk() else {
-            return Ok(pool);
+            return Ok(());
         };
         let buf = DmaBuf::new(bytes);
         let reg = self.register(&buf)?;
@@ -85,7 +86,7 @@ impl Engine {
         self.stats.posted += n as u64;
         self.transport.post_shared_recv(&mut wrs)?;
         pool.reposted(n);
-        Ok(pool)
+        Ok(())
     }
 
     /// Posts the pool buffers that came back, and grows the pool below its low watermark.
@@ -93,18 +94,20 @@ impl Engine {
         let PoolState::On(pool) = &mut self.pool else {
             return;
         };
-        // The watermark is checked first: the buffers this batch took are not back yet.
+        // The watermark is checked first: the buffers this batch took are not back yet. The pool is taken out
+        // while it grows and always put back: a growth that failed (out of locked memory) once dropped it, and
+        // the next connection, finding none, asked the transport for a second shared queue and failed, as did
+        // every one after it (review finding).
         if pool.wants_growth() {
-            let PoolState::On(p) = std::mem::replace(&mut self.pool, PoolState::Undecided) else {
+            let PoolState::On(mut p) = std::mem::replace(&mut self.pool, PoolState::Undecided)
+            else {
                 unreachable!("checked above")
             };
-            self.pool = match self.grow_pool(p) {
-                Ok(p) => PoolState::On(p),
-                Err(e) => {
-                    tracing::warn!(%e, "the shared receive pool cannot grow");
-                    return;
-                }
-            };
+            let grown = self.grow_pool(&mut p);
+            self.pool = PoolState::On(p);
+            if let Err(e) = grown {
+                tracing::warn!(%e, "the shared receive pool cannot grow");
+            }
         }
         let PoolState::On(pool) = &mut self.pool else {
             return;

@@ -324,6 +324,7 @@ impl World {
                 answering: true,
                 panic_next_poll: false,
                 refuse_keys: false,
+                refuse_registrations: false,
                 fail_next_incoming_write: false,
                 cq: VecDeque::new(),
                 cm: VecDeque::new(),
@@ -445,6 +446,12 @@ impl World {
     /// windows): every exposure fails with [`crate::transport::TransportError::Resource`].
     pub fn refuse_keys(&self, host: usize, refused: bool) {
         lock(&self.net).hosts[host].refuse_keys = refused;
+    }
+
+    /// Fault schedule: `host`'s device registers no memory while `refused` (the locked-memory limit reached):
+    /// every registration fails with [`crate::transport::TransportError::Resource`].
+    pub fn refuse_registrations(&self, host: usize, refused: bool) {
+        lock(&self.net).hosts[host].refuse_registrations = refused;
     }
 
     /// Fault schedule: the next write-with-immediate into `host` fails on its way in, as a connection reset mid-

@@ -65,6 +65,8 @@ pub(super) struct Host {
     pub(super) panic_next_poll: bool,
     /// Fault schedule: the device makes no remote keys (see [`World::refuse_keys`]).
     pub(super) refuse_keys: bool,
+    /// Fault schedule: the device registers no memory (see [`World::refuse_registrations`]).
+    pub(super) refuse_registrations: bool,
     /// Fault schedule: the next write-with-immediate into this host fails on its way in (see
     /// [`World::fail_next_incoming_write`]).
     pub(super) fail_next_incoming_write: bool,

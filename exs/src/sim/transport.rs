@@ -151,6 +151,11 @@ impl Transport for SimTransport {
 
     fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
         let mut net = self.net();
+        if net.hosts[self.host].refuse_registrations {
+            return Err(TransportError::Resource(
+                "no registration: refused by the fault schedule".into(),
+            ));
+        }
         net.next_key += 1;
         let lkey = net.next_key;
         Ok(Arc::new(SimRegistration {

@@ -176,8 +176,7 @@ impl VerbsTransport {
         // Room for every request the engine may have outstanding with its share of extra entries (the send of an
         // emulated write-with-immediate, a window bind): a full queue would refuse a chain part-way.
         // On iWARP the active side's first message takes one more (`send_first_message`).
-        attr.cap.max_send_wr = self.caps.max_send_wr * self.settings.sq_share()
-            + u32::from(self.settings.limits.iwarp);
+        attr.cap.max_send_wr = self.settings.qp_send_wr();
         if self.srq.is_null() {
             attr.cap.max_recv_wr = self.caps.max_recv_wr;
             attr.cap.max_recv_sge = 1;

@@ -292,7 +292,7 @@ fn capabilities(s: &VerbsSettings) -> Capabilities {
         max_message: s.max_message,
         native_write_imm: !s.emulated_imm,
         imm_consumes_recv: true,
-        max_send_wr: (s.send_depth / s.sq_share()).max(1),
+        max_send_wr: s.engine_send_wr(),
         max_recv_wr: s.recv_depth,
         max_sge: s.sge,
         max_read_depth: s.read_depth,

@@ -95,9 +95,12 @@ fn dereg(mr: *mut ibv_mr) -> i32 {
 /// The registration of one RDMA read's local sink with remote write (iWARP adapters write read responses into the
 /// sink through an STag that must allow it), held by the read's record and deregistered when the read is done.
 pub(crate) struct SinkMr {
+    /// Null once deregistered.
     mr: *mut ibv_mr,
     pub(crate) lkey: u32,
     _pd: Arc<Pd>,
+    /// `ibv_dereg_mr` (a stand-in in tests, which have no device).
+    dereg: fn(*mut ibv_mr) -> i32,
 }
 
 impl SinkMr {
@@ -116,14 +119,33 @@ impl SinkMr {
             mr,
             lkey,
             _pd: Arc::clone(pd),
+            dereg,
         })
+    }
+
+    /// A sink registration of `mr` deregistered with `dereg` (tests: a stand-in handle and call).
+    #[cfg(test)]
+    pub(crate) fn with_dereg(mr: *mut ibv_mr, pd: &Arc<Pd>, dereg: fn(*mut ibv_mr) -> i32) -> Self {
+        SinkMr {
+            mr,
+            lkey: 0,
+            _pd: Arc::clone(pd),
+            dereg,
+        }
+    }
+
+    /// Deregisters the sink, once. False if that failed: its key, which allows remote write, may still be valid,
+    /// so the memory it names must never be handed back (the read's record then keeps its leases for ever).
+    pub(crate) fn close(&mut self) -> bool {
+        let mr = std::mem::replace(&mut self.mr, std::ptr::null_mut());
+        mr.is_null() || (self.dereg)(mr) == 0
     }
 }
 
 impl Drop for SinkMr {
     fn drop(&mut self) {
-        // A failure is logged; nothing else can be done about it here.
-        dereg(self.mr);
+        // Closed by its record before the read's leases go (`SendRec`'s drop); a failure is logged by `dereg`.
+        self.close();
     }
 }
 

@@ -597,9 +597,13 @@ impl VerbsTransport {
             .sends
             .keep(chain.recs.drain(..), cut, &mut self.cq_budget)
             .into_iter()
-            .map(|SendRec { wr_id, op, .. }| WorkRequest {
-                wr_id,
-                op: op.expect("the engine's requests carry their operation"),
+            // Never on the device: the peer never saw a read sink's key, so the request goes back whole.
+            .map(|mut r: SendRec| WorkRequest {
+                wr_id: r.wr_id,
+                op: r
+                    .op
+                    .take()
+                    .expect("the engine's requests carry their operation"),
             })
             .collect();
         if cut.partial || bad_at.is_none() {

@@ -273,6 +273,17 @@ impl VerbsSettings {
     pub fn sq_share(&self) -> u32 {
         1 + u32::from(self.emulated_imm) + u32::from(self.memory_windows)
     }
+
+    /// Send-queue entries a queue pair asks for: the engine's requests with their share of extra entries (see
+    /// [`VerbsSettings::sq_share`]), and on iWARP one more for the active side's first message.
+    pub fn qp_send_wr(&self) -> u32 {
+        self.engine_send_wr() * self.sq_share() + u32::from(self.limits.iwarp)
+    }
+
+    /// The requests the engine may have outstanding on one connection.
+    pub fn engine_send_wr(&self) -> u32 {
+        (self.send_depth / self.sq_share()).max(1)
+    }
 }
 
 /// Whether each RDMA read's sink gets a registration of its own: by default on iWARP; turned off, an error where
@@ -328,7 +339,8 @@ fn queue_depths(l: &VerbsLimits, dev: &DeviceLimits) -> Result<(u32, u32), Trans
             "send-queue depth",
             positive("the send-queue depth", l.send_depth)?,
             DEFAULT_SEND_DEPTH,
-            dev.max_qp_wr,
+            // On iWARP the queue pair has one entry more than the depth (`VerbsSettings::qp_send_wr`).
+            dev.max_qp_wr.saturating_sub(u32::from(dev.iwarp)).max(1),
         ),
         within(
             "receive-queue depth",
@@ -498,6 +510,24 @@ mod tests {
         let mut c = cfg();
         c.limits.inline = Some(64);
         assert_eq!(VerbsSettings::decide("x", d, &c).unwrap().inline, 0);
+    }
+
+    /// Review finding: on iWARP the queue pair asks for one entry more than the send depth, so a depth of the
+    /// device's whole `max_qp_wr` (an override above it is lowered to it) made every queue pair too deep for
+    /// the device, and every connection failed.
+    #[test]
+    fn a_queue_pair_never_asks_for_more_send_entries_than_the_device_has() {
+        for dev in [siw(), rxe()] {
+            let mut c = cfg();
+            c.limits.send_depth = Some(u32::MAX);
+            let s = VerbsSettings::decide("x", dev.clone(), &c).unwrap();
+            assert!(
+                s.qp_send_wr() <= dev.max_qp_wr,
+                "{} entries on a device of {}",
+                s.qp_send_wr(),
+                dev.max_qp_wr
+            );
+        }
     }
 
     #[test]

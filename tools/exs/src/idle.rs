@@ -71,8 +71,8 @@ impl Before {
     }
 }
 
-/// Descriptors a connection may hold (libfabric tcp: the socket, its completion queue's epoll set and signal
-/// pair); the rest of the process needs a few hundred.
+/// Descriptors a connection may hold (libfabric tcp: the socket and its completion queue's two signal pairs, or
+/// its epoll set and one pair with `FI_WAIT_FD`); the rest of the process needs a few hundred.
 const FDS_PER_CONN: u64 = 5;
 
 /// Makes room for `n` connections' descriptors: the soft limit goes up to the hard one, and (as root) the hard one

@@ -14,9 +14,10 @@ pub(super) const IDLE_METRICS: [&str; 6] = [
     "server_idle_rss_bytes_per_conn",
 ];
 
-/// Descriptors one connection holds on libfabric tcp (the socket, its completion queue's epoll set and signal
-/// pair).
-const FDS_PER_CONN: u64 = 4;
+/// Descriptors one connection holds on libfabric tcp with `FI_WAIT_POLLFD` queues, the default (the socket and
+/// its completion queue's two signal pairs; the tool's own count is `FDS_PER_CONN` in `tools/exs/src/idle.rs`):
+/// counting four, the largest row asked for more connections than the descriptor limit holds, and failed.
+const FDS_PER_CONN: u64 = 5;
 
 /// The most idle connections each side's process can hold on libfabric tcp here: 10,000, or fewer when the
 /// descriptor limit (which an unprivileged process, or a container without CAP_SYS_RESOURCE, cannot raise) is

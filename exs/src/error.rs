@@ -96,10 +96,10 @@ pub enum Violation {
     /// whatever its application does; one stopped that long in a debugger or by SIGSTOP is closed too).
     #[error("the peer returned no control-buffer credits for two keepalive intervals while messages waited for them")]
     CreditsWithheld,
-    /// More control messages waited for the peer's control-buffer credits than one connection may hold: the peer
-    /// kept making us answer (its writes into our stream buffer cost it no credit on some transports) while it
-    /// returned none.
-    #[error("{queued} control messages waited for the peer's control-buffer credits, more than a connection may hold")]
+    /// More stream advertisements and window updates waited for the peer's control-buffer credits than one
+    /// connection may hold: the peer kept writing into our stream buffer (which costs it no credit on some
+    /// transports) while it returned none.
+    #[error("{queued} stream advertisements and window updates waited for the peer's control-buffer credits, more than a connection may hold")]
     ControlBacklog {
         /// Control messages queued when the connection was closed.
         queued: usize,

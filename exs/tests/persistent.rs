@@ -894,3 +894,43 @@ fn a_small_send_after_the_peer_ended_its_persistent_receive_goes_as_a_message() 
     assert_eq!(a.len, 100);
     drop(sink);
 }
+
+/// Review finding (of the bound on queued control messages): the read notifications of a notifying persistent
+/// send our application reads counted against the bound, so a peer busy for a few milliseconds (returning no
+/// credits meanwhile, while its device served the reads) had its connection closed for a violation after 4,096
+/// reads. They are made at our application's pace and do not count.
+#[test]
+fn reading_a_notifying_persistent_send_while_its_owner_is_busy_is_no_violation() {
+    let p = pair(SockType::SeqPacket);
+    let src = MemoryRegion::from_vec(&p.b, pattern(64, 1)).unwrap();
+    p.server
+        .send(
+            &p.eq_b,
+            &src.all(),
+            MsgFlags::PERSISTENT | MsgFlags::NOTIFY,
+            1,
+        )
+        .unwrap();
+    let dst = MemoryRegion::alloc(&p.a, 64).unwrap();
+    p.client
+        .recv(&p.eq_a, &dst.all(), MsgFlags::NONE, 0)
+        .unwrap();
+    assert!(wait(&p.eq_a).is_ok());
+    // The owner's host takes nothing in and returns no credit while 5,000 reads of its memory complete.
+    p.world.stall(1, true);
+    for i in 1..=5000u64 {
+        p.client
+            .recv(&p.eq_a, &dst.all(), MsgFlags::NONE, i)
+            .unwrap();
+        let r = wait(&p.eq_a);
+        assert!(r.is_ok() && r.bytes == 64, "read {i}: {r:?}");
+    }
+    assert!(
+        p.client.stats().unwrap().link.ctrl_queued > 4096,
+        "the notifications wait for credits"
+    );
+    p.world.stall(1, false);
+    p.world.run_for(std::time::Duration::from_millis(10));
+    assert_eq!(p.client.error().unwrap(), None);
+    assert_eq!(p.a.stats().violations, 0);
+}

@@ -51,11 +51,13 @@ pub(crate) const PACK_SLOTS: u32 = 2;
 /// Smallest control window a connection accepts (see the deadlock argument above).
 pub(crate) const MIN_WINDOW: u32 = 4;
 
-/// Control messages one connection may hold waiting for the peer's credits. What a peer's messages make us
-/// answer is bounded by the credits we give it, except where its writes with immediate data cost it none
-/// (transports whose write-with-immediate consumes no receive); what our own application makes us send (adverts, offset notices,
-/// read notifications) goes as fast as a peer that runs returns credits. Far above both: only a peer that keeps
-/// us answering and never returns a credit reaches it.
+/// Stream advertisements and window updates one connection may hold waiting for the peer's credits. These are
+/// the control messages a peer's writes make us queue: an honest peer that stops returning credits also stops
+/// writing, and holds at most its advert credits' worth; where its writes with immediate data cost it no credit
+/// (transports whose write-with-immediate consumes no receive), a peer that writes on and returns none would
+/// make us queue one per receive and per window report for ever. The others are bounded otherwise (adverts by
+/// advert credits, acknowledgments and credits by folding, an end per persistent operation) or made by our own
+/// application's calls at its pace (offset notices, read notifications), and do not count.
 pub(crate) const CTRL_BACKLOG_MAX: usize = 4096;
 
 const CLASS_SHIFT: u32 = 62;
@@ -262,7 +264,9 @@ pub(crate) struct Link {
     imm_consumes_recv: bool,
     urgent: VecDeque<Outgoing>,
     normal: VecDeque<Outgoing>,
-    /// Control messages in `normal` (see [`CTRL_BACKLOG_MAX`]).
+    /// Control messages in `normal`.
+    ctrl_queued: usize,
+    /// Stream advertisements and window updates in `normal` (see [`CTRL_BACKLOG_MAX`]).
     ctrl_backlog: usize,
     reads: VecDeque<(DataOp, u32)>,
     credit_queued: bool,
@@ -340,6 +344,7 @@ impl Link {
             imm_consumes_recv,
             urgent: VecDeque::new(),
             normal: VecDeque::new(),
+            ctrl_queued: 0,
             ctrl_backlog: 0,
             reads: VecDeque::new(),
             credit_queued: false,
@@ -395,7 +400,7 @@ impl Link {
     /// The counters, with the control messages waiting now.
     pub(crate) fn stats(&self) -> LinkStats {
         LinkStats {
-            ctrl_queued: self.ctrl_backlog as u64,
+            ctrl_queued: self.ctrl_queued as u64,
             ..self.stats
         }
     }
@@ -417,6 +422,7 @@ impl Link {
     pub(crate) fn discard(&mut self) {
         self.urgent.clear();
         self.normal.clear();
+        self.ctrl_queued = 0;
         self.ctrl_backlog = 0;
         self.reads.clear();
         self.closed = true;
@@ -456,7 +462,8 @@ impl Link {
             self.stats.windows_merged += 1;
             return;
         }
-        self.ctrl_backlog += 1;
+        self.ctrl_queued += 1;
+        self.ctrl_backlog += usize::from(paced_by_peer(&body));
         self.normal.push_back(Outgoing::Ctrl {
             body,
             inline,
@@ -464,8 +471,9 @@ impl Link {
         });
     }
 
-    /// [`Violation::ControlBacklog`] once more than [`CTRL_BACKLOG_MAX`] control messages wait: the peer returns
-    /// none of our credits and still makes us answer. Whatever it does, what a connection queues stays bounded.
+    /// [`Violation::ControlBacklog`] once more than [`CTRL_BACKLOG_MAX`] stream advertisements and window updates
+    /// wait: the peer returns none of our credits and still makes us answer. Whatever it does, what a connection
+    /// queues for it stays bounded.
     pub(crate) fn check_backlog(&self) -> Result<(), Violation> {
         if self.ctrl_backlog > CTRL_BACKLOG_MAX {
             return Err(Violation::ControlBacklog {
@@ -672,8 +680,9 @@ impl Link {
             self.urgent.pop_front()
         } else {
             let o = self.normal.pop_front();
-            if matches!(o, Some(Outgoing::Ctrl { .. })) {
-                self.ctrl_backlog -= 1;
+            if let Some(Outgoing::Ctrl { body, .. }) = &o {
+                self.ctrl_queued -= 1;
+                self.ctrl_backlog -= usize::from(paced_by_peer(body));
             }
             o
         }
@@ -898,6 +907,11 @@ fn data_wr(op: DataOp, tag: u32) -> WorkRequest {
 }
 
 mod pack;
+
+/// Whether a queued control message counts against [`CTRL_BACKLOG_MAX`] (see there).
+fn paced_by_peer(body: &Body) -> bool {
+    matches!(body, Body::StreamAdvert(_) | Body::StreamWindow { .. })
+}
 
 #[cfg(test)]
 mod tests;

@@ -579,7 +579,13 @@ fn deliver(
 #[test]
 fn a_pool_whose_first_chunk_could_not_be_registered_serves_later_connections() {
     let world = World::new(SimConfig::default().with_shared_recv(4096));
-    let (a, b, l, addr) = pool_client(&world, SharedRecv::default());
+    // A watermark of 0: the pool never grows by it, so the connection that comes later must find it filled.
+    let never_grows = {
+        let mut o = SharedRecv::default();
+        o.low_watermark = 0;
+        o
+    };
+    let (a, b, l, addr) = pool_client(&world, never_grows);
     let (eq_a, eq_b) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
     world.refuse_registrations(0, true);
     let first = Socket::new(&a, SockType::SeqPacket).unwrap();
@@ -621,7 +627,16 @@ fn a_pool_that_could_not_grow_stays_and_later_connections_come_up() {
     deliver((&world, &a, &b), &s, &c, (&eq_a, &eq_b), &dsts);
     let pool = a.stats().pool.expect("the pool is still there");
     assert_eq!((pool.slots, pool.grown), (8, 0), "{pool:?}");
+    // A growth that failed is tried again only after a while, not at every burst that drains the pool.
+    let tried = a.stats().registrations;
+    for _ in 0..10 {
+        deliver((&world, &a, &b), &s, &c, (&eq_a, &eq_b), &dsts);
+    }
+    let again = a.stats().registrations - tried;
+    assert!(again <= 2, "{again} registrations tried in ten more bursts");
     world.refuse_registrations(0, false);
+    // Past the wait after the last failure, the next batch below the watermark grows the pool.
+    world.run_for(std::time::Duration::from_millis(200));
     let (c2, s2) = connect_one(&a, &l, addr, &eq_a, &eq_b);
     deliver((&world, &a, &b), &s2, &c2, (&eq_a, &eq_b), &dsts);
     let pool = a.stats().pool.unwrap();

@@ -135,6 +135,7 @@ impl Engine {
         if matches!(self.pool, PoolState::Undecided) {
             self.decide_pool()?;
         }
+        self.fill_empty_pool()?;
         Ok(match &self.pool {
             PoolState::On(p) => Some(p.stats().slot_size),
             _ => None,

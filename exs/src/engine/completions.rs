@@ -3,6 +3,9 @@
 
 use super::*;
 
+/// How long a shared pool whose growth failed waits before it tries again.
+const POOL_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
+
 impl Engine {
     pub(super) fn on_completion(&mut self, c: Completion) {
         let pool_slot = Self::pool_slot(&c);
@@ -71,8 +74,8 @@ impl Engine {
     }
 
     /// Allocates, registers and posts the pool's next chunk (seed 003: the pool grows by chunks up to its
-    /// maximum). The pool itself only says what it needs. A growth that fails leaves the pool as it was (the
-    /// chunk's slots that could not be posted are never handed out); it is tried again below the watermark.
+    /// maximum). The pool itself only says what it needs. A chunk that cannot be registered leaves the pool as it
+    /// was; one registered but not posted is the pool's, and its buffers wait with those to repost.
     pub(super) fn grow_pool(&mut self, pool: &mut RecvPool) -> Result<(), TransportError> {
         let Some(bytes) = pool.next_chunk() else {
             return Ok(());
@@ -84,29 +87,51 @@ impl Engine {
             .map_err(|v| TransportError::Invalid(v.to_string()))?;
         let n = wrs.len();
         self.stats.posted += n as u64;
-        self.transport.post_shared_recv(&mut wrs)?;
-        pool.reposted(n);
-        Ok(())
+        let posted = self.transport.post_shared_recv(&mut wrs);
+        // What is left in `wrs` was not posted.
+        pool.reposted(n - wrs.len());
+        self.pool_posts.append(&mut wrs);
+        posted
+    }
+
+    /// Grows the pool, taken out while it grows and always put back.
+    fn grow_pool_in_place(&mut self) -> Result<(), TransportError> {
+        let PoolState::On(mut p) = std::mem::replace(&mut self.pool, PoolState::Undecided) else {
+            unreachable!("called on a pool that is on")
+        };
+        let grown = self.grow_pool(&mut p);
+        self.pool = PoolState::On(p);
+        grown
+    }
+
+    /// A pool with no buffer posted (its first chunk could not be registered, or every buffer is taken) grows
+    /// before a new connection relies on it, whatever its watermark says: a connection that only receives would
+    /// otherwise wait for a completion that never comes (review finding).
+    pub(super) fn fill_empty_pool(&mut self) -> Result<(), TransportError> {
+        match &self.pool {
+            PoolState::On(p) if p.stats().posted == 0 && p.next_chunk().is_some() => {
+                self.grow_pool_in_place()
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Posts the pool buffers that came back, and grows the pool below its low watermark.
     pub(super) fn flush_pool(&mut self) {
-        let PoolState::On(pool) = &mut self.pool else {
+        let PoolState::On(pool) = &self.pool else {
             return;
         };
-        // The watermark is checked first: the buffers this batch took are not back yet. The pool is taken out
-        // while it grows and always put back: a growth that failed (out of locked memory) once dropped it, and
-        // the next connection, finding none, asked the transport for a second shared queue and failed, as did
-        // every one after it (review finding).
-        if pool.wants_growth() {
-            let PoolState::On(mut p) = std::mem::replace(&mut self.pool, PoolState::Undecided)
-            else {
-                unreachable!("checked above")
-            };
-            let grown = self.grow_pool(&mut p);
-            self.pool = PoolState::On(p);
-            if let Err(e) = grown {
-                tracing::warn!(%e, "the shared receive pool cannot grow");
+        // The watermark is checked first: the buffers this batch took are not back yet. A growth that failed
+        // (out of locked memory) once dropped the pool, and the next connection, finding none, asked the
+        // transport for a second shared queue and failed, as did every one after it (review finding); now the
+        // pool stays, and a failed growth is tried again only after `POOL_RETRY`, not at every batch.
+        if pool.wants_growth() && self.pool_retry_at.is_none_or(|at| self.now() >= at) {
+            match self.grow_pool_in_place() {
+                Ok(()) => self.pool_retry_at = None,
+                Err(e) => {
+                    tracing::warn!(%e, "the shared receive pool cannot grow");
+                    self.pool_retry_at = Some(self.now() + POOL_RETRY);
+                }
             }
         }
         let PoolState::On(pool) = &mut self.pool else {

@@ -215,6 +215,8 @@ pub(crate) struct Engine {
     shared_recv: crate::config::SharedRecv,
     pool: PoolState,
     pool_posts: Vec<WorkRequest>,
+    /// A growth of the shared pool failed: the next is not tried before then.
+    pool_retry_at: Option<Instant>,
     /// Operations handed to the protocol, by identifier: their tickets, and reads not yet reported (a full
     /// queue folds read notifications into the next one).
     ops: ops::Ops,
@@ -284,6 +286,7 @@ impl Engine {
             shared_recv: opts.shared_recv.clone(),
             pool: PoolState::Undecided,
             pool_posts: Vec::new(),
+            pool_retry_at: None,
             ops: ops::Ops::default(),
             failed: None,
             discard_panicked: false,

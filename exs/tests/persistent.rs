@@ -934,3 +934,44 @@ fn reading_a_notifying_persistent_send_while_its_owner_is_busy_is_no_violation()
     assert_eq!(p.client.error().unwrap(), None);
     assert_eq!(p.a.stats().violations, 0);
 }
+
+/// Noticed by a review: after the peer shut down writing, a receive made while an earlier one was still reading
+/// the peer's last message saw end-of-stream before that one completed, so an application that closes on
+/// end-of-stream could lose the message. End-of-stream now waits for the reads before it.
+#[test]
+fn end_of_stream_after_a_half_close_comes_after_the_message_still_being_read() {
+    use exs::wire::{Advert, AdvertFlags, Body, CloseReason, Message};
+    use std::time::Duration;
+    let (world, mut raw, s, eq, ctx) = raw_accepted(7003);
+    let data = pattern(4096, 6);
+    let exposed = raw.expose(&data).unwrap();
+    let at = exposed.remote();
+    raw.send_msg(&Message::new(Body::Advert(Advert {
+        seq: 0,
+        flags: AdvertFlags(0),
+        len: 4096,
+        addr: at.addr,
+        rkey: at.key,
+    })))
+    .unwrap();
+    world.run_for(Duration::from_millis(1));
+    // The half close leaves half a latency before the first receive's read: it arrives while that read is in
+    // flight, and the second receive comes after it.
+    raw.send_msg(&Message::new(Body::Close(CloseReason::ShutdownWrite)))
+        .unwrap();
+    world.run_for(Duration::from_micros(50));
+    let first = MemoryRegion::alloc(&ctx, 4096).unwrap();
+    let second = MemoryRegion::alloc(&ctx, 4096).unwrap();
+    s.recv(&eq, &first.all(), MsgFlags::NONE, 2).unwrap();
+    world.run_for(Duration::from_micros(60));
+    s.recv(&eq, &second.all(), MsgFlags::NONE, 3).unwrap();
+    let a = eq.next(Some(Duration::from_secs(10))).unwrap();
+    assert!(
+        a.is_ok() && a.context == 2 && a.bytes == 4096 && !a.flags.eof,
+        "the message first: {a:?}"
+    );
+    assert_bytes_eq(&first.to_vec().unwrap(), &data, "the last message");
+    let b = eq.next(Some(Duration::from_secs(10))).unwrap();
+    assert!(b.is_ok() && b.context == 3 && b.flags.eof, "{b:?}");
+    drop(exposed);
+}

@@ -457,11 +457,8 @@ impl MessageProto {
     }
 
     pub(crate) fn recv(&mut self, req: RecvReq, link: &mut Link) {
-        if self.peer_closed && self.adverts.is_empty() {
-            // End of stream: nothing more will come.
-            req.ticket.complete_eof();
-            return;
-        }
+        // After the peer's close, a receive no advert takes sees end-of-stream, once the receives before it have
+        // completed (`end_unmatched_receives`, at the end of the matching).
         self.recvs.push_back(req);
         self.match_adverts(link);
     }
@@ -603,6 +600,8 @@ impl MessageProto {
             self.done_seq = self.done_seq.wrapping_add(1);
             self.match_adverts(link);
         }
+        // The last read done: receives waiting behind it after the peer's close see end-of-stream now.
+        self.end_unmatched_receives();
     }
 }
 

@@ -29,8 +29,11 @@ impl MessageProto {
     /// waiting for its read, or the peer's persistent receive, stays queued without ever taking a receive, and
     /// the receives behind it waited for ever (review: a receive after the peer ended its persistent send and shut
     /// down writing).
+    ///
+    /// Not while a read is still running: its receive was made earlier and completes first (a later receive's
+    /// end-of-stream reported before it made an application that closes on end-of-stream lose that message).
     pub(super) fn end_unmatched_receives(&mut self) {
-        if self.peer_closed && self.adverts.is_empty() {
+        if self.peer_closed && self.adverts.is_empty() && self.transfers.is_empty() {
             for r in self.recvs.drain(..) {
                 r.ticket.complete_eof();
             }

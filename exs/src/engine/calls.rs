@@ -157,7 +157,7 @@ impl Engine {
                 let o = &self.shared_recv;
                 let max = o.max_slots.min(self.caps.max_shared_recv);
                 let slot = ctrl_slot_size(o.small_packet_max_size as usize, 1);
-                let mut pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
+                let pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
                 if let Err(e) = self.transport.create_shared_recv(max) {
                     if want.is_some() {
                         return Err(e);
@@ -167,12 +167,10 @@ impl Engine {
                     return Ok(());
                 }
                 // From now on the transport's endpoints take their receives from the shared queue, so the pool
-                // stays whatever its first growth does: this connection fails, and a later one grows it again.
-                // Falling back to receives of their own, as before, made every later connection fail on a
-                // transport that refuses them once the shared queue exists (review finding).
-                let grown = self.grow_pool(&mut pool);
+                // stays whatever its first growth does (`fill_empty_pool`, next): this connection fails, and a
+                // later one grows it again. Falling back to receives of their own, as before, made every later
+                // connection fail on a transport that refuses them once the shared queue exists (review finding).
                 self.pool = PoolState::On(pool);
-                grown?;
             }
         }
         Ok(())

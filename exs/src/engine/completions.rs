@@ -76,7 +76,7 @@ impl Engine {
     /// Allocates, registers and posts the pool's next chunk (seed 003: the pool grows by chunks up to its
     /// maximum). The pool itself only says what it needs. A chunk that cannot be registered leaves the pool as it
     /// was; one registered but not posted is the pool's, and its buffers wait with those to repost.
-    pub(super) fn grow_pool(&mut self, pool: &mut RecvPool) -> Result<(), TransportError> {
+    fn grow_pool(&mut self, pool: &mut RecvPool) -> Result<(), TransportError> {
         let Some(bytes) = pool.next_chunk() else {
             return Ok(());
         };

@@ -152,6 +152,25 @@ impl Drop for SinkMr {
 // SAFETY: the MR handle is only used to deregister it.
 unsafe impl Send for SinkMr {}
 
+/// A registration of a buffer that no device has (tests: the checks before a post, and what a record keeps, need
+/// only the buffer).
+#[cfg(test)]
+#[derive(Debug)]
+pub(crate) struct NoDevice(pub(crate) Arc<exs_dma::DmaBuf>);
+
+#[cfg(test)]
+impl Registration for NoDevice {
+    fn local_key(&self) -> u64 {
+        1
+    }
+    fn buf(&self) -> &Arc<exs_dma::DmaBuf> {
+        &self.0
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
 pub(crate) struct VerbsRegistration {
     pub(crate) _pd: Arc<Pd>,
     pub(crate) mr: *mut ibv_mr,

@@ -674,27 +674,12 @@ impl VerbsTransport {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::NoDevice;
 
     /// A native request's shape as far as chaining goes.
     struct Wr {
         id: usize,
         next: *mut Wr,
-    }
-
-    /// A registration of a buffer that no device has (the checks before a post need only the buffer).
-    #[derive(Debug)]
-    struct NoDevice(std::sync::Arc<exs_dma::DmaBuf>);
-
-    impl exs_transport::Registration for NoDevice {
-        fn local_key(&self) -> u64 {
-            1
-        }
-        fn buf(&self) -> &std::sync::Arc<exs_dma::DmaBuf> {
-            &self.0
-        }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
     }
 
     /// What the post paths check every operation with (`check_sends`, `post_recv_chain`), before anything is built.

@@ -38,23 +38,7 @@ mod tests {
     use exs_transport::{Op, Registration, RemoteRef, Sge};
 
     use super::*;
-    use crate::memory::Pd;
-
-    /// A registration of a buffer that no device has.
-    #[derive(Debug)]
-    struct NoDevice(Arc<DmaBuf>);
-
-    impl Registration for NoDevice {
-        fn local_key(&self) -> u64 {
-            1
-        }
-        fn buf(&self) -> &Arc<DmaBuf> {
-            &self.0
-        }
-        fn as_any(&self) -> &dyn std::any::Any {
-            self
-        }
-    }
+    use crate::memory::{NoDevice, Pd};
 
     fn read_with_sink(
         buf: &Arc<DmaBuf>,

@@ -797,8 +797,8 @@ fn raw_accepted(
     (world, raw, s, eq, ctx)
 }
 
-/// The raw peer's first advert (`flags`, 4096 bytes at `at`), which then arrives, and its end (on its way).
-fn advert_then_end(
+/// The raw peer's first advert (`flags`, 4096 bytes at `at`), which then arrives.
+fn first_advert(
     world: &World,
     raw: &mut exs::testing::RawPeer,
     flags: u32,
@@ -814,6 +814,17 @@ fn advert_then_end(
     })))
     .unwrap();
     world.run_for(std::time::Duration::from_millis(1));
+}
+
+/// [`first_advert`], then its end (on its way).
+fn advert_then_end(
+    world: &World,
+    raw: &mut exs::testing::RawPeer,
+    flags: u32,
+    at: exs::transport::RemoteRef,
+) {
+    use exs::wire::{Body, Message};
+    first_advert(world, raw, flags, at);
     raw.send_msg(&Message::new(Body::PersistentEnd {
         seq: 0,
         echo: false,
@@ -940,21 +951,12 @@ fn reading_a_notifying_persistent_send_while_its_owner_is_busy_is_no_violation()
 /// end-of-stream could lose the message. End-of-stream now waits for the reads before it.
 #[test]
 fn end_of_stream_after_a_half_close_comes_after_the_message_still_being_read() {
-    use exs::wire::{Advert, AdvertFlags, Body, CloseReason, Message};
+    use exs::wire::{Body, CloseReason, Message};
     use std::time::Duration;
     let (world, mut raw, s, eq, ctx) = raw_accepted(7003);
     let data = pattern(4096, 6);
     let exposed = raw.expose(&data).unwrap();
-    let at = exposed.remote();
-    raw.send_msg(&Message::new(Body::Advert(Advert {
-        seq: 0,
-        flags: AdvertFlags(0),
-        len: 4096,
-        addr: at.addr,
-        rkey: at.key,
-    })))
-    .unwrap();
-    world.run_for(Duration::from_millis(1));
+    first_advert(&world, &mut raw, 0, exposed.remote());
     // The half close leaves half a latency before the first receive's read: it arrives while that read is in
     // flight, and the second receive comes after it.
     raw.send_msg(&Message::new(Body::Close(CloseReason::ShutdownWrite)))

@@ -378,13 +378,22 @@ async fn leading_pair(
 ) {
     let world = World::threaded(SimConfig::default());
     let (server, client) = (world.host(), world.host());
-    let listener = exs::tokio::Listener::bind_in(&server, world.addr(0, port))
-        .await
-        .unwrap();
-    let addr = listener.local_addr().unwrap();
-    let a = exs::tokio::Stream::connect_in(&client, addr).await.unwrap();
-    let peer = listener.accept().await.unwrap().0;
+    let (listener, a, peer) = through(&server, &client, world.addr(0, port)).await;
     (world, client, listener, a, peer)
+}
+
+/// A listener of `server` at `at`, and one connection through it from `client`: the listener, the client's stream
+/// and the accepted one.
+async fn through(
+    server: &exs::Context,
+    client: &exs::Context,
+    at: std::net::SocketAddr,
+) -> (exs::tokio::Listener, exs::tokio::Stream, exs::tokio::Stream) {
+    let listener = exs::tokio::Listener::bind_in(server, at).await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let a = exs::tokio::Stream::connect_in(client, addr).await.unwrap();
+    let peer = listener.accept().await.unwrap().0;
+    (listener, a, peer)
 }
 
 /// A task that waits on a stream leads the stream's context (it runs the protocol and sleeps on the transport
@@ -577,13 +586,7 @@ fn a_task_of_another_runtime_that_leads_sleeps_on_its_own_reactor() {
     let (server_a, client, server_b) = (world.host(), world.host(), world.host());
     let rt_a = current_thread();
     let (a, a_peer) = rt_a.block_on(async {
-        let l = exs::tokio::Listener::bind_in(&server_a, world.addr(0, 9500))
-            .await
-            .unwrap();
-        let mut a = exs::tokio::Stream::connect_in(&client, l.local_addr().unwrap())
-            .await
-            .unwrap();
-        let a_peer = l.accept().await.unwrap().0;
+        let (_l, mut a, a_peer) = through(&server_a, &client, world.addr(0, 9500)).await;
         let leads = client.progress_stats().task_leads;
         let mut buf = [0u8; 8];
         while client.progress_stats().task_leads == leads {
@@ -595,13 +598,7 @@ fn a_task_of_another_runtime_that_leads_sleeps_on_its_own_reactor() {
     });
     let before = client.progress_stats().task_steals;
     current_thread().block_on(async {
-        let l = exs::tokio::Listener::bind_in(&server_b, world.addr(2, 9501))
-            .await
-            .unwrap();
-        let mut b = exs::tokio::Stream::connect_in(&client, l.local_addr().unwrap())
-            .await
-            .unwrap();
-        let mut b_peer = l.accept().await.unwrap().0;
+        let (_l, mut b, mut b_peer) = through(&server_b, &client, world.addr(2, 9501)).await;
         let echo = tokio::spawn(async move {
             let mut x = [0u8; 1];
             while b_peer.read_exact(&mut x).await.is_ok() {

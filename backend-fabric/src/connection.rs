@@ -57,7 +57,7 @@ pub(crate) enum EpState {
 
 pub(crate) struct Ep {
     /// The domain the endpoint and its queue live in (closed after them).
-    _dom: Arc<Domain>,
+    dom: Arc<Domain>,
     pub(crate) ep: *mut fid_ep,
     pub(crate) cq: *mut fid_cq,
     /// The queue's wait object, as the transport's epoll set holds it (see [`crate::wait`]).
@@ -120,7 +120,7 @@ impl FabricTransport {
             }
         };
         Ok(Ep {
-            _dom: dom,
+            dom,
             ep,
             cq,
             wait,
@@ -534,6 +534,12 @@ impl FabricTransport {
                 "fi_close of a released endpoint failed; its requests' buffers are kept for the process's life"
             );
             self.cq_backlog.retain(|c| c.ep != ep);
+            // Nor do the ranges its keys named go back: the endpoint may still serve the peer's accesses. The
+            // endpoint, its queue and its domain stay open (never closed under the provider).
+            e.dom
+                .endpoint_stuck
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            std::mem::forget(e);
             return;
         }
         for key in e.pending {

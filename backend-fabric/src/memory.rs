@@ -76,6 +76,9 @@ pub(crate) struct Domain {
     pub(crate) domain: *mut fid_domain,
     pub(crate) mr_mode: u64,
     keys: Keys,
+    /// An endpoint of the domain could not be closed: the provider may still reach the memory the domain's keys
+    /// name, so no range exposed in it is released any more ([`FiKey`]).
+    pub(crate) endpoint_stuck: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the domain was opened with FI_THREAD_SAFE; libfabric serializes internally.
@@ -112,6 +115,7 @@ impl Domain {
             domain,
             mr_mode,
             keys: Keys::new(),
+            endpoint_stuck: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -147,11 +151,22 @@ impl Domain {
     }
 }
 
-pub(crate) fn close_mr(mr: *mut fid_mr) {
-    if !mr.is_null() {
-        // SAFETY: `mr` was returned by fi_mr_reg and is closed exactly once, by its owner's Drop.
-        unsafe { exs_fi_close(&mut (*mr).fid) };
+/// Closes a registration; whether it is gone. A close that failed is logged with its code: the registration may
+/// still name its memory (and a key to it still work), so the caller keeps that memory for ever.
+pub(crate) fn close_mr(mr: *mut fid_mr) -> bool {
+    if mr.is_null() {
+        return true;
     }
+    // SAFETY: `mr` was returned by fi_mr_reg and is closed exactly once, by its owner.
+    let ret = unsafe { exs_fi_close(&mut (*mr).fid) };
+    if ret != 0 {
+        tracing::error!(
+            code = ret,
+            "fi_close of a memory registration failed ({}): the memory it names is kept for ever",
+            strerror(ret.into())
+        );
+    }
+    ret == 0
 }
 
 /// A whole buffer registered for local access (or, where the provider needs no local descriptors, only
@@ -179,8 +194,11 @@ impl std::fmt::Debug for FiRegistration {
 
 impl Drop for FiRegistration {
     fn drop(&mut self) {
-        // Closed before `buf` (declared later) is released: memory outlives its registration.
-        close_mr(self.mr);
+        // Closed before `buf` (declared later) is released: memory outlives its registration, and one that could
+        // not be closed keeps its buffer for ever.
+        if !close_mr(self.mr) {
+            std::mem::forget(Arc::clone(&self.buf));
+        }
     }
 }
 
@@ -200,11 +218,28 @@ impl Registration for FiRegistration {
 /// domain may close). The lease goes back at once ([`Revoke::release`]'s default), though on the software providers
 /// closing the registration does not stop an access the peer began before (see the backends chapter, "A revoked key
 /// and an access already under way"): the engine revokes a key only once the protocol says the peer is done with
-/// it, or at the endpoint's release, which stops the provider's accesses.
+/// it, or at the endpoint's release, which stops the provider's accesses. A registration that could not be closed
+/// may still let the peer in, as may an endpoint of its domain that could not be closed: its range is never
+/// released then, as [`Revoke::release`] asks.
 #[derive(Debug)]
 pub(crate) struct FiKey {
     pub(crate) mr: MrHandle,
-    pub(crate) _domain: Arc<Domain>,
+    pub(crate) domain: Arc<Domain>,
+    /// What closes the registration ([`close_mr`]; a test makes it fail).
+    pub(crate) close: fn(*mut fid_mr) -> bool,
+    /// The close failed: the lease is kept.
+    pub(crate) open: bool,
+}
+
+impl FiKey {
+    pub(crate) fn new(mr: *mut fid_mr, domain: Arc<Domain>) -> Self {
+        FiKey {
+            mr: MrHandle(mr),
+            domain,
+            close: close_mr,
+            open: false,
+        }
+    }
 }
 
 /// A registration handle (closed at most once).
@@ -221,7 +256,16 @@ impl std::fmt::Debug for MrHandle {
 
 impl Revoke for FiKey {
     fn revoke(&mut self) {
-        close_mr(std::mem::replace(&mut self.mr.0, std::ptr::null_mut()));
+        let mr = std::mem::replace(&mut self.mr.0, std::ptr::null_mut());
+        self.open = !(self.close)(mr);
+    }
+
+    fn release(&mut self, lease: Lease) {
+        if self.open || self.domain.endpoint_stuck.load(Ordering::Relaxed) {
+            // The key may still work, or an endpoint that could not be closed still reach the range: it stays
+            // leased for ever (never reused, never freed).
+            std::mem::forget(lease);
+        }
     }
 }
 
@@ -292,10 +336,72 @@ impl FabricTransport {
         Ok(Box::new(exs_transport::KeyedLease::new(
             RemoteRef { addr, key },
             lease,
-            FiKey {
-                mr: MrHandle(mr),
-                _domain: dom,
-            },
+            FiKey::new(mr, dom),
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FabricConfig;
+    use exs_dma::LeaseKind;
+    use exs_transport::KeyedLease;
+
+    fn failing_close(_: *mut fid_mr) -> bool {
+        false
+    }
+
+    fn good_close(_: *mut fid_mr) -> bool {
+        true
+    }
+
+    /// The first 64 bytes of `buf` exposed in `domain` under a stand-in registration that `close` closes.
+    fn exposed(
+        buf: &Arc<DmaBuf>,
+        domain: &Arc<Domain>,
+        close: fn(*mut fid_mr) -> bool,
+    ) -> KeyedLease<FiKey> {
+        let lease = buf.lease(0..64, LeaseKind::DeviceWriteShared).unwrap();
+        let key = FiKey {
+            close,
+            ..FiKey::new(ptr::null_mut(), Arc::clone(domain))
+        };
+        KeyedLease::new(RemoteRef { addr: 0, key: 0 }, lease, key)
+    }
+
+    #[test]
+    fn a_key_whose_registration_could_not_be_closed_keeps_its_range_leased() {
+        let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
+        let (kept, other) = (DmaBuf::new(4096), DmaBuf::new(4096));
+        drop(exposed(&kept, &t.dom, failing_close));
+        drop(exposed(&other, &t.dom, good_close));
+        assert!(
+            kept.is_range_leased(0..64),
+            "the key may still let the peer in"
+        );
+        assert!(!other.is_range_leased(0..64), "a key closed lets go");
+    }
+
+    #[test]
+    fn no_range_goes_back_once_an_endpoint_of_its_domain_could_not_be_closed() {
+        let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
+        let stuck = Domain::open(&t.dom.fab, t.dom.mr_mode).expect("fi_domain");
+        let (kept, other) = (DmaBuf::new(4096), DmaBuf::new(4096));
+        let (a, b) = (
+            exposed(&kept, &stuck, good_close),
+            exposed(&other, &t.dom, good_close),
+        );
+        // What `release_ep` records when `fi_close` of an endpoint in `stuck` fails.
+        stuck.endpoint_stuck.store(true, Ordering::Relaxed);
+        drop((a, b));
+        assert!(
+            kept.is_range_leased(0..64),
+            "the endpoint may still serve the peer's accesses there"
+        );
+        assert!(
+            !other.is_range_leased(0..64),
+            "another domain's keys let go"
+        );
     }
 }

@@ -13,7 +13,7 @@ use crate::call::{check, cstr, epoll_add, getinfo, getinfo_lock, wait_fd_of, Inf
 use crate::ffi::*;
 use crate::memory::{Domain, Fabric};
 use crate::ready::EPOLL_EQ;
-use crate::{providers, FabricConfig, FabricTransport};
+use crate::{providers, CqWait, FabricConfig, FabricTransport};
 
 impl FabricTransport {
     /// Opens a provider's domain. A provider that does not exist gives an error listing those that do.
@@ -26,6 +26,7 @@ impl FabricTransport {
         let provider = cstr(fattr.prov_name);
         let domain_name = cstr(dattr.name);
         let mr_mode = dattr.mr_mode as u64;
+        let cq_wait = cq_wait_for(cfg.cq_wait, &provider, fattr.prov_version);
         check_domain(&provider, dattr)?;
         let caps = capabilities(i, &provider, &domain_name);
         let mut fabric = ptr::null_mut();
@@ -58,7 +59,7 @@ impl FabricTransport {
             cq_backlog: VecDeque::new(),
             records: Default::default(),
             ready: crate::ready::Ready::default(),
-            cq_wait: cfg.cq_wait,
+            cq_wait,
         };
         // SAFETY: `eq` is open; its fid is valid.
         let eq_fd = wait_fd_of(unsafe { &mut (*t.eq).fid })?;
@@ -71,6 +72,25 @@ impl FabricTransport {
     pub fn provider(&self) -> &str {
         &self.provider
     }
+}
+
+/// The wait object the queues are opened with: [`CqWait::PollFd`] only on the provider whose code its use was
+/// checked against, libfabric 1.17's tcp (provider version 117.x). What the transport relies on there (reading the
+/// event queue moves no completion queue's data; a queue's descriptors are its signal and its connection's socket)
+/// is that provider's own doing, not the API's, and a later tcp provider runs every domain's progress when the event
+/// queue is read. Elsewhere [`CqWait::Fd`], the wait object the API describes.
+pub(crate) fn cq_wait_for(asked: CqWait, provider: &str, prov_version: u32) -> CqWait {
+    let checked = provider == "tcp" && prov_version >> 16 == 117;
+    if asked == CqWait::PollFd && !checked {
+        tracing::debug!(
+            provider,
+            major = prov_version >> 16,
+            minor = prov_version & 0xffff,
+            "completion queues wait with FI_WAIT_FD: FI_WAIT_POLLFD is used only with libfabric 1.17's tcp provider"
+        );
+        return CqWait::Fd;
+    }
+    asked
 }
 
 /// The provider's info for `cfg`; a provider that does not exist is [`TransportError::NotFound`], with the list of
@@ -156,4 +176,52 @@ fn open_eq(fab: &Fabric) -> Result<*mut fid_eq, TransportError> {
         exs_fi_eq_open(fab.fabric, &mut attr, &mut eq, ptr::null_mut())
     })?;
     Ok(eq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// libfabric's `FI_VERSION(major, minor)`.
+    fn version(major: u32, minor: u32) -> u32 {
+        (major << 16) | minor
+    }
+
+    #[test]
+    fn queues_wait_on_a_pollfd_list_only_with_the_provider_that_was_checked() {
+        let tcp_1_17 = version(117, 0);
+        assert_eq!(cq_wait_for(CqWait::PollFd, "tcp", tcp_1_17), CqWait::PollFd);
+        assert_eq!(
+            cq_wait_for(CqWait::PollFd, "tcp", version(117, 10)),
+            CqWait::PollFd
+        );
+        // A later tcp provider, or another provider: the API's wait object.
+        assert_eq!(
+            cq_wait_for(CqWait::PollFd, "tcp", version(118, 0)),
+            CqWait::Fd
+        );
+        assert_eq!(
+            cq_wait_for(CqWait::PollFd, "tcp", version(200, 0)),
+            CqWait::Fd
+        );
+        assert_eq!(cq_wait_for(CqWait::PollFd, "sockets", tcp_1_17), CqWait::Fd);
+        // The other settings stay as asked.
+        assert_eq!(cq_wait_for(CqWait::Fd, "tcp", tcp_1_17), CqWait::Fd);
+        assert_eq!(
+            cq_wait_for(CqWait::None, "tcp", version(118, 0)),
+            CqWait::None
+        );
+    }
+
+    #[test]
+    fn the_installed_tcp_provider_is_the_one_whose_pollfd_use_was_checked() {
+        // The transport tests of the pollfd wait (tests.rs) run on this library: if it is not 1.17's, they test the
+        // fallback, which this says loudly.
+        let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
+        assert_eq!(
+            t.cq_wait,
+            CqWait::PollFd,
+            "the installed libfabric's tcp provider is not 1.17's: queues wait with FI_WAIT_FD"
+        );
+    }
 }

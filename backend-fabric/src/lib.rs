@@ -77,7 +77,8 @@ pub enum CqWait {
     /// object; the transport puts those descriptors themselves in its epoll set, brought up to date each time the
     /// queue is armed ([`fi_trywait`](https://ofiwg.github.io/libfabric/main/man/fi_poll.3.html)). A busy 8-byte
     /// ping-pong runs nearly as fast as without a wait object (the bench README), and a thread can still sleep.
-    /// A provider that refuses it gets [`CqWait::Fd`].
+    /// A provider that refuses it gets [`CqWait::Fd`], as does any provider but libfabric 1.17's tcp: the
+    /// transport relies on what that provider does with the list, which the API leaves open.
     #[default]
     PollFd,
     /// `FI_WAIT_FD` (`EXS_FABRIC_CQ_WAIT=fd`): the queue's wait object is an epoll set of the provider's, nested in

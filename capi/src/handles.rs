@@ -1,12 +1,14 @@
 //! The process's context and its handle tables: what turns a C integer into a Rust object.
 //!
 //! A handle is checked on every call: one that names nothing (never made, closed, deleted, deregistered) is
-//! `EBADF`, never a wild access. Sockets are numbered by exs itself ([`exs::SocketId`], from 1 to `INT_MAX` and
-//! round again, skipping the numbers of sockets it still holds), so an event names its socket with no table of its
-//! own; queues and memory are numbered here the same way, from 1 to `INT_MAX` and round again, skipping the numbers
-//! in use. A new handle therefore never replaces or aliases a live one, and a number comes back only when the
-//! count comes round to it, about two billion handles of its kind after it was given out: only a stale handle
-//! used that much later can reach a newer object.
+//! `EBADF`, never a wild access. Each kind has numbers of its own, so that a handle passed for another kind (a queue
+//! for a socket in `exs_close`, memory for a queue in `exs_send`) names nothing and is `EBADF` too: sockets are
+//! numbered by exs itself ([`exs::SocketId`], from 1 to [`exs::SocketId::LAST`] and round again, skipping the numbers of sockets
+//! it still holds), so an event names its socket with no table of its own; queues are numbered here from
+//! [`QUEUE_NUMBERS`]'s start and memory from [`MEMORY_NUMBERS`]'s, each round again within its range, skipping
+//! the numbers in use. A new handle therefore never replaces or aliases a live one, and a number comes back only
+//! when the count comes round to it, about half a billion handles of its kind after it was given out: only a
+//! stale handle used that much later can reach a newer object.
 //!
 //! Locks: each table has its own, held only to look up, insert or remove (a lookup clones the handle out); no
 //! call into exs runs under one, except two: `exs_mderegister` holds the memory table's write lock while it
@@ -19,6 +21,7 @@
 
 use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
+use std::ops::RangeInclusive;
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Mutex, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
@@ -67,6 +70,11 @@ pub(crate) struct MemEntry {
     pub(crate) access: c_int,
 }
 
+/// The numbers of queue handles (positive C ints above every socket number).
+pub(crate) const QUEUE_NUMBERS: RangeInclusive<c_int> = 0x2000_0000..=0x3fff_ffff;
+/// The numbers of memory handles.
+pub(crate) const MEMORY_NUMBERS: RangeInclusive<c_int> = 0x4000_0000..=0x5fff_ffff;
+
 /// Handles to objects of one kind.
 #[derive(Debug)]
 pub(crate) struct Table<T> {
@@ -74,13 +82,18 @@ pub(crate) struct Table<T> {
     /// The number [`Table::insert_new`] tries first. Changed only under the write lock (atomic so that the
     /// statics need no lock of their own).
     next: AtomicI32,
+    /// The numbers [`Table::insert_new`] gives out, in turn.
+    numbers: RangeInclusive<c_int>,
 }
 
 impl<T: Clone> Table<T> {
-    const fn new() -> Self {
+    /// A table whose new handles take the numbers of `numbers` (sockets, numbered by exs, are filed with
+    /// [`Table::insert_at`]).
+    const fn new(numbers: RangeInclusive<c_int>) -> Self {
         Table {
             map: RwLock::new(BTreeMap::new()),
-            next: AtomicI32::new(1),
+            next: AtomicI32::new(*numbers.start()),
+            numbers,
         }
     }
 
@@ -103,9 +116,9 @@ impl<T: Clone> Table<T> {
         self.read().get(&h).map(f).ok_or(Errno(libc::EBADF))
     }
 
-    /// Files `v` under the next number not in use, counting from 1 to `INT_MAX` and round again: a program that
-    /// makes and deletes handles for ever never runs out, and a new handle never takes a live one's number.
-    /// `EMFILE` only if every number is in use.
+    /// Files `v` under the next number not in use, counting through the table's numbers and round again: a
+    /// program that makes and deletes handles for ever never runs out, and a new handle never takes a live one's
+    /// number. `EMFILE` only if every number is in use.
     pub(crate) fn insert_new(&self, v: T) -> Result<c_int, Errno> {
         self.insert_new_unless(v, |_| Ok(()))
     }
@@ -123,7 +136,11 @@ impl<T: Clone> Table<T> {
         // At most `map.len()` numbers are taken, so one more try than that finds a free one if any is.
         for _ in 0..=map.len() {
             let candidate = h;
-            h = h.checked_add(1).unwrap_or(1);
+            h = if h >= *self.numbers.end() {
+                *self.numbers.start()
+            } else {
+                h + 1
+            };
             if let Entry::Vacant(free) = map.entry(candidate) {
                 free.insert(v);
                 self.next.store(h, Ordering::Relaxed);
@@ -151,21 +168,22 @@ impl<T: Clone> Table<T> {
     }
 }
 
-/// Open sockets, by their exs number.
-pub(crate) static SOCKETS: Table<SockEntry> = Table::new();
+/// Open sockets, by their exs number (filed with [`file_socket`], never numbered here).
+pub(crate) static SOCKETS: Table<SockEntry> = Table::new(1..=exs::SocketId::LAST as c_int);
 /// Event queues.
-pub(crate) static QUEUES: Table<EventQueue> = Table::new();
+pub(crate) static QUEUES: Table<EventQueue> = Table::new(QUEUE_NUMBERS);
 /// Registered memory.
-pub(crate) static MEMORY: Table<MemEntry> = Table::new();
+pub(crate) static MEMORY: Table<MemEntry> = Table::new(MEMORY_NUMBERS);
 
-/// Files a socket exs made under its own number. `EMFILE`, and the socket is closed, if the number does not fit
-/// a C int or is still filed: exs numbers sockets from 1 to `INT_MAX` and skips those it holds, so neither
-/// happens while every socket filed here is one of the context's own.
+/// Files a socket exs made under its own number. `EMFILE`, and the socket is closed, if the number is not a
+/// socket's (past 2^29 - 1, where the other kinds' numbers are) or is still filed: exs numbers sockets from 1 to
+/// 2^29 - 1 and skips those it holds, so neither happens while every socket filed here is one of the context's own.
 pub(crate) fn file_socket(sock: Socket, domain: c_int) -> Result<c_int, Errno> {
-    let Ok(fd) = c_int::try_from(sock.id().0) else {
+    let fd = c_int::try_from(sock.id().0).unwrap_or(c_int::MAX);
+    if !SOCKETS.numbers.contains(&fd) {
         let _ = sock.close();
         return Err(Errno(libc::EMFILE));
-    };
+    }
     let entry = SockEntry { sock, domain };
     SOCKETS.insert_at(fd, entry).map_err(|refused| {
         let _ = refused.sock.close();
@@ -178,12 +196,11 @@ pub(crate) fn file_socket(sock: Socket, domain: c_int) -> Result<c_int, Errno> {
 mod tests {
     use super::*;
 
-    /// A table whose counter starts at `next`.
+    /// A table numbering from 1 to `INT_MAX` whose counter starts at `next`.
     fn table_from(next: c_int) -> Table<u32> {
-        Table {
-            map: RwLock::new(BTreeMap::new()),
-            next: AtomicI32::new(next),
-        }
+        let t = Table::new(1..=c_int::MAX);
+        t.next.store(next, Ordering::Relaxed);
+        t
     }
 
     #[test]
@@ -220,5 +237,25 @@ mod tests {
         t.remove(5).unwrap();
         assert_eq!(t.insert_at(5, 52), Ok(()));
         assert_eq!(t.get(5), Ok(52));
+    }
+
+    #[test]
+    fn the_kinds_of_handle_have_numbers_of_their_own() {
+        // Each wraps within its own range, never into another kind's.
+        for numbers in [QUEUE_NUMBERS, MEMORY_NUMBERS] {
+            let t: Table<u32> = Table::new(numbers.clone());
+            assert_eq!(t.insert_new(1), Ok(*numbers.start()));
+            t.next.store(*numbers.end(), Ordering::Relaxed);
+            assert_eq!(t.insert_new(2), Ok(*numbers.end()));
+            assert_eq!(
+                t.insert_new(3),
+                Ok(*numbers.start() + 1),
+                "round again, past the live first"
+            );
+        }
+        let sockets = &SOCKETS.numbers;
+        assert!(
+            sockets.end() < QUEUE_NUMBERS.start() && QUEUE_NUMBERS.end() < MEMORY_NUMBERS.start()
+        );
     }
 }

@@ -1,10 +1,17 @@
 //! The small values a socket is named and described by, below everything that uses them.
 
-/// A socket's number within its context (what an ES-API file descriptor is): from 1 to `i32::MAX` (a C `int`),
-/// then round again from 1, skipping the numbers of sockets the context still holds. Two sockets of a context
-/// never have the same number at once.
+/// A socket's number within its context (what an ES-API file descriptor is): from 1 to [`SocketId::LAST`], then
+/// round again from 1, skipping the numbers of sockets the context still holds. Two sockets of a context never
+/// have the same number at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SocketId(pub u32);
+
+impl SocketId {
+    /// The highest socket number, 2^29 - 1: well within a C `int` (a file descriptor's type), which leaves the C
+    /// API room to number its queues and memory handles apart from sockets (a handle of one kind passed for
+    /// another is then `EBADF`, not another object).
+    pub const LAST: u32 = (1 << 29) - 1;
+}
 
 /// Readiness found by `poll` (ES-API `exs_poll`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

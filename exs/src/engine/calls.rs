@@ -17,9 +17,8 @@ pub(crate) trait Buffer {
     fn lease(&self, kind: LeaseKind) -> Result<crate::transport::Sge, crate::error::BufferError>;
 }
 
-/// The highest socket number: an ES-API socket is a C `int` (a file descriptor's type), so the numbers stay within
-/// one and come round to 1 after it.
-const LAST_SOCKET_ID: u32 = i32::MAX as u32;
+/// The highest socket number ([`SocketId::LAST`]); the numbers come round to 1 after it.
+const LAST_SOCKET_ID: u32 = SocketId::LAST;
 
 impl Engine {
     // ---------------------------------------------------------------------------------------------------------

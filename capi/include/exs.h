@@ -388,8 +388,9 @@ int exs_bind(int fd,
 
 /**
  * Listens for connections (UNH-EXS `exs_listen`) on the bound address; `backlog` <= 0 keeps the
- * `EXS_F_SET_BACKLOG` value (default 128). -1 with `errno`: `EBADF`, `EDESTADDRREQ` (not bound), `EADDRINUSE`,
- * `EADDRNOTAVAIL` (no device has the address).
+ * `EXS_F_SET_BACKLOG` value (default 128). On a listening socket it changes only the backlog, as `listen(2)`.
+ * -1 with `errno`: `EBADF`, `EDESTADDRREQ` (not bound), `EINVAL` (connected), `EADDRINUSE`, `EADDRNOTAVAIL` (no
+ * device has the address).
  */
 int exs_listen(int fd,
                int backlog);
@@ -407,7 +408,7 @@ int exs_accept(int fd,
  * Connects, asynchronously (ES-API `exs_connect`): an `EXS_EVT_CONNECT` event on `qh` says how it went
  * (`exs_evt_errno` `ECONNREFUSED`, `ETIMEDOUT`, `EHOSTUNREACH`...). Options set with `exs_fcntl` are
  * negotiated now and fixed from here on. -1 with `errno` if it could not start: `EBADF`, `EAFNOSUPPORT`,
- * `EINVAL`, `EISCONN`, `EAGAIN`.
+ * `EINVAL`, `EISCONN` (connected, or listening), `EALREADY` (a connect of the socket is under way), `EAGAIN`.
  *
  * # Safety
  * `addr` is null or points to `len` readable bytes.

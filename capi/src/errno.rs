@@ -82,9 +82,12 @@ impl ToErrno for StateError {
             StateError::InvalidSocket => libc::EBADF,
             StateError::NotConnected => libc::ENOTCONN,
             StateError::AlreadyConnected => libc::EISCONN,
+            StateError::Connecting => libc::EALREADY,
             StateError::NotListening | StateError::AlreadyBound => libc::EINVAL,
             StateError::NotBound => libc::EDESTADDRREQ,
-            StateError::Listening | StateError::WrongType(_) => libc::EOPNOTSUPP,
+            // A TCP listener's send and recv (the calls that meet this) are ENOTCONN.
+            StateError::Listening => libc::ENOTCONN,
+            StateError::WrongType(_) => libc::EOPNOTSUPP,
             StateError::Shutdown => libc::EPIPE,
             StateError::ConnectionDown(op) => op.errno(),
             StateError::Persistent(_) | StateError::OffsetOutOfRange { .. } => libc::EINVAL,

@@ -1,7 +1,7 @@
 //! Sockets: `exs_socket` ... `exs_getpeername` (seed 002, Figure 2). Each function is one call of
 //! [`exs::Socket`].
 
-use exs::{Readiness, SockType, Socket};
+use exs::{ConnectError, Readiness, SockType, Socket, SocketError, StateError};
 use libc::{c_int, c_short, c_void, sockaddr, socklen_t};
 
 use crate::abi::exs_qhandle_t;
@@ -52,15 +52,19 @@ pub unsafe extern "C" fn exs_bind(fd: c_int, addr: *const sockaddr, len: socklen
 }
 
 /// Listens for connections (UNH-EXS `exs_listen`) on the bound address; `backlog` <= 0 keeps the
-/// `EXS_F_SET_BACKLOG` value (default 128). -1 with `errno`: `EBADF`, `EDESTADDRREQ` (not bound), `EADDRINUSE`,
-/// `EADDRNOTAVAIL` (no device has the address).
+/// `EXS_F_SET_BACKLOG` value (default 128). On a listening socket it changes only the backlog, as `listen(2)`.
+/// -1 with `errno`: `EBADF`, `EDESTADDRREQ` (not bound), `EINVAL` (connected), `EADDRINUSE`, `EADDRNOTAVAIL` (no
+/// device has the address).
 #[no_mangle]
 pub extern "C" fn exs_listen(fd: c_int, backlog: c_int) -> c_int {
     call(|| {
         let s = SOCKETS.get(fd)?;
         let backlog = u32::try_from(backlog).unwrap_or(0).min(65535);
-        s.sock.listen(backlog)?;
-        Ok(0)
+        match s.sock.listen(backlog) {
+            // listen(2) of a connected socket is EINVAL.
+            Err(SocketError::State(StateError::AlreadyConnected)) => Err(Errno(libc::EINVAL)),
+            r => r.map(|_| 0).map_err(Errno::from),
+        }
     })
 }
 
@@ -78,7 +82,7 @@ pub extern "C" fn exs_accept(fd: c_int, qh: exs_qhandle_t, context: *mut c_void)
 /// Connects, asynchronously (ES-API `exs_connect`): an `EXS_EVT_CONNECT` event on `qh` says how it went
 /// (`exs_evt_errno` `ECONNREFUSED`, `ETIMEDOUT`, `EHOSTUNREACH`...). Options set with `exs_fcntl` are
 /// negotiated now and fixed from here on. -1 with `errno` if it could not start: `EBADF`, `EAFNOSUPPORT`,
-/// `EINVAL`, `EISCONN`, `EAGAIN`.
+/// `EINVAL`, `EISCONN` (connected, or listening), `EALREADY` (a connect of the socket is under way), `EAGAIN`.
 ///
 /// # Safety
 /// `addr` is null or points to `len` readable bytes.
@@ -94,7 +98,15 @@ pub unsafe extern "C" fn exs_connect(
         let s = SOCKETS.get(fd)?;
         // SAFETY: the caller's promise above.
         let a = unsafe { addr::read(addr, len, s.domain) }?;
-        start_on(qh, |eq| s.sock.connect(eq, a, ctx_value(context)))
+        start_on(qh, |eq| {
+            s.sock
+                .connect(eq, a, ctx_value(context))
+                .map_err(|e| match e {
+                    // connect(2) of a listening socket is EISCONN.
+                    ConnectError::State(StateError::Listening) => Errno(libc::EISCONN),
+                    e => Errno::from(e),
+                })
+        })
     })
 }
 

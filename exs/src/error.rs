@@ -281,10 +281,14 @@ pub enum StateError {
     /// The socket is not connected yet.
     #[error("socket is not connected")]
     NotConnected,
-    /// The socket is already connected or connecting.
-    #[error("socket is already connected or connecting")]
+    /// The socket is already connected.
+    #[error("socket is already connected")]
     AlreadyConnected,
-    /// The socket is listening; data operations are not allowed.
+    /// A connection attempt of the socket is under way (`EALREADY` in the C API).
+    #[error("a connection attempt of the socket is under way")]
+    Connecting,
+    /// The socket is listening; data operations and connects are not allowed (in the C API `ENOTCONN`, and
+    /// `EISCONN` for a connect, as a TCP listener's).
     #[error("socket is listening")]
     Listening,
     /// The socket is not listening.
@@ -373,8 +377,11 @@ fn state_kind(e: &StateError) -> io::ErrorKind {
         StateError::NotConnected | StateError::NotBound | StateError::NotListening => {
             io::ErrorKind::NotConnected
         }
-        StateError::AlreadyConnected | StateError::AlreadyBound => io::ErrorKind::AlreadyExists,
-        StateError::Listening | StateError::WrongType(_) => io::ErrorKind::Unsupported,
+        StateError::AlreadyConnected | StateError::AlreadyBound | StateError::Connecting => {
+            io::ErrorKind::AlreadyExists
+        }
+        StateError::Listening => io::ErrorKind::NotConnected,
+        StateError::WrongType(_) => io::ErrorKind::Unsupported,
         StateError::Shutdown => io::ErrorKind::BrokenPipe,
         StateError::Persistent(_) | StateError::OffsetOutOfRange { .. } => {
             io::ErrorKind::InvalidInput

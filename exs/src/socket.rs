@@ -176,7 +176,7 @@ impl Socket {
 
     /// Listens for connections (ES-API `exs_listen`); returns the bound address. `backlog` 0 keeps the
     /// option's value; a larger one than 65,535 (the option's limit) is taken as 65,535, as `listen(2)` takes one
-    /// beyond `somaxconn`.
+    /// beyond `somaxconn`. On a listening socket it sets only the backlog, as `listen(2)` does.
     ///
     /// Like a TCP listener, it sets incoming connections up by itself: a connection is established (the peer's
     /// connect completes) before any accept, and waits for one. The backlog bounds the connections being set up

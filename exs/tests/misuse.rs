@@ -411,6 +411,40 @@ fn connect_twice_or_on_a_listener_is_refused() {
     assert_eq!(e, ConnectError::State(StateError::Listening));
 }
 
+/// A second connect while the first is under way is refused as `Connecting` (the C API's `EALREADY`; it was
+/// `AlreadyConnected`, `EISCONN`), and listening again only sets the backlog (it was refused, as `listen(2)` does
+/// not).
+#[test_log::test]
+fn a_connect_under_way_is_connecting_and_listening_again_sets_the_backlog() {
+    let world = World::new(SimConfig::default());
+    let (a, b) = (world.host(), world.host());
+    let l = Socket::new(&b, SockType::Stream).unwrap();
+    l.bind(world.addr(1, 7200)).unwrap();
+    let at = l.listen(4).unwrap();
+    assert_eq!(
+        l.listen(16).unwrap(),
+        at,
+        "listening again keeps the address"
+    );
+    assert_eq!(l.options().unwrap().backlog, 16);
+    let eq = EventQueue::new(4).unwrap();
+    let c = Socket::new(&a, SockType::Stream).unwrap();
+    c.connect(&eq, at, 1).unwrap();
+    let e = c.connect(&eq, at, 2).unwrap_err();
+    assert_eq!(e, ConnectError::State(StateError::Connecting));
+    assert_eq!(io::Error::from(e).kind(), io::ErrorKind::AlreadyExists);
+    assert!(eq.next(None).unwrap().is_ok(), "the first connect goes on");
+    assert_eq!(
+        c.listen(4).unwrap_err(),
+        SocketError::State(StateError::AlreadyConnected)
+    );
+    assert_eq!(
+        c.bind(world.addr(0, 7201)).unwrap_err(),
+        SocketError::State(StateError::AlreadyBound),
+        "a connected socket has its address"
+    );
+}
+
 #[test_log::test]
 fn data_operations_on_a_listener_are_refused() {
     let p = pair(SockType::SeqPacket);

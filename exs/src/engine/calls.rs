@@ -205,10 +205,8 @@ impl Engine {
 
     pub(crate) fn bind(&mut self, sid: SocketId, addr: SocketAddr) -> R<(), SocketError> {
         let s = self.sock(sid)?;
-        if s.phase != Phase::Fresh {
-            return Err(StateError::AlreadyConnected.into());
-        }
-        if s.bound.is_some() {
+        // A socket that listens or is connected has its address, as bind(2) says of TCP's (EINVAL).
+        if s.phase != Phase::Fresh || s.bound.is_some() {
             return Err(StateError::AlreadyBound.into());
         }
         s.bound = Some(addr);
@@ -217,8 +215,17 @@ impl Engine {
 
     pub(crate) fn listen(&mut self, sid: SocketId, backlog: u32) -> R<SocketAddr, SocketError> {
         let s = self.sock(sid)?;
-        if s.phase != Phase::Fresh {
-            return Err(StateError::AlreadyConnected.into());
+        match s.phase {
+            Phase::Fresh => {}
+            // Listening again changes only the backlog of connections not yet set up, as listen(2) does; the
+            // listener keeps the one it was opened with.
+            Phase::Listening => {
+                if backlog > 0 {
+                    s.opts.backlog = backlog.min(65535);
+                }
+                return Ok(s.bound.expect("a listener is bound"));
+            }
+            _ => return Err(StateError::AlreadyConnected.into()),
         }
         let addr = s.bound.ok_or(StateError::NotBound)?;
         if backlog > 0 {
@@ -270,6 +277,7 @@ impl Engine {
         match s.phase {
             Phase::Fresh => {}
             Phase::Listening => return Err(StateError::Listening.into()),
+            Phase::Connecting | Phase::Accepting => return Err(StateError::Connecting.into()),
             _ => return Err(StateError::AlreadyConnected.into()),
         }
         let (ty, opts) = (s.ty, s.opts);

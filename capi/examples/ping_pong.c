@@ -115,7 +115,7 @@ static int serve(const struct opts *o, int port_pipe)
             die("server", "exs_recv");
         if (exs_qdequeue(qh, &ev, 1, NULL) != 1)
             die("server", "exs_qdequeue");
-        if (ev.exs_evt_errno != 0 || ev.exs_evt_bytes == 0)
+        if (ev.exs_evt_errno != 0 || (ev.exs_evt_flags & EXS_EOF))
             break; /* the client closed */
         if (exs_send(s, buf, (size_t)ev.exs_evt_bytes, 0, mh, qh, NULL) < 0)
             die("server", "exs_send");

@@ -48,7 +48,8 @@ struct timespec;
 #define EXS_EVT_SEND 3
 
 /**
- * `exs_recv` or `exs_recv_offset` finished; `exs_evt_bytes` were placed in the buffer (0: end of stream).
+ * `exs_recv` or `exs_recv_offset` finished; `exs_evt_bytes` were placed in the buffer. End of stream is 0
+ * bytes with `EXS_EOF` in `exs_evt_flags`; on SOCK_SEQPACKET an empty message is 0 bytes with `MSG_EOR`.
  */
 #define EXS_EVT_RECV 4
 
@@ -86,6 +87,12 @@ struct timespec;
  * (seed 002, 4.2: the double-buffered transaction exchange).
  */
 #define EXS_NOTIFY 2097152
+
+/**
+ * `exs_evt_flags` of an `EXS_EVT_RECV`: end of stream (the peer shut down writing, or closed): no bytes, and
+ * no receive after it takes any. A bit no `MSG_*` flag uses.
+ */
+#define EXS_EOF 4194304
 
 /**
  * `exs_mregister` access: the memory may be sent from (the device reads it).

@@ -18,7 +18,8 @@ pub const EXS_EVT_CONNECT: c_int = 1;
 pub const EXS_EVT_ACCEPT: c_int = 2;
 /// `exs_send` or `exs_send_offset` finished; `exs_evt_bytes` were sent.
 pub const EXS_EVT_SEND: c_int = 3;
-/// `exs_recv` or `exs_recv_offset` finished; `exs_evt_bytes` were placed in the buffer (0: end of stream).
+/// `exs_recv` or `exs_recv_offset` finished; `exs_evt_bytes` were placed in the buffer. End of stream is 0
+/// bytes with `EXS_EOF` in `exs_evt_flags`; on SOCK_SEQPACKET an empty message is 0 bytes with `MSG_EOR`.
 pub const EXS_EVT_RECV: c_int = 4;
 /// `exs_sendfile` finished; `exs_evt_bytes` of the file were sent.
 pub const EXS_EVT_SENDFILE: c_int = 5;
@@ -38,6 +39,10 @@ pub const EXS_PERSISTENT: c_int = 0x0010_0000;
 /// Send flag, with `EXS_PERSISTENT`: an `EXS_EVT_READ_NOTIFY` event each time the peer has read the memory
 /// (seed 002, 4.2: the double-buffered transaction exchange).
 pub const EXS_NOTIFY: c_int = 0x0020_0000;
+
+/// `exs_evt_flags` of an `EXS_EVT_RECV`: end of stream (the peer shut down writing, or closed): no bytes, and
+/// no receive after it takes any. A bit no `MSG_*` flag uses.
+pub const EXS_EOF: c_int = 0x0040_0000;
 
 /// `exs_mregister` access: the memory may be sent from (the device reads it).
 pub const EXS_ACCESS_READ: c_int = 1;

@@ -244,6 +244,9 @@ fn to_c(mut ev: Event) -> exs_event_t {
     if kind == EXS_EVT_RECV && ok && ev.flags.eor {
         flags |= libc::MSG_EOR;
     }
+    if kind == EXS_EVT_RECV && ok && ev.flags.eof {
+        flags |= EXS_EOF;
+    }
     exs_event_t {
         exs_evt_type: kind,
         exs_evt_errno: ev.status.as_ref().err().map_or(0, ToErrno::errno),
@@ -465,6 +468,68 @@ mod tests {
             "{recv:?}"
         );
         for s in [c, l] {
+            s.close().unwrap();
+        }
+        world.run_until_idle(100_000);
+        let _ = exs_qdelete(qh);
+    }
+
+    /// An empty SOCK_SEQPACKET message and the end of stream both completed a receive with 0 bytes, and the header
+    /// called 0 the end of stream: a program that stopped there took an empty message for the peer's close. The end
+    /// of stream now says so (`EXS_EOF`), and the empty message has `MSG_EOR`.
+    #[test]
+    fn an_empty_message_and_the_end_of_stream_are_told_apart() {
+        let world = World::new(SimConfig::default());
+        let (a, b) = (world.host(), world.host());
+        let eq = EventQueue::new(8).unwrap();
+        let qh = QUEUES.insert_new(eq.clone()).unwrap();
+        let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+        l.bind(world.addr(1, 7003)).unwrap();
+        l.listen(4).unwrap();
+        l.accept(&eq, 1).unwrap();
+        let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+        c.connect(&eq, world.addr(1, 7003), 2).unwrap();
+        let mut evs = Vec::new();
+        eq.dequeue(&mut evs, 2, 2, None).unwrap();
+        let server = evs
+            .iter_mut()
+            .find_map(|e| e.take_accepted())
+            .expect("the accept's event");
+        let dst = exs::MemoryRegion::alloc(&b, 64).unwrap();
+        let empty = exs::MemoryRegion::from_vec(&a, vec![7; 8]).unwrap();
+        for (range, ctx) in [(0..32, 3), (32..64, 4)] {
+            server
+                .recv(&eq, &dst.slice(range), exs::MsgFlags::NONE, ctx)
+                .unwrap();
+        }
+        c.send(&eq, &empty.slice(0..0), exs::MsgFlags::NONE, 5)
+            .unwrap();
+        world.run_until_idle(100_000);
+        c.close().unwrap();
+        world.run_until_idle(100_000);
+        let mut got = [NO_EVENT; 3];
+        // SAFETY: room for three events; no timeout.
+        let n = unsafe { exs_qdequeue(qh, got.as_mut_ptr(), -3, ptr::null()) };
+        assert_eq!(n, 3, "errno {}", errno());
+        let recv = |ctx: usize| {
+            *got.iter()
+                .find(|e| e.exs_evt_type == EXS_EVT_RECV && e.exs_evt_context as usize == ctx)
+                .expect("the receive's event")
+        };
+        let (message, end) = (recv(3), recv(4));
+        assert_eq!(
+            (message.exs_evt_errno, message.exs_evt_bytes),
+            (0, 0),
+            "{message:?}"
+        );
+        assert_eq!(
+            message.exs_evt_flags,
+            libc::MSG_EOR,
+            "an empty message: {message:?}"
+        );
+        assert_eq!((end.exs_evt_errno, end.exs_evt_bytes), (0, 0), "{end:?}");
+        assert_eq!(end.exs_evt_flags, EXS_EOF, "the end of stream: {end:?}");
+        for s in [server, l] {
             s.close().unwrap();
         }
         world.run_until_idle(100_000);

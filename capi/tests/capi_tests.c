@@ -243,7 +243,8 @@ static void close_with_operations_pending_ends_them(void)
             EXPECT(ev.exs_evt_fd == c); /* the closed socket's number, still */
             cancelled += ev.exs_evt_errno == ECANCELED;
         } else if ((intptr_t)ev.exs_evt_context == 20) {
-            eof += ev.exs_evt_errno == 0 && ev.exs_evt_bytes == 0; /* the peer sees end-of-stream */
+            /* the peer sees end-of-stream */
+            eof += ev.exs_evt_errno == 0 && ev.exs_evt_bytes == 0 && (ev.exs_evt_flags & EXS_EOF);
         }
     }
     EXPECT(cancelled == 3 && eof == 1);

@@ -454,7 +454,8 @@ int exs_shutdown(int fd,
  * is left after the linger time (10 s) ends with `ECONNABORTED` or `ECANCELED`. Events still come for the
  * operations the socket had, with its number. The number is not given to a new socket while exs still holds
  * this one (its lingering connection), nor before the count of socket numbers has come round to it (at
- * 2^29 - 1). -1 with `errno` `EBADF`.
+ * 2^29 - 1). -1 with `errno` `EBADF`, or `EIO` when the context has failed (the handle is released all the
+ * same, as `close(2)`'s is).
  */
 int exs_close(int fd);
 

@@ -108,6 +108,7 @@ impl ToErrno for OpError {
             OpError::TimedOut => libc::ETIMEDOUT,
             OpError::Unreachable => libc::EHOSTUNREACH,
             OpError::Transport(t) => t.errno(),
+            OpError::ContextFailed(_) => libc::EIO,
             OpError::PersistentEnded => libc::ENODATA,
             OpError::File(f) => f.errno(),
             other => kind_errno(other.io_kind()),

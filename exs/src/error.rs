@@ -168,6 +168,10 @@ pub enum OpError {
     /// An offset receive found that the peer had ended its persistent send (the UNH-EXS paper, 4.4).
     #[error("the peer ended its persistent send")]
     PersistentEnded,
+    /// The context failed (a panic in its engine or transport: nothing in it can be trusted any more) and ended
+    /// every operation; every later call of it fails the same way (`EIO` in the C API).
+    #[error("the context failed: {0}")]
+    ContextFailed(String),
 }
 
 impl From<crate::transport::WcError> for OpError {
@@ -198,7 +202,10 @@ impl OpError {
             | OpError::Refused
             | OpError::NotAPeer(_)
             | OpError::PersistentEnded => Blame::Peer,
-            OpError::TimedOut | OpError::Unreachable | OpError::Transport(_) => Blame::Transport,
+            OpError::TimedOut
+            | OpError::Unreachable
+            | OpError::Transport(_)
+            | OpError::ContextFailed(_) => Blame::Transport,
         }
     }
 
@@ -218,6 +225,7 @@ impl OpError {
             OpError::NotAPeer(_) => io::ErrorKind::InvalidData,
             OpError::Transport(e) => e.io_kind(),
             OpError::PersistentEnded => io::ErrorKind::NotFound,
+            OpError::ContextFailed(_) => io::ErrorKind::Other,
         }
     }
 

@@ -9,7 +9,9 @@ use std::time::Duration;
 
 use common::*;
 use exs::sim::{SimConfig, World};
-use exs::{EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, SockType, Socket};
+use exs::{
+    EventKind, EventQueue, MemoryRegion, MsgFlags, OpError, RecvError, SockType, Socket, StateError,
+};
 
 /// Runs `f` on a thread and fails (instead of hanging the test run) if it has not finished within 20 s.
 fn within_20s(what: &str, f: impl FnOnce() + Send + 'static) {
@@ -139,7 +141,8 @@ fn panic_the_servers_context(p: &Pair) {
 }
 
 /// Issue 15: a panic in a progress round (injected: no peer input may cause one) fails the context instead of
-/// stopping it silently: every pending operation ends with a transport error, later calls fail at once.
+/// stopping it silently: every pending operation ends with `ContextFailed`, later calls fail at once (the same
+/// error; it was a transport error of an invalid argument, `EINVAL` in the C API, where it is `EIO` now).
 #[test_log::test]
 fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
     within_20s("the failed context's operations", || {
@@ -161,14 +164,23 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
             .collect();
         assert!(
             evs.iter()
-                .all(|e| matches!(&e.status, Err(OpError::Transport(_)))),
-            "every pending receive fails with a transport error: {evs:?}"
+                .all(|e| matches!(&e.status, Err(OpError::ContextFailed(_)))),
+            "every pending receive fails with the context's failure: {evs:?}"
         );
         let e = p
             .server
             .recv(&p.eq_b, &buf.slice(0..100), MsgFlags::NONE, 5)
             .unwrap_err();
         assert!(format!("{e}").contains("context failed"), "{e}");
+        assert_eq!(
+            e,
+            RecvError::State(StateError::ConnectionDown(OpError::ContextFailed(
+                match &evs[0].status {
+                    Err(OpError::ContextFailed(why)) => why.clone(),
+                    other => panic!("{other:?}"),
+                }
+            )))
+        );
         // The other context is unharmed; its peer went away.
         let ev = p.eq_a.next(Some(Duration::from_secs(10))).unwrap();
         assert_eq!(ev.context, 9, "{ev:?}");

@@ -788,9 +788,7 @@ impl Engine {
 
 /// What operations and calls of a failed context report.
 fn failed_error(why: &str) -> OpError {
-    OpError::Transport(TransportError::Invalid(format!(
-        "the context failed: {why}"
-    )))
+    OpError::ContextFailed(why.to_owned())
 }
 
 fn link_rx_bytes(link: &Link) -> u64 {

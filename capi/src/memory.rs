@@ -26,8 +26,9 @@ use crate::handles::{context, MemEntry, MEMORY};
 /// `fork()` are the caller's to avoid (`madvise(MADV_DONTFORK)`), as with `ibv_reg_mr`.
 ///
 /// # Safety
-/// The memory is readable and writable, and stays valid (not freed, unmapped or reallocated) until
-/// `exs_mderegister` of the handle has returned 0. While an operation on a range of it is in flight (between its
+/// The memory is one allocation (one `malloc` block, one mapping, one array), readable and writable, initialized
+/// (every byte written once: `calloc` and `mmap` memory is; fill `malloc` memory before registering it), and stays
+/// valid (not freed, unmapped or reallocated) until `exs_mderegister` of the handle has returned 0. While an operation on a range of it is in flight (between its
 /// call and its event) the program does not write a range being sent nor touch a range being received into; a
 /// persistent operation's memory (`EXS_PERSISTENT`) may be used meanwhile, and may then be seen half old, half
 /// new (seed 002, 4.2-4.3).

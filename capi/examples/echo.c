@@ -2,7 +2,7 @@
  *
  * The client sends 1 MiB; the server receives it whole (MSG_WAITALL) and sends it back; the client receives it
  * whole and checks every byte. Then the client shuts its side down and the server sees end-of-stream (a receive
- * of 0 bytes). Every buffer is the program's own malloc'ed memory, registered in place: the device moves the
+ * of 0 bytes). Every buffer is the program's own calloc'ed memory, registered in place: the device moves the
  * bytes straight from one to the other.
  *
  *   cc echo.c $(pkg-config --cflags --libs exs) -o echo      (or c++: the file is C and C++)
@@ -40,9 +40,9 @@ static void check(int rc, const char *what)
 /* A registered buffer of LEN bytes of the program's own memory. */
 static char *region(exs_mhandle_t *mh)
 {
-    char *p = (char *)malloc(LEN);
+    char *p = (char *)calloc(1, LEN);
     if (p == NULL)
-        die("malloc");
+        die("calloc");
     *mh = exs_mregister(p, LEN, EXS_ACCESS_READ | EXS_ACCESS_WRITE);
     check(*mh, "exs_mregister");
     return p;

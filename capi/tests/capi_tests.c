@@ -92,7 +92,7 @@ static void calls_before_exs_init_fail_cleanly(void)
 
 static void bad_handles_are_ebadf(void)
 {
-    char *buf = (char *)malloc(64);
+    char *buf = (char *)calloc(1, 64);
     exs_qhandle_t qh = exs_qcreate(4);
     exs_mhandle_t mh = exs_mregister(buf, 64, EXS_ACCESS_READ | EXS_ACCESS_WRITE);
     exs_event_t ev;
@@ -171,7 +171,7 @@ static void bad_arguments_are_einval(void)
 
 static void buffers_outside_a_region_are_einval(void)
 {
-    char *mem = (char *)malloc(8192);
+    char *mem = (char *)calloc(1, 8192);
     exs_qhandle_t qh = exs_qcreate(8);
     exs_mhandle_t mh = exs_mregister(mem + 1024, 4096, EXS_ACCESS_READ | EXS_ACCESS_WRITE);
     exs_mhandle_t ro = exs_mregister(mem + 6000, 100, EXS_ACCESS_READ);
@@ -197,7 +197,7 @@ static void buffers_outside_a_region_are_einval(void)
 
 static void deregister_while_a_send_is_in_flight_is_ebusy(void)
 {
-    char *out = (char *)malloc(65536), *in = (char *)malloc(65536);
+    char *out = (char *)calloc(1, 65536), *in = (char *)calloc(1, 65536);
     exs_qhandle_t qh = exs_qcreate(8);
     exs_mhandle_t mo, mi;
     exs_event_t a, b;
@@ -278,7 +278,7 @@ static void events_carry_the_errno_of_the_operation(void)
 
 static void a_full_queue_is_eagain_and_messages_say_eor_and_trunc(void)
 {
-    char *mem = (char *)malloc(256);
+    char *mem = (char *)calloc(1, 256);
     exs_qhandle_t qh = exs_qcreate(8), small = exs_qcreate(1);
     exs_mhandle_t mh = exs_mregister(mem, 256, EXS_ACCESS_READ | EXS_ACCESS_WRITE);
     exs_event_t r, s1;
@@ -302,7 +302,7 @@ static void a_full_queue_is_eagain_and_messages_say_eor_and_trunc(void)
 
 static void options_names_poll_and_sendfile(void)
 {
-    char *mem = (char *)malloc(8192), tmpl[] = "/tmp/exs-capi-XXXXXX";
+    char *mem = (char *)calloc(1, 8192), tmpl[] = "/tmp/exs-capi-XXXXXX";
     exs_qhandle_t qh = exs_qcreate(8);
     exs_mhandle_t mh = exs_mregister(mem, 8192, EXS_ACCESS_READ | EXS_ACCESS_WRITE);
     struct sockaddr_in6 peer6;
@@ -353,7 +353,7 @@ static void options_names_poll_and_sendfile(void)
 static void *worker(void *arg)
 {
     long id = (long)(intptr_t)arg, errors = 0;
-    char *mem = (char *)malloc(1536);
+    char *mem = (char *)calloc(1, 1536);
     exs_qhandle_t qh = exs_qcreate(8);
     exs_mhandle_t mh = exs_mregister(mem, 1024, EXS_ACCESS_READ | EXS_ACCESS_WRITE);
     int c, s, i;

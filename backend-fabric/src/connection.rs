@@ -192,7 +192,7 @@ impl FabricTransport {
     /// Binds `ep` to the transport's event queue and to `cq`, enables it, and enters `cq`'s wait object (if it
     /// has one, of `kind`) in the transport's epoll set under `id`. On error the caller closes both.
     fn bind_and_enable(
-        &self,
+        &mut self,
         ep: *mut fid_ep,
         cq: *mut fid_cq,
         kind: CqWait,
@@ -221,6 +221,7 @@ impl FabricTransport {
                 // SAFETY: `cq` is open.
                 let fd = wait_fd_of(unsafe { &mut (*cq).fid })?;
                 epoll_add(&self.epoll, fd, u64::from(id.0))?;
+                self.own(fd, id);
                 Ok(EpWait::Fd(fd))
             }
             CqWait::PollFd => {
@@ -228,7 +229,7 @@ impl FabricTransport {
                 let now = pollfds_of(cq)?;
                 let (entered, r) = self.enter_pollfds(id, &[], &now);
                 if let Err(e) = r {
-                    self.leave_epoll(&EpWait::PollFd(entered));
+                    self.leave_epoll(id, &EpWait::PollFd(entered));
                     return Err(e);
                 }
                 Ok(EpWait::PollFd(entered))
@@ -513,7 +514,7 @@ impl FabricTransport {
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
-        self.leave_epoll(&e.wait);
+        self.leave_epoll(ep, &e.wait);
         // Its connection events still in the event queue go with it: closing an endpoint removes them
         // (`ofi_eq_remove_fid_events` in the tcp provider's close), so `read_eq` never sees the closed fid; events
         // read before the close name the endpoint by its id, which is looked up, not trusted.

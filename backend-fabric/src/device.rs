@@ -50,6 +50,7 @@ impl FabricTransport {
             domain_name,
             eq,
             epoll,
+            fd_owners: FxHashMap::default(),
             caps,
             eps: FxHashMap::default(),
             listeners: FxHashMap::default(),

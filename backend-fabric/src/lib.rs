@@ -179,6 +179,9 @@ pub struct FabricTransport {
     domain_name: String,
     eq: *mut fid_eq,
     epoll: Epoll,
+    /// Which endpoint entered each queue descriptor in `epoll` (see [`wait`]): a descriptor number the provider
+    /// closed and gave to another queue is that queue's, and the first one's updates leave it alone.
+    fd_owners: FxHashMap<std::os::fd::RawFd, EndpointId>,
     caps: Capabilities,
     eps: FxHashMap<EndpointId, Ep>,
     listeners: FxHashMap<ListenerId, *mut fid_pep>,

@@ -14,6 +14,10 @@
 //! that queue's own progress (`reading_connection_events_moves_no_queues_data` pins it). A provider whose
 //! event-queue reads also moved a queue's data could change what an armed queue waits on unseen;
 //! `EXS_FABRIC_CQ_WAIT=fd` does not depend on it.
+//!
+//! The epoll set names its entries by descriptor number, and a number the provider closed can come back as another
+//! queue's descriptor before the first queue's list is brought up to date: each number therefore has one owner
+//! (the endpoint that entered it last), and a queue takes out only the entries it still owns.
 
 use std::os::fd::{BorrowedFd, RawFd};
 
@@ -97,7 +101,7 @@ impl FabricTransport {
     /// entry whose events changed is modified. Returns what is entered afterwards, also when a step failed part
     /// way (with the error), so that the next update starts from the truth.
     pub(crate) fn enter_pollfds(
-        &self,
+        &mut self,
         id: EndpointId,
         was: &[(RawFd, i16)],
         now: &[(RawFd, i16)],
@@ -108,7 +112,7 @@ impl FabricTransport {
             if now.iter().any(|n| n.0 == fd) {
                 entered.push((fd, events));
             } else {
-                self.leave(fd);
+                self.leave(fd, id);
             }
         }
         for &(fd, events) in now {
@@ -134,7 +138,10 @@ impl FabricTransport {
                     }
                     r => r,
                 }
-                .map(|()| entered.push((fd, events))),
+                .map(|()| {
+                    entered.push((fd, events));
+                    self.own(fd, id);
+                }),
             };
             if let Err(e) = r {
                 return (entered, Err(TransportError::os("epoll_ctl", e.into())));
@@ -157,26 +164,104 @@ impl FabricTransport {
         if **was == *now {
             return Ok(());
         }
-        let (entered, r) = self.enter_pollfds(id, was, &now);
+        let was = was.clone();
+        let (entered, r) = self.enter_pollfds(id, &was, &now);
         if let Some(e) = self.eps.get_mut(&id) {
             e.wait = EpWait::PollFd(entered);
         }
         r
     }
 
-    /// Takes a released queue's entries out of the epoll set (before the queue and its socket close).
-    pub(crate) fn leave_epoll(&self, wait: &EpWait) {
+    /// Takes endpoint `id`'s queue's entries out of the epoll set (before the queue and its socket close).
+    pub(crate) fn leave_epoll(&mut self, id: EndpointId, wait: &EpWait) {
         match wait {
             EpWait::None => {}
-            EpWait::Fd(fd) => self.leave(*fd),
-            EpWait::PollFd(v) => v.iter().for_each(|&(fd, _)| self.leave(fd)),
+            EpWait::Fd(fd) => self.leave(*fd, id),
+            EpWait::PollFd(v) => v.iter().for_each(|&(fd, _)| self.leave(fd, id)),
         }
     }
 
-    /// Takes one of a queue's descriptors out of the epoll set.
-    fn leave(&self, fd: RawFd) {
+    /// Records that `fd` is entered under `id`'s queue. Another queue that had entered the same number loses it
+    /// from its list (the provider closed its descriptor, and the number went to `id`'s): it must not take the
+    /// entry out later, nor count on it.
+    pub(crate) fn own(&mut self, fd: RawFd, id: EndpointId) {
+        let Some(prev) = self.fd_owners.insert(fd, id).filter(|&p| p != id) else {
+            return;
+        };
+        if let Some(EpWait::PollFd(v)) = self.eps.get_mut(&prev).map(|e| &mut e.wait) {
+            v.retain(|w| w.0 != fd);
+        }
+    }
+
+    /// Takes one of `id`'s queue's descriptors out of the epoll set, if it is still that queue's: a number the
+    /// provider closed may since have gone to another queue's descriptor, whose entry stays.
+    fn leave(&mut self, fd: RawFd, id: EndpointId) {
+        if self.fd_owners.get(&fd) != Some(&id) {
+            return;
+        }
+        self.fd_owners.remove(&fd);
         // SAFETY: the descriptor is (or was) one of the queue's, entered under it; deleting one the provider has
         // closed already fails harmlessly.
         let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+
+    use nix::sys::epoll::EpollTimeout;
+    use nix::sys::eventfd::{EfdFlags, EventFd};
+
+    use super::*;
+    use crate::FabricConfig;
+
+    const POLLIN: i16 = nix::poll::PollFlags::POLLIN.bits();
+
+    /// A descriptor that stays readable.
+    fn eventfd() -> EventFd {
+        EventFd::from_value_and_flags(1, EfdFlags::EFD_NONBLOCK).unwrap()
+    }
+
+    /// Which endpoints' entries in the transport's epoll set are readable now.
+    fn readable(t: &FabricTransport) -> Vec<u64> {
+        let mut events = [EpollEvent::empty(); 8];
+        let n = t.epoll.wait(&mut events, EpollTimeout::ZERO).unwrap();
+        events[..n].iter().map(|e| e.data()).collect()
+    }
+
+    /// A queue's descriptor that the provider closed, its number then given to another queue's descriptor: the
+    /// first queue's next update (or its release) took the number's entry out of the epoll set, which was the
+    /// second queue's by then, and that queue's completions no longer woke a sleeper (a lost wake-up).
+    #[test]
+    fn a_descriptor_number_reused_by_another_queue_stays_that_queues() {
+        let mut t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
+        let (a, b) = (EndpointId(901), EndpointId(902));
+        let first = eventfd();
+        let n = first.as_raw_fd();
+        let (_, r) = t.enter_pollfds(a, &[], &[(n, POLLIN)]);
+        r.unwrap();
+        assert!(readable(&t).contains(&901));
+        // The provider closes A's descriptor (epoll forgets it) and the number goes to one of B's: at once, so
+        // that no other test's descriptor takes it in between.
+        let second = eventfd();
+        nix::unistd::dup2(second.as_raw_fd(), n).unwrap();
+        // `n` is a copy of B's descriptor now; A's went with the dup2 (its file's last descriptor).
+        std::mem::forget(first);
+        // SAFETY: `n` is open (made by dup2) and owned by nothing else.
+        let _owned = unsafe { OwnedFd::from_raw_fd(n) };
+        let (_, r) = t.enter_pollfds(b, &[], &[(n, POLLIN)]);
+        r.unwrap();
+        // A's list no longer has the descriptor: its update, then its release, take out what is A's only.
+        let (left, r) = t.enter_pollfds(a, &[(n, POLLIN)], &[]);
+        r.unwrap();
+        assert!(left.is_empty());
+        t.leave_epoll(a, &EpWait::PollFd(left));
+        assert!(
+            readable(&t).contains(&902),
+            "B's descriptor left the epoll set with A's update"
+        );
+        t.leave_epoll(b, &EpWait::PollFd(SmallVec::from_slice(&[(n, POLLIN)])));
+        assert!(!readable(&t).contains(&902), "B's own release takes it out");
     }
 }

@@ -74,14 +74,15 @@ impl FabricTransport {
             }
         }
         if let Some((call, code)) = failed {
-            tracing::error!(
-                ?id,
-                call,
-                code,
-                "the connection's completion queue cannot be read ({}): taking the connection down",
-                strerror(code as i64)
-            );
+            // Logged once: the queue may fail again at every read until the engine releases the endpoint.
             if let Some(ev) = self.report_down(id) {
+                tracing::error!(
+                    ?id,
+                    call,
+                    code,
+                    "the connection's completion queue cannot be read ({}): taking the connection down",
+                    strerror(code as i64)
+                );
                 self.cm_backlog.push_back(ev);
             }
         }

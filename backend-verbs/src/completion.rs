@@ -49,6 +49,10 @@ impl VerbsTransport {
             let n = unsafe { ibv_poll_cq(self.cq, wcs.len() as i32, wcs.as_mut_ptr()) };
             if n <= 0 {
                 self.wcs = wcs;
+                if n < 0 {
+                    // Not an empty queue: taken for one, every request would wait for ever.
+                    self.fail_device("ibv_poll_cq", n);
+                }
                 return total;
             }
             for wc in &wcs[..n as usize] {

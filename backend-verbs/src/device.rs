@@ -408,6 +408,7 @@ impl VerbsTransport {
                 .collect(),
             one: Vec::with_capacity(1),
             chain: Default::default(),
+            device_failed: false,
         };
         // SAFETY: `cq` was just created.
         let rc = unsafe { ibv_req_notify_cq(t.cq, 0) };

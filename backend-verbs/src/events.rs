@@ -1,8 +1,10 @@
 //! The device's asynchronous events (`ibv_get_async_event`): a completion queue or queue pair in error, a port
 //! gone, a device failed. The device context's event descriptor is in the wait set; its events are read when
 //! arming finds it readable, logged (errors as errors: a completion queue that overflowed says so here), and
-//! acknowledged at once (destroying a queue pair waits for its events to be acknowledged). Nothing else is done with
-//! them: a queue pair in error completes its requests flushed, which is what the engine acts on.
+//! acknowledged at once (destroying a queue pair waits for its events to be acknowledged). A queue pair in error
+//! completes its requests flushed, which is what the engine acts on. A device that failed (its fatal event, or its
+//! descriptor gone) completes nothing more: every connection of the transport is then reported down
+//! ([`VerbsTransport::fail_device`]).
 //!
 //! rdma_cm hands every user of a device in the process the same context, and so the same event descriptor: every
 //! transport on the device has it in its wait set, and whichever reads first takes the event. One transport may
@@ -103,7 +105,11 @@ impl VerbsTransport {
                 let fd = unsafe { (*self.ctx).async_fd };
                 match after_failed_read(&self.epoll, fd, &err) {
                     ReadFailure::Interrupted => continue,
-                    ReadFailure::Empty | ReadFailure::Gone => return,
+                    ReadFailure::Empty => return,
+                    ReadFailure::Gone => {
+                        self.fail_device("ibv_get_async_event", err.raw_os_error().unwrap_or(0));
+                        return;
+                    }
                 }
             }
             let p = ev.as_mut_ptr();
@@ -125,8 +131,39 @@ impl VerbsTransport {
             }
             // SAFETY: an event we got, acknowledged once, after its last use.
             unsafe { ibv_ack_async_event(p) };
+            if fails_device(code) {
+                self.fail_device("IBV_EVENT_DEVICE_FATAL", 0);
+            }
         }
     }
+
+    /// The device, or the completion queue every connection of this transport shares, failed (`call` said so, with
+    /// `code`): no request will complete any more, so every connection is reported down, once, and the engine ends
+    /// its operations and releases it (the queue pair destroyed before its records and their leases go) instead of
+    /// waiting for ever. Logged once. Another transport on the same device context may have read the fatal event
+    /// instead (see the module's note): its own completion queue's failure, or rdma_cm's device removal, reaches it.
+    pub(crate) fn fail_device(&mut self, call: &str, code: i32) {
+        if !self.device_failed {
+            self.device_failed = true;
+            tracing::error!(
+                call,
+                code,
+                connections = self.eps.len(),
+                "the RDMA device failed: every connection is taken down"
+            );
+        }
+        let ids: Vec<_> = self.eps.keys().copied().collect();
+        for ep in ids {
+            if let Some(ev) = self.report_down(ep) {
+                self.cm_backlog.push_back(ev);
+            }
+        }
+    }
+}
+
+/// Whether the event with code `code` says the device failed (`IBV_EVENT_DEVICE_FATAL`).
+fn fails_device(code: u32) -> bool {
+    code == 8
 }
 
 #[cfg(test)]
@@ -139,6 +176,16 @@ mod tests {
     fn ready(epoll: &Epoll) -> usize {
         let mut events = [EpollEvent::empty(); 2];
         epoll.wait(&mut events, EpollTimeout::ZERO).unwrap()
+    }
+
+    #[test]
+    fn only_the_fatal_device_event_takes_every_connection_down() {
+        assert!(fails_device(8));
+        assert_eq!(describe(8), ("device fatal error", Severity::Error));
+        // A queue pair's or a port's trouble is the connection's (its requests complete flushed) or passes.
+        for code in (0..=19).filter(|&c| c != 8) {
+            assert!(!fails_device(code), "event {code}");
+        }
     }
 
     #[test]

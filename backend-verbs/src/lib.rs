@@ -223,6 +223,8 @@ pub struct VerbsTransport {
     one: Vec<WorkRequest>,
     /// The chain a post of sends builds, kept for the next post (see [`post::Chain`]).
     chain: post::Chain,
+    /// The device or its completion queue failed (see [`VerbsTransport::fail_device`]).
+    device_failed: bool,
 }
 
 // SAFETY: the verbs and rdma_cm objects are owned by this value and used from one thread at a time (the engine

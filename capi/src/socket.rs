@@ -233,3 +233,67 @@ pub(crate) fn file_accepted(sock: Socket) -> c_int {
     };
     file_socket(sock, domain).unwrap_or(-1)
 }
+
+#[cfg(test)]
+mod tests {
+    use std::ptr;
+
+    use exs::sim::{SimConfig, World};
+    use exs::EventQueue;
+
+    use super::*;
+    use crate::handles::QUEUES;
+
+    fn errno() -> c_int {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    /// `exs_connect` of `fd` to `to` on queue `qh`.
+    fn connect(fd: c_int, to: std::net::SocketAddr, qh: exs_qhandle_t) -> c_int {
+        let std::net::SocketAddr::V4(to) = to else {
+            panic!("the simulator's addresses are IPv4")
+        };
+        let a = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: to.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*to.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = std::mem::size_of::<libc::sockaddr_in>() as socklen_t;
+        // SAFETY: `a` is a whole sockaddr_in.
+        unsafe {
+            exs_connect(
+                fd,
+                ptr::from_ref(&a).cast::<sockaddr>(),
+                len,
+                qh,
+                ptr::null_mut(),
+            )
+        }
+    }
+
+    /// A second `exs_connect` while the first was under way was `EISCONN`; `connect(2)` says `EALREADY`. (On a
+    /// world whose progress runs only when the test says, so that the first is still under way.)
+    #[test]
+    fn a_connect_while_one_is_under_way_is_ealready() {
+        let world = World::new(SimConfig::default());
+        let (a, b) = (world.host(), world.host());
+        let l = Socket::new(&b, SockType::Stream).unwrap();
+        l.bind(world.addr(1, 7004)).unwrap();
+        let at = l.listen(4).unwrap();
+        let eq = EventQueue::new(4).unwrap();
+        let qh = QUEUES.insert_new(eq.clone()).unwrap();
+        let fd = file_socket(Socket::new(&a, SockType::Stream).unwrap(), libc::AF_INET).unwrap();
+        assert_eq!(connect(fd, at, qh), 0, "errno {}", errno());
+        assert_eq!((connect(fd, at, qh), errno()), (-1, libc::EALREADY));
+        world.run_until_idle(100_000);
+        assert!(eq.next(None).unwrap().is_ok(), "the first connect goes on");
+        assert_eq!((connect(fd, at, qh), errno()), (-1, libc::EISCONN));
+        assert_eq!(exs_close(fd), 0);
+        l.close().unwrap();
+        world.run_until_idle(100_000);
+        let _ = crate::queue::exs_qdelete(qh);
+    }
+}

@@ -52,8 +52,9 @@ fn connect(fd: c_int, a: &sockaddr_in, qh: c_int) -> c_int {
 
 /// The errno values these calls gave were not the ones the header promised or `bind(2)`, `listen(2)`,
 /// `connect(2)`, `send(2)` and `recv(2)` give: `exs_bind` of a listening socket was `EISCONN` (`EINVAL`), a
-/// second `exs_listen` failed with `EISCONN` (it changes the backlog), `exs_connect` while a connect was under way
-/// was `EISCONN` (`EALREADY`), and `exs_send` or `exs_recv` on a listener `EOPNOTSUPP` (`ENOTCONN`).
+/// second `exs_listen` failed with `EISCONN` (it changes the backlog), and `exs_send` or `exs_recv` on a listener
+/// `EOPNOTSUPP` (`ENOTCONN`). (`EALREADY` for a connect while one is under way is a unit test of `socket.rs`:
+/// here the context's progress thread may finish the first connect at once.)
 #[test]
 fn calls_a_sockets_state_refuses_give_the_errno_of_their_sockets_call() {
     std::env::set_var("EXS_BACKEND", "sim");
@@ -97,11 +98,6 @@ fn calls_a_sockets_state_refuses_give_the_errno_of_their_sockets_call() {
 
     let c = exs_socket(libc::AF_INET, libc::SOCK_STREAM, 0);
     assert_eq!(connect(c, &at, q), 0, "errno {}", errno());
-    assert_eq!(
-        (connect(c, &at, q), errno()),
-        (-1, libc::EALREADY),
-        "a second connect"
-    );
     // SAFETY: an all-zero event is a valid one (integers and a null context).
     let mut ev: [exs_event_t; 1] = unsafe { std::mem::zeroed() };
     // SAFETY: room for one event; no timeout (the simulator connects at once).

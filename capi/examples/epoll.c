@@ -50,7 +50,7 @@ static void side_init(struct side *s, int fd)
     s->fd = fd;
     s->msg = (uint64_t *)calloc(1, sizeof(uint64_t));
     if (s->msg == NULL)
-        die("malloc");
+        die("calloc");
     s->mh = exs_mregister(s->msg, sizeof(uint64_t), EXS_ACCESS_READ | EXS_ACCESS_WRITE);
     check(s->mh, "exs_mregister");
 }

@@ -118,10 +118,10 @@ int main(int argc, char **argv)
     check(exs_send(sim, state, STATE_BYTES, EXS_PERSISTENT, mstate, qh, NULL), "exs_send(EXS_PERSISTENT)");
 
     /* The display's first receive takes the whole state (and learns of the persistent send). */
-    whole = (uint32_t *)malloc(STATE_BYTES);
-    view = (uint32_t *)malloc(SLICE * sizeof(uint32_t));
+    whole = (uint32_t *)calloc(1, STATE_BYTES);
+    view = (uint32_t *)calloc(SLICE, sizeof(uint32_t));
     if (whole == NULL || view == NULL)
-        die("malloc");
+        die("calloc");
     mwhole = exs_mregister(whole, STATE_BYTES, EXS_ACCESS_WRITE);
     mview = exs_mregister(view, SLICE * sizeof(uint32_t), EXS_ACCESS_WRITE);
     check(mwhole, "exs_mregister");

@@ -106,7 +106,7 @@ static int serve(const struct opts *o, int port_pipe)
     if (exs_qdequeue(qh, &ev, 1, NULL) != 1 || ev.exs_evt_errno != 0)
         die("server", "accept");
     s = ev.exs_evt_accepted;
-    buf = (char *)malloc((size_t)o->size);
+    buf = (char *)calloc(1, (size_t)o->size);
     mh = exs_mregister(buf, (size_t)o->size, EXS_ACCESS_READ | EXS_ACCESS_WRITE);
     if (buf == NULL || mh < 0)
         die("server", "exs_mregister");
@@ -140,7 +140,7 @@ static int ping(const struct opts *o, uint16_t port)
     struct sockaddr_in addr;
     long warm = o->count / 10 + 1, i, n = o->count;
     double *samples = (double *)malloc((size_t)n * sizeof(double)), sum = 0;
-    char *out = (char *)malloc((size_t)o->size), *back = (char *)malloc((size_t)o->size);
+    char *out = (char *)calloc(1, (size_t)o->size), *back = (char *)calloc(1, (size_t)o->size);
     exs_mhandle_t mout, mback;
     exs_qhandle_t qh;
     int s;

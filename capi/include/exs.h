@@ -241,7 +241,8 @@ struct exs_event {
    */
   int exs_evt_fd;
   /**
-   * Bytes moved by a send, receive or sendfile; 0 at end of stream.
+   * Bytes moved by a send, receive or sendfile; 0 at end of stream (with `EXS_EOF`) and for an empty
+   * SOCK_SEQPACKET message (with `MSG_EOR`).
    */
   ssize_t exs_evt_bytes;
   /**
@@ -250,7 +251,8 @@ struct exs_event {
   int exs_evt_accepted;
   /**
    * `MSG_EOR`: a SOCK_SEQPACKET receive holds a whole message (not `exs_recv_offset`'s range of the peer's
-   * persistent send); `MSG_TRUNC`: the message was longer than the buffer and the rest was discarded.
+   * persistent send); `MSG_TRUNC`: the message was longer than the buffer and the rest was discarded;
+   * `EXS_EOF`: the receive took the end of stream.
    */
   int exs_evt_flags;
   /**
@@ -503,7 +505,8 @@ int exs_send(int fd,
 /**
  * Receives into the `len` bytes at `buf`, asynchronously (ES-API `exs_recv`). `buf` lies in the memory `mh`
  * registered (with `EXS_ACCESS_WRITE`); the device writes it there, so the program must not touch those bytes
- * until the `EXS_EVT_RECV` event on `qh`, whose `exs_evt_bytes` says how many arrived (0 at end of stream).
+ * until the `EXS_EVT_RECV` event on `qh`, whose `exs_evt_bytes` says how many arrived (0 at end of stream, which
+ * `EXS_EOF` in `exs_evt_flags` tells apart from an empty SOCK_SEQPACKET message).
  * `flags`: `MSG_WAITALL` (SOCK_STREAM: complete only when the buffer is full, or at end of stream),
  * `EXS_PERSISTENT` (seed 002 4.3: the peer's later sends write into this memory). -1 with `errno` as
  * `exs_send` (`EACCES`: registered without write access).

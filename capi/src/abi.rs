@@ -111,12 +111,14 @@ pub struct exs_event {
     pub exs_evt_context: *mut c_void,
     /// The socket the operation was on.
     pub exs_evt_fd: c_int,
-    /// Bytes moved by a send, receive or sendfile; 0 at end of stream.
+    /// Bytes moved by a send, receive or sendfile; 0 at end of stream (with `EXS_EOF`) and for an empty
+    /// SOCK_SEQPACKET message (with `MSG_EOR`).
     pub exs_evt_bytes: ssize_t,
     /// `EXS_EVT_ACCEPT`: the new connected socket (-1 otherwise).
     pub exs_evt_accepted: c_int,
     /// `MSG_EOR`: a SOCK_SEQPACKET receive holds a whole message (not `exs_recv_offset`'s range of the peer's
-    /// persistent send); `MSG_TRUNC`: the message was longer than the buffer and the rest was discarded.
+    /// persistent send); `MSG_TRUNC`: the message was longer than the buffer and the rest was discarded;
+    /// `EXS_EOF`: the receive took the end of stream.
     pub exs_evt_flags: c_int,
     /// `EXS_EVT_POLL`: `POLLIN`, `POLLOUT`, `POLLERR`, `POLLHUP`.
     pub exs_evt_revents: c_short,

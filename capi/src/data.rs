@@ -62,7 +62,8 @@ pub extern "C" fn exs_send(
 
 /// Receives into the `len` bytes at `buf`, asynchronously (ES-API `exs_recv`). `buf` lies in the memory `mh`
 /// registered (with `EXS_ACCESS_WRITE`); the device writes it there, so the program must not touch those bytes
-/// until the `EXS_EVT_RECV` event on `qh`, whose `exs_evt_bytes` says how many arrived (0 at end of stream).
+/// until the `EXS_EVT_RECV` event on `qh`, whose `exs_evt_bytes` says how many arrived (0 at end of stream, which
+/// `EXS_EOF` in `exs_evt_flags` tells apart from an empty SOCK_SEQPACKET message).
 /// `flags`: `MSG_WAITALL` (SOCK_STREAM: complete only when the buffer is full, or at end of stream),
 /// `EXS_PERSISTENT` (seed 002 4.3: the peer's later sends write into this memory). -1 with `errno` as
 /// `exs_send` (`EACCES`: registered without write access).

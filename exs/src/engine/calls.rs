@@ -25,7 +25,7 @@ impl Engine {
     // Connections
 
     /// The number of a new socket: the next one this engine does not hold, counting from 1 to [`LAST_SOCKET_ID`]
-    /// and round again. A socket that outlives two billion others keeps its number to itself (a number that came
+    /// and round again. A socket that outlives half a billion others keeps its number to itself (a number that came
     /// round used to name two sockets at once, and the C API's table filed the new one over the old), and a
     /// program that makes sockets for ever never runs out.
     pub(super) fn new_socket_id(&mut self) -> SocketId {
@@ -43,7 +43,7 @@ impl Engine {
         }
     }
 
-    /// Starts the socket numbers at `next`, to test their wrap without making two billion sockets.
+    /// Starts the socket numbers at `next`, to test their wrap without making half a billion sockets.
     #[cfg(test)]
     pub(crate) fn set_next_socket_id(&mut self, next: u32) {
         self.next_socket = next;

@@ -70,10 +70,10 @@ impl Engine {
         self.completions = batch;
     }
 
-    /// After a panic nothing in the engine can be trusted: every pending operation fails with a transport error,
-    /// every connection is disconnected and every listener closed (their endpoints are released with the
-    /// context), and every later call on a socket of this context fails
-    /// (`StateError::ConnectionDown`). Best effort: a second panic here leaves the rest to the context's drop.
+    /// After a panic nothing in the engine can be trusted: every pending operation fails with
+    /// `OpError::ContextFailed`, every connection is disconnected and every listener closed (their endpoints are
+    /// released with the context), and every later call on a socket of this context fails
+    /// (`StateError::ConnectionDown` of the same). Best effort: a second panic here leaves the rest to the context's drop.
     fn fail_context(&mut self, why: String) {
         tracing::error!(%why, "the context failed; every operation ends with an error");
         let err = failed_error(&why);

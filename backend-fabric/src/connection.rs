@@ -537,9 +537,7 @@ impl FabricTransport {
             self.cq_backlog.retain(|c| c.ep != ep);
             // Nor do the ranges its keys named go back: the endpoint may still serve the peer's accesses. The
             // endpoint, its queue and its domain stay open (never closed under the provider).
-            e.dom
-                .endpoint_stuck
-                .store(true, std::sync::atomic::Ordering::Relaxed);
+            e.dom.endpoint_stuck(ep);
             std::mem::forget(e);
             return;
         }

@@ -76,9 +76,10 @@ pub(crate) struct Domain {
     pub(crate) domain: *mut fid_domain,
     pub(crate) mr_mode: u64,
     keys: Keys,
-    /// An endpoint of the domain could not be closed: the provider may still reach the memory the domain's keys
-    /// name, so no range exposed in it is released any more ([`FiKey`]).
-    pub(crate) endpoint_stuck: std::sync::atomic::AtomicBool,
+    /// Endpoints of the domain that could not be closed: the provider may still serve their peers' accesses, so
+    /// no range exposed to one of them is released any more ([`FiKey`]). Rare: looked at only when `any_stuck`.
+    stuck: std::sync::Mutex<Vec<EndpointId>>,
+    any_stuck: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: the domain was opened with FI_THREAD_SAFE; libfabric serializes internally.
@@ -102,6 +103,25 @@ impl Drop for Domain {
 }
 
 impl Domain {
+    /// Records that endpoint `ep` of the domain could not be closed ([`FabricTransport::release_ep`]).
+    pub(crate) fn endpoint_stuck(&self, ep: EndpointId) {
+        self.stuck
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(ep);
+        self.any_stuck.store(true, Ordering::Release);
+    }
+
+    /// Whether endpoint `ep` of the domain could not be closed.
+    fn is_stuck(&self, ep: EndpointId) -> bool {
+        self.any_stuck.load(Ordering::Acquire)
+            && self
+                .stuck
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&ep)
+    }
+
     /// Opens a domain on the fabric.
     pub(crate) fn open(fab: &Arc<Fabric>, mr_mode: u64) -> Result<Arc<Domain>, TransportError> {
         let mut domain = ptr::null_mut();
@@ -115,7 +135,8 @@ impl Domain {
             domain,
             mr_mode,
             keys: Keys::new(),
-            endpoint_stuck: std::sync::atomic::AtomicBool::new(false),
+            stuck: std::sync::Mutex::new(Vec::new()),
+            any_stuck: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -195,9 +216,10 @@ impl std::fmt::Debug for FiRegistration {
 impl Drop for FiRegistration {
     fn drop(&mut self) {
         // Closed before `buf` (declared later) is released: memory outlives its registration, and one that could
-        // not be closed keeps its buffer for ever.
+        // not be closed keeps its buffer, and its domain (which cannot close under it), for ever.
         if !close_mr(self.mr) {
             std::mem::forget(Arc::clone(&self.buf));
+            std::mem::forget(self._domain.clone());
         }
     }
 }
@@ -219,12 +241,14 @@ impl Registration for FiRegistration {
 /// closing the registration does not stop an access the peer began before (see the backends chapter, "A revoked key
 /// and an access already under way"): the engine revokes a key only once the protocol says the peer is done with
 /// it, or at the endpoint's release, which stops the provider's accesses. A registration that could not be closed
-/// may still let the peer in, as may an endpoint of its domain that could not be closed: its range is never
-/// released then, as [`Revoke::release`] asks.
+/// may still let the peer in, as may its endpoint if that could not be closed: its range is never released then,
+/// as [`Revoke::release`] asks.
 #[derive(Debug)]
 pub(crate) struct FiKey {
     pub(crate) mr: MrHandle,
     pub(crate) domain: Arc<Domain>,
+    /// The endpoint whose peer was given the key.
+    pub(crate) ep: EndpointId,
     /// What closes the registration ([`close_mr`]; a test makes it fail).
     pub(crate) close: fn(*mut fid_mr) -> bool,
     /// The close failed: the lease is kept.
@@ -232,10 +256,11 @@ pub(crate) struct FiKey {
 }
 
 impl FiKey {
-    pub(crate) fn new(mr: *mut fid_mr, domain: Arc<Domain>) -> Self {
+    pub(crate) fn new(mr: *mut fid_mr, domain: Arc<Domain>, ep: EndpointId) -> Self {
         FiKey {
             mr: MrHandle(mr),
             domain,
+            ep,
             close: close_mr,
             open: false,
         }
@@ -258,11 +283,15 @@ impl Revoke for FiKey {
     fn revoke(&mut self) {
         let mr = std::mem::replace(&mut self.mr.0, std::ptr::null_mut());
         self.open = !(self.close)(mr);
+        if self.open {
+            // Nor may its domain close under it.
+            std::mem::forget(Arc::clone(&self.domain));
+        }
     }
 
     fn release(&mut self, lease: Lease) {
-        if self.open || self.domain.endpoint_stuck.load(Ordering::Relaxed) {
-            // The key may still work, or an endpoint that could not be closed still reach the range: it stays
+        if self.open || self.domain.is_stuck(self.ep) {
+            // The key may still work, or its endpoint, which could not be closed, still reach the range: it stays
             // leased for ever (never reused, never freed).
             std::mem::forget(lease);
         }
@@ -336,7 +365,7 @@ impl FabricTransport {
         Ok(Box::new(exs_transport::KeyedLease::new(
             RemoteRef { addr, key },
             lease,
-            FiKey::new(mr, dom),
+            FiKey::new(mr, dom, ep),
         )))
     }
 }
@@ -356,16 +385,18 @@ mod tests {
         true
     }
 
-    /// The first 64 bytes of `buf` exposed in `domain` under a stand-in registration that `close` closes.
+    /// The first 64 bytes of `buf` exposed to endpoint `ep` in `domain`, under a stand-in registration that
+    /// `close` closes.
     fn exposed(
         buf: &Arc<DmaBuf>,
         domain: &Arc<Domain>,
+        ep: u32,
         close: fn(*mut fid_mr) -> bool,
     ) -> KeyedLease<FiKey> {
         let lease = buf.lease(0..64, LeaseKind::DeviceWriteShared).unwrap();
         let key = FiKey {
             close,
-            ..FiKey::new(ptr::null_mut(), Arc::clone(domain))
+            ..FiKey::new(ptr::null_mut(), Arc::clone(domain), EndpointId(ep))
         };
         KeyedLease::new(RemoteRef { addr: 0, key: 0 }, lease, key)
     }
@@ -374,8 +405,8 @@ mod tests {
     fn a_key_whose_registration_could_not_be_closed_keeps_its_range_leased() {
         let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
         let (kept, other) = (DmaBuf::new(4096), DmaBuf::new(4096));
-        drop(exposed(&kept, &t.dom, failing_close));
-        drop(exposed(&other, &t.dom, good_close));
+        drop(exposed(&kept, &t.dom, 1, failing_close));
+        drop(exposed(&other, &t.dom, 1, good_close));
         assert!(
             kept.is_range_leased(0..64),
             "the key may still let the peer in"
@@ -384,16 +415,16 @@ mod tests {
     }
 
     #[test]
-    fn no_range_goes_back_once_an_endpoint_of_its_domain_could_not_be_closed() {
+    fn no_range_exposed_to_an_endpoint_that_could_not_be_closed_goes_back() {
         let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
-        let stuck = Domain::open(&t.dom.fab, t.dom.mr_mode).expect("fi_domain");
         let (kept, other) = (DmaBuf::new(4096), DmaBuf::new(4096));
+        // Two endpoints' keys in one domain (a provider whose connections share the context's).
         let (a, b) = (
-            exposed(&kept, &stuck, good_close),
-            exposed(&other, &t.dom, good_close),
+            exposed(&kept, &t.dom, 7, good_close),
+            exposed(&other, &t.dom, 8, good_close),
         );
-        // What `release_ep` records when `fi_close` of an endpoint in `stuck` fails.
-        stuck.endpoint_stuck.store(true, Ordering::Relaxed);
+        // What `release_ep` records when `fi_close` of endpoint 7 fails.
+        t.dom.endpoint_stuck(EndpointId(7));
         drop((a, b));
         assert!(
             kept.is_range_leased(0..64),
@@ -401,7 +432,7 @@ mod tests {
         );
         assert!(
             !other.is_range_leased(0..64),
-            "another domain's keys let go"
+            "another endpoint's keys let go"
         );
     }
 }

@@ -458,10 +458,12 @@ impl Engine {
         }
     }
 
-    /// Frees an endpoint after its connection went down, revoking the trusted policy's keys on it first.
+    /// Frees an endpoint after its connection went down, then revokes the trusted policy's keys on it. After, as
+    /// for the connection's other keys: the release stops the provider's accesses first, and a backend whose
+    /// endpoint could not be closed knows it when the keys go (it keeps their ranges then).
     fn release_endpoint(&mut self, ep: EndpointId) {
-        self.trusted.forget_endpoint(ep);
         self.transport.release(ep);
+        self.trusted.forget_endpoint(ep);
     }
 
     /// Trusted-policy keys naming `buf` (a region being deregistered counts them among its leases).

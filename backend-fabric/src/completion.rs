@@ -84,6 +84,13 @@ impl FabricTransport {
                     strerror(code as i64)
                 );
                 self.cm_backlog.push_back(ev);
+            } else {
+                tracing::debug!(
+                    ?id,
+                    call,
+                    code,
+                    "a connection already down: its completion queue cannot be read"
+                );
             }
         }
         n

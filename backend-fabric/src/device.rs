@@ -75,6 +75,22 @@ impl FabricTransport {
     }
 }
 
+impl FabricConfig {
+    /// The wait object a transport opened with this configuration gives its completion queues: `cq_wait`, but
+    /// [`CqWait::Fd`] for [`CqWait::PollFd`] on any provider but libfabric 1.17's tcp (see [`CqWait::PollFd`]).
+    /// Asks libfabric for the provider (`fi_getinfo`).
+    pub fn effective_cq_wait(&self) -> Result<CqWait, TransportError> {
+        let info = provider_info(self)?;
+        // SAFETY: `info.0` is a valid list from fi_getinfo; its first entry's attributes are valid while it lives.
+        let fattr = unsafe { &*(*info.0).fabric_attr };
+        Ok(cq_wait_for(
+            self.cq_wait,
+            &cstr(fattr.prov_name),
+            fattr.prov_version,
+        ))
+    }
+}
+
 /// The wait object the queues are opened with: [`CqWait::PollFd`] only on the provider whose code its use was
 /// checked against, libfabric 1.17's tcp (provider version 117.x). What the transport relies on there (reading the
 /// event queue moves no completion queue's data; a queue's descriptors are its signal and its connection's socket)
@@ -216,6 +232,8 @@ mod tests {
 
     #[test]
     fn the_installed_tcp_provider_is_the_one_whose_pollfd_use_was_checked() {
+        let asked = FabricConfig::default();
+        assert_eq!(asked.effective_cq_wait().unwrap(), CqWait::PollFd);
         // The transport tests of the pollfd wait (tests.rs) run on this library: if it is not 1.17's, they test the
         // fallback, which this says loudly.
         let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");

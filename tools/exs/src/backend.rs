@@ -162,8 +162,8 @@ impl Opened {
         }
         match a.backend {
             #[cfg(feature = "fabric")]
-            BackendKind::Fabric => Ok(Opened::Fabric(
-                exs_backend_fabric::FabricConfig {
+            BackendKind::Fabric => {
+                let mut cfg = exs_backend_fabric::FabricConfig {
                     provider: a.provider.clone(),
                     domain: a.domain.clone(),
                     cq_wait: match (a.cq_no_wait, a.cq_wait) {
@@ -171,9 +171,14 @@ impl Opened {
                         (_, Some(CqWaitKind::Fd)) => exs_backend_fabric::CqWait::Fd,
                         _ => exs_backend_fabric::CqWait::PollFd,
                     },
-                },
-                a.addr,
-            )),
+                };
+                // The wait object the queues will have, which the reports name (`label`). A provider that cannot
+                // be asked fails when a context opens, with its own error.
+                if let Ok(w) = cfg.effective_cq_wait() {
+                    cfg.cq_wait = w;
+                }
+                Ok(Opened::Fabric(cfg, a.addr))
+            }
             #[cfg(feature = "verbs")]
             BackendKind::Verbs => {
                 if a.addr.is_loopback() {

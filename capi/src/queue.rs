@@ -420,26 +420,63 @@ mod tests {
         assert_eq!(exs_qdelete(qh), 0);
     }
 
-    /// A message taken from the queue after its socket was closed (gone from the socket table) lost its
-    /// `MSG_EOR`: the flag came from a look-up of the socket's type in the table. It comes with the event now.
-    #[test]
-    fn a_message_taken_after_its_socket_is_closed_still_says_eor() {
+    /// A SOCK_SEQPACKET connection on a simulated world whose progress runs only when the test says: the world,
+    /// its two contexts, a queue filed in the C table (and its handle), the listener (on `port` of host 1), the
+    /// client and the accepted server socket. The accept's and the connect's events are taken.
+    struct SeqPair {
+        world: World,
+        a: exs::Context,
+        b: exs::Context,
+        eq: EventQueue,
+        qh: exs_qhandle_t,
+        l: Socket,
+        c: Socket,
+        server: Socket,
+    }
+
+    fn seqpacket_pair(port: u16) -> SeqPair {
         let world = World::new(SimConfig::default());
         let (a, b) = (world.host(), world.host());
         let eq = EventQueue::new(8).unwrap();
         let qh = QUEUES.insert_new(eq.clone()).unwrap();
         let l = Socket::new(&b, SockType::SeqPacket).unwrap();
-        l.bind(world.addr(1, 7002)).unwrap();
+        l.bind(world.addr(1, port)).unwrap();
         l.listen(4).unwrap();
         l.accept(&eq, 1).unwrap();
         let c = Socket::new(&a, SockType::SeqPacket).unwrap();
-        c.connect(&eq, world.addr(1, 7002), 2).unwrap();
+        c.connect(&eq, world.addr(1, port), 2).unwrap();
         let mut evs = Vec::new();
         eq.dequeue(&mut evs, 2, 2, None).unwrap();
         let server = evs
             .iter_mut()
             .find_map(|e| e.take_accepted())
             .expect("the accept's event");
+        SeqPair {
+            world,
+            a,
+            b,
+            eq,
+            qh,
+            l,
+            c,
+            server,
+        }
+    }
+
+    /// A message taken from the queue after its socket was closed (gone from the socket table) lost its
+    /// `MSG_EOR`: the flag came from a look-up of the socket's type in the table. It comes with the event now.
+    #[test]
+    fn a_message_taken_after_its_socket_is_closed_still_says_eor() {
+        let SeqPair {
+            world,
+            a,
+            b,
+            eq,
+            qh,
+            l,
+            c,
+            server,
+        } = seqpacket_pair(7002);
         let dst = exs::MemoryRegion::alloc(&b, 64).unwrap();
         let src = exs::MemoryRegion::from_vec(&a, vec![7; 10]).unwrap();
         server
@@ -479,22 +516,16 @@ mod tests {
     /// of stream now says so (`EXS_EOF`), and the empty message has `MSG_EOR`.
     #[test]
     fn an_empty_message_and_the_end_of_stream_are_told_apart() {
-        let world = World::new(SimConfig::default());
-        let (a, b) = (world.host(), world.host());
-        let eq = EventQueue::new(8).unwrap();
-        let qh = QUEUES.insert_new(eq.clone()).unwrap();
-        let l = Socket::new(&b, SockType::SeqPacket).unwrap();
-        l.bind(world.addr(1, 7003)).unwrap();
-        l.listen(4).unwrap();
-        l.accept(&eq, 1).unwrap();
-        let c = Socket::new(&a, SockType::SeqPacket).unwrap();
-        c.connect(&eq, world.addr(1, 7003), 2).unwrap();
-        let mut evs = Vec::new();
-        eq.dequeue(&mut evs, 2, 2, None).unwrap();
-        let server = evs
-            .iter_mut()
-            .find_map(|e| e.take_accepted())
-            .expect("the accept's event");
+        let SeqPair {
+            world,
+            a,
+            b,
+            eq,
+            qh,
+            l,
+            c,
+            server,
+        } = seqpacket_pair(7003);
         let dst = exs::MemoryRegion::alloc(&b, 64).unwrap();
         let empty = exs::MemoryRegion::from_vec(&a, vec![7; 8]).unwrap();
         for (range, ctx) in [(0..32, 3), (32..64, 4)] {

@@ -1,22 +1,19 @@
 //! `exs_fcntl` through the C functions, on the simulated fabric (`EXS_BACKEND=sim`).
 
-use exs_capi::abi::{EXS_F_GET_SEND_CREDITS, EXS_F_GET_SMALL_PACKET_MAX_SIZE, EXS_VERSION};
-use exs_capi::exs_init;
+use exs_capi::abi::{EXS_F_GET_SEND_CREDITS, EXS_F_GET_SMALL_PACKET_MAX_SIZE};
 use exs_capi::fcntl::exs_internal_fcntl;
 use exs_capi::socket::{exs_close, exs_socket};
 use libc::c_int;
 
-fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
+mod common;
+use common::{errno, init_sim};
 
 /// Two threads set two different options of one socket at once, each reading its own back after every set. A set
 /// read the options, changed one and wrote them all back, so a set from the other thread in between was undone:
 /// a thread found its option back at an older value.
 #[test]
 fn options_set_from_two_threads_at_once_both_hold() {
-    std::env::set_var("EXS_BACKEND", "sim");
-    assert_eq!(exs_init(EXS_VERSION), 0, "errno {}", errno());
+    init_sim();
     let s = exs_socket(libc::AF_INET, libc::SOCK_STREAM, 0);
     assert!(s > 0, "errno {}", errno());
     const ROUNDS: c_int = 5_000;

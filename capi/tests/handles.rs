@@ -1,15 +1,13 @@
 //! Handles of each kind through the C functions, on the simulated fabric (`EXS_BACKEND=sim`).
 
-use exs_capi::abi::{EXS_ACCESS_READ, EXS_VERSION};
-use exs_capi::exs_init;
+use exs_capi::abi::EXS_ACCESS_READ;
 use exs_capi::memory::{exs_mderegister, exs_mregister};
 use exs_capi::queue::{exs_qcreate, exs_qdelete};
 use exs_capi::socket::{exs_close, exs_socket};
-use libc::{c_int, c_void};
+use libc::c_void;
 
-fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
+mod common;
+use common::{errno, init_sim};
 
 /// Sockets, queues and memory were all numbered from 1, so the first of each had the same number, and a handle
 /// passed for another kind named an object of that kind: `exs_close` of a queue handle closed a socket, and
@@ -17,8 +15,7 @@ fn errno() -> c_int {
 /// peer held a key to it). Each kind now has numbers of its own, and a handle of another kind is `EBADF`.
 #[test]
 fn a_handle_passed_for_another_kind_is_ebadf() {
-    std::env::set_var("EXS_BACKEND", "sim");
-    assert_eq!(exs_init(EXS_VERSION), 0, "errno {}", errno());
+    init_sim();
     let q = exs_qcreate(4);
     let s = exs_socket(libc::AF_INET, libc::SOCK_STREAM, 0);
     let mut mem = vec![0u8; 4096];

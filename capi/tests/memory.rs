@@ -1,13 +1,11 @@
 //! `exs_mregister` through the C functions, on the simulated fabric (`EXS_BACKEND=sim`).
 
-use exs_capi::abi::{EXS_ACCESS_READ, EXS_ACCESS_WRITE, EXS_VERSION};
-use exs_capi::exs_init;
+use exs_capi::abi::{EXS_ACCESS_READ, EXS_ACCESS_WRITE};
 use exs_capi::memory::{exs_mderegister, exs_mregister};
 use libc::{c_int, c_void};
 
-fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
+mod common;
+use common::{errno, init_sim};
 
 /// Registering memory registered already made a second region with a lease table of its own: a receive into
 /// the bytes through one handle and a send of them through the other ran at once (with small messages, two
@@ -15,8 +13,7 @@ fn errno() -> c_int {
 /// range that overlaps a registered one is refused, and ranges side by side are not.
 #[test]
 fn a_range_overlapping_registered_memory_is_refused() {
-    std::env::set_var("EXS_BACKEND", "sim");
-    assert_eq!(exs_init(EXS_VERSION), 0, "errno {}", errno());
+    init_sim();
     let mut mem = vec![0u8; 3 * 4096];
     let base = mem.as_mut_ptr();
     let at = |off: usize| base.wrapping_add(off).cast::<c_void>();

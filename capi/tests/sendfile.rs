@@ -5,25 +5,21 @@ use std::os::fd::AsRawFd;
 use std::ptr;
 use std::sync::{Mutex, MutexGuard};
 
-use exs_capi::abi::{exs_qhandle_t, EXS_VERSION};
+use exs_capi::abi::exs_qhandle_t;
 use exs_capi::data::exs_sendfile;
-use exs_capi::exs_init;
 use exs_capi::queue::{exs_qcreate, exs_qdelete};
 use exs_capi::socket::{exs_close, exs_socket};
-use libc::c_int;
+
+mod common;
+use common::{errno, init_sim};
 
 /// The tests change the process's descriptor limit: one at a time.
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
-fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
-
 /// The lock, the simulated context and a queue.
 fn setup() -> (MutexGuard<'static, ()>, exs_qhandle_t) {
     let one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
-    std::env::set_var("EXS_BACKEND", "sim");
-    assert_eq!(exs_init(EXS_VERSION), 0, "errno {}", errno());
+    init_sim();
     let q = exs_qcreate(4);
     assert!(q > 0, "errno {}", errno());
     (one, q)

@@ -4,17 +4,15 @@
 use std::net::SocketAddr;
 use std::ptr;
 
-use exs_capi::abi::{exs_event_t, EXS_ACCESS_READ, EXS_ACCESS_WRITE, EXS_VERSION};
+use exs_capi::abi::{exs_event_t, EXS_ACCESS_READ, EXS_ACCESS_WRITE};
 use exs_capi::data::{exs_recv, exs_send};
-use exs_capi::exs_init;
 use exs_capi::memory::{exs_mderegister, exs_mregister};
 use exs_capi::queue::{exs_qcreate, exs_qdelete, exs_qdequeue};
 use exs_capi::socket::{exs_bind, exs_close, exs_connect, exs_listen, exs_socket};
 use libc::{c_int, c_void, sockaddr, sockaddr_in, socklen_t};
 
-fn errno() -> c_int {
-    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-}
+mod common;
+use common::{errno, init_sim};
 
 fn sockaddr_of(a: SocketAddr) -> sockaddr_in {
     let SocketAddr::V4(a) = a else {
@@ -57,8 +55,7 @@ fn connect(fd: c_int, a: &sockaddr_in, qh: c_int) -> c_int {
 /// here the context's progress thread may finish the first connect at once.)
 #[test]
 fn calls_a_sockets_state_refuses_give_the_errno_of_their_sockets_call() {
-    std::env::set_var("EXS_BACKEND", "sim");
-    assert_eq!(exs_init(EXS_VERSION), 0, "errno {}", errno());
+    init_sim();
     let q = exs_qcreate(8);
     let mut mem = vec![0u8; 4096];
     // SAFETY: `mem` is readable and writable for its length and outlives the registration (deregistered below).

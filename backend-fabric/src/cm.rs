@@ -10,18 +10,10 @@ use exs_transport::{CmEvent, ConnectFailure, EndpointId, ListenerId};
 use crate::call::Info;
 use crate::connection::EpState;
 use crate::ffi::*;
-use crate::{FabricTransport, TAG_EP};
+use crate::FabricTransport;
 
 const CM_ENTRY_LEN: usize = std::mem::size_of::<fi_eq_cm_entry>();
 const MAX_CM_DATA: usize = 256;
-
-fn context_of(f: *mut fid) -> usize {
-    if f.is_null() {
-        return 0;
-    }
-    // SAFETY: event-queue entries name a fid of one of our objects, whose context we set at creation.
-    unsafe { (*f).context as usize }
-}
 
 /// Room for one cm entry and its private data, aligned for `fi_eq_cm_entry`.
 #[repr(C, align(8))]
@@ -111,16 +103,21 @@ impl FabricTransport {
 
     /// An error entry: a connect that failed (with its reason), or an endpoint that went down.
     fn on_eq_error(&mut self, ee: &fi_eq_err_entry) -> Option<CmEvent> {
-        let tag = context_of(ee.fid);
-        if tag & TAG_EP == 0 {
-            tracing::warn!(
-                err = ee.err,
-                "event queue error on a listener: {}",
-                strerror(ee.err.into())
-            );
+        let Some(id) = self.endpoint_of(ee.fid) else {
+            if self.listener_of(ee.fid).is_some() {
+                tracing::warn!(
+                    err = ee.err,
+                    "event queue error on a listener: {}",
+                    strerror(ee.err.into())
+                );
+            } else {
+                tracing::debug!(
+                    err = ee.err,
+                    "event queue error of no open endpoint: ignored"
+                );
+            }
             return None;
-        }
-        let id = EndpointId((tag & 0xffff_ffff) as u32);
+        };
         let e = self.eps.get_mut(&id)?;
         if e.state != EpState::Connecting {
             return self.report_down(id);
@@ -149,10 +146,11 @@ impl FabricTransport {
             let listener = self.listener_of(entry.fid);
             return self.on_connect_request(listener, Info(entry.info), data);
         }
-        let tag = context_of(entry.fid);
+        // Found by address among the open endpoints, never read through: the entry may name one closed since.
+        let id = self.endpoint_of(entry.fid);
         match event {
             FI_CONNECTED => {
-                let id = EndpointId((tag & 0xffff_ffff) as u32);
+                let id = id?;
                 let e = self.eps.get_mut(&id)?;
                 if e.state != EpState::Connecting {
                     return None;
@@ -167,12 +165,17 @@ impl FabricTransport {
                     private: data,
                 })
             }
-            FI_SHUTDOWN => self.report_down(EndpointId((tag & 0xffff_ffff) as u32)),
+            FI_SHUTDOWN => self.report_down(id?),
             other => {
                 tracing::debug!(event = other, "ignored event-queue event");
                 None
             }
         }
+    }
+
+    /// The open endpoint whose fid is `f` (by address only).
+    fn endpoint_of(&self, f: *mut fid) -> Option<EndpointId> {
+        self.ep_fids.get(&(f as usize)).copied()
     }
 
     /// The open listener whose passive endpoint is `f` (compared by address only: `f` may name one that is
@@ -221,5 +224,39 @@ impl FabricTransport {
             return Some(ev);
         }
         self.read_eq()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::FabricConfig;
+
+    /// An address no object of ours has (nor anything else: reading through it faults).
+    const GONE: *mut fid = 0x10 as *mut fid;
+
+    /// Event-queue entries naming an endpoint closed since were read through (its fid's context): with libfabric
+    /// 1.17's tcp provider a closed endpoint's entries leave the queue with it, but error entries of a closed
+    /// listener, or a provider that keeps them, would have had us read freed memory. Entries are matched by
+    /// address against the open endpoints now, and one naming none is ignored.
+    #[test]
+    fn an_entry_naming_no_open_endpoint_is_ignored_without_reading_through_it() {
+        let mut t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
+        let mut buf = CmBuf([0; CM_ENTRY_LEN + MAX_CM_DATA]);
+        let entry = fi_eq_cm_entry {
+            fid: GONE,
+            ..Default::default()
+        };
+        // SAFETY: `buf` is aligned for and longer than a cm entry.
+        unsafe { std::ptr::write(buf.0.as_mut_ptr().cast::<fi_eq_cm_entry>(), entry) };
+        for event in [FI_CONNECTED, FI_SHUTDOWN] {
+            assert_eq!(t.on_cm_entry(event, &buf, CM_ENTRY_LEN), None);
+        }
+        let ee = fi_eq_err_entry {
+            fid: GONE,
+            err: FI_ECONNREFUSED as i32,
+            ..Default::default()
+        };
+        assert_eq!(t.on_eq_error(&ee), None);
     }
 }

@@ -421,7 +421,7 @@ impl FabricTransport {
         )
         .or_else(|_| getinfo(&self.provider, None, Some(&node), Some(&service), 0))?;
         let e = self.create_ep(info.0, ep)?;
-        self.eps.insert(ep, e);
+        self.file_ep(ep, e);
         self.touch(ep);
         if let Err(err) = self.post_initial(ep, recvs) {
             self.release_ep(ep);
@@ -476,7 +476,7 @@ impl FabricTransport {
                 return Err(error);
             }
         };
-        self.eps.insert(ep, e);
+        self.file_ep(ep, e);
         self.touch(ep);
         if let Err(err) = self.post_initial(ep, recvs) {
             self.release_ep(ep);
@@ -506,6 +506,12 @@ impl FabricTransport {
         }
     }
 
+    /// Files an open endpoint under `id` (and its fid's address, see `ep_fids`).
+    fn file_ep(&mut self, id: EndpointId, e: Ep) {
+        self.ep_fids.insert(fid_addr(e.ep), id);
+        self.eps.insert(id, e);
+    }
+
     /// [`Transport::release`](exs_transport::Transport::release): closes the endpoint, then reclaims its records.
     pub(crate) fn release_ep(&mut self, ep: EndpointId) {
         // The connection's domain closes once the endpoint and the last exposure of it are gone.
@@ -514,6 +520,7 @@ impl FabricTransport {
         let Some(e) = self.eps.remove(&ep) else {
             return;
         };
+        self.ep_fids.remove(&fid_addr(e.ep));
         self.leave_epoll(ep, &e.wait);
         // Its connection events still in the event queue go with it: closing an endpoint removes them
         // (`ofi_eq_remove_fid_events` in the tcp provider's close), so `read_eq` never sees the closed fid; events
@@ -559,4 +566,10 @@ fn listen_error(addr: SocketAddr, call: &str, ret: i32) -> TransportError {
         99 => TransportError::AddrNotAvailable(format!("{addr} is not an address of this host")),
         _ => err(call, ret.into()),
     }
+}
+
+/// The address of an endpoint's fid (what event-queue entries name it by), taken without reading through it.
+pub(crate) fn fid_addr(ep: *mut fid_ep) -> usize {
+    // SAFETY: only the field's address is computed, from an endpoint pointer of ours; nothing is read.
+    unsafe { ptr::addr_of_mut!((*ep).fid) as usize }
 }

@@ -53,6 +53,7 @@ impl FabricTransport {
             fd_owners: FxHashMap::default(),
             caps,
             eps: FxHashMap::default(),
+            ep_fids: FxHashMap::default(),
             listeners: FxHashMap::default(),
             requests: PendingRequests::default(),
             next_listener: 1,

@@ -184,6 +184,9 @@ pub struct FabricTransport {
     fd_owners: FxHashMap<std::os::fd::RawFd, EndpointId>,
     caps: Capabilities,
     eps: FxHashMap<EndpointId, Ep>,
+    /// The open endpoints by the address of their fid: an event-queue entry's fid is looked up here, never read
+    /// through (it may name an object closed since).
+    ep_fids: FxHashMap<usize, EndpointId>,
     listeners: FxHashMap<ListenerId, *mut fid_pep>,
     /// Connection requests handed to the engine and not yet accepted or rejected.
     requests: PendingRequests<Info>,

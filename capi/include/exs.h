@@ -1,5 +1,7 @@
-/* exs.h: the Extended Sockets API (ES-API) over RDMA, libexs (seed 002 of the exs project: the UNH-EXS
- * function set).
+/* exs.h: the Extended Sockets API (ES-API) over RDMA, libexs: the UNH-EXS function set of R. D. Russell's
+ * "A General-Purpose API for iWARP and InfiniBand". Comments cite the sources as the exs manual numbers them:
+ * seed 001, the design note "Dynamic UNH EXS Stream Protocol"; seed 002, that paper; seed 003, uDAPL's
+ * dat_srq_post_recv (the shared receive queue); seed 004, "Efficient event completion in UDAPL" (US 7,577,712).
  *
  * Build:  cargo xtask c [--prefix DIR]              (DIR/include/exs.h, DIR/lib/libexs.{so,a}, exs.pc)
  * Link:   cc prog.c $(pkg-config --cflags --libs exs)     (static: pkg-config --static, with libexs.a)

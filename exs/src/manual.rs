@@ -10,11 +10,15 @@
 //! | uDAPL's `dat_srq_post_recv` man page (the shared receive queue) | one pool of receive buffers for many connections | [`shared_pool`] |
 //! | US patent 7,577,712, *Efficient event completion in UDAPL* | the adaptive completion wait: poll once, then block until the events still missing have arrived | [`progress`] |
 //!
+//! The code, these chapters and the C header cite them by number: seed 001 is the stream protocol's design note,
+//! seed 002 the UNH-EXS paper, seed 003 the shared receive queue's man page and seed 004 the patent.
+//!
 //! The rest is this implementation's own: [`memory`] (leases, least exposure, keys bound to one connection),
 //! [`backends`] (libfabric, rdma-core verbs, Soft-RoCE, and their settings), [`scaling`] (many connections, idle
 //! memory, serving untrusted clients) and [`reliability`] (hostile peers, regression tests); [`inside`] draws how
-//! the crate's own modules depend on each other. Measured numbers are not here: they live in the repository's `bench/` directory, written by
-//! `cargo xtask bench` beside the peers they are compared with.
+//! the crate's own modules depend on each other. Benchmark results are not here: they live in the repository's
+//! `bench/` directory, written by `cargo xtask bench` beside the peers they are compared with. A figure a chapter
+//! gives (a provider's allocation, a defect's symptom) explains a design choice and says how it was seen.
 
 #[doc = include_str!("manual/api.md")]
 pub mod api {}

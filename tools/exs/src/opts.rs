@@ -79,7 +79,7 @@ pub enum PingMode {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Wait {
-    /// Spin briefly, then sleep (seed 004).
+    /// Spin briefly, then sleep (the adaptive completion wait).
     Adaptive,
     /// Sleep until an event.
     Block,

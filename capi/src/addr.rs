@@ -51,7 +51,7 @@ pub(crate) unsafe fn read(
 }
 
 /// The address as a `sockaddr_storage`, and its length; `None` is the unspecified address of `domain`.
-fn encode(a: Option<SocketAddr>, domain: c_int) -> (sockaddr_storage, usize) {
+pub(crate) fn encode(a: Option<SocketAddr>, domain: c_int) -> (sockaddr_storage, usize) {
     // SAFETY: sockaddr_storage is plain old data: all zeroes is a valid value (family AF_UNSPEC).
     let mut out: sockaddr_storage = unsafe { std::mem::zeroed() };
     let a = a.unwrap_or(if domain == libc::AF_INET6 {

@@ -41,6 +41,12 @@ pub(crate) trait ToErrno {
     fn errno(&self) -> c_int;
 }
 
+/// The calling thread's `errno`, as a C caller reads it after a call (for the unit tests).
+#[cfg(test)]
+pub(crate) fn last_errno() -> c_int {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
 impl<E: ToErrno> From<E> for Errno {
     fn from(e: E) -> Errno {
         Errno(e.errno())

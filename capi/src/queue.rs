@@ -269,11 +269,8 @@ mod tests {
     use exs::{SockType, Socket};
 
     use super::*;
+    use crate::errno::last_errno as errno;
     use crate::handles::SOCKETS;
-
-    fn errno() -> c_int {
-        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-    }
 
     const NO_EVENT: exs_event_t = exs_event_t {
         exs_evt_type: 0,

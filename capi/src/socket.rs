@@ -242,32 +242,18 @@ mod tests {
     use exs::EventQueue;
 
     use super::*;
+    use crate::errno::last_errno as errno;
     use crate::handles::QUEUES;
-
-    fn errno() -> c_int {
-        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-    }
 
     /// `exs_connect` of `fd` to `to` on queue `qh`.
     fn connect(fd: c_int, to: std::net::SocketAddr, qh: exs_qhandle_t) -> c_int {
-        let std::net::SocketAddr::V4(to) = to else {
-            panic!("the simulator's addresses are IPv4")
-        };
-        let a = libc::sockaddr_in {
-            sin_family: libc::AF_INET as libc::sa_family_t,
-            sin_port: to.port().to_be(),
-            sin_addr: libc::in_addr {
-                s_addr: u32::from(*to.ip()).to_be(),
-            },
-            sin_zero: [0; 8],
-        };
-        let len = std::mem::size_of::<libc::sockaddr_in>() as socklen_t;
-        // SAFETY: `a` is a whole sockaddr_in.
+        let (a, len) = addr::encode(Some(to), libc::AF_INET);
+        // SAFETY: `a` holds an address of `len` bytes.
         unsafe {
             exs_connect(
                 fd,
-                ptr::from_ref(&a).cast::<sockaddr>(),
-                len,
+                ptr::addr_of!(a).cast::<sockaddr>(),
+                len as socklen_t,
                 qh,
                 ptr::null_mut(),
             )

@@ -241,6 +241,7 @@ mod tests {
     /// address against the open endpoints now, and one naming none is ignored.
     #[test]
     fn an_entry_naming_no_open_endpoint_is_ignored_without_reading_through_it() {
+        let _serial = crate::tests::serial();
         let mut t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
         let mut buf = CmBuf([0; CM_ENTRY_LEN + MAX_CM_DATA]);
         let entry = fi_eq_cm_entry {

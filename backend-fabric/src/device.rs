@@ -237,6 +237,7 @@ mod tests {
         assert_eq!(asked.effective_cq_wait().unwrap(), CqWait::PollFd);
         // The transport tests of the pollfd wait (tests.rs) run on this library: if it is not 1.17's, they test the
         // fallback, which this says loudly.
+        let _serial = crate::tests::serial();
         let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
         assert_eq!(
             t.cq_wait,

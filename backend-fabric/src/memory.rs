@@ -403,6 +403,7 @@ mod tests {
 
     #[test]
     fn a_key_whose_registration_could_not_be_closed_keeps_its_range_leased() {
+        let _serial = crate::tests::serial();
         let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
         let (kept, other) = (DmaBuf::new(4096), DmaBuf::new(4096));
         drop(exposed(&kept, &t.dom, 1, failing_close));
@@ -416,6 +417,7 @@ mod tests {
 
     #[test]
     fn no_range_exposed_to_an_endpoint_that_could_not_be_closed_goes_back() {
+        let _serial = crate::tests::serial();
         let t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
         let (kept, other) = (DmaBuf::new(4096), DmaBuf::new(4096));
         // Two endpoints' keys in one domain (a provider whose connections share the context's).

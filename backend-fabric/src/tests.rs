@@ -8,10 +8,11 @@ use exs_transport::{CmEvent, ConnectFailure, EndpointId, ListenerId, Transport};
 
 use crate::{FabricConfig, FabricTransport};
 
-/// Tests that count the process's descriptors, or open many, run one at a time.
+/// Tests that count the process's descriptors, or open transports (which take descriptors), run one at a time: the
+/// unit tests of the other modules that open one take it too.
 static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
-fn serial() -> std::sync::MutexGuard<'static, ()> {
+pub(crate) fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|p| p.into_inner())
 }
 

@@ -235,6 +235,7 @@ mod tests {
     /// second queue's by then, and that queue's completions no longer woke a sleeper (a lost wake-up).
     #[test]
     fn a_descriptor_number_reused_by_another_queue_stays_that_queues() {
+        let _serial = crate::tests::serial();
         let mut t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
         let (a, b) = (EndpointId(901), EndpointId(902));
         let first = eventfd();

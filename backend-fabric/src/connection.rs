@@ -17,7 +17,7 @@ use crate::ffi::*;
 use crate::memory::Domain;
 use crate::record::WrRecord;
 use crate::wait::{pollfds_of, EpWait};
-use crate::{sockaddr, CqWait, FabricTransport, TAG_EP, TAG_LISTENER};
+use crate::{sockaddr, CqWait, FabricTransport};
 
 /// A closing listener's event queue is read until no request for it came for this long (`settle_requests`).
 const SETTLE_QUIET: Duration = Duration::from_millis(2);
@@ -78,7 +78,9 @@ impl FabricTransport {
     fn create_ep(&mut self, info: *mut fi_info, id: EndpointId) -> Result<Ep, EpError> {
         let dom = self.domain_for(id).map_err(EpError::before)?;
         let mut ep = ptr::null_mut();
-        let ctx = (TAG_EP | id.0 as usize) as *mut c_void;
+        // Its number, for a debugger's eyes: exs never reads a context back (event-queue entries are matched to
+        // endpoints by address, `ep_fids`).
+        let ctx = id.0 as usize as *mut c_void;
         // SAFETY: open domain; `info` is a valid entry (from fi_getinfo or a connection request).
         check("fi_endpoint", unsafe {
             exs_fi_endpoint(dom.domain, info, &mut ep, ctx)
@@ -309,7 +311,8 @@ impl FabricTransport {
         let id = ListenerId(self.next_listener);
         self.next_listener += 1;
         let mut pep = ptr::null_mut();
-        let ctx = (TAG_LISTENER | id.0 as usize) as *mut c_void;
+        // As an endpoint's: never read back (requests are matched to listeners by address).
+        let ctx = id.0 as usize as *mut c_void;
         // SAFETY: open fabric and a valid info.
         let ret = unsafe { exs_fi_passive_ep(self.dom.fab.fabric, info.0, &mut pep, ctx) };
         if ret < 0 {

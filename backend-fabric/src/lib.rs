@@ -128,10 +128,6 @@ impl FabricConfig {
     }
 }
 
-const TAG_SHIFT: u32 = 40;
-const TAG_EP: usize = 1 << TAG_SHIFT;
-const TAG_LISTENER: usize = 2 << TAG_SHIFT;
-
 /// Provider names this machine's libfabric offers for MSG endpoints with RMA (none where libfabric cannot be loaded).
 pub fn providers() -> Vec<String> {
     let mut names = Vec::new();

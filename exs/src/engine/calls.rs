@@ -215,21 +215,19 @@ impl Engine {
 
     pub(crate) fn listen(&mut self, sid: SocketId, backlog: u32) -> R<SocketAddr, SocketError> {
         let s = self.sock(sid)?;
-        match s.phase {
-            Phase::Fresh => {}
-            // Listening again changes only the backlog of connections not yet set up, as listen(2) does; the
-            // listener keeps the one it was opened with.
-            Phase::Listening => {
-                if backlog > 0 {
-                    s.opts.backlog = backlog.min(65535);
-                }
-                return Ok(s.bound.expect("a listener is bound"));
-            }
+        let again = match s.phase {
+            Phase::Fresh => false,
+            Phase::Listening => true,
             _ => return Err(StateError::AlreadyConnected.into()),
-        }
+        };
         let addr = s.bound.ok_or(StateError::NotBound)?;
         if backlog > 0 {
             s.opts.backlog = backlog.min(65535);
+        }
+        if again {
+            // Listening again changes only the backlog of connections not yet set up, as listen(2) does; the
+            // listener keeps the one it was opened with.
+            return Ok(addr);
         }
         let backlog = s.opts.backlog;
         let (listener, bound) = self.transport.listen(addr, backlog)?;

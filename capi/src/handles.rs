@@ -63,7 +63,9 @@ pub(crate) struct SockEntry {
 /// Registered memory and the range of the caller's address space it covers.
 #[derive(Clone, Debug)]
 pub(crate) struct MemEntry {
-    pub(crate) region: MemoryRegion,
+    /// `None` while `exs_mderegister` undoes the registration: the handle's number and range stay filed, so that
+    /// neither is given out again before it has, and calls naming the handle meanwhile fail (`EBADF`).
+    pub(crate) region: Option<MemoryRegion>,
     pub(crate) base: usize,
     pub(crate) len: usize,
     /// `EXS_ACCESS_READ` / `EXS_ACCESS_WRITE`.

@@ -53,7 +53,7 @@ pub unsafe extern "C" fn exs_mregister(
         let buf = unsafe { DmaBuf::from_raw_parts(ptr, len) };
         let region = MemoryRegion::from_dma_buf(ctx, buf)?;
         let entry = MemEntry {
-            region,
+            region: Some(region),
             base,
             len,
             access,
@@ -73,30 +73,33 @@ pub unsafe extern "C" fn exs_mregister(
 }
 
 /// Deregisters memory (ES-API `exs_mderegister`): once it returns 0, exs holds nothing of it and the program
-/// may free it. -1 with `errno`: `EBADF`, `EBUSY` while an operation on it is in flight or about to start
-/// (nothing changed: the handle stays valid; try again after the events).
+/// may free it. -1 with `errno`: `EBADF`, `EBUSY` while an operation on it is in flight or about to start, or
+/// while another thread deregisters it (nothing changed: the handle stays valid; try again after the events).
+/// Calls of other threads that name the handle while it runs fail with `EBADF`; it holds no lock they need
+/// meanwhile (undoing a large registration takes a while).
 #[no_mangle]
 pub extern "C" fn exs_mderegister(mh: exs_mhandle_t) -> c_int {
     call(|| {
-        // Under the table's write lock no other call can take a new handle to the region meanwhile.
-        let mut table = MEMORY.write();
-        let MemEntry {
-            region,
-            base,
-            len,
-            access,
-        } = table.remove(&mh).ok_or(Errno(libc::EBADF))?;
+        // Taken out under the table's write lock, its number and range left filed: no other call can take a new
+        // handle to the region meanwhile, and the registration is undone (the device unpins the pages, in time
+        // proportional to the region) without holding the lock every call that names memory takes.
+        let region = {
+            let mut table = MEMORY.write();
+            let entry = table.get_mut(&mh).ok_or(Errno(libc::EBADF))?;
+            // Another thread is deregistering it: it may yet fail and leave the handle valid.
+            entry.region.take().ok_or(Errno(libc::EBUSY))?
+        };
         match region.into_dma_buf() {
-            // Dropped here: nothing of exs refers to the memory any more.
-            Ok(_buf) => Ok(0),
+            Ok(buf) => {
+                // Nothing of exs refers to the memory any more: the number and the range go.
+                drop(buf);
+                MEMORY.write().remove(&mh);
+                Ok(0)
+            }
             Err((region, e)) => {
-                let entry = MemEntry {
-                    region,
-                    base,
-                    len,
-                    access,
-                };
-                table.insert(mh, entry);
+                if let Some(entry) = MEMORY.write().get_mut(&mh) {
+                    entry.region = Some(region);
+                }
                 Err(e.into())
             }
         }
@@ -112,6 +115,8 @@ pub(crate) fn slice(
     need: c_int,
 ) -> Result<Slice, Errno> {
     MEMORY.with(mh, |m| {
+        // Being deregistered: as good as gone.
+        let region = m.region.as_ref().ok_or(Errno(libc::EBADF))?;
         if m.access & need == 0 {
             return Err(Errno(libc::EACCES));
         }
@@ -119,8 +124,66 @@ pub(crate) fn slice(
             .checked_sub(m.base)
             .ok_or(Errno(libc::EINVAL))?;
         match start.checked_add(len) {
-            Some(end) if end <= m.len => Ok(m.region.slice(start..end)),
+            Some(end) if end <= m.len => Ok(region.slice(start..end)),
             _ => Err(Errno(libc::EINVAL)),
         }
     })?
+}
+
+#[cfg(test)]
+mod tests {
+    use exs::sim::{SimConfig, World};
+
+    use super::*;
+    use crate::errno::last_errno as errno;
+
+    const BASE: usize = 0x10_0000;
+
+    fn slice_errno(mh: exs_mhandle_t) -> Option<c_int> {
+        slice(mh, BASE as *const c_void, 16, EXS_ACCESS_READ)
+            .err()
+            .map(|e| e.0)
+    }
+
+    /// `exs_mderegister` undoes the registration without the table's lock (other threads' calls that name memory
+    /// took it meanwhile): the entry stays filed with its region taken out. Calls naming the handle then fail
+    /// (`EBADF`), a second deregistration is `EBUSY`; one that fails (an operation holds the memory) puts the region
+    /// back, and the handle works again.
+    #[test]
+    fn memory_being_deregistered_is_named_by_no_call_and_a_failed_deregistration_leaves_it_valid() {
+        let world = World::new(SimConfig::default());
+        let ctx = world.host();
+        let entry = MemEntry {
+            region: Some(MemoryRegion::alloc(&ctx, 4096).expect("region")),
+            base: BASE,
+            len: 4096,
+            access: EXS_ACCESS_READ | EXS_ACCESS_WRITE,
+        };
+        let mh = MEMORY.insert_new(entry).expect("a number");
+        assert_eq!(slice_errno(mh), None);
+
+        // As while another thread's exs_mderegister runs.
+        let region = MEMORY
+            .write()
+            .get_mut(&mh)
+            .and_then(|e| e.region.take())
+            .expect("filed");
+        assert_eq!(slice_errno(mh), Some(libc::EBADF));
+        assert_eq!((exs_mderegister(mh), errno()), (-1, libc::EBUSY));
+        MEMORY.write().get_mut(&mh).expect("still filed").region = Some(region);
+
+        // An operation's buffer holds the region: refused, and the handle stays as it was.
+        let held = slice(mh, BASE as *const c_void, 16, EXS_ACCESS_READ).expect("a slice");
+        assert_eq!((exs_mderegister(mh), errno()), (-1, libc::EBUSY));
+        assert_eq!(
+            slice_errno(mh),
+            None,
+            "a failed deregistration leaves the handle valid"
+        );
+        drop(held);
+
+        assert_eq!(exs_mderegister(mh), 0, "errno {}", errno());
+        assert_eq!(slice_errno(mh), Some(libc::EBADF));
+        assert_eq!((exs_mderegister(mh), errno()), (-1, libc::EBADF));
+    }
 }

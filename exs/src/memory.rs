@@ -224,6 +224,19 @@ impl MemoryRegion {
     /// [`MemoryRegion::deregister`]; with `unheld`, also refused while anything but the region and its
     /// registration holds the buffer or the registration (see [`MemoryRegion::into_dma_buf`]).
     fn deregister_if(&self, unheld: bool) -> Result<(), MemoryError> {
+        let taken = self.take_registration(unheld)?;
+        // Undone once the locks are let go: undoing a registration (the device unpins the pages) takes time in
+        // proportion to the region, and the engine's lock held meanwhile stalled every connection of the context.
+        drop(taken);
+        Ok(())
+    }
+
+    /// The checks and bookkeeping of [`MemoryRegion::deregister_if`], under the engine's lock and the region's:
+    /// the registration taken out (no lease can be taken on it any more), for the caller to drop unlocked.
+    fn take_registration(
+        &self,
+        unheld: bool,
+    ) -> Result<Option<Arc<dyn Registration>>, MemoryError> {
         // The engine's lock before the region's: the engine leases slices while it holds its own.
         let shared = self.inner.ctx.upgrade();
         let mut engine = shared.as_ref().map(|s| s.lock());
@@ -250,8 +263,7 @@ impl MemoryRegion {
         if unheld && reg.as_ref().is_some_and(held) {
             return Err(MemoryError::InUse { leases: 0 });
         }
-        reg.take();
-        Ok(())
+        Ok(reg.take())
     }
 
     /// Deregisters and gives the bytes back, if this is the only handle and nothing uses the region.
@@ -387,5 +399,74 @@ impl crate::engine::Buffer for Slice {
 
     fn lease(&self, kind: LeaseKind) -> Result<Sge, BufferError> {
         Slice::lease(self, kind)
+    }
+}
+
+#[cfg(all(test, feature = "sim"))]
+mod tests {
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    use super::*;
+    use crate::sim::{SimConfig, World};
+
+    /// A registration that, when it goes, records whether the context's engine was free (1) or locked (2).
+    #[derive(Debug)]
+    struct Probe {
+        buf: Arc<DmaBuf>,
+        ctx: Weak<Shared>,
+        seen: Arc<AtomicU8>,
+    }
+
+    impl Registration for Probe {
+        fn local_key(&self) -> u64 {
+            0
+        }
+        fn buf(&self) -> &Arc<DmaBuf> {
+            &self.buf
+        }
+        fn as_any(&self) -> &dyn std::any::Any {
+            self
+        }
+    }
+
+    impl Drop for Probe {
+        fn drop(&mut self) {
+            let free = self
+                .ctx
+                .upgrade()
+                .is_some_and(|s| crate::lock::EngineGuard::try_lock(&s.engine).is_some());
+            self.seen.store(if free { 1 } else { 2 }, Ordering::SeqCst);
+        }
+    }
+
+    /// Undoing a registration unpins the region's pages, which takes time in proportion to its size: done under
+    /// the engine's lock, as it was, it stalled every connection of the context meanwhile.
+    #[test]
+    fn a_registration_is_undone_after_the_engines_lock_is_let_go() {
+        let world = World::new(SimConfig::default());
+        let ctx = world.host();
+        for handing_back in [false, true] {
+            let region = MemoryRegion::alloc(&ctx, 4096).expect("region");
+            let seen = Arc::new(AtomicU8::new(0));
+            let probe = Probe {
+                buf: Arc::clone(&region.inner.buf),
+                ctx: region.inner.ctx.clone(),
+                seen: Arc::clone(&seen),
+            };
+            *region.inner.reg.lock().expect("not poisoned") = Some(Arc::new(probe));
+            if handing_back {
+                region
+                    .into_dma_buf()
+                    .map_err(|(_, e)| e)
+                    .expect("nothing uses the region");
+            } else {
+                region.deregister().expect("nothing uses the region");
+            }
+            assert_eq!(
+                seen.load(Ordering::SeqCst),
+                1,
+                "the registration went while the engine was locked (into_dma_buf: {handing_back})"
+            );
+        }
     }
 }

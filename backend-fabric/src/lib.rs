@@ -46,7 +46,8 @@ use std::sync::Arc;
 use exs_dma::{DmaBuf, Lease};
 use exs_transport::{
     Capabilities, CmEvent, Completion, EndpointId, Exposure, ListenerId, PendingRequests,
-    PostError, Registration, RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
+    PostError, Registrar, Registration, RemoteAccess, RequestId, Transport, TransportError,
+    WorkRequest,
 };
 use nix::sys::epoll::Epoll;
 use rustc_hash::FxHashMap;
@@ -216,7 +217,11 @@ impl Transport for FabricTransport {
     }
 
     fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
-        self.register_buf(buf)
+        self.registrar().register(buf)
+    }
+
+    fn registrar(&self) -> Option<Arc<dyn Registrar>> {
+        Some(Arc::new(self.registrar()))
     }
 
     fn expose(

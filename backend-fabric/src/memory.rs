@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use exs_dma::{DmaBuf, Lease};
 use exs_transport::{
-    EndpointId, Exposure, Registration, RemoteAccess, RemoteRef, Revoke, TransportError,
+    EndpointId, Exposure, Registrar, Registration, RemoteAccess, RemoteRef, Revoke, TransportError,
 };
 
 use crate::call::{check, err, Info};
@@ -298,26 +298,16 @@ impl Revoke for FiKey {
     }
 }
 
-impl FabricTransport {
-    /// The domain of a connection: its own where the provider allows it, else the context's.
-    pub(crate) fn domain_for(&mut self, id: EndpointId) -> Result<Arc<Domain>, TransportError> {
-        if !self.per_conn {
-            return Ok(Arc::clone(&self.dom));
-        }
-        if let Some(d) = self.conn_domains.get(&id) {
-            return Ok(Arc::clone(d));
-        }
-        let d = Domain::open(&self.dom.fab, self.dom.mr_mode)?;
-        self.conn_domains.insert(id, Arc::clone(&d));
-        Ok(d)
-    }
+/// Registers buffers for local descriptors, or only names them where none are needed, from any thread (the domain
+/// is `FI_THREAD_SAFE`).
+#[derive(Debug)]
+pub(crate) struct FabricRegistrar {
+    dom: Arc<Domain>,
+    per_conn: bool,
+}
 
-    /// [`Transport::register`](exs_transport::Transport::register): a registration for local descriptors, or only
-    /// the buffer where none are needed.
-    pub(crate) fn register_buf(
-        &mut self,
-        buf: &Arc<DmaBuf>,
-    ) -> Result<Arc<dyn Registration>, TransportError> {
+impl Registrar for FabricRegistrar {
+    fn register(&self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
         if self.per_conn {
             // No local descriptors: the provider names local memory by address (see `memory`).
             return Ok(Arc::new(FiRegistration {
@@ -337,6 +327,31 @@ impl FabricTransport {
             desc,
             buf: Arc::clone(buf),
         }))
+    }
+}
+
+impl FabricTransport {
+    /// The domain of a connection: its own where the provider allows it, else the context's.
+    pub(crate) fn domain_for(&mut self, id: EndpointId) -> Result<Arc<Domain>, TransportError> {
+        if !self.per_conn {
+            return Ok(Arc::clone(&self.dom));
+        }
+        if let Some(d) = self.conn_domains.get(&id) {
+            return Ok(Arc::clone(d));
+        }
+        let d = Domain::open(&self.dom.fab, self.dom.mr_mode)?;
+        self.conn_domains.insert(id, Arc::clone(&d));
+        Ok(d)
+    }
+
+    /// [`Transport::register`](exs_transport::Transport::register) and
+    /// [`Transport::registrar`](exs_transport::Transport::registrar): registrations need the context's domain
+    /// (opened thread-safe) and whether connections have domains of their own, nothing else of the transport.
+    pub(crate) fn registrar(&self) -> FabricRegistrar {
+        FabricRegistrar {
+            dom: Arc::clone(&self.dom),
+            per_conn: self.per_conn,
+        }
     }
 
     /// [`Transport::expose`](exs_transport::Transport::expose): a registration of exactly the range in the

@@ -3,14 +3,16 @@
 
 use std::sync::Arc;
 
-use exs_dma::{DmaBuf, Lease};
+use exs_dma::Lease;
 use exs_transport::{
     EndpointId, Exposure, KeyedLease, Registration, RemoteAccess, RemoteRef, TransportError,
 };
 use rdma_sys::*;
 
 use crate::connection::EpState;
-use crate::memory::{reg_mr, BindHold, MrKey, MwSlot, VerbsRegistration, WindowKey};
+use crate::memory::{
+    reg_mr, BindHold, MrKey, MwSlot, VerbsRegistrar, VerbsRegistration, WindowKey,
+};
 use crate::{os_err, VerbsTransport};
 
 impl VerbsTransport {
@@ -116,32 +118,14 @@ impl VerbsTransport {
         Ok(rkey)
     }
 
-    /// [`Transport::register`](exs_transport::Transport::register): a registration for local access (and window
-    /// binds where windows are used).
-    pub(crate) fn register_buf(
-        &mut self,
-        buf: &Arc<DmaBuf>,
-    ) -> Result<Arc<dyn Registration>, TransportError> {
-        // Local access only, iWARP included: there a read's sink gets remote write from a registration of its own
-        // for the read's duration (`SinkMr`), so no base registration is ever writable from the network, nor its
-        // key handed out (unless read sinks are turned off on siw: then each read request carries it).
-        let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-        if self.settings.memory_windows {
-            // Exposures are windows bound over this registration (no remote access of its own).
-            access |= ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+    /// [`Transport::register`](exs_transport::Transport::register) and
+    /// [`Transport::registrar`](exs_transport::Transport::registrar): registrations need the protection domain
+    /// and whether windows are used, nothing else of the transport.
+    pub(crate) fn registrar(&self) -> VerbsRegistrar {
+        VerbsRegistrar {
+            pd: Arc::clone(&self.pd),
+            memory_windows: self.settings.memory_windows,
         }
-        if buf.is_empty() {
-            return Err(TransportError::Invalid("cannot register zero bytes".into()));
-        }
-        let mr = reg_mr(&self.pd, buf.addr(), buf.len(), access)?;
-        // SAFETY: live MR.
-        let lkey = unsafe { (*mr).lkey };
-        Ok(Arc::new(VerbsRegistration {
-            _pd: Arc::clone(&self.pd),
-            mr,
-            lkey,
-            buf: Arc::clone(buf),
-        }))
     }
 
     /// [`Transport::expose`](exs_transport::Transport::expose): a window bound to the endpoint's queue pair, or a

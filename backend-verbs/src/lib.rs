@@ -44,7 +44,8 @@ use std::sync::Arc;
 use exs_dma::{DmaBuf, Lease};
 use exs_transport::{
     Capabilities, CmEvent, Completion, EndpointId, Exposure, ListenerId, PendingRequests,
-    PostError, Registration, RemoteAccess, RequestId, Transport, TransportError, WorkRequest,
+    PostError, Registrar, Registration, RemoteAccess, RequestId, Transport, TransportError,
+    WorkRequest,
 };
 use nix::sys::epoll::Epoll;
 use rdma_sys::*;
@@ -285,7 +286,11 @@ impl Transport for VerbsTransport {
     }
 
     fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
-        self.register_buf(buf)
+        self.registrar().register(buf)
+    }
+
+    fn registrar(&self) -> Option<Arc<dyn Registrar>> {
+        Some(Arc::new(self.registrar()))
     }
 
     fn expose(

@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use exs_dma::{DmaBuf, Lease};
-use exs_transport::{Registration, Revoke, TransportError};
+use exs_transport::{Registrar, Registration, Revoke, TransportError};
 use rdma_sys::*;
 
 /// The protection domain, shared with registrations and windows so it is deallocated last.
@@ -176,6 +176,39 @@ pub(crate) struct VerbsRegistration {
     pub(crate) mr: *mut ibv_mr,
     pub(crate) lkey: u32,
     pub(crate) buf: Arc<DmaBuf>,
+}
+
+/// Registers buffers for local access (and window binds where windows are used), from any thread: `ibv_reg_mr`
+/// on the protection domain, which rdma-core serialises where it must.
+#[derive(Debug)]
+pub(crate) struct VerbsRegistrar {
+    pub(crate) pd: Arc<Pd>,
+    pub(crate) memory_windows: bool,
+}
+
+impl Registrar for VerbsRegistrar {
+    fn register(&self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
+        // Local access only, iWARP included: there a read's sink gets remote write from a registration of its own
+        // for the read's duration (`SinkMr`), so no base registration is ever writable from the network, nor its
+        // key handed out (unless read sinks are turned off on siw: then each read request carries it).
+        let mut access = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+        if self.memory_windows {
+            // Exposures are windows bound over this registration (no remote access of its own).
+            access |= ibv_access_flags::IBV_ACCESS_MW_BIND.0;
+        }
+        if buf.is_empty() {
+            return Err(TransportError::Invalid("cannot register zero bytes".into()));
+        }
+        let mr = reg_mr(&self.pd, buf.addr(), buf.len(), access)?;
+        // SAFETY: live MR.
+        let lkey = unsafe { (*mr).lkey };
+        Ok(Arc::new(VerbsRegistration {
+            _pd: Arc::clone(&self.pd),
+            mr,
+            lkey,
+            buf: Arc::clone(buf),
+        }))
+    }
 }
 
 // SAFETY: the MR handle is only used to deregister it and to name it in window binds.

@@ -26,7 +26,7 @@ use crate::error::MemoryError;
 use crate::event::{EventQueue, Owner};
 use crate::ids::SocketId;
 use crate::progress::{Driver, Lead, Poller, ProgressStats, Shared};
-use crate::transport::{Capabilities, Registration, Transport, TransportError};
+use crate::transport::{Capabilities, Registrar, Registration, Transport, TransportError};
 
 static NEXT_CONTEXT: AtomicU64 = AtomicU64::new(1);
 
@@ -42,6 +42,10 @@ pub(crate) struct CtxInner {
     id: u64,
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
+    /// Registers memory regions outside the engine's lock, where the transport allows it.
+    registrar: Option<Arc<dyn Registrar>>,
+    /// Registrations made through `registrar` (counted in [`crate::engine::EngineStats::registrations`]).
+    registered: AtomicU64,
 }
 
 /// The engine hands accepted connections to the application through their events, naming their context as an
@@ -169,6 +173,7 @@ impl Context {
                 "this transport has no wait descriptor; use manual progress".into(),
             ));
         }
+        let registrar = transport.registrar();
         let inner = Arc::new_cyclic(|weak: &Weak<CtxInner>| {
             let owner: Weak<dyn Owner> = weak.clone();
             let engine = Engine::new(transport, id, owner, &opts);
@@ -184,6 +189,8 @@ impl Context {
                     driver,
                 }),
                 thread: Mutex::new(None),
+                registrar,
+                registered: AtomicU64::new(0),
             }
         });
         if matches!(opts.progress, Progress::Thread) {
@@ -219,7 +226,9 @@ impl Context {
 
     /// Statistics of the engine.
     pub fn stats(&self) -> crate::engine::EngineStats {
-        self.shared().lock().stats()
+        let mut stats = self.shared().lock().stats();
+        stats.registrations += self.inner.registered.load(Ordering::Relaxed);
+        stats
     }
 
     /// Counters of who made progress: the progress thread's wake-ups, application threads leading.
@@ -261,7 +270,13 @@ impl Context {
     }
 
     pub(crate) fn register(&self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, MemoryError> {
-        Ok(self.shared().lock().register(buf)?)
+        let Some(r) = &self.inner.registrar else {
+            return Ok(self.shared().lock().register(buf)?);
+        };
+        // Without the engine's lock: the device pins the pages meanwhile, a while for a large buffer.
+        let reg = r.register(buf)?;
+        self.inner.registered.fetch_add(1, Ordering::Relaxed);
+        Ok(reg)
     }
 
     /// Lets `eq` drive this context when it waits (manual progress only).

@@ -439,6 +439,31 @@ mod tests {
         }
     }
 
+    /// Registering pins the buffer's pages, a while for a large one: done under the engine's lock, as it was,
+    /// it stalled every connection of the context meanwhile. A region is now registered while another thread
+    /// holds the engine, and counted with the context's registrations.
+    #[test]
+    fn a_region_is_registered_while_another_thread_holds_the_engine() {
+        let world = World::new(SimConfig::default());
+        let ctx = world.host();
+        let before = ctx.stats().registrations;
+        let engine = ctx.shared().lock();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let c = ctx.clone();
+        let t = std::thread::spawn(move || {
+            let _ = tx.send(MemoryRegion::alloc(&c, 4096).map(|r| r.len()));
+        });
+        let registered = rx.recv_timeout(std::time::Duration::from_secs(30));
+        drop(engine);
+        t.join().expect("the registering thread");
+        assert_eq!(
+            registered.map_err(|e| e.to_string()),
+            Ok(Ok(4096)),
+            "the registration waited for the engine"
+        );
+        assert_eq!(ctx.stats().registrations, before + 1);
+    }
+
     /// Undoing a registration unpins the region's pages, which takes time in proportion to its size: done under
     /// the engine's lock, as it was, it stalled every connection of the context meanwhile.
     #[test]

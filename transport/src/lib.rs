@@ -105,6 +105,13 @@ pub trait Registration: Send + Sync + fmt::Debug + Any {
     fn as_any(&self) -> &dyn Any;
 }
 
+/// Registers memory for local access without the [`Transport`] (see [`Transport::registrar`]): any thread, at any
+/// time, while the engine goes on with its connections.
+pub trait Registrar: Send + Sync + fmt::Debug {
+    /// As [`Transport::register`].
+    fn register(&self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError>;
+}
+
 /// How a peer addresses memory we exposed: the remote address of the first byte and the key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct RemoteRef {
@@ -529,6 +536,14 @@ pub trait Transport: Send + fmt::Debug {
 
     /// Registers a buffer for local access.
     fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError>;
+
+    /// What registers the application's memory outside the engine's lock, where registering needs nothing of
+    /// the transport's own state (the device pins a buffer's pages, which takes a while for a large one, and
+    /// every connection of the context waited meanwhile). `None` (the default): [`Transport::register`], under
+    /// the lock.
+    fn registrar(&self) -> Option<Arc<dyn Registrar>> {
+        None
+    }
 
     /// Grants the peer of endpoint `ep`, and no other, `access` to the leased range of a registered buffer.
     ///

@@ -38,7 +38,7 @@ use crate::config::{Clock, ContextOptions, ManualDriver, Progress};
 use crate::context::{Context, WeakContext};
 use crate::transport::{
     Capabilities, CmEvent, Completed, Completion, ConnectFailure, EndpointId, Exposure, ListenerId,
-    Op, PostError, Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport,
+    Op, PostError, Registrar, Registration, RemoteAccess, RemoteRef, RequestId, Sge, Transport,
     TransportError, WcError, WorkRequest,
 };
 

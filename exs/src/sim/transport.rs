@@ -22,6 +22,40 @@ impl Registration for SimRegistration {
     }
 }
 
+/// A registration of `host`'s simulated device (keys are numbered network-wide).
+fn register(
+    net: &Mutex<Net>,
+    host: HostId,
+    buf: &Arc<DmaBuf>,
+) -> Result<Arc<dyn Registration>, TransportError> {
+    let mut net = lock(net);
+    if net.hosts[host].refuse_registrations {
+        return Err(TransportError::Resource(
+            "no registration: refused by the fault schedule".into(),
+        ));
+    }
+    net.next_key += 1;
+    let lkey = net.next_key;
+    Ok(Arc::new(SimRegistration {
+        buf: Arc::clone(buf),
+        lkey,
+    }))
+}
+
+/// Registers memory of one simulated host outside its context's engine (see `Transport::registrar`).
+#[derive(Debug)]
+struct SimRegistrar {
+    net: Weak<Mutex<Net>>,
+    host: HostId,
+}
+
+impl Registrar for SimRegistrar {
+    fn register(&self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
+        let net = self.net.upgrade().ok_or(TransportError::NoEndpoint)?;
+        register(&net, self.host, buf)
+    }
+}
+
 /// A remote key on a simulated device; dropping it revokes the key.
 pub(super) struct SimExposure {
     pub(super) net: Weak<Mutex<Net>>,
@@ -150,17 +184,13 @@ impl Transport for SimTransport {
     }
 
     fn register(&mut self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
-        let mut net = self.net();
-        if net.hosts[self.host].refuse_registrations {
-            return Err(TransportError::Resource(
-                "no registration: refused by the fault schedule".into(),
-            ));
-        }
-        net.next_key += 1;
-        let lkey = net.next_key;
-        Ok(Arc::new(SimRegistration {
-            buf: Arc::clone(buf),
-            lkey,
+        register(&self.net, self.host, buf)
+    }
+
+    fn registrar(&self) -> Option<Arc<dyn Registrar>> {
+        Some(Arc::new(SimRegistrar {
+            net: Arc::downgrade(&self.net),
+            host: self.host,
         }))
     }
 

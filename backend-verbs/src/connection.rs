@@ -471,7 +471,9 @@ impl VerbsTransport {
             // (a DISCONNECTED moved the QP to error earlier, `flush_ep`), so what was seen must be remembered per
             // QP number; another transport on the same device context may read it first (see `events`), so that
             // memory would have to be shared by the process; and a kernel whose rxe never raises it would stall
-            // every release (under the engine's lock) for the whole bound.
+            // every release (under the engine's lock) for the whole bound. Debian 12's rxe (6.1, `rxe_resp.c`)
+            // is such a kernel: its responder completes the shared receive it took with a flush error when its
+            // task next runs (scheduled by the move to error, not run by it), and raises no such event.
             self.drain_cq();
         }
         // Windows still bound to the queue pair die first: it cannot be destroyed while they are bound, and their

@@ -11,6 +11,9 @@
 //! ... --example stream_bench -- rr exs-std [COUNT]        # or tcp-std
 //! # hyper's GET of 64 MiB, every byte checked (exs/examples/http.rs):
 //! ... --example stream_bench -- http exs [BYTES]          # or tcp
+//! # 8-byte round trips for a second, then while another thread of the client's context registers REGIONS
+//! # regions of BYTES (default 4 of 128 MiB) and deregisters each: the longest and p99 round trips of each part
+//! ... --example stream_bench -- register exs-std [BYTES [REGIONS]]
 //! ```
 //!
 //! Environment: `STREAM_BENCH_CFG=send_buffer,send_piece,recv_buffer,recv_pieces` sets the exs streams' buffers
@@ -336,6 +339,72 @@ fn rr(api: &str, size: usize, count: usize) -> io::Result<Duration> {
     }
 }
 
+/// Round trips of 8 bytes over `c`, each timed, until `done` says so (asked after each).
+fn round_trips(c: &mut exs::Stream, mut done: impl FnMut() -> bool) -> io::Result<Vec<Duration>> {
+    let mut buf = [0u8; 8];
+    let mut v = Vec::new();
+    while !done() {
+        let t = Instant::now();
+        c.write_all(&buf)?;
+        c.read_exact(&mut buf)?;
+        v.push(t.elapsed());
+    }
+    Ok(v)
+}
+
+/// The p99 and the longest of `v`, in microseconds.
+fn tail(v: &mut [Duration]) -> (f64, f64) {
+    v.sort();
+    let at = |i: usize| v.get(i).map_or(0.0, |d| d.as_secs_f64() * 1e6);
+    (
+        at(v.len().saturating_sub(1) * 99 / 100),
+        at(v.len().saturating_sub(1)),
+    )
+}
+
+/// 8-byte round trips over an exs stream, quiet for a second, then while another thread of the client's context
+/// registers `regions` regions of `len` bytes, one after the other, and deregisters each. Registering pins the
+/// pages (verbs), a while for a large region: the connection must not wait for it.
+fn register_beside(len: usize, regions: usize) -> io::Result<String> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (server, client) = contexts()?;
+    let l = exs::Listener::bind_with(&server, listen_addr()?, &cfg())?;
+    let addr = l.local_addr()?;
+    let echo = std::thread::spawn(move || pong(l.accept()?.0, 8));
+    let mut c = exs::Stream::connect_with(&client, addr, &cfg())?;
+    let start = Instant::now();
+    let mut quiet = round_trips(&mut c, || start.elapsed() >= Duration::from_secs(1))?;
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let (done, ctx) = (std::sync::Arc::clone(&stop), client.clone());
+    let registering = std::thread::spawn(move || -> io::Result<Duration> {
+        let mut longest = Duration::ZERO;
+        let r = (|| -> io::Result<()> {
+            for _ in 0..regions {
+                let t = Instant::now();
+                let region = exs::MemoryRegion::alloc(&ctx, len).map_err(other)?;
+                region.deregister().map_err(other)?;
+                longest = longest.max(t.elapsed());
+            }
+            Ok(())
+        })();
+        done.store(true, Ordering::SeqCst);
+        r.map(|()| longest)
+    });
+    let mut busy = round_trips(&mut c, || stop.load(Ordering::SeqCst))?;
+    let longest = registering
+        .join()
+        .map_err(|_| other("the registering thread panicked"))??;
+    c.shutdown(std::net::Shutdown::Write)?;
+    echo.join().map_err(|_| other("the echo panicked"))??;
+    let ((q99, qmax), (b99, bmax)) = (tail(&mut quiet), tail(&mut busy));
+    Ok(format!(
+        r#"{{"test":"register","api":"exs-std","bytes":{len},"regions":{regions},"quiet_trips":{},"quiet_p99_us":{q99:.1},"quiet_max_us":{qmax:.1},"register_trips":{},"register_p99_us":{b99:.1},"register_max_us":{bmax:.1},"register_longest_ms":{:.1}}}"#,
+        quiet.len(),
+        busy.len(),
+        longest.as_secs_f64() * 1e3
+    ))
+}
+
 fn http(api: &str, len: usize) -> io::Result<Duration> {
     let rt = runtime()?;
     match api {
@@ -370,7 +439,7 @@ fn main() -> io::Result<()> {
         (Some(t), Some(a)) => (t.as_str(), a.as_str()),
         _ => {
             return Err(other(
-                "usage: stream_bench bulk|rr|http API [BYTES [WRITE]|COUNT]",
+                "usage: stream_bench bulk|rr|http|register API [BYTES [WRITE|REGIONS]|COUNT]",
             ))
         }
     };
@@ -405,7 +474,12 @@ fn main() -> io::Result<()> {
                 one_way.as_secs_f64() * 1e6
             )
         }
-        _ => return Err(other(format!("unknown test {test:?}: bulk, rr, http"))),
+        "register" => register_beside(arg(2, 128 << 20)?, arg(3, 4)?)?,
+        _ => {
+            return Err(other(format!(
+                "unknown test {test:?}: bulk, rr, http, register"
+            )))
+        }
     };
     println!("{line}");
     Ok(())

@@ -344,6 +344,16 @@ pub(super) fn softroce_jobs(
             ));
         }
     }
+    // 8-byte round trips while another thread of the client's context registers and deregisters large regions:
+    // the device pins and unpins their pages, and the connection must not wait for it.
+    v.push(job(
+        "streams-register",
+        "exs-std",
+        REGISTERED,
+        1,
+        format!("EXS_BACKEND=verbs EXS_ADDR={addr} {stream_bench} register exs-std {REGISTERED} 4"),
+        Parse::Json,
+    ));
     v.push(job(
         "perftest",
         "ib_send_lat",
@@ -371,6 +381,9 @@ pub(super) fn softroce_jobs(
     }
     v
 }
+
+/// The size of the regions another thread registers beside a ping-pong in the Soft-RoCE suite.
+pub(super) const REGISTERED: u64 = 128 << 20;
 
 /// The same points on soft-iWARP (`exs_siw0`, on its own interface beside `exs_rxe0` in the same guest boot): exs
 /// and perftest (through rdma_cm: iWARP has no other way), tools named `siw-...`. Fewer than on rxe: the

@@ -30,6 +30,10 @@ pub(super) fn parse(suite: &str, j: &Job, repeat: usize, out: &str) -> Vec<Row> 
                     "client_exposures_per_msg",
                     "registrations_per_msg",
                     "direct_share",
+                    // `stream_bench register`: round trips quiet, then beside registrations.
+                    "quiet_p99_us",
+                    "register_p99_us",
+                    "register_max_us",
                 ]
                 .into_iter()
                 .chain(IDLE_METRICS)

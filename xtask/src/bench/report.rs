@@ -442,6 +442,18 @@ pub(super) fn targets(suite: &str, sum: &BTreeMap<Key, (f64, f64, f64, usize)>) 
         ));
         v.extend(siw_targets(sum));
     }
+    if suite == "softroce" {
+        let reg = |m: &str| get(sum, "streams-register", "exs-std", REGISTERED, m).map(|x| x.0);
+        v.push(explain_line(
+            &format!(
+                "exs::Stream 8 B round trip p99 while another thread registers {} regions vs quiet",
+                fmt_size(REGISTERED)
+            ),
+            reg("register_p99_us"),
+            reg("quiet_p99_us"),
+            "the device pins a region's pages meanwhile; a connection must not wait for it",
+        ));
+    }
     // Issue 30: the ES-API from C costs nothing measurable beside the Rust API.
     v.push(ratio_line(
         "C ping-pong through libexs vs exs ping (Rust), median one-way, immediate 8 B",

@@ -330,6 +330,48 @@ fn the_soft_roce_stream_row_writes_as_rstream_does_and_is_compared_with_it() {
     );
 }
 
+/// The Soft-RoCE suite pings beside another thread's registrations of large regions (in the guest, on the device)
+/// and reports the tail round trip beside the quiet one.
+#[test]
+fn round_trips_beside_registrations_are_measured_on_soft_roce() {
+    let jobs = softroce_jobs("exs", "c", "sb", &plan(true), true);
+    let (_, _, addr) = rxe::DUMMY;
+    let j = jobs
+        .iter()
+        .find(|j| j.tool == "streams-register")
+        .expect("a registration row");
+    assert_eq!(
+        j.cmd,
+        format!("EXS_BACKEND=verbs EXS_ADDR={addr} sb register exs-std {REGISTERED} 4")
+    );
+    let mut sum = BTreeMap::new();
+    for (metric, v) in [("quiet_p99_us", 40.0), ("register_p99_us", 50.0)] {
+        sum.insert(
+            (
+                "streams-register".into(),
+                "exs-std".into(),
+                REGISTERED,
+                1,
+                metric.into(),
+            ),
+            (v, v, v, 1),
+        );
+    }
+    let t = targets("softroce", &sum);
+    assert!(
+        t.iter().any(|l| l.starts_with(
+            "exs::Stream 8 B round trip p99 while another thread registers 128 MiB regions vs quiet: 1.25x (no target"
+        )),
+        "{t:?}"
+    );
+    assert!(
+        !targets("host", &sum)
+            .iter()
+            .any(|l| l.contains("registers")),
+        "a host row"
+    );
+}
+
 /// Issue 26: the stream pump's targets, beside TCP without Nagle at small sizes and beside the raw write loop at
 /// large ones.
 #[test]

@@ -176,6 +176,8 @@ pub(crate) struct VerbsRegistration {
     pub(crate) mr: *mut ibv_mr,
     pub(crate) lkey: u32,
     pub(crate) buf: Arc<DmaBuf>,
+    /// `ibv_dereg_mr` (a stand-in in tests, which have no device).
+    pub(crate) dereg: fn(*mut ibv_mr) -> i32,
 }
 
 /// Registers buffers for local access (and window binds where windows are used), from any thread: `ibv_reg_mr`
@@ -207,6 +209,7 @@ impl Registrar for VerbsRegistrar {
             mr,
             lkey,
             buf: Arc::clone(buf),
+            dereg,
         }))
     }
 }
@@ -229,7 +232,12 @@ impl Drop for VerbsRegistration {
     fn drop(&mut self) {
         // Before `buf` is released (field order). Every window bound to this registration holds its Arc
         // (`WindowKey::_reg`, and `BindHold::_reg` while its bind is queued), so none is bound any more (ibv_dereg_mr fails while one is).
-        dereg(self.mr);
+        if (self.dereg)(self.mr) != 0 {
+            // The registration may still be valid: its memory must never be reused or freed (in C,
+            // `exs_mderegister` then stays `EBUSY`), nor its protection domain deallocated under it.
+            std::mem::forget(Arc::clone(&self.buf));
+            std::mem::forget(Arc::clone(&self._pd));
+        }
     }
 }
 
@@ -543,6 +551,32 @@ mod tests {
             buf.is_range_leased(0..64),
             "its key may still name the range"
         );
+    }
+
+    #[test]
+    fn a_base_registration_that_fails_to_deregister_keeps_its_buffer() {
+        let buf = DmaBuf::new(4096);
+        // A stand-in domain, never deallocated (the registration keeps it when deregistering fails).
+        let pd = Arc::new(Pd(std::ptr::null_mut()));
+        let reg = VerbsRegistration {
+            _pd: Arc::clone(&pd),
+            mr: std::ptr::NonNull::dangling().as_ptr(),
+            lkey: 1,
+            buf: Arc::clone(&buf),
+            dereg: failing_dereg,
+        };
+        drop(reg);
+        assert_eq!(
+            Arc::strong_count(&buf),
+            2,
+            "the registration may still be valid: its memory is never given back"
+        );
+        assert_eq!(
+            Arc::strong_count(&pd),
+            2,
+            "nor its protection domain deallocated"
+        );
+        std::mem::forget(pd);
     }
 
     fn deallocated(slot: &MwSlot) -> bool {

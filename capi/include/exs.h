@@ -371,8 +371,9 @@ exs_mhandle_t exs_mregister(void *addr,
 
 /**
  * Deregisters memory (ES-API `exs_mderegister`): once it returns 0, exs holds nothing of it and the program
- * may free it. -1 with `errno`: `EBADF`, `EBUSY` while an operation on it is in flight or about to start, or
- * while another thread deregisters it (nothing changed: the handle stays valid; try again after the events).
+ * may free it. -1 with `errno`: `EBADF`; `EBUSY` while an operation on it is in flight or about to start
+ * (nothing changed: the handle stays valid; try again after the events), or while another thread deregisters
+ * it (the handle stays valid only if that deregistration is refused: a retry may find it gone, `EBADF`).
  * Calls of other threads that name the handle while it runs fail with `EBADF`; it holds no lock they need
  * meanwhile (undoing a large registration takes a while).
  */

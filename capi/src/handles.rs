@@ -11,10 +11,12 @@
 //! stale handle used that much later can reach a newer object.
 //!
 //! Locks: each table has its own, held only to look up, insert or remove (a lookup clones the handle out); no
-//! call into exs runs under one, except two: `exs_mderegister` holds the memory table's write lock while it
-//! deregisters, so that no new use of the region can start meanwhile, and `exs_qdelete` reads the queue's count of
-//! operations outstanding (the queue's own lock, which no exs call holds while it takes a table's) under the queue
-//! table's write lock, so that none starts between the count and the removal. An operation counts its start on its queue
+//! call into exs runs under one, except in `exs_qdelete`, which reads the queue's count of operations outstanding
+//! (the queue's own lock, which no exs call holds while it takes a table's) under the queue table's write lock, so
+//! that none starts between the count and the removal. `exs_mderegister` takes the region out of its entry under
+//! the memory table's write lock and deregisters it with no table lock held: the entry stays filed meanwhile (its
+//! number and range are not given out again, and calls naming it are `EBADF`), and goes once the deregistration
+//! succeeded, or gets its region back if it was refused. An operation counts its start on its queue
 //! under the queue table's read lock and starts with no table lock held ([`crate::queue::start_on`]), so that
 //! `exs_qdelete` cannot delete its queue between the look-up and the start. No table lock is taken under another
 //! (the count's own mutex is taken under the queue table's lock, never the other way).

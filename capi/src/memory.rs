@@ -73,8 +73,9 @@ pub unsafe extern "C" fn exs_mregister(
 }
 
 /// Deregisters memory (ES-API `exs_mderegister`): once it returns 0, exs holds nothing of it and the program
-/// may free it. -1 with `errno`: `EBADF`, `EBUSY` while an operation on it is in flight or about to start, or
-/// while another thread deregisters it (nothing changed: the handle stays valid; try again after the events).
+/// may free it. -1 with `errno`: `EBADF`; `EBUSY` while an operation on it is in flight or about to start
+/// (nothing changed: the handle stays valid; try again after the events), or while another thread deregisters
+/// it (the handle stays valid only if that deregistration is refused: a retry may find it gone, `EBADF`).
 /// Calls of other threads that name the handle while it runs fail with `EBADF`; it holds no lock they need
 /// meanwhile (undoing a large registration takes a while).
 #[no_mangle]
@@ -89,7 +90,12 @@ pub extern "C" fn exs_mderegister(mh: exs_mhandle_t) -> c_int {
             // Another thread is deregistering it: it may yet fail and leave the handle valid.
             entry.region.take().ok_or(Errno(libc::EBUSY))?
         };
-        match region.into_dma_buf() {
+        // A panic below (caught by `call`, `EIO`) drops the region while unwinding: the entry must not stay
+        // filed without it, its number and range taken for good.
+        let unfile = Unfile(mh);
+        let outcome = region.into_dma_buf();
+        std::mem::forget(unfile);
+        match outcome {
             Ok(buf) => {
                 // Nothing of exs refers to the memory any more: the number and the range go.
                 drop(buf);
@@ -104,6 +110,15 @@ pub extern "C" fn exs_mderegister(mh: exs_mhandle_t) -> c_int {
             }
         }
     })
+}
+
+/// Takes memory handle `.0` out of the table when dropped: on the unwinding of a panic in `exs_mderegister`.
+struct Unfile(exs_mhandle_t);
+
+impl Drop for Unfile {
+    fn drop(&mut self) {
+        MEMORY.write().remove(&self.0);
+    }
 }
 
 /// The range `buf..buf + len` of the memory `mh` as an operation's buffer, if `mh` was registered with `need`

@@ -352,14 +352,12 @@ fn round_trips(c: &mut exs::Stream, mut done: impl FnMut() -> bool) -> io::Resul
     Ok(v)
 }
 
-/// The p99 and the longest of `v`, in microseconds.
-fn tail(v: &mut [Duration]) -> (f64, f64) {
+/// The p99 (nearest rank) and the longest of `v`, in microseconds; `None` if `v` is empty.
+fn tail(v: &mut [Duration]) -> Option<(f64, f64)> {
     v.sort();
-    let at = |i: usize| v.get(i).map_or(0.0, |d| d.as_secs_f64() * 1e6);
-    (
-        at(v.len().saturating_sub(1) * 99 / 100),
-        at(v.len().saturating_sub(1)),
-    )
+    let us = |d: &Duration| d.as_secs_f64() * 1e6;
+    let rank = (v.len() * 99).div_ceil(100).max(1);
+    Some((us(v.get(rank - 1)?), us(v.last()?)))
 }
 
 /// 8-byte round trips over an exs stream, quiet for a second, then while another thread of the client's context
@@ -396,7 +394,9 @@ fn register_beside(len: usize, regions: usize) -> io::Result<String> {
         .map_err(|_| other("the registering thread panicked"))??;
     c.shutdown(std::net::Shutdown::Write)?;
     echo.join().map_err(|_| other("the echo panicked"))??;
-    let ((q99, qmax), (b99, bmax)) = (tail(&mut quiet), tail(&mut busy));
+    let none = || other("no round trip in one of the parts");
+    let (q99, qmax) = tail(&mut quiet).ok_or_else(none)?;
+    let (b99, bmax) = tail(&mut busy).ok_or_else(none)?;
     Ok(format!(
         r#"{{"test":"register","api":"exs-std","bytes":{len},"regions":{regions},"quiet_trips":{},"quiet_p99_us":{q99:.1},"quiet_max_us":{qmax:.1},"register_trips":{},"register_p99_us":{b99:.1},"register_max_us":{bmax:.1},"register_longest_ms":{:.1}}}"#,
         quiet.len(),
@@ -474,7 +474,8 @@ fn main() -> io::Result<()> {
                 one_way.as_secs_f64() * 1e6
             )
         }
-        "register" => register_beside(arg(2, 128 << 20)?, arg(3, 4)?)?,
+        "register" if api == "exs-std" => register_beside(arg(2, 128 << 20)?, arg(3, 4)?)?,
+        "register" => return Err(other(format!("unknown API {api:?}: exs-std"))),
         _ => {
             return Err(other(format!(
                 "unknown test {test:?}: bulk, rr, http, register"

@@ -273,10 +273,10 @@ impl Context {
         let Some(r) = &self.inner.registrar else {
             return Ok(self.shared().lock().register(buf)?);
         };
-        // Without the engine's lock: the device pins the pages meanwhile, a while for a large buffer.
-        let reg = r.register(buf)?;
+        // Without the engine's lock: the device pins the pages meanwhile, a while for a large buffer. Counted as
+        // the engine counts its own, attempts that fail included.
         self.inner.registered.fetch_add(1, Ordering::Relaxed);
-        Ok(reg)
+        Ok(r.register(buf)?)
     }
 
     /// Lets `eq` drive this context when it waits (manual progress only).

@@ -51,7 +51,10 @@ struct SimRegistrar {
 
 impl Registrar for SimRegistrar {
     fn register(&self, buf: &Arc<DmaBuf>) -> Result<Arc<dyn Registration>, TransportError> {
-        let net = self.net.upgrade().ok_or(TransportError::NoEndpoint)?;
+        let net = self
+            .net
+            .upgrade()
+            .ok_or_else(|| TransportError::Resource("the simulated network is gone".into()))?;
         register(&net, self.host, buf)
     }
 }

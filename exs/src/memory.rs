@@ -23,6 +23,9 @@ use crate::transport::{Registration, Sge};
 /// An operation names a [`Slice`] of a region; the range is leased to it until its event, and the region
 /// refuses what would race the device meanwhile (a copy into a range a send is reading, a deregistration).
 ///
+/// Registering pins the region's pages, and deregistering unpins them: a while for a large region, on the calling
+/// thread. The context's connections go on meanwhile (neither holds the engine's lock, on every backend here).
+///
 /// ```
 /// # #[cfg(feature = "fabric")] {
 /// use exs::{fabric::FabricConfig, Backend, Context, MemoryRegion};

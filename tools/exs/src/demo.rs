@@ -207,7 +207,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         &mut peer,
         &exs_point,
         want,
-        |addr, progress| exs_client(&ctx, addr, &a, &srcs, progress, whole),
+        |target, progress| exs_client(&ctx, target, &a, &srcs, progress, whole),
         &label,
     )?];
     if !a.no_tcp {
@@ -220,7 +220,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             &mut peer,
             &p,
             want,
-            |addr, progress| tcp_client(addr, &a, &srcs, progress),
+            |target, progress| tcp_client(target, &a, &srcs, progress),
             label,
         )?);
     }
@@ -271,12 +271,12 @@ fn transfer(
     peer: &mut Peer,
     p: &Point,
     want: u64,
-    client: impl FnOnce(SocketAddr, &mut Progress) -> Result<(u64, f64, f64)>,
+    client: impl FnOnce((SocketAddr, u64), &mut Progress) -> Result<(u64, f64, f64)>,
     label: &str,
 ) -> Result<Outcome> {
-    let addr = peer.start(p)?;
+    let target = peer.start(p)?;
     let mut progress = Progress::new(label, p.size);
-    let (reply, secs, cpu) = match client(addr, &mut progress) {
+    let (reply, secs, cpu) = match client(target, &mut progress) {
         Ok(r) => r,
         Err(e) => return Err(peer.explain(e)),
     };
@@ -296,7 +296,7 @@ fn transfer(
 /// Sends `a.size` bytes over exs; returns the checksum the server replied with, the seconds, the CPU seconds.
 fn exs_client(
     ctx: &exs::Context,
-    addr: SocketAddr,
+    (addr, token): (SocketAddr, u64),
     a: &DemoArgs,
     srcs: &[Vec<u8>],
     progress: &mut Progress,
@@ -306,12 +306,7 @@ fn exs_client(
     let s = Socket::new(ctx, SockType::SeqPacket).context("creating a socket")?;
     let credits = (a.depth as u16).clamp(1, 64);
     s.set_options(s.options()?.with_send_credits(credits))?;
-    s.connect(&eq, addr, 0)
-        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
-    eq.next(Some(Duration::from_secs(30)))
-        .with_context(|| format!("connecting to {addr}: no answer"))?
-        .status
-        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
+    crate::util::connect_to_test(ctx, &s, &eq, addr, token)?;
     let regions: Vec<MemoryRegion> = srcs
         .iter()
         .map(|v| MemoryRegion::from_vec(ctx, v.clone()))
@@ -462,7 +457,7 @@ fn reply_and_wait_for_close(
 
 /// Sends `a.size` bytes over TCP; returns the checksum the server replied with, the seconds, the CPU seconds.
 fn tcp_client(
-    addr: SocketAddr,
+    (addr, token): (SocketAddr, u64),
     a: &DemoArgs,
     srcs: &[Vec<u8>],
     progress: &mut Progress,
@@ -474,6 +469,8 @@ fn tcp_client(
     st.set_read_timeout(Some(PATIENCE))
         .and_then(|()| st.set_write_timeout(Some(PATIENCE)))
         .context("TCP timeouts")?;
+    st.write_all(&token.to_le_bytes())
+        .context("sending the test's token")?;
     let (start, c0) = (Instant::now(), crate::pump::cpu_seconds());
     let (mut sent, mut i) = (0u64, 0usize);
     while sent < a.size {
@@ -507,7 +504,14 @@ fn tcp_server(
     let deadline = Instant::now() + PATIENCE;
     let mut st = loop {
         match l.accept() {
-            Ok((st, _)) => break st,
+            // Anyone may connect first: the client's connection sends the test's token first (as an exs one
+            // does, `crate::util::accept_one`).
+            Ok((st, from)) => match took_tcp_token(&st, watch.token()) {
+                Ok(()) => break st,
+                Err(why) => {
+                    tracing::warn!(%from, "a connection to a test's listener closed: {why:#}")
+                }
+            },
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 watch.check("its TCP connection")?;
                 if Instant::now() > deadline {
@@ -546,6 +550,21 @@ fn tcp_server(
     st.write_all(&sum.to_le_bytes()).context("TCP reply")?;
     wait_for_tcp_close(&mut st, watch);
     Ok(received)
+}
+
+/// Whether `st`'s first eight bytes, within five seconds, are `token` (`None`: any connection is the client's).
+fn took_tcp_token(mut st: &TcpStream, token: Option<u64>) -> Result<()> {
+    let Some(token) = token else {
+        return Ok(());
+    };
+    st.set_nonblocking(false)?;
+    st.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut got = [0u8; 8];
+    st.read_exact(&mut got).context("no token within 5 s")?;
+    if got != token.to_le_bytes() {
+        bail!("not this test's token");
+    }
+    Ok(())
 }
 
 /// Waits for the client to close its TCP connection, so that the reply is read before we go: at most

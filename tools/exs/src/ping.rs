@@ -18,7 +18,6 @@ use crate::cli::{self, check_in, MAX_COUNT, MAX_MESSAGE};
 use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::opts::{PingMode, Wait};
 use crate::usage::Usage;
-use crate::util::PATIENCE;
 
 #[derive(Clone, Debug, clap::Args)]
 pub struct PingArgs {
@@ -254,7 +253,7 @@ impl Latency {
 
 fn pinger(
     ctx: &exs::Context,
-    addr: SocketAddr,
+    (addr, token): (SocketAddr, u64),
     p: &Point,
     whole: bool,
 ) -> Result<(Vec<f64>, Usage, Option<IdleHeld>)> {
@@ -264,12 +263,7 @@ fn pinger(
     let s = Socket::new(ctx, SockType::SeqPacket).context("creating a socket")?;
     s.set_options(p.options())
         .with_context(|| format!("setting {:?}", p.options()))?;
-    s.connect(&eq, addr, 0)
-        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
-    eq.next(Some(PATIENCE))
-        .with_context(|| format!("connecting to {addr}: no answer"))?
-        .status
-        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
+    crate::util::connect_to_test(ctx, &s, &eq, addr, token)?;
     let idle = (p.idle > 0)
         .then(|| -> Result<_> {
             let before = crate::idle::Before::now(ctx);
@@ -326,8 +320,8 @@ fn pinger(
 
 /// One size against the server.
 fn measure(peer: &mut Peer, ctx: &exs::Context, whole: bool, p: &Point) -> Result<Latency> {
-    let addr = peer.start(p)?;
-    let (mut samples, client, idle) = match pinger(ctx, addr, p, whole) {
+    let target = peer.start(p)?;
+    let (mut samples, client, idle) = match pinger(ctx, target, p, whole) {
         Ok(r) => r,
         Err(e) => return Err(peer.explain(e)),
     };

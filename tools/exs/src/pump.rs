@@ -320,17 +320,17 @@ impl Meter {
 
 /// The client of one point: blasts for the point's duration (persistent: one send, then waits for the server
 /// to hang up), then closes. Returns what it measured.
-fn blast(ctx: &exs::Context, addr: SocketAddr, p: &Point, whole: bool) -> Result<Side> {
+fn blast(
+    ctx: &exs::Context,
+    (addr, token): (SocketAddr, u64),
+    p: &Point,
+    whole: bool,
+) -> Result<Side> {
     let eq = EventQueue::with_mode(p.depth * 2 + 8, p.wait.mode())?;
     let s = Socket::new(ctx, p.sock_type.sock()).context("creating a socket")?;
     s.set_options(p.options())
         .with_context(|| format!("setting {:?}", p.options()))?;
-    s.connect(&eq, addr, 0)
-        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
-    eq.next(Some(PATIENCE))
-        .with_context(|| format!("connecting to {addr}: no answer"))?
-        .status
-        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
+    crate::util::connect_to_test(ctx, &s, &eq, addr, token)?;
     let (size, depth) = (p.size as usize, p.depth);
     let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth))
         .context("registering the send buffers")?;
@@ -460,8 +460,8 @@ impl Measured {
 
 /// Runs one point: the server measures its side, this client its own.
 fn point(peer: &mut Peer, ctx: &exs::Context, whole: bool, p: &Point) -> Result<Measured> {
-    let addr = peer.start(p)?;
-    let client = match blast(ctx, addr, p, whole) {
+    let target = peer.start(p)?;
+    let client = match blast(ctx, target, p, whole) {
         Ok(c) => c,
         Err(e) => return Err(peer.explain(e)),
     };

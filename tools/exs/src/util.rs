@@ -38,9 +38,16 @@ pub fn fmt_rate(bytes_per_sec: f64) -> String {
 /// How long a server waits for the client's exs connection (or a client for anything).
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
+/// How long a server waits for a connection's token (see [`accept_one`]): the client sends it as soon as it is
+/// connected.
+const TOKEN_PATIENCE: Duration = Duration::from_secs(5);
+
 /// The server side of every tool: listens on `listen` with `options`, tells the caller the bound address, and
 /// accepts one connection within [`PATIENCE`], giving up as soon as `watch` sees the client go. Returns the
 /// listener (kept open while the connection is served) and the accepted socket.
+///
+/// Anyone may connect to the listener, and first: with a token (`watch`'s), only a connection whose first eight
+/// bytes are the token is the client's; another is closed, and the next one accepted (until the test's time is up).
 pub fn accept_one(
     ctx: &exs::Context,
     ty: exs::SockType,
@@ -59,15 +66,75 @@ pub fn accept_one(
         .listen(0)
         .with_context(|| format!("listening on {listen}"))?;
     announce(bound)?;
-    l.accept(eq, 0).context("accept")?;
-    let mut ev = wait_watching(eq, watch, "the client's exs connection")?;
-    ev.status
-        .clone()
-        .context("accepting the client's exs connection")?;
-    let s = ev
-        .take_accepted()
-        .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))?;
-    Ok((l, s))
+    loop {
+        l.accept(eq, 0).context("accept")?;
+        let mut ev = wait_watching(eq, watch, "the client's exs connection")?;
+        ev.status
+            .clone()
+            .context("accepting the client's exs connection")?;
+        let s = ev
+            .take_accepted()
+            .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))?;
+        let Some(token) = watch.token() else {
+            return Ok((l, s));
+        };
+        match took_token(ctx, &s, token) {
+            Ok(()) => return Ok((l, s)),
+            Err(why) => {
+                let from = format!("{:?}", s.peer_addr().ok().flatten());
+                tracing::warn!(%from, "a connection to a test's listener closed: {why:#}");
+                let _ = s.close();
+            }
+        }
+    }
+}
+
+/// Whether `s`'s first eight bytes, within [`TOKEN_PATIENCE`], are `token` (on a queue of its own: a receive
+/// cancelled by the close of a stranger's connection must not reach the test's).
+fn took_token(ctx: &exs::Context, s: &exs::Socket, token: u64) -> Result<()> {
+    let eq = exs::EventQueue::new(2)?;
+    let got = exs::MemoryRegion::alloc(ctx, 8)?;
+    s.recv(&eq, &got.all(), exs::MsgFlags::WAITALL, 0)
+        .context("receiving the token")?;
+    let ev = eq
+        .next(Some(TOKEN_PATIENCE))
+        .context("no token within 5 s")?;
+    ev.status.clone().context("receiving the token")?;
+    if ev.bytes != 8 || got.to_vec()? != token.to_le_bytes() {
+        bail!("not this test's token");
+    }
+    Ok(())
+}
+
+/// The client's exs connection to a test's listener at `addr` (events on `eq`), then `token` sent first on it
+/// (see [`accept_one`]).
+pub fn connect_to_test(
+    ctx: &exs::Context,
+    s: &exs::Socket,
+    eq: &exs::EventQueue,
+    addr: SocketAddr,
+    token: u64,
+) -> Result<()> {
+    s.connect(eq, addr, 0)
+        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
+    eq.next(Some(PATIENCE))
+        .with_context(|| format!("connecting to {addr}: no answer"))?
+        .status
+        .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
+    send_token(ctx, s, token)
+}
+
+/// The client's side of [`accept_one`]'s check: sends `token` first on the connected `s`.
+fn send_token(ctx: &exs::Context, s: &exs::Socket, token: u64) -> Result<()> {
+    let eq = exs::EventQueue::new(2)?;
+    let bytes = exs::MemoryRegion::from_vec(ctx, token.to_le_bytes().to_vec())?;
+    s.send(&eq, &bytes.all(), exs::MsgFlags::NONE, 0)
+        .context("sending the test's token")?;
+    eq.next(Some(PATIENCE))
+        .context("sending the test's token: no answer")?
+        .status
+        .context("sending the test's token")?;
+    Ok(())
 }
 
 /// The next event within [`PATIENCE`], looking every second whether the client is still there, and refusing to

@@ -48,7 +48,7 @@ impl Raw {
 
     /// Says hello as a `tool` client of this version; returns the answer.
     fn hello(&mut self, tool: &str) -> Value {
-        self.line(&json!({"msg": "hello", "version": 2, "tool": tool, "backend": "raw test"}));
+        self.line(&json!({"msg": "hello", "version": 3, "tool": tool, "backend": "raw test"}));
         self.reply().expect("an answer to the hello")
     }
 }
@@ -331,9 +331,108 @@ fn demo_tcp_test(c: &mut Raw) -> TcpStream {
     let mut data = TcpStream::connect(l["addr"].as_str().unwrap()).unwrap();
     data.set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
+    data.write_all(&token(&l).to_le_bytes()).unwrap();
     data.write_all(&[7]).unwrap();
     data.read_exact(&mut [0u8; 8]).unwrap();
     data
+}
+
+/// The token of a test's `listening` message, which the client's data connection sends first.
+fn token(listening: &Value) -> u64 {
+    listening["token"].as_u64().expect("a token")
+}
+
+/// Anyone may connect to a test's listener, and first: the server served the first connection, so a stranger
+/// that connected before the client took its test (and held it until the test's time was up). A connection
+/// whose first eight bytes are not the test's token is now closed, and the client's served.
+#[test]
+fn a_stranger_connecting_first_to_a_tests_tcp_listener_is_not_served() {
+    let mut server = Server::start("demo", free_port(), &[]);
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("demo")["msg"], "welcome");
+    c.line(&json!({"msg": "point", "params": {"transport": "tcp", "size": 1, "chunk": 1}}));
+    let l = c.reply().expect("the test's address");
+    assert_eq!(l["msg"], "listening", "{l}");
+    let addr = l["addr"].as_str().unwrap();
+    let mut stranger = TcpStream::connect(addr).unwrap();
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    stranger
+        .write_all(&token(&l).wrapping_add(1).to_le_bytes())
+        .unwrap();
+    stranger.write_all(&[7]).unwrap();
+    let mut client = TcpStream::connect(addr).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    client.write_all(&token(&l).to_le_bytes()).unwrap();
+    client.write_all(&[7]).unwrap();
+    client
+        .read_exact(&mut [0u8; 8])
+        .expect("the client's checksum");
+    assert!(
+        matches!(stranger.read(&mut [0u8; 8]), Ok(0) | Err(_)),
+        "the stranger is closed, unanswered"
+    );
+    drop(client);
+    let done = c.reply().expect("the server's word on the test");
+    assert_eq!(done["msg"], "done", "{done}");
+    assert!(server.alive());
+}
+
+/// The same on a test's exs listener (`exs ping`'s): a stranger that connects first and sends nothing is closed
+/// within seconds, and the client's connection, which sends the token, gets its echo.
+#[test]
+fn a_stranger_connecting_first_to_a_tests_exs_listener_is_not_served() {
+    use exs::{
+        fabric::FabricConfig, Backend, Context, EventQueue, MemoryRegion, MsgFlags, SockType,
+    };
+    let mut server = Server::start("ping", free_port(), &[]);
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("ping")["msg"], "welcome");
+    c.line(&json!({"msg": "point", "params": {"size": 8, "mode": "immediate", "wait": "block", "count": 1}}));
+    let l = c.reply().expect("the test's address");
+    assert_eq!(l["msg"], "listening", "{l}");
+    let addr: std::net::SocketAddr = l["addr"].as_str().unwrap().parse().unwrap();
+    let ctx = Context::open(&Backend::Fabric(FabricConfig::default())).unwrap();
+    let eq = EventQueue::new(16).unwrap();
+    let connect = |context| {
+        let s = exs::Socket::new(&ctx, SockType::SeqPacket).unwrap();
+        s.connect(&eq, addr, context).unwrap();
+        let ev = eq.next(Some(Duration::from_secs(30))).unwrap();
+        assert!(ev.is_ok(), "{ev:?}");
+        s
+    };
+    let stranger = connect(1);
+    let client = connect(2);
+    let token = MemoryRegion::from_vec(&ctx, token(&l).to_le_bytes().to_vec()).unwrap();
+    let ping = MemoryRegion::from_vec(&ctx, vec![9u8; 8]).unwrap();
+    let echo = MemoryRegion::alloc(&ctx, 8).unwrap();
+    client.recv(&eq, &echo.all(), MsgFlags::NONE, 3).unwrap();
+    client.send(&eq, &token.all(), MsgFlags::NONE, 4).unwrap();
+    client.send(&eq, &ping.all(), MsgFlags::NONE, 5).unwrap();
+    let mut echoed = false;
+    while !echoed {
+        let ev = eq.next(Some(Duration::from_secs(30))).expect("the echo");
+        assert!(ev.is_ok(), "{ev:?}");
+        echoed = ev.context == 3;
+    }
+    assert_eq!(echo.to_vec().unwrap(), vec![9u8; 8]);
+    // The stranger's connection was closed: a receive on it ends.
+    let nothing = MemoryRegion::alloc(&ctx, 8).unwrap();
+    stranger
+        .recv(&eq, &nothing.all(), MsgFlags::NONE, 6)
+        .unwrap();
+    let ev = eq
+        .next(Some(Duration::from_secs(30)))
+        .expect("the stranger's end");
+    assert!(ev.context == 6 && (ev.flags.eof || !ev.is_ok()), "{ev:?}");
+    drop(client);
+    drop(stranger);
+    let done = c.reply().expect("the server's word on the test");
+    assert_eq!(done["msg"], "done", "{done}");
+    assert!(server.alive());
 }
 
 /// A demo client that read its TCP test's checksum and kept the data connection open held the server for 60 s,

@@ -168,17 +168,18 @@ impl Peer {
         self.ch.as_mut().expect("open until closed")
     }
 
-    /// Starts one test on the server: sends every parameter, returns where its listener is.
-    pub fn start(&mut self, params: &impl Serialize) -> Result<SocketAddr> {
+    /// Starts one test on the server: sends every parameter, returns where its listener is and the token the
+    /// data connection sends first.
+    pub fn start(&mut self, params: &impl Serialize) -> Result<(SocketAddr, u64)> {
         let params = serde_json::to_value(params)?;
         let ch = self.ch();
         ch.send(&Msg::Point { params })?;
         match ch.expect("its listener", SERVER_SILENCE)? {
             // A server listening on any address is reached where its control connection was.
-            Msg::Listening { addr } if addr.ip().is_unspecified() => {
-                Ok(SocketAddr::new(ch.peer.ip(), addr.port()))
+            Msg::Listening { addr, token } if addr.ip().is_unspecified() => {
+                Ok((SocketAddr::new(ch.peer.ip(), addr.port()), token))
             }
-            Msg::Listening { addr } => Ok(addr),
+            Msg::Listening { addr, token } => Ok((addr, token)),
             other => bail!(
                 "{} answered a test's parameters with {}",
                 ch.who,

@@ -3,10 +3,13 @@
 //! a small TCP control connection (default port [`DEFAULT_PORT`], perftest's), one JSON object per line:
 //!
 //! ```text
-//! client -> server  {"msg":"hello","version":2,"tool":"pump","backend":"exs (fabric/tcp)"}
-//! server -> client  {"msg":"welcome","version":2,"tool":"pump","backend":"exs (fabric/tcp)"}
+//! client -> server  {"msg":"hello","version":3,"tool":"pump","backend":"exs (fabric/tcp)"}
+//! server -> client  {"msg":"welcome","version":3,"tool":"pump","backend":"exs (fabric/tcp)"}
 //! client -> server  {"msg":"point","params":{...every parameter of one test...}}
-//! server -> client  {"msg":"listening","addr":"10.0.0.5:40123"}      its exs (or TCP) listener for this test
+//! server -> client  {"msg":"listening","addr":"10.0.0.5:40123","token":8529...}
+//!                   its exs (or TCP) listener for this test, and the test's token
+//!                   ... the client connects and sends the token's 8 bytes (little-endian) first; the server
+//!                   takes only a connection that does (anyone may connect to its listener first) ...
 //!                   ... the test runs over exs ...
 //! server -> client  {"msg":"done","result":{...the server's own measurements...}}
 //!                   (or {"msg":"error","message":"..."} at any point)
@@ -46,7 +49,7 @@ pub use server::serve;
 pub const DEFAULT_PORT: u16 = 18515;
 /// The control protocol's version: client and server must speak the same. 2: `exs ping` sends its count, and
 /// the server enforces limits.
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 /// How long one side waits for the other to finish writing a line it has begun to send.
 const WRITE_PATIENCE: Duration = Duration::from_secs(10);
 
@@ -94,6 +97,8 @@ pub enum Msg {
     },
     Listening {
         addr: SocketAddr,
+        /// What the client's data connection sends first, so that the server serves that connection and no other.
+        token: u64,
     },
     Done {
         result: Value,
@@ -199,8 +204,20 @@ impl Channel {
         Ok(Watch {
             peer: Some(self.writer.try_clone()?),
             deadline: Some((deadline, max_seconds, max_grace)),
+            token: Some(new_token()?),
         })
     }
+}
+
+/// A test's token: eight bytes of the kernel's randomness, which whoever connects to the test's listener cannot
+/// guess.
+fn new_token() -> Result<u64> {
+    use std::io::Read;
+    let mut b = [0u8; 8];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .context("reading /dev/urandom for a test's token")?;
+    Ok(u64::from_le_bytes(b))
 }
 
 /// Sees whether the other end of a control connection closed it (a server gives up waiting on a client that
@@ -209,6 +226,8 @@ pub struct Watch {
     peer: Option<TcpStream>,
     /// When the test must have ended, and the server's `--max-seconds` and `--max-grace` (for the message).
     deadline: Option<(Instant, f64, f64)>,
+    /// What the client's data connection must send first (see [`Msg::Listening`]).
+    token: Option<u64>,
 }
 
 impl Watch {
@@ -218,7 +237,13 @@ impl Watch {
         Watch {
             peer: None,
             deadline: None,
+            token: None,
         }
+    }
+
+    /// The test's token, which the client's data connection sends first; `None`: any connection is the client's.
+    pub fn token(&self) -> Option<u64> {
+        self.token
     }
 
     pub fn gone(&self) -> bool {
@@ -332,9 +357,10 @@ mod tests {
     fn messages_are_json_lines_tagged_by_kind() {
         let m = serde_json::to_string(&Msg::Listening {
             addr: "1.2.3.4:5".parse().unwrap(),
+            token: 7,
         })
         .unwrap();
-        assert_eq!(m, r#"{"msg":"listening","addr":"1.2.3.4:5"}"#);
+        assert_eq!(m, r#"{"msg":"listening","addr":"1.2.3.4:5","token":7}"#);
         assert!(matches!(
             serde_json::from_str(r#"{"msg":"error","message":"x"}"#).unwrap(),
             Msg::Error { .. }

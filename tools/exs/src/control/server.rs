@@ -429,7 +429,10 @@ impl<S: Service> Server<S> {
             let report = self.svc.serve(
                 &self.host,
                 &params,
-                &mut |addr| send_on(&mut tx, &Msg::Listening { addr }),
+                &mut |addr| {
+                    let token = watch.token().unwrap_or_default();
+                    send_on(&mut tx, &Msg::Listening { addr, token })
+                },
                 &watch,
             )?;
             let result = serde_json::to_value(report)?;

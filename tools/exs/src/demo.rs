@@ -16,7 +16,7 @@ use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, W
 use crate::progress::Progress;
 use crate::size::fmt_bytes;
 use crate::usage::Usage;
-use crate::util::{fmt_rate, PATIENCE};
+use crate::util::{check_token, fmt_rate, PATIENCE, TOKEN_PATIENCE};
 
 /// Order-dependent fold of per-chunk hashes: the checksum of the whole stream.
 fn fold(h: u64, chunk: &[u8]) -> u64 {
@@ -552,19 +552,18 @@ fn tcp_server(
     Ok(received)
 }
 
-/// Whether `st`'s first eight bytes, within five seconds, are `token` (`None`: any connection is the client's).
+/// Whether `st`'s first eight bytes, within [`TOKEN_PATIENCE`], are `token` (`None`: any connection is the
+/// client's).
 fn took_tcp_token(mut st: &TcpStream, token: Option<u64>) -> Result<()> {
     let Some(token) = token else {
         return Ok(());
     };
     st.set_nonblocking(false)?;
-    st.set_read_timeout(Some(Duration::from_secs(5)))?;
+    st.set_read_timeout(Some(TOKEN_PATIENCE))?;
     let mut got = [0u8; 8];
-    st.read_exact(&mut got).context("no token within 5 s")?;
-    if got != token.to_le_bytes() {
-        bail!("not this test's token");
-    }
-    Ok(())
+    st.read_exact(&mut got)
+        .with_context(|| format!("no token within {TOKEN_PATIENCE:?}"))?;
+    check_token(&got, token)
 }
 
 /// Waits for the client to close its TCP connection, so that the reply is read before we go: at most

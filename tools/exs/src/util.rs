@@ -38,9 +38,17 @@ pub fn fmt_rate(bytes_per_sec: f64) -> String {
 /// How long a server waits for the client's exs connection (or a client for anything).
 pub const PATIENCE: Duration = Duration::from_secs(60);
 
-/// How long a server waits for a connection's token (see [`accept_one`]): the client sends it as soon as it is
-/// connected.
-const TOKEN_PATIENCE: Duration = Duration::from_secs(5);
+/// How long a server waits for a connection's token (see [`accept_one`]; the demo's TCP server too): the client
+/// sends it as soon as it is connected.
+pub const TOKEN_PATIENCE: Duration = Duration::from_secs(5);
+
+/// Whether the eight bytes a connection sent first are `token`'s (little-endian), and if not, why not.
+pub fn check_token(got: &[u8], token: u64) -> Result<()> {
+    if got != token.to_le_bytes() {
+        bail!("not this test's token");
+    }
+    Ok(())
+}
 
 /// The server side of every tool: listens on `listen` with `options`, tells the caller the bound address, and
 /// accepts one connection within [`PATIENCE`], giving up as soon as `watch` sees the client go. Returns the
@@ -98,12 +106,9 @@ fn took_token(ctx: &exs::Context, s: &exs::Socket, token: u64) -> Result<()> {
         .context("receiving the token")?;
     let ev = eq
         .next(Some(TOKEN_PATIENCE))
-        .context("no token within 5 s")?;
+        .with_context(|| format!("no token within {TOKEN_PATIENCE:?}"))?;
     ev.status.clone().context("receiving the token")?;
-    if ev.bytes != 8 || got.to_vec()? != token.to_le_bytes() {
-        bail!("not this test's token");
-    }
-    Ok(())
+    check_token(&got.to_vec()?[..ev.bytes.min(8)], token)
 }
 
 /// The client's exs connection to a test's listener at `addr` (events on `eq`), then `token` sent first on it
@@ -121,14 +126,9 @@ pub fn connect_to_test(
         .with_context(|| format!("connecting to {addr}: no answer"))?
         .status
         .with_context(|| format!("connecting to the server's exs listener at {addr}"))?;
-    send_token(ctx, s, token)
-}
-
-/// The client's side of [`accept_one`]'s check: sends `token` first on the connected `s`.
-fn send_token(ctx: &exs::Context, s: &exs::Socket, token: u64) -> Result<()> {
-    let eq = exs::EventQueue::new(2)?;
+    // The client's side of `accept_one`'s check, before anything else on the connection.
     let bytes = exs::MemoryRegion::from_vec(ctx, token.to_le_bytes().to_vec())?;
-    s.send(&eq, &bytes.all(), exs::MsgFlags::NONE, 0)
+    s.send(eq, &bytes.all(), exs::MsgFlags::NONE, 0)
         .context("sending the test's token")?;
     eq.next(Some(PATIENCE))
         .context("sending the test's token: no answer")?

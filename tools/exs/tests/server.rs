@@ -325,9 +325,7 @@ fn a_test_ends_at_the_servers_time_limit() {
 /// One demo test over TCP, driven by hand on a welcomed connection: 1 byte sent, its 8-byte checksum read. The
 /// data connection is returned open.
 fn demo_tcp_test(c: &mut Raw) -> TcpStream {
-    c.line(&json!({"msg": "point", "params": {"transport": "tcp", "size": 1, "chunk": 1}}));
-    let l = c.reply().expect("the test's address");
-    assert_eq!(l["msg"], "listening", "{l}");
+    let l = listening(c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
     let mut data = TcpStream::connect(l["addr"].as_str().unwrap()).unwrap();
     data.set_read_timeout(Some(Duration::from_secs(30)))
         .unwrap();
@@ -335,6 +333,14 @@ fn demo_tcp_test(c: &mut Raw) -> TcpStream {
     data.write_all(&[7]).unwrap();
     data.read_exact(&mut [0u8; 8]).unwrap();
     data
+}
+
+/// Asks for a test with `params`; returns the server's `listening` message (the test's address and token).
+fn listening(c: &mut Raw, params: Value) -> Value {
+    c.line(&json!({"msg": "point", "params": params}));
+    let l = c.reply().expect("the test's address");
+    assert_eq!(l["msg"], "listening", "{l}");
+    l
 }
 
 /// The token of a test's `listening` message, which the client's data connection sends first.
@@ -350,9 +356,7 @@ fn a_stranger_connecting_first_to_a_tests_tcp_listener_is_not_served() {
     let mut server = Server::start("demo", free_port(), &[]);
     let mut c = Raw::connect(&server);
     assert_eq!(c.hello("demo")["msg"], "welcome");
-    c.line(&json!({"msg": "point", "params": {"transport": "tcp", "size": 1, "chunk": 1}}));
-    let l = c.reply().expect("the test's address");
-    assert_eq!(l["msg"], "listening", "{l}");
+    let l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
     let addr = l["addr"].as_str().unwrap();
     let mut stranger = TcpStream::connect(addr).unwrap();
     stranger
@@ -391,9 +395,10 @@ fn a_stranger_connecting_first_to_a_tests_exs_listener_is_not_served() {
     let mut server = Server::start("ping", free_port(), &[]);
     let mut c = Raw::connect(&server);
     assert_eq!(c.hello("ping")["msg"], "welcome");
-    c.line(&json!({"msg": "point", "params": {"size": 8, "mode": "immediate", "wait": "block", "count": 1}}));
-    let l = c.reply().expect("the test's address");
-    assert_eq!(l["msg"], "listening", "{l}");
+    let l = listening(
+        &mut c,
+        json!({"size": 8, "mode": "immediate", "wait": "block", "count": 1}),
+    );
     let addr: std::net::SocketAddr = l["addr"].as_str().unwrap().parse().unwrap();
     let ctx = Context::open(&Backend::Fabric(FabricConfig::default())).unwrap();
     let eq = EventQueue::new(16).unwrap();

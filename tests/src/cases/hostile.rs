@@ -81,6 +81,10 @@ pub fn cases() -> Vec<Case> {
             stream_indirect_beyond_buffer,
         ),
         c(
+            "hostile_stream_indirect_before_the_buffer_was_exposed",
+            stream_indirect_before_buffer,
+        ),
+        c(
             "hostile_stream_window_beyond_written",
             stream_window_beyond_written,
         ),
@@ -266,7 +270,29 @@ impl Victim {
             "{what}: the hostile peer was not disconnected"
         );
         drop(raw);
+        self.receive_ends(s, what)?;
         self.healthy(what, matches!(err, OpError::PeerMisbehaved(_)))
+    }
+
+    /// A receive posted on the attacked socket once it is down ends: with an error or end-of-stream, not by waiting
+    /// for ever.
+    fn receive_ends(&self, s: &Socket, what: &str) -> Result<(), String> {
+        let buf = MemoryRegion::alloc(&self.ctx, 64).map_err(|e| e.to_string())?;
+        if let Err(e) = s.recv(&self.eq, &buf.all(), MsgFlags::NONE, 9) {
+            eprintln!(
+                "HOSTILE {}: {what}: a receive afterwards is refused: {e}",
+                self.name
+            );
+            return Ok(());
+        }
+        let ev = self.eq.next(Some(Duration::from_secs(10))).map_err(|e| {
+            format!("{what}: a receive posted after the violation never ended: {e}")
+        })?;
+        ensure!(
+            ev.context == 9 && (!ev.is_ok() || ev.flags.eof),
+            "{what}: a receive posted after the violation: {ev:?}"
+        );
+        Ok(())
     }
 
     /// Another connection works, and the canary region is untouched.
@@ -652,6 +678,17 @@ fn stream_indirect_beyond_buffer(b: &dyn Backend) -> Result<(), String> {
         b,
         Imm::Indirect(len),
         "indirect transfer beyond the stream buffer",
+    )
+}
+
+/// A review found it: bytes claimed in the stream buffer before this side had exposed it (it is allocated on the
+/// peer's first need) were counted as unread, so the connection kept them after the violation and every later
+/// receive waited for them, for ever, while the socket polled readable.
+fn stream_indirect_before_buffer(b: &dyn Backend) -> Result<(), String> {
+    stream_bad_imm(
+        b,
+        Imm::Indirect(1),
+        "indirect transfer before the stream buffer was exposed",
     )
 }
 

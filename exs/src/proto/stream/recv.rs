@@ -418,6 +418,14 @@ impl StreamProto {
 
     /// An indirect transfer of `n` bytes into the stream buffer (seed 001).
     fn on_indirect(&mut self, n: u64) -> Result<(), Violation> {
+        // Judged before anything is counted: bytes counted in the buffer are unread data the connection keeps
+        // for the application after a violation, and none can be read from a buffer never exposed (test
+        // `hostile_stream_indirect_before_the_buffer_was_exposed`).
+        if self.rx.ring.is_none() {
+            return Err(Violation::Stream(format!(
+                "indirect transfer of {n} bytes before the stream buffer was exposed"
+            )));
+        }
         let free = self.rx.ring_len - (self.rx.tail - self.rx.head);
         if n == 0 || n > free {
             return Err(Violation::Stream(format!(

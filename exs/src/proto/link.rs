@@ -55,9 +55,11 @@ pub(crate) const MIN_WINDOW: u32 = 4;
 /// the control messages a peer's writes make us queue: an honest peer that stops returning credits also stops
 /// writing, and holds at most its advert credits' worth; where its writes with immediate data cost it no credit
 /// (transports whose write-with-immediate consumes no receive), a peer that writes on and returns none would
-/// make us queue one per receive and per window report for ever. The others are bounded otherwise (adverts by
-/// advert credits, acknowledgments and credits by folding, an end per persistent operation) or made by our own
-/// application's calls at its pace (offset notices, read notifications), and do not count.
+/// make us queue one per receive and per window report for ever. The echo of a persistent receive's end counts
+/// too: a peer may open and end persistent receives without limit, each costing us an echo (review finding). The
+/// others are bounded otherwise (adverts by advert credits, acknowledgments and credits by folding, our own
+/// ends by our persistent operations) or made by our own application's calls at its pace (offset notices, read
+/// notifications), and do not count; a peer that starves them is found by the keepalive ([`Link::keepalive`]).
 pub(crate) const CTRL_BACKLOG_MAX: usize = 4096;
 
 const CLASS_SHIFT: u32 = 62;
@@ -266,17 +268,17 @@ pub(crate) struct Link {
     normal: VecDeque<Outgoing>,
     /// Control messages in `normal`.
     ctrl_queued: usize,
-    /// Stream advertisements and window updates in `normal` (see [`CTRL_BACKLOG_MAX`]).
+    /// Control messages in `normal` that the peer makes us send (see [`CTRL_BACKLOG_MAX`]).
     ctrl_backlog: usize,
     reads: VecDeque<(DataOp, u32)>,
     credit_queued: bool,
     /// Keepalive intervals in a row through which messages waited for credits and none came back (see
     /// [`Link::keepalive`]).
     starved_checks: u8,
-    /// The peer returned a credit since the last keepalive check.
-    credit_since_check: bool,
-    /// Messages waited for credits at the last keepalive check.
-    waited_at_check: bool,
+    /// Which queues' messages waited for credits at the last keepalive check.
+    waited_at_check: Queues,
+    /// Which queues a message left since the last keepalive check.
+    moved_since_check: Queues,
     /// A keepalive CREDIT is queued (sent even with no credits owed).
     keepalive_queued: bool,
     /// Something was posted since the last keepalive check.
@@ -350,8 +352,8 @@ impl Link {
             credit_queued: false,
             keepalive_queued: false,
             starved_checks: 0,
-            credit_since_check: false,
-            waited_at_check: false,
+            waited_at_check: Queues::default(),
+            moved_since_check: Queues::default(),
             sent_since_check: false,
             started: false,
             closed: false,
@@ -677,9 +679,12 @@ impl Link {
 
     fn pop(&mut self, urgent: bool) -> Option<Outgoing> {
         if urgent {
-            self.urgent.pop_front()
+            let o = self.urgent.pop_front();
+            self.moved_since_check.urgent |= o.is_some();
+            o
         } else {
             let o = self.normal.pop_front();
+            self.moved_since_check.normal |= o.is_some();
             if let Some(Outgoing::Ctrl { body, .. }) = &o {
                 self.ctrl_queued -= 1;
                 self.ctrl_backlog -= usize::from(paced_by_peer(body));
@@ -778,9 +783,19 @@ fn data_wr(op: DataOp, tag: u32) -> WorkRequest {
 mod credits;
 mod pack;
 
+/// One flag per outgoing queue (see [`Link::keepalive`]).
+#[derive(Clone, Copy, Debug, Default)]
+struct Queues {
+    urgent: bool,
+    normal: bool,
+}
+
 /// Whether a queued control message counts against [`CTRL_BACKLOG_MAX`] (see there).
 fn paced_by_peer(body: &Body) -> bool {
-    matches!(body, Body::StreamAdvert(_) | Body::StreamWindow { .. })
+    matches!(
+        body,
+        Body::StreamAdvert(_) | Body::StreamWindow { .. } | Body::PersistentEnd { echo: true, .. }
+    )
 }
 
 #[cfg(test)]

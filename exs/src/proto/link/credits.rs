@@ -91,19 +91,28 @@ impl Link {
     /// probe was queued.
     ///
     /// A probe needs a credit too: a peer whose device still answers but that returns no credits would hold the
-    /// connection for ever. When messages have waited for credits at three checks in a row (two whole intervals)
-    /// and none came back meanwhile, the peer's side of the protocol has stopped: `Err`.
+    /// connection for ever. When a queue's messages have waited for credits at three checks in a row (two whole
+    /// intervals) and none of them left meanwhile, the peer's side of the protocol has stopped: `Err`. What counts
+    /// is that the queue moved, not that a credit came back: a peer that returns one credit at a time feeds our
+    /// urgent messages (they may take the last credit) and starves the normal queue (its messages need two),
+    /// which would otherwise grow for as long as the peer makes us answer (review finding; test
+    /// `a_peer_returning_one_credit_at_a_time_cannot_hold_the_normal_queue`).
     pub(crate) fn keepalive(&mut self) -> Result<bool, Violation> {
-        let waiting = (!self.urgent.is_empty() && self.tx_credits() == 0)
-            || (!self.normal.is_empty() && self.tx_credits() < 2);
-        // Counted only across a whole interval: messages waited at the check before too, and no credit came since.
-        self.starved_checks = if waiting && self.waited_at_check && !self.credit_since_check {
+        let waiting = Queues {
+            urgent: !self.urgent.is_empty() && self.tx_credits() == 0,
+            normal: !self.normal.is_empty() && self.tx_credits() < 2,
+        };
+        let (was, moved) = (self.waited_at_check, self.moved_since_check);
+        // Counted only across a whole interval: the queue waited at the check before too, and nothing left it since.
+        let stalled = (waiting.urgent && was.urgent && !moved.urgent)
+            || (waiting.normal && was.normal && !moved.normal);
+        self.starved_checks = if stalled {
             self.starved_checks.saturating_add(1)
         } else {
             0
         };
         self.waited_at_check = waiting;
-        self.credit_since_check = false;
+        self.moved_since_check = Queues::default();
         if self.starved_checks >= 2 {
             return Err(Violation::CreditsWithheld);
         }
@@ -132,7 +141,6 @@ impl Link {
             });
         }
         self.spent -= n;
-        self.credit_since_check |= n > 0;
         Ok(())
     }
 }

@@ -258,14 +258,38 @@ fn credits_withheld_only_after_two_whole_intervals_of_waiting() {
     let mut link = starved();
     link.keepalive().unwrap();
     link.keepalive().unwrap();
-    // A credit comes back and a write takes it: the messages behind still wait, but the count starts again.
-    link.credits_returned(1).unwrap();
+    // Credits come back and a write takes them (the keepalive's probe takes one first): the messages behind still
+    // wait, but the count starts again.
+    link.credits_returned(2).unwrap();
     link.flush(&mut Vec::new(), &mut ());
     let after = link.keepalive();
     assert!(after.is_ok(), "a credit came back meanwhile: {after:?}");
     let next = link.keepalive();
     assert!(next.is_ok(), "{next:?}");
     assert_eq!(link.keepalive(), Err(Violation::CreditsWithheld));
+}
+
+/// A review found it: a peer that returned one credit per interval, which our urgent messages took (an
+/// acknowledgment it asked for), reset the starvation count every time, while the normal queue (its messages
+/// need two credits) never moved and grew with every message the peer made us queue. Only a queue that moves
+/// restarts the count.
+#[test]
+fn a_peer_returning_one_credit_at_a_time_cannot_hold_the_normal_queue() {
+    let mut link = starved();
+    let mut verdict = Ok(false);
+    for _ in 0..3 {
+        // The peer's messages make us owe it credits, which an urgent CREDIT returns.
+        while !link.has_queued(Kind::Credit) {
+            link.consumed().unwrap();
+        }
+        link.credits_returned(1).unwrap();
+        let mut out = Vec::new();
+        link.flush(&mut out, &mut ());
+        assert_eq!(out.len(), 1, "the urgent message takes the one credit");
+        assert!(link.tx_credits() < 2, "the normal queue still waits");
+        verdict = link.keepalive();
+    }
+    assert_eq!(verdict, Err(Violation::CreditsWithheld));
 }
 
 /// A peer has at most its window of messages we have not returned a credit for: one more is an overrun, and a
@@ -351,6 +375,17 @@ fn a_connection_holds_a_bounded_backlog_of_control_messages() {
         })
     );
     assert_eq!(link.stats().ctrl_queued, 3 * CTRL_BACKLOG_MAX as u64 + 1);
+    // The echoes of persistent receives the peer opens and ends count too.
+    link.discard();
+    for seq in 0..=CTRL_BACKLOG_MAX as u32 {
+        link.push_ctrl(Body::PersistentEnd { seq, echo: true }, None, None);
+    }
+    assert_eq!(
+        link.check_backlog(),
+        Err(Violation::ControlBacklog {
+            queued: CTRL_BACKLOG_MAX + 1
+        })
+    );
     // A link whose endpoint is gone holds none.
     link.discard();
     assert_eq!(link.stats().ctrl_queued, 0);

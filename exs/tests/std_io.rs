@@ -666,3 +666,36 @@ fn threads_accepting_beyond_the_queue_depth_all_fail_when_the_context_does() {
         assert!(r.is_err(), "an accept succeeded on a failed context");
     }
 }
+
+/// A review found it: a send that failed was reported by one write, and the writes after it were taken again (the
+/// peer had closed, its final close not yet come). Once a write has failed, every later write, flush and shutdown
+/// fails, as a TCP socket's after `EPIPE`.
+#[test]
+fn a_write_failure_stays_reported_by_every_later_write_and_flush() {
+    let (_world, mut c, s) = connected(9187);
+    // The peer stops receiving and keeps the connection: its close lingers for the bytes it still sends us, which
+    // we do not read.
+    let mut peer = s.try_clone().unwrap();
+    std::thread::spawn(move || {
+        let _ = peer.write_all(&vec![1u8; 8 << 20]);
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    s.socket().close().unwrap();
+    let chunk = vec![7u8; 4096];
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let first = loop {
+        match c.write(&chunk).and_then(|_| c.flush()) {
+            Err(e) => break e,
+            Ok(()) => assert!(
+                std::time::Instant::now() < deadline,
+                "writes were taken for 20 s after the peer closed"
+            ),
+        }
+    };
+    for _ in 0..3 {
+        let again = c.write(&chunk).expect_err("a write after a failed one");
+        assert_eq!(again.kind(), first.kind(), "{again} after {first}");
+        let flushed = c.flush().expect_err("a flush after a failed write");
+        assert_eq!(flushed.kind(), first.kind(), "{flushed} after {first}");
+    }
+}

@@ -325,7 +325,11 @@ impl Engine {
         if self.sock(sid)?.shut_write {
             return Err(StateError::Shutdown);
         }
-        self.open_conn(sid)
+        let conn = self.open_conn(sid)?;
+        match conn.refuses_sends() {
+            Some(e) => Err(StateError::ConnectionDown(e)),
+            None => Ok(conn),
+        }
     }
 
     /// The open connection of a socket, or why there is none.
@@ -410,7 +414,9 @@ impl Engine {
             self.failed.is_none()
                 && self.sockets.get(&sid).is_some_and(|s| {
                     matches!(s.phase, Phase::Open | Phase::Closing)
-                        && s.conn.as_ref().is_some_and(|c| c.holds_sends(h))
+                        && s.conn
+                            .as_ref()
+                            .is_some_and(|c| c.holds_sends(h) && c.refuses_sends().is_none())
                 })
         });
         if holding {

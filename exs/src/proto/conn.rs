@@ -142,6 +142,8 @@ pub(crate) struct Conn {
     resync_at: Option<Instant>,
     /// When the next keepalive check is due.
     keepalive_at: Option<Instant>,
+    /// The peer stopped receiving (its CLOSE StopReceiving): no new send may start ([`Conn::refuses_sends`]).
+    peer_stopped: bool,
     /// What the control buffers cost the context's memory budget, given back with the connection.
     _charge: crate::budget::Charge,
 }
@@ -180,6 +182,7 @@ impl Conn {
             ack_at: None,
             resync_at: None,
             keepalive_at: None,
+            peer_stopped: false,
             _charge: setup.charge,
         }
     }
@@ -788,11 +791,20 @@ impl Conn {
     /// The peer stopped receiving (it closed; its final CLOSE follows its data): our sends not yet completed
     /// never will.
     pub(crate) fn on_peer_stopped_receiving(&mut self) {
+        self.peer_stopped = true;
         match &mut self.mode {
             Some(Mode::Message(m)) => m.fail_pending_sends(OpError::PeerClosed),
             Some(Mode::Stream(s)) => s.fail_pending_sends(OpError::PeerClosed),
             None => {}
         }
+    }
+
+    /// Why a new send may not start though the connection is open: the peer stopped receiving, and its final
+    /// CLOSE (which ends the connection) has not come yet. A send made meanwhile would never be acknowledged, and
+    /// a peer that never sends its final CLOSE would hold it until the close's linger (review finding; test
+    /// `hostile_sends_after_the_peer_stopped_receiving_are_refused`).
+    pub(crate) fn refuses_sends(&self) -> Option<OpError> {
+        self.peer_stopped.then_some(OpError::PeerClosed)
     }
 
     /// The connection went down without the peer's close: a stream's bytes already received stay readable

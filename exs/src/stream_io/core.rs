@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 use std::io;
 
 use crate::context::Context;
-use crate::error::{CloseError, OpError, StateError};
+use crate::error::{CloseError, OpError, SendError, StateError};
 use crate::event::{Event, EventKind, EventQueue};
 use crate::memory::MemoryRegion;
 use crate::options::MsgFlags;
@@ -336,7 +336,9 @@ pub(crate) struct Writer {
     in_flight: VecDeque<usize>,
     max_sends: usize,
     shut: Shut,
-    /// A send failed: reported by the next write, flush or shutdown.
+    /// A send failed: reported by every later write, flush or shutdown (bytes of the stream were lost, so it stays
+    /// broken, as a TCP socket after `EPIPE`; review finding: it was reported once, and the writes after it were
+    /// taken).
     failed: Option<Failure>,
     scratch: Vec<Event>,
     /// Threads of a blocking stream waiting on `eq` without the lock, for room in the ring (counted under the
@@ -416,9 +418,9 @@ impl Writer {
         self.scratch = evs;
     }
 
-    /// The error of an earlier send, once.
-    fn take_failure(&mut self) -> io::Result<()> {
-        match self.failed.take() {
+    /// The error of an earlier send, every time.
+    fn sent_failure(&mut self) -> io::Result<()> {
+        match &self.failed {
             Some(f) => Err(f.io()),
             None => Ok(()),
         }
@@ -450,7 +452,7 @@ impl Writer {
             return Ok(Some(0));
         }
         self.absorb_queued();
-        self.take_failure()?;
+        self.sent_failure()?;
         if self.shut != Shut::Open {
             return Err(io::Error::new(
                 io::ErrorKind::BrokenPipe,
@@ -480,6 +482,10 @@ impl Writer {
                 .sock
                 .send(&self.eq, &ring.slice(at..at + k), MsgFlags::NONE, 0)
             {
+                if let SendError::State(StateError::ConnectionDown(op)) = &e {
+                    // No byte can be sent any more: the stream stays broken (see `failed`).
+                    self.failed.get_or_insert_with(|| Failure::of(op));
+                }
                 if n > 0 {
                     // The bytes before are on their way; the next write gets the error.
                     break;
@@ -497,7 +503,7 @@ impl Writer {
     /// its send), so there is nothing to wait for: like `TcpStream::flush`.
     pub(crate) fn flush(&mut self) -> io::Result<()> {
         self.absorb_queued();
-        self.take_failure()
+        self.sent_failure()
     }
 
     /// Shuts the writing side down, like TCP's `shutdown(SHUT_WR)`: end-of-stream is queued behind the bytes
@@ -515,7 +521,7 @@ impl Writer {
             }
             Err(e) => return Err(e.into()),
         }
-        self.take_failure()
+        self.sent_failure()
     }
 }
 

@@ -93,6 +93,10 @@ pub fn cases() -> Vec<Case> {
             stream_adverts_beyond_credits,
         ),
         c(
+            "hostile_sends_after_the_peer_stopped_receiving_are_refused",
+            sends_after_stop_receiving,
+        ),
+        c(
             "hostile_stale_key_after_ack_is_refused",
             stale_key_after_ack,
         ),
@@ -724,6 +728,54 @@ fn stream_adverts_beyond_credits(b: &dyn Backend) -> Result<(), String> {
         &format!("{} stream adverts on {credits} credits", credits + 1),
         |v| matches!(v, Violation::StreamAdvertOverrun { .. }),
     )
+}
+
+/// A review found it: after the peer's CLOSE(StopReceiving), the sends pending then failed, but the connection
+/// stayed open until its final CLOSE, and later sends were taken and never completed (a message socket's peer
+/// could not even acknowledge them), nor refused: a peer that never sends its final CLOSE held each of them until
+/// the close's linger. They are refused now, as the connection is down for sending (`PeerClosed`), on both
+/// socket types, and a send failure stays reported.
+fn sends_after_stop_receiving(b: &dyn Backend) -> Result<(), String> {
+    for ty in [SockType::SeqPacket, SockType::Stream] {
+        let v = victim(b, ty)?;
+        let (mut raw, s) = v.accept_good()?;
+        let stop = Message::new(Body::Close(exs::wire::CloseReason::StopReceiving));
+        raw.send_msg(&stop)?;
+        let buf = MemoryRegion::from_vec(&v.ctx, vec![7; 100]).map_err(|e| e.to_string())?;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // The notice arrives after the call returns: sends are taken until it has been read, then refused.
+        let refused = loop {
+            raw.pump(Duration::from_millis(5), |_| false);
+            match s.send(&v.eq, &buf.all(), MsgFlags::NONE, 1) {
+                Err(e) => break e,
+                Ok(()) => {
+                    let ev = v.eq.next(Some(Duration::from_secs(10))).map_err(|e| {
+                        format!("{ty:?}: a send before the notice was read never ended: {e}")
+                    })?;
+                    ensure!(
+                        !ev.is_ok(),
+                        "{ty:?}: a send after the peer stopped receiving completed: {ev:?}"
+                    );
+                }
+            }
+            ensure!(
+                Instant::now() < deadline,
+                "{ty:?}: sends were still taken 20 s after the peer stopped receiving"
+            );
+        };
+        ensure!(
+            matches!(
+                &refused,
+                exs::SendError::State(exs::StateError::ConnectionDown(OpError::PeerClosed))
+            ),
+            "{ty:?}: a send after the peer stopped receiving: {refused:?}"
+        );
+        eprintln!(
+            "HOSTILE {}: {ty:?}: a send after CLOSE(StopReceiving): {refused}",
+            v.name
+        );
+    }
+    Ok(())
 }
 
 /// `first` flagged `wire::FLAG_MORE`, then `second`, in one buffer (how an exs sender coalesces messages).

@@ -290,6 +290,44 @@ async fn accepting_at_once(n: u8, port: u16) {
     assert!(got == want, "{n} tasks: the connections' bytes differ");
 }
 
+/// A review found it: tasks beyond the accepts the listener keeps posted (its queue's 64) waited for the events of
+/// those accepts, and one more was posted for them as each returned; when the context failed, the posted ones
+/// ended with errors, the posts for the others failed unseen, and those tasks waited for ever (the blocking
+/// listener had the fix). Now each of them fails too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tasks_accepting_beyond_the_queue_depth_all_fail_when_the_context_does() {
+    const N: usize = 70;
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = std::sync::Arc::new(
+        exs::tokio::Listener::bind_in(&server, world.addr(0, 9312))
+            .await
+            .unwrap(),
+    );
+    let addr = listener.local_addr().unwrap();
+    let accepting: Vec<_> = (0..N)
+        .map(|_| {
+            let l = listener.clone();
+            tokio::spawn(async move { l.accept().await.map(|_| ()) })
+        })
+        .collect();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // The server's progress thread panics at its next poll: the context fails, and every operation with it.
+    world.panic_on_next_poll(0);
+    // A connection request wakes it (the connect's own outcome does not matter).
+    let mut cfg = exs::StreamConfig::default();
+    cfg.connect_timeout = Some(std::time::Duration::from_millis(200));
+    let _ =
+        tokio::task::spawn_blocking(move || exs::Stream::connect_with(&client, addr, &cfg)).await;
+    for (i, t) in accepting.into_iter().enumerate() {
+        let r = tokio::time::timeout(std::time::Duration::from_secs(20), t)
+            .await
+            .unwrap_or_else(|_| panic!("accept {i} of {N} still waits"))
+            .unwrap();
+        assert!(r.is_err(), "an accept succeeded on a failed context");
+    }
+}
+
 /// Issue 26: a read hands its bytes to the `ReadBuf` as they are copied out of the receive buffer: the rest of a
 /// fresh (uninitialised) buffer is not zeroed first, as `initialize_unfilled` would (all of it, on every fresh
 /// buffer: a whole `read_to_end` vector's capacity).

@@ -424,20 +424,47 @@ pub struct Listener {
     eq: EventQueue,
     fd: AsyncFd<QueueFd>,
     cfg: StreamConfig,
-    /// `accept` calls waiting now: each has an accept posted (or its connection queued) for it.
-    waiting: std::sync::Mutex<usize>,
+    /// The `accept` calls waiting now, and why accepts can no longer be posted.
+    accepting: std::sync::Mutex<Accepting>,
 }
 
-/// One `accept` call counted in [`Listener::waiting`] until it returns or is dropped.
+/// The `accept` calls waiting now (each has an accept posted, or its connection queued, for it, up to the queue's
+/// depth), and the failure that ended posting for good.
+#[derive(Default)]
+struct Accepting {
+    waiting: usize,
+    failed: Option<(io::ErrorKind, String)>,
+}
+
+impl Accepting {
+    fn failure(&self) -> Option<io::Error> {
+        self.failed
+            .as_ref()
+            .map(|(kind, what)| io::Error::new(*kind, what.clone()))
+    }
+}
+
+/// One `accept` call counted in [`Listener::accepting`] until it returns or is dropped.
 struct Waiting<'a>(&'a Listener);
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
-        let mut n = self.0.waiting.lock().unwrap_or_else(|p| p.into_inner());
-        *n -= 1;
-        // Callers past the queue's depth wait without an accept of their own: one more for them now (a failure
-        // shows in their next call).
-        let _ = self.0.post_accepts(*n);
+        let l = self.0;
+        let mut a = l.lock_accepting();
+        a.waiting -= 1;
+        // Callers past the queue's depth wait without an accept of their own: one more for them now. When that
+        // fails (the context failed, the listener is gone), no accept will ever wake them: each gets a wake-up
+        // event and returns the failure (review finding: the tokio listener's callers past 64 waited for ever
+        // once the context had failed; test
+        // `tasks_accepting_beyond_the_queue_depth_all_fail_when_the_context_does`).
+        if let Err(e) = l.post_accepts(a.waiting) {
+            a.failed.get_or_insert_with(|| (e.kind(), e.to_string()));
+            for _ in l.eq.outstanding() + l.eq.len()..a.waiting {
+                if !sio::wake(&l.eq, &l.sock) {
+                    break;
+                }
+            }
+        }
     }
 }
 
@@ -480,7 +507,7 @@ impl Listener {
             eq,
             fd,
             cfg: cfg.clone(),
-            waiting: std::sync::Mutex::new(0),
+            accepting: Default::default(),
         })
     }
 
@@ -494,7 +521,14 @@ impl Listener {
     /// posted, and the next call gets that connection.
     pub async fn accept(&self) -> io::Result<(Stream, SocketAddr)> {
         let _waiting = self.wait_for_one()?;
-        let (sock, peer) = sio::accepted(next_event(&self.eq, &self.fd).await?)?;
+        let ev = next_event(&self.eq, &self.fd).await?;
+        if sio::is_wake(&ev) {
+            return Err(self
+                .lock_accepting()
+                .failure()
+                .unwrap_or_else(|| io::Error::other("the listener failed")));
+        }
+        let (sock, peer) = sio::accepted(ev)?;
         Ok((Stream::from_socket(&self.ctx, sock, &self.cfg)?, peer))
     }
 }
@@ -504,18 +538,25 @@ impl Listener {
     /// queued, for each of them (a single posted accept shared by two waiting tasks left one of them waiting for
     /// ever).
     fn wait_for_one(&self) -> io::Result<Waiting<'_>> {
-        let mut n = self.waiting.lock().unwrap_or_else(|p| p.into_inner());
-        *n += 1;
-        let posted = self.post_accepts(*n);
-        drop(n);
+        let mut a = self.lock_accepting();
+        if let Some(e) = a.failure() {
+            return Err(e);
+        }
+        a.waiting += 1;
+        let posted = self.post_accepts(a.waiting);
+        drop(a);
         // Counted from here: a failure is undone as the guard goes.
         let guard = Waiting(self);
         posted?;
         Ok(guard)
     }
 
+    fn lock_accepting(&self) -> std::sync::MutexGuard<'_, Accepting> {
+        self.accepting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Posts accepts until `waiting` callers have one each, posted or with its connection queued, as far as the
-    /// queue holds events (callers past its depth wait for one to leave). Called with `waiting` locked.
+    /// queue holds events (callers past its depth wait for one to leave). Called with `accepting` locked.
     fn post_accepts(&self, waiting: usize) -> io::Result<()> {
         while self.eq.outstanding() + self.eq.len() < waiting.min(self.eq.depth()) {
             self.sock.accept(&self.eq, 0)?;

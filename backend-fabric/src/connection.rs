@@ -528,10 +528,15 @@ impl FabricTransport {
         // Its connection events still in the event queue go with it: closing an endpoint removes them
         // (`ofi_eq_remove_fid_events` in the tcp provider's close), so `read_eq` never sees the closed fid; events
         // read before the close name the endpoint by its id, which is looked up, not trusted.
-        // SAFETY: closing the endpoint stops the provider from touching any posted buffer; then the queue.
+        // SAFETY: closing the endpoint stops the provider from touching any posted buffer; then the queue, only
+        // once the endpoint is closed (an endpoint left open may still write completions into it; review finding).
         let closed = unsafe {
             let ep_ret = exs_fi_close(&mut (*e.ep).fid);
-            let cq_ret = exs_fi_close(&mut (*e.cq).fid);
+            let cq_ret = if ep_ret == 0 {
+                exs_fi_close(&mut (*e.cq).fid)
+            } else {
+                0
+            };
             (ep_ret, cq_ret)
         };
         if closed != (0, 0) {

@@ -89,6 +89,16 @@ impl FabricTransport {
                 wr,
             });
         };
+        if matches!(&wr.op, Op::Send { sges, imm: Some(_) } if sges.len() > 1) {
+            // `fi_senddata` takes one buffer: the rest would be dropped unseen (review finding).
+            return Err(PostError {
+                error: TransportError::Invalid(
+                    "a send with immediate data carries one buffer on libfabric (fi_senddata)"
+                        .into(),
+                ),
+                wr,
+            });
+        }
         if e.state == EpState::Down {
             // Posting on a dead connection completes with a flush, as hardware does.
             self.cq_backlog.push_back(wr.flushed(ep));

@@ -641,3 +641,39 @@ fn a_message_longer_than_its_receive_is_a_local_length_error() {
     };
     assert_eq!(status, Err(exs_transport::WcError::LocalLength));
 }
+
+/// A review found it: a send with immediate data posted only its first buffer (`fi_senddata` takes one) and
+/// completed as if all had gone. It is refused, whole.
+#[test]
+fn a_send_with_immediate_data_over_two_buffers_is_refused_whole() {
+    let _serial = serial();
+    let (_server, mut client) = connected(crate::CqWait::default(), 1);
+    let two = |t: &mut FabricTransport| {
+        let mut wr = send_wr(t, 7);
+        let exs_transport::Op::Send { sges, .. } = &mut wr.op else {
+            unreachable!("a send")
+        };
+        let second = send_wr(t, 8);
+        let exs_transport::Op::Send { sges: more, .. } = second.op else {
+            unreachable!("a send")
+        };
+        sges.extend(more);
+        wr
+    };
+    let mut wr = two(&mut client);
+    if let exs_transport::Op::Send { imm, .. } = &mut wr.op {
+        *imm = Some(5);
+    }
+    let refused = client
+        .post(EndpointId(1), wr)
+        .expect_err("two buffers with immediate data");
+    assert!(
+        matches!(refused.error, exs_transport::TransportError::Invalid(_)),
+        "{:?}",
+        refused.error
+    );
+    assert!(
+        matches!(&refused.wr.op, exs_transport::Op::Send { sges, imm: Some(5) } if sges.len() == 2),
+        "the request comes back whole"
+    );
+}

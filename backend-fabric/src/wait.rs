@@ -200,9 +200,17 @@ impl FabricTransport {
             return;
         }
         self.fd_owners.remove(&fd);
-        // SAFETY: the descriptor is (or was) one of the queue's, entered under it; deleting one the provider has
-        // closed already fails harmlessly.
-        let _ = self.epoll.delete(unsafe { BorrowedFd::borrow_raw(fd) });
+        // SAFETY: a plain system call on a number, not a borrow of a descriptor (the provider may have closed this
+        // one already, which a `BorrowedFd` must not be: review finding): deleting a number that is no longer in
+        // the set, or no longer open, fails harmlessly, and `fd_owners` said it is not another queue's entry.
+        let _ = unsafe {
+            nix::libc::epoll_ctl(
+                std::os::fd::AsRawFd::as_raw_fd(&self.epoll.0),
+                nix::libc::EPOLL_CTL_DEL,
+                fd,
+                std::ptr::null_mut(),
+            )
+        };
     }
 }
 

@@ -55,9 +55,25 @@ pub extern "C" fn exs_init(version: c_int) -> c_int {
     errno::call(|| {
         let version = u32::try_from(version).map_err(|_| errno::Errno(libc::EINVAL))?;
         exs::init(version)?;
-        handles::open_context(exs::Context::from_env)?;
+        handles::open_context(exs::Context::from_env).map_err(|e| errno::Errno(init_errno(&e)))?;
         Ok(0)
     })
+}
+
+/// `exs_init`'s errno for a context that did not open. A backend that cannot be loaded here (libfabric not
+/// installed) or a provider or domain that does not exist is `ENODEV`, as the header says, not the call's own
+/// code (review finding: `EOPNOTSUPP` and `ENOENT` reached C).
+fn init_errno(e: &exs::transport::TransportError) -> c_int {
+    use exs::transport::TransportError as T;
+    let inner = match e {
+        T::Backend { error, .. } => &**error,
+        other => other,
+    };
+    match inner {
+        T::Unsupported(_) => libc::ENODEV,
+        T::Os { kind, .. } if *kind == std::io::ErrorKind::NotFound => libc::ENODEV,
+        _ => errno::ToErrno::errno(e),
+    }
 }
 
 /// The user context pointer of an operation, as the Rust API carries it.

@@ -677,3 +677,162 @@ fn a_send_with_immediate_data_over_two_buffers_is_refused_whole() {
         "the request comes back whole"
     );
 }
+
+/// Polls both sides until `side`'s completions include one that `want` accepts; returns it.
+fn poll_until(
+    server: &mut FabricTransport,
+    client: &mut FabricTransport,
+    client_side: bool,
+    what: &str,
+    want: impl Fn(&exs_transport::Completion) -> bool,
+) -> exs_transport::Completion {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut out = Vec::new();
+    loop {
+        assert!(Instant::now() < deadline, "{what} never came");
+        out.clear();
+        // As a context would between its rounds: quiet queues leave the hot set once armed, and the epoll set
+        // reports the ones that signal.
+        let _ = (server.arm(), client.arm());
+        if client_side {
+            server.poll(&mut Vec::new(), 64);
+            client.poll(&mut out, 64);
+        } else {
+            client.poll(&mut Vec::new(), 64);
+            server.poll(&mut out, 64);
+        }
+        if let Some(c) = out.iter().find(|c| want(c)) {
+            return c.clone();
+        }
+    }
+}
+
+/// The tcp provider checks a key when an access begins and moves its bytes later: a hostile peer can have our
+/// memory in a read response still queued, or a write still arriving, after it said it was done and the key was
+/// revoked. The range goes back to the application at once, but its memory stays allocated until the endpoint
+/// shows the access over (`crate::fence`): freed, a 32 MiB buffer was unmapped under the response still being
+/// sent (and a smaller one handed to another buffer). A read key's memory goes once a request posted after the
+/// revocation has completed; a write key's once a transfer generated after it has arrived.
+#[test]
+fn memory_a_revoked_key_may_still_reach_outlives_the_access() {
+    let _serial = serial();
+    let (mut server, mut client) = connected(crate::CqWait::default(), 1);
+    let ep = EndpointId(1);
+    // A read of 32 MiB, served while the server's key is revoked and its buffer dropped.
+    const N: usize = 32 << 20;
+    let sbuf = exs_dma::DmaBuf::new(N);
+    sbuf.write_at(0, &vec![0x5a; N]).expect("fill");
+    let sreg = server.register(&sbuf).expect("register");
+    let slease = sbuf
+        .lease(0..N, exs_dma::LeaseKind::DeviceRead)
+        .expect("lease");
+    let exposed = server
+        .expose(ep, &sreg, slease, exs_transport::RemoteAccess::Read)
+        .expect("expose");
+    let client_buf = exs_dma::DmaBuf::new(N);
+    let creg = client.register(&client_buf).expect("register");
+    let clease = client_buf
+        .lease(0..N, exs_dma::LeaseKind::DeviceWrite)
+        .expect("lease");
+    let read = exs_transport::Op::Read {
+        local: exs_transport::Sge::new(clease, creg).expect("sge"),
+        remote: exposed.remote(),
+    };
+    client
+        .post(ep, exs_transport::WorkRequest { wr_id: 1, op: read })
+        .expect("read");
+    // The server takes the request in and starts its response, which the socket cannot take at once.
+    let mut out = Vec::new();
+    for _ in 0..3 {
+        client.poll(&mut out, 64);
+        server.poll(&mut Vec::new(), 64);
+    }
+    assert!(out.is_empty(), "the read completed already: {out:?}");
+    let served = std::sync::Arc::downgrade(&sbuf);
+    // As an early acknowledgment would have it: the key revoked, the application's buffer and registration gone.
+    drop((exposed, sreg, sbuf));
+    assert!(
+        served.upgrade().is_some(),
+        "the memory of a revoked key went while its read response was being sent"
+    );
+    let done = poll_until(&mut server, &mut client, true, "the read", |c| {
+        matches!(c.op, exs_transport::Completed::Read)
+    });
+    assert_eq!(done.status, Ok(()));
+    let mut got = vec![0u8; N];
+    client_buf.read_at(0, &mut got).expect("read back");
+    assert!(
+        got.iter().all(|&b| b == 0x5a),
+        "the bytes read are the buffer's"
+    );
+    // A request posted after the revocation completes: the response went before it.
+    let send = send_wr(&mut server, 2);
+    server.post(ep, send).expect("send");
+    poll_until(&mut server, &mut client, false, "the send", |c| {
+        matches!(c.op, exs_transport::Completed::Send)
+    });
+    assert!(
+        served.upgrade().is_none(),
+        "the memory stayed after the fence"
+    );
+
+    // A write of 32 MiB into the server's memory, landing while the server's key is revoked and its buffer
+    // dropped.
+    let sbuf = exs_dma::DmaBuf::new(N);
+    let sreg = server.register(&sbuf).expect("register");
+    let slease = sbuf
+        .lease(0..N, exs_dma::LeaseKind::DeviceWrite)
+        .expect("lease");
+    let exposed = server
+        .expose(ep, &sreg, slease, exs_transport::RemoteAccess::Write)
+        .expect("expose");
+    let wbuf = exs_dma::DmaBuf::new(N);
+    let wreg = client.register(&wbuf).expect("register");
+    let wlease = wbuf
+        .lease(0..N, exs_dma::LeaseKind::DeviceRead)
+        .expect("lease");
+    let write = exs_transport::Op::Write {
+        local: vec![exs_transport::Sge::new(wlease, wreg).expect("sge")],
+        remote: exposed.remote(),
+        imm: None,
+    };
+    client
+        .post(
+            ep,
+            exs_transport::WorkRequest {
+                wr_id: 3,
+                op: write,
+            },
+        )
+        .expect("write");
+    let mut out = Vec::new();
+    for _ in 0..3 {
+        client.poll(&mut out, 64);
+        server.poll(&mut Vec::new(), 64);
+    }
+    assert!(out.is_empty(), "the write completed already: {out:?}");
+    let landing = std::sync::Arc::downgrade(&sbuf);
+    drop((exposed, sreg, sbuf));
+    assert!(
+        landing.upgrade().is_some(),
+        "the memory of a revoked key went while a write into it was arriving"
+    );
+    let done = poll_until(&mut server, &mut client, true, "the write", |c| {
+        matches!(c.op, exs_transport::Completed::Write)
+    });
+    assert_eq!(done.status, Ok(()));
+    assert!(
+        landing.upgrade().is_some(),
+        "nothing the server received since says the write is over"
+    );
+    // A message generated after the revocation arrives: every write begun before it has landed.
+    let send = send_wr(&mut client, 4);
+    client.post(ep, send).expect("send");
+    poll_until(&mut server, &mut client, false, "the message", |c| {
+        matches!(c.op, exs_transport::Completed::Recv { .. })
+    });
+    assert!(
+        landing.upgrade().is_none(),
+        "the memory stayed after the fence"
+    );
+}

@@ -90,10 +90,25 @@ fn map(bytes: usize) -> Option<NonNull<u8>> {
     NonNull::new(p.cast())
 }
 
+/// The kernel's page size (0 if it cannot be told).
+fn system_page() -> usize {
+    static SIZE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    // SAFETY: sysconf reads a constant of the system.
+    *SIZE.get_or_init(|| usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(0))
+}
+
+/// Whether a buffer of `pages` [`PAGE`]s comes from a chunk's blocks. Only where the kernel's pages are [`PAGE`]s:
+/// with larger ones (16 KiB, 64 KiB on some arm64 and ppc64 kernels) a block would share a kernel page with its
+/// neighbours, and the `MADV_DONTNEED` that gives a freed block back zeroed the whole page, live neighbours
+/// included (review finding); every buffer then has a mapping of its own.
+fn from_blocks(pages: usize, system_page: usize) -> bool {
+    pages <= MAX_BLOCK_PAGES && system_page == PAGE
+}
+
 /// `len` zeroed bytes (`len > 0`) on whole pages of their own: the address and how to give them back.
 pub(crate) fn obtain(len: usize) -> Option<(NonNull<u8>, Origin)> {
     let pages = len.checked_next_multiple_of(PAGE)? / PAGE;
-    if pages > MAX_BLOCK_PAGES {
+    if !from_blocks(pages, system_page()) {
         let bytes = pages.checked_mul(PAGE)?;
         return map(bytes).map(|p| (p, Origin::Mapping(bytes)));
     }
@@ -156,4 +171,23 @@ pub(crate) unsafe fn release(ptr: NonNull<u8>, origin: Origin) {
 #[cfg(test)]
 pub(crate) fn chunks() -> usize {
     STATE.lock().unwrap_or_else(|p| p.into_inner()).chunks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A review found it: with kernel pages larger than ours, a freed block's `MADV_DONTNEED` zeroed the live
+    /// blocks beside it on the same kernel page. Blocks are used only where the kernel's page is ours.
+    #[test]
+    fn blocks_are_used_only_where_the_kernels_page_is_ours() {
+        assert!(from_blocks(1, PAGE));
+        assert!(from_blocks(MAX_BLOCK_PAGES, PAGE));
+        assert!(!from_blocks(MAX_BLOCK_PAGES + 1, PAGE));
+        for larger in [4 * PAGE, 16 * PAGE] {
+            assert!(!from_blocks(1, larger), "{larger}-byte kernel pages");
+        }
+        assert!(!from_blocks(1, 0), "a page size that cannot be told");
+        assert_eq!(system_page(), PAGE, "this machine's kernel pages are 4 KiB");
+    }
 }

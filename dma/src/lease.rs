@@ -119,7 +119,7 @@ impl Lease {
             // SAFETY: start+offset+len <= end <= buf.len, so the pointer stays inside the allocation.
             Some(_) => Ok(unsafe { self.buf.ptr.as_ptr().add(self.start + offset) }),
             None => Err(DmaError::OutOfBounds {
-                start: self.start + offset,
+                start: self.start.saturating_add(offset),
                 end: self.start.saturating_add(offset).saturating_add(len),
                 len: self.buf.len,
             }),

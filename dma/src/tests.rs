@@ -478,6 +478,18 @@ fn read_lease_cannot_write_and_bounds_are_checked() {
     assert!(b.read_at(usize::MAX, &mut [0u8; 2]).is_err());
 }
 
+/// A review found it: a lease that does not start at the buffer's start reported an offset past counting by
+/// adding it to its start unchecked (a panic with overflow checks on) instead of returning `OutOfBounds`.
+#[test]
+fn an_offset_past_counting_on_a_lease_is_out_of_bounds_not_a_panic() {
+    let b = DmaBuf::new(16);
+    let l = b.lease(1..10, LeaseKind::DeviceRead).unwrap();
+    assert!(matches!(
+        l.read(usize::MAX, &mut [0u8; 1]),
+        Err(DmaError::OutOfBounds { .. })
+    ));
+}
+
 #[test]
 fn buffer_outlives_its_handle_while_leased() {
     let b = DmaBuf::from_vec(vec![7u8; 32]);

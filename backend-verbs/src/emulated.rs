@@ -41,6 +41,8 @@ pub(crate) struct ImmSlab {
     next: usize,
     /// The registration and its key, when the device reads the slots (not inline).
     mr: Option<(*mut ibv_mr, u32, Arc<Pd>)>,
+    /// What deregisters it (`ibv_dereg_mr`; a test makes it fail).
+    dereg: unsafe fn(*mut ibv_mr) -> i32,
 }
 
 // SAFETY: the slab's memory is owned by it and written only through `&mut self`; the MR handle is only used to
@@ -58,6 +60,7 @@ impl ImmSlab {
             slots,
             next: 0,
             mr: None,
+            dereg: dereg_mr,
         };
         if let Some(pd) = pd {
             // On failure the slab's Drop frees the memory (nothing registered).
@@ -86,24 +89,62 @@ impl ImmSlab {
     }
 }
 
+/// `ibv_dereg_mr`.
+///
+/// # Safety
+/// `mr` is a live registration, deregistered once.
+unsafe fn dereg_mr(mr: *mut ibv_mr) -> i32 {
+    // SAFETY: the caller's.
+    unsafe { ibv_dereg_mr(mr) }
+}
+
 impl Drop for ImmSlab {
     fn drop(&mut self) {
-        // SAFETY: the connection's queue pair is destroyed before its endpoint (and this slab) is dropped, so the
-        // device reads no slot any more; the MR is deregistered before its memory is freed, each once.
-        unsafe {
-            if let Some((mr, _, _)) = self.mr.take() {
-                ibv_dereg_mr(mr);
+        if let Some((mr, _, pd)) = self.mr.take() {
+            // SAFETY: the connection's queue pair is destroyed before its endpoint (and this slab) is dropped, so
+            // no request reads a slot any more; the registration is deregistered once.
+            if unsafe { (self.dereg)(mr) } != 0 {
+                // It may still be valid: its memory and its protection domain stay, for the process's life, as
+                // every other registration's whose deregistration failed (review finding: the slab was freed).
+                std::mem::forget(pd);
+                return;
             }
+        }
+        // SAFETY: nothing registered names the memory any more (above); it was allocated by `new` as a boxed
+        // slice of `slots` payloads and is freed once.
+        unsafe {
             drop(Box::from_raw(std::ptr::slice_from_raw_parts_mut(
                 self.mem, self.slots,
-            )));
-        }
+            )))
+        };
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    unsafe fn failing_dereg(_: *mut ibv_mr) -> i32 {
+        libc::EBUSY
+    }
+
+    /// A review found it: a slab whose deregistration failed freed its memory all the same (every other
+    /// registration keeps its memory then). Its memory and protection domain stay.
+    #[test]
+    fn a_slab_that_fails_to_deregister_keeps_its_memory_and_domain() {
+        // A stand-in domain and registration, never touched (the stand-in deregistration fails).
+        let pd = Arc::new(Pd(std::ptr::null_mut()));
+        let mut slab = ImmSlab::new(None, 4).expect("slab");
+        slab.mr = Some((std::ptr::NonNull::dangling().as_ptr(), 1, Arc::clone(&pd)));
+        slab.dereg = failing_dereg;
+        drop(slab);
+        assert_eq!(
+            Arc::strong_count(&pd),
+            2,
+            "the registration may still be valid: its domain is never deallocated"
+        );
+        std::mem::forget(pd);
+    }
 
     #[test]
     fn an_emulated_immediate_round_trips_and_other_bytes_are_not_one() {

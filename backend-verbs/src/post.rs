@@ -11,7 +11,7 @@ use rdma_sys::*;
 use crate::connection::EpState;
 use crate::emulated::ImmSlab;
 use crate::memory::SinkMr;
-use crate::queue::{self, Posted, Signaler};
+use crate::queue::{self, native_signal, Posted, Signaler};
 use crate::record::SendRec;
 use crate::VerbsTransport;
 
@@ -373,7 +373,8 @@ impl VerbsTransport {
     }
 
     /// Builds into `chain` the native requests of `wrs` on endpoint `ep`: the last request and every
-    /// SIGNAL_EVERY-th is signalled.
+    /// SIGNAL_EVERY-th is signalled, and on a device that sends unsignalled requests from the application's pages
+    /// (siw) every native of a page or more ([`native_signal`]).
     fn build_chain(
         &mut self,
         ep: EndpointId,
@@ -382,6 +383,7 @@ impl VerbsTransport {
         chain: &mut Chain,
     ) {
         let emulate = self.settings.emulated_imm;
+        let zero_copy = self.settings.limits.sends_unsignalled_from_user_pages();
         let ids = &mut self.ids;
         let e = self.eps.get_mut(&ep).expect("checked by check_sends");
         let max_inline = e.max_inline;
@@ -396,8 +398,11 @@ impl VerbsTransport {
             // reads out of order).
             let read = kind == Completed::Read;
             for (j, part) in parts.into_iter().enumerate() {
-                let signalled = j + 1 == nparts && chain.signal.next(i + 1 == n || read);
-                chain.push(seq, part, signalled, max_inline, e.imm_slab.as_mut());
+                let bytes: u64 = part.sges.iter().map(|s| u64::from(s.length)).sum();
+                let must = zero_copy && bytes >= exs_dma::PAGE as u64;
+                let (id, signalled) =
+                    native_signal(seq, j, nparts, must, i + 1 == n || read, &mut chain.signal);
+                chain.push(id, part, signalled, max_inline, e.imm_slab.as_mut());
             }
             chain.recs.push(Posted {
                 seq,

@@ -29,6 +29,33 @@ pub const RECV_TAG: u64 = 1 << 63;
 /// Every this many unsignalled send-queue requests, one is signalled (plus the last of every batch).
 pub const SIGNAL_EVERY: u32 = 16;
 
+/// Marks the identifier of a native request that is not its request's last (the write of an emulated
+/// write-with-immediate; the request's own identifier goes on its last native). A completion of one frees its own
+/// entry and retires the requests before it, but not its request: the immediate's send is still to come (a failed
+/// one retires it, see [`SendQueue::retire_each`]). Send identifiers stay below it (2^62 requests take 146 years
+/// at 10^9 a second).
+pub const PART_TAG: u64 = 1 << 62;
+
+/// The identifier and the signalling of native request `part` (of `parts`) of request `seq`: the last one is
+/// signalled when the signalling period says so or `last_of_batch`; an earlier one only when `must`. `must` also
+/// signals the last one: a device that sends an unsignalled request of a page or more from the application's own
+/// pages, and completes it once TCP has them queued, not sent (siw), must signal those, so that their completion
+/// means the bytes were copied (review finding; [`crate::settings::DeviceLimits::sends_unsignalled_from_user_pages`]).
+pub fn native_signal(
+    seq: u64,
+    part: usize,
+    parts: usize,
+    must: bool,
+    last_of_batch: bool,
+    signal: &mut Signaler,
+) -> (u64, bool) {
+    if part + 1 == parts {
+        (seq, signal.next(last_of_batch || must))
+    } else {
+        (seq | PART_TAG, must)
+    }
+}
+
 /// The identifiers of a transport's work requests: each used once, never again (see the module documentation).
 #[derive(Debug)]
 pub struct WrIds {
@@ -49,9 +76,9 @@ impl WrIds {
     /// The identifier of a new send-queue request (send, write, read, window bind).
     pub fn send(&mut self) -> u64 {
         let id = self.next_send;
-        // 2^63 requests at 10^9 per second take 292 years: the counter never reaches the tag.
+        // 2^62 requests at 10^9 per second take 146 years: the counter never reaches the tags.
         self.next_send += 1;
-        debug_assert!(id & RECV_TAG == 0);
+        debug_assert!(id & (RECV_TAG | PART_TAG) == 0);
         id
     }
 
@@ -161,6 +188,16 @@ impl<T> SendQueue<T> {
         failed: bool,
         mut f: impl FnMut(Posted<T>, bool),
     ) -> u32 {
+        if wr_id & PART_TAG != 0 {
+            let seq = wr_id & !PART_TAG;
+            return if failed {
+                // As a failed first native under the request's own identifier: the request is retired with the
+                // error, and its later natives complete flushed (echoes).
+                self.retire_each(seq, true, f)
+            } else {
+                self.first_part_done(seq, f)
+            };
+        }
         if let Some(i) = self.echoes.iter().position(|&(seq, _)| seq == wr_id) {
             self.echoes[i].1 -= 1;
             if self.echoes[i].1 == 0 {
@@ -192,6 +229,44 @@ impl<T> SendQueue<T> {
             }
         }
         // The reads still waiting go back in front, in order: the queue stays sorted by identifier.
+        for rec in waiting.into_iter().rev() {
+            self.recs.push_front(rec);
+        }
+        freed
+    }
+
+    /// The first native of request `seq` completed (signalled, successfully, under [`PART_TAG`]): the requests
+    /// before it are retired (reads excepted, as ever), its own entry freed, and the request kept for its last
+    /// native's completion, unless that never reached the device ([`Posted::broken`]). Returns the entries freed.
+    fn first_part_done(&mut self, seq: u64, mut f: impl FnMut(Posted<T>, bool)) -> u32 {
+        if self.recs.binary_search_by_key(&seq, |r| r.seq).is_err() {
+            return 0;
+        }
+        let mut freed = 0;
+        let mut waiting = Vec::new();
+        while let Some(mut rec) = self.recs.pop_front() {
+            if rec.seq != seq {
+                if rec.own {
+                    waiting.push(rec);
+                } else {
+                    self.entries -= rec.entries;
+                    freed += rec.entries;
+                    f(rec, false);
+                }
+                continue;
+            }
+            if rec.broken || rec.entries <= 1 {
+                self.entries -= rec.entries;
+                freed += rec.entries;
+                f(rec, true);
+            } else {
+                rec.entries -= 1;
+                self.entries -= 1;
+                freed += 1;
+                self.recs.push_front(rec);
+            }
+            break;
+        }
         for rec in waiting.into_iter().rev() {
             self.recs.push_front(rec);
         }
@@ -303,6 +378,89 @@ mod tests {
             own: false,
             item,
         }
+    }
+
+    /// A review found it: siw sends an unsignalled request of a page or more from the application's pages and
+    /// completes it once TCP has them queued, so a later completion did not mean they were free. On such a
+    /// device every native of a page or more is signalled, the write of an emulated write-with-immediate too, under
+    /// its request's identifier tagged as a first part.
+    #[test]
+    fn natives_of_a_page_are_signalled_where_the_device_sends_from_user_pages() {
+        let mut signal = Signaler::default();
+        // Mid-batch, an emulated write-with-immediate of a page: its write is signalled (tagged), its send goes by
+        // the period.
+        assert_eq!(
+            native_signal(7, 0, 2, true, false, &mut signal),
+            (7 | PART_TAG, true)
+        );
+        assert_eq!(
+            native_signal(7, 1, 2, false, false, &mut signal),
+            (7, false)
+        );
+        // A send of a page, mid-batch: signalled.
+        assert_eq!(native_signal(8, 0, 1, true, false, &mut signal), (8, true));
+        assert_eq!(
+            signal.unsignaled, 0,
+            "a signalled request restarts the period"
+        );
+        // Elsewhere (must false) as before: only the last of a request, by the period.
+        assert_eq!(
+            native_signal(9, 0, 2, false, false, &mut signal),
+            (9 | PART_TAG, false)
+        );
+        assert_eq!(native_signal(9, 1, 2, false, true, &mut signal), (9, true));
+    }
+
+    /// The completion of a first part (tagged) frees its own entry and retires the requests before it, and keeps
+    /// its request for its last part's completion; a failed one retires the request with its error, its send's
+    /// flush still counted (an echo).
+    #[test]
+    fn a_first_parts_completion_keeps_its_request_for_the_last() {
+        let mut ids = WrIds::default();
+        let mut q = SendQueue::default();
+        let a = rec(&mut ids, "a");
+        let mut b = rec(&mut ids, "b");
+        b.entries = 2;
+        let (a_seq, b_seq) = (a.seq, b.seq);
+        q.push(a);
+        q.push(b);
+        assert_eq!(q.entries(), 3);
+        let mut got = Vec::new();
+        let freed = q.retire_each(b_seq | PART_TAG, false, |r, named| {
+            got.push((r.item, named))
+        });
+        assert_eq!((freed, q.entries()), (2, 1));
+        assert_eq!(
+            got,
+            [("a", false)],
+            "the request before it is retired, not b"
+        );
+        got.clear();
+        assert_eq!(
+            q.retire_each(b_seq, false, |r, named| got.push((r.item, named))),
+            1
+        );
+        assert_eq!(got, [("b", true)]);
+        assert_eq!(q.entries(), 0);
+        assert_eq!(q.retire_each(a_seq | PART_TAG, false, |_, _| {}), 0, "gone");
+
+        // Failed: retired at once with the error; the flushed send's completion frees the last entry.
+        let mut c = rec(&mut ids, "c");
+        c.entries = 2;
+        let c_seq = c.seq;
+        q.push(c);
+        got.clear();
+        assert_eq!(
+            q.retire_each(c_seq | PART_TAG, true, |r, named| got.push((r.item, named))),
+            1
+        );
+        assert_eq!(got, [("c", true)]);
+        assert_eq!(q.entries(), 1, "the send's flush is still to come");
+        assert_eq!(
+            q.retire_each(c_seq, true, |_, _| panic!("retired twice")),
+            1
+        );
+        assert_eq!(q.entries(), 0);
     }
 
     #[test]

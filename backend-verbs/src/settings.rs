@@ -160,6 +160,15 @@ impl DeviceLimits {
     pub fn read_sink_needs_remote_write(&self) -> bool {
         self.iwarp && self.vendor_id != SIW_VENDOR_ID
     }
+
+    /// Whether the device sends an unsignalled request of a page or more straight from the application's pages and
+    /// completes it, and the requests after it, once TCP has them queued, not sent: siw (`siw_prepare_fpdu`, with
+    /// `zcopy_tx` on, for unsignalled requests only; "TCP may reuse the buffer for retransmission"). A later
+    /// signalled completion then does not mean the pages are free: memory reused after it could go out in place
+    /// of what was sent. Such requests are signalled on these devices (siw copies a signalled request's bytes).
+    pub fn sends_unsignalled_from_user_pages(&self) -> bool {
+        self.vendor_id == SIW_VENDOR_ID
+    }
 }
 
 /// exs's defaults, within the device's limits.

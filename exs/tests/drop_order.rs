@@ -187,6 +187,30 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
     });
 }
 
+/// A review found it: when the context failed, a stream's receive (the transport still had its memory: it ends
+/// when its endpoint is released) and a send with writes in flight ended only at the context's drop, because a
+/// failed context no longer acts on disconnections. Every connection is released when the context fails.
+#[test_log::test]
+fn a_stream_receive_and_a_send_in_flight_end_when_the_context_fails() {
+    within_20s("the failed context's stream operations", || {
+        let p = pair_threaded(SockType::Stream, exs::SocketOptions::default());
+        let buf = MemoryRegion::alloc(&p.b, 100).unwrap();
+        p.server
+            .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)
+            .unwrap();
+        panic_the_servers_context(&p);
+        let ev = p
+            .eq_b
+            .next(Some(Duration::from_secs(10)))
+            .expect("the receive ends when the context fails");
+        assert_eq!(ev.context, 1, "{ev:?}");
+        assert!(
+            matches!(&ev.status, Err(OpError::ContextFailed(_))),
+            "{ev:?}"
+        );
+    });
+}
+
 /// Regression (review): after a panic failed the context, nothing took the transport's reports any more (the
 /// flushed work of the released connections stayed queued), so every arm failed and the progress thread spun on
 /// a core for the context's life instead of sleeping. It sleeps now: it arms a few times, not thousands.

@@ -666,3 +666,54 @@ fn context_durations_too_long_to_count_mean_never_on_message_sockets() {
     let end = wait(&p.eq_b);
     assert!(end.is_ok() && end.flags.eof, "{end:?}");
 }
+
+/// A review found it: `abort` on a socket with no connection to tear down (fresh, listening, down) marked it
+/// closed and then closed it as `close` would, which refused a socket already marked closed: `abort` failed with
+/// `InvalidSocket`, and the socket stayed for the context's life (a listener's port taken for good).
+#[test_log::test]
+fn abort_of_a_listener_a_fresh_or_a_down_socket_closes_it() {
+    let world = World::new(SimConfig::default());
+    let a = world.host();
+    let fresh = Socket::new(&a, SockType::Stream).unwrap();
+    fresh.abort().expect("abort of a fresh socket");
+    let listener = Socket::new(&a, SockType::Stream).unwrap();
+    listener.bind(world.addr(0, 4711)).unwrap();
+    listener.listen(4).unwrap();
+    listener.abort().expect("abort of a listener");
+    let again = Socket::new(&a, SockType::Stream).unwrap();
+    again
+        .bind(world.addr(0, 4711))
+        .expect("the aborted listener's port is free again");
+    again.listen(4).unwrap();
+    // A connection the peer closed: down, its receiving state kept for reading; abort lets it go.
+    let p = pair(SockType::Stream);
+    p.client.close().unwrap();
+    p.world.run_until_idle(100_000);
+    let before = p.b.stats().connection_bytes;
+    assert!(before > 0, "the server's connection is kept for reading");
+    p.server
+        .abort()
+        .expect("abort of a connection the peer closed");
+    p.world.run_until_idle(100_000);
+    assert_eq!(
+        p.b.stats().connection_bytes,
+        0,
+        "the down connection's memory went with it"
+    );
+}
+
+/// A review found it: the control buffers of a connection that failed before it came up (refused here) stayed in
+/// the context's count of control-buffer bytes, which grew with every failed connect.
+#[test_log::test]
+fn refused_connects_leave_no_control_buffer_bytes_counted() {
+    let world = World::new(SimConfig::default());
+    let a = world.host();
+    let _b = world.host();
+    let eq = EventQueue::new(8).unwrap();
+    for i in 0..3 {
+        let s = Socket::new(&a, SockType::SeqPacket).unwrap();
+        s.connect(&eq, world.addr(1, 4243), i).unwrap();
+        assert_eq!(wait(&eq).status, Err(OpError::Refused));
+    }
+    assert_eq!(a.stats().ctrl_recv_bytes, 0);
+}

@@ -288,14 +288,17 @@ impl Engine {
         }
         let ep = self.new_ep();
         let mut conn = self.build_conn(ep, ty, &opts)?;
-        let recvs = conn
-            .link
-            .initial_recvs()
-            .map_err(|v| TransportError::Invalid(format!("control buffers: {v}")))?;
+        let recvs = match conn.link.initial_recvs() {
+            Ok(r) => r,
+            Err(v) => {
+                self.forget_conn(conn);
+                return Err(TransportError::Invalid(format!("control buffers: {v}")).into());
+            }
+        };
         let private = conn.local.encode();
         if let Err(e) = self.transport.connect(ep, addr, &private, recvs) {
             // Whatever the transport set up for the endpoint (a connection's own domain) goes with it.
-            drop(conn);
+            self.forget_conn(conn);
             self.release_endpoint(ep);
             return Err(e.into());
         }
@@ -460,6 +463,11 @@ impl Engine {
         let Some(c) = s.conn.as_mut() else {
             return;
         };
+        // The hold names its connection: a socket that took the number of the sendfile's, gone since, is not
+        // reset for it (review finding; test `a_sendfile_giving_up_leaves_a_socket_that_took_its_number_alone`).
+        if !c.holds_sends(hold) {
+            return;
+        }
         if gave_up && live {
             tracing::debug!(?sid, "a held send gave up part way: resetting");
             s.down.get_or_insert(OpError::Cancelled);
@@ -579,9 +587,9 @@ impl Engine {
     /// orderly CLOSE (the peer sees a reset, as with SO_LINGER 0).
     pub(crate) fn abort(&mut self, sid: SocketId) -> R<(), CloseError> {
         let s = self.sock(sid)?;
-        s.user_closed = true;
         match s.phase {
             Phase::Open | Phase::Closing | Phase::Connecting | Phase::Accepting => {
+                s.user_closed = true;
                 if let Some(t) = s.ticket.take() {
                     t.complete(Err(OpError::Cancelled), 0, EventFlags::default());
                 }
@@ -592,6 +600,10 @@ impl Engine {
                 self.disconnect(sid);
                 Ok(())
             }
+            // A socket with no connection to tear down (fresh, listening, down, disconnecting) closes as `close`
+            // would. It was marked closed first, which `close` then refused: the socket, a listener's port, a
+            // down connection's memory stayed for the context's life (review finding; test
+            // `abort_of_a_listener_a_fresh_or_a_down_socket_closes_it`).
             _ => self.close(sid),
         }
     }

@@ -53,7 +53,7 @@ impl Engine {
             self.release_endpoint(ep);
         }
         let sock = self.sockets.get_mut(&sid).expect("looked up above");
-        sock.conn = None;
+        let conn = sock.conn.take();
         let early = std::mem::take(&mut sock.early);
         sock.phase = Phase::Down;
         if sock.user_closed {
@@ -63,6 +63,9 @@ impl Engine {
             self.check_polls(sid);
         }
         self.release_early(early);
+        if let Some(conn) = conn {
+            self.forget_conn(conn);
+        }
     }
 
     pub(super) fn on_connect_request(
@@ -152,7 +155,7 @@ impl Engine {
             Err(v) => {
                 tracing::warn!(%peer, %v, "refusing an incoming connection");
                 self.transport.reject(request);
-                drop(conn);
+                self.forget_conn(conn);
                 self.release_endpoint(ep);
                 self.stats.dropped_before_accept += 1;
                 return;
@@ -161,7 +164,7 @@ impl Engine {
         let private = conn.local.encode();
         if let Err(e) = self.transport.accept(request, ep, &private, recvs) {
             tracing::debug!(%peer, %e, "accepting an incoming connection failed");
-            drop(conn);
+            self.forget_conn(conn);
             self.release_endpoint(ep);
             self.stats.dropped_before_accept += 1;
             return;

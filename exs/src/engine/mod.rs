@@ -801,6 +801,18 @@ fn conn_rx_bytes(conn: &Conn) -> u64 {
     link_rx_bytes(&conn.link)
 }
 
+impl Engine {
+    /// Drops a connection that never went into service (a connect or accept that failed): its control buffers
+    /// leave the count `build_conn` added them to (review finding: only a disconnection took them out, and the
+    /// count grew with every failed connect).
+    pub(super) fn forget_conn(&mut self, conn: Conn) {
+        self.stats.ctrl_recv_bytes = self
+            .stats
+            .ctrl_recv_bytes
+            .saturating_sub(conn_rx_bytes(&conn));
+    }
+}
+
 /// Adds a completed data operation's bytes to its socket's counters.
 fn count_bytes(sockets: &mut FxHashMap<SocketId, Sock>, t: &Ticket, bytes: usize) {
     let (sid, kind) = t.counted();

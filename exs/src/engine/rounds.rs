@@ -103,6 +103,16 @@ impl Engine {
                 }
                 self.disconnect(sid);
             }
+            // Every connection goes now, as at the context's shutdown: their operations whose memory the transport
+            // still had (a stream's receives, sends with writes in flight) end when their endpoint is released,
+            // and on a failed context no later round acts on a disconnection (`discard_reports` drops them), so
+            // they waited for the context's drop (review finding; test
+            // `a_stream_receive_and_a_send_in_flight_end_when_the_context_fails`).
+            let eps: Vec<EndpointId> = self.eps.keys().copied().collect();
+            for ep in eps {
+                self.transport.disconnect(ep);
+                self.on_disconnected(ep);
+            }
             self.drain_done();
         }));
     }
@@ -151,7 +161,15 @@ impl Engine {
             }
         }
         if !disconnected.is_empty() {
-            self.poll_completions();
+            // What arrived before the disconnection (a CLOSE, a stream's last write) is still in the completion
+            // queue, possibly behind more than a round's worth of other connections' completions: they are all
+            // taken first, up to DISCONNECT_DRAIN rounds (review finding: one round of 256 was taken, and what lay
+            // behind was dropped with the endpoint, a graceful end read as a reset).
+            for _ in 0..DISCONNECT_DRAIN {
+                if !self.poll_completions() {
+                    break;
+                }
+            }
             for ep in disconnected {
                 self.on_disconnected(ep);
             }
@@ -251,3 +269,7 @@ const CM_BUSY_CLOCK: u32 = 16;
 
 /// Batches of completions one progress round handles at most (see `Engine::poll_completions`).
 const ROUND_BATCHES: usize = 4;
+
+/// Rounds of completions taken before a disconnection is acted on, at most (16 of [`ROUND_BATCHES`] batches of 64:
+/// 4,096 completions; the lock is held meanwhile, so not without bound).
+const DISCONNECT_DRAIN: usize = 16;

@@ -85,3 +85,42 @@ fn a_connect_with_its_own_timeout_reports_the_handshake_it_took() {
     let took = c.stats().unwrap().handshake.expect("a handshake time");
     assert!(took < Duration::from_millis(100), "{took:?}");
 }
+
+/// A review found it: a sendfile that gave up reset whatever socket had its number by then, though the hold it
+/// released was another connection's (the sendfile's socket gone, its number taken again).
+#[test]
+fn a_sendfile_giving_up_leaves_a_socket_that_took_its_number_alone() {
+    let world = World::new(SimConfig::default());
+    let (a, b) = (world.host(), world.host());
+    let l = Socket::new(&b, SockType::Stream).unwrap();
+    l.bind(world.addr(1, 6003)).unwrap();
+    l.listen(4).unwrap();
+    let eq = EventQueue::new(8).unwrap();
+    let connect = || {
+        let c = Socket::new(&a, SockType::Stream).unwrap();
+        c.connect(&eq, world.addr(1, 6003), 1).unwrap();
+        world.run_until_idle(100_000);
+        let ev = eq.next(None).unwrap();
+        assert!(ev.is_ok(), "{ev:?}");
+        c
+    };
+    let first = connect();
+    let number = first.id();
+    let hold = a.shared().lock().hold_sends(number).unwrap();
+    first.abort().unwrap();
+    world.run_until_idle(100_000);
+    assert!(
+        !a.shared().lock().sockets.contains_key(&number),
+        "the sendfile's socket is gone"
+    );
+    a.shared().lock().set_next_socket_id(number.0);
+    let second = connect();
+    assert_eq!(second.id(), number, "the number is taken again");
+    a.shared().lock().release_sends(number, hold, true);
+    world.run_until_idle(100_000);
+    assert_eq!(
+        second.error().unwrap(),
+        None,
+        "the socket that took the number is not reset"
+    );
+}

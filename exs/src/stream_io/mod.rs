@@ -58,7 +58,9 @@ mod blocking;
 mod core;
 
 pub use blocking::{Listener, Stream};
-pub(crate) use core::{is_wake, wake, ReadSink, Reader, SliceSink, Writer};
+#[cfg(feature = "tokio")]
+pub(crate) use core::{is_wake, wake};
+pub(crate) use core::{ReadSink, Reader, SliceSink, Writer};
 
 /// How a stream of this module buffers; the defaults suit bulk transfers and request/response alike.
 ///

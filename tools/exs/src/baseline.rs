@@ -99,7 +99,7 @@ pub(crate) fn next_cm(t: &mut dyn Transport) -> Result<CmEvent> {
 /// does nothing at all; software providers need their queues polled to move data).
 fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<()> {
     let mut t = transport(opened)?;
-    let buf = filled_buffer(size * depth);
+    let buf = filled_buffer(size * depth)?;
     let reg = t.register(&buf).context("registering the buffer")?;
     let (kind, access) = if read {
         (LeaseKind::DeviceReadShared, RemoteAccess::Read)
@@ -150,7 +150,7 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
     let mut t = transport(opened)?;
     let size = a.size as usize;
     let depth = a.depth;
-    let buf = filled_buffer(size * depth);
+    let buf = filled_buffer(size * depth)?;
     let reg = t.register(&buf).context("registering the buffer")?;
     let private = connect_raw(&mut *t, addr)?;
     let read = a.op == RawOp::Read;

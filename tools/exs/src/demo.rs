@@ -503,6 +503,16 @@ fn tcp_server(
     l.set_nonblocking(true)?;
     let deadline = Instant::now() + PATIENCE;
     let mut st = loop {
+        // At every turn, not only when nobody is queued: connections that never send the token, queued one
+        // behind the other, kept the loop from the client's leaving and every limit (review finding; test
+        // `tokenless_connections_queued_on_a_tcp_demo_listener_end_at_the_tests_limit`).
+        watch.check("its TCP connection")?;
+        if Instant::now() > deadline {
+            bail!(
+                "no TCP connection from the client within {} s",
+                PATIENCE.as_secs()
+            );
+        }
         match l.accept() {
             // Anyone may connect first: the client's connection sends the test's token first (as an exs one
             // does, `crate::util::accept_one`).
@@ -513,13 +523,6 @@ fn tcp_server(
                 }
             },
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                watch.check("its TCP connection")?;
-                if Instant::now() > deadline {
-                    bail!(
-                        "no TCP connection from the client within {} s",
-                        PATIENCE.as_secs()
-                    );
-                }
                 std::thread::sleep(Duration::from_millis(5));
             }
             Err(e) => return Err(e).context("TCP accept"),
@@ -528,7 +531,11 @@ fn tcp_server(
     st.set_nonblocking(false)?;
     st.set_read_timeout(Some(Duration::from_secs(1)))?;
     let (chunk, size) = (p.chunk as usize, p.size);
-    let mut buf = vec![0u8; chunk];
+    // Refused, not an abort of the whole server, when the memory is not there.
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(chunk)
+        .map_err(|_| anyhow::anyhow!("could not allocate a buffer of {chunk} bytes"))?;
+    buf.resize(chunk, 0);
     let (mut got, mut sum) = (0u64, SEED);
     let (t0, c0) = (Instant::now(), crate::pump::cpu_seconds());
     while got < size {
@@ -552,17 +559,30 @@ fn tcp_server(
     Ok(received)
 }
 
-/// Whether `st`'s first eight bytes, within [`TOKEN_PATIENCE`], are `token` (`None`: any connection is the
-/// client's).
+/// Whether `st`'s first eight bytes, all within [`TOKEN_PATIENCE`], are `token` (`None`: any connection is the
+/// client's). The patience is for the whole token: a byte every few seconds does not stretch it (a read timeout
+/// alone did, to seven times).
 fn took_tcp_token(mut st: &TcpStream, token: Option<u64>) -> Result<()> {
     let Some(token) = token else {
         return Ok(());
     };
     st.set_nonblocking(false)?;
-    st.set_read_timeout(Some(TOKEN_PATIENCE))?;
+    let until = Instant::now() + TOKEN_PATIENCE;
     let mut got = [0u8; 8];
-    st.read_exact(&mut got)
-        .with_context(|| format!("no token within {TOKEN_PATIENCE:?}"))?;
+    let mut at = 0;
+    while at < got.len() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            bail!("no token within {TOKEN_PATIENCE:?}");
+        }
+        st.set_read_timeout(Some(left))?;
+        match st.read(&mut got[at..]) {
+            Ok(0) => bail!("closed before its token"),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e).context(format!("no token within {TOKEN_PATIENCE:?}")),
+        }
+    }
     check_token(&got, token)
 }
 
@@ -603,6 +623,10 @@ fn read_watching(st: &mut TcpStream, buf: &mut [u8], watch: &Watch) -> Result<()
             Ok(n) => {
                 at += n;
                 heard = Instant::now();
+                // Data that trickles in never times a read out: the test's limit is looked at here too (review
+                // finding: a byte a second held the server for as long as the chunk took; test
+                // `a_tcp_demo_client_that_trickles_its_data_is_stopped_at_the_tests_limit`).
+                watch.in_time("the client's data")?;
             }
             Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                 if heard.elapsed() >= PATIENCE {

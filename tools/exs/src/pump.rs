@@ -210,7 +210,7 @@ fn serve(
         watch,
     )?;
     let (size, depth) = (p.size as usize, p.depth);
-    let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth))
+    let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth)?)
         .context("registering the receive buffers")?;
     for i in 0..depth {
         s.recv(
@@ -332,7 +332,7 @@ fn blast(
         .with_context(|| format!("setting {:?}", p.options()))?;
     crate::util::connect_to_test(ctx, &s, &eq, addr, token)?;
     let (size, depth) = (p.size as usize, p.depth);
-    let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth))
+    let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth)?)
         .context("registering the send buffers")?;
     let (t0, u0) = (Instant::now(), Usage::now(ctx, whole));
     let mut side = Side {

@@ -14,16 +14,18 @@ use crate::control::Watch;
 /// page of it, so a software transport that copies out of it (libfabric tcp) reads from the cache, not from
 /// memory, and one first written during a run maps its pages then; a `Vec` starts a few bytes past a page boundary.
 /// The raw baselines and `exs pump` both use these on both sides, so that they move the same kind of bytes.
-pub fn filled_buffer(len: usize) -> std::sync::Arc<exs_dma::DmaBuf> {
+pub fn filled_buffer(len: usize) -> anyhow::Result<std::sync::Arc<exs_dma::DmaBuf>> {
     const PIECE: usize = 64 << 10;
-    let buf = exs_dma::DmaBuf::new(len);
+    // Refused, not a panic, when the memory is not there (a server's size is the client's, within its limit).
+    let buf = exs_dma::DmaBuf::try_new(len)
+        .ok_or_else(|| anyhow::anyhow!("could not allocate a buffer of {len} bytes"))?;
     let pattern = [0x5Au8; PIECE];
     for at in (0..len).step_by(PIECE) {
         let n = PIECE.min(len - at);
         buf.write_at(at, &pattern[..n])
             .expect("a new buffer has no lease and the range is inside it");
     }
-    buf
+    Ok(buf)
 }
 
 /// Bytes per second as GB/s and Gb/s (decimal, as network rates are quoted).
@@ -287,7 +289,7 @@ mod tests {
             (64 << 10) + 1,
             3 * (64 << 10) + 5,
         ] {
-            let buf = filled_buffer(len);
+            let buf = filled_buffer(len).unwrap();
             assert_eq!(buf.len(), len);
             let mut back = vec![0u8; len];
             buf.read_at(0, &mut back).expect("in bounds, no lease");

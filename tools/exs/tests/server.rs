@@ -715,3 +715,68 @@ fn after_arbitrary_lines_an_honest_client_is_served() {
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// A review found it: a TCP demo client that sent a byte a second (each read of the server's then returned,
+/// never timing out) held the server for as long as its chunk took, whatever the server's `--max-seconds`.
+#[test]
+fn a_tcp_demo_client_that_trickles_its_data_is_stopped_at_the_tests_limit() {
+    let mut server = Server::start(
+        "demo",
+        free_port(),
+        &["--max-seconds", "1", "--max-grace", "1"],
+    );
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("demo")["msg"], "welcome");
+    let l = listening(
+        &mut c,
+        json!({"transport": "tcp", "size": 1 << 20, "chunk": 1 << 20}),
+    );
+    let mut data = TcpStream::connect(l["addr"].as_str().unwrap()).unwrap();
+    data.write_all(&token(&l).to_le_bytes()).unwrap();
+    let t = Instant::now();
+    let trickle = std::thread::spawn(move || {
+        while t.elapsed() < Duration::from_secs(30) && data.write_all(&[7]).is_ok() {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    });
+    let done = c.reply().expect("the server's word on the test");
+    assert_eq!(done["msg"], "error", "{done}");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "the test ended after {:?}",
+        t.elapsed()
+    );
+    drop(c);
+    let _ = trickle.join();
+    assert!(server.alive());
+}
+
+/// A review found it: connections queued on a TCP demo test's listener that never send the token were taken one
+/// after the other (each given its few seconds for the token), and the loop looked at the test's limit only when
+/// none was queued: a stranger that kept one queued held the server past every limit.
+#[test]
+fn tokenless_connections_queued_on_a_tcp_demo_listener_end_at_the_tests_limit() {
+    let mut server = Server::start(
+        "demo",
+        free_port(),
+        &["--max-seconds", "1", "--max-grace", "1"],
+    );
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("demo")["msg"], "welcome");
+    let l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
+    let addr = l["addr"].as_str().unwrap().to_string();
+    let t = Instant::now();
+    // Twenty strangers, queued at once, each silent.
+    let strangers: Vec<TcpStream> = (0..20)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
+    let done = c.reply().expect("the server's word on the test");
+    assert_eq!(done["msg"], "error", "{done}");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "the test ended after {:?} (twenty strangers at five seconds each: 100 s)",
+        t.elapsed()
+    );
+    drop(strangers);
+    assert!(server.alive());
+}

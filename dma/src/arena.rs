@@ -8,7 +8,8 @@
 //! come from [`CHUNK_PAGES`]-page chunks that are mapped and marked once, in power-of-two blocks; a freed block's
 //! pages go back to the kernel (`MADV_DONTNEED`: they read as zero afterwards, so a block is zeroed when it is
 //! handed out again without being written) and the block waits on a free list for the next buffer of its size.
-//! Larger buffers get a mapping of their own.
+//! A block is at least one kernel page: where the kernel's pages are larger than [`PAGE`] (16 or 64 KiB), a small
+//! buffer takes a whole kernel page. Larger buffers get a mapping of their own.
 
 use std::ptr::NonNull;
 use std::sync::Mutex;
@@ -97,30 +98,38 @@ fn system_page() -> usize {
     *SIZE.get_or_init(|| usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(0))
 }
 
-/// Whether a buffer of `pages` [`PAGE`]s comes from a chunk's blocks. Only where the kernel's pages are [`PAGE`]s:
-/// with larger ones (16 KiB, 64 KiB on some arm64 and ppc64 kernels) a block would share a kernel page with its
-/// neighbours, and the `MADV_DONTNEED` that gives a freed block back zeroed the whole page, live neighbours
-/// included (review finding); every buffer then has a mapping of its own.
-fn from_blocks(pages: usize, system_page: usize) -> bool {
-    pages <= MAX_BLOCK_PAGES && system_page == PAGE
+/// The block class a buffer of `pages` [`PAGE`]s takes, `None` for a mapping of its own. A block is at least one
+/// kernel page: with kernel pages larger than ours (16 KiB, 64 KiB on some arm64 and ppc64 kernels) a smaller block
+/// shared a kernel page with its neighbours, and the `MADV_DONTNEED` that gives a freed block back zeroed the
+/// whole kernel page, live neighbours included (review finding). A kernel page size that cannot be told, is not a
+/// power of two or is larger than the largest block gives every buffer a mapping of its own.
+fn block_class(pages: usize, system_page: usize) -> Option<usize> {
+    let unit = system_page.max(PAGE);
+    if pages > MAX_BLOCK_PAGES || !system_page.is_power_of_two() || unit > MAX_BLOCK_PAGES * PAGE {
+        return None;
+    }
+    Some(class_of(pages).max((unit / PAGE).trailing_zeros() as usize))
 }
 
 /// `len` zeroed bytes (`len > 0`) on whole pages of their own: the address and how to give them back.
 pub(crate) fn obtain(len: usize) -> Option<(NonNull<u8>, Origin)> {
     let pages = len.checked_next_multiple_of(PAGE)? / PAGE;
-    if !from_blocks(pages, system_page()) {
+    let Some(class) = block_class(pages, system_page()) else {
         let bytes = pages.checked_mul(PAGE)?;
         return map(bytes).map(|p| (p, Origin::Mapping(bytes)));
-    }
-    let class = class_of(pages);
+    };
     let bytes = PAGE << class;
+    // The smallest block: one kernel page (chunks are mapped on kernel pages, and every block is a whole number of
+    // them, so every block starts on one).
+    let unit = system_page().max(PAGE);
     let mut s = STATE.lock().unwrap_or_else(|p| p.into_inner());
     let addr = match s.free[class].pop() {
         Some(a) => a,
         None => {
             if s.end - s.bump < bytes {
-                // What is left of the chunk goes to the free lists, largest blocks first.
-                while s.end - s.bump >= PAGE {
+                // What is left of the chunk goes to the free lists, largest blocks first (a rest smaller than a
+                // kernel page is left unused).
+                while s.end - s.bump >= unit {
                     let c = ((s.end - s.bump) / PAGE).ilog2().min(CLASSES as u32 - 1) as usize;
                     let at = s.bump;
                     s.free[c].push(at);
@@ -178,16 +187,19 @@ mod tests {
     use super::*;
 
     /// A review found it: with kernel pages larger than ours, a freed block's `MADV_DONTNEED` zeroed the live
-    /// blocks beside it on the same kernel page. Blocks are used only where the kernel's page is ours.
+    /// blocks beside it on the same kernel page. A block is at least one kernel page.
     #[test]
-    fn blocks_are_used_only_where_the_kernels_page_is_ours() {
-        assert!(from_blocks(1, PAGE));
-        assert!(from_blocks(MAX_BLOCK_PAGES, PAGE));
-        assert!(!from_blocks(MAX_BLOCK_PAGES + 1, PAGE));
-        for larger in [4 * PAGE, 16 * PAGE] {
-            assert!(!from_blocks(1, larger), "{larger}-byte kernel pages");
-        }
-        assert!(!from_blocks(1, 0), "a page size that cannot be told");
-        assert_eq!(system_page(), PAGE, "this machine's kernel pages are 4 KiB");
+    fn a_block_is_at_least_one_kernel_page() {
+        assert_eq!(block_class(1, PAGE), Some(0));
+        assert_eq!(block_class(3, PAGE), Some(2));
+        assert_eq!(block_class(MAX_BLOCK_PAGES, PAGE), Some(8));
+        assert_eq!(block_class(MAX_BLOCK_PAGES + 1, PAGE), None);
+        // 64 KiB kernel pages: sixteen of ours at least.
+        assert_eq!(block_class(1, 16 * PAGE), Some(4));
+        assert_eq!(block_class(32, 16 * PAGE), Some(5));
+        // A page size that cannot be told (0), is not a power of two, or exceeds the largest block: a mapping.
+        assert_eq!(block_class(1, 0), None);
+        assert_eq!(block_class(1, 3 * PAGE), None);
+        assert_eq!(block_class(1, 2 * MAX_BLOCK_PAGES * PAGE), None);
     }
 }

@@ -261,9 +261,10 @@ mod tests {
         // A send, then an emulated write-with-immediate (the write, then the send of the immediate).
         assert!(q.keep(recs(&[1, 2]), Cut::ALL, &mut b).is_empty());
         assert_eq!(b.used(), 3);
-        // The connection fails: the first send and the write complete flushed, each under its own identifier...
+        // The connection fails: the first send and the write complete flushed, the write under its request's
+        // identifier tagged as a first part...
         complete(&mut q, &mut b, 1, true);
-        complete(&mut q, &mut b, 2, true);
+        complete(&mut q, &mut b, 2 | crate::queue::PART_TAG, true);
         assert_eq!(
             b.used(),
             1,
@@ -294,11 +295,12 @@ mod tests {
         let mut b = CqBudget::new(100, 100);
         let mut q = SendQueue::default();
         q.keep(recs(&[2, 1, 1]), Cut::ALL, &mut b);
-        // The failed completion was the immediate's send (its write went through): nothing follows it, and the
-        // entry kept for a flushed send stays counted until the endpoint is released (as `release_ep` does).
+        // The failed completion under the request's own identifier is the immediate's send's (its write went
+        // through, unsignalled): nothing follows it, and nothing is kept for it. What is left on the device (the
+        // last request) is given back when the endpoint is released (as `release_ep` does).
         complete(&mut q, &mut b, 1, true);
         complete(&mut q, &mut b, 2, true);
-        assert_eq!(b.used(), 2);
+        assert_eq!(b.used(), 1);
         b.give(q.entries());
         assert_eq!(b.used(), 0);
     }

@@ -4,7 +4,7 @@
 //!
 //! ## Identifiers
 //! Every work request the device carries has a `wr_id` no other request of the transport ever had or will have:
-//! sends (and window binds) take the next value of one 63-bit counter of the transport, receives the next value
+//! sends (and window binds) take the next value of one 62-bit counter of the transport, receives the next value
 //! of another, tagged with [`RECV_TAG`]. A queue pair's number can be reused by rdma_cm once it is destroyed, and
 //! completions of the destroyed one may still sit in the shared completion queue, so the number alone does not
 //! say whose a completion is. The identifier does: a completion names one of the records of the endpoint that
@@ -131,13 +131,10 @@ impl<T> Default for SendQueue<T> {
     }
 }
 
-/// The natives of `rec` that may still complete after a completion naming it (`failed`: with an error). An
-/// unsignalled native completes only when it fails, so a failed completion of a request of several natives (an
-/// emulated write-with-immediate: the write, then the send) may be its first one's, and the others then complete
-/// too, flushed. It may also be the last one's (the first ones went through, unsignalled): nothing more comes then,
-/// and the entries stay counted until the endpoint is released, which over-counts by one on a connection that has
-/// failed anyway (under-counting lets the completion queue overflow). A request that reached the device in part
-/// ([`Posted::broken`]) has only its first native there.
+/// The natives of `rec` that may still complete after a failed completion of its first native (the write of an
+/// emulated write-with-immediate, under [`PART_TAG`]): the others complete too, flushed. A completion under the
+/// request's own identifier is its last native's, after which nothing more comes. A request that reached the
+/// device in part ([`Posted::broken`]) has only its first native there.
 fn later_parts<T>(rec: &Posted<T>, failed: bool) -> u32 {
     if failed && !rec.broken {
         rec.entries.saturating_sub(1)
@@ -182,18 +179,13 @@ impl<T> SendQueue<T> {
     /// unsignalled ones before it: nothing is gathered or allocated per completion). Returns the native entries
     /// that left the device: those of the retired records, less what may still complete of the named one when the
     /// completion `failed` ([`later_parts`]), plus one when the completion is such a later part.
-    pub fn retire_each(
-        &mut self,
-        wr_id: u64,
-        failed: bool,
-        mut f: impl FnMut(Posted<T>, bool),
-    ) -> u32 {
+    pub fn retire_each(&mut self, wr_id: u64, failed: bool, f: impl FnMut(Posted<T>, bool)) -> u32 {
         if wr_id & PART_TAG != 0 {
             let seq = wr_id & !PART_TAG;
             return if failed {
-                // As a failed first native under the request's own identifier: the request is retired with the
-                // error, and its later natives complete flushed (echoes).
-                self.retire_each(seq, true, f)
+                // A failed first native: the request is retired with the error, and its later natives complete
+                // flushed (echoes).
+                self.retire_named(seq, true, true, f)
             } else {
                 self.first_part_done(seq, f)
             };
@@ -206,6 +198,19 @@ impl<T> SendQueue<T> {
             self.entries -= 1;
             return 1;
         }
+        // Under the request's own identifier: its last native (or its only one).
+        self.retire_named(wr_id, failed, false, f)
+    }
+
+    /// Retires request `wr_id` and the requests before it (reads excepted); `first`: the completion is its first
+    /// native's, so that its later natives may still complete ([`later_parts`]).
+    fn retire_named(
+        &mut self,
+        wr_id: u64,
+        failed: bool,
+        first: bool,
+        mut f: impl FnMut(Posted<T>, bool),
+    ) -> u32 {
         if self.recs.binary_search_by_key(&wr_id, |r| r.seq).is_err() {
             return 0;
         }
@@ -217,7 +222,11 @@ impl<T> SendQueue<T> {
                 waiting.push(rec);
                 continue;
             }
-            let later = if named { later_parts(&rec, failed) } else { 0 };
+            let later = if named && first {
+                later_parts(&rec, failed)
+            } else {
+                0
+            };
             if later > 0 {
                 self.echoes.push((rec.seq, later));
             }

@@ -369,13 +369,13 @@ impl FabricTransport {
         }
     }
 
-    /// [`Transport::expose`](exs_transport::Transport::expose): a registration of exactly the range in the
-    /// connection's domain.
     /// What `ep`'s revoked keys leave to hold ([`crate::fence`]): one per endpoint, made at first need.
     pub(crate) fn fence_for(&mut self, ep: EndpointId) -> Arc<crate::fence::Fence> {
         Arc::clone(self.fences.entry(ep).or_default())
     }
 
+    /// [`Transport::expose`](exs_transport::Transport::expose): a registration of exactly the range in the
+    /// connection's domain.
     pub(crate) fn expose_lease(
         &mut self,
         ep: EndpointId,

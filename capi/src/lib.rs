@@ -60,18 +60,18 @@ pub extern "C" fn exs_init(version: c_int) -> c_int {
     })
 }
 
-/// `exs_init`'s errno for a context that did not open. A backend that cannot be loaded here (libfabric not
-/// installed) or a provider or domain that does not exist is `ENODEV`, as the header says, not the call's own
-/// code (review finding: `EOPNOTSUPP` and `ENOENT` reached C).
+/// `exs_init`'s errno for a context that did not open. libfabric that cannot be used here (not installed, or no
+/// provider that can serve) or a provider or domain that does not exist is `ENODEV`, as the header says, not the
+/// call's own code (review finding: `EOPNOTSUPP` and `ENOENT` reached C). A device's settings that conflict (a
+/// verbs option the device cannot honour) keep their own errno.
 fn init_errno(e: &exs::transport::TransportError) -> c_int {
     use exs::transport::TransportError as T;
-    let inner = match e {
-        T::Backend { error, .. } => &**error,
-        other => other,
-    };
-    match inner {
-        T::Unsupported(_) => libc::ENODEV,
-        T::Os { kind, .. } if *kind == std::io::ErrorKind::NotFound => libc::ENODEV,
+    match e {
+        T::Backend { backend, error, .. } => match &**error {
+            T::Unsupported(_) if backend == "fabric" => libc::ENODEV,
+            T::Os { kind, .. } if *kind == std::io::ErrorKind::NotFound => libc::ENODEV,
+            _ => errno::ToErrno::errno(e),
+        },
         _ => errno::ToErrno::errno(e),
     }
 }

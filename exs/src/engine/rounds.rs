@@ -103,6 +103,9 @@ impl Engine {
                 }
                 self.disconnect(sid);
             }
+            // The failures queued so far become events first: a second panic in the releases below must not keep
+            // them back.
+            self.drain_done();
             // Every connection goes now, as at the context's shutdown: their operations whose memory the transport
             // still had (a stream's receives, sends with writes in flight) end when their endpoint is released,
             // and on a failed context no later round acts on a disconnection (`discard_reports` drops them), so

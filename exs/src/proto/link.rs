@@ -473,8 +473,9 @@ impl Link {
         });
     }
 
-    /// [`Violation::ControlBacklog`] once more than [`CTRL_BACKLOG_MAX`] stream advertisements and window updates
-    /// wait: the peer returns none of our credits and still makes us answer. Whatever it does, what a connection
+    /// [`Violation::ControlBacklog`] once more than [`CTRL_BACKLOG_MAX`] control messages the peer makes us send
+    /// (stream advertisements, window updates, persistent ends' echoes) wait: the peer returns none of our
+    /// credits and still makes us answer. Whatever it does, what a connection
     /// queues for it stays bounded.
     pub(crate) fn check_backlog(&self) -> Result<(), Violation> {
         if self.ctrl_backlog > CTRL_BACKLOG_MAX {

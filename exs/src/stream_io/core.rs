@@ -336,7 +336,8 @@ pub(crate) struct Writer {
     in_flight: VecDeque<usize>,
     max_sends: usize,
     shut: Shut,
-    /// A send failed: reported by every later write, flush or shutdown (bytes of the stream were lost, so it stays
+    /// A send failed: reported by every later write and flush, and by the first shutdown (bytes of the stream were
+    /// lost, so it stays
     /// broken, as a TCP socket after `EPIPE`; review finding: it was reported once, and the writes after it were
     /// taken).
     failed: Option<Failure>,

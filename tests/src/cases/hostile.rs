@@ -742,6 +742,12 @@ fn sends_after_stop_receiving(b: &dyn Backend) -> Result<(), String> {
         let stop = Message::new(Body::Close(exs::wire::CloseReason::StopReceiving));
         raw.send_msg(&stop)?;
         let buf = MemoryRegion::from_vec(&v.ctx, vec![7; 100]).map_err(|e| e.to_string())?;
+        // The victim reads the notice meanwhile (a stream's send before it would write into the stream buffer
+        // the raw peer's handshake names, which is no buffer at all: another failure).
+        let settle = Instant::now() + Duration::from_millis(300);
+        while Instant::now() < settle {
+            raw.pump(Duration::from_millis(5), |_| false);
+        }
         let deadline = Instant::now() + Duration::from_secs(20);
         // The notice arrives after the call returns: sends are taken until it has been read, then refused.
         let refused = loop {

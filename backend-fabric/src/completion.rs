@@ -7,7 +7,6 @@ use std::mem::MaybeUninit;
 use exs_transport::{Completed, Completion, EndpointId, Op, WcError};
 
 use crate::connection::Ep;
-use crate::fence::ReadTally;
 use crate::ffi::*;
 use crate::record::{Records, WrRecord};
 use crate::FabricTransport;
@@ -28,10 +27,6 @@ impl FabricTransport {
             return 0;
         };
         let records = &mut self.records;
-        let read = e.fence.read_begins();
-        let mut tally = ReadTally::default();
-        // Whether the reads ended on an empty queue (not cut short by `max` or a failure).
-        let mut drained = false;
         // Not zeroed (it was, on every read: most reads of a busy poller find nothing): the provider writes the
         // entries it returns, and only those are read.
         let mut entries = [const { MaybeUninit::<fi_cq_data_entry>::uninit() }; 16];
@@ -46,22 +41,17 @@ impl FabricTransport {
                     for ent in &entries[..got] {
                         // SAFETY: fi_cq_read wrote its first `got` entries.
                         let ent = unsafe { ent.assume_init_ref() };
-                        let entry = Entry::of(ent);
-                        if let Some(c) = complete(e, records, id, entry, Ok(()), &mut tally) {
+                        if let Some(c) = complete(e, records, id, Entry::of(ent), Ok(())) {
                             out.extend(Some(c));
                             n += 1;
                         }
                     }
                     // Fewer than asked: nothing more is queued now (another read would only cost a system call).
                     if got < want {
-                        drained = true;
                         break;
                     }
                 }
-                CqRead::Empty => {
-                    drained = true;
-                    break;
-                }
+                CqRead::Empty => break,
                 CqRead::ErrorEntry => {
                     let mut ee = fi_cq_err_entry::default();
                     // SAFETY: an error entry is available; `ee` is a valid buffer.
@@ -72,8 +62,7 @@ impl FabricTransport {
                     }
                     tracing::debug!(err = ee.err, prov_errno = ee.prov_errno, "completion error");
                     let status = Err(wc_error(ee.err, ee.prov_errno));
-                    let entry = Entry::of_error(&ee);
-                    if let Some(c) = complete(e, records, id, entry, status, &mut tally) {
+                    if let Some(c) = complete(e, records, id, Entry::of_error(&ee), status) {
                         out.extend(Some(c));
                         n += 1;
                     }
@@ -84,7 +73,6 @@ impl FabricTransport {
                 }
             }
         }
-        e.fence.read_ends(read, &tally, drained);
         if let Some((call, code)) = failed {
             // Logged once: the queue may fail again at every read until the engine releases the endpoint.
             if let Some(ev) = self.report_down(id) {
@@ -182,14 +170,13 @@ impl Entry {
 }
 
 /// Turns a completion entry into an exs completion, reclaiming its record; `None` for an entry naming no
-/// pending request of the endpoint. A success counts in `tally` for the endpoint's fence.
+/// pending request of the endpoint.
 fn complete(
     e: &mut Ep,
     records: &mut Records,
     id: EndpointId,
     entry: Entry,
     status: Result<(), WcError>,
-    tally: &mut ReadTally,
 ) -> Option<Completion> {
     let Entry {
         op_context,
@@ -207,7 +194,6 @@ fn complete(
             )),
             s => s,
         };
-        tally.rx |= status.is_ok();
         return Some(Completion {
             ep: id,
             wr_id: 0,
@@ -229,12 +215,6 @@ fn complete(
     // once, so it is taken back exactly once (and removed from `pending`).
     let rec = unsafe { records.take(op_context as *mut WrRecord) };
     let imm = (flags & FI_REMOTE_CQ_DATA as u64 != 0).then_some(data as u32);
-    if status.is_ok() {
-        match rec.op {
-            Op::Recv { .. } => tally.rx = true,
-            _ => tally.tx = tally.tx.max(rec.seq),
-        }
-    }
     let op = match rec.op {
         Op::Send { .. } => Completed::Send,
         Op::Write { .. } => Completed::Write,

@@ -69,8 +69,6 @@ pub(crate) struct Ep {
     pub(crate) peer: Option<SocketAddr>,
     /// Its place in the hot set (see [`crate::ready`]).
     pub(crate) ready: crate::ready::EpReady,
-    /// The memory its revoked keys may still reach, and what says when they no longer can.
-    pub(crate) fence: crate::fence::EpFence,
 }
 
 impl FabricTransport {
@@ -134,7 +132,6 @@ impl FabricTransport {
             local: None,
             peer: None,
             ready: Default::default(),
-            fence: crate::fence::EpFence::new(self.fence_for(id)),
         })
     }
 
@@ -522,9 +519,6 @@ impl FabricTransport {
     pub(crate) fn release_ep(&mut self, ep: EndpointId) {
         // The connection's domain closes once the endpoint and the last exposure of it are gone.
         self.conn_domains.remove(&ep);
-        // What its revoked keys hold goes with the endpoint (below, once it is closed), or with the last of its
-        // keys if it never opened.
-        self.fences.remove(&ep);
         // A released endpoint's place in the hot set goes at the next retirement (identifiers are not reused).
         let Some(e) = self.eps.remove(&ep) else {
             return;

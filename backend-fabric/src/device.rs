@@ -46,7 +46,6 @@ impl FabricTransport {
             dom,
             per_conn: mr_mode & FI_MR_LOCAL as u64 == 0,
             conn_domains: FxHashMap::default(),
-            fences: FxHashMap::default(),
             provider,
             domain_name,
             eq,

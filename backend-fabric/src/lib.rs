@@ -26,7 +26,6 @@ mod cm;
 mod completion;
 mod connection;
 mod device;
-mod fence;
 pub mod ffi;
 mod memory;
 mod post;
@@ -173,9 +172,6 @@ pub struct FabricTransport {
     per_conn: bool,
     /// The domains of connections, by endpoint (made at the first exposure or at connect/accept).
     conn_domains: FxHashMap<EndpointId, Arc<Domain>>,
-    /// What each endpoint's revoked keys left to hold (see [`fence`]), made at the first exposure to the endpoint
-    /// or when the endpoint opens, whichever comes first.
-    fences: FxHashMap<EndpointId, Arc<fence::Fence>>,
     provider: String,
     domain_name: String,
     eq: *mut fid_eq,

@@ -237,12 +237,12 @@ impl Registration for FiRegistration {
 }
 
 /// What revokes a key on libfabric: the range's own registration in the connection's domain (closed, then the
-/// domain may close). The lease goes back at once, though on the software providers closing the registration does
-/// not stop an access the peer began before (a hostile peer's: the engine revokes a key only once the protocol says
-/// the peer is done with it): the memory itself is then held by the endpoint's fence until the endpoint shows the
-/// access over, or is closed ([`crate::fence`]). A registration that could not be closed may still let the peer in,
-/// as may its endpoint if that could not be closed: its range is never released then, as [`Revoke::release`]
-/// asks.
+/// domain may close). The lease goes back at once ([`Revoke::release`]'s default), though on the software providers
+/// closing the registration does not stop an access the peer began before (see the backends chapter, "A revoked key
+/// and an access already under way"): the engine revokes a key only once the protocol says the peer is done with
+/// it, or at the endpoint's release, which stops the provider's accesses. A registration that could not be closed
+/// may still let the peer in, as may its endpoint if that could not be closed: its range is never released then,
+/// as [`Revoke::release`] asks.
 #[derive(Debug)]
 pub(crate) struct FiKey {
     pub(crate) mr: MrHandle,
@@ -253,28 +253,16 @@ pub(crate) struct FiKey {
     pub(crate) close: fn(*mut fid_mr) -> bool,
     /// The close failed: the lease is kept.
     pub(crate) open: bool,
-    /// What the key let the peer do.
-    access: RemoteAccess,
-    /// Where the memory waits for the end of an access the peer may have under way.
-    fence: Arc<crate::fence::Fence>,
 }
 
 impl FiKey {
-    pub(crate) fn new(
-        mr: *mut fid_mr,
-        domain: Arc<Domain>,
-        ep: EndpointId,
-        access: RemoteAccess,
-        fence: Arc<crate::fence::Fence>,
-    ) -> Self {
+    pub(crate) fn new(mr: *mut fid_mr, domain: Arc<Domain>, ep: EndpointId) -> Self {
         FiKey {
             mr: MrHandle(mr),
             domain,
             ep,
             close: close_mr,
             open: false,
-            access,
-            fence,
         }
     }
 }
@@ -306,10 +294,7 @@ impl Revoke for FiKey {
             // The key may still work, or its endpoint, which could not be closed, still reach the range: it stays
             // leased for ever (never reused, never freed).
             std::mem::forget(lease);
-            return;
         }
-        // The range goes back; its memory waits for the end of what the peer may have under way.
-        self.fence.hold(Arc::clone(lease.buf()), self.access);
     }
 }
 
@@ -369,11 +354,6 @@ impl FabricTransport {
         }
     }
 
-    /// What `ep`'s revoked keys leave to hold ([`crate::fence`]): one per endpoint, made at first need.
-    pub(crate) fn fence_for(&mut self, ep: EndpointId) -> Arc<crate::fence::Fence> {
-        Arc::clone(self.fences.entry(ep).or_default())
-    }
-
     /// [`Transport::expose`](exs_transport::Transport::expose): a registration of exactly the range in the
     /// connection's domain.
     pub(crate) fn expose_lease(
@@ -400,7 +380,7 @@ impl FabricTransport {
         Ok(Box::new(exs_transport::KeyedLease::new(
             RemoteRef { addr, key },
             lease,
-            FiKey::new(mr, dom, ep, access, self.fence_for(ep)),
+            FiKey::new(mr, dom, ep),
         )))
     }
 }
@@ -431,13 +411,7 @@ mod tests {
         let lease = buf.lease(0..64, LeaseKind::DeviceWriteShared).unwrap();
         let key = FiKey {
             close,
-            ..FiKey::new(
-                ptr::null_mut(),
-                Arc::clone(domain),
-                EndpointId(ep),
-                RemoteAccess::Write,
-                Default::default(),
-            )
+            ..FiKey::new(ptr::null_mut(), Arc::clone(domain), EndpointId(ep))
         };
         KeyedLease::new(RemoteRef { addr: 0, key: 0 }, lease, key)
     }

@@ -83,7 +83,7 @@ impl FabricTransport {
     /// The refused request comes back whole in the error, as the trait's `post` says (hot path: not boxed).
     #[allow(clippy::result_large_err)]
     pub(crate) fn post_one(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError> {
-        let Some(e) = self.eps.get_mut(&ep) else {
+        let Some(e) = self.eps.get(&ep) else {
             return Err(PostError {
                 error: TransportError::NoEndpoint,
                 wr,
@@ -105,17 +105,10 @@ impl FabricTransport {
             return Ok(());
         }
         let raw_ep = e.ep;
-        // Transmit requests are numbered for the fence (`crate::fence`): one posted after a key's revocation
-        // completes behind every read response queued before it.
-        let seq = match wr.op {
-            Op::Recv { .. } => 0,
-            _ => e.fence.next_tx(),
-        };
         let rec = self.records.leak(WrRecord {
             ctx: fi_context2::default(),
             ep,
             wr_id: wr.wr_id,
-            seq,
             op: wr.op,
         });
         let mut tries = 0;

@@ -13,8 +13,6 @@ pub(crate) struct WrRecord {
     pub(crate) ctx: fi_context2,
     pub(crate) ep: EndpointId,
     pub(crate) wr_id: u64,
-    /// A transmit request's number on its endpoint (0 for a receive; see `crate::fence`).
-    pub(crate) seq: u64,
     pub(crate) op: Op,
 }
 
@@ -78,7 +76,6 @@ mod tests {
             ctx: fi_context2::default(),
             ep: EndpointId(1),
             wr_id,
-            seq: 0,
             op: Op::Send {
                 sges: Vec::new(),
                 imm: None,

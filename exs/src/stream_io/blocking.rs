@@ -464,14 +464,12 @@ struct Accepting {
     waiting: usize,
     posted: usize,
     /// Posting failed for good (the context failed, the listener is gone): every later accept fails so.
-    failed: Option<(io::ErrorKind, String)>,
+    failed: Option<super::Failure>,
 }
 
 impl Accepting {
     fn failure(&self) -> Option<io::Error> {
-        self.failed
-            .as_ref()
-            .map(|(kind, msg)| io::Error::new(*kind, msg.clone()))
+        self.failed.as_ref().map(super::Failure::io)
     }
 }
 
@@ -545,7 +543,7 @@ impl Listener {
     /// Records `e` as the listener's failure and wakes the waiting threads that no posted accept will wake.
     fn fail_waiters(&self, e: io::Error) {
         let mut a = self.lock_accepting();
-        a.failed.get_or_insert_with(|| (e.kind(), e.to_string()));
+        a.failed.get_or_insert_with(|| super::Failure::of_io(&e));
         for _ in a.posted..a.waiting {
             // A full queue holds events that will wake threads, which come back here.
             if !super::core::wake(&self.eq, &self.sock) {

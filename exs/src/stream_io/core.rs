@@ -42,6 +42,11 @@ impl Failure {
         Failure(e.io_kind(), e.to_string())
     }
 
+    /// The failure `e` says.
+    pub(crate) fn of_io(e: &io::Error) -> Failure {
+        Failure(e.kind(), e.to_string())
+    }
+
     pub(crate) fn io(&self) -> io::Error {
         io::Error::new(self.0, self.1.clone())
     }

@@ -433,14 +433,12 @@ pub struct Listener {
 #[derive(Default)]
 struct Accepting {
     waiting: usize,
-    failed: Option<(io::ErrorKind, String)>,
+    failed: Option<sio::Failure>,
 }
 
 impl Accepting {
     fn failure(&self) -> Option<io::Error> {
-        self.failed
-            .as_ref()
-            .map(|(kind, what)| io::Error::new(*kind, what.clone()))
+        self.failed.as_ref().map(sio::Failure::io)
     }
 }
 
@@ -458,7 +456,7 @@ impl Drop for Waiting<'_> {
         // once the context had failed; test
         // `tasks_accepting_beyond_the_queue_depth_all_fail_when_the_context_does`).
         if let Err(e) = l.post_accepts(a.waiting) {
-            a.failed.get_or_insert_with(|| (e.kind(), e.to_string()));
+            a.failed.get_or_insert_with(|| sio::Failure::of_io(&e));
             for _ in l.eq.outstanding() + l.eq.len()..a.waiting {
                 if !sio::wake(&l.eq, &l.sock) {
                     break;

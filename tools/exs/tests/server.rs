@@ -716,11 +716,10 @@ fn after_arbitrary_lines_an_honest_client_is_served() {
     }
 }
 
-/// A review found it: a TCP demo client that sent a byte a second (each read of the server's then returned,
-/// never timing out) held the server for as long as its chunk took, whatever the server's `--max-seconds`.
-#[test]
-fn a_tcp_demo_client_that_trickles_its_data_is_stopped_at_the_tests_limit() {
-    let mut server = Server::start(
+/// A demo server whose tests may last two seconds (`--max-seconds 1`, `--max-grace 1`), a welcomed client, and
+/// its TCP test of `size` bytes in one chunk: (server, client, the test's `listening` message).
+fn tcp_demo_within_two_seconds(size: u64) -> (Server, Raw, Value) {
+    let server = Server::start(
         "demo",
         free_port(),
         &["--max-seconds", "1", "--max-grace", "1"],
@@ -729,8 +728,16 @@ fn a_tcp_demo_client_that_trickles_its_data_is_stopped_at_the_tests_limit() {
     assert_eq!(c.hello("demo")["msg"], "welcome");
     let l = listening(
         &mut c,
-        json!({"transport": "tcp", "size": 1 << 20, "chunk": 1 << 20}),
+        json!({"transport": "tcp", "size": size, "chunk": size}),
     );
+    (server, c, l)
+}
+
+/// A review found it: a TCP demo client that sent a byte a second (each read of the server's then returned,
+/// never timing out) held the server for as long as its chunk took, whatever the server's `--max-seconds`.
+#[test]
+fn a_tcp_demo_client_that_trickles_its_data_is_stopped_at_the_tests_limit() {
+    let (mut server, mut c, l) = tcp_demo_within_two_seconds(1 << 20);
     let mut data = TcpStream::connect(l["addr"].as_str().unwrap()).unwrap();
     data.write_all(&token(&l).to_le_bytes()).unwrap();
     let t = Instant::now();
@@ -756,14 +763,7 @@ fn a_tcp_demo_client_that_trickles_its_data_is_stopped_at_the_tests_limit() {
 /// none was queued: a stranger that kept one queued held the server past every limit.
 #[test]
 fn tokenless_connections_queued_on_a_tcp_demo_listener_end_at_the_tests_limit() {
-    let mut server = Server::start(
-        "demo",
-        free_port(),
-        &["--max-seconds", "1", "--max-grace", "1"],
-    );
-    let mut c = Raw::connect(&server);
-    assert_eq!(c.hello("demo")["msg"], "welcome");
-    let l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
+    let (mut server, mut c, l) = tcp_demo_within_two_seconds(1);
     let addr = l["addr"].as_str().unwrap().to_string();
     let t = Instant::now();
     // Twenty strangers, queued at once, each silent.

@@ -303,6 +303,8 @@ impl Engine {
     pub(super) fn hand_over(&mut self, ticket: Ticket, sid: SocketId) {
         if let Some(s) = self.sockets.get_mut(&sid) {
             s.listener = None;
+            // What waited for the application (a stream buffer its peer asked for: `provide_ring`) goes now.
+            self.flush(sid);
         }
         match self.owner.upgrade() {
             Some(owner) => ticket.complete_accept(crate::event::Accepted::new(sid, owner)),

@@ -344,6 +344,13 @@ impl Engine {
         ep: EndpointId,
         len: usize,
     ) -> Result<(), TransportError> {
+        // A connection no application has accepted yet gets none: nobody could read what its peer wrote into it,
+        // and the peers of a listener's whole backlog could each have one (a review found a tools server's
+        // backlog holding 128 buffers of 64 MiB). It is given once the connection is handed over (`hand_over`
+        // flushes it, and the flush asks again).
+        if self.sockets.get(&sid).is_some_and(|s| s.listener.is_some()) {
+            return Ok(());
+        }
         let reading = self
             .sockets
             .get_mut(&sid)

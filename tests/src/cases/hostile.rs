@@ -15,7 +15,10 @@ use crate::{ensure, Backend, Case, Net, Requires};
 use exs::testing::{handshake, RawPeer};
 
 mod resources;
-use resources::{ring_requests_within_budget, stale_key_after_ack, vanishing_requests};
+use resources::{
+    ring_requests_before_accept_wait, ring_requests_within_budget, stale_key_after_ack,
+    vanishing_requests,
+};
 
 pub fn cases() -> Vec<Case> {
     let c = |name, run| Case {
@@ -41,6 +44,10 @@ pub fn cases() -> Vec<Case> {
         c(
             "hostile_stream_buffer_requests_stay_within_the_memory_budget",
             ring_requests_within_budget,
+        ),
+        c(
+            "hostile_stream_buffer_requests_before_accept_wait_for_it",
+            ring_requests_before_accept_wait,
         ),
         c("hostile_truncated_control_message", truncated_message),
         c("hostile_garbage_control_message", garbage_message),

@@ -173,3 +173,59 @@ pub(super) fn ring_requests_within_budget(b: &dyn Backend) -> Result<(), String>
     drop(peers);
     v.healthy("stream buffer requests", false)
 }
+
+/// A review found it: a connection in a listener's backlog, not accepted by any application, got the stream buffer
+/// its peer asked for (the budget's pressure rule spares only connections that read; a tools server's budget was
+/// large enough that the peers of a whole backlog held a 64 MiB buffer each). Such a connection gets none until
+/// it is accepted; then it gets it without waiting for a receive.
+pub(super) fn ring_requests_before_accept_wait(b: &dyn Backend) -> Result<(), String> {
+    let v = victim(b, SockType::Stream)?;
+    let private = good_handshake(SockType::Stream).encode();
+    let mut peers = Vec::new();
+    for _ in 0..8 {
+        peers.push(RawPeer::connect(v.net.raw()?, v.addr, &private)?);
+    }
+    for raw in &mut peers {
+        raw.send_msg(&Message::new(Body::StreamRingWanted))?;
+    }
+    let ring = exs::SocketOptions::default().stream_buffer_size as u64;
+    // Let every request arrive and be handled.
+    std::thread::sleep(Duration::from_millis(300));
+    for raw in &mut peers {
+        raw.pump(Duration::from_millis(5), |_| false);
+    }
+    let held = v.ctx.stats().connection_bytes;
+    eprintln!(
+        "HOSTILE {}: 8 connections not accepted asked for their stream buffers: {held} bytes held",
+        v.name
+    );
+    ensure!(
+        held < ring,
+        "connections nobody accepted hold {held} bytes: a stream buffer ({ring} bytes) was given"
+    );
+    v.listener.accept(&v.eq, 1).map_err(|e| e.to_string())?;
+    let mut ev = next(&v.eq)?;
+    let _s = ev
+        .take_accepted()
+        .ok_or_else(|| format!("the accept: {ev:?}"))?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while v.ctx.stats().connection_bytes < held + ring {
+        for raw in &mut peers {
+            raw.pump(Duration::from_millis(5), |_| false);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the accepted connection never got the stream buffer its peer asked for"
+        );
+    }
+    // The other seven are taken too, so that the health check's accept gets its own connection.
+    let mut taken = Vec::new();
+    for _ in 1..8 {
+        v.listener
+            .accept(&v.eq, 1)
+            .map_err(|e| format!("accepting the others: {e}"))?;
+        taken.push(next(&v.eq)?.take_accepted());
+    }
+    drop((peers, taken));
+    v.healthy("stream buffer requests before accept", false)
+}

@@ -398,8 +398,10 @@ impl VerbsTransport {
             // reads out of order).
             let read = kind == Completed::Read;
             for (j, part) in parts.into_iter().enumerate() {
-                let bytes: u64 = part.sges.iter().map(|s| u64::from(s.length)).sum();
-                let must = zero_copy && bytes >= exs_dma::PAGE as u64;
+                // Summed only on such a device: the hot path elsewhere does not pay for it.
+                let must = zero_copy
+                    && part.sges.iter().map(|s| u64::from(s.length)).sum::<u64>()
+                        >= exs_dma::PAGE as u64;
                 let (id, signalled) =
                     native_signal(seq, j, nparts, must, i + 1 == n || read, &mut chain.signal);
                 chain.push(id, part, signalled, max_inline, e.imm_slab.as_mut());

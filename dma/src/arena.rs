@@ -114,14 +114,15 @@ fn block_class(pages: usize, system_page: usize) -> Option<usize> {
 /// `len` zeroed bytes (`len > 0`) on whole pages of their own: the address and how to give them back.
 pub(crate) fn obtain(len: usize) -> Option<(NonNull<u8>, Origin)> {
     let pages = len.checked_next_multiple_of(PAGE)? / PAGE;
-    let Some(class) = block_class(pages, system_page()) else {
+    let system = system_page();
+    let Some(class) = block_class(pages, system) else {
         let bytes = pages.checked_mul(PAGE)?;
         return map(bytes).map(|p| (p, Origin::Mapping(bytes)));
     };
     let bytes = PAGE << class;
     // The smallest block: one kernel page (chunks are mapped on kernel pages, and every block is a whole number of
     // them, so every block starts on one).
-    let unit = system_page().max(PAGE);
+    let unit = system.max(PAGE);
     let mut s = STATE.lock().unwrap_or_else(|p| p.into_inner());
     let addr = match s.free[class].pop() {
         Some(a) => a,

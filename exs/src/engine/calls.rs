@@ -872,12 +872,18 @@ impl Engine {
             }
         }
         self.flush_dirty();
+        self.disconnect_every_endpoint();
+        self.drain_done();
+    }
+
+    /// Disconnects every connection's endpoint and acts on it at once (the context's shutdown, or its failure:
+    /// no later round will).
+    pub(super) fn disconnect_every_endpoint(&mut self) {
         let eps: Vec<EndpointId> = self.eps.keys().copied().collect();
         for ep in eps {
             self.transport.disconnect(ep);
             self.on_disconnected(ep);
         }
-        self.drain_done();
     }
 }
 

@@ -327,10 +327,7 @@ impl Engine {
             t.complete(Err(err.clone()), 0, EventFlags::default());
         }
         if let Some(mut conn) = sock.conn.take() {
-            self.stats.ctrl_recv_bytes = self
-                .stats
-                .ctrl_recv_bytes
-                .saturating_sub(conn_rx_bytes(&conn));
+            uncount_rx_bytes(&mut self.stats, &conn);
             // A stream keeps its receiving state: bytes that arrived before the peer's close are still read (as
             // after a TCP FIN), then receives see end-of-stream; after a reset, as TCP delivers the bytes it
             // acknowledged, those the stream buffer holds are read, then receives fail with the reset's error.

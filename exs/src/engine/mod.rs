@@ -804,19 +804,19 @@ fn link_rx_bytes(link: &Link) -> u64 {
     link.own_rx_bytes() as u64
 }
 
-fn conn_rx_bytes(conn: &Conn) -> u64 {
-    link_rx_bytes(&conn.link)
+/// Takes a connection's control buffers out of the count `build_conn` added them to.
+fn uncount_rx_bytes(stats: &mut EngineStats, conn: &Conn) {
+    stats.ctrl_recv_bytes = stats
+        .ctrl_recv_bytes
+        .saturating_sub(link_rx_bytes(&conn.link));
 }
 
 impl Engine {
     /// Drops a connection that never went into service (a connect or accept that failed): its control buffers
-    /// leave the count `build_conn` added them to (review finding: only a disconnection took them out, and the
-    /// count grew with every failed connect).
+    /// leave the count (review finding: only a disconnection took them out, and the count grew with every failed
+    /// connect).
     pub(super) fn forget_conn(&mut self, conn: Conn) {
-        self.stats.ctrl_recv_bytes = self
-            .stats
-            .ctrl_recv_bytes
-            .saturating_sub(conn_rx_bytes(&conn));
+        uncount_rx_bytes(&mut self.stats, &conn);
     }
 }
 

@@ -111,11 +111,7 @@ impl Engine {
             // and on a failed context no later round acts on a disconnection (`discard_reports` drops them), so
             // they waited for the context's drop (review finding; test
             // `a_stream_receive_and_a_send_in_flight_end_when_the_context_fails`).
-            let eps: Vec<EndpointId> = self.eps.keys().copied().collect();
-            for ep in eps {
-                self.transport.disconnect(ep);
-                self.on_disconnected(ep);
-            }
+            self.disconnect_every_endpoint();
             self.drain_done();
         }));
     }

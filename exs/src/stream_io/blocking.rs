@@ -544,12 +544,8 @@ impl Listener {
     fn fail_waiters(&self, e: io::Error) {
         let mut a = self.lock_accepting();
         a.failed.get_or_insert_with(|| super::Failure::of_io(&e));
-        for _ in a.posted..a.waiting {
-            // A full queue holds events that will wake threads, which come back here.
-            if !super::core::wake(&self.eq, &self.sock) {
-                break;
-            }
-        }
+        // A full queue holds events that will wake threads, which come back here.
+        super::core::wake_each(&self.eq, &self.sock, a.waiting.saturating_sub(a.posted));
     }
 
     /// Counts `more` waiting threads and posts accepts until there is one per waiting thread (or the queue's

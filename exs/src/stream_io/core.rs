@@ -305,6 +305,16 @@ pub(crate) fn is_wake(ev: &Event) -> bool {
 /// (`shutdown(Read)` from another thread; a writer left with completions the writers still waiting did not see). Nothing
 /// happens if the queue is full (`false`): its waiter is awake anyway. Both directions pass it over when they take
 /// it in.
+/// Puts up to `n` wake-up events in `eq` (see [`wake`]), one per waiter no other event will wake; stops at a full
+/// queue, whose events wake waiters that come back for more.
+pub(crate) fn wake_each(eq: &EventQueue, sock: &Socket, n: usize) {
+    for _ in 0..n {
+        if !wake(eq, sock) {
+            break;
+        }
+    }
+}
+
 pub(crate) fn wake(eq: &EventQueue, sock: &Socket) -> bool {
     match eq.reserve(EventKind::Recv, WAKE, sock.id()) {
         Ok(t) => {
@@ -342,9 +352,8 @@ pub(crate) struct Writer {
     max_sends: usize,
     shut: Shut,
     /// A send failed: reported by every later write and flush, and by the first shutdown (bytes of the stream were
-    /// lost, so it stays
-    /// broken, as a TCP socket after `EPIPE`; review finding: it was reported once, and the writes after it were
-    /// taken).
+    /// lost, so it stays broken, as a TCP socket after `EPIPE`; review finding: it was reported once, and the
+    /// writes after it were taken).
     failed: Option<Failure>,
     scratch: Vec<Event>,
     /// Threads of a blocking stream waiting on `eq` without the lock, for room in the ring (counted under the

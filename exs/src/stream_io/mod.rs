@@ -59,7 +59,7 @@ mod core;
 
 pub use blocking::{Listener, Stream};
 #[cfg(feature = "tokio")]
-pub(crate) use core::{is_wake, wake};
+pub(crate) use core::{is_wake, wake_each};
 pub(crate) use core::{Failure, ReadSink, Reader, SliceSink, Writer};
 
 /// How a stream of this module buffers; the defaults suit bulk transfers and request/response alike.

@@ -457,11 +457,8 @@ impl Drop for Waiting<'_> {
         // `tasks_accepting_beyond_the_queue_depth_all_fail_when_the_context_does`).
         if let Err(e) = l.post_accepts(a.waiting) {
             a.failed.get_or_insert_with(|| sio::Failure::of_io(&e));
-            for _ in l.eq.outstanding() + l.eq.len()..a.waiting {
-                if !sio::wake(&l.eq, &l.sock) {
-                    break;
-                }
-            }
+            let held = l.eq.outstanding() + l.eq.len();
+            sio::wake_each(&l.eq, &l.sock, a.waiting.saturating_sub(held));
         }
     }
 }

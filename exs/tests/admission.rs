@@ -225,3 +225,54 @@ fn connections_beyond_the_memory_budget_are_refused() {
     let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
     assert!(ev.is_ok(), "{ev:?}");
 }
+
+/// `Context::connection_memory` is what one connection charges to the budget where it posts its own receives, and
+/// at most that where the shared pool serves it: a server that admits others' connections sizes its budget with it
+/// (the `exs` tools' servers do), and a budget of `n` connections' worth admits `n`, not one more.
+#[test_log::test]
+fn connection_memory_is_what_a_connection_charges_and_a_budget_of_n_admits_n() {
+    let opts = exs::SocketOptions::default().with_small_packet_max_size(1024);
+    let per = exs::Context::connection_memory(SockType::SeqPacket, &opts);
+    for (pooled, budget) in [(false, 3 * per), (true, 1 << 30)] {
+        let world = World::threaded(if pooled {
+            SimConfig::default().with_shared_recv(1024)
+        } else {
+            SimConfig::default()
+        });
+        let server = world.host_with({
+            let mut o = exs::ContextOptions::default();
+            o.memory_budget = budget;
+            o.shared_recv.enabled = Some(pooled);
+            o
+        });
+        let client = world.host();
+        let l = Socket::new(&server, SockType::SeqPacket).unwrap();
+        l.set_options(opts).unwrap();
+        l.bind(world.addr(0, 7600)).unwrap();
+        let addr = l.listen(16).unwrap();
+        let ceq = EventQueue::new(16).unwrap();
+        let mut up = Vec::new();
+        for i in 0..4 {
+            let c = Socket::new(&client, SockType::SeqPacket).unwrap();
+            c.set_options(opts).unwrap();
+            c.connect(&ceq, addr, i).unwrap();
+            let ev = ceq.next(Some(Duration::from_secs(10))).unwrap();
+            if ev.is_ok() {
+                up.push(c);
+            } else {
+                assert!(!pooled, "{ev:?}");
+            }
+        }
+        let held = server.stats().connection_bytes;
+        if pooled {
+            assert_eq!(up.len(), 4);
+            assert!(
+                held <= 4 * per,
+                "pooled: {held} held, {per} per connection at most"
+            );
+        } else {
+            assert_eq!(up.len(), 3, "a budget of three connections' worth");
+            assert_eq!(held, 3 * per, "{per} per connection");
+        }
+    }
+}

@@ -57,12 +57,14 @@ pub enum Exposure {
 /// The policy of this process's contexts (one per process: `--exposure`, set when the backend is opened).
 static EXPOSURE: std::sync::OnceLock<exs::ExposurePolicy> = std::sync::OnceLock::new();
 
+/// The memory budget of the tools' own contexts, but a server's: measurements hold thousands of idle connections
+/// (`exs ping --idle`), which the library's default budget would refuse. A server's contexts have the budget its
+/// limits give ([`crate::control::Limits::engine_budget`]): what others may make it hold.
+pub const CLIENT_BUDGET: u64 = 64 << 30;
+
 pub fn context_options() -> Result<exs::ContextOptions> {
     let mut o = exs::ContextOptions::default();
-    // Measurements hold thousands of idle connections (`exs ping --idle`): the library's default budget would
-    // refuse them. What a client may make a server do is bounded by the server's own limits (`--max-idle`,
-    // `--max-memory`).
-    o.memory_budget = 64 << 30;
+    o.memory_budget = CLIENT_BUDGET;
     o.exposure = match EXPOSURE.get() {
         Some(p) => *p,
         None => exs::ExposurePolicy::from_env()?,
@@ -213,19 +215,28 @@ impl Opened {
 
     /// A new host context and the address it listens on (port 0: any).
     pub fn host_listening(&self) -> Result<(Context, SocketAddr)> {
+        self.host_within(CLIENT_BUDGET)
+    }
+
+    /// A new host context whose connections may hold `budget` bytes of device-visible memory, and the address it
+    /// listens on (port 0: any).
+    pub fn host_within(&self, budget: u64) -> Result<(Context, SocketAddr)> {
+        let opts = || {
+            context_options().map(|mut o| {
+                o.memory_budget = budget;
+                o
+            })
+        };
         match self {
             #[cfg(feature = "fabric")]
             Opened::Fabric(cfg, ip) => {
-                let ctx =
-                    Context::open_with(&exs::Backend::Fabric(cfg.clone()), context_options()?)
-                        .with_context(|| {
-                            format!("opening libfabric (provider {})", cfg.provider)
-                        })?;
+                let ctx = Context::open_with(&exs::Backend::Fabric(cfg.clone()), opts()?)
+                    .with_context(|| format!("opening libfabric (provider {})", cfg.provider))?;
                 Ok((ctx, SocketAddr::new(*ip, 0)))
             }
             #[cfg(feature = "verbs")]
             Opened::Verbs(cfg) => {
-                let ctx = Context::open_with(&exs::Backend::Verbs(cfg.clone()), context_options()?)
+                let ctx = Context::open_with(&exs::Backend::Verbs(cfg.clone()), opts()?)
                     .with_context(|| format!("opening the RDMA device of {}", cfg.addr))?;
                 Ok((ctx, SocketAddr::new(cfg.addr, 0)))
             }
@@ -233,7 +244,7 @@ impl Opened {
             Opened::Sim(w, hosts) => {
                 let mut n = hosts.lock().unwrap_or_else(|p| p.into_inner());
                 // As the world's own hosts: no keepalive timers.
-                let mut o = context_options()?;
+                let mut o = opts()?;
                 o.keepalive = None;
                 let ctx = w.host_with(o);
                 let addr = w.addr(*n, 0);

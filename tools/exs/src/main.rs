@@ -1,5 +1,6 @@
 //! `exs`: the command-line tool of the exs project.
 
+mod admit;
 mod backend;
 mod baseline;
 mod cli;

@@ -82,7 +82,14 @@ impl control::Params for Point {
         }
         limits.count(self.count)?;
         limits.idle(self.idle)?;
-        limits.memory(self.size, "--size")
+        limits.memory(self.size, "--size")?;
+        // The connections' control buffers, the ping's and the idle ones' (a review found them uncounted: a
+        // server's budget was 64 GiB, and `--idle` at 32 KiB pings about 1 MiB a connection).
+        let per = exs::Context::connection_memory(SockType::SeqPacket, &self.options());
+        limits.memory(
+            per.saturating_mul(u64::from(self.idle) + 1),
+            "--idle with --size (each connection's control buffers)",
+        )
     }
 }
 

@@ -57,7 +57,8 @@ pub fn check_token(got: &[u8], token: u64) -> Result<()> {
 /// listener (kept open while the connection is served) and the accepted socket.
 ///
 /// Anyone may connect to the listener, and first: with a token (`watch`'s), only a connection whose first eight
-/// bytes are the token is the client's; another is closed, and the next one accepted (until the test's time is up).
+/// bytes are the token is the client's; the others are closed ([`crate::admit::by_token`] reads the tokens of the
+/// connections that came side by side, until the test's time is up).
 pub fn accept_one(
     ctx: &exs::Context,
     ty: exs::SockType,
@@ -76,7 +77,7 @@ pub fn accept_one(
         .listen(0)
         .with_context(|| format!("listening on {listen}"))?;
     announce(bound)?;
-    loop {
+    let Some(token) = watch.token() else {
         l.accept(eq, 0).context("accept")?;
         let mut ev = wait_watching(eq, watch, "the client's exs connection")?;
         ev.status
@@ -85,32 +86,10 @@ pub fn accept_one(
         let s = ev
             .take_accepted()
             .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))?;
-        let Some(token) = watch.token() else {
-            return Ok((l, s));
-        };
-        match took_token(ctx, &s, token) {
-            Ok(()) => return Ok((l, s)),
-            Err(why) => {
-                let from = format!("{:?}", s.peer_addr().ok().flatten());
-                tracing::warn!(%from, "a connection to a test's listener closed: {why:#}");
-                let _ = s.close();
-            }
-        }
-    }
-}
-
-/// Whether `s`'s first eight bytes, within [`TOKEN_PATIENCE`], are `token` (on a queue of its own: a receive
-/// cancelled by the close of a stranger's connection must not reach the test's).
-fn took_token(ctx: &exs::Context, s: &exs::Socket, token: u64) -> Result<()> {
-    let eq = exs::EventQueue::new(2)?;
-    let got = exs::MemoryRegion::alloc(ctx, 8)?;
-    s.recv(&eq, &got.all(), exs::MsgFlags::WAITALL, 0)
-        .context("receiving the token")?;
-    let ev = eq
-        .next(Some(TOKEN_PATIENCE))
-        .with_context(|| format!("no token within {TOKEN_PATIENCE:?}"))?;
-    ev.status.clone().context("receiving the token")?;
-    check_token(&got.to_vec()?[..ev.bytes.min(8)], token)
+        return Ok((l, s));
+    };
+    let s = crate::admit::by_token(&l, token, watch)?;
+    Ok((l, s))
 }
 
 /// The client's exs connection to a test's listener at `addr` (events on `eq`), then `token` sent first on it

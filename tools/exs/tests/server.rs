@@ -207,6 +207,11 @@ fn every_parameter_is_range_checked_against_the_servers_limits() {
         ("ping", ping(json!({"idle": 4_000_000_000u32})), "--idle"),
         ("ping", ping(json!({"size": 17u64 << 20})), "--size"),
         ("ping", ping(json!({"size": 8u64 << 20})), "--max-memory"),
+        (
+            "ping",
+            ping(json!({"idle": 10, "size": 32768, "mode": "immediate"})),
+            "--idle with --size",
+        ),
         ("demo", demo(json!({"size": 1u64 << 63})), "--size"),
         ("demo", demo(json!({"size": 2 << 20})), "--max-bytes"),
         ("demo", demo(json!({"size": 0})), "--size"),
@@ -385,59 +390,188 @@ fn a_stranger_connecting_first_to_a_tests_tcp_listener_is_not_served() {
     assert!(server.alive());
 }
 
+/// An `exs ping` test on a fresh server (8-byte immediate pings, one of them), and a context of this process's
+/// own on libfabric tcp: the server, the control connection, the test's `listening` message, the context, a queue
+/// for it, and a connection made on it to the test's listener (`context`: its connect's).
+struct ExsPingTest {
+    server: Server,
+    c: Raw,
+    l: Value,
+    ctx: exs::Context,
+    eq: exs::EventQueue,
+}
+
+impl ExsPingTest {
+    fn start() -> ExsPingTest {
+        Self::start_with(&[])
+    }
+
+    /// With the server's limits `caps`.
+    fn start_with(caps: &[&str]) -> ExsPingTest {
+        use exs::{fabric::FabricConfig, Backend, Context, EventQueue};
+        let server = Server::start("ping", free_port(), caps);
+        let mut c = Raw::connect(&server);
+        assert_eq!(c.hello("ping")["msg"], "welcome");
+        let l = listening(
+            &mut c,
+            json!({"size": 8, "mode": "immediate", "wait": "block", "count": 1}),
+        );
+        let ctx = Context::open(&Backend::Fabric(FabricConfig::default())).unwrap();
+        let eq = EventQueue::new(16).unwrap();
+        ExsPingTest {
+            server,
+            c,
+            l,
+            ctx,
+            eq,
+        }
+    }
+
+    fn connect(&self, context: u64) -> exs::Socket {
+        let (s, ev) = self.try_connect(context);
+        assert!(ev.is_ok(), "{ev:?}");
+        s
+    }
+
+    /// A connection to the test's listener, and its connect's event.
+    fn try_connect(&self, context: u64) -> (exs::Socket, exs::Event) {
+        let addr: std::net::SocketAddr = self.l["addr"].as_str().unwrap().parse().unwrap();
+        let s = exs::Socket::new(&self.ctx, exs::SockType::SeqPacket).unwrap();
+        s.connect(&self.eq, addr, context).unwrap();
+        let ev = self.eq.next(Some(Duration::from_secs(30))).unwrap();
+        (s, ev)
+    }
+
+    /// Sends the token and one ping on `client`, and checks the echo.
+    fn ping(&self, client: &exs::Socket) {
+        use exs::{MemoryRegion, MsgFlags};
+        let token =
+            MemoryRegion::from_vec(&self.ctx, token(&self.l).to_le_bytes().to_vec()).unwrap();
+        let ping = MemoryRegion::from_vec(&self.ctx, vec![9u8; 8]).unwrap();
+        let echo = MemoryRegion::alloc(&self.ctx, 8).unwrap();
+        client
+            .recv(&self.eq, &echo.all(), MsgFlags::NONE, 3)
+            .unwrap();
+        client
+            .send(&self.eq, &token.all(), MsgFlags::NONE, 4)
+            .unwrap();
+        client
+            .send(&self.eq, &ping.all(), MsgFlags::NONE, 5)
+            .unwrap();
+        let mut echoed = false;
+        while !echoed {
+            let ev = self
+                .eq
+                .next(Some(Duration::from_secs(30)))
+                .expect("the echo");
+            assert!(ev.is_ok(), "{ev:?}");
+            echoed = ev.context == 3;
+        }
+        assert_eq!(echo.to_vec().unwrap(), vec![9u8; 8]);
+    }
+
+    /// Checks that `stranger`'s connection was closed: a receive on it ends.
+    fn closed(&self, stranger: &exs::Socket) {
+        use exs::{MemoryRegion, MsgFlags};
+        let nothing = MemoryRegion::alloc(&self.ctx, 8).unwrap();
+        stranger
+            .recv(&self.eq, &nothing.all(), MsgFlags::NONE, 6)
+            .unwrap();
+        loop {
+            let ev = self
+                .eq
+                .next(Some(Duration::from_secs(30)))
+                .expect("the stranger's end");
+            if ev.context == 6 {
+                assert!(ev.flags.eof || !ev.is_ok(), "{ev:?}");
+                return;
+            }
+        }
+    }
+
+    /// The server's word on the test, once the client's connection is gone: done, and the server alive.
+    fn done(mut self) {
+        let done = self.c.reply().expect("the server's word on the test");
+        assert_eq!(done["msg"], "done", "{done}");
+        assert!(self.server.alive());
+    }
+}
+
 /// The same on a test's exs listener (`exs ping`'s): a stranger that connects first and sends nothing is closed
 /// within seconds, and the client's connection, which sends the token, gets its echo.
 #[test]
 fn a_stranger_connecting_first_to_a_tests_exs_listener_is_not_served() {
-    use exs::{
-        fabric::FabricConfig, Backend, Context, EventQueue, MemoryRegion, MsgFlags, SockType,
-    };
-    let mut server = Server::start("ping", free_port(), &[]);
-    let mut c = Raw::connect(&server);
-    assert_eq!(c.hello("ping")["msg"], "welcome");
-    let l = listening(
-        &mut c,
-        json!({"size": 8, "mode": "immediate", "wait": "block", "count": 1}),
-    );
-    let addr: std::net::SocketAddr = l["addr"].as_str().unwrap().parse().unwrap();
-    let ctx = Context::open(&Backend::Fabric(FabricConfig::default())).unwrap();
-    let eq = EventQueue::new(16).unwrap();
-    let connect = |context| {
-        let s = exs::Socket::new(&ctx, SockType::SeqPacket).unwrap();
-        s.connect(&eq, addr, context).unwrap();
-        let ev = eq.next(Some(Duration::from_secs(30))).unwrap();
-        assert!(ev.is_ok(), "{ev:?}");
-        s
-    };
-    let stranger = connect(1);
-    let client = connect(2);
-    let token = MemoryRegion::from_vec(&ctx, token(&l).to_le_bytes().to_vec()).unwrap();
-    let ping = MemoryRegion::from_vec(&ctx, vec![9u8; 8]).unwrap();
-    let echo = MemoryRegion::alloc(&ctx, 8).unwrap();
-    client.recv(&eq, &echo.all(), MsgFlags::NONE, 3).unwrap();
-    client.send(&eq, &token.all(), MsgFlags::NONE, 4).unwrap();
-    client.send(&eq, &ping.all(), MsgFlags::NONE, 5).unwrap();
-    let mut echoed = false;
-    while !echoed {
-        let ev = eq.next(Some(Duration::from_secs(30))).expect("the echo");
-        assert!(ev.is_ok(), "{ev:?}");
-        echoed = ev.context == 3;
-    }
-    assert_eq!(echo.to_vec().unwrap(), vec![9u8; 8]);
-    // The stranger's connection was closed: a receive on it ends.
-    let nothing = MemoryRegion::alloc(&ctx, 8).unwrap();
-    stranger
-        .recv(&eq, &nothing.all(), MsgFlags::NONE, 6)
-        .unwrap();
-    let ev = eq
-        .next(Some(Duration::from_secs(30)))
-        .expect("the stranger's end");
-    assert!(ev.context == 6 && (ev.flags.eof || !ev.is_ok()), "{ev:?}");
+    let t = ExsPingTest::start();
+    let stranger = t.connect(1);
+    let client = t.connect(2);
+    t.ping(&client);
+    t.closed(&stranger);
     drop(client);
     drop(stranger);
-    let done = c.reply().expect("the server's word on the test");
-    assert_eq!(done["msg"], "done", "{done}");
-    assert!(server.alive());
+    t.done();
+}
+
+/// A review found it: the server read the tokens of the connections to a test's exs listener one after the other,
+/// five seconds each, so a stranger holding a few silent connections queued ahead of the client's made it wait
+/// for all of them (eight: forty seconds, with the client's connection up and its token sent). The tokens are now
+/// read side by side: the client is served at once, and the strangers are closed once their time is up.
+#[test]
+fn silent_strangers_queued_ahead_on_a_tests_exs_listener_do_not_delay_the_client() {
+    let t = ExsPingTest::start();
+    let strangers: Vec<exs::Socket> = (0..8).map(|i| t.connect(10 + i)).collect();
+    let started = Instant::now();
+    let client = t.connect(2);
+    t.ping(&client);
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "the client was served after {:?} (eight strangers at five seconds each: 40 s)",
+        started.elapsed()
+    );
+    for s in &strangers {
+        t.closed(s);
+    }
+    drop(client);
+    drop(strangers);
+    t.done();
+}
+
+/// A review found it: a server's context had a 64 GiB memory budget (so that `exs ping --idle` could hold
+/// thousands of connections), so anyone connecting to a test's listener made it register each connection's control
+/// buffers, bounded by nothing of the server's own. Its context's budget is now its `--max-memory`: connections
+/// beyond it are refused, and the client's, once the strangers' are closed, is served.
+#[test]
+fn connections_to_a_tests_exs_listener_are_bounded_by_the_servers_max_memory() {
+    let t = ExsPingTest::start_with(&["--max-memory", "64K"]);
+    let tried: Vec<(exs::Socket, exs::Event)> = (0..24).map(|i| t.try_connect(10 + i)).collect();
+    let refused = tried.iter().filter(|(_, ev)| !ev.is_ok()).count();
+    assert!(
+        refused > 0 && refused < tried.len(),
+        "{refused} of {} connections refused",
+        tried.len()
+    );
+    for (_, ev) in tried.iter().filter(|(_, ev)| !ev.is_ok()) {
+        assert_eq!(ev.status, Err(exs::OpError::Refused), "{ev:?}");
+    }
+    // The strangers' connections are closed once their time for a token is up; the client's fits then.
+    for (s, _) in tried.iter().filter(|(_, ev)| ev.is_ok()) {
+        t.closed(s);
+    }
+    drop(tried);
+    let until = Instant::now() + Duration::from_secs(30);
+    let client = loop {
+        let (s, ev) = t.try_connect(2);
+        if ev.is_ok() {
+            break s;
+        }
+        assert!(
+            Instant::now() < until,
+            "the client was never let in: {ev:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    t.ping(&client);
+    drop(client);
+    t.done();
 }
 
 /// A demo client that read its TCP test's checksum and kept the data connection open held the server for 60 s,

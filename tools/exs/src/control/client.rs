@@ -132,8 +132,9 @@ impl Peer {
                 let t = std::thread::Builder::new()
                     .name(format!("exs-{}-server", S::TOOL))
                     .spawn(move || {
-                        let host = Host::open(&opened, &backend)?;
-                        Server::new(svc, host, Limits::widest(), false, false).run(&listener, true)
+                        let limits = Limits::widest();
+                        let host = Host::open(&opened, &backend, &limits)?;
+                        Server::new(svc, host, limits, false, false).run(&listener, true)
                     })?;
                 let s = connect(&[addr], S::TOOL)?;
                 (s, "the server thread".into(), None, Some(t))

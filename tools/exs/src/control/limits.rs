@@ -38,7 +38,8 @@ pub struct Limits {
           requires = "server")]
     pub max_idle: u64,
     /// The most buffer memory one test may make the server register (pinned, on RDMA hardware): pump's
-    /// size x depth, demo's eight chunks, ping's message.
+    /// size x depth, demo's eight chunks, ping's message; and, apart, what its connections hold (their control
+    /// buffers, a stream's buffer: `exs ping --idle` makes many), which is the server's context's memory budget.
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = cli::size_in(1..=MAX_MEMORY),
           requires = "server")]
     pub max_memory: u64,
@@ -145,6 +146,13 @@ impl Limits {
             ));
         }
         Ok(())
+    }
+
+    /// The memory budget of the server's context (`exs::ContextOptions::memory_budget`): the control and stream
+    /// buffers of a test's connections, idle ones included, fit in `--max-memory`, as its own buffers do; one
+    /// test runs at a time. A connection beyond it is refused (its peer sees a refusal).
+    pub fn engine_budget(&self) -> u64 {
+        self.max_memory
     }
 
     /// Refuses a test whose buffers on the server would exceed `--max-memory` (`what` says which parameters).

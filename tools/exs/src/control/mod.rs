@@ -298,8 +298,9 @@ pub struct Host {
 }
 
 impl Host {
-    fn open(opened: &Opened, backend: &BackendArgs) -> Result<Host> {
-        let (ctx, listen) = opened.host_listening()?;
+    /// The server's context, whose connections may hold what `limits` let one test make them hold.
+    fn open(opened: &Opened, backend: &BackendArgs, limits: &Limits) -> Result<Host> {
+        let (ctx, listen) = opened.host_within(limits.engine_budget())?;
         Ok(Host {
             ctx,
             label: opened.label(),

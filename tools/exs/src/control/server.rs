@@ -52,7 +52,7 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
             "listening for clients on {at} (TCP): another server there? (--port chooses another)"
         )
     })?;
-    let host = Host::open(&opened, backend)?;
+    let host = Host::open(&opened, backend, &peer.limits)?;
     let bound = listener.local_addr()?;
     if peer.announce {
         println!("LISTEN {bound}");

@@ -1,5 +1,5 @@
-//! Which connection to a test's exs listener is the client's: the one whose first eight bytes are the test's token
-//! (see [`crate::util::accept_one`]). Anyone may connect to the listener, and first; the tokens of the connections
+//! Which connections to a test's exs listener are the client's: those whose first eight bytes are the test's token
+//! (see [`crate::util::accept_one`], and the idle connections of [`crate::idle`]). Anyone may connect to the listener, and first; the tokens of the connections
 //! that came are read side by side, each within [`TOKEN_PATIENCE`], so that strangers which connect and stay
 //! silent cost the client at most one such wait, not one each (a review found the tokens read one connection after
 //! the other: a stranger holding ten connections queued made the client wait fifty seconds, past its own patience).
@@ -31,17 +31,24 @@ struct Candidate {
 /// Accepts connections on `l` until one sends `token` first; closes the others (a wrong token, none within
 /// [`TOKEN_PATIENCE`], or still unread when the client's came). Gives up when no connection came for
 /// [`PATIENCE`], or as soon as `watch` says so.
-///
-/// Accepts are made only when the listener is readable, so none is left posted when the client's connection is
-/// found (it would take the next connection, one of the client's idle ones, to a queue nobody reads).
 pub fn by_token(l: &Socket, token: u64, watch: &Watch) -> Result<Socket> {
-    let what = "the client's exs connection";
+    let mut won = admit(l, token, 1, watch, "the client's exs connection")?;
+    won.pop()
+        .ok_or_else(|| anyhow!("no client's exs connection"))
+}
+
+/// [`by_token`] for `n` connections (`what`: what they are, for messages): the client's idle connections.
+///
+/// Accepts are made only when the listener is readable, so none is left posted once the last is found (it would
+/// take the next connection, one of the client's, to a queue nobody reads).
+pub fn admit(l: &Socket, token: u64, n: usize, watch: &Watch, what: &str) -> Result<Vec<Socket>> {
     let aq = EventQueue::new(2 * CANDIDATES + 2)?;
     let mut cands: HashMap<u64, Candidate> = HashMap::new();
+    let mut won = Vec::with_capacity(n);
     let mut next_id = 0u64;
     let mut polling = false;
     let mut quiet_since = Instant::now();
-    let won = loop {
+    while won.len() < n {
         if !polling && cands.len() < CANDIDATES {
             l.poll(&aq, readable(), READY)
                 .context("waiting for connections")?;
@@ -81,7 +88,7 @@ pub fn by_token(l: &Socket, token: u64, watch: &Watch) -> Result<Socket> {
                     id => {
                         if let Some(c) = cands.remove(&id) {
                             match read_token(&c, &ev, token) {
-                                Ok(()) => break c.s,
+                                Ok(()) => won.push(c.s),
                                 Err(why) => refuse(&c.s, &why),
                             }
                         }
@@ -99,16 +106,19 @@ pub fn by_token(l: &Socket, token: u64, watch: &Watch) -> Result<Socket> {
             }
             keep
         });
-        if cands.is_empty() && now.duration_since(quiet_since) >= PATIENCE {
-            bail!("no {what} within {} s", PATIENCE.as_secs());
+        if won.len() < n && cands.is_empty() && now.duration_since(quiet_since) >= PATIENCE {
+            bail!(
+                "no {what} within {} s ({} of {n} came)",
+                PATIENCE.as_secs(),
+                won.len()
+            );
         }
-        watch.check(what)?;
-    };
+        if won.len() < n {
+            watch.check(what)?;
+        }
+    }
     for c in cands.into_values() {
-        refuse(
-            &c.s,
-            &anyhow!("another connection sent the test's token first"),
-        );
+        refuse(&c.s, &anyhow!("the test had all the connections it wanted"));
     }
     Ok(won)
 }

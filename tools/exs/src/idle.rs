@@ -6,7 +6,7 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
-use exs::{EventQueue, SockType, Socket};
+use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 use serde::{Deserialize, Serialize};
 
 /// Connects (or accepts) this many at once.
@@ -105,19 +105,25 @@ pub fn make_room_for(n: usize) {
     }
 }
 
-/// Opens `n` idle connections of type `ty` to `addr` (a listener of that type), [`IN_FLIGHT`] at a time.
+/// Opens `n` idle connections of type `ty` to `addr` (a listener of that type), [`IN_FLIGHT`] at a time, each
+/// sending `token` first, as the test's own connection did (the server takes only connections that do: see
+/// [`crate::admit`]).
 pub fn connect(
     ctx: &exs::Context,
     ty: SockType,
     addr: std::net::SocketAddr,
     n: usize,
+    token: u64,
 ) -> Result<Vec<Socket>> {
+    /// Marks a token send's event (the others are connects), beside the connection's number.
+    const TOLD: u64 = 1 << 63;
     make_room_for(n);
-    let eq = EventQueue::new(IN_FLIGHT)?;
+    let eq = EventQueue::new(2 * IN_FLIGHT)?;
+    let t = MemoryRegion::from_vec(ctx, token.to_le_bytes().to_vec())?;
     let mut socks: Vec<Socket> = Vec::with_capacity(n);
-    let mut up = 0;
-    while up < n {
-        while socks.len() < n && socks.len() - up < IN_FLIGHT {
+    let (mut up, mut told) = (0, 0);
+    while told < n {
+        while socks.len() < n && socks.len() - told < IN_FLIGHT {
             let s = Socket::new(ctx, ty).context("creating an idle socket")?;
             s.connect(&eq, addr, socks.len() as u64)
                 .with_context(|| format!("connecting idle connection {}", socks.len()))?;
@@ -126,17 +132,31 @@ pub fn connect(
         let ev = eq
             .next(Some(PATIENCE))
             .with_context(|| format!("{up} of {n} idle connections up, then no answer"))?;
-        ev.status
-            .with_context(|| format!("idle connection {} failed after {up} of {n}", ev.context))?;
-        up += 1;
+        let i = (ev.context & !TOLD) as usize;
+        if ev.context & TOLD != 0 {
+            ev.status
+                .with_context(|| format!("sending the test's token on idle connection {i}"))?;
+            told += 1;
+        } else {
+            ev.status
+                .with_context(|| format!("idle connection {i} failed after {up} of {n}"))?;
+            up += 1;
+            socks[i]
+                .send(&eq, &t.all(), MsgFlags::NONE, TOLD | i as u64)
+                .with_context(|| format!("sending the test's token on idle connection {i}"))?;
+        }
     }
     Ok(socks)
 }
 
-/// Accepts `n` connections on `listener`, [`IN_FLIGHT`] at a time, giving up once the client has gone or the
-/// test's time is up (a client that opens them slowly cannot hold the server).
+/// Accepts `n` connections on `listener`, giving up once the client has gone or the test's time is up (a client
+/// that opens them slowly cannot hold the server). With a token (`watch`'s), only connections that send it first
+/// count, as for the test's own connection; the others are closed ([`crate::admit::admit`]).
 pub fn accept(listener: &Socket, n: usize, watch: &crate::control::Watch) -> Result<Vec<Socket>> {
     make_room_for(n);
+    if let Some(token) = watch.token() {
+        return crate::admit::admit(listener, token, n, watch, "the client's idle connections");
+    }
     let eq = EventQueue::new(IN_FLIGHT)?;
     let mut socks = Vec::with_capacity(n);
     let mut posted = 0;

@@ -274,7 +274,8 @@ fn pinger(
     let idle = (p.idle > 0)
         .then(|| -> Result<_> {
             let before = crate::idle::Before::now(ctx);
-            let socks = crate::idle::connect(ctx, SockType::SeqPacket, addr, p.idle as usize)?;
+            let socks =
+                crate::idle::connect(ctx, SockType::SeqPacket, addr, p.idle as usize, token)?;
             Ok((before, before.cost(ctx, socks.len()), socks))
         })
         .transpose()?;

@@ -408,14 +408,21 @@ impl ExsPingTest {
 
     /// With the server's limits `caps`.
     fn start_with(caps: &[&str]) -> ExsPingTest {
+        Self::start_asking(caps, json!({}))
+    }
+
+    /// With the server's limits `caps`, asking for the test's parameters with `more` (`idle`, say).
+    fn start_asking(caps: &[&str], more: Value) -> ExsPingTest {
         use exs::{fabric::FabricConfig, Backend, Context, EventQueue};
         let server = Server::start("ping", free_port(), caps);
         let mut c = Raw::connect(&server);
         assert_eq!(c.hello("ping")["msg"], "welcome");
-        let l = listening(
-            &mut c,
-            json!({"size": 8, "mode": "immediate", "wait": "block", "count": 1}),
-        );
+        let mut params = json!({"size": 8, "mode": "immediate", "wait": "block", "count": 1});
+        params
+            .as_object_mut()
+            .unwrap()
+            .extend(more.as_object().unwrap().clone());
+        let l = listening(&mut c, params);
         let ctx = Context::open(&Backend::Fabric(FabricConfig::default())).unwrap();
         let eq = EventQueue::new(16).unwrap();
         ExsPingTest {
@@ -442,18 +449,29 @@ impl ExsPingTest {
         (s, ev)
     }
 
+    /// Sends the test's token on `s` (as the client's idle connections do), and waits for the send to end.
+    fn tell_token(&self, s: &exs::Socket) {
+        let token =
+            exs::MemoryRegion::from_vec(&self.ctx, token(&self.l).to_le_bytes().to_vec()).unwrap();
+        s.send(&self.eq, &token.all(), exs::MsgFlags::NONE, 7)
+            .unwrap();
+        let ev = self.eq.next(Some(Duration::from_secs(30))).unwrap();
+        assert!(ev.context == 7 && ev.is_ok(), "{ev:?}");
+    }
+
     /// Sends the token and one ping on `client`, and checks the echo.
     fn ping(&self, client: &exs::Socket) {
+        self.tell_token(client);
+        self.echo(client);
+    }
+
+    /// Sends one ping on `client` (its token sent), and checks the echo.
+    fn echo(&self, client: &exs::Socket) {
         use exs::{MemoryRegion, MsgFlags};
-        let token =
-            MemoryRegion::from_vec(&self.ctx, token(&self.l).to_le_bytes().to_vec()).unwrap();
         let ping = MemoryRegion::from_vec(&self.ctx, vec![9u8; 8]).unwrap();
         let echo = MemoryRegion::alloc(&self.ctx, 8).unwrap();
         client
             .recv(&self.eq, &echo.all(), MsgFlags::NONE, 3)
-            .unwrap();
-        client
-            .send(&self.eq, &token.all(), MsgFlags::NONE, 4)
             .unwrap();
         client
             .send(&self.eq, &ping.all(), MsgFlags::NONE, 5)
@@ -532,6 +550,35 @@ fn silent_strangers_queued_ahead_on_a_tests_exs_listener_do_not_delay_the_client
     }
     drop(client);
     drop(strangers);
+    t.done();
+}
+
+/// A review found it: the idle connections of `exs ping --idle` were accepted without a token, so a stranger's
+/// connections to the test's listener were taken (and held for the test's time) in place of the client's. They
+/// now send the token too: strangers are closed once their time for it is up, while the client's idle connections
+/// stay, and the ping goes on.
+#[test]
+fn strangers_among_a_pings_idle_connections_are_not_taken_for_them() {
+    let t = ExsPingTest::start_asking(&[], json!({"idle": 4}));
+    let client = t.connect(2);
+    t.tell_token(&client);
+    let strangers: Vec<exs::Socket> = (0..3).map(|i| t.connect(10 + i)).collect();
+    let idle: Vec<exs::Socket> = (0..4).map(|i| t.connect(20 + i)).collect();
+    for s in &idle {
+        t.tell_token(s);
+    }
+    t.echo(&client);
+    for s in &strangers {
+        t.closed(s);
+    }
+    for s in &idle {
+        assert_eq!(
+            s.error().unwrap(),
+            None,
+            "an idle connection of the client's failed"
+        );
+    }
+    drop((client, strangers, idle));
     t.done();
 }
 

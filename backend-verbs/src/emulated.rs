@@ -7,7 +7,8 @@
 //! the send gathers them from a slab registered once per connection, one slot per send-queue entry, reused in
 //! turn. A slot is rewritten only after the send that used it completed: at most `entries` native requests are on
 //! the send queue at once and each emulated send takes at least one, so the send that used a slot `entries` sends
-//! ago has been retired before the slot comes round again.
+//! ago has been retired before the slot comes round again. Only sends that reached the device count: the slots of
+//! requests the device refused are given back ([`ImmSlab::give_back`]).
 
 use std::sync::Arc;
 
@@ -70,6 +71,14 @@ impl ImmSlab {
             slab.mr = Some((mr, lkey, Arc::clone(pd)));
         }
         Ok(slab)
+    }
+
+    /// Gives back the last `n` slots taken, for requests the device refused (never on its queue, so no longer
+    /// read): they are taken again next, so that a slot still comes round only after `slots` requests that reached
+    /// the device (review finding: refused ones counted too, so a slot could be rewritten while a send that reached
+    /// the device before the refusal still read it).
+    pub(crate) fn give_back(&mut self, n: usize) {
+        self.next = (self.next + self.slots - n % self.slots) % self.slots;
     }
 
     /// Writes `imm`'s payload into the next slot and returns its scatter entry.
@@ -144,6 +153,30 @@ mod tests {
             "the registration may still be valid: its domain is never deallocated"
         );
         std::mem::forget(pd);
+    }
+
+    /// The slots of refused requests are taken again at once: the next request that reaches the device uses the
+    /// slot the refused one had, and the slot of one that reached it comes round only after `slots` such requests.
+    #[test]
+    fn slots_of_refused_requests_are_taken_again_first() {
+        let mut slab = ImmSlab::new(None, 4).expect("slab");
+        let first = slab.next(1).addr;
+        let refused = [slab.next(2).addr, slab.next(3).addr];
+        slab.give_back(2);
+        assert_eq!(slab.next(4).addr, refused[0]);
+        assert_eq!(slab.next(5).addr, refused[1]);
+        assert_ne!(
+            slab.next(6).addr,
+            first,
+            "three requests since the first reached the device"
+        );
+        assert_eq!(slab.next(7).addr, first, "four");
+        slab.give_back(0);
+        assert_eq!(
+            slab.next(8).addr,
+            refused[0],
+            "nothing given back: the next in turn"
+        );
     }
 
     #[test]

@@ -173,6 +173,9 @@ pub(crate) struct Chain {
     natives: Vec<ibv_send_wr>,
     sges: Vec<Few<ibv_sge>>,
     signal_after: Vec<Signaler>,
+    /// Slots of the endpoint's emulated-immediate slab taken by the requests up to each (to give back those of
+    /// requests the device refuses).
+    slab_after: Vec<usize>,
     recs: Vec<Posted<SendRec>>,
     signal: Signaler,
 }
@@ -183,6 +186,7 @@ impl Chain {
         self.natives.clear();
         self.sges.clear();
         self.signal_after.clear();
+        self.slab_after.clear();
         self.recs.clear();
         self.signal = signal;
     }
@@ -203,6 +207,9 @@ impl Chain {
         w.wr_id = seq;
         w.opcode = part.opcode;
         let mut flags = 0u32;
+        let taken = self.slab_after.last().copied().unwrap_or(0)
+            + usize::from(matches!(part.imm, ImmKind::Emulated(_)));
+        self.slab_after.push(taken);
         let list = match part.imm {
             ImmKind::Emulated(v) => {
                 let slot = slab
@@ -239,6 +246,17 @@ impl Chain {
         self.signal_after.push(self.signal);
         self.sges.push(list);
         self.natives.push(w);
+    }
+
+    /// Slots of the emulated-immediate slab that the requests from the `from`-th on took.
+    fn slab_taken_from(&self, from: usize) -> usize {
+        let all = self.slab_after.last().copied().unwrap_or(0);
+        let before = from
+            .checked_sub(1)
+            .and_then(|i| self.slab_after.get(i))
+            .copied()
+            .unwrap_or(0);
+        all - before
     }
 
     /// Points each request at its gather list and at the next request; returns the head.
@@ -600,6 +618,9 @@ impl VerbsTransport {
         if posted_natives > 0 {
             e.signal = chain.signal_after[posted_natives - 1];
         }
+        if let Some(slab) = e.imm_slab.as_mut() {
+            slab.give_back(chain.slab_taken_from(posted_natives));
+        }
         let refused = e
             .sends
             .keep(chain.recs.drain(..), cut, &mut self.cq_budget)
@@ -682,6 +703,23 @@ impl VerbsTransport {
 mod tests {
     use super::*;
     use crate::memory::NoDevice;
+
+    /// A chain the device refuses part-way gives back the slab slots of the emulated immediates from the refused
+    /// request on, and only those (what `keep_posted_part` gives back).
+    #[test]
+    fn a_chain_knows_the_slab_slots_of_its_requests_from_any_one_on() {
+        use ibv_wr_opcode::*;
+        let mut slab = crate::emulated::ImmSlab::new(None, 8).expect("slab");
+        let mut chain = Chain::default();
+        chain.start(Signaler::default());
+        let write = || NativePart::new(IBV_WR_RDMA_WRITE, Few::new(), None, ImmKind::None);
+        let imm = |v| NativePart::new(IBV_WR_SEND, Few::new(), None, ImmKind::Emulated(v));
+        for part in [write(), imm(1), write(), imm(2)] {
+            chain.push(0, part, false, 0, Some(&mut slab));
+        }
+        let taken: Vec<usize> = (0..=4).map(|i| chain.slab_taken_from(i)).collect();
+        assert_eq!(taken, [2, 2, 1, 1, 0]);
+    }
 
     /// A native request's shape as far as chaining goes.
     struct Wr {

@@ -48,7 +48,7 @@ impl Raw {
 
     /// Says hello as a `tool` client of this version; returns the answer.
     fn hello(&mut self, tool: &str) -> Value {
-        self.line(&json!({"msg": "hello", "version": 3, "tool": tool, "backend": "raw test"}));
+        self.line(&json!({"msg": "hello", "version": 4, "tool": tool, "backend": "raw test"}));
         self.reply().expect("an answer to the hello")
     }
 }

@@ -205,10 +205,13 @@ impl Context {
     }
 
     /// Bytes of device-visible memory one `ty` connection with `opts` charges to its context's
-    /// [`ContextOptions::memory_budget`] for its control buffers, at most: what a server that admits connections
-    /// from others sizes its budget with. Where the context's shared receive pool serves the connection (seed 003,
-    /// [`crate::SharedRecv`]), its receive buffers are the pool's and it charges less. A stream connection's stream
-    /// buffer ([`crate::SocketOptions::stream_buffer_size`]) comes on top, once its peer needs one.
+    /// [`ContextOptions::memory_budget`] for its control buffers where it posts receives of its own (on libfabric,
+    /// always): what a server that admits connections from others sizes its budget with. Where the context's shared
+    /// receive pool serves the connection (seed 003, [`crate::SharedRecv`]), its receive buffers are the pool's,
+    /// and its buffers for coalesced messages have the pool's slot size ([`crate::SharedRecv::small_packet_max_size`]
+    /// rather than the connection's): usually less in all, more only when the pool's slots are the larger. A
+    /// stream connection's stream buffer ([`crate::SocketOptions::stream_buffer_size`]) comes on top, once its peer
+    /// needs one.
     pub fn connection_memory(ty: crate::SockType, opts: &crate::SocketOptions) -> u64 {
         crate::proto::conn::layout::Layout::new(ty, opts, None).bytes() as u64
     }

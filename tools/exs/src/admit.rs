@@ -1,14 +1,15 @@
-//! Which connections to a test's exs listener are the client's: those whose first eight bytes are the test's token
-//! (see [`crate::util::accept_one`], and the idle connections of [`crate::idle`]). Anyone may connect to the listener, and first; the tokens of the connections
-//! that came are read side by side, each within [`TOKEN_PATIENCE`], so that strangers which connect and stay
-//! silent cost the client at most one such wait, not one each (a review found the tokens read one connection after
-//! the other: a stranger holding ten connections queued made the client wait fifty seconds, past its own patience).
+//! Which connections to a test's exs listener are the client's: with a token, those whose first eight bytes are
+//! the test's token (the test's own connection, [`crate::util::accept_one`], and the idle connections of
+//! [`crate::idle`]). Anyone may connect to the listener, and first; the tokens of the connections that came are
+//! read side by side, each within [`TOKEN_PATIENCE`], so that strangers which connect and stay silent cost the
+//! client at most one such wait, not one each (a review found the tokens read one connection after the other: a
+//! stranger holding ten connections queued made the client wait fifty seconds, past its own patience).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
-use exs::{Event, EventKind, EventQueue, MemoryRegion, MsgFlags, Readiness, Socket};
+use exs::{Event, EventQueue, MemoryRegion, MsgFlags, Readiness, Socket};
 
 use crate::control::Watch;
 use crate::util::{check_token, PATIENCE, TOKEN_PATIENCE};
@@ -28,115 +29,173 @@ struct Candidate {
     until: Instant,
 }
 
-/// Accepts connections on `l` until one sends `token` first; closes the others (a wrong token, none within
-/// [`TOKEN_PATIENCE`], or still unread when the client's came). Gives up when no connection came for
-/// [`PATIENCE`], or as soon as `watch` says so.
-pub fn by_token(l: &Socket, token: u64, watch: &Watch) -> Result<Socket> {
-    let mut won = admit(l, token, 1, watch, "the client's exs connection")?;
-    won.pop()
-        .ok_or_else(|| anyhow!("no client's exs connection"))
+/// What a connection of the client's is for: the test's own, or one of `exs ping --idle`'s idle connections.
+/// Each sends its own token (see [`Role::token`]), so that one cannot be taken for the other: the client opens its
+/// idle connections once its own token is sent, and one of them may be admitted before the own one's token is
+/// read (review finding).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Role {
+    Own,
+    Idle,
 }
 
-/// [`by_token`] for `n` connections (`what`: what they are, for messages): the client's idle connections.
-///
-/// Accepts are made only when the listener is readable, so none is left posted once the last is found (it would
-/// take the next connection, one of the client's, to a queue nobody reads).
-pub fn admit(l: &Socket, token: u64, n: usize, watch: &Watch, what: &str) -> Result<Vec<Socket>> {
-    let aq = EventQueue::new(2 * CANDIDATES + 2)?;
-    let mut cands: HashMap<u64, Candidate> = HashMap::new();
-    let mut won = Vec::with_capacity(n);
-    let mut next_id = 0u64;
-    let mut polling = false;
-    let mut quiet_since = Instant::now();
-    while won.len() < n {
-        if !polling && cands.len() < CANDIDATES {
-            l.poll(&aq, readable(), READY)
-                .context("waiting for connections")?;
-            polling = true;
+impl Role {
+    const ALL: [Role; 2] = [Role::Own, Role::Idle];
+
+    /// The token a connection of this role sends first, from the test's.
+    pub fn token(self, test: u64) -> u64 {
+        match self {
+            Role::Own => test,
+            Role::Idle => test ^ 0x1D1E,
         }
+    }
+}
+
+/// A test's listener and the connections it admitted, for as long as the test runs: the client's connections that
+/// came and were not asked for yet stay here, by role, for the next [`Admission::take`].
+///
+/// Accepts are made only when the listener is readable, so none is left posted between two takes (it would take
+/// the next connection to a queue nobody reads).
+pub struct Admission {
+    listener: Socket,
+    token: Option<u64>,
+    aq: EventQueue,
+    cands: HashMap<u64, Candidate>,
+    /// Connections admitted and not taken yet: the test's own and the idle ones (without a token, all are here as
+    /// the test's own).
+    admitted: [VecDeque<Socket>; 2],
+    /// Connections of each role the test will still take: once none, what is left (strangers) is closed.
+    expected: [usize; 2],
+    next_id: u64,
+    polling: bool,
+}
+
+impl Admission {
+    /// Admits connections of `listener` that send `token` first (its own role's: see [`Role::token`]), or,
+    /// without one, every connection; the test takes one of its own and `idle` idle ones.
+    pub fn new(listener: Socket, token: Option<u64>, idle: usize) -> Result<Admission> {
+        Ok(Admission {
+            listener,
+            token,
+            aq: EventQueue::new(2 * CANDIDATES + 2)?,
+            cands: HashMap::new(),
+            admitted: [VecDeque::new(), VecDeque::new()],
+            expected: [1, idle],
+            next_id: 0,
+            polling: false,
+        })
+    }
+
+    /// The next `n` connections of `role` admitted (`what`: what they are, for messages); the others that came
+    /// meanwhile are closed (a wrong token, or none within [`TOKEN_PATIENCE`]), or kept for their role. Gives up
+    /// when no connection came for [`PATIENCE`], or as soon as `watch` says so.
+    pub fn take(&mut self, role: Role, n: usize, watch: &Watch, what: &str) -> Result<Vec<Socket>> {
+        let r = if self.token.is_some() {
+            role as usize
+        } else {
+            0
+        };
+        let mut quiet_since = Instant::now();
+        while self.admitted[r].len() < n {
+            if !self.polling && self.cands.len() < CANDIDATES {
+                self.listener
+                    .poll(&self.aq, readable(), READY)
+                    .context("waiting for connections")?;
+                self.polling = true;
+            }
+            match self.aq.next(Some(self.wait())) {
+                Ok(ev) => {
+                    quiet_since = Instant::now();
+                    self.on_event(ev)?;
+                }
+                Err(exs::DequeueError::TimedOut) => {}
+                Err(e) => return Err(e).with_context(|| format!("waiting for {what}")),
+            }
+            let now = Instant::now();
+            self.cands.retain(|_, c| {
+                let keep = now < c.until;
+                if !keep {
+                    refuse(&c.s, &anyhow!("no token within {TOKEN_PATIENCE:?}"));
+                }
+                keep
+            });
+            if self.admitted[r].len() >= n {
+                break;
+            }
+            if self.cands.is_empty() && now.duration_since(quiet_since) >= PATIENCE {
+                bail!(
+                    "no {what} within {} s ({} of {n} came)",
+                    PATIENCE.as_secs(),
+                    self.admitted[r].len()
+                );
+            }
+            watch.check(what)?;
+        }
+        let taken: Vec<Socket> = self.admitted[r].drain(..n).collect();
+        self.expected[role as usize] = self.expected[role as usize].saturating_sub(n);
+        if self.expected == [0, 0] {
+            // Every connection of the client's came: the others are strangers'.
+            for c in std::mem::take(&mut self.cands).into_values() {
+                refuse(&c.s, &anyhow!("the test has all its connections"));
+            }
+            for s in self.admitted.iter_mut().flat_map(|q| q.drain(..)) {
+                refuse(&s, &anyhow!("one more than the test's connections"));
+            }
+        }
+        Ok(taken)
+    }
+
+    /// How long to wait for the next event: until the first candidate's time is up, and at most a second (to look
+    /// at the watch).
+    fn wait(&self) -> Duration {
         let now = Instant::now();
-        let wait = cands
+        self.cands
             .values()
             .map(|c| c.until.saturating_duration_since(now))
             .min()
             .unwrap_or(Duration::MAX)
-            .min(Duration::from_secs(1));
-        match aq.next(Some(wait)) {
-            Ok(ev) => {
-                quiet_since = Instant::now();
-                match ev.context {
-                    READY => {
-                        polling = false;
-                        ev.status.clone().context("waiting for connections")?;
-                        if !ev.readiness.readable {
-                            bail!("the test's listener failed ({:?})", ev.readiness);
-                        }
-                        l.accept(&aq, ACCEPTED).context("accept")?;
+            .min(Duration::from_secs(1))
+    }
+
+    fn on_event(&mut self, ev: Event) -> Result<()> {
+        match ev.context {
+            READY => {
+                self.polling = false;
+                ev.status.clone().context("waiting for connections")?;
+                if !ev.readiness.readable {
+                    bail!("the test's listener failed ({:?})", ev.readiness);
+                }
+                self.listener.accept(&self.aq, ACCEPTED).context("accept")?;
+            }
+            ACCEPTED => {
+                let s = accepted(ev)?;
+                if self.token.is_none() {
+                    self.admitted[0].push_back(s);
+                    return Ok(());
+                }
+                let got = MemoryRegion::alloc(self.listener.context(), 8)?;
+                let id = self.next_id;
+                match s.recv(&self.aq, &got.all(), MsgFlags::WAITALL, id) {
+                    Ok(()) => {
+                        let until = Instant::now() + TOKEN_PATIENCE;
+                        self.cands.insert(id, Candidate { s, got, until });
+                        self.next_id += 1;
                     }
-                    ACCEPTED => {
-                        let s = accepted(ev)?;
-                        let got = MemoryRegion::alloc(l.context(), 8)?;
-                        match s.recv(&aq, &got.all(), MsgFlags::WAITALL, next_id) {
-                            Ok(()) => {
-                                let until = Instant::now() + TOKEN_PATIENCE;
-                                cands.insert(next_id, Candidate { s, got, until });
-                                next_id += 1;
-                            }
-                            Err(e) => refuse(&s, &anyhow!(e).context("receiving the token")),
-                        }
-                    }
-                    id => {
-                        if let Some(c) = cands.remove(&id) {
-                            match read_token(&c, &ev, token) {
-                                Ok(()) => won.push(c.s),
-                                Err(why) => refuse(&c.s, &why),
-                            }
-                        }
+                    Err(e) => refuse(&s, &anyhow!(e).context("receiving the token")),
+                }
+            }
+            id => {
+                // A receive of a candidate closed meanwhile (its time was up) is not one of them any more.
+                if let (Some(c), Some(token)) = (self.cands.remove(&id), self.token) {
+                    match read_token(&c, &ev, token) {
+                        Ok(role) => self.admitted[role as usize].push_back(c.s),
+                        Err(why) => refuse(&c.s, &why),
                     }
                 }
             }
-            Err(exs::DequeueError::TimedOut) => {}
-            Err(e) => return Err(e).with_context(|| format!("waiting for {what}")),
         }
-        let now = Instant::now();
-        cands.retain(|_, c| {
-            let keep = now < c.until;
-            if !keep {
-                refuse(&c.s, &anyhow!("no token within {TOKEN_PATIENCE:?}"));
-            }
-            keep
-        });
-        if won.len() < n && cands.is_empty() && now.duration_since(quiet_since) >= PATIENCE {
-            bail!(
-                "no {what} within {} s ({} of {n} came)",
-                PATIENCE.as_secs(),
-                won.len()
-            );
-        }
-        if won.len() < n {
-            watch.check(what)?;
-        }
+        Ok(())
     }
-    for c in cands.into_values() {
-        refuse(&c.s, &anyhow!("the test had all the connections it wanted"));
-    }
-    Ok(won)
-}
-
-/// The socket an accept's event carries, or why there is none.
-fn accepted(mut ev: Event) -> Result<Socket> {
-    debug_assert_eq!(ev.kind, EventKind::Accept);
-    ev.status
-        .clone()
-        .context("accepting the client's exs connection")?;
-    ev.take_accepted()
-        .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))
-}
-
-/// Whether the receive `ev` ended with `token` in `c`'s buffer.
-fn read_token(c: &Candidate, ev: &Event, token: u64) -> Result<()> {
-    ev.status.clone().context("receiving the token")?;
-    check_token(&c.got.to_vec()?[..ev.bytes.min(8)], token)
 }
 
 /// Interest in readability alone (a listener: a connection waits for an accept).
@@ -145,6 +204,26 @@ fn readable() -> Readiness {
         readable: true,
         ..Readiness::default()
     }
+}
+
+/// The socket an accept's event carries, or why there is none.
+fn accepted(mut ev: Event) -> Result<Socket> {
+    ev.status
+        .clone()
+        .context("accepting the client's exs connection")?;
+    ev.take_accepted()
+        .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))
+}
+
+/// The role whose token (from the test's `token`) the receive `ev` ended with in `c`'s buffer, or why none.
+fn read_token(c: &Candidate, ev: &Event, token: u64) -> Result<Role> {
+    ev.status.clone().context("receiving the token")?;
+    let got = c.got.to_vec()?;
+    let got = &got[..ev.bytes.min(8)];
+    Role::ALL
+        .into_iter()
+        .find(|r| check_token(got, r.token(token)).is_ok())
+        .ok_or_else(|| anyhow!("not this test's token"))
 }
 
 /// Closes a connection that is not the client's, saying why in the log.

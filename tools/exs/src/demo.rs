@@ -104,12 +104,21 @@ pub struct Point {
 /// Receives the exs server keeps posted, each a chunk.
 const RING: usize = 8;
 
+/// The options of the exs test's connection (the receiving side posts a ring of [`RING`] receives).
+fn exs_options() -> SocketOptions {
+    SocketOptions::default().with_recv_credits(64)
+}
+
 impl control::Params for Point {
     fn check(&self, limits: &Limits) -> Result<(), String> {
         check_in("--chunk", self.chunk, &(1..=MAX_CHUNK))?;
         limits.bytes(self.size)?;
+        // The exs connection's control buffers count too: the server's memory budget is its --max-memory.
         let buffers = match self.transport {
-            Transport::Exs => self.chunk * RING as u64,
+            Transport::Exs => {
+                self.chunk * RING as u64
+                    + exs::Context::connection_memory(SockType::SeqPacket, &exs_options())
+            }
             Transport::Tcp => self.chunk,
         };
         limits.memory(buffers, "--chunk")
@@ -372,11 +381,11 @@ fn exs_server(
     let (_listener, s) = crate::util::accept_one(
         ctx,
         SockType::SeqPacket,
-        SocketOptions::default().with_recv_credits(64),
+        exs_options(),
         host.listen,
-        &eq,
         announce,
         watch,
+        0,
     )?;
     let ring = MemoryRegion::alloc(ctx, RING * chunk).context("registering the receive ring")?;
     for k in 0..RING {

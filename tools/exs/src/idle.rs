@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use anyhow::{anyhow, bail, Context as _, Result};
+use anyhow::{bail, Context as _, Result};
 use exs::{EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 use serde::{Deserialize, Serialize};
 
@@ -106,8 +106,8 @@ pub fn make_room_for(n: usize) {
 }
 
 /// Opens `n` idle connections of type `ty` to `addr` (a listener of that type), [`IN_FLIGHT`] at a time, each
-/// sending `token` first, as the test's own connection did (the server takes only connections that do: see
-/// [`crate::admit`]).
+/// sending the idle connections' token (from the test's `token`) first, as the test's own connection sent its own
+/// (the server takes only connections that do, each for its role: see [`crate::admit`]).
 pub fn connect(
     ctx: &exs::Context,
     ty: SockType,
@@ -119,6 +119,7 @@ pub fn connect(
     const TOLD: u64 = 1 << 63;
     make_room_for(n);
     let eq = EventQueue::new(2 * IN_FLIGHT)?;
+    let token = crate::admit::Role::Idle.token(token);
     let t = MemoryRegion::from_vec(ctx, token.to_le_bytes().to_vec())?;
     let mut socks: Vec<Socket> = Vec::with_capacity(n);
     let (mut up, mut told) = (0, 0);
@@ -149,35 +150,21 @@ pub fn connect(
     Ok(socks)
 }
 
-/// Accepts `n` connections on `listener`, giving up once the client has gone or the test's time is up (a client
-/// that opens them slowly cannot hold the server). With a token (`watch`'s), only connections that send it first
-/// count, as for the test's own connection; the others are closed ([`crate::admit::admit`]).
-pub fn accept(listener: &Socket, n: usize, watch: &crate::control::Watch) -> Result<Vec<Socket>> {
+/// Accepts the client's `n` idle connections on the test's listener, giving up once the client has gone or the
+/// test's time is up (a client that opens them slowly cannot hold the server). With a token (`watch`'s), only
+/// connections that send it first count, as for the test's own connection; the others are closed.
+pub fn accept(
+    admission: &mut crate::admit::Admission,
+    n: usize,
+    watch: &crate::control::Watch,
+) -> Result<Vec<Socket>> {
     make_room_for(n);
-    if let Some(token) = watch.token() {
-        return crate::admit::admit(listener, token, n, watch, "the client's idle connections");
-    }
-    let eq = EventQueue::new(IN_FLIGHT)?;
-    let mut socks = Vec::with_capacity(n);
-    let mut posted = 0;
-    while socks.len() < n {
-        while posted < n && posted - socks.len() < IN_FLIGHT {
-            listener
-                .accept(&eq, 0)
-                .context("accepting idle connections")?;
-            posted += 1;
-        }
-        let what = format!("idle connection {} of {n}", socks.len() + 1);
-        let mut ev = crate::util::wait_watching(&eq, watch, &what)?;
-        ev.status
-            .clone()
-            .with_context(|| format!("accepting {what}"))?;
-        let s = ev
-            .take_accepted()
-            .ok_or_else(|| anyhow!("accepting {what}: no connection"))?;
-        socks.push(s);
-    }
-    Ok(socks)
+    admission.take(
+        crate::admit::Role::Idle,
+        n,
+        watch,
+        "the client's idle connections",
+    )
 }
 
 /// Closes every idle connection; the seconds it took until the context's connections held no more memory than

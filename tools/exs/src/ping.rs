@@ -158,17 +158,17 @@ fn echo(
     let eq = EventQueue::with_mode(16, wait)?;
     let whole = host.whole;
     let before = crate::idle::Before::now(ctx);
-    let (listener, s) = crate::util::accept_one(
+    let (mut admission, s) = crate::util::accept_one(
         ctx,
         SockType::SeqPacket,
         p.options(),
         host.listen,
-        &eq,
         announce,
         watch,
+        p.idle as usize,
     )?;
     // The client opens its idle connections once the ping connection is up; they stay until it ends.
-    let _idle = crate::idle::accept(&listener, p.idle as usize, watch)?;
+    let _idle = crate::idle::accept(&mut admission, p.idle as usize, watch)?;
     let idle = (p.idle > 0).then(|| before.cost(ctx, p.idle as usize));
     let buf = MemoryRegion::alloc(ctx, size.max(1)).context("registering the echo buffer")?;
     if p.mode == PingMode::Persistent {

@@ -96,13 +96,15 @@ impl control::Params for Point {
 }
 
 impl Point {
-    /// The buffers the server registers: its receives, and a stream's ring.
+    /// The buffers the server registers: its receives, a stream's ring, and the connection's control buffers
+    /// (which, with the ring, the server's memory budget holds: its --max-memory).
     fn server_memory(&self) -> u64 {
-        let ring = match self.sock_type {
-            Type::Stream => self.stream_ring() as u64,
-            Type::Seqpacket => 0,
+        let (ring, ty) = match self.sock_type {
+            Type::Stream => (self.stream_ring() as u64, exs::SockType::Stream),
+            Type::Seqpacket => (0, exs::SockType::SeqPacket),
         };
-        self.size * self.depth as u64 + ring
+        let control = exs::Context::connection_memory(ty, &self.options());
+        (self.size * self.depth as u64).saturating_add(ring + control)
     }
 
     /// A stream's ring: two depths' worth, within the library's range.
@@ -205,9 +207,9 @@ fn serve(
         p.sock_type.sock(),
         p.options(),
         host.listen,
-        &eq,
         announce,
         watch,
+        0,
     )?;
     let (size, depth) = (p.size as usize, p.depth);
     let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth)?)

@@ -54,20 +54,21 @@ pub fn check_token(got: &[u8], token: u64) -> Result<()> {
 
 /// The server side of every tool: listens on `listen` with `options`, tells the caller the bound address, and
 /// accepts one connection within [`PATIENCE`], giving up as soon as `watch` sees the client go. Returns the
-/// listener (kept open while the connection is served) and the accepted socket.
+/// listener's admission (kept while the connection is served: it keeps the listener open, and admits the client's
+/// `idle` idle connections) and the accepted socket.
 ///
 /// Anyone may connect to the listener, and first: with a token (`watch`'s), only a connection whose first eight
-/// bytes are the token is the client's; the others are closed ([`crate::admit::by_token`] reads the tokens of the
+/// bytes are the token is the client's; the others are closed ([`crate::admit::Admission`] reads the tokens of the
 /// connections that came side by side, until the test's time is up).
 pub fn accept_one(
     ctx: &exs::Context,
     ty: exs::SockType,
     options: exs::SocketOptions,
     listen: SocketAddr,
-    eq: &exs::EventQueue,
     announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
     watch: &Watch,
-) -> Result<(exs::Socket, exs::Socket)> {
+    idle: usize,
+) -> Result<(crate::admit::Admission, exs::Socket)> {
     let l = exs::Socket::new(ctx, ty).context("creating the listening socket")?;
     l.set_options(options)
         .with_context(|| format!("setting {options:?}"))?;
@@ -77,19 +78,17 @@ pub fn accept_one(
         .listen(0)
         .with_context(|| format!("listening on {listen}"))?;
     announce(bound)?;
-    let Some(token) = watch.token() else {
-        l.accept(eq, 0).context("accept")?;
-        let mut ev = wait_watching(eq, watch, "the client's exs connection")?;
-        ev.status
-            .clone()
-            .context("accepting the client's exs connection")?;
-        let s = ev
-            .take_accepted()
-            .ok_or_else(|| anyhow!("accepting the client's exs connection: no connection"))?;
-        return Ok((l, s));
-    };
-    let s = crate::admit::by_token(&l, token, watch)?;
-    Ok((l, s))
+    let mut admission = crate::admit::Admission::new(l, watch.token(), idle)?;
+    let s = admission
+        .take(
+            crate::admit::Role::Own,
+            1,
+            watch,
+            "the client's exs connection",
+        )?
+        .pop()
+        .ok_or_else(|| anyhow!("no client's exs connection"))?;
+    Ok((admission, s))
 }
 
 /// The client's exs connection to a test's listener at `addr` (events on `eq`), then `token` sent first on it

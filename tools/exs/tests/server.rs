@@ -449,10 +449,20 @@ impl ExsPingTest {
         (s, ev)
     }
 
-    /// Sends the test's token on `s` (as the client's idle connections do), and waits for the send to end.
+    /// Sends the test's token on `s` (the client's own connection), and waits for the send to end.
     fn tell_token(&self, s: &exs::Socket) {
-        let token =
-            exs::MemoryRegion::from_vec(&self.ctx, token(&self.l).to_le_bytes().to_vec()).unwrap();
+        self.tell(s, token(&self.l));
+    }
+
+    /// Sends the idle connections' token on `s` (the test's, with bits 0x1D1E flipped: the client's idle
+    /// connections' own, so that they cannot be taken for the client's ping connection).
+    fn tell_idle_token(&self, s: &exs::Socket) {
+        self.tell(s, token(&self.l) ^ 0x1D1E);
+    }
+
+    /// Sends `token` on `s`, and waits for the send to end.
+    fn tell(&self, s: &exs::Socket, token: u64) {
+        let token = exs::MemoryRegion::from_vec(&self.ctx, token.to_le_bytes().to_vec()).unwrap();
         s.send(&self.eq, &token.all(), exs::MsgFlags::NONE, 7)
             .unwrap();
         let ev = self.eq.next(Some(Duration::from_secs(30))).unwrap();
@@ -565,7 +575,7 @@ fn strangers_among_a_pings_idle_connections_are_not_taken_for_them() {
     let strangers: Vec<exs::Socket> = (0..3).map(|i| t.connect(10 + i)).collect();
     let idle: Vec<exs::Socket> = (0..4).map(|i| t.connect(20 + i)).collect();
     for s in &idle {
-        t.tell_token(s);
+        t.tell_idle_token(s);
     }
     t.echo(&client);
     for s in &strangers {
@@ -579,6 +589,33 @@ fn strangers_among_a_pings_idle_connections_are_not_taken_for_them() {
         );
     }
     drop((client, strangers, idle));
+    t.done();
+}
+
+/// A review found it: the client opens its idle connections once its own connection's token is sent, so an idle
+/// one can be admitted before the server has read the own one's token; it was then closed as one too many, or
+/// (the same token on both) taken for the ping connection while the client pinged on the other. Each role has its
+/// token, and what comes early is kept for its role.
+#[test]
+fn idle_connections_admitted_before_the_clients_own_are_kept_and_not_taken_for_it() {
+    let t = ExsPingTest::start_asking(&[], json!({"idle": 2}));
+    let client = t.connect(2);
+    let idle: Vec<exs::Socket> = (0..2).map(|i| t.connect(20 + i)).collect();
+    for s in &idle {
+        t.tell_idle_token(s);
+    }
+    // Let the server admit them first.
+    std::thread::sleep(Duration::from_millis(300));
+    t.tell_token(&client);
+    t.echo(&client);
+    for s in &idle {
+        assert_eq!(
+            s.error().unwrap(),
+            None,
+            "an idle connection of the client's failed"
+        );
+    }
+    drop((client, idle));
     t.done();
 }
 

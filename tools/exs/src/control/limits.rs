@@ -149,10 +149,12 @@ impl Limits {
     }
 
     /// The memory budget of the server's context (`exs::ContextOptions::memory_budget`): the control and stream
-    /// buffers of a test's connections, idle ones included, fit in `--max-memory`, as its own buffers do; one
-    /// test runs at a time. A connection beyond it is refused (its peer sees a refusal).
+    /// buffers of a test's connections, idle ones included, fit in `--max-memory` (the tests' checks count them),
+    /// and the context holds twice that, so that the connections of the test before, which go once their close
+    /// has run its course (up to the linger time), do not refuse the next one's. One test runs at a time. A
+    /// connection beyond it is refused (its peer sees a refusal).
     pub fn engine_budget(&self) -> u64 {
-        self.max_memory
+        self.max_memory.saturating_mul(2)
     }
 
     /// Refuses a test whose buffers on the server would exceed `--max-memory` (`what` says which parameters).

@@ -22,10 +22,10 @@ pub const CANDIDATES: usize = 64;
 const READY: u64 = u64::MAX;
 const ACCEPTED: u64 = u64::MAX - 1;
 
-/// A connection whose token is being read.
+/// A connection whose token is being read (into its slot of the admission's token buffer).
 struct Candidate {
     s: Socket,
-    got: MemoryRegion,
+    slot: usize,
     until: Instant,
 }
 
@@ -61,6 +61,12 @@ pub struct Admission {
     token: Option<u64>,
     aq: EventQueue,
     cands: HashMap<u64, Candidate>,
+    /// The tokens' buffer, 8 bytes a candidate (registered once, not once a connection: `exs ping --idle` admits
+    /// thousands), its free slots, and the slots of receives still posted, by candidate number (a receive of a
+    /// candidate closed when its time was up keeps its slot until its cancellation comes).
+    tokens: MemoryRegion,
+    free: Vec<usize>,
+    reading: HashMap<u64, usize>,
     /// Connections admitted and not taken yet: the test's own and the idle ones (without a token, all are here as
     /// the test's own).
     admitted: [VecDeque<Socket>; 2],
@@ -74,11 +80,15 @@ impl Admission {
     /// Admits connections of `listener` that send `token` first (its own role's: see [`Role::token`]), or,
     /// without one, every connection; the test takes one of its own and `idle` idle ones.
     pub fn new(listener: Socket, token: Option<u64>, idle: usize) -> Result<Admission> {
+        let tokens = MemoryRegion::alloc(listener.context(), 8 * CANDIDATES)?;
         Ok(Admission {
             listener,
             token,
             aq: EventQueue::new(2 * CANDIDATES + 2)?,
             cands: HashMap::new(),
+            tokens,
+            free: (0..CANDIDATES).rev().collect(),
+            reading: HashMap::new(),
             admitted: [VecDeque::new(), VecDeque::new()],
             expected: [1, idle],
             next_id: 0,
@@ -97,7 +107,7 @@ impl Admission {
         };
         let mut quiet_since = Instant::now();
         while self.admitted[r].len() < n {
-            if !self.polling && self.cands.len() < CANDIDATES {
+            if !self.polling && !self.free.is_empty() {
                 self.listener
                     .poll(&self.aq, readable(), READY)
                     .context("waiting for connections")?;
@@ -173,24 +183,34 @@ impl Admission {
                     self.admitted[0].push_back(s);
                     return Ok(());
                 }
-                let got = MemoryRegion::alloc(self.listener.context(), 8)?;
+                // A readiness poll is posted only with a slot free.
+                let slot = self.free.pop().expect("a free slot");
                 let id = self.next_id;
-                match s.recv(&self.aq, &got.all(), MsgFlags::WAITALL, id) {
+                let into = self.tokens.slice(8 * slot..8 * slot + 8);
+                match s.recv(&self.aq, &into, MsgFlags::WAITALL, id) {
                     Ok(()) => {
                         let until = Instant::now() + TOKEN_PATIENCE;
-                        self.cands.insert(id, Candidate { s, got, until });
+                        self.cands.insert(id, Candidate { s, slot, until });
+                        self.reading.insert(id, slot);
                         self.next_id += 1;
                     }
-                    Err(e) => refuse(&s, &anyhow!(e).context("receiving the token")),
+                    Err(e) => {
+                        self.free.push(slot);
+                        refuse(&s, &anyhow!(e).context("receiving the token"));
+                    }
                 }
             }
             id => {
                 // A receive of a candidate closed meanwhile (its time was up) is not one of them any more.
                 if let (Some(c), Some(token)) = (self.cands.remove(&id), self.token) {
-                    match read_token(&c, &ev, token) {
+                    match read_token(&self.tokens, &c, &ev, token) {
                         Ok(role) => self.admitted[role as usize].push_back(c.s),
                         Err(why) => refuse(&c.s, &why),
                     }
+                }
+                // Its receive has ended: the slot is free.
+                if let Some(slot) = self.reading.remove(&id) {
+                    self.free.push(slot);
                 }
             }
         }
@@ -216,9 +236,10 @@ fn accepted(mut ev: Event) -> Result<Socket> {
 }
 
 /// The role whose token (from the test's `token`) the receive `ev` ended with in `c`'s buffer, or why none.
-fn read_token(c: &Candidate, ev: &Event, token: u64) -> Result<Role> {
+fn read_token(tokens: &MemoryRegion, c: &Candidate, ev: &Event, token: u64) -> Result<Role> {
     ev.status.clone().context("receiving the token")?;
-    let got = c.got.to_vec()?;
+    let mut got = [0u8; 8];
+    tokens.read(8 * c.slot, &mut got)?;
     let got = &got[..ev.bytes.min(8)];
     Role::ALL
         .into_iter()

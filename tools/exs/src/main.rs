@@ -166,6 +166,9 @@ fn init_logging() {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        // A line that cannot be written is lost, not reported with `eprintln!`, which panics when standard error
+        // is a closed pipe (a server whose log reader went away died at the first stranger it logged).
+        .log_internal_errors(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }

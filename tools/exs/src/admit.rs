@@ -70,8 +70,10 @@ pub struct Admission {
     /// Connections admitted and not taken yet: the test's own and the idle ones (without a token, all are here as
     /// the test's own).
     admitted: [VecDeque<Socket>; 2],
-    /// Connections of each role the test will still take: once none, what is left (strangers) is closed.
+    /// Connections of each role the test will still take: once none, what is left (strangers) is closed, and the
+    /// listener (`complete`).
     expected: [usize; 2],
+    complete: bool,
     next_id: u64,
     polling: bool,
 }
@@ -91,6 +93,7 @@ impl Admission {
             reading: HashMap::new(),
             admitted: [VecDeque::new(), VecDeque::new()],
             expected: [1, idle],
+            complete: false,
             next_id: 0,
             polling: false,
         })
@@ -117,6 +120,14 @@ impl Admission {
                 Ok(ev) => {
                     quiet_since = Instant::now();
                     self.on_event(ev)?;
+                    // Whatever else is queued before any candidate's time is judged: a token that came in time
+                    // must not be taken for a late one because its event waited behind others (review finding).
+                    let mut more = Vec::new();
+                    while self.aq.poll(&mut more, CANDIDATES) > 0 {
+                        for ev in more.drain(..) {
+                            self.on_event(ev)?;
+                        }
+                    }
                 }
                 Err(exs::DequeueError::TimedOut) => {}
                 Err(e) => return Err(e).with_context(|| format!("waiting for {what}")),
@@ -143,13 +154,18 @@ impl Admission {
         }
         let taken: Vec<Socket> = self.admitted[r].drain(..n).collect();
         self.expected[role as usize] = self.expected[role as usize].saturating_sub(n);
-        if self.expected == [0, 0] {
-            // Every connection of the client's came: the others are strangers'.
+        if self.expected == [0, 0] && !std::mem::replace(&mut self.complete, true) {
+            // Every connection of the client's came: the others are strangers', and so is whatever still comes.
+            // The listener closes (the connections it holds, not accepted, with it: review finding, they kept
+            // their memory for the test's time), the test's connections stay.
             for c in std::mem::take(&mut self.cands).into_values() {
                 refuse(&c.s, &anyhow!("the test has all its connections"));
             }
             for s in self.admitted.iter_mut().flat_map(|q| q.drain(..)) {
                 refuse(&s, &anyhow!("one more than the test's connections"));
+            }
+            if let Err(e) = self.listener.close() {
+                tracing::warn!("closing a test's listener: {e}");
             }
         }
         Ok(taken)
@@ -170,7 +186,8 @@ impl Admission {
     fn on_event(&mut self, ev: Event) -> Result<()> {
         match ev.context {
             READY => {
-                self.polling = false;
+                // Still `polling` until the accept's event is taken: a second readiness poll meanwhile could
+                // accept a second connection for the one free slot (review finding: the server panicked).
                 ev.status.clone().context("waiting for connections")?;
                 if !ev.readiness.readable {
                     bail!("the test's listener failed ({:?})", ev.readiness);
@@ -178,6 +195,7 @@ impl Admission {
                 self.listener.accept(&self.aq, ACCEPTED).context("accept")?;
             }
             ACCEPTED => {
+                self.polling = false;
                 let s = accepted(ev)?;
                 if self.token.is_none() {
                     self.admitted[0].push_back(s);

@@ -413,8 +413,12 @@ impl ExsPingTest {
 
     /// With the server's limits `caps`, asking for the test's parameters with `more` (`idle`, say).
     fn start_asking(caps: &[&str], more: Value) -> ExsPingTest {
+        Self::start_on(Server::start("ping", free_port(), caps), more)
+    }
+
+    /// On `server` (an `exs ping` server), asking for the test's parameters with `more`.
+    fn start_on(server: Server, more: Value) -> ExsPingTest {
         use exs::{fabric::FabricConfig, Backend, Context, EventQueue};
-        let server = Server::start("ping", free_port(), caps);
         let mut c = Raw::connect(&server);
         assert_eq!(c.hello("ping")["msg"], "welcome");
         let mut params = json!({"size": 8, "mode": "immediate", "wait": "block", "count": 1});
@@ -589,6 +593,36 @@ fn strangers_among_a_pings_idle_connections_are_not_taken_for_them() {
         );
     }
     drop((client, strangers, idle));
+    t.done();
+}
+
+/// A server whose log reader went away (its standard error a closed pipe) logs each stranger it closes, and
+/// goes on: the connection with a wrong token is closed, and the client's served.
+#[test]
+fn a_stranger_logged_by_a_server_whose_log_reader_went_away_does_not_stop_it() {
+    let t = ExsPingTest::start_on(
+        Server::start_logging("ping", free_port(), &[], false),
+        json!({}),
+    );
+    let stranger = t.connect(1);
+    t.tell(&stranger, token(&t.l).wrapping_add(1));
+    t.closed(&stranger);
+    let client = t.connect(2);
+    t.ping(&client);
+    drop((client, stranger));
+    t.done();
+}
+
+/// A review found it: with every slot for a token taken by silent strangers, two connections could be accepted
+/// for the last free one, and the server's session panicked. More strangers than slots only make the client wait
+/// for theirs to run out.
+#[test]
+fn more_silent_strangers_than_token_slots_only_delay_the_client() {
+    let t = ExsPingTest::start();
+    let strangers: Vec<exs::Socket> = (0..70).map(|i| t.connect(100 + i)).collect();
+    let client = t.connect(2);
+    t.ping(&client);
+    drop((client, strangers));
     t.done();
 }
 

@@ -74,6 +74,8 @@ pub struct Admission {
     /// listener (`complete`).
     expected: [usize; 2],
     complete: bool,
+    /// Connections closed so far (see [`LOGGED`]).
+    refused: u64,
     next_id: u64,
     polling: bool,
 }
@@ -94,6 +96,7 @@ impl Admission {
             admitted: [VecDeque::new(), VecDeque::new()],
             expected: [1, idle],
             complete: false,
+            refused: 0,
             next_id: 0,
             polling: false,
         })
@@ -133,10 +136,15 @@ impl Admission {
                 Err(e) => return Err(e).with_context(|| format!("waiting for {what}")),
             }
             let now = Instant::now();
+            let refused = &mut self.refused;
             self.cands.retain(|_, c| {
                 let keep = now < c.until;
                 if !keep {
-                    refuse(&c.s, &anyhow!("no token within {TOKEN_PATIENCE:?}"));
+                    refuse(
+                        &c.s,
+                        &anyhow!("no token within {TOKEN_PATIENCE:?}"),
+                        refused,
+                    );
                 }
                 keep
             });
@@ -159,10 +167,24 @@ impl Admission {
             // The listener closes (the connections it holds, not accepted, with it: review finding, they kept
             // their memory for the test's time), the test's connections stay.
             for c in std::mem::take(&mut self.cands).into_values() {
-                refuse(&c.s, &anyhow!("the test has all its connections"));
+                refuse(
+                    &c.s,
+                    &anyhow!("the test has all its connections"),
+                    &mut self.refused,
+                );
             }
             for s in self.admitted.iter_mut().flat_map(|q| q.drain(..)) {
-                refuse(&s, &anyhow!("one more than the test's connections"));
+                refuse(
+                    &s,
+                    &anyhow!("one more than the test's connections"),
+                    &mut self.refused,
+                );
+            }
+            if self.refused > LOGGED {
+                tracing::warn!(
+                    "{} more connections to the test's listener closed",
+                    self.refused - LOGGED
+                );
             }
             if let Err(e) = self.listener.close() {
                 tracing::warn!("closing a test's listener: {e}");
@@ -214,7 +236,11 @@ impl Admission {
                     }
                     Err(e) => {
                         self.free.push(slot);
-                        refuse(&s, &anyhow!(e).context("receiving the token"));
+                        refuse(
+                            &s,
+                            &anyhow!(e).context("receiving the token"),
+                            &mut self.refused,
+                        );
                     }
                 }
             }
@@ -223,7 +249,7 @@ impl Admission {
                 if let (Some(c), Some(token)) = (self.cands.remove(&id), self.token) {
                     match read_token(&self.tokens, &c, &ev, token) {
                         Ok(role) => self.admitted[role as usize].push_back(c.s),
-                        Err(why) => refuse(&c.s, &why),
+                        Err(why) => refuse(&c.s, &why, &mut self.refused),
                     }
                 }
                 // Its receive has ended: the slot is free.
@@ -265,9 +291,16 @@ fn read_token(tokens: &MemoryRegion, c: &Candidate, ev: &Event, token: u64) -> R
         .ok_or_else(|| anyhow!("not this test's token"))
 }
 
-/// Closes a connection that is not the client's, saying why in the log.
-fn refuse(s: &Socket, why: &anyhow::Error) {
-    let from = format!("{:?}", s.peer_addr().ok().flatten());
-    tracing::warn!(%from, "a connection to a test's listener closed: {why:#}");
+/// Connections closed per test that the log names one by one; the rest are counted (a stranger sending wrong
+/// tokens as fast as it connects must not fill the server's log).
+const LOGGED: u64 = 8;
+
+/// Closes a connection that is not the client's, saying why in the log (the first [`LOGGED`] of a test).
+fn refuse(s: &Socket, why: &anyhow::Error, refused: &mut u64) {
+    *refused += 1;
+    if *refused <= LOGGED {
+        let from = format!("{:?}", s.peer_addr().ok().flatten());
+        tracing::warn!(%from, "a connection to a test's listener closed: {why:#}");
+    }
     let _ = s.close();
 }

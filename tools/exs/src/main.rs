@@ -202,8 +202,10 @@ fn main() {
         Cmd::Tcpping(a) => baseline::run_tcpping(a),
     };
     if let Err(e) = r {
-        // The whole chain, outermost first: what was being done, then why.
-        eprintln!("exs: error: {e:#}");
+        // The whole chain, outermost first: what was being done, then why. Not `eprintln!`, which panics (exit
+        // status 101, not 1) when standard error is a closed pipe.
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "exs: error: {e:#}");
         std::process::exit(1);
     }
 }

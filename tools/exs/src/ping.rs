@@ -102,8 +102,11 @@ impl Point {
             PingMode::Persistent => o,
         };
         if self.idle > 0 {
-            // The idle connections' requests queue while the server's accepts are on their way.
-            return o.with_backlog(self.idle.saturating_add(1).min(65535));
+            // The idle connections' requests queue while the server's accepts are on their way; never less than
+            // the default (review finding: `--idle 1` had a backlog of 2, which two strangers' connections beside
+            // those whose tokens were being read filled, and the client's own was refused).
+            let backlog = self.idle.saturating_add(1).max(o.backlog).min(65535);
+            return o.with_backlog(backlog);
         }
         o
     }

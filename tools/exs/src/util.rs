@@ -69,6 +69,11 @@ pub fn accept_one(
     watch: &Watch,
     idle: usize,
 ) -> Result<(crate::admit::Admission, exs::Socket)> {
+    // The listener sets connections up by itself, before any accept: the descriptors for the idle ones must be
+    // there from the start.
+    if idle > 0 {
+        crate::idle::make_room_for(idle);
+    }
     let l = exs::Socket::new(ctx, ty).context("creating the listening socket")?;
     l.set_options(options)
         .with_context(|| format!("setting {options:?}"))?;

@@ -305,16 +305,6 @@ pub(crate) fn is_wake(ev: &Event) -> bool {
 /// (`shutdown(Read)` from another thread; a writer left with completions the writers still waiting did not see). Nothing
 /// happens if the queue is full (`false`): its waiter is awake anyway. Both directions pass it over when they take
 /// it in.
-/// Puts up to `n` wake-up events in `eq` (see [`wake`]), one per waiter no other event will wake; stops at a full
-/// queue, whose events wake waiters that come back for more.
-pub(crate) fn wake_each(eq: &EventQueue, sock: &Socket, n: usize) {
-    for _ in 0..n {
-        if !wake(eq, sock) {
-            break;
-        }
-    }
-}
-
 pub(crate) fn wake(eq: &EventQueue, sock: &Socket) -> bool {
     match eq.reserve(EventKind::Recv, WAKE, sock.id()) {
         Ok(t) => {
@@ -322,6 +312,16 @@ pub(crate) fn wake(eq: &EventQueue, sock: &Socket) -> bool {
             true
         }
         Err(_) => false,
+    }
+}
+
+/// Puts up to `n` wake-up events in `eq` (see [`wake`]), one per waiter no other event will wake; stops at a full
+/// queue, whose events wake waiters that come back for more.
+pub(crate) fn wake_each(eq: &EventQueue, sock: &Socket, n: usize) {
+    for _ in 0..n {
+        if !wake(eq, sock) {
+            break;
+        }
     }
 }
 

@@ -71,9 +71,8 @@ pub struct Admission {
     /// the test's own).
     admitted: [VecDeque<Socket>; 2],
     /// Connections of each role the test will still take: once none, what is left (strangers) is closed, and the
-    /// listener (`complete`).
+    /// listener ([`Admission::finish`]).
     expected: [usize; 2],
-    complete: bool,
     /// Connections closed so far (see [`LOGGED`]).
     refused: u64,
     next_id: u64,
@@ -95,7 +94,6 @@ impl Admission {
             reading: HashMap::new(),
             admitted: [VecDeque::new(), VecDeque::new()],
             expected: [1, idle],
-            complete: false,
             refused: 0,
             next_id: 0,
             polling: false,
@@ -161,36 +159,41 @@ impl Admission {
             watch.check(what)?;
         }
         let taken: Vec<Socket> = self.admitted[r].drain(..n).collect();
+        let before = self.expected;
         self.expected[role as usize] = self.expected[role as usize].saturating_sub(n);
-        if self.expected == [0, 0] && !std::mem::replace(&mut self.complete, true) {
-            // Every connection of the client's came: the others are strangers', and so is whatever still comes.
-            // The listener closes (the connections it holds, not accepted, with it: review finding, they kept
-            // their memory for the test's time), the test's connections stay.
-            for c in std::mem::take(&mut self.cands).into_values() {
-                refuse(
-                    &c.s,
-                    &anyhow!("the test has all its connections"),
-                    &mut self.refused,
-                );
-            }
-            for s in self.admitted.iter_mut().flat_map(|q| q.drain(..)) {
-                refuse(
-                    &s,
-                    &anyhow!("one more than the test's connections"),
-                    &mut self.refused,
-                );
-            }
-            if self.refused > LOGGED {
-                tracing::warn!(
-                    "{} more connections to the test's listener closed",
-                    self.refused - LOGGED
-                );
-            }
-            if let Err(e) = self.listener.close() {
-                tracing::warn!("closing a test's listener: {e}");
-            }
+        if self.expected == [0, 0] && before != [0, 0] {
+            self.finish();
         }
         Ok(taken)
+    }
+
+    /// Every connection of the client's came: the others are strangers', and so is whatever still comes. The
+    /// listener closes (the connections it holds, not accepted, with it: review finding, they kept their memory
+    /// for the test's time); the test's connections stay.
+    fn finish(&mut self) {
+        for c in std::mem::take(&mut self.cands).into_values() {
+            refuse(
+                &c.s,
+                &anyhow!("the test has all its connections"),
+                &mut self.refused,
+            );
+        }
+        for s in self.admitted.iter_mut().flat_map(|q| q.drain(..)) {
+            refuse(
+                &s,
+                &anyhow!("one more than the test's connections"),
+                &mut self.refused,
+            );
+        }
+        if self.refused > LOGGED {
+            tracing::warn!(
+                "{} more connections to the test's listener closed",
+                self.refused - LOGGED
+            );
+        }
+        if let Err(e) = self.listener.close() {
+            tracing::warn!("closing a test's listener: {e}");
+        }
     }
 
     /// How long to wait for the next event: until the first candidate's time is up, and at most a second (to look

@@ -152,8 +152,8 @@ pub fn connect(
 
 /// Accepts the client's `n` idle connections on the test's listener (whose descriptors `accept_one` made room for),
 /// giving up once the client has gone or the test's time is up (a client that opens them slowly cannot hold the
-/// server). With a token (`watch`'s), only
-/// connections that send it first count, as for the test's own connection; the others are closed.
+/// server). With a token (`watch`'s), only connections that send the idle connections' one first count, as for the
+/// test's own connection; the others are closed.
 pub fn accept(
     admission: &mut crate::admit::Admission,
     n: usize,

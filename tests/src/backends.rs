@@ -179,6 +179,10 @@ impl Backend for Fabric {
             _ => 10,
         })
     }
+    fn polls_every_connection(&self) -> Option<&'static str> {
+        (self.cfg.cq_wait == exs_backend_fabric::CqWait::None)
+            .then_some("queues without a wait object are read in every poll")
+    }
 }
 
 #[cfg(feature = "verbs")]

@@ -72,6 +72,12 @@ pub trait Backend: Send + Sync {
     fn descriptors_per_connection(&self) -> Option<u64> {
         None
     }
+    /// Why every poll of this configuration reads every connection's completion queue, if it does (libfabric with
+    /// no wait object: a queue that cannot signal stays hot, by design): there, what a poll costs grows with the
+    /// connections held, and the many-connection cases scale down.
+    fn polls_every_connection(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// A test: `Ok` or a message saying what broke.

@@ -172,9 +172,11 @@ impl Stream {
     }
 
     /// Like `TcpStream::shutdown`. `Write`: end-of-stream is queued behind the bytes already written and the
-    /// call returns at once (the peer reads every byte, then end-of-stream); later writes fail with `BrokenPipe`.
+    /// call returns at once (the peer reads every byte, then end-of-stream); later writes fail with `BrokenPipe`,
+    /// a write waiting in another thread for room included; on a connection the peer reset, `NotConnected`.
     /// `Read`: every later read returns end-of-stream, a read blocked in another thread included; bytes still
-    /// unread are dropped.
+    /// unread are dropped, and a peer that goes on writing waits once the receives and the stream buffer are
+    /// full (as a TCP peer's window closes).
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         if matches!(how, Shutdown::Read | Shutdown::Both) {
             self.inner.read_shut.store(true, Ordering::SeqCst);

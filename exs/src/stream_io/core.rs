@@ -121,7 +121,9 @@ pub(crate) struct Reader {
     ready: VecDeque<Filled>,
     posted: usize,
     eof: bool,
-    /// `shutdown(Read)`: reads return end-of-stream, arriving bytes are dropped.
+    /// `shutdown(Read)`: reads return end-of-stream; the receives already posted take what arrives and are
+    /// not posted again, so a peer that goes on writing waits once they and the stream buffer are full (as a
+    /// TCP peer's window closes).
     shut: bool,
     /// A receive failed: reported once every byte before it has been read, and from then on.
     failed: Option<Failure>,
@@ -528,15 +530,29 @@ impl Writer {
         if self.shut != Shut::Open {
             return Ok(());
         }
+        let mut down = None;
         match self.sock.shutdown(&self.eq, 0) {
             Ok(()) => self.shut = Shut::Posted,
-            // The peer closed the whole connection, or it is down: there is no writing side left.
-            Err(CloseError::State(StateError::ConnectionDown(_) | StateError::Shutdown)) => {
-                self.shut = Shut::Done
+            // The peer closed the whole connection: there is no writing side left (TCP's `shutdown` in
+            // CLOSE_WAIT succeeds too).
+            Err(CloseError::State(
+                StateError::ConnectionDown(OpError::PeerClosed) | StateError::Shutdown,
+            )) => self.shut = Shut::Done,
+            // Reset, or lost: `NotConnected`, as TCP's `ENOTCONN` after a reset (review finding: it returned
+            // `Ok`, and the next write failed).
+            Err(CloseError::State(StateError::ConnectionDown(why))) => {
+                self.shut = Shut::Done;
+                down = Some(io::Error::new(io::ErrorKind::NotConnected, why));
             }
             Err(e) => return Err(e.into()),
         }
-        self.sent_failure()
+        // Writers waiting for room in another thread fail now with `BrokenPipe`, as TCP's `EPIPE` (review
+        // finding: they slept until their write timeout, or for ever, as the room needs the peer to read).
+        if self.waiters > 0 {
+            self.wake_waiters();
+        }
+        self.sent_failure()?;
+        down.map_or(Ok(()), Err)
     }
 }
 

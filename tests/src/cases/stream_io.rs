@@ -31,6 +31,14 @@ pub fn cases() -> Vec<Case> {
             shutdown_wakes_reader,
         ),
         c(
+            "shutdown_write_wakes_a_writer_blocked_on_a_full_send_ring",
+            shutdown_wakes_writer,
+        ),
+        c(
+            "shutdown_write_after_the_peers_reset_says_not_connected_and_after_its_close_succeeds",
+            shutdown_after_reset,
+        ),
+        c(
             "a_streams_addresses_stay_after_the_peer_closes_and_only_the_local_one_after_a_reset",
             addresses_after_close,
         ),
@@ -128,20 +136,7 @@ fn shutdown_unbounded(b: &dyn Backend) -> Result<(), String> {
     let net = b.net();
     let (a, p, _hosts) = streams(&*net)?;
     // Fill everything between the two: the peer's receives, its stream buffer and a's send ring.
-    a.set_write_timeout(Some(Duration::from_millis(300)))
-        .map_err(s)?;
-    let mut sent = Vec::new();
-    let mut i = 0u64;
-    loop {
-        let chunk = pattern(100_000, i);
-        match (&a).write(&chunk) {
-            Ok(n) => sent.extend_from_slice(&chunk[..n]),
-            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-            Err(e) => return Err(format!("write: {e}")),
-        }
-        i += 1;
-        ensure!(sent.len() < 1 << 30, "the writes never waited");
-    }
+    let sent = fill_until_writes_wait(&a)?;
     let t = Instant::now();
     (&a).flush().map_err(s)?;
     a.shutdown(Shutdown::Write).map_err(s)?;
@@ -202,6 +197,84 @@ fn shutdown_wakes_reader(b: &dyn Backend) -> Result<(), String> {
     ensure!(n? == 0, "the blocked read returned bytes");
     ensure!(took < WAIT, "the blocked read was not woken");
     Ok(())
+}
+
+/// Review: `shutdown(Write)` from one thread left a writer blocked in another (its send ring full, the peer
+/// reading nothing) asleep until its write timeout, or for ever without one; TCP's wakes it with `EPIPE`. The
+/// blocked write fails with `BrokenPipe` at once.
+fn shutdown_wakes_writer(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let (a, _p, _hosts) = streams(&*net)?;
+    fill_until_writes_wait(&a)?;
+    // Long enough that only the shutdown can end the next write before it.
+    a.set_write_timeout(Some(Duration::from_secs(20)))
+        .map_err(s)?;
+    let a2 = a.try_clone().map_err(s)?;
+    let writer = std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = (&a2).write(&pattern(100_000, 7));
+        (r.map_err(|e| e.kind()), t.elapsed())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    a.shutdown(Shutdown::Write).map_err(s)?;
+    let (r, took) = writer.join().map_err(|_| "the writer panicked")?;
+    ensure!(
+        r == Err(ErrorKind::BrokenPipe),
+        "the blocked write ended with {r:?} after {took:?}, not BrokenPipe at the shutdown"
+    );
+    Ok(())
+}
+
+/// Review: `shutdown(Write)` on a connection the peer had reset returned `Ok` (and the next write failed);
+/// TCP's says `ENOTCONN`. After the peer's graceful close it succeeds, as TCP's does in CLOSE_WAIT.
+fn shutdown_after_reset(b: &dyn Backend) -> Result<(), String> {
+    let net = b.net();
+    let (a, p, _hosts) = streams(&*net)?;
+    p.socket().abort().map_err(s)?;
+    a.set_read_timeout(Some(WAIT)).map_err(s)?;
+    let mut one = [0u8; 1];
+    let e = (&a)
+        .read(&mut one)
+        .err()
+        .ok_or("a read after the peer's reset returned")?;
+    ensure!(
+        e.kind() == ErrorKind::ConnectionReset,
+        "the read after the peer's reset: {e}"
+    );
+    let r = a.shutdown(Shutdown::Write).map_err(|e| e.kind());
+    ensure!(
+        r == Err(ErrorKind::NotConnected),
+        "shutdown(Write) after the peer's reset: {r:?}"
+    );
+    let net2 = b.net();
+    let (c, p2, _hosts2) = streams(&*net2)?;
+    drop(p2);
+    c.set_read_timeout(Some(WAIT)).map_err(s)?;
+    ensure!(
+        (&c).read(&mut one).map_err(s)? == 0,
+        "end-of-stream after the peer's close"
+    );
+    c.shutdown(Shutdown::Write)
+        .map_err(|e| format!("shutdown(Write) after the peer's close: {e}"))
+}
+
+/// Writes to `a` until a write waits for room (the peer reads nothing): its receives, its stream buffer and
+/// `a`'s send ring are full. Returns the bytes written.
+fn fill_until_writes_wait(a: &exs::Stream) -> Result<Vec<u8>, String> {
+    a.set_write_timeout(Some(Duration::from_millis(300)))
+        .map_err(s)?;
+    let mut sent = Vec::new();
+    let mut i = 0u64;
+    loop {
+        let chunk = pattern(100_000, i);
+        match (&*a).write(&chunk) {
+            Ok(n) => sent.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(sent),
+            Err(e) => return Err(format!("write: {e}")),
+        }
+        i += 1;
+        ensure!(sent.len() < 1 << 30, "the writes never waited");
+    }
 }
 
 /// Review: `peer_addr` and `local_addr` failed with `NotConnected` as soon as the peer's close came in, while its

@@ -250,11 +250,13 @@ impl Context {
 
     /// Makes whatever progress is possible now, without blocking (for manual progress and tests).
     pub fn progress(&self) -> bool {
-        let mut e = self.shared().lock();
+        let shared = self.shared();
+        let mut e = shared.lock();
         let mut any = false;
         while e.progress() {
             any = true;
         }
+        shared.report_timers(&mut e);
         any
     }
 

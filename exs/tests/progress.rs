@@ -401,3 +401,74 @@ fn an_acknowledgment_sent_with_a_reply_leaves_no_timer_for_a_sleeper() {
         next.map(|d| d.saturating_duration_since(acking))
     );
 }
+
+/// Review finding: a round run by a thread that does not lead the context (a busy or spinning dequeue) set
+/// timers nobody was told of: a delayed acknowledgment (request/response traffic: it waits for a reply to carry
+/// it) waited for the thread asleep as the leader to wake at its own time, unless the progress thread, checking
+/// back after the busy poll, ran it first (here it does: the send completes either way, and the test pins the
+/// wake-up, which without the fix never comes). Such a round now wakes the sleeper when it sets a timer earlier
+/// than the sleeper's wake-up. The leader may take the request itself (the transport wakes it too), and then
+/// nobody needs waking: the scene is played until the busy poller's round took it, five times at most.
+#[test]
+fn a_timer_set_by_a_busy_pollers_round_wakes_the_thread_asleep_as_leader() {
+    let kicked = (0..5).any(|_| busy_round_sets_a_timer_beside_a_sleeping_leader() > 0);
+    assert!(kicked, "the sleeping leader was never woken for the timer");
+}
+
+/// One scene of [`a_timer_set_by_a_busy_pollers_round_wakes_the_thread_asleep_as_leader`]: the server
+/// context's timer wake-ups of its sleeping leader.
+fn busy_round_sets_a_timer_beside_a_sleeping_leader() -> u64 {
+    let p = pair_threaded(SockType::SeqPacket, SocketOptions::default());
+    // The server answers once: its acknowledgments then wait for a reply to carry them.
+    let answer = MemoryRegion::from_vec(&p.b, pattern(64, 1)).unwrap();
+    let got = p.client_region(vec![0; 64]);
+    p.client
+        .recv(&p.eq_a, &got.all(), MsgFlags::NONE, 1)
+        .unwrap();
+    p.server
+        .send(&p.eq_b, &answer.all(), MsgFlags::NONE, 2)
+        .unwrap();
+    assert!(wait(&p.eq_a).is_ok());
+    assert!(wait(&p.eq_b).is_ok());
+    // A thread sleeps as the server context's leader, on a receive that takes the second message, not the first.
+    let busy = EventQueue::with_mode(8, WaitMode::BusyPoll).unwrap();
+    let lead = EventQueue::new(8).unwrap();
+    let (first, second) = (p.server_region(64), p.server_region(64));
+    p.server
+        .recv(&busy, &first.all(), MsgFlags::NONE, 3)
+        .unwrap();
+    p.server
+        .recv(&lead, &second.all(), MsgFlags::NONE, 4)
+        .unwrap();
+    let leader = std::thread::spawn(move || {
+        let mut evs = Vec::new();
+        let _ = lead.dequeue(&mut evs, 1, 1, Some(Duration::from_secs(8)));
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let kicks = p.b.progress_stats().timer_kicks;
+    // The request: taken by a busy-polling dequeue, whose round delays the acknowledgment.
+    let request = p.client_region(pattern(64, 2));
+    p.client
+        .send(&p.eq_a, &request.all(), MsgFlags::NONE, 5)
+        .unwrap();
+    let mut evs = Vec::new();
+    busy.dequeue(&mut evs, 1, 1, Some(Duration::from_secs(10)))
+        .unwrap();
+    assert!(evs.first().is_some_and(|e| e.is_ok()), "{evs:?}");
+    // The send completes once the acknowledgment comes.
+    let mut sent = Vec::new();
+    let r = p
+        .eq_a
+        .dequeue(&mut sent, 1, 1, Some(Duration::from_secs(8)));
+    assert!(
+        r.is_ok() && sent.first().is_some_and(|e| e.is_ok()),
+        "the request's send: {r:?} {sent:?}"
+    );
+    let kicked = p.b.progress_stats().timer_kicks - kicks;
+    // The leader's receive: the last message.
+    p.client
+        .send(&p.eq_a, &request.all(), MsgFlags::NONE, 6)
+        .unwrap();
+    leader.join().unwrap();
+    kicked
+}

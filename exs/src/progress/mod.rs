@@ -82,7 +82,9 @@ impl Poller for Shared {
         };
         // One round: the caller polls again if what it waits for is not there yet (another round here would
         // cost a transport poll, a system call on software providers).
-        e.progress_busy()
+        let did = e.progress_busy();
+        self.report_timers(&mut e);
+        did
     }
 
     fn try_lead(&self, follower: Arc<dyn Follower>) -> bool {
@@ -140,10 +142,19 @@ impl Shared {
         e.clear_armed();
         let r = f(&mut e);
         e.drain_done();
+        self.report_timers(&mut e);
+        r
+    }
+
+    /// After a call or a round that is not the leader's own: a timer it set for earlier than the sleeper's
+    /// wake-up time wakes the sleeper (rule 1). A round of a thread that does not lead (a busy or spinning
+    /// dequeue, [`crate::Context::progress`]) sets timers too: a delayed acknowledgment, a held window update
+    /// (review finding: unreported, they waited for the leader's own wake-up, the keepalive's 10 s, and the next
+    /// call forgot them).
+    pub(crate) fn report_timers(&self, e: &mut Engine) {
         if e.armed() {
             self.lead.after_call(|| e.take_armed_real());
         }
-        r
     }
 
     pub(crate) fn stopping(&self) -> bool {

@@ -298,7 +298,7 @@ impl EventQueue {
             if again {
                 continue;
             }
-            self.sleep_leading(&led, need, until);
+            self.sleep_leading(&led, need, until, nudges);
         };
         for p in led {
             p.release();
@@ -336,18 +336,22 @@ impl EventQueue {
     }
 
     /// The leader's sleep: on the wait descriptors of the contexts it leads, and on this thread's wake-up
-    /// descriptor, registered with the queue, for events that other threads complete here.
+    /// descriptor, registered with the queue, for events that other threads complete here. Not at all if the
+    /// queue was nudged since `nudges` (a leader of another of its contexts let go, before this thread was
+    /// registered to hear it: review finding, that context then went unled until its progress thread checked
+    /// back, tens of milliseconds).
     pub(super) fn sleep_leading(
         &self,
         led: &[Arc<dyn Poller>],
         need: usize,
         until: Option<Instant>,
+        nudges: u64,
     ) {
         let wake = sleepers::this_thread();
         let mut until = until;
         let mine = {
             let mut s = self.inner.lock();
-            if s.events.len() >= need {
+            if s.events.len() >= need || s.nudges != nudges {
                 return;
             }
             match &wake {

@@ -436,9 +436,10 @@ int exs_connect(int fd,
 
 /**
  * Asks for the socket's readiness (ES-API `exs_poll`): an `EXS_EVT_POLL` event on `qh` comes as soon as the
- * socket is ready for something in `events` (`POLLIN`, `POLLOUT`), at once if it already is; `POLLERR` and
- * `POLLHUP` are always reported. One per socket on a shared queue waits for whichever is ready first. -1 with
- * `errno`: `EBADF`, `EAGAIN`.
+ * socket is ready for something in `events` (`POLLIN`, `POLLOUT`; `POLLRDNORM` and `POLLWRNORM` are taken for
+ * them, and reported as them), at once if it already is; `POLLERR` and `POLLHUP` are always reported (and
+ * ignored in `events`, as by `poll(2)`). One per socket on a shared queue waits for whichever is ready first. -1
+ * with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`, `POLLRDBAND`, ...), `EAGAIN`.
  */
 int exs_poll(int fd,
              short events,

@@ -111,9 +111,10 @@ pub unsafe extern "C" fn exs_connect(
 }
 
 /// Asks for the socket's readiness (ES-API `exs_poll`): an `EXS_EVT_POLL` event on `qh` comes as soon as the
-/// socket is ready for something in `events` (`POLLIN`, `POLLOUT`), at once if it already is; `POLLERR` and
-/// `POLLHUP` are always reported. One per socket on a shared queue waits for whichever is ready first. -1 with
-/// `errno`: `EBADF`, `EAGAIN`.
+/// socket is ready for something in `events` (`POLLIN`, `POLLOUT`; `POLLRDNORM` and `POLLWRNORM` are taken for
+/// them, and reported as them), at once if it already is; `POLLERR` and `POLLHUP` are always reported (and
+/// ignored in `events`, as by `poll(2)`). One per socket on a shared queue waits for whichever is ready first. -1
+/// with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`, `POLLRDBAND`, ...), `EAGAIN`.
 #[no_mangle]
 pub extern "C" fn exs_poll(
     fd: c_int,
@@ -123,9 +124,18 @@ pub extern "C" fn exs_poll(
 ) -> c_int {
     call(|| {
         let s = SOCKETS.get(fd)?;
+        // Review finding: bits other than POLLIN and POLLOUT were dropped without a word (`POLLRDNORM` from code
+        // written for poll(2) then waited for an error or a hang-up only).
+        let (read, write) = (
+            libc::POLLIN | libc::POLLRDNORM,
+            libc::POLLOUT | libc::POLLWRNORM,
+        );
+        if events & !(read | write | libc::POLLERR | libc::POLLHUP) != 0 {
+            return Err(Errno(libc::EINVAL));
+        }
         let interest = Readiness {
-            readable: events & libc::POLLIN != 0,
-            writable: events & libc::POLLOUT != 0,
+            readable: events & read != 0,
+            writable: events & write != 0,
             ..Readiness::default()
         };
         start_on(qh, |eq| s.sock.poll(eq, interest, ctx_value(context)))

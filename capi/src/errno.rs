@@ -172,6 +172,7 @@ impl ToErrno for MemoryError {
             MemoryError::InUse { .. } => libc::EBUSY,
             MemoryError::Transport(t) => t.errno(),
             MemoryError::NoMemory { .. } => libc::ENOMEM,
+            MemoryError::Kept => libc::EIO,
             _ => libc::EINVAL,
         }
     }
@@ -313,6 +314,7 @@ mod tests {
         };
         assert_eq!(RecvError::from(outside).errno(), libc::EINVAL);
         assert_eq!(MemoryError::InUse { leases: 1 }.errno(), libc::EBUSY);
+        assert_eq!(MemoryError::Kept.errno(), libc::EIO);
         assert_eq!(OpError::Refused.errno(), libc::ECONNREFUSED);
         assert_eq!(OpError::Cancelled.errno(), libc::ECANCELED);
         let down = StateError::ConnectionDown(OpError::ConnectionReset);

@@ -76,6 +76,8 @@ pub unsafe extern "C" fn exs_mregister(
 /// may free it. -1 with `errno`: `EBADF`; `EBUSY` while an operation on it is in flight or about to start
 /// (nothing changed: the handle stays valid; try again after the events), or while another thread deregisters
 /// it (the handle stays valid only if that deregistration is refused: a retry may find it gone, `EBADF`).
+/// `EIO`: the device kept the memory (undoing its registration failed in the device, which may still reach it):
+/// the handle is gone, and the memory must never be freed or reused.
 /// Calls of other threads that name the handle while it runs fail with `EBADF`; it holds no lock they need
 /// meanwhile (undoing a large registration takes a while).
 #[no_mangle]
@@ -101,6 +103,13 @@ pub extern "C" fn exs_mderegister(mh: exs_mhandle_t) -> c_int {
                 drop(buf);
                 MEMORY.write().remove(&mh);
                 Ok(0)
+            }
+            // For good: the handle goes (review finding: it was filed again without its registration, and
+            // every later call failed, `EBUSY` for ever from this one).
+            Err((region, exs::MemoryError::Kept)) => {
+                drop(region);
+                MEMORY.write().remove(&mh);
+                Err(Errno(libc::EIO))
             }
             Err((region, e)) => {
                 if let Some(entry) = MEMORY.write().get_mut(&mh) {
@@ -200,5 +209,28 @@ mod tests {
         assert_eq!(exs_mderegister(mh), 0, "errno {}", errno());
         assert_eq!(slice_errno(mh), Some(libc::EBADF));
         assert_eq!((exs_mderegister(mh), errno()), (-1, libc::EBADF));
+    }
+
+    /// Review finding: when the device failed to undo a registration and kept the memory (as the verbs and
+    /// libfabric backends keep a buffer whose deregistration failed), the handle was filed again without its
+    /// registration: every operation on it failed and every `exs_mderegister` said `EBUSY`, for ever. It is
+    /// `EIO`, once, and the handle is gone (the program must never free the memory).
+    #[test]
+    fn memory_the_device_kept_is_eio_once_and_its_handle_goes() {
+        let world = World::new(SimConfig::default());
+        let ctx = world.host();
+        world.keep_deregistered_memory(0, true);
+        let base = BASE + 0x10_0000;
+        let entry = MemEntry {
+            region: Some(MemoryRegion::alloc(&ctx, 4096).expect("region")),
+            base,
+            len: 4096,
+            access: EXS_ACCESS_READ,
+        };
+        let mh = MEMORY.insert_new(entry).expect("a number");
+        assert_eq!((exs_mderegister(mh), errno()), (-1, libc::EIO));
+        assert_eq!((exs_mderegister(mh), errno()), (-1, libc::EBADF));
+        let named = slice(mh, base as *const c_void, 16, EXS_ACCESS_READ).err();
+        assert_eq!(named.map(|e| e.0), Some(libc::EBADF));
     }
 }

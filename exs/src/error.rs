@@ -596,13 +596,20 @@ pub enum MemoryError {
         /// What was asked for.
         len: usize,
     },
+    /// The registration is undone, but the device kept the memory: undoing it failed in the device, which may
+    /// still reach the memory, so it is never handed back (memory of the program's own, as the C API's, must
+    /// never be freed or reused).
+    #[error(
+        "the device kept the memory: undoing its registration failed, and it is never handed back"
+    )]
+    Kept,
 }
 
 impl MemoryError {
     /// Whose fault it is.
     pub fn blame(&self) -> Blame {
         match self {
-            MemoryError::Transport(_) => Blame::Transport,
+            MemoryError::Transport(_) | MemoryError::Kept => Blame::Transport,
             _ => Blame::Local,
         }
     }
@@ -615,6 +622,7 @@ impl From<MemoryError> for io::Error {
             MemoryError::Transport(t) => t.io_kind(),
             MemoryError::Empty => io::ErrorKind::InvalidInput,
             MemoryError::NoMemory { .. } => io::ErrorKind::OutOfMemory,
+            MemoryError::Kept => io::ErrorKind::Other,
         };
         io::Error::new(kind, e)
     }

@@ -280,7 +280,9 @@ impl MemoryRegion {
     /// Deregisters and gives the buffer itself back, if this is the only handle and nothing holds the buffer any
     /// more (no operation, remote key or registration): once this returns `Ok` and the buffer is dropped, exs
     /// keeps no reference to the memory, so the owner of memory given with [`DmaBuf::from_raw_parts`] may free
-    /// it (the C API's `exs_mderegister`). Otherwise the region comes back with [`MemoryError::InUse`].
+    /// it (the C API's `exs_mderegister`). Otherwise the region comes back with [`MemoryError::InUse`], or, if
+    /// the device kept the memory when its registration was undone, [`MemoryError::Kept`] (then for good: the
+    /// region has no registration left, and the memory is never handed back).
     pub fn into_dma_buf(self) -> Result<DmaBuf, (Self, MemoryError)> {
         // Another handle (a clone, a slice) could start an operation: refused before anything changes.
         if Arc::strong_count(&self.inner) > 1 {
@@ -299,6 +301,12 @@ impl MemoryRegion {
         };
         Arc::try_unwrap(inner.buf).map_err(|buf| {
             let leases = buf.lease_count();
+            // No lease holds it (none can be taken without the registration, and none was left): the device
+            // kept it, its deregistration having failed (review finding: `InUse` said to try again, for ever).
+            let e = match leases {
+                0 => MemoryError::Kept,
+                leases => MemoryError::InUse { leases },
+            };
             let region = MemoryRegion {
                 inner: Arc::new(RegionInner {
                     _revoke: RevokeOnDrop {
@@ -311,7 +319,7 @@ impl MemoryRegion {
                     ctx: Weak::new(),
                 }),
             };
-            (region, MemoryError::InUse { leases })
+            (region, e)
         })
     }
 

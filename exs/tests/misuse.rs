@@ -255,6 +255,28 @@ fn a_region_refused_back_because_its_buffer_is_held_stays_registered() {
 }
 
 #[test_log::test]
+fn a_region_whose_memory_the_device_kept_says_so_for_good() {
+    // Review finding: when undoing a registration failed in the device, which then keeps the memory (as the verbs
+    // and libfabric backends do), the region came back with `InUse`, "try again", and every try said the same
+    // (the C API's exs_mderegister: EBUSY for ever, the handle neither usable nor released).
+    let p = pair(SockType::SeqPacket);
+    p.world.keep_deregistered_memory(1, true);
+    let dst = MemoryRegion::from_dma_buf(&p.b, DmaBuf::from_vec(vec![0; 16])).unwrap();
+    let (dst, e) = dst.into_dma_buf().unwrap_err();
+    assert_eq!(e, MemoryError::Kept);
+    assert!(
+        p.server
+            .recv(&p.eq_b, &dst.slice(..16), MsgFlags::NONE, 1)
+            .is_err(),
+        "no registration is left to receive into"
+    );
+    assert_eq!(dst.into_dma_buf().unwrap_err().1, MemoryError::Kept);
+    // Once the device undoes registrations again, a region goes back as ever.
+    p.world.keep_deregistered_memory(1, false);
+    assert_eq!(p.server_region(16).into_vec().unwrap(), vec![0; 16]);
+}
+
+#[test_log::test]
 fn a_region_gives_its_buffer_back_only_when_nothing_holds_it() {
     // The C API's exs_mderegister: a program's own memory is registered in place and handed back only once exs
     // holds nothing of it (issue 30).

@@ -325,6 +325,7 @@ impl World {
                 panic_next_poll: false,
                 refuse_keys: false,
                 refuse_registrations: false,
+                keep_deregistered: Arc::default(),
                 fail_next_incoming_write: false,
                 cq: VecDeque::new(),
                 cm: VecDeque::new(),
@@ -452,6 +453,14 @@ impl World {
     /// every registration fails with [`crate::transport::TransportError::Resource`].
     pub fn refuse_registrations(&self, host: usize, refused: bool) {
         lock(&self.net).hosts[host].refuse_registrations = refused;
+    }
+
+    /// Fault schedule: while `kept`, undoing a registration of `host`'s device fails, and the device keeps the
+    /// memory for good (as the verbs and libfabric backends keep a buffer whose `ibv_dereg_mr` or `fi_close`
+    /// failed: the device may still reach it).
+    pub fn keep_deregistered_memory(&self, host: usize, kept: bool) {
+        let k = Arc::clone(&lock(&self.net).hosts[host].keep_deregistered);
+        k.on.store(kept, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Fault schedule: the next write-with-immediate into `host` fails on its way in, as a connection reset mid-

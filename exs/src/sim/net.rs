@@ -67,6 +67,9 @@ pub(super) struct Host {
     pub(super) refuse_keys: bool,
     /// Fault schedule: the device registers no memory (see [`World::refuse_registrations`]).
     pub(super) refuse_registrations: bool,
+    /// Fault schedule: undoing a registration fails, and the device keeps its memory for good (see
+    /// [`World::keep_deregistered_memory`]); what it kept.
+    pub(super) keep_deregistered: Arc<KeptMemory>,
     /// Fault schedule: the next write-with-immediate into this host fails on its way in (see
     /// [`World::fail_next_incoming_write`]).
     pub(super) fail_next_incoming_write: bool,

@@ -8,6 +8,28 @@ use super::*;
 pub(super) struct SimRegistration {
     pub(super) buf: Arc<DmaBuf>,
     pub(super) lkey: u64,
+    /// The device's fault schedule for undoing it (its own, not the network's lock: a registration may go
+    /// while that is held).
+    pub(super) keep: Arc<KeptMemory>,
+}
+
+/// What a simulated device keeps of registrations it failed to undo ([`World::keep_deregistered_memory`]).
+#[derive(Debug, Default)]
+pub(super) struct KeptMemory {
+    pub(super) on: std::sync::atomic::AtomicBool,
+    kept: Mutex<Vec<Arc<DmaBuf>>>,
+}
+
+impl Drop for SimRegistration {
+    fn drop(&mut self) {
+        if self.keep.on.load(std::sync::atomic::Ordering::SeqCst) {
+            self.keep
+                .kept
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(Arc::clone(&self.buf));
+        }
+    }
 }
 
 impl Registration for SimRegistration {
@@ -39,6 +61,7 @@ fn register(
     Ok(Arc::new(SimRegistration {
         buf: Arc::clone(buf),
         lkey,
+        keep: Arc::clone(&net.hosts[host].keep_deregistered),
     }))
 }
 

@@ -15,9 +15,19 @@
 //!
 //! `include/exs.h` is generated from this crate by cbindgen (`cbindgen.toml`); a test regenerates it and fails
 //! when the committed header differs, so the two cannot drift.
+//!
+//! 64-bit targets only: the header takes `off_t` and `struct timespec` from the C library, whose sizes a 32-bit
+//! program chooses itself (`_FILE_OFFSET_BITS`, `_TIME_BITS`), and this library could not know which it chose.
 
 #![allow(non_camel_case_types)]
 #![deny(missing_docs)]
+
+// Review finding: on a 32-bit target the program and the library could disagree on `off_t` and `time_t`.
+#[cfg(not(target_pointer_width = "64"))]
+compile_error!(
+    "exs-capi is for 64-bit targets: exs.h takes off_t and struct timespec from the C library, whose sizes a \
+     32-bit program chooses (_FILE_OFFSET_BITS, _TIME_BITS)"
+);
 
 use libc::{c_int, c_void};
 

@@ -252,6 +252,7 @@ impl Context {
     pub fn progress(&self) -> bool {
         let shared = self.shared();
         let mut e = shared.lock();
+        e.clear_armed();
         let mut any = false;
         while e.progress() {
             any = true;

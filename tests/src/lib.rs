@@ -74,7 +74,7 @@ pub trait Backend: Send + Sync {
     }
     /// Why every poll of this configuration reads every connection's completion queue, if it does (libfabric with
     /// no wait object: a queue that cannot signal stays hot, by design): there, what a poll costs grows with the
-    /// connections held, and the many-connection cases scale down.
+    /// connections held, and the ten-thousand-connection case scales down.
     fn polls_every_connection(&self) -> Option<&'static str> {
         None
     }

@@ -45,7 +45,8 @@ pub struct ProgressStats {
     pub app_sleeps: u64,
     /// Times an application thread asked the progress thread to hand the transport over.
     pub handovers: u64,
-    /// Times an API call woke a sleeper because it set a timer earlier than the sleeper's wake-up.
+    /// Times an API call, or a round of a thread that does not lead, woke a sleeper because it set a timer earlier
+    /// than the sleeper's wake-up.
     pub timer_kicks: u64,
     /// Times an async task took the lead of the context while it waited (feature `tokio`).
     pub task_leads: u64,

@@ -82,6 +82,9 @@ impl Poller for Shared {
         };
         // One round: the caller polls again if what it waits for is not there yet (another round here would
         // cost a transport poll, a system call on software providers).
+        // Only what this round arms is its to report (as for a call): the leader's own rounds set timers it
+        // sleeps for, and may have cancelled since (review: reported late, they woke it for nothing).
+        e.clear_armed();
         let did = e.progress_busy();
         self.report_timers(&mut e);
         did

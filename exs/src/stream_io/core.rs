@@ -357,6 +357,8 @@ pub(crate) struct Writer {
     /// lost, so it stays broken, as a TCP socket after `EPIPE`; review finding: it was reported once, and the
     /// writes after it were taken).
     failed: Option<Failure>,
+    /// The connection was reset or lost when the shutdown was asked for: every shutdown says `NotConnected`.
+    reset: Option<OpError>,
     scratch: Vec<Event>,
     /// Threads of a blocking stream waiting on `eq` without the lock, for room in the ring (counted under the
     /// lock before they wait). While there are any, only they take the queue's events.
@@ -384,6 +386,7 @@ impl Writer {
             in_flight: VecDeque::new(),
             max_sends: MAX_SENDS,
             shut: Shut::Open,
+            reset: None,
             failed: None,
             scratch: Vec::with_capacity(16),
             waiters: 0,
@@ -527,10 +530,12 @@ impl Writer {
     /// written and the call returns (a peer that does not read does not hold it up).
     pub(crate) fn shutdown(&mut self) -> io::Result<()> {
         self.absorb_queued();
+        if let Some(why) = &self.reset {
+            return Err(io::Error::new(io::ErrorKind::NotConnected, why.clone()));
+        }
         if self.shut != Shut::Open {
             return Ok(());
         }
-        let mut down = None;
         match self.sock.shutdown(&self.eq, 0) {
             Ok(()) => self.shut = Shut::Posted,
             // The peer closed the whole connection: there is no writing side left (TCP's `shutdown` in
@@ -542,7 +547,7 @@ impl Writer {
             // `Ok`, and the next write failed).
             Err(CloseError::State(StateError::ConnectionDown(why))) => {
                 self.shut = Shut::Done;
-                down = Some(io::Error::new(io::ErrorKind::NotConnected, why));
+                self.reset = Some(why);
             }
             Err(e) => return Err(e.into()),
         }
@@ -552,7 +557,10 @@ impl Writer {
             self.wake_waiters();
         }
         self.sent_failure()?;
-        down.map_or(Ok(()), Err)
+        match &self.reset {
+            Some(why) => Err(io::Error::new(io::ErrorKind::NotConnected, why.clone())),
+            None => Ok(()),
+        }
     }
 }
 

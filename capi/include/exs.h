@@ -258,7 +258,7 @@ struct exs_event {
    */
   int exs_evt_flags;
   /**
-   * `EXS_EVT_POLL`: `POLLIN`, `POLLOUT`, `POLLERR`, `POLLHUP`.
+   * `EXS_EVT_POLL`: `POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`, `POLLERR`, `POLLHUP | POLLRDHUP`.
    */
   short exs_evt_revents;
 };
@@ -438,10 +438,12 @@ int exs_connect(int fd,
 
 /**
  * Asks for the socket's readiness (ES-API `exs_poll`): an `EXS_EVT_POLL` event on `qh` comes as soon as the
- * socket is ready for something in `events` (`POLLIN`, `POLLOUT`; `POLLRDNORM` and `POLLWRNORM` are taken for
- * them, and reported as them), at once if it already is; `POLLERR` and `POLLHUP` are always reported (and
- * ignored in `events`, as by `poll(2)`). One per socket on a shared queue waits for whichever is ready first. -1
- * with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`, `POLLRDBAND`, ...), `EAGAIN`.
+ * socket is ready for something in `events` (`POLLIN` or `POLLRDNORM`, `POLLOUT` or `POLLWRNORM`), at once if it
+ * already is. `revents` has both names of what is ready (`POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`, as a
+ * Linux socket's); `POLLERR` and `POLLHUP` are always reported, and a hang-up (the peer closed) also as
+ * `POLLRDHUP`. `POLLERR`, `POLLHUP`, `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per
+ * socket on a shared queue waits for whichever is ready first. -1 with `errno`: `EBADF`, `EINVAL` (a bit exs
+ * cannot report: `POLLPRI`, `POLLRDBAND`, `POLLWRBAND`, ...), `EAGAIN`.
  */
 int exs_poll(int fd,
              short events,

@@ -120,7 +120,7 @@ pub struct exs_event {
     /// persistent send); `MSG_TRUNC`: the message was longer than the buffer and the rest was discarded;
     /// `EXS_EOF`: the receive took the end of stream.
     pub exs_evt_flags: c_int,
-    /// `EXS_EVT_POLL`: `POLLIN`, `POLLOUT`, `POLLERR`, `POLLHUP`.
+    /// `EXS_EVT_POLL`: `POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`, `POLLERR`, `POLLHUP | POLLRDHUP`.
     pub exs_evt_revents: c_short,
 }
 

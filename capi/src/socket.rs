@@ -111,10 +111,12 @@ pub unsafe extern "C" fn exs_connect(
 }
 
 /// Asks for the socket's readiness (ES-API `exs_poll`): an `EXS_EVT_POLL` event on `qh` comes as soon as the
-/// socket is ready for something in `events` (`POLLIN`, `POLLOUT`; `POLLRDNORM` and `POLLWRNORM` are taken for
-/// them, and reported as them), at once if it already is; `POLLERR` and `POLLHUP` are always reported (and
-/// ignored in `events`, as by `poll(2)`). One per socket on a shared queue waits for whichever is ready first. -1
-/// with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`, `POLLRDBAND`, ...), `EAGAIN`.
+/// socket is ready for something in `events` (`POLLIN` or `POLLRDNORM`, `POLLOUT` or `POLLWRNORM`), at once if it
+/// already is. `revents` has both names of what is ready (`POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`, as a
+/// Linux socket's); `POLLERR` and `POLLHUP` are always reported, and a hang-up (the peer closed) also as
+/// `POLLRDHUP`. `POLLERR`, `POLLHUP`, `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per
+/// socket on a shared queue waits for whichever is ready first. -1 with `errno`: `EBADF`, `EINVAL` (a bit exs
+/// cannot report: `POLLPRI`, `POLLRDBAND`, `POLLWRBAND`, ...), `EAGAIN`.
 #[no_mangle]
 pub extern "C" fn exs_poll(
     fd: c_int,
@@ -130,7 +132,8 @@ pub extern "C" fn exs_poll(
             libc::POLLIN | libc::POLLRDNORM,
             libc::POLLOUT | libc::POLLWRNORM,
         );
-        if events & !(read | write | libc::POLLERR | libc::POLLHUP) != 0 {
+        let always = libc::POLLERR | libc::POLLHUP | libc::POLLNVAL | libc::POLLRDHUP;
+        if events & !(read | write | always) != 0 {
             return Err(Errno(libc::EINVAL));
         }
         let interest = Readiness {
@@ -142,13 +145,14 @@ pub extern "C" fn exs_poll(
     })
 }
 
-/// The `revents` of a readiness.
+/// The `revents` of a readiness: both of poll(2)'s names for reading and for writing (review finding: a program
+/// that asked with `POLLRDNORM` tested for it), and a hang-up as `POLLHUP` and `POLLRDHUP`.
 pub(crate) fn revents(r: Readiness) -> c_short {
     [
-        (r.readable, libc::POLLIN),
-        (r.writable, libc::POLLOUT),
+        (r.readable, libc::POLLIN | libc::POLLRDNORM),
+        (r.writable, libc::POLLOUT | libc::POLLWRNORM),
         (r.error, libc::POLLERR),
-        (r.hangup, libc::POLLHUP),
+        (r.hangup, libc::POLLHUP | libc::POLLRDHUP),
     ]
     .iter()
     .filter(|(on, _)| *on)

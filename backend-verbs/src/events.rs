@@ -115,12 +115,19 @@ impl VerbsTransport {
             let p = ev.as_mut_ptr();
             // SAFETY: filled by the call. The type is read as the C enum's integer; the element as the queue pair
             // only for queue pair events, whose queue pair lives until the event is acknowledged (below).
-            let (code, qp_num) = unsafe {
+            let (code, qp_num, mine) = unsafe {
                 let code = std::ptr::addr_of!((*p).event_type).cast::<u32>().read();
                 let qp = names_qp(code)
                     .then(|| (*p).element.qp)
                     .filter(|q| !q.is_null());
-                (code, qp.map(|q| (*q).qp_num))
+                // Whether the queue the event names is this transport's own (another transport may share the
+                // device context).
+                let mine = match code {
+                    0 => (*p).element.cq == self.cq,
+                    14 => !self.srq.is_null() && (*p).element.srq == self.srq,
+                    _ => false,
+                };
+                (code, qp.map(|q| (*q).qp_num), mine)
             };
             let ep = qp_num.and_then(|n| self.qpn.get(&n).copied());
             let (what, severity) = describe(code);
@@ -131,16 +138,16 @@ impl VerbsTransport {
             }
             // SAFETY: an event we got, acknowledged once, after its last use.
             unsafe { ibv_ack_async_event(p) };
-            if fails_device(code) {
-                self.fail_device("IBV_EVENT_DEVICE_FATAL", 0);
+            if let Some(what) = fails_transport(code, mine) {
+                self.fail_device(what, 0);
             }
         }
     }
 
-    /// The device, or the completion queue every connection of this transport shares, failed (`call` said so, with
-    /// `code`): no request will complete any more, so every connection is reported down, once, and the engine ends
-    /// its operations and releases it (the queue pair destroyed before its records and their leases go) instead of
-    /// waiting for ever. Logged once. Another transport on the same device context may have read the fatal event
+    /// The device, or the completion queue or shared receive queue every connection of this transport shares,
+    /// failed (`call` said so, with `code`): no request will complete any more, so every connection is reported
+    /// down, once, and the engine ends its operations and releases it (the queue pair destroyed before its records
+    /// and their leases go) instead of waiting for ever. Logged once. Another transport on the same device context may have read the fatal event
     /// instead (see the module's note): its own completion queue's failure, or rdma_cm's device removal, reaches it.
     pub(crate) fn fail_device(&mut self, call: &str, code: i32) {
         if !self.device_failed {
@@ -161,9 +168,18 @@ impl VerbsTransport {
     }
 }
 
-/// Whether the event with code `code` says the device failed (`IBV_EVENT_DEVICE_FATAL`).
-fn fails_device(code: u32) -> bool {
-    code == 8
+/// Whether the event with code `code` says that what every connection of this transport needs failed: the
+/// device (`IBV_EVENT_DEVICE_FATAL`), or, when `mine` (the queue it names is this transport's), the completion
+/// queue they share (`IBV_EVENT_CQ_ERR`: an overrun drops completions, so their operations would never end) or
+/// the shared receive queue (`IBV_EVENT_SRQ_ERR`: no shared receive completes again). Review finding: the last two
+/// were logged and nothing else, and the connections stalled. Returns the event's name.
+fn fails_transport(code: u32, mine: bool) -> Option<&'static str> {
+    match code {
+        8 => Some("IBV_EVENT_DEVICE_FATAL"),
+        0 if mine => Some("IBV_EVENT_CQ_ERR"),
+        14 if mine => Some("IBV_EVENT_SRQ_ERR"),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -179,12 +195,20 @@ mod tests {
     }
 
     #[test]
-    fn only_the_fatal_device_event_takes_every_connection_down() {
-        assert!(fails_device(8));
+    fn the_fatal_device_event_and_errors_of_this_transports_shared_queues_take_every_connection_down(
+    ) {
+        assert_eq!(fails_transport(8, false), Some("IBV_EVENT_DEVICE_FATAL"));
         assert_eq!(describe(8), ("device fatal error", Severity::Error));
+        // Review finding: an overrun of the completion queue every connection shares, or an error of the shared
+        // receive queue, was logged and nothing else.
+        assert_eq!(fails_transport(0, true), Some("IBV_EVENT_CQ_ERR"));
+        assert_eq!(fails_transport(14, true), Some("IBV_EVENT_SRQ_ERR"));
+        // Another transport's queues on the same device context are its own business.
+        assert_eq!(fails_transport(0, false), None);
+        assert_eq!(fails_transport(14, false), None);
         // A queue pair's or a port's trouble is the connection's (its requests complete flushed) or passes.
-        for code in (0..=19).filter(|&c| c != 8) {
-            assert!(!fails_device(code), "event {code}");
+        for code in (0..=19).filter(|&c| ![0, 8, 14].contains(&c)) {
+            assert_eq!(fails_transport(code, true), None, "event {code}");
         }
     }
 

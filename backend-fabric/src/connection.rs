@@ -553,6 +553,11 @@ impl FabricTransport {
             // Nor do the ranges its keys named go back: the endpoint may still serve the peer's accesses. The
             // endpoint, its queue and its domain stay open (never closed under the provider).
             e.dom.endpoint_stuck(ep);
+            for &key in &e.pending {
+                // SAFETY: a pending record stays allocated for good now (leaked to the provider, never taken
+                // back); the provider uses only its `ctx` field: reading its operation races with nothing.
+                unsafe { (*(key as *const WrRecord)).op.mark_kept_for_good() };
+            }
             std::mem::forget(e);
             return;
         }

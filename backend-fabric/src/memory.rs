@@ -218,6 +218,7 @@ impl Drop for FiRegistration {
         // Closed before `buf` (declared later) is released: memory outlives its registration, and one that could
         // not be closed keeps its buffer, and its domain (which cannot close under it), for ever.
         if !close_mr(self.mr) {
+            self.buf.keep_for_good();
             std::mem::forget(Arc::clone(&self.buf));
             std::mem::forget(self._domain.clone());
         }
@@ -293,7 +294,7 @@ impl Revoke for FiKey {
         if self.open || self.domain.is_stuck(self.ep) {
             // The key may still work, or its endpoint, which could not be closed, still reach the range: it stays
             // leased for ever (never reused, never freed).
-            std::mem::forget(lease);
+            lease.keep_for_good();
         }
     }
 }
@@ -428,6 +429,7 @@ mod tests {
             "the key may still let the peer in"
         );
         assert!(!other.is_range_leased(0..64), "a key closed lets go");
+        assert!(kept.kept_for_good() && !other.kept_for_good());
     }
 
     #[test]

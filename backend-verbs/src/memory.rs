@@ -234,7 +234,8 @@ impl Drop for VerbsRegistration {
         // (`WindowKey::_reg`, and `BindHold::_reg` while its bind is queued), so none is bound any more (ibv_dereg_mr fails while one is).
         if (self.dereg)(self.mr) != 0 {
             // The registration may still be valid: its memory must never be reused or freed (in C,
-            // `exs_mderegister` then stays `EBUSY`), nor its protection domain deallocated under it.
+            // `exs_mderegister` then says `EIO`), nor its protection domain deallocated under it.
+            self.buf.keep_for_good();
             std::mem::forget(Arc::clone(&self.buf));
             std::mem::forget(Arc::clone(&self._pd));
         }
@@ -299,7 +300,7 @@ impl Revoke for MrKey {
     /// Releases the lease, unless the deregistration failed: its key may still be valid, so it never is.
     fn release(&mut self, lease: Lease) {
         if self.failed {
-            std::mem::forget(lease);
+            lease.keep_for_good();
         }
     }
 }
@@ -356,7 +357,7 @@ impl Window {
     /// Releases `lease`, unless the window's key may still name its range: then it is leaked, with its buffer.
     fn release(&self, lease: Lease) {
         if self.failed {
-            std::mem::forget(lease);
+            lease.keep_for_good();
         } else {
             drop(lease);
         }
@@ -551,6 +552,7 @@ mod tests {
             buf.is_range_leased(0..64),
             "its key may still name the range"
         );
+        assert!(buf.kept_for_good(), "and its owner is told so");
     }
 
     #[test]
@@ -571,6 +573,7 @@ mod tests {
             2,
             "the registration may still be valid: its memory is never given back"
         );
+        assert!(buf.kept_for_good(), "and its owner is told so");
         assert_eq!(
             Arc::strong_count(&pd),
             2,
@@ -610,5 +613,6 @@ mod tests {
         );
         drop(slot);
         assert!(buf.is_range_leased(0..64));
+        assert!(buf.kept_for_good(), "and its owner is told so");
     }
 }

@@ -24,7 +24,9 @@ impl Drop for SendRec {
     fn drop(&mut self) {
         if let Some(mut sink) = self._sink.take() {
             if !sink.close() {
-                std::mem::forget(self.op.take());
+                if let Some(op) = self.op.take() {
+                    op.keep_for_good();
+                }
             }
         }
     }
@@ -83,5 +85,6 @@ mod tests {
             "the sink's key may still let the peer write there"
         );
         assert!(!other.is_range_leased(0..64), "a sink deregistered lets go");
+        assert!(kept.kept_for_good() && !other.kept_for_good());
     }
 }

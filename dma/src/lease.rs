@@ -22,6 +22,13 @@ pub struct Lease {
 }
 
 impl Lease {
+    /// Never gives this lease back, and marks its buffer kept for good ([`DmaBuf::keep_for_good`]): a device may
+    /// still reach the range (a key over it could not be revoked).
+    pub fn keep_for_good(self) {
+        self.buf.keep_for_good();
+        std::mem::forget(self);
+    }
+
     /// The buffer this lease is on.
     pub fn buf(&self) -> &Arc<DmaBuf> {
         &self.buf

@@ -207,6 +207,8 @@ pub struct DmaBuf {
     /// Every copy into or out of the bytes is word-sized atomics, and they are never borrowed
     /// ([`DmaBuf::try_new_device_written`]).
     words: bool,
+    /// A device may still reach the bytes for good ([`DmaBuf::keep_for_good`]).
+    kept: std::sync::atomic::AtomicBool,
 }
 
 // SAFETY: DmaBuf owns its allocation (no thread affinity). All access to the bytes goes through lease-checked
@@ -255,6 +257,7 @@ impl DmaBuf {
             leases: Mutex::new(Table::default()),
             plain_ended: Condvar::new(),
             words,
+            kept: Default::default(),
         }))
     }
 
@@ -275,6 +278,7 @@ impl DmaBuf {
             leases: Mutex::new(Table::default()),
             plain_ended: Condvar::new(),
             words: false,
+            kept: Default::default(),
         })
     }
 
@@ -309,6 +313,7 @@ impl DmaBuf {
             leases: Mutex::new(Table::default()),
             plain_ended: Condvar::new(),
             words: false,
+            kept: Default::default(),
         })
     }
 
@@ -320,6 +325,7 @@ impl DmaBuf {
             leases: Mutex::new(Table::default()),
             plain_ended: Condvar::new(),
             words: false,
+            kept: Default::default(),
         }
     }
 
@@ -382,6 +388,18 @@ impl DmaBuf {
     /// here: using it to touch memory requires a lease.
     pub fn addr(&self) -> u64 {
         self.ptr.as_ptr() as u64
+    }
+
+    /// Marks the buffer as kept for good: a device may still reach its bytes (undoing a registration or revoking
+    /// a key over it failed), so whoever holds it for that (a registration, a lease) is never let go, and its
+    /// owner is told the memory never comes back ([`DmaBuf::kept_for_good`]), not to wait for it.
+    pub fn keep_for_good(&self) {
+        self.kept.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Whether the buffer is kept for good ([`DmaBuf::keep_for_good`]).
+    pub fn kept_for_good(&self) -> bool {
+        self.kept.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Number of leases currently held on this buffer.

@@ -596,11 +596,11 @@ pub enum MemoryError {
         /// What was asked for.
         len: usize,
     },
-    /// The registration is undone, but the device kept the memory: undoing it failed in the device, which may
-    /// still reach the memory, so it is never handed back (memory of the program's own, as the C API's, must
-    /// never be freed or reused).
+    /// The device kept the memory: undoing its registration, or revoking a key over it, failed in the device,
+    /// which may still reach the memory, so it is never handed back (memory of the program's own, as the C API's,
+    /// must never be freed or reused).
     #[error(
-        "the device kept the memory: undoing its registration failed, and it is never handed back"
+        "the device kept the memory (undoing its registration or a key failed): never handed back"
     )]
     Kept,
 }

@@ -281,9 +281,13 @@ impl MemoryRegion {
     /// more (no operation, remote key or registration): once this returns `Ok` and the buffer is dropped, exs
     /// keeps no reference to the memory, so the owner of memory given with [`DmaBuf::from_raw_parts`] may free
     /// it (the C API's `exs_mderegister`). Otherwise the region comes back with [`MemoryError::InUse`], or, if
-    /// the device kept the memory when its registration was undone, [`MemoryError::Kept`] (then for good: the
-    /// region has no registration left, and the memory is never handed back).
+    /// the device kept the memory (undoing its registration or revoking a key over it failed),
+    /// [`MemoryError::Kept`], for good: the memory is never handed back.
     pub fn into_dma_buf(self) -> Result<DmaBuf, (Self, MemoryError)> {
+        // A key over it that could not be revoked keeps a lease for good: no wait ends that.
+        if self.inner.buf.kept_for_good() {
+            return Err((self, MemoryError::Kept));
+        }
         // Another handle (a clone, a slice) could start an operation: refused before anything changes.
         if Arc::strong_count(&self.inner) > 1 {
             let leases = self.inner.buf.lease_count();
@@ -301,11 +305,10 @@ impl MemoryRegion {
         };
         Arc::try_unwrap(inner.buf).map_err(|buf| {
             let leases = buf.lease_count();
-            // No lease holds it (none can be taken without the registration, and none was left): the device
-            // kept it, its deregistration having failed (review finding: `InUse` said to try again, for ever).
-            let e = match leases {
-                0 => MemoryError::Kept,
-                leases => MemoryError::InUse { leases },
+            // The device kept it (its deregistration failed): `InUse` said to try again, for ever (review finding).
+            let e = match buf.kept_for_good() {
+                true => MemoryError::Kept,
+                false => MemoryError::InUse { leases },
             };
             let region = MemoryRegion {
                 inner: Arc::new(RegionInner {

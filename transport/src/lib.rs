@@ -394,6 +394,28 @@ pub enum Op {
     },
 }
 
+impl Op {
+    /// Never gives the operation's leases back, and marks their buffers kept for good
+    /// ([`exs_dma::DmaBuf::keep_for_good`]): a device may still reach them (the read sink's registration could not
+    /// be undone, say).
+    pub fn keep_for_good(self) {
+        self.mark_kept_for_good();
+        std::mem::forget(self);
+    }
+
+    /// Marks the buffers of the operation's leases kept for good, for an operation that is never given back
+    /// (see [`Op::keep_for_good`]).
+    pub fn mark_kept_for_good(&self) {
+        let sges: &[Sge] = match self {
+            Op::Send { sges, .. } | Op::Write { local: sges, .. } => sges,
+            Op::Recv { sge } | Op::Read { local: sge, .. } => std::slice::from_ref(sge),
+        };
+        for sge in sges {
+            sge.lease.buf().keep_for_good();
+        }
+    }
+}
+
 /// An operation plus the identifier its completion will carry.
 #[derive(Debug)]
 pub struct WorkRequest {

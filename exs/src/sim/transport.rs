@@ -23,6 +23,7 @@ pub(super) struct KeptMemory {
 impl Drop for SimRegistration {
     fn drop(&mut self) {
         if self.keep.on.load(std::sync::atomic::Ordering::SeqCst) {
+            self.buf.keep_for_good();
             self.keep
                 .kept
                 .lock()

@@ -9,8 +9,12 @@
 //! rdma_cm hands every user of a device in the process the same context, and so the same event descriptor: every
 //! transport on the device has it in its wait set, and whichever reads first takes the event. One transport may
 //! read (and log, and acknowledge) another's events, which that one then never sees: its queue pair's number is
-//! not in the reader's table, so the event is logged without an endpoint. Nothing here depends on seeing one's own
-//! events. Each transport sets the shared descriptor non-blocking and removes it from its own wait set only.
+//! not in the reader's table, so the event is logged without an endpoint. A queue pair's trouble reaches its owner
+//! anyway (its requests complete flushed), and so does a failed device (its next calls fail). An error of another
+//! transport's completion queue or shared receive queue (`IBV_EVENT_CQ_ERR`, `IBV_EVENT_SRQ_ERR`) does not: the
+//! reader can only log it, and its owner's connections stall as if it had been lost (a known gap, with two
+//! transports on one device in one process). Each transport sets the shared descriptor non-blocking and removes it
+//! from its own wait set only.
 //!
 //! A device that goes away (disassociated: unplugged, its driver unloaded) leaves the descriptor readable for
 //! good (`EPOLLERR`) while every read fails (`EIO`): the descriptor then leaves the wait set, with one warning,
@@ -147,8 +151,10 @@ impl VerbsTransport {
     /// The device, or the completion queue or shared receive queue every connection of this transport shares,
     /// failed (`call` said so, with `code`): no request will complete any more, so every connection is reported
     /// down, once, and the engine ends its operations and releases it (the queue pair destroyed before its records
-    /// and their leases go) instead of waiting for ever. Logged once. Another transport on the same device context may have read the fatal event
-    /// instead (see the module's note): its own completion queue's failure, or rdma_cm's device removal, reaches it.
+    /// and their leases go) instead of waiting for ever. Logged once. Later listens, connects and accepts are
+    /// refused ([`VerbsTransport::refuse_if_failed`]: a new queue pair would use the failed queue). Another
+    /// transport on the same device context may have read a fatal device event instead (see the module's note): the
+    /// device's later calls fail, or rdma_cm's device removal, reaches it.
     pub(crate) fn fail_device(&mut self, call: &str, code: i32) {
         if !self.device_failed {
             self.device_failed = true;
@@ -156,7 +162,7 @@ impl VerbsTransport {
                 call,
                 code,
                 connections = self.eps.len(),
-                "the RDMA device failed: every connection is taken down"
+                "the RDMA device, or a queue every connection shares, failed: every connection is taken down"
             );
         }
         let ids: Vec<_> = self.eps.keys().copied().collect();
@@ -164,6 +170,22 @@ impl VerbsTransport {
             if let Some(ev) = self.report_down(ep) {
                 self.cm_backlog.push_back(ev);
             }
+        }
+    }
+}
+
+impl VerbsTransport {
+    /// Refuses a new listener or connection once the device, or a queue every connection shares, failed
+    /// ([`VerbsTransport::fail_device`]; review finding: a new queue pair was put on the failed completion queue or
+    /// shared receive queue, and its requests never completed).
+    pub(crate) fn refuse_if_failed(&self) -> Result<(), exs_transport::TransportError> {
+        match self.device_failed {
+            true => Err(exs_transport::TransportError::Resource(
+                "the RDMA device, or a queue every connection of this transport shares, failed: open a new \
+                 context"
+                    .into(),
+            )),
+            false => Ok(()),
         }
     }
 }

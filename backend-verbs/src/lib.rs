@@ -308,6 +308,7 @@ impl Transport for VerbsTransport {
         addr: SocketAddr,
         backlog: u32,
     ) -> Result<(ListenerId, SocketAddr), TransportError> {
+        self.refuse_if_failed()?;
         self.start_listening(addr, backlog)
     }
 
@@ -322,6 +323,7 @@ impl Transport for VerbsTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
+        self.refuse_if_failed()?;
         self.start_connect(ep, addr, private, recvs)
     }
 
@@ -332,6 +334,7 @@ impl Transport for VerbsTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
+        self.refuse_if_failed()?;
         self.accept_request(request, ep, private, recvs)
     }
 

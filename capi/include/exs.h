@@ -374,8 +374,8 @@ exs_mhandle_t exs_mregister(void *addr,
  * may free it. -1 with `errno`: `EBADF`; `EBUSY` while an operation on it is in flight or about to start
  * (nothing changed: the handle stays valid; try again after the events), or while another thread deregisters
  * it (the handle stays valid only if that deregistration is refused: a retry may find it gone, `EBADF`).
- * `EIO`: the device kept the memory (undoing its registration failed in the device, which may still reach it):
- * the handle is gone, and the memory must never be freed or reused.
+ * `EIO`: the device kept the memory (undoing its registration, or revoking a key over it, failed in the device,
+ * which may still reach it): the handle is gone, and the memory must never be freed or reused.
  * Calls of other threads that name the handle while it runs fail with `EBADF`; it holds no lock they need
  * meanwhile (undoing a large registration takes a while).
  */
@@ -439,9 +439,9 @@ int exs_connect(int fd,
 /**
  * Asks for the socket's readiness (ES-API `exs_poll`): an `EXS_EVT_POLL` event on `qh` comes as soon as the
  * socket is ready for something in `events` (`POLLIN` or `POLLRDNORM`, `POLLOUT` or `POLLWRNORM`), at once if it
- * already is. `revents` has both names of what is ready (`POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`, as a
- * Linux socket's); `POLLERR` and `POLLHUP` are always reported, and a hang-up (the peer closed) also as
- * `POLLRDHUP`. `POLLERR`, `POLLHUP`, `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per
+ * already is. `revents` has both names of what is ready (`POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`),
+ * whichever was asked for (`poll(2)` would return only the asked-for name: test bits with `&`); `POLLERR` and
+ * `POLLHUP` are always reported, and a hang-up (the peer closed) also as `POLLRDHUP`. `POLLERR`, `POLLHUP`, `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per
  * socket on a shared queue waits for whichever is ready first. -1 with `errno`: `EBADF`, `EINVAL` (a bit exs
  * cannot report: `POLLPRI`, `POLLRDBAND`, `POLLWRBAND`, ...), `EAGAIN`.
  */

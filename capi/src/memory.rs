@@ -76,8 +76,8 @@ pub unsafe extern "C" fn exs_mregister(
 /// may free it. -1 with `errno`: `EBADF`; `EBUSY` while an operation on it is in flight or about to start
 /// (nothing changed: the handle stays valid; try again after the events), or while another thread deregisters
 /// it (the handle stays valid only if that deregistration is refused: a retry may find it gone, `EBADF`).
-/// `EIO`: the device kept the memory (undoing its registration failed in the device, which may still reach it):
-/// the handle is gone, and the memory must never be freed or reused.
+/// `EIO`: the device kept the memory (undoing its registration, or revoking a key over it, failed in the device,
+/// which may still reach it): the handle is gone, and the memory must never be freed or reused.
 /// Calls of other threads that name the handle while it runs fail with `EBADF`; it holds no lock they need
 /// meanwhile (undoing a large registration takes a while).
 #[no_mangle]

@@ -112,9 +112,9 @@ pub unsafe extern "C" fn exs_connect(
 
 /// Asks for the socket's readiness (ES-API `exs_poll`): an `EXS_EVT_POLL` event on `qh` comes as soon as the
 /// socket is ready for something in `events` (`POLLIN` or `POLLRDNORM`, `POLLOUT` or `POLLWRNORM`), at once if it
-/// already is. `revents` has both names of what is ready (`POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`, as a
-/// Linux socket's); `POLLERR` and `POLLHUP` are always reported, and a hang-up (the peer closed) also as
-/// `POLLRDHUP`. `POLLERR`, `POLLHUP`, `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per
+/// already is. `revents` has both names of what is ready (`POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`),
+/// whichever was asked for (`poll(2)` would return only the asked-for name: test bits with `&`); `POLLERR` and
+/// `POLLHUP` are always reported, and a hang-up (the peer closed) also as `POLLRDHUP`. `POLLERR`, `POLLHUP`, `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per
 /// socket on a shared queue waits for whichever is ready first. -1 with `errno`: `EBADF`, `EINVAL` (a bit exs
 /// cannot report: `POLLPRI`, `POLLRDBAND`, `POLLWRBAND`, ...), `EAGAIN`.
 #[no_mangle]
@@ -145,8 +145,9 @@ pub extern "C" fn exs_poll(
     })
 }
 
-/// The `revents` of a readiness: both of poll(2)'s names for reading and for writing (review finding: a program
-/// that asked with `POLLRDNORM` tested for it), and a hang-up as `POLLHUP` and `POLLRDHUP`.
+/// The `revents` of a readiness: both of poll(2)'s names for reading and for writing, whichever was asked for
+/// (review finding: a program that asked with `POLLRDNORM` tested for it), and a hang-up as `POLLHUP` and
+/// `POLLRDHUP`.
 pub(crate) fn revents(r: Readiness) -> c_short {
     [
         (r.readable, libc::POLLIN | libc::POLLRDNORM),

@@ -357,7 +357,9 @@ pub(crate) struct Writer {
     /// lost, so it stays broken, as a TCP socket after `EPIPE`; review finding: it was reported once, and the
     /// writes after it were taken).
     failed: Option<Failure>,
-    /// The connection was reset or lost when the shutdown was asked for: every shutdown says `NotConnected`.
+    /// The connection was reset or lost when the shutdown was asked for: every later shutdown says `NotConnected`
+    /// (the first says a failed write's error, if one failed before). A shutdown that was posted before a reset
+    /// stays done (`Ok`).
     reset: Option<OpError>,
     scratch: Vec<Event>,
     /// Threads of a blocking stream waiting on `eq` without the lock, for room in the ring (counted under the

@@ -232,6 +232,15 @@ fn verbs_settings(
         .clone()
 }
 
+/// The kernel's iWARP connection manager (iw_cm) marks a listener it destroys to drop its queued events: a request
+/// the device (siw) reported just then is dropped with no reject, its TCP connection left open, and its client's
+/// connect times out (after siw's ten-second MPA reply timer, or the engine's connect timeout). Requests that reach
+/// user space, or are still waiting in the device for their MPA request, are refused.
+#[cfg(feature = "verbs")]
+const IWCM_DROPS_REQUESTS: &str =
+    "iw_cm drops the connection requests it had queued for a listener being destroyed, \
+     without a reject (their connects time out)";
+
 #[cfg(feature = "verbs")]
 fn verbs_describe(
     cfg: &Result<exs_backend_verbs::VerbsConfig, String>,
@@ -331,6 +340,11 @@ impl Backend for Verbs {
     fn access_errors_reset(&self) -> bool {
         verbs_settings(&self.0, &self.1).is_some_and(|s| s.limits.iwarp)
     }
+    fn closing_listener_drops_requests(&self) -> Option<&'static str> {
+        verbs_settings(&self.0, &self.1)
+            .is_some_and(|s| s.limits.iwarp)
+            .then_some(IWCM_DROPS_REQUESTS)
+    }
 }
 
 /// The verbs backend on a Soft-RoCE (rxe) or soft-iWARP (siw) device found on this machine, with its IPv4 address.
@@ -394,5 +408,10 @@ impl Backend for SoftRoce {
     }
     fn access_errors_reset(&self) -> bool {
         verbs_settings(&self.0, &self.1).is_some_and(|s| s.limits.iwarp)
+    }
+    fn closing_listener_drops_requests(&self) -> Option<&'static str> {
+        verbs_settings(&self.0, &self.1)
+            .is_some_and(|s| s.limits.iwarp)
+            .then_some(IWCM_DROPS_REQUESTS)
     }
 }

@@ -78,6 +78,11 @@ pub trait Backend: Send + Sync {
     fn polls_every_connection(&self) -> Option<&'static str> {
         None
     }
+    /// Why a connection request caught in flight when its listener closes may be dropped unanswered, if it may:
+    /// its connect then times out instead of being refused, and nothing this process does can answer it.
+    fn closing_listener_drops_requests(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// A test: `Ok` or a message saying what broke.

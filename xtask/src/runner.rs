@@ -83,21 +83,47 @@ pub fn run_counting(cmd: &mut Command) -> Result<(Counts, bool, Vec<String>)> {
     Ok((counts, status.success(), skips))
 }
 
-/// The cargo features of the one conformance build: every backend.
-const CONFORMANCE_FEATURES: &str = "sim,fabric,softroce";
-/// Builds the conformance suite with every backend and returns the test binary's path.
+/// The crates whose tests run from the checked release build, and their features: the conformance suite with every
+/// backend, and the long property tests. Built by one cargo command, so exs and every dependency are built once for
+/// both.
+const CHECKED_RELEASE_CRATES: [&str; 6] = [
+    "-p",
+    "exs-conformance",
+    "-p",
+    "exs-props",
+    "--features",
+    "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce",
+];
+
+/// A release build with overflow checks and debug assertions on: no panic may be reachable from peer input in
+/// debug builds either (issue 15). Without debug information: the build is its own anyway (the checks change every
+/// unit), and linking it is much of the build's time.
+pub const CHECKED_RELEASE: [(&str, &str); 3] = [
+    ("CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS", "true"),
+    ("CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS", "true"),
+    ("CARGO_PROFILE_RELEASE_DEBUG", "false"),
+];
+
+/// `cargo test` of these test targets (of the conformance suite or the property tests) from the checked release
+/// build ([`CHECKED_RELEASE`]). The conformance suite runs from it, not from the debug build: in the emulated
+/// guests, most of the RDMA stages' time went to the debug build's own code (see `bench/README.md`, "The test
+/// run's time").
+pub fn checked_release_tests(targets: &[&str]) -> Command {
+    let mut cmd = sys::cargo();
+    cmd.args(["test", "--release"]).args(CHECKED_RELEASE_CRATES);
+    for t in targets {
+        cmd.args(["--test", t]);
+    }
+    cmd.envs(CHECKED_RELEASE);
+    cmd
+}
+
+/// Builds the conformance suite with every backend (checked release) and returns the test binary's path.
 pub fn conformance_exe() -> Result<PathBuf> {
-    let out = sys::output(sys::cargo().args([
-        "test",
-        "-p",
-        "exs-conformance",
-        "--features",
-        CONFORMANCE_FEATURES,
-        "--test",
-        "conformance",
-        "--no-run",
-        "--message-format=json-render-diagnostics",
-    ]))?;
+    let out = sys::output(
+        checked_release_tests(&["conformance"])
+            .args(["--no-run", "--message-format=json-render-diagnostics"]),
+    )?;
     out.lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|v| v["reason"] == "compiler-artifact" && v["target"]["name"] == "conformance")

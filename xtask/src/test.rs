@@ -8,7 +8,8 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::runner::{
-    conformance_exe, finish, run_counting, run_sections, xtask_copy, Sections, SECTION,
+    checked_release_tests, conformance_exe, finish, run_counting, run_sections, xtask_copy,
+    Sections, SECTION,
 };
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
@@ -66,15 +67,6 @@ const HOST_SECTIONS: &[HostSection] = &[
         backend: "fabric",
         env: Some(("EXS_FABRIC_CQ_WAIT", "none")),
     },
-];
-
-/// The long property and fuzz runs build in release for speed, but with overflow checks and debug assertions on:
-/// no panic may be reachable from peer input in debug builds either (issue 15). Without debug information: the
-/// build is its own anyway (the checks change every unit), and it is most of the stage's time.
-const CHECKED_RELEASE: [(&str, &str); 3] = [
-    ("CARGO_PROFILE_RELEASE_OVERFLOW_CHECKS", "true"),
-    ("CARGO_PROFILE_RELEASE_DEBUG_ASSERTIONS", "true"),
-    ("CARGO_PROFILE_RELEASE_DEBUG", "false"),
 ];
 
 /// The limits a small device might report, forced on rxe (`verbs:small-limits`): nothing inline, two scatter/gather
@@ -201,13 +193,17 @@ pub fn run(args: TestArgs) -> Result<()> {
     let mut out = Outcome::default();
     let only_conformance = !args.backend.is_empty();
     let wanted = |b: &str| !only_conformance || args.backend.iter().any(|x| x == b);
+    // Everything but the conformance suite, which runs from the checked release build (`conformance_exe`), with
+    // the workspace tests' features: they reuse this build.
     out.timed("build", |_| {
         sys::run(sys::cargo().args([
             "build",
             "--workspace",
+            "--exclude",
+            "exs-conformance",
             "--all-targets",
             "--features",
-            ALL_FEATURES,
+            WORKSPACE_FEATURES,
         ]))
     })?;
     if !only_conformance {
@@ -215,7 +211,7 @@ pub fn run(args: TestArgs) -> Result<()> {
         workspace_tests(&mut out)?;
         users_stages(&mut out);
     }
-    let exe = conformance_exe()?;
+    let exe = out.timed("conformance build", |_| conformance_exe())?;
     out.timed("host conformance", |o| host_conformance(&exe, &wanted, o))?;
     if only_conformance && args.backend.iter().all(|b| b == "two-guests") {
         // Only the two-guest stage (`--backend two-guests`).
@@ -227,7 +223,10 @@ pub fn run(args: TestArgs) -> Result<()> {
     finish("cargo xtask test", &out.summary, &out.failures)
 }
 
-/// Every backend feature of the workspace, for the build, clippy and the conformance suite.
+/// The features of the debug build and the workspace tests (the crates enable their backends themselves).
+const WORKSPACE_FEATURES: &str = "exs/sim,exs/tokio";
+
+/// Every backend feature of the workspace, for clippy.
 const ALL_FEATURES: &str =
     "exs-conformance/sim,exs-conformance/fabric,exs-conformance/softroce,exs/tokio";
 
@@ -351,7 +350,7 @@ fn workspace_tests(out: &mut Outcome) -> Result<()> {
             "--exclude",
             "exs-conformance",
             "--features",
-            "exs/sim,exs/tokio",
+            WORKSPACE_FEATURES,
             "--no-fail-fast",
         ]),
     )?;
@@ -366,7 +365,7 @@ fn workspace_tests(out: &mut Outcome) -> Result<()> {
     out.tally(
         "long property tests",
         "property tests, release with overflow checks and debug assertions (10,000 stream + 2,000 message cases)",
-        release_tests(&["stream_props", "message_props"])
+        checked_release_tests(&["stream_props", "message_props"])
             .env("EXS_STREAM_CASES", "10000")
             .env("EXS_PROPTEST_CASES", "2000"),
     )?;
@@ -374,21 +373,8 @@ fn workspace_tests(out: &mut Outcome) -> Result<()> {
     out.tally(
         "fuzz property tests",
         "fuzz targets as property tests, release with overflow checks (16,000 wire inputs, 1,000 + 200 crafted-peer runs)",
-        release_tests(&["fuzz_props"]).env("EXS_FUZZ_CASES", "1000"),
+        checked_release_tests(&["fuzz_props"]).env("EXS_FUZZ_CASES", "1000"),
     )
-}
-
-/// `cargo test --release -p exs-props` of these test targets, with overflow checks and debug assertions (the
-/// crate of the property tests: its release build needs exs and proptest only, not exs's other test
-/// dependencies).
-fn release_tests(targets: &[&str]) -> Command {
-    let mut cmd = sys::cargo();
-    cmd.args(["test", "--release", "-p", "exs-props"]);
-    for t in targets {
-        cmd.args(["--test", t]);
-    }
-    cmd.envs(CHECKED_RELEASE);
-    cmd
 }
 
 /// What a user meets: a short soak, a crate outside the workspace, the feature combinations, the C library.

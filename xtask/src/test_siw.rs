@@ -101,17 +101,7 @@ fn script(
 /// Runs the suite (see the module documentation); `only_pair`: only the stage across two guests.
 pub fn run(only_pair: bool) -> Result<()> {
     let started = Instant::now();
-    sys::run(sys::cargo().args([
-        "build",
-        "-p",
-        "exs-conformance",
-        "-p",
-        "exs-tools",
-        "--tests",
-        "--bins",
-        "--features",
-        "exs-conformance/fabric,exs-conformance/softroce",
-    ]))?;
+    sys::run(sys::cargo().args(["build", "-p", "exs-tools", "--bins"]))?;
     let exe = conformance_exe()?;
     let xtask = xtask_copy()?;
     let mut summary = Vec::new();

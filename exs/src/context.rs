@@ -252,13 +252,13 @@ impl Context {
     pub fn progress(&self) -> bool {
         let shared = self.shared();
         let mut e = shared.lock();
-        e.clear_armed();
-        let mut any = false;
-        while e.progress() {
-            any = true;
-        }
-        shared.report_timers(&mut e);
-        any
+        shared.reporting_timers(&mut e, |e| {
+            let mut any = false;
+            while e.progress() {
+                any = true;
+            }
+            any
+        })
     }
 
     /// The earliest pending timer that has something to do (manual progress uses it to advance virtual time).

@@ -82,12 +82,7 @@ impl Poller for Shared {
         };
         // One round: the caller polls again if what it waits for is not there yet (another round here would
         // cost a transport poll, a system call on software providers).
-        // Only what this round arms is its to report (as for a call): the leader's own rounds set timers it
-        // sleeps for, and may have cancelled since (review: reported late, they woke it for nothing).
-        e.clear_armed();
-        let did = e.progress_busy();
-        self.report_timers(&mut e);
-        did
+        self.reporting_timers(&mut e, Engine::progress_busy)
     }
 
     fn try_lead(&self, follower: Arc<dyn Follower>) -> bool {
@@ -141,23 +136,30 @@ impl Shared {
     /// current sleeper's wake-up time wakes it (see the module docs, rule 1).
     pub(crate) fn call<T>(&self, f: impl FnOnce(&mut Engine) -> T) -> T {
         let mut e = self.lock();
-        // Timers set by rounds before this call are not its to report (a leader computes its own sleep from them).
-        e.clear_armed();
-        let r = f(&mut e);
-        e.drain_done();
-        self.report_timers(&mut e);
-        r
+        self.reporting_timers(&mut e, |e| {
+            let r = f(e);
+            e.drain_done();
+            r
+        })
     }
 
-    /// After a call or a round that is not the leader's own: a timer it set for earlier than the sleeper's
-    /// wake-up time wakes the sleeper (rule 1). A round of a thread that does not lead (a busy or spinning
-    /// dequeue, [`crate::Context::progress`]) sets timers too: a delayed acknowledgment, a held window update
-    /// (review finding: unreported, they waited for the leader's own wake-up, the keepalive's 10 s, and the next
-    /// call forgot them).
-    pub(crate) fn report_timers(&self, e: &mut Engine) {
+    /// Runs `f`, an API call or rounds of a thread that does not lead, then wakes the sleeper if `f` set a timer
+    /// earlier than its wake-up time (rule 1). Only what `f` arms is reported: the leader's own rounds set timers
+    /// it computed its sleep from, and may have cancelled since (review: reported late, they woke it for
+    /// nothing). A round of a thread that does not lead (a busy or spinning dequeue, [`crate::Context::progress`])
+    /// sets timers too: a delayed acknowledgment, a held window update (review finding: unreported, they waited
+    /// for the leader's own wake-up, the keepalive's 10 s, and the next call forgot them).
+    pub(crate) fn reporting_timers<T>(
+        &self,
+        e: &mut Engine,
+        f: impl FnOnce(&mut Engine) -> T,
+    ) -> T {
+        e.clear_armed();
+        let r = f(e);
         if e.armed() {
             self.lead.after_call(|| e.take_armed_real());
         }
+        r
     }
 
     pub(crate) fn stopping(&self) -> bool {

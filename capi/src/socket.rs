@@ -114,9 +114,10 @@ pub unsafe extern "C" fn exs_connect(
 /// socket is ready for something in `events` (`POLLIN` or `POLLRDNORM`, `POLLOUT` or `POLLWRNORM`), at once if it
 /// already is. `revents` has both names of what is ready (`POLLIN | POLLRDNORM`, `POLLOUT | POLLWRNORM`),
 /// whichever was asked for (`poll(2)` would return only the asked-for name: test bits with `&`); `POLLERR` and
-/// `POLLHUP` are always reported, and a hang-up (the peer closed) also as `POLLRDHUP`. `POLLERR`, `POLLHUP`, `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per
-/// socket on a shared queue waits for whichever is ready first. -1 with `errno`: `EBADF`, `EINVAL` (a bit exs
-/// cannot report: `POLLPRI`, `POLLRDBAND`, `POLLWRBAND`, ...), `EAGAIN`.
+/// `POLLHUP` are always reported, and a hang-up (the peer closed) also as `POLLRDHUP`. `POLLERR`, `POLLHUP`,
+/// `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per socket on a shared queue waits for
+/// whichever is ready first. -1 with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`,
+/// `POLLRDBAND`, `POLLWRBAND`, ...), `EAGAIN`.
 #[no_mangle]
 pub extern "C" fn exs_poll(
     fd: c_int,

@@ -532,11 +532,8 @@ impl Writer {
     /// written and the call returns (a peer that does not read does not hold it up).
     pub(crate) fn shutdown(&mut self) -> io::Result<()> {
         self.absorb_queued();
-        if let Some(why) = &self.reset {
-            return Err(io::Error::new(io::ErrorKind::NotConnected, why.clone()));
-        }
         if self.shut != Shut::Open {
-            return Ok(());
+            return self.not_reset();
         }
         match self.sock.shutdown(&self.eq, 0) {
             Ok(()) => self.shut = Shut::Posted,
@@ -559,6 +556,11 @@ impl Writer {
             self.wake_waiters();
         }
         self.sent_failure()?;
+        self.not_reset()
+    }
+
+    /// `NotConnected` if the connection was reset or lost when the shutdown was asked for.
+    fn not_reset(&self) -> io::Result<()> {
         match &self.reset {
             Some(why) => Err(io::Error::new(io::ErrorKind::NotConnected, why.clone())),
             None => Ok(()),

@@ -12,6 +12,7 @@ use rustc_hash::FxHashMap;
 
 use crate::emulated::ImmSlab;
 use crate::memory::{revoke_on_release, MwSlot};
+use crate::post::RecvRec;
 use crate::queue::{SendQueue, Signaler};
 use crate::record::SendRec;
 use crate::{os_err, VerbsTransport, RESOLVE_TIMEOUT_MS, TAG_EP, TAG_LISTENER};
@@ -449,7 +450,7 @@ impl VerbsTransport {
     }
 
     /// [`Transport::release`](exs_transport::Transport::release): windows, queue pair and id destroyed, then the
-    /// records dropped.
+    /// records dropped; or, if the device would not destroy the queue pair, kept for good with their buffers.
     pub(crate) fn release_ep(&mut self, ep: EndpointId) {
         let Some(e) = self.eps.remove(&ep) else {
             return;
@@ -490,30 +491,53 @@ impl VerbsTransport {
         };
         revoke_on_release(&e.windows, &queued, in_error);
         drop(queued);
-        self.destroy_qp(&e);
-        self.forget_records(ep, e);
+        if self.destroy_qp(&e) {
+            self.forget_records(ep, e);
+        } else {
+            self.cq_backlog.retain(|(c, shared)| c.ep != ep || *shared);
+            self.kept_qp = true;
+            keep_records(ep, e, &mut self.recvs);
+        }
     }
 
-    /// Destroys a released endpoint's queue pair and id, then collects the completions its queue pair left.
-    fn destroy_qp(&mut self, e: &Ep) {
+    /// Destroys a released endpoint's queue pair and id, then collects the completions its queue pair left. Says
+    /// whether the queue pair is gone: `false` if the device would not destroy it, when it may still reach every
+    /// buffer posted on it.
+    fn destroy_qp(&mut self, e: &Ep) -> bool {
         // SAFETY: the QP is live until destroyed just below; its number is read first.
         let qpn = (!e.qp.is_null()).then(|| unsafe { (*e.qp).qp_num });
-        // SAFETY: the QP and id are ours; destroying the QP first stops the hardware from touching any posted
-        // buffer, so the records (and their leases) can be dropped after.
-        unsafe {
-            if !e.qp.is_null() {
-                rdma_destroy_qp(e.id);
-            }
-            rdma_destroy_id(e.id);
-        }
+        // `ibv_destroy_qp` rather than `rdma_destroy_qp`, which says nothing of a failure: it also clears the id's
+        // pointer to the queue pair, and destroys the completion queues librdmacm made for the id, of which there
+        // are none (the queue pair is made on the transport's own).
+        let destroyed = e.qp.is_null()
+            || {
+                // SAFETY: the QP is ours and live; destroying it first stops the device from touching any posted
+                // buffer, so the records (and their leases) can be dropped after.
+                let rc = unsafe { ibv_destroy_qp(e.qp) };
+                if rc == 0 {
+                    // SAFETY: the id is ours and live; its queue pair is gone.
+                    unsafe { (*e.id).qp = ptr::null_mut() };
+                } else {
+                    tracing::error!(
+                    qpn,
+                    rc,
+                    "ibv_destroy_qp of a released endpoint failed; the buffers posted on it are kept for the \
+                     process's life"
+                );
+                }
+                rc == 0
+            };
+        // SAFETY: the id is ours; nothing uses it after this.
+        unsafe { rdma_destroy_id(e.id) };
         if let Some(n) = qpn {
             // Others leave them in the queue, and write some between the drain before and the destruction:
-            // collect those too while the number still names this endpoint (after the destruction no more come),
+            // collect those too while the number still names this endpoint (after a destruction no more come),
             // so a shared receive is never credited to the next endpoint that gets the number; and so that the
             // room the endpoint's requests took in the completion queue is free when it is given back.
             self.drain_cq();
             self.qpn.remove(&n);
         }
+        destroyed
     }
 
     /// Drops the records of a released endpoint, whose queue pair is destroyed, giving back the room they took in
@@ -531,6 +555,34 @@ impl VerbsTransport {
         // Completions of a released endpoint are dropped, except shared receives: the engine reposts those.
         self.cq_backlog.retain(|(c, shared)| c.ep != ep || *shared);
     }
+}
+
+/// Keeps for good the records of released endpoint `ep`, whose queue pair the device would not destroy: it may
+/// still reach every buffer posted on it, so neither the records nor their leases go back, and the buffers are
+/// marked kept ([`exs_dma::DmaBuf::keep_for_good`]: their owners are told). Nor does the room they took in the
+/// completion queue: the queue pair may still complete them.
+fn keep_records(ep: EndpointId, e: Ep, recvs: &mut FxHashMap<u64, (Option<EndpointId>, RecvRec)>) {
+    for r in e.sends.items() {
+        if let Some(op) = &r.op {
+            op.mark_kept_for_good();
+        }
+        // A window whose bind may still be queued on the queue pair keeps its exposure's lease.
+        if let Some(b) = &r._bind {
+            b._reg.buf().keep_for_good();
+        }
+    }
+    let mine: Vec<u64> = recvs
+        .iter()
+        .filter(|(_, (owner, _))| *owner == Some(ep))
+        .map(|(&id, _)| id)
+        .collect();
+    for id in mine {
+        if let Some((_, rec)) = recvs.remove(&id) {
+            rec.sge.mark_kept_for_good();
+            std::mem::forget(rec);
+        }
+    }
+    std::mem::forget(e);
 }
 
 /// Why listening on `addr` failed in `call` with `e`: the documented [`TransportError::AddrInUse`] (its message is
@@ -586,7 +638,66 @@ pub(crate) fn device_backlog(backlog: u32) -> i32 {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
+    use exs_dma::{DmaBuf, LeaseKind};
+    use exs_transport::{Completed, Op, Registration, Sge};
+
     use super::*;
+    use crate::memory::NoDevice;
+    use crate::queue::Posted;
+
+    fn sge(buf: &Arc<DmaBuf>, kind: LeaseKind) -> Sge {
+        let reg: Arc<dyn Registration> = Arc::new(NoDevice(Arc::clone(buf)));
+        Sge::of(&reg, 0..64, kind).unwrap()
+    }
+
+    #[test]
+    fn an_endpoint_whose_queue_pair_outlives_it_keeps_what_was_posted_on_it_for_good() {
+        let (sent, received, others) = (DmaBuf::new(4096), DmaBuf::new(4096), DmaBuf::new(4096));
+        let (ep, other) = (EndpointId(1), EndpointId(2));
+        let mut e = VerbsTransport::new_ep(ptr::null_mut());
+        e.sends.push(Posted {
+            seq: 1,
+            entries: 1,
+            broken: false,
+            own: false,
+            item: SendRec {
+                wr_id: 1,
+                kind: Some(Completed::Send),
+                _sink: None,
+                _bind: None,
+                op: Some(Op::Send {
+                    sges: vec![sge(&sent, LeaseKind::DeviceRead)],
+                    imm: None,
+                }),
+            },
+        });
+        let mut recvs = FxHashMap::default();
+        let rec = |buf: &Arc<DmaBuf>, wr_id| RecvRec {
+            wr_id,
+            sge: sge(buf, LeaseKind::DeviceWrite),
+        };
+        let shared = DmaBuf::new(4096);
+        recvs.insert(10, (Some(ep), rec(&received, 10)));
+        recvs.insert(11, (Some(other), rec(&others, 11)));
+        recvs.insert(12, (None, rec(&shared, 12)));
+        keep_records(ep, e, &mut recvs);
+        assert!(
+            sent.is_range_leased(0..64) && sent.kept_for_good(),
+            "a send posted on it"
+        );
+        assert!(
+            received.is_range_leased(0..64) && received.kept_for_good(),
+            "a receive posted on it"
+        );
+        assert_eq!(recvs.len(), 2, "its receives' records leave the table");
+        assert!(
+            !others.kept_for_good() && !shared.kept_for_good(),
+            "another endpoint's receive, and the shared queue's, stay as they were (the transport's drop judges \
+             the shared ones)"
+        );
+    }
 
     #[test]
     fn a_listen_that_fails_keeps_the_documented_error_or_names_the_call_and_code() {

@@ -395,6 +395,7 @@ impl VerbsTransport {
             eps: FxHashMap::default(),
             qpn: FxHashMap::default(),
             recvs: FxHashMap::default(),
+            kept_qp: false,
             srq: ptr::null_mut(),
             ids: WrIds::default(),
             listeners: FxHashMap::default(),

@@ -38,7 +38,6 @@ use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
-use std::ptr;
 use std::sync::Arc;
 
 use exs_dma::{DmaBuf, Lease};
@@ -205,6 +204,9 @@ pub struct VerbsTransport {
     qpn: FxHashMap<u32, EndpointId>,
     /// Posted receives: the endpoint they were posted on, or `None` for the shared receive queue.
     recvs: FxHashMap<u64, (Option<EndpointId>, RecvRec)>,
+    /// A released endpoint's queue pair outlived it (the device would not destroy it): it may still take shared
+    /// receives and write into them, so they are never given back (see the drop).
+    kept_qp: bool,
     /// The shared receive queue (seed 003), once the engine asked for it; QPs created after use it.
     srq: *mut ibv_srq,
     /// Identifiers of work requests, never reused (see [`queue`]).
@@ -431,12 +433,26 @@ impl Drop for VerbsTransport {
         for l in ls {
             self.close_listener(l);
         }
-        if !self.srq.is_null() {
-            // SAFETY: every QP attached to it was destroyed above; the PD outlives it (we hold an Arc).
-            unsafe { ibv_destroy_srq(self.srq) };
-            self.srq = ptr::null_mut();
+        let srq_gone = self.srq.is_null() || {
+            // SAFETY: every QP attached to it was destroyed above, unless the device kept one (then this fails);
+            // the PD outlives it (we hold an Arc).
+            let rc = unsafe { ibv_destroy_srq(self.srq) };
+            if rc != 0 {
+                tracing::error!(
+                    rc,
+                    "ibv_destroy_srq failed; its receive buffers are kept for the process's life"
+                );
+            }
+            rc == 0
+        };
+        if self.kept_qp || !srq_gone {
+            // A queue pair the device kept may still take a shared receive and write into it: none goes back.
+            for (_, (_, rec)) in self.recvs.drain() {
+                rec.sge.mark_kept_for_good();
+                std::mem::forget(rec);
+            }
         }
-        // The hardware can no longer touch any posted buffer: the leases go back.
+        // Otherwise the hardware can no longer touch any posted buffer: the leases go back.
         self.recvs.clear();
         // SAFETY: no QP uses the CQ any more; every channel event read was acknowledged when read (see
         // `arm_wait`); the channels are ours.

@@ -38,7 +38,8 @@ impl std::fmt::Debug for Pd {
 impl Drop for Pd {
     fn drop(&mut self) {
         // SAFETY: every MR, window and QP of this PD is gone: registrations and windows hold this Arc, QPs are
-        // destroyed by the transport's Drop before its Arc is released.
+        // destroyed by the transport's Drop before its Arc is released. A QP the device would not destroy keeps
+        // the PD in use, and the device refuses this (the PD stays, as the QP does).
         unsafe { ibv_dealloc_pd(self.0) };
     }
 }

@@ -258,6 +258,12 @@ pub struct Sge {
 }
 
 impl Sge {
+    /// Marks the buffer kept for good ([`exs_dma::DmaBuf::keep_for_good`]), for an entry whose lease is never given
+    /// back because a device may still reach its range.
+    pub fn mark_kept_for_good(&self) {
+        self.lease.buf().keep_for_good();
+    }
+
     /// Pairs a lease with the registration of its buffer. Fails if the lease is on another buffer.
     pub fn new(lease: Lease, reg: Arc<dyn Registration>) -> Result<Self, TransportError> {
         if !Arc::ptr_eq(lease.buf(), reg.buf()) {
@@ -411,7 +417,7 @@ impl Op {
             Op::Recv { sge } | Op::Read { local: sge, .. } => std::slice::from_ref(sge),
         };
         for sge in sges {
-            sge.lease.buf().keep_for_good();
+            sge.mark_kept_for_good();
         }
     }
 }

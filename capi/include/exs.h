@@ -394,7 +394,8 @@ int exs_socket(int domain,
 
 /**
  * Binds the socket to a local address (UNH-EXS `exs_bind`); port 0 lets `exs_listen` pick one. -1 with `errno`:
- * `EBADF`, `EAFNOSUPPORT` (not the socket's family), `EINVAL` (already bound, short address).
+ * `EBADF`, `EAFNOSUPPORT` (not the socket's family), `EINVAL` (already bound, short address), `EFAULT` (null
+ * address of a nonzero length).
  *
  * # Safety
  * `addr` is null or points to `len` readable bytes.
@@ -425,7 +426,8 @@ int exs_accept(int fd,
  * Connects, asynchronously (ES-API `exs_connect`): an `EXS_EVT_CONNECT` event on `qh` says how it went
  * (`exs_evt_errno` `ECONNREFUSED`, `ETIMEDOUT`, `EHOSTUNREACH`...). Options set with `exs_fcntl` are
  * negotiated now and fixed from here on. -1 with `errno` if it could not start: `EBADF`, `EAFNOSUPPORT`,
- * `EINVAL`, `EISCONN` (connected, or listening), `EALREADY` (a connect of the socket is under way), `EAGAIN`.
+ * `EINVAL` (short address), `EFAULT` (null address of a nonzero length), `EISCONN` (connected, or listening),
+ * `EALREADY` (a connect of the socket is under way), `EAGAIN`.
  *
  * # Safety
  * `addr` is null or points to `len` readable bytes.

@@ -8,7 +8,10 @@ use libc::{c_int, sa_family_t, sockaddr, sockaddr_in, sockaddr_in6, sockaddr_sto
 
 use crate::errno::Errno;
 
-/// Reads the address at `addr` (`len` bytes), which must be of the socket's `domain`.
+/// Reads the address at `addr` (`len` bytes), which must be of the socket's `domain`. As Linux copies an address
+/// in for `bind(2)` and `connect(2)`: no address, or a length beyond any address, is `EINVAL`; a null address of a
+/// nonzero length, `EFAULT`. Then a length too short for the family field, or for the family's address, is
+/// `EINVAL`.
 ///
 /// # Safety
 /// `addr` is null or valid for reads of `len` bytes.
@@ -18,7 +21,13 @@ pub(crate) unsafe fn read(
     domain: c_int,
 ) -> Result<SocketAddr, Errno> {
     let len = len as usize;
-    if addr.is_null() || len < size_of::<sa_family_t>() {
+    if len == 0 || len > size_of::<sockaddr_storage>() {
+        return Err(Errno(libc::EINVAL));
+    }
+    if addr.is_null() {
+        return Err(Errno(libc::EFAULT));
+    }
+    if len < size_of::<sa_family_t>() {
         return Err(Errno(libc::EINVAL));
     }
     // SAFETY: valid for `len` bytes (the caller), and `len` covers the family; unaligned reads for any pointer.
@@ -145,7 +154,18 @@ mod tests {
         }
         // SAFETY: a null pointer is refused before any read.
         let null = unsafe { read(std::ptr::null(), 16, libc::AF_INET) };
-        assert_eq!(null, Err(Errno(libc::EINVAL)));
+        assert_eq!(null, Err(Errno(libc::EFAULT)), "bind(2) says EFAULT");
+        // SAFETY: as above.
+        let empty = unsafe { read(std::ptr::null(), 0, libc::AF_INET) };
+        assert_eq!(
+            empty,
+            Err(Errno(libc::EINVAL)),
+            "no address: bind(2) says EINVAL"
+        );
+        let huge = size_of::<sockaddr_storage>() as socklen_t + 1;
+        // SAFETY: as above: a length beyond any address is refused before any read.
+        let beyond = unsafe { read(std::ptr::null(), huge, libc::AF_INET) };
+        assert_eq!(beyond, Err(Errno(libc::EINVAL)));
     }
 
     #[test]

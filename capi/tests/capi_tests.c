@@ -160,6 +160,7 @@ static void bad_arguments_are_einval(void)
     FAILS_WITH(exs_qwait_mode(qh, 42), EINVAL);
     FAILS_WITH(exs_bind(s, (struct sockaddr *)&a, sizeof a), EAFNOSUPPORT); /* an IPv4 address, IPv6 socket */
     FAILS_WITH(exs_bind(s, NULL, 0), EINVAL);
+    FAILS_WITH(exs_bind(s, NULL, sizeof(struct sockaddr_in6)), EFAULT); /* as bind(2) */
     FAILS_WITH(exs_shutdown(s, 42, qh, NULL), EINVAL);
     FAILS_WITH(exs_fcntl(s, 0x7777), EINVAL);
     FAILS_WITH(exs_fcntl(s, EXS_F_SET_SEND_CREDITS, 0), EINVAL);

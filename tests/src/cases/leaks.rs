@@ -373,7 +373,7 @@ fn connects_to_a_full_backlog(
 /// refused (their peers see a refusal, not a timeout) and nothing of them is kept. Driven through a bare transport
 /// as the engine drives it: the requests read are rejected, before the listener closes and after. Where the kernel
 /// drops requests caught in flight by the close ([`Backend::closing_listener_drops_requests`], iWARP), their
-/// connects may time out instead, loudly; every request that was read must still end refused.
+/// connects may time out instead, loudly: no more of them than requests the test never read.
 fn closed_listener_with_requests_waiting(b: &dyn Backend) -> Result<(), String> {
     const N: usize = 48;
     let net = b.net();
@@ -421,7 +421,9 @@ struct Ends {
 
 impl Ends {
     /// Fails unless every connect was refused; where the backend's kernel may drop requests in flight, timeouts
-    /// are allowed (said loudly) for requests the test never read.
+    /// are allowed (said loudly), at most as many as the requests the test never read. (Which connect a request
+    /// was is not known here: a connect that never got up has no address of its own to match the request's peer
+    /// with, so a rejected request's timeout in place of an unread one would pass.)
     fn judge(
         &self,
         b: &dyn Backend,
@@ -441,18 +443,17 @@ impl Ends {
                 self.timed_out, self.slowest
             ));
         };
+        let unread = n.saturating_sub(read);
         ensure!(
-            self.timed_out <= n - read,
-            "round {round}: {} connects timed out, but only {} requests were never read: a rejected request's \
-             connect timed out",
-            self.timed_out,
-            n - read
+            self.timed_out <= unread,
+            "round {round}: {} connects timed out, but only {unread} requests were never read: a rejected \
+             request's connect timed out",
+            self.timed_out
         );
         eprintln!(
-            "DROPPED {}: round {round}: {} of {} unread requests timed out instead of being refused: {why}",
+            "DROPPED {}: round {round}: {} of {unread} unread requests timed out instead of being refused: {why}",
             b.name(),
-            self.timed_out,
-            n - read
+            self.timed_out
         );
         Ok(())
     }

@@ -8,8 +8,8 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::runner::{
-    checked_release_tests, conformance_exe, finish, run_counting, run_sections, xtask_copy,
-    Sections, SECTION,
+    build_checked_release, checked_release_tests, conformance_exe, finish, run_counting,
+    run_sections, xtask_copy, Sections, SECTION,
 };
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
@@ -193,14 +193,16 @@ pub fn run(args: TestArgs) -> Result<()> {
     let mut out = Outcome::default();
     let only_conformance = !args.backend.is_empty();
     let wanted = |b: &str| !only_conformance || args.backend.iter().any(|x| x == b);
-    // Everything but the conformance suite, which runs from the checked release build (`conformance_exe`), with
-    // the workspace tests' features: they reuse this build.
+    // Everything but the conformance suite and the property tests, which run from the checked release build
+    // (`checked_release_tests`), with the workspace tests' features: they reuse this build.
     out.timed("build", |_| {
         sys::run(sys::cargo().args([
             "build",
             "--workspace",
             "--exclude",
             "exs-conformance",
+            "--exclude",
+            "exs-props",
             "--all-targets",
             "--features",
             WORKSPACE_FEATURES,
@@ -247,8 +249,7 @@ impl Outcome {
         r
     }
 
-    /// `stage times: build 97 s, clippy 35 s, ...; 994 s in these stages` (the rest: installing, rustfmt, finding
-    /// the conformance executable).
+    /// `stage times: build 97 s, clippy 35 s, ...; 994 s in these stages` (the rest: installing, rustfmt).
     fn times_line(&self) -> String {
         let each: Vec<String> = self
             .times
@@ -349,6 +350,8 @@ fn workspace_tests(out: &mut Outcome) -> Result<()> {
             "--workspace",
             "--exclude",
             "exs-conformance",
+            "--exclude",
+            "exs-props",
             "--features",
             WORKSPACE_FEATURES,
             "--no-fail-fast",
@@ -360,6 +363,7 @@ fn workspace_tests(out: &mut Outcome) -> Result<()> {
         "doc examples (exs, features fabric and tokio: libfabric tcp on 127.0.0.1)",
         sys::cargo().args(["test", "--doc", "-p", "exs", "--features", "fabric,tokio"]),
     )?;
+    out.timed("release build", |_| build_checked_release())?;
     // The long property runs, in a release build: 10,000 stream cases (issue: "at least 10,000 cases in CI")
     // and 2,000 message-mode cases.
     out.tally(

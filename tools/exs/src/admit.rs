@@ -296,7 +296,7 @@ fn read_token(tokens: &MemoryRegion, c: &Candidate, ev: &Event, token: u64) -> R
 
 /// Connections closed per test that the log names one by one; the rest are counted (a stranger sending wrong
 /// tokens as fast as it connects must not fill the server's log).
-const LOGGED: u64 = 8;
+pub const LOGGED: u64 = 8;
 
 /// Closes a connection that is not the client's, saying why in the log (the first [`LOGGED`] of a test).
 fn refuse(s: &Socket, why: &anyhow::Error, refused: &mut u64) {

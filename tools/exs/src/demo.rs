@@ -16,7 +16,7 @@ use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, W
 use crate::progress::Progress;
 use crate::size::fmt_bytes;
 use crate::usage::Usage;
-use crate::util::{check_token, fmt_rate, PATIENCE, TOKEN_PATIENCE};
+use crate::util::{fmt_rate, PATIENCE};
 
 /// Order-dependent fold of per-chunk hashes: the checksum of the whole stream.
 fn fold(h: u64, chunk: &[u8]) -> u64 {
@@ -509,35 +509,8 @@ fn tcp_server(
     let at = SocketAddr::new(host.tcp_ip, 0);
     let l = TcpListener::bind(at).with_context(|| format!("TCP listener on {at}"))?;
     announce(l.local_addr()?)?;
-    l.set_nonblocking(true)?;
-    let deadline = Instant::now() + PATIENCE;
-    let mut st = loop {
-        // At every turn, not only when nobody is queued: connections that never send the token, queued one
-        // behind the other, kept the loop from the client's leaving and every limit (review finding; test
-        // `tokenless_connections_queued_on_a_tcp_demo_listener_end_at_the_tests_limit`).
-        watch.check("its TCP connection")?;
-        if Instant::now() > deadline {
-            bail!(
-                "no TCP connection from the client within {} s",
-                PATIENCE.as_secs()
-            );
-        }
-        match l.accept() {
-            // Anyone may connect first: the client's connection sends the test's token first (as an exs one
-            // does, `crate::util::accept_one`).
-            Ok((st, from)) => match took_tcp_token(&st, watch.token()) {
-                Ok(()) => break st,
-                Err(why) => {
-                    tracing::warn!(%from, "a connection to a test's listener closed: {why:#}")
-                }
-            },
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            Err(e) => return Err(e).context("TCP accept"),
-        }
-    };
-    st.set_nonblocking(false)?;
+    // The listener closes once the client's connection is in: strangers cannot park connections on it.
+    let mut st = crate::tcp_admit::accept_client(l, watch.token(), watch)?;
     st.set_read_timeout(Some(Duration::from_secs(1)))?;
     let (chunk, size) = (p.chunk as usize, p.size);
     // Refused, not an abort of the whole server, when the memory is not there.
@@ -566,33 +539,6 @@ fn tcp_server(
     st.write_all(&sum.to_le_bytes()).context("TCP reply")?;
     wait_for_tcp_close(&mut st, watch);
     Ok(received)
-}
-
-/// Whether `st`'s first eight bytes, all within [`TOKEN_PATIENCE`], are `token` (`None`: any connection is the
-/// client's). The patience is for the whole token: a byte every few seconds does not stretch it (a read timeout
-/// alone did, to seven times).
-fn took_tcp_token(mut st: &TcpStream, token: Option<u64>) -> Result<()> {
-    let Some(token) = token else {
-        return Ok(());
-    };
-    st.set_nonblocking(false)?;
-    let until = Instant::now() + TOKEN_PATIENCE;
-    let mut got = [0u8; 8];
-    let mut at = 0;
-    while at < got.len() {
-        let left = until.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            bail!("no token within {TOKEN_PATIENCE:?}");
-        }
-        st.set_read_timeout(Some(left))?;
-        match st.read(&mut got[at..]) {
-            Ok(0) => bail!("closed before its token"),
-            Ok(n) => at += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e).context(format!("no token within {TOKEN_PATIENCE:?}")),
-        }
-    }
-    check_token(&got, token)
 }
 
 /// Waits for the client to close its TCP connection, so that the reply is read before we go: at most

@@ -14,6 +14,7 @@ mod pump;
 mod rawping;
 mod size;
 mod soak;
+mod tcp_admit;
 mod usage;
 mod util;
 

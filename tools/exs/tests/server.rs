@@ -390,6 +390,112 @@ fn a_stranger_connecting_first_to_a_tests_tcp_listener_is_not_served() {
     assert!(server.alive());
 }
 
+/// A review found it: the TCP demo read its connections' tokens one after the other, each for up to five seconds,
+/// so silent strangers queued ahead of the client held it back by five seconds each (twelve outlasted its write
+/// timeout). They are now read side by side, and the listener closes once the client's connection is in.
+#[test]
+fn silent_strangers_queued_ahead_on_a_tcp_demo_listener_do_not_delay_the_client() {
+    let mut server = Server::start("demo", free_port(), &[]);
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("demo")["msg"], "welcome");
+    let l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
+    let addr = l["addr"].as_str().unwrap();
+    let strangers: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    // The server has accepted them before the client connects.
+    std::thread::sleep(Duration::from_millis(200));
+    let started = Instant::now();
+    let mut client = TcpStream::connect(addr).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    client.write_all(&token(&l).to_le_bytes()).unwrap();
+    client.write_all(&[7]).unwrap();
+    client
+        .read_exact(&mut [0u8; 8])
+        .expect("the client's checksum");
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "the client was served after {:?} (eight strangers at five seconds each: 40 s)",
+        started.elapsed()
+    );
+    drop(client);
+    let done = c.reply().expect("the server's word on the test");
+    assert_eq!(done["msg"], "done", "{done}");
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "the test's listener is closed once the client is in"
+    );
+    drop(strangers);
+    assert!(server.alive());
+}
+
+/// A review found it: a client that wrote a byte on its control connection during a test and then closed it was
+/// taken for present (a peek saw the byte), and held the server until the test's limit. Its close is seen at once.
+#[test]
+fn a_client_that_sends_a_byte_mid_test_then_closes_frees_the_server_at_once() {
+    let mut server = Server::start("demo", free_port(), &[]);
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("demo")["msg"], "welcome");
+    let _l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
+    c.send(b"x");
+    drop(c);
+    let t = Instant::now();
+    loop {
+        let out = honest("demo", &server);
+        if out.status.success() {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the server was still held after {:?}: {}",
+            t.elapsed(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(server.alive());
+}
+
+/// A review found it: every connection closed on a test's TCP listener was logged, so a stranger connecting and
+/// closing in a loop filled the server's log. The first few are logged, the rest counted in one line.
+#[test]
+fn strangers_on_a_tcp_demo_listener_are_logged_a_bounded_number_of_times() {
+    let mut server = Server::start("demo", free_port(), &[]);
+    let mut c = Raw::connect(&server);
+    assert_eq!(c.hello("demo")["msg"], "welcome");
+    let l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
+    let addr = l["addr"].as_str().unwrap();
+    for _ in 0..40 {
+        let mut s = TcpStream::connect(addr).unwrap();
+        s.write_all(&token(&l).wrapping_add(1).to_le_bytes())
+            .unwrap();
+        let _ = s.read(&mut [0u8; 1]);
+    }
+    let mut client = TcpStream::connect(addr).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    client.write_all(&token(&l).to_le_bytes()).unwrap();
+    client.write_all(&[7]).unwrap();
+    client.read_exact(&mut [0u8; 8]).unwrap();
+    drop(client);
+    assert_eq!(c.reply().expect("the test's end")["msg"], "done");
+    let line = server
+        .wait_for_log(
+            "more connections to the test's TCP listener closed",
+            Duration::from_secs(10),
+        )
+        .expect("the rest are counted in one line");
+    assert!(line.contains("32 more"), "{line}");
+    let each = server
+        .log()
+        .iter()
+        .filter(|l| l.contains("a connection to a test's TCP listener closed"))
+        .count();
+    assert_eq!(each, 8, "the first eight are logged one by one");
+    assert!(server.alive());
+}
+
 /// An `exs ping` test on a fresh server (8-byte immediate pings, one of them), and a context of this process's
 /// own on libfabric tcp: the server, the control connection, the test's `listening` message, the context, a queue
 /// for it, and a connection made on it to the test's listener (`context`: its connect's).

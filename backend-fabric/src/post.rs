@@ -89,6 +89,9 @@ impl FabricTransport {
                 wr,
             });
         };
+        if let Err(error) = wr.op.check_leases() {
+            return Err(PostError { error, wr });
+        }
         if matches!(&wr.op, Op::Send { sges, imm: Some(_) } if sges.len() > 1) {
             // `fi_senddata` takes one buffer: the rest would be dropped unseen (review finding).
             return Err(PostError {

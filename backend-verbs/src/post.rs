@@ -86,6 +86,7 @@ fn sge_length(len: usize) -> Result<u32, TransportError> {
 
 /// Refuses an operation with an entry longer than verbs carries ([`sge_length`]), before anything is posted.
 pub(crate) fn check_lengths(op: &Op) -> Result<(), TransportError> {
+    op.check_leases()?;
     let check = |s: &Sge| sge_length(s.len()).map(drop);
     match op {
         Op::Send { sges, .. } => sges.iter().try_for_each(check),

@@ -149,6 +149,7 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::extensions::cases());
     v.extend(cases::hostile::cases());
     v.extend(cases::keys::cases());
+    v.extend(cases::leases::cases());
     v.extend(cases::leaks::cases());
     v.extend(cases::errors::cases());
     v.extend(cases::waiting::cases());

@@ -401,6 +401,28 @@ pub enum Op {
 }
 
 impl Op {
+    /// Refuses an operation whose leases do not allow what the device does with them: a receive's target or an
+    /// RDMA read's sink needs a lease the device may write ([`exs_dma::LeaseKind::DeviceWrite`],
+    /// [`exs_dma::LeaseKind::DeviceWriteShared`] or [`exs_dma::LeaseKind::TrustedKey`]). A lease that only lets
+    /// the device read goes beside the CPU's borrows, which would then see the device write under them. Every
+    /// transport checks this before it posts (the sources of sends and writes are only read by the device: any
+    /// lease keeps them alive).
+    pub fn check_leases(&self) -> Result<(), TransportError> {
+        use exs_dma::LeaseKind;
+        let sink = match self {
+            Op::Recv { sge } => sge,
+            Op::Read { local, .. } => local,
+            Op::Send { .. } | Op::Write { .. } => return Ok(()),
+        };
+        match sink.lease.kind() {
+            LeaseKind::DeviceWrite | LeaseKind::DeviceWriteShared | LeaseKind::TrustedKey => Ok(()),
+            other => Err(TransportError::Invalid(format!(
+                "the device would write into memory leased as {other:?}: a receive or a read needs a lease the \
+                 device may write"
+            ))),
+        }
+    }
+
     /// Never gives the operation's leases back, and marks their buffers kept for good
     /// ([`exs_dma::DmaBuf::keep_for_good`]): a device may still reach them (the read sink's registration could not
     /// be undone, say).

@@ -325,6 +325,7 @@ impl Transport for SimTransport {
                 private.len()
             )));
         }
+        recvs.iter().try_for_each(|w| w.op.check_leases())?;
         let mut net = self.net();
         let local = Self::new_ep(&mut net, self.host, ep, recvs);
         let target = net.hosts.iter().position(|h| h.ip == addr.ip());
@@ -350,6 +351,7 @@ impl Transport for SimTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
+        recvs.iter().try_for_each(|w| w.op.check_leases())?;
         let mut net = self.net();
         let Some((from, from_addr, listen)) = net.hosts[self.host].requests.remove(&request) else {
             return Err(TransportError::Invalid("unknown connection request".into()));
@@ -384,6 +386,9 @@ impl Transport for SimTransport {
     }
 
     fn post(&mut self, ep: EndpointId, wr: WorkRequest) -> Result<(), PostError> {
+        if let Err(error) = wr.op.check_leases() {
+            return Err(PostError { error, wr });
+        }
         let mut net = self.net();
         let host = self.host;
         let Some(e) = net.hosts[host].eps.get_mut(&ep) else {
@@ -441,6 +446,10 @@ impl Transport for SimTransport {
             wrs.clear();
             return Err(TransportError::Invalid("no shared receive queue".into()));
         };
+        if let Err(e) = wrs.iter().try_for_each(|w| w.op.check_leases()) {
+            wrs.clear();
+            return Err(e);
+        }
         if wrs.iter().any(|w| !matches!(w.op, Op::Recv { .. })) {
             wrs.clear();
             return Err(TransportError::Invalid(

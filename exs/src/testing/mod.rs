@@ -171,6 +171,24 @@ impl RawPeer {
         Ok(id)
     }
 
+    /// Posts a receive, or with `remote` an RDMA read from it, into our buffer leased as `kind` (its last 4 KiB):
+    /// the transport must refuse a kind the device may not write. Returns the id.
+    pub fn post_sink_leased(
+        &mut self,
+        kind: LeaseKind,
+        remote: Option<RemoteRef>,
+    ) -> Result<u64, String> {
+        let end = self.tx.len();
+        let sge = self.sge(end - 4096..end, kind)?;
+        let id = self.id();
+        let op = match remote {
+            Some(remote) => Op::Read { local: sge, remote },
+            None => Op::Recv { sge },
+        };
+        self.post(WorkRequest { wr_id: id, op })?;
+        Ok(id)
+    }
+
     /// RDMA-writes `data` to `remote` (with an immediate value if given); returns the id.
     pub fn write(
         &mut self,

@@ -6,6 +6,7 @@ pub mod first;
 pub mod hostile;
 pub mod keys;
 pub mod leaks;
+pub mod leases;
 pub mod message;
 pub mod process;
 pub mod scale;

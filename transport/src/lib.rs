@@ -314,9 +314,33 @@ impl Sge {
         &self.lease
     }
 
-    /// The lease, mutably.
-    pub fn lease_mut(&mut self) -> &mut Lease {
-        &mut self.lease
+    /// Copies `src` into the entry's range at `offset` (a receive filled by software: the simulator, an inline
+    /// payload). The lease itself is not handed out mutably: swapping in a lease of another buffer would part it
+    /// from the registration the entry was checked against.
+    pub fn write(&mut self, offset: usize, src: &[u8]) -> Result<(), DmaError> {
+        self.lease.write(offset, src)
+    }
+
+    /// Copies `len` bytes of `src` at `src_offset` into the entry's range at `offset`.
+    pub fn fill_from(
+        &mut self,
+        offset: usize,
+        src: &DmaBuf,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), DmaError> {
+        src.copy_into(src_offset, &mut self.lease, offset, len)
+    }
+
+    /// Copies `len` bytes of the lease `src` at `src_offset` into the entry's range at `offset`.
+    pub fn fill_from_lease(
+        &mut self,
+        offset: usize,
+        src: &Lease,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), DmaError> {
+        src.copy_to(src_offset, &mut self.lease, offset, len)
     }
 
     /// The registration.

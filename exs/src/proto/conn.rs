@@ -708,7 +708,7 @@ impl Conn {
                 let range = inline.clone();
                 let mut into_recv = |sge: &mut crate::transport::Sge| -> Result<(), Violation> {
                     let n = sge.len().min(range.len());
-                    rx.copy_into(range.start, sge.lease_mut(), 0, n)
+                    sge.fill_from(0, rx, range.start, n)
                         .map_err(|e| Violation::BadRange(e.to_string()))
                 };
                 let rx2 = rx;

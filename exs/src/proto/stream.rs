@@ -224,8 +224,8 @@ impl StreamRecvMemory {
             StreamRecvMemory::Keyed(e) => e
                 .fill_from(offset, src, src_offset, len)
                 .map_err(|e| e.to_string()),
-            StreamRecvMemory::Unkeyed { sge, .. } => src
-                .copy_into(src_offset, sge.lease_mut(), offset, len)
+            StreamRecvMemory::Unkeyed { sge, .. } => sge
+                .fill_from(offset, src, src_offset, len)
                 .map_err(|e| e.to_string()),
             StreamRecvMemory::Keying => Err("a receive being keyed was filled".into()),
         }

@@ -384,7 +384,9 @@ impl Net {
         if total > target.len() {
             return self.overrun_recv(a, wr.wr_id, recv.wr_id, imm);
         }
-        gather(sges, target.lease_mut(), 0);
+        gather(sges, 0, |src, at| {
+            target.fill_from_lease(at, src, 0, src.len())
+        });
         self.count_delivered(total);
         let len = total as u32;
         drop(recv.op);
@@ -449,7 +451,10 @@ impl Net {
             _ => None,
         };
         let entry = self.keys.get_mut(&remote.key).expect("checked");
-        gather(local, &mut entry.lease, (remote.addr - entry.base) as usize);
+        let off = (remote.addr - entry.base) as usize;
+        gather(local, off, |src, at| {
+            src.copy_to(0, &mut entry.lease, at, src.len())
+        });
         self.count_delivered(n);
         match (imm, recv) {
             (Some(imm), Some(r)) => self.complete(
@@ -481,9 +486,8 @@ impl Net {
         }
         let entry = self.keys.get(&remote.key).expect("checked");
         let off = (remote.addr - entry.base) as usize;
-        entry
-            .lease
-            .copy_to(off, local.lease_mut(), 0, n)
+        local
+            .fill_from_lease(0, &entry.lease, off, n)
             .expect("bounds checked");
         self.count_delivered(n);
         self.complete(a.from.0, a.from.1, wr.wr_id, Completed::Read, Ok(()));
@@ -644,11 +648,14 @@ impl Arrival {
 }
 
 /// Copies the gather list `sges`, in order, into `dst` from offset `at` (lengths and bounds checked by the caller).
-fn gather(sges: &[Sge], dst: &mut Lease, mut at: usize) {
+/// Copies the entries `sges`, in order, to `at` onward of a sink: `fill(src, at)` copies one entry's lease there.
+fn gather(
+    sges: &[Sge],
+    mut at: usize,
+    mut fill: impl FnMut(&Lease, usize) -> Result<(), exs_dma::DmaError>,
+) {
     for s in sges {
-        s.lease()
-            .copy_to(0, dst, at, s.len())
-            .expect("lengths and bounds checked");
+        fill(s.lease(), at).expect("lengths and bounds checked");
         at += s.len();
     }
 }

@@ -247,7 +247,6 @@ impl MessageProto {
             if n > 0 {
                 // The receive's lease is ours until we drop it: writing through it cannot fail.
                 req.sge
-                    .lease_mut()
                     .write(0, &data[..n])
                     .expect("receive lease covers the copy");
             }

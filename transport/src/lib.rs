@@ -214,9 +214,32 @@ impl<R: Revoke> KeyedLease<R> {
 
 impl<R: Revoke> Drop for KeyedLease<R> {
     fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        // Should the revocation panic, the key may still name the range: the lease is kept for good as the panic
+        // unwinds, rather than dropped with this field (review finding).
+        let held = KeepOnUnwind(Some(lease));
         self.revoke.revoke();
-        if let Some(lease) = self.lease.take() {
+        if let Some(lease) = held.disarm() {
             self.revoke.release(lease);
+        }
+    }
+}
+
+/// A lease kept for good if dropped while it is held ([`KeyedLease`]'s drop, across its revocation).
+struct KeepOnUnwind(Option<Lease>);
+
+impl KeepOnUnwind {
+    fn disarm(mut self) -> Option<Lease> {
+        self.0.take()
+    }
+}
+
+impl Drop for KeepOnUnwind {
+    fn drop(&mut self) {
+        if let Some(lease) = self.0.take() {
+            lease.keep_for_good();
         }
     }
 }
@@ -838,6 +861,29 @@ impl WorkRequest {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(Debug)]
+    struct PanickingRevoke;
+
+    impl Revoke for PanickingRevoke {
+        fn revoke(&mut self) {
+            panic!("the device call behind the revocation panicked");
+        }
+    }
+
+    #[test]
+    fn a_key_whose_revocation_panics_keeps_its_range_leased_for_good() {
+        let buf = DmaBuf::new(4096);
+        let lease = buf.lease(0..64, LeaseKind::DeviceRead).unwrap();
+        let exposed = KeyedLease::new(RemoteRef { addr: 0, key: 1 }, lease, PanickingRevoke);
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(exposed)));
+        assert!(unwound.is_err());
+        assert!(
+            buf.is_range_leased(0..64),
+            "the key may still name the range"
+        );
+        assert!(buf.kept_for_good(), "and its owner is told so");
+    }
 
     #[test]
     fn pending_requests_number_once_and_hand_back_a_closing_listeners_requests() {

@@ -331,13 +331,7 @@ fn a_test_ends_at_the_servers_time_limit() {
 /// data connection is returned open.
 fn demo_tcp_test(c: &mut Raw) -> TcpStream {
     let l = listening(c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
-    let mut data = TcpStream::connect(l["addr"].as_str().unwrap()).unwrap();
-    data.set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    data.write_all(&token(&l).to_le_bytes()).unwrap();
-    data.write_all(&[7]).unwrap();
-    data.read_exact(&mut [0u8; 8]).unwrap();
-    data
+    tcp_client_test(&l)
 }
 
 /// Asks for a test with `params`; returns the server's `listening` message (the test's address and token).
@@ -395,24 +389,13 @@ fn a_stranger_connecting_first_to_a_tests_tcp_listener_is_not_served() {
 /// timeout). They are now read side by side, and the listener closes once the client's connection is in.
 #[test]
 fn silent_strangers_queued_ahead_on_a_tcp_demo_listener_do_not_delay_the_client() {
-    let mut server = Server::start("demo", free_port(), &[]);
-    let mut c = Raw::connect(&server);
-    assert_eq!(c.hello("demo")["msg"], "welcome");
-    let l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
+    let (mut server, mut c, l) = tcp_demo(&[], 1);
     let addr = l["addr"].as_str().unwrap();
     let strangers: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(addr).unwrap()).collect();
     // The server has accepted them before the client connects.
     std::thread::sleep(Duration::from_millis(200));
     let started = Instant::now();
-    let mut client = TcpStream::connect(addr).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    client.write_all(&token(&l).to_le_bytes()).unwrap();
-    client.write_all(&[7]).unwrap();
-    client
-        .read_exact(&mut [0u8; 8])
-        .expect("the client's checksum");
+    let client = tcp_client_test(&l);
     assert!(
         started.elapsed() < Duration::from_secs(4),
         "the client was served after {:?} (eight strangers at five seconds each: 40 s)",
@@ -433,10 +416,7 @@ fn silent_strangers_queued_ahead_on_a_tcp_demo_listener_do_not_delay_the_client(
 /// taken for present (a peek saw the byte), and held the server until the test's limit. Its close is seen at once.
 #[test]
 fn a_client_that_sends_a_byte_mid_test_then_closes_frees_the_server_at_once() {
-    let mut server = Server::start("demo", free_port(), &[]);
-    let mut c = Raw::connect(&server);
-    assert_eq!(c.hello("demo")["msg"], "welcome");
-    let _l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
+    let (mut server, mut c, _l) = tcp_demo(&[], 1);
     c.send(b"x");
     drop(c);
     let t = Instant::now();
@@ -460,10 +440,7 @@ fn a_client_that_sends_a_byte_mid_test_then_closes_frees_the_server_at_once() {
 /// closing in a loop filled the server's log. The first few are logged, the rest counted in one line.
 #[test]
 fn strangers_on_a_tcp_demo_listener_are_logged_a_bounded_number_of_times() {
-    let mut server = Server::start("demo", free_port(), &[]);
-    let mut c = Raw::connect(&server);
-    assert_eq!(c.hello("demo")["msg"], "welcome");
-    let l = listening(&mut c, json!({"transport": "tcp", "size": 1, "chunk": 1}));
+    let (mut server, mut c, l) = tcp_demo(&[], 1);
     let addr = l["addr"].as_str().unwrap();
     for _ in 0..40 {
         let mut s = TcpStream::connect(addr).unwrap();
@@ -471,14 +448,7 @@ fn strangers_on_a_tcp_demo_listener_are_logged_a_bounded_number_of_times() {
             .unwrap();
         let _ = s.read(&mut [0u8; 1]);
     }
-    let mut client = TcpStream::connect(addr).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(30)))
-        .unwrap();
-    client.write_all(&token(&l).to_le_bytes()).unwrap();
-    client.write_all(&[7]).unwrap();
-    client.read_exact(&mut [0u8; 8]).unwrap();
-    drop(client);
+    drop(tcp_client_test(&l));
     assert_eq!(c.reply().expect("the test's end")["msg"], "done");
     let line = server
         .wait_for_log(
@@ -1115,11 +1085,13 @@ fn after_arbitrary_lines_an_honest_client_is_served() {
 /// A demo server whose tests may last two seconds (`--max-seconds 1`, `--max-grace 1`), a welcomed client, and
 /// its TCP test of `size` bytes in one chunk: (server, client, the test's `listening` message).
 fn tcp_demo_within_two_seconds(size: u64) -> (Server, Raw, Value) {
-    let server = Server::start(
-        "demo",
-        free_port(),
-        &["--max-seconds", "1", "--max-grace", "1"],
-    );
+    tcp_demo(&["--max-seconds", "1", "--max-grace", "1"], size)
+}
+
+/// A demo server started with `args`, a welcomed control connection, and its `listening` message for a TCP test
+/// of `size` bytes in one chunk.
+fn tcp_demo(args: &[&str], size: u64) -> (Server, Raw, Value) {
+    let server = Server::start("demo", free_port(), args);
     let mut c = Raw::connect(&server);
     assert_eq!(c.hello("demo")["msg"], "welcome");
     let l = listening(
@@ -1127,6 +1099,19 @@ fn tcp_demo_within_two_seconds(size: u64) -> (Server, Raw, Value) {
         json!({"transport": "tcp", "size": size, "chunk": size}),
     );
     (server, c, l)
+}
+
+/// The client's side of a one-byte TCP demo test to `l`'s listener: its token, the byte, the checksum read back.
+/// The data connection is returned open.
+fn tcp_client_test(l: &Value) -> TcpStream {
+    let mut data = TcpStream::connect(l["addr"].as_str().unwrap()).unwrap();
+    data.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    data.write_all(&token(l).to_le_bytes()).unwrap();
+    data.write_all(&[7]).unwrap();
+    data.read_exact(&mut [0u8; 8])
+        .expect("the client's checksum");
+    data
 }
 
 /// A review found it: a TCP demo client that sent a byte a second (each read of the server's then returned,

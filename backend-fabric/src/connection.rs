@@ -413,6 +413,8 @@ impl FabricTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
+        // Refused before anything is made or posted (`post_initial` would post the receives before a bad one).
+        recvs.iter().try_for_each(|w| w.op.check_leases())?;
         let node = addr.ip().to_string();
         let service = addr.port().to_string();
         let info = getinfo(
@@ -462,6 +464,7 @@ impl FabricTransport {
         private: &[u8],
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
+        recvs.iter().try_for_each(|w| w.op.check_leases())?;
         let (listener, info) = self
             .requests
             .take(request)

@@ -326,6 +326,8 @@ impl Transport for VerbsTransport {
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
         self.refuse_if_failed()?;
+        // Refused now rather than as a failed connect once the route is resolved and the receives posted.
+        recvs.iter().try_for_each(|w| w.op.check_leases())?;
         self.start_connect(ep, addr, private, recvs)
     }
 
@@ -337,6 +339,7 @@ impl Transport for VerbsTransport {
         recvs: Vec<WorkRequest>,
     ) -> Result<(), TransportError> {
         self.refuse_if_failed()?;
+        recvs.iter().try_for_each(|w| w.op.check_leases())?;
         self.accept_request(request, ep, private, recvs)
     }
 

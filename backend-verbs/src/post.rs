@@ -84,7 +84,8 @@ fn sge_length(len: usize) -> Result<u32, TransportError> {
     })
 }
 
-/// Refuses an operation with an entry longer than verbs carries ([`sge_length`]), before anything is posted.
+/// Refuses an operation with an entry longer than verbs carries ([`sge_length`]), or whose leases do not allow
+/// what the device does with them ([`Op::check_leases`]), before anything is posted.
 pub(crate) fn check_lengths(op: &Op) -> Result<(), TransportError> {
     op.check_leases()?;
     let check = |s: &Sge| sge_length(s.len()).map(drop);
@@ -660,7 +661,11 @@ impl VerbsTransport {
             Some(e) => e.state == EpState::Down && !e.qp.is_null(),
         };
         if down {
-            // Posting on a dead connection completes with a flush, as hardware does.
+            // Posting on a dead connection completes with a flush, as hardware does, once the request is one the
+            // device could have taken.
+            if let Err(e) = wrs.iter().try_for_each(|w| w.op.check_leases()) {
+                return Err(Refused::new(e, std::mem::take(wrs)));
+            }
             for wr in wrs.drain(..) {
                 self.cq_backlog.push_back((wr.flushed(ep), false));
             }

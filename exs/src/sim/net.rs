@@ -647,7 +647,6 @@ impl Arrival {
     }
 }
 
-/// Copies the gather list `sges`, in order, into `dst` from offset `at` (lengths and bounds checked by the caller).
 /// Copies the entries `sges`, in order, to `at` onward of a sink: `fill(src, at)` copies one entry's lease there.
 fn gather(
     sges: &[Sge],

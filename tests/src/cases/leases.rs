@@ -25,6 +25,7 @@ fn read_only_sinks_refused(b: &dyn Backend) -> Result<(), String> {
         LeaseKind::DeviceRead,
         LeaseKind::DeviceReadShared,
         LeaseKind::CpuRead,
+        LeaseKind::CpuWrite,
     ] {
         for (what, remote) in [("receive", None), ("RDMA read", remote)] {
             match raw.post_sink_leased(kind, remote) {

@@ -2,9 +2,9 @@
 //! an exs listener: anyone may connect first, and the client's connection sends the test's token first. The
 //! connections are read side by side, each within [`TOKEN_PATIENCE`], so that strangers which connect and stay
 //! silent cost the client nothing (read one after the other, each held the client back by the whole patience:
-//! twelve of them outlasted its write timeout). At most [`CANDIDATES`] are read at once (the oldest is closed to
-//! make room), the first [`LOGGED`] closed connections of a test are logged and the rest counted, and the listener
-//! closes as soon as the client's connection is in.
+//! twelve of them outlasted its write timeout). At most [`CANDIDATES`] are read at once (the others wait in the
+//! listener's backlog), the first [`LOGGED`] closed connections of a test are logged and the rest counted, and the
+//! listener closes as soon as the client's connection is in.
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
@@ -92,9 +92,31 @@ impl Drop for Refused {
 /// connection), within [`PATIENCE`] and the test's limits, and closes `l`. The connection comes back blocking.
 pub fn accept_client(l: TcpListener, token: Option<u64>, watch: &Watch) -> Result<TcpStream> {
     l.set_nonblocking(true)?;
-    let deadline = Instant::now() + PATIENCE;
-    let mut cands: VecDeque<Candidate> = VecDeque::new();
     let mut refused = Refused::default();
+    let mut cands = VecDeque::new();
+    let taken = take_client(&l, token, watch, &mut cands, &mut refused);
+    // Whatever is still being read is closed, and counted, however the wait ended.
+    let why = if taken.is_ok() {
+        "the test has its connection"
+    } else {
+        "the test ended before its connection"
+    };
+    for c in cands.drain(..) {
+        refused.close(c.from, &anyhow!(why));
+    }
+    taken
+}
+
+/// The loop of [`accept_client`]. At most [`CANDIDATES`] connections are read at once: beyond them, connections
+/// wait in the listener's backlog (closing the oldest to make room could close the client's, its token unread).
+fn take_client(
+    l: &TcpListener,
+    token: Option<u64>,
+    watch: &Watch,
+    cands: &mut VecDeque<Candidate>,
+    refused: &mut Refused,
+) -> Result<TcpStream> {
+    let deadline = Instant::now() + PATIENCE;
     loop {
         // At every turn: connections that never send the token kept the loop from the client's leaving and
         // every limit (test `tokenless_connections_queued_on_a_tcp_demo_listener_end_at_the_tests_limit`).
@@ -106,7 +128,7 @@ pub fn accept_client(l: TcpListener, token: Option<u64>, watch: &Watch) -> Resul
             );
         }
         let mut busy = false;
-        loop {
+        while cands.len() < CANDIDATES {
             match l.accept() {
                 Ok((st, from)) => {
                     busy = true;
@@ -117,14 +139,6 @@ pub fn accept_client(l: TcpListener, token: Option<u64>, watch: &Watch) -> Resul
                     if let Err(e) = st.set_nonblocking(true) {
                         refused.close(from, &anyhow!(e));
                         continue;
-                    }
-                    if cands.len() == CANDIDATES {
-                        if let Some(old) = cands.pop_front() {
-                            refused.close(
-                                old.from,
-                                &anyhow!("one of too many connections sending nothing"),
-                            );
-                        }
                     }
                     let until = Instant::now() + TOKEN_PATIENCE;
                     cands.push_back(Candidate {
@@ -148,9 +162,6 @@ pub fn accept_client(l: TcpListener, token: Option<u64>, watch: &Watch) -> Resul
                 Read8::Client => {
                     let c = cands.remove(i).expect("in range");
                     c.st.set_nonblocking(false)?;
-                    for other in cands.drain(..) {
-                        refused.close(other.from, &anyhow!("the test has its connection"));
-                    }
                     return Ok(c.st);
                 }
                 Read8::Refused(why) => {

@@ -4,10 +4,10 @@
  * in epoll_wait on it and on a timerfd (standing for the program's other work: sockets, pipes, timers), and
  * takes the queue's events without waiting (a zero timeout) whenever it is readable. Nothing else drives exs:
  * its progress thread makes the descriptor readable. A client and a server in this program bounce a
- * SOCK_SEQPACKET message back and forth ROUNDS times, each message one more than the last.
+ * SOCK_SEQPACKET message back and forth ROUNDS times (1000, or -n ROUNDS), each message one more than the last.
  *
  *   cc epoll.c $(pkg-config --cflags --libs exs) -o epoll
- *   EXS_BACKEND=fabric ./epoll [ADDR]
+ *   EXS_BACKEND=fabric ./epoll [-n ROUNDS] [ADDR]
  */
 #define _GNU_SOURCE
 #include <exs.h>
@@ -23,7 +23,7 @@
 #include <sys/timerfd.h>
 #include <unistd.h>
 
-enum { ROUNDS = 1000, BATCH = 8 };
+enum { BATCH = 8 };
 enum { CLIENT = 1, SERVER = 2 };
 #define CTX(who) ((void *)(intptr_t)(who))
 
@@ -57,7 +57,7 @@ static void side_init(struct side *s, int fd)
 
 int main(int argc, char **argv)
 {
-    const char *ip = argc > 1 ? argv[1] : getenv("EXS_ADDR") ? getenv("EXS_ADDR") : "127.0.0.1";
+    const char *ip;
     struct sockaddr_in addr;
     socklen_t alen = sizeof addr;
     struct epoll_event ee, ready[2];
@@ -65,9 +65,16 @@ int main(int argc, char **argv)
     struct timespec zero = {0, 0};
     struct side client, server;
     exs_qhandle_t qh;
-    int listener, cfd, ep, tfd, qfd, pending = 2, ticks = 0, wakeups = 0;
-    uint64_t last = 0;
+    int listener, cfd, ep, tfd, qfd, n, pending = 2, ticks = 0, wakeups = 0;
+    uint64_t last = 0, rounds = 1000;
 
+    while ((n = getopt(argc, argv, "n:")) != -1) {
+        if (n != 'n' || (rounds = strtoull(optarg, NULL, 10)) < 1) {
+            fprintf(stderr, "usage: epoll [-n ROUNDS] [ADDR]\n");
+            return 2;
+        }
+    }
+    ip = optind < argc ? argv[optind] : getenv("EXS_ADDR") ? getenv("EXS_ADDR") : "127.0.0.1";
     check(exs_init(EXS_VERSION), "exs_init");
     qh = exs_qcreate(16);
     check(qh, "exs_qcreate");
@@ -103,8 +110,9 @@ int main(int argc, char **argv)
     ee.data.fd = tfd;
     check(epoll_ctl(ep, EPOLL_CTL_ADD, tfd, &ee), "epoll_ctl");
 
-    while (last < ROUNDS) {
-        int n = epoll_wait(ep, ready, 2, 10000), i;
+    while (last < rounds) {
+        int i;
+        n = epoll_wait(ep, ready, 2, 10000);
         if (n < 0 && errno == EINTR)
             continue;
         check(n, "epoll_wait");
@@ -155,7 +163,7 @@ int main(int argc, char **argv)
                         return 1;
                     }
                     last = *s->msg;
-                    if (last == ROUNDS)
+                    if (last == rounds)
                         break;
                     *s->msg = last + 1;
                     check(exs_send(s->fd, s->msg, sizeof(uint64_t), 0, s->mh, qh, CTX(s == &client ? CLIENT : SERVER)),
@@ -182,7 +190,7 @@ int main(int argc, char **argv)
     free(server.msg);
     close(tfd);
     close(ep);
-    printf("epoll: %d messages bounced, %d wake-ups of epoll_wait for the queue, %d timer ticks beside\n", ROUNDS,
-           wakeups, ticks);
+    printf("epoll: %llu messages bounced, %d wake-ups of epoll_wait for the queue, %d timer ticks beside\n",
+           (unsigned long long)rounds, wakeups, ticks);
     return 0;
 }

@@ -40,8 +40,9 @@ enum Cmd {
     },
     /// Benchmarks beside the peers (--quick: a subset, about ten minutes): CSV, SVG plots, bench/<suite>.md.
     Bench(bench::BenchArgs),
-    /// A crate outside the workspace that depends on `exs` alone builds and runs the examples, and a first program
-    /// with each backend feature alone and all together (part of `test`).
+    /// The public crates packaged, with every file their builds read; then a crate outside the workspace that depends
+    /// on the packaged `exs` alone builds and runs the examples, and a first program with each backend feature alone
+    /// and all together (part of `test`).
     Outside,
     /// The bounded soak on sim and libfabric tcp: random sizes, flags and closes, every byte checked.
     Soak(soak::SoakArgs),
@@ -86,8 +87,9 @@ fn main() {
         )),
         Cmd::Rxe(a) => rxe::run(a),
         Cmd::Soak(a) => soak::run(a),
-        Cmd::Outside => outside::run()
-            .and_then(|line| Ok(format!("{line}\n{}", outside::features::run()?)))
+        Cmd::Outside => package::stage(&mut test::debug_build())
+            .and_then(|line| Ok(format!("{line}\n{}", outside::run()?)))
+            .and_then(|lines| Ok(format!("{lines}\n{}", outside::features::run()?)))
             .map(|lines| println!("{lines}")),
         Cmd::Bench(a) => bench::run(a),
     };

@@ -47,6 +47,12 @@ pub fn run() -> Result<String> {
     let manifest = std::fs::read_to_string(root.join("exs/Cargo.toml"))
         .map_err(|e| format!("exs/Cargo.toml: {e}"))?;
     let dependencies = example_dependencies(&manifest)?;
+    // exs as a registry would serve it: its package, and its dependencies among our crates from theirs.
+    crate::package::unpack()?;
+    let (exs, patch) = crate::package::exs_from_packages(
+        r#", features = ["fabric", "tokio"]"#,
+        &["exs-dma", "exs-transport", "exs-backend-fabric"],
+    )?;
     let write =
         |p: &Path, text: &str| std::fs::write(p, text).map_err(|e| format!("{}: {e}", p.display()));
     write(
@@ -55,8 +61,7 @@ pub fn run() -> Result<String> {
             "[package]\nname = \"exs-user\"\nversion = \"0.1.0\"\nedition = \"2021\"\npublish = false\n\n\
              # Not part of the exs workspace: what a user's crate looks like.\n[workspace]\n\n\
              [features]\n# The examples pick the simulated host's address when built with it.\nsim = [\"exs/sim\"]\n\n\
-             [dependencies]\nexs = {{ path = {:?}, features = [\"fabric\", \"tokio\"] }}\n{dependencies}",
-            root.join("exs").display().to_string()
+             [dependencies]\n{exs}{dependencies}\n{patch}"
         ),
     )?;
     std::fs::create_dir_all(dir.join("src")).map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -104,7 +109,7 @@ pub fn run() -> Result<String> {
         ));
     }
     Ok(format!(
-        "a crate outside the workspace (exs with features fabric, tokio) built and ran echo, file_copy ({} bytes \
+        "a crate outside the workspace (the packaged exs with features fabric, tokio) built and ran echo, file_copy ({} bytes \
          checked; {} lines of user code in main), async_echo, http",
         data.len(),
         user_lines[0]

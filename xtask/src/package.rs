@@ -1,6 +1,11 @@
-//! The publishable crates: `cargo package` for each (in dependency order, against cargo's local overlay of the
-//! workspace's own crates), and the declared `rust-version` checked against the compiler that builds them.
+//! The publishable crates: `cargo package` for each, unpacked as a registry would serve them; every file a crate's
+//! build reads is in its package; the declared `rust-version` is checked against the compiler that builds them. The
+//! crates outside the workspace (`outside.rs`, `outside/features.rs`) build `exs` and its backends from these
+//! packages.
 
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Instant;
 
 use crate::sys::{self, Result};
@@ -9,6 +14,8 @@ use crate::sys::{self, Result};
 pub struct Public {
     pub name: String,
     pub version: String,
+    /// The directory of its manifest.
+    pub dir: PathBuf,
     /// The declared `rust-version`.
     pub rust_version: Option<String>,
 }
@@ -28,6 +35,9 @@ pub fn public_crates() -> Result<Vec<Public>> {
             Some(Public {
                 name: p["name"].as_str()?.to_string(),
                 version: p["version"].as_str()?.to_string(),
+                dir: Path::new(p["manifest_path"].as_str()?)
+                    .parent()?
+                    .to_path_buf(),
                 rust_version: p["rust_version"].as_str().map(str::to_string),
             })
         })
@@ -91,52 +101,256 @@ fn check_rust_versions(crates: &[Public], rustc: &str) -> Result<String> {
     Ok(declared.join(", "))
 }
 
-/// Cargo verifies each packaged crate against a local registry of the others (`target/package/tmp-registry`), and
-/// extracts their sources under `$CARGO_HOME/registry/src/<that registry's hash>/NAME-VERSION`, reusing an
-/// extraction that is already there. The hash comes from the overlay's path, the same for every clone at the same
-/// place: a second clean clone at one path was verified against the first one's sources (its tool crate failed
-/// to build against an exs without this clone's API). So the extractions of our own crates go first; cargo
-/// extracts them again from the `.crate` files it just made.
-fn forget_stale_overlay_sources(crates: &[Public]) -> Result<()> {
-    let home = std::env::var_os("CARGO_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cargo")))
-        .ok_or("neither CARGO_HOME nor HOME is set")?;
-    let Ok(registries) = std::fs::read_dir(home.join("registry/src")) else {
-        return Ok(()); // nothing extracted yet
-    };
-    for registry in registries.flatten() {
-        for c in crates {
-            let dir = registry.path().join(format!("{}-{}", c.name, c.version));
-            if dir.is_dir() {
-                std::fs::remove_dir_all(&dir)
-                    .map_err(|e| format!("removing {}: {e}", dir.display()))?;
-            }
-        }
-    }
-    Ok(())
+/// Where [`unpack`] puts the packages: one directory per crate, `NAME-VERSION`, as a registry would serve them.
+pub fn unpacked_dir() -> PathBuf {
+    sys::root().join("target/package/unpacked")
 }
 
-/// Packages every public crate (`cargo package`, which also builds each packaged crate on its own, with the
-/// dependencies as they would come from the registry). `--offline`: the workspace build before this stage fetched
-/// every dependency, and CI may have no network; `--allow-dirty` so that the stage runs on a work in progress.
-/// Returns the summary line.
-pub fn stage() -> Result<String> {
+/// Packages every public crate without building it (`cargo package --no-verify`: the builds that follow use the
+/// packages themselves) and unpacks each `.crate` under [`unpacked_dir`]. `--offline`: the workspace build fetched
+/// every dependency, and CI may have no network; `--allow-dirty` so that a work in progress packages too.
+pub fn unpack() -> Result<Vec<Public>> {
     let crates = public_crates()?;
-    let rustc = rustc_version()?;
-    let declared = check_rust_versions(&crates, &rustc)?;
-    forget_stale_overlay_sources(&crates)?;
-    let start = Instant::now();
     let mut cmd = sys::cargo();
-    cmd.args(["package", "--offline", "--allow-dirty"]);
-    // Cargo verifies each package as a workspace of its own, without the workspace's profiles.
-    cmd.env(sys::REUSE_DEPS.0, sys::REUSE_DEPS.1);
+    cmd.args(["package", "--offline", "--allow-dirty", "--no-verify"]);
     for c in &crates {
         cmd.args(["-p", &c.name]);
     }
     sys::run(&mut cmd)?;
+    let dir = unpacked_dir();
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for c in &crates {
+        let file = sys::root().join(format!("target/package/{}-{}.crate", c.name, c.version));
+        // tar keeps the files' times, so a build of an unpacked crate that did not change is not redone.
+        sys::run(
+            Command::new("tar")
+                .arg("-xzf")
+                .arg(&file)
+                .arg("-C")
+                .arg(&dir),
+        )?;
+    }
+    Ok(crates)
+}
+
+/// A user's dependency on the packaged `exs` (`extra` inside its braces, as `, features = [...]`), then a
+/// `[patch.crates-io]` table serving `patched` (exs's dependencies among our crates, which its packaged manifest
+/// names by version) from their packages. Call [`unpack`] first.
+pub fn exs_from_packages(extra: &str, patched: &[&str]) -> Result<(String, String)> {
+    let crates = public_crates()?;
+    let path = |name: &str| -> Result<String> {
+        let c = crates
+            .iter()
+            .find(|c| c.name == name)
+            .ok_or_else(|| format!("{name} is not a public crate of the workspace"))?;
+        let dir = unpacked_dir().join(format!("{}-{}", c.name, c.version));
+        match dir.is_dir() {
+            true => Ok(format!("{:?}", dir.display().to_string())),
+            false => Err(format!("{} is not unpacked", dir.display())),
+        }
+    };
+    let dependency = format!("exs = {{ path = {}{extra} }}\n", path("exs")?);
+    let mut patch = String::from("[patch.crates-io]\n");
+    for name in patched {
+        patch.push_str(&format!("{name} = {{ path = {} }}\n", path(name)?));
+    }
+    Ok((dependency, patch))
+}
+
+/// The files each public crate's library, binaries and build script read in the debug build (`build`: that build's
+/// cargo command, run again with nothing to do), from the compiler's dependency lists and the build script's
+/// `rerun-if-changed` lines: (crate, absolute path).
+fn files_read(build: &mut Command, crates: &[Public]) -> Result<BTreeSet<(String, PathBuf)>> {
+    let out = sys::output(build.arg("--message-format=json"))?;
+    let root = sys::root();
+    let mut read = BTreeSet::new();
+    for v in out
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+    {
+        let manifest = Path::new(v["manifest_path"].as_str().unwrap_or_default());
+        let Some(c) = crates
+            .iter()
+            .find(|c| Some(c.dir.as_path()) == manifest.parent())
+        else {
+            continue;
+        };
+        let mut lists = Vec::new();
+        let kinds: Vec<&str> = v["target"]["kind"]
+            .as_array()
+            .map(|k| k.iter().filter_map(|k| k.as_str()).collect())
+            .unwrap_or_default();
+        let files: Vec<PathBuf> = v["filenames"]
+            .as_array()
+            .map(|f| {
+                f.iter()
+                    .filter_map(|f| f.as_str())
+                    .map(PathBuf::from)
+                    .collect()
+            })
+            .unwrap_or_default();
+        match v["reason"].as_str() {
+            Some("compiler-artifact") if v["profile"]["test"] == true => {}
+            Some("compiler-artifact") if kinds.contains(&"custom-build") => {
+                // The build script's own dependency list, beside its executable.
+                for f in &files {
+                    lists.extend(dep_lists_in(f.parent().unwrap_or(&root))?);
+                }
+            }
+            Some("compiler-artifact") if kinds.contains(&"bin") => {
+                lists.extend(files.iter().map(|f| f.with_extension("d")));
+            }
+            Some("compiler-artifact") if kinds.contains(&"lib") => {
+                // deps/libNAME-HASH.rmeta: its list is deps/NAME-HASH.d.
+                for f in files
+                    .iter()
+                    .filter(|f| f.extension() == Some("rmeta".as_ref()))
+                {
+                    let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+                    let stem = stem.strip_prefix("lib").unwrap_or(stem);
+                    lists.push(f.with_file_name(format!("{stem}.d")));
+                }
+            }
+            Some("build-script-executed") => {
+                let output =
+                    Path::new(v["out_dir"].as_str().unwrap_or_default()).with_file_name("output");
+                let text = std::fs::read_to_string(&output)
+                    .map_err(|e| format!("{}: {e}", output.display()))?;
+                for l in text.lines() {
+                    if let Some(p) = l
+                        .strip_prefix("cargo:rerun-if-changed=")
+                        .or_else(|| l.strip_prefix("cargo::rerun-if-changed="))
+                    {
+                        read.insert((c.name.clone(), c.dir.join(p)));
+                    }
+                }
+            }
+            _ => {}
+        }
+        for list in lists {
+            let text =
+                std::fs::read_to_string(&list).map_err(|e| format!("{}: {e}", list.display()))?;
+            for p in dep_list_files(&text) {
+                read.insert((c.name.clone(), root.join(p)));
+            }
+        }
+    }
+    Ok(read)
+}
+
+/// The dependency lists (`*.d`) in a build script's directory.
+fn dep_lists_in(dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    Ok(entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.extension() == Some("d".as_ref()))
+        .collect())
+}
+
+/// The files a dependency list (`target: file file ...`, one rule per line; `\ ` escapes a space) names.
+fn dep_list_files(text: &str) -> Vec<String> {
+    let mut files = Vec::new();
+    for line in text.lines() {
+        let Some((_, deps)) = line.split_once(": ") else {
+            continue;
+        };
+        let mut cur = String::new();
+        let mut chars = deps.chars().peekable();
+        while let Some(ch) = chars.next() {
+            match ch {
+                '\\' if chars.peek() == Some(&' ') => cur.push(chars.next().unwrap_or(' ')),
+                ' ' => files.extend((!cur.is_empty()).then(|| std::mem::take(&mut cur))),
+                _ => cur.push(ch),
+            }
+        }
+        files.extend((!cur.is_empty()).then_some(cur));
+    }
+    files
+}
+
+/// Every file of the workspace that a public crate's build read is in the package of the crate whose directory
+/// holds it (the crate itself, or one it depends on); a file of the workspace outside every public crate's directory,
+/// or left out of its package, would break a build from the registry. Files outside the workspace (the toolchain's,
+/// the registry's, system headers) are not ours to ship. Returns how many files were checked.
+fn check_files_packaged(crates: &[Public], read: &BTreeSet<(String, PathBuf)>) -> Result<usize> {
+    let root = sys::root();
+    let target = root.join("target");
+    let mut packaged = BTreeSet::new();
+    for c in crates {
+        let listing = sys::output(
+            Command::new("tar")
+                .arg("-tzf")
+                .arg(root.join(format!("target/package/{}-{}.crate", c.name, c.version))),
+        )?;
+        let prefix = format!("{}-{}/", c.name, c.version);
+        packaged.extend(
+            listing
+                .lines()
+                .filter_map(|l| l.strip_prefix(&prefix))
+                .map(|f| c.dir.join(f)),
+        );
+    }
+    let mut missing = BTreeSet::new();
+    let mut checked = BTreeSet::new();
+    for (reader, p) in read {
+        let p = normalize(p);
+        if !p.starts_with(&root) || p.starts_with(&target) || !checked.insert(p.clone()) {
+            continue;
+        }
+        let owner = crates
+            .iter()
+            .filter(|c| p.starts_with(&c.dir))
+            .max_by_key(|c| c.dir.components().count());
+        match owner {
+            Some(c) if !packaged.contains(&p) => missing.insert(format!(
+                "{} (read by {reader}'s build) is not in {}'s package",
+                p.display(),
+                c.name
+            )),
+            None => missing.insert(format!(
+                "{} (read by {reader}'s build) is in no public crate's directory",
+                p.display()
+            )),
+            Some(_) => false,
+        };
+    }
+    match missing.is_empty() {
+        true => Ok(checked.len()),
+        false => Err(missing.into_iter().collect::<Vec<_>>().join("; ")),
+    }
+}
+
+/// `a/b/../c` as `a/c` (dependency lists and build scripts may name files through `..`).
+fn normalize(p: &Path) -> PathBuf {
+    let mut out = PathBuf::new();
+    for c in p.components() {
+        match c {
+            std::path::Component::ParentDir => {
+                out.pop();
+            }
+            std::path::Component::CurDir => {}
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// Packages every public crate and unpacks it ([`unpack`]); checks that every file each one's build reads is in its
+/// package ([`check_files_packaged`]; `build` is the debug build's cargo command) and the declared rust-versions.
+/// The packages are built by the stages after this one: `exs` and its backends by the crates outside the workspace.
+/// Returns the summary line.
+pub fn stage(build: &mut Command) -> Result<String> {
+    let start = Instant::now();
+    let crates = unpack()?;
+    let rustc = rustc_version()?;
+    let declared = check_rust_versions(&crates, &rustc)?;
+    let read = files_read(build, &crates)?;
+    let checked = check_files_packaged(&crates, &read)?;
     Ok(format!(
-        "cargo package ({}): packaged and built in {:.0?}; rust-version {declared} (rustc {rustc})",
+        "cargo package ({}): packaged in {:.0?}, the {checked} files their builds read all packaged; rust-version \
+         {declared} (rustc {rustc})",
         crates
             .iter()
             .map(|c| c.name.as_str())
@@ -154,6 +368,7 @@ mod tests {
         Public {
             name: "a".into(),
             version: "0.1.0".into(),
+            dir: PathBuf::from("/w/a"),
             rust_version: rust_version.map(str::to_string),
         }
     }
@@ -171,5 +386,18 @@ mod tests {
     fn a_public_crate_without_a_rust_version_is_refused() {
         let crates = vec![public(None)];
         assert!(check_rust_versions(&crates, "1.95.0").is_err());
+    }
+
+    #[test]
+    fn a_dependency_list_names_every_file_of_every_rule() {
+        let text = "/t/deps/exs-1.d: exs/src/lib.rs exs/src/a\\ b.rs\n\n/t/deps/libexs-1.rmeta: exs/src/lib.rs\n";
+        assert_eq!(
+            dep_list_files(text),
+            ["exs/src/lib.rs", "exs/src/a b.rs", "exs/src/lib.rs"]
+        );
+        assert_eq!(
+            normalize(Path::new("/w/exs/src/../../README.md")),
+            Path::new("/w/README.md")
+        );
     }
 }

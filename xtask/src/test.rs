@@ -195,19 +195,7 @@ pub fn run(args: TestArgs) -> Result<()> {
     let wanted = |b: &str| !only_conformance || args.backend.iter().any(|x| x == b);
     // Everything but the conformance suite and the property tests, which run from the checked release build
     // (`checked_release_tests`), with the workspace tests' features: they reuse this build.
-    out.timed("build", |_| {
-        sys::run(sys::cargo().args([
-            "build",
-            "--workspace",
-            "--exclude",
-            "exs-conformance",
-            "--exclude",
-            "exs-props",
-            "--all-targets",
-            "--features",
-            WORKSPACE_FEATURES,
-        ]))
-    })?;
+    out.timed("build", |_| sys::run(&mut debug_build()))?;
     if !only_conformance {
         checks(&mut out);
         workspace_tests(&mut out)?;
@@ -223,6 +211,23 @@ pub fn run(args: TestArgs) -> Result<()> {
     }
     out.summary.push(out.times_line());
     finish("cargo xtask test", &out.summary, &out.failures)
+}
+
+/// The debug build: every crate and target but the conformance suite's and the property tests'.
+pub fn debug_build() -> Command {
+    let mut cmd = sys::cargo();
+    cmd.args([
+        "build",
+        "--workspace",
+        "--exclude",
+        "exs-conformance",
+        "--exclude",
+        "exs-props",
+        "--all-targets",
+        "--features",
+        WORKSPACE_FEATURES,
+    ]);
+    cmd
 }
 
 /// The features of the debug build and the workspace tests (the crates enable their backends themselves).
@@ -334,9 +339,14 @@ fn checks(out: &mut Outcome) {
                 }),
         )
     });
-    // Every public crate packages and builds on its own; rust-version is not newer than this compiler.
+    // Every public crate packages, with every file its build reads; rust-version is not newer than this compiler.
+    // The crates outside the workspace (`users_stages`) build exs and its backends from these packages.
     out.timed("cargo package", |o| {
-        o.stage("cargo package", "cargo package", crate::package::stage())
+        o.stage(
+            "cargo package",
+            "cargo package",
+            crate::package::stage(&mut debug_build()),
+        )
     });
 }
 

@@ -70,6 +70,17 @@ const VERBS_ALONE: &str =
 pub fn run() -> Result<String> {
     let root = sys::root();
     let dir = root.join("target/feature-crate");
+    // exs and its backends as a registry would serve them (their packages).
+    crate::package::unpack()?;
+    let (exs, patch) = crate::package::exs_from_packages(
+        "",
+        &[
+            "exs-dma",
+            "exs-transport",
+            "exs-backend-fabric",
+            "exs-backend-verbs",
+        ],
+    )?;
     std::fs::create_dir_all(dir.join("src")).map_err(|e| format!("{}: {e}", dir.display()))?;
     let write = |p: std::path::PathBuf, text: &str| {
         std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))
@@ -80,8 +91,7 @@ pub fn run() -> Result<String> {
             "[package]\nname = \"exs-first\"\nversion = \"0.1.0\"\nedition = \"2021\"\npublish = false\n\n\
              # Not part of the exs workspace: what a user's crate looks like.\n[workspace]\n\n\
              [features]\nverbs = [\"exs/verbs\"]\nfabric = [\"exs/fabric\"]\nsim = [\"exs/sim\"]\n\n\
-             [dependencies]\nexs = {{ path = {:?} }}\n",
-            root.join("exs").display().to_string()
+             [dependencies]\n{exs}\n{patch}"
         ),
     )?;
     write(dir.join("src/main.rs"), PROGRAM)?;

@@ -15,14 +15,10 @@ fn main() {
         std::process::exit(code);
     }
     let args = Arguments::from_args();
-    // Whether this run would run a trial (filters and --skip apply).
-    let selected = |name: &str| -> bool {
-        let matched = match &args.filter {
-            None => true,
-            Some(f) if args.exact => name == f,
-            Some(f) => name.contains(f.as_str()),
-        };
-        matched && !args.skip.iter().any(|s| name.contains(s.as_str()))
+    // Whether this run selects a trial: libtest-mimic's own filter and --skip (the trial taken as ignored, so that
+    // --ignored does not leave it out).
+    let selected = |name: &str| {
+        !args.is_filtered_out(&Trial::test(name.to_string(), || Ok(())).with_ignored_flag(true))
     };
     let mut trials = Vec::new();
     for backend in exs_conformance::backends::enabled() {

@@ -69,8 +69,12 @@ int main(int argc, char **argv)
     uint64_t last = 0, rounds = 1000;
 
     while ((n = getopt(argc, argv, "n:")) != -1) {
-        if (n != 'n' || (rounds = strtoull(optarg, NULL, 10)) < 1) {
-            fprintf(stderr, "usage: epoll [-n ROUNDS] [ADDR]\n");
+        char *end = NULL;
+        errno = 0;
+        if (n == 'n' && optarg[0] >= '0' && optarg[0] <= '9')
+            rounds = strtoull(optarg, &end, 10);
+        if (n != 'n' || end == NULL || *end != '\0' || errno == ERANGE || rounds < 1) {
+            fprintf(stderr, "usage: epoll [-n ROUNDS (1 or more)] [ADDR]\n");
             return 2;
         }
     }

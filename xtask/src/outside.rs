@@ -79,7 +79,7 @@ pub fn run() -> Result<String> {
     std::fs::copy(root.join("Cargo.lock"), dir.join("Cargo.lock"))
         .map_err(|e| format!("Cargo.lock: {e}"))?;
     let target = root.join("target");
-    sys::run(sys::cargo_outside(&dir).args(["build", "--examples"]))?;
+    sys::run(sys::cargo_outside(&dir).args(["build", "--offline", "--examples"]))?;
     let bin = |ex: &str| target.join("debug/examples").join(ex);
     let fabric = |c: &mut Command| {
         c.env("EXS_BACKEND", "fabric").env("EXS_PROVIDER", "tcp");

@@ -16,6 +16,8 @@ pub struct Public {
     pub version: String,
     /// The directory of its manifest.
     pub dir: PathBuf,
+    /// Cargo's package id (as in `cargo metadata` and build messages).
+    pub id: String,
     /// The declared `rust-version`.
     pub rust_version: Option<String>,
 }
@@ -38,6 +40,7 @@ pub fn public_crates() -> Result<Vec<Public>> {
                 dir: Path::new(p["manifest_path"].as_str()?)
                     .parent()?
                     .to_path_buf(),
+                id: p["id"].as_str()?.to_string(),
                 rust_version: p["rust_version"].as_str().map(str::to_string),
             })
         })
@@ -118,20 +121,34 @@ pub fn unpack() -> Result<Vec<Public>> {
     }
     sys::run(&mut cmd)?;
     let dir = unpacked_dir();
-    let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     for c in &crates {
-        let file = sys::root().join(format!("target/package/{}-{}.crate", c.name, c.version));
-        // tar keeps the files' times, so a build of an unpacked crate that did not change is not redone.
-        sys::run(
-            Command::new("tar")
-                .arg("-xzf")
-                .arg(&file)
-                .arg("-C")
-                .arg(&dir),
-        )?;
+        unpack_one(c, &dir)?;
     }
     Ok(crates)
+}
+
+/// Unpacks one crate's `.crate` under `dir`, unless the same `.crate` is unpacked there already. Its files get the
+/// time of unpacking (`tar -m`): cargo stamps every file in a `.crate` with one fixed time, and a build that
+/// compares times would take a changed source for the one it built before.
+fn unpack_one(c: &Public, dir: &Path) -> Result<()> {
+    let file = sys::root().join(format!("target/package/{}-{}.crate", c.name, c.version));
+    let kept = dir.join(format!("{}-{}.crate", c.name, c.version));
+    let unpacked = dir.join(format!("{}-{}", c.name, c.version));
+    let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
+    if unpacked.is_dir() && kept.is_file() && read(&kept)? == read(&file)? {
+        return Ok(());
+    }
+    let _ = std::fs::remove_dir_all(&unpacked);
+    sys::run(
+        Command::new("tar")
+            .arg("-xzmf")
+            .arg(&file)
+            .arg("-C")
+            .arg(dir),
+    )?;
+    std::fs::copy(&file, &kept).map_err(|e| format!("{}: {e}", kept.display()))?;
+    Ok(())
 }
 
 /// A user's dependency on the packaged `exs` (`extra` inside its braces, as `, features = [...]`), then a
@@ -158,25 +175,28 @@ pub fn exs_from_packages(extra: &str, patched: &[&str]) -> Result<(String, Strin
     Ok((dependency, patch))
 }
 
-/// The files each public crate's library, binaries and build script read in the debug build (`build`: that build's
-/// cargo command, run again with nothing to do), from the compiler's dependency lists and the build script's
-/// `rerun-if-changed` lines: (crate, absolute path).
-fn files_read(build: &mut Command, crates: &[Public]) -> Result<BTreeSet<(String, PathBuf)>> {
+/// The files of the public crates' builds, from the debug build (`build`: that build's cargo command, run again
+/// with nothing to do).
+#[derive(Default)]
+struct Reads {
+    /// (crate, file) that the crate's library or build script read (the compiler's dependency lists for them), or
+    /// that its build script named (`rerun-if-changed`): each must be in that crate's package.
+    own: BTreeSet<(String, PathBuf)>,
+    /// What each binary read (the list cargo writes beside it, which names its dependencies' files too).
+    bins: Vec<(String, BTreeSet<PathBuf>)>,
+}
+
+fn files_read(build: &mut Command, crates: &[Public]) -> Result<Reads> {
     let out = sys::output(build.arg("--message-format=json"))?;
     let root = sys::root();
-    let mut read = BTreeSet::new();
+    let mut reads = Reads::default();
     for v in out
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
     {
-        let manifest = Path::new(v["manifest_path"].as_str().unwrap_or_default());
-        let Some(c) = crates
-            .iter()
-            .find(|c| Some(c.dir.as_path()) == manifest.parent())
-        else {
+        let Some(c) = crates.iter().find(|c| v["package_id"] == c.id.as_str()) else {
             continue;
         };
-        let mut lists = Vec::new();
         let kinds: Vec<&str> = v["target"]["kind"]
             .as_array()
             .map(|k| k.iter().filter_map(|k| k.as_str()).collect())
@@ -190,53 +210,68 @@ fn files_read(build: &mut Command, crates: &[Public]) -> Result<BTreeSet<(String
                     .collect()
             })
             .unwrap_or_default();
-        match v["reason"].as_str() {
-            Some("compiler-artifact") if v["profile"]["test"] == true => {}
-            Some("compiler-artifact") if kinds.contains(&"custom-build") => {
-                // The build script's own dependency list, beside its executable.
-                for f in &files {
-                    lists.extend(dep_lists_in(f.parent().unwrap_or(&root))?);
-                }
+        let listed = |lists: Vec<PathBuf>| -> Result<BTreeSet<PathBuf>> {
+            let mut read = BTreeSet::new();
+            for list in lists {
+                let text = std::fs::read_to_string(&list)
+                    .map_err(|e| format!("{}: {e}", list.display()))?;
+                read.extend(
+                    dep_list_files(&text)
+                        .into_iter()
+                        .map(|p| normalize(&root.join(p))),
+                );
             }
+            Ok(read)
+        };
+        let own = match v["reason"].as_str() {
+            Some("compiler-artifact") if v["profile"]["test"] == true => BTreeSet::new(),
+            // The build script's own dependency list, beside its executable.
+            Some("compiler-artifact") if kinds.contains(&"custom-build") => listed(
+                files
+                    .iter()
+                    .map(|f| dep_lists_in(f.parent().unwrap_or(&root)))
+                    .collect::<Result<Vec<_>>>()?
+                    .concat(),
+            )?,
             Some("compiler-artifact") if kinds.contains(&"bin") => {
-                lists.extend(files.iter().map(|f| f.with_extension("d")));
+                let read = listed(files.iter().map(|f| f.with_extension("d")).collect())?;
+                reads.bins.push((c.name.clone(), read));
+                BTreeSet::new()
             }
-            Some("compiler-artifact") if kinds.contains(&"lib") => {
-                // deps/libNAME-HASH.rmeta: its list is deps/NAME-HASH.d.
-                for f in files
+            // deps/libNAME-HASH.rmeta: its list is deps/NAME-HASH.d.
+            Some("compiler-artifact") if kinds.contains(&"lib") => listed(
+                files
                     .iter()
                     .filter(|f| f.extension() == Some("rmeta".as_ref()))
-                {
-                    let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
-                    let stem = stem.strip_prefix("lib").unwrap_or(stem);
-                    lists.push(f.with_file_name(format!("{stem}.d")));
-                }
-            }
-            Some("build-script-executed") => {
-                let output =
-                    Path::new(v["out_dir"].as_str().unwrap_or_default()).with_file_name("output");
-                let text = std::fs::read_to_string(&output)
-                    .map_err(|e| format!("{}: {e}", output.display()))?;
-                for l in text.lines() {
-                    if let Some(p) = l
-                        .strip_prefix("cargo:rerun-if-changed=")
-                        .or_else(|| l.strip_prefix("cargo::rerun-if-changed="))
-                    {
-                        read.insert((c.name.clone(), c.dir.join(p)));
-                    }
-                }
-            }
-            _ => {}
-        }
-        for list in lists {
-            let text =
-                std::fs::read_to_string(&list).map_err(|e| format!("{}: {e}", list.display()))?;
-            for p in dep_list_files(&text) {
-                read.insert((c.name.clone(), root.join(p)));
-            }
-        }
+                    .map(|f| {
+                        let stem = f.file_stem().and_then(|s| s.to_str()).unwrap_or_default();
+                        f.with_file_name(format!("{}.d", stem.strip_prefix("lib").unwrap_or(stem)))
+                    })
+                    .collect(),
+            )?,
+            Some("build-script-executed") => rerun_if_changed(&v, c)?,
+            _ => BTreeSet::new(),
+        };
+        reads
+            .own
+            .extend(own.into_iter().map(|p| (c.name.clone(), p)));
     }
-    Ok(read)
+    Ok(reads)
+}
+
+/// The files a build script named in its output (`rerun-if-changed`), relative to its crate's directory.
+fn rerun_if_changed(v: &serde_json::Value, c: &Public) -> Result<BTreeSet<PathBuf>> {
+    let output = Path::new(v["out_dir"].as_str().unwrap_or_default()).with_file_name("output");
+    let text =
+        std::fs::read_to_string(&output).map_err(|e| format!("{}: {e}", output.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("cargo:rerun-if-changed=")
+                .or_else(|| l.strip_prefix("cargo::rerun-if-changed="))
+        })
+        .map(|p| normalize(&c.dir.join(p)))
+        .collect())
 }
 
 /// The dependency lists (`*.d`) in a build script's directory.
@@ -249,10 +284,11 @@ fn dep_lists_in(dir: &Path) -> Result<Vec<PathBuf>> {
         .collect())
 }
 
-/// The files a dependency list (`target: file file ...`, one rule per line; `\ ` escapes a space) names.
+/// The files a dependency list (`target: file file ...`, one rule per line; `\ ` escapes a space) names; lines
+/// starting with `#` are the compiler's notes (`# env-dep:NAME=VALUE`), not files.
 fn dep_list_files(text: &str) -> Vec<String> {
     let mut files = Vec::new();
-    for line in text.lines() {
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
         let Some((_, deps)) = line.split_once(": ") else {
             continue;
         };
@@ -270,11 +306,11 @@ fn dep_list_files(text: &str) -> Vec<String> {
     files
 }
 
-/// Every file of the workspace that a public crate's build read is in the package of the crate whose directory
-/// holds it (the crate itself, or one it depends on); a file of the workspace outside every public crate's directory,
-/// or left out of its package, would break a build from the registry. Files outside the workspace (the toolchain's,
-/// the registry's, system headers) are not ours to ship. Returns how many files were checked.
-fn check_files_packaged(crates: &[Public], read: &BTreeSet<(String, PathBuf)>) -> Result<usize> {
+/// Every file of the workspace that a public crate's library or build script read is in that crate's package; so is
+/// every file a binary read that none of its dependencies' libraries did. A file elsewhere in the workspace, or left
+/// out of the package, would break a build from the registry. Files outside the workspace (the toolchain's, the
+/// registry's, system headers) are not ours to ship. Returns how many files were checked.
+fn check_files_packaged(crates: &[Public], reads: &Reads) -> Result<usize> {
     let root = sys::root();
     let target = root.join("target");
     let mut packaged = BTreeSet::new();
@@ -292,29 +328,34 @@ fn check_files_packaged(crates: &[Public], read: &BTreeSet<(String, PathBuf)>) -
                 .map(|f| c.dir.join(f)),
         );
     }
+    let of_libraries: BTreeSet<&PathBuf> = reads.own.iter().map(|(_, p)| p).collect();
+    let bins = reads.bins.iter().flat_map(|(c, read)| {
+        read.iter()
+            .filter(|p| !of_libraries.contains(p))
+            .map(move |p| (c, p))
+    });
     let mut missing = BTreeSet::new();
     let mut checked = BTreeSet::new();
-    for (reader, p) in read {
-        let p = normalize(p);
-        if !p.starts_with(&root) || p.starts_with(&target) || !checked.insert(p.clone()) {
+    for (reader, p) in reads.own.iter().map(|(c, p)| (c, p)).chain(bins) {
+        if !p.starts_with(&root) || p.starts_with(&target) {
             continue;
         }
-        let owner = crates
+        checked.insert(p);
+        let c = crates
             .iter()
-            .filter(|c| p.starts_with(&c.dir))
-            .max_by_key(|c| c.dir.components().count());
-        match owner {
-            Some(c) if !packaged.contains(&p) => missing.insert(format!(
-                "{} (read by {reader}'s build) is not in {}'s package",
-                p.display(),
-                c.name
-            )),
-            None => missing.insert(format!(
-                "{} (read by {reader}'s build) is in no public crate's directory",
+            .find(|c| c.name == *reader)
+            .ok_or("a reader that is not a public crate")?;
+        if !p.starts_with(&c.dir) {
+            missing.insert(format!(
+                "{} (read by {reader}'s build) is outside {reader}'s directory",
                 p.display()
-            )),
-            Some(_) => false,
-        };
+            ));
+        } else if !packaged.contains(p) {
+            missing.insert(format!(
+                "{} (read by {reader}'s build) is not in {reader}'s package",
+                p.display()
+            ));
+        }
     }
     match missing.is_empty() {
         true => Ok(checked.len()),
@@ -346,8 +387,8 @@ pub fn stage(build: &mut Command) -> Result<String> {
     let crates = unpack()?;
     let rustc = rustc_version()?;
     let declared = check_rust_versions(&crates, &rustc)?;
-    let read = files_read(build, &crates)?;
-    let checked = check_files_packaged(&crates, &read)?;
+    let reads = files_read(build, &crates)?;
+    let checked = check_files_packaged(&crates, &reads)?;
     Ok(format!(
         "cargo package ({}): packaged in {:.0?}, the {checked} files their builds read all packaged; rust-version \
          {declared} (rustc {rustc})",
@@ -369,6 +410,7 @@ mod tests {
             name: "a".into(),
             version: "0.1.0".into(),
             dir: PathBuf::from("/w/a"),
+            id: "path+file:///w/a#0.1.0".into(),
             rust_version: rust_version.map(str::to_string),
         }
     }

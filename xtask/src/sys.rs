@@ -136,7 +136,7 @@ pub fn cargo() -> Command {
     c
 }
 
-/// A build outside the workspace's profiles (a crate of its own in `target/`, or `cargo package`'s verification)
+/// A build outside the workspace's profiles (a crate of its own in `target/`)
 /// gets cargo's default dev profile: full debug information for every dependency, which the workspace builds
 /// without (`[profile.dev.package."*"]`), so none of the workspace build's dependencies would be reused. Without
 /// debug information, those whose features match are (the stage times of `cargo xtask test` show the saving).

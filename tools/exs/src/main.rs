@@ -7,6 +7,7 @@ mod cli;
 mod control;
 mod demo;
 mod idle;
+mod log;
 mod opts;
 mod ping;
 mod progress;
@@ -166,7 +167,8 @@ fn init_logging() {
     };
     tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        // Through a queue: a stalled reader of standard error costs lines, not a server's progress (`log`).
+        .with_writer(log::Stderr)
         // A line that cannot be written is lost, not reported with `eprintln!`, which panics when standard error
         // is a closed pipe (a server whose log reader went away died at the first stranger it logged).
         .log_internal_errors(false)
@@ -202,11 +204,14 @@ fn main() {
         Cmd::Tcppump(a) => baseline::run_tcppump(a),
         Cmd::Tcpping(a) => baseline::run_tcpping(a),
     };
-    if let Err(e) = r {
+    if let Err(e) = &r {
         // The whole chain, outermost first: what was being done, then why. Not `eprintln!`, which panics (exit
         // status 101, not 1) when standard error is a closed pipe.
-        use std::io::Write;
-        let _ = writeln!(std::io::stderr(), "exs: error: {e:#}");
+        log::note(format_args!("exs: error: {e:#}"));
+    }
+    // What is queued goes out first, unless standard error's reader stopped for good.
+    log::flush(std::time::Duration::from_secs(2));
+    if r.is_err() {
         std::process::exit(1);
     }
 }

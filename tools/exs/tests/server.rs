@@ -8,7 +8,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::{exs, free_port, honest, Server};
+use common::{exs, free_port, honest, Reader, Server};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -48,8 +48,13 @@ impl Raw {
 
     /// Says hello as a `tool` client of this version; returns the answer.
     fn hello(&mut self, tool: &str) -> Value {
-        self.line(&json!({"msg": "hello", "version": 4, "tool": tool, "backend": "raw test"}));
+        self.say_hello(tool);
         self.reply().expect("an answer to the hello")
+    }
+
+    /// Says hello as a `tool` client of this version, and reads nothing.
+    fn say_hello(&mut self, tool: &str) {
+        self.line(&json!({"msg": "hello", "version": 4, "tool": tool, "backend": "raw test"}));
     }
 }
 
@@ -921,6 +926,121 @@ fn a_server_whose_log_reader_went_away_keeps_serving() {
         server.alive(),
         "the server stopped at a log line it could not write"
     );
+    served("ping", &server);
+}
+
+/// Review: a hello sent while another client's tests ran waited a second (in case that session was ending) before
+/// it was told "busy", and all that time its connection was still listed as silent. A newcomer finding every place
+/// taken let such a connection go, unanswered, and took a place its thread still held: a burst of hellos pushed
+/// the server past its connections. Now a connection is off that list once its hello is in.
+#[test]
+fn hellos_waiting_on_a_busy_server_are_told_busy_and_not_let_go_for_newcomers() {
+    let server = Server::start("ping", free_port(), &[]);
+    let mut holder = connect_from("127.0.0.2", &server);
+    assert_eq!(holder.hello("ping")["msg"], "welcome");
+    // The other 31 places, each saying hello (hosts within their counts of 8).
+    let mut waiting: Vec<Raw> = (0..31)
+        .map(|i| connect_from(&format!("127.0.0.{}", 21 + i / 8), &server))
+        .collect();
+    for w in &mut waiting {
+        w.say_hello("ping");
+    }
+    // The server reads the hellos; it answers them a second later.
+    std::thread::sleep(Duration::from_millis(300));
+    let mut newcomer = connect_from("127.0.0.30", &server);
+    let m = newcomer.reply().expect("a refusal");
+    assert!(message(&m).contains("too many connections at once"), "{m}");
+    for (i, w) in waiting.iter_mut().enumerate() {
+        let m = w
+            .reply()
+            .unwrap_or_else(|| panic!("hello {i} was let go unanswered"));
+        assert!(message(&m).contains("busy"), "{m}");
+    }
+}
+
+/// Review: the server wrote its log on the threads that accept and serve. With its standard error a pipe that
+/// nobody read, the pipe filled and the next line stopped that thread for good: a session, or the accepting
+/// itself. Now lines go through a queue to a thread of their own, and lines that find it full are counted.
+#[test]
+fn a_server_whose_log_nobody_reads_keeps_serving() {
+    use std::os::fd::AsRawFd;
+    let server = Server::start_with(
+        "ping",
+        free_port(),
+        &[],
+        Reader::Stalls,
+        &[("EXS_LOG", "debug")],
+    );
+    let pipe = server
+        .stalled_log()
+        .expect("the held end of the server's log")
+        .get_ref();
+    // The smallest pipe the kernel makes (a page), so that a few clients' lines fill it.
+    let size =
+        nix::fcntl::fcntl(pipe.as_raw_fd(), nix::fcntl::FcntlArg::F_SETPIPE_SZ(4096)).unwrap();
+    let mut unread = 0;
+    for i in 0..20 {
+        let out = honest("ping", &server);
+        assert!(
+            out.status.success(),
+            "client {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        unread = bytes_in_pipe(pipe);
+        if i >= 3 && unread as usize + 512 > size as usize {
+            // Full (a line longer than the room left waits): three more clients, with the server's lines blocked.
+            for j in 0..3 {
+                let out = honest("ping", &server);
+                assert!(
+                    out.status.success(),
+                    "client {i}+{j}: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            return;
+        }
+    }
+    panic!("twenty clients' log lines did not fill a {size}-byte pipe ({unread} bytes in it)");
+}
+
+/// Bytes waiting in a pipe (FIONREAD).
+fn bytes_in_pipe(pipe: &std::process::ChildStderr) -> i32 {
+    use std::os::fd::AsRawFd;
+    nix::ioctl_read_bad!(fionread, nix::libc::FIONREAD, nix::libc::c_int);
+    let mut n: nix::libc::c_int = 0;
+    // SAFETY: FIONREAD on a pipe descriptor this process holds writes one int, to `n`.
+    unsafe { fionread(pipe.as_raw_fd(), &mut n) }.unwrap();
+    n
+}
+
+/// Review: the server logged every connection refused or gone before its hello, so a stranger connecting in a loop
+/// filled the log. Now at most a burst of such lines goes out, then one a second, and the next says how many were
+/// left out.
+#[test]
+fn strangers_connecting_in_a_loop_are_logged_a_bounded_number_of_times() {
+    let server = Server::start("ping", free_port(), &[]);
+    for i in 0..200 {
+        drop(tcp_from(&format!("127.0.0.{}", 40 + i % 50), server.port).unwrap());
+    }
+    // Each connection's line comes once its thread sees it gone.
+    std::thread::sleep(Duration::from_millis(500));
+    let noted = |log: &[String]| {
+        log.iter()
+            .filter(|l| l.contains("before its hello") || l.contains("refused"))
+            .count()
+    };
+    let logged = noted(&server.log());
+    assert!(
+        (1..=20).contains(&logged),
+        "{logged} lines about 200 strangers"
+    );
+    // A second later the log takes another, which counts those left out.
+    std::thread::sleep(Duration::from_millis(1100));
+    drop(tcp_from("127.0.0.99", server.port).unwrap());
+    let l = server
+        .wait_for_log("not logged", Duration::from_secs(10))
+        .expect("a line counting the strangers left out");
+    assert!(l.contains("more refused or silent connections"), "{l}");
     served("ping", &server);
 }
 

@@ -5,7 +5,10 @@
 //! [`BUSY_WAIT`], in case the running session is ending) and let go. One host holds at most [`MAX_PER_HOST`] of the
 //! connections, so that silent connections from one host cannot shut every other out. A welcomed client has
 //! [`IDLE`] between tests, each test ends within the server's `--max-seconds` (plus its `--max-grace`) whatever the
-//! client does, and a test asked for past the server's `--max-session` ends the session.
+//! client does, and a test asked for past the server's `--max-session` ends the session. The log never holds the
+//! server up: its lines go through a queue (a stalled reader of standard error costs lines, `crate::log`), and
+//! lines about connections refused or gone before their hello are at most [`STRANGER_LINES`] at once and one a
+//! second after, the rest counted.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -24,6 +27,7 @@ use super::{
     DEFAULT_PORT, VERSION,
 };
 use crate::backend::{BackendArgs, Opened};
+use crate::log::note;
 
 /// How long a client has, once connected, to send its hello.
 pub const HANDSHAKE: Duration = Duration::from_secs(5);
@@ -37,6 +41,9 @@ pub const MAX_CONNECTIONS: usize = 32;
 pub const MAX_PER_HOST: usize = MAX_CONNECTIONS / 4;
 /// How long a client that says hello while another's session ends waits for it before it is told "busy".
 const BUSY_WAIT: Duration = Duration::from_secs(1);
+/// Lines about connections refused or gone before their hello that the log takes at once; after that, one a
+/// second, and the rest are counted (a stranger connecting in a loop must not fill the log).
+const STRANGER_LINES: u64 = 16;
 /// What a client hears while another's tests run.
 const BUSY: &str =
     "busy: this server runs one client's tests at a time (tests that share a host measure each \
@@ -59,7 +66,7 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
         std::io::stdout().flush()?;
     } else {
         let l = &peer.limits;
-        eprintln!(
+        note(format_args!(
             "exs {tool}: serving on {bound} with {} {}; run `exs {tool} --client {} ...` on the other host \
              (limits per test: {} s and {} s to connect and close, {} per transfer, {} pings, {} idle connections, \
              {} of buffers; {} s per client)",
@@ -74,7 +81,7 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
             crate::cli::fmt_size(l.max_memory),
             l.max_session,
             tool = S::TOOL
-        );
+        ));
     }
     let server = Server::new(svc, host, peer.limits.clone(), !peer.announce, json);
     server.run(&listener, peer.once)
@@ -99,6 +106,33 @@ pub struct Server<S> {
     /// is taken (see [`Server::admit`]).
     unwelcomed: Mutex<std::collections::VecDeque<(u64, TcpStream)>>,
     next_conn: std::sync::atomic::AtomicU64,
+    /// What the log may still take about strangers ([`STRANGER_LINES`]).
+    stranger_lines: Mutex<Quota>,
+}
+
+/// Lines the log may take now, refilled at one a second up to [`STRANGER_LINES`], and those held back since the
+/// last one written.
+struct Quota {
+    left: u64,
+    refilled: std::time::Instant,
+    held_back: u64,
+}
+
+impl Quota {
+    /// Whether a line may go out now; if so, with how many were held back before it.
+    fn take(&mut self) -> Option<u64> {
+        let secs = self.refilled.elapsed().as_secs();
+        if secs > 0 {
+            self.left = (self.left + secs).min(STRANGER_LINES);
+            self.refilled += Duration::from_secs(secs);
+        }
+        if self.left == 0 {
+            self.held_back += 1;
+            return None;
+        }
+        self.left -= 1;
+        Some(std::mem::take(&mut self.held_back))
+    }
 }
 
 /// The server, held by one client's session; freed when the session ends, however it ends.
@@ -153,6 +187,11 @@ impl<S: Service> Server<S> {
             per_host: Mutex::new(HashMap::new()),
             unwelcomed: Mutex::new(std::collections::VecDeque::new()),
             next_conn: std::sync::atomic::AtomicU64::new(0),
+            stranger_lines: Mutex::new(Quota {
+                left: STRANGER_LINES,
+                refilled: std::time::Instant::now(),
+                held_back: 0,
+            }),
         })
     }
 
@@ -233,7 +272,7 @@ impl<S: Service> Server<S> {
                         Some(Ok(wake)) => Some((tx.clone(), wake)),
                         Some(Err(e)) => {
                             // Out of descriptors: this connection goes, the server stays.
-                            self.log(from, &format!("dropped: {e}"));
+                            self.log_stranger(from, &format!("dropped: {e}"));
                             continue;
                         }
                     };
@@ -260,7 +299,7 @@ impl<S: Service> Server<S> {
                 stream,
                 &format!("too many connections from your host at once (this server takes {MAX_PER_HOST}); try again later"),
             );
-            self.log(from, "refused: too many connections from its host at once");
+            self.log_stranger(from, "refused: too many connections from its host at once");
             return;
         }
         // Every place taken: the connection that has waited longest without a hello goes, so that silent
@@ -272,7 +311,7 @@ impl<S: Service> Server<S> {
             self.connections.fetch_sub(1, Ordering::AcqRel);
             self.uncount_host(from.ip());
             refuse_at_once(stream, "too many connections at once; try again later");
-            self.log(from, "refused: too many connections at once");
+            self.log_stranger(from, "refused: too many connections at once");
             return;
         }
         // Listed here, by the one thread that accepts, not by its session's thread: a newcomer that finds every
@@ -287,13 +326,35 @@ impl<S: Service> Server<S> {
             });
         if let Err(e) = spawned {
             self.said_hello(waiting);
-            self.log(from, &format!("dropped: no thread for it ({e})"));
+            self.log_stranger(from, &format!("dropped: no thread for it ({e})"));
         }
     }
 
     fn log(&self, from: SocketAddr, what: &str) {
         if self.chatty {
             note(format_args!("exs {}: client {from}: {what}", S::TOOL));
+        }
+    }
+
+    /// [`Server::log`] for a connection refused or gone before its hello, within [`STRANGER_LINES`].
+    fn log_stranger(&self, from: SocketAddr, what: &str) {
+        if !self.chatty {
+            return;
+        }
+        let quota = self
+            .stranger_lines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        match quota {
+            None => {}
+            Some(0) => self.log(from, what),
+            Some(n) => self.log(
+                from,
+                &format!(
+                    "{what} (and {n} more refused or silent connections before it, not logged)"
+                ),
+            ),
         }
     }
 
@@ -308,14 +369,14 @@ impl<S: Service> Server<S> {
         // Its address starts every line of the log about it.
         let ch = Channel::new(stream, "the client".into());
         let greeted = ch.map(|mut ch| {
-            let g = self.greet(&mut ch, from);
+            let g = self.greet(&mut ch, from, waiting);
             (ch, g)
         });
         // Off the list of silent connections however the hello went (its copy of the stream goes with it).
         self.said_hello(waiting);
         let (mut ch, greeted) = match greeted {
             Ok(x) => x,
-            Err(e) => return self.log(from, &format!("{e:#}")),
+            Err(e) => return self.log_stranger(from, &format!("{e:#}")),
         };
         let slot = match greeted {
             Ok(slot) => slot,
@@ -323,7 +384,7 @@ impl<S: Service> Server<S> {
                 let _ = ch.send(&Msg::Error {
                     message: format!("{e:#}"),
                 });
-                return self.log(from, &format!("{e:#}"));
+                return self.log_stranger(from, &format!("{e:#}"));
             }
         };
         let mut finish = finish.map(|(tx, wake)| Finish {
@@ -354,8 +415,8 @@ impl<S: Service> Server<S> {
     }
 
     /// Reads the client's hello within [`HANDSHAKE`], checks it, and takes the server for the client (or says
-    /// why not).
-    fn greet(&self, ch: &mut Channel, from: SocketAddr) -> Result<Slot<'_>> {
+    /// why not). `waiting`: the connection's place among those not heard from yet.
+    fn greet(&self, ch: &mut Channel, from: SocketAddr, waiting: Option<u64>) -> Result<Slot<'_>> {
         #[derive(Deserialize)]
         struct Hello {
             version: u32,
@@ -366,6 +427,9 @@ impl<S: Service> Server<S> {
             Some(h) => h,
             None => bail!("closed the connection before its hello"),
         };
+        // Heard from: no longer one to let go for a newcomer. It may wait in `claim` for a second; let go meanwhile,
+        // it would keep its place until then, and a burst of hellos could push the server past its connections.
+        self.said_hello(waiting);
         if h.version != VERSION {
             bail!(
                 "version mismatch: the client speaks control version {}, this server {VERSION} (use the same \
@@ -519,10 +583,4 @@ fn wait_readable(listener: &TcpListener, wake: &UnixStream) -> Result<()> {
         let _ = (&*wake).read(&mut [0u8; 16]);
     }
     Ok(())
-}
-
-/// Writes a line to standard error, whatever becomes of it: `eprintln!` panics when the reader of a pipe went away,
-/// and a server must not stop (or lose a session) over its log.
-fn note(line: std::fmt::Arguments<'_>) {
-    let _ = writeln!(std::io::stderr(), "{line}");
 }

@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, ChildStderr, Command, Output, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,19 @@ pub struct Server {
     child: Option<Child>,
     pub port: u16,
     log: Arc<Mutex<Vec<String>>>,
+    /// The read end of its standard error, held and never read ([`Reader::Stalls`]).
+    stalled: Option<BufReader<ChildStderr>>,
+}
+
+/// What becomes of the reader of a server's standard error once the server serves.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Reader {
+    /// Reads every line (and [`Server::log`] has them).
+    Keeps,
+    /// Goes away: the server's later lines meet a broken pipe.
+    Goes,
+    /// Stays, and reads nothing more: the pipe fills.
+    Stalls,
 }
 
 impl Server {
@@ -45,6 +58,23 @@ impl Server {
     /// [`Server::start`], with the reader of its standard error gone once it serves (`keep_reading: false`): its
     /// later log lines meet a broken pipe.
     pub fn start_logging(tool: &str, port: u16, args: &[&str], keep_reading: bool) -> Server {
+        let reader = if keep_reading {
+            Reader::Keeps
+        } else {
+            Reader::Goes
+        };
+        Self::start_with(tool, port, args, reader, &[])
+    }
+
+    /// [`Server::start`] with variables set (`env`), and what becomes of the reader of its standard error once it
+    /// serves.
+    pub fn start_with(
+        tool: &str,
+        port: u16,
+        args: &[&str],
+        reader: Reader,
+        env: &[(&str, &str)],
+    ) -> Server {
         let mut child = Command::new(EXE)
             .args([
                 tool,
@@ -57,6 +87,7 @@ impl Server {
                 &port.to_string(),
             ])
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -64,16 +95,26 @@ impl Server {
             .expect("the server starts");
         let err = child.stderr.take().unwrap();
         let (tx, rx) = mpsc::channel();
+        let (stall_tx, stall_rx) = mpsc::channel();
         let log = Arc::new(Mutex::new(Vec::new()));
         let lines = Arc::clone(&log);
         std::thread::spawn(move || {
-            for line in BufReader::new(err).lines().map_while(Result::ok) {
-                eprintln!("server: {line}");
-                let serving = line.contains("serving on");
-                lines.lock().unwrap().push(line);
+            let mut r = BufReader::new(err);
+            let mut line = String::new();
+            while matches!(r.read_line(&mut line), Ok(n) if n > 0) {
+                let l = std::mem::take(&mut line);
+                let l = l.trim_end_matches('\n');
+                eprintln!("server: {l}");
+                let serving = l.contains("serving on");
+                lines.lock().unwrap().push(l.to_string());
                 if serving {
+                    if reader == Reader::Stalls {
+                        let _ = stall_tx.send(r);
+                        let _ = tx.send(());
+                        return;
+                    }
                     let _ = tx.send(());
-                    if !keep_reading {
+                    if reader == Reader::Goes {
                         return;
                     }
                 }
@@ -85,7 +126,13 @@ impl Server {
             child: Some(child),
             port,
             log,
+            stalled: stall_rx.try_recv().ok(),
         }
+    }
+
+    /// The read end of a stalled server's standard error ([`Reader::Stalls`]), never read.
+    pub fn stalled_log(&self) -> Option<&BufReader<ChildStderr>> {
+        self.stalled.as_ref()
     }
 
     /// `127.0.0.1:PORT`, for `--client`.

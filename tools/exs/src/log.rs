@@ -1,0 +1,142 @@
+//! Standard error that never stops a server: log lines go through a bounded queue to a thread of their own that
+//! writes them. A reader that stops draining the pipe (a server's log read by a program that hung) then costs
+//! lines, not the server: a write to a full pipe blocks, and a server's accepting thread or a client's session
+//! blocked in one serves nobody. A line that finds the queue full is counted, and the count is written once lines
+//! go out again. `exs` writes its tracing output ([`Stderr`]) and its servers' notes ([`note`]) this way, and waits
+//! for the queue, a bounded time, before it exits ([`flush`]).
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
+use std::sync::{Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Lines the queue holds: what a stalled reader costs in memory (the lines are short: clients' words in them are
+/// shortened).
+const QUEUED: usize = 1024;
+
+struct Queue {
+    /// `None` when no thread could be started: lines are then written where they are made.
+    tx: Option<SyncSender<Vec<u8>>>,
+    /// Lines that found the queue full since the last count was written.
+    dropped: AtomicU64,
+    /// Lines queued and not written yet, for [`flush`].
+    pending: Mutex<u64>,
+    written: Condvar,
+}
+
+fn queue() -> &'static Queue {
+    static QUEUE: OnceLock<Queue> = OnceLock::new();
+    QUEUE.get_or_init(|| {
+        let (tx, rx) = sync_channel::<Vec<u8>>(QUEUED);
+        let started = std::thread::Builder::new()
+            .name("exs-log".into())
+            .spawn(move || write_queued(rx));
+        Queue {
+            tx: started.ok().map(|_| tx),
+            dropped: AtomicU64::new(0),
+            pending: Mutex::new(0),
+            written: Condvar::new(),
+        }
+    })
+}
+
+/// The writing thread: each line, after the count of those dropped before it.
+fn write_queued(rx: Receiver<Vec<u8>>) {
+    // Waits for `queue()`'s first call to finish (this thread starts inside it).
+    let q = queue();
+    for line in rx {
+        write_now(q, &line);
+        let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
+        *pending -= 1;
+        if *pending == 0 {
+            q.written.notify_all();
+        }
+    }
+}
+
+/// Writes a line, whatever becomes of it (not `eprintln!`, which panics when the reader of a pipe went away).
+fn write_now(q: &Queue, line: &[u8]) {
+    let mut err = std::io::stderr().lock();
+    let dropped = q.dropped.swap(0, Ordering::Relaxed);
+    if dropped > 0 {
+        let _ = writeln!(
+            err,
+            "exs: {dropped} log lines dropped (standard error was not read as fast as they came)"
+        );
+    }
+    let _ = err.write_all(line);
+}
+
+/// Queues one line (ending in a newline), or counts it if the queue is full.
+fn queue_line(line: Vec<u8>) {
+    let q = queue();
+    let Some(tx) = &q.tx else {
+        return write_now(q, &line);
+    };
+    *q.pending.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+    if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = tx.try_send(line) {
+        q.dropped.fetch_add(1, Ordering::Relaxed);
+        let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
+        *pending -= 1;
+        if *pending == 0 {
+            q.written.notify_all();
+        }
+    }
+}
+
+/// Writes a line to standard error through the queue.
+pub fn note(line: std::fmt::Arguments<'_>) {
+    queue_line(format!("{line}\n").into_bytes());
+}
+
+/// Waits until every queued line is written, at most `patience` (a reader that stopped for good keeps the rest).
+pub fn flush(patience: Duration) {
+    let q = queue();
+    let end = Instant::now() + patience;
+    let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
+    while *pending > 0 {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        pending = q
+            .written
+            .wait_timeout(pending, left)
+            .unwrap_or_else(|p| p.into_inner())
+            .0;
+    }
+}
+
+/// tracing's writer: each event is gathered, then queued as one line.
+pub struct Stderr;
+
+/// One event's text, queued when tracing is done with it.
+pub struct Event(Vec<u8>);
+
+impl Write for Event {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if !self.0.is_empty() {
+            queue_line(std::mem::take(&mut self.0));
+        }
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Stderr {
+    type Writer = Event;
+
+    fn make_writer(&'a self) -> Event {
+        Event(Vec::new())
+    }
+}

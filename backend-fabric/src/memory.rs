@@ -23,7 +23,8 @@ use std::sync::Arc;
 
 use exs_dma::{DmaBuf, Lease};
 use exs_transport::{
-    EndpointId, Exposure, Registrar, Registration, RemoteAccess, RemoteRef, Revoke, TransportError,
+    EndpointId, Exposure, Registrar, Registration, Released, RemoteAccess, RemoteRef, Revoke,
+    TransportError,
 };
 
 use crate::call::{check, err, Info};
@@ -290,11 +291,13 @@ impl Revoke for FiKey {
         }
     }
 
-    fn release(&mut self, lease: Lease) {
+    fn release(&mut self, lease: Released) {
         if self.open || self.domain.is_stuck(self.ep) {
             // The key may still work, or its endpoint, which could not be closed, still reach the range: it stays
             // leased for ever (never reused, never freed).
             lease.keep_for_good();
+        } else {
+            lease.release();
         }
     }
 }

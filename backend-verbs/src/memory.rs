@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use exs_dma::{DmaBuf, Lease};
-use exs_transport::{Registrar, Registration, Revoke, TransportError};
+use exs_transport::{Registrar, Registration, Released, Revoke, TransportError};
 use rdma_sys::*;
 
 /// The protection domain, shared with registrations and windows so it is deallocated last.
@@ -299,9 +299,11 @@ impl Revoke for MrKey {
     }
 
     /// Releases the lease, unless the deregistration failed: its key may still be valid, so it never is.
-    fn release(&mut self, lease: Lease) {
+    fn release(&mut self, lease: Released) {
         if self.failed {
             lease.keep_for_good();
+        } else {
+            lease.release();
         }
     }
 }
@@ -455,8 +457,8 @@ impl Revoke for WindowKey {
     fn revoke(&mut self) {}
 
     /// Parks the lease on the window: released when the window is deallocated.
-    fn release(&mut self, lease: Lease) {
-        self.slot.park(lease);
+    fn release(&mut self, lease: Released) {
+        self.slot.park(lease.into_lease());
     }
 }
 

@@ -42,10 +42,49 @@ pub trait Revoke: Send + fmt::Debug {
     /// handed to [`Revoke::release`].
     fn revoke(&mut self);
     /// Takes the exposed range's lease once the key is revoked; by default it is released at once. A backend whose
-    /// key is revoked later (a memory window a queued bind still names) keeps it until then, and one whose key could
-    /// not be revoked (and may still name the range) never releases it.
-    fn release(&mut self, lease: Lease) {
-        drop(lease);
+    /// key is revoked later (a memory window a queued bind still names) keeps it until then
+    /// ([`Released::into_lease`]), and one whose key could not be revoked (and may still name the range) never
+    /// releases it ([`Released::keep_for_good`]). Should this panic, or return without saying, the range is kept
+    /// for good.
+    fn release(&mut self, lease: Released) {
+        lease.release();
+    }
+}
+
+/// A revoked key's lease, handed to [`Revoke::release`], which says what becomes of it. Dropped without a word (a
+/// `release` that panicked, or a path that forgot), it keeps its range leased for good: a key that may still name
+/// the range must not outlive its lease (review finding: a panic in a window's release dropped the lease as it
+/// unwound, while the window might be live).
+#[derive(Debug)]
+pub struct Released(Option<Lease>);
+
+impl Released {
+    /// The range goes back to its buffer: the key is revoked.
+    pub fn release(mut self) {
+        drop(self.0.take());
+    }
+
+    /// The range is never given back, and its buffer is marked so ([`Lease::keep_for_good`]): the key may still
+    /// name it.
+    pub fn keep_for_good(mut self) {
+        if let Some(lease) = self.0.take() {
+            lease.keep_for_good();
+        }
+    }
+
+    /// The lease itself, for a backend that releases it once its key really goes.
+    pub fn into_lease(mut self) -> Lease {
+        self.0
+            .take()
+            .expect("a Released holds its lease until it is said what becomes of it")
+    }
+}
+
+impl Drop for Released {
+    fn drop(&mut self) {
+        if let Some(lease) = self.0.take() {
+            lease.keep_for_good();
+        }
     }
 }
 
@@ -96,29 +135,10 @@ impl<R: Revoke> Drop for KeyedLease<R> {
             return;
         };
         // Should the revocation panic, the key may still name the range: the lease is kept for good as the panic
-        // unwinds, rather than dropped with this field (review finding).
-        let held = KeepOnUnwind(Some(lease));
+        // unwinds, rather than dropped with this field (review finding); so it is if `release` panics.
+        let held = Released(Some(lease));
         self.revoke.revoke();
-        if let Some(lease) = held.disarm() {
-            self.revoke.release(lease);
-        }
-    }
-}
-
-/// A lease kept for good if dropped while it is held ([`KeyedLease`]'s drop, across its revocation).
-struct KeepOnUnwind(Option<Lease>);
-
-impl KeepOnUnwind {
-    fn disarm(mut self) -> Option<Lease> {
-        self.0.take()
-    }
-}
-
-impl Drop for KeepOnUnwind {
-    fn drop(&mut self) {
-        if let Some(lease) = self.0.take() {
-            lease.keep_for_good();
-        }
+        self.revoke.release(held);
     }
 }
 
@@ -196,26 +216,65 @@ pub(crate) fn device_may_write(kind: LeaseKind) -> bool {
 mod tests {
     use super::*;
 
+    /// Panics in its revocation, or in its release.
     #[derive(Debug)]
-    struct PanickingRevoke;
+    struct PanickingRevoke {
+        in_release: bool,
+    }
 
     impl Revoke for PanickingRevoke {
         fn revoke(&mut self) {
-            panic!("the device call behind the revocation panicked");
+            assert!(
+                self.in_release,
+                "the device call behind the revocation panicked"
+            );
         }
+        fn release(&mut self, _lease: Released) {
+            panic!("the release panicked");
+        }
+    }
+
+    fn dropped_in_a_panic(in_release: bool) -> std::sync::Arc<DmaBuf> {
+        let buf = DmaBuf::new(4096);
+        let lease = buf.lease(0..64, LeaseKind::DeviceRead).unwrap();
+        let exposed = KeyedLease::new(
+            RemoteRef { addr: 0, key: 1 },
+            lease,
+            PanickingRevoke { in_release },
+        );
+        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(exposed)));
+        assert!(unwound.is_err());
+        buf
     }
 
     #[test]
     fn a_key_whose_revocation_panics_keeps_its_range_leased_for_good() {
-        let buf = DmaBuf::new(4096);
-        let lease = buf.lease(0..64, LeaseKind::DeviceRead).unwrap();
-        let exposed = KeyedLease::new(RemoteRef { addr: 0, key: 1 }, lease, PanickingRevoke);
-        let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(exposed)));
-        assert!(unwound.is_err());
+        let buf = dropped_in_a_panic(false);
         assert!(
             buf.is_range_leased(0..64),
             "the key may still name the range"
         );
         assert!(buf.kept_for_good(), "and its owner is told so");
+    }
+
+    #[test]
+    fn a_key_whose_release_panics_keeps_its_range_leased_for_good() {
+        let buf = dropped_in_a_panic(true);
+        assert!(
+            buf.is_range_leased(0..64),
+            "the key may still name the range"
+        );
+        assert!(buf.kept_for_good(), "and its owner is told so");
+    }
+
+    #[test]
+    fn a_released_lease_goes_back_and_one_never_told_is_kept() {
+        let buf = DmaBuf::new(4096);
+        Released(Some(buf.lease(0..64, LeaseKind::DeviceRead).unwrap())).release();
+        assert!(!buf.is_range_leased(0..64));
+        drop(Released(Some(
+            buf.lease(0..64, LeaseKind::DeviceRead).unwrap(),
+        )));
+        assert!(buf.is_range_leased(0..64) && buf.kept_for_good());
     }
 }

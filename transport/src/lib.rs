@@ -44,7 +44,7 @@ mod error;
 mod exposure;
 pub use error::{plain_text, CallError, TransportError};
 use exposure::device_may_write;
-pub use exposure::{check_exposure, Exposure, KeyedLease, NoKey, Revoke};
+pub use exposure::{check_exposure, Exposure, KeyedLease, NoKey, Released, Revoke};
 
 /// An endpoint (queue pair) of a transport, named by the engine when it creates it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

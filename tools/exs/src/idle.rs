@@ -96,12 +96,10 @@ pub fn make_room_for(n: usize) {
     }
     let now = getrlimit(Resource::RLIMIT_NOFILE).map_or(soft, |l| l.0);
     if now < want {
-        // Not `eprintln!`, which panics when standard error is a closed pipe (a server's may be).
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
+        // Through the log's queue: a server's standard error may be a closed pipe, or one nobody reads.
+        crate::log::note(format_args!(
             "exs: {n} connections may need {want} file descriptors; the limit is {now} (raise it with `ulimit -n`)"
-        );
+        ));
     }
 }
 

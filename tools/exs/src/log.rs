@@ -2,8 +2,8 @@
 //! writes them. A reader that stops draining the pipe (a server's log read by a program that hung) then costs
 //! lines, not the server: a write to a full pipe blocks, and a server's accepting thread or a client's session
 //! blocked in one serves nobody. A line that finds the queue full is counted, and the count is written once lines
-//! go out again. `exs` writes its tracing output ([`Stderr`]) and its servers' notes ([`note`]) this way, and waits
-//! for the queue, a bounded time, before it exits ([`flush`]).
+//! go out again, where they would have been. `exs` writes its tracing output ([`Stderr`]) and its servers' notes
+//! ([`note`]) this way, and waits for the queue, a bounded time, before it exits ([`flush`]).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,12 +41,12 @@ fn queue() -> &'static Queue {
     })
 }
 
-/// The writing thread: each line, after the count of those dropped before it.
+/// The writing thread.
 fn write_queued(rx: Receiver<Vec<u8>>) {
     // Waits for `queue()`'s first call to finish (this thread starts inside it).
     let q = queue();
     for line in rx {
-        write_now(q, &line);
+        write_now(&line);
         let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
         *pending -= 1;
         if *pending == 0 {
@@ -55,56 +55,84 @@ fn write_queued(rx: Receiver<Vec<u8>>) {
     }
 }
 
-/// Writes a line, whatever becomes of it (not `eprintln!`, which panics when the reader of a pipe went away).
-fn write_now(q: &Queue, line: &[u8]) {
-    let mut err = std::io::stderr().lock();
-    let dropped = q.dropped.swap(0, Ordering::Relaxed);
-    if dropped > 0 {
-        let _ = writeln!(
-            err,
-            "exs: {dropped} log lines dropped (standard error was not read as fast as they came)"
-        );
-    }
-    let _ = err.write_all(line);
+/// Writes, whatever becomes of it (not `eprintln!`, which panics when the reader of a pipe went away).
+fn write_now(line: &[u8]) {
+    let _ = std::io::stderr().lock().write_all(line);
 }
 
-/// Queues one line (ending in a newline), or counts it if the queue is full.
-fn queue_line(line: Vec<u8>) {
+/// Queues one line (ending in a newline), after the count of lines dropped before it, if any (so the count stands
+/// where they would have been); a line that finds the queue full is counted, and so is a count that does. With
+/// `patience`, waits that long for room first.
+fn queue_line(line: Vec<u8>, patience: Duration) {
     let q = queue();
+    let dropped = q.dropped.swap(0, Ordering::Relaxed);
+    let mut line = match dropped {
+        0 => line,
+        n => {
+            let mut with = format!(
+                "exs: {n} log lines dropped (standard error was not read as fast as they came)\n"
+            )
+            .into_bytes();
+            with.extend_from_slice(&line);
+            with
+        }
+    };
     let Some(tx) = &q.tx else {
-        return write_now(q, &line);
+        return write_now(&line);
     };
     *q.pending.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-    if let Err(TrySendError::Full(_) | TrySendError::Disconnected(_)) = tx.try_send(line) {
-        q.dropped.fetch_add(1, Ordering::Relaxed);
-        let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
-        *pending -= 1;
-        if *pending == 0 {
-            q.written.notify_all();
+    let end = Instant::now() + patience;
+    loop {
+        match tx.try_send(line) {
+            Ok(()) => return,
+            Err(TrySendError::Full(back)) if Instant::now() < end => {
+                line = back;
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(_) => break,
         }
+    }
+    q.dropped.fetch_add(dropped + 1, Ordering::Relaxed);
+    let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
+    *pending -= 1;
+    if *pending == 0 {
+        q.written.notify_all();
     }
 }
 
-/// Writes a line to standard error through the queue.
+/// Writes a line to standard error through the queue (dropped, and counted, if the queue is full).
 pub fn note(line: std::fmt::Arguments<'_>) {
-    queue_line(format!("{line}\n").into_bytes());
+    queue_line(format!("{line}\n").into_bytes(), Duration::ZERO);
 }
 
-/// Waits until every queued line is written, at most `patience` (a reader that stopped for good keeps the rest).
+/// [`note`] for a line that matters more than speed (the error `exs` ends with): waits up to `patience` for room.
+pub fn note_patiently(line: std::fmt::Arguments<'_>, patience: Duration) {
+    queue_line(format!("{line}\n").into_bytes(), patience);
+}
+
+/// Waits until every queued line is written, then writes the count of lines dropped since the last one went out,
+/// if any; at most `patience` in all (a reader that stopped for good keeps the rest).
 pub fn flush(patience: Duration) {
-    let q = queue();
     let end = Instant::now() + patience;
-    let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
-    while *pending > 0 {
-        let left = end.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return;
+    let wait = || {
+        let q = queue();
+        let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
+        while *pending > 0 {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return false;
+            }
+            pending = q
+                .written
+                .wait_timeout(pending, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
-        pending = q
-            .written
-            .wait_timeout(pending, left)
-            .unwrap_or_else(|p| p.into_inner())
-            .0;
+        true
+    };
+    if wait() && queue().dropped.load(Ordering::Relaxed) > 0 {
+        queue_line(Vec::new(), Duration::ZERO);
+        wait();
     }
 }
 
@@ -128,7 +156,7 @@ impl Write for Event {
 impl Drop for Event {
     fn drop(&mut self) {
         if !self.0.is_empty() {
-            queue_line(std::mem::take(&mut self.0));
+            queue_line(std::mem::take(&mut self.0), Duration::ZERO);
         }
     }
 }

@@ -207,7 +207,10 @@ fn main() {
     if let Err(e) = &r {
         // The whole chain, outermost first: what was being done, then why. Not `eprintln!`, which panics (exit
         // status 101, not 1) when standard error is a closed pipe.
-        log::note(format_args!("exs: error: {e:#}"));
+        log::note_patiently(
+            format_args!("exs: error: {e:#}"),
+            std::time::Duration::from_secs(2),
+        );
     }
     // What is queued goes out first, unless standard error's reader stopped for good.
     log::flush(std::time::Duration::from_secs(2));

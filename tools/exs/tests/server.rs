@@ -935,27 +935,45 @@ fn a_server_whose_log_reader_went_away_keeps_serving() {
 /// the server past its connections. Now a connection is off that list once its hello is in.
 #[test]
 fn hellos_waiting_on_a_busy_server_are_told_busy_and_not_let_go_for_newcomers() {
-    let server = Server::start("ping", free_port(), &[]);
-    let mut holder = connect_from("127.0.0.2", &server);
-    assert_eq!(holder.hello("ping")["msg"], "welcome");
-    // The other 31 places, each saying hello (hosts within their counts of 8).
-    let mut waiting: Vec<Raw> = (0..31)
-        .map(|i| connect_from(&format!("127.0.0.{}", 21 + i / 8), &server))
-        .collect();
-    for w in &mut waiting {
-        w.say_hello("ping");
+    // The hellos must all be in before the first is answered (a second after it came): on a machine too slow for
+    // that the scenario is tried again, at most three times.
+    for _ in 0..3 {
+        let server = Server::start_with(
+            "ping",
+            free_port(),
+            &[],
+            Reader::Keeps,
+            &[("EXS_LOG", "debug")],
+        );
+        let mut holder = connect_from("127.0.0.2", &server);
+        assert_eq!(holder.hello("ping")["msg"], "welcome");
+        // The other 31 places, each saying hello (hosts within their counts of 8).
+        let mut waiting: Vec<Raw> = (0..31)
+            .map(|i| connect_from(&format!("127.0.0.{}", 21 + i / 8), &server))
+            .collect();
+        let said = Instant::now();
+        for w in &mut waiting {
+            w.say_hello("ping");
+        }
+        let heard = |log: Vec<String>| log.iter().filter(|l| l.contains("hello received")).count();
+        while heard(server.log()) < 32 && said.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut newcomer = connect_from("127.0.0.30", &server);
+        if said.elapsed() > Duration::from_millis(800) {
+            continue; // some may have been answered already, and gone
+        }
+        let m = newcomer.reply().expect("a refusal");
+        assert!(message(&m).contains("too many connections at once"), "{m}");
+        for (i, w) in waiting.iter_mut().enumerate() {
+            let m = w
+                .reply()
+                .unwrap_or_else(|| panic!("hello {i} was let go unanswered"));
+            assert!(message(&m).contains("busy"), "{m}");
+        }
+        return;
     }
-    // The server reads the hellos; it answers them a second later.
-    std::thread::sleep(Duration::from_millis(300));
-    let mut newcomer = connect_from("127.0.0.30", &server);
-    let m = newcomer.reply().expect("a refusal");
-    assert!(message(&m).contains("too many connections at once"), "{m}");
-    for (i, w) in waiting.iter_mut().enumerate() {
-        let m = w
-            .reply()
-            .unwrap_or_else(|| panic!("hello {i} was let go unanswered"));
-        assert!(message(&m).contains("busy"), "{m}");
-    }
+    panic!("three times, the server took more than 800 ms to read 31 hellos");
 }
 
 /// Review: the server wrote its log on the threads that accept and serve. With its standard error a pipe that
@@ -964,22 +982,23 @@ fn hellos_waiting_on_a_busy_server_are_told_busy_and_not_let_go_for_newcomers() 
 #[test]
 fn a_server_whose_log_nobody_reads_keeps_serving() {
     use std::os::fd::AsRawFd;
-    let server = Server::start_with(
+    let mut server = Server::start_with(
         "ping",
         free_port(),
         &[],
         Reader::Stalls,
         &[("EXS_LOG", "debug")],
     );
-    let pipe = server
-        .stalled_log()
-        .expect("the held end of the server's log")
-        .get_ref();
-    // The smallest pipe the kernel makes (a page), so that a few clients' lines fill it.
-    let size =
-        nix::fcntl::fcntl(pipe.as_raw_fd(), nix::fcntl::FcntlArg::F_SETPIPE_SZ(4096)).unwrap();
+    let log = server
+        .take_stalled_log()
+        .expect("the held end of the server's log");
+    let pipe = log.get_ref().as_raw_fd();
+    // The smallest pipe the kernel makes (a page, or what it holds already), so that a few clients' lines fill it.
+    let room = 4096.max(bytes_in_pipe(pipe));
+    let size = nix::fcntl::fcntl(pipe, nix::fcntl::FcntlArg::F_SETPIPE_SZ(room)).unwrap();
     let mut unread = 0;
-    for i in 0..20 {
+    let mut full = false;
+    for i in 0..40 {
         let out = honest("ping", &server);
         assert!(
             out.status.success(),
@@ -987,29 +1006,54 @@ fn a_server_whose_log_nobody_reads_keeps_serving() {
             String::from_utf8_lossy(&out.stderr)
         );
         unread = bytes_in_pipe(pipe);
-        if i >= 3 && unread as usize + 512 > size as usize {
-            // Full (a line longer than the room left waits): three more clients, with the server's lines blocked.
-            for j in 0..3 {
-                let out = honest("ping", &server);
-                assert!(
-                    out.status.success(),
-                    "client {i}+{j}: {}",
-                    String::from_utf8_lossy(&out.stderr)
-                );
-            }
-            return;
+        if full {
+            break; // one client served with the pipe full before it
         }
+        // Full: a line longer than the room left waits.
+        full = unread as usize + 512 > size as usize;
     }
-    panic!("twenty clients' log lines did not fill a {size}-byte pipe ({unread} bytes in it)");
+    assert!(
+        full,
+        "forty clients' log lines did not fill a {size}-byte pipe ({unread} bytes in it)"
+    );
+    // A client with a hundred idle connections: thousands of lines, far more than the queue holds.
+    let target = server.target();
+    let out = exs(&[
+        "ping", "-c", &target, "--size", "8", "--count", "20", "--mode", "normal", "--idle", "100",
+        "--json",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Read from now on, the log says how many lines it dropped, once one goes out after them.
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in log.lines().map_while(Result::ok) {
+            if line.contains("log lines dropped") && tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let start = Instant::now();
+    let dropped = loop {
+        served("ping", &server);
+        match rx.recv_timeout(Duration::from_secs(2)) {
+            Ok(line) => break line,
+            Err(_) if start.elapsed() < Duration::from_secs(60) => {}
+            Err(_) => panic!("no line counting the dropped ones"),
+        }
+    };
+    assert!(dropped.starts_with("exs: "), "{dropped}");
 }
 
 /// Bytes waiting in a pipe (FIONREAD).
-fn bytes_in_pipe(pipe: &std::process::ChildStderr) -> i32 {
-    use std::os::fd::AsRawFd;
+fn bytes_in_pipe(pipe: std::os::fd::RawFd) -> i32 {
     nix::ioctl_read_bad!(fionread, nix::libc::FIONREAD, nix::libc::c_int);
     let mut n: nix::libc::c_int = 0;
-    // SAFETY: FIONREAD on a pipe descriptor this process holds writes one int, to `n`.
-    unsafe { fionread(pipe.as_raw_fd(), &mut n) }.unwrap();
+    // SAFETY: FIONREAD on a pipe descriptor this process holds (the server's log) writes one int, to `n`.
+    unsafe { fionread(pipe, &mut n) }.unwrap();
     n
 }
 
@@ -1040,7 +1084,10 @@ fn strangers_connecting_in_a_loop_are_logged_a_bounded_number_of_times() {
     let l = server
         .wait_for_log("not logged", Duration::from_secs(10))
         .expect("a line counting the strangers left out");
-    assert!(l.contains("more refused or silent connections"), "{l}");
+    assert!(
+        l.contains("about connections refused or that ran no test"),
+        "{l}"
+    );
     served("ping", &server);
 }
 

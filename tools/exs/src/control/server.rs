@@ -7,8 +7,8 @@
 //! [`IDLE`] between tests, each test ends within the server's `--max-seconds` (plus its `--max-grace`) whatever the
 //! client does, and a test asked for past the server's `--max-session` ends the session. The log never holds the
 //! server up: its lines go through a queue (a stalled reader of standard error costs lines, `crate::log`), and
-//! lines about connections refused or gone before their hello are at most [`STRANGER_LINES`] at once and one a
-//! second after, the rest counted.
+//! lines about connections refused, gone before their hello or that ran no test are at most [`STRANGER_LINES`] at
+//! once and one a second after, the rest counted.
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -41,8 +41,9 @@ pub const MAX_CONNECTIONS: usize = 32;
 pub const MAX_PER_HOST: usize = MAX_CONNECTIONS / 4;
 /// How long a client that says hello while another's session ends waits for it before it is told "busy".
 const BUSY_WAIT: Duration = Duration::from_secs(1);
-/// Lines about connections refused or gone before their hello that the log takes at once; after that, one a
-/// second, and the rest are counted (a stranger connecting in a loop must not fill the log).
+/// Lines about connections refused, gone before their hello, or whose session ran no test, that the log takes at
+/// once; after that, one a second, and the rest are counted (a stranger connecting in a loop, with or without a
+/// hello, must not fill the log).
 const STRANGER_LINES: u64 = 16;
 /// What a client hears while another's tests run.
 const BUSY: &str =
@@ -272,7 +273,7 @@ impl<S: Service> Server<S> {
                         Some(Ok(wake)) => Some((tx.clone(), wake)),
                         Some(Err(e)) => {
                             // Out of descriptors: this connection goes, the server stays.
-                            self.log_stranger(from, &format!("dropped: {e}"));
+                            self.log(from, &format!("dropped: {e}"));
                             continue;
                         }
                     };
@@ -326,7 +327,7 @@ impl<S: Service> Server<S> {
             });
         if let Err(e) = spawned {
             self.said_hello(waiting);
-            self.log_stranger(from, &format!("dropped: no thread for it ({e})"));
+            self.log(from, &format!("dropped: no thread for it ({e})"));
         }
     }
 
@@ -336,7 +337,8 @@ impl<S: Service> Server<S> {
         }
     }
 
-    /// [`Server::log`] for a connection refused or gone before its hello, within [`STRANGER_LINES`].
+    /// [`Server::log`] for a connection refused, gone before its hello, or whose session ran no test, within
+    /// [`STRANGER_LINES`].
     fn log_stranger(&self, from: SocketAddr, what: &str) {
         if !self.chatty {
             return;
@@ -352,7 +354,7 @@ impl<S: Service> Server<S> {
             Some(n) => self.log(
                 from,
                 &format!(
-                    "{what} (and {n} more refused or silent connections before it, not logged)"
+                    "{what} (and {n} lines before it about connections refused or that ran no test, not logged)"
                 ),
             ),
         }
@@ -392,7 +394,8 @@ impl<S: Service> Server<S> {
             wake,
             result: None,
         });
-        let r = self.tests(&mut ch, from);
+        let mut n = 0;
+        let r = self.tests(&mut ch, from, &mut n);
         if finish.is_some() {
             // A --once server exits now: the slot stays taken, so that a client waiting for it is told "busy"
             // rather than welcomed by a process about to go.
@@ -407,10 +410,15 @@ impl<S: Service> Server<S> {
             });
         }
         drop(ch);
-        match (&mut finish, r) {
-            (Some(f), r) => f.result = Some(r),
-            (None, Ok(n)) => self.log(from, &format!("done ({n} tests)")),
-            (None, Err(e)) => self.log(from, &format!("{e:#}")),
+        let line = match &r {
+            Ok(()) => format!("done ({n} tests)"),
+            Err(e) => format!("{e:#}"),
+        };
+        match &mut finish {
+            Some(f) => f.result = Some(r.map(|()| n)),
+            // Anyone may say hello: a session that ran no test is logged as a stranger is.
+            None if n == 0 => self.log_stranger(from, &line),
+            None => self.log(from, &line),
         }
     }
 
@@ -430,6 +438,7 @@ impl<S: Service> Server<S> {
         // Heard from: no longer one to let go for a newcomer. It may wait in `claim` for a second; let go meanwhile,
         // it would keep its place until then, and a burst of hellos could push the server past its connections.
         self.said_hello(waiting);
+        tracing::debug!(%from, "hello received");
         if h.version != VERSION {
             bail!(
                 "version mismatch: the client speaks control version {}, this server {VERSION} (use the same \
@@ -469,14 +478,13 @@ impl<S: Service> Server<S> {
         Some(Slot(&self.testing, &self.freed))
     }
 
-    /// Runs the client's tests until it closes the connection; returns how many ran.
-    fn tests(&self, ch: &mut Channel, from: SocketAddr) -> Result<usize> {
+    /// Runs the client's tests until it closes the connection, counting them in `n`.
+    fn tests(&self, ch: &mut Channel, from: SocketAddr, n: &mut usize) -> Result<()> {
         #[derive(Deserialize)]
         #[serde(bound = "P: Params")]
         struct Point<P> {
             params: P,
         }
-        let mut n = 0;
         let end = self.limits.session_end();
         while let Some(Point::<S::Params> { params }) = recv(ch, "point", IDLE)? {
             if std::time::Instant::now() >= end {
@@ -507,9 +515,9 @@ impl<S: Service> Server<S> {
                 let _ = writeln!(std::io::stdout(), "{line}");
             }
             ch.send(&Msg::Done { result })?;
-            n += 1;
+            *n += 1;
         }
-        Ok(n)
+        Ok(())
     }
 }
 

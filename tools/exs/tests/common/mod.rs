@@ -130,9 +130,9 @@ impl Server {
         }
     }
 
-    /// The read end of a stalled server's standard error ([`Reader::Stalls`]), never read.
-    pub fn stalled_log(&self) -> Option<&BufReader<ChildStderr>> {
-        self.stalled.as_ref()
+    /// The read end of a stalled server's standard error ([`Reader::Stalls`]), not read so far: the caller's now.
+    pub fn take_stalled_log(&mut self) -> Option<BufReader<ChildStderr>> {
+        self.stalled.take()
     }
 
     /// `127.0.0.1:PORT`, for `--client`.

@@ -139,6 +139,8 @@ fn unpack_one(c: &Public, dir: &Path) -> Result<()> {
     if unpacked.is_dir() && kept.is_file() && read(&kept)? == read(&file)? {
         return Ok(());
     }
+    // The copy goes first: an unpacking that fails part way must not pass for done next time.
+    let _ = std::fs::remove_file(&kept);
     let _ = std::fs::remove_dir_all(&unpacked);
     sys::run(
         Command::new("tar")

@@ -234,7 +234,8 @@ mod tests {
         }
     }
 
-    fn dropped_in_a_panic(in_release: bool) -> std::sync::Arc<DmaBuf> {
+    /// Drops an exposure whose revocation (or release) panics; its range must stay leased, for good.
+    fn kept_after_a_panic(in_release: bool) {
         let buf = DmaBuf::new(4096);
         let lease = buf.lease(0..64, LeaseKind::DeviceRead).unwrap();
         let exposed = KeyedLease::new(
@@ -244,27 +245,21 @@ mod tests {
         );
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(exposed)));
         assert!(unwound.is_err());
-        buf
+        assert!(
+            buf.is_range_leased(0..64),
+            "the key may still name the range"
+        );
+        assert!(buf.kept_for_good(), "and its owner is told so");
     }
 
     #[test]
     fn a_key_whose_revocation_panics_keeps_its_range_leased_for_good() {
-        let buf = dropped_in_a_panic(false);
-        assert!(
-            buf.is_range_leased(0..64),
-            "the key may still name the range"
-        );
-        assert!(buf.kept_for_good(), "and its owner is told so");
+        kept_after_a_panic(false);
     }
 
     #[test]
     fn a_key_whose_release_panics_keeps_its_range_leased_for_good() {
-        let buf = dropped_in_a_panic(true);
-        assert!(
-            buf.is_range_leased(0..64),
-            "the key may still name the range"
-        );
-        assert!(buf.kept_for_good(), "and its owner is told so");
+        kept_after_a_panic(true);
     }
 
     #[test]

@@ -239,7 +239,7 @@ impl Registration for FiRegistration {
 }
 
 /// What revokes a key on libfabric: the range's own registration in the connection's domain (closed, then the
-/// domain may close). The lease goes back at once ([`Revoke::release`]'s default), though on the software providers
+/// domain may close). The lease goes back at once (`FiKey`'s [`Revoke::release`]), though on the software providers
 /// closing the registration does not stop an access the peer began before (see the backends chapter, "A revoked key
 /// and an access already under way"): the engine revokes a key only once the protocol says the peer is done with
 /// it, or at the endpoint's release, which stops the provider's accesses. A registration that could not be closed

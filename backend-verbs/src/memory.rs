@@ -17,7 +17,7 @@
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
-use exs_dma::{DmaBuf, Lease};
+use exs_dma::DmaBuf;
 use exs_transport::{Registrar, Registration, Released, Revoke, TransportError};
 use rdma_sys::*;
 
@@ -320,7 +320,8 @@ pub(crate) struct MwSlot(Mutex<Window>);
 /// The window of an [`MwSlot`] and the lease parked on it.
 struct Window {
     mw: *mut ibv_mw,
-    parked: Option<Lease>,
+    /// Kept as a [`Released`]: should anything panic before the window goes, the range stays leased.
+    parked: Option<Released>,
     /// `ibv_dealloc_mw` failed: the key may still be valid, so parked leases are never released.
     failed: bool,
     /// `ibv_dealloc_mw` (a stand-in in tests, which have no device).
@@ -358,11 +359,11 @@ impl Window {
     }
 
     /// Releases `lease`, unless the window's key may still name its range: then it is leaked, with its buffer.
-    fn release(&self, lease: Lease) {
+    fn release(&self, lease: Released) {
         if self.failed {
             lease.keep_for_good();
         } else {
-            drop(lease);
+            lease.release();
         }
     }
 }
@@ -391,7 +392,7 @@ impl MwSlot {
     }
 
     /// Keeps `lease` until the window is deallocated (released at once if it already is).
-    fn park(&self, lease: Lease) {
+    fn park(&self, lease: Released) {
         let mut w = self.window();
         if w.mw.is_null() {
             w.release(lease);
@@ -458,7 +459,7 @@ impl Revoke for WindowKey {
 
     /// Parks the lease on the window: released when the window is deallocated.
     fn release(&mut self, lease: Released) {
-        self.slot.park(lease.into_lease());
+        self.slot.park(lease);
     }
 }
 
@@ -515,7 +516,7 @@ mod tests {
         // The bind's record holds the window while the bind is queued.
         let bind = Arc::clone(&slot);
         // The exposure goes first: the window stays, and so does the lease of the range its key may name.
-        slot.park(lease);
+        slot.park(Released::new(lease));
         drop(slot);
         assert_eq!(
             DEALLOCS.load(Ordering::SeqCst),
@@ -608,7 +609,9 @@ mod tests {
     fn a_window_that_fails_to_deallocate_keeps_its_range_leased_for_ever() {
         let buf = DmaBuf::new(4096);
         let slot = MwSlot::with_dealloc(fake_mw(), failing_dealloc);
-        slot.park(buf.lease(0..64, LeaseKind::DeviceRead).unwrap());
+        slot.park(Released::new(
+            buf.lease(0..64, LeaseKind::DeviceRead).unwrap(),
+        ));
         slot.dealloc();
         assert!(
             buf.is_range_leased(0..64),

@@ -59,6 +59,12 @@ pub trait Revoke: Send + fmt::Debug {
 pub struct Released(Option<Lease>);
 
 impl Released {
+    /// `lease`, to be said what becomes of it (a backend that parks a lease keeps it in this form; its tests make
+    /// one).
+    pub fn new(lease: Lease) -> Self {
+        Released(Some(lease))
+    }
+
     /// The range goes back to its buffer: the key is revoked.
     pub fn release(mut self) {
         drop(self.0.take());

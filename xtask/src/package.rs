@@ -140,8 +140,12 @@ fn unpack_one(c: &Public, dir: &Path) -> Result<()> {
         return Ok(());
     }
     // The copy goes first: an unpacking that fails part way must not pass for done next time.
-    let _ = std::fs::remove_file(&kept);
-    let _ = std::fs::remove_dir_all(&unpacked);
+    let gone = |r: std::io::Result<()>, p: &Path| match r {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(format!("{}: {e}", p.display())),
+        _ => Ok(()),
+    };
+    gone(std::fs::remove_file(&kept), &kept)?;
+    gone(std::fs::remove_dir_all(&unpacked), &unpacked)?;
     sys::run(
         Command::new("tar")
             .arg("-xzmf")

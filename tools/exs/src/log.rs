@@ -65,7 +65,12 @@ fn write_now(line: &[u8]) {
 /// `patience`, waits that long for room first.
 fn queue_line(line: Vec<u8>, patience: Duration) {
     let q = queue();
+    // An empty line carries only the count ([`flush`]): if it finds no room, it is not a line dropped.
+    let counted = u64::from(!line.is_empty());
     let dropped = q.dropped.swap(0, Ordering::Relaxed);
+    if dropped == 0 && counted == 0 {
+        return;
+    }
     let mut line = match dropped {
         0 => line,
         n => {
@@ -92,7 +97,7 @@ fn queue_line(line: Vec<u8>, patience: Duration) {
             Err(_) => break,
         }
     }
-    q.dropped.fetch_add(dropped + 1, Ordering::Relaxed);
+    q.dropped.fetch_add(dropped + counted, Ordering::Relaxed);
     let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
     *pending -= 1;
     if *pending == 0 {
@@ -106,6 +111,7 @@ pub fn note(line: std::fmt::Arguments<'_>) {
 }
 
 /// [`note`] for a line that matters more than speed (the error `exs` ends with): waits up to `patience` for room.
+/// Counted as dropped if none comes.
 pub fn note_patiently(line: std::fmt::Arguments<'_>, patience: Duration) {
     queue_line(format!("{line}\n").into_bytes(), patience);
 }

@@ -204,16 +204,16 @@ fn main() {
         Cmd::Tcppump(a) => baseline::run_tcppump(a),
         Cmd::Tcpping(a) => baseline::run_tcpping(a),
     };
+    // At most 2 s in all for the log before exiting, however stalled standard error is.
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(2);
+    let left = || end.saturating_duration_since(std::time::Instant::now());
     if let Err(e) = &r {
         // The whole chain, outermost first: what was being done, then why. Not `eprintln!`, which panics (exit
         // status 101, not 1) when standard error is a closed pipe.
-        log::note_patiently(
-            format_args!("exs: error: {e:#}"),
-            std::time::Duration::from_secs(2),
-        );
+        log::note_patiently(format_args!("exs: error: {e:#}"), left());
     }
     // What is queued goes out first, unless standard error's reader stopped for good.
-    log::flush(std::time::Duration::from_secs(2));
+    log::flush(left());
     if r.is_err() {
         std::process::exit(1);
     }

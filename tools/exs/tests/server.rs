@@ -959,10 +959,10 @@ fn hellos_waiting_on_a_busy_server_are_told_busy_and_not_let_go_for_newcomers() 
         while heard(server.log()) < 32 && said.elapsed() < Duration::from_secs(10) {
             std::thread::sleep(Duration::from_millis(10));
         }
-        let mut newcomer = connect_from("127.0.0.30", &server);
-        if said.elapsed() > Duration::from_millis(800) {
-            continue; // some may have been answered already, and gone
+        if said.elapsed() > Duration::from_millis(600) {
+            continue; // the first could be answered, and gone, before the newcomer comes
         }
+        let mut newcomer = connect_from("127.0.0.30", &server);
         let m = newcomer.reply().expect("a refusal");
         assert!(message(&m).contains("too many connections at once"), "{m}");
         for (i, w) in waiting.iter_mut().enumerate() {
@@ -973,7 +973,7 @@ fn hellos_waiting_on_a_busy_server_are_told_busy_and_not_let_go_for_newcomers() 
         }
         return;
     }
-    panic!("three times, the server took more than 800 ms to read 31 hellos");
+    panic!("three times, the server took more than 600 ms to read 31 hellos");
 }
 
 /// Review: the server wrote its log on the threads that accept and serve. With its standard error a pipe that
@@ -1085,7 +1085,7 @@ fn strangers_connecting_in_a_loop_are_logged_a_bounded_number_of_times() {
         .wait_for_log("not logged", Duration::from_secs(10))
         .expect("a line counting the strangers left out");
     assert!(
-        l.contains("about connections refused or that ran no test"),
+        l.contains("about connections refused, gone before their hello"),
         "{l}"
     );
     served("ping", &server);

@@ -354,7 +354,8 @@ impl<S: Service> Server<S> {
             Some(n) => self.log(
                 from,
                 &format!(
-                    "{what} (and {n} lines before it about connections refused or that ran no test, not logged)"
+                    "{what} (and {n} lines before it about connections refused, gone before their hello or \
+                     that ran no test, not logged)"
                 ),
             ),
         }

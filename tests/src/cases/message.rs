@@ -262,11 +262,24 @@ fn many_outstanding(b: &dyn Backend) -> Result<(), String> {
     }
     let ea = all(&p.eq_a)?;
     let eb = all(&p.eq_b)?;
-    for evs in [&ea, &eb] {
+    for (side, evs) in [("client", &ea), ("server", &eb)] {
+        // Which operations ended, and which did not within the wait (a failure said only "None" once).
+        let ended = |kind: EventKind| {
+            let mut c: Vec<u64> = evs
+                .iter()
+                .filter(|e| e.kind == kind)
+                .map(|e| e.context)
+                .collect();
+            c.sort_unstable();
+            c
+        };
         ensure!(
             evs.len() == 128 && evs.iter().all(|e| e.is_ok()),
-            "failures: {:?}",
-            evs.iter().find(|e| !e.is_ok())
+            "{side}: {} of 128 events; the first failure: {:?}; receives ended: {:?}; sends ended: {:?}",
+            evs.len(),
+            evs.iter().find(|e| !e.is_ok()),
+            ended(EventKind::Recv),
+            ended(EventKind::Send)
         );
         let recvs: Vec<u64> = evs
             .iter()

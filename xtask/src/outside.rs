@@ -47,8 +47,8 @@ pub fn run() -> Result<String> {
     let manifest = std::fs::read_to_string(root.join("exs/Cargo.toml"))
         .map_err(|e| format!("exs/Cargo.toml: {e}"))?;
     let dependencies = example_dependencies(&manifest)?;
-    // exs as a registry would serve it: its package, and its dependencies among our crates from theirs.
-    crate::package::unpack()?;
+    // exs as a registry would serve it: its package, and its dependencies among our crates from theirs (unpacked
+    // by the package stage, which runs first).
     let (exs, patch) = crate::package::exs_from_packages(
         r#", features = ["fabric", "tokio"]"#,
         &["exs-dma", "exs-transport", "exs-backend-fabric"],

@@ -22,6 +22,18 @@ pub struct Public {
     pub rust_version: Option<String>,
 }
 
+impl Public {
+    /// `NAME-VERSION`: the package's file stem, and its top directory.
+    fn stem(&self) -> String {
+        format!("{}-{}", self.name, self.version)
+    }
+
+    /// The `.crate` file `cargo package` writes.
+    fn crate_file(&self) -> PathBuf {
+        sys::root().join(format!("target/package/{}.crate", self.stem()))
+    }
+}
+
 /// The workspace's crates meant for users: those without `publish = false` (cargo metadata says `null`, any
 /// registry).
 pub fn public_crates() -> Result<Vec<Public>> {
@@ -112,7 +124,7 @@ pub fn unpacked_dir() -> PathBuf {
 /// Packages every public crate without building it (`cargo package --no-verify`: the builds that follow use the
 /// packages themselves) and unpacks each `.crate` under [`unpacked_dir`]. `--offline`: the workspace build fetched
 /// every dependency, and CI may have no network; `--allow-dirty` so that a work in progress packages too.
-pub fn unpack() -> Result<Vec<Public>> {
+fn unpack() -> Result<Vec<Public>> {
     let crates = public_crates()?;
     let mut cmd = sys::cargo();
     cmd.args(["package", "--offline", "--allow-dirty", "--no-verify"]);
@@ -132,9 +144,9 @@ pub fn unpack() -> Result<Vec<Public>> {
 /// time of unpacking (`tar -m`): cargo stamps every file in a `.crate` with one fixed time, and a build that
 /// compares times would take a changed source for the one it built before.
 fn unpack_one(c: &Public, dir: &Path) -> Result<()> {
-    let file = sys::root().join(format!("target/package/{}-{}.crate", c.name, c.version));
-    let kept = dir.join(format!("{}-{}.crate", c.name, c.version));
-    let unpacked = dir.join(format!("{}-{}", c.name, c.version));
+    let file = c.crate_file();
+    let kept = dir.join(format!("{}.crate", c.stem()));
+    let unpacked = dir.join(c.stem());
     let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
     if unpacked.is_dir() && kept.is_file() && read(&kept)? == read(&file)? {
         return Ok(());
@@ -159,7 +171,7 @@ fn unpack_one(c: &Public, dir: &Path) -> Result<()> {
 
 /// A user's dependency on the packaged `exs` (`extra` inside its braces, as `, features = [...]`), then a
 /// `[patch.crates-io]` table serving `patched` (exs's dependencies among our crates, which its packaged manifest
-/// names by version) from their packages. Call [`unpack`] first.
+/// names by version) from their packages. The package stage ([`stage`]) unpacks them first.
 pub fn exs_from_packages(extra: &str, patched: &[&str]) -> Result<(String, String)> {
     let crates = public_crates()?;
     let path = |name: &str| -> Result<String> {
@@ -167,10 +179,13 @@ pub fn exs_from_packages(extra: &str, patched: &[&str]) -> Result<(String, Strin
             .iter()
             .find(|c| c.name == name)
             .ok_or_else(|| format!("{name} is not a public crate of the workspace"))?;
-        let dir = unpacked_dir().join(format!("{}-{}", c.name, c.version));
+        let dir = unpacked_dir().join(c.stem());
         match dir.is_dir() {
             true => Ok(format!("{:?}", dir.display().to_string())),
-            false => Err(format!("{} is not unpacked", dir.display())),
+            false => Err(format!(
+                "{} is not unpacked (the package stage unpacks it)",
+                dir.display()
+            )),
         }
     };
     let dependency = format!("exs = {{ path = {}{extra} }}\n", path("exs")?);
@@ -321,12 +336,8 @@ fn check_files_packaged(crates: &[Public], reads: &Reads) -> Result<usize> {
     let target = root.join("target");
     let mut packaged = BTreeSet::new();
     for c in crates {
-        let listing = sys::output(
-            Command::new("tar")
-                .arg("-tzf")
-                .arg(root.join(format!("target/package/{}-{}.crate", c.name, c.version))),
-        )?;
-        let prefix = format!("{}-{}/", c.name, c.version);
+        let listing = sys::output(Command::new("tar").arg("-tzf").arg(c.crate_file()))?;
+        let prefix = format!("{}/", c.stem());
         packaged.extend(
             listing
                 .lines()

@@ -70,8 +70,7 @@ const VERBS_ALONE: &str =
 pub fn run() -> Result<String> {
     let root = sys::root();
     let dir = root.join("target/feature-crate");
-    // exs and its backends as a registry would serve them (their packages).
-    crate::package::unpack()?;
+    // exs and its backends as a registry would serve them (their packages, unpacked by the package stage).
     let (exs, patch) = crate::package::exs_from_packages(
         "",
         &[

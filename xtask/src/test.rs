@@ -8,8 +8,8 @@ use std::time::Duration;
 use clap::Args;
 
 use crate::runner::{
-    build_checked_release, checked_release_tests, conformance_exe, finish, run_counting,
-    run_sections, xtask_copy, Sections, SECTION,
+    build_checked, checked_tests, conformance_exe, finish, run_counting, run_sections, xtask_copy,
+    Sections, SECTION,
 };
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
@@ -193,8 +193,8 @@ pub fn run(args: TestArgs) -> Result<()> {
     let mut out = Outcome::default();
     let only_conformance = !args.backend.is_empty();
     let wanted = |b: &str| !only_conformance || args.backend.iter().any(|x| x == b);
-    // Everything but the conformance suite and the property tests, which run from the checked release build
-    // (`checked_release_tests`), with the workspace tests' features: they reuse this build.
+    // Everything but the conformance suite and the property tests, which run from the checked optimized build
+    // (`checked_tests`), with the workspace tests' features: they reuse this build.
     out.timed("build", |_| sys::run(&mut debug_build()))?;
     if !only_conformance {
         checks(&mut out);
@@ -373,21 +373,21 @@ fn workspace_tests(out: &mut Outcome) -> Result<()> {
         "doc examples (exs, features fabric and tokio: libfabric tcp on 127.0.0.1)",
         sys::cargo().args(["test", "--doc", "-p", "exs", "--features", "fabric,tokio"]),
     )?;
-    out.timed("release build", |_| build_checked_release())?;
-    // The long property runs, in a release build: 10,000 stream cases (issue: "at least 10,000 cases in CI")
+    out.timed("optimized build", |_| build_checked())?;
+    // The long property runs, in the checked optimized build: 10,000 stream cases (issue: "at least 10,000 cases in CI")
     // and 2,000 message-mode cases.
     out.tally(
         "long property tests",
-        "property tests, release with overflow checks and debug assertions (10,000 stream + 2,000 message cases)",
-        checked_release_tests(&["stream_props", "message_props"])
+        "property tests, optimized with overflow checks and debug assertions (10,000 stream + 2,000 message cases)",
+        checked_tests(&["stream_props", "message_props"])
             .env("EXS_STREAM_CASES", "10000")
             .env("EXS_PROPTEST_CASES", "2000"),
     )?;
-    // The fuzz targets as bounded property tests, in release so that they cover ground.
+    // The fuzz targets as bounded property tests, optimized so that they cover ground.
     out.tally(
         "fuzz property tests",
-        "fuzz targets as property tests, release with overflow checks (16,000 wire inputs, 1,000 + 200 crafted-peer runs)",
-        checked_release_tests(&["fuzz_props"]).env("EXS_FUZZ_CASES", "1000"),
+        "fuzz targets as property tests, optimized with overflow checks (16,000 wire inputs, 1,000 + 200 crafted-peer runs)",
+        checked_tests(&["fuzz_props"]).env("EXS_FUZZ_CASES", "1000"),
     )
 }
 

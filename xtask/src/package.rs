@@ -137,7 +137,31 @@ fn unpack() -> Result<Vec<Public>> {
     for c in &crates {
         unpack_one(c, &dir)?;
     }
+    remove_stale(&dir, &crates)?;
     Ok(crates)
+}
+
+/// Removes what `dir` holds of packages that are not among `crates` (their versions before a version bump, or
+/// crates no longer public), so that nothing builds from them by mistake and they do not pile up.
+fn remove_stale(dir: &Path, crates: &[Public]) -> Result<()> {
+    let current: Vec<String> = crates.iter().map(Public::stem).collect();
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    for entry in entries {
+        let path = entry.map_err(|e| format!("{}: {e}", dir.display()))?.path();
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        if current
+            .iter()
+            .any(|c| *name == **c || *name == format!("{c}.crate"))
+        {
+            continue;
+        }
+        let r = match path.is_dir() {
+            true => std::fs::remove_dir_all(&path),
+            false => std::fs::remove_file(&path),
+        };
+        r.map_err(|e| format!("{}: {e}", path.display()))?;
+    }
+    Ok(())
 }
 
 /// Unpacks one crate's `.crate` under `dir`, unless the same `.crate` is unpacked there already. Its files get the
@@ -421,6 +445,26 @@ pub fn stage(build: &mut Command) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn unpacked_packages_of_other_versions_are_removed() {
+        let dir = std::env::temp_dir().join(format!("exs-xtask-stale-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for d in ["a-0.1.0/src", "a-0.0.9/src", "gone-1.0.0"] {
+            std::fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        for f in ["a-0.1.0.crate", "a-0.0.9.crate", "gone-1.0.0.crate"] {
+            std::fs::write(dir.join(f), b"x").unwrap();
+        }
+        remove_stale(&dir, &[public(None)]).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(left, ["a-0.1.0", "a-0.1.0.crate"]);
+    }
 
     fn public(rust_version: Option<&str>) -> Public {
         Public {

@@ -1,6 +1,6 @@
 //! The conformance suite runner: every case on every backend compiled in (`cargo test -p exs-conformance
 //! --features fabric`). Trial names are `<backend>::<case>`. A backend that cannot run here, or a case that needs
-//! what the backend lacks, is reported as ignored with the reason on stderr.
+//! what the backend lacks, is reported as ignored with the reason on stderr (and fails with it if run anyway).
 
 use libtest_mimic::{Arguments, Failed, Trial};
 
@@ -29,8 +29,9 @@ fn main() {
             .map(|case| format!("{}::{}", backend.name(), case.name))
             .collect();
         // A backend none of whose trials this run selects is not opened: in the emulated guest, opening a
-        // libfabric fabric took seconds of every run of a few verbs cases.
-        let wanted = names.iter().any(|n| selected(n));
+        // libfabric fabric took seconds of every run of a few verbs cases. Nor is one for `--list`, which runs
+        // nothing.
+        let wanted = !args.list && names.iter().any(|n| selected(n));
         let unavailable = if wanted { backend.unavailable() } else { None };
         match &unavailable {
             _ if !wanted => {}
@@ -49,10 +50,16 @@ fn main() {
                 }
             }
             let run = case.run;
-            trials.push(
-                Trial::test(name, move || run(backend).map_err(Failed::from))
-                    .with_ignored_flag(skip.is_some()),
-            );
+            // A skipped trial is ignored; run anyway (`--ignored`, `--include-ignored`), it fails saying why it
+            // cannot run here, rather than running on a backend that could not open or lacks what it needs.
+            let trial = match skip {
+                None => Trial::test(name, move || run(backend).map_err(Failed::from)),
+                Some(why) => {
+                    Trial::test(name, move || Err(format!("cannot run here: {why}").into()))
+                        .with_ignored_flag(true)
+                }
+            };
+            trials.push(trial);
         }
     }
     libtest_mimic::run(&args, trials).exit();

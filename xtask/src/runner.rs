@@ -170,20 +170,37 @@ pub struct Sections {
     counts: BTreeMap<String, Counts>,
     skips: BTreeMap<String, Vec<String>>,
     backends: BTreeMap<String, Vec<String>>,
+    /// Lines held back rather than echoed as they come ([`Sections::held`]).
+    held: Option<Vec<(String, bool)>>,
 }
 
 impl Sections {
+    /// Sections whose lines are held until [`Sections::echo_held`], for a run beside another whose lines would
+    /// otherwise interleave with its own.
+    pub fn held() -> Sections {
+        Sections {
+            held: Some(Vec::new()),
+            ..Sections::default()
+        }
+    }
+
+    /// Echoes the lines held so far, in their order.
+    pub fn echo_held(&mut self) {
+        for (l, stderr) in self.held.iter_mut().flat_map(std::mem::take) {
+            echo(&l, stderr);
+        }
+    }
+
     /// Whether no section began.
     pub fn is_empty(&self) -> bool {
         self.order.is_empty()
     }
 
-    /// Takes one line of output (echoing it).
+    /// Takes one line of output (echoing it, or holding it).
     pub fn line(&mut self, l: &str, stderr: bool) {
-        if stderr {
-            eprintln!("{l}");
-        } else {
-            println!("{l}");
+        match &mut self.held {
+            Some(held) => held.push((l.to_string(), stderr)),
+            None => echo(l, stderr),
         }
         if let Some(name) = l.strip_prefix("@@section ") {
             if !self.order.iter().any(|n| n == name) {
@@ -254,6 +271,14 @@ impl Sections {
                 }
             ));
         }
+    }
+}
+
+fn echo(l: &str, stderr: bool) {
+    if stderr {
+        eprintln!("{l}");
+    } else {
+        println!("{l}");
     }
 }
 

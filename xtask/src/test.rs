@@ -87,7 +87,11 @@ pub const IWARP_SHAPED: &str = "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_
 /// size and the who-sends-first cases under [`SMALL_LIMITS`]; and the two-host test of the libfabric backend across
 /// the same link (the host has no second host to offer it). The same device driven the way an iWARP adapter is
 /// ([`IWARP_SHAPED`]) runs in `--suite siw`, beside the real iWARP device.
+///
+/// The Soft-RoCE section runs four cases at once on the guest's two processors: its cases wait on the emulated
+/// device more than they compute (53 s against 66 s with two; eight took 60 s).
 fn rdma_script(xtask: &Path, exe: &Path) -> String {
+    const GUEST_THREADS: usize = 4;
     let (_, _, near) = rxe::NEAR;
     let (_, _, far) = rxe::FAR;
     let peer = format!("EXS_PEER_ADDR={far} EXS_PEER_LINK={}", rxe::NEAR.1);
@@ -96,7 +100,7 @@ fn rdma_script(xtask: &Path, exe: &Path) -> String {
         "set -u
 {xtask} rxe up --link || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}
 {SECTION}section softroce
-env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce::
+env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce:: --test-threads {GUEST_THREADS}
 section verbs:small-limits
 env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::seqpacket_sizes_1b_to_16mib --exact
 env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::stream_sizes_1b_to_16mib --exact
@@ -215,20 +219,29 @@ pub fn run(args: TestArgs) -> Result<()> {
 
 /// The debug build: every crate and target but the conformance suite's and the property tests'.
 pub fn debug_build() -> Command {
+    let mut cmd = workspace("build");
+    cmd.arg("--all-targets");
+    cmd
+}
+
+/// `cargo SUBCOMMAND` over the debug build's crates, with its features.
+fn workspace(subcommand: &str) -> Command {
     let mut cmd = sys::cargo();
     cmd.args([
-        "build",
+        subcommand,
         "--workspace",
         "--exclude",
         "exs-conformance",
         "--exclude",
         "exs-props",
-        "--all-targets",
         "--features",
         WORKSPACE_FEATURES,
     ]);
     cmd
 }
+
+/// The module of the tools' server cases (`tools/exs/tests/server/`), which run apart.
+const SERVED: &str = "served::";
 
 /// The features of the debug build and the workspace tests (the crates enable their backends themselves).
 const WORKSPACE_FEATURES: &str = "exs/sim,exs/tokio";
@@ -355,17 +368,19 @@ fn workspace_tests(out: &mut Outcome) -> Result<()> {
     out.tally(
         "workspace tests",
         "workspace (unit, protocol, property tests)",
-        sys::cargo().args([
-            "test",
-            "--workspace",
-            "--exclude",
-            "exs-conformance",
-            "--exclude",
-            "exs-props",
-            "--features",
-            WORKSPACE_FEATURES,
-            "--no-fail-fast",
-        ]),
+        workspace("test")
+            .arg("--no-fail-fast")
+            .args(["--", "--skip", SERVED]),
+    )?;
+    // The tools' server cases spend their time waiting on a server's limits, not computing: eight at once took
+    // them from 31 s to 12 s on two cores. Selected from the whole workspace, as the debug build was, so that
+    // nothing is built again with other features.
+    out.tally(
+        "tools' server tests",
+        "the exs tool's servers against hostile clients, eight cases at once",
+        workspace("test")
+            .args(["--test", "server", "--", SERVED])
+            .env("RUST_TEST_THREADS", "8"),
     )?;
     // The front page's examples on the real default backend (libfabric tcp on loopback), as a user builds them.
     out.tally(
@@ -424,28 +439,77 @@ fn users_stages(out: &mut Outcome) {
     });
 }
 
-/// The conformance suite on the host's backends that are wanted.
+/// The conformance suite on the host's backends that are wanted, in two lanes side by side ([`HOST_LANES`]): one
+/// section's cases kept the two cores about half busy. Each lane's lines are held and echoed whole when both
+/// lanes are done, so that each section reads in one piece.
 fn host_conformance(exe: &Path, wanted: &dyn Fn(&str) -> bool, out: &mut Outcome) -> Result<()> {
-    let mut host = Sections::default();
-    for h in HOST_SECTIONS.iter().filter(|h| wanted(h.backend)) {
-        host.line(&format!("@@section {}", h.section), false);
-        host.line(&format!("@@section {}", h.section), true);
-        let mut cmd = Command::new(exe);
-        cmd.arg(format!("{}::", h.backend))
-            // The two-host case needs the link that the RDMA stage builds; it runs there.
-            .args(["--skip", "two_hosts_over_a_link"])
-            .args(["--skip", "peer_host_killed_mid_transfer"]);
-        cmd.args(["--skip", ALONE]);
-        let mut alone = Command::new(exe);
-        alone.arg(format!("{}::{ALONE}", h.backend)).arg("--exact");
-        for c in [&mut cmd, &mut alone] {
-            if let Some((k, v)) = h.env {
-                c.env(k, v);
-            }
-            run_sections(c, &mut host)?;
+    let alone = std::sync::Mutex::new(());
+    let lanes: Vec<Result<Sections>> = std::thread::scope(|s| {
+        let lanes: Vec<_> = HOST_LANES
+            .iter()
+            .map(|lane| {
+                let sections: Vec<&HostSection> = HOST_SECTIONS
+                    .iter()
+                    .filter(|h| lane.contains(&h.section) && wanted(h.backend))
+                    .collect();
+                let alone = &alone;
+                s.spawn(move || {
+                    let mut host = Sections::held();
+                    for h in sections {
+                        host_section(exe, h, alone, &mut host)?;
+                    }
+                    Ok(host)
+                })
+            })
+            .collect();
+        lanes
+            .into_iter()
+            .map(|l| l.join().unwrap_or_else(|_| Err("a lane panicked".into())))
+            .collect()
+    });
+    for lane in lanes {
+        let mut host = lane?;
+        host.echo_held();
+        host.report("", &mut out.summary, &mut out.failures);
+    }
+    Ok(())
+}
+
+/// The host's sections (of [`HOST_SECTIONS`]) in the lanes that run side by side, each lane's in turn: about the
+/// same time each.
+const HOST_LANES: [&[&str]; 2] = [
+    &["sim", "fabric"],
+    &["fabric:cq-wait-fd", "fabric:cq-no-wait"],
+];
+
+/// One section: its cases, then [`ALONE`] by itself in a process of its own, holding `alone` so that no other
+/// lane's runs beside it (each holds up to some ten thousand of the host's TCP ports).
+fn host_section(
+    exe: &Path,
+    h: &HostSection,
+    alone: &std::sync::Mutex<()>,
+    host: &mut Sections,
+) -> Result<()> {
+    host.line(&format!("@@section {}", h.section), false);
+    host.line(&format!("@@section {}", h.section), true);
+    let mut cmd = Command::new(exe);
+    cmd.arg(format!("{}::", h.backend))
+        // The two-host case needs the link that the RDMA stage builds; it runs there.
+        .args(["--skip", "two_hosts_over_a_link"])
+        .args(["--skip", "peer_host_killed_mid_transfer"]);
+    cmd.args(["--skip", ALONE]);
+    let mut by_itself = Command::new(exe);
+    by_itself
+        .arg(format!("{}::{ALONE}", h.backend))
+        .arg("--exact");
+    for c in [&mut cmd, &mut by_itself] {
+        if let Some((k, v)) = h.env {
+            c.env(k, v);
         }
     }
-    host.report("", &mut out.summary, &mut out.failures);
+    run_sections(&mut cmd, host)?;
+    let _one_at_a_time = alone.lock().unwrap_or_else(|p| p.into_inner());
+    run_sections(&mut by_itself, host)?;
     Ok(())
 }
 
@@ -478,5 +542,24 @@ fn two_guests(exe: &Path, out: &mut Outcome) {
     if let Err(e) = r {
         out.summary.push(format!("two guests: could not run: {e}"));
         out.failures.push("two guests".into());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{HOST_LANES, HOST_SECTIONS};
+
+    #[test]
+    fn every_host_section_runs_in_exactly_one_lane() {
+        for h in HOST_SECTIONS {
+            let lanes = HOST_LANES.iter().filter(|l| l.contains(&h.section)).count();
+            assert_eq!(lanes, 1, "{} is in {lanes} lanes", h.section);
+        }
+        let named: usize = HOST_LANES.iter().map(|l| l.len()).sum();
+        assert_eq!(
+            named,
+            HOST_SECTIONS.len(),
+            "a lane names a section that does not exist"
+        );
     }
 }

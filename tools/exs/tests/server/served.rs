@@ -1,14 +1,11 @@
-//! `exs pump|ping|demo --server` against careless and hostile clients (issue 27): users run these servers on
-//! shared hosts, so no line, parameter or silence a client sends may crash, stall or bloat one. Each test drives
-//! a real server process over TCP on 127.0.0.1 (libfabric's tcp provider carries the tests themselves).
-
-mod common;
+//! The cases. Most of their time is spent waiting for a server's limits (a silent client let go after 5 s, a
+//! session's time limit), not computing.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-use common::{exs, free_port, honest, Reader, Server};
+use crate::common::{exs, free_port, honest, Reader, Server};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 

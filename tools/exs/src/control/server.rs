@@ -8,7 +8,8 @@
 //! client does, and a test asked for past the server's `--max-session` ends the session. The log never holds the
 //! server up: its lines go through a queue (a stalled reader of standard error costs lines, `crate::log`), and
 //! lines about connections refused, gone before their hello or that ran no test are at most [`STRANGER_LINES`] at
-//! once and one a second after, the rest counted.
+//! once and one a second after, the rest counted (the count goes with the next such line, or on a line of its own
+//! a second after the first left out, if none came).
 
 use std::collections::HashMap;
 use std::io::{Read, Write};
@@ -17,7 +18,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use serde::Deserialize;
@@ -45,6 +46,10 @@ const BUSY_WAIT: Duration = Duration::from_secs(1);
 /// once; after that, one a second, and the rest are counted (a stranger connecting in a loop, with or without a
 /// hello, must not fill the log).
 const STRANGER_LINES: u64 = 16;
+
+/// What the count of strangers' lines held back says.
+const LEFT_OUT: &str =
+    "lines about connections refused, gone before their hello or that ran no test, not logged";
 /// What a client hears while another's tests run.
 const BUSY: &str =
     "busy: this server runs one client's tests at a time (tests that share a host measure each \
@@ -109,17 +114,31 @@ pub struct Server<S> {
     next_conn: std::sync::atomic::AtomicU64,
     /// What the log may still take about strangers ([`STRANGER_LINES`]).
     stranger_lines: Mutex<Quota>,
+    /// Wakes the accepting thread to time the count of lines held back (a clone of its wake-up socket, set when it
+    /// starts; it must not block).
+    count_waker: std::sync::OnceLock<UnixStream>,
 }
 
 /// Lines the log may take now, refilled at one a second up to [`STRANGER_LINES`], and those held back since the
 /// last one written.
 struct Quota {
     left: u64,
-    refilled: std::time::Instant,
+    refilled: Instant,
     held_back: u64,
+    /// When the first of those held back was.
+    held_since: Option<Instant>,
 }
 
 impl Quota {
+    fn new() -> Quota {
+        Quota {
+            left: STRANGER_LINES,
+            refilled: Instant::now(),
+            held_back: 0,
+            held_since: None,
+        }
+    }
+
     /// Whether a line may go out now; if so, with how many were held back before it.
     fn take(&mut self) -> Option<u64> {
         let secs = self.refilled.elapsed().as_secs();
@@ -129,12 +148,33 @@ impl Quota {
         }
         if self.left == 0 {
             self.held_back += 1;
+            self.held_since.get_or_insert_with(Instant::now);
             return None;
         }
         self.left -= 1;
+        self.held_since = None;
+        Some(std::mem::take(&mut self.held_back))
+    }
+
+    /// How long until the count of lines held back is overdue: [`COUNT_AFTER`] after the first of them.
+    fn count_due_in(&self) -> Option<Duration> {
+        self.held_since
+            .map(|t| (t + COUNT_AFTER).saturating_duration_since(Instant::now()))
+    }
+
+    /// The count of lines held back, once overdue (taken: it is written once).
+    fn overdue(&mut self) -> Option<u64> {
+        if self.count_due_in()? > Duration::ZERO {
+            return None;
+        }
+        self.held_since = None;
         Some(std::mem::take(&mut self.held_back))
     }
 }
+
+/// How long a count of lines held back waits for a line to carry it before it is written on its own (strangers
+/// that stopped coming).
+const COUNT_AFTER: Duration = Duration::from_secs(1);
 
 /// The server, held by one client's session; freed when the session ends, however it ends.
 struct Slot<'a>(&'a Mutex<bool>, &'a Condvar);
@@ -188,11 +228,8 @@ impl<S: Service> Server<S> {
             per_host: Mutex::new(HashMap::new()),
             unwelcomed: Mutex::new(std::collections::VecDeque::new()),
             next_conn: std::sync::atomic::AtomicU64::new(0),
-            stranger_lines: Mutex::new(Quota {
-                left: STRANGER_LINES,
-                refilled: std::time::Instant::now(),
-                held_back: 0,
-            }),
+            stranger_lines: Mutex::new(Quota::new()),
+            count_waker: std::sync::OnceLock::new(),
         })
     }
 
@@ -257,12 +294,18 @@ impl<S: Service> Server<S> {
     /// Accepts clients until killed; with `once`, returns how the first welcomed client's tests went.
     pub fn run(self: Arc<Self>, listener: &TcpListener, once: bool) -> Result<()> {
         // The accept loop sleeps in poll(2) with no timeout (a periodic wake-up would count in the server's
-        // measured context switches); a --once session that ends wakes it through this pair.
+        // measured context switches) but while a count of strangers' lines is pending; a --once session that ends,
+        // or the first stranger's line left out, wakes it through this pair.
         let (wake_tx, wake_rx) = UnixStream::pair().context("a wake-up socket pair")?;
+        // Nonblocking: a wake-up that finds the socket full is not needed (the accepting thread has bytes to read).
+        wake_tx.set_nonblocking(true)?;
+        let _ = self.count_waker.set(wake_tx.try_clone()?);
         let (tx, rx) = mpsc::channel::<Result<usize>>();
         listener.set_nonblocking(true)?;
         loop {
-            wait_readable(listener, &wake_rx)?;
+            let count_due_in = self.quota().count_due_in();
+            wait_readable(listener, &wake_rx, count_due_in)?;
+            self.log_overdue_count();
             if let Ok(r) = rx.try_recv() {
                 return r.map(|_| ());
             }
@@ -343,22 +386,38 @@ impl<S: Service> Server<S> {
         if !self.chatty {
             return;
         }
-        let quota = self
-            .stranger_lines
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take();
+        let (quota, first_held) = {
+            let mut q = self.quota();
+            let pending = q.held_since.is_some();
+            let quota = q.take();
+            (quota, !pending && q.held_since.is_some())
+        };
         match quota {
+            // The accepting thread times the count from the first line held back.
+            None if first_held => {
+                if let Some(w) = self.count_waker.get() {
+                    let _ = (&*w).write(&[1]);
+                }
+            }
             None => {}
             Some(0) => self.log(from, what),
-            Some(n) => self.log(
-                from,
-                &format!(
-                    "{what} (and {n} lines before it about connections refused, gone before their hello or \
-                     that ran no test, not logged)"
-                ),
-            ),
+            Some(n) => self.log(from, &format!("{what} (and {n} {LEFT_OUT} before it)")),
         }
+    }
+
+    /// The count of strangers' lines held back, written on its own once no line has carried it for
+    /// [`COUNT_AFTER`].
+    fn log_overdue_count(&self) {
+        let overdue = self.quota().overdue();
+        if let (Some(n), true) = (overdue, self.chatty) {
+            note(format_args!("exs {}: {n} {LEFT_OUT}", S::TOOL));
+        }
+    }
+
+    fn quota(&self) -> std::sync::MutexGuard<'_, Quota> {
+        self.stranger_lines
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// One connection: its hello, then (if it gets the server) its tests until it closes the connection.
@@ -574,15 +633,25 @@ fn refuse_at_once(mut stream: TcpStream, why: &str) {
     let _ = stream.shutdown(std::net::Shutdown::Write);
 }
 
-/// Sleeps until the listener has a connection or the wake-up socket has a byte.
-fn wait_readable(listener: &TcpListener, wake: &UnixStream) -> Result<()> {
+/// Sleeps until the listener has a connection, the wake-up socket has a byte, or `timeout` is over.
+fn wait_readable(
+    listener: &TcpListener,
+    wake: &UnixStream,
+    timeout: Option<Duration>,
+) -> Result<()> {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
     let mut fds = [
         PollFd::new(listener.as_fd(), PollFlags::POLLIN),
         PollFd::new(wake.as_fd(), PollFlags::POLLIN),
     ];
     loop {
-        match poll(&mut fds, PollTimeout::NONE) {
+        let timeout = match timeout {
+            // Rounded up: a timeout rounded down to 0 would spin until the count is due.
+            Some(t) => PollTimeout::try_from(t.as_millis().saturating_add(1).min(60_000) as u32)
+                .unwrap_or(PollTimeout::MAX),
+            None => PollTimeout::NONE,
+        };
+        match poll(&mut fds, timeout) {
             Ok(_) => break,
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(e).context("waiting for clients"),

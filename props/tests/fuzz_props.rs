@@ -1,7 +1,7 @@
 //! The fuzz targets of `fuzz/` as bounded property tests on stable Rust, so `cargo xtask test` exercises them:
 //! random bytes into the wire decoders, and random crafted-peer event sequences against a live connection on the
 //! simulated fabric (`exs::sim::fuzz`). `EXS_FUZZ_CASES` sets the number of cases (default 64; CI runs more in
-//! release). Crashes found by fuzzing are kept as named regression tests below.
+//! its checked optimized build). Crashes found by fuzzing are kept as named regression tests below.
 
 use exs::sim::fuzz;
 use proptest::prelude::*;

@@ -191,6 +191,18 @@ impl Sections {
         }
     }
 
+    /// Records how the run whose lines were just taken ended: one that failed with no failed case in its current
+    /// section (a crash before its results, or a harness error) counts as a failed case there.
+    pub fn ended(&mut self, ok: bool) {
+        let Some(cur) = self.current[0].clone() else {
+            return;
+        };
+        let c = self.counts.entry(cur).or_default();
+        if !ok && c.failed == 0 {
+            c.failed = 1;
+        }
+    }
+
     /// Whether no section began.
     pub fn is_empty(&self) -> bool {
         self.order.is_empty()
@@ -353,5 +365,43 @@ mod tests {
             .unwrap();
         assert_eq!((c.passed, c.failed, c.ignored), (11, 1, 0));
         assert!(parse_result("running 3 tests").is_none());
+    }
+
+    /// Review: a section whose process crashed before its results, beside a run of the same section that passed,
+    /// was reported as passing.
+    #[test]
+    fn a_run_that_ended_badly_with_no_case_failed_fails_its_section() {
+        let mut s = Sections::held();
+        for stderr in [false, true] {
+            s.line("@@section fabric", stderr);
+        }
+        s.line("running 111 tests", false);
+        s.ended(false);
+        s.line(
+            "test result: ok. 1 passed; 0 failed; 0 ignored; 0 measured",
+            false,
+        );
+        s.ended(true);
+        let (mut summary, mut failures) = (Vec::new(), Vec::new());
+        s.report("", &mut summary, &mut failures);
+        assert_eq!(failures, ["conformance on fabric"]);
+        assert!(
+            summary[0].contains("2 ran, 1 passed, 1 failed"),
+            "{summary:?}"
+        );
+        // A run that failed because a case did counts that case only.
+        let mut s = Sections::held();
+        s.line("@@section sim", false);
+        s.line(
+            "test result: FAILED. 3 passed; 2 failed; 0 ignored; 0 measured",
+            false,
+        );
+        s.ended(false);
+        let (mut summary, mut failures) = (Vec::new(), Vec::new());
+        s.report("", &mut summary, &mut failures);
+        assert!(
+            summary[0].contains("5 ran, 3 passed, 2 failed"),
+            "{summary:?}"
+        );
     }
 }

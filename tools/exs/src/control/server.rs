@@ -162,9 +162,9 @@ impl Quota {
             .map(|t| (t + COUNT_AFTER).saturating_duration_since(Instant::now()))
     }
 
-    /// The count of lines held back, once overdue (taken: it is written once).
-    fn overdue(&mut self) -> Option<u64> {
-        if self.count_due_in()? > Duration::ZERO {
+    /// The count of lines held back, once overdue or if `now` (taken: it is written once).
+    fn overdue(&mut self, now: bool) -> Option<u64> {
+        if self.count_due_in()? > Duration::ZERO && !now {
             return None;
         }
         self.held_since = None;
@@ -305,8 +305,10 @@ impl<S: Service> Server<S> {
         loop {
             let count_due_in = self.quota().count_due_in();
             wait_readable(listener, &wake_rx, count_due_in)?;
-            self.log_overdue_count();
+            self.log_overdue_count(false);
             if let Ok(r) = rx.try_recv() {
+                // A --once server goes: a count still pending is written now.
+                self.log_overdue_count(true);
                 return r.map(|_| ());
             }
             match listener.accept() {
@@ -406,9 +408,9 @@ impl<S: Service> Server<S> {
     }
 
     /// The count of strangers' lines held back, written on its own once no line has carried it for
-    /// [`COUNT_AFTER`].
-    fn log_overdue_count(&self) {
-        let overdue = self.quota().overdue();
+    /// [`COUNT_AFTER`] (or `now`, before the server goes).
+    fn log_overdue_count(&self, now: bool) {
+        let overdue = self.quota().overdue(now);
         if let (Some(n), true) = (overdue, self.chatty) {
             note(format_args!("exs {}: {n} {LEFT_OUT}", S::TOOL));
         }

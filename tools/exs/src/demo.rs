@@ -198,13 +198,13 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .map_err(anyhow::Error::msg)?;
     let opened = Opened::open(&a.backend)?;
     let chunk = a.chunk as usize;
-    eprintln!(
+    crate::log::note(format_args!(
         "exs demo: {} through {} in {} messages, {} in flight",
         fmt_bytes(a.size),
         opened.label(),
         fmt_bytes(a.chunk),
         a.depth
-    );
+    ));
     // Our side first: a missing provider or device is reported here, with what exists.
     let ctx = opened.host()?;
     let whole = opened.processes();

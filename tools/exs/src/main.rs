@@ -157,10 +157,10 @@ fn init_logging() {
     let filter = match spec.as_deref().map(EnvFilter::try_new) {
         Some(Ok(f)) => f,
         Some(Err(e)) => {
-            eprintln!(
+            crate::log::note(format_args!(
                 "exs: ignoring the log filter {:?}: {e}",
                 spec.unwrap_or_default()
-            );
+            ));
             EnvFilter::new("warn")
         }
         None => EnvFilter::new("warn"),

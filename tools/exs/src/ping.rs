@@ -426,7 +426,7 @@ pub fn run(a: PingArgs) -> Result<()> {
     }
     let (points, skipped) = points(&a).map_err(anyhow::Error::msg)?;
     for note in skipped {
-        eprintln!("ping: {note}; skipped");
+        crate::log::note(format_args!("ping: {note}; skipped"));
     }
     let opened = Opened::open(&a.backend)?;
     let count = a.count;

@@ -56,14 +56,14 @@ impl Progress {
             if tenth > self.last_tenth {
                 self.last_tenth = tenth;
                 let secs = self.start.elapsed().as_secs_f64().max(1e-9);
-                eprintln!(
+                crate::log::note(format_args!(
                     "{:<20} {:>3}% {} / {}  {}",
                     self.label,
                     done * 100 / self.total,
                     fmt_bytes(done),
                     fmt_bytes(self.total),
                     fmt_rate(done as f64 / secs)
-                );
+                ));
             }
         }
     }

@@ -521,7 +521,7 @@ pub fn run(a: PumpArgs) -> Result<()> {
     }
     let (points, skipped) = points(&a).map_err(anyhow::Error::msg)?;
     for note in skipped {
-        eprintln!("pump: {note}; skipped");
+        crate::log::note(format_args!("pump: {note}; skipped"));
     }
     let opened = Opened::open(&a.backend)?;
     // This side first: a missing provider or device is reported here, with what exists.

@@ -97,7 +97,10 @@ pub fn run(a: SoakArgs) -> Result<()> {
         one_connection(&opened, (&server, &client), &bufs, ty, &mut rng, &mut t)
             .with_context(|| format!("connection {} ({ty:?})", t.connections))?;
         if last_report.elapsed() > Duration::from_secs(10) {
-            eprintln!("soak: {:?} elapsed: {t:?}", start.elapsed().as_secs());
+            crate::log::note(format_args!(
+                "soak: {:?} elapsed: {t:?}",
+                start.elapsed().as_secs()
+            ));
             last_report = Instant::now();
         }
     }

@@ -339,3 +339,33 @@ fn every_subcommand_speaks_json() {
         assert!(num(&ping[0], "median_us") > 0.0);
     }
 }
+
+/// Stop 68's list: a client's own lines (progress without a terminal, the demo's first line, points skipped) went
+/// to standard error with `eprintln!`, which panics once the pipe's reader has gone, and beside the queued tracing
+/// output, so that the two could change order. They now go through the same queue, which loses a line it cannot
+/// write rather than the run.
+#[test]
+fn a_client_whose_standard_error_reader_went_away_still_finishes() {
+    let mut child = std::process::Command::new(common::EXE)
+        .args(["demo", "--backend", "sim", "--size", "8M", "--chunk", "1M"])
+        .args(["--no-tcp", "--json"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the exs binary runs");
+    // Gone before the first line: every write to standard error now fails (EPIPE).
+    drop(child.stderr.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let lines = json_lines(&out);
+    assert!(
+        lines.iter().any(|v| v["checksum_ok"] == true),
+        "a verified transfer: {lines:?}"
+    );
+}

@@ -9,8 +9,8 @@
 //! whatever its sequence number"); issue 14 found exact advertisements rejected because a window update overtook
 //! them. The direct share of every case is summarised at the end of the run.
 //!
-//! Cases: `EXS_STREAM_CASES` (default 256; `cargo xtask test` runs 10,000 in its checked optimized build), half in each of two
-//! tests.
+//! Cases: `EXS_STREAM_CASES` (default 256; `cargo xtask test` runs 10,000 in its checked optimized build), half in
+//! each of two tests.
 
 #[path = "../../exs/tests/common/mod.rs"]
 mod common;

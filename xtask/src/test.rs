@@ -89,9 +89,13 @@ pub const IWARP_SHAPED: &str = "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_
 /// ([`IWARP_SHAPED`]) runs in `--suite siw`, beside the real iWARP device.
 ///
 /// The Soft-RoCE section runs four cases at once: in the emulated guest, with two processors, its cases wait on the
-/// device more than they compute (53 s against 66 s with two; eight took 60 s).
+/// device more than they compute (53 s against 66 s with two; eight took 60 s). The cases that measure a share of
+/// direct transfers run after them, two at a time, as before.
 fn rdma_script(xtask: &Path, exe: &Path) -> String {
     const GUEST_THREADS: usize = 4;
+    // The cases that measure how much of a stream goes direct after a block: a receiver slowed by its neighbours
+    // advertises late, and the share falls (87% against the 90% they require, once, with four at once).
+    const SHARE: &str = "direct_transfers_resume_after_";
     let (_, _, near) = rxe::NEAR;
     let (_, _, far) = rxe::FAR;
     let peer = format!("EXS_PEER_ADDR={far} EXS_PEER_LINK={}", rxe::NEAR.1);
@@ -100,7 +104,8 @@ fn rdma_script(xtask: &Path, exe: &Path) -> String {
         "set -u
 {xtask} rxe up --link || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}
 {SECTION}section softroce
-env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce:: --test-threads {GUEST_THREADS}
+env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce:: --test-threads {GUEST_THREADS} --skip {SHARE}
+env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce::{SHARE}
 section verbs:small-limits
 env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::seqpacket_sizes_1b_to_16mib --exact
 env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::stream_sizes_1b_to_16mib --exact
@@ -206,7 +211,7 @@ pub fn run(args: TestArgs) -> Result<()> {
         users_stages(&mut out);
     }
     let exe = out.timed("conformance build", |_| conformance_exe())?;
-    out.timed("host conformance", |o| host_conformance(&exe, &wanted, o))?;
+    out.timed("host conformance", |o| host_conformance(&exe, &wanted, o));
     if only_conformance && args.backend.iter().all(|b| b == "two-guests") {
         // Only the two-guest stage (`--backend two-guests`).
         two_guests(&exe, &mut out);
@@ -444,7 +449,7 @@ fn users_stages(out: &mut Outcome) {
 /// section's cases kept the two cores about half busy. The first lane's lines are echoed as they come (a case that
 /// hangs shows where); the second's are held and echoed whole once both lanes are done, whatever became of them,
 /// so that each section reads in one piece.
-fn host_conformance(exe: &Path, wanted: &dyn Fn(&str) -> bool, out: &mut Outcome) -> Result<()> {
+fn host_conformance(exe: &Path, wanted: &dyn Fn(&str) -> bool, out: &mut Outcome) {
     let alone = std::sync::Mutex::new(());
     let lanes: Vec<(Sections, Result<()>)> = std::thread::scope(|s| {
         let lanes: Vec<_> = HOST_LANES
@@ -476,15 +481,16 @@ fn host_conformance(exe: &Path, wanted: &dyn Fn(&str) -> bool, out: &mut Outcome
             })
             .collect()
     });
-    let mut first_error = Ok(());
     for (mut host, r) in lanes {
         host.echo_held();
         host.report("", &mut out.summary, &mut out.failures);
-        if first_error.is_ok() {
-            first_error = r;
+        // A run that could not be started or waited for fails the stage, and the rest of the run goes on.
+        if let Err(e) = r {
+            out.summary
+                .push(format!("host conformance: could not run: {e}"));
+            out.failures.push("host conformance".into());
         }
     }
-    first_error
 }
 
 /// The host's sections (of [`HOST_SECTIONS`]) in the lanes that run side by side, each lane's in turn: about the

@@ -5,6 +5,7 @@
 //!   the client keeps `depth` RDMA writes (or reads) of `size` bytes in flight.
 //! * `exs tcppump`, `exs tcpping`: plain TCP through `std::net`, with and without Nagle.
 
+use crate::out::outln;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -112,7 +113,7 @@ fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<()> {
         .expose(EndpointId(1), &reg, lease, access)
         .context("exposing the buffer")?;
     let (_, addr) = t.listen(opened.listen_addr(0), 1).context("listen")?;
-    println!("LISTEN {addr}");
+    outln!("LISTEN {addr}");
     let _ = std::io::stdout().flush();
     let ev = next_cm(&mut *t)?;
     let CmEvent::ConnectRequest { request, .. } = ev else {
@@ -294,13 +295,13 @@ pub fn run_raw(a: RawArgs) -> Result<()> {
     let _ = child.wait();
     let r = r?;
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"tool": "raw-rma", "backend": opened.label(), "op": a.op.to_string(), "size": a.size,
                 "depth": a.depth, "bytes_per_sec": r.bytes_per_sec, "cpu_client": r.cpu})
         );
     } else {
-        println!(
+        outln!(
             "raw RDMA {} ({}): {} x {} in flight: {}, cpu {:.0}%",
             a.op,
             opened.label(),
@@ -399,7 +400,7 @@ fn spawn_tcp(kind: &str, size: u64, nodelay: bool) -> Result<(std::process::Chil
 /// The sink (`echo` false) or echo side: one connection on loopback, until the client closes it.
 fn tcp_serve(size: u64, nodelay: bool, echo: bool) -> Result<()> {
     let l = TcpListener::bind("127.0.0.1:0").context("TCP listener")?;
-    println!("LISTEN {}", l.local_addr()?);
+    outln!("LISTEN {}", l.local_addr()?);
     let _ = std::io::stdout().flush();
     let (mut s, _) = l.accept().context("TCP accept")?;
     s.set_nodelay(nodelay)?;
@@ -442,12 +443,12 @@ pub fn run_tcppump(a: TcppumpArgs) -> Result<()> {
     };
     let (rate, cpu) = (bytes as f64 / secs, (cpu_seconds() - c0) / secs);
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"tool": tool, "size": a.size, "bytes_per_sec": rate, "cpu_client": cpu})
         );
     } else {
-        println!(
+        outln!(
             "{tool}: {} writes: {}, cpu {:.0}%",
             fmt_bytes(a.size),
             fmt_rate(rate),
@@ -486,12 +487,12 @@ pub fn run_tcpping(a: TcppingArgs) -> Result<()> {
     };
     let (mean, median) = mean_median(&mut samples);
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"tool": tool, "size": a.size, "mean_us": mean, "median_us": median})
         );
     } else {
-        println!(
+        outln!(
             "{tool}: {} B one-way: mean {mean:.2} us, median {median:.2} us",
             a.size
         );

@@ -2,6 +2,7 @@
 //! received byte, and do the same over plain TCP (std::net) in the same run. The receiving side is
 //! `exs demo --server`, here or on another host.
 
+use crate::out::outln;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -246,13 +247,13 @@ pub fn run(a: DemoArgs) -> Result<()> {
 fn report(results: &[Outcome], server_backend: &str, json: bool) {
     if json {
         for r in results {
-            println!("{}", r.json(server_backend));
+            outln!("{}", r.json(server_backend));
         }
         return;
     }
-    println!();
+    outln!("");
     for r in results {
-        println!(
+        outln!(
             "{:<22} {} in {:.3} s  {}  checksum {}",
             r.label,
             fmt_bytes(r.bytes),
@@ -266,7 +267,7 @@ fn report(results: &[Outcome], server_backend: &str, json: bool) {
         );
     }
     if let [exs, tcp] = results {
-        println!(
+        outln!(
             "{:<22} {:.2}x plain TCP",
             "exs vs TCP:",
             exs.rate() / tcp.rate()

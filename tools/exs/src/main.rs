@@ -9,6 +9,7 @@ mod demo;
 mod idle;
 mod log;
 mod opts;
+mod out;
 mod ping;
 mod progress;
 mod pump;
@@ -21,6 +22,7 @@ mod util;
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use out::outln;
 
 #[derive(Parser)]
 #[command(
@@ -98,18 +100,18 @@ fn info(a: InfoArgs) -> Result<()> {
         if let Some((json, _)) = verbs {
             v["verbs"] = json;
         }
-        println!("{v}");
+        outln!("{v}");
         return Ok(());
     }
-    println!("backends compiled in: {}", backend::compiled().join(", "));
+    outln!("backends compiled in: {}", backend::compiled().join(", "));
     #[cfg(feature = "fabric")]
-    println!(
+    outln!(
         "libfabric providers with MSG endpoints: {}",
         providers.join(", ")
     );
     #[cfg(feature = "verbs")]
-    println!("RDMA devices: {devices}");
-    println!(
+    outln!("RDMA devices: {devices}");
+    outln!(
         "{} (backend {}; contexts: at most {} connections, memory budget {} MiB, connect timeout {:?})",
         c.name,
         ctx.backend().map_or_else(|| "unknown".into(), |k| k.to_string()),
@@ -117,15 +119,19 @@ fn info(a: InfoArgs) -> Result<()> {
         opts.memory_budget >> 20,
         opts.connect_timeout
     );
-    println!(
+    outln!(
         "  max message {} bytes, inline {} bytes, scatter/gather {}",
-        c.max_message, c.max_inline, c.max_sge
+        c.max_message,
+        c.max_inline,
+        c.max_sge
     );
-    println!(
+    outln!(
         "  send queue {}, receive queue {}, read depth {}",
-        c.max_send_wr, c.max_recv_wr, c.max_read_depth
+        c.max_send_wr,
+        c.max_recv_wr,
+        c.max_read_depth
     );
-    println!(
+    outln!(
         "  write-with-immediate: {}, consumes a receive: {}",
         if c.native_write_imm {
             "native"
@@ -134,7 +140,7 @@ fn info(a: InfoArgs) -> Result<()> {
         },
         c.imm_consumes_recv
     );
-    println!(
+    outln!(
         "  shared receive queue: {}",
         if c.max_shared_recv > 0 {
             format!("{} buffers", c.max_shared_recv)
@@ -143,7 +149,7 @@ fn info(a: InfoArgs) -> Result<()> {
         }
     );
     if let Some((_, text)) = verbs {
-        print!("{text}");
+        out::line(format_args!("{}", text.trim_end_matches('\n')));
     }
     Ok(())
 }
@@ -193,6 +199,13 @@ fn main() {
         cli::usage_error(sub, msg).exit();
     }
     init_logging();
+    // A panic's message comes after the lines queued before it (within a second: the log's own thread may be the
+    // one that panicked).
+    let previous = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        log::flush(std::time::Duration::from_secs(1));
+        previous(info);
+    }));
     let r = match cli.cmd {
         Cmd::Demo(a) => demo::run(a),
         Cmd::Info(a) => info(a),

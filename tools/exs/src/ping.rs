@@ -4,6 +4,7 @@
 //! read, which is a full round trip, like `ib_read_lat`). The echo side is `exs ping --server`, here or on
 //! another host.
 
+use crate::out::outln;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -434,9 +435,13 @@ pub fn run(a: PingArgs) -> Result<()> {
     let whole = opened.processes();
     let mut peer = Peer::open(Server, &a.peer, &a.backend, &opened)?;
     if !a.json {
-        println!(
+        outln!(
             "{:>8} {:>10} {:>10} {:>10} {:>10}",
-            "size", "mode", "mean us", "median us", "p99 us"
+            "size",
+            "mode",
+            "mean us",
+            "median us",
+            "p99 us"
         );
     }
     let bar = crate::progress::points(points.len());
@@ -447,14 +452,18 @@ pub fn run(a: PingArgs) -> Result<()> {
         bar.inc(1);
         bar.suspend(|| {
             if a.json {
-                println!(
+                outln!(
                     "{}",
                     ping_json(&l, &opened.label(), &peer.server_backend, p)
                 );
             } else {
-                println!(
+                outln!(
                     "{:>8} {:>10} {:>10.2} {:>10.2} {:>10.2}",
-                    p.size, p.mode, l.mean_us, l.median_us, l.p99_us
+                    p.size,
+                    p.mode,
+                    l.mean_us,
+                    l.median_us,
+                    l.p99_us
                 );
             }
             let _ = std::io::stdout().flush();

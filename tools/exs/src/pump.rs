@@ -3,6 +3,7 @@
 //! in flight), send modes (normal, immediate, persistent) and socket types. The server runs in its own process
 //! (`exs pump --server`, here or on another host) where the backend allows it, so each side's CPU is its own.
 
+use crate::out::outln;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -529,9 +530,16 @@ pub fn run(a: PumpArgs) -> Result<()> {
     let whole = opened.processes();
     let mut peer = Peer::open(Server, &a.peer, &a.backend, &opened)?;
     if !a.json {
-        println!(
+        outln!(
             "{:>10} {:>5} {:>10} {:>9} {:>12} {:>12} {:>11} {:>11}",
-            "size", "depth", "mode", "type", "MB/s", "msgs/s", "cpu client", "cpu server"
+            "size",
+            "depth",
+            "mode",
+            "type",
+            "MB/s",
+            "msgs/s",
+            "cpu client",
+            "cpu server"
         );
     }
     let bar = crate::progress::points(points.len());
@@ -548,9 +556,9 @@ pub fn run(a: PumpArgs) -> Result<()> {
         let j = m.json(&opened.label(), &peer.server_backend);
         bar.suspend(|| {
             if a.json {
-                println!("{j}");
+                outln!("{j}");
             } else {
-                println!(
+                outln!(
                     "{:>10} {:>5} {:>10} {:>9} {:>12.1} {:>12.0} {:>10.0}% {:>10.0}%",
                     fmt_bytes(p.size),
                     p.depth,

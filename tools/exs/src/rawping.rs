@@ -3,6 +3,7 @@
 //! transport's wait descriptor (`--wait block`, armed first, as the engine does) or polls (`--wait busy`). What
 //! `exs ping` costs above this is exs's own; what this costs above `exs tcpping` is the transport's.
 
+use crate::out::outln;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
@@ -174,7 +175,7 @@ impl Side {
 fn serve(opened: &Opened, a: &RawpingArgs) -> Result<()> {
     let mut s = Side::new(opened, a.size as usize, a.wait == RawWait::Busy)?;
     let (_, addr) = s.t.listen(opened.listen_addr(0), 1).context("listen")?;
-    println!("LISTEN {addr}");
+    outln!("LISTEN {addr}");
     let _ = std::io::stdout().flush();
     let CmEvent::ConnectRequest { request, .. } = next_cm(&mut *s.t)? else {
         bail!(
@@ -246,13 +247,13 @@ pub fn run(a: RawpingArgs) -> Result<()> {
     let _ = child.wait();
     let (mean, median) = mean_median(&mut r?);
     if a.json {
-        println!(
+        outln!(
             "{}",
             serde_json::json!({"tool": "raw-ping", "backend": opened.label(), "wait": a.wait.to_string(),
                 "size": a.size, "mean_us": mean, "median_us": median})
         );
     } else {
-        println!(
+        outln!(
             "raw ping ({}, {} waits): {} B one-way: mean {mean:.2} us, median {median:.2} us",
             opened.label(),
             a.wait,

@@ -3,6 +3,7 @@
 //! receive reports is checked against what was sent. Any corrupted byte, lost message, or operation that never
 //! completes fails the run.
 
+use crate::out::outln;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
@@ -111,9 +112,9 @@ pub fn run(a: SoakArgs) -> Result<()> {
         m.insert("backend".into(), opened.label().into());
         m.insert("secs".into(), start.elapsed().as_secs().into());
         m.insert("seed".into(), a.seed.into());
-        println!("{v}");
+        outln!("{v}");
     } else {
-        println!(
+        outln!(
         "SOAK {}: {} s, {} connections, {} messages, {} verified ({} bytes), {} closes with operations pending, \
          {} operations ended by a close, {} corrupted bytes",
         opened.label(),

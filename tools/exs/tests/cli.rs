@@ -369,3 +369,28 @@ fn a_client_whose_standard_error_reader_went_away_still_finishes() {
         "a verified transfer: {lines:?}"
     );
 }
+
+/// Review: results went to standard output with `println!`, which panics once the pipe's reader has gone:
+/// `exs pump --json | head -1` ended with exit status 101 at the next point. The run now ends quietly there.
+#[test]
+fn a_client_whose_standard_output_reader_went_away_ends_quietly() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(common::EXE)
+        .args(["pump", "--backend", "sim", "--size", "1K,2K,4K,8K"])
+        .args(["--seconds", "0.2", "--json"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("the exs binary runs");
+    // Like `head -1`: the first result, then the pipe closed.
+    let mut first = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.contains("exs-pump"), "{first}");
+    let out = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {err}", out.status);
+    assert!(!err.contains("panicked"), "{err}");
+}

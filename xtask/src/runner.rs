@@ -214,6 +214,10 @@ impl Sections {
             Some(held) => held.push((l.to_string(), stderr)),
             None => echo(l, stderr),
         }
+        if let (false, Some(rc)) = (stderr, l.strip_prefix("@@ended ")) {
+            self.ended(rc.trim() == "0");
+            return;
+        }
         if let Some(name) = l.strip_prefix("@@section ") {
             if !self.order.iter().any(|n| n == name) {
                 self.order.push(name.to_string());
@@ -322,6 +326,10 @@ pub fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> 
     Ok(child.wait().map_err(|e| e.to_string())?.success())
 }
 
+/// Shell function that runs a command and says how it ended (`@@ended STATUS`, read by [`Sections::line`]): a run
+/// that crashed before its results fails its section even when the section's other runs passed.
+pub const RUN: &str = "run() { \"$@\"; echo \"@@ended $?\"; }\n";
+
 /// Shell lines that cut the output into sections (see [`Sections`]).
 pub const SECTION: &str = "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n";
 
@@ -389,6 +397,23 @@ mod tests {
             summary[0].contains("2 ran, 1 passed, 1 failed"),
             "{summary:?}"
         );
+        // A script's runs say how they ended (`RUN`): a crash among passing runs fails the section.
+        let mut s = Sections::held();
+        s.line("@@section softroce", false);
+        s.line(
+            "test result: ok. 100 passed; 0 failed; 0 ignored; 0 measured",
+            false,
+        );
+        s.line("@@ended 0", false);
+        s.line("@@ended 134", false);
+        s.line(
+            "test result: ok. 4 passed; 0 failed; 0 ignored; 0 measured",
+            false,
+        );
+        s.line("@@ended 0", false);
+        let (mut summary, mut failures) = (Vec::new(), Vec::new());
+        s.report("", &mut summary, &mut failures);
+        assert_eq!(failures, ["conformance on softroce"]);
         // A run that failed because a case did counts that case only.
         let mut s = Sections::held();
         s.line("@@section sim", false);

@@ -9,7 +9,7 @@ use clap::Args;
 
 use crate::runner::{
     build_checked, checked_tests, conformance_exe, finish, run_counting, run_sections, xtask_copy,
-    Sections, SECTION,
+    Sections, RUN, SECTION,
 };
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
@@ -103,15 +103,15 @@ fn rdma_script(xtask: &Path, exe: &Path) -> String {
     format!(
         "set -u
 {xtask} rxe up --link || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}
-{SECTION}section softroce
-env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce:: --test-threads {GUEST_THREADS} --skip {SHARE}
-env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce::{SHARE}
+{SECTION}{RUN}section softroce
+run env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce:: --test-threads {GUEST_THREADS} --skip {SHARE}
+run env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce::{SHARE}
 section verbs:small-limits
-env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::seqpacket_sizes_1b_to_16mib --exact
-env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::stream_sizes_1b_to_16mib --exact
-env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::the_
+run env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::seqpacket_sizes_1b_to_16mib --exact
+run env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::stream_sizes_1b_to_16mib --exact
+run env EXS_VERBS_ADDR={near} {SMALL_LIMITS} {exe} verbs::the_
 section fabric:over-the-link
-env EXS_FABRIC_ADDR={near} {peer} {exe} fabric::two_hosts_over_a_link --exact
+run env EXS_FABRIC_ADDR={near} {peer} {exe} fabric::two_hosts_over_a_link --exact
 section tools:verbs
 tool() {{ name=$1; shift; if \"$@\" >&2; then echo \"test tools::$name ... ok\"; echo 'test result: ok. 1 passed; 0 failed; 0 ignored'; else echo \"test tools::$name ... FAILED\"; echo 'test result: FAILED. 0 passed; 1 failed; 0 ignored'; fi; }}
 tool raw_baseline_runs_on_verbs_with_memory_windows {tool} rawpump --backend verbs --addr {near} --op read --size 64K --seconds 0.5 --json

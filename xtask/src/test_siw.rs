@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 
 use exs_backend_softroce::Kind;
 
-use crate::runner::{conformance_exe, finish, run_sections, xtask_copy, Sections, SECTION};
+use crate::runner::{conformance_exe, finish, run_sections, xtask_copy, Sections, RUN, SECTION};
 use crate::siw::{self, Variant};
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
@@ -59,9 +59,9 @@ fn script(
         "{xtask} rxe up --link --siw >&2 || {{ echo 'xtask: siw setup failed' >&2; exit 90; }}\n"
     );
     let mut s = format!(
-        "set -u\nulimit -l unlimited\n{SECTION}{}{up}\
+        "set -u\nulimit -l unlimited\n{SECTION}{RUN}{}{up}\
          section softroce:siw\n\
-         env {env} {exe} softroce::\n\
+         run env {env} {exe} softroce::\n\
          section tools:siw\n\
          tool() {{ name=$1; shift; if \"$@\" >&2; then echo \"test tools::$name ... ok\"; echo 'test result: ok. 1 passed; 0 failed; 0 ignored'; else echo \"test tools::$name ... FAILED\"; echo 'test result: FAILED. 0 passed; 1 failed; 0 ignored'; fi; }}\n\
          tool info_on_siw {tool} info --backend verbs --addr {near}\n\
@@ -71,14 +71,16 @@ fn script(
     );
     s.push_str("section softroce:siw-no-read-sinks\n");
     for case in NO_SINK_CASES {
-        s.push_str(&format!("env {env} EXS_VERBS_READ_SINKS=0 {exe} {case}\n"));
+        s.push_str(&format!(
+            "run env {env} EXS_VERBS_READ_SINKS=0 {exe} {case}\n"
+        ));
     }
     if let Some(p2p) = load(Variant::P2pReadRtr) {
         s.push_str(&format!(
             "{xtask} rxe down >&2\n{p2p}{up}section softroce:siw-p2p-read-rtr\n"
         ));
         for case in P2P_CASES {
-            s.push_str(&format!("env {env} {exe} {case}\n"));
+            s.push_str(&format!("run env {env} {exe} {case}\n"));
         }
     }
     if with_rxe {
@@ -89,7 +91,7 @@ fn script(
             "section verbs:write-imm-emulated,no-windows,read-sinks\n\
              {xtask} rxe down >&2\n\
              if {xtask} rxe up --link >&2; then\n\
-             env EXS_VERBS_ADDR={near} {} EXS_PEER_ADDR={far} EXS_PEER_LINK={} {exe} verbs::\n\
+             run env EXS_VERBS_ADDR={near} {} EXS_PEER_ADDR={far} EXS_PEER_LINK={} {exe} verbs::\n\
              else echo 'xtask: Soft-RoCE setup failed' >&2; fi\n",
             crate::test::IWARP_SHAPED,
             rxe::NEAR.1

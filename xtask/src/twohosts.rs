@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use crate::runner::Sections;
+use crate::runner::{Sections, RUN, SECTION};
 use crate::sys::Result;
 use crate::vm::{self, GuestDevice, PAIR_ADDRS};
 
@@ -84,7 +84,7 @@ fn guest0(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
     let exe = exe.display();
     let tool = tool.display();
     let agent = format!("{far}:{AGENT_PORT}");
-    let mut s = String::from("section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n");
+    let mut s = format!("{SECTION}{RUN}");
     // With siw the libfabric tcp stage would repeat the rxe run's: only verbs, on siw.
     let backends: &[(&str, &str)] = match dev {
         GuestDevice::Rxe => &[("verbs", "EXS_VERBS_ADDR"), ("fabric", "EXS_FABRIC_ADDR")],
@@ -98,7 +98,7 @@ fn guest0(exe: &Path, tool: &Path, dev: &GuestDevice) -> String {
         s.push_str(&format!("section {backend}:{label}\n"));
         for case in CASES {
             s.push_str(&format!(
-                "env {var}={near} EXS_PEER_ADDR={far} EXS_PEER_LINK=eth0 EXS_PEER_AGENT={agent} {exe} \
+                "run env {var}={near} EXS_PEER_ADDR={far} EXS_PEER_LINK=eth0 EXS_PEER_AGENT={agent} {exe} \
                  {backend}::{case} --exact\n"
             ));
         }

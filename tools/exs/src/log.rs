@@ -25,8 +25,9 @@ struct Queue {
     written: Condvar,
 }
 
+static QUEUE: OnceLock<Queue> = OnceLock::new();
+
 fn queue() -> &'static Queue {
-    static QUEUE: OnceLock<Queue> = OnceLock::new();
     QUEUE.get_or_init(|| {
         let (tx, rx) = sync_channel::<Vec<u8>>(QUEUED);
         let started = std::thread::Builder::new()
@@ -119,6 +120,10 @@ pub fn note_patiently(line: std::fmt::Arguments<'_>, patience: Duration) {
 /// Waits until every queued line is written, then writes the count of lines dropped since the last one went out,
 /// if any; at most `patience` in all (a reader that stopped for good keeps the rest).
 pub fn flush(patience: Duration) {
+    // Nothing was ever queued (and the panic hook must not start the writer).
+    if QUEUE.get().is_none() {
+        return;
+    }
     let end = Instant::now() + patience;
     let wait = || {
         let q = queue();

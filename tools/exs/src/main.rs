@@ -200,7 +200,8 @@ fn main() {
     }
     init_logging();
     // A panic's message comes after the lines queued before it (within a second: the log's own thread may be the
-    // one that panicked).
+    // one that panicked). This runs for panics that exs catches in its progress rounds too, where a stalled
+    // standard error costs that second.
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         log::flush(std::time::Duration::from_secs(1));
@@ -227,7 +228,7 @@ fn main() {
     }
     // What is queued goes out first, unless standard error's reader stopped for good.
     log::flush(left());
-    if r.is_err() {
+    if r.is_err() || out::failed() {
         std::process::exit(1);
     }
 }

@@ -328,7 +328,8 @@ pub fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> 
 
 /// Shell function that runs a command and says how it ended (`@@ended STATUS`, read by [`Sections::line`]): a run
 /// that crashed before its results fails its section even when the section's other runs passed.
-pub const RUN: &str = "run() { \"$@\"; echo \"@@ended $?\"; }\n";
+/// The marker starts a line of its own even after a test's half-written `test NAME ... ` line (a crash mid-case).
+pub const RUN: &str = "run() { \"$@\"; printf '\\n@@ended %s\\n' \"$?\"; }\n";
 
 /// Shell lines that cut the output into sections (see [`Sections`]).
 pub const SECTION: &str = "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n";

@@ -113,8 +113,7 @@ fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<()> {
         .expose(EndpointId(1), &reg, lease, access)
         .context("exposing the buffer")?;
     let (_, addr) = t.listen(opened.listen_addr(0), 1).context("listen")?;
-    outln!("LISTEN {addr}");
-    let _ = std::io::stdout().flush();
+    crate::out::announce(addr)?;
     let ev = next_cm(&mut *t)?;
     let CmEvent::ConnectRequest { request, .. } = ev else {
         bail!(
@@ -400,8 +399,7 @@ fn spawn_tcp(kind: &str, size: u64, nodelay: bool) -> Result<(std::process::Chil
 /// The sink (`echo` false) or echo side: one connection on loopback, until the client closes it.
 fn tcp_serve(size: u64, nodelay: bool, echo: bool) -> Result<()> {
     let l = TcpListener::bind("127.0.0.1:0").context("TCP listener")?;
-    outln!("LISTEN {}", l.local_addr()?);
-    let _ = std::io::stdout().flush();
+    crate::out::announce(l.local_addr()?)?;
     let (mut s, _) = l.accept().context("TCP accept")?;
     s.set_nodelay(nodelay)?;
     let mut buf = vec![0u8; size as usize];

@@ -40,6 +40,16 @@ pub fn line(args: std::fmt::Arguments<'_>) {
     }
 }
 
+/// A helper server's first and only line, `LISTEN ADDR`, read by the process that started it; an error if it could
+/// not be written (that process has gone: nobody will connect).
+pub fn announce(addr: impl std::fmt::Display) -> anyhow::Result<()> {
+    line(format_args!("LISTEN {addr}"));
+    if gone() {
+        anyhow::bail!("nobody read this server's address (the process that started it has gone)");
+    }
+    Ok(())
+}
+
 /// Whether results can no longer be written: a loop of measurements may stop.
 pub fn gone() -> bool {
     GONE.load(Ordering::Relaxed)

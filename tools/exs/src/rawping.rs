@@ -4,7 +4,6 @@
 //! `exs ping` costs above this is exs's own; what this costs above `exs tcpping` is the transport's.
 
 use crate::out::outln;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
@@ -175,8 +174,7 @@ impl Side {
 fn serve(opened: &Opened, a: &RawpingArgs) -> Result<()> {
     let mut s = Side::new(opened, a.size as usize, a.wait == RawWait::Busy)?;
     let (_, addr) = s.t.listen(opened.listen_addr(0), 1).context("listen")?;
-    outln!("LISTEN {addr}");
-    let _ = std::io::stdout().flush();
+    crate::out::announce(addr)?;
     let CmEvent::ConnectRequest { request, .. } = next_cm(&mut *s.t)? else {
         bail!(
             "the client's connection did not arrive (the transport reported another event first)"

@@ -68,8 +68,7 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
     let host = Host::open(&opened, backend, &peer.limits)?;
     let bound = listener.local_addr()?;
     if peer.announce {
-        crate::out::line(format_args!("LISTEN {bound}"));
-        std::io::stdout().flush()?;
+        crate::out::announce(bound)?;
     } else {
         let l = &peer.limits;
         note(format_args!(

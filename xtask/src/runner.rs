@@ -376,6 +376,13 @@ mod tests {
         assert!(parse_result("running 3 tests").is_none());
     }
 
+    /// The summary lines and failures `s` reports.
+    fn reported(s: &Sections) -> (Vec<String>, Vec<String>) {
+        let (mut summary, mut failures) = (Vec::new(), Vec::new());
+        s.report("", &mut summary, &mut failures);
+        (summary, failures)
+    }
+
     /// Review: a section whose process crashed before its results, beside a run of the same section that passed,
     /// was reported as passing.
     #[test]
@@ -391,8 +398,7 @@ mod tests {
             false,
         );
         s.ended(true);
-        let (mut summary, mut failures) = (Vec::new(), Vec::new());
-        s.report("", &mut summary, &mut failures);
+        let (summary, failures) = reported(&s);
         assert_eq!(failures, ["conformance on fabric"]);
         assert!(
             summary[0].contains("2 ran, 1 passed, 1 failed"),
@@ -412,9 +418,7 @@ mod tests {
             false,
         );
         s.line("@@ended 0", false);
-        let (mut summary, mut failures) = (Vec::new(), Vec::new());
-        s.report("", &mut summary, &mut failures);
-        assert_eq!(failures, ["conformance on softroce"]);
+        assert_eq!(reported(&s).1, ["conformance on softroce"]);
         // A run that failed because a case did counts that case only.
         let mut s = Sections::held();
         s.line("@@section sim", false);
@@ -423,8 +427,7 @@ mod tests {
             false,
         );
         s.ended(false);
-        let (mut summary, mut failures) = (Vec::new(), Vec::new());
-        s.report("", &mut summary, &mut failures);
+        let (summary, _) = reported(&s);
         assert!(
             summary[0].contains("5 ran, 3 passed, 2 failed"),
             "{summary:?}"

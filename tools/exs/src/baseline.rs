@@ -5,7 +5,6 @@
 //!   the client keeps `depth` RDMA writes (or reads) of `size` bytes in flight.
 //! * `exs tcppump`, `exs tcpping`: plain TCP through `std::net`, with and without Nagle.
 
-use crate::out::outln;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::{AsFd, BorrowedFd};
@@ -23,6 +22,7 @@ use exs_dma::{DmaBuf, LeaseKind};
 use crate::backend::{BackendArgs, Opened};
 use crate::cli::{self, MAX_COUNT, MAX_DEPTH, MAX_MESSAGE};
 use crate::opts::RawOp;
+use crate::out::outln;
 use crate::pump::cpu_seconds;
 use crate::size::fmt_bytes;
 use crate::util::{filled_buffer, fmt_rate};

@@ -2,7 +2,6 @@
 //! received byte, and do the same over plain TCP (std::net) in the same run. The receiving side is
 //! `exs demo --server`, here or on another host.
 
-use crate::out::outln;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
@@ -14,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::backend::{BackendArgs, Opened};
 use crate::cli::{self, check_in, MAX_CHUNK, MAX_DEPTH, MAX_TRANSFER};
 use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
+use crate::out::outln;
 use crate::progress::Progress;
 use crate::size::fmt_bytes;
 use crate::usage::Usage;

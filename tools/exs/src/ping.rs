@@ -4,7 +4,6 @@
 //! read, which is a full round trip, like `ib_read_lat`). The echo side is `exs ping --server`, here or on
 //! another host.
 
-use crate::out::outln;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -18,6 +17,7 @@ use crate::backend::{BackendArgs, Opened};
 use crate::cli::{self, check_in, MAX_COUNT, MAX_MESSAGE};
 use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::opts::{PingMode, Wait};
+use crate::out::outln;
 use crate::usage::Usage;
 
 #[derive(Clone, Debug, clap::Args)]

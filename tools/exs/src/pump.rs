@@ -3,7 +3,6 @@
 //! in flight), send modes (normal, immediate, persistent) and socket types. The server runs in its own process
 //! (`exs pump --server`, here or on another host) where the backend allows it, so each side's CPU is its own.
 
-use crate::out::outln;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Instant;
@@ -16,6 +15,7 @@ use crate::backend::{BackendArgs, Opened};
 use crate::cli::{self, check_in, MAX_DEPTH, MAX_MESSAGE};
 use crate::control::{self, Host, Limits, Params as _, Peer, PeerArgs, Service, Watch};
 use crate::opts::{PumpMode, Type, Wait};
+use crate::out::outln;
 use crate::size::fmt_bytes;
 use crate::usage::Usage;
 use crate::util::PATIENCE;

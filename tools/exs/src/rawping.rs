@@ -3,7 +3,6 @@
 //! transport's wait descriptor (`--wait block`, armed first, as the engine does) or polls (`--wait busy`). What
 //! `exs ping` costs above this is exs's own; what this costs above `exs tcpping` is the transport's.
 
-use crate::out::outln;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
@@ -19,6 +18,7 @@ use crate::backend::{BackendArgs, Opened};
 use crate::baseline::{mean_median, next_cm, spawn_server, wait};
 use crate::cli::{self, MAX_COUNT};
 use crate::opts::RawWait;
+use crate::out::outln;
 
 /// Receives each side keeps posted ahead.
 const RECVS: usize = 4;

@@ -3,13 +3,13 @@
 //! receive reports is checked against what was sent. Any corrupted byte, lost message, or operation that never
 //! completes fails the run.
 
-use crate::out::outln;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
 use exs::{Context, Event, EventQueue, MemoryRegion, MsgFlags, SockType, Socket};
 
 use crate::backend::{BackendArgs, Opened};
+use crate::out::outln;
 use crate::size::fmt_bytes;
 
 #[derive(Clone, Debug, clap::Args)]

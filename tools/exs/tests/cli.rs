@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{exs, free_port, json_lines, num, Server};
+use common::{exs, free_port, json_lines, num, spawn_piped, Server};
 
 #[test]
 fn pump_client_against_a_server_in_another_process() {
@@ -346,14 +346,17 @@ fn every_subcommand_speaks_json() {
 /// write rather than the run.
 #[test]
 fn a_client_whose_standard_error_reader_went_away_still_finishes() {
-    let mut child = std::process::Command::new(common::EXE)
-        .args(["demo", "--backend", "sim", "--size", "8M", "--chunk", "1M"])
-        .args(["--no-tcp", "--json"])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the exs binary runs");
+    let mut child = spawn_piped(&[
+        "demo",
+        "--backend",
+        "sim",
+        "--size",
+        "8M",
+        "--chunk",
+        "1M",
+        "--no-tcp",
+        "--json",
+    ]);
     // Gone before the first line: every write to standard error now fails (EPIPE).
     drop(child.stderr.take());
     let out = child.wait_with_output().unwrap();
@@ -375,14 +378,16 @@ fn a_client_whose_standard_error_reader_went_away_still_finishes() {
 #[test]
 fn a_client_whose_standard_output_reader_went_away_ends_quietly() {
     use std::io::BufRead;
-    let mut child = std::process::Command::new(common::EXE)
-        .args(["pump", "--backend", "sim", "--size", "1K,2K,4K,8K"])
-        .args(["--seconds", "0.2", "--json"])
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("the exs binary runs");
+    let mut child = spawn_piped(&[
+        "pump",
+        "--backend",
+        "sim",
+        "--size",
+        "1K,2K,4K,8K",
+        "--seconds",
+        "0.2",
+        "--json",
+    ]);
     // Like `head -1`: the first result, then the pipe closed.
     let mut first = String::new();
     std::io::BufReader::new(child.stdout.take().unwrap())

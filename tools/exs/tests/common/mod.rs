@@ -20,6 +20,18 @@ pub fn exs(args: &[&str]) -> Output {
         .expect("the exs binary runs")
 }
 
+/// `exs ARGS` started with its standard output and error piped (and no standard input), for a test that reads or
+/// closes them while it runs.
+pub fn spawn_piped(args: &[&str]) -> Child {
+    Command::new(EXE)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the exs binary runs")
+}
+
 /// A TCP port nobody listens on right now.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

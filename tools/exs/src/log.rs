@@ -1,9 +1,11 @@
-//! Standard error that never stops a server: log lines go through a bounded queue to a thread of their own that
-//! writes them. A reader that stops draining the pipe (a server's log read by a program that hung) then costs
-//! lines, not the server: a write to a full pipe blocks, and a server's accepting thread or a client's session
-//! blocked in one serves nobody. A line that finds the queue full is counted, and the count is written once lines
-//! go out again, where they would have been. `exs` writes its tracing output ([`Stderr`]) and its servers' notes
-//! ([`note`]) this way, and waits for the queue, a bounded time, before it exits ([`flush`]).
+//! Output that never stops a server: lines go through a bounded queue to a thread of their own that writes them.
+//! A reader that stops draining the pipe (a server's log read by a program that hung) then costs lines, not the
+//! server: a write to a full pipe blocks, and a server's accepting thread or a client's session blocked in one
+//! serves nobody. A line that finds the queue full is counted, and the count is written once lines go out again,
+//! where they would have been. `exs` writes its tracing output ([`Stderr`]) and its servers' notes ([`note`]) this
+//! way, on standard error, and a `--json` server its reports ([`report`]) on standard output (their count of lines
+//! dropped goes to standard error: standard output carries JSON only); it waits for both queues, a bounded time,
+//! before it exits ([`flush`]).
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -11,9 +13,36 @@ use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-/// Lines the queue holds: what a stalled reader costs in memory (the lines are short: clients' words in them are
-/// shortened).
-const QUEUED: usize = 1024;
+/// One queue and the stream its thread writes to.
+struct Lines {
+    queue: OnceLock<Queue>,
+    /// Standard output (`true`) or standard error.
+    stdout: bool,
+    /// Lines the queue holds: what a stalled reader costs in memory.
+    capacity: usize,
+    /// The writing thread's name.
+    thread: &'static str,
+    /// What its lines are, in the count of those dropped.
+    what: &'static str,
+}
+
+/// Log lines (short: clients' words in them are shortened), on standard error.
+static LOG: Lines = Lines {
+    queue: OnceLock::new(),
+    stdout: false,
+    capacity: 1024,
+    thread: "exs-log",
+    what: "log lines",
+};
+
+/// A `--json` server's reports, a line per test (a few kilobytes at most), on standard output.
+static REPORTS: Lines = Lines {
+    queue: OnceLock::new(),
+    stdout: true,
+    capacity: 16,
+    thread: "exs-reports",
+    what: "report lines",
+};
 
 struct Queue {
     /// `None` when no thread could be started: lines are then written where they are made.
@@ -25,108 +54,114 @@ struct Queue {
     written: Condvar,
 }
 
-static QUEUE: OnceLock<Queue> = OnceLock::new();
+impl Lines {
+    fn queue(&'static self) -> &'static Queue {
+        self.queue.get_or_init(|| {
+            let (tx, rx) = sync_channel::<Vec<u8>>(self.capacity);
+            let started = std::thread::Builder::new()
+                .name(self.thread.into())
+                .spawn(move || self.write_queued(rx));
+            Queue {
+                tx: started.ok().map(|_| tx),
+                dropped: AtomicU64::new(0),
+                pending: Mutex::new(0),
+                written: Condvar::new(),
+            }
+        })
+    }
 
-fn queue() -> &'static Queue {
-    QUEUE.get_or_init(|| {
-        let (tx, rx) = sync_channel::<Vec<u8>>(QUEUED);
-        let started = std::thread::Builder::new()
-            .name("exs-log".into())
-            .spawn(move || write_queued(rx));
-        Queue {
-            tx: started.ok().map(|_| tx),
-            dropped: AtomicU64::new(0),
-            pending: Mutex::new(0),
-            written: Condvar::new(),
+    /// The writing thread.
+    fn write_queued(&'static self, rx: Receiver<Vec<u8>>) {
+        // Waits for `queue()`'s first call to finish (this thread starts inside it).
+        let q = self.queue();
+        for line in rx {
+            self.write_now(&line);
+            let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
+            *pending -= 1;
+            if *pending == 0 {
+                q.written.notify_all();
+            }
         }
-    })
-}
+    }
 
-/// The writing thread.
-fn write_queued(rx: Receiver<Vec<u8>>) {
-    // Waits for `queue()`'s first call to finish (this thread starts inside it).
-    let q = queue();
-    for line in rx {
-        write_now(&line);
+    /// Writes, whatever becomes of it (not `eprintln!` or `println!`, which panic when the reader of a pipe went
+    /// away).
+    fn write_now(&self, line: &[u8]) {
+        let _ = if self.stdout {
+            std::io::stdout().lock().write_all(line)
+        } else {
+            std::io::stderr().lock().write_all(line)
+        };
+    }
+
+    /// The line that says `n` lines were dropped.
+    fn count_line(&self, n: u64) -> Vec<u8> {
+        let stream = if self.stdout { "output" } else { "error" };
+        format!(
+            "exs: {n} {} dropped (standard {stream} was not read as fast as they came)\n",
+            self.what
+        )
+        .into_bytes()
+    }
+
+    /// Queues one line (ending in a newline), after the count of lines dropped before it, if any (so the count
+    /// stands where they would have been; a count of report lines goes to the log instead); a line that finds the
+    /// queue full is counted, and so is a count that does. With `patience`, waits that long for room first.
+    fn queue_line(&'static self, line: Vec<u8>, patience: Duration) {
+        let q = self.queue();
+        // An empty line carries only the count ([`flush`]): if it finds no room, it is not a line dropped.
+        let counted = u64::from(!line.is_empty());
+        let dropped = q.dropped.swap(0, Ordering::Relaxed);
+        if dropped == 0 && counted == 0 {
+            return;
+        }
+        let mut line = match dropped {
+            0 => line,
+            n if self.stdout => {
+                LOG.queue_line(self.count_line(n), Duration::ZERO);
+                if line.is_empty() {
+                    return;
+                }
+                line
+            }
+            n => {
+                let mut with = self.count_line(n);
+                with.extend_from_slice(&line);
+                with
+            }
+        };
+        let Some(tx) = &q.tx else {
+            return self.write_now(&line);
+        };
+        *q.pending.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        let end = Instant::now() + patience;
+        loop {
+            match tx.try_send(line) {
+                Ok(()) => return,
+                Err(TrySendError::Full(back)) if Instant::now() < end => {
+                    line = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(_) => break,
+            }
+        }
+        // A count of report lines went to the log: only this line is dropped here.
+        let lost = if self.stdout {
+            counted
+        } else {
+            dropped + counted
+        };
+        q.dropped.fetch_add(lost, Ordering::Relaxed);
         let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
         *pending -= 1;
         if *pending == 0 {
             q.written.notify_all();
         }
     }
-}
 
-/// Writes, whatever becomes of it (not `eprintln!`, which panics when the reader of a pipe went away).
-fn write_now(line: &[u8]) {
-    let _ = std::io::stderr().lock().write_all(line);
-}
-
-/// Queues one line (ending in a newline), after the count of lines dropped before it, if any (so the count stands
-/// where they would have been); a line that finds the queue full is counted, and so is a count that does. With
-/// `patience`, waits that long for room first.
-fn queue_line(line: Vec<u8>, patience: Duration) {
-    let q = queue();
-    // An empty line carries only the count ([`flush`]): if it finds no room, it is not a line dropped.
-    let counted = u64::from(!line.is_empty());
-    let dropped = q.dropped.swap(0, Ordering::Relaxed);
-    if dropped == 0 && counted == 0 {
-        return;
-    }
-    let mut line = match dropped {
-        0 => line,
-        n => {
-            let mut with = format!(
-                "exs: {n} log lines dropped (standard error was not read as fast as they came)\n"
-            )
-            .into_bytes();
-            with.extend_from_slice(&line);
-            with
-        }
-    };
-    let Some(tx) = &q.tx else {
-        return write_now(&line);
-    };
-    *q.pending.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-    let end = Instant::now() + patience;
-    loop {
-        match tx.try_send(line) {
-            Ok(()) => return,
-            Err(TrySendError::Full(back)) if Instant::now() < end => {
-                line = back;
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(_) => break,
-        }
-    }
-    q.dropped.fetch_add(dropped + counted, Ordering::Relaxed);
-    let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
-    *pending -= 1;
-    if *pending == 0 {
-        q.written.notify_all();
-    }
-}
-
-/// Writes a line to standard error through the queue (dropped, and counted, if the queue is full).
-pub fn note(line: std::fmt::Arguments<'_>) {
-    queue_line(format!("{line}\n").into_bytes(), Duration::ZERO);
-}
-
-/// [`note`] for a line that matters more than speed (the error `exs` ends with): waits up to `patience` for room.
-/// Counted as dropped if none comes.
-pub fn note_patiently(line: std::fmt::Arguments<'_>, patience: Duration) {
-    queue_line(format!("{line}\n").into_bytes(), patience);
-}
-
-/// Waits until every queued line is written, then writes the count of lines dropped since the last one went out,
-/// if any; at most `patience` in all (a reader that stopped for good keeps the rest).
-pub fn flush(patience: Duration) {
-    // Nothing was ever queued (and the panic hook must not start the writer).
-    if QUEUE.get().is_none() {
-        return;
-    }
-    let end = Instant::now() + patience;
-    let wait = || {
-        let q = queue();
+    /// Waits until every queued line is written (at most until `end`); whether they were.
+    fn wait_written(&'static self, end: Instant) -> bool {
+        let q = self.queue();
         let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
         while *pending > 0 {
             let left = end.saturating_duration_since(Instant::now());
@@ -140,11 +175,45 @@ pub fn flush(patience: Duration) {
                 .0;
         }
         true
-    };
-    if wait() && queue().dropped.load(Ordering::Relaxed) > 0 {
-        queue_line(Vec::new(), Duration::ZERO);
-        wait();
     }
+
+    /// [`flush`] of this queue, until `end`.
+    fn flush_until(&'static self, end: Instant) {
+        // Nothing was ever queued (and the panic hook must not start the writer).
+        if self.queue.get().is_none() {
+            return;
+        }
+        if self.wait_written(end) && self.queue().dropped.load(Ordering::Relaxed) > 0 {
+            self.queue_line(Vec::new(), Duration::ZERO);
+            self.wait_written(end);
+        }
+    }
+}
+
+/// Writes a line to standard error through the queue (dropped, and counted, if the queue is full).
+pub fn note(line: std::fmt::Arguments<'_>) {
+    LOG.queue_line(format!("{line}\n").into_bytes(), Duration::ZERO);
+}
+
+/// [`note`] for a line that matters more than speed (the error `exs` ends with): waits up to `patience` for room.
+/// Counted as dropped if none comes.
+pub fn note_patiently(line: std::fmt::Arguments<'_>, patience: Duration) {
+    LOG.queue_line(format!("{line}\n").into_bytes(), patience);
+}
+
+/// Writes a server's report line (`--json`) to standard output through its queue: a reader that stopped costs
+/// reports (counted in the log), never the session that made them.
+pub fn report(line: std::fmt::Arguments<'_>) {
+    REPORTS.queue_line(format!("{line}\n").into_bytes(), Duration::ZERO);
+}
+
+/// Waits until every queued line is written, then writes the count of lines dropped since the last one went out,
+/// if any; at most `patience` in all (a reader that stopped for good keeps the rest). The reports first: their
+/// count goes to the log.
+pub fn flush(patience: Duration) {
+    let end = Instant::now() + patience;
+    REPORTS.flush_until(end);
+    LOG.flush_until(end);
 }
 
 /// tracing's writer: each event is gathered, then queued as one line.
@@ -167,7 +236,7 @@ impl Write for Event {
 impl Drop for Event {
     fn drop(&mut self) {
         if !self.0.is_empty() {
-            queue_line(std::mem::take(&mut self.0), Duration::ZERO);
+            LOG.queue_line(std::mem::take(&mut self.0), Duration::ZERO);
         }
     }
 }

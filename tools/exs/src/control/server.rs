@@ -572,8 +572,8 @@ impl<S: Service> Server<S> {
             if self.json {
                 let line = serde_json::json!({"tool": format!("exs-{}-server", S::TOOL),
                     "client": from.to_string(), "params": params, "result": result});
-                // A reader that went away (`| head`) costs the report, never the session.
-                let _ = writeln!(std::io::stdout(), "{line}");
+                // A reader that went away (`| head`) or stopped reading costs reports, never the session.
+                crate::log::report(format_args!("{line}"));
             }
             ch.send(&Msg::Done { result })?;
             *n += 1;

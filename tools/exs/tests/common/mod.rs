@@ -4,7 +4,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
-use std::process::{Child, ChildStderr, Command, Output, Stdio};
+use std::process::{Child, ChildStderr, ChildStdout, Command, Output, Stdio};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -48,6 +48,8 @@ pub struct Server {
     log: Arc<Mutex<Vec<String>>>,
     /// The read end of its standard error, held and never read ([`Reader::Stalls`]).
     stalled: Option<BufReader<ChildStderr>>,
+    /// The read end of its standard output, held and never read ([`Server::start_reporting_unread`]).
+    unread_out: Option<ChildStdout>,
 }
 
 /// What becomes of the reader of a server's standard error once the server serves.
@@ -87,6 +89,24 @@ impl Server {
         reader: Reader,
         env: &[(&str, &str)],
     ) -> Server {
+        Self::spawn(tool, port, args, reader, env, false)
+    }
+
+    /// [`Server::start`] with `--json`, its standard output a pipe that nobody reads ([`Server::unread_output`]);
+    /// its standard error is read.
+    pub fn start_reporting_unread(tool: &str, port: u16, args: &[&str]) -> Server {
+        let args: Vec<&str> = args.iter().copied().chain(["--json"]).collect();
+        Self::spawn(tool, port, &args, Reader::Keeps, &[], true)
+    }
+
+    fn spawn(
+        tool: &str,
+        port: u16,
+        args: &[&str],
+        reader: Reader,
+        env: &[(&str, &str)],
+        piped_out: bool,
+    ) -> Server {
         let mut child = Command::new(EXE)
             .args([
                 tool,
@@ -101,10 +121,15 @@ impl Server {
             .args(args)
             .envs(env.iter().copied())
             .stdin(Stdio::null())
-            .stdout(Stdio::null())
+            .stdout(if piped_out {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stderr(Stdio::piped())
             .spawn()
             .expect("the server starts");
+        let unread_out = child.stdout.take();
         let err = child.stderr.take().unwrap();
         let (tx, rx) = mpsc::channel();
         let (stall_tx, stall_rx) = mpsc::channel();
@@ -139,7 +164,13 @@ impl Server {
             port,
             log,
             stalled: stall_rx.try_recv().ok(),
+            unread_out,
         }
+    }
+
+    /// The read end of the standard output of a server started by [`Server::start_reporting_unread`].
+    pub fn unread_output(&self) -> Option<&ChildStdout> {
+        self.unread_out.as_ref()
     }
 
     /// The read end of a stalled server's standard error ([`Reader::Stalls`]), not read so far: the caller's now.

@@ -1045,6 +1045,45 @@ fn a_server_whose_log_nobody_reads_keeps_serving() {
     assert!(dropped.starts_with("exs: "), "{dropped}");
 }
 
+/// Review: a `--json` server wrote each test's report to standard output on the session's thread. With its
+/// standard output a pipe that nobody read, the pipe filled and the next report held that session, and its client,
+/// for good. Now reports go through a queue to a thread of their own; those that find it full are counted in the
+/// log (standard output carries JSON only).
+#[test]
+fn a_json_server_whose_reports_nobody_reads_keeps_serving() {
+    use std::os::fd::AsRawFd;
+    let server = Server::start_reporting_unread("ping", free_port(), &[]);
+    let pipe = server
+        .unread_output()
+        .expect("the held end of the server's standard output")
+        .as_raw_fd();
+    // The smallest pipe the kernel makes, so that a few reports fill it.
+    let room = 4096.max(bytes_in_pipe(pipe));
+    let size = nix::fcntl::fcntl(pipe, nix::fcntl::FcntlArg::F_SETPIPE_SZ(room)).unwrap();
+    let mut full_at = None;
+    for i in 0..100 {
+        served("ping", &server);
+        // Full: a report longer than the room left waits.
+        if full_at.is_none() && bytes_in_pipe(pipe) as usize + 512 > size as usize {
+            full_at = Some(i);
+        }
+        // Past the pipe, the report being written and the queue's sixteen: reports are dropped, and counted.
+        if full_at.is_some_and(|f| i >= f + 20) {
+            break;
+        }
+    }
+    let full_at = full_at.unwrap_or_else(|| {
+        panic!(
+            "a hundred reports did not fill a {size}-byte pipe ({} bytes in it)",
+            bytes_in_pipe(pipe)
+        )
+    });
+    let dropped = server
+        .wait_for_log("report lines dropped", Duration::from_secs(10))
+        .unwrap_or_else(|| panic!("no log line counting the reports dropped after the pipe filled at client {full_at}"));
+    assert!(dropped.contains("exs: "), "{dropped}");
+}
+
 /// Bytes waiting in a pipe (FIONREAD).
 fn bytes_in_pipe(pipe: std::os::fd::RawFd) -> i32 {
     nix::ioctl_read_bad!(fionread, nix::libc::FIONREAD, nix::libc::c_int);

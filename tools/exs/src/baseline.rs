@@ -112,14 +112,10 @@ fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<()> {
     let exposure = t
         .expose(EndpointId(1), &reg, lease, access)
         .context("exposing the buffer")?;
+    let token = crate::helper::token()?;
     let (_, addr) = t.listen(opened.listen_addr(0), 1).context("listen")?;
     crate::out::announce(addr)?;
-    let ev = next_cm(&mut *t)?;
-    let CmEvent::ConnectRequest { request, .. } = ev else {
-        bail!(
-            "the client's connection did not arrive (the transport reported another event first)"
-        );
-    };
+    let request = crate::helper::accept_request(&mut *t, token)?;
     let w = exposure.remote();
     let mut private = Vec::new();
     for v in [w.addr, w.key, w.addr, w.key] {
@@ -146,13 +142,13 @@ pub struct RawResult {
     pub cpu: f64,
 }
 
-fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
+fn blast(opened: &Opened, helper: &Helper, a: &RawArgs) -> Result<RawResult> {
     let mut t = transport(opened)?;
     let size = a.size as usize;
     let depth = a.depth;
     let buf = filled_buffer(size * depth)?;
     let reg = t.register(&buf).context("registering the buffer")?;
-    let private = connect_raw(&mut *t, addr)?;
+    let private = connect_raw(&mut *t, helper)?;
     let read = a.op == RawOp::Read;
     let slots = Slots {
         buf: &buf,
@@ -193,10 +189,16 @@ fn blast(opened: &Opened, addr: SocketAddr, a: &RawArgs) -> Result<RawResult> {
     })
 }
 
-/// Connects endpoint 1 to the raw server at `addr`; the private data of its accept.
-fn connect_raw(t: &mut dyn Transport, addr: SocketAddr) -> Result<Vec<u8>> {
-    t.connect(EndpointId(1), addr, &[], Vec::new())
-        .with_context(|| format!("connecting to {addr}"))?;
+/// Connects endpoint 1 to the raw helper server, with its token; the private data of its accept.
+fn connect_raw(t: &mut dyn Transport, helper: &Helper) -> Result<Vec<u8>> {
+    let addr = helper.addr;
+    t.connect(
+        EndpointId(1),
+        addr,
+        &crate::helper::private(helper.token),
+        Vec::new(),
+    )
+    .with_context(|| format!("connecting to {addr}"))?;
     match next_cm(t)? {
         CmEvent::Established { private, .. } => Ok(private),
         CmEvent::ConnectFailed { reason, .. } => bail!(
@@ -277,7 +279,7 @@ pub fn run_raw(a: RawArgs) -> Result<()> {
     if a.serve {
         return serve(&opened, a.size as usize, a.depth, a.op == RawOp::Read);
     }
-    let (mut child, addr) = spawn_server(
+    let mut helper = spawn_server(
         "rawpump",
         &a.backend,
         &[
@@ -289,9 +291,8 @@ pub fn run_raw(a: RawArgs) -> Result<()> {
             &a.op.to_string(),
         ],
     )?;
-    let r = blast(&opened, addr, &a);
-    let _ = child.kill();
-    let _ = child.wait();
+    let r = blast(&opened, &helper, &a);
+    crate::util::reap(&mut helper.child);
     let r = r?;
     if a.json {
         outln!(
@@ -355,22 +356,31 @@ pub struct TcppingArgs {
     pub serve: bool,
 }
 
+/// A helper server started for one run: its process, the address it listens on, and the token its client
+/// connects with ([`crate::helper`]).
+pub(crate) struct Helper {
+    pub child: std::process::Child,
+    pub addr: SocketAddr,
+    pub token: u64,
+}
+
+/// Starts this program as a helper server (`cmd` with `--serve`), its token in its environment.
+fn spawn_helper(cmd: &mut Command) -> Result<Helper> {
+    let token = crate::helper::give(cmd)?;
+    let (child, addr, _out) = crate::util::spawn_listening(cmd.arg("--serve"))?;
+    Ok(Helper { child, addr, token })
+}
+
 /// Starts this program as the passive side of a raw baseline (`sub --serve` with the backend's flags and
-/// `args`); returns it and the address it listens on.
-pub(crate) fn spawn_server(
-    sub: &str,
-    backend: &BackendArgs,
-    args: &[&str],
-) -> Result<(std::process::Child, SocketAddr)> {
+/// `args`).
+pub(crate) fn spawn_server(sub: &str, backend: &BackendArgs, args: &[&str]) -> Result<Helper> {
     let exe = std::env::current_exe().context("finding this program, to start its server")?;
-    let (child, addr, _out) = crate::util::spawn_listening(
+    spawn_helper(
         Command::new(exe)
             .arg(sub)
             .args(backend.to_args())
-            .args(args)
-            .arg("--serve"),
-    )?;
-    Ok((child, addr))
+            .args(args),
+    )
 }
 
 /// Mean and median of one-way times (sorted here).
@@ -383,24 +393,34 @@ pub(crate) fn mean_median(samples: &mut [f64]) -> (f64, f64) {
     )
 }
 
-/// Starts this program as the sink (`tcppump`) or echo (`tcpping`) side of a TCP baseline; returns it and its
-/// address.
-fn spawn_tcp(kind: &str, size: u64, nodelay: bool) -> Result<(std::process::Child, SocketAddr)> {
+/// Starts this program as the sink (`tcppump`) or echo (`tcpping`) side of a TCP baseline.
+fn spawn_tcp(kind: &str, size: u64, nodelay: bool) -> Result<Helper> {
     let exe = std::env::current_exe().context("finding this program, to start its server")?;
     let mut cmd = Command::new(exe);
-    cmd.args([kind, "--size", &size.to_string(), "--serve"]);
+    cmd.args([kind, "--size", &size.to_string()]);
     if nodelay {
         cmd.arg("--nodelay");
     }
-    let (child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
-    Ok((child, addr))
+    spawn_helper(&mut cmd)
 }
 
-/// The sink (`echo` false) or echo side: one connection on loopback, until the client closes it.
+/// Connects to a TCP helper and sends its token first.
+fn tcp_connect(h: &mut Helper) -> Result<TcpStream> {
+    let addr = h.addr;
+    TcpStream::connect(addr)
+        .and_then(|mut s| s.write_all(&h.token.to_le_bytes()).map(|()| s))
+        .inspect_err(|_| crate::util::reap(&mut h.child))
+        .with_context(|| format!("TCP connect to {addr}"))
+}
+
+/// The sink (`echo` false) or echo side: one connection on loopback, its client's (the first to send this
+/// helper's token), until the client closes it.
 fn tcp_serve(size: u64, nodelay: bool, echo: bool) -> Result<()> {
+    let token = crate::helper::token()?;
     let l = TcpListener::bind("127.0.0.1:0").context("TCP listener")?;
     crate::out::announce(l.local_addr()?)?;
-    let (mut s, _) = l.accept().context("TCP accept")?;
+    let watch = crate::control::Watch::with_token(token);
+    let mut s = crate::tcp_admit::accept_client(l, Some(token), &watch)?;
     s.set_nodelay(nodelay)?;
     let mut buf = vec![0u8; size as usize];
     loop {
@@ -418,10 +438,8 @@ pub fn run_tcppump(a: TcppumpArgs) -> Result<()> {
     if a.serve {
         return tcp_serve(a.size, a.nodelay, false);
     }
-    let (mut child, addr) = spawn_tcp("tcppump", a.size, a.nodelay)?;
-    let mut s = TcpStream::connect(addr)
-        .inspect_err(|_| crate::util::reap(&mut child))
-        .with_context(|| format!("TCP connect to {addr}"))?;
+    let mut helper = spawn_tcp("tcppump", a.size, a.nodelay)?;
+    let mut s = tcp_connect(&mut helper)?;
     s.set_nodelay(a.nodelay)?;
     let buf = vec![0x5Au8; a.size as usize];
     let (t0, c0) = (Instant::now(), cpu_seconds());
@@ -432,7 +450,7 @@ pub fn run_tcppump(a: TcppumpArgs) -> Result<()> {
         bytes += buf.len() as u64;
     }
     drop(s);
-    let _ = child.wait();
+    let _ = helper.child.wait();
     let secs = t0.elapsed().as_secs_f64();
     let tool = if a.nodelay {
         "tcp-nodelay"
@@ -460,10 +478,8 @@ pub fn run_tcpping(a: TcppingArgs) -> Result<()> {
     if a.serve {
         return tcp_serve(a.size, a.nodelay, true);
     }
-    let (mut child, addr) = spawn_tcp("tcpping", a.size, a.nodelay)?;
-    let mut s = TcpStream::connect(addr)
-        .inspect_err(|_| crate::util::reap(&mut child))
-        .with_context(|| format!("TCP connect to {addr}"))?;
+    let mut helper = spawn_tcp("tcpping", a.size, a.nodelay)?;
+    let mut s = tcp_connect(&mut helper)?;
     s.set_nodelay(a.nodelay)?;
     let mut buf = vec![0x5Au8; a.size as usize];
     let warm = a.count / 10;
@@ -477,7 +493,7 @@ pub fn run_tcpping(a: TcppingArgs) -> Result<()> {
         }
     }
     drop(s);
-    let _ = child.wait();
+    let _ = helper.child.wait();
     let tool = if a.nodelay {
         "tcp-nodelay"
     } else {

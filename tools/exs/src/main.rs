@@ -6,6 +6,7 @@ mod baseline;
 mod cli;
 mod control;
 mod demo;
+mod helper;
 mod idle;
 mod log;
 mod opts;

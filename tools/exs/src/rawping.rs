@@ -3,7 +3,6 @@
 //! transport's wait descriptor (`--wait block`, armed first, as the engine does) or polls (`--wait busy`). What
 //! `exs ping` costs above this is exs's own; what this costs above `exs tcpping` is the transport's.
 
-use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -15,7 +14,7 @@ use exs::transport::{
 use exs_dma::{DmaBuf, LeaseKind};
 
 use crate::backend::{BackendArgs, Opened};
-use crate::baseline::{mean_median, next_cm, spawn_server, wait};
+use crate::baseline::{mean_median, next_cm, spawn_server, wait, Helper};
 use crate::cli::{self, MAX_COUNT};
 use crate::opts::RawWait;
 use crate::out::outln;
@@ -173,13 +172,10 @@ impl Side {
 /// The echo side: accepts one connection and answers every message until the peer disconnects.
 fn serve(opened: &Opened, a: &RawpingArgs) -> Result<()> {
     let mut s = Side::new(opened, a.size as usize, a.wait == RawWait::Busy)?;
+    let token = crate::helper::token()?;
     let (_, addr) = s.t.listen(opened.listen_addr(0), 1).context("listen")?;
     crate::out::announce(addr)?;
-    let CmEvent::ConnectRequest { request, .. } = next_cm(&mut *s.t)? else {
-        bail!(
-            "the client's connection did not arrive (the transport reported another event first)"
-        );
-    };
+    let request = crate::helper::accept_request(&mut *s.t, token)?;
     s.t.accept(request, EP, &[], Vec::new()).context("accept")?;
     for slot in 0..RECVS {
         s.post_recv(slot)?;
@@ -195,9 +191,10 @@ fn serve(opened: &Opened, a: &RawpingArgs) -> Result<()> {
 }
 
 /// The client: one-way times (half of each round trip) in microseconds, warm-up excluded.
-fn ping(opened: &Opened, addr: SocketAddr, a: &RawpingArgs) -> Result<Vec<f64>> {
+fn ping(opened: &Opened, helper: &Helper, a: &RawpingArgs) -> Result<Vec<f64>> {
     let mut s = Side::new(opened, a.size as usize, a.wait == RawWait::Busy)?;
-    s.t.connect(EP, addr, &[], Vec::new())
+    let addr = helper.addr;
+    s.t.connect(EP, addr, &crate::helper::private(helper.token), Vec::new())
         .with_context(|| format!("connecting to {addr}"))?;
     match next_cm(&mut *s.t)? {
         CmEvent::Established { .. } => {}
@@ -230,12 +227,13 @@ pub fn run(a: RawpingArgs) -> Result<()> {
     if a.serve {
         return serve(&opened, &a);
     }
-    let (mut child, addr) = spawn_server(
+    let mut helper = spawn_server(
         "rawping",
         &a.backend,
         &["--size", &a.size.to_string(), "--wait", &a.wait.to_string()],
     )?;
-    let r = ping(&opened, addr, &a);
+    let r = ping(&opened, &helper, &a);
+    let child = &mut helper.child;
     // The echo side ends when it sees the disconnect; it is not waited for longer than that should take.
     let end = Instant::now() + Duration::from_secs(5);
     while matches!(child.try_wait(), Ok(None)) && Instant::now() < end {

@@ -219,7 +219,7 @@ impl Channel {
 
 /// A test's token: eight bytes of the kernel's randomness, which whoever connects to the test's listener cannot
 /// guess.
-fn new_token() -> Result<u64> {
+pub(crate) fn new_token() -> Result<u64> {
     use std::io::Read;
     let mut b = [0u8; 8];
     std::fs::File::open("/dev/urandom")
@@ -248,6 +248,17 @@ impl Watch {
             peer: None,
             deadline: None,
             token: None,
+            hangup: None,
+        }
+    }
+
+    /// A watch with a token and nothing else: a helper server's, whose client sends `token` first
+    /// ([`crate::helper`]); no deadline, and no control connection to see go.
+    pub fn with_token(token: u64) -> Watch {
+        Watch {
+            peer: None,
+            deadline: None,
+            token: Some(token),
             hangup: None,
         }
     }

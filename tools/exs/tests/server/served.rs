@@ -1084,6 +1084,46 @@ fn a_json_server_whose_reports_nobody_reads_keeps_serving() {
     assert!(dropped.contains("exs: "), "{dropped}");
 }
 
+/// Review: the baselines' helper servers (`exs tcpping --serve`, started by `exs tcpping` for its own run) took
+/// the first connection to their listener, whoever made it: a stranger that connected first took the client's place
+/// and held the helper. Now the client sends the token the helper was started with (`EXS_HELPER_TOKEN`) first, and
+/// strangers (silent, or with other bytes) are refused beside it.
+#[test]
+fn a_tcp_baseline_helper_takes_its_client_not_the_first_stranger() {
+    let token: u64 = 0x0123_4567_89ab_cdef;
+    let mut helper = std::process::Command::new(crate::common::EXE)
+        .args(["tcpping", "--serve", "--size", "8"])
+        .env("EXS_HELPER_TOKEN", token.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(helper.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("LISTEN ")
+        .unwrap_or_else(|| panic!("the helper's first line: {line:?}"))
+        .to_string();
+    let silent = TcpStream::connect(&addr).unwrap();
+    let mut wrong = TcpStream::connect(&addr).unwrap();
+    wrong.write_all(&(token ^ 1).to_le_bytes()).unwrap();
+    let mut client = TcpStream::connect(&addr).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    client.write_all(&token.to_le_bytes()).unwrap();
+    client.write_all(b"8 bytes!").unwrap();
+    let mut echo = [0u8; 8];
+    let read = client.read_exact(&mut echo);
+    let _ = helper.kill();
+    let _ = helper.wait();
+    read.expect("the echo of the client's message, behind two strangers");
+    assert_eq!(&echo, b"8 bytes!");
+    drop(silent);
+}
+
 /// Bytes waiting in a pipe (FIONREAD).
 fn bytes_in_pipe(pipe: std::os::fd::RawFd) -> i32 {
     nix::ioctl_read_bad!(fionread, nix::libc::FIONREAD, nix::libc::c_int);

@@ -170,6 +170,7 @@ impl VerbsTransport {
     /// [`Transport::poll`](exs_transport::Transport::poll): the completion queue drained into the backlog, then the
     /// backlog handed out.
     pub(crate) fn poll_cq(&mut self, out: &mut Vec<Completion>, max: usize) -> usize {
+        self.take_routed();
         if self.cq_backlog.len() < max {
             self.drain_cq();
         }
@@ -192,7 +193,8 @@ impl VerbsTransport {
     /// look and wait beside the last one's, and a channel left readable keeps the wait set readable, which a
     /// sleeper registered edge-triggered (a tokio task) would never see change.
     pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
-        let mut events = [EpollEvent::empty(); 3];
+        self.take_routed();
+        let mut events = [EpollEvent::empty(); 4];
         let n = self
             .epoll
             .wait(&mut events, EpollTimeout::ZERO)
@@ -234,3 +236,6 @@ pub(crate) const WAIT_COMP: u64 = 1;
 pub(crate) const WAIT_CM: u64 = 2;
 /// The device's asynchronous events' entry in the wait set.
 pub(crate) const WAIT_ASYNC: u64 = 3;
+/// The entry of the descriptor that says another transport read an error of this one's queues (see
+/// [`crate::routes`]).
+pub(crate) const WAIT_ROUTED: u64 = 4;

@@ -5,7 +5,7 @@
 use std::collections::VecDeque;
 use std::ffi::CStr;
 use std::net::SocketAddr;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::ptr;
 use std::sync::Arc;
 
@@ -17,11 +17,12 @@ use nix::sys::socket::SockaddrLike;
 use rdma_sys::*;
 use rustc_hash::FxHashMap;
 
-use crate::completion::{epoll_add, WAIT_ASYNC, WAIT_CM, WAIT_COMP};
+use crate::completion::{epoll_add, WAIT_ASYNC, WAIT_CM, WAIT_COMP, WAIT_ROUTED};
 use crate::connection::sockaddr;
 use crate::cq::CqBudget;
 use crate::memory::Pd;
 use crate::queue::WrIds;
+use crate::routes;
 use crate::{device_names, os_err, ret_err, VerbsConfig, VerbsTransport};
 
 /// The largest inline size the probe asks a device for (it halves the request until the device accepts one).
@@ -378,6 +379,8 @@ impl VerbsTransport {
             settings.limits.max_cqe,
         );
         let epoll = wait_set(&o, ctx)?;
+        let mailbox = routes::Mailbox::new().map_err(|e| TransportError::os("eventfd", e))?;
+        epoll_add(&epoll, mailbox.fd().as_raw_fd(), WAIT_ROUTED)?;
         raise_memlock_limit();
         let (ch, comp, cq) = o.into_parts();
         let t = VerbsTransport {
@@ -410,7 +413,9 @@ impl VerbsTransport {
             one: Vec::with_capacity(1),
             chain: Default::default(),
             device_failed: false,
+            mailbox,
         };
+        routes::enter(t.cq, &t.mailbox);
         // SAFETY: `cq` was just created.
         let rc = unsafe { ibv_req_notify_cq(t.cq, 0) };
         if rc != 0 {

@@ -11,10 +11,10 @@
 //! read (and log, and acknowledge) another's events, which that one then never sees: its queue pair's number is
 //! not in the reader's table, so the event is logged without an endpoint. A queue pair's trouble reaches its owner
 //! anyway (its requests complete flushed), and so does a failed device (its next calls fail). An error of another
-//! transport's completion queue or shared receive queue (`IBV_EVENT_CQ_ERR`, `IBV_EVENT_SRQ_ERR`) does not: the
-//! reader can only log it, and its owner's connections stall as if it had been lost (a known gap, with two
-//! transports on one device in one process). Each transport sets the shared descriptor non-blocking and removes it
-//! from its own wait set only.
+//! transport's completion queue or shared receive queue (`IBV_EVENT_CQ_ERR`, `IBV_EVENT_SRQ_ERR`) is handed to
+//! that transport ([`crate::routes`]), which takes its connections down as if it had read it itself (it was only
+//! logged, and the owner's connections stalled for good). Each transport sets the shared descriptor non-blocking
+//! and removes it from its own wait set only.
 //!
 //! A device that goes away (disassociated: unplugged, its driver unloaded) leaves the descriptor readable for
 //! good (`EPOLLERR`) while every read fails (`EIO`): the descriptor then leaves the wait set, with one warning,
@@ -119,19 +119,24 @@ impl VerbsTransport {
             let p = ev.as_mut_ptr();
             // SAFETY: filled by the call. The type is read as the C enum's integer; the element as the queue pair
             // only for queue pair events, whose queue pair lives until the event is acknowledged (below).
-            let (code, qp_num, mine) = unsafe {
+            let (code, qp_num, mine, queue) = unsafe {
                 let code = std::ptr::addr_of!((*p).event_type).cast::<u32>().read();
                 let qp = names_qp(code)
                     .then(|| (*p).element.qp)
                     .filter(|q| !q.is_null());
                 // Whether the queue the event names is this transport's own (another transport may share the
                 // device context).
+                let queue: *mut std::ffi::c_void = match code {
+                    0 => (*p).element.cq.cast(),
+                    14 => (*p).element.srq.cast(),
+                    _ => std::ptr::null_mut(),
+                };
                 let mine = match code {
-                    0 => (*p).element.cq == self.cq,
-                    14 => !self.srq.is_null() && (*p).element.srq == self.srq,
+                    0 => queue == self.cq.cast(),
+                    14 => !self.srq.is_null() && queue == self.srq.cast(),
                     _ => false,
                 };
-                (code, qp.map(|q| (*q).qp_num), mine)
+                (code, qp.map(|q| (*q).qp_num), mine, queue)
             };
             let ep = qp_num.and_then(|n| self.qpn.get(&n).copied());
             let (what, severity) = describe(code);
@@ -144,7 +149,23 @@ impl VerbsTransport {
             unsafe { ibv_ack_async_event(p) };
             if let Some(what) = fails_transport(code, mine) {
                 self.fail_device(what, 0);
+            } else if !queue.is_null() && crate::routes::deliver(queue, code) {
+                // Another transport's queue (see `routes`): its owner takes it down.
+                tracing::debug!(code, "handed to the transport whose queue it names");
             }
+        }
+    }
+
+    /// Takes an error of this transport's queues that another transport read (see [`crate::routes`]): every
+    /// connection goes down, as when it reads its own.
+    pub(crate) fn take_routed(&mut self) {
+        if !self.mailbox.pending() {
+            return;
+        }
+        if let Some(code) = self.mailbox.take() {
+            let what =
+                fails_transport(code, true).unwrap_or("a queue error another transport read");
+            self.fail_device(what, 0);
         }
     }
 

@@ -62,6 +62,7 @@ mod memory;
 mod post;
 mod queue;
 mod record;
+mod routes;
 pub mod settings;
 use connection::Ep;
 pub use device::device_for;
@@ -228,6 +229,8 @@ pub struct VerbsTransport {
     chain: post::Chain,
     /// The device or its completion queue failed (see [`VerbsTransport::fail_device`]).
     device_failed: bool,
+    /// Where errors of this transport's queues that another transport read arrive (see [`routes`]).
+    mailbox: Arc<routes::Mailbox>,
 }
 
 // SAFETY: the verbs and rdma_cm objects are owned by this value and used from one thread at a time (the engine
@@ -436,6 +439,7 @@ impl Drop for VerbsTransport {
         for l in ls {
             self.close_listener(l);
         }
+        routes::leave(self.srq);
         let srq_gone = self.srq.is_null() || {
             // SAFETY: every QP attached to it was destroyed above, unless the device kept one (then this fails);
             // the PD outlives it (we hold an Arc).
@@ -457,6 +461,8 @@ impl Drop for VerbsTransport {
         }
         // Otherwise the hardware can no longer touch any posted buffer: the leases go back.
         self.recvs.clear();
+        // Its address may be another queue's next.
+        routes::leave(self.cq);
         // SAFETY: no QP uses the CQ any more; every channel event read was acknowledged when read (see
         // `arm_wait`); the channels are ours.
         unsafe {

@@ -206,6 +206,7 @@ impl VerbsTransport {
         }
         self.cq_budget.reserve_shared(got);
         self.srq = srq;
+        crate::routes::enter(srq, &self.mailbox);
         Ok(())
     }
 

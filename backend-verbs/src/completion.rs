@@ -193,13 +193,19 @@ impl VerbsTransport {
     /// look and wait beside the last one's, and a channel left readable keeps the wait set readable, which a
     /// sleeper registered edge-triggered (a tokio task) would never see change.
     pub(crate) fn arm_wait(&mut self) -> Result<bool, TransportError> {
-        self.take_routed();
         let mut events = [EpollEvent::empty(); 4];
         let n = self
             .epoll
             .wait(&mut events, EpollTimeout::ZERO)
             .map_err(|e| TransportError::os("epoll_wait", e.into()))?;
         let ready = |data: u64| events[..n].iter().any(|e| e.data() == data);
+        // An error of our queues that another transport read (see `routes`): its descriptor is read back to quiet
+        // first (level-triggered: left readable, it would wake every sleep), then the error taken; one delivered
+        // after the look above makes the descriptor readable again, and wakes the sleep that follows.
+        if ready(WAIT_ROUTED) {
+            self.mailbox.quiet();
+        }
+        self.take_routed();
         if ready(WAIT_ASYNC) {
             self.read_async_events();
         }

@@ -145,13 +145,20 @@ impl VerbsTransport {
                 Severity::Warn => tracing::warn!(code, qp_num, ?ep, "device event: {what}"),
                 Severity::Debug => tracing::debug!(code, qp_num, ?ep, "device event: {what}"),
             }
+            // Another transport's queue (see `routes`): handed to its owner before the acknowledgment, which lets
+            // the owner destroy the queue (review: acknowledged first, the queue could be destroyed, its address
+            // entered by a new transport's queue, and the error taken to that one).
+            if !mine
+                && !queue.is_null()
+                && fails_transport(code, true).is_some()
+                && crate::routes::deliver(queue, code)
+            {
+                tracing::debug!(code, "handed to the transport whose queue it names");
+            }
             // SAFETY: an event we got, acknowledged once, after its last use.
             unsafe { ibv_ack_async_event(p) };
             if let Some(what) = fails_transport(code, mine) {
                 self.fail_device(what, 0);
-            } else if !queue.is_null() && crate::routes::deliver(queue, code) {
-                // Another transport's queue (see `routes`): its owner takes it down.
-                tracing::debug!(code, "handed to the transport whose queue it names");
             }
         }
     }

@@ -48,14 +48,16 @@ impl Mailbox {
         self.failed.load(Ordering::Acquire) != NONE
     }
 
-    /// The code of the error delivered, if any, once (the descriptor is read back to unreadable).
+    /// The code of the error delivered, if any, once.
     pub(crate) fn take(&self) -> Option<u32> {
         let code = self.failed.swap(NONE, Ordering::AcqRel);
-        if code == NONE {
-            return None;
-        }
+        (code != NONE).then_some(code)
+    }
+
+    /// Reads the descriptor back to unreadable, before a look at [`Mailbox::take`] (a delivery sets the error,
+    /// then writes the descriptor: read after, the descriptor could stay readable with nothing to take).
+    pub(crate) fn quiet(&self) {
         let _ = self.wake.read();
-        Some(code)
     }
 
     fn post(&self, code: u32) {
@@ -134,9 +136,10 @@ mod tests {
         assert!(!a.pending() && !readable(&a), "a's mailbox is untouched");
         // A second error before b looked: one is enough.
         assert!(deliver(qb, SRQ_ERR));
+        b.quiet();
+        assert!(!readable(&b), "the descriptor read back to quiet");
         assert_eq!(b.take(), Some(CQ_ERR));
         assert_eq!(b.take(), None, "taken once");
-        assert!(!readable(&b), "and the descriptor quiet again");
         leave(qb);
         assert!(!deliver(qb, CQ_ERR), "a queue that left has no owner");
         drop(a);

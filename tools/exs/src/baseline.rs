@@ -75,7 +75,12 @@ pub(crate) fn wait(t: &mut dyn Transport, fd: Option<BorrowedFd<'_>>, max: Durat
 /// Waits for the next connection event (or 30 s), progressing the completion queue meanwhile (software
 /// providers make progress only when polled).
 pub(crate) fn next_cm(t: &mut dyn Transport) -> Result<CmEvent> {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    next_cm_within(t, Duration::from_secs(30))
+}
+
+/// [`next_cm`] within `limit`.
+pub(crate) fn next_cm_within(t: &mut dyn Transport, limit: Duration) -> Result<CmEvent> {
+    let deadline = Instant::now() + limit;
     let fd = t.wait_fd();
     let mut out = Vec::new();
     loop {
@@ -85,7 +90,7 @@ pub(crate) fn next_cm(t: &mut dyn Transport) -> Result<CmEvent> {
             return Ok(ev);
         }
         if Instant::now() > deadline {
-            bail!("no connection event within 30 s");
+            bail!("no connection event within {} s", limit.as_secs_f64());
         }
         wait(
             t,
@@ -126,6 +131,8 @@ fn serve(opened: &Opened, size: usize, depth: usize, read: bool) -> Result<()> {
     loop {
         match next_cm(&mut *t) {
             Ok(CmEvent::Disconnected { .. }) => break,
+            // The client is in: later requests are strangers'.
+            Ok(CmEvent::ConnectRequest { request, .. }) => t.reject(request),
             Ok(_) => {}
             Err(_) => {} // keep waiting: the client decides when the run ends
         }

@@ -11,6 +11,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context as _, Result};
 use exs::transport::{CmEvent, RequestId, Transport};
 
+use crate::admit::LOGGED;
 use crate::util::PATIENCE;
 
 /// The variable that hands a helper its token.
@@ -43,14 +44,14 @@ pub(crate) fn accept_request(t: &mut dyn Transport, token: u64) -> Result<Reques
     let deadline = Instant::now() + PATIENCE;
     let mut refused = 0u64;
     loop {
-        if Instant::now() > deadline {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             bail!(
                 "no connection request with this helper's token within {} s ({refused} others refused)",
                 PATIENCE.as_secs()
             );
         }
-        // `next_cm` gives up after its own wait: the deadline above decides.
-        let Ok(ev) = crate::baseline::next_cm(t) else {
+        let Ok(ev) = crate::baseline::next_cm_within(t, left) else {
             continue;
         };
         if let CmEvent::ConnectRequest {
@@ -65,9 +66,12 @@ pub(crate) fn accept_request(t: &mut dyn Transport, token: u64) -> Result<Reques
             }
             t.reject(request);
             refused += 1;
-            crate::log::note(format_args!(
-                "exs: refused a connection from {peer}: not this helper's client (no token)"
-            ));
+            // The first few are logged; the error says how many in all.
+            if refused <= LOGGED {
+                crate::log::note(format_args!(
+                    "exs: refused a connection from {peer}: not this helper's client (not its token)"
+                ));
+            }
         }
     }
 }

@@ -3,9 +3,10 @@
 //! server: a write to a full pipe blocks, and a server's accepting thread or a client's session blocked in one
 //! serves nobody. A line that finds the queue full is counted, and the count is written once lines go out again,
 //! where they would have been. `exs` writes its tracing output ([`Stderr`]) and its servers' notes ([`note`]) this
-//! way, on standard error, and a `--json` server its reports ([`report`]) on standard output (their count of lines
-//! dropped goes to standard error: standard output carries JSON only); it waits for both queues, a bounded time,
-//! before it exits ([`flush`]).
+//! way, on standard error, and a `--json` server its reports ([`report`]) on standard output: their count of lines
+//! dropped goes to the log, at the next report (standard output carries JSON only, and may stay stalled). It waits
+//! for both queues, a bounded time, before it exits ([`flush`]): the reports at most half of it, so that a stalled
+//! standard output leaves the log its time.
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -131,6 +132,12 @@ impl Lines {
             }
         };
         let Some(tx) = &q.tx else {
+            // No writing thread: a log line is written here (a short one, to standard error); a report is not (a
+            // stalled standard output would hold the session, what the queue is for), and is counted.
+            if self.stdout {
+                q.dropped.fetch_add(counted, Ordering::Relaxed);
+                return;
+            }
             return self.write_now(&line);
         };
         *q.pending.lock().unwrap_or_else(|p| p.into_inner()) += 1;
@@ -177,13 +184,22 @@ impl Lines {
         true
     }
 
-    /// [`flush`] of this queue, until `end`.
+    /// [`flush`] of this queue, until `end`. The reports' count goes to the log first, without waiting for
+    /// standard output, and what is still queued at `end` is counted with it.
     fn flush_until(&'static self, end: Instant) {
         // Nothing was ever queued (and the panic hook must not start the writer).
-        if self.queue.get().is_none() {
+        let Some(q) = self.queue.get() else {
+            return;
+        };
+        if self.stdout {
+            self.queue_line(Vec::new(), Duration::ZERO);
+            if !self.wait_written(end) {
+                let left = *q.pending.lock().unwrap_or_else(|p| p.into_inner());
+                LOG.queue_line(self.count_line(left), Duration::ZERO);
+            }
             return;
         }
-        if self.wait_written(end) && self.queue().dropped.load(Ordering::Relaxed) > 0 {
+        if self.wait_written(end) && q.dropped.load(Ordering::Relaxed) > 0 {
             self.queue_line(Vec::new(), Duration::ZERO);
             self.wait_written(end);
         }
@@ -208,12 +224,12 @@ pub fn report(line: std::fmt::Arguments<'_>) {
 }
 
 /// Waits until every queued line is written, then writes the count of lines dropped since the last one went out,
-/// if any; at most `patience` in all (a reader that stopped for good keeps the rest). The reports first: their
-/// count goes to the log.
+/// if any; at most `patience` in all (a reader that stopped for good keeps the rest). The reports first, for at most
+/// half of it (their count of lines dropped or still unwritten goes to the log), then the log.
 pub fn flush(patience: Duration) {
-    let end = Instant::now() + patience;
-    REPORTS.flush_until(end);
-    LOG.flush_until(end);
+    let start = Instant::now();
+    REPORTS.flush_until(start + patience / 2);
+    LOG.flush_until(start + patience);
 }
 
 /// tracing's writer: each event is gathered, then queued as one line.

@@ -62,6 +62,12 @@ pub(crate) fn accept_request(t: &mut dyn Transport, token: u64) -> Result<Reques
         } = ev
         {
             if got.get(..8) == Some(&private(token)[..]) {
+                if refused > LOGGED {
+                    crate::log::note(format_args!(
+                        "exs: {} more connections refused before this helper's client",
+                        refused - LOGGED
+                    ));
+                }
                 return Ok(request);
             }
             t.reject(request);

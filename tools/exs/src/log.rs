@@ -112,6 +112,12 @@ impl Lines {
         let q = self.queue();
         // An empty line carries only the count ([`flush`]): if it finds no room, it is not a line dropped.
         let counted = u64::from(!line.is_empty());
+        if self.stdout && q.tx.is_none() {
+            // No writing thread: a report is not written on the session's thread (a stalled standard output would
+            // hold it, what the queue is for); it is counted, and the count logged at exit.
+            q.dropped.fetch_add(counted, Ordering::Relaxed);
+            return;
+        }
         let dropped = q.dropped.swap(0, Ordering::Relaxed);
         if dropped == 0 && counted == 0 {
             return;
@@ -132,12 +138,7 @@ impl Lines {
             }
         };
         let Some(tx) = &q.tx else {
-            // No writing thread: a log line is written here (a short one, to standard error); a report is not (a
-            // stalled standard output would hold the session, what the queue is for), and is counted.
-            if self.stdout {
-                q.dropped.fetch_add(counted, Ordering::Relaxed);
-                return;
-            }
+            // No writing thread (and not a report: above): the line is written here.
             return self.write_now(&line);
         };
         *q.pending.lock().unwrap_or_else(|p| p.into_inner()) += 1;
@@ -152,14 +153,15 @@ impl Lines {
                 Err(_) => break,
             }
         }
-        // A count of report lines went to the log: only this line is dropped here.
+        // A count of report lines went to the log: only this line is dropped here. Counted under the lock of
+        // `pending`, so that the count at exit (`Lines::flush_until`) has it in one of the two, never both.
         let lost = if self.stdout {
             counted
         } else {
             dropped + counted
         };
-        q.dropped.fetch_add(lost, Ordering::Relaxed);
         let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
+        q.dropped.fetch_add(lost, Ordering::Relaxed);
         *pending -= 1;
         if *pending == 0 {
             q.written.notify_all();
@@ -184,18 +186,21 @@ impl Lines {
         true
     }
 
-    /// [`flush`] of this queue, until `end`. The reports' count goes to the log first, without waiting for
-    /// standard output, and what is still queued at `end` is counted with it.
+    /// [`flush`] of this queue, until `end`. For the reports, at exit: those dropped and those still unwritten at
+    /// `end` are counted once, in the log.
     fn flush_until(&'static self, end: Instant) {
         // Nothing was ever queued (and the panic hook must not start the writer).
         let Some(q) = self.queue.get() else {
             return;
         };
         if self.stdout {
-            self.queue_line(Vec::new(), Duration::ZERO);
-            if !self.wait_written(end) {
-                let left = *q.pending.lock().unwrap_or_else(|p| p.into_inner());
-                LOG.queue_line(self.count_line(left), Duration::ZERO);
+            // At exit: the reports dropped, and those still unwritten at `end`, in one count.
+            self.wait_written(end);
+            let pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
+            let lost = q.dropped.swap(0, Ordering::Relaxed) + *pending;
+            drop(pending);
+            if lost > 0 {
+                LOG.queue_line(self.count_line(lost), Duration::ZERO);
             }
             return;
         }
@@ -230,6 +235,12 @@ pub fn flush(patience: Duration) {
     let start = Instant::now();
     REPORTS.flush_until(start + patience / 2);
     LOG.flush_until(start + patience);
+}
+
+/// [`flush`] of the log alone (a panic's message follows the lines queued before it; a server's reports are left
+/// to the flush at exit).
+pub fn flush_log(patience: Duration) {
+    LOG.flush_until(Instant::now() + patience);
 }
 
 /// tracing's writer: each event is gathered, then queued as one line.

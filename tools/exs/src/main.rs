@@ -200,12 +200,12 @@ fn main() {
         cli::usage_error(sub, msg).exit();
     }
     init_logging();
-    // A panic's message comes after the lines queued before it (within a second: the log's own thread may be the
-    // one that panicked). This runs for panics that exs catches in its progress rounds too, where a stalled
-    // standard error costs that second.
+    // A panic's message comes after the log lines queued before it (within a second: the log's own thread may be
+    // the one that panicked). This runs for panics that exs catches in its progress rounds too, where a stalled
+    // standard error costs that second. A server's reports are left to the flush at exit.
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        log::flush(std::time::Duration::from_secs(1));
+        log::flush_log(std::time::Duration::from_secs(1));
         previous(info);
     }));
     let r = match cli.cmd {

@@ -136,8 +136,13 @@ impl Side {
                 if look {
                     self.looked = Instant::now();
                 }
-                if look && matches!(self.t.poll_cm(), Some(CmEvent::Disconnected { .. })) {
-                    return Ok(None);
+                if look {
+                    match self.t.poll_cm() {
+                        Some(CmEvent::Disconnected { .. }) => return Ok(None),
+                        // The client is in: later requests are strangers'.
+                        Some(CmEvent::ConnectRequest { request, .. }) => self.t.reject(request),
+                        _ => {}
+                    }
                 }
                 if !self.busy {
                     self.sleep();

@@ -89,13 +89,14 @@ pub(crate) fn next_cm_within(t: &mut dyn Transport, limit: Duration) -> Result<C
         if let Some(ev) = t.poll_cm() {
             return Ok(ev);
         }
-        if Instant::now() > deadline {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
             bail!("no connection event within {} s", limit.as_secs_f64());
         }
         wait(
             t,
             fd.as_ref().map(|f| f.as_fd()),
-            Duration::from_millis(100),
+            left.min(Duration::from_millis(100)),
         );
     }
 }

@@ -46,9 +46,10 @@ static REPORTS: Lines = Lines {
 };
 
 struct Queue {
-    /// `None` when no thread could be started: lines are then written where they are made.
+    /// `None` when no thread could be started: log lines are then written where they are made, and reports
+    /// counted.
     tx: Option<SyncSender<Vec<u8>>>,
-    /// Lines that found the queue full since the last count was written.
+    /// Lines dropped since their count was last queued (reports: also those never queued for want of a thread).
     dropped: AtomicU64,
     /// Lines queued and not written yet, for [`flush`].
     pending: Mutex<u64>,
@@ -108,7 +109,8 @@ impl Lines {
     /// Queues one line (ending in a newline), after the count of lines dropped before it, if any (so the count
     /// stands where they would have been; a count of report lines goes to the log instead); a line that finds the
     /// queue full is counted, and so is a count that does. With `patience`, waits that long for room first.
-    fn queue_line(&'static self, line: Vec<u8>, patience: Duration) {
+    /// Whether the line went out (queued, or written here).
+    fn queue_line(&'static self, line: Vec<u8>, patience: Duration) -> bool {
         let q = self.queue();
         // An empty line carries only the count ([`flush`]): if it finds no room, it is not a line dropped.
         let counted = u64::from(!line.is_empty());
@@ -116,18 +118,21 @@ impl Lines {
             // No writing thread: a report is not written on the session's thread (a stalled standard output would
             // hold it, what the queue is for); it is counted, and the count logged at exit.
             q.dropped.fetch_add(counted, Ordering::Relaxed);
-            return;
+            return false;
         }
         let dropped = q.dropped.swap(0, Ordering::Relaxed);
         if dropped == 0 && counted == 0 {
-            return;
+            return true;
         }
         let mut line = match dropped {
             0 => line,
             n if self.stdout => {
-                LOG.queue_line(self.count_line(n), Duration::ZERO);
+                // A count the log had no room for waits for the next report.
+                if !LOG.queue_line(self.count_line(n), Duration::ZERO) {
+                    q.dropped.fetch_add(n, Ordering::Relaxed);
+                }
                 if line.is_empty() {
-                    return;
+                    return true;
                 }
                 line
             }
@@ -139,13 +144,14 @@ impl Lines {
         };
         let Some(tx) = &q.tx else {
             // No writing thread (and not a report: above): the line is written here.
-            return self.write_now(&line);
+            self.write_now(&line);
+            return true;
         };
         *q.pending.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         let end = Instant::now() + patience;
         loop {
             match tx.try_send(line) {
-                Ok(()) => return,
+                Ok(()) => return true,
                 Err(TrySendError::Full(back)) if Instant::now() < end => {
                     line = back;
                     std::thread::sleep(Duration::from_millis(1));
@@ -166,6 +172,7 @@ impl Lines {
         if *pending == 0 {
             q.written.notify_all();
         }
+        false
     }
 
     /// Waits until every queued line is written (at most until `end`); whether they were.
@@ -200,7 +207,13 @@ impl Lines {
             let lost = q.dropped.swap(0, Ordering::Relaxed) + *pending;
             drop(pending);
             if lost > 0 {
-                LOG.queue_line(self.count_line(lost), Duration::ZERO);
+                LOG.queue_line(
+                    format!(
+                        "exs: {lost} report lines dropped or not written (standard output was not read)\n"
+                    )
+                    .into_bytes(),
+                    Duration::ZERO,
+                );
             }
             return;
         }
@@ -237,10 +250,37 @@ pub fn flush(patience: Duration) {
     LOG.flush_until(start + patience);
 }
 
-/// [`flush`] of the log alone (a panic's message follows the lines queued before it; a server's reports are left
-/// to the flush at exit).
-pub fn flush_log(patience: Duration) {
-    LOG.flush_until(Instant::now() + patience);
+/// A panic's message, as the standard hook writes it (with a backtrace where `RUST_BACKTRACE` asks for one),
+/// queued after the log lines queued before it; waits at most `patience` for the log to go out. `false` on the
+/// log's own writer thread (the caller then uses the standard hook).
+pub fn panic_to_log(info: &std::panic::PanicHookInfo<'_>, patience: Duration) -> bool {
+    let thread = std::thread::current();
+    if thread.name() == Some(LOG.thread) {
+        return false;
+    }
+    let payload = info.payload();
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "Box<dyn Any>".into());
+    let at = info
+        .location()
+        .map(|l| format!(" at {l}"))
+        .unwrap_or_default();
+    let backtrace = std::backtrace::Backtrace::capture();
+    let backtrace = match backtrace.status() {
+        std::backtrace::BacktraceStatus::Captured => format!("\nstack backtrace:\n{backtrace}"),
+        _ => String::new(),
+    };
+    let name = thread.name().unwrap_or("<unnamed>");
+    let end = Instant::now() + patience;
+    LOG.queue_line(
+        format!("thread '{name}' panicked{at}:\n{message}{backtrace}\n").into_bytes(),
+        patience,
+    );
+    LOG.flush_until(end);
+    true
 }
 
 /// tracing's writer: each event is gathered, then queued as one line.

@@ -200,13 +200,16 @@ fn main() {
         cli::usage_error(sub, msg).exit();
     }
     init_logging();
-    // A panic's message comes after the log lines queued before it (within a second: the log's own thread may be
-    // the one that panicked). This runs for panics that exs catches in its progress rounds too, where a stalled
-    // standard error costs that second. A server's reports are left to the flush at exit.
+    // A panic's message goes through the log's queue, after the lines queued before it, and the hook waits at
+    // most a second for it to go out. This runs for panics that exs catches in its progress rounds too, where the
+    // thread goes on: the standard hook's direct write to a standard error nobody reads held that thread for good
+    // (review finding). A panic of the log's own writer thread goes to the standard hook. A server's reports are
+    // left to the flush at exit.
     let previous = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
-        log::flush_log(std::time::Duration::from_secs(1));
-        previous(info);
+        if !log::panic_to_log(info, std::time::Duration::from_secs(1)) {
+            previous(info);
+        }
     }));
     let r = match cli.cmd {
         Cmd::Demo(a) => demo::run(a),

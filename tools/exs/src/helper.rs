@@ -11,7 +11,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context as _, Result};
 use exs::transport::{CmEvent, RequestId, Transport};
 
-use crate::admit::LOGGED;
+use crate::tcp_admit::Refused;
 use crate::util::PATIENCE;
 
 /// The variable that hands a helper its token.
@@ -42,12 +42,12 @@ pub(crate) fn private(token: u64) -> [u8; 8] {
 /// pad private data), refusing every other one; returns it.
 pub(crate) fn accept_request(t: &mut dyn Transport, token: u64) -> Result<RequestId> {
     let deadline = Instant::now() + PATIENCE;
-    let mut refused = 0u64;
+    let mut refused = Refused::new("helper's listener");
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
             bail!(
-                "no connection request with this helper's token within {} s ({refused} others refused)",
+                "no connection request with this helper's token within {} s",
                 PATIENCE.as_secs()
             );
         }
@@ -62,22 +62,10 @@ pub(crate) fn accept_request(t: &mut dyn Transport, token: u64) -> Result<Reques
         } = ev
         {
             if got.get(..8) == Some(&private(token)[..]) {
-                if refused > LOGGED {
-                    crate::log::note(format_args!(
-                        "exs: {} more connections refused before this helper's client",
-                        refused - LOGGED
-                    ));
-                }
                 return Ok(request);
             }
             t.reject(request);
-            refused += 1;
-            // The first few are logged; the error says how many in all.
-            if refused <= LOGGED {
-                crate::log::note(format_args!(
-                    "exs: refused a connection from {peer}: not this helper's client (not its token)"
-                ));
-            }
+            refused.close(peer, &anyhow!("not its client's token"));
         }
     }
 }
@@ -87,19 +75,6 @@ mod tests {
     use super::*;
     use exs::sim::{SimConfig, World};
     use exs::transport::EndpointId;
-
-    /// The next connection event of `t`, within 10 s.
-    fn event(t: &mut dyn Transport) -> Option<CmEvent> {
-        let until = Instant::now() + std::time::Duration::from_secs(10);
-        while Instant::now() < until {
-            t.poll(&mut Vec::new(), 8);
-            if let Some(ev) = t.poll_cm() {
-                return Some(ev);
-            }
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        None
-    }
 
     /// Strangers' requests that come first (no private data, another token) are refused, and the client's,
     /// behind them, is the one taken (a helper used to accept the first request, whoever sent it).
@@ -122,7 +97,9 @@ mod tests {
         helper
             .accept(request, EndpointId(1), &[], Vec::new())
             .unwrap();
-        let [stranger, other, client] = peers.each_mut().map(|t| event(t));
+        let [stranger, other, client] = peers
+            .each_mut()
+            .map(|t| crate::baseline::next_cm_within(t, std::time::Duration::from_secs(10)).ok());
         assert!(
             matches!(stranger, Some(CmEvent::ConnectFailed { .. })),
             "a stranger without a token: {stranger:?}"

@@ -56,6 +56,19 @@ struct Queue {
     written: Condvar,
 }
 
+impl Queue {
+    /// A queued line is done with: written (`lost` 0), or dropped with `lost` lines to count. Under the lock of
+    /// `pending`, so that the count at exit (`Lines::flush_until`) has a dropped line in one of the two, never both.
+    fn settle(&self, lost: u64) {
+        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        self.dropped.fetch_add(lost, Ordering::Relaxed);
+        *pending -= 1;
+        if *pending == 0 {
+            self.written.notify_all();
+        }
+    }
+}
+
 impl Lines {
     fn queue(&'static self) -> &'static Queue {
         self.queue.get_or_init(|| {
@@ -78,11 +91,7 @@ impl Lines {
         let q = self.queue();
         for line in rx {
             self.write_now(&line);
-            let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
-            *pending -= 1;
-            if *pending == 0 {
-                q.written.notify_all();
-            }
+            q.settle(0);
         }
     }
 
@@ -159,19 +168,12 @@ impl Lines {
                 Err(_) => break,
             }
         }
-        // A count of report lines went to the log: only this line is dropped here. Counted under the lock of
-        // `pending`, so that the count at exit (`Lines::flush_until`) has it in one of the two, never both.
-        let lost = if self.stdout {
+        // A count of report lines went to the log: only this line is dropped here.
+        q.settle(if self.stdout {
             counted
         } else {
             dropped + counted
-        };
-        let mut pending = q.pending.lock().unwrap_or_else(|p| p.into_inner());
-        q.dropped.fetch_add(lost, Ordering::Relaxed);
-        *pending -= 1;
-        if *pending == 0 {
-            q.written.notify_all();
-        }
+        });
         false
     }
 

@@ -64,25 +64,34 @@ impl Candidate {
     }
 }
 
-/// The connections closed so far in one test.
-#[derive(Default)]
-struct Refused(u64);
+/// The connections closed so far in one test (or by one helper server: [`crate::helper`]); the first
+/// [`LOGGED`] are logged one by one, the rest counted once it is dropped.
+pub(crate) struct Refused {
+    n: u64,
+    /// Whose listener, for the log ("test's TCP listener").
+    listener: &'static str,
+}
 
 impl Refused {
-    fn close(&mut self, from: SocketAddr, why: &anyhow::Error) {
-        self.0 += 1;
-        if self.0 <= LOGGED {
-            tracing::warn!(%from, "a connection to a test's TCP listener closed: {why:#}");
+    pub(crate) fn new(listener: &'static str) -> Refused {
+        Refused { n: 0, listener }
+    }
+
+    pub(crate) fn close(&mut self, from: SocketAddr, why: &anyhow::Error) {
+        self.n += 1;
+        if self.n <= LOGGED {
+            tracing::warn!(%from, "a connection to a {} closed: {why:#}", self.listener);
         }
     }
 }
 
 impl Drop for Refused {
     fn drop(&mut self) {
-        if self.0 > LOGGED {
+        if self.n > LOGGED {
             tracing::warn!(
-                "{} more connections to the test's TCP listener closed",
-                self.0 - LOGGED
+                "{} more connections to the {} closed",
+                self.n - LOGGED,
+                self.listener
             );
         }
     }
@@ -92,7 +101,7 @@ impl Drop for Refused {
 /// connection), within [`PATIENCE`] and the test's limits, and closes `l`. The connection comes back blocking.
 pub fn accept_client(l: TcpListener, token: Option<u64>, watch: &Watch) -> Result<TcpStream> {
     l.set_nonblocking(true)?;
-    let mut refused = Refused::default();
+    let mut refused = Refused::new("test's TCP listener");
     let mut cands = VecDeque::new();
     let taken = take_client(&l, token, watch, &mut cands, &mut refused);
     // Whatever is still being read is closed, and counted, however the wait ended.

@@ -60,6 +60,25 @@ fn message(v: &Value) -> &str {
     v["message"].as_str().unwrap()
 }
 
+/// An honest client's test goes through within `limit`, tried again every `pause` (the server is let go by
+/// whoever held it).
+fn served_within(tool: &str, server: &Server, limit: Duration, pause: Duration) {
+    let t = Instant::now();
+    loop {
+        let out = honest(tool, server);
+        if out.status.success() {
+            return;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "the server was still held after {:?}: {}",
+            t.elapsed(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        std::thread::sleep(pause);
+    }
+}
+
 /// An honest client's test goes through (the server is up and free).
 fn served(tool: &str, server: &Server) {
     let out = honest(tool, server);
@@ -274,19 +293,12 @@ fn a_second_client_is_told_busy_at_once() {
     // The holder still has the server (it was not dropped to make room), and once it goes, the next is served.
     holder.w.shutdown(Shutdown::Write).unwrap();
     assert!(holder.reply().is_none());
-    let t = Instant::now();
-    loop {
-        let out = honest("ping", &server);
-        if out.status.success() {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    served_within(
+        "ping",
+        &server,
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+    );
 }
 
 #[test]
@@ -421,20 +433,12 @@ fn a_client_that_sends_a_byte_mid_test_then_closes_frees_the_server_at_once() {
     let (mut server, mut c, _l) = tcp_demo(&[], 1);
     c.send(b"x");
     drop(c);
-    let t = Instant::now();
-    loop {
-        let out = honest("demo", &server);
-        if out.status.success() {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "the server was still held after {:?}: {}",
-            t.elapsed(),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    served_within(
+        "demo",
+        &server,
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+    );
     assert!(server.alive());
 }
 
@@ -1345,19 +1349,12 @@ fn after_arbitrary_lines_an_honest_client_is_served() {
         j.join().unwrap();
     }
     assert!(server.alive());
-    let t = Instant::now();
-    loop {
-        let out = honest("pump", &server);
-        if out.status.success() {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    served_within(
+        "pump",
+        &server,
+        Duration::from_secs(20),
+        Duration::from_millis(200),
+    );
 }
 
 /// A demo server whose tests may last two seconds (`--max-seconds 1`, `--max-grace 1`), a welcomed client, and

@@ -372,8 +372,7 @@ impl FabricTransport {
         }
     }
 
-    /// Reads the event queue into the backlog until no request for `listener` has come for [`SETTLE_QUIET`]
-    /// (at once when the first read brings none), for [`SETTLE_MAX`] at most.
+    /// Reads the event queue into the backlog while requests for `listener` keep coming ([`settle`]).
     ///
     /// libfabric's tcp provider (1.17, Debian 12's) takes a connection in before reading its request, and a
     /// passive endpoint closed in between does not end that handshake: when the request comes, the provider
@@ -381,27 +380,9 @@ impl FabricTransport {
     /// requests are coming the endpoint is kept open a little longer, to publish and refuse those handshakes;
     /// one that takes longer still meets the provider's fault (the peer's connect then times out).
     fn settle_requests(&mut self, listener: ListenerId) {
-        let start = Instant::now();
-        let mut last = None;
-        loop {
-            while let Some(ev) = self.read_eq() {
-                if matches!(ev, CmEvent::ConnectRequest { listener: l, .. } if l == listener) {
-                    last = Some(Instant::now());
-                }
-                self.cm_backlog.push_back(ev);
-                if last.is_some() && start.elapsed() >= SETTLE_MAX {
-                    // A flood of events: the rest wait for the engine's next look.
-                    break;
-                }
-            }
-            let Some(at) = last else {
-                return;
-            };
-            if at.elapsed() >= SETTLE_QUIET || start.elapsed() >= SETTLE_MAX {
-                return;
-            }
-            std::thread::sleep(SETTLE_PAUSE);
-        }
+        let mut read = Vec::new();
+        settle(listener, || self.read_eq(), |ev| read.push(ev));
+        self.cm_backlog.extend(read);
     }
 
     /// [`Transport::connect`](exs_transport::Transport::connect): an endpoint from `fi_getinfo` for the address,
@@ -581,6 +562,37 @@ fn listen_error(addr: SocketAddr, call: &str, ret: i32) -> TransportError {
         98 => TransportError::AddrInUse(addr),
         99 => TransportError::AddrNotAvailable(format!("{addr} is not an address of this host")),
         _ => err(call, ret.into()),
+    }
+}
+
+/// Reads events (`read`) into `keep` until no request for `listener` has come for [`SETTLE_QUIET`] (at once when
+/// the first reads bring none), for [`SETTLE_MAX`] at most, however fast events come: a peer that kept the queue
+/// full of requests for other listeners held the closing one's reads, and the engine, for good.
+pub(crate) fn settle(
+    listener: ListenerId,
+    mut read: impl FnMut() -> Option<CmEvent>,
+    mut keep: impl FnMut(CmEvent),
+) {
+    let start = Instant::now();
+    let mut last = None;
+    loop {
+        while let Some(ev) = read() {
+            if matches!(ev, CmEvent::ConnectRequest { listener: l, .. } if l == listener) {
+                last = Some(Instant::now());
+            }
+            keep(ev);
+            if start.elapsed() >= SETTLE_MAX {
+                // A flood of events: the rest wait for the engine's next look.
+                return;
+            }
+        }
+        let Some(at) = last else {
+            return;
+        };
+        if at.elapsed() >= SETTLE_QUIET || start.elapsed() >= SETTLE_MAX {
+            return;
+        }
+        std::thread::sleep(SETTLE_PAUSE);
     }
 }
 

@@ -677,3 +677,28 @@ fn a_send_with_immediate_data_over_two_buffers_is_refused_whole() {
         "the request comes back whole"
     );
 }
+
+/// Review finding: while a listener closes, the event queue is read for its late requests for 20 ms at most. The
+/// bound held only once one of them had come: a peer that kept the queue full of requests for another listener
+/// held the closing one's reads, and so the engine, for as long as it kept them coming.
+#[test]
+fn a_flood_of_requests_for_another_listener_does_not_hold_a_closing_listener() {
+    let peer: SocketAddr = "127.0.0.1:9".parse().expect("address");
+    let (mut read, mut kept) = (0u64, 0u64);
+    crate::connection::settle(
+        ListenerId(1),
+        || {
+            read += 1;
+            assert!(read < 50_000_000, "the reads never stopped");
+            Some(CmEvent::ConnectRequest {
+                listener: ListenerId(2),
+                request: exs_transport::RequestId(read),
+                peer,
+                private: Vec::new(),
+            })
+        },
+        |_| kept += 1,
+    );
+    assert!(kept > 0, "nothing read");
+    assert_eq!(kept, read, "an event read was not kept");
+}

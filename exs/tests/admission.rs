@@ -276,3 +276,35 @@ fn connection_memory_is_what_a_connection_charges_and_a_budget_of_n_admits_n() {
         }
     }
 }
+
+/// Review finding: an accept the transport failed before it took the connection request (libfabric and verbs
+/// check the connection's first receives, or their own failure, first) left the request unanswered: the peer's
+/// connect waited for its own timeout. The engine now refuses it; where the transport took it already, the
+/// refusal does nothing.
+#[test_log::test]
+fn a_connection_whose_accept_failed_is_refused_not_left_waiting() {
+    let world = World::threaded(SimConfig::default());
+    let server = world.host();
+    let client = world.host();
+    let l = Socket::new(&server, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(0, 7300)).unwrap();
+    let addr = l.listen(16).unwrap();
+    let seq = EventQueue::new(8).unwrap();
+    l.accept(&seq, 1).unwrap();
+    world.fail_next_accept(0);
+    let ceq = EventQueue::new(8).unwrap();
+    let c = Socket::new(&client, SockType::SeqPacket).unwrap();
+    c.connect(&ceq, addr, 1).unwrap();
+    let ev = ceq
+        .next(Some(Duration::from_secs(10)))
+        .expect("the connect never ended");
+    assert_eq!(ev.status, Err(OpError::Refused), "{ev:?}");
+    assert_eq!(server.stats().dropped_before_accept, 1);
+    // The next connection is accepted as usual.
+    let c2 = Socket::new(&client, SockType::SeqPacket).unwrap();
+    c2.connect(&ceq, addr, 2).unwrap();
+    let ev = ceq.next(Some(Duration::from_secs(10))).expect("connect");
+    assert!(ev.is_ok(), "{ev:?}");
+    let mut accepted = seq.next(Some(Duration::from_secs(10))).unwrap();
+    accepted.take_accepted().unwrap();
+}

@@ -501,7 +501,9 @@ pub trait Transport: Send + fmt::Debug {
     ) -> Result<(), TransportError>;
 
     /// Accepts a request on a new endpoint `ep`, posting `recvs` first. Ends with `Established` (or
-    /// `Disconnected` if the peer went away).
+    /// `Disconnected` if the peer went away). On error the request may still wait for an answer (a transport
+    /// checks `recvs` and its own state before it takes the request): the caller rejects it, which does nothing
+    /// if the transport answered it already.
     fn accept(
         &mut self,
         request: RequestId,

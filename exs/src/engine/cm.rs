@@ -164,6 +164,9 @@ impl Engine {
         let private = conn.local.encode();
         if let Err(e) = self.transport.accept(request, ep, &private, recvs) {
             tracing::debug!(%peer, %e, "accepting an incoming connection failed");
+            // A transport that failed before it took the request left it waiting: refuse it (does nothing if
+            // the transport answered it already).
+            self.transport.reject(request);
             self.forget_conn(conn);
             self.release_endpoint(ep);
             self.stats.dropped_before_accept += 1;

@@ -327,6 +327,7 @@ impl World {
                 refuse_registrations: false,
                 keep_deregistered: Arc::default(),
                 fail_next_incoming_write: false,
+                fail_next_accept: false,
                 cq: VecDeque::new(),
                 cm: VecDeque::new(),
                 notify: notify.clone(),
@@ -468,6 +469,13 @@ impl World {
     /// (then the connection breaks).
     pub fn fail_next_incoming_write(&self, host: usize) {
         lock(&self.net).hosts[host].fail_next_incoming_write = true;
+    }
+
+    /// Fault schedule: the next accept of `host`'s device fails before it takes its connection request, as an
+    /// accept does on libfabric and verbs when the device refuses the connection's first receives or the
+    /// transport has failed: the request is still the device's, for the engine to refuse.
+    pub fn fail_next_accept(&self, host: usize) {
+        lock(&self.net).hosts[host].fail_next_accept = true;
     }
 
     /// The host a raw transport of [`World::raw_host`] plays (for [`World::kill`] and friends).

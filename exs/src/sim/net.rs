@@ -73,6 +73,8 @@ pub(super) struct Host {
     /// Fault schedule: the next write-with-immediate into this host fails on its way in (see
     /// [`World::fail_next_incoming_write`]).
     pub(super) fail_next_incoming_write: bool,
+    /// The next accept fails before it takes its request ([`World::fail_next_accept`]).
+    pub(super) fail_next_accept: bool,
     /// The driver of a manual world skips this host's progress.
     pub(super) stalled: bool,
     pub(super) answering: bool,

@@ -353,6 +353,11 @@ impl Transport for SimTransport {
     ) -> Result<(), TransportError> {
         recvs.iter().try_for_each(|w| w.op.check_leases())?;
         let mut net = self.net();
+        if std::mem::take(&mut net.hosts[self.host].fail_next_accept) {
+            return Err(TransportError::Resource(
+                "the simulated device failed this accept".into(),
+            ));
+        }
         let Some((from, from_addr, listen)) = net.hosts[self.host].requests.remove(&request) else {
             return Err(TransportError::Invalid("unknown connection request".into()));
         };

@@ -196,10 +196,20 @@ impl TrustedKeys {
         self.keys.keys().filter(|k| k.1 == b).count()
     }
 
-    /// Revokes every key naming `buf` (the region is being deregistered and no operation uses it).
+    /// Lets go of every key naming `buf` (its region's last handle went): a key no operation uses is revoked at
+    /// once; one that a pending operation uses (a stream receive advertised to the peer) is revoked when the last
+    /// of them ends and drops it ([`Borrowed`]), as every operation's own key is.
     pub(crate) fn forget_buffer(&mut self, buf: &Arc<DmaBuf>) {
         let b = buf_key(buf);
-        self.forget(|k| k.1 == b);
+        self.keys.retain(|k, e| {
+            if k.1 != b {
+                return true;
+            }
+            if Arc::strong_count(&e.whole) == 1 {
+                revoke(&e.whole);
+            }
+            false
+        });
     }
 
     fn forget(&mut self, gone: impl Fn(&(EndpointId, usize, RemoteAccess)) -> bool) {

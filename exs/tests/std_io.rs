@@ -699,3 +699,30 @@ fn a_write_failure_stays_reported_by_every_later_write_and_flush() {
         assert_eq!(flushed.kind(), first.kind(), "{flushed} after {first}");
     }
 }
+
+/// Review finding: a write of nothing returned `Ok(0)` before any check, so it hid a shutdown and a broken
+/// connection; as TCP's (`send` of 0 bytes), it now fails as a write of bytes would: `BrokenPipe` after
+/// `shutdown(Write)`, the connection's error once it is down.
+#[test]
+fn a_write_of_nothing_reports_a_shutdown_or_a_broken_connection() {
+    let (_world, mut c, _s) = connected(7460);
+    assert_eq!(c.write(&[]).unwrap(), 0, "an open stream takes nothing");
+    c.shutdown(Shutdown::Write).unwrap();
+    let e = c.write(&[]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::BrokenPipe, "{e}");
+
+    let (world2, mut c2, _s2) = connected(7461);
+    world2.break_connections(0);
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    let e = loop {
+        match c2.write(&[]) {
+            Ok(0) if std::time::Instant::now() < until => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Ok(n) => panic!("a write of nothing returned {n}, or never saw the connection go"),
+            Err(e) => break e,
+        }
+    };
+    let again = c2.write(b"x").unwrap_err();
+    assert_eq!(e.kind(), again.kind(), "{e} / {again}");
+}

@@ -470,9 +470,6 @@ impl Writer {
         bufs: &[io::IoSlice<'_>],
     ) -> io::Result<Option<usize>> {
         let total: usize = bufs.iter().map(|b| b.len()).sum();
-        if total == 0 {
-            return Ok(Some(0));
-        }
         self.absorb_queued();
         self.sent_failure()?;
         if self.shut != Shut::Open {
@@ -480,6 +477,19 @@ impl Writer {
                 io::ErrorKind::BrokenPipe,
                 "the stream is shut down for writing",
             ));
+        }
+        if total == 0 {
+            // As TCP's send of nothing: what a send would meet now, and no byte (review finding: `Ok(0)` came
+            // before every check, after a shutdown or a reset too).
+            return match self.sock.check_sendable() {
+                Ok(()) => Ok(Some(0)),
+                Err(e) => {
+                    if let StateError::ConnectionDown(op) = &e {
+                        self.failed.get_or_insert_with(|| Failure::of(op));
+                    }
+                    Err(SendError::State(e).into())
+                }
+            };
         }
         if self.ring.is_none() {
             self.ring = Some(MemoryRegion::alloc(&self.ctx, self.len)?);

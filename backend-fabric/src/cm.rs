@@ -37,7 +37,7 @@ fn connect_failure(err: i32) -> ConnectFailure {
         // handshake met bytes it does not parse, or a close or reset instead of its answer (which of these depends
         // on when the close lands).
         92 | 71 | 5 | 115 | 104 => ConnectFailure::NotAPeer(strerror(err.into())),
-        _ => ConnectFailure::Other(strerror(err.into())),
+        _ => ConnectFailure::Other(crate::call::err("fi_connect", -i64::from(err))),
     }
 }
 
@@ -102,7 +102,7 @@ impl FabricTransport {
     }
 
     /// An error entry: a connect that failed (with its reason), or an endpoint that went down.
-    fn on_eq_error(&mut self, ee: &fi_eq_err_entry) -> Option<CmEvent> {
+    pub(crate) fn on_eq_error(&mut self, ee: &fi_eq_err_entry) -> Option<CmEvent> {
         let Some(id) = self.endpoint_of(ee.fid) else {
             if self.listener_of(ee.fid).is_some() {
                 tracing::warn!(
@@ -152,7 +152,7 @@ impl FabricTransport {
             FI_CONNECTED => {
                 let id = id?;
                 let e = self.eps.get_mut(&id)?;
-                if e.state != EpState::Connecting {
+                if !matches!(e.state, EpState::Connecting | EpState::Accepting) {
                     return None;
                 }
                 e.state = EpState::Connected;
@@ -259,5 +259,78 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(t.on_eq_error(&ee), None);
+    }
+
+    /// Review finding: an accepted endpoint whose handshake failed before `FI_CONNECTED` (its peer reset it) was
+    /// reported as a failed connect, where the transport's `accept` ends with `Established` or `Disconnected`.
+    #[test]
+    fn an_accepted_connection_that_fails_before_it_is_up_is_reported_down() {
+        use exs_transport::Transport;
+        use std::time::{Duration, Instant};
+        let _serial = crate::tests::serial();
+        let cfg = FabricConfig::default();
+        let mut server = FabricTransport::open(&cfg).expect("open tcp");
+        let mut client = FabricTransport::open(&cfg).expect("open tcp");
+        let any = "127.0.0.1:0".parse().expect("address");
+        let (_listener, addr) = server.listen(any, 16).expect("listen");
+        client
+            .connect(EndpointId(1), addr, b"hello", Vec::new())
+            .expect("connect");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let request = loop {
+            assert!(Instant::now() < deadline, "no connection request came");
+            client.poll_cm();
+            match server.poll_cm() {
+                Some(CmEvent::ConnectRequest { request, .. }) => break request,
+                Some(other) => panic!("server event {other:?}"),
+                None => std::thread::sleep(Duration::from_millis(1)),
+            }
+        };
+        let ep = EndpointId(7);
+        server
+            .accept(request, ep, b"welcome", Vec::new())
+            .expect("accept");
+        // What the provider queues when the peer resets the connection before it is up.
+        let ee = fi_eq_err_entry {
+            fid: crate::connection::fid_addr(server.eps[&ep].ep) as *mut fid,
+            err: 104, // ECONNRESET
+            ..Default::default()
+        };
+        assert_eq!(server.on_eq_error(&ee), Some(CmEvent::Disconnected { ep }));
+        assert_eq!(server.on_eq_error(&ee), None, "reported twice");
+    }
+
+    /// Review finding: a connect that failed in a way with no name of its own kept only the provider's words,
+    /// and the engine reported them as an invalid argument; the call and its code now come with it.
+    #[test]
+    fn a_connect_failure_of_no_known_kind_keeps_the_call_and_its_code() {
+        use std::error::Error;
+        match connect_failure(90) {
+            ConnectFailure::Other(e) => {
+                assert_eq!(e.to_string(), "message too long");
+                assert_eq!(
+                    e.source().map(|s| s.to_string()).as_deref(),
+                    Some("fi_connect returned -90")
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Listening where no interface of the provider's carries the address reads as that, with the call and code.
+    #[test]
+    fn listening_on_an_address_of_no_interface_here_says_so() {
+        use exs_transport::Transport;
+        let _serial = crate::tests::serial();
+        let mut t = FabricTransport::open(&FabricConfig::default()).expect("open tcp");
+        // TEST-NET-1 (RFC 5737): no interface of this machine's; nothing is sent, it is only looked up and bound.
+        let addr = "192.0.2.1:0".parse().expect("address");
+        match t.listen(addr, 16) {
+            Err(exs_transport::TransportError::AddrNotAvailable(why)) => {
+                assert!(why.contains("192.0.2.1"), "{why}")
+            }
+            Err(e) => panic!("{e:?}"),
+            Ok(_) => panic!("listening on 192.0.2.1 was accepted"),
+        }
     }
 }

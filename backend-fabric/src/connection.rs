@@ -50,7 +50,11 @@ impl From<EpError> for TransportError {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum EpState {
+    /// `fi_connect` called, `FI_CONNECTED` not come yet.
     Connecting,
+    /// `fi_accept` called, `FI_CONNECTED` not come yet: a failure now is the connection going down (the trait's
+    /// `accept` ends with `Established` or `Disconnected`), not a failed connect.
+    Accepting,
     Connected,
     Down,
 }
@@ -305,7 +309,16 @@ impl FabricTransport {
             FI_SOURCE,
         )
         .map_err(|e| match e {
-            TransportError::Os { .. } => TransportError::AddrNotAvailable(format!("{addr}: {e}")),
+            // No interface of the provider's carries the address (review finding: every failure of the call
+            // read as this, and lost its call and code).
+            TransportError::Os { call, .. }
+                if call.code.unsigned_abs() == u64::from(FI_ENODATA) =>
+            {
+                TransportError::AddrNotAvailable(format!(
+                    "{addr}: no {} interface carries it ({call})",
+                    self.provider
+                ))
+            }
             other => other,
         })?;
         let id = ListenerId(self.next_listener);
@@ -320,18 +333,16 @@ impl FabricTransport {
             return Err(listen_error(addr, "fi_passive_ep", ret));
         }
         // SAFETY: `pep` was just opened; binding it to our event queue, then listening.
-        let ret = unsafe {
-            let r = exs_fi_pep_bind(pep, &mut (*self.eq).fid, 0);
-            if r < 0 {
-                r
-            } else {
-                exs_fi_listen(pep)
+        let (call, ret) = unsafe {
+            match exs_fi_pep_bind(pep, &mut (*self.eq).fid, 0) {
+                r if r < 0 => ("fi_pep_bind", r),
+                _ => ("fi_listen", exs_fi_listen(pep)),
             }
         };
         if ret < 0 {
             // SAFETY: the passive endpoint is ours and unused.
             unsafe { exs_fi_close(&mut (*pep).fid) };
-            return Err(listen_error(addr, "fi_listen", ret));
+            return Err(listen_error(addr, call, ret));
         }
         let mut buf = [0u8; 128];
         let mut len = buf.len();
@@ -469,7 +480,8 @@ impl FabricTransport {
             self.release_ep(ep);
             return Err(err);
         }
-        let e = self.eps.get(&ep).expect("inserted");
+        let e = self.eps.get_mut(&ep).expect("inserted");
+        e.state = EpState::Accepting;
         // SAFETY: enabled endpoint created from the request's info; private data is copied by the call.
         let ret = unsafe { exs_fi_accept(e.ep, private.as_ptr() as *const c_void, private.len()) };
         if ret < 0 {

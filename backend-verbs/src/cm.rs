@@ -18,7 +18,13 @@ fn connect_failure(err: &std::io::Error) -> ConnectFailure {
         Some(libc::ECONNREFUSED) => ConnectFailure::Refused(Vec::new()),
         Some(libc::ETIMEDOUT) => ConnectFailure::TimedOut,
         Some(libc::ENETUNREACH | libc::EHOSTUNREACH) => ConnectFailure::Unreachable,
-        _ => ConnectFailure::Other(format!("rdma_connect: {err}")),
+        _ => ConnectFailure::Other(exs_transport::TransportError::os(
+            "rdma_connect",
+            match err.raw_os_error() {
+                Some(code) => std::io::Error::from_raw_os_error(code),
+                None => std::io::Error::new(err.kind(), err.to_string()),
+            },
+        )),
     }
 }
 
@@ -89,7 +95,10 @@ impl VerbsTransport {
             }
             RDMA_CM_EVENT_CONNECT_ERROR => self.connect_failed(
                 ep,
-                ConnectFailure::Other(format!("connect error (status {status})")),
+                ConnectFailure::Other(exs_transport::TransportError::os(
+                    "rdma_connect (RDMA_CM_EVENT_CONNECT_ERROR)",
+                    std::io::Error::from_raw_os_error(status.unsigned_abs() as i32),
+                )),
             ),
             RDMA_CM_EVENT_ESTABLISHED => {
                 let e = self.eps.get_mut(&ep)?;
@@ -169,7 +178,10 @@ impl VerbsTransport {
         }
         // SAFETY: live id with a resolved address.
         if unsafe { rdma_resolve_route(e.id, RESOLVE_TIMEOUT_MS) } != 0 {
-            let why = format!("rdma_resolve_route: {}", std::io::Error::last_os_error());
+            let why = exs_transport::TransportError::os(
+                "rdma_resolve_route",
+                std::io::Error::last_os_error(),
+            );
             return self.connect_failed(ep, ConnectFailure::Other(why));
         }
         None
@@ -182,7 +194,7 @@ impl VerbsTransport {
         }
         let (private, recvs) = self.eps.get_mut(&ep)?.pending.take()?;
         if let Err(err) = self.create_qp(ep, recvs) {
-            return self.connect_failed(ep, ConnectFailure::Other(err.to_string()));
+            return self.connect_failed(ep, ConnectFailure::Other(err));
         }
         let e = self.eps.get_mut(&ep)?;
         e.state = EpState::Connecting;

@@ -400,8 +400,8 @@ pub enum ConnectFailure {
     /// Something answered at the address, but not in the transport's connection protocol (a plain TCP server
     /// under libfabric's tcp provider): it is not an exs peer. The provider's own words, for debug logs.
     NotAPeer(String),
-    /// Anything else.
-    Other(String),
+    /// Anything else: the call that failed and its code (the error's `source()`).
+    Other(TransportError),
 }
 
 /// A connection-management event.

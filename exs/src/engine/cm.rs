@@ -27,7 +27,9 @@ impl Engine {
                                 peer.map_or_else(|| "the far end".into(), |a| a.to_string()),
                             )
                         }
-                        ConnectFailure::Other(s) => OpError::Transport(TransportError::Invalid(s)),
+                        // Review finding: this was `Invalid(text)`, "invalid argument" without the call or its
+                        // code, as if the caller had erred.
+                        ConnectFailure::Other(e) => OpError::Transport(e),
                     };
                     self.fail_connect(sid, err);
                 }

@@ -216,7 +216,7 @@ fn connect_raw(t: &mut dyn Transport, helper: &Helper) -> Result<Vec<u8>> {
                 ConnectFailure::Unreachable => "unreachable".into(),
                 ConnectFailure::TimedOut => "no answer".into(),
                 ConnectFailure::NotAPeer(why) => format!("not an exs peer ({why})"),
-                ConnectFailure::Other(why) => why,
+                ConnectFailure::Other(why) => why.to_string(),
             }
         ),
         _ => bail!("connecting to {addr}: the connection was not established"),

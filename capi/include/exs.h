@@ -107,6 +107,22 @@ struct timespec;
 #define EXS_ACCESS_WRITE 2
 
 /**
+ * `POLLRDNORM` (`exs_poll`, `exs_evt_revents`): the same bit, for strict C programs, which `<poll.h>` gives it
+ * only with `_XOPEN_SOURCE` or `_GNU_SOURCE`.
+ */
+#define EXS_POLLRDNORM 64
+
+/**
+ * `POLLWRNORM`, for the same programs.
+ */
+#define EXS_POLLWRNORM 256
+
+/**
+ * `POLLRDHUP` (Linux), which `<poll.h>` gives only with `_GNU_SOURCE`.
+ */
+#define EXS_POLLRDHUP 8192
+
+/**
  * `exs_qwait_mode`: poll once, spin briefly when recent waits were short (no longer than a sleep and a wake-up
  * would cost), then sleep until the number of events still missing has arrived (seed 004).
  * The default.
@@ -335,6 +351,10 @@ int exs_qfd(exs_qhandle_t qh);
  * fabric that can deliver nothing more, before any event was taken: a wait that took some first returns them,
  * fewer than asked, as at a timeout).
  *
+ * A wait without a timeout lasts until its events come: nothing else ends it (`exs_qdelete` of the queue fails
+ * with `EBUSY` meanwhile, and closing a socket ends only the operations it has on the queue). A thread that must
+ * be able to stop (at a program's shutdown) waits with a timeout and looks at its own flag between waits.
+ *
  * # Safety
  * `events` is null or valid for writes of `|nevents|` events; `timeout` is null or points to a `timespec`.
  */
@@ -354,8 +374,12 @@ int exs_qdequeue(exs_qhandle_t qh,
  * Returns a memory handle, or -1 with `errno`: `EINVAL` (null, empty, access), `EBUSY` (overlaps a registered
  * range), `ENOMEM`, `ENODEV` (no `exs_init`), or the device's own (`EFAULT`: memory it cannot register).
  *
- * Registration does not pin a child process's view: pages of registered memory shared with a child after
- * `fork()` are the caller's to avoid (`madvise(MADV_DONTFORK)`), as with `ibv_reg_mr`.
+ * `fork()`: on the verbs backend, unless the kernel keeps pinned pages with the parent across a fork
+ * (`ibv_is_fork_initialized` says `IBV_FORK_UNNEEDED`), libibverbs keeps registered memory out of children
+ * (`ibv_fork_init`): every page a registration touches is missing in a child, with whatever else shares those
+ * pages (other `malloc` blocks). A child must not touch those pages, nor call exs: it inherits no working
+ * library (no progress thread, no connection). Register whole pages (`posix_memalign`, `mmap`) to keep other data
+ * out of them.
  *
  * # Safety
  * The memory is one allocation (one `malloc` block, one mapping, one array), readable and writable, initialized
@@ -445,8 +469,11 @@ int exs_connect(int fd,
  * whichever was asked for (`poll(2)` would return only the asked-for name: test bits with `&`); `POLLERR` and
  * `POLLHUP` are always reported, and a hang-up (the peer closed) also as `POLLRDHUP`. `POLLERR`, `POLLHUP`,
  * `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per socket on a shared queue waits for
- * whichever is ready first. -1 with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`,
- * `POLLRDBAND`, `POLLWRBAND`, ...), `EAGAIN`.
+ * whichever is ready first. A strict C program (`-std=c99`), whose `<poll.h>` has no `POLLRDNORM`,
+ * `POLLWRNORM` or `POLLRDHUP`, uses `EXS_POLLRDNORM`, `EXS_POLLWRNORM` and `EXS_POLLRDHUP`, the same bits. -1
+ * with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`, `POLLRDBAND`, `POLLWRBAND`, ...),
+ * `ENOTCONN` (neither connected nor listening: unlike `poll(2)`, which would report `POLLOUT | POLLHUP`),
+ * `EAGAIN`.
  */
 int exs_poll(int fd,
              short events,

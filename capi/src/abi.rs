@@ -49,6 +49,14 @@ pub const EXS_ACCESS_READ: c_int = 1;
 /// `exs_mregister` access: the memory may be received into (the device writes it).
 pub const EXS_ACCESS_WRITE: c_int = 2;
 
+/// `POLLRDNORM` (`exs_poll`, `exs_evt_revents`): the same bit, for strict C programs, which `<poll.h>` gives it
+/// only with `_XOPEN_SOURCE` or `_GNU_SOURCE`.
+pub const EXS_POLLRDNORM: c_short = 0x040;
+/// `POLLWRNORM`, for the same programs.
+pub const EXS_POLLWRNORM: c_short = 0x100;
+/// `POLLRDHUP` (Linux), which `<poll.h>` gives only with `_GNU_SOURCE`.
+pub const EXS_POLLRDHUP: c_short = 0x2000;
+
 /// `exs_qwait_mode`: poll once, spin briefly when recent waits were short (no longer than a sleep and a wake-up
 /// would cost), then sleep until the number of events still missing has arrived (seed 004).
 /// The default.

@@ -22,8 +22,12 @@ use crate::handles::{context, MemEntry, MEMORY};
 /// Returns a memory handle, or -1 with `errno`: `EINVAL` (null, empty, access), `EBUSY` (overlaps a registered
 /// range), `ENOMEM`, `ENODEV` (no `exs_init`), or the device's own (`EFAULT`: memory it cannot register).
 ///
-/// Registration does not pin a child process's view: pages of registered memory shared with a child after
-/// `fork()` are the caller's to avoid (`madvise(MADV_DONTFORK)`), as with `ibv_reg_mr`.
+/// `fork()`: on the verbs backend, unless the kernel keeps pinned pages with the parent across a fork
+/// (`ibv_is_fork_initialized` says `IBV_FORK_UNNEEDED`), libibverbs keeps registered memory out of children
+/// (`ibv_fork_init`): every page a registration touches is missing in a child, with whatever else shares those
+/// pages (other `malloc` blocks). A child must not touch those pages, nor call exs: it inherits no working
+/// library (no progress thread, no connection). Register whole pages (`posix_memalign`, `mmap`) to keep other data
+/// out of them.
 ///
 /// # Safety
 /// The memory is one allocation (one `malloc` block, one mapping, one array), readable and writable, initialized

@@ -159,6 +159,10 @@ thread_local! {
 /// fabric that can deliver nothing more, before any event was taken: a wait that took some first returns them,
 /// fewer than asked, as at a timeout).
 ///
+/// A wait without a timeout lasts until its events come: nothing else ends it (`exs_qdelete` of the queue fails
+/// with `EBUSY` meanwhile, and closing a socket ends only the operations it has on the queue). A thread that must
+/// be able to stop (at a program's shutdown) waits with a timeout and looks at its own flag between waits.
+///
 /// # Safety
 /// `events` is null or valid for writes of `|nevents|` events; `timeout` is null or points to a `timespec`.
 #[no_mangle]

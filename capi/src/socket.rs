@@ -118,8 +118,11 @@ pub unsafe extern "C" fn exs_connect(
 /// whichever was asked for (`poll(2)` would return only the asked-for name: test bits with `&`); `POLLERR` and
 /// `POLLHUP` are always reported, and a hang-up (the peer closed) also as `POLLRDHUP`. `POLLERR`, `POLLHUP`,
 /// `POLLNVAL` and `POLLRDHUP` may be in `events` (as with `poll(2)`). One per socket on a shared queue waits for
-/// whichever is ready first. -1 with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`,
-/// `POLLRDBAND`, `POLLWRBAND`, ...), `EAGAIN`.
+/// whichever is ready first. A strict C program (`-std=c99`), whose `<poll.h>` has no `POLLRDNORM`,
+/// `POLLWRNORM` or `POLLRDHUP`, uses `EXS_POLLRDNORM`, `EXS_POLLWRNORM` and `EXS_POLLRDHUP`, the same bits. -1
+/// with `errno`: `EBADF`, `EINVAL` (a bit exs cannot report: `POLLPRI`, `POLLRDBAND`, `POLLWRBAND`, ...),
+/// `ENOTCONN` (neither connected nor listening: unlike `poll(2)`, which would report `POLLOUT | POLLHUP`),
+/// `EAGAIN`.
 #[no_mangle]
 pub extern "C" fn exs_poll(
     fd: c_int,

@@ -81,7 +81,8 @@ static int use_all(void)
               + EXS_EVT_SHUTDOWN + EXS_EVT_READ_NOTIFY;
     ev.exs_evt_type = 0; ev.exs_evt_errno = 0; ev.exs_evt_context = 0; ev.exs_evt_fd = 0; ev.exs_evt_bytes = 0;
     ev.exs_evt_accepted = 0; ev.exs_evt_flags = 0; ev.exs_evt_revents = 0;
-    (void)p; (void)m; (void)flags; (void)kinds;
+    short bits = EXS_POLLRDNORM | EXS_POLLWRNORM | EXS_POLLRDHUP;
+    (void)p; (void)m; (void)flags; (void)kinds; (void)bits;
     return exs_init(EXS_VERSION) + q + exs_fcntl(0, EXS_F_GETERROR) + exs_fcntl(0, EXS_F_SET_SEND_CREDITS, 4);
 }
 int main(void) { return use_all(); }
@@ -91,4 +92,13 @@ int main(void) { return use_all(); }
     compile("cc", "-std=c99", "c", &src);
     compile("c++", "-std=c++11", "c++", &src);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The header's names of the poll bits strict C lacks are Linux's bits (written out: cbindgen copies literals only).
+#[test]
+fn the_headers_poll_bits_are_the_systems() {
+    use crate::abi::*;
+    assert_eq!(EXS_POLLRDNORM, libc::POLLRDNORM);
+    assert_eq!(EXS_POLLWRNORM, libc::POLLWRNORM);
+    assert_eq!(EXS_POLLRDHUP, libc::POLLRDHUP);
 }

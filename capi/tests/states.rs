@@ -8,7 +8,7 @@ use exs_capi::abi::{exs_event_t, EXS_ACCESS_READ, EXS_ACCESS_WRITE};
 use exs_capi::data::{exs_recv, exs_send};
 use exs_capi::memory::{exs_mderegister, exs_mregister};
 use exs_capi::queue::{exs_qcreate, exs_qdelete, exs_qdequeue};
-use exs_capi::socket::{exs_bind, exs_close, exs_connect, exs_listen, exs_socket};
+use exs_capi::socket::{exs_bind, exs_close, exs_connect, exs_listen, exs_poll, exs_socket};
 use libc::{c_int, c_void, sockaddr, sockaddr_in, socklen_t};
 
 mod common;
@@ -94,6 +94,9 @@ fn calls_a_sockets_state_refuses_give_the_errno_of_their_sockets_call() {
     assert_eq!((recv, errno()), (-1, libc::ENOTCONN), "recv on a listener");
 
     let c = exs_socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+    // Review finding: the header did not name it.
+    let poll = exs_poll(c, libc::POLLOUT, q, ptr::null_mut());
+    assert_eq!((poll, errno()), (-1, libc::ENOTCONN), "poll before connect");
     assert_eq!(connect(c, &at, q), 0, "errno {}", errno());
     // SAFETY: an all-zero event is a valid one (integers and a null context).
     let mut ev: [exs_event_t; 1] = unsafe { std::mem::zeroed() };

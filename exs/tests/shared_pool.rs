@@ -643,3 +643,30 @@ fn a_pool_that_could_not_grow_stays_and_later_connections_come_up() {
     assert!(pool.slots > 8 && pool.grown > 0, "{pool:?}");
     drop((c, s));
 }
+
+/// Review finding: a message longer than the shared pool's buffers failed its pool receive with a length error,
+/// which the engine took for a flush: it put the buffer back and told nobody. On verbs the queue pair is then in
+/// error and rdma_cm says nothing (the simulator's `quiet_length_errors`), so the connection stayed up and a
+/// receive on it waited for good. The error now ends the connection, as on its own receive slots.
+#[test]
+fn a_message_longer_than_the_pools_buffers_ends_its_connection() {
+    use exs::OpError;
+    use std::time::Duration;
+    let (world, ctx, eq, s, mut raw) = raw_peer_granting_four(true, None);
+    world.quiet_length_errors(0, true);
+    let buf = MemoryRegion::alloc(&ctx, 64).unwrap();
+    s.recv(&eq, &buf.all(), MsgFlags::NONE, 2).unwrap();
+    let too_long = vec![0u8; usize::from(raw.peer.slot_size) + 1];
+    let id = raw.send_bytes(&too_long, None).unwrap();
+    assert!(raw.wait_done(id).is_err(), "the long message was taken");
+    let e = eq
+        .next(Some(Duration::from_secs(10)))
+        .expect("the receive never ended");
+    assert!(
+        matches!(
+            e.status,
+            Err(OpError::Transport(_)) | Err(OpError::ConnectionReset)
+        ),
+        "{e:?}"
+    );
+}

@@ -12,8 +12,17 @@ impl Engine {
         if let (Some(slot), PoolState::On(pool)) = (pool_slot, &mut self.pool) {
             // Seed 003: a buffer flushed from a connection that went down goes back to the pool at once.
             pool.taken(c.status.is_err());
-            if c.status.is_err() {
+            if let Err(e) = &c.status {
+                // Any other error (a message longer than the pool's buffers, the device's own) ends the connection
+                // it came on, as on a connection's own buffers (`Conn::on_completion`). Review finding: it was
+                // taken for a flush; on verbs the queue pair is then in error and no connection event follows, so
+                // the connection stayed up and its receives waited for good.
+                let fault =
+                    (*e != crate::transport::WcError::Flushed).then(|| Fault::Transport(e.clone()));
                 self.repost_pool(slot);
+                if let (Some(fault), Some(&sid)) = (fault, self.eps.get(&c.ep)) {
+                    self.fault(sid, fault);
+                }
                 return;
             }
         }

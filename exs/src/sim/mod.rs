@@ -328,6 +328,7 @@ impl World {
                 keep_deregistered: Arc::default(),
                 fail_next_incoming_write: false,
                 fail_next_accept: false,
+                quiet_length_errors: false,
                 cq: VecDeque::new(),
                 cm: VecDeque::new(),
                 notify: notify.clone(),
@@ -476,6 +477,13 @@ impl World {
     /// transport has failed: the request is still the device's, for the engine to refuse.
     pub fn fail_next_accept(&self, host: usize) {
         lock(&self.net).hosts[host].fail_next_accept = true;
+    }
+
+    /// Fault schedule: while `quiet`, a message longer than the receive it lands in on `host` puts the connection
+    /// in error with no connection event at `host`, as on a verbs queue pair (rdma_cm says nothing until one side
+    /// disconnects); otherwise the connection breaks with `Disconnected` on both sides.
+    pub fn quiet_length_errors(&self, host: usize, quiet: bool) {
+        lock(&self.net).hosts[host].quiet_length_errors = quiet;
     }
 
     /// The host a raw transport of [`World::raw_host`] plays (for [`World::kill`] and friends).

@@ -75,6 +75,9 @@ pub(super) struct Host {
     pub(super) fail_next_incoming_write: bool,
     /// The next accept fails before it takes its request ([`World::fail_next_accept`]).
     pub(super) fail_next_accept: bool,
+    /// A message longer than its receive puts the connection in error here without a connection event, as a
+    /// verbs queue pair ([`World::quiet_length_errors`]).
+    pub(super) quiet_length_errors: bool,
     /// The driver of a manual world skips this host's progress.
     pub(super) stalled: bool,
     pub(super) answering: bool,
@@ -277,6 +280,11 @@ impl Net {
     /// An endpoint goes to error: its receives and its undelivered work requests are flushed, then it reports
     /// `Disconnected`.
     pub(super) fn go_down(&mut self, host: HostId, ep: EndpointId) {
+        self.go_down_telling(host, ep, true);
+    }
+
+    /// [`Net::go_down`], with the connection event `Disconnected` only if `tell`.
+    fn go_down_telling(&mut self, host: HostId, ep: EndpointId, tell: bool) {
         let Some(e) = self.hosts[host].eps.get_mut(&ep) else {
             return;
         };
@@ -310,7 +318,7 @@ impl Net {
             let d = self.queue.remove(i);
             self.fail_delivery(d, WcError::Flushed);
         }
-        if was_up || self.hosts[host].alive {
+        if tell && (was_up || self.hosts[host].alive) {
             self.hosts[host].push_cm(CmEvent::Disconnected { ep });
         }
     }
@@ -414,7 +422,13 @@ impl Net {
             Completed::Send,
             Err(WcError::Other("remote invalid request".into())),
         );
-        self.break_ep(th, tep);
+        if self.hosts[th].quiet_length_errors {
+            // Both queue pairs in error, and no event says so at the target (the sender's side is the peer's).
+            self.go_down_telling(th, tep, false);
+            self.go_down(fh, fep);
+        } else {
+            self.break_ep(th, tep);
+        }
     }
 
     /// A write lands in the exposed memory its key names; with an immediate it also completes at the target,

@@ -28,6 +28,27 @@ fn connect_failure(err: &std::io::Error) -> ConnectFailure {
     }
 }
 
+/// The error of a `CONNECT_ERROR` event: its status is a negative errno where the kernel made the event (iWARP),
+/// and -1 where librdmacm did, when it could not bring the queue pair up for the peer's answer (InfiniBand and
+/// RoCE): that says no more than that (review finding: it read as `EPERM`).
+fn connect_error(status: i32) -> exs_transport::TransportError {
+    const CALL: &str = "rdma_connect (RDMA_CM_EVENT_CONNECT_ERROR)";
+    if status == -1 {
+        return exs_transport::TransportError::Os {
+            call: exs_transport::CallError {
+                call: CALL.into(),
+                code: -1,
+            },
+            kind: std::io::ErrorKind::ConnectionAborted,
+            message: "the connection could not be set up for the peer's answer".into(),
+        };
+    }
+    exs_transport::TransportError::os(
+        CALL,
+        std::io::Error::from_raw_os_error(status.unsigned_abs() as i32),
+    )
+}
+
 /// The rdma_cm events after which a connection's queue pair can carry nothing more: it goes to the error state
 /// ([`VerbsTransport::flush_ep`]).
 fn ends_connection(kind: rdma_cm_event_type::Type) -> bool {
@@ -40,20 +61,17 @@ fn ends_connection(kind: rdma_cm_event_type::Type) -> bool {
 
 impl VerbsTransport {
     pub(crate) fn report_down(&mut self, ep: EndpointId) -> Option<CmEvent> {
-        let e = self.eps.get_mut(&ep)?;
-        e.state = EpState::Down;
-        if e.reported_down {
-            return None;
-        }
-        e.reported_down = true;
-        Some(CmEvent::Disconnected { ep })
+        self.eps
+            .get_mut(&ep)?
+            .end()
+            .then_some(CmEvent::Disconnected { ep })
     }
 
+    /// A connect that failed: reported once, and not after the endpoint was reported down (review finding:
+    /// `rdma_disconnect` of a connecting id puts its queue pair in error, and the peer's answer then comes as
+    /// `CONNECT_ERROR`, which reached the engine after `Disconnected` and released the endpoint twice).
     fn connect_failed(&mut self, ep: EndpointId, reason: ConnectFailure) -> Option<CmEvent> {
-        let e = self.eps.get_mut(&ep)?;
-        e.state = EpState::Down;
-        e.reported_down = true;
-        Some(CmEvent::ConnectFailed { ep, reason })
+        self.eps.get_mut(&ep)?.failed_before_up(ep, reason)
     }
 
     /// Handles one rdma_cm event; returns what the engine should see.
@@ -93,13 +111,9 @@ impl VerbsTransport {
                 }
                 self.connect_failed(ep, ConnectFailure::Refused(data))
             }
-            RDMA_CM_EVENT_CONNECT_ERROR => self.connect_failed(
-                ep,
-                ConnectFailure::Other(exs_transport::TransportError::os(
-                    "rdma_connect (RDMA_CM_EVENT_CONNECT_ERROR)",
-                    std::io::Error::from_raw_os_error(status.unsigned_abs() as i32),
-                )),
-            ),
+            RDMA_CM_EVENT_CONNECT_ERROR => {
+                self.connect_failed(ep, ConnectFailure::Other(connect_error(status)))
+            }
             RDMA_CM_EVENT_ESTABLISHED => {
                 let e = self.eps.get_mut(&ep)?;
                 if e.state == EpState::Down {
@@ -241,5 +255,56 @@ mod tests {
         assert!(ends_connection(RDMA_CM_EVENT_DEVICE_REMOVAL));
         assert!(!ends_connection(RDMA_CM_EVENT_ESTABLISHED));
         assert!(!ends_connection(RDMA_CM_EVENT_ROUTE_RESOLVED));
+    }
+
+    /// Review finding: a connect that failed after its endpoint was reported down (`rdma_disconnect` of a
+    /// connecting id, then the peer's answer as `CONNECT_ERROR`) was reported too, and the engine released the
+    /// endpoint twice. Both reports take the endpoint's one end.
+    #[test]
+    fn an_endpoint_ends_once_whichever_report_comes_first() {
+        let ep = EndpointId(3);
+        let mut e = VerbsTransport::new_ep(std::ptr::null_mut());
+        e.active = true;
+        assert!(e.end(), "the first report: Disconnected");
+        assert_eq!(e.failed_before_up(ep, ConnectFailure::TimedOut), None);
+        assert_eq!(e.state, EpState::Down);
+        let mut e = VerbsTransport::new_ep(std::ptr::null_mut());
+        e.active = true;
+        assert_eq!(
+            e.failed_before_up(ep, ConnectFailure::TimedOut),
+            Some(CmEvent::ConnectFailed {
+                ep,
+                reason: ConnectFailure::TimedOut
+            })
+        );
+        assert!(!e.end(), "Disconnected after the connect failed");
+    }
+
+    /// Review finding: an accepted endpoint that failed before it was established (`REJECTED`, `UNREACHABLE` or
+    /// `CONNECT_ERROR` on the passive side) was reported as a failed connect.
+    #[test]
+    fn an_accepted_endpoint_that_fails_before_it_is_up_is_reported_down() {
+        let ep = EndpointId(4);
+        let mut e = VerbsTransport::new_ep(std::ptr::null_mut());
+        assert_eq!(
+            e.failed_before_up(ep, ConnectFailure::TimedOut),
+            Some(CmEvent::Disconnected { ep })
+        );
+    }
+
+    /// Review finding: librdmacm's own `CONNECT_ERROR` (status -1: it could not bring the queue pair up for the
+    /// peer's answer) read as `EPERM`; the kernel's carry a negative errno.
+    #[test]
+    fn a_connect_error_says_what_its_status_can() {
+        use std::error::Error;
+        let e = connect_error(-1);
+        assert_eq!(e.io_kind(), std::io::ErrorKind::ConnectionAborted);
+        assert!(!e.to_string().contains("not permitted"), "{e}");
+        let e = connect_error(-libc::ETIMEDOUT);
+        assert_eq!(e.io_kind(), std::io::ErrorKind::TimedOut);
+        assert_eq!(
+            e.source().map(|s| s.to_string()).as_deref(),
+            Some("rdma_connect (RDMA_CM_EVENT_CONNECT_ERROR) returned 110")
+        );
     }
 }

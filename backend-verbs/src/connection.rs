@@ -108,8 +108,33 @@ pub(crate) struct Ep {
     pub(crate) peer: Option<SocketAddr>,
 }
 
+impl Ep {
+    /// The endpoint is down; whether this is the first time its end is reported (an endpoint ends once, as
+    /// `Disconnected` or as `ConnectFailed`, whichever comes first).
+    pub(crate) fn end(&mut self) -> bool {
+        self.state = EpState::Down;
+        !std::mem::replace(&mut self.reported_down, true)
+    }
+
+    /// The endpoint failed before it was established: `ConnectFailed` for a connect of ours; an accepted one is
+    /// reported down (the transport's `accept` ends with `Established` or `Disconnected`); nothing if its end was
+    /// reported already.
+    pub(crate) fn failed_before_up(
+        &mut self,
+        ep: EndpointId,
+        reason: exs_transport::ConnectFailure,
+    ) -> Option<exs_transport::CmEvent> {
+        let active = self.active;
+        self.end().then_some(if active {
+            exs_transport::CmEvent::ConnectFailed { ep, reason }
+        } else {
+            exs_transport::CmEvent::Disconnected { ep }
+        })
+    }
+}
+
 impl VerbsTransport {
-    fn new_ep(id: *mut rdma_cm_id) -> Ep {
+    pub(crate) fn new_ep(id: *mut rdma_cm_id) -> Ep {
         Ep {
             id,
             qp: ptr::null_mut(),

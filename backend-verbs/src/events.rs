@@ -155,11 +155,28 @@ impl VerbsTransport {
             {
                 tracing::debug!(code, "handed to the transport whose queue it names");
             }
+            if code == ibv_event_type::IBV_EVENT_COMM_EST as u32 {
+                self.notify_established(ep);
+            }
             // SAFETY: an event we got, acknowledged once, after its last use.
             unsafe { ibv_ack_async_event(p) };
             if let Some(what) = fails_transport(code, mine) {
                 self.fail_device(what, 0);
             }
+        }
+    }
+
+    /// `IBV_EVENT_COMM_EST`: data reached a queue pair whose connection rdma_cm has not seen established (the
+    /// peer's ready-to-use message lost or late, on InfiniBand or RoCE). rdma_notify(3) asks that rdma_cm be told
+    /// for queue pairs it did not make (review finding: it was only logged, and `Established` waited for the
+    /// retransmissions, or the accept failed after data had come).
+    fn notify_established(&mut self, ep: Option<exs_transport::EndpointId>) {
+        let Some(e) = ep.and_then(|ep| self.eps.get(&ep)) else {
+            return;
+        };
+        // SAFETY: a live cm id of ours, whose queue pair the event names (alive until it is acknowledged).
+        if unsafe { rdma_notify(e.id, ibv_event_type::IBV_EVENT_COMM_EST) } != 0 {
+            tracing::debug!(?ep, "rdma_notify: {}", std::io::Error::last_os_error());
         }
     }
 

@@ -91,12 +91,10 @@ pub enum Violation {
         /// Credits we had spent and not yet got back.
         spent: u32,
     },
-    /// For two keepalive intervals none of our waiting control messages left: the peer returned none of our
-    /// control-buffer credits, or took none of the messages already sent (it announced more buffers than it
-    /// posted). Its side of the protocol stopped (a peer that runs takes our messages and returns the credits as
-    /// it processes them, whatever its application does; one stopped that long in a debugger or by SIGSTOP is
-    /// closed too).
-    #[error("the peer took none of our control messages for two keepalive intervals while messages waited")]
+    /// The peer returned none of our control-buffer credits for two keepalive intervals while our messages waited
+    /// for them: its side of the protocol stopped (a peer that runs returns them as it processes our messages,
+    /// whatever its application does; one stopped that long in a debugger or by SIGSTOP is closed too).
+    #[error("the peer returned no control-buffer credits for two keepalive intervals while messages waited for them")]
     CreditsWithheld,
     /// More stream advertisements and window updates waited for the peer's control-buffer credits than one
     /// connection may hold: the peer kept writing into our stream buffer (which costs it no credit on some

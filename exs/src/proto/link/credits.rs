@@ -91,19 +91,16 @@ impl Link {
     /// probe was queued.
     ///
     /// A probe needs a credit too: a peer whose device still answers but that returns no credits would hold the
-    /// connection for ever. When a queue's messages have waited at three checks in a row (two whole intervals)
-    /// and none of them left meanwhile, the peer's side of the protocol has stopped: `Err`. What counts is that
-    /// the queue moved, not that a credit came back: a peer that returns one credit at a time feeds our urgent
-    /// messages (they may take the last credit) and starves the normal queue (its messages need two), which would
-    /// otherwise grow for as long as the peer makes us answer (review finding; test
-    /// `a_peer_returning_one_credit_at_a_time_cannot_hold_the_normal_queue`). Nor does it matter what they wait
-    /// for: a peer that announced a window larger than our send slots and posts no receives leaves our sends
-    /// unfinished (devices retry a receiver-not-ready for ever), so the messages behind them wait for a free slot
-    /// with credits to spare (review finding; test `a_peer_that_takes_none_of_our_messages_is_closed_whatever_its_window`).
+    /// connection for ever. When a queue's messages have waited for credits at three checks in a row (two whole
+    /// intervals) and none of them left meanwhile, the peer's side of the protocol has stopped: `Err`. What counts
+    /// is that the queue moved, not that a credit came back: a peer that returns one credit at a time feeds our
+    /// urgent messages (they may take the last credit) and starves the normal queue (its messages need two),
+    /// which would otherwise grow for as long as the peer makes us answer (review finding; test
+    /// `a_peer_returning_one_credit_at_a_time_cannot_hold_the_normal_queue`).
     pub(crate) fn keepalive(&mut self) -> Result<bool, Violation> {
         let waiting = Queues {
-            urgent: !self.urgent.is_empty(),
-            normal: !self.normal.is_empty(),
+            urgent: !self.urgent.is_empty() && self.tx_credits() == 0,
+            normal: !self.normal.is_empty() && self.tx_credits() < 2,
         };
         let (was, moved) = (self.waited_at_check, self.moved_since_check);
         // Counted only across a whole interval: the queue waited at the check before too, and nothing left it since.

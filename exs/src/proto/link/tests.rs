@@ -269,36 +269,6 @@ fn credits_withheld_only_after_two_whole_intervals_of_waiting() {
     assert_eq!(link.keepalive(), Err(Violation::CreditsWithheld));
 }
 
-/// Review finding: only messages waiting for credits counted as a stall. A peer that announces a window larger
-/// than our send slots and posts no receives leaves our sends unfinished (devices retry a receiver-not-ready for
-/// ever), and the messages behind them wait for a free slot with credits to spare: the connection stayed for
-/// ever. Messages that wait, for whatever, and do not move for two whole intervals close it.
-#[test]
-fn a_peer_that_takes_none_of_our_messages_is_closed_whatever_its_window() {
-    let mut link = Link::new(Ok(slots(4)), slots(4), None, 16, 4, true);
-    link.start(u32::from(u16::MAX), 128);
-    for _ in 0..20 {
-        queued_write(&mut link);
-    }
-    let mut out = Vec::new();
-    link.flush(&mut out, &mut ());
-    assert_eq!(
-        out.len(),
-        16,
-        "a send queue's worth, none of which completes"
-    );
-    assert!(
-        link.tx_credits() > 2 && !link.is_idle(),
-        "credits to spare, messages waiting"
-    );
-    assert!(
-        link.keepalive().is_ok(),
-        "the first check that finds them waiting"
-    );
-    assert!(link.keepalive().is_ok(), "one whole interval");
-    assert_eq!(link.keepalive(), Err(Violation::CreditsWithheld));
-}
-
 /// A review found it: a peer that returned one credit per interval, which our urgent messages took (an
 /// acknowledgment it asked for), reset the starvation count every time, while the normal queue (its messages
 /// need two credits) never moved and grew with every message the peer made us queue. Only a queue that moves

@@ -669,4 +669,6 @@ fn a_message_longer_than_the_pools_buffers_ends_its_connection() {
         ),
         "{e:?}"
     );
+    let pool = ctx.stats().pool.expect("the pool serves the context");
+    assert_eq!(pool.failed, 1, "counted as failed, not flushed: {pool:?}");
 }

@@ -11,7 +11,7 @@ impl Engine {
         let pool_slot = Self::pool_slot(&c);
         if let (Some(slot), PoolState::On(pool)) = (pool_slot, &mut self.pool) {
             // Seed 003: a buffer flushed from a connection that went down goes back to the pool at once.
-            pool.taken(c.status.is_err());
+            pool.taken(&c.status);
             if let Err(e) = &c.status {
                 // Any other error (a message longer than the pool's buffers, the device's own) ends the connection
                 // it came on, as on a connection's own buffers (`Conn::on_completion`). Review finding: it was

@@ -48,6 +48,9 @@ pub struct PoolStats {
     pub received: u64,
     /// Buffers that came back flushed (their connection went down first).
     pub flushed: u64,
+    /// Receives that failed otherwise (a message longer than the pool's buffers, the device's error): their
+    /// connection was closed.
+    pub failed: u64,
 }
 
 /// See the module documentation.
@@ -127,15 +130,15 @@ impl RecvPool {
         Ok((chunk, id % self.chunk_slots))
     }
 
-    /// A buffer left the shared queue (its completion arrived).
-    pub(crate) fn taken(&mut self, flushed: bool) {
+    /// A buffer left the shared queue (its completion arrived, with `status`).
+    pub(crate) fn taken(&mut self, status: &Result<(), crate::transport::WcError>) {
         self.stats.posted = self.stats.posted.saturating_sub(1);
         self.stats.low_mark = self.stats.low_mark.min(self.stats.posted);
         self.dip = self.dip.min(self.stats.posted);
-        if flushed {
-            self.stats.flushed += 1;
-        } else {
-            self.stats.received += 1;
+        match status {
+            Ok(()) => self.stats.received += 1,
+            Err(crate::transport::WcError::Flushed) => self.stats.flushed += 1,
+            Err(_) => self.stats.failed += 1,
         }
     }
 

@@ -251,37 +251,55 @@ fn trusted_stream_receives_share_one_write_key() {
 /// Review finding: under the trusted policy, dropping the last handle of a region revoked its whole-region key
 /// at once, with a stream receive still posted on it and advertised to the peer: the peer's write into it met a
 /// revoked key and the connection broke (as a stream's read half dropped while its receives are posted does).
-/// The key now goes with the last operation that uses it.
+/// The key now goes with the last operation that uses it. More receives than can be advertised at once: those
+/// advertised after the drop use the key too (every posted receive is keyed before the drop, so no new
+/// whole-region key is made for the dropped region).
 #[test]
 fn a_trusted_key_outlives_the_region_handle_while_a_receive_uses_it() {
     let p = trusted_pair(SockType::Stream);
-    const LEN: usize = 64 << 10;
-    let dst = p.server_region(LEN);
-    p.server
-        .recv(&p.eq_b, &dst.all(), MsgFlags::WAITALL, 1)
-        .unwrap();
-    // The receive is advertised with the region's key before its last handle goes.
+    // More receives than the peer lets us advertise at once (16): the last ones are advertised after the drop.
+    const N: usize = 24;
+    const PIECE: usize = 4096;
+    let dst = p.server_region(N * PIECE);
+    for i in 0..N {
+        p.server
+            .recv(
+                &p.eq_b,
+                &dst.slice(i * PIECE..(i + 1) * PIECE),
+                MsgFlags::WAITALL,
+                i as u64,
+            )
+            .unwrap();
+    }
+    // The first receives are advertised with the region's key before its last handle goes.
     p.world.run_for(std::time::Duration::from_millis(50));
     assert_eq!(p.b.stats().trusted_keys, 1, "{:?}", p.b.stats());
     drop(dst);
-    let src = p.client_region(pattern(LEN, 5));
+    let src = p.client_region(pattern(N * PIECE, 5));
     p.client
         .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
         .unwrap();
-    let r = wait(&p.eq_b);
-    assert!(r.is_ok() && r.bytes == LEN, "{r:?}");
+    for _ in 0..N {
+        let r = wait(&p.eq_b);
+        assert!(r.is_ok() && r.bytes == PIECE, "{r:?}");
+    }
     assert!(wait(&p.eq_a).is_ok());
-    // The key went with the receive; the connection goes on.
+    let direct = p.client.stats().unwrap().stream.direct_sent;
+    assert!(
+        direct as usize > 16,
+        "the receives after the drop went direct: {direct}"
+    );
+    // No key of the dropped region stays in the map; the connection goes on.
     assert_eq!(p.b.stats().trusted_keys, 0, "{:?}", p.b.stats());
-    let again = p.server_region(LEN);
+    let again = p.server_region(PIECE);
     p.server
-        .recv(&p.eq_b, &again.all(), MsgFlags::WAITALL, 3)
+        .recv(&p.eq_b, &again.all(), MsgFlags::WAITALL, 99)
         .unwrap();
     p.client
-        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 4)
+        .send(&p.eq_a, &src.slice(..PIECE), MsgFlags::NONE, 4)
         .unwrap();
-    assert_eq!(wait(&p.eq_b).bytes, LEN);
-    assert_bytes_eq(&again.to_vec().unwrap(), &pattern(LEN, 5), "after");
+    assert_eq!(wait(&p.eq_b).bytes, PIECE);
+    assert_bytes_eq(&again.to_vec().unwrap(), &pattern(PIECE, 5), "after");
 }
 
 /// Issue 27: a region used once under the trusted policy and then dropped without `deregister` kept its key, its

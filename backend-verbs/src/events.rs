@@ -167,9 +167,9 @@ impl VerbsTransport {
     }
 
     /// `IBV_EVENT_COMM_EST`: data reached a queue pair whose connection rdma_cm has not seen established (the
-    /// peer's ready-to-use message lost or late, on InfiniBand or RoCE). rdma_notify(3) asks that rdma_cm be told
-    /// for queue pairs it did not make (review finding: it was only logged, and `Established` waited for the
-    /// retransmissions, or the accept failed after data had come).
+    /// peer's ready-to-use message lost or late, on InfiniBand or RoCE). rdma_notify(3) tells rdma_cm, which then
+    /// takes the connection as established at once (review finding: it was only logged, and `Established` waited
+    /// for the retransmissions, or the accept failed after data had come).
     fn notify_established(&mut self, ep: Option<exs_transport::EndpointId>) {
         let Some(e) = ep.and_then(|ep| self.eps.get(&ep)) else {
             return;

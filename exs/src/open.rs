@@ -192,7 +192,8 @@ impl Context {
         Context::open_with(backend, crate::ContextOptions::default())
     }
 
-    /// Opens a context on `backend` with `opts` (the simulated backend keeps its own clock and progress).
+    /// Opens a context on `backend` with `opts` (on the simulated backend: a new host of the process's simulated
+    /// network, which runs in real time, with these options' progress and clock).
     pub fn open_with(
         backend: &Backend,
         opts: crate::ContextOptions,
@@ -207,7 +208,11 @@ impl Context {
                 Context::with_options(Box::new(verbs::VerbsTransport::open(cfg)?), opts)
             }
             #[cfg(feature = "sim")]
-            Backend::Sim => Ok(sim_world().host_with(opts)),
+            Backend::Sim => {
+                // Refused as on the other backends (review finding: the simulated host panicked on them).
+                opts.check()?;
+                Ok(sim_world().host_with(opts))
+            }
             #[allow(unreachable_patterns)]
             _ => {
                 let _ = opts;

@@ -568,3 +568,18 @@ fn an_impossible_length_is_an_error_not_a_panic() {
     assert!(s.is_ok() && r.is_ok(), "{s:?} {r:?}");
     assert_eq!(got, b"still here");
 }
+
+/// Review finding: options every backend refuses (a connect timeout of zero) made `Context::open_with` panic on
+/// the simulated backend instead of returning the error.
+#[test_log::test]
+fn options_a_backend_refuses_are_an_error_on_the_simulator_too() {
+    let mut opts = exs::ContextOptions::default();
+    opts.connect_timeout = std::time::Duration::ZERO;
+    match exs::Context::open_with(&exs::Backend::Sim, opts) {
+        Err(exs::transport::TransportError::Invalid(why)) => {
+            assert!(why.contains("connect_timeout"), "{why}")
+        }
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("a connect timeout of zero was taken"),
+    }
+}

@@ -117,10 +117,17 @@ pub fn default_context() -> io::Result<Context> {
     Ok(c)
 }
 
-/// The default context (see [`default_context`]) if it is open already.
+/// The default context (see [`default_context`]) if it is open already; `None` while another thread opens it,
+/// without waiting for that: tokio's tasks look here on the runtime's threads, and the opening (in the blocking
+/// pool) holds the lock for as long as it takes (review finding: every task that looked meanwhile held its
+/// runtime thread that long).
 #[cfg_attr(not(feature = "tokio"), allow(dead_code))]
 pub(crate) fn default_context_if_open() -> Option<Context> {
-    DEFAULT.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    match DEFAULT.try_lock() {
+        Ok(d) => d.clone(),
+        Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner().clone(),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
 }
 
 static DEFAULT: Mutex<Option<Context>> = Mutex::new(None);
@@ -217,4 +224,23 @@ pub(crate) fn set_nodelay(sock: &Socket, nodelay: bool) -> io::Result<()> {
 /// See [`set_nodelay`].
 pub(crate) fn nodelay(sock: &Socket) -> io::Result<bool> {
     Ok(!sock.options()?.coalesce)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review finding: see [`default_context_if_open`].
+    #[test]
+    fn a_look_at_the_default_context_does_not_wait_for_its_opening() {
+        // Held as an opening thread holds it.
+        let opening = DEFAULT.lock().unwrap_or_else(|p| p.into_inner());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(default_context_if_open().is_none());
+        });
+        let looked = rx.recv_timeout(Duration::from_secs(5));
+        drop(opening);
+        assert_eq!(looked, Ok(true), "the look waited for the opening");
+    }
 }

@@ -874,3 +874,42 @@ fn a_creditless_writer_cannot_make_us_queue_control_messages_without_bound() {
     );
     assert!(most <= 4097, "{most} control messages queued");
 }
+
+/// Review finding: `trace` changed after connect was accepted and did nothing: turned on, nothing was recorded;
+/// turned off, every transfer still was, and the records grew until read. It now takes effect at once.
+#[test]
+fn stream_tracing_turned_on_or_off_after_connect_takes_effect() {
+    let p = pair_with(
+        SockType::Stream,
+        SimConfig::default(),
+        SocketOptions::default(),
+    );
+    let transfer = |seed: u64| {
+        let dst = p.server_region(100);
+        p.server
+            .recv(&p.eq_b, &dst.all(), MsgFlags::NONE, 1)
+            .unwrap();
+        p.world.run_until_idle(1000);
+        let src = p.client_region(pattern(50, seed));
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+            .unwrap();
+        assert!(wait(&p.eq_b).is_ok());
+        assert!(wait(&p.eq_a).is_ok());
+    };
+    transfer(1);
+    assert!(p.client.stream_trace().is_empty(), "off by default");
+    p.client
+        .set_options(p.client.options().unwrap().with_trace(true))
+        .unwrap();
+    transfer(2);
+    assert_eq!(p.client.stream_trace().len(), 1, "turned on after connect");
+    p.client
+        .set_options(p.client.options().unwrap().with_trace(false))
+        .unwrap();
+    transfer(3);
+    assert!(
+        p.client.stream_trace().is_empty(),
+        "turned off after connect"
+    );
+}

@@ -783,9 +783,14 @@ impl Engine {
             }
             change.apply(&mut next)?;
         }
-        if next.coalesce != s.opts.coalesce {
-            if let Some(st) = s.conn.as_mut().and_then(|c| c.stream()) {
+        if let Some(st) = s.conn.as_mut().and_then(|c| c.stream()) {
+            if next.coalesce != s.opts.coalesce {
                 st.set_coalesce(next.coalesce);
+            }
+            // Review finding: a change after connect was taken and did nothing (turned off, the records kept
+            // growing until read).
+            if next.trace != s.opts.trace {
+                st.set_trace(next.trace);
             }
         }
         s.opts = next;

@@ -509,6 +509,15 @@ impl StreamProto {
         self.coalesce = on;
     }
 
+    /// Starts recording transfers (what was recorded before is kept), or stops and drops the records.
+    pub(crate) fn set_trace(&mut self, on: bool) {
+        match (on, &self.trace) {
+            (true, None) => self.trace = Some(Vec::new()),
+            (false, Some(_)) => self.trace = None,
+            _ => {}
+        }
+    }
+
     pub(crate) fn stats(&self) -> StreamStats {
         self.stats
     }

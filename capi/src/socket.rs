@@ -35,7 +35,9 @@ pub extern "C" fn exs_socket(domain: c_int, r#type: c_int, protocol: c_int) -> c
     })
 }
 
-/// Binds the socket to a local address (UNH-EXS `exs_bind`); port 0 lets `exs_listen` pick one. -1 with `errno`:
+/// Binds the socket to a local address (UNH-EXS `exs_bind`) for `exs_listen`; port 0 lets `exs_listen` pick one.
+/// The transport chooses an outgoing connection's own address: `exs_connect` refuses a socket bound to one
+/// (`EOPNOTSUPP`), except the unspecified address with port 0. -1 with `errno`:
 /// `EBADF`, `EAFNOSUPPORT` (not the socket's family), `EINVAL` (already bound, short address), `EFAULT` (null
 /// address of a nonzero length).
 ///
@@ -84,7 +86,7 @@ pub extern "C" fn exs_accept(fd: c_int, qh: exs_qhandle_t, context: *mut c_void)
 /// (`exs_evt_errno` `ECONNREFUSED`, `ETIMEDOUT`, `EHOSTUNREACH`...). Options set with `exs_fcntl` are
 /// negotiated now and fixed from here on. -1 with `errno` if it could not start: `EBADF`, `EAFNOSUPPORT`,
 /// `EINVAL` (short address), `EFAULT` (null address of a nonzero length), `EISCONN` (connected, or listening),
-/// `EALREADY` (a connect of the socket is under way), `EAGAIN`.
+/// `EALREADY` (a connect of the socket is under way), `EOPNOTSUPP` (bound to an address: see `exs_bind`), `EAGAIN`.
 ///
 /// # Safety
 /// `addr` is null or points to `len` readable bytes.

@@ -169,7 +169,10 @@ impl Socket {
         r
     }
 
-    /// Binds to a local address (ES-API `exs_bind`). Port 0 lets `listen` pick one.
+    /// Binds to a local address (ES-API `exs_bind`), for [`Socket::listen`]. Port 0 lets `listen` pick one. The
+    /// transports choose an outgoing connection's own address: a socket bound to one is refused by
+    /// [`Socket::connect`] (`Unsupported`), where TCP would connect from it; the unspecified address with port 0
+    /// is taken.
     pub fn bind(&self, addr: SocketAddr) -> Result<(), SocketError> {
         self.engine(|e, id| e.bind(id, addr))
     }

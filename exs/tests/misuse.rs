@@ -583,3 +583,25 @@ fn options_a_backend_refuses_are_an_error_on_the_simulator_too() {
         Ok(_) => panic!("a connect timeout of zero was taken"),
     }
 }
+
+/// Review finding: `bind` then `connect` took both, and the connection went out from whatever address the
+/// transport chose (and `local_addr` named the bound one meanwhile). A socket bound to an address is refused;
+/// binding the unspecified address with port 0 changes nothing and is taken.
+#[test_log::test]
+fn a_connect_from_a_bound_address_is_refused_not_ignored() {
+    let world = World::new(SimConfig::default());
+    let (a, b) = (world.host(), world.host());
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 7300)).unwrap();
+    let at = l.listen(4).unwrap();
+    let eq = EventQueue::new(4).unwrap();
+    let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+    c.bind(world.addr(0, 7301)).unwrap();
+    let e = c.connect(&eq, at, 1).unwrap_err();
+    assert_eq!(io::Error::from(e).kind(), io::ErrorKind::Unsupported);
+    let any = Socket::new(&a, SockType::SeqPacket).unwrap();
+    any.bind("0.0.0.0:0".parse().unwrap()).unwrap();
+    any.connect(&eq, at, 2).unwrap();
+    let ev = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
+    assert!(ev.is_ok(), "{ev:?}");
+}

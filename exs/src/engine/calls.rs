@@ -278,6 +278,17 @@ impl Engine {
             Phase::Connecting | Phase::Accepting => return Err(StateError::Connecting.into()),
             _ => return Err(StateError::AlreadyConnected.into()),
         }
+        // Review finding: the address was ignored (the transports choose an outgoing connection's own), and
+        // `local_addr` then named it until the connection came up.
+        if let Some(b) = s
+            .bound
+            .filter(|b| !b.ip().is_unspecified() || b.port() != 0)
+        {
+            return Err(TransportError::Unsupported(format!(
+                "connecting from {b}: the transport chooses an outgoing connection's own address (bind is for listen)"
+            ))
+            .into());
+        }
         let (ty, opts) = (s.ty, s.opts);
         if self.eps.len() >= self.max_connections {
             return Err(TransportError::Resource(format!(

@@ -605,3 +605,36 @@ fn a_connect_from_a_bound_address_is_refused_not_ignored() {
     let ev = eq.next(Some(std::time::Duration::from_secs(10))).unwrap();
     assert!(ev.is_ok(), "{ev:?}");
 }
+
+/// Review finding: a listener's negotiated options could not change once it listened ("cannot change after
+/// connect"), though the connections it accepts take its options when they come. They now change for the
+/// connections accepted after.
+#[test_log::test]
+fn a_listeners_options_change_for_the_connections_it_accepts_after() {
+    let world = World::new(SimConfig::default());
+    let (a, b) = (world.host(), world.host());
+    let l = Socket::new(&b, SockType::SeqPacket).unwrap();
+    l.bind(world.addr(1, 7400)).unwrap();
+    let at = l.listen(4).unwrap();
+    l.set_options(l.options().unwrap().with_send_credits(64))
+        .unwrap();
+    let (ceq, seq) = (EventQueue::new(4).unwrap(), EventQueue::new(4).unwrap());
+    l.accept(&seq, 1).unwrap();
+    let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+    c.connect(&ceq, at, 2).unwrap();
+    assert!(ceq
+        .next(Some(std::time::Duration::from_secs(10)))
+        .unwrap()
+        .is_ok());
+    let s = seq
+        .next(Some(std::time::Duration::from_secs(10)))
+        .unwrap()
+        .take_accepted()
+        .unwrap();
+    assert_eq!(s.options().unwrap().send_credits, 64);
+    // A connected socket's stay frozen.
+    assert!(matches!(
+        s.set_options(s.options().unwrap().with_send_credits(32)),
+        Err(exs::OptionError::Locked("send_credits"))
+    ));
+}

@@ -789,7 +789,10 @@ impl Engine {
             // Issue 26: whether a stream's small writes wait for the write in flight is the sender's own rule
             // (TCP_NODELAY), not negotiated: it may change at any time.
             let sender_rule = matches!(change, Opt::Coalesce(_)) && s.ty == SockType::Stream;
-            if change.negotiated() && !sender_rule && s.phase != Phase::Fresh {
+            // A listener's options are those of the connections it accepts from then on (review finding: they
+            // were refused as "after connect").
+            let open = matches!(s.phase, Phase::Fresh | Phase::Listening);
+            if change.negotiated() && !sender_rule && !open {
                 return Err(OptionError::Locked(change.name()));
             }
             change.apply(&mut next)?;

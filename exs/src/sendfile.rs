@@ -21,6 +21,20 @@ use crate::options::SockType;
 use crate::proto::conn::HoldId;
 use crate::socket::{Socket, SocketRef};
 
+/// What the sendfile's event says when the next chunk could not be sent: the connection's end, or the local
+/// close that stopped it, as a send of those bytes would meet (review finding: every refusal but the file's read
+/// as the transport's "invalid argument", where `abort` promises `Aborted`).
+fn refused(e: SendError) -> OpError {
+    use crate::error::StateError;
+    match e {
+        SendError::File(f) => OpError::File(f),
+        SendError::State(StateError::ConnectionDown(why)) => why,
+        SendError::State(StateError::InvalidSocket | StateError::Shutdown) => OpError::Aborted,
+        SendError::Transport(t) => OpError::Transport(t),
+        other => OpError::Transport(crate::TransportError::Invalid(other.to_string())),
+    }
+}
+
 /// Bytes per read (and, on a stream socket, per send).
 pub const SENDFILE_CHUNK: usize = 1 << 20;
 /// Stream sockets: chunks in flight (and buffers held).
@@ -250,12 +264,7 @@ impl FileSend {
                     }
                 }
                 if let Err(e) = st.refill(ev.context as usize, self) {
-                    st.failure.get_or_insert_with(|| match e {
-                        SendError::File(f) => OpError::File(f),
-                        other => {
-                            OpError::Transport(crate::TransportError::Invalid(other.to_string()))
-                        }
-                    });
+                    st.failure.get_or_insert_with(|| refused(e));
                 }
             }
             if st.in_flight == 0 {
@@ -354,9 +363,7 @@ fn chunked(
         }
         for slot in 1..depth {
             if let Err(e) = st.refill(slot, &me) {
-                st.failure.get_or_insert_with(|| {
-                    OpError::Transport(crate::TransportError::Invalid(e.to_string()))
-                });
+                st.failure.get_or_insert_with(|| refused(e));
                 break;
             }
         }
@@ -372,5 +379,31 @@ impl Progress {
     fn post_first(&mut self, n: usize, me: &Arc<FileSend>) -> Result<(), SendError> {
         self.held = Some(self.sock.hold_sends()?);
         self.post(0, n, me)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::StateError;
+
+    /// Review finding: see [`refused`].
+    #[test]
+    fn a_sendfile_stopped_between_chunks_says_why() {
+        let down = StateError::ConnectionDown(OpError::ConnectionReset);
+        assert_eq!(refused(SendError::State(down)), OpError::ConnectionReset);
+        assert_eq!(
+            refused(SendError::State(StateError::InvalidSocket)),
+            OpError::Aborted
+        );
+        assert_eq!(
+            refused(SendError::State(StateError::Shutdown)),
+            OpError::Aborted
+        );
+        let t = crate::TransportError::Resource("queue".into());
+        assert_eq!(
+            refused(SendError::Transport(t.clone())),
+            OpError::Transport(t)
+        );
     }
 }

@@ -217,7 +217,15 @@ fn a_stream_receive_and_a_send_in_flight_end_when_the_context_fails() {
 #[test_log::test]
 fn a_failed_context_sleeps_instead_of_spinning() {
     within_20s("the failed context", || {
-        let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
+        // A keepalive that comes due in the quiet interval below (review finding: the timer a connection the
+        // application still holds had armed was never run or cleared on a failed context, and every sleep after
+        // it was a zero-length one).
+        let world = World::threaded(SimConfig::default());
+        let mut opts = exs::ContextOptions::default();
+        opts.keepalive = Some(Duration::from_millis(50));
+        let (a, b) = (world.host_with(opts.clone()), world.host_with(opts));
+        let sock = exs::SocketOptions::default();
+        let p = pair_hosts(world, a, b, SockType::SeqPacket, sock, sock);
         let buf = MemoryRegion::alloc(&p.b, 100).unwrap();
         p.server
             .recv(&p.eq_b, &buf.all(), MsgFlags::NONE, 1)

@@ -515,6 +515,11 @@ impl Engine {
     /// The earliest timer that has something to do, as a point in real time: what a thread about to sleep waits
     /// for.
     pub(crate) fn sleep_deadline(&mut self) -> Option<Instant> {
+        if self.failed.is_some() {
+            // No timer runs on a failed context (review finding: a keepalive left due made every sleep a
+            // zero-length one, and its leaders spin).
+            return None;
+        }
         self.settle_timers();
         self.next_deadline_real()
     }

@@ -114,6 +114,8 @@ impl Engine {
             self.disconnect_every_endpoint();
             self.drain_done();
         }));
+        // No round runs a timer any more (`guarded`): none is left to come due.
+        self.timers = Timers::default();
     }
 
     fn progress_round(&mut self) -> bool {

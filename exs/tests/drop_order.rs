@@ -244,3 +244,49 @@ fn a_failed_context_sleeps_instead_of_spinning() {
         );
     });
 }
+
+/// A thread that led a context in its wait and unwound from a panic outside the progress rounds (a transport's
+/// arming): the context goes on serving the other waits. A review expected a hang, the lead kept by a thread
+/// that was gone; it did not happen (the progress thread still ran the context: this test passes without the
+/// guard that now lets the lead go on the way out, `Leads` in `event/wait.rs`).
+#[test_log::test]
+fn a_wait_that_unwinds_lets_go_of_the_context_it_led() {
+    within_20s("the context after the leader's panic", || {
+        let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
+        let buf = MemoryRegion::alloc(&p.b, 200).unwrap();
+        for i in 0..2 {
+            p.server
+                .recv(
+                    &p.eq_b,
+                    &buf.slice(i * 100..(i + 1) * 100),
+                    MsgFlags::NONE,
+                    i as u64,
+                )
+                .unwrap();
+        }
+        let src = p.client_region(pattern(10, 3));
+        let unwound = std::thread::scope(|s| {
+            // A thread (one that then goes) waits for both messages: it leads the server's context long enough
+            // for the progress thread to sleep until it lets go.
+            let waiter = s.spawn(|| {
+                let mut evs = Vec::new();
+                p.eq_b.dequeue(&mut evs, 2, 2, Some(Duration::from_secs(5)))
+            });
+            std::thread::sleep(Duration::from_millis(200));
+            // The first message wakes it; it arms the queue again to wait for the second, and the arming panics.
+            p.world.panic_on_next_arm(1);
+            p.client
+                .send(&p.eq_a, &src.all(), MsgFlags::NONE, 1)
+                .unwrap();
+            waiter.join().is_err()
+        });
+        assert!(unwound, "the arming's panic reached the waiting thread");
+        p.client
+            .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+            .unwrap();
+        for _ in 0..2 {
+            let ev = p.eq_b.next(Some(Duration::from_secs(5))).unwrap();
+            assert!(ev.is_ok() && ev.bytes == 10, "{ev:?}");
+        }
+    });
+}

@@ -261,7 +261,7 @@ impl EventQueue {
             return self.drive_until(need, deadline);
         }
         let pollers = self.pollers();
-        let mut led = Pollers::new();
+        let mut led = Leads(Pollers::new());
         let done = loop {
             let nudges = {
                 let s = self.inner.lock();
@@ -288,7 +288,7 @@ impl EventQueue {
             let mut until = deadline;
             let mut again = false;
             let satisfied = || self.inner.lock().events.len() >= need;
-            for p in &led {
+            for p in led.iter() {
                 match p.prepare_sleep(&satisfied) {
                     None => again = true,
                     Some(Some(t)) => until = Some(until.map_or(t, |u| u.min(t))),
@@ -300,9 +300,7 @@ impl EventQueue {
             }
             self.sleep_leading(&led, need, until, nudges);
         };
-        for p in led {
-            p.release();
-        }
+        drop(led);
         Ok(done)
     }
 
@@ -647,6 +645,32 @@ impl Drop for BusyGuard {
             for p in &self.0 {
                 p.set_busy(false, lingers);
             }
+        }
+    }
+}
+
+/// The contexts a waiting thread leads, let go however its wait ends: a panic that unwinds through the wait (a
+/// transport's arming, a deferred close) lets them go too, as the tokio path's guard does (test
+/// `a_wait_that_unwinds_lets_go_of_the_context_it_led`).
+struct Leads(Pollers);
+
+impl std::ops::Deref for Leads {
+    type Target = Pollers;
+    fn deref(&self) -> &Pollers {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Leads {
+    fn deref_mut(&mut self) -> &mut Pollers {
+        &mut self.0
+    }
+}
+
+impl Drop for Leads {
+    fn drop(&mut self) {
+        for p in self.0.drain(..) {
+            p.release();
         }
     }
 }

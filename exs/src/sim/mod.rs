@@ -323,6 +323,7 @@ impl World {
                 stalled: false,
                 answering: true,
                 panic_next_poll: false,
+                panic_next_arm: false,
                 refuse_keys: false,
                 refuse_registrations: false,
                 keep_deregistered: Arc::default(),
@@ -443,6 +444,12 @@ impl World {
     /// context must then fail every operation instead of hanging).
     pub fn panic_on_next_poll(&self, host: usize) {
         lock(&self.net).hosts[host].panic_next_poll = true;
+    }
+
+    /// Fault schedule: the next arming of `host`'s completion queue panics, as a bug in a transport would, outside
+    /// a progress round: in the thread about to sleep as the context's leader.
+    pub fn panic_on_next_arm(&self, host: usize) {
+        lock(&self.net).hosts[host].panic_next_arm = true;
     }
 
     /// Fault schedule: `host`'s device makes no remote keys while `refused` (out of registrations or memory

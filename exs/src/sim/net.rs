@@ -63,6 +63,8 @@ pub(super) struct Host {
     pub(super) alive: bool,
     /// Fault schedule: the next completion poll panics (see [`World::panic_on_next_poll`]).
     pub(super) panic_next_poll: bool,
+    /// Fault schedule: the next arming panics (see [`World::panic_on_next_arm`]).
+    pub(super) panic_next_arm: bool,
     /// Fault schedule: the device makes no remote keys (see [`World::refuse_keys`]).
     pub(super) refuse_keys: bool,
     /// Fault schedule: the device registers no memory (see [`World::refuse_registrations`]).

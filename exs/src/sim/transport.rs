@@ -522,6 +522,10 @@ impl Transport for SimTransport {
     fn arm(&mut self) -> Result<bool, TransportError> {
         let mut net = self.net();
         let h = &mut net.hosts[self.host];
+        if std::mem::take(&mut h.panic_next_arm) {
+            drop(net);
+            panic!("fault injected by World::panic_on_next_arm");
+        }
         if let Some(n) = &h.notify {
             let _ = n.read();
         }

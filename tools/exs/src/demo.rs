@@ -105,9 +105,10 @@ pub struct Point {
 /// Receives the exs server keeps posted, each a chunk.
 const RING: usize = 8;
 
-/// The options of the exs test's connection (the receiving side posts a ring of [`RING`] receives).
-fn exs_options() -> SocketOptions {
-    SocketOptions::default().with_recv_credits(64)
+/// The options of the exs test's connection over a new socket's own (the receiving side posts a ring of
+/// [`RING`] receives).
+fn exs_options(base: SocketOptions) -> SocketOptions {
+    base.with_recv_credits(64)
 }
 
 impl control::Params for Point {
@@ -118,7 +119,10 @@ impl control::Params for Point {
         let buffers = match self.transport {
             Transport::Exs => {
                 self.chunk * RING as u64
-                    + exs::Context::connection_memory(SockType::SeqPacket, &exs_options())
+                    + exs::Context::connection_memory(
+                        SockType::SeqPacket,
+                        &exs_options(SocketOptions::default()),
+                    )
             }
             Transport::Tcp => self.chunk,
         };
@@ -382,7 +386,7 @@ fn exs_server(
     let (_listener, s) = crate::util::accept_one(
         ctx,
         SockType::SeqPacket,
-        exs_options(),
+        &exs_options,
         host.listen,
         announce,
         watch,

@@ -7,7 +7,7 @@ use std::io::Write;
 use std::net::SocketAddr;
 use std::time::Instant;
 
-use anyhow::{Context as _, Result};
+use anyhow::{bail, Context as _, Result};
 use exs::{EventQueue, MemoryRegion, MsgFlags, Socket, SocketOptions};
 use serde::{Deserialize, Serialize};
 
@@ -113,15 +113,21 @@ impl Point {
         (self.size * self.depth as u64 * 2).clamp(256 << 10, 64 << 20) as u32
     }
 
-    /// Socket options a point needs on both sides (of a checked point: the depth fits the credits).
+    /// Socket options a point needs on both sides (of a checked point: the depth fits the credits), over the
+    /// library's defaults (for the memory a connection takes).
     fn options(&self) -> SocketOptions {
+        self.options_on(SocketOptions::default())
+    }
+
+    /// [`Point::options`] over `base`, a new socket's own: `--mode default` keeps the threshold the transport
+    /// chose for it (review finding: the library's default, 512 bytes, replaced the transport's, 4 KiB on
+    /// libfabric tcp, in the very mode that says the transport decides).
+    fn options_on(&self, base: SocketOptions) -> SocketOptions {
         let depth = u16::try_from(self.depth).unwrap_or(u16::MAX);
         // Deeper runs need more advertisement credits; shallower ones keep the default window (credits bound the
         // messages between the two applications, not the transfers one application has in flight).
         let credits = depth.max(exs::SocketOptions::default().send_credits);
-        let mut v = SocketOptions::default()
-            .with_send_credits(credits)
-            .with_recv_credits(credits);
+        let mut v = base.with_send_credits(credits).with_recv_credits(credits);
         match self.mode {
             PumpMode::Immediate => v = v.with_small_packet_max_size(self.size as u32),
             PumpMode::Normal => v = v.with_small_packet_max_size(0),
@@ -206,7 +212,7 @@ fn serve(
     let (_listener, s) = crate::util::accept_one(
         ctx,
         p.sock_type.sock(),
-        p.options(),
+        &|base| p.options_on(base),
         host.listen,
         announce,
         watch,
@@ -331,8 +337,9 @@ fn blast(
 ) -> Result<Side> {
     let eq = EventQueue::with_mode(p.depth * 2 + 8, p.wait.mode())?;
     let s = Socket::new(ctx, p.sock_type.sock()).context("creating a socket")?;
-    s.set_options(p.options())
-        .with_context(|| format!("setting {:?}", p.options()))?;
+    let opts = p.options_on(s.options()?);
+    s.set_options(opts)
+        .with_context(|| format!("setting {opts:?}"))?;
     crate::util::connect_to_test(ctx, &s, &eq, addr, token)?;
     let (size, depth) = (p.size as usize, p.depth);
     let buf = MemoryRegion::from_dma_buf(ctx, crate::util::filled_buffer(size * depth)?)
@@ -469,11 +476,27 @@ fn point(peer: &mut Peer, ctx: &exs::Context, whole: bool, p: &Point) -> Result<
         Err(e) => return Err(peer.explain(e)),
     };
     let server: Side = peer.finish()?;
+    timed(&server, p)?;
     Ok(Measured {
         point: p.clone(),
         client,
         server,
     })
+}
+
+/// Refuses a point whose server got fewer than two messages: the first only starts the clock, so there is no
+/// rate to report (review finding: it printed 0 MB/s and the run exited 0).
+fn timed(server: &Side, p: &Point) -> Result<()> {
+    if server.msgs == 0 {
+        bail!(
+            "{} at depth {}: the server got fewer than two messages in {} s, too few to time; give more --seconds \
+             or a smaller --size",
+            cli::fmt_size(p.size),
+            p.depth,
+            p.seconds
+        );
+    }
+    Ok(())
 }
 
 /// The points of a run, checked as the server will (with the widest limits), and notes of sizes skipped
@@ -585,6 +608,46 @@ pub fn run(a: PumpArgs) -> Result<()> {
 mod tests {
     use super::{Meter, Side, CLOCK_EVERY};
     use crate::usage::Usage;
+
+    /// Review finding: `--mode default`, whose help says the transport's immediate-data threshold decides, set
+    /// the library's default (512 bytes) over the transport's (4 KiB on libfabric tcp). The point's options are
+    /// now laid over the socket's own.
+    #[test]
+    fn the_default_mode_keeps_the_transports_threshold() {
+        use crate::opts::PumpMode;
+        let point = |mode| super::Point {
+            size: 1024,
+            depth: 8,
+            mode,
+            sock_type: crate::opts::Type::Seqpacket,
+            seconds: 1.0,
+            wait: crate::opts::Wait::Adaptive,
+            no_coalesce: false,
+        };
+        let transports = exs::SocketOptions::default().with_small_packet_max_size(4096);
+        let t = |mode| point(mode).options_on(transports).small_packet_max_size;
+        assert_eq!(t(PumpMode::Default), 4096);
+        assert_eq!(t(PumpMode::Normal), 0);
+        assert_eq!(t(PumpMode::Immediate), 1024);
+    }
+
+    /// Review finding: a point whose server got one message (the first only starts the clock) printed 0 MB/s and
+    /// the run exited 0; it is an error that says why.
+    #[test]
+    fn a_point_with_one_message_is_too_short_to_time() {
+        let p = super::Point {
+            size: 16 << 20,
+            depth: 1,
+            mode: crate::opts::PumpMode::Default,
+            sock_type: crate::opts::Type::Seqpacket,
+            seconds: 0.01,
+            wait: crate::opts::Wait::Adaptive,
+            no_coalesce: false,
+        };
+        let e = super::timed(&run(16 << 20, false, 1), &p).unwrap_err();
+        assert!(e.to_string().contains("too few to time"), "{e}");
+        assert!(super::timed(&run(16 << 20, false, 2), &p).is_ok());
+    }
 
     fn run(size: usize, persistent: bool, msgs: u64) -> Side {
         let mut meter = Meter::new(size, persistent);

@@ -63,7 +63,7 @@ pub fn check_token(got: &[u8], token: u64) -> Result<()> {
 pub fn accept_one(
     ctx: &exs::Context,
     ty: exs::SockType,
-    options: exs::SocketOptions,
+    options: &dyn Fn(exs::SocketOptions) -> exs::SocketOptions,
     listen: SocketAddr,
     announce: &mut dyn FnMut(SocketAddr) -> Result<()>,
     watch: &Watch,
@@ -75,6 +75,8 @@ pub fn accept_one(
         crate::idle::make_room_for(idle);
     }
     let l = exs::Socket::new(ctx, ty).context("creating the listening socket")?;
+    // Over the socket's own: the transport's immediate-data threshold stays unless the test sets one.
+    let options = options(l.options()?);
     l.set_options(options)
         .with_context(|| format!("setting {options:?}"))?;
     l.bind(listen)

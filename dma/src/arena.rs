@@ -92,7 +92,7 @@ fn map(bytes: usize) -> Option<NonNull<u8>> {
 }
 
 /// The kernel's page size (0 if it cannot be told).
-fn system_page() -> usize {
+pub(crate) fn system_page() -> usize {
     static SIZE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     // SAFETY: sysconf reads a constant of the system.
     *SIZE.get_or_init(|| usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(0))

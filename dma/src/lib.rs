@@ -45,6 +45,11 @@ use access::{copy, load, store, Plain};
 
 use table::{Entry, Table};
 
+/// The kernel's page size in bytes (what `/proc` counts memory in), 0 if it cannot be told.
+pub fn page_size() -> usize {
+    arena::system_page()
+}
+
 /// The longest copy ([`DmaBuf::read_at`], [`DmaBuf::write_at`], [`DmaBuf::copy_into`]) that runs under the
 /// buffer's lease table lock rather than under a lease of its own.
 const COPY_UNDER_LOCK: usize = 4096;

@@ -792,3 +792,11 @@ fn a_device_written_buffer_refuses_borrows() {
     b.read_at(0, &mut [0u8; 3]).unwrap();
     b.write_at(8, &[1u8; 8]).unwrap();
 }
+
+/// The kernel's page size the tools count resident memory in (`/proc/self/statm`): a power of two, at least
+/// 4 KiB, on Linux.
+#[test]
+fn the_kernels_page_size_is_told() {
+    let p = crate::page_size();
+    assert!(p >= 4096 && p.is_power_of_two(), "{p}");
+}

@@ -282,8 +282,21 @@ impl Slots<'_> {
     }
 }
 
+/// The raw baselines run their server as a second process: the sim backend, one process's simulated network,
+/// cannot connect the two (review finding: they failed with a refusal, or a 30 s wait, that did not say why).
+pub fn refuse_sim(opened: &Opened, tool: &str) -> Result<()> {
+    if !opened.processes() {
+        bail!(
+            "the sim backend lives inside one process: `exs {tool}` runs its server in a second process, which it \
+             cannot reach; use --backend fabric or verbs"
+        );
+    }
+    Ok(())
+}
+
 pub fn run_raw(a: RawArgs) -> Result<()> {
     let opened = Opened::open(&a.backend)?;
+    refuse_sim(&opened, "rawpump")?;
     if a.serve {
         return serve(&opened, a.size as usize, a.depth, a.op == RawOp::Read);
     }

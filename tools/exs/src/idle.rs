@@ -39,7 +39,16 @@ pub fn rss_bytes() -> u64 {
         .nth(1)
         .and_then(|v| v.parse().ok())
         .unwrap_or(0);
-    pages * 4096
+    pages * page_size()
+}
+
+/// The kernel's page size, what `/proc/self/statm` counts in (review finding: taken as 4 KiB, it read a
+/// sixteenth of the truth on 64 KiB-page kernels).
+fn page_size() -> u64 {
+    match exs_dma::page_size() {
+        0 => 4096,
+        n => n as u64,
+    }
 }
 
 /// Memory snapshot before the idle connections open.

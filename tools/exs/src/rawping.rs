@@ -229,6 +229,7 @@ fn ping(opened: &Opened, helper: &Helper, a: &RawpingArgs) -> Result<Vec<f64>> {
 
 pub fn run(a: RawpingArgs) -> Result<()> {
     let opened = Opened::open(&a.backend)?;
+    crate::baseline::refuse_sim(&opened, "rawping")?;
     if a.serve {
         return serve(&opened, &a);
     }

@@ -158,6 +158,9 @@ fn the_simulator_refuses_two_processes_clearly() {
     for args in [
         &["pump", "--backend", "sim", "--server"][..],
         &["ping", "--backend", "sim", "-c", "127.0.0.1"],
+        // Review finding: the raw baselines' helper servers are second processes too.
+        &["rawpump", "--backend", "sim"],
+        &["rawping", "--backend", "sim"],
     ] {
         let out = exs(args);
         assert!(!out.status.success());

@@ -65,7 +65,9 @@ fn connect(addrs: &[SocketAddr], tool: &str) -> Result<TcpStream> {
             Err(e) => {
                 let why = match e.kind() {
                     ErrorKind::ConnectionRefused => format!(
-                        "no server is running there (start one on that host with `exs {tool} --server{}`)",
+                        "no server is running there (start one on that host with `exs {tool} --server --addr {}{}`: \
+                         without --addr a server listens on 127.0.0.1 only)",
+                        a.ip(),
                         if a.port() == DEFAULT_PORT { String::new() } else { format!(" --port {}", a.port()) }
                     ),
                     ErrorKind::TimedOut | ErrorKind::WouldBlock => {

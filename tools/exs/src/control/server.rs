@@ -72,12 +72,18 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
     } else {
         let l = &peer.limits;
         note(format_args!(
-            "exs {tool}: serving on {bound} with {} {}; run `exs {tool} --client {} ...` on the other host \
+            "exs {tool}: serving on {bound} with {} {}; run `exs {tool} --client {} ...` {} \
              (limits per test: {} s and {} s to connect and close, {} per transfer, {} pings, {} idle connections, \
              {} of buffers; {} s per client)",
             opened.label(),
             if peer.once { "for one client" } else { "until killed" },
             if peer.port == DEFAULT_PORT { bound.ip().to_string() } else { bound.to_string() },
+            // Review finding: the default address is loopback, and the note sent the user to another host.
+            if bound.ip().is_loopback() {
+                "on this host (a loopback address: give --addr an address of this host to serve others)"
+            } else {
+                "on the other host"
+            },
             l.max_seconds,
             l.max_grace,
             crate::cli::fmt_size(l.max_bytes),

@@ -130,6 +130,20 @@ fn dropping_handles_in_any_order_does_not_deadlock() {
     }
 }
 
+/// `n` receives of 100 bytes each on the server, from `buf`, in order (contexts 0, 1, ...).
+fn post_receives(p: &Pair, buf: &MemoryRegion, n: usize) {
+    for i in 0..n {
+        p.server
+            .recv(
+                &p.eq_b,
+                &buf.slice(i * 100..(i + 1) * 100),
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
+    }
+}
+
 /// Host 1 is the server's context; its next poll panics (the progress thread's, as nobody waits), brought on
 /// by a message the client sends (context 9 on the client's queue).
 fn panic_the_servers_context(p: &Pair) {
@@ -148,16 +162,7 @@ fn a_panic_in_the_progress_thread_fails_every_operation_and_later_calls() {
     within_20s("the failed context's operations", || {
         let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
         let buf = MemoryRegion::alloc(&p.b, 4 * 100).unwrap();
-        for i in 0..4 {
-            p.server
-                .recv(
-                    &p.eq_b,
-                    &buf.slice(i * 100..(i + 1) * 100),
-                    MsgFlags::NONE,
-                    i as u64,
-                )
-                .unwrap();
-        }
+        post_receives(&p, &buf, 4);
         panic_the_servers_context(&p);
         let evs: Vec<_> = (0..4)
             .map(|_| p.eq_b.next(Some(Duration::from_secs(10))).unwrap())
@@ -254,16 +259,7 @@ fn a_wait_that_unwinds_lets_go_of_the_context_it_led() {
     within_20s("the context after the leader's panic", || {
         let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
         let buf = MemoryRegion::alloc(&p.b, 200).unwrap();
-        for i in 0..2 {
-            p.server
-                .recv(
-                    &p.eq_b,
-                    &buf.slice(i * 100..(i + 1) * 100),
-                    MsgFlags::NONE,
-                    i as u64,
-                )
-                .unwrap();
-        }
+        post_receives(&p, &buf, 2);
         let src = p.client_region(pattern(10, 3));
         let unwound = std::thread::scope(|s| {
             // A thread (one that then goes) waits for both messages: it leads the server's context long enough

@@ -54,6 +54,9 @@ pub fn test_prefix() -> PathBuf {
 }
 
 pub fn run(a: CArgs) -> Result<()> {
+    // What the backends' builds need, as `demo` and `test` install it (review finding: on a fresh machine the
+    // README's C commands failed in the backends' build scripts).
+    sys::ensure_packages(sys::BUILD_PACKAGES)?;
     let prefix = a.prefix.unwrap_or_else(|| sys::root().join("target/c"));
     let dir = install(&prefix, !a.debug)?;
     if a.examples {

@@ -121,7 +121,7 @@ impl control::Params for Point {
                 self.chunk * RING as u64
                     + exs::Context::connection_memory(
                         SockType::SeqPacket,
-                        &exs_options(SocketOptions::default()),
+                        &exs_options(limits.socket_base(SockType::SeqPacket)),
                     )
             }
             Transport::Tcp => self.chunk,

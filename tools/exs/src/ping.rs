@@ -86,7 +86,8 @@ impl control::Params for Point {
         limits.memory(self.size, "--size")?;
         // The connections' control buffers, the ping's and the idle ones' (a review found them uncounted: a
         // server's budget was 64 GiB, and `--idle` at 32 KiB pings about 1 MiB a connection).
-        let per = exs::Context::connection_memory(SockType::SeqPacket, &self.options());
+        let base = limits.socket_base(SockType::SeqPacket);
+        let per = exs::Context::connection_memory(SockType::SeqPacket, &self.options_on(base));
         limits.memory(
             per.saturating_mul(u64::from(self.idle) + 1),
             "--idle with --size (each connection's control buffers)",
@@ -95,13 +96,8 @@ impl control::Params for Point {
 }
 
 impl Point {
-    /// The options of the test's connection over the library's defaults (for the memory a connection takes).
-    fn options(&self) -> SocketOptions {
-        self.options_on(SocketOptions::default())
-    }
-
-    /// [`Point::options`] over `base`, a new socket's own: a persistent ping keeps the threshold the transport
-    /// chose (review finding: the library's default replaced it).
+    /// The options of the test's connection, over `base`, a new socket's own: a persistent ping keeps the
+    /// threshold the transport chose (review finding: the library's default replaced it).
     fn options_on(&self, base: SocketOptions) -> SocketOptions {
         let o = base;
         let o = match self.mode {

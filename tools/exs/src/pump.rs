@@ -92,19 +92,19 @@ impl control::Params for Point {
                 exs::SocketOptions::MAX_SMALL
             ));
         }
-        limits.memory(self.server_memory(), "--size x --depth")
+        limits.memory(self.server_memory(limits), "--size x --depth")
     }
 }
 
 impl Point {
     /// The buffers the server registers: its receives, a stream's ring, and the connection's control buffers
     /// (which, with the ring, the server's memory budget holds: its --max-memory).
-    fn server_memory(&self) -> u64 {
+    fn server_memory(&self, limits: &Limits) -> u64 {
         let (ring, ty) = match self.sock_type {
             Type::Stream => (self.stream_ring() as u64, exs::SockType::Stream),
             Type::Seqpacket => (0, exs::SockType::SeqPacket),
         };
-        let control = exs::Context::connection_memory(ty, &self.options());
+        let control = exs::Context::connection_memory(ty, &self.options_on(limits.socket_base(ty)));
         (self.size * self.depth as u64).saturating_add(ring + control)
     }
 
@@ -113,15 +113,10 @@ impl Point {
         (self.size * self.depth as u64 * 2).clamp(256 << 10, 64 << 20) as u32
     }
 
-    /// Socket options a point needs on both sides (of a checked point: the depth fits the credits), over the
-    /// library's defaults (for the memory a connection takes).
-    fn options(&self) -> SocketOptions {
-        self.options_on(SocketOptions::default())
-    }
-
-    /// [`Point::options`] over `base`, a new socket's own: `--mode default` keeps the threshold the transport
-    /// chose for it (review finding: the library's default, 512 bytes, replaced the transport's, 4 KiB on
-    /// libfabric tcp, in the very mode that says the transport decides).
+    /// Socket options a point needs on both sides (of a checked point: the depth fits the credits), over `base`, a
+    /// new socket's own: `--mode default` keeps the threshold the transport chose for it (review finding: the
+    /// library's default, 512 bytes, replaced the transport's, 4 KiB on libfabric tcp, in the very mode that says
+    /// the transport decides).
     fn options_on(&self, base: SocketOptions) -> SocketOptions {
         let depth = u16::try_from(self.depth).unwrap_or(u16::MAX);
         // Deeper runs need more advertisement credits; shallower ones keep the default window (credits bound the
@@ -629,6 +624,30 @@ mod tests {
         assert_eq!(t(PumpMode::Default), 4096);
         assert_eq!(t(PumpMode::Normal), 0);
         assert_eq!(t(PumpMode::Immediate), 1024);
+    }
+
+    /// Review finding: the server counted a test's connection memory over the library's default threshold, but
+    /// its connections take the transport's (4 KiB on libfabric tcp), whose control buffers are larger.
+    #[test]
+    fn the_servers_memory_check_counts_its_transports_threshold() {
+        let p = super::Point {
+            size: 64,
+            depth: 64,
+            mode: crate::opts::PumpMode::Default,
+            sock_type: crate::opts::Type::Seqpacket,
+            seconds: 1.0,
+            wait: crate::opts::Wait::Adaptive,
+            no_coalesce: false,
+        };
+        let client = crate::control::Limits::widest();
+        let server = crate::control::Limits {
+            transport_threshold: Some(4096),
+            ..crate::control::Limits::widest()
+        };
+        assert!(
+            p.server_memory(&server) > 2 * p.server_memory(&client),
+            "the larger control buffers count"
+        );
     }
 
     /// Review finding: a point whose server got one message (the first only starts the clock) printed 0 MB/s and

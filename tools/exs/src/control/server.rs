@@ -220,7 +220,9 @@ impl Drop for Finish {
 }
 
 impl<S: Service> Server<S> {
-    pub fn new(svc: S, host: Host, limits: Limits, chatty: bool, json: bool) -> Arc<Server<S>> {
+    pub fn new(svc: S, host: Host, mut limits: Limits, chatty: bool, json: bool) -> Arc<Server<S>> {
+        let threshold = host.ctx.capabilities().immediate_default;
+        limits.transport_threshold = Some(threshold.min(exs::SocketOptions::MAX_SMALL));
         Arc::new(Server {
             svc,
             host,

@@ -620,8 +620,8 @@ extern "C" {
 
 /**
  * Reads or sets a socket's option (UNH-EXS `exs_fcntl`): `EXS_F_GET_*` return the value, `EXS_F_SET_*` take an
- * int (the options the handshake negotiates: before connect, or on a listener for the connections it accepts
- * after; `EISCONN` on a connection). `EXS_F_GETERROR` is the errno
+ * int (the options the handshake negotiates: before connect, or on a listener for the connections set up after
+ * the change; `EISCONN` on a connection). `EXS_F_GETERROR` is the errno
  * of why the connection went down (0 while up), `EXS_F_END_PERSISTENT` ends this side's persistent operations.
  * `F_GETFL` reports `O_NONBLOCK` (every exs call is asynchronous) and `F_SETFL` accepts it. -1 with `errno`:
  * `EBADF`, `EINVAL` (a command or value exs does not know), `EISCONN`.

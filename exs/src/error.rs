@@ -543,8 +543,8 @@ op_error! {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum OptionError {
-    /// The option can only change before the connection is established (a listener's change at any time, for
-    /// the connections it accepts after).
+    /// The option can only change before the connection is established (a listener's at any time, for the
+    /// connections set up after the change).
     #[error("option {0} cannot change once the connection is set up")]
     Locked(&'static str),
     /// The value is out of the allowed range.

@@ -51,7 +51,8 @@ impl std::ops::BitOr for MsgFlags {
 /// Per-socket settings (ES-API `exs_fcntl`): read them with [`Socket::options`](crate::Socket::options), change
 /// them with the `with_*` setters and [`Socket::set_options`](crate::Socket::set_options), or in one step with
 /// [`Socket::update_options`](crate::Socket::update_options) where other threads may change the socket's options
-/// at the same time. Those marked "before connect" are negotiated in the handshake and cannot change later.
+/// at the same time. Those marked "before connect" are negotiated in the handshake and cannot change on a
+/// connection; a listener's may change while it listens, for the connections set up after the change.
 ///
 /// ```
 /// # #[cfg(feature = "fabric")] {

@@ -199,7 +199,7 @@ impl Socket {
 
     /// Connects to `addr`, asynchronously (ES-API `exs_connect`): the event of kind `Connect` comes on `eq`. The
     /// event queue comes first, as in every asynchronous call. Options negotiated at connect are frozen from here
-    /// on.
+    /// on. A socket bound to an address is refused (`Unsupported`: see [`Socket::bind`]).
     pub fn connect(
         &self,
         eq: &EventQueue,

@@ -255,7 +255,7 @@ fn a_failed_context_sleeps_instead_of_spinning() {
 /// that was gone; it did not happen (the progress thread still ran the context: this test passes without the
 /// guard that now lets the lead go on the way out, `Leads` in `event/wait.rs`).
 #[test_log::test]
-fn a_wait_that_unwinds_lets_go_of_the_context_it_led() {
+fn a_context_whose_leader_unwound_goes_on_serving_other_waits() {
     within_20s("the context after the leader's panic", || {
         let p = pair_threaded(SockType::SeqPacket, exs::SocketOptions::default());
         let buf = MemoryRegion::alloc(&p.b, 200).unwrap();

@@ -650,8 +650,9 @@ impl Drop for BusyGuard {
 }
 
 /// The contexts a waiting thread leads, let go however its wait ends: a panic that unwinds through the wait (a
-/// transport's arming, a deferred close) lets them go too, as the tokio path's guard does (test
-/// `a_wait_that_unwinds_lets_go_of_the_context_it_led`).
+/// transport's arming, a deferred close) lets them go too, as the tokio path's guard does. (The test
+/// `a_context_whose_leader_unwound_goes_on_serving_other_waits` passes without it too: the progress thread still
+/// runs a context whose leader is gone.)
 struct Leads(Pollers);
 
 impl std::ops::Deref for Leads {

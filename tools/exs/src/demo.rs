@@ -62,19 +62,19 @@ fn expected(srcs: &[Vec<u8>], size: u64, chunk: usize) -> u64 {
 #[derive(Clone, Debug, clap::Args)]
 pub struct DemoArgs {
     /// Bytes to move (K, M, G, T suffixes binary).
-    #[arg(long, default_value = "1G", value_parser = cli::size_in(1..=MAX_TRANSFER),
+    #[arg(long, conflicts_with = "server", default_value = "1G", value_parser = cli::size_in(1..=MAX_TRANSFER),
           help = cli::help_range("Bytes to move (K, M, G, T suffixes binary)", 1, MAX_TRANSFER))]
     pub size: u64,
     /// Bytes per message.
-    #[arg(long, default_value = "4M", value_parser = cli::size_in(1..=MAX_CHUNK),
+    #[arg(long, conflicts_with = "server", default_value = "4M", value_parser = cli::size_in(1..=MAX_CHUNK),
           help = cli::help_range("Bytes per message", 1, MAX_CHUNK))]
     pub chunk: u64,
     /// Messages in flight.
-    #[arg(long, default_value_t = 8, value_parser = cli::depth(),
+    #[arg(long, conflicts_with = "server", default_value_t = 8, value_parser = cli::depth(),
           help = format!("Messages in flight, 1 to {MAX_DEPTH}"))]
     pub depth: usize,
     /// Skip the TCP baseline.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "server")]
     pub no_tcp: bool,
     /// One JSON object per transfer on stdout (server: one per transfer received).
     #[arg(long)]

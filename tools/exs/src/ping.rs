@@ -23,25 +23,27 @@ use crate::usage::Usage;
 #[derive(Clone, Debug, clap::Args)]
 pub struct PingArgs {
     /// Payload sizes (comma-separated).
-    #[arg(long, value_delimiter = ',', default_value = "1,10,100,1K", value_parser = cli::size_in(0..=MAX_MESSAGE),
+    #[arg(long, conflicts_with = "server",
+          value_delimiter = ',', default_value = "1,10,100,1K", value_parser = cli::size_in(0..=MAX_MESSAGE),
           help = cli::help_range("Payload sizes (comma-separated; K, M suffixes binary)", 0, MAX_MESSAGE))]
     pub size: Vec<u64>,
     /// How to send.
-    #[arg(long, value_enum, default_value_t = PingMode::Immediate)]
+    #[arg(long, conflicts_with = "server", value_enum, default_value_t = PingMode::Immediate)]
     pub mode: PingMode,
     /// Pings per size (after 10% warm-up).
-    #[arg(long, default_value_t = 2000, value_parser = cli::count_in(1..=MAX_COUNT),
+    #[arg(long, conflicts_with = "server", default_value_t = 2000, value_parser = cli::count_in(1..=MAX_COUNT),
           help = format!("Pings per size, counted after a warm-up of a tenth more, 1 to {MAX_COUNT}"))]
     pub count: u64,
     /// Event-queue wait mode (both sides; in persistent mode on verbs the server, which has nothing to do, sleeps).
-    #[arg(long, value_enum, default_value_t = Wait::Busy)]
+    #[arg(long, conflicts_with = "server", value_enum, default_value_t = Wait::Busy)]
     pub wait: Wait,
     /// One JSON object per size on stdout (server: one per test served).
     #[arg(long)]
     pub json: bool,
     /// Idle connections (of the same socket type) that both sides hold open on the same contexts while the ping
     /// runs: what one operation costs must not grow with connections that do nothing.
-    #[arg(long, default_value_t = 0, value_parser = RangedU64ValueParser::<u32>::new().range(0..=cli::max_idle()),
+    #[arg(long, conflicts_with = "server",
+          default_value_t = 0, value_parser = RangedU64ValueParser::<u32>::new().range(0..=cli::max_idle()),
           help = format!("Idle connections both sides hold open beside the ping (what one operation costs must \
                           not grow with connections that do nothing), 0 to {}", cli::max_idle()))]
     pub idle: u32,

@@ -23,32 +23,33 @@ use crate::util::PATIENCE;
 #[derive(Clone, Debug, clap::Args)]
 pub struct PumpArgs {
     /// Message sizes (comma-separated; K, M suffixes binary).
-    #[arg(long, value_delimiter = ',', default_value = "1,1K,64K,1M", value_parser = cli::size_in(1..=MAX_MESSAGE),
+    #[arg(long, conflicts_with = "server",
+          value_delimiter = ',', default_value = "1,1K,64K,1M", value_parser = cli::size_in(1..=MAX_MESSAGE),
           help = cli::help_range("Message sizes (comma-separated; K, M suffixes binary)", 1, MAX_MESSAGE))]
     pub size: Vec<u64>,
     /// Transfers in flight (comma-separated), e.g. 1,2,4,8.
-    #[arg(long, value_delimiter = ',', default_value = "8", value_parser = cli::depth(),
+    #[arg(long, conflicts_with = "server", value_delimiter = ',', default_value = "8", value_parser = cli::depth(),
           help = format!("Transfers in flight (comma-separated, e.g. 1,2,4,8), 1 to {MAX_DEPTH}"))]
     pub depth: Vec<usize>,
     /// How to send.
-    #[arg(long, value_enum, default_value_t = PumpMode::Default)]
+    #[arg(long, conflicts_with = "server", value_enum, default_value_t = PumpMode::Default)]
     pub mode: PumpMode,
     /// Socket type.
-    #[arg(long = "type", value_enum, default_value_t = Type::Seqpacket)]
+    #[arg(long = "type", conflicts_with = "server", value_enum, default_value_t = Type::Seqpacket)]
     pub sock_type: Type,
     /// Seconds per point.
-    #[arg(long, default_value = "2", value_parser = cli::seconds,
+    #[arg(long, conflicts_with = "server", default_value = "2", value_parser = cli::seconds,
           help = format!("Seconds per point (more than 0, at most {})", cli::MAX_SECONDS))]
     pub seconds: f64,
     /// Event-queue wait mode (both sides).
-    #[arg(long, value_enum, default_value_t = Wait::Adaptive)]
+    #[arg(long, conflicts_with = "server", value_enum, default_value_t = Wait::Adaptive)]
     pub wait: Wait,
     /// One JSON object per point on stdout instead of a table (server: one per test served).
     #[arg(long)]
     pub json: bool,
     /// One control message per send and per peer buffer (no coalescing; the default sends messages queued behind
     /// one in flight together).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "server")]
     pub no_coalesce: bool,
     #[command(flatten)]
     pub backend: BackendArgs,

@@ -172,6 +172,23 @@ fn the_simulator_refuses_two_processes_clearly() {
     }
 }
 
+/// Review finding: a test's flags given to a server (`exs pump --server --size 1M`) were accepted and ignored
+/// there (the client sends every test's parameters): they are a usage error now.
+#[test]
+fn a_tests_flags_given_to_a_server_are_refused() {
+    for args in [
+        &["pump", "--server", "--size", "1M"][..],
+        &["pump", "--server", "--seconds", "10"],
+        &["ping", "--server", "--count", "10"],
+        &["demo", "--server", "--chunk", "1M"],
+    ] {
+        let out = exs(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("cannot be used with"), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn help_lists_the_values_of_the_enumerated_flags() {
     let out = exs(&["pump", "--help"]);

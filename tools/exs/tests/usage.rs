@@ -236,4 +236,12 @@ fn numeric_options_state_their_ranges_in_the_help() {
     ] {
         assert!(help.contains(limit), "{limit} not in {help}");
     }
+    // Review finding: the limits' help gave no ranges.
+    for want in [
+        "1 B to 4 GiB",
+        "1 to 10000000",
+        "at most 86400): the most a pump client",
+    ] {
+        assert!(help.contains(want), "{want:?} not in {help}");
+    }
 }

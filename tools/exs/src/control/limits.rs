@@ -20,33 +20,46 @@ pub const GRACE_SECONDS: f64 = 10.0;
 pub struct Limits {
     /// The longest test, in seconds: the most a pump client may ask for, and the wall time any test may take
     /// (plus `--max-grace` to connect and close).
-    #[arg(long, value_name = "SECS", default_value = "300", value_parser = cli::seconds, requires = "server")]
+    #[arg(long, value_name = "SECS", default_value = "300", value_parser = cli::seconds, requires = "server",
+          help = format!("The longest test, in seconds (more than 0, at most {MAX_SECONDS}): the most a pump client \
+                          may ask for, and the wall time any test may take (plus --max-grace to connect and close)"))]
     pub max_seconds: f64,
     /// The time a test may take beyond `--max-seconds` to set up and close its connection, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = GRACE_SECONDS, value_parser = cli::seconds, requires = "server")]
+    #[arg(long, value_name = "SECS", default_value_t = GRACE_SECONDS, value_parser = cli::seconds, requires = "server",
+          help = format!("The time a test may take beyond --max-seconds to set up and close its connection, in \
+                          seconds (more than 0, at most {MAX_SECONDS})"))]
     pub max_grace: f64,
     /// The most bytes one `exs demo` transfer may move (K, M, G, T suffixes binary).
     #[arg(long, value_name = "SIZE", default_value = "64G", value_parser = cli::size_in(1..=MAX_TRANSFER),
-          requires = "server")]
+          requires = "server",
+          help = cli::help_range("The most bytes one exs demo transfer may move (K, M, G, T suffixes binary)", 1,
+                                 MAX_TRANSFER))]
     pub max_bytes: u64,
     /// The most pings one `exs ping` test may ask for.
     #[arg(long, value_name = "N", default_value = "1000000", value_parser = cli::count_in(1..=MAX_COUNT),
-          requires = "server")]
+          requires = "server", help = format!("The most pings one exs ping test may ask for, 1 to {MAX_COUNT}"))]
     pub max_count: u64,
     /// The most idle connections one `exs ping --idle` test may make the server hold.
     #[arg(long, value_name = "N", default_value = "100", value_parser = cli::count_in(0..=cli::max_idle()),
-          requires = "server")]
+          requires = "server",
+          help = format!("The most idle connections one exs ping --idle test may make the server hold, 0 to {}",
+                         cli::max_idle()))]
     pub max_idle: u64,
     /// The most buffer memory one test may make the server register (pinned, on RDMA hardware): pump's
     /// size x depth, demo's eight chunks, ping's message; and, apart, what its connections hold (their control
     /// buffers, a stream's buffer: `exs ping --idle` makes many), which is the server's context's memory budget.
     #[arg(long, value_name = "SIZE", default_value = "256M", value_parser = cli::size_in(1..=MAX_MEMORY),
-          requires = "server")]
+          requires = "server",
+          help = cli::help_range("The most buffer memory one test may make the server register (pinned on RDMA \
+                                  hardware), and, apart, what its connections hold (the server's memory budget)",
+                                 1, MAX_MEMORY))]
     pub max_memory: u64,
     /// The longest one client may keep the server, in seconds: a test it asks for past that ends its session
     /// (a test already running runs to its end), so that a client sending a short test every few seconds cannot
     /// hold the server for ever, every other client told "busy".
-    #[arg(long, value_name = "SECS", default_value = "3600", value_parser = cli::seconds, requires = "server")]
+    #[arg(long, value_name = "SECS", default_value = "3600", value_parser = cli::seconds, requires = "server",
+          help = format!("The longest one client may keep the server, in seconds (more than 0, at most \
+                          {MAX_SECONDS}): a test it asks for past that ends its session"))]
     pub max_session: f64,
     /// The immediate-data threshold the server's transport gives a new seqpacket socket, set by the server from
     /// its context (`None` in a client's checks): the control buffers a connection registers grow with it.

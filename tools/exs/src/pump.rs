@@ -116,8 +116,7 @@ impl Point {
 
     /// Socket options a point needs on both sides (of a checked point: the depth fits the credits), over `base`, a
     /// new socket's own: `--mode default` keeps the threshold the transport chose for it (review finding: the
-    /// library's default, 512 bytes, replaced the transport's, 4 KiB on libfabric tcp, in the very mode that says
-    /// the transport decides).
+    /// library's default replaced the transport's, in the very mode that says the transport decides).
     fn options_on(&self, base: SocketOptions) -> SocketOptions {
         let depth = u16::try_from(self.depth).unwrap_or(u16::MAX);
         // Deeper runs need more advertisement credits; shallower ones keep the default window (credits bound the
@@ -481,7 +480,7 @@ fn point(peer: &mut Peer, ctx: &exs::Context, whole: bool, p: &Point) -> Result<
 }
 
 /// Refuses a point whose server got fewer than two messages: the first only starts the clock, so there is no
-/// rate to report (review finding: it printed 0 MB/s and the run exited 0).
+/// rate to report (review finding: it printed a rate of nothing and the run exited 0).
 fn timed(server: &Side, p: &Point) -> Result<()> {
     if server.msgs == 0 {
         bail!(
@@ -606,8 +605,8 @@ mod tests {
     use crate::usage::Usage;
 
     /// Review finding: `--mode default`, whose help says the transport's immediate-data threshold decides, set
-    /// the library's default (512 bytes) over the transport's (4 KiB on libfabric tcp). The point's options are
-    /// now laid over the socket's own.
+    /// the library's default over the transport's (higher on libfabric tcp). The point's options are now laid
+    /// over the socket's own.
     #[test]
     fn the_default_mode_keeps_the_transports_threshold() {
         use crate::opts::PumpMode;
@@ -628,7 +627,7 @@ mod tests {
     }
 
     /// Review finding: the server counted a test's connection memory over the library's default threshold, but
-    /// its connections take the transport's (4 KiB on libfabric tcp), whose control buffers are larger.
+    /// its connections take the transport's (higher on libfabric tcp), whose control buffers are larger.
     #[test]
     fn the_servers_memory_check_counts_its_transports_threshold() {
         let p = super::Point {
@@ -651,8 +650,8 @@ mod tests {
         );
     }
 
-    /// Review finding: a point whose server got one message (the first only starts the clock) printed 0 MB/s and
-    /// the run exited 0; it is an error that says why.
+    /// Review finding: a point whose server got one message (the first only starts the clock) printed a rate of
+    /// nothing and the run exited 0; it is an error that says why.
     #[test]
     fn a_point_with_one_message_is_too_short_to_time() {
         let p = super::Point {

@@ -84,8 +84,8 @@ impl Limits {
     }
 
     /// A new socket's options on the server, which a test's are laid over: for counting what its connections
-    /// register (review finding: counted over the library's defaults, a seqpacket connection on libfabric tcp,
-    /// whose threshold is 4 KiB, registers seven times what was counted).
+    /// register (review finding: counted over the library's defaults, a seqpacket connection on a transport with
+    /// a higher threshold, as libfabric tcp's, registers several times what was counted).
     pub fn socket_base(&self, ty: exs::SockType) -> exs::SocketOptions {
         let base = exs::SocketOptions::default();
         match (ty, self.transport_threshold) {

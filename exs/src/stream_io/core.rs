@@ -483,12 +483,7 @@ impl Writer {
             // before every check, after a shutdown or a reset too).
             return match self.sock.check_sendable() {
                 Ok(()) => Ok(Some(0)),
-                Err(e) => {
-                    if let StateError::ConnectionDown(op) = &e {
-                        self.failed.get_or_insert_with(|| Failure::of(op));
-                    }
-                    Err(SendError::State(e).into())
-                }
+                Err(e) => Err(self.refused(SendError::State(e))),
             };
         }
         if self.ring.is_none() {
@@ -514,21 +509,27 @@ impl Writer {
                 .sock
                 .send(&self.eq, &ring.slice(at..at + k), MsgFlags::NONE, 0)
             {
-                if let SendError::State(StateError::ConnectionDown(op)) = &e {
-                    // No byte can be sent any more: the stream stays broken (see `failed`).
-                    self.failed.get_or_insert_with(|| Failure::of(op));
-                }
+                let e = self.refused(e);
                 if n > 0 {
                     // The bytes before are on their way; the next write gets the error.
                     break;
                 }
-                return Err(e.into());
+                return Err(e);
             }
             self.in_flight.push_back(k);
             self.used += k;
             n += k;
         }
         Ok((n > 0).then_some(n))
+    }
+
+    /// A send the connection refused, as the write's error; one refused because the connection is down leaves the
+    /// stream broken for every later write (see `failed`).
+    fn refused(&mut self, e: SendError) -> io::Error {
+        if let SendError::State(StateError::ConnectionDown(op)) = &e {
+            self.failed.get_or_insert_with(|| Failure::of(op));
+        }
+        e.into()
     }
 
     /// Reports the error of an earlier send, if any. Every byte written is already on its way (a write posts

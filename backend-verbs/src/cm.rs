@@ -13,18 +13,12 @@ use crate::{VerbsTransport, RESOLVE_TIMEOUT_MS, TAG_EP, TAG_LISTENER};
 /// Why `rdma_connect` failed, as the engine's reason. On iWARP the connection's TCP handshake happens inside the
 /// call (siw; Chelsio's adapters report the same through an event), so a closed port or an unreachable peer shows
 /// here rather than as a `REJECTED` or `UNREACHABLE` event.
-fn connect_failure(err: &std::io::Error) -> ConnectFailure {
+fn connect_failure(err: std::io::Error) -> ConnectFailure {
     match err.raw_os_error() {
         Some(libc::ECONNREFUSED) => ConnectFailure::Refused(Vec::new()),
         Some(libc::ETIMEDOUT) => ConnectFailure::TimedOut,
         Some(libc::ENETUNREACH | libc::EHOSTUNREACH) => ConnectFailure::Unreachable,
-        _ => ConnectFailure::Other(exs_transport::TransportError::os(
-            "rdma_connect",
-            match err.raw_os_error() {
-                Some(code) => std::io::Error::from_raw_os_error(code),
-                None => std::io::Error::new(err.kind(), err.to_string()),
-            },
-        )),
+        _ => ConnectFailure::Other(exs_transport::TransportError::os("rdma_connect", err)),
     }
 }
 
@@ -216,7 +210,7 @@ impl VerbsTransport {
         // SAFETY: live id with a QP; private data lives across the call (copied by rdma_connect).
         if unsafe { rdma_connect(e.id, &mut param) } != 0 {
             let err = std::io::Error::last_os_error();
-            return self.connect_failed(ep, connect_failure(&err));
+            return self.connect_failed(ep, connect_failure(err));
         }
         None
     }

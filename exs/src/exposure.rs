@@ -187,7 +187,7 @@ impl TrustedKeys {
 
     /// Revokes the keys of a connection that is going away (before its endpoint is released).
     pub(crate) fn forget_endpoint(&mut self, ep: EndpointId) {
-        self.forget(|k| k.0 == ep);
+        self.forget(|k| k.0 == ep, false);
     }
 
     /// How many whole-region keys name `buf`.
@@ -201,25 +201,24 @@ impl TrustedKeys {
     /// of them ends and drops it ([`Borrowed`]), as every operation's own key is.
     pub(crate) fn forget_buffer(&mut self, buf: &Arc<DmaBuf>) {
         let b = buf_key(buf);
+        self.forget(|k| k.1 == b, true);
+    }
+
+    /// Takes the keys `gone` names out of the map and revokes them; with `borrowed_wait`, one an operation still
+    /// uses is left to that operation (revoked when its last user drops it).
+    fn forget(
+        &mut self,
+        gone: impl Fn(&(EndpointId, usize, RemoteAccess)) -> bool,
+        borrowed_wait: bool,
+    ) {
         self.keys.retain(|k, e| {
-            if k.1 != b {
+            if !gone(k) {
                 return true;
             }
-            if Arc::strong_count(&e.whole) == 1 {
+            if !borrowed_wait || Arc::strong_count(&e.whole) == 1 {
                 revoke(&e.whole);
             }
             false
-        });
-    }
-
-    fn forget(&mut self, gone: impl Fn(&(EndpointId, usize, RemoteAccess)) -> bool) {
-        self.keys.retain(|k, e| {
-            if gone(k) {
-                revoke(&e.whole);
-                false
-            } else {
-                true
-            }
         });
     }
 

@@ -274,11 +274,11 @@ impl EventQueue {
                 break false;
             }
             for p in &pollers {
-                if !led.iter().any(|l| Arc::ptr_eq(l, p)) && p.try_lead(self.inner.clone()) {
-                    led.push(Arc::clone(p));
+                if !led.0.iter().any(|l| Arc::ptr_eq(l, p)) && p.try_lead(self.inner.clone()) {
+                    led.0.push(Arc::clone(p));
                 }
             }
-            if led.is_empty() {
+            if led.0.is_empty() {
                 // Nobody to lead (a plain queue, or others lead): wait for the events or for a leader to let go.
                 if !self.wait_cond(need, nudges, deadline) {
                     break self.inner.lock().events.len() >= need;
@@ -288,7 +288,7 @@ impl EventQueue {
             let mut until = deadline;
             let mut again = false;
             let satisfied = || self.inner.lock().events.len() >= need;
-            for p in led.iter() {
+            for p in &led.0 {
                 match p.prepare_sleep(&satisfied) {
                     None => again = true,
                     Some(Some(t)) => until = Some(until.map_or(t, |u| u.min(t))),
@@ -298,7 +298,7 @@ impl EventQueue {
             if again {
                 continue;
             }
-            self.sleep_leading(&led, need, until, nudges);
+            self.sleep_leading(&led.0, need, until, nudges);
         };
         drop(led);
         Ok(done)
@@ -654,19 +654,6 @@ impl Drop for BusyGuard {
 /// `a_context_whose_leader_unwound_goes_on_serving_other_waits` passes without it too: the progress thread still
 /// runs a context whose leader is gone.)
 struct Leads(Pollers);
-
-impl std::ops::Deref for Leads {
-    type Target = Pollers;
-    fn deref(&self) -> &Pollers {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for Leads {
-    fn deref_mut(&mut self) -> &mut Pollers {
-        &mut self.0
-    }
-}
 
 impl Drop for Leads {
     fn drop(&mut self) {

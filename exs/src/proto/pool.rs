@@ -48,8 +48,8 @@ pub struct PoolStats {
     pub received: u64,
     /// Buffers that came back flushed (their connection went down first).
     pub flushed: u64,
-    /// Receives that failed otherwise (a message longer than the pool's buffers, the device's error): their
-    /// connection was closed.
+    /// Receives that failed otherwise: a message longer than the pool's buffers (its connection is closed), or
+    /// a device's error.
     pub failed: u64,
 }
 

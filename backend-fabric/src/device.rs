@@ -171,6 +171,10 @@ fn capabilities(i: &fi_info, provider: &str, domain_name: &str) -> Capabilities 
         max_private_data: 56,
         // The tcp provider's shared receive contexts are not used: each endpoint posts its own receives.
         max_shared_recv: 0,
+        // The software providers leave a message no receive waits for in the socket until one is posted. The
+        // verbs provider may be on iWARP, which has no such retry (not told apart here: it matters only to a
+        // shared pool, which this backend does not use).
+        rnr_retry: provider != "verbs",
         // Software providers (tcp, sockets, net) copy through the kernel either way, and a read is a
         // request and a reply, so immediate data beats advert + read at every size it can carry (`exs pump
         // --mode immediate` against `--mode normal`; bench/README.md keeps the comparison). 4 KiB bounds each

@@ -133,6 +133,8 @@ pub struct ContextOptions {
 
 /// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so receive
 /// memory does not grow with the number of connections (the shared receive queue design; `proto::pool` in the source).
+/// On iWARP, which has no receiver-not-ready retry, the pool holds a buffer for every credit its connections promised
+/// (it grows with them, and a connection beyond `max_slots` is refused).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SharedRecv {

@@ -363,6 +363,119 @@ fn stream_sockets_over_the_shared_pool() {
     assert!(m.server.stats().pool.unwrap().received > 0);
 }
 
+/// Devices without receiver-not-ready retry (iWARP): a message that finds the shared queue empty ends its
+/// connection, as `cargo xtask test --suite siw` saw on siw under load.
+fn no_rnr_retry() -> SimConfig {
+    SimConfig::default()
+        .with_shared_recv(4096)
+        .without_rnr_retry()
+}
+
+/// Regression (siw in the guest, under load: `stream_receives_filled_from_the_stream_buffer_get_no_key` and
+/// `listener_accepts_many_connections` failed with a connection reset, the sender's request with
+/// `IBV_WC_LOC_QP_OP_ERR`): the pool started at one chunk of 32 buffers and grew only when the engine ran, while
+/// every connection promised its peer a window of its own; a burst beyond the buffers posted ended the connection.
+/// Now the pool holds a buffer for every credit it promised before the promise is made.
+#[test]
+fn a_pool_without_rnr_retry_covers_every_credit_it_promised() {
+    let n = 20;
+    let m = many_opts(
+        n,
+        SockType::SeqPacket,
+        no_rnr_retry(),
+        pool_on(),
+        SocketOptions::default().with_coalesce(false),
+    );
+    // Ten messages per connection arrive while the server takes nothing in: two hundred, beyond one chunk.
+    exchange(&m, 10);
+    assert_eq!(m.world.stats().rnr, 0, "a message found the pool empty");
+    let pool = m.server.stats().pool.unwrap();
+    let windows: u32 = m
+        .conns
+        .iter()
+        .map(|(_, s)| s.stats().unwrap().window_in)
+        .sum();
+    assert_eq!(pool.promised, windows, "{pool:?}");
+    assert!(pool.slots >= windows, "{pool:?}");
+}
+
+/// The same for a stream whose writer runs ahead of a stalled reader: a thousand small writes, each a write with
+/// immediate data that takes a pool buffer, against a window larger than the pool's first chunk.
+#[test]
+fn a_stream_writer_ahead_of_a_stalled_reader_on_a_pool_without_rnr_retry() {
+    let m = many_opts(
+        1,
+        SockType::Stream,
+        no_rnr_retry(),
+        pool_on(),
+        SocketOptions::default().with_coalesce(false),
+    );
+    let (c, s) = &m.conns[0];
+    // A first write sets the reader's stream buffer up, so that the writes below go out at once.
+    let first = MemoryRegion::from_vec(&m.client, vec![7; 64]).unwrap();
+    c.send(&m.eq_c, &first.all(), MsgFlags::NONE, 0).unwrap();
+    let got = MemoryRegion::alloc(&m.server, 64).unwrap();
+    s.recv(&m.eq_s, &got.all(), MsgFlags::WAITALL, 0).unwrap();
+    assert!(wait(&m.eq_s).is_ok());
+    assert!(wait(&m.eq_c).is_ok());
+    let sent = pattern(64 * 1000, 9);
+    let src = MemoryRegion::from_vec(&m.client, sent.clone()).unwrap();
+    m.world.stall(1, true);
+    for i in 0..1000 {
+        c.send(
+            &m.eq_c,
+            &src.slice(i * 64..(i + 1) * 64),
+            MsgFlags::NONE,
+            i as u64,
+        )
+        .unwrap();
+    }
+    m.world.run_for(std::time::Duration::from_millis(5));
+    m.world.stall(1, false);
+    let dst = MemoryRegion::alloc(&m.server, sent.len()).unwrap();
+    s.recv(&m.eq_s, &dst.all(), MsgFlags::WAITALL, 0).unwrap();
+    let ev = wait(&m.eq_s);
+    assert!(ev.is_ok() && ev.bytes == sent.len(), "{ev:?}");
+    assert_bytes_eq(&dst.to_vec().unwrap(), &sent, "the stream through the pool");
+    assert_eq!(m.world.stats().rnr, 0, "a write found the pool empty");
+}
+
+/// Where the pool covers its promises, a connection it cannot cover (it may not grow enough) is refused, saying
+/// what to change; once a connection's endpoint is gone, its promise is too and another connection fits.
+#[test]
+fn a_connection_a_pool_without_rnr_retry_cannot_cover_is_refused() {
+    let world = World::new(no_rnr_retry());
+    let mut small = pool_on();
+    small.chunk_slots = 32;
+    small.max_slots = 128;
+    let (a, _b, l, addr) = pool_client(&world, small);
+    let (eq_a, eq_b) = (EventQueue::new(64).unwrap(), EventQueue::new(64).unwrap());
+    let first = connect_one(&a, &l, addr, &eq_a, &eq_b);
+    let w = first.0.stats().unwrap().window_in;
+    let mut conns = vec![first];
+    // One batch of completions beyond the promises (see `RecvPool::cover_promises`).
+    while a.stats().pool.unwrap().promised + w + 64 <= 128 {
+        conns.push(connect_one(&a, &l, addr, &eq_a, &eq_b));
+    }
+    let c = Socket::new(&a, SockType::SeqPacket).unwrap();
+    let err = c.connect(&eq_a, addr, 0).unwrap_err();
+    let io: std::io::Error = err.into();
+    assert!(io.to_string().contains("SharedRecv::max_slots"), "{io}");
+    let pool = a.stats().pool.unwrap();
+    assert_eq!(pool.promised, w * conns.len() as u32, "{pool:?}");
+    let (gone, peer) = conns.pop().unwrap();
+    gone.close().unwrap();
+    drop(peer);
+    world.run_for(std::time::Duration::from_millis(50));
+    assert_eq!(a.stats().pool.unwrap().promised, w * conns.len() as u32);
+    conns.push(connect_one(&a, &l, addr, &eq_a, &eq_b));
+    let dsts: Vec<MemoryRegion> = (0..8)
+        .map(|_| MemoryRegion::alloc(&a, 300).unwrap())
+        .collect();
+    let (c, s) = conns.last().unwrap();
+    deliver((&world, &a, &_b), s, c, (&eq_a, &eq_b), &dsts);
+}
+
 #[test]
 fn requiring_a_pool_where_the_transport_has_none_fails_clearly() {
     let world = World::new(SimConfig::default());

@@ -85,6 +85,13 @@ pub struct Capabilities {
     pub max_private_data: usize,
     /// Depth of a shared receive queue (seed 003), or 0 when the transport has none.
     pub max_shared_recv: u32,
+    /// Whether a message that finds no receive posted waits for one: the sender retries (receiver-not-ready
+    /// retry on InfiniBand/RoCE reliable connections) or the provider holds it (libfabric's tcp leaves it in the
+    /// socket). `false` on iWARP, where it ends the connection (the receiver terminates it, DDP's "no buffer"):
+    /// a receiver there must keep a receive posted for every message it lets its peer send, so a shared pool
+    /// holds a buffer for every credit its connections promised (seed 002, 3.2: "or the RDMA hardware will
+    /// cause a fatal error").
+    pub rnr_retry: bool,
     /// The default `small_packet_max_size` of message sockets here (seed 002, 4.1): up to this size the data
     /// travels inside the advertisement (one message) rather than being pulled by an RDMA read (advert, read,
     /// acknowledgment). Each backend sets it from `cargo xtask bench`'s crossover on that kind of transport,

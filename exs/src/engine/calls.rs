@@ -115,6 +115,10 @@ impl Engine {
             stream: Layout::stream_setup(ty, opts),
             charge,
         };
+        if pooled.is_some() {
+            // Last, so that nothing above fails after the promise is counted (the endpoint's release forgets it).
+            self.cover_pool(ep, layout.window)?;
+        }
         Ok(Conn::new(ep, ty, link, local, setup))
     }
 
@@ -158,7 +162,10 @@ impl Engine {
                 let o = &self.shared_recv;
                 let max = o.max_slots.min(self.caps.max_shared_recv);
                 let slot = ctrl_slot_size(o.small_packet_max_size as usize, 1);
-                let pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
+                let mut pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
+                if !self.caps.rnr_retry {
+                    pool.cover_promises(COMPLETION_BATCH as u32);
+                }
                 if let Err(e) = self.transport.create_shared_recv(max) {
                     if want.is_some() {
                         return Err(e);
@@ -305,6 +312,7 @@ impl Engine {
             Ok(r) => r,
             Err(v) => {
                 self.forget_conn(conn);
+                self.release_endpoint(ep);
                 return Err(TransportError::Invalid(format!("control buffers: {v}")).into());
             }
         };

@@ -13,14 +13,13 @@ impl Engine {
             // Seed 003: a buffer flushed from a connection that went down goes back to the pool at once.
             pool.taken(&c.status);
             if let Err(e) = &c.status {
-                // A message longer than the pool's buffers (the peer's doing) ends the connection it came on, as on a
-                // connection's own buffers (`Conn::on_completion`). Review finding: it was taken for a flush; on verbs
-                // the queue pair is then in error and no connection event follows, so the connection stayed up and
-                // its receives waited for good. Other errors stay taken for a flush: siw completes pool receives
-                // with `IBV_WC_LOC_QP_OP_ERR` on live connections under load, and ending the connection for them
-                // failed a conformance case in the guest (twice in this stop's clean-clone runs).
-                let fault = (*e == crate::transport::WcError::LocalLength)
-                    .then(|| Fault::Transport(e.clone()));
+                // A receive that failed otherwise than flushed (a message longer than the pool's buffers, the
+                // peer's doing) ends the connection it came on, as on a connection's own buffers
+                // (`Conn::on_completion`). Review finding: it was taken for a flush; on verbs the queue pair is then
+                // in error and no connection event follows, so the connection stayed up and its receives waited
+                // for good.
+                let fault =
+                    (*e != crate::transport::WcError::Flushed).then(|| Fault::Transport(e.clone()));
                 self.repost_pool(slot);
                 if let (Some(fault), Some(&sid)) = (fault, self.eps.get(&c.ep)) {
                     self.fault(sid, fault);
@@ -113,6 +112,34 @@ impl Engine {
         let grown = self.grow_pool(&mut p);
         self.pool = PoolState::On(p);
         grown
+    }
+
+    /// Where the pool covers its promises (a transport without receiver-not-ready retry: iWARP), grows it until
+    /// it holds a buffer for every credit promised, `window` more for endpoint `ep`, and counts `ep`'s promise;
+    /// a connection it cannot cover is refused before it promises anything (its peer's messages would otherwise
+    /// find the queue empty and end their connection).
+    pub(super) fn cover_pool(&mut self, ep: EndpointId, window: u32) -> Result<(), TransportError> {
+        loop {
+            let PoolState::On(p) = &mut self.pool else {
+                return Ok(());
+            };
+            let short = p.shortfall(window);
+            if short == 0 {
+                p.promise(ep, window);
+                return Ok(());
+            }
+            if p.next_chunk().is_none() {
+                let st = p.stats();
+                return Err(TransportError::Resource(format!(
+                    "the shared receive pool cannot hold another connection's {window} buffers: {} retries no \
+                     message that finds no receive posted (iWARP), so the pool keeps a buffer for every credit its \
+                     connections promised ({} in its {} buffers, the most it may have); raise \
+                     SharedRecv::max_slots, or set SharedRecv::enabled to Some(false)",
+                    self.caps.name, st.promised, st.slots
+                )));
+            }
+            self.grow_pool_in_place()?;
+        }
     }
 
     /// A pool with no buffer posted (its first chunk could not be registered, or every buffer is taken) grows

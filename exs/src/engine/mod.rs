@@ -245,6 +245,7 @@ impl std::fmt::Debug for Engine {
 
 type R<T, E> = Result<T, E>;
 
+use rounds::COMPLETION_BATCH;
 use timers::{TimerKind, Timers};
 
 impl Engine {
@@ -471,6 +472,9 @@ impl Engine {
     fn release_endpoint(&mut self, ep: EndpointId) {
         self.transport.release(ep);
         self.trusted.forget_endpoint(ep);
+        if let PoolState::On(p) = &mut self.pool {
+            p.release_promise(ep);
+        }
     }
 
     /// Trusted-policy keys naming `buf` (a region being deregistered counts them among its leases).

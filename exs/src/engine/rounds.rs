@@ -144,6 +144,12 @@ impl Engine {
         let now = self.clock.now();
         let did = self.run_timers(now);
         self.flush_dirty_at(Some(now));
+        if !self.pool_posts.is_empty() {
+            // Pool buffers handed back outside a batch of completions (those a connection took before it was up,
+            // handled when it came up; those of a connection that went down) go back now, not at the next
+            // batch: their credits went out already.
+            self.flush_pool();
+        }
         self.drain_done();
         did
     }
@@ -214,11 +220,10 @@ impl Engine {
     /// caller handles connection events and timers, lets the lock go, and comes back (arming the completion queue
     /// reports that completions remain).
     pub(super) fn poll_completions(&mut self) -> bool {
-        const BATCH: usize = 64;
         let mut did = false;
         for _ in 0..ROUND_BATCHES {
             let mut batch = std::mem::take(&mut self.completions);
-            let n = self.transport.poll(&mut batch, BATCH);
+            let n = self.transport.poll(&mut batch, COMPLETION_BATCH);
             if n == 0 {
                 // Nothing came (a busy poller's usual round): nothing to hand on, no pool buffer taken.
                 self.completions = batch;
@@ -232,7 +237,7 @@ impl Engine {
             self.flush_pool();
             did |= n > 0;
             // Fewer than asked: the queue is drained (polling it again would only cost another call).
-            if n < BATCH {
+            if n < COMPLETION_BATCH {
                 break;
             }
         }
@@ -249,6 +254,11 @@ impl Engine {
         did
     }
 }
+
+/// Completions taken from the transport at a time. The shared pool's buffers a batch took go back after the whole
+/// batch, while the credits for them may already have gone out with the batch's messages: a pool that covers its
+/// promises counts one batch beyond them.
+pub(super) const COMPLETION_BATCH: usize = 64;
 
 /// A progress round that handled completions looks at connection events only every this many rounds (see
 /// `Engine::progress_round`).

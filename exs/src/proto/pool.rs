@@ -18,17 +18,26 @@
 //!   by another chunk, up to its maximum.
 //!
 //! Flow control is unchanged: each connection still promises its peer `W` buffers through link credits, so one
-//! peer cannot take more than `W` buffers at once. The promises of all connections together may exceed the pool;
-//! a burst that empties it makes the sending hardware retry (receiver-not-ready with infinite retry on RC), a delay
-//! rather than an error, while the progress engine reposts each buffer as soon as its message is processed.
+//! peer cannot take more than `W` buffers at once. Where the transport retries a message that finds no receive
+//! (receiver-not-ready with infinite retry on InfiniBand/RoCE), the promises of all connections together may
+//! exceed the pool: a burst that empties it is a delay rather than an error, while the progress engine reposts
+//! each buffer as soon as its message is processed.
+//!
+//! iWARP has no such retry: a message that finds the queue empty ends its connection (seed 002, 3.2: "or the RDMA
+//! hardware will cause a fatal error"). There the pool **covers its promises**: before a connection promises its
+//! window, the pool grows to hold a buffer for every credit of every connection on it, plus the buffers a batch
+//! of completions may hold between the credits it returns and its reposts ([`RecvPool::cover_promises`]); a
+//! connection the pool cannot cover is refused. Receive memory then grows with the connections, as with receives
+//! of their own; what the pool still saves there is a receive queue per connection.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use exs_dma::DmaBuf;
 
 use crate::error::Violation;
 use crate::proto::link::{wr_id, Slots, WrKind};
-use crate::transport::{Registration, WorkRequest};
+use crate::transport::{EndpointId, Registration, WorkRequest};
 
 /// Counters of the pool.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,9 +57,12 @@ pub struct PoolStats {
     pub received: u64,
     /// Buffers that came back flushed (their connection went down first).
     pub flushed: u64,
-    /// Receives that failed otherwise: a message longer than the pool's buffers (its connection is closed), or
-    /// a device's error.
+    /// Receives that failed otherwise (a message longer than the pool's buffers, a device's error); each closes
+    /// its connection.
     pub failed: u64,
+    /// Buffers promised to the peers of the connections on the pool, where the pool covers its promises (a
+    /// transport without receiver-not-ready retry, iWARP); 0 elsewhere.
+    pub promised: u32,
 }
 
 /// See the module documentation.
@@ -64,6 +76,10 @@ pub(crate) struct RecvPool {
     dip: u32,
     /// The first chunk is posted (the low mark counts from there).
     started: bool,
+    /// Where the pool covers its promises: the buffers a batch of completions may hold back, beyond them.
+    cover: Option<u32>,
+    /// The window each connection promised its peer, while the pool covers its promises.
+    promises: HashMap<EndpointId, u32>,
     stats: PoolStats,
 }
 
@@ -80,10 +96,42 @@ impl RecvPool {
             low_watermark: low_watermark.min(chunk),
             dip: 0,
             started: false,
+            cover: None,
+            promises: HashMap::new(),
             stats: PoolStats {
                 slot_size,
                 ..PoolStats::default()
             },
+        }
+    }
+
+    /// Makes the pool cover its promises (see the module documentation): `lag` is how many buffers the engine may
+    /// hold between returning their credits and reposting them (one batch of completions).
+    pub(crate) fn cover_promises(&mut self, lag: u32) {
+        self.cover = Some(lag);
+    }
+
+    /// Buffers the pool lacks before a connection may promise its peer `window` more, where it covers its
+    /// promises: 0 when it holds enough.
+    pub(crate) fn shortfall(&self, window: u32) -> u32 {
+        self.cover.map_or(0, |lag| {
+            (self.stats.promised + window + lag).saturating_sub(self.stats.slots)
+        })
+    }
+
+    /// Endpoint `ep` promised its peer `window` buffers (counted where the pool covers its promises; call after
+    /// [`RecvPool::shortfall`] says 0).
+    pub(crate) fn promise(&mut self, ep: EndpointId, window: u32) {
+        if self.cover.is_some() {
+            let old = self.promises.insert(ep, window).unwrap_or(0);
+            self.stats.promised = self.stats.promised - old + window;
+        }
+    }
+
+    /// Endpoint `ep` is gone: its peer sends nothing more.
+    pub(crate) fn release_promise(&mut self, ep: EndpointId) {
+        if let Some(w) = self.promises.remove(&ep) {
+            self.stats.promised -= w;
         }
     }
 

@@ -94,6 +94,9 @@ impl Default for SimConfig {
                 // Off by default, so that the receive-not-ready check below catches credit bugs on per-connection
                 // queues; [`SimConfig::with_shared_recv`] turns it on.
                 max_shared_recv: 0,
+                // Sends that find the shared queue empty wait (RC hardware); [`SimConfig::without_rnr_retry`]
+                // makes them end the connection, as on iWARP. Per-connection queues follow [`SimConfig::rnr`].
+                rnr_retry: true,
                 immediate_default: crate::options::SocketOptions::default().small_packet_max_size,
                 keys_after_connect: false,
             },
@@ -107,9 +110,16 @@ impl Default for SimConfig {
 impl SimConfig {
     /// Devices with a shared receive queue of `depth` buffers (seed 003). Sends that find it empty wait, as RC
     /// hardware retries on receiver-not-ready: with a pool smaller than the sum of all connections' windows, an
-    /// empty pool is a delay, not an error.
+    /// empty pool is a delay, not an error (unless [`SimConfig::without_rnr_retry`]).
     pub fn with_shared_recv(mut self, depth: u32) -> Self {
         self.caps.max_shared_recv = depth;
+        self
+    }
+
+    /// Devices without receiver-not-ready retry, as iWARP's: a message that finds the shared receive queue empty
+    /// ends its connection (the sender's request fails, both ends go to error), and the capabilities say so.
+    pub fn without_rnr_retry(mut self) -> Self {
+        self.caps.rnr_retry = false;
         self
     }
 }

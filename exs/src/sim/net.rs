@@ -588,6 +588,17 @@ impl Net {
         self.stats.rnr += 1;
         let (th, tep) = d.to;
         if self.hosts[th].eps.get(&tep).is_some_and(|e| e.shared) {
+            if !self.cfg.caps.rnr_retry {
+                // iWARP: the receiver terminates the connection (DDP's "no buffer").
+                tracing::warn!(
+                    "sim: the shared receive queue of {:?} was empty for a message",
+                    d.to
+                );
+                let (fh, fep) = d.from;
+                self.fail_delivery(d, WcError::Other("local QP operation error".into()));
+                self.break_ep(fh, fep);
+                return;
+            }
             if self.srq_retry {
                 self.hosts[th].srq_waiting.push_front(d);
             } else {

@@ -91,7 +91,7 @@ fn info(a: InfoArgs) -> Result<()> {
             "name": c.name, "max_message": c.max_message, "max_inline": c.max_inline, "max_sge": c.max_sge,
             "max_send_wr": c.max_send_wr, "max_recv_wr": c.max_recv_wr, "max_read_depth": c.max_read_depth,
             "native_write_imm": c.native_write_imm, "imm_consumes_recv": c.imm_consumes_recv,
-            "max_shared_recv": c.max_shared_recv,
+            "max_shared_recv": c.max_shared_recv, "rnr_retry": c.rnr_retry,
             "backend_kind": ctx.backend().map(|k| k.to_string()),
             "settings": {"max_connections": opts.max_connections, "connect_timeout_ms": opts.connect_timeout.as_millis() as u64,
                 "linger_ms": opts.linger.as_millis() as u64, "memory_budget": opts.memory_budget,
@@ -147,6 +147,14 @@ fn info(a: InfoArgs) -> Result<()> {
             format!("{} buffers", c.max_shared_recv)
         } else {
             "none (each connection posts its own receives)".into()
+        }
+    );
+    outln!(
+        "  a message that finds no receive posted: {}",
+        if c.rnr_retry {
+            "waits for one"
+        } else {
+            "ends its connection (no receiver-not-ready retry: a shared pool keeps a buffer for every credit)"
         }
     );
     if let Some((_, text)) = verbs {

@@ -133,12 +133,13 @@ pub struct ContextOptions {
 
 /// Settings of the shared receive pool: control receive buffers shared by every connection of a context, so receive
 /// memory does not grow with the number of connections (the shared receive queue design; `proto::pool` in the source).
-/// On iWARP, which has no receiver-not-ready retry, the pool holds a buffer for every credit its connections promised
-/// (it grows with them, and a connection beyond `max_slots` is refused).
+/// iWARP has no receiver-not-ready retry: there the pool is off unless required, and a required pool holds a buffer
+/// for every credit its connections promised (it grows with them, and a connection beyond `max_slots` is refused).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct SharedRecv {
-    /// `None` (default): use the pool when the transport has a shared receive queue. `Some(true)`: require it
+    /// `None` (default): use the pool when the transport has a shared receive queue and retries a message that finds
+    /// no receive posted (`Capabilities::rnr_retry`; not iWARP). `Some(true)`: require it
     /// (connections fail with `Unsupported` where there is none). `Some(false)`: each connection posts its own.
     pub enabled: Option<bool>,
     /// Buffers posted at first, and added each time the pool grows. Default 32: a chunk is one registered buffer,

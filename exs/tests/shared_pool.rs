@@ -396,7 +396,26 @@ fn a_pool_without_rnr_retry_covers_every_credit_it_promised() {
         .map(|(_, s)| s.stats().unwrap().window_in)
         .sum();
     assert_eq!(pool.promised, windows, "{pool:?}");
-    assert!(pool.slots >= windows, "{pool:?}");
+    // And a margin of one batch of completions (`POOL_MARGIN`).
+    assert!(pool.slots >= windows + 64, "{pool:?}");
+}
+
+/// Without receiver-not-ready retry a pool must hold every promised buffer, and a peer past its
+/// credits could take buffers promised to others: unless the application requires the pool, each connection posts
+/// receives of its own, and the peer of a connection gets what it was promised.
+#[test]
+fn a_device_without_rnr_retry_gives_connections_receives_of_their_own_by_default() {
+    let m = many(
+        4,
+        SockType::SeqPacket,
+        no_rnr_retry(),
+        SharedRecv::default(),
+    );
+    let st = m.server.stats();
+    assert!(st.pool.is_none(), "{st:?}");
+    assert!(st.ctrl_recv_bytes > 0, "{st:?}");
+    exchange(&m, 10);
+    assert_eq!(m.world.stats().rnr, 0);
 }
 
 /// The same for a stream whose writer runs ahead of a stalled reader: a thousand small writes, each a write with
@@ -453,14 +472,14 @@ fn a_connection_a_pool_without_rnr_retry_cannot_cover_is_refused() {
     let first = connect_one(&a, &l, addr, &eq_a, &eq_b);
     let w = first.0.stats().unwrap().window_in;
     let mut conns = vec![first];
-    // One batch of completions beyond the promises (see `RecvPool::cover_promises`).
+    // A margin of 64 beyond the promises (`POOL_MARGIN`).
     while a.stats().pool.unwrap().promised + w + 64 <= 128 {
         conns.push(connect_one(&a, &l, addr, &eq_a, &eq_b));
     }
     let c = Socket::new(&a, SockType::SeqPacket).unwrap();
     let err = c.connect(&eq_a, addr, 0).unwrap_err();
     let io: std::io::Error = err.into();
-    assert!(io.to_string().contains("SharedRecv::max_slots"), "{io}");
+    assert!(io.to_string().contains("shared_recv.max_slots"), "{io}");
     let pool = a.stats().pool.unwrap();
     assert_eq!(pool.promised, w * conns.len() as u32, "{pool:?}");
     let (gone, peer) = conns.pop().unwrap();

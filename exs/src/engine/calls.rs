@@ -152,6 +152,10 @@ impl Engine {
         let want = self.shared_recv.enabled;
         match (want, self.caps.max_shared_recv > 0) {
             (Some(false), _) | (None, false) => self.pool = PoolState::Off,
+            // Without receiver-not-ready retry (iWARP) a pool must hold every buffer its connections promise, and a
+            // peer that sends past its credits would take buffers promised to others, ending their connections.
+            // Receives of each connection's own, unless the application requires the pool.
+            (None, true) if !self.caps.rnr_retry => self.pool = PoolState::Off,
             (Some(true), false) => {
                 return Err(TransportError::Unsupported(format!(
                     "{} has no shared receive queue (ContextOptions::shared_recv)",
@@ -164,7 +168,7 @@ impl Engine {
                 let slot = ctrl_slot_size(o.small_packet_max_size as usize, 1);
                 let mut pool = RecvPool::new(slot, o.chunk_slots.min(max), max, o.low_watermark);
                 if !self.caps.rnr_retry {
-                    pool.cover_promises(COMPLETION_BATCH as u32);
+                    pool.cover_promises(super::completions::POOL_MARGIN);
                 }
                 if let Err(e) = self.transport.create_shared_recv(max) {
                     if want.is_some() {

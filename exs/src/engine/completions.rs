@@ -6,6 +6,10 @@ use super::*;
 /// How long a shared pool whose growth failed waits before it tries again.
 const POOL_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// Buffers a pool that covers its promises holds beyond them (see `proto::pool`): room for those taken by
+/// connections already released whose completions are not yet read, one batch of completions.
+pub(super) const POOL_MARGIN: u32 = COMPLETION_BATCH as u32;
+
 impl Engine {
     pub(super) fn on_completion(&mut self, c: Completion) {
         let pool_slot = Self::pool_slot(&c);
@@ -78,7 +82,10 @@ impl Engine {
         if let PoolState::On(pool) = &mut self.pool {
             match pool.repost(slot) {
                 Ok(wr) => self.pool_posts.push(wr),
-                Err(v) => tracing::error!(%v, "shared receive pool slot cannot be reposted"),
+                Err(v) => {
+                    tracing::error!(%v, "shared receive pool slot cannot be reposted");
+                    pool.lost(1);
+                }
             }
         }
     }
@@ -98,8 +105,13 @@ impl Engine {
         let n = wrs.len();
         self.stats.posted += n as u64;
         let posted = self.transport.post_shared_recv(&mut wrs);
-        // What is left in `wrs` was not posted.
-        pool.reposted(n - wrs.len());
+        // What is left in `wrs` was not posted, and waits with the buffers to repost. On an error the transport
+        // may have dropped some of the others (the trait allows it): they are counted lost.
+        let gone = (n - wrs.len()) as u32;
+        match posted {
+            Ok(()) => pool.reposted(gone as usize),
+            Err(_) => pool.lost(gone),
+        }
         self.pool_posts.append(&mut wrs);
         posted
     }
@@ -131,10 +143,11 @@ impl Engine {
             if p.next_chunk().is_none() {
                 let st = p.stats();
                 return Err(TransportError::Resource(format!(
-                    "the shared receive pool cannot hold another connection's {window} buffers: {} retries no \
-                     message that finds no receive posted (iWARP), so the pool keeps a buffer for every credit its \
-                     connections promised ({} in its {} buffers, the most it may have); raise \
-                     SharedRecv::max_slots, or set SharedRecv::enabled to Some(false)",
+                    "the shared receive pool cannot hold another connection's {window} buffers: on {} a message \
+                     that finds no receive posted ends its connection (no receiver-not-ready retry: iWARP), so the \
+                     pool keeps a buffer for every credit its connections promised, {} now, and {POOL_MARGIN} more, \
+                     in at most {} buffers (ContextOptions::shared_recv.max_slots, within the device's shared \
+                     queue); raise it, or leave shared_recv.enabled unset to give connections receives of their own",
                     self.caps.name, st.promised, st.slots
                 )));
             }
@@ -182,6 +195,8 @@ impl Engine {
                 Ok(()) => pool.reposted(n),
                 Err(e) => {
                     tracing::error!(%e, "reposting to the shared receive queue failed");
+                    // Which of them reached the queue is not told: all are counted lost.
+                    pool.lost(n as u32);
                     self.pool_posts.clear();
                 }
             }

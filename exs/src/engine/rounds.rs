@@ -143,13 +143,12 @@ impl Engine {
     fn finish_round(&mut self) -> bool {
         let now = self.clock.now();
         let did = self.run_timers(now);
-        self.flush_dirty_at(Some(now));
         if !self.pool_posts.is_empty() {
             // Pool buffers handed back outside a batch of completions (those a connection took before it was up,
-            // handled when it came up; those of a connection that went down) go back now, not at the next
-            // batch: their credits went out already.
+            // handled when it came up) go back before the credits for them leave, next.
             self.flush_pool();
         }
+        self.flush_dirty_at(Some(now));
         self.drain_done();
         did
     }
@@ -255,9 +254,7 @@ impl Engine {
     }
 }
 
-/// Completions taken from the transport at a time. The shared pool's buffers a batch took go back after the whole
-/// batch, while the credits for them may already have gone out with the batch's messages: a pool that covers its
-/// promises counts one batch beyond them.
+/// Completions taken from the transport at a time (the shared pool's buffers a batch took go back after it).
 pub(super) const COMPLETION_BATCH: usize = 64;
 
 /// A progress round that handled completions looks at connection events only every this many rounds (see

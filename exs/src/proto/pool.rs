@@ -24,11 +24,15 @@
 //! each buffer as soon as its message is processed.
 //!
 //! iWARP has no such retry: a message that finds the queue empty ends its connection (seed 002, 3.2: "or the RDMA
-//! hardware will cause a fatal error"). There the pool **covers its promises**: before a connection promises its
-//! window, the pool grows to hold a buffer for every credit of every connection on it, plus the buffers a batch
-//! of completions may hold between the credits it returns and its reposts ([`RecvPool::cover_promises`]); a
-//! connection the pool cannot cover is refused. Receive memory then grows with the connections, as with receives
-//! of their own; what the pool still saves there is a receive queue per connection.
+//! hardware will cause a fatal error"). There the pool is off unless the application requires it, and then it
+//! **covers its promises**: before a connection promises its window, the pool grows to hold a buffer for every
+//! credit of every connection on it, plus a margin ([`RecvPool::cover_promises`]); a connection the pool cannot
+//! cover is refused. Buffers a round took go back before any credit leaves (`Engine::finish_round`); the margin is
+//! room for those of connections already gone (their promise released, their completions not yet read). Receive
+//! memory then grows with the connections, as with receives of their own (less of it only where those hold several
+//! coalesced messages a buffer, SOCK_SEQPACKET's), and the guarantee holds for peers that
+//! keep to their credits: a peer that sends past them takes buffers promised to others (it is closed for the
+//! overrun once its count shows it), where receives of a connection's own would end only its connection.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -63,6 +67,8 @@ pub struct PoolStats {
     /// Buffers promised to the peers of the connections on the pool, where the pool covers its promises (a
     /// transport without receiver-not-ready retry, iWARP); 0 elsewhere.
     pub promised: u32,
+    /// Buffers the transport refused to take back (a failed repost): the pool counts them gone.
+    pub lost: u32,
 }
 
 /// See the module documentation.
@@ -76,7 +82,7 @@ pub(crate) struct RecvPool {
     dip: u32,
     /// The first chunk is posted (the low mark counts from there).
     started: bool,
-    /// Where the pool covers its promises: the buffers a batch of completions may hold back, beyond them.
+    /// Where the pool covers its promises: the buffers it holds beyond them.
     cover: Option<u32>,
     /// The window each connection promised its peer, while the pool covers its promises.
     promises: HashMap<EndpointId, u32>,
@@ -105,18 +111,23 @@ impl RecvPool {
         }
     }
 
-    /// Makes the pool cover its promises (see the module documentation): `lag` is how many buffers the engine may
-    /// hold between returning their credits and reposting them (one batch of completions).
-    pub(crate) fn cover_promises(&mut self, lag: u32) {
-        self.cover = Some(lag);
+    /// Makes the pool cover its promises with `margin` buffers beyond them (see the module documentation).
+    pub(crate) fn cover_promises(&mut self, margin: u32) {
+        self.cover = Some(margin);
     }
 
     /// Buffers the pool lacks before a connection may promise its peer `window` more, where it covers its
-    /// promises: 0 when it holds enough.
+    /// promises: 0 when it holds enough. Lost buffers do not count.
     pub(crate) fn shortfall(&self, window: u32) -> u32 {
-        self.cover.map_or(0, |lag| {
-            (self.stats.promised + window + lag).saturating_sub(self.stats.slots)
+        self.cover.map_or(0, |margin| {
+            let usable = self.stats.slots.saturating_sub(self.stats.lost);
+            (self.stats.promised + window + margin).saturating_sub(usable)
         })
+    }
+
+    /// `n` buffers could not go back to the shared queue: gone for good.
+    pub(crate) fn lost(&mut self, n: u32) {
+        self.stats.lost += n;
     }
 
     /// Endpoint `ep` promised its peer `window` buffers (counted where the pool covers its promises; call after

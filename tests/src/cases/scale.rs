@@ -150,10 +150,18 @@ fn many_connections(b: &dyn Backend) -> Result<(), String> {
         b.name(),
         bytes / n as u64
     );
-    if caps.max_shared_recv > 0 {
+    if caps.max_shared_recv > 0 && caps.rnr_retry {
         ensure!(
             stats.pool.is_some() && stats.ctrl_recv_bytes == 0,
             "{} has a shared receive queue but the connections own receive buffers: {stats:?}",
+            caps.name
+        );
+    }
+    if !caps.rnr_retry {
+        // Without receiver-not-ready retry a pool would have to hold every promised buffer: receives of their own.
+        ensure!(
+            stats.pool.is_none() && stats.ctrl_recv_bytes > 0,
+            "{} has no receiver-not-ready retry but the connections share a pool: {stats:?}",
             caps.name
         );
     }

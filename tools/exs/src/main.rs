@@ -149,14 +149,16 @@ fn info(a: InfoArgs) -> Result<()> {
             "none (each connection posts its own receives)".into()
         }
     );
-    outln!(
-        "  a message that finds no receive posted: {}",
-        if c.rnr_retry {
-            "waits for one"
-        } else {
-            "ends its connection (no receiver-not-ready retry: a shared pool keeps a buffer for every credit)"
-        }
-    );
+    if c.max_shared_recv > 0 {
+        outln!(
+            "  a message that finds no receive posted: {}",
+            if c.rnr_retry {
+                "waits for one (receiver-not-ready retry; connections share the receive pool)"
+            } else {
+                "ends its connection (no receiver-not-ready retry: connections post receives of their own)"
+            }
+        );
+    }
     if let Some((_, text)) = verbs {
         out::line(format_args!("{}", text.trim_end_matches('\n')));
     }

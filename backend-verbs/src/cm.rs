@@ -206,7 +206,8 @@ impl VerbsTransport {
         }
         let e = self.eps.get_mut(&ep)?;
         e.state = EpState::Connecting;
-        let mut param = Self::conn_param(&private, ReadDepths::offer(self.settings.read_depth));
+        let depths = ReadDepths::offer(self.settings.read_depth);
+        let mut param = Self::conn_param(&private, depths, self.settings.rnr_retry);
         // SAFETY: live id with a QP; private data lives across the call (copied by rdma_connect).
         if unsafe { rdma_connect(e.id, &mut param) } != 0 {
             let err = std::io::Error::last_os_error();

@@ -248,8 +248,13 @@ impl VerbsTransport {
         }
     }
 
-    /// What `rdma_connect` or `rdma_accept` sends: our private data and read depths (see [`ReadDepths`]).
-    pub(crate) fn conn_param(private: &[u8], reads: ReadDepths) -> rdma_conn_param {
+    /// What `rdma_connect` or `rdma_accept` sends: our private data, read depths (see [`ReadDepths`]) and whether
+    /// the peer's adapter retries a message that finds no receive posted (for ever, 7; or not at all).
+    pub(crate) fn conn_param(
+        private: &[u8],
+        reads: ReadDepths,
+        rnr_retry: bool,
+    ) -> rdma_conn_param {
         rdma_conn_param {
             private_data: private.as_ptr() as *const c_void,
             private_data_len: private.len().min(255) as u8,
@@ -257,7 +262,7 @@ impl VerbsTransport {
             initiator_depth: reads.initiator,
             flow_control: 1,
             retry_count: 7,
-            rnr_retry_count: 7,
+            rnr_retry_count: if rnr_retry { 7 } else { 0 },
             srq: 0,
             qp_num: 0,
         }
@@ -439,7 +444,7 @@ impl VerbsTransport {
         }
         // Never more than the requester can take: rdma_cm moves our queue pair to the depths we accept with.
         let reads = ReadDepths::accept(ReadDepths::offer(self.settings.read_depth), offered);
-        let mut param = Self::conn_param(private, reads);
+        let mut param = Self::conn_param(private, reads, self.settings.rnr_retry);
         // SAFETY: live id with a QP; private data copied by the call.
         if unsafe { rdma_accept(id, &mut param) } != 0 {
             let err = os_err("rdma_accept");
@@ -758,6 +763,15 @@ mod tests {
         assert!(id_free(&eps, EndpointId(8)).is_ok());
     }
 
+    /// A connection asks the peer's adapter for receiver-not-ready retries for ever (7) only where the settings
+    /// allow them; otherwise none (0), so that on rxe driven the iWARP way a message with no receive fails.
+    #[test]
+    fn the_connection_parameters_carry_the_receiver_not_ready_retry() {
+        let on = VerbsTransport::conn_param(&[], ReadDepths::default(), true);
+        let off = VerbsTransport::conn_param(&[], ReadDepths::default(), false);
+        assert_eq!((on.rnr_retry_count, off.rnr_retry_count), (7, 0));
+    }
+
     /// Review item: the accepting side sent its own read depth both ways whatever the request said, so against a
     /// requester with fewer responder resources it initiated more reads than the requester could hold.
     #[test]
@@ -767,11 +781,11 @@ mod tests {
         let event = rdma_conn_param {
             initiator_depth: 4,
             responder_resources: 8,
-            ..VerbsTransport::conn_param(&[], ReadDepths::default())
+            ..VerbsTransport::conn_param(&[], ReadDepths::default(), true)
         };
         let request = ReadDepths::of_event(&event);
         let reads = ReadDepths::accept(ReadDepths::offer(16), request);
-        let param = VerbsTransport::conn_param(&[], reads);
+        let param = VerbsTransport::conn_param(&[], reads, true);
         assert_eq!((param.initiator_depth, param.responder_resources), (4, 8));
         // Our own depth bounds both when the request offers more.
         let reads = ReadDepths::accept(ReadDepths::offer(2), request);

@@ -299,8 +299,7 @@ fn capabilities(s: &VerbsSettings) -> Capabilities {
         max_read_depth: s.read_depth,
         max_private_data: 56,
         max_shared_recv: s.srq_depth,
-        // Connections ask for infinite receiver-not-ready retries (`rnr_retry_count` 7); iWARP has none.
-        rnr_retry: !s.limits.iwarp,
+        rnr_retry: s.rnr_retry,
         // Zero-copy reads win early on RDMA hardware; no hardware was at hand to measure the crossover, so this
         // is UNH-EXS's 512-byte default (the pool's slot size, seed 003, matches it).
         immediate_default: 512,

@@ -96,6 +96,10 @@ pub struct VerbsConfig {
     /// local write only: a registration saved per read, but each read request then carries a base registration's
     /// key, which a siw peer can invalidate; [`DeviceLimits::read_sink_needs_remote_write`]).
     pub read_sink_registration: Option<bool>,
+    /// Ask the peer's adapter to retry a message that finds no receive posted (receiver-not-ready, retried for
+    /// ever): `None` (default) where the device can (not on iWARP, which has no such retry), `Some(false)` never,
+    /// so that such a message fails its connection at once, as on iWARP (tests that path on InfiniBand/RoCE).
+    pub rnr_retry: Option<bool>,
     /// Overrides of the queue depths, inline size, scatter/gather entries and largest message (default: the
     /// device's, within exs's defaults).
     pub limits: VerbsLimits,
@@ -110,12 +114,14 @@ impl VerbsConfig {
             emulate_write_imm: false,
             memory_windows: None,
             read_sink_registration: None,
+            rnr_retry: None,
             limits: VerbsLimits::default(),
         }
     }
 
     /// This configuration with what it leaves unset taken from the environment: `EXS_VERBS_EMULATE_IMM=1`
-    /// (write-with-immediate emulated), `EXS_VERBS_WINDOWS=0|1`, `EXS_VERBS_READ_SINKS=0|1` and the limits
+    /// (write-with-immediate emulated), `EXS_VERBS_WINDOWS=0|1`, `EXS_VERBS_READ_SINKS=0|1`,
+    /// `EXS_VERBS_RNR_RETRY=0|1` and the limits
     /// (`EXS_VERBS_INLINE`, `_SEND_DEPTH`, `_RECV_DEPTH`, `_CQ_DEPTH`, `_SRQ_DEPTH`, `_SGE`, `_MAX_MESSAGE`,
     /// `_READ_DEPTH`). [`VerbsTransport::open`] applies it, so every process of a deployment (and each child
     /// process of a test) obeys the same variables.
@@ -144,12 +150,14 @@ impl VerbsConfig {
         let emulate = flag("EXS_VERBS_EMULATE_IMM")?;
         let windows = flag("EXS_VERBS_WINDOWS")?;
         let sinks = flag("EXS_VERBS_READ_SINKS")?;
+        let rnr = flag("EXS_VERBS_RNR_RETRY")?;
         Ok(VerbsConfig {
             addr: self.addr,
             device: self.device.clone(),
             emulate_write_imm: self.emulate_write_imm || emulate == Some(true),
             memory_windows: self.memory_windows.or(windows),
             read_sink_registration: self.read_sink_registration.or(sinks),
+            rnr_retry: self.rnr_retry.or(rnr),
             limits: self.limits.clone().or(VerbsLimits::from_vars(&var)?),
         })
     }
@@ -497,6 +505,8 @@ mod tests {
             assert_eq!(c.memory_windows, Some(want), "{v:?}");
             let c = with("EXS_VERBS_READ_SINKS", v).unwrap();
             assert_eq!(c.read_sink_registration, Some(want), "{v:?}");
+            let c = with("EXS_VERBS_RNR_RETRY", v).unwrap();
+            assert_eq!(c.rnr_retry, Some(want), "{v:?}");
             assert_eq!(
                 with("EXS_VERBS_EMULATE_IMM", v).unwrap().emulate_write_imm,
                 want

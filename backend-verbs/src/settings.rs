@@ -213,6 +213,10 @@ pub struct VerbsSettings {
     /// Each RDMA read's sink gets a registration with remote write for the read's duration (iWARP; see
     /// [`DeviceLimits::read_sink_needs_remote_write`]).
     pub read_sinks: bool,
+    /// Connections ask the peer's adapter to retry a message that finds no receive posted (`rnr_retry_count` 7,
+    /// for ever). Not on iWARP, which has no such retry, nor with `VerbsConfig::rnr_retry` `Some(false)`: such a
+    /// message then fails its connection.
+    pub rnr_retry: bool,
 }
 
 /// The lesser of exs's default (or the override) and the device's limit; an override above the limit is lowered,
@@ -273,6 +277,7 @@ impl VerbsSettings {
             emulated_imm: cfg.emulate_write_imm || dev.iwarp,
             memory_windows,
             read_sinks: read_sinks(name, &dev, cfg.read_sink_registration)?,
+            rnr_retry: !dev.iwarp && cfg.rnr_retry != Some(false),
             limits: dev,
         })
     }
@@ -510,6 +515,20 @@ mod tests {
             (16_383, 1024),
             "an override is bounded; the queue grows to the shared queue when it is created"
         );
+    }
+
+    /// iWARP has no receiver-not-ready retry, whatever the configuration asks; InfiniBand/RoCE retries unless told
+    /// not to (rxe driven the iWARP way), and the capabilities the engine sees follow (its shared pool then covers
+    /// every credit it promised).
+    #[test]
+    fn receiver_not_ready_retry_is_never_on_iwarp_and_can_be_turned_off_elsewhere() {
+        let mut c = cfg();
+        assert!(VerbsSettings::decide("rxe0", rxe(), &c).unwrap().rnr_retry);
+        assert!(!VerbsSettings::decide("siw0", siw(), &c).unwrap().rnr_retry);
+        c.rnr_retry = Some(true);
+        assert!(!VerbsSettings::decide("siw0", siw(), &c).unwrap().rnr_retry);
+        c.rnr_retry = Some(false);
+        assert!(!VerbsSettings::decide("rxe0", rxe(), &c).unwrap().rnr_retry);
     }
 
     #[test]

@@ -271,8 +271,13 @@ fn verbs_describe(
     } else {
         ""
     };
+    let rnr = if s.rnr_retry {
+        ""
+    } else {
+        ", no receiver-not-ready retry (a message with no receive ends its connection)"
+    };
     format!(
-        "device {} ({kind}) at {}{imm}{keys}{sinks}, inline {} B, {} scatter/gather entries, send queue {}, \
+        "device {} ({kind}) at {}{imm}{keys}{sinks}{rnr}, inline {} B, {} scatter/gather entries, send queue {}, \
          largest message {} B",
         s.device, c.addr, s.inline, s.sge, s.send_depth, s.max_message
     )

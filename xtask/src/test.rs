@@ -78,9 +78,11 @@ pub const SMALL_LIMITS: &str =
                                 EXS_VERBS_READ_DEPTH=1 EXS_VERBS_MAX_MESSAGE=64K";
 
 /// The settings that drive rxe the way an iWARP adapter is driven, through the plain verbs backend:
-/// write-with-immediate forced off (the write + send fallback), memory windows off (a registration per exposure) and
-/// RDMA read sinks registered per read (`verbs:write-imm-emulated,no-windows,read-sinks`, in `--suite siw`).
-pub const IWARP_SHAPED: &str = "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_VERBS_READ_SINKS=1";
+/// write-with-immediate forced off (the write + send fallback), memory windows off (a registration per exposure),
+/// RDMA read sinks registered per read and no receiver-not-ready retry (a message that finds no receive fails its
+/// connection; the shared pool covers its promises) (`verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry`, in `--suite siw`).
+pub const IWARP_SHAPED: &str =
+    "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_VERBS_READ_SINKS=1 EXS_VERBS_RNR_RETRY=0";
 
 /// The shell lines that run the RDMA part of the conformance suite: every test on the Soft-RoCE device at the
 /// near end of the veth link (so the two-host test reaches the far end; memory windows); the transfers of every

@@ -6,7 +6,7 @@
 //!   the base registration; `softroce:siw-no-read-sinks`);
 //! * with the peer-to-peer build (MPA RTR by a zero-length RDMA read, as iw_cxgb4 connects by default): the
 //!   who-sends-first cases, connecting and accepting, and the two-host transfer (`softroce:siw-p2p-read-rtr`);
-//! * then every case on rxe driven the way an iWARP adapter is (`verbs:write-imm-emulated,no-windows,read-sinks`:
+//! * then every case on rxe driven the way an iWARP adapter is (`verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry`:
 //!   write-with-immediate emulated, no memory windows, read sinks; [`crate::test::IWARP_SHAPED`]);
 //! * across two guests with siw0 on each (the peer-host cases on verbs, the tools, perftest with rdma_cm).
 //!
@@ -88,7 +88,7 @@ fn script(
         // siw's on a device that could do without them (what differs is siw's own). The section opens first, so
         // that a failed setup is that section's failure (nothing ran in it) and not the whole guest's.
         s.push_str(&format!(
-            "section verbs:write-imm-emulated,no-windows,read-sinks\n\
+            "section verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry\n\
              {xtask} rxe down >&2\n\
              if {xtask} rxe up --link >&2; then\n\
              run env EXS_VERBS_ADDR={near} {} EXS_PEER_ADDR={far} EXS_PEER_LINK={} {exe} verbs::\n\
@@ -115,7 +115,7 @@ pub fn run(only_pair: bool) -> Result<()> {
         let with_rxe = exs_backend_softroce::kernel_supports(Kind::Rxe).is_ok();
         if !with_rxe {
             summary.push(
-                "SKIPPED verbs:write-imm-emulated,no-windows,read-sinks: this kernel has no rdma_rxe".into(),
+                "SKIPPED verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry: this kernel has no rdma_rxe".into(),
             );
         }
         let ok = run_sections(

@@ -372,6 +372,7 @@ pub fn verbs_settings(opened: &Opened) -> Result<Option<(serde_json::Value, Stri
             "inline": s.inline, "send_depth": s.send_depth, "recv_depth": s.recv_depth, "cq_depth": s.cq_depth,
             "srq_depth": s.srq_depth, "sge": s.sge, "max_message": s.max_message, "read_depth": s.read_depth,
             "emulated_imm": s.emulated_imm, "memory_windows": s.memory_windows, "read_sinks": s.read_sinks,
+            "rnr_retry": s.rnr_retry,
             "device_limits": {"max_inline": d.max_inline, "max_qp_wr": d.max_qp_wr, "max_cqe": d.max_cqe,
                 "max_sge": d.max_sge, "max_sge_rd": d.max_sge_rd, "max_msg": d.max_msg,
                 "max_rd_atom": d.max_rd_atom, "max_srq_wr": d.max_srq_wr, "atomics": format!("{:?}", d.atomics),
@@ -384,7 +385,8 @@ pub fn verbs_settings(opened: &Opened) -> Result<Option<(serde_json::Value, Stri
              receive queue {} / {}, completion queue {} / {}\n\
              \x20   shared receive queue {} / {}, scatter/gather {} / {} (reads {}), largest message {} / {} B, \
              read depth {} / {}\n\
-             \x20   atomics {:?} (unused), memory windows {}, read sinks registered per read: {}\n",
+             \x20   atomics {:?} (unused), memory windows {}, read sinks registered per read: {}, \
+             receiver-not-ready retry: {}\n",
             s.device,
             if d.iwarp { "iWARP" } else { "InfiniBand/RoCE" },
             d.vendor_id,
@@ -412,6 +414,11 @@ pub fn verbs_settings(opened: &Opened) -> Result<Option<(serde_json::Value, Stri
                 (false, false) => "none on this device (a registration per exposure)",
             },
             s.read_sinks,
+            match (s.rnr_retry, d.iwarp) {
+                (true, _) => "for ever",
+                (false, true) => "none (iWARP)",
+                (false, false) => "off (EXS_VERBS_RNR_RETRY=0)",
+            },
         );
         return Ok(Some((json, text)));
     }

@@ -14,11 +14,23 @@ use std::net::SocketAddr;
 
 use exs::Context;
 
+/// Whether the run requires the shared receive pool of its hosts (`EXS_CONFORMANCE_SHARED_RECV=1`; see
+/// [`Net::host`]).
+pub fn shared_recv_required() -> bool {
+    std::env::var("EXS_CONFORMANCE_SHARED_RECV").is_ok_and(|v| v == "1")
+}
+
 /// What a test needs from a backend: hosts and addresses.
 pub trait Net {
-    /// A new host (a context with its own transport and progress thread).
+    /// A new host (a context with its own transport and progress thread), with the default options, but for
+    /// `EXS_CONFORMANCE_SHARED_RECV=1`, which requires the shared receive pool (where a device turns it off by
+    /// default: iWARP, whose pool must then cover every credit its connections promise).
     fn host(&self) -> Context {
-        self.host_with(exs::ContextOptions::default())
+        let mut opts = exs::ContextOptions::default();
+        if shared_recv_required() {
+            opts.shared_recv.enabled = Some(true);
+        }
+        self.host_with(opts)
     }
     /// A new host with `opts` (the simulator keeps its own clock and progress).
     fn host_with(&self, opts: exs::ContextOptions) -> Context;

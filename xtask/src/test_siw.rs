@@ -2,12 +2,15 @@
 //! kernel cannot load it the suite runs in the QEMU guest with siw.ko built for the guest's kernel ([`crate::siw`]):
 //!
 //! * every case on `exs_siw1` at the near end of the veth link (`softroce:siw`), the tools over it (`tools:siw`);
+//! * the cases of many connections and of bursts again with the shared receive pool required (off by default on
+//!   iWARP; a required pool holds a buffer for every credit promised; `softroce:siw-shared-pool`);
 //! * the cases whose data moves by RDMA reads again with read sinks off (`EXS_VERBS_READ_SINKS=0`: siw reads into
 //!   the base registration; `softroce:siw-no-read-sinks`);
 //! * with the peer-to-peer build (MPA RTR by a zero-length RDMA read, as iw_cxgb4 connects by default): the
 //!   who-sends-first cases, connecting and accepting, and the two-host transfer (`softroce:siw-p2p-read-rtr`);
-//! * then every case on rxe driven the way an iWARP adapter is (`verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry`:
-//!   write-with-immediate emulated, no memory windows, read sinks; [`crate::test::IWARP_SHAPED`]);
+//! * then every case on rxe driven the way an iWARP adapter is
+//!   (`verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry`: write-with-immediate emulated, no memory
+//!   windows, read sinks, no receiver-not-ready retry; [`crate::test::IWARP_SHAPED`]);
 //! * across two guests with siw0 on each (the peer-host cases on verbs, the tools, perftest with rdma_cm).
 //!
 //! It is a suite of its own because the guest's emulated CPU makes siw (iWARP over the kernel's TCP) the slowest
@@ -30,6 +33,17 @@ const P2P_CASES: [&str; 3] = [
     "softroce::the_",
     "softroce::seqpacket_connect_and_accept",
     "softroce::two_hosts_over_a_link",
+];
+
+/// The cases run again with the shared receive pool required (`EXS_CONFORMANCE_SHARED_RECV=1`; it is off by default
+/// on iWARP, and a required one holds a buffer for every credit promised): many connections, and bursts.
+const SHARED_POOL_CASES: [&str; 6] = [
+    "softroce::listener_accepts_many_connections",
+    "softroce::stream_receives_filled_from_the_stream_buffer_get_no_key",
+    "softroce::idle_stream_connections",
+    "softroce::seqpacket_credits_under_pressure",
+    "softroce::seqpacket_64_outstanding_each_way",
+    "softroce::stream_small_buffer_many_small_writes",
 ];
 
 /// The cases run again with read sinks off: the transfers whose large messages are RDMA reads, persistent reads.
@@ -69,6 +83,12 @@ fn script(
          tool ping_on_siw {tool} ping --backend verbs --addr {near} --size 8 --count 100 --json\n",
         load(Variant::Stock).unwrap_or_default()
     );
+    s.push_str("section softroce:siw-shared-pool\n");
+    for case in SHARED_POOL_CASES {
+        s.push_str(&format!(
+            "run env {env} EXS_CONFORMANCE_SHARED_RECV=1 {exe} {case}\n"
+        ));
+    }
     s.push_str("section softroce:siw-no-read-sinks\n");
     for case in NO_SINK_CASES {
         s.push_str(&format!(

@@ -150,14 +150,23 @@ fn many_connections(b: &dyn Backend) -> Result<(), String> {
         b.name(),
         bytes / n as u64
     );
-    if caps.max_shared_recv > 0 && caps.rnr_retry {
+    let required = crate::shared_recv_required();
+    if caps.max_shared_recv > 0 && (caps.rnr_retry || required) {
         ensure!(
             stats.pool.is_some() && stats.ctrl_recv_bytes == 0,
             "{} has a shared receive queue but the connections own receive buffers: {stats:?}",
             caps.name
         );
     }
-    if !caps.rnr_retry {
+    if let Some(p) = stats.pool.filter(|_| !caps.rnr_retry) {
+        // A pool required where no receiver-not-ready retry covers a burst holds every buffer it promised.
+        ensure!(
+            p.slots >= p.promised && p.promised > 0,
+            "{} has no receiver-not-ready retry but its pool does not cover its promises: {p:?}",
+            caps.name
+        );
+    }
+    if !caps.rnr_retry && !required {
         // Without receiver-not-ready retry a pool would have to hold every promised buffer: receives of their own.
         ensure!(
             stats.pool.is_none() && stats.ctrl_recv_bytes > 0,

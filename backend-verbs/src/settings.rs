@@ -518,8 +518,8 @@ mod tests {
     }
 
     /// iWARP has no receiver-not-ready retry, whatever the configuration asks; InfiniBand/RoCE retries unless told
-    /// not to (rxe driven the iWARP way), and the capabilities the engine sees follow (its shared pool then covers
-    /// every credit it promised).
+    /// not to (rxe driven the iWARP way), and the capabilities the engine sees follow (its shared pool is then off
+    /// unless required, and a required one covers every credit it promised).
     #[test]
     fn receiver_not_ready_retry_is_never_on_iwarp_and_can_be_turned_off_elsewhere() {
         let mut c = cfg();

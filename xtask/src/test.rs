@@ -80,7 +80,7 @@ pub const SMALL_LIMITS: &str =
 /// The settings that drive rxe the way an iWARP adapter is driven, through the plain verbs backend:
 /// write-with-immediate forced off (the write + send fallback), memory windows off (a registration per exposure),
 /// RDMA read sinks registered per read and no receiver-not-ready retry (a message that finds no receive fails its
-/// connection; the shared pool covers its promises) (`verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry`, in `--suite siw`).
+/// connection; connections post receives of their own, and a few cases run again with the shared pool required) (`verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry`, in `--suite siw`).
 pub const IWARP_SHAPED: &str =
     "EXS_VERBS_EMULATE_IMM=1 EXS_VERBS_WINDOWS=0 EXS_VERBS_READ_SINKS=1 EXS_VERBS_RNR_RETRY=0";
 

@@ -10,7 +10,8 @@
 //!   who-sends-first cases, connecting and accepting, and the two-host transfer (`softroce:siw-p2p-read-rtr`);
 //! * then every case on rxe driven the way an iWARP adapter is
 //!   (`verbs:write-imm-emulated,no-windows,read-sinks,no-rnr-retry`: write-with-immediate emulated, no memory
-//!   windows, read sinks, no receiver-not-ready retry; [`crate::test::IWARP_SHAPED`]);
+//!   windows, read sinks, no receiver-not-ready retry; [`crate::test::IWARP_SHAPED`]), and the shared pool's
+//!   cases again with the pool required (`verbs:iwarp-shaped-shared-pool`);
 //! * across two guests with siw0 on each (the peer-host cases on verbs, the tools, perftest with rdma_cm).
 //!
 //! It is a suite of its own because the guest's emulated CPU makes siw (iWARP over the kernel's TCP) the slowest
@@ -40,7 +41,7 @@ const P2P_CASES: [&str; 3] = [
 const SHARED_POOL_CASES: [&str; 6] = [
     "softroce::listener_accepts_many_connections",
     "softroce::stream_receives_filled_from_the_stream_buffer_get_no_key",
-    "softroce::idle_stream_connections",
+    "softroce::idle_stream_connections_hold_no_stream_buffer",
     "softroce::seqpacket_credits_under_pressure",
     "softroce::seqpacket_64_outstanding_each_way",
     "softroce::stream_small_buffer_many_small_writes",
@@ -116,6 +117,15 @@ fn script(
             crate::test::IWARP_SHAPED,
             rxe::NEAR.1
         ));
+        // The shared pool's cases again with the pool required, on rxe that fails a message with no receive at once.
+        s.push_str("section verbs:iwarp-shaped-shared-pool\n");
+        for case in SHARED_POOL_CASES {
+            s.push_str(&format!(
+                "run env EXS_VERBS_ADDR={near} {} EXS_CONFORMANCE_SHARED_RECV=1 {exe} {}\n",
+                crate::test::IWARP_SHAPED,
+                case.replacen("softroce::", "verbs::", 1)
+            ));
+        }
     }
     s
 }

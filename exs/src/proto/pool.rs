@@ -219,9 +219,12 @@ impl RecvPool {
     }
 
     /// Whether the pool should grow: the posted buffers fell below the low watermark at some point since it last
-    /// grew (checked after each batch of completions, before the batch's buffers are reposted), and it may.
+    /// grew (checked after each batch of completions, before the batch's buffers are reposted), or it covers its
+    /// promises and lost buffers left it short; and it may.
     pub(crate) fn wants_growth(&self) -> bool {
-        self.dip < self.low_watermark && self.stats.slots < self.max_slots
+        // Where the pool covers its promises, lost buffers are made up for as well.
+        (self.dip < self.low_watermark || self.shortfall(0) > 0)
+            && self.stats.slots < self.max_slots
     }
 
     pub(crate) fn stats(&self) -> PoolStats {

@@ -161,7 +161,7 @@ fn many_connections(b: &dyn Backend) -> Result<(), String> {
     if let Some(p) = stats.pool.filter(|_| !caps.rnr_retry) {
         // A pool required where no receiver-not-ready retry covers a burst holds every buffer it promised.
         ensure!(
-            p.slots >= p.promised && p.promised > 0,
+            p.slots.saturating_sub(p.lost) >= p.promised && p.promised > 0,
             "{} has no receiver-not-ready retry but its pool does not cover its promises: {p:?}",
             caps.name
         );

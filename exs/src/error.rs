@@ -124,6 +124,10 @@ pub enum Violation {
     /// RDMA access by the peer was rejected by the hardware (bad key, bad bounds).
     #[error("remote access error reported by the transport: {0}")]
     RemoteAccess(String),
+    /// The peer sent a message longer than the control receive buffers it was told of in the handshake (the
+    /// device reported a local length error on our receive).
+    #[error("a message longer than the receive buffers the peer was told of")]
+    MessageTooLong,
 }
 
 /// How an asynchronous operation ended, when it did not succeed.
@@ -184,6 +188,9 @@ impl From<crate::transport::WcError> for OpError {
             WcError::RemoteAccess => OpError::PeerMisbehaved(Violation::RemoteAccess(
                 "the peer's device refused our RDMA access".into(),
             )),
+            // Only receives meet it: their buffers are the ones we announced, so the message was the peer's doing
+            // (it read as "invalid argument", a transport failure of ours).
+            WcError::LocalLength => OpError::PeerMisbehaved(Violation::MessageTooLong),
             other => OpError::Transport(TransportError::Invalid(format!(
                 "work request failed: {other}"
             ))),

@@ -16,9 +16,9 @@ pub struct BackendArgs {
     /// Backend (each side chooses its own; both must reach the same fabric).
     #[arg(long, value_enum, default_value_t = BackendKind::Fabric)]
     pub backend: BackendKind,
-    /// libfabric provider (fabric backend): tcp, verbs, net, sockets.
-    #[arg(long, default_value = "tcp")]
-    pub provider: String,
+    /// libfabric provider (fabric backend): tcp (default), verbs, net, sockets.
+    #[arg(long)]
+    pub provider: Option<String>,
     /// libfabric domain (interface or device), if not the provider's first.
     #[arg(long)]
     pub domain: Option<String>,
@@ -73,16 +73,53 @@ pub fn context_options() -> Result<exs::ContextOptions> {
 }
 
 impl BackendArgs {
+    /// The libfabric provider (`--provider`, default tcp).
+    pub fn provider(&self) -> &str {
+        self.provider.as_deref().unwrap_or("tcp")
+    }
+
+    /// Refuses a flag of another backend than the one chosen, which it would otherwise drop without a word (review
+    /// finding: `--device` with the fabric backend, `--provider` with verbs).
+    fn check_flags(&self) -> Result<()> {
+        let fabric = [
+            ("--provider", self.provider.is_some()),
+            ("--domain", self.domain.is_some()),
+            ("--cq-wait", self.cq_wait.is_some()),
+            ("--cq-no-wait", self.cq_no_wait),
+        ];
+        let verbs = [
+            ("--device", self.device.is_some()),
+            ("--emulate-imm", self.emulate_imm),
+        ];
+        for (flags, owner) in [
+            (&fabric[..], BackendKind::Fabric),
+            (&verbs[..], BackendKind::Verbs),
+        ] {
+            if let Some((flag, _)) = flags
+                .iter()
+                .find(|(_, given)| *given)
+                .filter(|_| self.backend != owner)
+            {
+                bail!(
+                    "{flag} is a setting of --backend {owner}, not of --backend {}",
+                    self.backend
+                );
+            }
+        }
+        Ok(())
+    }
+
     /// The same choice as command-line arguments, for a child process.
     pub fn to_args(&self) -> Vec<String> {
         let mut v = vec![
             "--backend".to_string(),
             self.backend.to_string(),
-            "--provider".into(),
-            self.provider.clone(),
             "--addr".into(),
             self.addr.to_string(),
         ];
+        if let Some(p) = &self.provider {
+            v.extend(["--provider".into(), p.clone()]);
+        }
         if let Some(d) = &self.domain {
             v.extend(["--domain".into(), d.clone()]);
         }
@@ -153,9 +190,7 @@ impl Opened {
     }
 
     pub fn open(a: &BackendArgs) -> Result<Opened> {
-        if (a.cq_no_wait || a.cq_wait.is_some()) && a.backend != BackendKind::Fabric {
-            bail!("--cq-wait and --cq-no-wait are settings of the fabric backend's completion queues, not of --backend {}", a.backend);
-        }
+        a.check_flags()?;
         if let Some(e) = a.exposure {
             let _ = EXPOSURE.set(match e {
                 Exposure::PerOperation => exs::ExposurePolicy::PerOperation,
@@ -166,7 +201,7 @@ impl Opened {
             #[cfg(feature = "fabric")]
             BackendKind::Fabric => {
                 let mut cfg = exs_backend_fabric::FabricConfig {
-                    provider: a.provider.clone(),
+                    provider: a.provider().to_string(),
                     domain: a.domain.clone(),
                     cq_wait: match (a.cq_no_wait, a.cq_wait) {
                         (true, _) | (_, Some(CqWaitKind::None)) => exs_backend_fabric::CqWait::None,
@@ -380,7 +415,8 @@ pub fn verbs_settings(opened: &Opened) -> Result<Option<(serde_json::Value, Stri
         });
         let text = format!(
             "  verbs settings (used / device; EXS_VERBS_INLINE, _SEND_DEPTH, _RECV_DEPTH, _CQ_DEPTH, _SRQ_DEPTH, \
-             _SGE, _MAX_MESSAGE, _READ_DEPTH lower them):\n\
+             _SGE, _MAX_MESSAGE, _READ_DEPTH lower them; EXS_VERBS_EMULATE_IMM, _WINDOWS, _READ_SINKS, \
+             _RNR_RETRY choose):\n\
              \x20   {} ({}, vendor {:#x}): inline {} / {} B, send queue {} / {}, \
              receive queue {} / {}, completion queue {} / {}\n\
              \x20   shared receive queue {} / {}, scatter/gather {} / {} (reads {}), largest message {} / {} B, \

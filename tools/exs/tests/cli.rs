@@ -172,6 +172,46 @@ fn the_simulator_refuses_two_processes_clearly() {
     }
 }
 
+/// Review finding: a flag of the other backend (`--device` with libfabric, `--provider` with verbs) was dropped
+/// without a word, and the run went on with settings the user did not ask for. It is refused, naming the flag.
+#[test]
+fn a_flag_of_another_backend_is_refused_not_dropped() {
+    for (args, flag) in [
+        (
+            &["info", "--backend", "fabric", "--device", "rxe0"][..],
+            "--device",
+        ),
+        (
+            &["info", "--backend", "sim", "--emulate-imm"],
+            "--emulate-imm",
+        ),
+        (
+            &["info", "--backend", "sim", "--provider", "tcp"],
+            "--provider",
+        ),
+        (&["ping", "--backend", "sim", "--domain", "lo"], "--domain"),
+        (
+            &["pump", "--backend", "sim", "--cq-wait", "fd"],
+            "--cq-wait",
+        ),
+    ] {
+        let out = exs(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} ran: {err}");
+        assert!(
+            err.contains(&format!("{flag} is a setting of --backend")),
+            "{args:?}: {err}"
+        );
+    }
+    // The flags of the backend chosen still work (libfabric's provider named as the default is).
+    let out = exs(&["info", "--backend", "fabric", "--provider", "tcp"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// Review finding: a test's flags given to a server (`exs pump --server --size 1M`) were accepted and ignored
 /// there (the client sends every test's parameters): they are a usage error now.
 #[test]

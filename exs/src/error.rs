@@ -188,9 +188,6 @@ impl From<crate::transport::WcError> for OpError {
             WcError::RemoteAccess => OpError::PeerMisbehaved(Violation::RemoteAccess(
                 "the peer's device refused our RDMA access".into(),
             )),
-            // Only receives meet it: their buffers are the ones we announced, so the message was the peer's doing
-            // (it read as "invalid argument", a transport failure of ours).
-            WcError::LocalLength => OpError::PeerMisbehaved(Violation::MessageTooLong),
             other => OpError::Transport(TransportError::Invalid(format!(
                 "work request failed: {other}"
             ))),

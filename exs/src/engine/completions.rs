@@ -22,8 +22,7 @@ impl Engine {
                 // (`Conn::on_completion`). Review finding: it was taken for a flush; on verbs the queue pair is then
                 // in error and no connection event follows, so the connection stayed up and its receives waited
                 // for good.
-                let fault =
-                    (*e != crate::transport::WcError::Flushed).then(|| Fault::Transport(e.clone()));
+                let fault = (*e != crate::transport::WcError::Flushed).then(|| Fault::of_recv(e));
                 self.repost_pool(slot);
                 if let (Some(fault), Some(&sid)) = (fault, self.eps.get(&c.ep)) {
                     self.fault(sid, fault);

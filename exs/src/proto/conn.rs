@@ -103,6 +103,16 @@ impl From<Violation> for Fault {
 }
 
 impl Fault {
+    /// A failed receive (not flushed) of a control buffer. A length error there is the peer's doing: the buffers
+    /// are the ones we announced (it read as "invalid argument", a transport failure of ours). The same status on
+    /// a request of ours (a write beyond the device's largest message) stays the transport's.
+    pub(crate) fn of_recv(e: &WcError) -> Fault {
+        match e {
+            WcError::LocalLength => Fault::Peer(Violation::MessageTooLong),
+            other => Fault::Transport(other.clone()),
+        }
+    }
+
     pub(crate) fn into_op_error(self) -> OpError {
         match self {
             Fault::Peer(v) => OpError::PeerMisbehaved(v),
@@ -551,7 +561,7 @@ impl Conn {
                 match &c.status {
                     Ok(()) => {}
                     Err(WcError::Flushed) => return Ok(Incoming::Nothing),
-                    Err(e) => return Err(Fault::Transport(e.clone())),
+                    Err(e) => return Err(Fault::of_recv(e)),
                 }
                 let incoming = match imm {
                     Some(imm) => {
@@ -838,3 +848,6 @@ pub(crate) struct ConnTimeouts {
     /// The next keepalive check.
     pub(crate) keepalive: Option<Instant>,
 }
+
+#[cfg(test)]
+mod tests;

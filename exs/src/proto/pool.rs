@@ -220,7 +220,7 @@ impl RecvPool {
 
     /// Whether the pool should grow: the posted buffers fell below the low watermark at some point since it last
     /// grew (checked after each batch of completions, before the batch's buffers are reposted), or it covers its
-    /// promises and lost buffers left it short; and it may.
+    /// promises and holds fewer than they and its margin need (lost buffers made up for); and it may.
     pub(crate) fn wants_growth(&self) -> bool {
         // Where the pool covers its promises, lost buffers are made up for as well.
         (self.dip < self.low_watermark || self.shortfall(0) > 0)

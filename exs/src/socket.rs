@@ -239,7 +239,8 @@ impl Socket {
 
     /// Writes `buf` at `offset` inside the peer's persistent receive buffer (UNH-EXS `exs_send_offset`, the UNH-EXS
     /// paper 4.4), completing when the write has. Outside that buffer, or with no persistent receive at the peer, it is
-    /// refused at once ([`StateError::OffsetOutOfRange`], [`StateError::Persistent`]).
+    /// refused at once ([`StateError::OffsetOutOfRange`], [`StateError::Persistent`]); so is one longer than the
+    /// transport's largest message (`Capabilities::max_message`: it is one RDMA write), to send in parts.
     pub fn send_offset(
         &self,
         eq: &EventQueue,

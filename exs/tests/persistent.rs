@@ -261,6 +261,49 @@ fn offsets_move_subparts_of_persistent_memory() {
 }
 
 /// Seed 002, 4.3: "both sides of an EXS socket connection cannot be persistent".
+/// Review finding: a send into the peer's persistent receive is one RDMA write, whatever its length; one longer
+/// than the transport's largest message failed in the device and ended the connection. It is refused, saying to
+/// send it in parts at offsets, and the parts arrive.
+#[test]
+fn a_write_into_persistent_memory_beyond_the_largest_message_is_refused_and_parts_at_offsets_arrive(
+) {
+    let mut cfg = SimConfig::default();
+    cfg.caps.max_message = 4096;
+    let p = pair_with(SockType::SeqPacket, cfg, exs::SocketOptions::default());
+    let dst = p.server_region(8192);
+    p.server
+        .recv(&p.eq_b, &dst.all(), MsgFlags::PERSISTENT, 1)
+        .unwrap();
+    p.world.run_until_idle(10_000);
+    let data = pattern(8192, 7);
+    let src = p.client_region(data.clone());
+    let e = p
+        .client
+        .send(&p.eq_a, &src.all(), MsgFlags::NONE, 2)
+        .unwrap_err();
+    assert!(
+        matches!(e, SendError::State(StateError::Persistent(why)) if why.contains("send_offset")),
+        "{e:?}"
+    );
+    for (i, off) in [0usize, 4096].into_iter().enumerate() {
+        p.client
+            .send_offset(
+                &p.eq_a,
+                &src.slice(off..off + 4096),
+                off as u64,
+                MsgFlags::NONE,
+                i as u64,
+            )
+            .unwrap();
+        assert!(wait(&p.eq_a).is_ok());
+    }
+    assert_bytes_eq(
+        &dst.to_vec().unwrap(),
+        &data,
+        "the parts written at their offsets",
+    );
+}
+
 #[test]
 fn only_one_side_of_a_connection_can_be_persistent() {
     let p = pair(SockType::SeqPacket);

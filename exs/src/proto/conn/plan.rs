@@ -123,6 +123,16 @@ impl Conn {
                     }
                     .into());
                 }
+                // One RDMA write carries it (`MessageProto::write_to_peer`): the device refuses one longer than its
+                // largest message, and that failure would end the connection (review finding).
+                if len as u64 > self.limits.max_message {
+                    return Err(StateError::Persistent(
+                        "a send into the peer's persistent receive is one RDMA write, and this one is longer than \
+                         the transport's largest message (Capabilities::max_message): send it in parts, each at its \
+                         offset (send_offset)",
+                    )
+                    .into());
+                }
             }
             _ => {}
         }

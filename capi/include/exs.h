@@ -610,6 +610,14 @@ int exs_sendfile(int fd,
                  exs_qhandle_t qh,
                  void *context);
 
+/**
+ * `exs_fcntl` with its argument as a plain `int` (ignored by the commands that take none), for callers that
+ * cannot call a C-variadic function (Go's cgo, some foreign-function interfaces). Same results and `errno`s.
+ */
+int exs_fcntl_int(int fd,
+                  int cmd,
+                  int arg);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

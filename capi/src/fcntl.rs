@@ -1,7 +1,7 @@
 //! `exs_fcntl` (UNH-EXS): socket options (seed 002 3.2 credits, 4.1 `small_packet_max_size`, seed 001's stream
 //! buffer, ...), `SO_ERROR`, ending persistent operations, and `F_GETFL`/`F_SETFL` for code that sets
-//! `O_NONBLOCK`. The variadic entry point is C (`fcntl.c`); it asks [`exs_internal_fcntl_takes_arg`] whether to
-//! read an argument, then calls [`exs_internal_fcntl`].
+//! `O_NONBLOCK`. The variadic entry point is C (`fcntl.c`): it reads the argument of the commands that take one and
+//! calls [`exs_fcntl_int`], which is public too, for callers that cannot call a C-variadic function.
 
 use exs::SocketOptions;
 use libc::c_int;
@@ -66,16 +66,10 @@ const OPTIONS: [Opt; 8] = [
     },
 ];
 
-/// Whether `cmd` takes an `int` argument (fcntl.c reads one only then).
+/// `exs_fcntl` with its argument as a plain `int` (ignored by the commands that take none), for callers that
+/// cannot call a C-variadic function (Go's cgo, some foreign-function interfaces). Same results and `errno`s.
 #[no_mangle]
-pub extern "C" fn exs_internal_fcntl_takes_arg(cmd: c_int) -> c_int {
-    let setter = OPTIONS.iter().any(|o| o.get + 1 == cmd);
-    c_int::from(setter || cmd == libc::F_SETFL)
-}
-
-/// `exs_fcntl(fd, cmd, arg)` once fcntl.c has read `arg` (0 for commands that take none).
-#[no_mangle]
-pub extern "C" fn exs_internal_fcntl(fd: c_int, cmd: c_int, arg: c_int) -> c_int {
+pub extern "C" fn exs_fcntl_int(fd: c_int, cmd: c_int, arg: c_int) -> c_int {
     call(|| {
         let s = SOCKETS.get(fd)?;
         match cmd {
@@ -112,4 +106,31 @@ pub extern "C" fn exs_internal_fcntl(fd: c_int, cmd: c_int, arg: c_int) -> c_int
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// fcntl.c reads an argument for F_SETFL and for the odd offsets of `EXS_F_GET_SEND_CREDITS..=EXS_F_SET_COALESCE`
+    /// (it cannot see this table). Reading one for a command given none is undefined behaviour, and not reading one
+    /// for a setter sets 0: so the setters of the table must be exactly those offsets.
+    #[test]
+    fn the_variadic_entry_reads_an_argument_for_exactly_the_setters() {
+        let range: Vec<c_int> = (EXS_F_GET_SEND_CREDITS..=EXS_F_SET_COALESCE).collect();
+        let setters: Vec<c_int> = OPTIONS.iter().map(|o| o.get + 1).collect();
+        let odd: Vec<c_int> = range
+            .iter()
+            .copied()
+            .filter(|c| (c - EXS_F_GET_SEND_CREDITS) % 2 == 1)
+            .collect();
+        assert_eq!(setters, odd, "the option table against fcntl.c's rule");
+        let getters: Vec<c_int> = OPTIONS.iter().map(|o| o.get).collect();
+        assert!(getters
+            .iter()
+            .all(|g| (g - EXS_F_GET_SEND_CREDITS) % 2 == 0));
+        for other in [EXS_F_GETERROR, EXS_F_END_PERSISTENT, libc::F_GETFL] {
+            assert!(!range.contains(&other), "{other:#x} takes no argument");
+        }
+    }
 }

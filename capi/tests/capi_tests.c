@@ -317,6 +317,10 @@ static void options_names_poll_and_sendfile(void)
     EXPECT(exs_fcntl(c, F_SETFL, O_NONBLOCK) == 0);
     EXPECT(exs_fcntl(c, EXS_F_GETERROR) == 0);
     FAILS_WITH(exs_fcntl(c, EXS_F_SET_SEND_CREDITS, 8), EISCONN); /* negotiated at connect */
+    /* The non-variadic form, for callers that cannot call a variadic function: the same results. */
+    EXPECT(exs_fcntl_int(c, EXS_F_GET_SEND_CREDITS, 0) == 16);
+    FAILS_WITH(exs_fcntl_int(c, EXS_F_SET_SEND_CREDITS, 8), EISCONN);
+    FAILS_WITH(exs_fcntl_int(-1, F_GETFL, 0), EBADF);
     EXPECT(exs_getsockname(c, (struct sockaddr *)&me, &len) == 0 && len == sizeof me);
     len = sizeof peer;
     EXPECT(exs_getpeername(s, (struct sockaddr *)&peer, &len) == 0 && len == sizeof peer);

@@ -1,7 +1,7 @@
 //! `exs_fcntl` through the C functions, on the simulated fabric (`EXS_BACKEND=sim`).
 
 use exs_capi::abi::{EXS_F_GET_SEND_CREDITS, EXS_F_GET_SMALL_PACKET_MAX_SIZE};
-use exs_capi::fcntl::exs_internal_fcntl;
+use exs_capi::fcntl::exs_fcntl_int;
 use exs_capi::socket::{exs_close, exs_socket};
 use libc::c_int;
 
@@ -21,8 +21,8 @@ fn options_set_from_two_threads_at_once_both_hold() {
         move || {
             for i in 0..ROUNDS {
                 let v = value(i);
-                assert_eq!(exs_internal_fcntl(s, get + 1, v), 0, "errno {}", errno());
-                let now = exs_internal_fcntl(s, get, 0);
+                assert_eq!(exs_fcntl_int(s, get + 1, v), 0, "errno {}", errno());
+                let now = exs_fcntl_int(s, get, 0);
                 assert_eq!(now, v, "round {i}: the option set just before reads {now}");
             }
         }

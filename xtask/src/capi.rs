@@ -107,6 +107,10 @@ pub fn install(prefix: &Path, optimized: bool) -> Result<PathBuf> {
         &sys::root().join("capi/include/exs.h"),
         &prefix.join("include/exs.h"),
     )?;
+    check_exports(
+        &built.join("libexs_capi.so"),
+        &sys::root().join("capi/include/exs.h"),
+    )?;
     place(&built.join("libexs_capi.so"), &prefix.join("lib/libexs.so"))?;
     place(&built.join("libexs_capi.a"), &prefix.join("lib/libexs.a"))?;
     let pc = format!(
@@ -122,6 +126,65 @@ pub fn install(prefix: &Path, optimized: bool) -> Result<PathBuf> {
     );
     std::fs::write(prefix.join("lib/pkgconfig/exs.pc"), pc).map_err(|e| e.to_string())?;
     Ok(prefix)
+}
+
+/// The functions libexs.so exports are exactly those exs.h declares: no internal helper a C program could link
+/// against (and then lose in the next release), none of the header's missing.
+fn check_exports(lib: &Path, header: &Path) -> Result<()> {
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only", "--format=posix"])
+        .arg(lib)
+        .output()
+        .map_err(|e| format!("nm (binutils) on {}: {e}", lib.display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "nm on {}: {}",
+            lib.display(),
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .into());
+    }
+    let header =
+        std::fs::read_to_string(header).map_err(|e| format!("{}: {e}", header.display()))?;
+    let wrong = export_mismatch(&String::from_utf8_lossy(&out.stdout), &header);
+    if wrong.is_empty() {
+        Ok(())
+    } else {
+        Err(format!("{}: {}", lib.display(), wrong.join("; ")).into())
+    }
+}
+
+/// What differs between the functions in `nm -D --defined-only --format=posix` output and those `header`
+/// declares (a name followed by `(` at the start of a declaration's line, after its return type).
+fn export_mismatch(nm: &str, header: &str) -> Vec<String> {
+    let exported: std::collections::BTreeSet<&str> = nm
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (name, kind) = (f.next()?, f.next()?);
+            // The loader's own entry points of every shared object.
+            (kind == "T" && !matches!(name, "_init" | "_fini")).then_some(name)
+        })
+        .collect();
+    let declared: std::collections::BTreeSet<&str> = header
+        .lines()
+        .filter(|l| !l.starts_with(' ') && !l.starts_with('#') && !l.starts_with('/'))
+        .filter_map(|l| {
+            let name = l.split('(').next()?.split_whitespace().last()?;
+            let name = name.trim_start_matches('*');
+            (l.contains('(') && name.starts_with("exs_")).then_some(name)
+        })
+        .collect();
+    let mut wrong: Vec<String> = exported
+        .difference(&declared)
+        .map(|n| format!("{n} is exported but exs.h does not declare it"))
+        .collect();
+    wrong.extend(
+        declared
+            .difference(&exported)
+            .map(|n| format!("exs.h declares {n} but the library does not export it")),
+    );
+    wrong
 }
 
 /// Copies a file into place by renaming a copy over it: a program running on the old library keeps its mapping.
@@ -325,6 +388,28 @@ mod tests {
             s.matches("test result: ok. 1 passed").count(),
             1,
             "one wrapper"
+        );
+    }
+
+    #[test]
+    fn the_library_exports_exactly_what_the_header_declares() {
+        let header = "int exs_init(int version);\nstruct exs_event *exs_evt(int q,\n                           int x);\n\
+                      /* exs_fcntl_int(fd) in a comment */\n * `exs_send(` in documentation\nint exs_fcntl(int fd, int cmd, ...);\n";
+        let nm = "exs_init T 1000 10\nexs_evt T 1010 10\nexs_fcntl T 1020 10\n_init T 0 0\nexs_data D 10 4\n";
+        assert!(
+            export_mismatch(nm, header).is_empty(),
+            "{:?}",
+            export_mismatch(nm, header)
+        );
+        let nm = format!("{nm}exs_internal_fcntl T 1030 10\n");
+        assert_eq!(
+            export_mismatch(&nm, header),
+            ["exs_internal_fcntl is exported but exs.h does not declare it"]
+        );
+        let header = format!("{header}int exs_gone(void);\n");
+        assert_eq!(
+            export_mismatch("exs_init T 1 1\nexs_evt T 2 2\nexs_fcntl T 3 3\n", &header),
+            ["exs.h declares exs_gone but the library does not export it"]
         );
     }
 

@@ -191,6 +191,27 @@ pub(crate) fn getinfo(
     Ok(Info(out))
 }
 
+/// The error of a connect's `fi_getinfo` asked first on the transport's domain, then on any: the second's, with
+/// the first's words beside it (the one that names the configured domain is often the one that says why).
+pub(crate) fn both_failed(
+    domain: &str,
+    first: TransportError,
+    second: TransportError,
+) -> TransportError {
+    match second {
+        TransportError::Os {
+            call,
+            kind,
+            message,
+        } => TransportError::Os {
+            call,
+            kind,
+            message: format!("{message} (on any domain; on domain {domain}: {first})"),
+        },
+        other => other,
+    }
+}
+
 pub(crate) fn cstr(p: *const std::os::raw::c_char) -> String {
     if p.is_null() {
         return String::new();

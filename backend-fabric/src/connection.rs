@@ -12,7 +12,7 @@ use exs_transport::{
 };
 use rustc_hash::FxHashSet;
 
-use crate::call::{check, epoll_add, err, getinfo, wait_fd_of, Info};
+use crate::call::{both_failed, check, epoll_add, err, getinfo, wait_fd_of, Info};
 use crate::ffi::*;
 use crate::memory::Domain;
 use crate::record::WrRecord;
@@ -416,7 +416,10 @@ impl FabricTransport {
             Some(&service),
             0,
         )
-        .or_else(|_| getinfo(&self.provider, None, Some(&node), Some(&service), 0))?;
+        .or_else(|first| {
+            getinfo(&self.provider, None, Some(&node), Some(&service), 0)
+                .map_err(|second| both_failed(&self.domain_name, first, second))
+        })?;
         let e = self.create_ep(info.0, ep)?;
         self.file_ep(ep, e);
         self.touch(ep);

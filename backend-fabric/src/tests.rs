@@ -702,3 +702,28 @@ fn a_flood_of_requests_for_another_listener_does_not_hold_a_closing_listener() {
     assert!(kept > 0, "nothing read");
     assert_eq!(kept, read, "an event read was not kept");
 }
+
+/// A connect asks `fi_getinfo` on the transport's domain, then on any. When both fail, the first's words (which
+/// name the configured domain) were dropped and only the second's reached the user.
+#[test]
+fn a_connect_whose_address_no_domain_takes_reports_both_lookups() {
+    use exs_transport::TransportError;
+    let first = crate::call::err("fi_getinfo", -99); // EADDRNOTAVAIL
+    let second = crate::call::err("fi_getinfo", -61);
+    let TransportError::Os { call, message, .. } = crate::call::both_failed("lo", first, second)
+    else {
+        panic!("an OS error stays one");
+    };
+    assert_eq!((call.call.as_str(), call.code), ("fi_getinfo", -61));
+    assert!(
+        message.contains("on any domain")
+            && message.contains("on domain lo: ")
+            && message.contains("address"),
+        "{message}"
+    );
+    let other = TransportError::Invalid("x".into());
+    assert_eq!(
+        crate::call::both_failed("lo", crate::call::err("fi_getinfo", -61), other.clone()),
+        other
+    );
+}

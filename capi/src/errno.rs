@@ -315,6 +315,11 @@ mod tests {
         assert_eq!(RecvError::from(outside).errno(), libc::EINVAL);
         assert_eq!(MemoryError::InUse { leases: 1 }.errno(), libc::EBUSY);
         assert_eq!(MemoryError::Kept.errno(), libc::EIO);
+        // A work request the device failed is not a bad argument of the caller's (it was EINVAL).
+        let failed = OpError::from(exs::transport::WcError::Other(
+            "local QP operation error".into(),
+        ));
+        assert_eq!(failed.errno(), libc::EIO);
         assert_eq!(OpError::Refused.errno(), libc::ECONNREFUSED);
         assert_eq!(OpError::Cancelled.errno(), libc::ECANCELED);
         let down = StateError::ConnectionDown(OpError::ConnectionReset);

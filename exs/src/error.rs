@@ -183,14 +183,16 @@ impl From<crate::transport::WcError> for OpError {
     fn from(e: crate::transport::WcError) -> Self {
         use crate::transport::WcError;
         match e {
-            // The connection went down under the operation, or the peer stopped answering.
-            WcError::Flushed | WcError::RetryExceeded => OpError::ConnectionReset,
+            // The connection went down under the operation, or the peer stopped answering, or stopped taking
+            // messages (no receive posted for one within its credits, beyond the retries).
+            WcError::Flushed | WcError::RetryExceeded | WcError::RnrRetryExceeded => {
+                OpError::ConnectionReset
+            }
             WcError::RemoteAccess => OpError::PeerMisbehaved(Violation::RemoteAccess(
                 "the peer's device refused our RDMA access".into(),
             )),
-            other => OpError::Transport(TransportError::Invalid(format!(
-                "work request failed: {other}"
-            ))),
+            // Not an argument of the caller's (it read as "invalid argument", EINVAL in C): the device's own.
+            other => OpError::Transport(TransportError::RequestFailed(other)),
         }
     }
 }

@@ -34,6 +34,10 @@ pub enum TransportError {
     /// The endpoint is unknown or gone.
     #[error("no such endpoint")]
     NoEndpoint,
+    /// The device failed one of our work requests for a reason of its own (not a flush, a retry limit or the
+    /// peer's refusal, which say more): the connection it was posted on goes down. `EIO` in the C API.
+    #[error("the device failed a work request: {0}")]
+    RequestFailed(crate::WcError),
     /// A backend that was chosen (named by the user, or picked because it could serve) failed to open; `why`
     /// says how it was chosen.
     #[error("the {backend} backend ({why}) did not open: {error}")]
@@ -112,6 +116,7 @@ impl TransportError {
             TransportError::Unsupported(_) => io::ErrorKind::Unsupported,
             TransportError::Invalid(_) => io::ErrorKind::InvalidInput,
             TransportError::NoEndpoint => io::ErrorKind::NotConnected,
+            TransportError::RequestFailed(_) => io::ErrorKind::Other,
             TransportError::Os { kind, .. } => *kind,
             TransportError::Backend { error, .. } => error.io_kind(),
         }

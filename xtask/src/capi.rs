@@ -141,8 +141,7 @@ fn check_exports(lib: &Path, header: &Path) -> Result<()> {
             "nm on {}: {}",
             lib.display(),
             String::from_utf8_lossy(&out.stderr)
-        )
-        .into());
+        ));
     }
     let header =
         std::fs::read_to_string(header).map_err(|e| format!("{}: {e}", header.display()))?;
@@ -150,7 +149,7 @@ fn check_exports(lib: &Path, header: &Path) -> Result<()> {
     if wrong.is_empty() {
         Ok(())
     } else {
-        Err(format!("{}: {}", lib.display(), wrong.join("; ")).into())
+        Err(format!("{}: {}", lib.display(), wrong.join("; ")))
     }
 }
 

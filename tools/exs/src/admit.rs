@@ -208,6 +208,27 @@ impl Admission {
             .min(Duration::from_secs(1))
     }
 
+    /// Keeps `s` for the test's next take of queue `r`, or closes it when the queue already holds every
+    /// connection the test will still take from it (without a token, queue 0 holds both roles'). A client that
+    /// kept connecting with its own token while the server waited for its idle connections held one connection
+    /// each, past `--max-idle`, until the test ended (review finding).
+    fn admit(&mut self, r: usize, s: Socket) {
+        let room = if self.token.is_some() {
+            self.expected[r]
+        } else {
+            self.expected.iter().sum()
+        };
+        if self.admitted[r].len() < room {
+            self.admitted[r].push_back(s);
+        } else {
+            refuse(
+                &s,
+                &anyhow!("one more than the test's connections"),
+                &mut self.refused,
+            );
+        }
+    }
+
     fn on_event(&mut self, ev: Event) -> Result<()> {
         match ev.context {
             READY => {
@@ -223,7 +244,7 @@ impl Admission {
                 self.polling = false;
                 let s = accepted(ev)?;
                 if self.token.is_none() {
-                    self.admitted[0].push_back(s);
+                    self.admit(0, s);
                     return Ok(());
                 }
                 // A readiness poll is posted only with a slot free.
@@ -251,7 +272,7 @@ impl Admission {
                 // A receive of a candidate closed meanwhile (its time was up) is not one of them any more.
                 if let (Some(c), Some(token)) = (self.cands.remove(&id), self.token) {
                     match read_token(&self.tokens, &c, &ev, token) {
-                        Ok(role) => self.admitted[role as usize].push_back(c.s),
+                        Ok(role) => self.admit(role as usize, c.s),
                         Err(why) => refuse(&c.s, &why, &mut self.refused),
                     }
                 }

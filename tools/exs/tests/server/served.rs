@@ -701,6 +701,34 @@ fn strangers_among_a_pings_idle_connections_are_not_taken_for_them() {
     t.done();
 }
 
+/// A review found it: while the server waited for a ping's idle connections, every further connection that sent
+/// the client's own token was kept until the test ended (five minutes by default), however many came: one
+/// connection each, past `--max-idle`, bounded only by the memory budget and the process's descriptors. Those
+/// beyond the test's count are closed at once, and the ping goes on.
+#[test]
+fn connections_beyond_the_tests_count_are_closed_not_kept_for_the_test() {
+    let t = ExsPingTest::start_asking(&[], json!({"idle": 1}));
+    let client = t.connect(2);
+    t.tell_token(&client);
+    let extra: Vec<exs::Socket> = (0..3).map(|i| t.connect(10 + i)).collect();
+    for s in &extra {
+        t.tell_token(s);
+    }
+    for s in &extra {
+        t.closed(s);
+    }
+    let idle = t.connect(20);
+    t.tell_idle_token(&idle);
+    t.echo(&client);
+    assert_eq!(
+        idle.error().unwrap(),
+        None,
+        "the client's idle connection failed"
+    );
+    drop((client, extra, idle));
+    t.done();
+}
+
 /// A server whose log reader went away (its standard error a closed pipe) logs each stranger it closes, and
 /// goes on: the connection with a wrong token is closed, and the client's served.
 #[test]

@@ -102,6 +102,7 @@ impl Peer {
         backend: &BackendArgs,
         opened: &Opened,
     ) -> Result<Peer> {
+        let mut token = None;
         let (stream, who, child, thread) = match &peer.client {
             Some(target) => {
                 refuse_sim(opened, S::TOOL)?;
@@ -117,6 +118,7 @@ impl Peer {
                 cmd.args([S::TOOL, "--server", "--once", "--announce", "--port", "0"])
                     .args(backend.to_args())
                     .args(Limits::widest().to_args());
+                token = Some(crate::helper::give(&mut cmd)?);
                 let (mut child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
                 let s = connect(&[addr], S::TOOL).inspect_err(|_| crate::util::reap(&mut child))?;
                 (
@@ -153,6 +155,7 @@ impl Peer {
             version: VERSION,
             tool: S::TOOL.into(),
             backend: opened.label(),
+            token,
         })?;
         match ch.expect("its welcome", SERVER_SILENCE)? {
             Msg::Welcome {

@@ -86,6 +86,9 @@ pub enum Msg {
         version: u32,
         tool: String,
         backend: String,
+        /// The token of a server this client started for itself (in its environment); none for another's.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        token: Option<u64>,
     },
     Welcome {
         version: u32,

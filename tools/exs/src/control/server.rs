@@ -94,7 +94,15 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
             tool = S::TOOL
         ));
     }
-    let server = Server::new(svc, host, peer.limits.clone(), !peer.announce, json);
+    let mut server = Server::new(svc, host, peer.limits.clone(), !peer.announce, json);
+    // The server a client starts for itself on this host (the one-host mode) serves that client only: the token
+    // came in its environment, as a helper's does, and must come back in the hello (review finding: anyone who
+    // reached its port first got a server with the widest limits, and the client was told it was busy).
+    if std::env::var_os(crate::helper::TOKEN_VAR).is_some() {
+        Arc::get_mut(&mut server)
+            .expect("not shared yet")
+            .client_token = Some(crate::helper::token()?);
+    }
     server.run(&listener, peer.once)
 }
 
@@ -107,6 +115,8 @@ pub struct Server<S> {
     chatty: bool,
     /// Prints a JSON line per test served.
     json: bool,
+    /// The token a client's hello must carry (a server its client started: see [`serve`]).
+    client_token: Option<u64>,
     /// Whether a client's tests are running (the one slot), and its release.
     testing: Mutex<bool>,
     freed: Condvar,
@@ -229,6 +239,7 @@ impl<S: Service> Server<S> {
             limits,
             chatty,
             json,
+            client_token: None,
             testing: Mutex::new(false),
             freed: Condvar::new(),
             connections: AtomicUsize::new(0),
@@ -499,6 +510,8 @@ impl<S: Service> Server<S> {
             version: u32,
             tool: String,
             backend: String,
+            #[serde(default)]
+            token: Option<u64>,
         }
         let h: Hello = match recv::<Hello>(ch, "hello", HANDSHAKE)? {
             Some(h) => h,
@@ -521,6 +534,9 @@ impl<S: Service> Server<S> {
                 S::TOOL,
                 shorten(&h.tool, 40)
             );
+        }
+        if self.client_token.is_some() && h.token != self.client_token {
+            bail!("not the client that started this server (its hello has no token, or another)");
         }
         let slot = self.claim().ok_or_else(|| anyhow!(BUSY))?;
         tracing::info!(%from, client_backend = %shorten(&h.backend, 80), "client connected");

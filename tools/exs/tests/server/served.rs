@@ -729,6 +729,37 @@ fn connections_beyond_the_tests_count_are_closed_not_kept_for_the_test() {
     t.done();
 }
 
+/// A review found it: the server a client starts for itself on this host (`exs ping` without `--client`) took the
+/// first hello, whoever sent it, with the widest limits, and the client that started it was told it was busy.
+/// Started with a token in its environment, it welcomes only a hello that carries it.
+#[test]
+fn a_server_started_with_a_token_welcomes_only_the_hello_that_carries_it() {
+    let server = Server::start_with(
+        "ping",
+        free_port(),
+        &["--once"],
+        crate::common::Reader::Keeps,
+        &[("EXS_HELPER_TOKEN", "81985529216486895")],
+    );
+    let hello = |token: Option<u64>| {
+        let mut c = Raw::connect(&server);
+        let mut h = json!({"msg": "hello", "version": 4, "tool": "ping", "backend": "raw test"});
+        if let Some(t) = token {
+            h["token"] = json!(t);
+        }
+        c.line(&h);
+        (c.reply(), c)
+    };
+    for stranger in [None, Some(81985529216486894)] {
+        let (answer, _c) = hello(stranger);
+        let answer = answer.expect("an answer");
+        assert_eq!(answer["msg"], "error", "{answer}");
+        assert!(message(&answer).contains("not the client"), "{answer}");
+    }
+    let (answer, _c) = hello(Some(81985529216486895));
+    assert_eq!(answer.expect("a welcome")["msg"], "welcome");
+}
+
 /// A server whose log reader went away (its standard error a closed pipe) logs each stranger it closes, and
 /// goes on: the connection with a wrong token is closed, and the client's served.
 #[test]

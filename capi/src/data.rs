@@ -137,14 +137,17 @@ pub extern "C" fn exs_recv_offset(
 
 /// Sends `count` bytes of the file `in_fd` from `offset` (ES-API `exs_sendfile`), completing with
 /// `EXS_EVT_SENDFILE`. The bytes are read into memory exs registered itself (no mapping of the file); `in_fd` may
-/// be closed once the call returns (exs reads through a copy of it). A range that goes past the end of a regular
+/// be closed once the call returns: a SOCK_SEQPACKET sendfile has read its range by then, and a SOCK_STREAM one
+/// reads through a copy of its own, closed when its event comes. Closing a descriptor of a file releases the
+/// process's POSIX record locks (`F_SETLK`) on it, so that copy ends them when the transfer ends: a lock held
+/// across a stream sendfile is an open file description lock (`F_OFD_SETLK`) or `flock`. A range that goes past the end of a regular
 /// file is refused before any memory is taken. On SOCK_SEQPACKET the message is the whole range, read and held in
 /// memory before the call returns (the file may change afterwards). On SOCK_STREAM the file is read in 1 MiB
 /// chunks as earlier ones are sent, so it must stay as it is until the event; sends made on the socket meanwhile go
 /// after the whole file, and a read that fails part way (the file shrank) resets the connection: the event then
 /// has the read's errno, and `exs_evt_bytes` counts the chunks that were delivered. `flags` must be 0. -1 with
-/// `errno`: `EBADF` (socket, queue, or `in_fd` not open for reading), `EMFILE` (no descriptor left for exs's copy
-/// of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `EISDIR`, `ENOTCONN`, `EAGAIN`,
+/// `errno`: `EBADF` (socket, queue, or `in_fd` not open for reading), `EMFILE` (SOCK_STREAM: no descriptor left
+/// for exs's copy of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `EISDIR`, `ENOTCONN`, `EAGAIN`,
 /// `ENOMEM`.
 #[no_mangle]
 pub extern "C" fn exs_sendfile(
@@ -162,15 +165,17 @@ pub extern "C" fn exs_sendfile(
         if flags != 0 {
             return Err(Errno(libc::EINVAL));
         }
-        // SAFETY: fcntl(F_DUPFD_CLOEXEC) only reads the descriptor number; on any number it fails cleanly.
-        let dup = unsafe { libc::fcntl(in_fd, libc::F_DUPFD_CLOEXEC, 0) };
-        if dup < 0 {
-            // EBADF for a descriptor that is not open, EMFILE when none is left for the copy: fcntl's own errno.
-            let e = std::io::Error::last_os_error();
-            return Err(Errno(e.raw_os_error().unwrap_or(libc::EBADF)));
+        // SAFETY: fcntl(F_GETFD) only reads the descriptor number; on any number it fails cleanly.
+        if unsafe { libc::fcntl(in_fd, libc::F_GETFD) } < 0 {
+            return Err(Errno(libc::EBADF));
         }
-        // SAFETY: `dup` is a descriptor this call just made and nothing else owns; the File closes it.
-        let file = unsafe { File::from_raw_fd(dup) };
+        // The caller's descriptor itself, borrowed for the call and never closed here: closing any descriptor of a
+        // file releases the process's POSIX record locks on it, and a copy made and closed here dropped the
+        // caller's locks when the call returned (review finding). A SOCK_STREAM sendfile keeps a copy of its own
+        // until its event (see the header).
+        // SAFETY: `in_fd` is open (checked above) and stays open for the call (the caller's, by the call's
+        // contract); ManuallyDrop keeps the File from closing it.
+        let file = std::mem::ManuallyDrop::new(unsafe { File::from_raw_fd(in_fd) });
         start_on(qh, |eq| {
             s.sock
                 .sendfile(eq, &file, offset, count, ctx_value(context))

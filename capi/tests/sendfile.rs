@@ -32,8 +32,8 @@ fn file_of(len: usize) -> std::fs::File {
     f
 }
 
-/// exs copies `in_fd` first (`F_DUPFD_CLOEXEC`); when no descriptor is left for the copy the call failed with
-/// `EBADF`, as if `in_fd` were not open. Now it is `EMFILE`, the copy's own errno.
+/// A SOCK_STREAM sendfile copies `in_fd`, to read it after the call returns; when no descriptor was left for the
+/// copy the call failed with `EBADF`, as if `in_fd` were not open. Now it is `EMFILE`, the copy's own errno.
 #[test]
 fn a_sendfile_without_a_descriptor_left_reports_emfile() {
     let (_one, q) = setup();
@@ -130,6 +130,46 @@ fn a_stream_sendfile_past_the_end_of_a_file_is_einval() {
         let r = exs_sendfile(s, file.as_raw_fd(), 0, count, 0, q, ptr::null_mut());
         assert_eq!((r, errno()), (-1, libc::EINVAL), "{count} bytes of {len}");
     }
+    assert_eq!(exs_close(s), 0);
+    assert_eq!(exs_qdelete(q), 0);
+}
+
+/// Whether a write lock on all of the file would conflict with a lock held on it, asked through `other`, a second
+/// open file description of it (an open file description lock conflicts with the process's own POSIX record
+/// locks). `other` stays open while the locks are looked at: closing it would release them too.
+fn locked(other: &std::fs::File) -> bool {
+    // SAFETY: flock is plain data; all-zero is a valid value, filled in below.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: F_OFD_GETLK reads and writes the flock it is given.
+    let r = unsafe { libc::fcntl(other.as_raw_fd(), libc::F_OFD_GETLK, &mut fl) };
+    assert_eq!(r, 0, "errno {}", errno());
+    fl.l_type != libc::F_UNLCK as libc::c_short
+}
+
+/// A review found it: `exs_sendfile` read through a copy of `in_fd` that it closed when the call returned, and
+/// closing any descriptor of a file releases the process's POSIX record locks on it: a lock the program held on
+/// the file was gone after a SOCK_SEQPACKET sendfile. The call now reads the caller's descriptor itself.
+#[test]
+fn a_seqpacket_sendfile_leaves_the_callers_record_locks_on_the_file() {
+    let (_one, q) = setup();
+    let s = exs_socket(libc::AF_INET, libc::SOCK_SEQPACKET, 0);
+    assert!(s > 0, "errno {}", errno());
+    let file = file_of(4096);
+    let other = std::fs::File::open(format!("/proc/self/fd/{}", file.as_raw_fd())).unwrap();
+    // SAFETY: flock is plain data; all-zero is a valid value, filled in below.
+    let mut fl: libc::flock = unsafe { std::mem::zeroed() };
+    fl.l_type = libc::F_WRLCK as libc::c_short;
+    fl.l_whence = libc::SEEK_SET as libc::c_short;
+    // SAFETY: F_SETLK reads the flock it is given.
+    let r = unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLK, &fl) };
+    assert_eq!(r, 0, "errno {}", errno());
+    assert!(locked(&other), "the lock is taken");
+    // Not connected: the range is read, then the send is refused.
+    let r = exs_sendfile(s, file.as_raw_fd(), 0, 4096, 0, q, ptr::null_mut());
+    assert_eq!((r, errno()), (-1, libc::ENOTCONN));
+    assert!(locked(&other), "the caller's lock was released by the call");
     assert_eq!(exs_close(s), 0);
     assert_eq!(exs_qdelete(q), 0);
 }

@@ -212,6 +212,39 @@ fn a_read_that_waits_too_long_fails_with_would_block_and_the_next_one_gets_the_b
     assert!(c.set_read_timeout(Some(Duration::ZERO)).is_err());
 }
 
+/// A review found it: a read waiting for data in one thread, with no timeout, held the reader's lock, and a read
+/// with a timeout in another thread waited for that lock past its timeout, for ever while no data came (std's
+/// gives `WouldBlock` at the timeout). Now the wait for the other reader counts against the timeout.
+#[test]
+fn a_read_timeout_holds_while_another_thread_waits_to_read() {
+    let (_world, c, mut s) = connected(9106);
+    let other = c.try_clone().unwrap();
+    let waiting = std::thread::spawn(move || {
+        let mut buf = [0u8; 4];
+        (&other).read(&mut buf).map(|n| buf[..n].to_vec())
+    });
+    // Let it take its turn and wait.
+    std::thread::sleep(Duration::from_millis(200));
+    c.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let timed = std::thread::spawn(move || {
+        let mut buf = [0u8; 4];
+        let r = (&c).read(&mut buf).map_err(|e| e.kind());
+        let _ = tx.send(r);
+        c
+    });
+    let r = rx.recv_timeout(Duration::from_secs(20));
+    // Let both readers go, whatever happened.
+    s.write_all(b"data").unwrap();
+    assert_eq!(
+        r.expect("the read with a timeout returned"),
+        Err(ErrorKind::WouldBlock)
+    );
+    assert_eq!(waiting.join().unwrap().unwrap(), b"data");
+    timed.join().unwrap();
+}
+
 #[test]
 fn connecting_where_nobody_listens_is_refused() {
     let world = World::threaded(SimConfig::default());

@@ -3,7 +3,7 @@
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::context::Context;
@@ -43,9 +43,62 @@ fn wait(eq: &EventQueue, deadline: Option<Instant>, out: &mut Vec<Event>) -> io:
     }
 }
 
+/// Whose turn it is to read. Readers take turns (the bytes of one receive go to one reader), and each waits for
+/// its turn within its own timeout: a read waiting for data in one thread, with no timeout, held the reader's lock,
+/// and a read with a timeout in another thread waited for that lock past its timeout, for ever if no data came
+/// (review finding).
+#[derive(Debug, Default)]
+struct Turns {
+    busy: Mutex<bool>,
+    freed: Condvar,
+}
+
+/// A reader's turn, given back when dropped.
+struct Turn<'a>(&'a Turns);
+
+impl Turns {
+    /// Waits for the turn until `deadline` (`None`: for ever); `None` once the deadline passed first.
+    fn take(&self, deadline: Option<Instant>) -> Option<Turn<'_>> {
+        let mut busy = lock(&self.busy);
+        while *busy {
+            busy = match deadline {
+                None => self.freed.wait(busy).unwrap_or_else(|p| p.into_inner()),
+                Some(d) => {
+                    let left = d.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    let waited = self.freed.wait_timeout(busy, left);
+                    waited.unwrap_or_else(|p| p.into_inner()).0
+                }
+            };
+        }
+        *busy = true;
+        Some(Turn(self))
+    }
+
+    /// The turn if nobody has it.
+    fn try_take(&self) -> Option<Turn<'_>> {
+        let mut busy = lock(&self.busy);
+        (!*busy).then(|| {
+            *busy = true;
+            Turn(self)
+        })
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        *lock(&self.0.busy) = false;
+        self.0.freed.notify_one();
+    }
+}
+
 #[derive(Debug)]
 struct Shared {
     sock: Socket,
+    /// Taken before `reader` by a read (see [`Turns`]).
+    turns: Turns,
     reader: Mutex<Reader>,
     writer: Mutex<Writer>,
     /// The reader's queue, to wake a blocked reader without its lock.
@@ -138,6 +191,7 @@ impl Stream {
         Ok(Stream {
             inner: Arc::new(Shared {
                 writer: Mutex::new(Writer::new(ctx, sock.clone(), cfg)?),
+                turns: Turns::default(),
                 reader: Mutex::new(reader),
                 read_eq,
                 sock,
@@ -189,7 +243,7 @@ impl Stream {
     }
 
     /// How long a read may wait (`None`: for ever); a read that waits longer fails with `WouldBlock`. Reads from
-    /// several threads take turns: the time a read waits for the one before it to return is not counted.
+    /// several threads take turns, and the time a read waits for the one before it to return counts.
     pub fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         if t == Some(Duration::ZERO) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero timeout"));
@@ -285,17 +339,16 @@ impl Stream {
     /// One read of at most `max` bytes into `dst`; waits (within the read timeout) for the first.
     fn read_with(&self, max: usize, dst: &mut dyn ReadSink) -> io::Result<usize> {
         let s = &*self.inner;
-        // Readers take turns (the bytes of one receive go to one reader); the lock is held while waiting. A
-        // non-blocking read does not wait for another thread's blocking read to let go of it.
-        let mut r = if s.nonblocking.load(Ordering::Relaxed) {
-            match s.reader.try_lock() {
-                Ok(r) => r,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return Err(would_block()),
-            }
+        // Readers take turns (see `Turns`), each within its own timeout, counted from the call. A non-blocking
+        // read does not wait for another thread's blocking read to give the turn back.
+        let (start, timeout) = (Instant::now(), lock(&s.timeouts).0);
+        let _turn = if s.nonblocking.load(Ordering::Relaxed) {
+            s.turns.try_take().ok_or_else(would_block)?
         } else {
-            lock(&s.reader)
+            let until = crate::config::deadline(start, timeout);
+            s.turns.take(until).ok_or_else(timed_out)?
         };
+        let mut r = lock(&s.reader);
         let mut deadline = None;
         let mut evs = Vec::new();
         loop {
@@ -306,7 +359,8 @@ impl Stream {
                 return Ok(n);
             }
             if deadline.is_none() {
-                deadline = Some(self.deadline(lock(&s.timeouts).0)?);
+                self.deadline(None)?; // non-blocking now: `WouldBlock`
+                deadline = Some(crate::config::deadline(start, timeout));
             }
             wait(&r.eq, deadline.flatten(), &mut evs)?;
             for ev in evs.drain(..) {

@@ -227,6 +227,12 @@ async fn tokio_listener_bind_and_stream_connect_run_on_the_default_context() {
     assert_eq!(c.peer_addr().unwrap(), addr);
     c.set_nodelay(true).unwrap();
     let (mut r, mut w) = c.split();
+    // The borrowed halves know both addresses, as tokio's do (a review found them missing).
+    assert_eq!(
+        (r.peer_addr().unwrap(), w.peer_addr().unwrap()),
+        (addr, addr)
+    );
+    assert_eq!(r.local_addr().unwrap(), w.local_addr().unwrap());
     w.write_all(b"over the default context").await.unwrap();
     w.shutdown().await.unwrap();
     let mut back = Vec::new();

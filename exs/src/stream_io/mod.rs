@@ -22,6 +22,14 @@
 //! must know its peer has everything does what a careful TCP program does: `shutdown(Write)`, then read until the
 //! peer's end-of-stream.
 //!
+//! A second difference: before the server's application accepts a connection, the connection holds no receive
+//! buffers at the server (so that connections nobody takes cost the server nothing beyond their set-up), where a
+//! kernel buffers a TCP connection's first bytes before the accept. A client's writes wait for the accept: a
+//! client that writes and closes gets its bytes delivered if the server accepts within the client's linger time
+//! ([`ContextOptions::linger`](crate::ContextOptions::linger), 10 s by default); past it the close resets the
+//! connection. A server busy elsewhere accepts on a thread (or task) of its own, as a loop over
+//! [`Listener::incoming`] does.
+//!
 //! ```
 //! # #[cfg(feature = "sim")] {
 //! use std::io::{Read, Write};

@@ -559,9 +559,3 @@ impl Listener {
         Ok(())
     }
 }
-
-impl AsFd for Listener {
-    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.eq.as_fd()
-    }
-}

@@ -129,6 +129,30 @@ impl Drop for OwnedWriteHalf {
     }
 }
 
+impl ReadHalf<'_> {
+    /// This side's address (as `tokio::net::tcp::ReadHalf::local_addr`).
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        sio::addr_of(self.0.core.sock.local_addr())
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        sio::addr_of(self.0.core.sock.peer_addr())
+    }
+}
+
+impl WriteHalf<'_> {
+    /// This side's address (as `tokio::net::tcp::WriteHalf::local_addr`).
+    pub fn local_addr(&self) -> io::Result<SocketAddr> {
+        sio::addr_of(self.0.core.sock.local_addr())
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> io::Result<SocketAddr> {
+        sio::addr_of(self.0.core.sock.peer_addr())
+    }
+}
+
 impl std::fmt::Debug for OwnedReadHalf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OwnedReadHalf")

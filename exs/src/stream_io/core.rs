@@ -125,8 +125,11 @@ pub(crate) struct Reader {
     /// not posted again, so a peer that goes on writing waits once they and the stream buffer are full (as a
     /// TCP peer's window closes).
     shut: bool,
-    /// A receive failed: reported once every byte before it has been read, and from then on.
+    /// A receive failed: reported once every byte before it has been read, by one read; the reads after it
+    /// return end-of-stream, as TCP's do after `ECONNRESET` (a loop that logs an error and reads on until
+    /// end-of-stream spun for ever on the same error: review finding).
     failed: Option<Failure>,
+    failure_told: bool,
     scratch: Vec<Event>,
 }
 
@@ -155,6 +158,7 @@ impl Reader {
             eof: false,
             shut: false,
             failed: None,
+            failure_told: false,
             scratch: Vec::with_capacity(pieces + 2),
         };
         r.refill();
@@ -281,7 +285,10 @@ impl Reader {
             return Ok(Some(n));
         }
         if let Some(f) = &self.failed {
-            return Err(f.io());
+            if !std::mem::replace(&mut self.failure_told, true) {
+                return Err(f.io());
+            }
+            return Ok(Some(0));
         }
         if self.eof {
             return Ok(Some(0));

@@ -15,7 +15,9 @@
 //!
 //! The semantics are TCP's: a write returns once its bytes are copied and on their way; `flush` has nothing to
 //! wait for; `shutdown(Write)` queues end-of-stream behind the bytes written and returns (a peer that does not
-//! read does not hold it up); a read after `shutdown(Read)` returns end-of-stream; dropping the last handle
+//! read does not hold it up); a read after `shutdown(Read)` returns end-of-stream; a read error (the peer's
+//! reset) is returned by one read, after every byte before it, and the reads after it return end-of-stream (a
+//! write error stays, for every later write); dropping the last handle
 //! closes gracefully (the bytes written are delivered, within the context's linger time, in the background, also
 //! when the context's last handle goes with it). One difference from TCP: the close runs in this process, not in
 //! a kernel, so a process that exits right after dropping a stream cuts what is still on its way. A program that

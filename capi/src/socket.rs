@@ -86,7 +86,9 @@ pub extern "C" fn exs_accept(fd: c_int, qh: exs_qhandle_t, context: *mut c_void)
 /// (`exs_evt_errno` `ECONNREFUSED`, `ETIMEDOUT`, `EHOSTUNREACH`...). Options set with `exs_fcntl` are
 /// negotiated now and fixed from here on. -1 with `errno` if it could not start: `EBADF`, `EAFNOSUPPORT`,
 /// `EINVAL` (short address), `EFAULT` (null address of a nonzero length), `EISCONN` (connected, or listening),
-/// `EALREADY` (a connect of the socket is under way), `EOPNOTSUPP` (bound to an address: see `exs_bind`), `EAGAIN`.
+/// `EALREADY` (a connect of the socket is under way), `EOPNOTSUPP` (bound to an address: see `exs_bind`), `EAGAIN`;
+/// on a socket whose connect failed or whose connection ended, the errno of why (`ECONNREFUSED`, `ETIMEDOUT`,
+/// `ECONNRESET`...): such a socket does not connect again, a new one does.
 ///
 /// # Safety
 /// `addr` is null or points to `len` readable bytes.

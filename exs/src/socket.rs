@@ -199,7 +199,8 @@ impl Socket {
 
     /// Connects to `addr`, asynchronously (ES-API `exs_connect`): the event of kind `Connect` comes on `eq`. The
     /// event queue comes first, as in every asynchronous call. Options negotiated at connect are frozen from here
-    /// on. A socket bound to an address is refused (`Unsupported`: see [`Socket::bind`]).
+    /// on. A socket bound to an address is refused (`Unsupported`: see [`Socket::bind`]); so is a socket whose
+    /// connect failed or whose connection ended, with why ([`StateError::ConnectionDown`]): a new socket connects.
     pub fn connect(
         &self,
         eq: &EventQueue,

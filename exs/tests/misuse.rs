@@ -418,6 +418,27 @@ fn accept_on_a_socket_that_does_not_listen_is_refused() {
     );
 }
 
+/// A review found it: a second connect of a socket whose connect had failed was refused as "already connected"
+/// (`EISCONN`), which a retry loop reads as success. It says why the socket is down (a new socket can connect).
+#[test_log::test]
+fn a_connect_after_a_failed_one_says_why_the_socket_is_down() {
+    let world = World::new(SimConfig::default());
+    let (_server, client) = (world.host(), world.host());
+    let eq = EventQueue::new(4).unwrap();
+    let s = Socket::new(&client, SockType::Stream).unwrap();
+    s.connect(&eq, world.addr(0, 7311), 1).unwrap();
+    world.run_until_idle(1000);
+    let ev = eq.next(Some(std::time::Duration::ZERO)).unwrap();
+    assert_eq!(ev.status, Err(exs::OpError::Refused), "{ev:?}");
+    let e = s.connect(&eq, world.addr(0, 7311), 2).unwrap_err();
+    assert_eq!(
+        e,
+        ConnectError::State(StateError::ConnectionDown(exs::OpError::Refused))
+    );
+    assert_eq!(io_kind(e), io::ErrorKind::ConnectionRefused);
+    assert_eq!(eq.outstanding(), 0, "a refused call reserves nothing");
+}
+
 #[test_log::test]
 fn connect_twice_or_on_a_listener_is_refused() {
     let p = pair(SockType::SeqPacket);

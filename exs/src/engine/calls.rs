@@ -289,6 +289,12 @@ impl Engine {
             Phase::Fresh => {}
             Phase::Listening => return Err(StateError::Listening.into()),
             Phase::Connecting | Phase::Accepting => return Err(StateError::Connecting.into()),
+            // A socket whose connection failed or ended cannot connect again (a new socket can): why it went
+            // down, where "already connected" (`EISCONN`) told a retry loop it had succeeded (review finding).
+            Phase::Down => {
+                let why = s.down.clone().unwrap_or(OpError::ConnectionReset);
+                return Err(StateError::ConnectionDown(why).into());
+            }
             _ => return Err(StateError::AlreadyConnected.into()),
         }
         // Review finding: the address was ignored (the transports choose an outgoing connection's own), and

@@ -50,7 +50,19 @@ pub unsafe extern "C" fn exs_mregister(
         }
         let ptr = NonNull::new(addr.cast::<u8>()).ok_or(Errno(libc::EINVAL))?;
         let base = ptr.as_ptr() as usize;
-        base.checked_add(len).ok_or(Errno(libc::EINVAL))?;
+        let end = base.checked_add(len).ok_or(Errno(libc::EINVAL))?;
+        let overlapping = |filed: &std::collections::BTreeMap<c_int, MemEntry>| {
+            filed
+                .values()
+                .any(|m| m.base < end && base < m.base + m.len)
+        };
+        // Refused before the memory is registered (pinned) and before a second buffer covers its bytes (review
+        // finding: a gigabyte registered twice was pinned again first, and refused with the pinning's ENOMEM
+        // under RLIMIT_MEMLOCK rather than EBUSY). Checked again as it is filed, for a registration of another
+        // thread meanwhile.
+        if overlapping(&MEMORY.write()) {
+            return Err(Errno(libc::EBUSY));
+        }
         // SAFETY: the caller's promise above is `from_raw_parts`'s: the memory outlives the buffer, because the
         // buffer is dropped before `exs_mderegister` returns 0 (`into_dma_buf` hands back the only handle), and
         // the program keeps away from ranges in flight.
@@ -63,15 +75,9 @@ pub unsafe extern "C" fn exs_mregister(
             access,
         };
         // Each registration has its own lease table: only one per byte lets exs see every operation on it.
-        MEMORY.insert_new_unless(entry, |filed| {
-            let end = base + len;
-            match filed
-                .values()
-                .any(|m| m.base < end && base < m.base + m.len)
-            {
-                true => Err(Errno(libc::EBUSY)),
-                false => Ok(()),
-            }
+        MEMORY.insert_new_unless(entry, |filed| match overlapping(filed) {
+            true => Err(Errno(libc::EBUSY)),
+            false => Ok(()),
         })
     })
 }
@@ -163,6 +169,7 @@ mod tests {
     use exs::sim::{SimConfig, World};
 
     use super::*;
+    use crate::abi::EXS_VERSION;
     use crate::errno::last_errno as errno;
 
     const BASE: usize = 0x10_0000;
@@ -213,6 +220,32 @@ mod tests {
         assert_eq!(exs_mderegister(mh), 0, "errno {}", errno());
         assert_eq!(slice_errno(mh), Some(libc::EBADF));
         assert_eq!((exs_mderegister(mh), errno()), (-1, libc::EBADF));
+    }
+
+    /// Review finding: a range overlapping registered memory was registered (pinned) first and refused only as it
+    /// was filed: a gigabyte registered twice was pinned twice, and under `RLIMIT_MEMLOCK` the call failed with the
+    /// pinning's `ENOMEM` instead of `EBUSY`. It is refused before any registration.
+    #[test]
+    fn an_overlapping_range_is_refused_before_it_is_registered() {
+        std::env::set_var("EXS_BACKEND", "sim");
+        assert_eq!(crate::exs_init(EXS_VERSION), 0, "errno {}", errno());
+        let ctx = context().expect("initialised");
+        let mut mem = vec![0u8; 8192];
+        let at = mem.as_mut_ptr().cast::<c_void>();
+        // SAFETY: `mem` is readable, writable and initialised, and outlives the registration (deregistered below).
+        let mh = unsafe { exs_mregister(at, 8192, EXS_ACCESS_READ) };
+        assert!(mh > 0, "errno {}", errno());
+        let before = ctx.stats().registrations;
+        // SAFETY: as above; refused.
+        let again = unsafe { exs_mregister(at.wrapping_byte_add(4096), 4096, EXS_ACCESS_READ) };
+        assert_eq!((again, errno()), (-1, libc::EBUSY));
+        assert_eq!(
+            ctx.stats().registrations,
+            before,
+            "registered before it was refused"
+        );
+        assert_eq!(exs_mderegister(mh), 0, "errno {}", errno());
+        drop(mem);
     }
 
     /// Review finding: when the device failed to undo a registration and kept the memory (as the verbs and

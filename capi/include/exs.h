@@ -7,7 +7,8 @@
  * Link:   cc prog.c $(pkg-config --cflags --libs exs)     (static: pkg-config --static, with libexs.a)
  *
  * Every call returns -1 and sets errno on failure. Asynchronous calls (exs_connect, exs_accept, exs_send,
- * exs_recv, ...) that return 0 complete with exactly one event on the queue they name; one that returns -1
+ * exs_recv, ...) that return 0 complete with exactly one completion event on the queue they name (a persistent
+ * send with EXS_NOTIFY also gives an EXS_EVT_READ_NOTIFY event each time the peer read it); one that returns -1
  * started nothing. Handles (sockets, queues, memory) are positive integers checked on every call: a bad one is
  * EBADF, and so is a handle of another kind (each kind has numbers of its own: sockets from 1 to 2^29 - 1,
  * queues from 0x20000000, memory from 0x40000000). A new handle never takes the number of a live one of its kind;
@@ -535,7 +536,7 @@ int exs_getpeername(int fd,
  * bytes until the `EXS_EVT_SEND` event on `qh`. `flags`: `EXS_PERSISTENT` (with `EXS_NOTIFY`), seed 002 4.2;
  * `MSG_NOSIGNAL`, `MSG_DONTWAIT` and `MSG_EOR` are accepted and change nothing. On SOCK_SEQPACKET one send is
  * one message. -1 with `errno` if it could not start: `EBADF` (socket, memory or queue), `EINVAL` (the range
- * is not inside the memory, a flag), `EACCES` (registered without read access), `ENOTCONN`, `EPIPE` (shut
+ * is not inside the memory, a flag, an empty range on SOCK_STREAM), `EACCES` (registered without read access), `ENOTCONN`, `EPIPE` (shut
  * down, or the peer closed), `EAGAIN` (the queue is full), `EBUSY` (the range is being received into).
  */
 int exs_send(int fd,
@@ -604,7 +605,8 @@ int exs_recv_offset(int fd,
  * after the whole file, and a read that fails part way (the file shrank) resets the connection: the event then
  * has the read's errno, and `exs_evt_bytes` counts the chunks that were delivered. `flags` must be 0. -1 with
  * `errno`: `EBADF` (socket, queue, or `in_fd` not open for reading), `EMFILE` (SOCK_STREAM: no descriptor left
- * for exs's copy of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `EISDIR`, `ENOTCONN`, `EAGAIN`,
+ * for exs's copy of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `EISDIR`, `ESPIPE` (SOCK_SEQPACKET from a
+ * pipe or socket, which cannot be read at an offset), `ENOTCONN`, `EAGAIN`,
  * `ENOMEM`.
  */
 int exs_sendfile(int fd,

@@ -40,7 +40,7 @@ fn msg_flags(flags: c_int, allowed: c_int) -> Result<MsgFlags, Errno> {
 /// bytes until the `EXS_EVT_SEND` event on `qh`. `flags`: `EXS_PERSISTENT` (with `EXS_NOTIFY`), seed 002 4.2;
 /// `MSG_NOSIGNAL`, `MSG_DONTWAIT` and `MSG_EOR` are accepted and change nothing. On SOCK_SEQPACKET one send is
 /// one message. -1 with `errno` if it could not start: `EBADF` (socket, memory or queue), `EINVAL` (the range
-/// is not inside the memory, a flag), `EACCES` (registered without read access), `ENOTCONN`, `EPIPE` (shut
+/// is not inside the memory, a flag, an empty range on SOCK_STREAM), `EACCES` (registered without read access), `ENOTCONN`, `EPIPE` (shut
 /// down, or the peer closed), `EAGAIN` (the queue is full), `EBUSY` (the range is being received into).
 #[no_mangle]
 pub extern "C" fn exs_send(
@@ -147,7 +147,8 @@ pub extern "C" fn exs_recv_offset(
 /// after the whole file, and a read that fails part way (the file shrank) resets the connection: the event then
 /// has the read's errno, and `exs_evt_bytes` counts the chunks that were delivered. `flags` must be 0. -1 with
 /// `errno`: `EBADF` (socket, queue, or `in_fd` not open for reading), `EMFILE` (SOCK_STREAM: no descriptor left
-/// for exs's copy of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `EISDIR`, `ENOTCONN`, `EAGAIN`,
+/// for exs's copy of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `EISDIR`, `ESPIPE` (SOCK_SEQPACKET from a
+/// pipe or socket, which cannot be read at an offset), `ENOTCONN`, `EAGAIN`,
 /// `ENOMEM`.
 #[no_mangle]
 pub extern "C" fn exs_sendfile(

@@ -1,6 +1,7 @@
 //! Connection management: requests, accepts, established and disconnected connections, the backlog, and
 //! building a connection's protocol state (control buffers, pool slots) from the handshake.
 
+use super::peer_log::peer_warn;
 use super::*;
 
 impl Engine {
@@ -94,7 +95,7 @@ impl Engine {
         let hs = match Handshake::decode(&private) {
             Ok(hs) => hs,
             Err(e) => {
-                tracing::warn!(%peer, %e, "rejecting a connection request with a bad handshake");
+                peer_warn!(self.peer_log, %peer, %e, "rejecting a connection request with a bad handshake");
                 self.stats.violations += 1;
                 self.transport.reject(request);
                 return;
@@ -103,7 +104,7 @@ impl Engine {
         // Issue 27: a handshake that decodes but fails a check is refused here, before anything is set up for it
         // (it used to surface from the application's accept).
         if let Err(v) = crate::proto::conn::check_peer_handshake(&hs, lsock.ty, &lsock.opts) {
-            tracing::warn!(%peer, %v, "refusing a connection request");
+            peer_warn!(self.peer_log, %peer, %v, "refusing a connection request");
             if !matches!(v, Violation::SocketTypeMismatch { .. }) {
                 self.stats.violations += 1;
             }
@@ -145,7 +146,7 @@ impl Engine {
         let mut conn = match self.build_conn(ep, ty, &opts) {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(%peer, %e, "cannot set an incoming connection up; refusing it");
+                peer_warn!(self.peer_log, %peer, %e, "cannot set an incoming connection up; refusing it");
                 self.transport.reject(request);
                 self.release_endpoint(ep);
                 self.stats.dropped_before_accept += 1;
@@ -155,7 +156,7 @@ impl Engine {
         let recvs = match conn.link.initial_recvs() {
             Ok(r) => r,
             Err(v) => {
-                tracing::warn!(%peer, %v, "refusing an incoming connection");
+                peer_warn!(self.peer_log, %peer, %v, "refusing an incoming connection");
                 self.transport.reject(request);
                 self.forget_conn(conn);
                 self.release_endpoint(ep);

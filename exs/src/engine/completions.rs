@@ -1,6 +1,7 @@
 //! Completions: control messages and data transfers handed to the protocol, the shared receive pool's slots,
 //! and what follows a fault or a peer's close.
 
+use super::peer_log::peer_warn;
 use super::*;
 
 /// How long a shared pool whose growth failed waits before it tries again.
@@ -290,9 +291,9 @@ impl Engine {
         let err = fault.into_op_error();
         if is_violation {
             self.stats.violations += 1;
-            tracing::warn!(?sid, %err, "peer violated the protocol; closing the connection");
+            peer_warn!(self.peer_log, ?sid, %err, "peer violated the protocol; closing the connection");
         } else {
-            tracing::warn!(?sid, %err, "connection failed");
+            peer_warn!(self.peer_log, ?sid, %err, "connection failed");
         }
         sock.down.get_or_insert_with(|| err.clone());
         if let Some(t) = sock.ticket.take() {

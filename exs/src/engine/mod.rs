@@ -8,6 +8,7 @@ mod calls;
 mod cm;
 mod completions;
 mod ops;
+mod peer_log;
 mod rounds;
 mod stats;
 mod timers;
@@ -232,6 +233,8 @@ pub(crate) struct Engine {
     /// How operations' memory is exposed, and the trusted policy's keys.
     exposure: ExposurePolicy,
     trusted: TrustedKeys,
+    /// How much is logged about what peers do (see [`peer_log`]).
+    peer_log: peer_log::PeerLog,
 }
 
 impl std::fmt::Debug for Engine {
@@ -284,6 +287,7 @@ impl Engine {
             cm_quiet: false,
             cm_busy_looked: None,
             stats: EngineStats::default(),
+            peer_log: peer_log::PeerLog::new(Instant::now()),
             shared_recv: opts.shared_recv.clone(),
             pool: PoolState::Undecided,
             pool_posts: Vec::new(),

@@ -293,7 +293,7 @@ impl Engine {
             self.stats.violations += 1;
             peer_warn!(self.peer_log, ?sid, %err, "peer violated the protocol; closing the connection");
         } else {
-            peer_warn!(self.peer_log, ?sid, %err, "connection failed");
+            peer_warn!(self.fail_log, ?sid, %err, "connection failed");
         }
         sock.down.get_or_insert_with(|| err.clone());
         if let Some(t) = sock.ticket.take() {

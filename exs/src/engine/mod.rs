@@ -233,8 +233,10 @@ pub(crate) struct Engine {
     /// How operations' memory is exposed, and the trusted policy's keys.
     exposure: ExposurePolicy,
     trusted: TrustedKeys,
-    /// How much is logged about what peers do (see [`peer_log`]).
+    /// How much is logged about what peers do (see [`peer_log`]): refused requests and violations, and failed
+    /// connections.
     peer_log: peer_log::PeerLog,
+    fail_log: peer_log::PeerLog,
 }
 
 impl std::fmt::Debug for Engine {
@@ -288,6 +290,7 @@ impl Engine {
             cm_busy_looked: None,
             stats: EngineStats::default(),
             peer_log: peer_log::PeerLog::new(Instant::now()),
+            fail_log: peer_log::PeerLog::new(Instant::now()),
             shared_recv: opts.shared_recv.clone(),
             pool: PoolState::Undecided,
             pool_posts: Vec::new(),

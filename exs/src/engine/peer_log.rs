@@ -1,8 +1,9 @@
-//! How much a context logs about what peers do to it: refused connection requests, protocol violations, failed
-//! connections. Each is a warning, but a stranger can cause them as fast as it can connect: a few are logged at
-//! once, then one a second, and those held back are counted on the next line logged (a server's log must not grow
-//! with what a hostile client sends it). The engine's counters ([`EngineStats`](super::EngineStats)) count every
-//! one of them.
+//! How much a context logs about what peers do to it: refused connection requests and protocol violations (one
+//! pace), failed connections (another, so that a stranger's bad requests do not hide them). Each is a warning,
+//! but a stranger can cause them as fast as it can connect: a few are logged at once, then one a second, and those
+//! held back are counted on the next line logged, or on a line of their own once the pace allows one (a server's
+//! log must not grow with what a hostile client sends it). The engine's counters
+//! ([`EngineStats`](super::EngineStats)) count the violations and refused requests one by one.
 
 use std::time::{Duration, Instant};
 
@@ -57,6 +58,28 @@ impl PeerLog {
         self.tokens -= 1;
         Some(std::mem::take(&mut self.held))
     }
+
+    /// Whether lines were held back since the last one logged (cheap: the engine asks every round).
+    pub(super) fn holds(&self) -> bool {
+        self.held > 0
+    }
+
+    /// The count of lines held back, once the pace allows a line for it (`None` before, or with none held).
+    pub(super) fn overdue(&mut self, now: Instant) -> Option<u64> {
+        if self.held == 0 {
+            return None;
+        }
+        let held = self.held;
+        self.held = 0;
+        // A line of its own, taken from the pace like any other.
+        match self.admit(now) {
+            Some(_) => Some(held),
+            None => {
+                self.held = held;
+                None
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -79,5 +102,19 @@ mod tests {
         let later = t0 + PACE * 1000;
         let logged = (0..100).filter(|_| log.admit(later).is_some()).count();
         assert_eq!(logged, BURST as usize);
+    }
+
+    /// A review found it: the count of lines held back went out only with the next line logged, so the end of a
+    /// flood was never told. It goes on a line of its own once the pace allows one.
+    #[test]
+    fn the_count_held_back_at_the_end_of_a_flood_is_told_once_the_pace_allows() {
+        let t0 = Instant::now();
+        let mut log = PeerLog::new(t0);
+        let held = (0..25).filter(|_| log.admit(t0).is_none()).count() as u64;
+        assert!(log.holds());
+        assert_eq!(log.overdue(t0), None, "not before the pace allows a line");
+        assert_eq!(log.overdue(t0 + PACE), Some(held));
+        assert!(!log.holds());
+        assert_eq!(log.overdue(t0 + PACE * 5), None, "told once");
     }
 }

@@ -150,7 +150,24 @@ impl Engine {
         }
         self.flush_dirty_at(Some(now));
         self.drain_done();
+        if self.peer_log.holds() || self.fail_log.holds() {
+            self.tell_held_back();
+        }
         did
+    }
+
+    /// Logs how many warnings about peers were held back, once their pace allows (see [`super::peer_log`]).
+    fn tell_held_back(&mut self) {
+        let now = std::time::Instant::now();
+        if let Some(n) = self.peer_log.overdue(now) {
+            tracing::warn!(
+                held_back = n,
+                "more connection requests refused and violations than logged"
+            );
+        }
+        if let Some(n) = self.fail_log.overdue(now) {
+            tracing::warn!(held_back = n, "more connections failed than logged");
+        }
     }
 
     /// Handles every waiting connection event; whether there was one.

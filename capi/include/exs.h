@@ -455,8 +455,8 @@ int exs_accept(int fd,
  * negotiated now and fixed from here on. -1 with `errno` if it could not start: `EBADF`, `EAFNOSUPPORT`,
  * `EINVAL` (short address), `EFAULT` (null address of a nonzero length), `EISCONN` (connected, or listening),
  * `EALREADY` (a connect of the socket is under way), `EOPNOTSUPP` (bound to an address: see `exs_bind`), `EAGAIN`;
- * on a socket whose connect failed or whose connection ended, the errno of why (`ECONNREFUSED`, `ETIMEDOUT`,
- * `ECONNRESET`...): such a socket does not connect again, a new one does.
+ * `EINVAL` on a socket whose connect failed or whose connection ended (as BSD's `connect(2)`): such a socket
+ * does not connect again, a new one does (`EXS_F_GETERROR` says why it went down).
  *
  * # Safety
  * `addr` is null or points to `len` readable bytes.

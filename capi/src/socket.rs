@@ -87,8 +87,8 @@ pub extern "C" fn exs_accept(fd: c_int, qh: exs_qhandle_t, context: *mut c_void)
 /// negotiated now and fixed from here on. -1 with `errno` if it could not start: `EBADF`, `EAFNOSUPPORT`,
 /// `EINVAL` (short address), `EFAULT` (null address of a nonzero length), `EISCONN` (connected, or listening),
 /// `EALREADY` (a connect of the socket is under way), `EOPNOTSUPP` (bound to an address: see `exs_bind`), `EAGAIN`;
-/// on a socket whose connect failed or whose connection ended, the errno of why (`ECONNREFUSED`, `ETIMEDOUT`,
-/// `ECONNRESET`...): such a socket does not connect again, a new one does.
+/// `EINVAL` on a socket whose connect failed or whose connection ended (as BSD's `connect(2)`): such a socket
+/// does not connect again, a new one does (`EXS_F_GETERROR` says why it went down).
 ///
 /// # Safety
 /// `addr` is null or points to `len` readable bytes.
@@ -110,6 +110,9 @@ pub unsafe extern "C" fn exs_connect(
                 .map_err(|e| match e {
                     // connect(2) of a listening socket is EISCONN.
                     ConnectError::State(StateError::Listening) => Errno(libc::EISCONN),
+                    // A socket whose connect failed or whose connection ended does not connect again (BSD's
+                    // connect(2) says EINVAL); why it went down is EXS_F_GETERROR's.
+                    ConnectError::State(StateError::ConnectionDown(_)) => Errno(libc::EINVAL),
                     e => Errno::from(e),
                 })
         })

@@ -124,7 +124,21 @@ fn calls_a_sockets_state_refuses_give_the_errno_of_their_sockets_call() {
         "bind when connected"
     );
 
-    for fd in [c, l] {
+    // A connect where nobody listens fails in its event; a second connect of that socket is EINVAL (as BSD's
+    // connect(2) after a failed one): it was EISCONN, which a retry loop took for success (review finding).
+    let refused = exs_socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+    let nobody = sockaddr_of(exs::sim_addr(0, 7101));
+    assert_eq!(connect(refused, &nobody, q), 0, "errno {}", errno());
+    // SAFETY: room for one event; no timeout (the simulator refuses at once).
+    let got = unsafe { exs_qdequeue(q, ev.as_mut_ptr(), -1, ptr::null()) };
+    assert_eq!((got, ev[0].exs_evt_errno), (1, libc::ECONNREFUSED));
+    assert_eq!(
+        (connect(refused, &nobody, q), errno()),
+        (-1, libc::EINVAL),
+        "connect after a failed connect"
+    );
+
+    for fd in [c, l, refused] {
         assert_eq!(exs_close(fd), 0, "errno {}", errno());
     }
     assert_eq!(exs_mderegister(m), 0, "errno {}", errno());

@@ -14,8 +14,7 @@ use exs::transport::{CmEvent, RequestId, Transport};
 use crate::tcp_admit::Refused;
 use crate::util::PATIENCE;
 
-/// The variable that hands a helper its token (and the server a client starts for itself on this host: see
-/// `control::server::serve`).
+/// The variable that hands a helper its token.
 pub(crate) const TOKEN_VAR: &str = "EXS_HELPER_TOKEN";
 
 /// A new token for the helper `cmd` is about to start, set in its environment.

@@ -118,7 +118,9 @@ impl Peer {
                 cmd.args([S::TOOL, "--server", "--once", "--announce", "--port", "0"])
                     .args(backend.to_args())
                     .args(Limits::widest().to_args());
-                token = Some(crate::helper::give(&mut cmd)?);
+                let t = super::new_token()?;
+                cmd.env(super::server::CLIENT_TOKEN_VAR, t.to_string());
+                token = Some(t);
                 let (mut child, addr, _out) = crate::util::spawn_listening(&mut cmd)?;
                 let s = connect(&[addr], S::TOOL).inspect_err(|_| crate::util::reap(&mut child))?;
                 (

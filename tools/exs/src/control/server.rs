@@ -55,6 +55,10 @@ const BUSY: &str =
     "busy: this server runs one client's tests at a time (tests that share a host measure each \
                     other) and is running another's; try again when it is done";
 
+/// The variable that hands the server a client starts for itself on this host (`--once`) its client's token
+/// (readable by its own user only, unlike its command line).
+pub(crate) const CLIENT_TOKEN_VAR: &str = "EXS_CLIENT_TOKEN";
+
 /// `exs TOOL --server`: serves clients until killed (or one, with `--once`).
 pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: bool) -> Result<()> {
     let opened = Opened::open(backend)?;
@@ -95,13 +99,17 @@ pub fn serve<S: Service>(svc: S, backend: &BackendArgs, peer: &PeerArgs, json: b
         ));
     }
     let mut server = Server::new(svc, host, peer.limits.clone(), !peer.announce, json);
-    // The server a client starts for itself on this host (the one-host mode) serves that client only: the token
-    // came in its environment, as a helper's does, and must come back in the hello (review finding: anyone who
-    // reached its port first got a server with the widest limits, and the client was told it was busy).
-    if std::env::var_os(crate::helper::TOKEN_VAR).is_some() {
+    // The server a client starts for itself on this host (the one-host mode, always `--once`) serves that client
+    // only: the token came in its environment, as a helper's does, and must come back in the hello (review
+    // finding: anyone who reached its port first got a server with the widest limits, and the client was told it
+    // was busy).
+    if let (true, Some(v)) = (peer.once, std::env::var_os(CLIENT_TOKEN_VAR)) {
+        let token = v.to_str().and_then(|v| v.parse().ok()).ok_or_else(|| {
+            anyhow!("{CLIENT_TOKEN_VAR}: not a token: {v:?} (the one-host client sets it for its server)")
+        })?;
         Arc::get_mut(&mut server)
             .expect("not shared yet")
-            .client_token = Some(crate::helper::token()?);
+            .client_token = Some(token);
     }
     server.run(&listener, peer.once)
 }

@@ -739,7 +739,7 @@ fn a_server_started_with_a_token_welcomes_only_the_hello_that_carries_it() {
         free_port(),
         &["--once"],
         crate::common::Reader::Keeps,
-        &[("EXS_HELPER_TOKEN", "81985529216486895")],
+        &[("EXS_CLIENT_TOKEN", "81985529216486895")],
     );
     let hello = |token: Option<u64>| {
         let mut c = Raw::connect(&server);

@@ -45,7 +45,10 @@ impl Socket {
     /// `SendFile`. The bytes are read into registered memory of this socket's context (no mapping of the file): on
     /// a SOCK_SEQPACKET socket all of them before the call returns, so the file may change afterwards without
     /// affecting what is sent; on a SOCK_STREAM socket chunk by chunk as earlier ones are sent, so the file must stay
-    /// as it is until the event. A range that goes past the end of a regular file is refused
+    /// as it is until the event. A SOCK_STREAM sendfile reads through a copy of `file`'s descriptor, closed when
+    /// the event comes: closing any descriptor of a file releases the process's POSIX record locks (`F_SETLK`) on
+    /// it, so a lock held across a stream sendfile is an open file description lock (`F_OFD_SETLK`) or `flock`. A
+    /// range that goes past the end of a regular file is refused
     /// ([`SendError::File`], `UnexpectedEof`) before any memory is taken for it. On a SOCK_STREAM socket, a `len`
     /// of 0 sends nothing and completes at once (its event may
     /// come before those of sends still in flight), or is refused where a send would be. Dropping the

@@ -211,6 +211,28 @@ fn a_read_beside_a_flush_is_woken_by_its_bytes() {
     drop((a, b));
 }
 
+/// After the peer's reset, one read fails with `ConnectionReset` and the reads after it return end-of-stream, as
+/// TCP's do (every read returned the error: a loop that logs errors and reads on until end-of-stream never ended;
+/// review finding).
+#[test]
+fn a_reset_is_read_once_then_end_of_stream() {
+    let (rt, _world, mut a, b) = connected(9313);
+    b.socket().abort().unwrap();
+    rt.block_on(async {
+        let mut buf = [0u8; 8];
+        let e = a.read(&mut buf).await.unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::ConnectionReset, "{e}");
+        for i in 0..2 {
+            assert_eq!(
+                a.read(&mut buf).await.unwrap(),
+                0,
+                "read {i} after the reset"
+            );
+        }
+    });
+    drop((a, b));
+}
+
 /// Issue 26: `exs::tokio::Listener::bind` and `Stream::connect` take what `tokio::net` takes (names resolved by
 /// `tokio::net::lookup_host`, strings included) and run on the process's default context.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,6 +19,40 @@ fn recv_one(p: &Pair, cap: usize, flags: MsgFlags) -> (exs::Event, Vec<u8>) {
     (r, got)
 }
 
+/// A review found it: a write shutdown still waiting for the sends before it when the connection broke (a
+/// disconnect with no CLOSE, the peer's device or link gone) was left in the connection: on a stream that still held bytes from the
+/// peer it never completed (a wait for it never returned), elsewhere it was dropped as `Cancelled`. It fails with
+/// the connection's error, as those sends do.
+#[test]
+fn a_pending_shutdown_fails_when_the_connection_breaks() {
+    for ty in [SockType::Stream, SockType::SeqPacket] {
+        let p = pair(ty);
+        if ty == SockType::Stream {
+            // Bytes from the peer that this side has not read: the stream is kept for them after the disconnect.
+            let hello = p.server_region(100);
+            p.server
+                .send(&p.eq_b, &hello.all(), MsgFlags::NONE, 5)
+                .unwrap();
+            assert!(wait(&p.eq_b).is_ok());
+        }
+        let big = p.client_region(pattern(4 << 20, 3));
+        p.client
+            .send(&p.eq_a, &big.all(), MsgFlags::NONE, 1)
+            .unwrap();
+        p.client.shutdown(&p.eq_a, 2).unwrap();
+        p.world.break_connections(1); // the server's host
+        let evs = p
+            .eq_a
+            .wait_all(Some(std::time::Duration::from_secs(20)))
+            .unwrap();
+        let mut ends: Vec<_> = evs.iter().map(|e| (e.context, e.status.clone())).collect();
+        ends.sort_by_key(|e| e.0);
+        let reset = Err(OpError::ConnectionReset);
+        assert_eq!(ends, [(1, reset.clone()), (2, reset)], "{ty:?}: {evs:?}");
+        assert_eq!(p.eq_a.outstanding(), 0, "{ty:?}");
+    }
+}
+
 /// Half close: the peer reads everything sent before, then end-of-stream; the other direction keeps working.
 #[test]
 fn shutdown_write_gives_the_peer_end_of_stream_after_the_data_and_keeps_the_other_direction() {

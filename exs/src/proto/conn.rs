@@ -792,9 +792,14 @@ impl Conn {
         self.resync_at = None;
         self.link.discard();
         match &mut self.mode {
-            Some(Mode::Message(m)) => m.drop_all(err),
-            Some(Mode::Stream(s)) => s.drop_all(err),
+            Some(Mode::Message(m)) => m.drop_all(err.clone()),
+            Some(Mode::Stream(s)) => s.drop_all(err.clone()),
             None => {}
+        }
+        // A write shutdown still pending had sends before it that never all completed: it fails with them (review
+        // finding: it was left pending, and a wait for it never returned once the peer reset or went away).
+        if let Some((t, _)) = self.shutdown.take() {
+            t.complete(Err(err), 0, crate::proto::op::EventFlags::default());
         }
     }
 

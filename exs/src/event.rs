@@ -420,6 +420,13 @@ impl EventQueue {
         if min > max {
             return Err(DequeueError::Invalid("min must not exceed max"));
         }
+        // More than the queue can ever hold at once would never come (review finding: the wait slept for ever,
+        // and the events it did not take filled the queue for every other caller).
+        if min > self.depth() {
+            return Err(DequeueError::Invalid(
+                "min must not exceed the queue's depth",
+            ));
+        }
         // The adaptive and blocking waits read the clock only once the events already queued are not enough.
         let mode = self.inner.lock().mode;
         let got = match mode {

@@ -171,9 +171,44 @@ fn a_timed_out_waiter_does_not_silence_another() {
 fn spin_count_polls_before_blocking() {
     let q = EventQueue::with_mode(8, WaitMode::Adaptive { spin: 50 }).unwrap();
     let mut out = Vec::new();
-    let _ = q.dequeue(&mut out, 1, 1, Some(Duration::from_millis(1)));
+    let _ = q.dequeue(&mut out, 1, 1, Some(Duration::from_millis(300)));
     assert!(q.stats().empty_polls >= 51, "{:?}", q.stats());
     assert_eq!(q.stats().blocks, 1);
+}
+
+/// A review found it: the spin count of `WaitMode::Adaptive` ran every poll whatever the dequeue's timeout (a
+/// million polls under a zero timeout). It stops at the timeout.
+#[test]
+fn a_spin_count_does_not_outlast_the_timeout() {
+    let q = EventQueue::with_mode(8, WaitMode::Adaptive { spin: 1 << 30 }).unwrap();
+    let mut out = Vec::new();
+    let started = Instant::now();
+    let r = q.dequeue(&mut out, 1, 1, Some(Duration::from_millis(20)));
+    assert_eq!(r, Err(DequeueError::TimedOut));
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+/// A review found it: a dequeue waiting for more events than the queue can hold slept for ever (they can never all
+/// be there at once), and the events it left filled the queue for every other caller. It is refused.
+#[test]
+fn a_dequeue_for_more_than_the_queue_holds_is_refused() {
+    let q = EventQueue::new(4).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = q.clone();
+    thread::spawn(move || {
+        let mut out = Vec::new();
+        let _ = tx.send(waiter.dequeue(&mut out, 5, 8, None));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("the dequeue returned");
+    assert!(matches!(r, Err(DequeueError::Invalid(_))), "{r:?}");
+    let mut out = Vec::new();
+    assert_eq!(q.dequeue(&mut out, 0, 8, Some(Duration::ZERO)), Ok(0));
 }
 
 /// The learned spin: a fresh queue spins as long as is ever worth it; short waits keep it spinning for about

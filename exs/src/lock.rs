@@ -7,7 +7,7 @@
 //! that needs the engine (a socket's close, a context's shutdown) is therefore run once the lock is released
 //! ([`run_unlocked`]), on the same thread, in order.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, MutexGuard};
 
@@ -15,8 +15,13 @@ use std::sync::{Mutex, MutexGuard};
 type Later = Vec<Box<dyn FnOnce()>>;
 
 thread_local! {
-    /// Engine locks this thread holds, and the work waiting for the last to go.
-    static HELD: RefCell<(usize, Later)> = const { RefCell::new((0, Vec::new())) };
+    /// Engine locks this thread holds. A `Cell` of an integer has no destructor, so it can be read at any time,
+    /// also while the thread's other thread-locals are destroyed: a socket kept in a thread-local and dropped at
+    /// the thread's exit locks the engine then (review finding: with one `RefCell` of both, whose destructor had
+    /// run, the access panicked inside a destructor, which aborts the process).
+    static HELD: Cell<usize> = const { Cell::new(0) };
+    /// The work waiting for the last of them to go.
+    static LATER: RefCell<Later> = const { RefCell::new(Vec::new()) };
 }
 
 /// The engine (`T`), locked by this thread. Generic so that this module sits below the engine it guards.
@@ -40,7 +45,7 @@ impl<'a, T> EngineGuard<'a, T> {
     }
 
     fn held(g: MutexGuard<'a, T>) -> Self {
-        HELD.with(|h| h.borrow_mut().0 += 1);
+        HELD.with(|h| h.set(h.get() + 1));
         EngineGuard { guard: Some(g) }
     }
 }
@@ -61,31 +66,37 @@ impl<T> DerefMut for EngineGuard<'_, T> {
 impl<T> Drop for EngineGuard<'_, T> {
     fn drop(&mut self) {
         drop(self.guard.take());
-        let later = HELD.with(|h| {
-            let mut h = h.borrow_mut();
-            h.0 -= 1;
-            (h.0 == 0 && !h.1.is_empty()).then(|| std::mem::take(&mut h.1))
+        let last = HELD.with(|h| {
+            h.set(h.get() - 1);
+            h.get() == 0
         });
-        if let Some(later) = later {
-            for f in later {
-                f();
-            }
+        if !last {
+            return;
+        }
+        // Nothing can wait in a LATER already destroyed (see `run_unlocked`).
+        let later = LATER.try_with(|l| std::mem::take(&mut *l.borrow_mut()));
+        for f in later.unwrap_or_default() {
+            f();
         }
     }
 }
 
 /// Runs `f` now, or, if this thread holds the engine lock, as soon as it lets go.
 pub(crate) fn run_unlocked(f: impl FnOnce() + 'static) {
-    let deferred = HELD.with(|h| {
-        let mut h = h.borrow_mut();
-        if h.0 > 0 {
-            h.1.push(Box::new(f));
-            None
-        } else {
-            Some(f)
+    if HELD.with(Cell::get) == 0 {
+        return f();
+    }
+    let mut f = Some(f);
+    let deferred = LATER.try_with(|l| {
+        if let Some(f) = f.take() {
+            l.borrow_mut().push(Box::new(f));
         }
     });
-    if let Some(f) = deferred {
-        f();
+    if deferred.is_err() {
+        // This thread is exiting, its LATER already destroyed, and it holds the engine: run now, it would lock the
+        // engine again (the deadlock this module exists for); deferred, it would never run. Left undone: what it
+        // would close goes with its context.
+        tracing::warn!("work left undone by a thread exiting with the engine locked");
+        std::mem::forget(f);
     }
 }

@@ -286,3 +286,33 @@ fn a_context_whose_leader_unwound_goes_on_serving_other_waits() {
         }
     });
 }
+
+/// A review found it: a socket kept in a thread-local and dropped at the thread's exit, after the thread-local
+/// that counts the engine locks the thread holds was destroyed, panicked inside a destructor (which aborts the
+/// process). Its close now runs: the listener's port is free afterwards.
+#[test]
+fn a_socket_kept_in_a_thread_local_closes_at_the_threads_exit() {
+    use std::cell::RefCell;
+    thread_local! {
+        static KEPT: RefCell<Option<Socket>> = const { RefCell::new(None) };
+    }
+    let world = World::threaded(SimConfig::default());
+    let ctx = world.host();
+    let at = world.addr(0, 7190);
+    let on_thread = ctx.clone();
+    std::thread::spawn(move || {
+        // Touched first, so destroyed after the thread-locals the engine calls below set up.
+        KEPT.with(|_| {});
+        let l = Socket::new(&on_thread, SockType::Stream).unwrap();
+        l.bind(at).unwrap();
+        l.listen(4).unwrap();
+        KEPT.with(|k| *k.borrow_mut() = Some(l));
+    })
+    .join()
+    .expect("the thread exits");
+    let again = Socket::new(&ctx, SockType::Stream).unwrap();
+    again.bind(at).unwrap();
+    again
+        .listen(4)
+        .expect("the kept listener was closed at its thread's exit");
+}

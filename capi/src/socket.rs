@@ -112,7 +112,12 @@ pub unsafe extern "C" fn exs_connect(
                     ConnectError::State(StateError::Listening) => Errno(libc::EISCONN),
                     // A socket whose connect failed or whose connection ended does not connect again (BSD's
                     // connect(2) says EINVAL); why it went down is EXS_F_GETERROR's.
-                    ConnectError::State(StateError::ConnectionDown(_)) => Errno(libc::EINVAL),
+                    // (A failed context's own error stays EIO.)
+                    ConnectError::State(StateError::ConnectionDown(why))
+                        if !matches!(why, exs::OpError::ContextFailed(_)) =>
+                    {
+                        Errno(libc::EINVAL)
+                    }
                     e => Errno::from(e),
                 })
         })

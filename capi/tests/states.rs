@@ -125,7 +125,8 @@ fn calls_a_sockets_state_refuses_give_the_errno_of_their_sockets_call() {
     );
 
     // A connect where nobody listens fails in its event; a second connect of that socket is EINVAL (as BSD's
-    // connect(2) after a failed one): it was EISCONN, which a retry loop took for success (review finding).
+    // connect(2) after a failed one): it was EISCONN, which a retry loop took for success, then the failure's
+    // own errno, which read as a fresh refusal (review findings).
     let refused = exs_socket(libc::AF_INET, libc::SOCK_STREAM, 0);
     let nobody = sockaddr_of(exs::sim_addr(0, 7101));
     assert_eq!(connect(refused, &nobody, q), 0, "errno {}", errno());

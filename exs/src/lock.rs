@@ -8,6 +8,7 @@
 //! ([`run_unlocked`]), on the same thread, in order.
 
 use std::cell::{Cell, RefCell};
+use std::mem::ManuallyDrop;
 use std::ops::{Deref, DerefMut};
 use std::sync::{Mutex, MutexGuard};
 
@@ -20,8 +21,10 @@ thread_local! {
     /// the thread's exit locks the engine then (review finding: with one `RefCell` of both, whose destructor had
     /// run, the access panicked inside a destructor, which aborts the process).
     static HELD: Cell<usize> = const { Cell::new(0) };
-    /// The work waiting for the last of them to go.
-    static LATER: RefCell<Later> = const { RefCell::new(Vec::new()) };
+    /// The work waiting for the last of them to go. Without a destructor too (`ManuallyDrop`), so work deferred
+    /// by a thread that is exiting is still deferred and run (review finding: with a destructor it could be gone
+    /// first, and the work left undone); what is left of the vector's memory at the thread's exit stays.
+    static LATER: RefCell<ManuallyDrop<Later>> = const { RefCell::new(ManuallyDrop::new(Vec::new())) };
 }
 
 /// The engine (`T`), locked by this thread. Generic so that this module sits below the engine it guards.
@@ -73,9 +76,11 @@ impl<T> Drop for EngineGuard<'_, T> {
         if !last {
             return;
         }
-        // Nothing can wait in a LATER already destroyed (see `run_unlocked`).
-        let later = LATER.try_with(|l| std::mem::take(&mut *l.borrow_mut()));
-        for f in later.unwrap_or_default() {
+        let later = LATER.with(|l| {
+            let mut l = l.borrow_mut();
+            (!l.is_empty()).then(|| std::mem::take(&mut **l))
+        });
+        for f in later.into_iter().flatten() {
             f();
         }
     }
@@ -86,17 +91,5 @@ pub(crate) fn run_unlocked(f: impl FnOnce() + 'static) {
     if HELD.with(Cell::get) == 0 {
         return f();
     }
-    let mut f = Some(f);
-    let deferred = LATER.try_with(|l| {
-        if let Some(f) = f.take() {
-            l.borrow_mut().push(Box::new(f));
-        }
-    });
-    if deferred.is_err() {
-        // This thread is exiting, its LATER already destroyed, and it holds the engine: run now, it would lock the
-        // engine again (the deadlock this module exists for); deferred, it would never run. Left undone: what it
-        // would close goes with its context.
-        tracing::warn!("work left undone by a thread exiting with the engine locked");
-        std::mem::forget(f);
-    }
+    LATER.with(|l| l.borrow_mut().push(Box::new(f)));
 }

@@ -1,7 +1,8 @@
 //! How much a context logs about what peers do to it: refused connection requests and protocol violations (one
 //! pace), failed connections (another, so that a stranger's bad requests do not hide them). Each is a warning,
 //! but a stranger can cause them as fast as it can connect: a few are logged at once, then one a second, and those
-//! held back are counted on the next line logged, or on a line of their own once the pace allows one (a server's
+//! held back are counted on the next line logged, or on a line of their own at the first progress round once the
+//! pace allows one (an idle context with no round to run tells it at its next activity) (a server's
 //! log must not grow with what a hostile client sends it). The engine's counters
 //! ([`EngineStats`](super::EngineStats)) count the violations and refused requests one by one.
 

@@ -791,6 +791,19 @@ impl Conn {
         self.ack_at = None;
         self.resync_at = None;
         self.link.discard();
+        // A shutdown whose CLOSE is queued and whose sends all completed succeeded, though the round that would
+        // have said so (`advance_shutdown`, at its flush) did not come before the disconnect (review finding).
+        let finished = self.shutdown.as_ref().is_some_and(|s| s.1)
+            && match &self.mode {
+                Some(Mode::Message(m)) => m.sends_done(),
+                Some(Mode::Stream(s)) => s.sends_done(),
+                None => false,
+            };
+        if finished {
+            if let Some((t, _)) = self.shutdown.take() {
+                t.complete(Ok(()), 0, crate::proto::op::EventFlags::default());
+            }
+        }
         match &mut self.mode {
             Some(Mode::Message(m)) => m.drop_all(err.clone()),
             Some(Mode::Stream(s)) => s.drop_all(err.clone()),

@@ -43,6 +43,15 @@ impl PeerLog {
     /// Whether a line may be logged at `now`: `Some(n)` with the `n` lines held back since the last one logged,
     /// or `None` (held back, counted).
     pub(super) fn admit(&mut self, now: Instant) -> Option<u64> {
+        if !self.take_token(now) {
+            self.held += 1;
+            return None;
+        }
+        Some(std::mem::take(&mut self.held))
+    }
+
+    /// Refills the tokens the time since the last refill earned, then takes one if there is one.
+    fn take_token(&mut self, now: Instant) -> bool {
         let paces = now.saturating_duration_since(self.refilled).as_nanos() / PACE.as_nanos();
         if paces >= u128::from(BURST) {
             self.tokens = BURST;
@@ -52,12 +61,9 @@ impl PeerLog {
             self.tokens = (self.tokens + paces).min(BURST);
             self.refilled += PACE * paces;
         }
-        if self.tokens == 0 {
-            self.held += 1;
-            return None;
-        }
-        self.tokens -= 1;
-        Some(std::mem::take(&mut self.held))
+        let took = self.tokens > 0;
+        self.tokens -= u32::from(took);
+        took
     }
 
     /// Whether lines were held back since the last one logged (cheap: the engine asks every round).
@@ -67,19 +73,11 @@ impl PeerLog {
 
     /// The count of lines held back, once the pace allows a line for it (`None` before, or with none held).
     pub(super) fn overdue(&mut self, now: Instant) -> Option<u64> {
-        if self.held == 0 {
+        // A line of its own, taken from the pace like any other.
+        if self.held == 0 || !self.take_token(now) {
             return None;
         }
-        let held = self.held;
-        self.held = 0;
-        // A line of its own, taken from the pace like any other.
-        match self.admit(now) {
-            Some(_) => Some(held),
-            None => {
-                self.held = held;
-                None
-            }
-        }
+        Some(std::mem::take(&mut self.held))
     }
 }
 

@@ -449,10 +449,8 @@ impl Conn {
         let Some((_, queued)) = &self.shutdown else {
             return;
         };
-        let (posted, done) = match &self.mode {
-            Some(Mode::Message(m)) => (m.sends_posted(), m.sends_done()),
-            Some(Mode::Stream(s)) => (s.sends_posted(), s.sends_done()),
-            None => return,
+        let Some((posted, done)) = self.sends_state() else {
+            return;
         };
         if !queued && posted && self.order.is_idle() {
             // After every advert and write already queued on the link, in order.
@@ -463,6 +461,15 @@ impl Conn {
         if self.shutdown.as_ref().is_some_and(|s| s.1) && done {
             let (t, _) = self.shutdown.take().expect("checked");
             t.complete(Ok(()), 0, crate::proto::op::EventFlags::default());
+        }
+    }
+
+    /// Whether every send is posted, and whether every send has completed (`None` before the mode is known).
+    fn sends_state(&self) -> Option<(bool, bool)> {
+        match &self.mode {
+            Some(Mode::Message(m)) => Some((m.sends_posted(), m.sends_done())),
+            Some(Mode::Stream(s)) => Some((s.sends_posted(), s.sends_done())),
+            None => None,
         }
     }
 
@@ -794,11 +801,7 @@ impl Conn {
         // A shutdown whose CLOSE is queued and whose sends all completed succeeded, though the round that would
         // have said so (`advance_shutdown`, at its flush) did not come before the disconnect (review finding).
         let finished = self.shutdown.as_ref().is_some_and(|s| s.1)
-            && match &self.mode {
-                Some(Mode::Message(m)) => m.sends_done(),
-                Some(Mode::Stream(s)) => s.sends_done(),
-                None => false,
-            };
+            && self.sends_state().is_some_and(|(_, done)| done);
         if finished {
             if let Some((t, _)) = self.shutdown.take() {
                 t.complete(Ok(()), 0, crate::proto::op::EventFlags::default());

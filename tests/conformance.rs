@@ -20,6 +20,7 @@ fn main() {
     let selected = |name: &str| {
         !args.is_filtered_out(&Trial::test(name.to_string(), || Ok(())).with_ignored_flag(true))
     };
+    let retry = std::env::var_os(exs_conformance::RETRY).is_some_and(|v| v == "1");
     let mut trials = Vec::new();
     for backend in exs_conformance::backends::enabled() {
         let backend: &'static dyn exs_conformance::Backend = Box::leak(backend);
@@ -53,7 +54,13 @@ fn main() {
             // A skipped trial is ignored; run anyway (`--ignored`, `--include-ignored`), it fails saying why it
             // cannot run here, rather than running on a backend that could not open or lacks what it needs.
             let trial = match skip {
-                None => Trial::test(name, move || run(backend).map_err(Failed::from)),
+                None => {
+                    let n = name.clone();
+                    Trial::test(name, move || {
+                        exs_conformance::run_again_once(&n, retry, || run(backend))
+                            .map_err(Failed::from)
+                    })
+                }
                 Some(why) => {
                     Trial::test(name, move || Err(format!("cannot run here: {why}").into()))
                         .with_ignored_flag(true)

@@ -167,3 +167,72 @@ pub fn all_cases() -> Vec<Case> {
     v.extend(cases::waiting::cases());
     v
 }
+
+/// `EXS_CONFORMANCE_RETRY=1`: a case that fails is run once more, and passes if that run passes, with a `FLAKY` line
+/// on stderr giving the first failure (the test stages in the emulated guests set it: there a case that needs a
+/// device's resources can find them taken for a moment by its neighbour's; the summary lists every such line).
+pub const RETRY: &str = "EXS_CONFORMANCE_RETRY";
+
+/// Runs `case`; if it fails and `retry` is on, runs it again and says so.
+pub fn run_again_once(
+    name: &str,
+    retry: bool,
+    case: impl Fn() -> Result<(), String>,
+) -> Result<(), String> {
+    // A panic (an `expect` on a resource) counts as a failure, and its run is tried again as well.
+    let once = || {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(&case)).unwrap_or_else(|p| {
+            let why = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()));
+            Err(format!("test panicked: {}", why.unwrap_or_default()))
+        })
+    };
+    match once() {
+        Err(first) if retry => {
+            let again = once();
+            let first = first.replace('\n', " | ");
+            match &again {
+                Ok(()) => {
+                    eprintln!("FLAKY {name}: passed when run again; the first run failed: {first}")
+                }
+                Err(_) => eprintln!("FAILED TWICE {name}: the first run failed: {first}"),
+            }
+            again
+        }
+        r => r,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+
+    /// A case that fails once then passes passes when retried, and only then; one that panics is retried too.
+    #[test]
+    fn a_failed_case_is_run_once_more_only_when_asked() {
+        let runs = Cell::new(0);
+        let first_fails = || {
+            runs.set(runs.get() + 1);
+            if runs.get() == 1 {
+                Err("busy".to_string())
+            } else {
+                Ok(())
+            }
+        };
+        assert_eq!(run_again_once("c", false, first_fails), Err("busy".into()));
+        runs.set(0);
+        assert_eq!(run_again_once("c", true, first_fails), Ok(()));
+        assert_eq!(runs.get(), 2);
+        let panics_once = || {
+            runs.set(runs.get() + 1);
+            assert!(runs.get() > 3, "no device");
+            Ok(())
+        };
+        assert_eq!(run_again_once("c", true, panics_once), Ok(()));
+        let always = || Err::<(), _>("broken".to_string());
+        assert_eq!(run_again_once("c", true, always), Err("broken".into()));
+    }
+}

@@ -170,6 +170,13 @@ pub struct Sections {
     counts: BTreeMap<String, Counts>,
     skips: BTreeMap<String, Vec<String>>,
     backends: BTreeMap<String, Vec<String>>,
+    /// The messages of the failed cases (libtest's `---- NAME ----` blocks), repeated under the summary: a CI log
+    /// cut to its last lines showed which case failed and not why.
+    why: BTreeMap<String, Vec<String>>,
+    /// The cases run again after a failure (`EXS_CONFORMANCE_RETRY`), each with its first failure.
+    flaky: BTreeMap<String, Vec<String>>,
+    /// Whether the stdout lines now are a failed case's message.
+    in_why: bool,
     /// Lines held back rather than echoed as they come ([`Sections::held`]).
     held: Option<Vec<(String, bool)>>,
 }
@@ -229,13 +236,30 @@ impl Sections {
             return;
         };
         if !stderr {
+            self.take_why(&cur, l);
             if let Some(c) = parse_result(l) {
                 self.counts.entry(cur).or_default().add(c);
             }
+        } else if l.starts_with("FLAKY ") || l.starts_with("FAILED TWICE ") {
+            self.flaky.entry(cur).or_default().push(l.to_string());
         } else if l.starts_with("SKIPPED") {
             self.skips.entry(cur).or_default().push(l.to_string());
         } else if let Some(b) = l.strip_prefix("BACKEND ") {
             self.backends.entry(cur).or_default().push(b.to_string());
+        }
+    }
+
+    /// Keeps `l` if it is part of a failed case's message (from its `---- NAME ----` header to libtest's list of
+    /// the failed cases), at most [`WHY_LINES`] per section.
+    fn take_why(&mut self, cur: &str, l: &str) {
+        if l.starts_with("---- ") && l.ends_with(" ----") {
+            self.in_why = true;
+        } else if l == "failures:" || parse_result(l).is_some() {
+            self.in_why = false;
+        }
+        let why = self.why.entry(cur.to_string()).or_default();
+        if self.in_why && !l.trim().is_empty() && why.len() < WHY_LINES {
+            why.push(format!("    {l}"));
         }
     }
 
@@ -286,9 +310,21 @@ impl Sections {
                     )
                 }
             ));
+            summary.extend(self.why.get(name).into_iter().flatten().cloned());
+            // Loud, like a skip: a case that passed only when run again is named with its first failure.
+            summary.extend(
+                self.flaky
+                    .get(name)
+                    .into_iter()
+                    .flatten()
+                    .map(|l| format!("    {l}")),
+            );
         }
     }
 }
+
+/// Most lines of failure messages repeated per section.
+const WHY_LINES: usize = 40;
 
 fn echo(l: &str, stderr: bool) {
     if stderr {
@@ -330,6 +366,11 @@ pub fn run_sections(cmd: &mut Command, sections: &mut Sections) -> Result<bool> 
 /// that crashed before its results fails its section even when the section's other runs passed.
 /// The marker starts a line of its own even after a test's half-written `test NAME ... ` line (a crash mid-case).
 pub const RUN: &str = "run() { \"$@\"; printf '\\n@@ended %s\\n' \"$?\"; }\n";
+
+/// The shell line that has a guest's conformance runs try a failed case once more: a case that then passes is
+/// told as `FLAKY` with its first failure, in the section's summary ([`Sections::report`]). In the emulated guests
+/// a case can meet the device's resources held a moment by its neighbour's; the host's stages never retry.
+pub const RETRY: &str = "EXS_CONFORMANCE_RETRY=1";
 
 /// Shell lines that cut the output into sections (see [`Sections`]).
 pub const SECTION: &str = "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n";
@@ -431,6 +472,46 @@ mod tests {
         assert!(
             summary[0].contains("5 ran, 3 passed, 2 failed"),
             "{summary:?}"
+        );
+    }
+
+    /// A CI log cut to its last lines named the failed case but not its message, which was printed long before; a
+    /// case that passed only when run again is named too.
+    #[test]
+    fn failed_and_flaky_cases_are_told_under_their_sections_summary() {
+        let mut s = Sections::held();
+        for stderr in [false, true] {
+            s.line("@@section softroce:siw", stderr);
+        }
+        for l in [
+            "test softroce::a ... FAILED",
+            "",
+            "failures:",
+            "",
+            "---- softroce::a ----",
+            "peer_addr after a reset: Ok(1.2.3.4:5)",
+            "",
+            "",
+            "failures:",
+            "    softroce::a",
+            "",
+            "test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured",
+        ] {
+            s.line(l, false);
+        }
+        s.line(
+            "FLAKY softroce::b: passed when run again; the first run failed: connect failed: Refused([])",
+            true,
+        );
+        let (summary, failures) = reported(&s);
+        assert_eq!(failures, ["conformance on softroce:siw"]);
+        assert_eq!(
+            summary[1..],
+            [
+                "    ---- softroce::a ----",
+                "    peer_addr after a reset: Ok(1.2.3.4:5)",
+                "    FLAKY softroce::b: passed when run again; the first run failed: connect failed: Refused([])"
+            ]
         );
     }
 }

@@ -24,7 +24,9 @@ use std::time::{Duration, Instant};
 
 use exs_backend_softroce::Kind;
 
-use crate::runner::{conformance_exe, finish, run_sections, xtask_copy, Sections, RUN, SECTION};
+use crate::runner::{
+    conformance_exe, finish, run_sections, xtask_copy, Sections, RETRY, RUN, SECTION,
+};
 use crate::siw::{self, Variant};
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
@@ -35,6 +37,10 @@ const P2P_CASES: [&str; 3] = [
     "softroce::seqpacket_connect_and_accept",
     "softroce::two_hosts_over_a_link",
 ];
+
+/// The case run apart from the others on siw, after them: its 400 connects refused in a row left another case,
+/// beside it, a moment without the device's resources (a completion queue not created, a connect refused).
+const ALONE: &str = "softroce::refused_connects_leave_no_sockets_or_ids";
 
 /// The cases run again with the shared receive pool required (`EXS_CONFORMANCE_SHARED_RECV=1`; it is off by default
 /// on iWARP, and a required one holds a buffer for every credit promised): many connections, and bursts.
@@ -74,9 +80,10 @@ fn script(
         "{xtask} rxe up --link --siw >&2 || {{ echo 'xtask: siw setup failed' >&2; exit 90; }}\n"
     );
     let mut s = format!(
-        "set -u\nulimit -l unlimited\n{SECTION}{RUN}{}{up}\
+        "set -u\nulimit -l unlimited\nexport {RETRY}\n{SECTION}{RUN}{}{up}\
          section softroce:siw\n\
-         run env {env} {exe} softroce::\n\
+         run env {env} {exe} softroce:: --skip {ALONE}\n\
+         run env {env} {exe} {ALONE} --exact\n\
          section tools:siw\n\
          tool() {{ name=$1; shift; if \"$@\" >&2; then echo \"test tools::$name ... ok\"; echo 'test result: ok. 1 passed; 0 failed; 0 ignored'; else echo \"test tools::$name ... FAILED\"; echo 'test result: FAILED. 0 passed; 1 failed; 0 ignored'; fi; }}\n\
          tool info_on_siw {tool} info --backend verbs --addr {near}\n\

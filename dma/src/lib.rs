@@ -148,6 +148,7 @@ fn compatible(held: LeaseKind, held_refs: bool, new: LeaseKind, mode: Option<Cpu
 
 /// Why a lease or an access was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum DmaError {
     /// The range does not lie inside the buffer.
     #[error("range {start}..{end} is outside the buffer of {len} bytes")]

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 
 /// A synchronous transport failure.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum TransportError {
     /// No such device or provider; the list says what this machine has.
     #[error("not found: {wanted}; available: {}", if available.is_empty() { "none".to_string() } else { available.join(", ") })]

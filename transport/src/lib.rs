@@ -358,6 +358,7 @@ pub enum Completed {
 
 /// Why a work request failed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum WcError {
     /// Flushed because the endpoint went to error or was disconnected.
     #[error("flushed (endpoint disconnected)")]

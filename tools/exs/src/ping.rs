@@ -85,6 +85,7 @@ impl control::Params for Point {
         }
         limits.count(self.count)?;
         limits.idle(self.idle)?;
+        limits.wait(self.wait)?;
         limits.memory(self.size, "--size")?;
         // The connections' control buffers, the ping's and the idle ones' (a review found them uncounted: a
         // server's budget was 64 GiB, and `--idle` at 32 KiB pings about 1 MiB a connection).

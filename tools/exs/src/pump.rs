@@ -81,6 +81,7 @@ impl control::Params for Point {
             return Err(format!("--depth {}: from 1 to {MAX_DEPTH}", self.depth));
         }
         limits.seconds(self.seconds)?;
+        limits.wait(self.wait)?;
         if matches!(self.mode, PumpMode::Immediate | PumpMode::Persistent)
             && self.sock_type == Type::Stream
         {

@@ -233,6 +233,7 @@ fn numeric_options_state_their_ranges_in_the_help() {
         "--max-count",
         "--max-idle",
         "--max-memory",
+        "--no-busy-wait",
     ] {
         assert!(help.contains(limit), "{limit} not in {help}");
     }

@@ -6,13 +6,14 @@
 use std::time::Instant;
 
 use crate::cli::{self, fmt_size, MAX_COUNT, MAX_MEMORY, MAX_SECONDS, MAX_TRANSFER};
+use crate::opts::Wait;
 
 /// What a test may take beyond `--max-seconds` unless `--max-grace` says otherwise: its connection's set-up and
 /// close.
 pub const GRACE_SECONDS: f64 = 10.0;
 
 /// The caps of one server (`--max-seconds`, `--max-grace`, `--max-bytes`, `--max-count`, `--max-idle`,
-/// `--max-memory`).
+/// `--max-memory`, `--max-session`, `--no-busy-wait`).
 #[derive(Clone, Debug, clap::Args)]
 #[command(
     next_help_heading = "Server limits (with --server: a client that asks for more is refused)"
@@ -61,6 +62,10 @@ pub struct Limits {
           help = format!("The longest one client may keep the server, in seconds (more than 0, at most \
                           {MAX_SECONDS}): a test it asks for past that ends its session"))]
     pub max_session: f64,
+    /// Refuses tests that ask this server to poll without sleeping (`--wait busy`): each holds one of its cores
+    /// for its whole length.
+    #[arg(long, requires = "server")]
+    pub no_busy_wait: bool,
     /// The immediate-data threshold the server's transport gives a new seqpacket socket, set by the server from
     /// its context (`None` in a client's checks): the control buffers a connection registers grow with it.
     #[arg(skip)]
@@ -79,6 +84,7 @@ impl Limits {
             max_idle: cli::max_idle(),
             max_memory: MAX_MEMORY,
             max_session: MAX_SECONDS,
+            no_busy_wait: false,
             transport_threshold: None,
         }
     }
@@ -96,7 +102,7 @@ impl Limits {
 
     /// The same caps as command-line arguments, for a server process.
     pub fn to_args(&self) -> Vec<String> {
-        vec![
+        let mut args = vec![
             "--max-seconds".into(),
             self.max_seconds.to_string(),
             "--max-grace".into(),
@@ -111,7 +117,11 @@ impl Limits {
             self.max_memory.to_string(),
             "--max-session".into(),
             self.max_session.to_string(),
-        ]
+        ];
+        if self.no_busy_wait {
+            args.push("--no-busy-wait".into());
+        }
+        args
     }
 
     /// When a test that starts now must have ended, whatever its client does.
@@ -159,6 +169,18 @@ impl Limits {
                 "--count {count}: this server allows at most {} pings per test (its --max-count)",
                 self.max_count
             ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a busy-polling wait where `--no-busy-wait` says so.
+    pub fn wait(&self, wait: Wait) -> Result<(), String> {
+        if self.no_busy_wait && wait == Wait::Busy {
+            return Err(
+                "--wait busy: this server does not poll without sleeping (its --no-busy-wait); \
+                        ask for --wait adaptive or block"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -246,6 +268,7 @@ mod tests {
             max_idle: 10,
             max_memory: 1 << 20,
             max_session: 60.0,
+            no_busy_wait: true,
             transport_threshold: None,
         };
         assert!(l.seconds(10.0).is_ok());
@@ -260,5 +283,8 @@ mod tests {
         assert!(l.idle(11).unwrap_err().contains("--max-idle"));
         assert!(l.idle(u32::MAX).is_err());
         assert!(l.memory(2 << 20, "x").unwrap_err().contains("--max-memory"));
+        assert!(l.wait(Wait::Busy).unwrap_err().contains("--no-busy-wait"));
+        assert!(l.wait(Wait::Adaptive).is_ok() && l.wait(Wait::Block).is_ok());
+        assert!(Limits::widest().wait(Wait::Busy).is_ok());
     }
 }

@@ -259,8 +259,13 @@ pub fn num(v: &Value, k: &str) -> f64 {
 
 /// An honest client's short test against `server`: a few pings, or a short pump or demo.
 pub fn honest(tool: &str, server: &Server) -> Output {
+    honest_with(tool, server, &[])
+}
+
+/// [`honest`]'s client with `extra` arguments after its own.
+pub fn honest_with(tool: &str, server: &Server, extra: &[&str]) -> Output {
     let target = server.target();
-    let args: Vec<&str> = match tool {
+    let mut args: Vec<&str> = match tool {
         "ping" => vec![
             "ping", "-c", &target, "--size", "8", "--count", "20", "--mode", "normal", "--json",
         ],
@@ -278,5 +283,6 @@ pub fn honest(tool: &str, server: &Server) -> Output {
             "demo", "-c", &target, "--size", "256K", "--chunk", "64K", "--no-tcp", "--json",
         ],
     };
+    args.extend_from_slice(extra);
     exs(&args)
 }

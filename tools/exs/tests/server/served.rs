@@ -5,7 +5,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-use crate::common::{exs, free_port, honest, Reader, Server};
+use crate::common::{exs, free_port, honest, honest_with, Reader, Server};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -250,6 +250,37 @@ fn every_parameter_is_range_checked_against_the_servers_limits() {
         }
         assert!(server.alive());
         served(tool, &server);
+    }
+}
+
+/// A client could have the server poll without sleeping for a whole test, a core held; an operator can refuse it.
+#[test]
+fn a_server_with_no_busy_wait_refuses_busy_polling_and_serves_the_other_waits() {
+    for (tool, params) in [
+        (
+            "ping",
+            json!({"size": 8, "mode": "normal", "wait": "busy", "count": 10}),
+        ),
+        (
+            "pump",
+            json!({"size": 1024, "depth": 8, "mode": "default", "type": "seqpacket", "seconds": 0.2,
+                   "wait": "busy"}),
+        ),
+    ] {
+        let mut server = Server::start(tool, free_port(), &["--no-busy-wait"]);
+        let mut raw = Raw::connect(&server);
+        assert_eq!(raw.hello(tool)["msg"], "welcome");
+        raw.line(&json!({"msg": "point", "params": params}));
+        let m = raw.reply().expect("an answer");
+        assert!(message(&m).contains("--no-busy-wait"), "{params}: {m}");
+        drop(raw);
+        assert!(server.alive());
+        let out = honest_with(tool, &server, &["--wait", "adaptive"]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 }
 

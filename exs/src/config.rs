@@ -11,6 +11,12 @@ use crate::transport::TransportError;
 pub trait Clock: Send + Sync + fmt::Debug {
     /// Now.
     fn now(&self) -> Instant;
+
+    /// Whether this clock is real time itself ([`SystemClock`]): its instants need no translation into real
+    /// time, which costs a reading of each clock (on every received message's path).
+    fn is_real_time(&self) -> bool {
+        false
+    }
 }
 
 /// The time, read from a clock the first time it is asked for, then the same: most flushes start no timer and
@@ -57,6 +63,10 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now(&self) -> Instant {
         Instant::now()
+    }
+
+    fn is_real_time(&self) -> bool {
+        true
     }
 }
 

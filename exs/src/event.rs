@@ -432,11 +432,12 @@ impl EventQueue {
         let got = match mode {
             WaitMode::Adaptive { spin } => self.dequeue_adaptive(out, min, max, timeout, spin),
             WaitMode::Block => self.dequeue_blocking(out, min, max, timeout),
+            // The clock is read only for a timeout.
             WaitMode::BusyPoll => self.dequeue_busy(
                 out,
                 min,
                 max,
-                crate::config::deadline(Instant::now(), timeout),
+                timeout.and_then(|t| crate::config::deadline(Instant::now(), Some(t))),
             ),
         }?;
         if got == 0 && min > 0 {

@@ -581,7 +581,7 @@ impl Engine {
         }
         // A stream kept after a reset for the bytes its buffer held lets the connection go once they are read:
         // later receives are refused with the reset, as on a connection that held none.
-        if let Some(s) = self.sockets.get_mut(&sid).filter(|_| closed_stream) {
+        if let Some(s) = closed_stream.then(|| self.sockets.get_mut(&sid)).flatten() {
             let drained = s
                 .conn
                 .as_mut()

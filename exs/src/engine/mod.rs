@@ -212,6 +212,8 @@ pub(crate) struct Engine {
     cm_quiet: bool,
     /// When a busy-poll round last looked at connection events.
     cm_busy_looked: Option<Instant>,
+    /// Busy-poll rounds in a row that found nothing to do (see `progress_busy_round`).
+    quiet_rounds: u32,
     stats: EngineStats,
     shared_recv: crate::config::SharedRecv,
     pool: PoolState,
@@ -286,6 +288,7 @@ impl Engine {
             dirty: Vec::new(),
             timers: Timers::default(),
             cm_skipped: 0,
+            quiet_rounds: 0,
             cm_quiet: false,
             cm_busy_looked: None,
             stats: EngineStats::default(),
@@ -559,7 +562,12 @@ impl Engine {
 
     /// `d` on the engine's clock (which may be virtual) as a point in real time.
     fn real(&self, d: Instant) -> Instant {
-        Instant::now() + d.saturating_duration_since(self.now())
+        let now = Instant::now();
+        if self.clock.is_real_time() {
+            // The same as below, with one reading where two were the same clock's.
+            return d.max(now);
+        }
+        now + d.saturating_duration_since(self.now())
     }
 
     fn limits(&self) -> Limits {

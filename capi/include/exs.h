@@ -442,8 +442,9 @@ int exs_listen(int fd,
 
 /**
  * Accepts one connection, asynchronously (ES-API `exs_accept`): an `EXS_EVT_ACCEPT` event on `qh` carries the
- * new socket in `exs_evt_accepted`, with `context`. -1 with `errno` if it could not start: `EBADF` (socket or
- * queue), `EINVAL` (not listening), `EAGAIN` (the queue is full).
+ * new socket in `exs_evt_accepted`, with `context` (-1 with `exs_evt_errno` `EMFILE` if no socket number was left
+ * for it: the connection is closed). -1 with `errno` if it could not start: `EBADF` (socket or queue), `EINVAL`
+ * (not listening), `EAGAIN` (the queue is full).
  */
 int exs_accept(int fd,
                exs_qhandle_t qh,

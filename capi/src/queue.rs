@@ -224,6 +224,16 @@ unsafe fn duration(t: *const timespec) -> Result<Option<Duration>, Errno> {
     Ok(Some(Duration::new(secs, nanos)))
 }
 
+/// An accept event's socket number and errno: an accepted socket that could not be filed under a number (the
+/// table full) is -1 with `EMFILE`, where it was -1 with errno 0, which a program reads as success (review finding).
+fn accepted_and_errno(errno: c_int, filed: Option<Result<c_int, Errno>>) -> (c_int, c_int) {
+    match filed {
+        Some(Ok(fd)) => (fd, errno),
+        Some(Err(Errno(e))) if errno == 0 => (-1, e),
+        _ => (-1, errno),
+    }
+}
+
 /// The C form of an event: an accepted socket gets its number here.
 fn to_c(mut ev: Event) -> exs_event_t {
     let fd = c_int::try_from(ev.socket.0).unwrap_or(-1);
@@ -251,13 +261,17 @@ fn to_c(mut ev: Event) -> exs_event_t {
     if kind == EXS_EVT_RECV && ok && ev.flags.eof {
         flags |= EXS_EOF;
     }
+    let (accepted, errno) = accepted_and_errno(
+        ev.status.as_ref().err().map_or(0, ToErrno::errno),
+        ev.take_accepted().map(file_accepted),
+    );
     exs_event_t {
         exs_evt_type: kind,
-        exs_evt_errno: ev.status.as_ref().err().map_or(0, ToErrno::errno),
+        exs_evt_errno: errno,
         exs_evt_context: ev.context as usize as *mut c_void,
         exs_evt_fd: fd,
         exs_evt_bytes: ev.bytes as libc::ssize_t,
-        exs_evt_accepted: ev.take_accepted().map_or(-1, file_accepted),
+        exs_evt_accepted: accepted,
         exs_evt_flags: flags,
         exs_evt_revents: revents(ev.readiness),
     }
@@ -286,6 +300,20 @@ mod tests {
         exs_evt_flags: 0,
         exs_evt_revents: 0,
     };
+
+    #[test]
+    fn an_accepted_socket_left_without_a_number_is_told_as_emfile() {
+        assert_eq!(accepted_and_errno(0, Some(Ok(7))), (7, 0));
+        assert_eq!(
+            accepted_and_errno(0, Some(Err(Errno(libc::EMFILE)))),
+            (-1, libc::EMFILE)
+        );
+        assert_eq!(
+            accepted_and_errno(libc::ECONNRESET, None),
+            (-1, libc::ECONNRESET)
+        );
+        assert_eq!(accepted_and_errno(0, None), (-1, 0));
+    }
 
     /// A listening socket of `ctx` (host `host` of `world`) whose accepts stay outstanding until a peer connects.
     fn listener(world: &World, ctx: &exs::Context, host: usize, port: u16) -> Socket {

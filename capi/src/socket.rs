@@ -72,8 +72,9 @@ pub extern "C" fn exs_listen(fd: c_int, backlog: c_int) -> c_int {
 }
 
 /// Accepts one connection, asynchronously (ES-API `exs_accept`): an `EXS_EVT_ACCEPT` event on `qh` carries the
-/// new socket in `exs_evt_accepted`, with `context`. -1 with `errno` if it could not start: `EBADF` (socket or
-/// queue), `EINVAL` (not listening), `EAGAIN` (the queue is full).
+/// new socket in `exs_evt_accepted`, with `context` (-1 with `exs_evt_errno` `EMFILE` if no socket number was left
+/// for it: the connection is closed). -1 with `errno` if it could not start: `EBADF` (socket or queue), `EINVAL`
+/// (not listening), `EAGAIN` (the queue is full).
 #[no_mangle]
 pub extern "C" fn exs_accept(fd: c_int, qh: exs_qhandle_t, context: *mut c_void) -> c_int {
     call(|| {
@@ -257,14 +258,14 @@ pub unsafe extern "C" fn exs_getpeername(
     })
 }
 
-/// Files an accepted socket under its number (the `EXS_EVT_ACCEPT` event's `exs_evt_accepted`), -1 if it could
-/// not be (it is closed then).
-pub(crate) fn file_accepted(sock: Socket) -> c_int {
+/// Files an accepted socket under its number (the `EXS_EVT_ACCEPT` event's `exs_evt_accepted`); `EMFILE` if it
+/// could not be (it is closed then).
+pub(crate) fn file_accepted(sock: Socket) -> Result<c_int, Errno> {
     let domain = match sock.local_addr() {
         Ok(Some(std::net::SocketAddr::V6(_))) => libc::AF_INET6,
         _ => libc::AF_INET,
     };
-    file_socket(sock, domain).unwrap_or(-1)
+    file_socket(sock, domain)
 }
 
 #[cfg(test)]

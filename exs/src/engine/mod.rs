@@ -212,8 +212,6 @@ pub(crate) struct Engine {
     cm_quiet: bool,
     /// When a busy-poll round last looked at connection events.
     cm_busy_looked: Option<Instant>,
-    /// Busy-poll rounds in a row that found nothing to do (see `progress_busy_round`).
-    quiet_rounds: u32,
     stats: EngineStats,
     shared_recv: crate::config::SharedRecv,
     pool: PoolState,
@@ -288,7 +286,6 @@ impl Engine {
             dirty: Vec::new(),
             timers: Timers::default(),
             cm_skipped: 0,
-            quiet_rounds: 0,
             cm_quiet: false,
             cm_busy_looked: None,
             stats: EngineStats::default(),

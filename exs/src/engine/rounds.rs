@@ -215,19 +215,6 @@ impl Engine {
                 did |= self.poll_cm_events();
             }
         }
-        // A round that found no completion and has nothing to post reads the clock for its timers only every
-        // QUIET_CLOCK such rounds: most busy-poll rounds find nothing, and the reading and the timers' look were a
-        // quarter of such a round. A timer runs at most that many empty rounds (microseconds) late, within
-        // the lateness the leader's wait allows anyway (`MAX_BACKOFF`).
-        if !did && self.dirty.is_empty() && self.pool_posts.is_empty() {
-            self.quiet_rounds = self.quiet_rounds.wrapping_add(1);
-            if self.quiet_rounds % QUIET_CLOCK != 0 {
-                self.drain_done();
-                return false;
-            }
-        } else {
-            self.quiet_rounds = 0;
-        }
         did | self.finish_round()
     }
 
@@ -304,10 +291,6 @@ const CM_BUSY_MAX_GAP: Duration = Duration::from_millis(8);
 
 /// A busy-poll round reads the clock for [`Engine::cm_busy_due`] every this many rounds.
 const CM_BUSY_CLOCK: u32 = 16;
-
-/// Busy-poll rounds in a row with nothing to do run the timers every this many (see
-/// `Engine::progress_busy_round`).
-const QUIET_CLOCK: u32 = 8;
 
 /// Batches of completions one progress round handles at most (see `Engine::poll_completions`).
 const ROUND_BATCHES: usize = 4;

@@ -191,6 +191,8 @@ pub fn run_again_once(
     };
     match once() {
         Err(first) if retry => {
+            // A moment for what the first run left (its threads, the device's resources) to go.
+            std::thread::sleep(std::time::Duration::from_millis(500));
             let again = once();
             let first = first.replace('\n', " | ");
             match &again {

@@ -222,10 +222,15 @@ impl Sections {
             None => echo(l, stderr),
         }
         if let (false, Some(rc)) = (stderr, l.strip_prefix("@@ended ")) {
+            // A run that died inside a failure's message ends it there.
+            self.in_why = false;
             self.ended(rc.trim() == "0");
             return;
         }
         if let Some(name) = l.strip_prefix("@@section ") {
+            if !stderr {
+                self.in_why = false;
+            }
             if !self.order.iter().any(|n| n == name) {
                 self.order.push(name.to_string());
             }
@@ -370,7 +375,7 @@ pub const RUN: &str = "run() { \"$@\"; printf '\\n@@ended %s\\n' \"$?\"; }\n";
 /// The shell line that has a guest's conformance runs try a failed case once more: a case that then passes is
 /// told as `FLAKY` with its first failure, in the section's summary ([`Sections::report`]). In the emulated guests
 /// a case can meet the device's resources held a moment by its neighbour's; the host's stages never retry.
-pub const RETRY: &str = "EXS_CONFORMANCE_RETRY=1";
+pub const RETRY_CASES: &str = "EXS_CONFORMANCE_RETRY=1";
 
 /// Shell lines that cut the output into sections (see [`Sections`]).
 pub const SECTION: &str = "section() { echo \"@@section $1\"; echo \"@@section $1\" >&2; }\n";
@@ -503,15 +508,26 @@ mod tests {
             "FLAKY softroce::b: passed when run again; the first run failed: connect failed: Refused([])",
             true,
         );
+        // A run that dies inside a failure's message: the next section's lines are not taken for it.
+        s.line("---- softroce::c ----", false);
+        s.line("@@ended 134", false);
+        s.line("@@section tools:siw", false);
+        s.line("test tools::ping ... ok", false);
+        s.line("test result: ok. 1 passed; 0 failed; 0 ignored", false);
         let (summary, failures) = reported(&s);
         assert_eq!(failures, ["conformance on softroce:siw"]);
         assert_eq!(
-            summary[1..],
+            summary[1..5],
             [
                 "    ---- softroce::a ----",
                 "    peer_addr after a reset: Ok(1.2.3.4:5)",
+                "    ---- softroce::c ----",
                 "    FLAKY softroce::b: passed when run again; the first run failed: connect failed: Refused([])"
             ]
+        );
+        assert!(
+            !summary.iter().any(|l| l.contains("tools::ping")),
+            "{summary:?}"
         );
     }
 }

@@ -9,7 +9,7 @@ use clap::Args;
 
 use crate::runner::{
     build_checked, checked_tests, conformance_exe, finish, run_counting, run_sections, xtask_copy,
-    Sections, RETRY, RUN, SECTION,
+    Sections, RETRY_CASES, RUN, SECTION,
 };
 use crate::sys::{self, Result};
 use crate::{rxe, vm};
@@ -104,7 +104,7 @@ fn rdma_script(xtask: &Path, exe: &Path) -> String {
     let exe = exe.display();
     format!(
         "set -u
-export {RETRY}
+export {RETRY_CASES}
 {xtask} rxe up --link || {{ echo 'xtask: Soft-RoCE setup failed' >&2; exit 90; }}
 {SECTION}{RUN}section softroce
 run env EXS_SOFTROCE_ADDR={near} {peer} {exe} softroce:: --test-threads {GUEST_THREADS} --skip {SHARE}

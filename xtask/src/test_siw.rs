@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 use exs_backend_softroce::Kind;
 
 use crate::runner::{
-    conformance_exe, finish, run_sections, xtask_copy, Sections, RETRY, RUN, SECTION,
+    conformance_exe, finish, run_sections, xtask_copy, Sections, RETRY_CASES, RUN, SECTION,
 };
 use crate::siw::{self, Variant};
 use crate::sys::{self, Result};
@@ -80,7 +80,7 @@ fn script(
         "{xtask} rxe up --link --siw >&2 || {{ echo 'xtask: siw setup failed' >&2; exit 90; }}\n"
     );
     let mut s = format!(
-        "set -u\nulimit -l unlimited\nexport {RETRY}\n{SECTION}{RUN}{}{up}\
+        "set -u\nulimit -l unlimited\nexport {RETRY_CASES}\n{SECTION}{RUN}{}{up}\
          section softroce:siw\n\
          run env {env} {exe} softroce:: --skip {ALONE}\n\
          run env {env} {exe} {ALONE} --exact\n\

@@ -62,8 +62,8 @@ pub struct Limits {
           help = format!("The longest one client may keep the server, in seconds (more than 0, at most \
                           {MAX_SECONDS}): a test it asks for past that ends its session"))]
     pub max_session: f64,
-    /// Refuses tests that ask this server to poll without sleeping (`--wait busy`): each holds one of its cores
-    /// for its whole length.
+    /// Refuses tests that ask this server to poll without sleeping (`--wait busy`, `exs ping`'s default): each
+    /// holds one of its cores for its whole length.
     #[arg(long, requires = "server")]
     pub no_busy_wait: bool,
     /// The immediate-data threshold the server's transport gives a new seqpacket socket, set by the server from

@@ -253,6 +253,42 @@ fn connecting_where_nobody_listens_is_refused() {
     assert_eq!(e.kind(), ErrorKind::ConnectionRefused, "{e}");
 }
 
+/// `TcpListener::set_nonblocking`'s shape: a non-blocking accept with no connection come fails with `WouldBlock`
+/// at once; the connection that comes is returned by a later call, and works.
+#[test]
+fn a_non_blocking_accept_says_would_block_until_a_connection_comes() {
+    let world = World::threaded(SimConfig::default());
+    let (server, client) = (world.host(), world.host());
+    let listener = Listener::bind_in(&server, world.addr(0, 9194)).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let t = std::time::Instant::now();
+    for _ in 0..3 {
+        let e = listener.accept().map(|_| ()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::WouldBlock, "{e}");
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "the accepts waited");
+    let mut c = Stream::connect_in(&client, listener.local_addr().unwrap()).unwrap();
+    let (mut s, _) = loop {
+        match listener.accept() {
+            Ok(got) => break got,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                assert!(
+                    t.elapsed() < Duration::from_secs(20),
+                    "no connection accepted"
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    c.write_all(b"hello").unwrap();
+    let mut got = [0u8; 5];
+    s.read_exact(&mut got).unwrap();
+    assert_eq!(&got, b"hello");
+    listener.set_nonblocking(false).unwrap();
+    drop(c);
+}
+
 /// Issue 26: code written for `std::net` ports by renaming. `Listener::bind` and `Stream::connect` (no context)
 /// run on the process's default context (the simulator when it is the only backend compiled in, else libfabric
 /// tcp on loopback).

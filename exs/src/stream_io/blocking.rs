@@ -512,6 +512,8 @@ pub struct Listener {
     cfg: StreamConfig,
     /// Threads in [`Listener::accept`], and accepts posted for them (see there).
     accepting: Mutex<Accepting>,
+    /// [`Listener::set_nonblocking`].
+    nonblocking: AtomicBool,
 }
 
 /// Threads waiting in [`Listener::accept`] and the accepts posted on the listener's queue.
@@ -557,7 +559,16 @@ impl Listener {
             eq: EventQueue::new(ACCEPTS_POSTED)?,
             cfg: cfg.clone(),
             accepting: Mutex::default(),
+            nonblocking: AtomicBool::new(false),
         })
+    }
+
+    /// Non-blocking mode, like `TcpListener::set_nonblocking`: [`Listener::accept`] returns a connection that has
+    /// come, or fails with `WouldBlock` at once (an accept stays posted for the next call: a connection that
+    /// comes meanwhile is kept for it).
+    pub fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        self.nonblocking.store(on, Ordering::SeqCst);
+        Ok(())
     }
 
     /// The address it listens on.
@@ -573,7 +584,9 @@ impl Listener {
         // that waits for the events of the posted ones, and every thread that takes an event posts again for
         // the waiters left without one.
         self.post_accepts(1)?;
-        let ev = self.eq.next(None);
+        // Non-blocking: one look (a round of progress where this thread drives it), no wait.
+        let nonblocking = self.nonblocking.load(Ordering::SeqCst);
+        let ev = self.eq.next(nonblocking.then_some(Duration::ZERO));
         let mut a = self.lock_accepting();
         a.waiting -= 1;
         let woken = matches!(&ev, Ok(e) if super::core::is_wake(e));
@@ -592,6 +605,10 @@ impl Listener {
                 .failure()
                 .unwrap_or_else(|| io::Error::other("the listener failed")));
         }
+        let ev = match ev {
+            Err(DequeueError::TimedOut) if nonblocking => return Err(would_block()),
+            ev => ev,
+        };
         let (sock, peer) = super::accepted(ev?)?;
         Ok((Stream::from_socket(&self.ctx, sock, &self.cfg)?, peer))
     }

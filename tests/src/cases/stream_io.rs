@@ -67,7 +67,20 @@ fn streams(net: &dyn Net) -> Result<(exs::Stream, exs::Stream, Hosts), String> {
     let (server, client) = (net.host(), net.host());
     let l = exs::Listener::bind_in(&server, net.listen_addr(0)).map_err(s)?;
     let addr = l.local_addr().map_err(s)?;
-    let accept = std::thread::spawn(move || l.accept().map(|(s, _)| s));
+    // Accepts without blocking, for at most WAIT: when the connect fails, the thread (and the listener and
+    // context it holds) does not wait for ever.
+    l.set_nonblocking(true).map_err(s)?;
+    let accept = std::thread::spawn(move || {
+        let t = Instant::now();
+        loop {
+            match l.accept() {
+                Err(e) if e.kind() == ErrorKind::WouldBlock && t.elapsed() < WAIT => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                r => return r.map(|(s, _)| s),
+            }
+        }
+    });
     let c = exs::Stream::connect_in(&client, addr).map_err(s)?;
     let srv = accept.join().map_err(|_| "accept panicked")?.map_err(s)?;
     Ok((c, srv, (client, server)))

@@ -339,7 +339,9 @@ int exs_qwait_mode(exs_qhandle_t qh,
 /**
  * A descriptor that is readable while events are queued (level-triggered), for `epoll`, `poll` or `select`:
  * when it is, `exs_qdequeue` with a zero timeout takes them. It belongs to the queue (do not close it) and
- * lives until `exs_qdelete`. -1 with `errno` `EBADF`.
+ * lives until `exs_qdelete`: a call racing `exs_qdelete` of the same queue on another thread may return a
+ * descriptor that is being closed, whose number the next `open` can reuse (as any descriptor another thread
+ * closes); stop using it before deleting the queue. -1 with `errno` `EBADF`.
  */
 int exs_qfd(exs_qhandle_t qh);
 

@@ -534,13 +534,13 @@ int exs_getpeername(int fd,
                     socklen_t *len);
 
 /**
- * Sends the `len` bytes at `buf`, asynchronously (ES-API `exs_send`). `buf` lies in the memory `mh` registered
- * (with `EXS_ACCESS_READ`); the device reads it there, without a copy, so the program must not change those
- * bytes until the `EXS_EVT_SEND` event on `qh`. `flags`: `EXS_PERSISTENT` (with `EXS_NOTIFY`), seed 002 4.2;
- * `MSG_NOSIGNAL`, `MSG_DONTWAIT` and `MSG_EOR` are accepted and change nothing. On SOCK_SEQPACKET one send is
- * one message. -1 with `errno` if it could not start: `EBADF` (socket, memory or queue), `EINVAL` (the range
- * is not inside the memory, a flag, an empty range on SOCK_STREAM), `EACCES` (registered without read access), `ENOTCONN`, `EPIPE` (shut
- * down, or the peer closed), `EAGAIN` (the queue is full), `EBUSY` (the range is being received into).
+ * Sends the `len` bytes at `buf`, asynchronously (ES-API `exs_send`). `buf` lies in the memory `mh` registered (with
+ * `EXS_ACCESS_READ`); the device reads it there, without a copy, so the program must not change those bytes until the
+ * `EXS_EVT_SEND` event on `qh`. `flags`: `EXS_PERSISTENT` (with `EXS_NOTIFY`), seed 002 4.2; `MSG_NOSIGNAL`,
+ * `MSG_DONTWAIT` and `MSG_EOR` are accepted and change nothing. On SOCK_SEQPACKET one send is one message. -1 with
+ * `errno` if it could not start: `EBADF` (socket, memory or queue), `EINVAL` (the range is not inside the memory, a
+ * flag, an empty range on SOCK_STREAM), `EACCES` (registered without read access), `ENOTCONN`, `EPIPE` (shut down, or
+ * the peer closed), `EAGAIN` (the queue is full), `EBUSY` (the range is being received into).
  */
 int exs_send(int fd,
              const void *buf,
@@ -596,21 +596,20 @@ int exs_recv_offset(int fd,
                     void *context);
 
 /**
- * Sends `count` bytes of the file `in_fd` from `offset` (ES-API `exs_sendfile`), completing with
- * `EXS_EVT_SENDFILE`. The bytes are read into memory exs registered itself (no mapping of the file); `in_fd` may
- * be closed once the call returns: a SOCK_SEQPACKET sendfile has read its range by then, and a SOCK_STREAM one
- * reads through a copy of its own, closed when its event comes. Closing a descriptor of a file releases the
- * process's POSIX record locks (`F_SETLK`) on it, so that copy ends them when the transfer ends: a lock held
- * across a stream sendfile is an open file description lock (`F_OFD_SETLK`) or `flock`. A range that goes past the end of a regular
- * file is refused before any memory is taken. On SOCK_SEQPACKET the message is the whole range, read and held in
- * memory before the call returns (the file may change afterwards). On SOCK_STREAM the file is read in 1 MiB
- * chunks as earlier ones are sent, so it must stay as it is until the event; sends made on the socket meanwhile go
- * after the whole file, and a read that fails part way (the file shrank) resets the connection: the event then
- * has the read's errno, and `exs_evt_bytes` counts the chunks that were delivered. `flags` must be 0. -1 with
- * `errno`: `EBADF` (socket, queue, or `in_fd` not open for reading), `EMFILE` (SOCK_STREAM: no descriptor left
- * for exs's copy of `in_fd`), `EINVAL` (negative offset, a flag, beyond the end of the file), `EISDIR`, `ESPIPE` (SOCK_SEQPACKET from a
- * pipe or socket, which cannot be read at an offset), `ENOTCONN`, `EAGAIN`,
- * `ENOMEM`.
+ * Sends `count` bytes of the file `in_fd` from `offset` (ES-API `exs_sendfile`), completing with `EXS_EVT_SENDFILE`.
+ * The bytes are read into memory exs registered itself (no mapping of the file); `in_fd` may be closed once the call
+ * returns: a SOCK_SEQPACKET sendfile has read its range by then, and a SOCK_STREAM one reads through a copy of its
+ * own, closed when its event comes. Closing a descriptor of a file releases the process's POSIX record locks
+ * (`F_SETLK`) on it, so that copy ends them when the transfer ends: a lock held across a stream sendfile is an open
+ * file description lock (`F_OFD_SETLK`) or `flock`. A range that goes past the end of a regular file is refused before
+ * any memory is taken. On SOCK_SEQPACKET the message is the whole range, read and held in memory before the call
+ * returns (the file may change afterwards). On SOCK_STREAM the file is read in 1 MiB chunks as earlier ones are sent,
+ * so it must stay as it is until the event; sends made on the socket meanwhile go after the whole file, and a read
+ * that fails part way (the file shrank) resets the connection: the event then has the read's errno, and
+ * `exs_evt_bytes` counts the chunks that were delivered. `flags` must be 0. -1 with `errno`: `EBADF` (socket, queue,
+ * or `in_fd` not open for reading), `EMFILE` (SOCK_STREAM: no descriptor left for exs's copy of `in_fd`), `EINVAL`
+ * (negative offset, a flag, beyond the end of the file), `EISDIR`, `ESPIPE` (SOCK_SEQPACKET from a pipe or socket,
+ * which cannot be read at an offset), `ENOTCONN`, `EAGAIN`, `ENOMEM`.
  */
 int exs_sendfile(int fd,
                  int in_fd,
